@@ -1,0 +1,588 @@
+"""The booking rules of DESIGN section 4.
+
+Two halves:
+
+* `build_timeline` walks a job's events (few: thousands, not millions) in order and cuts time
+  into segments with a *regime*: overhead (a declared phase or the startup within its
+  allowance), a step that completes (rule 2), progress stopped (rule 4), or outside the job.
+  Steps later voided by a resume turn their segments' regime to VOID (rule 5).
+* `book` splits every slice of every GPU at those segment bounds, vectorized, and maps
+  (regime, band) to a category with one lookup table.
+
+Time is int64 milliseconds throughout, so every GPU-millisecond lands in exactly one category
+and the sums are exact.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from .model import NO_BAND, Band, Category, Event
+
+NEG_INF = np.iinfo(np.int64).min // 4
+POS_INF = np.iinfo(np.int64).max // 4
+
+
+class Regime(IntEnum):
+    OVERHEAD = 0  # rules 1 and 3, and the tail of a cleanly ended run
+    STEP = 1  # rule 2: inside a step that completes
+    STALL = 2  # rule 4: progress stopped
+    VOID = 3  # rule 5: inside a step that a resume voided
+    UNASSIGNED = 4  # outside the job (before registration, after the run's end)
+
+
+# CATEGORY_TABLE[regime, band + 1]; column 0 is NO_BAND (no sample: unobserved).
+_C = Category
+_B = Band
+CATEGORY_TABLE = np.zeros((len(Regime), len(Band) + 1), np.int8)
+for _r in Regime:
+    CATEGORY_TABLE[_r, 0] = _C.UNOBSERVED
+CATEGORY_TABLE[Regime.OVERHEAD, 1:] = _C.OVERHEAD
+_step = {
+    _B.COMPUTE: _C.PRODUCTIVE,
+    _B.COMMUNICATION: _C.COMMUNICATION,
+    _B.STARVATION: _C.STARVED,
+    _B.IDLE: _C.STARVED,
+    _B.DEADLOCK: _C.STALLED,
+    _B.CHECKPOINT: _C.OVERHEAD,
+    _B.UNKNOWN: _C.PRODUCTIVE,
+}
+_stall = {
+    _B.COMPUTE: _C.NO_PROGRESS,
+    _B.COMMUNICATION: _C.NO_PROGRESS,
+    _B.STARVATION: _C.NO_PROGRESS,
+    _B.IDLE: _C.IDLE,
+    _B.DEADLOCK: _C.STALLED,
+    _B.CHECKPOINT: _C.OVERHEAD,
+    _B.UNKNOWN: _C.NO_PROGRESS,
+}
+for _b in Band:
+    CATEGORY_TABLE[Regime.STEP, _b + 1] = _step[_b]
+    CATEGORY_TABLE[Regime.STALL, _b + 1] = _stall[_b]
+    _v = _step[_b]
+    CATEGORY_TABLE[Regime.VOID, _b + 1] = (
+        _C.ROLLED_BACK if _v in (_C.PRODUCTIVE, _C.COMMUNICATION, _C.STARVED) else _v
+    )
+CATEGORY_TABLE[Regime.UNASSIGNED, :] = _C.UNASSIGNED
+
+
+@dataclass(frozen=True, slots=True)
+class BookingConfig:
+    """Thresholds and allowances of DESIGN section 4 (seconds)."""
+
+    stall_k: float = 5.0
+    stall_floor_s: float = 60.0
+    stall_window: int = 100
+    stall_percentile: float = 95.0
+    checkpoint_allowance_s: float = 15 * 60.0
+    eval_allowance_s: float = 15 * 60.0
+    startup_allowance_s: float = 30 * 60.0
+    phase_allowance_s: float = 15 * 60.0  # any other declared phase
+    allowance_k: float = 3.0  # learned allowance: k x median of the job's own durations
+    gap_intervals: float = 3.0  # a sample gap longer than this many intervals is unobserved
+    grid_s: float = 1.0
+
+    def default_allowance_ms(self, phase: str) -> int:
+        s = {
+            "checkpoint": self.checkpoint_allowance_s,
+            "eval": self.eval_allowance_s,
+            "startup": self.startup_allowance_s,
+        }.get(phase, self.phase_allowance_s)
+        return int(s * 1000)
+
+
+class Allowances:
+    """Per-phase allowances, learned as k x the median of the job's own completed durations.
+
+    Only occurrences that finished within the allowance in force teach it, so a hung
+    checkpoint cannot stretch the allowance of the next one.
+    """
+
+    def __init__(self, cfg: BookingConfig) -> None:
+        self.cfg = cfg
+        self._durations: dict[str, list[int]] = {}
+        self._history: dict[str, tuple[list[int], list[int]]] = {}  # name -> (since_ms, allowance)
+
+    def current(self, name: str) -> int:
+        d = self._durations.get(name)
+        if not d:
+            return self.cfg.default_allowance_ms(name)
+        return int(self.cfg.allowance_k * float(np.median(d)))
+
+    def observe(self, name: str, at_ms: int, duration_ms: int) -> None:
+        if duration_ms <= self.current(name):
+            self._durations.setdefault(name, []).append(duration_ms)
+            since, values = self._history.setdefault(
+                name, ([NEG_INF], [self.cfg.default_allowance_ms(name)])
+            )
+            since.append(at_ms)
+            values.append(self.current(name))
+
+    def at(self, name: str, t_ms: np.ndarray) -> np.ndarray:
+        """The allowance that was in force at each time (for the checkpoint band)."""
+        since, values = self._history.get(
+            name, ([NEG_INF], [self.cfg.default_allowance_ms(name)])
+        )
+        idx = np.searchsorted(np.asarray(since), np.asarray(t_ms), "right") - 1
+        return np.asarray(values, np.int64)[idx]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    ts_ms: int
+    tokens: int
+    voided: bool = False
+
+
+@dataclass(slots=True)
+class Timeline:
+    """A job's regime segments: segment i covers [bounds[i], bounds[i+1])."""
+
+    bounds: np.ndarray  # int64, starts with NEG_INF, ends with POS_INF
+    regime: np.ndarray  # int8 per segment
+    step_idx: np.ndarray  # int32 per segment, -1 where none
+    steps: list[StepRecord]
+    resumes: list[tuple[int, int, int]]  # (ts_ms, resumed-from step K, steps voided)
+    start_ms: int  # the job's first registration (or first event)
+    end_ms: int | None  # the last run end, when the job ended cleanly
+    rank_overhead: dict[int, list[tuple[int, int]]]  # rank > 0: its own phases within allowance
+    allowances: Allowances
+    last_checkpoint_step: int | None = None
+    last_checkpoint_ms: int | None = None  # when the last checkpoint that saved a step ended
+    phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
+    stall_threshold_ms: int = 60_000  # in force at the end of the job's events
+
+
+def stall_threshold_ms(durations_ms: list[int] | deque, cfg: BookingConfig) -> int:
+    """max(k x p95 of the last step durations, floor)."""
+    floor = int(cfg.stall_floor_s * 1000)
+    if not durations_ms:
+        return floor
+    p = float(np.percentile(np.fromiter(durations_ms, float), cfg.stall_percentile))
+    return max(int(cfg.stall_k * p), floor)
+
+
+def _intervals_of_phases(
+    events: list[Event], allowances: Allowances, end_ms: int
+) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]], tuple[int, int] | None]:
+    """Overhead intervals [begin, begin + allowance) ∩ [begin, end) of one rank's phases.
+
+    Returns the intervals (sorted, merged), the phases that overran (name, begin, end) and
+    the (step, end ms) of the last checkpoint that declared the step it saved.
+    """
+    open_: dict[str, int] = {}
+    out: list[tuple[int, int]] = []
+    overrun: list[tuple[str, int, int]] = []
+    last_ckpt: tuple[int, int] | None = None
+
+    def close(name: str, begin: int, end: int) -> None:
+        allow = allowances.current(name)
+        out.append((begin, min(end, begin + allow)))
+        if end - begin > allow:
+            overrun.append((name, begin, end))
+        allowances.observe(name, end, end - begin)
+
+    for ev in events:
+        name = str(ev.get("name"))
+        t = int(ev.ts * 1000)
+        if ev.get("state") == "begin":
+            if name in open_:  # a begin without its end: the first one ends here
+                close(name, open_.pop(name), t)
+            open_[name] = t
+        elif name in open_:
+            close(name, open_.pop(name), t)
+            if name == "checkpoint" and ev.get("step") is not None:
+                last_ckpt = (int(ev.get("step")), t)  # type: ignore[arg-type]
+    for name, begin in open_.items():
+        close(name, begin, max(end_ms, begin))
+    return _merge(sorted(out)), overrun, last_ckpt
+
+
+def _merge(ivals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for a, b in ivals:
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def build_timeline(
+    events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int
+) -> Timeline:
+    """Walk a job's events (any ranks, any order) into regime segments over [start_ms, end_ms).
+
+    Progress is rank 0's: its steps and run events cut time into intervals; phases posted by
+    rank 0 are job-wide, other ranks' phases cover only their own GPU.
+    """
+    events = sorted(events, key=lambda e: (e.ts, e.seq))
+    allowances = Allowances(cfg)
+    rank0_phases = [e for e in events if e.type == "phase" and e.rank == 0]
+    overhead, overrun, last_ckpt = _intervals_of_phases(rank0_phases, allowances, end_ms)
+    rank_overhead: dict[int, list[tuple[int, int]]] = {}
+    by_rank: dict[int, list[Event]] = {}
+    for e in events:
+        if e.type == "phase" and e.rank != 0:
+            by_rank.setdefault(e.rank, []).append(e)
+    for rank, evs in by_rank.items():
+        rank_overhead[rank], _, _ = _intervals_of_phases(evs, Allowances(cfg), end_ms)
+
+    points = [e for e in events if e.rank == 0 and e.type in ("step", "run")]
+    ov_starts = [a for a, _ in overhead]
+
+    seg_start: list[int] = [NEG_INF]
+    seg_regime: list[int] = [Regime.UNASSIGNED]
+    seg_step: list[int] = [-1]
+
+    def emit(a: int, b: int, regime: int, step: int = -1) -> None:
+        if b <= a:
+            return
+        if seg_start[-1] == a:  # replace an empty placeholder at the same start
+            seg_regime[-1], seg_step[-1] = regime, step
+        elif seg_regime[-1] == regime and seg_step[-1] == step:
+            pass  # contiguous with the same label: extend
+        else:
+            seg_start.append(a)
+            seg_regime.append(regime)
+            seg_step.append(step)
+        seg_start.append(b)
+        seg_regime.append(Regime.UNASSIGNED)
+        seg_step.append(-1)
+
+    steps: list[StepRecord] = []
+    resumes: list[tuple[int, int, int]] = []
+    durations: deque[int] = deque(maxlen=cfg.stall_window)
+    startup_allow = allowances.current("startup")
+
+    floor_ms = int(cfg.stall_floor_s * 1000)
+    max_valid: int | None = None  # highest step number completed and not voided
+    anchor = start_ms
+    in_startup = True
+    startup_from = start_ms
+    ended = False
+
+    def split(a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """[a, b) into overhead pieces and the rest."""
+        ov: list[tuple[int, int]] = []
+        i = max(bisect.bisect_right(ov_starts, a) - 1, 0)
+        while i < len(overhead) and overhead[i][0] < b:
+            x, y = max(overhead[i][0], a), min(overhead[i][1], b)
+            if y > x:
+                ov.append((x, y))
+            i += 1
+        if in_startup:
+            x, y = max(startup_from, a), min(startup_from + startup_allow, b)
+            if y > x:
+                ov.append((x, y))
+        ov = _merge(sorted(ov))
+        rest: list[tuple[int, int]] = []
+        cur = a
+        for x, y in ov:
+            if x > cur:
+                rest.append((cur, x))
+            cur = max(cur, y)
+        if b > cur:
+            rest.append((cur, b))
+        return ov, rest
+
+    def close_interval(b: int, outcome: str, step_index: int = -1) -> bool:
+        """Book [anchor, b); outcome: 'step', 'orphan' (restart), 'end' or 'tail'.
+
+        Returns whether progress had stopped (rule 4) within the interval.
+        """
+        ov, rest = split(anchor, b)
+        eff = sum(y - x for x, y in rest)
+        # The threshold is never below the floor: only a longer interval needs the percentile.
+        stalled = eff > floor_ms and eff > stall_threshold_ms(durations, cfg)
+        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
+        if outcome == "step" and not stalled:
+            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
+        elif outcome in ("end", "tail") and not stalled:
+            pieces += [(x, y, Regime.OVERHEAD, -1) for x, y in rest]
+        else:
+            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
+        for x, y, r, s in sorted(pieces):
+            emit(x, y, r, s)
+        if outcome == "step" and not stalled and not in_startup:
+            durations.append(eff)
+        return stalled
+
+    def void_above(k: int) -> int:
+        nonlocal max_valid
+        n = 0
+        for s in steps:
+            if not s.voided and s.step > k:
+                s.voided = True
+                n += 1
+        max_valid = max((s.step for s in steps if not s.voided), default=None)
+        return n
+
+    for ev in points:
+        t = int(ev.ts * 1000)
+        if t < anchor:
+            t = anchor
+        if ended:
+            emit(anchor, t, Regime.UNASSIGNED)
+            anchor = t
+            if ev.type == "run" and ev.get("state") in ("start", "resume"):
+                ended = False
+                in_startup, startup_from = True, t
+                startup_allow = allowances.current("startup")
+            else:
+                continue
+        if ev.type == "step":
+            n = int(ev.get("step"))  # type: ignore[arg-type]
+            if max_valid is not None and n <= max_valid:  # implicit resume (DESIGN section 5)
+                resumes.append((t, n - 1, void_above(n - 1)))
+            max_valid = n if max_valid is None else max(max_valid, n)
+            steps.append(StepRecord(n, t, int(ev.get("tokens") or 0)))  # type: ignore[arg-type]
+            close_interval(t, "step", len(steps) - 1)
+            if in_startup:
+                allowances.observe("startup", t, t - startup_from)
+            in_startup = False
+        else:
+            state = ev.get("state")
+            if state in ("start", "resume"):
+                if anchor < t:
+                    close_interval(t, "orphan")
+                if state == "resume" and ev.get("step") is not None:
+                    k = int(ev.get("step"))  # type: ignore[arg-type]
+                    resumes.append((t, k, void_above(k)))
+                if not in_startup:
+                    in_startup, startup_from = True, t
+                    startup_allow = allowances.current("startup")
+            elif state == "end":
+                close_interval(t, "end")
+                ended = True
+        anchor = t
+
+    job_end: int | None = None
+    if ended:
+        job_end = anchor
+    elif end_ms > anchor:
+        close_interval(end_ms, "tail")
+    # The last placeholder segment runs to +inf, outside the job.
+    seg_start.append(POS_INF)
+
+    bounds = np.asarray(seg_start, np.int64)
+    regime = np.asarray(seg_regime, np.int8)
+    step_idx = np.asarray(seg_step, np.int32)
+    voided = np.fromiter((s.voided for s in steps), bool, len(steps))
+    is_void = (step_idx >= 0) & (regime == Regime.STEP)
+    if is_void.any():
+        is_void[is_void] = voided[step_idx[is_void]]
+        regime[is_void] = Regime.VOID
+
+    return Timeline(
+        bounds=bounds,
+        regime=regime,
+        step_idx=step_idx,
+        steps=steps,
+        resumes=resumes,
+        start_ms=start_ms,
+        end_ms=job_end,
+        rank_overhead=rank_overhead,
+        allowances=allowances,
+        last_checkpoint_step=last_ckpt[0] if last_ckpt else None,
+        last_checkpoint_ms=last_ckpt[1] if last_ckpt else None,
+        phases_overrun=overrun,
+        stall_threshold_ms=stall_threshold_ms(durations, cfg),
+    )
+
+
+@dataclass(slots=True)
+class Slices:
+    """Slices of many GPUs (DESIGN: the unit of booking), sorted by (gpu, start)."""
+
+    gpu: np.ndarray  # int32, index into the job's GPU list
+    start_ms: np.ndarray  # int64
+    end_ms: np.ndarray  # int64
+    band: np.ndarray  # int8, NO_BAND where unobserved
+    energy_mj: np.ndarray  # float64
+
+
+@dataclass(slots=True)
+class Pieces:
+    """Slices cut at segment bounds, each with its category: what the ledger sums."""
+
+    gpu: np.ndarray
+    start_ms: np.ndarray
+    end_ms: np.ndarray
+    band: np.ndarray
+    category: np.ndarray
+    energy_mj: np.ndarray
+
+    @property
+    def dur_ms(self) -> np.ndarray:
+        return self.end_ms - self.start_ms
+
+
+def make_slices(
+    gpu: np.ndarray,
+    ts_ms: np.ndarray,
+    power_w: np.ndarray,
+    energy_mj: np.ndarray,
+    band: np.ndarray,
+    interval_ms: np.ndarray,
+    cover_start_ms: np.ndarray,
+    cover_end_ms: np.ndarray,
+    gap_intervals: float,
+) -> Slices:
+    """Samples (sorted by gpu, ts) to slices, plus `unobserved` slices for gaps and for the
+    parts of each GPU's coverage [cover_start, cover_end) that have no samples at all.
+
+    `interval_ms`, `cover_*` are per GPU; a coverage start of POS_INF means "not a job GPU".
+    """
+    n = ts_ms.size
+    n_gpus = interval_ms.size
+    iv = interval_ms[gpu]
+    last = np.ones(n, bool)
+    if n > 1:
+        last[:-1] = gpu[1:] != gpu[:-1]
+    nxt = np.empty(n, np.int64)
+    nxt[:-1] = ts_ms[1:]
+    nxt[last] = ts_ms[last] + iv[last]
+    gap = (nxt - ts_ms) > gap_intervals * iv
+    end = np.where(gap, ts_ms + iv, nxt)
+
+    e_next = np.empty(n)
+    e_next[:-1] = energy_mj[1:]
+    e_next[last] = np.nan
+    de = e_next - energy_mj
+    use_counter = np.isfinite(de) & (de >= 0) & ~gap & ~last
+    p = np.nan_to_num(power_w, nan=0.0)
+    energy = np.where(use_counter, de, p * (end - ts_ms))
+
+    # Unobserved pieces: interior gaps, coverage before the first and after the last sample.
+    gap_start = end[gap]
+    gap_end = nxt[gap]
+    gap_gpu = gpu[gap]
+    counts = np.bincount(gpu, minlength=n_gpus)
+    has = counts > 0
+    first_idx = np.cumsum(counts) - counts
+    first_ts = np.where(has, ts_ms[np.minimum(first_idx, max(n - 1, 0))] if n else 0, POS_INF)
+    last_end = np.where(has, end[np.minimum(first_idx + counts - 1, max(n - 1, 0))] if n else 0, NEG_INF)
+    member = cover_start_ms < POS_INF
+    head = member & (cover_start_ms < np.minimum(first_ts, cover_end_ms))
+    tail = member & has & (cover_end_ms > last_end)
+    g_all = np.arange(n_gpus, dtype=np.int32)
+    uo_gpu = np.concatenate([gap_gpu, g_all[head], g_all[tail]])
+    uo_start = np.concatenate(
+        [gap_start, cover_start_ms[head], np.maximum(last_end[tail], cover_start_ms[tail])]
+    )
+    uo_end = np.concatenate(
+        [gap_end, np.minimum(first_ts, cover_end_ms)[head], cover_end_ms[tail]]
+    )
+    keep = uo_end > uo_start
+
+    s_gpu = np.concatenate([gpu.astype(np.int32), uo_gpu[keep]])
+    s_start = np.concatenate([ts_ms, uo_start[keep]])
+    s_end = np.concatenate([end, uo_end[keep]])
+    s_band = np.concatenate([band.astype(np.int8), np.full(int(keep.sum()), NO_BAND, np.int8)])
+    s_energy = np.concatenate([energy, np.zeros(int(keep.sum()))])
+    ok = s_end > s_start
+    if not ok.all():
+        s_gpu, s_start, s_end, s_band, s_energy = (
+            a[ok] for a in (s_gpu, s_start, s_end, s_band, s_energy)
+        )
+    if keep.any():
+        order = np.lexsort((s_start, s_gpu))
+        s_gpu, s_start, s_end, s_band, s_energy = (
+            a[order] for a in (s_gpu, s_start, s_end, s_band, s_energy)
+        )
+    return Slices(s_gpu, s_start, s_end, s_band, s_energy)
+
+
+def _cut(s: Slices, bounds: np.ndarray) -> tuple[Slices, np.ndarray]:
+    """Cut slices at shared sorted bounds; return the pieces and each piece's segment index."""
+    lo = np.searchsorted(bounds, s.start_ms, "right") - 1
+    hi = np.searchsorted(bounds, s.end_ms - 1, "right") - 1
+    n = hi - lo + 1
+    if (n == 1).all():
+        return s, lo
+    idx = np.repeat(np.arange(n.size), n)
+    first = np.cumsum(n) - n
+    seg = lo[idx] + (np.arange(idx.size) - first[idx])
+    start = np.maximum(s.start_ms[idx], bounds[seg])
+    end = np.minimum(s.end_ms[idx], bounds[seg + 1])
+    full = (s.end_ms - s.start_ms)[idx]
+    energy = s.energy_mj[idx] * ((end - start) / full)
+    return Slices(s.gpu[idx], start, end, s.band[idx], energy), seg
+
+
+def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
+    """Cut slices at per-GPU times (few: membership bounds, a rank's own phases)."""
+    if cut_ms.size == 0:
+        return s
+    span = np.int64(1) << 42  # > any trace's span in ms after rebasing
+    base = int(min(s.start_ms.min(), cut_ms.min())) if s.start_ms.size else 0
+    key_s = s.gpu.astype(np.int64) * span + (s.start_ms - base)
+    key_e = s.gpu.astype(np.int64) * span + (s.end_ms - base)
+    cuts = np.unique(cut_gpu.astype(np.int64) * span + (np.clip(cut_ms, base, base + span - 1) - base))
+    lo = np.searchsorted(cuts, key_s, "right")
+    hi = np.searchsorted(cuts, key_e, "left")
+    n = hi - lo + 1
+    if (n == 1).all():
+        return s
+    idx = np.repeat(np.arange(n.size), n)
+    first = np.cumsum(n) - n
+    k = np.arange(idx.size) - first[idx]
+    ci = lo[idx] + k  # the cut that ends the piece (when k < n-1)
+    has_prev = k > 0
+    has_next = k < n[idx] - 1
+    start = np.where(has_prev, cuts[np.maximum(ci - 1, 0)] % span + base, s.start_ms[idx])
+    end = np.where(has_next, cuts[np.minimum(ci, cuts.size - 1)] % span + base, s.end_ms[idx])
+    full = (s.end_ms - s.start_ms)[idx]
+    energy = s.energy_mj[idx] * ((end - start) / full)
+    return Slices(s.gpu[idx], start, end, s.band[idx], energy)
+
+
+def book(
+    slices: Slices,
+    timeline: Timeline,
+    gpu_rank: np.ndarray,
+    member_start_ms: np.ndarray,
+    member_end_ms: np.ndarray,
+) -> Pieces:
+    """Every slice of the job's GPUs to categories (rules 1-5 and membership)."""
+    cut_g: list[np.ndarray] = [np.arange(gpu_rank.size), np.arange(gpu_rank.size)]
+    cut_t: list[np.ndarray] = [member_start_ms, member_end_ms]
+    rank_to_gpu = {int(r): g for g, r in enumerate(gpu_rank) if r >= 0}
+    overlays: list[tuple[int, np.ndarray, np.ndarray]] = []
+    for rank, ivals in timeline.rank_overhead.items():
+        g = rank_to_gpu.get(rank)
+        if g is None or not ivals:
+            continue
+        a = np.asarray([x for x, _ in ivals], np.int64)
+        b = np.asarray([y for _, y in ivals], np.int64)
+        overlays.append((g, a, b))
+        cut_g += [np.full(a.size, g), np.full(b.size, g)]
+        cut_t += [a, b]
+    s = _cut_per_gpu(
+        slices,
+        np.concatenate(cut_g),
+        np.clip(np.concatenate(cut_t), NEG_INF // 2, POS_INF // 2),
+    )
+    s, seg = _cut(s, timeline.bounds)
+    regime = timeline.regime[seg].copy()
+    for g, a, b in overlays:
+        mine = s.gpu == g
+        j = np.searchsorted(a, s.start_ms[mine], "right") - 1
+        inside = (j >= 0) & (s.start_ms[mine] < b[np.maximum(j, 0)])
+        r = regime[mine]
+        r[inside] = Regime.OVERHEAD
+        regime[mine] = r
+    outside = (s.start_ms < member_start_ms[s.gpu]) | (s.start_ms >= member_end_ms[s.gpu])
+    regime[outside] = Regime.UNASSIGNED
+    category = CATEGORY_TABLE[regime, s.band.astype(np.intp) + 1]
+    return Pieces(s.gpu, s.start_ms, s.end_ms, s.band, category, s.energy_mj)

@@ -1,0 +1,129 @@
+"""The vocabulary of DESIGN.md section 2, as small integer codes the vectorized core can index with.
+
+Bands and categories are `IntEnum`s so that numpy arrays of them are plain int8 arrays and
+lookup tables (band x regime -> category) are ordinary 2-D arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+
+class Band(IntEnum):
+    """What the power/utilization shape says (DESIGN section 3)."""
+
+    COMPUTE = 0
+    COMMUNICATION = 1
+    STARVATION = 2
+    CHECKPOINT = 3
+    DEADLOCK = 4
+    IDLE = 5
+    UNKNOWN = 6
+
+
+class Category(IntEnum):
+    """Where a slice is booked (DESIGN section 4)."""
+
+    PRODUCTIVE = 0
+    COMMUNICATION = 1
+    STARVED = 2
+    OVERHEAD = 3
+    STALLED = 4
+    IDLE = 5
+    NO_PROGRESS = 6
+    ROLLED_BACK = 7
+    UNASSIGNED = 8
+    UNOBSERVED = 9
+
+
+BANDS: tuple[str, ...] = tuple(b.name.lower() for b in Band)
+CATEGORIES: tuple[str, ...] = tuple(c.name.lower() for c in Category)
+
+VALID_CATEGORIES = frozenset({Category.PRODUCTIVE, Category.COMMUNICATION, Category.STARVED})
+WASTED_CATEGORIES = frozenset(
+    {Category.STALLED, Category.IDLE, Category.NO_PROGRESS, Category.ROLLED_BACK}
+)
+# Categories that belong to a job's bill (everything but `unassigned`).
+JOB_CATEGORIES = tuple(c for c in Category if c is not Category.UNASSIGNED)
+
+# Band code for slices that have no sample behind them (unobserved gaps).
+NO_BAND = -1
+
+MS = 1000  # milliseconds per second: the core keeps time as int64 milliseconds so sums are exact.
+
+
+@dataclass(frozen=True, slots=True)
+class GpuId:
+    """One physical GPU of a trace: identified by host and index, with its UUID where known."""
+
+    host: str
+    index: int
+    uuid: str | None = None
+    name: str | None = None
+    power_limit_w: float | None = None
+
+
+@dataclass(slots=True)
+class Samples:
+    """Columnar samples of many GPUs, sorted by (gpu, ts).
+
+    `gpu` indexes into `gpus`; `ts_ms` is Unix time in milliseconds; `energy_mj` is the
+    cumulative energy counter (NaN where the source has none).
+    """
+
+    gpus: list[GpuId]
+    gpu: np.ndarray  # int32
+    ts_ms: np.ndarray  # int64
+    power_w: np.ndarray  # float64
+    util_pct: np.ndarray  # float64
+    energy_mj: np.ndarray  # float64
+
+    def __len__(self) -> int:
+        return int(self.ts_ms.shape[0])
+
+    @classmethod
+    def empty(cls) -> Samples:
+        return cls(
+            gpus=[],
+            gpu=np.zeros(0, np.int32),
+            ts_ms=np.zeros(0, np.int64),
+            power_w=np.zeros(0),
+            util_pct=np.zeros(0),
+            energy_mj=np.zeros(0),
+        )
+
+    def sort(self) -> Samples:
+        """Sort by (gpu, ts) and drop exact duplicate timestamps of one GPU (keep the last)."""
+        order = np.lexsort((self.ts_ms, self.gpu))
+        gpu, ts = self.gpu[order], self.ts_ms[order]
+        keep = np.ones(len(order), bool)
+        if len(order) > 1:
+            keep[:-1] = (gpu[1:] != gpu[:-1]) | (ts[1:] != ts[:-1])
+        order = order[keep]
+        return Samples(
+            gpus=self.gpus,
+            gpu=self.gpu[order],
+            ts_ms=self.ts_ms[order],
+            power_w=self.power_w[order],
+            util_pct=self.util_pct[order],
+            energy_mj=self.energy_mj[order],
+        )
+
+
+@dataclass(slots=True)
+class Event:
+    """One trainer event of protocol v1 (DESIGN section 5), already validated."""
+
+    type: str
+    job: str
+    ts: float
+    rank: int
+    session: str = ""
+    seq: int = -1
+    fields: dict[str, object] = field(default_factory=dict)
+
+    def get(self, key: str, default: object = None) -> object:
+        return self.fields.get(key, default)

@@ -1,0 +1,347 @@
+"""Replay: a recorded trace plus the trainer's events in, the ledger's numbers out.
+
+Pure accounting: this module imports no Redis, FastAPI or NVML. It lines samples up with
+events per job (registrations map ranks to GPUs; without any, the whole trace is one implicit
+job), classifies bands, builds the booking timeline and books every slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import bands as bands_mod
+from . import profiles
+from .booking import NEG_INF, POS_INF, BookingConfig, Pieces, book, build_timeline, make_slices
+from .cost import MJ_PER_KWH, MS_PER_HOUR, Prices
+from .model import BANDS, CATEGORIES, WASTED_CATEGORIES, Band, Category, Event, GpuId, Samples
+from .profiles import Profile
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    booking: BookingConfig = field(default_factory=BookingConfig)
+    prices: Prices = field(default_factory=Prices)
+    job: str | None = None  # the implicit job's name; default: the events' job, else "trace"
+    gpu_model: str | None = None
+    power_limit_w: float | None = None
+    profile: Profile | None = None  # overrides model-based selection
+
+
+@dataclass(slots=True)
+class JobResult:
+    """A booked job: the pieces (slices cut at segment bounds, categorized) and context."""
+
+    name: str
+    gpus: list[GpuId]
+    ranks: np.ndarray
+    pieces: Pieces
+    profile: Profile
+    timeline: object
+    meta: dict
+    band_result: bands_mod.BandResult
+    preflight: dict | None
+
+
+def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict) -> Profile:
+    if cfg.profile is not None:
+        return cfg.profile
+    model = cfg.gpu_model or meta.get("gpu_model") or next((g.name for g in gpus if g.name), None)
+    limit = cfg.power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
+    return profiles.select(model, limit)
+
+
+def _register_matches(
+    samples: Samples, events: list[Event]
+) -> tuple[list[GpuId], dict[str, dict[int, tuple[int, int]]]]:
+    """Map each job's registered ranks to GPU indices: job -> rank -> (gpu, register_ms).
+
+    GPUs registered but absent from the trace are appended (they book `unobserved`).
+    """
+    gpus = list(samples.gpus)
+    by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
+    by_host_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
+    out: dict[str, dict[int, tuple[int, int]]] = {}
+    for ev in sorted((e for e in events if e.type == "register"), key=lambda e: e.ts):
+        uuid = ev.get("gpu_uuid")
+        host = str(ev.get("host"))
+        index = ev.get("gpu")
+        g = by_uuid.get(uuid) if uuid else None
+        if g is None and index is not None:
+            g = by_host_index.get((host, int(index)))  # type: ignore[arg-type]
+        if g is None:
+            gpus.append(GpuId(host, int(index) if index is not None else -1, uuid))  # type: ignore[arg-type]
+            g = len(gpus) - 1
+            if uuid:
+                by_uuid[uuid] = g  # type: ignore[index]
+            by_host_index[(host, gpus[g].index)] = g
+        ranks = out.setdefault(ev.job, {})
+        if ev.rank not in ranks:  # a re-registration after a restart keeps the first start
+            ranks[ev.rank] = (g, int(ev.ts * 1000))
+    return gpus, out
+
+
+def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = None) -> dict:
+    """Book a trace; returns the report described in docs and costexporter/schemas."""
+    cfg = cfg or ReplayConfig()
+    results, unassigned = book_trace(samples, events, cfg)
+    return {
+        "currency": cfg.prices.currency,
+        "jobs": {r.name: job_report(r, cfg) for r in results},
+        "unassigned": unassigned,
+    }
+
+
+def book_trace(
+    samples: Samples, events: list[Event], cfg: ReplayConfig
+) -> tuple[list[JobResult], dict]:
+    bc = cfg.booking
+    gpus, registered = _register_matches(samples, events)
+    events_by_job: dict[str, list[Event]] = {}
+    for e in events:
+        events_by_job.setdefault(e.job, []).append(e)
+
+    # Jobs and their members: (job, rank, gpu, member_start).
+    jobs: dict[str, list[tuple[int, int, int]]] = {}
+    if registered:
+        for job, ranks in registered.items():
+            jobs[job] = sorted((r, g, t) for r, (g, t) in ranks.items())
+    elif samples.gpus:
+        name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
+        t0 = int(samples.ts_ms.min())
+        jobs[name] = [(r, g, t0) for r, g in enumerate(range(len(samples.gpus)))]
+
+    interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
+    n_g = len(gpus)
+    counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
+    starts = np.cumsum(counts) - counts
+    last_end = np.full(n_g, NEG_INF, np.int64)
+    has = counts > 0
+    if len(samples):
+        last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
+
+    # A GPU registered by a later job leaves the earlier job then.
+    claims = sorted((t, g, job) for job, mem in jobs.items() for _, g, t in mem)
+    next_claim: dict[tuple[str, int], int] = {}
+    for i, (_t, g, job) in enumerate(claims):
+        later = [t2 for t2, g2, j2 in claims[i + 1 :] if g2 == g and j2 != job]
+        next_claim[(job, g)] = later[0] if later else POS_INF
+
+    results: list[JobResult] = []
+    member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
+    for job, members in jobs.items():
+        jev = events_by_job.get(job, [])
+        meta: dict = {}
+        preflight = None
+        for e in sorted(jev, key=lambda e: e.ts):
+            if e.type == "meta":
+                meta.update({k: v for k, v in e.fields.items() if not k.startswith("_")})
+            elif e.type == "preflight":
+                preflight = {"passed": e.get("passed"), "checks": e.get("checks"), "ts": e.ts}
+        member_gpus = np.asarray([g for _, g, _ in members], np.int64)
+        ranks = np.asarray([r for r, _, _ in members], np.int64)
+        start_ms = min(t for _, _, t in members)
+        ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
+        end_ms = int(max(ev_end, last_end[member_gpus].max(initial=NEG_INF), start_ms))
+        timeline = build_timeline(jev, bc, start_ms, end_ms)
+        job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
+
+        # Samples of member GPUs, renumbered 0..n-1 in member order (job-local GPU index).
+        local = np.full(n_g, -1, np.int64)
+        local[member_gpus] = np.arange(member_gpus.size)
+        sel = local[samples.gpu] >= 0 if len(samples) else np.zeros(0, bool)
+        lg = local[samples.gpu[sel]]
+        order = np.lexsort((samples.ts_ms[sel], lg))
+        lg = lg[order]
+        ts = samples.ts_ms[sel][order]
+        pw = samples.power_w[sel][order]
+        ut = samples.util_pct[sel][order]
+        en = samples.energy_mj[sel][order]
+        n_ranks = int(ranks.max()) + 1 if ranks.size else 0
+        member_gpu_list = [gpus[g] for g in member_gpus]
+        profile = _job_profile(cfg, member_gpu_list, meta)
+        br = bands_mod.classify(
+            ranks[lg], ts, pw, ut, n_ranks, profile,
+            grid_ms=int(bc.grid_s * 1000),
+            gap_intervals=bc.gap_intervals,
+            checkpoint_allowance_ms=lambda t, tl=timeline: tl.allowances.at("checkpoint", t),
+            interval_ms=interval,
+        )
+        mem_start = np.asarray([t for _, _, t in members], np.int64)
+        mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
+        slices = make_slices(
+            lg.astype(np.int32), ts, pw, en, br.band,
+            np.full(member_gpus.size, br.interval_ms, np.int64),
+            mem_start, mem_end, bc.gap_intervals,
+        )
+        pieces = book(slices, timeline, ranks, mem_start, mem_end)
+        inside = pieces.category != Category.UNASSIGNED
+        pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
+        member_ivals += [(int(g), int(a), int(b)) for g, a, b in zip(member_gpus, mem_start, mem_end, strict=True)]
+        results.append(
+            JobResult(job, member_gpu_list, ranks, pieces, profile, timeline, meta, br, preflight)
+        )
+
+    return results, _unassigned(samples, n_g, interval, member_ivals, cfg)
+
+
+def _unassigned(
+    samples: Samples, n_gpus: int, interval_ms: int, members: list[tuple[int, int, int]],
+    cfg: ReplayConfig,
+) -> dict:
+    """GPU time no job held: observed slices outside every job's membership."""
+    if not len(samples):
+        return {"gpu_hours": 0.0, "energy_kwh": 0.0}
+    band = np.full(len(samples), Band.UNKNOWN, np.int8)
+    none = np.full(n_gpus, POS_INF, np.int64)
+    s = make_slices(
+        samples.gpu, samples.ts_ms, samples.power_w, samples.energy_mj, band,
+        np.full(n_gpus, interval_ms, np.int64), none, none, cfg.booking.gap_intervals,
+    )
+    assigned = np.zeros(s.gpu.size, np.int64)  # assigned ms per slice
+    for g, a, b in members:
+        mine = s.gpu == g
+        ov = np.clip(np.minimum(s.end_ms[mine], b) - np.maximum(s.start_ms[mine], a), 0, None)
+        assigned[mine] += ov
+    dur = s.end_ms - s.start_ms
+    free = np.clip(dur - assigned, 0, None)
+    frac = np.divide(free, dur, out=np.zeros(free.size), where=dur > 0)
+    return {
+        "gpu_hours": float(free.sum() / MS_PER_HOUR),
+        "energy_kwh": float((s.energy_mj * frac).sum() / MJ_PER_KWH),
+    }
+
+
+def _money(x: float) -> float:
+    return round(float(x), 6)
+
+
+def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
+    """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
+    p = r.pieces
+    n_cat, n_band, n_gpu = len(Category), len(Band), len(r.gpus)
+    dur = p.dur_ms
+    cat_ms = np.bincount(p.category, weights=dur, minlength=n_cat)
+    cat_mj = np.bincount(p.category, weights=p.energy_mj, minlength=n_cat)
+    observed = p.band >= 0
+    band_ms = np.bincount(p.band[observed], weights=dur[observed], minlength=n_band)
+    price = float(r.meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
+    cat_cost = cfg.prices.cost(cat_ms, cat_mj, price_per_gpu_hour=price)
+    cat_cost[Category.UNASSIGNED] = 0.0
+
+    per_gpu_cat = np.bincount(p.gpu * n_cat + p.category, weights=dur, minlength=n_gpu * n_cat)
+    per_gpu_band = np.bincount(
+        p.gpu[observed] * n_band + p.band[observed], weights=dur[observed], minlength=n_gpu * n_band
+    )
+    per_gpu_cat = per_gpu_cat.reshape(n_gpu, n_cat) / MS_PER_HOUR
+    per_gpu_band = per_gpu_band.reshape(n_gpu, n_band) / MS_PER_HOUR
+
+    tl = r.timeline
+    completed = len(tl.steps)
+    voided = sum(s.voided for s in tl.steps)
+    valid = completed - voided
+    tokens = sum(s.tokens for s in tl.steps if not s.voided)
+    cost_total = float(cat_cost.sum())
+    wasted_ms = sum(cat_ms[c] for c in WASTED_CATEGORIES)
+    if tl.last_checkpoint_ms is None:
+        at_risk_ms = float(dur.sum())
+    else:
+        after = p.end_ms - np.maximum(p.start_ms, tl.last_checkpoint_ms)
+        at_risk_ms = float(np.clip(after, 0, None).sum())
+    straggler = None
+    if r.band_result.straggler_rank is not None:
+        rank = r.band_result.straggler_rank
+        idx = np.flatnonzero(r.ranks == rank)
+        if idx.size:
+            g = r.gpus[int(idx[0])]
+            straggler = {"rank": int(rank), "host": g.host, "gpu": g.index, "uuid": g.uuid}
+    return {
+        "gpu_hours": {c: float(cat_ms[i] / MS_PER_HOUR) for i, c in enumerate(CATEGORIES)},
+        "energy_kwh": {c: float(cat_mj[i] / MJ_PER_KWH) for i, c in enumerate(CATEGORIES)},
+        "cost": {c: _money(cat_cost[i]) for i, c in enumerate(CATEGORIES)},
+        "band_gpu_hours": {b: float(band_ms[i] / MS_PER_HOUR) for i, b in enumerate(BANDS)},
+        "cost_total": _money(cost_total),
+        "gpu_hours_total": float(dur.sum() / MS_PER_HOUR),
+        "wasted_gpu_hours": float(wasted_ms / MS_PER_HOUR),
+        "gpu_hours_at_risk": float(at_risk_ms / MS_PER_HOUR),
+        "steps_completed": completed,
+        "steps_voided": int(voided),
+        "valid_steps": valid,
+        "tokens": int(tokens),
+        "cost_per_valid_step": _money(cost_total / valid) if valid else None,
+        "productive_cost_per_step": _money(cat_cost[Category.PRODUCTIVE] / valid) if valid else None,
+        "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
+        "price_per_gpu_hour": price,
+        "profile": {"name": r.profile.name, "calibrated": r.profile.calibrated},
+        "sampling_interval_s": r.band_result.interval_ms / 1000,
+        "grid_s": r.band_result.grid_ms / 1000,
+        "stall_threshold_s": tl.stall_threshold_ms / 1000,
+        "last_checkpoint_step": tl.last_checkpoint_step,
+        "straggler": straggler,
+        "meta": r.meta,
+        "preflight": r.preflight,
+        "gpus": [
+            {
+                "host": g.host,
+                "gpu": g.index,
+                "uuid": g.uuid,
+                "rank": int(r.ranks[i]),
+                "band_gpu_hours": {b: float(per_gpu_band[i, j]) for j, b in enumerate(BANDS)},
+                "gpu_hours": {c: float(per_gpu_cat[i, j]) for j, c in enumerate(CATEGORIES)},
+            }
+            for i, g in enumerate(r.gpus)
+        ],
+        "incidents": incidents(r, cfg, price),
+    }
+
+
+def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
+    """Merged job-level stretches of one wasted category."""
+    p = r.pieces
+    tol = 2 * r.band_result.grid_ms
+    out: list[dict] = []
+    for c in sorted(WASTED_CATEGORIES):
+        sel = np.flatnonzero(p.category == c)
+        if sel.size == 0:
+            continue
+        sel = sel[np.argsort(p.start_ms[sel], kind="stable")]
+        s, e = p.start_ms[sel], p.end_ms[sel]
+        reach = np.maximum.accumulate(e)
+        new = np.ones(sel.size, bool)
+        new[1:] = s[1:] > reach[:-1] + tol
+        gid = np.cumsum(new) - 1
+        n = int(gid[-1]) + 1
+        g_start = s[new]
+        g_end = np.maximum.reduceat(e, np.flatnonzero(new))
+        dur = e - s
+        g_ms = np.bincount(gid, weights=dur, minlength=n)
+        g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
+        g_cost = cfg.prices.cost(g_ms, g_mj, np.full(n, c), price_per_gpu_hour=price)
+        band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
+        dominant = band_ms.argmax(1) - 1
+        gpu_local = p.gpu[sel]
+        pairs = np.unique(gid.astype(np.int64) * (1 << 20) + gpu_local)
+        members: list[list[int]] = [[] for _ in range(n)]
+        for key in pairs:
+            members[int(key >> 20)].append(int(key & ((1 << 20) - 1)))
+        for i in range(n):
+            gl = members[i]
+            out.append(
+                {
+                    "start": g_start[i] / 1000,
+                    "end": g_end[i] / 1000,
+                    "category": CATEGORIES[c],
+                    "band": BANDS[dominant[i]] if dominant[i] >= 0 else None,
+                    "ranks": sorted({int(r.ranks[x]) for x in gl}),
+                    "hosts": sorted({r.gpus[x].host for x in gl}),
+                    "gpus": [
+                        {"host": r.gpus[x].host, "gpu": r.gpus[x].index, "uuid": r.gpus[x].uuid}
+                        for x in gl
+                    ],
+                    "gpu_hours": float(g_ms[i] / MS_PER_HOUR),
+                    "cost": _money(g_cost[i]),
+                }
+            )
+    out.sort(key=lambda x: (x["start"], x["category"]))
+    return out

@@ -1,0 +1,1 @@
+"""Where samples come from: recorded trace files (here), NVML, dcgm-exporter, simulation."""

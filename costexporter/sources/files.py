@@ -1,0 +1,409 @@
+"""Recorded traces: nvidia-smi CSV and JSONL samples, JSONL events.
+
+The CSV path is vectorized with pyarrow (a million rows a second and more): every column is read
+as text, units and `[N/A]` markers are stripped with Arrow compute kernels, and only rows that
+fail validation are looked at one by one, to name their line in a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+
+from ..diagnostics import Diagnostics, InputError
+from ..events import FUTURE_SLACK_S, MIN_TS, EventError, UnknownEventType, parse_event
+from ..model import Event, GpuId, Samples
+
+NA_MARKERS = ["[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "[GPU is lost]", "ERR!"]
+NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
+TS_RE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d+)?$"
+MAX_POWER_W = 10_000.0
+# Rows of one sampling instant in an index-less CSV are within this of each other.
+INSTANT_TOLERANCE_MS = 50
+
+
+@dataclass(slots=True)
+class SampleChunk:
+    """Samples of one file, before GPUs are numbered across files."""
+
+    host: np.ndarray  # object (str)
+    index: np.ndarray  # int64
+    uuid: np.ndarray  # object (str or None)
+    ts_ms: np.ndarray
+    power_w: np.ndarray
+    util_pct: np.ndarray
+    energy_mj: np.ndarray
+    name: dict[tuple[str, int], str]
+    power_limit_w: dict[tuple[str, int], float]
+
+
+def _check_file(path: Path) -> bytes:
+    """The first bytes of a usable text file; InputError with one clear line otherwise."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(8192)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    if not head.strip():
+        raise InputError(f"{path}: file is empty")
+    if b"\0" in head:
+        raise InputError(f"{path}: binary data, not a text trace")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a multi-byte char cut at the 8 KiB edge
+            raise InputError(f"{path}: not UTF-8 text") from None
+    return head
+
+
+def sniff_format(path: Path) -> str:
+    """'csv' or 'jsonl', from the first non-blank character."""
+    head = _check_file(path).lstrip()
+    return "jsonl" if head[:1] in (b"{", b"[") else "csv"
+
+
+def _column_key(name: str) -> str:
+    """'power.draw [W]' -> 'power.draw'."""
+    key = name.strip().lower()
+    if "[" in key:
+        key = key[: key.index("[")].strip()
+    return key
+
+
+def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """Text like ' 951.20 W', '100 %', '[N/A]' to float64 (NaN for N/A), plus a bad-value mask."""
+    s = pc.utf8_trim_whitespace(col)
+    s = pc.utf8_rtrim(s, characters=" W%JmMiBHz")
+    s = pc.utf8_trim_whitespace(s)
+    na = pc.or_(pc.is_in(s, value_set=pa.array([m.rstrip(" W%") for m in NA_MARKERS] + NA_MARKERS)), pc.equal(s, ""))
+    na = pc.fill_null(na, True)
+    try:
+        x = pc.cast(pc.if_else(na, pa.scalar(None, pa.string()), s), pa.float64())
+        bad = np.zeros(len(col), bool)
+    except pa.ArrowInvalid:
+        ok = pc.fill_null(pc.match_substring_regex(s, NUMBER_RE), False)
+        bad = ~ok.to_numpy(zero_copy_only=False) & ~na.to_numpy(zero_copy_only=False)
+        x = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.float64())
+    return x.to_numpy(zero_copy_only=False).astype(np.float64), bad
+
+
+def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray]:
+    """nvidia-smi local times ('2025/07/26 23:53:30.945') in zone `tz` to UTC epoch ms."""
+    s = pc.replace_substring(pc.utf8_trim_whitespace(col), "/", "-")
+    try:
+        t = pc.cast(s, pa.timestamp("ms"))
+        bad = np.zeros(len(col), bool)
+    except pa.ArrowInvalid:
+        ok = pc.fill_null(pc.match_substring_regex(s, TS_RE), False)
+        bad = ~ok.to_numpy(zero_copy_only=False)
+        t = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.timestamp("ms"))
+    if tz.upper() not in ("UTC", "Z", "+00:00"):
+        t = pc.assume_timezone(t, timezone=tz, ambiguous="earliest", nonexistent="earliest")
+    ms = pc.fill_null(pc.cast(t, pa.int64()), 0).to_numpy(zero_copy_only=False)
+    return ms.astype(np.int64), bad
+
+
+def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
+    """`nvidia-smi --query-gpu=... --format=csv[,nounits] -lms N` output, in any column order."""
+    _check_file(path)
+    with path.open("rb") as f:
+        header = f.readline().decode("utf-8", "replace")
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(size - 1, 0))
+        ends_with_newline = f.read(1) in (b"\n", b"\r")
+    names = [c for c in header.rstrip("\r\n").split(",")]
+    keys = [_column_key(c) for c in names]
+    if "timestamp" not in keys or "utilization.gpu" not in keys or not (
+        {"power.draw", "power.draw.instant", "power.draw.average"} & set(keys)
+    ):
+        raise InputError(
+            f"{path}: not an nvidia-smi CSV: need columns timestamp, power.draw and "
+            f"utilization.gpu (got {', '.join(k for k in keys if k) or 'none'})"
+        )
+
+    invalid: list[int] = []
+
+    def on_invalid(row: pcsv.InvalidRow) -> str:
+        invalid.append(row.number if row.number is not None else -1)
+        return "skip"
+
+    try:
+        table = pcsv.read_csv(
+            path,
+            read_options=pcsv.ReadOptions(use_threads=False, block_size=1 << 24),
+            parse_options=pcsv.ParseOptions(
+                invalid_row_handler=on_invalid, ignore_empty_lines=False
+            ),
+            convert_options=pcsv.ConvertOptions(
+                column_types={n: pa.string() for n in names}, strings_can_be_null=False
+            ),
+        )
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputError(f"{path}: cannot parse as CSV: {e}") from None
+
+    n = table.num_rows
+    # Physical line of each table row (header is line 1; skipped rows hold their own lines).
+    total_lines = n + len(invalid) + 1
+    if invalid:
+        line_of_row = np.setdiff1d(np.arange(2, total_lines + 1), np.asarray(invalid))
+    else:
+        line_of_row = np.arange(2, n + 2)
+    last_line = total_lines
+    for num in invalid:
+        if num == last_line and not ends_with_newline:
+            diag.warn(str(path), num, "truncated_last_line", "skipped (logger killed mid-write?)")
+        else:
+            diag.warn(str(path), num, "malformed_row", "wrong number of columns")
+
+    col = {k: table.column(i) for i, k in enumerate(keys) if k and k not in ()}
+    drop = np.zeros(n, bool)
+    ts_text = pc.utf8_trim_whitespace(col["timestamp"])
+    blank = pc.equal(ts_text, "").to_numpy(zero_copy_only=False)
+    repeated_header = pc.equal(pc.utf8_lower(ts_text), "timestamp").to_numpy(zero_copy_only=False)
+    drop |= blank | repeated_header
+    if not ends_with_newline and n and (not invalid or invalid[-1] != last_line):
+        # The last line parsed with the right column count but was cut mid-value.
+        diag.warn(str(path), int(line_of_row[-1]), "truncated_last_line", "skipped")
+        drop[-1] = True
+
+    def bad_rows(mask: np.ndarray, reason: str, detail: str) -> None:
+        new = mask & ~drop
+        for i in np.flatnonzero(new)[: diag.max_per_reason + 1]:
+            diag.warn(str(path), int(line_of_row[i]), reason, detail)
+        extra = int(new.sum()) - min(int(new.sum()), diag.max_per_reason + 1)
+        if extra:
+            diag.counts[reason] += extra
+        drop[:] |= mask
+
+    ts_ms, bad = _timestamps(col["timestamp"], tz)
+    bad_rows(bad, "bad_timestamp", "unparseable timestamp")
+    now_ms = (time.time() + FUTURE_SLACK_S) * 1000
+    bad_rows((ts_ms > now_ms) | (ts_ms < MIN_TS * 1000), "bad_timestamp", "timestamp far outside the plausible range")
+
+    power = None
+    for k in ("power.draw.instant", "power.draw", "power.draw.average"):
+        if k in col:
+            p, bad = _numeric(col[k])
+            bad_rows(bad, "bad_value", f"non-numeric {k}")
+            power = p if power is None else np.where(np.isnan(power), p, power)
+    assert power is not None
+    with np.errstate(invalid="ignore"):
+        bad_rows((power < 0) | (power > MAX_POWER_W), "bad_value", "power outside [0, 10000] W")
+    util, bad = _numeric(col["utilization.gpu"])
+    bad_rows(bad, "bad_value", "non-numeric utilization.gpu")
+    with np.errstate(invalid="ignore"):
+        bad_rows((util < 0) | (util > 100), "bad_value", "utilization outside [0, 100] %")
+
+    if "uuid" in col:
+        uuid = pc.utf8_trim_whitespace(col["uuid"]).to_numpy(zero_copy_only=False).astype(object)
+        uuid[uuid == ""] = None
+    else:
+        uuid = np.full(n, None, object)
+    if "index" in col:
+        idx_f, bad = _numeric(col["index"])
+        bad_rows(bad | np.isnan(idx_f), "bad_value", "non-numeric index")
+        index = np.nan_to_num(idx_f, nan=-1).astype(np.int64)
+    else:
+        index = _positional_index(ts_ms, drop)
+
+    keep = ~drop
+    index, uuid, ts_ms, power, util = (a[keep] for a in (index, uuid, ts_ms, power, util))
+    names_by_gpu: dict[tuple[str, int], str] = {}
+    limits: dict[tuple[str, int], float] = {}
+    if "name" in col or "power.limit" in col:
+        first = np.unique(index, return_index=True)[1]
+        if "name" in col:
+            nm = pc.utf8_trim_whitespace(col["name"]).to_numpy(zero_copy_only=False)[keep]
+            names_by_gpu = {(host, int(index[i])): str(nm[i]) for i in first if nm[i]}
+        if "power.limit" in col:
+            lim = _numeric(col["power.limit"])[0][keep]
+            limits = {(host, int(index[i])): float(lim[i]) for i in first if lim[i] > 0}
+    return SampleChunk(
+        host=np.full(index.size, host, object),
+        index=index,
+        uuid=uuid,
+        ts_ms=ts_ms,
+        power_w=power,
+        util_pct=util,
+        energy_mj=np.full(index.size, np.nan),
+        name=names_by_gpu,
+        power_limit_w=limits,
+    )
+
+
+def _positional_index(ts_ms: np.ndarray, drop: np.ndarray) -> np.ndarray:
+    """Without an index column, the lines of one sampling instant are GPUs 0..N-1 in order."""
+    index = np.full(ts_ms.size, -1, np.int64)
+    rows = np.flatnonzero(~drop)
+    if rows.size == 0:
+        return index
+    t = ts_ms[rows]
+    new = np.ones(rows.size, bool)
+    new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
+    group_start = np.flatnonzero(new)
+    gid = np.cumsum(new) - 1
+    index[rows] = np.arange(rows.size) - group_start[gid]
+    return index
+
+
+def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
+    """One JSON object a line: ts, host, gpu, uuid?, power_w, util_pct, energy_mj?."""
+    _check_file(path)
+    cols: dict[str, list] = {k: [] for k in ("host", "gpu", "uuid", "ts", "p", "u", "e")}
+    names: dict[tuple[str, int], str] = {}
+    limits: dict[tuple[str, int], float] = {}
+    where = str(path)
+    hi_ts = time.time() + FUTURE_SLACK_S
+    good = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                d = json.loads(raw)
+                if not isinstance(d, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                reason = "truncated_last_line" if not raw.endswith(b"\n") else "malformed_row"
+                diag.warn(where, lineno, reason, "not a JSON object")
+                continue
+            try:
+                ts = float(d["ts"])
+                gpu = d["gpu"]
+                if isinstance(gpu, bool) or int(gpu) != gpu or gpu < 0:
+                    raise ValueError(f"gpu={gpu!r}")
+                p = d.get("power_w")
+                u = d.get("util_pct")
+                p = float("nan") if p is None else float(p)
+                u = float("nan") if u is None else float(u)
+                e = d.get("energy_mj")
+                e = float("nan") if e is None else float(e)
+            except KeyError as k:
+                diag.warn(where, lineno, "missing_field", f"{k.args[0]!r} is required")
+                continue
+            except (TypeError, ValueError) as x:
+                diag.warn(where, lineno, "bad_value", str(x))
+                continue
+            if not MIN_TS <= ts <= hi_ts:
+                diag.warn(where, lineno, "bad_timestamp", f"ts={ts} outside the plausible range")
+                continue
+            if not (0 <= p <= MAX_POWER_W or p != p) or not (0 <= u <= 100 or u != u):
+                diag.warn(where, lineno, "bad_value", "power or utilization out of range")
+                continue
+            h = str(d.get("host") or host)
+            g = int(gpu)
+            cols["host"].append(h)
+            cols["gpu"].append(g)
+            cols["uuid"].append(d.get("uuid") or None)
+            cols["ts"].append(round(ts * 1000))
+            cols["p"].append(p)
+            cols["u"].append(u)
+            cols["e"].append(e)
+            if d.get("name"):
+                names.setdefault((h, g), str(d["name"]))
+            if d.get("power_limit_w"):
+                limits.setdefault((h, g), float(d["power_limit_w"]))
+            good += 1
+    if good == 0:
+        raise InputError(f"{path}: no usable samples (is this a samples JSONL file?)")
+    return SampleChunk(
+        host=np.asarray(cols["host"], object),
+        index=np.asarray(cols["gpu"], np.int64),
+        uuid=np.asarray(cols["uuid"], object),
+        ts_ms=np.asarray(cols["ts"], np.int64),
+        power_w=np.asarray(cols["p"], np.float64),
+        util_pct=np.asarray(cols["u"], np.float64),
+        energy_mj=np.asarray(cols["e"], np.float64),
+        name=names,
+        power_limit_w=limits,
+    )
+
+
+def combine(chunks: list[SampleChunk]) -> Samples:
+    """Number GPUs by (host, index) across files and sort by (gpu, ts)."""
+    if not chunks:
+        return Samples.empty()
+    host = np.concatenate([c.host for c in chunks])
+    index = np.concatenate([c.index for c in chunks])
+    uuid = np.concatenate([c.uuid for c in chunks])
+    names: dict = {}
+    limits: dict = {}
+    for c in chunks:
+        names.update(c.name)
+        limits.update(c.power_limit_w)
+    # Factorize (host, index) without a Python loop over rows.
+    hosts, host_id = np.unique(host.astype(str), return_inverse=True)
+    key = host_id.astype(np.int64) * (1 << 20) + index
+    keys, first, gpu = np.unique(key, return_index=True, return_inverse=True)
+    gpus = []
+    for k, i in zip(keys, first, strict=True):
+        h = str(hosts[k >> 20])
+        ix = int(k & ((1 << 20) - 1))
+        gpus.append(GpuId(h, ix, uuid[i], names.get((h, ix)), limits.get((h, ix))))
+    return Samples(
+        gpus=gpus,
+        gpu=gpu.astype(np.int32),
+        ts_ms=np.concatenate([c.ts_ms for c in chunks]),
+        power_w=np.concatenate([c.power_w for c in chunks]),
+        util_pct=np.concatenate([c.util_pct for c in chunks]),
+        energy_mj=np.concatenate([c.energy_mj for c in chunks]),
+    ).sort()
+
+
+def read_samples(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
+    if sniff_format(path) == "jsonl":
+        return read_samples_jsonl(path, host, diag)
+    return read_nvidia_smi_csv(path, host, tz, diag)
+
+
+def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
+    """Events of protocol v1, one JSON object a line; de-duplicated on (rank, session, seq)."""
+    _check_file(path)
+    where = str(path)
+    out: list[Event] = []
+    seen: set[tuple] = set()
+    parsed_any = False
+    now = time.time()
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                diag.warn(where, lineno, "malformed_event", "not valid JSON")
+                continue
+            try:
+                ev = parse_event(d, now=now)
+            except UnknownEventType as e:
+                parsed_any = True
+                diag.warn(where, lineno, e.reason, str(e))
+                continue
+            except EventError as e:
+                diag.warn(where, lineno, e.reason, str(e))
+                continue
+            parsed_any = True
+            if ev.seq >= 0:
+                key: tuple = (ev.job, ev.rank, ev.session, ev.seq)
+            else:
+                key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
+            if key in seen:
+                diag.counts["duplicate_event"] += 1
+                continue
+            seen.add(key)
+            out.append(ev)
+    if not parsed_any:
+        raise InputError(f"{path}: no usable events (is this an events JSONL file?)")
+    return out
