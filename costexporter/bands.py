@@ -88,12 +88,12 @@ def classify(
     U = np.where(obs, U[rows, lastc], np.nan)
 
     with np.errstate(invalid="ignore"):
-        high = P >= profile.compute_min_w
-        low = P < profile.low_max_w
-        at_idle = P <= profile.idle_max_w
-        busy = U >= profile.busy_util_pct
-        not_busy = U < profile.busy_util_pct
-        zero = U <= profile.zero_util_pct
+        high = profile.compute_min_w <= P
+        low = profile.low_max_w > P
+        at_idle = profile.idle_max_w >= P
+        busy = profile.busy_util_pct <= U
+        not_busy = profile.busy_util_pct > U
+        zero = profile.zero_util_pct >= U
     mid = obs & ~high & ~low & ~np.isnan(P)
     low &= obs
 
@@ -102,12 +102,7 @@ def classify(
     # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
     # on two consecutive moments (REFERENCE R2, R3).
     n_lowbusy = (low & busy).sum(0)
-    cand = (
-        (n_obs >= 2)
-        & (low.sum(0) == n_obs)
-        & ((low & zero).sum(0) >= 1)
-        & (n_lowbusy * 2 >= n_obs)
-    )
+    cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
     starts = cand.copy()
     starts[1:] &= ~(cand[:-1] & (np.diff(cols) == 1))
     run_id = np.cumsum(starts) - 1

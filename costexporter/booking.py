@@ -97,7 +97,8 @@ class BookingConfig:
 
 
 class Allowances:
-    """Per-phase allowances, learned as k x the median of the job's own completed durations.
+    """Per-phase allowances, learned as k x the median of the job's own completed durations
+    (at least the stall floor).
 
     Only occurrences that finished within the allowance in force teach it, so a hung
     checkpoint cannot stretch the allowance of the next one.
@@ -112,22 +113,20 @@ class Allowances:
         d = self._durations.get(name)
         if not d:
             return self.cfg.default_allowance_ms(name)
-        return int(self.cfg.allowance_k * float(np.median(d)))
+        # Never below the stall floor: a 5-second first startup must not make every restart waste.
+        learned = int(self.cfg.allowance_k * float(np.median(d)))
+        return max(learned, int(self.cfg.stall_floor_s * 1000))
 
     def observe(self, name: str, at_ms: int, duration_ms: int) -> None:
         if duration_ms <= self.current(name):
             self._durations.setdefault(name, []).append(duration_ms)
-            since, values = self._history.setdefault(
-                name, ([NEG_INF], [self.cfg.default_allowance_ms(name)])
-            )
+            since, values = self._history.setdefault(name, ([NEG_INF], [self.cfg.default_allowance_ms(name)]))
             since.append(at_ms)
             values.append(self.current(name))
 
     def at(self, name: str, t_ms: np.ndarray) -> np.ndarray:
         """The allowance that was in force at each time (for the checkpoint band)."""
-        since, values = self._history.get(
-            name, ([NEG_INF], [self.cfg.default_allowance_ms(name)])
-        )
+        since, values = self._history.get(name, ([NEG_INF], [self.cfg.default_allowance_ms(name)]))
         idx = np.searchsorted(np.asarray(since), np.asarray(t_ms), "right") - 1
         return np.asarray(values, np.int64)[idx]
 
@@ -157,6 +156,24 @@ class Timeline:
     last_checkpoint_ms: int | None = None  # when the last checkpoint that saved a step ended
     phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
     stall_threshold_ms: int = 60_000  # in force at the end of the job's events
+
+
+def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """Maximal stretches where the job runs (regime other than UNASSIGNED): between a
+    registration or run start and the run's end."""
+    active = tl.regime != Regime.UNASSIGNED
+    edges = np.diff(np.concatenate([[0], active.astype(np.int8), [0]]))
+    first = np.flatnonzero(edges == 1)
+    last = np.flatnonzero(edges == -1)
+    return tl.bounds[first], tl.bounds[last]
+
+
+def intersect(a: int, b: int, starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
+    """[a, b) ∩ the union of sorted disjoint [starts, ends)."""
+    lo = np.maximum(starts, a)
+    hi = np.minimum(ends, b)
+    keep = hi > lo
+    return list(zip(lo[keep].tolist(), hi[keep].tolist(), strict=True))
 
 
 def stall_threshold_ms(durations_ms: list[int] | deque, cfg: BookingConfig) -> int:
@@ -217,9 +234,7 @@ def _merge(ivals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def build_timeline(
-    events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int
-) -> Timeline:
+def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int) -> Timeline:
     """Walk a job's events (any ranks, any order) into regime segments over [start_ms, end_ms).
 
     Progress is rank 0's: its steps and run events cut time into intervals; phases posted by
@@ -332,14 +347,13 @@ def build_timeline(
         if t < anchor:
             t = anchor
         if ended:
+            if not (ev.type == "run" and ev.get("state") in ("start", "resume")):
+                continue  # nothing books between a run's end and the next start
             emit(anchor, t, Regime.UNASSIGNED)
             anchor = t
-            if ev.type == "run" and ev.get("state") in ("start", "resume"):
-                ended = False
-                in_startup, startup_from = True, t
-                startup_allow = allowances.current("startup")
-            else:
-                continue
+            ended = False
+            in_startup, startup_from = True, t
+            startup_allow = allowances.current("startup")
         if ev.type == "step":
             n = int(ev.get("step"))  # type: ignore[arg-type]
             if max_valid is not None and n <= max_valid:  # implicit resume (DESIGN section 5)
@@ -480,9 +494,7 @@ def make_slices(
     uo_start = np.concatenate(
         [gap_start, cover_start_ms[head], np.maximum(last_end[tail], cover_start_ms[tail])]
     )
-    uo_end = np.concatenate(
-        [gap_end, np.minimum(first_ts, cover_end_ms)[head], cover_end_ms[tail]]
-    )
+    uo_end = np.concatenate([gap_end, np.minimum(first_ts, cover_end_ms)[head], cover_end_ms[tail]])
     keep = uo_end > uo_start
 
     s_gpu = np.concatenate([gpu.astype(np.int32), uo_gpu[keep]])
@@ -492,9 +504,7 @@ def make_slices(
     s_energy = np.concatenate([energy, np.zeros(int(keep.sum()))])
     ok = s_end > s_start
     if not ok.all():
-        s_gpu, s_start, s_end, s_band, s_energy = (
-            a[ok] for a in (s_gpu, s_start, s_end, s_band, s_energy)
-        )
+        s_gpu, s_start, s_end, s_band, s_energy = (a[ok] for a in (s_gpu, s_start, s_end, s_band, s_energy))
     if keep.any():
         order = np.lexsort((s_start, s_gpu))
         s_gpu, s_start, s_end, s_band, s_energy = (
@@ -580,7 +590,7 @@ def book(
         j = np.searchsorted(a, s.start_ms[mine], "right") - 1
         inside = (j >= 0) & (s.start_ms[mine] < b[np.maximum(j, 0)])
         r = regime[mine]
-        r[inside] = Regime.OVERHEAD
+        r[inside & (r != Regime.UNASSIGNED)] = Regime.OVERHEAD
         regime[mine] = r
     outside = (s.start_ms < member_start_ms[s.gpu]) | (s.start_ms >= member_end_ms[s.gpu])
     regime[outside] = Regime.UNASSIGNED

@@ -44,12 +44,23 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
     return value
 
 
-@click.group(context_settings={"auto_envvar_prefix": "COSTEXPORTER", "show_default": True,
-                               "help_option_names": ["-h", "--help"]})
+@click.group(
+    context_settings={
+        "auto_envvar_prefix": "COSTEXPORTER",
+        "show_default": True,
+        "help_option_names": ["-h", "--help"],
+    }
+)
 @click.version_option(__version__, prog_name="costexporter")
-@click.option("--config", type=click.Path(dir_okay=False), envvar="COSTEXPORTER_CONFIG",
-              callback=_load_config, is_eager=True, expose_value=False,
-              help="YAML file of defaults, keyed by command name.")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    envvar="COSTEXPORTER_CONFIG",
+    callback=_load_config,
+    is_eager=True,
+    expose_value=False,
+    help="YAML file of defaults, keyed by command name.",
+)
 def main() -> None:
     """Cost per valid step and wasted GPU-hours for distributed training jobs."""
 
@@ -61,7 +72,7 @@ def _tz(_ctx, _param, value: str) -> str:
         from zoneinfo import ZoneInfo
 
         ZoneInfo(value)
-    except Exception:  # noqa: BLE001 - any failure means "not a zone"
+    except Exception:
         raise click.BadParameter(f"{value!r} is not an IANA time zone or an offset like +08:00") from None
     return value
 
@@ -75,36 +86,115 @@ def _sample_spec(spec: str) -> tuple[str, Path]:
 
 
 @main.command()
-@click.option("--samples", "samples", multiple=True, required=True, metavar="[HOST=]PATH",
-              help="nvidia-smi CSV or JSONL samples; repeatable. HOST defaults to the file's stem.")
-@click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
-              help="Trainer events, JSONL of protocol v1.")
-@click.option("--job", default=None, help="Name of the implicit job when no event registers a GPU [default: the events' job, else 'trace'].")
-@click.option("--tz", default="UTC", callback=_tz, help="Time zone of naive CSV timestamps (IANA name or +HH:MM).")
+@click.option(
+    "--samples",
+    "samples",
+    multiple=True,
+    required=True,
+    metavar="[HOST=]PATH",
+    help="nvidia-smi CSV or JSONL samples; repeatable. HOST defaults to the file's stem.",
+)
+@click.option(
+    "--events", type=click.Path(dir_okay=False, path_type=Path), help="Trainer events, JSONL of protocol v1."
+)
+@click.option(
+    "--job",
+    default=None,
+    help="Name of the implicit job when no event registers a GPU [default: the events' job, else 'trace'].",
+)
+@click.option(
+    "--tz", default="UTC", callback=_tz, help="Time zone of naive CSV timestamps (IANA name or +HH:MM)."
+)
 @click.option("--gpu-model", default=None, help="GPU model (picks or derives the band profile).")
-@click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W (derives an uncalibrated profile).")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Band profile file (YAML or JSON).")
+@click.option(
+    "--power-limit",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Board power limit in W (derives an uncalibrated profile).",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Band profile file (YAML or JSON).",
+)
 @click.option("--price-per-gpu-hour", type=click.FloatRange(min=0), default=3.5)
-@click.option("--wasted-price-per-gpu-hour", type=click.FloatRange(min=0), default=None, help="Price for wasted categories (a base rate).")
+@click.option(
+    "--wasted-price-per-gpu-hour",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Price for wasted categories (a base rate).",
+)
 @click.option("--price-per-kwh", type=click.FloatRange(min=0), default=None)
 @click.option("--pue", type=click.FloatRange(min=1), default=1.0)
 @click.option("--currency", default="USD")
 @click.option("--grid", type=click.FloatRange(min=0.001), default=1.0, help="Shared time grid, seconds.")
-@click.option("--stall-k", type=click.FloatRange(min=0), default=5.0, help="Stall threshold: k x p95 of recent step durations...")
-@click.option("--stall-floor", type=click.FloatRange(min=0), default=60.0, help="...but at least this many seconds.")
+@click.option(
+    "--stall-k",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    help="Stall threshold: k x p95 of recent step durations...",
+)
+@click.option(
+    "--stall-floor", type=click.FloatRange(min=0), default=60.0, help="...but at least this many seconds."
+)
 @click.option("--checkpoint-allowance", type=click.FloatRange(min=0), default=900.0, help="Seconds.")
 @click.option("--eval-allowance", type=click.FloatRange(min=0), default=900.0, help="Seconds.")
 @click.option("--startup-allowance", type=click.FloatRange(min=0), default=1800.0, help="Seconds.")
-@click.option("--phase-allowance", type=click.FloatRange(min=0), default=900.0, help="Seconds, for other declared phases.")
-@click.option("--allowance-k", type=click.FloatRange(min=0), default=3.0, help="Learned allowance: k x median of the job's own phase durations.")
-@click.option("--gap-intervals", type=click.FloatRange(min=1), default=3.0, help="A sample gap longer than this many intervals books 'unobserved'.")
+@click.option(
+    "--phase-allowance",
+    type=click.FloatRange(min=0),
+    default=900.0,
+    help="Seconds, for other declared phases.",
+)
+@click.option(
+    "--allowance-k",
+    type=click.FloatRange(min=0),
+    default=3.0,
+    help="Learned allowance: k x median of the job's own phase durations.",
+)
+@click.option(
+    "--gap-intervals",
+    type=click.FloatRange(min=1),
+    default=3.0,
+    help="A sample gap longer than this many intervals books 'unobserved'.",
+)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True, path_type=Path), default=None, help="Write the report here instead of stdout.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    default=None,
+    help="Write the report here instead of stdout.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Do not print warnings about skipped input.")
-def replay(samples, events, job, tz, gpu_model, power_limit, profile_path, price_per_gpu_hour,
-           wasted_price_per_gpu_hour, price_per_kwh, pue, currency, grid, stall_k, stall_floor,
-           checkpoint_allowance, eval_allowance, startup_allowance, phase_allowance, allowance_k,
-           gap_intervals, fmt, output, quiet) -> None:
+def replay(
+    samples,
+    events,
+    job,
+    tz,
+    gpu_model,
+    power_limit,
+    profile_path,
+    price_per_gpu_hour,
+    wasted_price_per_gpu_hour,
+    price_per_kwh,
+    pue,
+    currency,
+    grid,
+    stall_k,
+    stall_floor,
+    checkpoint_allowance,
+    eval_allowance,
+    startup_allowance,
+    phase_allowance,
+    allowance_k,
+    gap_intervals,
+    fmt,
+    output,
+    quiet,
+) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
     from . import profiles, report
     from .booking import BookingConfig
@@ -124,13 +214,21 @@ def replay(samples, events, job, tz, gpu_model, power_limit, profile_path, price
         evs = files.read_events_jsonl(events, diag) if events else []
         cfg = ReplayConfig(
             booking=BookingConfig(
-                stall_k=stall_k, stall_floor_s=stall_floor, checkpoint_allowance_s=checkpoint_allowance,
-                eval_allowance_s=eval_allowance, startup_allowance_s=startup_allowance,
-                phase_allowance_s=phase_allowance, allowance_k=allowance_k,
-                gap_intervals=gap_intervals, grid_s=grid,
+                stall_k=stall_k,
+                stall_floor_s=stall_floor,
+                checkpoint_allowance_s=checkpoint_allowance,
+                eval_allowance_s=eval_allowance,
+                startup_allowance_s=startup_allowance,
+                phase_allowance_s=phase_allowance,
+                allowance_k=allowance_k,
+                gap_intervals=gap_intervals,
+                grid_s=grid,
             ),
             prices=Prices(price_per_gpu_hour, wasted_price_per_gpu_hour, price_per_kwh, pue, currency),
-            job=job, gpu_model=gpu_model, power_limit_w=power_limit, profile=profile,
+            job=job,
+            gpu_model=gpu_model,
+            power_limit_w=power_limit,
+            profile=profile,
         )
         result = run_replay(sample_set, evs, cfg)
     except (InputError, profiles.ProfileError) as e:
@@ -143,8 +241,11 @@ def replay(samples, events, job, tz, gpu_model, power_limit, profile_path, price
         click.echo(text, nl=not text.endswith("\n"))
     if diag.counts and not quiet:
         total = sum(diag.counts.values())
-        click.echo(f"costexporter: {total} input problem(s) counted and skipped: "
-                   + ", ".join(f"{k}={v}" for k, v in diag.summary().items()), err=True)
+        click.echo(
+            f"costexporter: {total} input problem(s) counted and skipped: "
+            + ", ".join(f"{k}={v}" for k, v in diag.summary().items()),
+            err=True,
+        )
 
 
 def run() -> None:
@@ -153,11 +254,14 @@ def run() -> None:
         main(standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+    except Exception as e:
         if os.environ.get("COSTEXPORTER_DEBUG"):
             raise
-        click.echo(f"costexporter: internal error: {type(e).__name__}: {e} "
-                   "(set COSTEXPORTER_DEBUG=1 for the traceback)", err=True)
+        click.echo(
+            f"costexporter: internal error: {type(e).__name__}: {e} "
+            "(set COSTEXPORTER_DEBUG=1 for the traceback)",
+            err=True,
+        )
         sys.exit(1)
 
 

@@ -37,7 +37,10 @@ class Prices:
         return rates
 
     def cost(
-        self, gpu_ms: np.ndarray, energy_mj: np.ndarray, category: np.ndarray | None = None,
+        self,
+        gpu_ms: np.ndarray,
+        energy_mj: np.ndarray,
+        category: np.ndarray | None = None,
         price_per_gpu_hour: float | None = None,
     ) -> np.ndarray:
         """Cost of amounts given per category (category = arange) or per item with `category`."""

@@ -43,9 +43,7 @@ BANDS: tuple[str, ...] = tuple(b.name.lower() for b in Band)
 CATEGORIES: tuple[str, ...] = tuple(c.name.lower() for c in Category)
 
 VALID_CATEGORIES = frozenset({Category.PRODUCTIVE, Category.COMMUNICATION, Category.STARVED})
-WASTED_CATEGORIES = frozenset(
-    {Category.STALLED, Category.IDLE, Category.NO_PROGRESS, Category.ROLLED_BACK}
-)
+WASTED_CATEGORIES = frozenset({Category.STALLED, Category.IDLE, Category.NO_PROGRESS, Category.ROLLED_BACK})
 # Categories that belong to a job's bill (everything but `unassigned`).
 JOB_CATEGORIES = tuple(c for c in Category if c is not Category.UNASSIGNED)
 

@@ -36,9 +36,7 @@ class Profile:
                 f"got {self.idle_max_w}, {self.low_max_w}, {self.compute_min_w}"
             )
         if not (0 <= self.zero_util_pct < self.busy_util_pct <= 100):
-            raise ProfileError(
-                f"profile {self.name!r}: need 0 <= zero_util_pct < busy_util_pct <= 100"
-            )
+            raise ProfileError(f"profile {self.name!r}: need 0 <= zero_util_pct < busy_util_pct <= 100")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,9 +119,7 @@ def select(
     if limit:
         return derive(limit, name=key or (gpu_model or "derived"))
     if gpu_model:
-        raise ProfileError(
-            f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE"
-        )
+        raise ProfileError(f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE")
     return B300
 
 
@@ -141,7 +137,7 @@ def load(path: str | Path) -> Profile:
             import yaml
 
             data = yaml.safe_load(text)
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+    except Exception as e:
         raise ProfileError(f"{p}: not a valid profile file: {e}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{p}: a profile is a mapping of thresholds")

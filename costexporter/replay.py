@@ -13,7 +13,17 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import profiles
-from .booking import NEG_INF, POS_INF, BookingConfig, Pieces, book, build_timeline, make_slices
+from .booking import (
+    NEG_INF,
+    POS_INF,
+    BookingConfig,
+    Pieces,
+    active_intervals,
+    book,
+    build_timeline,
+    intersect,
+    make_slices,
+)
 from .cost import MJ_PER_KWH, MS_PER_HOUR, Prices
 from .model import BANDS, CATEGORIES, WASTED_CATEGORIES, Band, Category, Event, GpuId, Samples
 from .profiles import Profile
@@ -42,6 +52,7 @@ class JobResult:
     meta: dict
     band_result: bands_mod.BandResult
     preflight: dict | None
+    member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
 
 
 def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict) -> Profile:
@@ -93,9 +104,7 @@ def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = Non
     }
 
 
-def book_trace(
-    samples: Samples, events: list[Event], cfg: ReplayConfig
-) -> tuple[list[JobResult], dict]:
+def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tuple[list[JobResult], dict]:
     bc = cfg.booking
     gpus, registered = _register_matches(samples, events)
     events_by_job: dict[str, list[Event]] = {}
@@ -162,7 +171,12 @@ def book_trace(
         member_gpu_list = [gpus[g] for g in member_gpus]
         profile = _job_profile(cfg, member_gpu_list, meta)
         br = bands_mod.classify(
-            ranks[lg], ts, pw, ut, n_ranks, profile,
+            ranks[lg],
+            ts,
+            pw,
+            ut,
+            n_ranks,
+            profile,
             grid_ms=int(bc.grid_s * 1000),
             gap_intervals=bc.gap_intervals,
             checkpoint_allowance_ms=lambda t, tl=timeline: tl.allowances.at("checkpoint", t),
@@ -171,23 +185,36 @@ def book_trace(
         mem_start = np.asarray([t for _, _, t in members], np.int64)
         mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
         slices = make_slices(
-            lg.astype(np.int32), ts, pw, en, br.band,
+            lg.astype(np.int32),
+            ts,
+            pw,
+            en,
+            br.band,
             np.full(member_gpus.size, br.interval_ms, np.int64),
-            mem_start, mem_end, bc.gap_intervals,
+            mem_start,
+            mem_end,
+            bc.gap_intervals,
         )
         pieces = book(slices, timeline, ranks, mem_start, mem_end)
         inside = pieces.category != Category.UNASSIGNED
         pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
-        member_ivals += [(int(g), int(a), int(b)) for g, a, b in zip(member_gpus, mem_start, mem_end, strict=True)]
+        act_start, act_end = active_intervals(timeline)
+        mem_ivals = [
+            intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
+        ]
+        member_ivals += [(int(g), a, b) for g, iv in zip(member_gpus, mem_ivals, strict=True) for a, b in iv]
         results.append(
-            JobResult(job, member_gpu_list, ranks, pieces, profile, timeline, meta, br, preflight)
+            JobResult(job, member_gpu_list, ranks, pieces, profile, timeline, meta, br, preflight, mem_ivals)
         )
 
     return results, _unassigned(samples, n_g, interval, member_ivals, cfg)
 
 
 def _unassigned(
-    samples: Samples, n_gpus: int, interval_ms: int, members: list[tuple[int, int, int]],
+    samples: Samples,
+    n_gpus: int,
+    interval_ms: int,
+    members: list[tuple[int, int, int]],
     cfg: ReplayConfig,
 ) -> dict:
     """GPU time no job held: observed slices outside every job's membership."""
@@ -196,8 +223,15 @@ def _unassigned(
     band = np.full(len(samples), Band.UNKNOWN, np.int8)
     none = np.full(n_gpus, POS_INF, np.int64)
     s = make_slices(
-        samples.gpu, samples.ts_ms, samples.power_w, samples.energy_mj, band,
-        np.full(n_gpus, interval_ms, np.int64), none, none, cfg.booking.gap_intervals,
+        samples.gpu,
+        samples.ts_ms,
+        samples.power_w,
+        samples.energy_mj,
+        band,
+        np.full(n_gpus, interval_ms, np.int64),
+        none,
+        none,
+        cfg.booking.gap_intervals,
     )
     assigned = np.zeros(s.gpu.size, np.int64)  # assigned ms per slice
     for g, a, b in members:
@@ -336,8 +370,7 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
                     "ranks": sorted({int(r.ranks[x]) for x in gl}),
                     "hosts": sorted({r.gpus[x].host for x in gl}),
                     "gpus": [
-                        {"host": r.gpus[x].host, "gpu": r.gpus[x].index, "uuid": r.gpus[x].uuid}
-                        for x in gl
+                        {"host": r.gpus[x].host, "gpu": r.gpus[x].index, "uuid": r.gpus[x].uuid} for x in gl
                     ],
                     "gpu_hours": float(g_ms[i] / MS_PER_HOUR),
                     "cost": _money(g_cost[i]),

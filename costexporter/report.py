@@ -34,11 +34,21 @@ def to_csv(report: dict) -> str:
         for c in CATEGORIES:
             if c == "unassigned":
                 continue
-            w.writerow([job, c, _kind(c), f"{j['gpu_hours'][c]:.6f}", f"{j['energy_kwh'][c]:.6f}",
-                        f"{j['cost'][c]:.6f}", cur])
+            w.writerow(
+                [
+                    job,
+                    c,
+                    _kind(c),
+                    f"{j['gpu_hours'][c]:.6f}",
+                    f"{j['energy_kwh'][c]:.6f}",
+                    f"{j['cost'][c]:.6f}",
+                    cur,
+                ]
+            )
     u = report["unassigned"]
-    w.writerow(["", "unassigned", "outside", f"{u['gpu_hours']:.6f}", f"{u['energy_kwh']:.6f}",
-                f"{0:.6f}", cur])
+    w.writerow(
+        ["", "unassigned", "outside", f"{u['gpu_hours']:.6f}", f"{u['energy_kwh']:.6f}", f"{0:.6f}", cur]
+    )
     return buf.getvalue()
 
 
@@ -68,8 +78,14 @@ def to_table(report: dict) -> str:
             h = j["gpu_hours"][c]
             if h == 0 and c in ("unassigned",):
                 continue
-            t.add_row(c, _kind(c), f"{h:.3f}", f"{100 * h / total:.1f}%",
-                      f"{j['energy_kwh'][c]:.2f}", f"{j['cost'][c]:,.2f}")
+            t.add_row(
+                c,
+                _kind(c),
+                f"{h:.3f}",
+                f"{100 * h / total:.1f}%",
+                f"{j['energy_kwh'][c]:.2f}",
+                f"{j['cost'][c]:,.2f}",
+            )
         console.print(t)
         console.print(
             f"steps {j['steps_completed']} completed, {j['steps_voided']} voided, "
@@ -81,8 +97,10 @@ def to_table(report: dict) -> str:
             f"{_fmt_money(j['productive_cost_per_step'], cur)}); per 1M tokens "
             f"{_fmt_money(j['cost_per_million_tokens'], cur)}"
         )
-        console.print(f"wasted {j['wasted_gpu_hours']:.3f} GPU-h; bands: " + ", ".join(
-            f"{b} {j['band_gpu_hours'][b]:.2f}" for b in BANDS if j["band_gpu_hours"][b] > 0))
+        console.print(
+            f"wasted {j['wasted_gpu_hours']:.3f} GPU-h; bands: "
+            + ", ".join(f"{b} {j['band_gpu_hours'][b]:.2f}" for b in BANDS if j["band_gpu_hours"][b] > 0)
+        )
         if j.get("straggler"):
             s = j["straggler"]
             console.print(f"straggler: rank {s['rank']} ({s['host']} GPU {s['gpu']})")
@@ -96,9 +114,15 @@ def to_table(report: dict) -> str:
                 start = dt.datetime.fromtimestamp(inc["start"], dt.timezone.utc)
                 ranks = inc["ranks"]
                 rtxt = ",".join(map(str, ranks)) if len(ranks) <= 6 else f"{len(ranks)} ranks"
-                it.add_row(start.strftime("%Y-%m-%d %H:%M:%S"), f"{(inc['end'] - inc['start']) / 60:.1f}",
-                           inc["category"], inc["band"] or "", rtxt, f"{inc['gpu_hours']:.3f}",
-                           f"{inc['cost']:,.2f}")
+                it.add_row(
+                    start.strftime("%Y-%m-%d %H:%M:%S"),
+                    f"{(inc['end'] - inc['start']) / 60:.1f}",
+                    inc["category"],
+                    inc["band"] or "",
+                    rtxt,
+                    f"{inc['gpu_hours']:.3f}",
+                    f"{inc['cost']:,.2f}",
+                )
             console.print(it)
             if len(j["incidents"]) > 20:
                 console.print(f"... and {len(j['incidents']) - 20} more incidents (see --format json)")

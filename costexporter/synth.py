@@ -50,8 +50,16 @@ class TraceBuilder:
         if self.register:
             for r in range(self.n_gpus):
                 h, g = self.host_of(r)
-                self.event("register", rank=r, host=h, gpu=g, gpu_uuid=self.uuid(r),
-                           local_rank=g, world_size=self.n_gpus, pid=1000 + r)
+                self.event(
+                    "register",
+                    rank=r,
+                    host=h,
+                    gpu=g,
+                    gpu_uuid=self.uuid(r),
+                    local_rank=g,
+                    world_size=self.n_gpus,
+                    pid=1000 + r,
+                )
 
     def host_of(self, rank: int) -> tuple[str, int]:
         return f"{self.host_prefix}{rank // self.per_host}", rank % self.per_host
@@ -62,8 +70,17 @@ class TraceBuilder:
     def event(self, type: str, rank: int = 0, ts: float | None = None, **fields) -> None:
         seq = self._seq.get(rank, 0)
         self._seq[rank] = seq + 1
-        self.events.append(Event(type, self.job, self.t if ts is None else ts, rank, f"s{rank}", seq,
-                                 {k: v for k, v in fields.items() if v is not None}))
+        self.events.append(
+            Event(
+                type,
+                self.job,
+                self.t if ts is None else ts,
+                rank,
+                f"s{rank}",
+                seq,
+                {k: v for k, v in fields.items() if v is not None},
+            )
+        )
 
     # Run and phase markers --------------------------------------------------------------
     def run(self, state: str, step: int | None = None) -> TraceBuilder:
@@ -94,7 +111,7 @@ class TraceBuilder:
         gpus: tuple[int, ...] | None = None,
     ) -> TraceBuilder:
         """`duration_s` of one state on every GPU; steps every `step_s` posted by `step_ranks`."""
-        n_t = max(int(round(duration_s / self.interval_s)), 0)
+        n_t = max(round(duration_s / self.interval_s), 0)
         ts = self.t + np.arange(n_t) * self.interval_s
         ranks = np.arange(self.n_gpus) if gpus is None else np.asarray(gpus)
         p_lo, p_hi, u_lo, u_hi = STATES[state]
@@ -115,8 +132,13 @@ class TraceBuilder:
             while k * step_s <= duration_s + 1e-9:
                 self.step += 1
                 for r in step_ranks:
-                    self.event("step", rank=r, ts=self.t + k * step_s, step=self.step,
-                               tokens=tokens if r == 0 else None)
+                    self.event(
+                        "step",
+                        rank=r,
+                        ts=self.t + k * step_s,
+                        step=self.step,
+                        tokens=tokens if r == 0 else None,
+                    )
                 k += 1
         self.t += n_t * self.interval_s
         return self
@@ -131,12 +153,24 @@ class TraceBuilder:
         return [GpuId(*self.host_of(r), uuid=self.uuid(r), name="NVIDIA B300") for r in range(self.n_gpus)]
 
     def samples(self, energy_counter: bool = False) -> Samples:
-        gpu = np.concatenate([np.repeat(r, ts.size) for r, ts, _, _ in self._rows]) if self._rows else np.zeros(0, int)
-        ts = np.concatenate([np.tile(ts, r.size) for r, ts, _, _ in self._rows]) if self._rows else np.zeros(0)
+        gpu = (
+            np.concatenate([np.repeat(r, ts.size) for r, ts, _, _ in self._rows])
+            if self._rows
+            else np.zeros(0, int)
+        )
+        ts = (
+            np.concatenate([np.tile(ts, r.size) for r, ts, _, _ in self._rows]) if self._rows else np.zeros(0)
+        )
         pw = np.concatenate([p.ravel() for _, _, p, _ in self._rows]) if self._rows else np.zeros(0)
         ut = np.concatenate([u.ravel() for _, _, _, u in self._rows]) if self._rows else np.zeros(0)
-        s = Samples(self.gpu_ids(), gpu.astype(np.int32), np.round(ts * 1000).astype(np.int64),
-                    pw.round(2), ut, np.full(gpu.size, np.nan)).sort()
+        s = Samples(
+            self.gpu_ids(),
+            gpu.astype(np.int32),
+            np.round(ts * 1000).astype(np.int64),
+            pw.round(2),
+            ut,
+            np.full(gpu.size, np.nan),
+        ).sort()
         if energy_counter:
             e = np.zeros(len(s))
             for g in range(self.n_gpus):
@@ -151,51 +185,100 @@ class TraceBuilder:
 
         with path.open("w") as f:
             for e in sorted(self.events, key=lambda e: e.ts):
-                d = {"v": "1", "type": e.type, "job": e.job, "ts": round(e.ts, 3), "rank": e.rank,
-                     "session": e.session, "seq": e.seq, **e.fields}
+                d = {
+                    "v": "1",
+                    "type": e.type,
+                    "job": e.job,
+                    "ts": round(e.ts, 3),
+                    "rank": e.rank,
+                    "session": e.session,
+                    "seq": e.seq,
+                    **e.fields,
+                }
                 f.write(json.dumps(d) + "\n")
         return path
 
 
+def _local_stamps(ts_ms: np.ndarray, tz: dt.tzinfo | None) -> np.ndarray:
+    """nvidia-smi's timestamp text ('2025/07/26 23:53:30.945') in zone `tz` (None: UTC)."""
+    if tz is None:
+        local = ts_ms
+    else:  # the zone's offset per distinct second, DST included
+        secs, inv = np.unique(ts_ms // 1000, return_inverse=True)
+        off = np.array([dt.datetime.fromtimestamp(int(x), tz).utcoffset().total_seconds() for x in secs])
+        local = ts_ms + (off[inv] * 1000).astype(np.int64)
+    text = np.datetime_as_string(local.astype("datetime64[ms]"), unit="ms")
+    return np.char.replace(np.char.replace(text, "-", "/"), "T", " ")
+
+
 def write_nvidia_smi_csv(
-    samples: Samples, directory: Path, *, units: bool = True, index: bool = True,
-    uuid: bool = True, tz: dt.tzinfo = dt.timezone.utc,
+    samples: Samples,
+    directory: Path,
+    *,
+    units: bool = True,
+    index: bool = True,
+    uuid: bool = True,
+    tz: dt.tzinfo | None = None,
+    name: bool = False,
 ) -> list[Path]:
     """One nvidia-smi-style CSV per host, rows grouped by sampling instant like the real tool."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    hosts = sorted({g.host for g in samples.gpus})
-    for host in hosts:
+    for host in sorted({g.host for g in samples.gpus}):
         gids = [i for i, g in enumerate(samples.gpus) if g.host == host]
         sel = np.isin(samples.gpu, gids)
         order = np.lexsort((samples.gpu[sel], samples.ts_ms[sel]))
         g = samples.gpu[sel][order]
-        ts = samples.ts_ms[sel][order]
-        p = samples.power_w[sel][order]
-        u = samples.util_pct[sel][order]
-        cols = ["timestamp"] + (["index"] if index else []) + (["uuid"] if uuid else []) + [
-            "power.draw [W]", "utilization.gpu [%]"]
-        lines = [", ".join(cols)]
         w, pct = (" W", " %") if units else ("", "")
-        base = dt.datetime.fromtimestamp(0, tz)
-        for gi, t, pw, ut in zip(g.tolist(), ts.tolist(), p.tolist(), u.tolist(), strict=True):
-            stamp = (base + dt.timedelta(milliseconds=t)).replace(tzinfo=None) if tz is not dt.timezone.utc else dt.datetime.utcfromtimestamp(t / 1000)
-            parts = [stamp.strftime("%Y/%m/%d %H:%M:%S.") + f"{t % 1000:03d}"]
-            if index:
-                parts.append(str(samples.gpus[gi].index))
-            if uuid:
-                parts.append(samples.gpus[gi].uuid or "")
-            parts.append(f"{pw:.2f}{w}")
-            parts.append(f"{ut:.0f}{pct}")
-            lines.append(", ".join(parts))
+        cols = [_local_stamps(samples.ts_ms[sel][order], tz)]
+        header = ["timestamp"]
+        if name:
+            cols.append(np.array([samples.gpus[i].name or "" for i in range(len(samples.gpus))])[g])
+            header.append("name")
+        if index:
+            cols.append(np.array([samples.gpus[i].index for i in range(len(samples.gpus))])[g].astype(str))
+            header.append("index")
+        if uuid:
+            cols.append(np.array([samples.gpus[i].uuid or "" for i in range(len(samples.gpus))])[g])
+            header.append("uuid")
+        power = samples.power_w[sel][order]
+        util = samples.util_pct[sel][order]
+        cols.append(np.char.add(np.char.mod("%.2f", power), w))
+        cols.append(np.char.add(np.char.mod("%.0f", util), pct))
+        header += ["power.draw [W]", "utilization.gpu [%]"]
+        rows = cols[0]
+        for c in cols[1:]:
+            rows = np.char.add(np.char.add(rows, ", "), c)
         path = directory / f"{host}.csv"
-        path.write_text("\n".join(lines) + "\n")
+        path.write_text(", ".join(header) + "\n" + "\n".join(rows.tolist()) + "\n")
         paths.append(path)
     return paths
 
 
-def r1_incident(interval_s: float = 1.0, steps: int = 3850, step_s: float = 5.0,
-                deadlock_h: float = 3.0, seed: int = 1) -> TraceBuilder:
+def write_samples_jsonl(samples: Samples, path: Path) -> Path:
+    """The JSONL sample form: {"ts", "host", "gpu", "uuid", "power_w", "util_pct", "energy_mj"?}."""
+    import json
+
+    with path.open("w") as f:
+        for gi, t, p, u, e in zip(
+            samples.gpu.tolist(),
+            samples.ts_ms.tolist(),
+            samples.power_w.tolist(),
+            samples.util_pct.tolist(),
+            samples.energy_mj.tolist(),
+            strict=True,
+        ):
+            g = samples.gpus[gi]
+            d = {"ts": t / 1000, "host": g.host, "gpu": g.index, "uuid": g.uuid, "power_w": p, "util_pct": u}
+            if e == e:
+                d["energy_mj"] = e
+            f.write(json.dumps(d) + "\n")
+    return path
+
+
+def r1_incident(
+    interval_s: float = 1.0, steps: int = 3850, step_s: float = 5.0, deadlock_h: float = 3.0, seed: int = 1
+) -> TraceBuilder:
     """REFERENCE R1: 16 B300 on two hosts, ~5 h of ~5 s steps, then the end-of-epoch checkpoint
     that deadlocks for 3 h with rank 3 at 0% (it entered the save barrier; the rest wait in the
     gradient all-reduce). The NCCL watchdog kills the job: no run end."""

@@ -21,7 +21,15 @@ from ..diagnostics import Diagnostics, InputError
 from ..events import FUTURE_SLACK_S, MIN_TS, EventError, UnknownEventType, parse_event
 from ..model import Event, GpuId, Samples
 
-NA_MARKERS = ["[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]", "[GPU is lost]", "ERR!"]
+NA_MARKERS = [
+    "[N/A]",
+    "N/A",
+    "[Not Supported]",
+    "[Unknown Error]",
+    "[Insufficient Permissions]",
+    "[GPU is lost]",
+    "ERR!",
+]
 NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
 TS_RE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d+)?$"
 MAX_POWER_W = 10_000.0
@@ -86,7 +94,9 @@ def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     s = pc.utf8_trim_whitespace(col)
     s = pc.utf8_rtrim(s, characters=" W%JmMiBHz")
     s = pc.utf8_trim_whitespace(s)
-    na = pc.or_(pc.is_in(s, value_set=pa.array([m.rstrip(" W%") for m in NA_MARKERS] + NA_MARKERS)), pc.equal(s, ""))
+    na = pc.or_(
+        pc.is_in(s, value_set=pa.array([m.rstrip(" W%") for m in NA_MARKERS] + NA_MARKERS)), pc.equal(s, "")
+    )
     na = pc.fill_null(na, True)
     try:
         x = pc.cast(pc.if_else(na, pa.scalar(None, pa.string()), s), pa.float64())
@@ -125,8 +135,10 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         ends_with_newline = f.read(1) in (b"\n", b"\r")
     names = [c for c in header.rstrip("\r\n").split(",")]
     keys = [_column_key(c) for c in names]
-    if "timestamp" not in keys or "utilization.gpu" not in keys or not (
-        {"power.draw", "power.draw.instant", "power.draw.average"} & set(keys)
+    if (
+        "timestamp" not in keys
+        or "utilization.gpu" not in keys
+        or not ({"power.draw", "power.draw.instant", "power.draw.average"} & set(keys))
     ):
         raise InputError(
             f"{path}: not an nvidia-smi CSV: need columns timestamp, power.draw and "
@@ -143,9 +155,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         table = pcsv.read_csv(
             path,
             read_options=pcsv.ReadOptions(use_threads=False, block_size=1 << 24),
-            parse_options=pcsv.ParseOptions(
-                invalid_row_handler=on_invalid, ignore_empty_lines=False
-            ),
+            parse_options=pcsv.ParseOptions(invalid_row_handler=on_invalid, ignore_empty_lines=False),
             convert_options=pcsv.ConvertOptions(
                 column_types={n: pa.string() for n in names}, strings_can_be_null=False
             ),
@@ -167,7 +177,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         else:
             diag.warn(str(path), num, "malformed_row", "wrong number of columns")
 
-    col = {k: table.column(i) for i, k in enumerate(keys) if k and k not in ()}
+    col = {k: table.column(i) for i, k in enumerate(keys) if k}
     drop = np.zeros(n, bool)
     ts_text = pc.utf8_trim_whitespace(col["timestamp"])
     blank = pc.equal(ts_text, "").to_numpy(zero_copy_only=False)
@@ -190,7 +200,11 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     ts_ms, bad = _timestamps(col["timestamp"], tz)
     bad_rows(bad, "bad_timestamp", "unparseable timestamp")
     now_ms = (time.time() + FUTURE_SLACK_S) * 1000
-    bad_rows((ts_ms > now_ms) | (ts_ms < MIN_TS * 1000), "bad_timestamp", "timestamp far outside the plausible range")
+    bad_rows(
+        (ts_ms > now_ms) | (ts_ms < MIN_TS * 1000),
+        "bad_timestamp",
+        "timestamp far outside the plausible range",
+    )
 
     power = None
     for k in ("power.draw.instant", "power.draw", "power.draw.average"):
@@ -275,6 +289,11 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
                 d = json.loads(raw)
                 if not isinstance(d, dict):
                     raise ValueError("not an object")
+                if not good and not {"ts", "power_w", "util_pct"} <= d.keys():
+                    raise InputError(
+                        f"{path}:{lineno}: not a samples JSONL file: a sample has ts, host, gpu, "
+                        f"power_w and util_pct (got {', '.join(sorted(d)[:8])})"
+                    )
             except ValueError:
                 reason = "truncated_last_line" if not raw.endswith(b"\n") else "malformed_row"
                 diag.warn(where, lineno, reason, "not a JSON object")
@@ -284,8 +303,8 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
                 gpu = d["gpu"]
                 if isinstance(gpu, bool) or int(gpu) != gpu or gpu < 0:
                     raise ValueError(f"gpu={gpu!r}")
-                p = d.get("power_w")
-                u = d.get("util_pct")
+                p = d["power_w"]  # required keys; null stands for N/A
+                u = d["util_pct"]
                 p = float("nan") if p is None else float(p)
                 u = float("nan") if u is None else float(u)
                 e = d.get("energy_mj")
@@ -403,6 +422,8 @@ def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
                 diag.counts["duplicate_event"] += 1
                 continue
             seen.add(key)
+            if ev.get("_unknown_fields"):
+                diag.counts["unknown_field"] += 1  # forward compatibility: ignored, counted
             out.append(ev)
     if not parsed_any:
         raise InputError(f"{path}: no usable events (is this an events JSONL file?)")

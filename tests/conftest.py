@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from costexporter.replay import ReplayConfig, replay
+from costexporter.synth import TraceBuilder
+
+settings.register_profile(
+    "default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "deep", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def book(b: TraceBuilder, cfg: ReplayConfig | None = None, **samples_kw) -> dict:
+    """Replay a synthetic trace through the pure core; return its only job's report."""
+    rep = replay(b.samples(**samples_kw), b.events, cfg or ReplayConfig())
+    assert len(rep["jobs"]) == 1, rep["jobs"].keys()
+    return next(iter(rep["jobs"].values()))
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real `costexporter` command, in a child process."""
+    return subprocess.run(
+        [sys.executable, "-m", "costexporter.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def cli():
+    return run_cli

@@ -1,0 +1,145 @@
+"""Bands (DESIGN section 3) and profiles: R2's table, derived profiles, profile files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from costexporter import profiles
+from costexporter.bands import classify
+from costexporter.model import Band
+from costexporter.profiles import ProfileError
+
+
+def run(power: np.ndarray, util: np.ndarray, profile, **kw) -> np.ndarray:
+    """Classify a ranks x moments matrix sampled every second; return bands as the same matrix."""
+    n_ranks, n_t = power.shape
+    rank = np.repeat(np.arange(n_ranks), n_t)
+    ts = np.tile(np.arange(n_t) * 1000, n_ranks).astype(np.int64) + 1_753_570_000_000
+    res = classify(rank, ts, power.ravel(), util.ravel(), n_ranks, profile, **kw)
+    return res.band.reshape(n_ranks, n_t), res
+
+
+def uniform(n_ranks: int, n_t: int, p: float, u: float) -> tuple[np.ndarray, np.ndarray]:
+    return np.full((n_ranks, n_t), p), np.full((n_ranks, n_t), u)
+
+
+@pytest.mark.parametrize(
+    ("power", "util", "band"),
+    [
+        (990.0, 100.0, Band.COMPUTE),  # R2: 940-1040 W, 100% uniform
+        (640.0, 100.0, Band.COMMUNICATION),  # R2: ~640 W, 100% uniform
+        (135.0, 0.0, Band.IDLE),  # R2: ~135 W, 0% everywhere
+    ],
+)
+def test_b300_table_uniform_states(power, util, band):
+    bands, _ = run(*uniform(16, 10, power, util), profiles.B300)
+    assert (bands == band).all()
+
+
+def test_b300_deadlock_signature_one_rank_at_zero():
+    p, u = uniform(16, 10, 192.0, 100.0)
+    u[3] = 0.0  # R2: ONE rank 0%, all others 100%, 190-195 W
+    bands, res = run(p, u, profiles.B300)
+    assert (bands == Band.DEADLOCK).all()
+    assert res.signature_moments == 10
+
+
+def test_checkpoint_when_the_zero_rank_is_rank_0_until_the_allowance():
+    p, u = uniform(8, 120, 192.0, 100.0)
+    u[0] = 0.0
+    bands, _ = run(p, u, profiles.B300, checkpoint_allowance_ms=60_000)
+    assert (bands[:, :60] == Band.CHECKPOINT).all()
+    assert (bands[:, 60:] == Band.DEADLOCK).all()
+
+
+def test_starvation_is_job_level_and_names_the_straggler():
+    p, u = uniform(8, 30, 575.0, 100.0)
+    u[5] = 58.0  # R2: 55-100%, uneven across ranks
+    u[2] = 80.0
+    bands, res = run(p, u, profiles.B300)
+    assert (bands == Band.STARVATION).all()  # every rank at that moment, not only the slow ones
+    assert res.straggler_rank == 5
+
+
+def test_deadlock_needs_two_consecutive_moments():
+    p, u = uniform(4, 5, 990.0, 100.0)
+    p[:, 2] = 192.0
+    u[1, 2] = 0.0
+    bands, res = run(p, u, profiles.B300)
+    assert not (bands == Band.DEADLOCK).any()
+    assert res.signature_moments == 0
+
+
+def test_samples_within_half_a_grid_step_are_one_moment():
+    """Ranks on different hosts sample at different offsets; the grid lines them up."""
+    n_ranks, n_t = 4, 20
+    rank = np.repeat(np.arange(n_ranks), n_t)
+    ts = (np.tile(np.arange(n_t) * 1000, n_ranks) + rank * 130 + 1_753_570_000_000).astype(np.int64)
+    power = np.full(rank.size, 192.0)
+    util = np.where(rank == 2, 0.0, 100.0)
+    res = classify(rank, ts, power, util, n_ranks, profiles.B300)
+    assert (res.band == Band.DEADLOCK).all()
+
+
+def test_coarse_sampling_widens_the_grid():
+    """DCGM's default 30 s collection: two consecutive samples are 60 s apart, not 2 s."""
+    n_ranks, n_t = 4, 6
+    rank = np.repeat(np.arange(n_ranks), n_t)
+    ts = (np.tile(np.arange(n_t) * 30_000, n_ranks) + 1_753_570_000_000).astype(np.int64)
+    util = np.where(rank == 1, 0.0, 100.0)
+    res = classify(rank, ts, np.full(rank.size, 192.0), util, n_ranks, profiles.B300)
+    assert res.grid_ms == 30_000
+    assert (res.band == Band.DEADLOCK).all()
+
+
+def test_derived_profile_holds_for_a_small_model_below_the_power_limit():
+    h100 = profiles.select("NVIDIA H100 80GB HBM3")
+    assert not h100.calibrated and h100.power_limit_w == 700
+    rng = np.random.default_rng(0)
+    # A small model: 75-80% of the limit, utilization 85-97% rather than 100%.
+    p = rng.uniform(0.75 * 700, 0.80 * 700, (8, 60))
+    u = rng.uniform(85, 97, (8, 60))
+    bands, _ = run(p, u, h100)
+    assert (bands == Band.COMPUTE).all()
+
+
+def test_derived_profile_sees_checkpoint_waiters_spinning_just_above_idle():
+    h100 = profiles.select("NVIDIA H100 80GB HBM3")
+    rng = np.random.default_rng(1)
+    # Rank 0 writes the checkpoint at ~idle power and 0%; the others spin at 100% a little above idle.
+    p = rng.uniform(95, 125, (8, 120))
+    u = np.full((8, 120), 100.0)
+    p[0], u[0] = 75.0, 0.0
+    bands, _ = run(p, u, h100, checkpoint_allowance_ms=60_000)
+    assert (bands[:, :60] == Band.CHECKPOINT).all()
+    assert (bands[:, 60:] == Band.DEADLOCK).all()
+
+
+def test_profile_selection():
+    assert profiles.select("NVIDIA B300") is profiles.B300
+    assert profiles.select(None, None) is profiles.B300
+    derived = profiles.select("Some Future GPU", 900)
+    assert derived.power_limit_w == 900 and not derived.calibrated
+    with pytest.raises(ProfileError, match="unknown GPU model"):
+        profiles.select("Some Future GPU")
+
+
+def test_profile_files(tmp_path):
+    y = tmp_path / "mine.yaml"
+    y.write_text("idle_max_w: 90\nlow_max_w: 200\ncompute_min_w: 500\nbusy_util_pct: 80\n")
+    prof = profiles.load(y)
+    assert prof.name == "mine" and prof.calibrated and prof.compute_min_w == 500
+    j = tmp_path / "p.json"
+    j.write_text(json.dumps({"name": "x", "idle_max_w": 1, "low_max_w": 2, "compute_min_w": 3}))
+    assert profiles.load(j).name == "x"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("idle_max_w: 500\nlow_max_w: 200\ncompute_min_w: 100\n")
+    with pytest.raises(ProfileError, match="need 0 <= idle_max_w"):
+        profiles.load(bad)
+    unknown = tmp_path / "u.yaml"
+    unknown.write_text("idle_max_w: 1\nlow_max_w: 2\ncompute_min_w: 3\nwat: 1\n")
+    with pytest.raises(ProfileError, match="unknown profile keys"):
+        profiles.load(unknown)

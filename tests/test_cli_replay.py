@@ -1,0 +1,195 @@
+"""`costexporter replay` as a user runs it: a real child process, real files."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import jsonschema
+import pytest
+
+from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+
+from .conftest import ROOT
+
+EXAMPLE = ROOT / "examples" / "r1-mini"
+SCHEMA = json.loads((ROOT / "costexporter" / "schemas" / "replay-output.schema.json").read_text())
+EXAMPLE_ARGS = [
+    "replay",
+    "--samples",
+    EXAMPLE / "node0.csv",
+    "--samples",
+    EXAMPLE / "node1.csv",
+    "--events",
+    EXAMPLE / "events.jsonl",
+]
+
+
+def test_readme_example_prints_the_bill(cli):
+    r = cli(*EXAMPLE_ARGS)
+    assert r.returncode == 0, r.stderr
+    assert "job qwen3-mini" in r.stdout and "stalled" in r.stdout and "per valid step" in r.stdout
+    assert r.stderr == ""
+
+
+def test_json_output_matches_the_schema_and_the_csv(cli):
+    r = cli(*EXAMPLE_ARGS, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    jsonschema.validate(rep, SCHEMA)
+    job = rep["jobs"]["qwen3-mini"]
+    assert job["valid_steps"] == 420 and job["straggler"]["rank"] == 5
+    assert job["gpu_hours"]["stalled"] == pytest.approx(2.15, abs=0.01)
+
+    c = cli(*EXAMPLE_ARGS, "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(c.stdout)))
+    assert list(rows[0]) == ["job", "category", "kind", "gpu_hours", "energy_kwh", "cost", "currency"]
+    by_cat = {row["category"]: row for row in rows if row["job"] == "qwen3-mini"}
+    for cat, h in job["gpu_hours"].items():
+        if cat != "unassigned":
+            assert float(by_cat[cat]["gpu_hours"]) == pytest.approx(h, abs=1e-6)
+            assert float(by_cat[cat]["cost"]) == pytest.approx(job["cost"][cat], abs=1e-6)
+    assert sum(float(r["cost"]) for r in rows) == pytest.approx(job["cost_total"], abs=1e-5)
+
+
+def test_bare_trace_without_events_is_one_implicit_job(cli, tmp_path):
+    r = cli(
+        "replay",
+        "--samples",
+        EXAMPLE / "node0.csv",
+        "--samples",
+        EXAMPLE / "node1.csv",
+        "--format",
+        "json",
+        "--job",
+        "bare",
+    )
+    rep = json.loads(r.stdout)
+    job = rep["jobs"]["bare"]
+    assert [(g["host"], g["gpu"], g["rank"]) for g in job["gpus"]][:5] == [
+        ("node0", 0, 0),
+        ("node0", 1, 1),
+        ("node0", 2, 2),
+        ("node0", 3, 3),
+        ("node1", 0, 4),
+    ]
+    # The cross-rank signatures still work without events.
+    assert job["band_gpu_hours"]["deadlock"] == pytest.approx(2.4, abs=0.01)
+    assert job["straggler"]["rank"] == 5
+
+
+def test_bad_rows_and_events_warn_count_and_exit_0(cli, tmp_path):
+    b = TraceBuilder(n_gpus=2, per_host=2, job="j")
+    b.run("start")
+    b.stretch("compute", 60, step_s=5)
+    [csv_path] = write_nvidia_smi_csv(b.samples(), tmp_path)
+    lines = csv_path.read_text().splitlines()
+    lines[3] = lines[3].replace(" W,", " watts?,").replace("W", "x")  # non-numeric power
+    lines[5] = lines[5].rsplit(",", 1)[0]  # malformed row
+    csv_path.write_text("\n".join(lines) + "\n")
+    ev = b.write_events(tmp_path / "events.jsonl")
+    ev.write_text(
+        ev.read_text()
+        + '{"type": "step", "job": "j", "ts": 1753570030.0, "rank": 0}\n'
+        + '{"type": "step", "job": "j", "ts": 4102444800, "rank": 0, "step": 99}\n'
+        + '{"type": "gossip", "job": "j", "ts": 1753570030.0, "rank": 0}\n'
+    )
+    r = cli("replay", "--samples", csv_path, "--events", ev, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    n = len(ev.read_text().splitlines())
+    assert f"{csv_path}:4: bad_value" in r.stderr
+    assert f"{csv_path}:6: malformed_row" in r.stderr
+    assert f"{ev}:{n - 2}: missing_field" in r.stderr
+    assert f"{ev}:{n - 1}: bad_timestamp" in r.stderr
+    assert f"{ev}:{n}: unknown_type" in r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["warnings"] == {
+        "bad_timestamp": 1,
+        "bad_value": 1,
+        "malformed_row": 1,
+        "missing_field": 1,
+        "unknown_type": 1,
+    }
+    assert rep["jobs"]["j"]["valid_steps"] == 12
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "binary", "wrong-format", "events-as-samples"])
+def test_unusable_file_exits_2_with_one_line(cli, tmp_path, kind):
+    p = tmp_path / "trace.csv"
+    if kind == "empty":
+        p.write_text("")
+    elif kind == "binary":
+        p.write_bytes(bytes(range(256)) * 4)
+    elif kind == "wrong-format":
+        p.write_text("a,b,c\n1,2,3\n")
+    elif kind == "events-as-samples":
+        p = EXAMPLE / "events.jsonl"
+    r = cli("replay", "--samples", p)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and str(p) in r.stderr
+
+
+def test_unusable_events_file_and_bad_options_exit_2(cli, tmp_path):
+    bad = tmp_path / "e.jsonl"
+    bad.write_text("timestamp,power\n1,2\n")
+    r = cli("replay", "--samples", EXAMPLE / "node0.csv", "--events", bad)
+    assert r.returncode == 2 and "no usable events" in r.stderr
+    r = cli("replay", "--samples", EXAMPLE / "node0.csv", "--tz", "Mars/Olympus")
+    assert r.returncode == 2 and "not an IANA time zone" in r.stderr
+    r = cli("replay", "--samples", EXAMPLE / "node0.csv", "--gpu-model", "Quantum 9000")
+    assert r.returncode == 2 and "unknown GPU model" in r.stderr
+    assert all("Traceback" not in x for x in (r.stderr, r.stdout))
+
+
+def test_config_precedence_flag_over_env_over_yaml(cli, tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("replay:\n  price_per_gpu_hour: 7.0\n  currency: EUR\n")
+
+    def price(*extra, env=None):
+        import os
+        import subprocess
+        import sys
+
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "costexporter.cli",
+                "--config",
+                cfg,
+                *map(str, EXAMPLE_ARGS),
+                "--format",
+                "json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+            cwd=ROOT,
+        )
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        return rep["currency"], rep["jobs"]["qwen3-mini"]
+
+    # The example's meta carries a job price (3.5), which wins over configured prices (DESIGN 6);
+    # the configured price still decides where there is none, so compare the currency and the
+    # wasted price here.
+    cur, _ = price()
+    assert cur == "EUR"
+    cur, _ = price(env={"COSTEXPORTER_REPLAY_CURRENCY": "GBP"})
+    assert cur == "GBP"
+    cur, job = price("--currency", "JPY", env={"COSTEXPORTER_REPLAY_CURRENCY": "GBP"})
+    assert cur == "JPY"
+    _, job = price(env={"COSTEXPORTER_REPLAY_WASTED_PRICE_PER_GPU_HOUR": "1.0"})
+    assert job["cost"]["stalled"] == pytest.approx(job["gpu_hours"]["stalled"] * 1.0, abs=1e-6)
+
+
+def test_output_file(cli, tmp_path):
+    out = tmp_path / "bill.json"
+    r = cli(*EXAMPLE_ARGS, "--format", "json", "-o", out)
+    assert r.returncode == 0 and r.stdout == ""
+    jsonschema.validate(json.loads(out.read_text()), SCHEMA)
