@@ -144,8 +144,7 @@ class Timeline:
     """A job's regime segments: segment i covers [bounds[i], bounds[i+1])."""
 
     bounds: np.ndarray  # int64, starts with NEG_INF, ends with POS_INF
-    regime: np.ndarray  # int8 per segment
-    step_idx: np.ndarray  # int32 per segment, -1 where none
+    regime: np.ndarray  # int8 per segment (adjacent segments differ)
     steps: list[StepRecord]
     resumes: list[tuple[int, int, int]]  # (ts_ms, resumed-from step K, steps voided)
     start_ms: int  # the job's first registration (or first event)
@@ -288,8 +287,14 @@ def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_m
 
     def split(a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """[a, b) into overhead pieces and the rest."""
-        ov: list[tuple[int, int]] = []
         i = max(bisect.bisect_right(ov_starts, a) - 1, 0)
+        if (
+            not in_startup
+            and (i >= len(overhead) or overhead[i][1] <= a)
+            and (i + 1 >= len(overhead) or overhead[i + 1][0] >= b)
+        ):
+            return [], [(a, b)]  # the common case: a plain interval between two steps
+        ov: list[tuple[int, int]] = []
         while i < len(overhead) and overhead[i][0] < b:
             x, y = max(overhead[i][0], a), min(overhead[i][1], b)
             if y > x:
@@ -319,6 +324,11 @@ def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_m
         eff = sum(y - x for x, y in rest)
         # The threshold is never below the floor: only a longer interval needs the percentile.
         stalled = eff > floor_ms and eff > stall_threshold_ms(durations, cfg)
+        if not ov and outcome == "step" and not stalled:  # fast path: one step segment
+            emit(anchor, b, Regime.STEP, step_index)
+            if not in_startup:
+                durations.append(eff)
+            return False
         pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
         if outcome == "step" and not stalled:
             pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
@@ -396,11 +406,16 @@ def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_m
     if is_void.any():
         is_void[is_void] = voided[step_idx[is_void]]
         regime[is_void] = Regime.VOID
+    # Adjacent segments of one regime book alike: merge them, so slices are cut only where the
+    # category can change (not at every step boundary).
+    keep = np.ones(regime.size, bool)
+    keep[1:] = regime[1:] != regime[:-1]
+    bounds = np.append(bounds[:-1][keep], bounds[-1])
+    regime = regime[keep]
 
     return Timeline(
         bounds=bounds,
         regime=regime,
-        step_idx=step_idx,
         steps=steps,
         resumes=resumes,
         start_ms=start_ms,
@@ -416,13 +431,15 @@ def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_m
 
 @dataclass(slots=True)
 class Slices:
-    """Slices of many GPUs (DESIGN: the unit of booking), sorted by (gpu, start)."""
+    """Slices of many GPUs (DESIGN: the unit of booking), in no particular order."""
 
     gpu: np.ndarray  # int32, index into the job's GPU list
     start_ms: np.ndarray  # int64
     end_ms: np.ndarray  # int64
     band: np.ndarray  # int8, NO_BAND where unobserved
     energy_mj: np.ndarray  # float64
+    span_start_ms: np.ndarray | None = None  # per GPU: earliest slice start (POS_INF: none)
+    span_end_ms: np.ndarray | None = None  # per GPU: latest slice end
 
 
 @dataclass(slots=True)
@@ -447,45 +464,56 @@ def make_slices(
     power_w: np.ndarray,
     energy_mj: np.ndarray,
     band: np.ndarray,
-    interval_ms: np.ndarray,
+    n_gpus: int,
+    interval_ms: int,
     cover_start_ms: np.ndarray,
     cover_end_ms: np.ndarray,
     gap_intervals: float,
 ) -> Slices:
-    """Samples (sorted by gpu, ts) to slices, plus `unobserved` slices for gaps and for the
-    parts of each GPU's coverage [cover_start, cover_end) that have no samples at all.
+    """Samples (grouped by GPU, in time order) to slices, plus `unobserved` slices for gaps and
+    for the parts of each GPU's coverage [cover_start, cover_end) that have no samples at all.
 
-    `interval_ms`, `cover_*` are per GPU; a coverage start of POS_INF means "not a job GPU".
+    A sample's slice runs to the next sample of its GPU (the last one: one interval); a gap
+    longer than `gap_intervals` intervals keeps one interval and the rest is unobserved.
+    `cover_*` are per GPU; a coverage start of POS_INF means "not a job GPU".
     """
     n = ts_ms.size
-    n_gpus = interval_ms.size
-    iv = interval_ms[gpu]
+    iv = int(interval_ms)
     last = np.ones(n, bool)
-    if n > 1:
-        last[:-1] = gpu[1:] != gpu[:-1]
     nxt = np.empty(n, np.int64)
-    nxt[:-1] = ts_ms[1:]
-    nxt[last] = ts_ms[last] + iv[last]
-    gap = (nxt - ts_ms) > gap_intervals * iv
-    end = np.where(gap, ts_ms + iv, nxt)
+    if n > 1:
+        np.not_equal(gpu[1:], gpu[:-1], out=last[:-1])
+        nxt[:-1] = ts_ms[1:]
+    nxt[last] = ts_ms[last] + iv
+    dur = nxt - ts_ms
+    gap = dur > gap_intervals * iv
+    any_gap = bool(gap.any())
+    if any_gap:
+        dur[gap] = iv
+        end = ts_ms + dur
+    else:
+        end = nxt
 
-    e_next = np.empty(n)
-    e_next[:-1] = energy_mj[1:]
-    e_next[last] = np.nan
-    de = e_next - energy_mj
-    use_counter = np.isfinite(de) & (de >= 0) & ~gap & ~last
-    p = np.nan_to_num(power_w, nan=0.0)
-    energy = np.where(use_counter, de, p * (end - ts_ms))
+    # Energy: the counter's delta where the source has one, else integrated power (W x ms = mJ).
+    energy = power_w * dur
+    energy[np.isnan(energy)] = 0.0
+    if n > 1 and not np.isnan(energy_mj).all():
+        de = np.full(n, np.nan)
+        de[:-1] = energy_mj[1:] - energy_mj[:-1]
+        use_counter = np.isfinite(de) & (de >= 0) & ~gap & ~last
+        energy[use_counter] = de[use_counter]
 
     # Unobserved pieces: interior gaps, coverage before the first and after the last sample.
-    gap_start = end[gap]
-    gap_end = nxt[gap]
-    gap_gpu = gpu[gap]
-    counts = np.bincount(gpu, minlength=n_gpus)
-    has = counts > 0
-    first_idx = np.cumsum(counts) - counts
-    first_ts = np.where(has, ts_ms[np.minimum(first_idx, max(n - 1, 0))] if n else 0, POS_INF)
-    last_end = np.where(has, end[np.minimum(first_idx + counts - 1, max(n - 1, 0))] if n else 0, NEG_INF)
+    gap_start = end[gap] if any_gap else np.zeros(0, np.int64)
+    gap_end = nxt[gap] if any_gap else np.zeros(0, np.int64)
+    gap_gpu = gpu[gap] if any_gap else np.zeros(0, np.int32)
+    first_ts = np.full(n_gpus, POS_INF, np.int64)
+    last_end = np.full(n_gpus, NEG_INF, np.int64)
+    if n:
+        starts = np.flatnonzero(np.concatenate([[True], last[:-1]]))
+        first_ts[gpu[starts]] = ts_ms[starts]
+        last_end[gpu[last]] = end[last]
+    has = first_ts < POS_INF
     member = cover_start_ms < POS_INF
     head = member & (cover_start_ms < np.minimum(first_ts, cover_end_ms))
     tail = member & has & (cover_end_ms > last_end)
@@ -496,42 +524,60 @@ def make_slices(
     )
     uo_end = np.concatenate([gap_end, np.minimum(first_ts, cover_end_ms)[head], cover_end_ms[tail]])
     keep = uo_end > uo_start
-
-    s_gpu = np.concatenate([gpu.astype(np.int32), uo_gpu[keep]])
-    s_start = np.concatenate([ts_ms, uo_start[keep]])
-    s_end = np.concatenate([end, uo_end[keep]])
-    s_band = np.concatenate([band.astype(np.int8), np.full(int(keep.sum()), NO_BAND, np.int8)])
-    s_energy = np.concatenate([energy, np.zeros(int(keep.sum()))])
-    ok = s_end > s_start
-    if not ok.all():
-        s_gpu, s_start, s_end, s_band, s_energy = (a[ok] for a in (s_gpu, s_start, s_end, s_band, s_energy))
-    if keep.any():
-        order = np.lexsort((s_start, s_gpu))
-        s_gpu, s_start, s_end, s_band, s_energy = (
-            a[order] for a in (s_gpu, s_start, s_end, s_band, s_energy)
-        )
-    return Slices(s_gpu, s_start, s_end, s_band, s_energy)
+    span_start = np.where(head, cover_start_ms, first_ts)
+    span_end = np.where(tail, cover_end_ms, last_end)
+    if not keep.any():
+        return Slices(gpu, ts_ms, end, band.astype(np.int8, copy=False), energy, span_start, span_end)
+    k = int(keep.sum())
+    return Slices(
+        np.concatenate([gpu, uo_gpu[keep].astype(gpu.dtype)]),
+        np.concatenate([ts_ms, uo_start[keep]]),
+        np.concatenate([end, uo_end[keep]]),
+        np.concatenate([band.astype(np.int8, copy=False), np.full(k, NO_BAND, np.int8)]),
+        np.concatenate([energy, np.zeros(k)]),
+        span_start,
+        span_end,
+    )
 
 
 def _cut(s: Slices, bounds: np.ndarray) -> tuple[Slices, np.ndarray]:
-    """Cut slices at shared sorted bounds; return the pieces and each piece's segment index."""
+    """Cut slices at shared sorted bounds; return the pieces and each piece's segment index.
+
+    A straddling slice keeps its first piece in place; its other pieces are appended.
+    """
     lo = np.searchsorted(bounds, s.start_ms, "right") - 1
-    hi = np.searchsorted(bounds, s.end_ms - 1, "right") - 1
-    n = hi - lo + 1
-    if (n == 1).all():
+    multi = np.flatnonzero(s.end_ms > bounds[lo + 1])  # slices that cross their segment's end
+    if multi.size == 0:
         return s, lo
-    idx = np.repeat(np.arange(n.size), n)
-    first = np.cumsum(n) - n
-    seg = lo[idx] + (np.arange(idx.size) - first[idx])
-    start = np.maximum(s.start_ms[idx], bounds[seg])
+    hi = np.searchsorted(bounds, s.end_ms[multi] - 1, "right") - 1
+    n = hi - lo[multi]  # extra pieces per straddling slice
+    idx = np.repeat(multi, n)
+    seg = lo[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(n) - n, n)) + 1
+    full = (s.end_ms - s.start_ms)[multi]
+    start = bounds[seg]
     end = np.minimum(s.end_ms[idx], bounds[seg + 1])
-    full = (s.end_ms - s.start_ms)[idx]
-    energy = s.energy_mj[idx] * ((end - start) / full)
-    return Slices(s.gpu[idx], start, end, s.band[idx], energy), seg
+    energy = s.energy_mj[idx] * ((end - start) / np.repeat(full, n))
+    out = Slices(
+        np.concatenate([s.gpu, s.gpu[idx]]),
+        np.concatenate([s.start_ms, start]),
+        np.concatenate([s.end_ms, end]),
+        np.concatenate([s.band, s.band[idx]]),
+        np.concatenate([s.energy_mj, energy]),
+        s.span_start_ms,
+        s.span_end_ms,
+    )
+    first_end = bounds[lo[multi] + 1]
+    out.end_ms[multi] = first_end
+    out.energy_mj[multi] = s.energy_mj[multi] * ((first_end - s.start_ms[multi]) / full)
+    return out, np.concatenate([lo, seg])
 
 
 def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
     """Cut slices at per-GPU times (few: membership bounds, a rank's own phases)."""
+    if cut_ms.size and s.span_start_ms is not None:
+        # Only cuts strictly inside their GPU's span of slices can split anything.
+        inside = (cut_ms > s.span_start_ms[cut_gpu]) & (cut_ms < s.span_end_ms[cut_gpu])
+        cut_gpu, cut_ms = cut_gpu[inside], cut_ms[inside]
     if cut_ms.size == 0:
         return s
     span = np.int64(1) << 42  # > any trace's span in ms after rebasing
@@ -554,7 +600,7 @@ def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
     end = np.where(has_next, cuts[np.minimum(ci, cuts.size - 1)] % span + base, s.end_ms[idx])
     full = (s.end_ms - s.start_ms)[idx]
     energy = s.energy_mj[idx] * ((end - start) / full)
-    return Slices(s.gpu[idx], start, end, s.band[idx], energy)
+    return Slices(s.gpu[idx], start, end, s.band[idx], energy, s.span_start_ms, s.span_end_ms)
 
 
 def book(
@@ -592,7 +638,12 @@ def book(
         r = regime[mine]
         r[inside & (r != Regime.UNASSIGNED)] = Regime.OVERHEAD
         regime[mine] = r
-    outside = (s.start_ms < member_start_ms[s.gpu]) | (s.start_ms >= member_end_ms[s.gpu])
-    regime[outside] = Regime.UNASSIGNED
-    category = CATEGORY_TABLE[regime, s.band.astype(np.intp) + 1]
+    if (
+        s.span_start_ms is None
+        or not ((s.span_start_ms >= member_start_ms) & (s.span_end_ms <= member_end_ms)).all()
+    ):
+        outside = (s.start_ms < member_start_ms[s.gpu]) | (s.start_ms >= member_end_ms[s.gpu])
+        regime[outside] = Regime.UNASSIGNED
+    # CATEGORY_TABLE[regime, band + 1] as one flat take.
+    category = np.take(CATEGORY_TABLE.ravel(), regime.astype(np.intp) * (len(Band) + 1) + s.band + 1)
     return Pieces(s.gpu, s.start_ms, s.end_ms, s.band, category, s.energy_mj)

@@ -8,9 +8,11 @@ names (`replay: {price_per_gpu_hour: 4.1}`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -169,6 +171,7 @@ def _sample_spec(spec: str) -> tuple[str, Path]:
     help="Write the report here instead of stdout.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Do not print warnings about skipped input.")
+@click.option("--timings", is_flag=True, help="Print where the time went (JSON, to stderr).")
 def replay(
     samples,
     events,
@@ -194,6 +197,7 @@ def replay(
     fmt,
     output,
     quiet,
+    timings,
 ) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
     from . import profiles, report
@@ -205,6 +209,7 @@ def replay(
     from .sources import files
 
     diag = Diagnostics(stream=None if quiet else sys.stderr)
+    clock = [("start", time.perf_counter())]
     try:
         profile = profiles.load(profile_path) if profile_path else None
         specs = [_sample_spec(s) for s in samples]
@@ -212,6 +217,7 @@ def replay(
             chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))
         sample_set = files.combine(chunks)
         evs = files.read_events_jsonl(events, diag) if events else []
+        clock.append(("read_s", time.perf_counter()))
         cfg = ReplayConfig(
             booking=BookingConfig(
                 stall_k=stall_k,
@@ -231,6 +237,7 @@ def replay(
             profile=profile,
         )
         result = run_replay(sample_set, evs, cfg)
+        clock.append(("book_s", time.perf_counter()))
     except (InputError, profiles.ProfileError) as e:
         raise InputFailure(str(e)) from None
     result["warnings"] = diag.summary()
@@ -239,6 +246,14 @@ def replay(
         output.write_text(text if text.endswith("\n") else text + "\n")
     else:
         click.echo(text, nl=not text.endswith("\n"))
+    if timings:
+        import json
+
+        clock.append(("render_s", time.perf_counter()))
+        t = {name: round(b - a, 4) for (_, a), (name, b) in itertools.pairwise(clock)}
+        t["rows"] = len(sample_set)
+        t["rows_per_s"] = round(len(sample_set) / (clock[2][1] - clock[0][1]))
+        click.echo("timings: " + json.dumps(t), err=True)
     if diag.counts and not quiet:
         total = sum(diag.counts.values())
         click.echo(

@@ -94,9 +94,17 @@ class Samples:
         )
 
     def sort(self) -> Samples:
-        """Sort by (gpu, ts) and drop exact duplicate timestamps of one GPU (keep the last)."""
-        order = np.lexsort((self.ts_ms, self.gpu))
+        """Sort by (gpu, ts) and drop exact duplicate timestamps of one GPU (keep the last).
+
+        Traces arrive in time order per file, so a stable sort by GPU (a radix sort for small
+        integer keys) is usually enough; a full lexsort runs only when time order is broken.
+        """
+        key = self.gpu.astype(np.int16) if len(self.gpus) < 2**15 else self.gpu
+        order = np.argsort(key, kind="stable")
         gpu, ts = self.gpu[order], self.ts_ms[order]
+        if gpu.size > 1 and ((ts[1:] < ts[:-1]) & (gpu[1:] == gpu[:-1])).any():
+            order = np.lexsort((self.ts_ms, self.gpu))
+            gpu, ts = self.gpu[order], self.ts_ms[order]
         keep = np.ones(len(order), bool)
         if len(order) > 1:
             keep[:-1] = (gpu[1:] != gpu[:-1]) | (ts[1:] != ts[:-1])

@@ -132,10 +132,15 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
 
     # A GPU registered by a later job leaves the earlier job then.
     claims = sorted((t, g, job) for job, mem in jobs.items() for _, g, t in mem)
+    claims_by_gpu: dict[int, list[tuple[int, str]]] = {}
+    for t, g, job in claims:
+        claims_by_gpu.setdefault(g, []).append((t, job))
     next_claim: dict[tuple[str, int], int] = {}
-    for i, (_t, g, job) in enumerate(claims):
-        later = [t2 for t2, g2, j2 in claims[i + 1 :] if g2 == g and j2 != job]
-        next_claim[(job, g)] = later[0] if later else POS_INF
+    for g, gpu_claims in claims_by_gpu.items():
+        for i, (_t, job) in enumerate(gpu_claims):
+            if (job, g) not in next_claim:  # from the job's first claim: the next other job's
+                later = (t2 for t2, j2 in gpu_claims[i + 1 :] if j2 != job)
+                next_claim[(job, g)] = next(later, POS_INF)
 
     results: list[JobResult] = []
     member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
@@ -159,14 +164,16 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
         # Samples of member GPUs, renumbered 0..n-1 in member order (job-local GPU index).
         local = np.full(n_g, -1, np.int64)
         local[member_gpus] = np.arange(member_gpus.size)
-        sel = local[samples.gpu] >= 0 if len(samples) else np.zeros(0, bool)
-        lg = local[samples.gpu[sel]]
-        order = np.lexsort((samples.ts_ms[sel], lg))
-        lg = lg[order]
-        ts = samples.ts_ms[sel][order]
-        pw = samples.power_w[sel][order]
-        ut = samples.util_pct[sel][order]
-        en = samples.energy_mj[sel][order]
+        # Samples stay grouped by GPU in time order; only the GPU numbers change.
+        if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
+            lg = local[samples.gpu]
+            ts, pw, ut, en = samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj
+        else:
+            sel = local[samples.gpu] >= 0
+            lg = local[samples.gpu[sel]]
+            ts, pw, ut, en = (
+                a[sel] for a in (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
+            )
         n_ranks = int(ranks.max()) + 1 if ranks.size else 0
         member_gpu_list = [gpus[g] for g in member_gpus]
         profile = _job_profile(cfg, member_gpu_list, meta)
@@ -185,19 +192,21 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
         mem_start = np.asarray([t for _, _, t in members], np.int64)
         mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
         slices = make_slices(
-            lg.astype(np.int32),
+            lg,
             ts,
             pw,
             en,
             br.band,
-            np.full(member_gpus.size, br.interval_ms, np.int64),
+            member_gpus.size,
+            br.interval_ms,
             mem_start,
             mem_end,
             bc.gap_intervals,
         )
         pieces = book(slices, timeline, ranks, mem_start, mem_end)
         inside = pieces.category != Category.UNASSIGNED
-        pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
+        if not inside.all():
+            pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
         act_start, act_end = active_intervals(timeline)
         mem_ivals = [
             intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
@@ -218,26 +227,48 @@ def _unassigned(
     cfg: ReplayConfig,
 ) -> dict:
     """GPU time no job held: observed slices outside every job's membership."""
+    zero = {"gpu_hours": 0.0, "energy_kwh": 0.0}
     if not len(samples):
-        return {"gpu_hours": 0.0, "energy_kwh": 0.0}
-    band = np.full(len(samples), Band.UNKNOWN, np.int8)
+        return zero
+    counts = np.bincount(samples.gpu, minlength=n_gpus)
+    first = np.cumsum(counts) - counts
+    has = counts > 0
+    span_start = np.where(has, samples.ts_ms[np.minimum(first, len(samples) - 1)], 0)
+    span_end = np.where(has, samples.ts_ms[np.minimum(first + counts - 1, len(samples) - 1)], 0)
+    span_end = span_end + interval_ms
+    by_gpu: dict[int, list[tuple[int, int]]] = {}
+    for g, a, b in members:
+        by_gpu.setdefault(g, []).append((a, b))
+    covered = np.zeros(n_gpus, bool)
+    for g, ivals in by_gpu.items():
+        if g < n_gpus and has[g]:
+            covered[g] = any(a <= span_start[g] and b >= span_end[g] for a, b in ivals)
+    todo = has & ~covered
+    if not todo.any():
+        return zero
+    sel = todo[samples.gpu]
+    band = np.full(int(sel.sum()), Band.UNKNOWN, np.int8)
     none = np.full(n_gpus, POS_INF, np.int64)
     s = make_slices(
-        samples.gpu,
-        samples.ts_ms,
-        samples.power_w,
-        samples.energy_mj,
+        samples.gpu[sel],
+        samples.ts_ms[sel],
+        samples.power_w[sel],
+        samples.energy_mj[sel],
         band,
-        np.full(n_gpus, interval_ms, np.int64),
+        n_gpus,
+        interval_ms,
         none,
         none,
         cfg.booking.gap_intervals,
     )
     assigned = np.zeros(s.gpu.size, np.int64)  # assigned ms per slice
-    for g, a, b in members:
+    for g, ivals in by_gpu.items():
+        if not (g < n_gpus and todo[g]):
+            continue
         mine = s.gpu == g
-        ov = np.clip(np.minimum(s.end_ms[mine], b) - np.maximum(s.start_ms[mine], a), 0, None)
-        assigned[mine] += ov
+        for a, b in ivals:
+            ov = np.clip(np.minimum(s.end_ms[mine], b) - np.maximum(s.start_ms[mine], a), 0, None)
+            assigned[mine] += ov
     dur = s.end_ms - s.start_ms
     free = np.clip(dur - assigned, 0, None)
     frac = np.divide(free, dur, out=np.zeros(free.size), where=dur > 0)
@@ -256,20 +287,23 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
     p = r.pieces
     n_cat, n_band, n_gpu = len(Category), len(Band), len(r.gpus)
     dur = p.dur_ms
-    cat_ms = np.bincount(p.category, weights=dur, minlength=n_cat)
-    cat_mj = np.bincount(p.category, weights=p.energy_mj, minlength=n_cat)
-    observed = p.band >= 0
-    band_ms = np.bincount(p.band[observed], weights=dur[observed], minlength=n_band)
+    # One key (gpu, category, band + 1) and two bincounts give every total as a sum over axes;
+    # band column 0 holds unobserved pieces (no sample, no band).
+    shape = (n_gpu, n_cat, n_band + 1)
+    key = (p.gpu.astype(np.int64) * n_cat + p.category) * (n_band + 1) + (p.band + 1)
+    ms = np.bincount(key, weights=dur, minlength=n_gpu * n_cat * (n_band + 1)).reshape(shape)
+    mj = np.bincount(key, weights=p.energy_mj, minlength=ms.size).reshape(shape)
+    per_gpu_cat_ms = ms.sum(2)
+    per_gpu_band_ms = ms.sum(1)[:, 1:]
+    cat_ms = per_gpu_cat_ms.sum(0)
+    cat_mj = mj.sum((0, 2))
+    band_ms = per_gpu_band_ms.sum(0)
     price = float(r.meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
     cat_cost = cfg.prices.cost(cat_ms, cat_mj, price_per_gpu_hour=price)
     cat_cost[Category.UNASSIGNED] = 0.0
 
-    per_gpu_cat = np.bincount(p.gpu * n_cat + p.category, weights=dur, minlength=n_gpu * n_cat)
-    per_gpu_band = np.bincount(
-        p.gpu[observed] * n_band + p.band[observed], weights=dur[observed], minlength=n_gpu * n_band
-    )
-    per_gpu_cat = per_gpu_cat.reshape(n_gpu, n_cat) / MS_PER_HOUR
-    per_gpu_band = per_gpu_band.reshape(n_gpu, n_band) / MS_PER_HOUR
+    per_gpu_cat = per_gpu_cat_ms / MS_PER_HOUR
+    per_gpu_band = per_gpu_band_ms / MS_PER_HOUR
 
     tl = r.timeline
     completed = len(tl.steps)
@@ -278,11 +312,9 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
     tokens = sum(s.tokens for s in tl.steps if not s.voided)
     cost_total = float(cat_cost.sum())
     wasted_ms = sum(cat_ms[c] for c in WASTED_CATEGORIES)
-    if tl.last_checkpoint_ms is None:
-        at_risk_ms = float(dur.sum())
-    else:
-        after = p.end_ms - np.maximum(p.start_ms, tl.last_checkpoint_ms)
-        at_risk_ms = float(np.clip(after, 0, None).sum())
+    # GPU time since the last saved checkpoint (all of it without one), from the membership.
+    since = NEG_INF if tl.last_checkpoint_ms is None else tl.last_checkpoint_ms
+    at_risk_ms = float(sum(max(0, b - max(a, since)) for iv in r.member_intervals for a, b in iv))
     straggler = None
     if r.band_result.straggler_rank is not None:
         rank = r.band_result.straggler_rank
@@ -335,8 +367,11 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
     out: list[dict] = []
+    wasted = np.flatnonzero((p.category >= min(WASTED_CATEGORIES)) & (p.category <= max(WASTED_CATEGORIES)))
+    by_cat = wasted[np.argsort(p.category[wasted], kind="stable")]
+    cats = p.category[by_cat]
     for c in sorted(WASTED_CATEGORIES):
-        sel = np.flatnonzero(p.category == c)
+        sel = by_cat[np.searchsorted(cats, c, "left") : np.searchsorted(cats, c, "right")]
         if sel.size == 0:
             continue
         sel = sel[np.argsort(p.start_ms[sel], kind="stable")]
@@ -355,10 +390,11 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
         band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
         dominant = band_ms.argmax(1) - 1
         gpu_local = p.gpu[sel]
-        pairs = np.unique(gid.astype(np.int64) * (1 << 20) + gpu_local)
+        n_gpu = len(r.gpus)
+        hit = np.bincount(gid.astype(np.int64) * n_gpu + gpu_local, minlength=n * n_gpu)
         members: list[list[int]] = [[] for _ in range(n)]
-        for key in pairs:
-            members[int(key >> 20)].append(int(key & ((1 << 20) - 1)))
+        for key in np.flatnonzero(hit).tolist():
+            members[key // n_gpu].append(key % n_gpu)
         for i in range(n):
             gl = members[i]
             out.append(

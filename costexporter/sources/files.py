@@ -41,13 +41,14 @@ INSTANT_TOLERANCE_MS = 50
 class SampleChunk:
     """Samples of one file, before GPUs are numbered across files."""
 
-    host: np.ndarray  # object (str)
+    hosts: list[str]  # host names; `host` indexes into them
+    host: np.ndarray  # int32
     index: np.ndarray  # int64
-    uuid: np.ndarray  # object (str or None)
     ts_ms: np.ndarray
     power_w: np.ndarray
     util_pct: np.ndarray
     energy_mj: np.ndarray
+    uuid: dict[tuple[str, int], str]  # per GPU, not per row
     name: dict[tuple[str, int], str]
     power_limit_w: dict[tuple[str, int], float]
 
@@ -89,32 +90,31 @@ def _column_key(name: str) -> str:
     return key
 
 
+UNIT_CHARS = " W%JmMiBHz"
+
+
 def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """Text like ' 951.20 W', '100 %', '[N/A]' to float64 (NaN for N/A), plus a bad-value mask."""
-    s = pc.utf8_trim_whitespace(col)
-    s = pc.utf8_rtrim(s, characters=" W%JmMiBHz")
-    s = pc.utf8_trim_whitespace(s)
-    na = pc.or_(
-        pc.is_in(s, value_set=pa.array([m.rstrip(" W%") for m in NA_MARKERS] + NA_MARKERS)), pc.equal(s, "")
-    )
-    na = pc.fill_null(na, True)
-    try:
-        x = pc.cast(pc.if_else(na, pa.scalar(None, pa.string()), s), pa.float64())
-        bad = np.zeros(len(col), bool)
+    s = pc.utf8_trim(col, characters=UNIT_CHARS)
+    try:  # fast path: a clean column casts in one kernel
+        return pc.cast(s, pa.float64()).to_numpy(zero_copy_only=False), np.zeros(len(col), bool)
     except pa.ArrowInvalid:
-        ok = pc.fill_null(pc.match_substring_regex(s, NUMBER_RE), False)
-        bad = ~ok.to_numpy(zero_copy_only=False) & ~na.to_numpy(zero_copy_only=False)
-        x = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.float64())
+        pass
+    markers = pa.array(NA_MARKERS + [m.strip(UNIT_CHARS) for m in NA_MARKERS] + [""])
+    na = pc.fill_null(pc.is_in(s, value_set=markers), True)
+    ok = pc.fill_null(pc.match_substring_regex(s, NUMBER_RE), False)
+    bad = ~ok.to_numpy(zero_copy_only=False) & ~na.to_numpy(zero_copy_only=False)
+    x = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.float64())
     return x.to_numpy(zero_copy_only=False).astype(np.float64), bad
 
 
 def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray]:
     """nvidia-smi local times ('2025/07/26 23:53:30.945') in zone `tz` to UTC epoch ms."""
-    s = pc.replace_substring(pc.utf8_trim_whitespace(col), "/", "-")
-    try:
-        t = pc.cast(s, pa.timestamp("ms"))
+    try:  # fast path: every row is a well-formed timestamp
+        t = pc.cast(pc.replace_substring(col, "/", "-"), pa.timestamp("ms"))
         bad = np.zeros(len(col), bool)
     except pa.ArrowInvalid:
+        s = pc.replace_substring(pc.utf8_trim_whitespace(col), "/", "-")
         ok = pc.fill_null(pc.match_substring_regex(s, TS_RE), False)
         bad = ~ok.to_numpy(zero_copy_only=False)
         t = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.timestamp("ms"))
@@ -179,10 +179,10 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
 
     col = {k: table.column(i) for i, k in enumerate(keys) if k}
     drop = np.zeros(n, bool)
-    ts_text = pc.utf8_trim_whitespace(col["timestamp"])
-    blank = pc.equal(ts_text, "").to_numpy(zero_copy_only=False)
-    repeated_header = pc.equal(pc.utf8_lower(ts_text), "timestamp").to_numpy(zero_copy_only=False)
-    drop |= blank | repeated_header
+    ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
+    if bad_ts.any():  # blank lines and repeated headers are skipped silently
+        ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
+        drop |= pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
     if not ends_with_newline and n and (not invalid or invalid[-1] != last_line):
         # The last line parsed with the right column count but was cut mid-value.
         diag.warn(str(path), int(line_of_row[-1]), "truncated_last_line", "skipped")
@@ -197,8 +197,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
             diag.counts[reason] += extra
         drop[:] |= mask
 
-    ts_ms, bad = _timestamps(col["timestamp"], tz)
-    bad_rows(bad, "bad_timestamp", "unparseable timestamp")
+    bad_rows(bad_ts, "bad_timestamp", "unparseable timestamp")
     now_ms = (time.time() + FUTURE_SLACK_S) * 1000
     bad_rows(
         (ts_ms > now_ms) | (ts_ms < MIN_TS * 1000),
@@ -220,11 +219,6 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     with np.errstate(invalid="ignore"):
         bad_rows((util < 0) | (util > 100), "bad_value", "utilization outside [0, 100] %")
 
-    if "uuid" in col:
-        uuid = pc.utf8_trim_whitespace(col["uuid"]).to_numpy(zero_copy_only=False).astype(object)
-        uuid[uuid == ""] = None
-    else:
-        uuid = np.full(n, None, object)
     if "index" in col:
         idx_f, bad = _numeric(col["index"])
         bad_rows(bad | np.isnan(idx_f), "bad_value", "non-numeric index")
@@ -232,27 +226,31 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     else:
         index = _positional_index(ts_ms, drop)
 
-    keep = ~drop
-    index, uuid, ts_ms, power, util = (a[keep] for a in (index, uuid, ts_ms, power, util))
-    names_by_gpu: dict[tuple[str, int], str] = {}
+    keep = np.flatnonzero(~drop)
+    # Per-GPU attributes from each GPU's first row: a few values, not a column of strings.
+    first = keep[np.unique(index[keep], return_index=True)[1]]
+
+    def per_gpu(key: str) -> dict[tuple[str, int], str]:
+        if key not in col:
+            return {}
+        vals = pc.utf8_trim_whitespace(pc.take(col[key], pa.array(first))).to_pylist()
+        return {(host, int(index[i])): v for i, v in zip(first, vals, strict=True) if v}
+
     limits: dict[tuple[str, int], float] = {}
-    if "name" in col or "power.limit" in col:
-        first = np.unique(index, return_index=True)[1]
-        if "name" in col:
-            nm = pc.utf8_trim_whitespace(col["name"]).to_numpy(zero_copy_only=False)[keep]
-            names_by_gpu = {(host, int(index[i])): str(nm[i]) for i in first if nm[i]}
-        if "power.limit" in col:
-            lim = _numeric(col["power.limit"])[0][keep]
-            limits = {(host, int(index[i])): float(lim[i]) for i in first if lim[i] > 0}
+    if "power.limit" in col:
+        lim = _numeric(pc.take(col["power.limit"], pa.array(first)))[0]
+        limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
+    index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
     return SampleChunk(
-        host=np.full(index.size, host, object),
+        hosts=[host],
+        host=np.zeros(index.size, np.int32),
         index=index,
-        uuid=uuid,
         ts_ms=ts_ms,
         power_w=power,
         util_pct=util,
         energy_mj=np.full(index.size, np.nan),
-        name=names_by_gpu,
+        uuid=per_gpu("uuid"),
+        name=per_gpu("name"),
         power_limit_w=limits,
     )
 
@@ -275,7 +273,9 @@ def _positional_index(ts_ms: np.ndarray, drop: np.ndarray) -> np.ndarray:
 def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     """One JSON object a line: ts, host, gpu, uuid?, power_w, util_pct, energy_mj?."""
     _check_file(path)
-    cols: dict[str, list] = {k: [] for k in ("host", "gpu", "uuid", "ts", "p", "u", "e")}
+    cols: dict[str, list] = {k: [] for k in ("host", "gpu", "ts", "p", "u", "e")}
+    host_ids: dict[str, int] = {}
+    uuids: dict[tuple[str, int], str] = {}
     names: dict[tuple[str, int], str] = {}
     limits: dict[tuple[str, int], float] = {}
     where = str(path)
@@ -323,9 +323,10 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
                 continue
             h = str(d.get("host") or host)
             g = int(gpu)
-            cols["host"].append(h)
+            cols["host"].append(host_ids.setdefault(h, len(host_ids)))
             cols["gpu"].append(g)
-            cols["uuid"].append(d.get("uuid") or None)
+            if d.get("uuid"):
+                uuids.setdefault((h, g), str(d["uuid"]))
             cols["ts"].append(round(ts * 1000))
             cols["p"].append(p)
             cols["u"].append(u)
@@ -338,13 +339,14 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     if good == 0:
         raise InputError(f"{path}: no usable samples (is this a samples JSONL file?)")
     return SampleChunk(
-        host=np.asarray(cols["host"], object),
+        hosts=list(host_ids),
+        host=np.asarray(cols["host"], np.int32),
         index=np.asarray(cols["gpu"], np.int64),
-        uuid=np.asarray(cols["uuid"], object),
         ts_ms=np.asarray(cols["ts"], np.int64),
         power_w=np.asarray(cols["p"], np.float64),
         util_pct=np.asarray(cols["u"], np.float64),
         energy_mj=np.asarray(cols["e"], np.float64),
+        uuid=uuids,
         name=names,
         power_limit_w=limits,
     )
@@ -354,23 +356,31 @@ def combine(chunks: list[SampleChunk]) -> Samples:
     """Number GPUs by (host, index) across files and sort by (gpu, ts)."""
     if not chunks:
         return Samples.empty()
-    host = np.concatenate([c.host for c in chunks])
-    index = np.concatenate([c.index for c in chunks])
-    uuid = np.concatenate([c.uuid for c in chunks])
+    hosts = sorted({h for c in chunks for h in c.hosts})
+    host_no = {h: i for i, h in enumerate(hosts)}
+    uuids: dict = {}
     names: dict = {}
     limits: dict = {}
+    width = max((int(c.index.max()) + 1 for c in chunks if c.index.size), default=1)
+    keys = []
     for c in chunks:
+        remap = np.asarray([host_no[h] for h in c.hosts], np.int64)
+        keys.append(remap[c.host] * width + c.index)
+        uuids.update(c.uuid)
         names.update(c.name)
         limits.update(c.power_limit_w)
-    # Factorize (host, index) without a Python loop over rows.
-    hosts, host_id = np.unique(host.astype(str), return_inverse=True)
-    key = host_id.astype(np.int64) * (1 << 20) + index
-    keys, first, gpu = np.unique(key, return_index=True, return_inverse=True)
+    key = np.concatenate(keys)
+    # Dense numbering in O(n): keys are host * width + index, a small range.
+    if key.size and len(hosts) * width <= 1 << 24:
+        present = np.bincount(key, minlength=len(hosts) * width) > 0
+        gpu = (np.cumsum(present) - 1)[key]
+        gpu_keys = np.flatnonzero(present)
+    else:
+        gpu_keys, gpu = np.unique(key, return_inverse=True)
     gpus = []
-    for k, i in zip(keys, first, strict=True):
-        h = str(hosts[k >> 20])
-        ix = int(k & ((1 << 20) - 1))
-        gpus.append(GpuId(h, ix, uuid[i], names.get((h, ix)), limits.get((h, ix))))
+    for k in gpu_keys.tolist():
+        h, ix = hosts[k // width], k % width
+        gpus.append(GpuId(h, ix, uuids.get((h, ix)), names.get((h, ix)), limits.get((h, ix))))
     return Samples(
         gpus=gpus,
         gpu=gpu.astype(np.int32),
