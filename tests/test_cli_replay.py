@@ -193,3 +193,32 @@ def test_output_file(cli, tmp_path):
     r = cli(*EXAMPLE_ARGS, "--format", "json", "-o", out)
     assert r.returncode == 0 and r.stdout == ""
     jsonschema.validate(json.loads(out.read_text()), SCHEMA)
+
+
+def test_profile_from_the_traces_name_column_or_flags(cli, tmp_path):
+    b = TraceBuilder(n_gpus=2, per_host=2, job="h")
+    b.stretch("compute", 60)
+    s = b.samples()
+    s.gpus = [type(g)(g.host, g.index, g.uuid, "NVIDIA H100 80GB HBM3") for g in s.gpus]
+    [p] = write_nvidia_smi_csv(s, tmp_path, name=True)
+    rep = json.loads(cli("replay", "--samples", p, "--format", "json").stdout)
+    assert rep["jobs"]["trace"]["profile"] == {"name": "H100", "calibrated": False}
+    rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--gpu-model", "B300").stdout)
+    assert rep["jobs"]["trace"]["profile"] == {"name": "B300", "calibrated": True}
+    rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--power-limit", "2000").stdout)
+    prof = rep["jobs"]["trace"]["profile"]
+    assert prof["calibrated"] is False
+    # 940-1040 W is below 65% of a 2000 W limit: not compute under that profile.
+    assert rep["jobs"]["trace"]["band_gpu_hours"]["compute"] == 0
+    custom = tmp_path / "p.yaml"
+    custom.write_text("name: lab\nidle_max_w: 100\nlow_max_w: 200\ncompute_min_w: 900\n")
+    rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--profile", custom).stdout)
+    assert rep["jobs"]["trace"]["profile"] == {"name": "lab", "calibrated": True}
+
+
+def test_host_override_and_timings(cli, tmp_path):
+    r = cli("replay", "--samples", f"gpu-a={EXAMPLE / 'node0.csv'}", "--format", "json", "--timings")
+    rep = json.loads(r.stdout)
+    assert {g["host"] for g in next(iter(rep["jobs"].values()))["gpus"]} == {"gpu-a"}
+    timings = json.loads(r.stderr.split("timings: ", 1)[1])
+    assert timings["rows"] == 2880 and timings["book_s"] >= 0
