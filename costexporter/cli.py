@@ -74,7 +74,7 @@ def _tz(_ctx, _param, value: str) -> str:
         from zoneinfo import ZoneInfo
 
         ZoneInfo(value)
-    except Exception:
+    except (KeyError, ValueError, OSError):  # ZoneInfoNotFoundError is a KeyError
         raise click.BadParameter(f"{value!r} is not an IANA time zone or an offset like +08:00") from None
     return value
 

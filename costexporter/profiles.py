@@ -130,14 +130,11 @@ def load(path: str | Path) -> Profile:
         text = p.read_text()
     except OSError as e:
         raise ProfileError(f"{p}: cannot read profile: {e.strerror or e}") from None
-    try:
-        if p.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(text)
-    except Exception as e:
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
         raise ProfileError(f"{p}: not a valid profile file: {e}") from None
     if not isinstance(data, dict):
         raise ProfileError(f"{p}: a profile is a mapping of thresholds")

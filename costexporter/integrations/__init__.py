@@ -1,0 +1,1 @@
+"""Optional training-framework integrations: `pip install costexporter[hf]` or `[lightning]`."""

@@ -1,0 +1,88 @@
+"""PyTorch Lightning integration: `Trainer(callbacks=[CostExporterLightningCallback(job=...)])`.
+
+Posts every optimizer step (`trainer.global_step`), validation as an `eval` phase and every
+checkpoint save (whoever triggers it: ModelCheckpoint or your code) as a `checkpoint` phase
+carrying the saved step. `tokens_per_batch(batch)` may return the global batch's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # pragma: no cover - the standalone package name
+    try:
+        from pytorch_lightning import Callback  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError(
+            "costexporter.integrations.lightning needs lightning: pip install 'costexporter[lightning]'"
+        ) from e
+
+from ..client import StepReporter
+
+
+class CostExporterLightningCallback(Callback):
+    """Reports a Lightning `Trainer.fit` to costexporter."""
+
+    def __init__(
+        self,
+        job: str | None = None,
+        reporter: StepReporter | None = None,
+        tokens_per_batch: Callable[[object], int] | None = None,
+        **reporter_kwargs,
+    ) -> None:
+        self.job = job
+        self.reporter = reporter
+        self._owns = reporter is None
+        self._kwargs = reporter_kwargs
+        self._tokens_per_batch = tokens_per_batch
+        self._last_step = -1
+        self._tokens = 0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.reporter is None:
+            self.reporter = StepReporter(
+                self.job or "lightning",
+                rank=trainer.global_rank,
+                local_rank=trainer.local_rank,
+                world_size=trainer.world_size,
+                **self._kwargs,
+            )
+        self._last_step = trainer.global_step
+        if trainer.global_step > 0:
+            self.reporter.resume(int(trainer.global_step))
+        rep = self.reporter
+        save = trainer.save_checkpoint
+
+        def save_checkpoint(*args, **kwargs):
+            with rep.phase("checkpoint", step=int(trainer.global_step)):
+                return save(*args, **kwargs)
+
+        trainer.save_checkpoint = save_checkpoint  # every save, whoever triggers it
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._tokens_per_batch is not None:
+            self._tokens += int(self._tokens_per_batch(batch))
+        step = int(trainer.global_step)
+        if step != self._last_step and self.reporter is not None:  # an optimizer step completed
+            tokens = self._tokens if (self._tokens and trainer.global_rank == 0) else None
+            self.reporter.step(step, tokens=tokens)
+            self._tokens = 0
+            self._last_step = step
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.reporter is not None and not trainer.sanity_checking:
+            self.reporter.phase_begin("eval")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.reporter is not None and not trainer.sanity_checking:
+            self.reporter.phase_end("eval")
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.reporter is not None and self._owns:
+            self.reporter.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.reporter is not None and self._owns:
+            self.reporter.close(end_run=False)

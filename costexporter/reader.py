@@ -1,0 +1,97 @@
+"""Reading a job's events from Redis incrementally: validate, de-duplicate, count rejections.
+
+Used by the agent and the watcher. The reporter may send an event twice (a batch resent after a
+lost reply, a spool sent again after a crash), so the reader de-duplicates on
+(rank, session, seq); it tolerates events of one session arriving out of order (a spool sent
+after newer events) by remembering the gaps below each session's highest sequence number.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from . import protocol
+from .events import EventError, UnknownEventType, parse_event
+from .model import Event
+
+MAX_GAP = 100_000  # a jump larger than this is not remembered seq by seq
+
+
+@dataclass
+class _Seen:
+    high: int = -1
+    gaps: set[int] = field(default_factory=set)
+
+    def first_time(self, seq: int) -> bool:
+        if seq > self.high:
+            if seq - self.high - 1 <= MAX_GAP:
+                self.gaps.update(range(self.high + 1, seq))
+            self.high = seq
+            return True
+        if seq in self.gaps:
+            self.gaps.discard(seq)
+            return True
+        return False
+
+
+def _text(x: object) -> str:
+    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
+class EventReader:
+    """Consumes `<prefix>:{<job>}:events` from `cursor` (a stream id) on.
+
+    `stats` counts what was read: `accepted`, `duplicate`, `unknown_type`, `unknown_field` and
+    one `rejected:<reason>` per kind of bad entry (missing_field, bad_type, foreign_job, ...).
+    """
+
+    def __init__(self, client, job: str, prefix: str = protocol.DEFAULT_PREFIX, cursor: str = "0-0") -> None:
+        self.client = client
+        self.job = protocol.check_job(job)
+        self.key = protocol.stream_key(prefix, job)
+        self.cursor = cursor
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.rejections: collections.deque[tuple[str, str]] = collections.deque(maxlen=100)
+        self._seen: dict[tuple[int, str], _Seen] = {}
+
+    def poll(self, count: int = 10_000, block_ms: int | None = None) -> list[Event]:
+        """The next valid, new events (at most `count` entries read); advances the cursor."""
+        resp = self.client.xread({self.key: self.cursor}, count=count, block=block_ms)
+        out: list[Event] = []
+        for _key, entries in resp or []:
+            for entry_id, raw in entries:
+                self.cursor = _text(entry_id)
+                ev = self._accept({_text(k): _text(v) for k, v in raw.items()}, self.cursor)
+                if ev is not None:
+                    out.append(ev)
+        return out
+
+    def read_all(self, count: int = 10_000) -> list[Event]:
+        """Everything from the cursor to the end of the stream now."""
+        out: list[Event] = []
+        while True:
+            batch_cursor = self.cursor
+            got = self.poll(count)
+            out += got
+            if self.cursor == batch_cursor:
+                return out
+
+    def _accept(self, fields: dict[str, str], entry_id: str) -> Event | None:
+        try:
+            ev = parse_event(fields, job=self.job, strict_ids=True)
+        except UnknownEventType:
+            self.stats["unknown_type"] += 1
+            return None
+        except EventError as e:
+            self.stats[f"rejected:{e.reason}"] += 1
+            self.rejections.append((entry_id, str(e)))
+            return None
+        seen = self._seen.setdefault((ev.rank, ev.session), _Seen())
+        if not seen.first_time(ev.seq):
+            self.stats["duplicate"] += 1
+            return None
+        if ev.get("_unknown_fields"):
+            self.stats["unknown_field"] += 1
+        self.stats["accepted"] += 1
+        return ev

@@ -1,0 +1,267 @@
+"""StepReporter and EventReader against real Redis servers and real processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from costexporter import protocol
+from costexporter.client import StepReporter
+from costexporter.reader import EventReader
+
+from .redis_server import RedisServer, free_port
+
+HELPER = Path(__file__).parent / "helpers" / "post_steps.py"
+SHARED_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def prefix():
+    """A key prefix of this test's own on the shared Redis; its keys are removed afterwards."""
+    p = f"test-{uuid.uuid4().hex[:12]}"
+    yield p
+    r = redis.Redis.from_url(SHARED_URL)
+    keys = list(r.scan_iter(f"{p}:*"))
+    if keys:
+        r.delete(*keys)
+
+
+@pytest.fixture
+def shared():
+    r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        r.ping()
+    except redis.ConnectionError:
+        pytest.fail("the shared Redis at 127.0.0.1:6379 is not running")
+    return r
+
+
+def steps_by_rank(events) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e in events:
+        if e.type == "step":
+            out.setdefault(e.rank, []).append(int(e.get("step")))
+    return out
+
+
+def test_four_processes_each_event_arrives_once_in_order(shared, prefix, tmp_path):
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4"}
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HELPER),
+                    "job4",
+                    prefix,
+                    SHARED_URL,
+                    str(tmp_path / f"spool{rank}"),
+                    "500",
+                ],
+                env=env,
+            )
+        )
+    for p in procs:
+        assert p.wait(60) == 0
+    reader = EventReader(shared, "job4", prefix=prefix)
+    events = reader.read_all()
+    assert steps_by_rank(events) == {r: list(range(1, 501)) for r in range(4)}
+    kinds = Counter((e.rank, e.type) for e in events)
+    for r in range(4):
+        assert kinds[(r, "register")] == 1 and kinds[(r, "run")] == 2 and kinds[(r, "phase")] == 10
+    # The register events also landed in the ranks hash, with world size and pid.
+    ranks = shared.hgetall(protocol.ranks_key(prefix, "job4"))
+    assert sorted(ranks) == ["0", "1", "2", "3"]
+    assert json.loads(ranks["2"])["world_size"] == "4"
+    assert shared.zscore(protocol.jobs_key(prefix), "job4") > 0
+    assert reader.stats["rejected:missing_field"] == 0
+
+
+def test_redis_killed_mid_run_every_event_arrives_once_with_its_timestamp(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    rep = StepReporter(
+        "outage", server.url, rank=0, spool_dir=tmp_path / "spool", heartbeat_s=3600, socket_timeout_s=0.5
+    )
+    posted: dict[int, float] = {}
+    latencies = []
+    try:
+        step = 0
+        t_end = time.monotonic() + 3.0
+        killed = restarted = False
+        t0 = time.monotonic()
+        while time.monotonic() < t_end:
+            step += 1
+            t = time.perf_counter_ns()
+            rep.step(step)
+            latencies.append(time.perf_counter_ns() - t)
+            posted[step] = time.time()
+            elapsed = time.monotonic() - t0
+            if elapsed > 0.8 and not killed:
+                server.kill()
+                killed = True
+            if elapsed > 1.8 and not restarted:
+                server.start()
+                restarted = True
+            time.sleep(0.001)
+        assert rep.flush(timeout=20)
+        events = EventReader(server.client(), "outage").read_all()
+    finally:
+        rep.close(timeout=1)
+        server.stop()
+    steps = [e for e in events if e.type == "step"]
+    assert [int(e.get("step")) for e in steps] == list(range(1, step + 1))
+    for e in steps:  # the original timestamp, not the time it was finally sent
+        assert abs(e.ts - posted[int(e.get("step"))]) < 0.01
+    assert rep.stats["send_errors"] > 0  # the outage was real
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99)]
+    print(
+        f"\nstep() during the outage: {len(latencies)} calls, p50 {latencies[len(latencies) // 2]} ns, "
+        f"p99 {p99} ns, max {latencies[-1]} ns"
+    )
+    assert p99 < 200_000 and latencies[-1] < 50_000_000  # never waits on the network
+
+
+def test_exit_with_redis_down_spools_and_the_next_reporter_sends(tmp_path):
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    spool = tmp_path / "spool"
+    t = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(HELPER), "down", "costexporter", url, str(spool), "300"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "RANK": "0"},
+    )
+    assert out.returncode == 0, out.stderr
+    posted = float(out.stdout.split("posted ")[1])
+    exit_s = time.time() - posted
+    print(
+        f"\nexit with Redis down took {exit_s:.2f} s after the last step (process total "
+        f"{time.monotonic() - t:.2f} s)"
+    )
+    assert exit_s <= 2.5
+    files = list(spool.glob("*.jsonl"))
+    assert len(files) == 1 and len(files[0].read_text().splitlines()) >= 300
+
+    server = RedisServer(tmp_path / "redis", port=port).start()
+    try:
+        nxt = StepReporter("another-job", url, rank=0, spool_dir=spool, heartbeat_s=3600)
+        nxt.step(1)
+        assert nxt.flush(timeout=10)
+        deadline = time.monotonic() + 10
+        while list(spool.glob("*.jsonl*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        nxt.close()
+        events = EventReader(server.client(), "down").read_all()
+    finally:
+        server.stop()
+    assert steps_by_rank(events) == {0: list(range(1, 301))}
+    assert [e.get("state") for e in events if e.type == "run"] == ["start", "end"]
+    assert not list(spool.glob("*"))
+
+
+def test_bad_entries_are_rejected_and_counted_and_reading_goes_on(shared, prefix):
+    key = protocol.stream_key(prefix, "j")
+    good = {
+        "v": "1",
+        "type": "step",
+        "job": "j",
+        "ts": f"{time.time():.3f}",
+        "rank": "0",
+        "session": "s",
+        "seq": "0",
+        "step": "1",
+    }
+    shared.xadd(key, good)
+    bad = [
+        ({k: v for k, v in good.items() if k != "step"}, "rejected:missing_field"),
+        ({**good, "seq": "1", "step": "eleven"}, "rejected:bad_type"),
+        ({**good, "seq": "2", "step": "-5"}, "rejected:out_of_range"),
+        ({**good, "seq": "3", "ts": "99999999999"}, "rejected:bad_timestamp"),
+        ({**good, "seq": "4", "job": "someone-else"}, "rejected:foreign_job"),
+        ({**good, "seq": "5", "v": "2"}, "rejected:bad_version"),
+        ({**good, "seq": "6", "rank": "zero"}, "rejected:bad_type"),
+        ({**good, "seq": "7", "type": "telemetry"}, "unknown_type"),
+        ({k: v for k, v in good.items() if k != "session"} | {"seq": "8"}, "rejected:missing_field"),
+    ]
+    for fields, _ in bad:
+        shared.xadd(key, fields)
+    shared.xadd(key, good)  # a duplicate of the first
+    shared.xadd(key, {**good, "seq": "9", "step": "2", "new_field": "x"})
+    reader = EventReader(shared, "j", prefix=prefix)
+    events = reader.read_all()
+    assert [int(e.get("step")) for e in events] == [1, 2]
+    expected = Counter(reason for _, reason in bad)
+    for reason, n in expected.items():
+        assert reader.stats[reason] == n, reason
+    assert reader.stats["duplicate"] == 1 and reader.stats["unknown_field"] == 1
+    # Incremental: a later poll reads only what is new.
+    shared.xadd(key, {**good, "seq": "10", "step": "3"})
+    assert [int(e.get("step")) for e in reader.poll()] == [3]
+
+
+def _child_posts(rep: StepReporter, q) -> None:
+    for s in range(1000, 1010):
+        rep.step(s)
+    rep.close()
+    q.put("done")
+
+
+def test_forked_children_never_post_and_never_hang(shared, prefix, tmp_path):
+    rep = StepReporter("forky", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
+    for s in range(1, 51):
+        rep.step(s)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    children = [ctx.Process(target=_child_posts, args=(rep, q)) for _ in range(3)]
+    for c in children:
+        c.start()
+    for c in children:
+        c.join(10)
+        assert c.exitcode == 0
+    for s in range(51, 101):
+        rep.step(s)
+    rep.close()
+    events = EventReader(shared, "forky", prefix=prefix).read_all()
+    assert steps_by_rank(events) == {0: list(range(1, 101))}
+
+
+def test_full_buffer_is_counted_and_warned_once(tmp_path, caplog):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    rep = StepReporter(
+        "full", url, rank=0, spool_dir=tmp_path, buffer_size=50, heartbeat_s=3600, flush_interval_s=10
+    )
+    with caplog.at_level(logging.WARNING, logger="costexporter.client"):
+        for s in range(200):
+            rep.step(s)
+    assert rep.stats["overflow"] >= 100
+    assert sum("buffer full" in r.message for r in caplog.records) == 1
+    rep.close(timeout=0.1)
+
+
+def test_reporter_reads_rank_and_world_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    rep = StepReporter("env", f"redis://127.0.0.1:{free_port()}/0", spool_dir=tmp_path)
+    assert (rep.rank, rep.local_rank, rep.world_size, rep.gpu_index) == (5, 1, 16, 6)
+    rep.close(timeout=0.1)
+    with pytest.raises(ValueError, match="hash tag"):
+        StepReporter("bad{job}", spool_dir=tmp_path)
