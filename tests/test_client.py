@@ -265,3 +265,74 @@ def test_reporter_reads_rank_and_world_from_the_environment(monkeypatch, tmp_pat
     rep.close(timeout=0.1)
     with pytest.raises(ValueError, match="hash tag"):
         StepReporter("bad{job}", spool_dir=tmp_path)
+
+
+def test_heartbeats_while_alive(shared, prefix, tmp_path):
+    rep = StepReporter("beats", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=0.1)
+    time.sleep(0.6)
+    rep.close()
+    beats = [e for e in EventReader(shared, "beats", prefix=prefix).read_all() if e.type == "heartbeat"]
+    assert len(beats) >= 3
+    assert all(b.ts > 0 for b in beats)
+
+
+def test_gpu_uuid_from_nvml_through_cuda_visible_devices(monkeypatch, tmp_path):
+    """A stand-in for pynvml with the real function names (no GPU here)."""
+    import types
+
+    uuids = {i: f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(8)}
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlShutdown = lambda: None
+    fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    fake.nvmlDeviceGetUUID = lambda h: uuids[h[1]]
+    fake.nvmlDeviceGetHandleByUUID = lambda u: ("handle", next(i for i, x in uuids.items() if x == u))
+    fake.nvmlDeviceGetIndex = lambda h: h[1]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    from costexporter.client import detect_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert detect_gpu(1) == (3, uuids[3])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{uuids[5]},{uuids[6]}")
+    assert detect_gpu(0) == (5, uuids[5])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert detect_gpu(4) == (4, uuids[4])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert detect_gpu(3) == (None, None)  # more local ranks than visible GPUs: no guess
+
+
+def test_a_trainer_with_the_recommended_acl_can_post_and_nothing_else(tmp_path):
+    """docs/protocol.md's ACL: append to your own job's keys only."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        admin = server.client()
+        admin.execute_command(
+            "ACL",
+            "SETUSER",
+            "trainer-j",
+            "on",
+            ">s3cret",
+            "~costexporter:{acl-job}:*",
+            "~costexporter:jobs",
+            "-@all",
+            "+xadd",
+            "+hset",
+            "+zadd",
+            "+ping",
+            "+hello",
+            "+auth",
+        )
+        url = f"redis://trainer-j:s3cret@127.0.0.1:{server.port}/0"
+        rep = StepReporter("acl-job", url, rank=0, spool_dir=tmp_path / "spool", heartbeat_s=3600)
+        rep.step(1)
+        assert rep.flush(timeout=5)
+        rep.close()
+        events = EventReader(admin, "acl-job").read_all()
+        assert [e.type for e in events] == ["register", "run", "step", "run"]
+        as_trainer = redis.Redis.from_url(url)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_trainer.xadd("costexporter:{someone-else}:events", {"x": "1"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_trainer.xrange("costexporter:{acl-job}:events")
+    finally:
+        server.stop()
