@@ -87,6 +87,78 @@ def _sample_spec(spec: str) -> tuple[str, Path]:
     return Path(spec).stem, Path(spec)
 
 
+# Flags of the booking rules and prices, shared by every command that books. Defaults come from
+# BookingConfig and Prices, so the dataclasses stay the one place where they are written.
+BOOKING_FLAGS = [
+    ("--grid", "grid_s", 0.001, "Shared time grid, seconds."),
+    ("--stall-k", "stall_k", 0, "Stall threshold: k x p95 of recent step durations..."),
+    ("--stall-floor", "stall_floor_s", 0, "...but at least this many seconds."),
+    ("--checkpoint-allowance", "checkpoint_allowance_s", 0, "Seconds."),
+    ("--eval-allowance", "eval_allowance_s", 0, "Seconds."),
+    ("--startup-allowance", "startup_allowance_s", 0, "Seconds."),
+    ("--phase-allowance", "phase_allowance_s", 0, "Seconds, for other declared phases."),
+    ("--allowance-k", "allowance_k", 0, "Learned allowance: k x median of the job's own phase durations."),
+    (
+        "--gap-intervals",
+        "gap_intervals",
+        1,
+        "A sample gap longer than this many intervals books 'unobserved'.",
+    ),
+]
+PRICE_FLAGS = [
+    ("--price-per-gpu-hour", "price_per_gpu_hour", 0, "Price of a GPU-hour (a job's meta price wins)."),
+    (
+        "--wasted-price-per-gpu-hour",
+        "wasted_price_per_gpu_hour",
+        0,
+        "Price for wasted categories (a base rate).",
+    ),
+    ("--price-per-kwh", "price_per_kwh", 0, "Energy price, on top of the GPU-hour price."),
+    ("--pue", "pue", 1, "Power usage effectiveness, multiplies the energy cost."),
+]
+
+
+def _param(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _options(flags: list, defaults: object):
+    def decorate(f):
+        for flag, field, lo, help_ in reversed(flags):
+            f = click.option(
+                flag, type=click.FloatRange(min=lo), default=getattr(defaults, field), help=help_
+            )(f)
+        return f
+
+    return decorate
+
+
+def booking_options(f):
+    from .booking import BookingConfig
+
+    return _options(BOOKING_FLAGS, BookingConfig())(f)
+
+
+def price_options(f):
+    from .cost import Prices
+
+    f = click.option("--currency", default=Prices().currency, help="Currency of all prices.")(f)
+    return _options(PRICE_FLAGS, Prices())(f)
+
+
+def booking_config(params: dict):
+    from .booking import BookingConfig
+
+    return BookingConfig(**{field: params[_param(flag)] for flag, field, _, _ in BOOKING_FLAGS})
+
+
+def price_config(params: dict):
+    from .cost import Prices
+
+    fields = {field: params[_param(flag)] for flag, field, _, _ in PRICE_FLAGS}
+    return Prices(currency=params["currency"], **fields)
+
+
 @main.command()
 @click.option(
     "--samples",
@@ -121,47 +193,8 @@ def _sample_spec(spec: str) -> tuple[str, Path]:
     default=None,
     help="Band profile file (YAML or JSON).",
 )
-@click.option("--price-per-gpu-hour", type=click.FloatRange(min=0), default=3.5)
-@click.option(
-    "--wasted-price-per-gpu-hour",
-    type=click.FloatRange(min=0),
-    default=None,
-    help="Price for wasted categories (a base rate).",
-)
-@click.option("--price-per-kwh", type=click.FloatRange(min=0), default=None)
-@click.option("--pue", type=click.FloatRange(min=1), default=1.0)
-@click.option("--currency", default="USD")
-@click.option("--grid", type=click.FloatRange(min=0.001), default=1.0, help="Shared time grid, seconds.")
-@click.option(
-    "--stall-k",
-    type=click.FloatRange(min=0),
-    default=5.0,
-    help="Stall threshold: k x p95 of recent step durations...",
-)
-@click.option(
-    "--stall-floor", type=click.FloatRange(min=0), default=60.0, help="...but at least this many seconds."
-)
-@click.option("--checkpoint-allowance", type=click.FloatRange(min=0), default=900.0, help="Seconds.")
-@click.option("--eval-allowance", type=click.FloatRange(min=0), default=900.0, help="Seconds.")
-@click.option("--startup-allowance", type=click.FloatRange(min=0), default=1800.0, help="Seconds.")
-@click.option(
-    "--phase-allowance",
-    type=click.FloatRange(min=0),
-    default=900.0,
-    help="Seconds, for other declared phases.",
-)
-@click.option(
-    "--allowance-k",
-    type=click.FloatRange(min=0),
-    default=3.0,
-    help="Learned allowance: k x median of the job's own phase durations.",
-)
-@click.option(
-    "--gap-intervals",
-    type=click.FloatRange(min=1),
-    default=3.0,
-    help="A sample gap longer than this many intervals books 'unobserved'.",
-)
+@booking_options
+@price_options
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
 @click.option(
     "-o",
@@ -180,29 +213,14 @@ def replay(
     gpu_model,
     power_limit,
     profile_path,
-    price_per_gpu_hour,
-    wasted_price_per_gpu_hour,
-    price_per_kwh,
-    pue,
-    currency,
-    grid,
-    stall_k,
-    stall_floor,
-    checkpoint_allowance,
-    eval_allowance,
-    startup_allowance,
-    phase_allowance,
-    allowance_k,
-    gap_intervals,
     fmt,
     output,
     quiet,
     timings,
+    **config,
 ) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
     from . import profiles, report
-    from .booking import BookingConfig
-    from .cost import Prices
     from .diagnostics import Diagnostics, InputError
     from .replay import ReplayConfig
     from .replay import replay as run_replay
@@ -219,18 +237,8 @@ def replay(
         evs = files.read_events_jsonl(events, diag) if events else []
         clock.append(("read_s", time.perf_counter()))
         cfg = ReplayConfig(
-            booking=BookingConfig(
-                stall_k=stall_k,
-                stall_floor_s=stall_floor,
-                checkpoint_allowance_s=checkpoint_allowance,
-                eval_allowance_s=eval_allowance,
-                startup_allowance_s=startup_allowance,
-                phase_allowance_s=phase_allowance,
-                allowance_k=allowance_k,
-                gap_intervals=gap_intervals,
-                grid_s=grid,
-            ),
-            prices=Prices(price_per_gpu_hour, wasted_price_per_gpu_hour, price_per_kwh, pue, currency),
+            booking=booking_config(config),
+            prices=price_config(config),
             job=job,
             gpu_model=gpu_model,
             power_limit_w=power_limit,

@@ -34,11 +34,17 @@ class UnknownEventType(EventError):
     """A well-formed entry of a type this version does not know: ignored and counted."""
 
 
-def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bool = True):
+def _present(entry: dict, key: str, required: bool) -> object:
+    """The field's value, or None when it is absent and optional ('' counts as absent)."""
     v = entry.get(key)
-    if v is None or v == "":
-        if required:
-            raise EventError("missing_field", f"{key!r} is required")
+    if (v is None or v == "") and required:
+        raise EventError("missing_field", f"{key!r} is required")
+    return None if v == "" else v
+
+
+def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bool = True):
+    v = _present(entry, key, required)
+    if v is None:
         return None
     if isinstance(v, bool):
         raise EventError("bad_type", f"{key!r} must be an integer, got {v!r}")
@@ -57,10 +63,8 @@ def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bo
 
 
 def _float(entry: dict, key: str, *, required: bool = True):
-    v = entry.get(key)
-    if v is None or v == "":
-        if required:
-            raise EventError("missing_field", f"{key!r} is required")
+    v = _present(entry, key, required)
+    if v is None:
         return None
     if isinstance(v, bool):
         raise EventError("bad_type", f"{key!r} must be a number, got {v!r}")
@@ -74,10 +78,8 @@ def _float(entry: dict, key: str, *, required: bool = True):
 
 
 def _str(entry: dict, key: str, *, required: bool = True, choices: frozenset | None = None):
-    v = entry.get(key)
-    if v is None or v == "":
-        if required:
-            raise EventError("missing_field", f"{key!r} is required")
+    v = _present(entry, key, required)
+    if v is None:
         return None
     if not isinstance(v, str):
         raise EventError("bad_type", f"{key!r} must be a string, got {v!r}")

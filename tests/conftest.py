@@ -3,9 +3,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+import redis
 from hypothesis import HealthCheck, settings
 
 from costexporter.replay import ReplayConfig, replay
@@ -43,3 +45,28 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+SHARED_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def prefix():
+    """A key prefix of this test's own on the shared Redis; its keys are removed afterwards."""
+    p = f"test-{uuid.uuid4().hex[:12]}"
+    yield p
+    r = redis.Redis.from_url(SHARED_URL)
+    keys = list(r.scan_iter(f"{p}:*"))
+    if keys:
+        r.delete(*keys)
+
+
+@pytest.fixture
+def shared():
+    """The shared Redis at 127.0.0.1:6379 (never flushed: tests use their own prefixes)."""
+    r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        r.ping()
+    except redis.ConnectionError:
+        pytest.fail("the shared Redis at 127.0.0.1:6379 is not running")
+    return r

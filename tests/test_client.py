@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -20,31 +19,10 @@ from costexporter import protocol
 from costexporter.client import StepReporter
 from costexporter.reader import EventReader
 
+from .conftest import SHARED_URL
 from .redis_server import RedisServer, free_port
 
 HELPER = Path(__file__).parent / "helpers" / "post_steps.py"
-SHARED_URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-def prefix():
-    """A key prefix of this test's own on the shared Redis; its keys are removed afterwards."""
-    p = f"test-{uuid.uuid4().hex[:12]}"
-    yield p
-    r = redis.Redis.from_url(SHARED_URL)
-    keys = list(r.scan_iter(f"{p}:*"))
-    if keys:
-        r.delete(*keys)
-
-
-@pytest.fixture
-def shared():
-    r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
-    try:
-        r.ping()
-    except redis.ConnectionError:
-        pytest.fail("the shared Redis at 127.0.0.1:6379 is not running")
-    return r
 
 
 def steps_by_rank(events) -> dict[int, list[int]]:

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import redis
 
 from costexporter.reader import EventReader
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture
-def prefix():
-    p = f"test-{uuid.uuid4().hex[:12]}"
-    yield p
-    r = redis.Redis.from_url(SHARED_URL)
-    keys = list(r.scan_iter(f"{p}:*"))
-    if keys:
-        r.delete(*keys)
+from .conftest import SHARED_URL
 
 
 def timeline(prefix: str, job: str) -> list[tuple]:

@@ -270,6 +270,18 @@ def _positional_index(ts_ms: np.ndarray, drop: np.ndarray) -> np.ndarray:
     return index
 
 
+def _json_lines(path: Path):
+    """(line number, raw bytes, parsed value or None) for each non-blank line of a JSONL file."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, raw, json.loads(raw)
+            except ValueError:
+                yield lineno, raw, None
+
+
 def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     """One JSON object a line: ts, host, gpu, uuid?, power_w, util_pct, energy_mj?."""
     _check_file(path)
@@ -281,61 +293,57 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     where = str(path)
     hi_ts = time.time() + FUTURE_SLACK_S
     good = 0
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                d = json.loads(raw)
-                if not isinstance(d, dict):
-                    raise ValueError("not an object")
-                if not good and not {"ts", "power_w", "util_pct"} <= d.keys():
-                    raise InputError(
-                        f"{path}:{lineno}: not a samples JSONL file: a sample has ts, host, gpu, "
-                        f"power_w and util_pct (got {', '.join(sorted(d)[:8])})"
-                    )
-            except ValueError:
-                reason = "truncated_last_line" if not raw.endswith(b"\n") else "malformed_row"
-                diag.warn(where, lineno, reason, "not a JSON object")
-                continue
-            try:
-                ts = float(d["ts"])
-                gpu = d["gpu"]
-                if isinstance(gpu, bool) or int(gpu) != gpu or gpu < 0:
-                    raise ValueError(f"gpu={gpu!r}")
-                p = d["power_w"]  # required keys; null stands for N/A
-                u = d["util_pct"]
-                p = float("nan") if p is None else float(p)
-                u = float("nan") if u is None else float(u)
-                e = d.get("energy_mj")
-                e = float("nan") if e is None else float(e)
-            except KeyError as k:
-                diag.warn(where, lineno, "missing_field", f"{k.args[0]!r} is required")
-                continue
-            except (TypeError, ValueError) as x:
-                diag.warn(where, lineno, "bad_value", str(x))
-                continue
-            if not MIN_TS <= ts <= hi_ts:
-                diag.warn(where, lineno, "bad_timestamp", f"ts={ts} outside the plausible range")
-                continue
-            if not (0 <= p <= MAX_POWER_W or p != p) or not (0 <= u <= 100 or u != u):
-                diag.warn(where, lineno, "bad_value", "power or utilization out of range")
-                continue
-            h = str(d.get("host") or host)
-            g = int(gpu)
-            cols["host"].append(host_ids.setdefault(h, len(host_ids)))
-            cols["gpu"].append(g)
-            if d.get("uuid"):
-                uuids.setdefault((h, g), str(d["uuid"]))
-            cols["ts"].append(round(ts * 1000))
-            cols["p"].append(p)
-            cols["u"].append(u)
-            cols["e"].append(e)
-            if d.get("name"):
-                names.setdefault((h, g), str(d["name"]))
-            if d.get("power_limit_w"):
-                limits.setdefault((h, g), float(d["power_limit_w"]))
-            good += 1
+    for lineno, raw, d in _json_lines(path):
+        try:
+            if not isinstance(d, dict):
+                raise ValueError("not an object")
+            if not good and not {"ts", "power_w", "util_pct"} <= d.keys():
+                raise InputError(
+                    f"{path}:{lineno}: not a samples JSONL file: a sample has ts, host, gpu, "
+                    f"power_w and util_pct (got {', '.join(sorted(d)[:8])})"
+                )
+        except ValueError:
+            reason = "truncated_last_line" if not raw.endswith(b"\n") else "malformed_row"
+            diag.warn(where, lineno, reason, "not a JSON object")
+            continue
+        try:
+            ts = float(d["ts"])
+            gpu = d["gpu"]
+            if isinstance(gpu, bool) or int(gpu) != gpu or gpu < 0:
+                raise ValueError(f"gpu={gpu!r}")
+            p = d["power_w"]  # required keys; null stands for N/A
+            u = d["util_pct"]
+            p = float("nan") if p is None else float(p)
+            u = float("nan") if u is None else float(u)
+            e = d.get("energy_mj")
+            e = float("nan") if e is None else float(e)
+        except KeyError as k:
+            diag.warn(where, lineno, "missing_field", f"{k.args[0]!r} is required")
+            continue
+        except (TypeError, ValueError) as x:
+            diag.warn(where, lineno, "bad_value", str(x))
+            continue
+        if not MIN_TS <= ts <= hi_ts:
+            diag.warn(where, lineno, "bad_timestamp", f"ts={ts} outside the plausible range")
+            continue
+        if not (0 <= p <= MAX_POWER_W or p != p) or not (0 <= u <= 100 or u != u):
+            diag.warn(where, lineno, "bad_value", "power or utilization out of range")
+            continue
+        h = str(d.get("host") or host)
+        g = int(gpu)
+        cols["host"].append(host_ids.setdefault(h, len(host_ids)))
+        cols["gpu"].append(g)
+        if d.get("uuid"):
+            uuids.setdefault((h, g), str(d["uuid"]))
+        cols["ts"].append(round(ts * 1000))
+        cols["p"].append(p)
+        cols["u"].append(u)
+        cols["e"].append(e)
+        if d.get("name"):
+            names.setdefault((h, g), str(d["name"]))
+        if d.get("power_limit_w"):
+            limits.setdefault((h, g), float(d["power_limit_w"]))
+        good += 1
     if good == 0:
         raise InputError(f"{path}: no usable samples (is this a samples JSONL file?)")
     return SampleChunk(
@@ -405,36 +413,31 @@ def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
     seen: set[tuple] = set()
     parsed_any = False
     now = time.time()
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                d = json.loads(raw)
-            except ValueError:
-                diag.warn(where, lineno, "malformed_event", "not valid JSON")
-                continue
-            try:
-                ev = parse_event(d, now=now)
-            except UnknownEventType as e:
-                parsed_any = True
-                diag.warn(where, lineno, e.reason, str(e))
-                continue
-            except EventError as e:
-                diag.warn(where, lineno, e.reason, str(e))
-                continue
+    for lineno, _raw, d in _json_lines(path):
+        if d is None:
+            diag.warn(where, lineno, "malformed_event", "not valid JSON")
+            continue
+        try:
+            ev = parse_event(d, now=now)
+        except UnknownEventType as e:
             parsed_any = True
-            if ev.seq >= 0:
-                key: tuple = (ev.job, ev.rank, ev.session, ev.seq)
-            else:
-                key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
-            if key in seen:
-                diag.counts["duplicate_event"] += 1
-                continue
-            seen.add(key)
-            if ev.get("_unknown_fields"):
-                diag.counts["unknown_field"] += 1  # forward compatibility: ignored, counted
-            out.append(ev)
+            diag.warn(where, lineno, e.reason, str(e))
+            continue
+        except EventError as e:
+            diag.warn(where, lineno, e.reason, str(e))
+            continue
+        parsed_any = True
+        if ev.seq >= 0:
+            key: tuple = (ev.job, ev.rank, ev.session, ev.seq)
+        else:
+            key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
+        if key in seen:
+            diag.counts["duplicate_event"] += 1
+            continue
+        seen.add(key)
+        if ev.get("_unknown_fields"):
+            diag.counts["unknown_field"] += 1  # forward compatibility: ignored, counted
+        out.append(ev)
     if not parsed_any:
         raise InputError(f"{path}: no usable events (is this an events JSONL file?)")
     return out
