@@ -1,0 +1,68 @@
+"""One small interface for every live GPU source (NVML, dcgm-exporter, replay, simulation).
+
+A source knows its node's GPUs and reads them all at once. Errors of one GPU (lost, a field
+not supported, no permission) are mapped by each vendor module, in one place, to the
+exceptions below; the source counts them per GPU and keeps reading the others.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import math
+from dataclasses import dataclass
+
+from ..model import GpuId
+
+
+class GpuSourceError(Exception):
+    """Base of the errors a GPU source raises."""
+
+
+class GpuInitError(GpuSourceError):
+    """The library is missing or would not initialize: this source cannot run here."""
+
+
+class GpuLostError(GpuSourceError):
+    """The GPU fell off the bus (NVML's GPU_IS_LOST): its time books `unobserved`."""
+
+
+class GpuNotSupportedError(GpuSourceError):
+    """This GPU does not support a query (e.g. the energy counter before Volta)."""
+
+
+class GpuNoPermissionError(GpuSourceError):
+    """The process may not make this query."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One sample of one GPU (DESIGN section 2): W, %, and the energy counter in mJ if any."""
+
+    gpu: int  # index into the source's gpus()
+    ts: float  # Unix seconds
+    power_w: float
+    util_pct: float
+    energy_mj: float = math.nan
+    sm_active: float = math.nan  # 0..1 where the source has it (DCGM profiling)
+
+
+class GpuSource(abc.ABC):
+    """The node's GPUs, read all at once."""
+
+    host: str
+
+    def __init__(self) -> None:
+        # (gpu index, error kind) -> count; exported as a metric by the agent.
+        self.errors: collections.Counter[tuple[int, str]] = collections.Counter()
+
+    @abc.abstractmethod
+    def gpus(self) -> list[GpuId]:
+        """The GPUs this source reads, in a fixed order (`Reading.gpu` indexes it)."""
+
+    @abc.abstractmethod
+    def read(self) -> list[Reading]:
+        """One reading per GPU that answered; failures are counted in `errors`, not raised."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the library."""
