@@ -34,6 +34,7 @@ class Regime(IntEnum):
     STALL = 2  # rule 4: progress stopped
     VOID = 3  # rule 5: inside a step that a resume voided
     UNASSIGNED = 4  # outside the job (before registration, after the run's end)
+    PENDING = 5  # live only: after the last progress point, not decided yet (never booked)
 
 
 # CATEGORY_TABLE[regime, band + 1]; column 0 is NO_BAND (no sample: unobserved).
@@ -69,6 +70,7 @@ for _b in Band:
         _C.ROLLED_BACK if _v in (_C.PRODUCTIVE, _C.COMMUNICATION, _C.STARVED) else _v
     )
 CATEGORY_TABLE[Regime.UNASSIGNED, :] = _C.UNASSIGNED
+CATEGORY_TABLE[Regime.PENDING, 1:] = _C.OVERHEAD  # placeholder: pending time is never booked
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,7 @@ class Timeline:
     last_checkpoint_ms: int | None = None  # when the last checkpoint that saved a step ended
     phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
     stall_threshold_ms: int = 60_000  # in force at the end of the job's events
+    decided_until_ms: int = POS_INF  # live: where the first PENDING segment starts
 
 
 def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
@@ -233,11 +236,16 @@ def _merge(ivals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int) -> Timeline:
+def build_timeline(
+    events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int, *, final: bool = True
+) -> Timeline:
     """Walk a job's events (any ranks, any order) into regime segments over [start_ms, end_ms).
 
     Progress is rank 0's: its steps and run events cut time into intervals; phases posted by
-    rank 0 are job-wide, other ranks' phases cover only their own GPU.
+    rank 0 are job-wide, other ranks' phases cover only their own GPU. `final`: the input has
+    ended (replay), so the tail after the last progress point is booked; live (`final=False`)
+    that tail stays PENDING until a step closes it or progress is seen to have stopped, and
+    `decided_until_ms` says where the decided part ends.
     """
     events = sorted(events, key=lambda e: (e.ts, e.seq))
     allowances = Allowances(cfg)
@@ -333,7 +341,8 @@ def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_m
         if outcome == "step" and not stalled:
             pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
         elif outcome in ("end", "tail") and not stalled:
-            pieces += [(x, y, Regime.OVERHEAD, -1) for x, y in rest]
+            regime = Regime.PENDING if outcome == "tail" and not final else Regime.OVERHEAD
+            pieces += [(x, y, regime, -1) for x, y in rest]
         else:
             pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
         for x, y, r, s in sorted(pieces):
@@ -412,6 +421,8 @@ def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_m
     keep[1:] = regime[1:] != regime[:-1]
     bounds = np.append(bounds[:-1][keep], bounds[-1])
     regime = regime[keep]
+    pending = np.flatnonzero(regime == Regime.PENDING)
+    decided_until = int(bounds[pending[0]]) if pending.size else (job_end if job_end is not None else end_ms)
 
     return Timeline(
         bounds=bounds,
@@ -426,6 +437,7 @@ def build_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_m
         last_checkpoint_ms=last_ckpt[1] if last_ckpt else None,
         phases_overrun=overrun,
         stall_threshold_ms=stall_threshold_ms(durations, cfg),
+        decided_until_ms=decided_until,
     )
 
 

@@ -109,7 +109,9 @@ def test_redis_killed_mid_run_every_event_arrives_once_with_its_timestamp(tmp_pa
         f"\nstep() during the outage: {len(latencies)} calls, p50 {latencies[len(latencies) // 2]} ns, "
         f"p99 {p99} ns, max {latencies[-1]} ns"
     )
-    assert p99 < 200_000 and latencies[-1] < 50_000_000  # never waits on the network
+    # Never waits on the network: a blocked call would take at least the 0.5 s socket timeout.
+    # (The strict figures, p99 <= 10 us, are the benchmark's: this machine is shared and noisy.)
+    assert p99 < 1_000_000 and latencies[-1] < 250_000_000
 
 
 def test_exit_with_redis_down_spools_and_the_next_reporter_sends(tmp_path):
