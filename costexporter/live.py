@@ -87,7 +87,7 @@ def book_window(
     if not final:
         horizon = min(horizon, data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals))
     empty = Pieces(*(np.zeros(0, dt) for dt in (np.int32, np.int64, np.int64, np.int8, np.int8, np.float64)))
-    if horizon <= booked_until_ms or ts_ms.size == 0 and not own_ranks.size:
+    if horizon <= booked_until_ms or (ts_ms.size == 0 and not own_ranks.size):
         return WindowResult(empty, booked_until_ms, tl, {})
 
     br = bands_mod.classify(
