@@ -271,6 +271,144 @@ def replay(
         )
 
 
+DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
+
+
+@main.command()
+@click.option(
+    "--source", type=click.Choice(["nvml", "dcgm", "replay"]), default="nvml", help="Where samples come from."
+)
+@click.option(
+    "--dcgm-url",
+    "dcgm_urls",
+    multiple=True,
+    metavar="URL",
+    help="dcgm-exporter /metrics endpoint(s) for --source dcgm.",
+)
+@click.option(
+    "--samples", "samples", multiple=True, metavar="[HOST=]PATH", help="Trace file(s) for --source replay."
+)
+@click.option("--speed", type=click.FloatRange(min=0.001), default=1.0, help="Replay speed (1 = real time).")
+@click.option("--tz", default="UTC", callback=_tz, help="Time zone of naive CSV timestamps.")
+@click.option("--host", default=None, help="This node's name [default: the source's].")
+@click.option("--agent-id", default=None, help="This agent's id in the ledger [default: the host].")
+@click.option(
+    "--redis-url",
+    envvar="COSTEXPORTER_REDIS_URL",
+    default="redis://127.0.0.1:6379/0",
+    help="rediss:// for TLS; user:password@ for ACL users.",
+)
+@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter", help="Redis key prefix.")
+@click.option("--listen", default="0.0.0.0", help="Address of the /metrics server.")
+@click.option("--port", type=int, default=DEFAULT_METRICS_PORT, help="Port of the /metrics server (0: none).")
+@click.option("--book-interval", type=click.FloatRange(min=0.05), default=5.0, help="Seconds between rounds.")
+@click.option(
+    "--sample-interval", type=click.FloatRange(min=0.01), default=1.0, help="Seconds between samples."
+)
+@click.option("--gpu-model", default=None, help="GPU model (picks or derives the band profile).")
+@click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--exit-when-done", is_flag=True, help="Replay: exit once the trace is played and booked.")
+@booking_options
+@price_options
+def serve(
+    source,
+    dcgm_urls,
+    samples,
+    speed,
+    tz,
+    host,
+    agent_id,
+    redis_url,
+    prefix,
+    listen,
+    port,
+    book_interval,
+    sample_interval,
+    gpu_model,
+    power_limit,
+    profile_path,
+    exit_when_done,
+    **config,
+) -> None:
+    """The per-node agent: sample GPUs, book the ledger exactly once, serve /metrics."""
+    import logging
+    import signal
+
+    from . import profiles
+    from .agent import Agent, AgentConfig
+    from .diagnostics import Diagnostics, InputError
+    from .sources.base import GpuInitError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        src = _make_source(source, dcgm_urls, samples, speed, tz, host, Diagnostics())
+        profile = profiles.load(profile_path) if profile_path else None
+    except (InputError, profiles.ProfileError, GpuInitError, ValueError) as e:
+        raise InputFailure(str(e)) from None
+    cfg = AgentConfig(
+        redis_url=redis_url,
+        prefix=prefix,
+        agent_id=agent_id or host or src.host,
+        host=host,
+        booking=booking_config(config),
+        prices=price_config(config),
+        book_interval_s=book_interval,
+        sample_interval_s=sample_interval,
+        profile=profile,
+        gpu_model=gpu_model,
+        power_limit_w=power_limit,
+    )
+    agent = Agent(src, cfg).start()
+    if port:
+        from prometheus_client import start_http_server
+
+        from .exporter import registry_for
+
+        start_http_server(port, addr=listen, registry=registry_for(agent))
+        click.echo(
+            f"costexporter serve: /metrics on {listen}:{port}, source {source}, agent {cfg.agent_id}",
+            err=True,
+        )
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    idle_rounds = [0, -1]
+
+    def done() -> bool:
+        if not exit_when_done or not getattr(src, "done", False):
+            return False
+        progress = sum(j.booked_until for j in agent.jobs.values())
+        idle_rounds[0] = idle_rounds[0] + 1 if progress == idle_rounds[1] else 0
+        idle_rounds[1] = progress
+        return (all(j.done for j in agent.jobs.values() if j.own) and bool(agent.jobs)) or idle_rounds[0] >= 5
+
+    try:
+        agent.run(until=done)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        agent.shutdown()
+
+
+def _make_source(kind, dcgm_urls, samples, speed, tz, host, diag):
+    if kind == "dcgm":
+        from .sources.dcgm import DcgmSource
+
+        if not dcgm_urls:
+            raise ValueError("--source dcgm needs --dcgm-url")
+        return DcgmSource(list(dcgm_urls), host=host)
+    if kind == "replay":
+        from .sources import files
+        from .sources.replay import ReplaySource
+
+        if not samples:
+            raise ValueError("--source replay needs --samples")
+        chunks = [files.read_samples(p, h, tz, diag) for h, p in (_sample_spec(x) for x in samples)]
+        return ReplaySource(files.combine(chunks), speed=speed, host=host)
+    from .sources.nvml import NvmlSource
+
+    return NvmlSource(host=host)
+
+
 def run() -> None:
     """Console entry point: bad input exits 2 with one line; nothing ends in a traceback."""
     try:

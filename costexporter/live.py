@@ -42,10 +42,18 @@ class WindowResult:
 
 
 def data_horizon(
-    rank: np.ndarray, ts_ms: np.ndarray, now_ms: int, interval_ms: int, gap_intervals: float
+    rank: np.ndarray,
+    ts_ms: np.ndarray,
+    now_ms: int,
+    interval_ms: int,
+    gap_intervals: float,
+    hold_ranks: np.ndarray | None = None,
+    ignore_ranks: np.ndarray | None = None,
 ) -> int:
     """The newest moment every still-reporting rank has reached, one interval back (so a
-    signature at that moment has its confirming sample)."""
+    signature at that moment has its confirming sample). `hold_ranks` (other agents' ranks
+    whose agent is alive) always hold the horizon back, however far behind; `ignore_ranks`
+    (ranks of an agent that went silent) never do; the rest count as silent after the gap."""
     if ts_ms.size == 0:
         return now_ms
     order = np.argsort(rank, kind="stable")
@@ -53,6 +61,10 @@ def data_horizon(
     last = np.flatnonzero(np.append(r[1:] != r[:-1], True))
     latest = t[last]
     alive = latest >= now_ms - gap_intervals * interval_ms
+    if hold_ranks is not None and hold_ranks.size:
+        alive |= np.isin(r[last], hold_ranks)
+    if ignore_ranks is not None and ignore_ranks.size:
+        alive &= ~np.isin(r[last], ignore_ranks)
     if not alive.any():
         return now_ms
     return int(latest[alive].min()) - interval_ms
@@ -75,6 +87,8 @@ def book_window(
     booked_until_ms: int,
     now_ms: int,
     final: bool = False,
+    hold_ranks: np.ndarray | None = None,
+    ignore_ranks: np.ndarray | None = None,
 ) -> WindowResult:
     """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
 
@@ -85,7 +99,9 @@ def book_window(
     interval = bands_mod.sampling_interval_ms(rank, ts_ms)
     horizon = min(tl.decided_until_ms, now_ms)
     if not final:
-        horizon = min(horizon, data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals))
+        horizon = min(
+            horizon, data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals, hold_ranks, ignore_ranks)
+        )
     empty = Pieces(*(np.zeros(0, dt) for dt in (np.int32, np.int64, np.int64, np.int8, np.int8, np.float64)))
     if horizon <= booked_until_ms or (ts_ms.size == 0 and not own_ranks.size):
         return WindowResult(empty, booked_until_ms, tl, {})

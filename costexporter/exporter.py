@@ -1,0 +1,193 @@
+"""Prometheus metrics of an agent (DESIGN section 7): a custom Collector over one snapshot.
+
+Every family is built at scrape time from `Agent.snapshot()`; nothing mutates gauges between
+scrapes. Units are base units (seconds, joules); the training job's label is `training_job`
+(Prometheus keeps `job` for the scrape target).
+
+Aggregating across agents:
+* per-GPU series and this agent's booked amounts (`costexporter_gpu_time_seconds_total`,
+  `..._energy_joules_total`, `..._cost_total`, the `..._voided_...` corrections, GPU time at
+  risk): `sum` over agents;
+* job-level series (`costexporter_job_*`): every agent of the job exports the same value;
+  aggregate with `max`, never `sum`.
+Cost per valid step is a recording rule (sum of cost / max of valid steps), not a gauge here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from . import __version__
+from .model import BANDS, CATEGORIES
+
+
+class AgentCollector(Collector):
+    def __init__(self, agent) -> None:
+        self.agent = agent
+
+    def collect(self):
+        s = self.agent.snapshot()
+        host, cur = s["host"], s["currency"]
+        info = GaugeMetricFamily(
+            "costexporter_agent_info", "The agent: 1 per running agent.", labels=["agent", "host", "version"]
+        )
+        info.add_metric([s["agent"], host, __version__], 1)
+        yield info
+        up = GaugeMetricFamily("costexporter_redis_up", "Whether the last round could read and write Redis.")
+        up.add_metric([], 1 if s["redis_up"] else 0)
+        yield up
+
+        # Per GPU: the live view.
+        job_of = {g: name for name, j in s["jobs"].items() for g in j["own"].values()}
+        band_of = {g: j["latest_band"].get(r) for name, j in s["jobs"].items() for r, g in j["own"].items()}
+        labels = ["host", "gpu", "uuid", "training_job"]
+        power = GaugeMetricFamily(
+            "costexporter_gpu_power_watts", "Board power of the newest sample.", labels=labels
+        )
+        util = GaugeMetricFamily(
+            "costexporter_gpu_utilization_ratio", "GPU utilization of the newest sample (0-1).", labels=labels
+        )
+        band = GaugeMetricFamily(
+            "costexporter_gpu_band",
+            "1 for the GPU's current band, 0 for the others.",
+            labels=[*labels, "band"],
+        )
+        for i, g in enumerate(s["gpus"]):
+            lv = [g.host, str(g.index), g.uuid or "", job_of.get(i, "")]
+            r = s["latest"].get(i)
+            if r is not None:
+                if not math.isnan(r.power_w):
+                    power.add_metric(lv, r.power_w)
+                if not math.isnan(r.util_pct):
+                    util.add_metric(lv, r.util_pct / 100)
+            b = band_of.get(i)
+            if b is not None:
+                for k, name in enumerate(BANDS):
+                    band.add_metric([*lv, name], 1 if k == b else 0)
+        yield power
+        yield util
+        yield band
+
+        errors = CounterMetricFamily(
+            "costexporter_gpu_errors",
+            "Per-GPU read errors of the source, by kind.",
+            labels=["host", "gpu", "kind"],
+        )
+        for (gpu, kind), n in sorted(s["errors"].items()):
+            errors.add_metric([host, str(gpu) if gpu >= 0 else "", kind], n)
+        yield errors
+        dropped = CounterMetricFamily(
+            "costexporter_samples_dropped", "Samples dropped from full buffers (their time books unobserved)."
+        )
+        dropped.add_metric([], s["dropped"] + s["stats"].get("samples_dropped", 0))
+        yield dropped
+        rerr = CounterMetricFamily("costexporter_redis_errors", "Rounds that could not reach Redis.")
+        rerr.add_metric([], s["stats"].get("redis_errors", 0))
+        yield rerr
+
+        # Booked amounts (this agent's GPUs): sum across agents.
+        jl = ["training_job", "category"]
+        t = CounterMetricFamily("costexporter_gpu_time_seconds", "GPU time booked, by category.", labels=jl)
+        e = CounterMetricFamily("costexporter_energy_joules", "Energy booked, by category.", labels=jl)
+        c = CounterMetricFamily(
+            "costexporter_cost", "Cost booked, by category, in the currency.", labels=[*jl, "currency"]
+        )
+        vt = CounterMetricFamily(
+            "costexporter_voided_gpu_time_seconds",
+            "Valid GPU time later voided by a resume (moved to rolled_back).",
+            labels=jl,
+        )
+        vc = CounterMetricFamily(
+            "costexporter_voided_cost", "Valid cost later voided by a resume.", labels=[*jl, "currency"]
+        )
+        risk = GaugeMetricFamily(
+            "costexporter_gpu_time_at_risk_seconds",
+            "GPU time since the job's last saved checkpoint, on this agent's GPUs.",
+            labels=["training_job"],
+        )
+        booked_until = GaugeMetricFamily(
+            "costexporter_booked_until_timestamp_seconds",
+            "Everything before this time is booked (this agent).",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s["jobs"].items()):
+            for k, cat in enumerate(CATEGORIES):
+                t.add_metric([name, cat], j["booked"][k, 0] / 1000)
+                e.add_metric([name, cat], j["booked"][k, 1] / 1000)
+                c.add_metric([name, cat, cur], j["booked"][k, 2] / 1e6)
+                if j["voided"][k].any():
+                    vt.add_metric([name, cat], j["voided"][k, 0] / 1000)
+                    vc.add_metric([name, cat, cur], j["voided"][k, 2] / 1e6)
+            risk.add_metric([name], j["at_risk_ms"] / 1000)
+            booked_until.add_metric([name], j["booked_until"] / 1000)
+        yield from (t, e, c, vt, vc, risk, booked_until)
+
+        # Job-level: the same on every agent of the job; aggregate with max.
+        f = [
+            (
+                "costexporter_job_steps_completed",
+                CounterMetricFamily,
+                "Steps completed (rank 0).",
+                "steps_completed",
+                1,
+            ),
+            (
+                "costexporter_job_steps_voided",
+                CounterMetricFamily,
+                "Steps voided by resumes.",
+                "steps_voided",
+                1,
+            ),
+            (
+                "costexporter_job_valid_steps",
+                GaugeMetricFamily,
+                "Completed steps not voided.",
+                "valid_steps",
+                1,
+            ),
+            ("costexporter_job_tokens", GaugeMetricFamily, "Tokens of the valid steps.", "tokens", 1),
+            (
+                "costexporter_job_last_step",
+                GaugeMetricFamily,
+                "The newest completed step number.",
+                "last_step",
+                1,
+            ),
+            (
+                "costexporter_job_last_step_timestamp_seconds",
+                GaugeMetricFamily,
+                "When the newest step completed (the last progress).",
+                "last_step_ts",
+                1,
+            ),
+            (
+                "costexporter_job_last_checkpoint_timestamp_seconds",
+                GaugeMetricFamily,
+                "When the last checkpoint that saved a step ended.",
+                "last_checkpoint_ts",
+                1,
+            ),
+            (
+                "costexporter_job_stall_threshold_seconds",
+                GaugeMetricFamily,
+                "No step for longer than this is progress stopped.",
+                "stall_threshold_s",
+                1,
+            ),
+            ("costexporter_job_ended", GaugeMetricFamily, "1 once the run ended cleanly.", "ended", 1),
+        ]
+        for metric, kind, help_, key, scale in f:
+            fam = kind(metric, help_, labels=["training_job"])
+            for name, j in sorted(s["jobs"].items()):
+                if key in j["figures"]:
+                    fam.add_metric([name], float(j["figures"][key]) * scale)
+            yield fam
+
+
+def registry_for(agent) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(agent))
+    return reg

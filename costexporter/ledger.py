@@ -1,0 +1,129 @@
+"""The ledger in Redis (DESIGN section 6): exact integer amounts per job, bucket and category.
+
+Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
+
+    <p>:{job}:ledger:total                 hash  all-time amounts
+    <p>:{job}:ledger:5m:<start>            hash  one 5-minute bucket (start: Unix seconds)
+    <p>:{job}:ledger:1h:<start>, :1d:<start>      the hourly and daily rollups, same fields
+    <p>:{job}:ledger:index:<res>           zset  bucket start -> start, to find buckets by time
+    <p>:{job}:ledger:job                   hash  job-level figures (steps, tokens, ...), SET not added
+    <p>:{job}:ledger:rbidx:<agent>         hash  step record -> cumulative valid amounts (rollback)
+    <p>:{job}:ledger:incidents:<agent>     hash  incident id -> JSON
+    <p>:{job}:wm:<agent>                   string the agent's watermark (JSON)
+
+Fields of an amounts hash: `<category>:ms` (GPU-milliseconds), `<category>:mj` (millijoules),
+`<category>:ucost` (micro-units of the currency), and the rollback corrections
+`voided:<category>:ms|mj|ucost` (valid amounts later voided by a resume; the same amounts are
+added to `rolled_back`). Counters only go up; a reader subtracts the `voided:` fields.
+`price_version` names the price table the bucket was costed with.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from . import protocol
+from .booking import Pieces, Slices, _cut
+from .cost import Prices
+from .model import CATEGORIES, VALID_CATEGORIES, Category
+
+RESOLUTIONS = {"5m": 300, "1h": 3600, "1d": 86400}
+UNITS = ("ms", "mj", "ucost")
+VALID = sorted(int(c) for c in VALID_CATEGORIES)
+
+
+def key(prefix: str, job: str, *parts: str) -> str:
+    return protocol.job_key(prefix, job, ":".join(parts))
+
+
+def price_version(prices: Prices, price_per_gpu_hour: float) -> str:
+    """A short name of the price table, stored with every bucket it costed."""
+    return (
+        f"gpu_hour={price_per_gpu_hour:g};wasted={prices.wasted_price_per_gpu_hour};"
+        f"kwh={prices.price_per_kwh};pue={prices.pue:g};{prices.currency}"
+    )
+
+
+def amounts(
+    pieces: Pieces, prices: Prices, price_per_gpu_hour: float, bucket_s: int = 300
+) -> dict[int, np.ndarray]:
+    """Bucket start (s) -> int64 array [category, unit] of ms, mJ and micro-cost.
+
+    Pieces crossing a bucket boundary are split there (time and energy in proportion).
+    """
+    if pieces.gpu.size == 0:
+        return {}
+    lo = int(pieces.start_ms.min()) // (bucket_s * 1000) * bucket_s * 1000
+    hi = int(pieces.end_ms.max())
+    bounds = np.arange(lo, hi + bucket_s * 1000 + 1, bucket_s * 1000, dtype=np.int64)
+    s = Slices(pieces.gpu, pieces.start_ms, pieces.end_ms, pieces.category, pieces.energy_mj)
+    cut, seg = _cut(s, bounds)
+    cat = cut.band.astype(np.int64)  # _cut carries the category in the band column here
+    dur = cut.end_ms - cut.start_ms
+    n_cat = len(Category)
+    n_b = bounds.size
+    k = seg.astype(np.int64) * n_cat + cat
+    ms = np.bincount(k, weights=dur, minlength=n_b * n_cat).reshape(n_b, n_cat)
+    mj = np.bincount(k, weights=cut.energy_mj, minlength=n_b * n_cat).reshape(n_b, n_cat)
+    cost = prices.cost(ms, mj, np.arange(n_cat)[None, :], price_per_gpu_hour=price_per_gpu_hour)
+    out = {}
+    for b in np.flatnonzero(ms.sum(1) > 0):
+        a = np.stack([ms[b], np.round(mj[b]), np.round(cost[b] * 1e6)], axis=1).astype(np.int64)
+        out[int(bounds[b] // 1000)] = a
+    return out
+
+
+def _fields(a: np.ndarray, prefix: str = "") -> dict[str, int]:
+    return {
+        f"{prefix}{CATEGORIES[c]}:{u}": int(a[c, j])
+        for c in range(a.shape[0])
+        for j, u in enumerate(UNITS)
+        if a[c, j]
+    }
+
+
+def queue_amounts(
+    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, field_prefix: str = ""
+) -> None:
+    """HINCRBY every bucket, its rollups and the total (inside the caller's MULTI)."""
+    total: dict[str, int] = {}
+    for start, a in by_bucket.items():
+        fields = _fields(a, field_prefix)
+        for res, secs in RESOLUTIONS.items():
+            b = start // secs * secs
+            k = key(prefix, job, "ledger", res, str(b))
+            for f, v in fields.items():
+                pipe.hincrby(k, f, v)
+            pipe.hset(k, "price_version", version)
+            pipe.zadd(key(prefix, job, "ledger", "index", res), {str(b): b})
+        for f, v in fields.items():
+            total[f] = total.get(f, 0) + v
+    tk = key(prefix, job, "ledger", "total")
+    for f, v in total.items():
+        pipe.hincrby(tk, f, v)
+
+
+def read_amounts(
+    client, prefix: str, job: str, res: str | None = None, start: int | None = None
+) -> dict[str, int]:
+    """One amounts hash as integers (the total, or one bucket)."""
+    k = key(prefix, job, "ledger", "total") if res is None else key(prefix, job, "ledger", res, str(start))
+    raw = client.hgetall(k)
+    out = {}
+    for f, v in raw.items():
+        f = f.decode() if isinstance(f, bytes) else f
+        if f != "price_version":
+            out[f] = int(v)
+    return out
+
+
+def net_ms(amounts_: dict[str, int]) -> dict[str, int]:
+    """Per category GPU-milliseconds after rollback corrections."""
+    return {c: amounts_.get(f"{c}:ms", 0) - amounts_.get(f"voided:{c}:ms", 0) for c in CATEGORIES}
+
+
+def load_watermark(client, prefix: str, job: str, agent: str) -> dict | None:
+    raw = client.get(key(prefix, job, "wm", agent))
+    return json.loads(raw) if raw else None

@@ -1,0 +1,269 @@
+"""`costexporter serve` end to end: real agent processes, a real Redis ledger, real /metrics."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from costexporter import ledger, protocol
+from costexporter.client import send_entries
+from costexporter.model import CATEGORIES
+from costexporter.replay import ReplayConfig, book_trace
+from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+
+from .redis_server import RedisServer, free_port
+
+
+def two_host_job() -> TraceBuilder:
+    """4 ranks on 2 hosts; the deadlock's 0% rank is on node0, so node1's agent needs node0's samples."""
+    b = TraceBuilder(n_gpus=4, per_host=2, job="agent-job", seed=5, interval_s=1.0)
+    b.meta(gpu_model="NVIDIA B300", team="llm")
+    b.run("start")
+    b.stretch("compute", 240, step_s=4, tokens=1000)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 60, zero_ranks=(0,))
+    b.phase("checkpoint", "end", step=b.step)
+    b.stretch("communication", 60, step_s=6, tokens=1000)
+    b.stretch("deadlock", 180, zero_ranks=(1,))
+    b.stretch("compute", 60, step_s=4, tokens=1000)
+    b.run("end")
+    b.stretch("idle", 10)
+    return b
+
+
+def post_events(client, prefix: str, b: TraceBuilder) -> None:
+    entries = []
+    for e in sorted(b.events, key=lambda e: e.ts):
+        entries.append(
+            protocol.encode_fields(
+                {
+                    "v": "1",
+                    "type": e.type,
+                    "job": e.job,
+                    "ts": f"{e.ts:.3f}",
+                    "rank": e.rank,
+                    "session": e.session,
+                    "seq": e.seq,
+                    **e.fields,
+                }
+            )
+        )
+    send_entries(client, prefix, b.job, entries)
+
+
+def offline_ms(b: TraceBuilder) -> dict[str, int]:
+    [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    ms = np.bincount(r.pieces.category, weights=r.pieces.dur_ms, minlength=len(CATEGORIES)).astype(np.int64)
+    return dict(zip(CATEGORIES, ms.tolist(), strict=True)), r
+
+
+def serve(csv: Path, host: str, url: str, prefix: str, port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "costexporter.cli",
+            "serve",
+            "--source",
+            "replay",
+            "--samples",
+            f"{host}={csv}",
+            "--host",
+            host,
+            "--agent-id",
+            host,
+            "--redis-url",
+            url,
+            "--prefix",
+            prefix,
+            "--port",
+            str(port),
+            "--listen",
+            "127.0.0.1",
+            "--speed",
+            "100",
+            "--book-interval",
+            "0.2",
+            "--sample-interval",
+            "0.1",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_booked(client, prefix: str, job: str, agents: list[str], until_ms: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        wms = [ledger.load_watermark(client, prefix, job, a) for a in agents]
+        if all(w and w["booked_until"] >= until_ms for w in wms):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not booked to the end in time: {wms}")
+
+
+def scrape(port: int) -> dict[str, list]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out, text
+
+
+@pytest.fixture
+def trace(tmp_path):
+    b = two_host_job()
+    csvs = write_nvidia_smi_csv(b.samples(), tmp_path / "trace")
+    return b, {p.stem: p for p in csvs}
+
+
+def test_two_agents_book_one_job_and_their_metrics_agree(shared, prefix, trace):
+    b, csvs = trace
+    post_events(shared, prefix, b)
+    expected, offline = offline_ms(b)
+    ports = [free_port(), free_port()]
+    procs = [
+        serve(csvs["node0"], "node0", "redis://127.0.0.1:6379/0", prefix, ports[0]),
+        serve(csvs["node1"], "node1", "redis://127.0.0.1:6379/0", prefix, ports[1]),
+    ]
+    try:
+        wait_booked(shared, prefix, b.job, ["node0", "node1"], offline.timeline.end_ms)
+        total = ledger.read_amounts(shared, prefix, b.job)
+        assert ledger.net_ms(total) == expected  # both agents together = the offline replay, to the ms
+        assert total["stalled:ms"] > 0  # node1's agent saw node0's rank at 0%
+        figures = shared.hgetall(ledger.key(prefix, b.job, "ledger", "job"))
+        assert int(figures["steps_completed"]) == len(offline.timeline.steps)
+        # The rollups hold the same amounts as the 5-minute buckets.
+        for res in ("5m", "1h", "1d"):
+            starts = [int(x) for x in shared.zrange(ledger.key(prefix, b.job, "ledger", "index", res), 0, -1)]
+            got = {}
+            for s in starts:
+                for f, v in ledger.read_amounts(shared, prefix, b.job, res, s).items():
+                    got[f] = got.get(f, 0) + v
+            assert got == total, res
+
+        scraped = [scrape(p) for p in ports]
+        # Per-GPU amounts: summed across agents they give the ledger.
+        for cat in CATEGORIES:
+            agents_sum = sum(
+                v
+                for m, _ in scraped
+                for lab, v in m["costexporter_gpu_time_seconds_total"]
+                if lab["category"] == cat and lab["training_job"] == b.job
+            )
+            assert agents_sum == pytest.approx(total.get(f"{cat}:ms", 0) / 1000, abs=1e-6), cat
+        # Job-level series: identical on both agents; max is the job's figure.
+        steps = [v for m, _ in scraped for lab, v in m["costexporter_job_steps_completed_total"]]
+        assert steps == [len(offline.timeline.steps)] * 2
+        # promtool agrees the exposition is clean.
+        for _, text in scraped:
+            check = subprocess.run(
+                ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+            )
+            assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            _out, err = p.communicate(timeout=30)
+            assert p.returncode == 0, err[-2000:]
+            assert "Traceback" not in err
+
+
+def test_agent_killed_and_restarted_ends_with_the_same_ledger(shared, prefix, trace, tmp_path):
+    b, csvs = trace
+    post_events(shared, prefix, b)
+    expected, offline = offline_ms(b)
+    # One agent per host, node0's killed with SIGKILL half way and started again.
+    other = serve(csvs["node1"], "node1", "redis://127.0.0.1:6379/0", prefix, 0)
+    first = serve(csvs["node0"], "node0", "redis://127.0.0.1:6379/0", prefix, 0)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            wm = ledger.load_watermark(shared, prefix, b.job, "node0")
+            if wm and wm["booked_until"] > offline.timeline.start_ms + 200_000:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        second = serve(csvs["node0"], "node0", "redis://127.0.0.1:6379/0", prefix, 0)
+        wait_booked(shared, prefix, b.job, ["node0", "node1"], offline.timeline.end_ms)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+    finally:
+        for p in (other, first):
+            if p.poll() is None:
+                p.kill()
+    assert ledger.net_ms(ledger.read_amounts(shared, prefix, b.job)) == expected
+
+
+def test_redis_down_for_30_s_loses_nothing_and_books_no_stall(tmp_path, trace):
+    b, csvs = trace
+    server = RedisServer(tmp_path / "redis").start()
+    client = server.client()
+    post_events(client, "ce", b)
+    expected, offline = offline_ms(b)
+    # A slower replay (10x), so the trace is still playing while Redis is down.
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "costexporter.cli",
+                "serve",
+                "--source",
+                "replay",
+                "--samples",
+                f"{h}={csvs[h]}",
+                "--host",
+                h,
+                "--agent-id",
+                h,
+                "--redis-url",
+                server.url,
+                "--prefix",
+                "ce",
+                "--port",
+                "0",
+                "--speed",
+                "10",
+                "--book-interval",
+                "0.5",
+                "--sample-interval",
+                "0.2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for h in ("node0", "node1")
+    ]
+    try:
+        time.sleep(8)
+        server.stop()  # 30 s without Redis
+        time.sleep(30)
+        server.start()
+        client = server.client()
+        wait_booked(client, "ce", b.job, ["node0", "node1"], offline.timeline.end_ms, timeout=90)
+        total = ledger.read_amounts(client, "ce", b.job)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=30)[1] for p in procs]
+        server.stop()
+    assert ledger.net_ms(total) == expected  # nothing lost, nothing twice
+    assert total.get("stalled:ms", 0) == expected["stalled"]  # the outage is not a stall
+    assert any("Redis unreachable" in e for e in errs)
+    assert all("Traceback" not in e for e in errs)
