@@ -23,14 +23,19 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from . import __version__
 from .model import BANDS, CATEGORIES
 
+# A job's categories: `unassigned` is time outside every job, never a job's.
+JOB_CATEGORIES = [(k, c) for k, c in enumerate(CATEGORIES) if c != "unassigned"]
+
 
 class AgentCollector(Collector):
     def __init__(self, agent) -> None:
         self.agent = agent
+        self._cache: list = []
+        self._cache_key: object = None
 
     def collect(self):
         s = self.agent.snapshot()
-        host, cur = s["host"], s["currency"]
+        host = s["host"]
         info = GaugeMetricFamily(
             "costexporter_agent_info", "The agent: 1 per running agent.", labels=["agent", "host", "version"]
         )
@@ -88,6 +93,14 @@ class AgentCollector(Collector):
         rerr.add_metric([], s["stats"].get("redis_errors", 0))
         yield rerr
 
+        key = (s["stats"].get("rounds", 0), tuple(sorted(s["jobs"])))
+        if self._cache_key != key:  # job families change only when a round books
+            self._cache = list(self._job_families(s))
+            self._cache_key = key
+        yield from self._cache
+
+    def _job_families(self, s):
+        cur = s["currency"]
         # Booked amounts (this agent's GPUs): sum across agents.
         jl = ["training_job", "category"]
         t = CounterMetricFamily("costexporter_gpu_time_seconds", "GPU time booked, by category.", labels=jl)
@@ -114,9 +127,10 @@ class AgentCollector(Collector):
             labels=["training_job"],
         )
         for name, j in sorted(s["jobs"].items()):
-            for k, cat in enumerate(CATEGORIES):
+            for k, cat in JOB_CATEGORIES:
                 t.add_metric([name, cat], j["booked"][k, 0] / 1000)
-                e.add_metric([name, cat], j["booked"][k, 1] / 1000)
+                if cat != "unobserved":  # no sample, no energy
+                    e.add_metric([name, cat], j["booked"][k, 1] / 1000)
                 c.add_metric([name, cat, cur], j["booked"][k, 2] / 1e6)
                 if j["voided"][k].any():
                     vt.add_metric([name, cat], j["voided"][k, 0] / 1000)

@@ -267,3 +267,120 @@ def test_redis_down_for_30_s_loses_nothing_and_books_no_stall(tmp_path, trace):
     assert total.get("stalled:ms", 0) == expected["stalled"]  # the outage is not a stall
     assert any("Redis unreachable" in e for e in errs)
     assert all("Traceback" not in e for e in errs)
+
+
+def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix, monkeypatch):
+    import threading
+
+    from prometheus_client import generate_latest
+
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.exporter import registry_for
+    from costexporter.sources.nvml import NvmlSource
+
+    from .fake_nvml import FakeGpu, FakeNvml
+
+    uuids = [f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in range(4)]
+    fake = FakeNvml([FakeGpu(u) for u in uuids]).install(monkeypatch)
+    agent = Agent(
+        NvmlSource(host="gpu-host"),
+        AgentConfig(
+            redis_url="redis://127.0.0.1:6379/0",
+            prefix=prefix,
+            agent_id="gpu-host",
+            book_interval_s=0.1,
+            sample_interval_s=0.05,
+            job_refresh_s=0.2,
+        ),
+    ).start()
+    job = "lost-gpu"
+    t0 = time.time()
+
+    def entry(rank, seq, type_, **f):
+        return protocol.encode_fields(
+            {
+                "v": "1",
+                "type": type_,
+                "job": job,
+                "ts": f"{time.time():.3f}",
+                "rank": rank,
+                "session": f"s{rank}",
+                "seq": seq,
+                **f,
+            }
+        )
+
+    send_entries(
+        shared,
+        prefix,
+        job,
+        [entry(r, 0, "register", host="gpu-host", gpu=r, gpu_uuid=uuids[r]) for r in range(4)]
+        + [entry(0, 1, "run", state="start")],
+    )
+    stop = threading.Event()
+    runner = threading.Thread(target=agent.run, kwargs={"until": stop.is_set}, daemon=True)
+    runner.start()
+    try:
+        seq = 2
+        for step in range(1, 25):
+            time.sleep(0.125)
+            if step == 12:
+                fake.gpus[2].lost = True
+                lost_at = time.time()
+            send_entries(shared, prefix, job, [entry(0, seq, "step", step=step)])
+            seq += 1
+        send_entries(shared, prefix, job, [entry(0, seq, "run", state="end")])
+        end = time.time()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            wm = ledger.load_watermark(shared, prefix, job, "gpu-host")
+            if wm and wm["booked_until"] >= int(end * 1000):
+                break
+            time.sleep(0.1)
+        metrics = generate_latest(registry_for(agent)).decode()
+    finally:
+        stop.set()
+        agent.stop()
+        runner.join(10)
+        agent.shutdown()
+    total = ledger.net_ms(ledger.read_amounts(shared, prefix, job))
+    lost_s = end - lost_at
+    assert total["unobserved"] / 1000 == pytest.approx(lost_s, abs=0.4)  # one GPU's time since it fell off
+    busy = total["productive"] + total["overhead"]
+    assert busy / 1000 == pytest.approx(4 * (end - t0) - lost_s, rel=0.1)  # the other three went on
+    assert 'costexporter_gpu_errors_total{gpu="2",host="gpu-host",kind="gpu_lost"}' in metrics
+    assert 'costexporter_gpu_band{band="compute",gpu="0"' in metrics
+
+
+def test_a_resume_moves_the_voided_steps_to_rolled_back(shared, prefix, tmp_path):
+    b = TraceBuilder(n_gpus=2, per_host=2, job="resumed", seed=9)
+    b.run("start")
+    b.stretch("compute", 300, step_s=5)  # steps 1..60
+    b.stretch("idle", 30)  # the crash
+    b.run("resume", step=40)  # back to the checkpoint after step 40
+    b.stretch("compute", 150, step_s=5)  # 41..70
+    b.run("end")
+    b.stretch("idle", 5)
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    expected, offline = offline_ms(b)
+    # The resume arrives only after steps 41..60 were booked as valid: the agent must correct.
+    resume_ts = next(e.ts for e in b.events if e.type == "run" and e.get("state") == "resume")
+    everything = b.events
+    b.events = [e for e in everything if e.ts < resume_ts]
+    post_events(shared, prefix, b)
+    step60 = max(e.ts for e in b.events if e.type == "step")
+    p = serve(csv, "node0", "redis://127.0.0.1:6379/0", prefix, 0)
+    try:
+        wait_booked(shared, prefix, b.job, ["node0"], int(step60 * 1000))
+        b.events = [e for e in everything if e.ts >= resume_ts]
+        post_events(shared, prefix, b)
+        wait_booked(shared, prefix, b.job, ["node0"], offline.timeline.end_ms)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+    total = ledger.read_amounts(shared, prefix, b.job)
+    assert ledger.net_ms(total) == expected
+    assert total["rolled_back:ms"] == expected["rolled_back"] == 2 * 100_000  # steps 41..60: 100 s x 2 GPUs
+    assert total["voided:productive:ms"] == expected["rolled_back"]
+    figures = shared.hgetall(ledger.key(prefix, b.job, "ledger", "job"))
+    assert (int(figures["steps_voided"]), int(figures["valid_steps"])) == (20, 70)

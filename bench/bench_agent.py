@@ -1,0 +1,160 @@
+"""Agent benchmark: python bench/bench_agent.py [--seconds S]
+
+* CPU of `costexporter serve`'s agent (in a process of its own) sampling 8 GPUs at 10 Hz through
+  the fake NVML of the tests, booking a job whose trainer posts a step a second to the local
+  Redis: target <= 1% of one core.
+* /metrics render time for 8 GPUs and 10 jobs: target <= 5 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from costexporter.agent import Agent, AgentConfig, _Job  # noqa: E402
+from costexporter.client import StepReporter  # noqa: E402
+from costexporter.model import Category  # noqa: E402
+
+UUIDS = [f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in range(8)]
+
+
+def _fake_source():
+    import pynvml
+
+    from costexporter.sources.nvml import NvmlSource
+    from tests.fake_nvml import FakeGpu, FakeNvml
+
+    class _Patch:  # the minimum of pytest's monkeypatch that FakeNvml.install needs
+        def setattr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    FakeNvml([FakeGpu(u) for u in UUIDS]).install(_Patch())
+    assert pynvml.nvmlDeviceGetCount() == 8
+    return NvmlSource(host="bench-node")
+
+
+def _agent_process(prefix: str, seconds: float, out) -> None:
+    agent = Agent(
+        _fake_source(),
+        AgentConfig(prefix=prefix, agent_id="bench-node", book_interval_s=5.0, sample_interval_s=0.1),
+    ).start()
+    t0, c0 = time.monotonic(), time.process_time()
+    agent.run(until=lambda: time.monotonic() - t0 > seconds)
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    out.put({"wall_s": wall, "cpu_s": cpu, "rounds": agent.stats["rounds"], "reads": agent.sampler.reads})
+    agent.shutdown()
+
+
+def cpu(seconds: float) -> dict:
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    reps = [
+        StepReporter(
+            "bench-job",
+            prefix=prefix,
+            rank=r,
+            local_rank=r,
+            world_size=8,
+            host="bench-node",
+            gpu_uuid=UUIDS[r],
+            gpu_index=r,
+            spool_dir=tempfile.mkdtemp(),
+        )
+        for r in range(8)
+    ]
+    for rep in reps:
+        rep.flush(5)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_agent_process, args=(prefix, seconds, q))
+    proc.start()
+    step = 0
+    t0 = time.monotonic()
+    while proc.is_alive() and time.monotonic() - t0 < seconds + 30:
+        step += 1
+        reps[0].step(step, tokens=4096)
+        time.sleep(1.0)
+        if not q.empty():
+            break
+    res = q.get(timeout=60)
+    proc.join(30)
+    for rep in reps:
+        rep.close()
+    r = redis.Redis()
+    keys = list(r.scan_iter(f"{prefix}:*"))
+    if keys:
+        r.delete(*keys)
+    return res
+
+
+def render(n_jobs: int = 10, iterations: int = 300) -> list[float]:
+    from prometheus_client import generate_latest
+
+    from costexporter.exporter import registry_for
+    from costexporter.reader import EventReader
+
+    agent = Agent(_fake_source(), AgentConfig(agent_id="bench-node"))
+    agent.sampler.source.read()
+    for r in agent.sampler.source.read():
+        agent.sampler._latest[r.gpu] = r
+    rng = np.random.default_rng(0)
+    for j in range(n_jobs):
+        job = _Job(f"job-{j}", EventReader(agent.redis, f"job-{j}"))
+        job.own = {r: (j + r) % 8 for r in range(8)}
+        job.booked = rng.integers(0, 10**9, (len(Category), 3))
+        job.figures = {
+            "steps_completed": 1000,
+            "steps_voided": 10,
+            "valid_steps": 990,
+            "tokens": 10**9,
+            "last_step": 1000,
+            "last_step_ts": time.time(),
+            "last_checkpoint_ts": time.time(),
+            "stall_threshold_s": 60.0,
+            "ended": 0,
+        }
+        job.latest_band = {r: 0 for r in range(8)}
+        agent.jobs[job.name] = job
+    reg = registry_for(agent)
+    times = []
+    for _ in range(iterations):
+        agent.stats["rounds"] += 1  # as if a round had just booked: the job families are rebuilt
+        t = time.perf_counter()
+        generate_latest(reg)
+        times.append((time.perf_counter() - t) * 1000)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=30.0)
+    a = ap.parse_args()
+    c = cpu(a.seconds)
+    t = sorted(render())
+    share = 100 * c["cpu_s"] / c["wall_s"]
+    print(
+        f"agent benchmark: 8 GPUs x 10 Hz (fake NVML), {c['wall_s']:.0f} s, {c['rounds']} booking rounds, "
+        f"{c['reads']} reads"
+    )
+    print(f"  agent CPU          {share:6.2f}% of one core ({c['cpu_s']:.2f} s CPU)   target <= 1%")
+    print(
+        f"  /metrics render    p50 {statistics.median(t):.2f} ms   p99 {t[int(0.99 * len(t))]:.2f} ms"
+        f"   (8 GPUs, 10 jobs)   target <= 5 ms"
+    )
+    print(f"  peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
