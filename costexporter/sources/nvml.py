@@ -67,9 +67,14 @@ class NvmlSource(GpuSource):
         super().__init__()
         self.nv = _pynvml()
         self.host = host or socket.gethostname()
-        with _mapped():
-            self.nv.nvmlInit()
-            count = self.nv.nvmlDeviceGetCount()
+        try:
+            with _mapped():
+                self.nv.nvmlInit()
+                count = self.nv.nvmlDeviceGetCount()
+        except GpuInitError as e:
+            raise GpuInitError(
+                f"NVML is not available here ({e}): no NVIDIA driver? Use --source dcgm or --source replay"
+            ) from e
         self._handles = []
         self._gpus: list[GpuId] = []
         self._instant: list[bool] = []
