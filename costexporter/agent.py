@@ -56,6 +56,7 @@ class AgentConfig:
     job_refresh_s: float = 10.0
     live_ttl_s: int = 30
     max_buffered_samples: int = 2_000_000
+    series_ttl_s: float = 3600.0  # an ended job's series disappear from /metrics this long after
     profile: Profile | None = None
     gpu_model: str | None = None
     power_limit_w: float | None = None
@@ -84,6 +85,7 @@ class _Job:
     latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
     at_risk_ms: int = 0
     done: bool = False
+    done_at: float | None = None  # monotonic time when the job was booked to its end
 
 
 class Agent:
@@ -444,6 +446,8 @@ class Agent:
             job.incidents = incidents
             job.figures = figures
             job.done = tl.end_ms is not None and res.horizon_ms >= tl.end_ms
+            if job.done and job.done_at is None:
+                job.done_at = time.monotonic()
         self.stats["rounds"] += 1
 
     def _remote_liveness(self, job: _Job) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -580,8 +584,11 @@ class Agent:
 
     # ---- for the exporter --------------------------------------------------------------------
     def snapshot(self) -> dict:
+        now = time.monotonic()
         with self.lock:
+            pending = int(self._local[0][0].size) if self._local else 0
             return {
+                "pending": pending,
                 "host": self.host,
                 "agent": self.cfg.agent_id,
                 "currency": self.cfg.prices.currency,
@@ -603,6 +610,6 @@ class Agent:
                         "done": j.done,
                     }
                     for name, j in self.jobs.items()
-                    if j.own
+                    if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)
                 },
             }

@@ -276,8 +276,12 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
 
 @main.command()
 @click.option(
-    "--source", type=click.Choice(["nvml", "dcgm", "replay"]), default="nvml", help="Where samples come from."
+    "--source",
+    type=click.Choice(["nvml", "dcgm", "replay", "sim"]),
+    default="nvml",
+    help="Where samples come from.",
 )
+@click.option("--scenario", default="mini", help="The simulated job of --source sim (mini, r1).")
 @click.option(
     "--dcgm-url",
     "dcgm_urls",
@@ -309,10 +313,17 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
 @click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--exit-when-done", is_flag=True, help="Replay: exit once the trace is played and booked.")
+@click.option(
+    "--series-ttl",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    help="Seconds an ended job's series stay on /metrics.",
+)
 @booking_options
 @price_options
 def serve(
     source,
+    scenario,
     dcgm_urls,
     samples,
     speed,
@@ -329,6 +340,7 @@ def serve(
     power_limit,
     profile_path,
     exit_when_done,
+    series_ttl,
     **config,
 ) -> None:
     """The per-node agent: sample GPUs, book the ledger exactly once, serve /metrics."""
@@ -342,7 +354,9 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        src = _make_source(source, dcgm_urls, samples, speed, tz, host, Diagnostics())
+        src = _make_source(
+            source, dcgm_urls, samples, speed, tz, host, Diagnostics(), scenario, redis_url, prefix
+        )
         profile = profiles.load(profile_path) if profile_path else None
     except (InputError, profiles.ProfileError, GpuInitError, ValueError) as e:
         raise InputFailure(str(e)) from None
@@ -358,6 +372,7 @@ def serve(
         profile=profile,
         gpu_model=gpu_model,
         power_limit_w=power_limit,
+        series_ttl_s=series_ttl,
     )
     agent = Agent(src, cfg).start()
     if port:
@@ -389,13 +404,17 @@ def serve(
         agent.shutdown()
 
 
-def _make_source(kind, dcgm_urls, samples, speed, tz, host, diag):
+def _make_source(kind, dcgm_urls, samples, speed, tz, host, diag, scenario=None, redis_url=None, prefix=None):
     if kind == "dcgm":
         from .sources.dcgm import DcgmSource
 
         if not dcgm_urls:
             raise ValueError("--source dcgm needs --dcgm-url")
         return DcgmSource(list(dcgm_urls), host=host)
+    if kind == "sim":
+        from .sources.sim import SimSource
+
+        return SimSource(scenario, speed=speed, redis_url=redis_url, prefix=prefix, host=host)
     if kind == "replay":
         from .sources import files
         from .sources.replay import ReplaySource

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import protocol
@@ -151,6 +151,8 @@ class StepReporter:
         exit_timeout_s: float = 2.0,
         spool_dir: str | Path | None = None,
         socket_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        started_at: float | None = None,
     ) -> None:
         self.job = protocol.check_job(job)
         self.prefix = prefix or os.environ.get("COSTEXPORTER_PREFIX", protocol.DEFAULT_PREFIX)
@@ -165,6 +167,7 @@ class StepReporter:
         self.gpu_index = self.local_rank if gpu_index is None else gpu_index
         self.gpu_uuid = gpu_uuid
         self.session = secrets.token_hex(8)
+        self._clock = clock  # Unix seconds; a simulation passes its own
         self.heartbeat_s = heartbeat_s
         self.flush_interval_s = flush_interval_s
         self.batch_size = batch_size
@@ -200,6 +203,7 @@ class StepReporter:
 
         self._post(
             "register",
+            ts=started_at,
             host=self.host,
             gpu_uuid=self.gpu_uuid,
             gpu=self.gpu_index,
@@ -208,9 +212,9 @@ class StepReporter:
             pid=os.getpid(),
         )
         if resume_from is None:
-            self._post("run", state="start")
+            self._post("run", ts=started_at, state="start")
         else:
-            self.resume(resume_from)
+            self.resume(resume_from, ts=started_at)
         if meta:
             self.meta(**meta)
         _REPORTERS.add(self)
@@ -222,21 +226,25 @@ class StepReporter:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # ---- the trainer's API (hot path: no I/O, no locks) -------------------------------------
-    def step(self, step: int, tokens: int | None = None) -> None:
-        """Optimizer step `step` just finished (tokens: the global batch's, on rank 0)."""
+    def step(self, step: int, tokens: int | None = None, ts: float | None = None) -> None:
+        """Optimizer step `step` just finished (tokens: the global batch's, on rank 0).
+
+        `ts` (Unix seconds) when it finished, if not now."""
         if self._inactive:
             return
         q = self._queue
         if len(q) >= self.capacity:
             self._overflow()
             return
-        q.append(("step", time.time(), next(self._seq), {"step": step, "tokens": tokens}))
+        q.append(
+            ("step", self._clock() if ts is None else ts, next(self._seq), {"step": step, "tokens": tokens})
+        )
 
-    def phase_begin(self, name: str, step: int | None = None) -> None:
-        self._post("phase", name=name, state="begin", step=step)
+    def phase_begin(self, name: str, step: int | None = None, ts: float | None = None) -> None:
+        self._post("phase", ts=ts, name=name, state="begin", step=step)
 
-    def phase_end(self, name: str, step: int | None = None) -> None:
-        self._post("phase", name=name, state="end", step=step)
+    def phase_end(self, name: str, step: int | None = None, ts: float | None = None) -> None:
+        self._post("phase", ts=ts, name=name, state="end", step=step)
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
@@ -247,25 +255,25 @@ class StepReporter:
         finally:
             self.phase_end(name, step=step)
 
-    def resume(self, step: int) -> None:
+    def resume(self, step: int, ts: float | None = None) -> None:
         """This run restarted from the checkpoint saved after `step` (voids later steps)."""
-        self._post("run", state="resume", step=int(step))
+        self._post("run", ts=ts, state="resume", step=int(step))
 
-    def meta(self, **fields: object) -> None:
+    def meta(self, ts: float | None = None, **fields: object) -> None:
         """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget); last write wins."""
-        self._post("meta", **fields)
+        self._post("meta", ts=ts, **fields)
 
     def preflight(self, passed: bool, checks: object = None) -> None:
         """The pre-run invariant gate's result (REFERENCE R5)."""
         self._post("preflight", passed=bool(passed), checks=checks)
 
-    def _post(self, type_: str, **fields: object) -> None:
+    def _post(self, type_: str, ts: float | None = None, **fields: object) -> None:
         if self._inactive:
             return
         if len(self._queue) >= self.capacity:
             self._overflow()
             return
-        self._queue.append((type_, time.time(), next(self._seq), fields))
+        self._queue.append((type_, self._clock() if ts is None else ts, next(self._seq), fields))
 
     def _overflow(self) -> None:
         self.stats["overflow"] += 1
@@ -288,13 +296,13 @@ class StepReporter:
             self._idle.wait(0.05 if remaining is None else min(0.05, remaining))
         return True
 
-    def close(self, timeout: float | None = None, *, end_run: bool = True) -> None:
+    def close(self, timeout: float | None = None, *, end_run: bool = True, ts: float | None = None) -> None:
         """Post `run end` (unless `end_run` is False: a crash is not a clean end), flush for at
         most `timeout` (default exit_timeout_s) and spool what is left."""
         if self._closed or os.getpid() != self._pid:
             return
         if end_run:
-            self._post("run", state="end")
+            self._post("run", ts=ts, state="end")
         self._closed = True
         timeout = self.exit_timeout_s if timeout is None else timeout
         self.flush(timeout)

@@ -89,6 +89,11 @@ class AgentCollector(Collector):
         )
         dropped.add_metric([], s["dropped"] + s["stats"].get("samples_dropped", 0))
         yield dropped
+        pending = GaugeMetricFamily(
+            "costexporter_samples_pending", "Samples held for booking (they grow while Redis is unreachable)."
+        )
+        pending.add_metric([], s["pending"])
+        yield pending
         rerr = CounterMetricFamily("costexporter_redis_errors", "Rounds that could not reach Redis.")
         rerr.add_metric([], s["stats"].get("redis_errors", 0))
         yield rerr

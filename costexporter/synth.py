@@ -289,3 +289,65 @@ def r1_incident(
     b.phase("checkpoint", "begin", rank=3, step=steps)
     b.stretch("deadlock", deadlock_h * 3600, zero_ranks=(3,))
     return b
+
+
+def scenario_mini(seed: int = 3) -> TraceBuilder:
+    """Every kind of time in 40 minutes on 4 GPUs over 2 hosts: compute, a communication-bound
+    stretch, a straggler, a checkpoint, a deadlock on rank 1, an idle gap, a crash loop with
+    restarts, and a resume from an earlier checkpoint."""
+    b = TraceBuilder(n_gpus=4, per_host=2, job="sim-mini", seed=seed, host_prefix="sim-node")
+    b.meta(gpu_model="NVIDIA B300", team="research", cost_center="cc-7")
+    b.run("start")
+    b.stretch("compute", 300, step_s=5, tokens=65_536)
+    b.stretch("communication", 120, step_s=8, tokens=65_536)
+    b.stretch("starvation", 120, step_s=8, tokens=65_536, straggler=2)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 60, zero_ranks=(0,))
+    b.phase("checkpoint", "end", step=b.step)
+    saved = b.step
+    b.stretch("compute", 300, step_s=5, tokens=65_536)
+    b.stretch("deadlock", 300, zero_ranks=(1,))
+    b.stretch("idle", 120)
+    for _ in range(3):  # the watchdog killed it; the scheduler restarts it, it crashes again
+        b.run("start")
+        b.stretch("crashloop", 120)
+    b.run("resume", step=saved)
+    b.stretch("compute", 300, step_s=5, tokens=65_536)
+    b.run("end")
+    b.stretch("idle", 10)
+    return b
+
+
+def scenario_r1_story(seed: int = 1) -> TraceBuilder:
+    """REFERENCE R1 then R7, on 16 B300 over two hosts (the demo's story): healthy compute, a
+    communication-bound stretch, a straggler, the end-of-epoch checkpoint that deadlocks on rank 3
+    until the watchdog; then a restart whose checkpoint write hangs, a crash loop, and a resume
+    from an earlier checkpoint."""
+    b = TraceBuilder(n_gpus=16, per_host=8, job="qwen3-32b-ft", seed=seed, interval_s=1.0)
+    b.meta(gpu_model="NVIDIA B300", team="llm", cost_center="cc-42", budget=2000.0)
+    b.run("start")
+    b.stretch("compute", 2 * 3600, step_s=5, tokens=262_144)
+    b.stretch("communication", 1200, step_s=7, tokens=262_144)
+    b.stretch("starvation", 1200, step_s=7, tokens=262_144, straggler=11)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 240, zero_ranks=(0,))
+    b.phase("checkpoint", "end", step=b.step)
+    saved = b.step
+    b.stretch("compute", 1800, step_s=5, tokens=262_144)
+    b.phase("checkpoint", "begin", rank=3, step=b.step)
+    b.stretch("deadlock", 3 * 3600, zero_ranks=(3,))
+    b.run("resume", step=saved)
+    b.stretch("compute", 900, step_s=5, tokens=262_144)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 1800, zero_ranks=(0,))  # the 3 a.m. NFS write that hangs (R7)
+    for _ in range(4):
+        b.run("start")
+        b.stretch("crashloop", 300)
+    b.run("resume", step=saved)
+    b.stretch("compute", 1200, step_s=5, tokens=262_144)
+    b.run("end")
+    b.stretch("idle", 30)
+    return b
+
+
+SCENARIOS = {"mini": scenario_mini, "r1": scenario_r1_story}

@@ -384,3 +384,59 @@ def test_a_resume_moves_the_voided_steps_to_rolled_back(shared, prefix, tmp_path
     assert total["voided:productive:ms"] == expected["rolled_back"]
     figures = shared.hgetall(ledger.key(prefix, b.job, "ledger", "job"))
     assert (int(figures["steps_voided"]), int(figures["valid_steps"])) == (20, 70)
+
+
+def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(shared, prefix):
+    from costexporter.synth import scenario_mini
+
+    b = scenario_mini()
+    expected, offline = offline_ms(b)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "costexporter.cli",
+            "serve",
+            "--source",
+            "sim",
+            "--scenario",
+            "mini",
+            "--redis-url",
+            "redis://127.0.0.1:6379/0",
+            "--prefix",
+            prefix,
+            "--port",
+            "0",
+            "--speed",
+            "200",
+            "--book-interval",
+            "0.2",
+            "--sample-interval",
+            "0.1",
+            "--agent-id",
+            "sim",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            f = shared.hgetall(ledger.key(prefix, b.job, "ledger", "job"))
+            if f.get("ended") == "1":
+                wm = ledger.load_watermark(shared, prefix, b.job, "sim")
+                if wm and wm["booked_until"] >= int(float(f["last_step_ts"]) * 1000):
+                    break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the simulated job was not booked to its end")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err[-2000:]
+    got = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
+    for cat, ms in expected.items():
+        assert got[cat] == pytest.approx(ms, abs=50), cat  # float timestamps: a few ms of rounding
+    assert got["stalled"] > 0 and got["no_progress"] > 0 and got["rolled_back"] > 0 and got["starved"] > 0
+    assert int(f["steps_completed"]) == len(offline.timeline.steps)

@@ -1,0 +1,122 @@
+"""A simulated job: GPUs of a scenario read as a live source, while its simulated trainer posts
+the scenario's events through the real StepReporter (one per rank and restart, like real
+processes). Time can run `speed` times faster; events keep the scenario's own timestamps."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+
+from ..client import StepReporter
+from ..model import Event, Samples
+from ..synth import SCENARIOS, TraceBuilder
+from .replay import ReplaySource
+
+log = logging.getLogger("costexporter.sources.sim")
+
+
+class SimSource(ReplaySource):
+    def __init__(
+        self,
+        scenario: str | TraceBuilder,
+        *,
+        speed: float = 1.0,
+        redis_url: str | None = None,
+        prefix: str | None = None,
+        spool_dir: str | None = None,
+        host: str | None = None,
+    ) -> None:
+        if isinstance(scenario, str):
+            if scenario not in SCENARIOS:
+                raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(sorted(SCENARIOS))}")
+            scenario = SCENARIOS[scenario]()
+        b = scenario
+        self.builder = b
+        start = time.time()
+        shift_ms = int((start - b.t0) * 1000)
+        s = b.samples()
+        shifted = Samples(s.gpus, s.gpu, s.ts_ms + shift_ms, s.power_w, s.util_pct, s.energy_mj)
+        super().__init__(shifted, speed=speed, host=host or "sim", clock=time.monotonic)
+        self.shift_s = shift_ms / 1000
+        self._t_wall = start
+        self._events: list[Event] = sorted(b.events, key=lambda e: (e.ts, e.seq))
+        self._redis_url, self._prefix = redis_url, prefix
+        self._spool = spool_dir or tempfile.mkdtemp(prefix="costexporter-sim-")
+        self._reporters: dict[int, StepReporter] = {}
+        self._started: set[int] = set()
+        self._stop = threading.Event()
+        self.trainer_done = threading.Event()
+        self._trainer = threading.Thread(target=self._train, name="costexporter-sim-trainer", daemon=True)
+        self._trainer.start()
+
+    def sim_time(self) -> float:
+        """The scenario's clock, in Unix seconds (shifted to start now)."""
+        return self._trace_t0 / 1000 + (self._clock() - self._t0) * self.speed
+
+    def _reporter(self, rank: int, ts: float, new: bool = False) -> StepReporter:
+        """The rank's trainer process; `new`: it restarted (a new process, a new session)."""
+        rep = self._reporters.get(rank)
+        if rep is None or new:
+            if rep is not None:
+                rep.close(timeout=0.5, end_run=False)  # the old process died
+            g = self.builder.gpu_ids()[rank]
+            rep = StepReporter(
+                self.builder.job,
+                self._redis_url,
+                rank=rank,
+                local_rank=g.index,
+                world_size=self.builder.n_gpus,
+                host=g.host,
+                gpu_uuid=g.uuid,
+                gpu_index=g.index,
+                prefix=self._prefix,
+                spool_dir=self._spool,
+                clock=self.sim_time,
+                started_at=ts,
+                heartbeat_s=10.0,
+            )
+            self._reporters[rank] = rep
+        return rep
+
+    def _train(self) -> None:
+        try:
+            for ev in self._events:
+                ts = ev.ts + self.shift_s
+                while self.sim_time() < ts:
+                    if self._stop.wait(min(0.02, max((ts - self.sim_time()) / self.speed, 0.001))):
+                        return
+                self._post(ev, ts)
+        finally:
+            self.trainer_done.set()
+
+    def _post(self, ev: Event, ts: float) -> None:
+        f, state = ev.fields, ev.fields.get("state")
+        if ev.type == "register":
+            self._reporter(ev.rank, ts)
+        elif ev.type == "run" and state == "start":
+            # The reporter posts its own first `run start`; a later one is a restart.
+            if ev.rank in self._started:
+                self._reporter(ev.rank, ts, new=True)
+            self._started.add(ev.rank)
+        elif ev.type == "run" and state == "resume":
+            self._reporter(ev.rank, ts).resume(int(f["step"]), ts=ts)
+        elif ev.type == "run" and state == "end":
+            self._reporter(ev.rank, ts).close(ts=ts)
+        elif ev.type == "step":
+            self._reporter(ev.rank, ts).step(int(f["step"]), tokens=f.get("tokens"), ts=ts)
+        elif ev.type == "phase":
+            rep = self._reporter(ev.rank, ts)
+            (rep.phase_begin if state == "begin" else rep.phase_end)(f["name"], step=f.get("step"), ts=ts)
+        elif ev.type == "meta":
+            self._reporter(ev.rank, ts).meta(ts=ts, **f)
+
+    def close(self) -> None:
+        self._stop.set()
+        for rep in self._reporters.values():
+            rep.close(timeout=1.0, end_run=False)
+
+    @property
+    def done(self) -> bool:
+        return super().done and self.trainer_done.is_set()
