@@ -22,7 +22,9 @@ from enum import IntEnum
 
 import numpy as np
 
+from . import bands as bands_mod
 from .model import NO_BAND, Band, Category, Event
+from .profiles import Profile
 
 NEG_INF = np.iinfo(np.int64).min // 4
 POS_INF = np.iinfo(np.int64).max // 4
@@ -659,3 +661,29 @@ def book(
     # CATEGORY_TABLE[regime, band + 1] as one flat take.
     category = np.take(CATEGORY_TABLE.ravel(), regime.astype(np.intp) * (len(Band) + 1) + s.band + 1)
     return Pieces(s.gpu, s.start_ms, s.end_ms, s.band, category, s.energy_mj)
+
+
+def job_bands(
+    cfg: BookingConfig,
+    timeline: Timeline,
+    rank: np.ndarray,
+    ts_ms: np.ndarray,
+    power_w: np.ndarray,
+    util_pct: np.ndarray,
+    n_ranks: int,
+    profile: Profile,
+    interval_ms: int,
+) -> bands_mod.BandResult:
+    """A job's bands on its grid, with the checkpoint allowance its own checkpoints taught."""
+    return bands_mod.classify(
+        rank,
+        ts_ms,
+        power_w,
+        util_pct,
+        n_ranks,
+        profile,
+        grid_ms=int(cfg.grid_s * 1000),
+        gap_intervals=cfg.gap_intervals,
+        checkpoint_allowance_ms=lambda t: timeline.allowances.at("checkpoint", t),
+        interval_ms=interval_ms,
+    )

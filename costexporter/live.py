@@ -27,6 +27,7 @@ from .booking import (
     _cut_per_gpu,
     book,
     build_timeline,
+    job_bands,
     make_slices,
 )
 from .model import Category, Event
@@ -106,18 +107,7 @@ def book_window(
     if horizon <= booked_until_ms or (ts_ms.size == 0 and not own_ranks.size):
         return WindowResult(empty, booked_until_ms, tl, {})
 
-    br = bands_mod.classify(
-        rank,
-        ts_ms,
-        power_w,
-        util_pct,
-        n_ranks,
-        profile,
-        grid_ms=int(cfg.grid_s * 1000),
-        gap_intervals=cfg.gap_intervals,
-        checkpoint_allowance_ms=lambda t: tl.allowances.at("checkpoint", t),
-        interval_ms=interval,
-    )
+    br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval)
     # Own GPUs: local index = position in own_ranks.
     local_of_rank = np.full(max(n_ranks, int(own_ranks.max(initial=-1)) + 1), -1, np.int64)
     local_of_rank[own_ranks] = np.arange(own_ranks.size)

@@ -22,6 +22,7 @@ from .booking import (
     book,
     build_timeline,
     intersect,
+    job_bands,
     make_slices,
 )
 from .cost import MJ_PER_KWH, MS_PER_HOUR, Prices
@@ -177,18 +178,7 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
         n_ranks = int(ranks.max()) + 1 if ranks.size else 0
         member_gpu_list = [gpus[g] for g in member_gpus]
         profile = _job_profile(cfg, member_gpu_list, meta)
-        br = bands_mod.classify(
-            ranks[lg],
-            ts,
-            pw,
-            ut,
-            n_ranks,
-            profile,
-            grid_ms=int(bc.grid_s * 1000),
-            gap_intervals=bc.gap_intervals,
-            checkpoint_allowance_ms=lambda t, tl=timeline: tl.allowances.at("checkpoint", t),
-            interval_ms=interval,
-        )
+        br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, interval)
         mem_start = np.asarray([t for _, _, t in members], np.int64)
         mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
         slices = make_slices(

@@ -65,7 +65,18 @@ def offline_ms(b: TraceBuilder) -> dict[str, int]:
     return dict(zip(CATEGORIES, ms.tolist(), strict=True)), r
 
 
-def serve(csv: Path, host: str, url: str, prefix: str, port: int, *extra: str) -> subprocess.Popen:
+def serve(
+    csv: Path,
+    host: str,
+    url: str,
+    prefix: str,
+    port: int,
+    *extra: str,
+    speed: float = 100,
+    book_s: float = 0.2,
+    sample_s: float = 0.1,
+) -> subprocess.Popen:
+    """A real `costexporter serve` replaying one host's trace."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -89,11 +100,11 @@ def serve(csv: Path, host: str, url: str, prefix: str, port: int, *extra: str) -
             "--listen",
             "127.0.0.1",
             "--speed",
-            "100",
+            str(speed),
             "--book-interval",
-            "0.2",
+            str(book_s),
             "--sample-interval",
-            "0.1",
+            str(sample_s),
             *extra,
         ],
         stdout=subprocess.PIPE,
@@ -217,38 +228,7 @@ def test_redis_down_for_30_s_loses_nothing_and_books_no_stall(tmp_path, trace):
     expected, offline = offline_ms(b)
     # A slower replay (10x), so the trace is still playing while Redis is down.
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "costexporter.cli",
-                "serve",
-                "--source",
-                "replay",
-                "--samples",
-                f"{h}={csvs[h]}",
-                "--host",
-                h,
-                "--agent-id",
-                h,
-                "--redis-url",
-                server.url,
-                "--prefix",
-                "ce",
-                "--port",
-                "0",
-                "--speed",
-                "10",
-                "--book-interval",
-                "0.5",
-                "--sample-interval",
-                "0.2",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for h in ("node0", "node1")
+        serve(csvs[h], h, server.url, "ce", 0, speed=10, book_s=0.5, sample_s=0.2) for h in ("node0", "node1")
     ]
     try:
         time.sleep(8)
