@@ -186,6 +186,11 @@ class Agent:
             self.stats["redis_errors"] += 1
             for job in self.jobs.values():
                 job.loaded = False  # the last write may or may not have landed: re-read the watermark
+        except Exception:  # a bug or an input nobody foresaw: log it, count it, keep the daemon up
+            log.exception("booking round failed; nothing of it was written")
+            self.stats["round_errors"] += 1
+            for job in self.jobs.values():
+                job.loaded = False
         self._trim(local)
 
     def _local_arrays(self) -> tuple[np.ndarray, ...]:

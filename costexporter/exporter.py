@@ -97,6 +97,11 @@ class AgentCollector(Collector):
         rerr = CounterMetricFamily("costexporter_redis_errors", "Rounds that could not reach Redis.")
         rerr.add_metric([], s["stats"].get("redis_errors", 0))
         yield rerr
+        ferr = CounterMetricFamily(
+            "costexporter_round_errors", "Booking rounds that failed unexpectedly (see the log)."
+        )
+        ferr.add_metric([], s["stats"].get("round_errors", 0))
+        yield ferr
 
         key = (s["stats"].get("rounds", 0), tuple(sorted(s["jobs"])))
         if self._cache_key != key:  # job families change only when a round books

@@ -420,3 +420,40 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
         assert got[cat] == pytest.approx(ms, abs=50), cat  # float timestamps: a few ms of rounding
     assert got["stalled"] > 0 and got["no_progress"] > 0 and got["rolled_back"] > 0 and got["starved"] > 0
     assert int(f["steps_completed"]) == len(offline.timeline.steps)
+
+
+def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared, prefix, monkeypatch, caplog):
+    import costexporter.agent as agent_mod
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.sources.replay import ReplaySource
+
+    b = TraceBuilder(n_gpus=2, per_host=2, job="bumpy", seed=2)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    b.run("end")
+    b.stretch("idle", 5)
+    post_events(shared, prefix, b)
+    real = agent_mod.book_window
+    calls = []
+
+    def flaky(**kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug nobody foresaw")
+        return real(**kw)
+
+    monkeypatch.setattr(agent_mod, "book_window", flaky)
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(prefix=prefix, agent_id="bumpy", job_refresh_s=0),
+    )
+    for _ in range(4):
+        now[0] += 100
+        for r in agent.source.read():
+            agent.sampler._buf.append(r)
+        agent.tick()
+    assert agent.stats["round_errors"] == 1
+    assert "booking round failed" in caplog.text
+    total = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
+    assert total["productive"] > 0
