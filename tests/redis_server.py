@@ -1,4 +1,4 @@
-"""A private redis-server for tests that kill, restart or persist Redis (the shared one is 6379)."""
+"""A private redis-server for tests that kill, restart, persist or encrypt Redis (the shared one is 6379)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """redis-server on a free port with AOF (appendfsync always) in `directory`."""
+    """redis-server on a free port with AOF (appendfsync always) in `directory`; `tls`: TLS only,
+    with a throwaway CA made by openssl (clients find it in the URL's `ssl_ca_certs`)."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, tls: bool = False) -> None:
         self.dir = directory
         self.port = port or free_port()
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
         self.binary = shutil.which("redis-server")
         if self.binary is None:
@@ -31,15 +33,87 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        if self.tls:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.dir / 'ca.crt'}"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def _make_certs(self) -> None:
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=self.dir, check=True, capture_output=True)
+
+        openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=costexporter-test-ca",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        )
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        )
+        (self.dir / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-out",
+            "server.crt",
+            "-extfile",
+            "ext.cnf",
+        )
+
+    def _listen_args(self) -> list[str]:
+        if not self.tls:
+            return ["--port", str(self.port)]
+        if not (self.dir / "server.crt").exists():
+            self._make_certs()
+        d = self.dir
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(d / "server.crt"),
+            "--tls-key-file",
+            str(d / "server.key"),
+            "--tls-ca-cert-file",
+            str(d / "ca.crt"),
+            "--tls-auth-clients",
+            "no",
+        ]
 
     def start(self) -> RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [
                 self.binary,
-                "--port",
-                str(self.port),
+                *self._listen_args(),
                 "--bind",
                 "127.0.0.1",
                 "--dir",
@@ -58,7 +132,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -86,4 +160,4 @@ class RedisServer:
             self.proc = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, decode_responses=True)
+        return redis.Redis.from_url(self.url, decode_responses=True)

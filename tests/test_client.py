@@ -316,3 +316,24 @@ def test_a_trainer_with_the_recommended_acl_can_post_and_nothing_else(tmp_path):
             as_trainer.xrange("costexporter:{acl-job}:events")
     finally:
         server.stop()
+
+
+def test_reporter_posts_over_tls(tmp_path):
+    """rediss:// with the server's CA in the URL (ssl_ca_certs=...)."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificates")
+    server = RedisServer(tmp_path / "redis", tls=True).start()
+    try:
+        assert server.url.startswith("rediss://")
+        rep = StepReporter("tls-job", server.url, rank=0, spool_dir=tmp_path / "spool", heartbeat_s=3600)
+        rep.step(1, tokens=10)
+        assert rep.flush(timeout=5)
+        rep.close()
+        events = EventReader(server.client(), "tls-job").read_all()
+        assert [e.type for e in events] == ["register", "run", "step", "run"]
+        with pytest.raises(redis.ConnectionError):  # no silent fall-back to plain text
+            redis.Redis(port=server.port, socket_connect_timeout=1, socket_timeout=1).ping()
+    finally:
+        server.stop()
