@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import bands as bands_mod
 from . import ledger, profiles, protocol
-from .booking import BookingConfig, StepRecord
+from .booking import POS_INF, BookingConfig, Pieces, StepRecord, _cut_per_gpu, make_slices
 from .cost import Prices
 from .live import book_window
 from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Event
@@ -110,6 +111,7 @@ class Agent:
         self.context_ms = int((cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60) * 1000)
         self._local: list[tuple] = []  # chunks of (gpu, ts, p, u, e) read from this node
         self._last_refresh = 0.0
+        self._unassigned_until: int | None = None
         self._started_at = time.monotonic()
         self._redis_back_at = 0.0
         self.redis_up = False
@@ -178,12 +180,14 @@ class Agent:
             for job in list(self.jobs.values()):
                 if job.own:
                     self._book(job, local)
+            self._book_unassigned(local)
             self.redis_up = True
         except self._redis_errors as e:
             if self.redis_up or not self.stats["redis_errors"]:
                 log.warning("Redis unreachable (%s): holding samples until it is back", e)
             self.redis_up = False
             self.stats["redis_errors"] += 1
+            self._unassigned_until = None
             for job in self.jobs.values():
                 job.loaded = False  # the last write may or may not have landed: re-read the watermark
         except Exception:  # a bug or an input nobody foresaw: log it, count it, keep the daemon up
@@ -209,6 +213,8 @@ class Agent:
             (j.booked_until - self.context_ms for j in self.jobs.values() if j.own and not j.done),
             default=int(ts.max()) - self.context_ms,
         )
+        if self._unassigned_until is not None:  # GPUs of no job: kept until that ledger has them
+            keep_from = min(keep_from, self._unassigned_until - 60_000)
         keep = ts >= keep_from
         if keep.sum() > self.cfg.max_buffered_samples:
             drop = int(keep.sum()) - self.cfg.max_buffered_samples
@@ -438,6 +444,9 @@ class Agent:
                 json.dumps(inc),
             )
         pipe.hset(ledger.key(cfg.prefix, job.name, "ledger", "job"), mapping=figures)
+        ledger.queue_steps(
+            pipe, cfg.prefix, job.name, tl.steps, job.booked_until, res.horizon_ms, applied - job.rb_applied
+        )
         pipe.set(ledger.key(cfg.prefix, job.name, "wm", cfg.agent_id), json.dumps(wm))
         pipe.execute()
 
@@ -454,6 +463,51 @@ class Agent:
             if job.done and job.done_at is None:
                 job.done_at = time.monotonic()
         self.stats["rounds"] += 1
+
+    def _book_unassigned(self, local: tuple[np.ndarray, ...]) -> None:
+        """Observed time of this node's GPUs that no job holds, into the `_unassigned` ledger."""
+        gpu, ts, p, _u, e = local
+        if ts.size == 0:
+            return
+        held = {g for j in self.jobs.values() for g in j.own.values()}
+        free = ~np.isin(gpu, list(held)) if held else np.ones(gpu.size, bool)
+        if not free.any():
+            return
+        job = ledger.UNASSIGNED_JOB
+        k_wm = ledger.key(self.cfg.prefix, job, "wm", self.cfg.agent_id)
+        if self._unassigned_until is None:
+            wm = ledger.load_watermark(self.redis, self.cfg.prefix, job, self.cfg.agent_id) or {}
+            self._unassigned_until = int(wm.get("booked_until", 0))
+        order = np.lexsort((ts[free], gpu[free]))
+        g, t, pw, en = gpu[free][order], ts[free][order], p[free][order], e[free][order]
+        interval = bands_mod.sampling_interval_ms(g, t)
+        horizon = int(t.max()) - interval
+        lo = self._unassigned_until
+        if horizon <= lo:
+            return
+        n_g = int(g.max()) + 1
+        none = np.full(n_g, POS_INF, np.int64)
+        s = make_slices(
+            g, t, pw, en, np.zeros(t.size, np.int8), n_g, interval, none, none, self.cfg.booking.gap_intervals
+        )
+        s = _cut_per_gpu(s, np.repeat(np.arange(n_g), 2), np.tile([lo, horizon], n_g))
+        keep = (s.start_ms >= lo) & (s.end_ms <= horizon)
+        pieces = Pieces(
+            s.gpu[keep],
+            s.start_ms[keep],
+            s.end_ms[keep],
+            s.band[keep],
+            np.full(int(keep.sum()), Category.UNASSIGNED, np.int8),
+            s.energy_mj[keep],
+        )
+        by_bucket = ledger.amounts(pieces, self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
+        pipe = self.redis.pipeline(transaction=True)
+        ledger.queue_amounts(pipe, self.cfg.prefix, job, by_bucket, "unassigned")
+        pipe.set(k_wm, json.dumps({"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host}))
+        pipe.execute()
+        self._unassigned_until = horizon
+        for c in by_bucket.values():
+            self.unassigned_ms[0] += int(c[Category.UNASSIGNED, 0])
 
     def _remote_liveness(self, job: _Job) -> tuple[np.ndarray, np.ndarray, bool]:
         """(ranks that hold the horizon back, ranks to ignore, whether to wait this round).

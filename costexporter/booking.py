@@ -141,6 +141,7 @@ class StepRecord:
     ts_ms: int
     tokens: int
     voided: bool = False
+    voided_ms: int | None = None  # when the resume that voided it was seen
 
 
 @dataclass(slots=True)
@@ -353,12 +354,13 @@ def build_timeline(
             durations.append(eff)
         return stalled
 
-    def void_above(k: int) -> int:
+    def void_above(k: int, at_ms: int) -> int:
         nonlocal max_valid
         n = 0
         for s in steps:
             if not s.voided and s.step > k:
                 s.voided = True
+                s.voided_ms = at_ms
                 n += 1
         max_valid = max((s.step for s in steps if not s.voided), default=None)
         return n
@@ -378,7 +380,7 @@ def build_timeline(
         if ev.type == "step":
             n = int(ev.get("step"))  # type: ignore[arg-type]
             if max_valid is not None and n <= max_valid:  # implicit resume (DESIGN section 5)
-                resumes.append((t, n - 1, void_above(n - 1)))
+                resumes.append((t, n - 1, void_above(n - 1, t)))
             max_valid = n if max_valid is None else max(max_valid, n)
             steps.append(StepRecord(n, t, int(ev.get("tokens") or 0)))  # type: ignore[arg-type]
             close_interval(t, "step", len(steps) - 1)
@@ -392,7 +394,7 @@ def build_timeline(
                     close_interval(t, "orphan")
                 if state == "resume" and ev.get("step") is not None:
                     k = int(ev.get("step"))  # type: ignore[arg-type]
-                    resumes.append((t, k, void_above(k)))
+                    resumes.append((t, k, void_above(k, t)))
                 if not in_startup:
                     in_startup, startup_from = True, t
                     startup_allow = allowances.current("startup")

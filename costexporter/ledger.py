@@ -30,6 +30,7 @@ from .cost import Prices
 from .model import CATEGORIES, VALID_CATEGORIES, Category
 
 RESOLUTIONS = {"5m": 300, "1h": 3600, "1d": 86400}
+UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
 UNITS = ("ms", "mj", "ucost")
 VALID = sorted(int(c) for c in VALID_CATEGORIES)
 
@@ -103,6 +104,34 @@ def queue_amounts(
     tk = key(prefix, job, "ledger", "total")
     for f, v in total.items():
         pipe.hincrby(tk, f, v)
+
+
+def queue_steps(
+    pipe, prefix: str, job: str, steps: list, after_ms: int, upto_ms: int, voids: set[int]
+) -> None:
+    """Step completions and voids as sorted sets keyed by step record, so every agent writes the
+    same members (idempotent) and a window's counts are ZCOUNTs.
+
+    `ledger:steps`: score = completion time (s), member = "<record>:<cumulative tokens>";
+    `ledger:voids`: score = when the voiding resume was seen, member = "<record>:<cumulative
+    voided tokens>". Only completions in (after_ms, upto_ms] and the voids in `voids` (record
+    numbers) are sent.
+    """
+    done, voided = {}, {}
+    cum = cum_v = 0
+    for i, s in enumerate(steps):
+        cum += s.tokens
+        if after_ms < s.ts_ms <= upto_ms:
+            done[f"{i}:{cum}"] = s.ts_ms / 1000
+    order = sorted((i for i, s in enumerate(steps) if s.voided), key=lambda i: (steps[i].voided_ms or 0, i))
+    for i in order:
+        cum_v += steps[i].tokens
+        if i in voids:
+            voided[f"{i}:{cum_v}"] = (steps[i].voided_ms or steps[i].ts_ms) / 1000
+    if done:
+        pipe.zadd(key(prefix, job, "ledger", "steps"), done)
+    if voided:
+        pipe.zadd(key(prefix, job, "ledger", "voids"), voided)
 
 
 def read_amounts(
