@@ -605,6 +605,14 @@ class Agent:
             "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
             "stall_threshold_s": tl.stall_threshold_ms / 1000,
             "ended": int(tl.end_ms is not None),
+            "preflight": next(
+                (
+                    json.dumps({"passed": e.get("passed"), "checks": e.get("checks"), "ts": e.ts})
+                    for e in reversed(job.events)
+                    if e.type == "preflight"
+                ),
+                "",
+            ),
         }
 
     def _meta(self, job: _Job) -> dict:

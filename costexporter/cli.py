@@ -313,6 +313,14 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
 @click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--exit-when-done", is_flag=True, help="Replay: exit once the trace is played and booked.")
+@click.option("--api-port", type=int, default=0, help="Also serve the finance API on this port (0: no).")
+@click.option(
+    "--tokens-file",
+    envvar="COSTEXPORTER_API_TOKENS_FILE",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Bearer tokens of the finance API.",
+)
 @click.option(
     "--series-ttl",
     type=click.FloatRange(min=0),
@@ -340,6 +348,8 @@ def serve(
     power_limit,
     profile_path,
     exit_when_done,
+    api_port,
+    tokens_file,
     series_ttl,
     **config,
 ) -> None:
@@ -385,6 +395,15 @@ def serve(
             f"costexporter serve: /metrics on {listen}:{port}, source {source}, agent {cfg.agent_id}",
             err=True,
         )
+    if api_port:
+        import threading
+
+        import uvicorn
+
+        app = _api_app(redis_url, prefix, tokens_file, cfg.prices.currency, "UTC")
+        server = uvicorn.Server(uvicorn.Config(app, host=listen, port=api_port, log_level="warning"))
+        server.install_signal_handlers = lambda: None  # the agent owns SIGTERM
+        threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     idle_rounds = [0, -1]
 
@@ -426,6 +445,62 @@ def _make_source(kind, dcgm_urls, samples, speed, tz, host, diag, scenario=None,
     from .sources.nvml import NvmlSource
 
     return NvmlSource(host=host)
+
+
+DEFAULT_API_PORT = 9403
+
+
+def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str):
+    import redis
+
+    from .api.app import create_app
+    from .api.auth import TokenConfigError, Tokens
+    from .api.store import LedgerStore
+
+    try:
+        tokens = Tokens.load(tokens_file)
+    except TokenConfigError as e:
+        raise InputFailure(str(e)) from None
+    if not tokens.enabled:
+        click.echo("costexporter api: no tokens file: the API is open to anyone who can reach it", err=True)
+    client = redis.Redis.from_url(
+        redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
+    )
+    return create_app(LedgerStore(client, prefix), tokens, currency=currency, tz=tz)
+
+
+@main.command()
+@click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default="redis://127.0.0.1:6379/0")
+@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
+@click.option("--listen", default="0.0.0.0")
+@click.option("--port", type=int, default=DEFAULT_API_PORT, help="Port of the finance API.")
+@click.option(
+    "--tokens-file",
+    envvar="COSTEXPORTER_API_TOKENS_FILE",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Bearer tokens with team scopes (YAML or JSON); without it the API is open.",
+)
+@click.option("--currency", default="USD", help="The ledger's currency.")
+@click.option("--tz", default="UTC", callback=_tz, help="Time zone of calendar windows (today, month, ...).")
+@click.option(
+    "--hash-token",
+    default=None,
+    metavar="TOKEN",
+    help="Print the sha256 of TOKEN for the tokens file, and exit.",
+)
+def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token) -> None:
+    """The finance API over the ledger: /api/v1, OpenAPI at /docs."""
+    if hash_token:
+        from .api.auth import hash_token as h
+
+        click.echo(h(hash_token))
+        return
+    import uvicorn
+
+    uvicorn.run(
+        _api_app(redis_url, prefix, tokens_file, currency, tz), host=listen, port=port, log_level="info"
+    )
 
 
 def run() -> None:

@@ -1,0 +1,125 @@
+"""Query windows: `30m`, `24h`, `7d`, calendar words, RFC 3339 or Unix pairs -> [start, end).
+
+Every window is resolved to a half-open interval aligned to the ledger's 5-minute buckets (start
+rounded down, end rounded up) and echoed back, so a spreadsheet knows exactly what it summed.
+Calendar words are taken in the configured time zone.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from dataclasses import dataclass
+from zoneinfo import ZoneInfo
+
+BUCKET_S = 300
+ACCEPTED = (
+    "a duration back from now (30m, 24h, 7d, 2w), a calendar word (today, yesterday, week, lastweek, "
+    "month, lastmonth), an RFC 3339 pair 'start,end' or a Unix-seconds pair 'start,end'"
+)
+DURATION = re.compile(r"^(\d{1,6})([mhdw])$")
+UNIT_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+MAX_SPAN_S = 400 * 86400  # a window longer than this is surely a typo
+
+
+class WindowError(ValueError):
+    """A window the API cannot use: the message says what is wrong and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int  # Unix seconds, inclusive, a bucket boundary
+    end: int  # Unix seconds, exclusive, a bucket boundary
+    text: str  # as asked
+
+    def as_dict(self) -> dict:
+        iso = lambda t: dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat().replace("+00:00", "Z")  # noqa: E731
+        return {
+            "requested": self.text,
+            "start": iso(self.start),
+            "end": iso(self.end),
+            "start_unix": self.start,
+            "end_unix": self.end,
+            "bucket_seconds": BUCKET_S,
+        }
+
+
+def _align(start: float, end: float) -> tuple[int, int]:
+    s = int(start) // BUCKET_S * BUCKET_S
+    e = -(-int(end) // BUCKET_S) * BUCKET_S
+    return s, max(e, s + BUCKET_S)
+
+
+def _midnight(d: dt.date, tz: ZoneInfo) -> float:
+    return dt.datetime(d.year, d.month, d.day, tzinfo=tz).timestamp()
+
+
+def _instant(text: str) -> float:
+    t = text.strip()
+    if re.fullmatch(r"\d{9,11}(\.\d+)?", t):
+        return float(t)
+    try:
+        d = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds") from None
+    if d.tzinfo is None:
+        raise WindowError(f"{text!r} has no time zone offset (RFC 3339 needs one, e.g. Z or +08:00)")
+    return d.timestamp()
+
+
+def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, default: str = "30d") -> Window:
+    """Resolve a window; raises WindowError with a message for the client."""
+    raw = (text or default).strip()
+    now = time.time() if now is None else now
+    zone = ZoneInfo(tz)
+    today = dt.datetime.fromtimestamp(now, zone).date()
+    w = raw.lower()
+    if m := DURATION.match(w):
+        span = int(m.group(1)) * UNIT_S[m.group(2)]
+        if span <= 0 or span > MAX_SPAN_S:
+            raise WindowError(f"window {raw!r} must be between 1 minute and 400 days")
+        start, end = now - span, now
+    elif w == "today":
+        start, end = _midnight(today, zone), now
+    elif w == "yesterday":
+        start, end = _midnight(today - dt.timedelta(days=1), zone), _midnight(today, zone)
+    elif w in ("week", "lastweek"):
+        monday = today - dt.timedelta(days=today.weekday())
+        if w == "week":
+            start, end = _midnight(monday, zone), now
+        else:
+            start, end = _midnight(monday - dt.timedelta(days=7), zone), _midnight(monday, zone)
+    elif w in ("month", "lastmonth"):
+        first = today.replace(day=1)
+        if w == "month":
+            start, end = _midnight(first, zone), now
+        else:
+            prev = (first - dt.timedelta(days=1)).replace(day=1)
+            start, end = _midnight(prev, zone), _midnight(first, zone)
+    elif "," in raw:
+        a, b = raw.split(",", 1)
+        start, end = _instant(a), _instant(b)
+        if end <= start:
+            raise WindowError(f"window {raw!r}: the end must come after the start")
+        if end - start > MAX_SPAN_S:
+            raise WindowError(f"window {raw!r} is longer than 400 days")
+    else:
+        raise WindowError(f"window {raw!r} is not understood; accepted: {ACCEPTED}")
+    s, e = _align(start, end)
+    return Window(s, e, raw)
+
+
+def decompose(start: int, end: int) -> list[tuple[str, int]]:
+    """[start, end) as the fewest ledger buckets: whole UTC days, then hours, then 5 minutes."""
+    out: list[tuple[str, int]] = []
+    t = start
+    while t < end:
+        for res, secs in (("1d", 86400), ("1h", 3600), ("5m", 300)):
+            if t % secs == 0 and t + secs <= end:
+                out.append((res, t))
+                t += secs
+                break
+        else:  # not on a 5-minute boundary: cannot happen for aligned windows
+            raise WindowError("window is not aligned to the ledger's buckets")
+    return out
