@@ -4,7 +4,7 @@ Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
 
     <p>:{job}:ledger:total                 hash  all-time amounts
     <p>:{job}:ledger:5m:<start>            hash  one 5-minute bucket (start: Unix seconds)
-    <p>:{job}:ledger:1h:<start>, :1d:<start>      the hourly and daily rollups, same fields
+    <p>:{job}:ledger:1h:<start>, :1d:, :1w:       hourly, daily and weekly (Monday) rollups
     <p>:{job}:ledger:index:<res>           zset  bucket start -> start, to find buckets by time
     <p>:{job}:ledger:job                   hash  job-level figures (steps, tokens, ...), SET not added
     <p>:{job}:ledger:rbidx:<agent>         hash  step record -> cumulative valid amounts (rollback)
@@ -29,7 +29,17 @@ from .booking import Pieces, Slices, _cut
 from .cost import Prices
 from .model import CATEGORIES, VALID_CATEGORIES, Category
 
-RESOLUTIONS = {"5m": 300, "1h": 3600, "1d": 86400}
+RESOLUTIONS = {"5m": 300, "1h": 3600, "1d": 86400, "1w": 7 * 86400}
+MONDAY = 4 * 86400  # 1970-01-05, a Monday: weeks start on Monday 00:00 UTC
+
+
+def bucket_start(t: int, res: str) -> int:
+    """The start (Unix s) of the bucket of resolution `res` holding time t."""
+    secs = RESOLUTIONS[res]
+    off = MONDAY if res == "1w" else 0
+    return (t - off) // secs * secs + off
+
+
 UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
 UNITS = ("ms", "mj", "ucost")
 VALID = sorted(int(c) for c in VALID_CATEGORIES)
@@ -92,8 +102,8 @@ def queue_amounts(
     total: dict[str, int] = {}
     for start, a in by_bucket.items():
         fields = _fields(a, field_prefix)
-        for res, secs in RESOLUTIONS.items():
-            b = start // secs * secs
+        for res in RESOLUTIONS:
+            b = bucket_start(start, res)
             k = key(prefix, job, "ledger", res, str(b))
             for f, v in fields.items():
                 pipe.hincrby(k, f, v)

@@ -10,9 +10,10 @@ import io
 from decimal import Decimal
 from typing import Annotated, Literal
 
+import orjson
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from .. import __version__
@@ -26,6 +27,17 @@ PLACES = Decimal("0.000001")
 
 def money(x: Decimal | int | float) -> str:
     return str(Decimal(x).quantize(PLACES))
+
+
+def json_bytes(body: object) -> Response:
+    """Large, already-shaped bodies (series, allocation) encoded by orjson and sent as they are."""
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def micro(u: int) -> str:
+    """Micro-units as a decimal string with 6 places, by integer arithmetic (exact and fast)."""
+    sign, u = ("-", -u) if u < 0 else ("", u)
+    return f"{sign}{u // 1_000_000}.{u % 1_000_000:06d}"
 
 
 def iso(ts: float | None) -> str | None:
@@ -160,12 +172,13 @@ class Health(BaseModel):
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def by_category(a: Amounts) -> ByCategory:
-    return ByCategory(
-        gpu_hours={c: a.ms[c] / 3.6e6 for c in JOB_CATS},
-        energy_kwh={c: a.mj[c] / 3.6e9 for c in JOB_CATS},
-        cost={c: money(a.cost(c)) for c in JOB_CATS},
-    )
+def by_category(a: Amounts) -> dict:
+    # 6 decimals: a micro-GPU-hour is 3.6 ms, finer than anything the ledger resolves.
+    return {
+        "gpu_hours": {c: round(a.ms[c] / 3.6e6, 6) for c in JOB_CATS},
+        "energy_kwh": {c: round(a.mj[c] / 3.6e9, 6) for c in JOB_CATS},
+        "cost": {c: micro(a.ucost[c]) for c in JOB_CATS},
+    }
 
 
 def per(cost: Decimal, n: int, scale: int = 1) -> str | None:
@@ -259,8 +272,17 @@ def create_app(
     currency: str = "USD",
     tz: str = "UTC",
     provider: str = "costexporter",
+    cache_s: float = 5.0,
 ) -> FastAPI:
+    """The app. `cache_s`: series responses are reused this long (dashboards poll the same
+    ranges; 0 turns it off)."""
     tokens = tokens or Tokens([])
+    import threading
+    import time as _time
+
+    series_cache: dict[tuple, tuple[float, Response]] = {}
+    cache_lock = threading.Lock()
+    key_locks: dict[tuple, threading.Lock] = {}  # one computation per key at a time (no stampede)
     app = FastAPI(
         title="costexporter finance API",
         version=__version__,
@@ -439,24 +461,54 @@ def create_app(
     @jobs.get("/{job}/series", response_model=Series, responses={404: {"description": "no such job"}})
     def job_series(job: str, s: Store, who: Who, w: Win, step: Literal["5m", "1h", "1d"] = "1h") -> Series:
         visible_job(job, who, s)
+        key = (job, w.start, w.end, step)
+        with cache_lock:
+            key_lock = key_locks.setdefault(key, threading.Lock())
+            hit = series_cache.get(key)
+        if hit is not None and _time.monotonic() - hit[0] < cache_s:
+            return hit[1]
+        if hit is not None:  # stale: one request refreshes it, the others get the previous answer
+            if not key_lock.acquire(blocking=False):
+                return hit[1]
+            try:
+                return compute_series(job, w, step, s, key)
+            finally:
+                key_lock.release()
+        with key_lock:  # nothing yet: one computes, the others wait for it (no stampede)
+            with cache_lock:
+                hit = series_cache.get(key)
+            if hit is not None:
+                return hit[1]
+            return compute_series(job, w, step, s, key)
+
+    def compute_series(job: str, w: Window, step: str, s: LedgerStore, key: tuple) -> Response:
+        now = _time.monotonic()
         secs = {"5m": 300, "1h": 3600, "1d": 86400}[step]
         if (w.end - w.start) / secs > 10_000:
             raise HTTPException(
                 400, f"window {w.text!r} at step {step} is more than 10,000 points: use a coarser step"
             )
-        points = []
-        for b, a in s.series(job, w.start, w.end, step):
-            points.append(
-                SeriesPoint(
-                    start=iso(b),
-                    end=iso(b + secs),
-                    gpu_hours=a.hours(JOB_CATS),
-                    cost=money(a.total_cost()),
-                    wasted_gpu_hours=a.hours(WASTED),
-                    by_category=by_category(a),
-                )
-            )
-        return Series(job=job, currency=currency, window=WindowOut(**w.as_dict()), step=step, points=points)
+        points = [
+            {
+                "start": iso(b),
+                "end": iso(b + secs),
+                "gpu_hours": round(a.hours(JOB_CATS), 6),
+                "cost": micro(sum(a.ucost[c] for c in JOB_CATS)),
+                "wasted_gpu_hours": round(a.hours(WASTED), 6),
+                "by_category": by_category(a),
+            }
+            for b, a in s.series(job, w.start, w.end, step)
+        ]
+        # Built as plain data and sent as is: validating thousands of points again would double the time.
+        body = {"job": job, "currency": currency, "window": w.as_dict(), "step": step, "points": points}
+        response = json_bytes(body)
+        if cache_s > 0:
+            with cache_lock:
+                if len(series_cache) > 256:
+                    series_cache.clear()
+                    key_locks.clear()
+                series_cache[key] = (now, response)
+        return response
 
     @jobs.get("/{job}/incidents", response_model=Incidents, responses={404: {"description": "no such job"}})
     def job_incidents(job: str, s: Store, who: Who, w: Win) -> Incidents:
@@ -486,7 +538,7 @@ def create_app(
         format: Literal["json", "csv", "focus"] = "json",
     ):
         names = [j for j, _ in s.jobs()]
-        info = s.info_many(names) if names else {}
+        info = {j: {"meta": m} for j, m in s.meta_many(names).items()} if names else {}
         names = [j for j in names if who.sees(info[j]["meta"].get("team"))]
         amounts = s.amounts_many(names, w.start, w.end) if names else {}
         steps = s.steps_many(names, w.start, w.end) if names else {}
@@ -543,8 +595,8 @@ def create_app(
         result = Allocation(
             currency=currency, window=WindowOut(**w.as_dict()), aggregate=aggregate, rows=rows
         )
-        if format == "json":
-            return result
+        if format == "json":  # already validated rows: sent as they are, not validated twice
+            return json_bytes(result.model_dump())
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         if format == "csv":

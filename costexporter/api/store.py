@@ -19,6 +19,15 @@ VALID = [c.name.lower() for c in sorted(VALID_CATEGORIES)]
 JOB_CATS = [c for c in CATEGORIES if c != "unassigned"]
 
 
+# Ledger field -> (unit index, category, sign): parsed once, not per field per bucket.
+_FIELDS = {
+    f"{prefix}{c}:{u}": (i, c, -1 if prefix else 1)
+    for prefix in ("", "voided:")
+    for c in CATEGORIES
+    for i, u in enumerate(("ms", "mj", "ucost"))
+}
+
+
 @dataclass
 class Amounts:
     """Net amounts per category (after rollback corrections) and the price versions seen."""
@@ -29,16 +38,14 @@ class Amounts:
     price_versions: set[str] = field(default_factory=set)
 
     def add_hash(self, h: dict) -> None:
+        targets = (self.ms, self.mj, self.ucost)
         for f, v in h.items():
-            if f == "price_version":
+            parsed = _FIELDS.get(f)
+            if parsed is not None:
+                unit, cat, sign = parsed
+                targets[unit][cat] += sign * int(v)
+            elif f == "price_version":
                 self.price_versions.add(v)
-                continue
-            parts = f.split(":")
-            sign = -1 if parts[0] == "voided" else 1
-            cat, unit = parts[-2], parts[-1]
-            target = {"ms": self.ms, "mj": self.mj, "ucost": self.ucost}.get(unit)
-            if target is not None and cat in target:
-                target[cat] += sign * int(v)
 
     def cost(self, cat: str) -> Decimal:
         return Decimal(self.ucost[cat]) / Decimal(10**6)
@@ -61,10 +68,50 @@ class Steps:
         return self.completed - self.voided
 
 
+# Sums a job's bucket hashes inside Redis: one short reply per job instead of every bucket.
+# Lua numbers are doubles: integers stay exact up to 2^53 (9e9 currency units in micro-units).
+SUM_BUCKETS = r"""
+local acc, order, versions, seen = {}, {}, {}, {}
+for i = 1, #KEYS do
+  local h = redis.call('HGETALL', KEYS[i])
+  for j = 1, #h, 2 do
+    local f, v = h[j], h[j + 1]
+    if f == 'price_version' then
+      if not seen[v] then seen[v] = true; versions[#versions + 1] = v end
+    else
+      local n = tonumber(v) or 0
+      if acc[f] == nil then acc[f] = n; order[#order + 1] = f else acc[f] = acc[f] + n end
+    end
+  end
+end
+local out = {}
+for _, f in ipairs(order) do out[#out + 1] = f; out[#out + 1] = string.format('%.0f', acc[f]) end
+if #versions > 0 then out[#out + 1] = 'price_version'; out[#out + 1] = table.concat(versions, '\n') end
+return out
+"""
+
+# Steps and voids of a window from the job's sorted sets (KEYS: steps, voids; ARGV: start, end):
+# counts, and the cumulative tokens at both ends (members are "<record>:<cumulative tokens>").
+STEPS_WINDOW = r"""
+local out = {}
+for i = 1, 2 do
+  local n = redis.call('ZCOUNT', KEYS[i], ARGV[1], '(' .. ARGV[2])
+  local a = redis.call('ZREVRANGEBYSCORE', KEYS[i], '(' .. ARGV[2], '-inf', 'LIMIT', 0, 1)
+  local b = redis.call('ZREVRANGEBYSCORE', KEYS[i], '(' .. ARGV[1], '-inf', 'LIMIT', 0, 1)
+  out[#out + 1] = n
+  out[#out + 1] = a[1] or ''
+  out[#out + 1] = b[1] or ''
+end
+return out
+"""
+
+
 class LedgerStore:
     def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX) -> None:
         self.r = client
         self.prefix = prefix
+        self._sum = client.register_script(SUM_BUCKETS)
+        self._steps = client.register_script(STEPS_WINDOW)
 
     def k(self, job: str, *parts: str) -> str:
         return ledger.key(self.prefix, job, *parts)
@@ -78,6 +125,13 @@ class LedgerStore:
 
     def job_exists(self, job: str) -> bool:
         return self.r.zscore(protocol.jobs_key(self.prefix), job) is not None
+
+    def meta_many(self, jobs: list[str]) -> dict[str, dict]:
+        """Each job's meta (team, cost center, ...) in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for j in jobs:
+            pipe.hgetall(protocol.meta_key(self.prefix, j))
+        return dict(zip(jobs, pipe.execute(), strict=True))
 
     def info_many(self, jobs: list[str]) -> dict[str, dict]:
         """meta, figures, status and first registration of many jobs in one round trip."""
@@ -112,20 +166,20 @@ class LedgerStore:
         return out
 
     def amounts_many(self, jobs: list[str], start: int, end: int) -> dict[str, Amounts]:
-        """Window totals of many jobs: whole days, hours, then 5-minute buckets, one pipeline."""
+        """Window totals of many jobs: the fewest buckets (whole days, hours, then 5 minutes),
+        summed inside Redis by a script, one call per job, one pipeline."""
         parts = decompose(start, end)
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
-            for res, b in parts:
-                pipe.hgetall(self.k(j, "ledger", res, str(b)))
-        raw = pipe.execute()
+            self._sum(keys=[self.k(j, "ledger", res, str(b)) for res, b in parts], client=pipe)
         out = {}
-        n = len(parts)
-        for i, j in enumerate(jobs):
+        for j, flat in zip(jobs, pipe.execute(), strict=True):
             a = Amounts()
-            for h in raw[i * n : (i + 1) * n]:
-                if h:
-                    a.add_hash(h)
+            h = dict(zip(flat[::2], flat[1::2], strict=True))
+            versions = h.pop("price_version", None)
+            a.add_hash(h)
+            if versions:
+                a.price_versions.update(versions.split("\n"))
             out[j] = a
         return out
 
@@ -159,19 +213,17 @@ class LedgerStore:
         """Steps completed and voided in [start, end), and the tokens of the valid ones."""
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
-            for name in ("steps", "voids"):
-                k = self.k(j, "ledger", name)
-                pipe.zcount(k, start, f"({end}")
-                pipe.zrevrangebyscore(k, f"({end}", "-inf", start=0, num=1)
-                pipe.zrevrangebyscore(k, f"({start}", "-inf", start=0, num=1)
-        raw = pipe.execute()
+            self._steps(
+                keys=[self.k(j, "ledger", "steps"), self.k(j, "ledger", "voids")],
+                args=[start, end],
+                client=pipe,
+            )
 
-        def cum(members: list) -> int:
-            return int(members[0].rsplit(":", 1)[1]) if members else 0
+        def cum(member: str) -> int:
+            return int(member.rsplit(":", 1)[1]) if member else 0
 
         out = {}
-        for i, j in enumerate(jobs):
-            c_n, c_end, c_start, v_n, v_end, v_start = raw[6 * i : 6 * i + 6]
+        for j, (c_n, c_end, c_start, v_n, v_end, v_start) in zip(jobs, pipe.execute(), strict=True):
             tokens = (cum(c_end) - cum(c_start)) - (cum(v_end) - cum(v_start))
             out[j] = Steps(int(c_n), int(v_n), max(tokens, 0))
         return out

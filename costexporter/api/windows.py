@@ -110,13 +110,22 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, de
     return Window(s, e, raw)
 
 
+WEEK_OFFSET = 4 * 86400  # weeks start on Monday 00:00 UTC (1970-01-05)
+
+
 def decompose(start: int, end: int) -> list[tuple[str, int]]:
-    """[start, end) as the fewest ledger buckets: whole UTC days, then hours, then 5 minutes."""
+    """[start, end) as the fewest ledger buckets: whole weeks (Monday, UTC), days, hours, then
+    5 minutes."""
     out: list[tuple[str, int]] = []
     t = start
     while t < end:
-        for res, secs in (("1d", 86400), ("1h", 3600), ("5m", 300)):
-            if t % secs == 0 and t + secs <= end:
+        for res, secs, off in (
+            ("1w", 7 * 86400, WEEK_OFFSET),
+            ("1d", 86400, 0),
+            ("1h", 3600, 0),
+            ("5m", 300, 0),
+        ):
+            if (t - off) % secs == 0 and t + secs <= end:
                 out.append((res, t))
                 t += secs
                 break
