@@ -70,8 +70,8 @@ def built(tmp_path_factory):
         paths += write_nvidia_smi_csv(b.samples(), tmp / b.host_prefix)
     for b in jobs:
         post_events(r, prefix, b)
-    port = free_port()
-    extra = []
+    port, api_port = free_port(), free_port()
+    extra = ["--api-port", str(api_port)]
     for p in paths[1:]:
         extra += ["--samples", f"{p.stem}={p}"]
     proc = serve(paths[0], paths[0].stem, SHARED_URL, prefix, port, *extra, speed=200)
@@ -87,10 +87,21 @@ def built(tmp_path_factory):
             raise AssertionError("the agent did not book the jobs in time")
         time.sleep(1.0)  # one more round books the spare GPU's tail
         metrics, _ = scrape(port)
+        import httpx
+
+        over_http = httpx.get(
+            f"http://127.0.0.1:{api_port}/api/v1/jobs/llm-run", params={"window": WINDOW}, timeout=10
+        ).json()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
-    yield {"prefix": prefix, "redis": r, "jobs": {b.job: b for b in jobs}, "metrics": metrics}
+    yield {
+        "prefix": prefix,
+        "redis": r,
+        "jobs": {b.job: b for b in jobs},
+        "metrics": metrics,
+        "over_http": over_http,
+    }
     keys = list(r.scan_iter(f"{prefix}:*"))
     if keys:
         r.delete(*keys)
@@ -132,6 +143,13 @@ def test_job_totals_are_the_ledger_and_the_prometheus_counters(built):
         net["stalled"] / 3.6e6 + net["no_progress"] / 3.6e6, abs=1e-9
     )
     assert body["budget"] == "50.000000" and 0 < body["budget_used"] < 1
+
+
+def test_serve_also_serves_the_api_over_http(built):
+    """`serve --api-port`: the agent's own uvicorn answers with the same totals as the app."""
+    direct = client(built).get("/api/v1/jobs/llm-run", params={"window": WINDOW}).json()
+    assert built["over_http"]["by_category"] == direct["by_category"]
+    assert built["over_http"]["cost"] == direct["cost"]
 
 
 def test_series_adds_up_to_the_totals(built):
