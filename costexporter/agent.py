@@ -58,6 +58,10 @@ class AgentConfig:
     live_ttl_s: int = 30
     max_buffered_samples: int = 2_000_000
     series_ttl_s: float = 3600.0  # an ended job's series disappear from /metrics this long after
+    # How long another agent of a job may stay silent before its ranks stop holding the booking
+    # horizon back (default: max(6 rounds, 30 s)). Too short books moments without its samples,
+    # and booked time is never re-booked; too long only delays booking.
+    peer_timeout_s: float | None = None
     profile: Profile | None = None
     gpu_model: str | None = None
     power_limit_w: float | None = None
@@ -513,11 +517,11 @@ class Agent:
         """(ranks that hold the horizon back, ranks to ignore, whether to wait this round).
 
         Another host's samples come once a round. Its ranks hold the horizon back while the host
-        has published within the grace, counted from its last entry or from when this agent's
-        Redis came back (after an outage every host looks stale for a moment). A host that has
-        registered ranks but published nothing yet makes the round wait, within the grace.
+        has published within `peer_timeout_s`, counted from its last entry or from when this
+        agent's Redis came back (after an outage every host looks stale for a while). A host that
+        has registered ranks but published nothing yet makes the round wait, within that time.
         """
-        grace = max(3 * self.cfg.book_interval_s, 5.0)
+        grace = self.cfg.peer_timeout_s or max(6 * self.cfg.book_interval_s, 30.0)
         now = time.monotonic()
         hold, ignore, wait = [], [], False
         hosts: dict[str, list[int]] = {}

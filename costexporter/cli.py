@@ -315,6 +315,13 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
 @click.option("--exit-when-done", is_flag=True, help="Replay: exit once the trace is played and booked.")
 @click.option("--api-port", type=int, default=0, help="Also serve the finance API on this port (0: no).")
 @click.option(
+    "--peer-timeout",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Seconds another agent of a job may stay silent before booking goes on without it "
+    "[default: max(6 rounds, 30 s)].",
+)
+@click.option(
     "--tokens-file",
     envvar="COSTEXPORTER_API_TOKENS_FILE",
     type=click.Path(dir_okay=False),
@@ -349,6 +356,7 @@ def serve(
     profile_path,
     exit_when_done,
     api_port,
+    peer_timeout,
     tokens_file,
     series_ttl,
     **config,
@@ -383,6 +391,7 @@ def serve(
         gpu_model=gpu_model,
         power_limit_w=power_limit,
         series_ttl_s=series_ttl,
+        peer_timeout_s=peer_timeout,
     )
     agent = Agent(src, cfg).start()
     if port:
