@@ -311,13 +311,13 @@ def create_app(
     Who = Annotated[Principal, Depends(principal)]
     Win = Annotated[Window, Depends(window)]
 
-    def visible_job(job: str, who: Principal, s: LedgerStore) -> dict:
-        if not s.job_exists(job):
+    def visible_job(job: str, who: Principal, s: LedgerStore, full: bool = False) -> dict:
+        """The job's info (all of it with `full`, else just its team), or 404: unknown, or
+        outside the token's scope (as if absent)."""
+        exists, team = s.job_team(job)
+        if not exists or not who.sees(team):
             raise HTTPException(404, f"no job {job!r}")
-        info = s.info_many([job])[job]
-        if not who.sees(info["meta"].get("team")):
-            raise HTTPException(404, f"no job {job!r}")  # outside the token's scope: as if absent
-        return info
+        return s.info_many([job])[job] if full else {"meta": {"team": team}}
 
     # ---- errors: bad input is a 400, a Redis outage a 503, never a 500 ------------------------
     @app.exception_handler(RequestValidationError)
@@ -415,7 +415,7 @@ def create_app(
 
     @jobs.get("/{job}", response_model=JobTotals, responses={404: {"description": "no such job"}})
     def job_totals(job: str, s: Store, who: Who, w: Win) -> JobTotals:
-        info = visible_job(job, who, s)
+        info = visible_job(job, who, s, full=True)
         a, st = totals_of(job, info, w, s)
         meta, fig = info["meta"], info["figures"]
         cost = a.total_cost()

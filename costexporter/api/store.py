@@ -126,6 +126,14 @@ class LedgerStore:
     def job_exists(self, job: str) -> bool:
         return self.r.zscore(protocol.jobs_key(self.prefix), job) is not None
 
+    def job_team(self, job: str) -> tuple[bool, str | None]:
+        """Whether the job exists, and its team: one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zscore(protocol.jobs_key(self.prefix), job)
+        pipe.hget(protocol.meta_key(self.prefix, job), "team")
+        score, team = pipe.execute()
+        return score is not None, team
+
     def meta_many(self, jobs: list[str]) -> dict[str, dict]:
         """Each job's meta (team, cost center, ...) in one round trip."""
         pipe = self.r.pipeline(transaction=False)
