@@ -72,6 +72,8 @@ class _Job:
     name: str
     reader: EventReader
     events: list[Event] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # the job's meta events folded, last write wins
+    preflight: str = ""  # JSON of the latest pre-run gate result
     ranks: dict[int, dict] = field(default_factory=dict)  # rank -> register entry
     own: dict[int, int] = field(default_factory=dict)  # rank -> source GPU index
     booked_until: int = 0
@@ -120,7 +122,6 @@ class Agent:
         self._redis_back_at = 0.0
         self.redis_up = False
         self.stats: collections.Counter[str] = collections.Counter()
-        self.unassigned_ms: collections.Counter[int] = collections.Counter()
         self.lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -210,7 +211,7 @@ class Agent:
 
     def _trim(self, local: tuple[np.ndarray, ...]) -> None:
         """Keep the local samples some job still needs; bounded, the overflow counted."""
-        gpu, ts = local[0], local[1]
+        ts = local[1]
         if ts.size == 0:
             return
         keep_from = min(
@@ -227,7 +228,6 @@ class Agent:
             self.stats["samples_dropped"] += drop
         if not keep.all():
             self._local = [tuple(a[keep] for a in local)]
-        del gpu
 
     # ---- jobs ------------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -299,7 +299,15 @@ class Agent:
         cfg = self.cfg
         if not job.loaded:
             self._load(job)
-        job.events += job.reader.poll(count=100_000)
+        new_events = job.reader.poll(count=100_000)
+        job.events += new_events
+        for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
+            if ev.type == "meta":
+                job.meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
+            elif ev.type == "preflight":
+                job.preflight = json.dumps(
+                    {"passed": ev.get("passed"), "checks": ev.get("checks"), "ts": ev.ts}
+                )
         self._remote_samples(job)
 
         # This agent's samples of the job's GPUs, as ranks.
@@ -348,7 +356,7 @@ class Agent:
         if job.booked_until == 0:
             job.booked_until = job_start
         member_start = np.asarray([reg_ts[r] for r in own_ranks], np.int64)
-        meta = self._meta(job)
+        meta = job.meta
         profile = cfg.profile or profiles.select(
             cfg.gpu_model
             or meta.get("gpu_model")
@@ -510,8 +518,6 @@ class Agent:
         pipe.set(k_wm, json.dumps({"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host}))
         pipe.execute()
         self._unassigned_until = horizon
-        for c in by_bucket.values():
-            self.unassigned_ms[0] += int(c[Category.UNASSIGNED, 0])
 
     def _remote_liveness(self, job: _Job) -> tuple[np.ndarray, np.ndarray, bool]:
         """(ranks that hold the horizon back, ranks to ignore, whether to wait this round).
@@ -609,22 +615,8 @@ class Agent:
             "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
             "stall_threshold_s": tl.stall_threshold_ms / 1000,
             "ended": int(tl.end_ms is not None),
-            "preflight": next(
-                (
-                    json.dumps({"passed": e.get("passed"), "checks": e.get("checks"), "ts": e.ts})
-                    for e in reversed(job.events)
-                    if e.type == "preflight"
-                ),
-                "",
-            ),
+            "preflight": job.preflight,
         }
-
-    def _meta(self, job: _Job) -> dict:
-        meta: dict = {}
-        for ev in job.events:
-            if ev.type == "meta":
-                meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
-        return meta
 
     def _publish_live(
         self, job: _Job, rank: np.ndarray, ts: np.ndarray, p: np.ndarray, u: np.ndarray
