@@ -27,7 +27,7 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import ledger, profiles, protocol
-from .booking import POS_INF, BookingConfig, Pieces, StepRecord, _cut_per_gpu, make_slices
+from .booking import POS_INF, BookingConfig, Pieces, Regime, StepRecord, _cut_per_gpu, make_slices
 from .cost import Prices
 from .live import book_window
 from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Event
@@ -93,6 +93,8 @@ class _Job:
     at_risk_ms: int = 0
     done: bool = False
     done_at: float | None = None  # monotonic time when the job was booked to its end
+    since_ref_ms: int = -1  # the last progress point ...
+    since_cost: int = 0  # ... and this agent's cost (micro-units) booked after it
 
 
 class Agent:
@@ -367,6 +369,7 @@ class Agent:
         hold, ignore, wait = self._remote_liveness(job)
         if wait:
             return
+        now_ms = int(own_ts.max()) if own_ts.size else int(T.max())
         res = book_window(
             events=job.events,
             cfg=cfg.booking,
@@ -382,13 +385,16 @@ class Agent:
             member_start_ms=member_start,
             booked_until_ms=job.booked_until,
             # This agent's own data time: other agents may run ahead of it or behind.
-            now_ms=int(own_ts.max()) if own_ts.size else int(T.max()),
+            now_ms=now_ms,
             hold_ranks=hold,
             ignore_ranks=ignore,
         )
         job.latest_band = {int(own_ranks[i]): b for i, b in res.latest_band.items()}
         self._publish_live(job, own_rank, own_ts, p[mine], u[mine])
         tl = res.timeline
+        progress = self._progress(job, tl, now_ms)
+        with self.lock:
+            job.figures = {**job.figures, **progress}
         if res.horizon_ms <= job.booked_until:
             return
         price = float(meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
@@ -425,7 +431,11 @@ class Agent:
         rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
 
         incidents = self._incidents(job, res)
-        figures = self._figures(job, tl, res.horizon_ms, own_ranks, member_start)
+        figures = {**self._figures(job, tl, res.horizon_ms, own_ranks, member_start), **progress}
+        since_ref = int(progress["last_progress_ts"] * 1000)
+        since_cost = (job.since_cost if since_ref == job.since_ref_ms else 0) + self._cost_after(
+            res.pieces, since_ref, price
+        )
         wm = {
             "booked_until": res.horizon_ms,
             "cum": new_cum.tolist(),
@@ -455,7 +465,10 @@ class Agent:
                 f"{inc['category']}:{inc['start']}",
                 json.dumps(inc),
             )
-        pipe.hset(ledger.key(cfg.prefix, job.name, "ledger", "job"), mapping=figures)
+        pipe.hset(
+            ledger.key(cfg.prefix, job.name, "ledger", "job"),
+            mapping={k: v for k, v in figures.items() if v is not None},
+        )
         ledger.queue_steps(
             pipe, cfg.prefix, job.name, tl.steps, job.booked_until, res.horizon_ms, applied - job.rb_applied
         )
@@ -471,6 +484,7 @@ class Agent:
             job.rb_applied = applied
             job.incidents = incidents
             job.figures = figures
+            job.since_ref_ms, job.since_cost = since_ref, since_cost
             job.done = tl.end_ms is not None and res.horizon_ms >= tl.end_ms
             if job.done and job.done_at is None:
                 job.done_at = time.monotonic()
@@ -597,6 +611,38 @@ class Agent:
                 }
         return open_
 
+    def _cost_after(self, pieces, ref_ms: int, price: float) -> int:
+        """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
+        progress point, for the "cost slope without steps" alert's annotation."""
+        after = pieces.end_ms > ref_ms
+        if not after.any():
+            return 0
+        start = np.maximum(pieces.start_ms[after], ref_ms)
+        end = pieces.end_ms[after]
+        full = np.maximum(end - pieces.start_ms[after], 1)
+        mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
+        cat = pieces.category[after].astype(np.int64)
+        cost = self.cfg.prices.cost((end - start).astype(float), mj, cat, price_per_gpu_hour=price)
+        return round(float(np.sum(cost)) * 1e6)
+
+    def _progress(self, job: _Job, tl, now_ms: int) -> dict:
+        """What the alert rules need at the agent's data time: the last progress point (a
+        timestamp that never moves back, unlike a step number after a resume), whether the job
+        is inside a declared phase or its startup within the allowance, and its budget."""
+        last = tl.steps[-1].ts_ms if tl.steps else tl.start_ms
+        i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
+        in_allowance = 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.OVERHEAD
+        budget = job.meta.get("budget")
+        try:
+            budget = float(budget) if budget not in (None, "") else None
+        except (TypeError, ValueError):
+            budget = None
+        return {
+            "last_progress_ts": last / 1000,
+            "in_allowance": int(in_allowance and tl.end_ms is None),
+            "budget": budget,
+        }
+
     def _figures(self, job: _Job, tl, horizon: int, own_ranks: np.ndarray, member_start: np.ndarray) -> dict:
         """Job-level figures: the same for every agent that reads the job's events (SET, not added)."""
         steps = tl.steps
@@ -670,6 +716,7 @@ class Agent:
                         "latest_band": dict(j.latest_band),
                         "booked_until": j.booked_until,
                         "at_risk_ms": j.at_risk_ms,
+                        "since_cost": j.since_cost,
                         "done": j.done,
                     }
                     for name, j in self.jobs.items()

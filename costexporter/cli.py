@@ -512,6 +512,139 @@ def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token) 
     )
 
 
+@main.command()
+@click.option(
+    "--short", is_flag=True, help="Short windows (seconds), for tests and the time-compressed demo."
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Override one window or threshold (e.g. slope_window=20m); see costexporter/rules.py.",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def rules(short, overrides, output) -> None:
+    """Print (or write) the Prometheus alert and recording rules."""
+    import dataclasses
+
+    from .rules import RuleWindows, render
+
+    w = RuleWindows.short() if short else RuleWindows()
+    known = {f.name: f.type for f in dataclasses.fields(RuleWindows)}
+    kw = {}
+    for o in overrides:
+        name, sep, value = o.partition("=")
+        if not sep or name not in known:
+            raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
+        kw[name] = float(value) if known[name] in (float, "float") else value
+    text = render(w.with_(**kw))
+    if output:
+        output.write_text(text)
+    else:
+        click.echo(text, nl=False)
+
+
+DEFAULT_WATCH_PORT = 9404
+
+
+@main.command()
+@click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default="redis://127.0.0.1:6379/0")
+@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
+@click.option("--job", "jobs", multiple=True, help="Watch only this job (repeatable) [default: every job].")
+@click.option("--poll", type=click.FloatRange(min=0.05), default=5.0, help="Seconds between polls.")
+@click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    help="Seconds without any event from a rank before its process counts as gone.",
+)
+@click.option("--status-ttl", type=click.FloatRange(min=1), default=None, help="TTL of the status keys.")
+@click.option("--webhook-url", envvar="COSTEXPORTER_WEBHOOK_URL", default=None, help="POST transitions here.")
+@click.option("--webhook-retries", type=click.IntRange(min=0), default=5)
+@click.option("--listen", default="0.0.0.0", help="Address of the /metrics server.")
+@click.option("--port", type=int, default=DEFAULT_WATCH_PORT, help="Port of the /metrics server (0: none).")
+@click.option("--gpu-model", default=None, help="GPU model of the live signature [default: the job's meta].")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--sim-clock",
+    is_flag=True,
+    help="Judge time by the clock a simulated job publishes (the demo at --speed), not the wall clock.",
+)
+@click.option("--once", is_flag=True, help="Poll once, print each job's status as JSON, exit.")
+@booking_options
+def watch(
+    redis_url,
+    prefix,
+    jobs,
+    poll,
+    heartbeat_timeout,
+    status_ttl,
+    webhook_url,
+    webhook_retries,
+    listen,
+    port,
+    gpu_model,
+    profile_path,
+    sim_clock,
+    once,
+    **config,
+) -> None:
+    """Decide each job's state from outside it: running, done, crashed, hung, starving, unknown."""
+    import json
+    import logging
+    import signal
+
+    from . import profiles
+    from .watcher import WatchConfig, Watcher
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        profile = (
+            profiles.load(profile_path)
+            if profile_path
+            else (profiles.select(gpu_model) if gpu_model else None)
+        )
+    except profiles.ProfileError as e:
+        raise InputFailure(str(e)) from None
+    cfg = WatchConfig(
+        redis_url=redis_url,
+        prefix=prefix,
+        booking=booking_config(config),
+        poll_s=poll,
+        heartbeat_timeout_s=heartbeat_timeout,
+        status_ttl_s=status_ttl,
+        jobs=tuple(jobs),
+        webhook_url=webhook_url,
+        webhook_retries=webhook_retries,
+        profile=profile,
+    )
+    if sim_clock:
+        from .sources.sim import published_clock
+
+        cfg.clock = published_clock(redis_url, prefix)
+    watcher = Watcher(cfg)
+    if once:
+        decided = watcher.poll()
+        click.echo(json.dumps({j: st.to_dict() for j, st in decided.items()}, indent=2))
+        watcher.stop()
+        return
+    if port:
+        from prometheus_client import start_http_server
+
+        from .exporter import watch_registry
+
+        start_http_server(port, addr=listen, registry=watch_registry(watcher))
+        click.echo(f"costexporter watch: /metrics on {listen}:{port}", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: watcher.stop())
+    try:
+        watcher.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watcher.stop()
+
+
 def run() -> None:
     """Console entry point: bad input exits 2 with one line; nothing ends in a traceback."""
     try:

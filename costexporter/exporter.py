@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, StateSetMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__
@@ -47,8 +47,9 @@ class AgentCollector(Collector):
 
         # Per GPU: the live view.
         job_of = {g: name for name, j in s["jobs"].items() for g in j["own"].values()}
+        rank_of = {g: r for j in s["jobs"].values() for r, g in j["own"].items()}
         band_of = {g: j["latest_band"].get(r) for name, j in s["jobs"].items() for r, g in j["own"].items()}
-        labels = ["host", "gpu", "uuid", "training_job"]
+        labels = ["host", "gpu", "uuid", "training_job", "rank"]
         power = GaugeMetricFamily(
             "costexporter_gpu_power_watts", "Board power of the newest sample.", labels=labels
         )
@@ -61,7 +62,7 @@ class AgentCollector(Collector):
             labels=[*labels, "band"],
         )
         for i, g in enumerate(s["gpus"]):
-            lv = [g.host, str(g.index), g.uuid or "", job_of.get(i, "")]
+            lv = [g.host, str(g.index), g.uuid or "", job_of.get(i, ""), str(rank_of.get(i, ""))]
             r = s["latest"].get(i)
             if r is not None:
                 if not math.isnan(r.power_w):
@@ -136,7 +137,20 @@ class AgentCollector(Collector):
             "Everything before this time is booked (this agent).",
             labels=["training_job"],
         )
+        since = GaugeMetricFamily(
+            "costexporter_cost_since_last_step",
+            "Cost booked on this agent's GPUs since the job's last progress point (sum over agents).",
+            labels=["training_job", "currency"],
+        )
+        budget = GaugeMetricFamily(
+            "costexporter_job_budget",
+            "The job's budget from its meta, in the currency (job-level: max).",
+            labels=["training_job", "currency"],
+        )
         for name, j in sorted(s["jobs"].items()):
+            since.add_metric([name, cur], j["since_cost"] / 1e6)
+            if j["figures"].get("budget") is not None:
+                budget.add_metric([name, cur], float(j["figures"]["budget"]))
             for k, cat in JOB_CATEGORIES:
                 t.add_metric([name, cat], j["booked"][k, 0] / 1000)
                 if cat != "unobserved":  # no sample, no energy
@@ -147,7 +161,7 @@ class AgentCollector(Collector):
                     vc.add_metric([name, cat, cur], j["voided"][k, 2] / 1e6)
             risk.add_metric([name], j["at_risk_ms"] / 1000)
             booked_until.add_metric([name], j["booked_until"] / 1000)
-        yield from (t, e, c, vt, vc, risk, booked_until)
+        yield from (t, e, c, vt, vc, risk, booked_until, since, budget)
 
         # Job-level: the same on every agent of the job; aggregate with max.
         f = [
@@ -201,17 +215,87 @@ class AgentCollector(Collector):
                 "stall_threshold_s",
                 1,
             ),
+            (
+                "costexporter_job_last_progress_timestamp_seconds",
+                GaugeMetricFamily,
+                "The last progress point: the newest step, else the first registration. Never moves back.",
+                "last_progress_ts",
+                1,
+            ),
+            (
+                "costexporter_job_in_allowance",
+                GaugeMetricFamily,
+                "1 while the job is inside a declared phase or its startup, within the allowance.",
+                "in_allowance",
+                1,
+            ),
             ("costexporter_job_ended", GaugeMetricFamily, "1 once the run ended cleanly.", "ended", 1),
         ]
         for metric, kind, help_, key, scale in f:
             fam = kind(metric, help_, labels=["training_job"])
             for name, j in sorted(s["jobs"].items()):
-                if key in j["figures"]:
+                if j["figures"].get(key) is not None:
                     fam.add_metric([name], float(j["figures"][key]) * scale)
             yield fam
+
+
+class WatchCollector(Collector):
+    """The watcher's metrics: each job's state as a stateset, seconds since its last step and
+    the suspect rank; the watcher's own health (Redis, webhook deliveries)."""
+
+    def __init__(self, watcher) -> None:
+        self.watcher = watcher
+
+    def collect(self):
+        from .watcher import STATES
+
+        s = self.watcher.snapshot()
+        info = GaugeMetricFamily("costexporter_watch_info", "The watcher: 1.", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        up = GaugeMetricFamily("costexporter_watch_redis_up", "Whether the last poll could read Redis.")
+        up.add_metric([], 1 if s["redis_up"] else 0)
+        yield up
+        state = StateSetMetricFamily(
+            "costexporter_job_state", "The job's state as the watcher decided it.", labels=["training_job"]
+        )
+        since = GaugeMetricFamily(
+            "costexporter_job_seconds_since_last_step",
+            "Seconds from the job's newest completed step to the watcher's last poll.",
+            labels=["training_job"],
+        )
+        suspect = GaugeMetricFamily(
+            "costexporter_job_suspect_rank",
+            "The rank the watcher suspects (the one at 0%, or whose events diverge); -1: none.",
+            labels=["training_job"],
+        )
+        for job, st in sorted(s["status"].items()):
+            state.add_metric([job], {name: name == st.state for name in STATES})
+            if st.seconds_since_last_step is not None:
+                since.add_metric([job], st.seconds_since_last_step)
+            r = (st.suspect or {}).get("rank")
+            suspect.add_metric([job], float(r) if r is not None else -1.0)
+        yield from (state, since, suspect)
+        transitions = CounterMetricFamily("costexporter_watch_transitions", "State transitions seen.")
+        transitions.add_metric([], s["stats"].get("transitions", 0))
+        yield transitions
+        wh = CounterMetricFamily(
+            "costexporter_watch_webhook_deliveries",
+            "Webhook notifications by outcome (sent, retries, failed, dropped).",
+            labels=["outcome"],
+        )
+        for outcome in ("sent", "retries", "failed", "dropped"):
+            wh.add_metric([outcome], s["webhook"].get(outcome, 0))
+        yield wh
 
 
 def registry_for(agent) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(agent))
+    return reg
+
+
+def watch_registry(watcher) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(WatchCollector(watcher))
     return reg

@@ -4,11 +4,14 @@ processes). Time can run `speed` times faster; events keep the scenario's own ti
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
+from .. import protocol
 from ..client import StepReporter
 from ..model import Event, Samples
 from ..synth import SCENARIOS, TraceBuilder
@@ -47,6 +50,7 @@ class SimSource(ReplaySource):
         self._reporters: dict[int, StepReporter] = {}
         self._started: set[int] = set()
         self._stop = threading.Event()
+        self._clock_client = None
         self.trainer_done = threading.Event()
         self._trainer = threading.Thread(target=self._train, name="costexporter-sim-trainer", daemon=True)
         self._trainer.start()
@@ -75,21 +79,49 @@ class SimSource(ReplaySource):
                 spool_dir=self._spool,
                 clock=self.sim_time,
                 started_at=ts,
-                heartbeat_s=10.0,
+                # 10 s of scenario time, but not faster than twice a second of wall time.
+                heartbeat_s=max(10.0 / self.speed, 0.5),
             )
             self._reporters[rank] = rep
         return rep
 
     def _train(self) -> None:
+        published = 0.0
         try:
             for ev in self._events:
                 ts = ev.ts + self.shift_s
                 while self.sim_time() < ts:
+                    if time.monotonic() - published >= 1.0:
+                        published = time.monotonic()
+                        self._publish_clock()
                     if self._stop.wait(min(0.02, max((ts - self.sim_time()) / self.speed, 0.001))):
                         return
                 self._post(ev, ts)
+            self.trainer_done.set()
+            while not self._stop.wait(1.0):  # samples still play after the last event
+                self._publish_clock()
         finally:
             self.trainer_done.set()
+
+    def _publish_clock(self) -> None:
+        """Tell watchers the scenario's clock (`watch --sim-clock`): at --speed, time in the
+        events runs faster than the wall clock."""
+        import redis
+
+        try:
+            if self._clock_client is None:
+                self._clock_client = redis.Redis.from_url(
+                    self._redis_url or protocol.DEFAULT_REDIS_URL,
+                    socket_timeout=1.0,
+                    socket_connect_timeout=1.0,
+                )
+            self._clock_client.set(
+                clock_key(self._prefix or protocol.DEFAULT_PREFIX),
+                json.dumps({"sim": self.sim_time(), "wall": time.time(), "speed": self.speed}),
+                ex=60,
+            )
+        except (redis.RedisError, OSError):
+            pass  # the watcher falls back to the last clock it read
 
     def _post(self, ev: Event, ts: float) -> None:
         f, state = ev.fields, ev.fields.get("state")
@@ -120,3 +152,29 @@ class SimSource(ReplaySource):
     @property
     def done(self) -> bool:
         return super().done and self.trainer_done.is_set()
+
+
+def clock_key(prefix: str) -> str:
+    return f"{prefix}:simclock"
+
+
+def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
+    """A clock that follows the one a running simulation publishes (extrapolated between its
+    writes); the wall clock until one is seen."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    last = {"sim": None, "wall": 0.0, "speed": 1.0}
+
+    def now() -> float:
+        try:
+            raw = client.get(clock_key(prefix))
+            if raw:
+                last.update(json.loads(raw))
+        except (redis.RedisError, OSError, ValueError):
+            pass
+        if last["sim"] is None:
+            return time.time()
+        return float(last["sim"]) + (time.time() - float(last["wall"])) * float(last["speed"])
+
+    return now

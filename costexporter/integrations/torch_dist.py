@@ -1,0 +1,29 @@
+"""The R4 fix for trainers: stop every rank at the same batch count.
+
+REFERENCE R4: ranks packed into fixed-size blocks got different block counts (30,835 to 30,888);
+the rank with fewest left the loop for the save barrier while the rest waited in the gradient
+all-reduce, and the job hung for 3 hours. All-reduce the per-rank count with MIN before the loop
+and every rank stops together:
+
+    n = even_batches(len(loader))            # after init_process_group
+    for i, batch in zip(range(n), loader):
+        ...
+"""
+
+from __future__ import annotations
+
+
+def even_batches(count: int, group=None) -> int:
+    """The global minimum of `count` over the ranks of `group` (every rank must call it)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(count)
+    backend = dist.get_backend(group)
+    device = "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    t = torch.tensor([int(count)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())

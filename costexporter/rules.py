@@ -1,0 +1,259 @@
+"""The Prometheus alert and recording rules, from one parameterized source (DESIGN section 8).
+
+`render(RuleWindows())` is the shipped `dashboards/costexporter-rules.yaml` (a test keeps the
+two equal); tests and the demo render the same rules with short windows (`RuleWindows.short()`),
+so what they check is what ships. `costexporter rules` writes either.
+
+Aggregation follows DESIGN section 7: per-GPU and booked series (`costexporter_gpu_*`,
+`costexporter_cost_total`, ...) are summed over agents; job-level series
+(`costexporter_job_*`) are the same on every agent of a job and are taken with `max`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import yaml
+
+WASTED = "stalled|idle|no_progress|rolled_back"
+
+
+@dataclass(frozen=True)
+class RuleWindows:
+    """Windows and thresholds of the rules (Prometheus durations)."""
+
+    slope_window: str = "10m"  # CostSlopeWithoutSteps: cost rising, progress still, over this window
+    slope_for: str = "5m"
+    deadlock_for: str = "30s"  # two scrapes at 15 s: the signature on two consecutive samples
+    hung_for: str = "1m"
+    crashed_for: str = "1m"
+    comm_share: float = 0.5  # CommunicationBound: this share of the job's GPUs in the band ...
+    comm_for: str = "15m"  # ... for this long (compute/communication overlap failed, R2)
+    starvation_window: str = "10m"  # the straggler: lowest mean utilization over this window
+    starvation_for: str = "10m"
+    waste_window: str = "1h"
+    waste_ratio: float = 0.15  # REFERENCE R7: at least 15% invalid spend a month
+    waste_for: str = "15m"
+    budget_for: str = "5m"
+    group_interval: str = "15s"
+
+    @classmethod
+    def short(cls, scale: str = "s") -> RuleWindows:
+        """Windows for tests and the demo's time-compressed story (seconds, not minutes)."""
+        return cls(
+            slope_window="30s",
+            slope_for="10s",
+            deadlock_for="4s",
+            hung_for="4s",
+            crashed_for="4s",
+            comm_for="20s",
+            starvation_window="20s",
+            starvation_for="10s",
+            waste_window="2m",
+            waste_for="20s",
+            budget_for="10s",
+            group_interval="2s",
+        )
+
+    def with_(self, **kw) -> RuleWindows:
+        return replace(self, **kw)
+
+
+def _per_job(expr: str, how: str = "max") -> str:
+    return f"{how} by (training_job) ({expr})"
+
+
+def rules(w: RuleWindows) -> dict:
+    not_ended = "unless on (training_job) (max by (training_job) (costexporter_job_ended) == 1)"
+    cost_rising = f"(sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])) > 0)"
+    since_step = (
+        "(sum by (training_job) (costexporter_cost_since_last_step)"
+        f" or sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])))"
+    )
+    progress = "costexporter_job_last_progress_timestamp_seconds"
+    slope = (
+        f"(\n  {since_step}\n  and on (training_job) {cost_rising}\n  and on (training_job) (\n"
+        f"    (max by (training_job) (changes({progress}[{w.slope_window}])) == 0)\n"
+        f"    or on (training_job)\n"
+        f"    ({cost_rising} unless on (training_job) max by (training_job) ({progress}))\n"
+        "  )\n"
+        "  unless on (training_job) (max by (training_job) (costexporter_job_in_allowance) == 1)\n"
+        f"  {not_ended}\n)\n"
+        f"or\n({since_step}\n  and on (training_job) {cost_rising}\n"
+        f"  and on () absent_over_time({progress}[{w.slope_window}])\n)"
+    )
+    deadlock = (
+        "max by (training_job, rank, host, gpu) (\n"
+        '  (costexporter_gpu_band{band="deadlock"} == 1)\n'
+        "  and on (host, gpu) (costexporter_gpu_utilization_ratio < 0.1)\n"
+        f")\n{not_ended}"
+    )
+
+    def state(s: str) -> str:
+        return (
+            "max by (training_job) (costexporter_job_suspect_rank)\n"
+            f'and on (training_job) (costexporter_job_state{{costexporter_job_state="{s}"}} == 1)'
+        )
+
+    comm = (
+        f'avg by (training_job) (costexporter_gpu_band{{band="communication"}}) > {w.comm_share}\n{not_ended}'
+    )
+    starving = (
+        "bottomk by (training_job) (1,\n"
+        f"  avg_over_time(costexporter_gpu_utilization_ratio[{w.starvation_window}])\n"
+        '  and on (host, gpu) (costexporter_gpu_band{band="starvation"} == 1)\n'
+        f")\n{not_ended}"
+    )
+    waste = f"training_job:costexporter_waste_ratio:ratio_{w.waste_window} > {w.waste_ratio}"
+    budget = (
+        "sum by (training_job, currency) (costexporter_cost_total)\n"
+        "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)"
+    )
+    time_all = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
+    time_wasted = f'costexporter_gpu_time_seconds_total{{category=~"{WASTED}"}}'
+    records = [
+        {
+            "record": "training_job:costexporter_cost:sum",
+            "expr": "sum by (training_job, currency) (costexporter_cost_total)",
+        },
+        {
+            "record": "training_job:costexporter_valid_steps:max",
+            "expr": _per_job("costexporter_job_valid_steps"),
+        },
+        {
+            # DESIGN section 7: sum of cost over agents / max of valid steps (job-level).
+            "record": "training_job:costexporter_cost_per_valid_step:ratio",
+            "expr": "sum by (training_job, currency) (costexporter_cost_total)\n"
+            "/ on (training_job) group_left () (max by (training_job) (costexporter_job_valid_steps) > 0)",
+        },
+        {
+            "record": "training_job:costexporter_gpu_hours:sum",
+            "expr": f"sum by (training_job) ({time_all}) / 3600",
+        },
+        {
+            # Booked wasted time (rolled_back includes the valid time later voided by resumes).
+            "record": "training_job:costexporter_wasted_gpu_hours:sum",
+            "expr": f"sum by (training_job) ({time_wasted}) / 3600",
+        },
+        {
+            "record": "training_job_category:costexporter_wasted_gpu_hours:sum",
+            "expr": f"sum by (training_job, category) ({time_wasted}) / 3600",
+        },
+        {
+            "record": f"training_job:costexporter_waste_ratio:ratio_{w.waste_window}",
+            "expr": f"sum by (training_job) (increase({time_wasted}[{w.waste_window}]))\n"
+            f"/ sum by (training_job) (increase({time_all}[{w.waste_window}]))",
+        },
+    ]
+
+    def alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict:
+        return {
+            "alert": name,
+            "expr": expr,
+            "for": for_,
+            "labels": {"severity": severity},
+            "annotations": {"summary": summary, "description": description},
+        }
+
+    alerts = [
+        alert(
+            "CostSlopeWithoutSteps",
+            slope,
+            w.slope_for,
+            "critical",
+            "{{ $labels.training_job }}: cost keeps rising while steps do not",
+            '{{ $value | printf "%.2f" }} burned since the last step; no progress in '
+            f"{w.slope_window} and no declared phase within its allowance (REFERENCE R7).",
+        ),
+        alert(
+            "DeadlockSignature",
+            deadlock,
+            w.deadlock_for,
+            "critical",
+            "{{ $labels.training_job }}: deadlock signature, rank {{ $labels.rank }} at 0%",
+            "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) is at 0% "
+            "while the others spin at ~100% utilization and low power (REFERENCE R2, R3).",
+        ),
+        alert(
+            "JobHung",
+            state("hung"),
+            w.hung_for,
+            "critical",
+            "{{ $labels.training_job }} is hung",
+            "The watcher reports hung; suspect rank {{ $value }} (-1: none named).",
+        ),
+        alert(
+            "JobCrashed",
+            state("crashed"),
+            w.crashed_for,
+            "critical",
+            "{{ $labels.training_job }} crashed",
+            "The watcher reports crashed: heartbeats gone and no run end; suspect rank {{ $value }}.",
+        ),
+        alert(
+            "CommunicationBound",
+            comm,
+            w.comm_for,
+            "warning",
+            "{{ $labels.training_job }}: communication-bound",
+            "{{ $value | humanizePercentage }} of the GPUs sit in the communication band: "
+            "compute/communication overlap failed (REFERENCE R2).",
+        ),
+        alert(
+            "DataStarvation",
+            starving,
+            w.starvation_for,
+            "warning",
+            "{{ $labels.training_job }}: data starvation, straggler rank {{ $labels.rank }}",
+            "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) averages "
+            "{{ $value | humanizePercentage }} utilization while the job starves for input.",
+        ),
+        alert(
+            "HighWasteRatio",
+            waste,
+            w.waste_for,
+            "warning",
+            "{{ $labels.training_job }}: {{ $value | humanizePercentage }} of GPU time wasted",
+            f"Stalled, idle, no-progress and rolled-back time over {w.waste_window} "
+            f"exceeds {w.waste_ratio:.0%}.",
+        ),
+        alert(
+            "BudgetExceeded",
+            budget,
+            w.budget_for,
+            "warning",
+            "{{ $labels.training_job }} is over budget",
+            '{{ $value | printf "%.2f" }} {{ $labels.currency }} spent, '
+            "more than the budget in the job's meta.",
+        ),
+    ]
+    return {
+        "groups": [
+            {"name": "costexporter.records", "interval": w.group_interval, "rules": records},
+            {"name": "costexporter.alerts", "interval": w.group_interval, "rules": alerts},
+        ]
+    }
+
+
+class _Literal(str):
+    pass
+
+
+def _literal(dumper: yaml.SafeDumper, s: _Literal):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+
+
+def render(w: RuleWindows | None = None) -> str:
+    """The rule file as YAML text (multi-line expressions as block literals, for review)."""
+    w = w or RuleWindows()
+    doc = rules(w)
+    for g in doc["groups"]:
+        for r in g["rules"]:
+            r["expr"] = _Literal(r["expr"])
+    dumper = type("D", (yaml.SafeDumper,), {})
+    dumper.add_representer(_Literal, _literal)
+    head = (
+        "# Generated by `costexporter rules` from costexporter/rules.py: edit the source, not this file.\n"
+        f"# Windows: {asdict(w)}\n"
+    )
+    return head + yaml.dump(doc, Dumper=dumper, sort_keys=False, width=120)

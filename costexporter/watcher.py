@@ -1,0 +1,540 @@
+"""The watcher behind `costexporter watch`: each job's state, decided from outside the job.
+
+REFERENCE R3: a watcher on another machine, so it does not hang with the job, tells done from
+crashed from hung. It reads only Redis: the trainers' events (progress, phases, heartbeats) and
+the agents' live GPU state (`<p>:{job}:live:<host>`). Each poll it decides, per job, the first
+state that applies:
+
+* `unknown`: it cannot observe (Redis unreachable, no events). A blind watcher never says healthy.
+* `done`: the run ended (`run end` on rank 0).
+* `crashed`: a rank's heartbeats are gone (no event for `heartbeat_timeout_s`) and no end.
+* `hung`: progress stopped by the ledger's own rule (no step for longer than the stall threshold
+  of DESIGN section 4, with the same parameters, or a declared phase past its allowance), or the
+  deadlock signature on two consecutive samples of the live GPU state.
+* `starving`: the live GPU state shows data starvation; the straggler is named.
+* `running`: none of the above.
+
+It names a suspect: the rank (host, GPU) at 0% in the signature, else the rank whose events
+diverge from the others' (the one rank inside a phase, or that ended, or whose last step
+differs). Each job's status is written to `<p>:{job}:status` with a TTL, so a watcher that
+stops leaves `unknown` behind rather than a stale `running`. Transitions are POSTed to an
+optional webhook as Alertmanager-style payloads, with retries, off the polling thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import bands as bands_mod
+from . import ledger, profiles, protocol
+from .booking import BookingConfig, Regime, build_timeline
+from .model import Band, Event
+from .profiles import Profile
+from .reader import EventReader
+
+log = logging.getLogger("costexporter.watcher")
+
+STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
+ALERTING = {"crashed", "hung", "starving", "unknown"}
+LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
+
+
+@dataclass
+class WatchConfig:
+    redis_url: str = protocol.DEFAULT_REDIS_URL
+    prefix: str = protocol.DEFAULT_PREFIX
+    booking: BookingConfig = field(default_factory=BookingConfig)
+    poll_s: float = 5.0
+    # No event (heartbeats included; the reporter sends one every 10 s) for this long: the
+    # rank's process is gone.
+    heartbeat_timeout_s: float = 60.0
+    status_ttl_s: float | None = None  # default max(60 s, 6 polls)
+    forget_after_s: float = 86_400.0  # jobs not seen for this long are no longer watched
+    jobs: tuple[str, ...] = ()  # watch only these (default: every job in `<p>:jobs`)
+    webhook_url: str | None = None
+    webhook_retries: int = 5
+    webhook_timeout_s: float = 5.0
+    webhook_backoff_s: float = 0.5
+    profile: Profile | None = None
+    watcher_id: str = "watcher"
+    clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
+
+
+@dataclass
+class Status:
+    state: str
+    reason: str
+    since: float
+    updated: float
+    last_step: int | None = None
+    last_step_ts: float | None = None
+    seconds_since_last_step: float | None = None
+    stall_threshold_s: float | None = None
+    suspect: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "since": self.since,
+            "updated": self.updated,
+            "last_step": self.last_step,
+            "last_step_ts": self.last_step_ts,
+            "seconds_since_last_step": self.seconds_since_last_step,
+            "stall_threshold_s": self.stall_threshold_s,
+            "suspect": self.suspect,
+        }
+
+
+@dataclass
+class _Rank:
+    last_seen: float = 0.0  # newest event of any type (heartbeats included)
+    last_step: int | None = None
+    open_phases: dict[str, float] = field(default_factory=dict)
+    ended: bool = False  # its latest run event is `end`
+
+
+@dataclass
+class JobView:
+    """What the watcher knows of one job: its events folded per rank, and its live GPU state."""
+
+    name: str
+    events: list[Event] = field(default_factory=list)
+    registrations: dict[int, dict] = field(default_factory=dict)
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
+    meta: dict = field(default_factory=dict)
+
+    def fold(self, events: list[Event]) -> None:
+        self.events += events
+        for ev in events:
+            r = self.ranks.setdefault(ev.rank, _Rank())
+            r.last_seen = max(r.last_seen, ev.ts)
+            if ev.type == "step":
+                r.last_step = int(ev.get("step"))  # type: ignore[arg-type]
+            elif ev.type == "phase":
+                name = str(ev.get("name"))
+                if ev.get("state") == "begin":
+                    r.open_phases[name] = ev.ts
+                else:
+                    r.open_phases.pop(name, None)
+            elif ev.type == "run":
+                r.ended = ev.get("state") == "end"
+                if not r.ended:
+                    r.open_phases.clear()  # a new process starts outside every phase
+            elif ev.type == "register":
+                self.registrations.setdefault(ev.rank, dict(ev.fields))
+            elif ev.type == "meta":
+                self.meta.update(ev.fields)
+
+    def where(self, rank: int) -> dict:
+        reg = self.registrations.get(rank, {})
+        return {"rank": rank, "host": reg.get("host"), "gpu": reg.get("gpu")}
+
+
+# ---- the decision (pure: no Redis) ---------------------------------------------------------
+def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None = None) -> Status:
+    """The job's state at `now` (Unix seconds, the clock of the trainers' timestamps)."""
+
+    def status(state: str, reason: str, suspect: dict | None = None, **kw) -> Status:
+        since = previous.since if previous is not None and previous.state == state else now
+        return Status(state, reason, since, now, suspect=suspect, **kw)
+
+    if not view.events:
+        return status("unknown", "no events from the job yet")
+    start_ms = int(min(e.ts for e in view.events) * 1000)
+    if view.registrations:
+        start_ms = min(
+            start_ms, int(min(float(r.get("ts", 1e18)) for r in view.registrations.values()) * 1000)
+        )
+    now_ms = int(now * 1000)
+    tl = build_timeline(view.events, cfg.booking, start_ms, max(now_ms, start_ms + 1), final=False)
+    last = tl.steps[-1] if tl.steps else None
+    progress = dict(
+        last_step=last.step if last else None,
+        last_step_ts=last.ts_ms / 1000 if last else None,
+        seconds_since_last_step=round(now - last.ts_ms / 1000, 3) if last else None,
+        stall_threshold_s=tl.stall_threshold_ms / 1000,
+    )
+    if tl.end_ms is not None:
+        return status("done", "the run ended", **progress)
+
+    # Crashed: a rank that has not ended went silent.
+    members = sorted(set(view.registrations) | set(view.ranks))
+    running = [r for r in members if not view.ranks.get(r, _Rank()).ended]
+    silent = [r for r in running if now - view.ranks.get(r, _Rank()).last_seen > cfg.heartbeat_timeout_s]
+    if running and silent:
+        who = "every rank" if len(silent) == len(running) else f"rank {silent[0]}"
+        quiet = now - max(view.ranks.get(r, _Rank()).last_seen for r in silent)
+        return status(
+            "crashed",
+            f"no heartbeat from {who} for {quiet:.0f}s and no run end",
+            {**view.where(silent[0]), "why": "heartbeats gone"},
+            **progress,
+        )
+
+    live = _live_bands(view, cfg)
+    i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
+    stalled = 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.STALL
+    overrun = _phase_overrun(view, tl, now)
+    if live is not None and live["deadlock"] is not None:
+        r = live["deadlock"]
+        return status(
+            "hung",
+            f"deadlock signature on two consecutive samples: rank {r} at 0%, the rest busy at low power",
+            {**view.where(r), "why": "0% utilization in the deadlock signature"},
+            **progress,
+        )
+    if stalled or overrun:
+        if overrun:
+            name, rank, open_s, allow_s = overrun
+            reason = f"{name} on rank {rank} open for {open_s:.0f}s, past its {allow_s:.0f}s allowance"
+        else:
+            since = last.ts_ms / 1000 if last else start_ms / 1000
+            reason = f"no step for {now - since:.0f}s (stall threshold {tl.stall_threshold_ms / 1000:.0f}s)"
+        return status("hung", reason, _divergent(view, running), **progress)
+    if live is not None and live["straggler"] is not None:
+        r = live["straggler"]
+        return status(
+            "starving",
+            f"data starvation: rank {r} lowest in utilization",
+            {**view.where(r), "why": "straggler"},
+            **progress,
+        )
+    return status("running", "steps advancing", **progress)
+
+
+def _phase_overrun(view: JobView, tl, now: float) -> tuple[str, int, float, float] | None:
+    """A declared phase still open past its allowance (rank 0's are job-wide; any rank's counts)."""
+    for rank in sorted(view.ranks):
+        for name, begin in view.ranks[rank].open_phases.items():
+            allow = tl.allowances.current(name) / 1000
+            if now - begin > allow:
+                return name, rank, now - begin, allow
+    return None
+
+
+def _divergent(view: JobView, running: list[int]) -> dict | None:
+    """The rank whose events differ from the others': the one inside a phase the rest are not
+    in, the one that ended, or the one whose last step differs from the majority's."""
+    ranks = [r for r in sorted(view.ranks) if r in running or view.ranks[r].ended]
+    if len(ranks) < 2:
+        return None
+    inside = [r for r in ranks if view.ranks[r].open_phases]
+    if 0 < len(inside) * 2 < len(ranks):
+        r = inside[0]
+        name = next(iter(view.ranks[r].open_phases))
+        return {**view.where(r), "why": f"the only rank(s) inside {name}: {inside}"}
+    ended = [r for r in ranks if view.ranks[r].ended]
+    if 0 < len(ended) * 2 < len(ranks):
+        return {**view.where(ended[0]), "why": f"left the run while the others did not: {ended}"}
+    steps = {r: view.ranks[r].last_step for r in ranks if view.ranks[r].last_step is not None}
+    if len(steps) >= 2:
+        common, n = collections.Counter(steps.values()).most_common(1)[0]
+        odd = [r for r, s in steps.items() if s != common]
+        if odd and n * 2 > len(steps):
+            return {
+                **view.where(odd[0]),
+                "why": f"last step {steps[odd[0]]} while the others are at {common}",
+            }
+    return None
+
+
+def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
+    """Classify the live snapshots seen so far: a rank in a confirmed deadlock signature (at 0%)
+    at the newest moment, or the straggler of a starvation lasting two moments."""
+    rows = [x for snap in view.live for x in snap]
+    if not rows:
+        return None
+    arr = np.asarray(sorted(set(rows)), np.float64)  # (rank, ts_ms, power, util), de-duplicated
+    rank, ts = arr[:, 0].astype(np.int64), arr[:, 1].astype(np.int64)
+    if np.unique(ts).size < 2:
+        return None
+    n_ranks = int(max(rank.max(), max(view.registrations, default=0))) + 1
+    model = view.meta.get("gpu_model")
+    try:
+        profile = cfg.profile or profiles.select(str(model) if model else None, None)
+    except profiles.ProfileError:
+        profile = profiles.B300
+    res = bands_mod.classify(
+        rank,
+        ts,
+        arr[:, 2],
+        arr[:, 3],
+        n_ranks,
+        profile,
+        grid_ms=int(cfg.booking.grid_s * 1000),
+        gap_intervals=cfg.booking.gap_intervals,
+        checkpoint_allowance_ms=cfg.booking.default_allowance_ms("checkpoint"),
+    )
+    newest = ts == ts.max()
+    # The newest moment of each rank (ranks on other hosts may lag by a round).
+    last_of = {int(r): i for i, r in enumerate(rank.tolist())}  # sorted by (rank, ts): last wins
+    idx = np.asarray(sorted(last_of.values()))
+    band = res.band[idx]
+    out = {"deadlock": None, "straggler": None}
+    if (band == Band.DEADLOCK).any() and newest[idx].any():
+        zero = idx[arr[idx, 3] <= profile.zero_util_pct]
+        out["deadlock"] = int(rank[zero[0]]) if zero.size else int(rank[idx[0]])
+    starving_moments = np.unique(ts[res.band == Band.STARVATION]).size
+    if (band == Band.STARVATION).any() and starving_moments >= 2 and res.straggler_rank is not None:
+        out["straggler"] = res.straggler_rank
+    return out
+
+
+# ---- notifications -----------------------------------------------------------------------
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:
+    labels = {
+        "alertname": "Job" + st.state.capitalize(),
+        "training_job": job,
+        "state": st.state,
+        "severity": "critical"
+        if st.state in ("hung", "crashed")
+        else "warning"
+        if st.state in ALERTING
+        else "info",
+    }
+    if st.suspect and st.suspect.get("rank") is not None:
+        labels["suspect_rank"] = str(st.suspect["rank"])
+    fp = hashlib.sha256(f"{prefix}|{job}|{st.state}".encode()).hexdigest()[:16]
+    return {
+        "status": status,
+        "labels": labels,
+        "annotations": {
+            "summary": f"training job {job} is {st.state}",
+            "description": st.reason,
+            "suspect": json.dumps(st.suspect) if st.suspect else "",
+        },
+        "startsAt": _iso(st.since),
+        "endsAt": _iso(now) if status == "resolved" else "0001-01-01T00:00:00Z",
+        "generatorURL": "",
+        "fingerprint": fp,
+    }
+
+
+def notification(job: str, old: Status | None, new: Status, now: float, prefix: str) -> dict:
+    """An Alertmanager webhook payload (version 4) for one transition: the old state's alert
+    resolved, the new state's firing."""
+    alerts = []
+    if old is not None and old.state in ALERTING:
+        alerts.append(_alert(job, old, "resolved", now, prefix))
+    alerts.append(_alert(job, new, "firing", now, prefix))
+    common = {"training_job": job}
+    return {
+        "version": "4",
+        "receiver": "costexporter-watch",
+        "status": "firing",
+        "groupKey": f'{{}}:{{training_job="{job}"}}',
+        "truncatedAlerts": 0,
+        "groupLabels": common,
+        "commonLabels": common,
+        "commonAnnotations": {},
+        "externalURL": "",
+        "alerts": alerts,
+    }
+
+
+class Webhook:
+    """POSTs payloads on its own thread, retrying with exponential backoff, so a slow or down
+    receiver never delays the watcher's polls. Counts what was sent, retried and given up."""
+
+    def __init__(self, url: str, retries: int = 5, timeout_s: float = 5.0, backoff_s: float = 0.5) -> None:
+        self.url, self.retries, self.timeout_s, self.backoff_s = url, retries, timeout_s, backoff_s
+        self.q: queue.Queue = queue.Queue(maxsize=10_000)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="costexporter-webhook", daemon=True)
+        self._thread.start()
+
+    def send(self, payload: dict) -> None:
+        try:
+            self.q.put_nowait(payload)
+        except queue.Full:
+            self.stats["dropped"] += 1
+
+    def _post(self, payload: dict) -> None:
+        req = urllib.request.Request(
+            self.url,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json", "User-Agent": "costexporter-watch"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            resp.read()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                payload = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            for attempt in range(self.retries + 1):
+                try:
+                    self._post(payload)
+                    self.stats["sent"] += 1
+                    break
+                except (urllib.error.URLError, OSError, ValueError) as e:
+                    if attempt == self.retries:
+                        self.stats["failed"] += 1
+                        log.warning("webhook %s: giving up after %d tries: %s", self.url, attempt + 1, e)
+                        break
+                    self.stats["retries"] += 1
+                    if self._stop.wait(self.backoff_s * 2**attempt):
+                        return
+            self.q.task_done()
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait until every queued payload was sent or given up (tests, shutdown)."""
+        end = time.monotonic() + timeout
+        while self.q.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.drain(2.0)
+        self._stop.set()
+
+
+# ---- the polling loop --------------------------------------------------------------------
+class Watcher:
+    def __init__(self, cfg: WatchConfig) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.cfg = cfg
+        self.redis = redis.Redis.from_url(
+            cfg.redis_url,
+            socket_timeout=2.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+        self._errors = (redis.RedisError, OSError)
+        self.views: dict[str, JobView] = {}
+        self.readers: dict[str, EventReader] = {}
+        self.status: dict[str, Status] = {}
+        self.redis_up = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.webhook = (
+            Webhook(cfg.webhook_url, cfg.webhook_retries, cfg.webhook_timeout_s, cfg.webhook_backoff_s)
+            if cfg.webhook_url
+            else None
+        )
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self.ttl = int(cfg.status_ttl_s or max(60.0, 6 * cfg.poll_s))
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.cfg.poll_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.webhook:
+            self.webhook.stop()
+
+    def poll(self) -> dict[str, Status]:
+        """One round: read every watched job, decide, write the statuses, notify transitions."""
+        now = self.cfg.clock()
+        try:
+            decided = self._poll(now)
+            self.redis_up = True
+        except self._errors as e:
+            self.stats["redis_errors"] += 1
+            if self.redis_up or self.stats["redis_errors"] % 60 == 1:
+                log.warning("Redis unreachable: every job is unknown (%s)", e)
+            self.redis_up = False
+            decided = {
+                job: Status("unknown", f"the watcher cannot read Redis: {type(e).__name__}", now, now)
+                for job in (self.status or {})
+            }
+            for job, st in decided.items():
+                prev = self.status.get(job)
+                if prev is not None and prev.state == "unknown":
+                    st.since = prev.since
+        self._transitions(decided, now)
+        return decided
+
+    def _poll(self, now: float) -> dict[str, Status]:
+        cfg = self.cfg
+        jobs = list(cfg.jobs) or self.redis.zrangebyscore(
+            protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
+        )
+        decided: dict[str, Status] = {}
+        for job in jobs:
+            view = self.views.setdefault(job, JobView(job))
+            reader = self.readers.get(job)
+            if reader is None:
+                reader = self.readers[job] = EventReader(self.redis, job, cfg.prefix)
+            view.fold(reader.read_all())
+            for rank, raw in self.redis.hgetall(protocol.ranks_key(cfg.prefix, job)).items():
+                try:
+                    view.registrations.setdefault(int(rank), json.loads(raw))
+                except (ValueError, TypeError):
+                    self.stats["bad_registrations"] += 1
+            self._read_live(view)
+            decided[job] = decide(view, now, cfg, self.status.get(job))
+        pipe = self.redis.pipeline(transaction=False)
+        for job, st in decided.items():
+            pipe.set(ledger.key(cfg.prefix, job, "status"), json.dumps(st.to_dict()), ex=self.ttl)
+        pipe.execute()
+        return decided
+
+    def _read_live(self, view: JobView) -> None:
+        hosts = sorted({str(r.get("host")) for r in view.registrations.values() if r.get("host")})
+        if not hosts:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for h in hosts:
+            pipe.hgetall(ledger.key(self.cfg.prefix, view.name, "live", h))
+        snap = []
+        for raw in pipe.execute():
+            for rank, v in raw.items():
+                try:
+                    d = json.loads(v)
+                    snap.append(
+                        (int(rank), int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"]))
+                    )
+                except (ValueError, TypeError, KeyError):
+                    self.stats["bad_live"] += 1
+        if snap and (not view.live or set(snap) != set(view.live[-1])):
+            view.live.append(tuple(snap))
+
+    def _transitions(self, decided: dict[str, Status], now: float) -> None:
+        with self.lock:
+            for job, st in decided.items():
+                old = self.status.get(job)
+                self.status[job] = st
+                if old is None or old.state != st.state:
+                    self.stats["transitions"] += 1
+                    log.info("%s: %s -> %s (%s)", job, old.state if old else "-", st.state, st.reason)
+                    if self.webhook is not None:
+                        self.webhook.send(notification(job, old, st, now, self.cfg.prefix))
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {
+                "status": dict(self.status),
+                "redis_up": self.redis_up,
+                "stats": dict(self.stats),
+                "webhook": dict(self.webhook.stats) if self.webhook else {},
+                "now": self.cfg.clock(),
+            }

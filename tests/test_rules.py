@@ -1,0 +1,447 @@
+"""The shipped Prometheus rules: promtool checks them, and unit-tests every alert with
+`promtool test rules`: it fires in its scenario and stays silent in a healthy run, after a clean
+end, across a resume and on a one-sample blip."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from costexporter.rules import RuleWindows, render
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "dashboards" / "costexporter-rules.yaml"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (.ci/run installs it)")
+
+J = 'training_job="j"'
+
+
+def _series(name: str, labels: str, values: str) -> dict:
+    return {"series": f"{name}{{{labels}}}", "values": values}
+
+
+def _run(tmp_path: Path, rule_file: Path, tests: list[dict], interval: str = "1m") -> None:
+    doc = {"rule_files": [str(rule_file)], "evaluation_interval": interval, "tests": tests}
+    f = tmp_path / "rules_test.yaml"
+    f.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = subprocess.run([PROMTOOL, "test", "rules", str(f)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _case(series: list[dict], checks: list[tuple[str, str, list[dict]]], interval: str = "1m") -> dict:
+    return {
+        "interval": interval,
+        "input_series": series,
+        "alert_rule_test": [{"eval_time": t, "alertname": a, "exp_alerts": exp} for t, a, exp in checks],
+    }
+
+
+def test_shipped_file_is_the_rendered_source():
+    assert SHIPPED.read_text() == render(RuleWindows()), (
+        "run: costexporter rules -o dashboards/costexporter-rules.yaml"
+    )
+
+
+@needs_promtool
+def test_promtool_check_rules_default_and_short(tmp_path):
+    short = tmp_path / "short.yaml"
+    short.write_text(render(RuleWindows.short()))
+    for f in (SHIPPED, short):
+        r = subprocess.run([PROMTOOL, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- CostSlopeWithoutSteps (10m window, for 5m) --------------------------------------------
+def _slope_series(
+    progress: str,
+    cost: str = "0+1x60",
+    in_allowance: str = "0x60",
+    ended: str = "0x60",
+    since: str = "0+0.5x60",
+) -> list[dict]:
+    # Two agents: booked series sum, job-level series are identical on both and taken with max.
+    out = []
+    for a in ("a1", "a2"):
+        lab = f'{J},instance="{a}"'
+        out += [
+            _series("costexporter_cost_total", f'{lab},category="productive",currency="USD"', cost),
+            _series("costexporter_cost_since_last_step", f'{lab},currency="USD"', since),
+            _series("costexporter_job_in_allowance", lab, in_allowance),
+            _series("costexporter_job_ended", lab, ended),
+        ]
+        if progress:
+            out.append(_series("costexporter_job_last_progress_timestamp_seconds", lab, progress))
+    return out
+
+
+SLOPE_FIRING = {
+    "exp_labels": {"severity": "critical", "training_job": "j"},
+    "exp_annotations": {
+        "summary": "j: cost keeps rising while steps do not",
+        "description": "{v} burned since the last step; no progress in 10m and no declared phase within its "
+        "allowance (REFERENCE R7).",
+    },
+}
+
+
+def _slope_alert(value: str) -> list[dict]:
+    a = {"exp_labels": SLOPE_FIRING["exp_labels"], "exp_annotations": dict(SLOPE_FIRING["exp_annotations"])}
+    a["exp_annotations"]["description"] = a["exp_annotations"]["description"].format(v=value)
+    return [a]
+
+
+@needs_promtool
+def test_cost_slope_without_steps(tmp_path):
+    stuck = "1000+60x20 2200x40"  # progress stops at minute 20
+    n = "CostSlopeWithoutSteps"
+    tests = [
+        # Fires: 10 minutes without progress (minute 30), then 5 more (35). Cost since the last
+        # step at minute 40, summed over both agents: 2 x 0.5 x 40.
+        _case(_slope_series(stuck), [("25m", n, []), ("33m", n, []), ("40m", n, _slope_alert("40.00"))]),
+        # Healthy: progress every minute.
+        _case(_slope_series("1000+60x60"), [("40m", n, []), ("59m", n, [])]),
+        # Clean end at minute 20: cost stops, the job ended.
+        _case(_slope_series(stuck, cost="0+1x20 20x40", ended="0x20 1x40"), [("40m", n, []), ("59m", n, [])]),
+        # A resume: the step number drops but the progress timestamp only moves forward.
+        _case(
+            [
+                *_slope_series("1000+60x60"),
+                _series("costexporter_job_last_step", J, "100+10x20 50+10x40"),
+            ],
+            [("25m", n, []), ("45m", n, [])],
+        ),
+        # A one-sample blip: the progress series misses one scrape.
+        _case(_slope_series("1000+60x29 _ 2800+60x30"), [("30m", n, []), ("40m", n, [])]),
+        # A checkpoint within its allowance (minutes 21-36) is silent; once it overruns, it fires
+        # again after the window's `for`.
+        _case(
+            _slope_series(stuck, in_allowance="0x20 1x15 0x25"),
+            [("34m", n, []), ("40m", n, []), ("43m", n, _slope_alert("43.00"))],
+        ),
+        # The progress series vanishes (the agent stopped exporting it) while cost still rises.
+        _case(
+            _slope_series("1000+60x20"),
+            [("20m", n, []), ("45m", n, _slope_alert("45.00"))],
+        ),
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
+# ---- DeadlockSignature (two samples: for 30s at 15s scrapes) --------------------------------
+def _gpus(bands: dict[int, str], utils: dict[int, str], ended: str = "0x40") -> list[dict]:
+    out = [_series("costexporter_job_ended", J, ended)]
+    for r in range(4):
+        lab = f'{J},host="n{r // 2}",gpu="{r % 2}",rank="{r}"'
+        for b in ("compute", "deadlock", "communication", "starvation"):
+            out.append(_series("costexporter_gpu_band", f'{lab},band="{b}"', bands.get(r, {}).get(b, "0x40")))
+        out.append(_series("costexporter_gpu_utilization_ratio", lab, utils[r]))
+    return out
+
+
+def _all(band: str, values: str, others: str | None = None) -> dict[int, dict[str, str]]:
+    d = {r: {band: values} for r in range(4)}
+    if others:
+        for r in range(4):
+            d[r]["compute"] = others
+    return d
+
+
+DEADLOCK_UTIL = {0: "1x40", 1: "1x40", 2: "1x40", 3: "1x4 0x36"}
+
+
+@needs_promtool
+def test_deadlock_signature(tmp_path):
+    n = "DeadlockSignature"
+    firing = [
+        {
+            "exp_labels": {
+                "severity": "critical",
+                "training_job": "j",
+                "rank": "3",
+                "host": "n1",
+                "gpu": "1",
+            },
+            "exp_annotations": {
+                "summary": "j: deadlock signature, rank 3 at 0%",
+                "description": "Rank 3 (n1 GPU 1) is at 0% while the others spin at ~100% utilization and "
+                "low power (REFERENCE R2, R3).",
+            },
+        }
+    ]
+    tests = [
+        _case(_gpus(_all("deadlock", "0x4 1x36"), DEADLOCK_UTIL), [("75s", n, []), ("2m", n, firing)], "15s"),
+        _case(_gpus(_all("compute", "1x40"), {r: "1x40" for r in range(4)}), [("5m", n, [])], "15s"),
+        # One sample of the signature: not two.
+        _case(_gpus(_all("deadlock", "0x4 1 0x35"), DEADLOCK_UTIL), [("75s", n, []), ("90s", n, [])], "15s"),
+        # After a clean end the last band may still read deadlock until the series expire.
+        _case(_gpus(_all("deadlock", "0x4 1x36"), DEADLOCK_UTIL, ended="0x3 1x37"), [("2m", n, [])], "15s"),
+        # Resumed: the band is compute again.
+        _case(
+            _gpus(_all("deadlock", "0x4 1x8 0x28", others="1x4 0x8 1x28"), DEADLOCK_UTIL),
+            [("2m", n, firing), ("5m", n, [])],
+            "15s",
+        ),
+    ]
+    _run(tmp_path, SHIPPED, tests, "15s")
+
+
+# ---- JobHung / JobCrashed (the watcher's stateset) -------------------------------------------
+def _states(values: dict[str, str], suspect: str = "3x40") -> list[dict]:
+    out = [_series("costexporter_job_suspect_rank", J, suspect)]
+    for s in ("running", "done", "crashed", "hung", "starving", "unknown"):
+        out.append(
+            _series("costexporter_job_state", f'{J},costexporter_job_state="{s}"', values.get(s, "0x40"))
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("alert", "state", "severity", "description"),
+    [
+        ("JobHung", "hung", "critical", "The watcher reports hung; suspect rank 3 (-1: none named)."),
+        (
+            "JobCrashed",
+            "crashed",
+            "critical",
+            "The watcher reports crashed: heartbeats gone and no run end; suspect rank 3.",
+        ),
+    ],
+)
+@needs_promtool
+def test_watcher_state_alerts(tmp_path, alert, state, severity, description):
+    summary = "j is hung" if state == "hung" else "j crashed"
+    firing = [
+        {
+            "exp_labels": {"severity": severity, "training_job": "j"},
+            "exp_annotations": {"summary": summary, "description": description},
+        }
+    ]
+    tests = [
+        _case(
+            _states({"running": "1x5 0x35", state: "0x5 1x35"}), [("5m", alert, []), ("10m", alert, firing)]
+        ),
+        _case(_states({"running": "1x40"}, "-1x40"), [("30m", alert, [])]),
+        _case(_states({"running": "1x10 0x30", "done": "0x10 1x30"}), [("30m", alert, [])]),
+        # One poll in the state, then running again.
+        _case(
+            _states({"running": "1x5 0 1x34", state: "0x5 1 0x34"}), [("6m", alert, []), ("8m", alert, [])]
+        ),
+        # Resolves once the job resumes.
+        _case(
+            _states({"running": "1x5 0x10 1x25", state: "0x5 1x10 0x25"}),
+            [("10m", alert, firing), ("20m", alert, [])],
+        ),
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
+# ---- CommunicationBound, DataStarvation -----------------------------------------------------
+@needs_promtool
+def test_communication_bound(tmp_path):
+    n = "CommunicationBound"
+    firing = [
+        {
+            "exp_labels": {"severity": "warning", "training_job": "j"},
+            "exp_annotations": {
+                "summary": "j: communication-bound",
+                "description": "75% of the GPUs sit in the communication band: compute/communication overlap "
+                "failed (REFERENCE R2).",
+            },
+        }
+    ]
+    three = {r: {"communication": "0x5 1x35" if r < 3 else "0x40"} for r in range(4)}
+    util = {r: "1x40" for r in range(4)}
+    tests = [
+        _case(_gpus(three, util), [("15m", n, []), ("25m", n, firing)]),
+        _case(_gpus(_all("compute", "1x40"), util), [("30m", n, [])]),
+        _case(
+            _gpus({r: {"communication": "0x5 1 0x34"} for r in range(4)}, util),
+            [("6m", n, []), ("30m", n, [])],
+        ),
+        _case(_gpus(three, util, ended="0x10 1x30"), [("25m", n, [])]),
+        # Overlap restored (e.g. after a restart with a fixed bucket size).
+        _case(
+            _gpus({r: {"communication": "0x5 1x20 0x15"} for r in range(4)}, util),
+            [
+                (
+                    "22m",
+                    n,
+                    [
+                        {
+                            **firing[0],
+                            "exp_annotations": {
+                                **firing[0]["exp_annotations"],
+                                "description": firing[0]["exp_annotations"]["description"].replace(
+                                    "75%", "100%"
+                                ),
+                            },
+                        }
+                    ],
+                ),
+                ("35m", n, []),
+            ],
+        ),
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
+@needs_promtool
+def test_data_starvation_names_the_straggler(tmp_path):
+    n = "DataStarvation"
+    util = {0: "0.95x40", 1: "0.97x40", 2: "0.6x40", 3: "0.93x40"}
+    firing = [
+        {
+            "exp_labels": {"severity": "warning", "training_job": "j", "rank": "2", "host": "n1", "gpu": "0"},
+            "exp_annotations": {
+                "summary": "j: data starvation, straggler rank 2",
+                "description": "Rank 2 (n1 GPU 0) averages 60% utilization while the job starves for input.",
+            },
+        }
+    ]
+    tests = [
+        _case(_gpus(_all("starvation", "0x5 1x35"), util), [("10m", n, []), ("20m", n, firing)]),
+        _case(_gpus(_all("compute", "1x40"), util), [("30m", n, [])]),
+        _case(_gpus(_all("starvation", "0x5 1 0x34"), util), [("6m", n, []), ("20m", n, [])]),
+        _case(_gpus(_all("starvation", "0x5 1x35"), util, ended="0x8 1x32"), [("20m", n, [])]),
+        _case(
+            _gpus(_all("starvation", "0x5 1x15 0x20", others="1x5 0x15 1x20"), util),
+            [("20m", n, firing), ("35m", n, [])],
+        ),
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
+# ---- HighWasteRatio, BudgetExceeded ---------------------------------------------------------
+def _time(wasted: str, productive: str) -> list[dict]:
+    return [
+        _series("costexporter_gpu_time_seconds_total", f'{J},category="stalled",instance="a1"', wasted),
+        _series(
+            "costexporter_gpu_time_seconds_total", f'{J},category="productive",instance="a1"', productive
+        ),
+        _series(
+            "costexporter_gpu_time_seconds_total", f'{J},category="productive",instance="a2"', productive
+        ),
+    ]
+
+
+@needs_promtool
+def test_high_waste_ratio(tmp_path):
+    n = "HighWasteRatio"
+
+    def firing(pct: str) -> list[dict]:
+        return [
+            {
+                "exp_labels": {"severity": "warning", "training_job": "j"},
+                "exp_annotations": {
+                    "summary": f"j: {pct} of GPU time wasted",
+                    "description": "Stalled, idle, no-progress and rolled-back time over 1h exceeds 15%.",
+                },
+            }
+        ]
+
+    tests = [
+        # 60 s wasted per minute next to 2 x 60 s productive: a third.
+        _case(_time("0+60x120", "0+60x120"), [("10m", n, []), ("90m", n, firing("33.33%"))]),
+        _case(_time("0x120", "0+60x120"), [("90m", n, [])]),
+        # A clean end: nothing more is booked, the ratio has no denominator.
+        _case(_time("0+60x30 1800x90", "0+60x30 1800x90"), [("100m", n, [])]),
+        # One minute of waste (a short stall) in an hour of work: 60 / 7260.
+        _case(_time("0x60 60x60", "0+60x120"), [("70m", n, []), ("110m", n, [])]),
+        # A resume after a stalled hour: waste falls out of the window.
+        _case(_time("0+60x60 3600x60", "0+60x120"), [("60m", n, firing("33.33%")), ("119m", n, [])]),
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
+@needs_promtool
+def test_budget_exceeded(tmp_path):
+    n = "BudgetExceeded"
+
+    def series(cost: str, budget: str | None) -> list[dict]:
+        out = [
+            _series(
+                "costexporter_cost_total", f'{J},category="productive",currency="USD",instance="a1"', cost
+            ),
+            _series("costexporter_cost_total", f'{J},category="stalled",currency="USD",instance="a2"', cost),
+        ]
+        if budget:
+            for a in ("a1", "a2"):
+                out.append(_series("costexporter_job_budget", f'{J},currency="USD",instance="{a}"', budget))
+        return out
+
+    firing = [
+        {
+            "exp_labels": {"severity": "warning", "training_job": "j", "currency": "USD"},
+            "exp_annotations": {
+                "summary": "j is over budget",
+                "description": "1060.00 USD spent, more than the budget in the job's meta.",
+            },
+        }
+    ]
+    tests = [
+        # 2 agents x 5 per minute: 1,000 at minute 100; the budget is 1,000; for 5m.
+        _case(series("0+5x120", "1000x120"), [("100m", n, []), ("104m", n, []), ("106m", n, firing)]),
+        _case(series("0+1x120", "1000x120"), [("119m", n, [])]),
+        _case(series("0+5x120", None), [("119m", n, [])]),  # no budget in the meta
+        # A one-sample spike (a bad scrape) is not an overrun.
+        _case(series("0+1x50 2000 51+1x68", "1000x120"), [("51m", n, []), ("57m", n, [])]),
+        # A resume moves valid cost to rolled_back: the total, and so the alert, is unchanged.
+        _case(series("0+5x120", "1000x120"), [("106m", n, firing)]),
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
+# ---- recording rules --------------------------------------------------------------------------
+@needs_promtool
+def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
+    series = [
+        # Two agents' booked cost (sum) and the job-level valid steps (max; identical on both).
+        _series(
+            "costexporter_cost_total", f'{J},category="productive",currency="USD",instance="a1"', "0+3.5x10"
+        ),
+        _series(
+            "costexporter_cost_total", f'{J},category="stalled",currency="USD",instance="a2"', "0+3.5x10"
+        ),
+        _series("costexporter_job_valid_steps", f'{J},instance="a1"', "0+100x10"),
+        _series("costexporter_job_valid_steps", f'{J},instance="a2"', "0+100x10"),
+        _series("costexporter_gpu_time_seconds_total", f'{J},category="stalled",instance="a2"', "0+3600x10"),
+        _series(
+            "costexporter_gpu_time_seconds_total", f'{J},category="rolled_back",instance="a1"', "0+1800x10"
+        ),
+        _series(
+            "costexporter_gpu_time_seconds_total", f'{J},category="productive",instance="a1"', "0+1800x10"
+        ),
+    ]
+    test = {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [
+            {
+                "expr": "training_job:costexporter_cost_per_valid_step:ratio",
+                "eval_time": "10m",
+                "exp_samples": [
+                    {
+                        "labels": "training_job:costexporter_cost_per_valid_step:ratio"
+                        '{training_job="j",currency="USD"}',
+                        "value": 0.07,
+                    }
+                ],
+            },
+            {
+                "expr": "training_job:costexporter_wasted_gpu_hours:sum",
+                "eval_time": "10m",
+                "exp_samples": [
+                    {
+                        "labels": 'training_job:costexporter_wasted_gpu_hours:sum{training_job="j"}',
+                        "value": 15,
+                    }
+                ],
+            },
+        ],
+    }
+    _run(tmp_path, SHIPPED, [test])

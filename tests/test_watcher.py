@@ -1,0 +1,368 @@
+"""The watcher: states decided from events and live GPU state, written to Redis, served as
+metrics, notified to a webhook; end to end with a real 4-rank gloo job that deadlocks (R4)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import typing
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client.exposition import generate_latest
+
+from costexporter.api.store import LedgerStore
+from costexporter.booking import BookingConfig
+from costexporter.client import StepReporter
+from costexporter.exporter import watch_registry
+from costexporter.model import Event
+from costexporter.watcher import JobView, WatchConfig, Watcher, decide, notification
+
+from .conftest import SHARED_URL
+from .redis_server import RedisServer, free_port
+
+HERE = Path(__file__).resolve().parent
+T0 = 1_760_000_000.0
+CFG = WatchConfig(booking=BookingConfig(stall_floor_s=60.0), heartbeat_timeout_s=60.0)
+
+
+def ev(type_: str, ts: float, rank: int = 0, **fields) -> Event:
+    return Event(type_, "j", T0 + ts, rank, f"s{rank}", int(ts * 1000), fields)
+
+
+def registered(n: int = 4) -> list[Event]:
+    return [
+        ev("register", 0, r, host=f"h{r // 2}", gpu=r % 2, world_size=n, local_rank=r % 2) for r in range(n)
+    ] + [ev("run", 0, r, state="start") for r in range(n)]
+
+
+def steps(first: int, last: int, every: float = 5.0, ranks=(0, 1, 2, 3), t0: float = 0.0) -> list[Event]:
+    return [
+        ev("step", t0 + (s - first + 1) * every, r, step=s) for s in range(first, last + 1) for r in ranks
+    ]
+
+
+def beats(until: float, ranks=(0, 1, 2, 3), every: float = 10.0) -> list[Event]:
+    return [ev("heartbeat", t, r) for t in range(0, int(until) + 1, int(every)) for r in ranks]
+
+
+def view(events: list[Event]) -> JobView:
+    v = JobView("j")
+    v.fold(sorted(events, key=lambda e: e.ts))
+    return v
+
+
+# ---- decide(): the rules, one by one -----------------------------------------------------------
+def test_no_events_is_unknown_not_healthy():
+    assert decide(JobView("j"), T0, CFG).state == "unknown"
+
+
+def test_running_while_steps_advance():
+    v = view(registered() + steps(1, 20) + beats(100))
+    st = decide(v, T0 + 102, CFG)
+    assert st.state == "running" and st.last_step == 20 and st.seconds_since_last_step == pytest.approx(2)
+
+
+def test_done_after_run_end():
+    v = view([*registered(), *steps(1, 20), *beats(100), ev("run", 101, 0, state="end")])
+    assert decide(v, T0 + 500, CFG).state == "done"
+
+
+def test_crashed_when_heartbeats_are_gone_and_names_the_rank():
+    # Rank 2's process died at 60 s; the rest are alive (stuck in a collective, heartbeating).
+    evs = [*registered(), *steps(1, 12), *beats(200, ranks=(0, 1, 3)), *beats(60, ranks=(2,))]
+    st = decide(view(evs), T0 + 200, CFG)
+    assert st.state == "crashed" and st.suspect["rank"] == 2 and st.suspect["host"] == "h1"
+    # Every process gone: crashed too.
+    st = decide(view([*registered(), *steps(1, 12), *beats(60)]), T0 + 200, CFG)
+    assert st.state == "crashed" and "every rank" in st.reason
+
+
+def test_hung_past_the_stall_threshold_names_the_diverging_rank():
+    # 5 s steps: threshold max(5 x 5 s, 60 s) = 60 s. Rank 3 alone entered the checkpoint.
+    evs = [*registered(), *steps(1, 20), *beats(400), ev("phase", 101, 3, name="checkpoint", state="begin")]
+    v = view(evs)
+    assert decide(v, T0 + 150, CFG).state == "running"  # 50 s without a step: not yet
+    st = decide(v, T0 + 170, CFG)
+    assert st.state == "hung" and st.suspect["rank"] == 3 and "checkpoint" in st.suspect["why"]
+    assert st.stall_threshold_s == 60
+
+
+def test_a_checkpoint_within_its_allowance_is_not_hung_but_one_past_it_is():
+    evs = [*registered(), *steps(1, 20), *beats(2000), ev("phase", 101, 0, name="checkpoint", state="begin")]
+    v = view(evs)
+    assert decide(v, T0 + 101 + 14 * 60, CFG).state == "running"  # 14 min into a 15 min allowance
+    st = decide(v, T0 + 101 + 16 * 60, CFG)
+    assert st.state == "hung"
+    assert "past its" in st.reason or "no step" in st.reason
+
+
+def test_a_resume_is_not_progress_stopped():
+    # Steps 1-20, a crash, a resume from step 10 and steps 11.. again (the step number drops).
+    evs = [*registered(), *steps(1, 20), ev("run", 110, 0, state="resume", step=10), *steps(11, 30, t0=120)]
+    evs += beats(230)
+    st = decide(view(evs), T0 + 225, CFG)
+    assert st.state == "running" and st.last_step == 30
+
+
+def live(v: JobView, ts: float, util: dict[int, float], power: float) -> None:
+    v.live.append(tuple((r, int((T0 + ts) * 1000), power, u) for r, u in util.items()))
+
+
+def test_deadlock_signature_needs_two_consecutive_live_samples():
+    v = view([*registered(), *steps(1, 20), *beats(200)])
+    busy = {0: 100.0, 1: 100.0, 2: 100.0, 3: 100.0}
+    live(v, 100, busy, 1000.0)
+    live(v, 105, {**busy, 3: 0.0}, 192.0)
+    assert decide(v, T0 + 106, CFG).state == "running"  # one sample of the signature
+    live(v, 110, {**busy, 3: 0.0}, 192.0)
+    st = decide(v, T0 + 111, CFG)
+    assert st.state == "hung" and st.suspect == {
+        "rank": 3,
+        "host": "h1",
+        "gpu": 1,
+        "why": "0% utilization in the deadlock signature",
+    }
+
+
+def test_starving_names_the_straggler():
+    v = view([*registered(), *steps(1, 20), *beats(200)])
+    for t in (100, 105, 110):
+        live(v, t, {0: 97.0, 1: 95.0, 2: 58.0, 3: 96.0}, 575.0)
+    st = decide(v, T0 + 111, CFG)
+    assert st.state == "starving" and st.suspect["rank"] == 2
+
+
+def test_notification_is_an_alertmanager_payload():
+    v = view(
+        [*registered(), *steps(1, 20), *beats(400), ev("phase", 101, 3, name="checkpoint", state="begin")]
+    )
+    old = decide(v, T0 + 120, CFG)
+    new = decide(v, T0 + 170, CFG)
+    p = notification("j", old, new, T0 + 170, "pfx")
+    assert p["version"] == "4" and p["status"] == "firing" and p["commonLabels"] == {"training_job": "j"}
+    (a,) = p["alerts"]
+    assert a["labels"]["alertname"] == "JobHung" and a["labels"]["suspect_rank"] == "3"
+    assert a["startsAt"].endswith("Z") and a["endsAt"] == "0001-01-01T00:00:00Z"
+    back = notification(
+        "j", new, decide(v, T0 + 170, CFG).__class__("running", "ok", T0 + 200, T0 + 200), T0 + 200, "p"
+    )
+    assert [x["status"] for x in back["alerts"]] == ["resolved", "firing"]
+
+
+# ---- against Redis: status keys, the API, metrics, the webhook, an outage ----------------------
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    fail_first = 2
+    received: typing.ClassVar[list] = []
+    calls = 0
+
+    def do_POST(self):
+        type(self).calls += 1
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if type(self).calls <= type(self).fail_first:
+            self.send_response(503)
+            self.end_headers()
+            return
+        type(self).received.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+def test_watcher_writes_status_serves_metrics_and_notifies_with_retries(prefix, tmp_path):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _Receiver.received, _Receiver.calls = [], 0
+    job = f"{prefix}-job"
+    clock = [time.time()]
+    rep = StepReporter(
+        job,
+        SHARED_URL,
+        prefix=prefix,
+        rank=0,
+        world_size=1,
+        host="h0",
+        heartbeat_s=0.2,
+        spool_dir=str(tmp_path),
+        clock=lambda: clock[0],
+    )
+    cfg = WatchConfig(
+        redis_url=SHARED_URL,
+        prefix=prefix,
+        booking=BookingConfig(stall_floor_s=5.0),
+        poll_s=0.2,
+        heartbeat_timeout_s=30.0,
+        webhook_url=f"http://127.0.0.1:{srv.server_address[1]}/hook",
+        webhook_backoff_s=0.05,
+        clock=lambda: clock[0],
+    )
+    w = Watcher(cfg)
+    try:
+        for s in range(1, 6):
+            clock[0] += 1
+            rep.step(s)
+        assert rep.flush(5)
+        assert w.poll()[job].state == "running"
+        clock[0] += 30  # no step for 30 s > the 5 s threshold; heartbeats go on
+        time.sleep(0.6)
+        assert rep.flush(5)
+        st = w.poll()[job]
+        assert st.state == "hung" and st.seconds_since_last_step == pytest.approx(30, abs=0.5)
+        r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+        stored = json.loads(r.get(f"{prefix}:{{{job}}}:status"))
+        assert stored["state"] == "hung" and 0 < r.ttl(f"{prefix}:{{{job}}}:status") <= w.ttl
+        # The finance API reads the same key.
+        assert LedgerStore(r, prefix).info_many([job])[job]["status"] == "hung"
+        text = generate_latest(watch_registry(w)).decode()
+        assert f'costexporter_job_state{{costexporter_job_state="hung",training_job="{job}"}} 1.0' in text
+        assert f'costexporter_job_state{{costexporter_job_state="running",training_job="{job}"}} 0.0' in text
+        assert f'costexporter_job_seconds_since_last_step{{training_job="{job}"}} 30.0' in text
+        w.webhook.drain()
+        # Two transitions (new -> running, running -> hung); the first POST failed twice.
+        assert [p["alerts"][-1]["labels"]["state"] for p in _Receiver.received] == ["running", "hung"]
+        assert w.webhook.stats["retries"] == 2 and w.webhook.stats["sent"] == 2
+        rep.close()
+        assert w.poll()[job].state == "done"
+    finally:
+        w.stop()
+        srv.shutdown()
+
+
+def test_a_receiver_that_stays_down_is_given_up_and_counted(prefix):
+    cfg = WatchConfig(
+        redis_url=SHARED_URL,
+        prefix=prefix,
+        webhook_url=f"http://127.0.0.1:{free_port()}/nobody",
+        webhook_retries=2,
+        webhook_backoff_s=0.01,
+        jobs=(f"{prefix}-j",),
+    )
+    w = Watcher(cfg)
+    try:
+        w.poll()  # the job has no events: unknown, a transition
+        w.webhook.drain()
+        assert w.webhook.stats["failed"] == 1 and w.webhook.stats["retries"] == 2
+    finally:
+        w.stop()
+
+
+def test_redis_outage_makes_every_job_unknown(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    job = "outage-job"
+    rep = StepReporter(
+        job, server.url, rank=0, world_size=1, host="h0", spool_dir=str(tmp_path), heartbeat_s=0.2
+    )
+    w = Watcher(WatchConfig(redis_url=server.url, poll_s=0.2))
+    try:
+        rep.step(1)
+        rep.step(2)
+        assert rep.flush(5)
+        assert w.poll()[job].state == "running"
+        server.kill()
+        st = w.poll()[job]
+        assert st.state == "unknown" and "cannot read Redis" in st.reason
+        assert w.snapshot()["redis_up"] is False
+        text = generate_latest(watch_registry(w)).decode()
+        assert f'costexporter_job_state{{costexporter_job_state="unknown",training_job="{job}"}} 1.0' in text
+        assert "costexporter_watch_redis_up 0.0" in text
+    finally:
+        rep.close(timeout=0.2)
+        w.stop()
+        server.stop()
+
+
+def test_watch_cli_once_prints_statuses(prefix, tmp_path, cli):
+    job = f"{prefix}-cli"
+    rep = StepReporter(
+        job, SHARED_URL, prefix=prefix, rank=0, world_size=1, host="h0", spool_dir=str(tmp_path)
+    )
+    rep.step(1)
+    rep.close()
+    r = cli("watch", "--prefix", prefix, "--once", "--port", "0")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[job]["state"] == "done"
+
+
+# ---- end to end: a real 4-rank gloo job (REFERENCE R4) ------------------------------------------
+def _launch(job: str, prefix: str, url: str, spool: Path, mode: str) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(HERE.parent))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / "helpers" / "gloo_train.py"), job, prefix, url, str(spool), mode],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def _wait_state(w: Watcher, job: str, states: set[str], timeout: float) -> tuple:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = w.poll().get(job)
+        if st is not None and st.state in states:
+            return st, time.time()
+        time.sleep(w.cfg.poll_s)
+    raise AssertionError(f"{job}: not {states} within {timeout}s; last {w.status.get(job)}")
+
+
+def test_real_gloo_job_hangs_is_named_then_crashes_and_the_fixed_job_finishes(tmp_path):
+    pytest.importorskip("torch", reason="torch is an optional extra")
+    server = RedisServer(tmp_path / "redis").start()
+    booking = BookingConfig(stall_floor_s=2.0)  # the ledger's rule, with a test-sized floor
+    w = Watcher(WatchConfig(redis_url=server.url, booking=booking, poll_s=0.25, heartbeat_timeout_s=3.0))
+    procs: list[subprocess.Popen] = []
+    try:
+        # Uneven batches: rank 3 leaves the loop for the save barrier; the rest wait in all-reduce.
+        procs = _launch("r4-uneven", "costexporter", server.url, tmp_path / "spool", "uneven")
+        st, seen = _wait_state(w, "r4-uneven", {"hung", "done", "crashed"}, timeout=120)
+        assert st.state == "hung", st
+        assert st.suspect is not None and st.suspect["rank"] == 3, st.suspect
+        latency = seen - st.last_step_ts
+        print(
+            f"\nR4 deadlock: hung reported {latency:.2f}s after the last step "
+            f"(stall threshold {st.stall_threshold_s:.1f}s, poll {w.cfg.poll_s}s); suspect {st.suspect}"
+        )
+        assert latency <= st.stall_threshold_s + 2.0
+        assert all(p.poll() is None for p in procs)  # really stuck, not exited
+
+        # Kill the job's processes: heartbeats stop, no run end.
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        st, _ = _wait_state(w, "r4-uneven", {"crashed"}, timeout=30)
+        assert "no run end" in st.reason
+
+        # The same job with the R4 fix (all-reduce MIN of the batch count) finishes: done.
+        procs = _launch("r4-fixed", "costexporter", server.url, tmp_path / "spool", "fixed")
+        st, _ = _wait_state(w, "r4-fixed", {"done", "hung", "crashed"}, timeout=120)
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        assert st.state == "done", (st, outs)
+        assert all(p.returncode == 0 for p in procs), outs
+        assert st.last_step == 28
+
+        # Redis gone: the watcher cannot see, so nothing is healthy.
+        server.kill()
+        decided = w.poll()
+        assert {j: s.state for j, s in decided.items()} == {"r4-uneven": "unknown", "r4-fixed": "unknown"}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        w.stop()
+        server.stop()
