@@ -188,6 +188,7 @@ class Agent:
                 if job.own:
                     self._book(job, local)
             self._book_unassigned(local)
+            self._publish_node()
             self.redis_up = True
         except self._redis_errors as e:
             if self.redis_up or not self.stats["redis_errors"]:
@@ -203,6 +204,31 @@ class Agent:
             for job in self.jobs.values():
                 job.loaded = False
         self._trim(local)
+
+    def _publish_node(self) -> None:
+        """This node's GPUs and their newest readings, for `preflight`'s occupancy check."""
+        latest = self.sampler.latest()
+        gpus = self.source.gpus()
+        if not gpus:
+            return
+        mapping = {}
+        for i, g in enumerate(gpus):
+            r = latest.get(i)
+            mapping[str(i)] = json.dumps(
+                {
+                    "uuid": g.uuid,
+                    "name": g.name,
+                    "ts": r.ts if r else None,
+                    "power_w": None if r is None or r.power_w != r.power_w else r.power_w,
+                    "util_pct": None if r is None or r.util_pct != r.util_pct else r.util_pct,
+                }
+            )
+        k = ledger.node_key(self.cfg.prefix, self.host)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(k)
+        pipe.hset(k, mapping=mapping)
+        pipe.expire(k, self.cfg.live_ttl_s)
+        pipe.execute()
 
     def _local_arrays(self) -> tuple[np.ndarray, ...]:
         if not self._local:

@@ -513,6 +513,19 @@ def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token) 
 
 
 @main.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def dashboard(output) -> None:
+    """Print (or write) the Grafana dashboard JSON."""
+    from .dashboard import render
+
+    text = render()
+    if output:
+        output.write_text(text)
+    else:
+        click.echo(text, nl=False)
+
+
+@main.command()
 @click.option(
     "--short", is_flag=True, help="Short windows (seconds), for tests and the time-compressed demo."
 )
@@ -543,6 +556,226 @@ def rules(short, overrides, output) -> None:
         output.write_text(text)
     else:
         click.echo(text, nl=False)
+
+
+@main.command()
+@click.option(
+    "--redis-url",
+    envvar="COSTEXPORTER_REDIS_URL",
+    default=None,
+    help="Redis to use [default: a private redis-server in a temporary directory].",
+)
+@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=1),
+    default=160.0,
+    help="Times faster than real time (160: the ~8-hour story in about 3 minutes).",
+)
+@click.option("--scenario", default="r1", help="The story: r1 (16 x B300, R1 + R7) or mini (4 GPUs, 40 min).")
+@click.option("--listen", default="0.0.0.0")
+@click.option(
+    "--port", type=int, default=DEFAULT_METRICS_PORT, help="/metrics of the agent and the watcher (0: none)."
+)
+@click.option("--api-port", type=int, default=DEFAULT_API_PORT, help="The finance API (0: none).")
+@click.option("--plain", is_flag=True, help="Print a status line every few seconds instead of the live view.")
+@click.option(
+    "--linger",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Keep serving this many seconds after the story ends.",
+)
+@click.option("--forever", is_flag=True, help="Keep serving after the story ends until stopped.")
+@click.option(
+    "--no-watch", is_flag=True, help="Do not run the watcher in-process (run `costexporter watch`)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the final bill as JSON.")
+def demo(
+    redis_url, prefix, speed, scenario, listen, port, api_port, plain, linger, forever, no_watch, as_json
+) -> None:
+    """Run the REFERENCE R1 + R7 story on a simulated 16 x B300 job, live, then print the bill."""
+    import contextlib
+    import json
+    import logging
+    import signal
+    import threading
+
+    from .demo import Demo, DemoConfig, DemoError, embedded_redis, plain_line, render_bill, render_view
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        ctx = contextlib.nullcontext(redis_url) if redis_url else embedded_redis()
+        with ctx as url:
+            cfg = DemoConfig(redis_url=url, prefix=prefix, scenario=scenario, speed=speed, watch=not no_watch)
+            d = Demo(cfg).start()
+            try:
+                if port:
+                    from prometheus_client import start_http_server
+
+                    start_http_server(port, addr=listen, registry=d.registry())
+                if api_port:
+                    import uvicorn
+
+                    app = _api_app(url, prefix, None, "USD", "UTC")
+                    server = uvicorn.Server(
+                        uvicorn.Config(app, host=listen, port=api_port, log_level="warning")
+                    )
+                    server.install_signal_handlers = lambda: None
+                    threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
+                click.echo(
+                    f"costexporter demo: Redis {url}, /metrics on :{port or '-'}, API on :{api_port or '-'}, "
+                    f"speed {speed:g}x",
+                    err=True,
+                )
+                _demo_loop(d, plain, stop, render_view, plain_line)
+                bill = d.bill()
+                if as_json:
+                    click.echo(json.dumps(bill, indent=2))
+                else:
+                    from rich.console import Console
+
+                    Console().print(render_bill(bill))
+                if forever:
+                    stop.wait()
+                elif linger:
+                    stop.wait(linger)
+            finally:
+                d.stop()
+    except DemoError as e:
+        raise InputFailure(str(e)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+def _demo_loop(d, plain: bool, stop, render_view, plain_line) -> None:
+    if plain or not sys.stdout.isatty():
+        last = 0.0
+        while not d.finished and not stop.wait(0.5):
+            if time.monotonic() - last >= 5:
+                last = time.monotonic()
+                click.echo(plain_line(d.state()))
+        click.echo(plain_line(d.state()))
+        return
+    from rich.live import Live
+
+    with Live(render_view(d.state()), refresh_per_second=4) as live:
+        while not d.finished and not stop.wait(0.25):
+            live.update(render_view(d.state()))
+        live.update(render_view(d.state()))
+
+
+@main.command()
+@click.option("--job", required=True, help="The job the gate is for (the result is posted as its event).")
+@click.option(
+    "--cache",
+    multiple=True,
+    metavar="PATH|GLOB",
+    help="Pretokenized cache: one file of 4-byte tokens per rank, in rank order (globs sort by rank number).",
+)
+@click.option("--seq-len", type=click.IntRange(min=1), default=2048, help="Tokens per block.")
+@click.option(
+    "--blocks-per-step", type=click.IntRange(min=1), default=8, help="Blocks per rank per optimizer step."
+)
+@click.option("--expected-tokens", type=click.FloatRange(min=1), default=None, help="Expected token total.")
+@click.option(
+    "--token-tolerance", type=click.FloatRange(min=0), default=0.10, help="Allowed deviation (0.1 = 10%)."
+)
+@click.option(
+    "--vocab-size", type=click.IntRange(min=1), default=None, help="Sampled tokens must be below it."
+)
+@click.option(
+    "--node", "nodes", multiple=True, help="A node of the job (repeatable): its agent must report GPUs."
+)
+@click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default="redis://127.0.0.1:6379/0")
+@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
+@click.option("--master-addr", envvar="MASTER_ADDR", default=None)
+@click.option("--master-port", envvar="MASTER_PORT", type=click.IntRange(1, 65535), default=None)
+@click.option("--checkpoint-path", type=click.Path(), default=None)
+@click.option("--min-free-gb", type=click.FloatRange(min=0), default=150.0)
+@click.option(
+    "--ib-probe", is_flag=True, help="Probe InfiniBand (skipped with a reason where no tool is present)."
+)
+@click.option("--allow-unknown", is_flag=True, help="Let checks that could not observe pass the gate.")
+@click.option("--no-post", is_flag=True, help="Do not post the result to Redis.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+def preflight(
+    job,
+    cache,
+    seq_len,
+    blocks_per_step,
+    expected_tokens,
+    token_tolerance,
+    vocab_size,
+    nodes,
+    redis_url,
+    prefix,
+    master_addr,
+    master_port,
+    checkpoint_path,
+    min_free_gb,
+    ib_probe,
+    allow_unknown,
+    no_post,
+    fmt,
+) -> None:
+    """The pre-run invariant gate (REFERENCE R5): exit 0 only when every required check passes."""
+    import time as time_mod
+
+    from . import protocol
+    from .preflight import PreflightConfig, post, run, to_json
+
+    try:
+        protocol.check_job(job)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--job") from None
+    cfg = PreflightConfig(
+        job=job,
+        cache=list(cache),
+        seq_len=seq_len,
+        blocks_per_step=blocks_per_step,
+        expected_tokens=expected_tokens,
+        token_tolerance=token_tolerance,
+        vocab_size=vocab_size,
+        nodes=list(nodes),
+        redis_url=redis_url,
+        prefix=prefix,
+        master_addr=master_addr,
+        master_port=master_port,
+        checkpoint_path=checkpoint_path,
+        min_free_gb=min_free_gb,
+        ib_probe=ib_probe,
+        allow_unknown=allow_unknown,
+    )
+    t0 = time_mod.perf_counter()
+    passed, checks = run(cfg)
+    elapsed = time_mod.perf_counter() - t0
+    posted = ""
+    if not no_post:
+        import redis
+
+        try:
+            post(cfg, passed, checks)
+            posted = f"posted to {prefix}:{{{job}}}:events"
+        except (redis.RedisError, OSError) as e:
+            posted = f"not posted: Redis unreachable ({e})"
+    if fmt == "json":
+        click.echo(to_json(passed, checks))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"preflight {job}: {'PASS' if passed else 'FAIL'} in {elapsed:.2f} s")
+        for col in ("check", "result", "measured", "time"):
+            t.add_column(col)
+        style = {"pass": "green", "fail": "bold red", "unknown": "yellow", "skip": "dim"}
+        for c in checks:
+            t.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.value, f"{c.seconds * 1000:.0f} ms")
+        Console().print(t)
+        if posted:
+            click.echo(posted, err=True)
+    sys.exit(0 if passed else 1)
 
 
 DEFAULT_WATCH_PORT = 9404

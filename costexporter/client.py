@@ -161,7 +161,7 @@ class StepReporter:
         self.rank = env_rank if rank is None else rank
         self.local_rank = env_local if local_rank is None else local_rank
         self.world_size = env_world if world_size is None else world_size
-        self.host = host or socket.gethostname()
+        self.host = host or os.environ.get("COSTEXPORTER_HOST") or socket.gethostname()
         if gpu_uuid is None and gpu_index is None:
             gpu_index, gpu_uuid = detect_gpu(self.local_rank)
         self.gpu_index = self.local_rank if gpu_index is None else gpu_index

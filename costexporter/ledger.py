@@ -49,6 +49,12 @@ def key(prefix: str, job: str, *parts: str) -> str:
     return protocol.job_key(prefix, job, ":".join(parts))
 
 
+def node_key(prefix: str, host: str) -> str:
+    """A node's GPUs as its agent last read them (hash gpu index -> JSON), with a TTL: the
+    pre-run gate's occupancy check reads it before any job has registered."""
+    return f"{prefix}:node:{host}"
+
+
 def price_version(prices: Prices, price_per_gpu_hour: float) -> str:
     """A short name of the price table, stored with every bucket it costed."""
     return (

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 import yaml
 
 WASTED = "stalled|idle|no_progress|rolled_back"
+VALID = "productive|communication|starved"
 
 
 @dataclass(frozen=True)
@@ -105,17 +106,18 @@ def rules(w: RuleWindows) -> dict:
         f")\n{not_ended}"
     )
     waste = f"training_job:costexporter_waste_ratio:ratio_{w.waste_window} > {w.waste_ratio}"
-    budget = (
-        "sum by (training_job, currency) (costexporter_cost_total)\n"
-        "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)"
-    )
     time_all = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
     time_wasted = f'costexporter_gpu_time_seconds_total{{category=~"{WASTED}"}}'
+    # Counters only go up (DESIGN section 7): a resume adds the voided valid amounts to
+    # `rolled_back` and to the `..._voided_...` counters, so totals subtract the latter.
+    cost_net = (
+        "sum by (training_job, currency) (costexporter_cost_total)\n"
+        "- (sum by (training_job, currency) (costexporter_voided_cost_total)"
+        " or sum by (training_job, currency) (costexporter_cost_total) * 0)"
+    )
+    time_voided = "costexporter_voided_gpu_time_seconds_total"
     records = [
-        {
-            "record": "training_job:costexporter_cost:sum",
-            "expr": "sum by (training_job, currency) (costexporter_cost_total)",
-        },
+        {"record": "training_job:costexporter_cost:sum", "expr": cost_net},
         {
             "record": "training_job:costexporter_valid_steps:max",
             "expr": _per_job("costexporter_job_valid_steps"),
@@ -123,12 +125,18 @@ def rules(w: RuleWindows) -> dict:
         {
             # DESIGN section 7: sum of cost over agents / max of valid steps (job-level).
             "record": "training_job:costexporter_cost_per_valid_step:ratio",
-            "expr": "sum by (training_job, currency) (costexporter_cost_total)\n"
+            "expr": "training_job:costexporter_cost:sum\n"
             "/ on (training_job) group_left () (max by (training_job) (costexporter_job_valid_steps) > 0)",
         },
         {
             "record": "training_job:costexporter_gpu_hours:sum",
-            "expr": f"sum by (training_job) ({time_all}) / 3600",
+            "expr": f"(sum by (training_job) ({time_all})\n"
+            f" - (sum by (training_job) ({time_voided}) or sum by (training_job) ({time_all}) * 0)) / 3600",
+        },
+        {
+            "record": "training_job:costexporter_valid_gpu_hours:sum",
+            "expr": f'(sum by (training_job) (costexporter_gpu_time_seconds_total{{category=~"{VALID}"}})\n'
+            f" - (sum by (training_job) ({time_voided}) or sum by (training_job) ({time_all}) * 0)) / 3600",
         },
         {
             # Booked wasted time (rolled_back includes the valid time later voided by resumes).
@@ -142,9 +150,16 @@ def rules(w: RuleWindows) -> dict:
         {
             "record": f"training_job:costexporter_waste_ratio:ratio_{w.waste_window}",
             "expr": f"sum by (training_job) (increase({time_wasted}[{w.waste_window}]))\n"
-            f"/ sum by (training_job) (increase({time_all}[{w.waste_window}]))",
+            f"/ (sum by (training_job) (increase({time_all}[{w.waste_window}]))\n"
+            f"   - (sum by (training_job) (increase({time_voided}[{w.waste_window}]))"
+            f" or sum by (training_job) (increase({time_all}[{w.waste_window}])) * 0))",
         },
     ]
+
+    budget = (
+        f"({cost_net})\n"
+        "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)"
+    )
 
     def alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict:
         return {

@@ -297,7 +297,7 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
 
 # ---- notifications -----------------------------------------------------------------------
 def _iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:

@@ -417,6 +417,19 @@ def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
             "costexporter_gpu_time_seconds_total", f'{J},category="productive",instance="a1"', "0+1800x10"
         ),
     ]
+    # A resume voided 900 s of productive time (now also in rolled_back) and 0.7 of cost.
+    series += [
+        _series(
+            "costexporter_voided_gpu_time_seconds_total",
+            f'{J},category="productive",instance="a1"',
+            "0+90x10",
+        ),
+        _series(
+            "costexporter_voided_cost_total",
+            f'{J},category="productive",currency="USD",instance="a1"',
+            "0+0.07x10",
+        ),
+    ]
     test = {
         "interval": "1m",
         "input_series": series,
@@ -428,7 +441,18 @@ def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
                     {
                         "labels": "training_job:costexporter_cost_per_valid_step:ratio"
                         '{training_job="j",currency="USD"}',
-                        "value": 0.07,
+                        "value": 0.0693,  # (2 x 35 - 0.7 voided) / 1000 valid steps
+                    }
+                ],
+            },
+            {
+                # Valid: 1800 x 10 productive - 900 voided = 17100 s.
+                "expr": "training_job:costexporter_valid_gpu_hours:sum",
+                "eval_time": "10m",
+                "exp_samples": [
+                    {
+                        "labels": 'training_job:costexporter_valid_gpu_hours:sum{training_job="j"}',
+                        "value": 4.75,
                     }
                 ],
             },

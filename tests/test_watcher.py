@@ -366,3 +366,24 @@ def test_real_gloo_job_hangs_is_named_then_crashes_and_the_fixed_job_finishes(tm
                 os.killpg(p.pid, signal.SIGKILL)
         w.stop()
         server.stop()
+
+
+def test_sim_clock_is_published_for_watchers_of_a_time_compressed_job(prefix):
+    """`watch --sim-clock` judges a simulated job at --speed by the clock it publishes."""
+    from costexporter.sources.sim import SimSource, published_clock
+
+    src = SimSource("mini", speed=100.0, redis_url=SHARED_URL, prefix=prefix, host="sim")
+    try:
+        clock = published_clock(SHARED_URL, prefix)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            # Until the simulation publishes, the wall clock; then the simulation's, which runs 100x.
+            if abs(clock() - src.sim_time()) < 5.0:
+                break
+            time.sleep(0.2)
+        assert abs(clock() - src.sim_time()) < 5.0  # 5 s of sim time = 50 ms of wall time
+        c1 = clock()
+        time.sleep(0.5)
+        assert clock() - c1 > 20  # 0.5 s of wall time is ~50 s of the story's
+    finally:
+        src.close()
