@@ -100,19 +100,11 @@ class _Job:
 class Agent:
     def __init__(self, source: GpuSource, cfg: AgentConfig) -> None:
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self.source = source
         self.cfg = cfg
         self.host = cfg.host or source.host
-        self.redis = redis.Redis.from_url(
-            cfg.redis_url,
-            socket_timeout=2.0,
-            socket_connect_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
+        self.redis = protocol.connect(cfg.redis_url)
         self._redis_errors = (redis.RedisError, OSError)
         self.sampler = Sampler(source, cfg.sample_interval_s)
         self.jobs: dict[str, _Job] = {}
@@ -457,7 +449,12 @@ class Agent:
         rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
 
         incidents = self._incidents(job, res)
-        figures = {**self._figures(job, tl, res.horizon_ms, own_ranks, member_start), **progress}
+        figures = {
+            **self._figures(job, tl, res.horizon_ms, own_ranks, member_start),
+            **progress,
+            "profile": profile.name,
+            "profile_calibrated": int(profile.calibrated),
+        }
         since_ref = int(progress["last_progress_ts"] * 1000)
         since_cost = (job.since_cost if since_ref == job.since_ref_ms else 0) + self._cost_after(
             res.pieces, since_ref, price

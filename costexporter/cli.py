@@ -79,6 +79,19 @@ def _tz(_ctx, _param, value: str) -> str:
     return value
 
 
+def _profile(path: Path | None):
+    """--profile: a file is the profile; a directory is searched by GPU model (like
+    $COSTEXPORTER_PROFILE_DIR); nothing: pick by model."""
+    from . import profiles
+
+    if path is None:
+        return None
+    if path.is_dir():
+        os.environ[profiles.PROFILE_DIR_ENV] = str(path)
+        return None
+    return profiles.load(path)
+
+
 def _sample_spec(spec: str) -> tuple[str, Path]:
     """'[HOST=]PATH' -> (host, path); the host defaults to the file's stem."""
     host, sep, path = spec.partition("=")
@@ -189,9 +202,10 @@ def price_config(params: dict):
 @click.option(
     "--profile",
     "profile_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(exists=True, path_type=Path),
     default=None,
-    help="Band profile file (YAML or JSON).",
+    help="Band profile file (YAML or JSON), or a directory of them matched by GPU model "
+    "[default: $COSTEXPORTER_PROFILE_DIR].",
 )
 @booking_options
 @price_options
@@ -229,7 +243,7 @@ def replay(
     diag = Diagnostics(stream=None if quiet else sys.stderr)
     clock = [("start", time.perf_counter())]
     try:
-        profile = profiles.load(profile_path) if profile_path else None
+        profile = _profile(profile_path)
         specs = [_sample_spec(s) for s in samples]
         with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
             chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))
@@ -311,7 +325,14 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
 )
 @click.option("--gpu-model", default=None, help="GPU model (picks or derives the band profile).")
 @click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W.")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="Band profile file, or a directory of them matched by GPU model "
+    "[default: $COSTEXPORTER_PROFILE_DIR].",
+)
 @click.option("--exit-when-done", is_flag=True, help="Replay: exit once the trace is played and booked.")
 @click.option("--api-port", type=int, default=0, help="Also serve the finance API on this port (0: no).")
 @click.option(
@@ -375,7 +396,7 @@ def serve(
         src = _make_source(
             source, dcgm_urls, samples, speed, tz, host, Diagnostics(), scenario, redis_url, prefix
         )
-        profile = profiles.load(profile_path) if profile_path else None
+        profile = _profile(profile_path)
     except (InputError, profiles.ProfileError, GpuInitError, ValueError) as e:
         raise InputFailure(str(e)) from None
     cfg = AgentConfig(
@@ -510,6 +531,134 @@ def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token) 
     uvicorn.run(
         _api_app(redis_url, prefix, tokens_file, currency, tz), host=listen, port=port, log_level="info"
     )
+
+
+def _parse_time(tz: str):
+    """Label times: Unix seconds, or ISO 8601 (naive times in --tz)."""
+    import datetime as dt
+
+    def parse(text: str) -> int:
+        text = text.strip()
+        try:
+            return int(float(text) * 1000)
+        except ValueError:
+            pass
+        try:
+            t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time") from None
+        if t.tzinfo is None:
+            if tz.upper() in ("UTC", "Z"):
+                t = t.replace(tzinfo=dt.timezone.utc)
+            elif re.fullmatch(r"[+-]\d{2}:\d{2}", tz):
+                t = dt.datetime.fromisoformat(text + tz)
+            else:
+                from zoneinfo import ZoneInfo
+
+                t = t.replace(tzinfo=ZoneInfo(tz))
+        return int(t.timestamp() * 1000)
+
+    return parse
+
+
+@main.command()
+@click.option(
+    "--samples",
+    "samples",
+    multiple=True,
+    required=True,
+    metavar="[HOST=]PATH",
+    help="Baseline trace(s): a known-healthy run and a known hang (nvidia-smi CSV or JSONL).",
+)
+@click.option("--events", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--label",
+    "labels",
+    multiple=True,
+    metavar="START..END=BAND",
+    help="A window of one band (compute, communication, starvation, checkpoint, deadlock, idle); "
+    "times in Unix seconds or ISO 8601.",
+)
+@click.option("--gpu-model", default=None, help="The GPU model [default: from the trace].")
+@click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W.")
+@click.option("--tz", default="UTC", callback=_tz, help="Time zone of naive timestamps.")
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
+def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> None:
+    """Fit a GPU model's band profile from your own baselines (REFERENCE R2)."""
+    import json
+
+    from . import profiles
+    from .calibrate import CalibrationError, fit, parse_label
+    from .diagnostics import Diagnostics, InputError
+    from .sources import files
+
+    diag = Diagnostics(stream=sys.stderr)
+    try:
+        specs = [_sample_spec(s) for s in samples]
+        sample_set = files.combine([files.read_samples(p, h, tz, diag) for h, p in specs])
+        evs = files.read_events_jsonl(events, diag) if events else []
+        windows = [parse_label(x, _parse_time(tz)) for x in labels]
+        if not evs and not windows:
+            raise CalibrationError(
+                "give --events (steps, checkpoints) or --label windows: nothing says what is healthy"
+            )
+        result = fit(
+            sample_set,
+            evs,
+            windows,
+            gpu_model=gpu_model,
+            power_limit_w=power_limit,
+            sources=[str(p) for _, p in specs] + ([str(events)] if events else []),
+        )
+    except (InputError, CalibrationError, profiles.ProfileError) as e:
+        raise InputFailure(str(e)) from None
+    profiles.save(result.profile, out)
+    if fmt == "json":
+        click.echo(
+            json.dumps(
+                {
+                    "profile": result.profile.to_dict(),
+                    "levels": {k: vars(v) for k, v in result.levels.items()},
+                    "confusion_gpu_seconds": result.confusion,
+                    "held_out_accuracy": result.accuracy,
+                    "warnings": result.warnings,
+                },
+                indent=2,
+            )
+        )
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    p = result.profile
+    t = Table(title=f"profile {p.name}: {len(result.levels)} bands fitted, written to {out}")
+    for col in ("band", "centre W", "range W (p1-p99)", "median util %", "samples"):
+        t.add_column(col, justify="right" if col != "band" else "left")
+    for lv in sorted(result.levels.values(), key=lambda x: -x.centre):
+        t.add_row(
+            lv.name, f"{lv.centre:.1f}", f"{lv.lo:.0f}-{lv.hi:.0f}", f"{lv.util_median:.0f}", str(lv.samples)
+        )
+    con.print(t)
+    con.print(
+        f"edges: idle <= {p.idle_max_w:g} W < low < {p.low_max_w:g} W <= mid "
+        f"< {p.compute_min_w:g} W <= compute; "
+        f"busy >= {p.busy_util_pct:g}%, zero <= {p.zero_util_pct:g}%"
+        + (f" (derived: {', '.join(result.defaulted)})" if result.defaulted else "")
+    )
+    if result.confusion:
+        names = sorted({k for row in result.confusion.values() for k in row} | set(result.confusion))
+        c = Table(title=f"held-out baselines (every 4th minute): {result.accuracy:.2%} of GPU-seconds right")
+        c.add_column("truth \\ predicted")
+        for n in names:
+            c.add_column(n, justify="right")
+        for tr in names:
+            row = result.confusion.get(tr, {})
+            c.add_row(tr, *(f"{row.get(n, 0):.0f}" for n in names))
+        con.print(c)
+    for w in result.warnings:
+        con.print(f"[yellow]warning:[/] {w}")
 
 
 @main.command()

@@ -147,8 +147,17 @@ class AgentCollector(Collector):
             "The job's budget from its meta, in the currency (job-level: max).",
             labels=["training_job", "currency"],
         )
+        prof = GaugeMetricFamily(
+            "costexporter_job_profile_info",
+            "The band profile of the job's GPUs on this agent; calibrated=false: derived from the power "
+            "limit, fit one with `costexporter calibrate`.",
+            labels=["training_job", "profile", "calibrated"],
+        )
         for name, j in sorted(s["jobs"].items()):
             since.add_metric([name, cur], j["since_cost"] / 1e6)
+            if j["figures"].get("profile"):
+                calibrated = "true" if j["figures"].get("profile_calibrated") else "false"
+                prof.add_metric([name, j["figures"]["profile"], calibrated], 1)
             if j["figures"].get("budget") is not None:
                 budget.add_metric([name, cur], float(j["figures"]["budget"]))
             for k, cat in JOB_CATEGORIES:
@@ -161,7 +170,7 @@ class AgentCollector(Collector):
                     vc.add_metric([name, cat, cur], j["voided"][k, 2] / 1e6)
             risk.add_metric([name], j["at_risk_ms"] / 1000)
             booked_until.add_metric([name], j["booked_until"] / 1000)
-        yield from (t, e, c, vt, vc, risk, booked_until, since, budget)
+        yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)
 
         # Job-level: the same on every agent of the job; aggregate with max.
         f = [

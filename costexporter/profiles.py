@@ -10,6 +10,7 @@ hold where absolute numbers would not (a small model computing at 75-80% of the 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -28,6 +29,9 @@ class Profile:
     busy_util_pct: float = 80.0  # at or above: the "~100%" of R2
     zero_util_pct: float = 10.0  # at or below: the "~0%" of R2
     power_limit_w: float | None = None
+    gpu_model: str | None = None  # the device name a fitted profile is for (matched by model key)
+    centres: dict | None = None  # fitted: each band's power centre (W)
+    provenance: dict | None = None  # fitted: from which files, when, how well it separates
 
     def __post_init__(self) -> None:
         if not (0 <= self.idle_max_w <= self.low_max_w <= self.compute_min_w):
@@ -107,11 +111,15 @@ def select(
     gpu_model: str | None = None,
     power_limit_w: float | None = None,
 ) -> Profile:
-    """Pick the profile: the built-in B300 when the model is a B300, else derive from the limit.
+    """Pick the profile: a fitted one for the model in $COSTEXPORTER_PROFILE_DIR (see `find`),
+    else the built-in B300 when the model is a B300, else derive from the limit.
 
     An explicit power limit wins over the table of known limits; with neither a known model
     nor a limit, fall back to the B300 profile (the product's reference hardware).
     """
+    fitted = find(gpu_model)
+    if fitted is not None:
+        return fitted
     key = _model_key(gpu_model) if gpu_model else None
     if key == "B300" and power_limit_w in (None, B300.power_limit_w):
         return B300
@@ -121,6 +129,46 @@ def select(
     if gpu_model:
         raise ProfileError(f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE")
     return B300
+
+
+PROFILE_DIR_ENV = "COSTEXPORTER_PROFILE_DIR"
+
+
+def save(profile: Profile, path: str | Path) -> Path:
+    import yaml
+
+    p = Path(path)
+    d = {k: v for k, v in profile.to_dict().items() if v is not None}
+    p.write_text(yaml.safe_dump(d, sort_keys=False))
+    return p
+
+
+def find(gpu_model: str | None, directory: str | Path | None = None) -> Profile | None:
+    """A profile file of `directory` (default $COSTEXPORTER_PROFILE_DIR) for this GPU model:
+    its `gpu_model` (or file name) has the same model key ('NVIDIA H200' matches 'H200')."""
+    directory = directory or os.environ.get(PROFILE_DIR_ENV)
+    if not directory or not gpu_model:
+        return None
+    d = Path(directory)
+    if not d.is_dir():
+        raise ProfileError(f"{d}: the profile directory does not exist")
+    want = _model_key(gpu_model) or gpu_model.upper()
+    files = sorted([*d.glob("*.yaml"), *d.glob("*.yml"), *d.glob("*.json")])
+    stamp = (str(d), want, tuple((str(f), f.stat().st_mtime_ns) for f in files))
+    if stamp not in _FOUND:  # the agent asks every round: read the files only when they change
+        _FOUND.clear()
+        match = None
+        for f in files:
+            prof = load(f)
+            have = prof.gpu_model or prof.name
+            if (_model_key(have) or have.upper()) == want:
+                match = prof
+                break
+        _FOUND[stamp] = match
+    return _FOUND[stamp]
+
+
+_FOUND: dict[tuple, Profile | None] = {}
 
 
 def load(path: str | Path) -> Profile:

@@ -14,6 +14,22 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 JOB_RE = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
 
 
+def connect(url: str):
+    """A client for the agent and the watcher: short timeouts and no retries, so an outage shows
+    at once as an error the caller counts, instead of a round that hangs."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=2.0,
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=True,
+    )
+
+
 def check_job(job: str) -> str:
     """A job name usable inside a hash tag: no braces, no whitespace, at most 200 characters."""
     if not isinstance(job, str) or not JOB_RE.match(job):

@@ -38,6 +38,8 @@ class TraceBuilder:
     seed: int = 0
     register: bool = True
     host_prefix: str = "node"
+    gpu_name: str = "NVIDIA B300"
+    states: dict = field(default_factory=lambda: dict(STATES))  # state -> (W lo, W hi, % lo, % hi)
     t: float = field(init=False)
     step: int = field(init=False, default=0)
     _rows: list = field(init=False, default_factory=list)
@@ -114,7 +116,7 @@ class TraceBuilder:
         n_t = max(round(duration_s / self.interval_s), 0)
         ts = self.t + np.arange(n_t) * self.interval_s
         ranks = np.arange(self.n_gpus) if gpus is None else np.asarray(gpus)
-        p_lo, p_hi, u_lo, u_hi = STATES[state]
+        p_lo, p_hi, u_lo, u_hi = self.states[state]
         shape = (ranks.size, n_t)
         power = self.rng.uniform(p_lo, p_hi, shape)
         util = self.rng.uniform(u_lo, u_hi, shape).round()
@@ -150,7 +152,7 @@ class TraceBuilder:
 
     # Output ------------------------------------------------------------------------------
     def gpu_ids(self) -> list[GpuId]:
-        return [GpuId(*self.host_of(r), uuid=self.uuid(r), name="NVIDIA B300") for r in range(self.n_gpus)]
+        return [GpuId(*self.host_of(r), uuid=self.uuid(r), name=self.gpu_name) for r in range(self.n_gpus)]
 
     def samples(self, energy_counter: bool = False) -> Samples:
         gpu = (

@@ -415,17 +415,9 @@ class Webhook:
 class Watcher:
     def __init__(self, cfg: WatchConfig) -> None:
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self.cfg = cfg
-        self.redis = redis.Redis.from_url(
-            cfg.redis_url,
-            socket_timeout=2.0,
-            socket_connect_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
+        self.redis = protocol.connect(cfg.redis_url)
         self._errors = (redis.RedisError, OSError)
         self.views: dict[str, JobView] = {}
         self.readers: dict[str, EventReader] = {}

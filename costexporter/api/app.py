@@ -83,6 +83,14 @@ class JobList(BaseModel):
     next_cursor: str | None
 
 
+class ProfileOut(BaseModel):
+    """The band profile the agents classify the job's GPUs with; uncalibrated ones are derived
+    from the power limit and may misclassify (calibrate one with `costexporter calibrate`)."""
+
+    name: str
+    calibrated: bool
+
+
 class JobTotals(BaseModel):
     job: str
     currency: str
@@ -109,6 +117,7 @@ class JobTotals(BaseModel):
     spend: str
     budget_used: float | None
     preflight: dict | None
+    profile: ProfileOut | None = None
 
 
 class SeriesPoint(BaseModel):
@@ -456,6 +465,9 @@ def create_app(
             spend=money(spend_all),
             budget_used=float(spend_all / budget_d) if budget_d else None,
             preflight=preflight,
+            profile=ProfileOut(name=fig["profile"], calibrated=fig.get("profile_calibrated") == "1")
+            if fig.get("profile")
+            else None,
         )
 
     @jobs.get("/{job}/series", response_model=Series, responses={404: {"description": "no such job"}})
