@@ -90,8 +90,10 @@ def embedded_redis() -> Iterator[str]:
             tmp,
             "--save",
             "",
+            # Durable like a real ledger (and the agent's no-persistence warning stays quiet);
+            # the directory goes at exit anyway.
             "--appendonly",
-            "no",
+            "yes",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
