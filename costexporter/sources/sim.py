@@ -54,6 +54,10 @@ class SimSource(ReplaySource):
         self.trainer_done = threading.Event()
         self._trainer = threading.Thread(target=self._train, name="costexporter-sim-trainer", daemon=True)
         self._trainer.start()
+        self._clock_thread = threading.Thread(
+            target=self._publish_clock_loop, name="costexporter-sim-clock", daemon=True
+        )
+        self._clock_thread.start()
 
     def sim_time(self) -> float:
         """The scenario's clock, in Unix seconds (shifted to start now)."""
@@ -86,22 +90,23 @@ class SimSource(ReplaySource):
         return rep
 
     def _train(self) -> None:
-        published = 0.0
         try:
             for ev in self._events:
                 ts = ev.ts + self.shift_s
                 while self.sim_time() < ts:
-                    if time.monotonic() - published >= 1.0:
-                        published = time.monotonic()
-                        self._publish_clock()
                     if self._stop.wait(min(0.02, max((ts - self.sim_time()) / self.speed, 0.001))):
                         return
                 self._post(ev, ts)
-            self.trainer_done.set()
-            while not self._stop.wait(1.0):  # samples still play after the last event
-                self._publish_clock()
         finally:
             self.trainer_done.set()
+
+    def _publish_clock_loop(self) -> None:
+        """On its own thread: a slow Redis call here must not delay the simulated trainer, whose
+        every millisecond of wall time is `speed` milliseconds of the story."""
+        while True:
+            self._publish_clock()
+            if self._stop.wait(1.0):
+                return
 
     def _publish_clock(self) -> None:
         """Tell watchers the scenario's clock (`watch --sim-clock`): at --speed, time in the
