@@ -700,7 +700,7 @@ def rules(short, overrides, output) -> None:
         if not sep or name not in known:
             raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
         kw[name] = float(value) if known[name] in (float, "float") else value
-    text = render(w.with_(**kw))
+    text = render(dataclasses.replace(w, **kw))
     if output:
         output.write_text(text)
     else:

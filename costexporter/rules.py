@@ -11,7 +11,7 @@ Aggregation follows DESIGN section 7: per-GPU and booked series (`costexporter_g
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import yaml
 
@@ -39,7 +39,7 @@ class RuleWindows:
     group_interval: str = "15s"
 
     @classmethod
-    def short(cls, scale: str = "s") -> RuleWindows:
+    def short(cls) -> RuleWindows:
         """Windows for tests and the demo's time-compressed story (seconds, not minutes)."""
         return cls(
             slope_window="30s",
@@ -56,12 +56,12 @@ class RuleWindows:
             group_interval="2s",
         )
 
-    def with_(self, **kw) -> RuleWindows:
-        return replace(self, **kw)
 
-
-def _per_job(expr: str, how: str = "max") -> str:
-    return f"{how} by (training_job) ({expr})"
+def _net(total: str, voided: str) -> str:
+    """`total` less the rollback corrections. Counters only go up (DESIGN section 7): a resume
+    adds the voided valid amounts to `rolled_back` and to the `..._voided_...` counters, so a
+    total subtracts the latter; a job without resumes has no voided series (`or ... * 0`)."""
+    return f"{total}\n- ({voided} or {total} * 0)"
 
 
 def rules(w: RuleWindows) -> dict:
@@ -108,19 +108,15 @@ def rules(w: RuleWindows) -> dict:
     waste = f"training_job:costexporter_waste_ratio:ratio_{w.waste_window} > {w.waste_ratio}"
     time_all = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
     time_wasted = f'costexporter_gpu_time_seconds_total{{category=~"{WASTED}"}}'
-    # Counters only go up (DESIGN section 7): a resume adds the voided valid amounts to
-    # `rolled_back` and to the `..._voided_...` counters, so totals subtract the latter.
-    cost_net = (
-        "sum by (training_job, currency) (costexporter_cost_total)\n"
-        "- (sum by (training_job, currency) (costexporter_voided_cost_total)"
-        " or sum by (training_job, currency) (costexporter_cost_total) * 0)"
-    )
+    by_job, by_cur = "sum by (training_job)", "sum by (training_job, currency)"
+    cost_net = _net(f"{by_cur} (costexporter_cost_total)", f"{by_cur} (costexporter_voided_cost_total)")
     time_voided = "costexporter_voided_gpu_time_seconds_total"
+    voided_h = f"{by_job} ({time_voided})"
     records = [
         {"record": "training_job:costexporter_cost:sum", "expr": cost_net},
         {
             "record": "training_job:costexporter_valid_steps:max",
-            "expr": _per_job("costexporter_job_valid_steps"),
+            "expr": "max by (training_job) (costexporter_job_valid_steps)",
         },
         {
             # DESIGN section 7: sum of cost over agents / max of valid steps (job-level).
@@ -130,13 +126,13 @@ def rules(w: RuleWindows) -> dict:
         },
         {
             "record": "training_job:costexporter_gpu_hours:sum",
-            "expr": f"(sum by (training_job) ({time_all})\n"
-            f" - (sum by (training_job) ({time_voided}) or sum by (training_job) ({time_all}) * 0)) / 3600",
+            "expr": f"({_net(f'{by_job} ({time_all})', voided_h)}) / 3600",
         },
         {
             "record": "training_job:costexporter_valid_gpu_hours:sum",
-            "expr": f'(sum by (training_job) (costexporter_gpu_time_seconds_total{{category=~"{VALID}"}})\n'
-            f" - (sum by (training_job) ({time_voided}) or sum by (training_job) ({time_all}) * 0)) / 3600",
+            "expr": "("
+            + _net(f'{by_job} (costexporter_gpu_time_seconds_total{{category=~"{VALID}"}})', voided_h)
+            + ") / 3600",
         },
         {
             # Booked wasted time (rolled_back includes the valid time later voided by resumes).
@@ -149,10 +145,12 @@ def rules(w: RuleWindows) -> dict:
         },
         {
             "record": f"training_job:costexporter_waste_ratio:ratio_{w.waste_window}",
-            "expr": f"sum by (training_job) (increase({time_wasted}[{w.waste_window}]))\n"
-            f"/ (sum by (training_job) (increase({time_all}[{w.waste_window}]))\n"
-            f"   - (sum by (training_job) (increase({time_voided}[{w.waste_window}]))"
-            f" or sum by (training_job) (increase({time_all}[{w.waste_window}])) * 0))",
+            "expr": f"{by_job} (increase({time_wasted}[{w.waste_window}]))\n/ ("
+            + _net(
+                f"{by_job} (increase({time_all}[{w.waste_window}]))",
+                f"{by_job} (increase({time_voided}[{w.waste_window}]))",
+            )
+            + ")",
         },
     ]
 

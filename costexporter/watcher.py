@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -86,17 +86,7 @@ class Status:
     suspect: dict | None = None
 
     def to_dict(self) -> dict:
-        return {
-            "state": self.state,
-            "reason": self.reason,
-            "since": self.since,
-            "updated": self.updated,
-            "last_step": self.last_step,
-            "last_step_ts": self.last_step_ts,
-            "seconds_since_last_step": self.seconds_since_last_step,
-            "stall_threshold_s": self.stall_threshold_s,
-            "suspect": self.suspect,
-        }
+        return asdict(self)
 
 
 @dataclass
