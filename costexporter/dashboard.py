@@ -42,12 +42,9 @@ def _target(expr: str, legend: str = "", instant: bool = False, ref: str = "A") 
     return t
 
 
-def _panel(
-    pid: int, kind: str, title: str, grid: tuple[int, int, int, int], targets: list[dict], **extra
-) -> dict:
+def _panel(kind: str, title: str, grid: tuple[int, int, int, int], targets: list[dict], **extra) -> dict:
     x, y, w, h = grid
     p = {
-        "id": pid,
         "type": kind,
         "title": title,
         "datasource": DS,
@@ -67,11 +64,9 @@ def _defaults(unit: str = "short", **custom) -> dict:
 
 def dashboard() -> dict:
     panels = []
-    pid = iter(range(1, 100))
     # Row 1: the four zones of REFERENCE R7.
     panels.append(
         _panel(
-            next(pid),
             "timeseries",
             "Cumulative cost",
             (0, 0, 6, 8),
@@ -82,7 +77,6 @@ def dashboard() -> dict:
     )
     panels.append(
         _panel(
-            next(pid),
             "stat",
             "Current step",
             (6, 0, 6, 8),
@@ -98,7 +92,6 @@ def dashboard() -> dict:
     )
     panels.append(
         _panel(
-            next(pid),
             "timeseries",
             "Cost per valid step",
             (12, 0, 6, 8),
@@ -110,7 +103,6 @@ def dashboard() -> dict:
     )
     panels.append(
         _panel(
-            next(pid),
             "timeseries",
             "Invalid time (wasted GPU-hours)",
             (18, 0, 6, 8),
@@ -126,7 +118,6 @@ def dashboard() -> dict:
     # Row 2: where the waste went, what is at risk, what the watcher says.
     panels.append(
         _panel(
-            next(pid),
             "bargauge",
             "Wasted GPU-hours by category",
             (0, 8, 8, 7),
@@ -143,7 +134,6 @@ def dashboard() -> dict:
     )
     panels.append(
         _panel(
-            next(pid),
             "stat",
             "GPU-hours at risk since the last checkpoint",
             (8, 8, 5, 7),
@@ -160,7 +150,6 @@ def dashboard() -> dict:
     )
     panels.append(
         _panel(
-            next(pid),
             "stat",
             "Watcher: job state",
             (13, 8, 5, 7),
@@ -175,7 +164,6 @@ def dashboard() -> dict:
     )
     panels.append(
         _panel(
-            next(pid),
             "stat",
             "Seconds since the last step",
             (18, 8, 6, 7),
@@ -201,7 +189,6 @@ def dashboard() -> dict:
     ]
     panels.append(
         _panel(
-            next(pid),
             "state-timeline",
             "Band of each GPU",
             (0, 15, 24, 9),
@@ -226,13 +213,12 @@ def dashboard() -> dict:
     ]
     panels.append(
         _panel(
-            next(pid),
             "timeseries",
             "Power per GPU (band thresholds of the B300 profile)",
             (0, 24, 12, 9),
             [_target(f"costexporter_gpu_power_watts{{{JOB}}}", "rank {{rank}}")],
-            description="Idle <= 165 W, deadlock/checkpoint waiters < 320 W, compute >= 850 W "
-            "(REFERENCE R2). Other GPU models have their own profile.",
+            description=f"Idle <= {B300.idle_max_w:g} W, deadlock/checkpoint waiters < {B300.low_max_w:g} W, "
+            f"compute >= {B300.compute_min_w:g} W (REFERENCE R2). Other GPU models have their own profile.",
             fieldConfig={
                 "defaults": {
                     "unit": "watt",
@@ -245,7 +231,6 @@ def dashboard() -> dict:
     )
     panels.append(
         _panel(
-            next(pid),
             "timeseries",
             "Utilization per GPU (reads 100% in a deadlock)",
             (12, 24, 12, 9),
@@ -257,7 +242,6 @@ def dashboard() -> dict:
     # Row 5: the alerts.
     panels.append(
         _panel(
-            next(pid),
             "table",
             "Alerts",
             (0, 33, 24, 7),
@@ -266,6 +250,7 @@ def dashboard() -> dict:
             **_defaults("none"),
         )
     )
+    panels = [{"id": i, **p} for i, p in enumerate(panels, 1)]
     return {
         "uid": "costexporter",
         "title": "costexporter: cost per valid step",
@@ -318,8 +303,5 @@ def expressions(d: dict | None = None) -> list[str]:
     """Every PromQL expression of the dashboard (panels and variables)."""
     d = d or dashboard()
     out = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
-    for v in d["templating"]["list"]:
-        if v["type"] == "query":
-            q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
-            out.append(q)
+    out += [v["query"]["query"] for v in d["templating"]["list"] if v["type"] == "query"]
     return out
