@@ -155,18 +155,16 @@ class Demo:
                 prices=cfg.prices,
                 book_interval_s=cfg.book_interval_s,
                 sample_interval_s=min(0.25, cfg.book_interval_s),
-                # The time-compressed trainers heartbeat every max(10 s / speed, 0.5 s) of wall time.
-                live_ttl_s=30,
             ),
         )
-        hb_wall = max(10.0 / cfg.speed, 0.5)
         self.watcher = Watcher(
             WatchConfig(
                 redis_url=cfg.redis_url,
                 prefix=cfg.prefix,
                 booking=cfg.booking,
                 poll_s=cfg.book_interval_s,
-                heartbeat_timeout_s=max(60.0, 4 * hb_wall * cfg.speed),
+                # Four heartbeats of the time-compressed trainers, in scenario time.
+                heartbeat_timeout_s=max(60.0, 4 * self.src.heartbeat_wall_s * cfg.speed),
                 jobs=(self.job,),
                 clock=self.src.sim_time,
             )
@@ -228,10 +226,10 @@ class Demo:
         }
         if j is None:
             return out
-        booked = j["booked"]
-        cost = (booked[:, 2].sum() - j["voided"][:, 2].sum()) / 1e6  # a resume moved, not added
+        hours, costs = _net(j["booked"], j["voided"])
+        cost = sum(costs.values())
         f = j["figures"]
-        wasted = sum(booked[int(c), 0] for c in WASTED_CATEGORIES) / 3.6e6
+        wasted = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
         bands = [BANDS[j["latest_band"][r]] if r in j["latest_band"] else "unknown" for r in sorted(j["own"])]
         valid = int(f.get("valid_steps", 0))
         out.update(
@@ -259,11 +257,8 @@ class Demo:
     def bill(self) -> dict:
         """costexporter's split next to the utilization rule's (REFERENCE R7's > 60% exporter)."""
         j = self.agent.jobs.get(self.job)
-        booked = j.booked if j is not None else np.zeros((len(Category), 3), np.int64)
-        voided = j.voided if j is not None else np.zeros((len(Category), 3), np.int64)
-        net = booked - voided
-        hours = {CATEGORIES[c]: float(net[c, 0]) / 3.6e6 for c in range(len(Category))}
-        cost = {CATEGORIES[c]: float(net[c, 2]) / 1e6 for c in range(len(Category))}
+        empty = np.zeros((len(Category), 3), np.int64)
+        hours, cost = _net(j.booked if j else empty, j.voided if j else empty)
         price = self.cfg.prices.price_per_gpu_hour
         util = utilization_rule(self.src.builder.samples())
         valid_h = sum(hours[CATEGORIES[c]] for c in VALID_CATEGORIES)
@@ -293,6 +288,15 @@ class Demo:
                 "cost_per_valid_step": total_cost / valid_steps if valid_steps else None,
             },
         }
+
+
+def _net(booked: np.ndarray, voided: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU-hours and cost by category, net of rollbacks: a resume moved valid amounts to
+    `rolled_back` and counted them in `voided`, so the valid categories subtract them."""
+    net = booked - voided
+    hours = {name: float(net[c, 0]) / 3.6e6 for c, name in enumerate(CATEGORIES)}
+    cost = {name: float(net[c, 2]) / 1e6 for c, name in enumerate(CATEGORIES)}
+    return hours, cost
 
 
 def render_view(s: dict):

@@ -59,6 +59,12 @@ class SimSource(ReplaySource):
         )
         self._clock_thread.start()
 
+    @property
+    def heartbeat_wall_s(self) -> float:
+        """The simulated trainers' heartbeat: 10 s of scenario time, but not faster than twice a
+        second of wall time (a watcher of the story allows for the longer gap)."""
+        return max(10.0 / self.speed, 0.5)
+
     def sim_time(self) -> float:
         """The scenario's clock, in Unix seconds (shifted to start now)."""
         return self._trace_t0 / 1000 + (self._clock() - self._t0) * self.speed
@@ -83,8 +89,7 @@ class SimSource(ReplaySource):
                 spool_dir=self._spool,
                 clock=self.sim_time,
                 started_at=ts,
-                # 10 s of scenario time, but not faster than twice a second of wall time.
-                heartbeat_s=max(10.0 / self.speed, 0.5),
+                heartbeat_s=self.heartbeat_wall_s,
             )
             self._reporters[rank] = rep
         return rep
