@@ -388,6 +388,7 @@ class Agent:
         if wait:
             return
         now_ms = int(own_ts.max()) if own_ts.size else int(T.max())
+        now_ms -= int(self.source.event_lag_s * 1000)  # events still on their way (a sim at --speed)
         res = book_window(
             events=job.events,
             cfg=cfg.booking,

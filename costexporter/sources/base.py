@@ -51,6 +51,10 @@ class GpuSource(abc.ABC):
     """The node's GPUs, read all at once."""
 
     host: str
+    # How far behind the newest sample the trainers' events may still be on their way, in the
+    # samples' own time; the agent books no closer to its newest sample than this. Zero for a
+    # real node: a reporter flushes every 50 ms, well inside one sampling interval.
+    event_lag_s: float = 0.0
 
     def __init__(self) -> None:
         # (gpu index, error kind) -> count; exported as a metric by the agent.

@@ -20,6 +20,9 @@ from .replay import ReplaySource
 log = logging.getLogger("costexporter.sources.sim")
 
 
+EVENT_LAG_WALL_S = 0.5  # a reporter's 50 ms flush, a round trip, and a busy machine's scheduling
+
+
 class SimSource(ReplaySource):
     def __init__(
         self,
@@ -58,6 +61,14 @@ class SimSource(ReplaySource):
             target=self._publish_clock_loop, name="costexporter-sim-clock", daemon=True
         )
         self._clock_thread.start()
+
+    @property
+    def event_lag_s(self) -> float:
+        """The simulated trainers post through real reporters, which flush every 50 ms of wall
+        time: `speed` times longer in the story's time. While they post, the agent must not book
+        closer than that to its newest sample, or it decides moments before their events arrive
+        (a restart's `run start` a few seconds late books its startup as waste)."""
+        return 0.0 if self.trainer_done.is_set() else EVENT_LAG_WALL_S * self.speed
 
     @property
     def heartbeat_wall_s(self) -> float:
