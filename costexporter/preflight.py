@@ -46,7 +46,6 @@ class Check:
     value: str  # what was measured, in words
     detail: dict = field(default_factory=dict)
     seconds: float = 0.0
-    required: bool = True
 
 
 @dataclass
@@ -79,23 +78,25 @@ def _timed(fn: Callable[[], Check]) -> Check:
 def rank_files(specs: list[str]) -> list[Path]:
     """Files in rank order: explicit paths as given, globs expanded and sorted by the last
     number in the name (rank_2 before rank_10)."""
+
+    def by_rank(p: str) -> tuple:
+        nums = re.findall(r"\d+", Path(p).name)
+        return (int(nums[-1]) if nums else -1, p)
+
     out: list[Path] = []
     for s in specs:
         matches = glob.glob(s) if any(ch in s for ch in "*?[") else [s]
-
-        def key(p: str) -> tuple:
-            nums = re.findall(r"\d+", Path(p).name)
-            return (int(nums[-1]) if nums else -1, p)
-
-        out += [Path(p) for p in sorted(matches, key=key)]
+        out += [Path(p) for p in sorted(matches, key=by_rank)]
     return out
 
 
-def check_cache(cfg: PreflightConfig) -> tuple[Check, int | None]:
-    """Check 1; returns the total tokens for check 2 (None when a file could not be read)."""
+def check_cache(cfg: PreflightConfig) -> Check:
+    """Check 1. Where every file was read, `detail["tokens"]` is the total for check 2."""
+    if not cfg.cache:
+        return Check("cache", "skip", "no --cache")
     files = rank_files(cfg.cache)
     if not files:
-        return Check("cache", "fail", "no token files matched " + " ".join(cfg.cache)), None
+        return Check("cache", "fail", "no token files matched " + " ".join(cfg.cache))
     blocks: list[int] = []
     problems: list[str] = []
     total = 0
@@ -115,7 +116,8 @@ def check_cache(cfg: PreflightConfig) -> tuple[Check, int | None]:
             blocks.append(-1)
     detail: dict = {"files": len(files), "blocks": blocks, "seq_len": cfg.seq_len}
     if problems:
-        return Check("cache", "fail", "; ".join(problems[:5]), detail), None
+        return Check("cache", "fail", "; ".join(problems[:5]), detail)
+    detail["tokens"] = total
     lo, hi = min(blocks), max(blocks)
     short, long_ = blocks.index(lo), blocks.index(hi)
     spread = hi - lo
@@ -129,18 +131,15 @@ def check_cache(cfg: PreflightConfig) -> tuple[Check, int | None]:
         max_blocks=hi,
     )
     if spread == 0:
-        return Check("cache", "pass", f"{len(files)} ranks x {lo:,} blocks, balanced", detail), total
-    return (
-        Check(
-            "cache",
-            "fail",
-            f"per-rank blocks differ by {spread:,} (~{steps:.1f} optimizer steps): "
-            f"rank {short} has {lo:,}, rank {long_} has {hi:,}; the short rank will leave the loop "
-            "while the others wait in a collective (REFERENCE R4): all-reduce MIN the count "
-            "(costexporter.integrations.torch_dist.even_batches) or rebalance the cache",
-            detail,
-        ),
-        total,
+        return Check("cache", "pass", f"{len(files)} ranks x {lo:,} blocks, balanced", detail)
+    return Check(
+        "cache",
+        "fail",
+        f"per-rank blocks differ by {spread:,} (~{steps:.1f} optimizer steps): "
+        f"rank {short} has {lo:,}, rank {long_} has {hi:,}; the short rank will leave the loop "
+        "while the others wait in a collective (REFERENCE R4): all-reduce MIN the count "
+        "(costexporter.integrations.torch_dist.even_batches) or rebalance the cache",
+        detail,
     )
 
 
@@ -162,9 +161,10 @@ def _sample_tokens(f: Path, n_tok: int, vocab: int | None) -> str | None:
     return None
 
 
-def check_tokens(cfg: PreflightConfig, total: int | None) -> Check:
+def check_tokens(cfg: PreflightConfig, cache: Check) -> Check:
     if cfg.expected_tokens is None:
-        return Check("tokens", "skip", "no --expected-tokens", required=False)
+        return Check("tokens", "skip", "no --expected-tokens")
+    total = cache.detail.get("tokens")
     if total is None:
         return Check("tokens", "unknown", "the cache could not be read")
     dev = (total - cfg.expected_tokens) / cfg.expected_tokens
@@ -180,7 +180,7 @@ def check_tokens(cfg: PreflightConfig, total: int | None) -> Check:
 
 def check_occupancy(cfg: PreflightConfig) -> Check:
     if not cfg.nodes:
-        return Check("occupancy", "skip", "no --node given", required=False)
+        return Check("occupancy", "skip", "no --node given")
     if not cfg.redis_url:
         return Check("occupancy", "unknown", "no Redis to read the agents' node state from")
     import redis
@@ -229,7 +229,7 @@ def _is_local(addr: str) -> bool:
 
 def check_port(cfg: PreflightConfig) -> Check:
     if cfg.master_port is None:
-        return Check("port", "skip", "no --master-port", required=False)
+        return Check("port", "skip", "no --master-port")
     addr = cfg.master_addr or "127.0.0.1"
     detail = {"addr": addr, "port": cfg.master_port}
     if _is_local(addr):
@@ -251,7 +251,7 @@ def check_port(cfg: PreflightConfig) -> Check:
 
 def check_disk(cfg: PreflightConfig) -> Check:
     if not cfg.checkpoint_path:
-        return Check("disk", "skip", "no --checkpoint-path", required=False)
+        return Check("disk", "skip", "no --checkpoint-path")
     p = Path(cfg.checkpoint_path)
     probe = p if p.exists() else next((q for q in p.parents if q.exists()), Path("/"))
     try:
@@ -267,12 +267,10 @@ def check_disk(cfg: PreflightConfig) -> Check:
 
 def check_interconnect(cfg: PreflightConfig) -> Check:
     if not cfg.ib_probe:
-        return Check("interconnect", "skip", "not asked for (--ib-probe)", required=False)
+        return Check("interconnect", "skip", "not asked for (--ib-probe)")
     tool = shutil.which("ibstat")
     if tool is None:
-        return Check(
-            "interconnect", "skip", "skipped: no InfiniBand tool (ibstat) on this node", required=False
-        )
+        return Check("interconnect", "skip", "skipped: no InfiniBand tool (ibstat) on this node")
     try:
         out = subprocess.run([tool], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -287,16 +285,8 @@ def check_interconnect(cfg: PreflightConfig) -> Check:
 
 def run(cfg: PreflightConfig) -> tuple[bool, list[Check]]:
     """Run every check; the gate passes when none failed and none is unknown (unless allowed)."""
-    total: list[int | None] = [None]
-
-    def cache() -> Check:
-        if not cfg.cache:
-            return Check("cache", "skip", "no --cache", required=False)
-        c, total[0] = check_cache(cfg)
-        return c
-
-    checks = [_timed(cache)]
-    checks.append(_timed(lambda: check_tokens(cfg, total[0])))
+    cache = _timed(lambda: check_cache(cfg))
+    checks = [cache, _timed(lambda: check_tokens(cfg, cache))]
     checks += [
         _timed(lambda f=f: f(cfg)) for f in (check_occupancy, check_port, check_disk, check_interconnect)
     ]
