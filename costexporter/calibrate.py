@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from . import bands as bands_mod
 from .model import Band, Event, Samples
 from .profiles import KNOWN_POWER_LIMITS_W, Profile, _model_key, derive
+from .replay import register_matches
 
 LEVELS = ("compute", "communication", "starvation", "low", "idle")
 # The classifier's bands, seen at the level of power: deadlock and checkpoint are both "low".
@@ -94,23 +95,13 @@ def parse_label(spec: str, parse_time) -> tuple[int, int, str]:
 
 
 def _ranks(samples: Samples, events: list[Event]) -> np.ndarray:
-    """Rank of each GPU of `samples` from the register events (UUID, else host + index)."""
-    by_uuid, by_host = {}, {}
-    for e in events:
-        if e.type == "register":
-            if e.get("gpu_uuid"):
-                by_uuid[str(e.get("gpu_uuid"))] = e.rank
-            if e.get("host") is not None and e.get("gpu") is not None:
-                by_host[(str(e.get("host")), int(e.get("gpu")))] = e.rank  # type: ignore[arg-type]
+    """Rank of each GPU of `samples` from the register events, matched as replay matches them
+    (UUID, else host + index); a GPU no rank registered keeps its index."""
     out = np.arange(len(samples.gpus))
-    taken = set()
-    for i, g in enumerate(samples.gpus):
-        r = by_uuid.get(g.uuid) if g.uuid else None
-        if r is None:
-            r = by_host.get((g.host, g.index))
-        if r is not None and r not in taken:
-            out[i] = r
-            taken.add(r)
+    for ranks in register_matches(samples, events)[1].values():
+        for rank, (g, _) in ranks.items():
+            if g < out.size:
+                out[g] = rank
     return out
 
 
@@ -209,25 +200,23 @@ def fit(
         raise CalibrationError("no power levels found in the baselines")
     named = _name_levels(levels, power, util, lab, rank, ts, grid_ms)
     warnings, defaulted = [], []
-    prof = _profile(named, limit, model, util, warnings, defaulted)
-    prof = Profile(
-        **{
-            **prof.to_dict(),
-            "centres": {k: round(v.centre, 1) for k, v in named.items()},
-            "provenance": {
-                "fitted_from": sources or [],
-                "fitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "samples": int(train.sum()),
-                "held_out": int(held.sum()),
-                "labels": [f"{a}..{b}={lv}" for a, b, lv in labels],
-                "events": len(events),
-                "defaulted": defaulted,
-            },
-        }
-    )
+    prof = _profile(named, limit, model, warnings, defaulted)
     _overlaps(named, limit, warnings)
     confusion, acc = _confusion(samples, rank, held, named, prof, grid_ms)
-    prof.provenance["held_out_accuracy"] = None if acc is None else round(acc, 4)  # type: ignore[index]
+    prof = replace(
+        prof,
+        centres={k: round(v.centre, 1) for k, v in named.items()},
+        provenance={
+            "fitted_from": sources or [],
+            "fitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "samples": int(train.sum()),
+            "held_out": int(held.sum()),
+            "labels": [f"{a}..{b}={lv}" for a, b, lv in labels],
+            "events": len(events),
+            "defaulted": defaulted,
+            "held_out_accuracy": None if acc is None else round(acc, 4),
+        },
+    )
     return Fit(prof, named, confusion, acc, warnings, defaulted)
 
 
@@ -313,7 +302,7 @@ def _uneven(idx: np.ndarray, util: np.ndarray, rank: np.ndarray, ts: np.ndarray,
 
 
 def _profile(
-    lv: dict[str, Level], limit: float, name: str, util: np.ndarray, warnings: list[str], defaulted: list[str]
+    lv: dict[str, Level], limit: float, name: str, warnings: list[str], defaulted: list[str]
 ) -> Profile:
     d = derive(limit, name=name)
     if "compute" not in lv:
@@ -346,7 +335,7 @@ def _profile(
     else:
         idle_max = min(d.idle_max_w, (low.lo if low else low_max) * 0.9)
     busy = d.busy_util_pct
-    if "starvation" in lv and mids:
+    if "starvation" in lv:
         busy = 85.0  # R2: the straggler sits at 55-65%, busy ranks at ~100%
     zero = d.zero_util_pct
     idle_max, low_max = min(idle_max, low_max), min(low_max, compute_min)

@@ -64,7 +64,7 @@ def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict) -> Profile:
     return profiles.select(model, limit)
 
 
-def _register_matches(
+def register_matches(
     samples: Samples, events: list[Event]
 ) -> tuple[list[GpuId], dict[str, dict[int, tuple[int, int]]]]:
     """Map each job's registered ranks to GPU indices: job -> rank -> (gpu, register_ms).
@@ -107,7 +107,7 @@ def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = Non
 
 def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tuple[list[JobResult], dict]:
     bc = cfg.booking
-    gpus, registered = _register_matches(samples, events)
+    gpus, registered = register_matches(samples, events)
     events_by_job: dict[str, list[Event]] = {}
     for e in events:
         events_by_job.setdefault(e.job, []).append(e)
