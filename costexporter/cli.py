@@ -79,6 +79,16 @@ def _tz(_ctx, _param, value: str) -> str:
     return value
 
 
+profile_option = click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="Band profile file (YAML or JSON), or a directory of them matched by GPU model "
+    "[default: $COSTEXPORTER_PROFILE_DIR].",
+)
+
+
 def _profile(path: Path | None):
     """--profile: a file is the profile; a directory is searched by GPU model (like
     $COSTEXPORTER_PROFILE_DIR); nothing: pick by model."""
@@ -199,14 +209,7 @@ def price_config(params: dict):
     default=None,
     help="Board power limit in W (derives an uncalibrated profile).",
 )
-@click.option(
-    "--profile",
-    "profile_path",
-    type=click.Path(exists=True, path_type=Path),
-    default=None,
-    help="Band profile file (YAML or JSON), or a directory of them matched by GPU model "
-    "[default: $COSTEXPORTER_PROFILE_DIR].",
-)
+@profile_option
 @booking_options
 @price_options
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
@@ -325,14 +328,7 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
 )
 @click.option("--gpu-model", default=None, help="GPU model (picks or derives the band profile).")
 @click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W.")
-@click.option(
-    "--profile",
-    "profile_path",
-    type=click.Path(exists=True, path_type=Path),
-    default=None,
-    help="Band profile file, or a directory of them matched by GPU model "
-    "[default: $COSTEXPORTER_PROFILE_DIR].",
-)
+@profile_option
 @click.option("--exit-when-done", is_flag=True, help="Replay: exit once the trace is played and booked.")
 @click.option("--api-port", type=int, default=0, help="Also serve the finance API on this port (0: no).")
 @click.option(
@@ -947,7 +943,7 @@ DEFAULT_WATCH_PORT = 9404
 @click.option("--listen", default="0.0.0.0", help="Address of the /metrics server.")
 @click.option("--port", type=int, default=DEFAULT_WATCH_PORT, help="Port of the /metrics server (0: none).")
 @click.option("--gpu-model", default=None, help="GPU model of the live signature [default: the job's meta].")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@profile_option
 @click.option(
     "--sim-clock",
     is_flag=True,
@@ -982,11 +978,7 @@ def watch(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        profile = (
-            profiles.load(profile_path)
-            if profile_path
-            else (profiles.select(gpu_model) if gpu_model else None)
-        )
+        profile = _profile(profile_path) or (profiles.select(gpu_model) if gpu_model else None)
     except profiles.ProfileError as e:
         raise InputFailure(str(e)) from None
     cfg = WatchConfig(
