@@ -463,15 +463,18 @@ class Watcher:
         decided: dict[str, Status] = {}
         for job in jobs:
             view = self.views.setdefault(job, JobView(job))
-            reader = self.readers.get(job)
-            if reader is None:
-                reader = self.readers[job] = EventReader(self.redis, job, cfg.prefix)
-            view.fold(reader.read_all())
-            for rank, raw in self.redis.hgetall(protocol.ranks_key(cfg.prefix, job)).items():
-                try:
-                    view.registrations.setdefault(int(rank), json.loads(raw))
-                except (ValueError, TypeError):
-                    self.stats["bad_registrations"] += 1
+            first = job not in self.readers
+            if first:
+                self.readers[job] = EventReader(self.redis, job, cfg.prefix)
+            view.fold(self.readers[job].read_all())
+            if first:
+                # Registrations arrive as `register` events; the hash keeps them once their
+                # events are trimmed away, so it is read once, when the job is first seen.
+                for rank, raw in self.redis.hgetall(protocol.ranks_key(cfg.prefix, job)).items():
+                    try:
+                        view.registrations.setdefault(int(rank), json.loads(raw))
+                    except (ValueError, TypeError):
+                        self.stats["bad_registrations"] += 1
             self._read_live(view)
             decided[job] = decide(view, now, cfg, self.status.get(job))
         pipe = self.redis.pipeline(transaction=False)
