@@ -23,7 +23,7 @@ from costexporter.booking import BookingConfig
 from costexporter.client import StepReporter
 from costexporter.exporter import watch_registry
 from costexporter.model import Event
-from costexporter.watcher import JobView, WatchConfig, Watcher, decide, notification
+from costexporter.watcher import JobView, Status, WatchConfig, Watcher, decide, notification
 
 from .conftest import SHARED_URL
 from .redis_server import RedisServer, free_port
@@ -151,9 +151,7 @@ def test_notification_is_an_alertmanager_payload():
     (a,) = p["alerts"]
     assert a["labels"]["alertname"] == "JobHung" and a["labels"]["suspect_rank"] == "3"
     assert a["startsAt"].endswith("Z") and a["endsAt"] == "0001-01-01T00:00:00Z"
-    back = notification(
-        "j", new, decide(v, T0 + 170, CFG).__class__("running", "ok", T0 + 200, T0 + 200), T0 + 200, "p"
-    )
+    back = notification("j", new, Status("running", "ok", T0 + 200, T0 + 200), T0 + 200, "p")
     assert [x["status"] for x in back["alerts"]] == ["resolved", "firing"]
 
 
