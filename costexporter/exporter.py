@@ -45,10 +45,12 @@ class AgentCollector(Collector):
         up.add_metric([], 1 if s["redis_up"] else 0)
         yield up
 
-        # Per GPU: the live view.
-        job_of = {g: name for name, j in s["jobs"].items() for g in j["own"].values()}
-        rank_of = {g: r for j in s["jobs"].values() for r, g in j["own"].items()}
-        band_of = {g: j["latest_band"].get(r) for name, j in s["jobs"].items() for r, g in j["own"].items()}
+        # Per GPU: the live view. GPU index -> (job, rank, current band) of the GPUs a job holds.
+        held = {
+            g: (name, r, j["latest_band"].get(r))
+            for name, j in s["jobs"].items()
+            for r, g in j["own"].items()
+        }
         labels = ["host", "gpu", "uuid", "training_job", "rank"]
         power = GaugeMetricFamily(
             "costexporter_gpu_power_watts", "Board power of the newest sample.", labels=labels
@@ -62,14 +64,14 @@ class AgentCollector(Collector):
             labels=[*labels, "band"],
         )
         for i, g in enumerate(s["gpus"]):
-            lv = [g.host, str(g.index), g.uuid or "", job_of.get(i, ""), str(rank_of.get(i, ""))]
+            job, rank, b = held.get(i, ("", "", None))
+            lv = [g.host, str(g.index), g.uuid or "", job, str(rank)]
             r = s["latest"].get(i)
             if r is not None:
                 if not math.isnan(r.power_w):
                     power.add_metric(lv, r.power_w)
                 if not math.isnan(r.util_pct):
                     util.add_metric(lv, r.util_pct / 100)
-            b = band_of.get(i)
             if b is not None:
                 for k, name in enumerate(BANDS):
                     band.add_metric([*lv, name], 1 if k == b else 0)
