@@ -9,8 +9,11 @@ The hot path only appends a tuple to a deque (a few hundred nanoseconds). A back
 encodes batches and sends them with one pipelined round trip. When Redis is down or slow the
 events wait in memory with their original timestamps and spill to a spool file on local disk
 when memory fills; at exit the flush waits at most `exit_timeout_s` and spools whatever is left;
-the next reporter (or agent) that starts on the host sends the spool. In a forked child
-(DataLoader workers) the reporter goes quiet: the parent posts, the child never does.
+the next reporter that starts on the host for the same Redis and prefix sends the spool. Values
+are checked at the call (a bad one raises there), a batch the server refuses is dropped and
+counted, so nothing can wedge the queue. `run end` is posted only when the process ends cleanly
+(`costexporter.exitstatus`). In a forked child (DataLoader workers) the reporter goes quiet: the
+parent posts, the child never does.
 """
 
 from __future__ import annotations
@@ -22,17 +25,19 @@ import itertools
 import json
 import logging
 import os
-import re
 import secrets
 import socket
+import sys
 import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import protocol
+from . import coerce, exitstatus, protocol, spool
+from .events import MAX_STEP, MAX_TOKENS
 
 log = logging.getLogger("costexporter.client")
 
@@ -123,12 +128,54 @@ def _writable_dir(path: Path) -> Path:
     raise OSError(f"no writable spool directory ({path})")
 
 
+_told_no_uuid = False
+
+
+def _tell_no_uuid(rank: int, host: str, index: int, local_rank: int) -> None:
+    """Without a UUID the agent can only match this rank by host + index: say how to do better."""
+    global _told_no_uuid
+    if _told_no_uuid:
+        return
+    _told_no_uuid = True
+    source = "CUDA_VISIBLE_DEVICES" if os.environ.get("CUDA_VISIBLE_DEVICES") else f"local rank {local_rank}"
+    log.info(
+        "costexporter: no GPU UUID for rank %d (NVML not available: pip install nvidia-ml-py); "
+        "registering host %s GPU index %d (from %s). If that is not this rank's GPU, pass "
+        "StepReporter(gpu_uuid=... or gpu_index=...), set CUDA_VISIBLE_DEVICES, or set "
+        "COSTEXPORTER_HOST when hosts share a name",
+        rank,
+        host,
+        index,
+        source,
+    )
+
+
 # A queued event: (type, ts, seq, fields). Built on the trainer's thread; encoded on the sender's.
 _Event = tuple[str, float, int, dict | None]
 
+# Server errors that pass (Redis full, loading, a replica during failover): retry, never drop.
+_RETRYABLE = frozenset(
+    {"OOM", "READONLY", "LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "MISCONF"}
+)
+
+
+def _retryable(exc: BaseException) -> bool:
+    return str(exc).split(" ", 1)[0] in _RETRYABLE
+
+
+class _Retry(Exception):
+    """Some events are back in line for a later try (the server said: not now)."""
+
 
 class StepReporter:
-    """Posts a rank's events to `<prefix>:{<job>}:events` (protocol v1, docs/protocol.md)."""
+    """Posts a rank's events to `<prefix>:{<job>}:events` (protocol v1, docs/protocol.md).
+
+    `stats` counts where every event went: `sent` (written to Redis), `spooled` (written to the
+    spool file) and `unspooled` (left it again: sent or rejected), `rejected` (refused by the
+    server, dropped), `lost` (could not even be spooled), `overflow` (refused by a full buffer, never
+    queued); `drained` counts other reporters' spooled events this one sent for them. Events in
+    the spool now = spooled - unspooled.
+    """
 
     def __init__(
         self,
@@ -158,13 +205,17 @@ class StepReporter:
         self.prefix = prefix or os.environ.get("COSTEXPORTER_PREFIX", protocol.DEFAULT_PREFIX)
         self.redis_url = redis_url or os.environ.get("COSTEXPORTER_REDIS_URL", protocol.DEFAULT_REDIS_URL)
         env_rank, env_local, env_world = detect_ranks()
-        self.rank = env_rank if rank is None else rank
-        self.local_rank = env_local if local_rank is None else local_rank
-        self.world_size = env_world if world_size is None else world_size
+        self.rank = env_rank if rank is None else coerce.count(rank, "rank")
+        self.local_rank = env_local if local_rank is None else coerce.count(local_rank, "local_rank")
+        self.world_size = env_world if world_size is None else coerce.count(world_size, "world_size")
         self.host = host or os.environ.get("COSTEXPORTER_HOST") or socket.gethostname()
         if gpu_uuid is None and gpu_index is None:
             gpu_index, gpu_uuid = detect_gpu(self.local_rank)
-        self.gpu_index = self.local_rank if gpu_index is None else gpu_index
+            if gpu_uuid is None:
+                _tell_no_uuid(
+                    self.rank, self.host, self.local_rank if gpu_index is None else gpu_index, self.local_rank
+                )
+        self.gpu_index = self.local_rank if gpu_index is None else coerce.count(gpu_index, "gpu_index")
         self.gpu_uuid = gpu_uuid
         self.session = secrets.token_hex(8)
         self._clock = clock  # Unix seconds; a simulation passes its own
@@ -174,17 +225,26 @@ class StepReporter:
         self.capacity = buffer_size
         self.exit_timeout_s = exit_timeout_s
         self.spool_dir = _writable_dir(Path(spool_dir) if spool_dir else default_spool_dir())
-        self._spool_path = self.spool_dir / f"{_safe(self.prefix)}.{_safe(self.job)}.{self.session}.jsonl"
+        self._spool_path = (
+            self.spool_dir
+            / f"{spool.safe_name(self.prefix)}.{spool.safe_name(self.job)}.{self.session}.jsonl"
+        )
+        self.destination = spool.destination(self.redis_url)
+        self._spool = spool.SpoolFile(self._spool_path, self.destination, self.prefix)
+        # Bounds how long close() waits for a send in progress (a connect plus a reply).
+        self._io_wait_s = socket_timeout_s + min(1.0, socket_timeout_s) + 0.5
 
         self._queue: collections.deque[_Event] = collections.deque()
         self._seq = itertools.count()
         self._inflight: list[_Event] = []
+        self._io_lock = threading.Lock()  # held by whoever moves events out of memory (sender, close)
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._inactive = False  # set in a forked child: the hot path returns at once
         self._closed = False
         self._stopping = False
         self._warned_overflow = False
+        self._logged: set[str] = set()
         self.stats = collections.Counter()
 
         import redis
@@ -199,11 +259,11 @@ class StepReporter:
             retry=Retry(NoBackoff(), 0),
         )
         self._redis_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
-        self._response_error = redis.ResponseError
 
+        exitstatus.install()
         self._post(
             "register",
-            ts=started_at,
+            ts=self._ts(started_at),
             host=self.host,
             gpu_uuid=self.gpu_uuid,
             gpu=self.gpu_index,
@@ -212,7 +272,7 @@ class StepReporter:
             pid=os.getpid(),
         )
         if resume_from is None:
-            self._post("run", ts=started_at, state="start")
+            self._post("run", ts=self._ts(started_at), state="start")
         else:
             self.resume(resume_from, ts=started_at)
         if meta:
@@ -229,22 +289,29 @@ class StepReporter:
     def step(self, step: int, tokens: int | None = None, ts: float | None = None) -> None:
         """Optimizer step `step` just finished (tokens: the global batch's, on rank 0).
 
-        `ts` (Unix seconds) when it finished, if not now."""
+        `ts` (Unix seconds) when it finished, if not now. Numbers of other types (numpy,
+        Decimal) are converted; what is not a whole number raises TypeError/ValueError here."""
         if self._inactive:
             return
+        if type(step) is not int or step < 0 or step > MAX_STEP:
+            step = coerce.count(step, "step", MAX_STEP)
+        if tokens is not None and (type(tokens) is not int or tokens < 0 or tokens > MAX_TOKENS):
+            tokens = coerce.count(tokens, "tokens", MAX_TOKENS)
+        if ts is None:
+            ts = self._clock()
+        elif type(ts) is not float or not 0.0 <= ts < 1e11:
+            ts = coerce.timestamp(ts)
         q = self._queue
         if len(q) >= self.capacity:
             self._overflow()
             return
-        q.append(
-            ("step", self._clock() if ts is None else ts, next(self._seq), {"step": step, "tokens": tokens})
-        )
+        q.append(("step", ts, next(self._seq), {"step": step, "tokens": tokens}))
 
     def phase_begin(self, name: str, step: int | None = None, ts: float | None = None) -> None:
-        self._post("phase", ts=ts, name=name, state="begin", step=step)
+        self._post("phase", ts=self._ts(ts), name=_name(name), state="begin", step=_opt_count(step, "step"))
 
     def phase_end(self, name: str, step: int | None = None, ts: float | None = None) -> None:
-        self._post("phase", ts=ts, name=name, state="end", step=step)
+        self._post("phase", ts=self._ts(ts), name=_name(name), state="end", step=_opt_count(step, "step"))
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None) -> Iterator[None]:
@@ -257,15 +324,31 @@ class StepReporter:
 
     def resume(self, step: int, ts: float | None = None) -> None:
         """This run restarted from the checkpoint saved after `step` (voids later steps)."""
-        self._post("run", ts=ts, state="resume", step=int(step))
+        self._post("run", ts=self._ts(ts), state="resume", step=coerce.count(step, "step", MAX_STEP))
 
     def meta(self, ts: float | None = None, **fields: object) -> None:
-        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget); last write wins."""
-        self._post("meta", ts=ts, **fields)
+        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget); last write wins.
+
+        Prices and budgets must be finite numbers >= 0; other values must be JSON-plain."""
+        clean: dict[str, object] = {}
+        for k, v in fields.items():
+            if k in ("price_per_gpu_hour", "budget") and v is not None:
+                x = coerce.number(v, k)
+                if x < 0:
+                    raise ValueError(f"{k} must be >= 0, got {v!r}")
+                clean[k] = x
+            elif k in ("gpu_model", "team", "cost_center") and v is not None and not isinstance(v, str):
+                raise TypeError(f"{k} must be a string, got {type(v).__name__} {v!r}")
+            else:
+                clean[k] = coerce.plain(v, k)
+        self._post("meta", ts=self._ts(ts), **clean)
 
     def preflight(self, passed: bool, checks: object = None) -> None:
-        """The pre-run invariant gate's result (REFERENCE R5)."""
-        self._post("preflight", passed=bool(passed), checks=checks)
+        """The pre-run invariant gate's result."""
+        self._post("preflight", passed=bool(passed), checks=coerce.plain(checks, "checks"))
+
+    def _ts(self, ts: object) -> float:
+        return self._clock() if ts is None else coerce.timestamp(ts)
 
     def _post(self, type_: str, ts: float | None = None, **fields: object) -> None:
         if self._inactive:
@@ -285,9 +368,10 @@ class StepReporter:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued event has reached Redis; False on timeout."""
+        """Wait until every queued and spooled event has reached Redis (or been refused by it);
+        False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._queue or self._inflight:
+        while self._queue or self._inflight or self._spool.lines:
             self._idle.clear()
             self._wake.set()
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -296,28 +380,61 @@ class StepReporter:
             self._idle.wait(0.05 if remaining is None else min(0.05, remaining))
         return True
 
-    def close(self, timeout: float | None = None, *, end_run: bool = True, ts: float | None = None) -> None:
-        """Post `run end` (unless `end_run` is False: a crash is not a clean end), flush for at
-        most `timeout` (default exit_timeout_s) and spool what is left."""
+    def close(
+        self, timeout: float | None = None, *, end_run: bool | None = None, ts: float | None = None
+    ) -> None:
+        """Post `run end` if the run ended cleanly, flush for at most `timeout` (default
+        exit_timeout_s) and spool what is left.
+
+        `end_run=None` decides: no `run end` after an uncaught exception, a `sys.exit` with a
+        non-zero status, or when called while an exception is propagating (a `finally:` block)."""
         if self._closed or os.getpid() != self._pid:
             return
+        if end_run is None:
+            why = exitstatus.crash_reason() or (
+                f"{sys.exc_info()[0].__name__} in flight" if sys.exc_info()[0] is not None else None
+            )
+            end_run = why is None
+            if why:
+                log.info("costexporter: not posting run end for %s rank %d: %s", self.job, self.rank, why)
         if end_run:
-            self._post("run", ts=ts, state="end")
+            self._post("run", ts=None if ts is None else self._ts(ts), state="end")
         self._closed = True
         timeout = self.exit_timeout_s if timeout is None else timeout
         self.flush(timeout)
         self._stopping = True
         self._wake.set()
-        leftover = list(self._inflight) + list(self._queue)
-        if leftover:
-            self._spool(leftover)
+        if self._io_lock.acquire(timeout=self._io_wait_s):
+            try:
+                self._spool_events(self._inflight + list(self._queue))
+                self._inflight = []
+                self._queue.clear()
+                self._spool.close()
+            finally:
+                self._io_lock.release()
+        else:  # the sender is stuck past its socket timeout: keep out of its files
+            self._close_stuck()
         self._inactive = True
+
+    def _close_stuck(self) -> None:
+        late = spool.SpoolFile(self._spool_path.with_suffix(".late.jsonl"), self.destination, self.prefix)
+        events = list(self._queue)
+        self._queue.clear()
+        try:
+            late.append([self._entry(ev) for ev in events])
+            self.stats["spooled"] += len(events)
+        except (OSError, TypeError, ValueError) as e:
+            self._count_lost(len(events), e)
+        finally:
+            late.close()
+        if self._inflight:
+            self._count_lost(len(self._inflight), "a send did not return in time")
 
     def __enter__(self) -> StepReporter:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(end_run=exc_type is None)
+        self.close(end_run=exc_type is None and exitstatus.crash_reason() is None)
 
     # ---- the sender thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -333,38 +450,149 @@ class StepReporter:
             if now >= next_beat and not self._closed:
                 self._post("heartbeat")
                 next_beat = now + self.heartbeat_s
-            try:
-                if not drained_others:
-                    drain_spool(self._redis, self.spool_dir, self.prefix, skip=self._spool_path)
-                    drained_others = True
-                if self._spool_path.exists():
-                    drain_spool(self._redis, self.spool_dir, self.prefix, only=self._spool_path)
-                while self._queue and not self._stopping:
-                    n = min(len(self._queue), self.batch_size)
-                    self._inflight = [self._queue.popleft() for _ in range(n)]
-                    self._send(self._inflight)
-                    self.stats["sent"] += n
-                    self._inflight = []
-                backoff = 0.0
-            except self._redis_errors as e:
-                self._requeue()
-                self.stats["send_errors"] += 1
-                if backoff == 0.0:
-                    log.warning("costexporter: Redis unreachable (%s); buffering events", e)
-                backoff = min(max(backoff * 2, 0.1), 2.0)
-                if len(self._queue) > self.capacity // 2:
-                    self._spill()
-            except self._response_error as e:  # e.g. NOPERM: retrying will not help; keep them on disk
-                log.error("costexporter: Redis refused events (%s); spooled to %s", e, self._spool_path)
-                self._spool(self._inflight)
-                self._inflight = []
-                backoff = 5.0
-            except Exception:  # the sender must never die: log and keep going
-                log.exception("costexporter: unexpected error in the reporter thread")
-                self._requeue()
-                backoff = 1.0
-            if not self._queue and not self._inflight:
+            with self._io_lock:
+                if self._stopping:
+                    break
+                try:
+                    if not drained_others:
+                        self._drain_others()
+                        drained_others = True
+                    self._drain_own()
+                    self._send_queue()
+                    backoff = 0.0
+                except (_Retry, *self._redis_errors) as e:
+                    self.stats["send_errors"] += 1
+                    if backoff == 0.0:
+                        log.warning("costexporter: Redis unreachable or busy (%s); buffering events", e)
+                    backoff = min(max(backoff * 2, 0.1), 2.0)
+                    if len(self._queue) > self.capacity // 2:
+                        self._spill()
+                except Exception:  # the sender must never die: log and keep going
+                    log.exception("costexporter: unexpected error in the reporter thread")
+                    self._requeue()
+                    backoff = 1.0
+            if not self._queue and not self._inflight and not self._spool.lines:
                 self._idle.set()
+
+    def _send_queue(self) -> None:
+        while self._queue and not self._stopping:
+            n = min(len(self._queue), self.batch_size)
+            self._inflight = [self._queue.popleft() for _ in range(n)]
+            entries, events = self._encode(self._inflight)
+            try:
+                retry = self._deliver(entries)
+            except self._redis_errors:
+                self._requeue()
+                raise
+            self.stats["sent"] += len(entries) - len(retry)
+            self._inflight = [events[i] for i in retry]
+            self._requeue()
+            if retry:
+                raise _Retry(f"{len(retry)} events refused for now")
+
+    def _drain_own(self) -> None:
+        """Send this reporter's own spool (older than anything in memory) once Redis is back."""
+        if not self._spool.lines:
+            return
+        entries = self._spool.read()
+        done = 0
+        try:
+            while done < len(entries) and not self._stopping:
+                chunk = entries[done : done + self.batch_size]
+                retry = self._deliver(chunk)
+                self.stats["sent"] += len(chunk) - len(retry)
+                if retry:
+                    self._spool.replace([chunk[i] for i in retry] + entries[done + len(chunk) :])
+                    self.stats["unspooled"] += len(chunk) - len(retry)
+                    raise _Retry(f"{len(retry)} spooled events refused for now")
+                done += len(chunk)
+                self.stats["unspooled"] += len(chunk)
+        finally:
+            if self._spool.lines != len(entries) - done:
+                self._spool.replace(entries[done:])
+
+    def _drain_others(self) -> None:
+        """Send the spool files that crashed or exited reporters left for this Redis and prefix."""
+        for path in spool.others(self.spool_dir, self.prefix, skip=self._spool_path):
+            if self._stopping:
+                return
+            with spool.claim(path) as f:
+                if f is None:
+                    continue
+                head = spool.read_header(f)
+                if spool.mismatch(path, head, self.destination, self.prefix):
+                    continue
+                entries = spool.entries_of(f)
+                done = 0
+                try:
+                    while done < len(entries):
+                        if self._stopping:
+                            raise _Retry("closing")
+                        chunk = entries[done : done + self.batch_size]
+                        retry = self._deliver(chunk)
+                        self.stats["drained"] += len(chunk) - len(retry)
+                        if retry:
+                            entries[done : done + len(chunk)] = [chunk[i] for i in retry]
+                            raise _Retry(f"{len(retry)} spooled events refused for now")
+                        done += len(chunk)
+                except BaseException:
+                    spool.rewrite(f, head, entries[done:])
+                    raise
+                path.unlink()
+
+    def _deliver(self, entries: list[dict[str, str]]) -> list[int]:
+        """Send; count what the server refused for good (dropped, logged once per reason) and
+        return the indices of what it refused for now (to retry). Raises on a dead connection."""
+        retry: list[int] = []
+        by_job: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_job.setdefault(e.get("job", self.job), []).append(i)
+        for job, idx in by_job.items():
+            res = send_entries(self._redis, self.prefix, job, [entries[i] for i in idx], raise_on_error=False)
+            for j, exc in res.failed.items():
+                if _retryable(exc):
+                    retry.append(idx[j])
+                else:
+                    self.stats["rejected"] += 1
+                    self._log_once(
+                        f"rejected:{exc}",
+                        "costexporter: Redis refused events of %s (%s): dropped (stats['rejected'])",
+                        job,
+                        exc,
+                    )
+            for j, exc in res.side_failed:
+                if j is not None and j not in res.failed and _retryable(exc):
+                    retry.append(idx[j])  # resent whole; the reader drops the duplicate entry
+                elif not _retryable(exc):
+                    self.stats["side_rejected"] += 1
+                    self._log_once(
+                        f"side:{exc}",
+                        "costexporter: Redis refused a ranks/meta/jobs write of %s (%s); events went through",
+                        job,
+                        exc,
+                    )
+        return sorted(set(retry))
+
+    def _encode(self, batch: list[_Event]) -> tuple[list[dict[str, str]], list[_Event]]:
+        entries, events = [], []
+        for ev in batch:
+            try:
+                entries.append(self._entry(ev))
+                events.append(ev)
+            except (TypeError, ValueError) as e:  # values are checked at the call; a last guard
+                self.stats["rejected"] += 1
+                self._log_once(
+                    f"encode:{type(e).__name__}",
+                    "costexporter: cannot encode a %s event (%s): dropped",
+                    ev[0],
+                    e,
+                )
+        return entries, events
+
+    def _log_once(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._logged and len(self._logged) < 100:
+            self._logged.add(key)
+            log.error(msg, *args)
 
     def _requeue(self) -> None:
         if self._inflight:
@@ -384,106 +612,82 @@ class StepReporter:
         }
         return protocol.encode_fields({**base, **(fields or {})})
 
-    def _send(self, batch: list[_Event]) -> None:
-        send_entries(self._redis, self.prefix, self.job, [self._entry(ev) for ev in batch])
-
     def _spill(self) -> None:
         """Redis is down and memory is filling: move the oldest half to the spool file."""
         n = len(self._queue) // 2
-        batch = [self._queue.popleft() for _ in range(n)]
-        self._spool(batch)
+        self._spool_events([self._queue.popleft() for _ in range(n)])
 
-    def _spool(self, batch: list[_Event]) -> None:
+    def _spool_events(self, batch: list[_Event]) -> None:
+        if not batch:
+            return
+        entries, _ = self._encode(batch)
         try:
-            with self._spool_path.open("a") as f:
-                for ev in batch:
-                    f.write(json.dumps(self._entry(ev), separators=(",", ":")) + "\n")
-            self.stats["spooled"] += len(batch)
+            self._spool.append(entries)
+            self.stats["spooled"] += len(entries)
         except OSError as e:
-            self.stats["lost"] += len(batch)
-            log.error(
-                "costexporter: cannot write spool %s (%s): %d events lost", self._spool_path, e, len(batch)
-            )
+            self._count_lost(len(entries), e)
+
+    def _count_lost(self, n: int, why: object) -> None:
+        self.stats["lost"] += n
+        log.error("costexporter: cannot spool to %s (%s): %d events lost", self._spool_path, why, n)
 
 
-def send_entries(client, prefix: str, job: str, entries: list[dict[str, str]]) -> None:
-    """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta` and the jobs index."""
+def _name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a phase name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _opt_count(x: object, name: str) -> int | None:
+    return None if x is None else coerce.count(x, name, MAX_STEP)
+
+
+@dataclass
+class Delivery:
+    """What the server refused in one batch: XADDs by entry index, and the side writes (ranks,
+    meta: by entry index; the jobs index: None)."""
+
+    failed: dict[int, Exception] = field(default_factory=dict)
+    side_failed: list[tuple[int | None, Exception]] = field(default_factory=list)
+
+
+def send_entries(
+    client, prefix: str, job: str, entries: list[dict[str, str]], *, raise_on_error: bool = True
+) -> Delivery:
+    """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta` and the jobs index.
+
+    A dead connection raises. The server's refusals raise the first one, or with
+    `raise_on_error=False` come back per entry (a non-transactional pipeline applies the rest)."""
     pipe = client.pipeline(transaction=False)
     stream = protocol.stream_key(prefix, job)
+    owners: list[tuple[int | None, bool]] = []  # per command: (entry index, is the XADD)
     last_ts = 0.0
-    for e in entries:
+    for i, e in enumerate(entries):
         pipe.xadd(stream, e)
+        owners.append((i, True))
         if e.get("type") == "register":
             pipe.hset(protocol.ranks_key(prefix, job), e["rank"], json.dumps(e, separators=(",", ":")))
+            owners.append((i, False))
         elif e.get("type") == "meta":
             fields = {
                 k: v for k, v in e.items() if k not in ("v", "type", "job", "ts", "rank", "session", "seq")
             }
             if fields:
                 pipe.hset(protocol.meta_key(prefix, job), mapping=fields)
-        last_ts = max(last_ts, float(e.get("ts", 0.0)))
+                owners.append((i, False))
+        with contextlib.suppress(TypeError, ValueError):
+            last_ts = max(last_ts, float(e.get("ts", 0.0)))
     pipe.zadd(protocol.jobs_key(prefix), {job: last_ts}, gt=True)
-    pipe.execute()
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:120]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def drain_spool(
-    client, spool_dir: Path, prefix: str, *, skip: Path | None = None, only: Path | None = None
-) -> int:
-    """Send spooled events of this host to Redis; returns how many. Safe to run concurrently:
-    a file is claimed by renaming it, and a claim whose process died is taken over."""
-    sent = 0
-    candidates = [only] if only else sorted(spool_dir.glob(f"{_safe(prefix)}.*.jsonl*"))
-    for path in candidates:
-        if path is None or (skip is not None and path == skip) or not path.exists():
-            continue
-        name = path.name
-        if ".sending-" in name:
-            pid = int(name.rsplit(".sending-", 1)[1].split("-")[0] or 0)
-            if _pid_alive(pid):
-                continue
-            base = name.rsplit(".sending-", 1)[0]
-        else:
-            base = name
-        claimed = path.with_name(f"{base}.sending-{os.getpid()}-{secrets.token_hex(3)}")
-        try:
-            os.rename(path, claimed)
-        except OSError:
-            continue  # another process claimed it first
-        try:
-            entries = []
-            with claimed.open() as f:
-                for line in f:
-                    with contextlib.suppress(ValueError):
-                        entries.append(json.loads(line))
-            by_job: dict[str, list[dict[str, str]]] = {}
-            for e in entries:
-                if isinstance(e, dict) and e.get("job"):
-                    by_job.setdefault(str(e["job"]), []).append({k: str(v) for k, v in e.items()})
-            for job, es in by_job.items():
-                for i in range(0, len(es), 2000):
-                    send_entries(client, prefix, job, es[i : i + 2000])
-            sent += len(entries)
-            claimed.unlink()
-        except Exception:
-            # Give the file back for a later try (the reader de-duplicates what was sent twice).
-            with contextlib.suppress(OSError):
-                os.rename(claimed, path.with_name(base))
-            raise
-    return sent
+    owners.append((None, False))
+    results = pipe.execute(raise_on_error=raise_on_error)
+    out = Delivery()
+    for (i, is_xadd), r in zip(owners, results, strict=True):
+        if isinstance(r, Exception):
+            if is_xadd:
+                out.failed[i] = r
+            else:
+                out.side_failed.append((i, r))
+    return out
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

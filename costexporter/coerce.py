@@ -1,0 +1,89 @@
+"""Plain values for the reporter's calls: numpy scalars, Decimal and friends become int/float at
+the call, and what cannot become one is refused there, with a TypeError or ValueError.
+
+Why at the call: the sender thread encodes events later, where a bad value could only be dropped
+(or, as it once did, wedge the queue). Refusing at the call puts the error on the line that made
+it. The callers keep a fast path for plain ints and floats; these functions are the slow path.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+MAX_COUNT = 10**15  # the reader's bound on tokens; steps are bounded tighter by the caller
+
+
+def _is_bool(x: object) -> bool:
+    return isinstance(x, bool) or type(x).__name__ in ("bool_", "bool")
+
+
+def count(x: object, name: str, hi: int = MAX_COUNT) -> int:
+    """A whole number in [0, hi] from an int-like (numpy integer, Decimal('2'), 2.0)."""
+    if _is_bool(x) or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be a whole number, got {type(x).__name__} {x!r}")
+    try:
+        n = operator.index(x)
+    except TypeError:
+        f = _float_of(x, name)
+        if not math.isfinite(f) or not f.is_integer():
+            raise ValueError(f"{name} must be a finite whole number, got {x!r}") from None
+        n = int(f)
+    if not 0 <= n <= hi:
+        raise ValueError(f"{name} must be in [0, {hi}], got {n}")
+    return n
+
+
+def number(x: object, name: str) -> float | int:
+    """A finite int or float from any real number (numpy scalar, Decimal, Fraction)."""
+    if _is_bool(x) or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
+    if type(x) is int:
+        return x
+    try:
+        return operator.index(x)
+    except TypeError:
+        pass
+    f = _float_of(x, name)
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {x!r}")
+    return f
+
+
+def timestamp(x: object, name: str = "ts") -> float:
+    """Unix seconds as a finite float."""
+    f = float(number(x, name))
+    if f < 0:
+        raise ValueError(f"{name} must be Unix seconds (>= 0), got {x!r}")
+    return f
+
+
+def _float_of(x: object, name: str) -> float:
+    if not isinstance(x, numbers.Real) and not hasattr(type(x), "__float__"):
+        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}")
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}") from e
+
+
+def plain(x: object, name: str, depth: int = 0) -> object:
+    """A JSON-plain value (None, bool, str, finite int/float, lists and string-keyed dicts of those),
+    for meta fields and preflight checks."""
+    if x is None or isinstance(x, (bool, str)) or type(x) is int:
+        return x
+    if _is_bool(x):
+        return bool(x)
+    if depth > 20:
+        raise ValueError(f"{name} is nested too deeply")
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{name} keys must be strings, got {k!r}")
+            out[k] = plain(v, f"{name}.{k}", depth + 1)
+        return out
+    if isinstance(x, (list, tuple)):
+        return [plain(v, f"{name}[{i}]", depth + 1) for i, v in enumerate(x)]
+    return number(x, name)

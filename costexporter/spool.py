@@ -1,0 +1,194 @@
+"""The reporter's spool: events that could not reach Redis, on local disk, one JSON entry a line.
+
+A spool file belongs to one reporter session and one destination. Its first line records the
+destination (the Redis URL without user or password, and the key prefix), so a spool is only ever
+sent where it was meant to go. The writing reporter holds an exclusive `flock` on its file for as
+long as it lives; another process sends a file only after taking that lock, so a live writer's
+file is never taken from under it, and a crashed writer's lock is released by the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+log = logging.getLogger("costexporter.client")
+
+HEADER_KEY = "costexporter_spool"
+_warned: set[tuple[str, str]] = set()
+
+
+def destination(url: str) -> str:
+    """The Redis a URL points at, without credentials or options: `redis://host:port/db`."""
+    u = urlsplit(url)
+    scheme = (u.scheme or "redis").lower()
+    if scheme == "unix":
+        return f"unix://{u.path}"
+    db = (u.path or "/0").strip("/") or "0"
+    host = (u.hostname or "127.0.0.1").lower()
+    try:
+        port = u.port or 6379
+    except ValueError:
+        port = 6379
+    return f"{scheme}://{host}:{port}/{db}"
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:120]
+
+
+def header(dest: str, prefix: str) -> dict[str, str]:
+    return {HEADER_KEY: "1", "destination": dest, "prefix": prefix}
+
+
+def is_header(d: object) -> bool:
+    return isinstance(d, dict) and HEADER_KEY in d
+
+
+def _encode(entry: dict[str, str]) -> str:
+    return json.dumps(entry, separators=(",", ":")) + "\n"
+
+
+class SpoolFile:
+    """One reporter's spool file, opened and locked on first write, kept locked until `close`.
+    Not thread-safe: the reporter serializes its use."""
+
+    def __init__(self, path: Path, dest: str, prefix: str) -> None:
+        self.path = path
+        self._header = header(dest, prefix)
+        self._f = None
+        self.lines = 0  # entries in the file now (the header not counted)
+
+    def append(self, entries: list[dict[str, str]]) -> None:
+        """All or nothing: on an error the file is cut back to where it was, and it raises OSError."""
+        f = self._open()
+        start = f.seek(0, os.SEEK_END)
+        try:
+            f.write("".join(_encode(e) for e in entries))
+            f.flush()
+        except (OSError, TypeError, ValueError):
+            with contextlib.suppress(OSError):
+                f.truncate(start)
+            raise
+        self.lines += len(entries)
+
+    def read(self) -> list[dict[str, str]]:
+        if self._f is None:
+            return []
+        self._f.seek(0)
+        return list(_entries(self._f))
+
+    def replace(self, entries: list[dict[str, str]]) -> None:
+        """Keep only `entries` (what is still unsent)."""
+        f = self._open()
+        f.seek(0)
+        f.truncate()
+        f.write(_encode(self._header) + "".join(_encode(e) for e in entries))
+        f.flush()
+        self.lines = len(entries)
+
+    def close(self) -> None:
+        """Release the lock; an empty file is removed first."""
+        if self._f is None:
+            return
+        with contextlib.suppress(OSError):
+            if self.lines == 0:
+                self.path.unlink()
+        self._f.close()  # releases the flock
+        self._f = None
+
+    def _open(self):
+        while self._f is None:
+            f = open(self.path, "a+")  # noqa: SIM115 - held open (and locked) for the reporter's life
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.fstat(f.fileno()).st_nlink == 0:  # a sender took the empty file away meanwhile
+                f.close()
+                continue
+            if f.seek(0, os.SEEK_END) == 0:
+                f.write(_encode(self._header))
+                f.flush()
+            self._f = f
+        return self._f
+
+
+def _entries(f) -> Iterator[dict[str, str]]:
+    for line in f:
+        with contextlib.suppress(ValueError):
+            d = json.loads(line)
+            if isinstance(d, dict) and not is_header(d) and d.get("job"):
+                yield {str(k): str(v) for k, v in d.items()}
+
+
+def read_header(f) -> dict | None:
+    f.seek(0)
+    first = f.readline()
+    try:
+        d = json.loads(first)
+    except ValueError:
+        return None
+    return d if is_header(d) else None
+
+
+@contextlib.contextmanager
+def claim(path: Path) -> Iterator[object | None]:
+    """The file, opened and exclusively locked, or None when its writer (or another sender) holds
+    it, or it is already gone. Unlinking it while claimed is safe: a waiting claimant sees it gone."""
+    try:
+        f = open(path, "r+")  # noqa: SIM115 - closed below
+    except OSError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield None
+            return
+        yield None if os.fstat(f.fileno()).st_nlink == 0 else f
+    finally:
+        f.close()
+
+
+def others(spool_dir: Path, prefix: str, skip: Path | None) -> list[Path]:
+    return [p for p in sorted(spool_dir.glob(f"{safe_name(prefix)}.*.jsonl")) if p != skip]
+
+
+def mismatch(path: Path, head: dict | None, dest: str, prefix: str) -> str | None:
+    """Why this reporter must not send the file (None: it may), logged once per file."""
+    if head is None:
+        why = "it records no destination (written by an older version)"
+    elif head.get("destination") != dest or head.get("prefix") != prefix:
+        why = f"it is for {head.get('destination')} prefix {head.get('prefix')!r}"
+    else:
+        return None
+    key = (str(path), why)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(
+            "costexporter: leaving spool %s alone: %s, and this reporter sends to %s prefix %r "
+            "(send it with `costexporter events import` if it belongs there)",
+            path,
+            why,
+            dest,
+            prefix,
+        )
+    return why
+
+
+def entries_of(f) -> list[dict[str, str]]:
+    f.seek(0)
+    return list(_entries(f))
+
+
+def rewrite(f, head: dict, entries: list[dict[str, str]]) -> None:
+    f.seek(0)
+    f.truncate()
+    f.write(_encode(head) + "".join(_encode(e) for e in entries))
+    f.flush()
