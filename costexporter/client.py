@@ -154,13 +154,15 @@ def _tell_no_uuid(rank: int, host: str, index: int, local_rank: int) -> None:
 _Event = tuple[str, float, int, dict | None]
 
 # Server errors that pass (Redis full, loading, a replica during failover): retry, never drop.
-_RETRYABLE = frozenset(
-    {"OOM", "READONLY", "LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "MISCONF"}
-)
+_RETRYABLE_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
 
 
 def _retryable(exc: BaseException) -> bool:
-    return str(exc).split(" ", 1)[0] in _RETRYABLE
+    from redis import exceptions as rx
+
+    transient = (rx.OutOfMemoryError, rx.ReadOnlyError, rx.BusyLoadingError, rx.TryAgainError)
+    transient += (rx.ClusterDownError, rx.MasterDownError)
+    return isinstance(exc, transient) or str(exc).split(" ", 1)[0] in _RETRYABLE_CODES
 
 
 class _Retry(Exception):
@@ -480,11 +482,11 @@ class StepReporter:
             self._inflight = [self._queue.popleft() for _ in range(n)]
             entries, events = self._encode(self._inflight)
             try:
-                retry = self._deliver(entries)
+                ok, retry = self._deliver(entries)
             except self._redis_errors:
                 self._requeue()
                 raise
-            self.stats["sent"] += len(entries) - len(retry)
+            self.stats["sent"] += ok
             self._inflight = [events[i] for i in retry]
             self._requeue()
             if retry:
@@ -499,8 +501,8 @@ class StepReporter:
         try:
             while done < len(entries) and not self._stopping:
                 chunk = entries[done : done + self.batch_size]
-                retry = self._deliver(chunk)
-                self.stats["sent"] += len(chunk) - len(retry)
+                ok, retry = self._deliver(chunk)
+                self.stats["sent"] += ok
                 if retry:
                     self._spool.replace([chunk[i] for i in retry] + entries[done + len(chunk) :])
                     self.stats["unspooled"] += len(chunk) - len(retry)
@@ -529,8 +531,8 @@ class StepReporter:
                         if self._stopping:
                             raise _Retry("closing")
                         chunk = entries[done : done + self.batch_size]
-                        retry = self._deliver(chunk)
-                        self.stats["drained"] += len(chunk) - len(retry)
+                        ok, retry = self._deliver(chunk, "drain_rejected")
+                        self.stats["drained"] += ok
                         if retry:
                             entries[done : done + len(chunk)] = [chunk[i] for i in retry]
                             raise _Retry(f"{len(retry)} spooled events refused for now")
@@ -540,10 +542,12 @@ class StepReporter:
                     raise
                 path.unlink()
 
-    def _deliver(self, entries: list[dict[str, str]]) -> list[int]:
-        """Send; count what the server refused for good (dropped, logged once per reason) and
-        return the indices of what it refused for now (to retry). Raises on a dead connection."""
+    def _deliver(self, entries: list[dict[str, str]], refused_key: str = "rejected") -> tuple[int, list[int]]:
+        """Send; count what the server refused for good (dropped, logged once per reason).
+        Returns how many arrived and the indices of what it refused for now (to retry).
+        Raises on a dead connection."""
         retry: list[int] = []
+        refused = 0
         by_job: dict[str, list[int]] = {}
         for i, e in enumerate(entries):
             by_job.setdefault(e.get("job", self.job), []).append(i)
@@ -553,7 +557,8 @@ class StepReporter:
                 if _retryable(exc):
                     retry.append(idx[j])
                 else:
-                    self.stats["rejected"] += 1
+                    refused += 1
+                    self.stats[refused_key] += 1
                     self._log_once(
                         f"rejected:{exc}",
                         "costexporter: Redis refused events of %s (%s): dropped (stats['rejected'])",
@@ -571,7 +576,8 @@ class StepReporter:
                         job,
                         exc,
                     )
-        return sorted(set(retry))
+        retry = sorted(set(retry))
+        return len(entries) - refused - len(retry), retry  # a retried entry counts when it succeeds
 
     def _encode(self, batch: list[_Event]) -> tuple[list[dict[str, str]], list[_Event]]:
         entries, events = [], []

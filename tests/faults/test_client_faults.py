@@ -1,0 +1,421 @@
+"""The trainer's reporter under faults (issue 13, cases 1-3): real Redis servers, real trainer
+processes, real ACLs; each test failed on the reporter before the fix."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costexporter import protocol
+from costexporter.client import StepReporter
+from costexporter.reader import EventReader
+
+from ..conftest import SHARED_URL
+from ..redis_server import RedisServer, free_port
+
+HELPERS = Path(__file__).resolve().parent.parent / "helpers"
+
+
+def runs(client, job: str, prefix: str) -> list[str | None]:
+    return [e.get("state") for e in EventReader(client, job, prefix=prefix).read_all() if e.type == "run"]
+
+
+# ---- case 1: `run end` only on a clean exit ---------------------------------------------------
+
+
+def _trainer(how: str, prefix: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            str(HELPERS / "trainer_exit.py"),
+            f"exit-{how}",
+            prefix,
+            SHARED_URL,
+            str(tmp_path),
+            how,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RANK": "0"},
+    )
+
+
+@pytest.mark.parametrize("how", ["raise", "exit1", "exitmsg", "thread", "finally", "interrupt"])
+def test_a_crashing_trainer_posts_no_run_end(how, shared, prefix, tmp_path):
+    out = _trainer(how, prefix, tmp_path)
+    if how != "thread":  # an uncaught exception in a thread does not change the exit code
+        assert out.returncode != 0, out.stderr
+    assert runs(shared, f"exit-{how}", prefix) == ["start"], out.stderr
+    steps = [e for e in EventReader(shared, f"exit-{how}", prefix=prefix).read_all() if e.type == "step"]
+    assert len(steps) == 5  # the events before the crash arrived
+
+
+@pytest.mark.parametrize("how", ["clean", "exit0", "with", "caught_exit1"])
+def test_a_clean_exit_posts_run_end(how, shared, prefix, tmp_path):
+    out = _trainer(how, prefix, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert runs(shared, f"exit-{how}", prefix) == ["start", "end"], out.stderr
+
+
+def test_a_rank_whose_peer_is_killed_posts_no_run_end(shared, prefix, tmp_path):
+    pytest.importorskip("torch", reason="torch is an optional extra")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPERS / "gloo_peer.py"), "peer-kill", prefix, SHARED_URL, str(tmp_path)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        assert procs[0].stdout.readline().strip() == "stepping"
+        procs[1].send_signal(signal.SIGKILL)
+        _, err = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode not in (0, None), err  # the survivor raised from the all-reduce
+    events = EventReader(shared, "peer-kill", prefix=prefix).read_all()
+    survivor = [e.get("state") for e in events if e.type == "run" and e.rank == 0]
+    assert survivor == ["start"], err[-2000:]
+    assert sum(e.type == "step" and e.rank == 0 for e in events) >= 20
+
+
+# ---- case 2: values are checked at the call; a refused batch never wedges the queue ----------
+
+
+def test_numpy_and_decimal_values_are_converted_and_arrive(shared, prefix, tmp_path):
+    rep = StepReporter(
+        "numbers", SHARED_URL, prefix=prefix, rank=np.int64(0), spool_dir=tmp_path, heartbeat_s=3600
+    )
+    now = time.time()
+    rep.step(np.int64(1), tokens=np.int64(4096), ts=np.float64(now))
+    rep.step(Decimal("2"), tokens=Decimal("4096"))
+    rep.step(np.uint32(3), tokens=np.float64(4096.0), ts=Decimal(str(now + 1)))
+    rep.step(Fraction(4, 1))
+    rep.meta(budget=Decimal("5000.50"), price_per_gpu_hour=np.float32(3.5), team="llm", seed=np.int64(7))
+    with rep.phase("checkpoint", step=np.int32(4)):
+        pass
+    rep.resume(np.int64(2))
+    rep.preflight(np.bool_(True), checks={"tokens": np.int64(10), "ratio": Decimal("0.5")})
+    assert rep.flush(timeout=10), rep.stats
+    rep.close()
+    reader = EventReader(shared, "numbers", prefix=prefix)
+    events = reader.read_all()
+    assert [int(e.get("step")) for e in events if e.type == "step"] == [1, 2, 3, 4]
+    assert [e.get("tokens") for e in events if e.type == "step"] == [4096, 4096, 4096, None]
+    assert abs(next(e for e in events if e.type == "step").ts - now) < 1e-3
+    meta = next(e for e in events if e.type == "meta")
+    assert (meta.get("budget"), meta.get("price_per_gpu_hour"), meta.get("team")) == (5000.5, 3.5, "llm")
+    assert [e.type for e in events][:2] == ["register", "run"]
+    assert json.loads(next(e for e in events if e.type == "preflight").get("checks")) == {
+        "ratio": 0.5,
+        "tokens": 10,
+    }
+    assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
+    assert shared.hget(protocol.meta_key(prefix, "numbers"), "budget") == "5000.5"
+
+
+HOSTILE = st.one_of(
+    st.text(max_size=5),
+    st.binary(max_size=3),
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.decimals(allow_nan=True, allow_infinity=True),
+    st.fractions(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.builds(object),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1).map(np.int64),
+    st.floats(allow_nan=True, allow_infinity=True).map(np.float64),
+    st.booleans().map(np.bool_),
+)
+
+
+def _whole(x) -> int | None:
+    """What a correct reporter makes of x as a step: the whole number, or None (refuse it)."""
+    if isinstance(x, (bool, np.bool_, str, bytes, list, dict)) or type(x) is object:
+        return None
+    try:
+        f = Fraction(x) if not isinstance(x, (float, np.floating)) else Fraction(float(x))
+    except (ValueError, OverflowError, TypeError):
+        return None
+    if f.denominator != 1 or not 0 <= f.numerator <= 10**12:
+        return None
+    return f.numerator
+
+
+def test_hostile_step_values_are_refused_at_the_call_and_good_ones_still_arrive(shared, prefix, tmp_path):
+    rep = StepReporter("hostile", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
+    expected: list[int] = []
+
+    @settings(max_examples=300)
+    @given(step=HOSTILE, tokens=st.one_of(st.none(), HOSTILE))
+    def call(step, tokens):
+        want, want_tokens = _whole(step), (None if tokens is None else _whole(tokens))
+        ok = want is not None and (tokens is None or (want_tokens is not None and want_tokens <= 10**15))
+        if ok:
+            rep.step(step, tokens=tokens)
+            expected.append(want)
+        else:
+            with pytest.raises((TypeError, ValueError)):
+                rep.step(step, tokens=tokens)
+
+    call()
+    rep.step(123)  # and the reporter still works
+    expected.append(123)
+    assert rep.flush(timeout=20), rep.stats
+    rep.close()
+    reader = EventReader(shared, "hostile", prefix=prefix)
+    events = reader.read_all()
+    assert [int(e.get("step")) for e in events if e.type == "step"] == expected
+    assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
+    assert rep.stats["rejected"] == 0 and rep.stats["sent"] == len(expected) + 3
+
+
+def test_a_batch_the_server_refuses_is_dropped_counted_and_later_batches_go_through(tmp_path, caplog):
+    """A trainer whose ACL loses XADD for a while (a real refusal, NOPERM), and a ranks hash of the
+    wrong type (WRONGTYPE on the register's HSET): neither wedges the queue."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        admin = server.client()
+        acl = [
+            "~costexporter:{refused}:*",
+            "~costexporter:jobs",
+            "-@all",
+            "+hset",
+            "+zadd",
+            "+ping",
+            "+hello",
+        ]
+        admin.execute_command("ACL", "SETUSER", "t", "on", ">pw", *acl, "+xadd")
+        admin.set(protocol.ranks_key("costexporter", "refused"), "not a hash")
+        url = f"redis://t:pw@127.0.0.1:{server.port}/0"
+        rep = StepReporter("refused", url, rank=0, spool_dir=tmp_path / "spool", heartbeat_s=3600)
+        with caplog.at_level(logging.ERROR, logger="costexporter.client"):
+            for s in range(1, 11):
+                rep.step(s)
+            assert rep.flush(timeout=10), rep.stats
+            admin.execute_command("ACL", "SETUSER", "t", "-xadd")
+            for s in range(11, 21):
+                rep.step(s)
+            assert rep.flush(timeout=10), rep.stats  # refused: dropped, not retried forever
+            admin.execute_command("ACL", "SETUSER", "t", "+xadd")
+            for s in range(21, 31):
+                rep.step(s)
+            assert rep.flush(timeout=10), rep.stats
+            rep.close()
+        events = EventReader(admin, "refused").read_all()
+    finally:
+        server.stop()
+    assert [int(e.get("step")) for e in events if e.type == "step"] == [*range(1, 11), *range(21, 31)]
+    assert [e.type for e in events][:2] == ["register", "run"]  # the register arrived in the stream
+    assert rep.stats["rejected"] == 10 and rep.stats["side_rejected"] == 1
+    assert rep.stats["sent"] == 2 + 20 + 1 and rep.stats["spooled"] == 0
+    refusals = [r.message for r in caplog.records if "refused" in r.message]
+    assert len(refusals) == 2, refusals  # once for the XADDs, once for the HSET
+    assert not list((tmp_path / "spool").glob("*.jsonl"))
+
+
+# ---- case 3: the spool counts what it holds, holds what it counts, and goes only where it belongs ---
+
+
+def spool_lines(spool_dir: Path) -> list[dict]:
+    out = []
+    for p in spool_dir.glob("*.jsonl"):
+        for line in p.read_text().splitlines():
+            d = json.loads(line)
+            if "costexporter_spool" not in d:  # the header line: destination and prefix
+                out.append(d)
+    return out
+
+
+def test_close_with_redis_down_and_a_spool_file_loses_nothing(tmp_path):
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    spool_dir = tmp_path / "spool"
+    rep = StepReporter("down60k", url, rank=0, spool_dir=spool_dir, heartbeat_s=3600, socket_timeout_s=0.5)
+    for s in range(1, 60_001):
+        rep.step(s)
+    deadline = time.monotonic() + 20
+    while not rep.stats["spooled"] and time.monotonic() < deadline:  # the sender spilled half to disk
+        time.sleep(0.05)
+    assert rep.stats["spooled"] > 0
+    rep.close()
+    on_disk = spool_lines(spool_dir)
+    assert len(on_disk) == rep.stats["spooled"] == 60_003, rep.stats
+    assert sorted(int(d["seq"]) for d in on_disk) == list(range(60_003))
+    assert rep.stats["lost"] == 0 and rep.stats["overflow"] == 0
+
+    server = RedisServer(tmp_path / "redis", port=port).start()
+    try:
+        nxt = StepReporter("down60k", url, rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        assert nxt.flush(timeout=30)
+        nxt.close()
+        events = EventReader(server.client(), "down60k").read_all()
+    finally:
+        server.stop()
+    assert nxt.stats["drained"] == 60_003
+    assert [int(e.get("step")) for e in events if e.type == "step" and e.session == rep.session] == list(
+        range(1, 60_001)
+    )
+    assert not list(spool_dir.glob("*.jsonl"))
+
+
+def test_a_spool_is_sent_only_to_the_redis_and_prefix_it_was_written_for(tmp_path, caplog):
+    server = RedisServer(tmp_path / "redis").start()
+    spool_dir = tmp_path / "spool"
+    url = f"redis://:s3cret@127.0.0.1:{server.port}/0"
+    try:
+        server.client().config_set("requirepass", "s3cret")
+        server.stop()  # down: the first reporter spools
+        first = StepReporter("dest", url, prefix="pa", rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        first.step(1)
+        first.close(timeout=0.3)
+        text = next(spool_dir.glob("*.jsonl")).read_text()
+        head = json.loads(text.splitlines()[0])
+        assert head["destination"] == f"redis://127.0.0.1:{server.port}/0" and head["prefix"] == "pa"
+        assert "s3cret" not in text
+        # Another Redis with the same prefix (the shared one): it leaves the file alone, and says so once.
+        with caplog.at_level(logging.WARNING, logger="costexporter.client"):
+            for _ in range(2):
+                other = StepReporter(
+                    "dest", SHARED_URL, prefix="pa", rank=0, spool_dir=spool_dir, heartbeat_s=3600
+                )
+                assert other.flush(timeout=10)
+                other.close()
+        assert sum("leaving spool" in r.message for r in caplog.records) == 1
+        assert len(spool_lines(spool_dir)) == 4
+        assert redis.Redis.from_url(SHARED_URL).xlen(protocol.stream_key("pa", "dest")) == 2 * 3
+        redis.Redis.from_url(SHARED_URL).delete(
+            protocol.stream_key("pa", "dest"), protocol.ranks_key("pa", "dest")
+        )
+        server.start()
+        server.client().config_set("requirepass", "s3cret")
+        # The same server under another prefix leaves it too; the right one sends it.
+        wrong = StepReporter("dest", url, prefix="pb", rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        assert wrong.flush(timeout=10)
+        wrong.close()
+        assert len(spool_lines(spool_dir)) == 4
+        right = StepReporter("dest", url, prefix="pa", rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        assert right.flush(timeout=10)
+        right.close()
+        admin = redis.Redis.from_url(url, decode_responses=True)
+        sessions = {e.session for e in EventReader(admin, "dest", prefix="pa").read_all()}
+    finally:
+        server.stop()
+    assert first.session in sessions and right.stats["drained"] == 4
+    assert not list(spool_dir.glob("*.jsonl"))
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("steps"), st.integers(0, 400)),
+        st.tuples(st.just("stop")),
+        st.tuples(st.just("start")),
+        st.tuples(st.just("restart_trainer")),
+        st.tuples(st.just("flush")),
+    ),
+    max_size=7,
+)
+
+
+def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(tmp_path):
+    """Hypothesis: random sequences of steps, Redis stops and starts, trainer restarts (close and a
+    new reporter) and flushes. After each: every posted event is in Redis (de-duplicated) or in a
+    spool file, nothing else is in Redis, and each reporter's stats say exactly where its events are."""
+    server = RedisServer(tmp_path / "redis").start()
+    url = server.url
+    case = [0]
+
+    @settings(max_examples=int(os.environ.get("CLIENT_FAULT_EXAMPLES", "10")))
+    @given(ops=OPS)
+    def schedule(ops):
+        case[0] += 1
+        job, spool_dir = f"sched{case[0]}", tmp_path / f"spool{case[0]}"
+        if server.proc is None:
+            server.start()
+        kw = dict(rank=0, spool_dir=spool_dir, heartbeat_s=3600, socket_timeout_s=0.3, exit_timeout_s=0.5)
+        kw |= dict(buffer_size=400, flush_interval_s=0.01)
+        reporters = [StepReporter(job, url, **kw)]
+        steps = [0]  # steps posted through each reporter
+        step = 0
+
+        def close_current() -> None:
+            rep = reporters[-1]
+            rep.close()
+            mine = [d for d in spool_lines(spool_dir) if d["session"] == rep.session]
+            assert len(mine) == rep.stats["spooled"] - rep.stats["unspooled"], rep.stats
+
+        for op in ops:
+            if op[0] == "steps":
+                for _ in range(op[1]):
+                    step += 1
+                    steps[-1] += 1
+                    reporters[-1].step(step)
+                    if step % 50 == 0:
+                        time.sleep(0.005)
+            elif op[0] == "stop" and server.proc is not None:
+                server.stop()
+            elif op[0] == "start" and server.proc is None:
+                server.start()
+            elif op[0] == "restart_trainer":
+                close_current()
+                reporters.append(StepReporter(job, url, **kw))
+                steps.append(0)
+            elif op[0] == "flush":
+                assert reporters[-1].flush(timeout=10) or server.proc is None
+        close_current()
+
+        # Where every reporter's events are, before a last one sends the spool.
+        stream = EventReader(server.client(), job).read_all() if server.proc is not None else None
+        disk = {(d["session"], int(d["seq"])) for d in spool_lines(spool_dir)}
+        if server.proc is None:
+            server.start()
+            stream = EventReader(server.client(), job).read_all()
+        arrived = {(e.session, e.seq) for e in stream}
+        for rep, n in zip(reporters, steps, strict=True):
+            # register, run start, the steps the buffer took, run end: numbered 0, 1, 2...
+            posted = {(rep.session, s) for s in range(3 + n - rep.stats["overflow"])}
+            s = rep.stats
+            assert s["lost"] == 0 and s["rejected"] == 0, s
+            assert len(posted) == s["sent"] + s["spooled"] - s["unspooled"], s
+            mine_arrived = {x for x in arrived if x[0] == rep.session}
+            assert mine_arrived <= posted
+            assert posted <= mine_arrived | disk, (posted - mine_arrived - disk, s)
+
+        # A last reporter sends what waits on disk: then everything is in Redis, once.
+        last = StepReporter(job, url, **kw)
+        assert last.flush(timeout=20), last.stats
+        last.close()
+        assert last.stats["drained"] == sum(r.stats["spooled"] - r.stats["unspooled"] for r in reporters)
+        reader = EventReader(server.client(), job)
+        arrived = {(e.session, e.seq) for e in reader.read_all()}
+        for rep, n in zip(reporters, steps, strict=True):
+            assert {(rep.session, s) for s in range(3 + n - rep.stats["overflow"])} <= arrived
+        assert not spool_lines(spool_dir)
+
+    try:
+        schedule()
+    finally:
+        server.stop()
