@@ -143,3 +143,59 @@ def test_lightning_trainer_posts_steps_evals_and_checkpoints(prefix, tmp_path):
     ]
     # Each checkpoint comes after the step it saved.
     assert got.index(("checkpoint", "end", 3)) > got.index(("step", 3))
+
+
+def test_a_hugging_face_run_that_crashes_posts_no_run_end(shared, prefix, tmp_path):
+    """The data loader fails at step 3: the process dies of the exception, so no `run end`."""
+    pytest.importorskip("torch", reason="torch is an optional extra")
+    pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    helper = Path(__file__).parent / "helpers" / "hf_crash.py"
+    out = subprocess.run(
+        [sys.executable, str(helper), "hf-crash", prefix, SHARED_URL, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "shard 3 is unreadable" in out.stderr, out.stderr[-2000:]
+    got = timeline(prefix, "hf-crash")  # the loader reads a batch ahead: the steps before that one
+    assert got[0] == ("run", "start") and got[1] == ("step", 1)
+    assert ("run", "end") not in got
+
+
+def test_a_lightning_fit_that_raises_posts_no_run_end(prefix, tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is an optional extra")
+    L = pytest.importorskip("lightning.pytorch", reason="lightning is the [lightning] extra")
+    from costexporter.integrations.lightning import CostExporterLightningCallback
+
+    class Diverges(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            if i == 3:
+                raise FloatingPointError("loss is NaN")
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=8)
+    cb = CostExporterLightningCallback(job="pl-crash", prefix=prefix, spool_dir=tmp_path, heartbeat_s=3600)
+    trainer = L.Trainer(
+        max_steps=6,
+        callbacks=[cb],
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(FloatingPointError):
+        trainer.fit(Diverges(), loader)
+    assert timeline(prefix, "pl-crash") == [("run", "start"), ("step", 1), ("step", 2), ("step", 3)]
