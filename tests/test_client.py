@@ -337,3 +337,27 @@ def test_reporter_posts_over_tls(tmp_path):
             redis.Redis(port=server.port, socket_connect_timeout=1, socket_timeout=1).ping()
     finally:
         server.stop()
+
+
+def test_without_nvml_the_gpu_guess_is_said_once_with_how_to_set_it(monkeypatch, tmp_path, caplog):
+    import costexporter.client as client
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails, as on a host without it
+    monkeypatch.setattr(client, "_told_no_uuid", False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with caplog.at_level(logging.INFO, logger="costexporter.client"):
+        reps = [StepReporter("nonvml", url, rank=r, local_rank=r, spool_dir=tmp_path) for r in (2, 3)]
+    for rep in reps:
+        rep.close(timeout=0.1)
+    told = [r for r in caplog.records if "no GPU UUID" in r.message]
+    assert len(told) == 1 and told[0].levelno == logging.INFO
+    assert "GPU index 2 (from local rank 2)" in told[0].message
+    assert "gpu_uuid=" in told[0].message and "gpu_index=" in told[0].message
+    assert (reps[0].gpu_index, reps[0].gpu_uuid) == (2, None)
+    # Given a GPU, nothing is said.
+    caplog.clear()
+    monkeypatch.setattr(client, "_told_no_uuid", False)
+    with caplog.at_level(logging.INFO, logger="costexporter.client"):
+        StepReporter("nonvml", url, rank=0, gpu_index=5, spool_dir=tmp_path).close(timeout=0.1)
+    assert not [r for r in caplog.records if "no GPU UUID" in r.message]
