@@ -1,7 +1,8 @@
 """Trainer hot-path benchmark: python bench/bench_client.py [--n N]
 
 Against the local Redis (127.0.0.1:6379, or COSTEXPORTER_REDIS_URL), side by side in one run:
-  * `StepReporter.step()` latency, p50 / p99 / max, while the sender thread ships in background;
+  * `StepReporter.step()` latency, p50 / p99 / max, while the sender thread ships in background,
+    with plain ints (the hot path) and with numpy integers (converted at the call);
   * a synchronous `XADD` per step (what a naive trainer would do), p50 / p99;
   * sustained events/s: N steps posted as fast as possible until all are in the stream.
 Targets (issue 3): step() p99 <= 10 us, and >= 10x faster than a synchronous XADD at the median.
@@ -15,6 +16,7 @@ import tempfile
 import time
 import uuid
 
+import numpy as np
 import redis
 
 from costexporter import protocol
@@ -44,6 +46,19 @@ def main() -> None:
             lat.append(time.perf_counter_ns() - t)
             if s % 1000 == 999:
                 time.sleep(0.001)  # a trainer does work between steps; let the sender run
+        rep.close(timeout=30)
+
+        # 1b. The same with numpy integers, which step() converts at the call.
+        rep = StepReporter("bench-numpy", url, prefix=prefix, rank=0, spool_dir=spool, heartbeat_s=3600)
+        steps, tokens = np.arange(a.n, dtype=np.int64), np.int64(4096)
+        lat_np = []
+        for s in range(a.n):
+            x = steps[s]
+            t = time.perf_counter_ns()
+            rep.step(x, tokens=tokens)
+            lat_np.append(time.perf_counter_ns() - t)
+            if s % 1000 == 999:
+                time.sleep(0.001)
         rep.close(timeout=30)
 
         # 2. A synchronous XADD per step, on the same Redis.
@@ -82,11 +97,13 @@ def main() -> None:
             r.delete(*keys)
 
     p50, p99, mx = pct(lat, 0.5), pct(lat, 0.99), max(lat) / 1000
+    n50, n99 = pct(lat_np, 0.5), pct(lat_np, 0.99)
     s50, s99 = pct(sync, 0.5), pct(sync, 0.99)
     print(f"client benchmark against {url.split('@')[-1]}, {a.n:,} steps")
     print(
         f"  step()            p50 {p50:6.2f} us   p99 {p99:6.2f} us   max {mx:8.1f} us   target p99 <= 10 us"
     )
+    print(f"  step(np.int64)    p50 {n50:6.2f} us   p99 {n99:6.2f} us   (converted at the call)")
     print(f"  synchronous XADD  p50 {s50:6.2f} us   p99 {s99:6.2f} us")
     print(f"  step() vs XADD at the median: {s50 / p50:.0f}x faster (target >= 10x)")
     print(f"  sustained: {rate:,.0f} events/s into the stream ({in_stream:,} entries)")
