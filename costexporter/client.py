@@ -247,6 +247,7 @@ class StepReporter:
         self._stopping = False
         self._warned_overflow = False
         self._logged: set[str] = set()
+        self._bad_files: set[Path] = set()
         self.stats = collections.Counter()
 
         import redis
@@ -469,9 +470,10 @@ class StepReporter:
                     backoff = min(max(backoff * 2, 0.1), 2.0)
                     if len(self._queue) > self.capacity // 2:
                         self._spill()
-                except Exception:  # the sender must never die: log and keep going
+                except Exception:  # the sender must never die, nor retry a poison batch forever
                     log.exception("costexporter: unexpected error in the reporter thread")
-                    self._requeue()
+                    self.stats["rejected"] += len(self._inflight)
+                    self._inflight = []
                     backoff = 1.0
             if not self._queue and not self._inflight and not self._spool.lines:
                 self._idle.set()
@@ -497,50 +499,58 @@ class StepReporter:
         if not self._spool.lines:
             return
         entries = self._spool.read()
-        done = 0
+        remaining = entries
         try:
-            while done < len(entries) and not self._stopping:
-                chunk = entries[done : done + self.batch_size]
+            while remaining and not self._stopping:
+                chunk, rest = remaining[: self.batch_size], remaining[self.batch_size :]
                 ok, retry = self._deliver(chunk)
                 self.stats["sent"] += ok
+                self.stats["unspooled"] += len(chunk) - len(retry)
+                remaining = [chunk[i] for i in retry] + rest
                 if retry:
-                    self._spool.replace([chunk[i] for i in retry] + entries[done + len(chunk) :])
-                    self.stats["unspooled"] += len(chunk) - len(retry)
                     raise _Retry(f"{len(retry)} spooled events refused for now")
-                done += len(chunk)
-                self.stats["unspooled"] += len(chunk)
         finally:
-            if self._spool.lines != len(entries) - done:
-                self._spool.replace(entries[done:])
+            if remaining is not entries:
+                self._spool.replace(remaining)
 
     def _drain_others(self) -> None:
         """Send the spool files that crashed or exited reporters left for this Redis and prefix."""
         for path in spool.others(self.spool_dir, self.prefix, skip=self._spool_path):
             if self._stopping:
                 return
+            if path in self._bad_files:
+                continue
             with spool.claim(path) as f:
                 if f is None:
                     continue
                 head = spool.read_header(f)
                 if spool.mismatch(path, head, self.destination, self.prefix):
                     continue
-                entries = spool.entries_of(f)
-                done = 0
                 try:
-                    while done < len(entries):
-                        if self._stopping:
-                            raise _Retry("closing")
-                        chunk = entries[done : done + self.batch_size]
-                        ok, retry = self._deliver(chunk, "drain_rejected")
-                        self.stats["drained"] += ok
-                        if retry:
-                            entries[done : done + len(chunk)] = [chunk[i] for i in retry]
-                            raise _Retry(f"{len(retry)} spooled events refused for now")
-                        done += len(chunk)
-                except BaseException:
-                    spool.rewrite(f, head, entries[done:])
+                    if self._send_file(f, head):
+                        path.unlink()
+                except (_Retry, *self._redis_errors):
                     raise
-                path.unlink()
+                except Exception:  # an unreadable file must not stop this reporter's own events
+                    self._bad_files.add(path)
+                    log.exception("costexporter: cannot send spool %s; leaving it", path)
+
+    def _send_file(self, f, head: dict) -> bool:
+        """Send a claimed file's events; on any stop, keep what is unsent in it. True: all sent."""
+        remaining = spool.entries_of(f)
+        total = len(remaining)
+        try:
+            while remaining and not self._stopping:
+                chunk, rest = remaining[: self.batch_size], remaining[self.batch_size :]
+                ok, retry = self._deliver(chunk, "drain_rejected")
+                self.stats["drained"] += ok
+                remaining = [chunk[i] for i in retry] + rest
+                if retry:
+                    raise _Retry(f"{len(retry)} spooled events refused for now")
+        finally:
+            if remaining and len(remaining) != total:
+                spool.rewrite(f, head, remaining)
+        return not remaining
 
     def _deliver(self, entries: list[dict[str, str]], refused_key: str = "rejected") -> tuple[int, list[int]]:
         """Send; count what the server refused for good (dropped, logged once per reason).
