@@ -237,6 +237,29 @@ def test_a_batch_the_server_refuses_is_dropped_counted_and_later_batches_go_thro
     assert not list((tmp_path / "spool").glob("*.jsonl"))
 
 
+def test_a_full_redis_refuses_for_now_and_nothing_is_dropped(tmp_path):
+    """OOM (maxmemory reached, noeviction) passes: those events wait and go out afterwards."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        admin = server.client()
+        rep = StepReporter("full", server.url, rank=0, spool_dir=tmp_path / "spool", heartbeat_s=3600)
+        assert rep.flush(timeout=10)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+        for s in range(1, 201):
+            rep.step(s)
+        assert not rep.flush(timeout=1.0)  # refused for now
+        assert rep.stats["send_errors"] > 0 and rep.stats["rejected"] == 0
+        admin.config_set("maxmemory", "0")
+        assert rep.flush(timeout=15), rep.stats
+        rep.close()
+        events = EventReader(admin, "full").read_all()
+    finally:
+        server.stop()
+    assert [int(e.get("step")) for e in events if e.type == "step"] == list(range(1, 201))
+    assert rep.stats["rejected"] == 0 and rep.stats["sent"] == 203
+
+
 # ---- case 3: the spool counts what it holds, holds what it counts, and goes only where it belongs ---
 
 
