@@ -371,7 +371,7 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
     url = server.url
     case = [0]
 
-    @settings(max_examples=int(os.environ.get("CLIENT_FAULT_EXAMPLES", "10")))
+    @settings(max_examples=int(os.environ.get("CLIENT_FAULT_EXAMPLES", "20")))
     @given(ops=OPS)
     def schedule(ops):
         case[0] += 1
