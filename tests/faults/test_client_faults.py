@@ -351,6 +351,39 @@ def test_a_spool_is_sent_only_to_the_redis_and_prefix_it_was_written_for(tmp_pat
     assert not list(spool_dir.glob("*.jsonl"))
 
 
+def test_a_live_reporters_spool_is_not_taken_from_under_it(tmp_path):
+    """Another reporter starting on the host (same Redis, same prefix) while the first still
+    writes its spool leaves that file to its writer: every event arrives once, none twice."""
+    server = RedisServer(tmp_path / "redis")
+    url, spool_dir = server.url, tmp_path / "spool"
+    kw = dict(rank=0, spool_dir=spool_dir, heartbeat_s=3600, socket_timeout_s=0.3, buffer_size=100)
+    first = StepReporter("live", url, **kw)
+    for s in range(1, 81):
+        first.step(s)
+    deadline = time.monotonic() + 10
+    while not first.stats["spooled"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert first.stats["spooled"] > 0
+    server.start()
+    try:
+        second = StepReporter("live", url, **kw)
+        assert second.flush(timeout=10)
+        assert second.stats["drained"] == 0  # the file is still first's
+        for s in range(81, 121):
+            first.step(s)
+        assert first.flush(timeout=10), first.stats
+        first.close()
+        second.close()
+        client = server.client()
+        events = EventReader(client, "live").read_all()
+        raw = client.xlen(protocol.stream_key("costexporter", "live"))
+    finally:
+        server.stop()
+    assert [int(e.get("step")) for e in events if e.type == "step"] == list(range(1, 121))
+    assert raw == len(events)  # nothing was sent twice
+    assert first.stats["unspooled"] == first.stats["spooled"] and not list(spool_dir.glob("*.jsonl"))
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("steps"), st.integers(0, 400)),
