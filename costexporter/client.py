@@ -498,6 +498,7 @@ class StepReporter:
         """Send this reporter's own spool (older than anything in memory) once Redis is back."""
         if not self._spool.lines:
             return
+        self._redis.ping()  # while Redis is down, do not re-read a big spool every round
         entries = self._spool.read()
         remaining = entries
         try:
@@ -515,11 +516,15 @@ class StepReporter:
 
     def _drain_others(self) -> None:
         """Send the spool files that crashed or exited reporters left for this Redis and prefix."""
+        pinged = False
         for path in spool.others(self.spool_dir, self.prefix, skip=self._spool_path):
             if self._stopping:
                 return
             if path in self._bad_files:
                 continue
+            if not pinged:
+                self._redis.ping()  # while Redis is down, do not re-read the files every round
+                pinged = True
             with spool.claim(path) as f:
                 if f is None:
                     continue
