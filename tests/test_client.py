@@ -361,3 +361,18 @@ def test_without_nvml_the_gpu_guess_is_said_once_with_how_to_set_it(monkeypatch,
     with caplog.at_level(logging.INFO, logger="costexporter.client"):
         StepReporter("nonvml", url, rank=0, gpu_index=5, spool_dir=tmp_path).close(timeout=0.1)
     assert not [r for r in caplog.records if "no GPU UUID" in r.message]
+
+
+def test_a_spool_without_a_destination_is_left_alone_and_said_once(shared, prefix, tmp_path, caplog):
+    """A spool file from an older version records no destination: it could belong to any Redis."""
+    entry = {"v": "1", "type": "step", "job": "old", "ts": f"{time.time():.3f}", "rank": "0"}
+    legacy = tmp_path / f"{prefix}.old.abcdef.jsonl"
+    legacy.write_text(json.dumps({**entry, "session": "abcdef", "seq": "0", "step": "1"}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="costexporter.client"):
+        for _ in range(2):
+            rep = StepReporter("new", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
+            assert rep.flush(timeout=10)
+            rep.close()
+    told = [r.message for r in caplog.records if "leaving spool" in r.message]
+    assert len(told) == 1 and "records no destination" in told[0] and str(legacy) in told[0]
+    assert legacy.exists() and not shared.exists(protocol.stream_key(prefix, "old"))
