@@ -11,8 +11,9 @@ the three ways it can end badly and remember them:
 * `sys.exit(n)` with a non-zero or non-integer `n` (the last call wins, so a `sys.exit(1)`
   caught and followed by `sys.exit(0)` is clean).
 
-Known limit: `raise SystemExit(1)` written out (not through `sys.exit`) and `os._exit()` cannot be
-seen; `os._exit` also skips the reporter's exit flush. The hooks chain to whatever hooks were
+Known limit: `raise SystemExit(1)` written out (not through `sys.exit`, or through an `exit`
+imported from `sys` before `install`) and `os._exit()` cannot be seen; `os._exit` also skips the
+reporter's exit flush. The hooks chain to whatever hooks were
 installed before, and are installed once, by the first reporter.
 """
 
