@@ -681,12 +681,20 @@ def dashboard(output) -> None:
     metavar="NAME=VALUE",
     help="Override one window or threshold (e.g. slope_window=20m); see costexporter/rules.py.",
 )
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["rules", "prometheusrule"]),
+    default="rules",
+    help="A Prometheus rule file, or a prometheus-operator PrometheusRule object.",
+)
+@click.option("--name", default="costexporter", help="metadata.name of the PrometheusRule.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def rules(short, overrides, output) -> None:
+def rules(short, overrides, fmt, name, output) -> None:
     """Print (or write) the Prometheus alert and recording rules."""
     import dataclasses
 
-    from .rules import RuleWindows, render
+    from .rules import RuleWindows, render, render_prometheus_rule
 
     w = RuleWindows.short() if short else RuleWindows()
     known = {f.name: f.type for f in dataclasses.fields(RuleWindows)}
@@ -696,7 +704,8 @@ def rules(short, overrides, output) -> None:
         if not sep or name not in known:
             raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
         kw[name] = float(value) if known[name] in (float, "float") else value
-    text = render(dataclasses.replace(w, **kw))
+    w = dataclasses.replace(w, **kw)
+    text = render(w) if fmt == "rules" else render_prometheus_rule(w, name)
     if output:
         output.write_text(text)
     else:
