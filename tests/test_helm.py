@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "costexporter"
 KUBE = "1.33.0"  # a current release: Deployment/DaemonSet/StatefulSet apps/v1 as served today
 TOKEN = {"name": "finance", "sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"}
-TOKENS = {"api": {"tokens": [{**TOKEN, "teams": "*"}, {"name": "llm", "sha256": "ab" * 32, "teams": ["llm"]}]}}
+TOKENS = {
+    "api": {"tokens": [{**TOKEN, "teams": "*"}, {"name": "llm", "sha256": "ab" * 32, "teams": ["llm"]}]}
+}
 
 # Value sets a user would install with; every one must lint, render and validate.
 VALUE_SETS = {
@@ -114,7 +116,9 @@ def test_operator_objects_match_the_prometheus_operator_crds():
     # The check itself: a misspelt field is caught.
     bad = {**_by_kind(_render(TOKENS))["ServiceMonitor"][0]}
     bad["spec"] = {**bad["spec"], "endpoints": [{"port": "metrics", "intervall": "15s"}]}
-    dumped = models.ServiceMonitor.model_validate(bad).model_dump(by_alias=True, exclude_unset=True, mode="json")
+    dumped = models.ServiceMonitor.model_validate(bad).model_dump(
+        by_alias=True, exclude_unset=True, mode="json"
+    )
     assert _unknown_fields(bad, dumped) == [".spec.endpoints[0].intervall"]
 
 
@@ -164,11 +168,16 @@ def test_rendered_workloads_carry_what_the_values_say():
     assert "runtimeClassName" not in spec  # dcgm: no NVML inside the agent
     assert "--source=dcgm" in c["args"] and "--dcgm-url=http://$(HOST_IP):9400/metrics" in c["args"]
     assert "--k8s-job-label=jobset.sigs.k8s.io/jobset-name" in c["args"]
-    assert {"--currency=EUR", "--price-per-gpu-hour=2.9", "--price-per-kwh=0.21", "--pue=1.3"} <= set(c["args"])
+    assert {"--currency=EUR", "--price-per-gpu-hour=2.9", "--price-per-kwh=0.21", "--pue=1.3"} <= set(
+        c["args"]
+    )
     url = next(e for e in c["env"] if e["name"] == "COSTEXPORTER_REDIS_URL")
     assert url["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "sentinel-url"}
     assert "StatefulSet" not in k  # an existing Redis: none in the release
-    assert "ServiceMonitor" not in k and k["PodMonitor"][0]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert (
+        "ServiceMonitor" not in k
+        and k["PodMonitor"][0]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    )
     # The tokens Secret holds the hashes in the API's tokens-file format, mounted where the env says.
     (sec,) = [s for s in k["Secret"] if s["metadata"]["name"].endswith("api-tokens")]
     tokens = yaml.safe_load(sec["stringData"]["tokens.yaml"])

@@ -69,7 +69,12 @@ def _dockerignore() -> list[str]:
 def test_dockerignore_keeps_the_venv_and_caches_out_but_not_what_the_image_copies():
     pats = _dockerignore()
     assert not any(p.startswith("!") for p in pats)
-    for heavy in (".venv", ".venv/lib/python3.11/site-packages/torch/x.so", ".git/objects/ab", "bench/.data/a"):
+    for heavy in (
+        ".venv",
+        ".venv/lib/python3.11/site-packages/torch/x.so",
+        ".git/objects/ab",
+        "bench/.data/a",
+    ):
         assert _ignored(heavy, pats), heavy
     assert _ignored("costexporter/__pycache__/cli.cpython-311.pyc", pats)
     # Everything the Dockerfile COPYs is still in the context.
