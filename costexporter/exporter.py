@@ -23,6 +23,23 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from . import __version__
 from .model import BANDS, CATEGORIES
 
+# dcgm-exporter's label names on every per-GPU series, so `* on(UUID)` joins with DCGM_FI_*
+# need no label_replace (`gpu` is already DCGM's); empty where unknown (no pod). Not modelName:
+# `promtool check metrics` rejects camelCase label names; join it from DCGM by UUID instead.
+DCGM_LABELS = ["UUID", "Hostname", "pod", "namespace", "container"]
+
+
+def dcgm_label_values(g, pod) -> list[str]:
+    """Values of DCGM_LABELS for one GPU (`GpuId`) and the pod holding it, if known."""
+    return [
+        g.uuid or "",
+        g.host,
+        pod.pod if pod else "",
+        pod.namespace if pod else "",
+        pod.container if pod else "",
+    ]
+
+
 # A job's categories: `unassigned` is time outside every job, never a job's.
 JOB_CATEGORIES = [(k, c) for k, c in enumerate(CATEGORIES) if c != "unassigned"]
 
@@ -51,7 +68,8 @@ class AgentCollector(Collector):
             for name, j in s["jobs"].items()
             for r, g in j["own"].items()
         }
-        labels = ["host", "gpu", "uuid", "training_job", "rank"]
+        labels = ["host", "gpu", "uuid", "training_job", "rank", *DCGM_LABELS]
+        pods = self.agent.source.pods() if hasattr(self.agent.source, "pods") else {}
         power = GaugeMetricFamily(
             "costexporter_gpu_power_watts", "Board power of the newest sample.", labels=labels
         )
@@ -65,7 +83,7 @@ class AgentCollector(Collector):
         )
         for i, g in enumerate(s["gpus"]):
             job, rank, b = held.get(i, ("", "", None))
-            lv = [g.host, str(g.index), g.uuid or "", job, str(rank)]
+            lv = [g.host, str(g.index), g.uuid or "", job, str(rank), *dcgm_label_values(g, pods.get(i))]
             r = s["latest"].get(i)
             if r is not None:
                 if not math.isnan(r.power_w):
