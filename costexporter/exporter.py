@@ -191,6 +191,7 @@ class AgentCollector(Collector):
             risk.add_metric([name], j["at_risk_ms"] / 1000)
             booked_until.add_metric([name], j["booked_until"] / 1000)
         yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)
+        yield from _dashboard_families(s)
 
         # Job-level: the same on every agent of the job; aggregate with max.
         f = [
@@ -266,6 +267,34 @@ class AgentCollector(Collector):
                 if j["figures"].get(key) is not None:
                     fam.add_metric([name], float(j["figures"][key]) * scale)
             yield fam
+
+
+# Band edges of the job's profile (figure key -> `edge` label), for the dashboard's thresholds.
+BAND_EDGES = {"band_idle_max_w": "idle_max", "band_low_max_w": "low_max", "band_compute_min_w": "compute_min"}
+JOB_INFO = ("team", "namespace", "cost_center")
+
+
+def _dashboard_families(s):
+    """Job-level series the dashboard filters and draws with (the same on every agent: max):
+    the job's team/namespace/cost center as an info series, and its profile's band edges."""
+    info = GaugeMetricFamily(
+        "costexporter_job_info",
+        "1 per job, with its team, Kubernetes namespace and cost center from the job's meta.",
+        labels=["training_job", *JOB_INFO],
+    )
+    edges = GaugeMetricFamily(
+        "costexporter_job_band_edge_watts",
+        "Power edges of the band profile the job's GPUs are classified with (idle_max, low_max, compute_min).",
+        labels=["training_job", "edge"],
+    )
+    for name, j in sorted(s["jobs"].items()):
+        meta = j.get("meta", {})
+        info.add_metric([name, *(str(meta.get(k) or "") for k in JOB_INFO)], 1)
+        for key, edge in BAND_EDGES.items():
+            if j["figures"].get(key) is not None:
+                edges.add_metric([name, edge], float(j["figures"][key]))
+    yield info
+    yield edges
 
 
 class WatchCollector(Collector):
