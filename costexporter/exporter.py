@@ -284,7 +284,7 @@ def _dashboard_families(s):
     )
     edges = GaugeMetricFamily(
         "costexporter_job_band_edge_watts",
-        "Power edges of the band profile the job's GPUs are classified with (idle_max, low_max, compute_min).",
+        "Power edges of the band profile of the job's GPUs (idle_max, low_max, compute_min).",
         labels=["training_job", "edge"],
     )
     for name, j in sorted(s["jobs"].items()):
