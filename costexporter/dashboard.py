@@ -437,15 +437,6 @@ def annotations() -> list[dict]:
         }
 
     return [
-        {
-            "name": "Annotations & Alerts",
-            "builtIn": 1,
-            "type": "dashboard",
-            "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-            "enable": True,
-            "hide": True,
-            "iconColor": "rgba(0, 211, 255, 1)",
-        },
         ann(
             "Incidents",
             f'ALERTS{{{JOB},alertstate="firing"}}',
