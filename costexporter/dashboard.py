@@ -244,8 +244,7 @@ def dashboard() -> dict:
                     "{{training_job}}",
                 )
             ],
-            description="Work lost if the job had to restart from its last saved checkpoint now "
-            "(R6: ~85 GPU-h).",
+            description="Work lost if the job had to restart from its last saved checkpoint now.",
             **_defaults("h"),
         )
     )
@@ -360,7 +359,8 @@ def dashboard() -> dict:
                     f"costexporter_gpu_utilization_ratio{{{GPU}}}", "{{Hostname}} GPU {{gpu}} rank {{rank}}"
                 )
             ],
-            description="Utilization only says a kernel is scheduled (R1): compare with power.",
+            description="Utilization only says a kernel is scheduled, not that it does useful work: "
+            "compare with power.",
             **_defaults("percentunit"),
         )
     )

