@@ -271,7 +271,7 @@ class AgentCollector(Collector):
 
 # Band edges of the job's profile (figure key -> `edge` label), for the dashboard's thresholds.
 BAND_EDGES = {"band_idle_max_w": "idle_max", "band_low_max_w": "low_max", "band_compute_min_w": "compute_min"}
-JOB_INFO = ("team", "namespace", "cost_center")
+JOB_INFO = ("team", "namespace", "cost_center", "progress")  # progress="none": a job without steps
 
 
 def _dashboard_families(s):
@@ -279,7 +279,7 @@ def _dashboard_families(s):
     the job's team/namespace/cost center as an info series, and its profile's band edges."""
     info = GaugeMetricFamily(
         "costexporter_job_info",
-        "1 per job, with its team, Kubernetes namespace and cost center from the job's meta.",
+        "1 per job: team, Kubernetes namespace, cost center and progress (none: no steps) from its meta.",
         labels=["training_job", *JOB_INFO],
     )
     edges = GaugeMetricFamily(

@@ -116,9 +116,11 @@ class KubernetesJobs:
         self.skipped &= set(current)
         now = self.clock()
         for job in sorted({j for j, _ in self.registered}):
-            if now - self._beat.get(job, 0.0) >= HEARTBEAT_S:
-                rank = min(r for (j, _), r in self.registered.items() if j == job)
-                send_entries(self.redis, self.prefix, job, [self._entry("heartbeat", job, rank, now, {})])
+            if now - self._beat.get(job, 0.0) >= HEARTBEAT_S:  # every rank: the watcher checks each
+                ranks = sorted(r for (j, _), r in self.registered.items() if j == job)
+                send_entries(
+                    self.redis, self.prefix, job, [self._entry("heartbeat", job, r, now, {}) for r in ranks]
+                )
                 self._beat[job] = now
 
     def run(self, stop: threading.Event, interval_s: float = 5.0) -> None:

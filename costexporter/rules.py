@@ -83,6 +83,10 @@ def rules(w: RuleWindows) -> dict:
         f"or\n({since_step}\n  and on (training_job) {cost_rising}\n"
         f"  and on () absent_over_time({progress}[{w.slope_window}])\n)"
     )
+    # A job without steps (a Kubernetes pod booked by band) never makes step progress.
+    stepless = 'max by (training_job) (costexporter_job_info{progress="none"})'
+    slope = f"({slope})\nunless on (training_job) {stepless}"
+
     deadlock = (
         "max by (training_job, rank, host, gpu) (\n"
         '  (costexporter_gpu_band{band="deadlock"} == 1)\n'

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -337,6 +339,12 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         ends = [f for _, f in events if f["type"] == "run" and f["state"] == "end"]
         assert len(ends) == 1 and ends[0]["rank"] == "0"
         assert any(f["type"] == "heartbeat" for _, f in events)  # the watcher sees it alive meanwhile
+        beats = {
+            f["rank"]
+            for _, f in shared.xrange(protocol.stream_key(prefix, llama))
+            if f["type"] == "heartbeat"
+        }
+        assert beats == {"0", "1"}  # every rank, or the watcher would call the silent one crashed
         # A retried Job: the same job's pod takes the GPU again, so its run starts again.
         exp.set(2, pod="resnet-k9d2q", ns="vision")
 
@@ -397,3 +405,65 @@ def test_a_gpu_the_trainer_registered_itself_is_left_to_the_trainer(shared, pref
         agent.terminate()
         agent.communicate(timeout=30)
         exp.close()
+
+
+# ---- the rules: a job without steps never "stops making progress" -----------------------------
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@pytest.mark.parametrize(("progress", "fires"), [("none", False), ("", True), (None, True)])
+def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
+    """`promtool test rules` on the shipped rules: cost rising for an hour with the progress
+    timestamp still fires CostSlopeWithoutSteps for a trainer's job, not for a stepless one."""
+    from costexporter.rules import RuleWindows, render
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(render(RuleWindows()))
+    lab = 'training_job="ml:j",instance="a1"'
+    series = [
+        {
+            "series": f'costexporter_cost_total{{{lab},category="productive",currency="USD"}}',
+            "values": "0+1x60",
+        },
+        {"series": f'costexporter_cost_since_last_step{{{lab},currency="USD"}}', "values": "0+1x60"},
+        {"series": f"costexporter_job_last_progress_timestamp_seconds{{{lab}}}", "values": "100x60"},
+        {"series": f"costexporter_job_in_allowance{{{lab}}}", "values": "0x60"},
+        {"series": f"costexporter_job_ended{{{lab}}}", "values": "0x60"},
+    ]
+    if progress is not None:
+        info = f'costexporter_job_info{{{lab},team="",namespace="ml",cost_center="",progress="{progress}"}}'
+        series.append({"series": info, "values": "1x60"})
+    from costexporter.rules import rules as rule_doc
+
+    (slope,) = [
+        r
+        for g in rule_doc(RuleWindows())["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "CostSlopeWithoutSteps"
+    ]
+    notes = {
+        k: v.replace("{{ $labels.training_job }}", "ml:j").replace('{{ $value | printf "%.2f" }}', "40.00")
+        for k, v in slope["annotations"].items()
+    }
+    exp = (
+        [{"exp_labels": {"training_job": "ml:j", "severity": "critical"}, "exp_annotations": notes}]
+        if fires
+        else []
+    )
+    doc = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": "40m", "alertname": "CostSlopeWithoutSteps", "exp_alerts": exp}
+                ],
+            }
+        ],
+    }
+    f = tmp_path / "test.yaml"
+    f.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = subprocess.run(["promtool", "test", "rules", str(f)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
