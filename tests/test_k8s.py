@@ -467,3 +467,59 @@ def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
     f.write_text(yaml.safe_dump(doc, sort_keys=False))
     r = subprocess.run(["promtool", "test", "rules", str(f)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_registrations_survive_a_redis_outage_without_duplicates(tmp_path, prefix):
+    """Redis dies while the pods come and go: the sync loop keeps running (errors counted), and
+    once Redis is back every GPU is registered once, the run ends once and restarts once."""
+    from costexporter.k8s import KubernetesJobs
+    from costexporter.sources.dcgm import DcgmSource
+
+    from .redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    exp = FakeDcgmExporter(
+        [
+            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
+            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
+        ]
+    )
+    src = DcgmSource([exp.url], host=HOST)
+    stop = threading.Event()
+    kj = KubernetesJobs(protocol.connect(server.url), prefix, src, HOST)
+    loop = threading.Thread(target=kj.run, args=(stop, 0.05), daemon=True)
+    job = "nlp:bert"
+    r = server.client()
+
+    def entries(type_: str, **match) -> list[dict]:
+        out = [f for _, f in r.xrange(protocol.stream_key(prefix, job)) if f["type"] == type_]
+        return [f for f in out if all(f.get(k) == v for k, v in match.items())]
+
+    try:
+        src.read()
+        loop.start()
+        _wait("registered", lambda: len(entries("register")) == 2)
+        server.kill()
+        for g in (0, 1):
+            exp.set(g, pod=None, ns=None)  # the pod ends while Redis is down
+        src.read()
+        _wait("errors counted", lambda: kj.errors >= 3)
+        assert loop.is_alive()
+        server.start()
+        r = server.client()
+        _wait("run end", lambda: entries("run", state="end"))
+        for g in (0, 1):
+            exp.set(g, pod="bert-4hq8w", ns="nlp")  # a retried Job
+        src.read()
+        _wait("run start", lambda: entries("run", state="start"))
+        time.sleep(0.5)  # more rounds: nothing more is posted
+        assert len(entries("run", state="end")) == 1 and len(entries("run", state="start")) == 1
+        regs = entries("register")
+        assert len(regs) == 4  # each GPU once per run
+        assert sorted({(f["gpu_uuid"], f["rank"]) for f in regs}) == [(uuid(0), "0"), (uuid(1), "1")]
+        assert len(r.hgetall(protocol.ranks_key(prefix, job))) == 2
+    finally:
+        stop.set()
+        loop.join(5)
+        server.stop()
+        exp.close()
