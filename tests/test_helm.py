@@ -211,7 +211,10 @@ def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
     [
         ({}, "api.tokens"),  # no tokens and not explicitly open: refuse
         ({**TOKENS, "redis": {"enabled": False}}, "redis.existingSecret"),
-        ({**TOKENS, "agent": {"source": "smi"}}, "agent.source"),
+        ({**TOKENS, "agent": {"source": "smi"}}, "/agent/source"),  # values.schema.json
+        ({**TOKENS, "agent": {"sourc": "dcgm"}}, "'sourc' not allowed"),  # a typo is not ignored
+        ({"api": {"tokens": [{"name": "f", "sha256": "hunter2", "teams": "*"}]}}, "/api/tokens/0/sha256"),
+        ({**TOKENS, "prices": {"currency": "usd"}}, "/prices/currency"),
     ],
 )
 def test_chart_fails_closed_with_a_one_line_reason(values, message):
