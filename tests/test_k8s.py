@@ -42,6 +42,7 @@ from .conftest import SHARED_URL
 from .redis_server import free_port
 
 CFG = BookingConfig()
+ROLES = {"master", "worker", "launcher", "chief", "ps", "evaluator", "replica", "node", "leader"}
 KUBEFLOW = "training.kubeflow.org/job-name"
 
 # ---- the job's name -------------------------------------------------------------------------
@@ -71,6 +72,22 @@ def test_job_label_order_is_the_configured_one():
     )
     assert job_name(ref) == "ml:j"  # JobSet before batch Job by default
     assert job_name(ref, ["batch.kubernetes.io/job-name"]) == "ml:b"
+
+
+@given(
+    parts=st.lists(
+        st.from_regex(r"[a-z]{6,10}", fullmatch=True).filter(lambda w: w.rstrip("s") not in ROLES),
+        min_size=1,
+        max_size=3,
+    ),
+    suffix=st.sampled_from(["", "-worker-3", "-launcher-x7k2p", "-x7k2p", "-master-0", "-workers-0-1-abcde"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_controllers_pod_name_gives_back_its_job(parts, suffix):
+    # A job named like a replica role ("...-worker") is ambiguous by name: use a pod label.
+    """Any job name of words (6+ letters each), under the suffixes Kubernetes controllers add."""
+    job = "-".join(parts)
+    assert job_name(PodRef("ml", job + suffix)) == f"ml:{job}"
 
 
 @given(ns=st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True), pod=st.text(min_size=1, max_size=80))
