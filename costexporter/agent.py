@@ -455,6 +455,10 @@ class Agent:
             **progress,
             "profile": profile.name,
             "profile_calibrated": int(profile.calibrated),
+            # The profile's band edges, for the dashboard's power thresholds.
+            "band_idle_max_w": profile.idle_max_w,
+            "band_low_max_w": profile.low_max_w,
+            "band_compute_min_w": profile.compute_min_w,
         }
         since_ref = int(progress["last_progress_ts"] * 1000)
         since_cost = (job.since_cost if since_ref == job.since_ref_ms else 0) + self._cost_after(
@@ -737,6 +741,7 @@ class Agent:
                         "booked": j.booked.copy(),
                         "voided": j.voided.copy(),
                         "figures": dict(j.figures),
+                        "meta": dict(j.meta),
                         "latest_band": dict(j.latest_band),
                         "booked_until": j.booked_until,
                         "at_risk_ms": j.at_risk_ms,

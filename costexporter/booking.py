@@ -37,6 +37,7 @@ class Regime(IntEnum):
     VOID = 3  # rule 5: inside a step that a resume voided
     UNASSIGNED = 4  # outside the job (before registration, after the run's end)
     PENDING = 5  # live only: after the last progress point, not decided yet (never booked)
+    BAND = 6  # a job without steps (a Kubernetes pod's GPUs): booked by band alone
 
 
 # CATEGORY_TABLE[regime, band + 1]; column 0 is NO_BAND (no sample: unobserved).
@@ -71,6 +72,18 @@ for _b in Band:
     CATEGORY_TABLE[Regime.VOID, _b + 1] = (
         _C.ROLLED_BACK if _v in (_C.PRODUCTIVE, _C.COMMUNICATION, _C.STARVED) else _v
     )
+# A stepless job: busy bands are valid (nothing says otherwise), idle and deadlock still waste.
+_band_only = {
+    _B.COMPUTE: _C.PRODUCTIVE,
+    _B.COMMUNICATION: _C.COMMUNICATION,
+    _B.STARVATION: _C.STARVED,
+    _B.IDLE: _C.IDLE,
+    _B.DEADLOCK: _C.STALLED,
+    _B.CHECKPOINT: _C.OVERHEAD,
+    _B.UNKNOWN: _C.PRODUCTIVE,
+}
+for _b in Band:
+    CATEGORY_TABLE[Regime.BAND, _b + 1] = _band_only[_b]
 CATEGORY_TABLE[Regime.UNASSIGNED, :] = _C.UNASSIGNED
 CATEGORY_TABLE[Regime.PENDING, 1:] = _C.OVERHEAD  # placeholder: pending time is never booked
 
@@ -251,6 +264,8 @@ def build_timeline(
     `decided_until_ms` says where the decided part ends.
     """
     events = sorted(events, key=lambda e: (e.ts, e.seq))
+    if is_stepless(events):
+        return band_timeline(events, cfg, start_ms, end_ms)
     allowances = Allowances(cfg)
     rank0_phases = [e for e in events if e.type == "phase" and e.rank == 0]
     overhead, overrun, last_ckpt = _intervals_of_phases(rank0_phases, allowances, end_ms)
@@ -442,6 +457,55 @@ def build_timeline(
         phases_overrun=overrun,
         stall_threshold_ms=stall_threshold_ms(durations, cfg),
         decided_until_ms=decided_until,
+    )
+
+
+STEPLESS_META = ("progress", "none")  # meta field/value of a job that posts no steps
+
+
+def is_stepless(events: list[Event]) -> bool:
+    """A job registered without a trainer (a Kubernetes pod seen through dcgm-exporter) says so
+    in its meta; once rank 0 posts a step, the trainer's events win and the step rules apply."""
+    field_, value = STEPLESS_META
+    declared = any(e.type == "meta" and e.get(field_) == value for e in events)
+    return declared and not any(e.type == "step" and e.rank == 0 for e in events)
+
+
+def band_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int) -> Timeline:
+    """Regime BAND from the job's start to rank 0's run end (a later start reopens it): every
+    slice is decided by its band alone, so nothing is ever pending."""
+    bounds, regime = [NEG_INF, start_ms], [Regime.UNASSIGNED, Regime.BAND]
+    job_end: int | None = None
+    for e in events:  # sorted by ts
+        if e.type != "run" or e.rank != 0:
+            continue
+        t = max(int(e.ts * 1000), start_ms)
+        state = e.get("state")
+        if state == "end" and regime[-1] == Regime.BAND:
+            bounds.append(t)
+            regime.append(Regime.UNASSIGNED)
+            job_end = t
+        elif state in ("start", "resume") and regime[-1] == Regime.UNASSIGNED:
+            bounds.append(t)
+            regime.append(Regime.BAND)
+            job_end = None
+    b = np.asarray([*bounds, POS_INF], np.int64)
+    r = np.asarray(regime, np.int8)
+    keep = np.append(np.diff(b[:-1]) > 0, True)  # drop empty segments (an end at the start)
+    b, r = b[:-1][keep], r[keep]
+    same = np.append(False, r[1:] == r[:-1])  # neighbours left alike by the drop: one segment
+    b, r = np.append(b[~same], POS_INF), r[~same]
+    return Timeline(
+        bounds=b,
+        regime=r,
+        steps=[],
+        resumes=[],
+        start_ms=start_ms,
+        end_ms=job_end,
+        rank_overhead={},
+        allowances=Allowances(cfg),
+        stall_threshold_ms=stall_threshold_ms([], cfg),
+        decided_until_ms=job_end if job_end is not None else end_ms,
     )
 
 

@@ -351,6 +351,18 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
     default=3600.0,
     help="Seconds an ended job's series stay on /metrics.",
 )
+@click.option(
+    "--k8s-jobs/--no-k8s-jobs",
+    default=True,
+    help="--source dcgm: book GPUs dcgm-exporter attributes to a pod as that pod's job (no trainer needed).",
+)
+@click.option(
+    "--k8s-job-label",
+    "k8s_job_labels",
+    multiple=True,
+    metavar="LABEL",
+    help="Pod label naming the job (repeatable, first present wins) [default: Kubeflow, JobSet, batch Job].",
+)
 @booking_options
 @price_options
 def serve(
@@ -376,6 +388,8 @@ def serve(
     peer_timeout,
     tokens_file,
     series_ttl,
+    k8s_jobs,
+    k8s_job_labels,
     **config,
 ) -> None:
     """The per-node agent: sample GPUs, book the ledger exactly once, serve /metrics."""
@@ -430,6 +444,10 @@ def serve(
         server = uvicorn.Server(uvicorn.Config(app, host=listen, port=api_port, log_level="warning"))
         server.install_signal_handlers = lambda: None  # the agent owns SIGTERM
         threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
+    if source == "dcgm" and k8s_jobs:
+        from .k8s import start_kubernetes_jobs
+
+        start_kubernetes_jobs(agent, k8s_job_labels)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     idle_rounds = [0, -1]
 
@@ -681,12 +699,20 @@ def dashboard(output) -> None:
     metavar="NAME=VALUE",
     help="Override one window or threshold (e.g. slope_window=20m); see costexporter/rules.py.",
 )
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["rules", "prometheusrule"]),
+    default="rules",
+    help="A Prometheus rule file, or a prometheus-operator PrometheusRule object.",
+)
+@click.option("--name", default="costexporter", help="metadata.name of the PrometheusRule.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def rules(short, overrides, output) -> None:
+def rules(short, overrides, fmt, name, output) -> None:
     """Print (or write) the Prometheus alert and recording rules."""
     import dataclasses
 
-    from .rules import RuleWindows, render
+    from .rules import RuleWindows, render, render_prometheus_rule
 
     w = RuleWindows.short() if short else RuleWindows()
     known = {f.name: f.type for f in dataclasses.fields(RuleWindows)}
@@ -696,7 +722,8 @@ def rules(short, overrides, output) -> None:
         if not sep or name not in known:
             raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
         kw[name] = float(value) if known[name] in (float, "float") else value
-    text = render(dataclasses.replace(w, **kw))
+    w = dataclasses.replace(w, **kw)
+    text = render(w) if fmt == "rules" else render_prometheus_rule(w, name)
     if output:
         output.write_text(text)
     else:

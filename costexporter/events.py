@@ -13,6 +13,9 @@ from .model import Event
 
 PROTOCOL_VERSION = "1"
 EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta", "preflight"})
+# Text fields of a meta event; the Kubernetes ones come from `costexporter.k8s` (namespace for the
+# API's aggregation, progress=none for a job without steps, booked by band).
+META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container", "source", "progress")
 BASE_FIELDS = frozenset({"v", "type", "job", "ts", "rank", "session", "seq"})
 
 # Timestamps outside [2000-01-01, now + 1 day] are absurd: a clock gone wrong, not an event.
@@ -137,7 +140,7 @@ def parse_event(
         f["state"] = _str(entry, "state", choices=frozenset({"start", "resume", "end"}))
         f["step"] = _int(entry, "step", required=False)
     elif etype == "meta":
-        for key in ("gpu_model", "team", "cost_center"):
+        for key in META_TEXT:
             val = entry.get(key)
             if val is not None:
                 f[key] = _str(entry, key)
@@ -155,7 +158,7 @@ def parse_event(
             raise EventError("missing_field", "preflight needs 'passed' (bool)")
         f["passed"] = passed
         f["checks"] = entry.get("checks")
-    extra = set(entry) - BASE_FIELDS - set(f) - {"gpu_model", "team", "cost_center"}
+    extra = set(entry) - BASE_FIELDS - set(f) - set(META_TEXT)
     if extra:
         f["_unknown_fields"] = sorted(extra)
     return Event(etype, ev_job, ts, rank, session, -1 if seq is None else seq, f)

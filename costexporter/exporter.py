@@ -23,6 +23,23 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from . import __version__
 from .model import BANDS, CATEGORIES
 
+# dcgm-exporter's label names on every per-GPU series, so `* on(UUID)` joins with DCGM_FI_*
+# need no label_replace (`gpu` is already DCGM's); empty where unknown (no pod). Not modelName:
+# `promtool check metrics` rejects camelCase label names; join it from DCGM by UUID instead.
+DCGM_LABELS = ["UUID", "Hostname", "pod", "namespace", "container"]
+
+
+def dcgm_label_values(g, pod) -> list[str]:
+    """Values of DCGM_LABELS for one GPU (`GpuId`) and the pod holding it, if known."""
+    return [
+        g.uuid or "",
+        g.host,
+        pod.pod if pod else "",
+        pod.namespace if pod else "",
+        pod.container if pod else "",
+    ]
+
+
 # A job's categories: `unassigned` is time outside every job, never a job's.
 JOB_CATEGORIES = [(k, c) for k, c in enumerate(CATEGORIES) if c != "unassigned"]
 
@@ -51,7 +68,8 @@ class AgentCollector(Collector):
             for name, j in s["jobs"].items()
             for r, g in j["own"].items()
         }
-        labels = ["host", "gpu", "uuid", "training_job", "rank"]
+        labels = ["host", "gpu", "uuid", "training_job", "rank", *DCGM_LABELS]
+        pods = self.agent.source.pods() if hasattr(self.agent.source, "pods") else {}
         power = GaugeMetricFamily(
             "costexporter_gpu_power_watts", "Board power of the newest sample.", labels=labels
         )
@@ -65,7 +83,7 @@ class AgentCollector(Collector):
         )
         for i, g in enumerate(s["gpus"]):
             job, rank, b = held.get(i, ("", "", None))
-            lv = [g.host, str(g.index), g.uuid or "", job, str(rank)]
+            lv = [g.host, str(g.index), g.uuid or "", job, str(rank), *dcgm_label_values(g, pods.get(i))]
             r = s["latest"].get(i)
             if r is not None:
                 if not math.isnan(r.power_w):
@@ -173,6 +191,7 @@ class AgentCollector(Collector):
             risk.add_metric([name], j["at_risk_ms"] / 1000)
             booked_until.add_metric([name], j["booked_until"] / 1000)
         yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)
+        yield from _dashboard_families(s)
 
         # Job-level: the same on every agent of the job; aggregate with max.
         f = [
@@ -248,6 +267,34 @@ class AgentCollector(Collector):
                 if j["figures"].get(key) is not None:
                     fam.add_metric([name], float(j["figures"][key]) * scale)
             yield fam
+
+
+# Band edges of the job's profile (figure key -> `edge` label), for the dashboard's thresholds.
+BAND_EDGES = {"band_idle_max_w": "idle_max", "band_low_max_w": "low_max", "band_compute_min_w": "compute_min"}
+JOB_INFO = ("team", "namespace", "cost_center", "progress")  # progress="none": a job without steps
+
+
+def _dashboard_families(s):
+    """Job-level series the dashboard filters and draws with (the same on every agent: max):
+    the job's team/namespace/cost center as an info series, and its profile's band edges."""
+    info = GaugeMetricFamily(
+        "costexporter_job_info",
+        "1 per job: team, Kubernetes namespace, cost center and progress (none: no steps) from its meta.",
+        labels=["training_job", *JOB_INFO],
+    )
+    edges = GaugeMetricFamily(
+        "costexporter_job_band_edge_watts",
+        "Power edges of the band profile of the job's GPUs (idle_max, low_max, compute_min).",
+        labels=["training_job", "edge"],
+    )
+    for name, j in sorted(s["jobs"].items()):
+        meta = j.get("meta", {})
+        info.add_metric([name, *(str(meta.get(k) or "") for k in JOB_INFO)], 1)
+        for key, edge in BAND_EDGES.items():
+            if j["figures"].get(key) is not None:
+                edges.add_metric([name, edge], float(j["figures"][key]))
+    yield info
+    yield edges
 
 
 class WatchCollector(Collector):

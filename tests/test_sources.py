@@ -163,7 +163,7 @@ def test_dcgm_source_scrapes_two_exporters(caplog):
     ]
     assert r2[0].energy_mj - r1[0].energy_mj == 600_000  # mJ, counter without _total
     assert r1[1].sm_active == pytest.approx(0.81)
-    assert src.pod[0] == ("ml", "job-0")
+    assert (src.pod[0].namespace, src.pod[0].pod, src.pod[0].container) == ("ml", "job-0", "trainer")
     assert not src.coarse
 
 

@@ -4,7 +4,9 @@ Fields: `DCGM_FI_DEV_POWER_USAGE` (W), `DCGM_FI_DEV_POWER_USAGE_INSTANT` (W, pre
 classification where present), `DCGM_FI_DEV_GPU_UTIL` (%), `DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`
 (mJ, a counter without the `_total` suffix), `DCGM_FI_PROF_SM_ACTIVE` (ratio, where the profiling
 fields are enabled). Labels: `gpu`, `UUID`, `Hostname` or `hostname`, `modelName`, `pod`,
-`namespace`. The text is parsed with prometheus_client's parser.
+`namespace`, `container` (dcgm-exporter's Kubernetes mode: the pod the device plugin gave the
+GPU to), and with `--kubernetes-enable-pod-labels` the pod's own labels. `pods()` is the newest
+scrape's attribution, for `costexporter.k8s`. The text is parsed with prometheus_client's parser.
 
 dcgm-exporter collects every 30 s by default (`-c 30000`); scraping it every second then sees
 the same values 30 times. The source notices (an energy counter that does not move while the GPU
@@ -19,6 +21,7 @@ import math
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +37,21 @@ ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
 SM_ACTIVE = "DCGM_FI_PROF_SM_ACTIVE"
 FIELDS = (POWER, POWER_INSTANT, UTIL, ENERGY, SM_ACTIVE)
 STALE_SCRAPES = 3  # consecutive unchanged scrapes of every GPU before warning
+# dcgm-exporter's own labels; any other label on a GPU's series is one of its pod's labels.
+DCGM_LABELS = frozenset(
+    {"gpu", "UUID", "device", "modelName", "Hostname", "hostname", "pci_bus_id", "DCGM_FI_DRIVER_VERSION"}
+    | {"pod", "namespace", "container", "GPU_I_ID", "GPU_I_PROFILE", "err_code", "err_msg", "instance", "job"}
+)
+
+
+@dataclass(frozen=True)
+class PodRef:
+    """The pod dcgm-exporter says holds a GPU, with the pod labels it exported (if any)."""
+
+    namespace: str
+    pod: str
+    container: str = ""
+    labels: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 class DcgmSource(GpuSource):
@@ -48,7 +66,7 @@ class DcgmSource(GpuSource):
         self.host = host or urllib.parse.urlparse(self.urls[0]).hostname or "localhost"
         self._gpus: list[GpuId] = []
         self._index: dict[tuple[str, str], int] = {}  # (host, gpu label or UUID) -> our index
-        self.pod: dict[int, tuple[str, str]] = {}  # our index -> (namespace, pod) using the GPU
+        self.pod: dict[int, PodRef] = {}  # our index -> the pod holding it, as of the newest scrape
         self._last: dict[int, tuple[float, float]] = {}  # index -> (power, energy) last scrape
         self._changed_at: dict[int, float] = {}
         self._stale_runs = 0
@@ -59,6 +77,10 @@ class DcgmSource(GpuSource):
     def gpus(self) -> list[GpuId]:
         return list(self._gpus)
 
+    def pods(self) -> dict[int, PodRef]:
+        """GPU index -> the pod holding it, from the newest scrape of its endpoint."""
+        return dict(self.pod)
+
     def _gpu_of(self, labels: dict[str, str], endpoint_host: str) -> int:
         host = labels.get("Hostname") or labels.get("hostname") or endpoint_host
         key = (host, labels.get("UUID") or labels.get("gpu", ""))
@@ -68,9 +90,14 @@ class DcgmSource(GpuSource):
             index = int(gpu) if gpu.isdigit() else len(self._gpus)
             self._gpus.append(GpuId(host, index, labels.get("UUID") or None, labels.get("modelName") or None))
             i = self._index[key] = len(self._gpus) - 1
-        if labels.get("pod"):
-            self.pod[i] = (labels.get("namespace", ""), labels["pod"])
         return i
+
+    @staticmethod
+    def _pod_of(labels: dict[str, str]) -> PodRef | None:
+        if not labels.get("pod"):
+            return None
+        extra = {k: v for k, v in labels.items() if k not in DCGM_LABELS}
+        return PodRef(labels.get("namespace", ""), labels["pod"], labels.get("container", ""), extra)
 
     def _scrape(self, url: str) -> str | None:
         try:
@@ -90,6 +117,7 @@ class DcgmSource(GpuSource):
                 continue
             endpoint_host = urllib.parse.urlparse(url).hostname or self.host
             ts = time.time()
+            pods: dict[int, PodRef | None] = {}
             try:
                 for family in text_string_to_metric_families(text):
                     for s in family.samples:
@@ -99,9 +127,15 @@ class DcgmSource(GpuSource):
                         if name in FIELDS:
                             i = self._gpu_of(s.labels, endpoint_host)
                             values.setdefault(i, {"ts": ts})[name] = float(s.value)
+                            pods[i] = pods.get(i) or self._pod_of(s.labels)
             except ValueError as e:  # not the Prometheus text format
                 self.errors[(-1, "parse_failed")] += 1
                 log.warning("dcgm-exporter %s: cannot parse: %s", url, e)
+                continue
+            # A GPU this endpoint reported without a pod has been released: its pod is gone.
+            new = {i: p for i, p in self.pod.items() if i not in pods}
+            new.update({i: p for i, p in pods.items() if p is not None})
+            self.pod = new  # replaced, not mutated: the k8s sync reads it from another thread
         out = []
         for i, v in sorted(values.items()):
             power = v.get(POWER_INSTANT, v.get(POWER, math.nan))

@@ -1,0 +1,243 @@
+"""The Helm chart (deploy/helm/costexporter), checked by Helm's own Go engine (helm-python-sdk
+binds the official SDK: lint and offline render, no cluster), every rendered manifest validated
+with kubernetes-validate against a current Kubernetes, the prometheus-operator objects against
+the operator's CRD models, and the PrometheusRule's rules through promtool."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from costexporter.dashboard import render as render_dashboard
+from costexporter.rules import prometheus_rule, render, render_prometheus_rule
+
+helm = pytest.importorskip("helm_python.chart", reason="helm-python-sdk (test extra) is not installed")
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (test extra) is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "costexporter"
+KUBE = "1.33.0"  # a current release: Deployment/DaemonSet/StatefulSet apps/v1 as served today
+TOKEN = {"name": "finance", "sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"}
+TOKENS = {
+    "api": {"tokens": [{**TOKEN, "teams": "*"}, {"name": "llm", "sha256": "ab" * 32, "teams": ["llm"]}]}
+}
+
+# Value sets a user would install with; every one must lint, render and validate.
+VALUE_SETS = {
+    "defaults+tokens": TOKENS,
+    "dcgm+podmonitor+external-redis": {
+        **TOKENS,
+        "agent": {"source": "dcgm", "kubernetesJobs": {"jobLabels": ["jobset.sigs.k8s.io/jobset-name"]}},
+        "redis": {"enabled": False, "existingSecret": "my-redis", "existingSecretKey": "sentinel-url"},
+        "serviceMonitor": {"enabled": False},
+        "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "prices": {"currency": "EUR", "pricePerGpuHour": 2.9, "pricePerKwh": 0.21, "pue": 1.3},
+    },
+    "open-api+redis-url+no-watcher": {
+        "api": {"allowOpen": True, "service": {"type": "LoadBalancer"}},
+        "redis": {"enabled": False, "url": "rediss://costexporter:pw@redis.example:6380/0"},
+        "watcher": {"enabled": False, "webhookUrl": "http://hooks/x"},
+        "dashboard": {"namespace": "grafana", "labels": {"grafana_dashboard": "1", "team": "ml"}},
+    },
+}
+
+
+def _render(values: dict, name: str = "ce") -> list[dict]:
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values, name=name, namespace="monitoring", is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def _by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for d in docs:
+        out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS.values()), ids=list(VALUE_SETS))
+def test_helm_lint_is_clean_in_strict_mode(values):
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE}")
+    assert report["total_charts_linted"] == 1
+    bad = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not bad and not report["errors"], report
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS.values()), ids=list(VALUE_SETS))
+def test_every_rendered_manifest_validates_against_kubernetes(values):
+    docs = _render(values)
+    core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert core
+    for d in core:
+        # strict: unknown fields are errors (a typo in a template is not silently dropped).
+        kv.validate(d, KUBE, strict=True)
+
+
+def _unknown_fields(given, dumped, path="") -> list[str]:
+    """Keys of `given` that the model dropped: fields the CRD schema does not have."""
+    out = []
+    if isinstance(given, dict):
+        for k, v in given.items():
+            if not isinstance(dumped, dict) or k not in dumped:
+                out.append(f"{path}.{k}")
+            else:
+                out += _unknown_fields(v, dumped[k], f"{path}.{k}")
+    elif isinstance(given, list) and isinstance(dumped, list):
+        for i, (a, b) in enumerate(zip(given, dumped, strict=False)):
+            out += _unknown_fields(a, b, f"{path}[{i}]")
+    return out
+
+
+def test_operator_objects_match_the_prometheus_operator_crds():
+    """ServiceMonitor, PodMonitor and PrometheusRule against the models generated from the
+    prometheus-operator CRD schemas (types checked, unknown fields refused)."""
+    models = pytest.importorskip("cloudcoil.models.prometheus_operator.v1")
+    seen = set()
+    for values in VALUE_SETS.values():
+        for d in _render(values):
+            if not d["apiVersion"].startswith("monitoring.coreos.com/"):
+                continue
+            model = getattr(models, d["kind"])
+            obj = model.model_validate(d)
+            dumped = obj.model_dump(by_alias=True, exclude_unset=True, mode="json")
+            assert not _unknown_fields(d, dumped), (d["kind"], _unknown_fields(d, dumped))
+            seen.add(d["kind"])
+    assert seen == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    # The check itself: a misspelt field is caught.
+    bad = {**_by_kind(_render(TOKENS))["ServiceMonitor"][0]}
+    bad["spec"] = {**bad["spec"], "endpoints": [{"port": "metrics", "intervall": "15s"}]}
+    dumped = models.ServiceMonitor.model_validate(bad).model_dump(
+        by_alias=True, exclude_unset=True, mode="json"
+    )
+    assert _unknown_fields(bad, dumped) == [".spec.endpoints[0].intervall"]
+
+
+def test_chart_copies_of_rules_and_dashboard_are_generated_from_the_source():
+    assert (CHART / "files" / "costexporter-rules.yaml").read_text() == render()
+    assert (CHART / "files" / "costexporter.json").read_text() == render_dashboard()
+    rule = _by_kind(_render(TOKENS))["PrometheusRule"][0]
+    assert rule["spec"] == prometheus_rule()["spec"]
+    assert yaml.safe_load(render_prometheus_rule())["spec"] == rule["spec"]
+
+
+def test_cli_renders_the_prometheusrule(tmp_path):
+    out = tmp_path / "pr.yaml"
+    r = subprocess.run(
+        ["costexporter", "rules", "--format", "prometheusrule", "--name", "ce", "--short", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(out.read_text())
+    assert doc["kind"] == "PrometheusRule" and doc["metadata"]["name"] == "ce"
+    from costexporter.rules import RuleWindows, rules
+
+    assert doc["spec"] == rules(RuleWindows.short())
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_checks_the_rendered_prometheusrule(tmp_path):
+    rule = _by_kind(_render(TOKENS))["PrometheusRule"][0]
+    f = tmp_path / "rules.yaml"
+    f.write_text(yaml.safe_dump(rule["spec"]))
+    r = subprocess.run(["promtool", "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    n = sum(len(g["rules"]) for g in rule["spec"]["groups"])
+    assert f"SUCCESS: {n} rules found" in r.stdout
+
+
+def test_rendered_workloads_carry_what_the_values_say():
+    values = VALUE_SETS["dcgm+podmonitor+external-redis"]
+    k = _by_kind(_render(values))
+    (ds,) = k["DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert "runtimeClassName" not in spec  # dcgm: no NVML inside the agent
+    assert "--source=dcgm" in c["args"] and "--dcgm-url=http://$(HOST_IP):9400/metrics" in c["args"]
+    assert "--k8s-job-label=jobset.sigs.k8s.io/jobset-name" in c["args"]
+    assert {"--currency=EUR", "--price-per-gpu-hour=2.9", "--price-per-kwh=0.21", "--pue=1.3"} <= set(
+        c["args"]
+    )
+    url = next(e for e in c["env"] if e["name"] == "COSTEXPORTER_REDIS_URL")
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "sentinel-url"}
+    assert "StatefulSet" not in k  # an existing Redis: none in the release
+    assert (
+        "ServiceMonitor" not in k
+        and k["PodMonitor"][0]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    )
+    # The tokens Secret holds the hashes in the API's tokens-file format, mounted where the env says.
+    (sec,) = [s for s in k["Secret"] if s["metadata"]["name"].endswith("api-tokens")]
+    tokens = yaml.safe_load(sec["stringData"]["tokens.yaml"])
+    assert tokens == {"tokens": VALUE_SETS["dcgm+podmonitor+external-redis"]["api"]["tokens"]}
+    (api,) = [d for d in k["Deployment"] if d["metadata"]["name"].endswith("-api")]
+    ac = api["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in ac["env"]}
+    assert env["COSTEXPORTER_API_TOKENS_FILE"] == "/etc/costexporter/tokens/tokens.yaml"
+    mount = next(m for m in ac["volumeMounts"] if m["name"] == "tokens")
+    assert mount["mountPath"] == "/etc/costexporter/tokens"
+
+
+def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
+    k = _by_kind(_render(TOKENS))
+    (sts,) = k["StatefulSet"]
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes" and args[args.index("--dir") + 1] == "/data"
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    (sec,) = [s for s in k["Secret"] if s["metadata"]["name"].endswith("redis-url")]
+    assert sec["stringData"]["url"] == "redis://ce-costexporter-redis:6379/0"
+    assert any(s["metadata"]["name"] == "ce-costexporter-redis" for s in k["Service"])
+    (ds,) = k["DaemonSet"]
+    assert ds["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    (cm,) = k["ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["costexporter.json"]) == json.loads(render_dashboard())
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({}, "api.tokens"),  # no tokens and not explicitly open: refuse
+        ({**TOKENS, "redis": {"enabled": False}}, "redis.existingSecret"),
+        ({**TOKENS, "agent": {"source": "smi"}}, "/agent/source"),  # values.schema.json
+        ({**TOKENS, "agent": {"sourc": "dcgm"}}, "'sourc' not allowed"),  # a typo is not ignored
+        ({"api": {"tokens": [{"name": "f", "sha256": "hunter2", "teams": "*"}]}}, "/api/tokens/0/sha256"),
+        ({**TOKENS, "prices": {"currency": "usd"}}, "/prices/currency"),
+    ],
+)
+def test_chart_fails_closed_with_a_one_line_reason(values, message):
+    with pytest.raises(Exception) as e:
+        _render(values)
+    assert message in str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_every_container_command_is_one_the_cli_accepts():
+    """The chart's args against the real `costexporter` CLI: an option the CLI does not have
+    fails here, not in the cluster."""
+    import sys
+
+    for values in VALUE_SETS.values():
+        for d in _render(values):
+            if d["kind"] not in ("DaemonSet", "Deployment"):
+                continue
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                r = subprocess.run(
+                    [sys.executable, "-m", "costexporter.cli", *c["args"], "--help"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert r.returncode == 0, (d["metadata"]["name"], c["args"], r.stderr)

@@ -1,0 +1,542 @@
+"""Kubernetes jobs without code changes (issue 18.2, 18.3): GPUs dcgm-exporter attributes to pods
+become jobs booked by band, with namespace in the meta and DCGM's labels on the per-GPU series.
+
+End to end: a real HTTP server serving dcgm-exporter's text with pod labels, a real
+`costexporter serve --source dcgm` process, the shared Redis; pure parts with hypothesis."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from costexporter import ledger, protocol
+from costexporter.booking import (
+    CATEGORY_TABLE,
+    POS_INF,
+    BookingConfig,
+    Regime,
+    Slices,
+    band_timeline,
+    book,
+    build_timeline,
+    is_stepless,
+)
+from costexporter.k8s import job_name
+from costexporter.model import BANDS, CATEGORIES, Band, Category, Event
+from costexporter.sources.dcgm import PodRef
+
+from .conftest import SHARED_URL
+from .redis_server import free_port
+
+CFG = BookingConfig()
+ROLES = {"master", "worker", "launcher", "chief", "ps", "evaluator", "replica", "node", "leader"}
+KUBEFLOW = "training.kubeflow.org/job-name"
+
+# ---- the job's name -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pod", "labels", "want"),
+    [
+        ("llama-ft-worker-3", {"training_kubeflow_org_job_name": "llama-ft"}, "ml:llama-ft"),  # sanitized
+        ("x-0", {KUBEFLOW: "llama-ft"}, "ml:llama-ft"),  # as is
+        ("x-0", {"label_jobset_sigs_k8s_io_jobset_name": "js"}, "ml:js"),  # kube-state-metrics style
+        ("llama-ft-worker-3", {}, "ml:llama-ft"),  # PyTorchJob replica
+        ("llama-ft-launcher-x7k2p", {}, "ml:llama-ft"),  # MPIJob launcher
+        ("bert-pretrain-x7k2p", {}, "ml:bert-pretrain"),  # batch Job pod
+        ("js-workers-0-3-abcde", {}, "ml:js"),  # JobSet
+        ("sft-run-12-master-0", {}, "ml:sft-run-12"),
+        ("trainer", {}, "ml:trainer"),  # a bare pod
+    ],
+)
+def test_job_name_from_pod_labels_else_the_pod_name(pod, labels, want):
+    assert job_name(PodRef("ml", pod, "trainer", labels)) == want
+
+
+def test_job_label_order_is_the_configured_one():
+    ref = PodRef(
+        "ml", "p-0", "", {"batch_kubernetes_io_job_name": "b", "jobset_sigs_k8s_io_jobset_name": "j"}
+    )
+    assert job_name(ref) == "ml:j"  # JobSet before batch Job by default
+    assert job_name(ref, ["batch.kubernetes.io/job-name"]) == "ml:b"
+
+
+@given(
+    parts=st.lists(
+        st.from_regex(r"[a-z]{6,10}", fullmatch=True).filter(lambda w: w.rstrip("s") not in ROLES),
+        min_size=1,
+        max_size=3,
+    ),
+    suffix=st.sampled_from(["", "-worker-3", "-launcher-x7k2p", "-x7k2p", "-master-0", "-workers-0-1-abcde"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_controllers_pod_name_gives_back_its_job(parts, suffix):
+    # A job named like a replica role ("...-worker") is ambiguous by name: use a pod label.
+    """Any job name of words (6+ letters each), under the suffixes Kubernetes controllers add."""
+    job = "-".join(parts)
+    assert job_name(PodRef("ml", job + suffix)) == f"ml:{job}"
+
+
+@given(ns=st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True), pod=st.text(min_size=1, max_size=80))
+@settings(max_examples=200, deadline=None)
+def test_any_pod_name_gives_a_job_name_usable_as_a_hash_tag_and_a_path_segment(ns, pod):
+    name = job_name(PodRef(ns, pod))
+    assert protocol.check_job(name) == name
+    assert "/" not in name and name.startswith(f"{ns}:")
+
+
+# ---- booking by band ------------------------------------------------------------------------
+
+
+def _ev(type_: str, ts: float, rank: int = 0, **fields) -> Event:
+    return Event(type_, "j", ts, rank, "s", int(ts * 1000), dict(fields))
+
+
+STEPLESS = [_ev("meta", 0.0, progress="none", namespace="ml")]
+
+
+def test_band_categories_busy_valid_idle_and_deadlock_waste():
+    row = {Band(b): Category(CATEGORY_TABLE[Regime.BAND, b + 1]) for b in range(len(BANDS))}
+    assert row[Band.COMPUTE] == Category.PRODUCTIVE
+    assert row[Band.COMMUNICATION] == Category.COMMUNICATION
+    assert row[Band.IDLE] == Category.IDLE
+    assert row[Band.DEADLOCK] == Category.STALLED
+    assert CATEGORY_TABLE[Regime.BAND, 0] == Category.UNOBSERVED  # no sample: unseen, not valid
+
+
+def test_events_win_a_rank0_step_switches_to_the_step_rules():
+    assert is_stepless(STEPLESS)
+    assert not is_stepless([*STEPLESS, _ev("step", 5.0, step=1)])
+    assert is_stepless([*STEPLESS, _ev("step", 5.0, rank=3, step=1)])  # only rank 0 is progress
+    assert not is_stepless([_ev("meta", 0.0, namespace="ml")])  # a trainer's job: step rules
+    tl = build_timeline([*STEPLESS, _ev("step", 5.0, step=1)], CFG, 0, 600_000, final=True)
+    assert Regime.BAND not in tl.regime.tolist()
+    # 10 minutes without a step after step 1: progress stopped, not "busy is valid".
+    assert Regime.STALL in tl.regime.tolist()
+
+
+@st.composite
+def _runs(draw):
+    """Rank-0 run events (start/end in any order) over [0, 1000) s, and extra noise events."""
+    n = draw(st.integers(0, 6))
+    evs = [
+        _ev("run", draw(st.floats(0, 1000)), state=draw(st.sampled_from(["start", "end", "resume"])))
+        for _ in range(n)
+    ]
+    evs += [_ev("run", draw(st.floats(0, 1000)), rank=1, state="end") for _ in range(draw(st.integers(0, 2)))]
+    return sorted(STEPLESS + evs, key=lambda e: e.ts)
+
+
+@given(
+    events=_runs(),
+    bands=st.lists(st.integers(0, len(BANDS) - 1), min_size=1, max_size=60),
+    n_gpus=st.integers(1, 4),
+)
+@settings(max_examples=200, deadline=None)
+def test_stepless_booking_conserves_time_and_books_each_slice_by_its_band(events, bands, n_gpus):
+    """Every GPU-millisecond of every slice lands in exactly one category: its band's, while the
+    run is open; unassigned outside it (before start, after rank 0's end)."""
+    start, end = 0, 1_000_000
+    tl = band_timeline(events, CFG, start, end)
+    assert tl.bounds[0] < start and tl.bounds[-1] == POS_INF
+    assert (np.diff(tl.bounds) > 0).all() and (tl.regime[1:] != tl.regime[:-1]).all()
+    assert tl.decided_until_ms == (tl.end_ms if tl.end_ms is not None else end)  # nothing pending
+    k = len(bands)
+    edges = np.linspace(start, end, k + 1).astype(np.int64)
+    g = np.repeat(np.arange(n_gpus), k)
+    s = Slices(
+        g,
+        np.tile(edges[:-1], n_gpus),
+        np.tile(edges[1:], n_gpus),
+        np.tile(np.asarray(bands, np.int8), n_gpus),
+        np.ones(g.size),
+        None,
+        None,
+    )
+    ranks = np.arange(n_gpus)
+    pieces = book(s, tl, ranks, np.zeros(n_gpus, np.int64), np.full(n_gpus, end, np.int64))
+    assert int(pieces.dur_ms.sum()) == n_gpus * (end - start)  # conserved
+    i = np.searchsorted(tl.bounds, pieces.start_ms, "right") - 1
+    open_ = tl.regime[i] == Regime.BAND
+    want = CATEGORY_TABLE[Regime.BAND, pieces.band.astype(int) + 1]
+    assert (pieces.category[open_] == want[open_]).all()
+    assert (pieces.category[~open_] == Category.UNASSIGNED).all()
+    ends = [e for e in events if e.type == "run" and e.rank == 0 and e.get("state") == "end"]
+    if not ends:
+        assert open_.all()  # no run end from rank 0: the whole span is the job's
+
+
+# ---- end to end: fake dcgm-exporter, real agent process, real Redis -------------------------
+
+HEAD = {
+    "DCGM_FI_DEV_GPU_UTIL": ("gauge", "GPU utilization (in %)."),
+    "DCGM_FI_DEV_POWER_USAGE": ("gauge", "Power draw (in W)."),
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("counter", "Total energy consumption since boot (in mJ)."),
+}
+HOST = "gpu-node-7"
+
+
+def uuid(g: int) -> str:
+    return f"GPU-7e57{g:04d}-0000-4000-8000-00000000000{g}"
+
+
+class FakeDcgmExporter:
+    """A real HTTP server speaking dcgm-exporter 3.x's text format in Kubernetes mode: each
+    GPU's series carry the pod the device plugin gave it to; the state can change at any time."""
+
+    def __init__(self, gpus: list[dict]) -> None:
+        self.gpus = gpus
+        self.energy = [0.0] * len(gpus)
+        self.last = time.time()
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = outer.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def render(self) -> str:
+        with self.lock:
+            now = time.time()
+            for g, st_ in enumerate(self.gpus):
+                self.energy[g] += st_["power"] * (now - self.last) * 1000
+            self.last = now
+            out = []
+            for name, (kind, help_) in HEAD.items():
+                out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+                for g, st_ in enumerate(self.gpus):
+                    labels = {
+                        "gpu": str(g),
+                        "UUID": uuid(g),
+                        "pci_bus_id": f"00000000:{g + 0x18:02X}:00.0",
+                        "device": f"nvidia{g}",
+                        "modelName": "NVIDIA B300 SXM6 AC",
+                        "Hostname": HOST,
+                        "DCGM_FI_DRIVER_VERSION": "580.65.06",
+                    }
+                    if st_.get("pod"):
+                        labels.update(container="trainer", namespace=st_["ns"], pod=st_["pod"])
+                        labels.update(st_.get("labels", {}))
+                    lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                    value = {
+                        "DCGM_FI_DEV_GPU_UTIL": st_["util"],
+                        "DCGM_FI_DEV_POWER_USAGE": st_["power"],
+                        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": round(self.energy[g]),
+                    }[name]
+                    out.append(f"{name}{{{lab}}} {value}")
+            return "\n".join(out) + "\n"
+
+    def set(self, g: int, **kw) -> None:
+        with self.lock:
+            self.gpus[g].update(kw)
+            if kw.get("pod") is None and "pod" in kw:
+                self.gpus[g].pop("labels", None)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _serve(url: str, prefix: str, port: int) -> subprocess.Popen:
+    args = ["serve", "--source", "dcgm", "--dcgm-url", url, "--host", HOST, "--agent-id", HOST]
+    args += ["--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1"]
+    args += ["--book-interval", "0.3", "--sample-interval", "0.2", "--k8s-job-label", KUBEFLOW]
+    return subprocess.Popen(
+        [sys.executable, "-m", "costexporter.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait(what, cond, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _scrape(port: int) -> tuple[dict, str]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out, text
+
+
+def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, prefix):
+    llama, resnet = "ml:llama-ft", "vision:resnet"
+    exp = FakeDcgmExporter(
+        [
+            # Two GPUs of a PyTorchJob's worker, named by its Kubeflow label (sanitized by dcgm-exporter).
+            {"power": 1000.0, "util": 100, "pod": "llama-ft-worker-0", "ns": "ml",
+             "labels": {"training_kubeflow_org_job_name": "llama-ft"}},
+            {"power": 990.0, "util": 100, "pod": "llama-ft-worker-0", "ns": "ml",
+             "labels": {"training_kubeflow_org_job_name": "llama-ft"}},
+            # A batch Job's pod holding its GPU and doing nothing: named from the pod name.
+            {"power": 135.0, "util": 0, "pod": "resnet-x7k2p", "ns": "vision"},
+            # No pod: nobody's GPU.
+            {"power": 130.0, "util": 0},
+        ]
+    )  # fmt: skip
+    port = free_port()
+    agent = _serve(exp.url, prefix, port)
+    try:
+        _wait("both jobs", lambda: set(shared.zrange(protocol.jobs_key(prefix), 0, -1)) >= {llama, resnet})
+        time.sleep(0.5)
+        jobs = set(shared.zrange(protocol.jobs_key(prefix), 0, -1))
+        assert jobs == {llama, resnet}  # the pod-less GPU is no job's
+        meta = shared.hgetall(protocol.meta_key(prefix, llama))
+        assert meta["namespace"] == "ml" and meta["pod"] == "llama-ft-worker-0" and meta["progress"] == "none"
+        assert meta["gpu_model"] == "NVIDIA B300 SXM6 AC"
+        ranks = {int(r): json.loads(v) for r, v in shared.hgetall(protocol.ranks_key(prefix, llama)).items()}
+        assert sorted((e["gpu_uuid"], e["host"]) for e in ranks.values()) == [
+            (uuid(0), HOST),
+            (uuid(1), HOST),
+        ]
+        assert sorted(ranks) == [0, 1]
+
+        def booked(job, cat, ms):
+            return ledger.net_ms(ledger.read_amounts(shared, prefix, job)).get(cat, 0) >= ms
+
+        _wait("llama productive", lambda: booked(llama, "productive", 4000))
+        _wait("resnet idle", lambda: booked(resnet, "idle", 2000))
+        # The llama GPUs now sit idle inside the pod: still the job's, booked as waste.
+        exp.set(0, power=135.0, util=0)
+        exp.set(1, power=135.0, util=0)
+        before = ledger.net_ms(ledger.read_amounts(shared, prefix, llama))
+        _wait("llama idle", lambda: booked(llama, "idle", before["idle"] + 2000))
+
+        # The series carry DCGM's labels, the pod and the namespace: `* on(UUID)` joins.
+        m, text = _scrape(port)
+        power = {lab["UUID"]: lab for lab, _ in m["costexporter_gpu_power_watts"]}
+        assert power[uuid(0)]["Hostname"] == HOST and power[uuid(0)]["gpu"] == "0"
+        assert power[uuid(0)]["pod"] == "llama-ft-worker-0" and power[uuid(0)]["namespace"] == "ml"
+        assert power[uuid(0)]["container"] == "trainer" and power[uuid(0)]["training_job"] == llama
+        assert power[uuid(2)]["namespace"] == "vision" and power[uuid(3)]["pod"] == ""
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+
+        # resnet's pod goes away: its last GPU is released, so the job ends; GPU 2 is nobody's again.
+        exp.set(2, pod=None, ns=None)
+        _wait(
+            "resnet ended",
+            lambda: shared.hget(ledger.key(prefix, resnet, "ledger", "job"), "ended") == "1",
+        )
+        events = shared.xrange(protocol.stream_key(prefix, resnet))
+        ends = [f for _, f in events if f["type"] == "run" and f["state"] == "end"]
+        assert len(ends) == 1 and ends[0]["rank"] == "0"
+        assert any(f["type"] == "heartbeat" for _, f in events)  # the watcher sees it alive meanwhile
+        beats = {
+            f["rank"]
+            for _, f in shared.xrange(protocol.stream_key(prefix, llama))
+            if f["type"] == "heartbeat"
+        }
+        assert beats == {"0", "1"}  # every rank, or the watcher would call the silent one crashed
+        # A retried Job: the same job's pod takes the GPU again, so its run starts again.
+        exp.set(2, pod="resnet-k9d2q", ns="vision")
+
+        def restarted():
+            evs = shared.xrange(protocol.stream_key(prefix, resnet))
+            return [f for _, f in evs if f["type"] == "run" and f["state"] == "start" and f["rank"] == "0"]
+
+        _wait("resnet restarted", restarted)
+
+        # Conservation: every millisecond from registration to the watermark, on each GPU, once.
+        for job in (llama,):
+            wm = ledger.load_watermark(shared, prefix, job, HOST)["booked_until"]
+            regs = [
+                int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(protocol.ranks_key(prefix, job))
+            ]
+            total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
+            assert total == sum(wm - r for r in regs), job
+        assert set(ledger.net_ms(ledger.read_amounts(shared, prefix, llama))) <= set(CATEGORIES)
+        wasted = ledger.net_ms(ledger.read_amounts(shared, prefix, resnet))
+        assert wasted["productive"] == 0 and wasted["idle"] > 0
+    finally:
+        agent.terminate()
+        _out, err = agent.communicate(timeout=30)
+        exp.close()
+    assert "Traceback" not in err, err
+
+
+def test_a_gpu_the_trainer_registered_itself_is_left_to_the_trainer(shared, prefix):
+    """Events win: the trainer's registration of the GPU stands; the pod adds no second one."""
+    from costexporter.client import send_entries
+
+    job = "ml:llama-ft"
+    trainer = {
+        "v": "1", "type": "register", "job": job, "ts": f"{time.time():.6f}", "rank": "0",
+        "session": "trainer-1", "seq": "0", "host": HOST, "gpu_uuid": uuid(0), "gpu": "0",
+    }  # fmt: skip
+    send_entries(shared, prefix, job, [trainer])
+    exp = FakeDcgmExporter(
+        [
+            {
+                "power": 1000.0,
+                "util": 100,
+                "pod": "llama-ft-worker-0",
+                "ns": "ml",
+                "labels": {"training_kubeflow_org_job_name": "llama-ft"},
+            }
+        ]
+    )
+    port = free_port()
+    agent = _serve(exp.url, prefix, port)
+    try:
+        _wait("the agent booked the trainer's job", lambda: ledger.load_watermark(shared, prefix, job, HOST))
+        time.sleep(1.0)  # a few more k8s sync rounds
+        entries = shared.xrange(protocol.stream_key(prefix, job))
+        assert [f["session"] for _, f in entries if f["type"] == "register"] == ["trainer-1"]
+        assert not any(f["type"] == "meta" and f.get("progress") == "none" for _, f in entries)
+    finally:
+        agent.terminate()
+        agent.communicate(timeout=30)
+        exp.close()
+
+
+# ---- the rules: a job without steps never "stops making progress" -----------------------------
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@pytest.mark.parametrize(("progress", "fires"), [("none", False), ("", True), (None, True)])
+def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
+    """`promtool test rules` on the shipped rules: cost rising for an hour with the progress
+    timestamp still fires CostSlopeWithoutSteps for a trainer's job, not for a stepless one."""
+    from costexporter.rules import RuleWindows, render
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(render(RuleWindows()))
+    lab = 'training_job="ml:j",instance="a1"'
+    series = [
+        {
+            "series": f'costexporter_cost_total{{{lab},category="productive",currency="USD"}}',
+            "values": "0+1x60",
+        },
+        {"series": f'costexporter_cost_since_last_step{{{lab},currency="USD"}}', "values": "0+1x60"},
+        {"series": f"costexporter_job_last_progress_timestamp_seconds{{{lab}}}", "values": "100x60"},
+        {"series": f"costexporter_job_in_allowance{{{lab}}}", "values": "0x60"},
+        {"series": f"costexporter_job_ended{{{lab}}}", "values": "0x60"},
+    ]
+    if progress is not None:
+        info = f'costexporter_job_info{{{lab},team="",namespace="ml",cost_center="",progress="{progress}"}}'
+        series.append({"series": info, "values": "1x60"})
+    from costexporter.rules import rules as rule_doc
+
+    (slope,) = [
+        r
+        for g in rule_doc(RuleWindows())["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "CostSlopeWithoutSteps"
+    ]
+    notes = {
+        k: v.replace("{{ $labels.training_job }}", "ml:j").replace('{{ $value | printf "%.2f" }}', "40.00")
+        for k, v in slope["annotations"].items()
+    }
+    exp = (
+        [{"exp_labels": {"training_job": "ml:j", "severity": "critical"}, "exp_annotations": notes}]
+        if fires
+        else []
+    )
+    doc = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": "40m", "alertname": "CostSlopeWithoutSteps", "exp_alerts": exp}
+                ],
+            }
+        ],
+    }
+    f = tmp_path / "test.yaml"
+    f.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = subprocess.run(["promtool", "test", "rules", str(f)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_registrations_survive_a_redis_outage_without_duplicates(tmp_path, prefix):
+    """Redis dies while the pods come and go: the sync loop keeps running (errors counted), and
+    once Redis is back every GPU is registered once, the run ends once and restarts once."""
+    from costexporter.k8s import KubernetesJobs
+    from costexporter.sources.dcgm import DcgmSource
+
+    from .redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    exp = FakeDcgmExporter(
+        [
+            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
+            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
+        ]
+    )
+    src = DcgmSource([exp.url], host=HOST)
+    stop = threading.Event()
+    kj = KubernetesJobs(protocol.connect(server.url), prefix, src, HOST)
+    loop = threading.Thread(target=kj.run, args=(stop, 0.05), daemon=True)
+    job = "nlp:bert"
+    r = server.client()
+
+    def entries(type_: str, **match) -> list[dict]:
+        out = [f for _, f in r.xrange(protocol.stream_key(prefix, job)) if f["type"] == type_]
+        return [f for f in out if all(f.get(k) == v for k, v in match.items())]
+
+    try:
+        src.read()
+        loop.start()
+        _wait("registered", lambda: len(entries("register")) == 2)
+        server.kill()
+        for g in (0, 1):
+            exp.set(g, pod=None, ns=None)  # the pod ends while Redis is down
+        src.read()
+        _wait("errors counted", lambda: kj.errors >= 3)
+        assert loop.is_alive()
+        server.start()
+        r = server.client()
+        _wait("run end", lambda: entries("run", state="end"))
+        for g in (0, 1):
+            exp.set(g, pod="bert-4hq8w", ns="nlp")  # a retried Job
+        src.read()
+        _wait("run start", lambda: entries("run", state="start"))
+        time.sleep(0.5)  # more rounds: nothing more is posted
+        assert len(entries("run", state="end")) == 1 and len(entries("run", state="start")) == 1
+        regs = entries("register")
+        assert len(regs) == 4  # each GPU once per run
+        assert sorted({(f["gpu_uuid"], f["rank"]) for f in regs}) == [(uuid(0), "0"), (uuid(1), "1")]
+        assert len(r.hgetall(protocol.ranks_key(prefix, job))) == 2
+    finally:
+        stop.set()
+        loop.join(5)
+        server.stop()
+        exp.close()
