@@ -1,0 +1,70 @@
+"""The API's dependencies: its settings, the ledger, the caller and the window.
+
+Everything a handler needs comes through `Depends`, so a test (or another deployment) can swap
+any of them with `app.dependency_overrides`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Query, Request
+
+from .auth import Principal, Tokens
+from .cache import ResponseCache
+from .store import LedgerStore
+from .windows import ACCEPTED, Window, WindowError, parse_window
+
+
+@dataclass
+class ApiConfig:
+    """What create_app was given, kept on `app.state.config`."""
+
+    store: LedgerStore
+    tokens: Tokens
+    currency: str = "USD"
+    tz: str = "UTC"
+    provider: str = "costexporter"
+    cache: ResponseCache = field(default_factory=ResponseCache)
+
+
+def get_config(request: Request) -> ApiConfig:
+    return request.app.state.config
+
+
+Config = Annotated[ApiConfig, Depends(get_config)]
+
+
+def get_store(cfg: Config) -> LedgerStore:
+    return cfg.store
+
+
+def principal(cfg: Config, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    who = cfg.tokens.check(authorization)
+    if who is None:
+        raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+    return who
+
+
+def window(
+    cfg: Config, window: Annotated[str | None, Query(description=ACCEPTED, max_length=120)] = None
+) -> Window:
+    try:
+        return parse_window(window, cfg.tz)
+    except WindowError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+Store = Annotated[LedgerStore, Depends(get_store)]
+Who = Annotated[Principal, Depends(principal)]
+Win = Annotated[Window, Depends(window)]
+
+
+def visible_job(job: str, who: Principal, s: LedgerStore, full: bool = False) -> dict:
+    """The job's info (all of it with `full`, else just its team), or 404: unknown, or outside the
+    token's scope (as if absent)."""
+    exists, team = s.job_team(job)
+    if not exists or not who.sees(team):
+        raise HTTPException(404, f"no job {job!r}")
+    return s.info_many([job])[job] if full else {"meta": {"team": team}}

@@ -1,0 +1,175 @@
+"""Jobs: the list, one job's totals over a window, its series and its incidents."""
+
+from __future__ import annotations
+
+import base64
+import json
+from decimal import Decimal
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import Response
+
+from ..deps import Config, Store, Who, Win, visible_job
+from ..format import by_category, iso, json_bytes, micro, money, per
+from ..schemas import Incident, Incidents, JobList, JobSummary, JobTotals, ProfileOut, Series, WindowOut
+from ..store import JOB_CATS, WASTED, LedgerStore
+from ..windows import Window
+
+router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
+STEP_S = {"5m": 300, "1h": 3600, "1d": 86400}
+MAX_POINTS = 10_000
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    s: Store,
+    who: Who,
+    cfg: Config,
+    team: Annotated[str | None, Query(max_length=200)] = None,
+    status: Annotated[str | None, Query(max_length=40)] = None,
+    cursor: Annotated[str | None, Query(max_length=400)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> JobList:
+    after = ""
+    if cursor:
+        try:
+            after = base64.b64decode(cursor.encode(), altchars=b"-_", validate=True).decode()
+        except (ValueError, UnicodeDecodeError):
+            raise HTTPException(400, "cursor is not one this API returned") from None
+    seen = dict(s.jobs())
+    names = sorted(j for j in seen if j > after)
+    out: list[JobSummary] = []
+    last = None
+    for chunk_start in range(0, len(names), 200):
+        chunk = names[chunk_start : chunk_start + 200]
+        info = s.info_many(chunk)
+        visible = [
+            j
+            for j in chunk
+            if who.sees(info[j]["meta"].get("team"))
+            and (team is None or info[j]["meta"].get("team") == team)
+            and (status is None or info[j]["status"] == status)
+        ]
+        totals = s.totals_many(visible) if visible else {}
+        for j in visible:
+            a, meta, fig = totals[j], info[j]["meta"], info[j]["figures"]
+            cost = a.total_cost()
+            valid = int(fig.get("valid_steps", 0) or 0)
+            out.append(
+                JobSummary(
+                    job=j,
+                    team=meta.get("team"),
+                    cost_center=meta.get("cost_center"),
+                    gpu_model=meta.get("gpu_model"),
+                    status=info[j]["status"],
+                    first_seen=iso(info[j]["first_seen"]),
+                    last_seen=iso(seen[j]),
+                    gpu_hours=a.hours(JOB_CATS),
+                    cost=money(cost),
+                    wasted_gpu_hours=a.hours(WASTED),
+                    valid_steps=valid,
+                    cost_per_valid_step=per(cost, valid),
+                )
+            )
+            last = j
+            if len(out) >= limit:
+                break
+        if len(out) >= limit:
+            break
+    more = last is not None and len(out) >= limit and last != names[-1]
+    nxt = base64.urlsafe_b64encode(last.encode()).decode() if more and last else None
+    return JobList(currency=cfg.currency, jobs=out, next_cursor=nxt)
+
+
+@router.get("/{job}", response_model=JobTotals, responses={404: {"description": "no such job"}})
+def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
+    info = visible_job(job, who, s, full=True)
+    a, st = s.amounts_many([job], w.start, w.end)[job], s.steps_many([job], w.start, w.end)[job]
+    meta, fig = info["meta"], info["figures"]
+    cost = a.total_cost()
+    ckpt = float(fig.get("last_checkpoint_ts", 0) or 0)
+    risk_from = max(int(ckpt) // 300 * 300, w.start) if ckpt > 0 else w.start
+    at_risk = s.amounts_many([job], risk_from, max(w.end, risk_from + 300))[job].hours(JOB_CATS)
+    spend_all = s.totals_many([job])[job].total_cost()
+    budget = meta.get("budget")
+    budget_d = Decimal(budget) if budget not in (None, "") else None
+    preflight = json.loads(fig["preflight"]) if fig.get("preflight") else None
+    return JobTotals(
+        job=job,
+        currency=cfg.currency,
+        window=WindowOut(**w.as_dict()),
+        price_versions=sorted(a.price_versions),
+        team=meta.get("team"),
+        cost_center=meta.get("cost_center"),
+        gpu_model=meta.get("gpu_model"),
+        status=info["status"],
+        by_category=by_category(a),
+        gpu_hours=a.hours(JOB_CATS),
+        cost=money(cost),
+        wasted_gpu_hours=a.hours(WASTED),
+        wasted_cost=money(a.total_cost(WASTED)),
+        steps_completed=st.completed,
+        steps_voided=st.voided,
+        valid_steps=st.valid,
+        tokens=st.tokens,
+        cost_per_valid_step=per(cost, st.valid),
+        productive_cost_per_step=per(a.cost("productive"), st.valid),
+        cost_per_million_tokens=per(cost, st.tokens, 10**6),
+        gpu_hours_at_risk=at_risk,
+        budget=money(budget_d) if budget_d is not None else None,
+        spend=money(spend_all),
+        budget_used=float(spend_all / budget_d) if budget_d else None,
+        preflight=preflight,
+        profile=ProfileOut(name=fig["profile"], calibrated=fig.get("profile_calibrated") == "1")
+        if fig.get("profile")
+        else None,
+    )
+
+
+@router.get("/{job}/series", response_model=Series, responses={404: {"description": "no such job"}})
+def job_series(
+    job: str, s: Store, who: Who, w: Win, cfg: Config, step: Literal["5m", "1h", "1d"] = "1h"
+) -> Response:
+    visible_job(job, who, s)
+    return cfg.cache.get((job, w.start, w.end, step), lambda: series_body(job, w, step, s, cfg.currency))
+
+
+def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -> Response:
+    secs = STEP_S[step]
+    if (w.end - w.start) / secs > MAX_POINTS:
+        raise HTTPException(
+            400, f"window {w.text!r} at step {step} is more than 10,000 points: use a coarser step"
+        )
+    points = [
+        {
+            "start": iso(b),
+            "end": iso(b + secs),
+            "gpu_hours": round(a.hours(JOB_CATS), 6),
+            "cost": micro(sum(a.ucost[c] for c in JOB_CATS)),
+            "wasted_gpu_hours": round(a.hours(WASTED), 6),
+            "by_category": by_category(a),
+        }
+        for b, a in s.series(job, w.start, w.end, step)
+    ]
+    # Built as plain data and sent as is: validating thousands of points again would double the time.
+    return json_bytes(
+        {"job": job, "currency": currency, "window": w.as_dict(), "step": step, "points": points}
+    )
+
+
+@router.get("/{job}/incidents", response_model=Incidents, responses={404: {"description": "no such job"}})
+def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incidents:
+    visible_job(job, who, s)
+    incs = [
+        Incident(
+            category=i["category"],
+            start=iso(i["start"]),
+            end=iso(i["end"]),
+            ranks=i["ranks"],
+            hosts=i["hosts"],
+            gpu_hours=i["gpu_ms"] / 3.6e6,
+        )
+        for i in s.incidents(job, w.start, w.end)
+    ]
+    return Incidents(job=job, currency=cfg.currency, window=WindowOut(**w.as_dict()), incidents=incs)

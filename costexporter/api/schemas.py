@@ -1,0 +1,138 @@
+"""The API's response models: the OpenAPI schema and what clients may rely on."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class WindowOut(BaseModel):
+    requested: str
+    start: str
+    end: str
+    start_unix: int
+    end_unix: int
+    bucket_seconds: int
+
+
+class ByCategory(BaseModel):
+    gpu_hours: dict[str, float]
+    energy_kwh: dict[str, float]
+    cost: dict[str, str]
+
+
+class JobSummary(BaseModel):
+    job: str
+    team: str | None
+    cost_center: str | None
+    gpu_model: str | None
+    status: str
+    first_seen: str | None
+    last_seen: str | None
+    gpu_hours: float
+    cost: str
+    wasted_gpu_hours: float
+    valid_steps: int
+    cost_per_valid_step: str | None
+
+
+class JobList(BaseModel):
+    currency: str
+    jobs: list[JobSummary]
+    next_cursor: str | None
+
+
+class ProfileOut(BaseModel):
+    """The band profile the agents classify the job's GPUs with; uncalibrated ones are derived
+    from the power limit and may misclassify (calibrate one with `costexporter calibrate`)."""
+
+    name: str
+    calibrated: bool
+
+
+class JobTotals(BaseModel):
+    job: str
+    currency: str
+    window: WindowOut
+    price_versions: list[str]
+    team: str | None
+    cost_center: str | None
+    gpu_model: str | None
+    status: str
+    by_category: ByCategory
+    gpu_hours: float
+    cost: str
+    wasted_gpu_hours: float
+    wasted_cost: str
+    steps_completed: int
+    steps_voided: int
+    valid_steps: int
+    tokens: int
+    cost_per_valid_step: str | None
+    productive_cost_per_step: str | None
+    cost_per_million_tokens: str | None
+    gpu_hours_at_risk: float
+    budget: str | None
+    spend: str
+    budget_used: float | None
+    preflight: dict | None
+    profile: ProfileOut | None = None
+
+
+class SeriesPoint(BaseModel):
+    start: str
+    end: str
+    gpu_hours: float
+    cost: str
+    wasted_gpu_hours: float
+    by_category: ByCategory
+
+
+class Series(BaseModel):
+    job: str
+    currency: str
+    window: WindowOut
+    step: str
+    points: list[SeriesPoint]
+
+
+class Incident(BaseModel):
+    category: str
+    start: str
+    end: str
+    ranks: list[int]
+    hosts: list[str]
+    gpu_hours: float
+
+
+class Incidents(BaseModel):
+    job: str
+    currency: str
+    window: WindowOut
+    incidents: list[Incident]
+
+
+class AllocationRow(BaseModel):
+    key: str
+    team: str | None
+    cost_center: str | None
+    jobs: int
+    gpu_hours: float
+    valid_gpu_hours: float
+    overhead_gpu_hours: float
+    wasted_gpu_hours: float
+    cost: str
+    wasted_cost: str
+    valid_steps: int
+    cost_per_valid_step: str | None
+
+
+class Allocation(BaseModel):
+    currency: str
+    window: WindowOut
+    aggregate: str
+    rows: list[AllocationRow]
+
+
+class Health(BaseModel):
+    status: str
+    version: str
