@@ -11,7 +11,8 @@ A tokens file (YAML or JSON; `--tokens-file` or COSTEXPORTER_API_TOKENS_FILE):
         teams: [llm]
 
 Without a tokens file the API is open (and says so at start): fine on a trusted network, not
-for chargeback across teams.
+for chargeback across teams. A tokens file that is given but unusable (empty, no tokens, an
+unknown key, a token without explicit `teams`) stops the API at start: it never opens up.
 """
 
 from __future__ import annotations
@@ -43,6 +44,59 @@ class Principal:
 ANONYMOUS = Principal("anonymous", None)
 
 
+ENTRY_KEYS = {"name", "sha256", "teams"}
+
+
+def parse_tokens(data: object) -> list[tuple[str, str, frozenset[str] | None]]:
+    """Validate a tokens document: `{"tokens": [{name?, sha256, teams}, ...]}`, at least one
+    token, no unknown keys, every token's teams explicit (a list of team names, or "*")."""
+    if not isinstance(data, dict):
+        raise ValueError("the file must be a mapping with a 'tokens' list (it is empty or not a mapping)")
+    unknown = sorted(str(k) for k in data if k != "tokens")
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} (the only key is 'tokens')")
+    items = data.get("tokens")
+    if not isinstance(items, list) or not items:
+        raise ValueError("'tokens' must be a non-empty list (a tokens file that grants nothing is refused)")
+    entries, digests = [], set()
+    for i, t in enumerate(items):
+        where = f"token #{i + 1}"
+        if not isinstance(t, dict):
+            raise ValueError(f"{where}: must be a mapping with sha256 and teams")
+        where = f"token #{i + 1} ({t['name']})" if isinstance(t.get("name"), str) else where
+        bad = sorted(str(k) for k in t if k not in ENTRY_KEYS)
+        if bad:
+            raise ValueError(f"{where}: unknown key {bad[0]!r} (keys: name, sha256, teams)")
+        digest = t.get("sha256")
+        if (
+            not isinstance(digest, str)
+            or len(digest) != 64
+            or any(c not in "0123456789abcdef" for c in digest.lower())
+        ):
+            raise ValueError(f"{where}: sha256 must be 64 hex digits (costexporter api --hash-token TOKEN)")
+        digest = digest.lower()
+        if digest in digests:
+            raise ValueError(f"{where}: the same sha256 as an earlier token")
+        digests.add(digest)
+        entries.append((str(t.get("name") or f"token-{i + 1}"), digest, _scope(t, where)))
+    return entries
+
+
+def _scope(t: dict, where: str) -> frozenset[str] | None:
+    if "teams" not in t:
+        raise ValueError(f"{where}: no 'teams': name its teams as a list, or \"*\" for every team")
+    teams = t["teams"]
+    if teams == "*":
+        return None
+    if not isinstance(teams, list) or not teams:
+        raise ValueError(f"{where}: 'teams' must be a non-empty list of team names, or \"*\" (got {teams!r})")
+    if not all(isinstance(x, str) and x for x in teams):
+        raise ValueError(f"{where}: every team must be a non-empty string (got {teams!r})")
+    if "*" in teams:
+        raise ValueError(f'{where}: "*" stands alone (teams: "*"), not in a list')
+    return frozenset(teams)
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -57,6 +111,10 @@ class Tokens:
 
     @classmethod
     def load(cls, path: str | Path | None) -> Tokens:
+        """The tokens of a file, or none when no file is given (the API is then open).
+
+        A file that is given but grants nothing or is ambiguous is an error, never an open API:
+        fails closed."""
         if not path:
             return cls([])
         p = Path(path)
@@ -66,18 +124,12 @@ class Tokens:
             text = p.read_text()
             data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
         except (OSError, ValueError, yaml.YAMLError) as e:
-            raise TokenConfigError(f"{p}: cannot read tokens: {e}") from None
-        entries = []
-        for i, t in enumerate((data or {}).get("tokens") or []):
-            try:
-                digest = str(t["sha256"]).lower()
-                if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                    raise ValueError("sha256 must be 64 hex digits")
-                teams = t.get("teams", "*")
-                scope = None if teams == "*" else frozenset(str(x) for x in teams)
-                entries.append((str(t.get("name") or f"token-{i}"), digest, scope))
-            except (KeyError, TypeError, ValueError) as e:
-                raise TokenConfigError(f"{p}: token #{i + 1}: {e}") from None
+            detail = " ".join(str(e).split())
+            raise TokenConfigError(f"{p}: cannot read tokens: {detail}") from None
+        try:
+            entries = parse_tokens(data)
+        except ValueError as e:
+            raise TokenConfigError(f"{p}: {e}") from None
         return cls(entries)
 
     def check(self, authorization: str | None) -> Principal | None:
