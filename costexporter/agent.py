@@ -487,12 +487,7 @@ class Agent:
                 ledger.key(cfg.prefix, job.name, "ledger", "rbidx", cfg.agent_id),
                 mapping={str(k): json.dumps(v) for k, v in index_new.items()},
             )
-        for inc in incidents.values():
-            pipe.hset(
-                ledger.key(cfg.prefix, job.name, "ledger", "incidents", cfg.agent_id),
-                f"{inc['category']}:{inc['start']}",
-                json.dumps(inc),
-            )
+        ledger.queue_incidents(pipe, cfg.prefix, job.name, cfg.agent_id, incidents.values())
         pipe.hset(
             ledger.key(cfg.prefix, job.name, "ledger", "job"),
             mapping={k: v for k, v in figures.items() if v is not None},

@@ -9,6 +9,7 @@ Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
     <p>:{job}:ledger:job                   hash  job-level figures (steps, tokens, ...), SET not added
     <p>:{job}:ledger:rbidx:<agent>         hash  step record -> cumulative valid amounts (rollback)
     <p>:{job}:ledger:incidents:<agent>     hash  incident id -> JSON
+    <p>:{job}:ledger:incidents             set   agents that wrote incidents of the job (the index)
     <p>:{job}:wm:<agent>                   string the agent's watermark (JSON)
 
 Fields of an amounts hash: `<category>:ms` (GPU-milliseconds), `<category>:mj` (millijoules),
@@ -120,6 +121,43 @@ def queue_amounts(
     tk = key(prefix, job, "ledger", "total")
     for f, v in total.items():
         pipe.hincrby(tk, f, v)
+
+
+def incidents_key(prefix: str, job: str, agent: str) -> str:
+    """One agent's incidents of a job (hash incident id -> JSON)."""
+    return key(prefix, job, "ledger", "incidents", agent)
+
+
+def incident_index_key(prefix: str, job: str) -> str:
+    """The agents that wrote incidents of a job: readers find the incident hashes here, never by
+    SCAN (a pattern would need the job name escaped, and a SCAN walks the whole keyspace)."""
+    return key(prefix, job, "ledger", "incidents")
+
+
+def queue_incidents(pipe, prefix: str, job: str, agent: str, incidents) -> None:
+    """Write incidents (dicts with category and start) and index their hash (in the caller's MULTI)."""
+    written = False
+    for inc in incidents:
+        pipe.hset(incidents_key(prefix, job, agent), f"{inc['category']}:{inc['start']}", json.dumps(inc))
+        written = True
+    if written:
+        pipe.sadd(incident_index_key(prefix, job), agent)
+
+
+def index_incidents(client, prefix: str, count: int = 1000) -> int:
+    """Index incident hashes written before the index existed (one SCAN at startup, never on a
+    request). Returns how many hashes were indexed."""
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + ":{*}:ledger:incidents:*"
+    n = 0
+    for k in client.scan_iter(match=pattern, count=count):
+        k = k.decode() if isinstance(k, bytes) else k
+        head, sep, agent = k.rpartition("}:ledger:incidents:")
+        job = head[len(prefix) + 2 :]
+        if not sep or not head.startswith(prefix + ":{") or not agent:
+            continue
+        client.sadd(incident_index_key(prefix, job), agent)
+        n += 1
+    return n
 
 
 def queue_steps(

@@ -13,7 +13,7 @@ from fastapi import Depends, Header, HTTPException, Query, Request
 
 from .auth import Principal, Tokens
 from .cache import ResponseCache
-from .store import LedgerStore
+from .store import LedgerStore, Warnings
 from .windows import ACCEPTED, Window, WindowError, parse_window
 
 
@@ -61,10 +61,12 @@ Who = Annotated[Principal, Depends(principal)]
 Win = Annotated[Window, Depends(window)]
 
 
-def visible_job(job: str, who: Principal, s: LedgerStore, full: bool = False) -> dict:
+def visible_job(
+    job: str, who: Principal, s: LedgerStore, full: bool = False, warn: Warnings | None = None
+) -> dict:
     """The job's info (all of it with `full`, else just its team), or 404: unknown, or outside the
     token's scope (as if absent)."""
     exists, team = s.job_team(job)
     if not exists or not who.sees(team):
         raise HTTPException(404, f"no job {job!r}")
-    return s.info_many([job])[job] if full else {"meta": {"team": team}}
+    return s.info_many([job], warn)[job] if full else {"meta": {"team": team}}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+WARNINGS = "Stored values this answer skipped because they do not parse (one line per job and problem)."
 
 
 class WindowOut(BaseModel):
@@ -39,6 +41,7 @@ class JobList(BaseModel):
     currency: str
     jobs: list[JobSummary]
     next_cursor: str | None
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 
 
 class ProfileOut(BaseModel):
@@ -76,6 +79,7 @@ class JobTotals(BaseModel):
     budget_used: float | None
     preflight: dict | None
     profile: ProfileOut | None = None
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 
 
 class SeriesPoint(BaseModel):
@@ -93,6 +97,7 @@ class Series(BaseModel):
     window: WindowOut
     step: str
     points: list[SeriesPoint]
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 
 
 class Incident(BaseModel):
@@ -109,6 +114,7 @@ class Incidents(BaseModel):
     currency: str
     window: WindowOut
     incidents: list[Incident]
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 
 
 class AllocationRow(BaseModel):
@@ -131,6 +137,7 @@ class Allocation(BaseModel):
     window: WindowOut
     aggregate: str
     rows: list[AllocationRow]
+    warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 
 
 class Health(BaseModel):

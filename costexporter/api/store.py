@@ -2,13 +2,20 @@
 
 All amounts are the ledger's integers; money leaves here as `Decimal` (micro-units / 10^6), so the
 API can print it with a fixed number of places and never a binary float.
+
+Stored data is not trusted: a value that does not parse (a budget of "5k", a registration time of
+null, a bucket field that is not a number, a key of the wrong type) is skipped and named in the
+`Warnings` the caller passes, so one bad record never fails a request for everyone.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
+
+import redis
 
 from .. import ledger, protocol
 from ..model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
@@ -17,6 +24,52 @@ from .windows import decompose
 WASTED = [c.name.lower() for c in sorted(WASTED_CATEGORIES)]
 VALID = [c.name.lower() for c in sorted(VALID_CATEGORIES)]
 JOB_CATS = [c for c in CATEGORIES if c != "unassigned"]
+
+
+LATEST_TS = 32_503_680_000  # 3000-01-01: a stored time beyond it (or before 1970) is not a time
+
+
+class Warnings(list):
+    """What a request skipped in the stored data, one line per job and problem (deduplicated)."""
+
+    def add(self, job: str, what: str) -> None:
+        line = f"{job}: {what}"
+        if line not in self and len(self) < 100:
+            self.append(line)
+
+
+def timestamp(v: object) -> float | None:
+    """A stored Unix time, or None if it is not a finite number of seconds within 1970..3000."""
+    if isinstance(v, bool):
+        return None
+    try:
+        t = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return t if math.isfinite(t) and 0 <= t < LATEST_TS else None
+
+
+def number(v: object) -> int | None:
+    """A stored integer (counts, amounts), or None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        try:
+            f = float(v)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        return int(f) if math.isfinite(f) and f == int(f) else None
+
+
+def decimal(v: object) -> Decimal | None:
+    """A stored finite decimal amount (a budget), or None."""
+    try:
+        d = Decimal(str(v).strip())
+    except (InvalidOperation, ValueError):
+        return None
+    return d if d.is_finite() and abs(d) < Decimal(10) ** 15 else None
 
 
 # Ledger field -> (unit index, category, sign): parsed once, not per field per bucket.
@@ -37,15 +90,22 @@ class Amounts:
     ucost: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     price_versions: set[str] = field(default_factory=set)
 
-    def add_hash(self, h: dict) -> None:
+    def add_hash(self, h: dict) -> int:
+        """Add one amounts hash; returns how many of its amounts were not integers (skipped)."""
         targets = (self.ms, self.mj, self.ucost)
+        bad = 0
         for f, v in h.items():
             parsed = _FIELDS.get(f)
             if parsed is not None:
+                n = number(v)
+                if n is None:
+                    bad += 1
+                    continue
                 unit, cat, sign = parsed
-                targets[unit][cat] += sign * int(v)
+                targets[unit][cat] += sign * n
             elif f == "price_version":
-                self.price_versions.add(v)
+                self.price_versions.add(str(v))
+        return bad
 
     def cost(self, cat: str) -> Decimal:
         return Decimal(self.ucost[cat]) / Decimal(10**6)
@@ -71,22 +131,31 @@ class Steps:
 # Sums a job's bucket hashes inside Redis: one short reply per job instead of every bucket.
 # Lua numbers are doubles: integers stay exact up to 2^53 (9e9 currency units in micro-units).
 SUM_BUCKETS = r"""
-local acc, order, versions, seen = {}, {}, {}, {}
+-- A key of another type or a value that is no finite number is skipped and counted (`_bad`).
+local acc, order, versions, seen, bad = {}, {}, {}, {}, 0
 for i = 1, #KEYS do
-  local h = redis.call('HGETALL', KEYS[i])
-  for j = 1, #h, 2 do
-    local f, v = h[j], h[j + 1]
-    if f == 'price_version' then
-      if not seen[v] then seen[v] = true; versions[#versions + 1] = v end
-    else
-      local n = tonumber(v) or 0
-      if acc[f] == nil then acc[f] = n; order[#order + 1] = f else acc[f] = acc[f] + n end
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t == 'hash' then
+    local h = redis.call('HGETALL', KEYS[i])
+    for j = 1, #h, 2 do
+      local f, v = h[j], h[j + 1]
+      if f == 'price_version' then
+        if not seen[v] then seen[v] = true; versions[#versions + 1] = v end
+      else
+        local n = tonumber(v)
+        if n == nil or n ~= n or n == math.huge or n == -math.huge then
+          bad = bad + 1
+        elseif acc[f] == nil then acc[f] = n; order[#order + 1] = f else acc[f] = acc[f] + n end
+      end
     end
+  elseif t ~= 'none' then
+    bad = bad + 1
   end
 end
 local out = {}
 for _, f in ipairs(order) do out[#out + 1] = f; out[#out + 1] = string.format('%.0f', acc[f]) end
 if #versions > 0 then out[#out + 1] = 'price_version'; out[#out + 1] = table.concat(versions, '\n') end
+if bad > 0 then out[#out + 1] = '_bad'; out[#out + 1] = tostring(bad) end
 return out
 """
 
@@ -106,6 +175,19 @@ return out
 """
 
 
+def _run(pipe) -> list:
+    """Execute a pipeline; a command that failed on the stored data (a key of the wrong type, a
+    script error) gives None instead of failing every other result. Outages still raise."""
+    return [None if isinstance(x, redis.ResponseError) else x for x in pipe.execute(raise_on_error=False)]
+
+
+def _json(raw: object) -> object:
+    try:
+        return json.loads(raw) if isinstance(raw, str | bytes) else None
+    except ValueError:
+        return None
+
+
 class LedgerStore:
     def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX) -> None:
         self.r = client
@@ -119,9 +201,15 @@ class LedgerStore:
     def ping(self) -> bool:
         return bool(self.r.ping())
 
-    def jobs(self) -> list[tuple[str, float]]:
-        """Every job with the time of its newest event."""
-        return [(j, s) for j, s in self.r.zrange(protocol.jobs_key(self.prefix), 0, -1, withscores=True)]
+    def jobs(self, warn: Warnings | None = None) -> list[tuple[str, float | None]]:
+        """Every job with the time of its newest event (None where that is not a time)."""
+        out = []
+        for j, score in self.r.zrange(protocol.jobs_key(self.prefix), 0, -1, withscores=True):
+            t = timestamp(score)
+            if t is None and warn is not None:
+                warn.add(j, f"newest event time {score!r} is not a time: ignored")
+            out.append((j, t))
+        return out
 
     def job_exists(self, job: str) -> bool:
         return self.r.zscore(protocol.jobs_key(self.prefix), job) is not None
@@ -131,49 +219,60 @@ class LedgerStore:
         pipe = self.r.pipeline(transaction=False)
         pipe.zscore(protocol.jobs_key(self.prefix), job)
         pipe.hget(protocol.meta_key(self.prefix, job), "team")
-        score, team = pipe.execute()
+        score, team = _run(pipe)
         return score is not None, team
 
-    def meta_many(self, jobs: list[str]) -> dict[str, dict]:
+    def meta_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict]:
         """Each job's meta (team, cost center, ...) in one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
             pipe.hgetall(protocol.meta_key(self.prefix, j))
-        return dict(zip(jobs, pipe.execute(), strict=True))
+        out = {}
+        for j, meta in zip(jobs, _run(pipe), strict=True):
+            if meta is None and warn is not None:
+                warn.add(j, "meta is not a hash: ignored")
+            out[j] = meta or {}
+        return out
 
-    def info_many(self, jobs: list[str]) -> dict[str, dict]:
+    def info_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict]:
         """meta, figures, status and first registration of many jobs in one round trip."""
+        warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
             pipe.hgetall(protocol.meta_key(self.prefix, j))
             pipe.hgetall(self.k(j, "ledger", "job"))
             pipe.get(self.k(j, "status"))
             pipe.hvals(protocol.ranks_key(self.prefix, j))
-        raw = pipe.execute()
+        raw = _run(pipe)
         out = {}
         for i, j in enumerate(jobs):
             meta, figures, status, ranks = raw[4 * i : 4 * i + 4]
+            for what, value in (("meta", meta), ("figures", figures), ("ranks", ranks)):
+                if value is None:
+                    warn.add(j, f"{what} key has the wrong type: ignored")
             regs = []
-            for r in ranks:
-                try:
-                    regs.append(float(json.loads(r).get("ts", 0)))
-                except (ValueError, AttributeError):
-                    continue
+            for r in ranks or []:
+                entry = _json(r)
+                t = timestamp(entry.get("ts")) if isinstance(entry, dict) else None
+                if t is None:
+                    warn.add(j, "a ranks entry without a valid registration time: ignored")
+                else:
+                    regs.append(t)
             state = "unknown"
             if status:
-                try:
-                    state = str(json.loads(status).get("state", "unknown"))
-                except (ValueError, AttributeError):
-                    state = str(status)
+                parsed = _json(status)
+                state = str(parsed.get("state", "unknown")) if isinstance(parsed, dict) else str(status)
             out[j] = {
-                "meta": meta,
-                "figures": figures,
+                "meta": meta or {},
+                "figures": figures or {},
                 "status": state,
                 "first_seen": min(regs) if regs else None,
             }
         return out
 
-    def amounts_many(self, jobs: list[str], start: int, end: int) -> dict[str, Amounts]:
+    def amounts_many(
+        self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
+    ) -> dict[str, Amounts]:
         """Window totals of many jobs: the fewest buckets (whole days, hours, then 5 minutes),
         summed inside Redis by a script, one call per job, one pipeline."""
         parts = decompose(start, end)
@@ -181,29 +280,35 @@ class LedgerStore:
         for j in jobs:
             self._sum(keys=[self.k(j, "ledger", res, str(b)) for res, b in parts], client=pipe)
         out = {}
-        for j, flat in zip(jobs, pipe.execute(), strict=True):
+        for j, flat in zip(jobs, _run(pipe), strict=True):
             a = Amounts()
-            h = dict(zip(flat[::2], flat[1::2], strict=True))
+            h = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
             versions = h.pop("price_version", None)
-            a.add_hash(h)
+            bad = (number(h.pop("_bad", 0)) or 0) + a.add_hash(h) + (flat is None)
             if versions:
                 a.price_versions.update(versions.split("\n"))
+            if bad and warn is not None:
+                warn.add(j, f"{bad} ledger amounts are not numbers or not in a hash: skipped")
             out[j] = a
         return out
 
-    def totals_many(self, jobs: list[str]) -> dict[str, Amounts]:
+    def totals_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, Amounts]:
         """All-time amounts (the `ledger:total` hash) of many jobs, one pipeline."""
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
             pipe.hgetall(self.k(j, "ledger", "total"))
         out = {}
-        for j, h in zip(jobs, pipe.execute(), strict=True):
+        for j, h in zip(jobs, _run(pipe), strict=True):
             a = Amounts()
-            a.add_hash(h)
+            bad = a.add_hash(h) if h is not None else 1
+            if bad and warn is not None:
+                warn.add(j, f"{bad} all-time amounts are not numbers or not in a hash: skipped")
             out[j] = a
         return out
 
-    def series(self, job: str, start: int, end: int, res: str) -> list[tuple[int, Amounts]]:
+    def series(
+        self, job: str, start: int, end: int, res: str, warn: Warnings | None = None
+    ) -> list[tuple[int, Amounts]]:
         secs = ledger.RESOLUTIONS[res]
         first = start // secs * secs
         starts = list(range(first, end, secs))
@@ -211,14 +316,20 @@ class LedgerStore:
         for b in starts:
             pipe.hgetall(self.k(job, "ledger", res, str(b)))
         out = []
-        for b, h in zip(starts, pipe.execute(), strict=True):
+        bad = 0
+        for b, h in zip(starts, _run(pipe), strict=True):
             a = Amounts()
-            a.add_hash(h)
+            bad += a.add_hash(h) if h is not None else 1
             out.append((b, a))
+        if bad and warn is not None:
+            warn.add(job, f"{bad} ledger amounts are not numbers or not in a hash: skipped")
         return out
 
-    def steps_many(self, jobs: list[str], start: float, end: float) -> dict[str, Steps]:
+    def steps_many(
+        self, jobs: list[str], start: float, end: float, warn: Warnings | None = None
+    ) -> dict[str, Steps]:
         """Steps completed and voided in [start, end), and the tokens of the valid ones."""
+        warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
             self._steps(
@@ -227,24 +338,48 @@ class LedgerStore:
                 client=pipe,
             )
 
-        def cum(member: str) -> int:
-            return int(member.rsplit(":", 1)[1]) if member else 0
-
         out = {}
-        for j, (c_n, c_end, c_start, v_n, v_end, v_start) in zip(jobs, pipe.execute(), strict=True):
+        for j, got in zip(jobs, _run(pipe), strict=True):
+            if got is None:
+                warn.add(j, "the step sets have the wrong type: steps skipped")
+                out[j] = Steps()
+                continue
+            c_n, c_end, c_start, v_n, v_end, v_start = got
+
+            def cum(member: str, j: str = j) -> int:
+                n = number(member.rsplit(":", 1)[-1]) if member else 0
+                if n is None:
+                    warn.add(j, f"step member {member[:40]!r} has no cumulative tokens: counted as 0")
+                return n or 0
+
             tokens = (cum(c_end) - cum(c_start)) - (cum(v_end) - cum(v_start))
             out[j] = Steps(int(c_n), int(v_n), max(tokens, 0))
         return out
 
-    def incidents(self, job: str, start: int, end: int, tol_s: float = 5.0) -> list[dict]:
-        """Every agent's incidents merged job-wide: one stretch per category and overlap."""
+    def incidents(
+        self, job: str, start: int, end: int, tol_s: float = 5.0, warn: Warnings | None = None
+    ) -> list[dict]:
+        """Every agent's incidents merged job-wide: one stretch per category and overlap.
+
+        The agents that wrote incidents are read from the job's index (never a SCAN)."""
+        warn = Warnings() if warn is None else warn
+        pipe = self.r.pipeline(transaction=False)
+        pipe.smembers(ledger.incident_index_key(self.prefix, job))
+        (agents,) = _run(pipe)
+        if agents is None:
+            warn.add(job, "the incident index is not a set: incidents skipped")
+        agents = sorted(agents or ())
+        pipe = self.r.pipeline(transaction=False)
+        for agent in agents:
+            pipe.hvals(ledger.incidents_key(self.prefix, job, agent))
         raw = []
-        for key in self.r.scan_iter(match=self.k(job, "ledger", "incidents", "*")):
-            for v in self.r.hvals(key):
-                try:
-                    raw.append(json.loads(v))
-                except ValueError:
-                    continue
+        for values in _run(pipe) if agents else []:
+            for v in values or []:
+                inc = incident(_json(v))
+                if inc is None:
+                    warn.add(job, "an incident that is not a valid record: skipped")
+                else:
+                    raw.append(inc)
         merged: list[dict] = []
         for inc in sorted(raw, key=lambda x: (x["category"], x["start"])):
             s, e = inc["start"] / 1000, inc["end"] / 1000
@@ -253,7 +388,7 @@ class LedgerStore:
                 last["end"] = max(last["end"], e)
                 last["gpu_ms"] += inc["gpu_ms"]
                 last["ranks"] = sorted(set(last["ranks"]) | set(inc["ranks"]))
-                last["hosts"] = sorted(set(last["hosts"]) | {inc.get("host", "")})
+                last["hosts"] = sorted(set(last["hosts"]) | {inc["host"]})
             else:
                 merged.append(
                     {
@@ -262,10 +397,41 @@ class LedgerStore:
                         "end": e,
                         "gpu_ms": inc["gpu_ms"],
                         "ranks": list(inc["ranks"]),
-                        "hosts": [inc.get("host", "")],
+                        "hosts": [inc["host"]],
                     }
                 )
         return [m for m in merged if m["end"] > start and m["start"] < end]
 
-    def unassigned(self, start: int, end: int) -> Amounts:
-        return self.amounts_many([ledger.UNASSIGNED_JOB], start, end)[ledger.UNASSIGNED_JOB]
+    def index_incidents(self) -> int:
+        """Index incidents written before the index existed (once, at startup)."""
+        return ledger.index_incidents(self.r, self.prefix)
+
+    def unassigned(self, start: int, end: int, warn: Warnings | None = None) -> Amounts:
+        return self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
+
+
+def incident(x: object) -> dict | None:
+    """A stored incident as the reader needs it, or None if it is not one."""
+    if not isinstance(x, dict) or not isinstance(x.get("category"), str):
+        return None
+    start, end = timestamp_ms(x.get("start")), timestamp_ms(x.get("end"))
+    gpu_ms, ranks = number(x.get("gpu_ms")), x.get("ranks")
+    if start is None or end is None or end < start or gpu_ms is None or not isinstance(ranks, list):
+        return None
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        return None
+    host = x.get("host", "")
+    return {
+        "category": x["category"],
+        "start": start,
+        "end": end,
+        "gpu_ms": gpu_ms,
+        "ranks": ranks,
+        "host": host if isinstance(host, str) else "",
+    }
+
+
+def timestamp_ms(v: object) -> float | None:
+    """A stored time in Unix milliseconds, or None."""
+    t = timestamp(v / 1000 if isinstance(v, int | float) and not isinstance(v, bool) else None)
+    return None if t is None else float(v)  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ ACCEPTED = (
 DURATION = re.compile(r"^(\d{1,6})([mhdw])$")
 UNIT_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 MAX_SPAN_S = 400 * 86400  # a window longer than this is surely a typo
+LATEST = 32_503_680_000  # 3000-01-01T00:00:00Z: windows lie between 1970 and 3000
 
 
 class WindowError(ValueError):
@@ -65,7 +66,10 @@ def _instant(text: str) -> float:
         raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds") from None
     if d.tzinfo is None:
         raise WindowError(f"{text!r} has no time zone offset (RFC 3339 needs one, e.g. Z or +08:00)")
-    return d.timestamp()
+    try:
+        return d.timestamp()
+    except (ValueError, OverflowError):  # year 1 or 9999 with an offset that leaves the calendar
+        raise WindowError(f"{text!r} is not a time this API can use") from None
 
 
 def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, default: str = "30d") -> Window:
@@ -106,6 +110,8 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, de
             raise WindowError(f"window {raw!r} is longer than 400 days")
     else:
         raise WindowError(f"window {raw!r} is not understood; accepted: {ACCEPTED}")
+    if not (start >= 0 and end <= LATEST):
+        raise WindowError(f"window {raw!r} must lie between 1970-01-01 and 3000-01-01")
     s, e = _align(start, end)
     return Window(s, e, raw)
 

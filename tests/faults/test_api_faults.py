@@ -4,17 +4,33 @@ Real Redis (a prefix per test), the real app over HTTP, the real CLI for startup
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import quote
 
+import httpx
+import numpy as np
 import pytest
-from hypothesis import given
+import redis
+import schemathesis
+import uvicorn
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from costexporter import ledger, protocol
+from costexporter.api.app import create_app
 from costexporter.api.auth import TokenConfigError, Tokens, hash_token, parse_tokens
+from costexporter.api.cache import ResponseCache
+from costexporter.api.store import LedgerStore
+from costexporter.model import Category
 
 from ..conftest import ROOT
-from ..redis_server import free_port
+from ..redis_server import RedisServer, free_port
 
 DIGEST = hash_token("secret")
 
@@ -86,3 +102,440 @@ def test_a_good_tokens_file_loads(tmp_path):
     assert Tokens.load(f).check("Bearer secret").all_teams
     with pytest.raises(TokenConfigError):
         Tokens.load(tmp_path / "missing.yaml")
+
+
+# ---- a served app over real HTTP, and jobs written as the agent writes them ----------------------
+WINDOW = "2025-07-26T00:00:00Z,2025-07-28T00:00:00Z"
+T0 = 1_753_531_200  # 2025-07-26T12:00:00Z
+
+
+@contextlib.contextmanager
+def served(store: LedgerStore, tokens: Tokens | None = None, **kw) -> Iterator[tuple[str, object]]:
+    """The app under uvicorn in a thread on a free port: (base URL, app)."""
+    app = create_app(store, tokens, **kw)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}", app
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def write_job(r: redis.Redis, prefix: str, job: str, team: str, incidents: int = 1, **meta: str) -> None:
+    """A job with a registration, 2 hours of amounts, 10 steps and `incidents` incidents."""
+    pipe = r.pipeline(transaction=True)
+    pipe.zadd(protocol.jobs_key(prefix), {job: T0 + 7200})
+    pipe.hset(protocol.meta_key(prefix, job), mapping={"team": team, **meta})
+    pipe.hset(protocol.ranks_key(prefix, job), "0", json.dumps({"ts": T0, "host": "h", "gpu": 0}))
+    a = np.zeros((len(Category), 3), np.int64)
+    a[Category.PRODUCTIVE] = [3_600_000, 10**9, 3_500_000]
+    a[Category.STALLED] = [360_000, 10**8, 350_000]
+    ledger.queue_amounts(pipe, prefix, job, {T0: a, T0 + 3600: a}, "v1")
+    pipe.zadd(
+        ledger.key(prefix, job, "ledger", "steps"), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)}
+    )
+    incs = [
+        {
+            "category": "stalled",
+            "start": (T0 + 1000 * i) * 1000,
+            "end": (T0 + 1000 * i + 60) * 1000,
+            "gpu_ms": 60_000,
+            "ranks": [0],
+            "host": f"{job}-host",
+        }
+        for i in range(incidents)
+    ]
+    ledger.queue_incidents(pipe, prefix, job, "agent-1", incs)
+    pipe.execute()
+
+
+@pytest.fixture
+def r(shared):
+    return shared
+
+
+def get(base: str, path: str, token: str | None = None, **params) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.get(base + path, params=params, headers=headers, timeout=30)
+
+
+# ---- 14: no SCAN pattern, no leak ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["j*", "?obB", "[jo]*", "job\\A"])
+def test_a_glob_job_name_sees_only_its_own_incidents(r, prefix, tmp_path, name):
+    write_job(r, prefix, "jobA", "a", incidents=3)
+    write_job(r, prefix, "jobB", "a", incidents=2)
+    write_job(r, prefix, name, "b", incidents=1)
+    f = tmp_path / "t.yaml"
+    f.write_text(f"tokens:\n  - sha256: {hash_token('b')}\n    teams: [b]\n")
+    with served(LedgerStore(r, prefix), Tokens.load(f)) as (base, _):
+        got = get(base, f"/api/v1/jobs/{quote(name, safe='')}/incidents", "b", window=WINDOW)
+        assert got.status_code == 200, got.text
+        incs = got.json()["incidents"]
+        assert len(incs) == 1 and incs[0]["hosts"] == [f"{name}-host"], incs
+        assert get(base, "/api/v1/jobs/jobA/incidents", "b", window=WINDOW).status_code == 404
+
+
+def test_incidents_are_read_without_scan(tmp_path):
+    """A private Redis: the request path sends no SCAN (INFO commandstats counts every command)."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        c = server.client()
+        write_job(c, "p", "jobA", "a", incidents=5)
+        with served(LedgerStore(c, "p")) as (base, _):
+            got = get(base, "/api/v1/jobs/jobA/incidents", window=WINDOW)
+            assert got.status_code == 200 and len(got.json()["incidents"]) == 5
+            for path in ("/api/v1/jobs", "/api/v1/jobs/jobA", "/api/v1/allocation"):
+                assert get(base, path, window=WINDOW).status_code == 200
+        stats = c.info("commandstats")
+        assert "cmdstat_hvals" in stats and "cmdstat_scan" not in stats, sorted(stats)
+    finally:
+        server.stop()
+
+
+def test_incidents_written_before_the_index_are_indexed_once(r, prefix):
+    """Migration: hashes without an index entry are found by one SCAN (at startup), and only this
+    prefix's (a prefix with glob characters matches only itself)."""
+    odd = prefix + "[x]"
+    for p in (prefix, odd, prefix + "x"):
+        r.zadd(protocol.jobs_key(p), {"old": T0})
+        inc = {"category": "idle", "start": T0 * 1000, "end": (T0 + 60) * 1000, "gpu_ms": 1, "ranks": [0]}
+        r.hset(ledger.incidents_key(p, "old", "agent-0"), "idle:1", json.dumps(inc))
+    try:
+        store = LedgerStore(r, odd)
+        assert store.incidents("old", T0 - 3600, T0 + 3600) == []
+        assert store.index_incidents() == 1
+        assert [i["category"] for i in store.incidents("old", T0 - 3600, T0 + 3600)] == ["idle"]
+        assert r.smembers(ledger.incident_index_key(prefix, "old")) == set()
+    finally:
+        for p in (odd, prefix + "x"):
+            r.delete(*r.keys(p.replace("[", "\\[").replace("]", "\\]") + ":*"))
+
+
+# ---- 15: never a 500 from stored data --------------------------------------------------------------
+BAD_STORED = [
+    ("budget 5k", lambda r, p, j: r.hset(protocol.meta_key(p, j), "budget", "5k"), "budget"),
+    ("budget inf", lambda r, p, j: r.hset(protocol.meta_key(p, j), "budget", "inf"), "budget"),
+    ("budget nan", lambda r, p, j: r.hset(protocol.meta_key(p, j), "budget", "NaN"), "budget"),
+    ("ranks ts null", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", '{"ts": null}'), "ranks"),
+    ("ranks ts inf", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", '{"ts": 1e400}'), "ranks"),
+    ("ranks a list", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", "[1, 2]"), "ranks"),
+    ("ranks not json", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", "{nope"), "ranks"),
+    (
+        "preflight not json",
+        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "preflight", "{"),
+        "preflight",
+    ),
+    (
+        "preflight a list",
+        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "preflight", "[]"),
+        "preflight",
+    ),
+    (
+        "valid_steps text",
+        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "valid_steps", "x"),
+        "valid_steps",
+    ),
+    (
+        "checkpoint inf",
+        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "last_checkpoint_ts", "inf"),
+        "last_checkpoint",
+    ),
+    (
+        "bucket text",
+        lambda r, p, j: r.hset(
+            ledger.key(p, j, "ledger", "1h", str(T0 // 3600 * 3600)), "productive:ms", "abc"
+        ),
+        "amounts",
+    ),
+    (
+        "total text",
+        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "total"), "productive:ucost", "1e999"),
+        "amounts",
+    ),
+    (
+        "bucket wrong type",
+        lambda r, p, j: (
+            r.delete(k := ledger.key(p, j, "ledger", "1d", str(T0 // 86400 * 86400))),
+            r.set(k, "x"),
+        ),
+        "amounts",
+    ),
+    (
+        "meta wrong type",
+        lambda r, p, j: (r.delete(protocol.meta_key(p, j)), r.set(protocol.meta_key(p, j), "x")),
+        "meta",
+    ),
+    (
+        "steps wrong type",
+        lambda r, p, j: (r.delete(k := ledger.key(p, j, "ledger", "steps")), r.set(k, "x")),
+        "step",
+    ),
+    (
+        "step member",
+        lambda r, p, j: r.zadd(ledger.key(p, j, "ledger", "steps"), {"garbage": T0 + 7000}),
+        "step member",
+    ),
+    (
+        "incident garbage",
+        lambda r, p, j: r.hset(ledger.incidents_key(p, j, "agent-1"), "x", '{"category": 1}'),
+        "incident",
+    ),
+    (
+        "incident index type",
+        lambda r, p, j: (r.delete(k := ledger.incident_index_key(p, j)), r.set(k, "x")),
+        "incident index",
+    ),
+    ("newest event inf", lambda r, p, j: r.zadd(protocol.jobs_key(p), {j: float("inf")}), "not a time"),
+]
+
+
+@pytest.mark.parametrize(("case", "spoil", "says"), BAD_STORED, ids=[c[0] for c in BAD_STORED])
+def test_bad_stored_values_are_skipped_and_reported(r, prefix, case, spoil, says):
+    write_job(r, prefix, "good", "a")
+    write_job(r, prefix, "bad", "a", budget="100")
+    spoil(r, prefix, "bad")
+    with served(LedgerStore(r, prefix)) as (base, _):
+        listed = get(base, "/api/v1/jobs")
+        assert listed.status_code == 200, listed.text
+        assert {j["job"] for j in listed.json()["jobs"]} == {"good", "bad"}  # the healthy job is there
+        warned = list(listed.json()["warnings"])
+        for path in (
+            "/api/v1/jobs/bad",
+            "/api/v1/jobs/bad/series",
+            "/api/v1/jobs/bad/incidents",
+            "/api/v1/allocation",
+        ):
+            got = get(base, path, window=WINDOW)
+            assert got.status_code == 200, (path, got.text)
+            warned += got.json()["warnings"]
+        for fmt in ("csv", "focus"):
+            assert get(base, "/api/v1/allocation", window=WINDOW, format=fmt).status_code == 200
+        assert any(w.startswith("bad: ") and says in w for w in warned), warned
+        assert not any(w.startswith("good: ") for w in warned)
+        good = get(base, "/api/v1/jobs/good", window=WINDOW).json()
+        assert good["cost"] == "7.700000" and good["valid_steps"] == 10 and good["warnings"] == []
+
+
+@pytest.mark.parametrize(
+    "window",
+    [
+        "9999-01-01T00:00:00Z,9999-12-31T23:59:59Z",
+        "9999-12-31T23:00:00Z,9999-12-31T23:59:59.9Z",
+        "1969-01-01T00:00:00Z,1969-02-01T00:00:00Z",
+        "99999999999,99999999999.5",
+        "0001-01-01T00:00:00+14:00,0001-01-02T00:00:00Z",
+    ],
+)
+def test_a_window_outside_the_calendar_is_a_400(r, prefix, window):
+    write_job(r, prefix, "good", "a")
+    with served(LedgerStore(r, prefix)) as (base, _):
+        for path in ("/api/v1/jobs/good", "/api/v1/jobs/good/series", "/api/v1/allocation"):
+            got = get(base, path, window=window)
+            detail = got.json()["detail"]
+            assert got.status_code == 400 and ("window" in detail or "time" in detail), detail
+
+
+KEY_SUFFIXES = [
+    "meta",
+    "ranks",
+    "status",
+    "ledger:job",
+    "ledger:total",
+    "ledger:steps",
+    "ledger:voids",
+    "ledger:incidents",
+    "ledger:incidents:agent-1",
+    f"ledger:1h:{T0 // 3600 * 3600}",
+    f"ledger:1d:{T0 // 86400 * 86400}",
+    f"ledger:5m:{T0 // 300 * 300}",
+    f"ledger:1w:{ledger.bucket_start(T0, '1w')}",
+]
+values = st.one_of(
+    st.text(max_size=12),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.sampled_from(
+        [
+            "inf",
+            "-inf",
+            "nan",
+            "5k",
+            "null",
+            "[]",
+            "{}",
+            '{"ts": null}',
+            '{"state": []}',
+            '{"category": "idle"}',
+            '{"category":"idle","start":1e30,"end":1e31,"gpu_ms":1,"ranks":[0]}',
+            "1e999",
+            "",
+            "agent-1",
+        ]
+    ),
+).map(str)
+garbage = st.lists(
+    st.tuples(
+        st.sampled_from(KEY_SUFFIXES),
+        st.sampled_from(["hash", "string", "zset", "set", "list"]),
+        st.dictionaries(
+            st.one_of(
+                st.sampled_from(
+                    [
+                        "team",
+                        "budget",
+                        "ts",
+                        "productive:ms",
+                        "voided:idle:ucost",
+                        "price_version",
+                        "valid_steps",
+                        "preflight",
+                        "last_checkpoint_ts",
+                        "profile",
+                        "0",
+                        "idle:1",
+                    ]
+                ),
+                st.text(max_size=6),
+            ),
+            values,
+            min_size=1,
+            max_size=4,
+        ),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+def spoil(r: redis.Redis, prefix: str, job: str, writes) -> None:
+    for suffix, kind, mapping in writes:
+        k = protocol.job_key(prefix, job, suffix)
+        r.delete(k)
+        if kind == "hash":
+            r.hset(k, mapping=mapping)
+        elif kind == "string":
+            r.set(k, next(iter(mapping.values())))
+        elif kind == "zset":
+            r.zadd(k, {m: (float(v) if v.replace(".", "", 1).isdigit() else T0) for m, v in mapping.items()})
+        elif kind == "set":
+            r.sadd(k, *mapping.values())
+        else:
+            r.rpush(k, *mapping.values())
+
+
+def test_fuzzed_requests_over_fuzzed_stored_data_never_get_a_5xx(r, prefix):
+    """Hypothesis writes garbage into a job's keys (any key, any type, any value), schemathesis
+    generates requests from the OpenAPI schema, and every answer over real HTTP is below 500."""
+    write_job(r, prefix, "good", "a")
+    store = LedgerStore(r, prefix)
+    with served(store, cache_s=0) as (base, app):
+        schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+        operations = [result.ok() for result in schema.get_all_operations()]
+        cases = st.sampled_from(operations).flatmap(lambda op: op.as_strategy())
+        fixed = st.sampled_from(
+            [
+                "/api/v1/jobs",
+                "/api/v1/jobs/victim",
+                "/api/v1/jobs/victim/series",
+                "/api/v1/jobs/victim/incidents",
+                "/api/v1/allocation",
+            ]
+        )
+
+        @given(
+            garbage,
+            cases,
+            fixed,
+            st.sampled_from([WINDOW, "30d", "month", None]),
+            st.sampled_from(["job", "team", "json", "csv", "focus"]),
+        )
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(writes, case, path, window, choice):
+            r.delete(*[protocol.job_key(prefix, "victim", k) for k in KEY_SUFFIXES])
+            write_job(r, prefix, "victim", "a")
+            spoil(r, prefix, "victim", writes)
+            params = {"window": window} if window else {}
+            if choice in ("csv", "focus", "json"):
+                params["format"] = choice
+            else:
+                params["aggregate"] = choice
+            for resp in (httpx.get(base + path, params=params, timeout=30), case.call(base_url=base)):
+                assert resp.status_code < 500, (writes, path, params, resp.status_code, resp.text[:300])
+
+        check()
+
+
+# ---- 16: bounded memory ----------------------------------------------------------------------------
+def test_many_distinct_series_keep_the_cache_under_its_bound(r, prefix):
+    write_job(r, prefix, "good", "a")
+    bound = 1_000_000
+    with served(LedgerStore(r, prefix), cache_bytes=bound, cache_s=600) as (base, app):
+        cache = app.state.config.cache
+        sizes = []
+        for i in range(80):  # about 100 kB each: 80 of them would be 8 MB
+            start = T0 - 86400 * 30 + 3600 * i
+            got = get(base, "/api/v1/jobs/good/series", window=f"{start},{start + 86400 * 30}", step="1h")
+            assert got.status_code == 200
+            assert cache.size_bytes <= bound
+            sizes.append(len(got.content))
+        assert sum(sizes) > 5 * bound
+        assert 0 < len(cache) < 80 and cache.locks == 0
+        for i in range(50):  # refused requests take no lock and no cache entry
+            got = get(
+                base, "/api/v1/jobs/good/series", window=f"{T0 - 86400 * 300 + i * 300},{T0}", step="5m"
+            )
+            assert got.status_code == 400
+        assert cache.locks == 0 and cache.size_bytes <= bound
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 5000)), max_size=200), st.integers(1, 20_000))
+def test_the_cache_never_holds_more_than_its_bound(ops, bound):
+    from fastapi.responses import Response
+
+    cache = ResponseCache(ttl_s=1e9, max_bytes=bound)
+    for key, size in ops:
+        body = cache.get(key, lambda size=size: Response(b"x" * size)).body
+        assert cache.size_bytes <= bound and cache.locks == 0
+        assert cache.size_bytes == sum(len(v[1].body) for v in cache._items.values())
+        assert cache.get(key, lambda: Response(b"other")).body == body or size > bound
+
+
+def test_one_computation_per_key_while_others_wait():
+    from fastapi.responses import Response
+
+    cache = ResponseCache(ttl_s=60)
+    calls = []
+
+    def slow() -> Response:
+        calls.append(1)
+        time.sleep(0.2)
+        return Response(b"body")
+
+    threads = [threading.Thread(target=cache.get, args=("k", slow)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and cache.locks == 0
+
+
+# ---- 17: job names with "/" ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a/b", "team/run/7", "a/b/c"])
+def test_a_job_name_with_a_slash_is_reachable(r, prefix, name):
+    write_job(r, prefix, name, "a", incidents=2)
+    write_job(r, prefix, "a", "a")
+    with served(LedgerStore(r, prefix)) as (base, _):
+        assert name in {j["job"] for j in get(base, "/api/v1/jobs").json()["jobs"]}
+        for path in (f"/api/v1/jobs/{name}", f"/api/v1/jobs/{quote(name, safe='')}"):
+            got = get(base, path, window=WINDOW)
+            assert got.status_code == 200 and got.json()["job"] == name and got.json()["valid_steps"] == 10
+        series = get(base, f"/api/v1/jobs/{name}/series", window=WINDOW)
+        assert series.status_code == 200 and series.json()["job"] == name
+        incs = get(base, f"/api/v1/jobs/{name}/incidents", window=WINDOW)
+        assert incs.status_code == 200 and len(incs.json()["incidents"]) == 2

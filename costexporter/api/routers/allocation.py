@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from fastapi import APIRouter
@@ -13,7 +14,7 @@ from ..deps import Config, Store, Who, Win
 from ..export import to_csv, to_focus
 from ..format import json_bytes, money, per
 from ..schemas import Allocation, AllocationRow, WindowOut
-from ..store import JOB_CATS, VALID, WASTED, Amounts, LedgerStore
+from ..store import JOB_CATS, VALID, WASTED, Amounts, LedgerStore, Warnings
 from ..windows import Window
 
 router = APIRouter(prefix="/api/v1/allocation", tags=["allocation"])
@@ -28,23 +29,34 @@ def allocation(
     aggregate: Literal["job", "team"] = "job",
     format: Literal["json", "csv", "focus"] = "json",
 ):
-    rows = allocation_rows(s, who, w, aggregate)
+    warn = Warnings()
+    rows = allocation_rows(s, who, w, aggregate, warn)
     if format == "json":  # already validated rows: sent as they are, not validated twice
         result = Allocation(
-            currency=cfg.currency, window=WindowOut(**w.as_dict()), aggregate=aggregate, rows=rows
+            currency=cfg.currency,
+            window=WindowOut(**w.as_dict()),
+            aggregate=aggregate,
+            rows=rows,
+            warnings=warn,
         )
         return json_bytes(result.model_dump())
+    # CSV has no room for them: the warnings travel in a header (JSON list)
+    headers = {"X-Costexporter-Warnings": json.dumps(warn, ensure_ascii=True)} if warn else None
     if format == "csv":
-        return PlainTextResponse(to_csv(rows, cfg.currency, w), media_type="text/csv")
-    return PlainTextResponse(to_focus(rows, cfg.currency, w, aggregate, cfg.provider), media_type="text/csv")
+        return PlainTextResponse(to_csv(rows, cfg.currency, w), media_type="text/csv", headers=headers)
+    return PlainTextResponse(
+        to_focus(rows, cfg.currency, w, aggregate, cfg.provider), media_type="text/csv", headers=headers
+    )
 
 
-def allocation_rows(s: LedgerStore, who: Principal, w: Window, aggregate: str) -> list[AllocationRow]:
+def allocation_rows(
+    s: LedgerStore, who: Principal, w: Window, aggregate: str, warn: Warnings
+) -> list[AllocationRow]:
     names = [j for j, _ in s.jobs()]
-    metas = s.meta_many(names) if names else {}
+    metas = s.meta_many(names, warn) if names else {}
     names = [j for j in names if who.sees(metas[j].get("team"))]
-    amounts = s.amounts_many(names, w.start, w.end) if names else {}
-    steps = s.steps_many(names, w.start, w.end) if names else {}
+    amounts = s.amounts_many(names, w.start, w.end, warn) if names else {}
+    steps = s.steps_many(names, w.start, w.end, warn) if names else {}
     groups: dict[str, list[str]] = {}
     for j in sorted(names):
         key = j if aggregate == "job" else (metas[j].get("team") or "(no team)")
@@ -54,7 +66,7 @@ def allocation_rows(s: LedgerStore, who: Principal, w: Window, aggregate: str) -
         for key, js in sorted(groups.items())
     ]
     if who.all_teams:
-        u = s.unassigned(w.start, w.end)
+        u = s.unassigned(w.start, w.end, warn)
         rows.append(
             AllocationRow(
                 key="unassigned",

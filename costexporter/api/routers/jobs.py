@@ -13,9 +13,11 @@ from fastapi.responses import Response
 from ..deps import Config, Store, Who, Win, visible_job
 from ..format import by_category, iso, json_bytes, micro, money, per
 from ..schemas import Incident, Incidents, JobList, JobSummary, JobTotals, ProfileOut, Series, WindowOut
-from ..store import JOB_CATS, WASTED, LedgerStore
+from ..store import JOB_CATS, WASTED, LedgerStore, Warnings, decimal, number, timestamp
 from ..windows import Window
 
+# Job names may contain "/" (`team/run-7`): the job is a path parameter, and the sub-resources are
+# declared before the job itself so `a/b/series` is the series of `a/b`.
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 STEP_S = {"5m": 300, "1h": 3600, "1d": 86400}
 MAX_POINTS = 10_000
@@ -37,13 +39,14 @@ def list_jobs(
             after = base64.b64decode(cursor.encode(), altchars=b"-_", validate=True).decode()
         except (ValueError, UnicodeDecodeError):
             raise HTTPException(400, "cursor is not one this API returned") from None
-    seen = dict(s.jobs())
+    warn = Warnings()
+    seen = dict(s.jobs(warn))
     names = sorted(j for j in seen if j > after)
     out: list[JobSummary] = []
     last = None
     for chunk_start in range(0, len(names), 200):
         chunk = names[chunk_start : chunk_start + 200]
-        info = s.info_many(chunk)
+        info = s.info_many(chunk, warn)
         visible = [
             j
             for j in chunk
@@ -51,11 +54,11 @@ def list_jobs(
             and (team is None or info[j]["meta"].get("team") == team)
             and (status is None or info[j]["status"] == status)
         ]
-        totals = s.totals_many(visible) if visible else {}
+        totals = s.totals_many(visible, warn) if visible else {}
         for j in visible:
             a, meta, fig = totals[j], info[j]["meta"], info[j]["figures"]
             cost = a.total_cost()
-            valid = int(fig.get("valid_steps", 0) or 0)
+            valid = count(fig, "valid_steps", j, warn)
             out.append(
                 JobSummary(
                     job=j,
@@ -79,22 +82,85 @@ def list_jobs(
             break
     more = last is not None and len(out) >= limit and last != names[-1]
     nxt = base64.urlsafe_b64encode(last.encode()).decode() if more and last else None
-    return JobList(currency=cfg.currency, jobs=out, next_cursor=nxt)
+    return JobList(currency=cfg.currency, jobs=out, next_cursor=nxt, warnings=warn)
 
 
-@router.get("/{job}", response_model=JobTotals, responses={404: {"description": "no such job"}})
+@router.get("/{job:path}/series", response_model=Series, responses={404: {"description": "no such job"}})
+def job_series(
+    job: str, s: Store, who: Who, w: Win, cfg: Config, step: Literal["5m", "1h", "1d"] = "1h"
+) -> Response:
+    visible_job(job, who, s)
+    secs = STEP_S[step]
+    if (w.end - w.start) / secs > MAX_POINTS:  # refused before it takes a cache slot
+        raise HTTPException(
+            400, f"window {w.text!r} at step {step} is more than 10,000 points: use a coarser step"
+        )
+    return cfg.cache.get((job, w.start, w.end, step), lambda: series_body(job, w, step, s, cfg.currency))
+
+
+def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -> Response:
+    secs = STEP_S[step]
+    warn = Warnings()
+    points = [
+        {
+            "start": iso(b),
+            "end": iso(b + secs),
+            "gpu_hours": round(a.hours(JOB_CATS), 6),
+            "cost": micro(sum(a.ucost[c] for c in JOB_CATS)),
+            "wasted_gpu_hours": round(a.hours(WASTED), 6),
+            "by_category": by_category(a),
+        }
+        for b, a in s.series(job, w.start, w.end, step, warn)
+    ]
+    # Built as plain data and sent as is: validating thousands of points again would double the time.
+    return json_bytes(
+        {
+            "job": job,
+            "currency": currency,
+            "window": w.as_dict(),
+            "step": step,
+            "points": points,
+            "warnings": warn,
+        }
+    )
+
+
+@router.get(
+    "/{job:path}/incidents", response_model=Incidents, responses={404: {"description": "no such job"}}
+)
+def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incidents:
+    warn = Warnings()
+    visible_job(job, who, s)
+    incs = [
+        Incident(
+            category=i["category"],
+            start=iso(i["start"]),
+            end=iso(i["end"]),
+            ranks=i["ranks"],
+            hosts=i["hosts"],
+            gpu_hours=i["gpu_ms"] / 3.6e6,
+        )
+        for i in s.incidents(job, w.start, w.end, warn=warn)
+    ]
+    return Incidents(
+        job=job, currency=cfg.currency, window=WindowOut(**w.as_dict()), incidents=incs, warnings=warn
+    )
+
+
+@router.get("/{job:path}", response_model=JobTotals, responses={404: {"description": "no such job"}})
 def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
-    info = visible_job(job, who, s, full=True)
-    a, st = s.amounts_many([job], w.start, w.end)[job], s.steps_many([job], w.start, w.end)[job]
+    warn = Warnings()
+    info = visible_job(job, who, s, full=True, warn=warn)
+    a = s.amounts_many([job], w.start, w.end, warn)[job]
+    st = s.steps_many([job], w.start, w.end, warn)[job]
     meta, fig = info["meta"], info["figures"]
     cost = a.total_cost()
-    ckpt = float(fig.get("last_checkpoint_ts", 0) or 0)
-    risk_from = max(int(ckpt) // 300 * 300, w.start) if ckpt > 0 else w.start
+    ckpt = stored_time(fig, "last_checkpoint_ts", job, warn)
+    risk_from = max(int(ckpt) // 300 * 300, w.start) if ckpt else w.start
     at_risk = s.amounts_many([job], risk_from, max(w.end, risk_from + 300))[job].hours(JOB_CATS)
-    spend_all = s.totals_many([job])[job].total_cost()
-    budget = meta.get("budget")
-    budget_d = Decimal(budget) if budget not in (None, "") else None
-    preflight = json.loads(fig["preflight"]) if fig.get("preflight") else None
+    spend_all = s.totals_many([job], warn)[job].total_cost()
+    budget_d = stored_decimal(meta, "budget", job, warn)
+    preflight = stored_json(fig, "preflight", job, warn)
     return JobTotals(
         job=job,
         currency=cfg.currency,
@@ -121,55 +187,52 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         spend=money(spend_all),
         budget_used=float(spend_all / budget_d) if budget_d else None,
         preflight=preflight,
+        warnings=warn,
         profile=ProfileOut(name=fig["profile"], calibrated=fig.get("profile_calibrated") == "1")
         if fig.get("profile")
         else None,
     )
 
 
-@router.get("/{job}/series", response_model=Series, responses={404: {"description": "no such job"}})
-def job_series(
-    job: str, s: Store, who: Who, w: Win, cfg: Config, step: Literal["5m", "1h", "1d"] = "1h"
-) -> Response:
-    visible_job(job, who, s)
-    return cfg.cache.get((job, w.start, w.end, step), lambda: series_body(job, w, step, s, cfg.currency))
+# ---- stored values: parsed, or skipped with a warning (never a 500) ---------------------------------
+def count(h: dict, name: str, job: str, warn: Warnings) -> int:
+    raw = h.get(name)
+    n = number(raw) if raw not in (None, "") else 0
+    if n is None or n < 0:
+        warn.add(job, f"{name} {raw!r} is not a count: taken as 0")
+        return 0
+    return n
 
 
-def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -> Response:
-    secs = STEP_S[step]
-    if (w.end - w.start) / secs > MAX_POINTS:
-        raise HTTPException(
-            400, f"window {w.text!r} at step {step} is more than 10,000 points: use a coarser step"
-        )
-    points = [
-        {
-            "start": iso(b),
-            "end": iso(b + secs),
-            "gpu_hours": round(a.hours(JOB_CATS), 6),
-            "cost": micro(sum(a.ucost[c] for c in JOB_CATS)),
-            "wasted_gpu_hours": round(a.hours(WASTED), 6),
-            "by_category": by_category(a),
-        }
-        for b, a in s.series(job, w.start, w.end, step)
-    ]
-    # Built as plain data and sent as is: validating thousands of points again would double the time.
-    return json_bytes(
-        {"job": job, "currency": currency, "window": w.as_dict(), "step": step, "points": points}
-    )
+def stored_time(h: dict, name: str, job: str, warn: Warnings) -> float | None:
+    raw = h.get(name)
+    if raw in (None, "", "0", 0):
+        return None
+    t = timestamp(raw)
+    if t is None:
+        warn.add(job, f"{name} {raw!r} is not a time: ignored")
+    return t
 
 
-@router.get("/{job}/incidents", response_model=Incidents, responses={404: {"description": "no such job"}})
-def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incidents:
-    visible_job(job, who, s)
-    incs = [
-        Incident(
-            category=i["category"],
-            start=iso(i["start"]),
-            end=iso(i["end"]),
-            ranks=i["ranks"],
-            hosts=i["hosts"],
-            gpu_hours=i["gpu_ms"] / 3.6e6,
-        )
-        for i in s.incidents(job, w.start, w.end)
-    ]
-    return Incidents(job=job, currency=cfg.currency, window=WindowOut(**w.as_dict()), incidents=incs)
+def stored_decimal(h: dict, name: str, job: str, warn: Warnings) -> Decimal | None:
+    raw = h.get(name)
+    if raw in (None, ""):
+        return None
+    d = decimal(raw)
+    if d is None:
+        warn.add(job, f"{name} {raw!r} is not an amount: ignored")
+    return d
+
+
+def stored_json(h: dict, name: str, job: str, warn: Warnings) -> dict | None:
+    raw = h.get(name)
+    if not raw:
+        return None
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        warn.add(job, f"{name} is not a JSON object: ignored")
+        return None
+    return parsed
