@@ -494,11 +494,13 @@ def _make_source(kind, dcgm_urls, samples, speed, tz, host, diag, scenario=None,
 DEFAULT_API_PORT = 9403
 
 
-def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str):
+def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **options):
+    """The finance API app; `options`: cache_mb and the FOCUS names (focus_provider, ...)."""
     import redis
 
     from .api.app import create_app
     from .api.auth import TokenConfigError, Tokens
+    from .api.export import FocusSettings
     from .api.store import LedgerStore
 
     try:
@@ -510,7 +512,37 @@ def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str):
     client = redis.Redis.from_url(
         redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
     )
-    return create_app(LedgerStore(client, prefix), tokens, currency=currency, tz=tz)
+    store = LedgerStore(client, prefix)
+    _index_incidents_in_background(store)
+    names = {k[6:]: v for k, v in options.items() if k.startswith("focus_") and v}
+    return create_app(
+        store,
+        tokens,
+        currency=currency,
+        tz=tz,
+        cache_bytes=int(float(64 if options.get("cache_mb") is None else options["cache_mb"]) * 2**20),
+        focus=FocusSettings(**names) if names else None,
+    )
+
+
+def _index_incidents_in_background(store) -> None:
+    """Incidents written before the per-job index existed: indexed once, off the request path."""
+    import logging
+    import threading
+
+    import redis
+
+    def run() -> None:
+        try:
+            n = store.index_incidents()
+        except redis.RedisError as e:
+            logging.getLogger("costexporter.api").warning("incident index migration skipped: %s", e)
+            return
+        if n:
+            log = logging.getLogger("costexporter.api")
+            log.warning("indexed %d incident hashes written before the index", n)
+
+    threading.Thread(target=run, name="costexporter-incident-index", daemon=True).start()
 
 
 @main.command()
@@ -533,7 +565,22 @@ def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str):
     metavar="TOKEN",
     help="Print the sha256 of TOKEN for the tokens file, and exit.",
 )
-def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token) -> None:
+@click.option(
+    "--cache-mb",
+    envvar="COSTEXPORTER_API_CACHE_MB",
+    type=click.FloatRange(min=0),
+    default=64,
+    show_default=True,
+    help="Memory for cached series responses (0: no cache).",
+)
+@click.option("--focus-provider", default="costexporter", show_default=True, help="FOCUS ProviderName.")
+@click.option("--focus-publisher", default=None, help="FOCUS PublisherName (default: the provider).")
+@click.option("--focus-invoice-issuer", default=None, help="FOCUS InvoiceIssuerName (default: the provider).")
+@click.option(
+    "--focus-billing-account-id", default=None, help="FOCUS BillingAccountId (default: the provider)."
+)
+@click.option("--focus-billing-account-name", default=None, help="FOCUS BillingAccountName.")
+def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token, **options) -> None:
     """The finance API over the ledger: /api/v1, OpenAPI at /docs."""
     if hash_token:
         from .api.auth import hash_token as h
@@ -543,7 +590,10 @@ def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token) 
     import uvicorn
 
     uvicorn.run(
-        _api_app(redis_url, prefix, tokens_file, currency, tz), host=listen, port=port, log_level="info"
+        _api_app(redis_url, prefix, tokens_file, currency, tz, **options),
+        host=listen,
+        port=port,
+        log_level="info",
     )
 
 

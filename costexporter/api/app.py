@@ -11,13 +11,15 @@ from __future__ import annotations
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 
 from .. import __version__
 from .auth import Tokens
 from .cache import DEFAULT_MAX_BYTES, ResponseCache
 from .deps import ApiConfig
-from .export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X
+from .export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSettings
 from .format import by_category, iso, json_bytes, micro, money, per
 from .routers import allocation, health, jobs
 from .schemas import *  # noqa: F403  (the models were importable from here)
@@ -27,6 +29,7 @@ __all__ = [
     "CSV_COLUMNS",
     "FOCUS_COLUMNS",
     "FOCUS_X",
+    "FocusSettings",
     "by_category",
     "create_app",
     "iso",
@@ -45,20 +48,23 @@ def create_app(
     provider: str = "costexporter",
     cache_s: float = 5.0,
     cache_bytes: int = DEFAULT_MAX_BYTES,
+    focus: FocusSettings | None = None,
 ) -> FastAPI:
     """The app. `cache_s`: series responses are reused this long (dashboards poll the same
-    ranges; 0 turns it off), in at most `cache_bytes` of response bodies."""
-    app = FastAPI(
+    ranges; 0 turns it off), in at most `cache_bytes` of response bodies. `focus`: the names the
+    FOCUS export gives (default: `provider` for all of them)."""
+    app = FastAPIOffline(  # Swagger UI and ReDoc served from the package: no CDN, air-gap safe
         title="costexporter finance API",
         version=__version__,
         description="Cost per valid step and wasted GPU-hours of training jobs, per window, job and team.",
+        swagger_ui_parameters={"validatorUrl": None},  # no badge fetched from validator.swagger.io
     )
     app.state.config = ApiConfig(
         store=store,
         tokens=tokens or Tokens([]),
         currency=currency,
         tz=tz,
-        provider=provider,
+        focus=focus or FocusSettings(provider=provider),
         cache=ResponseCache(cache_s, cache_bytes),
     )
 
@@ -76,4 +82,49 @@ def create_app(
 
     for module in (health, jobs, allocation):
         app.include_router(module.router)
+    app.openapi = lambda: document_errors(app)  # type: ignore[method-assign]
     return app
+
+
+ERRORS = {
+    "400": "Bad input: a window, step, aggregate, format, cursor or limit the API cannot use.",
+    "401": "No valid bearer token (only when the API has a tokens file).",
+    "404": "No such job, or not one of the token's teams.",
+    "503": "The ledger (Redis) is unreachable.",
+}
+
+
+def document_errors(app: FastAPI) -> dict:
+    """The OpenAPI schema with the errors the API really answers (400, 401, 404, 503, each a
+    `{"detail": "..."}` body) instead of FastAPI's 422, which it never sends."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = {
+        "type": "object",
+        "properties": {"detail": {"type": "string"}},
+        "required": ["detail"],
+    }
+    for path, ops in schema.get("paths", {}).items():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            codes = []
+            if op.get("parameters"):
+                codes.append("400")
+            if op.get("security"):
+                codes.append("401")
+            if "{job}" in path:
+                codes.append("404")
+            if path != "/healthz":
+                codes.append("503")
+            for code in codes:
+                responses[code] = {
+                    "description": responses.get(code, {}).get("description") or ERRORS[code],
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                }
+    schemas = schema["components"]["schemas"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    app.openapi_schema = schema
+    return schema

@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Query, Request
+from fastapi import Depends, HTTPException, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .auth import Principal, Tokens
 from .cache import ResponseCache
+from .export import FocusSettings
 from .store import LedgerStore, Warnings
 from .windows import ACCEPTED, Window, WindowError, parse_window
 
@@ -25,7 +27,7 @@ class ApiConfig:
     tokens: Tokens
     currency: str = "USD"
     tz: str = "UTC"
-    provider: str = "costexporter"
+    focus: FocusSettings = field(default_factory=FocusSettings)
     cache: ResponseCache = field(default_factory=ResponseCache)
 
 
@@ -40,8 +42,16 @@ def get_store(cfg: Config) -> LedgerStore:
     return cfg.store
 
 
-def principal(cfg: Config, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    who = cfg.tokens.check(authorization)
+bearer = HTTPBearer(
+    auto_error=False,
+    description="A token from the API's tokens file (`costexporter api --hash-token` makes its hash).",
+)
+
+
+def principal(
+    cfg: Config, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)] = None
+) -> Principal:
+    who = cfg.tokens.check(f"Bearer {credentials.credentials}" if credentials else None)
     if who is None:
         raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
     return who

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import io
 import json
+import re
+from dataclasses import dataclass
 from decimal import Decimal
 
-from .format import iso, money
+from .format import PLACES, iso, money
 from .schemas import AllocationRow
 from .windows import Window
 
@@ -89,7 +92,14 @@ FOCUS_COLUMNS = [
     "SubAccountType",
     "Tags",
 ]
-FOCUS_X = ["x_ValidSteps", "x_WastedGpuHours", "x_CostPerValidStep", "x_ValidGpuHours", "x_TrainingJob"]
+FOCUS_X = [
+    "x_ValidSteps",
+    "x_WastedGpuHours",
+    "x_CostPerValidStep",
+    "x_ValidGpuHours",
+    "x_TrainingJob",
+    "x_AllocationKey",
+]
 
 
 def to_csv(rows: list[AllocationRow], currency: str, w: Window) -> str:
@@ -112,61 +122,143 @@ def to_csv(rows: list[AllocationRow], currency: str, w: Window) -> str:
                 r.valid_steps,
                 r.cost_per_valid_step or "",
                 currency,
-                iso(w.start),
-                iso(w.end),
+                r.start or iso(w.start),
+                r.end or iso(w.end),
             ]
         )
     return buf.getvalue()
 
 
-def to_focus(rows: list[AllocationRow], currency: str, w: Window, aggregate: str, provider: str) -> str:
+@dataclass(frozen=True)
+class FocusSettings:
+    """Who the FOCUS rows say provided, published and invoiced the GPU time, and the account
+    they are billed to (`costexporter api --focus-provider ...`)."""
+
+    provider: str = "costexporter"
+    publisher: str | None = None  # default: the provider
+    invoice_issuer: str | None = None  # default: the provider
+    billing_account_id: str | None = None  # default: the provider
+    billing_account_name: str | None = None
+    billing_account_type: str = "GPU Cluster"
+
+
+SKU_ID = "GPU-Hour"  # one SKU: an hour of one training GPU
+GPU_PRICE = re.compile(r"(?:^|;)gpu_hour=([0-9.eE+-]+)(?:;|$)")
+MAX_TAG_FIELDS = ("team", "cost_center", "namespace")
+
+
+def gpu_hour_price(versions: list[str]) -> Decimal | None:
+    """The GPU-hour list price the amounts were costed with, carried from the ledger's price
+    version (never cost / hours, which rounds), or None if the versions disagree or name none."""
+    prices = set()
+    for v in versions:
+        m = GPU_PRICE.search(v)
+        if m is None:
+            return None
+        try:
+            d = Decimal(m.group(1))
+        except ArithmeticError:
+            return None
+        if not d.is_finite() or d < 0:
+            return None
+        prices.add(d.normalize())
+    return prices.pop() if len(prices) == 1 else None
+
+
+def plain(d: Decimal) -> str:
+    """A decimal without exponent (FOCUS numeric format)."""
+    return format(d.normalize(), "f") if d != 0 else "0"
+
+
+def to_focus(
+    rows: list[AllocationRow], currency: str, fields: list[str], fs: FocusSettings, warn: list | None = None
+) -> str:
+    """FinOps FOCUS 1.2 cost-and-usage rows: one Usage charge per allocation row that used
+    something, its charge period the row's period (inside one calendar month, the billing period)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(FOCUS_COLUMNS + FOCUS_X)
     for r in rows:
-        hours = Decimal(f"{r.gpu_hours:.6f}")
-        unit = money(Decimal(r.cost) / hours) if hours else ""
-        tags = {"team": r.team or "", "cost_center": r.cost_center or "", "aggregate": aggregate}
-        values = {
-            "BilledCost": r.cost,
-            "EffectiveCost": r.cost,
-            "ListCost": r.cost,
-            "ContractedCost": r.cost,
-            "BillingAccountId": provider,
-            "BillingAccountName": provider,
-            "BillingAccountType": "Cluster",
-            "BillingCurrency": currency,
-            "PricingCurrency": currency,
-            "BillingPeriodStart": iso(w.start),
-            "BillingPeriodEnd": iso(w.end),
-            "ChargePeriodStart": iso(w.start),
-            "ChargePeriodEnd": iso(w.end),
-            "ChargeCategory": "Usage",
-            "ChargeFrequency": "Usage-Based",
-            "ChargeDescription": f"GPU time of {r.key} ({aggregate}), {r.valid_steps} valid steps",
-            "ConsumedQuantity": f"{hours}",
-            "ConsumedUnit": "GPU-Hours",
-            "PricingQuantity": f"{hours}",
-            "PricingUnit": "GPU-Hours",
-            "PricingCategory": "Standard",
-            "ContractedUnitPrice": unit,
-            "ListUnitPrice": unit,
-            "ServiceCategory": "AI and Machine Learning",
-            "ServiceName": "GPU training",
-            "ProviderName": provider,
-            "PublisherName": provider,
-            "InvoiceIssuerName": provider,
-            "ResourceId": r.key,
-            "ResourceName": r.key,
-            "ResourceType": "Training job" if aggregate == "job" and r.key != "unassigned" else "GPU pool",
-            "SubAccountId": r.team or "",
-            "SubAccountName": r.team or "",
-            "Tags": json.dumps(tags),
-            "x_ValidSteps": r.valid_steps,
-            "x_WastedGpuHours": f"{r.wasted_gpu_hours:.6f}",
-            "x_CostPerValidStep": r.cost_per_valid_step or "",
-            "x_ValidGpuHours": f"{r.valid_gpu_hours:.6f}",
-            "x_TrainingJob": r.key if aggregate == "job" else "",
-        }
-        writer.writerow([values.get(c, "") for c in FOCUS_COLUMNS + FOCUS_X])
+        if r.gpu_hours == 0 and Decimal(r.cost) == 0:
+            continue  # no charge: nothing was used in this period
+        writer.writerow(
+            [focus_values(r, currency, fields, fs, warn).get(c, "") for c in FOCUS_COLUMNS + FOCUS_X]
+        )
     return buf.getvalue()
+
+
+def focus_values(
+    r: AllocationRow, currency: str, fields: list[str], fs: FocusSettings, warn: list | None = None
+) -> dict[str, object]:
+    from .aggregate import month_start, next_month
+
+    start = int(dt.datetime.fromisoformat(str(r.start).replace("Z", "+00:00")).timestamp())
+    hours = Decimal(f"{r.gpu_hours:.6f}")
+    price = gpu_hour_price(r.price_versions)
+    if price is None:
+        # several prices in one row (a price change in the period, or GPU models priced apart):
+        # the row's average is the only single unit price it has; said so in the warnings
+        price = (Decimal(r.cost) / hours).quantize(PLACES) if hours else Decimal(0)
+        if r.price_versions and warn is not None:
+            n = len(r.price_versions)
+            warn.append(f"{r.key}: {n} price versions in one FOCUS row: ListUnitPrice is their average")
+    list_cost = (price * hours).quantize(PLACES)
+    is_job = fields == ["job"] and r.key != "unassigned"
+    team = r.team if r.key != "unassigned" else None
+    tags = {f: r.properties.get(f) for f in MAX_TAG_FIELDS if r.properties.get(f)}
+    tags.update({f[6:]: v for f, v in r.properties.items() if f.startswith("label:") and v})
+    if r.team and r.key != "unassigned":
+        tags.setdefault("team", r.team)
+    if r.cost_center:
+        tags.setdefault("cost_center", r.cost_center)
+    what = "GPU time no job registered" if r.key == "unassigned" else f"GPU time of {r.key}"
+    return {
+        "BilledCost": r.cost,
+        "EffectiveCost": r.cost,
+        "ListCost": money(list_cost),
+        "ContractedCost": money(list_cost),
+        "ListUnitPrice": plain(price),
+        "ContractedUnitPrice": plain(price),
+        "PricingCurrencyListUnitPrice": plain(price),
+        "PricingCurrencyContractedUnitPrice": plain(price),
+        "PricingCurrencyEffectiveCost": r.cost,
+        "BillingAccountId": fs.billing_account_id or fs.provider,
+        "BillingAccountName": fs.billing_account_name or fs.billing_account_id or fs.provider,
+        "BillingAccountType": fs.billing_account_type,
+        "BillingCurrency": currency,
+        "PricingCurrency": currency,
+        "BillingPeriodStart": iso(month_start(start)),
+        "BillingPeriodEnd": iso(next_month(start)),
+        "ChargePeriodStart": r.start,
+        "ChargePeriodEnd": r.end,
+        "ChargeCategory": "Usage",
+        "ChargeFrequency": "Usage-Based",
+        "ChargeDescription": f"{what}, {r.valid_steps} valid steps",
+        "ConsumedQuantity": str(hours),
+        "ConsumedUnit": "GPU-Hours",
+        "PricingQuantity": str(hours),
+        "PricingUnit": "GPU-Hours",
+        "PricingCategory": "Standard",
+        "ServiceCategory": "AI and Machine Learning",
+        "ServiceSubcategory": "Machine Learning",
+        "ServiceName": "GPU training",
+        "ProviderName": fs.provider,
+        "PublisherName": fs.publisher or fs.provider,
+        "InvoiceIssuerName": fs.invoice_issuer or fs.provider,
+        "ResourceId": r.key if is_job else "",
+        "ResourceName": r.key if is_job else "",
+        "ResourceType": "Training Job" if is_job else "",
+        "SkuId": SKU_ID,
+        "SkuPriceId": SKU_ID,
+        "SkuMeter": "GPU Time",
+        "SubAccountId": team or "",
+        "SubAccountName": team or "",
+        "SubAccountType": "Team" if team else "",
+        "Tags": json.dumps(tags, sort_keys=True) if tags else "",
+        "x_ValidSteps": r.valid_steps,
+        "x_WastedGpuHours": f"{r.wasted_gpu_hours:.6f}",
+        "x_CostPerValidStep": r.cost_per_valid_step or "",
+        "x_ValidGpuHours": f"{r.valid_gpu_hours:.6f}",
+        "x_TrainingJob": r.key if is_job else "",
+        "x_AllocationKey": r.key,
+    }

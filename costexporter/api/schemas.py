@@ -130,12 +130,22 @@ class AllocationRow(BaseModel):
     wasted_cost: str
     valid_steps: int
     cost_per_valid_step: str | None
+    start: str | None = Field(None, description="Start of the period this row covers (RFC 3339).")
+    end: str | None = Field(None, description="End (exclusive) of the period this row covers.")
+    properties: dict[str, str | None] = Field(
+        default_factory=dict, description="The value of each aggregate field for this row."
+    )
+    price_versions: list[str] = Field(
+        default_factory=list, description="Price tables the amounts were costed with."
+    )
 
 
 class Allocation(BaseModel):
     currency: str
     window: WindowOut
     aggregate: str
+    accumulate: bool = True
+    step: str | None = None
     rows: list[AllocationRow]
     warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 

@@ -4,31 +4,26 @@ Real Redis (a prefix per test), the real app over HTTP, the real CLI for startup
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from urllib.parse import quote
 
 import httpx
-import numpy as np
 import pytest
 import redis
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costexporter import ledger, protocol
-from costexporter.api.app import create_app
 from costexporter.api.auth import TokenConfigError, Tokens, hash_token, parse_tokens
 from costexporter.api.cache import ResponseCache
 from costexporter.api.store import LedgerStore
-from costexporter.model import Category
 
+from ..api_helpers import T0, WINDOW, served, write_job
 from ..conftest import ROOT
 from ..redis_server import RedisServer, free_port
 
@@ -102,57 +97,6 @@ def test_a_good_tokens_file_loads(tmp_path):
     assert Tokens.load(f).check("Bearer secret").all_teams
     with pytest.raises(TokenConfigError):
         Tokens.load(tmp_path / "missing.yaml")
-
-
-# ---- a served app over real HTTP, and jobs written as the agent writes them ----------------------
-WINDOW = "2025-07-26T00:00:00Z,2025-07-28T00:00:00Z"
-T0 = 1_753_531_200  # 2025-07-26T12:00:00Z
-
-
-@contextlib.contextmanager
-def served(store: LedgerStore, tokens: Tokens | None = None, **kw) -> Iterator[tuple[str, object]]:
-    """The app under uvicorn in a thread on a free port: (base URL, app)."""
-    app = create_app(store, tokens, **kw)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}", app
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-def write_job(r: redis.Redis, prefix: str, job: str, team: str, incidents: int = 1, **meta: str) -> None:
-    """A job with a registration, 2 hours of amounts, 10 steps and `incidents` incidents."""
-    pipe = r.pipeline(transaction=True)
-    pipe.zadd(protocol.jobs_key(prefix), {job: T0 + 7200})
-    pipe.hset(protocol.meta_key(prefix, job), mapping={"team": team, **meta})
-    pipe.hset(protocol.ranks_key(prefix, job), "0", json.dumps({"ts": T0, "host": "h", "gpu": 0}))
-    a = np.zeros((len(Category), 3), np.int64)
-    a[Category.PRODUCTIVE] = [3_600_000, 10**9, 3_500_000]
-    a[Category.STALLED] = [360_000, 10**8, 350_000]
-    ledger.queue_amounts(pipe, prefix, job, {T0: a, T0 + 3600: a}, "v1")
-    pipe.zadd(
-        ledger.key(prefix, job, "ledger", "steps"), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)}
-    )
-    incs = [
-        {
-            "category": "stalled",
-            "start": (T0 + 1000 * i) * 1000,
-            "end": (T0 + 1000 * i + 60) * 1000,
-            "gpu_ms": 60_000,
-            "ranks": [0],
-            "host": f"{job}-host",
-        }
-        for i in range(incidents)
-    ]
-    ledger.queue_incidents(pipe, prefix, job, "agent-1", incs)
-    pipe.execute()
 
 
 @pytest.fixture
