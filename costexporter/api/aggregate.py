@@ -106,17 +106,23 @@ def rows(parts: list[JobPart], fields: list[str], start: int, end: int) -> list[
     for p in sorted(parts, key=lambda p: p.job):
         props = {f: value(f, p.job, p.meta) for f in fields}
         groups.setdefault(key_of(fields, props), (props, []))[1].append(p)
-    return [row(k, props, js, start, end) for k, (props, js) in sorted(groups.items())]
+    s, e = iso(start), iso(end)
+    return [row(k, props, js, s, e) for k, (props, js) in sorted(groups.items())]
 
 
-def row(key: str, props: dict, parts: list[JobPart], start: int, end: int) -> AllocationRow:
-    """One allocation row: the jobs' amounts summed; team and cost center where they all agree."""
+def total(amounts) -> Amounts:
     a = Amounts()
-    for p in parts:
-        for u in ("ms", "mj", "ucost"):
+    for p in amounts:
+        for mine, theirs in ((a.ms, p.ms), (a.mj, p.mj), (a.ucost, p.ucost)):
             for c in CATEGORIES:
-                getattr(a, u)[c] += getattr(p.amounts, u)[c]
-        a.price_versions |= p.amounts.price_versions
+                mine[c] += theirs[c]
+        a.price_versions |= p.price_versions
+    return a
+
+
+def row(key: str, props: dict, parts: list[JobPart], start: str | None, end: str | None) -> AllocationRow:
+    """One allocation row: the jobs' amounts summed; team and cost center where they all agree."""
+    a = parts[0].amounts if len(parts) == 1 else total(p.amounts for p in parts)
     cost = a.total_cost(JOB_CATS)
     valid = sum(p.steps.valid for p in parts)
 
@@ -137,8 +143,8 @@ def row(key: str, props: dict, parts: list[JobPart], start: int, end: int) -> Al
         wasted_cost=money(a.total_cost(WASTED)),
         valid_steps=valid,
         cost_per_valid_step=per(cost, valid),
-        start=iso(start),
-        end=iso(end),
+        start=start,
+        end=end,
         properties=props,
         price_versions=sorted(a.price_versions),
     )
