@@ -122,7 +122,10 @@ def main() -> None:
                     t0 = time.perf_counter()
                     resp = c.get("/api/v1/jobs/series-job/series", params={"window": WINDOW, "step": "1h"})
                     lat.append((time.perf_counter() - t0) * 1000)
-                    assert resp.status_code == 200 and len(resp.content) > 100_000
+                    assert resp.status_code == 200 and len(resp.content) > 100_000, (
+                        resp.status_code,
+                        resp.text[:300],
+                    )
             return lat
 
         httpx.get(

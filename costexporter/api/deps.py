@@ -1,7 +1,8 @@
 """The API's dependencies: its settings, the ledger, the caller and the window.
 
 Everything a handler needs comes through `Depends`, so a test (or another deployment) can swap
-any of them with `app.dependency_overrides`.
+any of them with `app.dependency_overrides`. The dependencies do no I/O and are `async`: FastAPI
+would run a plain `def` in its thread pool, one hop per dependency per request.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ class ApiConfig:
     cache: ResponseCache = field(default_factory=ResponseCache)
 
 
-def get_config(request: Request) -> ApiConfig:
+async def get_config(request: Request) -> ApiConfig:
     return request.app.state.config
 
 
 Config = Annotated[ApiConfig, Depends(get_config)]
 
 
-def get_store(cfg: Config) -> LedgerStore:
+async def get_store(cfg: Config) -> LedgerStore:
     return cfg.store
 
 
@@ -48,7 +49,7 @@ bearer = HTTPBearer(
 )
 
 
-def principal(
+async def principal(
     cfg: Config, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)] = None
 ) -> Principal:
     who = cfg.tokens.check(f"Bearer {credentials.credentials}" if credentials else None)
@@ -57,7 +58,7 @@ def principal(
     return who
 
 
-def window(
+async def window(
     cfg: Config, window: Annotated[str | None, Query(description=ACCEPTED, max_length=120)] = None
 ) -> Window:
     try:
