@@ -161,6 +161,49 @@ def test_incidents_written_before_the_index_are_indexed_once(r, prefix):
             r.delete(*r.keys(p.replace("[", "\\[").replace("]", "\\]") + ":*"))
 
 
+def test_the_api_indexes_old_incidents_at_start(r, prefix):
+    """`costexporter api` itself runs the migration at start: an incident written without the
+    index appears on /incidents without anyone running anything else."""
+    write_job(r, prefix, "legacy", "a", incidents=0)
+    inc = {"category": "idle", "start": T0 * 1000, "end": (T0 + 60) * 1000, "gpu_ms": 60_000, "ranks": [0]}
+    r.hset(ledger.incidents_key(prefix, "legacy", "old-agent"), "idle:1", json.dumps(inc))
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "costexporter.cli",
+            "api",
+            "--prefix",
+            prefix,
+            "--port",
+            str(port),
+            "--listen",
+            "127.0.0.1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                got = httpx.get(
+                    f"http://127.0.0.1:{port}/api/v1/jobs/legacy/incidents", params={"window": WINDOW}
+                )
+                if got.status_code == 200 and got.json()["incidents"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the old incident never appeared"
+            time.sleep(0.2)
+        assert [i["category"] for i in got.json()["incidents"]] == ["idle"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 # ---- 15: never a 500 from stored data --------------------------------------------------------------
 BAD_STORED = [
     ("budget 5k", lambda r, p, j: r.hset(protocol.meta_key(p, j), "budget", "5k"), "budget"),
