@@ -2,10 +2,17 @@
 
 It replaces pynvml's functions (same names, same argument shapes, same units: mW, mJ, %) and
 raises pynvml's own exception classes, so the code under test runs the real pynvml paths.
+
+It counts calls per function (`counts`) and can charge a CPU cost per call (`cpu_cost_s`, spent
+spinning, as the real library spends it), so tests can hold the source to a call budget. The
+energy counter integrates each GPU's power as it is set (`set()` accrues first), and every
+counter value handed out is logged in `energy_reads`.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from dataclasses import dataclass
 
@@ -24,6 +31,8 @@ class FakeGpu:
     lost: bool = False
     energy_mj: float = 0.0
     last: float = 0.0
+    instant_zero: bool = False  # the H200: the instant field "supported" but always 0
+    counter_power_mw: int | None = None  # what the counter integrates, if not power_mw
 
 
 class FakeNvml:
@@ -41,20 +50,57 @@ class FakeNvml:
         "nvmlDeviceGetTotalEnergyConsumption",
     )
 
-    def __init__(self, gpus: list[FakeGpu]) -> None:
+    def __init__(self, gpus: list[FakeGpu], cpu_cost_s: dict[str, float] | None = None) -> None:
         self.gpus = gpus
         self.calls = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.cpu_cost_s = dict(cpu_cost_s or {})
+        self.energy_reads: list[tuple[int, float, int]] = []  # (gpu, Unix s, mJ) handed out
+        self._lock = threading.Lock()  # the sampler thread and the test both move the counter
 
     def install(self, monkeypatch) -> FakeNvml:
         for name in self.FUNCTIONS:
             monkeypatch.setattr(pynvml, name, getattr(self, name))
         return self
 
-    def _gpu(self, handle) -> FakeGpu:
+    def install_global(self) -> FakeNvml:
+        """For a script or subprocess without pytest: replace pynvml's functions for good."""
+        for name in self.FUNCTIONS:
+            setattr(pynvml, name, getattr(self, name))
+        return self
+
+    def set(self, i: int, **fields) -> None:
+        """Change a GPU's state, the counter first accruing its energy at the old power."""
+        g = self.gpus[i]
+        self._accrue(g)
+        with self._lock:
+            for k, v in fields.items():
+                setattr(g, k, v)
+
+    def _accrue(self, g: FakeGpu) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if g.last:
+                p = g.power_mw if g.counter_power_mw is None else g.counter_power_mw
+                g.energy_mj += p * (now - g.last)  # mW x s = mJ
+            g.last = now
+
+    def _charge(self, name: str) -> None:
+        self.counts[name] += 1
+        cost = self.cpu_cost_s.get(name, 0.0)
+        if cost:
+            end = time.thread_time() + cost
+            while time.thread_time() < end:  # CPU, not sleep: the cost NVML really has
+                pass
+
+    def _gpu(self, handle, name: str = "") -> FakeGpu:
         self.calls += 1
+        if name:
+            self._charge(name)
         g = self.gpus[handle]
         if g.lost:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        self._accrue(g)
         return g
 
     def nvmlInit(self):
@@ -72,42 +118,40 @@ class FakeNvml:
         return i
 
     def nvmlDeviceGetUUID(self, h):
-        return self._gpu(h).uuid
+        return self._gpu(h, "nvmlDeviceGetUUID").uuid
 
     def nvmlDeviceGetName(self, h):
-        return self._gpu(h).name
+        return self._gpu(h, "nvmlDeviceGetName").name
 
     def nvmlDeviceGetEnforcedPowerLimit(self, h):
-        return self._gpu(h).limit_mw
+        return self._gpu(h, "nvmlDeviceGetEnforcedPowerLimit").limit_mw
 
     def nvmlDeviceGetFieldValues(self, h, field_ids):
-        g = self._gpu(h)
+        g = self._gpu(h, "nvmlDeviceGetFieldValues")
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
         for i, fid in enumerate(field_ids):
             values[i].fieldId = fid
             if fid == pynvml.NVML_FI_DEV_POWER_INSTANT and g.instant:
                 values[i].nvmlReturn = pynvml.NVML_SUCCESS
                 values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-                values[i].value.uiVal = g.power_mw
+                values[i].value.uiVal = 0 if g.instant_zero else g.power_mw
             else:
                 values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
 
     def nvmlDeviceGetPowerUsage(self, h):
-        return self._gpu(h).power_mw
+        return self._gpu(h, "nvmlDeviceGetPowerUsage").power_mw
 
     def nvmlDeviceGetUtilizationRates(self, h):
-        g = self._gpu(h)
+        g = self._gpu(h, "nvmlDeviceGetUtilizationRates")
         u = pynvml.c_nvmlUtilization_t()
         u.gpu, u.memory = g.util, 40
         return u
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
-        g = self._gpu(h)
+        g = self._gpu(h, "nvmlDeviceGetTotalEnergyConsumption")
         if not g.energy:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        now = time.monotonic()
-        if g.last:
-            g.energy_mj += g.power_mw * (now - g.last)  # mW x s = mJ
-        g.last = now
-        return int(g.energy_mj)
+        value = int(g.energy_mj)
+        self.energy_reads.append((h, time.time(), value))
+        return value

@@ -55,6 +55,10 @@ class GpuSource(abc.ABC):
     # samples' own time; the agent books no closer to its newest sample than this. Zero for a
     # real node: a reporter flushes every 50 ms, well inside one sampling interval.
     event_lag_s: float = 0.0
+    # The energy counter costs real CPU to read (NVML: ~3.9 ms a call on an H200). Where True,
+    # the source also offers `read(energy=False)`, `read_energy()` and `energy_gpus()`, and the
+    # sampler reads the counter only at anchors, sharing it out between them by power.
+    costly_energy: bool = False
 
     def __init__(self) -> None:
         # (gpu index, error kind) -> count; exported as a metric by the agent.
@@ -67,6 +71,14 @@ class GpuSource(abc.ABC):
     @abc.abstractmethod
     def read(self) -> list[Reading]:
         """One reading per GPU that answered; failures are counted in `errors`, not raised."""
+
+    def read_energy(self) -> dict[int, tuple[float, float]]:
+        """Costly-counter sources: each GPU's counter, index -> (Unix seconds, mJ)."""
+        return {}
+
+    def energy_gpus(self) -> set[int]:
+        """Costly-counter sources: the GPUs that have the counter."""
+        return set()
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the library."""

@@ -2,9 +2,11 @@
 
 * power for classification: the instant field `NVML_FI_DEV_POWER_INSTANT` through
   `nvmlDeviceGetFieldValues` where supported, else `nvmlDeviceGetPowerUsage` (mW; a 1-s average
-  on Ampere and newer);
+  on Ampere and newer). An instant reading of 0 W is taken as unsupported (an H200 reports the
+  field supported and returns 0): the average is used instead;
 * energy: `nvmlDeviceGetTotalEnergyConsumption` (mJ since driver load, Volta and newer), else
-  the agent integrates power;
+  the agent integrates power. The call is costly (~3.9 ms of CPU on an H200), so the sampler
+  reads it through `read_energy()` once per round and `read(energy=False)` between;
 * utilization: `nvmlDeviceGetUtilizationRates().gpu` (%);
 * the profile: `nvmlDeviceGetName` and `nvmlDeviceGetEnforcedPowerLimit` (mW).
 NVML's errors are mapped to costexporter's in `_mapped`, the one place that knows them.
@@ -95,9 +97,35 @@ class NvmlSource(GpuSource):
     def _probe_instant(self, h) -> bool:
         try:
             with _mapped():
-                return self._instant_power(h) is not None
+                instant = self._instant_power(h)
+                if instant is None:
+                    return False
+                # "Supported" but 0 W beside a non-zero average (an H200): not a usable reading.
+                return instant > 0 or self.nv.nvmlDeviceGetPowerUsage(h) <= 0
         except GpuSourceError:
             return False
+
+    @property
+    def costly_energy(self) -> bool:  # type: ignore[override]
+        """Some GPU has the energy counter: the sampler reads it at anchors only."""
+        return any(self._energy)
+
+    def energy_gpus(self) -> set[int]:
+        return {i for i, ok in enumerate(self._energy) if ok}
+
+    def read_energy(self) -> dict[int, tuple[float, float]]:
+        """The energy counter of each GPU that has one: index -> (Unix seconds, mJ)."""
+        out: dict[int, tuple[float, float]] = {}
+        for i, h in enumerate(self._handles):
+            if not self._energy[i]:
+                continue
+            try:
+                with _mapped():
+                    ts = time.time()
+                    out[i] = (ts, float(self.nv.nvmlDeviceGetTotalEnergyConsumption(h)))
+            except GpuSourceError:
+                self.errors[(i, "energy_error")] += 1
+        return out
 
     def _probe_energy(self, h) -> bool:
         try:
@@ -118,7 +146,8 @@ class NvmlSource(GpuSource):
     def gpus(self) -> list[GpuId]:
         return list(self._gpus)
 
-    def read(self) -> list[Reading]:
+    def read(self, energy: bool = True) -> list[Reading]:
+        """One reading per GPU; `energy=False` skips the costly counter (energy NaN)."""
         out: list[Reading] = []
         nv = self.nv
         for i, h in enumerate(self._handles):
@@ -126,10 +155,12 @@ class NvmlSource(GpuSource):
                 with _mapped():
                     ts = time.time()
                     power = self._instant_power(h) if self._instant[i] else None
-                    if power is None:
+                    if not power:  # not supported, or the H200's 0 W: the 1-s average
                         power = nv.nvmlDeviceGetPowerUsage(h) / 1000.0
                     util = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
-                    energy = float(nv.nvmlDeviceGetTotalEnergyConsumption(h)) if self._energy[i] else math.nan
+                    mj = math.nan
+                    if energy and self._energy[i]:
+                        mj = float(nv.nvmlDeviceGetTotalEnergyConsumption(h))
             except GpuLostError:
                 self.errors[(i, "gpu_lost")] += 1
                 continue
@@ -142,7 +173,7 @@ class NvmlSource(GpuSource):
             except GpuSourceError:
                 self.errors[(i, "error")] += 1
                 continue
-            out.append(Reading(i, ts, power, util, energy))
+            out.append(Reading(i, ts, power, util, mj))
         return out
 
     def close(self) -> None:

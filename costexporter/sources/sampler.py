@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import math
 import threading
 import time
 
 from .base import GpuSource, Reading
+from .energy import Anchor, share
 
 log = logging.getLogger("costexporter.sources.sampler")
 
@@ -18,40 +21,68 @@ class Sampler:
     `drain()` hands the booker everything read since the last drain; `latest()` is each GPU's
     newest reading, for the live view. When the buffer is full the oldest readings go first and
     are counted in `dropped` (their time will book `unobserved`, never silently vanish).
+
+    Where the source's energy counter is costly (`source.costly_energy`, NVML), samples are read
+    without it and `drain()` reads the counter once (at most once per `energy_interval_s`; 0:
+    every drain, i.e. once per booking round), then gives the samples since the previous read
+    the counter's delta shared out by integrated power (sources/energy.py). A drain that comes
+    sooner keeps those GPUs' samples back until the next read, so energy is never guessed.
+    `latest()` readings carry no energy in that mode.
     """
 
-    def __init__(self, source: GpuSource, interval_s: float = 1.0, capacity: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        source: GpuSource,
+        interval_s: float = 1.0,
+        capacity: int = 1_000_000,
+        energy_interval_s: float = 0.0,
+    ) -> None:
         self.source = source
         self.interval_s = interval_s
+        self.energy_interval_s = energy_interval_s
         self._buf: collections.deque[Reading] = collections.deque()
         self.capacity = capacity
         self.dropped = 0
         self.reads = 0
         self._latest: dict[int, Reading] = {}
+        self._lock = threading.Lock()  # the buffer, and the source between two threads
+        self._anchored = bool(getattr(source, "costly_energy", False))
+        self._energy_gpus = source.energy_gpus() if self._anchored else set()
+        self._anchors: dict[int, Anchor] = {}  # each GPU's last counter read
+        self._tails: dict[int, tuple[float, float, float]] = {}
+        self._anchor_at = -math.inf  # monotonic time of the last counter read
+        self.anchors: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=10_000)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="costexporter-sampler", daemon=True)
 
     def start(self) -> Sampler:
+        if self._anchored:
+            with self._lock:
+                self._anchors = self._read_anchors()  # the first samples share from here
         self._thread.start()
         return self
+
+    def _read(self) -> list[Reading]:
+        return self.source.read(energy=False) if self._anchored else self.source.read()  # type: ignore[call-arg]
 
     def _run(self) -> None:
         next_t = time.monotonic()
         while not self._stop.is_set():
-            try:
-                readings = self.source.read()
-            except Exception:  # a source bug must not kill sampling: log, count, go on
-                log.exception("sampling failed")
-                self.source.errors[(-1, "read_failed")] += 1
-                readings = []
-            self.reads += 1
-            for r in readings:
-                self._latest[r.gpu] = r
-            overflow = len(self._buf) + len(readings) - self.capacity
-            for _ in range(max(overflow, 0)):
-                self._buf.popleft()
-                self.dropped += 1
-            self._buf.extend(readings)
+            with self._lock:
+                try:
+                    readings = self._read()
+                except Exception:  # a source bug must not kill sampling: log, count, go on
+                    log.exception("sampling failed")
+                    self.source.errors[(-1, "read_failed")] += 1
+                    readings = []
+                self.reads += 1
+                for r in readings:
+                    self._latest[r.gpu] = r
+                overflow = len(self._buf) + len(readings) - self.capacity
+                for _ in range(max(overflow, 0)):
+                    self._buf.popleft()
+                    self.dropped += 1
+                self._buf.extend(readings)
             next_t += self.interval_s
             delay = next_t - time.monotonic()
             if delay < 0:  # fell behind (a slow read): skip the missed ticks, do not burst
@@ -60,11 +91,74 @@ class Sampler:
             self._stop.wait(delay)
 
     def drain(self) -> list[Reading]:
-        out = []
-        buf = self._buf
-        for _ in range(len(buf)):
-            out.append(buf.popleft())
+        with self._lock:
+            buf = list(self._buf)
+            self._buf.clear()
+            if not self._anchored or not self._energy_gpus:
+                return buf
+            if time.monotonic() - self._anchor_at < self.energy_interval_s:
+                held = [r for r in buf if r.gpu in self._energy_gpus]
+                self._buf.extend(held)
+                return [r for r in buf if r.gpu not in self._energy_gpus]
+            prev = dict(self._anchors)
+            now = self._read_anchors()
+            return self._shared(buf, prev, now)
+
+    def _read_anchors(self) -> dict[int, Anchor]:
+        try:
+            got = self.source.read_energy()
+        except Exception:  # a source bug: the samples are booked from power instead
+            log.exception("energy counter read failed")
+            self.source.errors[(-1, "read_failed")] += 1
+            got = {}
+        self._anchor_at = time.monotonic()
+        now: dict[int, Anchor] = {}
+        for g, (ts, mj) in got.items():
+            now[g] = Anchor(ts, mj)
+            self.anchors.append((g, ts, mj))
+        return now
+
+    def _shared(self, buf: list[Reading], prev: dict[int, Anchor], now: dict[int, Anchor]) -> list[Reading]:
+        """Each counter GPU's samples with the counter's delta shared out; the new anchors kept."""
+        by_gpu: dict[int, list[int]] = collections.defaultdict(list)
+        for k, r in enumerate(buf):
+            if r.gpu in self._energy_gpus:
+                by_gpu[r.gpu].append(k)
+        out = list(buf)
+        self._anchors = {}
+        for g in self._energy_gpus:
+            idx = by_gpu.get(g, [])
+            a0, a1 = prev.get(g), now.get(g)
+            if a1 is None:  # the counter failed: these samples are booked from power
+                self._tails.pop(g, None)
+                continue
+            self._anchors[g] = a1
+            if a0 is None or a1.mj < a0.mj:  # no earlier read, or the counter restarted
+                self._tails.pop(g, None)
+                continue
+            values = self._share_one(g, a0, a1, [buf[k].ts for k in idx], [buf[k].power_w for k in idx])
+            for k, v in zip(idx, values, strict=True):
+                out[k] = dataclasses.replace(buf[k], energy_mj=v)
         return out
+
+    def _share_one(self, g: int, a0: Anchor, a1: Anchor, ts: list[float], pw: list[float]) -> list[float]:
+        """One GPU's figures. The slice that straddles a read keeps one rate on both sides, so
+        the booker, which cuts a slice in proportion to time, finds the counter exactly there."""
+        tail = self._tails.get(g)  # (ts, mJ) of the last sample handed out, and its slice's rate
+        if not ts:
+            if tail is not None:  # no sample this round: the straddling slice runs on to a1
+                t, e, _ = tail
+                self._tails[g] = (t, e, (a1.mj - e) / (a1.ts - t) if a1.ts > t else 0.0)
+            return []
+        if tail is None:
+            values = share(a0, ts, pw, a1)
+        else:
+            _, _, rate = tail
+            first = min(max(a0.mj + rate * (ts[0] - a0.ts), a0.mj), a1.mj)
+            values = [first, *share(Anchor(ts[0], first, pw[0]), ts[1:], pw[1:], a1)]
+        t_last, e_last = ts[-1], values[-1]
+        self._tails[g] = (t_last, e_last, (a1.mj - e_last) / (a1.ts - t_last) if a1.ts > t_last else 0.0)
+        return values
 
     def latest(self) -> dict[int, Reading]:
         return dict(self._latest)
