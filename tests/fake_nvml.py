@@ -155,3 +155,50 @@ class FakeNvml:
         value = int(g.energy_mj)
         self.energy_reads.append((h, time.time(), value))
         return value
+
+
+class FileDrivenFakeNvml(FakeNvml):
+    """A fake whose GPUs' power and utilization come from a JSON file another process writes
+    ({"0": {"power_mw": ..., "util": ...}, ...}), so a script and the agent it starts see one GPU.
+    Used by bench/gpu_check.py --fake-nvml (tests only)."""
+
+    def __init__(self, path: str, n: int = 1, cpu_cost_s: dict[str, float] | None = None) -> None:
+        gpus = [
+            FakeGpu(f"GPU-fa4e0000-0000-0000-0000-{i:012x}", name="NVIDIA H200", limit_mw=700_000)
+            for i in range(n)
+        ]
+        super().__init__(gpus, cpu_cost_s)
+        self.path = path
+        self._mtime = 0.0
+
+    def _gpu(self, handle, name: str = "") -> FakeGpu:
+        import json
+        import os
+
+        try:
+            m = os.stat(self.path).st_mtime
+            if m != self._mtime:
+                with open(self.path) as f:
+                    state = json.load(f)
+                self._mtime = m
+                for k, v in state.items():
+                    if 0 <= int(k) < len(self.gpus):
+                        self.set(int(k), **v)
+        except (OSError, ValueError):
+            pass  # mid-write or not there yet: keep the last state
+        return super()._gpu(handle, name)
+
+
+ENV = "COSTEXPORTER_FAKE_NVML"
+R9_ENERGY_CALL_CPU_S = 0.0039  # the H200's measured CPU cost of one energy-counter call
+
+
+def boot_from_env() -> None:
+    """Install a FileDrivenFakeNvml from $COSTEXPORTER_FAKE_NVML (the state file), if set."""
+    import os
+
+    path = os.environ.get(ENV)
+    if path:
+        FileDrivenFakeNvml(
+            path, cpu_cost_s={"nvmlDeviceGetTotalEnergyConsumption": R9_ENERGY_CALL_CPU_S}
+        ).install_global()
