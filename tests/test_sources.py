@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 
 import pynvml
@@ -234,6 +235,45 @@ def test_a_counter_that_fails_or_restarts_hands_samples_out_unknown_never_invent
     sampler.stop()
     assert got and all(math.isnan(r.energy_mj) for r in got)  # booked from power, counted
     assert src.errors[(0, "energy_error")] == 1 and src.errors[(1, "energy_error")] == 1
+
+
+def test_a_real_agent_books_the_counters_energy_into_the_ledger_not_the_samples_power(
+    shared, prefix, monkeypatch
+):
+    """Through the agent and real Redis: the samples say 500 W, the counter integrates 700 W;
+    the ledger holds the counter's energy for every booked second, with one counter call per GPU
+    per round."""
+    from costexporter import ledger
+    from costexporter.agent import Agent, AgentConfig
+
+    gpus = [FakeGpu(uuid(i), power_mw=500_000, counter_power_mw=700_000) for i in range(2)]
+    fake = FakeNvml(gpus, cpu_cost_s={"nvmlDeviceGetTotalEnergyConsumption": 0.0039}).install(monkeypatch)
+    cfg = AgentConfig(
+        redis_url="redis://127.0.0.1:6379/0",
+        prefix=prefix,
+        agent_id="n",
+        book_interval_s=0.3,
+        sample_interval_s=0.1,
+        job_refresh_s=0.5,
+    )
+    agent = Agent(NvmlSource(host="n"), cfg)
+    fake.counts.clear()
+    t0 = time.monotonic()
+    loop = threading.Thread(target=agent.start().run)
+    loop.start()
+    time.sleep(3.0)
+    agent.stop()
+    loop.join(10)
+    agent.shutdown()
+    elapsed = time.monotonic() - t0
+    got = ledger.read_amounts(shared, prefix, ledger.UNASSIGNED_JOB)
+    ms, mj = got["unassigned:ms"], got["unassigned:mj"]
+    assert ms > 2 * 1500  # both GPUs, most of the 3 s
+    assert mj == pytest.approx(0.7 * ms * 1000, rel=0.01)  # 700 W x booked time: the counter's figure
+    samples = fake.counts["nvmlDeviceGetUtilizationRates"] / 2
+    energy_calls = fake.counts["nvmlDeviceGetTotalEnergyConsumption"] / 2
+    assert samples >= 15
+    assert energy_calls <= elapsed / 0.3 + 3  # once per round (and the start), not per sample
 
 
 finite = st.floats(0, 2000, allow_nan=False)
