@@ -126,7 +126,7 @@ def costexporter_cmd(fake_state: Path | None) -> list[str]:
     if fake_state is None:
         return [sys.executable, "-m", "costexporter.cli"]
     boot = "from tests.fake_nvml import boot_from_env; boot_from_env()\n"
-    boot += "from costexporter.cli import main; main()"
+    boot += "from costexporter.cli import run; run()"
     return [sys.executable, "-c", boot]
 
 
@@ -520,7 +520,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
                 agent_cpu(redis_url, hz, args.cpu_seconds, args.warmup, fake_state, workdir)
                 for hz in (1.0, 10.0)
             ]
-            print("\n(b) the agent's CPU (one core = 100%)")
+            print("\n(b) the agent's CPU (one core = 100%; target: at most 1% at 10 Hz on real GPUs)")
             for r in summary["agent_cpu"]:
                 print(f"  sampling at {r['hz']:>4g} Hz: {r['cpu_pct']:.2f}% over {r['seconds']} s")
         if "c" not in skip:

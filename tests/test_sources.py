@@ -138,9 +138,10 @@ def test_at_10_hz_the_costly_energy_counter_is_read_once_per_round_not_per_sampl
 
 def test_energy_interval_caps_counter_reads_and_holds_samples_back_until_the_next_read(monkeypatch):
     fake = FakeNvml([FakeGpu(uuid(0))]).install(monkeypatch)
-    _src, _sampler, out, elapsed = _anchored_sampler(fake, 0.05, 0.1, 2.0, energy_interval_s=0.5)
+    _src, sampler, out, elapsed = _anchored_sampler(fake, 0.05, 0.1, 2.0, energy_interval_s=0.5)
     assert fake.counts["nvmlDeviceGetTotalEnergyConsumption"] <= elapsed / 0.5 + 2
     assert all(math.isfinite(r.energy_mj) for r in out)  # held back, never handed out unknown
+    assert not sampler.drain()  # the drain after stop() handed out the held samples too
     ts = [r.ts for r in out]
     assert ts == sorted(ts) and len(out) >= 20
 
@@ -175,11 +176,12 @@ def test_booked_energy_equals_the_counter_at_every_real_read_while_power_moves(m
         e = [r.energy_mj for r in mine]
         assert e == sorted(e)  # monotone
         for gg, ts, mj in sampler.anchors:
-            v = _energy_at(mine, ts) if gg == g else None
+            v = _energy_at(mine, ts) if gg == g and (gg, ts) not in sampler.inexact else None
             if v is not None:
                 assert v == pytest.approx(mj, abs=1e-6)
                 checked += 1
     assert checked >= 10
+    assert len(sampler.inexact) <= 0.2 * len(sampler.anchors)  # only a sample late under load
     # Over the window between the first and the last real read the booked energy is the delta.
     g0 = [a for a in sampler.anchors if a[0] == 0 and _energy_at([r for r in out if r.gpu == 0], a[1])]
     booked = _energy_at([r for r in out if r.gpu == 0], g0[-1][1]) - _energy_at(

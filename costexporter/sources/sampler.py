@@ -50,6 +50,9 @@ class Sampler:
         self._energy_gpus = source.energy_gpus() if self._anchored else set()
         self._anchors: dict[int, Anchor] = {}  # each GPU's last counter read
         self._tails: dict[int, tuple[float, float, float]] = {}
+        # Reads where the booked total could not meet the counter exactly: the first sample after
+        # the read came so late that the slice's rate would pass the next read (rare; no drift).
+        self.inexact: collections.deque[tuple[int, float]] = collections.deque(maxlen=10_000)
         self._anchor_at = -math.inf  # monotonic time of the last counter read
         self.anchors: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=10_000)
         self._stop = threading.Event()
@@ -96,7 +99,8 @@ class Sampler:
             self._buf.clear()
             if not self._anchored or not self._energy_gpus:
                 return buf
-            if time.monotonic() - self._anchor_at < self.energy_interval_s:
+            due = time.monotonic() - self._anchor_at >= self.energy_interval_s
+            if not due and not self._stop.is_set():  # stopped: the last drain hands out everything
                 held = [r for r in buf if r.gpu in self._energy_gpus]
                 self._buf.extend(held)
                 return [r for r in buf if r.gpu not in self._energy_gpus]
@@ -154,7 +158,10 @@ class Sampler:
             values = share(a0, ts, pw, a1)
         else:
             _, _, rate = tail
-            first = min(max(a0.mj + rate * (ts[0] - a0.ts), a0.mj), a1.mj)
+            first = max(a0.mj + rate * (ts[0] - a0.ts), a0.mj)
+            if first > a1.mj:  # that rate would pass the next read: stay monotone, inexact at a0
+                first = a1.mj
+                self.inexact.append((g, a0.ts))
             values = [first, *share(Anchor(ts[0], first, pw[0]), ts[1:], pw[1:], a1)]
         t_last, e_last = ts[-1], values[-1]
         self._tails[g] = (t_last, e_last, (a1.mj - e_last) / (a1.ts - t_last) if a1.ts > t_last else 0.0)
