@@ -62,11 +62,13 @@ def classify(
         interval_ms = sampling_interval_ms(rank, ts_ms)
     if n == 0:
         return BandResult(np.zeros(0, np.int8), grid_ms, interval_ms, None, 0)
+    # Moments are one sampling interval wide; the grid is how long a signature must persist.
     grid = max(int(grid_ms), int(interval_ms))
+    cell = max(int(interval_ms), 1)
     hold = int(gap_intervals * interval_ms)
 
-    t0 = int(ts_ms.min())
-    tick = (ts_ms - t0 + grid // 2) // grid
+    power_w = deramp(rank, power_w, profile, int(interval_ms))
+    tick = moments(rank, ts_ms, cell)
     n_ticks = int(tick.max()) + 1
     if n_ticks <= 4 * n + 1024:  # dense numbering in O(n); sparse traces fall back to unique
         used = np.bincount(tick, minlength=n_ticks) > 0
@@ -91,61 +93,60 @@ def classify(
         np.maximum.accumulate(last, axis=1, out=last)
         seen = last >= 0
         lastc = np.where(seen, last, 0)
-        obs = seen & ((cols[None, :] - cols[lastc]) * grid <= hold)
+        obs = seen & ((cols[None, :] - cols[lastc]) * cell <= hold)
         rows = np.arange(n_ranks)[:, None]
         P = np.where(obs, P[rows, lastc], np.nan)
         U = np.where(obs, U[rows, lastc], np.nan)
 
-    with np.errstate(invalid="ignore"):
-        high = profile.compute_min_w <= P
-        low = profile.low_max_w > P
-        at_idle = profile.idle_max_w >= P
-        busy = profile.busy_util_pct <= U
-        not_busy = profile.busy_util_pct > U
-        zero = profile.zero_util_pct >= U
-    mid = obs & ~high & ~low & ~np.isnan(P)
+    high, mid, low, at_idle, busy, zero = _levels(P, U, profile)
+    mid &= obs
     low &= obs
-
     n_obs = obs.sum(0)
 
     # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
-    # on two consecutive moments (REFERENCE R2, R3).
+    # persisting for two consecutive moments and at least one grid step (REFERENCE R2, R3).
     n_lowbusy = (low & busy).sum(0)
     cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
+    cand = _bridge(cand, cols)
     starts = cand.copy()
     starts[1:] &= ~(cand[:-1] & (np.diff(cols) == 1))
     run_id = np.cumsum(starts) - 1
     start_cols = np.flatnonzero(starts)
     run_len = np.bincount(run_id[cand], minlength=start_cols.size)
     confirmed = cand.copy()
-    confirmed[cand] = run_len[run_id[cand]] >= 2
+    confirmed[cand] = (run_len[run_id[cand]] >= 2) & (run_len[run_id[cand]] * cell >= grid)
     dead = np.zeros(n_cols, bool)
     ckpt = np.zeros(n_cols, bool)
     if confirmed.any():
-        run_start_ms = t0 + cols[start_cols] * grid
+        run_start_ms = int(ts_ms.min()) + cols[start_cols] * cell
         if callable(checkpoint_allowance_ms):
             allowance = np.asarray(checkpoint_allowance_ms(run_start_ms), np.int64)
         else:
             allowance = np.full(start_cols.size, int(checkpoint_allowance_ms), np.int64)
         rid = run_id[confirmed]
-        elapsed = (cols[confirmed] - cols[start_cols[rid]]) * grid
-        rank0_zero = (low[0] & zero[0])[confirmed]
-        is_ckpt = rank0_zero & (elapsed < allowance[rid])
+        elapsed = (cols[confirmed] - cols[start_cols[rid]]) * cell
+        # Rank 0 writes the checkpoint: at ~0% for most of the run (a noisy sample may not be).
+        r0 = (low[0] & zero[0]).astype(np.int64)
+        r0_share = np.bincount(run_id[cand], weights=r0[cand], minlength=start_cols.size) / np.maximum(run_len, 1)
+        is_ckpt = (r0_share[rid] >= 0.5) & (elapsed < allowance[rid])
         idx = np.flatnonzero(confirmed)
         ckpt[idx[is_ckpt]] = True
         dead[idx[~is_ckpt]] = True
 
     # Starvation: most ranks at mid power and at least one well below ~100% utilization.
-    starv = (n_obs >= 2) & ((mid.sum(0) * 2) >= n_obs) & ((mid & not_busy).sum(0) >= 1)
+    starv = (n_obs >= 2) & ((mid.sum(0) * 2) >= n_obs) & ((mid & ~busy & ~np.isnan(U)).sum(0) >= 1)
 
-    B = np.full((n_ranks, n_cols), Band.UNKNOWN, np.int8)
-    B[high] = Band.COMPUTE
-    B[mid & busy] = Band.COMMUNICATION
-    B[mid & not_busy] = Band.STARVATION
-    B[mid & starv[None, :]] = Band.STARVATION
-    B[low & (zero | (at_idle & ~busy))] = Band.IDLE
-    B[obs & dead[None, :]] = Band.DEADLOCK
-    B[obs & ckpt[None, :]] = Band.CHECKPOINT
+    # Every sample is classified from its own reading; the job-level signatures of its moment
+    # are laid over it (so a grid step can hold two bands, by duration).
+    s_high, s_mid, s_low, s_idle, s_busy, s_zero = _levels(power_w, util_pct, profile)
+    band = np.full(n, Band.UNKNOWN, np.int8)
+    band[s_high] = Band.COMPUTE
+    band[s_mid & s_busy] = Band.COMMUNICATION
+    band[s_mid & ~s_busy & ~np.isnan(util_pct)] = Band.STARVATION
+    band[s_mid & starv[col]] = Band.STARVATION
+    band[s_low & (s_zero | (s_idle & ~s_busy))] = Band.IDLE
+    band[dead[col]] = Band.DEADLOCK
+    band[ckpt[col]] = Band.CHECKPOINT
 
     straggler = None
     if starv.any():
@@ -156,9 +157,93 @@ def classify(
             straggler = int(np.argmin(mean))
 
     return BandResult(
-        band=B.ravel()[flat],
+        band=band,
         grid_ms=grid,
         interval_ms=int(interval_ms),
         straggler_rank=straggler,
         signature_moments=int(confirmed.sum()),
     )
+
+
+def _levels(
+    P: np.ndarray, U: np.ndarray, profile: Profile
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per reading: high / mid / low power, at idle power, busy, at ~0% (NaN is none of them)."""
+    with np.errstate(invalid="ignore"):
+        high = profile.compute_min_w <= P
+        low = profile.low_max_w > P
+        at_idle = profile.idle_max_w >= P
+        busy = profile.busy_util_pct <= U
+        zero = profile.zero_util_pct >= U
+    mid = ~high & ~low & ~np.isnan(P)
+    return high, mid, low, at_idle, busy, zero
+
+
+# Power ramps between levels over 1-3 samples of a 100 ms trace (nvidia-smi averages power over
+# a window): a stretch of mid-power readings no longer than this is a transition, not a state.
+RAMP_MS = 400
+
+
+def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms: int) -> np.ndarray:
+    """Power for classification: a brief run of mid-power readings of one rank (a ramp, or a
+    noise tail) between readings outside the mid band takes the power of the reading after it,
+    the level the GPU was moving to. Runs of more than RAMP_MS, and traces sampled slower than
+    that, are left alone: there a mid reading is a state."""
+    n = power_w.size
+    k = RAMP_MS // max(interval_ms, 1)
+    if k < 1 or n < 3:
+        return power_w
+    with np.errstate(invalid="ignore"):
+        mid = (power_w >= profile.low_max_w) & (power_w < profile.compute_min_w)
+    if not mid.any():
+        return power_w
+    edge = np.diff(np.concatenate([[0], mid.astype(np.int8), [0]]))
+    a = np.flatnonzero(edge == 1)
+    b = np.flatnonzero(edge == -1)  # one past the run
+    ok = (b - a <= k) & (a > 0) & (b < n)
+    a, b = a[ok], b[ok]
+    ok = (rank[a - 1] == rank[a]) & (rank[b] == rank[a]) & ~np.isnan(power_w[b]) & ~np.isnan(power_w[a - 1])
+    a, b = a[ok], b[ok]
+    if a.size == 0:
+        return power_w
+    out = power_w.copy()
+    lens = b - a
+    idx = np.repeat(a, lens) + (np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens))
+    out[idx] = np.repeat(power_w[b], lens)
+    return out
+
+
+def moments(rank: np.ndarray, ts_ms: np.ndarray, cell: int) -> np.ndarray:
+    """The moment (a cell of one sampling interval) of each sample; samples sorted by (rank, ts).
+
+    Cells are centred on the trace's typical sampling phase, so the lines of one instant, stamped
+    a few ms apart, share a cell. A line stamped early (nvidia-smi sometimes stamps the GPU 0 line
+    of an instant 50-80 ms before the others) falls into its predecessor's cell; it moves on to
+    the next cell when that one is free for its rank, where the rest of its instant is.
+    """
+    pre = ts_ms[:200_001] % cell
+    ang = pre * (2 * np.pi / cell)
+    phase = float(np.arctan2(np.sin(ang).mean(), np.cos(ang).mean())) * cell / (2 * np.pi)
+    off = int(round(phase)) - cell // 2
+    tick = (ts_ms - off) // cell
+    tick -= tick.min()
+    if tick.size > 1:
+        same = rank[1:] == rank[:-1]
+        clash = np.flatnonzero(same & (tick[1:] <= tick[:-1])) + 1
+        if clash.size:
+            target = tick[clash - 1] + 1
+            nxt = np.minimum(clash + 1, tick.size - 1)
+            free = (clash + 1 >= tick.size) | (rank[nxt] != rank[clash]) | (tick[nxt] > target)
+            tick[clash[free]] = target[free]
+    return tick
+
+
+def _bridge(cand: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Close one-moment holes in a signature: one noisy reading does not end a hang."""
+    if cand.size < 3:
+        return cand
+    hole = ~cand[1:-1] & cand[:-2] & cand[2:] & (cols[2:] - cols[:-2] == 2)
+    out = cand.copy()
+    out[1:-1] |= hole
+    return out
+

@@ -1,0 +1,234 @@
+"""A generator of real-like 100 ms nvidia-smi traces with per-sample labels (REFERENCE R8).
+
+The project's `synth` draws clean, flat stretches; real recordings are messier, and the
+classification and `calibrate` must hold on what real files look like:
+
+* 100 ms sampling of 8 GPUs; each line stamped a few ms apart, and sometimes the GPU 0 line of an
+  instant stamped 50-80 ms before GPUs 1-7;
+* power ramps over 1-3 samples between levels (values between bands are real), and rare noise
+  tails that bridge levels;
+* occasional 0.3-1 s gaps where the logger wrote nothing (the GPUs kept drawing power);
+* checkpoint waits: rank 0 at 0-5 % and ~120-150 W writing, ranks 1-7 at 100 % and ~150-165 W;
+* an energy counter (mJ) integrating the true power, quantized to its own step;
+* per-sample labels: the state each GPU was really in (what a careful human labels).
+
+`Scenario.h100()` and `Scenario.b300()` give the levels of two GPU models.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from costexporter.model import Band, Event, GpuId, Samples
+
+# state -> (power centre W, power sd W, util lo %, util hi %), per rank class (rank 0, others).
+LevelTable = dict[str, tuple[tuple[float, float, float, float], tuple[float, float, float, float]]]
+
+H100_LEVELS: LevelTable = {
+    "compute": ((555.0, 12.0, 84.0, 97.0), (555.0, 12.0, 84.0, 97.0)),
+    "checkpoint": ((135.0, 7.0, 0.0, 5.0), (157.0, 3.5, 100.0, 100.0)),
+    "idle": ((98.0, 9.0, 0.0, 0.0), (98.0, 9.0, 0.0, 0.0)),
+    "communication": ((330.0, 10.0, 100.0, 100.0), (330.0, 10.0, 100.0, 100.0)),
+}
+# REFERENCE R2's table at B300 levels, with the same real-trace mess.
+B300_LEVELS: LevelTable = {
+    "compute": ((990.0, 20.0, 95.0, 100.0), (990.0, 20.0, 95.0, 100.0)),
+    "communication": ((640.0, 6.0, 100.0, 100.0), (640.0, 6.0, 100.0, 100.0)),
+    "checkpoint": ((185.0, 3.0, 0.0, 5.0), (193.0, 1.5, 100.0, 100.0)),
+    "idle": ((135.0, 3.0, 0.0, 0.0), (135.0, 3.0, 0.0, 0.0)),
+}
+
+LABEL_BAND = {
+    "compute": Band.COMPUTE,
+    "communication": Band.COMMUNICATION,
+    "checkpoint": Band.CHECKPOINT,
+    "idle": Band.IDLE,
+}
+
+
+@dataclass
+class RealTrace:
+    samples: Samples  # sorted by (gpu, ts)
+    labels: np.ndarray  # per sample (same order): the true state name
+    truth_power: np.ndarray  # per sample: the level's centre (before ramps and noise)
+    events: list[Event]
+    true_energy_mj: np.ndarray  # per GPU: energy really used from the first to the last sample
+    instant_of_line: np.ndarray  # CSV line order: (instant, gpu) of each written line
+    gap_ms: int  # total time inside logger gaps (per GPU)
+
+    def label_bands(self) -> np.ndarray:
+        return np.asarray([LABEL_BAND[x] for x in self.labels], np.int8)
+
+
+@dataclass
+class Scenario:
+    """A run: idle, then compute with steps, checkpoint waits every so often, idle at the end."""
+
+    levels: LevelTable = field(default_factory=lambda: dict(H100_LEVELS))
+    gpu_name: str = "NVIDIA H100 80GB HBM3"
+    n_gpus: int = 8
+    interval_ms: int = 100
+    compute_s: float = 90.0  # between checkpoints
+    checkpoint_s: float = 8.0
+    checkpoints: int = 3
+    idle_s: float = 15.0
+    comm_s: float = 0.0  # a communication stretch after each compute stretch (0: none)
+    step_s: float = 2.0
+    gap_every_s: float = 45.0  # mean time between logger gaps
+    jitter_p: float = 0.1  # share of instants whose GPU 0 line is stamped 50-80 ms early
+    tail_p: float = 0.001  # share of samples drawn from a tail that bridges levels
+    energy_quantum_mj: float = 1000.0  # the counter's own step (1 J)
+    seed: int = 0
+    t0: float = 1_753_577_230.134  # 2025-07-27 00:47:10.134 UTC
+
+    @classmethod
+    def h100(cls, **kw) -> Scenario:
+        return cls(**kw)
+
+    @classmethod
+    def b300(cls, **kw) -> Scenario:
+        kw.setdefault("comm_s", 20.0)
+        return cls(levels=dict(B300_LEVELS), gpu_name="NVIDIA B300", **kw)
+
+    def plan(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = [("idle", self.idle_s)]
+        for _ in range(self.checkpoints):
+            out.append(("compute", self.compute_s))
+            if self.comm_s:
+                out.append(("communication", self.comm_s))
+            out.append(("checkpoint", self.checkpoint_s))
+        out.append(("compute", self.compute_s))
+        out.append(("idle", self.idle_s))
+        return out
+
+    def build(self) -> RealTrace:
+        rng = np.random.default_rng(self.seed)
+        iv = self.interval_ms
+        plan = self.plan()
+        n_inst = int(sum(round(d * 1000 / iv) for _, d in plan))
+        state = np.empty(n_inst, object)
+        bounds = []  # (state, first instant, end instant)
+        i = 0
+        for name, d in plan:
+            k = round(d * 1000 / iv)
+            state[i : i + k] = name
+            bounds.append((name, i, i + k))
+            i += k
+        t_inst = self.t0 * 1000 + np.arange(n_inst) * iv  # true instants (ms, float)
+
+        # Logger gaps: whole instants with no lines, 0.3-1 s long.
+        logged = np.ones(n_inst, bool)
+        n_gaps = max(1, int(n_inst * iv / 1000 / self.gap_every_s))
+        for start in rng.integers(50, n_inst - 50, n_gaps):
+            logged[start : start + int(rng.integers(3, 11))] = False
+
+        G = self.n_gpus
+        power = np.empty((G, n_inst))
+        util = np.empty((G, n_inst))
+        centre = np.empty((G, n_inst))
+        for g in range(G):
+            cls_ = 0 if g == 0 else 1
+            for name, a, b in bounds:
+                c, sd, ulo, uhi = self.levels[name][cls_]
+                centre[g, a:b] = c
+                power[g, a:b] = rng.normal(c, sd, b - a)
+                util[g, a:b] = rng.uniform(ulo, uhi, b - a).round()
+            # Ramps: 1-3 samples after each level change move linearly from the old level.
+            for (_, _, e), (_, a2, _) in zip(bounds[:-1], bounds[1:], strict=True):
+                k = int(rng.integers(1, 4))
+                old, new = centre[g, e - 1], centre[g, a2]
+                for j in range(k):
+                    if a2 + j < n_inst:
+                        power[g, a2 + j] = old + (new - old) * (j + 1) / (k + 1) + rng.normal(0, 3)
+            # Noise tails: a rare sample far from its level, possibly between bands.
+            tail = rng.random(n_inst) < self.tail_p
+            power[g, tail] += rng.choice([-1, 1], tail.sum()) * rng.uniform(0.1, 0.3, tail.sum()) * centre[g, tail]
+        power = np.clip(power, 20.0, None).round(2)
+
+        # The energy counter integrates the true power across every instant (gaps included).
+        cum = np.cumsum(power * iv, axis=1)  # energy at the end of each instant's 100 ms
+        counter = np.floor((cum - power * iv) / self.energy_quantum_mj) * self.energy_quantum_mj
+
+        # Stamps: a few ms apart per GPU line; sometimes GPU 0 is 50-80 ms early.
+        stamp = t_inst[None, :] + np.arange(G)[:, None] * rng.uniform(0.2, 0.6) + rng.uniform(0, 3, (G, n_inst))
+        early = rng.random(n_inst) < self.jitter_p
+        stamp[0, early] -= rng.uniform(50, 80, early.sum())
+        stamp = np.round(stamp).astype(np.int64)
+
+        cols = np.flatnonzero(logged)
+        gpu = np.repeat(np.arange(G, dtype=np.int32), cols.size)
+        s = Samples(
+            [GpuId("node0", g, f"GPU-{self.seed:04x}-{g:04x}", self.gpu_name, None) for g in range(G)],
+            gpu,
+            stamp[:, cols].ravel(),
+            power[:, cols].ravel(),
+            util[:, cols].ravel(),
+            counter[:, cols].ravel(),
+        )
+        labels = np.tile(state[cols], G)
+        truth = centre[:, cols].ravel()
+        first, last = cols[0], cols[-1]
+        true_energy = (cum[:, last] - (cum[:, first] - power[:, first] * iv))
+        gaps = int((~logged[first : last + 1]).sum()) * iv
+        line = np.stack(np.meshgrid(cols, np.arange(G), indexing="ij"), -1).reshape(-1, 2)
+        return RealTrace(s, labels, truth, self.events(bounds, t_inst), true_energy, line, gaps)
+
+    def events(self, bounds: list, t_inst: np.ndarray) -> list[Event]:
+        evs: list[Event] = []
+        seq = [0] * self.n_gpus
+
+        def ev(type_: str, t_ms: float, rank: int = 0, **f) -> None:
+            evs.append(Event(type_, "real", t_ms / 1000, rank, f"s{rank}", seq[rank], f))
+            seq[rank] += 1
+
+        t_start = t_inst[0]
+        for r in range(self.n_gpus):
+            ev("register", t_start, r, host="node0", gpu=r, gpu_uuid=f"GPU-{self.seed:04x}-{r:04x}")
+        ev("meta", t_start, gpu_model=self.gpu_name)
+        ev("run", t_start, state="start")
+        step = 0
+        iv = self.interval_ms
+        for name, a, b in bounds:
+            ta, tb = t_inst[a], t_inst[b - 1] + iv
+            if name == "compute" and a > 0:
+                k = 1
+                while ta + k * self.step_s * 1000 <= tb + 1e-6:
+                    step += 1
+                    ev("step", ta + k * self.step_s * 1000, step=step, tokens=4096)
+                    k += 1
+            elif name == "communication":
+                step += 1  # a slow step that completes at the end of the stretch
+                ev("step", tb, step=step, tokens=4096)
+            elif name == "checkpoint":
+                ev("phase", ta, name="checkpoint", state="begin")
+                ev("phase", tb, name="checkpoint", state="end", step=step)
+        ev("run", t_inst[-1] + iv, state="end")
+        return evs
+
+
+def agreement(bands: np.ndarray, trace: RealTrace) -> float:
+    """Per-sample agreement of classified bands with the generator's labels."""
+    return float(np.mean(bands == trace.label_bands()))
+
+
+def write_csv(trace: RealTrace, path: Path, *, power_unit: str = "W", trailing_newline: bool = True) -> Path:
+    """The trace as index-less `nvidia-smi --format=csv -lms 100` output, local time = UTC."""
+    s = trace.samples
+    G = len(s.gpus)
+    n = len(s) // G
+    ts = s.ts_ms.reshape(G, n)
+    pw = s.power_w.reshape(G, n)
+    ut = s.util_pct.reshape(G, n)
+    scale = {"W": 1.0, "mW": 1000.0, "kW": 0.001}[power_unit]
+    lines = [f"timestamp, power.draw [{power_unit}], utilization.gpu [%]"]
+    for i in range(n):
+        for g in range(G):
+            t = dt.datetime.fromtimestamp(ts[g, i] / 1000, dt.timezone.utc)
+            stamp = t.strftime("%Y/%m/%d %H:%M:%S.") + f"{t.microsecond // 1000:03d}"
+            lines.append(f"{stamp}, {pw[g, i] * scale:.2f} {power_unit}, {int(ut[g, i])} %")
+    path.write_text("\n".join(lines) + ("\n" if trailing_newline else ""))
+    return path
