@@ -114,7 +114,7 @@ def classify(
     start_cols = np.flatnonzero(starts)
     run_len = np.bincount(run_id[cand], minlength=start_cols.size)
     confirmed = cand.copy()
-    confirmed[cand] = (run_len[run_id[cand]] >= 2) & (run_len[run_id[cand]] * cell >= grid)
+    confirmed[cand] = run_len[run_id[cand]] >= persist_moments(cell, grid)
     dead = np.zeros(n_cols, bool)
     ckpt = np.zeros(n_cols, bool)
     if confirmed.any():
@@ -125,10 +125,9 @@ def classify(
             allowance = np.full(start_cols.size, int(checkpoint_allowance_ms), np.int64)
         rid = run_id[confirmed]
         elapsed = (cols[confirmed] - cols[start_cols[rid]]) * cell
-        # Rank 0 writes the checkpoint: at ~0% for most of the run (a noisy sample may not be).
-        r0 = (low[0] & zero[0]).astype(np.int64)
-        r0_share = np.bincount(run_id[cand], weights=r0[cand], minlength=start_cols.size) / np.maximum(run_len, 1)
-        is_ckpt = (r0_share[rid] >= 0.5) & (elapsed < allowance[rid])
+        # Rank 0 writes the checkpoint: at ~0% (one noisy moment does not make it a hang).
+        rank0_zero = _bridge(low[0] & zero[0], cols)[confirmed]
+        is_ckpt = rank0_zero & (elapsed < allowance[rid])
         idx = np.flatnonzero(confirmed)
         ckpt[idx[is_ckpt]] = True
         dead[idx[~is_ckpt]] = True
@@ -182,6 +181,22 @@ def _levels(
 # Power ramps between levels over 1-3 samples of a 100 ms trace (nvidia-smi averages power over
 # a window): a stretch of mid-power readings no longer than this is a transition, not a state.
 RAMP_MS = 400
+
+
+def persist_moments(cell_ms: int, grid_ms: int) -> int:
+    """How many consecutive moments confirm a signature: two, and at least one grid step."""
+    return max(2, -(-int(grid_ms) // max(int(cell_ms), 1)))
+
+
+def lookahead_ms(interval_ms: int, grid_ms: int) -> int:
+    """How far past a moment the classifier looks to band it: the rest of a signature's
+    confirming moments, one moment to bridge a noisy reading, and a ramp's length. Live booking
+    stays this far behind its newest samples, so its result does not depend on where booking
+    rounds fall."""
+    cell = max(int(interval_ms), 1)
+    grid = max(int(grid_ms), cell)
+    k = RAMP_MS // cell
+    return cell * (persist_moments(cell, grid) + (k + 1 if k else 0))
 
 
 def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms: int) -> np.ndarray:

@@ -50,9 +50,11 @@ def data_horizon(
     gap_intervals: float,
     hold_ranks: np.ndarray | None = None,
     ignore_ranks: np.ndarray | None = None,
+    lookahead_ms: int | None = None,
 ) -> int:
-    """The newest moment every still-reporting rank has reached, one interval back (so a
-    signature at that moment has its confirming sample). `hold_ranks` (other agents' ranks
+    """The newest moment every still-reporting rank has reached, `lookahead_ms` back (default
+    one interval; see `bands.lookahead_ms`: a moment is banded only once the samples after it
+    that can change its band are in). `hold_ranks` (other agents' ranks
     whose agent is alive) always hold the horizon back, however far behind; `ignore_ranks`
     (ranks of an agent that went silent) never do; the rest count as silent after the gap."""
     if ts_ms.size == 0:
@@ -68,7 +70,7 @@ def data_horizon(
         alive &= ~np.isin(r[last], ignore_ranks)
     if not alive.any():
         return now_ms
-    return int(latest[alive].min()) - interval_ms
+    return int(latest[alive].min()) - (interval_ms if lookahead_ms is None else lookahead_ms)
 
 
 def book_window(
@@ -100,8 +102,10 @@ def book_window(
     interval = bands_mod.sampling_interval_ms(rank, ts_ms)
     horizon = min(tl.decided_until_ms, now_ms)
     if not final:
+        ahead = bands_mod.lookahead_ms(interval, int(cfg.grid_s * 1000))
         horizon = min(
-            horizon, data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals, hold_ranks, ignore_ranks)
+            horizon,
+            data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals, hold_ranks, ignore_ranks, ahead),
         )
     empty = Pieces(*(np.zeros(0, dt) for dt in (np.int32, np.int64, np.int64, np.int8, np.int8, np.float64)))
     if horizon <= booked_until_ms or (ts_ms.size == 0 and not own_ranks.size):
