@@ -98,7 +98,7 @@ def classify(
         P = np.where(obs, P[rows, lastc], np.nan)
         U = np.where(obs, U[rows, lastc], np.nan)
 
-    high, mid, low, at_idle, busy, zero = _levels(P, U, profile)
+    _, mid, low, _, busy, zero = _levels(P, U, profile)
     mid &= obs
     low &= obs
     n_obs = obs.sum(0)
@@ -239,7 +239,7 @@ def moments(rank: np.ndarray, ts_ms: np.ndarray, cell: int) -> np.ndarray:
     pre = ts_ms[:200_001] % cell
     ang = pre * (2 * np.pi / cell)
     phase = float(np.arctan2(np.sin(ang).mean(), np.cos(ang).mean())) * cell / (2 * np.pi)
-    off = int(round(phase)) - cell // 2
+    off = round(phase) - cell // 2
     tick = (ts_ms - off) // cell
     tick -= tick.min()
     if tick.size > 1:
@@ -261,4 +261,3 @@ def _bridge(cand: np.ndarray, cols: np.ndarray) -> np.ndarray:
     out = cand.copy()
     out[1:-1] |= hole
     return out
-

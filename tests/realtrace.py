@@ -18,6 +18,7 @@ classification and `calibrate` must hold on what real files look like:
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,7 +139,7 @@ class Scenario:
                 power[g, a:b] = rng.normal(c, sd, b - a)
                 util[g, a:b] = rng.uniform(ulo, uhi, b - a).round()
             # Ramps: 1-3 samples after each level change move linearly from the old level.
-            for (_, _, e), (_, a2, _) in zip(bounds[:-1], bounds[1:], strict=True):
+            for (_, _, e), (_, a2, _) in itertools.pairwise(bounds):
                 k = int(rng.integers(1, 4))
                 old, new = centre[g, e - 1], centre[g, a2]
                 for j in range(k):
@@ -146,7 +147,9 @@ class Scenario:
                         power[g, a2 + j] = old + (new - old) * (j + 1) / (k + 1) + rng.normal(0, 3)
             # Noise tails: a rare sample far from its level, possibly between bands.
             tail = rng.random(n_inst) < self.tail_p
-            power[g, tail] += rng.choice([-1, 1], tail.sum()) * rng.uniform(0.1, 0.3, tail.sum()) * centre[g, tail]
+            power[g, tail] += (
+                rng.choice([-1, 1], tail.sum()) * rng.uniform(0.1, 0.3, tail.sum()) * centre[g, tail]
+            )
         power = np.clip(power, 20.0, None).round(2)
 
         # The energy counter integrates the true power across every instant (gaps included).
@@ -154,7 +157,9 @@ class Scenario:
         counter = np.floor((cum - power * iv) / self.energy_quantum_mj) * self.energy_quantum_mj
 
         # Stamps: a few ms apart per GPU line; sometimes GPU 0 is 50-80 ms early.
-        stamp = t_inst[None, :] + np.arange(G)[:, None] * rng.uniform(0.2, 0.6) + rng.uniform(0, 3, (G, n_inst))
+        stamp = (
+            t_inst[None, :] + np.arange(G)[:, None] * rng.uniform(0.2, 0.6) + rng.uniform(0, 3, (G, n_inst))
+        )
         early = rng.random(n_inst) < self.jitter_p
         stamp[0, early] -= rng.uniform(50, 80, early.sum())
         stamp = np.round(stamp).astype(np.int64)
@@ -172,7 +177,7 @@ class Scenario:
         labels = np.tile(state[cols], G)
         truth = centre[:, cols].ravel()
         first, last = cols[0], cols[-1]
-        true_energy = (cum[:, last] - (cum[:, first] - power[:, first] * iv))
+        true_energy = cum[:, last] - (cum[:, first] - power[:, first] * iv)
         gaps = int((~logged[first : last + 1]).sum()) * iv
         line = np.stack(np.meshgrid(cols, np.arange(G), indexing="ij"), -1).reshape(-1, 2)
         return RealTrace(s, labels, truth, self.events(bounds, t_inst), true_energy, line, gaps)
@@ -224,11 +229,12 @@ def write_csv(trace: RealTrace, path: Path, *, power_unit: str = "W", trailing_n
     pw = s.power_w.reshape(G, n)
     ut = s.util_pct.reshape(G, n)
     scale = {"W": 1.0, "mW": 1000.0, "kW": 0.001}[power_unit]
+    digits = {"W": 2, "mW": 0, "kW": 5}[power_unit]
     lines = [f"timestamp, power.draw [{power_unit}], utilization.gpu [%]"]
     for i in range(n):
         for g in range(G):
             t = dt.datetime.fromtimestamp(ts[g, i] / 1000, dt.timezone.utc)
             stamp = t.strftime("%Y/%m/%d %H:%M:%S.") + f"{t.microsecond // 1000:03d}"
-            lines.append(f"{stamp}, {pw[g, i] * scale:.2f} {power_unit}, {int(ut[g, i])} %")
+            lines.append(f"{stamp}, {pw[g, i] * scale:.{digits}f} {power_unit}, {int(ut[g, i])} %")
     path.write_text("\n".join(lines) + ("\n" if trailing_newline else ""))
     return path

@@ -48,7 +48,9 @@ def test_checkpoint_rows_are_checkpoint_at_every_sample_not_only_the_cell_s_last
 
 def _by_category_and_band(pieces) -> np.ndarray:
     key = pieces.category.astype(np.int64) * (len(BANDS) + 1) + (pieces.band + 1)
-    return np.bincount(key, weights=pieces.dur_ms, minlength=len(CATEGORIES) * (len(BANDS) + 1)).astype(np.int64)
+    return np.bincount(key, weights=pieces.dur_ms, minlength=len(CATEGORIES) * (len(BANDS) + 1)).astype(
+        np.int64
+    )
 
 
 SMALL = Scenario.h100(seed=3, compute_s=12.0, checkpoint_s=3.0, checkpoints=2, idle_s=3.0, gap_every_s=10.0)
@@ -76,7 +78,7 @@ def test_live_rounds_at_random_boundaries_equal_the_offline_booking(cuts):
 
     rank = s.gpu.astype(np.int64)
     own = np.arange(len(s.gpus))
-    rounds = sorted(min(max(c, start), end) for c in cuts) + [end + 60_000]
+    rounds = [*sorted(min(max(c, start), end) for c in cuts), end + 60000]
     booked = start
     live = np.zeros_like(offline)
     for now in rounds:

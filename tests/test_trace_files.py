@@ -175,3 +175,76 @@ def test_events_jsonl_dedupes_and_counts_bad_entries(tmp_path):
         "unknown_field": 1,
     }
     assert evs[1].get("_unknown_fields") == ["new_field"]
+
+
+# Issue 15: what real 100 ms nvidia-smi files look like (REFERENCE R8).
+
+
+def _real_csv(tmp_path, **kw):
+    from tests.realtrace import Scenario, write_csv
+
+    tr = Scenario.h100(seed=7, compute_s=20.0, checkpoints=1, idle_s=3.0, jitter_p=0.2).build()
+    return tr, write_csv(tr, tmp_path / "node0.csv", **kw)
+
+
+def test_index_less_lines_keep_their_gpu_when_gpu_0_is_stamped_early(tmp_path):
+    # 15.2: the GPU 0 line of an instant stamped 50-80 ms early stays GPU 0.
+    tr, p = _real_csv(tmp_path)
+    got, diag = read_all([p])
+    assert not diag.counts
+    want = tr.samples
+    assert np.bincount(got.gpu).tolist() == np.bincount(want.gpu).tolist()
+    np.testing.assert_array_equal(got.gpu, want.gpu)
+    np.testing.assert_array_equal(got.ts_ms, want.ts_ms)
+    np.testing.assert_allclose(got.power_w, want.power_w, atol=0.006)
+
+
+def test_a_short_block_is_warned_and_counting_restarts_at_the_next_instant(tmp_path):
+    tr, p = _real_csv(tmp_path)
+    lines = p.read_text().splitlines(keepends=True)
+    # Instant 100 lost the lines of GPUs 6 and 7 (lines 1 + 800 + 6, + 7).
+    del lines[1 + 800 + 6 : 1 + 800 + 8]
+    p.write_text("".join(lines))
+    got, diag = read_all([p])
+    assert diag.counts == {"short_block": 1}
+    assert (
+        np.bincount(got.gpu).tolist()
+        == [len(want) for want in np.split(np.arange(len(tr.samples)), 8)][:6]
+        + [len(tr.samples) // 8 - 1] * 2
+    )
+    # Every line after the short block is still numbered right.
+    for g in range(8):
+        np.testing.assert_array_equal(
+            got.ts_ms[got.gpu == g][-50:], tr.samples.ts_ms[tr.samples.gpu == g][-50:]
+        )
+
+
+def test_a_complete_last_line_without_a_newline_is_kept(tmp_path):
+    # 15.7: nvidia-smi killed between two lines.
+    tr, p = _real_csv(tmp_path, trailing_newline=False)
+    got, diag = read_all([p])
+    assert not diag.counts and len(got) == len(tr.samples)
+    # Cut mid-value, it is still dropped and counted (and its instant is one line short).
+    p.write_text(p.read_text()[:-4])
+    got, diag = read_all([p])
+    assert diag.counts == {"truncated_last_line": 1, "short_block": 1} and len(got) == len(tr.samples) - 1
+
+
+@pytest.mark.parametrize("unit", ["mW", "kW"])
+def test_power_in_mw_or_kw_is_converted_from_the_header(tmp_path, unit):
+    # 15.6: every row used to be rejected as out of range.
+    tr, p = _real_csv(tmp_path, power_unit=unit)
+    got, diag = read_all([p])
+    assert not diag.counts
+    np.testing.assert_allclose(got.power_w, tr.samples.power_w, atol=0.006)
+
+
+def test_a_file_whose_every_row_is_rejected_is_an_input_error_with_the_reason(tmp_path):
+    p = tmp_path / "x.csv"
+    p.write_text(
+        "timestamp, power.draw [W], utilization.gpu [%]\n"
+        "2025/07/27 00:47:10.134, 555000.00 W, 90 %\n"
+        "2025/07/27 00:47:10.234, 556000.00 W, 91 %\n"
+    )
+    with pytest.raises(InputError, match=r"no usable samples: every row was rejected \(bad_value=2\)"):
+        files.read_samples(p, "h", "UTC", Diagnostics(stream=None))

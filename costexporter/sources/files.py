@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def _column_key(name: str) -> str:
     return key
 
 
-UNIT_CHARS = " W%JmMiBHz"
+UNIT_CHARS = " W%JkmMiBHz"
 
 
 def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +147,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         )
 
     invalid: list[int] = []
+    counts_before = diag.counts.copy()
 
     def on_invalid(row: pcsv.InvalidRow) -> str:
         invalid.append(row.number if row.number is not None else -1)
@@ -183,7 +185,12 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if bad_ts.any():  # blank lines and repeated headers are skipped silently
         ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
         drop |= pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
-    if not ends_with_newline and n and (not invalid or invalid[-1] != last_line):
+    if (
+        not ends_with_newline
+        and n
+        and (not invalid or invalid[-1] != last_line)
+        and not _last_row_complete(table)
+    ):
         # The last line parsed with the right column count but was cut mid-value.
         diag.warn(str(path), int(line_of_row[-1]), "truncated_last_line", "skipped")
         drop[-1] = True
@@ -209,6 +216,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     for k in ("power.draw.instant", "power.draw", "power.draw.average"):
         if k in col:
             p, bad = _numeric(col[k])
+            p = p * POWER_UNITS[_power_unit(names[keys.index(k)], col[k])]
             bad_rows(bad, "bad_value", f"non-numeric {k}")
             power = p if power is None else np.where(np.isnan(power), p, power)
     assert power is not None
@@ -224,9 +232,15 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         bad_rows(bad | np.isnan(idx_f), "bad_value", "non-numeric index")
         index = np.nan_to_num(idx_f, nan=-1).astype(np.int64)
     else:
-        index = _positional_index(ts_ms, drop)
+        index = _positional_index(
+            ts_ms, drop, lambda line, why: diag.warn(str(path), line, "short_block", why), line_of_row
+        )
 
     keep = np.flatnonzero(~drop)
+    if keep.size == 0:
+        mine = diag.counts - counts_before
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
+        raise InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
     # Per-GPU attributes from each GPU's first row: a few values, not a column of strings.
     first = keep[np.unique(index[keep], return_index=True)[1]]
 
@@ -255,8 +269,21 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     )
 
 
-def _positional_index(ts_ms: np.ndarray, drop: np.ndarray) -> np.ndarray:
-    """Without an index column, the lines of one sampling instant are GPUs 0..N-1 in order."""
+def _positional_index(
+    ts_ms: np.ndarray,
+    drop: np.ndarray,
+    warn: Callable[[int, str], None] | None = None,
+    line_of_row: np.ndarray | None = None,
+) -> np.ndarray:
+    """Without an index column, the lines of one sampling instant are GPUs 0..N-1 in order.
+
+    N is the usual number of lines per instant (lines within INSTANT_TOLERANCE_MS of each other).
+    Lines are numbered by position within blocks of N consecutive lines, not by their stamps:
+    nvidia-smi sometimes stamps the GPU 0 line of an instant 50-80 ms before GPUs 1-7, which
+    splits the instants by time as N+1, N-1 lines; counting on keeps that line GPU 0. A block
+    that ends short (the logger lost lines) is warned about, and counting restarts at the next
+    instant.
+    """
     index = np.full(ts_ms.size, -1, np.int64)
     rows = np.flatnonzero(~drop)
     if rows.size == 0:
@@ -265,9 +292,69 @@ def _positional_index(ts_ms: np.ndarray, drop: np.ndarray) -> np.ndarray:
     new = np.ones(rows.size, bool)
     new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
     group_start = np.flatnonzero(new)
-    gid = np.cumsum(new) - 1
-    index[rows] = np.arange(rows.size) - group_start[gid]
+    sizes = np.diff(np.append(group_start, rows.size))
+    n_gpus = int(np.bincount(sizes).argmax())
+    pos = np.arange(rows.size) - np.repeat(group_start, sizes)  # position in its time group
+    odd = np.flatnonzero(sizes != n_gpus)
+    j = 0  # the loop visits only irregular groups and the groups that complete their blocks
+    for i in odd.tolist():
+        if i < j:
+            continue
+        carry, j = 0, i
+        while j < sizes.size:
+            size, lo = int(sizes[j]), int(group_start[j])
+            pos[lo : lo + size] = (carry + np.arange(size)) % n_gpus
+            short = size < n_gpus - carry
+            carry = 0 if short else (carry + size) % n_gpus
+            j += 1
+            if short or (j == sizes.size and carry):
+                if warn is not None:
+                    last = rows[lo + size - 1]
+                    warn(
+                        int(line_of_row[last]) if line_of_row is not None else int(last),
+                        f"an instant of {n_gpus} GPUs ends after {(pos[lo + size - 1] + 1)} line(s); "
+                        "lines are numbered in order",
+                    )
+                break
+            if carry == 0:
+                break
+    index[rows] = pos
     return index
+
+
+POWER_UNITS = {"w": 1.0, "mw": 0.001, "kw": 1000.0}
+
+
+def _power_unit(header: str, col: pa.ChunkedArray) -> str:
+    """'power.draw [mW]' -> 'mw'; without a unit in the header, the first value's suffix."""
+    h = header.strip().lower()
+    if "[" in h and "]" in h:
+        unit = h[h.index("[") + 1 : h.index("]")].strip()
+        if unit in POWER_UNITS:
+            return unit
+    for v in col.slice(0, 16).to_pylist():
+        v = (v or "").strip().lower()
+        for unit in ("mw", "kw"):
+            if v.endswith(unit) and v[: -len(unit)].strip()[-1:].isdigit():
+                return unit
+    return "w"
+
+
+def _last_row_complete(table: pa.Table) -> bool:
+    """Whether a last line without a trailing newline is complete (nvidia-smi killed between
+    lines) rather than cut mid-value: where the line before it ends its fields with a unit
+    ('W', '%'), so must it; without units it must be at least as long as the line before."""
+    if table.num_rows < 2:
+        return False
+    prev = [str(c[table.num_rows - 2]) for c in table.columns]
+    last = [str(c[table.num_rows - 1]) for c in table.columns]
+    units = [p.strip()[-1:] for p in prev]
+    if any(u and not u.isdigit() and u not in "]" for u in units):
+        return all(
+            not u or u.isdigit() or u == "]" or x.strip().endswith(u)
+            for u, x in zip(units, last, strict=True)
+        )
+    return len(",".join(last)) >= len(",".join(prev))
 
 
 def _json_lines(path: Path):
