@@ -10,7 +10,7 @@ checkpoint, starvation) are column reductions over that matrix. Nothing here loo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +25,9 @@ class BandResult:
     interval_ms: int  # the job's typical sampling interval
     straggler_rank: int | None  # the rank lowest on average during starvation
     signature_moments: int  # moments in a confirmed deadlock/checkpoint signature
+    # Confirmed signature runs: (start ms, end ms, the ranks at ~0% through most of it). R2: the
+    # 0% rank is the one that left the collective (rank 0 writing a checkpoint, or R4's rank 3).
+    signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 def sampling_interval_ms(rank: np.ndarray, ts_ms: np.ndarray) -> int:
@@ -108,15 +111,21 @@ def classify(
     n_lowbusy = (low & busy).sum(0)
     cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
     cand = _bridge(cand, cols)
+    # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
     starts = cand.copy()
-    starts[1:] &= ~(cand[:-1] & (np.diff(cols) == 1))
+    starts[1:] &= ~(cand[:-1] & (np.diff(cols) * cell <= grid))
     run_id = np.cumsum(starts) - 1
     start_cols = np.flatnonzero(starts)
-    run_len = np.bincount(run_id[cand], minlength=start_cols.size)
     confirmed = cand.copy()
-    confirmed[cand] = run_len[run_id[cand]] >= persist_moments(cell, grid)
+    if cand.any():
+        in_run = np.flatnonzero(cand)
+        run_len = np.bincount(run_id[in_run], minlength=start_cols.size)
+        run_last = in_run[np.flatnonzero(np.append(run_id[in_run][1:] != run_id[in_run][:-1], True))]
+        span = (cols[run_last] - cols[start_cols] + 1) * cell
+        confirmed[cand] = ((run_len >= 2) & (span >= grid))[run_id[cand]]
     dead = np.zeros(n_cols, bool)
     ckpt = np.zeros(n_cols, bool)
+    signatures: list[tuple[int, int, list[int]]] = []
     if confirmed.any():
         run_start_ms = int(ts_ms.min()) + cols[start_cols] * cell
         if callable(checkpoint_allowance_ms):
@@ -131,6 +140,7 @@ def classify(
         idx = np.flatnonzero(confirmed)
         ckpt[idx[is_ckpt]] = True
         dead[idx[~is_ckpt]] = True
+        signatures = _signature_runs(low & zero, confirmed, run_id, cols, int(ts_ms.min()), cell)
 
     # Starvation: most ranks at mid power and at least one well below ~100% utilization.
     starv = (n_obs >= 2) & ((mid.sum(0) * 2) >= n_obs) & ((mid & ~busy & ~np.isnan(U)).sum(0) >= 1)
@@ -161,6 +171,7 @@ def classify(
         interval_ms=int(interval_ms),
         straggler_rank=straggler,
         signature_moments=int(confirmed.sum()),
+        signatures=signatures,
     )
 
 
@@ -184,19 +195,19 @@ RAMP_MS = 400
 
 
 def persist_moments(cell_ms: int, grid_ms: int) -> int:
-    """How many consecutive moments confirm a signature: two, and at least one grid step."""
+    """How many moments confirm a signature: two, spanning at least one grid step."""
     return max(2, -(-int(grid_ms) // max(int(cell_ms), 1)))
 
 
 def lookahead_ms(interval_ms: int, grid_ms: int) -> int:
     """How far past a moment the classifier looks to band it: the rest of a signature's
-    confirming moments, one moment to bridge a noisy reading, and a ramp's length. Live booking
-    stays this far behind its newest samples, so its result does not depend on where booking
-    rounds fall."""
+    confirming moments (across a logger gap), one moment to bridge a noisy reading, and a ramp's
+    length. Live booking stays this far behind its newest samples, so its result does not depend
+    on where booking rounds fall."""
     cell = max(int(interval_ms), 1)
     grid = max(int(grid_ms), cell)
     k = RAMP_MS // cell
-    return cell * (persist_moments(cell, grid) + (k + 1 if k else 0))
+    return cell * (persist_moments(cell, grid) + (k + 1 if k else 0)) + (grid - cell)
 
 
 def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms: int) -> np.ndarray:
@@ -260,4 +271,22 @@ def _bridge(cand: np.ndarray, cols: np.ndarray) -> np.ndarray:
     hole = ~cand[1:-1] & cand[:-2] & cand[2:] & (cols[2:] - cols[:-2] == 2)
     out = cand.copy()
     out[1:-1] |= hole
+    return out
+
+
+def _signature_runs(
+    zero: np.ndarray, confirmed: np.ndarray, run_id: np.ndarray, cols: np.ndarray, t0: int, cell: int
+) -> list[tuple[int, int, list[int]]]:
+    """Each confirmed signature run's time span and the ranks at ~0% through most of it."""
+    idx = np.flatnonzero(confirmed)
+    rid = run_id[idx]
+    first = np.flatnonzero(np.concatenate([[True], rid[1:] != rid[:-1]]))
+    counts = np.add.reduceat(zero[:, idx].astype(np.int64), first, axis=1)  # ranks x runs
+    length = np.diff(np.append(first, idx.size))
+    out = []
+    for k, (a, n_moments) in enumerate(zip(first.tolist(), length.tolist(), strict=True)):
+        ranks = np.flatnonzero(counts[:, k] * 2 >= n_moments).tolist()
+        start = t0 + int(cols[idx[a]]) * cell
+        end = t0 + (int(cols[idx[a + n_moments - 1]]) + 1) * cell
+        out.append((start, end, ranks))
     return out

@@ -577,11 +577,18 @@ def make_slices(
     # Energy: the counter's delta where the source has one, else integrated power (W x ms = mJ).
     energy = power_w * dur
     energy[np.isnan(energy)] = 0.0
+    gap_energy = np.zeros(int(gap.sum()))
     if n > 1 and not np.isnan(energy_mj).all():
         de = np.full(n, np.nan)
         de[:-1] = energy_mj[1:] - energy_mj[:-1]
-        use_counter = np.isfinite(de) & (de >= 0) & ~gap & ~last
-        energy[use_counter] = de[use_counter]
+        use_counter = np.isfinite(de) & (de >= 0) & ~last
+        # Across a gap the counter still says what was used: the time stays unobserved, the
+        # energy is shared between the slice before the gap and the gap, in proportion to time.
+        share = np.where(gap, dur / np.maximum(nxt - ts_ms, 1), 1.0)
+        energy[use_counter] = de[use_counter] * share[use_counter]
+        if any_gap:
+            bridged = use_counter[gap]
+            gap_energy[bridged] = de[gap][bridged] * (1.0 - share[gap][bridged])
 
     # Unobserved pieces: interior gaps, coverage before the first and after the last sample.
     gap_start = end[gap] if any_gap else np.zeros(0, np.int64)
@@ -603,6 +610,7 @@ def make_slices(
         [gap_start, cover_start_ms[head], np.maximum(last_end[tail], cover_start_ms[tail])]
     )
     uo_end = np.concatenate([gap_end, np.minimum(first_ts, cover_end_ms)[head], cover_end_ms[tail]])
+    uo_energy = np.concatenate([gap_energy, np.zeros(int(head.sum()) + int(tail.sum()))])
     keep = uo_end > uo_start
     span_start = np.where(head, cover_start_ms, first_ts)
     span_end = np.where(tail, cover_end_ms, last_end)
@@ -614,7 +622,7 @@ def make_slices(
         np.concatenate([ts_ms, uo_start[keep]]),
         np.concatenate([end, uo_end[keep]]),
         np.concatenate([band.astype(np.int8, copy=False), np.full(k, NO_BAND, np.int8)]),
-        np.concatenate([energy, np.zeros(k)]),
+        np.concatenate([energy, uo_energy[keep]]),
         span_start,
         span_end,
     )
