@@ -266,6 +266,8 @@ def replay(
     except (InputError, profiles.ProfileError) as e:
         raise InputFailure(str(e)) from None
     result["warnings"] = diag.summary()
+    for line in [] if quiet else report.clock_warnings(result, tz):
+        click.echo(f"warning: {line}", err=True)
     text = {"json": report.to_json, "csv": report.to_csv, "table": report.to_table}[fmt](result)
     if output:
         output.write_text(text if text.endswith("\n") else text + "\n")

@@ -54,6 +54,8 @@ class JobResult:
     band_result: bands_mod.BandResult
     preflight: dict | None
     member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
+    sample_range_ms: tuple[int, int] | None = None  # the job's first and last sample
+    event_range_ms: tuple[int, int] | None = None  # the job's first and last event
 
 
 def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict) -> Profile:
@@ -203,7 +205,20 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
         ]
         member_ivals += [(int(g), a, b) for g, iv in zip(member_gpus, mem_ivals, strict=True) for a, b in iv]
         results.append(
-            JobResult(job, member_gpu_list, ranks, pieces, profile, timeline, meta, br, preflight, mem_ivals)
+            JobResult(
+                job,
+                member_gpu_list,
+                ranks,
+                pieces,
+                profile,
+                timeline,
+                meta,
+                br,
+                preflight,
+                mem_ivals,
+                (int(ts.min()), int(ts.max())) if ts.size else None,
+                (int(min(e.ts for e in jev) * 1000), int(max(e.ts for e in jev) * 1000)) if jev else None,
+            )
         )
 
     return results, _unassigned(samples, n_g, interval, member_ivals, cfg)
@@ -349,7 +364,48 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
             for i, g in enumerate(r.gpus)
         ],
         "incidents": incidents(r, cfg, price),
+        "energy_coverage": energy_coverage(p),
+        "time_range": {
+            "samples": _range_s(r.sample_range_ms),
+            "events": _range_s(r.event_range_ms),
+        },
+        "clock_offset_hours": clock_offset_hours(r.sample_range_ms, r.event_range_ms),
     }
+
+
+def _range_s(r: tuple[int, int] | None) -> list[float] | None:
+    return None if r is None else [r[0] / 1000, r[1] / 1000]
+
+
+def energy_coverage(p: Pieces) -> float | None:
+    """Share of the job's GPU time whose energy is known: sampled time, and unobserved gaps an
+    energy counter bridged (they carry the counter's delta)."""
+    dur = p.dur_ms
+    total = float(dur.sum())
+    if total <= 0:
+        return None
+    known = (p.category != Category.UNOBSERVED) | (p.energy_mj > 0)
+    return round(float(dur[known].sum()) / total, 6)
+
+
+# Samples and events that overlap less than this share of the shorter range look misaligned.
+MIN_CLOCK_OVERLAP = 0.5
+
+
+def clock_offset_hours(samples_ms: tuple[int, int] | None, events_ms: tuple[int, int] | None) -> int | None:
+    """Whole hours the samples' clock looks off from the events' (events minus samples), when
+    the two barely overlap: the mark of a wrong --tz. 0 when they barely overlap but no whole
+    number of hours explains it; None when they overlap well (or either is missing)."""
+    if samples_ms is None or events_ms is None:
+        return None
+    overlap = min(samples_ms[1], events_ms[1]) - max(samples_ms[0], events_ms[0])
+    shorter = max(min(samples_ms[1] - samples_ms[0], events_ms[1] - events_ms[0]), 1)
+    if overlap / shorter >= MIN_CLOCK_OVERLAP:
+        return None
+    h = round((events_ms[0] - samples_ms[0]) / 3_600_000)
+    shifted = (samples_ms[0] + h * 3_600_000, samples_ms[1] + h * 3_600_000)
+    fixed = min(shifted[1], events_ms[1]) - max(shifted[0], events_ms[0])
+    return h if h and fixed / shorter >= MIN_CLOCK_OVERLAP else 0
 
 
 def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
@@ -387,6 +443,14 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
             members[key // n_gpu].append(key % n_gpu)
         for i in range(n):
             gl = members[i]
+            zero_ranks = sorted(
+                {
+                    int(rk)
+                    for a, b, zr in r.band_result.signatures
+                    if a < g_end[i] + tol and b > g_start[i] - tol
+                    for rk in zr
+                }
+            )
             out.append(
                 {
                     "start": g_start[i] / 1000,
@@ -394,6 +458,8 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
                     "category": CATEGORIES[c],
                     "band": BANDS[dominant[i]] if dominant[i] >= 0 else None,
                     "ranks": sorted({int(r.ranks[x]) for x in gl}),
+                    # The deadlock signature's rank(s) at ~0% (R2): who left the collective.
+                    "zero_util_ranks": zero_ranks if dominant[i] == Band.DEADLOCK else [],
                     "hosts": sorted({r.gpus[x].host for x in gl}),
                     "gpus": [
                         {"host": r.gpus[x].host, "gpu": r.gpus[x].index, "uuid": r.gpus[x].uuid} for x in gl

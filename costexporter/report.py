@@ -52,6 +52,54 @@ def to_csv(report: dict) -> str:
     return buf.getvalue()
 
 
+def _utc(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _span(r: list[float] | None) -> str:
+    return "none" if r is None else f"{_utc(r[0])} .. {_utc(r[1])} UTC"
+
+
+def _offset_of(tz: str, at_s: float) -> int:
+    """Minutes east of UTC of `tz` (IANA name, UTC or +HH:MM) at time `at_s`."""
+    import datetime as dt
+    import re
+
+    if tz.upper() in ("UTC", "Z"):
+        return 0
+    m = re.fullmatch(r"([+-])(\d{2}):(\d{2})", tz)
+    if m:
+        return (1 if m[1] == "+" else -1) * (int(m[2]) * 60 + int(m[3]))
+    from zoneinfo import ZoneInfo
+
+    off = dt.datetime.fromtimestamp(at_s, ZoneInfo(tz)).utcoffset()
+    return int(off.total_seconds() // 60) if off else 0
+
+
+def clock_warnings(report: dict, tz: str) -> list[str]:
+    """One line per job whose samples and events barely overlap: both ranges, the --tz in force
+    and, where a whole number of hours explains it, the zone that would line them up."""
+    out = []
+    for job, j in report["jobs"].items():
+        h = j.get("clock_offset_hours")
+        if h is None:
+            continue
+        tr = j["time_range"]
+        line = (
+            f"job {job}: samples ({_span(tr['samples'])}) and events ({_span(tr['events'])}) barely overlap "
+            f"with --tz {tz}"
+        )
+        if h:
+            # Samples were read as local - offset(tz); lining up with the events needs offset - h.
+            m = _offset_of(tz, tr["samples"][0]) - 60 * h
+            sign = "+" if m >= 0 else "-"
+            line += f"; the samples look {h:+d} h off: try --tz {sign}{abs(m) // 60:02d}:{abs(m) % 60:02d}"
+        out.append(line)
+    return out
+
+
 def _fmt_money(x: float | None, cur: str) -> str:
     return "n/a" if x is None else f"{x:,.4f} {cur}" if abs(x) < 1 else f"{x:,.2f} {cur}"
 
@@ -101,6 +149,11 @@ def to_table(report: dict) -> str:
             f"wasted {j['wasted_gpu_hours']:.3f} GPU-h; bands: "
             + ", ".join(f"{b} {j['band_gpu_hours'][b]:.2f}" for b in BANDS if j["band_gpu_hours"][b] > 0)
         )
+        tr = j.get("time_range") or {}
+        if tr:
+            console.print(f"samples {_span(tr.get('samples'))}; events {_span(tr.get('events'))}")
+        if j.get("energy_coverage") is not None and j["energy_coverage"] < 1:
+            console.print(f"energy known for {100 * j['energy_coverage']:.1f}% of the GPU time")
         if j.get("straggler"):
             s = j["straggler"]
             console.print(f"straggler: rank {s['rank']} ({s['host']} GPU {s['gpu']})")
@@ -114,11 +167,12 @@ def to_table(report: dict) -> str:
                 start = dt.datetime.fromtimestamp(inc["start"], dt.timezone.utc)
                 ranks = inc["ranks"]
                 rtxt = ",".join(map(str, ranks)) if len(ranks) <= 6 else f"{len(ranks)} ranks"
+                zero = inc.get("zero_util_ranks") or []
                 it.add_row(
                     start.strftime("%Y-%m-%d %H:%M:%S"),
                     f"{(inc['end'] - inc['start']) / 60:.1f}",
                     inc["category"],
-                    inc["band"] or "",
+                    (inc["band"] or "") + (f" (0%: rank {','.join(map(str, zero))})" if zero else ""),
                     rtxt,
                     f"{inc['gpu_hours']:.3f}",
                     f"{inc['cost']:,.2f}",

@@ -238,3 +238,14 @@ def write_csv(trace: RealTrace, path: Path, *, power_unit: str = "W", trailing_n
             lines.append(f"{stamp}, {pw[g, i] * scale:.{digits}f} {power_unit}, {int(ut[g, i])} %")
     path.write_text("\n".join(lines) + ("\n" if trailing_newline else ""))
     return path
+
+
+def write_events(trace: RealTrace, path: Path) -> Path:
+    """The trace's events as protocol v1 JSONL."""
+    import json
+
+    with path.open("w") as f:
+        for e in sorted(trace.events, key=lambda e: e.ts):
+            d = {"v": "1", "type": e.type, "job": e.job, "ts": round(e.ts, 3), "rank": e.rank}
+            f.write(json.dumps({**d, "session": e.session, "seq": e.seq, **e.fields}) + "\n")
+    return path

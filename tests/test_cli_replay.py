@@ -222,3 +222,51 @@ def test_host_override_and_timings(cli, tmp_path):
     assert {g["host"] for g in next(iter(rep["jobs"].values()))["gpus"]} == {"gpu-a"}
     timings = json.loads(r.stderr.split("timings: ", 1)[1])
     assert timings["rows"] == 2880 and timings["book_s"] >= 0
+
+
+def _real_files(tmp_path, **kw):
+    from tests.realtrace import Scenario, write_csv, write_events
+
+    tr = Scenario.h100(seed=6, checkpoints=1, compute_s=30.0).build()
+    return tr, write_csv(tr, tmp_path / "node0.csv", **kw), write_events(tr, tmp_path / "events.jsonl")
+
+
+def test_wrong_tz_warns_with_both_ranges_and_the_likely_offset(cli, tmp_path):
+    # 15.5: the trace was written in UTC; read as Asia/Shanghai it lands 8 h early.
+    _, csv_path, ev = _real_files(tmp_path)
+    r = cli("replay", "--samples", csv_path, "--events", ev, "--tz", "Asia/Shanghai", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    [line] = [x for x in r.stderr.splitlines() if "barely overlap" in x]
+    assert "samples (2025-07-26 16:47:10 .. 2025-07-26 16:48:" in line
+    assert "events (2025-07-27 00:47:10 .. 2025-07-27 00:48:" in line
+    assert "--tz Asia/Shanghai" in line and "+8 h off: try --tz +00:00" in line
+    job = json.loads(r.stdout)["jobs"]["real"]
+    jsonschema.validate(json.loads(r.stdout), SCHEMA)
+    assert job["clock_offset_hours"] == 8
+    assert job["gpu_hours"]["unobserved"] > 0.9 * job["gpu_hours_total"]
+
+    r = cli("replay", "--samples", csv_path, "--events", ev, "--format", "json")
+    assert "barely overlap" not in r.stderr
+    job = json.loads(r.stdout)["jobs"]["real"]
+    assert job["clock_offset_hours"] is None
+    assert job["time_range"]["samples"][0] >= job["time_range"]["events"][0]
+
+
+def test_power_in_kw_replays_and_a_file_with_no_usable_row_exits_2(cli, tmp_path):
+    # 15.6
+    _, csv_path, ev = _real_files(tmp_path, power_unit="kW")
+    r = cli("replay", "--samples", csv_path, "--events", ev, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["jobs"]["real"]["gpu_hours"]["productive"] > 0
+    # The header says W, the values are mW: nothing usable remains.
+    text = csv_path.read_text().replace("[kW]", "[W]").replace(" kW", " W")
+    lines = text.splitlines()
+    out = [lines[0]]
+    for line in lines[1:]:
+        ts, p, u = line.split(", ")
+        out.append(f"{ts}, {float(p.split()[0]) * 1e6:.0f} W, {u}")
+    csv_path.write_text("\n".join(out) + "\n")
+    r = cli("replay", "--samples", csv_path, "--events", ev)
+    assert r.returncode == 2 and r.stdout == ""
+    last = r.stderr.strip().splitlines()[-1]
+    assert "no usable samples: every row was rejected (bad_value=" in last and str(csv_path) in last

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -10,7 +11,8 @@ from costexporter import profiles
 from costexporter.booking import BookingConfig
 from costexporter.live import book_window
 from costexporter.model import BANDS, CATEGORIES, Band
-from costexporter.replay import ReplayConfig, book_trace
+from costexporter.replay import ReplayConfig, book_trace, job_report
+from costexporter.synth import TraceBuilder
 from tests.realtrace import Scenario, agreement
 
 H100 = profiles.select("NVIDIA H100 80GB HBM3")
@@ -103,3 +105,54 @@ def test_live_rounds_at_random_boundaries_equal_the_offline_booking(cuts):
         booked = max(booked, res.horizon_ms)
     assert booked == end
     assert live.tolist() == offline.tolist()
+
+
+def test_energy_across_gaps_comes_from_the_counter_and_coverage_is_reported():
+    # 15.3: the logger's 0.3-1 s gaps stay unobserved time, but the counter's energy is booked.
+    tr = Scenario.h100(seed=2, gap_every_s=20.0).build()
+    assert tr.gap_ms > 0
+    [job], _ = book_trace(tr.samples, tr.events, ReplayConfig())
+    rep = job_report(job, ReplayConfig())
+    booked_mj = job.pieces.energy_mj.sum()
+    assert booked_mj == pytest.approx(tr.true_energy_mj.sum(), rel=1e-4)
+    assert rep["gpu_hours"]["unobserved"] > 0 and rep["energy_kwh"]["unobserved"] > 0
+    assert rep["energy_coverage"] >= 0.9999
+
+    # Without a counter the gaps' energy is unknown, and the coverage says how much.
+    tr.samples.energy_mj[:] = np.nan
+    [job], _ = book_trace(tr.samples, tr.events, ReplayConfig())
+    rep = job_report(job, ReplayConfig())
+    unobserved_share = rep["gpu_hours"]["unobserved"] / rep["gpu_hours_total"]
+    assert rep["energy_coverage"] == pytest.approx(1 - unobserved_share, abs=1e-6)
+    assert rep["energy_coverage"] < 0.995
+    assert job.pieces.energy_mj.sum() < 0.995 * tr.true_energy_mj.sum()
+
+
+def test_deadlock_incident_names_the_rank_at_zero():
+    # 15.8: R2's signature is exactly that rank; R1's was rank 3.
+    b = TraceBuilder(n_gpus=8, per_host=8, job="d", seed=4)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    b.stretch("deadlock", 300, zero_ranks=(3,))
+    [job], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    [inc] = [i for i in job_report(job, ReplayConfig())["incidents"] if i["band"] == "deadlock"]
+    assert inc["category"] == "stalled" and inc["zero_util_ranks"] == [3]
+    assert inc["ranks"] == list(range(8))
+
+
+@pytest.mark.parametrize(
+    ("shift_h", "overlap"),
+    [(0, None), (8, 8), (-5, -5)],
+)
+def test_clock_offset_is_reported_when_samples_and_events_do_not_overlap(shift_h, overlap):
+    # 15.5: a wrong --tz moves the samples by whole hours.
+    tr = Scenario.h100(seed=1, checkpoints=1).build()
+    tr.samples.ts_ms -= shift_h * 3_600_000
+    [job], _ = book_trace(tr.samples, tr.events, ReplayConfig())
+    rep = job_report(job, ReplayConfig())
+    assert rep["clock_offset_hours"] == overlap
+    s0, s1 = rep["time_range"]["samples"]
+    assert s0 * 1000 == tr.samples.ts_ms.min() and s1 * 1000 == tr.samples.ts_ms.max()
+    e0, e1 = rep["time_range"]["events"]
+    assert e0 == pytest.approx(min(e.ts for e in tr.events), abs=1e-3)
+    assert e1 == pytest.approx(max(e.ts for e in tr.events), abs=1e-3)
