@@ -1,21 +1,23 @@
 """`costexporter calibrate`: fit a GPU model's band profile from a team's own baselines.
 
 REFERENCE R2: the B300 wattages do not carry over to other GPUs, the shapes do; record a
-known-healthy run and a known hang and classify against them. The fit works on power levels:
+known-healthy run and a known hang and classify against them. Real baselines are noisy (power
+ramps between levels, noise tails, a checkpoint's writer and waiters at different levels), so:
 
-1. Label what is known: explicit windows (`START..END=BAND`); from events, time inside
-   completed steps is healthy (compute, communication or starvation) and completed declared
-   checkpoints are the low "waiters" level (checkpoint/deadlock).
-2. Find the power levels of all samples (a histogram split at empty stretches), and name each:
-   explicit labels win; a level at ~0% utilization is idle; a level with checkpoint examples, or
-   busy and below every healthy level, is the low level (deadlock/checkpoint waiters); among the
-   healthy levels the highest is compute and the others are starvation where utilization is
-   uneven across ranks at a moment (a rank well below the rest), else communication.
-3. Edges sit between neighbouring levels; the utilization rules between the straggler's
+1. Labels are authoritative: explicit windows (`START..END=BAND`) and, from events, completed
+   declared checkpoints (the low "waiters" level) are fitted from their own samples with robust
+   statistics (median, a MAD-based range); time inside completed steps is healthy, and its peaks
+   are compute (the highest) and communication or starvation (by the utilization pattern
+   across ranks).
+2. Only bands no label covers are proposed by the histogram (peaks split at valleys) of the
+   unlabelled samples: ~0% utilization is idle, busy below every healthy level is the low level.
+3. A physically impossible result (compute below idle, overlapping bands) is refused with one
+   line. Edges sit between neighbouring levels; the utilization rules between the straggler's
    utilization and the busy ranks'.
 
-Every 4th minute of the baselines is held out: the fit never sees it, and the fitted profile
-classifies it (the real classifier, `bands.classify`) for the confusion matrix. Pure: no Redis.
+Every 4th block of 15 s of the baselines is held out: the fit never sees it, and the fitted
+profile classifies it (the real classifier, `bands.classify`) for the confusion matrix. Pure:
+no Redis.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ LABEL_NAMES = {
     "idle": "idle",
 }
 HEALTHY, CHECKPOINT = "healthy", "low"
-HOLD_OUT_EVERY = 4  # every 4th minute is held out
+HOLD_OUT_EVERY = 4  # every 4th block of 15 s is held out (short baselines keep every band)
+HOLD_OUT_BLOCK_MS = 15_000
 MIN_LEVEL_SHARE = 0.002  # a level needs at least this share of the samples
 
 
@@ -138,25 +141,152 @@ def event_labels(events: list[Event], n: int, ts_ms: np.ndarray) -> np.ndarray:
     return lab
 
 
-def _levels(power: np.ndarray, limit: float) -> list[np.ndarray]:
-    """Split the samples into power levels at empty stretches of the histogram; indexes per level."""
-    finite = np.isfinite(power)
-    width = max(limit / 200.0, 2.0)
-    lo = float(np.nanmin(power[finite]))
-    bins = np.full(power.size, -1, np.int64)
-    bins[finite] = ((power[finite] - lo) // width).astype(np.int64)
-    counts = np.bincount(bins[finite])
-    floor = max(1, int(MIN_LEVEL_SHARE * finite.sum() / 20))
-    occupied = counts >= floor
-    # Runs of occupied bins are levels; a gap of one empty bin still splits.
-    run_id = np.cumsum(np.concatenate([[True], occupied[1:] & ~occupied[:-1]])) - 1
+def modes(power: np.ndarray, limit: float) -> list[np.ndarray]:
+    """Propose power levels: the peaks of a smoothed histogram, split at the valleys between them.
+
+    Real traces fill in between levels (ramps, noise tails), so a level is not a run of occupied
+    bins but a peak; two peaks are one level unless the valley between them drops below half of
+    the smaller one. Returns the sample indexes of each level, low to high.
+    """
+    finite = np.flatnonzero(np.isfinite(power))
+    if finite.size == 0:
+        return []
+    width = max(limit / 400.0, 1.0)
+    p = power[finite]
+    lo = float(p.min())
+    bins = ((p - lo) // width).astype(np.int64)
+    counts = np.bincount(bins).astype(float)
+    kernel = np.exp(-0.5 * (np.arange(-6, 7) / 2.0) ** 2)
+    smooth = np.convolve(counts, kernel / kernel.sum(), mode="same")
+    floor = MIN_LEVEL_SHARE * p.size / 10
+    ext = np.concatenate([[-1.0], smooth, [-1.0]])
+    peaks = np.flatnonzero((ext[1:-1] >= ext[:-2]) & (ext[1:-1] > ext[2:]) & (smooth >= floor))
+    cuts: list[int] = []
+    keep = [int(peaks[0])] if peaks.size else []
+    for pk in peaks[1:].tolist():
+        prev = keep[-1]
+        v = prev + int(np.argmin(smooth[prev : pk + 1]))
+        if smooth[v] < 0.5 * min(smooth[prev], smooth[pk]):
+            cuts.append(v)
+            keep.append(pk)
+        elif smooth[pk] > smooth[prev]:
+            keep[-1] = pk
+    seg = np.searchsorted(np.asarray(cuts, np.int64), bins, side="right")
     out = []
-    for r in np.unique(run_id[occupied]):
-        members = np.flatnonzero(occupied & (run_id == r))
-        idx = np.flatnonzero(finite & np.isin(bins, members))
-        if idx.size >= MIN_LEVEL_SHARE * finite.sum():
+    for k in range(len(cuts) + 1):
+        idx = finite[seg == k]
+        if idx.size >= MIN_LEVEL_SHARE * p.size:
             out.append(idx)
     return out
+
+
+def _level(name: str, idx: np.ndarray, power: np.ndarray, util: np.ndarray) -> Level:
+    """Robust statistics of one band's samples: the median, and a range of six robust standard
+    deviations (MAD) either side within the 1st-99th percentiles, so the ramp samples at the
+    edges of a labelled window do not widen the band."""
+    p = power[idx]
+    centre = float(np.median(p))
+    sigma = max(1.4826 * float(np.median(np.abs(p - centre))), 0.5)
+    return Level(
+        name,
+        centre,
+        max(float(np.percentile(p, 1)), centre - 6 * sigma),
+        min(float(np.percentile(p, 99)), centre + 6 * sigma),
+        int(idx.size),
+        float(np.median(util[idx])),
+    )
+
+
+def _find_levels(
+    power: np.ndarray,
+    util: np.ndarray,
+    lab: np.ndarray,
+    train: np.ndarray,
+    rank: np.ndarray,
+    ts: np.ndarray,
+    limit: float,
+    grid_ms: int,
+) -> dict[str, Level]:
+    """Labels are authoritative; the histogram only proposes levels for what no label covers.
+
+    1. Each band labelled explicitly (`--label`, or a declared checkpoint for the low level)
+       is fitted from its own samples.
+    2. Time inside completed steps is healthy: its peaks are compute (the highest) and, below
+       it, communication or starvation (by the utilization pattern across ranks).
+    3. Unlabelled samples propose levels for the bands still missing: ~0% utilization is idle;
+       busy below every healthy level is the low level (a hang's waiters).
+    """
+    out: dict[str, Level] = {}
+    for name in LEVELS:
+        idx = np.flatnonzero(train & (lab == name))
+        if idx.size >= MIN_LABELLED:
+            out[name] = _level(name, idx, power, util)
+    healthy = np.flatnonzero(train & (lab == HEALTHY))
+    if healthy.size >= MIN_LABELLED:
+        found = [
+            h[np.isin(h, healthy)]
+            for h in modes(np.where(np.isin(np.arange(power.size), healthy), power, np.nan), limit)
+        ]
+        found = [f for f in found if f.size]
+        if found and "compute" not in out:
+            out["compute"] = _level("compute", found[-1], power, util)
+        for idx in found[:-1]:
+            lv = _level("", idx, power, util)
+            if _inside(lv.centre, out):
+                continue
+            lv.name = "starvation" if _uneven(idx, util, rank, ts, grid_ms) else "communication"
+            if lv.name not in out:
+                out[lv.name] = lv
+    rest = train & (lab == "")
+    if rest.any():
+        lowest_healthy = min(
+            (out[k].centre for k in ("compute", "communication", "starvation") if k in out), default=np.inf
+        )
+        for idx in modes(np.where(rest, power, np.nan), limit):
+            lv = _level("", idx, power, util)
+            if _inside(lv.centre, out):
+                continue  # a level some label already covers
+            if lv.util_median <= ZERO_UTIL:
+                lv.name = "idle"
+            elif lv.centre < lowest_healthy:
+                lv.name = "low"
+            else:
+                continue  # busy, above the low level, unlabelled: no label says what it is
+            if lv.name not in out:
+                out[lv.name] = lv
+    return out
+
+
+MIN_LABELLED = 20  # samples a labelled band needs to be fitted from
+ZERO_UTIL = 10.0
+
+
+def _inside(centre: float, levels: dict[str, Level]) -> bool:
+    return any(lv.lo <= centre <= lv.hi for lv in levels.values())
+
+
+# Bands from low to high power: a fitted profile must keep this order, without overlaps.
+ORDER = ("idle", "low", "starvation", "communication", "compute")
+
+
+def check_physical(levels: dict[str, Level]) -> None:
+    """Refuse a profile no GPU can have: a band above one it must sit below (compute below idle),
+    or two bands whose ranges reach past each other's centres."""
+    present = [levels[k] for k in ORDER if k in levels]
+    for i, a in enumerate(present):
+        for b in present[i + 1 :]:
+            if {a.name, b.name} == {"starvation", "communication"}:
+                continue  # R2: ~575 W and ~640 W; the utilization pattern tells them apart
+            if b.centre <= a.centre:
+                raise CalibrationError(
+                    f"impossible profile: {b.name} (~{b.centre:.0f} W) is not above {a.name} "
+                    f"(~{a.centre:.0f} W); check the labels and events"
+                )
+            if a.hi >= b.centre or b.lo <= a.centre:
+                raise CalibrationError(
+                    f"impossible profile: {a.name} ({a.lo:.0f}-{a.hi:.0f} W) and {b.name} "
+                    f"({b.lo:.0f}-{b.hi:.0f} W) overlap; check the labels and events"
+                )
 
 
 def fit(
@@ -168,7 +298,9 @@ def fit(
     power_limit_w: float | None = None,
     grid_ms: int = 1000,
     sources: list[str] | None = None,
+    tz: str = "UTC",
 ) -> Fit:
+    """Fit a profile; CalibrationError (one line) when the baselines cannot give a sound one."""
     events = events or []
     labels = labels or []
     if len(samples) < 100:
@@ -191,14 +323,20 @@ def fit(
     rank = _ranks(samples, events)[samples.gpu]
     lab = event_labels(events, len(samples), ts) if events else np.full(len(samples), "", dtype=object)
     for a, b, level in labels:
-        lab[(ts >= a) & (ts < b)] = level
-    held = ((ts // 60_000) % HOLD_OUT_EVERY) == HOLD_OUT_EVERY - 1
+        inside = (ts >= a) & (ts < b)
+        if not inside.any():
+            raise CalibrationError(
+                f"label {_when(a, tz)}..{_when(b, tz)}={level} matches no samples: the trace runs "
+                f"{_when(int(ts.min()), tz)}..{_when(int(ts.max()), tz)} (times in --tz {tz})"
+            )
+        lab[inside] = level
+    held = ((ts // HOLD_OUT_BLOCK_MS) % HOLD_OUT_EVERY) == HOLD_OUT_EVERY - 1
     train = ~held & np.isfinite(power) & np.isfinite(util)
 
-    levels = _levels(np.where(train, power, np.nan), limit)
-    if not levels:
+    named = _find_levels(power, util, lab, train, rank, ts, limit, grid_ms)
+    if not named:
         raise CalibrationError("no power levels found in the baselines")
-    named = _name_levels(levels, power, util, lab, rank, ts, grid_ms)
+    check_physical(named)
     warnings, defaulted = [], []
     prof = _profile(named, limit, model, warnings, defaulted)
     _overlaps(named, limit, warnings)
@@ -220,74 +358,20 @@ def fit(
     return Fit(prof, named, confusion, acc, warnings, defaulted)
 
 
-def _name_levels(
-    levels: list[np.ndarray],
-    power: np.ndarray,
-    util: np.ndarray,
-    lab: np.ndarray,
-    rank: np.ndarray,
-    ts: np.ndarray,
-    grid_ms: int,
-) -> dict[str, Level]:
-    info = []
-    for idx in levels:
-        labs = lab[idx]
-        explicit = [x for x in labs if x and x not in (HEALTHY,)]
-        votes = {k: explicit.count(k) for k in set(explicit)}
-        healthy = float(np.mean(labs == HEALTHY))
-        info.append(
-            {
-                "idx": idx,
-                "centre": float(np.median(power[idx])),
-                "util": float(np.median(util[idx])),
-                "vote": max(votes, key=votes.get) if votes and max(votes.values()) > 0.2 * idx.size else None,
-                "healthy": healthy,
-            }
-        )
-    names: dict[int, str] = {}
-    for i, x in enumerate(info):
-        # A checkpoint vote on a level that is mostly inside steps is a label at its edges.
-        if x["vote"] in LEVELS and (x["vote"] != CHECKPOINT or x["healthy"] < 0.5):
-            names[i] = x["vote"]
-    for i, x in enumerate(info):
-        if i in names:
-            continue
-        if x["util"] <= 10.0:
-            names[i] = "idle"
-    healthy_levels = [i for i, x in enumerate(info) if i not in names and x["healthy"] >= 0.3]
-    lowest_healthy = min((info[i]["centre"] for i in healthy_levels), default=np.inf)
-    for i, x in enumerate(info):
-        if i not in names and i not in healthy_levels and x["centre"] < lowest_healthy:
-            names[i] = "low"  # busy, below every healthy level: the waiters of a hang or a checkpoint
-    if healthy_levels:
-        top = max(healthy_levels, key=lambda i: info[i]["centre"])
-        names[top] = "compute"
-        for i in healthy_levels:
-            if i != top:
-                names[i] = (
-                    "starvation" if _uneven(info[i]["idx"], util, rank, ts, grid_ms) else "communication"
-                )
-    # Unnamed leftovers (busy levels between healthy ones, unlabelled): nearest named level.
-    for i, x in enumerate(info):
-        if i not in names and names:
-            j = min(names, key=lambda k: abs(info[k]["centre"] - x["centre"]))
-            names[i] = names[j]
-    out: dict[str, Level] = {}
-    for name in LEVELS:
-        members = [info[i]["idx"] for i, n in names.items() if n == name]
-        if not members:
-            continue
-        idx = np.concatenate(members)
-        p = power[idx]
-        out[name] = Level(
-            name,
-            float(np.median(p)),
-            float(np.percentile(p, 1)),
-            float(np.percentile(p, 99)),
-            int(idx.size),
-            float(np.median(util[idx])),
-        )
-    return out
+def _when(ms: int, tz: str) -> str:
+    """Epoch ms as local time in `tz` (IANA name, UTC or +HH:MM), as the user writes labels."""
+    import re
+
+    if tz.upper() in ("UTC", "Z"):
+        zone: dt.tzinfo = dt.timezone.utc
+    elif m := re.fullmatch(r"([+-])(\d{2}):(\d{2})", tz):
+        sign = 1 if m[1] == "+" else -1
+        zone = dt.timezone(sign * dt.timedelta(hours=int(m[2]), minutes=int(m[3])))
+    else:
+        from zoneinfo import ZoneInfo
+
+        zone = ZoneInfo(tz)
+    return dt.datetime.fromtimestamp(ms / 1000, zone).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def _uneven(idx: np.ndarray, util: np.ndarray, rank: np.ndarray, ts: np.ndarray, grid_ms: int) -> bool:

@@ -676,6 +676,7 @@ def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> 
             gpu_model=gpu_model,
             power_limit_w=power_limit,
             sources=[str(p) for _, p in specs] + ([str(events)] if events else []),
+            tz=tz,
         )
     except (InputError, CalibrationError, profiles.ProfileError) as e:
         raise InputFailure(str(e)) from None
@@ -715,7 +716,7 @@ def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> 
     )
     if result.confusion:
         names = sorted({k for row in result.confusion.values() for k in row} | set(result.confusion))
-        c = Table(title=f"held-out baselines (every 4th minute): {result.accuracy:.2%} of GPU-seconds right")
+        c = Table(title=f"held-out baselines (1 block in 4): {result.accuracy:.2%} of GPU-seconds right")
         c.add_column("truth \\ predicted")
         for n in names:
             c.add_column(n, justify="right")
