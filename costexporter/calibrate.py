@@ -269,9 +269,20 @@ def _inside(centre: float, levels: dict[str, Level]) -> bool:
 ORDER = ("idle", "low", "starvation", "communication", "compute")
 
 
-def check_physical(levels: dict[str, Level]) -> None:
-    """Refuse a profile no GPU can have: a band above one it must sit below (compute below idle),
-    or two bands whose ranges reach past each other's centres."""
+# A GPU computing draws well above its idle power: compute below this share of the limit is idle.
+MIN_COMPUTE_FRACTION = 0.2
+
+
+def check_physical(levels: dict[str, Level], limit: float) -> None:
+    """Refuse a profile no GPU can have: compute at idle power or ~0% utilization, a band above
+    one it must sit below (compute below idle), or two bands whose ranges reach past each
+    other's centres."""
+    c = levels.get("compute")
+    if c is not None and (c.util_median <= ZERO_UTIL or c.centre < MIN_COMPUTE_FRACTION * limit):
+        raise CalibrationError(
+            f"impossible profile: compute at ~{c.centre:.0f} W and {c.util_median:.0f}% utilization is "
+            f"idle for a {limit:.0f} W GPU; check the labels and events"
+        )
     present = [levels[k] for k in ORDER if k in levels]
     for i, a in enumerate(present):
         for b in present[i + 1 :]:
@@ -336,7 +347,7 @@ def fit(
     named = _find_levels(power, util, lab, train, rank, ts, limit, grid_ms)
     if not named:
         raise CalibrationError("no power levels found in the baselines")
-    check_physical(named)
+    check_physical(named, limit)
     warnings, defaulted = [], []
     prof = _profile(named, limit, model, warnings, defaulted)
     _overlaps(named, limit, warnings)
