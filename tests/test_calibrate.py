@@ -379,7 +379,7 @@ def test_a_label_window_that_matches_no_samples_names_the_trace_range_and_the_tz
         "--gpu-model",
         "NVIDIA H100",
         "--label",
-        "2025-07-27T00:47:30..2025-07-27T00:48:00=compute",
+        "2025-07-27T08:47:30..2025-07-27T08:48:00=compute",
     )
     assert r.returncode == 2 and not out.exists()
     [line] = r.stderr.strip().splitlines()
