@@ -54,8 +54,13 @@ def classify(
     gap_intervals: float = 3.0,
     checkpoint_allowance_ms: Callable[[np.ndarray], np.ndarray] | int = 15 * 60 * 1000,
     interval_ms: int | None = None,
+    step_ms: np.ndarray | None = None,
 ) -> BandResult:
     """Band of each sample. Samples must be sorted by (rank, ts).
+
+    `step_ms`: the job's step completion times, where known. Then a moment where every observed
+    rank (one GPU is enough) spins at ~100% utilization at low power with no step around it is
+    a deadlock candidate too: a hang looks like that on a single GPU (REFERENCE R9).
 
     `checkpoint_allowance_ms` is either a constant or a function mapping the start times of
     signature runs (ms) to the allowance in force then (learned from the job's checkpoints).
@@ -110,6 +115,8 @@ def classify(
     # persisting for two consecutive moments and at least one grid step (REFERENCE R2, R3).
     n_lowbusy = (low & busy).sum(0)
     cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
+    if step_ms is not None:
+        cand |= _spinning(low, busy, n_obs, cols, int(ts_ms.min()), cell, step_ms)
     cand = _bridge(cand, cols)
     # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
     starts = cand.copy()
@@ -290,3 +297,23 @@ def _signature_runs(
         end = t0 + (int(cols[idx[a + n_moments - 1]]) + 1) * cell
         out.append((start, end, ranks))
     return out
+
+
+def _spinning(
+    low: np.ndarray,
+    busy: np.ndarray,
+    n_obs: np.ndarray,
+    cols: np.ndarray,
+    t0: int,
+    cell: int,
+    step_ms: np.ndarray,
+) -> np.ndarray:
+    """Moments where every observed rank is at ~100% at low power and no step completes within a
+    moment of it: a thread spinning on a flag or in a collective, any number of ranks."""
+    spin = (n_obs >= 1) & (low.sum(0) == n_obs) & ((low & busy).sum(0) == n_obs)
+    if not spin.any() or step_ms.size == 0:
+        return spin
+    t = t0 + cols * cell
+    steps = np.sort(np.asarray(step_ms, np.int64))
+    near = np.searchsorted(steps, t + 2 * cell, "right") - np.searchsorted(steps, t - 2 * cell, "left")
+    return spin & (near == 0)

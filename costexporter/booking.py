@@ -760,4 +760,5 @@ def job_bands(
         gap_intervals=cfg.gap_intervals,
         checkpoint_allowance_ms=lambda t: timeline.allowances.at("checkpoint", t),
         interval_ms=interval_ms,
+        step_ms=np.asarray([s.ts_ms for s in timeline.steps], np.int64),
     )

@@ -156,3 +156,25 @@ def test_clock_offset_is_reported_when_samples_and_events_do_not_overlap(shift_h
     e0, e1 = rep["time_range"]["events"]
     assert e0 == pytest.approx(min(e.ts for e in tr.events), abs=1e-3)
     assert e1 == pytest.approx(max(e.ts for e in tr.events), abs=1e-3)
+
+
+def test_a_single_gpu_spinning_at_idle_power_without_steps_is_a_deadlock():
+    # Issue 14 item 2: 100% utilization at idle-level power, no step: a hang on one GPU.
+    b = TraceBuilder(n_gpus=1, per_host=1, job="one", seed=2)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    b.stretch("deadlock", 600)  # ~192 W at 100%, no step
+    [job], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    rep = job_report(job, ReplayConfig())
+    assert rep["band_gpu_hours"]["deadlock"] == pytest.approx(600 / 3600, abs=5 / 3600)
+    assert rep["gpu_hours"]["stalled"] == pytest.approx(600 / 3600, abs=5 / 3600)
+    [inc] = [i for i in rep["incidents"] if i["category"] == "stalled"]
+    assert inc["band"] == "deadlock" and inc["ranks"] == [0] and inc["end"] - inc["start"] >= 595
+
+    # The same readings while steps keep completing are not a hang.
+    b = TraceBuilder(n_gpus=1, per_host=1, job="one", seed=2)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    b.stretch("deadlock", 600, step_s=2)
+    [job], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    assert job_report(job, ReplayConfig())["band_gpu_hours"]["deadlock"] == 0
