@@ -8,6 +8,8 @@ from zoneinfo import ZoneInfo
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from costexporter.diagnostics import Diagnostics, InputError
 from costexporter.sources import files
@@ -248,3 +250,35 @@ def test_a_file_whose_every_row_is_rejected_is_an_input_error_with_the_reason(tm
     )
     with pytest.raises(InputError, match=r"no usable samples: every row was rejected \(bad_value=2\)"):
         files.read_samples(p, "h", "UTC", Diagnostics(stream=None))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 8),
+    st.lists(
+        st.tuples(st.integers(0, 5).map(lambda x: x == 0), st.sampled_from([0] * 40 + list(range(1, 8)))),
+        min_size=8,
+        max_size=80,
+    ),
+)
+def test_positional_numbering_holds_for_early_stamps_and_short_instants(n_gpus, instants):
+    """Each instant: (GPU 0 stamped 50-80 ms early?, lines lost at its end). As in real files,
+    most instants are whole and on time. Every line that was written keeps its GPU, except where
+    the loss is ambiguous (the next instant's early GPU 0 line takes the lost line's place);
+    every short instant is warned about."""
+    assume(sum(e for e, _ in instants) * 4 <= len(instants))
+    assume(sum(n > 0 for _, n in instants) * 5 <= len(instants))
+    ts, gpu, shorts = [], [], 0
+    for k, (early, lost) in enumerate(instants):
+        nxt_early = k + 1 < len(instants) and instants[k + 1][0]
+        lost = 0 if nxt_early or n_gpus == 1 else min(lost, n_gpus - 1)
+        shorts += lost > 0
+        for g in range(n_gpus - lost):
+            ts.append(1_753_577_230_000 + 100 * k + g - (65 if early and g == 0 and n_gpus > 1 else 0))
+            gpu.append(g)
+    warned = []
+    got = files._positional_index(
+        np.asarray(ts, np.int64), np.zeros(len(ts), bool), lambda *a: warned.append(a)
+    )
+    assert got.tolist() == gpu
+    assert len(warned) == shorts

@@ -36,6 +36,8 @@ TS_RE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d+)?$"
 MAX_POWER_W = 10_000.0
 # Rows of one sampling instant in an index-less CSV are within this of each other.
 INSTANT_TOLERANCE_MS = 50
+# An instant ends where at least this share of the sampling interval passes without a line.
+SPLIT_GAP_SHARE = 0.85
 
 
 @dataclass(slots=True)
@@ -293,31 +295,43 @@ def _positional_index(
     new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
     group_start = np.flatnonzero(new)
     sizes = np.diff(np.append(group_start, rows.size))
-    n_gpus = int(np.bincount(sizes).argmax())
-    pos = np.arange(rows.size) - np.repeat(group_start, sizes)  # position in its time group
-    odd = np.flatnonzero(sizes != n_gpus)
-    j = 0  # the loop visits only irregular groups and the groups that complete their blocks
-    for i in odd.tolist():
-        if i < j:
-            continue
-        carry, j = 0, i
-        while j < sizes.size:
-            size, lo = int(sizes[j]), int(group_start[j])
-            pos[lo : lo + size] = (carry + np.arange(size)) % n_gpus
-            short = size < n_gpus - carry
-            carry = 0 if short else (carry + size) % n_gpus
-            j += 1
-            if short or (j == sizes.size and carry):
-                if warn is not None:
-                    last = rows[lo + size - 1]
-                    warn(
-                        int(line_of_row[last]) if line_of_row is not None else int(last),
-                        f"an instant of {n_gpus} GPUs ends after {(pos[lo + size - 1] + 1)} line(s); "
-                        "lines are numbered in order",
-                    )
-                break
-            if carry == 0:
-                break
+    # An instant ends where most of a sampling interval passes without a line (an early-stamped
+    # GPU 0 line is split from the rest of its instant by 50-80 ms, not by one). N is the usual
+    # number of lines between instant ends (a tie: the larger).
+    gap_after = np.append(t[group_start[1:]] - t[group_start[1:] - 1], np.iinfo(np.int64).max)
+    interval = float(np.median(np.diff(t[group_start]))) if group_start.size > 1 else 0.0
+    ends_instant = gap_after >= SPLIT_GAP_SHARE * interval
+    bounds = np.append(0, (group_start + sizes)[ends_instant])
+    counts = np.bincount(np.diff(bounds))
+    n_gpus = max(int(counts.size - 1 - np.argmax(counts[::-1])), 1)
+    # Count lines on from the last restart (`anchor`); where an instant ends before its block of
+    # N is complete, the block was short and counting restarts after it. That depends only on the
+    # anchor modulo N, so the short blocks of each residue are found once.
+    group_end = group_start + sizes
+    short_by_residue = [np.flatnonzero(((group_end - r) % n_gpus != 0) & ends_instant) for r in range(n_gpus)]
+    anchors = [0]
+    short_groups = []
+    j0 = 0
+    while True:
+        cand = short_by_residue[anchors[-1] % n_gpus]
+        k = int(np.searchsorted(cand, j0))
+        if k == cand.size:
+            break
+        j = int(cand[k])
+        short_groups.append(j)
+        anchors.append(int(group_end[j]))
+        j0 = j + 1
+    line = np.arange(rows.size)
+    anchor_arr = np.asarray(anchors, np.int64)
+    pos = (line - anchor_arr[np.searchsorted(anchor_arr, line, "right") - 1]) % n_gpus
+    ends = [int(group_end[j]) - 1 for j in short_groups]
+    if (rows.size - anchors[-1]) % n_gpus:
+        ends.append(rows.size - 1)  # the file ends inside an instant
+    for last in ends if warn is not None else []:
+        warn(
+            int(line_of_row[rows[last]]) if line_of_row is not None else int(rows[last]),
+            f"an instant of {n_gpus} GPUs ends after {pos[last] + 1} line(s); lines are numbered in order",
+        )
     index[rows] = pos
     return index
 
