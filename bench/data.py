@@ -39,3 +39,24 @@ def ensure() -> tuple[list[Path], Path]:
     csvs = write_nvidia_smi_csv(b.samples(), DATA)
     b.write_events(events)
     return sorted(csvs), events
+
+
+REAL = Path(__file__).parent / ".data" / "real-8x100ms"
+
+
+def ensure_real() -> tuple[list[Path], Path]:
+    """A real-like 100 ms index-less trace of 8 H100-like GPUs, ~3.8 h (about 1.1M CSV rows):
+    early-stamped GPU 0 lines, ramps, noise tails, logger gaps, checkpoint waits (tests/realtrace)."""
+    csv_path, events = REAL / "node0.csv", REAL / "events.jsonl"
+    if csv_path.exists() and events.exists():
+        return [csv_path], events
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from tests.realtrace import Scenario, write_csv, write_events
+
+    REAL.mkdir(parents=True, exist_ok=True)
+    tr = Scenario.h100(seed=100, compute_s=1200.0, checkpoints=10, checkpoint_s=30.0, idle_s=60.0).build()
+    write_csv(tr, csv_path)
+    write_events(tr, events)
+    return [csv_path], events
