@@ -111,43 +111,9 @@ def classify(
     low &= obs
     n_obs = obs.sum(0)
 
-    # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
-    # persisting for two consecutive moments and at least one grid step (REFERENCE R2, R3).
-    n_lowbusy = (low & busy).sum(0)
-    cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
-    if step_ms is not None:
-        cand |= _spinning(low, busy, n_obs, cols, int(ts_ms.min()), cell, step_ms)
-    cand = _bridge(cand, cols)
-    # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
-    starts = cand.copy()
-    starts[1:] &= ~(cand[:-1] & (np.diff(cols) * cell <= grid))
-    run_id = np.cumsum(starts) - 1
-    start_cols = np.flatnonzero(starts)
-    confirmed = cand.copy()
-    if cand.any():
-        in_run = np.flatnonzero(cand)
-        run_len = np.bincount(run_id[in_run], minlength=start_cols.size)
-        run_last = in_run[np.flatnonzero(np.append(run_id[in_run][1:] != run_id[in_run][:-1], True))]
-        span = (cols[run_last] - cols[start_cols] + 1) * cell
-        confirmed[cand] = ((run_len >= 2) & (span >= grid))[run_id[cand]]
-    dead = np.zeros(n_cols, bool)
-    ckpt = np.zeros(n_cols, bool)
-    signatures: list[tuple[int, int, list[int]]] = []
-    if confirmed.any():
-        run_start_ms = int(ts_ms.min()) + cols[start_cols] * cell
-        if callable(checkpoint_allowance_ms):
-            allowance = np.asarray(checkpoint_allowance_ms(run_start_ms), np.int64)
-        else:
-            allowance = np.full(start_cols.size, int(checkpoint_allowance_ms), np.int64)
-        rid = run_id[confirmed]
-        elapsed = (cols[confirmed] - cols[start_cols[rid]]) * cell
-        # Rank 0 writes the checkpoint: at ~0% (one noisy moment does not make it a hang).
-        rank0_zero = _bridge(low[0] & zero[0], cols)[confirmed]
-        is_ckpt = rank0_zero & (elapsed < allowance[rid])
-        idx = np.flatnonzero(confirmed)
-        ckpt[idx[is_ckpt]] = True
-        dead[idx[~is_ckpt]] = True
-        signatures = _signature_runs(low & zero, confirmed, run_id, cols, int(ts_ms.min()), cell)
+    dead, ckpt, n_confirmed, signatures = _signature(
+        low, busy, zero, n_obs, cols, cell, grid, int(ts_ms.min()), step_ms, checkpoint_allowance_ms
+    )
 
     # Starvation: most ranks at mid power and at least one well below ~100% utilization.
     starv = (n_obs >= 2) & ((mid.sum(0) * 2) >= n_obs) & ((mid & ~busy & ~np.isnan(U)).sum(0) >= 1)
@@ -177,9 +143,63 @@ def classify(
         grid_ms=grid,
         interval_ms=int(interval_ms),
         straggler_rank=straggler,
-        signature_moments=int(confirmed.sum()),
+        signature_moments=n_confirmed,
         signatures=signatures,
     )
+
+
+def _signature(
+    low: np.ndarray,
+    busy: np.ndarray,
+    zero: np.ndarray,
+    n_obs: np.ndarray,
+    cols: np.ndarray,
+    cell: int,
+    grid: int,
+    t0: int,
+    step_ms: np.ndarray | None,
+    checkpoint_allowance_ms: Callable[[np.ndarray], np.ndarray] | int,
+) -> tuple[np.ndarray, np.ndarray, int, list[tuple[int, int, list[int]]]]:
+    """The deadlock and checkpoint moments (column masks), how many moments confirmed, and the
+    confirmed runs with their ranks at ~0%."""
+    # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
+    # persisting for two consecutive moments and at least one grid step (REFERENCE R2, R3).
+    n_lowbusy = (low & busy).sum(0)
+    cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
+    if step_ms is not None:
+        cand |= _spinning(low, busy, n_obs, cols, t0, cell, step_ms)
+    cand = _bridge(cand, cols)
+    # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
+    starts = cand.copy()
+    starts[1:] &= ~(cand[:-1] & (np.diff(cols) * cell <= grid))
+    run_id = np.cumsum(starts) - 1
+    start_cols = np.flatnonzero(starts)
+    confirmed = cand.copy()
+    if cand.any():
+        in_run = np.flatnonzero(cand)
+        run_len = np.bincount(run_id[in_run], minlength=start_cols.size)
+        run_last = in_run[np.flatnonzero(np.append(run_id[in_run][1:] != run_id[in_run][:-1], True))]
+        span = (cols[run_last] - cols[start_cols] + 1) * cell
+        confirmed[cand] = ((run_len >= 2) & (span >= grid))[run_id[cand]]
+    dead = np.zeros(cols.size, bool)
+    ckpt = np.zeros(cols.size, bool)
+    signatures: list[tuple[int, int, list[int]]] = []
+    if confirmed.any():
+        run_start_ms = t0 + cols[start_cols] * cell
+        if callable(checkpoint_allowance_ms):
+            allowance = np.asarray(checkpoint_allowance_ms(run_start_ms), np.int64)
+        else:
+            allowance = np.full(start_cols.size, int(checkpoint_allowance_ms), np.int64)
+        rid = run_id[confirmed]
+        elapsed = (cols[confirmed] - cols[start_cols[rid]]) * cell
+        # Rank 0 writes the checkpoint: at ~0% (one noisy moment does not make it a hang).
+        rank0_zero = _bridge(low[0] & zero[0], cols)[confirmed]
+        is_ckpt = rank0_zero & (elapsed < allowance[rid])
+        idx = np.flatnonzero(confirmed)
+        ckpt[idx[is_ckpt]] = True
+        dead[idx[~is_ckpt]] = True
+        signatures = _signature_runs(low & zero, confirmed, run_id, cols, t0, cell)
+    return dead, ckpt, int(confirmed.sum()), signatures
 
 
 def _levels(
