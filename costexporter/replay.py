@@ -398,14 +398,20 @@ def clock_offset_hours(samples_ms: tuple[int, int] | None, events_ms: tuple[int,
     number of hours explains it; None when they overlap well (or either is missing)."""
     if samples_ms is None or events_ms is None:
         return None
-    overlap = min(samples_ms[1], events_ms[1]) - max(samples_ms[0], events_ms[0])
-    shorter = max(min(samples_ms[1] - samples_ms[0], events_ms[1] - events_ms[0]), 1)
-    if overlap / shorter >= MIN_CLOCK_OVERLAP:
+    if _aligned(samples_ms, events_ms):
         return None
     h = round((events_ms[0] - samples_ms[0]) / 3_600_000)
     shifted = (samples_ms[0] + h * 3_600_000, samples_ms[1] + h * 3_600_000)
-    fixed = min(shifted[1], events_ms[1]) - max(shifted[0], events_ms[0])
-    return h if h and fixed / shorter >= MIN_CLOCK_OVERLAP else 0
+    return h if h and _aligned(shifted, events_ms) else 0
+
+
+def _aligned(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two time ranges overlap for at least half of the shorter one; a range shorter
+    than a minute (a job that only registered) need only fall within a minute of the other."""
+    shorter = min(a[1] - a[0], b[1] - b[0])
+    if shorter < 60_000:
+        return min(a[1], b[1]) + 60_000 >= max(a[0], b[0])
+    return min(a[1], b[1]) - max(a[0], b[0]) >= MIN_CLOCK_OVERLAP * shorter
 
 
 def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:

@@ -178,3 +178,12 @@ def test_a_single_gpu_spinning_at_idle_power_without_steps_is_a_deadlock():
     b.stretch("deadlock", 600, step_s=2)
     [job], _ = book_trace(b.samples(), b.events, ReplayConfig())
     assert job_report(job, ReplayConfig())["band_gpu_hours"]["deadlock"] == 0
+
+
+def test_a_job_that_only_registered_is_not_a_clock_problem():
+    from costexporter.replay import clock_offset_hours
+
+    assert clock_offset_hours((1_000_000, 5_000_000), (1_000_000, 1_000_000)) is None
+    assert clock_offset_hours((1_000_000, 2_000_000), (4_600_000, 4_600_000)) == 1
+    # Both long: a 30 % overlap is not enough, and no whole hour explains a 20-minute shift.
+    assert clock_offset_hours((0, 3_600_000), (2_520_000, 6_120_000)) == 0
