@@ -402,16 +402,20 @@ def clock_offset_hours(samples_ms: tuple[int, int] | None, events_ms: tuple[int,
         return None
     h = round((events_ms[0] - samples_ms[0]) / 3_600_000)
     shifted = (samples_ms[0] + h * 3_600_000, samples_ms[1] + h * 3_600_000)
-    return h if h and _aligned(shifted, events_ms) else 0
+    return h if h and _aligned(shifted, events_ms, GOOD_CLOCK_OVERLAP) else 0
 
 
-def _aligned(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """Whether two time ranges overlap for at least half of the shorter one; a range shorter
+# A whole-hour shift is named only when it lines the two up this well.
+GOOD_CLOCK_OVERLAP = 0.9
+
+
+def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OVERLAP) -> bool:
+    """Whether two time ranges overlap for at least `share` of the shorter one; a range shorter
     than a minute (a job that only registered) need only fall within a minute of the other."""
     shorter = min(a[1] - a[0], b[1] - b[0])
     if shorter < 60_000:
         return min(a[1], b[1]) + 60_000 >= max(a[0], b[0])
-    return min(a[1], b[1]) - max(a[0], b[0]) >= MIN_CLOCK_OVERLAP * shorter
+    return min(a[1], b[1]) - max(a[0], b[0]) >= share * shorter
 
 
 def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
