@@ -760,5 +760,7 @@ def job_bands(
         gap_intervals=cfg.gap_intervals,
         checkpoint_allowance_ms=lambda t: timeline.allowances.at("checkpoint", t),
         interval_ms=interval_ms,
-        step_ms=np.asarray([s.ts_ms for s in timeline.steps], np.int64),
+        # Only a job that posts steps can show "no step": a stepless job (a pod without a
+        # trainer) or a bare trace never gets the spin signature.
+        step_ms=np.asarray([s.ts_ms for s in timeline.steps], np.int64) if timeline.steps else None,
     )
