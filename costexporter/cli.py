@@ -67,6 +67,11 @@ def main() -> None:
     """Cost per valid step and wasted GPU-hours for distributed training jobs."""
 
 
+def _safe_url(url: str) -> str:
+    """A Redis URL fit for a message: the password replaced by ***."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
 def _tz(_ctx, _param, value: str) -> str:
     if re.fullmatch(r"[+-]\d{2}:\d{2}", value) or value.upper() in ("UTC", "Z"):
         return value
@@ -1080,8 +1085,10 @@ def watch(
     watcher = Watcher(cfg)
     if once:
         decided = watcher.poll()
-        click.echo(json.dumps({j: st.to_dict() for j, st in decided.items()}, indent=2))
         watcher.stop()
+        if not watcher.redis_up:
+            raise InputFailure(f"Redis at {_safe_url(redis_url)} is unreachable: no job can be judged")
+        click.echo(json.dumps({j: st.to_dict() for j, st in decided.items()}, indent=2))
         return
     if port:
         from prometheus_client import start_http_server

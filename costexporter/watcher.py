@@ -34,6 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -50,6 +51,19 @@ log = logging.getLogger("costexporter.watcher")
 STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
 ALERTING = {"crashed", "hung", "starving", "unknown"}
 LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
+# Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's).
+WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
+BOOKING_THRESHOLDS = (
+    "stall_floor_s",
+    "stall_k",
+    "checkpoint_allowance_s",
+    "eval_allowance_s",
+    "startup_allowance_s",
+    "phase_allowance_s",
+)
+JOB_THRESHOLDS = WATCH_THRESHOLDS + BOOKING_THRESHOLDS
+NO_AGENT_DATA = "no agent data: cannot name a rank"
+MAX_RANK = 1 << 20  # a ranks entry beyond this is not a rank of any real job
 
 
 @dataclass
@@ -61,6 +75,9 @@ class WatchConfig:
     # No event (heartbeats included; the reporter sends one every 10 s) for this long: the
     # rank's process is gone.
     heartbeat_timeout_s: float = 60.0
+    # The trainers' heartbeat: a rank is named as the one that died first only when its silence
+    # started more than two of these before the others' (else they stopped together).
+    heartbeat_interval_s: float = 10.0
     status_ttl_s: float | None = None  # default max(60 s, 6 polls)
     forget_after_s: float = 86_400.0  # jobs not seen for this long are no longer watched
     jobs: tuple[str, ...] = ()  # watch only these (default: every job in `<p>:jobs`)
@@ -95,6 +112,7 @@ class _Rank:
     last_step: int | None = None
     open_phases: dict[str, float] = field(default_factory=dict)
     ended: bool = False  # its latest run event is `end`
+    session: str | None = None  # the rank's newest process
 
 
 @dataclass
@@ -113,6 +131,12 @@ class JobView:
         for ev in events:
             r = self.ranks.setdefault(ev.rank, _Rank())
             r.last_seen = max(r.last_seen, ev.ts)
+            if ev.session and ev.session != r.session:
+                # A new process of the rank: what its older process had open died with it.
+                if r.session is not None:
+                    r.open_phases.clear()
+                    r.ended = False
+                r.session = ev.session
             if ev.type == "step":
                 r.last_step = int(ev.get("step"))  # type: ignore[arg-type]
             elif ev.type == "phase":
@@ -125,10 +149,33 @@ class JobView:
                 r.ended = ev.get("state") == "end"
                 if not r.ended:
                     r.open_phases.clear()  # a new process starts outside every phase
+                if ev.rank == 0 and ev.get("state") in ("start", "resume"):
+                    # Rank 0 (re)starting the run ends every rank's phases from before it.
+                    for other in self.ranks.values():
+                        other.open_phases = {n: t for n, t in other.open_phases.items() if t > ev.ts}
             elif ev.type == "register":
                 self.registrations.setdefault(ev.rank, dict(ev.fields))
             elif ev.type == "meta":
                 self.meta.update(ev.fields)
+
+    def config(self, cfg: WatchConfig) -> WatchConfig:
+        """`cfg` with the job's own thresholds from its meta (`heartbeat_timeout_s`,
+        `stall_floor_s`, `stall_k`, `checkpoint_allowance_s`, ...): a job of 5-minute steps
+        needs other thresholds than one of 5-second steps. Unusable values are ignored."""
+        watch_kw, booking_kw = {}, {}
+        for key, value in self.meta.items():
+            if key not in JOB_THRESHOLDS:
+                continue
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                continue
+            if not (v == v and 0 < v < 1e9):
+                continue
+            (watch_kw if key in WATCH_THRESHOLDS else booking_kw)[key] = v
+        if not watch_kw and not booking_kw:
+            return cfg
+        return dataclasses.replace(cfg, booking=dataclasses.replace(cfg.booking, **booking_kw), **watch_kw)
 
     def where(self, rank: int) -> dict:
         reg = self.registrations.get(rank, {})
@@ -145,6 +192,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
 
     if not view.events:
         return status("unknown", "no events from the job yet")
+    cfg = view.config(cfg)
     start_ms = int(min(e.ts for e in view.events) * 1000)
     if view.registrations:
         start_ms = min(
@@ -167,12 +215,12 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     running = [r for r in members if not view.ranks.get(r, _Rank()).ended]
     silent = [r for r in running if now - view.ranks.get(r, _Rank()).last_seen > cfg.heartbeat_timeout_s]
     if running and silent:
-        who = "every rank" if len(silent) == len(running) else f"rank {silent[0]}"
+        who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
         quiet = now - max(view.ranks.get(r, _Rank()).last_seen for r in silent)
         return status(
             "crashed",
             f"no heartbeat from {who} for {quiet:.0f}s and no run end",
-            {**view.where(silent[0]), "why": "heartbeats gone"},
+            _first_silent(view, running, silent, cfg.heartbeat_interval_s),
             **progress,
         )
 
@@ -195,7 +243,8 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
         else:
             since = last.ts_ms / 1000 if last else start_ms / 1000
             reason = f"no step for {now - since:.0f}s (stall threshold {tl.stall_threshold_ms / 1000:.0f}s)"
-        return status("hung", reason, _divergent(view, running), **progress)
+        suspect = _divergent(view, running) or _zero_util_rank(view, cfg)
+        return status("hung", reason, suspect, **progress)
     if live is not None and live["straggler"] is not None:
         r = live["straggler"]
         return status(
@@ -215,6 +264,45 @@ def _phase_overrun(view: JobView, tl, now: float) -> tuple[str, int, float, floa
             if now - begin > allow:
                 return name, rank, now - begin, allow
     return None
+
+
+def _first_silent(view: JobView, running: list[int], silent: list[int], interval_s: float) -> dict:
+    """The rank whose silence started measurably first (more than two heartbeat intervals
+    before any other rank's), else none: when torchrun's survivors are SIGTERMed within
+    milliseconds of a kill -9, the first to stop cannot be told from its heartbeats."""
+    seen = sorted((view.ranks.get(r, _Rank()).last_seen, r) for r in running)
+    first_ts, first = seen[0]
+    if first in silent and (len(seen) == 1 or seen[1][0] - first_ts > 2 * interval_s):
+        return {**view.where(first), "why": "heartbeats gone first"}
+    together = "all ranks" if len(silent) == len(running) else f"ranks {sorted(silent)}"
+    return {"rank": None, "host": None, "gpu": None, "why": f"{together} stopped together"}
+
+
+def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
+    """A hang whose events do not diverge (a DDP hang keeps the ranks in lockstep, and the hung
+    rank's reporter thread keeps heartbeating): the agents' live state names the rank at 0%
+    while the others spin. Without agent data no rank can be named."""
+    if not view.live:
+        return {"rank": None, "host": None, "gpu": None, "why": NO_AGENT_DATA}
+    newest: dict[int, tuple[int, float]] = {}
+    for snap in view.live:
+        for rank, ts, _power, util in snap:
+            if rank not in newest or ts >= newest[rank][0]:
+                newest[rank] = (ts, util)
+    profile = _profile(view, cfg)
+    zero = [r for r, (_, u) in newest.items() if u <= profile.zero_util_pct]
+    busy = [r for r, (_, u) in newest.items() if u >= profile.busy_util_pct]
+    if len(zero) == 1 and len(busy) * 2 >= len(newest):
+        return {**view.where(zero[0]), "why": "0% utilization while the other ranks spin"}
+    return {"rank": None, "host": None, "gpu": None, "why": "the agents' live state names no single rank at 0%"}
+
+
+def _profile(view: JobView, cfg: WatchConfig) -> Profile:
+    model = view.meta.get("gpu_model")
+    try:
+        return cfg.profile or profiles.select(str(model) if model else None, None)
+    except profiles.ProfileError:
+        return profiles.B300
 
 
 def _divergent(view: JobView, running: list[int]) -> dict | None:
@@ -254,11 +342,7 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
     if np.unique(ts).size < 2:
         return None
     n_ranks = int(max(rank.max(), max(view.registrations, default=0))) + 1
-    model = view.meta.get("gpu_model")
-    try:
-        profile = cfg.profile or profiles.select(str(model) if model else None, None)
-    except profiles.ProfileError:
-        profile = profiles.B300
+    profile = _profile(view, cfg)
     res = bands_mod.classify(
         rank,
         ts,
@@ -402,6 +486,23 @@ class Webhook:
 
 
 # ---- the polling loop --------------------------------------------------------------------
+def _registration(rank: str | bytes, raw: str | bytes) -> tuple[int, dict] | None:
+    """A ranks-hash entry as (rank, registration), or None when it is not a JSON object with a
+    usable rank and timestamp (the hash is writable by every trainer)."""
+    try:
+        r, entry = int(rank), json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(entry, dict) or not 0 <= r < MAX_RANK:
+        return None
+    try:
+        if "ts" in entry:
+            entry["ts"] = float(entry["ts"])
+    except (TypeError, ValueError):
+        return None
+    return r, entry
+
+
 class Watcher:
     def __init__(self, cfg: WatchConfig) -> None:
         import redis
@@ -412,6 +513,7 @@ class Watcher:
         self.views: dict[str, JobView] = {}
         self.readers: dict[str, EventReader] = {}
         self.status: dict[str, Status] = {}
+        self.bad_jobs: dict[str, str] = {}  # job -> why it is skipped (logged once)
         self.redis_up = False
         self.stats: collections.Counter[str] = collections.Counter()
         self.webhook = (
@@ -462,26 +564,42 @@ class Watcher:
         )
         decided: dict[str, Status] = {}
         for job in jobs:
-            view = self.views.setdefault(job, JobView(job))
-            first = job not in self.readers
-            if first:
-                self.readers[job] = EventReader(self.redis, job, cfg.prefix)
-            view.fold(self.readers[job].read_all())
-            if first:
-                # Registrations arrive as `register` events; the hash keeps them once their
-                # events are trimmed away, so it is read once, when the job is first seen.
-                for rank, raw in self.redis.hgetall(protocol.ranks_key(cfg.prefix, job)).items():
-                    try:
-                        view.registrations.setdefault(int(rank), json.loads(raw))
-                    except (ValueError, TypeError):
-                        self.stats["bad_registrations"] += 1
-            self._read_live(view)
-            decided[job] = decide(view, now, cfg, self.status.get(job))
+            if job in self.bad_jobs:
+                continue
+            try:
+                decided[job] = self._judge(job, now)
+            except self._errors:
+                raise  # Redis itself: every job is unknown (poll())
+            except Exception as e:  # one poisoned job must not stop the others
+                self.bad_jobs[job] = f"{type(e).__name__}: {e}"
+                self.stats["bad_jobs"] += 1
+                self.views.pop(job, None)
+                self.readers.pop(job, None)
+                log.warning("job %r skipped: %s", job, self.bad_jobs[job])
         pipe = self.redis.pipeline(transaction=False)
         for job, st in decided.items():
             pipe.set(ledger.key(cfg.prefix, job, "status"), json.dumps(st.to_dict()), ex=self.ttl)
         pipe.execute()
         return decided
+
+    def _judge(self, job: str, now: float) -> Status:
+        cfg = self.cfg
+        first = job not in self.readers
+        if first:
+            self.readers[job] = EventReader(self.redis, job, cfg.prefix)  # checks the name
+        view = self.views.setdefault(job, JobView(job))
+        view.fold(self.readers[job].read_all())
+        if first:
+            # Registrations arrive as `register` events; the hash keeps them once their
+            # events are trimmed away, so it is read once, when the job is first seen.
+            for rank, raw in self.redis.hgetall(protocol.ranks_key(cfg.prefix, job)).items():
+                entry = _registration(rank, raw)
+                if entry is None:
+                    self.stats["bad_registrations"] += 1
+                    continue
+                view.registrations.setdefault(*entry)
+        self._read_live(view)
+        return decide(view, now, cfg, self.status.get(job))
 
     def _read_live(self, view: JobView) -> None:
         hosts = sorted({str(r.get("host")) for r in view.registrations.values() if r.get("host")})

@@ -3,6 +3,7 @@ metrics, notified to a webhook; end to end with a real 4-rank gloo job that dead
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
 from costexporter.api.store import LedgerStore
@@ -385,3 +388,99 @@ def test_sim_clock_is_published_for_watchers_of_a_time_compressed_job(prefix):
         assert clock() - c1 > 20  # 0.5 s of wall time is ~50 s of the story's
     finally:
         src.close()
+
+
+# ---- issue 17: phases closed by restarts, the right suspect, per-job thresholds ------------------
+def sess(type_: str, ts: float, rank: int, session: str, **fields) -> Event:
+    return Event(type_, "j", T0 + ts, rank, session, int(ts * 1000), fields)
+
+
+def test_a_new_session_of_a_rank_closes_its_old_sessions_phases():
+    # R1: rank 3 entered the checkpoint and hung; the watchdog killed the job; every rank restarts
+    # with a new session (torchrun) and the job trains again, without a run event: not hung.
+    evs = [*registered(), *steps(1, 20), ev("phase", 101, 3, name="checkpoint", state="begin")]
+    evs += beats(2000, ranks=(0, 1, 2, 3))
+    assert decide(view(evs), T0 + 101 + 16 * 60, CFG).state == "hung"
+    t = 101 + 20 * 60
+    evs += [sess("register", t, r, f"new{r}", host=f"h{r // 2}", gpu=r % 2) for r in range(4)]
+    evs += [sess("step", t + 5 * k, r, f"new{r}", step=20 + k) for k in range(1, 10) for r in range(4)]
+    evs += [sess("heartbeat", t + 10 * k, r, f"new{r}") for k in range(6) for r in range(4)]
+    st = decide(view(evs), T0 + t + 50, CFG)
+    assert st.state == "running", st
+
+
+def test_rank_0_run_start_or_resume_closes_every_ranks_older_phases():
+    # Only rank 0 posts the resume (a launcher that does not restart the other processes).
+    for state in ("start", "resume"):
+        evs = [*registered(), *steps(1, 20), ev("phase", 101, 3, name="checkpoint", state="begin")]
+        evs += beats(3000)
+        t = 101 + 20 * 60
+        evs += [ev("run", t, 0, state=state, step=10), *steps(11, 30, t0=t)]
+        st = decide(view(evs), T0 + t + 101, CFG)
+        assert st.state == "running", (state, st)
+        # A phase rank 3 begins after the resume stays open.
+        v = view([*evs, ev("phase", t + 102, 3, name="checkpoint", state="begin")])
+        assert v.ranks[3].open_phases == {"checkpoint": T0 + t + 102}
+
+
+@given(
+    offsets=st.lists(st.floats(0, 100), min_size=2, max_size=8),
+    interval=st.sampled_from([0.5, 10.0]),
+)
+def test_a_rank_is_blamed_only_when_its_silence_started_measurably_first(offsets, interval):
+    """Every rank stops at 100 s + offset; the watcher names the first only when it stopped more
+    than two heartbeat intervals before every other rank, else says they stopped together."""
+    n = len(offsets)
+    evs = [ev("register", 0, r, host="h", gpu=r, world_size=n) for r in range(n)]
+    evs += [ev("heartbeat", 100 + off, r) for r, off in enumerate(offsets)]
+    cfg = dataclasses.replace(CFG, heartbeat_interval_s=interval)
+    st = decide(view(evs), T0 + 1000, cfg)
+    assert st.state == "crashed" and "every rank" in st.reason
+    order = sorted(range(n), key=lambda r: offsets[r])
+    first, second = order[0], order[1]
+    if offsets[second] - offsets[first] > 2 * interval:
+        assert st.suspect["rank"] == first and "first" in st.suspect["why"]
+    else:
+        assert st.suspect["rank"] is None and st.suspect["why"] == "all ranks stopped together"
+
+
+def test_kill_9_with_torchrun_sigterming_the_rest_within_20_ms_names_no_rank():
+    evs = [*registered(), *steps(1, 12), *beats(60)]
+    evs += [ev("heartbeat", 61.0 + 0.005 * r, r) for r in range(4)]  # the last beats, 5 ms apart
+    st = decide(view(evs), T0 + 300, CFG)
+    assert st.state == "crashed" and st.suspect["rank"] is None
+    assert st.suspect["why"] == "all ranks stopped together"
+
+
+def test_a_ddp_hang_in_lockstep_is_named_from_the_agents_live_state_or_not_at_all():
+    # Every rank stepped to 20 and heartbeats on (the reporter thread lives): events cannot tell.
+    v = view([*registered(), *steps(1, 20), *beats(400)])
+    st = decide(v, T0 + 200, CFG)
+    assert st.state == "hung" and st.suspect == {
+        "rank": None,
+        "host": None,
+        "gpu": None,
+        "why": "no agent data: cannot name a rank",
+    }
+    # With the agents' live state (not yet two samples of a deadlock signature: mid power), the
+    # rank at 0% while the others spin is named.
+    live(v, 199, {0: 100.0, 1: 0.0, 2: 100.0, 3: 100.0}, 640.0)
+    st = decide(v, T0 + 200, CFG)
+    assert st.state == "hung" and st.suspect["rank"] == 1 and st.suspect["host"] == "h0"
+    assert "0% utilization" in st.suspect["why"]
+
+
+def test_a_job_sets_its_own_thresholds_in_meta():
+    # A 5-minute-step job: 60 s without a step is normal for it.
+    slow = [*registered(), *steps(1, 4, every=300.0), *beats(1500)]
+    assert decide(view(slow), T0 + 1200 + 200, CFG).state == "hung"  # the default 60 s floor
+    meta = ev("meta", 0, 0, stall_floor_s=1800, heartbeat_timeout_s=900)
+    st = decide(view([meta, *slow]), T0 + 1200 + 200, CFG)
+    assert st.state == "running" and st.stall_threshold_s == 1800
+    # Its heartbeat timeout too: silent for 300 s is not crashed with a 900 s timeout.
+    quiet = [meta, *registered(), *steps(1, 4, every=300.0), *beats(1200)]
+    assert decide(view(quiet), T0 + 1500, CFG).state != "crashed"
+    assert decide(view(quiet[1:]), T0 + 1500, CFG).state == "crashed"
+    # Unusable values are ignored, not fatal.
+    bad = ev("meta", 0, 0, stall_floor_s="soon", heartbeat_timeout_s=-1)
+    assert decide(view([bad, *slow]), T0 + 1400, CFG).stall_threshold_s == 60

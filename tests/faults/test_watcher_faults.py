@@ -1,0 +1,104 @@
+"""Issue 13 item 12: one poisoned job must not stop the watcher. A job name with a space in the
+jobs set (the trainer ACL allows that ZADD) or a ranks entry that is a JSON list is skipped and
+counted; the healthy jobs next to it are still judged, by the real `costexporter watch`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costexporter import protocol
+from costexporter.client import StepReporter
+from costexporter.watcher import WatchConfig, Watcher
+
+from ..conftest import SHARED_URL
+
+POISON_RANKS = ["[1, 2]", "3", '"gpu"', "null", '{"ts": null}', '{"host": ["a"], "ts": "x"}', "{", ""]
+
+
+def _healthy(prefix: str, job: str, spool) -> None:
+    rep = StepReporter(job, SHARED_URL, prefix=prefix, rank=0, world_size=1, host="h0", spool_dir=str(spool))
+    rep.step(1)
+    rep.step(2)
+    rep.close()
+
+
+def _poison(r: redis.Redis, prefix: str) -> None:
+    now = time.time()
+    r.zadd(protocol.jobs_key(prefix), {"bad name": now, "br{ace": now, "listed": now, "": now})
+    # A job whose ranks hash holds a JSON list and other non-objects, next to its real events.
+    r.hset(protocol.ranks_key(prefix, "listed"), mapping={"0": "[1, 2]", "1": "7", "x": "{}"})
+    r.xadd(protocol.stream_key(prefix, "listed"), {"v": "1", "type": "heartbeat", "job": "listed",
+                                                   "ts": str(now), "rank": "0", "session": "s", "seq": "0"})
+
+
+def test_watch_once_skips_and_counts_poisoned_jobs_and_judges_the_healthy_one(prefix, tmp_path, cli, shared):
+    _healthy(prefix, f"{prefix}-ok", tmp_path)
+    _poison(shared, prefix)
+    r = cli("watch", "--prefix", prefix, "--once", "--port", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out[f"{prefix}-ok"]["state"] == "done"
+    assert "bad name" not in out and "br{ace" not in out
+    assert "Traceback" not in r.stderr
+    # Visible: each skipped job is logged once with the reason.
+    assert "'bad name'" in r.stderr and "skipped" in r.stderr
+
+
+def test_a_poisoned_job_is_skipped_every_poll_and_counted_once(prefix, tmp_path, shared):
+    _healthy(prefix, f"{prefix}-ok", tmp_path)
+    _poison(shared, prefix)
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
+    try:
+        for _ in range(3):
+            decided = w.poll()
+            assert decided[f"{prefix}-ok"].state == "done"
+            assert w.redis_up
+        assert "bad name" not in decided
+        # The list-valued ranks entries are dropped; the job itself is still judged from its events.
+        assert decided["listed"].state in {"running", "unknown", "crashed", "hung"}
+        assert w.stats["bad_jobs"] == 3  # "bad name", "br{ace", "" (counted once per job, not per poll)
+        assert w.stats["bad_registrations"] >= 2
+    finally:
+        w.stop()
+
+
+@settings(max_examples=30, deadline=None)
+@given(raw=st.one_of(st.sampled_from(POISON_RANKS), st.text(max_size=20)), rank=st.text(max_size=5))
+def test_any_ranks_entry_never_stops_the_watcher(raw, rank):
+    import uuid
+
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    r = redis.Redis.from_url(SHARED_URL)
+    try:
+        now = time.time()
+        r.zadd(protocol.jobs_key(prefix), {"j": now})
+        r.hset(protocol.ranks_key(prefix, "j"), mapping={rank or "0": raw})
+        r.xadd(protocol.stream_key(prefix, "j"), {"v": "1", "type": "heartbeat", "job": "j",
+                                                  "ts": str(now), "rank": "0", "session": "s", "seq": "0"})
+        w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
+        try:
+            decided = w.poll()
+            assert w.redis_up and "j" in decided
+        finally:
+            w.stop()
+    finally:
+        keys = list(r.scan_iter(f"{prefix}:*"))
+        if keys:
+            r.delete(*keys)
+
+
+def test_watch_once_exits_2_when_redis_is_unreachable(cli):
+    from ..redis_server import free_port
+
+    r = cli("watch", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--once", "--port", "0")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "Redis" in r.stderr
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
