@@ -24,6 +24,7 @@ optional webhook as Alertmanager-style payloads, with retries, off the polling t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -34,7 +35,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -275,7 +275,12 @@ def _first_silent(view: JobView, running: list[int], silent: list[int], interval
     if first in silent and (len(seen) == 1 or seen[1][0] - first_ts > 2 * interval_s):
         return {**view.where(first), "why": "heartbeats gone first"}
     together = "all ranks" if len(silent) == len(running) else f"ranks {sorted(silent)}"
-    return {"rank": None, "host": None, "gpu": None, "why": f"{together} stopped together"}
+    return _unnamed(f"{together} stopped together")
+
+
+def _unnamed(why: str) -> dict:
+    """A suspect without a rank: why none can be named."""
+    return {"rank": None, "host": None, "gpu": None, "why": why}
 
 
 def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
@@ -283,7 +288,7 @@ def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
     rank's reporter thread keeps heartbeating): the agents' live state names the rank at 0%
     while the others spin. Without agent data no rank can be named."""
     if not view.live:
-        return {"rank": None, "host": None, "gpu": None, "why": NO_AGENT_DATA}
+        return _unnamed(NO_AGENT_DATA)
     newest: dict[int, tuple[int, float]] = {}
     for snap in view.live:
         for rank, ts, _power, util in snap:
@@ -294,7 +299,7 @@ def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
     busy = [r for r, (_, u) in newest.items() if u >= profile.busy_util_pct]
     if len(zero) == 1 and len(busy) * 2 >= len(newest):
         return {**view.where(zero[0]), "why": "0% utilization while the other ranks spin"}
-    return {"rank": None, "host": None, "gpu": None, "why": "the agents' live state names no single rank at 0%"}
+    return _unnamed("the agents' live state names no single rank at 0%")
 
 
 def _profile(view: JobView, cfg: WatchConfig) -> Profile:
@@ -570,7 +575,9 @@ class Watcher:
                 decided[job] = self._judge(job, now)
             except self._errors:
                 raise  # Redis itself: every job is unknown (poll())
-            except Exception as e:  # one poisoned job must not stop the others
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as e:
+                # One poisoned job (a bad name, stored values of the wrong type) must not stop
+                # the others.
                 self.bad_jobs[job] = f"{type(e).__name__}: {e}"
                 self.stats["bad_jobs"] += 1
                 self.views.pop(job, None)

@@ -33,8 +33,18 @@ def _poison(r: redis.Redis, prefix: str) -> None:
     r.zadd(protocol.jobs_key(prefix), {"bad name": now, "br{ace": now, "listed": now, "": now})
     # A job whose ranks hash holds a JSON list and other non-objects, next to its real events.
     r.hset(protocol.ranks_key(prefix, "listed"), mapping={"0": "[1, 2]", "1": "7", "x": "{}"})
-    r.xadd(protocol.stream_key(prefix, "listed"), {"v": "1", "type": "heartbeat", "job": "listed",
-                                                   "ts": str(now), "rank": "0", "session": "s", "seq": "0"})
+    r.xadd(
+        protocol.stream_key(prefix, "listed"),
+        {
+            "v": "1",
+            "type": "heartbeat",
+            "job": "listed",
+            "ts": str(now),
+            "rank": "0",
+            "session": "s",
+            "seq": "0",
+        },
+    )
 
 
 def test_watch_once_skips_and_counts_poisoned_jobs_and_judges_the_healthy_one(prefix, tmp_path, cli, shared):
@@ -79,8 +89,18 @@ def test_any_ranks_entry_never_stops_the_watcher(raw, rank):
         now = time.time()
         r.zadd(protocol.jobs_key(prefix), {"j": now})
         r.hset(protocol.ranks_key(prefix, "j"), mapping={rank or "0": raw})
-        r.xadd(protocol.stream_key(prefix, "j"), {"v": "1", "type": "heartbeat", "job": "j",
-                                                  "ts": str(now), "rank": "0", "session": "s", "seq": "0"})
+        r.xadd(
+            protocol.stream_key(prefix, "j"),
+            {
+                "v": "1",
+                "type": "heartbeat",
+                "job": "j",
+                "ts": str(now),
+                "rank": "0",
+                "session": "s",
+                "seq": "0",
+            },
+        )
         w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
         try:
             decided = w.poll()
