@@ -1024,7 +1024,20 @@ DEFAULT_WATCH_PORT = 9404
 )
 @click.option("--status-ttl", type=click.FloatRange(min=1), default=None, help="TTL of the status keys.")
 @click.option("--webhook-url", envvar="COSTEXPORTER_WEBHOOK_URL", default=None, help="POST transitions here.")
-@click.option("--webhook-retries", type=click.IntRange(min=0), default=5)
+@click.option("--webhook-retries", type=click.IntRange(min=0), default=5, help="Retries of a failed POST.")
+@click.option(
+    "--alertmanager-url",
+    envvar="COSTEXPORTER_ALERTMANAGER_URL",
+    default=None,
+    help="Alertmanager base URL (http://alertmanager:9093): crashed/hung/starving/unknown are posted "
+    "to its /api/v2/alerts and resolved when they end.",
+)
+@click.option(
+    "--alertmanager-resend",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    help="Seconds between re-posts of a firing alert (its endsAt lies 4 re-posts ahead).",
+)
 @click.option("--listen", default="0.0.0.0", help="Address of the /metrics server.")
 @click.option("--port", type=int, default=DEFAULT_WATCH_PORT, help="Port of the /metrics server (0: none).")
 @click.option("--gpu-model", default=None, help="GPU model of the live signature [default: the job's meta].")
@@ -1045,6 +1058,8 @@ def watch(
     status_ttl,
     webhook_url,
     webhook_retries,
+    alertmanager_url,
+    alertmanager_resend,
     listen,
     port,
     gpu_model,
@@ -1076,6 +1091,8 @@ def watch(
         jobs=tuple(jobs),
         webhook_url=webhook_url,
         webhook_retries=webhook_retries,
+        alertmanager_url=alertmanager_url,
+        alertmanager_resend_s=alertmanager_resend,
         profile=profile,
     )
     if sim_clock:

@@ -18,7 +18,8 @@ It names a suspect: the rank (host, GPU) at 0% in the signature, else the rank w
 diverge from the others' (the one rank inside a phase, or that ended, or whose last step
 differs). Each job's status is written to `<p>:{job}:status` with a TTL, so a watcher that
 stops leaves `unknown` behind rather than a stale `running`. Transitions are POSTed to an
-optional webhook as Alertmanager-style payloads, with retries, off the polling thread.
+optional webhook as Alertmanager-style payloads, with retries, off the polling thread; the
+alerting states can also go to Alertmanager's own API (costexporter/alertmanager.py).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class WatchConfig:
     webhook_retries: int = 5
     webhook_timeout_s: float = 5.0
     webhook_backoff_s: float = 0.5
+    # Alertmanager's base URL: the alerting states are posted to its /api/v2/alerts, resent
+    # every alertmanager_resend_s while they last, resolved when they end.
+    alertmanager_url: str | None = None
+    alertmanager_resend_s: float = 60.0
     profile: Profile | None = None
     watcher_id: str = "watcher"
     clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
@@ -526,6 +531,17 @@ class Watcher:
             if cfg.webhook_url
             else None
         )
+        self.alertmanager = None
+        if cfg.alertmanager_url:
+            from .alertmanager import Alertmanager
+
+            self.alertmanager = Alertmanager(
+                cfg.alertmanager_url,
+                resend_s=cfg.alertmanager_resend_s,
+                retries=cfg.webhook_retries,
+                timeout_s=cfg.webhook_timeout_s,
+                backoff_s=cfg.webhook_backoff_s,
+            )
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self.ttl = int(cfg.status_ttl_s or max(60.0, 6 * cfg.poll_s))
@@ -537,8 +553,9 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
-        if self.webhook:
-            self.webhook.stop()
+        for sender in (self.webhook, self.alertmanager):
+            if sender is not None:
+                sender.stop()
 
     def poll(self) -> dict[str, Status]:
         """One round: read every watched job, decide, write the statuses, notify transitions."""
@@ -629,6 +646,8 @@ class Watcher:
             view.live.append(tuple(snap))
 
     def _transitions(self, decided: dict[str, Status], now: float) -> None:
+        if self.alertmanager is not None:
+            self.alertmanager.update(decided)
         with self.lock:
             for job, st in decided.items():
                 old = self.status.get(job)
@@ -646,5 +665,6 @@ class Watcher:
                 "redis_up": self.redis_up,
                 "stats": dict(self.stats),
                 "webhook": dict(self.webhook.stats) if self.webhook else {},
+                "alertmanager": dict(self.alertmanager.stats) if self.alertmanager else {},
                 "now": self.cfg.clock(),
             }

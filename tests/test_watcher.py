@@ -7,12 +7,14 @@ import dataclasses
 import http.server
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 import typing
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -484,3 +486,154 @@ def test_a_job_sets_its_own_thresholds_in_meta():
     # Unusable values are ignored, not fatal.
     bad = ev("meta", 0, 0, stall_floor_s="soon", heartbeat_timeout_s=-1)
     assert decide(view([bad, *slow]), T0 + 1400, CFG).stall_threshold_s == 60
+
+
+# ---- Alertmanager's own API (issue 18 item 6), against Debian's prometheus-alertmanager ----------
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+
+
+class _AMReceiver(http.server.BaseHTTPRequestHandler):
+    received: typing.ClassVar[list] = []
+
+    def do_POST(self):
+        type(self).received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def alertmanager(tmp_path):
+    """A real Alertmanager on free ports, routing everything to a local webhook receiver."""
+    if ALERTMANAGER is None:
+        pytest.skip("prometheus-alertmanager not installed (.ci/run installs it)")
+    recv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AMReceiver)
+    threading.Thread(target=recv.serve_forever, daemon=True).start()
+    _AMReceiver.received = []
+    port = free_port()
+    cfg = tmp_path / "alertmanager.yml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "route": {
+                    "receiver": "hook",
+                    "group_by": ["training_job", "alertname"],
+                    "group_wait": "0s",
+                    "group_interval": "1s",
+                    "repeat_interval": "1h",
+                },
+                "receivers": [
+                    {
+                        "name": "hook",
+                        "webhook_configs": [
+                            {"url": f"http://127.0.0.1:{recv.server_address[1]}/", "send_resolved": True}
+                        ],
+                    }
+                ],
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [
+            ALERTMANAGER,
+            f"--config.file={cfg}",
+            f"--storage.path={tmp_path / 'am'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/-/ready", timeout=1) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError("alertmanager did not start: " + (proc.communicate()[0] or "")) from None
+            time.sleep(0.1)
+    yield base
+    proc.terminate()
+    proc.wait(10)
+    recv.shutdown()
+
+
+def _am_alerts(base: str) -> list[dict]:
+    with urllib.request.urlopen(f"{base}/api/v2/alerts", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_watch_posts_to_a_real_alertmanager_and_resolves(prefix, tmp_path, alertmanager):
+    job = f"{prefix}-am"
+    clock = [time.time()]
+    rep = StepReporter(
+        job,
+        SHARED_URL,
+        prefix=prefix,
+        rank=0,
+        world_size=1,
+        host="h0",
+        heartbeat_s=0.2,
+        spool_dir=str(tmp_path),
+        clock=lambda: clock[0],
+    )
+    w = Watcher(
+        WatchConfig(
+            redis_url=SHARED_URL,
+            prefix=prefix,
+            booking=BookingConfig(stall_floor_s=5.0),
+            heartbeat_timeout_s=30.0,
+            alertmanager_url=alertmanager,
+            alertmanager_resend_s=0.5,
+            clock=lambda: clock[0],
+        )
+    )
+    try:
+        for s in range(1, 6):
+            clock[0] += 1
+            rep.step(s)
+        assert rep.flush(5)
+        assert w.poll()[job].state == "running"
+        w.alertmanager.drain()
+        assert w.alertmanager.stats["sent"] == 0  # running is a state, not an alert
+        clock[0] += 30
+        time.sleep(0.5)
+        assert rep.flush(5)
+        assert w.poll()[job].state == "hung"
+        w.alertmanager.drain()
+        (a,) = [x for x in _am_alerts(alertmanager) if x["labels"].get("training_job") == job]
+        assert a["labels"]["alertname"] == "JobHung" and a["labels"]["severity"] == "critical"
+        assert a["status"]["state"] == "active" and "no step for" in a["annotations"]["description"]
+        # Still hung a while later: re-posted, the same alert (same labels), still active.
+        time.sleep(0.6)
+        w.poll()
+        w.alertmanager.drain()
+        assert w.alertmanager.stats["sent"] >= 2
+        assert [
+            x["labels"]["alertname"] for x in _am_alerts(alertmanager) if x["labels"]["training_job"] == job
+        ] == ["JobHung"]
+        deadline = time.monotonic() + 15
+        while not any(p["status"] == "firing" for p in _AMReceiver.received) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert any(p["status"] == "firing" for p in _AMReceiver.received), _AMReceiver.received
+        rep.close()
+        assert w.poll()[job].state == "done"
+        w.alertmanager.drain()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            active = [x for x in _am_alerts(alertmanager) if x["labels"]["training_job"] == job]
+            resolved = [p for p in _AMReceiver.received if p["status"] == "resolved"]
+            if not active and resolved:
+                break
+            time.sleep(0.2)
+        assert not active, active
+        assert resolved[0]["alerts"][0]["labels"]["alertname"] == "JobHung"
+    finally:
+        w.stop()
