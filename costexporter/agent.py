@@ -272,6 +272,10 @@ class Agent:
                     continue
                 if job is None:
                     job = self.jobs[name] = _Job(name, EventReader(self.redis, name, prefix=self.cfg.prefix))
+                old = job.ranks.get(rank)
+                if old is not None and "ts" in old:  # a restart registers again: the GPU is the job's
+                    # from the rank's first registration on (the hash keeps only the newest)
+                    entry = {**entry, "ts": min(float(old["ts"]), float(entry.get("ts", old["ts"])))}
                 job.ranks[rank] = entry
                 if g is not None:
                     job.own[rank] = g

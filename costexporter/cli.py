@@ -30,6 +30,8 @@ class InputFailure(click.ClickException):
 
 
 def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """--config before the command (`costexporter --config f.yaml serve`) or after it
+    (`costexporter serve --config f.yaml`): the file's section of the command gives defaults."""
     if not value:
         return value
     import yaml
@@ -42,8 +44,21 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
         raise click.BadParameter(f"{value} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise click.BadParameter(f"{value}: expected a mapping of command names to options")
-    ctx.default_map = {k: v for k, v in data.items() if isinstance(v, dict)}
+    sections = {k: v for k, v in data.items() if isinstance(v, dict)}
+    ctx.default_map = sections if ctx.parent is None else sections.get(ctx.info_name or "", {})
     return value
+
+
+def _config_option() -> click.Option:
+    return click.Option(
+        ["--config"],
+        type=click.Path(dir_okay=False),
+        envvar="COSTEXPORTER_CONFIG",
+        callback=_load_config,
+        is_eager=True,
+        expose_value=False,
+        help="YAML file of defaults, keyed by command name (flags and environment variables win).",
+    )
 
 
 @click.group(
@@ -65,6 +80,35 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 )
 def main() -> None:
     """Cost per valid step and wasted GPU-hours for distributed training jobs."""
+
+
+def _check_port(listen: str, port: int, flag: str) -> None:
+    """A port already in use: say which one and which flag moves it (exit 2), before anything
+    starts, instead of an OSError from a server thread."""
+    import socket
+
+    if not port:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(listen, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        raise InputFailure(
+            f"port {port} on {listen} is not available ({e.strerror or e}): "
+            f"choose another with {flag} (0: none)"
+        ) from None
+
+
+def _require_redis(url: str) -> None:
+    """Exit 2 with one line when Redis does not answer."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
+    except (redis.RedisError, OSError, ValueError) as e:
+        raise InputFailure(f"Redis at {_safe_url(url)} is unreachable: {e}") from None
 
 
 def _safe_url(url: str) -> str:
@@ -92,6 +136,25 @@ profile_option = click.option(
     help="Band profile file (YAML or JSON), or a directory of them matched by GPU model "
     "[default: $COSTEXPORTER_PROFILE_DIR].",
 )
+
+
+REDIS_URL_HELP = "Redis of the events and the ledger; rediss:// for TLS, user:password@ for ACL users."
+
+
+def redis_url_option(default: str | None = "redis://127.0.0.1:6379/0", help: str = REDIS_URL_HELP):
+    return click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default=default, help=help)
+
+
+prefix_option = click.option(
+    "--prefix",
+    envvar="COSTEXPORTER_PREFIX",
+    default="costexporter",
+    help="Redis key prefix of this deployment.",
+)
+
+
+def listen_option(what: str):
+    return click.option("--listen", default="0.0.0.0", help=f"Address the {what} listens on.")
 
 
 def _profile(path: Path | None):
@@ -273,6 +336,8 @@ def replay(
     result["warnings"] = diag.summary()
     for line in [] if quiet else report.clock_warnings(result, tz):
         click.echo(f"warning: {line}", err=True)
+    if not quiet:
+        _price_overrides(result, config["price_per_gpu_hour"])
     text = {"json": report.to_json, "csv": report.to_csv, "table": report.to_table}[fmt](result)
     if output:
         output.write_text(text if text.endswith("\n") else text + "\n")
@@ -293,6 +358,19 @@ def replay(
             + ", ".join(f"{k}={v}" for k, v in diag.summary().items()),
             err=True,
         )
+
+
+def _price_overrides(result: dict, flag_price: float) -> None:
+    """Say once per job when its meta's price wins over --price-per-gpu-hour, which would
+    otherwise seem to do nothing."""
+    for name, j in result.get("jobs", {}).items():
+        meta_price = (j.get("meta") or {}).get("price_per_gpu_hour")
+        if meta_price is not None and float(j.get("price_per_gpu_hour", flag_price)) != float(flag_price):
+            click.echo(
+                f"costexporter: job {name}: its meta sets price_per_gpu_hour={meta_price}, which overrides "
+                f"--price-per-gpu-hour {flag_price:g}",
+                err=True,
+            )
 
 
 DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
@@ -320,14 +398,9 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
 @click.option("--tz", default="UTC", callback=_tz, help="Time zone of naive CSV timestamps.")
 @click.option("--host", default=None, help="This node's name [default: the source's].")
 @click.option("--agent-id", default=None, help="This agent's id in the ledger [default: the host].")
-@click.option(
-    "--redis-url",
-    envvar="COSTEXPORTER_REDIS_URL",
-    default="redis://127.0.0.1:6379/0",
-    help="rediss:// for TLS; user:password@ for ACL users.",
-)
-@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter", help="Redis key prefix.")
-@click.option("--listen", default="0.0.0.0", help="Address of the /metrics server.")
+@redis_url_option()
+@prefix_option
+@listen_option("/metrics server (and the API of --api-port)")
 @click.option("--port", type=int, default=DEFAULT_METRICS_PORT, help="Port of the /metrics server (0: none).")
 @click.option("--book-interval", type=click.FloatRange(min=0.05), default=5.0, help="Seconds between rounds.")
 @click.option(
@@ -409,13 +482,23 @@ def serve(
     from .sources.base import GpuInitError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_port(listen, port, "--port")
+    _check_port(listen, api_port, "--api-port")
     try:
         src = _make_source(
             source, dcgm_urls, samples, speed, tz, host, Diagnostics(), scenario, redis_url, prefix
         )
         profile = _profile(profile_path)
-    except (InputError, profiles.ProfileError, GpuInitError, ValueError) as e:
+    except GpuInitError as e:
+        hint = (
+            " (no GPU here? `--source sim --scenario mini` plays a simulated job)" if source == "nvml" else ""
+        )
+        raise InputFailure(f"{e}{hint}") from None
+    except (InputError, profiles.ProfileError, ValueError) as e:
         raise InputFailure(str(e)) from None
+    if exit_when_done:
+        # A batch run that cannot book must say so, not wait for ever for Redis.
+        _require_redis(redis_url)
     cfg = AgentConfig(
         redis_url=redis_url,
         prefix=prefix,
@@ -553,9 +636,9 @@ def _index_incidents_in_background(store) -> None:
 
 
 @main.command()
-@click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default="redis://127.0.0.1:6379/0")
-@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
-@click.option("--listen", default="0.0.0.0")
+@redis_url_option()
+@prefix_option
+@listen_option("finance API")
 @click.option("--port", type=int, default=DEFAULT_API_PORT, help="Port of the finance API.")
 @click.option(
     "--tokens-file",
@@ -596,6 +679,7 @@ def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token, 
         return
     import uvicorn
 
+    _check_port(listen, port, "--port")
     uvicorn.run(
         _api_app(redis_url, prefix, tokens_file, currency, tz, **options),
         host=listen,
@@ -789,13 +873,8 @@ def rules(short, overrides, fmt, name, output) -> None:
 
 
 @main.command()
-@click.option(
-    "--redis-url",
-    envvar="COSTEXPORTER_REDIS_URL",
-    default=None,
-    help="Redis to use [default: a private redis-server in a temporary directory].",
-)
-@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
+@redis_url_option(None, "Redis to use [default: a private redis-server in a temporary directory].")
+@prefix_option
 @click.option(
     "--speed",
     type=click.FloatRange(min=1),
@@ -803,7 +882,7 @@ def rules(short, overrides, fmt, name, output) -> None:
     help="Times faster than real time (160: the ~8-hour story in about 3 minutes).",
 )
 @click.option("--scenario", default="r1", help="The story: r1 (16 x B300, R1 + R7) or mini (4 GPUs, 40 min).")
-@click.option("--listen", default="0.0.0.0")
+@listen_option("/metrics server and the finance API")
 @click.option(
     "--port", type=int, default=DEFAULT_METRICS_PORT, help="/metrics of the agent and the watcher (0: none)."
 )
@@ -830,17 +909,34 @@ def demo(
     import signal
     import threading
 
-    from .demo import Demo, DemoConfig, DemoError, embedded_redis, plain_line, render_bill, render_view
+    from .demo import (
+        Demo,
+        DemoConfig,
+        DemoError,
+        check_redis,
+        embedded_redis,
+        plain_line,
+        render_bill,
+        render_view,
+    )
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_port(listen, port, "--port")
+    _check_port(listen, api_port, "--api-port")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Closing the terminal (SIGHUP) stops the demo like SIGTERM: the private Redis, the temporary
+    # directories and the threads are cleaned up on the way out.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
     try:
+        if redis_url:
+            check_redis(redis_url)
         ctx = contextlib.nullcontext(redis_url) if redis_url else embedded_redis()
         with ctx as url:
             cfg = DemoConfig(redis_url=url, prefix=prefix, scenario=scenario, speed=speed, watch=not no_watch)
-            d = Demo(cfg).start()
+            d = Demo(cfg)
             try:
+                d.start()
                 if port:
                     from prometheus_client import start_http_server
 
@@ -855,18 +951,20 @@ def demo(
                     server.install_signal_handlers = lambda: None
                     threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
                 click.echo(
-                    f"costexporter demo: Redis {url}, /metrics on :{port or '-'}, API on :{api_port or '-'}, "
-                    f"speed {speed:g}x",
+                    f"costexporter demo: Redis {url}, /metrics {f':{port}' if port else 'off'}, "
+                    f"API {f':{api_port}' if api_port else 'off'}, speed {speed:g}x",
                     err=True,
                 )
+                # Status (live view or plain lines) goes to stderr: stdout carries only the bill.
                 _demo_loop(d, plain, stop, render_view, plain_line)
                 bill = d.bill()
-                if as_json:
-                    click.echo(json.dumps(bill, indent=2))
-                else:
-                    from rich.console import Console
+                with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+                    if as_json:
+                        click.echo(json.dumps(bill, indent=2))
+                    else:
+                        from rich.console import Console
 
-                    Console().print(render_bill(bill))
+                        Console().print(render_bill(bill))
                 if forever:
                     stop.wait()
                 elif linger:
@@ -880,17 +978,18 @@ def demo(
 
 
 def _demo_loop(d, plain: bool, stop, render_view, plain_line) -> None:
-    if plain or not sys.stdout.isatty():
+    if plain or not sys.stderr.isatty():
         last = 0.0
         while not d.finished and not stop.wait(0.5):
             if time.monotonic() - last >= 5:
                 last = time.monotonic()
-                click.echo(plain_line(d.state()))
-        click.echo(plain_line(d.state()))
+                click.echo(plain_line(d.state()), err=True)
+        click.echo(plain_line(d.state()), err=True)
         return
+    from rich.console import Console
     from rich.live import Live
 
-    with Live(render_view(d.state()), refresh_per_second=4) as live:
+    with Live(render_view(d.state()), refresh_per_second=4, console=Console(stderr=True)) as live:
         while not d.finished and not stop.wait(0.25):
             live.update(render_view(d.state()))
         live.update(render_view(d.state()))
@@ -918,8 +1017,8 @@ def _demo_loop(d, plain: bool, stop, render_view, plain_line) -> None:
 @click.option(
     "--node", "nodes", multiple=True, help="A node of the job (repeatable): its agent must report GPUs."
 )
-@click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default="redis://127.0.0.1:6379/0")
-@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
+@redis_url_option()
+@prefix_option
 @click.option("--master-addr", envvar="MASTER_ADDR", default=None)
 @click.option("--master-port", envvar="MASTER_PORT", type=click.IntRange(1, 65535), default=None)
 @click.option("--checkpoint-path", type=click.Path(), default=None)
@@ -996,7 +1095,10 @@ def preflight(
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=f"preflight {job}: {'PASS' if passed else 'FAIL'} in {elapsed:.2f} s")
+        verdict = "PASS" if passed else "FAIL"
+        if all(c.status == "skip" for c in checks):
+            verdict = "FAIL (nothing was checked: give --cache, --node, --master-port or --checkpoint-path)"
+        t = Table(title=f"preflight {job}: {verdict} in {elapsed:.2f} s")
         for col in ("check", "result", "measured", "time"):
             t.add_column(col)
         style = {"pass": "green", "fail": "bold red", "unknown": "yellow", "skip": "dim"}
@@ -1012,8 +1114,8 @@ DEFAULT_WATCH_PORT = 9404
 
 
 @main.command()
-@click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default="redis://127.0.0.1:6379/0")
-@click.option("--prefix", envvar="COSTEXPORTER_PREFIX", default="costexporter")
+@redis_url_option()
+@prefix_option
 @click.option("--job", "jobs", multiple=True, help="Watch only this job (repeatable) [default: every job].")
 @click.option("--poll", type=click.FloatRange(min=0.05), default=5.0, help="Seconds between polls.")
 @click.option(
@@ -1038,7 +1140,7 @@ DEFAULT_WATCH_PORT = 9404
     default=60.0,
     help="Seconds between re-posts of a firing alert (its endsAt lies 4 re-posts ahead).",
 )
-@click.option("--listen", default="0.0.0.0", help="Address of the /metrics server.")
+@listen_option("/metrics server")
 @click.option("--port", type=int, default=DEFAULT_WATCH_PORT, help="Port of the /metrics server (0: none).")
 @click.option("--gpu-model", default=None, help="GPU model of the live signature [default: the job's meta].")
 @profile_option
@@ -1112,6 +1214,7 @@ def watch(
 
         from .exporter import watch_registry
 
+        _check_port(listen, port, "--port")
         start_http_server(port, addr=listen, registry=watch_registry(watcher))
         click.echo(f"costexporter watch: /metrics on {listen}:{port}", err=True)
     signal.signal(signal.SIGTERM, lambda *_: watcher.stop())
@@ -1238,6 +1341,24 @@ def events_import(path, job, redis_url, prefix) -> None:
     if res.refused:
         detail = "; ".join(f"{n} x {why}" for why, n in res.refused.items())
         raise InputFailure(f"Redis refused {sum(res.refused.values())} events: {detail}")
+
+
+def _finish_options(group: click.Group) -> None:
+    """Every command: --config after the command name too, and --help that names the
+    environment variable of each option (COSTEXPORTER_REDIS_URL, COSTEXPORTER_PREFIX, ...;
+    the others are COSTEXPORTER_<COMMAND>_<OPTION>)."""
+    for cmd in group.commands.values():
+        if isinstance(cmd, click.Group):
+            _finish_options(cmd)
+            continue
+        if not any(p.name == "config" for p in cmd.params):
+            cmd.params.append(_config_option())
+        for p in cmd.params:
+            if isinstance(p, click.Option) and p.name not in ("help",):
+                p.show_envvar = True
+
+
+_finish_options(main)
 
 
 def run() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -27,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import protocol
+from . import ledger, protocol
 from .agent import Agent, AgentConfig
 from .baseline import utilization_rule
 from .booking import BookingConfig
 from .cost import Prices
-from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
+from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Samples
 from .sources.sim import SimSource
 from .watcher import ALERTING, WatchConfig, Watcher
 
@@ -49,6 +50,19 @@ BAND_STYLE = {
 
 class DemoError(RuntimeError):
     """The demo cannot start (no Redis to use)."""
+
+
+def check_redis(url: str, timeout_s: float = 2.0) -> None:
+    """Fail fast when the given Redis does not answer, instead of playing a story of zeros."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s).ping()
+    except (redis.RedisError, OSError, ValueError) as e:
+        safe = re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+        raise DemoError(
+            f"Redis at {safe} does not answer ({e}); omit --redis-url for a private one"
+        ) from None
 
 
 def redis_server_binary() -> str | None:
@@ -155,6 +169,9 @@ class Demo:
                 prices=cfg.prices,
                 book_interval_s=cfg.book_interval_s,
                 sample_interval_s=min(0.25, cfg.book_interval_s),
+                # Restarts register again: look for new registrations every round, not every 10 s
+                # of wall time (half an hour of the story at 160x).
+                job_refresh_s=cfg.book_interval_s,
             ),
         )
         self.watcher = Watcher(
@@ -162,16 +179,29 @@ class Demo:
                 redis_url=cfg.redis_url,
                 prefix=cfg.prefix,
                 booking=cfg.booking,
-                poll_s=cfg.book_interval_s,
+                poll_s=min(cfg.book_interval_s, 0.25),
                 # Four heartbeats of the time-compressed trainers, in scenario time.
                 heartbeat_timeout_s=max(60.0, 4 * self.src.heartbeat_wall_s * cfg.speed),
                 jobs=(self.job,),
-                clock=self.src.sim_time,
+                clock=self.judge_time,
             )
         )
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> Demo:
+    def judge_time(self) -> float:
+        """The watcher's clock: the story's, less what the simulated trainers' events may still
+        lag (like the agent's booking horizon), so a restart's events that are on their way do
+        not read as silence."""
+        return self.src.sim_time() - self.src.event_lag_s
+
+    def start(self, timeout_s: float = 10.0) -> Demo:
+        """Start booking once every simulated rank has registered, so the agent's first
+        discovery sees every GPU of the job and each run books the same bill."""
+        want = self.src.builder.n_gpus
+        key = protocol.ranks_key(self.cfg.prefix, self.job)
+        deadline = time.monotonic() + timeout_s
+        while self.agent.redis.hlen(key) < want and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.agent.start()
         runs = [(self.agent.run, "agent")] + ([(self.watcher.run, "watcher")] if self.cfg.watch else [])
         for target, name in runs:
@@ -260,7 +290,7 @@ class Demo:
         empty = np.zeros((len(Category), 3), np.int64)
         hours, cost = _net(j.booked if j else empty, j.voided if j else empty)
         price = self.cfg.prices.price_per_gpu_hour
-        util = utilization_rule(self.src.builder.samples())
+        util = utilization_rule(self.played_samples())
         valid_h = sum(hours[CATEGORIES[c]] for c in VALID_CATEGORIES)
         wasted_h = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
         figures = j.figures if j is not None else {}
@@ -281,6 +311,8 @@ class Demo:
                     CATEGORIES[c]: hours[CATEGORIES[c]] for c in sorted(WASTED_CATEGORIES)
                 },
                 "unobserved_gpu_hours": hours["unobserved"],
+                "unassigned_gpu_hours": self.unassigned_hours(),
+                "total_gpu_hours": valid_h + hours["overhead"] + wasted_h + hours["unobserved"],
                 "valid_cost": sum(cost[CATEGORIES[c]] for c in VALID_CATEGORIES),
                 "wasted_cost": sum(cost[CATEGORIES[c]] for c in WASTED_CATEGORIES),
                 "total_cost": total_cost,
@@ -288,6 +320,25 @@ class Demo:
                 "cost_per_valid_step": total_cost / valid_steps if valid_steps else None,
             },
         }
+
+    def played_samples(self) -> Samples:
+        """The story's samples up to where it was played (all of it, unless stopped early)."""
+        s = self.src.builder.samples()
+        until_ms = (self.src.sim_time() - self.src.shift_s) * 1000
+        keep = s.ts_ms <= until_ms
+        return Samples(
+            s.gpus, s.gpu[keep], s.ts_ms[keep], s.power_w[keep], s.util_pct[keep], s.energy_mj[keep]
+        )
+
+    def unassigned_hours(self) -> float:
+        """GPU time of the demo's GPUs that no job held (none, once every rank registered)."""
+        import redis
+
+        try:
+            amounts = ledger.read_amounts(self.agent.redis, self.cfg.prefix, ledger.UNASSIGNED_JOB)
+        except (redis.RedisError, OSError):
+            return 0.0
+        return ledger.net_ms(amounts).get("unassigned", 0) / 3.6e6
 
 
 def _net(booked: np.ndarray, voided: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
@@ -367,6 +418,14 @@ def render_bill(bill: dict):
     t.add_row("wasted GPU-h", f"{u['not_useful_gpu_hours']:.2f}", f"{c['wasted_gpu_hours']:.2f}")
     for k, v in c["wasted_by_category"].items():
         t.add_row(f"  {k}", "", f"{v:.2f}")
+    for k in ("unobserved", "unassigned"):
+        if c.get(f"{k}_gpu_hours"):
+            t.add_row(f"{k} GPU-h", "-", f"{c[f'{k}_gpu_hours']:.2f}")
+    t.add_row(
+        "total GPU-h",
+        f"{u['useful_gpu_hours'] + u['not_useful_gpu_hours']:.2f}",
+        f"{c['total_gpu_hours']:.2f}",
+    )
     t.add_row("wasted cost", "-", f"{c['wasted_cost']:.2f} {cur}")
     t.add_row("valid steps", "-", str(c["valid_steps"]))
     cps = f"{c['cost_per_valid_step']:.4f} {cur}" if c["cost_per_valid_step"] else "-"

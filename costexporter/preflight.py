@@ -284,14 +284,17 @@ def check_interconnect(cfg: PreflightConfig) -> Check:
 
 
 def run(cfg: PreflightConfig) -> tuple[bool, list[Check]]:
-    """Run every check; the gate passes when none failed and none is unknown (unless allowed)."""
+    """Run every check; the gate passes when none failed, none is unknown (unless allowed) and
+    not every check was skipped."""
     cache = _timed(lambda: check_cache(cfg))
     checks = [cache, _timed(lambda: check_tokens(cfg, cache))]
     checks += [
         _timed(lambda f=f: f(cfg)) for f in (check_occupancy, check_port, check_disk, check_interconnect)
     ]
     bad = {"fail"} | (set() if cfg.allow_unknown else {"unknown"})
-    passed = not any(c.status in bad for c in checks)
+    # A gate that checked nothing (every check skipped) proves nothing: no PASS.
+    checked = any(c.status != "skip" for c in checks)
+    passed = checked and not any(c.status in bad for c in checks)
     return passed, checks
 
 

@@ -524,6 +524,8 @@ class Watcher:
         self.readers: dict[str, EventReader] = {}
         self.status: dict[str, Status] = {}
         self.bad_jobs: dict[str, str] = {}  # job -> why it is skipped (logged once)
+        # The latest transitions (job, state, reason, the clock's time), for views and tests.
+        self.history: collections.deque[tuple[str, str, str, float]] = collections.deque(maxlen=1000)
         self.redis_up = False
         self.stats: collections.Counter[str] = collections.Counter()
         self.webhook = (
@@ -654,6 +656,7 @@ class Watcher:
                 self.status[job] = st
                 if old is None or old.state != st.state:
                     self.stats["transitions"] += 1
+                    self.history.append((job, st.state, st.reason, now))
                     log.info("%s: %s -> %s (%s)", job, old.state if old else "-", st.state, st.reason)
                     if self.webhook is not None:
                         self.webhook.send(notification(job, old, st, now, self.cfg.prefix))

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+
+import numpy as np
 
 from .. import protocol
 from ..client import StepReporter
@@ -20,6 +23,8 @@ from .replay import ReplaySource
 log = logging.getLogger("costexporter.sources.sim")
 
 
+DIE = "_die"  # the sim's own marker: every process of the job dies here
+HEARTBEAT_MIN_WALL_S = 0.1
 EVENT_LAG_WALL_S = 0.5  # a reporter's 50 ms flush, a round trip, and a busy machine's scheduling
 
 
@@ -47,11 +52,13 @@ class SimSource(ReplaySource):
         super().__init__(shifted, speed=speed, host=host or "sim", clock=time.monotonic)
         self.shift_s = shift_ms / 1000
         self._t_wall = start
-        self._events: list[Event] = sorted(b.events, key=lambda e: (e.ts, e.seq))
+        self._events: list[Event] = sorted(b.events + crash_loop_deaths(b), key=lambda e: (e.ts, e.seq))
         self._redis_url, self._prefix = redis_url, prefix
+        self._own_spool = spool_dir is None  # a directory of ours: removed at close()
         self._spool = spool_dir or tempfile.mkdtemp(prefix="costexporter-sim-")
         self._reporters: dict[int, StepReporter] = {}
         self._started: set[int] = set()
+        self._fresh = False  # the processes were (re)started and have not trained since
         self._stop = threading.Event()
         self._clock_client = None
         self.trainer_done = threading.Event()
@@ -72,9 +79,9 @@ class SimSource(ReplaySource):
 
     @property
     def heartbeat_wall_s(self) -> float:
-        """The simulated trainers' heartbeat: 10 s of scenario time, but not faster than twice a
-        second of wall time (a watcher of the story allows for the longer gap)."""
-        return max(10.0 / self.speed, 0.5)
+        """The simulated trainers' heartbeat: 10 s of scenario time, but not faster than ten
+        times a second of wall time (a watcher of the story allows for the longer gap)."""
+        return max(10.0 / self.speed, HEARTBEAT_MIN_WALL_S)
 
     def sim_time(self) -> float:
         """The scenario's clock, in Unix seconds (shifted to start now)."""
@@ -144,16 +151,38 @@ class SimSource(ReplaySource):
         except (redis.RedisError, OSError):
             pass  # the watcher falls back to the last clock it read
 
+    def _restart_all(self, ts: float) -> None:
+        """A restart restarts every rank, as torchrun does: each a new process with a new session,
+        its own `register` and `run start`."""
+        for rank in range(self.builder.n_gpus):
+            self._reporter(rank, ts, new=True)
+        self._fresh = True
+
+    def _die(self) -> None:
+        """Every process of the job dies (a crash): no `run end`, and the heartbeats stop."""
+        for rep in self._reporters.values():
+            rep.close(timeout=0.5, end_run=False)
+        self._reporters.clear()
+
     def _post(self, ev: Event, ts: float) -> None:
         f, state = ev.fields, ev.fields.get("state")
-        if ev.type == "register":
+        if ev.type != "run" and ev.type != DIE:
+            self._fresh = False
+        if ev.type == DIE:
+            self._die()
+        elif ev.type == "register":
             self._reporter(ev.rank, ts)
         elif ev.type == "run" and state == "start":
             # The reporter posts its own first `run start`; a later one is a restart.
             if ev.rank in self._started:
-                self._reporter(ev.rank, ts, new=True)
+                if ev.rank == 0:
+                    self._restart_all(ts)
+                else:
+                    self._reporter(ev.rank, ts, new=True)
             self._started.add(ev.rank)
         elif ev.type == "run" and state == "resume":
+            if ev.rank == 0 and not self._fresh:  # a resume is a new run of every process
+                self._restart_all(ts)
             self._reporter(ev.rank, ts).resume(int(f["step"]), ts=ts)
         elif ev.type == "run" and state == "end":
             self._reporter(ev.rank, ts).close(ts=ts)
@@ -167,12 +196,39 @@ class SimSource(ReplaySource):
 
     def close(self) -> None:
         self._stop.set()
+        self._trainer.join(2.0)
         for rep in self._reporters.values():
             rep.close(timeout=1.0, end_run=False)
+        if self._own_spool:
+            shutil.rmtree(self._spool, ignore_errors=True)
 
     @property
     def done(self) -> bool:
         return super().done and self.trainer_done.is_set()
+
+
+def crash_loop_deaths(b: TraceBuilder) -> list[Event]:
+    """When the job's processes die before a restart: the first moment every GPU of the job
+    reads 0% between the last progress (a step, or the previous run event) and the restart or
+    resume. The scenario's trace shows the crash there; its events do not. The sim stops the
+    processes then, so their heartbeats end like a real crash's (a watchdog kill, a crash loop)."""
+    s = b.samples()
+    if len(s) == 0:
+        return []
+    ts_all, idx = np.unique(s.ts_ms, return_inverse=True)
+    busy = np.zeros(ts_all.size, bool)
+    np.logical_or.at(busy, idx, s.util_pct > 0)
+    idle_ts = ts_all[~busy] / 1000
+    last = None  # the newest progress: a step or a run event of rank 0
+    out = []
+    for e in sorted(b.events, key=lambda e: (e.ts, e.seq)):
+        if e.type == "run" and e.rank == 0 and e.get("state") in ("start", "resume") and last is not None:
+            dead = idle_ts[(idle_ts > last) & (idle_ts < e.ts)]
+            if dead.size:
+                out.append(Event(DIE, b.job, float(dead[0]), 0, "", -1, {}))
+        if e.type == "step" or (e.type == "run" and e.rank == 0):
+            last = e.ts
+    return out
 
 
 def clock_key(prefix: str) -> str:
