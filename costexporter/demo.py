@@ -35,6 +35,7 @@ from .booking import BookingConfig
 from .cost import Prices
 from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Samples
 from .sources.sim import SimSource
+from .synth import TraceBuilder
 from .watcher import ALERTING, WatchConfig, Watcher
 
 BAND_STYLE = {
@@ -141,7 +142,7 @@ def embedded_redis() -> Iterator[str]:
 class DemoConfig:
     redis_url: str
     prefix: str = protocol.DEFAULT_PREFIX
-    scenario: str = "r1"
+    scenario: str | TraceBuilder = "r1"  # a name of synth.SCENARIOS, or a built trace
     speed: float = 160.0  # the ~8-hour story in about 3 minutes
     book_interval_s: float = 0.5
     watch: bool = True  # run the watcher in-process (the Docker stack runs its own)
@@ -295,13 +296,15 @@ class Demo:
         wasted_h = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
         figures = j.figures if j is not None else {}
         valid_steps = int(figures.get("valid_steps", 0))
-        total_cost = sum(cost.values())
+        # Money to 1/100 of a cent: the ledger rounds each round's cost to micro-units, so the
+        # last digits depend on how the story was cut into rounds, not on what was booked.
+        total_cost = round(sum(cost.values()), 4)
         return {
             "currency": self.cfg.prices.currency,
             "utilization_rule": {
                 "useful_gpu_hours": util["useful_gpu_hours"],
                 "not_useful_gpu_hours": util["not_useful_gpu_hours"],
-                "useful_cost": util["useful_gpu_hours"] * price,
+                "useful_cost": round(util["useful_gpu_hours"] * price, 4),
             },
             "costexporter": {
                 "valid_gpu_hours": valid_h,
@@ -313,8 +316,8 @@ class Demo:
                 "unobserved_gpu_hours": hours["unobserved"],
                 "unassigned_gpu_hours": self.unassigned_hours(),
                 "total_gpu_hours": valid_h + hours["overhead"] + wasted_h + hours["unobserved"],
-                "valid_cost": sum(cost[CATEGORIES[c]] for c in VALID_CATEGORIES),
-                "wasted_cost": sum(cost[CATEGORIES[c]] for c in WASTED_CATEGORIES),
+                "valid_cost": round(sum(cost[CATEGORIES[c]] for c in VALID_CATEGORIES), 4),
+                "wasted_cost": round(sum(cost[CATEGORIES[c]] for c in WASTED_CATEGORIES), 4),
                 "total_cost": total_cost,
                 "valid_steps": valid_steps,
                 "cost_per_valid_step": total_cost / valid_steps if valid_steps else None,

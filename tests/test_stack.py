@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis as redis_mod
 import yaml
 
 from costexporter.dashboard import expressions
@@ -316,3 +318,241 @@ def test_live_view_shows_step_bands_cost_watcher_and_alerts():
         assert want in text, (want, text)
     assert "alerts: JobHung, DeadlockSignature" in text
     assert "step 2142" in plain_line(state) and "DeadlockSignature" in plain_line(state)
+
+
+# ---- issue 17: the demo tells the truth; the CLI's first hour ------------------------------------
+def _demo_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "costexporter.cli", "demo", "--port", "0", "--api-port", "0", *args]
+
+
+def _offline_bill(scenario: str) -> dict:
+    from costexporter.replay import ReplayConfig, replay
+    from costexporter.synth import SCENARIOS
+
+    b = SCENARIOS[scenario]()
+    (j,) = replay(b.samples(), b.events, ReplayConfig())["jobs"].values()
+    return j
+
+
+@pytest.mark.slow
+def test_three_demo_runs_print_the_same_json_bill_and_leave_nothing_behind(tmp_path):
+    """`costexporter demo --json | python -m json.tool`: stdout is only the bill, status goes to
+    stderr; three runs book the same bill, equal to the offline replay of the same story, whose
+    rows add up to the total; every temporary directory is removed (TMPDIR is the test's)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    bills = []
+    for _ in range(3):
+        r = subprocess.run(
+            _demo_cmd("--scenario", "mini", "--speed", "300", "--json"),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=ROOT,
+            env={**os.environ, "TMPDIR": str(tmp)},
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        bills.append(json.loads(r.stdout))  # the whole of stdout
+        assert "step" in r.stderr and "watcher" in r.stderr  # the status lines
+        tool = subprocess.run(
+            [sys.executable, "-m", "json.tool"], input=r.stdout, capture_output=True, text=True
+        )
+        assert tool.returncode == 0
+        assert list(tmp.iterdir()) == []  # no costexporter-demo-*, no costexporter-sim-*
+    assert bills[0] == bills[1] == bills[2]
+    c = bills[0]["costexporter"]
+    parts = c["valid_gpu_hours"] + c["overhead_gpu_hours"] + c["wasted_gpu_hours"] + c["unobserved_gpu_hours"]
+    assert c["total_gpu_hours"] == pytest.approx(parts)
+    assert c["wasted_gpu_hours"] == pytest.approx(sum(c["wasted_by_category"].values()))
+    offline = _offline_bill("mini")
+    assert c["total_gpu_hours"] == pytest.approx(offline["gpu_hours_total"], abs=1e-6)
+    assert c["valid_steps"] == offline["valid_steps"]
+    for cat, h in c["wasted_by_category"].items():
+        assert h == pytest.approx(offline["gpu_hours"][cat], abs=1e-6), cat
+    assert c["unassigned_gpu_hours"] == 0.0
+
+
+def test_sighup_stops_the_demo_and_removes_its_redis_and_directories(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        _demo_cmd("--scenario", "mini", "--speed", "5", "--plain"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "speed 5x" in line:
+                break
+        assert any(p.name.startswith("costexporter-sim-") for p in tmp.iterdir())
+        port = int(re.search(r"redis://127\.0\.0\.1:(\d+)/", "".join(lines)).group(1))
+        proc.send_signal(signal.SIGHUP)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, "".join(lines) + proc.stderr.read()
+    assert list(tmp.iterdir()) == []
+    with pytest.raises(redis_mod.ConnectionError):  # the private redis-server is gone
+        redis_mod.Redis(port=port, socket_connect_timeout=0.5).ping()
+
+
+def test_demo_against_a_redis_that_does_not_answer_fails_fast_with_exit_2():
+    t0 = time.monotonic()
+    r = subprocess.run(
+        _demo_cmd("--redis-url", f"redis://127.0.0.1:{free_port()}/0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and time.monotonic() - t0 < 20
+    assert "does not answer" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["demo", "--port", "{port}", "--api-port", "0"], "--port"),
+        (["demo", "--port", "0", "--api-port", "{port}"], "--api-port"),
+        (["serve", "--source", "sim", "--port", "{port}"], "--port"),
+        (["serve", "--source", "sim", "--port", "0", "--api-port", "{port}"], "--api-port"),
+        (["watch", "--port", "{port}"], "--port"),
+        (["api", "--port", "{port}"], "--port"),
+    ],
+)
+def test_a_port_in_use_names_the_port_and_the_flag(cli, args, flag):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = cli(*[a.format(port=port) for a in args], "--listen", "127.0.0.1")
+    assert r.returncode == 2, r.stderr
+    assert f"port {port}" in r.stderr and flag in r.stderr and "internal error" not in r.stderr
+
+
+def test_exit_codes_without_redis(cli, tmp_path):
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    trace = ROOT / "examples" / "r1-mini" / "node0.csv"
+    r = cli(
+        "serve",
+        "--source",
+        "replay",
+        "--samples",
+        trace,
+        "--exit-when-done",
+        "--port",
+        "0",
+        "--redis-url",
+        dead,
+    )
+    assert r.returncode == 2 and "unreachable" in r.stderr, r.stderr[-2000:]
+    r = cli("preflight", "--job", "j", "--no-post", "--redis-url", dead)  # nothing to check
+    assert r.returncode == 1 and "nothing was checked" in r.stdout
+
+
+def test_serve_without_a_gpu_suggests_the_simulated_source(cli):
+    r = cli("serve", "--port", "0")
+    if r.returncode != 2:
+        pytest.skip("this machine has NVML")
+    assert "--source sim" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_command_documents_its_environment_variables_and_takes_config_after_it(cli, tmp_path):
+    from costexporter.cli import main
+
+    for name in main.commands:
+        text = cli(name, "--help").stdout
+        assert "env var: COSTEXPORTER_" in text, name
+        assert "--config" in text, name
+    for name in ("serve", "watch", "demo", "api", "preflight"):
+        text = " ".join(cli(name, "--help").stdout.split())
+        for opt in ("--redis-url", "--prefix"):
+            assert re.search(rf"{opt} TEXT \w", text), (name, opt)  # help text, not only a default
+        assert "COSTEXPORTER_REDIS_URL" in text and "COSTEXPORTER_PREFIX" in text
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rules: {short: true}\n")
+    before = cli("--config", cfg, "rules").stdout
+    after = cli("rules", "--config", cfg).stdout
+    assert before == after == render(RuleWindows.short())
+    assert cli("rules").stdout == render(RuleWindows())
+
+
+def test_replay_says_when_a_jobs_meta_price_overrides_the_flag(cli):
+    ex = ROOT / "examples" / "r1-mini"
+    args = [
+        "replay",
+        "--samples",
+        ex / "node0.csv",
+        "--samples",
+        ex / "node1.csv",
+        "--events",
+        ex / "events.jsonl",
+    ]
+    r = cli(*args, "--price-per-gpu-hour", "2")
+    assert r.returncode == 0
+    assert r.stderr.count("overrides --price-per-gpu-hour 2") == 1
+    assert "overrides" not in cli(*args).stderr  # the same price: nothing to say
+
+
+def short_r1():
+    """R1 then R7 in 1h40m of story: the checkpoint that deadlocks on rank 3 until the watchdog,
+    a resume, a crash loop whose processes die, a resume from the checkpoint, the end."""
+    from costexporter.synth import TraceBuilder
+
+    b = TraceBuilder(n_gpus=8, per_host=4, job="short-r1", seed=5)
+    b.meta(gpu_model="NVIDIA B300")
+    b.run("start")
+    b.stretch("compute", 600, step_s=5, tokens=1000)
+    saved = b.step
+    b.phase("checkpoint", "begin", rank=3, step=b.step)
+    b.stretch("deadlock", 1500, zero_ranks=(3,))
+    b.run("resume", step=saved)
+    b.stretch("compute", 1500, step_s=5, tokens=1000)  # longer than the checkpoint allowance
+    for _ in range(2):
+        b.run("start")
+        b.stretch("crashloop", 300)
+    b.run("resume", step=saved)
+    b.stretch("compute", 600, step_s=5, tokens=1000)
+    b.run("end")
+    b.stretch("idle", 10)
+    return b
+
+
+def test_short_r1_the_watcher_follows_the_story_restarts_close_the_hung_checkpoint(prefix):
+    """Every rank restarts with a new session; the old checkpoint never keeps the job hung
+    through healthy training; the crash loop's processes die, so the watcher says crashed."""
+    from costexporter.demo import Demo, DemoConfig
+
+    b = short_r1()
+    t0 = b.t0
+    last_resume = max(e.ts - t0 for e in b.events if e.type == "run" and e.get("state") == "resume")
+    d = Demo(DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario=b, speed=200.0)).start()
+    try:
+        deadline = time.monotonic() + 120
+        while not d.finished and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert d.finished
+        time.sleep(1.0)
+        hist = [(st, reason, t - d.src.shift_s - t0) for _, st, reason, t in d.watcher.history]
+    finally:
+        d.stop()
+    states = [h[0] for h in hist]
+    assert states[-1] == "done", hist
+    deadlock = [h for h in hist if 600 < h[2] < 2100]
+    assert any(st == "hung" for st, _, _ in deadlock), hist
+    # After the resume at 2100 s, healthy training until the crash loop at 3600 s: running, and
+    # never the old checkpoint.
+    healthy = [h for h in hist if 2100 + 200 < h[2] < 3600]
+    assert all(st == "running" for st, _, _ in healthy), hist
+    assert any(st == "running" for st, _, ts in hist if 2100 <= ts < 2100 + 200), hist
+    assert not any("rank 3" in reason for st, reason, ts in hist if ts > 2100 + 200), hist
+    # The crash loop: the processes die, heartbeats end: crashed, naming no rank.
+    assert any(st == "crashed" for st, _, ts in hist if 3600 < ts < 4300), hist
+    assert any(st == "running" for st, _, ts in hist if ts > last_resume), hist

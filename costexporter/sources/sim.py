@@ -163,6 +163,7 @@ class SimSource(ReplaySource):
         for rep in self._reporters.values():
             rep.close(timeout=0.5, end_run=False)
         self._reporters.clear()
+        self._fresh = False  # the next run event restarts them
 
     def _post(self, ev: Event, ts: float) -> None:
         f, state = ev.fields, ev.fields.get("state")
