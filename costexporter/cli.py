@@ -842,6 +842,12 @@ def dashboard(output) -> None:
     help="Override one window or threshold (e.g. slope_window=20m); see costexporter/rules.py.",
 )
 @click.option(
+    "--speed",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Windows for a story played this many times faster (the demo's --speed): each divided by it.",
+)
+@click.option(
     "--format",
     "fmt",
     type=click.Choice(["rules", "prometheusrule"]),
@@ -850,20 +856,22 @@ def dashboard(output) -> None:
 )
 @click.option("--name", default="costexporter", help="metadata.name of the PrometheusRule.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def rules(short, overrides, fmt, name, output) -> None:
+def rules(short, speed, overrides, fmt, name, output) -> None:
     """Print (or write) the Prometheus alert and recording rules."""
     import dataclasses
 
-    from .rules import RuleWindows, render, render_prometheus_rule
+    from .rules import RuleWindows, for_speed, render, render_prometheus_rule
 
     w = RuleWindows.short() if short else RuleWindows()
+    if speed:
+        w = for_speed(w, speed)
     known = {f.name: f.type for f in dataclasses.fields(RuleWindows)}
     kw = {}
     for o in overrides:
-        name, sep, value = o.partition("=")
-        if not sep or name not in known:
+        key, sep, value = o.partition("=")  # not `name`: that is the PrometheusRule's --name
+        if not sep or key not in known:
             raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
-        kw[name] = float(value) if known[name] in (float, "float") else value
+        kw[key] = float(value) if known[key] in (float, "float") else value
     w = dataclasses.replace(w, **kw)
     text = render(w) if fmt == "rules" else render_prometheus_rule(w, name)
     if output:

@@ -11,7 +11,8 @@ Aggregation follows DESIGN section 7: per-GPU and booked series (`costexporter_g
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, fields, replace
 
 import yaml
 
@@ -57,11 +58,49 @@ class RuleWindows:
         )
 
 
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+# The shortest windows that still work at a 1-s scrape and evaluation interval: a rate needs a
+# few samples in its window, a `for` at least one evaluation.
+MIN_WINDOW_S = 10.0
+MIN_FOR_S = 1.0
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration ('1h30m', '15s', '500ms') in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)", duration)
+    if not parts or "".join(n + u for n, u in parts) != duration:
+        raise ValueError(f"{duration!r} is not a Prometheus duration")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def duration(s: float) -> str:
+    """Seconds as a Prometheus duration (whole milliseconds)."""
+    ms = max(round(s * 1000), 1)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
 def _net(total: str, voided: str) -> str:
     """`total` less the rollback corrections. Counters only go up (DESIGN section 7): a resume
     adds the voided valid amounts to `rolled_back` and to the `..._voided_...` counters, so a
     total subtracts the latter; a job without resumes has no voided series (`or ... * 0`)."""
     return f"{total}\n- ({voided} or {total} * 0)"
+
+
+def for_speed(w: RuleWindows, speed: float) -> RuleWindows:
+    """`w` for a story played `speed` times faster than real time (the demo at --speed): every
+    window and `for` divided by the speed, so a stretch that lasts 20 minutes of the story
+    (7.5 s of wall time at 160x) still fires the alert it would fire in real time. Floors keep
+    the rules evaluable at a 1-s scrape: windows >= 10 s, `for` >= 1 s."""
+    if speed <= 0:
+        raise ValueError("speed must be > 0")
+    kw = {}
+    for f in fields(RuleWindows):
+        value = getattr(w, f.name)
+        if not isinstance(value, str):
+            continue  # thresholds and shares do not scale
+        floor = MIN_FOR_S if f.name.endswith("_for") or f.name == "group_interval" else MIN_WINDOW_S
+        kw[f.name] = duration(max(seconds(value) / speed, min(floor, seconds(value))))
+    return replace(w, **kw)
 
 
 def rules(w: RuleWindows) -> dict:

@@ -469,3 +469,67 @@ def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
         ],
     }
     _run(tmp_path, SHIPPED, [test])
+
+
+# ---- windows scaled to the demo's --speed (issue 17 item 4) ----------------------------------------
+def test_for_speed_divides_every_window_with_floors():
+    from costexporter.rules import duration, for_speed, seconds
+
+    w = for_speed(RuleWindows(), 160)
+    assert seconds(w.comm_for) == pytest.approx(15 * 60 / 160, abs=0.001)
+    assert seconds(w.starvation_for) == pytest.approx(600 / 160, abs=0.001)
+    assert seconds(w.slope_window) == 10.0  # 3.75 s, floored: a rate needs samples in its window
+    assert seconds(w.hung_for) == 1.0 and seconds(w.group_interval) == 1.0
+    assert w.comm_share == RuleWindows().comm_share and w.waste_ratio == RuleWindows().waste_ratio
+    assert for_speed(RuleWindows(), 1) == RuleWindows(
+        **{k: duration(seconds(v)) if isinstance(v, str) else v for k, v in RuleWindows().__dict__.items()}
+    )
+    for bad in ("10", "5x", "1h 2m", ""):
+        with pytest.raises(ValueError):
+            seconds(bad)
+    with pytest.raises(ValueError):
+        for_speed(RuleWindows(), 0)
+
+
+@needs_promtool
+def test_at_160x_a_20_minute_stretch_fires_communication_bound_and_data_starvation(tmp_path):
+    """At 160x a 20-minute stretch of the story lasts 7.5 s of wall time, shorter than the
+    shipped 15-minute `for`: the rules rendered for the speed fire on it, the default ones not."""
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(render(for_speed_160()))
+    r = subprocess.run([PROMTOOL, "check", "rules", str(scaled)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    comm = {r: {"communication": "0x5 1x8 0x27"} for r in range(4)}  # 8 s of the band, 1-s samples
+    util = {r: "1x40" for r in range(4)}
+    starving = {r: {"starvation": "0x5 1x8 0x27"} for r in range(4)}
+    s_util = {0: "0.97x40", 1: "0.95x40", 2: "0.58x40", 3: "0.96x40"}
+    comm_alert = {
+        "exp_labels": {"severity": "warning", "training_job": "j"},
+        "exp_annotations": {
+            "summary": "j: communication-bound",
+            "description": "100% of the GPUs sit in the communication band: compute/communication "
+            "overlap failed (REFERENCE R2).",
+        },
+    }
+    starving_alert = {
+        "exp_labels": {"severity": "warning", "training_job": "j", "rank": "2", "host": "n1", "gpu": "0"},
+        "exp_annotations": {
+            "summary": "j: data starvation, straggler rank 2",
+            "description": "Rank 2 (n1 GPU 0) averages 58% utilization while the job starves for input.",
+        },
+    }
+    cases = [
+        _case(_gpus(comm, util), [("12s", "CommunicationBound", [comm_alert])], "1s"),
+        _case(_gpus(starving, s_util), [("12s", "DataStarvation", [starving_alert])], "1s"),
+    ]
+    _run(tmp_path, scaled, cases, "1s")
+    # The shipped windows stay silent on the same 8 seconds.
+    for case in cases:
+        case["alert_rule_test"][0]["exp_alerts"] = []
+    _run(tmp_path, SHIPPED, cases, "1s")
+
+
+def for_speed_160() -> RuleWindows:
+    from costexporter.rules import for_speed
+
+    return for_speed(RuleWindows(), 160)

@@ -22,7 +22,7 @@ import yaml
 
 from costexporter.dashboard import expressions
 from costexporter.dashboard import render as render_dashboard
-from costexporter.rules import RuleWindows, render
+from costexporter.rules import RuleWindows, for_speed, render
 
 from .conftest import SHARED_URL
 from .redis_server import free_port
@@ -140,7 +140,7 @@ def test_promtool_checks_the_compose_prometheus_config():
 def test_demo_scraped_by_a_real_prometheus_fires_the_alerts_and_feeds_every_dashboard_query(prefix, tmp_path):
     port, api_port, prom_port = free_port(), free_port(), free_port()
     rules = tmp_path / "rules.yaml"
-    rules.write_text(render(RuleWindows.short()))
+    rules.write_text(render(for_speed(RuleWindows(), 180)))  # the demo's windows at its --speed
     (tmp_path / "prometheus.yml").write_text(
         yaml.safe_dump(
             {
@@ -190,17 +190,22 @@ def test_demo_scraped_by_a_real_prometheus_fires_the_alerts_and_feeds_every_dash
     base = f"http://127.0.0.1:{prom_port}"
     try:
         # The deadlock segment starts about 65 s in (3 h 14 min of story at 180x) and lasts 60 s.
+        # CommunicationBound and DataStarvation: 20 minutes of the story each, 6.7 s at 180x.
+        want = {"CostSlopeWithoutSteps", "DeadlockSignature", "CommunicationBound", "DataStarvation"}
         deadline = time.monotonic() + 150
         firing: dict = {}
+        seen: set[str] = set()
         while time.monotonic() < deadline:
             assert demo.poll() is None, demo.stdout.read()
             try:
                 firing = _firing(base)
             except OSError:
                 firing = {}
-            if {"CostSlopeWithoutSteps", "DeadlockSignature"} <= set(firing):
+            seen |= set(firing)
+            if want <= seen and {"CostSlopeWithoutSteps", "DeadlockSignature"} <= set(firing):
                 break
-            time.sleep(1)
+            time.sleep(0.5)
+        assert want <= seen, seen
         assert {"CostSlopeWithoutSteps", "DeadlockSignature"} <= set(firing), firing
         (slope,) = firing["CostSlopeWithoutSteps"]
         assert (
