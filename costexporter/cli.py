@@ -1,6 +1,6 @@
 """The `costexporter` command line.
 
-Configuration precedence (DESIGN section 8): flags, then `COSTEXPORTER_*` environment variables
+Configuration precedence: flags, then `COSTEXPORTER_*` environment variables
 (`COSTEXPORTER_REPLAY_PRICE_PER_GPU_HOUR`, ...), then an optional YAML file given with
 `--config` or `COSTEXPORTER_CONFIG`, whose top-level keys are command names holding option
 names (`replay: {price_per_gpu_hour: 4.1}`).
@@ -740,7 +740,7 @@ def _parse_time(tz: str):
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
 def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> None:
-    """Fit a GPU model's band profile from your own baselines (REFERENCE R2)."""
+    """Fit a GPU model's band profile from your own baselines (docs/background.md, the power bands)."""
     import json
 
     from . import profiles
@@ -910,7 +910,7 @@ def rules(short, speed, overrides, fmt, name, output) -> None:
 def demo(
     redis_url, prefix, speed, scenario, listen, port, api_port, plain, linger, forever, no_watch, as_json
 ) -> None:
-    """Run the REFERENCE R1 + R7 story on a simulated 16 x B300 job, live, then print the bill."""
+    """Play the R1 + R7 story (docs/background.md) on a simulated job, live, then print the bill."""
     import contextlib
     import json
     import logging
@@ -1057,7 +1057,7 @@ def preflight(
     no_post,
     fmt,
 ) -> None:
-    """The pre-run invariant gate (REFERENCE R5): exit 0 only when every required check passes."""
+    """The pre-run invariant gate (R5 in docs/background.md): exit 0 only when every required check passes."""
     import time as time_mod
 
     from . import protocol

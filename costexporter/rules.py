@@ -1,10 +1,10 @@
-"""The Prometheus alert and recording rules, from one parameterized source (DESIGN section 8).
+"""The Prometheus alert and recording rules, from one parameterized source.
 
 `render(RuleWindows())` is the shipped `dashboards/costexporter-rules.yaml` (a test keeps the
-two equal); tests and the demo render the same rules with short windows (`RuleWindows.short()`),
-so what they check is what ships. `costexporter rules` writes either.
+two equal); tests render the same rules with short windows (`RuleWindows.short()`), the demo
+with windows divided by its speed (`for_speed`), so what they check is what ships.
 
-Aggregation follows DESIGN section 7: per-GPU and booked series (`costexporter_gpu_*`,
+Aggregation: per-GPU and booked series (`costexporter_gpu_*`,
 `costexporter_cost_total`, ...) are summed over agents; job-level series
 (`costexporter_job_*`) are the same on every agent of a job and are taken with `max`.
 """
@@ -34,7 +34,7 @@ class RuleWindows:
     starvation_window: str = "10m"  # the straggler: lowest mean utilization over this window
     starvation_for: str = "10m"
     waste_window: str = "1h"
-    waste_ratio: float = 0.15  # REFERENCE R7: at least 15% invalid spend a month
+    waste_ratio: float = 0.15  # R7: at least 15% invalid spend a month
     waste_for: str = "15m"
     budget_for: str = "5m"
     group_interval: str = "15s"
@@ -80,7 +80,7 @@ def duration(s: float) -> str:
 
 
 def _net(total: str, voided: str) -> str:
-    """`total` less the rollback corrections. Counters only go up (DESIGN section 7): a resume
+    """`total` less the rollback corrections. Counters only go up: a resume
     adds the voided valid amounts to `rolled_back` and to the `..._voided_...` counters, so a
     total subtracts the latter; a job without resumes has no voided series (`or ... * 0`)."""
     return f"{total}\n- ({voided} or {total} * 0)"
@@ -162,7 +162,7 @@ def rules(w: RuleWindows) -> dict:
             "expr": "max by (training_job) (costexporter_job_valid_steps)",
         },
         {
-            # DESIGN section 7: sum of cost over agents / max of valid steps (job-level).
+            # Sum of cost over agents / max of valid steps (job-level).
             "record": "training_job:costexporter_cost_per_valid_step:ratio",
             "expr": "training_job:costexporter_cost:sum\n"
             "/ on (training_job) group_left () (max by (training_job) (costexporter_job_valid_steps) > 0)",
@@ -219,7 +219,7 @@ def rules(w: RuleWindows) -> dict:
             "critical",
             "{{ $labels.training_job }}: cost keeps rising while steps do not",
             '{{ $value | printf "%.2f" }} burned since the last step; no progress in '
-            f"{w.slope_window} and no declared phase within its allowance (REFERENCE R7).",
+            f"{w.slope_window} and no declared phase within its allowance (R7 in docs/background.md).",
         ),
         alert(
             "DeadlockSignature",
@@ -228,7 +228,7 @@ def rules(w: RuleWindows) -> dict:
             "critical",
             "{{ $labels.training_job }}: deadlock signature, rank {{ $labels.rank }} at 0%",
             "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) is at 0% "
-            "while the others spin at ~100% utilization and low power (REFERENCE R2, R3).",
+            "while the others spin at ~100% utilization and low power (R2, R3 in docs/background.md).",
         ),
         alert(
             "JobHung",
@@ -253,7 +253,7 @@ def rules(w: RuleWindows) -> dict:
             "warning",
             "{{ $labels.training_job }}: communication-bound",
             "{{ $value | humanizePercentage }} of the GPUs sit in the communication band: "
-            "compute/communication overlap failed (REFERENCE R2).",
+            "compute/communication overlap failed (R2 in docs/background.md).",
         ),
         alert(
             "DataStarvation",

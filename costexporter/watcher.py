@@ -1,6 +1,6 @@
 """The watcher behind `costexporter watch`: each job's state, decided from outside the job.
 
-REFERENCE R3: a watcher on another machine, so it does not hang with the job, tells done from
+R3 (docs/background.md): a watcher on another machine, so it does not hang with the job, tells done from
 crashed from hung. It reads only Redis: the trainers' events (progress, phases, heartbeats) and
 the agents' live GPU state (`<p>:{job}:live:<host>`). Each poll it decides, per job, the first
 state that applies:
@@ -9,7 +9,7 @@ state that applies:
 * `done`: the run ended (`run end` on rank 0).
 * `crashed`: a rank's heartbeats are gone (no event for `heartbeat_timeout_s`) and no end.
 * `hung`: progress stopped by the ledger's own rule (no step for longer than the stall threshold
-  of DESIGN section 4, with the same parameters, or a declared phase past its allowance), or the
+  of the booking rules, with the same parameters, or a declared phase past its allowance), or the
   deadlock signature on two consecutive samples of the live GPU state.
 * `starving`: the live GPU state shows data starvation; the straggler is named.
 * `running`: none of the above.

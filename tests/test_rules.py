@@ -84,7 +84,7 @@ SLOPE_FIRING = {
     "exp_annotations": {
         "summary": "j: cost keeps rising while steps do not",
         "description": "{v} burned since the last step; no progress in 10m and no declared phase within its "
-        "allowance (REFERENCE R7).",
+        "allowance (R7 in docs/background.md).",
     },
 }
 
@@ -169,7 +169,7 @@ def test_deadlock_signature(tmp_path):
             "exp_annotations": {
                 "summary": "j: deadlock signature, rank 3 at 0%",
                 "description": "Rank 3 (n1 GPU 1) is at 0% while the others spin at ~100% utilization and "
-                "low power (REFERENCE R2, R3).",
+                "low power (R2, R3 in docs/background.md).",
             },
         }
     ]
@@ -250,7 +250,7 @@ def test_communication_bound(tmp_path):
             "exp_annotations": {
                 "summary": "j: communication-bound",
                 "description": "75% of the GPUs sit in the communication band: compute/communication overlap "
-                "failed (REFERENCE R2).",
+                "failed (R2 in docs/background.md).",
             },
         }
     ]
@@ -508,7 +508,7 @@ def test_at_160x_a_20_minute_stretch_fires_communication_bound_and_data_starvati
         "exp_annotations": {
             "summary": "j: communication-bound",
             "description": "100% of the GPUs sit in the communication band: compute/communication "
-            "overlap failed (REFERENCE R2).",
+            "overlap failed (R2 in docs/background.md).",
         },
     }
     starving_alert = {
