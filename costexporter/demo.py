@@ -49,6 +49,10 @@ BAND_STYLE = {
 }
 
 
+STORIES = {"r1": "the R1 deadlock + R7 stories", "mini": "every kind of time in 40 minutes"}
+ZERO_UTIL_PCT = 10.0  # the "~0%" of the power-band table
+
+
 class DemoError(RuntimeError):
     """The demo cannot start (no Redis to use)."""
 
@@ -254,6 +258,8 @@ class Demo:
             "suspect": st.suspect if st else None,
             "alerts": [],
             "currency": snap["currency"],
+            "title": self.title(),
+            "utils": [],
         }
         if j is None:
             return out
@@ -262,6 +268,8 @@ class Demo:
         f = j["figures"]
         wasted = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
         bands = [BANDS[j["latest_band"][r]] if r in j["latest_band"] else "unknown" for r in sorted(j["own"])]
+        latest = snap["latest"]
+        utils = [latest[j["own"][r]].util_pct if j["own"][r] in latest else None for r in sorted(j["own"])]
         valid = int(f.get("valid_steps", 0))
         out.update(
             step=f.get("last_step"),
@@ -270,6 +278,7 @@ class Demo:
             cost_per_valid_step=cost / valid if valid else None,
             wasted_gpu_hours=wasted,
             bands=bands,
+            utils=utils,
         )
         alerts = []
         if out["state"] in ALERTING:
@@ -284,6 +293,11 @@ class Demo:
             alerts.append("BudgetExceeded")
         out["alerts"] = alerts
         return out
+
+    def title(self) -> str:
+        b = self.src.builder
+        story = STORIES.get(self.cfg.scenario, b.job) if isinstance(self.cfg.scenario, str) else b.job
+        return f"costexporter demo: {b.n_gpus} x {b.gpu_name.removeprefix('NVIDIA ')}, {story}"
 
     def bill(self) -> dict:
         """costexporter's split next to the utilization rule's (R7's > 60% exporter)."""
@@ -354,7 +368,7 @@ def _net(booked: np.ndarray, voided: np.ndarray) -> tuple[dict[str, float], dict
 
 
 def render_view(s: dict):
-    """The live terminal view (rich renderable)."""
+    """The live terminal view (rich renderable); fits 80 x 24 with 16 GPUs."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.progress_bar import ProgressBar
@@ -367,42 +381,54 @@ def render_view(s: dict):
         Text(f"step {s['step'] if s['step'] is not None else '-'}", style="bold"),
         Text(f"valid steps {s['valid_steps']}"),
         Text(f"cost {s['cost']:.2f} {cur}"),
+    )
+    top.add_row(
         Text(
             f"per valid step {s['cost_per_valid_step']:.4f} {cur}"
             if s["cost_per_valid_step"]
             else "per valid step -"
         ),
         Text(f"wasted {s['wasted_gpu_hours']:.2f} GPU-h", style="red" if s["wasted_gpu_hours"] else ""),
+        Text(""),
     )
     gpus = Text()
-    for i, b in enumerate(s["bands"]):
-        gpus.append(f" {i:>2}:{b[:5]:<5}", style=BAND_STYLE.get(b, ""))
-        if i % 8 == 7:
+    utils = s.get("utils") or [None] * len(s["bands"])
+    for i, (b, u) in enumerate(zip(s["bands"], utils, strict=False)):
+        # The rank at ~0% among busy ones is the deadlock's (or checkpoint's) tell: marked.
+        zero = u is not None and u <= ZERO_UTIL_PCT and b in ("deadlock", "checkpoint")
+        cell = f"{i:>2} {b}{' 0%' if zero else ''}"
+        gpus.append(f"{cell:<19}", style=("reverse " if zero else "") + BAND_STYLE.get(b, ""))
+        if i % 4 == 3 and i + 1 < len(s["bands"]):
             gpus.append("\n")
     state_style = "green" if s["state"] in ("running", "done") else "bold red"
     watch = Text(f"watcher: {s['state']}", style=state_style)
     if s["reason"]:
         watch.append(f" ({s['reason']})", style="dim")
+    suspect = s.get("suspect") or {}
+    if s["state"] not in ("running", "done") and suspect.get("why"):
+        who = f"rank {suspect['rank']}: " if suspect.get("rank") is not None else ""
+        watch.append(f"\nsuspect: {who}{suspect['why']}", style="dim")
     alerts = Text(
         "alerts: " + (", ".join(s["alerts"]) if s["alerts"] else "none"), style="red" if s["alerts"] else ""
     )
     bar = Table.grid(padding=(0, 1))
     bar.add_row(
-        ProgressBar(total=1.0, completed=s["progress"], width=50), Text(f"{s['progress']:.0%} of the story")
+        ProgressBar(total=1.0, completed=s["progress"], width=40), Text(f"{s['progress']:.0%} of the story")
     )
-    return Panel(
-        Group(top, gpus, watch, alerts, bar), title="costexporter demo: 16 x B300, REFERENCE R1 + R7"
-    )
+    return Panel(Group(top, gpus, watch, alerts, bar), title=s.get("title") or "costexporter demo")
 
 
 def plain_line(s: dict) -> str:
-    cps = f"{s['cost_per_valid_step']:.4f}" if s["cost_per_valid_step"] else "-"
-    bands = {b: s["bands"].count(b) for b in dict.fromkeys(s["bands"])}
+    """One status line in words."""
+    cps = f"{s['cost_per_valid_step']:.4f} {s['currency']}" if s["cost_per_valid_step"] else "-"
+    counts = {b: s["bands"].count(b) for b in dict.fromkeys(s["bands"])}
+    bands = ", ".join(f"{n} {b}" for b, n in counts.items()) or "no samples yet"
+    step = s["step"] if s["step"] is not None else "-"
     return (
-        f"[{s['progress']:4.0%}] step {s['step']} valid {s['valid_steps']} "
-        f"cost {s['cost']:.2f} {s['currency']} "
-        f"per-step {cps} wasted {s['wasted_gpu_hours']:.2f} GPU-h bands {bands} "
-        f"watcher {s['state']} alerts {','.join(s['alerts']) or '-'}"
+        f"[{s['progress']:4.0%}] step {step}, {s['valid_steps']} valid, "
+        f"cost {s['cost']:.2f} {s['currency']}, per valid step {cps}, "
+        f"wasted {s['wasted_gpu_hours']:.2f} GPU-h; GPUs: {bands}; "
+        f"watcher: {s['state']}; alerts: {', '.join(s['alerts']) or 'none'}"
     )
 
 

@@ -187,6 +187,16 @@ class JobView:
         return {"rank": rank, "host": reg.get("host"), "gpu": reg.get("gpu")}
 
 
+def human(seconds: float) -> str:
+    """A duration for people: 45s, 12m30s, 4h17m."""
+    s = max(round(seconds), 0)
+    if s < 120:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s" if s % 60 else f"{s // 60}m"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 # ---- the decision (pure: no Redis) ---------------------------------------------------------
 def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None = None) -> Status:
     """The job's state at `now` (Unix seconds, the clock of the trainers' timestamps)."""
@@ -224,7 +234,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
         quiet = now - max(view.ranks.get(r, _Rank()).last_seen for r in silent)
         return status(
             "crashed",
-            f"no heartbeat from {who} for {quiet:.0f}s and no run end",
+            f"no heartbeat from {who} for {human(quiet)} and no run end",
             _first_silent(view, running, silent, cfg.heartbeat_interval_s),
             **progress,
         )
@@ -244,10 +254,11 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     if stalled or overrun:
         if overrun:
             name, rank, open_s, allow_s = overrun
-            reason = f"{name} on rank {rank} open for {open_s:.0f}s, past its {allow_s:.0f}s allowance"
+            reason = f"{name} on rank {rank} open for {human(open_s)}, past its {human(allow_s)} allowance"
         else:
             since = last.ts_ms / 1000 if last else start_ms / 1000
-            reason = f"no step for {now - since:.0f}s (stall threshold {tl.stall_threshold_ms / 1000:.0f}s)"
+            threshold = human(tl.stall_threshold_ms / 1000)
+            reason = f"no step for {human(now - since)} (stall threshold {threshold})"
         suspect = _divergent(view, running) or _zero_util_rank(view, cfg)
         return status("hung", reason, suspect, **progress)
     if live is not None and live["straggler"] is not None:

@@ -297,6 +297,8 @@ def test_readme_demo_command_in_a_fresh_virtualenv(tmp_path):
 
 
 def test_live_view_shows_step_bands_cost_watcher_and_alerts():
+    """Full band names, the 0% rank visible among 16 deadlocked GPUs, the story's title, 80 x 24;
+    plain lines in words."""
     from rich.console import Console
 
     from costexporter.demo import plain_line, render_view
@@ -310,19 +312,42 @@ def test_live_view_shows_step_bands_cost_watcher_and_alerts():
         "cost_per_valid_step": 0.0886,
         "wasted_gpu_hours": 2.33,
         "bands": ["deadlock"] * 16,
+        "utils": [100.0] * 3 + [0.0] + [100.0] * 12,
         "state": "hung",
-        "reason": "deadlock signature",
-        "suspect": {"rank": 3},
+        "reason": "checkpoint on rank 3 open for 4h17m, past its 15m allowance",
+        "suspect": {"rank": 3, "host": "node0", "gpu": 3, "why": "the only rank(s) inside checkpoint: [3]"},
         "alerts": ["JobHung", "DeadlockSignature"],
         "currency": "USD",
+        "title": "costexporter demo: 16 x B300, the R1 deadlock + R7 stories",
     }
-    console = Console(record=True, width=140)
+    console = Console(record=True, width=80, height=24)
     console.print(render_view(state))
     text = console.export_text()
-    for want in ("step 2142", "cost 189.78 USD", "wasted 2.33 GPU-h", "15:deadl", "watcher: hung", "45%"):
+    lines = text.rstrip("\n").split("\n")
+    assert len(lines) <= 24 and max(len(x) for x in lines) <= 80, text
+    for want in ("step 2142", "cost 189.78 USD", "wasted 2.33 GPU-h", "15 deadlock", "watcher: hung", "45%"):
         assert want in text, (want, text)
+    assert " 3 deadlock 0%" in text and text.count(" 0%") == 1  # only rank 3 is marked
+    assert "4h17m" in text and "suspect: rank 3" in text and "R1 deadlock" in text
+    assert "deadl " not in text
     assert "alerts: JobHung, DeadlockSignature" in text
-    assert "step 2142" in plain_line(state) and "DeadlockSignature" in plain_line(state)
+    line = plain_line(state)
+    assert "step 2142" in line and "DeadlockSignature" in line and "16 deadlock" in line
+    assert "{" not in line and "None" not in line
+    fresh = {**state, "step": None, "cost_per_valid_step": None, "bands": [], "utils": [], "alerts": []}
+    line = plain_line(fresh)
+    assert "None" not in line and "{" not in line and "step -" in line and "alerts: none" in line
+
+
+def test_the_mini_scenario_has_its_own_title(prefix):
+    from costexporter.demo import Demo, DemoConfig
+
+    d = Demo(DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario="mini", speed=1.0))
+    try:
+        assert d.title() == "costexporter demo: 4 x B300, every kind of time in 40 minutes"
+        assert d.state()["title"] == d.title()
+    finally:
+        d.stop()
 
 
 # ---- issue 17: the demo tells the truth; the CLI's first hour ------------------------------------
