@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -64,9 +63,8 @@ def check_redis(url: str, timeout_s: float = 2.0) -> None:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s).ping()
     except (redis.RedisError, OSError, ValueError) as e:
-        safe = re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
         raise DemoError(
-            f"Redis at {safe} does not answer ({e}); omit --redis-url for a private one"
+            f"the Redis of --redis-url does not answer ({e}); omit it for a private one"
         ) from None
 
 
