@@ -145,7 +145,14 @@ class SimSource(ReplaySource):
                 )
             self._clock_client.set(
                 clock_key(self._prefix or protocol.DEFAULT_PREFIX),
-                json.dumps({"sim": self.sim_time(), "wall": time.time(), "speed": self.speed}),
+                json.dumps(
+                    {
+                        "sim": self.sim_time(),
+                        "wall": time.time(),
+                        "speed": self.speed,
+                        "lag": self.event_lag_s,
+                    }
+                ),
                 ex=60,
             )
         except (redis.RedisError, OSError):
@@ -238,11 +245,11 @@ def clock_key(prefix: str) -> str:
 
 def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
     """A clock that follows the one a running simulation publishes (extrapolated between its
-    writes); the wall clock until one is seen."""
+    writes, less the lag of its trainers' events); the wall clock until one is seen."""
     import redis
 
     client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    last = {"sim": None, "wall": 0.0, "speed": 1.0}
+    last = {"sim": None, "wall": 0.0, "speed": 1.0, "lag": 0.0}
 
     def now() -> float:
         try:
@@ -253,6 +260,8 @@ def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
             pass
         if last["sim"] is None:
             return time.time()
-        return float(last["sim"]) + (time.time() - float(last["wall"])) * float(last["speed"])
+        # Less what the simulated trainers' events may still lag, as the in-process demo's watcher.
+        now_sim = float(last["sim"]) + (time.time() - float(last["wall"])) * float(last["speed"])
+        return now_sim - float(last.get("lag") or 0.0)
 
     return now
