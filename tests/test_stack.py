@@ -643,3 +643,18 @@ def test_tls_redis_helper_skips_a_binary_built_without_tls_and_shows_stderr(tmp_
     srv.candidates = [str(broken / "redis-server")]
     with pytest.raises(ServerFailed, match="boom: cannot open the AOF"):
         srv.start()
+
+
+def test_a_stopped_demo_bills_the_utilization_rule_only_for_what_was_played(prefix):
+    from costexporter.demo import Demo, DemoConfig
+
+    d = Demo(DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario="mini", speed=100.0)).start()
+    try:
+        time.sleep(1.5)
+        played_h = (d.src.sim_time() - d.t_start) * 4 / 3600
+        u = d.bill()["utilization_rule"]
+    finally:
+        d.stop()
+    total = u["useful_gpu_hours"] + u["not_useful_gpu_hours"]
+    assert 0 < total <= played_h + 0.01  # not the whole 40-minute story (2.2 GPU-h)
+    assert total < 1.0
