@@ -2,7 +2,7 @@
 
 Configuration precedence: flags, then `COSTEXPORTER_*` environment variables
 (`COSTEXPORTER_REPLAY_PRICE_PER_GPU_HOUR`, ...), then an optional YAML file given with
-`--config` or `COSTEXPORTER_CONFIG`, whose top-level keys are command names holding option
+`--config` (before or after the command) or `COSTEXPORTER_CONFIG`, whose top-level keys are command names holding option
 names (`replay: {price_per_gpu_hour: 4.1}`).
 """
 
