@@ -2,8 +2,8 @@
 
 Configuration precedence: flags, then `COSTEXPORTER_*` environment variables
 (`COSTEXPORTER_REPLAY_PRICE_PER_GPU_HOUR`, ...), then an optional YAML file given with
-`--config` (before or after the command) or `COSTEXPORTER_CONFIG`, whose top-level keys are command names holding option
-names (`replay: {price_per_gpu_hour: 4.1}`).
+`--config` (before or after the command) or `COSTEXPORTER_CONFIG`, whose top-level keys are
+command names holding option names (`replay: {price_per_gpu_hour: 4.1}`).
 """
 
 from __future__ import annotations

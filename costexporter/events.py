@@ -12,6 +12,17 @@ import time
 from .model import Event
 
 PROTOCOL_VERSION = "1"
+# A job's own watcher thresholds, in seconds (or a factor: stall_k), carried in its meta.
+META_THRESHOLDS = (
+    "heartbeat_timeout_s",
+    "heartbeat_interval_s",
+    "stall_floor_s",
+    "stall_k",
+    "checkpoint_allowance_s",
+    "eval_allowance_s",
+    "startup_allowance_s",
+    "phase_allowance_s",
+)
 EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta", "preflight"})
 # Text fields of a meta event; the Kubernetes ones come from `costexporter.k8s` (namespace for the
 # API's aggregation, progress=none for a job without steps, booked by band).
@@ -144,7 +155,7 @@ def parse_event(
             val = entry.get(key)
             if val is not None:
                 f[key] = _str(entry, key)
-        for key in ("price_per_gpu_hour", "budget"):
+        for key in ("price_per_gpu_hour", "budget", *META_THRESHOLDS):
             x = _float(entry, key, required=False)
             if x is not None:
                 if x < 0:

@@ -43,6 +43,7 @@ import numpy as np
 from . import bands as bands_mod
 from . import ledger, profiles, protocol
 from .booking import BookingConfig, Regime, build_timeline
+from .events import META_THRESHOLDS
 from .model import Band, Event
 from .profiles import Profile
 from .reader import EventReader
@@ -52,17 +53,10 @@ log = logging.getLogger("costexporter.watcher")
 STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
 ALERTING = {"crashed", "hung", "starving", "unknown"}
 LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
-# Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's).
+# Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's);
+# the others of META_THRESHOLDS are the booking rules'.
 WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
-BOOKING_THRESHOLDS = (
-    "stall_floor_s",
-    "stall_k",
-    "checkpoint_allowance_s",
-    "eval_allowance_s",
-    "startup_allowance_s",
-    "phase_allowance_s",
-)
-JOB_THRESHOLDS = WATCH_THRESHOLDS + BOOKING_THRESHOLDS
+JOB_THRESHOLDS = META_THRESHOLDS
 NO_AGENT_DATA = "no agent data: cannot name a rank"
 MAX_RANK = 1 << 20  # a ranks entry beyond this is not a rank of any real job
 

@@ -639,3 +639,43 @@ def test_watch_posts_to_a_real_alertmanager_and_resolves(prefix, tmp_path, alert
         assert resolved[0]["alerts"][0]["labels"]["alertname"] == "JobHung"
     finally:
         w.stop()
+
+
+def test_per_job_thresholds_travel_through_the_real_reporter_and_redis(prefix, tmp_path):
+    """meta(stall_floor_s=...) posted by a StepReporter reaches the watcher's decision."""
+    clock = [time.time()]
+    jobs = {}
+    for name, meta in (("slow", {"stall_floor_s": 1800.0}), ("fast", {})):
+        job = f"{prefix}-{name}"
+        rep = StepReporter(
+            job,
+            SHARED_URL,
+            prefix=prefix,
+            rank=0,
+            world_size=1,
+            host="h0",
+            spool_dir=str(tmp_path),
+            clock=lambda: clock[0],
+            meta=meta or None,
+        )
+        for s in range(1, 4):
+            rep.step(s, ts=clock[0] + s * 300)
+        assert rep.flush(5)
+        jobs[name] = (job, rep)
+    clock[0] += 3 * 300 + 400  # 400 s since the last step: hung by the default rule, not by 1800 s
+    for _, rep in jobs.values():
+        rep._post("heartbeat", ts=clock[0])  # alive
+        assert rep.flush(5)
+    w = Watcher(
+        WatchConfig(redis_url=SHARED_URL, prefix=prefix, heartbeat_timeout_s=10_000, clock=lambda: clock[0])
+    )
+    try:
+        decided = w.poll()
+        assert (
+            decided[jobs["slow"][0]].state == "running" and decided[jobs["slow"][0]].stall_threshold_s == 1800
+        )
+        assert decided[jobs["fast"][0]].state == "hung"
+    finally:
+        w.stop()
+        for _, rep in jobs.values():
+            rep.close(timeout=0.5)
