@@ -112,8 +112,10 @@ def _require_redis(url: str) -> None:
 
 
 def _safe_url(url: str) -> str:
-    """A Redis URL fit for a message: the password replaced by ***."""
-    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+    """A Redis URL fit for a message: no credentials, no options."""
+    from .spool import destination
+
+    return destination(url)
 
 
 def _tz(_ctx, _param, value: str) -> str:

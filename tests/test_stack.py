@@ -497,10 +497,16 @@ def test_serve_without_a_gpu_suggests_the_simulated_source(cli):
 def test_every_command_documents_its_environment_variables_and_takes_config_after_it(cli, tmp_path):
     from costexporter.cli import main
 
-    for name in main.commands:
-        text = cli(name, "--help").stdout
-        assert "env var: COSTEXPORTER_" in text, name
-        assert "--config" in text, name
+    commands = [
+        (name, *sub)
+        for name, cmd in main.commands.items()
+        for sub in ([[s] for s in cmd.commands] if hasattr(cmd, "commands") else [[]])
+    ]
+    assert ("watch",) in commands and len(commands) >= 9
+    for args in commands:
+        text = cli(*args, "--help").stdout
+        assert "env var: COSTEXPORTER_" in text, args
+        assert "--config" in text, args
     for name in ("serve", "watch", "demo", "api", "preflight"):
         text = " ".join(cli(name, "--help").stdout.split())
         for opt in ("--redis-url", "--prefix"):
