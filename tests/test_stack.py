@@ -504,7 +504,7 @@ def test_every_command_documents_its_environment_variables_and_takes_config_afte
     ]
     assert ("watch",) in commands and len(commands) >= 9
     for args in commands:
-        text = cli(*args, "--help").stdout
+        text = " ".join(cli(*args, "--help").stdout.split())
         assert "env var: COSTEXPORTER_" in text, args
         assert "--config" in text, args
     for name in ("serve", "watch", "demo", "api", "preflight"):
