@@ -584,7 +584,7 @@ def test_short_r1_the_watcher_follows_the_story_restarts_close_the_hung_checkpoi
     # After the resume at 1500 s, healthy training until the crash loop at 2100 s: running, and
     # never the old checkpoint.
     assert any(st == "running" for st, _, ts in hist if 1500 <= ts < 1500 + 200), hist
-    assert all(st == "running" for st, _, ts in hist if 1500 + 200 < ts < 2100), hist
+    assert all(st == "running" for st, _, ts in hist if 1500 + 200 < ts < 2100 - 30), hist
     assert not any("rank 3" in reason for _, reason, ts in hist if ts > 1500 + 200), hist
     # The crash loop: the processes die, heartbeats end: crashed.
     assert any(st == "crashed" for st, _, ts in hist if 2100 < ts < 2800), hist
