@@ -1,0 +1,378 @@
+"""Issue 13, cases 4-11: the agent's ledger stays exact under real faults.
+
+Real Redis (the shared one, or a private `redis-server` where it is restarted), real
+`costexporter serve` processes (replay source, or NVML through tests/fake_nvml.py where the
+wall clock matters), the real `costexporter replay` command.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from costexporter import ledger, protocol
+from costexporter.client import send_entries
+from costexporter.model import CATEGORIES, Event
+from costexporter.replay import ReplayConfig, book_trace
+from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+
+from ..redis_server import RedisServer, free_port
+from ..test_agent import offline_ms, post_events, scrape, serve, wait_booked
+
+URL = "redis://127.0.0.1:6379/0"
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "nvml_serve.py"
+
+
+def stop_all(procs: list[subprocess.Popen]) -> list[str]:
+    """SIGTERM each agent; it must exit 0 within 30 s without a traceback. Returns their stderr."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    errs = []
+    for p in procs:
+        _out, err = p.communicate(timeout=30)
+        errs.append(err)
+        assert p.returncode == 0, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+    return errs
+
+
+def metric(scraped: dict, name: str, **labels) -> list[float]:
+    return [v for lab, v in scraped.get(name, []) if all(lab.get(k) == w for k, w in labels.items())]
+
+
+def simple_job(job: str, seed: int, n_gpus: int = 2, seconds: int = 240) -> TraceBuilder:
+    b = TraceBuilder(n_gpus=n_gpus, per_host=n_gpus, job=job, seed=seed)
+    b.run("start")
+    b.stretch("compute", seconds, step_s=4, tokens=100)
+    b.stretch("deadlock", 60, zero_ranks=(1,))
+    b.stretch("compute", 60, step_s=4, tokens=100)
+    b.run("end")
+    b.stretch("idle", 5)
+    return b
+
+
+# ---- 4. two agents with the same --agent-id ----------------------------------------------------
+def test_4_two_agents_with_one_id_book_everything_once_and_say_so(shared, prefix, tmp_path):
+    b = simple_job("twins", 4)
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    post_events(shared, prefix, b)
+    expected, offline = offline_ms(b)
+    ports = [free_port(), free_port()]
+    procs = [serve(csv, "node0", URL, prefix, port, speed=50, book_s=0.1) for port in ports]  # both "node0"
+    try:
+        wait_booked(shared, prefix, b.job, ["node0"], offline.timeline.end_ms)
+        time.sleep(1.0)  # a round or more of the other one after the end: it must book nothing
+        total = ledger.read_amounts(shared, prefix, b.job)
+        scraped = [scrape(p)[0] for p in ports]
+    finally:
+        errs = stop_all(procs)
+    assert ledger.net_ms(total) == expected  # not twice
+    conflicts = [sum(metric(m, "costexporter_agent_conflicts_total")) for m in scraped]
+    assert max(conflicts) > 0, conflicts
+    assert any("same agent id" in e for e in errs), [e[-500:] for e in errs]
+
+
+# ---- 5. late events: register after the GPU's time was booked unassigned ----------------------
+def test_5_a_late_register_moves_no_time_twice(shared, prefix, tmp_path):
+    b = TraceBuilder(n_gpus=2, per_host=2, job="late", seed=5)
+    b.run("start")
+    b.stretch("compute", 300, step_s=5, tokens=100)
+    b.run("end")
+    b.stretch("idle", 5)
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    expected, offline = offline_ms(b)
+    p = serve(csv, "node0", URL, prefix, 0, speed=20, book_s=0.1)
+    try:
+        # The trainers' events are held up (Redis unreachable from the trainer at start) until
+        # the agent has sampled the GPUs for more than a minute of trace time.
+        deadline = time.monotonic() + 30
+        while True:
+            node = shared.hgetall(ledger.node_key(prefix, "node0"))
+            if node and json.loads(node["0"])["ts"] and json.loads(node["0"])["ts"] > b.t0 + 90:
+                break
+            assert time.monotonic() < deadline, "the agent did not sample"
+            time.sleep(0.05)
+        post_events(shared, prefix, b)  # with their original timestamps
+        wait_booked(shared, prefix, b.job, ["node0"], offline.timeline.end_ms)
+    finally:
+        stop_all([p])
+    job = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
+    unassigned = ledger.read_amounts(shared, prefix, ledger.UNASSIGNED_JOB).get("unassigned:ms", 0)
+    physical = 2 * (offline.timeline.end_ms - int(b.t0 * 1000))
+    # The trace's GPUs belong to the job from its first sample to its end: job + unassigned +
+    # unobserved is the physical time, and the job's own time is the offline replay's.
+    assert sum(job.values()) + unassigned == physical
+    assert job == expected
+
+
+# ---- 6. a GPU reused by a new job after the old one crashed -----------------------------------
+def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path):
+    a = TraceBuilder(n_gpus=2, per_host=2, job="crashed", seed=6)
+    a.run("start")
+    a.stretch("compute", 100, step_s=5, tokens=100)
+    a.stretch("idle", 50)  # crashed: no run end
+    b = TraceBuilder(n_gpus=2, per_host=2, job="next", seed=6, t0=a.t)  # same GPUs (same UUIDs)
+    a.stretch("compute", 150)  # the samples of job "next"
+    a.stretch("idle", 5)
+    b.run("start")
+    b.stretch("compute", 150, step_s=5, tokens=100)
+    b.run("end")
+    events = a.events + b.events
+    results, _ = book_trace(a.samples(), events, ReplayConfig())
+    expected = {}
+    for r in results:
+        ms = [0] * len(CATEGORIES)
+        for c, d in zip(r.pieces.category.tolist(), r.pieces.dur_ms.tolist(), strict=True):
+            ms[c] += int(d)
+        expected[r.name] = dict(zip(CATEGORIES, ms, strict=True))
+    [csv] = write_nvidia_smi_csv(a.samples(), tmp_path / "t")
+    a.events = events
+    post_events(shared, prefix, a)
+    p = serve(csv, "node0", URL, prefix, 0, speed=50, book_s=0.1)
+    end_b = int(max(e.ts for e in b.events) * 1000)
+    try:
+        wait_booked(shared, prefix, "next", ["node0"], end_b)
+        wait_booked(shared, prefix, "crashed", ["node0"], int(b.t0 * 1000))
+        time.sleep(0.5)
+    finally:
+        stop_all([p])
+    got = {j: ledger.net_ms(ledger.read_amounts(shared, prefix, j)) for j in ("crashed", "next")}
+    assert sum(got["crashed"].values()) + sum(got["next"].values()) == 2 * (end_b - int(a.t0 * 1000))
+    assert got == expected
+
+
+# ---- 7. register timestamps and clocks are bounded by what the agent observed ------------------
+def nvml_agent(prefix: str, port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(HELPER),
+            "2",
+            "--host",
+            "gpu-host",
+            "--agent-id",
+            "gpu-host",
+            "--redis-url",
+            URL,
+            "--prefix",
+            prefix,
+            "--port",
+            str(port),
+            "--listen",
+            "127.0.0.1",
+            "--book-interval",
+            "0.2",
+            "--sample-interval",
+            "0.1",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def live_entry(job: str, rank: int, seq: int, type_: str, ts: float | None = None, **f) -> dict:
+    return protocol.encode_fields(
+        {
+            "v": "1",
+            "type": type_,
+            "job": job,
+            "ts": f"{time.time() if ts is None else ts:.3f}",
+            "rank": rank,
+            "session": f"s{rank}",
+            "seq": seq,
+            **f,
+        }
+    )
+
+
+def test_7_an_ancient_register_and_a_skewed_clock_are_bounded_and_shown(shared, prefix):
+    from tests.helpers.nvml_serve import uuid
+
+    job, port = "skewed", free_port()
+    p = nvml_agent(prefix, port)
+    try:
+        time.sleep(1.5)  # the agent samples its GPUs
+        t_reg = time.time()
+        ahead = 120.0  # rank 1's clock runs two minutes ahead
+        send_entries(
+            shared,
+            prefix,
+            job,
+            [
+                live_entry(job, 0, 0, "register", ts=946_684_800.0, host="gpu-host", gpu=0, gpu_uuid=uuid(0)),
+                live_entry(job, 1, 0, "register", ts=t_reg + ahead, host="gpu-host", gpu=1, gpu_uuid=uuid(1)),
+                live_entry(job, 0, 1, "run", state="start"),
+            ],
+        )
+        seq = [2, 1]
+        for step in range(1, 16):
+            time.sleep(0.2)
+            send_entries(shared, prefix, job, [live_entry(job, 0, seq[0], "step", step=step)])
+            send_entries(shared, prefix, job, [live_entry(job, 1, seq[1], "heartbeat", ts=time.time() + ahead)])
+            seq = [seq[0] + 1, seq[1] + 1]
+        send_entries(shared, prefix, job, [live_entry(job, 0, seq[0], "run", state="end")])
+        t_end = time.time()
+        wait_booked(shared, prefix, job, ["gpu-host"], int(t_end * 1000) - 100, timeout=30)
+        scraped, _ = scrape(port)
+    finally:
+        [err] = stop_all([p])
+    total_s = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values()) / 1000
+    # Each GPU is billed from about its register's arrival (what the agent observed) to the end:
+    # not from 2000-01-01, and rank 1's GPU not two minutes late.
+    assert 2 * (t_end - t_reg) - 1.0 <= total_s <= 2 * (t_end - t_reg) + 1.0
+    skew = metric(scraped, "costexporter_event_clock_skew_seconds", training_job=job)
+    assert skew and skew[0] == pytest.approx(ahead, abs=5), skew
+    assert "clock" in err and "NTP" in err
+
+
+# ---- 8. Redis restarted empty ------------------------------------------------------------------
+def test_8_redis_restarted_empty_is_noticed_and_history_is_not_booked_again(tmp_path):
+    b = simple_job("amnesia", 8, seconds=300)
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    expected, offline = offline_ms(b)
+    server = RedisServer(tmp_path / "redis").start()
+    client = server.client()
+    post_events(client, "ce", b)
+    port = free_port()
+    p = serve(csv, "node0", server.url, "ce", port, speed=20, book_s=0.2)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            wm = ledger.load_watermark(client, "ce", b.job, "node0")
+            if wm and wm["booked_until"] > offline.timeline.start_ms + 120_000:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client.client_pause(10_000, all=False)  # freeze writes, read what the ledger holds, then die
+        before = ledger.net_ms(ledger.read_amounts(client, "ce", b.job))
+        server.kill()
+        shutil.rmtree(tmp_path / "redis" / "appendonlydir", ignore_errors=True)
+        server.start()  # empty
+        client = server.client()
+        wait_booked(client, "ce", b.job, ["node0"], offline.timeline.end_ms, timeout=60)
+        after = ledger.net_ms(ledger.read_amounts(client, "ce", b.job))
+        scraped, _ = scrape(port)
+    finally:
+        [err] = stop_all([p])
+        server.stop()
+    # Nothing booked twice across the two Redis lives, nothing lost.
+    assert {c: before[c] + after[c] for c in CATEGORIES} == expected
+    assert "restarted empty" in err
+    assert sum(metric(scraped, "costexporter_redis_epoch_resets_total")) >= 1
+
+
+# ---- 9. one poisoned job stops nothing ---------------------------------------------------------
+def test_9_poisoned_registrations_are_skipped_counted_and_the_healthy_job_books(shared, prefix, tmp_path):
+    b = TraceBuilder(n_gpus=4, per_host=4, job="healthy", seed=9)
+    b.events = [e for e in b.events if e.rank < 2]  # the healthy job holds GPUs 0 and 1
+    b.run("start")
+    b.stretch("compute", 200, step_s=4, tokens=100)
+    b.run("end")
+    b.stretch("idle", 5)
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    results, _ = book_trace(b.samples(), b.events, ReplayConfig())
+    [healthy] = [r for r in results if r.name == "healthy"]
+    expected = dict.fromkeys(CATEGORIES, 0)
+    for c, d in zip(healthy.pieces.category.tolist(), healthy.pieces.dur_ms.tolist(), strict=True):
+        expected[CATEGORIES[c]] += int(d)
+    post_events(shared, prefix, b)
+    reg = {"host": "node0", "ts": b.t0, "world_size": 2}
+    poisoned = {
+        "bad-gpu": {"0": json.dumps({**reg, "gpu": "abc"})},
+        "bad-list": {"0": json.dumps([1, 2])},
+        "bad-ts": {"0": json.dumps({**reg, "ts": None, "gpu": 2, "gpu_uuid": b.uuid(2)})},
+        "bad-rank": {"99999999999": json.dumps({**reg, "gpu": 3, "gpu_uuid": b.uuid(3)})},
+        "bad-world": {"0": json.dumps({**reg, "gpu": 3, "world_size": 10**12})},
+        "bad job": {"0": json.dumps({**reg, "gpu": 2})},
+        "bad{job}": {"0": json.dumps({**reg, "gpu": 3})},
+    }
+    for name, ranks in poisoned.items():
+        shared.hset(protocol.job_key(prefix, name, "ranks"), mapping=ranks)
+        shared.zadd(protocol.jobs_key(prefix), {name: b.t0})
+    port = free_port()
+    p = serve(csv, "node0", URL, prefix, port, speed=20, book_s=0.1)
+    try:
+        wait_booked(shared, prefix, b.job, ["node0"], healthy.timeline.end_ms)
+        scraped, _ = scrape(port)
+        rss_kb = int(next(x for x in open(f"/proc/{p.pid}/status") if x.startswith("VmRSS")).split()[1])
+        t_term = time.monotonic()
+    finally:
+        [err] = stop_all([p])
+    assert time.monotonic() - t_term < 10  # SIGTERM still works
+    assert rss_kb < 600_000
+    got = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
+    assert got == expected
+    rejected = scraped.get("costexporter_registrations_rejected_total", [])
+    assert {lab["training_job"] for lab, v in rejected if v >= 1} == set(poisoned), rejected
+    for name in poisoned:  # each logged, once per job and reason
+        lines = [x for x in err.splitlines() if "registration" in x and repr(name) in x]
+        assert len(lines) == 1, (name, lines)
+    assert "booking round failed" not in err
+
+
+# ---- 10. rejected events are visible -------------------------------------------------------------
+def test_10_rejected_events_are_exported_and_logged_once_per_reason(shared, prefix, tmp_path):
+    b = simple_job("noisy", 10, seconds=60)
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    expected, offline = offline_ms(b)
+    post_events(shared, prefix, b)
+    bad = {"v": "1", "type": "step", "job": b.job, "ts": f"{b.t0 + 10:.3f}", "rank": "0", "session": "x"}
+    send_entries(
+        shared,
+        prefix,
+        b.job,
+        [
+            *({**bad, "seq": str(i), "step": "abc"} for i in range(3)),  # a step that is no number, 3 times
+            {k: v for k, v in {**bad, "seq": "9", "step": "5"}.items() if k != "ts"},  # no timestamp
+        ],
+    )
+    port = free_port()
+    p = serve(csv, "node0", URL, prefix, port, speed=50, book_s=0.1)
+    try:
+        wait_booked(shared, prefix, b.job, ["node0"], offline.timeline.end_ms)
+        scraped, _ = scrape(port)
+    finally:
+        [err] = stop_all([p])
+    assert ledger.net_ms(ledger.read_amounts(shared, prefix, b.job)) == expected  # the bad ones stop nothing
+    rejected = {
+        lab["reason"]: v for lab, v in scraped["costexporter_events_rejected_total"] if lab["training_job"] == b.job
+    }
+    assert sum(rejected.values()) == 4 and len(rejected) == 2, rejected
+    for reason, n in rejected.items():
+        lines = [x for x in err.splitlines() if "rejected" in x and reason in x and "'noisy'" in x]
+        assert len(lines) == 1, (reason, lines)
+
+
+# ---- 11. replay: two ranks claim one host + GPU index --------------------------------------------
+def test_11_replay_books_a_gpu_claimed_by_two_ranks_once_and_names_them(cli, tmp_path):
+    b = TraceBuilder(n_gpus=2, per_host=2, job="dup", seed=11)
+    regs = [e for e in b.events if e.type == "register"]
+    b.events = [
+        Event("register", b.job, e.ts, e.rank, e.session, e.seq, {**e.fields, "gpu": 0})
+        for e in regs
+    ]  # both launchers said host node0, GPU 0 (no NVML to tell the UUID)
+    for e in b.events:
+        del e.fields["gpu_uuid"]
+    b.run("start")
+    b.stretch("compute", 120, step_s=4, tokens=100)
+    b.run("end")
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    ev = b.write_events(tmp_path / "events.jsonl")
+    r = cli("replay", "--samples", f"node0={csv}", "--events", ev, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert "internal error" not in r.stderr
+    assert "ranks 0 and 1" in r.stderr and "node0" in r.stderr
+    rep = json.loads(r.stdout)
+    job = rep["jobs"]["dup"]
+    assert job["gpu_hours_total"] == pytest.approx(120 / 3600, abs=2 / 3600)  # GPU 0 once, not twice
+    assert len(job["gpus"]) == 1
