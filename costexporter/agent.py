@@ -2,12 +2,16 @@
 
 Each round (`book_interval_s`) the agent
   1. drains its sampler (the node's GPUs, read on a background thread);
-  2. finds the jobs its GPUs belong to (`<p>:jobs`, each job's `:ranks` registrations);
+  2. checks Redis's epoch marker (an empty restart is noticed, not booked as new history) and
+     finds the jobs its GPUs belong to (`<p>:jobs`, each job's validated `:ranks` entries);
   3. shares its samples with the job's other agents (`:samples:<host>` streams) and reads
      theirs, so cross-rank signatures see every rank;
-  4. books the decided part of each job's time for its own GPUs (`live.book_window`) and
-     writes the amounts, the rollback corrections, the job-level figures, the incidents and
-     its watermark in one MULTI/EXEC per job.
+  4. per job, books the decided part of its own GPUs' time (`live.book_window`), turns it into
+     a ledger delta (`live.ledger_delta`, pure) and commits the delta with its watermark in one
+     compare-and-set (`ledger.commit`): a second agent with the same id loses, re-reads and
+     books nothing twice. A job that fails is skipped; the others book.
+  5. books the time of GPUs no job holds into `_unassigned`, held back `unassigned_hold_s` so
+     a register that arrives late still gets its GPU's time.
 While Redis is unreachable nothing is booked: samples wait (bounded, counted) and are booked
 when it is back; the events the trainers buffered meanwhile arrive too, so an outage never
 looks like a stall. A transaction whose reply was lost is resolved by re-reading the watermark.
@@ -16,21 +20,23 @@ looks like a stall. A transaction whose reply was lost is resolved by re-reading
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import bands as bands_mod
-from . import ledger, profiles, protocol
-from .booking import POS_INF, BookingConfig, Pieces, Regime, StepRecord, _cut_per_gpu, make_slices
+from . import ledger, live, profiles, protocol
+from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, make_slices
 from .cost import Prices
-from .live import book_window
-from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Event
+from .live import JobState, book_window
+from .model import BANDS, Category, Event
 from .profiles import Profile
 from .reader import EventReader
 from .sources.base import GpuSource
@@ -38,8 +44,6 @@ from .sources.sampler import Sampler
 
 log = logging.getLogger("costexporter.agent")
 
-VALID = sorted(int(c) for c in VALID_CATEGORIES)
-N_CAT = len(Category)
 SAMPLES_MAXLEN = 5000  # entries per host sample stream (one entry per round)
 
 
@@ -65,6 +69,11 @@ class AgentConfig:
     profile: Profile | None = None
     gpu_model: str | None = None
     power_limit_w: float | None = None
+    # Time of GPUs no job holds is booked `unassigned` only this long after it was sampled: a
+    # register that arrives later than this (a trainer cut off from Redis at its start) gets
+    # its GPU's time from then on; the time before stays `unassigned` (booked once either way).
+    unassigned_hold_s: float = 600.0
+    clock_skew_warn_s: float = 10.0  # event timestamps this far off their arrival: a warning
 
 
 @dataclass
@@ -74,27 +83,38 @@ class _Job:
     events: list[Event] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # the job's meta events folded, last write wins
     preflight: str = ""  # JSON of the latest pre-run gate result
-    ranks: dict[int, dict] = field(default_factory=dict)  # rank -> register entry
+    ranks: dict[int, protocol.Registration] = field(default_factory=dict)
     own: dict[int, int] = field(default_factory=dict)  # rank -> source GPU index
-    booked_until: int = 0
-    cum: np.ndarray = field(default_factory=lambda: np.zeros((N_CAT, 3), np.int64))  # valid, booked so far
-    booked: np.ndarray = field(default_factory=lambda: np.zeros((N_CAT, 3), np.int64))  # all, by this agent
-    voided: np.ndarray = field(default_factory=lambda: np.zeros((N_CAT, 3), np.int64))
-    rb_index: dict[int, list] = field(default_factory=dict)  # step record -> cum (flattened)
-    rb_applied: set[int] = field(default_factory=set)
-    incidents: dict[str, dict] = field(default_factory=dict)  # category -> the open incident
+    floors: dict[int, int] = field(default_factory=dict)  # rank -> GPU time already booked elsewhere
+    ends: dict[int, int] = field(default_factory=dict)  # rank -> a later job's claim of its GPU
+    state: JobState = field(default_factory=JobState)
+    wm_raw: str | None = None  # the watermark as this agent last read or wrote it (the CAS)
+    loaded: bool = False
+    ever_loaded: bool = False
     remote: list = field(default_factory=list)  # chunks of (rank, ts, p, u, e) from other hosts
     remote_ids: dict[str, str] = field(default_factory=dict)
     remote_seen: dict[str, float] = field(default_factory=dict)  # host -> monotonic time of its last entry
     published_ts: dict[int, int] = field(default_factory=dict)  # rank -> newest ts published
-    loaded: bool = False
-    figures: dict = field(default_factory=dict)
+    figures: dict = field(default_factory=lambda: {"steps_completed": 0, "steps_voided": 0})
     latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
     at_risk_ms: int = 0
+    end_ms: int | None = None  # the run's end, once seen
     done: bool = False
     done_at: float | None = None  # monotonic time when the job was booked to its end
-    since_ref_ms: int = -1  # the last progress point ...
-    since_cost: int = 0  # ... and this agent's cost (micro-units) booked after it
+    skew_s: float | None = None
+    logged: set = field(default_factory=set)  # (kind, reason) already logged for this job
+
+    @property
+    def booked_until(self) -> int:
+        return self.state.booked_until
+
+    def claim(self, rank: int) -> tuple[int, int]:
+        """[start, end) of the job's hold on its rank's GPU, as far as known now."""
+        start = self.state.starts.get(rank)
+        if start is None:
+            start = max(int(self.ranks[rank].ts * 1000), self.floors.get(rank, 0))
+        end = min(self.ends.get(rank, POS_INF), self.end_ms if self.end_ms is not None else POS_INF)
+        return start, max(start, end)
 
 
 class Agent:
@@ -110,12 +130,20 @@ class Agent:
         self.jobs: dict[str, _Job] = {}
         self.context_ms = int((cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60) * 1000)
         self._local: list[tuple] = []  # chunks of (gpu, ts, p, u, e) read from this node
+        self._first_seen: dict[int, int] = {}  # GPU -> this process's first sample of it (ms)
+        self._newest: dict[int, int] = {}  # GPU -> newest sample (ms)
         self._last_refresh = 0.0
         self._unassigned_until: int | None = None
+        self._unassigned_raw: str | None = None
+        self._unassigned_loaded = False
+        self._epoch: str | None = None
         self._started_at = time.monotonic()
         self._redis_back_at = 0.0
         self.redis_up = False
         self.stats: collections.Counter[str] = collections.Counter()
+        self.registrations_rejected: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._rejected_seen: set[tuple[str, str, str]] = set()
+        self._logged: set[tuple] = set()
         self.lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -157,28 +185,37 @@ class Agent:
                 "enable appendonly yes"
             )
 
+    def _log_once(self, key: tuple, level: int, msg: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.log(level, msg, *args)
+
     # ---- one round -----------------------------------------------------------------------
     def tick(self) -> None:
         readings = self.sampler.drain()
         if readings:
-            self._local.append(
-                (
-                    np.fromiter((r.gpu for r in readings), np.int64, len(readings)),
-                    np.fromiter((round(r.ts * 1000) for r in readings), np.int64, len(readings)),
-                    np.fromiter((r.power_w for r in readings), np.float64, len(readings)),
-                    np.fromiter((r.util_pct for r in readings), np.float64, len(readings)),
-                    np.fromiter((r.energy_mj for r in readings), np.float64, len(readings)),
-                )
+            chunk = (
+                np.fromiter((r.gpu for r in readings), np.int64, len(readings)),
+                np.fromiter((round(r.ts * 1000) for r in readings), np.int64, len(readings)),
+                np.fromiter((r.power_w for r in readings), np.float64, len(readings)),
+                np.fromiter((r.util_pct for r in readings), np.float64, len(readings)),
+                np.fromiter((r.energy_mj for r in readings), np.float64, len(readings)),
             )
+            self._local.append(chunk)
+            for g in np.unique(chunk[0]).tolist():
+                t = chunk[1][chunk[0] == g]
+                self._first_seen.setdefault(g, int(t.min()))
+                self._newest[g] = max(self._newest.get(g, 0), int(t.max()))
         local = self._local_arrays()
         try:
+            self._check_epoch()
             if time.monotonic() - self._last_refresh > self.cfg.job_refresh_s or not self.jobs:
                 self._discover()
             if not self.redis_up:
                 self._redis_back_at = time.monotonic()
             for job in list(self.jobs.values()):
                 if job.own:
-                    self._book(job, local)
+                    self._book_isolated(job, local)
             self._book_unassigned(local)
             self._publish_node()
             self.redis_up = True
@@ -187,15 +224,66 @@ class Agent:
                 log.warning("Redis unreachable (%s): holding samples until it is back", e)
             self.redis_up = False
             self.stats["redis_errors"] += 1
-            self._unassigned_until = None
-            for job in self.jobs.values():
-                job.loaded = False  # the last write may or may not have landed: re-read the watermark
+            self._forget_watermarks()
         except Exception:  # a bug or an input nobody foresaw: log it, count it, keep the daemon up
             log.exception("booking round failed; nothing of it was written")
             self.stats["round_errors"] += 1
-            for job in self.jobs.values():
-                job.loaded = False
+            self._forget_watermarks()
         self._trim(local)
+
+    def _forget_watermarks(self) -> None:
+        """The last write may or may not have landed: re-read the watermarks before booking."""
+        self._unassigned_loaded = False
+        for job in self.jobs.values():
+            job.loaded = False
+
+    def _check_epoch(self) -> None:
+        """Redis restarted empty (or was flushed): its epoch marker is gone. Say so loudly and go
+        on from this agent's own watermarks instead of re-reading empty ones, which would book
+        every job's history again from its registration."""
+        if self._epoch is None:
+            self._epoch = ledger.ensure_epoch(self.redis, self.cfg.prefix, uuid.uuid4().hex)
+            return
+        if self.redis.get(ledger.epoch_key(self.cfg.prefix)) == self._epoch:
+            return
+        self.stats["epoch_resets"] += 1
+        log.error(
+            "Redis restarted empty: its epoch marker %s is gone, and with it the ledger written "
+            "before now (enable appendonly yes). Booking goes on from this agent's watermarks; "
+            "history is not booked again",
+            self._epoch,
+        )
+        self._epoch = ledger.ensure_epoch(self.redis, self.cfg.prefix, uuid.uuid4().hex)
+        for job in self.jobs.values():
+            if job.ever_loaded:
+                job.loaded, job.wm_raw = True, None
+        if self._unassigned_until is not None:
+            self._unassigned_loaded, self._unassigned_raw = True, None
+
+    def _book_isolated(self, job: _Job, local: tuple[np.ndarray, ...]) -> None:
+        """One job's round; its failure (bad stored data, a bug) skips it, not the others."""
+        try:
+            self._book(job, local)
+        except ledger.Conflict:
+            self.stats["conflicts"] += 1
+            self._log_once(
+                ("conflict", job.name),
+                logging.WARNING,
+                "job %r: its watermark changed under agent %r: another agent runs with the same agent "
+                "id. The round is dropped and the ledger re-read, so nothing is booked twice; run one "
+                "agent per --agent-id",
+                job.name,
+                self.cfg.agent_id,
+            )
+            job.loaded = False
+        except self._redis_errors:
+            raise
+        except Exception as e:
+            self.stats["job_errors"] += 1
+            job.loaded = False
+            if ("error", type(e).__name__) not in job.logged:
+                job.logged.add(("error", type(e).__name__))
+                log.exception("job %r: booking failed; skipped this round, the other jobs book on", job.name)
 
     def _publish_node(self) -> None:
         """This node's GPUs and their newest readings, for `preflight`'s occupancy check."""
@@ -250,50 +338,152 @@ class Agent:
             self._local = [tuple(a[keep] for a in local)]
 
     # ---- jobs ------------------------------------------------------------------------------
+    def _reject_registration(self, job: str, rank_s: str, raw: str, reason: str, message: str) -> None:
+        """Counted once per entry, logged once per job and reason; the job's other ranks go on."""
+        if (job, rank_s, raw) in self._rejected_seen:
+            return
+        if len(self._rejected_seen) < 100_000:
+            self._rejected_seen.add((job, rank_s, raw))
+        self.registrations_rejected[(job, reason)] += 1
+        self._log_once(
+            ("registration", job, reason),
+            logging.WARNING,
+            "job %r: registration of rank %s rejected (%s): %s; counted in "
+            "costexporter_registrations_rejected_total, the other ranks and jobs book on",
+            job,
+            rank_s,
+            reason,
+            message,
+        )
+
     def _discover(self) -> None:
         """Jobs whose registered GPUs are this node's (by UUID, else host + index)."""
         self._last_refresh = time.monotonic()
+        if self._unassigned_until is None:
+            self._load_unassigned()
         gpus = self.source.gpus()
         by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
         by_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
         for name in self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1):
-            ranks = self.redis.hgetall(protocol.ranks_key(self.cfg.prefix, name))
+            try:
+                protocol.check_job(name)
+            except ValueError as e:
+                self._reject_registration(name, "*", "", "bad_job_name", str(e))
+                continue
             job = self.jobs.get(name)
-            for rank_s, raw in ranks.items():
+            for rank_s, raw in self.redis.hgetall(protocol.ranks_key(self.cfg.prefix, name)).items():
                 try:
-                    entry = json.loads(raw)
-                    rank = int(rank_s)
-                except ValueError:
+                    reg = protocol.parse_registration(rank_s, raw)
+                except protocol.RegistrationError as e:
+                    self._reject_registration(name, rank_s, raw, e.reason, str(e))
                     continue
-                g = by_uuid.get(entry.get("gpu_uuid")) if entry.get("gpu_uuid") else None
-                if g is None and entry.get("gpu") not in (None, ""):
-                    g = by_index.get((entry.get("host"), int(entry["gpu"])))
+                g = by_uuid.get(reg.gpu_uuid) if reg.gpu_uuid else None
+                if g is None and reg.gpu is not None:
+                    g = by_index.get((reg.host, reg.gpu))
                 if g is None and not job:
                     continue
                 if job is None:
                     job = self.jobs[name] = _Job(name, EventReader(self.redis, name, prefix=self.cfg.prefix))
-                old = job.ranks.get(rank)
-                if old is not None and "ts" in old:  # a restart registers again: the GPU is the job's
-                    # from the rank's first registration on (the hash keeps only the newest)
-                    entry = {**entry, "ts": min(float(old["ts"]), float(entry.get("ts", old["ts"])))}
-                job.ranks[rank] = entry
-                if g is not None:
-                    job.own[rank] = g
+                old = job.ranks.get(reg.rank)
+                if old is not None:  # a restart registers again: the GPU is the job's from the
+                    # rank's first registration on (the hash keeps only the newest)
+                    reg = dataclasses.replace(reg, ts=min(old.ts, reg.ts))
+                job.ranks[reg.rank] = reg
+                if g is not None and reg.rank not in job.own:
+                    job.own[reg.rank] = g
+                    job.floors[reg.rank] = self._booked_elsewhere(g, job)
+        self._handover()
+
+    def _booked_elsewhere(self, gpu: int, new: _Job) -> int:
+        """How far this GPU's time is booked already (unassigned, or by another job): a claim
+        that arrives late starts there, so no GPU-second is booked twice."""
+        until = self._unassigned_until or 0
+        for j in self.jobs.values():
+            if j is not new and gpu in j.own.values():
+                until = max(until, j.booked_until)
+        return until
+
+    def _handover(self) -> None:
+        """A GPU registered by a later job leaves the earlier job at the later one's start (the
+        earlier one crashed without `run end`), as offline replay does."""
+        claims: dict[int, list[tuple[int, str, int]]] = {}
+        for j in self.jobs.values():
+            for r, g in j.own.items():
+                claims.setdefault(g, []).append((int(j.ranks[r].ts * 1000), j.name, r))
+        for lst in claims.values():
+            lst.sort()
+            for i, (_t, name, r) in enumerate(lst):
+                later = [(n2, r2) for _t2, n2, r2 in lst[i + 1 :] if n2 != name]
+                if later:
+                    n2, r2 = later[0]
+                    self.jobs[name].ends[r] = self.jobs[n2].claim(r2)[0]
+                else:
+                    self.jobs[name].ends.pop(r, None)
 
     def _load(self, job: _Job) -> None:
         """The job's state as the ledger has it (at start, and after an uncertain write)."""
-        wm = ledger.load_watermark(self.redis, self.cfg.prefix, job.name, self.cfg.agent_id) or {}
-        job.booked_until = int(wm.get("booked_until", 0))
-        for k in ("cum", "booked", "voided"):
-            setattr(job, k, np.asarray(wm.get(k, np.zeros((N_CAT, 3), np.int64).tolist()), np.int64))
-        job.rb_applied = set(wm.get("rb_applied", []))
-        job.incidents = wm.get("incidents_open", {})
-        raw = self.redis.hgetall(ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id))
-        job.rb_index = {int(k): json.loads(v) for k, v in raw.items()}
-        job.loaded = True
+        raw = self.redis.get(ledger.key(self.cfg.prefix, job.name, "wm", self.cfg.agent_id))
+        rb = self.redis.hgetall(ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id))
+        job.state = JobState.from_json(
+            json.loads(raw) if raw else {}, {int(k): json.loads(v) for k, v in rb.items()}
+        )
+        job.wm_raw = raw
+        job.loaded = job.ever_loaded = True
+
+    def _read_events(self, job: _Job) -> None:
+        """New events of the job; meta and the gate's result folded; rejections and clock skew
+        made visible."""
+        new_events = job.reader.poll(count=100_000)
+        job.events += new_events
+        for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
+            if ev.type == "meta":
+                job.meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
+            elif ev.type == "preflight":
+                job.preflight = json.dumps(
+                    {"passed": ev.get("passed"), "checks": ev.get("checks"), "ts": ev.ts}
+                )
+        for entry_id, reason, message in list(job.reader.rejections):
+            if ("rejected", reason) not in job.logged:
+                job.logged.add(("rejected", reason))
+                log.warning(
+                    "job %r: event %s rejected (%s): %s; counted in costexporter_events_rejected_total",
+                    job.name,
+                    entry_id,
+                    reason,
+                    message,
+                )
+        offsets = job.reader.clock_offset_s
+        if self.source.wall_clock and offsets:
+            rank, skew = max(offsets.items(), key=lambda kv: abs(kv[1]))
+            job.skew_s = skew
+            if abs(skew) > self.cfg.clock_skew_warn_s and ("skew", rank) not in job.logged:
+                job.logged.add(("skew", rank))
+                log.warning(
+                    "job %r rank %d: event timestamps are %+.1f s off their arrival in Redis: the trainer's "
+                    "clock is skewed (keep every host on NTP) or its events arrive late",
+                    job.name,
+                    rank,
+                    skew,
+                )
+
+    def _starts(self, job: _Job, own_ranks: np.ndarray) -> np.ndarray:
+        """When each own rank's GPU time starts, fixed the first time it is booked and kept in the
+        watermark: the register's time, but no earlier than this agent's first sample of the GPU
+        or what is booked already elsewhere, and no later than the newest sample (a register
+        dated in the future, a clock ahead)."""
+        out = []
+        for r in own_ranks.tolist():
+            if r not in job.state.starts:
+                g = job.own[r]
+                reg = int(job.ranks[r].ts * 1000)
+                observed = self._first_seen.get(g, min(self._first_seen.values(), default=reg))
+                start = max(reg, observed, job.floors.get(r, 0))
+                job.state.starts[r] = min(start, self._newest.get(g, start))
+            out.append(job.state.starts[r])
+        return np.asarray(out, np.int64)
 
     def _remote_samples(self, job: _Job) -> None:
-        for host in {str(e.get("host")) for r, e in job.ranks.items() if r not in job.own}:
+        for host in {str(e.host) for r, e in job.ranks.items() if r not in job.own}:
             if host == self.host:
                 continue
             k = ledger.key(self.cfg.prefix, job.name, "samples", host)
@@ -319,30 +509,15 @@ class Agent:
                 except (KeyError, ValueError):
                     self.stats["bad_sample_entries"] += 1
 
-    def _book(self, job: _Job, local: tuple[np.ndarray, ...]) -> None:
-        cfg = self.cfg
-        if not job.loaded:
-            self._load(job)
-        new_events = job.reader.poll(count=100_000)
-        job.events += new_events
-        for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
-            if ev.type == "meta":
-                job.meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
-            elif ev.type == "preflight":
-                job.preflight = json.dumps(
-                    {"passed": ev.get("passed"), "checks": ev.get("checks"), "ts": ev.ts}
-                )
-        self._remote_samples(job)
-
-        # This agent's samples of the job's GPUs, as ranks.
+    def _window(self, job: _Job, local: tuple[np.ndarray, ...]):
+        """Every rank's samples in the context window, sorted by (rank, ts), and this agent's
+        own (shared with the job's other agents as they come)."""
         gpu, ts, p, u, e = local
-        rank_of_gpu = {g: r for r, g in job.own.items()}
         lut = np.full(max([*job.own.values(), int(gpu.max(initial=-1))]) + 1, -1, np.int64)
-        for g, r in rank_of_gpu.items():
+        for r, g in job.own.items():
             lut[g] = r
         mine = lut[gpu] >= 0 if gpu.size else np.zeros(0, bool)
         own_rank, own_ts = lut[gpu[mine]], ts[mine]
-        # Share the new ones with the job's other agents.
         new = own_ts > np.asarray([job.published_ts.get(int(r), -1) for r in own_rank], np.int64)
         if new.any():
             entry = {
@@ -353,14 +528,13 @@ class Agent:
                 "e": e[mine][new].tolist(),
             }
             self.redis.xadd(
-                ledger.key(cfg.prefix, job.name, "samples", self.host),
+                ledger.key(self.cfg.prefix, job.name, "samples", self.host),
                 {k: json.dumps(v).replace("NaN", "null") for k, v in entry.items()},
                 maxlen=SAMPLES_MAXLEN,
                 approximate=True,
             )
             for r in np.unique(own_rank[new]).tolist():
                 job.published_ts[r] = int(own_ts[new][own_rank[new] == r].max())
-
         chunks = [(own_rank, own_ts, p[mine], u[mine], e[mine]), *job.remote]
         R, T, P, U, E = (np.concatenate(c) for c in zip(*chunks, strict=True))
         P = np.where(np.isfinite(P), P, np.nan)
@@ -371,15 +545,27 @@ class Agent:
         remote = ~np.isin(R, list(job.own))
         job.remote = [tuple(a[remote] for a in (R, T, P, U, E))]
         order = np.lexsort((T, R))
-        R, T, P, U, E = (a[order] for a in (R, T, P, U, E))
+        return tuple(a[order] for a in (R, T, P, U, E)), (own_rank, own_ts, p[mine], u[mine])
+
+    def _book(self, job: _Job, local: tuple[np.ndarray, ...]) -> None:
+        """Read, book the window (pure), commit the delta with the watermark compare-and-set."""
+        cfg = self.cfg
+        if not job.loaded:
+            self._load(job)
+        self._read_events(job)
+        self._remote_samples(job)
+        (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local)
         if T.size == 0:
             return
         own_ranks = np.asarray(sorted(job.own), np.int64)
-        reg_ts = {r: int(float(job.ranks[r].get("ts", 0)) * 1000) for r in job.ranks}
-        job_start = min(reg_ts.values())
-        if job.booked_until == 0:
-            job.booked_until = job_start
-        member_start = np.asarray([reg_ts[r] for r in own_ranks], np.int64)
+        member_start = self._starts(job, own_ranks)
+        member_end = np.maximum(np.asarray([job.claim(int(r))[1] for r in own_ranks], np.int64), member_start)
+        # Other hosts' ranks may have registered a little earlier; an ancient date is not trusted.
+        job_start = max(
+            min(int(reg.ts * 1000) for reg in job.ranks.values()), int(member_start.min()) - 600_000
+        )
+        if job.state.booked_until == 0:
+            job.state.booked_until = int(member_start.min())
         meta = job.meta
         profile = cfg.profile or profiles.select(
             cfg.gpu_model
@@ -411,51 +597,34 @@ class Agent:
             now_ms=now_ms,
             hold_ranks=hold,
             ignore_ranks=ignore,
+            member_end_ms=member_end,
         )
-        job.latest_band = {int(own_ranks[i]): b for i, b in res.latest_band.items()}
-        self._publish_live(job, own_rank, own_ts, p[mine], u[mine])
+        if res.latest_band:  # a round that decided nothing keeps the newest band shown
+            job.latest_band = {int(own_ranks[i]): b for i, b in res.latest_band.items()}
+        self._publish_live(job, own_rank, own_ts, own_p, own_u)
         tl = res.timeline
+        job.end_ms = tl.end_ms
         progress = self._progress(job, tl, now_ms)
         with self.lock:
             job.figures = {**job.figures, **progress}
         if res.horizon_ms <= job.booked_until:
             return
         price = float(meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
-        version = ledger.price_version(cfg.prices, price)
-        by_bucket = ledger.amounts(res.pieces, cfg.prices, price)
-        booked = sum(by_bucket.values(), np.zeros((N_CAT, 3), np.int64))
-
-        # Rollback index: cumulative valid amounts at each step record booked this round.
-        cum = job.cum.copy()
-        index_new: dict[int, list] = {}
-        valid_pieces = np.isin(res.pieces.category, VALID)
-        vp_start, vp_end = res.pieces.start_ms[valid_pieces], res.pieces.end_ms[valid_pieces]
-        vp_cat, vp_mj = res.pieces.category[valid_pieces], res.pieces.energy_mj[valid_pieces]
-        for i, rec in enumerate(tl.steps):
-            if job.booked_until < rec.ts_ms <= res.horizon_ms and i not in job.rb_index:
-                upto = np.clip(np.minimum(vp_end, rec.ts_ms) - vp_start, 0, None)
-                frac = np.divide(upto, vp_end - vp_start, out=np.zeros(upto.size), where=vp_end > vp_start)
-                part = self._valid_amounts(vp_cat, upto, vp_mj * frac, price)
-                index_new[i] = (cum + part).ravel().tolist()
-        valid_now = self._valid_amounts(vp_cat, vp_end - vp_start, vp_mj, price)
-        new_cum = cum + valid_now
-
-        # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
-        index = {**job.rb_index, **index_new}
-        corrections = np.zeros((N_CAT, 3), np.int64)
-        applied = set(job.rb_applied)
-        for i, rec in enumerate(tl.steps):
-            if not rec.voided or i in applied:
-                continue
-            applied.add(i)
-            corrections += self._voided_part(i, tl.steps, index, new_cum, job.booked_until, job_start)
-        moved = corrections.copy()
-        rolled = np.zeros((N_CAT, 3), np.int64)
-        rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
-
-        incidents = self._incidents(job, res)
+        delta = live.ledger_delta(
+            job.state,
+            res,
+            prices=cfg.prices,
+            price=price,
+            own_ranks=own_ranks,
+            member_start_ms=member_start,
+            job_start_ms=job_start,
+            last_progress_ms=int(progress["last_progress_ts"] * 1000),
+            host=self.host,
+            incident_tol_ms=2 * int(cfg.booking.grid_s * 1000) + int(cfg.sample_interval_s * 2000),
+        )
         figures = {
-            **self._figures(job, tl, res.horizon_ms, own_ranks, member_start),
+            **delta.figures,
+            "preflight": job.preflight,
             **progress,
             "profile": profile.name,
             "profile_calibrated": int(profile.calibrated),
@@ -464,87 +633,71 @@ class Agent:
             "band_low_max_w": profile.low_max_w,
             "band_compute_min_w": profile.compute_min_w,
         }
-        since_ref = int(progress["last_progress_ts"] * 1000)
-        since_cost = (job.since_cost if since_ref == job.since_ref_ms else 0) + self._cost_after(
-            res.pieces, since_ref, price
-        )
-        wm = {
-            "booked_until": res.horizon_ms,
-            "cum": new_cum.tolist(),
-            "booked": (job.booked + booked + rolled).tolist(),
-            "voided": (job.voided + moved).tolist(),
-            "rb_applied": sorted(applied),
-            "incidents_open": incidents,
-            "agent": cfg.agent_id,
-            "host": self.host,
-            "updated": time.time(),
-        }
+        version = ledger.price_version(cfg.prices, price)
+        wm = {**delta.state.to_json(), "agent": cfg.agent_id, "host": self.host, "updated": time.time()}
 
-        pipe = self.redis.pipeline(transaction=True)
-        ledger.queue_amounts(pipe, cfg.prefix, job.name, by_bucket, version)
-        if moved.any():
-            bucket = res.horizon_ms // 1000 // 300 * 300  # booked in the bucket where the resume is seen
-            ledger.queue_amounts(pipe, cfg.prefix, job.name, {bucket: moved}, version, field_prefix="voided:")
-            ledger.queue_amounts(pipe, cfg.prefix, job.name, {bucket: rolled}, version)
-        if index_new:
-            pipe.hset(
-                ledger.key(cfg.prefix, job.name, "ledger", "rbidx", cfg.agent_id),
-                mapping={str(k): json.dumps(v) for k, v in index_new.items()},
+        def queue(pipe) -> None:
+            ledger.queue_delta(
+                pipe, cfg.prefix, job.name, cfg.agent_id, delta, version, tl.steps, job.booked_until
             )
-        ledger.queue_incidents(pipe, cfg.prefix, job.name, cfg.agent_id, incidents.values())
-        pipe.hset(
-            ledger.key(cfg.prefix, job.name, "ledger", "job"),
-            mapping={k: v for k, v in figures.items() if v is not None},
-        )
-        ledger.queue_steps(
-            pipe, cfg.prefix, job.name, tl.steps, job.booked_until, res.horizon_ms, applied - job.rb_applied
-        )
-        pipe.set(ledger.key(cfg.prefix, job.name, "wm", cfg.agent_id), json.dumps(wm))
-        pipe.execute()
+            pipe.hset(
+                ledger.key(cfg.prefix, job.name, "ledger", "job"),
+                mapping={k: v for k, v in figures.items() if v is not None},
+            )
 
+        job.wm_raw = ledger.commit(self.redis, cfg.prefix, job.name, cfg.agent_id, job.wm_raw, wm, queue)
         with self.lock:
-            job.booked_until = res.horizon_ms
-            job.cum = new_cum
-            job.booked = job.booked + booked + rolled
-            job.voided = job.voided + moved
-            job.rb_index = index
-            job.rb_applied = applied
-            job.incidents = incidents
+            job.state = delta.state
             job.figures = figures
-            job.since_ref_ms, job.since_cost = since_ref, since_cost
-            job.done = tl.end_ms is not None and res.horizon_ms >= tl.end_ms
+            job.at_risk_ms = delta.at_risk_ms
+            job.done = bool(
+                (tl.end_ms is not None and res.horizon_ms >= tl.end_ms)
+                or (member_end <= res.horizon_ms).all()
+            )
             if job.done and job.done_at is None:
                 job.done_at = time.monotonic()
         self.stats["rounds"] += 1
 
+    # ---- time of no job ----------------------------------------------------------------------
+    def _load_unassigned(self) -> None:
+        k = ledger.key(self.cfg.prefix, ledger.UNASSIGNED_JOB, "wm", self.cfg.agent_id)
+        raw = self.redis.get(k)
+        self._unassigned_until = int(json.loads(raw).get("booked_until", 0)) if raw else 0
+        self._unassigned_raw = raw
+        self._unassigned_loaded = True
+
     def _book_unassigned(self, local: tuple[np.ndarray, ...]) -> None:
-        """Observed time of this node's GPUs that no job holds, into the `_unassigned` ledger."""
+        """Observed time of this node's GPUs outside every job's hold, into the `_unassigned`
+        ledger, `unassigned_hold_s` behind the newest sample (a late register still wins it)."""
         gpu, ts, p, _u, e = local
         if ts.size == 0:
             return
-        held = {g for j in self.jobs.values() for g in j.own.values()}
-        free = ~np.isin(gpu, list(held)) if held else np.ones(gpu.size, bool)
-        if not free.any():
-            return
-        job = ledger.UNASSIGNED_JOB
-        k_wm = ledger.key(self.cfg.prefix, job, "wm", self.cfg.agent_id)
-        if self._unassigned_until is None:
-            wm = ledger.load_watermark(self.redis, self.cfg.prefix, job, self.cfg.agent_id) or {}
-            self._unassigned_until = int(wm.get("booked_until", 0))
-        order = np.lexsort((ts[free], gpu[free]))
-        g, t, pw, en = gpu[free][order], ts[free][order], p[free][order], e[free][order]
+        if not self._unassigned_loaded:
+            self._load_unassigned()
+        order = np.lexsort((ts, gpu))
+        g, t, pw, en = gpu[order], ts[order], p[order], e[order]
         interval = bands_mod.sampling_interval_ms(g, t)
-        horizon = int(t.max()) - interval
+        horizon = int(t.max()) - interval - int(self.cfg.unassigned_hold_s * 1000)
         lo = self._unassigned_until
         if horizon <= lo:
             return
         n_g = int(g.max()) + 1
+        claims = [(gg, *j.claim(r)) for j in self.jobs.values() for r, gg in j.own.items() if gg < n_g]
         none = np.full(n_g, POS_INF, np.int64)
         s = make_slices(
             g, t, pw, en, np.zeros(t.size, np.int8), n_g, interval, none, none, self.cfg.booking.gap_intervals
         )
-        s = _cut_per_gpu(s, np.repeat(np.arange(n_g), 2), np.tile([lo, horizon], n_g))
+        cut_g = [*range(n_g), *range(n_g), *(c[0] for c in claims), *(c[0] for c in claims)]
+        cut_t = [
+            *[lo] * n_g,
+            *[horizon] * n_g,
+            *(c[1] for c in claims),
+            *(min(c[2], POS_INF) for c in claims),
+        ]
+        s = _cut_per_gpu(s, np.asarray(cut_g, np.int64), np.asarray(cut_t, np.int64))
         keep = (s.start_ms >= lo) & (s.end_ms <= horizon)
+        for cg, a, b in claims:
+            keep &= ~((s.gpu == cg) & (s.start_ms >= a) & (s.end_ms <= b))
         pieces = Pieces(
             s.gpu[keep],
             s.start_ms[keep],
@@ -554,10 +707,23 @@ class Agent:
             s.energy_mj[keep],
         )
         by_bucket = ledger.amounts(pieces, self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
-        pipe = self.redis.pipeline(transaction=True)
-        ledger.queue_amounts(pipe, self.cfg.prefix, job, by_bucket, "unassigned")
-        pipe.set(k_wm, json.dumps({"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host}))
-        pipe.execute()
+        wm = {"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host, "updated": time.time()}
+        try:
+            self._unassigned_raw = ledger.commit(
+                self.redis,
+                self.cfg.prefix,
+                ledger.UNASSIGNED_JOB,
+                self.cfg.agent_id,
+                self._unassigned_raw,
+                wm,
+                lambda pipe: ledger.queue_amounts(
+                    pipe, self.cfg.prefix, ledger.UNASSIGNED_JOB, by_bucket, "unassigned"
+                ),
+            )
+        except ledger.Conflict:
+            self.stats["conflicts"] += 1
+            self._unassigned_loaded = False
+            return
         self._unassigned_until = horizon
 
     def _remote_liveness(self, job: _Job) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -574,7 +740,7 @@ class Agent:
         hosts: dict[str, list[int]] = {}
         for r, e in job.ranks.items():
             if r not in job.own:
-                hosts.setdefault(str(e.get("host")), []).append(r)
+                hosts.setdefault(str(e.host), []).append(r)
         for host, ranks in hosts.items():
             since = max(job.remote_seen.get(host, 0.0), self._redis_back_at, self._started_at)
             if now - since <= grace:
@@ -585,72 +751,6 @@ class Agent:
             else:
                 ignore += ranks
         return np.asarray(hold, np.int64), np.asarray(ignore, np.int64), wait
-
-    def _valid_amounts(self, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray, price: float) -> np.ndarray:
-        a = np.zeros((N_CAT, 3), np.int64)
-        ms_c = np.bincount(cat, weights=ms, minlength=N_CAT)
-        mj_c = np.bincount(cat, weights=mj, minlength=N_CAT)
-        cost = self.cfg.prices.cost(ms_c, mj_c, np.arange(N_CAT), price_per_gpu_hour=price)
-        a[:, 0] = np.round(ms_c)
-        a[:, 1] = np.round(mj_c)
-        a[:, 2] = np.round(cost * 1e6)
-        a[[c for c in range(N_CAT) if c not in VALID]] = 0
-        return a
-
-    @staticmethod
-    def _voided_part(
-        i: int, steps: list[StepRecord], index: dict, cum_now: np.ndarray, booked_until: int, job_start: int
-    ) -> np.ndarray:
-        """Valid amounts this agent already booked inside step record i's interval."""
-        prev_ts = steps[i - 1].ts_ms if i > 0 else job_start
-        if prev_ts >= booked_until:
-            return np.zeros((N_CAT, 3), np.int64)  # nothing of it was booked yet: it books VOID later
-        prev = np.asarray(index[i - 1], np.int64).reshape(N_CAT, 3) if i > 0 and i - 1 in index else 0
-        cur = np.asarray(index[i], np.int64).reshape(N_CAT, 3) if i in index else cum_now
-        return np.clip(cur - prev, 0, None)
-
-    def _incidents(self, job: _Job, res) -> dict[str, dict]:
-        """Extend or open this agent's incidents with this round's wasted stretches."""
-        open_ = {k: dict(v) for k, v in job.incidents.items()}
-        p = res.pieces
-        tol = 2 * int(self.cfg.booking.grid_s * 1000) + int(self.cfg.sample_interval_s * 2000)
-        for c in sorted(WASTED_CATEGORIES):
-            sel = p.category == c
-            if not sel.any():
-                continue
-            name = CATEGORIES[c]
-            s, e = int(p.start_ms[sel].min()), int(p.end_ms[sel].max())
-            ranks = sorted({sorted(job.own)[g] for g in np.unique(p.gpu[sel]).tolist()})
-            ms = int((p.end_ms[sel] - p.start_ms[sel]).sum())
-            cur = open_.get(name)
-            if cur is not None and s <= cur["end"] + tol:
-                cur["end"] = max(cur["end"], e)
-                cur["gpu_ms"] += ms
-                cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
-            else:
-                open_[name] = {
-                    "category": name,
-                    "start": s,
-                    "end": e,
-                    "gpu_ms": ms,
-                    "ranks": ranks,
-                    "host": self.host,
-                }
-        return open_
-
-    def _cost_after(self, pieces, ref_ms: int, price: float) -> int:
-        """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
-        progress point, for the "cost slope without steps" alert's annotation."""
-        after = pieces.end_ms > ref_ms
-        if not after.any():
-            return 0
-        start = np.maximum(pieces.start_ms[after], ref_ms)
-        end = pieces.end_ms[after]
-        full = np.maximum(end - pieces.start_ms[after], 1)
-        mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
-        cat = pieces.category[after].astype(np.int64)
-        cost = self.cfg.prices.cost((end - start).astype(float), mj, cat, price_per_gpu_hour=price)
-        return round(float(np.sum(cost)) * 1e6)
 
     def _progress(self, job: _Job, tl, now_ms: int) -> dict:
         """What the alert rules need at the agent's data time: the last progress point (a
@@ -668,27 +768,6 @@ class Agent:
             "last_progress_ts": last / 1000,
             "in_allowance": int(in_allowance and tl.end_ms is None),
             "budget": budget,
-        }
-
-    def _figures(self, job: _Job, tl, horizon: int, own_ranks: np.ndarray, member_start: np.ndarray) -> dict:
-        """Job-level figures: the same for every agent that reads the job's events (SET, not added)."""
-        steps = tl.steps
-        valid = [s for s in steps if not s.voided]
-        last = steps[-1] if steps else None
-        since = tl.last_checkpoint_ms if tl.last_checkpoint_ms is not None else None
-        job.at_risk_ms = int(sum(max(0, horizon - max(int(ms), since or int(ms))) for ms in member_start))
-        return {
-            "steps_completed": len(steps),
-            "steps_voided": len(steps) - len(valid),
-            "valid_steps": len(valid),
-            "tokens": sum(s.tokens for s in valid),
-            "last_step": last.step if last else -1,
-            "last_step_ts": last.ts_ms / 1000 if last else 0,
-            "last_checkpoint_step": tl.last_checkpoint_step if tl.last_checkpoint_step is not None else -1,
-            "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
-            "stall_threshold_s": tl.stall_threshold_ms / 1000,
-            "ended": int(tl.end_ms is not None),
-            "preflight": job.preflight,
         }
 
     def _publish_live(
@@ -734,18 +813,25 @@ class Agent:
                 "errors": dict(self.source.errors),
                 "stats": dict(self.stats),
                 "dropped": self.sampler.dropped,
+                "registrations_rejected": dict(self.registrations_rejected),
                 "jobs": {
                     name: {
                         "own": dict(j.own),
-                        "booked": j.booked.copy(),
-                        "voided": j.voided.copy(),
+                        "booked": j.state.booked.copy(),
+                        "voided": j.state.voided.copy(),
                         "figures": dict(j.figures),
                         "meta": dict(j.meta),
                         "latest_band": dict(j.latest_band),
                         "booked_until": j.booked_until,
                         "at_risk_ms": j.at_risk_ms,
-                        "since_cost": j.since_cost,
+                        "since_cost": j.state.since_cost,
                         "done": j.done,
+                        "rejected": {
+                            k.split(":", 1)[1]: n
+                            for k, n in j.reader.stats.items()
+                            if k.startswith("rejected:")
+                        },
+                        "clock_skew_s": j.skew_s,
                     }
                     for name, j in self.jobs.items()
                     if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)

@@ -123,12 +123,61 @@ class AgentCollector(Collector):
         )
         ferr.add_metric([], s["stats"].get("round_errors", 0))
         yield ferr
+        yield from self._fault_families(s)
 
         key = (s["stats"].get("rounds", 0), tuple(sorted(s["jobs"])))
         if self._cache_key != key:  # job families change only when a round books
             self._cache = list(self._job_families(s))
             self._cache_key = key
         yield from self._cache
+
+    def _fault_families(self, s):
+        """What the agent refused or noticed: a second agent with its id, an empty Redis,
+        rejected registrations and events, trainer clocks off their events' arrival."""
+        conflicts = CounterMetricFamily(
+            "costexporter_agent_conflicts",
+            "Rounds dropped because the watermark changed under this agent: another agent runs "
+            "with the same agent id (nothing is booked twice).",
+        )
+        conflicts.add_metric([], s["stats"].get("conflicts", 0))
+        yield conflicts
+        epoch = CounterMetricFamily(
+            "costexporter_redis_epoch_resets",
+            "Times Redis came back empty (its epoch marker gone): the ledger before is lost there.",
+        )
+        epoch.add_metric([], s["stats"].get("epoch_resets", 0))
+        yield epoch
+        jerr = CounterMetricFamily(
+            "costexporter_job_errors", "Job rounds that failed and were skipped (the other jobs booked)."
+        )
+        jerr.add_metric([], s["stats"].get("job_errors", 0))
+        yield jerr
+        regs = CounterMetricFamily(
+            "costexporter_registrations_rejected",
+            "Ranks entries (registrations) refused, by job and reason.",
+            labels=["training_job", "reason"],
+        )
+        for (job, reason), n in sorted(s["registrations_rejected"].items()):
+            regs.add_metric([job, reason], n)
+        yield regs
+        rej = CounterMetricFamily(
+            "costexporter_events_rejected",
+            "Events refused (malformed), by job and reason.",
+            labels=["training_job", "reason"],
+        )
+        skew = GaugeMetricFamily(
+            "costexporter_event_clock_skew_seconds",
+            "How far the job's event timestamps run ahead of their arrival in Redis (largest by "
+            "size over its ranks; negative: behind, or delivered late). Keep trainer hosts on NTP.",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s["jobs"].items()):
+            for reason, n in sorted(j["rejected"].items()):
+                rej.add_metric([name, reason], n)
+            if j["clock_skew_s"] is not None:
+                skew.add_metric([name], j["clock_skew_s"])
+        yield rej
+        yield skew
 
     def _job_families(self, s):
         cur = s["currency"]
@@ -185,9 +234,9 @@ class AgentCollector(Collector):
                 if cat != "unobserved":  # no sample, no energy
                     e.add_metric([name, cat], j["booked"][k, 1] / 1000)
                 c.add_metric([name, cat, cur], j["booked"][k, 2] / 1e6)
-                if j["voided"][k].any():
-                    vt.add_metric([name, cat], j["voided"][k, 0] / 1000)
-                    vc.add_metric([name, cat, cur], j["voided"][k, 2] / 1e6)
+                # Every counter from 0 at the job's first round, so rate() sees the first rollback.
+                vt.add_metric([name, cat], j["voided"][k, 0] / 1000)
+                vc.add_metric([name, cat, cur], j["voided"][k, 2] / 1e6)
             risk.add_metric([name], j["at_risk_ms"] / 1000)
             booked_until.add_metric([name], j["booked_until"] / 1000)
         yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)

@@ -11,6 +11,8 @@ Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
     <p>:{job}:ledger:incidents:<agent>     hash  incident id -> JSON
     <p>:{job}:ledger:incidents             set   agents that wrote incidents of the job (the index)
     <p>:{job}:wm:<agent>                   string the agent's watermark (JSON)
+    <p>:epoch                              string this Redis's life: set once, gone after an
+                                                  empty restart (the agents notice)
 
 Fields of an amounts hash: `<category>:ms` (GPU-milliseconds), `<category>:mj` (millijoules),
 `<category>:ucost` (micro-units of the currency), and the rollback corrections
@@ -210,3 +212,60 @@ def net_ms(amounts_: dict[str, int]) -> dict[str, int]:
 def load_watermark(client, prefix: str, job: str, agent: str) -> dict | None:
     raw = client.get(key(prefix, job, "wm", agent))
     return json.loads(raw) if raw else None
+
+
+class Conflict(Exception):
+    """The watermark changed since this agent read it: another agent with the same id wrote."""
+
+
+def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: dict, queue) -> str:
+    """Write one round of a job exactly once: `queue(pipe)` and the new watermark in one
+    MULTI/EXEC that runs only if the watermark is still `expected` (the raw JSON this agent read
+    or wrote last; None: absent). Returns the new raw watermark; raises Conflict otherwise."""
+    import redis
+
+    k = key(prefix, job, "wm", agent)
+    raw = json.dumps(wm)
+    with client.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(k)
+            if pipe.get(k) != expected:
+                raise Conflict(job)
+            pipe.multi()
+            queue(pipe)
+            pipe.set(k, raw)
+            pipe.execute()
+        except redis.WatchError:
+            raise Conflict(job) from None
+    return raw
+
+
+def queue_delta(
+    pipe, prefix: str, job: str, agent: str, delta, version: str, steps: list, after_ms: int
+) -> None:
+    """The writes of one round's `live.LedgerDelta` (inside the caller's MULTI)."""
+    queue_amounts(pipe, prefix, job, delta.by_bucket, version)
+    if delta.moved.any():
+        b = {delta.correction_bucket: delta.moved}
+        queue_amounts(pipe, prefix, job, b, version, field_prefix="voided:")
+        queue_amounts(pipe, prefix, job, {delta.correction_bucket: delta.rolled}, version)
+    if delta.index_new:
+        pipe.hset(
+            key(prefix, job, "ledger", "rbidx", agent),
+            mapping={str(k): json.dumps(v) for k, v in delta.index_new.items()},
+        )
+    queue_incidents(pipe, prefix, job, agent, delta.incidents.values())
+    pipe.hset(
+        key(prefix, job, "ledger", "job"), mapping={k: v for k, v in delta.figures.items() if v is not None}
+    )
+    queue_steps(pipe, prefix, job, steps, after_ms, delta.state.booked_until, delta.voids)
+
+
+def epoch_key(prefix: str) -> str:
+    return f"{prefix}:epoch"
+
+
+def ensure_epoch(client, prefix: str, candidate: str) -> str:
+    """This Redis's epoch marker: `candidate` if none was set, else the one there."""
+    client.set(epoch_key(prefix), candidate, nx=True)
+    return client.get(epoch_key(prefix)) or candidate

@@ -13,7 +13,7 @@ the same transaction as the amounts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from .booking import (
     BookingConfig,
     Pieces,
     Slices,
+    StepRecord,
     Timeline,
     _cut_per_gpu,
     book,
@@ -30,7 +31,9 @@ from .booking import (
     job_bands,
     make_slices,
 )
-from .model import Category, Event
+from .cost import Prices
+from .ledger import amounts
+from .model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Event
 from .profiles import Profile
 
 
@@ -92,11 +95,13 @@ def book_window(
     final: bool = False,
     hold_ranks: np.ndarray | None = None,
     ignore_ranks: np.ndarray | None = None,
+    member_end_ms: np.ndarray | None = None,
 ) -> WindowResult:
     """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
 
     Samples are those of every rank of the job in the context window (this agent's and the
-    other agents'), sorted by (rank, ts). `member_start_ms` is per own rank.
+    other agents'), sorted by (rank, ts). `member_start_ms` and `member_end_ms` (when another
+    job registered the GPU later) are per own rank.
     """
     tl = build_timeline(events, cfg, job_start_ms, now_ms, final=final)
     interval = bands_mod.sampling_interval_ms(rank, ts_ms)
@@ -120,6 +125,8 @@ def book_window(
     n_own = own_ranks.size
     job_end = tl.end_ms if tl.end_ms is not None else POS_INF
     cover_end = np.full(n_own, min(horizon, job_end), np.int64)
+    if member_end_ms is not None:
+        cover_end = np.minimum(cover_end, member_end_ms.astype(np.int64))
     slices = make_slices(
         lg,
         ts_ms[mine],
@@ -155,3 +162,240 @@ def book_window(
         last = np.flatnonzero(np.append(lg[1:] != lg[:-1], True))
         latest = {int(lg[i]): int(br.band[mine][i]) for i in last}
     return WindowResult(pieces, horizon, tl, latest)
+
+
+# ---- the ledger delta of one round (pure) -----------------------------------------------------
+N_CAT = len(Category)
+VALID = sorted(int(c) for c in VALID_CATEGORIES)
+
+
+def zeros() -> np.ndarray:
+    return np.zeros((N_CAT, 3), np.int64)
+
+
+@dataclass
+class JobState:
+    """What one agent has booked of one job, as its watermark stores it (`ledger:wm:<agent>`)."""
+
+    booked_until: int = 0
+    cum: np.ndarray = field(default_factory=zeros)  # valid amounts booked so far
+    booked: np.ndarray = field(default_factory=zeros)  # all amounts booked by this agent
+    voided: np.ndarray = field(default_factory=zeros)  # valid amounts moved to rolled_back
+    rb_index: dict[int, list] = field(default_factory=dict)  # step record -> cum (flattened)
+    rb_applied: set[int] = field(default_factory=set)  # step records whose void is booked
+    incidents: dict[str, dict] = field(default_factory=dict)  # category -> the open incident
+    starts: dict[int, int] = field(default_factory=dict)  # own rank -> when its GPU's time starts
+    since_ref_ms: int = -1  # the last progress point ...
+    since_cost: int = 0  # ... and the cost (micro-units) booked after it
+
+    def to_json(self) -> dict:
+        return {
+            "booked_until": self.booked_until,
+            "cum": self.cum.tolist(),
+            "booked": self.booked.tolist(),
+            "voided": self.voided.tolist(),
+            "rb_applied": sorted(self.rb_applied),
+            "incidents_open": self.incidents,
+            "starts": {str(k): v for k, v in self.starts.items()},
+            "since_ref_ms": self.since_ref_ms,
+            "since_cost": self.since_cost,
+        }
+
+    @classmethod
+    def from_json(cls, wm: dict, rb_index: dict[int, list]) -> JobState:
+        def arr(k: str) -> np.ndarray:
+            return np.asarray(wm[k], np.int64).reshape(N_CAT, 3) if k in wm else zeros()
+
+        return cls(
+            booked_until=int(wm.get("booked_until", 0)),
+            cum=arr("cum"),
+            booked=arr("booked"),
+            voided=arr("voided"),
+            rb_index=rb_index,
+            rb_applied=set(wm.get("rb_applied", [])),
+            incidents=wm.get("incidents_open", {}),
+            starts={int(k): int(v) for k, v in wm.get("starts", {}).items()},
+            since_ref_ms=int(wm.get("since_ref_ms", -1)),
+            since_cost=int(wm.get("since_cost", 0)),
+        )
+
+
+@dataclass
+class LedgerDelta:
+    """Everything one round writes for one job, with the state it leaves (`state`)."""
+
+    by_bucket: dict[int, np.ndarray]  # bucket start (s) -> amounts booked this round
+    moved: np.ndarray  # valid amounts voided this round (the `voided:` corrections) ...
+    rolled: np.ndarray  # ... and the same amounts as rolled_back
+    correction_bucket: int  # where the corrections are booked: the bucket of the horizon
+    index_new: dict[int, list]  # rollback index entries of the step records booked this round
+    voids: set[int]  # step records voided this round
+    incidents: dict[str, dict]
+    figures: dict
+    at_risk_ms: int
+    state: JobState
+
+
+def valid_amounts(
+    prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray, price: float
+) -> np.ndarray:
+    """[category, (ms, mJ, micro-cost)] of the valid categories only."""
+    a = zeros()
+    ms_c = np.bincount(cat, weights=ms, minlength=N_CAT)
+    mj_c = np.bincount(cat, weights=mj, minlength=N_CAT)
+    cost = prices.cost(ms_c, mj_c, np.arange(N_CAT), price_per_gpu_hour=price)
+    a[:, 0] = np.round(ms_c)
+    a[:, 1] = np.round(mj_c)
+    a[:, 2] = np.round(cost * 1e6)
+    a[[c for c in range(N_CAT) if c not in VALID]] = 0
+    return a
+
+
+def voided_part(
+    i: int, steps: list[StepRecord], index: dict, cum_now: np.ndarray, booked_until: int, job_start: int
+) -> np.ndarray:
+    """Valid amounts already booked inside step record i's interval."""
+    prev_ts = steps[i - 1].ts_ms if i > 0 else job_start
+    if prev_ts >= booked_until:
+        return zeros()  # nothing of it was booked yet: it books VOID later
+    prev = np.asarray(index[i - 1], np.int64).reshape(N_CAT, 3) if i > 0 and i - 1 in index else 0
+    cur = np.asarray(index[i], np.int64).reshape(N_CAT, 3) if i in index else cum_now
+    return np.clip(cur - prev, 0, None)
+
+
+def extend_incidents(
+    open_: dict[str, dict], pieces: Pieces, own_ranks: np.ndarray, host: str, tol_ms: int
+) -> dict[str, dict]:
+    """Extend or open the incidents (one open stretch per wasted category) with `pieces`."""
+    out = {k: dict(v) for k, v in open_.items()}
+    for c in sorted(WASTED_CATEGORIES):
+        sel = pieces.category == c
+        if not sel.any():
+            continue
+        name = CATEGORIES[c]
+        s, e = int(pieces.start_ms[sel].min()), int(pieces.end_ms[sel].max())
+        ranks = sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()})
+        ms = int((pieces.end_ms[sel] - pieces.start_ms[sel]).sum())
+        cur = out.get(name)
+        if cur is not None and s <= cur["end"] + tol_ms:
+            cur["end"] = max(cur["end"], e)
+            cur["gpu_ms"] += ms
+            cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
+        else:
+            out[name] = {"category": name, "start": s, "end": e, "gpu_ms": ms, "ranks": ranks, "host": host}
+    return out
+
+
+def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int:
+    """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
+    progress point, for the "cost slope without steps" alert's annotation."""
+    after = pieces.end_ms > ref_ms
+    if not after.any():
+        return 0
+    start = np.maximum(pieces.start_ms[after], ref_ms)
+    end = pieces.end_ms[after]
+    full = np.maximum(end - pieces.start_ms[after], 1)
+    mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
+    cat = pieces.category[after].astype(np.int64)
+    cost = prices.cost((end - start).astype(float), mj, cat, price_per_gpu_hour=price)
+    return round(float(np.sum(cost)) * 1e6)
+
+
+def job_figures(tl: Timeline) -> dict:
+    """Job-level figures: the same for every agent that reads the job's events (SET, not added)."""
+    steps = tl.steps
+    valid = [s for s in steps if not s.voided]
+    last = steps[-1] if steps else None
+    return {
+        "steps_completed": len(steps),
+        "steps_voided": len(steps) - len(valid),
+        "valid_steps": len(valid),
+        "tokens": sum(s.tokens for s in valid),
+        "last_step": last.step if last else -1,
+        "last_step_ts": last.ts_ms / 1000 if last else 0,
+        "last_checkpoint_step": tl.last_checkpoint_step if tl.last_checkpoint_step is not None else -1,
+        "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
+        "stall_threshold_s": tl.stall_threshold_ms / 1000,
+        "ended": int(tl.end_ms is not None),
+    }
+
+
+def at_risk_ms(tl: Timeline, horizon: int, member_start: np.ndarray) -> int:
+    """GPU time since the job's last saved checkpoint (all of it without one), on these GPUs."""
+    since = tl.last_checkpoint_ms
+    return int(sum(max(0, horizon - max(int(ms), since or int(ms))) for ms in member_start))
+
+
+def ledger_delta(
+    state: JobState,
+    res: WindowResult,
+    *,
+    prices: Prices,
+    price: float,
+    own_ranks: np.ndarray,
+    member_start_ms: np.ndarray,
+    job_start_ms: int,
+    last_progress_ms: int,
+    host: str,
+    incident_tol_ms: int,
+    bucket_s: int = 300,
+) -> LedgerDelta:
+    """From the agent's state of a job and one booked window to what the round writes: bucket
+    amounts, rollback corrections and index entries, step/void records, incidents, figures and
+    the next state. Pure: the agent commits it with its watermark in one compare-and-set."""
+    tl, p = res.timeline, res.pieces
+    by_bucket = amounts(p, prices, price, bucket_s)
+    booked = sum(by_bucket.values(), zeros())
+
+    # Rollback index: cumulative valid amounts at each step record booked this round.
+    index_new: dict[int, list] = {}
+    vp = np.isin(p.category, VALID)
+    vp_start, vp_end, vp_cat, vp_mj = p.start_ms[vp], p.end_ms[vp], p.category[vp], p.energy_mj[vp]
+    for i, rec in enumerate(tl.steps):
+        if state.booked_until < rec.ts_ms <= res.horizon_ms and i not in state.rb_index:
+            upto = np.clip(np.minimum(vp_end, rec.ts_ms) - vp_start, 0, None)
+            frac = np.divide(upto, vp_end - vp_start, out=np.zeros(upto.size), where=vp_end > vp_start)
+            index_new[i] = (
+                (state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac, price)).ravel().tolist()
+            )
+    new_cum = state.cum + valid_amounts(prices, vp_cat, vp_end - vp_start, vp_mj, price)
+
+    # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
+    index = {**state.rb_index, **index_new}
+    moved = zeros()
+    applied = set(state.rb_applied)
+    for i, rec in enumerate(tl.steps):
+        if rec.voided and i not in applied:
+            applied.add(i)
+            moved += voided_part(i, tl.steps, index, new_cum, state.booked_until, job_start_ms)
+    rolled = zeros()
+    rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
+
+    since_cost = (state.since_cost if last_progress_ms == state.since_ref_ms else 0) + cost_after(
+        p, last_progress_ms, prices, price
+    )
+    incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms)
+    nxt = JobState(
+        booked_until=res.horizon_ms,
+        cum=new_cum,
+        booked=state.booked + booked + rolled,
+        voided=state.voided + moved,
+        rb_index=index,
+        rb_applied=applied,
+        incidents=incidents,
+        starts=dict(state.starts),
+        since_ref_ms=last_progress_ms,
+        since_cost=since_cost,
+    )
+    return LedgerDelta(
+        by_bucket=by_bucket,
+        moved=moved,
+        rolled=rolled,
+        correction_bucket=res.horizon_ms // 1000 // bucket_s * bucket_s,
+        index_new=index_new,
+        voids=applied - state.rb_applied,
+        incidents=incidents,
+        figures=job_figures(tl),
+        at_risk_ms=at_risk_ms(tl, res.horizon_ms, member_start_ms),
+        state=nxt,
+    )

@@ -6,8 +6,11 @@ live in one Redis Cluster slot and can be written in one transaction.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
+from dataclasses import dataclass
 
 DEFAULT_PREFIX = "costexporter"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -76,3 +79,78 @@ def encode_fields(fields: dict[str, object]) -> dict[str, str]:
         else:
             out[k] = json.dumps(v, separators=(",", ":"), sort_keys=True)
     return out
+
+
+# ---- registrations (`<prefix>:{<job>}:ranks`: rank -> JSON of the register event) ------------
+MAX_WORLD_SIZE = 65_536  # ranks are 0 .. world_size - 1; a larger number is a corrupt entry
+MAX_GPU_INDEX = 1_024
+
+
+class RegistrationError(ValueError):
+    """A ranks entry the agent cannot use; `reason` is the short label it is counted under."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    rank: int
+    ts: float  # Unix seconds, finite
+    host: str | None
+    gpu: int | None  # index on the host
+    gpu_uuid: str | None
+    world_size: int | None
+
+
+def _int_field(entry: dict, name: str, hi: int, reason: str) -> int | None:
+    v = entry.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError
+        n = int(v)
+    except (TypeError, ValueError):
+        raise RegistrationError(f"bad_{name}", f"{name} {v!r} is not an integer") from None
+    if not 0 <= n < hi:
+        raise RegistrationError(reason, f"{name} {n} is outside 0..{hi - 1}")
+    return n
+
+
+def parse_registration(rank_s: str, raw: str) -> Registration:
+    """Validate one ranks entry, as the events are validated: a clear reason, never an exception
+    other than RegistrationError, and bounded numbers (a rank of 99999999999 would size arrays)."""
+    try:
+        rank = int(rank_s)
+    except (TypeError, ValueError):
+        raise RegistrationError("bad_rank", f"rank {rank_s!r} is not an integer") from None
+    if not 0 <= rank < MAX_WORLD_SIZE:
+        raise RegistrationError("rank_out_of_range", f"rank {rank} is outside 0..{MAX_WORLD_SIZE - 1}")
+    try:
+        entry = json.loads(raw)
+    except (TypeError, ValueError):
+        raise RegistrationError("bad_json", "the entry is not JSON") from None
+    if not isinstance(entry, dict):
+        raise RegistrationError("not_an_object", f"the entry is a JSON {type(entry).__name__}, not an object")
+    ts = entry.get("ts")
+    if isinstance(ts, str):
+        with contextlib.suppress(ValueError):
+            ts = float(ts)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts <= 0:
+        raise RegistrationError("bad_ts", f"ts {entry.get('ts')!r} is not a Unix time")
+    world = _int_field(entry, "world_size", MAX_WORLD_SIZE + 1, "world_size_out_of_range")
+    if world is not None and rank >= world:
+        raise RegistrationError("rank_out_of_range", f"rank {rank} is not below world_size {world}")
+    gpu = _int_field(entry, "gpu", MAX_GPU_INDEX, "gpu_out_of_range")
+    uuid = entry.get("gpu_uuid")
+    host = entry.get("host")
+    return Registration(
+        rank,
+        float(ts),
+        None if host is None else str(host),
+        gpu,
+        str(uuid) if uuid else None,
+        world,
+    )

@@ -43,7 +43,14 @@ class EventReader:
     """Consumes `<prefix>:{<job>}:events` from `cursor` (a stream id) on.
 
     `stats` counts what was read: `accepted`, `duplicate`, `unknown_type`, `unknown_field` and
-    one `rejected:<reason>` per kind of bad entry (missing_field, bad_type, foreign_job, ...).
+    one `rejected:<reason>` per kind of bad entry (missing_field, bad_type, foreign_job, ...);
+    `rejections` keeps the newest (entry id, reason, message).
+
+    `clock_offset_s[rank]`: the largest (event ts - arrival) among the rank's events of the
+    newest poll that had any, arrival being the stream entry id (Redis's clock). An event
+    cannot arrive before it happens, so this is a lower bound of how far the rank's clock runs
+    ahead; with a heartbeat every few seconds it is close to the skew itself (a negative value:
+    the clock is behind, or every event of the poll was delivered late).
     """
 
     def __init__(self, client, job: str, prefix: str = protocol.DEFAULT_PREFIX, cursor: str = "0-0") -> None:
@@ -52,19 +59,24 @@ class EventReader:
         self.key = protocol.stream_key(prefix, job)
         self.cursor = cursor
         self.stats: collections.Counter[str] = collections.Counter()
-        self.rejections: collections.deque[tuple[str, str]] = collections.deque(maxlen=100)
+        self.rejections: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=100)
+        self.clock_offset_s: dict[int, float] = {}
         self._seen: dict[tuple[int, str], _Seen] = {}
 
     def poll(self, count: int = 10_000, block_ms: int | None = None) -> list[Event]:
         """The next valid, new events (at most `count` entries read); advances the cursor."""
         resp = self.client.xread({self.key: self.cursor}, count=count, block=block_ms)
         out: list[Event] = []
+        offsets: dict[int, float] = {}
         for _key, entries in resp or []:
             for entry_id, raw in entries:
                 self.cursor = _text(entry_id)
                 ev = self._accept({_text(k): _text(v) for k, v in raw.items()}, self.cursor)
                 if ev is not None:
                     out.append(ev)
+                    d = ev.ts - int(self.cursor.split("-", 1)[0]) / 1000
+                    offsets[ev.rank] = max(d, offsets.get(ev.rank, d))
+        self.clock_offset_s.update(offsets)
         return out
 
     def read_all(self, count: int = 10_000) -> list[Event]:
@@ -85,7 +97,7 @@ class EventReader:
             return None
         except EventError as e:
             self.stats[f"rejected:{e.reason}"] += 1
-            self.rejections.append((entry_id, str(e)))
+            self.rejections.append((entry_id, e.reason, str(e)))
             return None
         seen = self._seen.setdefault((ev.rank, ev.session), _Seen())
         if not seen.first_time(ev.seq):

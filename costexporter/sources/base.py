@@ -59,6 +59,9 @@ class GpuSource(abc.ABC):
     # the source also offers `read(energy=False)`, `read_energy()` and `energy_gpus()`, and the
     # sampler reads the counter only at anchors, sharing it out between them by power.
     costly_energy: bool = False
+    # Samples are stamped with this host's wall clock, so event timestamps can be compared with
+    # their arrival (clock skew); a replay or a simulation plays its own time.
+    wall_clock: bool = False
 
     def __init__(self) -> None:
         # (gpu index, error kind) -> count; exported as a metric by the agent.

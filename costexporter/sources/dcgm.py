@@ -57,6 +57,8 @@ class PodRef:
 class DcgmSource(GpuSource):
     """GPUs behind one or more dcgm-exporter endpoints (`http://node:9400/metrics`)."""
 
+    wall_clock = True
+
     def __init__(self, urls: list[str], timeout_s: float = 2.0, host: str | None = None) -> None:
         super().__init__()
         if not urls:

@@ -65,6 +65,8 @@ def _text(x: object) -> str:
 class NvmlSource(GpuSource):
     """The node's NVIDIA GPUs (all of them, or `indices`)."""
 
+    wall_clock = True
+
     def __init__(self, host: str | None = None, indices: list[int] | None = None) -> None:
         super().__init__()
         self.nv = _pynvml()

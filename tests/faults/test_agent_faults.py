@@ -37,7 +37,12 @@ def stop_all(procs: list[subprocess.Popen]) -> list[str]:
             p.send_signal(signal.SIGTERM)
     errs = []
     for p in procs:
-        _out, err = p.communicate(timeout=30)
+        try:
+            _out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()  # never leave an agent behind, even one that ignores SIGTERM
+            p.communicate()
+            raise
         errs.append(err)
         assert p.returncode == 0, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
@@ -218,7 +223,9 @@ def test_7_an_ancient_register_and_a_skewed_clock_are_bounded_and_shown(shared, 
         for step in range(1, 16):
             time.sleep(0.2)
             send_entries(shared, prefix, job, [live_entry(job, 0, seq[0], "step", step=step)])
-            send_entries(shared, prefix, job, [live_entry(job, 1, seq[1], "heartbeat", ts=time.time() + ahead)])
+            send_entries(
+                shared, prefix, job, [live_entry(job, 1, seq[1], "heartbeat", ts=time.time() + ahead)]
+            )
             seq = [seq[0] + 1, seq[1] + 1]
         send_entries(shared, prefix, job, [live_entry(job, 0, seq[0], "run", state="end")])
         t_end = time.time()
@@ -304,7 +311,8 @@ def test_9_poisoned_registrations_are_skipped_counted_and_the_healthy_job_books(
     try:
         wait_booked(shared, prefix, b.job, ["node0"], healthy.timeline.end_ms)
         scraped, _ = scrape(port)
-        rss_kb = int(next(x for x in open(f"/proc/{p.pid}/status") if x.startswith("VmRSS")).split()[1])
+        status = Path(f"/proc/{p.pid}/status").read_text().splitlines()
+        rss_kb = int(next(x for x in status if x.startswith("VmRSS")).split()[1])
         t_term = time.monotonic()
     finally:
         [err] = stop_all([p])
@@ -345,10 +353,12 @@ def test_10_rejected_events_are_exported_and_logged_once_per_reason(shared, pref
         [err] = stop_all([p])
     assert ledger.net_ms(ledger.read_amounts(shared, prefix, b.job)) == expected  # the bad ones stop nothing
     rejected = {
-        lab["reason"]: v for lab, v in scraped["costexporter_events_rejected_total"] if lab["training_job"] == b.job
+        lab["reason"]: v
+        for lab, v in scraped["costexporter_events_rejected_total"]
+        if lab["training_job"] == b.job
     }
     assert sum(rejected.values()) == 4 and len(rejected) == 2, rejected
-    for reason, n in rejected.items():
+    for reason in rejected:
         lines = [x for x in err.splitlines() if "rejected" in x and reason in x and "'noisy'" in x]
         assert len(lines) == 1, (reason, lines)
 
@@ -358,8 +368,7 @@ def test_11_replay_books_a_gpu_claimed_by_two_ranks_once_and_names_them(cli, tmp
     b = TraceBuilder(n_gpus=2, per_host=2, job="dup", seed=11)
     regs = [e for e in b.events if e.type == "register"]
     b.events = [
-        Event("register", b.job, e.ts, e.rank, e.session, e.seq, {**e.fields, "gpu": 0})
-        for e in regs
+        Event("register", b.job, e.ts, e.rank, e.session, e.seq, {**e.fields, "gpu": 0}) for e in regs
     ]  # both launchers said host node0, GPU 0 (no NVML to tell the UUID)
     for e in b.events:
         del e.fields["gpu_uuid"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pynvml  # noqa: E402
+import pynvml
 
-from tests.fake_nvml import FakeGpu, FakeNvml  # noqa: E402
+from tests.fake_nvml import FakeGpu, FakeNvml
 
 
 def uuid(i: int) -> str:
