@@ -7,6 +7,7 @@ job), classifies bands, builds the booking timeline and books every slice.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,6 +97,29 @@ def register_matches(
     return gpus, out
 
 
+def _one_rank_per_gpu(
+    job: str, members: list[tuple[int, int, int]], gpus: list[GpuId]
+) -> list[tuple[int, int, int]]:
+    """Two ranks of a job on one GPU (two launchers that posted the same host name and index):
+    the GPU is booked once, for the rank that registered first; a warning names them."""
+    first: dict[int, tuple[int, int, int]] = {}
+    for m in sorted(members, key=lambda m: (m[2], m[0])):
+        g = m[1]
+        if g in first:
+            logging.getLogger("costexporter.replay").warning(
+                "job %r: ranks %d and %d both registered %s GPU %d; its time is booked once, for rank %d",
+                job,
+                first[g][0],
+                m[0],
+                gpus[g].host,
+                gpus[g].index,
+                first[g][0],
+            )
+        else:
+            first[g] = m
+    return sorted(first.values())
+
+
 def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = None) -> dict:
     """Book a trace; returns the report described in docs and costexporter/schemas."""
     cfg = cfg or ReplayConfig()
@@ -118,7 +142,7 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
     jobs: dict[str, list[tuple[int, int, int]]] = {}
     if registered:
         for job, ranks in registered.items():
-            jobs[job] = sorted((r, g, t) for r, (g, t) in ranks.items())
+            jobs[job] = _one_rank_per_gpu(job, sorted((r, g, t) for r, (g, t) in ranks.items()), gpus)
     elif samples.gpus:
         name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
         t0 = int(samples.ts_ms.min())

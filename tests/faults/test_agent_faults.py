@@ -139,8 +139,8 @@ def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path
             ms[c] += int(d)
         expected[r.name] = dict(zip(CATEGORIES, ms, strict=True))
     [csv] = write_nvidia_smi_csv(a.samples(), tmp_path / "t")
-    a.events = events
     post_events(shared, prefix, a)
+    post_events(shared, prefix, b)
     p = serve(csv, "node0", URL, prefix, 0, speed=50, book_s=0.1)
     end_b = int(max(e.ts for e in b.events) * 1000)
     try:
