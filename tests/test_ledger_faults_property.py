@@ -1,0 +1,175 @@
+"""Property: under any schedule of faults the live ledger conserves GPU time and equals the
+uninterrupted run's.
+
+Random jobs (one, or two where the second reuses the first one's GPUs after it crashed),
+random samples, and a random fault schedule: events delivered late (the register too) or
+twice, the agent killed and restarted (its memory lost; the source replays its history, as a
+restarted DaemonSet re-reads nothing but the GPUs), a second agent with the same id booking
+alongside. Agents run in-process (real `Agent` objects, their pure booking, a real Redis) so
+one example takes a fraction of a second; tests/faults/ has the real-process cases.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import redis
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from costexporter import ledger, protocol
+from costexporter.agent import Agent, AgentConfig
+from costexporter.client import send_entries
+from costexporter.model import CATEGORIES
+from costexporter.sources.replay import ReplaySource
+from costexporter.synth import TraceBuilder
+
+HOLD_S = 60.0  # unassigned time is booked this long after it was sampled
+ROUND_S = 15.0  # data seconds between rounds
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 10_000))
+    a = TraceBuilder(n_gpus=n, per_host=n, job="a", seed=seed)
+    a.run("start")
+    jobs = [a]
+    for _ in range(draw(st.integers(1, 4))):
+        state = draw(st.sampled_from(["compute", "compute", "communication", "idle", "deadlock"]))
+        a.stretch(state, draw(st.integers(10, 200)), step_s=draw(st.sampled_from([None, 4, 10])), tokens=10)
+    if draw(st.booleans()):  # a crashes (no run end); b registers the same GPUs
+        a.stretch("idle", draw(st.integers(5, 60)))
+        b = TraceBuilder(n_gpus=n, per_host=n, job="b", seed=seed, t0=a.t)
+        b.run("start")
+        d = draw(st.integers(30, 200))
+        b.stretch("compute", d, step_s=5, tokens=10)
+        a.stretch("compute", d)  # b's samples
+        b.run("end")
+        jobs.append(b)
+    else:
+        a.run("end")
+    a.stretch("idle", HOLD_S + 3 * ROUND_S)  # a tail, so the unassigned ledger passes the end
+    faults = {
+        "late": draw(st.lists(st.integers(0, 10**6), max_size=6)),  # events (by hash) posted late
+        "late_s": draw(st.integers(1, 30)),
+        "late_register": draw(st.booleans()),
+        "duplicate": draw(st.booleans()),
+        "restart_at": draw(st.one_of(st.none(), st.integers(1, 20))),
+        "twin": draw(st.booleans()),
+    }
+    return a, jobs, faults
+
+
+class Run:
+    """Drive agents round by round on a data clock; post events when their time (+ delay) comes."""
+
+    def __init__(self, client, prefix: str, a: TraceBuilder, jobs: list[TraceBuilder], faults: dict | None):
+        self.client, self.prefix, self.samples, self.now = client, prefix, a.samples(), 0.0
+        self.faults = faults or {}
+        self.pending = []  # (post at data ts, job, entry)
+        late = set(self.faults.get("late", []))
+        for b in jobs:
+            for i, e in enumerate(sorted(b.events, key=lambda e: e.ts)):
+                delay = 0.0
+                if (i in late and e.type != "register") or (
+                    e.type == "register" and self.faults.get("late_register")
+                ):
+                    delay = self.faults.get("late_s", 0)
+                entry = protocol.encode_fields(
+                    {
+                        "v": "1",
+                        "type": e.type,
+                        "job": e.job,
+                        "ts": f"{e.ts:.3f}",
+                        "rank": e.rank,
+                        "session": e.session,
+                        "seq": e.seq,
+                        **e.fields,
+                    }
+                )
+                copies = 2 if self.faults.get("duplicate") and i % 3 == 0 else 1
+                self.pending += [(e.ts + delay, b.job, entry)] * copies
+        self.pending.sort(key=lambda p: p[0])
+        self.t0 = a.t0
+        self.end = self.samples.ts_ms.max() / 1000
+        self.agents = [self._agent()]
+        if self.faults.get("twin"):
+            self.agents.append(self._agent())
+
+    def _agent(self) -> Agent:
+        started = [False]
+
+        def clock() -> float:  # 0 at creation: a (re)started source plays the trace from its start
+            if not started[0]:
+                started[0] = True
+                return 0.0
+            return self.now
+
+        return Agent(
+            ReplaySource(self.samples, clock=clock),
+            AgentConfig(prefix=self.prefix, agent_id="node0", job_refresh_s=0, unassigned_hold_s=HOLD_S),
+        )
+
+    def tick(self) -> None:
+        for ag in self.agents:
+            for r in ag.source.read():
+                ag.sampler._buf.append(r)
+            ag.tick()
+
+    def run(self) -> None:
+        rounds = 0
+        while self.t0 + self.now <= self.end + 2 * ROUND_S:
+            self.now += ROUND_S
+            due = [p for p in self.pending if p[0] <= self.t0 + self.now]
+            self.pending = self.pending[len(due) :]
+            by_job: dict[str, list] = {}
+            for _, job, entry in due:
+                by_job.setdefault(job, []).append(entry)
+            for job, entries in by_job.items():
+                send_entries(self.client, self.prefix, job, entries)
+            rounds += 1
+            if rounds == self.faults.get("restart_at"):
+                self.agents[0] = self._agent()  # killed: its memory is gone
+            self.tick()
+        for _ in range(3):
+            self.tick()
+
+    def ledger(self, jobs: list[str]) -> dict:
+        out = {j: ledger.net_ms(ledger.read_amounts(self.client, self.prefix, j)) for j in jobs}
+        out["_unassigned"] = ledger.read_amounts(self.client, self.prefix, ledger.UNASSIGNED_JOB).get(
+            "unassigned:ms", 0
+        )
+        return out
+
+
+def _cleanup(client, prefix: str) -> None:
+    keys = list(client.scan_iter(f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+
+
+@settings(max_examples=12)
+@given(scenarios())
+def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
+    a, jobs, faults = scenario
+    names = [b.job for b in jobs]
+    note(f"gpus={a.n_gpus} jobs={names} faults={faults}")
+    results = {}
+    for kind, f in (("clean", None), ("faulty", faults)):
+        prefix = f"prop-{uuid.uuid4().hex[:10]}"
+        try:
+            run = Run(client, prefix, a, jobs, f)
+            run.run()
+            results[kind] = run.ledger(names)
+            u = ledger.load_watermark(client, prefix, ledger.UNASSIGNED_JOB, "node0")["booked_until"]
+        finally:
+            _cleanup(client, prefix)
+        # Conservation: up to the unassigned ledger's watermark (past every job's end), every
+        # GPU-millisecond is in exactly one job's categories or unassigned.
+        booked = sum(sum(results[kind][j].values()) for j in names) + results[kind]["_unassigned"]
+        assert booked == a.n_gpus * (u - int(a.t0 * 1000)), kind
+    note(f"clean={results['clean']}\nfaulty={results['faulty']}")
+    assert results["faulty"] == results["clean"]
+    assert set(results["clean"]["a"]) == set(CATEGORIES)
