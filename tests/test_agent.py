@@ -462,3 +462,42 @@ def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared,
     assert "'bumpy': booking failed; skipped this round" in caplog.text
     total = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
     assert total["productive"] > 0
+
+
+def test_every_counter_of_a_job_is_exported_at_zero_from_its_first_round(shared, prefix):
+    """rate()/increase() see the first rollback only if the series existed at 0 before it."""
+    from prometheus_client import generate_latest
+
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.exporter import registry_for
+    from costexporter.sources.replay import ReplaySource
+
+    b = TraceBuilder(n_gpus=2, per_host=2, job="fresh", seed=3)
+    b.run("start")
+    b.stretch("compute", 300, step_s=5)
+    post_events(shared, prefix, b)
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(prefix=prefix, agent_id="fresh", job_refresh_s=0),
+    )
+    now[0] += 30
+    for r in agent.source.read():
+        agent.sampler._buf.append(r)
+    agent.tick()
+    assert agent.stats["rounds"] == 1
+    families = {
+        f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
+        for f in text_string_to_metric_families(generate_latest(registry_for(agent)).decode())
+    }
+    for fam in ("costexporter_voided_gpu_time_seconds", "costexporter_voided_cost"):
+        cats = {
+            dict(k)["category"]: v for k, v in families[fam].items() if dict(k)["training_job"] == "fresh"
+        }
+        assert cats and set(cats) == set(CATEGORIES) - {"unassigned"}, fam
+        assert set(cats.values()) == {0.0}, fam
+    for fam in ("costexporter_job_steps_voided", "costexporter_job_steps_completed"):
+        assert families[fam][(("training_job", "fresh"),)] >= 0, fam
+    assert families["costexporter_job_steps_voided"][(("training_job", "fresh"),)] == 0
+    assert families["costexporter_agent_conflicts"][()] == 0
+    assert families["costexporter_redis_epoch_resets"][()] == 0

@@ -115,3 +115,69 @@ def test_two_agents_each_book_their_own_gpus_and_together_the_whole_job():
     host1, _ = live_totals(b, 3.0, own=[2, 3])
     assert (host0 + host1).tolist() == offline.tolist()
     assert host0[CATEGORIES.index("stalled")] > 0 and host1[CATEGORIES.index("stalled")] > 0
+
+
+@pytest.mark.parametrize("kind", ["resume", "deadlock", "checkpoint"])
+@pytest.mark.parametrize("rounds_s", [2.0, 9.0])
+def test_the_pure_ledger_delta_chained_over_rounds_nets_to_the_offline_replay(kind, rounds_s):
+    """No Redis: book_window + ledger_delta round after round, the resume's correction included,
+    give the offline replay's amounts net of the `voided:` corrections, and every delta is
+    self-consistent (its state adds exactly what it writes)."""
+    from costexporter.cost import Prices
+    from costexporter.live import JobState, ledger_delta
+
+    b = scenario(kind)
+    [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    offline = np.bincount(r.pieces.category, weights=r.pieces.dur_ms, minlength=len(CATEGORIES)).astype(
+        np.int64
+    )
+    s = b.samples()
+    rank = s.gpu.astype(np.int64)
+    events = sorted(b.events, key=lambda e: e.ts)
+    start, end = int(b.t0 * 1000), int(b.t * 1000)
+    own = np.arange(b.n_gpus)
+    state, now, prices = JobState(booked_until=start), start, Prices()
+    written = np.zeros((len(CATEGORIES), 3), np.int64)
+    while state.booked_until < end and now < end + 600_000:
+        now += int(rounds_s * 1000)
+        seen = s.ts_ms <= now
+        res = book_window(
+            events=[e for e in events if e.ts * 1000 <= now],
+            cfg=BookingConfig(),
+            profile=profiles.B300,
+            job_start_ms=start,
+            rank=rank[seen],
+            ts_ms=s.ts_ms[seen],
+            power_w=s.power_w[seen],
+            util_pct=s.util_pct[seen],
+            energy_mj=s.energy_mj[seen],
+            n_ranks=b.n_gpus,
+            own_ranks=own,
+            member_start_ms=np.full(own.size, start),
+            booked_until_ms=state.booked_until,
+            now_ms=min(now, end),
+        )
+        if res.horizon_ms <= state.booked_until:
+            continue
+        d = ledger_delta(
+            state,
+            res,
+            prices=prices,
+            price=3.5,
+            own_ranks=own,
+            member_start_ms=np.full(own.size, start),
+            job_start_ms=start,
+            last_progress_ms=start,
+            host="h",
+            incident_tol_ms=5000,
+        )
+        round_amounts = sum(d.by_bucket.values(), np.zeros_like(written))
+        assert (d.state.booked == state.booked + round_amounts + d.rolled).all()
+        assert (d.state.voided == state.voided + d.moved).all()
+        assert d.rolled[CATEGORIES.index("rolled_back")].tolist() == d.moved.sum(0).tolist()
+        assert d.state.booked_until == res.horizon_ms
+        written += round_amounts + d.rolled - d.moved
+        state = d.state
+    assert dict(zip(CATEGORIES, written[:, 0].tolist(), strict=True)) == dict(
+        zip(CATEGORIES, offline.tolist(), strict=True)
+    )
