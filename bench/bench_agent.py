@@ -113,7 +113,7 @@ def render(n_jobs: int = 10, iterations: int = 300) -> list[float]:
     for j in range(n_jobs):
         job = _Job(f"job-{j}", EventReader(agent.redis, f"job-{j}"))
         job.own = {r: (j + r) % 8 for r in range(8)}
-        job.booked = rng.integers(0, 10**9, (len(Category), 3))
+        job.state.booked = rng.integers(0, 10**9, (len(Category), 3))
         job.figures = {
             "steps_completed": 1000,
             "steps_voided": 10,
