@@ -108,6 +108,15 @@ class _Job:
     def booked_until(self) -> int:
         return self.state.booked_until
 
+    @property
+    def booked(self) -> np.ndarray:
+        """All amounts this agent booked for the job, [category, (ms, mJ, micro-cost)]."""
+        return self.state.booked
+
+    @property
+    def voided(self) -> np.ndarray:
+        return self.state.voided
+
     def claim(self, rank: int) -> tuple[int, int]:
         """[start, end) of the job's hold on its rank's GPU, as far as known now."""
         start = self.state.starts.get(rank)
