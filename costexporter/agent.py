@@ -74,6 +74,9 @@ class AgentConfig:
     # its GPU's time from then on; the time before stays `unassigned` (booked once either way).
     unassigned_hold_s: float = 600.0
     clock_skew_warn_s: float = 10.0  # event timestamps this far off their arrival: a warning
+    # Book no closer to the newest sample than this: events that arrive up to this late are
+    # booked as if on time (a startup or phase allowance is decided at once otherwise).
+    event_lag_s: float = 0.0
 
 
 @dataclass
@@ -587,7 +590,8 @@ class Agent:
         if wait:
             return
         now_ms = int(own_ts.max()) if own_ts.size else int(T.max())
-        now_ms -= int(self.source.event_lag_s * 1000)  # events still on their way (a sim at --speed)
+        # Events still on their way (a sim at --speed; trainers that deliver late).
+        now_ms -= int(max(self.source.event_lag_s, cfg.event_lag_s) * 1000)
         res = book_window(
             events=job.events,
             cfg=cfg.booking,
@@ -612,7 +616,9 @@ class Agent:
             job.latest_band = {int(own_ranks[i]): b for i, b in res.latest_band.items()}
         self._publish_live(job, own_rank, own_ts, own_p, own_u)
         tl = res.timeline
-        job.end_ms = tl.end_ms
+        if job.end_ms is None and tl.end_ms is not None:
+            # Time booked before a late `run end` arrived stays the job's: its GPUs are free after.
+            job.end_ms = max(tl.end_ms, job.booked_until)
         progress = self._progress(job, tl, now_ms)
         with self.lock:
             job.figures = {**job.figures, **progress}
