@@ -149,6 +149,7 @@ class Agent:
         self._unassigned_raw: str | None = None
         self._unassigned_loaded = False
         self._epoch: str | None = None
+        self._final = False
         self._started_at = time.monotonic()
         self._redis_back_at = 0.0
         self.redis_up = False
@@ -179,6 +180,7 @@ class Agent:
 
     def shutdown(self) -> None:
         self.sampler.stop()
+        self._final = True  # no later sample will come: the unassigned time is booked to the end
         self.tick()
         self.source.close()
 
@@ -692,7 +694,10 @@ class Agent:
         order = np.lexsort((ts, gpu))
         g, t, pw, en = gpu[order], ts[order], p[order], e[order]
         interval = bands_mod.sampling_interval_ms(g, t)
-        horizon = int(t.max()) - interval - int(self.cfg.unassigned_hold_s * 1000)
+        # Held back for late registers, except at shutdown and after a replay's last sample (a
+        # register that comes later starts at this watermark: booked once either way).
+        final = self._final or getattr(self.source, "done", False)
+        horizon = int(t.max()) - interval - (0 if final else int(self.cfg.unassigned_hold_s * 1000))
         lo = self._unassigned_until
         if horizon <= lo:
             return

@@ -111,11 +111,14 @@ def test_5_a_late_register_moves_no_time_twice(shared, prefix, tmp_path):
         stop_all([p])
     job = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
     unassigned = ledger.read_amounts(shared, prefix, ledger.UNASSIGNED_JOB).get("unassigned:ms", 0)
-    physical = 2 * (offline.timeline.end_ms - int(b.t0 * 1000))
-    # The trace's GPUs belong to the job from its first sample to its end: job + unassigned +
-    # unobserved is the physical time, and the job's own time is the offline replay's.
+    u = ledger.load_watermark(shared, prefix, ledger.UNASSIGNED_JOB, "node0")["booked_until"]
+    physical = 2 * (max(u, offline.timeline.end_ms) - int(b.t0 * 1000))
+    # The trace's GPUs belong to the job from its first sample to its end, and are unassigned
+    # after it: job + unassigned + unobserved is the physical time, the job's own time the
+    # offline replay's, and nothing before the job's end went to unassigned as well.
     assert sum(job.values()) + unassigned == physical
     assert job == expected
+    assert unassigned == 2 * max(0, u - offline.timeline.end_ms)
 
 
 # ---- 6. a GPU reused by a new job after the old one crashed -----------------------------------
