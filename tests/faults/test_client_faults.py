@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from costexporter import protocol
 from costexporter.client import StepReporter
+from costexporter.events import MAX_STEP, MAX_TOKENS
 from costexporter.reader import EventReader
 
 from ..conftest import SHARED_URL
@@ -152,43 +153,48 @@ HOSTILE = st.one_of(
 )
 
 
-def _whole(x) -> int | None:
-    """What a correct reporter makes of x as a step: the whole number, or None (refuse it)."""
+def _whole(x, hi: int) -> int | None:
+    """What a correct reporter makes of x: the whole number in [0, hi], or None (refuse it).
+    `hi` is the reader's bound for the field (steps MAX_STEP, tokens MAX_TOKENS): the reporter
+    accepts exactly what the reader accepts."""
     if isinstance(x, (bool, np.bool_, str, bytes, list, dict)) or type(x) is object:
         return None
     try:
         f = Fraction(x) if not isinstance(x, (float, np.floating)) else Fraction(float(x))
     except (ValueError, OverflowError, TypeError):
         return None
-    if f.denominator != 1 or not 0 <= f.numerator <= 10**12:
+    if f.denominator != 1 or not 0 <= f.numerator <= hi:
         return None
     return f.numerator
 
 
 def test_hostile_step_values_are_refused_at_the_call_and_good_ones_still_arrive(shared, prefix, tmp_path):
     rep = StepReporter("hostile", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
-    expected: list[int] = []
+    expected: list[tuple[int, int | None]] = []
 
     @settings(max_examples=300)
+    @example(step=0.0, tokens=MAX_STEP + 1)  # tokens between the step and token bounds: accepted
+    @example(step=MAX_STEP, tokens=MAX_TOKENS)
+    @example(step=MAX_STEP + 1, tokens=None)
+    @example(step=0, tokens=MAX_TOKENS + 1)
     @given(step=HOSTILE, tokens=st.one_of(st.none(), HOSTILE))
     def call(step, tokens):
-        want, want_tokens = _whole(step), (None if tokens is None else _whole(tokens))
-        ok = want is not None and (tokens is None or (want_tokens is not None and want_tokens <= 10**15))
-        if ok:
+        want, want_tokens = _whole(step, MAX_STEP), (None if tokens is None else _whole(tokens, MAX_TOKENS))
+        if want is not None and (tokens is None or want_tokens is not None):
             rep.step(step, tokens=tokens)
-            expected.append(want)
+            expected.append((want, want_tokens))
         else:
             with pytest.raises((TypeError, ValueError)):
                 rep.step(step, tokens=tokens)
 
     call()
     rep.step(123)  # and the reporter still works
-    expected.append(123)
+    expected.append((123, None))
     assert rep.flush(timeout=20), rep.stats
     rep.close()
     reader = EventReader(shared, "hostile", prefix=prefix)
     events = reader.read_all()
-    assert [int(e.get("step")) for e in events if e.type == "step"] == expected
+    assert [(int(e.get("step")), e.get("tokens")) for e in events if e.type == "step"] == expected
     assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
     assert rep.stats["rejected"] == 0 and rep.stats["sent"] == len(expected) + 3
 
@@ -405,6 +411,8 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
     case = [0]
 
     @settings(max_examples=int(os.environ.get("CLIENT_FAULT_EXAMPLES", "20")))
+    @example(ops=[("stop",), ("restart_trainer",), ("start",)])  # the second reporter drains the first
+    @example(ops=[("stop",), ("steps", 5), ("restart_trainer",), ("steps", 5), ("restart_trainer",)])
     @given(ops=OPS)
     def schedule(ops):
         case[0] += 1
@@ -445,7 +453,9 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
 
         # Where every reporter's events are, before a last one sends the spool.
         stream = EventReader(server.client(), job).read_all() if server.proc is not None else None
-        disk = {(d["session"], int(d["seq"])) for d in spool_lines(spool_dir)}
+        on_disk = spool_lines(spool_dir)  # no reporter is alive now: nothing moves
+        disk = {(d["session"], int(d["seq"])) for d in on_disk}
+        assert len(disk) == len(on_disk)  # no event is on disk twice
         if server.proc is None:
             server.start()
             stream = EventReader(server.client(), job).read_all()
@@ -460,11 +470,18 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
             assert mine_arrived <= posted
             assert posted <= mine_arrived | disk, (posted - mine_arrived - disk, s)
 
+        # What waits on disk is what the reporters spooled, less what each sent of its own
+        # (unspooled) and what a later one sent for it (drained: a reporter that starts while a
+        # closed one's spool waits sends it, so it is not always the last one below).
+        assert all(r.stats["drain_rejected"] == 0 for r in reporters)
+        waiting = sum(r.stats["spooled"] - r.stats["unspooled"] - r.stats["drained"] for r in reporters)
+        assert len(on_disk) == waiting, [dict(r.stats) for r in reporters]
+
         # A last reporter sends what waits on disk: then everything is in Redis, once.
         last = StepReporter(job, url, **kw)
         assert last.flush(timeout=20), last.stats
         last.close()
-        assert last.stats["drained"] == sum(r.stats["spooled"] - r.stats["unspooled"] for r in reporters)
+        assert last.stats["drained"] == waiting, last.stats
         reader = EventReader(server.client(), job)
         arrived = {(e.session, e.seq) for e in reader.read_all()}
         for rep, n in zip(reporters, steps, strict=True):
