@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from costexporter import protocol
 from costexporter.client import StepReporter
-from costexporter.events import MAX_STEP, MAX_TOKENS
+from costexporter.events import MAX_STEP, MAX_TOKENS, EventError, parse_event
 from costexporter.reader import EventReader
 
 from ..conftest import SHARED_URL
@@ -197,6 +197,58 @@ def test_hostile_step_values_are_refused_at_the_call_and_good_ones_still_arrive(
     assert [(int(e.get("step")), e.get("tokens")) for e in events if e.type == "step"] == expected
     assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
     assert rep.stats["rejected"] == 0 and rep.stats["sent"] == len(expected) + 3
+
+
+def _bound(lo: int, hi: int):
+    """Whole numbers around a bound: both edges and a step past each."""
+    return st.one_of(st.sampled_from([lo - 1, lo, hi, hi + 1]), st.integers(lo - 2, hi + 2))
+
+
+def test_a_register_the_reader_would_refuse_is_refused_at_the_constructor(shared, prefix, tmp_path):
+    """rank, local_rank, world_size and gpu_index outside the reader's bounds used to be accepted,
+    and then the reader refused every event of that rank. The constructor accepts exactly what
+    the reader accepts: a register it lets through arrives and is valid, one it refuses the
+    reader refuses too."""
+    n = [0]
+
+    @settings(max_examples=40, deadline=None)
+    @example(rank=1 << 20, local=1 << 16, world=1, gpu=0)
+    @example(rank=(1 << 20) + 1, local=0, world=1, gpu=0)
+    @example(rank=0, local=0, world=0, gpu=0)
+    @example(rank=0, local=0, world=(1 << 20) + 1, gpu=0)
+    @example(rank=0, local=0, world=1, gpu=(1 << 16) + 1)
+    @example(rank=0, local=(1 << 16) + 1, world=1, gpu=None)
+    @given(
+        rank=_bound(0, 1 << 20),
+        local=_bound(0, 1 << 16),
+        world=_bound(1, 1 << 20),
+        gpu=st.none() | _bound(0, 1 << 16),
+    )
+    def make(rank, local, world, gpu):
+        n[0] += 1
+        job = f"bounds{n[0]}"
+        entry = {"v": "1", "type": "register", "job": job, "ts": str(time.time()), "rank": str(rank)}
+        entry |= {"session": "s", "seq": "0", "host": "h", "local_rank": str(local), "world_size": str(world)}
+        entry["gpu"] = str(local if gpu is None else gpu)
+        try:
+            parse_event(entry, job=job, strict_ids=True)
+            reader_ok = True
+        except EventError:
+            reader_ok = False
+        kw = dict(rank=rank, local_rank=local, world_size=world, gpu_index=gpu, gpu_uuid="GPU-x")
+        if not reader_ok:
+            with pytest.raises(ValueError):
+                StepReporter(job, SHARED_URL, prefix=prefix, spool_dir=tmp_path, heartbeat_s=3600, **kw)
+            return
+        rep = StepReporter(job, SHARED_URL, prefix=prefix, spool_dir=tmp_path, heartbeat_s=3600, **kw)
+        assert rep.flush(timeout=10), rep.stats
+        rep.close()
+        reader = EventReader(shared, job, prefix=prefix)
+        events = reader.read_all()
+        assert [e.type for e in events] == ["register", "run", "run"], reader.stats
+        assert (events[0].rank, events[0].get("world_size")) == (rank, world)
+
+    make()
 
 
 def test_a_batch_the_server_refuses_is_dropped_counted_and_later_batches_go_through(tmp_path, caplog):
