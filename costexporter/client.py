@@ -150,6 +150,12 @@ def _tell_no_uuid(rank: int, host: str, index: int, local_rank: int) -> None:
     )
 
 
+# The reader's bounds on a register's numbers (events.parse_event): a value outside them would
+# make the reader refuse every event of this rank, so the constructor refuses it instead.
+MAX_RANK = 1 << 20
+MAX_WORLD_SIZE = 1 << 20
+MAX_GPU_INDEX = 1 << 16
+
 # A queued event: (type, ts, seq, fields). Built on the trainer's thread; encoded on the sender's.
 _Event = tuple[str, float, int, dict | None]
 
@@ -207,9 +213,21 @@ class StepReporter:
         self.prefix = prefix or os.environ.get("COSTEXPORTER_PREFIX", protocol.DEFAULT_PREFIX)
         self.redis_url = redis_url or os.environ.get("COSTEXPORTER_REDIS_URL", protocol.DEFAULT_REDIS_URL)
         env_rank, env_local, env_world = detect_ranks()
-        self.rank = env_rank if rank is None else coerce.count(rank, "rank")
-        self.local_rank = env_local if local_rank is None else coerce.count(local_rank, "local_rank")
-        self.world_size = env_world if world_size is None else coerce.count(world_size, "world_size")
+        env = " (from the launcher's environment)"
+        self.rank = coerce.count(
+            env_rank if rank is None else rank, "rank" + (env if rank is None else ""), MAX_RANK
+        )
+        self.local_rank = coerce.count(
+            env_local if local_rank is None else local_rank,
+            "local_rank" + (env if local_rank is None else ""),
+            MAX_GPU_INDEX,
+        )
+        self.world_size = coerce.count(
+            env_world if world_size is None else world_size,
+            "world_size" + (env if world_size is None else ""),
+            MAX_WORLD_SIZE,
+            lo=1,
+        )
         self.host = host or os.environ.get("COSTEXPORTER_HOST") or socket.gethostname()
         if gpu_uuid is None and gpu_index is None:
             gpu_index, gpu_uuid = detect_gpu(self.local_rank)
@@ -217,7 +235,9 @@ class StepReporter:
                 _tell_no_uuid(
                     self.rank, self.host, self.local_rank if gpu_index is None else gpu_index, self.local_rank
                 )
-        self.gpu_index = self.local_rank if gpu_index is None else coerce.count(gpu_index, "gpu_index")
+        self.gpu_index = coerce.count(
+            self.local_rank if gpu_index is None else gpu_index, "gpu_index", MAX_GPU_INDEX
+        )
         self.gpu_uuid = gpu_uuid
         self.session = secrets.token_hex(8)
         self._clock = clock  # Unix seconds; a simulation passes its own

@@ -19,8 +19,8 @@ def _is_bool(x: object) -> bool:
     return isinstance(x, bool) or type(x).__name__ in ("bool_", "bool")
 
 
-def count(x: object, name: str, hi: int = MAX_COUNT) -> int:
-    """A whole number in [0, hi] from an int-like (numpy integer, Decimal('2'), 2.0)."""
+def count(x: object, name: str, hi: int = MAX_COUNT, lo: int = 0) -> int:
+    """A whole number in [lo, hi] from an int-like (numpy integer, Decimal('2'), 2.0)."""
     if _is_bool(x) or isinstance(x, (str, bytes)):
         raise TypeError(f"{name} must be a whole number, got {type(x).__name__} {x!r}")
     try:
@@ -30,8 +30,8 @@ def count(x: object, name: str, hi: int = MAX_COUNT) -> int:
         if not math.isfinite(f) or not f.is_integer():
             raise ValueError(f"{name} must be a finite whole number, got {x!r}") from None
         n = int(f)
-    if not 0 <= n <= hi:
-        raise ValueError(f"{name} must be in [0, {hi}], got {n}")
+    if not lo <= n <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {n}")
     return n
 
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from costexporter import protocol
 from costexporter.client import StepReporter
+from costexporter.events import MAX_STEP, MAX_TOKENS, EventError, parse_event
 from costexporter.reader import EventReader
 
 from ..conftest import SHARED_URL
@@ -152,45 +153,102 @@ HOSTILE = st.one_of(
 )
 
 
-def _whole(x) -> int | None:
-    """What a correct reporter makes of x as a step: the whole number, or None (refuse it)."""
+def _whole(x, hi: int) -> int | None:
+    """What a correct reporter makes of x: the whole number in [0, hi], or None (refuse it).
+    `hi` is the reader's bound for the field (steps MAX_STEP, tokens MAX_TOKENS): the reporter
+    accepts exactly what the reader accepts."""
     if isinstance(x, (bool, np.bool_, str, bytes, list, dict)) or type(x) is object:
         return None
     try:
         f = Fraction(x) if not isinstance(x, (float, np.floating)) else Fraction(float(x))
     except (ValueError, OverflowError, TypeError):
         return None
-    if f.denominator != 1 or not 0 <= f.numerator <= 10**12:
+    if f.denominator != 1 or not 0 <= f.numerator <= hi:
         return None
     return f.numerator
 
 
 def test_hostile_step_values_are_refused_at_the_call_and_good_ones_still_arrive(shared, prefix, tmp_path):
     rep = StepReporter("hostile", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
-    expected: list[int] = []
+    expected: list[tuple[int, int | None]] = []
 
     @settings(max_examples=300)
+    @example(step=0.0, tokens=MAX_STEP + 1)  # tokens between the step and token bounds: accepted
+    @example(step=MAX_STEP, tokens=MAX_TOKENS)
+    @example(step=MAX_STEP + 1, tokens=None)
+    @example(step=0, tokens=MAX_TOKENS + 1)
     @given(step=HOSTILE, tokens=st.one_of(st.none(), HOSTILE))
     def call(step, tokens):
-        want, want_tokens = _whole(step), (None if tokens is None else _whole(tokens))
-        ok = want is not None and (tokens is None or (want_tokens is not None and want_tokens <= 10**15))
-        if ok:
+        want, want_tokens = _whole(step, MAX_STEP), (None if tokens is None else _whole(tokens, MAX_TOKENS))
+        if want is not None and (tokens is None or want_tokens is not None):
             rep.step(step, tokens=tokens)
-            expected.append(want)
+            expected.append((want, want_tokens))
         else:
             with pytest.raises((TypeError, ValueError)):
                 rep.step(step, tokens=tokens)
 
     call()
     rep.step(123)  # and the reporter still works
-    expected.append(123)
+    expected.append((123, None))
     assert rep.flush(timeout=20), rep.stats
     rep.close()
     reader = EventReader(shared, "hostile", prefix=prefix)
     events = reader.read_all()
-    assert [int(e.get("step")) for e in events if e.type == "step"] == expected
+    assert [(int(e.get("step")), e.get("tokens")) for e in events if e.type == "step"] == expected
     assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
     assert rep.stats["rejected"] == 0 and rep.stats["sent"] == len(expected) + 3
+
+
+def _bound(lo: int, hi: int):
+    """Whole numbers around a bound: both edges and a step past each."""
+    return st.one_of(st.sampled_from([lo - 1, lo, hi, hi + 1]), st.integers(lo - 2, hi + 2))
+
+
+def test_a_register_the_reader_would_refuse_is_refused_at_the_constructor(shared, prefix, tmp_path):
+    """rank, local_rank, world_size and gpu_index outside the reader's bounds used to be accepted,
+    and then the reader refused every event of that rank. The constructor accepts exactly what
+    the reader accepts: a register it lets through arrives and is valid, one it refuses the
+    reader refuses too."""
+    n = [0]
+
+    @settings(max_examples=40, deadline=None)
+    @example(rank=1 << 20, local=1 << 16, world=1, gpu=0)
+    @example(rank=(1 << 20) + 1, local=0, world=1, gpu=0)
+    @example(rank=0, local=0, world=0, gpu=0)
+    @example(rank=0, local=0, world=(1 << 20) + 1, gpu=0)
+    @example(rank=0, local=0, world=1, gpu=(1 << 16) + 1)
+    @example(rank=0, local=(1 << 16) + 1, world=1, gpu=None)
+    @given(
+        rank=_bound(0, 1 << 20),
+        local=_bound(0, 1 << 16),
+        world=_bound(1, 1 << 20),
+        gpu=st.none() | _bound(0, 1 << 16),
+    )
+    def make(rank, local, world, gpu):
+        n[0] += 1
+        job = f"bounds{n[0]}"
+        entry = {"v": "1", "type": "register", "job": job, "ts": str(time.time()), "rank": str(rank)}
+        entry |= {"session": "s", "seq": "0", "host": "h", "local_rank": str(local), "world_size": str(world)}
+        entry["gpu"] = str(local if gpu is None else gpu)
+        try:
+            parse_event(entry, job=job, strict_ids=True)
+            reader_ok = True
+        except EventError:
+            reader_ok = False
+        kw = dict(rank=rank, local_rank=local, world_size=world, gpu_index=gpu, gpu_uuid="GPU-x")
+        if not reader_ok:
+            with pytest.raises(ValueError):
+                StepReporter(job, SHARED_URL, prefix=prefix, spool_dir=tmp_path, heartbeat_s=3600, **kw)
+            return
+        rep = StepReporter(job, SHARED_URL, prefix=prefix, spool_dir=tmp_path, heartbeat_s=3600, **kw)
+        assert rep.flush(timeout=10), rep.stats
+        rep.close()
+        reader = EventReader(shared, job, prefix=prefix)
+        events = reader.read_all()
+        assert [e.type for e in events] == ["register", "run", "run"], reader.stats
+        assert (events[0].rank, events[0].get("world_size")) == (rank, world)
+
+    make()
 
 
 def test_a_batch_the_server_refuses_is_dropped_counted_and_later_batches_go_through(tmp_path, caplog):
@@ -405,6 +463,8 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
     case = [0]
 
     @settings(max_examples=int(os.environ.get("CLIENT_FAULT_EXAMPLES", "20")))
+    @example(ops=[("stop",), ("restart_trainer",), ("start",)])  # the second reporter drains the first
+    @example(ops=[("stop",), ("steps", 5), ("restart_trainer",), ("steps", 5), ("restart_trainer",)])
     @given(ops=OPS)
     def schedule(ops):
         case[0] += 1
@@ -445,7 +505,9 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
 
         # Where every reporter's events are, before a last one sends the spool.
         stream = EventReader(server.client(), job).read_all() if server.proc is not None else None
-        disk = {(d["session"], int(d["seq"])) for d in spool_lines(spool_dir)}
+        on_disk = spool_lines(spool_dir)  # no reporter is alive now: nothing moves
+        disk = {(d["session"], int(d["seq"])) for d in on_disk}
+        assert len(disk) == len(on_disk)  # no event is on disk twice
         if server.proc is None:
             server.start()
             stream = EventReader(server.client(), job).read_all()
@@ -460,11 +522,18 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
             assert mine_arrived <= posted
             assert posted <= mine_arrived | disk, (posted - mine_arrived - disk, s)
 
+        # What waits on disk is what the reporters spooled, less what each sent of its own
+        # (unspooled) and what a later one sent for it (drained: a reporter that starts while a
+        # closed one's spool waits sends it, so it is not always the last one below).
+        assert all(r.stats["drain_rejected"] == 0 for r in reporters)
+        waiting = sum(r.stats["spooled"] - r.stats["unspooled"] - r.stats["drained"] for r in reporters)
+        assert len(on_disk) == waiting, [dict(r.stats) for r in reporters]
+
         # A last reporter sends what waits on disk: then everything is in Redis, once.
         last = StepReporter(job, url, **kw)
         assert last.flush(timeout=20), last.stats
         last.close()
-        assert last.stats["drained"] == sum(r.stats["spooled"] - r.stats["unspooled"] for r in reporters)
+        assert last.stats["drained"] == waiting, last.stats
         reader = EventReader(server.client(), job)
         arrived = {(e.session, e.seq) for e in reader.read_all()}
         for rep, n in zip(reporters, steps, strict=True):
