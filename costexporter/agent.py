@@ -34,7 +34,7 @@ import numpy as np
 from . import bands as bands_mod
 from . import ledger, live, profiles, protocol
 from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, make_slices
-from .cost import Prices
+from .cost import Prices, price_override_note
 from .live import JobState, book_window
 from .model import BANDS, Category, Event
 from .profiles import Profile
@@ -627,6 +627,12 @@ class Agent:
         if res.horizon_ms <= job.booked_until:
             return
         price = float(meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
+        note = price_override_note(
+            job.name, meta.get("price_per_gpu_hour"), price, cfg.prices.price_per_gpu_hour
+        )
+        if note and ("price", "") not in job.logged:
+            job.logged.add(("price", ""))
+            log.info("%s", note)
         delta = live.ledger_delta(
             job.state,
             res,

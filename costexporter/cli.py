@@ -365,14 +365,13 @@ def replay(
 def _price_overrides(result: dict, flag_price: float) -> None:
     """Say once per job when its meta's price wins over --price-per-gpu-hour, which would
     otherwise seem to do nothing."""
+    from .cost import price_override_note
+
     for name, j in result.get("jobs", {}).items():
         meta_price = (j.get("meta") or {}).get("price_per_gpu_hour")
-        if meta_price is not None and float(j.get("price_per_gpu_hour", flag_price)) != float(flag_price):
-            click.echo(
-                f"costexporter: job {name}: its meta sets price_per_gpu_hour={meta_price}, which overrides "
-                f"--price-per-gpu-hour {flag_price:g}",
-                err=True,
-            )
+        note = price_override_note(name, meta_price, j.get("price_per_gpu_hour", flag_price), flag_price)
+        if note:
+            click.echo(f"costexporter: {note}", err=True)
 
 
 DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100

@@ -14,6 +14,18 @@ MJ_PER_KWH = 3_600_000_000.0  # millijoules in a kilowatt-hour
 DEFAULT_PRICE_PER_GPU_HOUR = 3.5  # REFERENCE R7: USD per B200/B300 GPU-hour
 
 
+def price_override_note(job: str, meta_price: object, used: float, flag_price: float) -> str | None:
+    """The one line saying a job's meta price wins over --price-per-gpu-hour (the flag would
+    otherwise seem to do nothing), or None when the flag's price is the one used. Replay and the
+    agent say it in the same words."""
+    if meta_price is None or float(used) == float(flag_price):
+        return None
+    return (
+        f"job {job}: its meta sets price_per_gpu_hour={meta_price}, which overrides "
+        f"--price-per-gpu-hour {flag_price:g}"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Prices:
     price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR

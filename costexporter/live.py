@@ -33,7 +33,7 @@ from .booking import (
 )
 from .cost import Prices
 from .ledger import amounts
-from .model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Event
+from .model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Band, Category, Event
 from .profiles import Profile
 
 
@@ -43,6 +43,9 @@ class WindowResult:
     horizon_ms: int
     timeline: Timeline
     latest_band: dict[int, int]  # own GPU index -> band of its newest sample
+    # Confirmed signature runs of the window (`bands.BandResult.signatures`): (start ms, end ms,
+    # the ranks at ~0%), job-wide, so a deadlock incident names the rank that left the collective.
+    signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
 
 def data_horizon(
@@ -161,7 +164,7 @@ def book_window(
     if lg.size:
         last = np.flatnonzero(np.append(lg[1:] != lg[:-1], True))
         latest = {int(lg[i]): int(br.band[mine][i]) for i in last}
-    return WindowResult(pieces, horizon, tl, latest)
+    return WindowResult(pieces, horizon, tl, latest, list(br.signatures))
 
 
 # ---- the ledger delta of one round (pure) -----------------------------------------------------
@@ -263,10 +266,30 @@ def voided_part(
     return np.clip(cur - prev, 0, None)
 
 
+def zero_util_ranks(
+    pieces: Pieces, sel: np.ndarray, signatures: list[tuple[int, int, list[int]]], tol_ms: int
+) -> list[int]:
+    """The ranks at ~0% in the signature runs that meet the deadlock-band pieces of `sel` (R2:
+    the rank that left the collective); empty when none of them is in the deadlock band."""
+    dead = sel & (pieces.band == Band.DEADLOCK)
+    if not dead.any() or not signatures:
+        return []
+    s, e = pieces.start_ms[dead], pieces.end_ms[dead]
+    return sorted(
+        {int(rk) for a, b, zr in signatures if bool(((a < e + tol_ms) & (b > s - tol_ms)).any()) for rk in zr}
+    )
+
+
 def extend_incidents(
-    open_: dict[str, dict], pieces: Pieces, own_ranks: np.ndarray, host: str, tol_ms: int
+    open_: dict[str, dict],
+    pieces: Pieces,
+    own_ranks: np.ndarray,
+    host: str,
+    tol_ms: int,
+    signatures: list[tuple[int, int, list[int]]] | None = None,
 ) -> dict[str, dict]:
-    """Extend or open the incidents (one open stretch per wasted category) with `pieces`."""
+    """Extend or open the incidents (one open stretch per wasted category) with `pieces`;
+    `signatures` (the window's confirmed signature runs) name a deadlock's ~0% ranks."""
     out = {k: dict(v) for k, v in open_.items()}
     for c in sorted(WASTED_CATEGORIES):
         sel = pieces.category == c
@@ -275,14 +298,24 @@ def extend_incidents(
         name = CATEGORIES[c]
         s, e = int(pieces.start_ms[sel].min()), int(pieces.end_ms[sel].max())
         ranks = sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()})
+        zero = zero_util_ranks(pieces, sel, signatures or [], tol_ms)
         ms = int((pieces.end_ms[sel] - pieces.start_ms[sel]).sum())
         cur = out.get(name)
         if cur is not None and s <= cur["end"] + tol_ms:
             cur["end"] = max(cur["end"], e)
             cur["gpu_ms"] += ms
             cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
+            cur["zero_util_ranks"] = sorted(set(cur.get("zero_util_ranks", [])) | set(zero))
         else:
-            out[name] = {"category": name, "start": s, "end": e, "gpu_ms": ms, "ranks": ranks, "host": host}
+            out[name] = {
+                "category": name,
+                "start": s,
+                "end": e,
+                "gpu_ms": ms,
+                "ranks": ranks,
+                "zero_util_ranks": zero,
+                "host": host,
+            }
     return out
 
 
@@ -374,7 +407,7 @@ def ledger_delta(
     since_cost = (state.since_cost if last_progress_ms == state.since_ref_ms else 0) + cost_after(
         p, last_progress_ms, prices, price
     )
-    incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms)
+    incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
     nxt = JobState(
         booked_until=res.horizon_ms,
         cum=new_cum,

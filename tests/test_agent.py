@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -462,6 +463,54 @@ def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared,
     assert "'bumpy': booking failed; skipped this round" in caplog.text
     total = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
     assert total["productive"] > 0
+
+
+@pytest.mark.parametrize(
+    ("meta_price", "flag_price", "says"),
+    [(5.0, 2.0, True), (None, 2.0, False), (2.0, 2.0, False)],
+    ids=["meta-wins", "no-meta-price", "same-price"],
+)
+def test_serve_says_once_per_job_when_its_meta_price_overrides_the_flag(
+    shared, prefix, caplog, meta_price, flag_price, says
+):
+    """The flag would otherwise seem to do nothing: the agent says so once per job, in replay's
+    words, however many rounds book it, and books the meta's price."""
+    import logging
+
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.cost import Prices
+    from costexporter.sources.replay import ReplaySource
+
+    caplog.set_level(logging.INFO, logger="costexporter.agent")
+    job = f"priced-{uuid.uuid4().hex[:6]}"
+    b = TraceBuilder(n_gpus=2, per_host=2, job=job, seed=4)
+    if meta_price is not None:
+        b.meta(price_per_gpu_hour=meta_price)
+    b.run("start")
+    b.stretch("compute", 240, step_s=5)
+    b.run("end")
+    b.stretch("idle", 5)
+    post_events(shared, prefix, b)
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(
+            prefix=prefix, agent_id="priced", job_refresh_s=0, prices=Prices(price_per_gpu_hour=flag_price)
+        ),
+    )
+    for _ in range(6):
+        now[0] += 50
+        for r in agent.source.read():
+            agent.sampler._buf.append(r)
+        agent.tick()
+    assert agent.stats["rounds"] >= 3  # several rounds booked the job: the note is still said once
+    note = f"job {job}: its meta sets price_per_gpu_hour={meta_price}, which overrides --price-per-gpu-hour 2"
+    assert caplog.text.count("overrides --price-per-gpu-hour") == (1 if says else 0), caplog.text
+    assert (note in caplog.text) == says
+    total = ledger.read_amounts(shared, prefix, job)
+    ms = sum(total.get(f"{c}:ms", 0) for c in CATEGORIES)
+    cost = sum(total.get(f"{c}:ucost", 0) for c in CATEGORIES) / 1e6
+    assert ms > 0 and cost == pytest.approx(ms / 3.6e6 * (meta_price or flag_price), rel=1e-3)
 
 
 def test_every_counter_of_a_job_is_exported_at_zero_from_its_first_round(shared, prefix):

@@ -168,6 +168,9 @@ def test_incidents_name_the_stretch_and_the_ranks(built):
     incs = client(built).get("/api/v1/jobs/llm-run/incidents", params={"window": WINDOW}).json()["incidents"]
     stalled = [i for i in incs if i["category"] == "stalled"]
     assert len(stalled) == 1 and stalled[0]["ranks"] == [0, 1]
+    # R2: the deadlock names the rank at ~0% (the one that left the collective), as replay does.
+    assert stalled[0]["zero_util_ranks"] == [1]
+    assert all(i["zero_util_ranks"] == [] for i in incs if i["category"] != "stalled")
     assert stalled[0]["gpu_hours"] == pytest.approx(2 * 400 / 3600, rel=0.02)
 
 

@@ -214,6 +214,11 @@ def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
         ({**TOKENS, "agent": {"source": "smi"}}, "/agent/source"),  # values.schema.json
         ({**TOKENS, "agent": {"sourc": "dcgm"}}, "'sourc' not allowed"),  # a typo is not ignored
         ({"api": {"tokens": [{"name": "f", "sha256": "hunter2", "teams": "*"}]}}, "/api/tokens/0/sha256"),
+        # The API refuses these at start (a token that sees no team, or "*" inside a list):
+        # the chart refuses them first.
+        ({"api": {"tokens": [{**TOKEN, "teams": []}]}}, "/api/tokens/0/teams"),
+        ({"api": {"tokens": [{**TOKEN, "teams": [""]}]}}, "/api/tokens/0/teams"),
+        ({"api": {"tokens": [{**TOKEN, "teams": ["llm", "*"]}]}}, "/api/tokens/0/teams"),
         ({**TOKENS, "prices": {"currency": "usd"}}, "/prices/currency"),
     ],
 )

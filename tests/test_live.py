@@ -181,3 +181,94 @@ def test_the_pure_ledger_delta_chained_over_rounds_nets_to_the_offline_replay(ki
     assert dict(zip(CATEGORIES, written[:, 0].tolist(), strict=True)) == dict(
         zip(CATEGORIES, offline.tolist(), strict=True)
     )
+
+
+def deadlock_scenario(zero_rank: int) -> TraceBuilder:
+    b = TraceBuilder(n_gpus=4, per_host=2, job="live", seed=5 + zero_rank)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    b.stretch("deadlock", 60, zero_ranks=(zero_rank,))
+    b.stretch("compute", 60, step_s=5)
+    b.run("end")
+    b.stretch("idle", 5)
+    return b
+
+
+def chained_incidents(b: TraceBuilder, own: list[int], rounds_s: float) -> dict[str, dict]:
+    """The open incidents an agent owning `own` leaves after booking `b` round by round."""
+    from costexporter.cost import Prices
+    from costexporter.live import JobState, ledger_delta
+
+    s = b.samples()
+    rank = s.gpu.astype(np.int64)
+    events = sorted(b.events, key=lambda e: e.ts)
+    start, end = int(b.t0 * 1000), int(b.t * 1000)
+    own_ranks = np.asarray(own)
+    state, now = JobState(booked_until=start), start
+    while state.booked_until < end and now < end + 600_000:
+        now += int(rounds_s * 1000)
+        seen = s.ts_ms <= now
+        res = book_window(
+            events=[e for e in events if e.ts * 1000 <= now],
+            cfg=BookingConfig(),
+            profile=profiles.B300,
+            job_start_ms=start,
+            rank=rank[seen],
+            ts_ms=s.ts_ms[seen],
+            power_w=s.power_w[seen],
+            util_pct=s.util_pct[seen],
+            energy_mj=s.energy_mj[seen],
+            n_ranks=b.n_gpus,
+            own_ranks=own_ranks,
+            member_start_ms=np.full(own_ranks.size, start),
+            booked_until_ms=state.booked_until,
+            now_ms=min(now, end),
+        )
+        if res.horizon_ms > state.booked_until:
+            state = ledger_delta(
+                state,
+                res,
+                prices=Prices(),
+                price=3.5,
+                own_ranks=own_ranks,
+                member_start_ms=np.full(own_ranks.size, start),
+                job_start_ms=start,
+                last_progress_ms=start,
+                host="h",
+                incident_tol_ms=5000,
+            ).state
+    return state.incidents
+
+
+@pytest.mark.parametrize("zero_rank", [1, 3])
+@pytest.mark.parametrize("rounds_s", [2.0, 9.0])
+def test_the_live_deadlock_incident_names_the_zero_util_rank_as_replay_does(zero_rank, rounds_s):
+    """R2: the deadlock's ~0% rank is the one that left the collective. Every agent's incident
+    names it (also the agent that does not own that rank), as the offline replay's does."""
+    b = deadlock_scenario(zero_rank)
+    [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    from costexporter.replay import incidents as replay_incidents
+
+    offline = [i for i in replay_incidents(r, ReplayConfig(), 3.5) if i["zero_util_ranks"]]
+    assert [i["zero_util_ranks"] for i in offline] == [[zero_rank]]
+    for own in ([0, 1], [2, 3], [0, 1, 2, 3]):
+        incs = chained_incidents(b, own, rounds_s)
+        stalled = incs[offline[0]["category"]]
+        assert stalled["zero_util_ranks"] == [zero_rank], (own, stalled)
+        assert stalled["ranks"] == own
+        # Other wasted stretches (none in the deadlock band) name no one.
+        assert all(not i["zero_util_ranks"] for k, i in incs.items() if k != offline[0]["category"])
+
+
+def test_a_hung_checkpoint_names_the_writing_rank_once_it_turns_into_a_deadlock():
+    """A checkpoint signature (rank 0 at ~0% while writing) that runs far past its usual length
+    books as a deadlock: the live incident names rank 0 as replay does; the other wasted stretch
+    (no progress, compute band) names no one."""
+    b = scenario("hung")
+    [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    from costexporter.replay import incidents as replay_incidents
+
+    offline = {i["category"]: i["zero_util_ranks"] for i in replay_incidents(r, ReplayConfig(), 3.5)}
+    assert offline["stalled"] == [0] and [] in offline.values()
+    incs = chained_incidents(b, [0, 1, 2, 3], 9.0)
+    assert {k: i["zero_util_ranks"] for k, i in incs.items()} == offline

@@ -105,6 +105,8 @@ class Incident(BaseModel):
     start: str
     end: str
     ranks: list[int]
+    # A deadlock's rank(s) at ~0% utilization (the one that left the collective); else empty.
+    zero_util_ranks: list[int] = Field(default_factory=list)
     hosts: list[str]
     gpu_hours: float
 

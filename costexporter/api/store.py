@@ -389,6 +389,7 @@ class LedgerStore:
                 last["gpu_ms"] += inc["gpu_ms"]
                 last["ranks"] = sorted(set(last["ranks"]) | set(inc["ranks"]))
                 last["hosts"] = sorted(set(last["hosts"]) | {inc["host"]})
+                last["zero_util_ranks"] = sorted(set(last["zero_util_ranks"]) | set(inc["zero_util_ranks"]))
             else:
                 merged.append(
                     {
@@ -398,6 +399,7 @@ class LedgerStore:
                         "gpu_ms": inc["gpu_ms"],
                         "ranks": list(inc["ranks"]),
                         "hosts": [inc["host"]],
+                        "zero_util_ranks": list(inc["zero_util_ranks"]),
                     }
                 )
         return [m for m in merged if m["end"] > start and m["start"] < end]
@@ -418,7 +420,10 @@ def incident(x: object) -> dict | None:
     gpu_ms, ranks = number(x.get("gpu_ms")), x.get("ranks")
     if start is None or end is None or end < start or gpu_ms is None or not isinstance(ranks, list):
         return None
-    if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+    zero = x.get("zero_util_ranks", [])  # absent in incidents written before it existed
+    if not isinstance(zero, list) or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in [*ranks, *zero]
+    ):
         return None
     host = x.get("host", "")
     return {
@@ -427,6 +432,7 @@ def incident(x: object) -> dict | None:
         "end": end,
         "gpu_ms": gpu_ms,
         "ranks": ranks,
+        "zero_util_ranks": sorted(set(zero)),
         "host": host if isinstance(host, str) else "",
     }
 

@@ -274,6 +274,24 @@ BAD_STORED = [
         "incident",
     ),
     (
+        "incident zero_util_ranks garbage",
+        lambda r, p, j: r.hset(
+            ledger.incidents_key(p, j, "agent-1"),
+            "x",
+            json.dumps(
+                {
+                    "category": "stalled",
+                    "start": T0 * 1000,
+                    "end": T0 * 1000 + 1,
+                    "gpu_ms": 1,
+                    "ranks": [0],
+                    "zero_util_ranks": ["0"],
+                }
+            ),
+        ),
+        "incident",
+    ),
+    (
         "incident index type",
         lambda r, p, j: (r.delete(k := ledger.incident_index_key(p, j)), r.set(k, "x")),
         "incident index",

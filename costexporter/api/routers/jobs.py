@@ -137,6 +137,7 @@ def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incident
             start=iso(i["start"]),
             end=iso(i["end"]),
             ranks=i["ranks"],
+            zero_util_ranks=i["zero_util_ranks"],
             hosts=i["hosts"],
             gpu_hours=i["gpu_ms"] / 3.6e6,
         )
