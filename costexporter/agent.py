@@ -148,6 +148,9 @@ class Agent:
         self._unassigned_until: int | None = None
         self._unassigned_raw: str | None = None
         self._unassigned_loaded = False
+        # True once the unassigned ledger is booked to the end of the newest sample (at shutdown,
+        # or after a replay's last one): a bill read before then would miss its last stretch.
+        self.unassigned_settled = False
         self._epoch: str | None = None
         self._final = False
         self._started_at = time.monotonic()
@@ -701,11 +704,17 @@ class Agent:
         g, t, pw, en = gpu[order], ts[order], p[order], e[order]
         interval = bands_mod.sampling_interval_ms(g, t)
         # Held back for late registers, except at shutdown and after a replay's last sample (a
-        # register that comes later starts at this watermark: booked once either way).
+        # register that comes later starts at this watermark: booked once either way). Then no
+        # later sample comes: the newest sample's slice is one interval, as the offline replay
+        # counts it, and the physical time ends there.
         final = self._final or getattr(self.source, "done", False)
-        horizon = int(t.max()) - interval - (0 if final else int(self.cfg.unassigned_hold_s * 1000))
+        if final:
+            horizon = int(t.max()) + interval
+        else:
+            horizon = int(t.max()) - interval - int(self.cfg.unassigned_hold_s * 1000)
         lo = self._unassigned_until
         if horizon <= lo:
+            self.unassigned_settled = final
             return
         n_g = int(g.max()) + 1
         claims = [(gg, *j.claim(r)) for j in self.jobs.values() for r, gg in j.own.items() if gg < n_g]
@@ -751,6 +760,7 @@ class Agent:
             self._unassigned_loaded = False
             return
         self._unassigned_until = horizon
+        self.unassigned_settled = final
 
     def _remote_liveness(self, job: _Job) -> tuple[np.ndarray, np.ndarray, bool]:
         """(ranks that hold the horizon back, ranks to ignore, whether to wait this round).

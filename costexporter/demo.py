@@ -226,8 +226,10 @@ class Demo:
 
     @property
     def finished(self) -> bool:
+        """The story is played, the job booked to its end, and the time after it booked
+        `unassigned` (the same round marks the job done before it books that time)."""
         j = self.agent.jobs.get(self.job)
-        return self.src.done and j is not None and j.done
+        return self.src.done and j is not None and j.done and self.agent.unassigned_settled
 
     def stop(self) -> None:
         self.watcher.stop()
@@ -346,7 +348,8 @@ class Demo:
         )
 
     def unassigned_hours(self) -> float:
-        """GPU time of the demo's GPUs that no job held (none, once every rank registered)."""
+        """GPU time of the demo's GPUs that no job held: none before the run's end (booking
+        starts once every rank registered), the story's tail after it."""
         import redis
 
         try:

@@ -356,12 +356,26 @@ def _demo_cmd(*args: str) -> list[str]:
 
 
 def _offline_bill(scenario: str) -> dict:
+    """The offline replay's job, plus its `unassigned` hours and the trace's physical GPU-hours
+    (each GPU from its first sample to one interval after its last)."""
+    import numpy as np
+
     from costexporter.replay import ReplayConfig, replay
     from costexporter.synth import SCENARIOS
 
     b = SCENARIOS[scenario]()
-    (j,) = replay(b.samples(), b.events, ReplayConfig())["jobs"].values()
-    return j
+    s = b.samples()
+    rep = replay(s, b.events, ReplayConfig())
+    (j,) = rep["jobs"].values()
+    physical_ms = sum(
+        int(s.ts_ms[s.gpu == g].max() - s.ts_ms[s.gpu == g].min()) + int(b.interval_s * 1000)
+        for g in np.unique(s.gpu)
+    )
+    return {
+        **j,
+        "unassigned_gpu_hours": rep["unassigned"]["gpu_hours"],
+        "physical_gpu_hours": physical_ms / 3.6e6,
+    }
 
 
 @pytest.mark.slow
@@ -399,7 +413,13 @@ def test_three_demo_runs_print_the_same_json_bill_and_leave_nothing_behind(tmp_p
     assert c["valid_steps"] == offline["valid_steps"]
     for cat, h in c["wasted_by_category"].items():
         assert h == pytest.approx(offline["gpu_hours"][cat], abs=1e-6), cat
-    assert c["unassigned_gpu_hours"] == 0.0
+    # The GPUs are nobody's after the run's end (the story's last seconds): unassigned, as
+    # offline, and job + unassigned is every GPU-second of the trace, once.
+    assert c["unassigned_gpu_hours"] > 0
+    assert c["unassigned_gpu_hours"] == pytest.approx(offline["unassigned_gpu_hours"], abs=1e-6)
+    assert c["total_gpu_hours"] + c["unassigned_gpu_hours"] == pytest.approx(
+        offline["physical_gpu_hours"], abs=1e-6
+    )
 
 
 def test_sighup_stops_the_demo_and_removes_its_redis_and_directories(tmp_path):
