@@ -483,20 +483,30 @@ class Agent:
                     skew,
                 )
 
-    def _starts(self, job: _Job, own_ranks: np.ndarray) -> np.ndarray:
+    def _starts(self, job: _Job, own_ranks: np.ndarray) -> np.ndarray | None:
         """When each own rank's GPU time starts, fixed the first time it is booked and kept in the
         watermark: the register's time, but no earlier than this agent's first sample of the GPU
-        or what is booked already elsewhere, and no later than the newest sample (a register
-        dated in the future, a clock ahead)."""
-        out = []
+        or what is booked already elsewhere. A register dated more than `clock_skew_warn_s`
+        past the GPU's newest sample (a clock ahead) starts at that sample; one just past it is
+        only newer than the last sampling round: None, the job waits a round for a sample to
+        reach it (starting at the older sample would bill time before the register)."""
+        out, fixed = [], {}
+        tol_ms = int(self.cfg.clock_skew_warn_s * 1000)
+        final = self._final or getattr(self.source, "done", False)
         for r in own_ranks.tolist():
             if r not in job.state.starts:
                 g = job.own[r]
                 reg = int(job.ranks[r].ts * 1000)
                 observed = self._first_seen.get(g, min(self._first_seen.values(), default=reg))
                 start = max(reg, observed, job.floors.get(r, 0))
-                job.state.starts[r] = min(start, self._newest.get(g, start))
-            out.append(job.state.starts[r])
+                newest = self._newest.get(g, start)
+                if newest < start <= newest + tol_ms and not final:
+                    return None  # the next sampling round reaches the register: book then
+                fixed[r] = min(start, newest)
+            out.append(fixed.get(r, job.state.starts.get(r)))
+        if fixed:  # an earlier job on these GPUs stops at the start as fixed, not as provisional
+            job.state.starts.update(fixed)
+            self._handover()
         return np.asarray(out, np.int64)
 
     def _remote_samples(self, job: _Job) -> None:
@@ -576,6 +586,8 @@ class Agent:
             return
         own_ranks = np.asarray(sorted(job.own), np.int64)
         member_start = self._starts(job, own_ranks)
+        if member_start is None:
+            return
         member_end = np.maximum(np.asarray([job.claim(int(r))[1] for r in own_ranks], np.int64), member_start)
         # Other hosts' ranks may have registered a little earlier; an ancient date is not trusted.
         job_start = max(

@@ -550,3 +550,66 @@ def test_every_counter_of_a_job_is_exported_at_zero_from_its_first_round(shared,
     assert families["costexporter_job_steps_voided"][(("training_job", "fresh"),)] == 0
     assert families["costexporter_agent_conflicts"][()] == 0
     assert families["costexporter_redis_epoch_resets"][()] == 0
+
+
+@pytest.mark.parametrize(("just_after_ms", "far_ahead_s"), [(1, 100), (258, 150), (4_000, 120), (9_999, 200)])
+def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_before(
+    shared, prefix, just_after_ms, far_ahead_s
+):
+    """A register stamped a few ms after the agent's newest sample (it came between two sampling
+    rounds, as a Kubernetes pod's does) starts the GPU's time at the register, never earlier:
+    the time before it is nobody's job. Only a register dated past `clock_skew_warn_s` (a clock
+    ahead) starts at the newest sample."""
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.sources.replay import ReplaySource
+
+    job = f"between-{uuid.uuid4().hex[:6]}"
+    b = TraceBuilder(n_gpus=2, per_host=2, job=job, seed=9, register=False)
+    b.stretch("idle", 200)
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(prefix=prefix, agent_id=job, job_refresh_s=0, clock_skew_warn_s=10.0),
+    )
+
+    def play(seconds: float) -> None:
+        now[0] += seconds
+        for r in agent.source.read():
+            agent.sampler._buf.append(r)
+        agent.tick()
+
+    play(60)
+    regs = {0: agent._newest[0] + just_after_ms, 1: agent._newest[1] + far_ahead_s * 1000}
+    send_entries(
+        shared,
+        prefix,
+        job,
+        [
+            protocol.encode_fields(
+                {
+                    "v": "1",
+                    "type": "register",
+                    "job": job,
+                    "ts": f"{regs[r] / 1000:.3f}",
+                    "rank": r,
+                    "session": f"s{r}",
+                    "seq": 0,
+                    "host": "node0",
+                    "gpu": r,
+                    "gpu_uuid": b.uuid(r),
+                    "pid": 1,
+                }
+            )
+            for r in (0, 1)
+        ],
+    )
+    play(1)  # one more sample, still before both registers: the agent books the job now
+    assert agent._newest[1] < regs[1] - 10_000
+    for _ in range(4):
+        play(20)
+    starts = agent.jobs[job].state.starts
+    assert starts[0] == regs[0]  # not the sample before it
+    assert starts[1] < regs[1] and starts[1] <= agent._newest[1]  # the clock ahead is bounded
+    wm = ledger.load_watermark(shared, prefix, job, agent.cfg.agent_id)["booked_until"]
+    total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
+    assert total == sum(wm - s for s in starts.values())
