@@ -504,9 +504,7 @@ class Agent:
                     return None  # the next sampling round reaches the register: book then
                 fixed[r] = min(start, newest)
             out.append(fixed.get(r, job.state.starts.get(r)))
-        if fixed:  # an earlier job on these GPUs stops at the start as fixed, not as provisional
-            job.state.starts.update(fixed)
-            self._handover()
+        job.state.starts.update(fixed)
         return np.asarray(out, np.int64)
 
     def _remote_samples(self, job: _Job) -> None:
