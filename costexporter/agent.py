@@ -381,6 +381,7 @@ class Agent:
         gpus = self.source.gpus()
         by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
         by_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
+        fresh = False
         for name in self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1):
             try:
                 protocol.check_job(name)
@@ -407,6 +408,9 @@ class Agent:
                     reg = dataclasses.replace(reg, ts=min(old.ts, reg.ts))
                 job.ranks[reg.rank] = reg
                 if g is not None and reg.rank not in job.own:
+                    if not fresh:  # a twin agent may have booked `_unassigned` further
+                        self._catch_up_unassigned()
+                        fresh = True
                     job.own[reg.rank] = g
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
         self._handover()
@@ -701,6 +705,15 @@ class Agent:
         self._unassigned_until = int(json.loads(raw).get("booked_until", 0)) if raw else 0
         self._unassigned_raw = raw
         self._unassigned_loaded = True
+
+    def _catch_up_unassigned(self) -> None:
+        """Adopt the stored `_unassigned` watermark if it is ahead of ours (a twin agent booked
+        further), so a late claim starts after it; never go back (after an empty Redis restart
+        our in-memory watermark is the truth)."""
+        raw = self.redis.get(ledger.key(self.cfg.prefix, ledger.UNASSIGNED_JOB, "wm", self.cfg.agent_id))
+        stored = int(json.loads(raw).get("booked_until", 0)) if raw else 0
+        if stored > (self._unassigned_until or 0):
+            self._unassigned_until, self._unassigned_raw, self._unassigned_loaded = stored, raw, True
 
     def _book_unassigned(self, local: tuple[np.ndarray, ...]) -> None:
         """Observed time of this node's GPUs outside every job's hold, into the `_unassigned`
