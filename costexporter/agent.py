@@ -402,6 +402,9 @@ class Agent:
                     continue
                 if job is None:
                     job = self.jobs[name] = _Job(name, EventReader(self.redis, name, prefix=self.cfg.prefix))
+                    # its stored GPU starts and watermark before any claim or handover uses them (a
+                    # restarted agent would otherwise hand a crashed job time its successor booked)
+                    self._load(job)
                 old = job.ranks.get(reg.rank)
                 if old is not None:  # a restart registers again: the GPU is the job's from the
                     # rank's first registration on (the hash keeps only the newest)
