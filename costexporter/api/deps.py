@@ -77,7 +77,13 @@ def visible_job(
 ) -> dict:
     """The job's info (all of it with `full`, else just its team), or 404: unknown, or outside the
     token's scope (as if absent)."""
-    exists, team = s.job_team(job)
+    if full:  # existence, team and the rest of the info in one round trip
+        info = s.job_info(job, warn)
+        exists = info is not None
+        team = info["meta"].get("team") if exists else None
+    else:
+        exists, team = s.job_team(job)
+        info = {"meta": {"team": team}}
     if not exists or not who.sees(team):
         raise HTTPException(404, f"no job {job!r}")
-    return s.info_many([job], warn)[job] if full else {"meta": {"team": team}}
+    return info

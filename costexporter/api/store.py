@@ -239,36 +239,25 @@ class LedgerStore:
         warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
-            pipe.hgetall(protocol.meta_key(self.prefix, j))
-            pipe.hgetall(self.k(j, "ledger", "job"))
-            pipe.get(self.k(j, "status"))
-            pipe.hvals(protocol.ranks_key(self.prefix, j))
+            self._queue_info(pipe, j)
         raw = _run(pipe)
-        out = {}
-        for i, j in enumerate(jobs):
-            meta, figures, status, ranks = raw[4 * i : 4 * i + 4]
-            for what, value in (("meta", meta), ("figures", figures), ("ranks", ranks)):
-                if value is None:
-                    warn.add(j, f"{what} key has the wrong type: ignored")
-            regs = []
-            for r in ranks or []:
-                entry = _json(r)
-                t = timestamp(entry.get("ts")) if isinstance(entry, dict) else None
-                if t is None:
-                    warn.add(j, "a ranks entry without a valid registration time: ignored")
-                else:
-                    regs.append(t)
-            state = "unknown"
-            if status:
-                parsed = _json(status)
-                state = str(parsed.get("state", "unknown")) if isinstance(parsed, dict) else str(status)
-            out[j] = {
-                "meta": meta or {},
-                "figures": figures or {},
-                "status": state,
-                "first_seen": min(regs) if regs else None,
-            }
-        return out
+        return {j: _info(j, *raw[4 * i : 4 * i + 4], warn) for i, j in enumerate(jobs)}
+
+    def job_info(self, job: str, warn: Warnings | None = None) -> dict | None:
+        """One job's `info_many` entry, or None if there is no such job: one round trip."""
+        warn = Warnings() if warn is None else warn
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zscore(protocol.jobs_key(self.prefix), job)
+        self._queue_info(pipe, job)
+        score, *raw = _run(pipe)
+        return None if score is None else _info(job, *raw, warn)
+
+    def _queue_info(self, pipe, j: str) -> None:
+        """The 4 reads `_info` parses."""
+        pipe.hgetall(protocol.meta_key(self.prefix, j))
+        pipe.hgetall(self.k(j, "ledger", "job"))
+        pipe.get(self.k(j, "status"))
+        pipe.hvals(protocol.ranks_key(self.prefix, j))
 
     def amounts_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
@@ -410,6 +399,31 @@ class LedgerStore:
 
     def unassigned(self, start: int, end: int, warn: Warnings | None = None) -> Amounts:
         return self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
+
+
+def _info(j: str, meta, figures, status, ranks, warn: Warnings) -> dict:
+    """A job's info from the replies of `LedgerStore._queue_info`."""
+    for what, value in (("meta", meta), ("figures", figures), ("ranks", ranks)):
+        if value is None:
+            warn.add(j, f"{what} key has the wrong type: ignored")
+    regs = []
+    for r in ranks or []:
+        entry = _json(r)
+        t = timestamp(entry.get("ts")) if isinstance(entry, dict) else None
+        if t is None:
+            warn.add(j, "a ranks entry without a valid registration time: ignored")
+        else:
+            regs.append(t)
+    state = "unknown"
+    if status:
+        parsed = _json(status)
+        state = str(parsed.get("state", "unknown")) if isinstance(parsed, dict) else str(status)
+    return {
+        "meta": meta or {},
+        "figures": figures or {},
+        "status": state,
+        "first_seen": min(regs) if regs else None,
+    }
 
 
 def incident(x: object) -> dict | None:
