@@ -23,6 +23,7 @@ from costexporter.api.store import LedgerStore
 from costexporter.model import CATEGORIES
 from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
 
+from .api_helpers import T0, write_job
 from .conftest import SHARED_URL
 from .redis_server import free_port
 from .test_agent import offline_ms, post_events, scrape, serve
@@ -300,3 +301,15 @@ def test_money_is_a_decimal_string_everywhere(built):
         assert isinstance(body[k], str) and len(body[k].split(".")[1]) == 6
     assert all(isinstance(v, str) for v in body["by_category"]["cost"].values())
     assert sum(Decimal(v) for v in body["by_category"]["cost"].values()) == Decimal(body["cost"])
+
+
+def test_gpu_hours_at_risk_count_from_the_last_checkpoint(shared, prefix):
+    """Without a checkpoint the whole window is at risk; with one, only the time after it."""
+    write_job(shared, prefix, "ckpt", "llm")  # 1.1 GPU-hours in each of T0's hour and the next
+    api = TestClient(create_app(LedgerStore(shared, prefix)))
+    got = api.get("/api/v1/jobs/ckpt", params={"window": WINDOW}).json()
+    assert got["gpu_hours_at_risk"] == got["gpu_hours"] == pytest.approx(2.2)
+    shared.hset(ledger.key(prefix, "ckpt", "ledger", "job"), "last_checkpoint_ts", T0 + 3600)
+    got = api.get("/api/v1/jobs/ckpt", params={"window": WINDOW}).json()
+    assert got["gpu_hours"] == pytest.approx(2.2)
+    assert got["gpu_hours_at_risk"] == pytest.approx(1.1)
