@@ -158,7 +158,9 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     cost = a.total_cost()
     ckpt = stored_time(fig, "last_checkpoint_ts", job, warn)
     risk_from = max(int(ckpt) // 300 * 300, w.start) if ckpt else w.start
-    at_risk = s.amounts_many([job], risk_from, max(w.end, risk_from + 300))[job].hours(JOB_CATS)
+    # from the window's start (no checkpoint in it) that is the window's amounts, read above
+    risk = a if risk_from == w.start else s.amounts_many([job], risk_from, max(w.end, risk_from + 300))[job]
+    at_risk = risk.hours(JOB_CATS)
     spend_all = s.totals_many([job], warn)[job].total_cost()
     budget_d = stored_decimal(meta, "budget", job, warn)
     preflight = stored_json(fig, "preflight", job, warn)
