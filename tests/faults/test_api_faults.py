@@ -530,6 +530,40 @@ def test_one_computation_per_key_while_others_wait():
     assert len(calls) == 1 and cache.locks == 0
 
 
+def test_a_failed_computation_is_not_cached_and_a_stale_answer_never_waits():
+    """A compute that raises (Redis down) leaves no entry and no lock; while one request refreshes
+    a stale entry, another gets the previous answer at once instead of waiting for it."""
+    from fastapi.responses import Response
+
+    def down() -> Response:
+        raise redis.ConnectionError("down")
+
+    cache = ResponseCache(ttl_s=0.05)
+    with pytest.raises(redis.ConnectionError):
+        cache.get("k", down)
+    assert len(cache) == 0 and cache.locks == 0
+    assert cache.get("k", lambda: Response(b"old")).body == b"old"
+    time.sleep(0.1)  # stale now
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> Response:
+        started.set()
+        release.wait(10)
+        return Response(b"new")
+
+    refresher = threading.Thread(target=cache.get, args=("k", slow))
+    refresher.start()
+    try:
+        assert started.wait(10)
+        t0 = time.monotonic()
+        assert cache.get("k", down).body == b"old"
+        assert time.monotonic() - t0 < 1
+    finally:
+        release.set()
+        refresher.join(10)
+    assert cache._items["k"][1].body == b"new" and cache.locks == 0
+
+
 # ---- 17: job names with "/" ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["a/b", "team/run/7", "a/b/c"])
 def test_a_job_name_with_a_slash_is_reachable(r, prefix, name):
