@@ -23,12 +23,10 @@ from costexporter.api.store import LedgerStore
 from costexporter.model import CATEGORIES
 from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
 
-from .api_helpers import T0, write_job
+from .api_helpers import T0, WINDOW, write_job
 from .conftest import SHARED_URL
 from .redis_server import free_port
 from .test_agent import offline_ms, post_events, scrape, serve
-
-WINDOW = "2025-07-26T00:00:00Z,2025-07-28T00:00:00Z"
 
 
 def llm_job() -> TraceBuilder:
