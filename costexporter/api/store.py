@@ -264,22 +264,33 @@ class LedgerStore:
     ) -> dict[str, Amounts]:
         """Window totals of many jobs: the fewest buckets (whole days, hours, then 5 minutes),
         summed inside Redis by a script, one call per job, one pipeline."""
-        parts = decompose(start, end)
         pipe = self.r.pipeline(transaction=False)
+        self._queue_amounts(pipe, jobs, start, end)
+        return _amounts(jobs, _run(pipe), warn)
+
+    def window_many(
+        self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
+    ) -> tuple[dict[str, Amounts], dict[str, Steps]]:
+        """`amounts_many` of a window, and the steps completed and voided in it with the tokens of
+        the valid ones, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        self._queue_amounts(pipe, jobs, start, end)
+        self._queue_steps(pipe, jobs, start, end)
+        raw = _run(pipe)
+        return _amounts(jobs, raw[: len(jobs)], warn), _steps(jobs, raw[len(jobs) :], warn)
+
+    def _queue_amounts(self, pipe, jobs: list[str], start: int, end: int) -> None:
+        parts = decompose(start, end)
         for j in jobs:
             self._sum(keys=[self.k(j, "ledger", res, str(b)) for res, b in parts], client=pipe)
-        out = {}
-        for j, flat in zip(jobs, _run(pipe), strict=True):
-            a = Amounts()
-            h = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
-            versions = h.pop("price_version", None)
-            bad = (number(h.pop("_bad", 0)) or 0) + a.add_hash(h) + (flat is None)
-            if versions:
-                a.price_versions.update(versions.split("\n"))
-            if bad and warn is not None:
-                warn.add(j, f"{bad} ledger amounts are not numbers or not in a hash: skipped")
-            out[j] = a
-        return out
+
+    def _queue_steps(self, pipe, jobs: list[str], start: float, end: float) -> None:
+        for j in jobs:
+            self._steps(
+                keys=[self.k(j, "ledger", "steps"), self.k(j, "ledger", "voids")],
+                args=[start, end],
+                client=pipe,
+            )
 
     def totals_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, Amounts]:
         """All-time amounts (the `ledger:total` hash) of many jobs, one pipeline."""
@@ -312,37 +323,6 @@ class LedgerStore:
             out.append((b, a))
         if bad and warn is not None:
             warn.add(job, f"{bad} ledger amounts are not numbers or not in a hash: skipped")
-        return out
-
-    def steps_many(
-        self, jobs: list[str], start: float, end: float, warn: Warnings | None = None
-    ) -> dict[str, Steps]:
-        """Steps completed and voided in [start, end), and the tokens of the valid ones."""
-        warn = Warnings() if warn is None else warn
-        pipe = self.r.pipeline(transaction=False)
-        for j in jobs:
-            self._steps(
-                keys=[self.k(j, "ledger", "steps"), self.k(j, "ledger", "voids")],
-                args=[start, end],
-                client=pipe,
-            )
-
-        out = {}
-        for j, got in zip(jobs, _run(pipe), strict=True):
-            if got is None:
-                warn.add(j, "the step sets have the wrong type: steps skipped")
-                out[j] = Steps()
-                continue
-            c_n, c_end, c_start, v_n, v_end, v_start = got
-
-            def cum(member: str, j: str = j) -> int:
-                n = number(member.rsplit(":", 1)[-1]) if member else 0
-                if n is None:
-                    warn.add(j, f"step member {member[:40]!r} has no cumulative tokens: counted as 0")
-                return n or 0
-
-            tokens = (cum(c_end) - cum(c_start)) - (cum(v_end) - cum(v_start))
-            out[j] = Steps(int(c_n), int(v_n), max(tokens, 0))
         return out
 
     def incidents(
@@ -399,6 +379,44 @@ class LedgerStore:
 
     def unassigned(self, start: int, end: int, warn: Warnings | None = None) -> Amounts:
         return self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
+
+
+def _amounts(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, Amounts]:
+    """Each job's window amounts from the replies of `LedgerStore._queue_amounts`."""
+    out = {}
+    for j, flat in zip(jobs, replies, strict=True):
+        a = Amounts()
+        h = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
+        versions = h.pop("price_version", None)
+        bad = (number(h.pop("_bad", 0)) or 0) + a.add_hash(h) + (flat is None)
+        if versions:
+            a.price_versions.update(versions.split("\n"))
+        if bad and warn is not None:
+            warn.add(j, f"{bad} ledger amounts are not numbers or not in a hash: skipped")
+        out[j] = a
+    return out
+
+
+def _steps(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, Steps]:
+    """Each job's window steps from the replies of `LedgerStore._queue_steps`."""
+    warn = Warnings() if warn is None else warn
+    out = {}
+    for j, got in zip(jobs, replies, strict=True):
+        if got is None:
+            warn.add(j, "the step sets have the wrong type: steps skipped")
+            out[j] = Steps()
+            continue
+        c_n, c_end, c_start, v_n, v_end, v_start = got
+
+        def cum(member: str, j: str = j) -> int:
+            n = number(member.rsplit(":", 1)[-1]) if member else 0
+            if n is None:
+                warn.add(j, f"step member {member[:40]!r} has no cumulative tokens: counted as 0")
+            return n or 0
+
+        tokens = (cum(c_end) - cum(c_start)) - (cum(v_end) - cum(v_start))
+        out[j] = Steps(int(c_n), int(v_n), max(tokens, 0))
+    return out
 
 
 def _info(j: str, meta, figures, status, ranks, warn: Warnings) -> dict:

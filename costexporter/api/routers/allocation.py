@@ -85,8 +85,7 @@ def allocation_rows(
     names = [j for j in names if who.sees(metas[j].get("team"))]
     out: list[AllocationRow] = []
     for start, end in spans:
-        amounts = s.amounts_many(names, start, end, warn) if names else {}
-        steps = s.steps_many(names, start, end, warn) if names else {}
+        amounts, steps = s.window_many(names, start, end, warn) if names else ({}, {})
         parts = [agg.JobPart(j, metas[j], amounts[j], steps[j]) for j in names]
         out += agg.rows(parts, fields, start, end)
         if who.all_teams:

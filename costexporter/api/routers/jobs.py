@@ -152,8 +152,8 @@ def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incident
 def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     warn = Warnings()
     info = visible_job(job, who, s, full=True, warn=warn)
-    a = s.amounts_many([job], w.start, w.end, warn)[job]
-    st = s.steps_many([job], w.start, w.end, warn)[job]
+    amounts, steps = s.window_many([job], w.start, w.end, warn)
+    a, st = amounts[job], steps[job]
     meta, fig = info["meta"], info["figures"]
     cost = a.total_cost()
     ckpt = stored_time(fig, "last_checkpoint_ts", job, warn)
