@@ -12,6 +12,7 @@ from decimal import Decimal
 
 from .format import PLACES, iso, money
 from .schemas import AllocationRow
+from .store import Warnings
 from .windows import Window
 
 CSV_COLUMNS = [
@@ -171,7 +172,11 @@ def plain(d: Decimal) -> str:
 
 
 def to_focus(
-    rows: list[AllocationRow], currency: str, fields: list[str], fs: FocusSettings, warn: list | None = None
+    rows: list[AllocationRow],
+    currency: str,
+    fields: list[str],
+    fs: FocusSettings,
+    warn: Warnings | None = None,
 ) -> str:
     """FinOps FOCUS 1.2 cost-and-usage rows: one Usage charge per allocation row that used
     something, its charge period the row's period (inside one calendar month, the billing period)."""
@@ -188,7 +193,7 @@ def to_focus(
 
 
 def focus_values(
-    r: AllocationRow, currency: str, fields: list[str], fs: FocusSettings, warn: list | None = None
+    r: AllocationRow, currency: str, fields: list[str], fs: FocusSettings, warn: Warnings | None = None
 ) -> dict[str, object]:
     from .aggregate import month_start, next_month
 
@@ -201,7 +206,7 @@ def focus_values(
         price = (Decimal(r.cost) / hours).quantize(PLACES) if hours else Decimal(0)
         if r.price_versions and warn is not None:
             n = len(r.price_versions)
-            warn.append(f"{r.key}: {n} price versions in one FOCUS row: ListUnitPrice is their average")
+            warn.add(r.key, f"{n} price versions in one FOCUS row: ListUnitPrice is their average")
     list_cost = (price * hours).quantize(PLACES)
     is_job = fields == ["job"] and r.key != "unassigned"
     team = r.team if r.key != "unassigned" else None
