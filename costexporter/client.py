@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import coerce, exitstatus, protocol, spool
-from .events import MAX_STEP, MAX_TOKENS
+from .events import MAX_GPU_INDEX, MAX_RANK, MAX_STEP, MAX_TOKENS, MAX_WORLD_SIZE
 
 log = logging.getLogger("costexporter.client")
 
@@ -150,12 +150,6 @@ def _tell_no_uuid(rank: int, host: str, index: int, local_rank: int) -> None:
     )
 
 
-# The reader's bounds on a register's numbers (events.parse_event): a value outside them would
-# make the reader refuse every event of this rank, so the constructor refuses it instead.
-MAX_RANK = 1 << 20
-MAX_WORLD_SIZE = 1 << 20
-MAX_GPU_INDEX = 1 << 16
-
 # A queued event: (type, ts, seq, fields). Built on the trainer's thread; encoded on the sender's.
 _Event = tuple[str, float, int, dict | None]
 
@@ -213,6 +207,8 @@ class StepReporter:
         self.prefix = prefix or os.environ.get("COSTEXPORTER_PREFIX", protocol.DEFAULT_PREFIX)
         self.redis_url = redis_url or os.environ.get("COSTEXPORTER_REDIS_URL", protocol.DEFAULT_REDIS_URL)
         env_rank, env_local, env_world = detect_ranks()
+        # The reader's bounds (events.parse_event): a register outside them would make the reader
+        # refuse every event of this rank, so the constructor refuses it instead.
         env = " (from the launcher's environment)"
         self.rank = coerce.count(
             env_rank if rank is None else rank, "rank" + (env if rank is None else ""), MAX_RANK

@@ -22,7 +22,15 @@ from hypothesis import strategies as st
 
 from costexporter import protocol
 from costexporter.client import StepReporter
-from costexporter.events import MAX_STEP, MAX_TOKENS, EventError, parse_event
+from costexporter.events import (
+    MAX_GPU_INDEX,
+    MAX_RANK,
+    MAX_STEP,
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
+    EventError,
+    parse_event,
+)
 from costexporter.reader import EventReader
 
 from ..conftest import SHARED_URL
@@ -212,17 +220,17 @@ def test_a_register_the_reader_would_refuse_is_refused_at_the_constructor(shared
     n = [0]
 
     @settings(max_examples=40, deadline=None)
-    @example(rank=1 << 20, local=1 << 16, world=1, gpu=0)
-    @example(rank=(1 << 20) + 1, local=0, world=1, gpu=0)
+    @example(rank=MAX_RANK, local=MAX_GPU_INDEX, world=1, gpu=0)
+    @example(rank=MAX_RANK + 1, local=0, world=1, gpu=0)
     @example(rank=0, local=0, world=0, gpu=0)
-    @example(rank=0, local=0, world=(1 << 20) + 1, gpu=0)
-    @example(rank=0, local=0, world=1, gpu=(1 << 16) + 1)
-    @example(rank=0, local=(1 << 16) + 1, world=1, gpu=None)
+    @example(rank=0, local=0, world=MAX_WORLD_SIZE + 1, gpu=0)
+    @example(rank=0, local=0, world=1, gpu=MAX_GPU_INDEX + 1)
+    @example(rank=0, local=MAX_GPU_INDEX + 1, world=1, gpu=None)
     @given(
-        rank=_bound(0, 1 << 20),
-        local=_bound(0, 1 << 16),
-        world=_bound(1, 1 << 20),
-        gpu=st.none() | _bound(0, 1 << 16),
+        rank=_bound(0, MAX_RANK),
+        local=_bound(0, MAX_GPU_INDEX),
+        world=_bound(1, MAX_WORLD_SIZE),
+        gpu=st.none() | _bound(0, MAX_GPU_INDEX),
     )
     def make(rank, local, world, gpu):
         n[0] += 1
