@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import coerce, exitstatus, protocol, spool
-from .events import MAX_GPU_INDEX, MAX_RANK, MAX_STEP, MAX_TOKENS, MAX_WORLD_SIZE
+from .events import MAX_GPU_INDEX, MAX_RANK, MAX_STEP, MAX_TOKENS, MAX_WORLD_SIZE, META_NUMBERS, META_TEXT
 
 log = logging.getLogger("costexporter.client")
 
@@ -346,17 +346,19 @@ class StepReporter:
         self._post("run", ts=self._ts(ts), state="resume", step=coerce.count(step, "step", MAX_STEP))
 
     def meta(self, ts: float | None = None, **fields: object) -> None:
-        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget); last write wins.
+        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget, the watcher's
+        thresholds: events.META_TEXT and META_NUMBERS); last write wins.
 
-        Prices and budgets must be finite numbers >= 0; other values must be JSON-plain."""
+        Prices, budgets and thresholds must be finite numbers >= 0 and the text fields strings,
+        as the reader requires; other values must be JSON-plain."""
         clean: dict[str, object] = {}
         for k, v in fields.items():
-            if k in ("price_per_gpu_hour", "budget") and v is not None:
+            if k in META_NUMBERS and v is not None:
                 x = coerce.number(v, k)
                 if x < 0:
                     raise ValueError(f"{k} must be >= 0, got {v!r}")
                 clean[k] = x
-            elif k in ("gpu_model", "team", "cost_center") and v is not None and not isinstance(v, str):
+            elif k in META_TEXT and v is not None and not isinstance(v, str):
                 raise TypeError(f"{k} must be a string, got {type(v).__name__} {v!r}")
             else:
                 clean[k] = coerce.plain(v, k)

@@ -27,6 +27,8 @@ EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta"
 # Text fields of a meta event; the Kubernetes ones come from `costexporter.k8s` (namespace for the
 # API's aggregation, progress=none for a job without steps, booked by band).
 META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container", "source", "progress")
+# Number fields of a meta event: finite and >= 0.
+META_NUMBERS = ("price_per_gpu_hour", "budget", *META_THRESHOLDS)
 BASE_FIELDS = frozenset({"v", "type", "job", "ts", "rank", "session", "seq"})
 
 # Timestamps outside [2000-01-01, now + 1 day] are absurd: a clock gone wrong, not an event.
@@ -159,7 +161,7 @@ def parse_event(
             val = entry.get(key)
             if val is not None:
                 f[key] = _str(entry, key)
-        for key in ("price_per_gpu_hour", "budget", *META_THRESHOLDS):
+        for key in META_NUMBERS:
             x = _float(entry, key, required=False)
             if x is not None:
                 if x < 0:

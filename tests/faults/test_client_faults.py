@@ -144,6 +144,30 @@ def test_numpy_and_decimal_values_are_converted_and_arrive(shared, prefix, tmp_p
     assert shared.hget(protocol.meta_key(prefix, "numbers"), "budget") == "5000.5"
 
 
+def test_a_meta_the_reader_would_refuse_is_refused_at_the_call(shared, prefix, tmp_path):
+    """A negative or non-numeric threshold used to pass the call, and then the reader refused the
+    whole meta event (team and price with it). Every number and text field the reader checks
+    (events.META_NUMBERS, META_TEXT) is checked at the call the same way."""
+    rep = StepReporter("meta-bounds", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
+    for bad, exc in (
+        ({"stall_k": -1}, ValueError),
+        ({"heartbeat_timeout_s": float("inf")}, ValueError),
+        ({"stall_floor_s": "slow"}, TypeError),
+        ({"namespace": 3}, TypeError),
+    ):
+        with pytest.raises(exc):
+            rep.meta(team="llm", **bad)
+    rep.meta(team="llm", stall_floor_s=np.float64(1800), stall_k=Decimal("3"), namespace="ml")
+    assert rep.flush(timeout=10), rep.stats
+    rep.close()
+    reader = EventReader(shared, "meta-bounds", prefix=prefix)
+    metas = [e for e in reader.read_all() if e.type == "meta"]
+    assert [(m.get("stall_floor_s"), m.get("stall_k"), m.get("namespace")) for m in metas] == [
+        (1800.0, 3.0, "ml")
+    ]
+    assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
+
+
 HOSTILE = st.one_of(
     st.text(max_size=5),
     st.binary(max_size=3),
