@@ -474,6 +474,30 @@ def test_a_live_reporters_spool_is_not_taken_from_under_it(tmp_path):
     assert first.stats["unspooled"] == first.stats["spooled"] and not list(spool_dir.glob("*.jsonl"))
 
 
+def test_close_while_the_sender_is_stuck_spools_to_a_late_file_a_later_reporter_sends(
+    shared, prefix, tmp_path
+):
+    """close() cannot take the sender's lock (a send stuck past its socket timeout): the queue goes
+    to a separate `.late` spool, out of the stuck sender's file, and the next reporter sends it."""
+    kw = dict(rank=0, spool_dir=tmp_path, heartbeat_s=3600, socket_timeout_s=0.1)
+    first = StepReporter("stuck", SHARED_URL, prefix=prefix, flush_interval_s=3600, **kw)
+    first._io_lock.acquire()  # the sender is "stuck" in a send
+    try:
+        for s in range(1, 4):
+            first.step(s)
+        first.close(timeout=0.1)
+    finally:
+        first._io_lock.release()
+    late = list(tmp_path.glob("*.late.jsonl"))
+    assert len(late) == 1 and first.stats["spooled"] == 6 and not first.stats["lost"], first.stats
+    second = StepReporter("stuck", SHARED_URL, prefix=prefix, **kw)
+    assert second.flush(timeout=10), second.stats
+    second.close()
+    events = [e for e in EventReader(shared, "stuck", prefix=prefix).read_all() if e.session == first.session]
+    assert [e.type for e in events] == ["register", "run", "step", "step", "step", "run"]
+    assert second.stats["drained"] == 6 and not late[0].exists()
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("steps"), st.integers(0, 400)),
