@@ -442,10 +442,7 @@ class StepReporter:
         events = list(self._queue)
         self._queue.clear()
         try:
-            late.append([self._entry(ev) for ev in events])
-            self.stats["spooled"] += len(events)
-        except (OSError, TypeError, ValueError) as e:
-            self._count_lost(len(events), e)
+            self._spool_events(events, late)
         finally:
             late.close()
         if self._inflight:
@@ -656,12 +653,13 @@ class StepReporter:
         n = len(self._queue) // 2
         self._spool_events([self._queue.popleft() for _ in range(n)])
 
-    def _spool_events(self, batch: list[_Event]) -> None:
+    def _spool_events(self, batch: list[_Event], into: spool.SpoolFile | None = None) -> None:
+        """Encode and append to this reporter's spool (or `into`); counted spooled, or lost."""
         if not batch:
             return
         entries, _ = self._encode(batch)
         try:
-            self._spool.append(entries)
+            (into or self._spool).append(entries)
             self.stats["spooled"] += len(entries)
         except OSError as e:
             self._count_lost(len(entries), e)
