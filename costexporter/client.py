@@ -37,7 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import coerce, exitstatus, protocol, spool
-from .events import MAX_GPU_INDEX, MAX_RANK, MAX_STEP, MAX_TOKENS, MAX_WORLD_SIZE, META_NUMBERS, META_TEXT
+from .events import (
+    BASE_FIELDS,
+    MAX_GPU_INDEX,
+    MAX_RANK,
+    MAX_STEP,
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
+    META_NUMBERS,
+    META_TEXT,
+)
 
 log = logging.getLogger("costexporter.client")
 
@@ -706,9 +715,7 @@ def send_entries(
             pipe.hset(protocol.ranks_key(prefix, job), e["rank"], json.dumps(e, separators=(",", ":")))
             owners.append((i, False))
         elif e.get("type") == "meta":
-            fields = {
-                k: v for k, v in e.items() if k not in ("v", "type", "job", "ts", "rank", "session", "seq")
-            }
+            fields = {k: v for k, v in e.items() if k not in BASE_FIELDS}
             if fields:
                 pipe.hset(protocol.meta_key(prefix, job), mapping=fields)
                 owners.append((i, False))
