@@ -485,9 +485,12 @@ def test_close_while_the_sender_is_stuck_spools_to_a_late_file_a_later_reporter_
     try:
         for s in range(1, 4):
             first.step(s)
+        t = time.monotonic()
         first.close(timeout=0.1)
+        closing_s = time.monotonic() - t
     finally:
         first._io_lock.release()
+    assert closing_s < 3.0  # the flush timeout plus the bounded wait for the lock (0.1 + 0.7 s)
     late = list(tmp_path.glob("*.late.jsonl"))
     assert len(late) == 1 and first.stats["spooled"] == 6 and not first.stats["lost"], first.stats
     second = StepReporter("stuck", SHARED_URL, prefix=prefix, **kw)
