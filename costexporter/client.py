@@ -37,7 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import coerce, exitstatus, protocol, spool
-from .events import MAX_STEP, MAX_TOKENS
+from .events import (
+    BASE_FIELDS,
+    MAX_GPU_INDEX,
+    MAX_RANK,
+    MAX_STEP,
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
+    META_NUMBERS,
+    META_TEXT,
+)
 
 log = logging.getLogger("costexporter.client")
 
@@ -150,12 +159,6 @@ def _tell_no_uuid(rank: int, host: str, index: int, local_rank: int) -> None:
     )
 
 
-# The reader's bounds on a register's numbers (events.parse_event): a value outside them would
-# make the reader refuse every event of this rank, so the constructor refuses it instead.
-MAX_RANK = 1 << 20
-MAX_WORLD_SIZE = 1 << 20
-MAX_GPU_INDEX = 1 << 16
-
 # A queued event: (type, ts, seq, fields). Built on the trainer's thread; encoded on the sender's.
 _Event = tuple[str, float, int, dict | None]
 
@@ -213,6 +216,8 @@ class StepReporter:
         self.prefix = prefix or os.environ.get("COSTEXPORTER_PREFIX", protocol.DEFAULT_PREFIX)
         self.redis_url = redis_url or os.environ.get("COSTEXPORTER_REDIS_URL", protocol.DEFAULT_REDIS_URL)
         env_rank, env_local, env_world = detect_ranks()
+        # The reader's bounds (events.parse_event): a register outside them would make the reader
+        # refuse every event of this rank, so the constructor refuses it instead.
         env = " (from the launcher's environment)"
         self.rank = coerce.count(
             env_rank if rank is None else rank, "rank" + (env if rank is None else ""), MAX_RANK
@@ -350,17 +355,19 @@ class StepReporter:
         self._post("run", ts=self._ts(ts), state="resume", step=coerce.count(step, "step", MAX_STEP))
 
     def meta(self, ts: float | None = None, **fields: object) -> None:
-        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget); last write wins.
+        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget, the watcher's
+        thresholds: events.META_TEXT and META_NUMBERS); last write wins.
 
-        Prices and budgets must be finite numbers >= 0; other values must be JSON-plain."""
+        Prices, budgets and thresholds must be finite numbers >= 0 and the text fields strings,
+        as the reader requires; other values must be JSON-plain."""
         clean: dict[str, object] = {}
         for k, v in fields.items():
-            if k in ("price_per_gpu_hour", "budget") and v is not None:
+            if k in META_NUMBERS and v is not None:
                 x = coerce.number(v, k)
                 if x < 0:
                     raise ValueError(f"{k} must be >= 0, got {v!r}")
                 clean[k] = x
-            elif k in ("gpu_model", "team", "cost_center") and v is not None and not isinstance(v, str):
+            elif k in META_TEXT and v is not None and not isinstance(v, str):
                 raise TypeError(f"{k} must be a string, got {type(v).__name__} {v!r}")
             else:
                 clean[k] = coerce.plain(v, k)
@@ -444,10 +451,7 @@ class StepReporter:
         events = list(self._queue)
         self._queue.clear()
         try:
-            late.append([self._entry(ev) for ev in events])
-            self.stats["spooled"] += len(events)
-        except (OSError, TypeError, ValueError) as e:
-            self._count_lost(len(events), e)
+            self._spool_events(events, late)
         finally:
             late.close()
         if self._inflight:
@@ -658,12 +662,13 @@ class StepReporter:
         n = len(self._queue) // 2
         self._spool_events([self._queue.popleft() for _ in range(n)])
 
-    def _spool_events(self, batch: list[_Event]) -> None:
+    def _spool_events(self, batch: list[_Event], into: spool.SpoolFile | None = None) -> None:
+        """Encode and append to this reporter's spool (or `into`); counted spooled, or lost."""
         if not batch:
             return
         entries, _ = self._encode(batch)
         try:
-            self._spool.append(entries)
+            (into or self._spool).append(entries)
             self.stats["spooled"] += len(entries)
         except OSError as e:
             self._count_lost(len(entries), e)
@@ -710,9 +715,7 @@ def send_entries(
             pipe.hset(protocol.ranks_key(prefix, job), e["rank"], json.dumps(e, separators=(",", ":")))
             owners.append((i, False))
         elif e.get("type") == "meta":
-            fields = {
-                k: v for k, v in e.items() if k not in ("v", "type", "job", "ts", "rank", "session", "seq")
-            }
+            fields = {k: v for k, v in e.items() if k not in BASE_FIELDS}
             if fields:
                 pipe.hset(protocol.meta_key(prefix, job), mapping=fields)
                 owners.append((i, False))

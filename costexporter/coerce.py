@@ -12,14 +12,12 @@ import math
 import numbers
 import operator
 
-MAX_COUNT = 10**15  # the reader's bound on tokens; steps are bounded tighter by the caller
-
 
 def _is_bool(x: object) -> bool:
     return isinstance(x, bool) or type(x).__name__ in ("bool_", "bool")
 
 
-def count(x: object, name: str, hi: int = MAX_COUNT, lo: int = 0) -> int:
+def count(x: object, name: str, hi: int, lo: int = 0) -> int:
     """A whole number in [lo, hi] from an int-like (numpy integer, Decimal('2'), 2.0)."""
     if _is_bool(x) or isinstance(x, (str, bytes)):
         raise TypeError(f"{name} must be a whole number, got {type(x).__name__} {x!r}")

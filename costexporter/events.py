@@ -27,6 +27,8 @@ EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta"
 # Text fields of a meta event; the Kubernetes ones come from `costexporter.k8s` (namespace for the
 # API's aggregation, progress=none for a job without steps, booked by band).
 META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container", "source", "progress")
+# Number fields of a meta event: finite and >= 0.
+META_NUMBERS = ("price_per_gpu_hour", "budget", *META_THRESHOLDS)
 BASE_FIELDS = frozenset({"v", "type", "job", "ts", "rank", "session", "seq"})
 
 # Timestamps outside [2000-01-01, now + 1 day] are absurd: a clock gone wrong, not an event.
@@ -34,6 +36,10 @@ MIN_TS = 946_684_800.0
 FUTURE_SLACK_S = 86_400.0
 MAX_STEP = 10**12
 MAX_TOKENS = 10**15
+# Bounds on a register's numbers; the reporter refuses at its constructor what these refuse here.
+MAX_RANK = 1 << 20
+MAX_WORLD_SIZE = 1 << 20
+MAX_GPU_INDEX = 1 << 16  # also bounds local_rank (a rank's GPU on its host)
 
 
 class EventError(ValueError):
@@ -124,7 +130,7 @@ def parse_event(
     limit = (time.time() if now is None else now) + FUTURE_SLACK_S
     if not MIN_TS <= ts <= limit:
         raise EventError("bad_timestamp", f"ts={ts} is not a plausible Unix time")
-    rank = _int(entry, "rank", hi=1 << 20)
+    rank = _int(entry, "rank", hi=MAX_RANK)
     session = _str(entry, "session", required=strict_ids) or ""
     seq = _int(entry, "seq", hi=1 << 62, required=strict_ids)
     if etype not in EVENT_TYPES:
@@ -134,11 +140,11 @@ def parse_event(
     if etype == "register":
         f["host"] = _str(entry, "host")
         f["gpu_uuid"] = _str(entry, "gpu_uuid", required=False)
-        f["gpu"] = _int(entry, "gpu", hi=1 << 16, required=False)
+        f["gpu"] = _int(entry, "gpu", hi=MAX_GPU_INDEX, required=False)
         if f["gpu_uuid"] is None and f["gpu"] is None:
             raise EventError("missing_field", "register needs 'gpu_uuid' or 'gpu'")
-        f["local_rank"] = _int(entry, "local_rank", hi=1 << 16, required=False)
-        f["world_size"] = _int(entry, "world_size", lo=1, hi=1 << 20, required=False)
+        f["local_rank"] = _int(entry, "local_rank", hi=MAX_GPU_INDEX, required=False)
+        f["world_size"] = _int(entry, "world_size", lo=1, hi=MAX_WORLD_SIZE, required=False)
         f["pid"] = _int(entry, "pid", hi=1 << 40, required=False)
     elif etype == "step":
         f["step"] = _int(entry, "step")
@@ -155,7 +161,7 @@ def parse_event(
             val = entry.get(key)
             if val is not None:
                 f[key] = _str(entry, key)
-        for key in ("price_per_gpu_hour", "budget", *META_THRESHOLDS):
+        for key in META_NUMBERS:
             x = _float(entry, key, required=False)
             if x is not None:
                 if x < 0:

@@ -80,18 +80,11 @@ class SpoolFile:
         self.lines += len(entries)
 
     def read(self) -> list[dict[str, str]]:
-        if self._f is None:
-            return []
-        self._f.seek(0)
-        return list(_entries(self._f))
+        return [] if self._f is None else entries_of(self._f)
 
     def replace(self, entries: list[dict[str, str]]) -> None:
         """Keep only `entries` (what is still unsent)."""
-        f = self._open()
-        f.seek(0)
-        f.truncate()
-        f.write(_encode(self._header) + "".join(_encode(e) for e in entries))
-        f.flush()
+        rewrite(self._open(), self._header, entries)
         self.lines = len(entries)
 
     def close(self) -> None:

@@ -22,7 +22,15 @@ from hypothesis import strategies as st
 
 from costexporter import protocol
 from costexporter.client import StepReporter
-from costexporter.events import MAX_STEP, MAX_TOKENS, EventError, parse_event
+from costexporter.events import (
+    MAX_GPU_INDEX,
+    MAX_RANK,
+    MAX_STEP,
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
+    EventError,
+    parse_event,
+)
 from costexporter.reader import EventReader
 
 from ..conftest import SHARED_URL
@@ -136,6 +144,30 @@ def test_numpy_and_decimal_values_are_converted_and_arrive(shared, prefix, tmp_p
     assert shared.hget(protocol.meta_key(prefix, "numbers"), "budget") == "5000.5"
 
 
+def test_a_meta_the_reader_would_refuse_is_refused_at_the_call(shared, prefix, tmp_path):
+    """A negative or non-numeric threshold used to pass the call, and then the reader refused the
+    whole meta event (team and price with it). Every number and text field the reader checks
+    (events.META_NUMBERS, META_TEXT) is checked at the call the same way."""
+    rep = StepReporter("meta-bounds", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
+    for bad, exc in (
+        ({"stall_k": -1}, ValueError),
+        ({"heartbeat_timeout_s": float("inf")}, ValueError),
+        ({"stall_floor_s": "slow"}, TypeError),
+        ({"namespace": 3}, TypeError),
+    ):
+        with pytest.raises(exc):
+            rep.meta(team="llm", **bad)
+    rep.meta(team="llm", stall_floor_s=np.float64(1800), stall_k=Decimal("3"), namespace="ml")
+    assert rep.flush(timeout=10), rep.stats
+    rep.close()
+    reader = EventReader(shared, "meta-bounds", prefix=prefix)
+    metas = [e for e in reader.read_all() if e.type == "meta"]
+    assert [(m.get("stall_floor_s"), m.get("stall_k"), m.get("namespace")) for m in metas] == [
+        (1800.0, 3.0, "ml")
+    ]
+    assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
+
+
 HOSTILE = st.one_of(
     st.text(max_size=5),
     st.binary(max_size=3),
@@ -212,17 +244,17 @@ def test_a_register_the_reader_would_refuse_is_refused_at_the_constructor(shared
     n = [0]
 
     @settings(max_examples=40, deadline=None)
-    @example(rank=1 << 20, local=1 << 16, world=1, gpu=0)
-    @example(rank=(1 << 20) + 1, local=0, world=1, gpu=0)
+    @example(rank=MAX_RANK, local=MAX_GPU_INDEX, world=1, gpu=0)
+    @example(rank=MAX_RANK + 1, local=0, world=1, gpu=0)
     @example(rank=0, local=0, world=0, gpu=0)
-    @example(rank=0, local=0, world=(1 << 20) + 1, gpu=0)
-    @example(rank=0, local=0, world=1, gpu=(1 << 16) + 1)
-    @example(rank=0, local=(1 << 16) + 1, world=1, gpu=None)
+    @example(rank=0, local=0, world=MAX_WORLD_SIZE + 1, gpu=0)
+    @example(rank=0, local=0, world=1, gpu=MAX_GPU_INDEX + 1)
+    @example(rank=0, local=MAX_GPU_INDEX + 1, world=1, gpu=None)
     @given(
-        rank=_bound(0, 1 << 20),
-        local=_bound(0, 1 << 16),
-        world=_bound(1, 1 << 20),
-        gpu=st.none() | _bound(0, 1 << 16),
+        rank=_bound(0, MAX_RANK),
+        local=_bound(0, MAX_GPU_INDEX),
+        world=_bound(1, MAX_WORLD_SIZE),
+        gpu=st.none() | _bound(0, MAX_GPU_INDEX),
     )
     def make(rank, local, world, gpu):
         n[0] += 1
@@ -440,6 +472,33 @@ def test_a_live_reporters_spool_is_not_taken_from_under_it(tmp_path):
     assert [int(e.get("step")) for e in events if e.type == "step"] == list(range(1, 121))
     assert raw == len(events)  # nothing was sent twice
     assert first.stats["unspooled"] == first.stats["spooled"] and not list(spool_dir.glob("*.jsonl"))
+
+
+def test_close_while_the_sender_is_stuck_spools_to_a_late_file_a_later_reporter_sends(
+    shared, prefix, tmp_path
+):
+    """close() cannot take the sender's lock (a send stuck past its socket timeout): the queue goes
+    to a separate `.late` spool, out of the stuck sender's file, and the next reporter sends it."""
+    kw = dict(rank=0, spool_dir=tmp_path, heartbeat_s=3600, socket_timeout_s=0.1)
+    first = StepReporter("stuck", SHARED_URL, prefix=prefix, flush_interval_s=3600, **kw)
+    first._io_lock.acquire()  # the sender is "stuck" in a send
+    try:
+        for s in range(1, 4):
+            first.step(s)
+        t = time.monotonic()
+        first.close(timeout=0.1)
+        closing_s = time.monotonic() - t
+    finally:
+        first._io_lock.release()
+    assert closing_s < 3.0  # the flush timeout plus the bounded wait for the lock (0.1 + 0.7 s)
+    late = list(tmp_path.glob("*.late.jsonl"))
+    assert len(late) == 1 and first.stats["spooled"] == 6 and not first.stats["lost"], first.stats
+    second = StepReporter("stuck", SHARED_URL, prefix=prefix, **kw)
+    assert second.flush(timeout=10), second.stats
+    second.close()
+    events = [e for e in EventReader(shared, "stuck", prefix=prefix).read_all() if e.session == first.session]
+    assert [e.type for e in events] == ["register", "run", "step", "step", "step", "run"]
+    assert second.stats["drained"] == 6 and not late[0].exists()
 
 
 OPS = st.lists(
