@@ -221,13 +221,10 @@ def _find_levels(
         idx = np.flatnonzero(train & (lab == name))
         if idx.size >= MIN_LABELLED:
             out[name] = _level(name, idx, power, util)
-    healthy = np.flatnonzero(train & (lab == HEALTHY))
-    if healthy.size >= MIN_LABELLED:
-        found = [
-            h[np.isin(h, healthy)]
-            for h in modes(np.where(np.isin(np.arange(power.size), healthy), power, np.nan), limit)
-        ]
-        found = [f for f in found if f.size]
+    healthy = train & (lab == HEALTHY)
+    if healthy.sum() >= MIN_LABELLED:
+        # Every level `modes` returns is made of healthy samples (the rest is NaN to it).
+        found = modes(np.where(healthy, power, np.nan), limit)
         if found and "compute" not in out:
             out["compute"] = _level("compute", found[-1], power, util)
         for idx in found[:-1]:
