@@ -119,8 +119,12 @@ def _safe_url(url: str) -> str:
 
 
 def _tz(_ctx, _param, value: str) -> str:
-    if re.fullmatch(r"[+-]\d{2}:\d{2}", value) or value.upper() in ("UTC", "Z"):
+    if value.upper() in ("UTC", "Z"):
         return value
+    if m := re.fullmatch(r"[+-](\d{2}):(\d{2})", value):
+        if int(m[1]) <= 23 and int(m[2]) <= 59:  # what a UTC offset can be (Arrow refuses more)
+            return value
+        raise click.BadParameter(f"{value!r} is not an offset like +08:00 (at most +/-23:59)")
     try:
         from zoneinfo import ZoneInfo
 

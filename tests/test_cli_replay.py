@@ -140,6 +140,9 @@ def test_unusable_events_file_and_bad_options_exit_2(cli, tmp_path):
     assert r.returncode == 2 and "no usable events" in r.stderr
     r = cli("replay", "--samples", EXAMPLE / "node0.csv", "--tz", "Mars/Olympus")
     assert r.returncode == 2 and "not an IANA time zone" in r.stderr
+    for tz in ("+25:00", "-05:60"):  # offsets out of range: a usage error, not an internal one
+        r = cli("replay", "--samples", EXAMPLE / "node0.csv", "--tz", tz)
+        assert r.returncode == 2 and "at most +/-23:59" in r.stderr
     r = cli("replay", "--samples", EXAMPLE / "node0.csv", "--gpu-model", "Quantum 9000")
     assert r.returncode == 2 and "unknown GPU model" in r.stderr
     assert all("Traceback" not in x for x in (r.stderr, r.stdout))
