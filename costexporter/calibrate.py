@@ -368,18 +368,9 @@ def fit(
 
 def _when(ms: int, tz: str) -> str:
     """Epoch ms as local time in `tz` (IANA name, UTC or +HH:MM), as the user writes labels."""
-    import re
+    from .report import tz_zone
 
-    if tz.upper() in ("UTC", "Z"):
-        zone: dt.tzinfo = dt.timezone.utc
-    elif m := re.fullmatch(r"([+-])(\d{2}):(\d{2})", tz):
-        sign = 1 if m[1] == "+" else -1
-        zone = dt.timezone(sign * dt.timedelta(hours=int(m[2]), minutes=int(m[3])))
-    else:
-        from zoneinfo import ZoneInfo
-
-        zone = ZoneInfo(tz)
-    return dt.datetime.fromtimestamp(ms / 1000, zone).strftime("%Y-%m-%dT%H:%M:%S")
+    return dt.datetime.fromtimestamp(ms / 1000, tz_zone(tz)).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def _uneven(idx: np.ndarray, util: np.ndarray, rank: np.ndarray, ts: np.ndarray, grid_ms: int) -> bool:

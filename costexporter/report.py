@@ -62,19 +62,26 @@ def _span(r: list[float] | None) -> str:
     return "none" if r is None else f"{_utc(r[0])} .. {_utc(r[1])} UTC"
 
 
-def _offset_of(tz: str, at_s: float) -> int:
-    """Minutes east of UTC of `tz` (IANA name, UTC or +HH:MM) at time `at_s`."""
+def tz_zone(tz: str):
+    """The zone a --tz names (IANA name, UTC/Z or +HH:MM, as the CLI checks it) as a tzinfo."""
     import datetime as dt
     import re
 
     if tz.upper() in ("UTC", "Z"):
-        return 0
-    m = re.fullmatch(r"([+-])(\d{2}):(\d{2})", tz)
-    if m:
-        return (1 if m[1] == "+" else -1) * (int(m[2]) * 60 + int(m[3]))
+        return dt.timezone.utc
+    if m := re.fullmatch(r"([+-])(\d{2}):(\d{2})", tz):
+        sign = 1 if m[1] == "+" else -1
+        return dt.timezone(sign * dt.timedelta(hours=int(m[2]), minutes=int(m[3])))
     from zoneinfo import ZoneInfo
 
-    off = dt.datetime.fromtimestamp(at_s, ZoneInfo(tz)).utcoffset()
+    return ZoneInfo(tz)
+
+
+def _offset_of(tz: str, at_s: float) -> int:
+    """Minutes east of UTC of `tz` (IANA name, UTC or +HH:MM) at time `at_s`."""
+    import datetime as dt
+
+    off = dt.datetime.fromtimestamp(at_s, tz_zone(tz)).utcoffset()
     return int(off.total_seconds() // 60) if off else 0
 
 
