@@ -291,13 +291,16 @@ def _unassigned(
         cfg.booking.gap_intervals,
     )
     assigned = np.zeros(s.gpu.size, np.int64)  # assigned ms per slice
+    # Each GPU's slices once (a mask per GPU would scan every slice for every GPU).
+    order = np.argsort(s.gpu, kind="stable")
+    upto = np.cumsum(np.bincount(s.gpu, minlength=n_gpus))
     for g, ivals in by_gpu.items():
         if not (g < n_gpus and todo[g]):
             continue
-        mine = s.gpu == g
+        mine = order[(upto[g - 1] if g else 0) : upto[g]]
+        start, end = s.start_ms[mine], s.end_ms[mine]
         for a, b in ivals:
-            ov = np.clip(np.minimum(s.end_ms[mine], b) - np.maximum(s.start_ms[mine], a), 0, None)
-            assigned[mine] += ov
+            assigned[mine] += np.clip(np.minimum(end, b) - np.maximum(start, a), 0, None)
     dur = s.end_ms - s.start_ms
     free = np.clip(dur - assigned, 0, None)
     frac = np.divide(free, dur, out=np.zeros(free.size), where=dur > 0)
