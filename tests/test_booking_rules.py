@@ -223,6 +223,27 @@ def test_unregistered_gpu_is_unassigned_not_billed_to_the_job():
     assert j["gpu_hours"]["unassigned"] == 0
 
 
+def test_two_ranks_registering_one_gpu_book_it_once(caplog):
+    """Exactly once: a second launcher that posts the same host + GPU (and uuid) as rank 0 does
+    not book that GPU's time twice; the GPU nobody else registered stays unassigned."""
+    from costexporter.replay import replay
+
+    b = TraceBuilder(n_gpus=2, per_host=2, job="t")
+    first = next(e for e in b.events if e.type == "register" and e.rank == 0)
+    for e in b.events:
+        if e.type == "register" and e.rank == 1:
+            e.fields.update(gpu=first.fields["gpu"], gpu_uuid=first.fields["gpu_uuid"])
+    b.run("start")
+    b.stretch("compute", 600, step_s=5)
+    with caplog.at_level("WARNING", logger="costexporter.replay"):
+        rep = replay(b.samples(), b.events)
+    j = rep["jobs"]["t"]
+    assert [g["rank"] for g in j["gpus"]] == [0]
+    assert sum(j["gpu_hours"].values()) == pytest.approx(600 * H, abs=2 * H)
+    assert rep["unassigned"]["gpu_hours"] == pytest.approx(600 * H, abs=2 * H)
+    assert "ranks 0 and 1 both registered node0 GPU 0" in caplog.text
+
+
 def test_wasted_price_and_energy_price():
     b = job()
     b.stretch("compute", 600, step_s=5)
