@@ -241,7 +241,7 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
                 preflight,
                 mem_ivals,
                 (int(ts.min()), int(ts.max())) if ts.size else None,
-                (int(min(e.ts for e in jev) * 1000), int(max(e.ts for e in jev) * 1000)) if jev else None,
+                (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
             )
         )
 
