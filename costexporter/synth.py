@@ -183,22 +183,27 @@ class TraceBuilder:
         return s
 
     def write_events(self, path: Path) -> Path:
-        import json
+        return write_events_jsonl(self.events, path)
 
-        with path.open("w") as f:
-            for e in sorted(self.events, key=lambda e: e.ts):
-                d = {
-                    "v": "1",
-                    "type": e.type,
-                    "job": e.job,
-                    "ts": round(e.ts, 3),
-                    "rank": e.rank,
-                    "session": e.session,
-                    "seq": e.seq,
-                    **e.fields,
-                }
-                f.write(json.dumps(d) + "\n")
-        return path
+
+def write_events_jsonl(events: list[Event], path: Path) -> Path:
+    """Events as protocol v1 JSONL, in time order."""
+    import json
+
+    with path.open("w") as f:
+        for e in sorted(events, key=lambda e: e.ts):
+            d = {
+                "v": "1",
+                "type": e.type,
+                "job": e.job,
+                "ts": round(e.ts, 3),
+                "rank": e.rank,
+                "session": e.session,
+                "seq": e.seq,
+                **e.fields,
+            }
+            f.write(json.dumps(d) + "\n")
+    return path
 
 
 def _local_stamps(ts_ms: np.ndarray, tz: dt.tzinfo | None) -> np.ndarray:

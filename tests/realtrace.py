@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from costexporter.model import Band, Event, GpuId, Samples
+from costexporter.synth import write_events_jsonl
 
 # state -> (power centre W, power sd W, util lo %, util hi %), per rank class (rank 0, others).
 LevelTable = dict[str, tuple[tuple[float, float, float, float], tuple[float, float, float, float]]]
@@ -242,10 +243,4 @@ def write_csv(trace: RealTrace, path: Path, *, power_unit: str = "W", trailing_n
 
 def write_events(trace: RealTrace, path: Path) -> Path:
     """The trace's events as protocol v1 JSONL."""
-    import json
-
-    with path.open("w") as f:
-        for e in sorted(trace.events, key=lambda e: e.ts):
-            d = {"v": "1", "type": e.type, "job": e.job, "ts": round(e.ts, 3), "rank": e.rank}
-            f.write(json.dumps({**d, "session": e.session, "seq": e.seq, **e.fields}) + "\n")
-    return path
+    return write_events_jsonl(trace.events, path)
