@@ -17,7 +17,6 @@ classification and `calibrate` must hold on what real files look like:
 
 from __future__ import annotations
 
-import datetime as dt
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from costexporter.model import Band, Event, GpuId, Samples
-from costexporter.synth import write_events_jsonl
+from costexporter.synth import _local_stamps, write_events_jsonl
 
 # state -> (power centre W, power sd W, util lo %, util hi %), per rank class (rank 0, others).
 LevelTable = dict[str, tuple[tuple[float, float, float, float], tuple[float, float, float, float]]]
@@ -232,11 +231,10 @@ def write_csv(trace: RealTrace, path: Path, *, power_unit: str = "W", trailing_n
     scale = {"W": 1.0, "mW": 1000.0, "kW": 0.001}[power_unit]
     digits = {"W": 2, "mW": 0, "kW": 5}[power_unit]
     lines = [f"timestamp, power.draw [{power_unit}], utilization.gpu [%]"]
-    for i in range(n):
-        for g in range(G):
-            t = dt.datetime.fromtimestamp(ts[g, i] / 1000, dt.timezone.utc)
-            stamp = t.strftime("%Y/%m/%d %H:%M:%S.") + f"{t.microsecond // 1000:03d}"
-            lines.append(f"{stamp}, {pw[g, i] * scale:.{digits}f} {power_unit}, {int(ut[g, i])} %")
+    # Line order: instant by instant, GPUs 0..G-1 within one (whatever their stamps).
+    stamps = _local_stamps(ts.T.ravel(), None).tolist()
+    for stamp, p, u in zip(stamps, pw.T.ravel().tolist(), ut.T.ravel().tolist(), strict=True):
+        lines.append(f"{stamp}, {p * scale:.{digits}f} {power_unit}, {int(u)} %")
     path.write_text("\n".join(lines) + ("\n" if trailing_newline else ""))
     return path
 
