@@ -141,6 +141,9 @@ def test_bad_rows_are_warned_with_file_and_line(tmp_path):
         (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary data"),
         (b"name,age\nbob,3\n", "not an nvidia-smi CSV"),
         (b'{"type": "step", "job": "x"}\n', "not a samples JSONL file"),
+        # A timestamp's shape but no such time: refused, not an internal error.
+        (b"timestamp, power.draw [W], utilization.gpu [%]\n2025/13/45 99:99:99, 94.7 W, 0 %\n", "impossible"),
+        (b"timestamp, power.draw [W], utilization.gpu [%]\n2025/02/30 00:00:00, 94.7 W, 0 %\n", "impossible"),
     ],
 )
 def test_unusable_files_raise_one_clear_error(tmp_path, content, message):

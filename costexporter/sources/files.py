@@ -183,7 +183,10 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
 
     col = {k: table.column(i) for i, k in enumerate(keys) if k}
     drop = np.zeros(n, bool)
-    ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
+    try:
+        ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
+    except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
+        raise InputError(f"{path}: impossible timestamp: {e}") from None
     if bad_ts.any():  # blank lines and repeated headers are skipped silently
         ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
         drop |= pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
