@@ -109,6 +109,26 @@ def test_na_values_truncated_last_line_and_blank_lines(tmp_path):
     assert s.gpus[0].name == "NVIDIA B300" and s.gpus[0].power_limit_w == 1100.0
 
 
+def test_bad_jsonl_samples_are_warned_not_an_internal_error(tmp_path):
+    p = tmp_path / "h.jsonl"
+    good = '{"ts": 1753577230.1, "host": "h", "gpu": 0, "power_w": 100, "util_pct": 5}'
+    p.write_text(
+        good
+        + "\n"
+        + good.replace('"gpu": 0', '"gpu": Infinity')  # json.loads reads it; int() overflows
+        + "\n"
+        + good.replace("}", ', "power_limit_w": "lots"}')
+        + "\n"
+    )
+    import io
+
+    out = io.StringIO()
+    s, diag = read_all([p], diag=Diagnostics(stream=out))
+    assert len(s) == 1
+    assert diag.counts == {"bad_value": 2}
+    assert f"{p}:2: bad_value" in out.getvalue() and f"{p}:3: bad_value" in out.getvalue()
+
+
 def test_bad_rows_are_warned_with_file_and_line(tmp_path):
     p = tmp_path / "h.csv"
     p.write_text(

@@ -421,10 +421,11 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
             u = float("nan") if u is None else float(u)
             e = d.get("energy_mj")
             e = float("nan") if e is None else float(e)
+            limit = float(d["power_limit_w"]) if d.get("power_limit_w") else None
         except KeyError as k:
             diag.warn(where, lineno, "missing_field", f"{k.args[0]!r} is required")
             continue
-        except (TypeError, ValueError) as x:
+        except (TypeError, ValueError, OverflowError) as x:  # OverflowError: "gpu": Infinity
             diag.warn(where, lineno, "bad_value", str(x))
             continue
         if not MIN_TS <= ts <= hi_ts:
@@ -445,8 +446,8 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
         cols["e"].append(e)
         if d.get("name"):
             names.setdefault((h, g), str(d["name"]))
-        if d.get("power_limit_w"):
-            limits.setdefault((h, g), float(d["power_limit_w"]))
+        if limit:
+            limits.setdefault((h, g), limit)
         good += 1
     if good == 0:
         raise InputError(f"{path}: no usable samples (is this a samples JSONL file?)")
