@@ -305,3 +305,43 @@ def test_positional_numbering_holds_for_early_stamps_and_short_instants(n_gpus, 
     )
     assert got.tolist() == gpu
     assert len(warned) == shorts
+
+
+_STAMPS = [
+    "2025/07/27 00:47:10.135",
+    "2025/07/27 00:47:10.180",
+    "2025/07/27 00:47:11.135",
+    "2025/13/45 99:99:99",
+]
+_VALUES = ["94.73 W", "100 %", "[N/A]", "", "x", "-5 W", "1e9 W", "0 %", " 50", "12.5 mW", "3 kW"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(
+        [
+            "timestamp, power.draw [W], utilization.gpu [%]",
+            "timestamp, index, power.draw [mW], utilization.gpu [%]",
+            "timestamp, power.draw, utilization.gpu",
+        ]
+    ),
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.sampled_from([*_STAMPS, "", "timestamp", "garbage"]), *[st.sampled_from(_VALUES)] * 2
+            ).map(", ".join),
+            st.text(alphabet=',0123456789. W%\n"', max_size=30),
+        ),
+        max_size=40,
+    ),
+    st.booleans(),
+)
+def test_any_mix_of_bad_csv_lines_is_samples_or_an_input_error(tmp_path_factory, header, lines, newline):
+    """Never an internal error: whatever the lines, the reader returns samples or refuses the
+    file with InputError (the CLI's exit 2)."""
+    p = tmp_path_factory.mktemp("fuzz") / "n.csv"
+    p.write_text(header + "\n" + "\n".join(lines) + ("\n" if newline else ""))
+    try:
+        files.read_samples(p, "n", "UTC", Diagnostics(stream=None))
+    except InputError as e:
+        assert "\n" not in str(e)
