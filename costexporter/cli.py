@@ -708,14 +708,9 @@ def _parse_time(tz: str):
         except ValueError:
             raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time") from None
         if t.tzinfo is None:
-            if tz.upper() in ("UTC", "Z"):
-                t = t.replace(tzinfo=dt.timezone.utc)
-            elif re.fullmatch(r"[+-]\d{2}:\d{2}", tz):
-                t = dt.datetime.fromisoformat(text + tz)
-            else:
-                from zoneinfo import ZoneInfo
+            from .report import tz_zone
 
-                t = t.replace(tzinfo=ZoneInfo(tz))
+            t = t.replace(tzinfo=tz_zone(tz))
         return int(t.timestamp() * 1000)
 
     return parse
