@@ -1250,20 +1250,6 @@ def _events_redis(redis_url: str):
     return protocol.connect(redis_url)
 
 
-_redis_url_option = click.option(
-    "--redis-url",
-    envvar="COSTEXPORTER_REDIS_URL",
-    default="redis://127.0.0.1:6379/0",
-    help="Redis of the events (env COSTEXPORTER_REDIS_URL).",
-)
-_prefix_option = click.option(
-    "--prefix",
-    envvar="COSTEXPORTER_PREFIX",
-    default="costexporter",
-    help="Redis key prefix (env COSTEXPORTER_PREFIX).",
-)
-
-
 @events.command("export")
 @click.option("--job", required=True, help="The training job.")
 @click.option(
@@ -1272,8 +1258,8 @@ _prefix_option = click.option(
     help="Only events at or after this time (Unix seconds or ISO 8601, UTC if naive); "
     "registrations and meta are kept whatever their time.",
 )
-@_redis_url_option
-@_prefix_option
+@redis_url_option(help="Redis of the events.")
+@prefix_option
 @click.option(
     "-o",
     "--output",
@@ -1318,8 +1304,8 @@ def events_export(job, since, redis_url, prefix, output) -> None:
 @events.command("import")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--job", default=None, help="Post into this job instead of each event's own.")
-@_redis_url_option
-@_prefix_option
+@redis_url_option(help="Redis of the events.")
+@prefix_option
 def events_import(path, job, redis_url, prefix) -> None:
     """Post a JSONL events file (as `replay --events` reads it) to a job's stream in Redis.
     Bad lines are reported and skipped; importing the same file twice adds nothing."""
