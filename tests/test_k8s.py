@@ -13,14 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
 from costexporter import ledger, protocol
 from costexporter.booking import (
@@ -40,6 +38,7 @@ from costexporter.sources.dcgm import PodRef
 
 from .conftest import SHARED_URL
 from .redis_server import free_port
+from .test_agent import scrape
 
 CFG = BookingConfig()
 ROLES = {"master", "worker", "launcher", "chief", "ps", "evaluator", "replica", "node", "leader"}
@@ -284,15 +283,6 @@ def _wait(what, cond, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _scrape(port: int) -> tuple[dict, str]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out, text
-
-
 @pytest.mark.xfail(
     strict=False,
     reason="intermittent (about 1 run in 4 under load): the job's booked time falls short of "
@@ -342,7 +332,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         _wait("llama idle", lambda: booked(llama, "idle", before["idle"] + 2000))
 
         # The series carry DCGM's labels, the pod and the namespace: `* on(UUID)` joins.
-        m, text = _scrape(port)
+        m, text = scrape(port)
         power = {lab["UUID"]: lab for lab, _ in m["costexporter_gpu_power_watts"]}
         assert power[uuid(0)]["Hostname"] == HOST and power[uuid(0)]["gpu"] == "0"
         assert power[uuid(0)]["pod"] == "llama-ft-worker-0" and power[uuid(0)]["namespace"] == "ml"
