@@ -181,6 +181,11 @@ class Agent:
         """Book and write what can be booked, then stop (SIGTERM)."""
         self._stop.set()
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set by stop(): a thread run beside the agent (k8s registrations) waits on it to end with it."""
+        return self._stop
+
     def shutdown(self) -> None:
         self.sampler.stop()
         self._final = True  # no later sample will come: the unassigned time is booked to the end

@@ -229,7 +229,7 @@ def start_kubernetes_jobs(agent, job_labels: Iterable[str] = ()) -> KubernetesJo
     )
     threading.Thread(
         target=kj.run,
-        args=(agent._stop, min(agent.cfg.book_interval_s, 5.0)),
+        args=(agent.stopping, min(agent.cfg.book_interval_s, 5.0)),
         name="costexporter-k8s",
         daemon=True,
     ).start()
