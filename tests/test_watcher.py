@@ -181,23 +181,28 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_watcher_writes_status_serves_metrics_and_notifies_with_retries(prefix, tmp_path):
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    _Receiver.received, _Receiver.calls = [], 0
-    job = f"{prefix}-job"
-    clock = [time.time()]
-    rep = StepReporter(
+def _one_rank(job: str, prefix: str, spool: Path, clock: list[float], **kw) -> StepReporter:
+    """A one-rank job's reporter on the shared Redis, timed by `clock[0]`."""
+    return StepReporter(
         job,
         SHARED_URL,
         prefix=prefix,
         rank=0,
         world_size=1,
         host="h0",
-        heartbeat_s=0.2,
-        spool_dir=str(tmp_path),
+        spool_dir=str(spool),
         clock=lambda: clock[0],
+        **kw,
     )
+
+
+def test_watcher_writes_status_serves_metrics_and_notifies_with_retries(prefix, tmp_path):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _Receiver.received, _Receiver.calls = [], 0
+    job = f"{prefix}-job"
+    clock = [time.time()]
+    rep = _one_rank(job, prefix, tmp_path, clock, heartbeat_s=0.2)
     cfg = WatchConfig(
         redis_url=SHARED_URL,
         prefix=prefix,
@@ -575,17 +580,7 @@ def _am_alerts(base: str) -> list[dict]:
 def test_watch_posts_to_a_real_alertmanager_and_resolves(prefix, tmp_path, alertmanager):
     job = f"{prefix}-am"
     clock = [time.time()]
-    rep = StepReporter(
-        job,
-        SHARED_URL,
-        prefix=prefix,
-        rank=0,
-        world_size=1,
-        host="h0",
-        heartbeat_s=0.2,
-        spool_dir=str(tmp_path),
-        clock=lambda: clock[0],
-    )
+    rep = _one_rank(job, prefix, tmp_path, clock, heartbeat_s=0.2)
     w = Watcher(
         WatchConfig(
             redis_url=SHARED_URL,
@@ -647,17 +642,7 @@ def test_per_job_thresholds_travel_through_the_real_reporter_and_redis(prefix, t
     jobs = {}
     for name, meta in (("slow", {"stall_floor_s": 1800.0}), ("fast", {})):
         job = f"{prefix}-{name}"
-        rep = StepReporter(
-            job,
-            SHARED_URL,
-            prefix=prefix,
-            rank=0,
-            world_size=1,
-            host="h0",
-            spool_dir=str(tmp_path),
-            clock=lambda: clock[0],
-            meta=meta or None,
-        )
+        rep = _one_rank(job, prefix, tmp_path, clock, meta=meta or None)
         for s in range(1, 4):
             rep.step(s, ts=clock[0] + s * 300)
         assert rep.flush(5)
