@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -147,18 +144,11 @@ def test_burn_rate_and_annotations():
 PROMETHEUS = shutil.which("prometheus")
 
 
-def _query(base: str, expr: str) -> list:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=5) as r:
-        out = json.loads(r.read())
-    assert out["status"] == "success", (expr, out)
-    return out["data"]["result"]
-
-
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (.ci/run installs it)")
 def test_a_real_prometheus_joins_costexporter_and_dcgm_series_on_uuid(shared, prefix, tmp_path):
     from .redis_server import free_port
     from .test_k8s import HOST, FakeDcgmExporter, _serve, uuid
+    from .test_stack import _prometheus, _query
 
     exp = FakeDcgmExporter(
         [
@@ -186,16 +176,7 @@ def test_a_real_prometheus_joins_costexporter_and_dcgm_series_on_uuid(shared, pr
         )
     )
     agent = _serve(exp.url, prefix, port)
-    prom = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    prom = _prometheus(tmp_path / "prometheus.yml", prom_port)
     base = f"http://127.0.0.1:{prom_port}"
     join = (
         "costexporter_gpu_power_watts * on (UUID) group_left (modelName, pci_bus_id) "

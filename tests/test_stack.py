@@ -40,8 +40,22 @@ def _get(url: str, timeout: float = 5.0) -> dict:
 
 def _query(base: str, expr: str) -> list:
     out = _get(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
-    assert out["status"] == "success", out
+    assert out["status"] == "success", (expr, out)
     return out["data"]["result"]
+
+
+def _prometheus(config: Path, port: int) -> subprocess.Popen:
+    """A real Prometheus of `config` on `port`, its TSDB beside the config."""
+    return subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={config.parent / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _firing(base: str) -> dict[str, list[dict]]:
@@ -166,16 +180,7 @@ def test_demo_scraped_by_a_real_prometheus_fires_the_alerts_and_feeds_every_dash
         stderr=subprocess.STDOUT,
         text=True,
     )
-    prom = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    prom = _prometheus(tmp_path / "prometheus.yml", prom_port)
     base = f"http://127.0.0.1:{prom_port}"
     try:
         # The deadlock segment starts about 65 s in (3 h 14 min of story at 180x) and lasts 60 s.
