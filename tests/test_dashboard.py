@@ -25,7 +25,8 @@ LEGACY_VARIABLE_FIELDS = {"definition"}  # what Grafana shows as the query's tex
 
 
 def _dropped(given, back, path="") -> list[str]:
-    """Keys of `given` that the schema model did not keep: unknown to Grafana's schema."""
+    """Keys of `given` that a schema model did not keep (fields its schema does not have: Grafana's
+    here, the prometheus-operator CRDs' in test_helm), and lists it shortened."""
     out = []
     if isinstance(given, dict):
         for k, v in given.items():

@@ -16,6 +16,8 @@ import yaml
 from costexporter.dashboard import render as render_dashboard
 from costexporter.rules import prometheus_rule, render, render_prometheus_rule
 
+from .test_dashboard import _dropped
+
 helm = pytest.importorskip("helm_python.chart", reason="helm-python-sdk (test extra) is not installed")
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (test extra) is not installed")
 
@@ -83,21 +85,6 @@ def test_every_rendered_manifest_validates_against_kubernetes(values):
         kv.validate(d, KUBE, strict=True)
 
 
-def _unknown_fields(given, dumped, path="") -> list[str]:
-    """Keys of `given` that the model dropped: fields the CRD schema does not have."""
-    out = []
-    if isinstance(given, dict):
-        for k, v in given.items():
-            if not isinstance(dumped, dict) or k not in dumped:
-                out.append(f"{path}.{k}")
-            else:
-                out += _unknown_fields(v, dumped[k], f"{path}.{k}")
-    elif isinstance(given, list) and isinstance(dumped, list):
-        for i, (a, b) in enumerate(zip(given, dumped, strict=False)):
-            out += _unknown_fields(a, b, f"{path}[{i}]")
-    return out
-
-
 def test_operator_objects_match_the_prometheus_operator_crds():
     """ServiceMonitor, PodMonitor and PrometheusRule against the models generated from the
     prometheus-operator CRD schemas (types checked, unknown fields refused)."""
@@ -110,7 +97,7 @@ def test_operator_objects_match_the_prometheus_operator_crds():
             model = getattr(models, d["kind"])
             obj = model.model_validate(d)
             dumped = obj.model_dump(by_alias=True, exclude_unset=True, mode="json")
-            assert not _unknown_fields(d, dumped), (d["kind"], _unknown_fields(d, dumped))
+            assert not _dropped(d, dumped), (d["kind"], _dropped(d, dumped))
             seen.add(d["kind"])
     assert seen == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
     # The check itself: a misspelt field is caught.
@@ -119,7 +106,7 @@ def test_operator_objects_match_the_prometheus_operator_crds():
     dumped = models.ServiceMonitor.model_validate(bad).model_dump(
         by_alias=True, exclude_unset=True, mode="json"
     )
-    assert _unknown_fields(bad, dumped) == [".spec.endpoints[0].intervall"]
+    assert _dropped(bad, dumped) == [".spec.endpoints[0].intervall"]
 
 
 def test_chart_copies_of_rules_and_dashboard_are_generated_from_the_source():
