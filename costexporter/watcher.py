@@ -56,7 +56,6 @@ LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
 # Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's);
 # the others of META_THRESHOLDS are the booking rules'.
 WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
-JOB_THRESHOLDS = META_THRESHOLDS
 NO_AGENT_DATA = "no agent data: cannot name a rank"
 MAX_RANK = 1 << 20  # a ranks entry beyond this is not a rank of any real job
 
@@ -163,7 +162,7 @@ class JobView:
         needs other thresholds than one of 5-second steps. Unusable values are ignored."""
         watch_kw, booking_kw = {}, {}
         for key, value in self.meta.items():
-            if key not in JOB_THRESHOLDS:
+            if key not in META_THRESHOLDS:
                 continue
             try:
                 v = float(value)
