@@ -263,6 +263,26 @@ def test_a_receiver_that_stays_down_is_given_up_and_counted(prefix):
         w.stop()
 
 
+def test_an_alertmanager_that_stays_down_never_delays_a_poll_and_is_counted(prefix):
+    cfg = WatchConfig(
+        redis_url=SHARED_URL,
+        prefix=prefix,
+        alertmanager_url=f"http://127.0.0.1:{free_port()}",
+        webhook_retries=2,
+        webhook_backoff_s=1.0,
+        jobs=(f"{prefix}-j",),
+    )
+    w = Watcher(cfg)
+    try:
+        t0 = time.monotonic()
+        assert w.poll()[f"{prefix}-j"].state == "unknown"  # an alerting state: posted, off the poll
+        assert time.monotonic() - t0 < 2.0  # 3 s of backoff alone if the poll waited for it
+        w.alertmanager.drain()
+        assert w.alertmanager.stats["failed"] == 1 and w.alertmanager.stats["retries"] == 2
+    finally:
+        w.stop()
+
+
 def test_redis_outage_makes_every_job_unknown(tmp_path):
     server = RedisServer(tmp_path / "redis").start()
     job = "outage-job"
