@@ -141,6 +141,8 @@ def test_unusable_input_exits_2_with_one_line(cli, prefix, tmp_path):
     r = cli("events", "export", "--job", "j", "--redis-url", down)
     assert r.returncode == 2 and "cannot reach Redis at redis://127.0.0.1:" in r.stderr
     assert "secretpw" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = cli("events", "export", "--job", "j", "--redis-url", "nonsense")  # not a URL at all
+    assert r.returncode == 2 and "internal error" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = cli("events", "export", "--job", "nobody", "--prefix", prefix, "--redis-url", SHARED_URL)
     assert r.returncode == 2 and "no events for job 'nobody'" in r.stderr
     r = cli("events", "export", "--job", "bad{job}", "--redis-url", SHARED_URL)
