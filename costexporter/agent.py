@@ -686,11 +686,7 @@ class Agent:
 
         def queue(pipe) -> None:
             ledger.queue_delta(
-                pipe, cfg.prefix, job.name, cfg.agent_id, delta, version, tl.steps, job.booked_until
-            )
-            pipe.hset(
-                ledger.key(cfg.prefix, job.name, "ledger", "job"),
-                mapping={k: v for k, v in figures.items() if v is not None},
+                pipe, cfg.prefix, job.name, cfg.agent_id, delta, version, tl.steps, job.booked_until, figures
             )
 
         job.wm_raw = ledger.commit(self.redis, cfg.prefix, job.name, cfg.agent_id, job.wm_raw, wm, queue)

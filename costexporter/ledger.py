@@ -241,9 +241,18 @@ def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: 
 
 
 def queue_delta(
-    pipe, prefix: str, job: str, agent: str, delta, version: str, steps: list, after_ms: int
+    pipe,
+    prefix: str,
+    job: str,
+    agent: str,
+    delta,
+    version: str,
+    steps: list,
+    after_ms: int,
+    figures: dict | None = None,
 ) -> None:
-    """The writes of one round's `live.LedgerDelta` (inside the caller's MULTI)."""
+    """The writes of one round's `live.LedgerDelta` (inside the caller's MULTI); `figures`, the
+    job-level figures to SET, default to the delta's own."""
     queue_amounts(pipe, prefix, job, delta.by_bucket, version)
     if delta.moved.any():
         b = {delta.correction_bucket: delta.moved}
@@ -255,9 +264,8 @@ def queue_delta(
             mapping={str(k): json.dumps(v) for k, v in delta.index_new.items()},
         )
     queue_incidents(pipe, prefix, job, agent, delta.incidents.values())
-    pipe.hset(
-        key(prefix, job, "ledger", "job"), mapping={k: v for k, v in delta.figures.items() if v is not None}
-    )
+    figures = delta.figures if figures is None else figures
+    pipe.hset(key(prefix, job, "ledger", "job"), mapping={k: v for k, v in figures.items() if v is not None})
     queue_steps(pipe, prefix, job, steps, after_ms, delta.state.booked_until, delta.voids)
 
 
