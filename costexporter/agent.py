@@ -207,6 +207,11 @@ class Agent:
                 "enable appendonly yes"
             )
 
+    @property
+    def _no_more_samples(self) -> bool:
+        """At shutdown, and after a replay's last sample: no later sample will come."""
+        return self._final or getattr(self.source, "done", False)
+
     def _log_once(self, key: tuple, level: int, msg: str, *args) -> None:
         if key not in self._logged:
             self._logged.add(key)
@@ -504,7 +509,7 @@ class Agent:
         reach it (starting at the older sample would bill time before the register)."""
         out, fixed = [], {}
         tol_ms = int(self.cfg.clock_skew_warn_s * 1000)
-        final = self._final or getattr(self.source, "done", False)
+        final = self._no_more_samples
         for r in own_ranks.tolist():
             if r not in job.state.starts:
                 g = job.own[r]
@@ -734,7 +739,7 @@ class Agent:
         # register that comes later starts at this watermark: booked once either way). Then no
         # later sample comes: the newest sample's slice is one interval, as the offline replay
         # counts it, and the physical time ends there.
-        final = self._final or getattr(self.source, "done", False)
+        final = self._no_more_samples
         if final:
             horizon = int(t.max()) + interval
         else:
