@@ -422,7 +422,7 @@ class Agent:
                 job.ranks[reg.rank] = reg
                 if g is not None and reg.rank not in job.own:
                     if not fresh:  # a twin agent may have booked `_unassigned` further
-                        self._catch_up_unassigned()
+                        self._load_unassigned(ahead_only=True)
                         fresh = True
                     job.own[reg.rank] = g
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
@@ -708,21 +708,16 @@ class Agent:
         self.stats["rounds"] += 1
 
     # ---- time of no job ----------------------------------------------------------------------
-    def _load_unassigned(self) -> None:
-        k = ledger.key(self.cfg.prefix, ledger.UNASSIGNED_JOB, "wm", self.cfg.agent_id)
-        raw = self.redis.get(k)
-        self._unassigned_until = int(json.loads(raw).get("booked_until", 0)) if raw else 0
-        self._unassigned_raw = raw
-        self._unassigned_loaded = True
-
-    def _catch_up_unassigned(self) -> None:
-        """Adopt the stored `_unassigned` watermark if it is ahead of ours (a twin agent booked
-        further), so a late claim starts after it; never go back (after an empty Redis restart
-        our in-memory watermark is the truth)."""
+    def _load_unassigned(self, ahead_only: bool = False) -> None:
+        """The stored `_unassigned` watermark (at start, and after an uncertain write). With
+        `ahead_only`, adopted only if it is ahead of ours (a twin agent booked further), so a late
+        claim starts after it; never going back (after an empty Redis restart our in-memory
+        watermark is the truth)."""
         raw = self.redis.get(ledger.key(self.cfg.prefix, ledger.UNASSIGNED_JOB, "wm", self.cfg.agent_id))
         stored = int(json.loads(raw).get("booked_until", 0)) if raw else 0
-        if stored > (self._unassigned_until or 0):
-            self._unassigned_until, self._unassigned_raw, self._unassigned_loaded = stored, raw, True
+        if ahead_only and stored <= (self._unassigned_until or 0):
+            return
+        self._unassigned_until, self._unassigned_raw, self._unassigned_loaded = stored, raw, True
 
     def _book_unassigned(self, local: tuple[np.ndarray, ...]) -> None:
         """Observed time of this node's GPUs outside every job's hold, into the `_unassigned`
