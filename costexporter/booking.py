@@ -72,16 +72,9 @@ for _b in Band:
     CATEGORY_TABLE[Regime.VOID, _b + 1] = (
         _C.ROLLED_BACK if _v in (_C.PRODUCTIVE, _C.COMMUNICATION, _C.STARVED) else _v
     )
-# A stepless job: busy bands are valid (nothing says otherwise), idle and deadlock still waste.
-_band_only = {
-    _B.COMPUTE: _C.PRODUCTIVE,
-    _B.COMMUNICATION: _C.COMMUNICATION,
-    _B.STARVATION: _C.STARVED,
-    _B.IDLE: _C.IDLE,
-    _B.DEADLOCK: _C.STALLED,
-    _B.CHECKPOINT: _C.OVERHEAD,
-    _B.UNKNOWN: _C.PRODUCTIVE,
-}
+# A stepless job: busy bands are valid (nothing says otherwise), idle and deadlock still waste:
+# as in a step, except that idle is idle (no step says the GPU waits on its input).
+_band_only = {**_step, _B.IDLE: _C.IDLE}
 for _b in Band:
     CATEGORY_TABLE[Regime.BAND, _b + 1] = _band_only[_b]
 CATEGORY_TABLE[Regime.UNASSIGNED, :] = _C.UNASSIGNED
