@@ -41,24 +41,24 @@ def two_host_job() -> TraceBuilder:
     return b
 
 
+def event_entry(e) -> dict[str, str]:
+    """A synthetic trace's event as a trainer sends it (ts to the millisecond)."""
+    return protocol.encode_fields(
+        {
+            "v": "1",
+            "type": e.type,
+            "job": e.job,
+            "ts": f"{e.ts:.3f}",
+            "rank": e.rank,
+            "session": e.session,
+            "seq": e.seq,
+            **e.fields,
+        }
+    )
+
+
 def post_events(client, prefix: str, b: TraceBuilder) -> None:
-    entries = []
-    for e in sorted(b.events, key=lambda e: e.ts):
-        entries.append(
-            protocol.encode_fields(
-                {
-                    "v": "1",
-                    "type": e.type,
-                    "job": e.job,
-                    "ts": f"{e.ts:.3f}",
-                    "rank": e.rank,
-                    "session": e.session,
-                    "seq": e.seq,
-                    **e.fields,
-                }
-            )
-        )
-    send_entries(client, prefix, b.job, entries)
+    send_entries(client, prefix, b.job, [event_entry(e) for e in sorted(b.events, key=lambda e: e.ts)])
 
 
 def offline_ms(b: TraceBuilder) -> dict[str, int]:

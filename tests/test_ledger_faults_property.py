@@ -18,12 +18,14 @@ import redis
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
-from costexporter import ledger, protocol
+from costexporter import ledger
 from costexporter.agent import Agent, AgentConfig
 from costexporter.client import send_entries
 from costexporter.model import CATEGORIES
 from costexporter.sources.replay import ReplaySource
 from costexporter.synth import TraceBuilder
+
+from .test_agent import event_entry
 
 HOLD_S = 60.0  # unassigned time is booked this long after it was sampled
 ROUND_S = 15.0  # data seconds between rounds
@@ -101,18 +103,7 @@ class Run:
                     delay = self.faults.get("late_s", 0)
                 if e.type == "register" and self.faults.get("late_register"):
                     delay = self.faults.get("register_late_s", 0)
-                entry = protocol.encode_fields(
-                    {
-                        "v": "1",
-                        "type": e.type,
-                        "job": e.job,
-                        "ts": f"{e.ts:.3f}",
-                        "rank": e.rank,
-                        "session": e.session,
-                        "seq": e.seq,
-                        **e.fields,
-                    }
-                )
+                entry = event_entry(e)
                 copies = 2 if self.faults.get("duplicate") and i % 3 == 0 else 1
                 self.pending += [(e.ts + delay, b.job, entry)] * copies
         self.pending.sort(key=lambda p: p[0])
