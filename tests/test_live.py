@@ -40,13 +40,33 @@ def scenario(kind: str) -> TraceBuilder:
     return b
 
 
+def book_seen(s, events, now, start, own, booked_until, *, n_ranks, now_ms=None, profile=profiles.B300):
+    """`book_window` as the live agent runs it at `now` (ms): the samples (rank r is GPU r) and
+    events seen by then, every own rank's GPU time from `start`."""
+    seen = s.ts_ms <= now
+    return book_window(
+        events=[e for e in events if e.ts * 1000 <= now],
+        cfg=BookingConfig(),
+        profile=profile,
+        job_start_ms=start,
+        rank=s.gpu.astype(np.int64)[seen],
+        ts_ms=s.ts_ms[seen],
+        power_w=s.power_w[seen],
+        util_pct=s.util_pct[seen],
+        energy_mj=s.energy_mj[seen],
+        n_ranks=n_ranks,
+        own_ranks=own,
+        member_start_ms=np.full(own.size, start),
+        booked_until_ms=booked_until,
+        now_ms=now if now_ms is None else now_ms,
+    )
+
+
 def live_totals(b: TraceBuilder, rounds_s: float, own: list[int]) -> tuple[np.ndarray, int]:
     """Book in rounds as data arrives; return category ms of the `own` ranks, and the horizon."""
     s = b.samples()
-    rank = s.gpu.astype(np.int64)  # synth: rank r is GPU r
     events = sorted(b.events, key=lambda e: e.ts)
     start = int(b.t0 * 1000)
-    cfg = BookingConfig()
     own_ranks = np.asarray(own)
     booked_until = start
     totals = np.zeros(len(CATEGORIES), np.int64)
@@ -54,22 +74,8 @@ def live_totals(b: TraceBuilder, rounds_s: float, own: list[int]) -> tuple[np.nd
     end = int(b.t * 1000)
     while booked_until < end and now < end + 600_000:
         now += int(rounds_s * 1000)
-        seen = s.ts_ms <= now
-        res = book_window(
-            events=[e for e in events if e.ts * 1000 <= now],
-            cfg=cfg,
-            profile=profiles.B300,
-            job_start_ms=start,
-            rank=rank[seen],
-            ts_ms=s.ts_ms[seen],
-            power_w=s.power_w[seen],
-            util_pct=s.util_pct[seen],
-            energy_mj=s.energy_mj[seen],
-            n_ranks=b.n_gpus,
-            own_ranks=own_ranks,
-            member_start_ms=np.full(own_ranks.size, start),
-            booked_until_ms=booked_until,
-            now_ms=min(now, end),
+        res = book_seen(
+            s, events, now, start, own_ranks, booked_until, n_ranks=b.n_gpus, now_ms=min(now, end)
         )
         p = res.pieces
         assert (p.start_ms >= booked_until).all() and (p.end_ms <= res.horizon_ms).all()
@@ -132,7 +138,6 @@ def test_the_pure_ledger_delta_chained_over_rounds_nets_to_the_offline_replay(ki
         np.int64
     )
     s = b.samples()
-    rank = s.gpu.astype(np.int64)
     events = sorted(b.events, key=lambda e: e.ts)
     start, end = int(b.t0 * 1000), int(b.t * 1000)
     own = np.arange(b.n_gpus)
@@ -140,22 +145,8 @@ def test_the_pure_ledger_delta_chained_over_rounds_nets_to_the_offline_replay(ki
     written = np.zeros((len(CATEGORIES), 3), np.int64)
     while state.booked_until < end and now < end + 600_000:
         now += int(rounds_s * 1000)
-        seen = s.ts_ms <= now
-        res = book_window(
-            events=[e for e in events if e.ts * 1000 <= now],
-            cfg=BookingConfig(),
-            profile=profiles.B300,
-            job_start_ms=start,
-            rank=rank[seen],
-            ts_ms=s.ts_ms[seen],
-            power_w=s.power_w[seen],
-            util_pct=s.util_pct[seen],
-            energy_mj=s.energy_mj[seen],
-            n_ranks=b.n_gpus,
-            own_ranks=own,
-            member_start_ms=np.full(own.size, start),
-            booked_until_ms=state.booked_until,
-            now_ms=min(now, end),
+        res = book_seen(
+            s, events, now, start, own, state.booked_until, n_ranks=b.n_gpus, now_ms=min(now, end)
         )
         if res.horizon_ms <= state.booked_until:
             continue
@@ -200,29 +191,14 @@ def chained_incidents(b: TraceBuilder, own: list[int], rounds_s: float) -> dict[
     from costexporter.live import JobState, ledger_delta
 
     s = b.samples()
-    rank = s.gpu.astype(np.int64)
     events = sorted(b.events, key=lambda e: e.ts)
     start, end = int(b.t0 * 1000), int(b.t * 1000)
     own_ranks = np.asarray(own)
     state, now = JobState(booked_until=start), start
     while state.booked_until < end and now < end + 600_000:
         now += int(rounds_s * 1000)
-        seen = s.ts_ms <= now
-        res = book_window(
-            events=[e for e in events if e.ts * 1000 <= now],
-            cfg=BookingConfig(),
-            profile=profiles.B300,
-            job_start_ms=start,
-            rank=rank[seen],
-            ts_ms=s.ts_ms[seen],
-            power_w=s.power_w[seen],
-            util_pct=s.util_pct[seen],
-            energy_mj=s.energy_mj[seen],
-            n_ranks=b.n_gpus,
-            own_ranks=own_ranks,
-            member_start_ms=np.full(own_ranks.size, start),
-            booked_until_ms=state.booked_until,
-            now_ms=min(now, end),
+        res = book_seen(
+            s, events, now, start, own_ranks, state.booked_until, n_ranks=b.n_gpus, now_ms=min(now, end)
         )
         if res.horizon_ms > state.booked_until:
             state = ledger_delta(

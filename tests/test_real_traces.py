@@ -8,12 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costexporter import profiles
-from costexporter.booking import BookingConfig
-from costexporter.live import book_window
 from costexporter.model import BANDS, CATEGORIES, Band
 from costexporter.replay import ReplayConfig, book_trace, job_report
 from costexporter.synth import TraceBuilder
 from tests.realtrace import Scenario, agreement
+from tests.test_live import book_seen
 
 H100 = profiles.select("NVIDIA H100 80GB HBM3")
 
@@ -78,29 +77,12 @@ def test_live_rounds_at_random_boundaries_equal_the_offline_booking(cuts):
     job = bands_of(tr, H100)
     offline = _by_category_and_band(job.pieces)
 
-    rank = s.gpu.astype(np.int64)
     own = np.arange(len(s.gpus))
     rounds = [*sorted(min(max(c, start), end) for c in cuts), end + 60000]
     booked = start
     live = np.zeros_like(offline)
     for now in rounds:
-        seen = s.ts_ms <= now
-        res = book_window(
-            events=[e for e in events if e.ts * 1000 <= now],
-            cfg=BookingConfig(),
-            profile=H100,
-            job_start_ms=start,
-            rank=rank[seen],
-            ts_ms=s.ts_ms[seen],
-            power_w=s.power_w[seen],
-            util_pct=s.util_pct[seen],
-            energy_mj=s.energy_mj[seen],
-            n_ranks=own.size,
-            own_ranks=own,
-            member_start_ms=np.full(own.size, start),
-            booked_until_ms=booked,
-            now_ms=now,
-        )
+        res = book_seen(s, events, now, start, own, booked, n_ranks=own.size, profile=H100)
         live += _by_category_and_band(res.pieces)
         booked = max(booked, res.horizon_ms)
     assert booked == end
