@@ -67,28 +67,15 @@ def offline_ms(b: TraceBuilder) -> dict[str, int]:
     return dict(zip(CATEGORIES, ms.tolist(), strict=True)), r
 
 
-def serve(
-    csv: Path,
-    host: str,
-    url: str,
-    prefix: str,
-    port: int,
-    *extra: str,
-    speed: float = 100,
-    book_s: float = 0.2,
-    sample_s: float = 0.1,
+def agent_process(
+    source: list[str], host: str, url: str, prefix: str, port: int, *extra: str, book_s=0.2, sample_s=0.1
 ) -> subprocess.Popen:
-    """A real `costexporter serve` replaying one host's trace."""
+    """A real `costexporter serve` process, agent `host`: `source` is the command line after the
+    interpreter up to the source options (the CLI's, or tests/helpers/nvml_serve.py's)."""
     return subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "costexporter.cli",
-            "serve",
-            "--source",
-            "replay",
-            "--samples",
-            f"{host}={csv}",
+            *source,
             "--host",
             host,
             "--agent-id",
@@ -101,8 +88,6 @@ def serve(
             str(port),
             "--listen",
             "127.0.0.1",
-            "--speed",
-            str(speed),
             "--book-interval",
             str(book_s),
             "--sample-interval",
@@ -113,6 +98,43 @@ def serve(
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def serve(
+    csv: Path,
+    host: str,
+    url: str,
+    prefix: str,
+    port: int,
+    *extra: str,
+    speed: float = 100,
+    book_s: float = 0.2,
+    sample_s: float = 0.1,
+) -> subprocess.Popen:
+    """A real `costexporter serve` replaying one host's trace."""
+    source = ["-m", "costexporter.cli", "serve", "--source", "replay", "--samples", f"{host}={csv}"]
+    return agent_process(
+        source, host, url, prefix, port, "--speed", str(speed), *extra, book_s=book_s, sample_s=sample_s
+    )
+
+
+def stop_all(procs: list[subprocess.Popen]) -> list[str]:
+    """SIGTERM each agent; it must exit 0 within 30 s without a traceback. Returns their stderr."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    errs = []
+    for p in procs:
+        try:
+            _out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()  # never leave an agent behind, even one that ignores SIGTERM
+            p.communicate()
+            raise
+        errs.append(err)
+        assert p.returncode == 0, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+    return errs
 
 
 def wait_booked(client, prefix: str, job: str, agents: list[str], until_ms: int, timeout: float = 60) -> None:
@@ -186,12 +208,7 @@ def test_two_agents_book_one_job_and_their_metrics_agree(shared, prefix, trace):
             )
             assert check.returncode == 0, check.stdout + check.stderr
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            _out, err = p.communicate(timeout=30)
-            assert p.returncode == 0, err[-2000:]
-            assert "Traceback" not in err
+        stop_all(procs)
 
 
 def test_agent_killed_and_restarted_ends_with_the_same_ledger(shared, prefix, trace, tmp_path):

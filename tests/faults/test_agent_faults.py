@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,29 +22,10 @@ from costexporter.replay import ReplayConfig, book_trace
 from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
 
 from ..redis_server import RedisServer, free_port
-from ..test_agent import offline_ms, post_events, scrape, serve, wait_booked
+from ..test_agent import agent_process, offline_ms, post_events, scrape, serve, stop_all, wait_booked
 
 URL = "redis://127.0.0.1:6379/0"
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "nvml_serve.py"
-
-
-def stop_all(procs: list[subprocess.Popen]) -> list[str]:
-    """SIGTERM each agent; it must exit 0 within 30 s without a traceback. Returns their stderr."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    errs = []
-    for p in procs:
-        try:
-            _out, err = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()  # never leave an agent behind, even one that ignores SIGTERM
-            p.communicate()
-            raise
-        errs.append(err)
-        assert p.returncode == 0, err[-3000:]
-        assert "Traceback" not in err, err[-3000:]
-    return errs
 
 
 def metric(scraped: dict, name: str, **labels) -> list[float]:
@@ -159,33 +138,7 @@ def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path
 
 # ---- 7. register timestamps and clocks are bounded by what the agent observed ------------------
 def nvml_agent(prefix: str, port: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(HELPER),
-            "2",
-            "--host",
-            "gpu-host",
-            "--agent-id",
-            "gpu-host",
-            "--redis-url",
-            URL,
-            "--prefix",
-            prefix,
-            "--port",
-            str(port),
-            "--listen",
-            "127.0.0.1",
-            "--book-interval",
-            "0.2",
-            "--sample-interval",
-            "0.1",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return agent_process([str(HELPER), "2"], "gpu-host", URL, prefix, port, *extra)
 
 
 def live_entry(job: str, rank: int, seq: int, type_: str, ts: float | None = None, **f) -> dict:
