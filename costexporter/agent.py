@@ -105,7 +105,6 @@ class _Job:
     done: bool = False
     done_at: float | None = None  # monotonic time when the job was booked to its end
     skew_s: float | None = None
-    logged: set = field(default_factory=set)  # (kind, reason) already logged for this job
 
     @property
     def booked_until(self) -> int:
@@ -308,8 +307,8 @@ class Agent:
         except Exception as e:
             self.stats["job_errors"] += 1
             job.loaded = False
-            if ("error", type(e).__name__) not in job.logged:
-                job.logged.add(("error", type(e).__name__))
+            if ("error", job.name, type(e).__name__) not in self._logged:
+                self._logged.add(("error", job.name, type(e).__name__))
                 log.exception("job %r: booking failed; skipped this round, the other jobs book on", job.name)
 
     def _publish_node(self) -> None:
@@ -477,22 +476,23 @@ class Agent:
                     {"passed": ev.get("passed"), "checks": ev.get("checks"), "ts": ev.ts}
                 )
         for entry_id, reason, message in list(job.reader.rejections):
-            if ("rejected", reason) not in job.logged:
-                job.logged.add(("rejected", reason))
-                log.warning(
-                    "job %r: event %s rejected (%s): %s; counted in costexporter_events_rejected_total",
-                    job.name,
-                    entry_id,
-                    reason,
-                    message,
-                )
+            self._log_once(
+                ("rejected", job.name, reason),
+                logging.WARNING,
+                "job %r: event %s rejected (%s): %s; counted in costexporter_events_rejected_total",
+                job.name,
+                entry_id,
+                reason,
+                message,
+            )
         offsets = job.reader.clock_offset_s
         if self.source.wall_clock and offsets:
             rank, skew = max(offsets.items(), key=lambda kv: abs(kv[1]))
             job.skew_s = skew
-            if abs(skew) > self.cfg.clock_skew_warn_s and ("skew", rank) not in job.logged:
-                job.logged.add(("skew", rank))
-                log.warning(
+            if abs(skew) > self.cfg.clock_skew_warn_s:
+                self._log_once(
+                    ("skew", job.name, rank),
+                    logging.WARNING,
                     "job %r rank %d: event timestamps are %+.1f s off their arrival in Redis: the trainer's "
                     "clock is skewed (keep every host on NTP) or its events arrive late",
                     job.name,
@@ -660,9 +660,8 @@ class Agent:
         note = price_override_note(
             job.name, meta.get("price_per_gpu_hour"), price, cfg.prices.price_per_gpu_hour
         )
-        if note and ("price", "") not in job.logged:
-            job.logged.add(("price", ""))
-            log.info("%s", note)
+        if note:
+            self._log_once(("price", job.name), logging.INFO, "%s", note)
         delta = live.ledger_delta(
             job.state,
             res,
