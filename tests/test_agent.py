@@ -630,3 +630,31 @@ def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_befor
     wm = ledger.load_watermark(shared, prefix, job, agent.cfg.agent_id)["booked_until"]
     total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
     assert total == sum(wm - s for s in starts.values())
+
+
+def test_samples_held_while_redis_is_unreachable_are_bounded_and_the_overflow_counted():
+    """Redis down for long: the agent holds at most `max_buffered_samples` (the newest), counts
+    what it dropped, and each round fails as a Redis error, never blocking or raising."""
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.sources.replay import ReplaySource
+
+    b = TraceBuilder(n_gpus=2, per_host=2, job="held", seed=3)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", max_buffered_samples=50),
+    )
+    fed = []
+    for _ in range(10):
+        now[0] += 10
+        readings = agent.source.read()
+        fed += [round(r.ts * 1000) for r in readings]
+        agent.sampler._buf.extend(readings)
+        agent.tick()
+    held = np.sort(agent._local_arrays()[1])
+    assert len(fed) > 50 and agent.sampler.dropped == 0
+    assert held.tolist() == sorted(fed)[-50:]  # the newest 50
+    assert agent.stats["samples_dropped"] == len(fed) - 50
+    assert agent.stats["redis_errors"] == 10 and not agent.redis_up
