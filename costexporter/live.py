@@ -106,6 +106,12 @@ def book_window(
     other agents'), sorted by (rank, ts). `member_start_ms` and `member_end_ms` (when another
     job registered the GPU later) are per own rank.
     """
+    if not final:
+        # An event dated after `now_ms` (the agent's data time, already `event_lag_s` behind its
+        # newest sample) may still have earlier events on their way: deciding with it (a `run
+        # end` closing an interval a late step would have split) books differently from an
+        # uninterrupted run. It is used once the data time reaches it.
+        events = [e for e in events if int(e.ts * 1000) <= now_ms]
     tl = build_timeline(events, cfg, job_start_ms, now_ms, final=final)
     interval = bands_mod.sampling_interval_ms(rank, ts_ms)
     horizon = min(tl.decided_until_ms, now_ms)

@@ -180,6 +180,10 @@ def _cleanup(client, prefix: str) -> None:
 # An agent restarted after b had taken a's GPUs handed a the time b had booked (24 s twice):
 # b's stored start was not loaded yet when the restarted agent computed a's end.
 @example(build(1, 0, [("compute", 60, 4)], (5, 30), {"restart_at": 11}))
+# b's last step (index 7) posted 29 s late, inside the 30 s lag, its `run end` on time: the agent
+# decided b's last interval with the `run end` (dated past its data time) before the late step
+# arrived and booked 1 s of it overhead instead of productive.
+@example(build(1, 0, [("compute", 42, 5)], (5, 30), {"late": [7], "late_s": 29}))
 @given(scenarios())
 def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
     client = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
