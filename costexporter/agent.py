@@ -520,6 +520,8 @@ class Agent:
                 if newest < start <= newest + tol_ms and not final:
                     return None  # the next sampling round reaches the register: book then
                 fixed[r] = min(start, newest)
+                if 0 < fixed[r] < job.state.booked_until:
+                    job.state.behind[r] = fixed[r]
             out.append(fixed.get(r, job.state.starts.get(r)))
         job.state.starts.update(fixed)
         return np.asarray(out, np.int64)
@@ -610,6 +612,10 @@ class Agent:
         )
         if job.state.booked_until == 0:
             job.state.booked_until = int(member_start.min())
+        # A rank that joined after the job's watermark passed its start (its register was read a
+        # round late) catches up from its start: that time is held from `_unassigned` as the job's.
+        behind = job.state.behind
+        booked_from = np.asarray([behind.get(int(r), job.booked_until) for r in own_ranks], np.int64)
         meta = job.meta
         profile = cfg.profile or profiles.select(
             cfg.gpu_model
@@ -643,6 +649,7 @@ class Agent:
             hold_ranks=hold,
             ignore_ranks=ignore,
             member_end_ms=member_end,
+            booked_from_ms=booked_from,
         )
         if res.latest_band:  # a round that decided nothing keeps the newest band shown
             job.latest_band = {int(own_ranks[i]): b for i, b in res.latest_band.items()}
@@ -654,7 +661,7 @@ class Agent:
         progress = self._progress(job, tl, now_ms)
         with self.lock:
             job.figures = {**job.figures, **progress}
-        if res.horizon_ms <= job.booked_until:
+        if res.horizon_ms <= job.booked_until and not res.pieces.dur_ms.size:
             return
         price = float(meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
         note = price_override_note(

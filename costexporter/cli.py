@@ -449,6 +449,20 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
     metavar="LABEL",
     help="Pod label naming the job (repeatable, first present wins) [default: Kubeflow, JobSet, batch Job].",
 )
+@click.option(
+    "--event-lag",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds live booking stays behind the newest sample, so trainer events that arrive up to "
+    "this late still count as on time (trainers behind a slow or buffering path).",
+)
+@click.option(
+    "--unassigned-hold",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    help="Seconds the time of GPUs no job holds waits before it is booked `unassigned`, so a "
+    "register that arrives this late still wins its GPU's time for the job.",
+)
 @booking_options
 @price_options
 def serve(
@@ -476,6 +490,8 @@ def serve(
     series_ttl,
     k8s_jobs,
     k8s_job_labels,
+    event_lag,
+    unassigned_hold,
     **config,
 ) -> None:
     """The per-node agent: sample GPUs, book the ledger exactly once, serve /metrics."""
@@ -519,6 +535,8 @@ def serve(
         power_limit_w=power_limit,
         series_ttl_s=series_ttl,
         peer_timeout_s=peer_timeout,
+        event_lag_s=event_lag,
+        unassigned_hold_s=unassigned_hold,
     )
     agent = Agent(src, cfg).start()
     if port:

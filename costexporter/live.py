@@ -99,12 +99,16 @@ def book_window(
     hold_ranks: np.ndarray | None = None,
     ignore_ranks: np.ndarray | None = None,
     member_end_ms: np.ndarray | None = None,
+    booked_from_ms: np.ndarray | None = None,
 ) -> WindowResult:
     """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
 
     Samples are those of every rank of the job in the context window (this agent's and the
     other agents'), sorted by (rank, ts). `member_start_ms` and `member_end_ms` (when another
-    job registered the GPU later) are per own rank.
+    job registered the GPU later) are per own rank. `booked_from_ms` (per own rank, default
+    `booked_until_ms`) lets a rank that joined after the job's watermark had passed its start
+    (a rank discovered late; that time is nobody else's) catch up: the result's horizon may then
+    lie before `booked_until_ms`.
     """
     if not final:
         # An event dated after `now_ms` (the agent's data time, already `event_lag_s` behind its
@@ -122,7 +126,12 @@ def book_window(
             data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals, hold_ranks, ignore_ranks, ahead),
         )
     empty = Pieces(*(np.zeros(0, dt) for dt in (np.int32, np.int64, np.int64, np.int8, np.int8, np.float64)))
-    if horizon <= booked_until_ms or (ts_ms.size == 0 and not own_ranks.size):
+    booked_from = (
+        np.full(own_ranks.size, booked_until_ms, np.int64)
+        if booked_from_ms is None
+        else np.minimum(booked_from_ms.astype(np.int64), booked_until_ms)
+    )
+    if horizon <= booked_from.min(initial=booked_until_ms) or (ts_ms.size == 0 and not own_ranks.size):
         return WindowResult(empty, booked_until_ms, tl, {})
 
     br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval)
@@ -153,9 +162,9 @@ def book_window(
     slices = _cut_per_gpu(
         slices,
         np.concatenate([g, g]),
-        np.concatenate([np.full(n_own, booked_until_ms), np.full(n_own, horizon)]),
+        np.concatenate([booked_from, np.full(n_own, horizon)]),
     )
-    keep = (slices.start_ms >= booked_until_ms) & (slices.end_ms <= horizon)
+    keep = (slices.start_ms >= booked_from[slices.gpu]) & (slices.end_ms <= horizon)
     slices = Slices(
         *(getattr(slices, f)[keep] for f in ("gpu", "start_ms", "end_ms", "band", "energy_mj")),
         slices.span_start_ms,
@@ -194,6 +203,9 @@ class JobState:
     rb_applied: set[int] = field(default_factory=set)  # step records whose void is booked
     incidents: dict[str, dict] = field(default_factory=dict)  # category -> the open incident
     starts: dict[int, int] = field(default_factory=dict)  # own rank -> when its GPU's time starts
+    # own rank -> how far its GPU is booked, for a rank that joined after the watermark had passed
+    # its start (its register was read late): it catches up to `booked_until`, then leaves this
+    behind: dict[int, int] = field(default_factory=dict)
     since_ref_ms: int = -1  # the last progress point ...
     since_cost: int = 0  # ... and the cost (micro-units) booked after it
 
@@ -206,6 +218,7 @@ class JobState:
             "rb_applied": sorted(self.rb_applied),
             "incidents_open": self.incidents,
             "starts": {str(k): v for k, v in self.starts.items()},
+            "behind": {str(k): v for k, v in self.behind.items()},
             "since_ref_ms": self.since_ref_ms,
             "since_cost": self.since_cost,
         }
@@ -224,6 +237,7 @@ class JobState:
             rb_applied=set(wm.get("rb_applied", [])),
             incidents=wm.get("incidents_open", {}),
             starts={int(k): int(v) for k, v in wm.get("starts", {}).items()},
+            behind={int(k): int(v) for k, v in wm.get("behind", {}).items()},
             since_ref_ms=int(wm.get("since_ref_ms", -1)),
             since_cost=int(wm.get("since_cost", 0)),
         )
@@ -414,8 +428,10 @@ def ledger_delta(
         p, last_progress_ms, prices, price
     )
     incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
+    booked_until = max(state.booked_until, res.horizon_ms)
+    caught_up = {r: max(v, res.horizon_ms) for r, v in state.behind.items()}
     nxt = JobState(
-        booked_until=res.horizon_ms,
+        booked_until=booked_until,
         cum=new_cum,
         booked=state.booked + booked + rolled,
         voided=state.voided + moved,
@@ -423,6 +439,7 @@ def ledger_delta(
         rb_applied=applied,
         incidents=incidents,
         starts=dict(state.starts),
+        behind={r: v for r, v in caught_up.items() if v < booked_until},
         since_ref_ms=last_progress_ms,
         since_cost=since_cost,
     )

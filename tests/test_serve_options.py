@@ -1,0 +1,49 @@
+"""`serve`'s late-data options reach the agent, and bad values are a one-line usage error."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from costexporter import agent as agent_mod
+from costexporter.cli import main
+from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.fixture
+def trace(tmp_path):
+    b = TraceBuilder(n_gpus=1, per_host=1, job="-", register=False, seed=3, host_prefix="n")
+    b.stretch("idle", 5)
+    return write_nvidia_smi_csv(b.samples(), tmp_path)[0]
+
+
+def _config_of(monkeypatch, trace, *flags) -> agent_mod.AgentConfig:
+    seen = {}
+
+    class Recorder:
+        def __init__(self, source, cfg):
+            seen["cfg"] = cfg
+            raise _Captured
+
+    monkeypatch.setattr(agent_mod, "Agent", Recorder)
+    args = ["serve", "--source", "replay", "--samples", f"n0={trace}", "--port", "0", *flags]
+    result = CliRunner().invoke(main, args)
+    assert isinstance(result.exception, _Captured), result.output
+    return seen["cfg"]
+
+
+def test_late_data_options_reach_the_agent(monkeypatch, trace):
+    default = _config_of(monkeypatch, trace)
+    assert (default.event_lag_s, default.unassigned_hold_s) == (0.0, 600.0)
+    cfg = _config_of(monkeypatch, trace, "--event-lag", "45", "--unassigned-hold", "1800")
+    assert (cfg.event_lag_s, cfg.unassigned_hold_s) == (45.0, 1800.0)
+
+
+@pytest.mark.parametrize("flag", ["--event-lag", "--unassigned-hold"])
+def test_a_negative_wait_is_a_usage_error(trace, flag):
+    result = CliRunner().invoke(main, ["serve", "--source", "replay", "--samples", str(trace), flag, "-5"])
+    assert result.exit_code == 2 and flag in result.output and "Traceback" not in result.output
