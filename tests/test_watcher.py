@@ -145,6 +145,59 @@ def test_starving_names_the_straggler():
     assert st.state == "starving" and st.suspect["rank"] == 2
 
 
+def agent_band(v: JobView, ts: float, rank: int, band: str, util: float, power: float = 124.1) -> None:
+    """What an agent's live hash says of a rank (its newest sample and the band it gave it)."""
+    v.agent_live[rank] = {
+        "ts_ms": int((T0 + ts) * 1000),
+        "power_w": power,
+        "util_pct": util,
+        "band": band,
+        "host": f"h{rank // 2}",
+        "gpu": rank % 2,
+        "uuid": f"GPU-{rank}",
+    }
+
+
+def test_the_agents_spin_band_is_hung_at_once_naming_the_gpu_and_rank():
+    # R9 on one GPU: steps to 100 s, then rank 0 spins at 100% at 124 W. The agent bands it
+    # deadlock (two samples); the watcher says hung at its next poll, not 60 s later.
+    v = view([*registered(1), *steps(1, 20, ranks=(0,)), *beats(200, ranks=(0,))])
+    agent_band(v, 99, 0, "compute", 100.0, 692.0)
+    assert decide(v, T0 + 101, CFG).state == "running"
+    agent_band(v, 103, 0, "deadlock", 100.0)
+    st = decide(v, T0 + 103.5, CFG)
+    assert st.state == "hung" and "spin signature" in st.reason and "h0 GPU 0" in st.reason
+    assert st.suspect["rank"] == 0 and st.suspect["gpu"] == 0 and st.suspect["host"] == "h0"
+    assert st.suspect["uuid"] == "GPU-0" and "spinning" in st.suspect["why"]
+
+
+def test_an_agent_band_older_than_the_last_step_or_stale_is_not_a_hang():
+    cfg = dataclasses.replace(CFG, booking=BookingConfig(stall_floor_s=600.0))
+    v = view([*registered(1), *steps(1, 20, ranks=(0,)), *beats(400, ranks=(0,))])
+    agent_band(v, 99, 0, "deadlock", 100.0)  # before step 20 at 100 s: progress came after it
+    assert decide(v, T0 + 101, cfg).state == "running"
+    agent_band(v, 101, 0, "deadlock", 100.0)
+    assert decide(v, T0 + 102, cfg).state == "hung"
+    # An agent gone quiet: its hash outlived it; a band older than the heartbeat timeout is stale.
+    assert decide(v, T0 + 101 + cfg.heartbeat_timeout_s + 1, cfg).state == "running"
+
+
+def test_inside_a_declared_phase_within_its_allowance_the_agent_band_does_not_decide():
+    evs = [*registered(1), *steps(1, 20, ranks=(0,)), *beats(400, ranks=(0,))]
+    v = view([*evs, ev("phase", 101, 0, name="checkpoint", state="begin")])
+    agent_band(v, 103, 0, "deadlock", 100.0)
+    assert decide(v, T0 + 104, CFG).state == "running"
+
+
+def test_the_agents_deadlock_band_names_the_rank_at_zero():
+    v = view([*registered(), *steps(1, 20), *beats(200)])
+    for r in range(4):
+        agent_band(v, 104, r, "deadlock", 0.0 if r == 3 else 100.0, 192.0)
+    st = decide(v, T0 + 105, CFG)
+    assert st.state == "hung" and "deadlock signature" in st.reason
+    assert (st.suspect["rank"], st.suspect["host"], st.suspect["gpu"]) == (3, "h1", 1)
+
+
 def test_notification_is_an_alertmanager_payload():
     v = view(
         [*registered(), *steps(1, 20), *beats(400), ev("phase", 101, 3, name="checkpoint", state="begin")]
