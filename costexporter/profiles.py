@@ -4,7 +4,9 @@ The B300 profile is calibrated from the field table in REFERENCE R2. Other model
 derived from their power limit, flagged uncalibrated: R2 says the shapes carry over between GPUs
 but the absolute watts do not, so the derived thresholds are fractions of the limit chosen to
 hold where absolute numbers would not (a small model computing at 75-80% of the limit with
-85-97% utilization; checkpoint waiters spinning at 100% just above idle power).
+85-97% utilization; checkpoint waiters spinning at 100% just above idle power). The live agent
+moves a derived profile's idle and low edges to each GPU's learned idle power (`with_idle`,
+costexporter/idle.py): idle depends on a live CUDA context, not only on the limit (R9).
 """
 
 from __future__ import annotations

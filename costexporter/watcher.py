@@ -8,9 +8,11 @@ state that applies:
 * `unknown`: it cannot observe (Redis unreachable, no events). A blind watcher never says healthy.
 * `done`: the run ended (`run end` on rank 0).
 * `crashed`: a rank's heartbeats are gone (no event for `heartbeat_timeout_s`) and no end.
-* `hung`: progress stopped by the ledger's own rule (no step for longer than the stall threshold
-  of the booking rules, with the same parameters, or a declared phase past its allowance), or the
-  deadlock signature on two consecutive samples of the live GPU state.
+* `hung`: an agent banded a rank's newest sample after the last step `deadlock` (the spin on any
+  number of GPUs or the cross-rank signature, confirmed by the agent on two samples): seen one
+  agent round after it shows; or progress stopped by the ledger's own rule (no step for longer
+  than the stall threshold of the booking rules, with the same parameters, or a declared phase
+  past its allowance), or the deadlock signature on two consecutive samples of the live GPU state.
 * `starving`: the live GPU state shows data starvation; the straggler is named.
 * `running`: none of the above.
 
