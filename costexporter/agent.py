@@ -360,20 +360,18 @@ class Agent:
         levels = [lv for lv in levels if lv is not None]
         return max(levels) if levels else None
 
-    def _band_readings(self, latest: dict | None = None) -> dict[int, int]:
-        """Each GPU's band from its newest reading alone: the band shown for a GPU no job holds
-        (or whose job has no classified sample yet), so /metrics always has one."""
+    def _band_readings(self) -> None:
+        """Each GPU's band from its newest reading alone: the band shown for a job's GPU whose
+        job has no classified sample yet, so /metrics always has one."""
         out = {}
-        for g, r in (self.sampler.latest() if latest is None else latest).items():
+        for g, r in self.sampler.latest().items():
             try:
                 prof = self._gpu_profile(g)
             except profiles.ProfileError:
                 continue
             out[g] = int(bands_mod.reading_bands(np.asarray([r.power_w]), np.asarray([r.util_pct]), prof)[0])
-        if latest is None:
-            with self.lock:
-                self._gpu_band = out
-        return out
+        with self.lock:
+            self._gpu_band = out
 
     def _sync_idle(self) -> None:
         """Learned idle levels in Redis by GPU UUID (`ledger.gpu_idle_key`): read once at start
@@ -1013,9 +1011,6 @@ class Agent:
     # ---- for the exporter --------------------------------------------------------------------
     def snapshot(self) -> dict:
         now = time.monotonic()
-        latest = self.sampler.latest()
-        # Before the first round has banded a GPU's readings (a scrape right after start).
-        early = self._band_readings(latest) if not set(latest) <= set(self._gpu_band) else {}
         with self.lock:
             pending = int(self._local[0][0].size) if self._local else 0
             return {
@@ -1025,8 +1020,8 @@ class Agent:
                 "currency": self.cfg.prices.currency,
                 "redis_up": self.redis_up,
                 "gpus": self.source.gpus(),
-                "latest": latest,
-                "gpu_bands": {**early, **self._gpu_band},
+                "latest": self.sampler.latest(),
+                "gpu_bands": dict(self._gpu_band),
                 "live_seq": self.live_seq,
                 "errors": dict(self.source.errors),
                 "stats": dict(self.stats),

@@ -83,7 +83,8 @@ class AgentCollector(Collector):
         )
         for i, g in enumerate(s["gpus"]):
             job, rank, b = held.get(i, ("", "", None))
-            if b is None:  # no job, or its job has no classified sample yet: the reading's own band
+            if b is None and job:  # its job has no classified sample yet: the reading's own band
+                # (a GPU no job holds shows none: the alert rules and dashboards are per job)
                 b = s.get("gpu_bands", {}).get(i)
             lv = [g.host, str(g.index), g.uuid or "", job, str(rank), *dcgm_label_values(g, pods.get(i))]
             r = s["latest"].get(i)

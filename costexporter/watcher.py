@@ -249,7 +249,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
             {**view.where(r), "why": "0% utilization in the deadlock signature"},
             **progress,
         )
-    hang = None if stalled or overrun else _agent_hang(view, tl, now, cfg)
+    hang = _agent_hang(view, tl, now, cfg)  # names the GPU, also past the stall threshold
     if hang is not None:
         return status("hung", hang[0], hang[1], **progress)
     if stalled or overrun:

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from costexporter import ledger, protocol
 from costexporter.client import send_entries
+from costexporter.model import BANDS
 
 from .fake_nvml import ENV as FAKE_ENV
 from .redis_server import free_port
@@ -60,6 +61,7 @@ class Seen:
     agent: list[tuple[float, dict]] = field(default_factory=list)
     watch: list[tuple[float, dict]] = field(default_factory=list)
     status: list[tuple[float, dict]] = field(default_factory=list)
+    live: list[tuple[float, dict]] = field(default_factory=list)  # the agent's live hash entry of rank 0
 
 
 def parse(text: str) -> dict[str, list[tuple[dict, float]]]:
@@ -140,6 +142,9 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
             raw = shared.get(status_key)
             if raw:
                 seen.status.append((now, json.loads(raw)))
+            raw = shared.hget(ledger.key(prefix, JOB, "live", HOST), "0")
+            if raw:
+                seen.live.append((now, json.loads(raw)))
             stop.wait(0.2)
 
     def steps(seconds: float, step: list[int]) -> float:
@@ -206,12 +211,18 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
     def during(a: float, b: float, which=None) -> list[tuple[float, dict]]:
         return [(ts, m) for ts, m in (which if which is not None else seen.agent) if a <= ts < b]
 
-    # 1. The GPU's band is in every scrape: before the job, in the checkpoint, the hang, idle.
+    # 1. The GPU's band is in every scrape once the job holds it (the agent's first round after
+    # the register): in the checkpoint, the hang, idle. Before, a GPU of no job shows none.
     assert len(seen.agent) > 100
-    assert all(len(band_of(m)) == 1 for _, m in seen.agent), [
-        (round(ts - t["job"], 1), band_of(m)) for ts, m in seen.agent if len(band_of(m)) != 1
+    held = during(t["job"] + ROUND_S + 0.5, t["end"] + 60)
+    assert held and all(len(band_of(m)) == 1 for _, m in held), [
+        (round(ts - t["job"], 1), band_of(m)) for ts, m in held if len(band_of(m)) != 1
     ]
-    assert {b for _, m in during(t["job"] - 3, t["job"]) for b in band_of(m)} == {"idle"}
+    assert all(band_of(m) == [] for _, m in during(0, t["job"]))
+    # ... and in the agent's live hash, which the watcher reads: a band name, never None.
+    assert len(seen.live) > 50 and all(e["band"] in BANDS for _, e in seen.live)
+    assert {e["band"] for _, e in during(t["hang"] + 2 * ROUND_S, t["idle"], seen.live)} == {"deadlock"}
+    assert {(e["gpu"], e["uuid"]) for _, e in seen.live} == {(0, UUID)}
     assert {b for _, m in during(t["idle"] + ROUND_S + 0.5, t["steps"]) for b in band_of(m)} == {"idle"}
 
     # 2. The allowance flag: 1 inside the checkpoint, 0 within one round after its end.

@@ -169,6 +169,10 @@ def test_the_agents_spin_band_is_hung_at_once_naming_the_gpu_and_rank():
     assert st.state == "hung" and "spin signature" in st.reason and "h0 GPU 0" in st.reason
     assert st.suspect["rank"] == 0 and st.suspect["gpu"] == 0 and st.suspect["host"] == "h0"
     assert st.suspect["uuid"] == "GPU-0" and "spinning" in st.suspect["why"]
+    # Past the stall threshold the agent's band still names the GPU (the events cannot: one rank).
+    agent_band(v, 170, 0, "deadlock", 100.0)
+    st = decide(v, T0 + 170.5, CFG)
+    assert st.state == "hung" and st.suspect["rank"] == 0 and "no step for 70s" in st.reason
 
 
 def test_an_agent_band_older_than_the_last_step_or_stale_is_not_a_hang():
