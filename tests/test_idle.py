@@ -58,6 +58,28 @@ def test_the_window_follows_a_cuda_context_appearing():
     assert lr.level("g", 700.0) == pytest.approx(123.7)
 
 
+@given(
+    level=st.floats(60.0, 200.0),
+    noise=st.lists(st.floats(-2.0, 2.0), min_size=60, max_size=idle.WINDOW // 2),
+    junk=st.lists(st.one_of(st.floats(0.0, 700.0), st.just(float("nan"))), max_size=idle.WINDOW // 2),
+    busy=st.lists(st.floats(0.0, 700.0), max_size=200),
+    chunks=st.integers(1, 7),
+)
+def test_a_majority_at_idle_decides_whatever_the_junk_and_the_chunking(level, noise, junk, busy, chunks):
+    """Readings at 0%: more at `level` (+-2 W) than junk (any power, NaN) among the newest WINDOW;
+    busy readings at any power; fed in any number of chunks: the level is within 2 W."""
+    junk = junk[: len(noise) - 1]
+    p = np.asarray([level + x for x in noise] + junk + busy)
+    u = np.asarray([0.0] * (len(noise) + len(junk)) + [100.0] * len(busy))
+    order = np.random.default_rng(len(noise) + len(junk)).permutation(p.size)
+    p, u = p[order], u[order]
+    lr = idle.IdleLearner()
+    for part in np.array_split(np.arange(p.size), chunks):
+        lr.add("g", p[part], u[part])
+    got = lr.level("g", 700.0)
+    assert got is not None and abs(got - level) <= 2.0 + 1e-9
+
+
 def test_a_stored_level_is_used_until_this_process_has_its_own():
     lr = idle.IdleLearner()
     lr.seed("g", 120.0, 500)

@@ -23,6 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
+from costexporter import ledger
 from costexporter.api.store import LedgerStore
 from costexporter.booking import BookingConfig
 from costexporter.client import StepReporter
@@ -200,6 +201,28 @@ def test_the_agents_deadlock_band_names_the_rank_at_zero():
     st = decide(v, T0 + 105, CFG)
     assert st.state == "hung" and "deadlock signature" in st.reason
     assert (st.suspect["rank"], st.suspect["host"], st.suspect["gpu"]) == (3, "h1", 1)
+
+
+def test_the_agents_live_hash_with_junk_is_read_entry_by_entry(shared, prefix):
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
+    v = view([*registered(), *steps(1, 20), *beats(200)])
+    good = {"ts": T0 + 101, "power_w": 124.1, "util_pct": 100.0, "band": "deadlock"}
+    good |= {"gpu": 0, "uuid": "GPU-0"}
+    entries = {
+        "0": good,
+        "1": {**good, "band": None, "gpu": None, "uuid": None},  # an older agent: no band
+        "2": "not json",
+        "3": [1, 2],
+        "4": {**good, "ts": "soon"},
+        "5": {**good, "gpu": "zero", "uuid": 7},  # a rank beyond the job, odd index and UUID types
+    }
+    raw = {r: e if isinstance(e, str) else json.dumps(e) for r, e in entries.items()}
+    shared.hset(ledger.key(prefix, "j", "live", "h0"), mapping=raw)
+    w._read_live(v)
+    assert sorted(v.agent_live) == [0, 5] and w.stats["bad_live"] == 3
+    assert v.agent_live[5]["gpu"] is None and v.agent_live[5]["uuid"] is None
+    st = decide(v, T0 + 102, CFG)
+    assert st.state == "hung" and st.suspect["rank"] == 0 and st.suspect["uuid"] == "GPU-0"
 
 
 def test_notification_is_an_alertmanager_payload():
