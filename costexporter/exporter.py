@@ -203,7 +203,7 @@ class AgentCollector(Collector):
         )
         risk = GaugeMetricFamily(
             "costexporter_gpu_time_at_risk_seconds",
-            "GPU time since the job's last saved checkpoint, on this agent's GPUs.",
+            "GPU time since the job's last saved checkpoint, on this agent's GPUs, to the newest sample.",
             labels=["training_job"],
         )
         booked_until = GaugeMetricFamily(
@@ -213,7 +213,8 @@ class AgentCollector(Collector):
         )
         since = GaugeMetricFamily(
             "costexporter_cost_since_last_step",
-            "Cost booked on this agent's GPUs since the job's last progress point (sum over agents).",
+            "Cost on this agent's GPUs since the job's last progress point, booked and not yet booked "
+            "(to the newest sample; sum over agents).",
             labels=["training_job", "currency"],
         )
         budget = GaugeMetricFamily(
