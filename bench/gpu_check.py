@@ -15,7 +15,8 @@ It prints, and writes to --out as JSON:
       with the CUDA context alive, steps again; with the agent, the watcher and a 100-ms NVML
       trace recorder running. Per stretch: NVML power/utilization medians, the bands seen on
       the agent's /metrics, the categories booked in the ledger meanwhile, and the time to
-      detection of the hang (band deadlock on /metrics, watcher `hung`).
+      detection (seconds and agent rounds from the stretch's start to the first scrape with
+      the band it should show and the watcher's state for it; the hang: `deadlock`, `hung`).
 Everything it starts it stops. Without PyTorch, a GPU, NVML or redis-server it exits 2 with a
 one-line reason. `--fake-nvml` (tests only) runs all of it on a CPU against tests/fake_nvml.py.
 """
@@ -53,6 +54,16 @@ FAKE_LEVELS = {
     "steps": (692_000, 100),
 }
 STRETCHES = ("compute", "checkpoint", "hang", "idle", "steps")
+# What each stretch should look like: the band on /metrics and the watcher's state. Time to
+# detection is from the stretch's start to the first scrape showing it (a single GPU's checkpoint
+# at 0% is `idle` to the bands: the phase, not the power, makes it overhead).
+EXPECT = {
+    "compute": ("compute", "running"),
+    "checkpoint": ("idle", "running"),
+    "hang": ("deadlock", "hung"),
+    "idle": ("idle", "running"),
+    "steps": ("compute", "running"),
+}
 STARTED: list[int] = []  # every child's pid, reported so a test can check each one is gone
 
 
@@ -227,6 +238,7 @@ class Timeline:
     """What the pollers saw, stamped with wall time: bands, watcher states, ledger snapshots."""
 
     bands: list[tuple[float, str]] = field(default_factory=list)
+    allowance: list[tuple[float, float]] = field(default_factory=list)  # costexporter_job_in_allowance
     states: list[tuple[float, str, int]] = field(default_factory=list)
     stretches: list[tuple[str, float, float]] = field(default_factory=list)
     booked: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -235,14 +247,19 @@ class Timeline:
 BAND_RE = re.compile(r'^costexporter_gpu_band\{[^}]*band="(\w+)"[^}]*\} 1(\.0)?$', re.M)
 STATE_RE = re.compile(r'^costexporter_job_state\{[^}]*costexporter_job_state="(\w+)"[^}]*\} 1(\.0)?$', re.M)
 SUSPECT_RE = re.compile(r"^costexporter_job_suspect_rank\{[^}]*\} (\S+)$", re.M)
+ALLOWANCE_RE = re.compile(r"^costexporter_job_in_allowance\{[^}]*\} (\S+)$", re.M)
 
 
 def poll_metrics(agent_port: int, watch_port: int, tl: Timeline, stop: threading.Event, every: float) -> None:
     while not stop.is_set():
         now = time.time()
         with contextlib.suppress(OSError):
-            bands = BAND_RE.findall(scrape(agent_port))
+            text = scrape(agent_port)
+            bands = BAND_RE.findall(text)
             tl.bands.append((now, ",".join(sorted({b for b, _ in bands})) or "-"))
+            flag = ALLOWANCE_RE.findall(text)
+            if flag:
+                tl.allowance.append((now, float(flag[0])))
         with contextlib.suppress(OSError):
             text = scrape(watch_port)
             st = STATE_RE.findall(text)
@@ -382,10 +399,37 @@ def run_stretches(
         rep.close()  # posts `run end` when no exception is in flight
 
 
-def summarize(tl: Timeline, trace: Path) -> list[dict]:
+def first_after(seen: list[tuple], t0: float, t1: float, match: Callable[[tuple], bool]) -> float | None:
+    """Seconds from t0 to the first scrape in [t0, t1) that matches, or None."""
+    t = next((x[0] for x in seen if t0 <= x[0] < t1 and match(x)), None)
+    return None if t is None else round(t - t0, 1)
+
+
+def detection(tl: Timeline, name: str, t0: float, t1: float, prev: str | None, round_s: float) -> dict:
+    """Time to detection of a stretch: the live band it should show on /metrics and the
+    watcher's state (EXPECT), in seconds and agent rounds from its start; around the
+    checkpoint, the allowance flag going to 1, and back to 0 after it ends."""
+    band, state = EXPECT[name]
+    row = {
+        "expect_band": band,
+        "expect_watcher": state,
+        "detect_band_s": first_after(tl.bands, t0, t1, lambda x: band in x[1].split(",")),
+        "detect_watcher_s": first_after(tl.states, t0, t1, lambda x: x[1] == state),
+    }
+    for k in ("band", "watcher"):
+        v = row[f"detect_{k}_s"]
+        row[f"detect_{k}_rounds"] = None if v is None else round(v / round_s, 2)
+    if name == "checkpoint":
+        row["allowance_on_s"] = first_after(tl.allowance, t0, t1, lambda x: x[1] == 1)
+    if prev == "checkpoint":
+        row["allowance_off_s"] = first_after(tl.allowance, t0, t1, lambda x: x[1] == 0)
+    return row
+
+
+def summarize(tl: Timeline, trace: Path, round_s: float = 5.0) -> list[dict]:
     with open(trace, newline="") as f:
         rows = list(csv.DictReader(f))
-    out, before = [], {}
+    out, before, prev = [], {}, None
     for name, t0, t1 in tl.stretches:
         inside = [r for r in rows if t0 <= float(r["ts"]) < t1]
         bands: dict[str, int] = {}
@@ -409,7 +453,9 @@ def summarize(tl: Timeline, trace: Path) -> list[dict]:
             "bands_on_metrics": bands,
             "watcher_states": states,
             "booked_during_s": delta,
+            **detection(tl, name, t0, t1, prev, round_s),
         }
+        prev = name
         if name == "hang":
             band_t = next((t for t, b in tl.bands if t >= t0 and ("deadlock" in b or "stalled" in b)), None)
             hung = next(((t, r) for t, s, r in tl.states if t >= t0 and s == "hung"), None)
@@ -431,11 +477,26 @@ def print_stretches(rows: list[dict]) -> None:
             f"  util {r['util_pct_median']}%  bands {r['bands_on_metrics']}"
             f"  watcher {r['watcher_states']}  booked {r['booked_during_s']}"
         )
-        if r["stretch"] == "hang":
-            print(
-                f"{'':<11}detection: band deadlock after {r['detect_band_deadlock_s']} s, watcher hung after "
-                f"{r['detect_watcher_hung_s']} s (suspect rank {r['watcher_suspect_rank']})"
-            )
+        print(f"{'':<11}detection: {detection_line(r)}")
+
+
+def _after(s: float | None, rounds: float | None) -> str:
+    return "never" if s is None else f"after {s} s ({rounds} rounds)"
+
+
+def detection_line(r: dict) -> str:
+    """One stretch's time to detection, as the table prints it."""
+    line = (
+        f"band {r['expect_band']} {_after(r['detect_band_s'], r['detect_band_rounds'])}, "
+        f"watcher {r['expect_watcher']} {_after(r['detect_watcher_s'], r['detect_watcher_rounds'])}"
+    )
+    if r["stretch"] == "hang":
+        line += f" (suspect rank {r['watcher_suspect_rank']})"
+    if "allowance_on_s" in r:
+        line += f"; in_allowance 1 after {r['allowance_on_s']} s"
+    if "allowance_off_s" in r:
+        line += f"; in_allowance back to 0 {r['allowance_off_s']} s after the checkpoint ended"
+    return line
 
 
 # ---- the whole check ---------------------------------------------------------------------------
@@ -569,7 +630,7 @@ def job_check(args, workdir, redis_url, nv, h, uuid, torch, fake_state, seconds)
             stop.set()
             for t in threads:
                 t.join(5)
-    rows = summarize(tl, trace)
+    rows = summarize(tl, trace, args.book_interval)
     rows.append({"stretch": "final ledger", "booked_total_s": tl.booked.get("final", {})})
     return rows
 

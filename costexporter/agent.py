@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import bands as bands_mod
-from . import ledger, live, profiles, protocol
+from . import ledger, live, livestate, profiles, protocol
 from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, make_slices
 from .cost import Prices, price_override_note
+from .idle import IdleLearner
 from .live import JobState, book_window
 from .model import BANDS, Category, Event
 from .profiles import Profile
@@ -77,6 +78,10 @@ class AgentConfig:
     # Book no closer to the newest sample than this: events that arrive up to this late are
     # booked as if on time (a startup or phase allowance is decided at once otherwise).
     event_lag_s: float = 0.0
+    # Learn each GPU's idle power from its readings at 0% (idle.py) and derive a derived
+    # profile's low edges from it; None: for sources that read GPUs now (NVML, dcgm-exporter),
+    # not for a replayed trace (its bill must equal the offline replay's).
+    learn_idle: bool | None = None
 
 
 @dataclass
@@ -101,6 +106,7 @@ class _Job:
     figures: dict = field(default_factory=lambda: {"steps_completed": 0, "steps_voided": 0})
     latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
     at_risk_ms: int = 0
+    live: dict = field(default_factory=dict)  # this round's live figures (livestate.py)
     end_ms: int | None = None  # the run's end, once seen
     done: bool = False
     done_at: float | None = None  # monotonic time when the job was booked to its end
@@ -159,6 +165,12 @@ class Agent:
         self.registrations_rejected: collections.Counter[tuple[str, str]] = collections.Counter()
         self._rejected_seen: set[tuple[str, str, str]] = set()
         self._logged: set[tuple] = set()
+        learn = cfg.learn_idle if cfg.learn_idle is not None else bool(getattr(source, "wall_clock", False))
+        self.idle = IdleLearner() if learn else None
+        self._idle_seeded = False
+        self._idle_saved: dict[str, tuple[float, float]] = {}  # GPU key -> (level, monotonic time) stored
+        self._gpu_band: dict[int, int] = {}  # GPU index -> band of its newest reading alone
+        self.live_seq = 0  # rounds that published live state: the exporter's cache key
         self.lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -232,13 +244,18 @@ class Agent:
                 t = chunk[1][chunk[0] == g]
                 self._first_seen.setdefault(g, int(t.min()))
                 self._newest[g] = max(self._newest.get(g, 0), int(t.max()))
+                if self.idle is not None:
+                    sel = chunk[0] == g
+                    self.idle.add(self._gpu_key(g), chunk[2][sel], chunk[3][sel])
         local = self._local_arrays()
+        self._band_readings()
         try:
             self._check_epoch()
             if time.monotonic() - self._last_refresh > self.cfg.job_refresh_s or not self.jobs:
                 self._discover()
             if not self.redis_up:
                 self._redis_back_at = time.monotonic()
+            self._sync_idle()
             for job in list(self.jobs.values()):
                 if job.own:
                     self._book_isolated(job, local)
@@ -255,6 +272,8 @@ class Agent:
             log.exception("booking round failed; nothing of it was written")
             self.stats["round_errors"] += 1
             self._forget_watermarks()
+        with self.lock:
+            self.live_seq += 1  # the live state changed every round, booked or not
         self._trim(local)
 
     def _forget_watermarks(self) -> None:
@@ -310,6 +329,84 @@ class Agent:
             if ("error", job.name, type(e).__name__) not in self._logged:
                 self._logged.add(("error", job.name, type(e).__name__))
                 log.exception("job %r: booking failed; skipped this round, the other jobs book on", job.name)
+
+    # ---- live state every round (booked or not) ---------------------------------------------
+    def _gpu_key(self, g: int) -> str:
+        """A GPU's key for what is learned of it: its UUID, else host and index."""
+        gpus = self.source.gpus()
+        uuid_ = gpus[g].uuid if g < len(gpus) else None
+        return uuid_ or f"{self.host}:{g}"
+
+    def _gpu_profile(self, g: int) -> Profile:
+        """The band profile of one GPU of this node, with its learned idle level."""
+        gpus = self.source.gpus()
+        gid = gpus[g] if g < len(gpus) else None
+        if self.cfg.profile is not None:
+            return self.cfg.profile
+        prof = profiles.select(
+            self.cfg.gpu_model or (gid.name if gid else None),
+            self.cfg.power_limit_w or (gid.power_limit_w if gid else None),
+        )
+        return profiles.with_idle(prof, self._idle_level([g]))
+
+    def _idle_level(self, gpus: list[int]) -> float | None:
+        """The highest learned idle level of these GPUs (so each one's idle is under the edge)."""
+        if self.idle is None:
+            return None
+        ids = self.source.gpus()
+        levels = [
+            self.idle.level(self._gpu_key(g), ids[g].power_limit_w if g < len(ids) else None) for g in gpus
+        ]
+        levels = [lv for lv in levels if lv is not None]
+        return max(levels) if levels else None
+
+    def _band_readings(self) -> None:
+        """Each GPU's band from its newest reading alone: the band shown for a job's GPU whose
+        job has no classified sample yet, so /metrics always has one."""
+        out = {}
+        for g, r in self.sampler.latest().items():
+            try:
+                prof = self._gpu_profile(g)
+            except profiles.ProfileError:
+                continue
+            out[g] = int(bands_mod.reading_bands(np.asarray([r.power_w]), np.asarray([r.util_pct]), prof)[0])
+        with self.lock:
+            self._gpu_band = out
+
+    def _sync_idle(self) -> None:
+        """Learned idle levels in Redis by GPU UUID (`ledger.gpu_idle_key`): read once at start
+        (a restarted agent starts from them), written when they move or every 10 minutes."""
+        if self.idle is None:
+            return
+        gpus = self.source.gpus()
+        keys = {g.uuid: ledger.gpu_idle_key(self.cfg.prefix, g.uuid) for g in gpus if g.uuid}
+        if not keys:
+            return
+        if not self._idle_seeded:
+            for u, raw in zip(keys, self.redis.mget(list(keys.values())), strict=True):
+                try:
+                    d = json.loads(raw) if raw else None
+                    if d:
+                        self.idle.seed(u, float(d["idle_w"]), int(d["n"]))
+                except (ValueError, TypeError, KeyError):
+                    self.stats["bad_idle_entries"] += 1
+            self._idle_seeded = True
+        now = time.monotonic()
+        pipe, saved_now = None, {}
+        for i, g in enumerate(gpus):
+            if not g.uuid:
+                continue
+            lv = self.idle.level(g.uuid, g.power_limit_w)
+            saved = self._idle_saved.get(g.uuid)
+            if lv is None or (saved and abs(saved[0] - lv) < 0.5 and now - saved[1] < 600):
+                continue
+            pipe = pipe or self.redis.pipeline(transaction=False)
+            entry = {"idle_w": round(lv, 2), "n": self.idle.count(g.uuid), "host": self.host, "gpu": i}
+            pipe.set(keys[g.uuid], json.dumps({**entry, "updated": time.time()}), ex=30 * 86400)
+            saved_now[g.uuid] = (lv, now)
+        if pipe is not None:
+            pipe.execute()
+            self._idle_saved.update(saved_now)
 
     def _publish_node(self) -> None:
         """This node's GPUs and their newest readings, for `preflight`'s occupancy check."""
@@ -617,11 +714,15 @@ class Agent:
         behind = job.state.behind
         booked_from = np.asarray([behind.get(int(r), job.booked_until) for r in own_ranks], np.int64)
         meta = job.meta
-        profile = cfg.profile or profiles.select(
-            cfg.gpu_model
-            or meta.get("gpu_model")
-            or next((g.name for g in self.source.gpus() if g.name), None),
-            cfg.power_limit_w or next((g.power_limit_w for g in self.source.gpus() if g.power_limit_w), None),
+        profile = cfg.profile or profiles.with_idle(
+            profiles.select(
+                cfg.gpu_model
+                or meta.get("gpu_model")
+                or next((g.name for g in self.source.gpus() if g.name), None),
+                cfg.power_limit_w
+                or next((g.power_limit_w for g in self.source.gpus() if g.power_limit_w), None),
+            ),
+            self._idle_level(sorted(job.own.values())),
         )
         n_ranks = int(max(max(job.ranks), int(R.max()))) + 1
         hold, ignore, wait = self._remote_liveness(job)
@@ -651,19 +752,29 @@ class Agent:
             member_end_ms=member_end,
             booked_from_ms=booked_from,
         )
-        if res.latest_band:  # a round that decided nothing keeps the newest band shown
-            job.latest_band = {int(own_ranks[i]): b for i, b in res.latest_band.items()}
-        self._publish_live(job, own_rank, own_ts, own_p, own_u)
         tl = res.timeline
+        # The newest band of every own GPU, every round: a round that books nothing (a hang, a
+        # checkpoint, idle: the horizon held at the last step) classifies the window itself.
+        latest = (
+            {int(own_ranks[i]): b for i, b in res.latest_band.items()}
+            if res.latest_band
+            else livestate.newest_bands(cfg.booking, tl, profile, R, T, P, U, n_ranks, own_ranks)
+        )
+        with self.lock:
+            job.latest_band = latest or job.latest_band
+        self._publish_live(job, own_rank, own_ts, own_p, own_u, profile)
         if job.end_ms is None and tl.end_ms is not None:
             # Time booked before a late `run end` arrived stays the job's: its GPUs are free after.
             job.end_ms = max(tl.end_ms, job.booked_until)
         progress = self._progress(job, tl, now_ms)
         with self.lock:
             job.figures = {**job.figures, **progress}
-        if res.horizon_ms <= job.booked_until and not res.pieces.dur_ms.size:
-            return
         price = float(meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
+        last_ms = int(progress["last_progress_ts"] * 1000)
+        live_args = (tl, now_ms, own_ranks, member_start, R, T, P, last_ms, price)
+        if res.horizon_ms <= job.booked_until and not res.pieces.dur_ms.size:
+            self._live_figures(job, *live_args)
+            return
         note = price_override_note(
             job.name, meta.get("price_per_gpu_hour"), price, cfg.prices.price_per_gpu_hour
         )
@@ -711,7 +822,34 @@ class Agent:
             )
             if job.done and job.done_at is None:
                 job.done_at = time.monotonic()
+        self._live_figures(job, *live_args)
         self.stats["rounds"] += 1
+
+    def _live_figures(
+        self,
+        job: _Job,
+        tl,
+        now_ms: int,
+        own_ranks: np.ndarray,
+        member_start: np.ndarray,
+        R: np.ndarray,
+        T: np.ndarray,
+        P: np.ndarray,
+        last_progress_ms: int,
+        price: float,
+    ) -> None:
+        """Cost since the last progress point and GPU time at risk up to the newest sample, not
+        only to the booking horizon: the booked part plus the pending part, estimated."""
+        st = job.state
+        booked = st.since_cost if st.since_ref_ms == last_progress_ms else 0
+        upto = max(now_ms, st.booked_until)
+        if tl.end_ms is not None:  # the time after the run's end is not the job's
+            upto = min(upto, tl.end_ms)
+        start = np.maximum(np.maximum(member_start, st.booked_until), last_progress_ms)
+        pending = livestate.unbooked_cost(self.cfg.prices, price, start, upto, R, T, P, own_ranks)
+        at_risk = live.at_risk_ms(tl, upto, member_start) if tl.end_ms is None else job.at_risk_ms
+        with self.lock:
+            job.live = {"since_cost": booked + pending, "at_risk_ms": at_risk}
 
     # ---- time of no job ----------------------------------------------------------------------
     def _load_unassigned(self, ahead_only: bool = False) -> None:
@@ -840,9 +978,11 @@ class Agent:
         }
 
     def _publish_live(
-        self, job: _Job, rank: np.ndarray, ts: np.ndarray, p: np.ndarray, u: np.ndarray
+        self, job: _Job, rank: np.ndarray, ts: np.ndarray, p: np.ndarray, u: np.ndarray, profile: Profile
     ) -> None:
-        """Each GPU's newest band, power and utilization, for the watcher and the cross-rank view."""
+        """Each GPU's newest band, power and utilization, for the watcher and the cross-rank view.
+        The band is always a band: the job's classification of the newest sample, else that
+        sample's own (never None: the watcher decides a hang from it)."""
         if rank.size == 0:
             return
         last = {}
@@ -850,13 +990,22 @@ class Agent:
             if r not in last or t >= last[r][0]:
                 last[r] = (t, pw, ut)
         k = ledger.key(self.cfg.prefix, job.name, "live", self.host)
+        gpus = self.source.gpus()
+
+        def band(r: int, pw: float, ut: float) -> str:
+            if r in job.latest_band:
+                return BANDS[job.latest_band[r]]
+            return BANDS[int(bands_mod.reading_bands(np.asarray([pw]), np.asarray([ut]), profile)[0])]
+
         mapping = {
             str(r): json.dumps(
                 {
                     "ts": t / 1000,
                     "power_w": pw,
                     "util_pct": ut,
-                    "band": BANDS[job.latest_band[r]] if r in job.latest_band else None,
+                    "band": band(r, pw, ut),
+                    "gpu": job.own.get(r),
+                    "uuid": gpus[job.own[r]].uuid if job.own.get(r, len(gpus)) < len(gpus) else None,
                 }
             )
             for r, (t, pw, ut) in last.items()
@@ -879,6 +1028,8 @@ class Agent:
                 "redis_up": self.redis_up,
                 "gpus": self.source.gpus(),
                 "latest": self.sampler.latest(),
+                "gpu_bands": dict(self._gpu_band),
+                "live_seq": self.live_seq,
                 "errors": dict(self.source.errors),
                 "stats": dict(self.stats),
                 "dropped": self.sampler.dropped,
@@ -892,8 +1043,8 @@ class Agent:
                         "meta": dict(j.meta),
                         "latest_band": dict(j.latest_band),
                         "booked_until": j.booked_until,
-                        "at_risk_ms": j.at_risk_ms,
-                        "since_cost": j.state.since_cost,
+                        "at_risk_ms": j.live.get("at_risk_ms", j.at_risk_ms),
+                        "since_cost": j.live.get("since_cost", j.state.since_cost),
                         "done": j.done,
                         "rejected": {
                             k.split(":", 1)[1]: n

@@ -120,13 +120,8 @@ def classify(
 
     # Every sample is classified from its own reading; the job-level signatures of its moment
     # are laid over it (so a grid step can hold two bands, by duration).
-    s_high, s_mid, s_low, s_idle, s_busy, s_zero = _levels(power_w, util_pct, profile)
-    band = np.full(n, Band.UNKNOWN, np.int8)
-    band[s_high] = Band.COMPUTE
-    band[s_mid & s_busy] = Band.COMMUNICATION
-    band[s_mid & ~s_busy & ~np.isnan(util_pct)] = Band.STARVATION
+    band, s_mid = _reading_bands(power_w, util_pct, profile)
     band[s_mid & starv[col]] = Band.STARVATION
-    band[s_low & (s_zero | (s_idle & ~s_busy))] = Band.IDLE
     band[dead[col]] = Band.DEADLOCK
     band[ckpt[col]] = Band.CHECKPOINT
 
@@ -146,6 +141,25 @@ def classify(
         signature_moments=n_confirmed,
         signatures=signatures,
     )
+
+
+def reading_bands(power_w: np.ndarray, util_pct: np.ndarray, profile: Profile) -> np.ndarray:
+    """Each reading's band from itself alone (no job signature: those need a job's moments):
+    the band of a GPU no job holds, or one whose job has no moment classified yet."""
+    return _reading_bands(np.asarray(power_w, np.float64), np.asarray(util_pct, np.float64), profile)[0]
+
+
+def _reading_bands(
+    power_w: np.ndarray, util_pct: np.ndarray, profile: Profile
+) -> tuple[np.ndarray, np.ndarray]:
+    """(band per reading from its own power and utilization, the mid-power mask)."""
+    s_high, s_mid, s_low, s_idle, s_busy, s_zero = _levels(power_w, util_pct, profile)
+    band = np.full(power_w.size, Band.UNKNOWN, np.int8)
+    band[s_high] = Band.COMPUTE
+    band[s_mid & s_busy] = Band.COMMUNICATION
+    band[s_mid & ~s_busy & ~np.isnan(util_pct)] = Band.STARVATION
+    band[s_low & (s_zero | (s_idle & ~s_busy))] = Band.IDLE
+    return band, s_mid
 
 
 def _signature(

@@ -83,6 +83,9 @@ class AgentCollector(Collector):
         )
         for i, g in enumerate(s["gpus"]):
             job, rank, b = held.get(i, ("", "", None))
+            if b is None and job:  # its job has no classified sample yet: the reading's own band
+                # (a GPU no job holds shows none: the alert rules and dashboards are per job)
+                b = s.get("gpu_bands", {}).get(i)
             lv = [g.host, str(g.index), g.uuid or "", job, str(rank), *dcgm_label_values(g, pods.get(i))]
             r = s["latest"].get(i)
             if r is not None:
@@ -125,8 +128,10 @@ class AgentCollector(Collector):
         yield ferr
         yield from self._fault_families(s)
 
-        key = (s["stats"].get("rounds", 0), tuple(sorted(s["jobs"])))
-        if self._cache_key != key:  # job families change only when a round books
+        # The job families hold live figures (cost since the last step, time at risk, whether a
+        # phase's allowance holds) that change every round, booked or not: keyed on the round.
+        key = (s.get("live_seq", 0), s["stats"].get("rounds", 0), tuple(sorted(s["jobs"])))
+        if self._cache_key != key:
             self._cache = list(self._job_families(s))
             self._cache_key = key
         yield from self._cache
@@ -198,7 +203,7 @@ class AgentCollector(Collector):
         )
         risk = GaugeMetricFamily(
             "costexporter_gpu_time_at_risk_seconds",
-            "GPU time since the job's last saved checkpoint, on this agent's GPUs.",
+            "GPU time since the job's last saved checkpoint, on this agent's GPUs, to the newest sample.",
             labels=["training_job"],
         )
         booked_until = GaugeMetricFamily(
@@ -208,7 +213,8 @@ class AgentCollector(Collector):
         )
         since = GaugeMetricFamily(
             "costexporter_cost_since_last_step",
-            "Cost booked on this agent's GPUs since the job's last progress point (sum over agents).",
+            "Cost on this agent's GPUs since the job's last progress point, booked and not yet booked "
+            "(to the newest sample; sum over agents).",
             labels=["training_job", "currency"],
         )
         budget = GaugeMetricFamily(

@@ -58,6 +58,12 @@ def node_key(prefix: str, host: str) -> str:
     return f"{prefix}:node:{host}"
 
 
+def gpu_idle_key(prefix: str, gpu_uuid: str) -> str:
+    """A GPU's idle power as its agent learned it (JSON: idle_w, n, host, updated), by the GPU's
+    UUID so it follows the GPU, not the agent: a restarted agent starts from it (idle.py)."""
+    return f"{prefix}:gpu:{gpu_uuid}:idle"
+
+
 def price_version(prices: Prices, price_per_gpu_hour: float) -> str:
     """A short name of the price table, stored with every bucket it costed."""
     return (

@@ -4,14 +4,16 @@ The B300 profile is calibrated from the field table in REFERENCE R2. Other model
 derived from their power limit, flagged uncalibrated: R2 says the shapes carry over between GPUs
 but the absolute watts do not, so the derived thresholds are fractions of the limit chosen to
 hold where absolute numbers would not (a small model computing at 75-80% of the limit with
-85-97% utilization; checkpoint waiters spinning at 100% just above idle power).
+85-97% utilization; checkpoint waiters spinning at 100% just above idle power). The live agent
+moves a derived profile's idle and low edges to each GPU's learned idle power (`with_idle`,
+costexporter/idle.py): idle depends on a live CUDA context, not only on the limit (R9).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 
@@ -98,6 +100,32 @@ def derive(power_limit_w: float, name: str = "derived") -> Profile:
         busy_util_pct=80.0,
         zero_util_pct=10.0,
         power_limit_w=power_limit_w,
+    )
+
+
+# A learned idle level (costexporter/idle.py) moves a derived profile's low edges: idle up to
+# IDLE_MARGIN x idle, "only a little above idle" (deadlock, checkpoint waiters) below
+# LOW_RATIO x idle. R2's B300 through these (idle ~135 W): idle <= 155 W, low < 270 W, with its
+# deadlock at 190-195 W and starvation at ~575 W; R9's H200 (123.7 W with a context): idle
+# <= 142 W, low < 247 W, its checkpoint and spin at 124 W and compute at 660-729 W.
+IDLE_MARGIN = 1.15
+LOW_RATIO = 2.0
+
+
+def with_idle(profile: Profile, idle_w: float | None) -> Profile:
+    """`profile` with its idle and low edges derived from the GPUs' learned idle power. Only a
+    derived (uncalibrated) profile changes: a calibrated or fitted one is kept as it is. The
+    edges stay below the compute edge."""
+    if idle_w is None or profile.calibrated or not idle_w > 0:
+        return profile
+    ceiling = 0.9 * profile.compute_min_w
+    idle_max = min(IDLE_MARGIN * idle_w, ceiling)
+    low_max = min(max(LOW_RATIO * idle_w, idle_max), ceiling)
+    return replace(
+        profile,
+        idle_max_w=round(idle_max, 1),
+        low_max_w=round(low_max, 1),
+        provenance={**(profile.provenance or {}), "learned_idle_w": round(float(idle_w), 1)},
     )
 
 

@@ -8,9 +8,11 @@ state that applies:
 * `unknown`: it cannot observe (Redis unreachable, no events). A blind watcher never says healthy.
 * `done`: the run ended (`run end` on rank 0).
 * `crashed`: a rank's heartbeats are gone (no event for `heartbeat_timeout_s`) and no end.
-* `hung`: progress stopped by the ledger's own rule (no step for longer than the stall threshold
-  of the booking rules, with the same parameters, or a declared phase past its allowance), or the
-  deadlock signature on two consecutive samples of the live GPU state.
+* `hung`: an agent banded a rank's newest sample after the last step `deadlock` (the spin on any
+  number of GPUs or the cross-rank signature, confirmed by the agent on two samples): seen one
+  agent round after it shows; or progress stopped by the ledger's own rule (no step for longer
+  than the stall threshold of the booking rules, with the same parameters, or a declared phase
+  past its allowance), or the deadlock signature on two consecutive samples of the live GPU state.
 * `starving`: the live GPU state shows data starvation; the straggler is named.
 * `running`: none of the above.
 
@@ -123,6 +125,9 @@ class JobView:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
     meta: dict = field(default_factory=dict)
+    # The agents' live hashes as last read: rank -> its newest sample and the band the agent
+    # gave it (ts_ms, power_w, util_pct, band, host, gpu, uuid).
+    agent_live: dict[int, dict] = field(default_factory=dict)
 
     def fold(self, events: list[Event]) -> None:
         self.events += events
@@ -244,6 +249,9 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
             {**view.where(r), "why": "0% utilization in the deadlock signature"},
             **progress,
         )
+    hang = _agent_hang(view, tl, now, cfg)  # names the GPU, also past the stall threshold
+    if hang is not None:
+        return status("hung", hang[0], hang[1], **progress)
     if stalled or overrun:
         if overrun:
             name, rank, open_s, allow_s = overrun
@@ -263,6 +271,55 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
             **progress,
         )
     return status("running", "steps advancing", **progress)
+
+
+def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, dict] | None:
+    """A hang the agents already see: a rank whose newest sample, after the job's last step,
+    the agent banded `deadlock`. The agent confirms that band on two consecutive samples: the
+    spin on any number of GPUs (~100% utilization at idle-level power, no step) or the
+    cross-rank deadlock signature. So the watcher says `hung` the first poll after the agent's
+    round that saw it, not a stall threshold later. Inside a declared phase within its
+    allowance the phase decides, as booking does."""
+    now_ms = int(now * 1000)
+    last_ms = tl.steps[-1].ts_ms if tl.steps else tl.start_ms
+    stale_ms = int(cfg.heartbeat_timeout_s * 1000)
+    dead = {
+        r: e
+        for r, e in view.agent_live.items()
+        if e["band"] == "deadlock" and e["ts_ms"] > last_ms and now_ms - e["ts_ms"] <= stale_ms
+    }
+    if not dead:
+        return None
+    i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
+    if 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.OVERHEAD:
+        return None
+    zero_pct = _profile(view, cfg).zero_util_pct
+    zero = [r for r in sorted(dead) if dead[r]["util_pct"] <= zero_pct]
+    r = zero[0] if zero else min(dead)
+    e = dead[r]
+    where = view.where(r)
+    where = {
+        "rank": r,
+        "host": where["host"] if where["host"] is not None else e.get("host"),
+        "gpu": where["gpu"] if where["gpu"] is not None else e.get("gpu"),
+    }
+    if e.get("uuid"):
+        where["uuid"] = e["uuid"]
+    gpu = f"{where['host']} GPU {where['gpu']}"
+    quiet = human(now - last_ms / 1000)
+    if zero:
+        reason = (
+            f"deadlock signature: rank {r} ({gpu}) at {e['util_pct']:.0f}% utilization while "
+            f"ranks {sorted(dead)} sit at low power, no step for {quiet}"
+        )
+        why = "0% utilization in the deadlock signature"
+    else:
+        reason = (
+            f"spin signature: rank {r} ({gpu}) at {e['util_pct']:.0f}% utilization drawing "
+            f"{e['power_w']:.0f} W, idle-level power, no step for {quiet}"
+        )
+        why = "spinning at ~100% utilization at idle-level power with no step"
+    return reason, {**where, "why": why}
 
 
 def _phase_overrun(view: JobView, tl, now: float) -> tuple[str, int, float, float] | None:
@@ -638,16 +695,29 @@ class Watcher:
         pipe = self.redis.pipeline(transaction=False)
         for h in hosts:
             pipe.hgetall(ledger.key(self.cfg.prefix, view.name, "live", h))
-        snap = []
-        for raw in pipe.execute():
+        snap, agent_live = [], {}
+        for h, raw in zip(hosts, pipe.execute(), strict=True):
             for rank, v in raw.items():
                 try:
                     d = json.loads(v)
-                    snap.append(
-                        (int(rank), int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"]))
-                    )
-                except (ValueError, TypeError, KeyError):
+                    row = (int(rank), int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"]))
+                    band = d.get("band")
+                except (ValueError, TypeError, KeyError, AttributeError):
                     self.stats["bad_live"] += 1
+                    continue
+                snap.append(row)
+                if isinstance(band, str):
+                    gpu = d.get("gpu")
+                    agent_live[row[0]] = {
+                        "ts_ms": row[1],
+                        "power_w": row[2],
+                        "util_pct": row[3],
+                        "band": band,
+                        "host": h,
+                        "gpu": gpu if isinstance(gpu, int) else None,
+                        "uuid": d.get("uuid") if isinstance(d.get("uuid"), str) else None,
+                    }
+        view.agent_live = agent_live
         if snap and (not view.live or set(snap) != set(view.live[-1])):
             view.live.append(tuple(snap))
 

@@ -88,7 +88,7 @@ def test_cpu_seconds_reads_proc_stat():
 def test_the_whole_check_runs_on_the_fake_gpu_and_leaves_nothing_behind(tmp_path):
     out = tmp_path / "summary.json"
     args = ["--out", str(out), "--fake-nvml", "--calls", "20", "--cpu-seconds", "2", "--warmup", "0.5"]
-    args += ["--stretches", "compute=3,checkpoint=2,hang=3,idle=2,steps=2", "--book-interval", "1"]
+    args += ["--stretches", "compute=3,checkpoint=2,hang=6,idle=2,steps=2", "--book-interval", "1"]
     args += ["--poll", "0.5"]
     p = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env(), timeout=300
@@ -109,8 +109,19 @@ def test_the_whole_check_runs_on_the_fake_gpu_and_leaves_nothing_behind(tmp_path
     assert "compute" in rows["compute"]["bands_on_metrics"]  # scraped from the real agent
     assert "running" in rows["compute"]["watcher_states"]  # scraped from the real watcher
     assert {"detect_band_deadlock_s", "detect_watcher_hung_s", "watcher_suspect_rank"} <= set(rows["hang"])
+    # Time to detection of every stretch's band and watcher state, in seconds and agent rounds.
+    for name in gpu_check.STRETCHES:
+        assert {"detect_band_s", "detect_band_rounds", "detect_watcher_s", "detect_watcher_rounds"} <= set(
+            rows[name]
+        )
+    assert rows["compute"]["detect_band_s"] is not None and rows["compute"]["detect_watcher_s"] is not None
+    # The 6-s hang is seen (1-s samples here: two clear of the last step, two to confirm).
+    assert rows["hang"]["detect_band_s"] is not None and rows["hang"]["watcher_suspect_rank"] == 0
+    assert rows["hang"]["detect_watcher_s"] is not None
+    assert "allowance_on_s" in rows["checkpoint"] and "allowance_off_s" in rows["hang"]
     assert rows["final ledger"]["booked_total_s"].get("productive", 0) > 1  # read from the ledger
-    assert "(a) NVML call cost" in p.stdout and "(b) the agent's CPU" in p.stdout and "detection:" in p.stdout
+    assert "(a) NVML call cost" in p.stdout and "(b) the agent's CPU" in p.stdout
+    assert p.stdout.count("detection:") == 5
     # Everything it started is gone: redis-server, 2 agents for (b), the agent and the watcher.
     assert len(s["started_pids"]) == 5
     assert not [pid for pid in s["started_pids"] if Path(f"/proc/{pid}").exists()]

@@ -23,6 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
+from costexporter import ledger
 from costexporter.api.store import LedgerStore
 from costexporter.booking import BookingConfig
 from costexporter.client import StepReporter
@@ -143,6 +144,85 @@ def test_starving_names_the_straggler():
         live(v, t, {0: 97.0, 1: 95.0, 2: 58.0, 3: 96.0}, 575.0)
     st = decide(v, T0 + 111, CFG)
     assert st.state == "starving" and st.suspect["rank"] == 2
+
+
+def agent_band(v: JobView, ts: float, rank: int, band: str, util: float, power: float = 124.1) -> None:
+    """What an agent's live hash says of a rank (its newest sample and the band it gave it)."""
+    v.agent_live[rank] = {
+        "ts_ms": int((T0 + ts) * 1000),
+        "power_w": power,
+        "util_pct": util,
+        "band": band,
+        "host": f"h{rank // 2}",
+        "gpu": rank % 2,
+        "uuid": f"GPU-{rank}",
+    }
+
+
+def test_the_agents_spin_band_is_hung_at_once_naming_the_gpu_and_rank():
+    # R9 on one GPU: steps to 100 s, then rank 0 spins at 100% at 124 W. The agent bands it
+    # deadlock (two samples); the watcher says hung at its next poll, not 60 s later.
+    v = view([*registered(1), *steps(1, 20, ranks=(0,)), *beats(200, ranks=(0,))])
+    agent_band(v, 99, 0, "compute", 100.0, 692.0)
+    assert decide(v, T0 + 101, CFG).state == "running"
+    agent_band(v, 103, 0, "deadlock", 100.0)
+    st = decide(v, T0 + 103.5, CFG)
+    assert st.state == "hung" and "spin signature" in st.reason and "h0 GPU 0" in st.reason
+    assert st.suspect["rank"] == 0 and st.suspect["gpu"] == 0 and st.suspect["host"] == "h0"
+    assert st.suspect["uuid"] == "GPU-0" and "spinning" in st.suspect["why"]
+    # Past the stall threshold the agent's band still names the GPU (the events cannot: one rank).
+    agent_band(v, 170, 0, "deadlock", 100.0)
+    st = decide(v, T0 + 170.5, CFG)
+    assert st.state == "hung" and st.suspect["rank"] == 0 and "no step for 70s" in st.reason
+
+
+def test_an_agent_band_older_than_the_last_step_or_stale_is_not_a_hang():
+    cfg = dataclasses.replace(CFG, booking=BookingConfig(stall_floor_s=600.0))
+    v = view([*registered(1), *steps(1, 20, ranks=(0,)), *beats(400, ranks=(0,))])
+    agent_band(v, 99, 0, "deadlock", 100.0)  # before step 20 at 100 s: progress came after it
+    assert decide(v, T0 + 101, cfg).state == "running"
+    agent_band(v, 101, 0, "deadlock", 100.0)
+    assert decide(v, T0 + 102, cfg).state == "hung"
+    # An agent gone quiet: its hash outlived it; a band older than the heartbeat timeout is stale.
+    assert decide(v, T0 + 101 + cfg.heartbeat_timeout_s + 1, cfg).state == "running"
+
+
+def test_inside_a_declared_phase_within_its_allowance_the_agent_band_does_not_decide():
+    evs = [*registered(1), *steps(1, 20, ranks=(0,)), *beats(400, ranks=(0,))]
+    v = view([*evs, ev("phase", 101, 0, name="checkpoint", state="begin")])
+    agent_band(v, 103, 0, "deadlock", 100.0)
+    assert decide(v, T0 + 104, CFG).state == "running"
+
+
+def test_the_agents_deadlock_band_names_the_rank_at_zero():
+    v = view([*registered(), *steps(1, 20), *beats(200)])
+    for r in range(4):
+        agent_band(v, 104, r, "deadlock", 0.0 if r == 3 else 100.0, 192.0)
+    st = decide(v, T0 + 105, CFG)
+    assert st.state == "hung" and "deadlock signature" in st.reason
+    assert (st.suspect["rank"], st.suspect["host"], st.suspect["gpu"]) == (3, "h1", 1)
+
+
+def test_the_agents_live_hash_with_junk_is_read_entry_by_entry(shared, prefix):
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
+    v = view([*registered(), *steps(1, 20), *beats(200)])
+    good = {"ts": T0 + 101, "power_w": 124.1, "util_pct": 100.0, "band": "deadlock"}
+    good |= {"gpu": 0, "uuid": "GPU-0"}
+    entries = {
+        "0": good,
+        "1": {**good, "band": None, "gpu": None, "uuid": None},  # an older agent: no band
+        "2": "not json",
+        "3": [1, 2],
+        "4": {**good, "ts": "soon"},
+        "5": {**good, "gpu": "zero", "uuid": 7},  # a rank beyond the job, odd index and UUID types
+    }
+    raw = {r: e if isinstance(e, str) else json.dumps(e) for r, e in entries.items()}
+    shared.hset(ledger.key(prefix, "j", "live", "h0"), mapping=raw)
+    w._read_live(v)
+    assert sorted(v.agent_live) == [0, 5] and w.stats["bad_live"] == 3
+    assert v.agent_live[5]["gpu"] is None and v.agent_live[5]["uuid"] is None
+    st = decide(v, T0 + 102, CFG)
+    assert st.state == "hung" and st.suspect["rank"] == 0 and st.suspect["uuid"] == "GPU-0"
 
 
 def test_notification_is_an_alertmanager_payload():
