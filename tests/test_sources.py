@@ -220,20 +220,28 @@ def test_a_counter_that_fails_or_restarts_hands_samples_out_unknown_never_invent
     fake = FakeNvml([FakeGpu(uuid(0)), FakeGpu(uuid(1))]).install(monkeypatch)
     src = NvmlSource(host="n")
     sampler = Sampler(src, 0.02).start()
-    time.sleep(0.15)
-    assert all(math.isfinite(r.energy_mj) for r in sampler.drain())
+
+    def drain_after_reads(n: int = 3, timeout: float = 10.0) -> list:
+        # Waits for the sampler's own reads instead of a fixed sleep: a loaded machine samples
+        # late, and a drain with no sample since the last counter read has nothing to mark.
+        start, deadline = sampler.reads, time.monotonic() + timeout
+        while sampler.reads < start + n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return sampler.drain()
+
+    sampler.drain()
+    assert all(math.isfinite(r.energy_mj) for r in drain_after_reads())
     fake.set(1, energy_mj=0.0)  # the driver reloaded: the counter starts again from 0
-    time.sleep(0.15)
-    assert {r.gpu for r in sampler.drain() if math.isnan(r.energy_mj)} == {1}
-    time.sleep(0.15)
-    assert all(math.isfinite(r.energy_mj) for r in sampler.drain())  # counting again from there
+    around = drain_after_reads()
+    assert {r.gpu for r in around if math.isnan(r.energy_mj)} == {1}
+    again = drain_after_reads()
+    assert again and all(math.isfinite(r.energy_mj) for r in again)  # counting again from there
 
     def broken(h):
         raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
 
     monkeypatch.setattr(pynvml, "nvmlDeviceGetTotalEnergyConsumption", broken)
-    time.sleep(0.15)
-    got = sampler.drain()
+    got = drain_after_reads()
     sampler.stop()
     assert got and all(math.isnan(r.energy_mj) for r in got)  # booked from power, counted
     assert src.errors[(0, "energy_error")] == 1 and src.errors[(1, "energy_error")] == 1
