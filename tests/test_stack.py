@@ -426,7 +426,7 @@ def test_readme_demo_command_in_a_fresh_virtualenv(tmp_path):
             str(venv / "bin" / "costexporter"),
             "demo",
             "--speed",
-            "2000",
+            "4000",
             "--port",
             "0",
             "--api-port",
@@ -541,7 +541,7 @@ def test_three_demo_runs_print_the_same_json_bill_and_leave_nothing_behind(tmp_p
     bills = []
     for _ in range(3):
         r = subprocess.run(
-            _demo_cmd("--scenario", "mini", "--speed", "300", "--json"),
+            _demo_cmd("--scenario", "mini", "--speed", "600", "--json"),
             capture_output=True,
             text=True,
             timeout=180,
