@@ -704,12 +704,12 @@ def test_every_command_documents_its_environment_variables_and_takes_config_afte
         for sub in ([[s] for s in cmd.commands] if hasattr(cmd, "commands") else [[]])
     ]
     assert ("watch",) in commands and len(commands) >= 9
-    for args in commands:
-        text = " ".join(cli(*args, "--help").stdout.split())
+    helps = {args: " ".join(cli(*args, "--help").stdout.split()) for args in commands}
+    for args, text in helps.items():
         assert "env var: COSTEXPORTER_" in text, args
         assert "--config" in text, args
     for name in ("serve", "watch", "demo", "api", "preflight"):
-        text = " ".join(cli(name, "--help").stdout.split())
+        text = helps[(name,)]
         for opt in ("--redis-url", "--prefix"):
             assert re.search(rf"{opt} TEXT \w", text), (name, opt)  # help text, not only a default
         assert "COSTEXPORTER_REDIS_URL" in text and "COSTEXPORTER_PREFIX" in text
