@@ -97,8 +97,8 @@ def for_speed(w: RuleWindows, speed: float, interval_s: float = SPEED_INTERVAL_S
 
     JobCrashed gets no `for` at all: the watcher already held the silence past its heartbeat
     timeout, in the story's time, and a crash of the demo's crash loop (three minutes down, one
-    of them the timeout) lasts about half a second of wall time at 160x: a scaled minute behind
-    the watcher's poll, a scrape and an evaluation would never fire."""
+    of them the timeout) reads `crashed` for about half a second of wall time at 160x: a scaled
+    minute behind the watcher's poll, a scrape and an evaluation would rarely fire."""
     if speed <= 0:
         raise ValueError("speed must be > 0")
     if interval_s <= 0:
