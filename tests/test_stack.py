@@ -279,8 +279,11 @@ def story_run(tmp_path_factory):
         deadline = time.monotonic() + 3 * (b.t - b.t0) / speed
         while not d.finished:
             assert time.monotonic() < deadline, "the story did not finish"
-            for name, alerts in _firing(base).items():
-                seen.setdefault(name, []).extend(alerts)
+            try:
+                for name, alerts in _firing(base).items():
+                    seen.setdefault(name, []).extend(alerts)
+            except OSError:
+                pass  # a slow answer: the ALERTS series has every evaluation anyway
             time.sleep(interval)
         time.sleep(4 * interval)  # the last state scraped and evaluated
         history = [(st, reason, t - d.src.shift_s - b.t0) for _, st, reason, t in d.watcher.history]
@@ -288,6 +291,7 @@ def story_run(tmp_path_factory):
     finally:
         if server is not None:
             server.shutdown()
+            server.server_close()
         if d is not None:
             d.stop()
         prom.terminate()
