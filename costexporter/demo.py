@@ -50,6 +50,12 @@ BAND_STYLE = {
 
 STORIES = {"r1": "the R1 deadlock + R7 stories", "mini": "every kind of time in 40 minutes"}
 ZERO_UTIL_PCT = 10.0  # the "~0%" of the power-band table
+# How far behind the story's clock the watcher judges, in wall time: the simulated reporters
+# flush every 50 ms, so an event is at most a flush and a round trip late. (The agent books
+# behind the sim's longer event lag: a bill must be exact, a judgement must only not read an
+# event on its way as silence.) Every wall second of lag shortens each crash the watcher can
+# see by as much: at 160x, 0.5 s would be 80 s of a crash-loop crash's three minutes.
+WATCH_LAG_WALL_S = 0.2
 
 
 class DemoError(RuntimeError):
@@ -181,9 +187,9 @@ class Demo:
 
     def judge_time(self) -> float:
         """The watcher's clock: the story's, less what the simulated trainers' events may still
-        lag (like the agent's booking horizon), so a restart's events that are on their way do
-        not read as silence."""
-        return self.src.sim_time() - self.src.event_lag_s
+        lag (WATCH_LAG_WALL_S), so a restart's events that are on their way do not read as
+        silence."""
+        return self.src.sim_time() - min(self.src.event_lag_s, WATCH_LAG_WALL_S * self.cfg.speed)
 
     def start(self, timeout_s: float = 10.0) -> Demo:
         """Start booking once every simulated rank has registered, so the agent's first

@@ -59,10 +59,12 @@ class RuleWindows:
 
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-# The shortest windows that still work at a 1-s scrape and evaluation interval: a rate needs a
-# few samples in its window, a `for` at least one evaluation.
-MIN_WINDOW_S = 10.0
-MIN_FOR_S = 1.0
+# A Prometheus that watches a sped-up story (the demo's compose stack, its tests) scrapes and
+# evaluates this often: at 160x a scrape every 15 s of the story is 0.1 s of wall time, and the
+# story's shortest alerting stretch, a crash of the crash loop, lasts about a second.
+SPEED_INTERVAL_S = 0.25
+# A window holds at least this many scrapes: a rate needs a few samples in its window.
+MIN_WINDOW_SCRAPES = 10
 
 
 def seconds(duration: str) -> float:
@@ -86,19 +88,35 @@ def _net(total: str, voided: str) -> str:
     return f"{total}\n- ({voided} or {total} * 0)"
 
 
-def for_speed(w: RuleWindows, speed: float) -> RuleWindows:
-    """`w` for a story played `speed` times faster than real time (the demo at --speed): every
-    window and `for` divided by the speed, so a stretch that lasts 20 minutes of the story
-    (7.5 s of wall time at 160x) still fires the alert it would fire in real time. Floors keep
-    the rules evaluable at a 1-s scrape: windows >= 10 s, `for` >= 1 s."""
+def for_speed(w: RuleWindows, speed: float, interval_s: float = SPEED_INTERVAL_S) -> RuleWindows:
+    """`w` for a story played `speed` times faster than real time (the demo at --speed), watched
+    by a Prometheus that scrapes and evaluates every `interval_s`: every window and `for`
+    divided by the speed, so a stretch that lasts 20 minutes of the story (7.5 s of wall time
+    at 160x) still fires the alert it would fire in real time. Floors keep the rules evaluable:
+    windows hold >= MIN_WINDOW_SCRAPES scrapes, groups evaluate every `interval_s` at most.
+
+    JobCrashed gets no `for` at all: the watcher already held the silence past its heartbeat
+    timeout, in the story's time, and a crash of the demo's crash loop (three minutes down, one
+    of them the timeout) reads `crashed` for about half a second of wall time at 160x: a scaled
+    minute behind the watcher's poll, a scrape and an evaluation would rarely fire."""
     if speed <= 0:
         raise ValueError("speed must be > 0")
+    if interval_s <= 0:
+        raise ValueError("interval_s must be > 0")
     kw = {}
     for f in fields(RuleWindows):
         value = getattr(w, f.name)
         if not isinstance(value, str):
             continue  # thresholds and shares do not scale
-        floor = MIN_FOR_S if f.name.endswith("_for") or f.name == "group_interval" else MIN_WINDOW_S
+        if f.name == "crashed_for" and speed > 1:
+            kw[f.name] = "0s"
+            continue
+        if f.name == "group_interval":
+            floor = interval_s
+        elif f.name.endswith("_for"):
+            floor = 0.001
+        else:
+            floor = MIN_WINDOW_SCRAPES * interval_s
         kw[f.name] = duration(max(seconds(value) / speed, min(floor, seconds(value))))
     return replace(w, **kw)
 

@@ -47,3 +47,34 @@ def test_plain_kubernetes_manifests_validate():
     assert core
     for d in core:
         kv.validate(d, "1.33.0", strict=True)
+
+
+def compose_demo_speed() -> float:
+    """The --speed of the compose stack's demo service."""
+    cmd = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["demo"]["command"]
+    return float(cmd[cmd.index("--speed") + 1])
+
+
+def test_the_compose_prometheus_loads_the_rules_rendered_for_the_demos_speed():
+    """The stack's rule file is what `costexporter rules --speed <the demo's --speed>` renders
+    (regenerate it with that command), and Prometheus scrapes and evaluates as often as those
+    rules assume."""
+    from costexporter.rules import SPEED_INTERVAL_S, RuleWindows, for_speed, render, seconds
+
+    from .conftest import run_cli
+
+    prom = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+    assert prom["rule_files"] == ["costexporter-rules.demo.yaml"]
+    speed = compose_demo_speed()
+    shipped = (DOCKER / "prometheus" / "costexporter-rules.demo.yaml").read_text()
+    cmd = f"costexporter rules --speed {speed:g} -o docker/prometheus/costexporter-rules.demo.yaml"
+    assert shipped == render(for_speed(RuleWindows(), speed)), f"regenerate: {cmd}"
+    assert run_cli("rules", "--speed", f"{speed:g}").stdout == shipped
+    assert cmd in (DOCKER / "prometheus" / "prometheus.yml").read_text()  # says how
+    for key in ("scrape_interval", "evaluation_interval"):
+        assert seconds(prom["global"][key]) == SPEED_INTERVAL_S, key
+    # Not the short test windows the stack loaded before: CommunicationBound's 15 minutes of the
+    # story, 5.6 s at 160x, not 20 s (longer than the story's 20-minute stretch at that speed).
+    rules = {r["alert"]: r for g in yaml.safe_load(shipped)["groups"] for r in g["rules"] if "alert" in r}
+    assert seconds(rules["CommunicationBound"]["for"]) == pytest.approx(15 * 60 / speed, abs=0.001)
+    assert seconds(rules["CommunicationBound"]["for"]) < 20 * 60 / speed

@@ -473,14 +473,19 @@ def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
 
 # ---- windows scaled to the demo's --speed (issue 17 item 4) ----------------------------------------
 def test_for_speed_divides_every_window_with_floors():
-    from costexporter.rules import duration, for_speed, seconds
+    from costexporter.rules import SPEED_INTERVAL_S, duration, for_speed, seconds
 
     w = for_speed(RuleWindows(), 160)
     assert seconds(w.comm_for) == pytest.approx(15 * 60 / 160, abs=0.001)
     assert seconds(w.starvation_for) == pytest.approx(600 / 160, abs=0.001)
-    assert seconds(w.slope_window) == 10.0  # 3.75 s, floored: a rate needs samples in its window
-    assert seconds(w.hung_for) == 1.0 and seconds(w.group_interval) == 1.0
+    assert seconds(w.slope_window) == 3.75 and seconds(w.hung_for) == 0.375
+    assert seconds(w.group_interval) == SPEED_INTERVAL_S == 0.25  # 15 s / 160, floored
+    assert w.crashed_for == "0s"  # a crash of the crash loop is shorter than any scaled minute
     assert w.comm_share == RuleWindows().comm_share and w.waste_ratio == RuleWindows().waste_ratio
+    # Floors: a window holds ten scrapes, a group evaluates at most every scrape.
+    slow = for_speed(RuleWindows(), 160, interval_s=1.0)
+    assert seconds(slow.slope_window) == 10.0 and seconds(slow.group_interval) == 1.0
+    assert seconds(for_speed(RuleWindows(), 10_000).slope_window) == 2.5
     assert for_speed(RuleWindows(), 1) == RuleWindows(
         **{k: duration(seconds(v)) if isinstance(v, str) else v for k, v in RuleWindows().__dict__.items()}
     )
@@ -489,6 +494,32 @@ def test_for_speed_divides_every_window_with_floors():
             seconds(bad)
     with pytest.raises(ValueError):
         for_speed(RuleWindows(), 0)
+    with pytest.raises(ValueError):
+        for_speed(RuleWindows(), 160, interval_s=0)
+
+
+@needs_promtool
+def test_at_160x_a_crash_seen_by_one_evaluation_fires_job_crashed(tmp_path):
+    """At 160x a crash of the demo's crash loop reads `crashed` for about half a second of wall
+    time: the rules for that speed fire JobCrashed on the first 250-ms evaluation that sees it;
+    the shipped ones (`for` 1m) never do, nor do they on the same half-second of `hung`."""
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(render(for_speed_160()))
+    crash = _states({"running": "1x8 0x2 1x30", "crashed": "0x8 1x2 0x30"})
+    crashed = {
+        "exp_labels": {"severity": "critical", "training_job": "j"},
+        "exp_annotations": {
+            "summary": "j crashed",
+            "description": "The watcher reports crashed: heartbeats gone and no run end; suspect rank 3.",
+        },
+    }
+    case = _case(crash, [("2250ms", "JobCrashed", [crashed]), ("3s", "JobCrashed", [])], "250ms")
+    _run(tmp_path, scaled, [case], "250ms")
+    case["alert_rule_test"][0]["exp_alerts"] = []
+    _run(tmp_path, SHIPPED, [case], "250ms")
+    # JobHung keeps its scaled `for` (375 ms): one evaluation of `hung` does not page.
+    blip = _states({"running": "1x8 0 1x31", "hung": "0x8 1 0x31"})
+    _run(tmp_path, scaled, [_case(blip, [("2250ms", "JobHung", []), ("2500ms", "JobHung", [])], "250ms")])
 
 
 @needs_promtool
