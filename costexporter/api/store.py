@@ -175,6 +175,59 @@ return out
 """
 
 
+# A window of one job from its rollup (ledger.ROLLUP_ADD) and its step sets, in one call.
+# KEYS: rollup, 5-minute index, steps, voids; ARGV: start, end (5-minute aligned).
+# Reply: {amounts_ok, price version or '', steps_ok, the 6 STEPS_WINDOW values, the net amounts
+# (CATEGORIES x UNITS)}; amounts_ok 0: the rollup is absent or unusable, sum the buckets.
+ROLLUP_WINDOW = ledger._LUA_PARSE + r"""
+local cum, idx, width = KEYS[1], KEYS[2], %(width)d
+local function amounts()
+  local h = redis.call('HMGET', cum, 'v', 'pv')
+  if h[1] ~= '1' or h[2] == '\n' then return nil end
+  local a = redis.call('ZREVRANGEBYSCORE', idx, '(' .. ARGV[2], '-inf', 'LIMIT', 0, 1)[1]
+  local b = redis.call('ZREVRANGEBYSCORE', idx, '(' .. ARGV[1], '-inf', 'LIMIT', 0, 1)[1]
+  local va, vb = {}, {}
+  if a then
+    local r = redis.call('HGET', cum, a)
+    va = r and parse(r)
+  end
+  if b then
+    local r = redis.call('HGET', cum, b)
+    vb = r and parse(r)
+  end
+  if not va or not vb then return nil end
+  local out = {(a ~= b and h[2]) or ''}
+  for i = 1, width do out[i + 1] = (va[i] or 0) - (vb[i] or 0) end
+  return out
+end
+local function steps()
+  local out = {}
+  for i = 3, 4 do
+    local n = redis.call('ZCOUNT', KEYS[i], ARGV[1], '(' .. ARGV[2])
+    local a = redis.call('ZREVRANGEBYSCORE', KEYS[i], '(' .. ARGV[2], '-inf', 'LIMIT', 0, 1)
+    local b = redis.call('ZREVRANGEBYSCORE', KEYS[i], '(' .. ARGV[1], '-inf', 'LIMIT', 0, 1)
+    out[#out + 1] = n
+    out[#out + 1] = a[1] or ''
+    out[#out + 1] = b[1] or ''
+  end
+  return out
+end
+local ok_a, am = pcall(amounts)
+local ok_s, st = pcall(steps)
+local out = {0, '', 0, 0, '', '', 0, '', ''}
+if ok_s then
+  out[3] = 1
+  for i = 1, 6 do out[3 + i] = st[i] end
+end
+if ok_a and am then
+  out[1] = 1
+  out[2] = am[1]
+  for i = 1, width do out[9 + i] = am[i + 1] end
+end
+return out
+""" % {"width": len(ledger.PACKED)}
+
+
 def _run(pipe) -> list:
     """Execute a pipeline; a command that failed on the stored data (a key of the wrong type, a
     script error) gives None instead of failing every other result. Outages still raise."""
@@ -189,11 +242,16 @@ def _json(raw: object) -> object:
 
 
 class LedgerStore:
-    def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX) -> None:
+    """The API's reads. `use_rollups` False: window amounts always summed from the buckets (the
+    exact path the rollups are tested against)."""
+
+    def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True) -> None:
         self.r = client
         self.prefix = prefix
+        self.use_rollups = use_rollups
         self._sum = client.register_script(SUM_BUCKETS)
         self._steps = client.register_script(STEPS_WINDOW)
+        self._rollup = client.register_script(ROLLUP_WINDOW)
 
     def k(self, job: str, *parts: str) -> str:
         return ledger.key(self.prefix, job, *parts)
@@ -262,22 +320,52 @@ class LedgerStore:
     def amounts_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
     ) -> dict[str, Amounts]:
-        """Window totals of many jobs: the fewest buckets (whole days, hours, then 5 minutes),
-        summed inside Redis by a script, one call per job, one pipeline."""
-        pipe = self.r.pipeline(transaction=False)
-        self._queue_amounts(pipe, jobs, start, end)
-        return _amounts(jobs, _run(pipe), warn)
+        """Window totals of many jobs (see `window_many`)."""
+        return self.window_many(jobs, start, end, warn)[0]
 
     def window_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
     ) -> tuple[dict[str, Amounts], dict[str, Steps]]:
-        """`amounts_many` of a window, and the steps completed and voided in it with the tokens of
-        the valid ones, in one round trip."""
+        """Window totals of many jobs, and the steps completed and voided in the window with the
+        tokens of the valid ones.
+
+        From each job's rollup (two records, whatever the window's length): one script call per
+        job, one pipeline. Jobs without a usable rollup (not built yet, two price versions, sums
+        past 2^53) are summed from the fewest buckets (weeks, days, hours, then 5 minutes) in a
+        second pipeline: the exact path, which the rollup equals."""
+        if not self.use_rollups:
+            pipe = self.r.pipeline(transaction=False)
+            self._queue_amounts(pipe, jobs, start, end)
+            self._queue_steps(pipe, jobs, start, end)
+            raw = _run(pipe)
+            return _amounts(jobs, raw[: len(jobs)], warn), _steps(jobs, raw[len(jobs) :], warn)
         pipe = self.r.pipeline(transaction=False)
-        self._queue_amounts(pipe, jobs, start, end)
-        self._queue_steps(pipe, jobs, start, end)
-        raw = _run(pipe)
-        return _amounts(jobs, raw[: len(jobs)], warn), _steps(jobs, raw[len(jobs) :], warn)
+        for j in jobs:
+            self._rollup(
+                keys=[
+                    self.k(j, "ledger", "cum"),
+                    self.k(j, "ledger", "index", "5m"),
+                    self.k(j, "ledger", "steps"),
+                    self.k(j, "ledger", "voids"),
+                ],
+                args=[start, end],
+                client=pipe,
+            )
+        amounts: dict[str, Amounts] = {}
+        step_replies, exact = [], []
+        for j, got in zip(jobs, _run(pipe), strict=True):
+            if got is None:  # the script itself failed: read both parts the exact way
+                got = [0, "", 0]
+            step_replies.append(got[3:9] if got[2] == 1 else None)
+            if got[0] == 1:
+                amounts[j] = _packed(got[9:], got[1])
+            else:
+                exact.append(j)
+        if exact:
+            pipe = self.r.pipeline(transaction=False)
+            self._queue_amounts(pipe, exact, start, end)
+            amounts.update(_amounts(exact, _run(pipe), warn))
+        return {j: amounts[j] for j in jobs}, _steps(jobs, step_replies, warn)
 
     def _queue_amounts(self, pipe, jobs: list[str], start: int, end: int) -> None:
         parts = decompose(start, end)
@@ -377,8 +465,23 @@ class LedgerStore:
         """Index incidents written before the index existed (once, at startup)."""
         return ledger.index_incidents(self.r, self.prefix)
 
+    def build_rollups(self) -> int:
+        """Build the rollups of ledgers written before they existed (once, at startup)."""
+        return ledger.build_rollups(self.r, self.prefix)
+
     def unassigned(self, start: int, end: int, warn: Warnings | None = None) -> Amounts:
         return self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
+
+
+def _packed(values: list, version: str) -> Amounts:
+    """Amounts from a rollup reply: net values in the order `ledger.PACKED`."""
+    a = Amounts()
+    a.ms = dict(zip(CATEGORIES, values[0::3], strict=True))
+    a.mj = dict(zip(CATEGORIES, values[1::3], strict=True))
+    a.ucost = dict(zip(CATEGORIES, values[2::3], strict=True))
+    if version:
+        a.price_versions.add(version)
+    return a
 
 
 def _amounts(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, Amounts]:
