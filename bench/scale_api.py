@@ -98,8 +98,20 @@ def serve_api(url: str, prefix: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", "api", "--redis-url", url, "--prefix", prefix]
-        + ["--port", str(port), "--listen", "127.0.0.1"],
+        [
+            sys.executable,
+            "-m",
+            "costexporter.cli",
+            "api",
+            "--redis-url",
+            url,
+            "--prefix",
+            prefix,
+            "--port",
+            str(port),
+            "--listen",
+            "127.0.0.1",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=ROOT,

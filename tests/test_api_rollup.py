@@ -102,11 +102,11 @@ def test_rollup_windows_equal_the_bucket_sums(shared, writes, windows, seed, reb
         for agent, buckets, voided, version in writes:
             by_bucket = {BASE + 300 * b + int(rng.integers(0, 300)): amounts(rng) for b in buckets}
             write(shared, prefix, "job", agent, by_bucket, version, voided)
-        state = shared.hget(ledger.rollup_key(prefix, "job"), "v")
+        state = shared.hget(ledger.rollup_state_key(prefix, "job"), "v")
         assert state == "1"
         assert_windows_equal(shared, prefix, "job", windows)
         if rebuild:
-            shared.delete(ledger.rollup_key(prefix, "job"))
+            ledger.drop_rollup(shared, prefix, "job")
             assert ledger.build_rollup(shared, prefix, "job")
             assert_windows_equal(shared, prefix, "job", windows)
     finally:
@@ -133,7 +133,13 @@ def test_a_twin_agent_that_loses_the_watermark_writes_no_rollup(shared, prefix):
     write(shared, prefix, "job", "a", {BASE: amounts(rng)}, "v1")
     stale = shared.get(ledger.key(prefix, "job", "wm", "a"))
     write(shared, prefix, "job", "a", {BASE + 300: amounts(rng)}, "v1")
-    before = shared.hgetall(ledger.rollup_key(prefix, "job"))
+
+    def rollup():
+        return shared.hgetall(ledger.rollup_state_key(prefix, "job")), shared.zrange(
+            ledger.rollup_key(prefix, "job"), 0, -1, withscores=True
+        )
+
+    before = rollup()
     with pytest.raises(ledger.Conflict):
         ledger.commit(
             shared,
@@ -144,7 +150,7 @@ def test_a_twin_agent_that_loses_the_watermark_writes_no_rollup(shared, prefix):
             {"n": 2},
             lambda pipe: ledger.queue_amounts(pipe, prefix, "job", {BASE + 600: amounts(rng)}, "v1"),
         )
-    assert shared.hgetall(ledger.rollup_key(prefix, "job")) == before
+    assert rollup() == before
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 86400)])
 
 
@@ -153,26 +159,37 @@ def test_a_ledger_older_than_its_rollup_is_read_exactly_until_rebuilt(shared, pr
     the buckets; the rebuild makes it, and later writes keep it up to date."""
     rng = np.random.default_rng(3)
     write(shared, prefix, "job", "a", {BASE + 300 * i: amounts(rng) for i in range(5)}, "v1")
-    shared.delete(ledger.rollup_key(prefix, "job"))  # as written before rollups existed
+    ledger.drop_rollup(shared, prefix, "job")  # as written before rollups existed
     shared.zadd(f"{prefix}:jobs", {"job": BASE})
     write(shared, prefix, "job", "a", {BASE + 3000: amounts(rng)}, "v1")
-    assert not shared.exists(ledger.rollup_key(prefix, "job"))
+    assert not shared.exists(ledger.rollup_key(prefix, "job"), ledger.rollup_state_key(prefix, "job"))
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600), (BASE + 600, BASE + 1200)])
     assert ledger.build_rollups(shared, prefix) == 2  # the job and `_unassigned`
-    assert shared.hget(ledger.rollup_key(prefix, "job"), "v") == "1"
+    assert shared.hget(ledger.rollup_state_key(prefix, "job"), "v") == "1"
     assert ledger.build_rollups(shared, prefix) == 0  # once
     write(shared, prefix, "job", "a", {BASE + 900: amounts(rng)}, "v1", voided=True)
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600), (BASE + 600, BASE + 1200)])
 
 
+LAST = BASE + 1000  # after the four buckets: the record a window to BASE + 3600 ends on
+STATE, RECORDS = ledger.rollup_state_key, ledger.rollup_key
+
+
 @pytest.mark.parametrize(
     ("case", "spoil"),
     [
-        ("record text", lambda r, k: r.hset(k, str(BASE), "[1,2,x]")),
-        ("record not a list", lambda r, k: r.hset(k, str(BASE), '{"a": 1}')),
-        ("rollup wrong type", lambda r, k: (r.delete(k), r.set(k, "x"))),
-        ("sum past 2^53", lambda r, k: r.hset(k, "v", "big")),
-        ("two price versions", lambda r, k: r.hset(k, "pv", "\n")),
+        ("record text", lambda r, p: r.zadd(RECORDS(p, "bad"), {"[1,2,x]": LAST})),
+        ("record not a list", lambda r, p: r.zadd(RECORDS(p, "bad"), {'{"a": 1}': LAST})),
+        ("record too short", lambda r, p: r.zadd(RECORDS(p, "bad"), {f"[{LAST},1,2]": LAST})),
+        ("record a float", lambda r, p: r.zadd(RECORDS(p, "bad"), {f"[{LAST}" + ",1.5" * 30 + "]": LAST})),
+        (
+            "record past int64",
+            lambda r, p: r.zadd(RECORDS(p, "bad"), {f"[{LAST}{',1' * 29},{'9' * 20}]": LAST}),
+        ),
+        ("records wrong type", lambda r, p: (r.delete(RECORDS(p, "bad")), r.set(RECORDS(p, "bad"), "x"))),
+        ("state wrong type", lambda r, p: (r.delete(STATE(p, "bad")), r.set(STATE(p, "bad"), "x"))),
+        ("sum past 2^53", lambda r, p: r.hset(STATE(p, "bad"), "v", "big")),
+        ("two price versions", lambda r, p: r.hset(STATE(p, "bad"), "pv", "\n")),
     ],
 )
 def test_an_unusable_rollup_is_never_believed(shared, prefix, case, spoil):
@@ -180,7 +197,7 @@ def test_an_unusable_rollup_is_never_believed(shared, prefix, case, spoil):
     rng = np.random.default_rng(4)
     for job in ("bad", "good"):
         write(shared, prefix, job, "a", {BASE + 300 * i: amounts(rng) for i in range(4)}, "v1")
-    spoil(shared, ledger.rollup_key(prefix, "bad"))
+    spoil(shared, prefix)
     fast, exact = LedgerStore(shared, prefix), LedgerStore(shared, prefix, use_rollups=False)
     got = fast.window_many(["bad", "good"], BASE, BASE + 3600)
     want = exact.window_many(["bad", "good"], BASE, BASE + 3600)
@@ -196,18 +213,30 @@ def test_the_api_builds_missing_rollups_at_start(shared, prefix):
     rng = np.random.default_rng(5)
     write(shared, prefix, "legacy", "a", {BASE + 300 * i: amounts(rng) for i in range(3)}, "v1")
     shared.zadd(f"{prefix}:jobs", {"legacy": BASE})
-    shared.delete(ledger.rollup_key(prefix, "legacy"))
+    ledger.drop_rollup(shared, prefix, "legacy")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", "api", "--redis-url", SHARED_URL, "--prefix", prefix]
-        + ["--port", str(port), "--listen", "127.0.0.1"],
+        [
+            sys.executable,
+            "-m",
+            "costexporter.cli",
+            "api",
+            "--redis-url",
+            SHARED_URL,
+            "--prefix",
+            prefix,
+            "--port",
+            str(port),
+            "--listen",
+            "127.0.0.1",
+        ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30
-        while shared.hget(ledger.rollup_key(prefix, "legacy"), "v") != "1":
+        while shared.hget(ledger.rollup_state_key(prefix, "legacy"), "v") != "1":
             assert time.monotonic() < deadline and proc.poll() is None, "the rollup was not built"
             time.sleep(0.1)
     finally:
@@ -221,10 +250,10 @@ def test_bad_amounts_in_an_old_ledger_leave_its_rollup_unusable(shared, prefix):
     buckets (which skip it and warn), never a rollup that silently differs."""
     rng = np.random.default_rng(6)
     write(shared, prefix, "job", "a", {BASE + 300 * i: amounts(rng) for i in range(3)}, "v1")
-    shared.delete(ledger.rollup_key(prefix, "job"))
+    ledger.drop_rollup(shared, prefix, "job")
     shared.hset(ledger.key(prefix, "job", "ledger", "5m", str(BASE)), "productive:ms", "abc")
     assert ledger.build_rollup(shared, prefix, "job")
-    assert shared.hget(ledger.rollup_key(prefix, "job"), "v") == "bad"
+    assert shared.hget(ledger.rollup_state_key(prefix, "job"), "v") == "bad"
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600)])
 
 

@@ -239,7 +239,7 @@ BAD_STORED = [
     (
         "bucket text",
         lambda r, p, j: (
-            r.delete(ledger.rollup_key(p, j)),
+            ledger.drop_rollup(r, p, j),
             r.hset(ledger.key(p, j, "ledger", "1h", str(T0 // 3600 * 3600)), "productive:ms", "abc"),
         ),
         "amounts",
@@ -252,7 +252,7 @@ BAD_STORED = [
     (
         "bucket wrong type",
         lambda r, p, j: (
-            r.delete(ledger.rollup_key(p, j)),
+            ledger.drop_rollup(r, p, j),
             r.delete(k := ledger.key(p, j, "ledger", "1d", str(T0 // 86400 * 86400))),
             r.set(k, "x"),
         ),
