@@ -90,6 +90,25 @@ def seed(r: redis.Redis, prefix: str, n_jobs: int, first: int = 0) -> None:
     pipe.execute()
 
 
+def job_day_bytes(r: redis.Redis, prefix: str, jobs: int = 20) -> tuple[float, float]:
+    """Redis bytes of one job-day (288 five-minute buckets of six categories, written a round at
+    a time as the agent does), and the rollup's share of them."""
+    rng = np.random.default_rng(1)
+    before = r.info("memory")["used_memory"]
+    for j in range(jobs):
+        pipe = r.pipeline(transaction=False)
+        for b in range(288):
+            a = np.zeros((len(Category), 3), np.int64)
+            a[:6] = rng.integers(1, 10**6, (6, 3))
+            ledger.queue_amounts(pipe, prefix, f"day-{j}", {START + 300 * b: a}, "bench")
+        pipe.execute()
+    after = r.info("memory")["used_memory"]
+    for j in range(jobs):
+        ledger.drop_rollup(r, prefix, f"day-{j}")
+    without = r.info("memory")["used_memory"]
+    return (after - before) / jobs, (after - without) / jobs
+
+
 def serve_api(url: str, prefix: str) -> tuple[subprocess.Popen, str]:
     """`costexporter api` as a user runs it, on a free port; returns (process, base URL)."""
     import socket
@@ -153,6 +172,7 @@ def measure(n_jobs: int) -> dict:
             port = r.connection_pool.connection_kwargs["port"]
             api, base = serve_api(f"redis://127.0.0.1:{port}/0", prefix)
             out = {"jobs": n_jobs, "seed_s": seed_s, "bytes_per_job": per_job}
+            out["job_day"], out["job_day_rollup"] = job_day_bytes(r, "day")
             try:
                 with httpx.Client(base_url=base, timeout=120) as c:
                     out["alloc_job"], resp = timed(c, "/api/v1/allocation", window=WINDOW)
@@ -179,6 +199,10 @@ def report(results: list[dict]) -> None:
         n = m["jobs"]
         tgt = f"target <= {TARGET_ALLOCATION_MS} ms" if n >= 10_000 else ""
         print(f"  {n:>6} jobs (seeded in {m['seed_s']:.0f} s), Redis {m['bytes_per_job']:,.0f} bytes/job")
+        print(
+            f"    Redis bytes per job-day of 5-minute buckets: {m['job_day']:,.0f}"
+            f" (the rollup {m['job_day_rollup']:,.0f})"
+        )
         print(f"    /allocation 30 d, per job         {m['alloc_job']:7.0f} ms  {tgt}")
         print(f"    /allocation 30 d not hour-aligned {m['alloc_job_odd']:7.0f} ms  {tgt}")
         print(f"    /allocation 30 d, per team        {m['alloc_team']:7.0f} ms  {tgt}")

@@ -266,3 +266,97 @@ def test_rollups_survive_a_redis_that_lost_its_scripts(shared, prefix):
     r2.script_flush()
     write(shared, prefix, "job", "a", {BASE + 300: amounts(rng)}, "v1")
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600)])
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.sampled_from([None, "llm", "vision"]),
+            st.sampled_from([None, "cc-1", "cc-2"]),
+            st.sampled_from([None, "ns-a", "ns-b"]),
+            st.lists(st.integers(0, N_BUCKETS - 1), min_size=0, max_size=3, unique=True),
+            st.integers(0, 40),  # steps
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    fields=st.sampled_from([["job"], ["team"], ["cost_center"], ["team", "label:ns"], ["namespace"]]),
+    window=windows.map(lambda w: w[0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_allocation_rows_equal_the_per_job_sums(shared, jobs, fields, window, seed):
+    """The column sums of `aggregate.table_rows` over the rollups equal the per-job rows of
+    `aggregate.rows` (Decimal money, Python sums) over the buckets, for any aggregate."""
+    from costexporter.api import aggregate as agg
+    from costexporter.api.store import Warnings
+
+    prefix = f"test-rollup-{uuid.uuid4().hex[:10]}"
+    rng = np.random.default_rng(seed)
+    try:
+        names = []
+        for n, (team, cc, ns, buckets, steps) in enumerate(jobs):
+            name = f"job-{n}"
+            names.append(name)
+            meta = {k: v for k, v in (("team", team), ("cost_center", cc), ("ns", ns)) if v}
+            if meta:
+                shared.hset(f"{prefix}:{{{name}}}:meta", mapping=meta)
+            if buckets:
+                write(shared, prefix, name, "a", {BASE + 300 * b: amounts(rng) for b in buckets}, "v1")
+            if steps:
+                shared.zadd(
+                    ledger.key(prefix, name, "ledger", "steps"),
+                    {f"{i}:{i * 10}": BASE + int(rng.integers(0, N_BUCKETS * 300)) for i in range(steps)},
+                )
+        s, e = window
+        metas, (table,) = LedgerStore(shared, prefix).tables(names, [(s, e)], Warnings(), meta=True)
+        got = agg.table_rows(table, metas, list(range(len(names))), fields, s, e)
+        by_job, steps_ = LedgerStore(shared, prefix, use_rollups=False).window_many(names, s, e)
+        parts = [agg.JobPart(j, metas[j], by_job[j], steps_[j]) for j in names]
+        assert got == [r.model_dump() for r in agg.rows(parts, fields, s, e)]
+    finally:
+        keys = list(shared.scan_iter(f"{prefix}:*"))
+        if keys:
+            shared.delete(*keys)
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(writes=writes, window=windows.map(lambda w: w[0]), step=st.sampled_from(["5m", "1h", "1d"]))
+def test_series_from_the_rollup_equal_the_buckets(shared, writes, window, step):
+    """A series' points are rollup differences; they equal the buckets of the step, point by point
+    (two price versions: the buckets are read, the same points)."""
+    from costexporter.api.routers.jobs import series_body
+    from costexporter.api.windows import Window
+
+    prefix = f"test-rollup-{uuid.uuid4().hex[:10]}"
+    rng = np.random.default_rng(len(writes))
+    try:
+        for agent, buckets, voided, version in writes:
+            by_bucket = {BASE + 300 * b: amounts(rng) for b in buckets}
+            write(shared, prefix, "job", agent, by_bucket, version, voided)
+        w = Window(window[0], window[1], "w")
+        fast = series_body("job", w, step, LedgerStore(shared, prefix), "USD").body
+        exact = series_body("job", w, step, LedgerStore(shared, prefix, use_rollups=False), "USD").body
+        assert json.loads(fast) == json.loads(exact)
+        from costexporter.api.format import by_category, micro
+        from costexporter.api.store import JOB_CATS, WASTED
+
+        old = [  # the points as they were built from `Amounts` before the matrix
+            {
+                "gpu_hours": round(a.hours(JOB_CATS), 6),
+                "cost": micro(sum(a.ucost[c] for c in JOB_CATS)),
+                "wasted_gpu_hours": round(a.hours(WASTED), 6),
+                "by_category": by_category(a),
+            }
+            for _, a in LedgerStore(shared, prefix).series("job", w.start, w.end, step)
+        ]
+        assert [{k: p[k] for k in old[0]} for p in json.loads(fast)["points"]] == old
+        starts, m = LedgerStore(shared, prefix).series_matrix("job", w.start, w.end, step)
+        for b, row in zip(starts, m, strict=True):
+            h = shared.hgetall(ledger.key(prefix, "job", "ledger", step, str(b)))
+            want = [int(h.get(f, 0)) - int(h.get("voided:" + f, 0)) for f in ledger.PACKED]
+            assert row.tolist() == want
+    finally:
+        keys = list(shared.scan_iter(f"{prefix}:*"))
+        if keys:
+            shared.delete(*keys)

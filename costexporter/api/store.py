@@ -239,6 +239,32 @@ for j = 0, #KEYS / per - 1 do
 end
 return out
 """
+# Each job's team (KEYS: meta hashes): false where there is none or meta is not a hash.
+TEAMS = r"""
+local out = {}
+for i, k in ipairs(KEYS) do
+  local t = redis.pcall('HGET', k, 'team')
+  if type(t) == 'table' then t = false end
+  out[i] = t
+end
+return out
+"""
+# A job's series from its rollup (KEYS: rollup state, records; ARGV: first bound, step, count):
+# {state '1' usable, then the record of the last bucket before each of the count + 1 bounds ('' if
+# none)}; {0} if the rollup is absent or unusable.
+SERIES = r"""
+local h = redis.pcall('HMGET', KEYS[1], 'v', 'pv')
+if type(h) ~= 'table' or h.err or h[1] ~= '1' then return {0} end
+local out = {'1'}
+local t, step = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 0, tonumber(ARGV[3]) do
+  local bound = string.format('(%.0f', t + i * step)
+  local r = redis.pcall('ZREVRANGEBYSCORE', KEYS[2], bound, '-inf', 'LIMIT', 0, 1)
+  if r.err then return {0} end
+  out[#out + 1] = r[1] or ''
+end
+return out
+"""
 BATCH = 200  # jobs per script call: one call stays ~2 ms of Redis time
 WIDTH = len(ledger.PACKED) + 1  # a record: the bucket start, then the amounts
 ZEROS = "[" + ",".join(["-1"] + ["0"] * (WIDTH - 1)) + "]"  # before the first bucket
@@ -315,6 +341,8 @@ class LedgerStore:
         self._sum = client.register_script(SUM_BUCKETS)
         self._steps = client.register_script(STEPS_WINDOW)
         self._windows = client.register_script(ROLLUP_WINDOWS)
+        self._teams = client.register_script(TEAMS)
+        self._series = client.register_script(SERIES)
         self.batch = 1 if isinstance(client, redis.cluster.RedisCluster) else BATCH
 
     def k(self, job: str, *parts: str) -> str:
@@ -347,6 +375,18 @@ class LedgerStore:
         pipe.hget(protocol.meta_key(self.prefix, job), "team")
         score, team = _run(pipe)
         return score is not None, team
+
+    def teams_many(self, jobs: list[str]) -> dict[str, str | None]:
+        """Each job's team, for filtering before anything else is read: BATCH jobs a script call,
+        one pipeline."""
+        pipe = self.r.pipeline(transaction=False)
+        for i in range(0, len(jobs), self.batch):
+            keys = [protocol.meta_key(self.prefix, j) for j in jobs[i : i + self.batch]]
+            self._teams(keys=keys, client=pipe)
+        teams: list = []
+        for i, got in zip(range(0, len(jobs), self.batch), _run(pipe) if jobs else [], strict=True):
+            teams += got if got is not None else [None] * len(jobs[i : i + self.batch])
+        return dict(zip(jobs, teams, strict=True))
 
     def meta_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict]:
         """Each job's meta (team, cost center, ...) in one round trip."""
@@ -523,9 +563,30 @@ class LedgerStore:
             out[j] = a
         return out
 
+    def series_matrix(
+        self, job: str, start: int, end: int, res: str, warn: Warnings | None = None
+    ) -> tuple[list[int], np.ndarray]:
+        """The series' bucket starts and their net amounts as a matrix (a row per point, columns
+        `ledger.PACKED`): each point the difference of two rollup records (one script call);
+        from the buckets of `res` where the job has no usable rollup."""
+        secs = ledger.RESOLUTIONS[res]
+        first = start // secs * secs
+        starts = list(range(first, end, secs))
+        if self.use_rollups and starts:
+            got = self._series(
+                keys=[ledger.rollup_state_key(self.prefix, job), ledger.rollup_key(self.prefix, job)],
+                args=[first, secs, len(starts)],
+            )
+            m = _records([r or ZEROS for r in got[1:]]) if got and got[0] == "1" else None
+            if m is not None:
+                return starts, m[1:, 1:] - m[:-1, 1:]
+        rows = [_vector(a) for _, a in self.series(job, start, end, res, warn)]
+        return starts, np.array(rows, np.int64).reshape(len(starts), WIDTH - 1)
+
     def series(
         self, job: str, start: int, end: int, res: str, warn: Warnings | None = None
     ) -> list[tuple[int, Amounts]]:
+        """The series from the buckets of `res` (the exact path)."""
         secs = ledger.RESOLUTIONS[res]
         first = start // secs * secs
         starts = list(range(first, end, secs))
