@@ -251,17 +251,20 @@ return out
 """
 # A job's series from its rollup (KEYS: rollup state, records; ARGV: first bound, step, count):
 # {state '1' usable, then the record of the last bucket before each of the count + 1 bounds ('' if
-# none)}; {0} if the rollup is absent or unusable.
+# none; '=' if the same as the bound before: a sparse series sends each record once)}; {0} if the
+# rollup is absent or unusable.
 SERIES = r"""
 local h = redis.pcall('HMGET', KEYS[1], 'v', 'pv')
 if type(h) ~= 'table' or h.err or h[1] ~= '1' then return {0} end
-local out = {'1'}
+local out, prev = {'1'}, nil
 local t, step = tonumber(ARGV[1]), tonumber(ARGV[2])
 for i = 0, tonumber(ARGV[3]) do
   local bound = string.format('(%.0f', t + i * step)
   local r = redis.pcall('ZREVRANGEBYSCORE', KEYS[2], bound, '-inf', 'LIMIT', 0, 1)
   if r.err then return {0} end
-  out[#out + 1] = r[1] or ''
+  local rec = r[1] or ''
+  if i > 0 and rec == prev then out[#out + 1] = '=' else out[#out + 1] = rec end
+  prev = rec
 end
 return out
 """
@@ -577,9 +580,16 @@ class LedgerStore:
                 keys=[ledger.rollup_state_key(self.prefix, job), ledger.rollup_key(self.prefix, job)],
                 args=[first, secs, len(starts)],
             )
-            m = _records([r or ZEROS for r in got[1:]]) if got and got[0] == "1" else None
-            if m is not None:
-                return starts, m[1:, 1:] - m[:-1, 1:]
+            if got and got[0] == "1":
+                unique, at = [], []
+                for r in got[1:]:
+                    if r != "=":
+                        unique.append(r or ZEROS)
+                    at.append(len(unique) - 1)
+                m = _records(unique)
+                if m is not None:
+                    m = m[at]
+                    return starts, m[1:, 1:] - m[:-1, 1:]
         rows = [_vector(a) for _, a in self.series(job, start, end, res, warn)]
         return starts, np.array(rows, np.int64).reshape(len(starts), WIDTH - 1)
 

@@ -114,6 +114,12 @@ def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -
     wasted = (m[:, 0::3][:, WASTED_IDX].sum(axis=1) / 3.6e6).tolist()
     cost = u.sum(axis=1).tolist()
     cat_h, cat_e, cat_u = (ms / 3.6e6).tolist(), (mj / 3.6e9).tolist(), u.tolist()
+    empty = (~m.any(axis=1)).tolist()
+    zero = {  # the by_category of a point without amounts: one object, encoded as often as used
+        "gpu_hours": dict.fromkeys(JOB_CATS, 0.0),
+        "energy_kwh": dict.fromkeys(JOB_CATS, 0.0),
+        "cost": dict.fromkeys(JOB_CATS, micro(0)),
+    }
     points = [
         {
             "start": iso(b),
@@ -121,7 +127,9 @@ def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -
             "gpu_hours": round(hours[k], 6),
             "cost": micro(cost[k]),
             "wasted_gpu_hours": round(wasted[k], 6),
-            "by_category": {
+            "by_category": zero
+            if empty[k]
+            else {
                 "gpu_hours": {c: round(x, 6) for c, x in zip(JOB_CATS, cat_h[k], strict=True)},
                 "energy_kwh": {c: round(x, 6) for c, x in zip(JOB_CATS, cat_e[k], strict=True)},
                 "cost": {c: micro(x) for c, x in zip(JOB_CATS, cat_u[k], strict=True)},
