@@ -192,15 +192,22 @@ def table_rows(
     cost_u = g[:, JOB_U].sum(axis=1).tolist()
     wasted_u = g[:, WASTED_U].sum(axis=1).tolist()
     s, e = iso(start), iso(end)
+    steps = table.steps
     out = []
     for n, (k, m) in enumerate(zip(keys, members, strict=True)):
         props = groups[k][0]
-        valid = sum(table.steps[jobs[i]].valid for i in m)
-        if len(m) == 1:
-            meta = metas[jobs[m[0]]]
-            team, cc = value("team", jobs[m[0]], meta), value("cost_center", jobs[m[0]], meta)
-            versions = sorted(table.versions[m[0]])
+        if len(m) == 1:  # the usual row of aggregate=job: no sets, no generators
+            j = jobs[m[0]]
+            meta = metas[j]
+            valid = steps[j].valid
+            team, cc = meta.get("team"), meta.get("cost_center")  # as `value` reads them
+            team = team if isinstance(team, str) and team else None
+            cc = cc if isinstance(cc, str) and cc else None
+            versions = list(table.versions[m[0]])
+            if len(versions) > 1:
+                versions.sort()
         else:
+            valid = sum(steps[jobs[i]].valid for i in m)
             teams = {value("team", jobs[i], metas[jobs[i]]) for i in m}
             ccs = {value("cost_center", jobs[i], metas[jobs[i]]) for i in m}
             team = teams.pop() if len(teams) == 1 else None

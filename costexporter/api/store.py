@@ -466,15 +466,12 @@ class LedgerStore:
             metas = self.meta_many(jobs, warn) if meta and jobs else {}
             return metas, [self._exact_table(jobs, start, end, warn) for start, end in spans]
         args = [len(spans), int(meta), int(tokens), *(t for span in spans for t in span)]
+        # the keys of ledger.key and protocol.meta_key, per job in this order
+        suffixes = ["ledger:cumstate", "ledger:cum", "ledger:steps", "ledger:voids"] + ["meta"] * meta
+        p = self.prefix
         pipe = self.r.pipeline(transaction=False)
         for i in range(0, n, self.batch):
-            keys = []
-            for j in jobs[i : i + self.batch]:
-                base = f"{self.prefix}:{{{j}}}:"  # the keys of ledger.key and protocol.meta_key
-                keys += [base + "ledger:cumstate", base + "ledger:cum"]
-                keys += [base + "ledger:steps", base + "ledger:voids"]
-                if meta:
-                    keys.append(base + "meta")
+            keys = [f"{p}:{{{j}}}:{x}" for j in jobs[i : i + self.batch] for x in suffixes]
             self._windows(keys=keys, args=args, client=pipe)
         replies: list = []
         per_w = 8 if tokens else 4
