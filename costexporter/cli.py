@@ -640,7 +640,8 @@ def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, *
 
 
 def _index_incidents_in_background(store) -> None:
-    """Incidents written before the per-job index existed: indexed once, off the request path."""
+    """Incidents written before the per-job index existed, and ledgers written before the rollups:
+    indexed and rolled up once, off the request path (until then those jobs are read exactly)."""
     import logging
     import threading
 
@@ -655,6 +656,13 @@ def _index_incidents_in_background(store) -> None:
         if n:
             log = logging.getLogger("costexporter.api")
             log.warning("indexed %d incident hashes written before the index", n)
+        try:
+            n = store.build_rollups()
+        except redis.RedisError as e:
+            logging.getLogger("costexporter.api").warning("ledger rollups not built: %s", e)
+            return
+        if n:
+            logging.getLogger("costexporter.api").warning("built the rollups of %d older ledgers", n)
 
     threading.Thread(target=run, name="costexporter-incident-index", daemon=True).start()
 

@@ -10,6 +10,9 @@ Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
     <p>:{job}:ledger:rbidx:<agent>         hash  step record -> cumulative valid amounts (rollback)
     <p>:{job}:ledger:incidents:<agent>     hash  incident id -> JSON
     <p>:{job}:ledger:incidents             set   agents that wrote incidents of the job (the index)
+    <p>:{job}:ledger:cum                   zset  the job's rollup: per 5-minute bucket the net
+                                                  amounts up to and including it (see below)
+    <p>:{job}:ledger:cumstate              hash  whether the rollup is usable, its price version
     <p>:{job}:wm:<agent>                   string the agent's watermark (JSON)
     <p>:epoch                              string this Redis's life: set once, gone after an
                                                   empty restart (the agents notice)
@@ -19,6 +22,19 @@ Fields of an amounts hash: `<category>:ms` (GPU-milliseconds), `<category>:mj` (
 `voided:<category>:ms|mj|ucost` (valid amounts later voided by a resume; the same amounts are
 added to `rolled_back`). Counters only go up; a reader subtracts the `voided:` fields.
 `price_version` names the price table the bucket was costed with.
+
+The rollup lets the API answer any 5-minute-aligned window of a job with two reads (the record
+of the last bucket before the window's end minus that before its start) instead of summing every
+bucket of the window. `ledger:cum` is a sorted set, score a 5-minute bucket start, member the
+record `[start, amounts...]`: a JSON array of the start and the net amounts (valid minus
+`voided:`) of every 5-minute bucket up to and including it, in the order CATEGORIES x UNITS.
+`ledger:cumstate` holds `v`: "1" usable; "big" a sum reached 2^53 (Lua's exact integer limit);
+"bad" the rollup met something that is not a record or an amount: readers then sum buckets (the
+exact path); and `pv`: the one price version every write used (a newline once two differed:
+readers sum buckets, which name each bucket's version). Both are written by a script queued in
+the same MULTI as the amounts, so they can never disagree with them: a write that loses the
+watermark's compare-and-set writes neither. A ledger written before the rollup existed has none
+until `build_rollup` makes it (the API does, at start); until then writes leave it alone.
 """
 
 from __future__ import annotations
@@ -110,10 +126,212 @@ def _fields(a: np.ndarray, prefix: str = "") -> dict[str, int]:
     }
 
 
+PACKED = [f"{c}:{u}" for c in CATEGORIES for u in UNITS]  # the rollup's packing order
+EXACT_LIMIT = 2**53  # Lua numbers are doubles: integers below this are exact
+
+_LUA_PARSE = r"""
+-- A record: a JSON array of `n` integers, the bucket start then the amounts (cjson decodes in C:
+-- a third of the time of a Lua loop). nil if it is not one.
+local function parse(s, n)
+  local ok, t = pcall(cjson.decode, s)
+  if not ok or type(t) ~= 'table' or #t ~= n then return nil end
+  for i = 1, n do
+    local v = t[i]
+    if type(v) ~= 'number' or v ~= v or v == math.huge or v == -math.huge or v ~= math.floor(v) then
+      return nil
+    end
+  end
+  return t
+end
+-- Written by hand: cjson.encode keeps only 14 significant digits.
+local function pack(b, t, width)
+  local out = {b}
+  for i = 1, width do out[i + 1] = string.format('%.0f', t[i] or 0) end
+  return '[' .. table.concat(out, ',') .. ']'
+end
+"""
+
+# KEYS: the rollup's state, its records, the 5-minute index. ARGV: the price version, then
+# (5-minute bucket start, JSON array of net amounts) pairs in ascending order. Runs inside the
+# booking's MULTI before its HINCRBYs and ZADDs, so an empty index means a new ledger (the
+# rollup starts with it). Every record at or after a bucket gains its amounts: usually none but
+# the newest; a bucket without a record gets one (the previous record plus its amounts).
+ROLLUP_ADD = (
+    _LUA_PARSE
+    + r"""
+local st, cum, idx, width = KEYS[1], KEYS[2], KEYS[3], @WIDTH@
+local function run()
+  local state = redis.call('HGET', st, 'v')
+  if not state then
+    if redis.call('EXISTS', idx) == 1 then return 0 end  -- older ledger: build_rollup makes it
+    redis.call('HSET', st, 'v', '1')
+  elseif state ~= '1' then
+    return 0
+  end
+  local pv = redis.call('HGET', st, 'pv')
+  if not pv then redis.call('HSET', st, 'pv', ARGV[1])
+  elseif pv ~= ARGV[1] then redis.call('HSET', st, 'pv', '\n') end
+  local big = false
+  local function put(b, base, d, old)
+    local out = {}
+    for i = 1, width do
+      local v = (base[i + 1] or 0) + (d[i] or 0)
+      if v >= @LIMIT@ or v <= -@LIMIT@ then big = true end
+      out[i] = v
+    end
+    if old then redis.call('ZREM', cum, old) end
+    redis.call('ZADD', cum, b, pack(b, out, width))
+  end
+  for i = 2, #ARGV, 2 do
+    local b, d = ARGV[i], parse(ARGV[i + 1], width)
+    local later = redis.call('ZRANGEBYSCORE', cum, b, '+inf')
+    local first = later[1] and parse(later[1], width + 1)
+    if not first or string.format('%.0f', first[1]) ~= b then
+      local p = redis.call('ZREVRANGEBYSCORE', cum, '(' .. b, '-inf', 'LIMIT', 0, 1)[1]
+      local base = p and parse(p, width + 1)
+      if p and not base then redis.call('HSET', st, 'v', 'bad'); return 0 end
+      put(b, base or {}, d, nil)
+    end
+    for _, m in ipairs(later) do
+      local rec = parse(m, width + 1)
+      if not rec then redis.call('HSET', st, 'v', 'bad'); return 0 end
+      put(string.format('%.0f', rec[1]), rec, d, m)
+    end
+  end
+  if big then redis.call('HSET', st, 'v', 'big') end
+  return 1
+end
+-- Never fail the booking's MULTI (its other writes would stand without the rollup's share): on
+-- any error (a key of the wrong type) the rollup is marked unusable, or is unreadable anyway.
+local ok, res = pcall(run)
+if ok then return res end
+pcall(redis.call, 'HSET', st, 'v', 'bad')
+return 0
+""".replace("@WIDTH@", str(len(PACKED))).replace("@LIMIT@", str(EXACT_LIMIT))
+)
+
+# KEYS: the rollup's state, its records, the 5-minute index. ARGV: the 5-minute bucket key's
+# prefix. Builds the rollup of a ledger written before it existed, from its 5-minute buckets,
+# atomically (a booking of the job runs before or after it, never during). Does nothing if
+# there is one.
+ROLLUP_BUILD = (
+    _LUA_PARSE
+    + r"""
+local st, cum, idx, width = KEYS[1], KEYS[2], KEYS[3], @WIDTH@
+if redis.call('HEXISTS', st, 'v') == 1 then return 0 end
+redis.call('DEL', cum)
+local names = {@NAMES@}
+local field = {}
+for i, n in ipairs(names) do field[n] = {i, 1}; field['voided:' .. n] = {i, -1} end
+local acc, state, pv = {}, '1', false
+for i = 1, width do acc[i] = 0 end
+local n = 0
+for _, b in ipairs(redis.call('ZRANGE', idx, 0, -1)) do
+  local k = ARGV[1] .. b
+  local t = redis.call('TYPE', k)['ok']
+  local version = ''
+  if t == 'hash' then
+    local h = redis.call('HGETALL', k)
+    for j = 1, #h, 2 do
+      local f, v = h[j], h[j + 1]
+      if f == 'price_version' then version = v
+      elseif field[f] then
+        local x = tonumber(v)
+        if x == nil or x ~= x or x == math.huge or x == -math.huge then state = 'bad'
+        else
+          local pos, sign = field[f][1], field[f][2]
+          acc[pos] = acc[pos] + sign * x
+          if acc[pos] >= @LIMIT@ or acc[pos] <= -@LIMIT@ then state = 'big' end
+        end
+      end
+    end
+  elseif t ~= 'none' then state = 'bad' end
+  if pv == false then pv = version elseif pv ~= version then pv = '\n' end
+  if tonumber(b) == nil then state = 'bad'
+  else redis.call('ZADD', cum, b, pack(b, acc, width)) end
+  n = n + 1
+end
+if pv then redis.call('HSET', st, 'pv', pv) end
+redis.call('HSET', st, 'v', state)
+return n + 1
+""".replace("@WIDTH@", str(len(PACKED)))
+    .replace("@LIMIT@", str(EXACT_LIMIT))
+    .replace("@NAMES@", ", ".join(f"'{f}'" for f in PACKED))
+)
+
+
+def rollup_key(prefix: str, job: str) -> str:
+    """The job's rollup records (zset: 5-minute bucket start -> `[start, net amounts...]`)."""
+    return key(prefix, job, "ledger", "cum")
+
+
+def rollup_state_key(prefix: str, job: str) -> str:
+    """The rollup's state (hash: `v`, `pv`)."""
+    return key(prefix, job, "ledger", "cumstate")
+
+
+def drop_rollup(client, prefix: str, job: str) -> None:
+    """Remove a job's rollup (the API's next start rebuilds it from the buckets; until then the
+    job is read by summing buckets): after editing a ledger by hand."""
+    client.delete(rollup_state_key(prefix, job), rollup_key(prefix, job))
+
+
+def _rollup_keys(prefix: str, job: str) -> list[str]:
+    return [rollup_state_key(prefix, job), rollup_key(prefix, job), key(prefix, job, "ledger", "index", "5m")]
+
+
+def queue_rollup(
+    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, sign: int = 1
+) -> None:
+    """The rollup's share of one write (inside the caller's MULTI, before its HINCRBYs): the net
+    amounts per 5-minute bucket (`sign` -1 for the `voided:` corrections). EVAL, not EVALSHA: a
+    script missing at EXEC would fail alone while the amounts were written."""
+    net: dict[int, np.ndarray] = {}
+    for start, a in by_bucket.items():
+        b = bucket_start(start, "5m")
+        net[b] = net.get(b, 0) + sign * np.asarray(a, np.int64)
+    args: list = [version]
+    for b in sorted(net):
+        args += [str(b), "[" + ",".join(str(int(x)) for x in net[b].reshape(-1)) + "]"]
+    pipe.eval(ROLLUP_ADD, 3, *_rollup_keys(prefix, job), *args)
+
+
+def build_rollup(client, prefix: str, job: str) -> bool:
+    """Build the rollup of a ledger written before rollups existed (one atomic script); False if
+    it already had one."""
+    bucket_prefix = key(prefix, job, "ledger", "5m", "")
+    return bool(client.eval(ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
+
+
+def build_rollups(client, prefix: str) -> int:
+    """Build the missing rollups of every job in the jobs index and of `_unassigned` (once, at the
+    API's start); returns how many were built."""
+    import redis
+
+    jobs = [*client.zrange(protocol.jobs_key(prefix), 0, -1), UNASSIGNED_JOB]
+    built = 0
+    for i in range(0, len(jobs), 500):
+        chunk = jobs[i : i + 500]
+        pipe = client.pipeline(transaction=False)
+        for j in chunk:
+            pipe.hexists(rollup_state_key(prefix, j), "v")
+        found = pipe.execute(raise_on_error=False)
+        missing = [j for j, has in zip(chunk, found, strict=True) if has is False]
+        for j in missing:
+            try:
+                built += build_rollup(client, prefix, j)
+            except redis.ResponseError:  # a key of the wrong type: readers sum buckets for it
+                continue
+    return built
+
+
 def queue_amounts(
     pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, field_prefix: str = ""
 ) -> None:
-    """HINCRBY every bucket, its rollups and the total (inside the caller's MULTI)."""
+    """HINCRBY every bucket, its rollups and the total, and the job's rollup (inside the caller's
+    MULTI)."""
+    if by_bucket:
+        queue_rollup(pipe, prefix, job, by_bucket, version, -1 if field_prefix == "voided:" else 1)
     total: dict[str, int] = {}
     for start, a in by_bucket.items():
         fields = _fields(a, field_prefix)

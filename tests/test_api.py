@@ -320,3 +320,38 @@ def test_gpu_hours_at_risk_count_from_the_last_checkpoint(shared, prefix):
     got = api.get("/api/v1/jobs/ckpt", params={"window": WINDOW}).json()
     assert got["gpu_hours"] == pytest.approx(2.2)
     assert got["gpu_hours_at_risk"] == pytest.approx(1.1)
+
+
+def test_the_agent_keeps_each_jobs_rollup_equal_to_its_buckets(built):
+    """The agent's own rounds (the llm job's checkpoint and deadlock, the spare GPU's
+    `_unassigned` time) leave rollups the API answers from, equal to summing the buckets over
+    windows at every alignment, and every response equal to one from buckets only."""
+    r, prefix = built["redis"], built["prefix"]
+    fast, exact = LedgerStore(r, prefix), LedgerStore(r, prefix, use_rollups=False)
+    jobs = [*built["jobs"], ledger.UNASSIGNED_JOB]
+    for j in jobs:
+        assert r.hget(ledger.rollup_state_key(prefix, j), "v") == "1", j
+    lo, seen = T0 // 86400 * 86400 - 86400, 0
+    for start in range(lo, lo + 3 * 86400, 3 * 3600 + 300):
+        for span in (300, 3600 + 600, 86400, 2 * 86400 + 1500):
+            got = fast.window_many(jobs, start, start + span)
+            want = exact.window_many(jobs, start, start + span)
+            assert got[1] == want[1]
+            seen += sum(got[0]["llm-run"].ms.values())
+            for j in jobs:
+                a, b = got[0][j], want[0][j]
+                assert (a.ms, a.mj, a.ucost, a.price_versions) == (b.ms, b.mj, b.ucost, b.price_versions)
+    assert seen > 0  # the windows cover the booked time
+    with client(built) as c:
+        bodies = [
+            c.get("/api/v1/allocation", params={"window": WINDOW, "aggregate": "team"}).json(),
+            c.get("/api/v1/jobs/llm-run", params={"window": WINDOW}).json(),
+            c.get("/api/v1/jobs/llm-run/series", params={"window": WINDOW, "step": "5m"}).json(),
+        ]
+    app = create_app(exact)
+    with TestClient(app) as c:
+        assert bodies == [
+            c.get("/api/v1/allocation", params={"window": WINDOW, "aggregate": "team"}).json(),
+            c.get("/api/v1/jobs/llm-run", params={"window": WINDOW}).json(),
+            c.get("/api/v1/jobs/llm-run/series", params={"window": WINDOW, "step": "5m"}).json(),
+        ]

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
+
+import numpy as np
 
 from ..model import CATEGORIES
-from .format import iso, money, per
+from .format import iso, micro, money, per
 from .schemas import AllocationRow
-from .store import JOB_CATS, VALID, WASTED, Amounts, Steps
+from .store import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
 
 FIELDS = ("job", "team", "namespace", "cost_center")
 LABEL = re.compile(r"^label:([A-Za-z0-9_.\-/]{1,100})$")
@@ -123,10 +126,13 @@ def total(amounts) -> Amounts:
 def row(key: str, props: dict, parts: list[JobPart], start: str | None, end: str | None) -> AllocationRow:
     """One allocation row: the jobs' amounts summed; team and cost center where they all agree."""
     a = parts[0].amounts if len(parts) == 1 else total(p.amounts for p in parts)
-    cost = a.total_cost(JOB_CATS)
+    # Money in integer micro-units (exact, and 10,000 rows do not pay for Decimal sums).
+    cost_u = sum(a.ucost[c] for c in JOB_CATS)
     valid = sum(p.steps.valid for p in parts)
 
     def common(field: str) -> str | None:
+        if len(parts) == 1:
+            return value(field, parts[0].job, parts[0].meta)
         vals = {value(field, p.job, p.meta) for p in parts}
         return vals.pop() if len(vals) == 1 else None
 
@@ -139,15 +145,95 @@ def row(key: str, props: dict, parts: list[JobPart], start: str | None, end: str
         valid_gpu_hours=a.hours(VALID),
         overhead_gpu_hours=a.hours(["overhead"]),
         wasted_gpu_hours=a.hours(WASTED),
-        cost=money(cost),
-        wasted_cost=money(a.total_cost(WASTED)),
+        cost=micro(cost_u),
+        wasted_cost=micro(sum(a.ucost[c] for c in WASTED)),
         valid_steps=valid,
-        cost_per_valid_step=per(cost, valid),
+        cost_per_valid_step=per(Decimal(cost_u).scaleb(-6), valid),
         start=start,
         end=end,
         properties=props,
         price_versions=sorted(a.price_versions),
     )
+
+
+_COL = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+def _cols(cats: list[str], unit: int) -> list[int]:
+    """Matrix columns (ledger.PACKED order) of these categories' unit (0 ms, 1 mJ, 2 micro-cost)."""
+    return [3 * _COL[c] + unit for c in cats]
+
+
+JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS = (_cols(c, 0) for c in (JOB_CATS, VALID, ["overhead"], WASTED))
+JOB_U, WASTED_U = _cols(JOB_CATS, 2), _cols(WASTED, 2)
+
+
+def table_rows(
+    table: WindowTable, metas: dict[str, dict], visible: list[int], fields: list[str], start: int, end: int
+) -> list[dict]:
+    """`rows` over a `WindowTable` (the jobs at `visible`), as the rows' dicts: the groups are
+    summed by column in one go and the figures computed per column, so 10,000 jobs cost a few
+    array operations and one small dict each. Equal to `rows` (the same integer sums, the same
+    float divisions)."""
+    groups: dict[str, tuple[dict, list[int]]] = {}
+    jobs = table.jobs
+    for i in sorted(visible, key=lambda i: jobs[i]):
+        props = {f: value(f, jobs[i], metas[jobs[i]]) for f in fields}
+        groups.setdefault(key_of(fields, props), (props, []))[1].append(i)
+    keys = sorted(groups)
+    members = [groups[k][1] for k in keys]
+    if all(len(m) == 1 for m in members):
+        g = table.net[[m[0] for m in members]] if members else np.zeros((0, table.net.shape[1]), np.int64)
+    else:
+        order = [i for m in members for i in m]
+        cuts = np.cumsum([0] + [len(m) for m in members[:-1]])
+        g = np.add.reduceat(table.net[order], cuts, axis=0)
+    hours = [(g[:, c].sum(axis=1) / 3.6e6).tolist() for c in (JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS)]
+    cost_u = g[:, JOB_U].sum(axis=1).tolist()
+    wasted_u = g[:, WASTED_U].sum(axis=1).tolist()
+    s, e = iso(start), iso(end)
+    steps = table.steps
+    out = []
+    for n, (k, m) in enumerate(zip(keys, members, strict=True)):
+        props = groups[k][0]
+        if len(m) == 1:  # the usual row of aggregate=job: no sets, no generators
+            j = jobs[m[0]]
+            meta = metas[j]
+            valid = steps[j].valid
+            team, cc = meta.get("team"), meta.get("cost_center")  # as `value` reads them
+            team = team if isinstance(team, str) and team else None
+            cc = cc if isinstance(cc, str) and cc else None
+            versions = list(table.versions[m[0]])
+            if len(versions) > 1:
+                versions.sort()
+        else:
+            valid = sum(steps[jobs[i]].valid for i in m)
+            teams = {value("team", jobs[i], metas[jobs[i]]) for i in m}
+            ccs = {value("cost_center", jobs[i], metas[jobs[i]]) for i in m}
+            team = teams.pop() if len(teams) == 1 else None
+            cc = ccs.pop() if len(ccs) == 1 else None
+            versions = sorted(set().union(*(table.versions[i] for i in m)))
+        out.append(
+            {
+                "key": k,
+                "team": team,
+                "cost_center": cc,
+                "jobs": len(m),
+                "gpu_hours": hours[0][n],
+                "valid_gpu_hours": hours[1][n],
+                "overhead_gpu_hours": hours[2][n],
+                "wasted_gpu_hours": hours[3][n],
+                "cost": micro(cost_u[n]),
+                "wasted_cost": micro(wasted_u[n]),
+                "valid_steps": valid,
+                "cost_per_valid_step": per(Decimal(cost_u[n]).scaleb(-6), valid),
+                "start": s,
+                "end": e,
+                "properties": props,
+                "price_versions": versions,
+            }
+        )
+    return out
 
 
 def unassigned_row(u: Amounts, start: int, end: int) -> AllocationRow:

@@ -15,7 +15,10 @@ import math
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
+import numpy as np
+import orjson
 import redis
+import redis.cluster
 
 from .. import ledger, protocol
 from ..model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
@@ -175,6 +178,148 @@ return out
 """
 
 
+# Windows of many jobs from their rollups (ledger.ROLLUP_ADD) and step sets, in one call.
+# KEYS: per job its rollup state, rollup records, steps, voids and (with meta) meta.
+# ARGV: the number of windows, '1' to read meta, '1' to read tokens, then each window's start
+# and end. Reply per job, flat: meta (a flat HGETALL; false: not a hash; 0: not read), the
+# rollup's state ('1' usable), its price version, then per window: the record of the last bucket
+# before the end ('' if none; false if the rollup is unusable), that before the start, and the
+# steps: STEPS_WINDOW's six values with tokens, else the two counts (the first false if the
+# sets are not sorted sets). Records are returned as stored: the API subtracts them (exact integers, and
+# no JSON decoding inside Redis).
+ROLLUP_WINDOWS = r"""
+local nwin, with_meta, with_tokens = tonumber(ARGV[1]), ARGV[2] == '1', ARGV[3] == '1'
+local per = with_meta and 5 or 4
+local S, E, oS, oE = {}, {}, {}, {}  -- each window's bounds, and as exclusive ZRANGE bounds
+for i = 1, nwin do
+  S[i], E[i] = ARGV[2 + 2 * i], ARGV[3 + 2 * i]
+  oS[i], oE[i] = '(' .. S[i], '(' .. E[i]
+end
+-- redis.pcall, not pcall: a key of the wrong type answers an error reply, caught cheaply
+local function bad(x) return type(x) == 'table' and x.err ~= nil end
+local function last(k, ot)
+  return redis.pcall('ZREVRANGEBYSCORE', k, ot, '-inf', 'LIMIT', 0, 1)
+end
+local out = {}
+for j = 0, #KEYS / per - 1 do
+  local st, cum, ks, kv = KEYS[j * per + 1], KEYS[j * per + 2], KEYS[j * per + 3], KEYS[j * per + 4]
+  local r = {0, '', ''}
+  if with_meta then
+    local m = redis.pcall('HGETALL', KEYS[j * per + 5])
+    if bad(m) then r[1] = false else r[1] = m end
+  end
+  local h = redis.pcall('HMGET', st, 'v', 'pv')
+  local usable = not bad(h) and h[1] == '1' and h[2] ~= '\n'
+  if usable then r[2], r[3] = '1', h[2] or '' end
+  local voids = redis.pcall('EXISTS', kv) == 1  -- most jobs never voided a step
+  local memo = {}  -- adjacent windows share a bound: its record is looked up once
+  for i = 1, nwin do
+    local re, rs = false, false
+    if usable then
+      local a, b = memo[E[i]] or last(cum, oE[i]), memo[S[i]] or last(cum, oS[i])
+      memo[E[i]], memo[S[i]] = a, b
+      if not bad(a) and not bad(b) then re, rs = a[1] or '', b[1] or '' end
+    end
+    r[#r + 1], r[#r + 2] = re, rs
+    local st = with_tokens and {0, '', '', 0, '', ''} or {0, 0}
+    local w = with_tokens and 3 or 1
+    for v = 0, (voids and 1 or 0) do
+      local k = v == 0 and ks or kv
+      local n = redis.pcall('ZCOUNT', k, S[i], oE[i])
+      if bad(n) then st[1] = false; break end
+      st[w * v + 1] = n
+      if with_tokens then
+        st[3 * v + 2] = last(k, oE[i])[1] or ''
+        st[3 * v + 3] = last(k, oS[i])[1] or ''
+      end
+    end
+    for x = 1, #st do r[#r + 1] = st[x] end
+  end
+  out[#out + 1] = r
+end
+return out
+"""
+# Each job's team (KEYS: meta hashes): false where there is none or meta is not a hash.
+TEAMS = r"""
+local out = {}
+for i, k in ipairs(KEYS) do
+  local t = redis.pcall('HGET', k, 'team')
+  if type(t) == 'table' then t = false end
+  out[i] = t
+end
+return out
+"""
+# A job's series from its rollup (KEYS: rollup state, records; ARGV: first bound, step, count):
+# {state '1' usable, then the record of the last bucket before each of the count + 1 bounds ('' if
+# none; '=' if the same as the bound before: a sparse series sends each record once)}; {0} if the
+# rollup is absent or unusable.
+SERIES = r"""
+local h = redis.pcall('HMGET', KEYS[1], 'v', 'pv')
+if type(h) ~= 'table' or h.err or h[1] ~= '1' then return {0} end
+local out, prev = {'1'}, nil
+local t, step = tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 0, tonumber(ARGV[3]) do
+  local bound = string.format('(%.0f', t + i * step)
+  local r = redis.pcall('ZREVRANGEBYSCORE', KEYS[2], bound, '-inf', 'LIMIT', 0, 1)
+  if r.err then return {0} end
+  local rec = r[1] or ''
+  if i > 0 and rec == prev then out[#out + 1] = '=' else out[#out + 1] = rec end
+  prev = rec
+end
+return out
+"""
+BATCH = 200  # jobs per script call: one call stays ~2 ms of Redis time
+WIDTH = len(ledger.PACKED) + 1  # a record: the bucket start, then the amounts
+ZEROS = "[" + ",".join(["-1"] + ["0"] * (WIDTH - 1)) + "]"  # before the first bucket
+
+
+class WindowTable:
+    """Many jobs' net amounts over one window as one integer matrix (a row per job, columns
+    `ledger.PACKED`), with their price versions and steps: allocation sums it by column."""
+
+    def __init__(self, jobs: list[str], net: np.ndarray, versions: list, steps: dict[str, Steps]) -> None:
+        self.jobs = jobs
+        self.net = net
+        self.versions = versions  # per job: a set of price versions
+        self.steps = steps
+
+    def amounts(self, j: str) -> Amounts:
+        i = self.jobs.index(j) if len(self.jobs) > 1 else 0
+        return _packed(self.net[i].tolist(), self.versions[i])
+
+
+def _vector(a: Amounts) -> list[int]:
+    """Amounts as a row of the matrix (the order of `ledger.PACKED`)."""
+    return [x for c in CATEGORIES for x in (a.ms[c], a.mj[c], a.ucost[c])]
+
+
+def _records(raw: list[str]) -> np.ndarray | None:
+    """Records (JSON arrays of WIDTH integers) as a matrix, parsed in one go (numpy's text
+    parser: a third of the time of JSON); None if any is not one (the caller then checks them
+    one by one)."""
+    if not raw:
+        return np.zeros((0, WIDTH), np.int64)
+    if any(r.count(",") != WIDTH - 1 for r in raw):
+        return None
+    try:
+        m = np.fromstring(",".join(raw).replace("[", "").replace("]", ""), dtype=np.int64, sep=",")
+    except ValueError:
+        return None
+    if m.size != len(raw) * WIDTH or np.abs(m).max() >= ledger.EXACT_LIMIT:  # int64 clamps
+        return None
+    return m.reshape(len(raw), WIDTH)
+
+
+def _record(raw: str) -> list[int] | None:
+    try:
+        v = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    ok = isinstance(v, list) and len(v) == WIDTH
+    ok = ok and all(type(x) is int and abs(x) < ledger.EXACT_LIMIT for x in v)
+    return v if ok else None
+
+
 def _run(pipe) -> list:
     """Execute a pipeline; a command that failed on the stored data (a key of the wrong type, a
     script error) gives None instead of failing every other result. Outages still raise."""
@@ -189,11 +334,19 @@ def _json(raw: object) -> object:
 
 
 class LedgerStore:
-    def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX) -> None:
+    """The API's reads. `use_rollups` False: window amounts always summed from the buckets (the
+    exact path the rollups are tested against)."""
+
+    def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True) -> None:
         self.r = client
         self.prefix = prefix
+        self.use_rollups = use_rollups
         self._sum = client.register_script(SUM_BUCKETS)
         self._steps = client.register_script(STEPS_WINDOW)
+        self._windows = client.register_script(ROLLUP_WINDOWS)
+        self._teams = client.register_script(TEAMS)
+        self._series = client.register_script(SERIES)
+        self.batch = 1 if isinstance(client, redis.cluster.RedisCluster) else BATCH
 
     def k(self, job: str, *parts: str) -> str:
         return ledger.key(self.prefix, job, *parts)
@@ -211,6 +364,10 @@ class LedgerStore:
             out.append((j, t))
         return out
 
+    def job_names(self) -> list[str]:
+        """Every job's name (no times: cheaper where they are not shown)."""
+        return self.r.zrange(protocol.jobs_key(self.prefix), 0, -1)
+
     def job_exists(self, job: str) -> bool:
         return self.r.zscore(protocol.jobs_key(self.prefix), job) is not None
 
@@ -221,6 +378,18 @@ class LedgerStore:
         pipe.hget(protocol.meta_key(self.prefix, job), "team")
         score, team = _run(pipe)
         return score is not None, team
+
+    def teams_many(self, jobs: list[str]) -> dict[str, str | None]:
+        """Each job's team, for filtering before anything else is read: BATCH jobs a script call,
+        one pipeline."""
+        pipe = self.r.pipeline(transaction=False)
+        for i in range(0, len(jobs), self.batch):
+            keys = [protocol.meta_key(self.prefix, j) for j in jobs[i : i + self.batch]]
+            self._teams(keys=keys, client=pipe)
+        teams: list = []
+        for i, got in zip(range(0, len(jobs), self.batch), _run(pipe) if jobs else [], strict=True):
+            teams += got if got is not None else [None] * len(jobs[i : i + self.batch])
+        return dict(zip(jobs, teams, strict=True))
 
     def meta_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict]:
         """Each job's meta (team, cost center, ...) in one round trip."""
@@ -262,22 +431,110 @@ class LedgerStore:
     def amounts_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
     ) -> dict[str, Amounts]:
-        """Window totals of many jobs: the fewest buckets (whole days, hours, then 5 minutes),
-        summed inside Redis by a script, one call per job, one pipeline."""
-        pipe = self.r.pipeline(transaction=False)
-        self._queue_amounts(pipe, jobs, start, end)
-        return _amounts(jobs, _run(pipe), warn)
+        """Window totals of many jobs (see `tables`)."""
+        (t,) = self.tables(jobs, [(start, end)], warn)[1]
+        return {j: _packed(t.net[i].tolist(), t.versions[i]) for i, j in enumerate(jobs)}
 
     def window_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
     ) -> tuple[dict[str, Amounts], dict[str, Steps]]:
-        """`amounts_many` of a window, and the steps completed and voided in it with the tokens of
-        the valid ones, in one round trip."""
+        """Window totals of many jobs, and the steps completed and voided in the window with the
+        tokens of the valid ones (see `tables`)."""
+        (t,) = self.tables(jobs, [(start, end)], warn, tokens=True)[1]
+        return {j: _packed(t.net[i].tolist(), t.versions[i]) for i, j in enumerate(jobs)}, t.steps
+
+    def tables(
+        self,
+        jobs: list[str],
+        spans: list[tuple[int, int]],
+        warn: Warnings | None = None,
+        meta: bool = False,
+        tokens: bool = False,
+    ) -> tuple[dict[str, dict], list[WindowTable]]:
+        """Each job's meta (with `meta`; else {}) and, per window, a `WindowTable` of the jobs'
+        amounts and steps (tokens counted only with `tokens`).
+
+        From each job's rollup: two records per window whatever its length, by a script that
+        takes up to BATCH jobs a call (one job a call on Redis Cluster, where a script's keys
+        share one slot), all calls in one pipeline. Jobs without a usable rollup (not built yet,
+        two price versions, sums past 2^53, damaged) are summed from the fewest buckets (weeks,
+        days, hours, then 5 minutes): the exact path, which the rollup equals."""
+        warn = Warnings() if warn is None else warn
+        metas: dict[str, dict] = {}
+        n = len(jobs)
+        if not self.use_rollups:
+            metas = self.meta_many(jobs, warn) if meta and jobs else {}
+            return metas, [self._exact_table(jobs, start, end, warn) for start, end in spans]
+        args = [len(spans), int(meta), int(tokens), *(t for span in spans for t in span)]
+        # the keys of ledger.key and protocol.meta_key, per job in this order
+        suffixes = ["ledger:cumstate", "ledger:cum", "ledger:steps", "ledger:voids"] + ["meta"] * meta
+        p = self.prefix
+        pipe = self.r.pipeline(transaction=False)
+        for i in range(0, n, self.batch):
+            keys = [f"{p}:{{{j}}}:{x}" for j in jobs[i : i + self.batch] for x in suffixes]
+            self._windows(keys=keys, args=args, client=pipe)
+        replies: list = []
+        per_w = 8 if tokens else 4
+        for i, got in zip(range(0, n, self.batch), _run(pipe) if jobs else [], strict=True):
+            if got is None:  # cannot happen short of an outage (which raises): read exactly
+                got = [[0, "", ""] + [False] * (per_w * len(spans))] * len(jobs[i : i + self.batch])
+            replies += got
+        for j, got in zip(jobs, replies, strict=True):
+            if meta:
+                m = got[0]
+                if m is None:
+                    warn.add(j, "meta is not a hash: ignored")
+                metas[j] = dict(zip(m[::2], m[1::2], strict=True)) if m else {}
+        out = []
+        for w, (start, end) in enumerate(spans):
+            ends, starts, versions, fast, exact = [], [], [None] * n, [], []
+            at = 3 + per_w * w
+            if tokens:
+                counted = [g[at + 2 : at + 8] if g[at + 2] is not None else None for g in replies]
+                steps = _steps(jobs, counted, warn)
+            else:
+                steps = _counts(jobs, [g[at + 2 : at + 4] for g in replies], warn)
+            for i, got in enumerate(replies):
+                re, rs = got[at], got[at + 1]
+                if got[1] == "1" and re is not None and rs is not None:
+                    fast.append(i)
+                    ends.append(re or ZEROS)
+                    starts.append(rs or ZEROS)
+                else:
+                    exact.append(i)
+            net = np.zeros((n, WIDTH - 1), np.int64)
+            e_m, s_m = _records(ends), _records(starts)
+            if e_m is None or s_m is None:  # a damaged record somewhere: check them one by one
+                good = list(zip(fast, map(_record, ends), map(_record, starts), strict=True))
+                exact += [i for i, a, b in good if a is None or b is None]
+                good = [(i, a, b) for i, a, b in good if a is not None and b is not None]
+                fast = [i for i, _, _ in good]
+                e_m = np.array([a for _, a, _ in good], np.int64).reshape(len(good), WIDTH)
+                s_m = np.array([b for _, _, b in good], np.int64).reshape(len(good), WIDTH)
+            net[fast] = e_m[:, 1:] - s_m[:, 1:]
+            moved = (e_m[:, 0] != s_m[:, 0]).tolist()  # some bucket lies in the window
+            for i, m in zip(fast, moved, strict=True):
+                versions[i] = {replies[i][2]} if m and replies[i][2] else set()
+            if exact:
+                names = [jobs[i] for i in exact]
+                pipe = self.r.pipeline(transaction=False)
+                self._queue_amounts(pipe, names, start, end)
+                for i, a in zip(exact, _amounts(names, _run(pipe), warn).values(), strict=True):
+                    net[i] = _vector(a)
+                    versions[i] = a.price_versions
+            out.append(WindowTable(jobs, net, versions, steps))
+        return metas, out
+
+    def _exact_table(self, jobs: list[str], start: int, end: int, warn: Warnings) -> WindowTable:
+        """A window summed from the buckets (the path the rollups are tested against)."""
         pipe = self.r.pipeline(transaction=False)
         self._queue_amounts(pipe, jobs, start, end)
         self._queue_steps(pipe, jobs, start, end)
-        raw = _run(pipe)
-        return _amounts(jobs, raw[: len(jobs)], warn), _steps(jobs, raw[len(jobs) :], warn)
+        raw = _run(pipe) if jobs else []
+        amounts = _amounts(jobs, raw[: len(jobs)], warn)
+        net = np.array([_vector(amounts[j]) for j in jobs], np.int64).reshape(len(jobs), WIDTH - 1)
+        versions = [amounts[j].price_versions for j in jobs]
+        return WindowTable(jobs, net, versions, _steps(jobs, raw[len(jobs) :], warn))
 
     def _queue_amounts(self, pipe, jobs: list[str], start: int, end: int) -> None:
         parts = decompose(start, end)
@@ -306,9 +563,37 @@ class LedgerStore:
             out[j] = a
         return out
 
+    def series_matrix(
+        self, job: str, start: int, end: int, res: str, warn: Warnings | None = None
+    ) -> tuple[list[int], np.ndarray]:
+        """The series' bucket starts and their net amounts as a matrix (a row per point, columns
+        `ledger.PACKED`): each point the difference of two rollup records (one script call);
+        from the buckets of `res` where the job has no usable rollup."""
+        secs = ledger.RESOLUTIONS[res]
+        first = start // secs * secs
+        starts = list(range(first, end, secs))
+        if self.use_rollups and starts:
+            got = self._series(
+                keys=[ledger.rollup_state_key(self.prefix, job), ledger.rollup_key(self.prefix, job)],
+                args=[first, secs, len(starts)],
+            )
+            if got and got[0] == "1":
+                unique, at = [], []
+                for r in got[1:]:
+                    if r != "=":
+                        unique.append(r or ZEROS)
+                    at.append(len(unique) - 1)
+                m = _records(unique)
+                if m is not None:
+                    m = m[at]
+                    return starts, m[1:, 1:] - m[:-1, 1:]
+        rows = [_vector(a) for _, a in self.series(job, start, end, res, warn)]
+        return starts, np.array(rows, np.int64).reshape(len(starts), WIDTH - 1)
+
     def series(
         self, job: str, start: int, end: int, res: str, warn: Warnings | None = None
     ) -> list[tuple[int, Amounts]]:
+        """The series from the buckets of `res` (the exact path)."""
         secs = ledger.RESOLUTIONS[res]
         first = start // secs * secs
         starts = list(range(first, end, secs))
@@ -377,8 +662,22 @@ class LedgerStore:
         """Index incidents written before the index existed (once, at startup)."""
         return ledger.index_incidents(self.r, self.prefix)
 
+    def build_rollups(self) -> int:
+        """Build the rollups of ledgers written before they existed (once, at startup)."""
+        return ledger.build_rollups(self.r, self.prefix)
+
     def unassigned(self, start: int, end: int, warn: Warnings | None = None) -> Amounts:
         return self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
+
+
+def _packed(values: list, versions: set) -> Amounts:
+    """Amounts from a matrix row: net values in the order `ledger.PACKED`."""
+    return Amounts(
+        dict(zip(CATEGORIES, values[0::3], strict=True)),
+        dict(zip(CATEGORIES, values[1::3], strict=True)),
+        dict(zip(CATEGORIES, values[2::3], strict=True)),
+        set(versions),
+    )
 
 
 def _amounts(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, Amounts]:
@@ -394,6 +693,19 @@ def _amounts(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str,
         if bad and warn is not None:
             warn.add(j, f"{bad} ledger amounts are not numbers or not in a hash: skipped")
         out[j] = a
+    return out
+
+
+def _counts(jobs: list[str], replies: list, warn: Warnings) -> dict[str, Steps]:
+    """Steps completed and voided (no tokens) from (completed, voided) pairs; None: the sets
+    have the wrong type."""
+    out = {}
+    for j, (c_n, v_n) in zip(jobs, replies, strict=True):
+        if c_n is None:
+            warn.add(j, "the step sets have the wrong type: steps skipped")
+            out[j] = Steps()
+        else:
+            out[j] = Steps(c_n, v_n or 0)
     return out
 
 

@@ -14,7 +14,7 @@ from ..auth import Principal
 from ..deps import Config, Store, Who, Win
 from ..export import to_csv, to_focus
 from ..format import json_bytes
-from ..schemas import Allocation, AllocationRow, WindowOut
+from ..schemas import Allocation, AllocationRow
 from ..store import LedgerStore, Warnings
 
 router = APIRouter(prefix="/api/v1/allocation", tags=["allocation"])
@@ -55,21 +55,23 @@ def allocation(
         raise HTTPException(400, str(e)) from None
     warn = Warnings()
     rows = allocation_rows(s, who, spans, fields, warn)
-    if format == "json":  # already validated rows: sent as they are, not validated twice
-        result = Allocation(
-            currency=cfg.currency,
-            window=WindowOut(**w.as_dict()),
-            aggregate=",".join(fields),
-            accumulate=accumulate,
-            step=None if accumulate else (step or "1d"),
-            rows=rows,
-            warnings=warn,
+    if format == "json":  # rows built to the schema (`Allocation`): sent as they are
+        return json_bytes(
+            {
+                "currency": cfg.currency,
+                "window": w.as_dict(),
+                "aggregate": ",".join(fields),
+                "accumulate": accumulate,
+                "step": None if accumulate else (step or "1d"),
+                "rows": rows,
+                "warnings": list(warn),
+            }
         )
-        return json_bytes(result.model_dump())
+    models = [AllocationRow.model_construct(**r) for r in rows]
     if format == "csv":
-        body = to_csv(rows, cfg.currency, w)
+        body = to_csv(models, cfg.currency, w)
     else:
-        body = to_focus(rows, cfg.currency, fields, cfg.focus, warn)
+        body = to_focus(models, cfg.currency, fields, cfg.focus, warn)
     # CSV has no room for them: the warnings travel in a header (a JSON list)
     headers = {"X-Costexporter-Warnings": json.dumps(warn, ensure_ascii=True)} if warn else None
     return PlainTextResponse(body, media_type="text/csv", headers=headers)
@@ -77,17 +79,16 @@ def allocation(
 
 def allocation_rows(
     s: LedgerStore, who: Principal, spans: list[tuple[int, int]], fields: list[str], warn: Warnings
-) -> list[AllocationRow]:
-    """Rows of every period, in time order; the unassigned pool last in each period (only for a
-    caller who sees every team)."""
-    names = [j for j, _ in s.jobs()]
-    metas = s.meta_many(names, warn) if names else {}
-    names = [j for j in names if who.sees(metas[j].get("team"))]
-    out: list[AllocationRow] = []
-    for start, end in spans:
-        amounts, steps = s.window_many(names, start, end, warn) if names else ({}, {})
-        parts = [agg.JobPart(j, metas[j], amounts[j], steps[j]) for j in names]
-        out += agg.rows(parts, fields, start, end)
+) -> list[dict]:
+    """Rows of every period (as `AllocationRow` dicts), in time order; the unassigned pool last in
+    each period (only for a caller who sees every team). One read for every job and period
+    (meta and each period's rollup records), then column sums."""
+    names = s.job_names()
+    metas, tables = s.tables(names, spans, warn, meta=True)
+    visible = [i for i, j in enumerate(names) if who.sees(metas[j].get("team"))]
+    out: list[dict] = []
+    for (start, end), table in zip(spans, tables, strict=True):
+        out += agg.table_rows(table, metas, visible, fields, start, end)
         if who.all_teams:
-            out.append(agg.unassigned_row(s.unassigned(start, end, warn), start, end))
+            out.append(agg.unassigned_row(s.unassigned(start, end, warn), start, end).model_dump())
     return out
