@@ -33,7 +33,7 @@ from .baseline import utilization_rule
 from .booking import BookingConfig
 from .cost import Prices
 from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Samples
-from .sources.sim import SimSource
+from .sources.sim import WATCH_LAG_WALL_S, SimSource
 from .synth import TraceBuilder
 from .watcher import ALERTING, WatchConfig, Watcher
 
@@ -50,12 +50,6 @@ BAND_STYLE = {
 
 STORIES = {"r1": "the R1 deadlock + R7 stories", "mini": "every kind of time in 40 minutes"}
 ZERO_UTIL_PCT = 10.0  # the "~0%" of the power-band table
-# How far behind the story's clock the watcher judges, in wall time: the simulated reporters
-# flush every 50 ms, so an event is at most a flush and a round trip late. (The agent books
-# behind the sim's longer event lag: a bill must be exact, a judgement must only not read an
-# event on its way as silence.) Every wall second of lag shortens each crash the watcher can
-# see by as much: at 160x, 0.5 s would be 80 s of a crash-loop crash's three minutes.
-WATCH_LAG_WALL_S = 0.2
 
 
 class DemoError(RuntimeError):

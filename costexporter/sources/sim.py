@@ -26,6 +26,12 @@ log = logging.getLogger("costexporter.sources.sim")
 DIE = "_die"  # the sim's own marker: every process of the job dies here
 HEARTBEAT_MIN_WALL_S = 0.1
 EVENT_LAG_WALL_S = 0.5  # a reporter's 50 ms flush, a round trip, and a busy machine's scheduling
+# How far behind the story's clock the watcher judges, in wall time: the simulated reporters
+# flush every 50 ms, so an event is at most a flush and a round trip late. (The agent books
+# behind the sim's longer event lag: a bill must be exact, a judgement must only not read an
+# event on its way as silence.) Every wall second of lag shortens each crash the watcher can
+# see by as much: at 160x, 0.5 s would be 80 s of a crash-loop crash's three minutes.
+WATCH_LAG_WALL_S = 0.2
 
 
 class SimSource(ReplaySource):
@@ -260,8 +266,9 @@ def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
             pass
         if last["sim"] is None:
             return time.time()
-        # Less what the simulated trainers' events may still lag, as the in-process demo's watcher.
+        # Less what the simulated trainers' events may still lag, as the in-process demo's watcher
+        # judges: WATCH_LAG_WALL_S, not the agent's longer booking lag.
         now_sim = float(last["sim"]) + (time.time() - float(last["wall"])) * float(last["speed"])
-        return now_sim - float(last.get("lag") or 0.0)
+        return now_sim - min(float(last.get("lag") or 0.0), WATCH_LAG_WALL_S * float(last["speed"]))
 
     return now
