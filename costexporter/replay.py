@@ -275,39 +275,99 @@ def _unassigned(
     todo = has & ~covered
     if not todo.any():
         return zero
-    sel = todo[samples.gpu]
-    band = np.full(int(sel.sum()), Band.UNKNOWN, np.int8)
-    none = np.full(n_gpus, POS_INF, np.int64)
+    gpu, ts = samples.gpu, samples.ts_ms
+    # A sample's slice (and the gap after it) lies in [ts, next sample or ts + interval). One
+    # inside the union of its GPU's memberships has no free time, so only the others (found by
+    # binary search in each GPU's run of samples) and the sample after each (their slice ends
+    # there) are sliced; the trace is not sliced again.
+    ua, ub, ug = _union_by_gpu(by_gpu, todo)
+    need_parts = []
+    for g in np.flatnonzero(todo).tolist():
+        f, c = int(first[g]), int(counts[g])
+        seg = ts[f : f + c]
+        at = 0  # samples before `at` are decided
+        for a, b in zip(ua[ug == g].tolist(), ub[ug == g].tolist(), strict=True):
+            lo = int(np.searchsorted(seg, a, "left"))
+            hi = int(np.searchsorted(seg, b, "right"))  # seg[lo:hi] start inside [a, b]
+            # Those whose next sample also starts by b are inside; the last one is, when it
+            # is the GPU's last sample and its one interval ends by b.
+            covered_end = hi if hi == c and hi > lo and seg[-1] + interval_ms <= b else hi - 1
+            if covered_end > lo:
+                if lo > at:
+                    need_parts.append(np.arange(f + at, f + lo))
+                at = max(at, covered_end)
+        if at < c:
+            need_parts.append(np.arange(f + at, f + c))
+    if not need_parts:
+        return zero
+    need = np.concatenate(need_parts)
+    not_last = need != (first + counts - 1)[gpu[need]]
+    sub = np.union1d(need, need[not_last] + 1)
+    # Runs of consecutive samples of one GPU become their own slicing groups: within a run every
+    # sample's next sample is there, so its slice is the trace's; a run's last sample that was
+    # only added as the next of another has a slice cut short, and is left out.
+    new_run = np.ones(sub.size, bool)
+    new_run[1:] = (sub[1:] != sub[:-1] + 1) | (gpu[sub[1:]] != gpu[sub[:-1]])
+    run = np.cumsum(new_run) - 1
+    n_runs = int(run[-1]) + 1
+    run_gpu = gpu[sub[new_run]].astype(np.int64)
+    none = np.full(n_runs, POS_INF, np.int64)
     s = make_slices(
-        samples.gpu[sel],
-        samples.ts_ms[sel],
-        samples.power_w[sel],
-        samples.energy_mj[sel],
-        band,
-        n_gpus,
+        run.astype(np.int32),
+        ts[sub],
+        samples.power_w[sub],
+        samples.energy_mj[sub],
+        np.full(sub.size, Band.UNKNOWN, np.int8),
+        n_runs,
         interval_ms,
         none,
         none,
         cfg.booking.gap_intervals,
     )
-    assigned = np.zeros(s.gpu.size, np.int64)  # assigned ms per slice
-    # Each GPU's slices once (a mask per GPU would scan every slice for every GPU).
-    order = np.argsort(s.gpu, kind="stable")
-    upto = np.cumsum(np.bincount(s.gpu, minlength=n_gpus))
+    run_last = np.append(new_run[1:], True)
+    use = np.ones(s.gpu.size, bool)
+    use[: sub.size] = ~run_last | np.isin(sub, need)
+    g_of = run_gpu[s.gpu[use]]
+    start, end, mj = s.start_ms[use], s.end_ms[use], s.energy_mj[use]
+    assigned = np.zeros(start.size, np.int64)  # assigned ms per slice
     for g, ivals in by_gpu.items():
         if not (g < n_gpus and todo[g]):
             continue
-        mine = order[(upto[g - 1] if g else 0) : upto[g]]
-        start, end = s.start_ms[mine], s.end_ms[mine]
+        mine = np.flatnonzero(g_of == g)
+        if mine.size == 0:
+            continue
+        st, en = start[mine], end[mine]
         for a, b in ivals:
-            assigned[mine] += np.clip(np.minimum(end, b) - np.maximum(start, a), 0, None)
-    dur = s.end_ms - s.start_ms
+            assigned[mine] += np.clip(np.minimum(en, b) - np.maximum(st, a), 0, None)
+    dur = end - start
     free = np.clip(dur - assigned, 0, None)
     frac = np.divide(free, dur, out=np.zeros(free.size), where=dur > 0)
     return {
         "gpu_hours": float(free.sum() / MS_PER_HOUR),
-        "energy_kwh": float((s.energy_mj * frac).sum() / MJ_PER_KWH),
+        "energy_kwh": float((mj * frac).sum() / MJ_PER_KWH),
     }
+
+
+def _union_by_gpu(
+    by_gpu: dict[int, list[tuple[int, int]]], todo: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each GPU's memberships merged into disjoint intervals, sorted by (gpu, start)."""
+    ua: list[int] = []
+    ub: list[int] = []
+    ug: list[int] = []
+    for g in sorted(by_gpu):
+        if not (g < todo.size and todo[g]):
+            continue
+        for a, b in sorted(by_gpu[g]):
+            if b <= a:
+                continue
+            if ug and ug[-1] == g and a <= ub[-1]:
+                ub[-1] = max(ub[-1], b)
+            else:
+                ua.append(a)
+                ub.append(b)
+                ug.append(g)
+    return np.asarray(ua, np.int64), np.asarray(ub, np.int64), np.asarray(ug, np.int64)
 
 
 def _money(x: float) -> float:
