@@ -685,8 +685,6 @@ def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
     key_e = s.gpu[multi].astype(np.int64) * span + (s.end_ms[multi] - base)
     lo_m = lo[multi]
     n_m = np.searchsorted(cuts, key_e, "left") - lo_m + 1  # pieces of each cut slice
-    n = np.ones(s.start_ms.size, np.int64)
-    n[multi] = n_m
     # Positions of the cut slices' pieces in the output, and each piece's cut bounds.
     extra = n_m - 1
     first = multi + np.cumsum(extra) - extra
@@ -698,14 +696,33 @@ def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
     start_m = np.where(k > 0, pad_t[np.maximum(ci - 1, 0)], s.start_ms[m])
     end_m = np.where(k < n_m[rep] - 1, pad_t[np.minimum(ci, cuts.size - 1)], s.end_ms[m])
     full = (s.end_ms - s.start_ms)[m]
-    start = np.repeat(s.start_ms, n)
-    end = np.repeat(s.end_ms, n)
-    energy = np.repeat(s.energy_mj, n)
-    start[pos] = start_m
-    end[pos] = end_m
-    energy[pos] = s.energy_mj[m] * ((end_m - start_m) / full)
+    total = s.start_ms.size + int(extra.sum())
+
+    def spread(a: np.ndarray, at_pieces: np.ndarray) -> np.ndarray:
+        """`a` per slice to per piece: uncut slices copied in runs, the pieces set at `pos`."""
+        if multi.size > 256:
+            n = np.ones(a.size, np.int64)
+            n[multi] = n_m
+            out = np.repeat(a, n)
+        else:
+            out = np.empty(total, a.dtype)
+            prev = off = 0
+            for j, e in zip(multi.tolist(), extra.tolist(), strict=True):
+                out[prev + off : j + 1 + off] = a[prev : j + 1]
+                off += e
+                prev = j + 1
+            out[prev + off :] = a[prev:]
+        out[pos] = at_pieces
+        return out
+
     return Slices(
-        np.repeat(s.gpu, n), start, end, np.repeat(s.band, n), energy, s.span_start_ms, s.span_end_ms
+        spread(s.gpu, s.gpu[m]),
+        spread(s.start_ms, start_m),
+        spread(s.end_ms, end_m),
+        spread(s.band, s.band[m]),
+        spread(s.energy_mj, s.energy_mj[m] * ((end_m - start_m) / full)),
+        s.span_start_ms,
+        s.span_end_ms,
     )
 
 

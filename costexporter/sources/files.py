@@ -66,12 +66,12 @@ class SampleChunk:
     """Samples of one file, before GPUs are numbered across files."""
 
     hosts: list[str]  # host names; `host` indexes into them
-    host: np.ndarray  # int32
+    host: np.ndarray | None  # int32; None: every row is of hosts[0]
     index: np.ndarray  # int64
     ts_ms: np.ndarray
     power_w: np.ndarray
     util_pct: np.ndarray
-    energy_mj: np.ndarray
+    energy_mj: np.ndarray | None  # None: no energy counter (NaN in every row)
     uuid: dict[tuple[str, int], str]  # per GPU, not per row
     name: dict[tuple[str, int], str]
     power_limit_w: dict[tuple[str, int], float]
@@ -280,7 +280,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if invalid:
         line_of_row = np.setdiff1d(np.arange(2, total_lines + 1), np.asarray(invalid))
     else:
-        line_of_row = np.arange(2, n + 2)
+        line_of_row = range(2, n + 2)  # type: ignore[assignment]  # indexed like the array
     last_line = total_lines
     for num in invalid:
         if num == last_line and not ends_with_newline:
@@ -309,6 +309,8 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         drop[-1] = True
 
     def bad_rows(mask: np.ndarray, reason: str, detail: str) -> None:
+        if not mask.any():  # the usual case: one quick pass
+            return
         new = mask & ~drop
         for i in np.flatnonzero(new)[: diag.max_per_reason + 1]:
             diag.warn(str(path), int(line_of_row[i]), reason, detail)
@@ -349,8 +351,8 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
             ts_ms, drop, lambda line, why: diag.warn(str(path), line, "short_block", why), line_of_row
         )
 
-    keep = np.flatnonzero(~drop)
-    if keep.size == 0:
+    keep = np.flatnonzero(~drop) if drop.any() else None  # None: every row
+    if (keep is not None and keep.size == 0) or n == 0:
         mine = diag.counts - counts_before
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
         raise InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
@@ -367,29 +369,31 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if "power.limit" in col:
         lim = _numeric(col["power.limit"].take(pa.array(first)))[0]
         limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
-    index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
+    if keep is not None:
+        index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
     return SampleChunk(
         hosts=[host],
-        host=np.zeros(index.size, np.int32),
+        host=None,
         index=index,
         ts_ms=ts_ms,
         power_w=power,
         util_pct=util,
-        energy_mj=np.full(index.size, np.nan),
+        energy_mj=None,
         uuid=per_gpu("uuid"),
         name=per_gpu("name"),
         power_limit_w=limits,
     )
 
 
-def _first_rows(index: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """The first kept row of each GPU index, in index order. Every GPU shows up within the
-    first instants, so the head of the rows holds them all; a full sort only when it does not."""
-    sub = index[keep]
+def _first_rows(index: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """The first kept row (None: every row is kept) of each GPU index, in index order. Every GPU
+    shows up within the first instants, so the head of the rows holds them all; a full sort
+    only when it does not."""
+    sub = index if keep is None else index[keep]
     gpus, at = np.unique(sub[:4096], return_index=True)
-    if sub.min() >= 0 and sub.max() < 1 << 16 and np.count_nonzero(np.bincount(sub)) == gpus.size:
-        return keep[at]
-    return keep[np.unique(sub, return_index=True)[1]]
+    if not (sub.min() >= 0 and sub.max() < 1 << 16 and np.count_nonzero(np.bincount(sub)) == gpus.size):
+        at = np.unique(sub, return_index=True)[1]
+    return at if keep is None else keep[at]
 
 
 def _positional_index(
@@ -407,15 +411,16 @@ def _positional_index(
     that ends short (the logger lost lines) is warned about, and counting restarts at the next
     instant.
     """
-    index = np.full(ts_ms.size, -1, np.int64)
-    rows = np.flatnonzero(~drop)
-    if rows.size == 0:
-        return index
-    t = ts_ms[rows]
-    new = np.ones(rows.size, bool)
+    every = not drop.any()  # the usual case: no row dropped, rows are lines
+    rows = np.arange(0) if every else np.flatnonzero(~drop)
+    n_rows = ts_ms.size if every else rows.size
+    if n_rows == 0:
+        return np.full(ts_ms.size, -1, np.int64)
+    t = ts_ms if every else ts_ms[rows]
+    new = np.ones(n_rows, bool)
     new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
     group_start = np.flatnonzero(new)
-    sizes = np.diff(np.append(group_start, rows.size))
+    sizes = np.diff(np.append(group_start, n_rows))
     # An instant ends where most of a sampling interval passes without a line (an early-stamped
     # GPU 0 line is split from the rest of its instant by 50-80 ms, not by one). N is the usual
     # number of lines between instant ends (a tie: the larger).
@@ -427,14 +432,19 @@ def _positional_index(
     n_gpus = max(int(counts.size - 1 - np.argmax(counts[::-1])), 1)
     # Count lines on from the last restart (`anchor`); where an instant ends before its block of
     # N is complete, the block was short and counting restarts after it. That depends only on the
-    # anchor modulo N, so the short blocks of each residue are found once.
+    # anchor modulo N, so the short blocks of each residue are found once (when needed).
     group_end = group_start + sizes
-    short_by_residue = [np.flatnonzero(((group_end - r) % n_gpus != 0) & ends_instant) for r in range(n_gpus)]
+    at_end = np.flatnonzero(ends_instant)
+    end_residue = group_end[at_end] % n_gpus
+    short_by_residue: dict[int, np.ndarray] = {}
     anchors = [0]
     short_groups = []
     j0 = 0
     while True:
-        cand = short_by_residue[anchors[-1] % n_gpus]
+        r = anchors[-1] % n_gpus
+        if r not in short_by_residue:
+            short_by_residue[r] = at_end[end_residue != r]
+        cand = short_by_residue[r]
         k = int(np.searchsorted(cand, j0))
         if k == cand.size:
             break
@@ -442,17 +452,24 @@ def _positional_index(
         short_groups.append(j)
         anchors.append(int(group_end[j]))
         j0 = j + 1
-    line = np.arange(rows.size)
-    anchor_arr = np.asarray(anchors, np.int64)
-    pos = (line - anchor_arr[np.searchsorted(anchor_arr, line, "right") - 1]) % n_gpus
+    line = np.arange(n_rows)
+    if len(anchors) == 1:
+        pos = line % n_gpus
+    else:
+        anchor_arr = np.asarray(anchors, np.int64)
+        pos = (line - anchor_arr[np.searchsorted(anchor_arr, line, "right") - 1]) % n_gpus
     ends = [int(group_end[j]) - 1 for j in short_groups]
-    if (rows.size - anchors[-1]) % n_gpus:
-        ends.append(rows.size - 1)  # the file ends inside an instant
+    if (n_rows - anchors[-1]) % n_gpus:
+        ends.append(n_rows - 1)  # the file ends inside an instant
     for last in ends if warn is not None else []:
+        row = last if every else int(rows[last])
         warn(
-            int(line_of_row[rows[last]]) if line_of_row is not None else int(rows[last]),
+            int(line_of_row[row]) if line_of_row is not None else row,
             f"an instant of {n_gpus} GPUs ends after {pos[last] + 1} line(s); lines are numbered in order",
         )
+    if every:
+        return pos
+    index = np.full(ts_ms.size, -1, np.int64)
     index[rows] = pos
     return index
 
@@ -596,11 +613,15 @@ def combine(chunks: list[SampleChunk]) -> Samples:
     keys = []
     for c in chunks:
         remap = np.asarray([host_no[h] for h in c.hosts], np.int64)
-        keys.append(remap[c.host] * width + c.index)
+        keys.append((remap[c.host] if c.host is not None else remap[0]) * width + c.index)
         uuids.update(c.uuid)
         names.update(c.name)
         limits.update(c.power_limit_w)
-    key = np.concatenate(keys)
+
+    def joined(arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # one file: no copy
+
+    key = joined(keys)
     # Dense numbering in O(n): keys are host * width + index, a small range.
     if key.size and len(hosts) * width <= 1 << 24:
         present = np.bincount(key, minlength=len(hosts) * width) > 0
@@ -612,13 +633,19 @@ def combine(chunks: list[SampleChunk]) -> Samples:
     for k in gpu_keys.tolist():
         h, ix = hosts[k // width], k % width
         gpus.append(GpuId(h, ix, uuids.get((h, ix)), names.get((h, ix)), limits.get((h, ix))))
+    if all(c.energy_mj is None for c in chunks):
+        energy = np.full(key.size, np.nan)
+    else:
+        energy = joined(
+            [c.energy_mj if c.energy_mj is not None else np.full(c.index.size, np.nan) for c in chunks]
+        )
     return Samples(
         gpus=gpus,
         gpu=gpu.astype(np.int32),
-        ts_ms=np.concatenate([c.ts_ms for c in chunks]),
-        power_w=np.concatenate([c.power_w for c in chunks]),
-        util_pct=np.concatenate([c.util_pct for c in chunks]),
-        energy_mj=np.concatenate([c.energy_mj for c in chunks]),
+        ts_ms=joined([c.ts_ms for c in chunks]),
+        power_w=joined([c.power_w for c in chunks]),
+        util_pct=joined([c.util_pct for c in chunks]),
+        energy_mj=energy,
     ).sort()
 
 
