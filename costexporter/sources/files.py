@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 
 try:  # the compute kernels a clean file needs, without pyarrow.compute's start-up (see _pc)
-    from pyarrow._compute import TrimOptions, call_function
+    from pyarrow._compute import CastOptions, TrimOptions, call_function
 except ImportError:  # pragma: no cover - a pyarrow that moved them
-    from pyarrow.compute import TrimOptions, call_function
+    from pyarrow.compute import CastOptions, TrimOptions, call_function
 
 from ..diagnostics import Diagnostics, InputError
 from ..events import FUTURE_SLACK_S, MIN_TS, EventError, UnknownEventType, parse_event
@@ -122,7 +122,8 @@ def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     # ASCII units: the same as utf8_trim, faster.
     s = call_function("ascii_trim", [col], TrimOptions(UNIT_CHARS))
     try:  # fast path: a clean column casts in one kernel
-        return s.cast(pa.float64()).to_numpy(zero_copy_only=False), np.zeros(len(col), bool)
+        x = call_function("cast", [s], CastOptions.safe(pa.float64()))  # (Array.cast imports pc)
+        return x.to_numpy(zero_copy_only=False), np.zeros(len(col), bool)
     except pa.ArrowInvalid:
         pass
     pc = _pc()
@@ -362,12 +363,12 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     def per_gpu(key: str) -> dict[tuple[str, int], str]:
         if key not in col:
             return {}
-        vals = [v.strip() for v in col[key].take(pa.array(first)).to_pylist()]
+        vals = [v.strip() for v in call_function("take", [col[key], pa.array(first)]).to_pylist()]
         return {(host, int(index[i])): v for i, v in zip(first, vals, strict=True) if v}
 
     limits: dict[tuple[str, int], float] = {}
     if "power.limit" in col:
-        lim = _numeric(col["power.limit"].take(pa.array(first)))[0]
+        lim = _numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
         limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
     if keep is not None:
         index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
