@@ -654,34 +654,76 @@ def _cut(s: Slices, bounds: np.ndarray) -> tuple[Slices, np.ndarray]:
 
 
 def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
-    """Cut slices at per-GPU times (few: membership bounds, a rank's own phases)."""
+    """Cut slices at per-GPU times (few: membership bounds, a rank's own phases).
+
+    Pieces keep the slices' order (a cut slice's pieces in place, in time order). Only the few
+    slices a cut falls strictly inside are looked at one piece at a time; every other slice is
+    found uncut by one search of its start among the (few) cuts.
+    """
     if cut_ms.size and s.span_start_ms is not None:
         # Only cuts strictly inside their GPU's span of slices can split anything.
         inside = (cut_ms > s.span_start_ms[cut_gpu]) & (cut_ms < s.span_end_ms[cut_gpu])
         cut_gpu, cut_ms = cut_gpu[inside], cut_ms[inside]
-    if cut_ms.size == 0:
+    if cut_ms.size == 0 or s.start_ms.size == 0:
         return s
     span = np.int64(1) << 42  # > any trace's span in ms after rebasing
-    base = int(min(s.start_ms.min(), cut_ms.min())) if s.start_ms.size else 0
-    key_s = s.gpu.astype(np.int64) * span + (s.start_ms - base)
-    key_e = s.gpu.astype(np.int64) * span + (s.end_ms - base)
+    base = int(min(s.start_ms.min(), cut_ms.min()))
     cuts = np.unique(cut_gpu.astype(np.int64) * span + (np.clip(cut_ms, base, base + span - 1) - base))
+    # The first cut after each slice's start; the slice is cut when that cut is on its GPU and
+    # before its end.
+    key_s = s.gpu.astype(np.int64)
+    key_s *= span
+    key_s += s.start_ms
+    key_s -= base
     lo = np.searchsorted(cuts, key_s, "right")
-    hi = np.searchsorted(cuts, key_e, "left")
-    n = hi - lo + 1
-    if (n == 1).all():
+    del key_s
+    pad_g = np.append(cuts // span, -1)  # past the last cut: no GPU
+    pad_t = np.append(cuts % span + base, 0)
+    multi = np.flatnonzero((pad_g[lo] == s.gpu) & (pad_t[lo] < s.end_ms))
+    if multi.size == 0:
         return s
-    idx = np.repeat(np.arange(n.size), n)
-    first = np.cumsum(n) - n
-    k = np.arange(idx.size) - first[idx]
-    ci = lo[idx] + k  # the cut that ends the piece (when k < n-1)
-    has_prev = k > 0
-    has_next = k < n[idx] - 1
-    start = np.where(has_prev, cuts[np.maximum(ci - 1, 0)] % span + base, s.start_ms[idx])
-    end = np.where(has_next, cuts[np.minimum(ci, cuts.size - 1)] % span + base, s.end_ms[idx])
-    full = (s.end_ms - s.start_ms)[idx]
-    energy = s.energy_mj[idx] * ((end - start) / full)
-    return Slices(s.gpu[idx], start, end, s.band[idx], energy, s.span_start_ms, s.span_end_ms)
+    key_e = s.gpu[multi].astype(np.int64) * span + (s.end_ms[multi] - base)
+    lo_m = lo[multi]
+    n_m = np.searchsorted(cuts, key_e, "left") - lo_m + 1  # pieces of each cut slice
+    # Positions of the cut slices' pieces in the output, and each piece's cut bounds.
+    extra = n_m - 1
+    first = multi + np.cumsum(extra) - extra
+    rep = np.repeat(np.arange(multi.size), n_m)
+    k = np.arange(rep.size) - np.repeat(np.cumsum(n_m) - n_m, n_m)
+    pos = first[rep] + k
+    ci = lo_m[rep] + k  # the cut that ends the piece (when it is not the slice's last)
+    m = multi[rep]
+    start_m = np.where(k > 0, pad_t[np.maximum(ci - 1, 0)], s.start_ms[m])
+    end_m = np.where(k < n_m[rep] - 1, pad_t[np.minimum(ci, cuts.size - 1)], s.end_ms[m])
+    full = (s.end_ms - s.start_ms)[m]
+    total = s.start_ms.size + int(extra.sum())
+
+    def spread(a: np.ndarray, at_pieces: np.ndarray) -> np.ndarray:
+        """`a` per slice to per piece: uncut slices copied in runs, the pieces set at `pos`."""
+        if multi.size > 256:
+            n = np.ones(a.size, np.int64)
+            n[multi] = n_m
+            out = np.repeat(a, n)
+        else:
+            out = np.empty(total, a.dtype)
+            prev = off = 0
+            for j, e in zip(multi.tolist(), extra.tolist(), strict=True):
+                out[prev + off : j + 1 + off] = a[prev : j + 1]
+                off += e
+                prev = j + 1
+            out[prev + off :] = a[prev:]
+        out[pos] = at_pieces
+        return out
+
+    return Slices(
+        spread(s.gpu, s.gpu[m]),
+        spread(s.start_ms, start_m),
+        spread(s.end_ms, end_m),
+        spread(s.band, s.band[m]),
+        spread(s.energy_mj, s.energy_mj[m] * ((end_m - start_m) / full)),
+        s.span_start_ms,
+        s.span_end_ms,
+    )
 
 
 def book(

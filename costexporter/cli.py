@@ -16,6 +16,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+# No command does linear algebra; OpenBLAS's thread pool, started when numpy is first imported,
+# costs 0.1 s of CPU (0.2 s of wall) of every command's start-up on a 2-core machine, measured
+# (bench/bench_replay.py). Set before numpy loads; a user's own setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import click
 
 from . import __version__

@@ -32,8 +32,9 @@ from .booking import (
     make_slices,
 )
 from .cost import Prices
+from .figures import at_risk_ms, extend_incidents, job_figures, zero_util_ranks  # noqa: F401  (shared with replay)
 from .ledger import amounts
-from .model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Band, Category, Event
+from .model import VALID_CATEGORIES, Category, Event
 from .profiles import Profile
 
 
@@ -286,59 +287,6 @@ def voided_part(
     return np.clip(cur - prev, 0, None)
 
 
-def zero_util_ranks(
-    pieces: Pieces, sel: np.ndarray, signatures: list[tuple[int, int, list[int]]], tol_ms: int
-) -> list[int]:
-    """The ranks at ~0% in the signature runs that meet the deadlock-band pieces of `sel` (R2:
-    the rank that left the collective); empty when none of them is in the deadlock band."""
-    dead = sel & (pieces.band == Band.DEADLOCK)
-    if not dead.any() or not signatures:
-        return []
-    s, e = pieces.start_ms[dead], pieces.end_ms[dead]
-    return sorted(
-        {int(rk) for a, b, zr in signatures if bool(((a < e + tol_ms) & (b > s - tol_ms)).any()) for rk in zr}
-    )
-
-
-def extend_incidents(
-    open_: dict[str, dict],
-    pieces: Pieces,
-    own_ranks: np.ndarray,
-    host: str,
-    tol_ms: int,
-    signatures: list[tuple[int, int, list[int]]] | None = None,
-) -> dict[str, dict]:
-    """Extend or open the incidents (one open stretch per wasted category) with `pieces`;
-    `signatures` (the window's confirmed signature runs) name a deadlock's ~0% ranks."""
-    out = {k: dict(v) for k, v in open_.items()}
-    for c in sorted(WASTED_CATEGORIES):
-        sel = pieces.category == c
-        if not sel.any():
-            continue
-        name = CATEGORIES[c]
-        s, e = int(pieces.start_ms[sel].min()), int(pieces.end_ms[sel].max())
-        ranks = sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()})
-        zero = zero_util_ranks(pieces, sel, signatures or [], tol_ms)
-        ms = int((pieces.end_ms[sel] - pieces.start_ms[sel]).sum())
-        cur = out.get(name)
-        if cur is not None and s <= cur["end"] + tol_ms:
-            cur["end"] = max(cur["end"], e)
-            cur["gpu_ms"] += ms
-            cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
-            cur["zero_util_ranks"] = sorted(set(cur.get("zero_util_ranks", [])) | set(zero))
-        else:
-            out[name] = {
-                "category": name,
-                "start": s,
-                "end": e,
-                "gpu_ms": ms,
-                "ranks": ranks,
-                "zero_util_ranks": zero,
-                "host": host,
-            }
-    return out
-
-
 def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int:
     """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
     progress point, for the "cost slope without steps" alert's annotation."""
@@ -352,31 +300,6 @@ def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int
     cat = pieces.category[after].astype(np.int64)
     cost = prices.cost((end - start).astype(float), mj, cat, price_per_gpu_hour=price)
     return round(float(np.sum(cost)) * 1e6)
-
-
-def job_figures(tl: Timeline) -> dict:
-    """Job-level figures: the same for every agent that reads the job's events (SET, not added)."""
-    steps = tl.steps
-    valid = [s for s in steps if not s.voided]
-    last = steps[-1] if steps else None
-    return {
-        "steps_completed": len(steps),
-        "steps_voided": len(steps) - len(valid),
-        "valid_steps": len(valid),
-        "tokens": sum(s.tokens for s in valid),
-        "last_step": last.step if last else -1,
-        "last_step_ts": last.ts_ms / 1000 if last else 0,
-        "last_checkpoint_step": tl.last_checkpoint_step if tl.last_checkpoint_step is not None else -1,
-        "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
-        "stall_threshold_s": tl.stall_threshold_ms / 1000,
-        "ended": int(tl.end_ms is not None),
-    }
-
-
-def at_risk_ms(tl: Timeline, horizon: int, member_start: np.ndarray) -> int:
-    """GPU time since the job's last saved checkpoint (all of it without one), on these GPUs."""
-    since = tl.last_checkpoint_ms
-    return int(sum(max(0, horizon - max(int(ms), since or int(ms))) for ms in member_start))
 
 
 def ledger_delta(

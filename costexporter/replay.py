@@ -27,6 +27,7 @@ from .booking import (
     make_slices,
 )
 from .cost import MJ_PER_KWH, MS_PER_HOUR, Prices
+from .figures import at_risk_ms, extend_incidents, job_figures
 from .model import BANDS, CATEGORIES, WASTED_CATEGORIES, Band, Category, Event, GpuId, Samples
 from .profiles import Profile
 
@@ -275,39 +276,99 @@ def _unassigned(
     todo = has & ~covered
     if not todo.any():
         return zero
-    sel = todo[samples.gpu]
-    band = np.full(int(sel.sum()), Band.UNKNOWN, np.int8)
-    none = np.full(n_gpus, POS_INF, np.int64)
+    gpu, ts = samples.gpu, samples.ts_ms
+    # A sample's slice (and the gap after it) lies in [ts, next sample or ts + interval). One
+    # inside the union of its GPU's memberships has no free time, so only the others (found by
+    # binary search in each GPU's run of samples) and the sample after each (their slice ends
+    # there) are sliced; the trace is not sliced again.
+    ua, ub, ug = _union_by_gpu(by_gpu, todo)
+    need_parts = []
+    for g in np.flatnonzero(todo).tolist():
+        f, c = int(first[g]), int(counts[g])
+        seg = ts[f : f + c]
+        at = 0  # samples before `at` are decided
+        for a, b in zip(ua[ug == g].tolist(), ub[ug == g].tolist(), strict=True):
+            lo = int(np.searchsorted(seg, a, "left"))
+            hi = int(np.searchsorted(seg, b, "right"))  # seg[lo:hi] start inside [a, b]
+            # Those whose next sample also starts by b are inside; the last one is, when it
+            # is the GPU's last sample and its one interval ends by b.
+            covered_end = hi if hi == c and hi > lo and seg[-1] + interval_ms <= b else hi - 1
+            if covered_end > lo:
+                if lo > at:
+                    need_parts.append(np.arange(f + at, f + lo))
+                at = max(at, covered_end)
+        if at < c:
+            need_parts.append(np.arange(f + at, f + c))
+    if not need_parts:
+        return zero
+    need = np.concatenate(need_parts)
+    not_last = need != (first + counts - 1)[gpu[need]]
+    sub = np.union1d(need, need[not_last] + 1)
+    # Runs of consecutive samples of one GPU become their own slicing groups: within a run every
+    # sample's next sample is there, so its slice is the trace's; a run's last sample that was
+    # only added as the next of another has a slice cut short, and is left out.
+    new_run = np.ones(sub.size, bool)
+    new_run[1:] = (sub[1:] != sub[:-1] + 1) | (gpu[sub[1:]] != gpu[sub[:-1]])
+    run = np.cumsum(new_run) - 1
+    n_runs = int(run[-1]) + 1
+    run_gpu = gpu[sub[new_run]].astype(np.int64)
+    none = np.full(n_runs, POS_INF, np.int64)
     s = make_slices(
-        samples.gpu[sel],
-        samples.ts_ms[sel],
-        samples.power_w[sel],
-        samples.energy_mj[sel],
-        band,
-        n_gpus,
+        run.astype(np.int32),
+        ts[sub],
+        samples.power_w[sub],
+        samples.energy_mj[sub],
+        np.full(sub.size, Band.UNKNOWN, np.int8),
+        n_runs,
         interval_ms,
         none,
         none,
         cfg.booking.gap_intervals,
     )
-    assigned = np.zeros(s.gpu.size, np.int64)  # assigned ms per slice
-    # Each GPU's slices once (a mask per GPU would scan every slice for every GPU).
-    order = np.argsort(s.gpu, kind="stable")
-    upto = np.cumsum(np.bincount(s.gpu, minlength=n_gpus))
+    run_last = np.append(new_run[1:], True)
+    use = np.ones(s.gpu.size, bool)
+    use[: sub.size] = ~run_last | np.isin(sub, need)
+    g_of = run_gpu[s.gpu[use]]
+    start, end, mj = s.start_ms[use], s.end_ms[use], s.energy_mj[use]
+    assigned = np.zeros(start.size, np.int64)  # assigned ms per slice
     for g, ivals in by_gpu.items():
         if not (g < n_gpus and todo[g]):
             continue
-        mine = order[(upto[g - 1] if g else 0) : upto[g]]
-        start, end = s.start_ms[mine], s.end_ms[mine]
+        mine = np.flatnonzero(g_of == g)
+        if mine.size == 0:
+            continue
+        st, en = start[mine], end[mine]
         for a, b in ivals:
-            assigned[mine] += np.clip(np.minimum(end, b) - np.maximum(start, a), 0, None)
-    dur = s.end_ms - s.start_ms
+            assigned[mine] += np.clip(np.minimum(en, b) - np.maximum(st, a), 0, None)
+    dur = end - start
     free = np.clip(dur - assigned, 0, None)
     frac = np.divide(free, dur, out=np.zeros(free.size), where=dur > 0)
     return {
         "gpu_hours": float(free.sum() / MS_PER_HOUR),
-        "energy_kwh": float((s.energy_mj * frac).sum() / MJ_PER_KWH),
+        "energy_kwh": float((mj * frac).sum() / MJ_PER_KWH),
     }
+
+
+def _union_by_gpu(
+    by_gpu: dict[int, list[tuple[int, int]]], todo: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each GPU's memberships merged into disjoint intervals, sorted by (gpu, start)."""
+    ua: list[int] = []
+    ub: list[int] = []
+    ug: list[int] = []
+    for g in sorted(by_gpu):
+        if not (g < todo.size and todo[g]):
+            continue
+        for a, b in sorted(by_gpu[g]):
+            if b <= a:
+                continue
+            if ug and ug[-1] == g and a <= ub[-1]:
+                ub[-1] = max(ub[-1], b)
+            else:
+                ua.append(a)
+                ub.append(b)
+                ug.append(g)
+    return np.asarray(ua, np.int64), np.asarray(ub, np.int64), np.asarray(ug, np.int64)
 
 
 def _money(x: float) -> float:
@@ -338,15 +399,16 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
     per_gpu_band = per_gpu_band_ms / MS_PER_HOUR
 
     tl = r.timeline
-    completed = len(tl.steps)
-    voided = sum(s.voided for s in tl.steps)
-    valid = completed - voided
-    tokens = sum(s.tokens for s in tl.steps if not s.voided)
+    # The job-level figures and the GPU time at risk as the live agent computes them (figures).
+    figs = job_figures(tl)
+    valid, tokens = figs["valid_steps"], figs["tokens"]
     cost_total = float(cat_cost.sum())
     wasted_ms = sum(cat_ms[c] for c in WASTED_CATEGORIES)
-    # GPU time since the last saved checkpoint (all of it without one), from the membership.
-    since = NEG_INF if tl.last_checkpoint_ms is None else tl.last_checkpoint_ms
-    at_risk_ms = float(sum(max(0, b - max(a, since)) for iv in r.member_intervals for a, b in iv))
+    # GPU time since the last saved checkpoint (all of it without one), over each stretch of
+    # membership: the live rule with the stretch's end as the horizon.
+    risk_ms = float(
+        sum(at_risk_ms(tl, b, np.asarray([a], np.int64)) for iv in r.member_intervals for a, b in iv)
+    )
     straggler = None
     if r.band_result.straggler_rank is not None:
         rank = r.band_result.straggler_rank
@@ -362,9 +424,9 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
         "cost_total": _money(cost_total),
         "gpu_hours_total": float(dur.sum() / MS_PER_HOUR),
         "wasted_gpu_hours": float(wasted_ms / MS_PER_HOUR),
-        "gpu_hours_at_risk": float(at_risk_ms / MS_PER_HOUR),
-        "steps_completed": completed,
-        "steps_voided": int(voided),
+        "gpu_hours_at_risk": float(risk_ms / MS_PER_HOUR),
+        "steps_completed": figs["steps_completed"],
+        "steps_voided": figs["steps_voided"],
         "valid_steps": valid,
         "tokens": int(tokens),
         "cost_per_valid_step": _money(cost_total / valid) if valid else None,
@@ -374,8 +436,8 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
         "profile": {"name": r.profile.name, "calibrated": r.profile.calibrated},
         "sampling_interval_s": r.band_result.interval_ms / 1000,
         "grid_s": r.band_result.grid_ms / 1000,
-        "stall_threshold_s": tl.stall_threshold_ms / 1000,
-        "last_checkpoint_step": tl.last_checkpoint_step,
+        "stall_threshold_s": figs["stall_threshold_s"],
+        "last_checkpoint_step": figs["last_checkpoint_step"] if figs["last_checkpoint_step"] >= 0 else None,
         "straggler": straggler,
         "meta": r.meta,
         "preflight": r.preflight,
@@ -446,7 +508,12 @@ def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OV
 
 
 def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
-    """Merged job-level stretches of one wasted category."""
+    """Merged job-level stretches of one wasted category.
+
+    A stretch is what the live agent's rule (`figures.extend_incidents`: a piece within `tol`
+    of the stretch's end extends it) makes of the pieces in time order, and its start, end,
+    GPU time, ranks and deadlock ranks are that function's; replay adds what it knows of the
+    whole job at once: the dominant band, the GPUs and hosts, and the cost."""
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
     out: list[dict] = []
@@ -464,44 +531,32 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
         new[1:] = s[1:] > reach[:-1] + tol
         gid = np.cumsum(new) - 1
         n = int(gid[-1]) + 1
-        g_start = s[new]
-        g_end = np.maximum.reduceat(e, np.flatnonzero(new))
+        bounds = np.append(np.flatnonzero(new), sel.size)
         dur = e - s
         g_ms = np.bincount(gid, weights=dur, minlength=n)
         g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
         g_cost = cfg.prices.cost(g_ms, g_mj, np.full(n, c), price_per_gpu_hour=price)
         band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
         dominant = band_ms.argmax(1) - 1
-        gpu_local = p.gpu[sel]
-        n_gpu = len(r.gpus)
-        hit = np.bincount(gid.astype(np.int64) * n_gpu + gpu_local, minlength=n * n_gpu)
-        members: list[list[int]] = [[] for _ in range(n)]
-        for key in np.flatnonzero(hit).tolist():
-            members[key // n_gpu].append(key % n_gpu)
         for i in range(n):
-            gl = members[i]
-            zero_ranks = sorted(
-                {
-                    int(rk)
-                    for a, b, zr in r.band_result.signatures
-                    if a < g_end[i] + tol and b > g_start[i] - tol
-                    for rk in zr
-                }
-            )
+            part = sel[bounds[i] : bounds[i + 1]]
+            stretch = Pieces(*(getattr(p, f)[part] for f in Pieces.__slots__))
+            [inc] = extend_incidents({}, stretch, r.ranks, "", tol, r.band_result.signatures).values()
+            gl = np.unique(stretch.gpu).tolist()
             out.append(
                 {
-                    "start": g_start[i] / 1000,
-                    "end": g_end[i] / 1000,
-                    "category": CATEGORIES[c],
+                    "start": inc["start"] / 1000,
+                    "end": inc["end"] / 1000,
+                    "category": inc["category"],
                     "band": BANDS[dominant[i]] if dominant[i] >= 0 else None,
-                    "ranks": sorted({int(r.ranks[x]) for x in gl}),
+                    "ranks": inc["ranks"],
                     # The deadlock signature's rank(s) at ~0% (R2): who left the collective.
-                    "zero_util_ranks": zero_ranks if dominant[i] == Band.DEADLOCK else [],
+                    "zero_util_ranks": inc["zero_util_ranks"],
                     "hosts": sorted({r.gpus[x].host for x in gl}),
                     "gpus": [
                         {"host": r.gpus[x].host, "gpu": r.gpus[x].index, "uuid": r.gpus[x].uuid} for x in gl
                     ],
-                    "gpu_hours": float(g_ms[i] / MS_PER_HOUR),
+                    "gpu_hours": inc["gpu_ms"] / MS_PER_HOUR,
                     "cost": _money(g_cost[i]),
                 }
             )

@@ -8,6 +8,7 @@ fail validation are looked at one by one, to name their line in a warning.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,12 +16,32 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pcsv
+
+try:  # the compute kernels a clean file needs, without pyarrow.compute's start-up (see _pc)
+    from pyarrow._compute import CastOptions, TrimOptions, call_function
+except ImportError:  # pragma: no cover - a pyarrow that moved them
+    from pyarrow.compute import CastOptions, TrimOptions, call_function
 
 from ..diagnostics import Diagnostics, InputError
 from ..events import FUTURE_SLACK_S, MIN_TS, EventError, UnknownEventType, parse_event
 from ..model import Event, GpuId, Samples
+
+
+def _pc():
+    """pyarrow.compute, imported on first use: it builds ~280 Python wrappers at import (30 ms of
+    the command's start-up, measured), and only files with odd rows need more than a trim and a
+    cast."""
+    import pyarrow.compute as pc
+
+    return pc
+
+
+# pyarrow's default pool on Linux (mimalloc) maps fresh memory for a run's first large buffers:
+# 0.2-0.4 s of kernel time per million CSV rows, measured, more than the parse itself. glibc's
+# malloc reuses the process heap. ARROW_DEFAULT_MEMORY_POOL, when set, still decides.
+if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
+    pa.set_memory_pool(pa.system_memory_pool())
 
 NA_MARKERS = [
     "[N/A]",
@@ -45,12 +66,12 @@ class SampleChunk:
     """Samples of one file, before GPUs are numbered across files."""
 
     hosts: list[str]  # host names; `host` indexes into them
-    host: np.ndarray  # int32
+    host: np.ndarray | None  # int32; None: every row is of hosts[0]
     index: np.ndarray  # int64
     ts_ms: np.ndarray
     power_w: np.ndarray
     util_pct: np.ndarray
-    energy_mj: np.ndarray
+    energy_mj: np.ndarray | None  # None: no energy counter (NaN in every row)
     uuid: dict[tuple[str, int], str]  # per GPU, not per row
     name: dict[tuple[str, int], str]
     power_limit_w: dict[tuple[str, int], float]
@@ -98,11 +119,14 @@ UNIT_CHARS = " W%JkmMiBHz"
 
 def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """Text like ' 951.20 W', '100 %', '[N/A]' to float64 (NaN for N/A), plus a bad-value mask."""
-    s = pc.utf8_trim(col, characters=UNIT_CHARS)
+    # ASCII units: the same as utf8_trim, faster.
+    s = call_function("ascii_trim", [col], TrimOptions(UNIT_CHARS))
     try:  # fast path: a clean column casts in one kernel
-        return pc.cast(s, pa.float64()).to_numpy(zero_copy_only=False), np.zeros(len(col), bool)
+        x = call_function("cast", [s], CastOptions.safe(pa.float64()))  # (Array.cast imports pc)
+        return x.to_numpy(zero_copy_only=False), np.zeros(len(col), bool)
     except pa.ArrowInvalid:
         pass
+    pc = _pc()
     markers = pa.array(NA_MARKERS + [m.strip(UNIT_CHARS) for m in NA_MARKERS] + [""])
     na = pc.fill_null(pc.is_in(s, value_set=markers), True)
     ok = pc.fill_null(pc.match_substring_regex(s, NUMBER_RE), False)
@@ -111,16 +135,100 @@ def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return x.to_numpy(zero_copy_only=False).astype(np.float64), bad
 
 
+# 'YYYY/MM/DD HH:MM:SS.fff': the separators of the date and time (the date's may be '-', the
+# middle one 'T'), and where the digits are.
+_TS_SEPS = {4: b"/-", 7: b"/-", 10: b" T", 13: b":", 16: b":", 19: b"."}
+_MINUTE_DIGITS = [0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15]
+_MONTH_DAYS = np.array([0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31])
+
+
+def _days_from_civil(y: np.ndarray, m: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Days since 1970-01-01 of proleptic Gregorian dates (H. Hinnant's algorithm)."""
+    y = y - (m <= 2)
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * ((m + 9) % 12) + 2) // 5 + d - 1
+    return era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+
+
+def _fixed_timestamps(col: pa.ChunkedArray) -> np.ndarray | None:
+    """Epoch ms (the naive time read as UTC) of a column whose every value is exactly
+    'YYYY/MM/DD HH:MM:SS' or 'YYYY/MM/DD HH:MM:SS.fff' (nvidia-smi writes nothing else), read
+    as fixed-width digits straight from Arrow's buffer; None when any value is not (or is not
+    a real date and time): the careful path decides those.
+
+    Consecutive rows mostly share their minute ('YYYY/MM/DD HH:MM'), so dates are worked out
+    once per minute and only the seconds per row."""
+    out = []
+    for ch in col.chunks:
+        n = len(ch)
+        if n == 0:
+            continue
+        if ch.null_count or not pa.types.is_string(ch.type):
+            return None
+        offs = np.frombuffer(ch.buffers()[1], np.int32, n + 1, ch.offset * 4)
+        width = int(offs[1] - offs[0])
+        if width not in (19, 23) or int(offs[-1] - offs[0]) != width * n or (np.diff(offs) != width).any():
+            return None
+        buf = ch.buffers()[2]
+        b = np.frombuffer(buf, np.uint8, width * n, int(offs[0])).reshape(n, width)
+        # Where the minute changes: its 16 bytes as two (unaligned) 8-byte words per row.
+        words = [np.ndarray((n,), "<u8", buf, int(offs[0]) + k, (width,)) for k in (0, 8)]
+        change = np.ones(n, bool)
+        change[1:] = (words[0][1:] != words[0][:-1]) | (words[1][1:] != words[1][:-1])
+        at = np.flatnonzero(change)
+        head = b[at]
+        for pos, allowed in _TS_SEPS.items():
+            if pos < width:
+                c = head[:, pos] if pos < 16 else b[:, pos]
+                ok = c == allowed[0]
+                if len(allowed) > 1:
+                    ok |= c == allowed[1]
+                if not ok.all():
+                    return None
+        dg = head[:, _MINUTE_DIGITS].astype(np.int64) - 48
+        sec = b[:, [17, 18, 20, 21, 22][: 2 if width == 19 else 5]].astype(np.int32) - 48
+        if ((dg < 0) | (dg > 9)).any() or ((sec < 0) | (sec > 9)).any():
+            return None
+        y = dg[:, 0] * 1000 + dg[:, 1] * 100 + dg[:, 2] * 10 + dg[:, 3]
+        mo = dg[:, 4] * 10 + dg[:, 5]
+        d = dg[:, 6] * 10 + dg[:, 7]
+        hh = dg[:, 8] * 10 + dg[:, 9]
+        mi = dg[:, 10] * 10 + dg[:, 11]
+        leap = (y % 4 == 0) & ((y % 100 != 0) | (y % 400 == 0))
+        dim = _MONTH_DAYS[np.clip(mo, 0, 12)] + (leap & (mo == 2))
+        if not ((mo >= 1) & (mo <= 12) & (d >= 1) & (d <= dim) & (hh < 24) & (mi < 60)).all():
+            return None
+        ss = sec[:, 0] * 10 + sec[:, 1]
+        if (ss >= 60).any():
+            return None
+        ms = ss * 1000
+        if width == 23:
+            ms += sec[:, 2] * 100 + sec[:, 3] * 10 + sec[:, 4]
+        minute_ms = (_days_from_civil(y, mo, d) * 1440 + hh * 60 + mi) * 60_000
+        out.append(np.repeat(minute_ms, np.diff(np.append(at, n))) + ms)
+    return np.concatenate(out) if out else None
+
+
 def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray]:
     """nvidia-smi local times ('2025/07/26 23:53:30.945') in zone `tz` to UTC epoch ms."""
-    try:  # fast path: every row is a well-formed timestamp
-        t = pc.cast(pc.replace_substring(col, "/", "-"), pa.timestamp("ms"))
+    fixed = _fixed_timestamps(col)
+    if fixed is not None:  # fastest path: every row in nvidia-smi's own fixed-width layout
+        if tz.upper() in ("UTC", "Z", "+00:00"):
+            return fixed, np.zeros(fixed.size, bool)
+        t = pa.array(fixed, pa.timestamp("ms"))
         bad = np.zeros(len(col), bool)
-    except pa.ArrowInvalid:
-        s = pc.replace_substring(pc.utf8_trim_whitespace(col), "/", "-")
-        ok = pc.fill_null(pc.match_substring_regex(s, TS_RE), False)
-        bad = ~ok.to_numpy(zero_copy_only=False)
-        t = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.timestamp("ms"))
+    else:
+        pc = _pc()
+        try:  # fast path: every row is a well-formed timestamp
+            t = pc.cast(pc.replace_substring(col, "/", "-"), pa.timestamp("ms"))
+            bad = np.zeros(len(col), bool)
+        except pa.ArrowInvalid:
+            s = pc.replace_substring(pc.utf8_trim_whitespace(col), "/", "-")
+            ok = pc.fill_null(pc.match_substring_regex(s, TS_RE), False)
+            bad = ~ok.to_numpy(zero_copy_only=False)
+            t = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.timestamp("ms"))
+    pc = _pc()
     if tz.upper() not in ("UTC", "Z", "+00:00"):
         t = pc.assume_timezone(t, timezone=tz, ambiguous="earliest", nonexistent="earliest")
     ms = pc.fill_null(pc.cast(t, pa.int64()), 0).to_numpy(zero_copy_only=False)
@@ -158,7 +266,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     try:
         table = pcsv.read_csv(
             path,
-            read_options=pcsv.ReadOptions(use_threads=False, block_size=1 << 24),
+            read_options=pcsv.ReadOptions(use_threads=False, block_size=1 << 20),
             parse_options=pcsv.ParseOptions(invalid_row_handler=on_invalid, ignore_empty_lines=False),
             convert_options=pcsv.ConvertOptions(
                 column_types={n: pa.string() for n in names}, strings_can_be_null=False
@@ -173,7 +281,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if invalid:
         line_of_row = np.setdiff1d(np.arange(2, total_lines + 1), np.asarray(invalid))
     else:
-        line_of_row = np.arange(2, n + 2)
+        line_of_row = range(2, n + 2)  # type: ignore[assignment]  # indexed like the array
     last_line = total_lines
     for num in invalid:
         if num == last_line and not ends_with_newline:
@@ -188,6 +296,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
         raise InputError(f"{path}: impossible timestamp: {e}") from None
     if bad_ts.any():  # blank lines and repeated headers are skipped silently
+        pc = _pc()
         ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
         drop |= pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
     if (
@@ -201,6 +310,8 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         drop[-1] = True
 
     def bad_rows(mask: np.ndarray, reason: str, detail: str) -> None:
+        if not mask.any():  # the usual case: one quick pass
+            return
         new = mask & ~drop
         for i in np.flatnonzero(new)[: diag.max_per_reason + 1]:
             diag.warn(str(path), int(line_of_row[i]), reason, detail)
@@ -241,37 +352,49 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
             ts_ms, drop, lambda line, why: diag.warn(str(path), line, "short_block", why), line_of_row
         )
 
-    keep = np.flatnonzero(~drop)
-    if keep.size == 0:
+    keep = np.flatnonzero(~drop) if drop.any() else None  # None: every row
+    if (keep is not None and keep.size == 0) or n == 0:
         mine = diag.counts - counts_before
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
         raise InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
     # Per-GPU attributes from each GPU's first row: a few values, not a column of strings.
-    first = keep[np.unique(index[keep], return_index=True)[1]]
+    first = _first_rows(index, keep)
 
     def per_gpu(key: str) -> dict[tuple[str, int], str]:
         if key not in col:
             return {}
-        vals = pc.utf8_trim_whitespace(pc.take(col[key], pa.array(first))).to_pylist()
+        vals = [v.strip() for v in call_function("take", [col[key], pa.array(first)]).to_pylist()]
         return {(host, int(index[i])): v for i, v in zip(first, vals, strict=True) if v}
 
     limits: dict[tuple[str, int], float] = {}
     if "power.limit" in col:
-        lim = _numeric(pc.take(col["power.limit"], pa.array(first)))[0]
+        lim = _numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
         limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
-    index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
+    if keep is not None:
+        index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
     return SampleChunk(
         hosts=[host],
-        host=np.zeros(index.size, np.int32),
+        host=None,
         index=index,
         ts_ms=ts_ms,
         power_w=power,
         util_pct=util,
-        energy_mj=np.full(index.size, np.nan),
+        energy_mj=None,
         uuid=per_gpu("uuid"),
         name=per_gpu("name"),
         power_limit_w=limits,
     )
+
+
+def _first_rows(index: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """The first kept row (None: every row is kept) of each GPU index, in index order. Every GPU
+    shows up within the first instants, so the head of the rows holds them all; a full sort
+    only when it does not."""
+    sub = index if keep is None else index[keep]
+    gpus, at = np.unique(sub[:4096], return_index=True)
+    if not (sub.min() >= 0 and sub.max() < 1 << 16 and np.count_nonzero(np.bincount(sub)) == gpus.size):
+        at = np.unique(sub, return_index=True)[1]
+    return at if keep is None else keep[at]
 
 
 def _positional_index(
@@ -289,15 +412,16 @@ def _positional_index(
     that ends short (the logger lost lines) is warned about, and counting restarts at the next
     instant.
     """
-    index = np.full(ts_ms.size, -1, np.int64)
-    rows = np.flatnonzero(~drop)
-    if rows.size == 0:
-        return index
-    t = ts_ms[rows]
-    new = np.ones(rows.size, bool)
+    every = not drop.any()  # the usual case: no row dropped, rows are lines
+    rows = np.arange(0) if every else np.flatnonzero(~drop)
+    n_rows = ts_ms.size if every else rows.size
+    if n_rows == 0:
+        return np.full(ts_ms.size, -1, np.int64)
+    t = ts_ms if every else ts_ms[rows]
+    new = np.ones(n_rows, bool)
     new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
     group_start = np.flatnonzero(new)
-    sizes = np.diff(np.append(group_start, rows.size))
+    sizes = np.diff(np.append(group_start, n_rows))
     # An instant ends where most of a sampling interval passes without a line (an early-stamped
     # GPU 0 line is split from the rest of its instant by 50-80 ms, not by one). N is the usual
     # number of lines between instant ends (a tie: the larger).
@@ -309,14 +433,19 @@ def _positional_index(
     n_gpus = max(int(counts.size - 1 - np.argmax(counts[::-1])), 1)
     # Count lines on from the last restart (`anchor`); where an instant ends before its block of
     # N is complete, the block was short and counting restarts after it. That depends only on the
-    # anchor modulo N, so the short blocks of each residue are found once.
+    # anchor modulo N, so the short blocks of each residue are found once (when needed).
     group_end = group_start + sizes
-    short_by_residue = [np.flatnonzero(((group_end - r) % n_gpus != 0) & ends_instant) for r in range(n_gpus)]
+    at_end = np.flatnonzero(ends_instant)
+    end_residue = group_end[at_end] % n_gpus
+    short_by_residue: dict[int, np.ndarray] = {}
     anchors = [0]
     short_groups = []
     j0 = 0
     while True:
-        cand = short_by_residue[anchors[-1] % n_gpus]
+        r = anchors[-1] % n_gpus
+        if r not in short_by_residue:
+            short_by_residue[r] = at_end[end_residue != r]
+        cand = short_by_residue[r]
         k = int(np.searchsorted(cand, j0))
         if k == cand.size:
             break
@@ -324,17 +453,24 @@ def _positional_index(
         short_groups.append(j)
         anchors.append(int(group_end[j]))
         j0 = j + 1
-    line = np.arange(rows.size)
-    anchor_arr = np.asarray(anchors, np.int64)
-    pos = (line - anchor_arr[np.searchsorted(anchor_arr, line, "right") - 1]) % n_gpus
+    line = np.arange(n_rows)
+    if len(anchors) == 1:
+        pos = line % n_gpus
+    else:
+        anchor_arr = np.asarray(anchors, np.int64)
+        pos = (line - anchor_arr[np.searchsorted(anchor_arr, line, "right") - 1]) % n_gpus
     ends = [int(group_end[j]) - 1 for j in short_groups]
-    if (rows.size - anchors[-1]) % n_gpus:
-        ends.append(rows.size - 1)  # the file ends inside an instant
+    if (n_rows - anchors[-1]) % n_gpus:
+        ends.append(n_rows - 1)  # the file ends inside an instant
     for last in ends if warn is not None else []:
+        row = last if every else int(rows[last])
         warn(
-            int(line_of_row[rows[last]]) if line_of_row is not None else int(rows[last]),
+            int(line_of_row[row]) if line_of_row is not None else row,
             f"an instant of {n_gpus} GPUs ends after {pos[last] + 1} line(s); lines are numbered in order",
         )
+    if every:
+        return pos
+    index = np.full(ts_ms.size, -1, np.int64)
     index[rows] = pos
     return index
 
@@ -478,11 +614,15 @@ def combine(chunks: list[SampleChunk]) -> Samples:
     keys = []
     for c in chunks:
         remap = np.asarray([host_no[h] for h in c.hosts], np.int64)
-        keys.append(remap[c.host] * width + c.index)
+        keys.append((remap[c.host] if c.host is not None else remap[0]) * width + c.index)
         uuids.update(c.uuid)
         names.update(c.name)
         limits.update(c.power_limit_w)
-    key = np.concatenate(keys)
+
+    def joined(arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # one file: no copy
+
+    key = joined(keys)
     # Dense numbering in O(n): keys are host * width + index, a small range.
     if key.size and len(hosts) * width <= 1 << 24:
         present = np.bincount(key, minlength=len(hosts) * width) > 0
@@ -494,13 +634,19 @@ def combine(chunks: list[SampleChunk]) -> Samples:
     for k in gpu_keys.tolist():
         h, ix = hosts[k // width], k % width
         gpus.append(GpuId(h, ix, uuids.get((h, ix)), names.get((h, ix)), limits.get((h, ix))))
+    if all(c.energy_mj is None for c in chunks):
+        energy = np.full(key.size, np.nan)
+    else:
+        energy = joined(
+            [c.energy_mj if c.energy_mj is not None else np.full(c.index.size, np.nan) for c in chunks]
+        )
     return Samples(
         gpus=gpus,
         gpu=gpu.astype(np.int32),
-        ts_ms=np.concatenate([c.ts_ms for c in chunks]),
-        power_w=np.concatenate([c.power_w for c in chunks]),
-        util_pct=np.concatenate([c.util_pct for c in chunks]),
-        energy_mj=np.concatenate([c.energy_mj for c in chunks]),
+        ts_ms=joined([c.ts_ms for c in chunks]),
+        power_w=joined([c.power_w for c in chunks]),
+        util_pct=joined([c.util_pct for c in chunks]),
+        energy_mj=energy,
     ).sort()
 
 

@@ -1,0 +1,91 @@
+"""Job figures both books compute the same way: the live agent round by round
+(costexporter.live), offline replay once over the whole trace (costexporter.replay).
+
+Pure: incidents from booked pieces, the job-level step figures, the GPU time at risk since the
+last checkpoint. Sharing them is what keeps the live and offline books from drifting apart.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .booking import Pieces, Timeline
+from .model import CATEGORIES, WASTED_CATEGORIES, Band
+
+
+def zero_util_ranks(
+    pieces: Pieces, sel: np.ndarray, signatures: list[tuple[int, int, list[int]]], tol_ms: int
+) -> list[int]:
+    """The ranks at ~0% in the signature runs that meet the deadlock-band pieces of `sel` (R2:
+    the rank that left the collective); empty when none of them is in the deadlock band."""
+    dead = sel & (pieces.band == Band.DEADLOCK)
+    if not dead.any() or not signatures:
+        return []
+    s, e = pieces.start_ms[dead], pieces.end_ms[dead]
+    return sorted(
+        {int(rk) for a, b, zr in signatures if bool(((a < e + tol_ms) & (b > s - tol_ms)).any()) for rk in zr}
+    )
+
+
+def extend_incidents(
+    open_: dict[str, dict],
+    pieces: Pieces,
+    own_ranks: np.ndarray,
+    host: str,
+    tol_ms: int,
+    signatures: list[tuple[int, int, list[int]]] | None = None,
+) -> dict[str, dict]:
+    """Extend or open the incidents (one open stretch per wasted category) with `pieces`;
+    `signatures` (the window's confirmed signature runs) name a deadlock's ~0% ranks."""
+    out = {k: dict(v) for k, v in open_.items()}
+    for c in sorted(WASTED_CATEGORIES):
+        sel = pieces.category == c
+        if not sel.any():
+            continue
+        name = CATEGORIES[c]
+        s, e = int(pieces.start_ms[sel].min()), int(pieces.end_ms[sel].max())
+        ranks = sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()})
+        zero = zero_util_ranks(pieces, sel, signatures or [], tol_ms)
+        ms = int((pieces.end_ms[sel] - pieces.start_ms[sel]).sum())
+        cur = out.get(name)
+        if cur is not None and s <= cur["end"] + tol_ms:
+            cur["end"] = max(cur["end"], e)
+            cur["gpu_ms"] += ms
+            cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
+            cur["zero_util_ranks"] = sorted(set(cur.get("zero_util_ranks", [])) | set(zero))
+        else:
+            out[name] = {
+                "category": name,
+                "start": s,
+                "end": e,
+                "gpu_ms": ms,
+                "ranks": ranks,
+                "zero_util_ranks": zero,
+                "host": host,
+            }
+    return out
+
+
+def job_figures(tl: Timeline) -> dict:
+    """Job-level figures: the same for every agent that reads the job's events (SET, not added)."""
+    steps = tl.steps
+    valid = [s for s in steps if not s.voided]
+    last = steps[-1] if steps else None
+    return {
+        "steps_completed": len(steps),
+        "steps_voided": len(steps) - len(valid),
+        "valid_steps": len(valid),
+        "tokens": sum(s.tokens for s in valid),
+        "last_step": last.step if last else -1,
+        "last_step_ts": last.ts_ms / 1000 if last else 0,
+        "last_checkpoint_step": tl.last_checkpoint_step if tl.last_checkpoint_step is not None else -1,
+        "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
+        "stall_threshold_s": tl.stall_threshold_ms / 1000,
+        "ended": int(tl.end_ms is not None),
+    }
+
+
+def at_risk_ms(tl: Timeline, horizon: int, member_start: np.ndarray) -> int:
+    """GPU time since the job's last saved checkpoint (all of it without one), on these GPUs."""
+    since = tl.last_checkpoint_ms
+    return int(sum(max(0, horizon - max(int(ms), since or int(ms))) for ms in member_start))
