@@ -190,10 +190,12 @@ def _json(raw: object) -> object:
 
 class LedgerStore:
     def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX) -> None:
+        from .. import redisconn
+
         self.r = client
         self.prefix = prefix
-        self._sum = client.register_script(SUM_BUCKETS)
-        self._steps = client.register_script(STEPS_WINDOW)
+        self._sum = redisconn.script(client, SUM_BUCKETS)  # EVAL on a cluster's pipelines
+        self._steps = redisconn.script(client, STEPS_WINDOW)
 
     def k(self, job: str, *parts: str) -> str:
         return ledger.key(self.prefix, job, *parts)
