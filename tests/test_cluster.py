@@ -17,6 +17,7 @@ import uuid
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from redis.exceptions import RedisClusterException
 
 from costexporter import ledger, protocol, redisconn
 from costexporter.api.app import create_app
@@ -320,3 +321,46 @@ def test_a_trainer_posts_to_the_cluster_and_the_watcher_sees_it_run_and_hang(clu
     finally:
         rep.close()
         w.stop()
+
+
+def test_the_documented_trainer_acl_works_on_the_cluster(cluster, tmp_path):
+    """docs/protocol.md's cluster ACL, set on every node: the trainer posts and nothing is spooled."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    job = "acl-job"
+    user = f"trainer-{uuid.uuid4().hex[:6]}"
+    rules = [
+        "on", ">s3cret", f"~{prefix}:{{{job}}}:*", f"~{prefix}:jobs",
+        "-@all", "+xadd", "+hset", "+zadd", "+ping", "+hello", "+auth", "+cluster|slots", "+command",
+    ]  # fmt: skip
+    for port in cluster.ports:
+        redis.Redis(port=port).execute_command("ACL", "SETUSER", user, *rules)
+    url = cluster.url.replace("redis+cluster://", f"redis+cluster://{user}:s3cret@")
+    try:
+        rep = StepReporter(job, url, rank=0, world_size=1, prefix=prefix, spool_dir=tmp_path)
+        for s in range(1, 4):
+            rep.step(s)
+        assert rep.flush(5)
+        rep.close()
+        admin = redisconn.from_url(cluster.url, decode_responses=True)
+        types = [f["type"] for _id, f in admin.xrange(protocol.stream_key(prefix, job))]
+        assert types == ["register", "run", "step", "step", "step", "run"]  # start ... end at close
+        assert admin.zscore(protocol.jobs_key(prefix), job) is not None
+        assert not list(tmp_path.glob("*.jsonl")) or all(
+            p.stat().st_size == 0 for p in tmp_path.glob("*.jsonl")
+        )
+    finally:
+        for port in cluster.ports:
+            redis.Redis(port=port).execute_command("ACL", "DELUSER", user)
+
+
+def test_mget_across_slots_on_the_cluster(cluster):
+    """The agent's idle levels (one key per GPU, in many slots) are read in one call."""
+    r = redisconn.from_url(cluster.url, decode_responses=True)
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    keys = [f"{prefix}:gpu:GPU-{i}:idle" for i in range(20)]
+    assert len({r.keyslot(k) for k in keys}) > 1
+    for i, k in enumerate(keys[::2]):
+        r.set(k, str(i))
+    assert redisconn.mget(r, keys) == [str(i // 2) if i % 2 == 0 else None for i in range(20)]
+    with pytest.raises(RedisClusterException, match="same key slot"):
+        r.mget(keys)  # what the agent did before: refused across slots
