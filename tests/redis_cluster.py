@@ -62,37 +62,40 @@ class RedisCluster:
             if (self.dir / f"{p}.log").exists()
         )
 
+    def _spawn(self, port: int) -> subprocess.Popen:
+        d = self.dir / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        return subprocess.Popen(
+            [
+                self.binary,
+                "--port", str(port),
+                "--bind", "127.0.0.1",
+                "--dir", str(d),
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{port}.conf",  # kept: a restarted node rejoins
+                "--cluster-node-timeout", "2000",
+                "--save", "",
+                "--appendonly", "no",
+                "--logfile", str(self.dir / f"{port}.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one master: its slots go unserved (no replicas) until `restart`."""
+        p = self.procs[self.ports.index(port)]
+        p.kill()
+        p.wait()
+
+    def restart(self, port: int) -> None:
+        """The killed master again, empty (no persistence), with its slots (nodes.conf kept)."""
+        self.procs[self.ports.index(port)] = self._spawn(port)
+        self._wait_ping(port)
+        self._wait_ok()
+
     def start(self) -> RedisCluster:
-        for port in self.ports:
-            d = self.dir / str(port)
-            d.mkdir(parents=True, exist_ok=True)
-            self.procs.append(
-                subprocess.Popen(
-                    [
-                        self.binary,
-                        "--port",
-                        str(port),
-                        "--bind",
-                        "127.0.0.1",
-                        "--dir",
-                        str(d),
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        f"nodes-{port}.conf",
-                        "--cluster-node-timeout",
-                        "2000",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--logfile",
-                        str(self.dir / f"{port}.log"),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                )
-            )
+        self.procs = [self._spawn(port) for port in self.ports]
         try:
             for port in self.ports:
                 self._wait_ping(port)

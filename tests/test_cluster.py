@@ -364,3 +364,46 @@ def test_mget_across_slots_on_the_cluster(cluster):
     assert redisconn.mget(r, keys) == [str(i // 2) if i % 2 == 0 else None for i in range(20)]
     with pytest.raises(RedisClusterException, match="same key slot"):
         r.mget(keys)  # what the agent did before: refused across slots
+
+
+def test_a_master_down_loses_no_trainer_event_and_the_jobs_index_comes_back(tmp_path):
+    """The node holding `<p>:jobs` dies (no replica) and comes back empty: the reporter keeps the
+    events while the batch fails, delivers every one once the node is back, and the next batch
+    writes the lost index entry again (the job's stream is on another node)."""
+    c = RedisCluster(tmp_path / "cluster").start()
+    try:
+        prefix = f"test-{uuid.uuid4().hex[:12]}"
+        r = redisconn.from_url(c.url, decode_responses=True)
+        jobs_node = r.get_node_from_key(protocol.jobs_key(prefix)).port
+        job = next(
+            f"job-{i}"
+            for i in range(1000)
+            if r.get_node_from_key(protocol.stream_key(prefix, f"job-{i}")).port != jobs_node
+        )
+        rep = StepReporter(
+            job,
+            c.url,
+            rank=0,
+            world_size=1,
+            prefix=prefix,
+            spool_dir=tmp_path / "spool",
+            socket_timeout_s=0.5,
+        )
+        for s in range(1, 4):
+            rep.step(s)
+        assert rep.flush(5)
+        c.kill(jobs_node)
+        for s in range(4, 7):
+            rep.step(s)
+        assert not rep.flush(1.5)  # the batch cannot go out whole: it is kept, not dropped
+        c.restart(jobs_node)
+        assert rep.flush(20)
+        rep.close()
+        steps = [
+            int(f["step"]) for _id, f in r.xrange(protocol.stream_key(prefix, job)) if f["type"] == "step"
+        ]
+        assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # duplicates are dropped by the reader
+        assert r.zscore(protocol.jobs_key(prefix), job) is not None
+        assert rep.stats["rejected"] == 0
+    finally:
+        c.stop()
