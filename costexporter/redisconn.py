@@ -20,6 +20,16 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _TRUE = {"1", "true", "yes", "on"}
+# WATCH/MULTI/EXEC on a cluster pipeline (the agent's compare-and-set round) came in redis-py 6.1.
+MIN_CLUSTER_REDIS_PY = (6, 1)
+
+
+def _version(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) or "0"
+        out.append(int(digits))
+    return tuple(out)
 
 
 def is_cluster_url(url: str) -> bool:
@@ -65,6 +75,11 @@ def from_url(url: str, **kwargs):
 
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **kwargs)
+    if _version(redis.__version__) < MIN_CLUSTER_REDIS_PY:
+        raise ValueError(
+            f"a Redis Cluster needs redis-py >= 6.1 (transactions on a cluster), not "
+            f"{redis.__version__}: pip install -U 'redis>=6.1'"
+        )
     from redis.cluster import ClusterNode, RedisCluster
 
     base, seeds = _cluster_parts(url)

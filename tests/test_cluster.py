@@ -407,3 +407,46 @@ def test_a_master_down_loses_no_trainer_event_and_the_jobs_index_comes_back(tmp_
         assert rep.stats["rejected"] == 0
     finally:
         c.stop()
+
+
+def test_kubernetes_registrations_and_the_incident_index_on_the_cluster(cluster):
+    """The agent's other writers: the pod registrations' allocation script and transactions (one
+    job's slot each), and the API's startup SCAN that indexes incident hashes (run per node)."""
+    from costexporter.k8s import KubernetesJobs
+    from costexporter.sources.dcgm import DcgmSource
+
+    from .test_k8s import HOST, FakeDcgmExporter, _wait
+
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    r = redisconn.from_url(cluster.url, decode_responses=True)
+    exp = FakeDcgmExporter([{"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"}] * 2)
+    src = DcgmSource([exp.url], host=HOST)
+    kj = KubernetesJobs(protocol.connect(cluster.url), prefix, src, HOST)
+    try:
+        src.read()
+        kj.sync()
+        _wait("registered", lambda: len(r.hgetall(protocol.ranks_key(prefix, "nlp:bert"))) == 2)
+        for g in (0, 1):
+            exp.set(g, pod=None, ns=None)
+        src.read()
+        kj.sync()
+        runs = [
+            f.get("state") for _, f in r.xrange(protocol.stream_key(prefix, "nlp:bert")) if f["type"] == "run"
+        ]
+        assert runs == ["end"] and kj.errors == 0  # as on one Redis (test_k8s)
+    finally:
+        exp.close()
+    # Incident hashes of jobs in different slots, without their index: one SCAN finds them all.
+    jobs = [f"job-{i}" for i in range(12)]
+    assert len({r.keyslot(protocol.job_key(prefix, j, "x")) for j in jobs}) > 3
+    for j in jobs:
+        r.hset(ledger.incidents_key(prefix, j, "agent-a"), "stalled:1", "{}")
+    assert ledger.index_incidents(r, prefix) == len(jobs)
+    assert all(r.smembers(ledger.incident_index_key(prefix, j)) == {"agent-a"} for j in jobs)
+
+
+def test_an_old_redis_py_is_a_one_line_error_for_a_cluster_url(monkeypatch):
+    monkeypatch.setattr(redis, "__version__", "5.2.1")
+    with pytest.raises(ValueError, match=r"redis-py >= 6.1 .* not 5.2.1"):
+        redisconn.from_url("redis+cluster://127.0.0.1:7000")
+    assert isinstance(redisconn.from_url(SHARED_URL), redis.Redis)  # one Redis: any redis-py
