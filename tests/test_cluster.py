@@ -450,3 +450,15 @@ def test_an_old_redis_py_is_a_one_line_error_for_a_cluster_url(monkeypatch):
     with pytest.raises(ValueError, match=r"redis-py >= 6.1 .* not 5.2.1"):
         redisconn.from_url("redis+cluster://127.0.0.1:7000")
     assert isinstance(redisconn.from_url(SHARED_URL), redis.Redis)  # one Redis: any redis-py
+
+
+def test_the_helm_chart_takes_a_cluster_url():
+    """`redis.url` with the cluster scheme passes the chart's schema and reaches the Secret."""
+    from .test_helm import TOKENS, _by_kind, _render
+
+    url = "redis+cluster://costexporter:pw@redis-0.redis:6379,redis-1.redis:6379"
+    k = _by_kind(_render({**TOKENS, "redis": {"enabled": False, "url": url}}))
+    (sec,) = [s for s in k["Secret"] if s["metadata"]["name"].endswith("redis-url")]
+    assert sec["stringData"]["url"] == url
+    with pytest.raises(Exception, match="/redis/url"):
+        _render({**TOKENS, "redis": {"enabled": False, "url": "cluster://redis-0:6379"}})
