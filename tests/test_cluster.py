@@ -462,3 +462,62 @@ def test_the_helm_chart_takes_a_cluster_url():
     assert sec["stringData"]["url"] == url
     with pytest.raises(Exception, match="/redis/url"):
         _render({**TOKENS, "redis": {"enabled": False, "url": "cluster://redis-0:6379"}})
+
+
+def test_schemathesis_finds_no_server_error_on_the_cluster(cluster, mirrored):
+    """Every operation with generated parameters over the cluster's copy of the ledger: never a
+    5xx (odd windows send a script no bucket key, odd job names hash anywhere)."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    store = LedgerStore(redisconn.from_url(cluster.url, decode_responses=True), mirrored)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(store))
+    for op in [result.ok() for result in schema.get_all_operations()]:
+
+        @given(op.as_strategy())
+        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            response = case.call()
+            assert response.status_code < 500, (
+                case.method,
+                case.formatted_path,
+                case.query,
+                response.text[:300],
+            )
+
+        check()
+
+
+def test_a_window_with_no_bucket_and_an_unknown_job_on_the_cluster(backends, mirrored, cluster):
+    api = _api(cluster.url, mirrored)
+    empty = api.get("/api/v1/jobs/llm-run", params={"window": "2025-07-26T00:00:00Z,2025-07-26T00:00:01Z"})
+    assert empty.status_code == 200 and empty.json()["gpu_hours"] == 0
+    assert api.get("/api/v1/jobs/no-such-job").status_code == 404
+
+
+def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(cluster):
+    """ledger.commit on a cluster: a watermark changed between WATCH and EXEC (a second agent
+    with the same id) aborts the whole round, amounts included; a clean round applies whole."""
+    import numpy as np
+
+    from costexporter.model import Category
+
+    prefix, job, agent = f"test-{uuid.uuid4().hex[:12]}", "cas-job", "node0"
+    r = redisconn.from_url(cluster.url, decode_responses=True)
+    other = redisconn.from_url(cluster.url, decode_responses=True)
+    a = np.zeros((len(Category), 3), np.int64)
+    a[Category.PRODUCTIVE] = [1000, 5, 7]
+
+    def queue(pipe, sneak: bool = False) -> None:
+        if sneak:  # another writer of the same watermark, after WATCH, before EXEC
+            other.set(ledger.key(prefix, job, "wm", agent), '{"booked_until": 1}')
+        ledger.queue_amounts(pipe, prefix, job, {1_753_531_200: a}, "v1")
+
+    raw = ledger.commit(r, prefix, job, agent, None, {"booked_until": 2}, queue)
+    assert ledger.read_amounts(r, prefix, job)["productive:ms"] == 1000
+    with pytest.raises(ledger.Conflict):
+        ledger.commit(r, prefix, job, agent, raw, {"booked_until": 3}, lambda p: queue(p, sneak=True))
+    assert ledger.read_amounts(r, prefix, job)["productive:ms"] == 1000  # nothing of the aborted round
+    with pytest.raises(ledger.Conflict):  # and a stale expectation is refused before MULTI
+        ledger.commit(r, prefix, job, agent, raw, {"booked_until": 4}, queue)
+    assert ledger.load_watermark(r, prefix, job, agent) == {"booked_until": 1}
