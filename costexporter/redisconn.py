@@ -193,20 +193,4 @@ def mget(client, keys: list[str]) -> list:
     return client.mget(keys)
 
 
-def errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean "Redis (or the cluster) is unreachable or not serving now"."""
-    import redis
-    from redis.exceptions import ClusterDownError, ClusterError, RedisClusterException, SlotNotCoveredError
-
-    return (
-        redis.ConnectionError,
-        redis.TimeoutError,
-        OSError,
-        ClusterDownError,
-        ClusterError,
-        RedisClusterException,
-        SlotNotCoveredError,
-    )
-
-
 _UNREACHABLE = _unreachable_class()
