@@ -383,7 +383,9 @@ class Agent:
         if not keys:
             return
         if not self._idle_seeded:
-            for u, raw in zip(keys, self.redis.mget(list(keys.values())), strict=True):
+            from . import redisconn  # MGET across slots: one per slot on a Redis Cluster
+
+            for u, raw in zip(keys, redisconn.mget(self.redis, list(keys.values())), strict=True):
                 try:
                     d = json.loads(raw) if raw else None
                     if d:

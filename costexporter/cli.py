@@ -111,8 +111,10 @@ def _require_redis(url: str, says: str = "Redis at {url} is unreachable: {e}") -
     `{url}` (without credentials) and `{e}` filled in."""
     import redis
 
+    from . import redisconn
+
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
+        redisconn.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
     except (redis.RedisError, OSError, ValueError) as e:
         raise InputFailure(says.format(url=_safe_url(url), e=e)) from None
 
@@ -615,8 +617,7 @@ DEFAULT_API_PORT = 9403
 
 def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **options):
     """The finance API app; `options`: cache_mb and the FOCUS names (focus_provider, ...)."""
-    import redis
-
+    from . import redisconn
     from .api.app import create_app
     from .api.auth import TokenConfigError, Tokens
     from .api.export import FocusSettings
@@ -628,7 +629,7 @@ def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, *
         raise InputFailure(str(e)) from None
     if not tokens.enabled:
         click.echo("costexporter api: no tokens file: the API is open to anyone who can reach it", err=True)
-    client = redis.Redis.from_url(
+    client = redisconn.from_url(
         redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
     )
     store = LedgerStore(client, prefix)

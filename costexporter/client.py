@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import coerce, exitstatus, protocol, spool
+from . import coerce, exitstatus, protocol, redisconn, spool
 from .events import (
     BASE_FIELDS,
     MAX_GPU_INDEX,
@@ -280,7 +280,7 @@ class StepReporter:
         from redis.retry import Retry
 
         # No client-side retries: the sender loop owns backoff, so a dead server costs one attempt.
-        self._redis = redis.Redis.from_url(
+        self._redis = redisconn.from_url(
             self.redis_url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=min(1.0, socket_timeout_s),
@@ -721,6 +721,10 @@ def send_entries(
                 owners.append((i, False))
         with contextlib.suppress(TypeError, ValueError):
             last_ts = max(last_ts, float(e.get("ts", 0.0)))
+    # The jobs index is another slot than the job's keys: on a Redis Cluster this pipeline goes to
+    # two nodes in no set order. Either order is safe: a reader that finds the job before its
+    # stream or ranks reads nothing new yet, and a stream whose index write failed is listed by
+    # the next batch (every batch repeats the ZADD; GT keeps the newest time).
     pipe.zadd(protocol.jobs_key(prefix), {job: last_ts}, gt=True)
     owners.append((None, False))
     results = pipe.execute(raise_on_error=raise_on_error)

@@ -185,10 +185,10 @@ def check_occupancy(cfg: PreflightConfig) -> Check:
         return Check("occupancy", "unknown", "no Redis to read the agents' node state from")
     import redis
 
-    from . import ledger
+    from . import ledger, redisconn
 
     try:
-        r = redis.Redis.from_url(
+        r = redisconn.from_url(
             cfg.redis_url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True
         )
         pipe = r.pipeline(transaction=False)
@@ -301,12 +301,10 @@ def run(cfg: PreflightConfig) -> tuple[bool, list[Check]]:
 def post(cfg: PreflightConfig, passed: bool, checks: list[Check]) -> None:
     """Post the result as the job's `preflight` event, so the ledger and the API
     show that a run was launched with a failing gate."""
-    import redis
-
-    from . import protocol
+    from . import protocol, redisconn
     from .client import send_entries
 
-    r = redis.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True)
+    r = redisconn.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True)
     entry = protocol.encode_fields(
         {
             "v": "1",

@@ -19,12 +19,14 @@ JOB_RE = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
 
 def connect(url: str):
     """A client for the agent and the watcher: short timeouts and no retries, so an outage shows
-    at once as an error the caller counts, instead of a round that hangs."""
-    import redis
+    at once as an error the caller counts, instead of a round that hangs. A Redis Cluster URL
+    (`redis+cluster://host:port`) gives a cluster client (redisconn)."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis.from_url(
+    from . import redisconn
+
+    return redisconn.from_url(
         url,
         socket_timeout=2.0,
         socket_connect_timeout=1.0,

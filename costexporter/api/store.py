@@ -338,15 +338,18 @@ class LedgerStore:
     exact path the rollups are tested against)."""
 
     def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True) -> None:
+        from .. import redisconn
+
         self.r = client
         self.prefix = prefix
         self.use_rollups = use_rollups
-        self._sum = client.register_script(SUM_BUCKETS)
-        self._steps = client.register_script(STEPS_WINDOW)
-        self._windows = client.register_script(ROLLUP_WINDOWS)
-        self._teams = client.register_script(TEAMS)
-        self._series = client.register_script(SERIES)
-        self.batch = 1 if isinstance(client, redis.cluster.RedisCluster) else BATCH
+        # EVAL, not EVALSHA, on a cluster's pipelines: a node may never have loaded the script.
+        self._sum = redisconn.script(client, SUM_BUCKETS)
+        self._steps = redisconn.script(client, STEPS_WINDOW)
+        self._windows = redisconn.script(client, ROLLUP_WINDOWS)
+        self._teams = redisconn.script(client, TEAMS)
+        self._series = redisconn.script(client, SERIES)
+        self.batch = 1 if redisconn.is_cluster(client) else BATCH
 
     def k(self, job: str, *parts: str) -> str:
         return ledger.key(self.prefix, job, *parts)

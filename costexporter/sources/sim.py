@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import protocol
+from .. import protocol, redisconn
 from ..client import StepReporter
 from ..model import Event, Samples
 from ..synth import SCENARIOS, TraceBuilder
@@ -144,7 +144,7 @@ class SimSource(ReplaySource):
 
         try:
             if self._clock_client is None:
-                self._clock_client = redis.Redis.from_url(
+                self._clock_client = redisconn.from_url(
                     self._redis_url or protocol.DEFAULT_REDIS_URL,
                     socket_timeout=1.0,
                     socket_connect_timeout=1.0,
@@ -254,7 +254,7 @@ def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
     writes, less the lag of its trainers' events); the wall clock until one is seen."""
     import redis
 
-    client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = redisconn.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
     last = {"sim": None, "wall": 0.0, "speed": 1.0, "lag": 0.0}
 
     def now() -> float:

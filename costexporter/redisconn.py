@@ -1,0 +1,196 @@
+"""One place that turns a Redis URL into a client: a single Redis or a Redis Cluster.
+
+A Redis Cluster is named by its scheme, `redis+cluster://host:port` (TLS: `rediss+cluster://`),
+or by `?cluster=true` on an ordinary `redis://` URL. Several seed nodes may be listed,
+`redis+cluster://h1:7000,h2:7000`, so a client starts while one of them is down; the client
+learns the rest of the cluster from whichever answers. Credentials and query options
+(`ssl_ca_certs`, ...) are those of redis-py's URLs and apply to every node. A cluster has only
+database 0.
+
+Every key of a job carries the job as a hash tag (`<prefix>:{<job>}:...`, protocol.job_key), so a
+job's transaction stays in one slot; the few keys outside a job (the jobs index, node and GPU
+keys, the epoch marker) are written by single commands or non-transactional pipelines, which
+redis-py's cluster client splits per node.
+"""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_TRUE = {"1", "true", "yes", "on"}
+# WATCH/MULTI/EXEC on a cluster pipeline (the agent's compare-and-set round) came in redis-py 6.1.
+MIN_CLUSTER_REDIS_PY = (6, 1)
+
+
+def _version(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) or "0"
+        out.append(int(digits))
+    return tuple(out)
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether `url` names a Redis Cluster (`redis+cluster://`, `rediss+cluster://`, `?cluster=true`)."""
+    u = urlsplit(url)
+    if u.scheme.lower() in CLUSTER_SCHEMES:
+        return True
+    return any(k == "cluster" and v.lower() in _TRUE for k, v in parse_qsl(u.query))
+
+
+def _cluster_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """The URL redis-py's RedisCluster understands (first seed, no `cluster` option, no db) and
+    every seed node as (host, port). ValueError (one line) for a database other than 0."""
+    u = urlsplit(url)
+    scheme = CLUSTER_SCHEMES.get(u.scheme.lower(), u.scheme.lower() or "redis")
+    if scheme not in ("redis", "rediss"):
+        raise ValueError(f"a Redis Cluster URL is redis+cluster:// or rediss+cluster://, not {u.scheme}://")
+    query = [(k, v) for k, v in parse_qsl(u.query) if k != "cluster"]
+    db = (u.path or "/").strip("/") or dict(query).get("db", "0")
+    if db != "0":
+        raise ValueError(f"a Redis Cluster has only database 0, not {db!r}")
+    query = [(k, v) for k, v in query if k != "db"]
+    creds, _, hosts = u.netloc.rpartition("@")
+    seeds: list[tuple[str, int]] = []
+    for h in hosts.split(","):
+        part = urlsplit(f"//{h}")
+        try:
+            port = part.port or 6379
+        except ValueError:
+            raise ValueError(f"bad port in Redis Cluster node {h!r}") from None
+        seeds.append((part.hostname or "127.0.0.1", port))
+    first = f"{seeds[0][0]}:{seeds[0][1]}" if ":" not in seeds[0][0] else f"[{seeds[0][0]}]:{seeds[0][1]}"
+    netloc = f"{creds}@{first}" if creds else first
+    return urlunsplit((scheme, netloc, "", urlencode(query), "")), seeds
+
+
+def from_url(url: str, **kwargs):
+    """A redis-py client for `url`: `redis.Redis` for one Redis, a `redis.RedisCluster` (behind
+    `LazyCluster`) for a cluster URL. `kwargs` (timeouts, `retry`, `decode_responses`) go to
+    either, so each caller keeps its own timeouts; `retry` of a cluster client governs its outage
+    retries (it follows MOVED/ASK redirects in any case)."""
+    import redis
+
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, **kwargs)
+    if _version(redis.__version__) < MIN_CLUSTER_REDIS_PY:
+        raise ValueError(
+            f"a Redis Cluster needs redis-py >= 6.1 (transactions on a cluster), not "
+            f"{redis.__version__}: pip install -U 'redis>=6.1'"
+        )
+    from redis.cluster import ClusterNode, RedisCluster
+
+    base, seeds = _cluster_parts(url)
+
+    def make():
+        return RedisCluster(
+            url=base, startup_nodes=[ClusterNode(h, p) for h, p in seeds[1:]] or None, **kwargs
+        )
+
+    return LazyCluster(make)
+
+
+def _unreachable_class():
+    import redis
+    from redis.exceptions import RedisClusterException
+
+    class ClusterUnreachable(redis.ConnectionError, RedisClusterException):
+        """No node of the cluster answered: a ConnectionError, as a single Redis's outage is."""
+
+    return ClusterUnreachable
+
+
+class LazyCluster:
+    """A RedisCluster built on first use, and its topology errors shown as ConnectionError.
+
+    redis-py's cluster client connects in its constructor and, when no node answers, raises
+    RedisClusterException (not a RedisError). The trainer's reporter must start while Redis is
+    down and every caller counts an outage as `redis.ConnectionError`, as with one Redis; this
+    wrapper gives both. Every attribute is the real client's."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self._client = None
+        self._lock = threading.Lock()
+
+    def _get(self):
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = _guard(_call(self._make))
+        return self._client
+
+    @property
+    def cluster(self):
+        """The redis-py RedisCluster (connecting now if it has not yet)."""
+        return self._get()
+
+    def __getattr__(self, name: str):
+        return getattr(self._get(), name)
+
+    def __repr__(self) -> str:
+        return f"LazyCluster({self._client!r})"
+
+
+def _call(fn, *args, **kwargs):
+    """fn(...), with "no node answers" raised as ClusterUnreachable (a redis.ConnectionError)."""
+    from redis.exceptions import RedisClusterException
+
+    try:
+        return fn(*args, **kwargs)
+    except RedisClusterException as e:
+        if isinstance(e, _UNREACHABLE) or "cannot be connected" not in str(e):
+            raise
+        raise _UNREACHABLE(str(e)) from None
+
+
+def _guard(client):
+    """Make the client's topology refresh (run after a node fails, also inside pipelines, which
+    share its nodes manager) raise ClusterUnreachable when no node answers."""
+    nm = client.nodes_manager
+    init = nm.initialize
+
+    def initialize(*args, **kwargs):
+        return _call(init, *args, **kwargs)
+
+    nm.initialize = initialize
+    return client
+
+
+def is_cluster(client) -> bool:
+    """Whether `client` talks to a Redis Cluster."""
+    if isinstance(client, LazyCluster):
+        return True
+    from redis.cluster import ClusterPipeline, RedisCluster
+
+    return isinstance(client, (RedisCluster, ClusterPipeline))
+
+
+def script(client, text: str):
+    """`client.register_script(text)`, usable on a cluster's pipelines too.
+
+    redis-py's Script loads itself only into a single Redis's pipelines; on a cluster pipeline it
+    would send EVALSHA to a node that may never have seen the script (NOSCRIPT, a wrong None).
+    There the call sends EVAL, which every node runs (and caches) whatever it loaded before."""
+    if not is_cluster(client):
+        return client.register_script(text)
+
+    def run(keys=(), args=(), client=client):
+        keys, args = list(keys), list(args)
+        # execute_command: ClusterPipeline has no eval(); the keys still pick the slot's node.
+        return client.execute_command("EVAL", text, len(keys), *keys, *args)
+
+    return run
+
+
+def mget(client, keys: list[str]) -> list:
+    """MGET of keys in any slots: one MGET on a single Redis; on a cluster, one per slot
+    (redis-py's `mget_nonatomic`), as a cluster refuses a multi-key command across slots."""
+    if is_cluster(client):
+        return client.mget_nonatomic(keys)
+    return client.mget(keys)
+
+
+_UNREACHABLE = _unreachable_class()
