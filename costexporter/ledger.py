@@ -293,14 +293,15 @@ def queue_rollup(
     args: list = [version]
     for b in sorted(net):
         args += [str(b), "[" + ",".join(str(int(x)) for x in net[b].reshape(-1)) + "]"]
-    pipe.eval(ROLLUP_ADD, 3, *_rollup_keys(prefix, job), *args)
+    # execute_command: a cluster's pipeline has no eval(); the keys still pick the job's node.
+    pipe.execute_command("EVAL", ROLLUP_ADD, 3, *_rollup_keys(prefix, job), *args)
 
 
 def build_rollup(client, prefix: str, job: str) -> bool:
     """Build the rollup of a ledger written before rollups existed (one atomic script); False if
     it already had one."""
     bucket_prefix = key(prefix, job, "ledger", "5m", "")
-    return bool(client.eval(ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
+    return bool(client.execute_command("EVAL", ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
 
 
 def build_rollups(client, prefix: str) -> int:
