@@ -167,6 +167,10 @@ class Timeline:
     phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
     stall_threshold_ms: int = 60_000  # in force at the end of the job's events
     decided_until_ms: int = POS_INF  # live: where the first PENDING segment starts
+    # A folded timeline (`fold.TimelineFold`) keeps only recent step records: `steps[0]` is record
+    # `step_base`, and `summary` (a `fold.StepSummary`) counts the rest.
+    step_base: int = 0
+    summary: object | None = None
 
 
 def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
