@@ -33,8 +33,9 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import ledger, live, profiles, protocol
-from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, make_slices
+from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, build_timeline, make_slices
 from .cost import Prices, price_override_note
+from .fold import TimelineFold, walk_relevant
 from .live import JobState, book_window
 from .model import BANDS, Category, Event
 from .profiles import Profile
@@ -45,6 +46,8 @@ from .sources.sampler import Sampler
 log = logging.getLogger("costexporter.agent")
 
 SAMPLES_MAXLEN = 5000  # entries per host sample stream (one entry per round)
+# Buckets (s) of `costexporter_agent_round_seconds`: a round is ~ms; seconds means trouble.
+ROUND_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
@@ -77,13 +80,21 @@ class AgentConfig:
     # Book no closer to the newest sample than this: events that arrive up to this late are
     # booked as if on time (a startup or phase allowance is decided at once otherwise).
     event_lag_s: float = 0.0
+    # Events are folded into a job's timeline for good this far behind the newest data time; one
+    # that arrives later than that (older than the fold) makes the agent rebuild the job's
+    # timeline from its stream once (counted in `timeline_rebuilds`).
+    fold_lag_s: float = 120.0
 
 
 @dataclass
 class _Job:
     name: str
     reader: EventReader
-    events: list[Event] = field(default_factory=list)
+    # The job's timeline, folded event by event (bounded); the walk-relevant events read since
+    # the last round wait in `fresh` until the round knows the job's start.
+    fold: TimelineFold | None = None
+    fresh: list[Event] = field(default_factory=list)
+    newest_event_ms: int = 0  # the newest event time read (the fold stays behind it)
     meta: dict = field(default_factory=dict)  # the job's meta events folded, last write wins
     preflight: str = ""  # JSON of the latest pre-run gate result
     ranks: dict[int, protocol.Registration] = field(default_factory=dict)
@@ -161,6 +172,9 @@ class Agent:
         self._logged: set[tuple] = set()
         self.lock = threading.Lock()
         self._stop = threading.Event()
+        # Round CPU time: per bucket of ROUND_BUCKETS (+Inf last), and the sum (s).
+        self.round_counts = [0] * (len(ROUND_BUCKETS) + 1)
+        self.round_sum = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Agent:
@@ -218,6 +232,18 @@ class Agent:
 
     # ---- one round -----------------------------------------------------------------------
     def tick(self) -> None:
+        t0 = time.thread_time()  # this thread's: the sampler's reads are not the round's
+        self._tick()
+        self._observe_round(time.thread_time() - t0)
+
+    def _observe_round(self, seconds: float) -> None:
+        """Into the round histogram: the CPU a round took, which must not grow with history."""
+        i = next((k for k, b in enumerate(ROUND_BUCKETS) if seconds <= b), len(ROUND_BUCKETS))
+        with self.lock:
+            self.round_counts[i] += 1
+            self.round_sum += seconds
+
+    def _tick(self) -> None:
         readings = self.sampler.drain()
         if readings:
             chunk = (
@@ -456,18 +482,50 @@ class Agent:
     def _load(self, job: _Job) -> None:
         """The job's state as the ledger has it (at start, and after an uncertain write)."""
         raw = self.redis.get(ledger.key(self.cfg.prefix, job.name, "wm", self.cfg.agent_id))
-        rb = self.redis.hgetall(ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id))
-        job.state = JobState.from_json(
-            json.loads(raw) if raw else {}, {int(k): json.loads(v) for k, v in rb.items()}
-        )
+        # The rollback index stays in Redis: a round reads the entries its voids need.
+        job.state = JobState.from_json(json.loads(raw) if raw else {}, {})
         job.wm_raw = raw
         job.loaded = job.ever_loaded = True
+
+    def _timeline(self, job: _Job, job_start: int, now_ms: int):
+        """The job's timeline at `now_ms` from its fold; the fold is (re)built from the job's
+        stream, up to where its reader is, when there is none yet, the job's start moved, or an
+        event arrived older than what was folded."""
+        if job.fold is not None and job.fold.start_ms == job_start:
+            job.fold.add(job.fresh)
+            job.fresh = []
+            tl = job.fold.timeline(now_ms)
+            if tl is not None:
+                return tl
+        if job.fold is not None:
+            self.stats["timeline_rebuilds"] += 1
+        reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
+        events = [ev for ev in reader.read_until(job.reader.cursor, count=100_000) if walk_relevant(ev)]
+        job.fold, job.fresh = TimelineFold(self.cfg.booking, job_start), []
+        job.fold.add(events)
+        tl = job.fold.timeline(now_ms)
+        if tl is None:  # not foldable (a declared phase named `startup`): built from every event
+            job.fold = None
+            tl = build_timeline(events, self.cfg.booking, job_start, now_ms, final=False)
+        return tl
+
+    def _fetch_index(self, job: _Job, tl) -> None:
+        """The rollback index entries this round's voids read, from the agent's `rbidx` hash."""
+        need = sorted(live.needed_index_entries(tl, job.state.rb_applied) - set(job.state.rb_index))
+        if not need:
+            return
+        k = ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id)
+        for i, v in zip(need, self.redis.hmget(k, [str(i) for i in need]), strict=True):
+            if v is not None:
+                job.state.rb_index[i] = json.loads(v)
 
     def _read_events(self, job: _Job) -> None:
         """New events of the job; meta and the gate's result folded; rejections and clock skew
         made visible."""
         new_events = job.reader.poll(count=100_000)
-        job.events += new_events
+        job.fresh += [ev for ev in new_events if walk_relevant(ev)]
+        if new_events:
+            job.newest_event_ms = max(job.newest_event_ms, int(max(ev.ts for ev in new_events) * 1000))
         for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
             if ev.type == "meta":
                 job.meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
@@ -624,8 +682,10 @@ class Agent:
         now_ms = int(own_ts.max()) if own_ts.size else int(T.max())
         # Events still on their way (a sim at --speed; trainers that deliver late).
         now_ms -= int(max(self.source.event_lag_s, cfg.event_lag_s) * 1000)
+        tl = self._timeline(job, job_start, now_ms)
         res = book_window(
-            events=job.events,
+            events=[],
+            timeline=tl,
             cfg=cfg.booking,
             profile=profile,
             job_start_ms=job_start,
@@ -644,6 +704,12 @@ class Agent:
             ignore_ranks=ignore,
             member_end_ms=member_end,
         )
+        # Fold for good what lies far enough behind the data time and the events read.
+        if job.fold is not None:
+            job.fold.advance(
+                min(now_ms, job.newest_event_ms) - int(cfg.fold_lag_s * 1000),
+                job.booked_until - self.context_ms - 60_000,
+            )
         if res.latest_band:  # a round that decided nothing keeps the newest band shown
             job.latest_band = {int(own_ranks[i]): b for i, b in res.latest_band.items()}
         self._publish_live(job, own_rank, own_ts, own_p, own_u)
@@ -662,6 +728,7 @@ class Agent:
         )
         if note:
             self._log_once(("price", job.name), logging.INFO, "%s", note)
+        self._fetch_index(job, tl)
         delta = live.ledger_delta(
             job.state,
             res,
@@ -694,6 +761,7 @@ class Agent:
             )
 
         job.wm_raw = ledger.commit(self.redis, cfg.prefix, job.name, cfg.agent_id, job.wm_raw, wm, queue)
+        delta.state.rb_index = {}  # written with the watermark: read back only when a void needs it
         with self.lock:
             job.state = delta.state
             job.figures = figures
@@ -860,6 +928,13 @@ class Agent:
         pipe.execute()
 
     # ---- for the exporter --------------------------------------------------------------------
+    @staticmethod
+    def _state_bytes(job: _Job) -> int:
+        """About what the agent holds for a job's booking: its folded timeline, the events
+        waiting to be folded and the rollback index entries in memory."""
+        n = job.fold.state_bytes() if job.fold is not None else 0
+        return n + 700 * len(job.fresh) + 400 * len(job.state.rb_index) + 16 * len(job.state.rb_applied)
+
     def snapshot(self) -> dict:
         now = time.monotonic()
         with self.lock:
@@ -876,6 +951,8 @@ class Agent:
                 "stats": dict(self.stats),
                 "dropped": self.sampler.dropped,
                 "registrations_rejected": dict(self.registrations_rejected),
+                "round_counts": list(self.round_counts),
+                "round_sum": self.round_sum,
                 "jobs": {
                     name: {
                         "own": dict(j.own),
@@ -894,6 +971,7 @@ class Agent:
                             if k.startswith("rejected:")
                         },
                         "clock_skew_s": j.skew_s,
+                        "state_bytes": self._state_bytes(j),
                     }
                     for name, j in self.jobs.items()
                     if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)

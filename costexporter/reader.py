@@ -89,6 +89,23 @@ class EventReader:
             if self.cursor == batch_cursor:
                 return out
 
+    def read_until(self, last_id: str, count: int = 10_000) -> list[Event]:
+        """Every valid event from the cursor up to and including entry `last_id` (a second
+        reader catching up with a first one, to rebuild what the first one folded)."""
+        out: list[Event] = []
+        if last_id in ("0", "0-0"):
+            return out
+        while True:
+            lo = "-" if self.cursor in ("0", "0-0") else f"({self.cursor}"
+            entries = self.client.xrange(self.key, min=lo, max=last_id, count=count)
+            for entry_id, raw in entries:
+                self.cursor = _text(entry_id)
+                ev = self._accept({_text(k): _text(v) for k, v in raw.items()}, self.cursor)
+                if ev is not None:
+                    out.append(ev)
+            if len(entries) < count:
+                return out
+
     def _accept(self, fields: dict[str, str], entry_id: str) -> Event | None:
         try:
             ev = parse_event(fields, job=self.job, strict_ids=True)
