@@ -499,12 +499,30 @@ class Agent:
                 return tl
         if job.fold is not None:
             self.stats["timeline_rebuilds"] += 1
+        job.fresh = []
+        # Folded batch by batch, as far behind the newest event read as a live round folds.
+        fold = job.fold = TimelineFold(self.cfg.booking, job_start)
+        lag = int(self.cfg.fold_lag_s * 1000)
+        keep_from = job.booked_until - self.context_ms - 60_000
+
+        def fold_batch(batch: list[Event]) -> None:
+            if batch and not fold.late:
+                fold.add(batch)
+                fold.advance(min(now_ms, int(max(e.ts for e in batch) * 1000)) - lag, keep_from)
+
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
-        events = [ev for ev in reader.read_until(job.reader.cursor, count=100_000) if walk_relevant(ev)]
-        job.fold, job.fresh = TimelineFold(self.cfg.booking, job_start), []
+        reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=fold_batch)
+        tl = fold.timeline(now_ms)
+        if tl is not None:
+            return tl
+        # An event of the stream older than what was folded before it, or not foldable (a
+        # declared phase named `startup`): every event at once.
+        reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
+        events = reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant)
+        job.fold = TimelineFold(self.cfg.booking, job_start)
         job.fold.add(events)
         tl = job.fold.timeline(now_ms)
-        if tl is None:  # not foldable (a declared phase named `startup`): built from every event
+        if tl is None:
             job.fold = None
             tl = build_timeline(events, self.cfg.booking, job_start, now_ms, final=False)
         return tl
@@ -522,10 +540,15 @@ class Agent:
     def _read_events(self, job: _Job) -> None:
         """New events of the job; meta and the gate's result folded; rejections and clock skew
         made visible."""
-        new_events = job.reader.poll(count=100_000)
-        job.fresh += [ev for ev in new_events if walk_relevant(ev)]
-        if new_events:
-            job.newest_event_ms = max(job.newest_event_ms, int(max(ev.ts for ev in new_events) * 1000))
+        new_events: list[Event] = []
+        for _ in range(10):  # up to 100k entries a round, read 10k at a time (a backlog's memory)
+            batch = job.reader.poll(count=10_000)
+            new_events += batch
+            job.fresh += [ev for ev in batch if walk_relevant(ev)]
+            if batch:
+                job.newest_event_ms = max(job.newest_event_ms, int(max(ev.ts for ev in batch) * 1000))
+            if job.reader.last_read < 10_000:
+                break
         for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
             if ev.type == "meta":
                 job.meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})

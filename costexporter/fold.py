@@ -180,6 +180,11 @@ class _Walk:
         self.startup_from = start_ms
         self.ended = False
         self.final_phases = False  # the open phases were closed (a view's copy, never the fold)
+        # A view's copy shares the valid stack with the fold (copying it would cost a round time
+        # that grows with the job's age): how much of it is the fold's, and what the view popped
+        # of that, put back by `release`.
+        self._shared: int | None = None
+        self._popped: list[tuple[int, int, int, int, int]] = []
 
     def clone(self) -> _Walk:
         c = copy.copy(self)
@@ -196,12 +201,32 @@ class _Walk:
         c.seg_start, c.seg_regime = list(self.seg_start), list(self.seg_regime)
         c.seg_step = list(self.seg_step)
         c.steps = list(self.steps)
-        c.v_rec, c.v_step, c.v_ts = array("q", self.v_rec), array("q", self.v_step), array("q", self.v_ts)
-        c.v_tok, c.v_prev = array("q", self.v_tok), array("q", self.v_prev)
+        c._shared, c._popped = len(self.v_rec), []
         c.voided = list(self.voided)
         c.resumes = list(self.resumes)
         c.durations = deque(self.durations, maxlen=self.cfg.stall_window)
         return c
+
+    def _stack(self) -> tuple[array, ...]:
+        return self.v_rec, self.v_step, self.v_ts, self.v_tok, self.v_prev
+
+    def _pop(self) -> tuple[int, int, int, int, int]:
+        vals = tuple(a.pop() for a in self._stack())
+        if self._shared is not None and len(self.v_rec) < self._shared:
+            self._shared = len(self.v_rec)
+            self._popped.append(vals)  # type: ignore[arg-type]
+        return vals  # type: ignore[return-value]
+
+    def release(self) -> None:
+        """A view's copy is done: the shared valid stack is the fold's again, as it was."""
+        if self._shared is None:
+            return
+        for a in self._stack():
+            del a[self._shared :]
+        for vals in reversed(self._popped):
+            for a, v in zip(self._stack(), vals, strict=True):
+                a.append(v)
+        self._shared, self._popped = None, []
 
     # ---- phases -----------------------------------------------------------------------------
     def phase(self, ev: Event) -> None:
@@ -283,9 +308,7 @@ class _Walk:
         n = 0
         while self.v_step and self.v_step[-1] > k:
             n += 1
-            rec, tok, prev = self.v_rec.pop(), self.v_tok.pop(), self.v_prev.pop()
-            ts = self.v_ts.pop()
-            step = self.v_step.pop()
+            rec, step, ts, tok, prev = self._pop()
             self.valid_tokens -= tok
             j = rec - self.step_base
             if 0 <= j < len(self.steps):
@@ -433,6 +456,12 @@ class TimelineFold:
             run0 = sorted(self.run0, key=lambda e: (e.ts, e.seq))
             return band_timeline(run0, self.cfg, self.start_ms, end_ms)
         w = self.w.clone()
+        try:
+            return self._view(w, end_ms, final)
+        finally:
+            w.release()
+
+    def _view(self, w: _Walk, end_ms: int, final: bool) -> Timeline:
         for ev in self.pending:
             if ev.type == "phase":
                 w.phase(ev)

@@ -62,13 +62,16 @@ class EventReader:
         self.rejections: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=100)
         self.clock_offset_s: dict[int, float] = {}
         self._seen: dict[tuple[int, str], _Seen] = {}
+        self.last_read = 0  # entries the last poll read (valid or not): fewer than asked is the end
 
     def poll(self, count: int = 10_000, block_ms: int | None = None) -> list[Event]:
         """The next valid, new events (at most `count` entries read); advances the cursor."""
         resp = self.client.xread({self.key: self.cursor}, count=count, block=block_ms)
         out: list[Event] = []
         offsets: dict[int, float] = {}
+        self.last_read = 0
         for _key, entries in resp or []:
+            self.last_read += len(entries)
             for entry_id, raw in entries:
                 self.cursor = _text(entry_id)
                 ev = self._accept({_text(k): _text(v) for k, v in raw.items()}, self.cursor)
@@ -89,9 +92,11 @@ class EventReader:
             if self.cursor == batch_cursor:
                 return out
 
-    def read_until(self, last_id: str, count: int = 10_000) -> list[Event]:
+    def read_until(self, last_id: str, count: int = 10_000, keep=None, on_batch=None) -> list[Event]:
         """Every valid event from the cursor up to and including entry `last_id` (a second
-        reader catching up with a first one, to rebuild what the first one folded)."""
+        reader catching up with a first one, to rebuild what the first one folded); `keep`, a
+        predicate, drops the others as they are read; `on_batch` takes each batch instead of
+        the list growing (a long stream is never held whole)."""
         out: list[Event] = []
         if last_id in ("0", "0-0"):
             return out
@@ -101,8 +106,11 @@ class EventReader:
             for entry_id, raw in entries:
                 self.cursor = _text(entry_id)
                 ev = self._accept({_text(k): _text(v) for k, v in raw.items()}, self.cursor)
-                if ev is not None:
+                if ev is not None and (keep is None or keep(ev)):
                     out.append(ev)
+            if on_batch is not None:
+                on_batch(out)
+                out = []
             if len(entries) < count:
                 return out
 

@@ -97,7 +97,8 @@ def check_view(fold: TimelineFold, seen: list[Event], end_ms: int, lo: int) -> N
     assert tl.decided_until_ms == ref.decided_until_ms
     assert tl.stall_threshold_ms == ref.stall_threshold_ms
     assert tl.end_ms == ref.end_ms
-    assert (tl.last_checkpoint_step, tl.last_checkpoint_ms) == (ref.last_checkpoint_step, ref.last_checkpoint_ms)
+    assert tl.last_checkpoint_step == ref.last_checkpoint_step
+    assert tl.last_checkpoint_ms == ref.last_checkpoint_ms
     assert tl.resumes == ref.resumes
     assert {r: _clip(v, lo) for r, v in tl.rank_overhead.items() if _clip(v, lo)} == {
         r: _clip(v, lo) for r, v in ref.rank_overhead.items() if _clip(v, lo)
