@@ -42,8 +42,9 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import ledger, profiles, protocol
-from .booking import BookingConfig, Regime, build_timeline
+from .booking import BookingConfig, Regime, Timeline, build_timeline
 from .events import META_THRESHOLDS
+from .fold import TimelineFold, walk_relevant
 from .model import Band, Event
 from .profiles import Profile
 from .reader import EventReader
@@ -118,15 +119,53 @@ class JobView:
     """What the watcher knows of one job: its events folded per rank, and its live GPU state."""
 
     name: str
-    events: list[Event] = field(default_factory=list)
     registrations: dict[int, dict] = field(default_factory=dict)
     ranks: dict[int, _Rank] = field(default_factory=dict)
     live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
     meta: dict = field(default_factory=dict)
+    # The booking timeline, folded once per event (`fold.TimelineFold`) instead of rebuilt from
+    # every event each poll; the walk-relevant events are kept (rank 0's steps and runs, every
+    # rank's phases: no heartbeats) to fold it again when an event arrives older than the fold,
+    # the job's start moves or its meta changes the booking thresholds.
+    first_ms: int | None = None  # the earliest event seen
+    newest_ms: int = 0
+    walk: list[Event] = field(default_factory=list)
+    timeline_fold: TimelineFold | None = None
+    fresh: list[Event] = field(default_factory=list)
+    rebuilds: int = 0
+
+    def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
+        """`build_timeline` over every event of the job at `now_ms`, from the fold."""
+        end_ms = max(now_ms, start_ms + 1)
+        f = self.timeline_fold
+        if f is not None and f.start_ms == start_ms and f.cfg == booking:
+            f.add(self.fresh)
+            self.fresh = []
+            tl = f.timeline(end_ms)
+        else:
+            tl = None
+        if tl is None:
+            if f is not None:
+                self.rebuilds += 1
+            f = self.timeline_fold = TimelineFold(booking, start_ms)
+            f.add(self.walk)
+            self.fresh = []
+            tl = f.timeline(end_ms)
+            if tl is None:  # not foldable (a declared phase named `startup`)
+                self.timeline_fold = None
+                return build_timeline(self.walk, booking, start_ms, end_ms, final=False)
+        frontier = min(end_ms, self.newest_ms) - lag_ms
+        f.advance(frontier, frontier - 60_000)
+        return tl
 
     def fold(self, events: list[Event]) -> None:
-        self.events += events
         for ev in events:
+            t = int(ev.ts * 1000)
+            self.first_ms = t if self.first_ms is None else min(self.first_ms, t)
+            self.newest_ms = max(self.newest_ms, t)
+            if walk_relevant(ev):
+                self.walk.append(ev)
+                self.fresh.append(ev)
             r = self.ranks.setdefault(ev.rank, _Rank())
             r.last_seen = max(r.last_seen, ev.ts)
             if ev.session and ev.session != r.session:
@@ -198,16 +237,16 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
         since = previous.since if previous is not None and previous.state == state else now
         return Status(state, reason, since, now, suspect=suspect, **kw)
 
-    if not view.events:
+    if view.first_ms is None:
         return status("unknown", "no events from the job yet")
     cfg = view.config(cfg)
-    start_ms = int(min(e.ts for e in view.events) * 1000)
+    start_ms = view.first_ms
     if view.registrations:
         start_ms = min(
             start_ms, int(min(float(r.get("ts", 1e18)) for r in view.registrations.values()) * 1000)
         )
     now_ms = int(now * 1000)
-    tl = build_timeline(view.events, cfg.booking, start_ms, max(now_ms, start_ms + 1), final=False)
+    tl = view.timeline(cfg.booking, start_ms, now_ms)
     last = tl.steps[-1] if tl.steps else None
     progress = dict(
         last_step=last.step if last else None,

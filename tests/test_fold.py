@@ -178,3 +178,24 @@ def test_memory_stays_bounded_by_the_context():
     assert len(fold.w.steps) < 40 and len(fold.w.seg_start) < 80
     tl = fold.timeline(2_000_000)
     assert tl.summary.n_steps == 2000 and tl.summary.valid_tokens == 2000
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(), st.integers(0, 200_000))
+def test_watcher_folded_poll_by_poll_judges_as_a_fresh_view(stream, ahead_ms):
+    """A watcher's view fed poll by poll (its timeline folded, late events refolded) decides as
+    a view given every event at once, at every poll."""
+    from costexporter.watcher import JobView, WatchConfig, decide
+
+    cfg = WatchConfig(booking=CFG, heartbeat_timeout_s=60.0)
+    arrival, cuts = stream
+    view = JobView("j")
+    prev = 0
+    for cut in cuts:
+        view.fold(arrival[prev:cut])
+        fresh = JobView("j")
+        fresh.fold(arrival[:cut])
+        prev = cut
+        now = max(e.ts for e in arrival[:cut]) + ahead_ms / 1000
+        assert decide(view, now, cfg).to_dict() == decide(fresh, now, cfg).to_dict()
+    assert len(view.walk) == sum(walk_relevant(e) for e in arrival[:prev])  # no heartbeats kept
