@@ -229,9 +229,101 @@ def report(res: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", default="1000,100000,300000", help="history sizes (steps), comma-separated")
+    ap.add_argument(
+        "--watcher", default="1000x1000,1x100000", help="watcher shapes: JOBSxSTEPS, comma-separated"
+    )
     a = ap.parse_args()
     report(measure([int(x) for x in a.steps.split(",")]))
+    report_watcher(measure_watcher([tuple(map(int, x.split("x"))) for x in a.watcher.split(",")]))
 
 
 if __name__ == "__main__":
     main()
+
+
+# ---- the watcher ---------------------------------------------------------------------------------
+def _watch_one(jobs: int, steps: int, url: str, out) -> None:
+    """In a fresh process: a watcher's first poll (it reads every job's history), then steady
+    polls with a few new steps per job between them."""
+    import redis
+
+    from costexporter.watcher import WatchConfig, Watcher
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    names = [f"w{i}" for i in range(jobs)]
+    seqs = {n: {0: 1, 1: 1} for n in names}
+    clock = [T0 + steps + 1]
+    w = Watcher(WatchConfig(redis_url=url, prefix=PREFIX, clock=lambda: clock[0], forget_after_s=1e9))
+    t = time.perf_counter()
+    w.poll()
+    first = time.perf_counter() - t
+    polls = []
+    for k in range(5):
+        clock[0] += 5
+        a = steps + 5 * k + 1
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            for e in _entries(n, a, a + 4, seqs[n]):
+                pipe.xadd(f"{PREFIX}:{{{n}}}:events", e)
+        pipe.execute()
+        t = time.perf_counter()
+        st = w.poll()
+        polls.append(time.perf_counter() - t)
+    states = sorted({s.state for s in st.values()})
+    out.put(
+        {
+            "jobs": jobs,
+            "steps": steps,
+            "first_s": first,
+            "poll_ms": statistics.median(polls) * 1000,
+            "rss_mb": _rss_mb(),
+            "states": states,
+        }
+    )
+
+
+def _post_jobs(jobs: int, steps: int, url: str) -> None:
+    import redis
+
+    from costexporter.client import send_entries
+    from costexporter.synth import TraceBuilder
+    from tests.test_agent import event_entry
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    for i in range(jobs):
+        n = f"w{i}"
+        reg = TraceBuilder(n_gpus=2, per_host=2, job=n, seed=1, interval_s=1.0, t0=T0)
+        send_entries(client, PREFIX, n, [event_entry(e) for e in reg.events])
+        seqs = {0: 1, 1: 1}
+        for a in range(1, steps + 1, 20_000):
+            send_entries(client, PREFIX, n, _entries(n, a, min(a + 19_999, steps), seqs))
+
+
+def measure_watcher(shapes: list[tuple[int, int]]) -> list[dict]:
+    """Watcher poll time per (jobs, steps per job), each in a fresh process and Redis."""
+    ctx = multiprocessing.get_context("spawn")
+    res = []
+    for jobs, steps in shapes:
+        proc, url, d = _redis()
+        try:
+            _post_jobs(jobs, steps, url)
+            q = ctx.Queue()
+            p = ctx.Process(target=_watch_one, args=(jobs, steps, url, q))
+            p.start()
+            res.append(q.get(timeout=1800))
+            p.join(60)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def report_watcher(res: list[dict]) -> None:
+    print("watcher poll (target: 1,000 jobs x 1k steps <= 200 ms; 1 job x 100k steps <= 20 ms)")
+    print(f"  {'jobs':>6} {'steps/job':>10} {'poll ms':>8} {'first poll s':>13} {'RSS MB':>7}  states")
+    for r in res:
+        print(
+            f"  {r['jobs']:>6} {r['steps']:>10} {r['poll_ms']:>8.1f} {r['first_s']:>13.2f} "
+            f"{r['rss_mb']:>7.0f}  {','.join(r['states'])}"
+        )

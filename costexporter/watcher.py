@@ -47,7 +47,7 @@ from .events import META_THRESHOLDS
 from .fold import TimelineFold, walk_relevant
 from .model import Band, Event
 from .profiles import Profile
-from .reader import EventReader
+from .reader import EventReader, read_all_many
 
 log = logging.getLogger("costexporter.watcher")
 
@@ -155,7 +155,7 @@ class JobView:
                 self.timeline_fold = None
                 return build_timeline(self.walk, booking, start_ms, end_ms, final=False)
         frontier = min(end_ms, self.newest_ms) - lag_ms
-        f.advance(frontier, frontier - 60_000)
+        f.advance(frontier, frontier)  # a decision reads the timeline at `now` and the last step
         return tl
 
     def fold(self, events: list[Event]) -> None:
@@ -246,7 +246,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
             start_ms, int(min(float(r.get("ts", 1e18)) for r in view.registrations.values()) * 1000)
         )
     now_ms = int(now * 1000)
-    tl = view.timeline(cfg.booking, start_ms, now_ms)
+    tl = view.timeline(cfg.booking, start_ms, now_ms, lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None
     progress = dict(
         last_step=last.step if last else None,
@@ -630,11 +630,12 @@ class Watcher:
             protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
         )
         decided: dict[str, Status] = {}
+        fresh = self._read_events([j for j in jobs if j not in self.bad_jobs])
         for job in jobs:
             if job in self.bad_jobs:
                 continue
             try:
-                decided[job] = self._judge(job, now)
+                decided[job] = self._judge(job, now, fresh.get(job, []))
             except self._errors:
                 raise  # Redis itself: every job is unknown (poll())
             except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as e:
@@ -651,13 +652,27 @@ class Watcher:
         pipe.execute()
         return decided
 
-    def _judge(self, job: str, now: float) -> Status:
+    def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
+        """Every job's new events, one XREAD for all of them; a job whose name is refused is
+        left to `_judge`, which sets it aside."""
+        readers = []
+        for job in jobs:
+            if job not in self.readers:
+                try:
+                    self.readers[job] = EventReader(self.redis, job, self.cfg.prefix)  # checks the name
+                except ValueError:
+                    continue
+                self.views.pop(job, None)  # a new reader: the view is read from the start again
+            readers.append(self.readers[job])
+        return read_all_many(self.redis, readers)
+
+    def _judge(self, job: str, now: float, events: list[Event]) -> Status:
         cfg = self.cfg
-        first = job not in self.readers
-        if first:
+        if job not in self.readers:
             self.readers[job] = EventReader(self.redis, job, cfg.prefix)  # checks the name
+        first = job not in self.views
         view = self.views.setdefault(job, JobView(job))
-        view.fold(self.readers[job].read_all())
+        view.fold(events)
         if first:
             # Registrations arrive as `register` events; the hash keeps them once their
             # events are trimmed away, so it is read once, when the job is first seen.
