@@ -417,14 +417,21 @@ class Agent:
         by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
         by_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
         fresh = False
+        names = []
         for name in self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1):
             try:
                 protocol.check_job(name)
             except ValueError as e:
                 self._reject_registration(name, "*", "", "bad_job_name", str(e))
                 continue
+            names.append(name)
+        # Every job's registrations in one round trip (512 jobs: one, not 512).
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(protocol.ranks_key(self.cfg.prefix, name))
+        for name, ranks in zip(names, pipe.execute() if names else [], strict=True):
             job = self.jobs.get(name)
-            for rank_s, raw in self.redis.hgetall(protocol.ranks_key(self.cfg.prefix, name)).items():
+            for rank_s, raw in ranks.items():
                 try:
                     reg = protocol.parse_registration(rank_s, raw)
                 except protocol.RegistrationError as e:
@@ -606,12 +613,14 @@ class Agent:
         return np.asarray(out, np.int64)
 
     def _remote_samples(self, job: _Job) -> None:
-        for host in {str(e.host) for r, e in job.ranks.items() if r not in job.own}:
-            if host == self.host:
-                continue
-            k = ledger.key(self.cfg.prefix, job.name, "samples", host)
-            last = job.remote_ids.get(host, "-")
-            entries = self.redis.xrange(k, min=f"({last}" if last != "-" else "-", count=10_000)
+        """The other hosts' new sample entries of the job: one XREAD for all of them."""
+        hosts = sorted({str(e.host) for r, e in job.ranks.items() if r not in job.own} - {self.host})
+        if not hosts:
+            return
+        keys = {ledger.key(self.cfg.prefix, job.name, "samples", h): h for h in hosts}
+        resp = self.redis.xread({k: job.remote_ids.get(h, "0-0") for k, h in keys.items()}, count=10_000)
+        for k, entries in resp or []:
+            host = keys[k.decode() if isinstance(k, bytes) else k]
             if entries:
                 job.remote_seen[host] = time.monotonic()
             for entry_id, f in entries:
