@@ -50,6 +50,7 @@ from .profiles import Profile
 from .reader import EventReader, read_all_many
 
 log = logging.getLogger("costexporter.watcher")
+JOBS_PER_READ = 100  # a poll reads the jobs' new events 100 jobs per XREAD
 
 STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
 ALERTING = {"crashed", "hung", "starving", "unknown"}
@@ -124,15 +125,18 @@ class JobView:
     live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
     meta: dict = field(default_factory=dict)
     # The booking timeline, folded once per event (`fold.TimelineFold`) instead of rebuilt from
-    # every event each poll; the walk-relevant events are kept (rank 0's steps and runs, every
-    # rank's phases: no heartbeats) to fold it again when an event arrives older than the fold,
-    # the job's start moves or its meta changes the booking thresholds.
+    # every event each poll. It is folded again from every walk-relevant event (rank 0's steps
+    # and runs, every rank's phases: no heartbeats) when an event arrives older than the fold,
+    # the job's start moves or its meta changes the booking thresholds: those of `refold()`
+    # (the watcher reads them from the job's stream), else the ones kept in `walk`.
     first_ms: int | None = None  # the earliest event seen
     newest_ms: int = 0
     walk: list[Event] = field(default_factory=list)
+    refold: Callable[[], list[Event]] | None = None
     timeline_fold: TimelineFold | None = None
     fresh: list[Event] = field(default_factory=list)
     rebuilds: int = 0
+    unfoldable: bool = False  # a declared phase named `startup`: built from every event each poll
 
     def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
@@ -145,15 +149,21 @@ class JobView:
         else:
             tl = None
         if tl is None:
-            if f is not None:
+            if f is not None or self.unfoldable:
                 self.rebuilds += 1
+            if self.refold is None:
+                walk = self.walk
+            elif f is None and not self.unfoldable:
+                walk = self.fresh  # the first fold: every event read so far is fresh
+            else:
+                walk = self.refold()
             f = self.timeline_fold = TimelineFold(booking, start_ms)
-            f.add(self.walk)
+            f.add(walk)
             self.fresh = []
             tl = f.timeline(end_ms)
             if tl is None:  # not foldable (a declared phase named `startup`)
-                self.timeline_fold = None
-                return build_timeline(self.walk, booking, start_ms, end_ms, final=False)
+                self.timeline_fold, self.unfoldable = None, True
+                return build_timeline(walk, booking, start_ms, end_ms, final=False)
         frontier = min(end_ms, self.newest_ms) - lag_ms
         f.advance(frontier, frontier)  # a decision reads the timeline at `now` and the last step
         return tl
@@ -164,7 +174,8 @@ class JobView:
             self.first_ms = t if self.first_ms is None else min(self.first_ms, t)
             self.newest_ms = max(self.newest_ms, t)
             if walk_relevant(ev):
-                self.walk.append(ev)
+                if self.refold is None:
+                    self.walk.append(ev)
                 self.fresh.append(ev)
             r = self.ranks.setdefault(ev.rank, _Rank())
             r.last_seen = max(r.last_seen, ev.ts)
@@ -630,12 +641,14 @@ class Watcher:
             protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
         )
         decided: dict[str, Status] = {}
-        fresh = self._read_events([j for j in jobs if j not in self.bad_jobs])
-        for job in jobs:
+        fresh: dict[str, list[Event]] = {}
+        for i, job in enumerate(jobs):
             if job in self.bad_jobs:
                 continue
+            if i % JOBS_PER_READ == 0:  # one XREAD for the next jobs (bounded memory)
+                fresh = self._read_events([j for j in jobs[i : i + JOBS_PER_READ] if j not in self.bad_jobs])
             try:
-                decided[job] = self._judge(job, now, fresh.get(job, []))
+                decided[job] = self._judge(job, now, fresh.pop(job, []))
             except self._errors:
                 raise  # Redis itself: every job is unknown (poll())
             except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as e:
@@ -666,12 +679,25 @@ class Watcher:
             readers.append(self.readers[job])
         return read_all_many(self.redis, readers)
 
+    def _refold_source(self, job: str) -> Callable[[], list[Event]]:
+        """The job's walk-relevant events up to where its reader is, read again from its stream
+        (to fold its timeline again; the view keeps none of them)."""
+
+        def read() -> list[Event]:
+            self.stats["timeline_rebuilds"] += 1  # an event older than the fold, a moved start
+            reader = EventReader(self.redis, job, self.cfg.prefix)
+            return reader.read_until(self.readers[job].cursor, keep=walk_relevant)
+
+        return read
+
     def _judge(self, job: str, now: float, events: list[Event]) -> Status:
         cfg = self.cfg
         if job not in self.readers:
             self.readers[job] = EventReader(self.redis, job, cfg.prefix)  # checks the name
         first = job not in self.views
-        view = self.views.setdefault(job, JobView(job))
+        if first:
+            self.views[job] = JobView(job, refold=self._refold_source(job))
+        view = self.views[job]
         view.fold(events)
         if first:
             # Registrations arrive as `register` events; the hash keeps them once their

@@ -140,3 +140,45 @@ def test_folding_agent_books_every_key_as_the_rebuilding_one(prefix):
         keys = list(client.scan_iter(f"{prefix}-ref:*"))
         if keys:
             client.delete(*keys)
+
+
+def test_a_watcher_refolds_a_late_event_from_the_stream_and_judges_as_a_fresh_one(prefix):
+    """The watcher keeps no events: an event older than its fold is read again from the stream,
+    and every poll's status is a fresh watcher's (one that reads the whole stream at once)."""
+    from costexporter.watcher import WatchConfig, Watcher
+
+    b = TraceBuilder(n_gpus=2, per_host=2, job="watched", seed=4)
+    b.run("start")
+    b.stretch("compute", 120, step_s=4, tokens=10)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 30)
+    b.phase("checkpoint", "end", step=b.step)
+    b.stretch("compute", 200, step_s=4, tokens=10)
+    b.stretch("idle", 400)  # no step: hung past the stall threshold
+    events = sorted(b.events, key=lambda e: e.ts)
+    late = next(e for e in events if e.type == "phase" and e.get("state") == "begin")
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    t0 = events[0].ts
+    clock = [t0]
+    cfg = WatchConfig(prefix=prefix, clock=lambda: clock[0], heartbeat_timeout_s=1e9)
+    w = Watcher(cfg)
+    posted, states = 0, set()
+    while clock[0] < t0 + 760:
+        clock[0] += 20
+        batch = []
+        while posted < len(events) and events[posted].ts <= clock[0]:
+            if events[posted] is not late:
+                batch.append(event_entry(events[posted]))
+            posted += 1
+        if late.ts + 120 < clock[0] <= late.ts + 140:
+            batch.append(event_entry(late))  # 2 minutes late: older than the fold
+        if batch:
+            send_entries(client, prefix, b.job, batch)
+        got = w.poll()[b.job].to_dict()
+        want = Watcher(cfg).poll()[b.job].to_dict()
+        got.pop("since"), want.pop("since")  # a fresh watcher sees every state begin now
+        assert got == want
+        states.add(got["state"])
+    assert w.stats["timeline_rebuilds"] == 1
+    assert w.views[b.job].walk == []  # nothing kept: the stream is read again when needed
+    assert {"running", "hung"} <= states
