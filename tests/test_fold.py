@@ -17,8 +17,13 @@ from costexporter.booking import BookingConfig, build_timeline
 from costexporter.fold import TimelineFold, walk_relevant
 from costexporter.model import Event
 
-CFG = BookingConfig(stall_floor_s=5.0, checkpoint_allowance_s=20.0, eval_allowance_s=10.0,
-                    startup_allowance_s=15.0, stall_window=8)
+CFG = BookingConfig(
+    stall_floor_s=5.0,
+    checkpoint_allowance_s=20.0,
+    eval_allowance_s=10.0,
+    startup_allowance_s=15.0,
+    stall_window=8,
+)
 LAG_MS = 30_000
 
 
