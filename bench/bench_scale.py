@@ -1,7 +1,11 @@
-"""Scale benchmark (issue 16): python bench/bench_scale.py [--part api] [--jobs 1000,10000]
+"""Scale benchmark (issue 16): python bench/bench_scale.py [--part agent|watcher|api]
 
-A thin driver: each part lives in a module of its own (bench/scale_<part>.py) and prints its
-figures next to its targets. Parts: api (the finance API at 1,000 and 10,000 jobs).
+A thin driver: one section per part, each in a module of its own, printing its figures next to
+its targets.
+
+* agent: round CPU and RSS against a job's history, and restart catch-up (bench/scale_agent.py).
+* watcher: poll time at 1,000 jobs x 1k steps and 1 job x 100k steps (bench/scale_agent.py).
+* api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py).
 """
 
 from __future__ import annotations
@@ -12,20 +16,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PARTS = ("api",)
+PARTS = ("agent", "watcher", "api")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=PARTS, action="append", help="run only these parts (default: all)")
-    ap.add_argument("--jobs", default="1000,10000", help="API: job counts to seed (comma-separated)")
+    ap.add_argument("--part", action="append", choices=PARTS, help="run only these parts (default: all)")
+    ap.add_argument("--steps", default="1000,100000,300000", help="agent: history sizes (steps)")
+    ap.add_argument("--watcher", default="1000x1000,1x100000", help="watcher: JOBSxSTEPS shapes")
+    ap.add_argument("--jobs", default="1000,10000", help="api: job counts to seed (comma-separated)")
     a = ap.parse_args()
     parts = a.part or list(PARTS)
 
-    # ---- the finance API ----------------------------------------------------------------------
+    if "agent" in parts:
+        import scale_agent
+
+        print("== agent ==")
+        scale_agent.report(scale_agent.measure([int(x) for x in a.steps.split(",")]))
+    if "watcher" in parts:
+        import scale_agent
+
+        print("== watcher ==")
+        shapes = [tuple(map(int, x.split("x"))) for x in a.watcher.split(",")]
+        scale_agent.report_watcher(scale_agent.measure_watcher(shapes))
     if "api" in parts:
         import scale_api
 
+        print("== api ==")
         scale_api.run(tuple(int(x) for x in a.jobs.split(",")))
 
 

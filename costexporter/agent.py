@@ -33,8 +33,9 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import ledger, live, livestate, profiles, protocol
-from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, make_slices
+from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, build_timeline, make_slices
 from .cost import Prices, price_override_note
+from .fold import TimelineFold, walk_relevant
 from .idle import IdleLearner
 from .live import JobState, book_window
 from .model import BANDS, Category, Event
@@ -46,6 +47,8 @@ from .sources.sampler import Sampler
 log = logging.getLogger("costexporter.agent")
 
 SAMPLES_MAXLEN = 5000  # entries per host sample stream (one entry per round)
+# Buckets (s) of `costexporter_agent_round_seconds`: a round is ~ms; seconds means trouble.
+ROUND_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
@@ -82,13 +85,21 @@ class AgentConfig:
     # profile's low edges from it; None: for sources that read GPUs now (NVML, dcgm-exporter),
     # not for a replayed trace (its bill must equal the offline replay's).
     learn_idle: bool | None = None
+    # Events are folded into a job's timeline for good this far behind the newest data time; one
+    # that arrives later than that (older than the fold) makes the agent rebuild the job's
+    # timeline from its stream once (counted in `timeline_rebuilds`).
+    fold_lag_s: float = 120.0
 
 
 @dataclass
 class _Job:
     name: str
     reader: EventReader
-    events: list[Event] = field(default_factory=list)
+    # The job's timeline, folded event by event (bounded); the walk-relevant events read since
+    # the last round wait in `fresh` until the round knows the job's start.
+    fold: TimelineFold | None = None
+    fresh: list[Event] = field(default_factory=list)
+    newest_event_ms: int = 0  # the newest event time read (the fold stays behind it)
     meta: dict = field(default_factory=dict)  # the job's meta events folded, last write wins
     preflight: str = ""  # JSON of the latest pre-run gate result
     ranks: dict[int, protocol.Registration] = field(default_factory=dict)
@@ -115,6 +126,11 @@ class _Job:
     @property
     def booked_until(self) -> int:
         return self.state.booked_until
+
+    @property
+    def oldest_unbooked(self) -> int:
+        """Where the job's least-booked GPU is: the watermark, or a late rank catching up."""
+        return min(self.state.booked_until, *self.state.behind.values())
 
     @property
     def booked(self) -> np.ndarray:
@@ -173,6 +189,9 @@ class Agent:
         self.live_seq = 0  # rounds that published live state: the exporter's cache key
         self.lock = threading.Lock()
         self._stop = threading.Event()
+        # Round CPU time: per bucket of ROUND_BUCKETS (+Inf last), and the sum (s).
+        self.round_counts = [0] * (len(ROUND_BUCKETS) + 1)
+        self.round_sum = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Agent:
@@ -230,6 +249,18 @@ class Agent:
 
     # ---- one round -----------------------------------------------------------------------
     def tick(self) -> None:
+        t0 = time.thread_time()  # this thread's: the sampler's reads are not the round's
+        self._tick()
+        self._observe_round(time.thread_time() - t0)
+
+    def _observe_round(self, seconds: float) -> None:
+        """Into the round histogram: the CPU a round took, which must not grow with history."""
+        i = next((k for k, b in enumerate(ROUND_BUCKETS) if seconds <= b), len(ROUND_BUCKETS))
+        with self.lock:
+            self.round_counts[i] += 1
+            self.round_sum += seconds
+
+    def _tick(self) -> None:
         readings = self.sampler.drain()
         if readings:
             chunk = (
@@ -448,7 +479,7 @@ class Agent:
         if ts.size == 0:
             return
         keep_from = min(
-            (j.booked_until - self.context_ms for j in self.jobs.values() if j.own and not j.done),
+            (j.oldest_unbooked - self.context_ms for j in self.jobs.values() if j.own and not j.done),
             default=int(ts.max()) - self.context_ms,
         )
         if self._unassigned_until is not None:  # GPUs of no job: kept until that ledger has them
@@ -490,14 +521,21 @@ class Agent:
         by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
         by_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
         fresh = False
+        names = []
         for name in self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1):
             try:
                 protocol.check_job(name)
             except ValueError as e:
                 self._reject_registration(name, "*", "", "bad_job_name", str(e))
                 continue
+            names.append(name)
+        # Every job's registrations in one round trip (512 jobs: one, not 512).
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(protocol.ranks_key(self.cfg.prefix, name))
+        for name, ranks in zip(names, pipe.execute() if names else [], strict=True):
             job = self.jobs.get(name)
-            for rank_s, raw in self.redis.hgetall(protocol.ranks_key(self.cfg.prefix, name)).items():
+            for rank_s, raw in ranks.items():
                 try:
                     reg = protocol.parse_registration(rank_s, raw)
                 except protocol.RegistrationError as e:
@@ -555,18 +593,73 @@ class Agent:
     def _load(self, job: _Job) -> None:
         """The job's state as the ledger has it (at start, and after an uncertain write)."""
         raw = self.redis.get(ledger.key(self.cfg.prefix, job.name, "wm", self.cfg.agent_id))
-        rb = self.redis.hgetall(ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id))
-        job.state = JobState.from_json(
-            json.loads(raw) if raw else {}, {int(k): json.loads(v) for k, v in rb.items()}
-        )
+        # The rollback index stays in Redis: a round reads the entries its voids need.
+        job.state = JobState.from_json(json.loads(raw) if raw else {}, {})
         job.wm_raw = raw
         job.loaded = job.ever_loaded = True
+
+    def _timeline(self, job: _Job, job_start: int, now_ms: int):
+        """The job's timeline at `now_ms` from its fold; the fold is (re)built from the job's
+        stream, up to where its reader is, when there is none yet, the job's start moved, or an
+        event arrived older than what was folded."""
+        if job.fold is not None and job.fold.start_ms == job_start:
+            job.fold.add(job.fresh)
+            job.fresh = []
+            tl = job.fold.timeline(now_ms)
+            if tl is not None:
+                return tl
+        if job.fold is not None:
+            self.stats["timeline_rebuilds"] += 1
+        job.fresh = []
+        # Folded batch by batch, as far behind the newest event read as a live round folds.
+        fold = job.fold = TimelineFold(self.cfg.booking, job_start)
+        lag = int(self.cfg.fold_lag_s * 1000)
+        keep_from = job.oldest_unbooked - self.context_ms - 60_000
+
+        def fold_batch(batch: list[Event]) -> None:
+            if batch and not fold.late:
+                fold.add(batch)
+                fold.advance(min(now_ms, int(max(e.ts for e in batch) * 1000)) - lag, keep_from)
+
+        reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
+        reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=fold_batch)
+        tl = fold.timeline(now_ms)
+        if tl is not None:
+            return tl
+        # An event of the stream older than what was folded before it, or not foldable (a
+        # declared phase named `startup`): every event at once.
+        reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
+        events = reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant)
+        job.fold = TimelineFold(self.cfg.booking, job_start)
+        job.fold.add(events)
+        tl = job.fold.timeline(now_ms)
+        if tl is None:
+            job.fold = None
+            tl = build_timeline(events, self.cfg.booking, job_start, now_ms, final=False)
+        return tl
+
+    def _fetch_index(self, job: _Job, tl) -> None:
+        """The rollback index entries this round's voids read, from the agent's `rbidx` hash."""
+        need = sorted(live.needed_index_entries(tl, job.state.rb_applied) - set(job.state.rb_index))
+        if not need:
+            return
+        k = ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id)
+        for i, v in zip(need, self.redis.hmget(k, [str(i) for i in need]), strict=True):
+            if v is not None:
+                job.state.rb_index[i] = json.loads(v)
 
     def _read_events(self, job: _Job) -> None:
         """New events of the job; meta and the gate's result folded; rejections and clock skew
         made visible."""
-        new_events = job.reader.poll(count=100_000)
-        job.events += new_events
+        new_events: list[Event] = []
+        for _ in range(10):  # up to 100k entries a round, read 10k at a time (a backlog's memory)
+            batch = job.reader.poll(count=10_000)
+            new_events += batch
+            job.fresh += [ev for ev in batch if walk_relevant(ev)]
+            if batch:
+                job.newest_event_ms = max(job.newest_event_ms, int(max(ev.ts for ev in batch) * 1000))
+            if job.reader.last_read < 10_000:
+                break
         for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
             if ev.type == "meta":
                 job.meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
@@ -626,12 +719,14 @@ class Agent:
         return np.asarray(out, np.int64)
 
     def _remote_samples(self, job: _Job) -> None:
-        for host in {str(e.host) for r, e in job.ranks.items() if r not in job.own}:
-            if host == self.host:
-                continue
-            k = ledger.key(self.cfg.prefix, job.name, "samples", host)
-            last = job.remote_ids.get(host, "-")
-            entries = self.redis.xrange(k, min=f"({last}" if last != "-" else "-", count=10_000)
+        """The other hosts' new sample entries of the job: one XREAD for all of them."""
+        hosts = sorted({str(e.host) for r, e in job.ranks.items() if r not in job.own} - {self.host})
+        if not hosts:
+            return
+        keys = {ledger.key(self.cfg.prefix, job.name, "samples", h): h for h in hosts}
+        resp = self.redis.xread({k: job.remote_ids.get(h, "0-0") for k, h in keys.items()}, count=10_000)
+        for k, entries in resp or []:
+            host = keys[k.decode() if isinstance(k, bytes) else k]
             if entries:
                 job.remote_seen[host] = time.monotonic()
             for entry_id, f in entries:
@@ -682,7 +777,7 @@ class Agent:
         R, T, P, U, E = (np.concatenate(c) for c in zip(*chunks, strict=True))
         P = np.where(np.isfinite(P), P, np.nan)
         E = np.where(np.isfinite(E), E, np.nan)
-        window = job.booked_until - self.context_ms <= T
+        window = job.oldest_unbooked - self.context_ms <= T
         R, T, P, U, E = (a[window] for a in (R, T, P, U, E))
         # Other hosts' samples stay only as long as the window needs them.
         remote = ~np.isin(R, list(job.own))
@@ -733,8 +828,10 @@ class Agent:
         now_ms = int(own_ts.max()) if own_ts.size else int(T.max())
         # Events still on their way (a sim at --speed; trainers that deliver late).
         now_ms -= int(max(self.source.event_lag_s, cfg.event_lag_s) * 1000)
+        tl = self._timeline(job, job_start, now_ms)
         res = book_window(
-            events=job.events,
+            events=[],
+            timeline=tl,
             cfg=cfg.booking,
             profile=profile,
             job_start_ms=job_start,
@@ -754,6 +851,12 @@ class Agent:
             member_end_ms=member_end,
             booked_from_ms=booked_from,
         )
+        # Fold for good what lies far enough behind the data time and the events read.
+        if job.fold is not None:
+            job.fold.advance(
+                min(now_ms, job.newest_event_ms) - int(cfg.fold_lag_s * 1000),
+                job.oldest_unbooked - self.context_ms - 60_000,
+            )
         tl = res.timeline
         # The newest band of every own GPU, every round: a round that books nothing (a hang, a
         # checkpoint, idle: the horizon held at the last step) classifies the window itself.
@@ -782,6 +885,7 @@ class Agent:
         )
         if note:
             self._log_once(("price", job.name), logging.INFO, "%s", note)
+        self._fetch_index(job, tl)
         delta = live.ledger_delta(
             job.state,
             res,
@@ -814,6 +918,7 @@ class Agent:
             )
 
         job.wm_raw = ledger.commit(self.redis, cfg.prefix, job.name, cfg.agent_id, job.wm_raw, wm, queue)
+        delta.state.rb_index = {}  # written with the watermark: read back only when a void needs it
         with self.lock:
             job.state = delta.state
             job.figures = figures
@@ -1018,6 +1123,13 @@ class Agent:
         pipe.execute()
 
     # ---- for the exporter --------------------------------------------------------------------
+    @staticmethod
+    def _state_bytes(job: _Job) -> int:
+        """About what the agent holds for a job's booking: its folded timeline, the events
+        waiting to be folded and the rollback index entries in memory."""
+        n = job.fold.state_bytes() if job.fold is not None else 0
+        return n + 700 * len(job.fresh) + 400 * len(job.state.rb_index) + 16 * len(job.state.rb_applied)
+
     def snapshot(self) -> dict:
         now = time.monotonic()
         with self.lock:
@@ -1036,6 +1148,8 @@ class Agent:
                 "stats": dict(self.stats),
                 "dropped": self.sampler.dropped,
                 "registrations_rejected": dict(self.registrations_rejected),
+                "round_counts": list(self.round_counts),
+                "round_sum": self.round_sum,
                 "jobs": {
                     name: {
                         "own": dict(j.own),
@@ -1054,6 +1168,7 @@ class Agent:
                             if k.startswith("rejected:")
                         },
                         "clock_skew_s": j.skew_s,
+                        "state_bytes": self._state_bytes(j),
                     }
                     for name, j in self.jobs.items()
                     if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)

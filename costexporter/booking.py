@@ -167,6 +167,10 @@ class Timeline:
     phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
     stall_threshold_ms: int = 60_000  # in force at the end of the job's events
     decided_until_ms: int = POS_INF  # live: where the first PENDING segment starts
+    # A folded timeline (`fold.TimelineFold`) keeps only recent step records: `steps[0]` is record
+    # `step_base`, and `summary` (a `fold.StepSummary`) counts the rest.
+    step_base: int = 0
+    summary: object | None = None
 
 
 def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
@@ -254,8 +258,13 @@ def build_timeline(
     rank 0 are job-wide, other ranks' phases cover only their own GPU. `final`: the input has
     ended (replay), so the tail after the last progress point is booked; live (`final=False`)
     that tail stays PENDING until a step closes it or progress is seen to have stopped, and
-    `decided_until_ms` says where the decided part ends.
+    `decided_until_ms` says where the decided part ends. Live, an event dated after `end_ms` is
+    not used yet: earlier events may still be on their way (within the agent's `event_lag_s`),
+    and deciding with it (a `run end` closing an interval a late step would have split) would
+    book differently from an uninterrupted run.
     """
+    if not final:
+        events = [e for e in events if e.type == "meta" or int(e.ts * 1000) <= end_ms]
     events = sorted(events, key=lambda e: (e.ts, e.seq))
     if is_stepless(events):
         return band_timeline(events, cfg, start_ms, end_ms)

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, StateSetMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    StateSetMetricFamily,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import __version__
@@ -126,6 +131,7 @@ class AgentCollector(Collector):
         )
         ferr.add_metric([], s["stats"].get("round_errors", 0))
         yield ferr
+        yield from self._cost_families(s)
         yield from self._fault_families(s)
 
         # The job families hold live figures (cost since the last step, time at risk, whether a
@@ -135,6 +141,31 @@ class AgentCollector(Collector):
             self._cache = list(self._job_families(s))
             self._cache_key = key
         yield from self._cache
+
+    def _cost_families(self, s):
+        """What the agent itself costs: CPU per round and memory per job, flat at any history."""
+        from .agent import ROUND_BUCKETS
+
+        counts = s.get("round_counts")
+        if counts is not None:
+            cum, buckets = 0, []
+            for b, n in zip([*map(str, ROUND_BUCKETS), "+Inf"], counts, strict=True):
+                cum += n
+                buckets.append((b, cum))
+            h = HistogramMetricFamily(
+                "costexporter_agent_round_seconds", "CPU time of each booking round (all jobs of the node)."
+            )
+            h.add_metric([], buckets, s.get("round_sum", 0.0))
+            yield h
+        state = GaugeMetricFamily(
+            "costexporter_agent_state_bytes",
+            "Memory the agent holds for a job's booking (folded timeline, events waiting, rollback "
+            "index entries), about; bounded by the booking context, not the job's history.",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s["jobs"].items()):
+            state.add_metric([name], j.get("state_bytes", 0))
+        yield state
 
     def _fault_families(self, s):
         """What the agent refused or noticed: a second agent with its id, an empty Redis,

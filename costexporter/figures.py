@@ -69,13 +69,18 @@ def extend_incidents(
 def job_figures(tl: Timeline) -> dict:
     """Job-level figures: the same for every agent that reads the job's events (SET, not added)."""
     steps = tl.steps
-    valid = [s for s in steps if not s.voided]
-    last = steps[-1] if steps else None
+    summary = tl.summary  # a folded timeline's counts over records it no longer holds
+    if summary is not None:
+        n, n_voided, tokens, last = summary.n_steps, summary.n_voided, summary.valid_tokens, summary.last_step
+    else:
+        n, last = len(steps), steps[-1] if steps else None
+        n_voided = sum(1 for s in steps if s.voided)
+        tokens = sum(s.tokens for s in steps if not s.voided)
     return {
-        "steps_completed": len(steps),
-        "steps_voided": len(steps) - len(valid),
-        "valid_steps": len(valid),
-        "tokens": sum(s.tokens for s in valid),
+        "steps_completed": n,
+        "steps_voided": n_voided,
+        "valid_steps": n - n_voided,
+        "tokens": tokens,
         "last_step": last.step if last else -1,
         "last_step_ts": last.ts_ms / 1000 if last else 0,
         "last_checkpoint_step": tl.last_checkpoint_step if tl.last_checkpoint_step is not None else -1,

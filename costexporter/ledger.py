@@ -491,7 +491,13 @@ def queue_delta(
     queue_incidents(pipe, prefix, job, agent, delta.incidents.values())
     figures = delta.figures if figures is None else figures
     pipe.hset(key(prefix, job, "ledger", "job"), mapping={k: v for k, v in figures.items() if v is not None})
-    queue_steps(pipe, prefix, job, steps, after_ms, delta.state.booked_until, delta.voids)
+    members = getattr(delta, "step_members", None)  # a folded timeline's (incremental agent)
+    if members is None:
+        queue_steps(pipe, prefix, job, steps, after_ms, delta.state.booked_until, delta.voids)
+    else:
+        for name, m in zip(("steps", "voids"), members, strict=True):
+            if m:
+                pipe.zadd(key(prefix, job, "ledger", name), m)
 
 
 def epoch_key(prefix: str) -> str:

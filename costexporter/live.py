@@ -101,6 +101,7 @@ def book_window(
     ignore_ranks: np.ndarray | None = None,
     member_end_ms: np.ndarray | None = None,
     booked_from_ms: np.ndarray | None = None,
+    timeline: Timeline | None = None,
 ) -> WindowResult:
     """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
 
@@ -109,15 +110,10 @@ def book_window(
     job registered the GPU later) are per own rank. `booked_from_ms` (per own rank, default
     `booked_until_ms`) lets a rank that joined after the job's watermark had passed its start
     (a rank discovered late; that time is nobody else's) catch up: the result's horizon may then
-    lie before `booked_until_ms`.
+    lie before `booked_until_ms`. `timeline`: the job's timeline at `now_ms` when the caller
+    folds it incrementally (`fold.TimelineFold`); else built from `events`.
     """
-    if not final:
-        # An event dated after `now_ms` (the agent's data time, already `event_lag_s` behind its
-        # newest sample) may still have earlier events on their way: deciding with it (a `run
-        # end` closing an interval a late step would have split) books differently from an
-        # uninterrupted run. It is used once the data time reaches it.
-        events = [e for e in events if int(e.ts * 1000) <= now_ms]
-    tl = build_timeline(events, cfg, job_start_ms, now_ms, final=final)
+    tl = timeline if timeline is not None else build_timeline(events, cfg, job_start_ms, now_ms, final=final)
     interval = bands_mod.sampling_interval_ms(rank, ts_ms)
     horizon = min(tl.decided_until_ms, now_ms)
     if not final:
@@ -200,7 +196,9 @@ class JobState:
     cum: np.ndarray = field(default_factory=zeros)  # valid amounts booked so far
     booked: np.ndarray = field(default_factory=zeros)  # all amounts booked by this agent
     voided: np.ndarray = field(default_factory=zeros)  # valid amounts moved to rolled_back
-    rb_index: dict[int, list] = field(default_factory=dict)  # step record -> cum (flattened)
+    # step record -> cum (flattened); the agent keeps here only the entries a round needs (the
+    # rest are in the `rbidx` hash, read when a resume voids their records)
+    rb_index: dict[int, list] = field(default_factory=dict)
     rb_applied: set[int] = field(default_factory=set)  # step records whose void is booked
     incidents: dict[str, dict] = field(default_factory=dict)  # category -> the open incident
     starts: dict[int, int] = field(default_factory=dict)  # own rank -> when its GPU's time starts
@@ -258,6 +256,9 @@ class LedgerDelta:
     figures: dict
     at_risk_ms: int
     state: JobState
+    # ("steps", "voids") members as `ledger.queue_steps` writes them, when the timeline is folded
+    # (it keeps only recent step records); None: `queue_steps` computes them from every record.
+    step_members: tuple[dict[str, float], dict[str, float]] | None = None
 
 
 def valid_amounts(
@@ -276,10 +277,20 @@ def valid_amounts(
 
 
 def voided_part(
-    i: int, steps: list[StepRecord], index: dict, cum_now: np.ndarray, booked_until: int, job_start: int
+    i: int,
+    steps: list[StepRecord] | None,
+    index: dict,
+    cum_now: np.ndarray,
+    booked_until: int,
+    job_start: int,
+    prev_ts: int | None = None,
 ) -> np.ndarray:
-    """Valid amounts already booked inside step record i's interval."""
-    prev_ts = steps[i - 1].ts_ms if i > 0 else job_start
+    """Valid amounts already booked inside step record i's interval (`prev_ts`: the previous
+    record's time, when `steps` does not hold it)."""
+    if steps is not None:
+        prev_ts = steps[i - 1].ts_ms if i > 0 else job_start
+    elif prev_ts is None:
+        prev_ts = job_start
     if prev_ts >= booked_until:
         return zeros()  # nothing of it was booked yet: it books VOID later
     prev = np.asarray(index[i - 1], np.int64).reshape(N_CAT, 3) if i > 0 and i - 1 in index else 0
@@ -327,7 +338,7 @@ def ledger_delta(
     index_new: dict[int, list] = {}
     vp = np.isin(p.category, VALID)
     vp_start, vp_end, vp_cat, vp_mj = p.start_ms[vp], p.end_ms[vp], p.category[vp], p.energy_mj[vp]
-    for i, rec in enumerate(tl.steps):
+    for i, rec in enumerate(tl.steps, tl.step_base):
         if state.booked_until < rec.ts_ms <= res.horizon_ms and i not in state.rb_index:
             upto = np.clip(np.minimum(vp_end, rec.ts_ms) - vp_start, 0, None)
             frac = np.divide(upto, vp_end - vp_start, out=np.zeros(upto.size), where=vp_end > vp_start)
@@ -340,10 +351,16 @@ def ledger_delta(
     index = {**state.rb_index, **index_new}
     moved = zeros()
     applied = set(state.rb_applied)
-    for i, rec in enumerate(tl.steps):
-        if rec.voided and i not in applied:
-            applied.add(i)
-            moved += voided_part(i, tl.steps, index, new_cum, state.booked_until, job_start_ms)
+    if tl.summary is not None:  # folded: every voided record, with its predecessor's time
+        for i, _rec, prev_ts in tl.summary.voided:
+            if i not in applied:
+                applied.add(i)
+                moved += voided_part(i, None, index, new_cum, state.booked_until, job_start_ms, prev_ts)
+    else:
+        for i, rec in enumerate(tl.steps):
+            if rec.voided and i not in applied:
+                applied.add(i)
+                moved += voided_part(i, tl.steps, index, new_cum, state.booked_until, job_start_ms)
     rolled = zeros()
     rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
 
@@ -377,4 +394,40 @@ def ledger_delta(
         figures=job_figures(tl),
         at_risk_ms=at_risk_ms(tl, res.horizon_ms, member_start_ms),
         state=nxt,
+        step_members=(
+            folded_step_members(tl, state.booked_until, res.horizon_ms, applied - state.rb_applied)
+            if tl.summary is not None
+            else None
+        ),
     )
+
+
+def needed_index_entries(tl: Timeline, applied: set[int]) -> set[int]:
+    """The rollback index entries a round's voids read: each new voided record's and the one
+    before it (an agent fetches these instead of holding the whole index)."""
+    if tl.summary is not None:
+        new = [i for i, _r, _p in tl.summary.voided if i not in applied]
+    else:
+        new = [i for i, r in enumerate(tl.steps) if r.voided and i not in applied]
+    return {j for i in new for j in (i, i - 1) if j >= 0}
+
+
+def folded_step_members(
+    tl: Timeline, after_ms: int, upto_ms: int, voids: set[int]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`ledger.queue_steps`'s members from a folded timeline: the same names and scores."""
+    s = tl.summary
+    done: dict[str, float] = {}
+    cum = s.tokens_before
+    for i, rec in enumerate(tl.steps, tl.step_base):
+        cum += rec.tokens
+        if after_ms < rec.ts_ms <= upto_ms:
+            done[f"{i}:{cum}"] = rec.ts_ms / 1000
+    voided: dict[str, float] = {}
+    if voids:
+        cum_v = 0
+        for i, rec, _p in sorted(s.voided, key=lambda v: (v[1].voided_ms or 0, v[0])):
+            cum_v += rec.tokens
+            if i in voids:
+                voided[f"{i}:{cum_v}"] = (rec.voided_ms or rec.ts_ms) / 1000
+    return done, voided

@@ -44,13 +44,15 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import ledger, profiles, protocol
-from .booking import BookingConfig, Regime, build_timeline
+from .booking import BookingConfig, Regime, Timeline, build_timeline
 from .events import META_THRESHOLDS
+from .fold import TimelineFold, walk_relevant
 from .model import Band, Event
 from .profiles import Profile
-from .reader import EventReader
+from .reader import EventReader, read_all_many
 
 log = logging.getLogger("costexporter.watcher")
+JOBS_PER_READ = 100  # a poll reads the jobs' new events 100 jobs per XREAD
 
 STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
 ALERTING = {"crashed", "hung", "starving", "unknown"}
@@ -120,7 +122,6 @@ class JobView:
     """What the watcher knows of one job: its events folded per rank, and its live GPU state."""
 
     name: str
-    events: list[Event] = field(default_factory=list)
     registrations: dict[int, dict] = field(default_factory=dict)
     ranks: dict[int, _Rank] = field(default_factory=dict)
     live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
@@ -128,10 +129,59 @@ class JobView:
     # The agents' live hashes as last read: rank -> its newest sample and the band the agent
     # gave it (ts_ms, power_w, util_pct, band, host, gpu, uuid).
     agent_live: dict[int, dict] = field(default_factory=dict)
+    # The booking timeline, folded once per event (`fold.TimelineFold`) instead of rebuilt from
+    # every event each poll. It is folded again from every walk-relevant event (rank 0's steps
+    # and runs, every rank's phases: no heartbeats) when an event arrives older than the fold,
+    # the job's start moves or its meta changes the booking thresholds: those of `refold()`
+    # (the watcher reads them from the job's stream), else the ones kept in `walk`.
+    first_ms: int | None = None  # the earliest event seen
+    newest_ms: int = 0
+    walk: list[Event] = field(default_factory=list)
+    refold: Callable[[], list[Event]] | None = None
+    timeline_fold: TimelineFold | None = None
+    fresh: list[Event] = field(default_factory=list)
+    rebuilds: int = 0
+    unfoldable: bool = False  # a declared phase named `startup`: built from every event each poll
+
+    def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
+        """`build_timeline` over every event of the job at `now_ms`, from the fold."""
+        end_ms = max(now_ms, start_ms + 1)
+        f = self.timeline_fold
+        if f is not None and f.start_ms == start_ms and f.cfg == booking:
+            f.add(self.fresh)
+            self.fresh = []
+            tl = f.timeline(end_ms)
+        else:
+            tl = None
+        if tl is None:
+            if f is not None or self.unfoldable:
+                self.rebuilds += 1
+            if self.refold is None:
+                walk = self.walk
+            elif f is None and not self.unfoldable:
+                walk = self.fresh  # the first fold: every event read so far is fresh
+            else:
+                walk = self.refold()
+            f = self.timeline_fold = TimelineFold(booking, start_ms)
+            f.add(walk)
+            self.fresh = []
+            tl = f.timeline(end_ms)
+            if tl is None:  # not foldable (a declared phase named `startup`)
+                self.timeline_fold, self.unfoldable = None, True
+                return build_timeline(walk, booking, start_ms, end_ms, final=False)
+        frontier = min(end_ms, self.newest_ms) - lag_ms
+        f.advance(frontier, frontier)  # a decision reads the timeline at `now` and the last step
+        return tl
 
     def fold(self, events: list[Event]) -> None:
-        self.events += events
         for ev in events:
+            t = int(ev.ts * 1000)
+            self.first_ms = t if self.first_ms is None else min(self.first_ms, t)
+            self.newest_ms = max(self.newest_ms, t)
+            if walk_relevant(ev):
+                if self.refold is None:
+                    self.walk.append(ev)
+                self.fresh.append(ev)
             r = self.ranks.setdefault(ev.rank, _Rank())
             r.last_seen = max(r.last_seen, ev.ts)
             if ev.session and ev.session != r.session:
@@ -203,16 +253,16 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
         since = previous.since if previous is not None and previous.state == state else now
         return Status(state, reason, since, now, suspect=suspect, **kw)
 
-    if not view.events:
+    if view.first_ms is None:
         return status("unknown", "no events from the job yet")
     cfg = view.config(cfg)
-    start_ms = int(min(e.ts for e in view.events) * 1000)
+    start_ms = view.first_ms
     if view.registrations:
         start_ms = min(
             start_ms, int(min(float(r.get("ts", 1e18)) for r in view.registrations.values()) * 1000)
         )
     now_ms = int(now * 1000)
-    tl = build_timeline(view.events, cfg.booking, start_ms, max(now_ms, start_ms + 1), final=False)
+    tl = view.timeline(cfg.booking, start_ms, now_ms, lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None
     progress = dict(
         last_step=last.step if last else None,
@@ -648,11 +698,14 @@ class Watcher:
             protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
         )
         decided: dict[str, Status] = {}
-        for job in jobs:
+        fresh: dict[str, list[Event]] = {}
+        for i, job in enumerate(jobs):
             if job in self.bad_jobs:
                 continue
+            if i % JOBS_PER_READ == 0:  # one XREAD for the next jobs (bounded memory)
+                fresh = self._read_events([j for j in jobs[i : i + JOBS_PER_READ] if j not in self.bad_jobs])
             try:
-                decided[job] = self._judge(job, now)
+                decided[job] = self._judge(job, now, fresh.pop(job, []))
             except self._errors:
                 raise  # Redis itself: every job is unknown (poll())
             except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as e:
@@ -669,13 +722,40 @@ class Watcher:
         pipe.execute()
         return decided
 
-    def _judge(self, job: str, now: float) -> Status:
+    def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
+        """Every job's new events, one XREAD for all of them; a job whose name is refused is
+        left to `_judge`, which sets it aside."""
+        readers = []
+        for job in jobs:
+            if job not in self.readers:
+                try:
+                    self.readers[job] = EventReader(self.redis, job, self.cfg.prefix)  # checks the name
+                except ValueError:
+                    continue
+                self.views.pop(job, None)  # a new reader: the view is read from the start again
+            readers.append(self.readers[job])
+        return read_all_many(self.redis, readers)
+
+    def _refold_source(self, job: str) -> Callable[[], list[Event]]:
+        """The job's walk-relevant events up to where its reader is, read again from its stream
+        (to fold its timeline again; the view keeps none of them)."""
+
+        def read() -> list[Event]:
+            self.stats["timeline_rebuilds"] += 1  # an event older than the fold, a moved start
+            reader = EventReader(self.redis, job, self.cfg.prefix)
+            return reader.read_until(self.readers[job].cursor, keep=walk_relevant)
+
+        return read
+
+    def _judge(self, job: str, now: float, events: list[Event]) -> Status:
         cfg = self.cfg
-        first = job not in self.readers
-        if first:
+        if job not in self.readers:
             self.readers[job] = EventReader(self.redis, job, cfg.prefix)  # checks the name
-        view = self.views.setdefault(job, JobView(job))
-        view.fold(self.readers[job].read_all())
+        first = job not in self.views
+        if first:
+            self.views[job] = JobView(job, refold=self._refold_source(job))
+        view = self.views[job]
+        view.fold(events)
         if first:
             # Registrations arrive as `register` events; the hash keeps them once their
             # events are trimmed away, so it is read once, when the job is first seen.

@@ -1,0 +1,329 @@
+"""The agent at scale: round CPU and RSS against a job's history, and restart catch-up.
+
+Each history size runs in a process of its own against a private `redis-server` (no
+persistence, a free port): a 2-GPU job whose stream holds N steps of rank 0 (one a second, a
+checkpoint every 1,000) and a heartbeat every 10 s from each of 8 ranks. The agent starts with
+that backlog (a restart after its watermark: `catch-up`, the CPU to read and fold it), then
+books steady rounds of 5 s, 5 new steps each (`round`: median thread CPU of a round; `rss`: the
+process's resident memory after them; `trimmed`: after malloc_trim, what the process holds
+rather than what the allocator kept from the catch-up's peak; `state`: the agent's estimate of
+its booking state, `costexporter_agent_state_bytes`). Targets (issue 16): round <= 20 ms at
+any history, RSS flat <= 150 MB, catch-up linear in the backlog.
+
+Run through bench/bench_scale.py, or alone: python bench/scale_agent.py [--steps 1000,100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+T0 = 1_750_000_000.0
+WINDOW_S = 600  # samples before the agent's start (its context for bands)
+ROUNDS = 12
+RANKS = 8
+
+
+def _redis() -> tuple[subprocess.Popen, str, str]:
+    from tests.redis_server import free_port
+
+    d = tempfile.mkdtemp(prefix="scale-agent-")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", d],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    c = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            c.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0", d
+
+
+def _entries(job: str, first: int, last: int, seqs: dict[int, int]) -> list[dict[str, str]]:
+    """Steps first..last of rank 0 (one a second), checkpoints, every rank's heartbeats."""
+    from costexporter import protocol
+
+    def entry(kind: str, rank: int, ts: float, **fields) -> dict[str, str]:
+        seq = seqs.get(rank, 0)
+        seqs[rank] = seq + 1
+        base = {"v": "1", "type": kind, "job": job, "ts": f"{ts:.3f}", "rank": rank, "session": f"s{rank}"}
+        return protocol.encode_fields({**base, "seq": seq, **fields})
+
+    out = []
+    for k in range(first, last + 1):
+        t = T0 + k
+        out.append(entry("step", 0, t, step=k, tokens=4096))
+        if k % 1000 == 0:
+            out.append(entry("phase", 0, t + 0.1, name="checkpoint", state="begin"))
+            out.append(entry("phase", 0, t + 0.6, name="checkpoint", state="end", step=k))
+        if k % 10 == 0:
+            out += [entry("heartbeat", r, t + 0.5) for r in range(RANKS)]
+    return out
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+JOB, PREFIX = "scale", "bench"
+
+
+def _post_history(n_steps: int, url: str) -> dict[int, int]:
+    """The job's registrations and its N steps of history (by this process, not the agent's)."""
+    import redis
+
+    from costexporter.client import send_entries
+    from costexporter.synth import TraceBuilder
+    from tests.test_agent import event_entry
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    reg = TraceBuilder(n_gpus=2, per_host=2, job=JOB, seed=1, interval_s=1.0, t0=T0)
+    send_entries(client, PREFIX, JOB, [event_entry(e) for e in reg.events])
+    seqs = {0: 1, 1: 1}  # after the registrations' seq numbers
+    for a in range(1, n_steps + 1, 20_000):
+        send_entries(client, PREFIX, JOB, _entries(JOB, a, min(a + 19_999, n_steps), seqs))
+    return seqs
+
+
+def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
+    """In a fresh process: start an agent on the history, catch up, book steady rounds."""
+    import redis
+
+    from costexporter import ledger
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.client import send_entries
+    from costexporter.sources.replay import ReplaySource
+    from costexporter.synth import TraceBuilder
+
+    job, prefix = JOB, PREFIX
+    client = redis.Redis.from_url(url, decode_responses=True)
+    # Samples: the last WINDOW_S s of the history, and the steady rounds to come.
+    sb = TraceBuilder(
+        n_gpus=2, per_host=2, job=job, seed=1, interval_s=1.0, t0=T0 + n_steps - WINDOW_S, register=False
+    )
+    sb.stretch("compute", WINDOW_S + 5 * ROUNDS + 10)
+    # The agent restarts: its watermark says it booked the job up to the samples it still has.
+    wm = {
+        "booked_until": int((T0 + n_steps - WINDOW_S) * 1000),
+        "starts": {"0": int(T0 * 1000), "1": int(T0 * 1000)},
+    }
+    client.set(ledger.key(prefix, job, "wm", "node0"), json.dumps(wm))
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(sb.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(redis_url=url, prefix=prefix, agent_id="node0", job_refresh_s=3600),
+    )
+    now[0] = float(WINDOW_S)  # the samples reach the history's last step
+    rss0 = _rss_mb()
+
+    def tick() -> float:
+        for r in agent.source.read():
+            agent.sampler._buf.append(r)
+        t = time.thread_time()
+        agent.tick()
+        return time.thread_time() - t
+
+    last_id = client.xrevrange(f"{prefix}:{{{job}}}:events", count=1)[0][0]
+    catch_cpu, catch_wall, catch_rounds = 0.0, time.perf_counter(), 0
+    while True:
+        catch_cpu += tick()
+        catch_rounds += 1
+        j = agent.jobs.get(job)
+        if j is not None and j.reader.cursor == last_id and j.fold is not None:
+            break
+    catch_wall = time.perf_counter() - catch_wall
+    rounds = []
+    for k in range(ROUNDS):
+        now[0] += 5
+        a = n_steps + 5 * k + 1
+        send_entries(client, prefix, job, _entries(job, a, a + 4, seqs))
+        rounds.append(tick())
+    j = agent.jobs[job]
+    rss = _rss_mb()
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the allocator keeps after the catch-up's peak
+    out.put(
+        {
+            "steps": n_steps,
+            "round_ms": statistics.median(rounds) * 1000,
+            "round_max_ms": max(rounds) * 1000,
+            "rss_mb": rss,
+            "rss_trimmed_mb": _rss_mb(),
+            "rss_start_mb": rss0,
+            "state_kb": agent._state_bytes(j) / 1024,
+            "catchup_s": catch_cpu,
+            "catchup_wall_s": catch_wall,
+            "catchup_rounds": catch_rounds,
+            "booked_rounds": agent.stats["rounds"],
+            "rebuilds": agent.stats["timeline_rebuilds"],
+        }
+    )
+
+
+def measure(steps: list[int]) -> list[dict]:
+    """One fresh process and one private Redis per history size."""
+    if not shutil.which("redis-server"):
+        raise SystemExit("redis-server is not on PATH")
+    ctx = multiprocessing.get_context("spawn")
+    res = []
+    for n in steps:
+        proc, url, d = _redis()
+        try:
+            seqs = _post_history(n, url)
+            q = ctx.Queue()
+            p = ctx.Process(target=_one, args=(n, url, seqs, q))
+            p.start()
+            res.append(q.get(timeout=1800))
+            p.join(60)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def report(res: list[dict]) -> None:
+    print("agent round vs history (target: round <= 20 ms at any history, RSS flat <= 150 MB)")
+    print(
+        f"  {'steps':>8} {'round ms':>9} {'max ms':>7} {'RSS MB':>7} {'trimmed':>8} {'state KB':>9} "
+        f"{'catch-up s':>11} {'s/100k steps':>13}"
+    )
+    for r in res:
+        per = r["catchup_s"] / max(r["steps"], 1) * 100_000
+        print(
+            f"  {r['steps']:>8} {r['round_ms']:>9.1f} {r['round_max_ms']:>7.1f} {r['rss_mb']:>7.0f} "
+            f"{r['rss_trimmed_mb']:>8.0f} {r['state_kb']:>9.0f} {r['catchup_s']:>11.2f} {per:>13.2f}"
+        )
+    ok_round = all(r["round_ms"] <= 20 for r in res)
+    ok_rss = all(r["rss_mb"] <= 150 for r in res)
+    print(
+        f"  round <= 20 ms: {'yes' if ok_round else 'NO'}; RSS <= 150 MB: {'yes' if ok_rss else 'NO'}; "
+        "catch-up linear: compare s/100k steps across sizes"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", default="1000,100000,300000", help="history sizes (steps), comma-separated")
+    ap.add_argument(
+        "--watcher", default="1000x1000,1x100000", help="watcher shapes: JOBSxSTEPS, comma-separated"
+    )
+    a = ap.parse_args()
+    report(measure([int(x) for x in a.steps.split(",")]))
+    report_watcher(measure_watcher([tuple(map(int, x.split("x"))) for x in a.watcher.split(",")]))
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ---- the watcher ---------------------------------------------------------------------------------
+def _watch_one(jobs: int, steps: int, url: str, out) -> None:
+    """In a fresh process: a watcher's first poll (it reads every job's history), then steady
+    polls with a few new steps per job between them."""
+    import redis
+
+    from costexporter.watcher import WatchConfig, Watcher
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    names = [f"w{i}" for i in range(jobs)]
+    seqs = {n: {0: 1, 1: 1} for n in names}
+    clock = [T0 + steps + 1]
+    w = Watcher(WatchConfig(redis_url=url, prefix=PREFIX, clock=lambda: clock[0], forget_after_s=1e9))
+    t = time.perf_counter()
+    w.poll()
+    first = time.perf_counter() - t
+    polls = []
+    for k in range(5):
+        clock[0] += 5
+        a = steps + 5 * k + 1
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            for e in _entries(n, a, a + 4, seqs[n]):
+                pipe.xadd(f"{PREFIX}:{{{n}}}:events", e)
+        pipe.execute()
+        t = time.perf_counter()
+        st = w.poll()
+        polls.append(time.perf_counter() - t)
+    states = sorted({s.state for s in st.values()})
+    out.put(
+        {
+            "jobs": jobs,
+            "steps": steps,
+            "first_s": first,
+            "poll_ms": statistics.median(polls) * 1000,
+            "rss_mb": _rss_mb(),
+            "states": states,
+        }
+    )
+
+
+def _post_jobs(jobs: int, steps: int, url: str) -> None:
+    import redis
+
+    from costexporter.client import send_entries
+    from costexporter.synth import TraceBuilder
+    from tests.test_agent import event_entry
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    for i in range(jobs):
+        n = f"w{i}"
+        reg = TraceBuilder(n_gpus=2, per_host=2, job=n, seed=1, interval_s=1.0, t0=T0)
+        send_entries(client, PREFIX, n, [event_entry(e) for e in reg.events])
+        seqs = {0: 1, 1: 1}
+        for a in range(1, steps + 1, 20_000):
+            send_entries(client, PREFIX, n, _entries(n, a, min(a + 19_999, steps), seqs))
+
+
+def measure_watcher(shapes: list[tuple[int, int]]) -> list[dict]:
+    """Watcher poll time per (jobs, steps per job), each in a fresh process and Redis."""
+    ctx = multiprocessing.get_context("spawn")
+    res = []
+    for jobs, steps in shapes:
+        proc, url, d = _redis()
+        try:
+            _post_jobs(jobs, steps, url)
+            q = ctx.Queue()
+            p = ctx.Process(target=_watch_one, args=(jobs, steps, url, q))
+            p.start()
+            res.append(q.get(timeout=1800))
+            p.join(60)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def report_watcher(res: list[dict]) -> None:
+    print("watcher poll (target: 1,000 jobs x 1k steps <= 200 ms; 1 job x 100k steps <= 20 ms)")
+    print(f"  {'jobs':>6} {'steps/job':>10} {'poll ms':>8} {'first poll s':>13} {'RSS MB':>7}  states")
+    for r in res:
+        print(
+            f"  {r['jobs']:>6} {r['steps']:>10} {r['poll_ms']:>8.1f} {r['first_s']:>13.2f} "
+            f"{r['rss_mb']:>7.0f}  {','.join(r['states'])}"
+        )

@@ -1,0 +1,206 @@
+"""The incremental timeline (`fold.TimelineFold`) against `build_timeline` over every event.
+
+The fold walks each event once and forgets what lies before the booking context; whatever a
+round reads of its view (segments and step records from the kept part on, the stall threshold,
+the decided horizon, allowances, rank overheads, step counts, voids) must be what a from-scratch
+rebuild says, on random streams with resumes, phases, stalls, restarts and events arriving a
+little out of order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costexporter.booking import BookingConfig, build_timeline
+from costexporter.fold import TimelineFold, walk_relevant
+from costexporter.model import Event
+
+CFG = BookingConfig(
+    stall_floor_s=5.0,
+    checkpoint_allowance_s=20.0,
+    eval_allowance_s=10.0,
+    startup_allowance_s=15.0,
+    stall_window=8,
+)
+LAG_MS = 30_000
+
+
+def ev(kind: str, ts: float, rank: int = 0, seq: int = 0, **fields) -> Event:
+    return Event(kind, "j", ts, rank, "s", seq, fields)
+
+
+@st.composite
+def streams(draw):
+    """A job's events in arrival order (a little shuffled), and the arrival batches."""
+    t = 1000.0
+    step = 0
+    out: list[Event] = [ev("run", t, state="start")]
+    open_phase: dict[tuple[int, str], bool] = {}
+    n = draw(st.integers(5, 120))
+    for _ in range(n):
+        t += draw(st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0, 9.0, 40.0]))
+        kind = draw(st.sampled_from(["step"] * 8 + ["phase", "phase", "run", "hb", "other", "back"]))
+        if kind == "step":
+            step += 1
+            out.append(ev("step", t, step=step, tokens=draw(st.integers(0, 5))))
+        elif kind == "back":  # an implicit resume: a step at or below one already done
+            step = max(1, step - draw(st.integers(0, 4)))
+            out.append(ev("step", t, step=step, tokens=1))
+        elif kind == "phase":
+            rank = draw(st.sampled_from([0, 0, 1]))
+            name = draw(st.sampled_from(["checkpoint", "eval"]))
+            state = "end" if open_phase.get((rank, name)) else "begin"
+            if draw(st.booleans()) and state == "begin":
+                state = "begin"
+            open_phase[(rank, name)] = state == "begin"
+            f = {"name": name, "state": state}
+            if name == "checkpoint" and state == "end":
+                f["step"] = step
+            out.append(ev("phase", t, rank=rank, **f))
+        elif kind == "run":
+            state = draw(st.sampled_from(["resume", "end", "start"]))
+            f = {"state": state}
+            if state == "resume":
+                step = max(0, step - draw(st.integers(0, 3)))
+                f["step"] = step
+            out.append(ev("run", t, **f))
+        elif kind == "hb":
+            out.append(ev("heartbeat", t, rank=draw(st.integers(0, 2))))
+        else:
+            out.append(ev("step", t, rank=1, step=step))
+    for i, e in enumerate(out):
+        e.seq = i
+    # Arrival: a few neighbours swapped (late within the fold's lag).
+    arrival = list(out)
+    for _ in range(draw(st.integers(0, 5))):
+        i = draw(st.integers(0, len(arrival) - 2))
+        arrival[i], arrival[i + 1] = arrival[i + 1], arrival[i]
+    cuts = sorted(set(draw(st.lists(st.integers(1, len(arrival)), min_size=1, max_size=12))))
+    return arrival, cuts
+
+
+def _restrict(b: np.ndarray, r: np.ndarray, lo: int) -> list[tuple[int, int]]:
+    """(start, regime) of the segments from `lo` on, the first one starting at lo."""
+    i = int(np.searchsorted(b, lo, "right")) - 1
+    out = [(lo, int(r[i]))]
+    for j in range(i + 1, r.size):
+        out.append((int(b[j]), int(r[j])))
+    return out
+
+
+def _clip(ivals, lo):
+    return [(max(a, lo), b) for a, b in ivals if b > lo]
+
+
+def check_view(fold: TimelineFold, seen: list[Event], end_ms: int, lo: int) -> None:
+    tl = fold.timeline(end_ms)
+    ref = build_timeline(seen, CFG, fold.start_ms, end_ms, final=False)
+    assert tl is not None
+    assert _restrict(tl.bounds, tl.regime, lo) == _restrict(ref.bounds, ref.regime, lo)
+    assert tl.decided_until_ms == ref.decided_until_ms
+    assert tl.stall_threshold_ms == ref.stall_threshold_ms
+    assert tl.end_ms == ref.end_ms
+    assert tl.last_checkpoint_step == ref.last_checkpoint_step
+    assert tl.last_checkpoint_ms == ref.last_checkpoint_ms
+    assert tl.resumes == ref.resumes
+    assert {r: _clip(v, lo) for r, v in tl.rank_overhead.items() if _clip(v, lo)} == {
+        r: _clip(v, lo) for r, v in ref.rank_overhead.items() if _clip(v, lo)
+    }
+    assert [o for o in tl.phases_overrun if o[2] >= lo] == [o for o in ref.phases_overrun if o[2] >= lo]
+    probe = np.arange(max(lo, fold.start_ms - 10_000), end_ms + 60_000, 7_000, dtype=np.int64)
+    for name in ("checkpoint", "eval", "startup"):
+        assert (tl.allowances.at(name, probe) == ref.allowances.at(name, probe)).all()
+        assert tl.allowances.current(name) == ref.allowances.current(name)
+    # Step records: the kept ones are the rebuild's from step_base on; the summary counts all.
+    assert tl.steps == ref.steps[tl.step_base :]
+    s = tl.summary
+    assert s.n_steps == len(ref.steps)
+    assert s.n_voided == sum(r.voided for r in ref.steps)
+    assert s.valid_tokens == sum(r.tokens for r in ref.steps if not r.voided)
+    assert s.tokens_before == sum(r.tokens for r in ref.steps[: tl.step_base])
+    assert s.last_step == (ref.steps[-1] if ref.steps else None)
+    assert sorted((i, rec) for i, rec, _ in s.voided) == [(i, r) for i, r in enumerate(ref.steps) if r.voided]
+    for i, _rec, prev in s.voided:
+        assert prev == (ref.steps[i - 1].ts_ms if i > 0 else None)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(), st.integers(0, 20_000), st.integers(0, 120_000))
+def test_fold_equals_rebuild(stream, ahead_ms, context_ms):
+    arrival, cuts = stream
+    fold = TimelineFold(CFG, 1_000_000)
+    seen: list[Event] = []
+    lo = -(2**62)
+    prev = 0
+    for cut in cuts:
+        batch = arrival[prev:cut]
+        prev = cut
+        seen += batch
+        fold.add(batch)
+        end_ms = int(max(e.ts for e in seen) * 1000) + ahead_ms
+        if fold.late:  # an event the fold had walked past: its owner rebuilds from the stream
+            fold = TimelineFold(CFG, 1_000_000)
+            fold.add(seen)
+            lo = -(2**62)
+        check_view(fold, seen, end_ms, lo)
+        frontier = end_ms - LAG_MS
+        keep_from = frontier - context_ms
+        fold.advance(frontier, keep_from)
+        lo = max(lo, min(keep_from, fold.w.anchor))
+        check_view(fold, seen, end_ms, lo)
+
+
+def test_late_event_is_flagged_and_noise_never_enters():
+    fold = TimelineFold(CFG, 0)
+    fold.add([ev("step", 10.0, step=1), ev("step", 20.0, step=2)])
+    fold.add([ev("heartbeat", 1.0, rank=0), ev("step", 1.0, rank=3, step=1), ev("register", 1.0, rank=2)])
+    assert len(fold.pending) == 2  # heartbeats, other ranks' steps, registrations: not folded
+    fold.advance(15_000, 0)
+    assert fold.folded == 1 and not fold.late
+    fold.add([ev("heartbeat", 5.0)])
+    assert not fold.late
+    fold.add([ev("step", 14.0, step=2)])
+    assert fold.late and fold.timeline(30_000) is None
+
+
+def test_walk_relevant():
+    assert walk_relevant(ev("step", 1.0))
+    assert not walk_relevant(ev("step", 1.0, rank=1))
+    assert walk_relevant(ev("phase", 1.0, rank=5, name="x", state="begin"))
+    assert not walk_relevant(ev("meta", 1.0, team="a"))
+    assert walk_relevant(ev("meta", 1.0, progress="none"))
+
+
+def test_memory_stays_bounded_by_the_context():
+    """A long job: the fold keeps the recent segments and records, not the history."""
+    fold = TimelineFold(CFG, 0)
+    for k in range(20):
+        fold.add([ev("step", 1.0 + k * 100 + i, step=k * 100 + i + 1, tokens=1) for i in range(100)])
+        end = int((k + 1) * 100 * 1000)
+        fold.advance(end - 5_000, end - 20_000)
+    assert len(fold.w.steps) < 40 and len(fold.w.seg_start) < 80
+    tl = fold.timeline(2_000_000)
+    assert tl.summary.n_steps == 2000 and tl.summary.valid_tokens == 2000
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(), st.integers(0, 200_000))
+def test_watcher_folded_poll_by_poll_judges_as_a_fresh_view(stream, ahead_ms):
+    """A watcher's view fed poll by poll (its timeline folded, late events refolded) decides as
+    a view given every event at once, at every poll."""
+    from costexporter.watcher import JobView, WatchConfig, decide
+
+    cfg = WatchConfig(booking=CFG, heartbeat_timeout_s=60.0)
+    arrival, cuts = stream
+    view = JobView("j")
+    prev = 0
+    for cut in cuts:
+        view.fold(arrival[prev:cut])
+        fresh = JobView("j")
+        fresh.fold(arrival[:cut])
+        prev = cut
+        now = max(e.ts for e in arrival[:cut]) + ahead_ms / 1000
+        assert decide(view, now, cfg).to_dict() == decide(fresh, now, cfg).to_dict()
+    assert len(view.walk) == sum(walk_relevant(e) for e in arrival[:prev])  # no heartbeats kept
