@@ -130,7 +130,7 @@ class _Job:
     @property
     def oldest_unbooked(self) -> int:
         """Where the job's least-booked GPU is: the watermark, or a late rank catching up."""
-        return min(self.state.booked_until, *self.state.behind.values())
+        return min([self.state.booked_until, *self.state.behind.values()])
 
     @property
     def booked(self) -> np.ndarray:
