@@ -10,6 +10,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
+from costexporter import exitstatus
 from costexporter.replay import ReplayConfig, replay
 from costexporter.synth import TraceBuilder
 
@@ -22,6 +23,16 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _process_still_clean():
+    """The reporter remembers, per process, whether the process is failing (a non-zero
+    `sys.exit`, an uncaught exception in a thread) and then posts no `run end`. A test that makes
+    click exit 2 in-process (CliRunner) or lets a thread raise would otherwise make every later
+    reporter of this pytest process skip its `run end`."""
+    yield
+    exitstatus._crash = None
 
 
 def book(b: TraceBuilder, cfg: ReplayConfig | None = None, **samples_kw) -> dict:
