@@ -69,6 +69,8 @@ def ledger_keys(client, prefix: str) -> dict:
         name = k[len(prefix) :]
         if ":wm:" in name or name.endswith(":epoch") or ":node:" in name or ":live:" in name:
             continue
+        if ":fold:" in name or name.endswith(":readers"):  # the agent's own resume state
+            continue
         t = client.type(k)
         if t == "hash":
             v = client.hgetall(k)
@@ -82,18 +84,43 @@ def ledger_keys(client, prefix: str) -> dict:
     return out
 
 
-def run_agent(cls, prefix: str, b: TraceBuilder, late_event) -> Agent:
+def run_agent(
+    cls, prefix: str, b: TraceBuilder, late_event, restart_at: tuple[int, ...] = (), late_s: float = 100, **kw
+) -> Agent:
+    """Drive an agent round by round; `restart_at`: rounds after which it is killed (its memory
+    gone) and a new one started on the same Redis; `kw`, AgentConfig fields."""
     client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
     events = sorted(b.events, key=lambda e: e.ts)
     t0 = min(e.ts for e in events)
     now = [0.0]
-    agent = cls(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(prefix=prefix, agent_id="a", job_refresh_s=0, fold_lag_s=20.0, context_s=120.0),
-    )
+
+    def start() -> Agent:
+        started = [False]
+
+        def clock() -> float:  # 0 at creation: a (re)started source plays the trace from its start
+            if not started[0]:
+                started[0] = True
+                return 0.0
+            return now[0]
+
+        return cls(
+            ReplaySource(b.samples(), speed=1.0, clock=clock),
+            AgentConfig(
+                prefix=prefix, agent_id="a", job_refresh_s=0, fold_lag_s=20.0, context_s=120.0, **kw
+            ),
+        )
+
+    agent = start()
+    agent.restarted = []
     posted = 0
     held = True
+    rounds = 0
     while now[0] < 1200:
+        rounds += 1
+        if rounds in restart_at:
+            restarted = [*agent.restarted, agent]
+            agent = start()  # killed: its memory is gone
+            agent.restarted = restarted
         now[0] += 7
         upto = t0 + now[0] + 3  # events run a little ahead of the samples
         batch = []
@@ -101,7 +128,7 @@ def run_agent(cls, prefix: str, b: TraceBuilder, late_event) -> Agent:
             if events[posted] is not late_event:
                 batch.append(event_entry(events[posted]))
             posted += 1
-        if held and now[0] > late_event.ts - t0 + 100:  # 100 s late: older than the fold
+        if held and now[0] > late_event.ts - t0 + late_s:  # 100 s late: older than the fold
             batch.append(event_entry(late_event))
             held = False
         if batch:
@@ -136,6 +163,77 @@ def test_folding_agent_books_every_key_as_the_rebuilding_one(prefix):
         assert h["costexporter_agent_round_seconds_count"] == sum(folded.round_counts) >= 170
         state = {s.labels["training_job"]: s.value for s in fams["costexporter_agent_state_bytes"].samples}
         assert 0 < state[b.job] < 1_000_000
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-ref:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def _stream_len(client, prefix: str, job: str) -> int:
+    return client.xlen(f"{prefix}:{{{job}}}:events")
+
+
+def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_never_stopped(prefix):
+    """Killed three times (once right after the late event, which it folds again from its stored
+    fold: the stream below that was trimmed), every ledger key is the reference's; each restart
+    read only the stream since its stored fold, and the stream was trimmed as it went."""
+    b = trace()
+    late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
+    restarts = (40, 55, 120)
+    agent = run_agent(Agent, prefix, b, late, restart_at=restarts, fold_persist_s=0, late_keep_s=150)
+    run_agent(RebuildingAgent, prefix + "-ref", b, late, fold_persist_s=None, trim_streams=False)
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
+        every = [*agent.restarted, agent]
+        assert [a.stats["fold_restores"] for a in every] == [0, 1, 1, 1]
+        assert sum(a.stats["fold_restore_failures"] for a in every) == 0
+        total = _stream_len(client, prefix + "-ref", b.job)
+        for a in every[1:]:  # each restart read the backlog, not the job's history
+            assert a.jobs[b.job].reader.stats["accepted"] < total / 2
+        assert sum(a.stats["timeline_rebuilds_from_store"] for a in every) == 1
+        assert sum(a.stats["stream_entries_trimmed"] for a in every) > total / 2
+        assert _stream_len(client, prefix, b.job) < total / 2  # 1-2 x late_keep_s kept
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-ref:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream(prefix):
+    """A restart that finds an unreadable fold (an older format, garbage, a foreign job's) folds
+    the whole stream again: counted, logged once, the same ledger, no crash."""
+    import base64
+
+    from costexporter.fold import _MAGIC
+
+    b = trace()
+    late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    run_agent(RebuildingAgent, prefix + "-ref", b, late, fold_persist_s=None, trim_streams=False)
+    bad = [
+        "not base64 at all!",
+        base64.b64encode(b"garbage").decode(),
+        base64.b64encode(_MAGIC + b"\x00\x01zz").decode(),
+    ]
+    try:
+        for i, junk in enumerate(bad):
+            p = f"{prefix}-{i}"
+
+            class Corrupting(Agent):
+                junk_value = junk
+
+                def _load(self, job):  # the stored fold is damaged before a restart reads it
+                    k = ledger.fold_key(self.cfg.prefix, job.name, self.cfg.agent_id)
+                    if client.exists(k):
+                        client.set(k, self.junk_value)
+                    super()._load(job)
+
+            agent = run_agent(Corrupting, p, b, late, restart_at=(30,), fold_persist_s=0, trim_streams=False)
+            assert agent.stats["fold_restore_failures"] == 1 and agent.stats["fold_restores"] == 0
+            assert ledger_keys(client, p) == ledger_keys(client, prefix + "-ref")
+            keys = list(client.scan_iter(f"{p}:*"))
+            client.delete(*keys)
     finally:
         keys = list(client.scan_iter(f"{prefix}-ref:*"))
         if keys:
