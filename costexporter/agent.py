@@ -679,7 +679,13 @@ class Agent:
             at, old_blob, cursor = old
             pipe.set(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id, old=True), old_blob)
             ledger.queue_position(
-                pipe, cfg.prefix, job.name, f"agent:{cfg.agent_id}", cursor, at=round(at, 3)
+                pipe,
+                cfg.prefix,
+                job.name,
+                f"agent:{cfg.agent_id}",
+                cursor,
+                at=round(at, 3),
+                ranks=sorted(job.own),  # the trimmer waits until every rank has its agent here
             )
 
     def _fold_stored(self, job: _Job, now: float, old: tuple[float, str, str] | None) -> None:
@@ -703,10 +709,13 @@ class Agent:
 
         try:
             n = ledger.trim_stream(
-                self.redis, self.cfg.prefix, job.name, time.time(), self.cfg.reader_stale_s
+                self.redis, self.cfg.prefix, job.name, time.time(), self.cfg.reader_stale_s, set(job.ranks)
             )
         except redis.RedisError:
             self.stats["trim_errors"] += 1
+            return
+        if n < 0:  # another agent of the job has not stored its fold yet
+            self.stats["trim_waiting"] += 1
             return
         self.stats["stream_entries_trimmed"] += n
 

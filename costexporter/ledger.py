@@ -531,11 +531,16 @@ def _stream_id(x: str) -> tuple[int, int]:
     return int(a), int(b or 0)
 
 
-def trim_stream(client, prefix: str, job: str, now: float, stale_s: float) -> int:
+def trim_stream(
+    client, prefix: str, job: str, now: float, stale_s: float, ranks: set[int] | None = None
+) -> int:
     """Trim the job's event stream below the oldest position of its fresh readers (XTRIM MINID;
     idempotent). A reader not heard of for `stale_s` no longer counts (and is forgotten); with no
-    fresh reader nothing is trimmed. Returns the entries removed."""
+    fresh reader nothing is trimmed, nor while a rank of `ranks` (the job's registered ones) is
+    not in the `ranks` of some fresh agent's position (its agent has not stored a fold yet: it
+    still needs the whole stream). Returns the entries removed; -1: waiting for an agent."""
     positions = []
+    covered: set[int] = set()
     stale = []
     for reader, raw in client.hgetall(readers_key(prefix, job)).items():
         try:
@@ -548,8 +553,13 @@ def trim_stream(client, prefix: str, job: str, now: float, stale_s: float) -> in
             stale.append(reader)
         else:
             positions.append(sid)
+            r = pos.get("ranks")
+            if isinstance(r, list):
+                covered.update(x for x in r if isinstance(x, int))
     if stale:
         client.hdel(readers_key(prefix, job), *stale)
+    if ranks and not ranks <= covered:
+        return -1
     if not positions:
         return 0
     lo = min(positions)
