@@ -85,7 +85,14 @@ def ledger_keys(client, prefix: str) -> dict:
 
 
 def run_agent(
-    cls, prefix: str, b: TraceBuilder, late_event, restart_at: tuple[int, ...] = (), late_s: float = 100, **kw
+    cls,
+    prefix: str,
+    b: TraceBuilder,
+    late_event,
+    restart_at: tuple[int, ...] = (),
+    late_s: float = 100,
+    on_round=None,
+    **kw,
 ) -> Agent:
     """Drive an agent round by round; `restart_at`: rounds after which it is killed (its memory
     gone) and a new one started on the same Redis; `kw`, AgentConfig fields."""
@@ -135,6 +142,8 @@ def run_agent(
             send_entries(client, prefix, b.job, batch)
         for r in agent.source.read():
             agent.sampler._buf.append(r)
+        if on_round is not None:
+            on_round(rounds, t0 + now[0])
         agent.tick()
     agent._final = True
     agent.tick()
@@ -198,6 +207,84 @@ def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_ne
         keys = list(client.scan_iter(f"{prefix}-ref:*"))
         if keys:
             client.delete(*keys)
+
+
+def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_as_without(prefix):
+    """Real agent and watchers on a real Redis: one run trims the stream as it goes (the agent
+    killed twice), the other never trims. Every ledger key is the same, and so is every status
+    of a watcher that polls every round and of one that lags (polls every 12th round): its
+    registered position keeps what it has not read yet. (Both registered before the first
+    trim: a watcher started later reads only what is left.)"""
+    from costexporter.watcher import WatchConfig, Watcher
+
+    b = trace()
+    late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    seen: dict[str, list] = {}
+    lowest: dict[str, list] = {}
+
+    def watch(p: str):
+        clock = [0.0]
+        cfg = dict(prefix=p, clock=lambda: clock[0], heartbeat_timeout_s=1e9, register_position_s=0)
+        every = Watcher(WatchConfig(watcher_id="every", **cfg))
+        lagging = Watcher(WatchConfig(watcher_id="lagging", **cfg))
+        seen[p], lowest[p] = [], []
+
+        def on_round(rounds: int, t: float) -> None:
+            clock[0] = t
+            for w in (every, lagging) if rounds % 12 == 1 else (every,):
+                st = w.poll().get(b.job)
+                if st is not None:
+                    d = st.to_dict()
+                    d.pop("since")
+                    seen[p].append((w.cfg.watcher_id, rounds, d))
+            first = client.xrange(f"{p}:{{{b.job}}}:events", count=1)
+            lowest[p].append((first[0][0] if first else None, lagging.readers.get(b.job)))
+
+        return on_round
+
+    kw = dict(fold_persist_s=0, late_keep_s=150)
+    run_agent(Agent, prefix, b, late, restart_at=(50, 100), on_round=watch(prefix), **kw)
+    ref = prefix + "-ref"
+    run_agent(Agent, ref, b, late, on_round=watch(ref), fold_persist_s=None, trim_streams=False)
+    try:
+        assert ledger_keys(client, prefix) == ledger_keys(client, ref)
+        assert seen[prefix] == seen[ref]
+        assert {d["state"] for _, _, d in seen[prefix]} >= {"running", "done"}
+        assert _stream_len(client, prefix, b.job) < _stream_len(client, ref, b.job) / 2
+        for first, reader in lowest[prefix]:  # never trimmed past what the lagging one had read
+            if first is not None and reader is not None and reader.cursor != "0-0":
+                a, c = (tuple(int(x) for x in i.split("-")) for i in (first, reader.cursor))
+                assert a <= c
+        readers = client.hgetall(ledger.readers_key(prefix, b.job))
+        assert set(readers) == {"agent:a", "watcher:every", "watcher:lagging"}
+    finally:
+        keys = list(client.scan_iter(f"{ref}:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def test_a_reader_silent_too_long_no_longer_pins_the_stream(prefix):
+    """`trim_stream` trims below the oldest fresh reader; a stale or malformed entry is ignored
+    and forgotten; a registered rank no agent covers yet holds every trim back."""
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    key = f"{prefix}:{{j}}:events"
+    ids = [client.xadd(key, {"n": str(i)}, id=f"{1000 + i}-0") for i in range(10)]
+    rk = ledger.readers_key(prefix, "j")
+    pipe = client.pipeline()
+    ledger.queue_position(pipe, prefix, "j", "agent:a", ids[6], now=100.0, ranks=[0, 1])
+    ledger.queue_position(pipe, prefix, "j", "watcher:w", ids[2], now=50.0)
+    pipe.hset(rk, "junk", "{not json")
+    pipe.execute()
+    assert ledger.trim_stream(client, prefix, "j", 120.0, 1000.0, {0, 1, 2}) == -1  # rank 2: no agent yet
+    assert client.xlen(key) == 10
+    assert ledger.trim_stream(client, prefix, "j", 120.0, 1000.0, {0, 1}) == 2  # the watcher's
+    assert client.xrange(key, count=1)[0][0] == ids[2]
+    assert "junk" not in client.hgetall(rk)
+    assert ledger.trim_stream(client, prefix, "j", 120.0, 1000.0, {0, 1}) == 0  # idempotent
+    assert ledger.trim_stream(client, prefix, "j", 1060.0, 1000.0, {0, 1}) == 4  # the watcher is stale
+    assert set(client.hgetall(rk)) == {"agent:a"}
+    assert client.xrange(key, count=1)[0][0] == ids[6]
 
 
 def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream(prefix):
