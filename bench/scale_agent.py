@@ -304,7 +304,8 @@ def report(res: list[dict]) -> None:
     if not res or "restart_s" not in res[0]:
         return
     print(f"restart after {BACKLOG} s down, from the stored fold (target: linear in backlog, not history)")
-    print(f"  {'steps':>8} {'history s':>10} {'restart s':>10} {'rounds':>7} {'events read':>12} {'restored':>9}")
+    cols = f"{'history s':>10} {'restart s':>10} {'rounds':>7} {'events read':>12} {'restored':>9}"
+    print(f"  {'steps':>8} {cols}")
     for r in res:
         print(
             f"  {r['steps']:>8} {r['catchup_s']:>10.2f} {r['restart_s']:>10.3f} {r['restart_rounds']:>7} "
