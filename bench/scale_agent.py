@@ -339,9 +339,9 @@ def report(res: list[dict]) -> None:
     total = day + stream + samples
     print(
         f"  per step: {shared:.0f} B shared + {per_agent:.0f} B per agent (per GPU-hour of this 2-GPU job: "
-        f"{3600 * (shared + per_agent) / 2 / 1024:.0f} KB); 256-GPU job: {day / 1e6:.0f} MB/day growing + "
-        f"{stream / 1e6:.0f} MB stream kept + {samples / 1e6:.0f} MB sample streams = "
-        f"{total / 1e9:.2f} GB after a day ({'<=' if total <= 1e9 else '>'} 1 GB/day)"
+        f"{3600 * (shared + per_agent) / 2 / 1024:.0f} KB)\n  256-GPU job: grows {day / 1e6:.0f} MB/day "
+        f"({'<=' if day <= 1e9 else '>'} 1 GB/day), plus what stays bounded: {stream / 1e6:.0f} MB of stream "
+        f"kept, {samples / 1e6:.0f} MB of sample streams at their cap; {total / 1e9:.2f} GB after a day"
     )
 
 

@@ -654,6 +654,8 @@ class Agent:
         every = self.cfg.fold_persist_s
         if every is None or job.fold is None or job.fold.late or job.fresh:
             return False
+        if job.reader.last_read >= 10_000:  # still catching up: store once at the stream's end
+            return False
         return job.fold_saved_at is None or not 0 <= now - job.fold_saved_at < every
 
     def _old_fold(self, job: _Job, blob: str, now: float) -> tuple[float, str, str] | None:
