@@ -679,7 +679,7 @@ class Watcher:
         now = self.cfg.clock()
         try:
             decided = self._poll(now)
-            self._register_positions(now)
+            self._register_positions(now, decided)
             self.redis_up = True
         except self._errors as e:
             self.stats["redis_errors"] += 1
@@ -727,15 +727,17 @@ class Watcher:
         pipe.execute()
         return decided
 
-    def _register_positions(self, now: float) -> None:
-        """Register how far this watcher has read each job's stream (at most every
-        `register_position_s`, one pipeline): the agents keep the stream from there on."""
+    def _register_positions(self, now: float, jobs) -> None:
+        """Register how far this watcher has read the stream of each job it judged (at most every
+        `register_position_s`, one pipeline): the agents keep the stream from there on. A job it
+        no longer watches stops being refreshed, so its entry goes stale and pins nothing."""
         every = self.cfg.register_position_s
         if every is None:
             return
         pipe = None
-        for job, reader in self.readers.items():
-            if job in self.bad_jobs or reader.cursor in ("0", "0-0"):
+        for job in jobs:
+            reader = self.readers.get(job)
+            if reader is None or reader.cursor in ("0", "0-0"):
                 continue
             if now - self._positions.get(job, float("-inf")) < every:
                 continue
