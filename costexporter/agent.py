@@ -123,6 +123,9 @@ class _Job:
     wm_raw: str | None = None  # the watermark as this agent last read or wrote it (the CAS)
     fold_saved_at: float | None = None  # data time (s) of the last stored fold
     fold_old_at: float | None = None  # data time (s) of the stored older fold (`fold:old:`)
+    # The job's start its restored fold was walked with: the ranks hash keeps only each rank's
+    # newest registration, so a restarted agent would otherwise see a later start.
+    fold_start: int | None = None
     # Stored folds that may become the older one: (data time, blob, stream position)
     fold_candidates: list = field(default_factory=list)
     loaded: bool = False
@@ -648,6 +651,7 @@ class Agent:
             )
             return
         job.fold, job.meta, job.preflight, job.newest_event_ms = fold, meta, preflight, newest
+        job.fold_start = fold.start_ms
         self.stats["fold_restores"] += 1
 
     def _fold_due(self, job: _Job, now: float) -> bool:
@@ -964,6 +968,8 @@ class Agent:
         job_start = max(
             min(int(reg.ts * 1000) for reg in job.ranks.values()), int(member_start.min()) - 600_000
         )
+        if job.fold_start is not None:  # restarted: no later than the start its stored fold had
+            job_start = min(job_start, job.fold_start)
         if job.state.booked_until == 0:
             job.state.booked_until = int(member_start.min())
         # A rank that joined after the job's watermark passed its start (its register was read a

@@ -264,6 +264,37 @@ def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_a
             client.delete(*keys)
 
 
+def test_a_restart_after_the_trainer_registered_again_keeps_the_jobs_start(prefix):
+    """Both ranks register again 12 minutes in (a trainer restarted); the agent restarted after
+    that sees only the newer registrations in the ranks hash, but keeps the job's start of its
+    stored fold: the same ledger as an agent that never stopped, on a stream trimmed below it."""
+    b = TraceBuilder(n_gpus=2, per_host=2, job="reregistered", seed=12)
+    b.run("start")
+    b.stretch("compute", 720, step_s=4, tokens=10)
+    b.stretch("idle", 30)  # the trainer crashed (no run end) and comes back
+    for r in range(2):
+        h, g = b.host_of(r)
+        b.event(
+            "register", rank=r, host=h, gpu=g, gpu_uuid=b.uuid(r), local_rank=g, world_size=2, pid=2000 + r
+        )
+    b.run("resume", step=150)
+    b.stretch("compute", 300, step_s=4, tokens=10)
+    b.run("end")
+    b.stretch("idle", 20)
+    late = next(e for e in b.events if e.type == "step")
+    kw = dict(late_s=10_000)  # never posted late: the run ends first
+    agent = run_agent(Agent, prefix, b, late, restart_at=(118,), fold_persist_s=0, late_keep_s=150, **kw)
+    run_agent(RebuildingAgent, prefix + "-ref", b, late, fold_persist_s=None, trim_streams=False, **kw)
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        assert agent.stats["fold_restores"] == 1 and agent.stats["timeline_rebuilds"] == 0
+        assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-ref:*"))
+        if keys:
+            client.delete(*keys)
+
+
 def test_a_reader_silent_too_long_no_longer_pins_the_stream(prefix):
     """`trim_stream` trims below the oldest fresh reader; a stale or malformed entry is ignored
     and forgotten; a registered rank no agent covers yet holds every trim back."""
