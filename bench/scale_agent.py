@@ -10,6 +10,12 @@ rather than what the allocator kept from the catch-up's peak; `state`: the agent
 its booking state, `costexporter_agent_state_bytes`). Targets (issue 16): round <= 20 ms at
 any history, RSS flat <= 150 MB, catch-up linear in the backlog.
 
+Then the agent is killed, BACKLOG s of steps arrive, and a new agent starts: it resumes from the
+fold stored with the watermark (`restart`: CPU to read and fold the backlog; the first start,
+above, had no stored fold and folded the whole history). `Redis bytes`: the job's keys
+(MEMORY USAGE) after the stream was trimmed, their growth per booked step split by key, and the
+day of a 256-GPU job (32 agents, a step a second) extrapolated from it (target <= 1 GB/day).
+
 Run through bench/bench_scale.py, or alone: python bench/scale_agent.py [--steps 1000,100000]
 """
 
@@ -33,6 +39,7 @@ T0 = 1_750_000_000.0
 WINDOW_S = 600  # samples before the agent's start (its context for bands)
 ROUNDS = 12
 RANKS = 8
+BACKLOG = 600  # seconds (steps) of events that arrive while the agent is down
 
 
 def _redis() -> tuple[subprocess.Popen, str, str]:
@@ -122,7 +129,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
     sb = TraceBuilder(
         n_gpus=2, per_host=2, job=job, seed=1, interval_s=1.0, t0=T0 + n_steps - WINDOW_S, register=False
     )
-    sb.stretch("compute", WINDOW_S + 5 * ROUNDS + 10)
+    sb.stretch("compute", WINDOW_S + 5 * ROUNDS + BACKLOG + 40)
     # The agent restarts: its watermark says it booked the job up to the samples it still has.
     wm = {
         "booked_until": int((T0 + n_steps - WINDOW_S) * 1000),
@@ -166,22 +173,91 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the allocator keeps after the catch-up's peak
+    rss_trimmed, state_kb = _rss_mb(), agent._state_bytes(j) / 1024
+    rebuilds = agent.stats["timeline_rebuilds"]
+    booked_rounds = agent.stats["rounds"]
+    mem0 = _job_bytes(client, prefix, job)
+    trimmed0 = agent.stats["stream_entries_trimmed"]
+    # Killed; BACKLOG s of events arrive; a new agent resumes from the stored fold.
+    del agent, j
+    a = n_steps + 5 * ROUNDS + 1
+    send_entries(client, prefix, job, _entries(job, a, a + BACKLOG - 1, seqs))
+    now[0] += BACKLOG
+    started = [False]
+
+    def clock() -> float:  # 0 at creation: the new source plays the samples from their start
+        if not started[0]:
+            started[0] = True
+            return 0.0
+        return now[0]
+
+    agent = Agent(
+        ReplaySource(sb.samples(), speed=1.0, clock=clock),
+        AgentConfig(redis_url=url, prefix=prefix, agent_id="node0", job_refresh_s=3600),
+    )
+    last_id = client.xrevrange(f"{prefix}:{{{job}}}:events", count=1)[0][0]
+    restart_cpu, restart_wall, restart_rounds = 0.0, time.perf_counter(), 0
+    while True:
+        restart_cpu += tick()
+        restart_rounds += 1
+        j = agent.jobs.get(job)
+        if j is not None and j.reader.cursor == last_id and j.fold is not None:
+            break
+    restart_wall = time.perf_counter() - restart_wall
+    for _ in range(3):  # book the backlog to the samples' end
+        now[0] += 5
+        tick()
+    mem1 = _job_bytes(client, prefix, job)
+    booked_steps = BACKLOG + 5 * ROUNDS  # about what the second agent booked past the first
+    growth = {k: (mem1.get(k, 0) - mem0.get(k, 0)) / BACKLOG for k in set(mem0) | set(mem1)}
+    out.put(
+        {
+            "restart_s": restart_cpu,
+            "restart_wall_s": restart_wall,
+            "restart_rounds": restart_rounds,
+            "restored": agent.stats["fold_restores"],
+            "restart_rebuilds": agent.stats["timeline_rebuilds"],
+            "accepted_after_restart": j.reader.stats["accepted"],
+            "trimmed": trimmed0 + agent.stats["stream_entries_trimmed"],
+            "stream_len": client.xlen(f"{prefix}:{{{job}}}:events"),
+            "samples_len": client.xlen(ledger.key(prefix, job, "samples", agent.host)),
+            "mem_kb": {k: v / 1024 for k, v in mem1.items()},
+            "bytes_per_step": growth,
+            "booked_steps": booked_steps,
+        }
+    )
     out.put(
         {
             "steps": n_steps,
             "round_ms": statistics.median(rounds) * 1000,
             "round_max_ms": max(rounds) * 1000,
             "rss_mb": rss,
-            "rss_trimmed_mb": _rss_mb(),
+            "rss_trimmed_mb": rss_trimmed,
             "rss_start_mb": rss0,
-            "state_kb": agent._state_bytes(j) / 1024,
+            "state_kb": state_kb,
             "catchup_s": catch_cpu,
             "catchup_wall_s": catch_wall,
             "catchup_rounds": catch_rounds,
-            "booked_rounds": agent.stats["rounds"],
-            "rebuilds": agent.stats["timeline_rebuilds"],
+            "booked_rounds": booked_rounds,
+            "rebuilds": rebuilds,
         }
     )
+
+
+def _job_bytes(client, prefix: str, job: str) -> dict[str, int]:
+    """The job's Redis memory by kind of key (MEMORY USAGE, every sample of a key)."""
+    out: dict[str, int] = {}
+    for k in client.scan_iter(f"{prefix}:{{{job}}}:*", count=1000):
+        rest = k.split("}:", 1)[1]
+        parts = rest.split(":")
+        if parts[0] == "ledger" and parts[1] in ("5m", "1h", "1d", "1w"):
+            kind = "ledger buckets"
+        elif parts[0] == "ledger":
+            kind = "ledger:" + parts[1]
+        else:
+            kind = parts[0] if parts[0] != "fold" else "fold (stored)"
+        out[kind] = out.get(kind, 0) + int(client.memory_usage(k, samples=0) or 0)
+    return out
 
 
 def measure(steps: list[int]) -> list[dict]:
@@ -197,7 +273,8 @@ def measure(steps: list[int]) -> list[dict]:
             q = ctx.Queue()
             p = ctx.Process(target=_one, args=(n, url, seqs, q))
             p.start()
-            res.append(q.get(timeout=1800))
+            restart = q.get(timeout=1800)
+            res.append({**q.get(timeout=1800), **restart})
             p.join(60)
         finally:
             proc.terminate()
@@ -223,6 +300,48 @@ def report(res: list[dict]) -> None:
     print(
         f"  round <= 20 ms: {'yes' if ok_round else 'NO'}; RSS <= 150 MB: {'yes' if ok_rss else 'NO'}; "
         "catch-up linear: compare s/100k steps across sizes"
+    )
+    if not res or "restart_s" not in res[0]:
+        return
+    print(f"restart after {BACKLOG} s down, from the stored fold (target: linear in backlog, not history)")
+    cols = f"{'history s':>10} {'restart s':>10} {'rounds':>7} {'events read':>12} {'restored':>9}"
+    print(f"  {'steps':>8} {cols}")
+    for r in res:
+        print(
+            f"  {r['steps']:>8} {r['catchup_s']:>10.2f} {r['restart_s']:>10.3f} {r['restart_rounds']:>7} "
+            f"{r['accepted_after_restart']:>12} {r['restored']:>9}"
+        )
+    flat = max(r["restart_s"] for r in res) <= 3 * min(r["restart_s"] for r in res) + 0.05
+    print(f"  restart flat across history (same backlog): {'yes' if flat else 'NO'}")
+    print("Redis bytes of the job after trimming (target: <= 1 GB/day for a 256-GPU job)")
+    print(f"  {'steps':>8} {'stream len':>10} {'trimmed':>9} {'job KB':>8}  growth per step (B): by key")
+    for r in res:
+        g = {k: v for k, v in sorted(r["bytes_per_step"].items()) if abs(v) >= 0.5}
+        print(
+            f"  {r['steps']:>8} {r['stream_len']:>10} {r['trimmed']:>9} {sum(r['mem_kb'].values()):>8.0f}  "
+            + ", ".join(f"{k} {v:.0f}" for k, v in g.items())
+        )
+    from costexporter.agent import SAMPLES_MAXLEN, AgentConfig
+
+    r = res[-1]
+    g = r["bytes_per_step"]
+    bounded = ("events", "samples")  # trimmed stream, capped sample streams: not per step
+    per_agent = sum(v for k, v in g.items() if k in ("ledger:rbidx", "fold (stored)"))
+    shared = sum(v for k, v in g.items() if k not in bounded) - per_agent
+    # A 256-GPU job, 32 agents (8 GPUs each), a step a second: the shared keys once, each agent's
+    # own 32 times; the stream kept up to 2 x late_keep_s, its entries scaled from these 8 ranks'
+    # (a heartbeat each every 10 s, a step a second) to 256 ranks'; each host's sample stream
+    # capped at SAMPLES_MAXLEN entries (one a 5-s round) of 8 GPUs' samples (these grew by 2 a step).
+    entry = r["mem_kb"].get("events", 0) * 1024 / max(r["stream_len"], 1)
+    stream = entry * (1 + 256 / 10) * 2 * AgentConfig.late_keep_s
+    samples = 32 * SAMPLES_MAXLEN * 5 * 8 * g.get("samples", 0) / 2
+    day = 86400 * (shared + 32 * per_agent)
+    total = day + stream + samples
+    print(
+        f"  per step: {shared:.0f} B shared + {per_agent:.0f} B per agent (per GPU-hour of this 2-GPU job: "
+        f"{3600 * (shared + per_agent) / 2 / 1024:.0f} KB)\n  256-GPU job: grows {day / 1e6:.0f} MB/day "
+        f"({'<=' if day <= 1e9 else '>'} 1 GB/day), plus what stays bounded: {stream / 1e6:.0f} MB of stream "
+        f"kept, {samples / 1e6:.0f} MB of sample streams at their cap; {total / 1e9:.2f} GB after a day"
     )
 
 

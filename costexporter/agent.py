@@ -19,6 +19,7 @@ looks like a stall. A transaction whose reply was lost is resolved by re-reading
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import json
@@ -44,7 +45,7 @@ from .booking import (
     make_slices,
 )
 from .cost import Prices, price_override_note
-from .fold import TimelineFold, walk_relevant
+from .fold import FoldFormatError, TimelineFold, dump_fold, load_fold, walk_relevant
 from .idle import IdleLearner
 from .live import JobState, book_window
 from .model import BANDS, Category, Event
@@ -98,6 +99,18 @@ class AgentConfig:
     # that arrives later than that (older than the fold) makes the agent rebuild the job's
     # timeline from its stream once (counted in `timeline_rebuilds`).
     fold_lag_s: float = 120.0
+    # The fold is stored with the watermark (same MULTI) at most this often, so a restarted agent
+    # resumes from it and reads only the stream since (a restart's catch-up is linear in that
+    # backlog); 0: every commit, None: never (a restart folds the whole stream again).
+    fold_persist_s: float | None = 60.0
+    # Trim each job's event stream below the oldest position of its readers (agents' stored
+    # folds, watchers) after a committed round; a reader silent this long no longer pins it.
+    trim_streams: bool = True
+    reader_stale_s: float = 86400.0
+    # Events up to this late (behind the newest) are still folded in exactly after trimming: a
+    # second stored fold is kept 1-2 x this far behind, and the stream from its position on.
+    # Keep it under half of `reader_stale_s`.
+    late_keep_s: float = 3600.0
 
 
 @dataclass
@@ -117,6 +130,13 @@ class _Job:
     ends: dict[int, int] = field(default_factory=dict)  # rank -> a later job's claim of its GPU
     state: JobState = field(default_factory=JobState)
     wm_raw: str | None = None  # the watermark as this agent last read or wrote it (the CAS)
+    fold_saved_at: float | None = None  # data time (s) of the last stored fold
+    fold_old_at: float | None = None  # data time (s) of the stored older fold (`fold:old:`)
+    # The job's start its restored fold was walked with: the ranks hash keeps only each rank's
+    # newest registration, so a restarted agent would otherwise see a later start.
+    fold_start: int | None = None
+    # Stored folds that may become the older one: (data time, blob, stream position)
+    fold_candidates: list = field(default_factory=list)
     loaded: bool = False
     ever_loaded: bool = False
     remote: list = field(default_factory=list)  # chunks of (rank, ts, p, u, e) from other hosts
@@ -605,7 +625,114 @@ class Agent:
         # The rollback index stays in Redis: a round reads the entries its voids need.
         job.state = JobState.from_json(json.loads(raw) if raw else {}, {})
         job.wm_raw = raw
+        if not job.ever_loaded and job.fold is None and job.reader.cursor in ("0", "0-0"):
+            self._restore_fold(job)
         job.loaded = job.ever_loaded = True
+
+    def _restore_fold(self, job: _Job) -> None:
+        """A (re)started agent resumes a job from the fold stored with its watermark: the reader
+        goes on from where that fold had read. An unreadable one (an older format, corrupted,
+        another booking configuration) is counted and logged once; the fold is then rebuilt from
+        the stream."""
+        cfg = self.cfg
+        pos = self.redis.hget(ledger.readers_key(cfg.prefix, job.name), f"agent:{cfg.agent_id}")
+        try:
+            job.fold_old_at = float(json.loads(pos)["at"]) if pos else None
+        except (ValueError, KeyError, TypeError):
+            job.fold_old_at = None
+        raw = self.redis.get(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id))
+        if raw is None:
+            return
+        try:
+            fold, extra = load_fold(base64.b64decode(raw, validate=True), cfg.booking, job.name)
+            job.reader.restore(extra["reader"])
+            meta, preflight = dict(extra["meta"]), str(extra["preflight"])
+            newest = int(extra["newest_event_ms"])
+        except (FoldFormatError, ValueError, KeyError, TypeError) as e:
+            job.reader = EventReader(self.redis, job.name, prefix=cfg.prefix)
+            self.stats["fold_restore_failures"] += 1
+            self._log_once(
+                ("fold", job.name),
+                logging.WARNING,
+                "job %r: the stored fold is not usable (%s): folding the job's stream again",
+                job.name,
+                e,
+            )
+            return
+        job.fold, job.meta, job.preflight, job.newest_event_ms = fold, meta, preflight, newest
+        job.fold_start = fold.start_ms
+        self.stats["fold_restores"] += 1
+
+    def _fold_due(self, job: _Job, now: float) -> bool:
+        every = self.cfg.fold_persist_s
+        if every is None or job.fold is None or job.fold.late or job.fresh:
+            return False
+        if job.reader.last_read >= 10_000:  # still catching up: store once at the stream's end
+            return False
+        return job.fold_saved_at is None or not 0 <= now - job.fold_saved_at < every
+
+    def _old_fold(self, job: _Job, blob: str, now: float) -> tuple[float, str, str] | None:
+        """The stored fold to keep as the older one from this commit on, if it changes: one at
+        least `late_keep_s` old once the stored one is twice that (none stored: this one)."""
+        keep = self.cfg.late_keep_s
+        cands = job.fold_candidates
+        if not cands or now - cands[-1][0] >= keep / 4:
+            cands.append((now, blob, job.reader.cursor))
+        if job.fold_old_at is None:
+            return cands[-1]
+        if now - job.fold_old_at < 2 * keep:
+            return None
+        ripe = [c for c in cands if now - c[0] >= keep]
+        return ripe[-1] if ripe else None
+
+    def _queue_fold(self, pipe, job: _Job, blob: str, old: tuple[float, str, str] | None) -> None:
+        """The fold (and the older one and this agent's stream position, when it changes), in the
+        commit's MULTI: the stream is kept from the older fold's position on."""
+        cfg = self.cfg
+        pipe.set(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id), blob)
+        if old is not None:
+            at, old_blob, cursor = old
+            pipe.set(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id, old=True), old_blob)
+            ledger.queue_position(
+                pipe,
+                cfg.prefix,
+                job.name,
+                f"agent:{cfg.agent_id}",
+                cursor,
+                at=round(at, 3),
+                ranks=sorted(job.own),  # the trimmer waits until every rank has its agent here
+            )
+
+    def _fold_stored(self, job: _Job, now: float, old: tuple[float, str, str] | None) -> None:
+        job.fold_saved_at = now
+        if old is not None:
+            job.fold_old_at = old[0]
+            job.fold_candidates = [c for c in job.fold_candidates if c[0] > old[0]]
+
+    def _dump_fold(self, job: _Job) -> str:
+        extra = {
+            "reader": job.reader.position(),
+            "meta": job.meta,
+            "preflight": job.preflight,
+            "newest_event_ms": job.newest_event_ms,
+        }
+        return base64.b64encode(dump_fold(job.fold, job.name, extra)).decode()  # type: ignore[arg-type]
+
+    def _trim_stream(self, job: _Job) -> None:
+        """Trim the job's stream below its readers' oldest position (idempotent; errors counted)."""
+        import redis
+
+        try:
+            n = ledger.trim_stream(
+                self.redis, self.cfg.prefix, job.name, time.time(), self.cfg.reader_stale_s, set(job.ranks)
+            )
+        except redis.RedisError:
+            self.stats["trim_errors"] += 1
+            return
+        if n < 0:  # another agent of the job has not stored its fold yet
+            self.stats["trim_waiting"] += 1
+            return
+        self.stats["stream_entries_trimmed"] += n
 
     def _timeline(self, job: _Job, job_start: int, now_ms: int):
         """The job's timeline at `now_ms` from its fold; the fold is (re)built from the job's
@@ -619,6 +746,10 @@ class Agent:
                 return tl
         if job.fold is not None:
             self.stats["timeline_rebuilds"] += 1
+            if job.fold.start_ms == job_start:
+                tl = self._refold_from_store(job, job_start, now_ms)
+                if tl is not None:
+                    return tl
         job.fresh = []
         # Folded batch by batch, as far behind the newest event read as a live round folds.
         fold = job.fold = TimelineFold(self.cfg.booking, job_start)
@@ -645,6 +776,39 @@ class Agent:
         if tl is None:
             job.fold = None
             tl = build_timeline(dated_until(events, now_ms), self.cfg.booking, job_start, now_ms, final=False)
+        return tl
+
+    def _refold_from_store(self, job: _Job, job_start: int, now_ms: int):
+        """An event arrived older than the fold: fold it again from the older stored fold and the
+        stream since that fold's position (the stream may be trimmed below it), rather than from
+        the whole stream. None when the stored fold is missing, unreadable, or itself newer than
+        the late event: the caller folds the whole stream (what is left of it)."""
+        cfg = self.cfg
+        raw = self.redis.get(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id, old=True))
+        if raw is None:
+            return None
+        try:
+            fold, extra = load_fold(base64.b64decode(raw, validate=True), cfg.booking, job.name)
+            reader = EventReader(self.redis, job.name, prefix=cfg.prefix)
+            reader.restore(extra["reader"])
+        except (FoldFormatError, ValueError, KeyError, TypeError):
+            return None
+        if fold.start_ms != job_start:
+            return None
+        lag = int(cfg.fold_lag_s * 1000)
+        keep_from = job.oldest_unbooked - self.context_ms - 60_000
+
+        def fold_batch(batch: list[Event]) -> None:
+            if batch and not fold.late:
+                fold.add(batch)
+                fold.advance(min(now_ms, int(max(e.ts for e in batch) * 1000)) - lag, keep_from)
+
+        reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=fold_batch)
+        tl = fold.timeline(now_ms)
+        if tl is None:
+            return None
+        job.fold, job.fresh = fold, []
+        self.stats["timeline_rebuilds_from_store"] += 1
         return tl
 
     def _fetch_index(self, job: _Job, tl) -> None:
@@ -813,6 +977,8 @@ class Agent:
         job_start = max(
             min(int(reg.ts * 1000) for reg in job.ranks.values()), int(member_start.min()) - 600_000
         )
+        if job.fold_start is not None:  # restarted: no later than the start its stored fold had
+            job_start = min(job_start, job.fold_start)
         if job.state.booked_until == 0:
             job.state.booked_until = int(member_start.min())
         # A rank that joined after the job's watermark passed its start (its register was read a
@@ -920,13 +1086,22 @@ class Agent:
         }
         version = ledger.price_version(cfg.prices, price)
         wm = {**delta.state.to_json(), "agent": cfg.agent_id, "host": self.host, "updated": time.time()}
+        data_s = now_ms / 1000  # stored folds are dated by data time (what lateness is measured in)
+        fold_blob = self._dump_fold(job) if self._fold_due(job, data_s) else None
+        old_fold = self._old_fold(job, fold_blob, data_s) if fold_blob is not None else None
 
         def queue(pipe) -> None:
             ledger.queue_delta(
                 pipe, cfg.prefix, job.name, cfg.agent_id, delta, version, tl.steps, job.booked_until, figures
             )
+            if fold_blob is not None:
+                self._queue_fold(pipe, job, fold_blob, old_fold)
 
         job.wm_raw = ledger.commit(self.redis, cfg.prefix, job.name, cfg.agent_id, job.wm_raw, wm, queue)
+        if fold_blob is not None:
+            self._fold_stored(job, data_s, old_fold)
+            if cfg.trim_streams:
+                self._trim_stream(job)
         delta.state.rb_index = {}  # written with the watermark: read back only when a void needs it
         with self.lock:
             job.state = delta.state

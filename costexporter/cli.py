@@ -470,6 +470,20 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
     help="Seconds the time of GPUs no job holds waits before it is booked `unassigned`, so a "
     "register that arrives this late still wins its GPU's time for the job.",
 )
+@click.option(
+    "--trim/--no-trim",
+    "trim_streams",
+    default=True,
+    help="Trim each job's event stream below its readers' oldest position (docs/agent.md, "
+    "\"Restart and trimming\").",
+)
+@click.option(
+    "--late-keep",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    help="Seconds late an event may arrive and still be folded in exactly after trimming (the "
+    "stream is kept 1-2 x this behind its slowest reader).",
+)
 @booking_options
 @price_options
 def serve(
@@ -499,6 +513,8 @@ def serve(
     k8s_job_labels,
     event_lag,
     unassigned_hold,
+    trim_streams,
+    late_keep,
     **config,
 ) -> None:
     """The per-node agent: sample GPUs, book the ledger exactly once, serve /metrics."""
@@ -544,6 +560,8 @@ def serve(
         peer_timeout_s=peer_timeout,
         event_lag_s=event_lag,
         unassigned_hold_s=unassigned_hold,
+        trim_streams=trim_streams,
+        late_keep_s=late_keep,
     )
     agent = Agent(src, cfg).start()
     if port:

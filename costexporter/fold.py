@@ -544,3 +544,174 @@ class TimelineFold:
             + 700 * (len(self.pending) + len(self.run0))
             + 16 * sum(len(v) for v in w.allow._durations.values())
         )
+
+
+# ---- persisting a fold (the agent stores it with its watermark; pure: bytes in, bytes out) ----
+
+FOLD_FORMAT = 1  # bump when the layout below changes: an older stored fold is rebuilt, not read
+_MAGIC = b"CEFOLD"
+
+
+class FoldFormatError(ValueError):
+    """A stored fold that is not one this version can read (older format, corrupted, another
+    booking configuration): its owner rebuilds the fold from the stream."""
+
+
+def cfg_fingerprint(cfg: BookingConfig) -> str:
+    """A short name of the booking configuration a fold was walked with."""
+    import dataclasses
+    import hashlib
+    import json
+
+    raw = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def _ev_out(e: Event) -> list:
+    return [e.type, e.ts, e.rank, e.session, e.seq, e.fields]
+
+
+def _ev_in(x: list, job: str) -> Event:
+    t, ts, rank, session, seq, fields = x
+    return Event(
+        type=str(t), job=job, ts=float(ts), rank=int(rank), session=str(session), seq=int(seq),
+        fields=dict(fields),
+    )
+
+
+def _rec_out(r: StepRecord | None) -> list | None:
+    return None if r is None else [r.step, r.ts_ms, r.tokens, r.voided, r.voided_ms]
+
+
+def _rec_in(x: list | None) -> StepRecord | None:
+    if x is None:
+        return None
+    s, ts, tok, v, vm = x
+    return StepRecord(int(s), int(ts), int(tok), bool(v), None if vm is None else int(vm))
+
+
+def _allow_out(a: Allowances) -> list:
+    return [a._durations, {k: [list(x), list(y)] for k, (x, y) in a._history.items()}]
+
+
+def _allow_in(x: list, cfg: BookingConfig) -> Allowances:
+    a = Allowances(cfg)
+    a._durations = {str(k): [int(v) for v in vs] for k, vs in x[0].items()}
+    a._history = {str(k): ([int(v) for v in s], [int(v) for v in w]) for k, (s, w) in x[1].items()}
+    return a
+
+
+def _phases_out(p: _Phases) -> list:
+    return [p.open, p.closed, p.overrun, p.last_ckpt]
+
+
+def _phases_in(x: list, allow: Allowances) -> _Phases:
+    p = _Phases(allow)
+    p.open = {str(k): int(v) for k, v in x[0].items()}
+    p.closed = [(int(a), int(b)) for a, b in x[1]]
+    p.starts = [a for a, _ in p.closed]
+    p.overrun = [(str(n), int(a), int(b)) for n, a, b in x[2]]
+    p.last_ckpt = None if x[3] is None else (int(x[3][0]), int(x[3][1]))
+    return p
+
+
+def dump_fold(fold: TimelineFold, job: str, extra: dict | None = None) -> bytes:
+    """The fold as compact bytes: a JSON header (the walk's bounded state, `extra`) and the valid
+    step stack delta-encoded, all zlib-compressed (a few bytes a valid step). Only a fold that can
+    give its view (not `late`) is worth storing."""
+    import json
+    import zlib
+
+    w = fold.w
+    if w._shared is not None:
+        raise ValueError("a view's copy is not a fold")
+    head = {
+        "v": FOLD_FORMAT,
+        "job": job,
+        "cfg": cfg_fingerprint(fold.cfg),
+        "start_ms": fold.start_ms,
+        "frontier": fold.frontier,
+        "stepless": fold.stepless_declared,
+        "rank0_step": fold.rank0_step,
+        "folded": fold.folded,
+        "pending": [_ev_out(e) for e in sorted(fold.pending, key=lambda e: (e.ts, e.seq))],
+        "run0": [_ev_out(e) for e in fold.run0],
+        "allow": _allow_out(w.allow),
+        "p0": _phases_out(w.p0),
+        "pr": {str(r): [_allow_out(p.allow), _phases_out(p)] for r, p in w.pr.items()},
+        "seg": [w.seg_start, w.seg_regime, w.seg_step],
+        "steps": [_rec_out(s) for s in w.steps],
+        "scalars": [
+            w.step_base, w.tokens_before, w.n_steps, w.valid_tokens, w.last_ts, w.startup_allow,
+            w.anchor, w.in_startup, w.startup_from, w.ended,
+        ],
+        "last_step": _rec_out(w.last_step),
+        "voided": [[i, _rec_out(r), p] for i, r, p in w.voided],
+        "resumes": w.resumes,
+        "durations": list(w.durations),
+        "n_valid": len(w.v_rec),
+        "extra": extra or {},
+    }
+    body = json.dumps(head, separators=(",", ":")).encode()
+    stack = b"".join(
+        np.diff(np.frombuffer(a, np.int64), prepend=0).astype("<i8").tobytes() for a in w._stack()
+    )
+    return _MAGIC + zlib.compress(len(body).to_bytes(8, "little") + body + stack, 1)
+
+
+def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, dict]:
+    """A fold stored by `dump_fold` and its `extra`; FoldFormatError if it is not one this version
+    wrote for this job and booking configuration (its owner rebuilds from the stream)."""
+    import json
+    import zlib
+
+    if not isinstance(data, bytes | bytearray) or not data.startswith(_MAGIC):
+        raise FoldFormatError("not a stored fold")
+    try:
+        raw = zlib.decompress(data[len(_MAGIC) :])
+        n = int.from_bytes(raw[:8], "little")
+        head = json.loads(raw[8 : 8 + n])
+    except (zlib.error, ValueError, UnicodeDecodeError) as e:
+        raise FoldFormatError(f"corrupted: {e}") from None
+    if not isinstance(head, dict) or head.get("v") != FOLD_FORMAT:
+        raise FoldFormatError(f"format {head.get('v') if isinstance(head, dict) else '?'}, not {FOLD_FORMAT}")
+    if head.get("job") != job or head.get("cfg") != cfg_fingerprint(cfg):
+        raise FoldFormatError("another job or booking configuration")
+    try:
+        k = int(head["n_valid"])
+        stack = raw[8 + n :]
+        if len(stack) != 5 * 8 * k:
+            raise FoldFormatError("truncated step stack")
+        f = TimelineFold(cfg, int(head["start_ms"]))
+        f.frontier = int(head["frontier"])
+        f.stepless_declared, f.rank0_step = bool(head["stepless"]), bool(head["rank0_step"])
+        f.folded = int(head["folded"])
+        f.pending = [_ev_in(e, job) for e in head["pending"]]
+        f.run0 = [_ev_in(e, job) for e in head["run0"]]
+        w = f.w
+        w.allow = _allow_in(head["allow"], cfg)
+        w.p0 = _phases_in(head["p0"], w.allow)
+        w.pr = {int(r): _phases_in(ph, _allow_in(al, cfg)) for r, (al, ph) in head["pr"].items()}
+        w.seg_start, w.seg_regime, w.seg_step = ([int(v) for v in s] for s in head["seg"])
+        w.steps = [_rec_in(s) for s in head["steps"]]  # type: ignore[misc]
+        sc = head["scalars"]
+        if len(sc) != 10:
+            raise FoldFormatError("corrupted: scalars")
+        w.step_base, w.tokens_before, w.n_steps, w.valid_tokens = (int(x) for x in sc[:4])
+        w.startup_allow, w.anchor, w.startup_from = int(sc[5]), int(sc[6]), int(sc[8])
+        last_ts, in_startup, ended = sc[4], sc[7], sc[9]
+        w.last_ts = None if last_ts is None else int(last_ts)
+        w.in_startup, w.ended = bool(in_startup), bool(ended)
+        w.last_step = _rec_in(head["last_step"])
+        w.voided = [(int(i), _rec_in(r), None if p is None else int(p)) for i, r, p in head["voided"]]  # type: ignore[misc]
+        w.resumes = [(int(a), int(b), int(c)) for a, b, c in head["resumes"]]
+        w.durations = deque((int(d) for d in head["durations"]), maxlen=cfg.stall_window)
+        for j, a in enumerate(w._stack() if k else ()):
+            vals = np.cumsum(np.frombuffer(stack, "<i8", count=k, offset=j * 8 * k))
+            a.frombytes(vals.astype(np.int64).tobytes())
+    except FoldFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise FoldFormatError(f"corrupted: {e!r}") from None
+    extra = head.get("extra")
+    return f, extra if isinstance(extra, dict) else {}

@@ -500,6 +500,74 @@ def queue_delta(
                 pipe.zadd(key(prefix, job, "ledger", name), m)
 
 
+def fold_key(prefix: str, job: str, agent: str, old: bool = False) -> str:
+    """An agent's folded timeline of a job and its stream position (`fold.dump_fold`, base64),
+    written with its watermark: a restarted agent resumes from the newest (`fold:new:`); an
+    older one (`fold:old:`, kept a while behind) lets a late event be folded in again after the
+    stream below the newest was trimmed."""
+    return key(prefix, job, "fold", "old" if old else "new", agent)
+
+
+def readers_key(prefix: str, job: str) -> str:
+    """The job's stream readers (hash reader id -> JSON `{"id": stream id, "ts": Unix s}`): what
+    each still needs of the stream. The stream is trimmed below the oldest fresh one."""
+    return protocol.job_key(prefix, job, "readers")
+
+
+def queue_position(
+    pipe, prefix: str, job: str, reader: str, stream_id: str, now: float | None = None, **extra
+) -> None:
+    """Register how far `reader` needs the job's stream kept (from `stream_id` on); `ts` (now)
+    says the reader is alive."""
+    import time
+
+    ts = time.time() if now is None else now
+    pos = {"id": stream_id, "ts": round(ts, 3), **extra}
+    pipe.hset(readers_key(prefix, job), reader, json.dumps(pos))
+
+
+def _stream_id(x: str) -> tuple[int, int]:
+    a, _, b = x.partition("-")
+    return int(a), int(b or 0)
+
+
+def trim_stream(
+    client, prefix: str, job: str, now: float, stale_s: float, ranks: set[int] | None = None
+) -> int:
+    """Trim the job's event stream below the oldest position of its fresh readers (XTRIM MINID;
+    idempotent). A reader not heard of for `stale_s` no longer counts (and is forgotten); with no
+    fresh reader nothing is trimmed, nor while a rank of `ranks` (the job's registered ones) is
+    not in the `ranks` of some fresh agent's position (its agent has not stored a fold yet: it
+    still needs the whole stream). Returns the entries removed; -1: waiting for an agent."""
+    positions = []
+    covered: set[int] = set()
+    stale = []
+    for reader, raw in client.hgetall(readers_key(prefix, job)).items():
+        try:
+            pos = json.loads(raw)
+            sid, ts = _stream_id(str(pos["id"])), float(pos["ts"])
+        except (ValueError, KeyError, TypeError):
+            stale.append(reader)  # not a position: never pins the stream
+            continue
+        if now - ts > stale_s:
+            stale.append(reader)
+        else:
+            positions.append(sid)
+            r = pos.get("ranks")
+            if isinstance(r, list):
+                covered.update(x for x in r if isinstance(x, int))
+    if stale:
+        client.hdel(readers_key(prefix, job), *stale)
+    if ranks and not ranks <= covered:
+        return -1
+    if not positions:
+        return 0
+    lo = min(positions)
+    if lo <= (0, 0):
+        return 0
+    return int(client.xtrim(protocol.stream_key(prefix, job), minid=f"{lo[0]}-{lo[1]}", approximate=False))
+
+
 def epoch_key(prefix: str) -> str:
     return f"{prefix}:epoch"
 

@@ -116,6 +116,24 @@ class EventReader:
             if len(entries) < count:
                 return out
 
+    def position(self) -> dict:
+        """What a reader resuming at `cursor` needs to de-duplicate as this one would (stored
+        with a persisted fold): per (rank, session) the highest seq and the gaps below it."""
+        return {
+            "cursor": self.cursor,
+            "seen": [[r, s, x.high, sorted(x.gaps)] for (r, s), x in self._seen.items()],
+        }
+
+    def restore(self, pos: dict) -> None:
+        """Resume at a stored `position()` (ValueError/KeyError/TypeError if it is not one)."""
+        seen = {}
+        for r, s, high, gaps in pos["seen"]:
+            seen[(int(r), str(s))] = _Seen(int(high), {int(g) for g in gaps})
+        cursor = str(pos["cursor"])
+        a, _, b = cursor.partition("-")
+        int(a), int(b or 0)
+        self.cursor, self._seen = cursor, seen
+
     def _accept(self, fields: dict[str, str], entry_id: str) -> Event | None:
         try:
             ev = parse_event(fields, job=self.job, strict_ids=True)

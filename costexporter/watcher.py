@@ -89,6 +89,9 @@ class WatchConfig:
     alertmanager_resend_s: float = 60.0
     profile: Profile | None = None
     watcher_id: str = "watcher"
+    # How often the watcher registers how far it has read each job's stream (`<p>:{job}:readers`,
+    # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
+    register_position_s: float | None = 60.0
     clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
 
 
@@ -658,6 +661,7 @@ class Watcher:
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self.ttl = int(cfg.status_ttl_s or max(60.0, 6 * cfg.poll_s))
+        self._positions: dict[str, float] = {}  # job -> when its stream position was last registered
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -675,6 +679,7 @@ class Watcher:
         now = self.cfg.clock()
         try:
             decided = self._poll(now)
+            self._register_positions(now, decided)
             self.redis_up = True
         except self._errors as e:
             self.stats["redis_errors"] += 1
@@ -721,6 +726,26 @@ class Watcher:
             pipe.set(ledger.key(cfg.prefix, job, "status"), json.dumps(st.to_dict()), ex=self.ttl)
         pipe.execute()
         return decided
+
+    def _register_positions(self, now: float, jobs) -> None:
+        """Register how far this watcher has read the stream of each job it judged (at most every
+        `register_position_s`, one pipeline): the agents keep the stream from there on. A job it
+        no longer watches stops being refreshed, so its entry goes stale and pins nothing."""
+        every = self.cfg.register_position_s
+        if every is None:
+            return
+        pipe = None
+        for job in jobs:
+            reader = self.readers.get(job)
+            if reader is None or reader.cursor in ("0", "0-0"):
+                continue
+            if now - self._positions.get(job, float("-inf")) < every:
+                continue
+            pipe = pipe or self.redis.pipeline(transaction=False)
+            ledger.queue_position(pipe, self.cfg.prefix, job, f"watcher:{self.cfg.watcher_id}", reader.cursor)
+            self._positions[job] = now
+        if pipe is not None:
+            pipe.execute()
 
     def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
         """Every job's new events, one XREAD for all of them; a job whose name is refused is

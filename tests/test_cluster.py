@@ -153,6 +153,21 @@ def test_every_key_is_in_its_jobs_slot_or_one_of_the_few_cross_job_keys(backends
 
 
 @pytest.mark.parametrize("backend", ["single", "cluster"])
+def test_the_agent_stored_its_fold_and_trimmed_the_streams(backends, backend):
+    """The fold stored with the watermark, the reader position and the stream trimmed below it:
+    single-key writes in the job's slot, the same on a cluster (the ledger, checked beside, is
+    the offline replay's)."""
+    b = backends[backend]
+    r, prefix, agent = b["redis"], b["prefix"], b["agent"]
+    for name, trace in b["jobs"].items():
+        assert r.exists(ledger.fold_key(prefix, name, agent)), name
+        pos = json.loads(r.hget(ledger.readers_key(prefix, name), f"agent:{agent}"))
+        first = r.xrange(protocol.stream_key(prefix, name), count=1)
+        assert first and first[0][0] == pos["id"], name  # trimmed exactly below the position
+        assert r.xlen(protocol.stream_key(prefix, name)) < len(trace.events), name
+
+
+@pytest.mark.parametrize("backend", ["single", "cluster"])
 def test_the_ledger_equals_the_offline_replay(backends, backend):
     b = backends[backend]
     r, prefix = b["redis"], b["prefix"]

@@ -69,6 +69,8 @@ def ledger_keys(client, prefix: str) -> dict:
         name = k[len(prefix) :]
         if ":wm:" in name or name.endswith(":epoch") or ":node:" in name or ":live:" in name:
             continue
+        if ":fold:" in name or name.endswith(":readers"):  # the agent's own resume state
+            continue
         t = client.type(k)
         if t == "hash":
             v = client.hgetall(k)
@@ -82,18 +84,50 @@ def ledger_keys(client, prefix: str) -> dict:
     return out
 
 
-def run_agent(cls, prefix: str, b: TraceBuilder, late_event) -> Agent:
+def run_agent(
+    cls,
+    prefix: str,
+    b: TraceBuilder,
+    late_event,
+    restart_at: tuple[int, ...] = (),
+    late_s: float = 100,
+    on_round=None,
+    **kw,
+) -> Agent:
+    """Drive an agent round by round; `restart_at`: rounds after which it is killed (its memory
+    gone) and a new one started on the same Redis; `kw`, AgentConfig fields."""
     client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
     events = sorted(b.events, key=lambda e: e.ts)
     t0 = min(e.ts for e in events)
     now = [0.0]
-    agent = cls(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(prefix=prefix, agent_id="a", job_refresh_s=0, fold_lag_s=20.0, context_s=120.0),
-    )
+
+    def start() -> Agent:
+        started = [False]
+
+        def clock() -> float:  # 0 at creation: a (re)started source plays the trace from its start
+            if not started[0]:
+                started[0] = True
+                return 0.0
+            return now[0]
+
+        return cls(
+            ReplaySource(b.samples(), speed=1.0, clock=clock),
+            AgentConfig(
+                prefix=prefix, agent_id="a", job_refresh_s=0, fold_lag_s=20.0, context_s=120.0, **kw
+            ),
+        )
+
+    agent = start()
+    agent.restarted = []
     posted = 0
     held = True
+    rounds = 0
     while now[0] < 1200:
+        rounds += 1
+        if rounds in restart_at:
+            restarted = [*agent.restarted, agent]
+            agent = start()  # killed: its memory is gone
+            agent.restarted = restarted
         now[0] += 7
         upto = t0 + now[0] + 3  # events run a little ahead of the samples
         batch = []
@@ -101,13 +135,15 @@ def run_agent(cls, prefix: str, b: TraceBuilder, late_event) -> Agent:
             if events[posted] is not late_event:
                 batch.append(event_entry(events[posted]))
             posted += 1
-        if held and now[0] > late_event.ts - t0 + 100:  # 100 s late: older than the fold
+        if held and now[0] > late_event.ts - t0 + late_s:  # 100 s late: older than the fold
             batch.append(event_entry(late_event))
             held = False
         if batch:
             send_entries(client, prefix, b.job, batch)
         for r in agent.source.read():
             agent.sampler._buf.append(r)
+        if on_round is not None:
+            on_round(rounds, t0 + now[0])
         agent.tick()
     agent._final = True
     agent.tick()
@@ -136,6 +172,186 @@ def test_folding_agent_books_every_key_as_the_rebuilding_one(prefix):
         assert h["costexporter_agent_round_seconds_count"] == sum(folded.round_counts) >= 170
         state = {s.labels["training_job"]: s.value for s in fams["costexporter_agent_state_bytes"].samples}
         assert 0 < state[b.job] < 1_000_000
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-ref:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def _stream_len(client, prefix: str, job: str) -> int:
+    return client.xlen(f"{prefix}:{{{job}}}:events")
+
+
+def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_never_stopped(prefix):
+    """Killed three times (once right after the late event, which it folds again from its stored
+    fold: the stream below that was trimmed), every ledger key is the reference's; each restart
+    read only the stream since its stored fold, and the stream was trimmed as it went."""
+    b = trace()
+    late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
+    restarts = (40, 55, 120)
+    agent = run_agent(Agent, prefix, b, late, restart_at=restarts, fold_persist_s=0, late_keep_s=150)
+    run_agent(RebuildingAgent, prefix + "-ref", b, late, fold_persist_s=None, trim_streams=False)
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
+        every = [*agent.restarted, agent]
+        assert [a.stats["fold_restores"] for a in every] == [0, 1, 1, 1]
+        assert sum(a.stats["fold_restore_failures"] for a in every) == 0
+        total = _stream_len(client, prefix + "-ref", b.job)
+        for a in every[1:]:  # each restart read the backlog, not the job's history
+            assert a.jobs[b.job].reader.stats["accepted"] < total / 2
+        assert sum(a.stats["timeline_rebuilds_from_store"] for a in every) == 1
+        assert sum(a.stats["stream_entries_trimmed"] for a in every) > total / 2
+        assert _stream_len(client, prefix, b.job) < total / 2  # 1-2 x late_keep_s kept
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-ref:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_as_without(prefix):
+    """Real agent and watchers on a real Redis: one run trims the stream as it goes (the agent
+    killed twice), the other never trims. Every ledger key is the same, and so is every status
+    of a watcher that polls every round and of one that lags (polls every 12th round): its
+    registered position keeps what it has not read yet. (Both registered before the first
+    trim: a watcher started later reads only what is left.)"""
+    from costexporter.watcher import WatchConfig, Watcher
+
+    b = trace()
+    late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    seen: dict[str, list] = {}
+    lowest: dict[str, list] = {}
+
+    def watch(p: str):
+        clock = [0.0]
+        cfg = dict(prefix=p, clock=lambda: clock[0], heartbeat_timeout_s=1e9, register_position_s=0)
+        every = Watcher(WatchConfig(watcher_id="every", **cfg))
+        lagging = Watcher(WatchConfig(watcher_id="lagging", **cfg))
+        seen[p], lowest[p] = [], []
+
+        def on_round(rounds: int, t: float) -> None:
+            clock[0] = t
+            for w in (every, lagging) if rounds % 12 == 1 else (every,):
+                st = w.poll().get(b.job)
+                if st is not None:
+                    d = st.to_dict()
+                    d.pop("since")
+                    seen[p].append((w.cfg.watcher_id, rounds, d))
+            first = client.xrange(f"{p}:{{{b.job}}}:events", count=1)
+            lowest[p].append((first[0][0] if first else None, lagging.readers.get(b.job)))
+
+        return on_round
+
+    kw = dict(fold_persist_s=0, late_keep_s=150)
+    run_agent(Agent, prefix, b, late, restart_at=(50, 100), on_round=watch(prefix), **kw)
+    ref = prefix + "-ref"
+    run_agent(Agent, ref, b, late, on_round=watch(ref), fold_persist_s=None, trim_streams=False)
+    try:
+        assert ledger_keys(client, prefix) == ledger_keys(client, ref)
+        assert seen[prefix] == seen[ref]
+        assert {d["state"] for _, _, d in seen[prefix]} >= {"running", "done"}
+        assert _stream_len(client, prefix, b.job) < _stream_len(client, ref, b.job) / 2
+        for first, reader in lowest[prefix]:  # never trimmed past what the lagging one had read
+            if first is not None and reader is not None and reader.cursor != "0-0":
+                a, c = (tuple(int(x) for x in i.split("-")) for i in (first, reader.cursor))
+                assert a <= c
+        readers = client.hgetall(ledger.readers_key(prefix, b.job))
+        assert set(readers) == {"agent:a", "watcher:every", "watcher:lagging"}
+    finally:
+        keys = list(client.scan_iter(f"{ref}:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def test_a_restart_after_the_trainer_registered_again_keeps_the_jobs_start(prefix):
+    """Both ranks register again 12 minutes in (a trainer restarted); the agent restarted after
+    that sees only the newer registrations in the ranks hash, but keeps the job's start of its
+    stored fold: the same ledger as an agent that never stopped, on a stream trimmed below it."""
+    b = TraceBuilder(n_gpus=2, per_host=2, job="reregistered", seed=12)
+    b.run("start")
+    b.stretch("compute", 720, step_s=4, tokens=10)
+    b.stretch("idle", 30)  # the trainer crashed (no run end) and comes back
+    for r in range(2):
+        h, g = b.host_of(r)
+        b.event(
+            "register", rank=r, host=h, gpu=g, gpu_uuid=b.uuid(r), local_rank=g, world_size=2, pid=2000 + r
+        )
+    b.run("resume", step=150)
+    b.stretch("compute", 300, step_s=4, tokens=10)
+    b.run("end")
+    b.stretch("idle", 20)
+    late = next(e for e in b.events if e.type == "step")
+    kw = dict(late_s=10_000)  # never posted late: the run ends first
+    agent = run_agent(Agent, prefix, b, late, restart_at=(118,), fold_persist_s=0, late_keep_s=150, **kw)
+    run_agent(RebuildingAgent, prefix + "-ref", b, late, fold_persist_s=None, trim_streams=False, **kw)
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        assert agent.stats["fold_restores"] == 1 and agent.stats["timeline_rebuilds"] == 0
+        assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-ref:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def test_a_reader_silent_too_long_no_longer_pins_the_stream(prefix):
+    """`trim_stream` trims below the oldest fresh reader; a stale or malformed entry is ignored
+    and forgotten; a registered rank no agent covers yet holds every trim back."""
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    key = f"{prefix}:{{j}}:events"
+    ids = [client.xadd(key, {"n": str(i)}, id=f"{1000 + i}-0") for i in range(10)]
+    rk = ledger.readers_key(prefix, "j")
+    pipe = client.pipeline()
+    ledger.queue_position(pipe, prefix, "j", "agent:a", ids[6], now=100.0, ranks=[0, 1])
+    ledger.queue_position(pipe, prefix, "j", "watcher:w", ids[2], now=50.0)
+    pipe.hset(rk, "junk", "{not json")
+    pipe.execute()
+    assert ledger.trim_stream(client, prefix, "j", 120.0, 1000.0, {0, 1, 2}) == -1  # rank 2: no agent yet
+    assert client.xlen(key) == 10
+    assert ledger.trim_stream(client, prefix, "j", 120.0, 1000.0, {0, 1}) == 2  # the watcher's
+    assert client.xrange(key, count=1)[0][0] == ids[2]
+    assert "junk" not in client.hgetall(rk)
+    assert ledger.trim_stream(client, prefix, "j", 120.0, 1000.0, {0, 1}) == 0  # idempotent
+    assert ledger.trim_stream(client, prefix, "j", 1060.0, 1000.0, {0, 1}) == 4  # the watcher is stale
+    assert set(client.hgetall(rk)) == {"agent:a"}
+    assert client.xrange(key, count=1)[0][0] == ids[6]
+
+
+def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream(prefix):
+    """A restart that finds an unreadable fold (an older format, garbage, a foreign job's) folds
+    the whole stream again: counted, logged once, the same ledger, no crash."""
+    import base64
+
+    from costexporter.fold import _MAGIC
+
+    b = trace()
+    late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    run_agent(RebuildingAgent, prefix + "-ref", b, late, fold_persist_s=None, trim_streams=False)
+    bad = [
+        "not base64 at all!",
+        base64.b64encode(b"garbage").decode(),
+        base64.b64encode(_MAGIC + b"\x00\x01zz").decode(),
+    ]
+    try:
+        for i, junk in enumerate(bad):
+            p = f"{prefix}-{i}"
+
+            class Corrupting(Agent):
+                junk_value = junk
+
+                def _load(self, job):  # the stored fold is damaged before a restart reads it
+                    k = ledger.fold_key(self.cfg.prefix, job.name, self.cfg.agent_id)
+                    if client.exists(k):
+                        client.set(k, self.junk_value)
+                    super()._load(job)
+
+            agent = run_agent(Corrupting, p, b, late, restart_at=(30,), fold_persist_s=0, trim_streams=False)
+            assert agent.stats["fold_restore_failures"] == 1 and agent.stats["fold_restores"] == 0
+            assert ledger_keys(client, p) == ledger_keys(client, prefix + "-ref")
+            keys = list(client.scan_iter(f"{p}:*"))
+            client.delete(*keys)
     finally:
         keys = list(client.scan_iter(f"{prefix}-ref:*"))
         if keys:

@@ -43,7 +43,14 @@ def test_late_data_options_reach_the_agent(monkeypatch, trace):
     assert (cfg.event_lag_s, cfg.unassigned_hold_s) == (45.0, 1800.0)
 
 
-@pytest.mark.parametrize("flag", ["--event-lag", "--unassigned-hold"])
+def test_trimming_options_reach_the_agent(monkeypatch, trace):
+    default = _config_of(monkeypatch, trace)
+    assert (default.trim_streams, default.late_keep_s) == (True, 3600.0)
+    cfg = _config_of(monkeypatch, trace, "--no-trim", "--late-keep", "7200")
+    assert (cfg.trim_streams, cfg.late_keep_s) == (False, 7200.0)
+
+
+@pytest.mark.parametrize("flag", ["--event-lag", "--unassigned-hold", "--late-keep"])
 def test_a_negative_wait_is_a_usage_error(trace, flag):
     result = CliRunner().invoke(main, ["serve", "--source", "replay", "--samples", str(trace), flag, "-5"])
     assert result.exit_code == 2 and flag in result.output and "Traceback" not in result.output
