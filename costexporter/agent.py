@@ -804,7 +804,7 @@ class Agent:
                 fold.advance(min(now_ms, int(max(e.ts for e in batch) * 1000)) - lag, keep_from)
 
         reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=fold_batch)
-        tl = fold.timeline(now_ms)
+        tl = fold.timeline(now_ms, dated_until=True)
         if tl is None:
             return None
         job.fold, job.fresh = fold, []
