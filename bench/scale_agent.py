@@ -242,16 +242,17 @@ if __name__ == "__main__":
 
 
 # ---- the watcher ---------------------------------------------------------------------------------
-def _watch_one(jobs: int, steps: int, url: str, out) -> None:
+def _watch_one(jobs: int, steps: int, url: str, out, seqs0: dict[int, int]) -> None:
     """In a fresh process: a watcher's first poll (it reads every job's history), then steady
-    polls with a few new steps per job between them."""
+    polls with a few new steps per job between them (numbered on from the history's, so the
+    watcher reads them as new rather than as duplicates)."""
     import redis
 
     from costexporter.watcher import WatchConfig, Watcher
 
     client = redis.Redis.from_url(url, decode_responses=True)
     names = [f"w{i}" for i in range(jobs)]
-    seqs = {n: {0: 1, 1: 1} for n in names}
+    seqs = {n: dict(seqs0) for n in names}
     clock = [T0 + steps + 1]
     w = Watcher(WatchConfig(redis_url=url, prefix=PREFIX, clock=lambda: clock[0], forget_after_s=1e9))
     t = time.perf_counter()
@@ -282,7 +283,8 @@ def _watch_one(jobs: int, steps: int, url: str, out) -> None:
     )
 
 
-def _post_jobs(jobs: int, steps: int, url: str) -> None:
+def _post_jobs(jobs: int, steps: int, url: str) -> dict[int, int]:
+    """Every job's registrations and history; returns the next seq number of each rank."""
     import redis
 
     from costexporter.client import send_entries
@@ -297,6 +299,7 @@ def _post_jobs(jobs: int, steps: int, url: str) -> None:
         seqs = {0: 1, 1: 1}
         for a in range(1, steps + 1, 20_000):
             send_entries(client, PREFIX, n, _entries(n, a, min(a + 19_999, steps), seqs))
+    return seqs
 
 
 def measure_watcher(shapes: list[tuple[int, int]]) -> list[dict]:
@@ -306,9 +309,9 @@ def measure_watcher(shapes: list[tuple[int, int]]) -> list[dict]:
     for jobs, steps in shapes:
         proc, url, d = _redis()
         try:
-            _post_jobs(jobs, steps, url)
+            seqs = _post_jobs(jobs, steps, url)
             q = ctx.Queue()
-            p = ctx.Process(target=_watch_one, args=(jobs, steps, url, q))
+            p = ctx.Process(target=_watch_one, args=(jobs, steps, url, q, seqs))
             p.start()
             res.append(q.get(timeout=1800))
             p.join(60)
