@@ -33,7 +33,16 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import ledger, live, livestate, profiles, protocol
-from .booking import POS_INF, BookingConfig, Pieces, Regime, _cut_per_gpu, build_timeline, make_slices
+from .booking import (
+    POS_INF,
+    BookingConfig,
+    Pieces,
+    Regime,
+    _cut_per_gpu,
+    build_timeline,
+    dated_until,
+    make_slices,
+)
 from .cost import Prices, price_override_note
 from .fold import TimelineFold, walk_relevant
 from .idle import IdleLearner
@@ -605,7 +614,7 @@ class Agent:
         if job.fold is not None and job.fold.start_ms == job_start:
             job.fold.add(job.fresh)
             job.fresh = []
-            tl = job.fold.timeline(now_ms)
+            tl = job.fold.timeline(now_ms, dated_until=True)
             if tl is not None:
                 return tl
         if job.fold is not None:
@@ -623,7 +632,7 @@ class Agent:
 
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
         reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=fold_batch)
-        tl = fold.timeline(now_ms)
+        tl = fold.timeline(now_ms, dated_until=True)
         if tl is not None:
             return tl
         # An event of the stream older than what was folded before it, or not foldable (a
@@ -632,10 +641,10 @@ class Agent:
         events = reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant)
         job.fold = TimelineFold(self.cfg.booking, job_start)
         job.fold.add(events)
-        tl = job.fold.timeline(now_ms)
+        tl = job.fold.timeline(now_ms, dated_until=True)
         if tl is None:
             job.fold = None
-            tl = build_timeline(events, self.cfg.booking, job_start, now_ms, final=False)
+            tl = build_timeline(dated_until(events, now_ms), self.cfg.booking, job_start, now_ms, final=False)
         return tl
 
     def _fetch_index(self, job: _Job, tl) -> None:

@@ -267,6 +267,14 @@ def _merge(ivals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+def dated_until(events: list[Event], end_ms: int) -> list[Event]:
+    """The events live booking decides with at `end_ms`: those dated up to it (meta always). One
+    dated later may still have earlier events on their way (within the agent's `event_lag_s`);
+    deciding with it (a `run end` closing an interval a late step would have split) would book
+    differently from an uninterrupted run."""
+    return [e for e in events if e.type == "meta" or int(e.ts * 1000) <= end_ms]
+
+
 def build_timeline(
     events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int, *, final: bool = True
 ) -> Timeline:
@@ -276,13 +284,9 @@ def build_timeline(
     rank 0 are job-wide, other ranks' phases cover only their own GPU. `final`: the input has
     ended (replay), so the tail after the last progress point is booked; live (`final=False`)
     that tail stays PENDING until a step closes it or progress is seen to have stopped, and
-    `decided_until_ms` says where the decided part ends. Live, an event dated after `end_ms` is
-    not used yet: earlier events may still be on their way (within the agent's `event_lag_s`),
-    and deciding with it (a `run end` closing an interval a late step would have split) would
-    book differently from an uninterrupted run.
+    `decided_until_ms` says where the decided part ends. (Live booking passes only the events
+    dated up to `end_ms`: see `dated_until`.)
     """
-    if not final:
-        events = [e for e in events if e.type == "meta" or int(e.ts * 1000) <= end_ms]
     events = sorted(events, key=lambda e: (e.ts, e.seq))
     if is_stepless(events):
         return band_timeline(events, cfg, start_ms, end_ms)

@@ -446,20 +446,21 @@ class TimelineFold:
         self.frontier = frontier_ms
         w.trim(keep_from_ms)
 
-    def timeline(self, end_ms: int, *, final: bool = False) -> Timeline | None:
+    def timeline(self, end_ms: int, *, final: bool = False, dated_until: bool = False) -> Timeline | None:
         """The view of `build_timeline(all events, end_ms)`; None when the fold cannot give it
         (a late event, or an end before the frontier): rebuild from the stream."""
         if self.late or end_ms < self.frontier:
             return None
         self.pending.sort(key=lambda e: (e.ts, e.seq))
-        # Live, as build_timeline: an event dated after end_ms is not used yet.
-        pending = self.pending if final else [e for e in self.pending if int(e.ts * 1000) <= end_ms]
+        # `dated_until`: as build_timeline over `booking.dated_until(events, end_ms)`, what live
+        # booking decides with (an event dated after end_ms is not used yet).
+        pending = [e for e in self.pending if int(e.ts * 1000) <= end_ms] if dated_until else self.pending
         rank0_step = self.rank0_step
-        if not final:
+        if dated_until:
             rank0_step = self.w.n_steps > 0 or any(e.type == "step" for e in pending)
         if self.stepless_declared and not rank0_step:
             run0 = sorted(self.run0, key=lambda e: (e.ts, e.seq))
-            if not final:
+            if dated_until:
                 run0 = [e for e in run0 if int(e.ts * 1000) <= end_ms]
             return band_timeline(run0, self.cfg, self.start_ms, end_ms)
         w = self.w.clone()

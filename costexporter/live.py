@@ -28,6 +28,7 @@ from .booking import (
     _cut_per_gpu,
     book,
     build_timeline,
+    dated_until,
     job_bands,
     make_slices,
 )
@@ -113,7 +114,11 @@ def book_window(
     lie before `booked_until_ms`. `timeline`: the job's timeline at `now_ms` when the caller
     folds it incrementally (`fold.TimelineFold`); else built from `events`.
     """
-    tl = timeline if timeline is not None else build_timeline(events, cfg, job_start_ms, now_ms, final=final)
+    if timeline is None:
+        timeline = build_timeline(
+            events if final else dated_until(events, now_ms), cfg, job_start_ms, now_ms, final=final
+        )
+    tl = timeline
     interval = bands_mod.sampling_interval_ms(rank, ts_ms)
     horizon = min(tl.decided_until_ms, now_ms)
     if not final:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from . import protocol
+from . import protocol, redisconn
 from .events import EventError, UnknownEventType, parse_event
 from .model import Event
 
@@ -144,7 +144,14 @@ def read_all_many(client, readers: list[EventReader], count: int = 10_000) -> di
     while todo:
         by_key = {r.key: r for r in todo}
         per = max(100, min(count, 50_000 // len(todo)))  # a reply of at most ~50k entries
-        resp = client.xread({r.key: r.cursor for r in todo}, count=per)
+        if redisconn.is_cluster(client):  # one XREAD a stream (a cluster refuses keys of many
+            # slots in one command); the pipeline sends them to their nodes in one go each
+            pipe = client.pipeline(transaction=False)
+            for r in todo:
+                pipe.xread({r.key: r.cursor}, count=per)
+            resp = [kv for got in pipe.execute() for kv in (got or [])]
+        else:
+            resp = client.xread({r.key: r.cursor for r in todo}, count=per)
         again = []
         for key, entries in resp or []:
             r = by_key[_text(key)]

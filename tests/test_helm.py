@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,10 +118,13 @@ def test_chart_copies_of_rules_and_dashboard_are_generated_from_the_source():
     assert yaml.safe_load(render_prometheus_rule())["spec"] == rule["spec"]
 
 
+CLI = (sys.executable, "-m", "costexporter.cli")
+
+
 def test_cli_renders_the_prometheusrule(tmp_path):
     out = tmp_path / "pr.yaml"
     r = subprocess.run(
-        ["costexporter", "rules", "--format", "prometheusrule", "--name", "ce", "--short", "-o", str(out)],
+        [*CLI, "rules", "--format", "prometheusrule", "--name", "ce", "--short", "-o", str(out)],
         capture_output=True,
         text=True,
         timeout=60,

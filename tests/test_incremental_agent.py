@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from costexporter import ledger
 from costexporter.agent import Agent, AgentConfig
-from costexporter.booking import build_timeline
+from costexporter.booking import build_timeline, dated_until
 from costexporter.client import send_entries
 from costexporter.exporter import registry_for
 from costexporter.fold import walk_relevant
@@ -39,7 +39,7 @@ class RebuildingAgent(Agent):
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
         events = [e for e in reader.read_until(job.reader.cursor) if walk_relevant(e)]
         job.fresh = []
-        return build_timeline(events, self.cfg.booking, job_start, now_ms, final=False)
+        return build_timeline(dated_until(events, now_ms), self.cfg.booking, job_start, now_ms, final=False)
 
 
 def trace() -> TraceBuilder:
