@@ -637,6 +637,14 @@ def _registration(rank: str | bytes, raw: str | bytes) -> tuple[int, dict] | Non
     return r, entry
 
 
+def _still_done(prev: Status, now: float) -> Status:
+    """`decide` for a job it found `done` whose view has had no event since, at a later `now`:
+    an ended run stays ended and its last step stays its last, so only the time since that step
+    moves (a watcher of a day's jobs holds many ended ones; they cost nothing to re-judge)."""
+    since_step = None if prev.last_step_ts is None else round(now - prev.last_step_ts, 3)
+    return dataclasses.replace(prev, updated=now, seconds_since_last_step=since_step)
+
+
 class Watcher:
     def __init__(self, cfg: WatchConfig) -> None:
         import redis
@@ -650,6 +658,8 @@ class Watcher:
         self.bad_jobs: dict[str, str] = {}  # job -> why it is skipped (logged once)
         self._unregistered: set[str] = set()  # views whose ranks hash is still to be read
         self._hosts: dict[str, tuple[dict, int, list[str]]] = {}  # `_live_hosts`' cache
+        # Jobs decided `done`, with the view that was: while no new event arrives, still done.
+        self._ended: dict[str, JobView] = {}
         # The latest transitions (job, state, reason, the clock's time), for views and tests.
         self.history: collections.deque[tuple[str, str, str, float]] = collections.deque(maxlen=1000)
         self.redis_up = False
@@ -719,9 +729,13 @@ class Watcher:
             batch = [j for j in jobs[i : i + JOBS_PER_READ] if j not in self.bad_jobs]
             fresh = self._read_events(batch)
             views: dict[str, JobView] = {}
+            quiet: set[str] = set()  # jobs without a new event this poll
             for job in batch:
                 try:
-                    views[job] = self._fold(job, fresh.pop(job, []))
+                    events = fresh.pop(job, [])
+                    views[job] = self._fold(job, events)
+                    if not events:
+                        quiet.add(job)
                 except self._errors:
                     raise
                 except JUDGE_ERRORS as e:
@@ -731,10 +745,20 @@ class Watcher:
                 self._set_aside(job, e)
                 del views[job]
             for job, view in views.items():
+                prev = self.status.get(job)
+                ended = job in quiet and self._ended.get(job) is view
                 try:
-                    decided[job] = decide(view, now, cfg, self.status.get(job))
+                    if ended and prev is not None and prev.state == "done" and now >= prev.updated:
+                        decided[job] = _still_done(prev, now)  # what decide() answers, without its work
+                    else:
+                        decided[job] = decide(view, now, cfg, prev)
                 except JUDGE_ERRORS as e:
                     self._set_aside(job, e)
+                    continue
+                if decided[job].state == "done":
+                    self._ended[job] = view
+                else:
+                    self._ended.pop(job, None)
         pipe = self.redis.pipeline(transaction=False)
         for job, st in decided.items():
             # vars(): what asdict() gives, without its deep copy (the same JSON, a 10th of the time)
@@ -774,6 +798,7 @@ class Watcher:
         self.views.pop(job, None)
         self.readers.pop(job, None)
         self._hosts.pop(job, None)
+        self._ended.pop(job, None)
         log.warning("job %r skipped: %s", job, self.bad_jobs[job])
 
     def _fold(self, job: str, events: list[Event]) -> JobView:

@@ -118,3 +118,55 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
             d.pop("since")  # a fresh watcher sees every state begin now
         assert got == want, p
     assert main.redis_up and not main.bad_jobs
+
+
+def test_an_ended_job_without_new_events_is_not_judged_again_yet_answers_as_judged(
+    prefix, shared, monkeypatch
+):
+    """A job that ended is `done` until an event comes: later polls reuse that answer (only the
+    time since the last step moves), equal to a fresh watcher's; a new run makes it judged again."""
+    job = "ended"
+    t0 = SHIFT + 5000.0
+    events = [("run", 0, t0, {"state": "start"})]
+    events += [("step", 0, t0 + k, {"step": k, "tokens": 1}) for k in range(1, 30)]
+    events += [("heartbeat", 1, t0 + 10 * k, {}) for k in range(3)]
+    events += [("run", 0, t0 + 31, {"state": "end"})]
+    seq = collections.Counter()
+
+    def post(batch):
+        entries = []
+        for kind, rank, ts, fields in batch:
+            base = {"v": "1", "type": kind, "job": job, "ts": f"{ts:.3f}", "rank": rank, "session": "s"}
+            entries.append(protocol.encode_fields({**base, "seq": seq[rank], **fields}))
+            seq[rank] += 1
+        send_entries(shared, prefix, job, entries)
+
+    post(events)
+    clock = [t0 + 40]
+    cfg = WatchConfig(redis_url=SHARED_URL, prefix=prefix, jobs=(job,), clock=lambda: clock[0])
+    w = Watcher(cfg)
+    calls = collections.Counter()
+    real = watcher_mod.decide
+
+    def counting(view, now, c, previous=None):
+        calls[view.name] += 1
+        return real(view, now, c, previous)
+
+    monkeypatch.setattr(watcher_mod, "decide", counting)
+    first = w.poll()[job]
+    assert first.state == "done" and calls[job] == 1
+    for k in range(1, 6):
+        clock[0] = t0 + 40 + 3600 * k  # hours later: past every heartbeat timeout and stall threshold
+        got = w.poll()[job].to_dict()
+        want = Watcher(cfg).poll()[job].to_dict()
+        assert got.pop("since") == first.since
+        want.pop("since")
+        assert got == want
+    assert calls[job] == 1 + 5  # the fresh watchers only: the first one judged it once
+    post([("run", 0, clock[0] + 1, {"state": "start"}), ("step", 0, clock[0] + 2, {"step": 30, "tokens": 1})])
+    clock[0] += 3
+    got = w.poll()[job].to_dict()
+    assert calls[job] == 7 and got["state"] != "done"  # judged again (rank 1 went silent long ago)
+    want = Watcher(cfg).poll()[job].to_dict()
+    got.pop("since"), want.pop("since")
+    assert got == want
