@@ -191,12 +191,30 @@ def intersect(a: int, b: int, starts: np.ndarray, ends: np.ndarray) -> list[tupl
     return list(zip(lo[keep].tolist(), hi[keep].tolist(), strict=True))
 
 
+def percentile(values: list[int] | deque, q: float) -> float:
+    """`np.percentile(values, q)` (its default, linear method) to the last bit, in plain Python:
+    for the few hundred values of a step window, numpy's call overhead costs several times the
+    work (a watcher asks once per job per poll)."""
+    a = sorted(map(float, values))
+    n = len(a)
+    vi = (n - 1) * (q / 100)
+    if vi >= n - 1:
+        return a[-1]
+    if vi < 0:
+        return a[0]
+    lo = int(vi // 1)
+    t = vi - lo
+    x, y = a[lo], a[lo + 1]
+    d = y - x
+    return y - d * (1 - t) if t >= 0.5 else x + d * t
+
+
 def stall_threshold_ms(durations_ms: list[int] | deque, cfg: BookingConfig) -> int:
     """max(k x p95 of the last step durations, floor)."""
     floor = int(cfg.stall_floor_s * 1000)
     if not durations_ms:
         return floor
-    p = float(np.percentile(np.fromiter(durations_ms, float), cfg.stall_percentile))
+    p = percentile(durations_ms, cfg.stall_percentile)
     return max(int(cfg.stall_k * p), floor)
 
 

@@ -39,6 +39,15 @@ def _text(x: object) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
+def _fields(raw: dict) -> dict[str, str]:
+    """An entry's fields as text: plain UTF-8 bytes decoded at once (a third of `_text`'s time,
+    which counts at 10,000 events a poll), anything else through `_text`."""
+    try:
+        return {k.decode(): v.decode() for k, v in raw.items()}
+    except (AttributeError, UnicodeDecodeError):
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+
 class EventReader:
     """Consumes `<prefix>:{<job>}:events` from `cursor` (a stream id) on.
 
@@ -76,7 +85,7 @@ class EventReader:
         self.last_read = len(entries)
         for entry_id, raw in entries:
             self.cursor = _text(entry_id)
-            ev = self._accept({_text(k): _text(v) for k, v in raw.items()}, self.cursor)
+            ev = self._accept(_fields(raw), self.cursor)
             if ev is not None:
                 out.append(ev)
                 d = ev.ts - int(self.cursor.split("-", 1)[0]) / 1000
@@ -107,7 +116,7 @@ class EventReader:
             entries = self.client.xrange(self.key, min=lo, max=last_id, count=count)
             for entry_id, raw in entries:
                 self.cursor = _text(entry_id)
-                ev = self._accept({_text(k): _text(v) for k, v in raw.items()}, self.cursor)
+                ev = self._accept(_fields(raw), self.cursor)
                 if ev is not None and (keep is None or keep(ev)):
                     out.append(ev)
             if on_batch is not None:

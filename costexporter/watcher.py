@@ -44,7 +44,7 @@ import numpy as np
 
 from . import bands as bands_mod
 from . import ledger, profiles, protocol
-from .booking import BookingConfig, Regime, Timeline, build_timeline
+from .booking import NEG_INF, BookingConfig, Regime, Timeline, build_timeline
 from .events import META_THRESHOLDS
 from .fold import TimelineFold, walk_relevant
 from .model import Band, Event
@@ -62,6 +62,9 @@ LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
 WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
 NO_AGENT_DATA = "no agent data: cannot name a rank"
 MAX_RANK = 1 << 20  # a ranks entry beyond this is not a rank of any real job
+# What one poisoned job (a bad name, stored values of the wrong type) raises: it is set aside.
+SETTLED_MARGIN_MS = 1_000  # `JobView.settled_ms`: events of a rank may be this much out of order
+JUDGE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError)
 
 
 @dataclass
@@ -172,9 +175,19 @@ class JobView:
             if tl is None:  # not foldable (a declared phase named `startup`)
                 self.timeline_fold, self.unfoldable = None, True
                 return build_timeline(walk, booking, start_ms, end_ms, final=False)
-        frontier = min(end_ms, self.newest_ms) - lag_ms
+        frontier = min(end_ms, max(self.newest_ms - lag_ms, self.settled_ms()))
         f.advance(frontier, frontier)  # a decision reads the timeline at `now` and the last step
         return tl
+
+    def settled_ms(self) -> int:
+        """Up to when every rank's events are in, as far as the watcher can tell: each rank
+        sends its events in time order, so none older than its newest one (less a margin for
+        a process's threads) is to come. The fold walks for good up to here, not just up to
+        `lag_ms` behind the newest event: a poll re-walks a few seconds, not the whole lag. A
+        rank that breaks this costs a refold from the stream (counted), never a wrong view."""
+        if not self.ranks:
+            return NEG_INF
+        return int(min(r.last_seen for r in self.ranks.values()) * 1000) - SETTLED_MARGIN_MS
 
     def fold(self, events: list[Event]) -> None:
         for ev in events:
@@ -627,6 +640,14 @@ def _registration(rank: str | bytes, raw: str | bytes) -> tuple[int, dict] | Non
     return r, entry
 
 
+def _still_done(prev: Status, now: float) -> Status:
+    """`decide` for a job it found `done` whose view has had no event since, at a later `now`:
+    an ended run stays ended and its last step stays its last, so only the time since that step
+    moves (a watcher of a day's jobs holds many ended ones; they cost nothing to re-judge)."""
+    since_step = None if prev.last_step_ts is None else round(now - prev.last_step_ts, 3)
+    return dataclasses.replace(prev, updated=now, seconds_since_last_step=since_step)
+
+
 class Watcher:
     def __init__(self, cfg: WatchConfig) -> None:
         import redis
@@ -638,6 +659,10 @@ class Watcher:
         self.readers: dict[str, EventReader] = {}
         self.status: dict[str, Status] = {}
         self.bad_jobs: dict[str, str] = {}  # job -> why it is skipped (logged once)
+        self._unregistered: set[str] = set()  # views whose ranks hash is still to be read
+        self._hosts: dict[str, tuple[dict, int, list[str]]] = {}  # `_live_hosts`' cache
+        # Jobs decided `done`, with the view that was: while no new event arrives, still done.
+        self._ended: dict[str, JobView] = {}
         # The latest transitions (job, state, reason, the clock's time), for views and tests.
         self.history: collections.deque[tuple[str, str, str, float]] = collections.deque(maxlen=1000)
         self.redis_up = False
@@ -703,27 +728,46 @@ class Watcher:
             protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
         )
         decided: dict[str, Status] = {}
-        fresh: dict[str, list[Event]] = {}
-        for i, job in enumerate(jobs):
-            if job in self.bad_jobs:
-                continue
-            if i % JOBS_PER_READ == 0:  # one XREAD for the next jobs (bounded memory)
-                fresh = self._read_events([j for j in jobs[i : i + JOBS_PER_READ] if j not in self.bad_jobs])
-            try:
-                decided[job] = self._judge(job, now, fresh.pop(job, []))
-            except self._errors:
-                raise  # Redis itself: every job is unknown (poll())
-            except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as e:
-                # One poisoned job (a bad name, stored values of the wrong type) must not stop
-                # the others.
-                self.bad_jobs[job] = f"{type(e).__name__}: {e}"
-                self.stats["bad_jobs"] += 1
-                self.views.pop(job, None)
-                self.readers.pop(job, None)
-                log.warning("job %r skipped: %s", job, self.bad_jobs[job])
+        for i in range(0, len(jobs), JOBS_PER_READ):
+            # One XREAD for the next jobs' events (bounded memory), one round trip for their
+            # registrations (first seen only) and one for the agents' live hashes, then decide.
+            batch = [j for j in jobs[i : i + JOBS_PER_READ] if j not in self.bad_jobs]
+            fresh = self._read_events(batch)
+            views: dict[str, JobView] = {}
+            quiet: set[str] = set()  # jobs without a new event this poll
+            for job in batch:
+                try:
+                    events = fresh.pop(job, [])
+                    views[job] = self._fold(job, events)
+                    if not events:
+                        quiet.add(job)
+                except self._errors:
+                    raise
+                except JUDGE_ERRORS as e:
+                    self._set_aside(job, e)
+            self._read_registrations([v for j, v in views.items() if j in self._unregistered])
+            for job, e in self._read_live_many(list(views.values())).items():
+                self._set_aside(job, e)
+                del views[job]
+            for job, view in views.items():
+                prev = self.status.get(job)
+                ended = job in quiet and self._ended.get(job) is view
+                try:
+                    if ended and prev is not None and prev.state == "done" and now >= prev.updated:
+                        decided[job] = _still_done(prev, now)  # what decide() answers, without its work
+                    else:
+                        decided[job] = decide(view, now, cfg, prev)
+                except JUDGE_ERRORS as e:
+                    self._set_aside(job, e)
+                    continue
+                if decided[job].state == "done":
+                    self._ended[job] = view
+                else:
+                    self._ended.pop(job, None)
         pipe = self.redis.pipeline(transaction=False)
         for job, st in decided.items():
-            pipe.set(ledger.key(cfg.prefix, job, "status"), json.dumps(st.to_dict()), ex=self.ttl)
+            # vars(): what asdict() gives, without its deep copy (the same JSON, a 10th of the time)
+            pipe.set(ledger.key(cfg.prefix, job, "status"), json.dumps(vars(st)), ex=self.ttl)
         pipe.execute()
         return decided
 
@@ -772,36 +816,96 @@ class Watcher:
 
         return read
 
-    def _judge(self, job: str, now: float, events: list[Event]) -> Status:
-        cfg = self.cfg
+    def _set_aside(self, job: str, e: Exception) -> None:
+        """One poisoned job (a bad name, stored values of the wrong type) must not stop the others."""
+        self.bad_jobs[job] = f"{type(e).__name__}: {e}"
+        self.stats["bad_jobs"] += 1
+        self.views.pop(job, None)
+        self.readers.pop(job, None)
+        self._hosts.pop(job, None)
+        self._ended.pop(job, None)
+        log.warning("job %r skipped: %s", job, self.bad_jobs[job])
+
+    def _fold(self, job: str, events: list[Event]) -> JobView:
+        """The job's view with its new events folded in."""
         if job not in self.readers:
-            self.readers[job] = EventReader(self.redis, job, cfg.prefix)  # checks the name
-        first = job not in self.views
-        if first:
+            self.readers[job] = EventReader(self.redis, job, self.cfg.prefix)  # checks the name
+        if job not in self.views:
             self.views[job] = JobView(job, refold=self._refold_source(job))
+            self._unregistered.add(job)
         view = self.views[job]
         view.fold(events)
-        if first:
-            # Registrations arrive as `register` events; the hash keeps them once their
-            # events are trimmed away, so it is read once, when the job is first seen.
-            for rank, raw in self.redis.hgetall(protocol.ranks_key(cfg.prefix, job)).items():
-                entry = _registration(rank, raw)
+        return view
+
+    def _read_registrations(self, views: list[JobView]) -> None:
+        """Registrations arrive as `register` events; the hash keeps them once their events are
+        trimmed away, so it is read once, when the job is first seen (one round trip for all)."""
+        if not views:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for view in views:
+            pipe.hgetall(protocol.ranks_key(self.cfg.prefix, view.name))
+        for view, raw in zip(views, pipe.execute(), strict=True):
+            self._unregistered.discard(view.name)
+            for rank, value in raw.items():
+                entry = _registration(rank, value)
                 if entry is None:
                     self.stats["bad_registrations"] += 1
                     continue
                 view.registrations.setdefault(*entry)
+
+    def _judge(self, job: str, now: float, events: list[Event]) -> Status:
+        """One job read and decided on its own (`_poll` does the same for many jobs at once)."""
+        view = self._fold(job, events)
+        self._read_registrations([view] if job in self._unregistered else [])
         self._read_live(view)
-        return decide(view, now, cfg, self.status.get(job))
+        return decide(view, now, self.cfg, self.status.get(job))
 
     def _read_live(self, view: JobView) -> None:
-        hosts = sorted({str(r.get("host")) for r in view.registrations.values() if r.get("host")})
-        if not hosts:
-            return
+        for e in self._read_live_many([view]).values():
+            raise e
+
+    def _live_hosts(self, view: JobView) -> list[str]:
+        """The job's registered hosts, worked out again only when a rank registers (the
+        registrations only grow)."""
+        regs = view.registrations
+        got = self._hosts.get(view.name)
+        if got is None or got[0] is not regs or got[1] != len(regs):
+            hosts = sorted({str(r.get("host")) for r in regs.values() if r.get("host")})
+            got = self._hosts[view.name] = (regs, len(regs), hosts)
+        return got[2]
+
+    def _read_live_many(self, views: list[JobView]) -> dict[str, Exception]:
+        """The agents' live hashes of every host of these jobs, in one round trip; returns the
+        jobs whose stored values could not be used (each set aside by the caller)."""
+        bad: dict[str, Exception] = {}
+        keys: list[tuple[JobView, list[str]]] = []
         pipe = self.redis.pipeline(transaction=False)
-        for h in hosts:
-            pipe.hgetall(ledger.key(self.cfg.prefix, view.name, "live", h))
+        for view in views:
+            try:
+                hosts = self._live_hosts(view)
+            except JUDGE_ERRORS as e:
+                bad[view.name] = e
+                continue
+            if not hosts:
+                continue
+            keys.append((view, hosts))
+            for h in hosts:
+                pipe.hgetall(ledger.key(self.cfg.prefix, view.name, "live", h))
+        if not keys:
+            return bad
+        replies = iter(pipe.execute())
+        for view, hosts in keys:
+            got = [(h, next(replies)) for h in hosts]
+            try:
+                self._apply_live(view, got)
+            except JUDGE_ERRORS as e:
+                bad[view.name] = e
+        return bad
+
+    def _apply_live(self, view: JobView, replies: list[tuple[str, dict]]) -> None:
         snap, agent_live = [], {}
-        for h, raw in zip(hosts, pipe.execute(), strict=True):
+        for h, raw in replies:
             for rank, v in raw.items():
                 try:
                     d = json.loads(v)

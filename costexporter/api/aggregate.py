@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from decimal import Decimal
 
 import numpy as np
 
 from ..model import CATEGORIES
-from .format import iso, micro, money, per
+from .format import iso, micro, money, per_micro
 from .schemas import AllocationRow
 from .store import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
 
@@ -148,7 +147,7 @@ def row(key: str, props: dict, parts: list[JobPart], start: str | None, end: str
         cost=micro(cost_u),
         wasted_cost=micro(sum(a.ucost[c] for c in WASTED)),
         valid_steps=valid,
-        cost_per_valid_step=per(Decimal(cost_u).scaleb(-6), valid),
+        cost_per_valid_step=per_micro(cost_u, valid),
         start=start,
         end=end,
         properties=props,
@@ -175,13 +174,20 @@ def table_rows(
     summed by column in one go and the figures computed per column, so 10,000 jobs cost a few
     array operations and one small dict each. Equal to `rows` (the same integer sums, the same
     float divisions)."""
-    groups: dict[str, tuple[dict, list[int]]] = {}
     jobs = table.jobs
-    for i in sorted(visible, key=lambda i: jobs[i]):
-        props = {f: value(f, jobs[i], metas[jobs[i]]) for f in fields}
-        groups.setdefault(key_of(fields, props), (props, []))[1].append(i)
-    keys = sorted(groups)
-    members = [groups[k][1] for k in keys]
+    if fields == ["job"]:  # a row per job (the default): the key is the job's name
+        order = sorted(visible, key=jobs.__getitem__)
+        keys = [jobs[i] for i in order]
+        members = [[i] for i in order]
+        props_of = [{"job": k} for k in keys]
+    else:
+        groups: dict[str, tuple[dict, list[int]]] = {}
+        for i in sorted(visible, key=lambda i: jobs[i]):
+            props = {f: value(f, jobs[i], metas[jobs[i]]) for f in fields}
+            groups.setdefault(key_of(fields, props), (props, []))[1].append(i)
+        keys = sorted(groups)
+        members = [groups[k][1] for k in keys]
+        props_of = [groups[k][0] for k in keys]
     if all(len(m) == 1 for m in members):
         g = table.net[[m[0] for m in members]] if members else np.zeros((0, table.net.shape[1]), np.int64)
     else:
@@ -195,7 +201,7 @@ def table_rows(
     steps = table.steps
     out = []
     for n, (k, m) in enumerate(zip(keys, members, strict=True)):
-        props = groups[k][0]
+        props = props_of[n]
         if len(m) == 1:  # the usual row of aggregate=job: no sets, no generators
             j = jobs[m[0]]
             meta = metas[j]
@@ -226,7 +232,7 @@ def table_rows(
                 "cost": micro(cost_u[n]),
                 "wasted_cost": micro(wasted_u[n]),
                 "valid_steps": valid,
-                "cost_per_valid_step": per(Decimal(cost_u[n]).scaleb(-6), valid),
+                "cost_per_valid_step": per_micro(cost_u[n], valid),
                 "start": s,
                 "end": e,
                 "properties": props,

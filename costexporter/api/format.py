@@ -33,6 +33,24 @@ def per(cost: Decimal, n: int, scale: int = 1) -> str | None:
     return money(cost * scale / n) if n > 0 else None
 
 
+def per_micro(u: int, n: int) -> str | None:
+    """`per(Decimal(u).scaleb(-6), n)` (micro-units over a count) by integer arithmetic: the
+    quotient rounded half-even to a micro-unit, as Decimal's divide then quantize round it. Exact
+    within the bounds below (Decimal's 28 digits then hold the quotient far closer than any tie
+    can lie: at least 1/(2n) of a micro-unit away); outside them Decimal itself answers."""
+    if n <= 0:
+        return None
+    if not (-(10**15) < u < 10**15 and n < 10**9):
+        return per(Decimal(u).scaleb(-6), n)
+    a = -u if u < 0 else u
+    q, r = divmod(a, n)
+    if 2 * r > n or (2 * r == n and q & 1):
+        q += 1
+    if u < 0:  # Decimal keeps the sign of a quotient that rounds to zero: "-0.000000"
+        return "-" + micro(q)
+    return micro(q)
+
+
 def by_category(a: Amounts) -> dict:
     # 6 decimals: a micro-GPU-hour is 3.6 ms, finer than anything the ledger resolves.
     return {

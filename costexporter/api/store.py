@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
@@ -269,6 +271,7 @@ end
 return out
 """
 BATCH = 200  # jobs per script call: one call stays ~2 ms of Redis time
+CHUNK = 2000  # jobs per read that `LedgerStore.table_chunks` overlaps with the work on the last
 WIDTH = len(ledger.PACKED) + 1  # a record: the bucket start, then the amounts
 ZEROS = "[" + ",".join(["-1"] + ["0"] * (WIDTH - 1)) + "]"  # before the first bucket
 
@@ -463,22 +466,100 @@ class LedgerStore:
         two price versions, sums past 2^53, damaged) are summed from the fewest buckets (weeks,
         days, hours, then 5 minutes): the exact path, which the rollup equals."""
         warn = Warnings() if warn is None else warn
-        metas: dict[str, dict] = {}
-        n = len(jobs)
         if not self.use_rollups:
             metas = self.meta_many(jobs, warn) if meta and jobs else {}
             return metas, [self._exact_table(jobs, start, end, warn) for start, end in spans]
+        chunks = list(self.table_chunks(jobs, spans, warn, meta, tokens))
+        if len(chunks) == 1:
+            return chunks[0][1], chunks[0][2]
+        metas: dict[str, dict] = {}
+        for _, m, _ in chunks:
+            metas.update(m)
+        out = []
+        for w in range(len(spans)):
+            parts = [c[2][w] for c in chunks]
+            steps: dict[str, Steps] = {}
+            for t in parts:
+                steps.update(t.steps)
+            out.append(
+                WindowTable(
+                    jobs,
+                    np.concatenate([t.net for t in parts]),
+                    [v for t in parts for v in t.versions],
+                    steps,
+                )
+            )
+        return metas, out
+
+    def table_chunks(
+        self,
+        jobs: list[str],
+        spans: list[tuple[int, int]],
+        warn: Warnings,
+        meta: bool = False,
+        tokens: bool = False,
+    ) -> Iterator[tuple[list[str], dict[str, dict], list[WindowTable]]]:
+        """`tables` CHUNK jobs at a time, in order: (the chunk's jobs, their meta, their tables).
+
+        Redis runs the scripts of the next chunks (on a thread of their own, which waits on the
+        socket) while the caller works on this one, so a request of 10,000 jobs costs about the
+        larger of Redis's time and Python's rather than their sum. The warnings reach `warn` in
+        the order of one pass over every job (meta, then per window the steps and the exact
+        path's), once the last chunk is done."""
+        n = len(jobs)
+        cuts = list(range(0, n, CHUNK)) or [0]
         args = [len(spans), int(meta), int(tokens), *(t for span in spans for t in span)]
         # the keys of ledger.key and protocol.meta_key, per job in this order
         suffixes = ["ledger:cumstate", "ledger:cum", "ledger:steps", "ledger:voids"] + ["meta"] * meta
         p = self.prefix
-        pipe = self.r.pipeline(transaction=False)
-        for i in range(0, n, self.batch):
-            keys = [f"{p}:{{{j}}}:{x}" for j in jobs[i : i + self.batch] for x in suffixes]
-            self._windows(keys=keys, args=args, client=pipe)
-        replies: list = []
+
+        def read(i: int) -> list:
+            part = jobs[i : i + CHUNK]
+            if not part:
+                return []
+            pipe = self.r.pipeline(transaction=False)
+            for b in range(0, len(part), self.batch):
+                keys = [f"{p}:{{{j}}}:{x}" for j in part[b : b + self.batch] for x in suffixes]
+                self._windows(keys=keys, args=args, client=pipe)
+            return _run(pipe)
+
+        notes: list[list[Warnings]] = []  # per chunk: meta, then per window steps and exact
+        if len(cuts) == 1:
+            part = jobs[:CHUNK]
+            notes.append([Warnings() for _ in range(1 + 2 * len(spans))])
+            yield part, *self._chunk(part, read(0), spans, meta, tokens, notes[-1])
+        else:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="costexporter-read")
+            try:
+                pending = [pool.submit(read, i) for i in cuts]
+                for i, fut in zip(cuts, pending, strict=True):
+                    part = jobs[i : i + CHUNK]
+                    notes.append([Warnings() for _ in range(1 + 2 * len(spans))])
+                    yield part, *self._chunk(part, fut.result(), spans, meta, tokens, notes[-1])
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+        for k in range(1 + 2 * len(spans)):
+            for lines in notes:
+                for line in lines[k]:
+                    if line not in warn and len(warn) < 100:
+                        warn.append(line)
+
+    def _chunk(
+        self,
+        jobs: list[str],
+        results: list,
+        spans: list[tuple[int, int]],
+        meta: bool,
+        tokens: bool,
+        notes: list[Warnings],
+    ) -> tuple[dict[str, dict], list[WindowTable]]:
+        """One chunk's replies of ROLLUP_WINDOWS as its meta and tables; `notes`: where its
+        warnings go (meta, then per window the steps' and the exact path's)."""
+        metas: dict[str, dict] = {}
+        n = len(jobs)
         per_w = 8 if tokens else 4
-        for i, got in zip(range(0, n, self.batch), _run(pipe) if jobs else [], strict=True):
+        replies: list = []
+        for i, got in zip(range(0, n, self.batch), results, strict=True):
             if got is None:  # cannot happen short of an outage (which raises): read exactly
                 got = [[0, "", ""] + [False] * (per_w * len(spans))] * len(jobs[i : i + self.batch])
             replies += got
@@ -486,10 +567,11 @@ class LedgerStore:
             if meta:
                 m = got[0]
                 if m is None:
-                    warn.add(j, "meta is not a hash: ignored")
+                    notes[0].add(j, "meta is not a hash: ignored")
                 metas[j] = dict(zip(m[::2], m[1::2], strict=True)) if m else {}
         out = []
         for w, (start, end) in enumerate(spans):
+            warn, exact_warn = notes[1 + 2 * w], notes[2 + 2 * w]
             ends, starts, versions, fast, exact = [], [], [None] * n, [], []
             at = 3 + per_w * w
             if tokens:
@@ -522,7 +604,7 @@ class LedgerStore:
                 names = [jobs[i] for i in exact]
                 pipe = self.r.pipeline(transaction=False)
                 self._queue_amounts(pipe, names, start, end)
-                for i, a in zip(exact, _amounts(names, _run(pipe), warn).values(), strict=True):
+                for i, a in zip(exact, _amounts(names, _run(pipe), exact_warn).values(), strict=True):
                     net[i] = _vector(a)
                     versions[i] = a.price_versions
             out.append(WindowTable(jobs, net, versions, steps))

@@ -82,13 +82,34 @@ def allocation_rows(
 ) -> list[dict]:
     """Rows of every period (as `AllocationRow` dicts), in time order; the unassigned pool last in
     each period (only for a caller who sees every team). One read for every job and period
-    (meta and each period's rollup records), then column sums."""
+    (meta and each period's rollup records), then column sums. A row per job depends on its job
+    alone: those rows are made chunk by chunk while Redis reads the next chunks, then sorted."""
     names = s.job_names()
-    metas, tables = s.tables(names, spans, warn, meta=True)
-    visible = [i for i, j in enumerate(names) if who.sees(metas[j].get("team"))]
+    if fields == ["job"]:
+        per_span: list[list[dict]] = [[] for _ in spans]
+        chunks = 0
+        for _jobs, metas, tables in s.table_chunks(names, spans, warn, meta=True):
+            chunks += 1
+            visible = [i for i, j in enumerate(_jobs) if who.sees(metas[j].get("team"))]
+            for rows, (start, end), table in zip(per_span, spans, tables, strict=True):
+                rows += agg.table_rows(table, metas, visible, fields, start, end)
+        if chunks > 1:
+            for rows in per_span:
+                rows.sort(key=_key)
+    else:
+        metas, tables = s.tables(names, spans, warn, meta=True)
+        visible = [i for i, j in enumerate(names) if who.sees(metas[j].get("team"))]
+        per_span = [
+            agg.table_rows(table, metas, visible, fields, start, end)
+            for (start, end), table in zip(spans, tables, strict=True)
+        ]
     out: list[dict] = []
-    for (start, end), table in zip(spans, tables, strict=True):
-        out += agg.table_rows(table, metas, visible, fields, start, end)
+    for (start, end), rows in zip(spans, per_span, strict=True):
+        out += rows
         if who.all_teams:
             out.append(agg.unassigned_row(s.unassigned(start, end, warn), start, end).model_dump())
     return out
+
+
+def _key(row: dict) -> str:
+    return row["key"]

@@ -1,0 +1,118 @@
+"""The finance API's fast paths give the bytes of the paths they replace (random data)."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from costexporter.api.format import per, per_micro
+
+from .api_helpers import served
+from .test_api_rollup import BASE, amounts, write
+
+MICRO = st.one_of(st.integers(-(10**16), 10**16), st.integers(-50, 50), st.integers(-(10**7), 10**7))
+COUNT = st.one_of(st.integers(-2, 50), st.integers(1, 10**10), st.sampled_from([2, 4, 8, 10**9 - 1, 10**9]))
+
+
+@settings(max_examples=2000, deadline=None)
+@given(MICRO, COUNT)
+@example(1, 2)  # ties: half-even
+@example(3, 2)
+@example(-1, 2)
+@example(-1, 3)  # rounds to zero: Decimal says "-0.000000"
+@example(0, 7)
+@example(10**15 - 1, 2)
+@example(-(10**15) + 1, 2)
+def test_cost_per_step_by_integers_is_decimals(u, n):
+    assert per_micro(u, n) == per(Decimal(u).scaleb(-6), n)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(-(10**8), 10**8), st.integers(1, 10**6).map(lambda n: 2 * n))
+def test_exact_ties_round_half_even_as_decimal(k, n):
+    u = k * n + n // 2  # exactly halfway between two micro-units
+    assert per_micro(u, n) == per(Decimal(u).scaleb(-6), n)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.sampled_from([None, "llm", "vision"]),
+            st.lists(st.integers(0, 3 * 288 - 1), max_size=3, unique=True),
+            st.integers(0, 12),  # steps
+            st.sampled_from(["ok", "ok", "ok", "meta", "steps", "exact", "bad-bucket"]),
+        ),
+        min_size=1,
+        max_size=9,
+    ),
+    chunk=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, chunk, seed):
+    """/allocation with the jobs read a few at a time (Redis reading the next chunk while the
+    rows of this one are made) answers the bytes of one read of every job: rows, order and
+    warnings (meta that is not a hash, step sets of the wrong type, rollups read exactly, bad
+    bucket amounts), per job and per team, whole or per day, JSON and CSV."""
+    import uuid
+
+    import httpx
+    import numpy as np
+
+    from costexporter import ledger, protocol
+    from costexporter.api import store as store_mod
+    from costexporter.api.store import LedgerStore
+
+    prefix = f"test-chunks-{uuid.uuid4().hex[:10]}"
+    rng = np.random.default_rng(seed)
+    try:
+        for n, (team, buckets, steps, spoil) in enumerate(jobs):
+            name = f"job-{(n * 7) % 10}-{n}"  # the jobs set's order is not the names' order
+            shared.zadd(protocol.jobs_key(prefix), {name: BASE + 86400 - n})
+            if team:
+                shared.hset(protocol.meta_key(prefix, name), mapping={"team": team, "cost_center": "cc"})
+            if buckets:
+                write(shared, prefix, name, "a", {BASE + 300 * b: amounts(rng) for b in buckets}, "v1")
+            if steps:
+                shared.zadd(
+                    ledger.key(prefix, name, "ledger", "steps"),
+                    {f"{i}:{i * 10}": BASE + int(rng.integers(0, 3 * 86400)) for i in range(steps)},
+                )
+            if spoil == "meta":
+                shared.delete(protocol.meta_key(prefix, name))
+                shared.set(protocol.meta_key(prefix, name), "x")
+            elif spoil == "steps":
+                shared.delete(ledger.key(prefix, name, "ledger", "steps"))
+                shared.set(ledger.key(prefix, name, "ledger", "steps"), "x")
+            elif spoil in ("exact", "bad-bucket"):
+                shared.delete(ledger.key(prefix, name, "ledger", "cumstate"))
+                if spoil == "bad-bucket":
+                    for res in ledger.RESOLUTIONS:
+                        b = ledger.bucket_start(BASE, res)
+                        shared.hset(ledger.key(prefix, name, "ledger", res, str(b)), "productive:ms", "5k")
+        window = f"{BASE},{BASE + 3 * 86400}"
+        queries = [
+            {"window": window},
+            {"window": window, "aggregate": "team"},
+            {"window": window, "accumulate": "false", "step": "1d"},
+            {"window": window, "format": "csv"},
+        ]
+
+        def answers() -> list[tuple[int, bytes, str | None]]:
+            with served(LedgerStore(shared, prefix)) as (base, _app), httpx.Client(base_url=base) as c:
+                out = []
+                for q in queries:
+                    r = c.get("/api/v1/allocation", params=q)
+                    out.append((r.status_code, r.content, r.headers.get("x-costexporter-warnings")))
+                return out
+
+        whole = answers()
+        monkeypatch.setattr(store_mod, "CHUNK", chunk)
+        assert answers() == whole
+        assert all(code == 200 for code, _, _ in whole)
+    finally:
+        keys = list(shared.scan_iter(f"{prefix}:*"))
+        if keys:
+            shared.delete(*keys)
