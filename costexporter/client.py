@@ -700,7 +700,8 @@ class Delivery:
 def send_entries(
     client, prefix: str, job: str, entries: list[dict[str, str]], *, raise_on_error: bool = True
 ) -> Delivery:
-    """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta` and the jobs index.
+    """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta`, the jobs index and, with
+    a register, the registrations counter.
 
     A dead connection raises. The server's refusals raise the first one, or with
     `raise_on_error=False` come back per entry (a non-transactional pipeline applies the rest)."""
@@ -727,7 +728,18 @@ def send_entries(
     # the next batch (every batch repeats the ZADD; GT keeps the newest time).
     pipe.zadd(protocol.jobs_key(prefix), {job: last_ts}, gt=True)
     owners.append((None, False))
-    results = pipe.execute(raise_on_error=raise_on_error)
+    version_at = None
+    if any(e.get("type") == "register" for e in entries):
+        # Agents run discovery when this counter moves, not every few seconds for every job. A
+        # refusal (an ACL written before this key) costs only that: agents also re-read slowly.
+        pipe.incr(protocol.registrations_key(prefix))
+        version_at = len(owners)
+        owners.append((None, False))
+    results = pipe.execute(raise_on_error=False)
+    if raise_on_error:
+        first = next((r for k, r in enumerate(results) if isinstance(r, Exception) and k != version_at), None)
+        if first is not None:
+            raise first
     out = Delivery()
     for (i, is_xadd), r in zip(owners, results, strict=True):
         if isinstance(r, Exception):

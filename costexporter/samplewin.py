@@ -1,0 +1,119 @@
+"""A job's context window of samples, kept sorted by (rank, ts) from round to round.
+
+A wide job's agent holds every rank's samples of the context window (a 4,096-GPU job: millions).
+Sorting all of them every round cost more than the booking; here a round only sorts what is new
+(its own GPUs' samples and the entries other hosts published since the last round) and merges
+it into the window it kept, then drops what fell out of the window. The result is the array a
+full stable sort of (own samples, then other hosts' samples in arrival order) would give.
+
+Pure: numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Cols = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # rank, ts, p, u, e
+
+_TS_BITS = 41  # ms timestamps below 2**41 (year 2039); ranks below 2**22: one int64 sort key
+_RANK_LIMIT = 1 << (63 - _TS_BITS)
+_TS_LIMIT = 1 << _TS_BITS
+DTYPES = (np.int64, np.int64, np.float64, np.float64, np.float64)
+
+
+def empty() -> Cols:
+    return tuple(np.zeros(0, dt) for dt in DTYPES)  # type: ignore[return-value]
+
+
+def _finite(c: Cols) -> Cols:
+    """Power and energy readings that are not finite count as missing (NaN)."""
+    r, t, p, u, e = c
+    return r, t, np.where(np.isfinite(p), p, np.nan), u, np.where(np.isfinite(e), e, np.nan)
+
+
+def _keyable(r: np.ndarray, t: np.ndarray) -> bool:
+    return not r.size or (
+        int(r.min()) >= 0 and int(r.max()) < _RANK_LIMIT and int(t.min()) >= 0 and int(t.max()) < _TS_LIMIT
+    )
+
+
+def _key(r: np.ndarray, t: np.ndarray) -> np.ndarray:
+    return (r << _TS_BITS) | t
+
+
+class SampleWindow:
+    """Other hosts' samples of one job, sorted by (rank, ts), ties in arrival order."""
+
+    def __init__(self) -> None:
+        self.cols: Cols = empty()
+        self.keys = np.zeros(0, np.int64)
+        self.ranks: set[int] = set()  # ranks that may be held (a superset)
+        self.pending: list[Cols] = []  # entries read since the last round, in arrival order
+        self.sorted_mode = True  # False once a sample cannot be keyed: a full sort every round
+
+    @property
+    def size(self) -> int:
+        return int(self.cols[1].size) + sum(int(c[1].size) for c in self.pending)
+
+    def nbytes(self) -> int:
+        held = sum(a.nbytes for a in self.cols) + self.keys.nbytes
+        return held + sum(a.nbytes for c in self.pending for a in c)
+
+    def add(self, chunk: Cols) -> None:
+        """Another host's entry, as read (booked into the window at the next round)."""
+        self.pending.append(chunk)
+
+    def round(self, own: Cols, lo_ms: int, own_ranks: set[int]) -> Cols:
+        """The window of this round: `own` (this host's samples, in reading order) and every
+        sample held or added, those at or after `lo_ms`, sorted by (rank, ts); ties keep own
+        first, then arrival order. Afterwards samples of `own_ranks` are no longer held."""
+        new = tuple(np.concatenate(c) for c in zip(*self.pending, strict=True)) if self.pending else empty()
+        self.pending = []
+        new = _finite(new)  # type: ignore[arg-type]
+        own = _finite(own)
+        if self.sorted_mode and not (_keyable(new[0], new[1]) and _keyable(own[0], own[1])):
+            self.sorted_mode = False
+        if not self.sorted_mode:
+            return self._full(own, new, lo_ms, own_ranks)
+        cols, keys = self.cols, self.keys
+        if keys.size and int(cols[1].min()) < lo_ms:
+            keep = cols[1] >= lo_ms
+            cols, keys = tuple(a[keep] for a in cols), keys[keep]
+        w = new[1] >= lo_ms
+        if not w.all():
+            new = tuple(a[w] for a in new)
+        if new[1].size:
+            k = _key(new[0], new[1])
+            order = np.argsort(k, kind="stable")
+            k = k[order]
+            at = np.searchsorted(keys, k, side="right")  # after equal keys held: arrival order
+            cols = tuple(np.insert(a, at, b[order]) for a, b in zip(cols, new, strict=True))
+            keys = np.insert(keys, at, k)
+            self.ranks.update(np.unique(new[0]).tolist())
+        out = cols
+        w = own[1] >= lo_ms
+        if not w.all():
+            own = tuple(a[w] for a in own)
+        if own[1].size:
+            k = _key(own[0], own[1])
+            order = np.argsort(k, kind="stable")
+            k = k[order]
+            at = np.searchsorted(keys, k, side="left")  # before equal keys held: own first
+            out = tuple(np.insert(a, at, b[order]) for a, b in zip(cols, own, strict=True))
+        if self.ranks & own_ranks:  # a rank that became this host's: its samples are own now
+            keep = ~np.isin(cols[0], list(own_ranks))
+            cols, keys = tuple(a[keep] for a in cols), keys[keep]
+            self.ranks = set(np.unique(cols[0]).tolist())
+        self.cols, self.keys = cols, keys  # type: ignore[assignment]
+        return out  # type: ignore[return-value]
+
+    def _full(self, own: Cols, new: Cols, lo_ms: int, own_ranks: set[int]) -> Cols:
+        """Timestamps or ranks out of the key's range: the whole window sorted, every round."""
+        R, T, P, U, E = (np.concatenate(c) for c in zip(own, self.cols, new, strict=True))
+        w = lo_ms <= T
+        R, T, P, U, E = (a[w] for a in (R, T, P, U, E))
+        remote = ~np.isin(R, list(own_ranks))
+        self.cols = tuple(a[remote] for a in (R, T, P, U, E))  # type: ignore[assignment]
+        self.keys = np.zeros(0, np.int64)
+        order = np.lexsort((T, R))
+        return tuple(a[order] for a in (R, T, P, U, E))  # type: ignore[return-value]
