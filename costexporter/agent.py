@@ -172,6 +172,7 @@ class Agent:
         self._last_refresh = 0.0
         self._reg_version: str | None = "?"  # the registrations counter at the last discovery
         self._reg_read: str | None = None  # ... and as this round read it
+        self._reg_prev: str | None = "?"  # ... and as the discovery before read it
         self._unassigned_until: int | None = None
         self._unassigned_raw: str | None = None
         self._unassigned_loaded = False
@@ -577,7 +578,10 @@ class Agent:
                     job.own[reg.rank] = g
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
         self._handover()
-        self._reg_version = self._reg_read
+        # A counter that moved is looked at once more next round: on a cluster it and a job's
+        # `:ranks` sit on different nodes, and the trainer's INCR may land before its HSET.
+        self._reg_version = self._reg_read if self._reg_read == self._reg_prev else "?"
+        self._reg_prev = self._reg_read
 
     def _booked_elsewhere(self, gpu: int, new: _Job) -> int:
         """How far this GPU's time is booked already (unassigned, or by another job): a claim

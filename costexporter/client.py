@@ -615,6 +615,17 @@ class StepReporter:
                         job,
                         exc,
                     )
+            if res.counter_failed is not None:
+                self.stats["counter_rejected"] += 1
+                if f"counter:{res.counter_failed}" not in self._logged:
+                    self._logged.add(f"counter:{res.counter_failed}")
+                    log.warning(
+                        "costexporter: Redis refused the registrations counter (%s; an ACL without "
+                        "%s:registrations?): agents find %s's registration by their slower refresh",
+                        res.counter_failed,
+                        self.prefix,
+                        job,
+                    )
         retry = sorted(set(retry))
         return len(entries) - refused - len(retry), retry  # a retried entry counts when it succeeds
 
@@ -695,6 +706,7 @@ class Delivery:
 
     failed: dict[int, Exception] = field(default_factory=dict)
     side_failed: list[tuple[int | None, Exception]] = field(default_factory=list)
+    counter_failed: Exception | None = None  # the registrations counter's INCR (never retried)
 
 
 def send_entries(
@@ -741,8 +753,10 @@ def send_entries(
         if first is not None:
             raise first
     out = Delivery()
-    for (i, is_xadd), r in zip(owners, results, strict=True):
-        if isinstance(r, Exception):
+    for k, ((i, is_xadd), r) in enumerate(zip(owners, results, strict=True)):
+        if k == version_at:
+            out.counter_failed = r if isinstance(r, Exception) else None
+        elif isinstance(r, Exception):
             if is_xadd:
                 out.failed[i] = r
             else:

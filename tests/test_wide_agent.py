@@ -50,20 +50,23 @@ def test_discovery_runs_when_a_register_arrives_not_every_round(shared, prefix):
     agent, now = _agent(b, prefix, job_refresh_s=3600)
     calls = _counting(agent)
     _tick(agent, now, 30)
-    assert len(calls) == 1 and not agent.jobs  # the first round looks once
-    for _ in range(3):
+    assert len(calls) == 1 and not agent.jobs  # the first round looks (and the next once more)
+    for _ in range(4):
         _tick(agent, now, 10)
-    assert len(calls) == 1  # nothing registered: no discovery, whatever `job_refresh_s`
+    settled = len(calls)
+    assert settled == 2  # nothing registered: no discovery, whatever `job_refresh_s`
     reg = TraceBuilder(n_gpus=2, per_host=2, job="late-reg", seed=3)
     post_events(shared, prefix, reg)  # the trainer's batch moves the registrations counter
     _tick(agent, now, 10)
-    assert len(calls) == 2 and set(agent.jobs["late-reg"].own) == {0, 1}
-    _tick(agent, now, 10)
-    assert len(calls) == 2
+    assert len(calls) == settled + 1 and set(agent.jobs["late-reg"].own) == {0, 1}
+    for _ in range(3):
+        _tick(agent, now, 10)
+    # Once more the round after (on a cluster the counter may land before the `:ranks` write).
+    assert len(calls) == settled + 2
     # Redis lost the counter (a restart, a flush): discovery runs again rather than trusting it.
     shared.delete(protocol.registrations_key(prefix))
     _tick(agent, now, 10)
-    assert len(calls) == 3
+    assert len(calls) == settled + 3
 
 
 def test_a_register_written_without_the_counter_is_found_by_the_periodic_refresh(shared, prefix):
@@ -72,13 +75,16 @@ def test_a_register_written_without_the_counter_is_found_by_the_periodic_refresh
     b.stretch("compute", 400)
     agent, now = _agent(b, prefix, job_refresh_s=3600)
     calls = _counting(agent)
-    _tick(agent, now, 30)
+    for _ in range(3):
+        _tick(agent, now, 10)
+    assert len(calls) == 2  # settled
     reg = TraceBuilder(n_gpus=2, per_host=2, job="old-client", seed=4)
     for e in reg.events:
         shared.hset(protocol.ranks_key(prefix, e.job), str(e.rank), json.dumps(event_entry(e)))
     shared.zadd(protocol.jobs_key(prefix), {"old-client": reg.events[0].ts})
-    _tick(agent, now, 10)
-    assert len(calls) == 1 and not agent.jobs
+    for _ in range(3):
+        _tick(agent, now, 10)
+    assert len(calls) == 2 and not agent.jobs
     agent.cfg.job_refresh_s = 0.0  # the safety net's period has passed
     _tick(agent, now, 10)
     assert set(agent.jobs["old-client"].own) == {0, 1}
@@ -126,7 +132,7 @@ def test_a_counter_the_acl_refuses_does_not_fail_the_trainer(tmp_path):
         trainer = redis.Redis(port=srv.port, username="trainer", password="pw", decode_responses=True)
         reg = TraceBuilder(n_gpus=1, per_host=1, job="j", seed=6)
         out = send_entries(trainer, "p", "j", [event_entry(e) for e in reg.events])
-        assert not out.failed and len(out.side_failed) == 1  # the counter alone was refused
+        assert not out.failed and not out.side_failed and out.counter_failed is not None
         assert (
             admin.hlen(protocol.ranks_key("p", "j")) == 1 and admin.xlen(protocol.stream_key("p", "j")) == 1
         )
