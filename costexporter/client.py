@@ -744,7 +744,7 @@ def send_entries(
     if any(e.get("type") == "register" for e in entries):
         # Agents run discovery when this counter moves, not every few seconds for every job. A
         # refusal (an ACL written before this key) costs only that: agents also re-read slowly.
-        pipe.incr(protocol.registrations_key(prefix))
+        pipe.execute_command("INCR", protocol.registrations_key(prefix))  # incr() sends INCRBY
         version_at = len(owners)
         owners.append((None, False))
     results = pipe.execute(raise_on_error=False)

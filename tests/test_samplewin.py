@@ -93,3 +93,33 @@ def test_a_round_sorts_only_what_is_new() -> None:
     R, T, *_ = w.round(_cols([]), 1, set())
     assert R.size == n and (np.diff(R * 10**6 + T) > 0).all()
     assert w.keys.size == n
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.integers(0, 3), st.integers(0, 60), value, value), max_size=12),
+            st.lists(
+                st.lists(st.tuples(st.integers(4, 9), st.integers(0, 60), value, value), max_size=10),
+                max_size=3,
+            ),
+            st.integers(-5, 40),
+            st.sets(st.integers(0, 3), min_size=1, max_size=4),  # ranks move between own sets only
+        ),
+        max_size=10,
+    ),
+)
+def test_the_usual_round_splices_and_equals_the_full_sort(rounds) -> None:
+    """Peers' ranks apart from this host's (the usual case): every round is spliced, never merged."""
+    old, new = FullSort(), SampleWindow()
+    merged = []
+    real = new._merged
+    new._merged = lambda *a: merged.append(1) or real(*a)  # type: ignore[method-assign]
+    for own_rows, entries, lo, own_ranks in rounds:
+        own = _cols([x for x in own_rows if x[0] in own_ranks])
+        chunks = [_cols(ent) for ent in entries]
+        for c in chunks:
+            new.add(c)
+        _assert_same(old.round(own, chunks, lo, own_ranks), new.round(own, lo, own_ranks))
+    assert not merged
