@@ -173,6 +173,7 @@ class Agent:
         self._reg_version: str | None = "?"  # the registrations counter at the last discovery
         self._reg_read: str | None = None  # ... and as this round read it
         self._reg_prev: str | None = "?"  # ... and as the discovery before read it
+        self._gpus_seen: tuple = ()  # the node's GPUs at the last discovery
         self._unassigned_until: int | None = None
         self._unassigned_raw: str | None = None
         self._unassigned_loaded = False
@@ -521,15 +522,20 @@ class Agent:
 
     def _jobs_changed(self) -> bool:
         """Whether a register arrived since the last discovery (the trainers' counter moved; also
-        when Redis lost it): discovery then reads every job's registrations again."""
+        when Redis lost it) or the node's GPUs changed (a source that finds them late): discovery
+        then reads every job's registrations again."""
         raw = self.redis.get(protocol.registrations_key(self.cfg.prefix))
         self._reg_read = raw.decode() if isinstance(raw, bytes) else raw
-        return self._reg_read != self._reg_version
+        return self._reg_read != self._reg_version or self._gpu_ids() != self._gpus_seen
+
+    def _gpu_ids(self) -> tuple:
+        return tuple((g.uuid, g.host, g.index) for g in self.source.gpus())
 
     def _discover(self) -> None:
         """Jobs whose registered GPUs are this node's (by UUID, else host + index)."""
         self._last_refresh = time.monotonic()
         self._reg_version = "?"  # a discovery cut short by an error is run again next round
+        self._gpus_seen = self._gpu_ids()
         if self._unassigned_until is None:
             self._load_unassigned()
         gpus = self.source.gpus()
@@ -578,9 +584,11 @@ class Agent:
                     job.own[reg.rank] = g
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
         self._handover()
-        # A counter that moved is looked at once more next round: on a cluster it and a job's
-        # `:ranks` sit on different nodes, and the trainer's INCR may land before its HSET.
-        self._reg_version = self._reg_read if self._reg_read == self._reg_prev else "?"
+        # A counter that moved since a discovery is looked at once more next round: on a cluster
+        # it and a job's `:ranks` sit on different nodes, and the trainer's INCR may land before
+        # its HSET. (Not after the first: that one reads what was there before the agent.)
+        settled = self._reg_prev == "?" or self._reg_read == self._reg_prev
+        self._reg_version = self._reg_read if settled else "?"
         self._reg_prev = self._reg_read
 
     def _booked_elsewhere(self, gpu: int, new: _Job) -> int:

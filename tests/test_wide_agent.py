@@ -50,11 +50,11 @@ def test_discovery_runs_when_a_register_arrives_not_every_round(shared, prefix):
     agent, now = _agent(b, prefix, job_refresh_s=3600)
     calls = _counting(agent)
     _tick(agent, now, 30)
-    assert len(calls) == 1 and not agent.jobs  # the first round looks (and the next once more)
+    assert len(calls) == 1 and not agent.jobs  # the first round looks
     for _ in range(4):
         _tick(agent, now, 10)
     settled = len(calls)
-    assert settled == 2  # nothing registered: no discovery, whatever `job_refresh_s`
+    assert settled == 1  # nothing registered: no discovery, whatever `job_refresh_s`
     reg = TraceBuilder(n_gpus=2, per_host=2, job="late-reg", seed=3)
     post_events(shared, prefix, reg)  # the trainer's batch moves the registrations counter
     _tick(agent, now, 10)
@@ -77,14 +77,14 @@ def test_a_register_written_without_the_counter_is_found_by_the_periodic_refresh
     calls = _counting(agent)
     for _ in range(3):
         _tick(agent, now, 10)
-    assert len(calls) == 2  # settled
+    assert len(calls) == 1  # settled
     reg = TraceBuilder(n_gpus=2, per_host=2, job="old-client", seed=4)
     for e in reg.events:
         shared.hset(protocol.ranks_key(prefix, e.job), str(e.rank), json.dumps(event_entry(e)))
     shared.zadd(protocol.jobs_key(prefix), {"old-client": reg.events[0].ts})
     for _ in range(3):
         _tick(agent, now, 10)
-    assert len(calls) == 2 and not agent.jobs
+    assert len(calls) == 1 and not agent.jobs
     agent.cfg.job_refresh_s = 0.0  # the safety net's period has passed
     _tick(agent, now, 10)
     assert set(agent.jobs["old-client"].own) == {0, 1}
@@ -138,3 +138,19 @@ def test_a_counter_the_acl_refuses_does_not_fail_the_trainer(tmp_path):
         )
     finally:
         srv.kill()
+
+
+def test_gpus_the_source_finds_late_run_discovery_again(shared, prefix):
+    """A source that lists its GPUs only after a while: the jobs on them are found then."""
+    b = TraceBuilder(n_gpus=2, per_host=2, job="late-gpus", seed=7)
+    b.stretch("compute", 300)
+    post_events(shared, prefix, b)
+    agent, now = _agent(b, prefix, job_refresh_s=3600)
+    real = agent.source.gpus
+    agent.source.gpus = lambda: []  # type: ignore[method-assign]
+    _tick(agent, now, 30)
+    _tick(agent, now, 10)
+    assert not agent.jobs
+    agent.source.gpus = real  # type: ignore[method-assign]
+    _tick(agent, now, 10)
+    assert set(agent.jobs["late-gpus"].own) == {0, 1}
