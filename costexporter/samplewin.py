@@ -154,6 +154,8 @@ class SampleWindow:
             self.cols, self.keys = tuple(out[:5]), out[5]  # type: ignore[assignment]
         self.ranks = set(held_ranks) | set(np.unique(add[0]).tolist())
         self.own_held = set(np.unique(own[0]).tolist())
+        for a in self.cols:
+            a.flags.writeable = False  # held for the next round: a write would corrupt it
         return self.cols
 
     def _strip_own(self) -> None:
