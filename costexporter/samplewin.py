@@ -125,6 +125,12 @@ class SampleWindow:
         be: list[int] = []
         if k.size:
             at = np.searchsorted(keys, k, side="right")  # after equal keys held: arrival order
+            if ks:  # a place among dropped samples (this host's old ones): the next kept one's
+                ks_a, se_a = np.asarray(ks, np.int64), np.asarray(se, np.int64)
+                i = np.searchsorted(se_a, at, side="left")
+                inside = i < ks_a.size
+                nxt = np.where(inside, ks_a[np.minimum(i, ks_a.size - 1)], n)
+                at = np.where(inside, np.maximum(at, nxt), n)
             uu, first = np.unique(at, return_index=True)
             u, bs = uu.tolist(), first.tolist()
             be = [*bs[1:], int(k.size)]
