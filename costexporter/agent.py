@@ -290,7 +290,9 @@ class Agent:
         self._band_readings()
         try:
             self._check_epoch()
-            if self._jobs_changed() or time.monotonic() - self._last_refresh > self.cfg.job_refresh_s:
+            # Also after an outage: the jobs are read again as after a start.
+            stale = not self.redis_up or time.monotonic() - self._last_refresh > self.cfg.job_refresh_s
+            if self._jobs_changed() or stale:
                 self._discover()
             if not self.redis_up:
                 self._redis_back_at = time.monotonic()
