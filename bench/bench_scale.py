@@ -1,9 +1,11 @@
-"""Scale benchmark (issue 16): python bench/bench_scale.py [--part agent|watcher|api]
+"""Scale benchmark (issue 16): python bench/bench_scale.py [--part agent|wide|watcher|api]
 
 A thin driver: one section per part, each in a module of its own, printing its figures next to
 its targets.
 
 * agent: round CPU and RSS against a job's history, and restart catch-up (bench/scale_agent.py).
+* wide: round CPU, RSS and Redis commands/CPU per round of an agent owning 8 GPUs of a job
+  64, 512 and 4,096 GPUs wide, its peers publishing sample streams (bench/scale_wide.py).
 * watcher: poll time at 1,000 jobs x 1k steps and 1 job x 100k steps (bench/scale_agent.py).
 * api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py).
 """
@@ -16,13 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PARTS = ("agent", "watcher", "api")
+PARTS = ("agent", "wide", "watcher", "api")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", action="append", choices=PARTS, help="run only these parts (default: all)")
     ap.add_argument("--steps", default="1000,100000,300000", help="agent: history sizes (steps)")
+    ap.add_argument("--widths", default="64,512,4096", help="wide: job widths (GPUs)")
     ap.add_argument("--watcher", default="1000x1000,1x100000", help="watcher: JOBSxSTEPS shapes")
     ap.add_argument("--jobs", default="1000,10000", help="api: job counts to seed (comma-separated)")
     a = ap.parse_args()
@@ -33,6 +36,11 @@ def main() -> None:
 
         print("== agent ==")
         scale_agent.report(scale_agent.measure([int(x) for x in a.steps.split(",")]))
+    if "wide" in parts:
+        import scale_wide
+
+        print("== wide ==")
+        scale_wide.report(scale_wide.measure([int(x) for x in a.widths.split(",")]))
     if "watcher" in parts:
         import scale_agent
 

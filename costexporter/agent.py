@@ -51,6 +51,7 @@ from .live import JobState, book_window
 from .model import BANDS, Category, Event
 from .profiles import Profile
 from .reader import EventReader
+from .samplewin import SampleWindow
 from .sources.base import GpuSource
 from .sources.sampler import Sampler
 
@@ -72,7 +73,10 @@ class AgentConfig:
     book_interval_s: float = 5.0
     sample_interval_s: float = 1.0
     context_s: float | None = None  # history kept for bands: default 2 x checkpoint allowance
-    job_refresh_s: float = 10.0
+    # Discovery runs when the trainers' registrations counter moves (one GET a round) and, as a
+    # safety net for writers that do not move it, every `job_refresh_s`: keep it below
+    # `unassigned_hold_s` so such a job's GPU time still reaches it.
+    job_refresh_s: float = 300.0
     live_ttl_s: int = 30
     max_buffered_samples: int = 2_000_000
     series_ttl_s: float = 3600.0  # an ended job's series disappear from /metrics this long after
@@ -139,7 +143,7 @@ class _Job:
     fold_candidates: list = field(default_factory=list)
     loaded: bool = False
     ever_loaded: bool = False
-    remote: list = field(default_factory=list)  # chunks of (rank, ts, p, u, e) from other hosts
+    remote: SampleWindow = field(default_factory=SampleWindow)  # other hosts' samples, sorted
     remote_ids: dict[str, str] = field(default_factory=dict)
     remote_seen: dict[str, float] = field(default_factory=dict)  # host -> monotonic time of its last entry
     published_ts: dict[int, int] = field(default_factory=dict)  # rank -> newest ts published
@@ -195,6 +199,10 @@ class Agent:
         self._first_seen: dict[int, int] = {}  # GPU -> this process's first sample of it (ms)
         self._newest: dict[int, int] = {}  # GPU -> newest sample (ms)
         self._last_refresh = 0.0
+        self._reg_version: str | None = "?"  # the registrations counter at the last discovery
+        self._reg_read: str | None = None  # ... and as this round read it
+        self._reg_prev: str | None = "?"  # ... and as the discovery before read it
+        self._gpus_seen: tuple = ()  # the node's GPUs at the last discovery
         self._unassigned_until: int | None = None
         self._unassigned_raw: str | None = None
         self._unassigned_loaded = False
@@ -311,7 +319,9 @@ class Agent:
         self._band_readings()
         try:
             self._check_epoch()
-            if time.monotonic() - self._last_refresh > self.cfg.job_refresh_s or not self.jobs:
+            # Also after an outage: the jobs are read again as after a start.
+            stale = not self.redis_up or time.monotonic() - self._last_refresh > self.cfg.job_refresh_s
+            if self._jobs_changed() or stale:
                 self._discover()
             if not self.redis_up:
                 self._redis_back_at = time.monotonic()
@@ -541,9 +551,22 @@ class Agent:
             message,
         )
 
+    def _jobs_changed(self) -> bool:
+        """Whether a register arrived since the last discovery (the trainers' counter moved; also
+        when Redis lost it) or the node's GPUs changed (a source that finds them late): discovery
+        then reads every job's registrations again."""
+        raw = self.redis.get(protocol.registrations_key(self.cfg.prefix))
+        self._reg_read = raw.decode() if isinstance(raw, bytes) else raw
+        return self._reg_read != self._reg_version or self._gpu_ids() != self._gpus_seen
+
+    def _gpu_ids(self) -> tuple:
+        return tuple((g.uuid, g.host, g.index) for g in self.source.gpus())
+
     def _discover(self) -> None:
         """Jobs whose registered GPUs are this node's (by UUID, else host + index)."""
         self._last_refresh = time.monotonic()
+        self._reg_version = "?"  # a discovery cut short by an error is run again next round
+        self._gpus_seen = self._gpu_ids()
         if self._unassigned_until is None:
             self._load_unassigned()
         gpus = self.source.gpus()
@@ -592,6 +615,12 @@ class Agent:
                     job.own[reg.rank] = g
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
         self._handover()
+        # A counter that moved since a discovery is looked at once more next round: on a cluster
+        # it and a job's `:ranks` sit on different nodes, and the trainer's INCR may land before
+        # its HSET. (Not after the first: that one reads what was there before the agent.)
+        settled = self._reg_prev == "?" or self._reg_read == self._reg_prev
+        self._reg_version = self._reg_read if settled else "?"
+        self._reg_prev = self._reg_read
 
     def _booked_elsewhere(self, gpu: int, new: _Job) -> int:
         """How far this GPU's time is booked already (unassigned, or by another job): a claim
@@ -905,7 +934,7 @@ class Agent:
             for entry_id, f in entries:
                 job.remote_ids[host] = entry_id
                 try:
-                    job.remote.append(
+                    job.remote.add(
                         tuple(
                             np.asarray(json.loads(f[c]), dt)
                             for c, dt in (
@@ -929,7 +958,10 @@ class Agent:
             lut[g] = r
         mine = lut[gpu] >= 0 if gpu.size else np.zeros(0, bool)
         own_rank, own_ts = lut[gpu[mine]], ts[mine]
-        new = own_ts > np.asarray([job.published_ts.get(int(r), -1) for r in own_rank], np.int64)
+        new = np.zeros(0, bool)
+        if self._peers(job) and own_rank.size:
+            ranks, at = np.unique(own_rank, return_inverse=True)
+            new = own_ts > np.asarray([job.published_ts.get(r, -1) for r in ranks.tolist()], np.int64)[at]
         if new.any():
             entry = {
                 "r": own_rank[new].tolist(),
@@ -946,17 +978,16 @@ class Agent:
             )
             for r in np.unique(own_rank[new]).tolist():
                 job.published_ts[r] = int(own_ts[new][own_rank[new] == r].max())
-        chunks = [(own_rank, own_ts, p[mine], u[mine], e[mine]), *job.remote]
-        R, T, P, U, E = (np.concatenate(c) for c in zip(*chunks, strict=True))
-        P = np.where(np.isfinite(P), P, np.nan)
-        E = np.where(np.isfinite(E), E, np.nan)
-        window = job.oldest_unbooked - self.context_ms <= T
-        R, T, P, U, E = (a[window] for a in (R, T, P, U, E))
-        # Other hosts' samples stay only as long as the window needs them.
-        remote = ~np.isin(R, list(job.own))
-        job.remote = [tuple(a[remote] for a in (R, T, P, U, E))]
-        order = np.lexsort((T, R))
-        return tuple(a[order] for a in (R, T, P, U, E)), (own_rank, own_ts, p[mine], u[mine])
+        # Only what is new is sorted into the window kept from the last round (samplewin.py).
+        own = (own_rank, own_ts, p[mine], u[mine], e[mine])
+        window = job.remote.round(own, job.oldest_unbooked - self.context_ms, set(job.own))
+        return window, (own_rank, own_ts, p[mine], u[mine])
+
+    def _peers(self, job: _Job) -> bool:
+        """Whether another host holds ranks of the job: only then are its samples published (a
+        job on this host alone needs no sample stream). A rank registered later on another host
+        gets this host's samples then, from the whole context kept."""
+        return any(str(e.host) != self.host for r, e in job.ranks.items() if r not in job.own)
 
     def _book(self, job: _Job, local: tuple[np.ndarray, ...]) -> None:
         """Read, book the window (pure), commit the delta with the watermark compare-and-set."""

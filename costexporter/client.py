@@ -615,6 +615,17 @@ class StepReporter:
                         job,
                         exc,
                     )
+            if res.counter_failed is not None:
+                self.stats["counter_rejected"] += 1
+                if f"counter:{res.counter_failed}" not in self._logged:
+                    self._logged.add(f"counter:{res.counter_failed}")
+                    log.warning(
+                        "costexporter: Redis refused the registrations counter (%s; an ACL without "
+                        "%s:registrations?): agents find %s's registration by their slower refresh",
+                        res.counter_failed,
+                        self.prefix,
+                        job,
+                    )
         retry = sorted(set(retry))
         return len(entries) - refused - len(retry), retry  # a retried entry counts when it succeeds
 
@@ -695,12 +706,14 @@ class Delivery:
 
     failed: dict[int, Exception] = field(default_factory=dict)
     side_failed: list[tuple[int | None, Exception]] = field(default_factory=list)
+    counter_failed: Exception | None = None  # the registrations counter's INCR (never retried)
 
 
 def send_entries(
     client, prefix: str, job: str, entries: list[dict[str, str]], *, raise_on_error: bool = True
 ) -> Delivery:
-    """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta` and the jobs index.
+    """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta`, the jobs index and, with
+    a register, the registrations counter.
 
     A dead connection raises. The server's refusals raise the first one, or with
     `raise_on_error=False` come back per entry (a non-transactional pipeline applies the rest)."""
@@ -727,10 +740,23 @@ def send_entries(
     # the next batch (every batch repeats the ZADD; GT keeps the newest time).
     pipe.zadd(protocol.jobs_key(prefix), {job: last_ts}, gt=True)
     owners.append((None, False))
-    results = pipe.execute(raise_on_error=raise_on_error)
+    version_at = None
+    if any(e.get("type") == "register" for e in entries):
+        # Agents run discovery when this counter moves, not every few seconds for every job. A
+        # refusal (an ACL written before this key) costs only that: agents also re-read slowly.
+        pipe.execute_command("INCR", protocol.registrations_key(prefix))  # incr() sends INCRBY
+        version_at = len(owners)
+        owners.append((None, False))
+    results = pipe.execute(raise_on_error=False)
+    if raise_on_error:
+        first = next((r for k, r in enumerate(results) if isinstance(r, Exception) and k != version_at), None)
+        if first is not None:
+            raise first
     out = Delivery()
-    for (i, is_xadd), r in zip(owners, results, strict=True):
-        if isinstance(r, Exception):
+    for k, ((i, is_xadd), r) in enumerate(zip(owners, results, strict=True)):
+        if k == version_at:
+            out.counter_failed = r if isinstance(r, Exception) else None
+        elif isinstance(r, Exception):
             if is_xadd:
                 out.failed[i] = r
             else:

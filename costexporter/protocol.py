@@ -65,6 +65,11 @@ def jobs_key(prefix: str) -> str:
     return f"{prefix}:jobs"
 
 
+def registrations_key(prefix: str) -> str:
+    """A counter every batch with a register entry increments: agents discover jobs when it moves."""
+    return f"{prefix}:registrations"
+
+
 def encode_fields(fields: dict[str, object]) -> dict[str, str]:
     """Flat string field/value pairs for XADD: numbers as text, booleans as 'true'/'false',
     nested values (preflight checks) as JSON; None values are left out."""

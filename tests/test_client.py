@@ -294,10 +294,12 @@ def test_a_trainer_with_the_recommended_acl_can_post_and_nothing_else(tmp_path):
             ">s3cret",
             "~costexporter:{acl-job}:*",
             "~costexporter:jobs",
+            "~costexporter:registrations",
             "-@all",
             "+xadd",
             "+hset",
             "+zadd",
+            "+incr",
             "+ping",
             "+hello",
             "+auth",
@@ -309,6 +311,7 @@ def test_a_trainer_with_the_recommended_acl_can_post_and_nothing_else(tmp_path):
         rep.close()
         events = EventReader(admin, "acl-job").read_all()
         assert [e.type for e in events] == ["register", "run", "step", "run"]
+        assert int(admin.get("costexporter:registrations") or 0) == 1 and not rep.stats["counter_rejected"]
         as_trainer = redis.Redis.from_url(url)
         with pytest.raises(redis.exceptions.NoPermissionError):
             as_trainer.xadd("costexporter:{someone-else}:events", {"x": "1"})

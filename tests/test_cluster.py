@@ -141,7 +141,7 @@ def test_every_key_is_in_its_jobs_slot_or_one_of_the_few_cross_job_keys(backends
     keys = list(b["redis"].scan_iter(match=f"{b['prefix']}:*"))
     assert keys
     p = re.escape(b["prefix"])
-    cross_job = re.compile(rf"^{p}:(jobs|epoch|node:[^{{}}]+|gpu:[^{{}}]+:idle)$")
+    cross_job = re.compile(rf"^{p}:(jobs|registrations|epoch|node:[^{{}}]+|gpu:[^{{}}]+:idle)$")
     tagged = re.compile(rf"^{p}:\{{([^{{}}]+)\}}:")
     odd = [k for k in keys if not tagged.match(k) and not cross_job.match(k)]
     assert odd == []
@@ -344,8 +344,8 @@ def test_the_documented_trainer_acl_works_on_the_cluster(cluster, tmp_path):
     job = "acl-job"
     user = f"trainer-{uuid.uuid4().hex[:6]}"
     rules = [
-        "on", ">s3cret", f"~{prefix}:{{{job}}}:*", f"~{prefix}:jobs",
-        "-@all", "+xadd", "+hset", "+zadd", "+ping", "+hello", "+auth", "+cluster|slots", "+command",
+        "on", ">s3cret", f"~{prefix}:{{{job}}}:*", f"~{prefix}:jobs", f"~{prefix}:registrations",
+        "-@all", "+xadd", "+hset", "+zadd", "+incr", "+ping", "+hello", "+auth", "+cluster|slots", "+command",
     ]  # fmt: skip
     for port in cluster.ports:
         redis.Redis(port=port).execute_command("ACL", "SETUSER", user, *rules)
@@ -360,6 +360,7 @@ def test_the_documented_trainer_acl_works_on_the_cluster(cluster, tmp_path):
         types = [f["type"] for _id, f in admin.xrange(protocol.stream_key(prefix, job))]
         assert types == ["register", "run", "step", "step", "step", "run"]  # start ... end at close
         assert admin.zscore(protocol.jobs_key(prefix), job) is not None
+        assert admin.get(protocol.registrations_key(prefix)) == "1" and not rep.stats["counter_rejected"]
         assert not list(tmp_path.glob("*.jsonl")) or all(
             p.stat().st_size == 0 for p in tmp_path.glob("*.jsonl")
         )

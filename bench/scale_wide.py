@@ -1,0 +1,257 @@
+"""The agent in a wide job: round CPU, RSS and Redis load against the job's width.
+
+One agent owns 8 GPUs (host node0) of a job of W GPUs, 8 per host. Its W/8 - 1 peers are
+simulated as real agents publish: each peer host's sample stream (`<p>:{job}:samples:<host>`)
+gets one entry per 5-s round with its 8 ranks' readings, written straight into a private
+`redis-server` (no persistence, a free port) in the agents' own format. Before the agent starts
+the streams hold the whole booking context (2 x the checkpoint allowance + 60 s: 1,860 s at 1 Hz),
+and the agent's watermark sits at its end, as after a restart. The trainer posts a step a second.
+
+Per width, in a fresh process: the first round (it reads and merges the whole context), then
+steady rounds of 5 s: `round` is the median thread CPU of the real `Agent.tick()`, `RSS` the
+process's resident memory after them; `cmds` the Redis commands one round sends (INFO
+commandstats deltas around the tick), `redis ms` the Redis CPU it costs (INFO cpu deltas), with
+the peer's own XADD per round added. `cores@W` is that Redis CPU for all W/8 agents of the job at
+one round per 5 s. Targets (issue 16): round <= 50 ms and RSS <= 150 MB at 4,096 GPUs; Redis
+<= 0.5 core at 4,096 GPUs (512 agents).
+
+Run through bench/bench_scale.py --part wide, or alone: python bench/scale_wide.py [--widths 64,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from scale_agent import T0, _redis, _rss_mb  # noqa: E402
+
+JOB, PREFIX = "wide", "bench"
+PER_HOST = 8
+ROUND_S = 5
+ROUNDS = 8
+CONTEXT_S = 2 * 900 + 60  # the agent's default context: 2 x checkpoint allowance + 60 s
+HISTORY_S = CONTEXT_S + 60
+
+
+def _peer_entry(host: int, t0: float, seconds: int, rng: np.random.Generator) -> dict[str, str]:
+    """One round of a peer host's 8 ranks, as `Agent._window` publishes it."""
+    ranks = np.arange(host * PER_HOST, (host + 1) * PER_HOST)
+    r = np.repeat(ranks, seconds)
+    t = np.tile(np.round((t0 + np.arange(seconds)) * 1000).astype(np.int64), ranks.size)
+    p = rng.uniform(940.0, 1040.0, r.size).round(1)
+    u = np.full(r.size, 100.0)
+    e = ((t - T0 * 1000) * 1000.0 + r).round()  # cumulative mJ, as NVML's counter
+    entry = {"r": r.tolist(), "t": t.tolist(), "p": p.tolist(), "u": u.tolist(), "e": e.tolist()}
+    return {k: json.dumps(v) for k, v in entry.items()}
+
+
+def _publish(client, hosts: range, t0: float, seconds: int, rng: np.random.Generator) -> None:
+    from costexporter import ledger
+
+    pipe = client.pipeline(transaction=False)
+    for h in hosts:
+        pipe.xadd(ledger.key(PREFIX, JOB, "samples", f"node{h}"), _peer_entry(h, t0, seconds, rng))
+    pipe.execute()
+
+
+def _steps(first: int, last: int, seqs: dict[int, int]) -> list[dict[str, str]]:
+    from costexporter import protocol
+
+    out = []
+    for k in range(first, last + 1):
+        seq = seqs.get(0, 0)
+        seqs[0] = seq + 1
+        out.append(
+            protocol.encode_fields(
+                {
+                    "v": "1",
+                    "type": "step",
+                    "job": JOB,
+                    "ts": f"{T0 + k:.3f}",
+                    "rank": 0,
+                    "session": "s0",
+                    "seq": seq,
+                    "step": k,
+                    "tokens": 4096,
+                }
+            )
+        )
+    return out
+
+
+def _prepare(width: int, url: str) -> dict[int, int]:
+    """Registrations of every rank, a step a second and the peers' context, before the agent."""
+    import redis
+
+    from costexporter import ledger
+    from costexporter.client import send_entries
+    from costexporter.synth import TraceBuilder
+    from tests.test_agent import event_entry
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    reg = TraceBuilder(n_gpus=width, per_host=PER_HOST, job=JOB, seed=1, interval_s=1.0, t0=T0)
+    send_entries(client, PREFIX, JOB, [event_entry(e) for e in reg.events])
+    seqs = {0: 1}  # after rank 0's register
+    send_entries(client, PREFIX, JOB, _steps(1, HISTORY_S, seqs))
+    rng = np.random.default_rng(width)
+    hosts = range(1, width // PER_HOST)
+    for t in range(0, HISTORY_S, ROUND_S):
+        _publish(client, hosts, T0 + t, ROUND_S, rng)
+    wm = {
+        "booked_until": int((T0 + HISTORY_S - 60) * 1000),
+        "starts": {str(r): int(T0 * 1000) for r in range(8)},
+    }
+    client.set(ledger.key(PREFIX, JOB, "wm", "node0"), json.dumps(wm))
+    return seqs
+
+
+def _stats(client) -> tuple[dict[str, tuple[int, int]], float]:
+    cs = client.info("commandstats")
+    cpu = client.info("cpu")
+    calls = {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in cs.items()}
+    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def _delta(a, b) -> tuple[dict[str, int], float]:
+    """Commands sent between two snapshots (the snapshots' own INFO left out), and Redis CPU (s)."""
+    calls = {k: v[0] - a[0].get(k, (0, 0))[0] for k, v in b[0].items() if k != "info"}
+    return {k: n for k, n in calls.items() if n}, b[1] - a[1]
+
+
+def _one(width: int, url: str, seqs: dict[int, int], out) -> None:
+    import redis
+
+    from costexporter.agent import Agent, AgentConfig
+    from costexporter.client import send_entries
+    from costexporter.sources.replay import ReplaySource
+    from costexporter.synth import TraceBuilder
+
+    client = redis.Redis.from_url(url, decode_responses=True)
+    sb = TraceBuilder(n_gpus=8, per_host=PER_HOST, job=JOB, seed=1, interval_s=1.0, t0=T0, register=False)
+    sb.stretch("compute", HISTORY_S + ROUND_S * (ROUNDS + 2) + 10)
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(sb.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(redis_url=url, prefix=PREFIX, agent_id="node0", job_refresh_s=3600),
+    )
+    now[0] = float(HISTORY_S)
+    rss0 = _rss_mb()
+
+    def tick() -> float:
+        for r in agent.source.read():
+            agent.sampler._buf.append(r)
+        t = time.thread_time()
+        agent.tick()
+        return time.thread_time() - t
+
+    first = tick()
+    rng = np.random.default_rng(width + 1)
+    hosts = range(1, width // PER_HOST)
+    rounds, cmds, redis_s, xadd_s = [], [], [], []
+    for k in range(ROUNDS + 1):
+        t = HISTORY_S + k * ROUND_S
+        now[0] = float(t + ROUND_S)
+        s0 = _stats(client)
+        _publish(client, hosts, T0 + t, ROUND_S, rng)
+        s1 = _stats(client)
+        send_entries(client, PREFIX, JOB, _steps(t + 1, t + ROUND_S, seqs))
+        s2 = _stats(client)
+        cpu = tick()
+        s3 = _stats(client)
+        if k == 0:  # the first steady round still books the catch-up's tail
+            continue
+        rounds.append(cpu)
+        c, r = _delta(s2, s3)
+        cmds.append(c)
+        redis_s.append(r)
+        xadd_s.append(_delta(s0, s1)[1] / max(len(hosts), 1))
+    j = agent.jobs[JOB]
+    out.put(
+        {
+            "width": width,
+            "first_s": first,
+            "round_ms": statistics.median(rounds) * 1000,
+            "round_max_ms": max(rounds) * 1000,
+            "rss_mb": _rss_mb(),
+            "rss_start_mb": rss0,
+            "window": j.remote.size,
+            "booked_rounds": agent.stats["rounds"],
+            "cmds": cmds[len(cmds) // 2],
+            "redis_ms": statistics.median(redis_s) * 1000,
+            "xadd_ms": statistics.median(xadd_s) * 1000,
+        }
+    )
+
+
+def measure(widths: list[int]) -> list[dict]:
+    """One fresh process and one private Redis per width."""
+    if not shutil.which("redis-server"):
+        raise SystemExit("redis-server is not on PATH")
+    ctx = multiprocessing.get_context("spawn")
+    res = []
+    for w in widths:
+        proc, url, d = _redis()
+        try:
+            seqs = _prepare(w, url)
+            q = ctx.Queue()
+            p = ctx.Process(target=_one, args=(w, url, seqs, q))
+            p.start()
+            res.append(q.get(timeout=1800))
+            p.join(60)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def report(res: list[dict]) -> None:
+    print(
+        "agent round vs job width, 8 own GPUs (targets at 4,096 GPUs: round <= 50 ms, RSS <= 150 MB, "
+        "Redis <= 0.5 core for 512 agents)"
+    )
+    print(
+        f"  {'GPUs':>6} {'window':>9} {'first s':>8} {'round ms':>9} {'max ms':>7} {'RSS MB':>7} "
+        f"{'cmds/round':>10} {'redis ms':>9} {'cores@W':>8}  commands"
+    )
+    for r in res:
+        agents = r["width"] // PER_HOST
+        cores = (r["redis_ms"] + r["xadd_ms"]) / 1000 * agents / ROUND_S
+        r["cores"] = cores
+        kinds = ",".join(f"{k}:{n}" for k, n in sorted(r["cmds"].items()))
+        print(
+            f"  {r['width']:>6} {r['window']:>9} {r['first_s']:>8.2f} {r['round_ms']:>9.1f} "
+            f"{r['round_max_ms']:>7.1f} {r['rss_mb']:>7.0f} {sum(r['cmds'].values()):>10} "
+            f"{r['redis_ms'] + r['xadd_ms']:>9.2f} {cores:>8.2f}  {kinds}"
+        )
+    wide = [r for r in res if r["width"] >= 4096]
+    if wide:
+        r = wide[-1]
+        print(
+            f"  at {r['width']} GPUs: round <= 50 ms: {'yes' if r['round_ms'] <= 50 else 'NO'}; "
+            f"RSS <= 150 MB: {'yes' if r['rss_mb'] <= 150 else 'NO'}; "
+            f"Redis <= 0.5 core: {'yes' if r['cores'] <= 0.5 else 'NO'}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", default="64,512,4096", help="job widths (GPUs), comma-separated")
+    a = ap.parse_args()
+    report(measure([int(x) for x in a.widths.split(",")]))
+
+
+if __name__ == "__main__":
+    main()

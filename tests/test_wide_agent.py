@@ -1,0 +1,156 @@
+"""Fewer round trips (issue 16.3): discovery only when registrations change, and sample streams
+only for jobs that span more than one host."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from costexporter import ledger, protocol
+from costexporter.agent import Agent, AgentConfig
+from costexporter.client import send_entries
+from costexporter.sources.replay import ReplaySource
+from costexporter.synth import TraceBuilder
+
+from .test_agent import event_entry, post_events
+
+
+def _agent(b: TraceBuilder, prefix: str, **kw) -> tuple[Agent, list[float]]:
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(prefix=prefix, agent_id="wide", **kw),
+    )
+    return agent, now
+
+
+def _tick(agent: Agent, now: list[float], dt: float) -> None:
+    now[0] += dt
+    for r in agent.source.read():
+        agent.sampler._buf.append(r)
+    agent.tick()
+
+
+def _counting(agent: Agent) -> list[int]:
+    calls = []
+    real = agent._discover
+
+    def discover() -> None:
+        calls.append(1)
+        real()
+
+    agent._discover = discover  # type: ignore[method-assign]
+    return calls
+
+
+def test_discovery_runs_when_a_register_arrives_not_every_round(shared, prefix):
+    b = TraceBuilder(n_gpus=2, per_host=2, job="late-reg", seed=3, register=False)
+    b.stretch("compute", 400)
+    agent, now = _agent(b, prefix, job_refresh_s=3600)
+    calls = _counting(agent)
+    _tick(agent, now, 30)
+    assert len(calls) == 1 and not agent.jobs  # the first round looks
+    for _ in range(4):
+        _tick(agent, now, 10)
+    settled = len(calls)
+    assert settled == 1  # nothing registered: no discovery, whatever `job_refresh_s`
+    reg = TraceBuilder(n_gpus=2, per_host=2, job="late-reg", seed=3)
+    post_events(shared, prefix, reg)  # the trainer's batch moves the registrations counter
+    _tick(agent, now, 10)
+    assert len(calls) == settled + 1 and set(agent.jobs["late-reg"].own) == {0, 1}
+    for _ in range(3):
+        _tick(agent, now, 10)
+    # Once more the round after (on a cluster the counter may land before the `:ranks` write).
+    assert len(calls) == settled + 2
+    # Redis lost the counter (a restart, a flush): discovery runs again rather than trusting it.
+    shared.delete(protocol.registrations_key(prefix))
+    _tick(agent, now, 10)
+    assert len(calls) == settled + 3
+
+
+def test_a_register_written_without_the_counter_is_found_by_the_periodic_refresh(shared, prefix):
+    """A writer that does not move the counter (an older client) is found by the slow refresh."""
+    b = TraceBuilder(n_gpus=2, per_host=2, job="old-client", seed=4, register=False)
+    b.stretch("compute", 400)
+    agent, now = _agent(b, prefix, job_refresh_s=3600)
+    calls = _counting(agent)
+    for _ in range(3):
+        _tick(agent, now, 10)
+    assert len(calls) == 1  # settled
+    reg = TraceBuilder(n_gpus=2, per_host=2, job="old-client", seed=4)
+    for e in reg.events:
+        shared.hset(protocol.ranks_key(prefix, e.job), str(e.rank), json.dumps(event_entry(e)))
+    shared.zadd(protocol.jobs_key(prefix), {"old-client": reg.events[0].ts})
+    for _ in range(3):
+        _tick(agent, now, 10)
+    assert len(calls) == 1 and not agent.jobs
+    agent.cfg.job_refresh_s = 0.0  # the safety net's period has passed
+    _tick(agent, now, 10)
+    assert set(agent.jobs["old-client"].own) == {0, 1}
+
+
+def test_a_job_on_one_host_publishes_no_samples_until_a_rank_registers_elsewhere(shared, prefix):
+    b = TraceBuilder(n_gpus=2, per_host=2, job="one-host", seed=5)
+    b.run("start")
+    b.stretch("compute", 300, step_s=5)
+    post_events(shared, prefix, b)
+    agent, now = _agent(b, prefix, job_refresh_s=3600)
+    for _ in range(4):
+        _tick(agent, now, 60)
+    host = agent.host
+    stream = ledger.key(prefix, b.job, "samples", host)
+    assert agent.stats["rounds"] > 0 and not shared.exists(stream)
+    assert ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))["productive"] > 0
+    # A rank of the job registers on another host: its agent needs this host's samples, the
+    # whole context this agent still holds, not only those from now on.
+    other = {
+        **event_entry(b.events[0]),
+        "rank": "2",
+        "host": "elsewhere",
+        "gpu": "0",
+        "seq": "9",
+        "world_size": "3",
+    }
+    other.pop("gpu_uuid", None)
+    send_entries(shared, prefix, b.job, [other])
+    _tick(agent, now, 10)
+    entries = shared.xrange(stream)
+    assert len(entries) == 1
+    ts = json.loads(entries[0][1]["t"])
+    assert min(ts) <= (b.t0 + 60) * 1000 and max(ts) >= (b.t0 + 250) * 1000
+
+
+def test_a_counter_the_acl_refuses_does_not_fail_the_trainer(tmp_path):
+    """A trainer's ACL written before the counter existed: its events and registration still land."""
+    from .redis_server import RedisServer
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        admin = redis.Redis(port=srv.port, decode_responses=True)
+        admin.execute_command("ACL", "SETUSER", "trainer", "on", ">pw", "~p:{j}:*", "~p:jobs", "+@all")
+        trainer = redis.Redis(port=srv.port, username="trainer", password="pw", decode_responses=True)
+        reg = TraceBuilder(n_gpus=1, per_host=1, job="j", seed=6)
+        out = send_entries(trainer, "p", "j", [event_entry(e) for e in reg.events])
+        assert not out.failed and not out.side_failed and out.counter_failed is not None
+        assert (
+            admin.hlen(protocol.ranks_key("p", "j")) == 1 and admin.xlen(protocol.stream_key("p", "j")) == 1
+        )
+    finally:
+        srv.kill()
+
+
+def test_gpus_the_source_finds_late_run_discovery_again(shared, prefix):
+    """A source that lists its GPUs only after a while: the jobs on them are found then."""
+    b = TraceBuilder(n_gpus=2, per_host=2, job="late-gpus", seed=7)
+    b.stretch("compute", 300)
+    post_events(shared, prefix, b)
+    agent, now = _agent(b, prefix, job_refresh_s=3600)
+    real = agent.source.gpus
+    agent.source.gpus = lambda: []  # type: ignore[method-assign]
+    _tick(agent, now, 30)
+    _tick(agent, now, 10)
+    assert not agent.jobs
+    agent.source.gpus = real  # type: ignore[method-assign]
+    _tick(agent, now, 10)
+    assert set(agent.jobs["late-gpus"].own) == {0, 1}
