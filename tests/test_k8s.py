@@ -265,6 +265,7 @@ def _serve(url: str, prefix: str, port: int) -> subprocess.Popen:
     args = ["serve", "--source", "dcgm", "--dcgm-url", url, "--host", HOST, "--agent-id", HOST]
     args += ["--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1"]
     args += ["--book-interval", "0.3", "--sample-interval", "0.2", "--k8s-job-label", KUBEFLOW]
+    args += ["--no-trim"]  # the tests read the jobs' whole streams (what was posted, heartbeats too)
     return subprocess.Popen(
         [sys.executable, "-m", "costexporter.cli", *args],
         stdout=subprocess.PIPE,
