@@ -45,6 +45,7 @@ from .booking import (
     make_slices,
 )
 from .cost import Prices, price_override_note
+from .figures import at_risk_ms
 from .fold import FoldFormatError, TimelineFold, dump_fold, load_fold, walk_relevant
 from .idle import IdleLearner
 from .live import JobState, book_window
@@ -1169,7 +1170,7 @@ class Agent:
             upto = min(upto, tl.end_ms)
         start = np.maximum(np.maximum(member_start, st.booked_until), last_progress_ms)
         pending = livestate.unbooked_cost(self.cfg.prices, price, start, upto, R, T, P, own_ranks)
-        at_risk = live.at_risk_ms(tl, upto, member_start) if tl.end_ms is None else job.at_risk_ms
+        at_risk = at_risk_ms(tl, upto, member_start) if tl.end_ms is None else job.at_risk_ms
         with self.lock:
             job.live = {"since_cost": booked + pending, "at_risk_ms": at_risk}
 

@@ -33,7 +33,7 @@ from .booking import (
     make_slices,
 )
 from .cost import Prices
-from .figures import at_risk_ms, extend_incidents, job_figures, zero_util_ranks  # noqa: F401  (shared with replay)
+from .figures import at_risk_ms, extend_incidents, job_figures
 from .ledger import amounts
 from .model import VALID_CATEGORIES, Category, Event
 from .profiles import Profile
