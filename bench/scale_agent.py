@@ -260,27 +260,38 @@ def _job_bytes(client, prefix: str, job: str) -> dict[str, int]:
     return out
 
 
-def measure(steps: list[int]) -> list[dict]:
-    """One fresh process and one private Redis per history size."""
+def in_fresh_processes(cases, prepare, target, args, replies: int = 1) -> list[dict]:
+    """For each case: a private redis-server seeded by `prepare(case, url)`, then `target` in a
+    fresh spawned process (`args(case, url, prepared, queue)`), its `replies` queue items merged
+    into one figure dict (the first one's keys win)."""
     if not shutil.which("redis-server"):
         raise SystemExit("redis-server is not on PATH")
     ctx = multiprocessing.get_context("spawn")
     res = []
-    for n in steps:
+    for case in cases:
         proc, url, d = _redis()
         try:
-            seqs = _post_history(n, url)
+            prepared = prepare(case, url)
             q = ctx.Queue()
-            p = ctx.Process(target=_one, args=(n, url, seqs, q))
+            p = ctx.Process(target=target, args=args(case, url, prepared, q))
             p.start()
-            restart = q.get(timeout=1800)
-            res.append({**q.get(timeout=1800), **restart})
+            merged: dict = {}
+            for got in reversed([q.get(timeout=1800) for _ in range(replies)]):
+                merged.update(got)
+            res.append(merged)
             p.join(60)
         finally:
             proc.terminate()
             proc.wait(10)
             shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+def measure(steps: list[int]) -> list[dict]:
+    """One fresh process and one private Redis per history size (the restart figures first)."""
+    return in_fresh_processes(
+        steps, _post_history, _one, lambda n, url, seqs, q: (n, url, seqs, q), replies=2
+    )
 
 
 def report(res: list[dict]) -> None:
@@ -423,22 +434,12 @@ def _post_jobs(jobs: int, steps: int, url: str) -> dict[int, int]:
 
 def measure_watcher(shapes: list[tuple[int, int]]) -> list[dict]:
     """Watcher poll time per (jobs, steps per job), each in a fresh process and Redis."""
-    ctx = multiprocessing.get_context("spawn")
-    res = []
-    for jobs, steps in shapes:
-        proc, url, d = _redis()
-        try:
-            seqs = _post_jobs(jobs, steps, url)
-            q = ctx.Queue()
-            p = ctx.Process(target=_watch_one, args=(jobs, steps, url, q, seqs))
-            p.start()
-            res.append(q.get(timeout=1800))
-            p.join(60)
-        finally:
-            proc.terminate()
-            proc.wait(10)
-            shutil.rmtree(d, ignore_errors=True)
-    return res
+    return in_fresh_processes(
+        shapes,
+        lambda shape, url: _post_jobs(*shape, url),
+        _watch_one,
+        lambda shape, url, seqs, q: (*shape, url, q, seqs),
+    )
 
 
 WATCHER_TARGET_MS = {(1000, 1000): 200, (1, 100_000): 20}  # issue 16, per (jobs, steps per job)

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import shutil
 import statistics
 import sys
 import time
@@ -35,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale_agent import T0, _redis, _rss_mb  # noqa: E402
+from scale_agent import T0, _rss_mb, in_fresh_processes  # noqa: E402
 
 JOB, PREFIX = "wide", "bench"
 PER_HOST = 8
@@ -197,24 +195,7 @@ def _one(width: int, url: str, seqs: dict[int, int], out) -> None:
 
 def measure(widths: list[int]) -> list[dict]:
     """One fresh process and one private Redis per width."""
-    if not shutil.which("redis-server"):
-        raise SystemExit("redis-server is not on PATH")
-    ctx = multiprocessing.get_context("spawn")
-    res = []
-    for w in widths:
-        proc, url, d = _redis()
-        try:
-            seqs = _prepare(w, url)
-            q = ctx.Queue()
-            p = ctx.Process(target=_one, args=(w, url, seqs, q))
-            p.start()
-            res.append(q.get(timeout=1800))
-            p.join(60)
-        finally:
-            proc.terminate()
-            proc.wait(10)
-            shutil.rmtree(d, ignore_errors=True)
-    return res
+    return in_fresh_processes(widths, _prepare, _one, lambda w, url, seqs, q: (w, url, seqs, q))
 
 
 def report(res: list[dict]) -> None:
