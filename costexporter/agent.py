@@ -588,6 +588,7 @@ class Agent:
             pipe.hgetall(protocol.ranks_key(self.cfg.prefix, name))
         for name, ranks in zip(names, pipe.execute() if names else [], strict=True):
             job = self.jobs.get(name)
+            regs = []
             for rank_s, raw in ranks.items():
                 try:
                     reg = protocol.parse_registration(rank_s, raw)
@@ -597,8 +598,12 @@ class Agent:
                 g = by_uuid.get(reg.gpu_uuid) if reg.gpu_uuid else None
                 if g is None and reg.gpu is not None:
                     g = by_index.get((reg.host, reg.gpu))
-                if g is None and not job:
-                    continue
+                regs.append((reg, g))
+            if job is None and all(g is None for _reg, g in regs):
+                continue  # no GPU of this node: not this agent's job
+            # Every rank of the job, the other hosts' too (whatever order the hash gives them):
+            # their samples are read, and this agent's shared, only for ranks it knows of.
+            for reg, g in regs:
                 if job is None:
                     job = self.jobs[name] = _Job(name, EventReader(self.redis, name, prefix=self.cfg.prefix))
                     # its stored GPU starts and watermark before any claim or handover uses them (a

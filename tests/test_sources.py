@@ -217,7 +217,10 @@ def test_through_the_booker_slices_sum_to_the_counter_delta(monkeypatch):
 
 
 def test_a_counter_that_fails_or_restarts_hands_samples_out_unknown_never_invented(monkeypatch):
-    fake = FakeNvml([FakeGpu(uuid(0)), FakeGpu(uuid(1))]).install(monkeypatch)
+    # Counters as a GPU up for a while has them (mJ since the driver loaded): a reload's 0 is
+    # then below the last read however long the sampler takes (from 0, a slow machine's reads
+    # after the reset could pass the read before it, and no restart would show).
+    fake = FakeNvml([FakeGpu(uuid(0), energy_mj=5e9), FakeGpu(uuid(1), energy_mj=5e9)]).install(monkeypatch)
     src = NvmlSource(host="n")
     sampler = Sampler(src, 0.02).start()
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import redis
 
 from costexporter import ledger, protocol
 from costexporter.agent import Agent, AgentConfig
 from costexporter.client import send_entries
+from costexporter.model import Samples
 from costexporter.sources.replay import ReplaySource
 from costexporter.synth import TraceBuilder
 
@@ -154,3 +156,46 @@ def test_gpus_the_source_finds_late_run_discovery_again(shared, prefix):
     agent.source.gpus = real  # type: ignore[method-assign]
     _tick(agent, now, 10)
     assert set(agent.jobs["late-gpus"].own) == {0, 1}
+
+
+def _host_samples(b: TraceBuilder, host: str) -> Samples:
+    """The samples one host's agent reads: that host's GPUs, numbered from 0 as its source does."""
+    s = b.samples()
+    mine = [i for i, g in enumerate(s.gpus) if g.host == host]
+    keep = np.isin(s.gpu, mine)
+    renum = np.full(len(s.gpus), -1, np.int32)
+    renum[mine] = np.arange(len(mine), dtype=np.int32)
+    return Samples(
+        [s.gpus[i] for i in mine],
+        renum[s.gpu[keep]],
+        s.ts_ms[keep],
+        s.power_w[keep],
+        s.util_pct[keep],
+        s.energy_mj[keep],
+    )
+
+
+def test_one_discovery_knows_every_rank_of_a_job_whatever_order_the_ranks_hash_gives(shared, prefix):
+    """The ranks hash lists the other host's ranks first: the one discovery (no counter moves
+    after it) must still know them, or this agent never shares its samples and never reads the
+    peers', and trims the stream under the other agent (its ranks look covered)."""
+    b = TraceBuilder(n_gpus=4, per_host=2, job="order", seed=8)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    post_events(shared, prefix, b)
+    # Redis gives a hash's fields in its own order: the agent runs on the host whose ranks do
+    # not come first, so discovery meets the other host's rank before any of its own.
+    first = int(shared.hkeys(protocol.ranks_key(prefix, b.job))[0])
+    host = "node1" if b.host_of(first)[0] == "node0" else "node0"
+    now = [0.0]
+    agent = Agent(
+        ReplaySource(_host_samples(b, host), speed=1.0, clock=lambda: now[0]),
+        AgentConfig(prefix=prefix, agent_id=host, job_refresh_s=3600, peer_timeout_s=3600),
+    )
+    calls = _counting(agent)
+    for _ in range(3):
+        _tick(agent, now, 20)
+    job = agent.jobs["order"]
+    assert len(calls) == 1  # no second look: the first one had to see it all
+    assert set(job.ranks) == {0, 1, 2, 3} and set(job.own) == ({0, 1} if host == "node0" else {2, 3})
+    assert shared.exists(ledger.key(prefix, b.job, "samples", host))  # shared with the other agent
