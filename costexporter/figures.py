@@ -42,28 +42,68 @@ def extend_incidents(
         sel = pieces.category == c
         if not sel.any():
             continue
-        name = CATEGORIES[c]
-        s, e = int(pieces.start_ms[sel].min()), int(pieces.end_ms[sel].max())
-        ranks = sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()})
-        zero = zero_util_ranks(pieces, sel, signatures or [], tol_ms)
-        ms = int((pieces.end_ms[sel] - pieces.start_ms[sel]).sum())
-        cur = out.get(name)
-        if cur is not None and s <= cur["end"] + tol_ms:
-            cur["end"] = max(cur["end"], e)
-            cur["gpu_ms"] += ms
-            cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
-            cur["zero_util_ranks"] = sorted(set(cur.get("zero_util_ranks", [])) | set(zero))
-        else:
-            out[name] = {
-                "category": name,
-                "start": s,
-                "end": e,
-                "gpu_ms": ms,
-                "ranks": ranks,
-                "zero_util_ranks": zero,
-                "host": host,
-            }
+        _extend(
+            out,
+            CATEGORIES[c],
+            int(pieces.start_ms[sel].min()),
+            int(pieces.end_ms[sel].max()),
+            int((pieces.end_ms[sel] - pieces.start_ms[sel]).sum()),
+            sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()}),
+            zero_util_ranks(pieces, sel, signatures or [], tol_ms),
+            host,
+            tol_ms,
+        )
     return out
+
+
+def extend_rolled_back(
+    open_: dict[str, dict],
+    spans: list[tuple[int, int]],
+    gpu_ms: int,
+    ranks: list[int],
+    host: str,
+    tol_ms: int,
+) -> dict[str, dict]:
+    """The `rolled_back` incident of a resume whose voided steps were booked valid already (the
+    live ledger moves their amounts by correction, not as pieces): the span of those steps
+    that held valid time, and the GPU time moved. Replay books the same time as rolled_back
+    pieces, so both books show the stretch."""
+    out = {k: dict(v) for k, v in open_.items()}
+    if spans and gpu_ms > 0:
+        start, end = min(a for a, _ in spans), max(b for _, b in spans)
+        _extend(out, "rolled_back", start, end, gpu_ms, ranks, [], host, tol_ms)
+    return out
+
+
+def _extend(
+    out: dict[str, dict],
+    name: str,
+    s: int,
+    e: int,
+    ms: int,
+    ranks: list[int],
+    zero: list[int],
+    host: str,
+    tol_ms: int,
+) -> None:
+    """One category's new stretch: it extends the open incident when it starts within `tol_ms`
+    of its end, else it opens the next one."""
+    cur = out.get(name)
+    if cur is not None and s <= cur["end"] + tol_ms:
+        cur["end"] = max(cur["end"], e)
+        cur["gpu_ms"] += ms
+        cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
+        cur["zero_util_ranks"] = sorted(set(cur.get("zero_util_ranks", [])) | set(zero))
+    else:
+        out[name] = {
+            "category": name,
+            "start": s,
+            "end": e,
+            "gpu_ms": ms,
+            "ranks": ranks,
+            "zero_util_ranks": zero,
+            "host": host,
+        }
 
 
 def job_figures(tl: Timeline) -> dict:

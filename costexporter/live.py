@@ -23,7 +23,6 @@ from .booking import (
     BookingConfig,
     Pieces,
     Slices,
-    StepRecord,
     Timeline,
     _cut_per_gpu,
     book,
@@ -33,7 +32,7 @@ from .booking import (
     make_slices,
 )
 from .cost import Prices
-from .figures import at_risk_ms, extend_incidents, job_figures
+from .figures import at_risk_ms, extend_incidents, extend_rolled_back, job_figures
 from .ledger import amounts
 from .model import VALID_CATEGORIES, Category, Event
 from .profiles import Profile
@@ -282,20 +281,10 @@ def valid_amounts(
 
 
 def voided_part(
-    i: int,
-    steps: list[StepRecord] | None,
-    index: dict,
-    cum_now: np.ndarray,
-    booked_until: int,
-    job_start: int,
-    prev_ts: int | None = None,
+    i: int, index: dict, cum_now: np.ndarray, booked_until: int, prev_ts: int
 ) -> np.ndarray:
-    """Valid amounts already booked inside step record i's interval (`prev_ts`: the previous
-    record's time, when `steps` does not hold it)."""
-    if steps is not None:
-        prev_ts = steps[i - 1].ts_ms if i > 0 else job_start
-    elif prev_ts is None:
-        prev_ts = job_start
+    """Valid amounts already booked inside step record i's interval, which began at `prev_ts`
+    (the previous record's time, or the job's start)."""
     if prev_ts >= booked_until:
         return zeros()  # nothing of it was booked yet: it books VOID later
     prev = np.asarray(index[i - 1], np.int64).reshape(N_CAT, 3) if i > 0 and i - 1 in index else 0
@@ -356,16 +345,25 @@ def ledger_delta(
     index = {**state.rb_index, **index_new}
     moved = zeros()
     applied = set(state.rb_applied)
+    spans: list[tuple[int, int]] = []  # the newly voided steps that held booked valid time
     if tl.summary is not None:  # folded: every voided record, with its predecessor's time
-        for i, _rec, prev_ts in tl.summary.voided:
-            if i not in applied:
-                applied.add(i)
-                moved += voided_part(i, None, index, new_cum, state.booked_until, job_start_ms, prev_ts)
+        voided = [
+            (i, rec, job_start_ms if prev is None else prev)
+            for i, rec, prev in tl.summary.voided
+            if i not in applied
+        ]
     else:
-        for i, rec in enumerate(tl.steps):
-            if rec.voided and i not in applied:
-                applied.add(i)
-                moved += voided_part(i, tl.steps, index, new_cum, state.booked_until, job_start_ms)
+        voided = [
+            (i, rec, tl.steps[i - 1].ts_ms if i > 0 else job_start_ms)
+            for i, rec in enumerate(tl.steps)
+            if rec.voided and i not in applied
+        ]
+    for i, rec, prev_ts in voided:
+        applied.add(i)
+        part = voided_part(i, index, new_cum, state.booked_until, prev_ts)
+        moved += part
+        if part[VALID, 0].sum() > 0:
+            spans.append((max(int(prev_ts), job_start_ms), min(rec.ts_ms, state.booked_until)))
     rolled = zeros()
     rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
 
@@ -373,6 +371,11 @@ def ledger_delta(
         p, last_progress_ms, prices, price
     )
     incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
+    if spans:
+        end = max(b for _, b in spans)
+        ranks = [int(r) for r, t in zip(own_ranks.tolist(), member_start_ms.tolist(), strict=True) if t < end]
+        gpu_ms = int(moved[VALID, 0].sum())
+        incidents = extend_rolled_back(incidents, spans, gpu_ms, ranks, host, incident_tol_ms)
     booked_until = max(state.booked_until, res.horizon_ms)
     caught_up = {r: max(v, res.horizon_ms) for r, v in state.behind.items()}
     nxt = JobState(
