@@ -1110,6 +1110,17 @@ class Agent:
             host=self.host,
             incident_tol_ms=2 * int(cfg.booking.grid_s * 1000) + int(cfg.sample_interval_s * 2000),
         )
+        if delta.unreachable_voids:
+            self.stats["unreachable_voids"] += delta.unreachable_voids
+            self._log_once(
+                ("unreachable", job.name),
+                logging.WARNING,
+                "job %r: a resume voided steps older than the oldest of the last %d checkpoints: the "
+                "rollback index no longer holds them, so their valid time stays booked valid "
+                "(raise --rollback-checkpoints to reach further back)",
+                job.name,
+                cfg.booking.rollback_checkpoints,
+            )
         figures = {
             **delta.figures,
             "preflight": job.preflight,

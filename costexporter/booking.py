@@ -96,6 +96,9 @@ class BookingConfig:
     allowance_k: float = 3.0  # learned allowance: k x median of the job's own durations
     gap_intervals: float = 3.0  # a sample gap longer than this many intervals is unobserved
     grid_s: float = 1.0
+    # A resume reaches back at most this many declared checkpoints (a trainer keeps its last few):
+    # the live agent's rollback index keeps entries back to the oldest of them only.
+    rollback_checkpoints: int = 5
 
     def default_allowance_ms(self, phase: str) -> int:
         s = {
@@ -171,6 +174,9 @@ class Timeline:
     # `step_base`, and `summary` (a `fold.StepSummary`) counts the rest.
     step_base: int = 0
     summary: object | None = None
+    # The oldest step record a resume can still reach back to (the record of the oldest of the
+    # last `rollback_checkpoints` checkpoints on the valid steps); None: any of them.
+    rollback_floor: int | None = None
 
 
 def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:

@@ -209,6 +209,13 @@ BOOKING_FLAGS = [
         1,
         "A sample gap longer than this many intervals books 'unobserved'.",
     ),
+    (
+        "--rollback-checkpoints",
+        "rollback_checkpoints",
+        1,
+        "A resume reaches back at most this many declared checkpoints (the agent's rollback index "
+        "keeps entries back to the oldest of them).",
+    ),
 ]
 PRICE_FLAGS = [
     ("--price-per-gpu-hour", "price_per_gpu_hour", 0, "Price of a GPU-hour (a job's meta price wins)."),
@@ -230,9 +237,9 @@ def _param(flag: str) -> str:
 def _options(flags: list, defaults: object):
     def decorate(f):
         for flag, field, lo, help_ in reversed(flags):
-            f = click.option(
-                flag, type=click.FloatRange(min=lo), default=getattr(defaults, field), help=help_
-            )(f)
+            default = getattr(defaults, field)
+            kind = click.IntRange(min=lo) if type(default) is int else click.FloatRange(min=lo)
+            f = click.option(flag, type=kind, default=default, help=help_)(f)
         return f
 
     return decorate

@@ -173,6 +173,8 @@ class _Walk:
         self.v_tok, self.v_prev = array("q"), array("q")
         self.voided: list[tuple[int, StepRecord, int | None]] = []
         self.resumes: list[tuple[int, int, int]] = []
+        # The last checkpoints that saved a valid step: (step, its record), oldest first.
+        self.ckpts: deque[tuple[int, int]] = deque(maxlen=max(cfg.rollback_checkpoints, 1))
         self.durations: deque[int] = deque(maxlen=cfg.stall_window)
         self.startup_allow = self.allow.current("startup")
         self.anchor = start_ms
@@ -204,6 +206,7 @@ class _Walk:
         c._shared, c._popped = len(self.v_rec), []
         c.voided = list(self.voided)
         c.resumes = list(self.resumes)
+        c.ckpts = deque(self.ckpts, maxlen=self.ckpts.maxlen)
         c.durations = deque(self.durations, maxlen=self.cfg.stall_window)
         return c
 
@@ -231,7 +234,10 @@ class _Walk:
     # ---- phases -----------------------------------------------------------------------------
     def phase(self, ev: Event) -> None:
         if ev.rank == 0:
+            saved = self.p0.last_ckpt
             self.p0.add(ev)
+            if self.p0.last_ckpt is not None and self.p0.last_ckpt != saved:
+                self._checkpoint(self.p0.last_ckpt[0])
         else:
             p = self.pr.get(ev.rank)
             if p is None:
@@ -304,7 +310,23 @@ class _Walk:
             self.durations.append(eff)
         return stalled
 
+    def _checkpoint(self, step: int) -> None:
+        """A checkpoint saved `step`: a resume can come back to that valid record."""
+        j = bisect.bisect_left(self.v_step, step)
+        if j < len(self.v_step) and self.v_step[j] == step:
+            rec = self.v_rec[j]
+            if not self.ckpts or self.ckpts[-1][1] < rec:
+                self.ckpts.append((step, rec))
+
+    def rollback_floor(self) -> int | None:
+        """The oldest record a resume can reach: that of the oldest checkpoint kept, once
+        `rollback_checkpoints` of them are declared (before that, any record)."""
+        full = len(self.ckpts) == self.ckpts.maxlen
+        return self.ckpts[0][1] if full and self.ckpts else None
+
     def void_above(self, k: int, at_ms: int) -> int:
+        while self.ckpts and self.ckpts[-1][0] > k:  # checkpoints of voided steps are gone
+            self.ckpts.pop()
         n = 0
         while self.v_step and self.v_step[-1] > k:
             n += 1
@@ -523,6 +545,7 @@ class TimelineFold:
             stall_threshold_ms=stall_threshold_ms(w.durations, self.cfg),
             decided_until_ms=decided_until,
             step_base=w.step_base,
+            rollback_floor=w.rollback_floor(),
             summary=StepSummary(
                 n_steps=w.n_steps,
                 n_voided=len(w.voided),
@@ -548,7 +571,7 @@ class TimelineFold:
 
 # ---- persisting a fold (the agent stores it with its watermark; pure: bytes in, bytes out) ----
 
-FOLD_FORMAT = 1  # bump when the layout below changes: an older stored fold is rebuilt, not read
+FOLD_FORMAT = 2  # bump when the layout below changes: an older stored fold is rebuilt, not read
 _MAGIC = b"CEFOLD"
 
 
@@ -648,6 +671,7 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict | None = None) -> bytes:
         "last_step": _rec_out(w.last_step),
         "voided": [[i, _rec_out(r), p] for i, r, p in w.voided],
         "resumes": w.resumes,
+        "ckpts": [list(c) for c in w.ckpts],
         "durations": list(w.durations),
         "n_valid": len(w.v_rec),
         "extra": extra or {},
@@ -705,6 +729,7 @@ def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, 
         w.last_step = _rec_in(head["last_step"])
         w.voided = [(int(i), _rec_in(r), None if p is None else int(p)) for i, r, p in head["voided"]]  # type: ignore[misc]
         w.resumes = [(int(a), int(b), int(c)) for a, b, c in head["resumes"]]
+        w.ckpts.extend((int(st), int(rec)) for st, rec in head["ckpts"])
         w.durations = deque((int(d) for d in head["durations"]), maxlen=cfg.stall_window)
         for j, a in enumerate(w._stack() if k else ()):
             vals = np.cumsum(np.frombuffer(stack, "<i8", count=k, offset=j * 8 * k))

@@ -483,11 +483,12 @@ def queue_delta(
         b = {delta.correction_bucket: delta.moved}
         queue_amounts(pipe, prefix, job, b, version, field_prefix="voided:")
         queue_amounts(pipe, prefix, job, {delta.correction_bucket: delta.rolled}, version)
+    rbidx = key(prefix, job, "ledger", "rbidx", agent)
     if delta.index_new:
-        pipe.hset(
-            key(prefix, job, "ledger", "rbidx", agent),
-            mapping={str(k): json.dumps(v) for k, v in delta.index_new.items()},
-        )
+        pipe.hset(rbidx, mapping={str(k): json.dumps(v) for k, v in delta.index_new.items()})
+    drops = sorted(delta.index_drops)
+    for i in range(0, len(drops), 10_000):  # entries no resume reads again (pruned)
+        pipe.hdel(rbidx, *map(str, drops[i : i + 10_000]))
     queue_incidents(pipe, prefix, job, agent, delta.incidents.values())
     figures = delta.figures if figures is None else figures
     pipe.hset(key(prefix, job, "ledger", "job"), mapping={k: v for k, v in figures.items() if v is not None})

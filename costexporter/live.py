@@ -204,6 +204,7 @@ class JobState:
     # rest are in the `rbidx` hash, read when a resume voids their records)
     rb_index: dict[int, list] = field(default_factory=dict)
     rb_applied: set[int] = field(default_factory=set)  # step records whose void is booked
+    rb_floor: int = 0  # index entries of records below this are pruned (no resume reaches them)
     incidents: dict[str, dict] = field(default_factory=dict)  # category -> the open incident
     starts: dict[int, int] = field(default_factory=dict)  # own rank -> when its GPU's time starts
     # own rank -> how far its GPU is booked, for a rank that joined after the watermark had passed
@@ -219,6 +220,7 @@ class JobState:
             "booked": self.booked.tolist(),
             "voided": self.voided.tolist(),
             "rb_applied": sorted(self.rb_applied),
+            "rb_floor": self.rb_floor,
             "incidents_open": self.incidents,
             "starts": {str(k): v for k, v in self.starts.items()},
             "behind": {str(k): v for k, v in self.behind.items()},
@@ -238,6 +240,7 @@ class JobState:
             voided=arr("voided"),
             rb_index=rb_index,
             rb_applied=set(wm.get("rb_applied", [])),
+            rb_floor=int(wm.get("rb_floor", 0)),
             incidents=wm.get("incidents_open", {}),
             starts={int(k): int(v) for k, v in wm.get("starts", {}).items()},
             behind={int(k): int(v) for k, v in wm.get("behind", {}).items()},
@@ -255,6 +258,8 @@ class LedgerDelta:
     rolled: np.ndarray  # ... and the same amounts as rolled_back
     correction_bucket: int  # where the corrections are booked: the bucket of the horizon
     index_new: dict[int, list]  # rollback index entries of the step records booked this round
+    index_drops: set[int]  # ... and the stored entries no resume reads again (pruned)
+    unreachable_voids: int  # voided records whose entries were pruned: not moved (counted)
     voids: set[int]  # step records voided this round
     incidents: dict[str, dict]
     figures: dict
@@ -280,16 +285,41 @@ def valid_amounts(
     return a
 
 
+def index_entry(cum: np.ndarray) -> list[int]:
+    """A rollback index entry: the cumulative amounts of the valid categories only (the only ones
+    a resume moves), [(ms, mJ, micro-cost)] per valid category."""
+    return cum[VALID].ravel().tolist()
+
+
+def index_amounts(entry: list) -> np.ndarray:
+    """An index entry back as [category, (ms, mJ, micro-cost)]; also the older full layout."""
+    a = np.asarray(entry, np.int64)
+    if a.size == N_CAT * 3:
+        return a.reshape(N_CAT, 3)
+    out = zeros()
+    out[VALID] = a.reshape(len(VALID), 3)
+    return out
+
+
 def voided_part(
-    i: int, index: dict, cum_now: np.ndarray, booked_until: int, prev_ts: int
-) -> np.ndarray:
+    i: int, index: dict, cum_now: np.ndarray, booked_until: int, prev_ts: int, floor: int = 0
+) -> np.ndarray | None:
     """Valid amounts already booked inside step record i's interval, which began at `prev_ts`
-    (the previous record's time, or the job's start)."""
+    (the previous record's time, or the job's start). None: the entry before it was pruned (a
+    resume further back than `BookingConfig.rollback_checkpoints` reaches)."""
     if prev_ts >= booked_until:
         return zeros()  # nothing of it was booked yet: it books VOID later
-    prev = np.asarray(index[i - 1], np.int64).reshape(N_CAT, 3) if i > 0 and i - 1 in index else 0
-    cur = np.asarray(index[i], np.int64).reshape(N_CAT, 3) if i in index else cum_now
+    if i > 0 and i - 1 not in index and i - 1 < floor:
+        return None
+    prev = index_amounts(index[i - 1]) if i > 0 and i - 1 in index else 0
+    cur = index_amounts(index[i]) if i in index else cum_now
     return np.clip(cur - prev, 0, None)
+
+
+def index_drops(applied: set[int], new: set[int]) -> set[int]:
+    """Entries no resume reads again, once the records in `new` are voided: entry j is read to
+    void record j (`cur`) or record j + 1 (`prev`), so it goes when both are voided."""
+    return {j for i in new for j in (i - 1, i) if j >= 0 and j in applied and j + 1 in applied}
 
 
 def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int:
@@ -336,9 +366,7 @@ def ledger_delta(
         if state.booked_until < rec.ts_ms <= res.horizon_ms and i not in state.rb_index:
             upto = np.clip(np.minimum(vp_end, rec.ts_ms) - vp_start, 0, None)
             frac = np.divide(upto, vp_end - vp_start, out=np.zeros(upto.size), where=vp_end > vp_start)
-            index_new[i] = (
-                (state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac, price)).ravel().tolist()
-            )
+            index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac, price))
     new_cum = state.cum + valid_amounts(prices, vp_cat, vp_end - vp_start, vp_mj, price)
 
     # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
@@ -358,12 +386,24 @@ def ledger_delta(
             for i, rec in enumerate(tl.steps)
             if rec.voided and i not in applied
         ]
+    unreachable = 0  # voided records whose index entries were pruned: their move is left out
     for i, rec, prev_ts in voided:
         applied.add(i)
-        part = voided_part(i, index, new_cum, state.booked_until, prev_ts)
+        part = voided_part(i, index, new_cum, state.booked_until, prev_ts, state.rb_floor)
+        if part is None:
+            unreachable += 1
+            continue
         moved += part
         if part[VALID, 0].sum() > 0:
             spans.append((max(int(prev_ts), job_start_ms), min(rec.ts_ms, state.booked_until)))
+    # Entries no resume can read again: both records around them voided, or below the oldest
+    # checkpoint a resume can reach.
+    drops = index_drops(applied, applied - state.rb_applied)
+    floor = state.rb_floor
+    if tl.rollback_floor is not None and tl.rollback_floor > floor:
+        drops |= set(range(floor, tl.rollback_floor))
+        floor = tl.rollback_floor
+    index = {k: v for k, v in index.items() if k not in drops and k >= floor}
     rolled = zeros()
     rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
 
@@ -385,6 +425,7 @@ def ledger_delta(
         voided=state.voided + moved,
         rb_index=index,
         rb_applied=applied,
+        rb_floor=floor,
         incidents=incidents,
         starts=dict(state.starts),
         behind={r: v for r, v in caught_up.items() if v < booked_until},
@@ -396,7 +437,9 @@ def ledger_delta(
         moved=moved,
         rolled=rolled,
         correction_bucket=res.horizon_ms // 1000 // bucket_s * bucket_s,
-        index_new=index_new,
+        index_new={k: v for k, v in index_new.items() if k not in drops and k >= floor},
+        index_drops=drops,
+        unreachable_voids=unreachable,
         voids=applied - state.rb_applied,
         incidents=incidents,
         figures=job_figures(tl),

@@ -9,6 +9,8 @@ little out of order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -285,3 +287,52 @@ def test_watcher_folded_poll_by_poll_judges_as_a_fresh_view(stream, ahead_ms):
         now = max(e.ts for e in arrival[:cut]) + ahead_ms / 1000
         assert decide(view, now, cfg).to_dict() == decide(fresh, now, cfg).to_dict()
     assert len(view.walk) == sum(walk_relevant(e) for e in arrival[:prev])  # no heartbeats kept
+
+
+def test_the_rollback_floor_is_the_oldest_reachable_checkpoints_record():
+    """With `rollback_checkpoints` = 2: no floor until two checkpoints saved valid steps; then the
+    record of the older one; a resume drops the checkpoints of the steps it voids (the floor
+    stays where it was reached: its entries are gone), and a checkpoint of a step no longer
+    valid never counts. Stored and loaded, the fold keeps them."""
+    cfg = dataclasses.replace(CFG, rollback_checkpoints=2)
+    fold = TimelineFold(cfg, 1_000_000)
+    events, t, seq = [ev("run", 1000.0, state="start")], 1000.0, 1
+
+    def steps(first: int, last: int) -> None:
+        nonlocal t, seq
+        for n in range(first, last + 1):
+            t += 1
+            seq += 1
+            events.append(ev("step", t, seq=seq, step=n))
+
+    def checkpoint(step: int) -> None:
+        nonlocal t, seq
+        events.append(ev("phase", t + 0.2, seq=seq + 1, name="checkpoint", state="begin"))
+        events.append(ev("phase", t + 0.5, seq=seq + 2, name="checkpoint", state="end", step=step))
+        t, seq = t + 0.5, seq + 2
+
+    def floor() -> int | None:
+        fold.add(events)
+        events.clear()
+        fold.advance(int(t * 1000) + 1, 0)
+        return fold.timeline(int(t * 1000) + 2).rollback_floor
+
+    steps(1, 10)
+    checkpoint(10)
+    assert floor() is None  # one checkpoint: a resume may still go back to the start
+    steps(11, 20)
+    checkpoint(20)
+    assert floor() == 9  # record of step 10
+    steps(21, 30)
+    checkpoint(99)  # saves no valid step: not a checkpoint a resume can come back to
+    checkpoint(30)
+    assert floor() == 19
+    events.append(ev("run", t + 1, seq=seq + 5, state="resume", step=20))
+    seq += 5
+    t += 1
+    assert floor() is None  # the checkpoint of step 30 is voided: only 20 is left
+    steps(21, 25)
+    checkpoint(25)
+    blob = dump_fold(fold, "j")
+    fold, _ = load_fold(blob, cfg, "j")
+    assert floor() == 19  # step 20's record again (the resumed run's step 25 is record 34)

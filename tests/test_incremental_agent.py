@@ -112,9 +112,7 @@ def run_agent(
 
         return cls(
             ReplaySource(b.samples(), speed=1.0, clock=clock),
-            AgentConfig(
-                prefix=prefix, agent_id="a", job_refresh_s=0, fold_lag_s=20.0, context_s=120.0, **kw
-            ),
+            AgentConfig(prefix=prefix, agent_id="a", job_refresh_s=0, fold_lag_s=20.0, context_s=120.0, **kw),
         )
 
     agent = start()
@@ -398,3 +396,78 @@ def test_a_watcher_refolds_a_late_event_from_the_stream_and_judges_as_a_fresh_on
     assert w.stats["timeline_rebuilds"] == 1
     assert w.views[b.job].walk == []  # nothing kept: the stream is read again when needed
     assert {"running", "hung"} <= states
+
+
+def checkpointed(resume_to: int) -> TraceBuilder:
+    """Eight checkpoints (steps 10, 20, ..., 80), then a resume to step `resume_to`."""
+    b = TraceBuilder(n_gpus=2, per_host=2, job="ckpts", seed=12)
+    b.run("start")
+    for _ in range(8):
+        b.stretch("compute", 40, step_s=4, tokens=100)
+        b.phase("checkpoint", "begin")
+        b.stretch("checkpoint", 8)
+        b.phase("checkpoint", "end", step=b.step)
+    b.stretch("compute", 40, step_s=4, tokens=100)  # steps 81..90
+    b.run("resume", step=resume_to)
+    b.step = resume_to
+    b.stretch("compute", 60, step_s=4, tokens=100)
+    b.run("end")
+    b.stretch("idle", 10)
+    return b
+
+
+def _rbidx(client, prefix: str, job: str) -> dict[int, list]:
+    raw = client.hgetall(ledger.key(prefix, job, "ledger", "rbidx", "a"))
+    return {int(k): json.loads(v) for k, v in raw.items()}
+
+
+def test_the_rollback_index_keeps_only_what_a_resume_can_reach_and_books_as_the_full_one(prefix):
+    """With 3 checkpoints reachable, the index holds the records from the oldest of them on (not
+    the job's whole history) and in the valid categories only; a resume to that checkpoint moves
+    exactly what an agent keeping every entry moves."""
+    from costexporter.booking import BookingConfig
+
+    b = checkpointed(resume_to=60)
+    never = b.events[0]  # nothing arrives late
+    pruned = run_agent(Agent, prefix, b, never, late_s=1e9, booking=BookingConfig(rollback_checkpoints=3))
+    run_agent(Agent, prefix + "-all", b, never, late_s=1e9, booking=BookingConfig(rollback_checkpoints=1000))
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        got = ledger.read_amounts(client, prefix, b.job)
+        assert got == ledger.read_amounts(client, prefix + "-all", b.job)
+        assert got.get("rolled_back:ms", 0) > 0 and pruned.stats["unreachable_voids"] == 0
+        small, full = _rbidx(client, prefix, b.job), _rbidx(client, prefix + "-all", b.job)
+        # The reachable checkpoints when step 90 was booked: 60, 70, 80 (records 59, 69, 79).
+        assert min(small) == 59 and min(full) == 0 and len(small) < len(full) / 2
+        assert {len(v) for v in small.values()} == {9}  # 3 valid categories x (ms, mJ, cost)
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-all:*"))
+        if keys:
+            client.delete(*keys)
+
+
+def test_a_resume_further_back_than_the_index_reaches_is_counted_and_moves_nothing_twice(prefix, caplog):
+    """A resume to step 30 when only the last 3 checkpoints (60, 70, 80) are kept: the voided
+    records below the index's floor are not moved (their time stays valid: never more than the
+    full index moves), the agent counts them and says so once."""
+    from costexporter.booking import BookingConfig
+
+    b = checkpointed(resume_to=30)
+    never = b.events[0]
+    with caplog.at_level("WARNING", logger="costexporter.agent"):
+        pruned = run_agent(Agent, prefix, b, never, late_s=1e9, booking=BookingConfig(rollback_checkpoints=3))
+    run_agent(Agent, prefix + "-all", b, never, late_s=1e9, booking=BookingConfig(rollback_checkpoints=1000))
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        got = ledger.read_amounts(client, prefix, b.job)
+        full = ledger.read_amounts(client, prefix + "-all", b.job)
+        assert pruned.stats["unreachable_voids"] > 0
+        assert 0 < got.get("rolled_back:ms", 0) < full["rolled_back:ms"]
+        assert sum(ledger.net_ms(got).values()) == sum(ledger.net_ms(full).values())  # each GPU-second once
+        assert (
+            sum("older than the oldest of the last 3 checkpoints" in r.message for r in caplog.records) == 1
+        )
+    finally:
+        keys = list(client.scan_iter(f"{prefix}-all:*"))
+        if keys:
+            client.delete(*keys)
