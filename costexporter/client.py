@@ -505,7 +505,11 @@ class StepReporter:
     def _send_queue(self) -> None:
         while self._queue and not self._stopping:
             n = min(len(self._queue), self.batch_size)
-            self._inflight = [self._queue.popleft() for _ in range(n)]
+            # In flight before it leaves the queue: flush() (another thread) must never see both
+            # empty while a batch is on its way.
+            self._inflight = list(itertools.islice(self._queue, n))
+            for _ in range(n):
+                self._queue.popleft()
             entries, events = self._encode(self._inflight)
             try:
                 ok, retry = self._deliver(entries)
@@ -671,7 +675,9 @@ class StepReporter:
     def _spill(self) -> None:
         """Redis is down and memory is filling: move the oldest half to the spool file."""
         n = len(self._queue) // 2
-        self._spool_events([self._queue.popleft() for _ in range(n)])
+        self._spool_events(list(itertools.islice(self._queue, n)))  # on disk before it leaves the queue
+        for _ in range(n):
+            self._queue.popleft()
 
     def _spool_events(self, batch: list[_Event], into: spool.SpoolFile | None = None) -> None:
         """Encode and append to this reporter's spool (or `into`); counted spooled, or lost."""
