@@ -5,6 +5,7 @@ fresh virtual environment. Issue 17: the demo tells the truth; the CLI's first h
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -197,6 +198,33 @@ class StoryRun:
     def unix(self, story_s: float) -> float:
         return self.start + (story_s - self.t0) / self.speed
 
+    def series(self, expr: str, lo: float, hi: float) -> list:
+        """`expr` over story seconds [lo, hi]: [labels, [(story s, value)...]] per series."""
+        q = {"query": expr, "start": self.unix(lo), "end": self.unix(hi), "step": self.interval_s}
+        out = _get(f"{self.base}/api/v1/query_range?" + urllib.parse.urlencode(q))
+        return [
+            [s["metric"], [(round(self.story(float(t))), v) for t, v in s["values"]]]
+            for s in out["data"]["result"]
+        ]
+
+    def gaps(self, episodes: list[tuple[float, float]]) -> dict:
+        """What Prometheus had around each gap between episodes (a failure's diagnosis): the
+        scrape's health and the budget alert's inputs."""
+        out = {}
+        for (_, end), (start, _) in itertools.pairwise(episodes):
+            lo, hi = end - 60, start + 60
+            out[f"{end:.0f}-{start:.0f}"] = {
+                e: self.series(e, lo, hi)
+                for e in (
+                    "up",
+                    "scrape_duration_seconds",
+                    "count(costexporter_job_budget)",
+                    "sum(costexporter_cost_total)",
+                    "sum(costexporter_voided_cost_total)",
+                )
+            }
+        return out
+
     def episodes(self, alert: str) -> dict[str, list[tuple[float, float]]]:
         """Each firing series of `alert` (its labels, as text) -> its firing episodes, as
         (first, last) story seconds: runs of the ALERTS series without a gap."""
@@ -332,7 +360,7 @@ def test_every_alert_of_the_story_fires_once_in_a_real_prometheus(story_run):
 
     def once(alert: str, lo: float, hi: float) -> dict:
         ((labels, episodes),) = eps[alert].items()
-        assert len(episodes) == 1 and _in(episodes, lo, hi + slack), (alert, report)
+        assert len(episodes) == 1 and _in(episodes, lo, hi + slack), (alert, report, run.gaps(episodes))
         return json.loads(labels)
 
     once("CommunicationBound", 300, 1500)
