@@ -769,20 +769,20 @@ class Agent:
             return
         self.stats["stream_entries_trimmed"] += n
 
-    def _timeline(self, job: _Job, job_start: int, now_ms: int):
-        """The job's timeline at `now_ms` from its fold; the fold is (re)built from the job's
-        stream, up to where its reader is, when there is none yet, the job's start moved, or an
-        event arrived older than what was folded."""
+    def _timeline(self, job: _Job, job_start: int, now_ms: int, final: bool = False):
+        """The job's timeline at `now_ms` from its fold (`final`: no later event or sample will
+        come); the fold is (re)built from the job's stream, up to where its reader is, when there
+        is none yet, the job's start moved, or an event arrived older than what was folded."""
         if job.fold is not None and job.fold.start_ms == job_start:
             job.fold.add(job.fresh)
             job.fresh = []
-            tl = job.fold.timeline(now_ms, dated_until=True)
+            tl = job.fold.timeline(now_ms, final=final, dated_until=True)
             if tl is not None:
                 return tl
         if job.fold is not None:
             self.stats["timeline_rebuilds"] += 1
             if job.fold.start_ms == job_start:
-                tl = self._refold_from_store(job, job_start, now_ms)
+                tl = self._refold_from_store(job, job_start, now_ms, final)
                 if tl is not None:
                     return tl
         job.fresh = []
@@ -798,7 +798,7 @@ class Agent:
 
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
         reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=fold_batch)
-        tl = fold.timeline(now_ms, dated_until=True)
+        tl = fold.timeline(now_ms, final=final, dated_until=True)
         if tl is not None:
             return tl
         # An event of the stream older than what was folded before it, or not foldable (a
@@ -807,13 +807,13 @@ class Agent:
         events = reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant)
         job.fold = TimelineFold(self.cfg.booking, job_start)
         job.fold.add(events)
-        tl = job.fold.timeline(now_ms, dated_until=True)
+        tl = job.fold.timeline(now_ms, final=final, dated_until=True)
         if tl is None:
             job.fold = None
-            tl = build_timeline(dated_until(events, now_ms), self.cfg.booking, job_start, now_ms, final=False)
+            tl = build_timeline(dated_until(events, now_ms), self.cfg.booking, job_start, now_ms, final=final)
         return tl
 
-    def _refold_from_store(self, job: _Job, job_start: int, now_ms: int):
+    def _refold_from_store(self, job: _Job, job_start: int, now_ms: int, final: bool = False):
         """An event arrived older than the fold: fold it again from the older stored fold and the
         stream since that fold's position (the stream may be trimmed below it), rather than from
         the whole stream. None when the stored fold is missing, unreadable, or itself newer than
@@ -839,7 +839,7 @@ class Agent:
                 fold.advance(min(now_ms, int(max(e.ts for e in batch) * 1000)) - lag, keep_from)
 
         reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=fold_batch)
-        tl = fold.timeline(now_ms, dated_until=True)
+        tl = fold.timeline(now_ms, final=final, dated_until=True)
         if tl is None:
             return None
         job.fold, job.fresh = fold, []
@@ -1038,9 +1038,16 @@ class Agent:
         if wait:
             return
         now_ms = int(own_ts.max()) if own_ts.size else int(T.max())
-        # Events still on their way (a sim at --speed; trainers that deliver late).
-        now_ms -= int(max(self.source.event_lag_s, cfg.event_lag_s) * 1000)
-        tl = self._timeline(job, job_start, now_ms)
+        # A replay played to its end (and no other agent of the job still publishing): no later
+        # sample will come, and the job is booked as offline replay books it, to its last sample's
+        # slice, its pending tail decided (a job that crashed stays the job's until another takes
+        # its GPUs: stalled by band, as replay has it).
+        played = bool(getattr(self.source, "done", False)) and not hold.size
+        if played:
+            now_ms += bands_mod.sampling_interval_ms(R, T)
+        else:  # events still on their way (a sim at --speed; trainers that deliver late)
+            now_ms -= int(max(self.source.event_lag_s, cfg.event_lag_s) * 1000)
+        tl = self._timeline(job, job_start, now_ms, final=played)
         res = book_window(
             events=[],
             timeline=tl,
@@ -1062,6 +1069,7 @@ class Agent:
             ignore_ranks=ignore,
             member_end_ms=member_end,
             booked_from_ms=booked_from,
+            final=played,
         )
         # Fold for good what lies far enough behind the data time and the events read.
         if job.fold is not None:

@@ -196,6 +196,10 @@ def _cleanup(client, prefix: str) -> None:
 @example(build(2, 0, [("compute", 60, 5)], None, {"late_rank_s": 50}))
 # ... and when the job had ended before rank 1's register was read, nobody booked rank 1 at all.
 @example(build(2, 0, [("idle", 10, None)], None, {"late_rank_s": 50}))
+# a crashed (no run end) 5 s after its last step and b took the GPU: a's last 5 s waited on a
+# stall decision that needed data past the trace's end, so a replay played to its end never
+# booked them (offline replay has them idle).
+@example(build(1, 0, [("compute", 10, 4), ("compute", 11, None), ("compute", 10, 10)], (5, 30), {}))
 @given(scenarios())
 def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
     client = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
