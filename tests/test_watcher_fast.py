@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import uuid
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,6 +66,9 @@ lives = st.lists(
     ahead_ms=st.integers(0, 120_000),
 )
 def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monkeypatch, jobs, ahead_ms):
+    # Each example on keys of its own (the fixture's prefix is one for every example: the streams
+    # of an earlier example would be read again, and the same example could decide otherwise).
+    prefix = f"{prefix}:{uuid.uuid4().hex[:8]}"  # under the fixture's prefix: removed with it
     monkeypatch.setattr(watcher_mod, "JOBS_PER_READ", 2)  # batches of two jobs: 3 jobs span two
     names = [f"j{i}" for i in range(len(jobs))]
     for n in names:
