@@ -175,6 +175,12 @@ class _Job:
     def voided(self) -> np.ndarray:
         return self.state.voided
 
+    def window_from(self, context_ms: int) -> int:
+        """Where the job's band window starts: its state's window, before the first booked round
+        (or a state stored without one) the whole booking context."""
+        start = self.state.win_start
+        return start if start is not None else self.oldest_unbooked - context_ms
+
     def claim(self, rank: int) -> tuple[int, int]:
         """[start, end) of the job's hold on its rank's GPU, as far as known now."""
         start = self.state.starts.get(rank)
@@ -519,7 +525,7 @@ class Agent:
         if ts.size == 0:
             return
         keep_from = min(
-            (j.oldest_unbooked - self.context_ms for j in self.jobs.values() if j.own and not j.done),
+            (j.window_from(self.context_ms) for j in self.jobs.values() if j.own and not j.done),
             default=int(ts.max()) - self.context_ms,
         )
         if self._unassigned_until is not None:  # GPUs of no job: kept until that ledger has them
@@ -955,9 +961,9 @@ class Agent:
                 except (KeyError, ValueError):
                     self.stats["bad_sample_entries"] += 1
 
-    def _window(self, job: _Job, local: tuple[np.ndarray, ...]):
-        """Every rank's samples in the context window, sorted by (rank, ts), and this agent's
-        own (shared with the job's other agents as they come)."""
+    def _window(self, job: _Job, local: tuple[np.ndarray, ...], keep_from: int):
+        """Every rank's samples from `keep_from`, sorted by (rank, ts), and this agent's own
+        (shared with the job's other agents as they come)."""
         gpu, ts, p, u, e = local
         lut = np.full(max([*job.own.values(), int(gpu.max(initial=-1))]) + 1, -1, np.int64)
         for r, g in job.own.items():
@@ -986,7 +992,7 @@ class Agent:
                 job.published_ts[r] = int(own_ts[new][own_rank[new] == r].max())
         # Only what is new is sorted into the window kept from the last round (samplewin.py).
         own = (own_rank, own_ts, p[mine], u[mine], e[mine])
-        window = job.remote.round(own, job.oldest_unbooked - self.context_ms, set(job.own))
+        window = job.remote.round(own, keep_from, set(job.own))
         return window, (own_rank, own_ts, p[mine], u[mine])
 
     def _peers(self, job: _Job) -> bool:
@@ -1002,7 +1008,10 @@ class Agent:
             self._load(job)
         self._read_events(job)
         self._remote_samples(job)
-        (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local)
+        # The band window: seconds before what is left to book, the signature run carried in.
+        _, carry = job.state.take_window(job.oldest_unbooked)
+        keep_from = job.window_from(self.context_ms)
+        (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local, keep_from)
         if T.size == 0:
             return
         own_ranks = np.asarray(sorted(job.own), np.int64)
@@ -1070,6 +1079,7 @@ class Agent:
             member_end_ms=member_end,
             booked_from_ms=booked_from,
             final=played,
+            carry=carry,
         )
         # Fold for good what lies far enough behind the data time and the events read.
         if job.fold is not None:
@@ -1083,7 +1093,7 @@ class Agent:
         latest = (
             {int(own_ranks[i]): b for i, b in res.latest_band.items()}
             if res.latest_band
-            else livestate.newest_bands(cfg.booking, tl, profile, R, T, P, U, n_ranks, own_ranks)
+            else livestate.newest_bands(cfg.booking, tl, profile, R, T, P, U, n_ranks, own_ranks, carry)
         )
         with self.lock:
             job.latest_band = latest or job.latest_band
