@@ -58,7 +58,6 @@ from .sources.sampler import Sampler
 
 log = logging.getLogger("costexporter.agent")
 
-SAMPLES_MAXLEN = 5000  # entries per host sample stream (one entry per round)
 # Buckets (s) of `costexporter_agent_round_seconds`: a round is ~ms; seconds means trouble.
 ROUND_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -116,6 +115,13 @@ class AgentConfig:
     # second stored fold is kept 1-2 x this far behind, and the stream from its position on.
     # Keep it under half of `reader_stale_s`.
     late_keep_s: float = 3600.0
+
+
+def samples_maxlen(cfg: AgentConfig) -> int:
+    """Entries a host's sample stream keeps (one per round): twice the booking context, what a
+    peer that fell behind or restarted can still want (about an hour at 5-s rounds)."""
+    context_s = cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60
+    return max(64, int(2 * context_s / max(cfg.book_interval_s, 0.01)) + 1)
 
 
 @dataclass
@@ -176,10 +182,10 @@ class _Job:
         return self.state.voided
 
     def window_from(self, context_ms: int) -> int:
-        """Where the job's band window starts: its state's window, before the first booked round
-        (or a state stored without one) the whole booking context."""
-        start = self.state.win_start
-        return start if start is not None else self.oldest_unbooked - context_ms
+        """Where the job's band window starts: its state's window, else (before the first booked
+        round, a rank registered late, a state stored without one) the whole booking context."""
+        w, oldest = self.state.win, self.oldest_unbooked
+        return w[0] if w is not None and w[1] <= oldest else oldest - context_ms
 
     def claim(self, rank: int) -> tuple[int, int]:
         """[start, end) of the job's hold on its rank's GPU, as far as known now."""
@@ -202,6 +208,7 @@ class Agent:
         self.sampler = Sampler(source, cfg.sample_interval_s)
         self.jobs: dict[str, _Job] = {}
         self.context_ms = int((cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60) * 1000)
+        self.samples_maxlen = samples_maxlen(cfg)
         self._local: list[tuple] = []  # chunks of (gpu, ts, p, u, e) read from this node
         self._first_seen: dict[int, int] = {}  # GPU -> this process's first sample of it (ms)
         self._newest: dict[int, int] = {}  # GPU -> newest sample (ms)
@@ -985,7 +992,7 @@ class Agent:
             self.redis.xadd(
                 ledger.key(self.cfg.prefix, job.name, "samples", self.host),
                 {k: json.dumps(v).replace("NaN", "null") for k, v in entry.items()},
-                maxlen=SAMPLES_MAXLEN,
+                maxlen=self.samples_maxlen,
                 approximate=True,
             )
             for r in np.unique(own_rank[new]).tolist():
@@ -1008,15 +1015,13 @@ class Agent:
             self._load(job)
         self._read_events(job)
         self._remote_samples(job)
+        own_ranks = np.asarray(sorted(job.own), np.int64)
+        member_start = self._starts(job, own_ranks)  # a rank registered late is behind from here
         # The band window: seconds before what is left to book, the signature run carried in.
         _, carry = job.state.take_window(job.oldest_unbooked)
         keep_from = job.window_from(self.context_ms)
         (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local, keep_from)
-        if T.size == 0:
-            return
-        own_ranks = np.asarray(sorted(job.own), np.int64)
-        member_start = self._starts(job, own_ranks)
-        if member_start is None:
+        if T.size == 0 or member_start is None:
             return
         member_end = np.maximum(np.asarray([job.claim(int(r))[1] for r in own_ranks], np.int64), member_start)
         # Other hosts' ranks may have registered a little earlier; an ancient date is not trusted.

@@ -221,21 +221,20 @@ class JobState:
     behind: dict[int, int] = field(default_factory=dict)
     since_ref_ms: int = -1  # the last progress point ...
     since_cost: int = 0  # ... and the cost (micro-units) booked after it
-    # The band window: its samples start at `win_start` (None: the whole context), carrying the
-    # signature run open at `win_start + overlap`; `win_next`: (start, that time, its carry),
-    # where the next window may start.
-    win_start: int | None = None
-    win_carry: bands_mod.RunCarry | None = None
+    # The band window, (samples from, where its carry stands, the signature run open there:
+    # `bands.RunCarry` or None); None: the whole context. `win_next`: where the next one may start.
+    win: tuple[int, int, bands_mod.RunCarry | None] | None = None
     win_next: tuple[int, int, bands_mod.RunCarry | None] | None = None
 
     def take_window(self, oldest_unbooked: int) -> tuple[int | None, bands_mod.RunCarry | None]:
-        """This round's band window (start, carry), moving on to the next one once everything
-        left to book lies at or after the time its carry describes (a rank booking from further
-        back, registered late, keeps the current one)."""
+        """This round's band window (samples from, carry), moving on to the next one once
+        everything left to book lies at or after where its carry stands; (None, None), the whole
+        context, while something left to book lies before (a rank registered late)."""
         if self.win_next is not None and self.win_next[1] <= oldest_unbooked:
-            self.win_start, _, self.win_carry = self.win_next
-            self.win_next = None
-        return self.win_start, self.win_carry
+            self.win, self.win_next = self.win_next, None
+        if self.win is None or self.win[1] > oldest_unbooked:
+            return None, None
+        return self.win[0], self.win[2]
 
     def to_json(self) -> dict:
         return {
@@ -250,11 +249,7 @@ class JobState:
             "behind": {str(k): v for k, v in self.behind.items()},
             "since_ref_ms": self.since_ref_ms,
             "since_cost": self.since_cost,
-            "win": [
-                self.win_start,
-                self.win_carry.to_json() if self.win_carry else None,
-                None if self.win_next is None else [*self.win_next[:2], _carry_json(self.win_next[2])],
-            ],
+            "win": [_window_json(self.win), _window_json(self.win_next)],
         }
 
     @classmethod
@@ -279,21 +274,19 @@ class JobState:
         )
 
 
-def _carry_json(c: bands_mod.RunCarry | None) -> list | None:
-    return c.to_json() if c is not None else None
+def _window_json(w: tuple[int, int, bands_mod.RunCarry | None] | None) -> list | None:
+    return None if w is None else [w[0], w[1], w[2].to_json() if w[2] is not None else None]
 
 
 def _window_from_json(x) -> dict:
-    """The stored band window; an older or damaged one is no window (the context's samples)."""
+    """The stored band windows; older or damaged ones are none (the whole context)."""
+
+    def one(w):
+        return None if w is None else (int(w[0]), int(w[1]), bands_mod.RunCarry.from_json(w[2]))
+
     try:
-        start, carry, nxt = x
-        return {
-            "win_start": None if start is None else int(start),
-            "win_carry": bands_mod.RunCarry.from_json(carry),
-            "win_next": None
-            if nxt is None
-            else (int(nxt[0]), int(nxt[1]), bands_mod.RunCarry.from_json(nxt[2])),
-        }
+        cur, nxt = x
+        return {"win": one(cur), "win_next": one(nxt)}
     except (TypeError, ValueError, KeyError, IndexError, AttributeError):
         return {}
 
@@ -480,8 +473,7 @@ def ledger_delta(
         behind={r: v for r, v in caught_up.items() if v < booked_until},
         since_ref_ms=last_progress_ms,
         since_cost=since_cost,
-        win_start=state.win_start,
-        win_carry=state.win_carry,
+        win=state.win,
         win_next=res.next_window or state.win_next,
     )
     return LedgerDelta(
