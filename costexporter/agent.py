@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import bands as bands_mod
-from . import ledger, live, livestate, profiles, protocol
+from . import ledger, live, livestate, profiles, protocol, samplewin
 from .booking import (
     POS_INF,
     BookingConfig,
@@ -153,6 +153,7 @@ class _Job:
     remote: SampleWindow = field(default_factory=SampleWindow)  # other hosts' samples, sorted
     remote_ids: dict[str, str] = field(default_factory=dict)
     remote_seen: dict[str, float] = field(default_factory=dict)  # host -> monotonic time of its last entry
+    peer_hosts: dict[str, list[int]] = field(default_factory=dict)  # other ranks by host (discovery)
     published_ts: dict[int, int] = field(default_factory=dict)  # rank -> newest ts published
     figures: dict = field(default_factory=lambda: {"steps_completed": 0, "steps_voided": 0})
     latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
@@ -633,6 +634,12 @@ class Agent:
                         fresh = True
                     job.own[reg.rank] = g
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
+        for job in self.jobs.values():
+            hosts: dict[str, list[int]] = {}
+            for r, e in sorted(job.ranks.items()):
+                if r not in job.own:
+                    hosts.setdefault(str(e.host), []).append(r)
+            job.peer_hosts = hosts
         self._handover()
         # A counter that moved since a discovery is looked at once more next round: on a cluster
         # it and a job's `:ranks` sit on different nodes, and the trainer's INCR may land before
@@ -939,34 +946,63 @@ class Agent:
         job.state.starts.update(fixed)
         return np.asarray(out, np.int64)
 
-    def _remote_samples(self, job: _Job) -> None:
-        """The other hosts' new sample entries of the job: one XREAD for all of them."""
-        hosts = sorted({str(e.host) for r, e in job.ranks.items() if r not in job.own} - {self.host})
+    def _remote_samples(self, job: _Job, keep_from: int) -> None:
+        """The other hosts' new sample entries of the job: one XREAD for all of them, decoded as
+        one array. A host read for the first time (a start, a restart) is read from its newest
+        entry back to `keep_from` only, not its whole stream."""
+        hosts = sorted(h for h in job.peer_hosts if h != self.host)
         if not hosts:
             return
         keys = {ledger.key(self.cfg.prefix, job.name, "samples", h): h for h in hosts}
-        resp = self.redis.xread({k: job.remote_ids.get(h, "0-0") for k, h in keys.items()}, count=10_000)
+        raw: list[bytes] = []
+        first = {k: h for k, h in keys.items() if h not in job.remote_ids}
+        if first:
+            self._remote_tails(job, first, keep_from, raw)
+        resp = self.redis.xread({k: job.remote_ids[h] for k, h in keys.items()}, count=10_000)
         for k, entries in resp or []:
-            host = keys[k.decode() if isinstance(k, bytes) else k]
-            if entries:
-                job.remote_seen[host] = time.monotonic()
-            for entry_id, f in entries:
-                job.remote_ids[host] = entry_id
-                try:
-                    job.remote.add(
-                        tuple(
-                            np.asarray(json.loads(f[c]), dt)
-                            for c, dt in (
-                                ("r", np.int64),
-                                ("t", np.int64),
-                                ("p", np.float64),
-                                ("u", np.float64),
-                                ("e", np.float64),
-                            )
-                        )
-                    )
-                except (KeyError, ValueError):
-                    self.stats["bad_sample_entries"] += 1
+            self._take_entries(job, keys[k.decode() if isinstance(k, bytes) else k], entries, raw)
+        if raw:
+            job.remote.add(samplewin.decode_entries(b"".join(raw)))
+
+    def _take_entries(self, job: _Job, host: str, entries: list, into: list[bytes]) -> None:
+        """A host's entries read: their packed samples onto `into` (a damaged one is counted)."""
+        if entries:
+            job.remote_seen[host] = time.monotonic()
+        for entry_id, f in entries:
+            job.remote_ids[host] = entry_id
+            try:
+                into.append(samplewin.entry_bytes(f))
+            except (KeyError, ValueError):
+                self.stats["bad_sample_entries"] += 1
+
+    def _remote_tails(
+        self, job: _Job, keys: dict[str, str], keep_from: int, into: list[bytes], chunk: int = 16
+    ) -> None:
+        """Each stream's entries from the newest back to the first whose samples all lie before
+        `keep_from`, pipelined, `chunk` entries a stream at a time (doubling)."""
+        got: dict[str, list] = {k: [] for k in keys}
+        todo = {k: "+" for k in keys}
+        while todo:
+            pipe = self.redis.pipeline(transaction=False)
+            for k, hi in todo.items():
+                pipe.xrevrange(k, max=hi, count=chunk)
+            nxt = {}
+            for k, entries in zip(todo, pipe.execute(), strict=True):
+                for entry_id, f in entries:
+                    got[k].append((entry_id, f))
+                    try:
+                        old = int(samplewin.decode_entry(f)[1].max(initial=-1)) < keep_from
+                    except (KeyError, ValueError):  # counted when taken
+                        old = False
+                    if old:
+                        break
+                else:
+                    if len(entries) == chunk:
+                        nxt[k] = f"({entries[-1][0]}"
+            todo, chunk = nxt, chunk * 2
+        for k, entries in got.items():
+            job.remote_ids[keys[k]] = "0-0"
+            self._take_entries(job, keys[k], entries[::-1], into)
 
     def _window(self, job: _Job, local: tuple[np.ndarray, ...], keep_from: int):
         """Every rank's samples from `keep_from`, sorted by (rank, ts), and this agent's own
@@ -982,16 +1018,11 @@ class Agent:
             ranks, at = np.unique(own_rank, return_inverse=True)
             new = own_ts > np.asarray([job.published_ts.get(r, -1) for r in ranks.tolist()], np.int64)[at]
         if new.any():
-            entry = {
-                "r": own_rank[new].tolist(),
-                "t": own_ts[new].tolist(),
-                "p": p[mine][new].tolist(),
-                "u": u[mine][new].tolist(),
-                "e": e[mine][new].tolist(),
-            }
             self.redis.xadd(
                 ledger.key(self.cfg.prefix, job.name, "samples", self.host),
-                {k: json.dumps(v).replace("NaN", "null") for k, v in entry.items()},
+                samplewin.encode_entry(
+                    (own_rank[new], own_ts[new], p[mine][new], u[mine][new], e[mine][new])
+                ),
                 maxlen=self.samples_maxlen,
                 approximate=True,
             )
@@ -1006,7 +1037,7 @@ class Agent:
         """Whether another host holds ranks of the job: only then are its samples published (a
         job on this host alone needs no sample stream). A rank registered later on another host
         gets this host's samples then, from the whole context kept."""
-        return any(str(e.host) != self.host for r, e in job.ranks.items() if r not in job.own)
+        return any(h != self.host for h in job.peer_hosts)
 
     def _book(self, job: _Job, local: tuple[np.ndarray, ...]) -> None:
         """Read, book the window (pure), commit the delta with the watermark compare-and-set."""
@@ -1014,12 +1045,12 @@ class Agent:
         if not job.loaded:
             self._load(job)
         self._read_events(job)
-        self._remote_samples(job)
         own_ranks = np.asarray(sorted(job.own), np.int64)
         member_start = self._starts(job, own_ranks)  # a rank registered late is behind from here
         # The band window: seconds before what is left to book, the signature run carried in.
         _, carry = job.state.take_window(job.oldest_unbooked)
         keep_from = job.window_from(self.context_ms)
+        self._remote_samples(job, keep_from)
         (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local, keep_from)
         if T.size == 0 or member_start is None:
             return
@@ -1306,11 +1337,7 @@ class Agent:
         grace = self.cfg.peer_timeout_s or max(6 * self.cfg.book_interval_s, 30.0)
         now = time.monotonic()
         hold, ignore, wait = [], [], False
-        hosts: dict[str, list[int]] = {}
-        for r, e in job.ranks.items():
-            if r not in job.own:
-                hosts.setdefault(str(e.host), []).append(r)
-        for host, ranks in hosts.items():
+        for host, ranks in job.peer_hosts.items():
             since = max(job.remote_seen.get(host, 0.0), self._redis_back_at, self._started_at)
             if now - since <= grace:
                 if host in job.remote_seen:
