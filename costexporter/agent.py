@@ -118,10 +118,11 @@ class AgentConfig:
 
 
 def samples_maxlen(cfg: AgentConfig) -> int:
-    """Entries a host's sample stream keeps (one per round): twice the booking context, what a
-    peer that fell behind or restarted can still want (about an hour at 5-s rounds)."""
+    """Entries a host's sample stream keeps (one per round): the booking context, what an agent
+    that starts on a running job reads to learn a signature run already under way (31 minutes
+    by default)."""
     context_s = cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60
-    return max(64, int(2 * context_s / max(cfg.book_interval_s, 0.01)) + 1)
+    return max(64, int(context_s / max(cfg.book_interval_s, 0.01)) + 8)
 
 
 @dataclass

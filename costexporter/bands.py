@@ -461,11 +461,12 @@ def _signature_runs(
     """Each confirmed signature run's time span and the ranks at ~0% through most of it (`counts`:
     ranks x runs, moments at ~0% among the run's `n_conf` confirmed ones)."""
     idx = np.flatnonzero(confirmed)
+    rid = run_id[idx]
+    last = idx[np.flatnonzero(np.append(rid[1:] != rid[:-1], True))]  # each run's last moment
     out = []
-    for k in np.unique(run_id[idx]).tolist():
-        last = idx[run_id[idx] == k][-1]
+    for k, e in zip(run_id[last].tolist(), last.tolist(), strict=True):
         ranks = np.flatnonzero(counts[:, k] * 2 >= n_conf[k]).tolist()
-        out.append((int(run_start_ms[k]), int(times[last]) + cell, ranks))
+        out.append((int(run_start_ms[k]), int(times[e]) + cell, ranks))
     return out
 
 
