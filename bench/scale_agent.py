@@ -332,7 +332,7 @@ def report(res: list[dict]) -> None:
             f"  {r['steps']:>8} {r['stream_len']:>10} {r['trimmed']:>9} {sum(r['mem_kb'].values()):>8.0f}  "
             + ", ".join(f"{k} {v:.0f}" for k, v in g.items())
         )
-    from costexporter.agent import SAMPLES_MAXLEN, AgentConfig
+    from costexporter.agent import AgentConfig, samples_maxlen
 
     r = res[-1]
     g = r["bytes_per_step"]
@@ -342,10 +342,10 @@ def report(res: list[dict]) -> None:
     # A 256-GPU job, 32 agents (8 GPUs each), a step a second: the shared keys once, each agent's
     # own 32 times; the stream kept up to 2 x late_keep_s, its entries scaled from these 8 ranks'
     # (a heartbeat each every 10 s, a step a second) to 256 ranks'; each host's sample stream
-    # capped at SAMPLES_MAXLEN entries (one a 5-s round) of 8 GPUs' samples (these grew by 2 a step).
+    # capped at samples_maxlen entries (one a 5-s round) of 8 GPUs' samples (these grew by 2 a step).
     entry = r["mem_kb"].get("events", 0) * 1024 / max(r["stream_len"], 1)
     stream = entry * (1 + 256 / 10) * 2 * AgentConfig.late_keep_s
-    samples = 32 * SAMPLES_MAXLEN * 5 * 8 * g.get("samples", 0) / 2
+    samples = 32 * samples_maxlen(AgentConfig()) * 5 * 8 * g.get("samples", 0) / 2
     day = 86400 * (shared + 32 * per_agent)
     total = day + stream + samples
     print(

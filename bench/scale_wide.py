@@ -5,7 +5,8 @@ simulated as real agents publish: each peer host's sample stream (`<p>:{job}:sam
 gets one entry per 5-s round with its 8 ranks' readings, written straight into a private
 `redis-server` (no persistence, a free port) in the agents' own format. Before the agent starts
 the streams hold the whole booking context (2 x the checkpoint allowance + 60 s: 1,860 s at 1 Hz),
-and the agent's watermark sits at its end, as after a restart. The trainer posts a step a second.
+and the agent's watermark sits at its end with its band window, as after a restart (the first
+round reads each peer's stream back to that window only). The trainer posts a step a second.
 
 Per width, in a fresh process: the first round (it reads and merges the whole context), then
 steady rounds of 5 s: `round` is the median thread CPU of the real `Agent.tick()`, `RSS` the
@@ -51,8 +52,9 @@ def _peer_entry(host: int, t0: float, seconds: int, rng: np.random.Generator) ->
     p = rng.uniform(940.0, 1040.0, r.size).round(1)
     u = np.full(r.size, 100.0)
     e = ((t - T0 * 1000) * 1000.0 + r).round()  # cumulative mJ, as NVML's counter
-    entry = {"r": r.tolist(), "t": t.tolist(), "p": p.tolist(), "u": u.tolist(), "e": e.tolist()}
-    return {k: json.dumps(v) for k, v in entry.items()}
+    from costexporter.samplewin import encode_entry
+
+    return encode_entry((r, t, p, u, e))
 
 
 def _publish(client, hosts: range, t0: float, seconds: int, rng: np.random.Generator) -> None:
@@ -107,9 +109,15 @@ def _prepare(width: int, url: str) -> dict[int, int]:
     hosts = range(1, width // PER_HOST)
     for t in range(0, HISTORY_S, ROUND_S):
         _publish(client, hosts, T0 + t, ROUND_S, rng)
+    from costexporter.bands import window_overlap_ms
+
+    booked = int((T0 + HISTORY_S - 60) * 1000)
+    overlap = window_overlap_ms(1000, 1000, 3.0)
     wm = {
-        "booked_until": int((T0 + HISTORY_S - 60) * 1000),
+        "booked_until": booked,
         "starts": {str(r): int(T0 * 1000) for r in range(8)},
+        # As a running agent stores it: its band window, seconds before the watermark.
+        "win": [[booked - overlap, booked, None], None],
     }
     client.set(ledger.key(PREFIX, JOB, "wm", "node0"), json.dumps(wm))
     return seqs

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import bands as bands_mod
-from . import ledger, live, livestate, profiles, protocol
+from . import ledger, live, livestate, profiles, protocol, samplewin
 from .booking import (
     POS_INF,
     BookingConfig,
@@ -58,7 +58,6 @@ from .sources.sampler import Sampler
 
 log = logging.getLogger("costexporter.agent")
 
-SAMPLES_MAXLEN = 5000  # entries per host sample stream (one entry per round)
 # Buckets (s) of `costexporter_agent_round_seconds`: a round is ~ms; seconds means trouble.
 ROUND_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -118,6 +117,14 @@ class AgentConfig:
     late_keep_s: float = 3600.0
 
 
+def samples_maxlen(cfg: AgentConfig) -> int:
+    """Entries a host's sample stream keeps (one per round): the booking context, what an agent
+    that starts on a running job reads to learn a signature run already under way (31 minutes
+    by default)."""
+    context_s = cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60
+    return max(64, int(context_s / max(cfg.book_interval_s, 0.01)) + 8)
+
+
 @dataclass
 class _Job:
     name: str
@@ -147,6 +154,7 @@ class _Job:
     remote: SampleWindow = field(default_factory=SampleWindow)  # other hosts' samples, sorted
     remote_ids: dict[str, str] = field(default_factory=dict)
     remote_seen: dict[str, float] = field(default_factory=dict)  # host -> monotonic time of its last entry
+    peer_hosts: dict[str, list[int]] = field(default_factory=dict)  # other ranks by host (discovery)
     published_ts: dict[int, int] = field(default_factory=dict)  # rank -> newest ts published
     figures: dict = field(default_factory=lambda: {"steps_completed": 0, "steps_voided": 0})
     latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
@@ -175,6 +183,12 @@ class _Job:
     def voided(self) -> np.ndarray:
         return self.state.voided
 
+    def window_from(self, context_ms: int) -> int:
+        """Where the job's band window starts: its state's window, else (before the first booked
+        round, a rank registered late, a state stored without one) the whole booking context."""
+        w, oldest = self.state.win, self.oldest_unbooked
+        return w[0] if w is not None and w[1] <= oldest else oldest - context_ms
+
     def claim(self, rank: int) -> tuple[int, int]:
         """[start, end) of the job's hold on its rank's GPU, as far as known now."""
         start = self.state.starts.get(rank)
@@ -196,6 +210,7 @@ class Agent:
         self.sampler = Sampler(source, cfg.sample_interval_s)
         self.jobs: dict[str, _Job] = {}
         self.context_ms = int((cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60) * 1000)
+        self.samples_maxlen = samples_maxlen(cfg)
         self._local: list[tuple] = []  # chunks of (gpu, ts, p, u, e) read from this node
         self._first_seen: dict[int, int] = {}  # GPU -> this process's first sample of it (ms)
         self._newest: dict[int, int] = {}  # GPU -> newest sample (ms)
@@ -519,7 +534,7 @@ class Agent:
         if ts.size == 0:
             return
         keep_from = min(
-            (j.oldest_unbooked - self.context_ms for j in self.jobs.values() if j.own and not j.done),
+            (j.window_from(self.context_ms) for j in self.jobs.values() if j.own and not j.done),
             default=int(ts.max()) - self.context_ms,
         )
         if self._unassigned_until is not None:  # GPUs of no job: kept until that ledger has them
@@ -620,6 +635,12 @@ class Agent:
                         fresh = True
                     job.own[reg.rank] = g
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
+        for job in self.jobs.values():
+            hosts: dict[str, list[int]] = {}
+            for r, e in sorted(job.ranks.items()):
+                if r not in job.own:
+                    hosts.setdefault(str(e.host), []).append(r)
+            job.peer_hosts = hosts
         self._handover()
         # A counter that moved since a discovery is looked at once more next round: on a cluster
         # it and a job's `:ranks` sit on different nodes, and the trainer's INCR may land before
@@ -926,38 +947,67 @@ class Agent:
         job.state.starts.update(fixed)
         return np.asarray(out, np.int64)
 
-    def _remote_samples(self, job: _Job) -> None:
-        """The other hosts' new sample entries of the job: one XREAD for all of them."""
-        hosts = sorted({str(e.host) for r, e in job.ranks.items() if r not in job.own} - {self.host})
+    def _remote_samples(self, job: _Job, keep_from: int) -> None:
+        """The other hosts' new sample entries of the job: one XREAD for all of them, decoded as
+        one array. A host read for the first time (a start, a restart) is read from its newest
+        entry back to `keep_from` only, not its whole stream."""
+        hosts = sorted(h for h in job.peer_hosts if h != self.host)
         if not hosts:
             return
         keys = {ledger.key(self.cfg.prefix, job.name, "samples", h): h for h in hosts}
-        resp = self.redis.xread({k: job.remote_ids.get(h, "0-0") for k, h in keys.items()}, count=10_000)
+        raw: list[bytes] = []
+        first = {k: h for k, h in keys.items() if h not in job.remote_ids}
+        if first:
+            self._remote_tails(job, first, keep_from, raw)
+        resp = self.redis.xread({k: job.remote_ids[h] for k, h in keys.items()}, count=10_000)
         for k, entries in resp or []:
-            host = keys[k.decode() if isinstance(k, bytes) else k]
-            if entries:
-                job.remote_seen[host] = time.monotonic()
-            for entry_id, f in entries:
-                job.remote_ids[host] = entry_id
-                try:
-                    job.remote.add(
-                        tuple(
-                            np.asarray(json.loads(f[c]), dt)
-                            for c, dt in (
-                                ("r", np.int64),
-                                ("t", np.int64),
-                                ("p", np.float64),
-                                ("u", np.float64),
-                                ("e", np.float64),
-                            )
-                        )
-                    )
-                except (KeyError, ValueError):
-                    self.stats["bad_sample_entries"] += 1
+            self._take_entries(job, keys[k.decode() if isinstance(k, bytes) else k], entries, raw)
+        if raw:
+            job.remote.add(samplewin.decode_entries(b"".join(raw)))
 
-    def _window(self, job: _Job, local: tuple[np.ndarray, ...]):
-        """Every rank's samples in the context window, sorted by (rank, ts), and this agent's
-        own (shared with the job's other agents as they come)."""
+    def _take_entries(self, job: _Job, host: str, entries: list, into: list[bytes]) -> None:
+        """A host's entries read: their packed samples onto `into` (a damaged one is counted)."""
+        if entries:
+            job.remote_seen[host] = time.monotonic()
+        for entry_id, f in entries:
+            job.remote_ids[host] = entry_id
+            try:
+                into.append(samplewin.entry_bytes(f))
+            except (KeyError, ValueError):
+                self.stats["bad_sample_entries"] += 1
+
+    def _remote_tails(
+        self, job: _Job, keys: dict[str, str], keep_from: int, into: list[bytes], chunk: int = 16
+    ) -> None:
+        """Each stream's entries from the newest back to the first whose samples all lie before
+        `keep_from`, pipelined, `chunk` entries a stream at a time (doubling)."""
+        got: dict[str, list] = {k: [] for k in keys}
+        todo = {k: "+" for k in keys}
+        while todo:
+            pipe = self.redis.pipeline(transaction=False)
+            for k, hi in todo.items():
+                pipe.xrevrange(k, max=hi, count=chunk)
+            nxt = {}
+            for k, entries in zip(todo, pipe.execute(), strict=True):
+                for entry_id, f in entries:
+                    got[k].append((entry_id, f))
+                    try:
+                        old = int(samplewin.decode_entry(f)[1].max(initial=-1)) < keep_from
+                    except (KeyError, ValueError):  # counted when taken
+                        old = False
+                    if old:
+                        break
+                else:
+                    if len(entries) == chunk:
+                        nxt[k] = f"({entries[-1][0]}"
+            todo, chunk = nxt, chunk * 2
+        for k, entries in got.items():
+            job.remote_ids[keys[k]] = "0-0"
+            self._take_entries(job, keys[k], entries[::-1], into)
+
+    def _window(self, job: _Job, local: tuple[np.ndarray, ...], keep_from: int):
+        """Every rank's samples from `keep_from`, sorted by (rank, ts), and this agent's own
+        (shared with the job's other agents as they come)."""
         gpu, ts, p, u, e = local
         lut = np.full(max([*job.own.values(), int(gpu.max(initial=-1))]) + 1, -1, np.int64)
         for r, g in job.own.items():
@@ -969,31 +1019,26 @@ class Agent:
             ranks, at = np.unique(own_rank, return_inverse=True)
             new = own_ts > np.asarray([job.published_ts.get(r, -1) for r in ranks.tolist()], np.int64)[at]
         if new.any():
-            entry = {
-                "r": own_rank[new].tolist(),
-                "t": own_ts[new].tolist(),
-                "p": p[mine][new].tolist(),
-                "u": u[mine][new].tolist(),
-                "e": e[mine][new].tolist(),
-            }
             self.redis.xadd(
                 ledger.key(self.cfg.prefix, job.name, "samples", self.host),
-                {k: json.dumps(v).replace("NaN", "null") for k, v in entry.items()},
-                maxlen=SAMPLES_MAXLEN,
+                samplewin.encode_entry(
+                    (own_rank[new], own_ts[new], p[mine][new], u[mine][new], e[mine][new])
+                ),
+                maxlen=self.samples_maxlen,
                 approximate=True,
             )
             for r in np.unique(own_rank[new]).tolist():
                 job.published_ts[r] = int(own_ts[new][own_rank[new] == r].max())
         # Only what is new is sorted into the window kept from the last round (samplewin.py).
         own = (own_rank, own_ts, p[mine], u[mine], e[mine])
-        window = job.remote.round(own, job.oldest_unbooked - self.context_ms, set(job.own))
+        window = job.remote.round(own, keep_from, set(job.own))
         return window, (own_rank, own_ts, p[mine], u[mine])
 
     def _peers(self, job: _Job) -> bool:
         """Whether another host holds ranks of the job: only then are its samples published (a
         job on this host alone needs no sample stream). A rank registered later on another host
         gets this host's samples then, from the whole context kept."""
-        return any(str(e.host) != self.host for r, e in job.ranks.items() if r not in job.own)
+        return any(h != self.host for h in job.peer_hosts)
 
     def _book(self, job: _Job, local: tuple[np.ndarray, ...]) -> None:
         """Read, book the window (pure), commit the delta with the watermark compare-and-set."""
@@ -1001,13 +1046,14 @@ class Agent:
         if not job.loaded:
             self._load(job)
         self._read_events(job)
-        self._remote_samples(job)
-        (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local)
-        if T.size == 0:
-            return
         own_ranks = np.asarray(sorted(job.own), np.int64)
-        member_start = self._starts(job, own_ranks)
-        if member_start is None:
+        member_start = self._starts(job, own_ranks)  # a rank registered late is behind from here
+        # The band window: seconds before what is left to book, the signature run carried in.
+        _, carry = job.state.take_window(job.oldest_unbooked)
+        keep_from = job.window_from(self.context_ms)
+        self._remote_samples(job, keep_from)
+        (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local, keep_from)
+        if T.size == 0 or member_start is None:
             return
         member_end = np.maximum(np.asarray([job.claim(int(r))[1] for r in own_ranks], np.int64), member_start)
         # Other hosts' ranks may have registered a little earlier; an ancient date is not trusted.
@@ -1070,6 +1116,7 @@ class Agent:
             member_end_ms=member_end,
             booked_from_ms=booked_from,
             final=played,
+            carry=carry,
         )
         # Fold for good what lies far enough behind the data time and the events read.
         if job.fold is not None:
@@ -1083,7 +1130,7 @@ class Agent:
         latest = (
             {int(own_ranks[i]): b for i, b in res.latest_band.items()}
             if res.latest_band
-            else livestate.newest_bands(cfg.booking, tl, profile, R, T, P, U, n_ranks, own_ranks)
+            else livestate.newest_bands(cfg.booking, tl, profile, R, T, P, U, n_ranks, own_ranks, carry)
         )
         with self.lock:
             job.latest_band = latest or job.latest_band
@@ -1291,11 +1338,7 @@ class Agent:
         grace = self.cfg.peer_timeout_s or max(6 * self.cfg.book_interval_s, 30.0)
         now = time.monotonic()
         hold, ignore, wait = [], [], False
-        hosts: dict[str, list[int]] = {}
-        for r, e in job.ranks.items():
-            if r not in job.own:
-                hosts.setdefault(str(e.host), []).append(r)
-        for host, ranks in hosts.items():
+        for host, ranks in job.peer_hosts.items():
             since = max(job.remote_seen.get(host, 0.0), self._redis_back_at, self._started_at)
             if now - since <= grace:
                 if host in job.remote_seen:

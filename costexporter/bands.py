@@ -10,7 +10,7 @@ checkpoint, starvation) are column reductions over that matrix. Nothing here loo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -28,6 +28,39 @@ class BandResult:
     # Confirmed signature runs: (start ms, end ms, the ranks at ~0% through most of it). R2: the
     # 0% rank is the one that left the collective (rank 0 writing a checkpoint, or R4's rank 3).
     signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    carry: RunCarry | None = None  # the run open at `carry_at_ms` (None: none open there)
+
+
+@dataclass(frozen=True, slots=True)
+class RunCarry:
+    """A signature run open at `at_ms`, as classified from the samples before: where it started,
+    its candidate and confirmed moments before `at_ms` and, per rank, how many of the confirmed
+    ones it was at ~0%. A window that starts later carries it instead of holding the samples
+    (a checkpoint signature becomes a deadlock only after its allowance, up to hours)."""
+
+    at_ms: int
+    start_ms: int
+    moments: int
+    confirmed: int
+    zero: dict[int, int]
+
+    def to_json(self) -> list:
+        return [
+            self.at_ms,
+            self.start_ms,
+            self.moments,
+            self.confirmed,
+            {str(k): v for k, v in self.zero.items()},
+        ]
+
+    @classmethod
+    def from_json(cls, x: list | None) -> RunCarry | None:
+        if not x:
+            return None
+        at, start, moments, confirmed, zero = x
+        return cls(
+            int(at), int(start), int(moments), int(confirmed), {int(k): int(v) for k, v in zero.items()}
+        )
 
 
 def sampling_interval_ms(rank: np.ndarray, ts_ms: np.ndarray) -> int:
@@ -55,8 +88,14 @@ def classify(
     checkpoint_allowance_ms: Callable[[np.ndarray], np.ndarray] | int = 15 * 60 * 1000,
     interval_ms: int | None = None,
     step_ms: np.ndarray | None = None,
+    carry: RunCarry | None = None,
+    carry_at_ms: int | None = None,
 ) -> BandResult:
     """Band of each sample. Samples must be sorted by (rank, ts).
+
+    `carry`: the signature run open at `carry.at_ms` in the samples before this window (the
+    window then needs to hold only a few moments before that time); `carry_at_ms`: where to
+    describe the run open for the next window (`BandResult.carry`).
 
     `step_ms`: the job's step completion times, where known. Then a moment where every observed
     rank (one GPU is enough) spins at ~100% utilization at low power with no step around it is
@@ -111,8 +150,19 @@ def classify(
     low &= obs
     n_obs = obs.sum(0)
 
-    dead, ckpt, n_confirmed, signatures = _signature(
-        low, busy, zero, n_obs, cols, cell, grid, int(ts_ms.min()), step_ms, checkpoint_allowance_ms
+    dead, ckpt, n_confirmed, signatures, carry_out = _signature(
+        low,
+        busy,
+        zero,
+        n_obs,
+        cols,
+        cell,
+        grid,
+        int(ts_ms.min()),
+        step_ms,
+        checkpoint_allowance_ms,
+        carry,
+        carry_at_ms,
     )
 
     # Starvation: most ranks at mid power and at least one well below ~100% utilization.
@@ -140,6 +190,7 @@ def classify(
         straggler_rank=straggler,
         signature_moments=n_confirmed,
         signatures=signatures,
+        carry=carry_out,
     )
 
 
@@ -173,9 +224,15 @@ def _signature(
     t0: int,
     step_ms: np.ndarray | None,
     checkpoint_allowance_ms: Callable[[np.ndarray], np.ndarray] | int,
-) -> tuple[np.ndarray, np.ndarray, int, list[tuple[int, int, list[int]]]]:
-    """The deadlock and checkpoint moments (column masks), how many moments confirmed, and the
-    confirmed runs with their ranks at ~0%."""
+    carry: RunCarry | None = None,
+    carry_at_ms: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, int, list[tuple[int, int, list[int]]], RunCarry | None]:
+    """The deadlock and checkpoint moments (column masks), how many moments confirmed, the
+    confirmed runs with their ranks at ~0%, and the run open at `carry_at_ms` (`RunCarry`).
+
+    `carry`: the run open at `carry.at_ms` as a classification of the samples before saw it; the
+    window's run through that time is that run (its start, length and ~0% counts before then
+    are the carry's), so a window need not hold a long signature's start."""
     # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
     # persisting for two consecutive moments and at least one grid step (REFERENCE R2, R3).
     n_lowbusy = (low & busy).sum(0)
@@ -183,37 +240,107 @@ def _signature(
     if step_ms is not None:
         cand |= _spinning(low, busy, n_obs, cols, t0, cell, step_ms)
     cand = _bridge(cand, cols)
+    times = t0 + cols * cell
     # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
     starts = cand.copy()
     starts[1:] &= ~(cand[:-1] & (np.diff(cols) * cell <= grid))
     run_id = np.cumsum(starts) - 1
     start_cols = np.flatnonzero(starts)
+    run_start_ms = times[start_cols]
+    # The carried run: the window's run through the carry's time, its part before it the carry's.
+    cont, before = -1, np.zeros(cols.size, bool)
+    if carry is not None:
+        i = int(np.searchsorted(times, carry.at_ms)) - 1
+        if i < 0 and cand.size and cand[0] and times[0] - carry.at_ms <= grid:
+            i = 0  # no moment before it in the window (samples since a restart): the first goes on
+        if i >= 0 and cand[i]:
+            cont = int(run_id[i])
+            run_start_ms[cont] = carry.start_ms
+            before = (run_id == cont) & (times < carry.at_ms) & cand
     confirmed = cand.copy()
+    run_len = np.zeros(start_cols.size, np.int64)
     if cand.any():
-        in_run = np.flatnonzero(cand)
+        in_run = np.flatnonzero(cand & ~before)
         run_len = np.bincount(run_id[in_run], minlength=start_cols.size)
-        run_last = in_run[np.flatnonzero(np.append(run_id[in_run][1:] != run_id[in_run][:-1], True))]
-        span = (cols[run_last] - cols[start_cols] + 1) * cell
+        if cont >= 0:
+            run_len[cont] += carry.moments  # type: ignore[union-attr]
+        last = np.flatnonzero(cand)
+        run_last = last[np.flatnonzero(np.append(run_id[last][1:] != run_id[last][:-1], True))]
+        span = times[run_last] + cell - run_start_ms
         confirmed[cand] = ((run_len >= 2) & (span >= grid))[run_id[cand]]
     dead = np.zeros(cols.size, bool)
     ckpt = np.zeros(cols.size, bool)
     signatures: list[tuple[int, int, list[int]]] = []
+    counts = np.zeros((zero.shape[0], start_cols.size), np.int64)
+    n_conf = np.zeros(start_cols.size, np.int64)
     if confirmed.any():
-        run_start_ms = t0 + cols[start_cols] * cell
         if callable(checkpoint_allowance_ms):
             allowance = np.asarray(checkpoint_allowance_ms(run_start_ms), np.int64)
         else:
             allowance = np.full(start_cols.size, int(checkpoint_allowance_ms), np.int64)
         rid = run_id[confirmed]
-        elapsed = (cols[confirmed] - cols[start_cols[rid]]) * cell
+        elapsed = times[confirmed] - run_start_ms[rid]
         # Rank 0 writes the checkpoint: at ~0% (one noisy moment does not make it a hang).
         rank0_zero = _bridge(low[0] & zero[0], cols)[confirmed]
         is_ckpt = rank0_zero & (elapsed < allowance[rid])
         idx = np.flatnonzero(confirmed)
         ckpt[idx[is_ckpt]] = True
         dead[idx[~is_ckpt]] = True
-        signatures = _signature_runs(low & zero, confirmed, run_id, cols, t0, cell)
-    return dead, ckpt, int(confirmed.sum()), signatures
+        cidx = np.flatnonzero(confirmed & ~before)
+        n_conf = np.bincount(run_id[cidx], minlength=start_cols.size)
+        if cidx.size:
+            rid_c = run_id[cidx]
+            first = np.flatnonzero(np.concatenate([[True], rid_c[1:] != rid_c[:-1]]))
+            counts[:, rid_c[first]] = np.add.reduceat((low & zero)[:, cidx].astype(np.int64), first, axis=1)
+        if cont >= 0:
+            for r, n in carry.zero.items():  # type: ignore[union-attr]
+                if r < counts.shape[0]:
+                    counts[r, cont] += n
+            n_conf[cont] += carry.confirmed  # type: ignore[union-attr]
+        signatures = _signature_runs(counts, n_conf, confirmed, run_id, run_start_ms, times, cell)
+    out = None
+    if carry_at_ms is not None:
+        out = _carry_at(
+            carry_at_ms, times, cand, confirmed, run_id, run_start_ms, counts, low & zero, cont, carry
+        )
+    return dead, ckpt, int(confirmed.sum()), signatures, out
+
+
+def _carry_at(
+    at_ms: int,
+    times: np.ndarray,
+    cand: np.ndarray,
+    confirmed: np.ndarray,
+    run_id: np.ndarray,
+    run_start_ms: np.ndarray,
+    counts: np.ndarray,
+    lz: np.ndarray,
+    cont: int,
+    carry: RunCarry | None,
+) -> RunCarry | None:
+    """The run open at `at_ms` (through the last moment before it), as the next window's carry."""
+    j = int(np.searchsorted(times, at_ms)) - 1
+    if j < 0:
+        return None if carry is None else replace(carry, at_ms=at_ms)
+    if not cand[j]:
+        return None
+    r = int(run_id[j])
+    part = (run_id == r) & (times < at_ms)
+    if r == cont:
+        part &= times >= carry.at_ms  # type: ignore[union-attr]
+    moments = int((part & cand).sum())
+    conf = part & confirmed
+    zero = {
+        int(k): int(v)
+        for k, v in zip(*np.unique(np.nonzero(lz[:, conf])[0], return_counts=True), strict=True)
+    }
+    n_conf = int(conf.sum())
+    if r == cont:
+        moments += carry.moments  # type: ignore[union-attr]
+        n_conf += carry.confirmed  # type: ignore[union-attr]
+        for k, v in carry.zero.items():  # type: ignore[union-attr]
+            zero[k] = zero.get(k, 0) + v
+    return RunCarry(at_ms, int(run_start_ms[r]), moments, n_conf, zero)
 
 
 def _levels(
@@ -249,6 +376,13 @@ def lookahead_ms(interval_ms: int, grid_ms: int) -> int:
     grid = max(int(grid_ms), cell)
     k = RAMP_MS // cell
     return cell * (persist_moments(cell, grid) + (k + 1 if k else 0)) + (grid - cell)
+
+
+def window_overlap_ms(interval_ms: int, grid_ms: int, gap_intervals: float) -> int:
+    """How far before the first moment it must band exactly a window's samples start: a gap held
+    (`gap_intervals`), a ramp and a signature's confirming moments, a bridged hole."""
+    cell = max(int(interval_ms), 1)
+    return lookahead_ms(cell, grid_ms) + int(gap_intervals * cell) + 3 * cell
 
 
 def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms: int) -> np.ndarray:
@@ -316,20 +450,23 @@ def _bridge(cand: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 
 def _signature_runs(
-    zero: np.ndarray, confirmed: np.ndarray, run_id: np.ndarray, cols: np.ndarray, t0: int, cell: int
+    counts: np.ndarray,
+    n_conf: np.ndarray,
+    confirmed: np.ndarray,
+    run_id: np.ndarray,
+    run_start_ms: np.ndarray,
+    times: np.ndarray,
+    cell: int,
 ) -> list[tuple[int, int, list[int]]]:
-    """Each confirmed signature run's time span and the ranks at ~0% through most of it."""
+    """Each confirmed signature run's time span and the ranks at ~0% through most of it (`counts`:
+    ranks x runs, moments at ~0% among the run's `n_conf` confirmed ones)."""
     idx = np.flatnonzero(confirmed)
     rid = run_id[idx]
-    first = np.flatnonzero(np.concatenate([[True], rid[1:] != rid[:-1]]))
-    counts = np.add.reduceat(zero[:, idx].astype(np.int64), first, axis=1)  # ranks x runs
-    length = np.diff(np.append(first, idx.size))
+    last = idx[np.flatnonzero(np.append(rid[1:] != rid[:-1], True))]  # each run's last moment
     out = []
-    for k, (a, n_moments) in enumerate(zip(first.tolist(), length.tolist(), strict=True)):
-        ranks = np.flatnonzero(counts[:, k] * 2 >= n_moments).tolist()
-        start = t0 + int(cols[idx[a]]) * cell
-        end = t0 + (int(cols[idx[a + n_moments - 1]]) + 1) * cell
-        out.append((start, end, ranks))
+    for k, e in zip(run_id[last].tolist(), last.tolist(), strict=True):
+        ranks = np.flatnonzero(counts[:, k] * 2 >= n_conf[k]).tolist()
+        out.append((int(run_start_ms[k]), int(times[e]) + cell, ranks))
     return out
 
 

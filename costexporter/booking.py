@@ -819,8 +819,11 @@ def job_bands(
     n_ranks: int,
     profile: Profile,
     interval_ms: int,
+    carry: bands_mod.RunCarry | None = None,
+    carry_at_ms: int | None = None,
 ) -> bands_mod.BandResult:
-    """A job's bands on its grid, with the checkpoint allowance its own checkpoints taught."""
+    """A job's bands on its grid, with the checkpoint allowance its own checkpoints taught
+    (`carry`, `carry_at_ms`: a live window's signature run carried in and out, `bands.classify`)."""
     return bands_mod.classify(
         rank,
         ts_ms,
@@ -835,4 +838,6 @@ def job_bands(
         # Only a job that posts steps can show "no step": a stepless job (a pod without a
         # trainer) or a bare trace never gets the spin signature.
         step_ms=np.asarray([s.ts_ms for s in timeline.steps], np.int64) if timeline.steps else None,
+        carry=carry,
+        carry_at_ms=carry_at_ms,
     )

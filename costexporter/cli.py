@@ -482,7 +482,7 @@ DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
     "trim_streams",
     default=True,
     help="Trim each job's event stream below its readers' oldest position (docs/agent.md, "
-    "\"Restart and trimming\").",
+    '"Restart and trimming").',
 )
 @click.option(
     "--late-keep",
@@ -654,9 +654,7 @@ def _api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, *
         raise InputFailure(str(e)) from None
     if not tokens.enabled:
         click.echo("costexporter api: no tokens file: the API is open to anyone who can reach it", err=True)
-    client = redisconn.from_url(
-        redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2
-    )
+    client = redisconn.from_url(redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2)
     store = LedgerStore(client, prefix)
     _index_incidents_in_background(store)
     names = {k[6:]: v for k, v in options.items() if k.startswith("focus_") and v}

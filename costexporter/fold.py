@@ -597,7 +597,12 @@ def _ev_out(e: Event) -> list:
 def _ev_in(x: list, job: str) -> Event:
     t, ts, rank, session, seq, fields = x
     return Event(
-        type=str(t), job=job, ts=float(ts), rank=int(rank), session=str(session), seq=int(seq),
+        type=str(t),
+        job=job,
+        ts=float(ts),
+        rank=int(rank),
+        session=str(session),
+        seq=int(seq),
         fields=dict(fields),
     )
 
@@ -665,8 +670,16 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict | None = None) -> bytes:
         "seg": [w.seg_start, w.seg_regime, w.seg_step],
         "steps": [_rec_out(s) for s in w.steps],
         "scalars": [
-            w.step_base, w.tokens_before, w.n_steps, w.valid_tokens, w.last_ts, w.startup_allow,
-            w.anchor, w.in_startup, w.startup_from, w.ended,
+            w.step_base,
+            w.tokens_before,
+            w.n_steps,
+            w.valid_tokens,
+            w.last_ts,
+            w.startup_allow,
+            w.anchor,
+            w.in_startup,
+            w.startup_from,
+            w.ended,
         ],
         "last_step": _rec_out(w.last_step),
         "voided": [[i, _rec_out(r), p] for i, r, p in w.voided],

@@ -47,6 +47,9 @@ class WindowResult:
     # Confirmed signature runs of the window (`bands.BandResult.signatures`): (start ms, end ms,
     # the ranks at ~0%), job-wide, so a deadlock incident names the rank that left the collective.
     signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # Where the next round's window may start: (start ms, the horizon, the signature run open
+    # there: `bands.RunCarry` or None); None when this round booked nothing.
+    next_window: tuple[int, int, bands_mod.RunCarry | None] | None = None
 
 
 def data_horizon(
@@ -102,6 +105,7 @@ def book_window(
     member_end_ms: np.ndarray | None = None,
     booked_from_ms: np.ndarray | None = None,
     timeline: Timeline | None = None,
+    carry: bands_mod.RunCarry | None = None,
 ) -> WindowResult:
     """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
 
@@ -135,7 +139,10 @@ def book_window(
     if horizon <= booked_from.min(initial=booked_until_ms) or (ts_ms.size == 0 and not own_ranks.size):
         return WindowResult(empty, booked_until_ms, tl, {})
 
-    br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval)
+    # The next window starts `overlap` before this round's horizon, carrying the signature run
+    # open there: a window holds seconds of every rank's samples, not a checkpoint's allowance.
+    overlap = bands_mod.window_overlap_ms(interval, int(cfg.grid_s * 1000), cfg.gap_intervals)
+    br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon)
     # Own GPUs: local index = position in own_ranks.
     local_of_rank = np.full(max(n_ranks, int(own_ranks.max(initial=-1)) + 1), -1, np.int64)
     local_of_rank[own_ranks] = np.arange(own_ranks.size)
@@ -180,7 +187,9 @@ def book_window(
     if lg.size:
         last = np.flatnonzero(np.append(lg[1:] != lg[:-1], True))
         latest = {int(lg[i]): int(br.band[mine][i]) for i in last}
-    return WindowResult(pieces, horizon, tl, latest, list(br.signatures))
+    return WindowResult(
+        pieces, horizon, tl, latest, list(br.signatures), (horizon - overlap, horizon, br.carry)
+    )
 
 
 # ---- the ledger delta of one round (pure) -----------------------------------------------------
@@ -212,6 +221,20 @@ class JobState:
     behind: dict[int, int] = field(default_factory=dict)
     since_ref_ms: int = -1  # the last progress point ...
     since_cost: int = 0  # ... and the cost (micro-units) booked after it
+    # The band window, (samples from, where its carry stands, the signature run open there:
+    # `bands.RunCarry` or None); None: the whole context. `win_next`: where the next one may start.
+    win: tuple[int, int, bands_mod.RunCarry | None] | None = None
+    win_next: tuple[int, int, bands_mod.RunCarry | None] | None = None
+
+    def take_window(self, oldest_unbooked: int) -> tuple[int | None, bands_mod.RunCarry | None]:
+        """This round's band window (samples from, carry), moving on to the next one once
+        everything left to book lies at or after where its carry stands; (None, None), the whole
+        context, while something left to book lies before (a rank registered late)."""
+        if self.win_next is not None and self.win_next[1] <= oldest_unbooked:
+            self.win, self.win_next = self.win_next, None
+        if self.win is None or self.win[1] > oldest_unbooked:
+            return None, None
+        return self.win[0], self.win[2]
 
     def to_json(self) -> dict:
         return {
@@ -226,6 +249,7 @@ class JobState:
             "behind": {str(k): v for k, v in self.behind.items()},
             "since_ref_ms": self.since_ref_ms,
             "since_cost": self.since_cost,
+            "win": [_window_json(self.win), _window_json(self.win_next)],
         }
 
     @classmethod
@@ -246,7 +270,25 @@ class JobState:
             behind={int(k): int(v) for k, v in wm.get("behind", {}).items()},
             since_ref_ms=int(wm.get("since_ref_ms", -1)),
             since_cost=int(wm.get("since_cost", 0)),
+            **_window_from_json(wm.get("win")),
         )
+
+
+def _window_json(w: tuple[int, int, bands_mod.RunCarry | None] | None) -> list | None:
+    return None if w is None else [w[0], w[1], w[2].to_json() if w[2] is not None else None]
+
+
+def _window_from_json(x) -> dict:
+    """The stored band windows; older or damaged ones are none (the whole context)."""
+
+    def one(w):
+        return None if w is None else (int(w[0]), int(w[1]), bands_mod.RunCarry.from_json(w[2]))
+
+    try:
+        cur, nxt = x
+        return {"win": one(cur), "win_next": one(nxt)}
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+        return {}
 
 
 @dataclass
@@ -431,6 +473,8 @@ def ledger_delta(
         behind={r: v for r, v in caught_up.items() if v < booked_until},
         since_ref_ms=last_progress_ms,
         since_cost=since_cost,
+        win=state.win,
+        win_next=res.next_window or state.win_next,
     )
     return LedgerDelta(
         by_bucket=by_bucket,

@@ -28,13 +28,15 @@ def newest_bands(
     util_pct: np.ndarray,
     n_ranks: int,
     own_ranks: np.ndarray,
+    carry: bands_mod.RunCarry | None = None,
 ) -> dict[int, int]:
     """Own rank -> band of its newest sample, classified over the job's samples (sorted by
-    rank, ts) exactly as a booking round classifies them (signatures, spin, checkpoint)."""
+    rank, ts) exactly as a booking round classifies them (signatures, spin, checkpoint; `carry`,
+    the signature run carried into the window)."""
     if ts_ms.size == 0 or own_ranks.size == 0:
         return {}
     interval = bands_mod.sampling_interval_ms(rank, ts_ms)
-    br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval)
+    br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry)
     mine = np.isin(rank, own_ranks)
     r, b = rank[mine], br.band[mine]
     if r.size == 0:

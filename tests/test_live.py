@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -248,3 +250,138 @@ def test_a_hung_checkpoint_names_the_writing_rank_once_it_turns_into_a_deadlock(
     assert offline["stalled"] == [0] and [] in offline.values()
     incs = chained_incidents(b, [0, 1, 2, 3], 9.0)
     assert {k: i["zero_util_ranks"] for k, i in incs.items()} == offline
+
+
+# ---- band windows: seconds of samples and the signature run carried, not the whole context -----
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from costexporter.cost import Prices  # noqa: E402
+from costexporter.live import JobState, ledger_delta  # noqa: E402
+
+WINDOW_CFG = BookingConfig(checkpoint_allowance_s=40.0, stall_floor_s=30.0)
+
+
+@st.composite
+def signature_jobs(draw):
+    """Jobs of 1-4 ranks: checkpoints (rank 0 at 0%) and deadlocks that outlast the window,
+    some past the checkpoint allowance, the 0% rank changing inside one, gaps in the samples."""
+    n = draw(st.integers(1, 4))
+    b = TraceBuilder(n_gpus=n, per_host=2, job="win", seed=draw(st.integers(0, 999)))
+    b.run("start")
+    b.stretch("compute", draw(st.integers(5, 40)), step_s=5)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["checkpoint", "deadlock", "split", "compute", "idle", "gap"]))
+        d = draw(st.integers(3, 90))
+        if kind == "checkpoint":
+            b.phase("checkpoint", "begin")
+            b.stretch("checkpoint", d, zero_ranks=(0,))
+            b.phase("checkpoint", "end", step=b.step)
+        elif kind in ("deadlock", "split"):
+            z = draw(st.integers(0, n - 1))
+            b.stretch("deadlock", d, zero_ranks=(z,))
+            if kind == "split":  # the same signature run, another rank at 0% now
+                b.stretch("deadlock", draw(st.integers(3, 60)), zero_ranks=((z + 1) % n,))
+        elif kind == "gap":
+            b.t += draw(st.integers(1, 6))  # the logger wrote nothing for a while
+        else:
+            b.stretch(kind, d, step_s=5 if kind == "compute" else None)
+    b.stretch("compute", draw(st.integers(5, 30)), step_s=5)
+    b.run("end")
+    b.stretch("idle", 5)
+    return b, draw(st.sampled_from([1.0, 3.0, 7.0]))
+
+
+def windowed_rounds(b: TraceBuilder, rounds_s: float, windowed: bool) -> dict:
+    """Book `b` in rounds as the agent does (book_window, ledger_delta); `windowed`: each round
+    gets only the samples of its band window (`JobState.take_window`) and the carried run."""
+    s = b.samples()
+    events = sorted(b.events, key=lambda e: e.ts)
+    start, end = int(b.t0 * 1000), int(b.t * 1000)
+    own = np.arange(b.n_gpus)
+    state, now = JobState(booked_until=start), start
+    totals = np.zeros((b.n_gpus, len(CATEGORIES)), np.int64)
+    incidents: dict[str, dict] = {}
+    held = 0
+    while state.booked_until < end and now < end + 600_000:
+        now += int(rounds_s * 1000)
+        win_start, carry = state.take_window(state.booked_until) if windowed else (None, None)
+        seen = (s.ts_ms <= now) & (s.ts_ms >= (win_start if win_start is not None else -(2**62)))
+        held = max(held, int(seen.sum()))
+        res = book_window(
+            events=[e for e in events if e.ts * 1000 <= now],
+            cfg=WINDOW_CFG,
+            profile=profiles.B300,
+            job_start_ms=start,
+            rank=s.gpu.astype(np.int64)[seen],
+            ts_ms=s.ts_ms[seen],
+            power_w=s.power_w[seen],
+            util_pct=s.util_pct[seen],
+            energy_mj=s.energy_mj[seen],
+            n_ranks=b.n_gpus,
+            own_ranks=own,
+            member_start_ms=np.full(own.size, start),
+            booked_until_ms=state.booked_until,
+            now_ms=min(now, end),
+            carry=carry,
+        )
+        if res.horizon_ms <= state.booked_until:
+            continue
+        p = res.pieces
+        np.add.at(totals, (p.gpu, p.category), p.end_ms - p.start_ms)
+        d = ledger_delta(
+            state,
+            res,
+            prices=Prices(),
+            price=3.5,
+            own_ranks=own,
+            member_start_ms=np.full(own.size, start),
+            job_start_ms=start,
+            last_progress_ms=start,
+            host="h",
+            incident_tol_ms=2000,
+        )
+        for inc in d.incidents.values():
+            incidents[f"{inc['category']}:{inc['start']}"] = inc
+        state = d.state
+    return {"totals": totals.tolist(), "incidents": incidents, "until": state.booked_until, "held": held}
+
+
+@settings(
+    max_examples=int(os.environ.get("BAND_WINDOW_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(signature_jobs())
+def test_rounds_on_band_windows_book_as_rounds_on_the_whole_context(job):
+    """Each round holding only its band window (seconds before what is left to book) and the
+    signature run carried into it books every GPU-millisecond in the category, and opens the
+    incidents (spans, ~0% ranks), that rounds holding every sample do: a checkpoint signature
+    still turns into a deadlock at its allowance, however long ago it began."""
+    b, rounds_s = job
+    whole = windowed_rounds(b, rounds_s, windowed=False)
+    win = windowed_rounds(b, rounds_s, windowed=True)
+    assert win["totals"] == whole["totals"]
+    assert win["incidents"] == whole["incidents"]
+    assert win["until"] == whole["until"]
+
+
+def test_a_band_window_holds_seconds_not_the_whole_signature():
+    """A 10-minute hung checkpoint (allowance 40 s): rounds on band windows hold a few rounds of
+    samples, and book it overhead for its allowance, then stalled, as rounds on everything do."""
+    b = TraceBuilder(n_gpus=4, per_host=2, job="win", seed=1)
+    b.run("start")
+    b.stretch("compute", 30, step_s=5)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 600, zero_ranks=(0,))
+    b.phase("checkpoint", "end", step=b.step)
+    b.stretch("compute", 30, step_s=5)
+    b.run("end")
+    whole = windowed_rounds(b, 5.0, windowed=False)
+    win = windowed_rounds(b, 5.0, windowed=True)
+    assert win["totals"] == whole["totals"]
+    stalled = CATEGORIES.index("stalled")
+    assert all(row[stalled] > 500_000 for row in win["totals"])  # past the allowance: waste
+    # Under a minute of samples (the overlap, a round, and what waits on the stall decision past
+    # the allowance), not the ten minutes of the hang.
+    assert win["held"] < 4 * 60 and whole["held"] > 4 * 600

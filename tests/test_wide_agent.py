@@ -8,7 +8,7 @@ import json
 import numpy as np
 import redis
 
-from costexporter import ledger, protocol
+from costexporter import ledger, protocol, samplewin
 from costexporter.agent import Agent, AgentConfig
 from costexporter.client import send_entries
 from costexporter.model import Samples
@@ -119,7 +119,7 @@ def test_a_job_on_one_host_publishes_no_samples_until_a_rank_registers_elsewhere
     _tick(agent, now, 10)
     entries = shared.xrange(stream)
     assert len(entries) == 1
-    ts = json.loads(entries[0][1]["t"])
+    ts = samplewin.decode_entry(entries[0][1])[1].tolist()
     assert min(ts) <= (b.t0 + 60) * 1000 and max(ts) >= (b.t0 + 250) * 1000
 
 
@@ -199,3 +199,43 @@ def test_one_discovery_knows_every_rank_of_a_job_whatever_order_the_ranks_hash_g
     assert len(calls) == 1  # no second look: the first one had to see it all
     assert set(job.ranks) == {0, 1, 2, 3} and set(job.own) == ({0, 1} if host == "node0" else {2, 3})
     assert shared.exists(ledger.key(prefix, b.job, "samples", host))  # shared with the other agent
+
+
+def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix):
+    """A (re)started agent whose stored window starts a minute ago reads the peer's stream from
+    its newest entry back to that window, not the hours the stream keeps."""
+    b = TraceBuilder(n_gpus=4, per_host=2, job="tail", seed=9)
+    b.run("start")
+    b.stretch("compute", 900, step_s=5)
+    post_events(shared, prefix, b)
+    peer = ledger.key(prefix, b.job, "samples", "node1")
+    s = b.samples()
+    for t in range(int(b.t0), int(b.t), 5):  # node1's 180 rounds, as its agent publishes them
+        sel = (s.gpu >= 2) & (s.ts_ms >= t * 1000) & (s.ts_ms < (t + 5) * 1000)
+        shared.xadd(
+            peer,
+            samplewin.encode_entry(
+                (s.gpu[sel].astype(np.int64), s.ts_ms[sel], s.power_w[sel], s.util_pct[sel], s.energy_mj[sel])
+            ),
+        )
+    agent = Agent(
+        ReplaySource(_host_samples(b, "node0"), speed=1.0, clock=lambda: 0.0),
+        AgentConfig(prefix=prefix, agent_id="node0", job_refresh_s=3600),
+    )
+    agent._discover()
+    job = agent.jobs[b.job]
+    reads = []
+    real = agent.redis.pipeline
+
+    def pipeline(*a, **kw):
+        p = real(*a, **kw)
+        orig = p.xrevrange
+        p.xrevrange = lambda *x, **y: reads.append(y.get("count")) or orig(*x, **y)  # type: ignore[method-assign]
+        return p
+
+    agent.redis.pipeline = pipeline  # type: ignore[method-assign]
+    agent._remote_samples(job, int((b.t - 60) * 1000))
+    held = job.remote.pending
+    ts = np.concatenate([c[1] for c in held])
+    assert ts.min() <= (b.t - 60) * 1000 and ts.min() >= (b.t - 120) * 1000  # a minute, and a round
+    assert sum(reads) < 180 and job.remote_ids["node1"] == shared.xrevrange(peer, count=1)[0][0]
