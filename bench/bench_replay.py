@@ -9,7 +9,9 @@ Prints, with the targets of issues 2 and 15:
   * peak memory of the command;
   * the accounting core alone on samples in memory, next to a per-sample Python loop doing
     the same work on the same data in this process, and their agreement on the totals.
-Commands run several times in fresh processes; the median is reported (this machine is noisy).
+Commands run several times in fresh processes, their bytecode compiled first as an installed
+package's is (an editable checkout under PYTHONDONTWRITEBYTECODE would compile every module at
+every start); the median is reported (this machine is noisy).
 With --baseline REV the command of that git revision runs too, interleaved run by run with this
 checkout's, so both see the same load: before and after side by side.
 """
@@ -17,6 +19,7 @@ checkout's, so both see the same load: before and after side by side.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -140,6 +143,8 @@ def main() -> None:
         code = {"this checkout": ROOT}
         if a.baseline:
             code[a.baseline] = _export(a.baseline, Path(tmp))
+        for where in code.values():  # as an installed package has it (pip writes the bytecode)
+            compileall.compile_dir(where / "costexporter", quiet=1)
         cmds = run_command(csvs, events, a.runs, code)
         reals = run_command(real_csvs, real_events, a.runs, code)
     cmd, real = cmds["this checkout"], reals["this checkout"]

@@ -336,9 +336,13 @@ def report(res: list[dict]) -> None:
 
     r = res[-1]
     g = r["bytes_per_step"]
-    bounded = ("events", "samples")  # trimmed stream, capped sample streams: not per step
-    per_agent = sum(v for k, v in g.items() if k in ("ledger:rbidx", "fold (stored)"))
+    # Trimmed stream, capped sample streams, and the rollback index (pruned to the steps since the
+    # oldest of the last `rollback_checkpoints` checkpoints: it grows between two checkpoints,
+    # then shrinks): not per step.
+    bounded = ("events", "samples", "ledger:rbidx")
+    per_agent = sum(v for k, v in g.items() if k == "fold (stored)")
     shared = sum(v for k, v in g.items() if k not in bounded) - per_agent
+    rbidx = 32 * r["mem_kb"].get("ledger:rbidx", 0) * 1024 * 2  # at most ~2x what is held at the end
     # A 256-GPU job, 32 agents (8 GPUs each), a step a second: the shared keys once, each agent's
     # own 32 times; the stream kept up to 2 x late_keep_s, its entries scaled from these 8 ranks'
     # (a heartbeat each every 10 s, a step a second) to 256 ranks'; each host's sample stream
@@ -347,12 +351,14 @@ def report(res: list[dict]) -> None:
     stream = entry * (1 + 256 / 10) * 2 * AgentConfig.late_keep_s
     samples = 32 * samples_maxlen(AgentConfig()) * 5 * 8 * g.get("samples", 0) / 2
     day = 86400 * (shared + 32 * per_agent)
-    total = day + stream + samples
+    total = day + stream + samples + rbidx
     print(
         f"  per step: {shared:.0f} B shared + {per_agent:.0f} B per agent (per GPU-hour of this 2-GPU job: "
-        f"{3600 * (shared + per_agent) / 2 / 1024:.0f} KB)\n  256-GPU job: grows {day / 1e6:.0f} MB/day "
+        f"{3600 * (shared + per_agent) / 2 / 1024:.0f} KB); rollback index held at the end: "
+        f"{r['mem_kb'].get('ledger:rbidx', 0):.0f} KB per agent\n  256-GPU job: grows {day / 1e6:.0f} MB/day "
         f"({'<=' if day <= 1e9 else '>'} 1 GB/day), plus what stays bounded: {stream / 1e6:.0f} MB of stream "
-        f"kept, {samples / 1e6:.0f} MB of sample streams at their cap; {total / 1e9:.2f} GB after a day"
+        f"kept, {samples / 1e6:.0f} MB of sample streams at their cap, {rbidx / 1e6:.0f} MB of rollback "
+        f"indexes; {total / 1e9:.2f} GB after a day"
     )
 
 
