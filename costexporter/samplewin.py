@@ -41,6 +41,17 @@ def _key(r: np.ndarray, t: np.ndarray) -> np.ndarray:
     return (r << _TS_BITS) | t
 
 
+def keep_from(rank: np.ndarray, ts: np.ndarray, lo_ms: int) -> np.ndarray:
+    """Rows (sorted by rank, ts) at or after `lo_ms`, and each rank's last row before it: its
+    slice reaches into the window (a logger gap across the window's start stays a gap)."""
+    ge = ts >= lo_ms
+    if ge.all():
+        return ge
+    last = np.ones(ts.size, bool)
+    last[:-1] = (rank[1:] != rank[:-1]) | ge[1:]
+    return ge | last
+
+
 class SampleWindow:
     """A job's window of other hosts' samples, sorted by (rank, ts), ties in arrival order; a
     round merges this host's samples (what the agent holds) into it."""
@@ -80,14 +91,9 @@ class SampleWindow:
         return self._merged(own, new, lo_ms, own_ranks)
 
     def _merged(self, own: Cols, new: Cols, lo_ms: int, own_ranks: set[int]) -> Cols:
-        """Peers' samples held apart from this host's: the window is the two merged."""
+        """Peers' samples held apart from this host's: the window is the two merged, from
+        `lo_ms` on (`keep_from`); the peers' part of it is held for the next round."""
         cols, keys = self.cols, self.keys
-        if keys.size and int(cols[1].min()) < lo_ms:
-            keep = cols[1] >= lo_ms
-            cols, keys = tuple(a[keep] for a in cols), keys[keep]
-        w = new[1] >= lo_ms
-        if not w.all():
-            new = tuple(a[w] for a in new)
         if new[1].size:
             k = _key(new[0], new[1])
             order = np.argsort(k, kind="stable")
@@ -95,34 +101,33 @@ class SampleWindow:
             at = np.searchsorted(keys, k, side="right")  # after equal keys held: arrival order
             cols = tuple(np.insert(a, at, b[order]) for a, b in zip(cols, new, strict=True))
             keys = np.insert(keys, at, k)
-            self.ranks.update(np.unique(new[0]).tolist())
-        out = cols
-        w = own[1] >= lo_ms
-        if not w.all():
-            own = tuple(a[w] for a in own)
         if own[1].size:
             k = _key(own[0], own[1])
             order = np.argsort(k, kind="stable")
             k = k[order]
             at = np.searchsorted(keys, k, side="left")  # before equal keys held: own first
-            out = tuple(np.insert(a, at, b[order]) for a, b in zip(cols, own, strict=True))
-        if self.ranks & own_ranks:  # a rank that became this host's: its samples are own now
-            keep = ~np.isin(cols[0], list(own_ranks))
+            cols = tuple(np.insert(a, at, b[order]) for a, b in zip(cols, own, strict=True))
+            keys = np.insert(keys, at, k)
+        keep = keep_from(cols[0], cols[1], lo_ms)
+        if not keep.all():
             cols, keys = tuple(a[keep] for a in cols), keys[keep]
-            self.ranks = set(np.unique(cols[0]).tolist())
-        self.cols, self.keys = cols, keys  # type: ignore[assignment]
-        return out  # type: ignore[return-value]
+        peers = ~np.isin(cols[0], list(own_ranks)) if own_ranks else np.ones(keys.size, bool)
+        held = tuple(a[peers] for a in cols) if not peers.all() else cols
+        self.cols, self.keys = held, keys[peers]  # type: ignore[assignment]
+        self.ranks = set(np.unique(held[0]).tolist())
+        return cols  # type: ignore[return-value]
 
     def _full(self, own: Cols, new: Cols, lo_ms: int, own_ranks: set[int]) -> Cols:
         """Timestamps or ranks out of the key's range: the whole window sorted, every round."""
         R, T, P, U, E = (np.concatenate(c) for c in zip(own, self.cols, new, strict=True))
-        w = lo_ms <= T
+        order = np.lexsort((T, R))
+        R, T, P, U, E = (a[order] for a in (R, T, P, U, E))
+        w = keep_from(R, T, lo_ms)
         R, T, P, U, E = (a[w] for a in (R, T, P, U, E))
         remote = ~np.isin(R, list(own_ranks))
         self.cols = tuple(a[remote] for a in (R, T, P, U, E))  # type: ignore[assignment]
         self.keys = np.zeros(0, np.int64)
-        order = np.lexsort((T, R))
-        return tuple(a[order] for a in (R, T, P, U, E))  # type: ignore[return-value]
+        return R, T, P, U, E
 
 
 # ---- a host's sample stream entries (`<p>:{job}:samples:<host>`, one per agent round) ----------

@@ -6,12 +6,16 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from costexporter import profiles
 from costexporter.booking import BookingConfig
-from costexporter.live import book_window
+from costexporter.cost import Prices
+from costexporter.live import JobState, book_window, ledger_delta
 from costexporter.model import CATEGORIES
 from costexporter.replay import ReplayConfig, book_trace
+from costexporter.samplewin import keep_from
 from costexporter.synth import TraceBuilder
 
 
@@ -42,13 +46,30 @@ def scenario(kind: str) -> TraceBuilder:
     return b
 
 
-def book_seen(s, events, now, start, own, booked_until, *, n_ranks, now_ms=None, profile=profiles.B300):
+def book_seen(
+    s,
+    events,
+    now,
+    start,
+    own,
+    booked_until,
+    *,
+    n_ranks,
+    now_ms=None,
+    profile=profiles.B300,
+    cfg=None,
+    since=None,
+    carry=None,
+):
     """`book_window` as the live agent runs it at `now` (ms): the samples (rank r is GPU r) and
-    events seen by then, every own rank's GPU time from `start`."""
+    events seen by then (samples from `since`: a band window, with its `carry`), every own
+    rank's GPU time from `start`."""
     seen = s.ts_ms <= now
+    if since is not None:  # the band window, as the agent's SampleWindow keeps it
+        seen &= keep_from(s.gpu, s.ts_ms, since)
     return book_window(
         events=[e for e in events if e.ts * 1000 <= now],
-        cfg=BookingConfig(),
+        cfg=cfg or BookingConfig(),
         profile=profile,
         job_start_ms=start,
         rank=s.gpu.astype(np.int64)[seen],
@@ -61,6 +82,23 @@ def book_seen(s, events, now, start, own, booked_until, *, n_ranks, now_ms=None,
         member_start_ms=np.full(own.size, start),
         booked_until_ms=booked_until,
         now_ms=now if now_ms is None else now_ms,
+        carry=carry,
+    )
+
+
+def delta_of(state, res, own, start, tol_ms):
+    """`ledger_delta` of one round of `book_seen` (one agent, the job's price)."""
+    return ledger_delta(
+        state,
+        res,
+        prices=Prices(),
+        price=3.5,
+        own_ranks=own,
+        member_start_ms=np.full(own.size, start),
+        job_start_ms=start,
+        last_progress_ms=start,
+        host="h",
+        incident_tol_ms=tol_ms,
     )
 
 
@@ -189,8 +227,7 @@ def deadlock_scenario(zero_rank: int) -> TraceBuilder:
 
 def chained_incidents(b: TraceBuilder, own: list[int], rounds_s: float) -> dict[str, dict]:
     """The open incidents an agent owning `own` leaves after booking `b` round by round."""
-    from costexporter.cost import Prices
-    from costexporter.live import JobState, ledger_delta
+    from costexporter.live import JobState
 
     s = b.samples()
     events = sorted(b.events, key=lambda e: e.ts)
@@ -203,18 +240,7 @@ def chained_incidents(b: TraceBuilder, own: list[int], rounds_s: float) -> dict[
             s, events, now, start, own_ranks, state.booked_until, n_ranks=b.n_gpus, now_ms=min(now, end)
         )
         if res.horizon_ms > state.booked_until:
-            state = ledger_delta(
-                state,
-                res,
-                prices=Prices(),
-                price=3.5,
-                own_ranks=own_ranks,
-                member_start_ms=np.full(own_ranks.size, start),
-                job_start_ms=start,
-                last_progress_ms=start,
-                host="h",
-                incident_tol_ms=5000,
-            ).state
+            state = delta_of(state, res, own_ranks, start, 5000).state
     return state.incidents
 
 
@@ -253,11 +279,7 @@ def test_a_hung_checkpoint_names_the_writing_rank_once_it_turns_into_a_deadlock(
 
 
 # ---- band windows: seconds of samples and the signature run carried, not the whole context -----
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
-from costexporter.cost import Prices  # noqa: E402
-from costexporter.live import JobState, ledger_delta  # noqa: E402
 
 WINDOW_CFG = BookingConfig(checkpoint_allowance_s=40.0, stall_floor_s=30.0)
 
@@ -306,41 +328,25 @@ def windowed_rounds(b: TraceBuilder, rounds_s: float, windowed: bool) -> dict:
     while state.booked_until < end and now < end + 600_000:
         now += int(rounds_s * 1000)
         win_start, carry = state.take_window(state.booked_until) if windowed else (None, None)
-        seen = (s.ts_ms <= now) & (s.ts_ms >= (win_start if win_start is not None else -(2**62)))
-        held = max(held, int(seen.sum()))
-        res = book_window(
-            events=[e for e in events if e.ts * 1000 <= now],
-            cfg=WINDOW_CFG,
-            profile=profiles.B300,
-            job_start_ms=start,
-            rank=s.gpu.astype(np.int64)[seen],
-            ts_ms=s.ts_ms[seen],
-            power_w=s.power_w[seen],
-            util_pct=s.util_pct[seen],
-            energy_mj=s.energy_mj[seen],
+        held = max(held, int(((s.ts_ms <= now) & (s.ts_ms >= (win_start or -(2**62)))).sum()))
+        res = book_seen(
+            s,
+            events,
+            now,
+            start,
+            own,
+            state.booked_until,
             n_ranks=b.n_gpus,
-            own_ranks=own,
-            member_start_ms=np.full(own.size, start),
-            booked_until_ms=state.booked_until,
             now_ms=min(now, end),
+            cfg=WINDOW_CFG,
+            since=win_start,
             carry=carry,
         )
         if res.horizon_ms <= state.booked_until:
             continue
         p = res.pieces
         np.add.at(totals, (p.gpu, p.category), p.end_ms - p.start_ms)
-        d = ledger_delta(
-            state,
-            res,
-            prices=Prices(),
-            price=3.5,
-            own_ranks=own,
-            member_start_ms=np.full(own.size, start),
-            job_start_ms=start,
-            last_progress_ms=start,
-            host="h",
-            incident_tol_ms=2000,
-        )
+        d = delta_of(state, res, own, start, 2000)
         for inc in d.incidents.values():
             incidents[f"{inc['category']}:{inc['start']}"] = inc
         state = d.state

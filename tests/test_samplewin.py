@@ -9,12 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.samplewin import SampleWindow
+from costexporter.samplewin import SampleWindow, keep_from
 
 
 class FullSort:
     """The construction the agent used before samplewin.py: concatenate own samples and every
-    other host's chunk, keep the window, lexsort by (rank, ts), hold the non-own part."""
+    other host's chunk, lexsort by (rank, ts), keep the window (with each rank's last sample
+    before it), hold the non-own part."""
 
     def __init__(self) -> None:
         self.remote: list = []
@@ -25,12 +26,13 @@ class FullSort:
         R, T, P, U, E = (np.concatenate(c) for c in zip(*chunks, strict=True))
         P = np.where(np.isfinite(P), P, np.nan)
         E = np.where(np.isfinite(E), E, np.nan)
-        w = lo <= T
+        order = np.lexsort((T, R))
+        R, T, P, U, E = (a[order] for a in (R, T, P, U, E))
+        w = keep_from(R, T, lo)  # from `lo`, and each rank's last sample before it
         R, T, P, U, E = (a[w] for a in (R, T, P, U, E))
         remote = ~np.isin(R, list(own_ranks))
         self.remote = [tuple(a[remote] for a in (R, T, P, U, E))]
-        order = np.lexsort((T, R))
-        return tuple(a[order] for a in (R, T, P, U, E))
+        return R, T, P, U, E
 
 
 def _cols(rows):
@@ -94,8 +96,9 @@ def test_a_round_sorts_only_what_is_new() -> None:
     w.round(_cols([]), 0, set())
     w.add((np.arange(100), np.full(100, n // 100), *(np.zeros(100),) * 3))
     R, T, *_ = w.round(_cols([]), 1, set())
-    assert R.size == n and (np.diff(R * 10**6 + T) > 0).all()
-    assert w.keys.size == n
+    # Every sample: those before 1 ms are each rank's last before the window (kept, `keep_from`).
+    assert R.size == n + 100 and (np.diff(R * 10**6 + T) > 0).all()
+    assert w.keys.size == n + 100
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
