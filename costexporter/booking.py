@@ -121,17 +121,25 @@ class Allowances:
         self.cfg = cfg
         self._durations: dict[str, list[int]] = {}
         self._history: dict[str, tuple[list[int], list[int]]] = {}  # name -> (since_ms, allowance)
+        self._current: dict[str, int] = {}  # `current` until the next `observe` of the name
 
     def current(self, name: str) -> int:
+        got = self._current.get(name)
+        if got is not None:
+            return got
         d = self._durations.get(name)
         if not d:
-            return self.cfg.default_allowance_ms(name)
-        # Never below the stall floor: a 5-second first startup must not make every restart waste.
-        learned = int(self.cfg.allowance_k * float(np.median(d)))
-        return max(learned, int(self.cfg.stall_floor_s * 1000))
+            got = self.cfg.default_allowance_ms(name)
+        else:
+            # Never below the stall floor: a 5-second first startup must not make every restart waste.
+            learned = int(self.cfg.allowance_k * float(np.median(d)))
+            got = max(learned, int(self.cfg.stall_floor_s * 1000))
+        self._current[name] = got  # a watcher asks for it on every job's view, every poll
+        return got
 
     def observe(self, name: str, at_ms: int, duration_ms: int) -> None:
         if duration_ms <= self.current(name):
+            self._current.pop(name, None)
             self._durations.setdefault(name, []).append(duration_ms)
             since, values = self._history.setdefault(name, ([NEG_INF], [self.cfg.default_allowance_ms(name)]))
             since.append(at_ms)

@@ -30,6 +30,7 @@ META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container"
 # Number fields of a meta event: finite and >= 0.
 META_NUMBERS = ("price_per_gpu_hour", "budget", *META_THRESHOLDS)
 BASE_FIELDS = frozenset({"v", "type", "job", "ts", "rank", "session", "seq"})
+_META_TEXT_SET = frozenset(META_TEXT)
 
 # Timestamps outside [2000-01-01, now + 1 day] are absurd: a clock gone wrong, not an event.
 MIN_TS = 946_684_800.0
@@ -63,6 +64,15 @@ def _present(entry: dict, key: str, required: bool) -> object:
 
 
 def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bool = True):
+    v = entry.get(key)
+    if type(v) is str and v:  # a stream entry's value: int() takes what str(v).strip() would
+        try:
+            n = int(v)
+        except ValueError:
+            raise EventError("bad_type", f"{key!r} must be an integer, got {v!r}") from None
+        if not lo <= n <= hi:
+            raise EventError("out_of_range", f"{key!r}={n} outside [{lo}, {hi}]")
+        return n
     v = _present(entry, key, required)
     if v is None:
         return None
@@ -83,7 +93,9 @@ def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bo
 
 
 def _float(entry: dict, key: str, *, required: bool = True):
-    v = _present(entry, key, required)
+    v = entry.get(key)
+    if type(v) is not str or not v:
+        v = _present(entry, key, required)
     if v is None:
         return None
     if isinstance(v, bool):
@@ -98,7 +110,9 @@ def _float(entry: dict, key: str, *, required: bool = True):
 
 
 def _str(entry: dict, key: str, *, required: bool = True, choices: frozenset | None = None):
-    v = _present(entry, key, required)
+    v = entry.get(key)
+    if type(v) is not str or not v:
+        v = _present(entry, key, required)
     if v is None:
         return None
     if not isinstance(v, str):
@@ -175,7 +189,9 @@ def parse_event(
             raise EventError("missing_field", "preflight needs 'passed' (bool)")
         f["passed"] = passed
         f["checks"] = entry.get("checks")
-    extra = set(entry) - BASE_FIELDS - set(f) - set(META_TEXT)
+    extra = entry.keys() - BASE_FIELDS
+    if extra:
+        extra = extra - f.keys() - _META_TEXT_SET
     if extra:
         f["_unknown_fields"] = sorted(extra)
     return Event(etype, ev_job, ts, rank, session, -1 if seq is None else seq, f)

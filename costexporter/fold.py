@@ -193,6 +193,7 @@ class _Walk:
         c.allow = Allowances(self.cfg)
         c.allow._durations = {k: list(v) for k, v in self.allow._durations.items()}
         c.allow._history = {k: (list(a), list(b)) for k, (a, b) in self.allow._history.items()}
+        c.allow._current = dict(self.allow._current)
         c.p0 = self.p0.clone(c.allow)
         c.pr = {}
         for r, p in self.pr.items():
@@ -413,6 +414,44 @@ class _Walk:
             p.trim(keep_from)
 
 
+SHORT_WALK = 64  # segments: below this, `_segments` in Python beats numpy's per-call cost
+
+
+def _segments(w: _Walk) -> tuple[np.ndarray, np.ndarray]:
+    """The walk's segments as a timeline's `bounds` and `regime`: steps a resume voided marked
+    VOID, neighbours of one regime merged."""
+    steps, base = w.steps, w.step_base
+    if len(w.seg_regime) < SHORT_WALK:  # a watcher's trimmed walk: a few segments
+        starts: list[int] = []
+        regimes: list[int] = []
+        for a, r, s in zip(w.seg_start, w.seg_regime, w.seg_step, strict=True):
+            if r == Regime.STEP and s >= 0 and 0 <= s - base < len(steps) and steps[s - base].voided:
+                r = Regime.VOID
+            if not regimes or regimes[-1] != r:
+                starts.append(a)
+                regimes.append(r)
+        starts[0] = NEG_INF
+        starts.append(POS_INF)
+        return np.asarray(starts, np.int64), np.asarray(regimes, np.int8)
+    seg_start = [*w.seg_start, POS_INF]
+    seg_start[0] = NEG_INF
+    bounds = np.asarray(seg_start, np.int64)
+    regime = np.asarray(w.seg_regime, np.int8)
+    step_idx = np.asarray(w.seg_step, np.int64)
+    is_step = (step_idx >= 0) & (regime == Regime.STEP)
+    if is_step.any():
+        j = step_idx[is_step] - base
+        ok = (j >= 0) & (j < len(steps))
+        flags = np.zeros(j.size, bool)
+        flags[ok] = [steps[int(x)].voided for x in j[ok]]
+        is_void = np.zeros(regime.size, bool)
+        is_void[is_step] = flags
+        regime[is_void] = Regime.VOID
+    keep = np.ones(regime.size, bool)
+    keep[1:] = regime[1:] != regime[:-1]
+    return np.append(bounds[:-1][keep], bounds[-1]), regime[keep]
+
+
 class TimelineFold:
     """A job's events folded as they arrive; `timeline(end_ms)` is `build_timeline` over all of
     them, for what a live round reads of it (segments and steps from `keep_from` on)."""
@@ -507,24 +546,7 @@ class TimelineFold:
             job_end = w.anchor
         elif end_ms > w.anchor:
             w.close_interval(end_ms, "tail", final=final)
-        seg_start = [*w.seg_start, POS_INF]
-        seg_start[0] = NEG_INF
-        bounds = np.asarray(seg_start, np.int64)
-        regime = np.asarray(w.seg_regime, np.int8)
-        step_idx = np.asarray(w.seg_step, np.int64)
-        is_step = (step_idx >= 0) & (regime == Regime.STEP)
-        if is_step.any():
-            j = step_idx[is_step] - w.step_base
-            ok = (j >= 0) & (j < len(w.steps))
-            flags = np.zeros(j.size, bool)
-            flags[ok] = [w.steps[int(x)].voided for x in j[ok]]
-            is_void = np.zeros(regime.size, bool)
-            is_void[is_step] = flags
-            regime[is_void] = Regime.VOID
-        keep = np.ones(regime.size, bool)
-        keep[1:] = regime[1:] != regime[:-1]
-        bounds = np.append(bounds[:-1][keep], bounds[-1])
-        regime = regime[keep]
+        bounds, regime = _segments(w)
         pending = np.flatnonzero(regime == Regime.PENDING)
         decided_until = (
             int(bounds[pending[0]]) if pending.size else (job_end if job_end is not None else end_ms)

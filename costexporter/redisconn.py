@@ -73,6 +73,10 @@ def from_url(url: str, **kwargs):
     retries (it follows MOVED/ASK redirects in any case)."""
     import redis
 
+    if kwargs.get("decode_responses"):
+        # A stream entry of bytes that are not UTF-8 (hostile or broken) must not make every
+        # read of the key raise: it decodes with U+FFFD and the reader refuses it, counted.
+        kwargs.setdefault("encoding_errors", "replace")
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **kwargs)
     if _version(redis.__version__) < MIN_CLUSTER_REDIS_PY:

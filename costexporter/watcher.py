@@ -153,9 +153,12 @@ class JobView:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
         end_ms = max(now_ms, start_ms + 1)
         f = self.timeline_fold
+        frontier = min(end_ms, max(self.newest_ms - lag_ms, self.settled_ms()))
         if f is not None and f.start_ms == start_ms and f.cfg == booking:
             f.add(self.fresh)
             self.fresh = []
+            if not f.late:  # walked for good before the view: the view walks only what is after
+                f.advance(frontier, frontier)
             tl = f.timeline(end_ms)
         else:
             tl = None
@@ -175,7 +178,6 @@ class JobView:
             if tl is None:  # not foldable (a declared phase named `startup`)
                 self.timeline_fold, self.unfoldable = None, True
                 return build_timeline(walk, booking, start_ms, end_ms, final=False)
-        frontier = min(end_ms, max(self.newest_ms - lag_ms, self.settled_ms()))
         f.advance(frontier, frontier)  # a decision reads the timeline at `now` and the last step
         return tl
 
@@ -190,16 +192,24 @@ class JobView:
         return int(min(r.last_seen for r in self.ranks.values()) * 1000) - SETTLED_MARGIN_MS
 
     def fold(self, events: list[Event]) -> None:
+        ranks = self.ranks
         for ev in events:
             t = int(ev.ts * 1000)
-            self.first_ms = t if self.first_ms is None else min(self.first_ms, t)
-            self.newest_ms = max(self.newest_ms, t)
+            if self.first_ms is None or t < self.first_ms:
+                self.first_ms = t
+            if t > self.newest_ms:
+                self.newest_ms = t
+            r = ranks.get(ev.rank)
+            if r is None:
+                r = ranks[ev.rank] = _Rank()
+            if ev.ts > r.last_seen:
+                r.last_seen = ev.ts
+            if ev.type == "heartbeat" and ev.session == r.session:  # most events: nothing more
+                continue
             if walk_relevant(ev):
                 if self.refold is None:
                     self.walk.append(ev)
                 self.fresh.append(ev)
-            r = self.ranks.setdefault(ev.rank, _Rank())
-            r.last_seen = max(r.last_seen, ev.ts)
             if ev.session and ev.session != r.session:
                 # A new process of the rank: what its older process had open died with it.
                 if r.session is not None:

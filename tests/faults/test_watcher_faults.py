@@ -122,3 +122,74 @@ def test_watch_once_exits_2_when_redis_is_unreachable(cli):
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _heartbeat(job: str, ts: float, seq: int) -> dict:
+    return {
+        "v": "1",
+        "type": "heartbeat",
+        "job": job,
+        "ts": str(ts),
+        "rank": "0",
+        "session": "s",
+        "seq": str(seq),
+    }
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    junk=st.binary(min_size=1, max_size=12).filter(lambda b: not _utf8(b)),
+    field=st.sampled_from(["type", "session", "ts", "x"]),
+)
+def test_bytes_that_are_not_utf8_are_refused_and_counted_not_fatal(junk, field):
+    """Any client with the trainer's ACL can XADD raw bytes. An entry that is not UTF-8 (in a
+    value or a field name), a ranks entry and a jobs-set member of such bytes: the reader counts
+    the entry refused and reads the good events on both sides of it; the watcher judges the
+    job and the job next to it."""
+    import uuid
+
+    from costexporter.reader import EventReader
+
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    r = redis.Redis.from_url(SHARED_URL)
+    try:
+        now = time.time()
+        r.zadd(protocol.jobs_key(prefix), {"j": now, "k": now, junk: now})
+        bad = _heartbeat("j", now, 1)
+        if field == "x":
+            bad = {**bad, junk: "1"}
+        else:
+            bad = {**bad, field: b"a" + junk}
+        for job in ("j", "k"):
+            key = protocol.stream_key(prefix, job)
+            r.xadd(key, _heartbeat(job, now - 1, 0))
+            if job == "j":
+                r.xadd(key, bad)
+            r.xadd(key, _heartbeat(job, now, 2))
+        r.hset(protocol.ranks_key(prefix, "j"), mapping={junk: junk, "1": b"{" + junk})
+        reader = EventReader(protocol.connect(SHARED_URL), "j", prefix)
+        got = reader.read_all()
+        # A type or ts that is not UTF-8 is refused; in a session or an unknown field's name the
+        # bytes read as U+FFFD and the event stands (a session of its own, an unknown field).
+        assert [e.seq for e in got] == ([0, 1, 2] if field in ("session", "x") else [0, 2])
+        refused = {"type": "unknown_type", "ts": "rejected:bad_type", "x": "unknown_field"}
+        assert field == "session" or reader.stats[refused[field]] == 1
+        w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
+        try:
+            decided = w.poll()
+            assert w.redis_up and {"j", "k"} <= set(decided)
+            assert decided["k"].state == "running"
+        finally:
+            w.stop()
+    finally:
+        keys = list(r.scan_iter(f"{prefix}:*"))
+        if keys:
+            r.delete(*keys)
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
