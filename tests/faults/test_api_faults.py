@@ -583,3 +583,26 @@ def test_a_job_name_with_a_slash_is_reachable(r, prefix, name):
         assert series.status_code == 200 and series.json()["job"] == name
         incs = get(base, f"/api/v1/jobs/{name}/incidents", window=WINDOW)
         assert incs.status_code == 200 and len(incs.json()["incidents"]) == 2
+
+
+def test_bytes_that_are_not_utf8_in_a_trainer_writable_key_never_break_the_api(r, prefix):
+    """The jobs set and a job's meta hash take any bytes a trainer's ACL writes. The API's client
+    (as `costexporter api` builds it) reads them as U+FFFD instead of failing every request."""
+    from costexporter import redisconn
+
+    from ..conftest import SHARED_URL
+
+    write_job(r, prefix, "good", "a")
+    write_job(r, prefix, "bad", "a")
+    raw = redis.Redis.from_url(SHARED_URL)
+    raw.zadd(protocol.jobs_key(prefix), {b"j\xff\xfe": T0 + 7200})
+    raw.hset(protocol.meta_key(prefix, "bad"), mapping={"team": b"t\xff", b"\xfe": b"1"})
+    client = redisconn.from_url(SHARED_URL, decode_responses=True, socket_timeout=5)
+    with served(LedgerStore(client, prefix)) as (base, _):
+        for path in ("/api/v1/jobs", "/api/v1/allocation", "/api/v1/jobs/good", "/api/v1/jobs/bad"):
+            got = get(base, path, window=WINDOW)
+            assert got.status_code == 200, (path, got.text)
+        listed = {j["job"] for j in get(base, "/api/v1/jobs").json()["jobs"]}
+        assert {"good", "bad"} <= listed
+        good = get(base, "/api/v1/jobs/good", window=WINDOW).json()
+        assert good["cost"] == "7.700000" and good["valid_steps"] == 10
