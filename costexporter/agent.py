@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import bands as bands_mod
-from . import ledger, live, livestate, profiles, protocol, samplewin
+from . import buckets, ledger, live, livestate, profiles, protocol, samplewin
 from .booking import (
     POS_INF,
     BookingConfig,
@@ -1187,7 +1187,7 @@ class Agent:
             "band_low_max_w": profile.low_max_w,
             "band_compute_min_w": profile.compute_min_w,
         }
-        version = ledger.price_version(cfg.prices, price)
+        version = buckets.price_version(cfg.prices, price)
         wm = {**delta.state.to_json(), "agent": cfg.agent_id, "host": self.host, "updated": time.time()}
         data_s = now_ms / 1000  # stored folds are dated by data time (what lateness is measured in)
         fold_blob = self._dump_fold(job) if self._fold_due(job, data_s) else None
@@ -1306,7 +1306,7 @@ class Agent:
             np.full(int(keep.sum()), Category.UNASSIGNED, np.int8),
             s.energy_mj[keep],
         )
-        by_bucket = ledger.amounts(pieces, self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
+        by_bucket = buckets.amounts(pieces, self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
         wm = {"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host, "updated": time.time()}
         try:
             self._unassigned_raw = ledger.commit(

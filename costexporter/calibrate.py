@@ -368,7 +368,7 @@ def fit(
 
 def _when(ms: int, tz: str) -> str:
     """Epoch ms as local time in `tz` (IANA name, UTC or +HH:MM), as the user writes labels."""
-    from .report import tz_zone
+    from .timeutil import tz_zone
 
     return dt.datetime.fromtimestamp(ms / 1000, tz_zone(tz)).strftime("%Y-%m-%dT%H:%M:%S")
 

@@ -764,7 +764,7 @@ def _parse_time(tz: str):
         except ValueError:
             raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time") from None
         if t.tzinfo is None:
-            from .report import tz_zone
+            from .timeutil import tz_zone
 
             t = t.replace(tzinfo=tz_zone(tz))
         return int(t.timestamp() * 1000)

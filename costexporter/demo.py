@@ -31,7 +31,7 @@ from . import ledger, protocol
 from .agent import Agent, AgentConfig
 from .baseline import utilization_rule
 from .booking import BookingConfig
-from .cost import Prices
+from .cost import MS_PER_HOUR, Prices
 from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category, Samples
 from .sources.sim import WATCH_LAG_WALL_S, SimSource
 from .synth import TraceBuilder
@@ -344,14 +344,14 @@ class Demo:
             amounts = ledger.read_amounts(self.agent.redis, self.cfg.prefix, ledger.UNASSIGNED_JOB)
         except (redis.RedisError, OSError):
             return 0.0
-        return ledger.net_ms(amounts).get("unassigned", 0) / 3.6e6
+        return ledger.net_ms(amounts).get("unassigned", 0) / MS_PER_HOUR
 
 
 def _net(booked: np.ndarray, voided: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
     """GPU-hours and cost by category, net of rollbacks: a resume moved valid amounts to
     `rolled_back` and counted them in `voided`, so the valid categories subtract them."""
     net = booked - voided
-    hours = {name: float(net[c, 0]) / 3.6e6 for c, name in enumerate(CATEGORIES)}
+    hours = {name: float(net[c, 0]) / MS_PER_HOUR for c, name in enumerate(CATEGORIES)}
     cost = {name: float(net[c, 2]) / 1e6 for c, name in enumerate(CATEGORIES)}
     return hours, cost
 

@@ -31,9 +31,9 @@ from .booking import (
     job_bands,
     make_slices,
 )
+from .buckets import BUCKET_S, amounts
 from .cost import Prices
 from .figures import at_risk_ms, extend_incidents, extend_rolled_back, job_figures
-from .ledger import amounts
 from .model import VALID_CATEGORIES, Category, Event
 from .profiles import Profile
 
@@ -391,7 +391,7 @@ def ledger_delta(
     last_progress_ms: int,
     host: str,
     incident_tol_ms: int,
-    bucket_s: int = 300,
+    bucket_s: int = BUCKET_S,
 ) -> LedgerDelta:
     """From the agent's state of a job and one booked window to what the round writes: bucket
     amounts, rollback corrections and index entries, step/void records, incidents, figures and

@@ -489,8 +489,8 @@ def clock_offset_hours(samples_ms: tuple[int, int] | None, events_ms: tuple[int,
         return None
     if _aligned(samples_ms, events_ms):
         return None
-    h = round((events_ms[0] - samples_ms[0]) / 3_600_000)
-    shifted = (samples_ms[0] + h * 3_600_000, samples_ms[1] + h * 3_600_000)
+    h = round((events_ms[0] - samples_ms[0]) / MS_PER_HOUR)
+    shifted = (samples_ms[0] + h * int(MS_PER_HOUR), samples_ms[1] + h * int(MS_PER_HOUR))
     return h if h and _aligned(shifted, events_ms, GOOD_CLOCK_OVERLAP) else 0
 
 

@@ -7,6 +7,7 @@ import io
 import json
 
 from .model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
+from .timeutil import tz_zone
 
 CSV_COLUMNS = ["job", "category", "kind", "gpu_hours", "energy_kwh", "cost", "currency"]
 
@@ -60,21 +61,6 @@ def _utc(t: float) -> str:
 
 def _span(r: list[float] | None) -> str:
     return "none" if r is None else f"{_utc(r[0])} .. {_utc(r[1])} UTC"
-
-
-def tz_zone(tz: str):
-    """The zone a --tz names (IANA name, UTC/Z or +HH:MM, as the CLI checks it) as a tzinfo."""
-    import datetime as dt
-    import re
-
-    if tz.upper() in ("UTC", "Z"):
-        return dt.timezone.utc
-    if m := re.fullmatch(r"([+-])(\d{2}):(\d{2})", tz):
-        sign = 1 if m[1] == "+" else -1
-        return dt.timezone(sign * dt.timedelta(hours=int(m[2]), minutes=int(m[3])))
-    from zoneinfo import ZoneInfo
-
-    return ZoneInfo(tz)
 
 
 def _offset_of(tz: str, at_s: float) -> int:

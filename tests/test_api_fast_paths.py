@@ -64,6 +64,7 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
     from costexporter import ledger, protocol
     from costexporter.api import store as store_mod
     from costexporter.api.store import LedgerStore
+    from costexporter.buckets import RESOLUTIONS, bucket_start
 
     prefix = f"test-chunks-{uuid.uuid4().hex[:10]}"
     rng = np.random.default_rng(seed)
@@ -89,8 +90,8 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
             elif spoil in ("exact", "bad-bucket"):
                 shared.delete(ledger.key(prefix, name, "ledger", "cumstate"))
                 if spoil == "bad-bucket":
-                    for res in ledger.RESOLUTIONS:
-                        b = ledger.bucket_start(BASE, res)
+                    for res in RESOLUTIONS:
+                        b = bucket_start(BASE, res)
                         shared.hset(ledger.key(prefix, name, "ledger", res, str(b)), "productive:ms", "5k")
         window = f"{BASE},{BASE + 3 * 86400}"
         queries = [

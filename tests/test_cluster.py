@@ -22,6 +22,7 @@ from redis.exceptions import RedisClusterException
 from costexporter import ledger, protocol, redisconn
 from costexporter.api.app import create_app
 from costexporter.api.store import LedgerStore
+from costexporter.buckets import RESOLUTIONS
 from costexporter.client import StepReporter
 from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.watcher import WatchConfig, Watcher
@@ -208,7 +209,7 @@ def test_the_cluster_ledger_is_the_single_redis_ledger(backends):
             "steps": r.zrange(k("ledger", "steps"), 0, -1, withscores=True),
             "voids": r.zrange(k("ledger", "voids"), 0, -1, withscores=True),
             "incidents": sorted((i["category"], i["start"], i["end"], i["gpu_ms"]) for i in incidents),
-            "buckets": {res: r.zrange(k("ledger", "index", res), 0, -1) for res in ledger.RESOLUTIONS},
+            "buckets": {res: r.zrange(k("ledger", "index", res), 0, -1) for res in RESOLUTIONS},
         }
 
     for job in [*s["jobs"], ledger.UNASSIGNED_JOB]:

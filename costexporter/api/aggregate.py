@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..buckets import RESOLUTIONS
+from ..cost import MS_PER_HOUR
 from ..model import CATEGORIES
 from .format import iso, micro, money, per_micro
 from .schemas import AllocationRow
@@ -17,7 +19,7 @@ from .store import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
 
 FIELDS = ("job", "team", "namespace", "cost_center")
 LABEL = re.compile(r"^label:([A-Za-z0-9_.\-/]{1,100})$")
-STEP_S = {"5m": 300, "1h": 3600, "1d": 86400, "1w": 7 * 86400}
+STEP_S = RESOLUTIONS  # a period of the allocation
 MAX_PERIODS = 1000
 MONTH_MAX = 12 * 3000
 
@@ -194,7 +196,7 @@ def table_rows(
         order = [i for m in members for i in m]
         cuts = np.cumsum([0] + [len(m) for m in members[:-1]])
         g = np.add.reduceat(table.net[order], cuts, axis=0)
-    hours = [(g[:, c].sum(axis=1) / 3.6e6).tolist() for c in (JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS)]
+    hours = [(g[:, c].sum(axis=1) / MS_PER_HOUR).tolist() for c in (JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS)]
     cost_u = g[:, JOB_U].sum(axis=1).tolist()
     wasted_u = g[:, WASTED_U].sum(axis=1).tolist()
     s, e = iso(start), iso(end)

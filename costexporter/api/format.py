@@ -8,6 +8,7 @@ from decimal import Decimal
 import orjson
 from fastapi.responses import Response
 
+from ..cost import MJ_PER_KWH, MS_PER_HOUR
 from .store import JOB_CATS, Amounts
 
 PLACES = Decimal("0.000001")
@@ -54,8 +55,8 @@ def per_micro(u: int, n: int) -> str | None:
 def by_category(a: Amounts) -> dict:
     # 6 decimals: a micro-GPU-hour is 3.6 ms, finer than anything the ledger resolves.
     return {
-        "gpu_hours": {c: round(a.ms[c] / 3.6e6, 6) for c in JOB_CATS},
-        "energy_kwh": {c: round(a.mj[c] / 3.6e9, 6) for c in JOB_CATS},
+        "gpu_hours": {c: round(a.ms[c] / MS_PER_HOUR, 6) for c in JOB_CATS},
+        "energy_kwh": {c: round(a.mj[c] / MJ_PER_KWH, 6) for c in JOB_CATS},
         "cost": {c: micro(a.ucost[c]) for c in JOB_CATS},
     }
 

@@ -23,6 +23,8 @@ import redis
 import redis.cluster
 
 from .. import ledger, protocol
+from ..buckets import RESOLUTIONS
+from ..cost import MS_PER_HOUR
 from ..model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
 from .windows import decompose
 
@@ -119,7 +121,7 @@ class Amounts:
         return sum((self.cost(c) for c in cats), Decimal(0))
 
     def hours(self, cats: list[str]) -> float:
-        return sum(self.ms[c] for c in cats) / 3.6e6
+        return sum(self.ms[c] for c in cats) / MS_PER_HOUR
 
 
 @dataclass
@@ -654,7 +656,7 @@ class LedgerStore:
         """The series' bucket starts and their net amounts as a matrix (a row per point, columns
         `ledger.PACKED`): each point the difference of two rollup records (one script call);
         from the buckets of `res` where the job has no usable rollup."""
-        secs = ledger.RESOLUTIONS[res]
+        secs = RESOLUTIONS[res]
         first = start // secs * secs
         starts = list(range(first, end, secs))
         if self.use_rollups and starts:
@@ -679,7 +681,7 @@ class LedgerStore:
         self, job: str, start: int, end: int, res: str, warn: Warnings | None = None
     ) -> list[tuple[int, Amounts]]:
         """The series from the buckets of `res` (the exact path)."""
-        secs = ledger.RESOLUTIONS[res]
+        secs = RESOLUTIONS[res]
         first = start // secs * secs
         starts = list(range(first, end, secs))
         pipe = self.r.pipeline(transaction=False)

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from zoneinfo import ZoneInfo
 
-BUCKET_S = 300
+from ..buckets import BUCKET_S, MONDAY, RESOLUTIONS
+
 ACCEPTED = (
     "a duration back from now (30m, 24h, 7d, 2w), a calendar word (today, yesterday, week, lastweek, "
     "month, lastmonth), an RFC 3339 pair 'start,end' or a Unix-seconds pair 'start,end'"
@@ -116,7 +117,7 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, de
     return Window(s, e, raw)
 
 
-WEEK_OFFSET = 4 * 86400  # weeks start on Monday 00:00 UTC (1970-01-05)
+WEEK_OFFSET = MONDAY  # weeks start on Monday 00:00 UTC (1970-01-05)
 
 
 def decompose(start: int, end: int) -> list[tuple[str, int]]:
@@ -126,10 +127,10 @@ def decompose(start: int, end: int) -> list[tuple[str, int]]:
     t = start
     while t < end:
         for res, secs, off in (
-            ("1w", 7 * 86400, WEEK_OFFSET),
-            ("1d", 86400, 0),
-            ("1h", 3600, 0),
-            ("5m", 300, 0),
+            ("1w", RESOLUTIONS["1w"], WEEK_OFFSET),
+            ("1d", RESOLUTIONS["1d"], 0),
+            ("1h", RESOLUTIONS["1h"], 0),
+            ("5m", RESOLUTIONS["5m"], 0),
         ):
             if (t - off) % secs == 0 and t + secs <= end:
                 out.append((res, t))

@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import Response
 
+from ...buckets import BUCKET_S, RESOLUTIONS
+from ...cost import MJ_PER_KWH, MS_PER_HOUR
 from ...model import CATEGORIES
 from ..deps import Config, Store, Who, Win, visible_job
 from ..format import by_category, iso, json_bytes, micro, money, per
@@ -20,7 +22,7 @@ from ..windows import Window
 # Job names may contain "/" (`team/run-7`): the job is a path parameter, and the sub-resources are
 # declared before the job itself so `a/b/series` is the series of `a/b`.
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
-STEP_S = {"5m": 300, "1h": 3600, "1d": 86400}
+STEP_S = {r: RESOLUTIONS[r] for r in ("5m", "1h", "1d")}  # a series step
 JOB_IDX = [CATEGORIES.index(c) for c in JOB_CATS]  # columns of a series matrix, per unit
 WASTED_IDX = [CATEGORIES.index(c) for c in WASTED]
 MAX_POINTS = 10_000
@@ -110,10 +112,10 @@ def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -
     starts, m = s.series_matrix(job, w.start, w.end, step, warn)
     # Per column for all points at once; the same integer sums and float divisions as `Amounts`.
     ms, mj, u = m[:, 0::3][:, JOB_IDX], m[:, 1::3][:, JOB_IDX], m[:, 2::3][:, JOB_IDX]
-    hours = (ms.sum(axis=1) / 3.6e6).tolist()
-    wasted = (m[:, 0::3][:, WASTED_IDX].sum(axis=1) / 3.6e6).tolist()
+    hours = (ms.sum(axis=1) / MS_PER_HOUR).tolist()
+    wasted = (m[:, 0::3][:, WASTED_IDX].sum(axis=1) / MS_PER_HOUR).tolist()
     cost = u.sum(axis=1).tolist()
-    cat_h, cat_e, cat_u = (ms / 3.6e6).tolist(), (mj / 3.6e9).tolist(), u.tolist()
+    cat_h, cat_e, cat_u = (ms / MS_PER_HOUR).tolist(), (mj / MJ_PER_KWH).tolist(), u.tolist()
     empty = (~m.any(axis=1)).tolist()
     zero = {  # the by_category of a point without amounts: one object, encoded as often as used
         "gpu_hours": dict.fromkeys(JOB_CATS, 0.0),
@@ -164,7 +166,7 @@ def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incident
             ranks=i["ranks"],
             zero_util_ranks=i["zero_util_ranks"],
             hosts=i["hosts"],
-            gpu_hours=i["gpu_ms"] / 3.6e6,
+            gpu_hours=i["gpu_ms"] / MS_PER_HOUR,
         )
         for i in s.incidents(job, w.start, w.end, warn=warn)
     ]
@@ -182,9 +184,10 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     meta, fig = info["meta"], info["figures"]
     cost = a.total_cost()
     ckpt = stored_time(fig, "last_checkpoint_ts", job, warn)
-    risk_from = max(int(ckpt) // 300 * 300, w.start) if ckpt else w.start
+    risk_from = max(int(ckpt) // BUCKET_S * BUCKET_S, w.start) if ckpt else w.start
     # from the window's start (no checkpoint in it) that is the window's amounts, read above
-    risk = a if risk_from == w.start else s.amounts_many([job], risk_from, max(w.end, risk_from + 300))[job]
+    risk_to = max(w.end, risk_from + BUCKET_S)
+    risk = a if risk_from == w.start else s.amounts_many([job], risk_from, risk_to)[job]
     at_risk = risk.hours(JOB_CATS)
     spend_all = s.totals_many([job], warn)[job].total_cost()
     budget_d = stored_decimal(meta, "budget", job, warn)

@@ -1,0 +1,20 @@
+"""Time as users write it (pure): the zones a `--tz` names.
+
+The replay report, calibrate's labels and the CLI's times read a zone the same way.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from zoneinfo import ZoneInfo
+
+
+def tz_zone(tz: str) -> dt.tzinfo:
+    """The zone a --tz names (IANA name, UTC/Z or +HH:MM, as the CLI checks it) as a tzinfo."""
+    if tz.upper() in ("UTC", "Z"):
+        return dt.timezone.utc
+    if m := re.fullmatch(r"([+-])(\d{2}):(\d{2})", tz):
+        sign = 1 if m[1] == "+" else -1
+        return dt.timezone(sign * dt.timedelta(hours=int(m[2]), minutes=int(m[3])))
+    return ZoneInfo(tz)
