@@ -86,12 +86,12 @@ def book_seen(
     )
 
 
-def delta_of(state, res, own, start, tol_ms):
+def delta_of(state, res, own, start, tol_ms, prices=None):
     """`ledger_delta` of one round of `book_seen` (one agent, the job's price)."""
     return ledger_delta(
         state,
         res,
-        prices=Prices(),
+        prices=Prices() if prices is None else prices,
         price=3.5,
         own_ranks=own,
         member_start_ms=np.full(own.size, start),
@@ -170,7 +170,7 @@ def test_the_pure_ledger_delta_chained_over_rounds_nets_to_the_offline_replay(ki
     give the offline replay's amounts net of the `voided:` corrections, and every delta is
     self-consistent (its state adds exactly what it writes)."""
     from costexporter.cost import Prices
-    from costexporter.live import JobState, ledger_delta
+    from costexporter.live import JobState
 
     b = scenario(kind)
     [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
@@ -190,18 +190,7 @@ def test_the_pure_ledger_delta_chained_over_rounds_nets_to_the_offline_replay(ki
         )
         if res.horizon_ms <= state.booked_until:
             continue
-        d = ledger_delta(
-            state,
-            res,
-            prices=prices,
-            price=3.5,
-            own_ranks=own,
-            member_start_ms=np.full(own.size, start),
-            job_start_ms=start,
-            last_progress_ms=start,
-            host="h",
-            incident_tol_ms=5000,
-        )
+        d = delta_of(state, res, own, start, 5000, prices)
         round_amounts = sum(d.by_bucket.values(), np.zeros_like(written))
         assert (d.state.booked == state.booked + round_amounts + d.rolled).all()
         assert (d.state.voided == state.voided + d.moved).all()

@@ -4,8 +4,11 @@ counted; the healthy jobs next to it are still judged, by the real `costexporter
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -78,39 +81,39 @@ def test_a_poisoned_job_is_skipped_every_poll_and_counted_once(prefix, tmp_path,
         w.stop()
 
 
-@settings(max_examples=30, deadline=None)
-@given(raw=st.one_of(st.sampled_from(POISON_RANKS), st.text(max_size=20)), rank=st.text(max_size=5))
-def test_any_ranks_entry_never_stops_the_watcher(raw, rank):
-    import uuid
-
+@contextlib.contextmanager
+def _own_prefix() -> Iterator[tuple[str, redis.Redis]]:
+    """A key prefix for one hypothesis example (a fixture's would be shared by all of them) and
+    a client of raw bytes; its keys are deleted after."""
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     r = redis.Redis.from_url(SHARED_URL)
     try:
-        now = time.time()
-        r.zadd(protocol.jobs_key(prefix), {"j": now})
-        r.hset(protocol.ranks_key(prefix, "j"), mapping={rank or "0": raw})
-        r.xadd(
-            protocol.stream_key(prefix, "j"),
-            {
-                "v": "1",
-                "type": "heartbeat",
-                "job": "j",
-                "ts": str(now),
-                "rank": "0",
-                "session": "s",
-                "seq": "0",
-            },
-        )
-        w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
-        try:
-            decided = w.poll()
-            assert w.redis_up and "j" in decided
-        finally:
-            w.stop()
+        yield prefix, r
     finally:
         keys = list(r.scan_iter(f"{prefix}:*"))
         if keys:
             r.delete(*keys)
+
+
+def _poll_once(prefix: str) -> dict:
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
+    try:
+        decided = w.poll()
+        assert w.redis_up
+        return decided
+    finally:
+        w.stop()
+
+
+@settings(max_examples=30, deadline=None)
+@given(raw=st.one_of(st.sampled_from(POISON_RANKS), st.text(max_size=20)), rank=st.text(max_size=5))
+def test_any_ranks_entry_never_stops_the_watcher(raw, rank):
+    with _own_prefix() as (prefix, r):
+        now = time.time()
+        r.zadd(protocol.jobs_key(prefix), {"j": now})
+        r.hset(protocol.ranks_key(prefix, "j"), mapping={rank or "0": raw})
+        r.xadd(protocol.stream_key(prefix, "j"), _heartbeat("j", now, 0))
+        assert "j" in _poll_once(prefix)
 
 
 def test_watch_once_exits_2_when_redis_is_unreachable(cli):
@@ -146,13 +149,9 @@ def test_bytes_that_are_not_utf8_are_refused_and_counted_not_fatal(junk, field):
     value or a field name), a ranks entry and a jobs-set member of such bytes: the reader counts
     the entry refused and reads the good events on both sides of it; the watcher judges the
     job and the job next to it."""
-    import uuid
-
     from costexporter.reader import EventReader
 
-    prefix = f"test-{uuid.uuid4().hex[:12]}"
-    r = redis.Redis.from_url(SHARED_URL)
-    try:
+    with _own_prefix() as (prefix, r):
         now = time.time()
         r.zadd(protocol.jobs_key(prefix), {"j": now, "k": now, junk: now})
         bad = _heartbeat("j", now, 1)
@@ -174,17 +173,9 @@ def test_bytes_that_are_not_utf8_are_refused_and_counted_not_fatal(junk, field):
         assert [e.seq for e in got] == ([0, 1, 2] if field in ("session", "x") else [0, 2])
         refused = {"type": "unknown_type", "ts": "rejected:bad_type", "x": "unknown_field"}
         assert field == "session" or reader.stats[refused[field]] == 1
-        w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
-        try:
-            decided = w.poll()
-            assert w.redis_up and {"j", "k"} <= set(decided)
-            assert decided["k"].state == "running"
-        finally:
-            w.stop()
-    finally:
-        keys = list(r.scan_iter(f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        decided = _poll_once(prefix)
+        assert {"j", "k"} <= set(decided)
+        assert decided["k"].state == "running"
 
 
 def _utf8(b: bytes) -> bool:
