@@ -233,7 +233,7 @@ class StepReporter:
             MAX_WORLD_SIZE,
             lo=1,
         )
-        self.host = host or os.environ.get("COSTEXPORTER_HOST") or socket.gethostname()
+        self.host = coerce.text(host or os.environ.get("COSTEXPORTER_HOST") or socket.gethostname(), "host")
         if gpu_uuid is None and gpu_index is None:
             gpu_index, gpu_uuid = detect_gpu(self.local_rank)
             if gpu_uuid is None:
@@ -243,7 +243,7 @@ class StepReporter:
         self.gpu_index = coerce.count(
             self.local_rank if gpu_index is None else gpu_index, "gpu_index", MAX_GPU_INDEX
         )
-        self.gpu_uuid = gpu_uuid
+        self.gpu_uuid = None if gpu_uuid is None else coerce.text(gpu_uuid, "gpu_uuid")
         self.session = secrets.token_hex(8)
         self._clock = clock  # Unix seconds; a simulation passes its own
         self.heartbeat_s = heartbeat_s
@@ -367,10 +367,10 @@ class StepReporter:
                 if x < 0:
                     raise ValueError(f"{k} must be >= 0, got {v!r}")
                 clean[k] = x
-            elif k in META_TEXT and v is not None and not isinstance(v, str):
-                raise TypeError(f"{k} must be a string, got {type(v).__name__} {v!r}")
+            elif k in META_TEXT and v is not None:
+                clean[k] = coerce.text(v, k)
             else:
-                clean[k] = coerce.plain(v, k)
+                clean[coerce.text(k, "a meta field name")] = coerce.plain(v, k)
         self._post("meta", ts=self._ts(ts), **clean)
 
     def preflight(self, passed: bool, checks: object = None) -> None:
@@ -698,7 +698,7 @@ class StepReporter:
 def _name(name: object) -> str:
     if not isinstance(name, str) or not name:
         raise TypeError(f"a phase name must be a non-empty string, got {name!r}")
-    return name
+    return coerce.text(name, "a phase name")
 
 
 def _opt_count(x: object, name: str) -> int | None:

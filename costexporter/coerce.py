@@ -66,10 +66,26 @@ def _float_of(x: object, name: str) -> float:
         raise TypeError(f"{name} must be a number, got {type(x).__name__} {x!r}") from e
 
 
+def text(x: object, name: str) -> str:
+    """A string Redis can store: one with a lone surrogate (a file name or environment value
+    decoded with `surrogateescape`) cannot be encoded as UTF-8, and would fail its whole batch
+    in the sender thread, taking the good events of the batch with it."""
+    if not isinstance(x, str):
+        raise TypeError(f"{name} must be a string, got {type(x).__name__} {x!r}")
+    if not x.isascii():
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name} is not valid text (it holds a lone surrogate): {x!r}") from None
+    return x
+
+
 def plain(x: object, name: str, depth: int = 0) -> object:
     """A JSON-plain value (None, bool, str, finite int/float, lists and string-keyed dicts of those),
     for meta fields and preflight checks."""
-    if x is None or isinstance(x, (bool, str)) or type(x) is int:
+    if isinstance(x, str):
+        return text(x, name)
+    if x is None or isinstance(x, bool) or type(x) is int:
         return x
     if _is_bool(x):
         return bool(x)
@@ -80,7 +96,7 @@ def plain(x: object, name: str, depth: int = 0) -> object:
         for k, v in x.items():
             if not isinstance(k, str):
                 raise TypeError(f"{name} keys must be strings, got {k!r}")
-            out[k] = plain(v, f"{name}.{k}", depth + 1)
+            out[text(k, f"{name} key")] = plain(v, f"{name}.{k}", depth + 1)
         return out
     if isinstance(x, (list, tuple)):
         return [plain(v, f"{name}[{i}]", depth + 1) for i, v in enumerate(x)]

@@ -173,7 +173,7 @@ def parse_event(
     elif etype == "meta":
         for key in META_TEXT:
             val = entry.get(key)
-            if val is not None:
+            if val is not None and val != "":  # '' is absent, as for every optional field
                 f[key] = _str(entry, key)
         for key in META_NUMBERS:
             x = _float(entry, key, required=False)

@@ -185,6 +185,62 @@ HOSTILE = st.one_of(
 )
 
 
+def _storable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def test_text_redis_cannot_store_is_refused_at_the_call_and_good_events_still_arrive(
+    shared, prefix, tmp_path
+):
+    """A lone surrogate (a path or an environment value decoded with `surrogateescape`) used to
+    pass the call and then fail its whole batch in the sender: the register, the steps and the
+    meta of that batch were lost, with a traceback. Every text the reporter posts is checked at
+    the call: meta values and field names, nested meta values, phase names, preflight checks."""
+    rep = StepReporter("texts", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=3600)
+    sent: list[str] = []
+
+    @settings(max_examples=200)
+    @example(t="\udcff")
+    @example(t="caf\u00e9 \U0001f600")
+    @given(t=st.text(max_size=6) | st.sampled_from(["\ud800", "a\udfffb", "\udc80\udc81"]))
+    def call(t):
+        calls = [
+            lambda: rep.meta(team=t),
+            lambda: rep.meta(notes={"k": [t]}),
+            lambda: rep.meta(**{f"x{t}": 1}),
+            lambda: rep.phase_begin(f"p{t}"),
+            lambda: rep.preflight(True, {"check": t}),
+        ]
+        for c in calls:
+            if _storable(t):
+                c()
+            else:
+                with pytest.raises(ValueError, match="lone surrogate"):
+                    c()
+        if _storable(t):
+            sent.append(t)
+        rep.step(len(sent))
+
+    call()
+    assert rep.flush(timeout=20), rep.stats
+    rep.close()
+    assert rep.stats["rejected"] == 0, rep.stats
+    reader = EventReader(shared, "texts", prefix=prefix)
+    events = reader.read_all()
+    # An empty team is no team (the reader reads '' as absent): the rest of its meta stands.
+    assert [e.get("team") for e in events if e.type == "meta" and "team" in e.fields] == [
+        t for t in sent if t
+    ]
+    assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
+    assert sum(e.type == "step" for e in events) > 0 and any(e.type == "register" for e in events)
+    with pytest.raises(ValueError, match="host"):
+        StepReporter("texts", SHARED_URL, prefix=prefix, rank=1, spool_dir=tmp_path, host="h\udcff")
+
+
 def _whole(x, hi: int) -> int | None:
     """What a correct reporter makes of x: the whole number in [0, hi], or None (refuse it).
     `hi` is the reader's bound for the field (steps MAX_STEP, tokens MAX_TOKENS): the reporter
