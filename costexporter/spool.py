@@ -99,7 +99,7 @@ class SpoolFile:
 
     def _open(self):
         while self._f is None:
-            f = open(self.path, "a+")  # noqa: SIM115 - held open (and locked) for the reporter's life
+            f = _open_spool(self.path, "a+")  # held open (and locked) for the reporter's life
             fcntl.flock(f, fcntl.LOCK_EX)
             if os.fstat(f.fileno()).st_nlink == 0:  # a sender took the empty file away meanwhile
                 f.close()
@@ -111,18 +111,36 @@ class SpoolFile:
         return self._f
 
 
-def _entries(f) -> Iterator[dict[str, str]]:
+def _open_spool(path: Path, mode: str):
+    """A spool file as text. Bytes that are not UTF-8 (a torn write, a disk error) read as
+    surrogates instead of failing the whole file: `_entries` skips the lines that hold them."""
+    return open(path, mode, encoding="utf-8", errors="surrogateescape")
+
+
+def _entries(f, skipped: list[int] | None = None) -> Iterator[dict[str, str]]:
+    """The events of a spool file; a line that is not one (torn, corrupted, not UTF-8: the
+    reporter writes only UTF-8 JSON) is skipped and counted in `skipped[0]`."""
     for line in f:
-        with contextlib.suppress(ValueError):
+        if not line.strip():
+            continue
+        try:
+            line.encode("utf-8")  # surrogates: bytes that were never UTF-8
             d = json.loads(line)
-            if isinstance(d, dict) and not is_header(d) and d.get("job"):
-                yield {str(k): str(v) for k, v in d.items()}
+        except ValueError:  # UnicodeEncodeError and JSONDecodeError both are
+            d = None
+        if isinstance(d, dict) and is_header(d):
+            continue
+        if isinstance(d, dict) and d.get("job"):
+            yield {str(k): str(v) for k, v in d.items()}
+        elif skipped is not None:
+            skipped[0] += 1
 
 
 def read_header(f) -> dict | None:
     f.seek(0)
     first = f.readline()
     try:
+        first.encode("utf-8")
         d = json.loads(first)
     except ValueError:
         return None
@@ -134,7 +152,7 @@ def claim(path: Path) -> Iterator[object | None]:
     """The file, opened and exclusively locked, or None when its writer (or another sender) holds
     it, or it is already gone. Unlinking it while claimed is safe: a waiting claimant sees it gone."""
     try:
-        f = open(path, "r+")  # noqa: SIM115 - closed below
+        f = _open_spool(path, "r+")
     except OSError:
         yield None
         return
@@ -175,9 +193,9 @@ def mismatch(path: Path, head: dict | None, dest: str, prefix: str) -> str | Non
     return why
 
 
-def entries_of(f) -> list[dict[str, str]]:
+def entries_of(f, skipped: list[int] | None = None) -> list[dict[str, str]]:
     f.seek(0)
-    return list(_entries(f))
+    return list(_entries(f, skipped))
 
 
 def rewrite(f, head: dict, entries: list[dict[str, str]]) -> None:

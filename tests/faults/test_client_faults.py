@@ -662,3 +662,67 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
         schedule()
     finally:
         server.stop()
+
+
+def _not_an_event(b: bytes) -> bool:
+    try:
+        d = json.loads(b.decode("utf-8"))
+    except ValueError:
+        return True
+    return not (isinstance(d, dict) and d.get("job"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    junk=st.lists(
+        st.binary(min_size=1, max_size=40).map(lambda b: b.replace(b"\n", b"")).filter(_not_an_event),
+        min_size=1,
+        max_size=4,
+    ),
+    torn=st.booleans(),
+    at=st.integers(0, 3),
+)
+def test_a_corrupted_spool_sends_its_good_lines_and_counts_the_rest(junk, torn, at):
+    """A spool a crashed trainer left, with bytes a torn write or a disk error put in it (not
+    UTF-8, not JSON, a last line cut short): every reporter of the host used to fail on the file
+    each round (a UnicodeDecodeError traceback a round, its good events never sent). Now the good
+    lines are sent once, the rest counted and logged, and the file is gone."""
+    import tempfile
+    import uuid
+
+    from costexporter import spool
+
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    with tempfile.TemporaryDirectory() as d:
+        spool_dir = Path(d)
+        good = [
+            {"v": "1", "type": "step", "job": "torn", "ts": f"{time.time():.3f}", "rank": "3",
+             "session": "old", "seq": str(i), "step": str(i + 1)}
+            for i in range(4)
+        ]  # fmt: skip
+        lines = [json.dumps(e).encode() for e in good]
+        for j, b in enumerate(junk):
+            lines.insert(min(at + j, len(lines)), b)
+        body = b"\n".join(lines) + (b'\n{"v": "1", "ty' if torn else b"\n")
+        head = json.dumps(spool.header(spool.destination(SHARED_URL), prefix)).encode() + b"\n"
+        (spool_dir / f"{spool.safe_name(prefix)}.torn.old.jsonl").write_bytes(head + body)
+        rep = StepReporter("torn", SHARED_URL, prefix=prefix, rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        try:
+            assert rep.flush(timeout=10), rep.stats
+            deadline = time.monotonic() + 10
+            while rep.stats["drained"] < len(good) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            rep.close()
+        left = list(spool_dir.glob("*.jsonl"))
+    r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        got = [e for e in EventReader(r, "torn", prefix=prefix).read_all() if e.rank == 3]
+    finally:
+        r.delete(
+            protocol.stream_key(prefix, "torn"), protocol.ranks_key(prefix, "torn"), protocol.jobs_key(prefix)
+        )
+    assert sorted(e.get("step") for e in got) == [1, 2, 3, 4]
+    assert rep.stats["drained"] == len(good)
+    assert rep.stats["spool_corrupt_lines"] == len(junk) + torn
+    assert not left
