@@ -122,6 +122,21 @@ class Allowances:
         self._durations: dict[str, list[int]] = {}
         self._history: dict[str, tuple[list[int], list[int]]] = {}  # name -> (since_ms, allowance)
         self._current: dict[str, int] = {}  # `current` until the next `observe` of the name
+        self._shared = False  # the lists are shared with a `copy`: copied before a write
+
+    def copy(self) -> Allowances:
+        """An independent copy that shares the learned durations until either side observes one
+        (a fold's view copies its walk every poll; the lists grow with the job's phases)."""
+        c = Allowances(self.cfg)
+        c._durations, c._history, c._current = self._durations, self._history, dict(self._current)
+        c._shared = self._shared = True
+        return c
+
+    def _own(self) -> None:
+        if self._shared:
+            self._durations = {k: list(v) for k, v in self._durations.items()}
+            self._history = {k: (list(a), list(b)) for k, (a, b) in self._history.items()}
+            self._shared = False
 
     def current(self, name: str) -> int:
         got = self._current.get(name)
@@ -139,6 +154,7 @@ class Allowances:
 
     def observe(self, name: str, at_ms: int, duration_ms: int) -> None:
         if duration_ms <= self.current(name):
+            self._own()
             self._current.pop(name, None)
             self._durations.setdefault(name, []).append(duration_ms)
             since, values = self._history.setdefault(name, ([NEG_INF], [self.cfg.default_allowance_ms(name)]))

@@ -190,17 +190,9 @@ class _Walk:
 
     def clone(self) -> _Walk:
         c = copy.copy(self)
-        c.allow = Allowances(self.cfg)
-        c.allow._durations = {k: list(v) for k, v in self.allow._durations.items()}
-        c.allow._history = {k: (list(a), list(b)) for k, (a, b) in self.allow._history.items()}
-        c.allow._current = dict(self.allow._current)
+        c.allow = self.allow.copy()
         c.p0 = self.p0.clone(c.allow)
-        c.pr = {}
-        for r, p in self.pr.items():
-            a = Allowances(self.cfg)
-            a._durations = {k: list(v) for k, v in p.allow._durations.items()}
-            a._history = {k: (list(x), list(y)) for k, (x, y) in p.allow._history.items()}
-            c.pr[r] = p.clone(a)
+        c.pr = {r: p.clone(p.allow.copy()) for r, p in self.pr.items()}
         c.seg_start, c.seg_regime = list(self.seg_start), list(self.seg_regime)
         c.seg_step = list(self.seg_step)
         c.steps = list(self.steps)

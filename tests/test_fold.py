@@ -336,3 +336,38 @@ def test_the_rollback_floor_is_the_oldest_reachable_checkpoints_record():
     blob = dump_fold(fold, "j")
     fold, _ = load_fold(blob, cfg, "j")
     assert floor() == 19  # step 20's record again (the resumed run's step 25 is record 34)
+
+
+OBSERVATIONS = st.lists(
+    st.tuples(st.booleans(), st.sampled_from(["checkpoint", "eval", "startup"]), st.integers(0, 400_000)),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=OBSERVATIONS, after=OBSERVATIONS)
+def test_an_allowances_copy_is_independent_of_its_original_both_ways(before, after):
+    """A view's copy shares the learned durations until either side learns one more: each side
+    then answers as an Allowances fed only its own observations (the fold's view must never move
+    the fold's allowances, nor the fold a timeline already handed out)."""
+    from costexporter.booking import Allowances
+
+    cfg = BookingConfig()
+
+    def fed(obs):
+        a = Allowances(cfg)
+        for _, name, d in obs:
+            a.observe(name, 0, d)
+        return a
+
+    original = fed([(True, n, d) for _, n, d in before])
+    copy = original.copy()
+    for to_copy, name, d in after:
+        (copy if to_copy else original).observe(name, 0, d)
+    mine = fed(before + [x for x in after if not x[0]])
+    theirs = fed(before + [x for x in after if x[0]])
+    for name in ("checkpoint", "eval", "startup"):
+        assert original.current(name) == mine.current(name)
+        assert copy.current(name) == theirs.current(name)
+        assert original._durations.get(name) == mine._durations.get(name)
+        assert copy._durations.get(name) == theirs._durations.get(name)
