@@ -48,6 +48,17 @@ from .cost import Prices, price_override_note
 from .figures import at_risk_ms
 from .fold import FoldFormatError, TimelineFold, dump_fold, load_fold, walk_relevant
 from .idle import IdleLearner
+from .keys import (
+    epoch_key,
+    fold_key,
+    gpu_idle_key,
+    live_key,
+    node_key,
+    rbidx_key,
+    readers_key,
+    samples_key,
+    watermark_key,
+)
 from .live import JobState, book_window
 from .model import BANDS, Category, Event
 from .profiles import Profile
@@ -375,7 +386,7 @@ class Agent:
         if self._epoch is None:
             self._epoch = ledger.ensure_epoch(self.redis, self.cfg.prefix, uuid.uuid4().hex)
             return
-        if self.redis.get(ledger.epoch_key(self.cfg.prefix)) == self._epoch:
+        if self.redis.get(epoch_key(self.cfg.prefix)) == self._epoch:
             return
         self.stats["epoch_resets"] += 1
         log.error(
@@ -465,7 +476,7 @@ class Agent:
         if self.idle is None:
             return
         gpus = self.source.gpus()
-        keys = {g.uuid: ledger.gpu_idle_key(self.cfg.prefix, g.uuid) for g in gpus if g.uuid}
+        keys = {g.uuid: gpu_idle_key(self.cfg.prefix, g.uuid) for g in gpus if g.uuid}
         if not keys:
             return
         if not self._idle_seeded:
@@ -514,7 +525,7 @@ class Agent:
                     "util_pct": None if r is None or r.util_pct != r.util_pct else r.util_pct,
                 }
             )
-        k = ledger.node_key(self.cfg.prefix, self.host)
+        k = node_key(self.cfg.prefix, self.host)
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(k)
         pipe.hset(k, mapping=mapping)
@@ -677,7 +688,7 @@ class Agent:
 
     def _load(self, job: _Job) -> None:
         """The job's state as the ledger has it (at start, and after an uncertain write)."""
-        raw = self.redis.get(ledger.key(self.cfg.prefix, job.name, "wm", self.cfg.agent_id))
+        raw = self.redis.get(watermark_key(self.cfg.prefix, job.name, self.cfg.agent_id))
         # The rollback index stays in Redis: a round reads the entries its voids need.
         job.state = JobState.from_json(json.loads(raw) if raw else {}, {})
         job.wm_raw = raw
@@ -691,12 +702,12 @@ class Agent:
         another booking configuration) is counted and logged once; the fold is then rebuilt from
         the stream."""
         cfg = self.cfg
-        pos = self.redis.hget(ledger.readers_key(cfg.prefix, job.name), f"agent:{cfg.agent_id}")
+        pos = self.redis.hget(readers_key(cfg.prefix, job.name), f"agent:{cfg.agent_id}")
         try:
             job.fold_old_at = float(json.loads(pos)["at"]) if pos else None
         except (ValueError, KeyError, TypeError):
             job.fold_old_at = None
-        raw = self.redis.get(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id))
+        raw = self.redis.get(fold_key(cfg.prefix, job.name, cfg.agent_id))
         if raw is None:
             return
         try:
@@ -745,10 +756,10 @@ class Agent:
         """The fold (and the older one and this agent's stream position, when it changes), in the
         commit's MULTI: the stream is kept from the older fold's position on."""
         cfg = self.cfg
-        pipe.set(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id), blob)
+        pipe.set(fold_key(cfg.prefix, job.name, cfg.agent_id), blob)
         if old is not None:
             at, old_blob, cursor = old
-            pipe.set(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id, old=True), old_blob)
+            pipe.set(fold_key(cfg.prefix, job.name, cfg.agent_id, old=True), old_blob)
             ledger.queue_position(
                 pipe,
                 cfg.prefix,
@@ -840,7 +851,7 @@ class Agent:
         the whole stream. None when the stored fold is missing, unreadable, or itself newer than
         the late event: the caller folds the whole stream (what is left of it)."""
         cfg = self.cfg
-        raw = self.redis.get(ledger.fold_key(cfg.prefix, job.name, cfg.agent_id, old=True))
+        raw = self.redis.get(fold_key(cfg.prefix, job.name, cfg.agent_id, old=True))
         if raw is None:
             return None
         try:
@@ -872,7 +883,7 @@ class Agent:
         need = sorted(live.needed_index_entries(tl, job.state.rb_applied) - set(job.state.rb_index))
         if not need:
             return
-        k = ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id)
+        k = rbidx_key(self.cfg.prefix, job.name, self.cfg.agent_id)
         for i, v in zip(need, self.redis.hmget(k, [str(i) for i in need]), strict=True):
             if v is not None:
                 job.state.rb_index[i] = json.loads(v)
@@ -954,7 +965,7 @@ class Agent:
         hosts = sorted(h for h in job.peer_hosts if h != self.host)
         if not hosts:
             return
-        keys = {ledger.key(self.cfg.prefix, job.name, "samples", h): h for h in hosts}
+        keys = {samples_key(self.cfg.prefix, job.name, h): h for h in hosts}
         raw: list[bytes] = []
         first = {k: h for k, h in keys.items() if h not in job.remote_ids}
         if first:
@@ -1020,7 +1031,7 @@ class Agent:
             new = own_ts > np.asarray([job.published_ts.get(r, -1) for r in ranks.tolist()], np.int64)[at]
         if new.any():
             self.redis.xadd(
-                ledger.key(self.cfg.prefix, job.name, "samples", self.host),
+                samples_key(self.cfg.prefix, job.name, self.host),
                 samplewin.encode_entry(
                     (own_rank[new], own_ts[new], p[mine][new], u[mine][new], e[mine][new])
                 ),
@@ -1251,7 +1262,7 @@ class Agent:
         `ahead_only`, adopted only if it is ahead of ours (a twin agent booked further), so a late
         claim starts after it; never going back (after an empty Redis restart our in-memory
         watermark is the truth)."""
-        raw = self.redis.get(ledger.key(self.cfg.prefix, ledger.UNASSIGNED_JOB, "wm", self.cfg.agent_id))
+        raw = self.redis.get(watermark_key(self.cfg.prefix, ledger.UNASSIGNED_JOB, self.cfg.agent_id))
         stored = int(json.loads(raw).get("booked_until", 0)) if raw else 0
         if ahead_only and stored <= (self._unassigned_until or 0):
             return
@@ -1379,7 +1390,7 @@ class Agent:
         for r, t, pw, ut in zip(rank.tolist(), ts.tolist(), p.tolist(), u.tolist(), strict=True):
             if r not in last or t >= last[r][0]:
                 last[r] = (t, pw, ut)
-        k = ledger.key(self.cfg.prefix, job.name, "live", self.host)
+        k = live_key(self.cfg.prefix, job.name, self.host)
         gpus = self.source.gpus()
 
         def band(r: int, pw: float, ut: float) -> str:

@@ -60,5 +60,3 @@ def amounts(
         a = np.stack([ms[b], np.round(mj[b]), np.round(cost[b] * 1e6)], axis=1).astype(np.int64)
         out[int(bounds[b] // 1000)] = a
     return out
-
-

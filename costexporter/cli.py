@@ -1152,7 +1152,7 @@ def preflight(
 
         try:
             post(cfg, passed, checks)
-            posted = f"posted to {prefix}:{{{job}}}:events"
+            posted = f"posted to {protocol.stream_key(prefix, job)}"
         except (redis.RedisError, OSError) as e:
             posted = f"not posted: Redis unreachable ({e})"
     if fmt == "json":

@@ -43,28 +43,22 @@ import json
 
 import numpy as np
 
-from . import protocol
+from . import keys, protocol
 from .buckets import RESOLUTIONS, UNITS, bucket_start
+from .keys import epoch_key as epoch_key
+from .keys import fold_key as fold_key
+from .keys import gpu_idle_key as gpu_idle_key
+from .keys import incident_index_key as incident_index_key
+from .keys import incidents_key as incidents_key
+from .keys import node_key as node_key
+from .keys import readers_key as readers_key
+from .keys import rollup_key as rollup_key
+from .keys import rollup_state_key as rollup_state_key
 from .model import CATEGORIES, VALID_CATEGORIES
 
+key = keys.job_key  # the generic builder, for scripts and tests that walk a job's keys
 UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
 VALID = sorted(int(c) for c in VALID_CATEGORIES)
-
-
-def key(prefix: str, job: str, *parts: str) -> str:
-    return protocol.job_key(prefix, job, ":".join(parts))
-
-
-def node_key(prefix: str, host: str) -> str:
-    """A node's GPUs as its agent last read them (hash gpu index -> JSON), with a TTL: the
-    pre-run gate's occupancy check reads it before any job has registered."""
-    return f"{prefix}:node:{host}"
-
-
-def gpu_idle_key(prefix: str, gpu_uuid: str) -> str:
-    """A GPU's idle power as its agent learned it (JSON: idle_w, n, host, updated), by the GPU's
-    UUID so it follows the GPU, not the agent: a restarted agent starts from it (idle.py)."""
-    return f"{prefix}:gpu:{gpu_uuid}:idle"
 
 
 def _fields(a: np.ndarray, prefix: str = "") -> dict[str, int]:
@@ -210,16 +204,6 @@ return n + 1
 )
 
 
-def rollup_key(prefix: str, job: str) -> str:
-    """The job's rollup records (zset: 5-minute bucket start -> `[start, net amounts...]`)."""
-    return key(prefix, job, "ledger", "cum")
-
-
-def rollup_state_key(prefix: str, job: str) -> str:
-    """The rollup's state (hash: `v`, `pv`)."""
-    return key(prefix, job, "ledger", "cumstate")
-
-
 def drop_rollup(client, prefix: str, job: str) -> None:
     """Remove a job's rollup (the API's next start rebuilds it from the buckets; until then the
     job is read by summing buckets): after editing a ledger by hand."""
@@ -227,7 +211,7 @@ def drop_rollup(client, prefix: str, job: str) -> None:
 
 
 def _rollup_keys(prefix: str, job: str) -> list[str]:
-    return [rollup_state_key(prefix, job), rollup_key(prefix, job), key(prefix, job, "ledger", "index", "5m")]
+    return [rollup_state_key(prefix, job), rollup_key(prefix, job), keys.index_key(prefix, job, "5m")]
 
 
 def queue_rollup(
@@ -250,7 +234,7 @@ def queue_rollup(
 def build_rollup(client, prefix: str, job: str) -> bool:
     """Build the rollup of a ledger written before rollups existed (one atomic script); False if
     it already had one."""
-    bucket_prefix = key(prefix, job, "ledger", "5m", "")
+    bucket_prefix = keys.bucket_key(prefix, job, "5m", "")
     return bool(client.execute_command("EVAL", ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
 
 
@@ -288,27 +272,16 @@ def queue_amounts(
         fields = _fields(a, field_prefix)
         for res in RESOLUTIONS:
             b = bucket_start(start, res)
-            k = key(prefix, job, "ledger", res, str(b))
+            k = keys.bucket_key(prefix, job, res, b)
             for f, v in fields.items():
                 pipe.hincrby(k, f, v)
             pipe.hset(k, "price_version", version)
-            pipe.zadd(key(prefix, job, "ledger", "index", res), {str(b): b})
+            pipe.zadd(keys.index_key(prefix, job, res), {str(b): b})
         for f, v in fields.items():
             total[f] = total.get(f, 0) + v
-    tk = key(prefix, job, "ledger", "total")
+    tk = keys.total_key(prefix, job)
     for f, v in total.items():
         pipe.hincrby(tk, f, v)
-
-
-def incidents_key(prefix: str, job: str, agent: str) -> str:
-    """One agent's incidents of a job (hash incident id -> JSON)."""
-    return key(prefix, job, "ledger", "incidents", agent)
-
-
-def incident_index_key(prefix: str, job: str) -> str:
-    """The agents that wrote incidents of a job: readers find the incident hashes here, never by
-    SCAN (a pattern would need the job name escaped, and a SCAN walks the whole keyspace)."""
-    return key(prefix, job, "ledger", "incidents")
 
 
 def queue_incidents(pipe, prefix: str, job: str, agent: str, incidents) -> None:
@@ -360,16 +333,16 @@ def queue_steps(
         if i in voids:
             voided[f"{i}:{cum_v}"] = (steps[i].voided_ms or steps[i].ts_ms) / 1000
     if done:
-        pipe.zadd(key(prefix, job, "ledger", "steps"), done)
+        pipe.zadd(keys.steps_key(prefix, job), done)
     if voided:
-        pipe.zadd(key(prefix, job, "ledger", "voids"), voided)
+        pipe.zadd(keys.voids_key(prefix, job), voided)
 
 
 def read_amounts(
     client, prefix: str, job: str, res: str | None = None, start: int | None = None
 ) -> dict[str, int]:
     """One amounts hash as integers (the total, or one bucket)."""
-    k = key(prefix, job, "ledger", "total") if res is None else key(prefix, job, "ledger", res, str(start))
+    k = keys.total_key(prefix, job) if res is None else keys.bucket_key(prefix, job, res, start)
     raw = client.hgetall(k)
     out = {}
     for f, v in raw.items():
@@ -385,7 +358,7 @@ def net_ms(amounts_: dict[str, int]) -> dict[str, int]:
 
 
 def load_watermark(client, prefix: str, job: str, agent: str) -> dict | None:
-    raw = client.get(key(prefix, job, "wm", agent))
+    raw = client.get(keys.watermark_key(prefix, job, agent))
     return json.loads(raw) if raw else None
 
 
@@ -399,7 +372,7 @@ def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: 
     or wrote last; None: absent). Returns the new raw watermark; raises Conflict otherwise."""
     import redis
 
-    k = key(prefix, job, "wm", agent)
+    k = keys.watermark_key(prefix, job, agent)
     raw = json.dumps(wm)
     with client.pipeline(transaction=True) as pipe:
         try:
@@ -433,7 +406,7 @@ def queue_delta(
         b = {delta.correction_bucket: delta.moved}
         queue_amounts(pipe, prefix, job, b, version, field_prefix="voided:")
         queue_amounts(pipe, prefix, job, {delta.correction_bucket: delta.rolled}, version)
-    rbidx = key(prefix, job, "ledger", "rbidx", agent)
+    rbidx = keys.rbidx_key(prefix, job, agent)
     if delta.index_new:
         pipe.hset(rbidx, mapping={str(k): json.dumps(v) for k, v in delta.index_new.items()})
     drops = sorted(delta.index_drops)
@@ -441,28 +414,14 @@ def queue_delta(
         pipe.hdel(rbidx, *map(str, drops[i : i + 10_000]))
     queue_incidents(pipe, prefix, job, agent, delta.incidents.values())
     figures = delta.figures if figures is None else figures
-    pipe.hset(key(prefix, job, "ledger", "job"), mapping={k: v for k, v in figures.items() if v is not None})
+    pipe.hset(keys.figures_key(prefix, job), mapping={k: v for k, v in figures.items() if v is not None})
     members = getattr(delta, "step_members", None)  # a folded timeline's (incremental agent)
     if members is None:
         queue_steps(pipe, prefix, job, steps, after_ms, delta.state.booked_until, delta.voids)
     else:
         for name, m in zip(("steps", "voids"), members, strict=True):
             if m:
-                pipe.zadd(key(prefix, job, "ledger", name), m)
-
-
-def fold_key(prefix: str, job: str, agent: str, old: bool = False) -> str:
-    """An agent's folded timeline of a job and its stream position (`fold.dump_fold`, base64),
-    written with its watermark: a restarted agent resumes from the newest (`fold:new:`); an
-    older one (`fold:old:`, kept a while behind) lets a late event be folded in again after the
-    stream below the newest was trimmed."""
-    return key(prefix, job, "fold", "old" if old else "new", agent)
-
-
-def readers_key(prefix: str, job: str) -> str:
-    """The job's stream readers (hash reader id -> JSON `{"id": stream id, "ts": Unix s}`): what
-    each still needs of the stream. The stream is trimmed below the oldest fresh one."""
-    return protocol.job_key(prefix, job, "readers")
+                pipe.zadd(keys.ledger_key(prefix, job, name), m)
 
 
 def queue_position(
@@ -517,10 +476,6 @@ def trim_stream(
     if lo <= (0, 0):
         return 0
     return int(client.xtrim(protocol.stream_key(prefix, job), minid=f"{lo[0]}-{lo[1]}", approximate=False))
-
-
-def epoch_key(prefix: str) -> str:
-    return f"{prefix}:epoch"
 
 
 def ensure_epoch(client, prefix: str, candidate: str) -> str:

@@ -185,7 +185,8 @@ def check_occupancy(cfg: PreflightConfig) -> Check:
         return Check("occupancy", "unknown", "no Redis to read the agents' node state from")
     import redis
 
-    from . import ledger, redisconn
+    from . import redisconn
+    from .keys import node_key
 
     try:
         r = redisconn.from_url(
@@ -193,7 +194,7 @@ def check_occupancy(cfg: PreflightConfig) -> Check:
         )
         pipe = r.pipeline(transaction=False)
         for n in cfg.nodes:
-            pipe.hgetall(ledger.node_key(cfg.prefix, n))
+            pipe.hgetall(node_key(cfg.prefix, n))
         states = pipe.execute()
     except (redis.RedisError, OSError) as e:
         return Check("occupancy", "unknown", f"cannot read Redis: {e}")

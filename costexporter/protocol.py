@@ -1,7 +1,7 @@
-"""Redis keys and entry encoding of event protocol v1 (DESIGN section 5; docs/protocol.md).
+"""Entry encoding of event protocol v1 (docs/protocol.md) and the trainer's side of Redis.
 
-Every key of a job carries the job as a hash tag, `<prefix>:{<job>}:...`, so all of a job's keys
-live in one Redis Cluster slot and can be written in one transaction.
+The keys are built in `keys.py`; the trainer's are re-exported here, where the reporter, the
+reader and users' scripts have always found them.
 """
 
 from __future__ import annotations
@@ -11,6 +11,13 @@ import json
 import math
 import re
 from dataclasses import dataclass
+
+from .keys import job_key as job_key
+from .keys import jobs_key as jobs_key
+from .keys import meta_key as meta_key
+from .keys import ranks_key as ranks_key
+from .keys import registrations_key as registrations_key
+from .keys import stream_key as stream_key
 
 DEFAULT_PREFIX = "costexporter"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -43,31 +50,6 @@ def check_job(job: str) -> str:
             "(no braces or spaces: it is a Redis Cluster hash tag)"
         )
     return job
-
-
-def job_key(prefix: str, job: str, suffix: str) -> str:
-    return f"{prefix}:{{{job}}}:{suffix}"
-
-
-def stream_key(prefix: str, job: str) -> str:
-    return job_key(prefix, job, "events")
-
-
-def ranks_key(prefix: str, job: str) -> str:
-    return job_key(prefix, job, "ranks")
-
-
-def meta_key(prefix: str, job: str) -> str:
-    return job_key(prefix, job, "meta")
-
-
-def jobs_key(prefix: str) -> str:
-    return f"{prefix}:jobs"
-
-
-def registrations_key(prefix: str) -> str:
-    """A counter every batch with a register entry increments: agents discover jobs when it moves."""
-    return f"{prefix}:registrations"
 
 
 def encode_fields(fields: dict[str, object]) -> dict[str, str]:

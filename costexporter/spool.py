@@ -120,15 +120,13 @@ def _open_spool(path: Path, mode: str):
 def _entries(f, skipped: list[int] | None = None) -> Iterator[dict[str, str]]:
     """The events of a spool file; a line that is not one (torn, corrupted, not UTF-8: the
     reporter writes only UTF-8 JSON) is skipped and counted in `skipped[0]`."""
-    for line in f:
-        if not line.strip():
-            continue
+    for i, line in enumerate(f):  # the reporter writes no blank line: one is counted too
         try:
             line.encode("utf-8")  # surrogates: bytes that were never UTF-8
             d = json.loads(line)
         except ValueError:  # UnicodeEncodeError and JSONDecodeError both are
             d = None
-        if isinstance(d, dict) and is_header(d):
+        if i == 0 and is_header(d):
             continue
         if isinstance(d, dict) and d.get("job"):
             yield {str(k): str(v) for k, v in d.items()}

@@ -47,6 +47,7 @@ from . import ledger, profiles, protocol
 from .booking import NEG_INF, BookingConfig, Regime, Timeline, build_timeline
 from .events import META_THRESHOLDS
 from .fold import TimelineFold, walk_relevant
+from .keys import live_key, status_key
 from .model import Band, Event
 from .profiles import Profile
 from .reader import EventReader, read_all_many
@@ -777,7 +778,7 @@ class Watcher:
         pipe = self.redis.pipeline(transaction=False)
         for job, st in decided.items():
             # vars(): what asdict() gives, without its deep copy (the same JSON, a 10th of the time)
-            pipe.set(ledger.key(cfg.prefix, job, "status"), json.dumps(vars(st)), ex=self.ttl)
+            pipe.set(status_key(cfg.prefix, job), json.dumps(vars(st)), ex=self.ttl)
         pipe.execute()
         return decided
 
@@ -901,7 +902,7 @@ class Watcher:
                 continue
             keys.append((view, hosts))
             for h in hosts:
-                pipe.hgetall(ledger.key(self.cfg.prefix, view.name, "live", h))
+                pipe.hgetall(live_key(self.cfg.prefix, view.name, h))
         if not keys:
             return bad
         replies = iter(pipe.execute())

@@ -25,6 +25,18 @@ import redis.cluster
 from .. import ledger, protocol
 from ..buckets import RESOLUTIONS
 from ..cost import MS_PER_HOUR
+from ..keys import (
+    bucket_key,
+    figures_key,
+    incident_index_key,
+    incidents_key,
+    rollup_key,
+    rollup_state_key,
+    status_key,
+    steps_key,
+    total_key,
+    voids_key,
+)
 from ..model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
 from .windows import decompose
 
@@ -356,9 +368,6 @@ class LedgerStore:
         self._series = redisconn.script(client, SERIES)
         self.batch = 1 if redisconn.is_cluster(client) else BATCH
 
-    def k(self, job: str, *parts: str) -> str:
-        return ledger.key(self.prefix, job, *parts)
-
     def ping(self) -> bool:
         return bool(self.r.ping())
 
@@ -432,8 +441,8 @@ class LedgerStore:
     def _queue_info(self, pipe, j: str) -> None:
         """The 4 reads `_info` parses."""
         pipe.hgetall(protocol.meta_key(self.prefix, j))
-        pipe.hgetall(self.k(j, "ledger", "job"))
-        pipe.get(self.k(j, "status"))
+        pipe.hgetall(figures_key(self.prefix, j))
+        pipe.get(status_key(self.prefix, j))
         pipe.hvals(protocol.ranks_key(self.prefix, j))
 
     def amounts_many(
@@ -626,12 +635,12 @@ class LedgerStore:
     def _queue_amounts(self, pipe, jobs: list[str], start: int, end: int) -> None:
         parts = decompose(start, end)
         for j in jobs:
-            self._sum(keys=[self.k(j, "ledger", res, str(b)) for res, b in parts], client=pipe)
+            self._sum(keys=[bucket_key(self.prefix, j, res, b) for res, b in parts], client=pipe)
 
     def _queue_steps(self, pipe, jobs: list[str], start: float, end: float) -> None:
         for j in jobs:
             self._steps(
-                keys=[self.k(j, "ledger", "steps"), self.k(j, "ledger", "voids")],
+                keys=[steps_key(self.prefix, j), voids_key(self.prefix, j)],
                 args=[start, end],
                 client=pipe,
             )
@@ -640,7 +649,7 @@ class LedgerStore:
         """All-time amounts (the `ledger:total` hash) of many jobs, one pipeline."""
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
-            pipe.hgetall(self.k(j, "ledger", "total"))
+            pipe.hgetall(total_key(self.prefix, j))
         out = {}
         for j, h in zip(jobs, _run(pipe), strict=True):
             a = Amounts()
@@ -661,7 +670,7 @@ class LedgerStore:
         starts = list(range(first, end, secs))
         if self.use_rollups and starts:
             got = self._series(
-                keys=[ledger.rollup_state_key(self.prefix, job), ledger.rollup_key(self.prefix, job)],
+                keys=[rollup_state_key(self.prefix, job), rollup_key(self.prefix, job)],
                 args=[first, secs, len(starts)],
             )
             if got and got[0] == "1":
@@ -686,7 +695,7 @@ class LedgerStore:
         starts = list(range(first, end, secs))
         pipe = self.r.pipeline(transaction=False)
         for b in starts:
-            pipe.hgetall(self.k(job, "ledger", res, str(b)))
+            pipe.hgetall(bucket_key(self.prefix, job, res, b))
         out = []
         bad = 0
         for b, h in zip(starts, _run(pipe), strict=True):
@@ -705,14 +714,14 @@ class LedgerStore:
         The agents that wrote incidents are read from the job's index (never a SCAN)."""
         warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
-        pipe.smembers(ledger.incident_index_key(self.prefix, job))
+        pipe.smembers(incident_index_key(self.prefix, job))
         (agents,) = _run(pipe)
         if agents is None:
             warn.add(job, "the incident index is not a set: incidents skipped")
         agents = sorted(agents or ())
         pipe = self.r.pipeline(transaction=False)
         for agent in agents:
-            pipe.hvals(ledger.incidents_key(self.prefix, job, agent))
+            pipe.hvals(incidents_key(self.prefix, job, agent))
         raw = []
         for values in _run(pipe) if agents else []:
             for v in values or []:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import protocol, redisconn
 from ..client import StepReporter
+from ..keys import simclock_key
 from ..model import Event, Samples
 from ..synth import SCENARIOS, TraceBuilder
 from .replay import ReplaySource
@@ -150,7 +151,7 @@ class SimSource(ReplaySource):
                     socket_connect_timeout=1.0,
                 )
             self._clock_client.set(
-                clock_key(self._prefix or protocol.DEFAULT_PREFIX),
+                simclock_key(self._prefix or protocol.DEFAULT_PREFIX),
                 json.dumps(
                     {
                         "sim": self.sim_time(),
@@ -245,10 +246,6 @@ def crash_loop_deaths(b: TraceBuilder) -> list[Event]:
     return out
 
 
-def clock_key(prefix: str) -> str:
-    return f"{prefix}:simclock"
-
-
 def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
     """A clock that follows the one a running simulation publishes (extrapolated between its
     writes, less the lag of its trainers' events); the wall clock until one is seen."""
@@ -259,7 +256,7 @@ def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
 
     def now() -> float:
         try:
-            raw = client.get(clock_key(prefix))
+            raw = client.get(simclock_key(prefix))
             if raw:
                 last.update(json.loads(raw))
         except (redis.RedisError, OSError, ValueError):
