@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 from . import protocol
 from .client import send_entries
+from .keys import k8s_gpus_key, k8s_ranks_key
 from .sources.dcgm import PodRef
 
 log = logging.getLogger("costexporter.k8s")
@@ -156,10 +157,10 @@ class KubernetesJobs:
             self.skipped.add((job, i))
             return
         now = self.clock()
-        k8s = protocol.job_key(self.prefix, job, "k8s")
+        k8s = k8s_ranks_key(self.prefix, job)
         rank = int(self._allocate(keys=[k8s], args=[self._gpu_key(gpu)]))
         pipe = self.redis.pipeline(transaction=True)
-        pipe.sadd(protocol.job_key(self.prefix, job, "k8s:gpus"), self._gpu_key(gpu))
+        pipe.sadd(k8s_gpus_key(self.prefix, job), self._gpu_key(gpu))
         pipe.hget(k8s, "_ended")
         pipe.hdel(k8s, "_ended")
         _, ended, _ = pipe.execute()
@@ -195,13 +196,13 @@ class KubernetesJobs:
         rank = self.registered[(job, i)]
         gpus = self.source.gpus()
         pipe = self.redis.pipeline(transaction=True)
-        pipe.srem(protocol.job_key(self.prefix, job, "k8s:gpus"), self._gpu_key(gpus[i]))
-        pipe.scard(protocol.job_key(self.prefix, job, "k8s:gpus"))
+        pipe.srem(k8s_gpus_key(self.prefix, job), self._gpu_key(gpus[i]))
+        pipe.scard(k8s_gpus_key(self.prefix, job))
         _, left = pipe.execute()
         if left == 0:
             now = self.clock()
             send_entries(self.redis, self.prefix, job, [self._entry("run", job, 0, now, {"state": "end"})])
-            self.redis.hset(protocol.job_key(self.prefix, job, "k8s"), "_ended", "1")
+            self.redis.hset(k8s_ranks_key(self.prefix, job), "_ended", "1")
             log.info("Kubernetes job %s: its last GPU was released (rank %d): run end", job, rank)
         del self.registered[(job, i)]
         if not any(j == job for j, _ in self.registered):

@@ -148,6 +148,16 @@ def epoch_key(prefix: str) -> str:
     return f"{prefix}:epoch"
 
 
+def k8s_ranks_key(prefix: str, job: str) -> str:
+    """A Kubernetes job's GPU -> rank allocation, the same on every agent (hash; `_next`, `_ended`)."""
+    return job_key(prefix, job, "k8s")
+
+
+def k8s_gpus_key(prefix: str, job: str) -> str:
+    """The GPUs a Kubernetes job's pods hold now, across agents (set)."""
+    return job_key(prefix, job, "k8s", "gpus")
+
+
 # ---- written by the watcher and the simulation -------------------------------------------------
 def status_key(prefix: str, job: str) -> str:
     """The watcher's JSON state of the job (string, TTL)."""
