@@ -59,7 +59,6 @@ class SampleWindow:
     def __init__(self) -> None:
         self.cols: Cols = empty()
         self.keys = np.zeros(0, np.int64)
-        self.ranks: set[int] = set()  # every rank with samples held (maybe a few more)
         self.pending: list[Cols] = []  # entries read since the last round, in arrival order
         self.sorted_mode = True  # False once a sample cannot be keyed: a full sort every round
 
@@ -77,9 +76,10 @@ class SampleWindow:
 
     def round(self, own: Cols, lo_ms: int, own_ranks: set[int]) -> Cols:
         """The window of this round: `own` (this host's samples, in reading order) and every
-        sample held or added, those at or after `lo_ms`, sorted by (rank, ts); ties keep own
-        first, then arrival order. Afterwards peers' samples of `own_ranks` are no longer held.
-        The arrays returned are held for the next round: read them, never write them."""
+        sample held or added, those at or after `lo_ms` and each rank's last before it
+        (`keep_from`), sorted by (rank, ts); ties keep own first, then arrival order.
+        Afterwards peers' samples of `own_ranks` are no longer held. The arrays returned are
+        held for the next round: read them, never write them."""
         new = tuple(np.concatenate(c) for c in zip(*self.pending, strict=True)) if self.pending else empty()
         self.pending = []
         new = _finite(new)  # type: ignore[arg-type]
@@ -111,10 +111,11 @@ class SampleWindow:
         keep = keep_from(cols[0], cols[1], lo_ms)
         if not keep.all():
             cols, keys = tuple(a[keep] for a in cols), keys[keep]
-        peers = ~np.isin(cols[0], list(own_ranks)) if own_ranks else np.ones(keys.size, bool)
-        held = tuple(a[peers] for a in cols) if not peers.all() else cols
-        self.cols, self.keys = held, keys[peers]  # type: ignore[assignment]
-        self.ranks = set(np.unique(held[0]).tolist())
+        if own_ranks:  # hold the peers' part only
+            peers = ~np.isin(cols[0], list(own_ranks))
+            self.cols, self.keys = tuple(a[peers] for a in cols), keys[peers]  # type: ignore[assignment]
+        else:
+            self.cols, self.keys = cols, keys  # type: ignore[assignment]
         return cols  # type: ignore[return-value]
 
     def _full(self, own: Cols, new: Cols, lo_ms: int, own_ranks: set[int]) -> Cols:
