@@ -570,12 +570,11 @@ class StepReporter:
 
     def _send_file(self, f, head: dict) -> bool:
         """Send a claimed file's events; on any stop, keep what is unsent in it. True: all sent."""
-        skipped = [0]
-        remaining = spool.entries_of(f, skipped)
+        remaining, skipped = spool.entries_of(f)
         total = len(remaining)
-        if skipped[0]:  # torn or corrupted lines: nothing of them can be sent
-            self.stats["spool_corrupt_lines"] += skipped[0]
-            log.warning("costexporter: spool %s: %d corrupted lines skipped", f.name, skipped[0])
+        if skipped:  # torn or corrupted lines: nothing of them can be sent
+            self.stats["spool_corrupt_lines"] += skipped
+            log.warning("costexporter: spool %s: %d corrupted lines skipped", f.name, skipped)
         try:
             while remaining and not self._stopping:
                 chunk, rest = remaining[: self.batch_size], remaining[self.batch_size :]

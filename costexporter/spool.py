@@ -80,7 +80,7 @@ class SpoolFile:
         self.lines += len(entries)
 
     def read(self) -> list[dict[str, str]]:
-        return [] if self._f is None else entries_of(self._f)
+        return [] if self._f is None else entries_of(self._f)[0]
 
     def replace(self, entries: list[dict[str, str]]) -> None:
         """Keep only `entries` (what is still unsent)."""
@@ -113,14 +113,14 @@ class SpoolFile:
 
 def _open_spool(path: Path, mode: str):
     """A spool file as text. Bytes that are not UTF-8 (a torn write, a disk error) read as
-    surrogates instead of failing the whole file: `_entries` skips the lines that hold them."""
+    surrogates instead of failing the whole file: `_lines` tells the lines that hold them."""
     return open(path, mode, encoding="utf-8", errors="surrogateescape")
 
 
-def _entries(f, skipped: list[int] | None = None) -> Iterator[dict[str, str]]:
-    """The events of a spool file; a line that is not one (torn, corrupted, not UTF-8: the
-    reporter writes only UTF-8 JSON) is skipped and counted in `skipped[0]`."""
-    for i, line in enumerate(f):  # the reporter writes no blank line: one is counted too
+def _lines(f) -> Iterator[dict[str, str] | None]:
+    """Each line of a spool file as its event, or None for a line that is not one (torn,
+    corrupted, not UTF-8: the reporter writes only UTF-8 JSON, and no blank line)."""
+    for i, line in enumerate(f):
         try:
             line.encode("utf-8")  # surrogates: bytes that were never UTF-8
             d = json.loads(line)
@@ -128,10 +128,7 @@ def _entries(f, skipped: list[int] | None = None) -> Iterator[dict[str, str]]:
             d = None
         if i == 0 and is_header(d):
             continue
-        if isinstance(d, dict) and d.get("job"):
-            yield {str(k): str(v) for k, v in d.items()}
-        elif skipped is not None:
-            skipped[0] += 1
+        yield {str(k): str(v) for k, v in d.items()} if isinstance(d, dict) and d.get("job") else None
 
 
 def read_header(f) -> dict | None:
@@ -191,9 +188,12 @@ def mismatch(path: Path, head: dict | None, dest: str, prefix: str) -> str | Non
     return why
 
 
-def entries_of(f, skipped: list[int] | None = None) -> list[dict[str, str]]:
+def entries_of(f) -> tuple[list[dict[str, str]], int]:
+    """A spool file's events, and how many of its lines were not one (skipped)."""
     f.seek(0)
-    return list(_entries(f, skipped))
+    lines = list(_lines(f))
+    events = [e for e in lines if e is not None]
+    return events, len(lines) - len(events)
 
 
 def rewrite(f, head: dict, entries: list[dict[str, str]]) -> None:

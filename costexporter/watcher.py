@@ -155,12 +155,16 @@ class JobView:
         end_ms = max(now_ms, start_ms + 1)
         f = self.timeline_fold
         frontier = min(end_ms, max(self.newest_ms - lag_ms, self.settled_ms()))
+
+        def view(f: TimelineFold) -> Timeline | None:
+            if not f.late:  # walk for good what is settled first: the view walks only the rest
+                f.advance(frontier, frontier)
+            return f.timeline(end_ms)
+
         if f is not None and f.start_ms == start_ms and f.cfg == booking:
             f.add(self.fresh)
             self.fresh = []
-            if not f.late:  # walked for good before the view: the view walks only what is after
-                f.advance(frontier, frontier)
-            tl = f.timeline(end_ms)
+            tl = view(f)
         else:
             tl = None
         if tl is None:
@@ -175,11 +179,10 @@ class JobView:
             f = self.timeline_fold = TimelineFold(booking, start_ms)
             f.add(walk)
             self.fresh = []
-            tl = f.timeline(end_ms)
+            tl = view(f)
             if tl is None:  # not foldable (a declared phase named `startup`)
                 self.timeline_fold, self.unfoldable = None, True
                 return build_timeline(walk, booking, start_ms, end_ms, final=False)
-        f.advance(frontier, frontier)  # a decision reads the timeline at `now` and the last step
         return tl
 
     def settled_ms(self) -> int:

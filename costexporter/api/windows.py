@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from zoneinfo import ZoneInfo
 
-from ..buckets import BUCKET_S, MONDAY, RESOLUTIONS
+from ..buckets import BUCKET_S, RESOLUTIONS, bucket_start
 
 ACCEPTED = (
     "a duration back from now (30m, 24h, 7d, 2w), a calendar word (today, yesterday, week, lastweek, "
@@ -117,22 +117,15 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, de
     return Window(s, e, raw)
 
 
-WEEK_OFFSET = MONDAY  # weeks start on Monday 00:00 UTC (1970-01-05)
-
-
 def decompose(start: int, end: int) -> list[tuple[str, int]]:
     """[start, end) as the fewest ledger buckets: whole weeks (Monday, UTC), days, hours, then
     5 minutes."""
     out: list[tuple[str, int]] = []
     t = start
     while t < end:
-        for res, secs, off in (
-            ("1w", RESOLUTIONS["1w"], WEEK_OFFSET),
-            ("1d", RESOLUTIONS["1d"], 0),
-            ("1h", RESOLUTIONS["1h"], 0),
-            ("5m", RESOLUTIONS["5m"], 0),
-        ):
-            if (t - off) % secs == 0 and t + secs <= end:
+        for res in ("1w", "1d", "1h", "5m"):
+            secs = RESOLUTIONS[res]
+            if bucket_start(t, res) == t and t + secs <= end:
                 out.append((res, t))
                 t += secs
                 break
