@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.booking import BookingConfig, build_timeline
+from costexporter.booking import NEG_INF, BookingConfig, Regime, build_timeline
 from costexporter.fold import (
     FOLD_FORMAT,
     FoldFormatError,
@@ -371,3 +371,40 @@ def test_an_allowances_copy_is_independent_of_its_original_both_ways(before, aft
         assert copy.current(name) == theirs.current(name)
         assert original._durations.get(name) == mine._durations.get(name)
         assert copy._durations.get(name) == theirs._durations.get(name)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    segs=st.lists(
+        st.tuples(st.integers(1, 5_000), st.sampled_from(list(Regime)), st.integers(-1, 12)), max_size=90
+    ),
+    voided=st.sets(st.integers(0, 9)),
+    base=st.integers(0, 3),
+)
+def test_a_short_walks_segments_in_python_are_numpys(segs, voided, base):
+    """`_segments` has a plain-Python path for the short walks a watcher views every poll and a
+    numpy one for long walks: both mark the same voided steps and merge the same neighbours."""
+    from costexporter import fold
+    from costexporter.booking import StepRecord
+    from costexporter.fold import _segments, _Walk
+
+    w = _Walk(BookingConfig(), 0)
+    t = 0
+    w.seg_start, w.seg_regime, w.seg_step = [NEG_INF], [Regime.UNASSIGNED], [-1]
+    for d, r, s in segs:
+        t += d
+        w.seg_start.append(t)
+        w.seg_regime.append(int(r))
+        w.seg_step.append(s)
+    w.steps = [StepRecord(i, i, 0, voided=i in voided) for i in range(10)]
+    w.step_base = base
+    saved = fold.SHORT_WALK
+    try:
+        fold.SHORT_WALK = 10**9
+        py = _segments(w)
+        fold.SHORT_WALK = 0
+        vec = _segments(w)
+    finally:
+        fold.SHORT_WALK = saved
+    assert py[0].tolist() == vec[0].tolist() and py[1].tolist() == vec[1].tolist()
+    assert py[0].dtype == vec[0].dtype and py[1].dtype == vec[1].dtype
