@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from costexporter.agent import Agent, AgentConfig, _Job  # noqa: E402
-from costexporter.client import StepReporter  # noqa: E402
-from costexporter.model import Category  # noqa: E402
+from costexporter.core.model import Category  # noqa: E402
+from costexporter.services.agent import Agent, AgentConfig, _Job  # noqa: E402
+from costexporter.trainer.reporter import StepReporter  # noqa: E402
 
 UUIDS = [f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in range(8)]
 
@@ -102,8 +102,8 @@ def cpu(seconds: float) -> dict:
 def render(n_jobs: int = 10, iterations: int = 300) -> list[float]:
     from prometheus_client import generate_latest
 
-    from costexporter.exporter import registry_for
-    from costexporter.reader import EventReader
+    from costexporter.services.exporter import registry_for
+    from costexporter.store.reader import EventReader
 
     agent = Agent(_fake_source(), AgentConfig(agent_id="bench-node"))
     agent.sampler.source.read()

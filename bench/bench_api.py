@@ -22,8 +22,8 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from costexporter import ledger, protocol
-from costexporter.model import Category
+from costexporter.core.model import Category
+from costexporter.store import ledger, protocol
 
 DAY = 86400
 END = 1_764_547_200  # 2025-12-01T00:00:00Z

@@ -19,8 +19,8 @@ import uuid
 import numpy as np
 import redis
 
-from costexporter import protocol
-from costexporter.client import StepReporter
+from costexporter.store import protocol
+from costexporter.trainer.reporter import StepReporter
 
 
 def pct(xs: list[int], q: float) -> float:

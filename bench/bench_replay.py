@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import data
 from loop_baseline import book_loop
 
-from costexporter.diagnostics import Diagnostics
-from costexporter.replay import ReplayConfig, book_trace, replay
-from costexporter.sources import files
+from costexporter.core import tracefiles as files
+from costexporter.core.diagnostics import Diagnostics
+from costexporter.core.replay import ReplayConfig, book_trace, replay
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_ROWS_S = 1e6  # issue 15: the whole command, start-up included

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 
 DATA = Path(__file__).parent / ".data" / "256x1h"
 N_GPUS, PER_HOST = 256, 8

@@ -286,7 +286,7 @@ def record_trace(nv, handles: list, path: Path, stop: threading.Event, every: fl
 def ledger_seconds(redis_url: str) -> dict[str, float]:
     import redis
 
-    from costexporter import ledger
+    from costexporter.store import ledger
 
     r = redis.Redis.from_url(redis_url)
     net = ledger.net_ms(ledger.read_amounts(r, PREFIX, JOB))
@@ -381,7 +381,7 @@ class TorchJob:
 def run_stretches(
     job, seconds: dict[str, float], redis_url: str, uuid: str, index: int, tl: Timeline, spool: Path
 ) -> None:
-    from costexporter.client import StepReporter
+    from costexporter.trainer.reporter import StepReporter
 
     rep = StepReporter(
         JOB, redis_url, prefix=PREFIX, rank=0, local_rank=0, world_size=1, gpu_uuid=uuid, gpu_index=index,

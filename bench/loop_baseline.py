@@ -10,9 +10,9 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from costexporter.booking import CATEGORY_TABLE, BookingConfig, build_timeline
-from costexporter.model import Band, Category, Event, Samples
-from costexporter.profiles import Profile
+from costexporter.core.booking import CATEGORY_TABLE, BookingConfig, build_timeline
+from costexporter.core.model import Band, Category, Event, Samples
+from costexporter.core.profiles import Profile
 
 
 def book_loop(samples: Samples, events: list[Event], profile: Profile, cfg: BookingConfig) -> dict:

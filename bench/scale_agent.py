@@ -66,7 +66,7 @@ def _redis() -> tuple[subprocess.Popen, str, str]:
 
 def _entries(job: str, first: int, last: int, seqs: dict[int, int]) -> list[dict[str, str]]:
     """Steps first..last of rank 0 (one a second), checkpoints, every rank's heartbeats."""
-    from costexporter import protocol
+    from costexporter.store import protocol
 
     def entry(kind: str, rank: int, ts: float, **fields) -> dict[str, str]:
         seq = seqs.get(rank, 0)
@@ -100,8 +100,8 @@ def _post_history(n_steps: int, url: str) -> dict[int, int]:
     """The job's registrations and its N steps of history (by this process, not the agent's)."""
     import redis
 
-    from costexporter.client import send_entries
-    from costexporter.synth import TraceBuilder
+    from costexporter.sources.synth import TraceBuilder
+    from costexporter.trainer.reporter import send_entries
     from tests.test_agent import event_entry
 
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -117,11 +117,11 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
     """In a fresh process: start an agent on the history, catch up, book steady rounds."""
     import redis
 
-    from costexporter import ledger
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.client import send_entries
-    from costexporter.sources.replay import ReplaySource
-    from costexporter.synth import TraceBuilder
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.playback import ReplaySource
+    from costexporter.sources.synth import TraceBuilder
+    from costexporter.store import ledger
+    from costexporter.trainer.reporter import send_entries
 
     job, prefix = JOB, PREFIX
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -332,7 +332,7 @@ def report(res: list[dict]) -> None:
             f"  {r['steps']:>8} {r['stream_len']:>10} {r['trimmed']:>9} {sum(r['mem_kb'].values()):>8.0f}  "
             + ", ".join(f"{k} {v:.0f}" for k, v in g.items())
         )
-    from costexporter.agent import AgentConfig, samples_maxlen
+    from costexporter.services.agent import AgentConfig, samples_maxlen
 
     r = res[-1]
     g = r["bytes_per_step"]
@@ -384,7 +384,7 @@ def _watch_one(jobs: int, steps: int, url: str, out, seqs0: dict[int, int]) -> N
     watcher reads them as new rather than as duplicates)."""
     import redis
 
-    from costexporter.watcher import WatchConfig, Watcher
+    from costexporter.services.watcher import WatchConfig, Watcher
 
     client = redis.Redis.from_url(url, decode_responses=True)
     names = [f"w{i}" for i in range(jobs)]
@@ -424,8 +424,8 @@ def _post_jobs(jobs: int, steps: int, url: str) -> dict[int, int]:
     """Every job's registrations and history; returns the next seq number of each rank."""
     import redis
 
-    from costexporter.client import send_entries
-    from costexporter.synth import TraceBuilder
+    from costexporter.sources.synth import TraceBuilder
+    from costexporter.trainer.reporter import send_entries
     from tests.test_agent import event_entry
 
     client = redis.Redis.from_url(url, decode_responses=True)

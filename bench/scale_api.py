@@ -23,8 +23,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from costexporter import ledger, protocol  # noqa: E402
-from costexporter.model import Category  # noqa: E402
+from costexporter.core.model import Category  # noqa: E402
+from costexporter.store import ledger, protocol  # noqa: E402
 
 DAY = 86400
 END = 1_764_547_200  # 2025-12-01T00:00:00Z

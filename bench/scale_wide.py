@@ -52,13 +52,13 @@ def _peer_entry(host: int, t0: float, seconds: int, rng: np.random.Generator) ->
     p = rng.uniform(940.0, 1040.0, r.size).round(1)
     u = np.full(r.size, 100.0)
     e = ((t - T0 * 1000) * 1000.0 + r).round()  # cumulative mJ, as NVML's counter
-    from costexporter.samplewin import encode_entry
+    from costexporter.core.samplewin import encode_entry
 
     return encode_entry((r, t, p, u, e))
 
 
 def _publish(client, hosts: range, t0: float, seconds: int, rng: np.random.Generator) -> None:
-    from costexporter import ledger
+    from costexporter.store import ledger
 
     pipe = client.pipeline(transaction=False)
     for h in hosts:
@@ -67,7 +67,7 @@ def _publish(client, hosts: range, t0: float, seconds: int, rng: np.random.Gener
 
 
 def _steps(first: int, last: int, seqs: dict[int, int]) -> list[dict[str, str]]:
-    from costexporter import protocol
+    from costexporter.store import protocol
 
     out = []
     for k in range(first, last + 1):
@@ -95,9 +95,9 @@ def _prepare(width: int, url: str) -> dict[int, int]:
     """Registrations of every rank, a step a second and the peers' context, before the agent."""
     import redis
 
-    from costexporter import ledger
-    from costexporter.client import send_entries
-    from costexporter.synth import TraceBuilder
+    from costexporter.sources.synth import TraceBuilder
+    from costexporter.store import ledger
+    from costexporter.trainer.reporter import send_entries
     from tests.test_agent import event_entry
 
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -109,7 +109,7 @@ def _prepare(width: int, url: str) -> dict[int, int]:
     hosts = range(1, width // PER_HOST)
     for t in range(0, HISTORY_S, ROUND_S):
         _publish(client, hosts, T0 + t, ROUND_S, rng)
-    from costexporter.bands import window_overlap_ms
+    from costexporter.core.bands import window_overlap_ms
 
     booked = int((T0 + HISTORY_S - 60) * 1000)
     overlap = window_overlap_ms(1000, 1000, 3.0)
@@ -139,10 +139,10 @@ def _delta(a, b) -> tuple[dict[str, int], float]:
 def _one(width: int, url: str, seqs: dict[int, int], out) -> None:
     import redis
 
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.client import send_entries
-    from costexporter.sources.replay import ReplaySource
-    from costexporter.synth import TraceBuilder
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.playback import ReplaySource
+    from costexporter.sources.synth import TraceBuilder
+    from costexporter.trainer.reporter import send_entries
 
     client = redis.Redis.from_url(url, decode_responses=True)
     sb = TraceBuilder(n_gpus=8, per_host=PER_HOST, job=JOB, seed=1, interval_s=1.0, t0=T0, register=False)

@@ -8,7 +8,7 @@ a checkpoint, more compute, then the R1 deadlock (rank 3 at 0%) until the watchd
 
 from pathlib import Path
 
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 
 here = Path(__file__).parent / "r1-mini"
 b = TraceBuilder(n_gpus=8, per_host=4, interval_s=5.0, job="qwen3-mini", seed=7)

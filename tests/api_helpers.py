@@ -12,13 +12,13 @@ import numpy as np
 import redis
 import uvicorn
 
-from costexporter import ledger, protocol
 from costexporter.api.app import create_app
 from costexporter.api.auth import Tokens
 from costexporter.api.store import LedgerStore
-from costexporter.buckets import price_version
-from costexporter.cost import Prices
-from costexporter.model import Category
+from costexporter.core.buckets import price_version
+from costexporter.core.cost import Prices
+from costexporter.core.model import Category
+from costexporter.store import ledger, protocol
 
 from .redis_server import free_port
 

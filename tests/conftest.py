@@ -10,9 +10,9 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
-from costexporter import exitstatus
-from costexporter.replay import ReplayConfig, replay
-from costexporter.synth import TraceBuilder
+from costexporter.core.replay import ReplayConfig, replay
+from costexporter.sources.synth import TraceBuilder
+from costexporter.trainer import exitstatus
 
 settings.register_profile(
     "default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from costexporter.model import Band, Event, GpuId, Samples
-from costexporter.synth import _local_stamps, write_events_jsonl
+from costexporter.core.model import Band, Event, GpuId, Samples
+from costexporter.sources.synth import _local_stamps, write_events_jsonl
 
 # state -> (power centre W, power sd W, util lo %, util hi %), per rank class (rank 0, others).
 LevelTable = dict[str, tuple[tuple[float, float, float, float], tuple[float, float, float, float]]]

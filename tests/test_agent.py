@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from costexporter import ledger, protocol
-from costexporter.client import send_entries
-from costexporter.model import CATEGORIES
-from costexporter.replay import ReplayConfig, book_trace
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.core.model import CATEGORIES
+from costexporter.core.replay import ReplayConfig, book_trace
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.store import ledger, protocol
+from costexporter.trainer.reporter import send_entries
 
 from .redis_server import RedisServer, free_port
 
@@ -277,8 +277,8 @@ def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix,
 
     from prometheus_client import generate_latest
 
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.exporter import registry_for
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.services.exporter import registry_for
     from costexporter.sources.nvml import NvmlSource
 
     from .fake_nvml import FakeGpu, FakeNvml
@@ -390,7 +390,7 @@ def test_a_resume_moves_the_voided_steps_to_rolled_back(shared, prefix, tmp_path
 
 
 def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(shared, prefix):
-    from costexporter.synth import scenario_mini
+    from costexporter.sources.synth import scenario_mini
 
     b = scenario_mini()
     expected, offline = offline_ms(b)
@@ -446,9 +446,9 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
 
 
 def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared, prefix, monkeypatch, caplog):
-    import costexporter.agent as agent_mod
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.sources.replay import ReplaySource
+    import costexporter.services.agent as agent_mod
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.playback import ReplaySource
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="bumpy", seed=2)
     b.run("start")
@@ -494,9 +494,9 @@ def test_serve_says_once_per_job_when_its_meta_price_overrides_the_flag(
     words, however many rounds book it, and books the meta's price."""
     import logging
 
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.cost import Prices
-    from costexporter.sources.replay import ReplaySource
+    from costexporter.core.cost import Prices
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.playback import ReplaySource
 
     caplog.set_level(logging.INFO, logger="costexporter.agent")
     job = f"priced-{uuid.uuid4().hex[:6]}"
@@ -534,9 +534,9 @@ def test_every_counter_of_a_job_is_exported_at_zero_from_its_first_round(shared,
     """rate()/increase() see the first rollback only if the series existed at 0 before it."""
     from prometheus_client import generate_latest
 
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.exporter import registry_for
-    from costexporter.sources.replay import ReplaySource
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.services.exporter import registry_for
+    from costexporter.sources.playback import ReplaySource
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="fresh", seed=3)
     b.run("start")
@@ -577,8 +577,8 @@ def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_befor
     rounds, as a Kubernetes pod's does) starts the GPU's time at the register, never earlier:
     the time before it is nobody's job. Only a register dated past `clock_skew_warn_s` (a clock
     ahead) starts at the newest sample."""
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.sources.replay import ReplaySource
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.playback import ReplaySource
 
     job = f"between-{uuid.uuid4().hex[:6]}"
     b = TraceBuilder(n_gpus=2, per_host=2, job=job, seed=9, register=False)
@@ -635,8 +635,8 @@ def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_befor
 def test_samples_held_while_redis_is_unreachable_are_bounded_and_the_overflow_counted():
     """Redis down for long: the agent holds at most `max_buffered_samples` (the newest), counts
     what it dropped, and each round fails as a Redis error, never blocking or raising."""
-    from costexporter.agent import Agent, AgentConfig
-    from costexporter.sources.replay import ReplaySource
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.playback import ReplaySource
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="held", seed=3)
     b.run("start")

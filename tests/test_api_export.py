@@ -15,12 +15,12 @@ import httpx
 import numpy as np
 import pytest
 
-from costexporter import ledger, protocol
 from costexporter.api.app import FOCUS_COLUMNS, FOCUS_X
 from costexporter.api.auth import Tokens, hash_token
 from costexporter.api.export import FocusSettings
 from costexporter.api.store import LedgerStore
-from costexporter.model import Category
+from costexporter.core.model import Category
+from costexporter.store import ledger, protocol
 
 from .api_helpers import PRICE_VERSION, T0, WINDOW, served, write_job
 from .redis_server import free_port

@@ -61,10 +61,10 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
     import httpx
     import numpy as np
 
-    from costexporter import ledger, protocol
     from costexporter.api import store as store_mod
     from costexporter.api.store import LedgerStore
-    from costexporter.buckets import RESOLUTIONS, bucket_start
+    from costexporter.core.buckets import RESOLUTIONS, bucket_start
+    from costexporter.store import ledger, protocol
 
     prefix = f"test-chunks-{uuid.uuid4().hex[:10]}"
     rng = np.random.default_rng(seed)

@@ -20,9 +20,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter import ledger
 from costexporter.api.store import LedgerStore
-from costexporter.model import Category
+from costexporter.core.model import Category
+from costexporter.store import ledger
 
 from .api_helpers import T0
 from .conftest import SHARED_URL

@@ -14,3 +14,24 @@ def test_the_core_imports_no_redis_http_cli_rendering_prometheus_or_nvml():
     code = "import sys; from importlinter import cli; sys.exit(cli.lint_imports(no_cache=True, no_logo=True))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_public_import_paths_still_work():
+    """What users import keeps working from where they always imported it (the rooms moved)."""
+    from costexporter import client, reader
+    from costexporter.integrations import hf, lightning, torch_dist
+    from costexporter.store.reader import EventReader
+    from costexporter.trainer.reporter import StepReporter, send_entries
+
+    assert client.StepReporter is StepReporter and client.send_entries is send_entries
+    assert reader.EventReader is EventReader
+    assert hf.CostExporterCallback and lightning.CostExporterLightningCallback and torch_dist.even_batches
+
+
+def test_the_package_is_its_rooms():
+    """No module sits loose beside the rooms but the two kept for users' import paths."""
+    pkg = ROOT / "costexporter"
+    loose = sorted(p.name for p in pkg.glob("*.py"))
+    assert loose == ["__init__.py", "client.py", "reader.py"]
+    rooms = sorted(p.name for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert rooms == ["api", "cli", "core", "integrations", "services", "sources", "store", "tools", "trainer"]

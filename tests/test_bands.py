@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from costexporter import profiles
-from costexporter.bands import classify
-from costexporter.model import Band
-from costexporter.profiles import ProfileError
+from costexporter.core import profiles
+from costexporter.core.bands import classify
+from costexporter.core.model import Band
+from costexporter.core.profiles import ProfileError
 
 
 def run(power: np.ndarray, util: np.ndarray, profile, **kw) -> np.ndarray:

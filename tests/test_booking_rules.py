@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from costexporter.cost import Prices
-from costexporter.replay import ReplayConfig
-from costexporter.synth import TraceBuilder
+from costexporter.core.cost import Prices
+from costexporter.core.replay import ReplayConfig
+from costexporter.sources.synth import TraceBuilder
 
 from .conftest import book
 
@@ -210,7 +210,7 @@ def test_sample_gap_longer_than_three_intervals_is_unobserved():
 
 
 def test_unregistered_gpu_is_unassigned_not_billed_to_the_job():
-    from costexporter.replay import replay
+    from costexporter.core.replay import replay
 
     b = TraceBuilder(n_gpus=3, per_host=3, job="t")
     b.events = [e for e in b.events if not (e.type == "register" and e.rank == 2)]
@@ -226,7 +226,7 @@ def test_unregistered_gpu_is_unassigned_not_billed_to_the_job():
 def test_two_ranks_registering_one_gpu_book_it_once(caplog):
     """Exactly once: a second launcher that posts the same host + GPU (and uuid) as rank 0 does
     not book that GPU's time twice; the GPU nobody else registered stays unassigned."""
-    from costexporter.replay import replay
+    from costexporter.core.replay import replay
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="t")
     first = next(e for e in b.events if e.type == "register" and e.rank == 0)

@@ -17,10 +17,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter import bands, ledger, profiles
-from costexporter.calibrate import fit
-from costexporter.model import Band
-from costexporter.synth import STATES, TraceBuilder, write_nvidia_smi_csv
+from costexporter.core import bands, profiles
+from costexporter.core.model import Band
+from costexporter.sources.synth import STATES, TraceBuilder, write_nvidia_smi_csv
+from costexporter.store import ledger
+from costexporter.tools.calibrate import fit
 
 from .conftest import SHARED_URL
 from .redis_server import free_port
@@ -290,7 +291,7 @@ def test_real_like_baselines_recover_every_band_centre_within_3_percent(model):
     assert f.accuracy >= 0.99
     # The profile fitted from one run classifies another run of the same GPU.
     other = make(seed=11).build()
-    from costexporter.replay import ReplayConfig, book_trace
+    from costexporter.core.replay import ReplayConfig, book_trace
 
     [job], _ = book_trace(other.samples, other.events, ReplayConfig(profile=f.profile))
     assert agreement(job.band_result.band, other) >= 0.995
@@ -322,7 +323,7 @@ def _base():
 )
 def test_calibrate_never_returns_an_inverted_profile(windows, with_events):
     """Whatever the labels say, the fit refuses (one line) or its bands are in physical order."""
-    from costexporter.calibrate import ORDER, CalibrationError
+    from costexporter.tools.calibrate import ORDER, CalibrationError
 
     tr = _base()
     t0, t1 = int(tr.samples.ts_ms.min()), int(tr.samples.ts_ms.max())

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 
 from .conftest import ROOT
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from costexporter import protocol
-from costexporter.client import StepReporter
-from costexporter.reader import EventReader
+from costexporter.store import protocol
+from costexporter.store.reader import EventReader
+from costexporter.trainer.reporter import StepReporter
 
 from .conftest import SHARED_URL
 from .redis_server import RedisServer, free_port
@@ -269,7 +269,7 @@ def test_gpu_uuid_from_nvml_through_cuda_visible_devices(monkeypatch, tmp_path):
     fake.nvmlDeviceGetHandleByUUID = lambda u: ("handle", next(i for i, x in uuids.items() if x == u))
     fake.nvmlDeviceGetIndex = lambda h: h[1]
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    from costexporter.client import detect_gpu
+    from costexporter.trainer.reporter import detect_gpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert detect_gpu(1) == (3, uuids[3])
@@ -343,7 +343,7 @@ def test_reporter_posts_over_tls(tmp_path):
 
 
 def test_without_nvml_the_gpu_guess_is_said_once_with_how_to_set_it(monkeypatch, tmp_path, caplog):
-    import costexporter.client as client
+    import costexporter.trainer.reporter as client
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails, as on a host without it
     monkeypatch.setattr(client, "_told_no_uuid", False)

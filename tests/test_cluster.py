@@ -19,13 +19,13 @@ import redis
 from fastapi.testclient import TestClient
 from redis.exceptions import RedisClusterException
 
-from costexporter import ledger, protocol, redisconn
 from costexporter.api.app import create_app
 from costexporter.api.store import LedgerStore
-from costexporter.buckets import RESOLUTIONS
-from costexporter.client import StepReporter
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
-from costexporter.watcher import WatchConfig, Watcher
+from costexporter.core.buckets import RESOLUTIONS
+from costexporter.services.watcher import WatchConfig, Watcher
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.store import ledger, protocol, redisconn
+from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW
 from .conftest import SHARED_URL
@@ -305,7 +305,7 @@ def test_a_trainer_posts_to_the_cluster_and_the_watcher_sees_it_run_and_hang(clu
         heartbeat_s=0.2,
         clock=lambda: clock[0],
     )
-    from costexporter.booking import BookingConfig
+    from costexporter.core.booking import BookingConfig
 
     w = Watcher(
         WatchConfig(
@@ -429,7 +429,7 @@ def test_a_master_down_loses_no_trainer_event_and_the_jobs_index_comes_back(tmp_
 def test_kubernetes_registrations_and_the_incident_index_on_the_cluster(cluster):
     """The agent's other writers: the pod registrations' allocation script and transactions (one
     job's slot each), and the API's startup SCAN that indexes incident hashes (run per node)."""
-    from costexporter.k8s import KubernetesJobs
+    from costexporter.services.k8s import KubernetesJobs
     from costexporter.sources.dcgm import DcgmSource
 
     from .test_k8s import HOST, FakeDcgmExporter, _wait
@@ -517,7 +517,7 @@ def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(clus
     with the same id) aborts the whole round, amounts included; a clean round applies whole."""
     import numpy as np
 
-    from costexporter.model import Category
+    from costexporter.core.model import Category
 
     prefix, job, agent = f"test-{uuid.uuid4().hex[:12]}", "cas-job", "node0"
     r = redisconn.from_url(cluster.url, decode_responses=True)

@@ -59,7 +59,7 @@ def test_the_compose_prometheus_loads_the_rules_rendered_for_the_demos_speed():
     """The stack's rule file is what `costexporter rules --speed <the demo's --speed>` renders
     (regenerate it with that command), and Prometheus scrapes and evaluates as often as those
     rules assume."""
-    from costexporter.rules import SPEED_INTERVAL_S, RuleWindows, for_speed, render, seconds
+    from costexporter.tools.rules import SPEED_INTERVAL_S, RuleWindows, for_speed, render, seconds
 
     from .conftest import run_cli
 

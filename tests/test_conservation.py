@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from costexporter.cost import Prices
-from costexporter.model import BANDS, CATEGORIES
-from costexporter.replay import ReplayConfig, book_trace, job_report
-from costexporter.synth import STATES, TraceBuilder
+from costexporter.core.cost import Prices
+from costexporter.core.model import BANDS, CATEGORIES
+from costexporter.core.replay import ReplayConfig, book_trace, job_report
+from costexporter.sources.synth import STATES, TraceBuilder
 
 
 @st.composite

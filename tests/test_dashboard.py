@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from costexporter import dashboard as dash
-from costexporter.watcher import STATES
+from costexporter.services.watcher import STATES
+from costexporter.tools import dashboard as dash
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,7 +106,7 @@ def test_variables_team_job_hostname_gpu_chain():
 
 
 def test_power_thresholds_come_from_the_jobs_profile_not_b300():
-    from costexporter.profiles import B300
+    from costexporter.core.profiles import B300
 
     p = _panel("Power per GPU")
     text = json.dumps(p)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costexporter.events import EVENT_TYPES, META_NUMBERS, META_TEXT, EventError, parse_event
+from costexporter.core.events import EVENT_TYPES, META_NUMBERS, META_TEXT, EventError, parse_event
 
 
 class _Text(str):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from costexporter import protocol
-from costexporter.client import StepReporter, send_entries
-from costexporter.diagnostics import Diagnostics
-from costexporter.reader import EventReader
-from costexporter.sources.files import read_events_jsonl
-from costexporter.synth import scenario_mini, write_samples_jsonl
+from costexporter.core.diagnostics import Diagnostics
+from costexporter.core.tracefiles import read_events_jsonl
+from costexporter.sources.synth import scenario_mini, write_samples_jsonl
+from costexporter.store import protocol
+from costexporter.store.reader import EventReader
+from costexporter.trainer.reporter import StepReporter, send_entries
 
 from .conftest import SHARED_URL
 from .redis_server import free_port

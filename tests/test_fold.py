@@ -15,8 +15,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.booking import NEG_INF, BookingConfig, Regime, build_timeline
-from costexporter.fold import (
+from costexporter.core.booking import NEG_INF, BookingConfig, Regime, build_timeline
+from costexporter.core.fold import (
     FOLD_FORMAT,
     FoldFormatError,
     TimelineFold,
@@ -24,7 +24,7 @@ from costexporter.fold import (
     load_fold,
     walk_relevant,
 )
-from costexporter.model import Event
+from costexporter.core.model import Event
 
 CFG = BookingConfig(
     stall_floor_s=5.0,
@@ -273,7 +273,7 @@ def test_memory_stays_bounded_by_the_context():
 def test_watcher_folded_poll_by_poll_judges_as_a_fresh_view(stream, ahead_ms):
     """A watcher's view fed poll by poll (its timeline folded, late events refolded) decides as
     a view given every event at once, at every poll."""
-    from costexporter.watcher import JobView, WatchConfig, decide
+    from costexporter.services.watcher import JobView, WatchConfig, decide
 
     cfg = WatchConfig(booking=CFG, heartbeat_timeout_s=60.0)
     arrival, cuts = stream
@@ -350,7 +350,7 @@ def test_an_allowances_copy_is_independent_of_its_original_both_ways(before, aft
     """A view's copy shares the learned durations until either side learns one more: each side
     then answers as an Allowances fed only its own observations (the fold's view must never move
     the fold's allowances, nor the fold a timeline already handed out)."""
-    from costexporter.booking import Allowances
+    from costexporter.core.booking import Allowances
 
     cfg = BookingConfig()
 
@@ -384,9 +384,9 @@ def test_an_allowances_copy_is_independent_of_its_original_both_ways(before, aft
 def test_a_short_walks_segments_in_python_are_numpys(segs, voided, base):
     """`_segments` has a plain-Python path for the short walks a watcher views every poll and a
     numpy one for long walks: both mark the same voided steps and merge the same neighbours."""
-    from costexporter import fold
-    from costexporter.booking import StepRecord
-    from costexporter.fold import _segments, _Walk
+    from costexporter.core import fold
+    from costexporter.core.booking import StepRecord
+    from costexporter.core.fold import _segments, _Walk
 
     w = _Walk(BookingConfig(), 0)
     t = 0

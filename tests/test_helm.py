@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from costexporter.dashboard import render as render_dashboard
-from costexporter.rules import prometheus_rule, render, render_prometheus_rule
+from costexporter.tools.dashboard import render as render_dashboard
+from costexporter.tools.rules import prometheus_rule, render, render_prometheus_rule
 
 from .test_dashboard import _dropped
 
@@ -132,7 +132,7 @@ def test_cli_renders_the_prometheusrule(tmp_path):
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load(out.read_text())
     assert doc["kind"] == "PrometheusRule" and doc["metadata"]["name"] == "ce"
-    from costexporter.rules import RuleWindows, rules
+    from costexporter.tools.rules import RuleWindows, rules
 
     assert doc["spec"] == rules(RuleWindows.short())
 

@@ -1,4 +1,4 @@
-"""Each GPU's idle level learned from its own 0% samples (costexporter/idle.py), the derived
+"""Each GPU's idle level learned from its own 0% samples (costexporter/core/idle.py), the derived
 profile's low edges moved to it (profiles.with_idle), and the level kept in Redis by GPU UUID.
 The levels are R9's H200: idle 79.6 W without a CUDA context, 123.7 W with one; checkpoint and
 spin at 124.1 W; compute 660-729 W at 100%."""
@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from costexporter import bands, idle, ledger, profiles
-from costexporter.model import Band
-from costexporter.profiles import B300, derive, with_idle
+from costexporter.core import bands, idle, profiles
+from costexporter.core.model import Band
+from costexporter.core.profiles import B300, derive, with_idle
+from costexporter.store import ledger
 
 H200 = derive(700.0, "H200")
 
@@ -117,7 +118,7 @@ def test_learned_edges_stay_ordered_and_above_the_idle_level(level):
 def test_the_agent_keeps_each_gpus_idle_in_redis_by_uuid_and_a_new_agent_starts_from_it(
     shared, prefix, monkeypatch
 ):
-    from costexporter.agent import Agent, AgentConfig
+    from costexporter.services.agent import Agent, AgentConfig
     from costexporter.sources.nvml import NvmlSource
 
     from .fake_nvml import FakeGpu, FakeNvml
@@ -158,7 +159,7 @@ def test_the_agent_keeps_each_gpus_idle_in_redis_by_uuid_and_a_new_agent_starts_
 
 
 def test_junk_in_the_stored_level_is_counted_not_raised(shared, prefix, monkeypatch):
-    from costexporter.agent import Agent, AgentConfig
+    from costexporter.services.agent import Agent, AgentConfig
     from costexporter.sources.nvml import NvmlSource
 
     from .fake_nvml import FakeGpu, FakeNvml

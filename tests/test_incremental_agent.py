@@ -13,15 +13,15 @@ import redis
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from costexporter import ledger
-from costexporter.agent import Agent, AgentConfig
-from costexporter.booking import build_timeline, dated_until
-from costexporter.client import send_entries
-from costexporter.exporter import registry_for
-from costexporter.fold import walk_relevant
-from costexporter.reader import EventReader
-from costexporter.sources.replay import ReplaySource
-from costexporter.synth import TraceBuilder
+from costexporter.core.booking import build_timeline, dated_until
+from costexporter.core.fold import walk_relevant
+from costexporter.services.agent import Agent, AgentConfig
+from costexporter.services.exporter import registry_for
+from costexporter.sources.playback import ReplaySource
+from costexporter.sources.synth import TraceBuilder
+from costexporter.store import ledger
+from costexporter.store.reader import EventReader
+from costexporter.trainer.reporter import send_entries
 
 from .conftest import SHARED_URL
 from .test_agent import event_entry
@@ -213,7 +213,7 @@ def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_a
     of a watcher that polls every round and of one that lags (polls every 12th round): its
     registered position keeps what it has not read yet. (Both registered before the first
     trim: a watcher started later reads only what is left.)"""
-    from costexporter.watcher import WatchConfig, Watcher
+    from costexporter.services.watcher import WatchConfig, Watcher
 
     b = trace()
     late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
@@ -321,7 +321,7 @@ def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream
     the whole stream again: counted, logged once, the same ledger, no crash."""
     import base64
 
-    from costexporter.fold import _MAGIC
+    from costexporter.core.fold import _MAGIC
 
     b = trace()
     late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
@@ -359,7 +359,7 @@ def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream
 def test_a_watcher_refolds_a_late_event_from_the_stream_and_judges_as_a_fresh_one(prefix):
     """The watcher keeps no events: an event older than its fold is read again from the stream,
     and every poll's status is a fresh watcher's (one that reads the whole stream at once)."""
-    from costexporter.watcher import WatchConfig, Watcher
+    from costexporter.services.watcher import WatchConfig, Watcher
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="watched", seed=4)
     b.run("start")
@@ -425,7 +425,7 @@ def test_the_rollback_index_keeps_only_what_a_resume_can_reach_and_books_as_the_
     """With 3 checkpoints reachable, the index holds the records from the oldest of them on (not
     the job's whole history) and in the valid categories only; a resume to that checkpoint moves
     exactly what an agent keeping every entry moves."""
-    from costexporter.booking import BookingConfig
+    from costexporter.core.booking import BookingConfig
 
     b = checkpointed(resume_to=60)
     never = b.events[0]  # nothing arrives late
@@ -450,7 +450,7 @@ def test_a_resume_further_back_than_the_index_reaches_is_counted_and_moves_nothi
     """A resume to step 30 when only the last 3 checkpoints (60, 70, 80) are kept: the voided
     records below the index's floor are not moved (their time stays valid: never more than the
     full index moves), the agent counts them and says so once."""
-    from costexporter.booking import BookingConfig
+    from costexporter.core.booking import BookingConfig
 
     b = checkpointed(resume_to=30)
     never = b.events[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from costexporter.reader import EventReader
+from costexporter.store.reader import EventReader
 
 from .conftest import SHARED_URL
 

@@ -20,8 +20,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costexporter import ledger, protocol
-from costexporter.booking import (
+from costexporter.core.booking import (
     CATEGORY_TABLE,
     POS_INF,
     BookingConfig,
@@ -32,9 +31,10 @@ from costexporter.booking import (
     build_timeline,
     is_stepless,
 )
-from costexporter.k8s import job_name
-from costexporter.model import BANDS, CATEGORIES, Band, Category, Event
+from costexporter.core.model import BANDS, CATEGORIES, Band, Category, Event
+from costexporter.services.k8s import job_name
 from costexporter.sources.dcgm import PodRef
+from costexporter.store import ledger, protocol
 
 from .conftest import SHARED_URL
 from .redis_server import free_port
@@ -382,7 +382,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
 
 def test_a_gpu_the_trainer_registered_itself_is_left_to_the_trainer(shared, prefix):
     """Events win: the trainer's registration of the GPU stands; the pod adds no second one."""
-    from costexporter.client import send_entries
+    from costexporter.trainer.reporter import send_entries
 
     job = "ml:llama-ft"
     trainer = {
@@ -423,7 +423,7 @@ def test_a_gpu_the_trainer_registered_itself_is_left_to_the_trainer(shared, pref
 def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
     """`promtool test rules` on the shipped rules: cost rising for an hour with the progress
     timestamp still fires CostSlopeWithoutSteps for a trainer's job, not for a stepless one."""
-    from costexporter.rules import RuleWindows, render
+    from costexporter.tools.rules import RuleWindows, render
 
     rules = tmp_path / "rules.yaml"
     rules.write_text(render(RuleWindows()))
@@ -441,7 +441,7 @@ def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
     if progress is not None:
         info = f'costexporter_job_info{{{lab},team="",namespace="ml",cost_center="",progress="{progress}"}}'
         series.append({"series": info, "values": "1x60"})
-    from costexporter.rules import rules as rule_doc
+    from costexporter.tools.rules import rules as rule_doc
 
     (slope,) = [
         r
@@ -480,7 +480,7 @@ def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
 def test_registrations_survive_a_redis_outage_without_duplicates(tmp_path, prefix):
     """Redis dies while the pods come and go: the sync loop keeps running (errors counted), and
     once Redis is back every GPU is registered once, the run ends once and restarts once."""
-    from costexporter.k8s import KubernetesJobs
+    from costexporter.services.k8s import KubernetesJobs
     from costexporter.sources.dcgm import DcgmSource
 
     from .redis_server import RedisServer

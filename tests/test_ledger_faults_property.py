@@ -18,12 +18,12 @@ import redis
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
-from costexporter import ledger
-from costexporter.agent import Agent, AgentConfig
-from costexporter.client import send_entries
-from costexporter.model import CATEGORIES
-from costexporter.sources.replay import ReplaySource
-from costexporter.synth import TraceBuilder
+from costexporter.core.model import CATEGORIES
+from costexporter.services.agent import Agent, AgentConfig
+from costexporter.sources.playback import ReplaySource
+from costexporter.sources.synth import TraceBuilder
+from costexporter.store import ledger
+from costexporter.trainer.reporter import send_entries
 
 from .test_agent import event_entry
 

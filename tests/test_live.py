@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter import profiles
-from costexporter.booking import BookingConfig
-from costexporter.cost import Prices
-from costexporter.live import JobState, book_window, ledger_delta
-from costexporter.model import CATEGORIES
-from costexporter.replay import ReplayConfig, book_trace
-from costexporter.samplewin import keep_from
-from costexporter.synth import TraceBuilder
+from costexporter.core import profiles
+from costexporter.core.booking import BookingConfig
+from costexporter.core.cost import Prices
+from costexporter.core.live import JobState, book_window, ledger_delta
+from costexporter.core.model import CATEGORIES
+from costexporter.core.replay import ReplayConfig, book_trace
+from costexporter.core.samplewin import keep_from
+from costexporter.sources.synth import TraceBuilder
 
 
 def scenario(kind: str) -> TraceBuilder:
@@ -169,8 +169,8 @@ def test_the_pure_ledger_delta_chained_over_rounds_nets_to_the_offline_replay(ki
     """No Redis: book_window + ledger_delta round after round, the resume's correction included,
     give the offline replay's amounts net of the `voided:` corrections, and every delta is
     self-consistent (its state adds exactly what it writes)."""
-    from costexporter.cost import Prices
-    from costexporter.live import JobState
+    from costexporter.core.cost import Prices
+    from costexporter.core.live import JobState
 
     b = scenario(kind)
     [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
@@ -216,7 +216,7 @@ def deadlock_scenario(zero_rank: int) -> TraceBuilder:
 
 def chained_incidents(b: TraceBuilder, own: list[int], rounds_s: float) -> dict[str, dict]:
     """The open incidents an agent owning `own` leaves after booking `b` round by round."""
-    from costexporter.live import JobState
+    from costexporter.core.live import JobState
 
     s = b.samples()
     events = sorted(b.events, key=lambda e: e.ts)
@@ -240,7 +240,7 @@ def test_the_live_deadlock_incident_names_the_zero_util_rank_as_replay_does(zero
     names it (also the agent that does not own that rank), as the offline replay's does."""
     b = deadlock_scenario(zero_rank)
     [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
-    from costexporter.replay import incidents as replay_incidents
+    from costexporter.core.replay import incidents as replay_incidents
 
     offline = [i for i in replay_incidents(r, ReplayConfig(), 3.5) if i["zero_util_ranks"]]
     assert [i["zero_util_ranks"] for i in offline] == [[zero_rank]]
@@ -259,7 +259,7 @@ def test_a_hung_checkpoint_names_the_writing_rank_once_it_turns_into_a_deadlock(
     (no progress, compute band) names no one."""
     b = scenario("hung")
     [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
-    from costexporter.replay import incidents as replay_incidents
+    from costexporter.core.replay import incidents as replay_incidents
 
     offline = {i["category"]: i["zero_util_ranks"] for i in replay_incidents(r, ReplayConfig(), 3.5)}
     assert offline["stalled"] == [0] and [] in offline.values()

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from costexporter import profiles
-from costexporter.booking import BookingConfig
-from costexporter.cost import MS_PER_HOUR, Prices
-from costexporter.live import JobState, book_window, ledger_delta
-from costexporter.replay import ReplayConfig, replay
-from costexporter.synth import TraceBuilder
+from costexporter.core import profiles
+from costexporter.core.booking import BookingConfig
+from costexporter.core.cost import MS_PER_HOUR, Prices
+from costexporter.core.live import JobState, book_window, ledger_delta
+from costexporter.core.replay import ReplayConfig, replay
+from costexporter.sources.synth import TraceBuilder
 
 PRICE = 3.5
 GRID_MS = int(BookingConfig().grid_s * 1000)
@@ -106,7 +106,7 @@ def live_rounds(b: TraceBuilder, rounds_s: float) -> dict:
 
 def piece_cost(pieces: list, category: str, start_ms: int, end_ms: int) -> float:
     """What the live rounds booked in one category inside [start, end), priced as replay does."""
-    from costexporter.model import CATEGORIES
+    from costexporter.core.model import CATEGORIES
 
     c = CATEGORIES.index(category)
     ms = mj = 0.0

@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from costexporter import ledger, protocol
-from costexporter.client import send_entries
-from costexporter.model import BANDS
+from costexporter.core.model import BANDS
+from costexporter.store import ledger, protocol
+from costexporter.trainer.reporter import send_entries
 
 from .fake_nvml import ENV as FAKE_ENV
 from .redis_server import free_port

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costexporter.booking import BookingConfig, percentile, stall_threshold_ms
+from costexporter.core.booking import BookingConfig, percentile, stall_threshold_ms
 
 Q = st.one_of(st.sampled_from([0.0, 50.0, 90.0, 95.0, 99.0, 100.0]), st.floats(0, 100))
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import redis
 
-from costexporter.agent import Agent, AgentConfig
-from costexporter.model import GpuId, Samples
-from costexporter.reader import EventReader
-from costexporter.sources.replay import ReplaySource
+from costexporter.core.model import GpuId, Samples
+from costexporter.services.agent import Agent, AgentConfig
+from costexporter.sources.playback import ReplaySource
+from costexporter.store.reader import EventReader
 
 from .conftest import SHARED_URL
 

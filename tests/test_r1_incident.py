@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from costexporter import synth
-from costexporter.baseline import utilization_rule
-from costexporter.replay import replay
+from costexporter.core.baseline import utilization_rule
+from costexporter.core.replay import replay
+from costexporter.sources import synth
 
 
 @pytest.fixture(scope="module")

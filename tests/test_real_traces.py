@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter import profiles
-from costexporter.model import BANDS, CATEGORIES, Band
-from costexporter.replay import ReplayConfig, book_trace, job_report
-from costexporter.synth import TraceBuilder
+from costexporter.core import profiles
+from costexporter.core.model import BANDS, CATEGORIES, Band
+from costexporter.core.replay import ReplayConfig, book_trace, job_report
+from costexporter.sources.synth import TraceBuilder
 from tests.realtrace import Scenario, agreement
 from tests.test_live import book_seen
 
@@ -163,7 +163,7 @@ def test_a_single_gpu_spinning_at_idle_power_without_steps_is_a_deadlock():
 
 
 def test_a_job_that_only_registered_is_not_a_clock_problem():
-    from costexporter.replay import clock_offset_hours
+    from costexporter.core.replay import clock_offset_hours
 
     assert clock_offset_hours((1_000_000, 5_000_000), (1_000_000, 1_000_000)) is None
     assert clock_offset_hours((1_000_000, 2_000_000), (4_600_000, 4_600_000)) == 1

@@ -17,11 +17,11 @@ import pyarrow.compute as pc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costexporter.booking import NEG_INF, POS_INF, Slices, _cut_per_gpu, make_slices
-from costexporter.cost import MJ_PER_KWH, MS_PER_HOUR
-from costexporter.model import Band, GpuId, Samples
-from costexporter.replay import ReplayConfig, _unassigned
-from costexporter.sources import files
+from costexporter.core import tracefiles as files
+from costexporter.core.booking import NEG_INF, POS_INF, Slices, _cut_per_gpu, make_slices
+from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
+from costexporter.core.model import Band, GpuId, Samples
+from costexporter.core.replay import ReplayConfig, _unassigned
 
 
 def arrow_ms(values: pa.ChunkedArray, tz: str = "UTC") -> np.ndarray | None:

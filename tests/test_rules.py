@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from costexporter.rules import RuleWindows, render
+from costexporter.tools.rules import RuleWindows, render
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "dashboards" / "costexporter-rules.yaml"
@@ -473,7 +473,7 @@ def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
 
 # ---- windows scaled to the demo's --speed (issue 17 item 4) ----------------------------------------
 def test_for_speed_divides_every_window_with_floors():
-    from costexporter.rules import SPEED_INTERVAL_S, duration, for_speed, seconds
+    from costexporter.tools.rules import SPEED_INTERVAL_S, duration, for_speed, seconds
 
     w = for_speed(RuleWindows(), 160)
     assert seconds(w.comm_for) == pytest.approx(15 * 60 / 160, abs=0.001)
@@ -561,6 +561,6 @@ def test_at_160x_a_20_minute_stretch_fires_communication_bound_and_data_starvati
 
 
 def for_speed_160() -> RuleWindows:
-    from costexporter.rules import for_speed
+    from costexporter.tools.rules import for_speed
 
     return for_speed(RuleWindows(), 160)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.samplewin import SampleWindow, keep_from
+from costexporter.core.samplewin import SampleWindow, keep_from
 
 
 class FullSort:
@@ -128,7 +128,7 @@ def test_the_usual_round_equals_the_full_sort(mine, rounds) -> None:
 
 
 def test_a_stream_entry_decodes_to_what_was_encoded_and_the_older_layout_still_reads() -> None:
-    from costexporter.samplewin import decode_entry, encode_entry
+    from costexporter.core.samplewin import decode_entry, encode_entry
 
     cols = (
         np.array([3, 3, 7], np.int64),

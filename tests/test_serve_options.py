@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from costexporter import agent as agent_mod
-from costexporter.cli import main
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.cli.main import main
+from costexporter.services import agent as agent_mod
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 
 
 class _Captured(Exception):

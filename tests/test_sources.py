@@ -194,7 +194,7 @@ def test_through_the_booker_slices_sum_to_the_counter_delta(monkeypatch):
     """make_slices (the booker) takes the shared figures as counter deltas, never power."""
     import numpy as np
 
-    from costexporter.booking import make_slices
+    from costexporter.core.booking import make_slices
 
     fake = FakeNvml([FakeGpu(uuid(0), power_mw=500_000, counter_power_mw=700_000)]).install(monkeypatch)
     _src, _sampler, out, _ = _anchored_sampler(fake, 0.02, 0.2, 1.0)
@@ -256,8 +256,8 @@ def test_a_real_agent_books_the_counters_energy_into_the_ledger_not_the_samples_
     """Through the agent and real Redis: the samples say 500 W, the counter integrates 700 W;
     the ledger holds the counter's energy for every booked second, with one counter call per GPU
     per round."""
-    from costexporter import ledger
-    from costexporter.agent import Agent, AgentConfig
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.store import ledger
 
     gpus = [FakeGpu(uuid(i), power_mw=500_000, counter_power_mw=700_000) for i in range(2)]
     fake = FakeNvml(gpus, cpu_cost_s={"nvmlDeviceGetTotalEnergyConsumption": 0.0039}).install(monkeypatch)
@@ -471,8 +471,8 @@ def test_sampler_reads_on_its_own_thread_and_bounds_its_buffer(monkeypatch):
 
 
 def test_replay_source_plays_a_trace_faster_than_real_time():
-    from costexporter.sources.replay import ReplaySource
-    from costexporter.synth import TraceBuilder
+    from costexporter.sources.playback import ReplaySource
+    from costexporter.sources.synth import TraceBuilder
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="r")
     b.stretch("compute", 100)

@@ -24,9 +24,9 @@ import pytest
 import redis as redis_mod
 import yaml
 
-from costexporter.dashboard import expressions
-from costexporter.dashboard import render as render_dashboard
-from costexporter.rules import RuleWindows, render
+from costexporter.tools.dashboard import expressions
+from costexporter.tools.dashboard import render as render_dashboard
+from costexporter.tools.rules import RuleWindows, render
 
 from .conftest import SHARED_URL
 from .redis_server import free_port
@@ -153,7 +153,7 @@ def short_story():
     whose processes die (two crashes), a resume from the checkpoint, the end. A budget is crossed
     during the straggler. Story seconds: comm 300, starvation 1500, deadlock 2700, resume 4500,
     crash loop 5100 (deaths at 5220 and 5520), resume 5700, end 6000."""
-    from costexporter.synth import TraceBuilder
+    from costexporter.sources.synth import TraceBuilder
 
     b = TraceBuilder(n_gpus=8, per_host=4, job="short-r1", seed=5)
     b.meta(gpu_model="NVIDIA B300", budget=15.0)  # 8 GPUs at 3.5 USD/GPU-h: crossed at ~1930 s
@@ -261,8 +261,8 @@ def story_run(tmp_path_factory):
         pytest.skip("prometheus not installed (.ci/run installs it)")
     from prometheus_client import start_http_server
 
-    from costexporter.demo import Demo, DemoConfig
-    from costexporter.rules import seconds
+    from costexporter.tools.demo import Demo, DemoConfig
+    from costexporter.tools.rules import seconds
 
     from .test_compose_configs import compose_demo_speed
 
@@ -379,8 +379,8 @@ def test_every_alert_of_the_story_fires_once_in_a_real_prometheus(story_run):
     # time than the stretches without steps (the deadlock, the crash loop).
     # CostSlopeWithoutSteps reads the agent's progress, which the agent books its event lag behind
     # the story (the simulated trainers' events may still be on their way), plus a round.
-    from costexporter.demo import DemoConfig
     from costexporter.sources.sim import EVENT_LAG_WALL_S
+    from costexporter.tools.demo import DemoConfig
 
     booked = (EVENT_LAG_WALL_S + DemoConfig(redis_url=SHARED_URL).book_interval_s) * run.speed
     for alert, lo, late in (("JobHung", 2700, 0), ("CostSlopeWithoutSteps", 2700 + 900, booked)):
@@ -496,7 +496,7 @@ def test_live_view_shows_step_bands_cost_watcher_and_alerts():
     plain lines in words."""
     from rich.console import Console
 
-    from costexporter.demo import plain_line, render_view
+    from costexporter.tools.demo import plain_line, render_view
 
     state = {
         "progress": 0.45,
@@ -535,7 +535,7 @@ def test_live_view_shows_step_bands_cost_watcher_and_alerts():
 
 
 def test_the_mini_scenario_has_its_own_title(prefix):
-    from costexporter.demo import Demo, DemoConfig
+    from costexporter.tools.demo import Demo, DemoConfig
 
     d = Demo(DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario="mini", speed=1.0))
     try:
@@ -555,8 +555,8 @@ def _offline_bill(scenario: str) -> dict:
     (each GPU from its first sample to one interval after its last)."""
     import numpy as np
 
-    from costexporter.replay import ReplayConfig, replay
-    from costexporter.synth import SCENARIOS
+    from costexporter.core.replay import ReplayConfig, replay
+    from costexporter.sources.synth import SCENARIOS
 
     b = SCENARIOS[scenario]()
     s = b.samples()
@@ -738,7 +738,7 @@ def test_serve_without_a_gpu_suggests_the_simulated_source(cli):
 
 
 def test_every_command_documents_its_environment_variables_and_takes_config_after_it(cli, tmp_path):
-    from costexporter.cli import main
+    from costexporter.cli.main import main
 
     commands = [
         (name, *sub)
@@ -841,7 +841,7 @@ def test_tls_redis_helper_skips_a_binary_built_without_tls_and_shows_stderr(tmp_
 
 
 def test_a_stopped_demo_bills_the_utilization_rule_only_for_what_was_played(prefix):
-    from costexporter.demo import Demo, DemoConfig
+    from costexporter.tools.demo import Demo, DemoConfig
 
     d = Demo(DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario="mini", speed=100.0)).start()
     try:

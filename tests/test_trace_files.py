@@ -11,9 +11,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from costexporter.diagnostics import Diagnostics, InputError
-from costexporter.sources import files
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv, write_samples_jsonl
+from costexporter.core import tracefiles as files
+from costexporter.core.diagnostics import Diagnostics, InputError
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv, write_samples_jsonl
 
 
 @pytest.fixture

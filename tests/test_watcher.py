@@ -23,13 +23,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
-from costexporter import ledger
 from costexporter.api.store import LedgerStore
-from costexporter.booking import BookingConfig
-from costexporter.client import StepReporter
-from costexporter.exporter import watch_registry
-from costexporter.model import Event
-from costexporter.watcher import JobView, Status, WatchConfig, Watcher, decide, notification
+from costexporter.core.booking import BookingConfig
+from costexporter.core.model import Event
+from costexporter.services.exporter import watch_registry
+from costexporter.services.watcher import (
+    JobView,
+    Status,
+    WatchConfig,
+    Watcher,
+    decide,
+    notification,
+)
+from costexporter.store import ledger
+from costexporter.trainer.reporter import StepReporter
 
 from .conftest import SHARED_URL
 from .redis_server import RedisServer, free_port

@@ -11,11 +11,11 @@ import uuid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter import ledger, protocol
-from costexporter import watcher as watcher_mod
-from costexporter.booking import BookingConfig
-from costexporter.client import send_entries
-from costexporter.watcher import LIVE_HISTORY, WatchConfig, Watcher
+from costexporter.core.booking import BookingConfig
+from costexporter.services import watcher as watcher_mod
+from costexporter.services.watcher import LIVE_HISTORY, WatchConfig, Watcher
+from costexporter.store import ledger, protocol
+from costexporter.trainer.reporter import send_entries
 
 from .conftest import SHARED_URL
 from .test_fold import streams

@@ -8,12 +8,13 @@ import json
 import numpy as np
 import redis
 
-from costexporter import ledger, protocol, samplewin
-from costexporter.agent import Agent, AgentConfig
-from costexporter.client import send_entries
-from costexporter.model import Samples
-from costexporter.sources.replay import ReplaySource
-from costexporter.synth import TraceBuilder
+from costexporter.core import samplewin
+from costexporter.core.model import Samples
+from costexporter.services.agent import Agent, AgentConfig
+from costexporter.sources.playback import ReplaySource
+from costexporter.sources.synth import TraceBuilder
+from costexporter.store import ledger, protocol
+from costexporter.trainer.reporter import send_entries
 
 from .test_agent import event_entry, post_events
 

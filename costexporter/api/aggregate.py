@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..buckets import RESOLUTIONS
-from ..cost import MS_PER_HOUR
-from ..model import CATEGORIES
-from .format import iso, micro, money, per_micro
-from .schemas import AllocationRow
-from .store import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
+from costexporter.api.format import iso, micro, money, per_micro
+from costexporter.api.schemas import AllocationRow
+from costexporter.api.store import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
+from costexporter.core.buckets import RESOLUTIONS
+from costexporter.core.cost import MS_PER_HOUR
+from costexporter.core.model import CATEGORIES
 
 FIELDS = ("job", "team", "namespace", "cost_center")
 LABEL = re.compile(r"^label:([A-Za-z0-9_.\-/]{1,100})$")

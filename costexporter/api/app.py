@@ -15,15 +15,15 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 
-from .. import __version__
-from .auth import Tokens
-from .cache import DEFAULT_MAX_BYTES, ResponseCache
-from .deps import ApiConfig
-from .export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSettings
-from .format import by_category, iso, json_bytes, micro, money, per
-from .routers import allocation, health, jobs
-from .schemas import *  # noqa: F403  (the models were importable from here)
-from .store import LedgerStore
+from costexporter import __version__
+from costexporter.api.auth import Tokens
+from costexporter.api.cache import DEFAULT_MAX_BYTES, ResponseCache
+from costexporter.api.deps import ApiConfig
+from costexporter.api.export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSettings
+from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
+from costexporter.api.routers import allocation, health, jobs
+from costexporter.api.schemas import *  # noqa: F403  (the models were importable from here)
+from costexporter.api.store import LedgerStore
 
 __all__ = [
     "CSV_COLUMNS",

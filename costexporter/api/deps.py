@@ -13,11 +13,11 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .auth import Principal, Tokens
-from .cache import ResponseCache
-from .export import FocusSettings
-from .store import LedgerStore, Warnings
-from .windows import ACCEPTED, Window, WindowError, parse_window
+from costexporter.api.auth import Principal, Tokens
+from costexporter.api.cache import ResponseCache
+from costexporter.api.export import FocusSettings
+from costexporter.api.store import LedgerStore, Warnings
+from costexporter.api.windows import ACCEPTED, Window, WindowError, parse_window
 
 
 @dataclass

@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 
-from .format import PLACES, iso, money
-from .schemas import AllocationRow
-from .store import Warnings
-from .windows import Window
+from costexporter.api.format import PLACES, iso, money
+from costexporter.api.schemas import AllocationRow
+from costexporter.api.store import Warnings
+from costexporter.api.windows import Window
 
 CSV_COLUMNS = [
     "key",
@@ -195,7 +195,7 @@ def to_focus(
 def focus_values(
     r: AllocationRow, currency: str, fields: list[str], fs: FocusSettings, warn: Warnings | None = None
 ) -> dict[str, object]:
-    from .aggregate import month_start, next_month
+    from costexporter.api.aggregate import month_start, next_month
 
     start = int(dt.datetime.fromisoformat(str(r.start).replace("Z", "+00:00")).timestamp())
     hours = Decimal(f"{r.gpu_hours:.6f}")

@@ -8,8 +8,8 @@ from decimal import Decimal
 import orjson
 from fastapi.responses import Response
 
-from ..cost import MJ_PER_KWH, MS_PER_HOUR
-from .store import JOB_CATS, Amounts
+from costexporter.api.store import JOB_CATS, Amounts
+from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 
 PLACES = Decimal("0.000001")
 

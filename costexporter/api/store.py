@@ -22,10 +22,12 @@ import orjson
 import redis
 import redis.cluster
 
-from .. import ledger, protocol
-from ..buckets import RESOLUTIONS
-from ..cost import MS_PER_HOUR
-from ..keys import (
+from costexporter.api.windows import decompose
+from costexporter.core.buckets import RESOLUTIONS
+from costexporter.core.cost import MS_PER_HOUR
+from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
+from costexporter.store import ledger, protocol
+from costexporter.store.keys import (
     bucket_key,
     figures_key,
     incident_index_key,
@@ -37,8 +39,6 @@ from ..keys import (
     total_key,
     voids_key,
 )
-from ..model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
-from .windows import decompose
 
 WASTED = [c.name.lower() for c in sorted(WASTED_CATEGORIES)]
 VALID = [c.name.lower() for c in sorted(VALID_CATEGORIES)]
@@ -355,7 +355,7 @@ class LedgerStore:
     exact path the rollups are tested against)."""
 
     def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True) -> None:
-        from .. import redisconn
+        from costexporter.store import redisconn
 
         self.r = client
         self.prefix = prefix

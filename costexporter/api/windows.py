@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from zoneinfo import ZoneInfo
 
-from ..buckets import BUCKET_S, RESOLUTIONS, bucket_start
+from costexporter.core.buckets import BUCKET_S, RESOLUTIONS, bucket_start
 
 ACCEPTED = (
     "a duration back from now (30m, 24h, 7d, 2w), a calendar word (today, yesterday, week, lastweek, "

@@ -14,7 +14,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "costexporter.integrations.hf needs transformers: pip install 'costexporter[hf]'"
     ) from e
 
-from ..client import StepReporter
+from costexporter.trainer.reporter import StepReporter
 
 
 class CostExporterCallback(TrainerCallback):

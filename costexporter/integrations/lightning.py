@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - the standalone package name
             "costexporter.integrations.lightning needs lightning: pip install 'costexporter[lightning]'"
         ) from e
 
-from ..client import StepReporter
+from costexporter.trainer.reporter import StepReporter
 
 
 class CostExporterLightningCallback(Callback):

@@ -12,7 +12,7 @@ import collections
 import math
 from dataclasses import dataclass
 
-from ..model import GpuId
+from costexporter.core.model import GpuId
 
 
 class GpuSourceError(Exception):

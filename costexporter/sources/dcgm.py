@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..model import GpuId
-from .base import GpuSource, Reading
+from costexporter.core.model import GpuId
+from costexporter.sources.base import GpuSource, Reading
 
 log = logging.getLogger("costexporter.sources.dcgm")
 

@@ -20,8 +20,8 @@ import socket
 import time
 from collections.abc import Iterator
 
-from ..model import GpuId
-from .base import (
+from costexporter.core.model import GpuId
+from costexporter.sources.base import (
     GpuInitError,
     GpuLostError,
     GpuNoPermissionError,

@@ -9,8 +9,8 @@ import math
 import threading
 import time
 
-from .base import GpuSource, Reading
-from .energy import Anchor, share
+from costexporter.sources.base import GpuSource, Reading
+from costexporter.sources.energy import Anchor, share
 
 log = logging.getLogger("costexporter.sources.sampler")
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import protocol, redisconn
-from ..client import StepReporter
-from ..keys import simclock_key
-from ..model import Event, Samples
-from ..synth import SCENARIOS, TraceBuilder
-from .replay import ReplaySource
+from costexporter.core.model import Event, Samples
+from costexporter.sources.playback import ReplaySource
+from costexporter.sources.synth import SCENARIOS, TraceBuilder
+from costexporter.store import protocol, redisconn
+from costexporter.store.keys import simclock_key
+from costexporter.trainer.reporter import StepReporter
 
 log = logging.getLogger("costexporter.sources.sim")
 

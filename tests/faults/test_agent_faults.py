@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from costexporter import ledger, protocol
-from costexporter.client import send_entries
-from costexporter.model import CATEGORIES, Event
-from costexporter.replay import ReplayConfig, book_trace
-from costexporter.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.core.model import CATEGORIES, Event
+from costexporter.core.replay import ReplayConfig, book_trace
+from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
+from costexporter.store import ledger, protocol
+from costexporter.trainer.reporter import send_entries
 
 from ..redis_server import RedisServer, free_port
 from ..test_agent import agent_process, offline_ms, post_events, scrape, serve, stop_all, wait_booked

@@ -18,11 +18,11 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter import ledger, protocol
 from costexporter.api.auth import TokenConfigError, Tokens, hash_token, parse_tokens
 from costexporter.api.cache import ResponseCache
 from costexporter.api.store import LedgerStore
-from costexporter.buckets import bucket_start
+from costexporter.core.buckets import bucket_start
+from costexporter.store import ledger, protocol
 
 from ..api_helpers import T0, WINDOW, served, write_job
 from ..conftest import ROOT
@@ -589,7 +589,7 @@ def test_a_job_name_with_a_slash_is_reachable(r, prefix, name):
 def test_bytes_that_are_not_utf8_in_a_trainer_writable_key_never_break_the_api(r, prefix):
     """The jobs set and a job's meta hash take any bytes a trainer's ACL writes. The API's client
     (as `costexporter api` builds it) reads them as U+FFFD instead of failing every request."""
-    from costexporter import redisconn
+    from costexporter.store import redisconn
 
     from ..conftest import SHARED_URL
 

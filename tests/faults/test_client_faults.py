@@ -20,9 +20,7 @@ import redis
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from costexporter import protocol
-from costexporter.client import StepReporter
-from costexporter.events import (
+from costexporter.core.events import (
     MAX_GPU_INDEX,
     MAX_RANK,
     MAX_STEP,
@@ -31,7 +29,9 @@ from costexporter.events import (
     EventError,
     parse_event,
 )
-from costexporter.reader import EventReader
+from costexporter.store import protocol
+from costexporter.store.reader import EventReader
+from costexporter.trainer.reporter import StepReporter
 
 from ..conftest import SHARED_URL
 from ..redis_server import RedisServer, free_port
@@ -694,7 +694,7 @@ def test_a_corrupted_spool_sends_its_good_lines_and_counts_the_rest(junk, torn, 
     import tempfile
     import uuid
 
-    from costexporter import spool
+    from costexporter.trainer import spool
 
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     with tempfile.TemporaryDirectory() as d:

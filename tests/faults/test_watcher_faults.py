@@ -15,9 +15,9 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costexporter import protocol
-from costexporter.client import StepReporter
-from costexporter.watcher import WatchConfig, Watcher
+from costexporter.services.watcher import WatchConfig, Watcher
+from costexporter.store import protocol
+from costexporter.trainer.reporter import StepReporter
 
 from ..conftest import SHARED_URL
 
@@ -149,7 +149,7 @@ def test_bytes_that_are_not_utf8_are_refused_and_counted_not_fatal(junk, field):
     value or a field name), a ranks entry and a jobs-set member of such bytes: the reader counts
     the entry refused and reads the good events on both sides of it; the watcher judges the
     job and the job next to it."""
-    from costexporter.reader import EventReader
+    from costexporter.store.reader import EventReader
 
     with _own_prefix() as (prefix, r):
         now = time.time()

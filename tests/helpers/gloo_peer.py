@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from costexporter.client import StepReporter
+from costexporter.trainer.reporter import StepReporter
 
 job, prefix, url, spool = sys.argv[1:5]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from costexporter.client import StepReporter
 from costexporter.integrations.torch_dist import even_batches
+from costexporter.trainer.reporter import StepReporter
 
 job, prefix, url, spool, mode = sys.argv[1:6]
 rank = int(os.environ["RANK"])

@@ -22,7 +22,7 @@ if __name__ == "__main__":
     fake = FakeNvml([FakeGpu(uuid(i)) for i in range(int(sys.argv[1]))])
     for name in FakeNvml.FUNCTIONS:
         setattr(pynvml, name, getattr(fake, name))
-    from costexporter.cli import run
+    from costexporter.cli.main import run
 
     sys.argv = ["costexporter", "serve", "--source", "nvml", *sys.argv[2:]]
     run()

@@ -6,7 +6,7 @@ Rank and world size come from the environment, as under torchrun.
 import sys
 import time
 
-from costexporter.client import StepReporter
+from costexporter.trainer.reporter import StepReporter
 
 job, prefix, url, spool, n = sys.argv[1:6]
 rep = StepReporter(job, url, prefix=prefix, spool_dir=spool, heartbeat_s=0.5)

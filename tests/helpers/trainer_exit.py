@@ -9,7 +9,7 @@ import contextlib
 import sys
 import threading
 
-from costexporter.client import StepReporter
+from costexporter.trainer.reporter import StepReporter
 
 job, prefix, url, spool, how = sys.argv[1:6]
 

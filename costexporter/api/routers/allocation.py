@@ -9,13 +9,13 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import PlainTextResponse
 
-from .. import aggregate as agg
-from ..auth import Principal
-from ..deps import Config, Store, Who, Win
-from ..export import to_csv, to_focus
-from ..format import json_bytes
-from ..schemas import Allocation, AllocationRow
-from ..store import LedgerStore, Warnings
+from costexporter.api import aggregate as agg
+from costexporter.api.auth import Principal
+from costexporter.api.deps import Config, Store, Who, Win
+from costexporter.api.export import to_csv, to_focus
+from costexporter.api.format import json_bytes
+from costexporter.api.schemas import Allocation, AllocationRow
+from costexporter.api.store import LedgerStore, Warnings
 
 router = APIRouter(prefix="/api/v1/allocation", tags=["allocation"])
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import redis
 from fastapi import APIRouter, HTTPException
 
-from ... import __version__
-from ..deps import Store
-from ..schemas import Health
+from costexporter import __version__
+from costexporter.api.deps import Store
+from costexporter.api.schemas import Health
 
 router = APIRouter(tags=["health"])
 

@@ -10,14 +10,31 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import Response
 
-from ...buckets import BUCKET_S, RESOLUTIONS
-from ...cost import MJ_PER_KWH, MS_PER_HOUR
-from ...model import CATEGORIES
-from ..deps import Config, Store, Who, Win, visible_job
-from ..format import by_category, iso, json_bytes, micro, money, per
-from ..schemas import Incident, Incidents, JobList, JobSummary, JobTotals, ProfileOut, Series, WindowOut
-from ..store import JOB_CATS, WASTED, LedgerStore, Warnings, decimal, number, timestamp
-from ..windows import Window
+from costexporter.api.deps import Config, Store, Who, Win, visible_job
+from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
+from costexporter.api.schemas import (
+    Incident,
+    Incidents,
+    JobList,
+    JobSummary,
+    JobTotals,
+    ProfileOut,
+    Series,
+    WindowOut,
+)
+from costexporter.api.store import (
+    JOB_CATS,
+    WASTED,
+    LedgerStore,
+    Warnings,
+    decimal,
+    number,
+    timestamp,
+)
+from costexporter.api.windows import Window
+from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
+from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
+from costexporter.core.model import CATEGORIES
 
 # Job names may contain "/" (`team/run-7`): the job is a path parameter, and the sub-resources are
 # declared before the job itself so `a/b/series` is the series of `a/b`.

@@ -1,0 +1,180 @@
+"""Rendering a replay report: a readable table, JSON, or CSV for spreadsheets."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from costexporter.core.model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
+from costexporter.core.timeutil import tz_zone
+
+CSV_COLUMNS = ["job", "category", "kind", "gpu_hours", "energy_kwh", "cost", "currency"]
+
+
+def _kind(category: str) -> str:
+    c = Category[category.upper()]
+    if c in VALID_CATEGORIES:
+        return "valid"
+    if c in WASTED_CATEGORIES:
+        return "wasted"
+    return {"overhead": "overhead", "unassigned": "outside", "unobserved": "unseen"}[category]
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=2, sort_keys=False)
+
+
+def to_csv(report: dict) -> str:
+    """One row per job and category, plus one `unassigned` row outside any job."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    cur = report["currency"]
+    for job, j in report["jobs"].items():
+        for c in CATEGORIES:
+            if c == "unassigned":
+                continue
+            w.writerow(
+                [
+                    job,
+                    c,
+                    _kind(c),
+                    f"{j['gpu_hours'][c]:.6f}",
+                    f"{j['energy_kwh'][c]:.6f}",
+                    f"{j['cost'][c]:.6f}",
+                    cur,
+                ]
+            )
+    u = report["unassigned"]
+    w.writerow(
+        ["", "unassigned", "outside", f"{u['gpu_hours']:.6f}", f"{u['energy_kwh']:.6f}", f"{0:.6f}", cur]
+    )
+    return buf.getvalue()
+
+
+def _utc(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _span(r: list[float] | None) -> str:
+    return "none" if r is None else f"{_utc(r[0])} .. {_utc(r[1])} UTC"
+
+
+def _offset_of(tz: str, at_s: float) -> int:
+    """Minutes east of UTC of `tz` (IANA name, UTC or +HH:MM) at time `at_s`."""
+    import datetime as dt
+
+    off = dt.datetime.fromtimestamp(at_s, tz_zone(tz)).utcoffset()
+    return int(off.total_seconds() // 60) if off else 0
+
+
+def clock_warnings(report: dict, tz: str) -> list[str]:
+    """One line per job whose samples and events barely overlap: both ranges, the --tz in force
+    and, where a whole number of hours explains it, the zone that would line them up."""
+    out = []
+    for job, j in report["jobs"].items():
+        h = j.get("clock_offset_hours")
+        if h is None:
+            continue
+        tr = j["time_range"]
+        line = (
+            f"job {job}: samples ({_span(tr['samples'])}) and events ({_span(tr['events'])}) barely overlap "
+            f"with --tz {tz}"
+        )
+        if h:
+            # Samples were read as local - offset(tz); lining up with the events needs offset - h.
+            m = _offset_of(tz, tr["samples"][0]) - 60 * h
+            sign = "+" if m >= 0 else "-"
+            line += f"; the samples look {h:+d} h off: try --tz {sign}{abs(m) // 60:02d}:{abs(m) % 60:02d}"
+        out.append(line)
+    return out
+
+
+def _fmt_money(x: float | None, cur: str) -> str:
+    return "n/a" if x is None else f"{x:,.4f} {cur}" if abs(x) < 1 else f"{x:,.2f} {cur}"
+
+
+def to_table(report: dict) -> str:
+    """The human view: where the GPU-hours went and what a valid step cost."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=io.StringIO(), width=100, force_terminal=False, color_system=None)
+    cur = report["currency"]
+    for job, j in report["jobs"].items():
+        prof = j["profile"]
+        console.print(
+            f"[bold]job {job}[/]  profile {prof['name']}"
+            + ("" if prof["calibrated"] else " (uncalibrated)")
+            + f"  {j['gpu_hours_total']:.2f} GPU-h  {len(j['gpus'])} GPUs"
+        )
+        t = Table(show_edge=False, pad_edge=False)
+        for col in ("category", "kind", "GPU-h", "share", "kWh", f"cost ({cur})"):
+            t.add_column(col, justify="left" if col in ("category", "kind") else "right")
+        total = j["gpu_hours_total"] or 1.0
+        for c in CATEGORIES:
+            h = j["gpu_hours"][c]
+            if h == 0 and c in ("unassigned",):
+                continue
+            t.add_row(
+                c,
+                _kind(c),
+                f"{h:.3f}",
+                f"{100 * h / total:.1f}%",
+                f"{j['energy_kwh'][c]:.2f}",
+                f"{j['cost'][c]:,.2f}",
+            )
+        console.print(t)
+        console.print(
+            f"steps {j['steps_completed']} completed, {j['steps_voided']} voided, "
+            f"{j['valid_steps']} valid; tokens {j['tokens']:,}"
+        )
+        console.print(
+            f"cost {_fmt_money(j['cost_total'], cur)}; per valid step "
+            f"{_fmt_money(j['cost_per_valid_step'], cur)} (productive only "
+            f"{_fmt_money(j['productive_cost_per_step'], cur)}); per 1M tokens "
+            f"{_fmt_money(j['cost_per_million_tokens'], cur)}"
+        )
+        console.print(
+            f"wasted {j['wasted_gpu_hours']:.3f} GPU-h; bands: "
+            + ", ".join(f"{b} {j['band_gpu_hours'][b]:.2f}" for b in BANDS if j["band_gpu_hours"][b] > 0)
+        )
+        tr = j.get("time_range") or {}
+        if tr:
+            console.print(f"samples {_span(tr.get('samples'))}; events {_span(tr.get('events'))}")
+        if j.get("energy_coverage") is not None and j["energy_coverage"] < 1:
+            console.print(f"energy known for {100 * j['energy_coverage']:.1f}% of the GPU time")
+        if j.get("straggler"):
+            s = j["straggler"]
+            console.print(f"straggler: rank {s['rank']} ({s['host']} GPU {s['gpu']})")
+        if j["incidents"]:
+            it = Table(title="incidents", show_edge=False, pad_edge=False)
+            for col in ("start (UTC)", "minutes", "category", "band", "ranks", "GPU-h", f"cost ({cur})"):
+                it.add_column(col)
+            import datetime as dt
+
+            for inc in j["incidents"][:20]:
+                start = dt.datetime.fromtimestamp(inc["start"], dt.timezone.utc)
+                ranks = inc["ranks"]
+                rtxt = ",".join(map(str, ranks)) if len(ranks) <= 6 else f"{len(ranks)} ranks"
+                zero = inc.get("zero_util_ranks") or []
+                it.add_row(
+                    start.strftime("%Y-%m-%d %H:%M:%S"),
+                    f"{(inc['end'] - inc['start']) / 60:.1f}",
+                    inc["category"],
+                    (inc["band"] or "") + (f" (0%: rank {','.join(map(str, zero))})" if zero else ""),
+                    rtxt,
+                    f"{inc['gpu_hours']:.3f}",
+                    f"{inc['cost']:,.2f}",
+                )
+            console.print(it)
+            if len(j["incidents"]) > 20:
+                console.print(f"... and {len(j['incidents']) - 20} more incidents (see --format json)")
+        console.print()
+    u = report["unassigned"]
+    if u["gpu_hours"]:
+        console.print(f"unassigned (no job registered these GPUs): {u['gpu_hours']:.3f} GPU-h")
+    return console.file.getvalue()  # type: ignore[attr-defined]

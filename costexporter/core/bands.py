@@ -1,0 +1,490 @@
+"""Classify every sample of a job into a band (DESIGN section 3), vectorized.
+
+A job's samples are laid on a shared time grid, a matrix of ranks x moments: samples of
+different GPUs and hosts within half a grid step are the same moment. A rank without a sample
+at a moment holds its last value for up to `hold` (the unobserved-gap limit). Per-GPU bands come
+from the profile's power and utilization thresholds; the job-level signatures (deadlock,
+checkpoint, starvation) are column reductions over that matrix. Nothing here loops over samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from costexporter.core.model import Band
+from costexporter.core.profiles import Profile
+
+
+@dataclass(slots=True)
+class BandResult:
+    band: np.ndarray  # int8 per input sample, in input order
+    grid_ms: int  # the grid actually used (never finer than the sampling interval)
+    interval_ms: int  # the job's typical sampling interval
+    straggler_rank: int | None  # the rank lowest on average during starvation
+    signature_moments: int  # moments in a confirmed deadlock/checkpoint signature
+    # Confirmed signature runs: (start ms, end ms, the ranks at ~0% through most of it). R2: the
+    # 0% rank is the one that left the collective (rank 0 writing a checkpoint, or R4's rank 3).
+    signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    carry: RunCarry | None = None  # the run open at `carry_at_ms` (None: none open there)
+
+
+@dataclass(frozen=True, slots=True)
+class RunCarry:
+    """A signature run open at `at_ms`, as classified from the samples before: where it started,
+    its candidate and confirmed moments before `at_ms` and, per rank, how many of the confirmed
+    ones it was at ~0%. A window that starts later carries it instead of holding the samples
+    (a checkpoint signature becomes a deadlock only after its allowance, up to hours)."""
+
+    at_ms: int
+    start_ms: int
+    moments: int
+    confirmed: int
+    zero: dict[int, int]
+
+    def to_json(self) -> list:
+        return [
+            self.at_ms,
+            self.start_ms,
+            self.moments,
+            self.confirmed,
+            {str(k): v for k, v in self.zero.items()},
+        ]
+
+    @classmethod
+    def from_json(cls, x: list | None) -> RunCarry | None:
+        if not x:
+            return None
+        at, start, moments, confirmed, zero = x
+        return cls(
+            int(at), int(start), int(moments), int(confirmed), {int(k): int(v) for k, v in zero.items()}
+        )
+
+
+def sampling_interval_ms(rank: np.ndarray, ts_ms: np.ndarray) -> int:
+    """The typical sampling interval: median spacing of consecutive samples of one rank."""
+    if ts_ms.size < 2:
+        return 1000
+    # A bounded prefix is plenty for a median and keeps this O(1) in the trace's size.
+    rank, ts_ms = rank[:200_001], ts_ms[:200_001]
+    same = rank[1:] == rank[:-1]
+    d = (ts_ms[1:] - ts_ms[:-1])[same]
+    d = d[d > 0]
+    return int(np.median(d)) if d.size else 1000
+
+
+def classify(
+    rank: np.ndarray,
+    ts_ms: np.ndarray,
+    power_w: np.ndarray,
+    util_pct: np.ndarray,
+    n_ranks: int,
+    profile: Profile,
+    *,
+    grid_ms: int = 1000,
+    gap_intervals: float = 3.0,
+    checkpoint_allowance_ms: Callable[[np.ndarray], np.ndarray] | int = 15 * 60 * 1000,
+    interval_ms: int | None = None,
+    step_ms: np.ndarray | None = None,
+    carry: RunCarry | None = None,
+    carry_at_ms: int | None = None,
+) -> BandResult:
+    """Band of each sample. Samples must be sorted by (rank, ts).
+
+    `carry`: the signature run open at `carry.at_ms` in the samples before this window (the
+    window then needs to hold only a few moments before that time); `carry_at_ms`: where to
+    describe the run open for the next window (`BandResult.carry`).
+
+    `step_ms`: the job's step completion times, where known. Then a moment where every observed
+    rank (one GPU is enough) spins at ~100% utilization at low power with no step around it is
+    a deadlock candidate too: a hang looks like that on a single GPU (REFERENCE R9).
+
+    `checkpoint_allowance_ms` is either a constant or a function mapping the start times of
+    signature runs (ms) to the allowance in force then (learned from the job's checkpoints).
+    """
+    n = ts_ms.size
+    if interval_ms is None:
+        interval_ms = sampling_interval_ms(rank, ts_ms)
+    if n == 0:
+        return BandResult(np.zeros(0, np.int8), grid_ms, interval_ms, None, 0)
+    # Moments are one sampling interval wide; the grid is how long a signature must persist.
+    grid = max(int(grid_ms), int(interval_ms))
+    cell = max(int(interval_ms), 1)
+    hold = int(gap_intervals * interval_ms)
+
+    power_w = deramp(rank, power_w, profile, int(interval_ms))
+    tick = moments(rank, ts_ms, cell)
+    n_ticks = int(tick.max()) + 1
+    if n_ticks <= 4 * n + 1024:  # dense numbering in O(n); sparse traces fall back to unique
+        used = np.bincount(tick, minlength=n_ticks) > 0
+        cols = np.flatnonzero(used)
+        col = (np.cumsum(used) - 1)[tick]
+    else:
+        cols, col = np.unique(tick, return_inverse=True)
+    n_cols = cols.size
+    # One flat index for every scatter and gather (much faster than 2-D fancy indexing).
+    flat = np.asarray(rank, np.intp) * n_cols + col
+    # -1 W marks "no sample at this moment" (ingest rejects negative power; NaN stays NaN).
+    P = np.full((n_ranks, n_cols), -1.0, np.float32)
+    U = np.full((n_ranks, n_cols), np.nan, np.float32)
+    P.ravel()[flat] = power_w
+    U.ravel()[flat] = util_pct
+    present = P != -1.0
+
+    if present.all():  # every rank sampled at every moment: nothing to hold
+        obs = present
+    else:  # forward-fill each rank's last sample for up to `hold`
+        last = np.where(present, np.arange(n_cols), -1)
+        np.maximum.accumulate(last, axis=1, out=last)
+        seen = last >= 0
+        lastc = np.where(seen, last, 0)
+        obs = seen & ((cols[None, :] - cols[lastc]) * cell <= hold)
+        rows = np.arange(n_ranks)[:, None]
+        P = np.where(obs, P[rows, lastc], np.nan)
+        U = np.where(obs, U[rows, lastc], np.nan)
+
+    _, mid, low, _, busy, zero = _levels(P, U, profile)
+    mid &= obs
+    low &= obs
+    n_obs = obs.sum(0)
+
+    dead, ckpt, n_confirmed, signatures, carry_out = _signature(
+        low,
+        busy,
+        zero,
+        n_obs,
+        cols,
+        cell,
+        grid,
+        int(ts_ms.min()),
+        step_ms,
+        checkpoint_allowance_ms,
+        carry,
+        carry_at_ms,
+    )
+
+    # Starvation: most ranks at mid power and at least one well below ~100% utilization.
+    starv = (n_obs >= 2) & ((mid.sum(0) * 2) >= n_obs) & ((mid & ~busy & ~np.isnan(U)).sum(0) >= 1)
+
+    # Every sample is classified from its own reading; the job-level signatures of its moment
+    # are laid over it (so a grid step can hold two bands, by duration).
+    band, s_mid = _reading_bands(power_w, util_pct, profile)
+    band[s_mid & starv[col]] = Band.STARVATION
+    band[dead[col]] = Band.DEADLOCK
+    band[ckpt[col]] = Band.CHECKPOINT
+
+    straggler = None
+    if starv.any():
+        u = np.where(mid[:, starv], U[:, starv], np.nan)
+        counts = (~np.isnan(u)).sum(1)
+        if counts.any():
+            mean = np.where(counts > 0, np.nansum(u, 1) / np.maximum(counts, 1), np.inf)
+            straggler = int(np.argmin(mean))
+
+    return BandResult(
+        band=band,
+        grid_ms=grid,
+        interval_ms=int(interval_ms),
+        straggler_rank=straggler,
+        signature_moments=n_confirmed,
+        signatures=signatures,
+        carry=carry_out,
+    )
+
+
+def reading_bands(power_w: np.ndarray, util_pct: np.ndarray, profile: Profile) -> np.ndarray:
+    """Each reading's band from itself alone (no job signature: those need a job's moments):
+    the band of a GPU no job holds, or one whose job has no moment classified yet."""
+    return _reading_bands(np.asarray(power_w, np.float64), np.asarray(util_pct, np.float64), profile)[0]
+
+
+def _reading_bands(
+    power_w: np.ndarray, util_pct: np.ndarray, profile: Profile
+) -> tuple[np.ndarray, np.ndarray]:
+    """(band per reading from its own power and utilization, the mid-power mask)."""
+    s_high, s_mid, s_low, s_idle, s_busy, s_zero = _levels(power_w, util_pct, profile)
+    band = np.full(power_w.size, Band.UNKNOWN, np.int8)
+    band[s_high] = Band.COMPUTE
+    band[s_mid & s_busy] = Band.COMMUNICATION
+    band[s_mid & ~s_busy & ~np.isnan(util_pct)] = Band.STARVATION
+    band[s_low & (s_zero | (s_idle & ~s_busy))] = Band.IDLE
+    return band, s_mid
+
+
+def _signature(
+    low: np.ndarray,
+    busy: np.ndarray,
+    zero: np.ndarray,
+    n_obs: np.ndarray,
+    cols: np.ndarray,
+    cell: int,
+    grid: int,
+    t0: int,
+    step_ms: np.ndarray | None,
+    checkpoint_allowance_ms: Callable[[np.ndarray], np.ndarray] | int,
+    carry: RunCarry | None = None,
+    carry_at_ms: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, int, list[tuple[int, int, list[int]]], RunCarry | None]:
+    """The deadlock and checkpoint moments (column masks), how many moments confirmed, the
+    confirmed runs with their ranks at ~0%, and the run open at `carry_at_ms` (`RunCarry`).
+
+    `carry`: the run open at `carry.at_ms` as a classification of the samples before saw it; the
+    window's run through that time is that run (its start, length and ~0% counts before then
+    are the carry's), so a window need not hold a long signature's start."""
+    # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
+    # persisting for two consecutive moments and at least one grid step (REFERENCE R2, R3).
+    n_lowbusy = (low & busy).sum(0)
+    cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
+    if step_ms is not None:
+        cand |= _spinning(low, busy, n_obs, cols, t0, cell, step_ms)
+    cand = _bridge(cand, cols)
+    times = t0 + cols * cell
+    # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
+    starts = cand.copy()
+    starts[1:] &= ~(cand[:-1] & (np.diff(cols) * cell <= grid))
+    run_id = np.cumsum(starts) - 1
+    start_cols = np.flatnonzero(starts)
+    run_start_ms = times[start_cols]
+    # The carried run: the window's run through the carry's time, its part before it the carry's.
+    cont, before = -1, np.zeros(cols.size, bool)
+    if carry is not None:
+        i = int(np.searchsorted(times, carry.at_ms)) - 1
+        if i < 0 and cand.size and cand[0] and times[0] - carry.at_ms <= grid:
+            i = 0  # no moment before it in the window (samples since a restart): the first goes on
+        if i >= 0 and cand[i]:
+            cont = int(run_id[i])
+            run_start_ms[cont] = carry.start_ms
+            before = (run_id == cont) & (times < carry.at_ms) & cand
+    confirmed = cand.copy()
+    run_len = np.zeros(start_cols.size, np.int64)
+    if cand.any():
+        in_run = np.flatnonzero(cand & ~before)
+        run_len = np.bincount(run_id[in_run], minlength=start_cols.size)
+        if cont >= 0:
+            run_len[cont] += carry.moments  # type: ignore[union-attr]
+        last = np.flatnonzero(cand)
+        run_last = last[np.flatnonzero(np.append(run_id[last][1:] != run_id[last][:-1], True))]
+        span = times[run_last] + cell - run_start_ms
+        confirmed[cand] = ((run_len >= 2) & (span >= grid))[run_id[cand]]
+    dead = np.zeros(cols.size, bool)
+    ckpt = np.zeros(cols.size, bool)
+    signatures: list[tuple[int, int, list[int]]] = []
+    counts = np.zeros((zero.shape[0], start_cols.size), np.int64)
+    n_conf = np.zeros(start_cols.size, np.int64)
+    if confirmed.any():
+        if callable(checkpoint_allowance_ms):
+            allowance = np.asarray(checkpoint_allowance_ms(run_start_ms), np.int64)
+        else:
+            allowance = np.full(start_cols.size, int(checkpoint_allowance_ms), np.int64)
+        rid = run_id[confirmed]
+        elapsed = times[confirmed] - run_start_ms[rid]
+        # Rank 0 writes the checkpoint: at ~0% (one noisy moment does not make it a hang).
+        rank0_zero = _bridge(low[0] & zero[0], cols)[confirmed]
+        is_ckpt = rank0_zero & (elapsed < allowance[rid])
+        idx = np.flatnonzero(confirmed)
+        ckpt[idx[is_ckpt]] = True
+        dead[idx[~is_ckpt]] = True
+        cidx = np.flatnonzero(confirmed & ~before)
+        n_conf = np.bincount(run_id[cidx], minlength=start_cols.size)
+        if cidx.size:
+            rid_c = run_id[cidx]
+            first = np.flatnonzero(np.concatenate([[True], rid_c[1:] != rid_c[:-1]]))
+            counts[:, rid_c[first]] = np.add.reduceat((low & zero)[:, cidx].astype(np.int64), first, axis=1)
+        if cont >= 0:
+            for r, n in carry.zero.items():  # type: ignore[union-attr]
+                if r < counts.shape[0]:
+                    counts[r, cont] += n
+            n_conf[cont] += carry.confirmed  # type: ignore[union-attr]
+        signatures = _signature_runs(counts, n_conf, confirmed, run_id, run_start_ms, times, cell)
+    out = None
+    if carry_at_ms is not None:
+        out = _carry_at(
+            carry_at_ms, times, cand, confirmed, run_id, run_start_ms, counts, low & zero, cont, carry
+        )
+    return dead, ckpt, int(confirmed.sum()), signatures, out
+
+
+def _carry_at(
+    at_ms: int,
+    times: np.ndarray,
+    cand: np.ndarray,
+    confirmed: np.ndarray,
+    run_id: np.ndarray,
+    run_start_ms: np.ndarray,
+    counts: np.ndarray,
+    lz: np.ndarray,
+    cont: int,
+    carry: RunCarry | None,
+) -> RunCarry | None:
+    """The run open at `at_ms` (through the last moment before it), as the next window's carry."""
+    j = int(np.searchsorted(times, at_ms)) - 1
+    if j < 0:
+        return None if carry is None else replace(carry, at_ms=at_ms)
+    if not cand[j]:
+        return None
+    r = int(run_id[j])
+    part = (run_id == r) & (times < at_ms)
+    if r == cont:
+        part &= times >= carry.at_ms  # type: ignore[union-attr]
+    moments = int((part & cand).sum())
+    conf = part & confirmed
+    zero = {
+        int(k): int(v)
+        for k, v in zip(*np.unique(np.nonzero(lz[:, conf])[0], return_counts=True), strict=True)
+    }
+    n_conf = int(conf.sum())
+    if r == cont:
+        moments += carry.moments  # type: ignore[union-attr]
+        n_conf += carry.confirmed  # type: ignore[union-attr]
+        for k, v in carry.zero.items():  # type: ignore[union-attr]
+            zero[k] = zero.get(k, 0) + v
+    return RunCarry(at_ms, int(run_start_ms[r]), moments, n_conf, zero)
+
+
+def _levels(
+    P: np.ndarray, U: np.ndarray, profile: Profile
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per reading: high / mid / low power, at idle power, busy, at ~0% (NaN is none of them)."""
+    with np.errstate(invalid="ignore"):
+        high = profile.compute_min_w <= P
+        low = profile.low_max_w > P
+        at_idle = profile.idle_max_w >= P
+        busy = profile.busy_util_pct <= U
+        zero = profile.zero_util_pct >= U
+    mid = ~high & ~low & ~np.isnan(P)
+    return high, mid, low, at_idle, busy, zero
+
+
+# Power ramps between levels over 1-3 samples of a 100 ms trace (nvidia-smi averages power over
+# a window): a stretch of mid-power readings no longer than this is a transition, not a state.
+RAMP_MS = 400
+
+
+def persist_moments(cell_ms: int, grid_ms: int) -> int:
+    """How many moments confirm a signature: two, spanning at least one grid step."""
+    return max(2, -(-int(grid_ms) // max(int(cell_ms), 1)))
+
+
+def lookahead_ms(interval_ms: int, grid_ms: int) -> int:
+    """How far past a moment the classifier looks to band it: the rest of a signature's
+    confirming moments (across a logger gap), one moment to bridge a noisy reading, and a ramp's
+    length. Live booking stays this far behind its newest samples, so its result does not depend
+    on where booking rounds fall."""
+    cell = max(int(interval_ms), 1)
+    grid = max(int(grid_ms), cell)
+    k = RAMP_MS // cell
+    return cell * (persist_moments(cell, grid) + (k + 1 if k else 0)) + (grid - cell)
+
+
+def window_overlap_ms(interval_ms: int, grid_ms: int, gap_intervals: float) -> int:
+    """How far before the first moment it must band exactly a window's samples start: a gap held
+    (`gap_intervals`), a ramp and a signature's confirming moments, a bridged hole."""
+    cell = max(int(interval_ms), 1)
+    return lookahead_ms(cell, grid_ms) + int(gap_intervals * cell) + 3 * cell
+
+
+def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms: int) -> np.ndarray:
+    """Power for classification: a brief run of mid-power readings of one rank (a ramp, or a
+    noise tail) between readings outside the mid band takes the power of the reading after it,
+    the level the GPU was moving to. Runs of more than RAMP_MS, and traces sampled slower than
+    that, are left alone: there a mid reading is a state."""
+    n = power_w.size
+    k = RAMP_MS // max(interval_ms, 1)
+    if k < 1 or n < 3:
+        return power_w
+    with np.errstate(invalid="ignore"):
+        mid = (power_w >= profile.low_max_w) & (power_w < profile.compute_min_w)
+    if not mid.any():
+        return power_w
+    edge = np.diff(np.concatenate([[0], mid.astype(np.int8), [0]]))
+    a = np.flatnonzero(edge == 1)
+    b = np.flatnonzero(edge == -1)  # one past the run
+    ok = (b - a <= k) & (a > 0) & (b < n)
+    a, b = a[ok], b[ok]
+    ok = (rank[a - 1] == rank[a]) & (rank[b] == rank[a]) & ~np.isnan(power_w[b]) & ~np.isnan(power_w[a - 1])
+    a, b = a[ok], b[ok]
+    if a.size == 0:
+        return power_w
+    out = power_w.copy()
+    lens = b - a
+    idx = np.repeat(a, lens) + (np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens))
+    out[idx] = np.repeat(power_w[b], lens)
+    return out
+
+
+def moments(rank: np.ndarray, ts_ms: np.ndarray, cell: int) -> np.ndarray:
+    """The moment (a cell of one sampling interval) of each sample; samples sorted by (rank, ts).
+
+    Cells are centred on the trace's typical sampling phase, so the lines of one instant, stamped
+    a few ms apart, share a cell. A line stamped early (nvidia-smi sometimes stamps the GPU 0 line
+    of an instant 50-80 ms before the others) falls into its predecessor's cell; it moves on to
+    the next cell when that one is free for its rank, where the rest of its instant is.
+    """
+    pre = ts_ms[:200_001] % cell
+    ang = pre * (2 * np.pi / cell)
+    phase = float(np.arctan2(np.sin(ang).mean(), np.cos(ang).mean())) * cell / (2 * np.pi)
+    off = round(phase) - cell // 2
+    tick = (ts_ms - off) // cell
+    tick -= tick.min()
+    if tick.size > 1:
+        same = rank[1:] == rank[:-1]
+        clash = np.flatnonzero(same & (tick[1:] <= tick[:-1])) + 1
+        if clash.size:
+            target = tick[clash - 1] + 1
+            nxt = np.minimum(clash + 1, tick.size - 1)
+            free = (clash + 1 >= tick.size) | (rank[nxt] != rank[clash]) | (tick[nxt] > target)
+            tick[clash[free]] = target[free]
+    return tick
+
+
+def _bridge(cand: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Close one-moment holes in a signature: one noisy reading does not end a hang."""
+    if cand.size < 3:
+        return cand
+    hole = ~cand[1:-1] & cand[:-2] & cand[2:] & (cols[2:] - cols[:-2] == 2)
+    out = cand.copy()
+    out[1:-1] |= hole
+    return out
+
+
+def _signature_runs(
+    counts: np.ndarray,
+    n_conf: np.ndarray,
+    confirmed: np.ndarray,
+    run_id: np.ndarray,
+    run_start_ms: np.ndarray,
+    times: np.ndarray,
+    cell: int,
+) -> list[tuple[int, int, list[int]]]:
+    """Each confirmed signature run's time span and the ranks at ~0% through most of it (`counts`:
+    ranks x runs, moments at ~0% among the run's `n_conf` confirmed ones)."""
+    idx = np.flatnonzero(confirmed)
+    rid = run_id[idx]
+    last = idx[np.flatnonzero(np.append(rid[1:] != rid[:-1], True))]  # each run's last moment
+    out = []
+    for k, e in zip(run_id[last].tolist(), last.tolist(), strict=True):
+        ranks = np.flatnonzero(counts[:, k] * 2 >= n_conf[k]).tolist()
+        out.append((int(run_start_ms[k]), int(times[e]) + cell, ranks))
+    return out
+
+
+def _spinning(
+    low: np.ndarray,
+    busy: np.ndarray,
+    n_obs: np.ndarray,
+    cols: np.ndarray,
+    t0: int,
+    cell: int,
+    step_ms: np.ndarray,
+) -> np.ndarray:
+    """Moments where every observed rank is at ~100% at low power and no step completes within a
+    moment of it: a thread spinning on a flag or in a collective, any number of ranks."""
+    spin = (n_obs >= 1) & (low.sum(0) == n_obs) & ((low & busy).sum(0) == n_obs)
+    if not spin.any() or step_ms.size == 0:
+        return spin
+    t = t0 + cols * cell
+    steps = np.sort(np.asarray(step_ms, np.int64))
+    near = np.searchsorted(steps, t + 2 * cell, "right") - np.searchsorted(steps, t - 2 * cell, "left")
+    return spin & (near == 0)

@@ -1,0 +1,867 @@
+"""The booking rules of DESIGN section 4.
+
+Two halves:
+
+* `build_timeline` walks a job's events (few: thousands, not millions) in order and cuts time
+  into segments with a *regime*: overhead (a declared phase or the startup within its
+  allowance), a step that completes (rule 2), progress stopped (rule 4), or outside the job.
+  Steps later voided by a resume turn their segments' regime to VOID (rule 5).
+* `book` splits every slice of every GPU at those segment bounds, vectorized, and maps
+  (regime, band) to a category with one lookup table.
+
+Time is int64 milliseconds throughout, so every GPU-millisecond lands in exactly one category
+and the sums are exact.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from costexporter.core import bands as bands_mod
+from costexporter.core.model import NO_BAND, Band, Category, Event
+from costexporter.core.profiles import Profile
+
+NEG_INF = np.iinfo(np.int64).min // 4
+POS_INF = np.iinfo(np.int64).max // 4
+
+
+class Regime(IntEnum):
+    OVERHEAD = 0  # rules 1 and 3, and the tail of a cleanly ended run
+    STEP = 1  # rule 2: inside a step that completes
+    STALL = 2  # rule 4: progress stopped
+    VOID = 3  # rule 5: inside a step that a resume voided
+    UNASSIGNED = 4  # outside the job (before registration, after the run's end)
+    PENDING = 5  # live only: after the last progress point, not decided yet (never booked)
+    BAND = 6  # a job without steps (a Kubernetes pod's GPUs): booked by band alone
+
+
+# CATEGORY_TABLE[regime, band + 1]; column 0 is NO_BAND (no sample: unobserved).
+_C = Category
+_B = Band
+CATEGORY_TABLE = np.zeros((len(Regime), len(Band) + 1), np.int8)
+for _r in Regime:
+    CATEGORY_TABLE[_r, 0] = _C.UNOBSERVED
+CATEGORY_TABLE[Regime.OVERHEAD, 1:] = _C.OVERHEAD
+_step = {
+    _B.COMPUTE: _C.PRODUCTIVE,
+    _B.COMMUNICATION: _C.COMMUNICATION,
+    _B.STARVATION: _C.STARVED,
+    _B.IDLE: _C.STARVED,
+    _B.DEADLOCK: _C.STALLED,
+    _B.CHECKPOINT: _C.OVERHEAD,
+    _B.UNKNOWN: _C.PRODUCTIVE,
+}
+_stall = {
+    _B.COMPUTE: _C.NO_PROGRESS,
+    _B.COMMUNICATION: _C.NO_PROGRESS,
+    _B.STARVATION: _C.NO_PROGRESS,
+    _B.IDLE: _C.IDLE,
+    _B.DEADLOCK: _C.STALLED,
+    _B.CHECKPOINT: _C.OVERHEAD,
+    _B.UNKNOWN: _C.NO_PROGRESS,
+}
+for _b in Band:
+    CATEGORY_TABLE[Regime.STEP, _b + 1] = _step[_b]
+    CATEGORY_TABLE[Regime.STALL, _b + 1] = _stall[_b]
+    _v = _step[_b]
+    CATEGORY_TABLE[Regime.VOID, _b + 1] = (
+        _C.ROLLED_BACK if _v in (_C.PRODUCTIVE, _C.COMMUNICATION, _C.STARVED) else _v
+    )
+# A stepless job: busy bands are valid (nothing says otherwise), idle and deadlock still waste:
+# as in a step, except that idle is idle (no step says the GPU waits on its input).
+_band_only = {**_step, _B.IDLE: _C.IDLE}
+for _b in Band:
+    CATEGORY_TABLE[Regime.BAND, _b + 1] = _band_only[_b]
+CATEGORY_TABLE[Regime.UNASSIGNED, :] = _C.UNASSIGNED
+CATEGORY_TABLE[Regime.PENDING, 1:] = _C.OVERHEAD  # placeholder: pending time is never booked
+
+
+@dataclass(frozen=True, slots=True)
+class BookingConfig:
+    """Thresholds and allowances of DESIGN section 4 (seconds)."""
+
+    stall_k: float = 5.0
+    stall_floor_s: float = 60.0
+    stall_window: int = 100
+    stall_percentile: float = 95.0
+    checkpoint_allowance_s: float = 15 * 60.0
+    eval_allowance_s: float = 15 * 60.0
+    startup_allowance_s: float = 30 * 60.0
+    phase_allowance_s: float = 15 * 60.0  # any other declared phase
+    allowance_k: float = 3.0  # learned allowance: k x median of the job's own durations
+    gap_intervals: float = 3.0  # a sample gap longer than this many intervals is unobserved
+    grid_s: float = 1.0
+    # A resume reaches back at most this many declared checkpoints (a trainer keeps its last few):
+    # the live agent's rollback index keeps entries back to the oldest of them only.
+    rollback_checkpoints: int = 5
+
+    def default_allowance_ms(self, phase: str) -> int:
+        s = {
+            "checkpoint": self.checkpoint_allowance_s,
+            "eval": self.eval_allowance_s,
+            "startup": self.startup_allowance_s,
+        }.get(phase, self.phase_allowance_s)
+        return int(s * 1000)
+
+
+class Allowances:
+    """Per-phase allowances, learned as k x the median of the job's own completed durations
+    (at least the stall floor).
+
+    Only occurrences that finished within the allowance in force teach it, so a hung
+    checkpoint cannot stretch the allowance of the next one.
+    """
+
+    def __init__(self, cfg: BookingConfig) -> None:
+        self.cfg = cfg
+        self._durations: dict[str, list[int]] = {}
+        self._history: dict[str, tuple[list[int], list[int]]] = {}  # name -> (since_ms, allowance)
+        self._current: dict[str, int] = {}  # `current` until the next `observe` of the name
+        self._shared = False  # the lists are shared with a `copy`: copied before a write
+
+    def copy(self) -> Allowances:
+        """An independent copy that shares the learned durations until either side observes one
+        (a fold's view copies its walk every poll; the lists grow with the job's phases)."""
+        c = Allowances(self.cfg)
+        c._durations, c._history, c._current = self._durations, self._history, dict(self._current)
+        c._shared = self._shared = True
+        return c
+
+    def _own(self) -> None:
+        if self._shared:
+            self._durations = {k: list(v) for k, v in self._durations.items()}
+            self._history = {k: (list(a), list(b)) for k, (a, b) in self._history.items()}
+            self._shared = False
+
+    def current(self, name: str) -> int:
+        got = self._current.get(name)
+        if got is not None:
+            return got
+        d = self._durations.get(name)
+        if not d:
+            got = self.cfg.default_allowance_ms(name)
+        else:
+            # Never below the stall floor: a 5-second first startup must not make every restart waste.
+            learned = int(self.cfg.allowance_k * float(np.median(d)))
+            got = max(learned, int(self.cfg.stall_floor_s * 1000))
+        self._current[name] = got  # a watcher asks for it on every job's view, every poll
+        return got
+
+    def observe(self, name: str, at_ms: int, duration_ms: int) -> None:
+        if duration_ms <= self.current(name):
+            self._own()
+            self._current.pop(name, None)
+            self._durations.setdefault(name, []).append(duration_ms)
+            since, values = self._history.setdefault(name, ([NEG_INF], [self.cfg.default_allowance_ms(name)]))
+            since.append(at_ms)
+            values.append(self.current(name))
+
+    def at(self, name: str, t_ms: np.ndarray) -> np.ndarray:
+        """The allowance that was in force at each time (for the checkpoint band)."""
+        since, values = self._history.get(name, ([NEG_INF], [self.cfg.default_allowance_ms(name)]))
+        idx = np.searchsorted(np.asarray(since), np.asarray(t_ms), "right") - 1
+        return np.asarray(values, np.int64)[idx]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    ts_ms: int
+    tokens: int
+    voided: bool = False
+    voided_ms: int | None = None  # when the resume that voided it was seen
+
+
+@dataclass(slots=True)
+class Timeline:
+    """A job's regime segments: segment i covers [bounds[i], bounds[i+1])."""
+
+    bounds: np.ndarray  # int64, starts with NEG_INF, ends with POS_INF
+    regime: np.ndarray  # int8 per segment (adjacent segments differ)
+    steps: list[StepRecord]
+    resumes: list[tuple[int, int, int]]  # (ts_ms, resumed-from step K, steps voided)
+    start_ms: int  # the job's first registration (or first event)
+    end_ms: int | None  # the last run end, when the job ended cleanly
+    rank_overhead: dict[int, list[tuple[int, int]]]  # rank > 0: its own phases within allowance
+    allowances: Allowances
+    last_checkpoint_step: int | None = None
+    last_checkpoint_ms: int | None = None  # when the last checkpoint that saved a step ended
+    phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
+    stall_threshold_ms: int = 60_000  # in force at the end of the job's events
+    decided_until_ms: int = POS_INF  # live: where the first PENDING segment starts
+    # A folded timeline (`fold.TimelineFold`) keeps only recent step records: `steps[0]` is record
+    # `step_base`, and `summary` (a `fold.StepSummary`) counts the rest.
+    step_base: int = 0
+    summary: object | None = None
+    # The oldest step record a resume can still reach back to (the record of the oldest of the
+    # last `rollback_checkpoints` checkpoints on the valid steps); None: any of them.
+    rollback_floor: int | None = None
+
+
+def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """Maximal stretches where the job runs (regime other than UNASSIGNED): between a
+    registration or run start and the run's end."""
+    active = tl.regime != Regime.UNASSIGNED
+    edges = np.diff(np.concatenate([[0], active.astype(np.int8), [0]]))
+    first = np.flatnonzero(edges == 1)
+    last = np.flatnonzero(edges == -1)
+    return tl.bounds[first], tl.bounds[last]
+
+
+def intersect(a: int, b: int, starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
+    """[a, b) ∩ the union of sorted disjoint [starts, ends)."""
+    lo = np.maximum(starts, a)
+    hi = np.minimum(ends, b)
+    keep = hi > lo
+    return list(zip(lo[keep].tolist(), hi[keep].tolist(), strict=True))
+
+
+def percentile(values: list[int] | deque, q: float) -> float:
+    """`np.percentile(values, q)` (its default, linear method) to the last bit, in plain Python:
+    for the few hundred values of a step window, numpy's call overhead costs several times the
+    work (a watcher asks once per job per poll)."""
+    a = sorted(map(float, values))
+    n = len(a)
+    vi = (n - 1) * (q / 100)
+    if vi >= n - 1:
+        return a[-1]
+    if vi < 0:
+        return a[0]
+    lo = int(vi // 1)
+    t = vi - lo
+    x, y = a[lo], a[lo + 1]
+    d = y - x
+    return y - d * (1 - t) if t >= 0.5 else x + d * t
+
+
+def stall_threshold_ms(durations_ms: list[int] | deque, cfg: BookingConfig) -> int:
+    """max(k x p95 of the last step durations, floor)."""
+    floor = int(cfg.stall_floor_s * 1000)
+    if not durations_ms:
+        return floor
+    p = percentile(durations_ms, cfg.stall_percentile)
+    return max(int(cfg.stall_k * p), floor)
+
+
+def _intervals_of_phases(
+    events: list[Event], allowances: Allowances, end_ms: int
+) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]], tuple[int, int] | None]:
+    """Overhead intervals [begin, begin + allowance) ∩ [begin, end) of one rank's phases.
+
+    Returns the intervals (sorted, merged), the phases that overran (name, begin, end) and
+    the (step, end ms) of the last checkpoint that declared the step it saved.
+    """
+    open_: dict[str, int] = {}
+    out: list[tuple[int, int]] = []
+    overrun: list[tuple[str, int, int]] = []
+    last_ckpt: tuple[int, int] | None = None
+
+    def close(name: str, begin: int, end: int) -> None:
+        allow = allowances.current(name)
+        out.append((begin, min(end, begin + allow)))
+        if end - begin > allow:
+            overrun.append((name, begin, end))
+        allowances.observe(name, end, end - begin)
+
+    for ev in events:
+        name = str(ev.get("name"))
+        t = int(ev.ts * 1000)
+        if ev.get("state") == "begin":
+            if name in open_:  # a begin without its end: the first one ends here
+                close(name, open_.pop(name), t)
+            open_[name] = t
+        elif name in open_:
+            close(name, open_.pop(name), t)
+            if name == "checkpoint" and ev.get("step") is not None:
+                last_ckpt = (int(ev.get("step")), t)  # type: ignore[arg-type]
+    for name, begin in open_.items():
+        close(name, begin, max(end_ms, begin))
+    return _merge(sorted(out)), overrun, last_ckpt
+
+
+def _merge(ivals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for a, b in ivals:
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def dated_until(events: list[Event], end_ms: int) -> list[Event]:
+    """The events live booking decides with at `end_ms`: those dated up to it (meta always). One
+    dated later may still have earlier events on their way (within the agent's `event_lag_s`);
+    deciding with it (a `run end` closing an interval a late step would have split) would book
+    differently from an uninterrupted run."""
+    return [e for e in events if e.type == "meta" or int(e.ts * 1000) <= end_ms]
+
+
+def build_timeline(
+    events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int, *, final: bool = True
+) -> Timeline:
+    """Walk a job's events (any ranks, any order) into regime segments over [start_ms, end_ms).
+
+    Progress is rank 0's: its steps and run events cut time into intervals; phases posted by
+    rank 0 are job-wide, other ranks' phases cover only their own GPU. `final`: the input has
+    ended (replay), so the tail after the last progress point is booked; live (`final=False`)
+    that tail stays PENDING until a step closes it or progress is seen to have stopped, and
+    `decided_until_ms` says where the decided part ends. (Live booking passes only the events
+    dated up to `end_ms`: see `dated_until`.)
+    """
+    events = sorted(events, key=lambda e: (e.ts, e.seq))
+    if is_stepless(events):
+        return band_timeline(events, cfg, start_ms, end_ms)
+    allowances = Allowances(cfg)
+    rank0_phases = [e for e in events if e.type == "phase" and e.rank == 0]
+    overhead, overrun, last_ckpt = _intervals_of_phases(rank0_phases, allowances, end_ms)
+    rank_overhead: dict[int, list[tuple[int, int]]] = {}
+    by_rank: dict[int, list[Event]] = {}
+    for e in events:
+        if e.type == "phase" and e.rank != 0:
+            by_rank.setdefault(e.rank, []).append(e)
+    for rank, evs in by_rank.items():
+        rank_overhead[rank], _, _ = _intervals_of_phases(evs, Allowances(cfg), end_ms)
+
+    points = [e for e in events if e.rank == 0 and e.type in ("step", "run")]
+    ov_starts = [a for a, _ in overhead]
+
+    seg_start: list[int] = [NEG_INF]
+    seg_regime: list[int] = [Regime.UNASSIGNED]
+    seg_step: list[int] = [-1]
+
+    def emit(a: int, b: int, regime: int, step: int = -1) -> None:
+        if b <= a:
+            return
+        if seg_start[-1] == a:  # replace an empty placeholder at the same start
+            seg_regime[-1], seg_step[-1] = regime, step
+        elif seg_regime[-1] == regime and seg_step[-1] == step:
+            pass  # contiguous with the same label: extend
+        else:
+            seg_start.append(a)
+            seg_regime.append(regime)
+            seg_step.append(step)
+        seg_start.append(b)
+        seg_regime.append(Regime.UNASSIGNED)
+        seg_step.append(-1)
+
+    steps: list[StepRecord] = []
+    resumes: list[tuple[int, int, int]] = []
+    durations: deque[int] = deque(maxlen=cfg.stall_window)
+    startup_allow = allowances.current("startup")
+
+    floor_ms = int(cfg.stall_floor_s * 1000)
+    max_valid: int | None = None  # highest step number completed and not voided
+    anchor = start_ms
+    in_startup = True
+    startup_from = start_ms
+    ended = False
+
+    def split(a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """[a, b) into overhead pieces and the rest."""
+        i = max(bisect.bisect_right(ov_starts, a) - 1, 0)
+        if (
+            not in_startup
+            and (i >= len(overhead) or overhead[i][1] <= a)
+            and (i + 1 >= len(overhead) or overhead[i + 1][0] >= b)
+        ):
+            return [], [(a, b)]  # the common case: a plain interval between two steps
+        ov: list[tuple[int, int]] = []
+        while i < len(overhead) and overhead[i][0] < b:
+            x, y = max(overhead[i][0], a), min(overhead[i][1], b)
+            if y > x:
+                ov.append((x, y))
+            i += 1
+        if in_startup:
+            x, y = max(startup_from, a), min(startup_from + startup_allow, b)
+            if y > x:
+                ov.append((x, y))
+        ov = _merge(sorted(ov))
+        rest: list[tuple[int, int]] = []
+        cur = a
+        for x, y in ov:
+            if x > cur:
+                rest.append((cur, x))
+            cur = max(cur, y)
+        if b > cur:
+            rest.append((cur, b))
+        return ov, rest
+
+    def close_interval(b: int, outcome: str, step_index: int = -1) -> bool:
+        """Book [anchor, b); outcome: 'step', 'orphan' (restart), 'end' or 'tail'.
+
+        Returns whether progress had stopped (rule 4) within the interval.
+        """
+        ov, rest = split(anchor, b)
+        eff = sum(y - x for x, y in rest)
+        # The threshold is never below the floor: only a longer interval needs the percentile.
+        stalled = eff > floor_ms and eff > stall_threshold_ms(durations, cfg)
+        if not ov and outcome == "step" and not stalled:  # fast path: one step segment
+            emit(anchor, b, Regime.STEP, step_index)
+            if not in_startup:
+                durations.append(eff)
+            return False
+        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
+        if outcome == "step" and not stalled:
+            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
+        elif outcome in ("end", "tail") and not stalled:
+            regime = Regime.PENDING if outcome == "tail" and not final else Regime.OVERHEAD
+            pieces += [(x, y, regime, -1) for x, y in rest]
+        else:
+            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
+        for x, y, r, s in sorted(pieces):
+            emit(x, y, r, s)
+        if outcome == "step" and not stalled and not in_startup:
+            durations.append(eff)
+        return stalled
+
+    def void_above(k: int, at_ms: int) -> int:
+        nonlocal max_valid
+        n = 0
+        for s in steps:
+            if not s.voided and s.step > k:
+                s.voided = True
+                s.voided_ms = at_ms
+                n += 1
+        max_valid = max((s.step for s in steps if not s.voided), default=None)
+        return n
+
+    for ev in points:
+        t = int(ev.ts * 1000)
+        if t < anchor:
+            t = anchor
+        if ended:
+            if not (ev.type == "run" and ev.get("state") in ("start", "resume")):
+                continue  # nothing books between a run's end and the next start
+            emit(anchor, t, Regime.UNASSIGNED)
+            anchor = t
+            ended = False
+            in_startup, startup_from = True, t
+            startup_allow = allowances.current("startup")
+        if ev.type == "step":
+            n = int(ev.get("step"))  # type: ignore[arg-type]
+            if max_valid is not None and n <= max_valid:  # implicit resume (DESIGN section 5)
+                resumes.append((t, n - 1, void_above(n - 1, t)))
+            max_valid = n if max_valid is None else max(max_valid, n)
+            steps.append(StepRecord(n, t, int(ev.get("tokens") or 0)))  # type: ignore[arg-type]
+            close_interval(t, "step", len(steps) - 1)
+            if in_startup:
+                allowances.observe("startup", t, t - startup_from)
+            in_startup = False
+        else:
+            state = ev.get("state")
+            if state in ("start", "resume"):
+                if anchor < t:
+                    close_interval(t, "orphan")
+                if state == "resume" and ev.get("step") is not None:
+                    k = int(ev.get("step"))  # type: ignore[arg-type]
+                    resumes.append((t, k, void_above(k, t)))
+                if not in_startup:
+                    in_startup, startup_from = True, t
+                    startup_allow = allowances.current("startup")
+            elif state == "end":
+                close_interval(t, "end")
+                ended = True
+        anchor = t
+
+    job_end: int | None = None
+    if ended:
+        job_end = anchor
+    elif end_ms > anchor:
+        close_interval(end_ms, "tail")
+    # The last placeholder segment runs to +inf, outside the job.
+    seg_start.append(POS_INF)
+
+    bounds = np.asarray(seg_start, np.int64)
+    regime = np.asarray(seg_regime, np.int8)
+    step_idx = np.asarray(seg_step, np.int32)
+    voided = np.fromiter((s.voided for s in steps), bool, len(steps))
+    is_void = (step_idx >= 0) & (regime == Regime.STEP)
+    if is_void.any():
+        is_void[is_void] = voided[step_idx[is_void]]
+        regime[is_void] = Regime.VOID
+    # Adjacent segments of one regime book alike: merge them, so slices are cut only where the
+    # category can change (not at every step boundary).
+    keep = np.ones(regime.size, bool)
+    keep[1:] = regime[1:] != regime[:-1]
+    bounds = np.append(bounds[:-1][keep], bounds[-1])
+    regime = regime[keep]
+    pending = np.flatnonzero(regime == Regime.PENDING)
+    decided_until = int(bounds[pending[0]]) if pending.size else (job_end if job_end is not None else end_ms)
+
+    return Timeline(
+        bounds=bounds,
+        regime=regime,
+        steps=steps,
+        resumes=resumes,
+        start_ms=start_ms,
+        end_ms=job_end,
+        rank_overhead=rank_overhead,
+        allowances=allowances,
+        last_checkpoint_step=last_ckpt[0] if last_ckpt else None,
+        last_checkpoint_ms=last_ckpt[1] if last_ckpt else None,
+        phases_overrun=overrun,
+        stall_threshold_ms=stall_threshold_ms(durations, cfg),
+        decided_until_ms=decided_until,
+    )
+
+
+STEPLESS_META = ("progress", "none")  # meta field/value of a job that posts no steps
+
+
+def is_stepless(events: list[Event]) -> bool:
+    """A job registered without a trainer (a Kubernetes pod seen through dcgm-exporter) says so
+    in its meta; once rank 0 posts a step, the trainer's events win and the step rules apply."""
+    field_, value = STEPLESS_META
+    declared = any(e.type == "meta" and e.get(field_) == value for e in events)
+    return declared and not any(e.type == "step" and e.rank == 0 for e in events)
+
+
+def band_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int) -> Timeline:
+    """Regime BAND from the job's start to rank 0's run end (a later start reopens it): every
+    slice is decided by its band alone, so nothing is ever pending."""
+    bounds, regime = [NEG_INF, start_ms], [Regime.UNASSIGNED, Regime.BAND]
+    job_end: int | None = None
+    for e in events:  # sorted by ts
+        if e.type != "run" or e.rank != 0:
+            continue
+        t = max(int(e.ts * 1000), start_ms)
+        state = e.get("state")
+        if state == "end" and regime[-1] == Regime.BAND:
+            bounds.append(t)
+            regime.append(Regime.UNASSIGNED)
+            job_end = t
+        elif state in ("start", "resume") and regime[-1] == Regime.UNASSIGNED:
+            bounds.append(t)
+            regime.append(Regime.BAND)
+            job_end = None
+    b = np.asarray([*bounds, POS_INF], np.int64)
+    r = np.asarray(regime, np.int8)
+    keep = np.append(np.diff(b[:-1]) > 0, True)  # drop empty segments (an end at the start)
+    b, r = b[:-1][keep], r[keep]
+    same = np.append(False, r[1:] == r[:-1])  # neighbours left alike by the drop: one segment
+    b, r = np.append(b[~same], POS_INF), r[~same]
+    return Timeline(
+        bounds=b,
+        regime=r,
+        steps=[],
+        resumes=[],
+        start_ms=start_ms,
+        end_ms=job_end,
+        rank_overhead={},
+        allowances=Allowances(cfg),
+        stall_threshold_ms=stall_threshold_ms([], cfg),
+        decided_until_ms=job_end if job_end is not None else end_ms,
+    )
+
+
+@dataclass(slots=True)
+class Slices:
+    """Slices of many GPUs (DESIGN: the unit of booking), in no particular order."""
+
+    gpu: np.ndarray  # int32, index into the job's GPU list
+    start_ms: np.ndarray  # int64
+    end_ms: np.ndarray  # int64
+    band: np.ndarray  # int8, NO_BAND where unobserved
+    energy_mj: np.ndarray  # float64
+    span_start_ms: np.ndarray | None = None  # per GPU: earliest slice start (POS_INF: none)
+    span_end_ms: np.ndarray | None = None  # per GPU: latest slice end
+
+
+@dataclass(slots=True)
+class Pieces:
+    """Slices cut at segment bounds, each with its category: what the ledger sums."""
+
+    gpu: np.ndarray
+    start_ms: np.ndarray
+    end_ms: np.ndarray
+    band: np.ndarray
+    category: np.ndarray
+    energy_mj: np.ndarray
+
+    @property
+    def dur_ms(self) -> np.ndarray:
+        return self.end_ms - self.start_ms
+
+
+def make_slices(
+    gpu: np.ndarray,
+    ts_ms: np.ndarray,
+    power_w: np.ndarray,
+    energy_mj: np.ndarray,
+    band: np.ndarray,
+    n_gpus: int,
+    interval_ms: int,
+    cover_start_ms: np.ndarray,
+    cover_end_ms: np.ndarray,
+    gap_intervals: float,
+) -> Slices:
+    """Samples (grouped by GPU, in time order) to slices, plus `unobserved` slices for gaps and
+    for the parts of each GPU's coverage [cover_start, cover_end) that have no samples at all.
+
+    A sample's slice runs to the next sample of its GPU (the last one: one interval); a gap
+    longer than `gap_intervals` intervals keeps one interval and the rest is unobserved.
+    `cover_*` are per GPU; a coverage start of POS_INF means "not a job GPU".
+    """
+    n = ts_ms.size
+    iv = int(interval_ms)
+    last = np.ones(n, bool)
+    nxt = np.empty(n, np.int64)
+    if n > 1:
+        np.not_equal(gpu[1:], gpu[:-1], out=last[:-1])
+        nxt[:-1] = ts_ms[1:]
+    nxt[last] = ts_ms[last] + iv
+    dur = nxt - ts_ms
+    gap = dur > gap_intervals * iv
+    any_gap = bool(gap.any())
+    if any_gap:
+        dur[gap] = iv
+        end = ts_ms + dur
+    else:
+        end = nxt
+
+    # Energy: the counter's delta where the source has one, else integrated power (W x ms = mJ).
+    energy = power_w * dur
+    energy[np.isnan(energy)] = 0.0
+    gap_energy = np.zeros(int(gap.sum()))
+    if n > 1 and not np.isnan(energy_mj).all():
+        de = np.full(n, np.nan)
+        de[:-1] = energy_mj[1:] - energy_mj[:-1]
+        use_counter = np.isfinite(de) & (de >= 0) & ~last
+        # Across a gap the counter still says what was used: the time stays unobserved, the
+        # energy is shared between the slice before the gap and the gap, in proportion to time.
+        share = np.where(gap, dur / np.maximum(nxt - ts_ms, 1), 1.0)
+        energy[use_counter] = de[use_counter] * share[use_counter]
+        if any_gap:
+            bridged = use_counter[gap]
+            gap_energy[bridged] = de[gap][bridged] * (1.0 - share[gap][bridged])
+
+    # Unobserved pieces: interior gaps, coverage before the first and after the last sample.
+    gap_start = end[gap] if any_gap else np.zeros(0, np.int64)
+    gap_end = nxt[gap] if any_gap else np.zeros(0, np.int64)
+    gap_gpu = gpu[gap] if any_gap else np.zeros(0, np.int32)
+    first_ts = np.full(n_gpus, POS_INF, np.int64)
+    last_end = np.full(n_gpus, NEG_INF, np.int64)
+    if n:
+        starts = np.flatnonzero(np.concatenate([[True], last[:-1]]))
+        first_ts[gpu[starts]] = ts_ms[starts]
+        last_end[gpu[last]] = end[last]
+    has = first_ts < POS_INF
+    member = cover_start_ms < POS_INF
+    head = member & (cover_start_ms < np.minimum(first_ts, cover_end_ms))
+    tail = member & has & (cover_end_ms > last_end)
+    g_all = np.arange(n_gpus, dtype=np.int32)
+    uo_gpu = np.concatenate([gap_gpu, g_all[head], g_all[tail]])
+    uo_start = np.concatenate(
+        [gap_start, cover_start_ms[head], np.maximum(last_end[tail], cover_start_ms[tail])]
+    )
+    uo_end = np.concatenate([gap_end, np.minimum(first_ts, cover_end_ms)[head], cover_end_ms[tail]])
+    uo_energy = np.concatenate([gap_energy, np.zeros(int(head.sum()) + int(tail.sum()))])
+    keep = uo_end > uo_start
+    span_start = np.where(head, cover_start_ms, first_ts)
+    span_end = np.where(tail, cover_end_ms, last_end)
+    if not keep.any():
+        return Slices(gpu, ts_ms, end, band.astype(np.int8, copy=False), energy, span_start, span_end)
+    k = int(keep.sum())
+    return Slices(
+        np.concatenate([gpu, uo_gpu[keep].astype(gpu.dtype)]),
+        np.concatenate([ts_ms, uo_start[keep]]),
+        np.concatenate([end, uo_end[keep]]),
+        np.concatenate([band.astype(np.int8, copy=False), np.full(k, NO_BAND, np.int8)]),
+        np.concatenate([energy, uo_energy[keep]]),
+        span_start,
+        span_end,
+    )
+
+
+def _cut(s: Slices, bounds: np.ndarray) -> tuple[Slices, np.ndarray]:
+    """Cut slices at shared sorted bounds; return the pieces and each piece's segment index.
+
+    A straddling slice keeps its first piece in place; its other pieces are appended.
+    """
+    lo = np.searchsorted(bounds, s.start_ms, "right") - 1
+    multi = np.flatnonzero(s.end_ms > bounds[lo + 1])  # slices that cross their segment's end
+    if multi.size == 0:
+        return s, lo
+    hi = np.searchsorted(bounds, s.end_ms[multi] - 1, "right") - 1
+    n = hi - lo[multi]  # extra pieces per straddling slice
+    idx = np.repeat(multi, n)
+    seg = lo[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(n) - n, n)) + 1
+    full = (s.end_ms - s.start_ms)[multi]
+    start = bounds[seg]
+    end = np.minimum(s.end_ms[idx], bounds[seg + 1])
+    energy = s.energy_mj[idx] * ((end - start) / np.repeat(full, n))
+    out = Slices(
+        np.concatenate([s.gpu, s.gpu[idx]]),
+        np.concatenate([s.start_ms, start]),
+        np.concatenate([s.end_ms, end]),
+        np.concatenate([s.band, s.band[idx]]),
+        np.concatenate([s.energy_mj, energy]),
+        s.span_start_ms,
+        s.span_end_ms,
+    )
+    first_end = bounds[lo[multi] + 1]
+    out.end_ms[multi] = first_end
+    out.energy_mj[multi] = s.energy_mj[multi] * ((first_end - s.start_ms[multi]) / full)
+    return out, np.concatenate([lo, seg])
+
+
+def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
+    """Cut slices at per-GPU times (few: membership bounds, a rank's own phases).
+
+    Pieces keep the slices' order (a cut slice's pieces in place, in time order). Only the few
+    slices a cut falls strictly inside are looked at one piece at a time; every other slice is
+    found uncut by one search of its start among the (few) cuts.
+    """
+    if cut_ms.size and s.span_start_ms is not None:
+        # Only cuts strictly inside their GPU's span of slices can split anything.
+        inside = (cut_ms > s.span_start_ms[cut_gpu]) & (cut_ms < s.span_end_ms[cut_gpu])
+        cut_gpu, cut_ms = cut_gpu[inside], cut_ms[inside]
+    if cut_ms.size == 0 or s.start_ms.size == 0:
+        return s
+    span = np.int64(1) << 42  # > any trace's span in ms after rebasing
+    base = int(min(s.start_ms.min(), cut_ms.min()))
+    cuts = np.unique(cut_gpu.astype(np.int64) * span + (np.clip(cut_ms, base, base + span - 1) - base))
+    # The first cut after each slice's start; the slice is cut when that cut is on its GPU and
+    # before its end.
+    key_s = s.gpu.astype(np.int64)
+    key_s *= span
+    key_s += s.start_ms
+    key_s -= base
+    lo = np.searchsorted(cuts, key_s, "right")
+    del key_s
+    pad_g = np.append(cuts // span, -1)  # past the last cut: no GPU
+    pad_t = np.append(cuts % span + base, 0)
+    multi = np.flatnonzero((pad_g[lo] == s.gpu) & (pad_t[lo] < s.end_ms))
+    if multi.size == 0:
+        return s
+    key_e = s.gpu[multi].astype(np.int64) * span + (s.end_ms[multi] - base)
+    lo_m = lo[multi]
+    n_m = np.searchsorted(cuts, key_e, "left") - lo_m + 1  # pieces of each cut slice
+    # Positions of the cut slices' pieces in the output, and each piece's cut bounds.
+    extra = n_m - 1
+    first = multi + np.cumsum(extra) - extra
+    rep = np.repeat(np.arange(multi.size), n_m)
+    k = np.arange(rep.size) - np.repeat(np.cumsum(n_m) - n_m, n_m)
+    pos = first[rep] + k
+    ci = lo_m[rep] + k  # the cut that ends the piece (when it is not the slice's last)
+    m = multi[rep]
+    start_m = np.where(k > 0, pad_t[np.maximum(ci - 1, 0)], s.start_ms[m])
+    end_m = np.where(k < n_m[rep] - 1, pad_t[np.minimum(ci, cuts.size - 1)], s.end_ms[m])
+    full = (s.end_ms - s.start_ms)[m]
+    total = s.start_ms.size + int(extra.sum())
+
+    def spread(a: np.ndarray, at_pieces: np.ndarray) -> np.ndarray:
+        """`a` per slice to per piece: uncut slices copied in runs, the pieces set at `pos`."""
+        if multi.size > 256:
+            n = np.ones(a.size, np.int64)
+            n[multi] = n_m
+            out = np.repeat(a, n)
+        else:
+            out = np.empty(total, a.dtype)
+            prev = off = 0
+            for j, e in zip(multi.tolist(), extra.tolist(), strict=True):
+                out[prev + off : j + 1 + off] = a[prev : j + 1]
+                off += e
+                prev = j + 1
+            out[prev + off :] = a[prev:]
+        out[pos] = at_pieces
+        return out
+
+    return Slices(
+        spread(s.gpu, s.gpu[m]),
+        spread(s.start_ms, start_m),
+        spread(s.end_ms, end_m),
+        spread(s.band, s.band[m]),
+        spread(s.energy_mj, s.energy_mj[m] * ((end_m - start_m) / full)),
+        s.span_start_ms,
+        s.span_end_ms,
+    )
+
+
+def book(
+    slices: Slices,
+    timeline: Timeline,
+    gpu_rank: np.ndarray,
+    member_start_ms: np.ndarray,
+    member_end_ms: np.ndarray,
+) -> Pieces:
+    """Every slice of the job's GPUs to categories (rules 1-5 and membership)."""
+    cut_g: list[np.ndarray] = [np.arange(gpu_rank.size), np.arange(gpu_rank.size)]
+    cut_t: list[np.ndarray] = [member_start_ms, member_end_ms]
+    rank_to_gpu = {int(r): g for g, r in enumerate(gpu_rank) if r >= 0}
+    overlays: list[tuple[int, np.ndarray, np.ndarray]] = []
+    for rank, ivals in timeline.rank_overhead.items():
+        g = rank_to_gpu.get(rank)
+        if g is None or not ivals:
+            continue
+        a = np.asarray([x for x, _ in ivals], np.int64)
+        b = np.asarray([y for _, y in ivals], np.int64)
+        overlays.append((g, a, b))
+        cut_g += [np.full(a.size, g), np.full(b.size, g)]
+        cut_t += [a, b]
+    s = _cut_per_gpu(
+        slices,
+        np.concatenate(cut_g),
+        np.clip(np.concatenate(cut_t), NEG_INF // 2, POS_INF // 2),
+    )
+    s, seg = _cut(s, timeline.bounds)
+    regime = timeline.regime[seg].copy()
+    for g, a, b in overlays:
+        mine = s.gpu == g
+        j = np.searchsorted(a, s.start_ms[mine], "right") - 1
+        inside = (j >= 0) & (s.start_ms[mine] < b[np.maximum(j, 0)])
+        r = regime[mine]
+        r[inside & (r != Regime.UNASSIGNED)] = Regime.OVERHEAD
+        regime[mine] = r
+    if (
+        s.span_start_ms is None
+        or not ((s.span_start_ms >= member_start_ms) & (s.span_end_ms <= member_end_ms)).all()
+    ):
+        outside = (s.start_ms < member_start_ms[s.gpu]) | (s.start_ms >= member_end_ms[s.gpu])
+        regime[outside] = Regime.UNASSIGNED
+    # CATEGORY_TABLE[regime, band + 1] as one flat take.
+    category = np.take(CATEGORY_TABLE.ravel(), regime.astype(np.intp) * (len(Band) + 1) + s.band + 1)
+    return Pieces(s.gpu, s.start_ms, s.end_ms, s.band, category, s.energy_mj)
+
+
+def job_bands(
+    cfg: BookingConfig,
+    timeline: Timeline,
+    rank: np.ndarray,
+    ts_ms: np.ndarray,
+    power_w: np.ndarray,
+    util_pct: np.ndarray,
+    n_ranks: int,
+    profile: Profile,
+    interval_ms: int,
+    carry: bands_mod.RunCarry | None = None,
+    carry_at_ms: int | None = None,
+) -> bands_mod.BandResult:
+    """A job's bands on its grid, with the checkpoint allowance its own checkpoints taught
+    (`carry`, `carry_at_ms`: a live window's signature run carried in and out, `bands.classify`)."""
+    return bands_mod.classify(
+        rank,
+        ts_ms,
+        power_w,
+        util_pct,
+        n_ranks,
+        profile,
+        grid_ms=int(cfg.grid_s * 1000),
+        gap_intervals=cfg.gap_intervals,
+        checkpoint_allowance_ms=lambda t: timeline.allowances.at("checkpoint", t),
+        interval_ms=interval_ms,
+        # Only a job that posts steps can show "no step": a stepless job (a pod without a
+        # trainer) or a bare trace never gets the spin signature.
+        step_ms=np.asarray([s.ts_ms for s in timeline.steps], np.int64) if timeline.steps else None,
+        carry=carry,
+        carry_at_ms=carry_at_ms,
+    )

@@ -1,0 +1,62 @@
+"""The ledger's buckets (pure): GPU time, energy and cost summed per 5-minute bucket per category.
+
+The bucket is fixed at 5 minutes: every stored key, rollup and API window is laid out on it
+(changing it means a new ledger, not a setting). The coarser resolutions are sums of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from costexporter.core.booking import Pieces, Slices, _cut
+from costexporter.core.cost import Prices
+from costexporter.core.model import Category
+
+BUCKET_S = 300  # the finest bucket, in seconds
+RESOLUTIONS = {"5m": BUCKET_S, "1h": 3600, "1d": 86400, "1w": 7 * 86400}
+MONDAY = 4 * 86400  # 1970-01-05, a Monday: weeks start on Monday 00:00 UTC
+UNITS = ("ms", "mj", "ucost")  # a bucket's amounts per category: ms, mJ, micro-currency
+
+
+def bucket_start(t: int, res: str) -> int:
+    """The start (Unix s) of the bucket of resolution `res` holding time t."""
+    secs = RESOLUTIONS[res]
+    off = MONDAY if res == "1w" else 0
+    return (t - off) // secs * secs + off
+
+
+def price_version(prices: Prices, price_per_gpu_hour: float) -> str:
+    """A short name of the price table, stored with every bucket it costed."""
+    return (
+        f"gpu_hour={price_per_gpu_hour:g};wasted={prices.wasted_price_per_gpu_hour};"
+        f"kwh={prices.price_per_kwh};pue={prices.pue:g};{prices.currency}"
+    )
+
+
+def amounts(
+    pieces: Pieces, prices: Prices, price_per_gpu_hour: float, bucket_s: int = BUCKET_S
+) -> dict[int, np.ndarray]:
+    """Bucket start (s) -> int64 array [category, unit] of ms, mJ and micro-cost.
+
+    Pieces crossing a bucket boundary are split there (time and energy in proportion).
+    """
+    if pieces.gpu.size == 0:
+        return {}
+    lo = int(pieces.start_ms.min()) // (bucket_s * 1000) * bucket_s * 1000
+    hi = int(pieces.end_ms.max())
+    bounds = np.arange(lo, hi + bucket_s * 1000 + 1, bucket_s * 1000, dtype=np.int64)
+    s = Slices(pieces.gpu, pieces.start_ms, pieces.end_ms, pieces.category, pieces.energy_mj)
+    cut, seg = _cut(s, bounds)
+    cat = cut.band.astype(np.int64)  # _cut carries the category in the band column here
+    dur = cut.end_ms - cut.start_ms
+    n_cat = len(Category)
+    n_b = bounds.size
+    k = seg.astype(np.int64) * n_cat + cat
+    ms = np.bincount(k, weights=dur, minlength=n_b * n_cat).reshape(n_b, n_cat)
+    mj = np.bincount(k, weights=cut.energy_mj, minlength=n_b * n_cat).reshape(n_b, n_cat)
+    cost = prices.cost(ms, mj, np.arange(n_cat)[None, :], price_per_gpu_hour=price_per_gpu_hour)
+    out = {}
+    for b in np.flatnonzero(ms.sum(1) > 0):
+        a = np.stack([ms[b], np.round(mj[b]), np.round(cost[b] * 1e6)], axis=1).astype(np.int64)
+        out[int(bounds[b] // 1000)] = a
+    return out

@@ -1,0 +1,64 @@
+"""Money: a slice's GPU-hours at the GPU-hour price (the wasted price for wasted categories,
+where one is configured) plus its energy at the energy price times PUE (DESIGN section 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from costexporter.core.model import WASTED_CATEGORIES, Category
+
+MS_PER_HOUR = 3_600_000.0
+MJ_PER_KWH = 3_600_000_000.0  # millijoules in a kilowatt-hour
+DEFAULT_PRICE_PER_GPU_HOUR = 3.5  # REFERENCE R7: USD per B200/B300 GPU-hour
+
+
+def price_override_note(job: str, meta_price: object, used: float, flag_price: float) -> str | None:
+    """The one line saying a job's meta price wins over --price-per-gpu-hour (the flag would
+    otherwise seem to do nothing), or None when the flag's price is the one used. Replay and the
+    agent say it in the same words."""
+    if meta_price is None or float(used) == float(flag_price):
+        return None
+    return (
+        f"job {job}: its meta sets price_per_gpu_hour={meta_price}, which overrides "
+        f"--price-per-gpu-hour {flag_price:g}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR
+    wasted_price_per_gpu_hour: float | None = None  # R7's "base rate" for invalid time
+    price_per_kwh: float | None = None
+    pue: float = 1.0
+    currency: str = "USD"
+
+    def __post_init__(self) -> None:
+        for name in ("price_per_gpu_hour", "wasted_price_per_gpu_hour", "price_per_kwh", "pue"):
+            v = getattr(self, name)
+            if v is not None and (not np.isfinite(v) or v < 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+
+    def gpu_hour_rates(self, price_per_gpu_hour: float | None = None) -> np.ndarray:
+        """Price per GPU-hour for each category code."""
+        base = self.price_per_gpu_hour if price_per_gpu_hour is None else price_per_gpu_hour
+        wasted = base if self.wasted_price_per_gpu_hour is None else self.wasted_price_per_gpu_hour
+        rates = np.full(len(Category), base, np.float64)
+        rates[[int(c) for c in WASTED_CATEGORIES]] = wasted
+        return rates
+
+    def cost(
+        self,
+        gpu_ms: np.ndarray,
+        energy_mj: np.ndarray,
+        category: np.ndarray | None = None,
+        price_per_gpu_hour: float | None = None,
+    ) -> np.ndarray:
+        """Cost of amounts given per category (category = arange) or per item with `category`."""
+        rates = self.gpu_hour_rates(price_per_gpu_hour)
+        rate = rates if category is None else rates[category]
+        c = np.asarray(gpu_ms, np.float64) / MS_PER_HOUR * rate
+        if self.price_per_kwh:
+            c = c + np.asarray(energy_mj, np.float64) / MJ_PER_KWH * self.price_per_kwh * self.pue
+        return c

@@ -1,0 +1,192 @@
+"""Event protocol v1 (DESIGN section 5): validation of one flat entry into an `Event`.
+
+The same function validates a JSONL line of `replay --events` and a Redis stream entry (whose
+values are all strings), so both paths accept and reject the same things.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from costexporter.core.model import Event
+
+PROTOCOL_VERSION = "1"
+# A job's own watcher thresholds, in seconds (or a factor: stall_k), carried in its meta.
+META_THRESHOLDS = (
+    "heartbeat_timeout_s",
+    "heartbeat_interval_s",
+    "stall_floor_s",
+    "stall_k",
+    "checkpoint_allowance_s",
+    "eval_allowance_s",
+    "startup_allowance_s",
+    "phase_allowance_s",
+)
+EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta", "preflight"})
+# Text fields of a meta event; the Kubernetes ones come from `costexporter.k8s` (namespace for the
+# API's aggregation, progress=none for a job without steps, booked by band).
+META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container", "source", "progress")
+# Number fields of a meta event: finite and >= 0.
+META_NUMBERS = ("price_per_gpu_hour", "budget", *META_THRESHOLDS)
+BASE_FIELDS = frozenset({"v", "type", "job", "ts", "rank", "session", "seq"})
+_META_TEXT_SET = frozenset(META_TEXT)
+
+# Timestamps outside [2000-01-01, now + 1 day] are absurd: a clock gone wrong, not an event.
+MIN_TS = 946_684_800.0
+FUTURE_SLACK_S = 86_400.0
+MAX_STEP = 10**12
+MAX_TOKENS = 10**15
+# Bounds on a register's numbers; the reporter refuses at its constructor what these refuse here.
+MAX_RANK = 1 << 20
+MAX_WORLD_SIZE = 1 << 20
+MAX_GPU_INDEX = 1 << 16  # also bounds local_rank (a rank's GPU on its host)
+
+
+class EventError(ValueError):
+    """An entry that is not a valid v1 event; `reason` is a short stable label for counting."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class UnknownEventType(EventError):
+    """A well-formed entry of a type this version does not know: ignored and counted."""
+
+
+def _present(entry: dict, key: str, required: bool) -> object:
+    """The field's value, or None when it is absent and optional ('' counts as absent)."""
+    v = entry.get(key)
+    if (v is None or v == "") and required:
+        raise EventError("missing_field", f"{key!r} is required")
+    return None if v == "" else v
+
+
+def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bool = True):
+    v = entry.get(key)
+    if type(v) is not str or not v:  # a stream entry's text skips these checks (a fast path)
+        v = _present(entry, key, required)
+        if v is None:
+            return None
+        if isinstance(v, bool):
+            raise EventError("bad_type", f"{key!r} must be an integer, got {v!r}")
+    try:
+        if type(v) is str:
+            n = int(v)  # takes what int(str(v).strip()) would
+        elif isinstance(v, float):
+            if not v.is_integer():
+                raise ValueError
+            n = int(v)
+        else:
+            n = int(str(v).strip())
+    except (TypeError, ValueError):
+        raise EventError("bad_type", f"{key!r} must be an integer, got {v!r}") from None
+    if not lo <= n <= hi:
+        raise EventError("out_of_range", f"{key!r}={n} outside [{lo}, {hi}]")
+    return n
+
+
+def _float(entry: dict, key: str, *, required: bool = True):
+    v = entry.get(key)
+    if type(v) is not str or not v:
+        v = _present(entry, key, required)
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise EventError("bad_type", f"{key!r} must be a number, got {v!r}")
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise EventError("bad_type", f"{key!r} must be a number, got {v!r}") from None
+    if not math.isfinite(x):
+        raise EventError("bad_type", f"{key!r} must be finite, got {v!r}")
+    return x
+
+
+def _str(entry: dict, key: str, *, required: bool = True, choices: frozenset | None = None):
+    v = entry.get(key)
+    if type(v) is not str or not v:
+        v = _present(entry, key, required)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise EventError("bad_type", f"{key!r} must be a string, got {v!r}")
+    if choices is not None and v not in choices:
+        raise EventError("bad_value", f"{key!r}={v!r}, expected one of {sorted(choices)}")
+    return v
+
+
+def parse_event(
+    entry: dict, *, job: str | None = None, now: float | None = None, strict_ids: bool = False
+) -> Event:
+    """Validate one entry. `job`: the stream's job (a foreign job is rejected).
+
+    `strict_ids`: require `v`, `session` and `seq` (stream entries); files may omit them.
+    """
+    if not isinstance(entry, dict):
+        raise EventError("not_an_object", "an event is a flat object of fields")
+    v = entry.get("v")
+    if v is None and strict_ids:
+        raise EventError("missing_field", "'v' is required")
+    if v is not None and str(v) != PROTOCOL_VERSION:
+        raise EventError("bad_version", f"protocol version {v!r} is not supported (want '1')")
+    etype = _str(entry, "type")
+    ev_job = _str(entry, "job")
+    if job is not None and ev_job != job:
+        raise EventError("foreign_job", f"event of job {ev_job!r} in the stream of {job!r}")
+    ts = _float(entry, "ts")
+    limit = (time.time() if now is None else now) + FUTURE_SLACK_S
+    if not MIN_TS <= ts <= limit:
+        raise EventError("bad_timestamp", f"ts={ts} is not a plausible Unix time")
+    rank = _int(entry, "rank", hi=MAX_RANK)
+    session = _str(entry, "session", required=strict_ids) or ""
+    seq = _int(entry, "seq", hi=1 << 62, required=strict_ids)
+    if etype not in EVENT_TYPES:
+        raise UnknownEventType("unknown_type", f"event type {etype!r} is not known to v1")
+
+    f: dict[str, object] = {}
+    if etype == "register":
+        f["host"] = _str(entry, "host")
+        f["gpu_uuid"] = _str(entry, "gpu_uuid", required=False)
+        f["gpu"] = _int(entry, "gpu", hi=MAX_GPU_INDEX, required=False)
+        if f["gpu_uuid"] is None and f["gpu"] is None:
+            raise EventError("missing_field", "register needs 'gpu_uuid' or 'gpu'")
+        f["local_rank"] = _int(entry, "local_rank", hi=MAX_GPU_INDEX, required=False)
+        f["world_size"] = _int(entry, "world_size", lo=1, hi=MAX_WORLD_SIZE, required=False)
+        f["pid"] = _int(entry, "pid", hi=1 << 40, required=False)
+    elif etype == "step":
+        f["step"] = _int(entry, "step")
+        f["tokens"] = _int(entry, "tokens", hi=MAX_TOKENS, required=False)
+    elif etype == "phase":
+        f["name"] = _str(entry, "name")
+        f["state"] = _str(entry, "state", choices=frozenset({"begin", "end"}))
+        f["step"] = _int(entry, "step", required=False)
+    elif etype == "run":
+        f["state"] = _str(entry, "state", choices=frozenset({"start", "resume", "end"}))
+        f["step"] = _int(entry, "step", required=False)
+    elif etype == "meta":
+        for key in META_TEXT:
+            val = entry.get(key)
+            if val is not None and val != "":  # '' is absent, as for every optional field
+                f[key] = _str(entry, key)
+        for key in META_NUMBERS:
+            x = _float(entry, key, required=False)
+            if x is not None:
+                if x < 0:
+                    raise EventError("out_of_range", f"{key!r} must be >= 0")
+                f[key] = x
+    elif etype == "preflight":
+        passed = entry.get("passed")
+        if isinstance(passed, str):
+            passed = passed.strip().lower() in ("1", "true", "yes")
+        if not isinstance(passed, bool):
+            raise EventError("missing_field", "preflight needs 'passed' (bool)")
+        f["passed"] = passed
+        f["checks"] = entry.get("checks")
+    extra = entry.keys() - BASE_FIELDS
+    if extra:
+        extra = extra - f.keys() - _META_TEXT_SET
+    if extra:
+        f["_unknown_fields"] = sorted(extra)
+    return Event(etype, ev_job, ts, rank, session, -1 if seq is None else seq, f)

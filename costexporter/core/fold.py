@@ -1,0 +1,769 @@
+"""A job's timeline folded incrementally (pure: no Redis): each event is walked once.
+
+`booking.build_timeline` walks a job's whole event history; a live agent that called it every
+round did work (and held memory) that grew with the job's age. `TimelineFold` runs the same
+walk, event by event, and keeps only what the booking rules still need:
+
+* the step-duration window of the stall threshold, the open phases and run, the learned
+  allowances (a few numbers per phase occurrence);
+* regime segments and step records back to `keep_from` (the booking context), older ones
+  dropped;
+* the valid steps as a compact stack (a resume can void any of them: 40 bytes a valid step),
+  and the voided ones (rare);
+* counts and sums for the job figures.
+
+Events are folded for good only once they are `lag_ms` behind the newest data time (the
+*frontier*); the newer ones are walked each round on a copy, so the view a round sees is the one
+`build_timeline` gives over every event. A walk-relevant event at or before the frontier that
+arrives late would change the past: the fold says so (`late`) and its owner rebuilds it from the
+whole stream (rare, counted). Heartbeats, other ranks' steps, registrations and the like never
+enter it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+from array import array
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from costexporter.core.booking import (
+    NEG_INF,
+    POS_INF,
+    STEPLESS_META,
+    Allowances,
+    BookingConfig,
+    Regime,
+    StepRecord,
+    Timeline,
+    _merge,
+    band_timeline,
+    stall_threshold_ms,
+)
+from costexporter.core.model import Event
+
+
+@dataclass(slots=True)
+class StepSummary:
+    """What a folded timeline says about steps beyond its recent `steps` (`Timeline.summary`)."""
+
+    n_steps: int  # every step record so far
+    n_voided: int
+    valid_tokens: int
+    tokens_before: int  # tokens of the records before `Timeline.step_base` (voided ones too)
+    last_step: StepRecord | None
+    # Every voided record: (record index, record, the previous record's ts or None for the first)
+    voided: list[tuple[int, StepRecord, int | None]] = field(default_factory=list)
+
+
+def walk_relevant(ev: Event) -> bool:
+    """Whether an event can change the booking timeline (everything else never enters it)."""
+    if ev.type == "phase":
+        return True
+    if ev.type in ("step", "run"):
+        return ev.rank == 0
+    return ev.type == "meta" and ev.get(STEPLESS_META[0]) == STEPLESS_META[1]
+
+
+class _Phases:
+    """One rank's declared phases, folded in time order (`booking._intervals_of_phases`)."""
+
+    __slots__ = ("allow", "closed", "last_ckpt", "open", "overrun", "starts")
+
+    def __init__(self, allowances: Allowances) -> None:
+        self.allow = allowances
+        self.open: dict[str, int] = {}
+        self.closed: list[tuple[int, int]] = []  # merged, sorted
+        self.starts: list[int] = []
+        self.overrun: list[tuple[str, int, int]] = []
+        self.last_ckpt: tuple[int, int] | None = None
+
+    def clone(self, allowances: Allowances) -> _Phases:
+        c = _Phases(allowances)
+        c.open, c.closed, c.starts = dict(self.open), list(self.closed), list(self.starts)
+        c.overrun, c.last_ckpt = list(self.overrun), self.last_ckpt
+        return c
+
+    def add(self, ev: Event) -> None:
+        name = str(ev.get("name"))
+        t = int(ev.ts * 1000)
+        if ev.get("state") == "begin":
+            if name in self.open:
+                self._close(name, self.open.pop(name), t)
+            self.open[name] = t
+        elif name in self.open:
+            self._close(name, self.open.pop(name), t)
+            if name == "checkpoint" and ev.get("step") is not None:
+                self.last_ckpt = (int(ev.get("step")), t)  # type: ignore[arg-type]
+
+    def close_open(self, end_ms: int) -> None:
+        for name, begin in self.open.items():
+            self._close(name, begin, max(end_ms, begin))
+        self.open = {}
+
+    def _close(self, name: str, begin: int, end: int) -> None:
+        allow = self.allow.current(name)
+        self._insert(begin, min(end, begin + allow))
+        if end - begin > allow:
+            self.overrun.append((name, begin, end))
+        self.allow.observe(name, end, end - begin)
+
+    def _insert(self, a: int, b: int) -> None:
+        """Into the merged list, as `_merge(sorted(all))` would have it."""
+        if b <= a:
+            return
+        i = bisect.bisect_left(self.starts, a)
+        lo = i
+        if lo > 0 and self.closed[lo - 1][1] >= a:
+            lo -= 1
+        hi = i
+        while hi < len(self.closed) and self.closed[hi][0] <= b:
+            hi += 1
+        if lo < hi:
+            a = min(a, self.closed[lo][0])
+            b = max(b, max(y for _, y in self.closed[lo:hi]))
+        self.closed[lo:hi] = [(a, b)]
+        self.starts[lo:hi] = [a]
+
+    def around(self, a: int, b: int, *, with_open: bool) -> list[tuple[int, int]]:
+        """Intervals meeting [a, b) (merged), the open phases as if they ran on (the walk folds a
+        point only once every phase before it is in, and looks no later than that point)."""
+        i = max(bisect.bisect_right(self.starts, a) - 1, 0)
+        out = []
+        while i < len(self.closed) and self.closed[i][0] < b:
+            if self.closed[i][1] > a:
+                out.append(self.closed[i])
+            i += 1
+        if with_open and self.open:
+            out += [(begin, begin + self.allow.current(n)) for n, begin in self.open.items()]
+            out = _merge(sorted(out))
+        return out
+
+    def trim(self, keep_from: int) -> None:
+        n = bisect.bisect_left([y for _, y in self.closed], keep_from) if self.closed else 0
+        if n:
+            del self.closed[:n], self.starts[:n]
+        self.overrun = [o for o in self.overrun if o[2] >= keep_from]
+
+
+class _Walk:
+    """`build_timeline`'s walk over rank 0's steps and runs, one point at a time."""
+
+    def __init__(self, cfg: BookingConfig, start_ms: int) -> None:
+        self.cfg = cfg
+        self.start_ms = start_ms
+        self.allow = Allowances(cfg)
+        self.p0 = _Phases(self.allow)
+        self.pr: dict[int, _Phases] = {}
+        self.seg_start: list[int] = [NEG_INF]
+        self.seg_regime: list[int] = [Regime.UNASSIGNED]
+        self.seg_step: list[int] = [-1]
+        self.steps: list[StepRecord] = []  # records from step_base on
+        self.step_base = 0
+        self.tokens_before = 0
+        self.n_steps = 0
+        self.valid_tokens = 0
+        self.last_step: StepRecord | None = None
+        self.last_ts: int | None = None  # the newest record's ts (the next one's prev)
+        # The valid records, a stack increasing in step number (a resume pops its top).
+        self.v_rec, self.v_step, self.v_ts = array("q"), array("q"), array("q")
+        self.v_tok, self.v_prev = array("q"), array("q")
+        self.voided: list[tuple[int, StepRecord, int | None]] = []
+        self.resumes: list[tuple[int, int, int]] = []
+        # The last checkpoints that saved a valid step: (step, its record), oldest first.
+        self.ckpts: deque[tuple[int, int]] = deque(maxlen=max(cfg.rollback_checkpoints, 1))
+        self.durations: deque[int] = deque(maxlen=cfg.stall_window)
+        self.startup_allow = self.allow.current("startup")
+        self.anchor = start_ms
+        self.in_startup = True
+        self.startup_from = start_ms
+        self.ended = False
+        self.final_phases = False  # the open phases were closed (a view's copy, never the fold)
+        # A view's copy shares the valid stack with the fold (copying it would cost a round time
+        # that grows with the job's age): how much of it is the fold's, and what the view popped
+        # of that, put back by `release`.
+        self._shared: int | None = None
+        self._popped: list[tuple[int, int, int, int, int]] = []
+
+    def clone(self) -> _Walk:
+        c = copy.copy(self)
+        c.allow = self.allow.copy()
+        c.p0 = self.p0.clone(c.allow)
+        c.pr = {r: p.clone(p.allow.copy()) for r, p in self.pr.items()}
+        c.seg_start, c.seg_regime = list(self.seg_start), list(self.seg_regime)
+        c.seg_step = list(self.seg_step)
+        c.steps = list(self.steps)
+        c._shared, c._popped = len(self.v_rec), []
+        c.voided = list(self.voided)
+        c.resumes = list(self.resumes)
+        c.ckpts = deque(self.ckpts, maxlen=self.ckpts.maxlen)
+        c.durations = deque(self.durations, maxlen=self.cfg.stall_window)
+        return c
+
+    def _stack(self) -> tuple[array, ...]:
+        return self.v_rec, self.v_step, self.v_ts, self.v_tok, self.v_prev
+
+    def _pop(self) -> tuple[int, int, int, int, int]:
+        vals = tuple(a.pop() for a in self._stack())
+        if self._shared is not None and len(self.v_rec) < self._shared:
+            self._shared = len(self.v_rec)
+            self._popped.append(vals)  # type: ignore[arg-type]
+        return vals  # type: ignore[return-value]
+
+    def release(self) -> None:
+        """A view's copy is done: the shared valid stack is the fold's again, as it was."""
+        if self._shared is None:
+            return
+        for a in self._stack():
+            del a[self._shared :]
+        for vals in reversed(self._popped):
+            for a, v in zip(self._stack(), vals, strict=True):
+                a.append(v)
+        self._shared, self._popped = None, []
+
+    # ---- phases -----------------------------------------------------------------------------
+    def phase(self, ev: Event) -> None:
+        if ev.rank == 0:
+            saved = self.p0.last_ckpt
+            self.p0.add(ev)
+            if self.p0.last_ckpt is not None and self.p0.last_ckpt != saved:
+                self._checkpoint(self.p0.last_ckpt[0])
+        else:
+            p = self.pr.get(ev.rank)
+            if p is None:
+                p = self.pr[ev.rank] = _Phases(Allowances(self.cfg))
+            p.add(ev)
+
+    # ---- the walk (as in build_timeline) ----------------------------------------------------
+    def emit(self, a: int, b: int, regime: int, step: int = -1) -> None:
+        if b <= a:
+            return
+        ss, sr, sp = self.seg_start, self.seg_regime, self.seg_step
+        if ss[-1] == a:
+            sr[-1], sp[-1] = regime, step
+        elif sr[-1] == regime and sp[-1] == step:
+            pass
+        else:
+            ss.append(a)
+            sr.append(regime)
+            sp.append(step)
+        ss.append(b)
+        sr.append(Regime.UNASSIGNED)
+        sp.append(-1)
+
+    def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        overhead = self.p0.around(a, b, with_open=not self.final_phases)
+        if not self.in_startup and not overhead:
+            return [], [(a, b)]
+        ov: list[tuple[int, int]] = []
+        for x0, y0 in overhead:
+            x, y = max(x0, a), min(y0, b)
+            if y > x:
+                ov.append((x, y))
+        if self.in_startup:
+            x, y = max(self.startup_from, a), min(self.startup_from + self.startup_allow, b)
+            if y > x:
+                ov.append((x, y))
+        ov = _merge(sorted(ov))
+        rest: list[tuple[int, int]] = []
+        cur = a
+        for x, y in ov:
+            if x > cur:
+                rest.append((cur, x))
+            cur = max(cur, y)
+        if b > cur:
+            rest.append((cur, b))
+        return ov, rest
+
+    def close_interval(self, b: int, outcome: str, step_index: int = -1, final: bool = True) -> bool:
+        cfg = self.cfg
+        ov, rest = self.split(self.anchor, b)
+        eff = sum(y - x for x, y in rest)
+        floor_ms = int(cfg.stall_floor_s * 1000)
+        stalled = eff > floor_ms and eff > stall_threshold_ms(self.durations, cfg)
+        if not ov and outcome == "step" and not stalled:
+            self.emit(self.anchor, b, Regime.STEP, step_index)
+            if not self.in_startup:
+                self.durations.append(eff)
+            return False
+        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
+        if outcome == "step" and not stalled:
+            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
+        elif outcome in ("end", "tail") and not stalled:
+            regime = Regime.PENDING if outcome == "tail" and not final else Regime.OVERHEAD
+            pieces += [(x, y, regime, -1) for x, y in rest]
+        else:
+            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
+        for x, y, r, s in sorted(pieces):
+            self.emit(x, y, r, s)
+        if outcome == "step" and not stalled and not self.in_startup:
+            self.durations.append(eff)
+        return stalled
+
+    def _checkpoint(self, step: int) -> None:
+        """A checkpoint saved `step`: a resume can come back to that valid record."""
+        j = bisect.bisect_left(self.v_step, step)
+        if j < len(self.v_step) and self.v_step[j] == step:
+            rec = self.v_rec[j]
+            if not self.ckpts or self.ckpts[-1][1] < rec:
+                self.ckpts.append((step, rec))
+
+    def rollback_floor(self) -> int | None:
+        """The oldest record a resume can reach: that of the oldest checkpoint kept, once
+        `rollback_checkpoints` of them are declared (before that, any record)."""
+        full = len(self.ckpts) == self.ckpts.maxlen
+        return self.ckpts[0][1] if full and self.ckpts else None
+
+    def void_above(self, k: int, at_ms: int) -> int:
+        while self.ckpts and self.ckpts[-1][0] > k:  # checkpoints of voided steps are gone
+            self.ckpts.pop()
+        n = 0
+        while self.v_step and self.v_step[-1] > k:
+            n += 1
+            rec, step, ts, tok, prev = self._pop()
+            self.valid_tokens -= tok
+            j = rec - self.step_base
+            if 0 <= j < len(self.steps):
+                voided = replace(self.steps[j], voided=True, voided_ms=at_ms)
+                self.steps[j] = voided
+            else:
+                voided = StepRecord(step, ts, tok, True, at_ms)
+            if self.last_step is not None and rec == self.n_steps - 1:
+                self.last_step = voided
+            self.voided.append((rec, voided, None if prev == NEG_INF else prev))
+        if n:  # popped top first: keep the list in record order within one resume
+            self.voided[-n:] = sorted(self.voided[-n:], key=lambda v: v[0])
+        return n
+
+    def point(self, ev: Event) -> None:
+        t = int(ev.ts * 1000)
+        if t < self.anchor:
+            t = self.anchor
+        if self.ended:
+            if not (ev.type == "run" and ev.get("state") in ("start", "resume")):
+                return
+            self.emit(self.anchor, t, Regime.UNASSIGNED)
+            self.anchor = t
+            self.ended = False
+            self.in_startup, self.startup_from = True, t
+            self.startup_allow = self.allow.current("startup")
+        if ev.type == "step":
+            n = int(ev.get("step"))  # type: ignore[arg-type]
+            if self.v_step and n <= self.v_step[-1]:
+                self.resumes.append((t, n - 1, self.void_above(n - 1, t)))
+            rec = StepRecord(n, t, int(ev.get("tokens") or 0))  # type: ignore[arg-type]
+            i = self.n_steps
+            self.steps.append(rec)
+            self.v_rec.append(i)
+            self.v_step.append(n)
+            self.v_ts.append(t)
+            self.v_tok.append(rec.tokens)
+            self.v_prev.append(NEG_INF if self.last_ts is None else self.last_ts)
+            self.n_steps += 1
+            self.valid_tokens += rec.tokens
+            self.last_step, self.last_ts = rec, t
+            self.close_interval(t, "step", i)
+            if self.in_startup:
+                self.allow.observe("startup", t, t - self.startup_from)
+            self.in_startup = False
+        else:
+            state = ev.get("state")
+            if state in ("start", "resume"):
+                if self.anchor < t:
+                    self.close_interval(t, "orphan")
+                if state == "resume" and ev.get("step") is not None:
+                    k = int(ev.get("step"))  # type: ignore[arg-type]
+                    self.resumes.append((t, k, self.void_above(k, t)))
+                if not self.in_startup:
+                    self.in_startup, self.startup_from = True, t
+                    self.startup_allow = self.allow.current("startup")
+            elif state == "end":
+                self.close_interval(t, "end")
+                self.ended = True
+        self.anchor = t
+
+    def trim(self, keep_from: int) -> None:
+        """Drop segments and step records wholly before `keep_from` (the last ones stay); never
+        past the last progress point, where the next interval starts."""
+        keep_from = min(keep_from, self.anchor)
+        ss = self.seg_start
+        n = bisect.bisect_right(ss, keep_from) - 1  # the segment holding keep_from stays
+        n = min(n, len(ss) - 2)
+        if n > 0:
+            del ss[:n], self.seg_regime[:n], self.seg_step[:n]
+        k = 0
+        while k < len(self.steps) - 1 and self.steps[k].ts_ms < keep_from:
+            k += 1
+        if k:
+            self.tokens_before += sum(s.tokens for s in self.steps[:k])
+            del self.steps[:k]
+            self.step_base += k
+        self.p0.trim(keep_from)
+        for p in self.pr.values():
+            p.trim(keep_from)
+
+
+SHORT_WALK = 64  # segments: below this, `_segments` in Python beats numpy's per-call cost
+
+
+def _segments(w: _Walk) -> tuple[np.ndarray, np.ndarray]:
+    """The walk's segments as a timeline's `bounds` and `regime`: steps a resume voided marked
+    VOID, neighbours of one regime merged."""
+    steps, base = w.steps, w.step_base
+    if len(w.seg_regime) < SHORT_WALK:  # a watcher's trimmed walk: a few segments
+        starts: list[int] = []
+        regimes: list[int] = []
+        for a, r, s in zip(w.seg_start, w.seg_regime, w.seg_step, strict=True):
+            if r == Regime.STEP and s >= 0 and 0 <= s - base < len(steps) and steps[s - base].voided:
+                r = Regime.VOID
+            if not regimes or regimes[-1] != r:
+                starts.append(a)
+                regimes.append(r)
+        starts[0] = NEG_INF
+        starts.append(POS_INF)
+        return np.asarray(starts, np.int64), np.asarray(regimes, np.int8)
+    seg_start = [*w.seg_start, POS_INF]
+    seg_start[0] = NEG_INF
+    bounds = np.asarray(seg_start, np.int64)
+    regime = np.asarray(w.seg_regime, np.int8)
+    step_idx = np.asarray(w.seg_step, np.int64)
+    is_step = (step_idx >= 0) & (regime == Regime.STEP)
+    if is_step.any():
+        j = step_idx[is_step] - base
+        ok = (j >= 0) & (j < len(steps))
+        flags = np.zeros(j.size, bool)
+        flags[ok] = [steps[int(x)].voided for x in j[ok]]
+        is_void = np.zeros(regime.size, bool)
+        is_void[is_step] = flags
+        regime[is_void] = Regime.VOID
+    keep = np.ones(regime.size, bool)
+    keep[1:] = regime[1:] != regime[:-1]
+    return np.append(bounds[:-1][keep], bounds[-1]), regime[keep]
+
+
+class TimelineFold:
+    """A job's events folded as they arrive; `timeline(end_ms)` is `build_timeline` over all of
+    them, for what a live round reads of it (segments and steps from `keep_from` on)."""
+
+    def __init__(self, cfg: BookingConfig, start_ms: int) -> None:
+        self.cfg = cfg
+        self.start_ms = start_ms
+        self.frontier = NEG_INF
+        self.pending: list[Event] = []
+        self.late = False  # an event at or before the frontier arrived: rebuild from the stream
+        self.stepless_declared = False
+        self.rank0_step = False
+        self.run0: list[Event] = []  # rank 0's run events (a stepless job's timeline)
+        self.w = _Walk(cfg, start_ms)
+        self.folded = 0  # events walked for good (a measure of the work done)
+
+    def add(self, events: list[Event]) -> None:
+        for ev in events:
+            if not walk_relevant(ev):
+                continue
+            if ev.type == "meta":
+                self.stepless_declared = True
+                continue
+            if ev.type == "phase" and ev.rank == 0 and str(ev.get("name")) == "startup":
+                # A declared phase named like the walk's own startup allowance shares its learned
+                # durations across the whole history: not foldable, rebuilt each round.
+                self.late = True
+            if int(ev.ts * 1000) <= self.frontier:
+                self.late = True
+            if ev.type == "step":
+                self.rank0_step = True
+            elif ev.type == "run" and ev.rank == 0:
+                self.run0.append(ev)
+            self.pending.append(ev)
+
+    def advance(self, frontier_ms: int, keep_from_ms: int) -> None:
+        """Walk for good the events up to `frontier_ms` (no later than any round's end to come)
+        and forget what lies wholly before `keep_from_ms`."""
+        if frontier_ms <= self.frontier:
+            return
+        self.pending.sort(key=lambda e: (e.ts, e.seq))
+        n = 0
+        while n < len(self.pending) and int(self.pending[n].ts * 1000) <= frontier_ms:
+            n += 1
+        w = self.w
+        for ev in self.pending[:n]:
+            if ev.type == "phase":
+                w.phase(ev)
+            else:
+                w.point(ev)
+        del self.pending[:n]
+        self.folded += n
+        self.frontier = frontier_ms
+        w.trim(keep_from_ms)
+
+    def timeline(self, end_ms: int, *, final: bool = False, dated_until: bool = False) -> Timeline | None:
+        """The view of `build_timeline(all events, end_ms)`; None when the fold cannot give it
+        (a late event, or an end before the frontier): rebuild from the stream."""
+        if self.late or end_ms < self.frontier:
+            return None
+        self.pending.sort(key=lambda e: (e.ts, e.seq))
+        # `dated_until`: as build_timeline over `booking.dated_until(events, end_ms)`, what live
+        # booking decides with (an event dated after end_ms is not used yet).
+        pending = [e for e in self.pending if int(e.ts * 1000) <= end_ms] if dated_until else self.pending
+        rank0_step = self.rank0_step
+        if dated_until:
+            rank0_step = self.w.n_steps > 0 or any(e.type == "step" for e in pending)
+        if self.stepless_declared and not rank0_step:
+            run0 = sorted(self.run0, key=lambda e: (e.ts, e.seq))
+            if dated_until:
+                run0 = [e for e in run0 if int(e.ts * 1000) <= end_ms]
+            return band_timeline(run0, self.cfg, self.start_ms, end_ms)
+        w = self.w.clone()
+        try:
+            return self._view(w, end_ms, final, pending)
+        finally:
+            w.release()
+
+    def _view(self, w: _Walk, end_ms: int, final: bool, pending: list[Event]) -> Timeline:
+        for ev in pending:
+            if ev.type == "phase":
+                w.phase(ev)
+        w.p0.close_open(end_ms)
+        for p in w.pr.values():
+            p.close_open(end_ms)
+        w.final_phases = True
+        for ev in pending:
+            if ev.type != "phase":
+                w.point(ev)
+        job_end: int | None = None
+        if w.ended:
+            job_end = w.anchor
+        elif end_ms > w.anchor:
+            w.close_interval(end_ms, "tail", final=final)
+        bounds, regime = _segments(w)
+        pending = np.flatnonzero(regime == Regime.PENDING)
+        decided_until = (
+            int(bounds[pending[0]]) if pending.size else (job_end if job_end is not None else end_ms)
+        )
+        last_ckpt = w.p0.last_ckpt
+        return Timeline(
+            bounds=bounds,
+            regime=regime,
+            steps=w.steps,
+            resumes=w.resumes,
+            start_ms=self.start_ms,
+            end_ms=job_end,
+            rank_overhead={r: list(p.closed) for r, p in w.pr.items()},
+            allowances=w.allow,
+            last_checkpoint_step=last_ckpt[0] if last_ckpt else None,
+            last_checkpoint_ms=last_ckpt[1] if last_ckpt else None,
+            phases_overrun=w.p0.overrun,
+            stall_threshold_ms=stall_threshold_ms(w.durations, self.cfg),
+            decided_until_ms=decided_until,
+            step_base=w.step_base,
+            rollback_floor=w.rollback_floor(),
+            summary=StepSummary(
+                n_steps=w.n_steps,
+                n_voided=len(w.voided),
+                valid_tokens=w.valid_tokens,
+                tokens_before=w.tokens_before,
+                last_step=w.last_step,
+                voided=w.voided,
+            ),
+        )
+
+    def state_bytes(self) -> int:
+        """About how many bytes the fold holds (for `costexporter_agent_state_bytes`)."""
+        w = self.w
+        return (
+            40 * len(w.v_rec)
+            + 120 * (len(w.steps) + len(w.voided))
+            + 90 * len(w.seg_start)
+            + 60 * (len(w.p0.closed) + sum(len(p.closed) for p in w.pr.values()))
+            + 700 * (len(self.pending) + len(self.run0))
+            + 16 * sum(len(v) for v in w.allow._durations.values())
+        )
+
+
+# ---- persisting a fold (the agent stores it with its watermark; pure: bytes in, bytes out) ----
+
+FOLD_FORMAT = 2  # bump when the layout below changes: an older stored fold is rebuilt, not read
+_MAGIC = b"CEFOLD"
+
+
+class FoldFormatError(ValueError):
+    """A stored fold that is not one this version can read (older format, corrupted, another
+    booking configuration): its owner rebuilds the fold from the stream."""
+
+
+def cfg_fingerprint(cfg: BookingConfig) -> str:
+    """A short name of the booking configuration a fold was walked with."""
+    import dataclasses
+    import hashlib
+    import json
+
+    raw = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def _ev_out(e: Event) -> list:
+    return [e.type, e.ts, e.rank, e.session, e.seq, e.fields]
+
+
+def _ev_in(x: list, job: str) -> Event:
+    t, ts, rank, session, seq, fields = x
+    return Event(
+        type=str(t),
+        job=job,
+        ts=float(ts),
+        rank=int(rank),
+        session=str(session),
+        seq=int(seq),
+        fields=dict(fields),
+    )
+
+
+def _rec_out(r: StepRecord | None) -> list | None:
+    return None if r is None else [r.step, r.ts_ms, r.tokens, r.voided, r.voided_ms]
+
+
+def _rec_in(x: list | None) -> StepRecord | None:
+    if x is None:
+        return None
+    s, ts, tok, v, vm = x
+    return StepRecord(int(s), int(ts), int(tok), bool(v), None if vm is None else int(vm))
+
+
+def _allow_out(a: Allowances) -> list:
+    return [a._durations, {k: [list(x), list(y)] for k, (x, y) in a._history.items()}]
+
+
+def _allow_in(x: list, cfg: BookingConfig) -> Allowances:
+    a = Allowances(cfg)
+    a._durations = {str(k): [int(v) for v in vs] for k, vs in x[0].items()}
+    a._history = {str(k): ([int(v) for v in s], [int(v) for v in w]) for k, (s, w) in x[1].items()}
+    return a
+
+
+def _phases_out(p: _Phases) -> list:
+    return [p.open, p.closed, p.overrun, p.last_ckpt]
+
+
+def _phases_in(x: list, allow: Allowances) -> _Phases:
+    p = _Phases(allow)
+    p.open = {str(k): int(v) for k, v in x[0].items()}
+    p.closed = [(int(a), int(b)) for a, b in x[1]]
+    p.starts = [a for a, _ in p.closed]
+    p.overrun = [(str(n), int(a), int(b)) for n, a, b in x[2]]
+    p.last_ckpt = None if x[3] is None else (int(x[3][0]), int(x[3][1]))
+    return p
+
+
+def dump_fold(fold: TimelineFold, job: str, extra: dict | None = None) -> bytes:
+    """The fold as compact bytes: a JSON header (the walk's bounded state, `extra`) and the valid
+    step stack delta-encoded, all zlib-compressed (a few bytes a valid step). Only a fold that can
+    give its view (not `late`) is worth storing."""
+    import json
+    import zlib
+
+    w = fold.w
+    if w._shared is not None:
+        raise ValueError("a view's copy is not a fold")
+    head = {
+        "v": FOLD_FORMAT,
+        "job": job,
+        "cfg": cfg_fingerprint(fold.cfg),
+        "start_ms": fold.start_ms,
+        "frontier": fold.frontier,
+        "stepless": fold.stepless_declared,
+        "rank0_step": fold.rank0_step,
+        "folded": fold.folded,
+        "pending": [_ev_out(e) for e in sorted(fold.pending, key=lambda e: (e.ts, e.seq))],
+        "run0": [_ev_out(e) for e in fold.run0],
+        "allow": _allow_out(w.allow),
+        "p0": _phases_out(w.p0),
+        "pr": {str(r): [_allow_out(p.allow), _phases_out(p)] for r, p in w.pr.items()},
+        "seg": [w.seg_start, w.seg_regime, w.seg_step],
+        "steps": [_rec_out(s) for s in w.steps],
+        "scalars": [
+            w.step_base,
+            w.tokens_before,
+            w.n_steps,
+            w.valid_tokens,
+            w.last_ts,
+            w.startup_allow,
+            w.anchor,
+            w.in_startup,
+            w.startup_from,
+            w.ended,
+        ],
+        "last_step": _rec_out(w.last_step),
+        "voided": [[i, _rec_out(r), p] for i, r, p in w.voided],
+        "resumes": w.resumes,
+        "ckpts": [list(c) for c in w.ckpts],
+        "durations": list(w.durations),
+        "n_valid": len(w.v_rec),
+        "extra": extra or {},
+    }
+    body = json.dumps(head, separators=(",", ":")).encode()
+    stack = b"".join(
+        np.diff(np.frombuffer(a, np.int64), prepend=0).astype("<i8").tobytes() for a in w._stack()
+    )
+    return _MAGIC + zlib.compress(len(body).to_bytes(8, "little") + body + stack, 1)
+
+
+def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, dict]:
+    """A fold stored by `dump_fold` and its `extra`; FoldFormatError if it is not one this version
+    wrote for this job and booking configuration (its owner rebuilds from the stream)."""
+    import json
+    import zlib
+
+    if not isinstance(data, bytes | bytearray) or not data.startswith(_MAGIC):
+        raise FoldFormatError("not a stored fold")
+    try:
+        raw = zlib.decompress(data[len(_MAGIC) :])
+        n = int.from_bytes(raw[:8], "little")
+        head = json.loads(raw[8 : 8 + n])
+    except (zlib.error, ValueError, UnicodeDecodeError) as e:
+        raise FoldFormatError(f"corrupted: {e}") from None
+    if not isinstance(head, dict) or head.get("v") != FOLD_FORMAT:
+        raise FoldFormatError(f"format {head.get('v') if isinstance(head, dict) else '?'}, not {FOLD_FORMAT}")
+    if head.get("job") != job or head.get("cfg") != cfg_fingerprint(cfg):
+        raise FoldFormatError("another job or booking configuration")
+    try:
+        k = int(head["n_valid"])
+        stack = raw[8 + n :]
+        if len(stack) != 5 * 8 * k:
+            raise FoldFormatError("truncated step stack")
+        f = TimelineFold(cfg, int(head["start_ms"]))
+        f.frontier = int(head["frontier"])
+        f.stepless_declared, f.rank0_step = bool(head["stepless"]), bool(head["rank0_step"])
+        f.folded = int(head["folded"])
+        f.pending = [_ev_in(e, job) for e in head["pending"]]
+        f.run0 = [_ev_in(e, job) for e in head["run0"]]
+        w = f.w
+        w.allow = _allow_in(head["allow"], cfg)
+        w.p0 = _phases_in(head["p0"], w.allow)
+        w.pr = {int(r): _phases_in(ph, _allow_in(al, cfg)) for r, (al, ph) in head["pr"].items()}
+        w.seg_start, w.seg_regime, w.seg_step = ([int(v) for v in s] for s in head["seg"])
+        w.steps = [_rec_in(s) for s in head["steps"]]  # type: ignore[misc]
+        sc = head["scalars"]
+        if len(sc) != 10:
+            raise FoldFormatError("corrupted: scalars")
+        w.step_base, w.tokens_before, w.n_steps, w.valid_tokens = (int(x) for x in sc[:4])
+        w.startup_allow, w.anchor, w.startup_from = int(sc[5]), int(sc[6]), int(sc[8])
+        last_ts, in_startup, ended = sc[4], sc[7], sc[9]
+        w.last_ts = None if last_ts is None else int(last_ts)
+        w.in_startup, w.ended = bool(in_startup), bool(ended)
+        w.last_step = _rec_in(head["last_step"])
+        w.voided = [(int(i), _rec_in(r), None if p is None else int(p)) for i, r, p in head["voided"]]  # type: ignore[misc]
+        w.resumes = [(int(a), int(b), int(c)) for a, b, c in head["resumes"]]
+        w.ckpts.extend((int(st), int(rec)) for st, rec in head["ckpts"])
+        w.durations = deque((int(d) for d in head["durations"]), maxlen=cfg.stall_window)
+        for j, a in enumerate(w._stack() if k else ()):
+            vals = np.cumsum(np.frombuffer(stack, "<i8", count=k, offset=j * 8 * k))
+            a.frombytes(vals.astype(np.int64).tobytes())
+    except FoldFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise FoldFormatError(f"corrupted: {e!r}") from None
+    extra = head.get("extra")
+    return f, extra if isinstance(extra, dict) else {}

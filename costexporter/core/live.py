@@ -1,0 +1,528 @@
+"""Incremental booking for the live agent (pure: no Redis, no NVML).
+
+Each round the agent books its own GPUs' time in [booked_until, horizon): the horizon is where
+everything before it is decided. It is the earliest of
+  * the timeline's `decided_until` (after the last step, time stays pending until the next step
+    closes it or the stall threshold says progress stopped), and
+  * the newest sample of every rank still reporting (a signature needs every rank's sample at
+    a moment, and the moment after it); a rank silent for longer than the gap limit no longer
+    holds the horizon back: its time books `unobserved`.
+Time in [booked_until, horizon) is never booked again: the agent's watermark moves past it in
+the same transaction as the amounts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from costexporter.core import bands as bands_mod
+from costexporter.core.booking import (
+    POS_INF,
+    BookingConfig,
+    Pieces,
+    Slices,
+    Timeline,
+    _cut_per_gpu,
+    book,
+    build_timeline,
+    dated_until,
+    job_bands,
+    make_slices,
+)
+from costexporter.core.buckets import BUCKET_S, amounts
+from costexporter.core.cost import Prices
+from costexporter.core.figures import at_risk_ms, extend_incidents, extend_rolled_back, job_figures
+from costexporter.core.model import VALID_CATEGORIES, Category, Event
+from costexporter.core.profiles import Profile
+
+
+@dataclass(slots=True)
+class WindowResult:
+    pieces: Pieces  # own GPUs' pieces in [booked_until, horizon); gpu = index into own_ranks
+    horizon_ms: int
+    timeline: Timeline
+    latest_band: dict[int, int]  # own GPU index -> band of its newest sample
+    # Confirmed signature runs of the window (`bands.BandResult.signatures`): (start ms, end ms,
+    # the ranks at ~0%), job-wide, so a deadlock incident names the rank that left the collective.
+    signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # Where the next round's window may start: (start ms, the horizon, the signature run open
+    # there: `bands.RunCarry` or None); None when this round booked nothing.
+    next_window: tuple[int, int, bands_mod.RunCarry | None] | None = None
+
+
+def data_horizon(
+    rank: np.ndarray,
+    ts_ms: np.ndarray,
+    now_ms: int,
+    interval_ms: int,
+    gap_intervals: float,
+    hold_ranks: np.ndarray | None = None,
+    ignore_ranks: np.ndarray | None = None,
+    lookahead_ms: int | None = None,
+) -> int:
+    """The newest moment every still-reporting rank has reached, `lookahead_ms` back (default
+    one interval; see `bands.lookahead_ms`: a moment is banded only once the samples after it
+    that can change its band are in). `hold_ranks` (other agents' ranks
+    whose agent is alive) always hold the horizon back, however far behind; `ignore_ranks`
+    (ranks of an agent that went silent) never do; the rest count as silent after the gap."""
+    if ts_ms.size == 0:
+        return now_ms
+    order = np.argsort(rank, kind="stable")
+    r, t = rank[order], ts_ms[order]
+    last = np.flatnonzero(np.append(r[1:] != r[:-1], True))
+    latest = t[last]
+    alive = latest >= now_ms - gap_intervals * interval_ms
+    if hold_ranks is not None and hold_ranks.size:
+        alive |= np.isin(r[last], hold_ranks)
+    if ignore_ranks is not None and ignore_ranks.size:
+        alive &= ~np.isin(r[last], ignore_ranks)
+    if not alive.any():
+        return now_ms
+    return int(latest[alive].min()) - (interval_ms if lookahead_ms is None else lookahead_ms)
+
+
+def book_window(
+    *,
+    events: list[Event],
+    cfg: BookingConfig,
+    profile: Profile,
+    job_start_ms: int,
+    rank: np.ndarray,
+    ts_ms: np.ndarray,
+    power_w: np.ndarray,
+    util_pct: np.ndarray,
+    energy_mj: np.ndarray,
+    n_ranks: int,
+    own_ranks: np.ndarray,
+    member_start_ms: np.ndarray,
+    booked_until_ms: int,
+    now_ms: int,
+    final: bool = False,
+    hold_ranks: np.ndarray | None = None,
+    ignore_ranks: np.ndarray | None = None,
+    member_end_ms: np.ndarray | None = None,
+    booked_from_ms: np.ndarray | None = None,
+    timeline: Timeline | None = None,
+    carry: bands_mod.RunCarry | None = None,
+) -> WindowResult:
+    """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
+
+    Samples are those of every rank of the job in the context window (this agent's and the
+    other agents'), sorted by (rank, ts). `member_start_ms` and `member_end_ms` (when another
+    job registered the GPU later) are per own rank. `booked_from_ms` (per own rank, default
+    `booked_until_ms`) lets a rank that joined after the job's watermark had passed its start
+    (a rank discovered late; that time is nobody else's) catch up: the result's horizon may then
+    lie before `booked_until_ms`. `timeline`: the job's timeline at `now_ms` when the caller
+    folds it incrementally (`fold.TimelineFold`); else built from `events`.
+    """
+    if timeline is None:
+        timeline = build_timeline(
+            events if final else dated_until(events, now_ms), cfg, job_start_ms, now_ms, final=final
+        )
+    tl = timeline
+    interval = bands_mod.sampling_interval_ms(rank, ts_ms)
+    horizon = min(tl.decided_until_ms, now_ms)
+    if not final:
+        ahead = bands_mod.lookahead_ms(interval, int(cfg.grid_s * 1000))
+        horizon = min(
+            horizon,
+            data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals, hold_ranks, ignore_ranks, ahead),
+        )
+    empty = Pieces(*(np.zeros(0, dt) for dt in (np.int32, np.int64, np.int64, np.int8, np.int8, np.float64)))
+    booked_from = (
+        np.full(own_ranks.size, booked_until_ms, np.int64)
+        if booked_from_ms is None
+        else np.minimum(booked_from_ms.astype(np.int64), booked_until_ms)
+    )
+    if horizon <= booked_from.min(initial=booked_until_ms) or (ts_ms.size == 0 and not own_ranks.size):
+        return WindowResult(empty, booked_until_ms, tl, {})
+
+    # The next window starts `overlap` before this round's horizon, carrying the signature run
+    # open there: a window holds seconds of every rank's samples, not a checkpoint's allowance.
+    overlap = bands_mod.window_overlap_ms(interval, int(cfg.grid_s * 1000), cfg.gap_intervals)
+    br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon)
+    # Own GPUs: local index = position in own_ranks.
+    local_of_rank = np.full(max(n_ranks, int(own_ranks.max(initial=-1)) + 1), -1, np.int64)
+    local_of_rank[own_ranks] = np.arange(own_ranks.size)
+    mine = local_of_rank[rank] >= 0 if rank.size else np.zeros(0, bool)
+    lg = local_of_rank[rank[mine]]
+    n_own = own_ranks.size
+    job_end = tl.end_ms if tl.end_ms is not None else POS_INF
+    cover_end = np.full(n_own, min(horizon, job_end), np.int64)
+    if member_end_ms is not None:
+        cover_end = np.minimum(cover_end, member_end_ms.astype(np.int64))
+    slices = make_slices(
+        lg,
+        ts_ms[mine],
+        power_w[mine],
+        energy_mj[mine],
+        br.band[mine],
+        n_own,
+        br.interval_ms,
+        member_start_ms.astype(np.int64),
+        cover_end,
+        cfg.gap_intervals,
+    )
+    # Cut every own GPU's time at the watermark and the horizon; keep what lies between.
+    g = np.arange(n_own)
+    slices = _cut_per_gpu(
+        slices,
+        np.concatenate([g, g]),
+        np.concatenate([booked_from, np.full(n_own, horizon)]),
+    )
+    keep = (slices.start_ms >= booked_from[slices.gpu]) & (slices.end_ms <= horizon)
+    slices = Slices(
+        *(getattr(slices, f)[keep] for f in ("gpu", "start_ms", "end_ms", "band", "energy_mj")),
+        slices.span_start_ms,
+        slices.span_end_ms,
+    )
+    pieces = book(slices, tl, own_ranks, member_start_ms.astype(np.int64), np.minimum(cover_end, job_end))
+    inside = pieces.category != Category.UNASSIGNED
+    if not inside.all():
+        pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
+
+    latest: dict[int, int] = {}
+    if lg.size:
+        last = np.flatnonzero(np.append(lg[1:] != lg[:-1], True))
+        latest = {int(lg[i]): int(br.band[mine][i]) for i in last}
+    return WindowResult(
+        pieces, horizon, tl, latest, list(br.signatures), (horizon - overlap, horizon, br.carry)
+    )
+
+
+# ---- the ledger delta of one round (pure) -----------------------------------------------------
+N_CAT = len(Category)
+VALID = sorted(int(c) for c in VALID_CATEGORIES)
+
+
+def zeros() -> np.ndarray:
+    return np.zeros((N_CAT, 3), np.int64)
+
+
+@dataclass
+class JobState:
+    """What one agent has booked of one job, as its watermark stores it (`ledger:wm:<agent>`)."""
+
+    booked_until: int = 0
+    cum: np.ndarray = field(default_factory=zeros)  # valid amounts booked so far
+    booked: np.ndarray = field(default_factory=zeros)  # all amounts booked by this agent
+    voided: np.ndarray = field(default_factory=zeros)  # valid amounts moved to rolled_back
+    # step record -> cum (flattened); the agent keeps here only the entries a round needs (the
+    # rest are in the `rbidx` hash, read when a resume voids their records)
+    rb_index: dict[int, list] = field(default_factory=dict)
+    rb_applied: set[int] = field(default_factory=set)  # step records whose void is booked
+    rb_floor: int = 0  # index entries of records below this are pruned (no resume reaches them)
+    incidents: dict[str, dict] = field(default_factory=dict)  # category -> the open incident
+    starts: dict[int, int] = field(default_factory=dict)  # own rank -> when its GPU's time starts
+    # own rank -> how far its GPU is booked, for a rank that joined after the watermark had passed
+    # its start (its register was read late): it catches up to `booked_until`, then leaves this
+    behind: dict[int, int] = field(default_factory=dict)
+    since_ref_ms: int = -1  # the last progress point ...
+    since_cost: int = 0  # ... and the cost (micro-units) booked after it
+    # The band window, (samples from, where its carry stands, the signature run open there:
+    # `bands.RunCarry` or None); None: the whole context. `win_next`: where the next one may start.
+    win: tuple[int, int, bands_mod.RunCarry | None] | None = None
+    win_next: tuple[int, int, bands_mod.RunCarry | None] | None = None
+
+    def take_window(self, oldest_unbooked: int) -> tuple[int | None, bands_mod.RunCarry | None]:
+        """This round's band window (samples from, carry), moving on to the next one once
+        everything left to book lies at or after where its carry stands; (None, None), the whole
+        context, while something left to book lies before (a rank registered late)."""
+        if self.win_next is not None and self.win_next[1] <= oldest_unbooked:
+            self.win, self.win_next = self.win_next, None
+        if self.win is None or self.win[1] > oldest_unbooked:
+            return None, None
+        return self.win[0], self.win[2]
+
+    def to_json(self) -> dict:
+        return {
+            "booked_until": self.booked_until,
+            "cum": self.cum.tolist(),
+            "booked": self.booked.tolist(),
+            "voided": self.voided.tolist(),
+            "rb_applied": sorted(self.rb_applied),
+            "rb_floor": self.rb_floor,
+            "incidents_open": self.incidents,
+            "starts": {str(k): v for k, v in self.starts.items()},
+            "behind": {str(k): v for k, v in self.behind.items()},
+            "since_ref_ms": self.since_ref_ms,
+            "since_cost": self.since_cost,
+            "win": [_window_json(self.win), _window_json(self.win_next)],
+        }
+
+    @classmethod
+    def from_json(cls, wm: dict, rb_index: dict[int, list]) -> JobState:
+        def arr(k: str) -> np.ndarray:
+            return np.asarray(wm[k], np.int64).reshape(N_CAT, 3) if k in wm else zeros()
+
+        return cls(
+            booked_until=int(wm.get("booked_until", 0)),
+            cum=arr("cum"),
+            booked=arr("booked"),
+            voided=arr("voided"),
+            rb_index=rb_index,
+            rb_applied=set(wm.get("rb_applied", [])),
+            rb_floor=int(wm.get("rb_floor", 0)),
+            incidents=wm.get("incidents_open", {}),
+            starts={int(k): int(v) for k, v in wm.get("starts", {}).items()},
+            behind={int(k): int(v) for k, v in wm.get("behind", {}).items()},
+            since_ref_ms=int(wm.get("since_ref_ms", -1)),
+            since_cost=int(wm.get("since_cost", 0)),
+            **_window_from_json(wm.get("win")),
+        )
+
+
+def _window_json(w: tuple[int, int, bands_mod.RunCarry | None] | None) -> list | None:
+    return None if w is None else [w[0], w[1], w[2].to_json() if w[2] is not None else None]
+
+
+def _window_from_json(x) -> dict:
+    """The stored band windows; older or damaged ones are none (the whole context)."""
+
+    def one(w):
+        return None if w is None else (int(w[0]), int(w[1]), bands_mod.RunCarry.from_json(w[2]))
+
+    try:
+        cur, nxt = x
+        return {"win": one(cur), "win_next": one(nxt)}
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+        return {}
+
+
+@dataclass
+class LedgerDelta:
+    """Everything one round writes for one job, with the state it leaves (`state`)."""
+
+    by_bucket: dict[int, np.ndarray]  # bucket start (s) -> amounts booked this round
+    moved: np.ndarray  # valid amounts voided this round (the `voided:` corrections) ...
+    rolled: np.ndarray  # ... and the same amounts as rolled_back
+    correction_bucket: int  # where the corrections are booked: the bucket of the horizon
+    index_new: dict[int, list]  # rollback index entries of the step records booked this round
+    index_drops: set[int]  # ... and the stored entries no resume reads again (pruned)
+    unreachable_voids: int  # voided records whose entries were pruned: not moved (counted)
+    voids: set[int]  # step records voided this round
+    incidents: dict[str, dict]
+    figures: dict
+    at_risk_ms: int
+    state: JobState
+    # ("steps", "voids") members as `ledger.queue_steps` writes them, when the timeline is folded
+    # (it keeps only recent step records); None: `queue_steps` computes them from every record.
+    step_members: tuple[dict[str, float], dict[str, float]] | None = None
+
+
+def valid_amounts(
+    prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray, price: float
+) -> np.ndarray:
+    """[category, (ms, mJ, micro-cost)] of the valid categories only."""
+    a = zeros()
+    ms_c = np.bincount(cat, weights=ms, minlength=N_CAT)
+    mj_c = np.bincount(cat, weights=mj, minlength=N_CAT)
+    cost = prices.cost(ms_c, mj_c, np.arange(N_CAT), price_per_gpu_hour=price)
+    a[:, 0] = np.round(ms_c)
+    a[:, 1] = np.round(mj_c)
+    a[:, 2] = np.round(cost * 1e6)
+    a[[c for c in range(N_CAT) if c not in VALID]] = 0
+    return a
+
+
+def index_entry(cum: np.ndarray) -> list[int]:
+    """A rollback index entry: the cumulative amounts of the valid categories only (the only ones
+    a resume moves), [(ms, mJ, micro-cost)] per valid category."""
+    return cum[VALID].ravel().tolist()
+
+
+def index_amounts(entry: list) -> np.ndarray:
+    """An index entry back as [category, (ms, mJ, micro-cost)]; also the older full layout."""
+    a = np.asarray(entry, np.int64)
+    if a.size == N_CAT * 3:
+        return a.reshape(N_CAT, 3)
+    out = zeros()
+    out[VALID] = a.reshape(len(VALID), 3)
+    return out
+
+
+def voided_part(
+    i: int, index: dict, cum_now: np.ndarray, booked_until: int, prev_ts: int, floor: int = 0
+) -> np.ndarray | None:
+    """Valid amounts already booked inside step record i's interval, which began at `prev_ts`
+    (the previous record's time, or the job's start). None: the entry before it was pruned (a
+    resume further back than `BookingConfig.rollback_checkpoints` reaches)."""
+    if prev_ts >= booked_until:
+        return zeros()  # nothing of it was booked yet: it books VOID later
+    if i > 0 and i - 1 not in index and i - 1 < floor:
+        return None
+    prev = index_amounts(index[i - 1]) if i > 0 and i - 1 in index else 0
+    cur = index_amounts(index[i]) if i in index else cum_now
+    return np.clip(cur - prev, 0, None)
+
+
+def index_drops(applied: set[int], new: set[int]) -> set[int]:
+    """Entries no resume reads again, once the records in `new` are voided: entry j is read to
+    void record j (`cur`) or record j + 1 (`prev`), so it goes when both are voided."""
+    return {j for i in new for j in (i - 1, i) if j >= 0 and j in applied and j + 1 in applied}
+
+
+def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int:
+    """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
+    progress point, for the "cost slope without steps" alert's annotation."""
+    after = pieces.end_ms > ref_ms
+    if not after.any():
+        return 0
+    start = np.maximum(pieces.start_ms[after], ref_ms)
+    end = pieces.end_ms[after]
+    full = np.maximum(end - pieces.start_ms[after], 1)
+    mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
+    cat = pieces.category[after].astype(np.int64)
+    cost = prices.cost((end - start).astype(float), mj, cat, price_per_gpu_hour=price)
+    return round(float(np.sum(cost)) * 1e6)
+
+
+def ledger_delta(
+    state: JobState,
+    res: WindowResult,
+    *,
+    prices: Prices,
+    price: float,
+    own_ranks: np.ndarray,
+    member_start_ms: np.ndarray,
+    job_start_ms: int,
+    last_progress_ms: int,
+    host: str,
+    incident_tol_ms: int,
+    bucket_s: int = BUCKET_S,
+) -> LedgerDelta:
+    """From the agent's state of a job and one booked window to what the round writes: bucket
+    amounts, rollback corrections and index entries, step/void records, incidents, figures and
+    the next state. Pure: the agent commits it with its watermark in one compare-and-set."""
+    tl, p = res.timeline, res.pieces
+    by_bucket = amounts(p, prices, price, bucket_s)
+    booked = sum(by_bucket.values(), zeros())
+
+    # Rollback index: cumulative valid amounts at each step record booked this round.
+    index_new: dict[int, list] = {}
+    vp = np.isin(p.category, VALID)
+    vp_start, vp_end, vp_cat, vp_mj = p.start_ms[vp], p.end_ms[vp], p.category[vp], p.energy_mj[vp]
+    for i, rec in enumerate(tl.steps, tl.step_base):
+        if state.booked_until < rec.ts_ms <= res.horizon_ms and i not in state.rb_index:
+            upto = np.clip(np.minimum(vp_end, rec.ts_ms) - vp_start, 0, None)
+            frac = np.divide(upto, vp_end - vp_start, out=np.zeros(upto.size), where=vp_end > vp_start)
+            index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac, price))
+    new_cum = state.cum + valid_amounts(prices, vp_cat, vp_end - vp_start, vp_mj, price)
+
+    # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
+    index = {**state.rb_index, **index_new}
+    moved = zeros()
+    applied = set(state.rb_applied)
+    spans: list[tuple[int, int]] = []  # the newly voided steps that held booked valid time
+    if tl.summary is not None:  # folded: every voided record, with its predecessor's time
+        voided = [
+            (i, rec, job_start_ms if prev is None else prev)
+            for i, rec, prev in tl.summary.voided
+            if i not in applied
+        ]
+    else:
+        voided = [
+            (i, rec, tl.steps[i - 1].ts_ms if i > 0 else job_start_ms)
+            for i, rec in enumerate(tl.steps)
+            if rec.voided and i not in applied
+        ]
+    unreachable = 0  # voided records whose index entries were pruned: their move is left out
+    for i, rec, prev_ts in voided:
+        applied.add(i)
+        part = voided_part(i, index, new_cum, state.booked_until, prev_ts, state.rb_floor)
+        if part is None:
+            unreachable += 1
+            continue
+        moved += part
+        if part[VALID, 0].sum() > 0:
+            spans.append((max(int(prev_ts), job_start_ms), min(rec.ts_ms, state.booked_until)))
+    # Entries no resume can read again: both records around them voided, or below the oldest
+    # checkpoint a resume can reach.
+    drops = index_drops(applied, applied - state.rb_applied)
+    floor = state.rb_floor
+    if tl.rollback_floor is not None and tl.rollback_floor > floor:
+        drops |= set(range(floor, tl.rollback_floor))
+        floor = tl.rollback_floor
+    index = {k: v for k, v in index.items() if k not in drops and k >= floor}
+    rolled = zeros()
+    rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
+
+    since_cost = (state.since_cost if last_progress_ms == state.since_ref_ms else 0) + cost_after(
+        p, last_progress_ms, prices, price
+    )
+    incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
+    if spans:
+        end = max(b for _, b in spans)
+        ranks = [int(r) for r, t in zip(own_ranks.tolist(), member_start_ms.tolist(), strict=True) if t < end]
+        gpu_ms = int(moved[VALID, 0].sum())
+        incidents = extend_rolled_back(incidents, spans, gpu_ms, ranks, host, incident_tol_ms)
+    booked_until = max(state.booked_until, res.horizon_ms)
+    caught_up = {r: max(v, res.horizon_ms) for r, v in state.behind.items()}
+    nxt = JobState(
+        booked_until=booked_until,
+        cum=new_cum,
+        booked=state.booked + booked + rolled,
+        voided=state.voided + moved,
+        rb_index=index,
+        rb_applied=applied,
+        rb_floor=floor,
+        incidents=incidents,
+        starts=dict(state.starts),
+        behind={r: v for r, v in caught_up.items() if v < booked_until},
+        since_ref_ms=last_progress_ms,
+        since_cost=since_cost,
+        win=state.win,
+        win_next=res.next_window or state.win_next,
+    )
+    return LedgerDelta(
+        by_bucket=by_bucket,
+        moved=moved,
+        rolled=rolled,
+        correction_bucket=res.horizon_ms // 1000 // bucket_s * bucket_s,
+        index_new={k: v for k, v in index_new.items() if k not in drops and k >= floor},
+        index_drops=drops,
+        unreachable_voids=unreachable,
+        voids=applied - state.rb_applied,
+        incidents=incidents,
+        figures=job_figures(tl),
+        at_risk_ms=at_risk_ms(tl, res.horizon_ms, member_start_ms),
+        state=nxt,
+        step_members=(
+            folded_step_members(tl, state.booked_until, res.horizon_ms, applied - state.rb_applied)
+            if tl.summary is not None
+            else None
+        ),
+    )
+
+
+def needed_index_entries(tl: Timeline, applied: set[int]) -> set[int]:
+    """The rollback index entries a round's voids read: each new voided record's and the one
+    before it (an agent fetches these instead of holding the whole index)."""
+    if tl.summary is not None:
+        new = [i for i, _r, _p in tl.summary.voided if i not in applied]
+    else:
+        new = [i for i, r in enumerate(tl.steps) if r.voided and i not in applied]
+    return {j for i in new for j in (i, i - 1) if j >= 0}
+
+
+def folded_step_members(
+    tl: Timeline, after_ms: int, upto_ms: int, voids: set[int]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`ledger.queue_steps`'s members from a folded timeline: the same names and scores."""
+    s = tl.summary
+    done: dict[str, float] = {}
+    cum = s.tokens_before
+    for i, rec in enumerate(tl.steps, tl.step_base):
+        cum += rec.tokens
+        if after_ms < rec.ts_ms <= upto_ms:
+            done[f"{i}:{cum}"] = rec.ts_ms / 1000
+    voided: dict[str, float] = {}
+    if voids:
+        cum_v = 0
+        for i, rec, _p in sorted(s.voided, key=lambda v: (v[1].voided_ms or 0, v[0])):
+            cum_v += rec.tokens
+            if i in voids:
+                voided[f"{i}:{cum_v}"] = (rec.voided_ms or rec.ts_ms) / 1000
+    return done, voided

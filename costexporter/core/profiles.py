@@ -1,0 +1,226 @@
+"""Band thresholds per GPU model (DESIGN section 3, REFERENCE R2).
+
+The B300 profile is calibrated from the field table in REFERENCE R2. Other models get a profile
+derived from their power limit, flagged uncalibrated: R2 says the shapes carry over between GPUs
+but the absolute watts do not, so the derived thresholds are fractions of the limit chosen to
+hold where absolute numbers would not (a small model computing at 75-80% of the limit with
+85-97% utilization; checkpoint waiters spinning at 100% just above idle power). The live agent
+moves a derived profile's idle and low edges to each GPU's learned idle power (`with_idle`,
+costexporter/core/idle.py): idle depends on a live CUDA context, not only on the limit (R9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+
+class ProfileError(ValueError):
+    """A profile file or model name that cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    calibrated: bool
+    idle_max_w: float  # at or below: idle power
+    low_max_w: float  # below: "only a little above idle" (deadlock / checkpoint waiters)
+    compute_min_w: float  # at or above: matmul-bound compute
+    busy_util_pct: float = 80.0  # at or above: the "~100%" of R2
+    zero_util_pct: float = 10.0  # at or below: the "~0%" of R2
+    power_limit_w: float | None = None
+    gpu_model: str | None = None  # the device name a fitted profile is for (matched by model key)
+    centres: dict | None = None  # fitted: each band's power centre (W)
+    provenance: dict | None = None  # fitted: from which files, when, how well it separates
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.idle_max_w <= self.low_max_w <= self.compute_min_w):
+            raise ProfileError(
+                f"profile {self.name!r}: need 0 <= idle_max_w <= low_max_w <= compute_min_w, "
+                f"got {self.idle_max_w}, {self.low_max_w}, {self.compute_min_w}"
+            )
+        if not (0 <= self.zero_util_pct < self.busy_util_pct <= 100):
+            raise ProfileError(f"profile {self.name!r}: need 0 <= zero_util_pct < busy_util_pct <= 100")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# REFERENCE R2: compute 940-1040 W, communication ~640 W, starvation ~575 W,
+# deadlock 190-195 W, idle ~135 W. Boundaries sit between the observed states.
+B300 = Profile(
+    name="B300",
+    calibrated=True,
+    idle_max_w=165.0,
+    low_max_w=320.0,
+    compute_min_w=850.0,
+    busy_util_pct=85.0,
+    zero_util_pct=10.0,
+    power_limit_w=1100.0,
+)
+
+# Fractions of the power limit for derived profiles. B300 through these fractions gives
+# idle <= 176 W, low < 330 W, compute >= 715 W: R2's table still classifies correctly.
+IDLE_FRACTION = 0.16
+LOW_FRACTION = 0.30
+COMPUTE_FRACTION = 0.65
+
+# Board power limits (W) of common datacenter GPUs, for deriving a profile from a model name.
+KNOWN_POWER_LIMITS_W: dict[str, float] = {
+    "GB300": 1400.0,
+    "B300": 1100.0,
+    "GB200": 1200.0,
+    "B200": 1000.0,
+    "H200": 700.0,
+    "H100": 700.0,
+    "H800": 700.0,
+    "H20": 400.0,
+    "A100": 400.0,
+    "A800": 400.0,
+    "L40S": 350.0,
+    "L40": 300.0,
+    "L4": 72.0,
+    "A10": 150.0,
+    "MI300X": 750.0,
+}
+
+
+def derive(power_limit_w: float, name: str = "derived") -> Profile:
+    """An uncalibrated profile from a power limit."""
+    if not power_limit_w or power_limit_w <= 0:
+        raise ProfileError(f"cannot derive a profile from power limit {power_limit_w!r} W")
+    return Profile(
+        name=name,
+        calibrated=False,
+        idle_max_w=IDLE_FRACTION * power_limit_w,
+        low_max_w=LOW_FRACTION * power_limit_w,
+        compute_min_w=COMPUTE_FRACTION * power_limit_w,
+        busy_util_pct=80.0,
+        zero_util_pct=10.0,
+        power_limit_w=power_limit_w,
+    )
+
+
+# A learned idle level (costexporter/core/idle.py) moves a derived profile's low edges: idle up to
+# IDLE_MARGIN x idle, "only a little above idle" (deadlock, checkpoint waiters) below
+# LOW_RATIO x idle. R2's B300 through these (idle ~135 W): idle <= 155 W, low < 270 W, with its
+# deadlock at 190-195 W and starvation at ~575 W; R9's H200 (123.7 W with a context): idle
+# <= 142 W, low < 247 W, its checkpoint and spin at 124 W and compute at 660-729 W.
+IDLE_MARGIN = 1.15
+LOW_RATIO = 2.0
+
+
+def with_idle(profile: Profile, idle_w: float | None) -> Profile:
+    """`profile` with its idle and low edges derived from the GPUs' learned idle power. Only a
+    derived (uncalibrated) profile changes: a calibrated or fitted one is kept as it is. The
+    edges stay below the compute edge."""
+    if idle_w is None or profile.calibrated or not idle_w > 0:
+        return profile
+    ceiling = 0.9 * profile.compute_min_w
+    idle_max = min(IDLE_MARGIN * idle_w, ceiling)
+    low_max = min(max(LOW_RATIO * idle_w, idle_max), ceiling)
+    return replace(
+        profile,
+        idle_max_w=round(idle_max, 1),
+        low_max_w=round(low_max, 1),
+        provenance={**(profile.provenance or {}), "learned_idle_w": round(float(idle_w), 1)},
+    )
+
+
+def _model_key(gpu_model: str) -> str | None:
+    """Match a device name such as 'NVIDIA H100 80GB HBM3' to a key of KNOWN_POWER_LIMITS_W."""
+    tokens = set(gpu_model.upper().replace("-", " ").split())
+    return next((k for k in KNOWN_POWER_LIMITS_W if k in tokens), None)
+
+
+def select(
+    gpu_model: str | None = None,
+    power_limit_w: float | None = None,
+) -> Profile:
+    """Pick the profile: a fitted one for the model in $COSTEXPORTER_PROFILE_DIR (see `find`),
+    else the built-in B300 when the model is a B300, else derive from the limit.
+
+    An explicit power limit wins over the table of known limits; with neither a known model
+    nor a limit, fall back to the B300 profile (the product's reference hardware).
+    """
+    fitted = find(gpu_model)
+    if fitted is not None:
+        return fitted
+    key = _model_key(gpu_model) if gpu_model else None
+    if key == "B300" and power_limit_w in (None, B300.power_limit_w):
+        return B300
+    limit = power_limit_w or (KNOWN_POWER_LIMITS_W.get(key) if key else None)
+    if limit:
+        return derive(limit, name=key or (gpu_model or "derived"))
+    if gpu_model:
+        raise ProfileError(f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE")
+    return B300
+
+
+PROFILE_DIR_ENV = "COSTEXPORTER_PROFILE_DIR"
+
+
+def save(profile: Profile, path: str | Path) -> Path:
+    import yaml
+
+    p = Path(path)
+    d = {k: v for k, v in profile.to_dict().items() if v is not None}
+    p.write_text(yaml.safe_dump(d, sort_keys=False))
+    return p
+
+
+def find(gpu_model: str | None, directory: str | Path | None = None) -> Profile | None:
+    """A profile file of `directory` (default $COSTEXPORTER_PROFILE_DIR) for this GPU model:
+    its `gpu_model` (or file name) has the same model key ('NVIDIA H200' matches 'H200')."""
+    directory = directory or os.environ.get(PROFILE_DIR_ENV)
+    if not directory or not gpu_model:
+        return None
+    d = Path(directory)
+    if not d.is_dir():
+        raise ProfileError(f"{d}: the profile directory does not exist")
+    want = _model_key(gpu_model) or gpu_model.upper()
+    files = sorted([*d.glob("*.yaml"), *d.glob("*.yml"), *d.glob("*.json")])
+    stamp = (str(d), want, tuple((str(f), f.stat().st_mtime_ns) for f in files))
+    if stamp not in _FOUND:  # the agent asks every round: read the files only when they change
+        _FOUND.clear()
+        match = None
+        for f in files:
+            prof = load(f)
+            have = prof.gpu_model or prof.name
+            if (_model_key(have) or have.upper()) == want:
+                match = prof
+                break
+        _FOUND[stamp] = match
+    return _FOUND[stamp]
+
+
+_FOUND: dict[tuple, Profile | None] = {}
+
+
+def load(path: str | Path) -> Profile:
+    """Read a profile from YAML or JSON. Missing keys are an error; unknown keys too."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read profile: {e.strerror or e}") from None
+    import yaml
+
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ProfileError(f"{p}: not a valid profile file: {e}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{p}: a profile is a mapping of thresholds")
+    known = {f.name for f in fields(Profile)}
+    unknown = set(data) - known
+    if unknown:
+        raise ProfileError(f"{p}: unknown profile keys {sorted(unknown)}; known: {sorted(known)}")
+    data.setdefault("name", p.stem)
+    data.setdefault("calibrated", True)
+    try:
+        return Profile(**data)
+    except TypeError as e:
+        raise ProfileError(f"{p}: {e}") from None

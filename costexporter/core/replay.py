@@ -1,0 +1,573 @@
+"""Replay: a recorded trace plus the trainer's events in, the ledger's numbers out.
+
+Pure accounting: this module imports no Redis, FastAPI or NVML. It lines samples up with
+events per job (registrations map ranks to GPUs; without any, the whole trace is one implicit
+job), classifies bands, builds the booking timeline and books every slice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from costexporter.core import bands as bands_mod
+from costexporter.core import profiles
+from costexporter.core.booking import (
+    NEG_INF,
+    POS_INF,
+    BookingConfig,
+    Pieces,
+    active_intervals,
+    book,
+    build_timeline,
+    intersect,
+    job_bands,
+    make_slices,
+)
+from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR, Prices
+from costexporter.core.figures import at_risk_ms, extend_incidents, job_figures
+from costexporter.core.model import (
+    BANDS,
+    CATEGORIES,
+    WASTED_CATEGORIES,
+    Band,
+    Category,
+    Event,
+    GpuId,
+    Samples,
+)
+from costexporter.core.profiles import Profile
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    booking: BookingConfig = field(default_factory=BookingConfig)
+    prices: Prices = field(default_factory=Prices)
+    job: str | None = None  # the implicit job's name; default: the events' job, else "trace"
+    gpu_model: str | None = None
+    power_limit_w: float | None = None
+    profile: Profile | None = None  # overrides model-based selection
+
+
+@dataclass(slots=True)
+class JobResult:
+    """A booked job: the pieces (slices cut at segment bounds, categorized) and context."""
+
+    name: str
+    gpus: list[GpuId]
+    ranks: np.ndarray
+    pieces: Pieces
+    profile: Profile
+    timeline: object
+    meta: dict
+    band_result: bands_mod.BandResult
+    preflight: dict | None
+    member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
+    sample_range_ms: tuple[int, int] | None = None  # the job's first and last sample
+    event_range_ms: tuple[int, int] | None = None  # the job's first and last event
+
+
+def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict) -> Profile:
+    if cfg.profile is not None:
+        return cfg.profile
+    model = cfg.gpu_model or meta.get("gpu_model") or next((g.name for g in gpus if g.name), None)
+    limit = cfg.power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
+    return profiles.select(model, limit)
+
+
+def register_matches(
+    samples: Samples, events: list[Event]
+) -> tuple[list[GpuId], dict[str, dict[int, tuple[int, int]]]]:
+    """Map each job's registered ranks to GPU indices: job -> rank -> (gpu, register_ms).
+
+    GPUs registered but absent from the trace are appended (they book `unobserved`).
+    """
+    gpus = list(samples.gpus)
+    by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
+    by_host_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
+    out: dict[str, dict[int, tuple[int, int]]] = {}
+    for ev in sorted((e for e in events if e.type == "register"), key=lambda e: e.ts):
+        uuid = ev.get("gpu_uuid")
+        host = str(ev.get("host"))
+        index = ev.get("gpu")
+        g = by_uuid.get(uuid) if uuid else None
+        if g is None and index is not None:
+            g = by_host_index.get((host, int(index)))  # type: ignore[arg-type]
+        if g is None:
+            gpus.append(GpuId(host, int(index) if index is not None else -1, uuid))  # type: ignore[arg-type]
+            g = len(gpus) - 1
+            if uuid:
+                by_uuid[uuid] = g  # type: ignore[index]
+            by_host_index[(host, gpus[g].index)] = g
+        ranks = out.setdefault(ev.job, {})
+        if ev.rank not in ranks:  # a re-registration after a restart keeps the first start
+            ranks[ev.rank] = (g, int(ev.ts * 1000))
+    return gpus, out
+
+
+def _one_rank_per_gpu(
+    job: str, members: list[tuple[int, int, int]], gpus: list[GpuId]
+) -> list[tuple[int, int, int]]:
+    """Two ranks of a job on one GPU (two launchers that posted the same host name and index):
+    the GPU is booked once, for the rank that registered first; a warning names them."""
+    first: dict[int, tuple[int, int, int]] = {}
+    for m in sorted(members, key=lambda m: (m[2], m[0])):
+        g = m[1]
+        if g in first:
+            logging.getLogger("costexporter.replay").warning(
+                "job %r: ranks %d and %d both registered %s GPU %d; its time is booked once, for rank %d",
+                job,
+                first[g][0],
+                m[0],
+                gpus[g].host,
+                gpus[g].index,
+                first[g][0],
+            )
+        else:
+            first[g] = m
+    return sorted(first.values())
+
+
+def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = None) -> dict:
+    """Book a trace; returns the report described in docs and costexporter/schemas."""
+    cfg = cfg or ReplayConfig()
+    results, unassigned = book_trace(samples, events, cfg)
+    return {
+        "currency": cfg.prices.currency,
+        "jobs": {r.name: job_report(r, cfg) for r in results},
+        "unassigned": unassigned,
+    }
+
+
+def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tuple[list[JobResult], dict]:
+    bc = cfg.booking
+    gpus, registered = register_matches(samples, events)
+    events_by_job: dict[str, list[Event]] = {}
+    for e in events:
+        events_by_job.setdefault(e.job, []).append(e)
+
+    # Jobs and their members: (job, rank, gpu, member_start).
+    jobs: dict[str, list[tuple[int, int, int]]] = {}
+    if registered:
+        for job, ranks in registered.items():
+            jobs[job] = _one_rank_per_gpu(job, sorted((r, g, t) for r, (g, t) in ranks.items()), gpus)
+    elif samples.gpus:
+        name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
+        t0 = int(samples.ts_ms.min())
+        jobs[name] = [(r, g, t0) for r, g in enumerate(range(len(samples.gpus)))]
+
+    interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
+    n_g = len(gpus)
+    counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
+    starts = np.cumsum(counts) - counts
+    last_end = np.full(n_g, NEG_INF, np.int64)
+    has = counts > 0
+    if len(samples):
+        last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
+
+    # A GPU registered by a later job leaves the earlier job then.
+    claims = sorted((t, g, job) for job, mem in jobs.items() for _, g, t in mem)
+    claims_by_gpu: dict[int, list[tuple[int, str]]] = {}
+    for t, g, job in claims:
+        claims_by_gpu.setdefault(g, []).append((t, job))
+    next_claim: dict[tuple[str, int], int] = {}
+    for g, gpu_claims in claims_by_gpu.items():
+        for i, (_t, job) in enumerate(gpu_claims):
+            if (job, g) not in next_claim:  # from the job's first claim: the next other job's
+                later = (t2 for t2, j2 in gpu_claims[i + 1 :] if j2 != job)
+                next_claim[(job, g)] = next(later, POS_INF)
+
+    results: list[JobResult] = []
+    member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
+    for job, members in jobs.items():
+        jev = events_by_job.get(job, [])
+        meta: dict = {}
+        preflight = None
+        for e in sorted(jev, key=lambda e: e.ts):
+            if e.type == "meta":
+                meta.update({k: v for k, v in e.fields.items() if not k.startswith("_")})
+            elif e.type == "preflight":
+                preflight = {"passed": e.get("passed"), "checks": e.get("checks"), "ts": e.ts}
+        member_gpus = np.asarray([g for _, g, _ in members], np.int64)
+        ranks = np.asarray([r for r, _, _ in members], np.int64)
+        start_ms = min(t for _, _, t in members)
+        ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
+        end_ms = int(max(ev_end, last_end[member_gpus].max(initial=NEG_INF), start_ms))
+        timeline = build_timeline(jev, bc, start_ms, end_ms)
+        job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
+
+        # Samples of member GPUs, renumbered 0..n-1 in member order (job-local GPU index).
+        local = np.full(n_g, -1, np.int64)
+        local[member_gpus] = np.arange(member_gpus.size)
+        # Samples stay grouped by GPU in time order; only the GPU numbers change.
+        if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
+            lg = local[samples.gpu]
+            ts, pw, ut, en = samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj
+        else:
+            sel = local[samples.gpu] >= 0
+            lg = local[samples.gpu[sel]]
+            ts, pw, ut, en = (
+                a[sel] for a in (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
+            )
+        n_ranks = int(ranks.max()) + 1 if ranks.size else 0
+        member_gpu_list = [gpus[g] for g in member_gpus]
+        profile = _job_profile(cfg, member_gpu_list, meta)
+        br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, interval)
+        mem_start = np.asarray([t for _, _, t in members], np.int64)
+        mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
+        slices = make_slices(
+            lg,
+            ts,
+            pw,
+            en,
+            br.band,
+            member_gpus.size,
+            br.interval_ms,
+            mem_start,
+            mem_end,
+            bc.gap_intervals,
+        )
+        pieces = book(slices, timeline, ranks, mem_start, mem_end)
+        inside = pieces.category != Category.UNASSIGNED
+        if not inside.all():
+            pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
+        act_start, act_end = active_intervals(timeline)
+        mem_ivals = [
+            intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
+        ]
+        member_ivals += [(int(g), a, b) for g, iv in zip(member_gpus, mem_ivals, strict=True) for a, b in iv]
+        results.append(
+            JobResult(
+                job,
+                member_gpu_list,
+                ranks,
+                pieces,
+                profile,
+                timeline,
+                meta,
+                br,
+                preflight,
+                mem_ivals,
+                (int(ts.min()), int(ts.max())) if ts.size else None,
+                (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
+            )
+        )
+
+    return results, _unassigned(samples, n_g, interval, member_ivals, cfg)
+
+
+def _unassigned(
+    samples: Samples,
+    n_gpus: int,
+    interval_ms: int,
+    members: list[tuple[int, int, int]],
+    cfg: ReplayConfig,
+) -> dict:
+    """GPU time no job held: observed slices outside every job's membership."""
+    zero = {"gpu_hours": 0.0, "energy_kwh": 0.0}
+    if not len(samples):
+        return zero
+    counts = np.bincount(samples.gpu, minlength=n_gpus)
+    first = np.cumsum(counts) - counts
+    has = counts > 0
+    span_start = np.where(has, samples.ts_ms[np.minimum(first, len(samples) - 1)], 0)
+    span_end = np.where(has, samples.ts_ms[np.minimum(first + counts - 1, len(samples) - 1)], 0)
+    span_end = span_end + interval_ms
+    by_gpu: dict[int, list[tuple[int, int]]] = {}
+    for g, a, b in members:
+        by_gpu.setdefault(g, []).append((a, b))
+    covered = np.zeros(n_gpus, bool)
+    for g, ivals in by_gpu.items():
+        if g < n_gpus and has[g]:
+            covered[g] = any(a <= span_start[g] and b >= span_end[g] for a, b in ivals)
+    todo = has & ~covered
+    if not todo.any():
+        return zero
+    gpu, ts = samples.gpu, samples.ts_ms
+    # A sample's slice (and the gap after it) lies in [ts, next sample or ts + interval). One
+    # inside the union of its GPU's memberships has no free time, so only the others (found by
+    # binary search in each GPU's run of samples) and the sample after each (their slice ends
+    # there) are sliced; the trace is not sliced again.
+    ua, ub, ug = _union_by_gpu(by_gpu, todo)
+    need_parts = []
+    for g in np.flatnonzero(todo).tolist():
+        f, c = int(first[g]), int(counts[g])
+        seg = ts[f : f + c]
+        at = 0  # samples before `at` are decided
+        for a, b in zip(ua[ug == g].tolist(), ub[ug == g].tolist(), strict=True):
+            lo = int(np.searchsorted(seg, a, "left"))
+            hi = int(np.searchsorted(seg, b, "right"))  # seg[lo:hi] start inside [a, b]
+            # Those whose next sample also starts by b are inside; the last one is, when it
+            # is the GPU's last sample and its one interval ends by b.
+            covered_end = hi if hi == c and hi > lo and seg[-1] + interval_ms <= b else hi - 1
+            if covered_end > lo:
+                if lo > at:
+                    need_parts.append(np.arange(f + at, f + lo))
+                at = max(at, covered_end)
+        if at < c:
+            need_parts.append(np.arange(f + at, f + c))
+    if not need_parts:
+        return zero
+    need = np.concatenate(need_parts)
+    not_last = need != (first + counts - 1)[gpu[need]]
+    sub = np.union1d(need, need[not_last] + 1)
+    # Runs of consecutive samples of one GPU become their own slicing groups: within a run every
+    # sample's next sample is there, so its slice is the trace's; a run's last sample that was
+    # only added as the next of another has a slice cut short, and is left out.
+    new_run = np.ones(sub.size, bool)
+    new_run[1:] = (sub[1:] != sub[:-1] + 1) | (gpu[sub[1:]] != gpu[sub[:-1]])
+    run = np.cumsum(new_run) - 1
+    n_runs = int(run[-1]) + 1
+    run_gpu = gpu[sub[new_run]].astype(np.int64)
+    none = np.full(n_runs, POS_INF, np.int64)
+    s = make_slices(
+        run.astype(np.int32),
+        ts[sub],
+        samples.power_w[sub],
+        samples.energy_mj[sub],
+        np.full(sub.size, Band.UNKNOWN, np.int8),
+        n_runs,
+        interval_ms,
+        none,
+        none,
+        cfg.booking.gap_intervals,
+    )
+    run_last = np.append(new_run[1:], True)
+    use = np.ones(s.gpu.size, bool)
+    use[: sub.size] = ~run_last | np.isin(sub, need)
+    g_of = run_gpu[s.gpu[use]]
+    start, end, mj = s.start_ms[use], s.end_ms[use], s.energy_mj[use]
+    assigned = np.zeros(start.size, np.int64)  # assigned ms per slice
+    for g, ivals in by_gpu.items():
+        if not (g < n_gpus and todo[g]):
+            continue
+        mine = np.flatnonzero(g_of == g)
+        if mine.size == 0:
+            continue
+        st, en = start[mine], end[mine]
+        for a, b in ivals:
+            assigned[mine] += np.clip(np.minimum(en, b) - np.maximum(st, a), 0, None)
+    dur = end - start
+    free = np.clip(dur - assigned, 0, None)
+    frac = np.divide(free, dur, out=np.zeros(free.size), where=dur > 0)
+    return {
+        "gpu_hours": float(free.sum() / MS_PER_HOUR),
+        "energy_kwh": float((mj * frac).sum() / MJ_PER_KWH),
+    }
+
+
+def _union_by_gpu(
+    by_gpu: dict[int, list[tuple[int, int]]], todo: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each GPU's memberships merged into disjoint intervals, sorted by (gpu, start)."""
+    ua: list[int] = []
+    ub: list[int] = []
+    ug: list[int] = []
+    for g in sorted(by_gpu):
+        if not (g < todo.size and todo[g]):
+            continue
+        for a, b in sorted(by_gpu[g]):
+            if b <= a:
+                continue
+            if ug and ug[-1] == g and a <= ub[-1]:
+                ub[-1] = max(ub[-1], b)
+            else:
+                ua.append(a)
+                ub.append(b)
+                ug.append(g)
+    return np.asarray(ua, np.int64), np.asarray(ub, np.int64), np.asarray(ug, np.int64)
+
+
+def _money(x: float) -> float:
+    return round(float(x), 6)
+
+
+def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
+    """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
+    p = r.pieces
+    n_cat, n_band, n_gpu = len(Category), len(Band), len(r.gpus)
+    dur = p.dur_ms
+    # One key (gpu, category, band + 1) and two bincounts give every total as a sum over axes;
+    # band column 0 holds unobserved pieces (no sample, no band).
+    shape = (n_gpu, n_cat, n_band + 1)
+    key = (p.gpu.astype(np.int64) * n_cat + p.category) * (n_band + 1) + (p.band + 1)
+    ms = np.bincount(key, weights=dur, minlength=n_gpu * n_cat * (n_band + 1)).reshape(shape)
+    mj = np.bincount(key, weights=p.energy_mj, minlength=ms.size).reshape(shape)
+    per_gpu_cat_ms = ms.sum(2)
+    per_gpu_band_ms = ms.sum(1)[:, 1:]
+    cat_ms = per_gpu_cat_ms.sum(0)
+    cat_mj = mj.sum((0, 2))
+    band_ms = per_gpu_band_ms.sum(0)
+    price = float(r.meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
+    cat_cost = cfg.prices.cost(cat_ms, cat_mj, price_per_gpu_hour=price)
+    cat_cost[Category.UNASSIGNED] = 0.0
+
+    per_gpu_cat = per_gpu_cat_ms / MS_PER_HOUR
+    per_gpu_band = per_gpu_band_ms / MS_PER_HOUR
+
+    tl = r.timeline
+    # The job-level figures and the GPU time at risk as the live agent computes them (figures).
+    figs = job_figures(tl)
+    valid, tokens = figs["valid_steps"], figs["tokens"]
+    cost_total = float(cat_cost.sum())
+    wasted_ms = sum(cat_ms[c] for c in WASTED_CATEGORIES)
+    # GPU time since the last saved checkpoint (all of it without one), over each stretch of
+    # membership: the live rule with the stretch's end as the horizon.
+    risk_ms = float(
+        sum(at_risk_ms(tl, b, np.asarray([a], np.int64)) for iv in r.member_intervals for a, b in iv)
+    )
+    straggler = None
+    if r.band_result.straggler_rank is not None:
+        rank = r.band_result.straggler_rank
+        idx = np.flatnonzero(r.ranks == rank)
+        if idx.size:
+            g = r.gpus[int(idx[0])]
+            straggler = {"rank": int(rank), "host": g.host, "gpu": g.index, "uuid": g.uuid}
+    return {
+        "gpu_hours": {c: float(cat_ms[i] / MS_PER_HOUR) for i, c in enumerate(CATEGORIES)},
+        "energy_kwh": {c: float(cat_mj[i] / MJ_PER_KWH) for i, c in enumerate(CATEGORIES)},
+        "cost": {c: _money(cat_cost[i]) for i, c in enumerate(CATEGORIES)},
+        "band_gpu_hours": {b: float(band_ms[i] / MS_PER_HOUR) for i, b in enumerate(BANDS)},
+        "cost_total": _money(cost_total),
+        "gpu_hours_total": float(dur.sum() / MS_PER_HOUR),
+        "wasted_gpu_hours": float(wasted_ms / MS_PER_HOUR),
+        "gpu_hours_at_risk": float(risk_ms / MS_PER_HOUR),
+        "steps_completed": figs["steps_completed"],
+        "steps_voided": figs["steps_voided"],
+        "valid_steps": valid,
+        "tokens": int(tokens),
+        "cost_per_valid_step": _money(cost_total / valid) if valid else None,
+        "productive_cost_per_step": _money(cat_cost[Category.PRODUCTIVE] / valid) if valid else None,
+        "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
+        "price_per_gpu_hour": price,
+        "profile": {"name": r.profile.name, "calibrated": r.profile.calibrated},
+        "sampling_interval_s": r.band_result.interval_ms / 1000,
+        "grid_s": r.band_result.grid_ms / 1000,
+        "stall_threshold_s": figs["stall_threshold_s"],
+        "last_checkpoint_step": figs["last_checkpoint_step"] if figs["last_checkpoint_step"] >= 0 else None,
+        "straggler": straggler,
+        "meta": r.meta,
+        "preflight": r.preflight,
+        "gpus": [
+            {
+                "host": g.host,
+                "gpu": g.index,
+                "uuid": g.uuid,
+                "rank": int(r.ranks[i]),
+                "band_gpu_hours": {b: float(per_gpu_band[i, j]) for j, b in enumerate(BANDS)},
+                "gpu_hours": {c: float(per_gpu_cat[i, j]) for j, c in enumerate(CATEGORIES)},
+            }
+            for i, g in enumerate(r.gpus)
+        ],
+        "incidents": incidents(r, cfg, price),
+        "energy_coverage": energy_coverage(p),
+        "time_range": {
+            "samples": _range_s(r.sample_range_ms),
+            "events": _range_s(r.event_range_ms),
+        },
+        "clock_offset_hours": clock_offset_hours(r.sample_range_ms, r.event_range_ms),
+    }
+
+
+def _range_s(r: tuple[int, int] | None) -> list[float] | None:
+    return None if r is None else [r[0] / 1000, r[1] / 1000]
+
+
+def energy_coverage(p: Pieces) -> float | None:
+    """Share of the job's GPU time whose energy is known: sampled time, and unobserved gaps an
+    energy counter bridged (they carry the counter's delta)."""
+    dur = p.dur_ms
+    total = float(dur.sum())
+    if total <= 0:
+        return None
+    known = (p.category != Category.UNOBSERVED) | (p.energy_mj > 0)
+    return round(float(dur[known].sum()) / total, 6)
+
+
+# Samples and events that overlap less than this share of the shorter range look misaligned.
+MIN_CLOCK_OVERLAP = 0.5
+
+
+def clock_offset_hours(samples_ms: tuple[int, int] | None, events_ms: tuple[int, int] | None) -> int | None:
+    """Whole hours the samples' clock looks off from the events' (events minus samples), when
+    the two barely overlap: the mark of a wrong --tz. 0 when they barely overlap but no whole
+    number of hours explains it; None when they overlap well (or either is missing)."""
+    if samples_ms is None or events_ms is None:
+        return None
+    if _aligned(samples_ms, events_ms):
+        return None
+    h = round((events_ms[0] - samples_ms[0]) / MS_PER_HOUR)
+    shifted = (samples_ms[0] + h * int(MS_PER_HOUR), samples_ms[1] + h * int(MS_PER_HOUR))
+    return h if h and _aligned(shifted, events_ms, GOOD_CLOCK_OVERLAP) else 0
+
+
+# A whole-hour shift is named only when it lines the two up this well.
+GOOD_CLOCK_OVERLAP = 0.9
+
+
+def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OVERLAP) -> bool:
+    """Whether two time ranges overlap for at least `share` of the shorter one; a range shorter
+    than a minute (a job that only registered) need only fall within a minute of the other."""
+    shorter = min(a[1] - a[0], b[1] - b[0])
+    if shorter < 60_000:
+        return min(a[1], b[1]) + 60_000 >= max(a[0], b[0])
+    return min(a[1], b[1]) - max(a[0], b[0]) >= share * shorter
+
+
+def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
+    """Merged job-level stretches of one wasted category.
+
+    A stretch is what the live agent's rule (`figures.extend_incidents`: a piece within `tol`
+    of the stretch's end extends it) makes of the pieces in time order, and its start, end,
+    GPU time, ranks and deadlock ranks are that function's; replay adds what it knows of the
+    whole job at once: the dominant band, the GPUs and hosts, and the cost."""
+    p = r.pieces
+    tol = 2 * r.band_result.grid_ms
+    out: list[dict] = []
+    wasted = np.flatnonzero((p.category >= min(WASTED_CATEGORIES)) & (p.category <= max(WASTED_CATEGORIES)))
+    by_cat = wasted[np.argsort(p.category[wasted], kind="stable")]
+    cats = p.category[by_cat]
+    for c in sorted(WASTED_CATEGORIES):
+        sel = by_cat[np.searchsorted(cats, c, "left") : np.searchsorted(cats, c, "right")]
+        if sel.size == 0:
+            continue
+        sel = sel[np.argsort(p.start_ms[sel], kind="stable")]
+        s, e = p.start_ms[sel], p.end_ms[sel]
+        reach = np.maximum.accumulate(e)
+        new = np.ones(sel.size, bool)
+        new[1:] = s[1:] > reach[:-1] + tol
+        gid = np.cumsum(new) - 1
+        n = int(gid[-1]) + 1
+        bounds = np.append(np.flatnonzero(new), sel.size)
+        dur = e - s
+        g_ms = np.bincount(gid, weights=dur, minlength=n)
+        g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
+        g_cost = cfg.prices.cost(g_ms, g_mj, np.full(n, c), price_per_gpu_hour=price)
+        band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
+        dominant = band_ms.argmax(1) - 1
+        for i in range(n):
+            part = sel[bounds[i] : bounds[i + 1]]
+            stretch = Pieces(*(getattr(p, f)[part] for f in Pieces.__slots__))
+            [inc] = extend_incidents({}, stretch, r.ranks, "", tol, r.band_result.signatures).values()
+            gl = np.unique(stretch.gpu).tolist()
+            out.append(
+                {
+                    "start": inc["start"] / 1000,
+                    "end": inc["end"] / 1000,
+                    "category": inc["category"],
+                    "band": BANDS[dominant[i]] if dominant[i] >= 0 else None,
+                    "ranks": inc["ranks"],
+                    # The deadlock signature's rank(s) at ~0% (R2): who left the collective.
+                    "zero_util_ranks": inc["zero_util_ranks"],
+                    "hosts": sorted({r.gpus[x].host for x in gl}),
+                    "gpus": [
+                        {"host": r.gpus[x].host, "gpu": r.gpus[x].index, "uuid": r.gpus[x].uuid} for x in gl
+                    ],
+                    "gpu_hours": inc["gpu_ms"] / MS_PER_HOUR,
+                    "cost": _money(g_cost[i]),
+                }
+            )
+    out.sort(key=lambda x: (x["start"], x["category"]))
+    return out

@@ -1,0 +1,700 @@
+"""Recorded traces: nvidia-smi CSV and JSONL samples, JSONL events.
+
+The CSV path is vectorized with pyarrow (a million rows a second and more): every column is read
+as text, units and `[N/A]` markers are stripped with Arrow compute kernels, and only rows that
+fail validation are looked at one by one, to name their line in a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+
+try:  # the compute kernels a clean file needs, without pyarrow.compute's start-up (see _pc)
+    from pyarrow._compute import CastOptions, TrimOptions, call_function
+except ImportError:  # pragma: no cover - a pyarrow that moved them
+    from pyarrow.compute import CastOptions, TrimOptions, call_function
+
+from costexporter.core.diagnostics import Diagnostics, InputError
+from costexporter.core.events import (
+    FUTURE_SLACK_S,
+    MIN_TS,
+    EventError,
+    UnknownEventType,
+    parse_event,
+)
+from costexporter.core.model import Event, GpuId, Samples
+
+
+def _pc():
+    """pyarrow.compute, imported on first use: it builds ~280 Python wrappers at import (30 ms of
+    the command's start-up, measured), and only files with odd rows need more than a trim and a
+    cast."""
+    import pyarrow.compute as pc
+
+    return pc
+
+
+# pyarrow's default pool on Linux (mimalloc) maps fresh memory for a run's first large buffers:
+# 0.2-0.4 s of kernel time per million CSV rows, measured, more than the parse itself. glibc's
+# malloc reuses the process heap. ARROW_DEFAULT_MEMORY_POOL, when set, still decides.
+if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
+    pa.set_memory_pool(pa.system_memory_pool())
+
+NA_MARKERS = [
+    "[N/A]",
+    "N/A",
+    "[Not Supported]",
+    "[Unknown Error]",
+    "[Insufficient Permissions]",
+    "[GPU is lost]",
+    "ERR!",
+]
+NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
+TS_RE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d+)?$"
+MAX_POWER_W = 10_000.0
+# Rows of one sampling instant in an index-less CSV are within this of each other.
+INSTANT_TOLERANCE_MS = 50
+# An instant ends where at least this share of the sampling interval passes without a line.
+SPLIT_GAP_SHARE = 0.85
+
+
+@dataclass(slots=True)
+class SampleChunk:
+    """Samples of one file, before GPUs are numbered across files."""
+
+    hosts: list[str]  # host names; `host` indexes into them
+    host: np.ndarray | None  # int32; None: every row is of hosts[0]
+    index: np.ndarray  # int64
+    ts_ms: np.ndarray
+    power_w: np.ndarray
+    util_pct: np.ndarray
+    energy_mj: np.ndarray | None  # None: no energy counter (NaN in every row)
+    uuid: dict[tuple[str, int], str]  # per GPU, not per row
+    name: dict[tuple[str, int], str]
+    power_limit_w: dict[tuple[str, int], float]
+
+
+def _check_file(path: Path) -> bytes:
+    """The first bytes of a usable text file; InputError with one clear line otherwise."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(8192)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    if not head.strip():
+        raise InputError(f"{path}: file is empty")
+    if b"\0" in head:
+        raise InputError(f"{path}: binary data, not a text trace")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # not just a multi-byte char cut at the 8 KiB edge
+            raise InputError(f"{path}: not UTF-8 text") from None
+    return head
+
+
+def sniff_format(path: Path) -> str:
+    """'csv' or 'jsonl', from the first non-blank character."""
+    head = _check_file(path).lstrip()
+    return "jsonl" if head[:1] in (b"{", b"[") else "csv"
+
+
+def _column_key(name: str) -> str:
+    """'power.draw [W]' -> 'power.draw'."""
+    key = name.strip().lower()
+    if "[" in key:
+        key = key[: key.index("[")].strip()
+    return key
+
+
+UNIT_CHARS = " W%JkmMiBHz"
+
+
+def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """Text like ' 951.20 W', '100 %', '[N/A]' to float64 (NaN for N/A), plus a bad-value mask."""
+    # ASCII units: the same as utf8_trim, faster.
+    s = call_function("ascii_trim", [col], TrimOptions(UNIT_CHARS))
+    try:  # fast path: a clean column casts in one kernel
+        x = call_function("cast", [s], CastOptions.safe(pa.float64()))  # (Array.cast imports pc)
+        return x.to_numpy(zero_copy_only=False), np.zeros(len(col), bool)
+    except pa.ArrowInvalid:
+        pass
+    pc = _pc()
+    markers = pa.array(NA_MARKERS + [m.strip(UNIT_CHARS) for m in NA_MARKERS] + [""])
+    na = pc.fill_null(pc.is_in(s, value_set=markers), True)
+    ok = pc.fill_null(pc.match_substring_regex(s, NUMBER_RE), False)
+    bad = ~ok.to_numpy(zero_copy_only=False) & ~na.to_numpy(zero_copy_only=False)
+    x = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.float64())
+    return x.to_numpy(zero_copy_only=False).astype(np.float64), bad
+
+
+# 'YYYY/MM/DD HH:MM:SS.fff': the separators of the date and time (the date's may be '-', the
+# middle one 'T'), and where the digits are.
+_TS_SEPS = {4: b"/-", 7: b"/-", 10: b" T", 13: b":", 16: b":", 19: b"."}
+_MINUTE_DIGITS = [0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15]
+_MONTH_DAYS = np.array([0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31])
+
+
+def _days_from_civil(y: np.ndarray, m: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Days since 1970-01-01 of proleptic Gregorian dates (H. Hinnant's algorithm)."""
+    y = y - (m <= 2)
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * ((m + 9) % 12) + 2) // 5 + d - 1
+    return era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+
+
+def _fixed_timestamps(col: pa.ChunkedArray) -> np.ndarray | None:
+    """Epoch ms (the naive time read as UTC) of a column whose every value is exactly
+    'YYYY/MM/DD HH:MM:SS' or 'YYYY/MM/DD HH:MM:SS.fff' (nvidia-smi writes nothing else), read
+    as fixed-width digits straight from Arrow's buffer; None when any value is not (or is not
+    a real date and time): the careful path decides those.
+
+    Consecutive rows mostly share their minute ('YYYY/MM/DD HH:MM'), so dates are worked out
+    once per minute and only the seconds per row."""
+    out = []
+    for ch in col.chunks:
+        n = len(ch)
+        if n == 0:
+            continue
+        if ch.null_count or not pa.types.is_string(ch.type):
+            return None
+        offs = np.frombuffer(ch.buffers()[1], np.int32, n + 1, ch.offset * 4)
+        width = int(offs[1] - offs[0])
+        if width not in (19, 23) or int(offs[-1] - offs[0]) != width * n or (np.diff(offs) != width).any():
+            return None
+        buf = ch.buffers()[2]
+        b = np.frombuffer(buf, np.uint8, width * n, int(offs[0])).reshape(n, width)
+        # Where the minute changes: its 16 bytes as two (unaligned) 8-byte words per row.
+        words = [np.ndarray((n,), "<u8", buf, int(offs[0]) + k, (width,)) for k in (0, 8)]
+        change = np.ones(n, bool)
+        change[1:] = (words[0][1:] != words[0][:-1]) | (words[1][1:] != words[1][:-1])
+        at = np.flatnonzero(change)
+        head = b[at]
+        for pos, allowed in _TS_SEPS.items():
+            if pos < width:
+                c = head[:, pos] if pos < 16 else b[:, pos]
+                ok = c == allowed[0]
+                if len(allowed) > 1:
+                    ok |= c == allowed[1]
+                if not ok.all():
+                    return None
+        dg = head[:, _MINUTE_DIGITS].astype(np.int64) - 48
+        sec = b[:, [17, 18, 20, 21, 22][: 2 if width == 19 else 5]].astype(np.int32) - 48
+        if ((dg < 0) | (dg > 9)).any() or ((sec < 0) | (sec > 9)).any():
+            return None
+        y = dg[:, 0] * 1000 + dg[:, 1] * 100 + dg[:, 2] * 10 + dg[:, 3]
+        mo = dg[:, 4] * 10 + dg[:, 5]
+        d = dg[:, 6] * 10 + dg[:, 7]
+        hh = dg[:, 8] * 10 + dg[:, 9]
+        mi = dg[:, 10] * 10 + dg[:, 11]
+        leap = (y % 4 == 0) & ((y % 100 != 0) | (y % 400 == 0))
+        dim = _MONTH_DAYS[np.clip(mo, 0, 12)] + (leap & (mo == 2))
+        if not ((mo >= 1) & (mo <= 12) & (d >= 1) & (d <= dim) & (hh < 24) & (mi < 60)).all():
+            return None
+        ss = sec[:, 0] * 10 + sec[:, 1]
+        if (ss >= 60).any():
+            return None
+        ms = ss * 1000
+        if width == 23:
+            ms += sec[:, 2] * 100 + sec[:, 3] * 10 + sec[:, 4]
+        minute_ms = (_days_from_civil(y, mo, d) * 1440 + hh * 60 + mi) * 60_000
+        out.append(np.repeat(minute_ms, np.diff(np.append(at, n))) + ms)
+    return np.concatenate(out) if out else None
+
+
+def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray]:
+    """nvidia-smi local times ('2025/07/26 23:53:30.945') in zone `tz` to UTC epoch ms."""
+    fixed = _fixed_timestamps(col)
+    if fixed is not None:  # fastest path: every row in nvidia-smi's own fixed-width layout
+        if tz.upper() in ("UTC", "Z", "+00:00"):
+            return fixed, np.zeros(fixed.size, bool)
+        t = pa.array(fixed, pa.timestamp("ms"))
+        bad = np.zeros(len(col), bool)
+    else:
+        pc = _pc()
+        try:  # fast path: every row is a well-formed timestamp
+            t = pc.cast(pc.replace_substring(col, "/", "-"), pa.timestamp("ms"))
+            bad = np.zeros(len(col), bool)
+        except pa.ArrowInvalid:
+            s = pc.replace_substring(pc.utf8_trim_whitespace(col), "/", "-")
+            ok = pc.fill_null(pc.match_substring_regex(s, TS_RE), False)
+            bad = ~ok.to_numpy(zero_copy_only=False)
+            t = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.timestamp("ms"))
+    pc = _pc()
+    if tz.upper() not in ("UTC", "Z", "+00:00"):
+        t = pc.assume_timezone(t, timezone=tz, ambiguous="earliest", nonexistent="earliest")
+    ms = pc.fill_null(pc.cast(t, pa.int64()), 0).to_numpy(zero_copy_only=False)
+    return ms.astype(np.int64), bad
+
+
+def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
+    """`nvidia-smi --query-gpu=... --format=csv[,nounits] -lms N` output, in any column order."""
+    _check_file(path)
+    with path.open("rb") as f:
+        header = f.readline().decode("utf-8", "replace")
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(size - 1, 0))
+        ends_with_newline = f.read(1) in (b"\n", b"\r")
+    names = [c for c in header.rstrip("\r\n").split(",")]
+    keys = [_column_key(c) for c in names]
+    if (
+        "timestamp" not in keys
+        or "utilization.gpu" not in keys
+        or not ({"power.draw", "power.draw.instant", "power.draw.average"} & set(keys))
+    ):
+        raise InputError(
+            f"{path}: not an nvidia-smi CSV: need columns timestamp, power.draw and "
+            f"utilization.gpu (got {', '.join(k for k in keys if k) or 'none'})"
+        )
+
+    invalid: list[int] = []
+    counts_before = diag.counts.copy()
+
+    def on_invalid(row: pcsv.InvalidRow) -> str:
+        invalid.append(row.number if row.number is not None else -1)
+        return "skip"
+
+    try:
+        table = pcsv.read_csv(
+            path,
+            read_options=pcsv.ReadOptions(use_threads=False, block_size=1 << 20),
+            parse_options=pcsv.ParseOptions(invalid_row_handler=on_invalid, ignore_empty_lines=False),
+            convert_options=pcsv.ConvertOptions(
+                column_types={n: pa.string() for n in names}, strings_can_be_null=False
+            ),
+        )
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputError(f"{path}: cannot parse as CSV: {e}") from None
+
+    n = table.num_rows
+    # Physical line of each table row (header is line 1; skipped rows hold their own lines).
+    total_lines = n + len(invalid) + 1
+    if invalid:
+        line_of_row = np.setdiff1d(np.arange(2, total_lines + 1), np.asarray(invalid))
+    else:
+        line_of_row = range(2, n + 2)  # type: ignore[assignment]  # indexed like the array
+    last_line = total_lines
+    for num in invalid:
+        if num == last_line and not ends_with_newline:
+            diag.warn(str(path), num, "truncated_last_line", "skipped (logger killed mid-write?)")
+        else:
+            diag.warn(str(path), num, "malformed_row", "wrong number of columns")
+
+    col = {k: table.column(i) for i, k in enumerate(keys) if k}
+    drop = np.zeros(n, bool)
+    try:
+        ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
+    except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
+        raise InputError(f"{path}: impossible timestamp: {e}") from None
+    if bad_ts.any():  # blank lines and repeated headers are skipped silently
+        pc = _pc()
+        ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
+        drop |= pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
+    if (
+        not ends_with_newline
+        and n
+        and (not invalid or invalid[-1] != last_line)
+        and not _last_row_complete(table)
+    ):
+        # The last line parsed with the right column count but was cut mid-value.
+        diag.warn(str(path), int(line_of_row[-1]), "truncated_last_line", "skipped")
+        drop[-1] = True
+
+    def bad_rows(mask: np.ndarray, reason: str, detail: str) -> None:
+        if not mask.any():  # the usual case: one quick pass
+            return
+        new = mask & ~drop
+        for i in np.flatnonzero(new)[: diag.max_per_reason + 1]:
+            diag.warn(str(path), int(line_of_row[i]), reason, detail)
+        extra = int(new.sum()) - min(int(new.sum()), diag.max_per_reason + 1)
+        if extra:
+            diag.counts[reason] += extra
+        drop[:] |= mask
+
+    bad_rows(bad_ts, "bad_timestamp", "unparseable timestamp")
+    now_ms = (time.time() + FUTURE_SLACK_S) * 1000
+    bad_rows(
+        (ts_ms > now_ms) | (ts_ms < MIN_TS * 1000),
+        "bad_timestamp",
+        "timestamp far outside the plausible range",
+    )
+
+    power = None
+    for k in ("power.draw.instant", "power.draw", "power.draw.average"):
+        if k in col:
+            p, bad = _numeric(col[k])
+            p = p * POWER_UNITS[_power_unit(names[keys.index(k)], col[k])]
+            bad_rows(bad, "bad_value", f"non-numeric {k}")
+            power = p if power is None else np.where(np.isnan(power), p, power)
+    assert power is not None
+    with np.errstate(invalid="ignore"):
+        bad_rows((power < 0) | (power > MAX_POWER_W), "bad_value", "power outside [0, 10000] W")
+    util, bad = _numeric(col["utilization.gpu"])
+    bad_rows(bad, "bad_value", "non-numeric utilization.gpu")
+    with np.errstate(invalid="ignore"):
+        bad_rows((util < 0) | (util > 100), "bad_value", "utilization outside [0, 100] %")
+
+    if "index" in col:
+        idx_f, bad = _numeric(col["index"])
+        bad_rows(bad | np.isnan(idx_f), "bad_value", "non-numeric index")
+        index = np.nan_to_num(idx_f, nan=-1).astype(np.int64)
+    else:
+        index = _positional_index(
+            ts_ms, drop, lambda line, why: diag.warn(str(path), line, "short_block", why), line_of_row
+        )
+
+    keep = np.flatnonzero(~drop) if drop.any() else None  # None: every row
+    if (keep is not None and keep.size == 0) or n == 0:
+        mine = diag.counts - counts_before
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
+        raise InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
+    # Per-GPU attributes from each GPU's first row: a few values, not a column of strings.
+    first = _first_rows(index, keep)
+
+    def per_gpu(key: str) -> dict[tuple[str, int], str]:
+        if key not in col:
+            return {}
+        vals = [v.strip() for v in call_function("take", [col[key], pa.array(first)]).to_pylist()]
+        return {(host, int(index[i])): v for i, v in zip(first, vals, strict=True) if v}
+
+    limits: dict[tuple[str, int], float] = {}
+    if "power.limit" in col:
+        lim = _numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
+        limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
+    if keep is not None:
+        index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
+    return SampleChunk(
+        hosts=[host],
+        host=None,
+        index=index,
+        ts_ms=ts_ms,
+        power_w=power,
+        util_pct=util,
+        energy_mj=None,
+        uuid=per_gpu("uuid"),
+        name=per_gpu("name"),
+        power_limit_w=limits,
+    )
+
+
+def _first_rows(index: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """The first kept row (None: every row is kept) of each GPU index, in index order. Every GPU
+    shows up within the first instants, so the head of the rows holds them all; a full sort
+    only when it does not."""
+    sub = index if keep is None else index[keep]
+    gpus, at = np.unique(sub[:4096], return_index=True)
+    if not (sub.min() >= 0 and sub.max() < 1 << 16 and np.count_nonzero(np.bincount(sub)) == gpus.size):
+        at = np.unique(sub, return_index=True)[1]
+    return at if keep is None else keep[at]
+
+
+def _positional_index(
+    ts_ms: np.ndarray,
+    drop: np.ndarray,
+    warn: Callable[[int, str], None] | None = None,
+    line_of_row: np.ndarray | None = None,
+) -> np.ndarray:
+    """Without an index column, the lines of one sampling instant are GPUs 0..N-1 in order.
+
+    N is the usual number of lines per instant (lines within INSTANT_TOLERANCE_MS of each other).
+    Lines are numbered by position within blocks of N consecutive lines, not by their stamps:
+    nvidia-smi sometimes stamps the GPU 0 line of an instant 50-80 ms before GPUs 1-7, which
+    splits the instants by time as N+1, N-1 lines; counting on keeps that line GPU 0. A block
+    that ends short (the logger lost lines) is warned about, and counting restarts at the next
+    instant.
+    """
+    every = not drop.any()  # the usual case: no row dropped, rows are lines
+    rows = np.arange(0) if every else np.flatnonzero(~drop)
+    n_rows = ts_ms.size if every else rows.size
+    if n_rows == 0:
+        return np.full(ts_ms.size, -1, np.int64)
+    t = ts_ms if every else ts_ms[rows]
+    new = np.ones(n_rows, bool)
+    new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
+    group_start = np.flatnonzero(new)
+    sizes = np.diff(np.append(group_start, n_rows))
+    # An instant ends where most of a sampling interval passes without a line (an early-stamped
+    # GPU 0 line is split from the rest of its instant by 50-80 ms, not by one). N is the usual
+    # number of lines between instant ends (a tie: the larger).
+    gap_after = np.append(t[group_start[1:]] - t[group_start[1:] - 1], np.iinfo(np.int64).max)
+    interval = float(np.median(np.diff(t[group_start]))) if group_start.size > 1 else 0.0
+    ends_instant = gap_after >= SPLIT_GAP_SHARE * interval
+    bounds = np.append(0, (group_start + sizes)[ends_instant])
+    counts = np.bincount(np.diff(bounds))
+    n_gpus = max(int(counts.size - 1 - np.argmax(counts[::-1])), 1)
+    # Count lines on from the last restart (`anchor`); where an instant ends before its block of
+    # N is complete, the block was short and counting restarts after it. That depends only on the
+    # anchor modulo N, so the short blocks of each residue are found once (when needed).
+    group_end = group_start + sizes
+    at_end = np.flatnonzero(ends_instant)
+    end_residue = group_end[at_end] % n_gpus
+    short_by_residue: dict[int, np.ndarray] = {}
+    anchors = [0]
+    short_groups = []
+    j0 = 0
+    while True:
+        r = anchors[-1] % n_gpus
+        if r not in short_by_residue:
+            short_by_residue[r] = at_end[end_residue != r]
+        cand = short_by_residue[r]
+        k = int(np.searchsorted(cand, j0))
+        if k == cand.size:
+            break
+        j = int(cand[k])
+        short_groups.append(j)
+        anchors.append(int(group_end[j]))
+        j0 = j + 1
+    line = np.arange(n_rows)
+    if len(anchors) == 1:
+        pos = line % n_gpus
+    else:
+        anchor_arr = np.asarray(anchors, np.int64)
+        pos = (line - anchor_arr[np.searchsorted(anchor_arr, line, "right") - 1]) % n_gpus
+    ends = [int(group_end[j]) - 1 for j in short_groups]
+    if (n_rows - anchors[-1]) % n_gpus:
+        ends.append(n_rows - 1)  # the file ends inside an instant
+    for last in ends if warn is not None else []:
+        row = last if every else int(rows[last])
+        warn(
+            int(line_of_row[row]) if line_of_row is not None else row,
+            f"an instant of {n_gpus} GPUs ends after {pos[last] + 1} line(s); lines are numbered in order",
+        )
+    if every:
+        return pos
+    index = np.full(ts_ms.size, -1, np.int64)
+    index[rows] = pos
+    return index
+
+
+POWER_UNITS = {"w": 1.0, "mw": 0.001, "kw": 1000.0}
+
+
+def _power_unit(header: str, col: pa.ChunkedArray) -> str:
+    """'power.draw [mW]' -> 'mw'; without a unit in the header, the first value's suffix."""
+    h = header.strip().lower()
+    if "[" in h and "]" in h:
+        unit = h[h.index("[") + 1 : h.index("]")].strip()
+        if unit in POWER_UNITS:
+            return unit
+    for v in col.slice(0, 16).to_pylist():
+        v = (v or "").strip().lower()
+        for unit in ("mw", "kw"):
+            if v.endswith(unit) and v[: -len(unit)].strip()[-1:].isdigit():
+                return unit
+    return "w"
+
+
+def _last_row_complete(table: pa.Table) -> bool:
+    """Whether a last line without a trailing newline is complete (nvidia-smi killed between
+    lines) rather than cut mid-value: where the line before it ends its fields with a unit
+    ('W', '%'), so must it; without units it must be at least as long as the line before."""
+    if table.num_rows < 2:
+        return False
+    prev = [str(c[table.num_rows - 2]) for c in table.columns]
+    last = [str(c[table.num_rows - 1]) for c in table.columns]
+    units = [p.strip()[-1:] for p in prev]
+    if any(u and not u.isdigit() and u not in "]" for u in units):
+        return all(
+            not u or u.isdigit() or u == "]" or x.strip().endswith(u)
+            for u, x in zip(units, last, strict=True)
+        )
+    return len(",".join(last)) >= len(",".join(prev))
+
+
+def _json_lines(path: Path):
+    """(line number, raw bytes, parsed value or None) for each non-blank line of a JSONL file."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, raw, json.loads(raw)
+            except ValueError:
+                yield lineno, raw, None
+
+
+def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
+    """One JSON object a line: ts, host, gpu, uuid?, power_w, util_pct, energy_mj?."""
+    _check_file(path)
+    cols: dict[str, list] = {k: [] for k in ("host", "gpu", "ts", "p", "u", "e")}
+    host_ids: dict[str, int] = {}
+    uuids: dict[tuple[str, int], str] = {}
+    names: dict[tuple[str, int], str] = {}
+    limits: dict[tuple[str, int], float] = {}
+    where = str(path)
+    hi_ts = time.time() + FUTURE_SLACK_S
+    good = 0
+    for lineno, raw, d in _json_lines(path):
+        try:
+            if not isinstance(d, dict):
+                raise ValueError("not an object")
+            if not good and not {"ts", "power_w", "util_pct"} <= d.keys():
+                raise InputError(
+                    f"{path}:{lineno}: not a samples JSONL file: a sample has ts, host, gpu, "
+                    f"power_w and util_pct (got {', '.join(sorted(d)[:8])})"
+                )
+        except ValueError:
+            reason = "truncated_last_line" if not raw.endswith(b"\n") else "malformed_row"
+            diag.warn(where, lineno, reason, "not a JSON object")
+            continue
+        try:
+            ts = float(d["ts"])
+            gpu = d["gpu"]
+            if isinstance(gpu, bool) or int(gpu) != gpu or gpu < 0:
+                raise ValueError(f"gpu={gpu!r}")
+            p = d["power_w"]  # required keys; null stands for N/A
+            u = d["util_pct"]
+            p = float("nan") if p is None else float(p)
+            u = float("nan") if u is None else float(u)
+            e = d.get("energy_mj")
+            e = float("nan") if e is None else float(e)
+            limit = float(d["power_limit_w"]) if d.get("power_limit_w") else None
+        except KeyError as k:
+            diag.warn(where, lineno, "missing_field", f"{k.args[0]!r} is required")
+            continue
+        except (TypeError, ValueError, OverflowError) as x:  # OverflowError: "gpu": Infinity
+            diag.warn(where, lineno, "bad_value", str(x))
+            continue
+        if not MIN_TS <= ts <= hi_ts:
+            diag.warn(where, lineno, "bad_timestamp", f"ts={ts} outside the plausible range")
+            continue
+        if not (0 <= p <= MAX_POWER_W or p != p) or not (0 <= u <= 100 or u != u):
+            diag.warn(where, lineno, "bad_value", "power or utilization out of range")
+            continue
+        h = str(d.get("host") or host)
+        g = int(gpu)
+        cols["host"].append(host_ids.setdefault(h, len(host_ids)))
+        cols["gpu"].append(g)
+        if d.get("uuid"):
+            uuids.setdefault((h, g), str(d["uuid"]))
+        cols["ts"].append(round(ts * 1000))
+        cols["p"].append(p)
+        cols["u"].append(u)
+        cols["e"].append(e)
+        if d.get("name"):
+            names.setdefault((h, g), str(d["name"]))
+        if limit:
+            limits.setdefault((h, g), limit)
+        good += 1
+    if good == 0:
+        raise InputError(f"{path}: no usable samples (is this a samples JSONL file?)")
+    return SampleChunk(
+        hosts=list(host_ids),
+        host=np.asarray(cols["host"], np.int32),
+        index=np.asarray(cols["gpu"], np.int64),
+        ts_ms=np.asarray(cols["ts"], np.int64),
+        power_w=np.asarray(cols["p"], np.float64),
+        util_pct=np.asarray(cols["u"], np.float64),
+        energy_mj=np.asarray(cols["e"], np.float64),
+        uuid=uuids,
+        name=names,
+        power_limit_w=limits,
+    )
+
+
+def combine(chunks: list[SampleChunk]) -> Samples:
+    """Number GPUs by (host, index) across files and sort by (gpu, ts)."""
+    if not chunks:
+        return Samples.empty()
+    hosts = sorted({h for c in chunks for h in c.hosts})
+    host_no = {h: i for i, h in enumerate(hosts)}
+    uuids: dict = {}
+    names: dict = {}
+    limits: dict = {}
+    width = max((int(c.index.max()) + 1 for c in chunks if c.index.size), default=1)
+    keys = []
+    for c in chunks:
+        remap = np.asarray([host_no[h] for h in c.hosts], np.int64)
+        keys.append((remap[c.host] if c.host is not None else remap[0]) * width + c.index)
+        uuids.update(c.uuid)
+        names.update(c.name)
+        limits.update(c.power_limit_w)
+
+    def joined(arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # one file: no copy
+
+    key = joined(keys)
+    # Dense numbering in O(n): keys are host * width + index, a small range.
+    if key.size and len(hosts) * width <= 1 << 24:
+        present = np.bincount(key, minlength=len(hosts) * width) > 0
+        gpu = (np.cumsum(present) - 1)[key]
+        gpu_keys = np.flatnonzero(present)
+    else:
+        gpu_keys, gpu = np.unique(key, return_inverse=True)
+    gpus = []
+    for k in gpu_keys.tolist():
+        h, ix = hosts[k // width], k % width
+        gpus.append(GpuId(h, ix, uuids.get((h, ix)), names.get((h, ix)), limits.get((h, ix))))
+    if all(c.energy_mj is None for c in chunks):
+        energy = np.full(key.size, np.nan)
+    else:
+        energy = joined(
+            [c.energy_mj if c.energy_mj is not None else np.full(c.index.size, np.nan) for c in chunks]
+        )
+    return Samples(
+        gpus=gpus,
+        gpu=gpu.astype(np.int32),
+        ts_ms=joined([c.ts_ms for c in chunks]),
+        power_w=joined([c.power_w for c in chunks]),
+        util_pct=joined([c.util_pct for c in chunks]),
+        energy_mj=energy,
+    ).sort()
+
+
+def read_samples(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
+    if sniff_format(path) == "jsonl":
+        return read_samples_jsonl(path, host, diag)
+    return read_nvidia_smi_csv(path, host, tz, diag)
+
+
+def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
+    """Events of protocol v1, one JSON object a line; de-duplicated on (rank, session, seq)."""
+    _check_file(path)
+    where = str(path)
+    out: list[Event] = []
+    seen: set[tuple] = set()
+    parsed_any = False
+    now = time.time()
+    for lineno, _raw, d in _json_lines(path):
+        if d is None:
+            diag.warn(where, lineno, "malformed_event", "not valid JSON")
+            continue
+        try:
+            ev = parse_event(d, now=now)
+        except UnknownEventType as e:
+            parsed_any = True
+            diag.warn(where, lineno, e.reason, str(e))
+            continue
+        except EventError as e:
+            diag.warn(where, lineno, e.reason, str(e))
+            continue
+        parsed_any = True
+        if ev.seq >= 0:
+            key: tuple = (ev.job, ev.rank, ev.session, ev.seq)
+        else:
+            key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
+        if key in seen:
+            diag.counts["duplicate_event"] += 1
+            continue
+        seen.add(key)
+        if ev.get("_unknown_fields"):
+            diag.counts["unknown_field"] += 1  # forward compatibility: ignored, counted
+        out.append(ev)
+    if not parsed_any:
+        raise InputError(f"{path}: no usable events (is this an events JSONL file?)")
+    return out

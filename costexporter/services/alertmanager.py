@@ -1,0 +1,122 @@
+"""The watcher's states as alerts in Alertmanager, through its own API (`POST /api/v2/alerts`).
+
+Alertmanager keeps an alert firing until its `endsAt`, so, like Prometheus, the watcher posts
+each firing alert again every `resend_s` with `endsAt` a few resends ahead (a watcher that dies
+lets its alerts expire rather than fire for ever), and posts `endsAt = now` when the job leaves
+the state: the alert is resolved. Only the alerting states (`crashed`, `hung`, `starving`,
+`unknown`) are alerts; `running` and `done` are states, and resolve the job's alert.
+
+The alert's identity is its labels (`alertname`, `training_job`, `severity`): the suspect and
+the reason are annotations, so a suspect named later updates the alert instead of opening a
+second one. Times are the wall clock (Alertmanager's), whatever clock the watcher judges by.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from costexporter.services.watcher import ALERTING, Status, Webhook
+
+ALERTS_PATH = "/api/v2/alerts"
+RESEND_FACTOR = 4  # a firing alert's endsAt lies this many resends ahead
+
+
+def severity(state: str) -> str:
+    return "critical" if state in ("hung", "crashed") else "warning"
+
+
+def _iso(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass
+class _Firing:
+    state: str
+    started: float  # wall clock
+    posted: float  # wall clock of the last post
+
+
+def postable(job: str, st: Status, starts: float, ends: float, generator_url: str = "") -> dict:
+    """One alert in the shape of Alertmanager's `postableAlert`."""
+    suspect = st.suspect or {}
+    annotations = {
+        "summary": f"training job {job} is {st.state}",
+        "description": st.reason,
+    }
+    if suspect.get("rank") is not None:
+        annotations["suspect_rank"] = str(suspect["rank"])
+    if suspect.get("why"):
+        annotations["suspect"] = str(suspect["why"])
+    return {
+        "labels": {
+            "alertname": "Job" + st.state.capitalize(),
+            "training_job": job,
+            "severity": severity(st.state),
+        },
+        "annotations": annotations,
+        "startsAt": _iso(starts),
+        "endsAt": _iso(ends),
+        "generatorURL": generator_url,
+    }
+
+
+class Alertmanager:
+    """Posts the watcher's alerting states to Alertmanager (`base_url`, e.g.
+    http://alertmanager:9093), on the webhook's thread with its retries and counters."""
+
+    def __init__(
+        self,
+        base_url: str,
+        resend_s: float = 60.0,
+        retries: int = 5,
+        timeout_s: float = 5.0,
+        backoff_s: float = 0.5,
+        clock: Callable[[], float] = time.time,
+        generator_url: str = "",
+    ) -> None:
+        self.url = base_url.rstrip("/") + ALERTS_PATH
+        self.resend_s = resend_s
+        self.clock = clock
+        self.generator_url = generator_url
+        self.firing: dict[str, _Firing] = {}
+        self.last: dict[str, Status] = {}
+        self.sender = Webhook(self.url, retries, timeout_s, backoff_s)
+
+    @property
+    def stats(self):
+        return self.sender.stats
+
+    def update(self, decided: dict[str, Status]) -> list[dict]:
+        """One poll's statuses -> the alerts to post (new, resent, resolved); posts them."""
+        now = self.clock()
+        out = []
+        for job, st in decided.items():
+            cur = self.firing.get(job)
+            if cur is not None and cur.state != st.state:  # left the alerting state: resolve it
+                out.append(postable(job, self.last[job], cur.started, now, self.generator_url))
+                del self.firing[job]
+                cur = None
+            if st.state in ALERTING:
+                if cur is None:
+                    cur = self.firing[job] = _Firing(st.state, now, 0.0)
+                changed = self.last.get(job) is not None and (
+                    self.last[job].reason != st.reason or self.last[job].suspect != st.suspect
+                )
+                if now - cur.posted >= self.resend_s or cur.posted == 0.0 or changed:
+                    ends = now + RESEND_FACTOR * self.resend_s
+                    out.append(postable(job, st, cur.started, ends, self.generator_url))
+                    cur.posted = now
+            self.last[job] = st
+        if out:
+            self.sender.send(out)  # type: ignore[arg-type]
+        return out
+
+    def drain(self, timeout: float = 10.0) -> None:
+        self.sender.drain(timeout)
+
+    def stop(self) -> None:
+        self.sender.stop()

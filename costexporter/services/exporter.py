@@ -1,0 +1,445 @@
+"""Prometheus metrics of an agent (DESIGN section 7): a custom Collector over one snapshot.
+
+Every family is built at scrape time from `Agent.snapshot()`; nothing mutates gauges between
+scrapes. Units are base units (seconds, joules); the training job's label is `training_job`
+(Prometheus keeps `job` for the scrape target).
+
+Aggregating across agents:
+* per-GPU series and this agent's booked amounts (`costexporter_gpu_time_seconds_total`,
+  `..._energy_joules_total`, `..._cost_total`, the `..._voided_...` corrections, GPU time at
+  risk): `sum` over agents;
+* job-level series (`costexporter_job_*`): every agent of the job exports the same value;
+  aggregate with `max`, never `sum`.
+Cost per valid step is a recording rule (sum of cost / max of valid steps), not a gauge here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    StateSetMetricFamily,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from costexporter import __version__
+from costexporter.core.model import BANDS, CATEGORIES
+
+# dcgm-exporter's label names on every per-GPU series, so `* on(UUID)` joins with DCGM_FI_*
+# need no label_replace (`gpu` is already DCGM's); empty where unknown (no pod). Not modelName:
+# `promtool check metrics` rejects camelCase label names; join it from DCGM by UUID instead.
+DCGM_LABELS = ["UUID", "Hostname", "pod", "namespace", "container"]
+
+
+def dcgm_label_values(g, pod) -> list[str]:
+    """Values of DCGM_LABELS for one GPU (`GpuId`) and the pod holding it, if known."""
+    return [
+        g.uuid or "",
+        g.host,
+        pod.pod if pod else "",
+        pod.namespace if pod else "",
+        pod.container if pod else "",
+    ]
+
+
+# A job's categories: `unassigned` is time outside every job, never a job's.
+JOB_CATEGORIES = [(k, c) for k, c in enumerate(CATEGORIES) if c != "unassigned"]
+
+
+class AgentCollector(Collector):
+    def __init__(self, agent) -> None:
+        self.agent = agent
+        self._cache: list = []
+        self._cache_key: object = None
+
+    def collect(self):
+        s = self.agent.snapshot()
+        host = s["host"]
+        info = GaugeMetricFamily(
+            "costexporter_agent_info", "The agent: 1 per running agent.", labels=["agent", "host", "version"]
+        )
+        info.add_metric([s["agent"], host, __version__], 1)
+        yield info
+        up = GaugeMetricFamily("costexporter_redis_up", "Whether the last round could read and write Redis.")
+        up.add_metric([], 1 if s["redis_up"] else 0)
+        yield up
+
+        # Per GPU: the live view. GPU index -> (job, rank, current band) of the GPUs a job holds.
+        held = {
+            g: (name, r, j["latest_band"].get(r))
+            for name, j in s["jobs"].items()
+            for r, g in j["own"].items()
+        }
+        labels = ["host", "gpu", "uuid", "training_job", "rank", *DCGM_LABELS]
+        pods = self.agent.source.pods() if hasattr(self.agent.source, "pods") else {}
+        power = GaugeMetricFamily(
+            "costexporter_gpu_power_watts", "Board power of the newest sample.", labels=labels
+        )
+        util = GaugeMetricFamily(
+            "costexporter_gpu_utilization_ratio", "GPU utilization of the newest sample (0-1).", labels=labels
+        )
+        band = GaugeMetricFamily(
+            "costexporter_gpu_band",
+            "1 for the GPU's current band, 0 for the others.",
+            labels=[*labels, "band"],
+        )
+        for i, g in enumerate(s["gpus"]):
+            job, rank, b = held.get(i, ("", "", None))
+            if b is None and job:  # its job has no classified sample yet: the reading's own band
+                # (a GPU no job holds shows none: the alert rules and dashboards are per job)
+                b = s.get("gpu_bands", {}).get(i)
+            lv = [g.host, str(g.index), g.uuid or "", job, str(rank), *dcgm_label_values(g, pods.get(i))]
+            r = s["latest"].get(i)
+            if r is not None:
+                if not math.isnan(r.power_w):
+                    power.add_metric(lv, r.power_w)
+                if not math.isnan(r.util_pct):
+                    util.add_metric(lv, r.util_pct / 100)
+            if b is not None:
+                for k, name in enumerate(BANDS):
+                    band.add_metric([*lv, name], 1 if k == b else 0)
+        yield power
+        yield util
+        yield band
+
+        errors = CounterMetricFamily(
+            "costexporter_gpu_errors",
+            "Per-GPU read errors of the source, by kind.",
+            labels=["host", "gpu", "kind"],
+        )
+        for (gpu, kind), n in sorted(s["errors"].items()):
+            errors.add_metric([host, str(gpu) if gpu >= 0 else "", kind], n)
+        yield errors
+        dropped = CounterMetricFamily(
+            "costexporter_samples_dropped", "Samples dropped from full buffers (their time books unobserved)."
+        )
+        dropped.add_metric([], s["dropped"] + s["stats"].get("samples_dropped", 0))
+        yield dropped
+        pending = GaugeMetricFamily(
+            "costexporter_samples_pending", "Samples held for booking (they grow while Redis is unreachable)."
+        )
+        pending.add_metric([], s["pending"])
+        yield pending
+        rerr = CounterMetricFamily("costexporter_redis_errors", "Rounds that could not reach Redis.")
+        rerr.add_metric([], s["stats"].get("redis_errors", 0))
+        yield rerr
+        ferr = CounterMetricFamily(
+            "costexporter_round_errors", "Booking rounds that failed unexpectedly (see the log)."
+        )
+        ferr.add_metric([], s["stats"].get("round_errors", 0))
+        yield ferr
+        yield from self._cost_families(s)
+        yield from self._fault_families(s)
+
+        # The job families hold live figures (cost since the last step, time at risk, whether a
+        # phase's allowance holds) that change every round, booked or not: keyed on the round.
+        key = (s.get("live_seq", 0), s["stats"].get("rounds", 0), tuple(sorted(s["jobs"])))
+        if self._cache_key != key:
+            self._cache = list(self._job_families(s))
+            self._cache_key = key
+        yield from self._cache
+
+    def _cost_families(self, s):
+        """What the agent itself costs: CPU per round and memory per job, flat at any history."""
+        from costexporter.services.agent import ROUND_BUCKETS
+
+        counts = s.get("round_counts")
+        if counts is not None:
+            cum, buckets = 0, []
+            for b, n in zip([*map(str, ROUND_BUCKETS), "+Inf"], counts, strict=True):
+                cum += n
+                buckets.append((b, cum))
+            h = HistogramMetricFamily(
+                "costexporter_agent_round_seconds", "CPU time of each booking round (all jobs of the node)."
+            )
+            h.add_metric([], buckets, s.get("round_sum", 0.0))
+            yield h
+        state = GaugeMetricFamily(
+            "costexporter_agent_state_bytes",
+            "Memory the agent holds for a job's booking (folded timeline, events waiting, rollback "
+            "index entries), about; bounded by the booking context, not the job's history.",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s["jobs"].items()):
+            state.add_metric([name], j.get("state_bytes", 0))
+        yield state
+
+    def _fault_families(self, s):
+        """What the agent refused or noticed: a second agent with its id, an empty Redis,
+        rejected registrations and events, trainer clocks off their events' arrival."""
+        conflicts = CounterMetricFamily(
+            "costexporter_agent_conflicts",
+            "Rounds dropped because the watermark changed under this agent: another agent runs "
+            "with the same agent id (nothing is booked twice).",
+        )
+        conflicts.add_metric([], s["stats"].get("conflicts", 0))
+        yield conflicts
+        epoch = CounterMetricFamily(
+            "costexporter_redis_epoch_resets",
+            "Times Redis came back empty (its epoch marker gone): the ledger before is lost there.",
+        )
+        epoch.add_metric([], s["stats"].get("epoch_resets", 0))
+        yield epoch
+        jerr = CounterMetricFamily(
+            "costexporter_job_errors", "Job rounds that failed and were skipped (the other jobs booked)."
+        )
+        jerr.add_metric([], s["stats"].get("job_errors", 0))
+        yield jerr
+        regs = CounterMetricFamily(
+            "costexporter_registrations_rejected",
+            "Ranks entries (registrations) refused, by job and reason.",
+            labels=["training_job", "reason"],
+        )
+        for (job, reason), n in sorted(s["registrations_rejected"].items()):
+            regs.add_metric([job, reason], n)
+        yield regs
+        rej = CounterMetricFamily(
+            "costexporter_events_rejected",
+            "Events refused (malformed), by job and reason.",
+            labels=["training_job", "reason"],
+        )
+        skew = GaugeMetricFamily(
+            "costexporter_event_clock_skew_seconds",
+            "How far the job's event timestamps run ahead of their arrival in Redis (largest by "
+            "size over its ranks; negative: behind, or delivered late). Keep trainer hosts on NTP.",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s["jobs"].items()):
+            for reason, n in sorted(j["rejected"].items()):
+                rej.add_metric([name, reason], n)
+            if j["clock_skew_s"] is not None:
+                skew.add_metric([name], j["clock_skew_s"])
+        yield rej
+        yield skew
+
+    def _job_families(self, s):
+        cur = s["currency"]
+        # Booked amounts (this agent's GPUs): sum across agents.
+        jl = ["training_job", "category"]
+        t = CounterMetricFamily("costexporter_gpu_time_seconds", "GPU time booked, by category.", labels=jl)
+        e = CounterMetricFamily("costexporter_energy_joules", "Energy booked, by category.", labels=jl)
+        c = CounterMetricFamily(
+            "costexporter_cost", "Cost booked, by category, in the currency.", labels=[*jl, "currency"]
+        )
+        vt = CounterMetricFamily(
+            "costexporter_voided_gpu_time_seconds",
+            "Valid GPU time later voided by a resume (moved to rolled_back).",
+            labels=jl,
+        )
+        vc = CounterMetricFamily(
+            "costexporter_voided_cost", "Valid cost later voided by a resume.", labels=[*jl, "currency"]
+        )
+        risk = GaugeMetricFamily(
+            "costexporter_gpu_time_at_risk_seconds",
+            "GPU time since the job's last saved checkpoint, on this agent's GPUs, to the newest sample.",
+            labels=["training_job"],
+        )
+        booked_until = GaugeMetricFamily(
+            "costexporter_booked_until_timestamp_seconds",
+            "Everything before this time is booked (this agent).",
+            labels=["training_job"],
+        )
+        since = GaugeMetricFamily(
+            "costexporter_cost_since_last_step",
+            "Cost on this agent's GPUs since the job's last progress point, booked and not yet booked "
+            "(to the newest sample; sum over agents).",
+            labels=["training_job", "currency"],
+        )
+        budget = GaugeMetricFamily(
+            "costexporter_job_budget",
+            "The job's budget from its meta, in the currency (job-level: max).",
+            labels=["training_job", "currency"],
+        )
+        prof = GaugeMetricFamily(
+            "costexporter_job_profile_info",
+            "The band profile of the job's GPUs on this agent; calibrated=false: derived from the power "
+            "limit, fit one with `costexporter calibrate`.",
+            labels=["training_job", "profile", "calibrated"],
+        )
+        for name, j in sorted(s["jobs"].items()):
+            since.add_metric([name, cur], j["since_cost"] / 1e6)
+            if j["figures"].get("profile"):
+                calibrated = "true" if j["figures"].get("profile_calibrated") else "false"
+                prof.add_metric([name, j["figures"]["profile"], calibrated], 1)
+            if j["figures"].get("budget") is not None:
+                budget.add_metric([name, cur], float(j["figures"]["budget"]))
+            for k, cat in JOB_CATEGORIES:
+                t.add_metric([name, cat], j["booked"][k, 0] / 1000)
+                if cat != "unobserved":  # no sample, no energy
+                    e.add_metric([name, cat], j["booked"][k, 1] / 1000)
+                c.add_metric([name, cat, cur], j["booked"][k, 2] / 1e6)
+                # Every counter from 0 at the job's first round, so rate() sees the first rollback.
+                vt.add_metric([name, cat], j["voided"][k, 0] / 1000)
+                vc.add_metric([name, cat, cur], j["voided"][k, 2] / 1e6)
+            risk.add_metric([name], j["at_risk_ms"] / 1000)
+            booked_until.add_metric([name], j["booked_until"] / 1000)
+        yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)
+        yield from _dashboard_families(s)
+
+        # Job-level: the same on every agent of the job; aggregate with max.
+        f = [
+            (
+                "costexporter_job_steps_completed",
+                CounterMetricFamily,
+                "Steps completed (rank 0).",
+                "steps_completed",
+                1,
+            ),
+            (
+                "costexporter_job_steps_voided",
+                CounterMetricFamily,
+                "Steps voided by resumes.",
+                "steps_voided",
+                1,
+            ),
+            (
+                "costexporter_job_valid_steps",
+                GaugeMetricFamily,
+                "Completed steps not voided.",
+                "valid_steps",
+                1,
+            ),
+            ("costexporter_job_tokens", GaugeMetricFamily, "Tokens of the valid steps.", "tokens", 1),
+            (
+                "costexporter_job_last_step",
+                GaugeMetricFamily,
+                "The newest completed step number.",
+                "last_step",
+                1,
+            ),
+            (
+                "costexporter_job_last_step_timestamp_seconds",
+                GaugeMetricFamily,
+                "When the newest step completed (the last progress).",
+                "last_step_ts",
+                1,
+            ),
+            (
+                "costexporter_job_last_checkpoint_timestamp_seconds",
+                GaugeMetricFamily,
+                "When the last checkpoint that saved a step ended.",
+                "last_checkpoint_ts",
+                1,
+            ),
+            (
+                "costexporter_job_stall_threshold_seconds",
+                GaugeMetricFamily,
+                "No step for longer than this is progress stopped.",
+                "stall_threshold_s",
+                1,
+            ),
+            (
+                "costexporter_job_last_progress_timestamp_seconds",
+                GaugeMetricFamily,
+                "The last progress point: the newest step, else the first registration. Never moves back.",
+                "last_progress_ts",
+                1,
+            ),
+            (
+                "costexporter_job_in_allowance",
+                GaugeMetricFamily,
+                "1 while the job is inside a declared phase or its startup, within the allowance.",
+                "in_allowance",
+                1,
+            ),
+            ("costexporter_job_ended", GaugeMetricFamily, "1 once the run ended cleanly.", "ended", 1),
+        ]
+        for metric, kind, help_, key, scale in f:
+            fam = kind(metric, help_, labels=["training_job"])
+            for name, j in sorted(s["jobs"].items()):
+                if j["figures"].get(key) is not None:
+                    fam.add_metric([name], float(j["figures"][key]) * scale)
+            yield fam
+
+
+# Band edges of the job's profile (figure key -> `edge` label), for the dashboard's thresholds.
+BAND_EDGES = {"band_idle_max_w": "idle_max", "band_low_max_w": "low_max", "band_compute_min_w": "compute_min"}
+JOB_INFO = ("team", "namespace", "cost_center", "progress")  # progress="none": a job without steps
+
+
+def _dashboard_families(s):
+    """Job-level series the dashboard filters and draws with (the same on every agent: max):
+    the job's team/namespace/cost center as an info series, and its profile's band edges."""
+    info = GaugeMetricFamily(
+        "costexporter_job_info",
+        "1 per job: team, Kubernetes namespace, cost center and progress (none: no steps) from its meta.",
+        labels=["training_job", *JOB_INFO],
+    )
+    edges = GaugeMetricFamily(
+        "costexporter_job_band_edge_watts",
+        "Power edges of the band profile of the job's GPUs (idle_max, low_max, compute_min).",
+        labels=["training_job", "edge"],
+    )
+    for name, j in sorted(s["jobs"].items()):
+        meta = j.get("meta", {})
+        info.add_metric([name, *(str(meta.get(k) or "") for k in JOB_INFO)], 1)
+        for key, edge in BAND_EDGES.items():
+            if j["figures"].get(key) is not None:
+                edges.add_metric([name, edge], float(j["figures"][key]))
+    yield info
+    yield edges
+
+
+class WatchCollector(Collector):
+    """The watcher's metrics: each job's state as a stateset, seconds since its last step and
+    the suspect rank; the watcher's own health (Redis, webhook deliveries)."""
+
+    def __init__(self, watcher) -> None:
+        self.watcher = watcher
+
+    def collect(self):
+        from costexporter.services.watcher import STATES
+
+        s = self.watcher.snapshot()
+        info = GaugeMetricFamily("costexporter_watch_info", "The watcher: 1.", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        up = GaugeMetricFamily("costexporter_watch_redis_up", "Whether the last poll could read Redis.")
+        up.add_metric([], 1 if s["redis_up"] else 0)
+        yield up
+        state = StateSetMetricFamily(
+            "costexporter_job_state", "The job's state as the watcher decided it.", labels=["training_job"]
+        )
+        since = GaugeMetricFamily(
+            "costexporter_job_seconds_since_last_step",
+            "Seconds from the job's newest completed step to the watcher's last poll.",
+            labels=["training_job"],
+        )
+        suspect = GaugeMetricFamily(
+            "costexporter_job_suspect_rank",
+            "The rank the watcher suspects (the one at 0%, or whose events diverge); -1: none.",
+            labels=["training_job"],
+        )
+        for job, st in sorted(s["status"].items()):
+            state.add_metric([job], {name: name == st.state for name in STATES})
+            if st.seconds_since_last_step is not None:
+                since.add_metric([job], st.seconds_since_last_step)
+            r = (st.suspect or {}).get("rank")
+            suspect.add_metric([job], float(r) if r is not None else -1.0)
+        yield from (state, since, suspect)
+        transitions = CounterMetricFamily("costexporter_watch_transitions", "State transitions seen.")
+        transitions.add_metric([], s["stats"].get("transitions", 0))
+        yield transitions
+        wh = CounterMetricFamily(
+            "costexporter_watch_webhook_deliveries",
+            "Webhook notifications by outcome (sent, retries, failed, dropped).",
+            labels=["outcome"],
+        )
+        for outcome in ("sent", "retries", "failed", "dropped"):
+            wh.add_metric([outcome], s["webhook"].get(outcome, 0))
+        yield wh
+
+
+def registry_for(agent) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(AgentCollector(agent))
+    return reg
+
+
+def watch_registry(watcher) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(WatchCollector(watcher))
+    return reg

@@ -1,0 +1,971 @@
+"""The watcher behind `costexporter watch`: each job's state, decided from outside the job.
+
+R3 (docs/background.md): a watcher on another machine, so it does not hang with the job, tells done from
+crashed from hung. It reads only Redis: the trainers' events (progress, phases, heartbeats) and
+the agents' live GPU state (`<p>:{job}:live:<host>`). Each poll it decides, per job, the first
+state that applies:
+
+* `unknown`: it cannot observe (Redis unreachable, no events). A blind watcher never says healthy.
+* `done`: the run ended (`run end` on rank 0).
+* `crashed`: a rank's heartbeats are gone (no event for `heartbeat_timeout_s`) and no end.
+* `hung`: an agent banded a rank's newest sample after the last step `deadlock` (the spin on any
+  number of GPUs or the cross-rank signature, confirmed by the agent on two samples): seen one
+  agent round after it shows; or progress stopped by the ledger's own rule (no step for longer
+  than the stall threshold of the booking rules, with the same parameters, or a declared phase
+  past its allowance), or the deadlock signature on two consecutive samples of the live GPU state.
+* `starving`: the live GPU state shows data starvation; the straggler is named.
+* `running`: none of the above.
+
+It names a suspect: the rank (host, GPU) at 0% in the signature, else the rank whose events
+diverge from the others' (the one rank inside a phase, or that ended, or whose last step
+differs). Each job's status is written to `<p>:{job}:status` with a TTL, so a watcher that
+stops leaves `unknown` behind rather than a stale `running`. Transitions are POSTed to an
+optional webhook as Alertmanager-style payloads, with retries, off the polling thread; the
+alerting states can also go to Alertmanager's own API (costexporter/services/alertmanager.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from costexporter.core import bands as bands_mod
+from costexporter.core import profiles
+from costexporter.core.booking import NEG_INF, BookingConfig, Regime, Timeline, build_timeline
+from costexporter.core.events import META_THRESHOLDS
+from costexporter.core.fold import TimelineFold, walk_relevant
+from costexporter.core.model import Band, Event
+from costexporter.core.profiles import Profile
+from costexporter.store import ledger, protocol
+from costexporter.store.keys import live_key, status_key
+from costexporter.store.reader import EventReader, read_all_many
+
+log = logging.getLogger("costexporter.watcher")
+JOBS_PER_READ = 100  # a poll reads the jobs' new events 100 jobs per XREAD
+
+STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
+ALERTING = {"crashed", "hung", "starving", "unknown"}
+LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
+# Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's);
+# the others of META_THRESHOLDS are the booking rules'.
+WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
+NO_AGENT_DATA = "no agent data: cannot name a rank"
+MAX_RANK = 1 << 20  # a ranks entry beyond this is not a rank of any real job
+# What one poisoned job (a bad name, stored values of the wrong type) raises: it is set aside.
+SETTLED_MARGIN_MS = 1_000  # `JobView.settled_ms`: events of a rank may be this much out of order
+JUDGE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError)
+
+
+@dataclass
+class WatchConfig:
+    redis_url: str = protocol.DEFAULT_REDIS_URL
+    prefix: str = protocol.DEFAULT_PREFIX
+    booking: BookingConfig = field(default_factory=BookingConfig)
+    poll_s: float = 5.0
+    # No event (heartbeats included; the reporter sends one every 10 s) for this long: the
+    # rank's process is gone.
+    heartbeat_timeout_s: float = 60.0
+    # The trainers' heartbeat: a rank is named as the one that died first only when its silence
+    # started more than two of these before the others' (else they stopped together).
+    heartbeat_interval_s: float = 10.0
+    status_ttl_s: float | None = None  # default max(60 s, 6 polls)
+    forget_after_s: float = 86_400.0  # jobs not seen for this long are no longer watched
+    jobs: tuple[str, ...] = ()  # watch only these (default: every job in `<p>:jobs`)
+    webhook_url: str | None = None
+    webhook_retries: int = 5
+    webhook_timeout_s: float = 5.0
+    webhook_backoff_s: float = 0.5
+    # Alertmanager's base URL: the alerting states are posted to its /api/v2/alerts, resent
+    # every alertmanager_resend_s while they last, resolved when they end.
+    alertmanager_url: str | None = None
+    alertmanager_resend_s: float = 60.0
+    profile: Profile | None = None
+    watcher_id: str = "watcher"
+    # How often the watcher registers how far it has read each job's stream (`<p>:{job}:readers`,
+    # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
+    register_position_s: float | None = 60.0
+    clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
+
+
+@dataclass
+class Status:
+    state: str
+    reason: str
+    since: float
+    updated: float
+    last_step: int | None = None
+    last_step_ts: float | None = None
+    seconds_since_last_step: float | None = None
+    stall_threshold_s: float | None = None
+    suspect: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Rank:
+    last_seen: float = 0.0  # newest event of any type (heartbeats included)
+    last_step: int | None = None
+    open_phases: dict[str, float] = field(default_factory=dict)
+    ended: bool = False  # its latest run event is `end`
+    session: str | None = None  # the rank's newest process
+
+
+@dataclass
+class JobView:
+    """What the watcher knows of one job: its events folded per rank, and its live GPU state."""
+
+    name: str
+    registrations: dict[int, dict] = field(default_factory=dict)
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
+    meta: dict = field(default_factory=dict)
+    # The agents' live hashes as last read: rank -> its newest sample and the band the agent
+    # gave it (ts_ms, power_w, util_pct, band, host, gpu, uuid).
+    agent_live: dict[int, dict] = field(default_factory=dict)
+    # The booking timeline, folded once per event (`fold.TimelineFold`) instead of rebuilt from
+    # every event each poll. It is folded again from every walk-relevant event (rank 0's steps
+    # and runs, every rank's phases: no heartbeats) when an event arrives older than the fold,
+    # the job's start moves or its meta changes the booking thresholds: those of `refold()`
+    # (the watcher reads them from the job's stream), else the ones kept in `walk`.
+    first_ms: int | None = None  # the earliest event seen
+    newest_ms: int = 0
+    walk: list[Event] = field(default_factory=list)
+    refold: Callable[[], list[Event]] | None = None
+    timeline_fold: TimelineFold | None = None
+    fresh: list[Event] = field(default_factory=list)
+    rebuilds: int = 0
+    unfoldable: bool = False  # a declared phase named `startup`: built from every event each poll
+
+    def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
+        """`build_timeline` over every event of the job at `now_ms`, from the fold."""
+        end_ms = max(now_ms, start_ms + 1)
+        f = self.timeline_fold
+        frontier = min(end_ms, max(self.newest_ms - lag_ms, self.settled_ms()))
+
+        def view(f: TimelineFold) -> Timeline | None:
+            if not f.late:  # walk for good what is settled first: the view walks only the rest
+                f.advance(frontier, frontier)
+            return f.timeline(end_ms)
+
+        if f is not None and f.start_ms == start_ms and f.cfg == booking:
+            f.add(self.fresh)
+            self.fresh = []
+            tl = view(f)
+        else:
+            tl = None
+        if tl is None:
+            if f is not None or self.unfoldable:
+                self.rebuilds += 1
+            if self.refold is None:
+                walk = self.walk
+            elif f is None and not self.unfoldable:
+                walk = self.fresh  # the first fold: every event read so far is fresh
+            else:
+                walk = self.refold()
+            f = self.timeline_fold = TimelineFold(booking, start_ms)
+            f.add(walk)
+            self.fresh = []
+            tl = view(f)
+            if tl is None:  # not foldable (a declared phase named `startup`)
+                self.timeline_fold, self.unfoldable = None, True
+                return build_timeline(walk, booking, start_ms, end_ms, final=False)
+        return tl
+
+    def settled_ms(self) -> int:
+        """Up to when every rank's events are in, as far as the watcher can tell: each rank
+        sends its events in time order, so none older than its newest one (less a margin for
+        a process's threads) is to come. The fold walks for good up to here, not just up to
+        `lag_ms` behind the newest event: a poll re-walks a few seconds, not the whole lag. A
+        rank that breaks this costs a refold from the stream (counted), never a wrong view."""
+        if not self.ranks:
+            return NEG_INF
+        return int(min(r.last_seen for r in self.ranks.values()) * 1000) - SETTLED_MARGIN_MS
+
+    def fold(self, events: list[Event]) -> None:
+        ranks = self.ranks
+        for ev in events:
+            t = int(ev.ts * 1000)
+            if self.first_ms is None or t < self.first_ms:
+                self.first_ms = t
+            if t > self.newest_ms:
+                self.newest_ms = t
+            r = ranks.get(ev.rank)
+            if r is None:
+                r = ranks[ev.rank] = _Rank()
+            if ev.ts > r.last_seen:
+                r.last_seen = ev.ts
+            if ev.type == "heartbeat" and ev.session == r.session:  # most events: nothing more
+                continue
+            if walk_relevant(ev):
+                if self.refold is None:
+                    self.walk.append(ev)
+                self.fresh.append(ev)
+            if ev.session and ev.session != r.session:
+                # A new process of the rank: what its older process had open died with it.
+                if r.session is not None:
+                    r.open_phases.clear()
+                    r.ended = False
+                r.session = ev.session
+            if ev.type == "step":
+                r.last_step = int(ev.get("step"))  # type: ignore[arg-type]
+            elif ev.type == "phase":
+                name = str(ev.get("name"))
+                if ev.get("state") == "begin":
+                    r.open_phases[name] = ev.ts
+                else:
+                    r.open_phases.pop(name, None)
+            elif ev.type == "run":
+                r.ended = ev.get("state") == "end"
+                if not r.ended:
+                    r.open_phases.clear()  # a new process starts outside every phase
+                if ev.rank == 0 and ev.get("state") in ("start", "resume"):
+                    # Rank 0 (re)starting the run ends every rank's phases from before it.
+                    for other in self.ranks.values():
+                        other.open_phases = {n: t for n, t in other.open_phases.items() if t > ev.ts}
+            elif ev.type == "register":
+                self.registrations.setdefault(ev.rank, dict(ev.fields))
+            elif ev.type == "meta":
+                self.meta.update(ev.fields)
+
+    def config(self, cfg: WatchConfig) -> WatchConfig:
+        """`cfg` with the job's own thresholds from its meta (`heartbeat_timeout_s`,
+        `stall_floor_s`, `stall_k`, `checkpoint_allowance_s`, ...): a job of 5-minute steps
+        needs other thresholds than one of 5-second steps. Unusable values are ignored."""
+        watch_kw, booking_kw = {}, {}
+        for key, value in self.meta.items():
+            if key not in META_THRESHOLDS:
+                continue
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                continue
+            if not (v == v and 0 < v < 1e9):
+                continue
+            (watch_kw if key in WATCH_THRESHOLDS else booking_kw)[key] = v
+        if not watch_kw and not booking_kw:
+            return cfg
+        return dataclasses.replace(cfg, booking=dataclasses.replace(cfg.booking, **booking_kw), **watch_kw)
+
+    def where(self, rank: int) -> dict:
+        reg = self.registrations.get(rank, {})
+        return {"rank": rank, "host": reg.get("host"), "gpu": reg.get("gpu")}
+
+
+def human(seconds: float) -> str:
+    """A duration for people: 45s, 12m30s, 4h17m."""
+    s = max(round(seconds), 0)
+    if s < 120:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s" if s % 60 else f"{s // 60}m"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+# ---- the decision (pure: no Redis) ---------------------------------------------------------
+def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None = None) -> Status:
+    """The job's state at `now` (Unix seconds, the clock of the trainers' timestamps)."""
+
+    def status(state: str, reason: str, suspect: dict | None = None, **kw) -> Status:
+        since = previous.since if previous is not None and previous.state == state else now
+        return Status(state, reason, since, now, suspect=suspect, **kw)
+
+    if view.first_ms is None:
+        return status("unknown", "no events from the job yet")
+    cfg = view.config(cfg)
+    start_ms = view.first_ms
+    if view.registrations:
+        start_ms = min(
+            start_ms, int(min(float(r.get("ts", 1e18)) for r in view.registrations.values()) * 1000)
+        )
+    now_ms = int(now * 1000)
+    tl = view.timeline(cfg.booking, start_ms, now_ms, lag_ms=30_000)
+    last = tl.steps[-1] if tl.steps else None
+    progress = dict(
+        last_step=last.step if last else None,
+        last_step_ts=last.ts_ms / 1000 if last else None,
+        seconds_since_last_step=round(now - last.ts_ms / 1000, 3) if last else None,
+        stall_threshold_s=tl.stall_threshold_ms / 1000,
+    )
+    if tl.end_ms is not None:
+        return status("done", "the run ended", **progress)
+
+    # Crashed: a rank that has not ended went silent.
+    members = sorted(set(view.registrations) | set(view.ranks))
+    running = [r for r in members if not view.ranks.get(r, _Rank()).ended]
+    silent = [r for r in running if now - view.ranks.get(r, _Rank()).last_seen > cfg.heartbeat_timeout_s]
+    if running and silent:
+        who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
+        quiet = now - max(view.ranks.get(r, _Rank()).last_seen for r in silent)
+        return status(
+            "crashed",
+            f"no heartbeat from {who} for {human(quiet)} and no run end",
+            _first_silent(view, running, silent, cfg.heartbeat_interval_s),
+            **progress,
+        )
+
+    live = _live_bands(view, cfg)
+    i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
+    stalled = 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.STALL
+    overrun = _phase_overrun(view, tl, now)
+    if live is not None and live["deadlock"] is not None:
+        r = live["deadlock"]
+        return status(
+            "hung",
+            f"deadlock signature on two consecutive samples: rank {r} at 0%, the rest busy at low power",
+            {**view.where(r), "why": "0% utilization in the deadlock signature"},
+            **progress,
+        )
+    hang = _agent_hang(view, tl, now, cfg)  # names the GPU, also past the stall threshold
+    if hang is not None:
+        return status("hung", hang[0], hang[1], **progress)
+    if stalled or overrun:
+        if overrun:
+            name, rank, open_s, allow_s = overrun
+            reason = f"{name} on rank {rank} open for {human(open_s)}, past its {human(allow_s)} allowance"
+        else:
+            since = last.ts_ms / 1000 if last else start_ms / 1000
+            threshold = human(tl.stall_threshold_ms / 1000)
+            reason = f"no step for {human(now - since)} (stall threshold {threshold})"
+        suspect = _divergent(view, running) or _zero_util_rank(view, cfg)
+        return status("hung", reason, suspect, **progress)
+    if live is not None and live["straggler"] is not None:
+        r = live["straggler"]
+        return status(
+            "starving",
+            f"data starvation: rank {r} lowest in utilization",
+            {**view.where(r), "why": "straggler"},
+            **progress,
+        )
+    return status("running", "steps advancing", **progress)
+
+
+def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, dict] | None:
+    """A hang the agents already see: a rank whose newest sample, after the job's last step,
+    the agent banded `deadlock`. The agent confirms that band on two consecutive samples: the
+    spin on any number of GPUs (~100% utilization at idle-level power, no step) or the
+    cross-rank deadlock signature. So the watcher says `hung` the first poll after the agent's
+    round that saw it, not a stall threshold later. Inside a declared phase within its
+    allowance the phase decides, as booking does."""
+    now_ms = int(now * 1000)
+    last_ms = tl.steps[-1].ts_ms if tl.steps else tl.start_ms
+    stale_ms = int(cfg.heartbeat_timeout_s * 1000)
+    dead = {
+        r: e
+        for r, e in view.agent_live.items()
+        if e["band"] == "deadlock" and e["ts_ms"] > last_ms and now_ms - e["ts_ms"] <= stale_ms
+    }
+    if not dead:
+        return None
+    i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
+    if 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.OVERHEAD:
+        return None
+    zero_pct = _profile(view, cfg).zero_util_pct
+    zero = [r for r in sorted(dead) if dead[r]["util_pct"] <= zero_pct]
+    r = zero[0] if zero else min(dead)
+    e = dead[r]
+    where = view.where(r)
+    where = {
+        "rank": r,
+        "host": where["host"] if where["host"] is not None else e.get("host"),
+        "gpu": where["gpu"] if where["gpu"] is not None else e.get("gpu"),
+    }
+    if e.get("uuid"):
+        where["uuid"] = e["uuid"]
+    gpu = f"{where['host']} GPU {where['gpu']}"
+    quiet = human(now - last_ms / 1000)
+    if zero:
+        reason = (
+            f"deadlock signature: rank {r} ({gpu}) at {e['util_pct']:.0f}% utilization while "
+            f"ranks {sorted(dead)} sit at low power, no step for {quiet}"
+        )
+        why = "0% utilization in the deadlock signature"
+    else:
+        reason = (
+            f"spin signature: rank {r} ({gpu}) at {e['util_pct']:.0f}% utilization drawing "
+            f"{e['power_w']:.0f} W, idle-level power, no step for {quiet}"
+        )
+        why = "spinning at ~100% utilization at idle-level power with no step"
+    return reason, {**where, "why": why}
+
+
+def _phase_overrun(view: JobView, tl, now: float) -> tuple[str, int, float, float] | None:
+    """A declared phase still open past its allowance (rank 0's are job-wide; any rank's counts)."""
+    for rank in sorted(view.ranks):
+        for name, begin in view.ranks[rank].open_phases.items():
+            allow = tl.allowances.current(name) / 1000
+            if now - begin > allow:
+                return name, rank, now - begin, allow
+    return None
+
+
+def _first_silent(view: JobView, running: list[int], silent: list[int], interval_s: float) -> dict:
+    """The rank whose silence started measurably first (more than two heartbeat intervals
+    before any other rank's), else none: when torchrun's survivors are SIGTERMed within
+    milliseconds of a kill -9, the first to stop cannot be told from its heartbeats."""
+    seen = sorted((view.ranks.get(r, _Rank()).last_seen, r) for r in running)
+    first_ts, first = seen[0]
+    if first in silent and (len(seen) == 1 or seen[1][0] - first_ts > 2 * interval_s):
+        return {**view.where(first), "why": "heartbeats gone first"}
+    together = "all ranks" if len(silent) == len(running) else f"ranks {sorted(silent)}"
+    return _unnamed(f"{together} stopped together")
+
+
+def _unnamed(why: str) -> dict:
+    """A suspect without a rank: why none can be named."""
+    return {"rank": None, "host": None, "gpu": None, "why": why}
+
+
+def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
+    """A hang whose events do not diverge (a DDP hang keeps the ranks in lockstep, and the hung
+    rank's reporter thread keeps heartbeating): the agents' live state names the rank at 0%
+    while the others spin. Without agent data no rank can be named."""
+    if not view.live:
+        return _unnamed(NO_AGENT_DATA)
+    newest: dict[int, tuple[int, float]] = {}
+    for snap in view.live:
+        for rank, ts, _power, util in snap:
+            if rank not in newest or ts >= newest[rank][0]:
+                newest[rank] = (ts, util)
+    profile = _profile(view, cfg)
+    zero = [r for r, (_, u) in newest.items() if u <= profile.zero_util_pct]
+    busy = [r for r, (_, u) in newest.items() if u >= profile.busy_util_pct]
+    if len(zero) == 1 and len(busy) * 2 >= len(newest):
+        return {**view.where(zero[0]), "why": "0% utilization while the other ranks spin"}
+    return _unnamed("the agents' live state names no single rank at 0%")
+
+
+def _profile(view: JobView, cfg: WatchConfig) -> Profile:
+    model = view.meta.get("gpu_model")
+    try:
+        return cfg.profile or profiles.select(str(model) if model else None, None)
+    except profiles.ProfileError:
+        return profiles.B300
+
+
+def _divergent(view: JobView, running: list[int]) -> dict | None:
+    """The rank whose events differ from the others': the one inside a phase the rest are not
+    in, the one that ended, or the one whose last step differs from the majority's."""
+    ranks = [r for r in sorted(view.ranks) if r in running or view.ranks[r].ended]
+    if len(ranks) < 2:
+        return None
+    inside = [r for r in ranks if view.ranks[r].open_phases]
+    if 0 < len(inside) * 2 < len(ranks):
+        r = inside[0]
+        name = next(iter(view.ranks[r].open_phases))
+        return {**view.where(r), "why": f"the only rank(s) inside {name}: {inside}"}
+    ended = [r for r in ranks if view.ranks[r].ended]
+    if 0 < len(ended) * 2 < len(ranks):
+        return {**view.where(ended[0]), "why": f"left the run while the others did not: {ended}"}
+    steps = {r: view.ranks[r].last_step for r in ranks if view.ranks[r].last_step is not None}
+    if len(steps) >= 2:
+        common, n = collections.Counter(steps.values()).most_common(1)[0]
+        odd = [r for r, s in steps.items() if s != common]
+        if odd and n * 2 > len(steps):
+            return {
+                **view.where(odd[0]),
+                "why": f"last step {steps[odd[0]]} while the others are at {common}",
+            }
+    return None
+
+
+def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
+    """Classify the live snapshots seen so far: a rank in a confirmed deadlock signature (at 0%)
+    at the newest moment, or the straggler of a starvation lasting two moments."""
+    rows = [x for snap in view.live for x in snap]
+    if not rows:
+        return None
+    arr = np.asarray(sorted(set(rows)), np.float64)  # (rank, ts_ms, power, util), de-duplicated
+    rank, ts = arr[:, 0].astype(np.int64), arr[:, 1].astype(np.int64)
+    if np.unique(ts).size < 2:
+        return None
+    n_ranks = int(max(rank.max(), max(view.registrations, default=0))) + 1
+    profile = _profile(view, cfg)
+    res = bands_mod.classify(
+        rank,
+        ts,
+        arr[:, 2],
+        arr[:, 3],
+        n_ranks,
+        profile,
+        grid_ms=int(cfg.booking.grid_s * 1000),
+        gap_intervals=cfg.booking.gap_intervals,
+        checkpoint_allowance_ms=cfg.booking.default_allowance_ms("checkpoint"),
+    )
+    newest = ts == ts.max()
+    # The newest moment of each rank (ranks on other hosts may lag by a round).
+    last_of = {int(r): i for i, r in enumerate(rank.tolist())}  # sorted by (rank, ts): last wins
+    idx = np.asarray(sorted(last_of.values()))
+    band = res.band[idx]
+    out = {"deadlock": None, "straggler": None}
+    if (band == Band.DEADLOCK).any() and newest[idx].any():
+        zero = idx[arr[idx, 3] <= profile.zero_util_pct]
+        out["deadlock"] = int(rank[zero[0]]) if zero.size else int(rank[idx[0]])
+    starving_moments = np.unique(ts[res.band == Band.STARVATION]).size
+    if (band == Band.STARVATION).any() and starving_moments >= 2 and res.straggler_rank is not None:
+        out["straggler"] = res.straggler_rank
+    return out
+
+
+# ---- notifications -----------------------------------------------------------------------
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:
+    labels = {
+        "alertname": "Job" + st.state.capitalize(),
+        "training_job": job,
+        "state": st.state,
+        "severity": "critical"
+        if st.state in ("hung", "crashed")
+        else "warning"
+        if st.state in ALERTING
+        else "info",
+    }
+    if st.suspect and st.suspect.get("rank") is not None:
+        labels["suspect_rank"] = str(st.suspect["rank"])
+    fp = hashlib.sha256(f"{prefix}|{job}|{st.state}".encode()).hexdigest()[:16]
+    return {
+        "status": status,
+        "labels": labels,
+        "annotations": {
+            "summary": f"training job {job} is {st.state}",
+            "description": st.reason,
+            "suspect": json.dumps(st.suspect) if st.suspect else "",
+        },
+        "startsAt": _iso(st.since),
+        "endsAt": _iso(now) if status == "resolved" else "0001-01-01T00:00:00Z",
+        "generatorURL": "",
+        "fingerprint": fp,
+    }
+
+
+def notification(job: str, old: Status | None, new: Status, now: float, prefix: str) -> dict:
+    """An Alertmanager webhook payload (version 4) for one transition: the old state's alert
+    resolved, the new state's firing."""
+    alerts = []
+    if old is not None and old.state in ALERTING:
+        alerts.append(_alert(job, old, "resolved", now, prefix))
+    alerts.append(_alert(job, new, "firing", now, prefix))
+    common = {"training_job": job}
+    return {
+        "version": "4",
+        "receiver": "costexporter-watch",
+        "status": "firing",
+        "groupKey": f'{{}}:{{training_job="{job}"}}',
+        "truncatedAlerts": 0,
+        "groupLabels": common,
+        "commonLabels": common,
+        "commonAnnotations": {},
+        "externalURL": "",
+        "alerts": alerts,
+    }
+
+
+class Webhook:
+    """POSTs payloads on its own thread, retrying with exponential backoff, so a slow or down
+    receiver never delays the watcher's polls. Counts what was sent, retried and given up."""
+
+    def __init__(self, url: str, retries: int = 5, timeout_s: float = 5.0, backoff_s: float = 0.5) -> None:
+        self.url, self.retries, self.timeout_s, self.backoff_s = url, retries, timeout_s, backoff_s
+        self.q: queue.Queue = queue.Queue(maxsize=10_000)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="costexporter-webhook", daemon=True)
+        self._thread.start()
+
+    def send(self, payload: dict) -> None:
+        try:
+            self.q.put_nowait(payload)
+        except queue.Full:
+            self.stats["dropped"] += 1
+
+    def _post(self, payload: dict) -> None:
+        req = urllib.request.Request(
+            self.url,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json", "User-Agent": "costexporter-watch"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            resp.read()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                payload = self.q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            for attempt in range(self.retries + 1):
+                try:
+                    self._post(payload)
+                    self.stats["sent"] += 1
+                    break
+                except (urllib.error.URLError, OSError, ValueError) as e:
+                    if attempt == self.retries:
+                        self.stats["failed"] += 1
+                        log.warning("webhook %s: giving up after %d tries: %s", self.url, attempt + 1, e)
+                        break
+                    self.stats["retries"] += 1
+                    if self._stop.wait(self.backoff_s * 2**attempt):
+                        return
+            self.q.task_done()
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait until every queued payload was sent or given up (tests, shutdown)."""
+        end = time.monotonic() + timeout
+        while self.q.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.drain(2.0)
+        self._stop.set()
+
+
+# ---- the polling loop --------------------------------------------------------------------
+def _registration(rank: str | bytes, raw: str | bytes) -> tuple[int, dict] | None:
+    """A ranks-hash entry as (rank, registration), or None when it is not a JSON object with a
+    usable rank and timestamp (the hash is writable by every trainer)."""
+    try:
+        r, entry = int(rank), json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(entry, dict) or not 0 <= r < MAX_RANK:
+        return None
+    try:
+        if "ts" in entry:
+            entry["ts"] = float(entry["ts"])
+    except (TypeError, ValueError):
+        return None
+    return r, entry
+
+
+def _still_done(prev: Status, now: float) -> Status:
+    """`decide` for a job it found `done` whose view has had no event since, at a later `now`:
+    an ended run stays ended and its last step stays its last, so only the time since that step
+    moves (a watcher of a day's jobs holds many ended ones; they cost nothing to re-judge)."""
+    since_step = None if prev.last_step_ts is None else round(now - prev.last_step_ts, 3)
+    return dataclasses.replace(prev, updated=now, seconds_since_last_step=since_step)
+
+
+class Watcher:
+    def __init__(self, cfg: WatchConfig) -> None:
+        import redis
+
+        self.cfg = cfg
+        self.redis = protocol.connect(cfg.redis_url)
+        self._errors = (redis.RedisError, OSError)
+        self.views: dict[str, JobView] = {}
+        self.readers: dict[str, EventReader] = {}
+        self.status: dict[str, Status] = {}
+        self.bad_jobs: dict[str, str] = {}  # job -> why it is skipped (logged once)
+        self._unregistered: set[str] = set()  # views whose ranks hash is still to be read
+        self._hosts: dict[str, tuple[dict, int, list[str]]] = {}  # `_live_hosts`' cache
+        # Jobs decided `done`, with the view that was: while no new event arrives, still done.
+        self._ended: dict[str, JobView] = {}
+        # The latest transitions (job, state, reason, the clock's time), for views and tests.
+        self.history: collections.deque[tuple[str, str, str, float]] = collections.deque(maxlen=1000)
+        self.redis_up = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.webhook = (
+            Webhook(cfg.webhook_url, cfg.webhook_retries, cfg.webhook_timeout_s, cfg.webhook_backoff_s)
+            if cfg.webhook_url
+            else None
+        )
+        self.alertmanager = None
+        if cfg.alertmanager_url:
+            from costexporter.services.alertmanager import Alertmanager
+
+            self.alertmanager = Alertmanager(
+                cfg.alertmanager_url,
+                resend_s=cfg.alertmanager_resend_s,
+                retries=cfg.webhook_retries,
+                timeout_s=cfg.webhook_timeout_s,
+                backoff_s=cfg.webhook_backoff_s,
+            )
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self.ttl = int(cfg.status_ttl_s or max(60.0, 6 * cfg.poll_s))
+        self._positions: dict[str, float] = {}  # job -> when its stream position was last registered
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.cfg.poll_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for sender in (self.webhook, self.alertmanager):
+            if sender is not None:
+                sender.stop()
+
+    def poll(self) -> dict[str, Status]:
+        """One round: read every watched job, decide, write the statuses, notify transitions."""
+        now = self.cfg.clock()
+        try:
+            decided = self._poll(now)
+            self._register_positions(now, decided)
+            self.redis_up = True
+        except self._errors as e:
+            self.stats["redis_errors"] += 1
+            if self.redis_up or self.stats["redis_errors"] % 60 == 1:
+                log.warning("Redis unreachable: every job is unknown (%s)", e)
+            self.redis_up = False
+            decided = {
+                job: Status("unknown", f"the watcher cannot read Redis: {type(e).__name__}", now, now)
+                for job in (self.status or {})
+            }
+            for job, st in decided.items():
+                prev = self.status.get(job)
+                if prev is not None and prev.state == "unknown":
+                    st.since = prev.since
+        self._transitions(decided, now)
+        return decided
+
+    def _poll(self, now: float) -> dict[str, Status]:
+        cfg = self.cfg
+        jobs = list(cfg.jobs) or self.redis.zrangebyscore(
+            protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
+        )
+        decided: dict[str, Status] = {}
+        for i in range(0, len(jobs), JOBS_PER_READ):
+            # One XREAD for the next jobs' events (bounded memory), one round trip for their
+            # registrations (first seen only) and one for the agents' live hashes, then decide.
+            batch = [j for j in jobs[i : i + JOBS_PER_READ] if j not in self.bad_jobs]
+            fresh = self._read_events(batch)
+            views: dict[str, JobView] = {}
+            quiet: set[str] = set()  # jobs without a new event this poll
+            for job in batch:
+                try:
+                    events = fresh.pop(job, [])
+                    views[job] = self._fold(job, events)
+                    if not events:
+                        quiet.add(job)
+                except self._errors:
+                    raise
+                except JUDGE_ERRORS as e:
+                    self._set_aside(job, e)
+            self._read_registrations([v for j, v in views.items() if j in self._unregistered])
+            for job, e in self._read_live_many(list(views.values())).items():
+                self._set_aside(job, e)
+                del views[job]
+            for job, view in views.items():
+                prev = self.status.get(job)
+                ended = job in quiet and self._ended.get(job) is view
+                try:
+                    if ended and prev is not None and prev.state == "done" and now >= prev.updated:
+                        decided[job] = _still_done(prev, now)  # what decide() answers, without its work
+                    else:
+                        decided[job] = decide(view, now, cfg, prev)
+                except JUDGE_ERRORS as e:
+                    self._set_aside(job, e)
+                    continue
+                if decided[job].state == "done":
+                    self._ended[job] = view
+                else:
+                    self._ended.pop(job, None)
+        pipe = self.redis.pipeline(transaction=False)
+        for job, st in decided.items():
+            # vars(): what asdict() gives, without its deep copy (the same JSON, a 10th of the time)
+            pipe.set(status_key(cfg.prefix, job), json.dumps(vars(st)), ex=self.ttl)
+        pipe.execute()
+        return decided
+
+    def _register_positions(self, now: float, jobs) -> None:
+        """Register how far this watcher has read the stream of each job it judged (at most every
+        `register_position_s`, one pipeline): the agents keep the stream from there on. A job it
+        no longer watches stops being refreshed, so its entry goes stale and pins nothing."""
+        every = self.cfg.register_position_s
+        if every is None:
+            return
+        pipe = None
+        for job in jobs:
+            reader = self.readers.get(job)
+            if reader is None or reader.cursor in ("0", "0-0"):
+                continue
+            if now - self._positions.get(job, float("-inf")) < every:
+                continue
+            pipe = pipe or self.redis.pipeline(transaction=False)
+            ledger.queue_position(pipe, self.cfg.prefix, job, f"watcher:{self.cfg.watcher_id}", reader.cursor)
+            self._positions[job] = now
+        if pipe is not None:
+            pipe.execute()
+
+    def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
+        """Every job's new events, one XREAD for all of them; a job whose name is refused is
+        left to `_judge`, which sets it aside."""
+        readers = []
+        for job in jobs:
+            if job not in self.readers:
+                try:
+                    self.readers[job] = EventReader(self.redis, job, self.cfg.prefix)  # checks the name
+                except ValueError:
+                    continue
+                self.views.pop(job, None)  # a new reader: the view is read from the start again
+            readers.append(self.readers[job])
+        return read_all_many(self.redis, readers)
+
+    def _refold_source(self, job: str) -> Callable[[], list[Event]]:
+        """The job's walk-relevant events up to where its reader is, read again from its stream
+        (to fold its timeline again; the view keeps none of them)."""
+
+        def read() -> list[Event]:
+            self.stats["timeline_rebuilds"] += 1  # an event older than the fold, a moved start
+            reader = EventReader(self.redis, job, self.cfg.prefix)
+            return reader.read_until(self.readers[job].cursor, keep=walk_relevant)
+
+        return read
+
+    def _set_aside(self, job: str, e: Exception) -> None:
+        """One poisoned job (a bad name, stored values of the wrong type) must not stop the others."""
+        self.bad_jobs[job] = f"{type(e).__name__}: {e}"
+        self.stats["bad_jobs"] += 1
+        self.views.pop(job, None)
+        self.readers.pop(job, None)
+        self._hosts.pop(job, None)
+        self._ended.pop(job, None)
+        log.warning("job %r skipped: %s", job, self.bad_jobs[job])
+
+    def _fold(self, job: str, events: list[Event]) -> JobView:
+        """The job's view with its new events folded in."""
+        if job not in self.readers:
+            self.readers[job] = EventReader(self.redis, job, self.cfg.prefix)  # checks the name
+        if job not in self.views:
+            self.views[job] = JobView(job, refold=self._refold_source(job))
+            self._unregistered.add(job)
+        view = self.views[job]
+        view.fold(events)
+        return view
+
+    def _read_registrations(self, views: list[JobView]) -> None:
+        """Registrations arrive as `register` events; the hash keeps them once their events are
+        trimmed away, so it is read once, when the job is first seen (one round trip for all)."""
+        if not views:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for view in views:
+            pipe.hgetall(protocol.ranks_key(self.cfg.prefix, view.name))
+        for view, raw in zip(views, pipe.execute(), strict=True):
+            self._unregistered.discard(view.name)
+            for rank, value in raw.items():
+                entry = _registration(rank, value)
+                if entry is None:
+                    self.stats["bad_registrations"] += 1
+                    continue
+                view.registrations.setdefault(*entry)
+
+    def _judge(self, job: str, now: float, events: list[Event]) -> Status:
+        """One job read and decided on its own (`_poll` does the same for many jobs at once)."""
+        view = self._fold(job, events)
+        self._read_registrations([view] if job in self._unregistered else [])
+        self._read_live(view)
+        return decide(view, now, self.cfg, self.status.get(job))
+
+    def _read_live(self, view: JobView) -> None:
+        for e in self._read_live_many([view]).values():
+            raise e
+
+    def _live_hosts(self, view: JobView) -> list[str]:
+        """The job's registered hosts, worked out again only when a rank registers (the
+        registrations only grow)."""
+        regs = view.registrations
+        got = self._hosts.get(view.name)
+        if got is None or got[0] is not regs or got[1] != len(regs):
+            hosts = sorted({str(r.get("host")) for r in regs.values() if r.get("host")})
+            got = self._hosts[view.name] = (regs, len(regs), hosts)
+        return got[2]
+
+    def _read_live_many(self, views: list[JobView]) -> dict[str, Exception]:
+        """The agents' live hashes of every host of these jobs, in one round trip; returns the
+        jobs whose stored values could not be used (each set aside by the caller)."""
+        bad: dict[str, Exception] = {}
+        keys: list[tuple[JobView, list[str]]] = []
+        pipe = self.redis.pipeline(transaction=False)
+        for view in views:
+            try:
+                hosts = self._live_hosts(view)
+            except JUDGE_ERRORS as e:
+                bad[view.name] = e
+                continue
+            if not hosts:
+                continue
+            keys.append((view, hosts))
+            for h in hosts:
+                pipe.hgetall(live_key(self.cfg.prefix, view.name, h))
+        if not keys:
+            return bad
+        replies = iter(pipe.execute())
+        for view, hosts in keys:
+            got = [(h, next(replies)) for h in hosts]
+            try:
+                self._apply_live(view, got)
+            except JUDGE_ERRORS as e:
+                bad[view.name] = e
+        return bad
+
+    def _apply_live(self, view: JobView, replies: list[tuple[str, dict]]) -> None:
+        snap, agent_live = [], {}
+        for h, raw in replies:
+            for rank, v in raw.items():
+                try:
+                    d = json.loads(v)
+                    row = (int(rank), int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"]))
+                    band = d.get("band")
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    self.stats["bad_live"] += 1
+                    continue
+                snap.append(row)
+                if isinstance(band, str):
+                    gpu = d.get("gpu")
+                    agent_live[row[0]] = {
+                        "ts_ms": row[1],
+                        "power_w": row[2],
+                        "util_pct": row[3],
+                        "band": band,
+                        "host": h,
+                        "gpu": gpu if isinstance(gpu, int) else None,
+                        "uuid": d.get("uuid") if isinstance(d.get("uuid"), str) else None,
+                    }
+        view.agent_live = agent_live
+        if snap and (not view.live or set(snap) != set(view.live[-1])):
+            view.live.append(tuple(snap))
+
+    def _transitions(self, decided: dict[str, Status], now: float) -> None:
+        if self.alertmanager is not None:
+            self.alertmanager.update(decided)
+        with self.lock:
+            for job, st in decided.items():
+                old = self.status.get(job)
+                self.status[job] = st
+                if old is None or old.state != st.state:
+                    self.stats["transitions"] += 1
+                    self.history.append((job, st.state, st.reason, now))
+                    log.info("%s: %s -> %s (%s)", job, old.state if old else "-", st.state, st.reason)
+                    if self.webhook is not None:
+                        self.webhook.send(notification(job, old, st, now, self.cfg.prefix))
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {
+                "status": dict(self.status),
+                "redis_up": self.redis_up,
+                "stats": dict(self.stats),
+                "webhook": dict(self.webhook.stats) if self.webhook else {},
+                "alertmanager": dict(self.alertmanager.stats) if self.alertmanager else {},
+                "now": self.cfg.clock(),
+            }

@@ -1,0 +1,360 @@
+"""Synthetic traces shaped like REFERENCE R2: a scenario of stretches in, samples and events out.
+
+Used by the tests, the benchmark and the shipped example; the `sim` source builds on it. Power
+and utilization per state follow the B300 triage table (R2) with a little noise.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from costexporter.core.model import Event, GpuId, Samples
+
+# (power low, power high, util low, util high) per state, from REFERENCE R2.
+STATES = {
+    "compute": (940.0, 1040.0, 100.0, 100.0),
+    "communication": (630.0, 650.0, 100.0, 100.0),
+    "starvation": (560.0, 590.0, 85.0, 100.0),
+    "deadlock": (190.0, 195.0, 100.0, 100.0),
+    "checkpoint": (188.0, 196.0, 100.0, 100.0),
+    "idle": (130.0, 140.0, 0.0, 0.0),
+    "crashloop": (130.0, 1000.0, 0.0, 100.0),
+}
+
+
+@dataclass
+class TraceBuilder:
+    """Builds a job's trace stretch by stretch. Rank r trains on GPU r % per_host of host r // per_host."""
+
+    n_gpus: int = 16
+    per_host: int = 8
+    interval_s: float = 1.0
+    t0: float = 1_753_570_000.0  # 2025-07-26 22:46:40 UTC
+    job: str = "r1"
+    seed: int = 0
+    register: bool = True
+    host_prefix: str = "node"
+    gpu_name: str = "NVIDIA B300"
+    states: dict = field(default_factory=lambda: dict(STATES))  # state -> (W lo, W hi, % lo, % hi)
+    t: float = field(init=False)
+    step: int = field(init=False, default=0)
+    _rows: list = field(init=False, default_factory=list)
+    events: list[Event] = field(init=False, default_factory=list)
+    _seq: dict = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.t = self.t0
+        self.rng = np.random.default_rng(self.seed)
+        if self.register:
+            for r in range(self.n_gpus):
+                h, g = self.host_of(r)
+                self.event(
+                    "register",
+                    rank=r,
+                    host=h,
+                    gpu=g,
+                    gpu_uuid=self.uuid(r),
+                    local_rank=g,
+                    world_size=self.n_gpus,
+                    pid=1000 + r,
+                )
+
+    def host_of(self, rank: int) -> tuple[str, int]:
+        return f"{self.host_prefix}{rank // self.per_host}", rank % self.per_host
+
+    def uuid(self, rank: int) -> str:
+        return f"GPU-{self.seed:04x}{rank:04x}-0000-4000-8000-{rank:012x}"
+
+    def event(self, type: str, rank: int = 0, ts: float | None = None, **fields) -> None:
+        seq = self._seq.get(rank, 0)
+        self._seq[rank] = seq + 1
+        self.events.append(
+            Event(
+                type,
+                self.job,
+                self.t if ts is None else ts,
+                rank,
+                f"s{rank}",
+                seq,
+                {k: v for k, v in fields.items() if v is not None},
+            )
+        )
+
+    # Run and phase markers --------------------------------------------------------------
+    def run(self, state: str, step: int | None = None) -> TraceBuilder:
+        self.event("run", state=state, step=step)
+        if state == "resume" and step is not None:
+            self.step = step
+        return self
+
+    def phase(self, name: str, state: str, rank: int = 0, step: int | None = None) -> TraceBuilder:
+        self.event("phase", rank=rank, name=name, state=state, step=step)
+        return self
+
+    def meta(self, **fields) -> TraceBuilder:
+        self.event("meta", **fields)
+        return self
+
+    # Stretches ---------------------------------------------------------------------------
+    def stretch(
+        self,
+        state: str,
+        duration_s: float,
+        *,
+        step_s: float | None = None,
+        tokens: int | None = None,
+        zero_ranks: tuple[int, ...] = (),
+        straggler: int | None = None,
+        step_ranks: tuple[int, ...] = (0,),
+        gpus: tuple[int, ...] | None = None,
+    ) -> TraceBuilder:
+        """`duration_s` of one state on every GPU; steps every `step_s` posted by `step_ranks`."""
+        n_t = max(round(duration_s / self.interval_s), 0)
+        ts = self.t + np.arange(n_t) * self.interval_s
+        ranks = np.arange(self.n_gpus) if gpus is None else np.asarray(gpus)
+        p_lo, p_hi, u_lo, u_hi = self.states[state]
+        shape = (ranks.size, n_t)
+        power = self.rng.uniform(p_lo, p_hi, shape)
+        util = self.rng.uniform(u_lo, u_hi, shape).round()
+        if state == "crashloop":  # restarts: busy a while, then down
+            busy = (np.arange(n_t) // max(1, int(60 / self.interval_s))) % 3 != 2
+            power = np.where(busy, self.rng.uniform(700, 1000, shape), 135.0)
+            util = np.where(busy, self.rng.uniform(30, 100, shape).round(), 0.0)
+        for z in zero_ranks:
+            util[ranks == z] = 0.0
+        if straggler is not None:
+            util[ranks == straggler] = self.rng.uniform(55, 65, (1, n_t)).round()
+        self._rows.append((ranks, ts, power, util))
+        if step_s:
+            k = 1
+            while k * step_s <= duration_s + 1e-9:
+                self.step += 1
+                for r in step_ranks:
+                    self.event(
+                        "step",
+                        rank=r,
+                        ts=self.t + k * step_s,
+                        step=self.step,
+                        tokens=tokens if r == 0 else None,
+                    )
+                k += 1
+        self.t += n_t * self.interval_s
+        return self
+
+    def gap(self, duration_s: float) -> TraceBuilder:
+        """Time passes with no samples from any GPU."""
+        self.t += duration_s
+        return self
+
+    # Output ------------------------------------------------------------------------------
+    def gpu_ids(self) -> list[GpuId]:
+        return [GpuId(*self.host_of(r), uuid=self.uuid(r), name=self.gpu_name) for r in range(self.n_gpus)]
+
+    def samples(self, energy_counter: bool = False) -> Samples:
+        gpu = (
+            np.concatenate([np.repeat(r, ts.size) for r, ts, _, _ in self._rows])
+            if self._rows
+            else np.zeros(0, int)
+        )
+        ts = (
+            np.concatenate([np.tile(ts, r.size) for r, ts, _, _ in self._rows]) if self._rows else np.zeros(0)
+        )
+        pw = np.concatenate([p.ravel() for _, _, p, _ in self._rows]) if self._rows else np.zeros(0)
+        ut = np.concatenate([u.ravel() for _, _, _, u in self._rows]) if self._rows else np.zeros(0)
+        s = Samples(
+            self.gpu_ids(),
+            gpu.astype(np.int32),
+            np.round(ts * 1000).astype(np.int64),
+            pw.round(2),
+            ut,
+            np.full(gpu.size, np.nan),
+        ).sort()
+        if energy_counter:
+            e = np.zeros(len(s))
+            for g in range(self.n_gpus):
+                m = s.gpu == g
+                dt_ms = np.diff(s.ts_ms[m], prepend=s.ts_ms[m][:1])
+                e[m] = np.cumsum(s.power_w[m] * dt_ms)
+            s.energy_mj = e
+        return s
+
+    def write_events(self, path: Path) -> Path:
+        return write_events_jsonl(self.events, path)
+
+
+def write_events_jsonl(events: list[Event], path: Path) -> Path:
+    """Events as protocol v1 JSONL, in time order."""
+    import json
+
+    with path.open("w") as f:
+        for e in sorted(events, key=lambda e: e.ts):
+            d = {
+                "v": "1",
+                "type": e.type,
+                "job": e.job,
+                "ts": round(e.ts, 3),
+                "rank": e.rank,
+                "session": e.session,
+                "seq": e.seq,
+                **e.fields,
+            }
+            f.write(json.dumps(d) + "\n")
+    return path
+
+
+def _local_stamps(ts_ms: np.ndarray, tz: dt.tzinfo | None) -> np.ndarray:
+    """nvidia-smi's timestamp text ('2025/07/26 23:53:30.945') in zone `tz` (None: UTC)."""
+    if tz is None:
+        local = ts_ms
+    else:  # the zone's offset per distinct second, DST included
+        secs, inv = np.unique(ts_ms // 1000, return_inverse=True)
+        off = np.array([dt.datetime.fromtimestamp(int(x), tz).utcoffset().total_seconds() for x in secs])
+        local = ts_ms + (off[inv] * 1000).astype(np.int64)
+    text = np.datetime_as_string(local.astype("datetime64[ms]"), unit="ms")
+    return np.char.replace(np.char.replace(text, "-", "/"), "T", " ")
+
+
+def write_nvidia_smi_csv(
+    samples: Samples,
+    directory: Path,
+    *,
+    units: bool = True,
+    index: bool = True,
+    uuid: bool = True,
+    tz: dt.tzinfo | None = None,
+    name: bool = False,
+) -> list[Path]:
+    """One nvidia-smi-style CSV per host, rows grouped by sampling instant like the real tool."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for host in sorted({g.host for g in samples.gpus}):
+        gids = [i for i, g in enumerate(samples.gpus) if g.host == host]
+        sel = np.isin(samples.gpu, gids)
+        order = np.lexsort((samples.gpu[sel], samples.ts_ms[sel]))
+        g = samples.gpu[sel][order]
+        w, pct = (" W", " %") if units else ("", "")
+        cols = [_local_stamps(samples.ts_ms[sel][order], tz)]
+        header = ["timestamp"]
+        if name:
+            cols.append(np.array([samples.gpus[i].name or "" for i in range(len(samples.gpus))])[g])
+            header.append("name")
+        if index:
+            cols.append(np.array([samples.gpus[i].index for i in range(len(samples.gpus))])[g].astype(str))
+            header.append("index")
+        if uuid:
+            cols.append(np.array([samples.gpus[i].uuid or "" for i in range(len(samples.gpus))])[g])
+            header.append("uuid")
+        power = samples.power_w[sel][order]
+        util = samples.util_pct[sel][order]
+        cols.append(np.char.add(np.char.mod("%.2f", power), w))
+        cols.append(np.char.add(np.char.mod("%.0f", util), pct))
+        header += ["power.draw [W]", "utilization.gpu [%]"]
+        rows = cols[0]
+        for c in cols[1:]:
+            rows = np.char.add(np.char.add(rows, ", "), c)
+        path = directory / f"{host}.csv"
+        path.write_text(", ".join(header) + "\n" + "\n".join(rows.tolist()) + "\n")
+        paths.append(path)
+    return paths
+
+
+def write_samples_jsonl(samples: Samples, path: Path) -> Path:
+    """The JSONL sample form: {"ts", "host", "gpu", "uuid", "power_w", "util_pct", "energy_mj"?}."""
+    import json
+
+    with path.open("w") as f:
+        for gi, t, p, u, e in zip(
+            samples.gpu.tolist(),
+            samples.ts_ms.tolist(),
+            samples.power_w.tolist(),
+            samples.util_pct.tolist(),
+            samples.energy_mj.tolist(),
+            strict=True,
+        ):
+            g = samples.gpus[gi]
+            d = {"ts": t / 1000, "host": g.host, "gpu": g.index, "uuid": g.uuid, "power_w": p, "util_pct": u}
+            if e == e:
+                d["energy_mj"] = e
+            f.write(json.dumps(d) + "\n")
+    return path
+
+
+def r1_incident(
+    interval_s: float = 1.0, steps: int = 3850, step_s: float = 5.0, deadlock_h: float = 3.0, seed: int = 1
+) -> TraceBuilder:
+    """REFERENCE R1: 16 B300 on two hosts, ~5 h of ~5 s steps, then the end-of-epoch checkpoint
+    that deadlocks for 3 h with rank 3 at 0% (it entered the save barrier; the rest wait in the
+    gradient all-reduce). The NCCL watchdog kills the job: no run end."""
+    b = TraceBuilder(n_gpus=16, per_host=8, interval_s=interval_s, job="qwen3-32b-ft", seed=seed)
+    b.meta(gpu_model="NVIDIA B300", team="llm", cost_center="cc-42")
+    b.run("start")
+    b.stretch("compute", steps * step_s, step_s=step_s, tokens=8 * 2048 * 16)
+    b.phase("checkpoint", "begin", rank=3, step=steps)
+    b.stretch("deadlock", deadlock_h * 3600, zero_ranks=(3,))
+    return b
+
+
+def scenario_mini(seed: int = 3) -> TraceBuilder:
+    """Every kind of time in 40 minutes on 4 GPUs over 2 hosts: compute, a communication-bound
+    stretch, a straggler, a checkpoint, a deadlock on rank 1, an idle gap, a crash loop with
+    restarts, and a resume from an earlier checkpoint."""
+    b = TraceBuilder(n_gpus=4, per_host=2, job="sim-mini", seed=seed, host_prefix="sim-node")
+    b.meta(gpu_model="NVIDIA B300", team="research", cost_center="cc-7")
+    b.run("start")
+    b.stretch("compute", 300, step_s=5, tokens=65_536)
+    b.stretch("communication", 120, step_s=8, tokens=65_536)
+    b.stretch("starvation", 120, step_s=8, tokens=65_536, straggler=2)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 60, zero_ranks=(0,))
+    b.phase("checkpoint", "end", step=b.step)
+    saved = b.step
+    b.stretch("compute", 300, step_s=5, tokens=65_536)
+    b.stretch("deadlock", 300, zero_ranks=(1,))
+    b.stretch("idle", 120)
+    for _ in range(3):  # the watchdog killed it; the scheduler restarts it, it crashes again
+        b.run("start")
+        b.stretch("crashloop", 120)
+    b.run("resume", step=saved)
+    b.stretch("compute", 300, step_s=5, tokens=65_536)
+    b.run("end")
+    b.stretch("idle", 10)
+    return b
+
+
+def scenario_r1_story(seed: int = 1) -> TraceBuilder:
+    """REFERENCE R1 then R7, on 16 B300 over two hosts (the demo's story): healthy compute, a
+    communication-bound stretch, a straggler, the end-of-epoch checkpoint that deadlocks on rank 3
+    until the watchdog; then a restart whose checkpoint write hangs, a crash loop, and a resume
+    from an earlier checkpoint."""
+    b = TraceBuilder(n_gpus=16, per_host=8, job="qwen3-32b-ft", seed=seed, interval_s=1.0)
+    b.meta(gpu_model="NVIDIA B300", team="llm", cost_center="cc-42", budget=2000.0)
+    b.run("start")
+    b.stretch("compute", 2 * 3600, step_s=5, tokens=262_144)
+    b.stretch("communication", 1200, step_s=7, tokens=262_144)
+    b.stretch("starvation", 1200, step_s=7, tokens=262_144, straggler=11)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 240, zero_ranks=(0,))
+    b.phase("checkpoint", "end", step=b.step)
+    saved = b.step
+    b.stretch("compute", 1800, step_s=5, tokens=262_144)
+    b.phase("checkpoint", "begin", rank=3, step=b.step)
+    b.stretch("deadlock", 3 * 3600, zero_ranks=(3,))
+    b.run("resume", step=saved)
+    b.stretch("compute", 900, step_s=5, tokens=262_144)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 1800, zero_ranks=(0,))  # the 3 a.m. NFS write that hangs (R7)
+    for _ in range(4):
+        b.run("start")
+        b.stretch("crashloop", 300)
+    b.run("resume", step=saved)
+    b.stretch("compute", 1200, step_s=5, tokens=262_144)
+    b.run("end")
+    b.stretch("idle", 30)
+    return b
+
+
+SCENARIOS = {"mini": scenario_mini, "r1": scenario_r1_story}

@@ -1,0 +1,484 @@
+"""The ledger in Redis (DESIGN section 6): exact integer amounts per job, bucket and category.
+
+Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
+
+    <p>:{job}:ledger:total                 hash  all-time amounts
+    <p>:{job}:ledger:5m:<start>            hash  one 5-minute bucket (start: Unix seconds)
+    <p>:{job}:ledger:1h:<start>, :1d:, :1w:       hourly, daily and weekly (Monday) rollups
+    <p>:{job}:ledger:index:<res>           zset  bucket start -> start, to find buckets by time
+    <p>:{job}:ledger:job                   hash  job-level figures (steps, tokens, ...), SET not added
+    <p>:{job}:ledger:rbidx:<agent>         hash  step record -> cumulative valid amounts (rollback)
+    <p>:{job}:ledger:incidents:<agent>     hash  incident id -> JSON
+    <p>:{job}:ledger:incidents             set   agents that wrote incidents of the job (the index)
+    <p>:{job}:ledger:cum                   zset  the job's rollup: per 5-minute bucket the net
+                                                  amounts up to and including it (see below)
+    <p>:{job}:ledger:cumstate              hash  whether the rollup is usable, its price version
+    <p>:{job}:wm:<agent>                   string the agent's watermark (JSON)
+    <p>:epoch                              string this Redis's life: set once, gone after an
+                                                  empty restart (the agents notice)
+
+Fields of an amounts hash: `<category>:ms` (GPU-milliseconds), `<category>:mj` (millijoules),
+`<category>:ucost` (micro-units of the currency), and the rollback corrections
+`voided:<category>:ms|mj|ucost` (valid amounts later voided by a resume; the same amounts are
+added to `rolled_back`). Counters only go up; a reader subtracts the `voided:` fields.
+`price_version` names the price table the bucket was costed with.
+
+The rollup lets the API answer any 5-minute-aligned window of a job with two reads (the record
+of the last bucket before the window's end minus that before its start) instead of summing every
+bucket of the window. `ledger:cum` is a sorted set, score a 5-minute bucket start, member the
+record `[start, amounts...]`: a JSON array of the start and the net amounts (valid minus
+`voided:`) of every 5-minute bucket up to and including it, in the order CATEGORIES x UNITS.
+`ledger:cumstate` holds `v`: "1" usable; "big" a sum reached 2^53 (Lua's exact integer limit);
+"bad" the rollup met something that is not a record or an amount: readers then sum buckets (the
+exact path); and `pv`: the one price version every write used (a newline once two differed:
+readers sum buckets, which name each bucket's version). Both are written by a script queued in
+the same MULTI as the amounts, so they can never disagree with them: a write that loses the
+watermark's compare-and-set writes neither. A ledger written before the rollup existed has none
+until `build_rollup` makes it (the API does, at start); until then writes leave it alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from costexporter.core.buckets import RESOLUTIONS, UNITS, bucket_start
+from costexporter.core.model import CATEGORIES, VALID_CATEGORIES
+from costexporter.store import keys, protocol
+from costexporter.store.keys import epoch_key as epoch_key
+from costexporter.store.keys import fold_key as fold_key
+from costexporter.store.keys import gpu_idle_key as gpu_idle_key
+from costexporter.store.keys import incident_index_key as incident_index_key
+from costexporter.store.keys import incidents_key as incidents_key
+from costexporter.store.keys import node_key as node_key
+from costexporter.store.keys import readers_key as readers_key
+from costexporter.store.keys import rollup_key as rollup_key
+from costexporter.store.keys import rollup_state_key as rollup_state_key
+
+key = keys.job_key  # the generic builder, for scripts and tests that walk a job's keys
+UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
+VALID = sorted(int(c) for c in VALID_CATEGORIES)
+
+
+def _fields(a: np.ndarray, prefix: str = "") -> dict[str, int]:
+    return {
+        f"{prefix}{CATEGORIES[c]}:{u}": int(a[c, j])
+        for c in range(a.shape[0])
+        for j, u in enumerate(UNITS)
+        if a[c, j]
+    }
+
+
+PACKED = [f"{c}:{u}" for c in CATEGORIES for u in UNITS]  # the rollup's packing order
+EXACT_LIMIT = 2**53  # Lua numbers are doubles: integers below this are exact
+
+_LUA_PARSE = r"""
+-- A record: a JSON array of `n` integers, the bucket start then the amounts (cjson decodes in C:
+-- a third of the time of a Lua loop). nil if it is not one.
+local function parse(s, n)
+  local ok, t = pcall(cjson.decode, s)
+  if not ok or type(t) ~= 'table' or #t ~= n then return nil end
+  for i = 1, n do
+    local v = t[i]
+    if type(v) ~= 'number' or v ~= v or v == math.huge or v == -math.huge or v ~= math.floor(v) then
+      return nil
+    end
+  end
+  return t
+end
+-- Written by hand: cjson.encode keeps only 14 significant digits.
+local function pack(b, t, width)
+  local out = {b}
+  for i = 1, width do out[i + 1] = string.format('%.0f', t[i] or 0) end
+  return '[' .. table.concat(out, ',') .. ']'
+end
+"""
+
+# KEYS: the rollup's state, its records, the 5-minute index. ARGV: the price version, then
+# (5-minute bucket start, JSON array of net amounts) pairs in ascending order. Runs inside the
+# booking's MULTI before its HINCRBYs and ZADDs, so an empty index means a new ledger (the
+# rollup starts with it). Every record at or after a bucket gains its amounts: usually none but
+# the newest; a bucket without a record gets one (the previous record plus its amounts).
+ROLLUP_ADD = (
+    _LUA_PARSE
+    + r"""
+local st, cum, idx, width = KEYS[1], KEYS[2], KEYS[3], @WIDTH@
+local function run()
+  local state = redis.call('HGET', st, 'v')
+  if not state then
+    if redis.call('EXISTS', idx) == 1 then return 0 end  -- older ledger: build_rollup makes it
+    redis.call('HSET', st, 'v', '1')
+  elseif state ~= '1' then
+    return 0
+  end
+  local pv = redis.call('HGET', st, 'pv')
+  if not pv then redis.call('HSET', st, 'pv', ARGV[1])
+  elseif pv ~= ARGV[1] then redis.call('HSET', st, 'pv', '\n') end
+  local big = false
+  local function put(b, base, d, old)
+    local out = {}
+    for i = 1, width do
+      local v = (base[i + 1] or 0) + (d[i] or 0)
+      if v >= @LIMIT@ or v <= -@LIMIT@ then big = true end
+      out[i] = v
+    end
+    if old then redis.call('ZREM', cum, old) end
+    redis.call('ZADD', cum, b, pack(b, out, width))
+  end
+  for i = 2, #ARGV, 2 do
+    local b, d = ARGV[i], parse(ARGV[i + 1], width)
+    local later = redis.call('ZRANGEBYSCORE', cum, b, '+inf')
+    local first = later[1] and parse(later[1], width + 1)
+    if not first or string.format('%.0f', first[1]) ~= b then
+      local p = redis.call('ZREVRANGEBYSCORE', cum, '(' .. b, '-inf', 'LIMIT', 0, 1)[1]
+      local base = p and parse(p, width + 1)
+      if p and not base then redis.call('HSET', st, 'v', 'bad'); return 0 end
+      put(b, base or {}, d, nil)
+    end
+    for _, m in ipairs(later) do
+      local rec = parse(m, width + 1)
+      if not rec then redis.call('HSET', st, 'v', 'bad'); return 0 end
+      put(string.format('%.0f', rec[1]), rec, d, m)
+    end
+  end
+  if big then redis.call('HSET', st, 'v', 'big') end
+  return 1
+end
+-- Never fail the booking's MULTI (its other writes would stand without the rollup's share): on
+-- any error (a key of the wrong type) the rollup is marked unusable, or is unreadable anyway.
+local ok, res = pcall(run)
+if ok then return res end
+pcall(redis.call, 'HSET', st, 'v', 'bad')
+return 0
+""".replace("@WIDTH@", str(len(PACKED))).replace("@LIMIT@", str(EXACT_LIMIT))
+)
+
+# KEYS: the rollup's state, its records, the 5-minute index. ARGV: the 5-minute bucket key's
+# prefix. Builds the rollup of a ledger written before it existed, from its 5-minute buckets,
+# atomically (a booking of the job runs before or after it, never during). Does nothing if
+# there is one.
+ROLLUP_BUILD = (
+    _LUA_PARSE
+    + r"""
+local st, cum, idx, width = KEYS[1], KEYS[2], KEYS[3], @WIDTH@
+if redis.call('HEXISTS', st, 'v') == 1 then return 0 end
+redis.call('DEL', cum)
+local names = {@NAMES@}
+local field = {}
+for i, n in ipairs(names) do field[n] = {i, 1}; field['voided:' .. n] = {i, -1} end
+local acc, state, pv = {}, '1', false
+for i = 1, width do acc[i] = 0 end
+local n = 0
+for _, b in ipairs(redis.call('ZRANGE', idx, 0, -1)) do
+  local k = ARGV[1] .. b
+  local t = redis.call('TYPE', k)['ok']
+  local version = ''
+  if t == 'hash' then
+    local h = redis.call('HGETALL', k)
+    for j = 1, #h, 2 do
+      local f, v = h[j], h[j + 1]
+      if f == 'price_version' then version = v
+      elseif field[f] then
+        local x = tonumber(v)
+        if x == nil or x ~= x or x == math.huge or x == -math.huge then state = 'bad'
+        else
+          local pos, sign = field[f][1], field[f][2]
+          acc[pos] = acc[pos] + sign * x
+          if acc[pos] >= @LIMIT@ or acc[pos] <= -@LIMIT@ then state = 'big' end
+        end
+      end
+    end
+  elseif t ~= 'none' then state = 'bad' end
+  if pv == false then pv = version elseif pv ~= version then pv = '\n' end
+  if tonumber(b) == nil then state = 'bad'
+  else redis.call('ZADD', cum, b, pack(b, acc, width)) end
+  n = n + 1
+end
+if pv then redis.call('HSET', st, 'pv', pv) end
+redis.call('HSET', st, 'v', state)
+return n + 1
+""".replace("@WIDTH@", str(len(PACKED)))
+    .replace("@LIMIT@", str(EXACT_LIMIT))
+    .replace("@NAMES@", ", ".join(f"'{f}'" for f in PACKED))
+)
+
+
+def drop_rollup(client, prefix: str, job: str) -> None:
+    """Remove a job's rollup (the API's next start rebuilds it from the buckets; until then the
+    job is read by summing buckets): after editing a ledger by hand."""
+    client.delete(rollup_state_key(prefix, job), rollup_key(prefix, job))
+
+
+def _rollup_keys(prefix: str, job: str) -> list[str]:
+    return [rollup_state_key(prefix, job), rollup_key(prefix, job), keys.index_key(prefix, job, "5m")]
+
+
+def queue_rollup(
+    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, sign: int = 1
+) -> None:
+    """The rollup's share of one write (inside the caller's MULTI, before its HINCRBYs): the net
+    amounts per 5-minute bucket (`sign` -1 for the `voided:` corrections). EVAL, not EVALSHA: a
+    script missing at EXEC would fail alone while the amounts were written."""
+    net: dict[int, np.ndarray] = {}
+    for start, a in by_bucket.items():
+        b = bucket_start(start, "5m")
+        net[b] = net.get(b, 0) + sign * np.asarray(a, np.int64)
+    args: list = [version]
+    for b in sorted(net):
+        args += [str(b), "[" + ",".join(str(int(x)) for x in net[b].reshape(-1)) + "]"]
+    # execute_command: a cluster's pipeline has no eval(); the keys still pick the job's node.
+    pipe.execute_command("EVAL", ROLLUP_ADD, 3, *_rollup_keys(prefix, job), *args)
+
+
+def build_rollup(client, prefix: str, job: str) -> bool:
+    """Build the rollup of a ledger written before rollups existed (one atomic script); False if
+    it already had one."""
+    bucket_prefix = keys.bucket_key(prefix, job, "5m", "")
+    return bool(client.execute_command("EVAL", ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
+
+
+def build_rollups(client, prefix: str) -> int:
+    """Build the missing rollups of every job in the jobs index and of `_unassigned` (once, at the
+    API's start); returns how many were built."""
+    import redis
+
+    jobs = [*client.zrange(protocol.jobs_key(prefix), 0, -1), UNASSIGNED_JOB]
+    built = 0
+    for i in range(0, len(jobs), 500):
+        chunk = jobs[i : i + 500]
+        pipe = client.pipeline(transaction=False)
+        for j in chunk:
+            pipe.hexists(rollup_state_key(prefix, j), "v")
+        found = pipe.execute(raise_on_error=False)
+        missing = [j for j, has in zip(chunk, found, strict=True) if has is False]
+        for j in missing:
+            try:
+                built += build_rollup(client, prefix, j)
+            except redis.ResponseError:  # a key of the wrong type: readers sum buckets for it
+                continue
+    return built
+
+
+def queue_amounts(
+    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, field_prefix: str = ""
+) -> None:
+    """HINCRBY every bucket, its rollups and the total, and the job's rollup (inside the caller's
+    MULTI)."""
+    if by_bucket:
+        queue_rollup(pipe, prefix, job, by_bucket, version, -1 if field_prefix == "voided:" else 1)
+    total: dict[str, int] = {}
+    for start, a in by_bucket.items():
+        fields = _fields(a, field_prefix)
+        for res in RESOLUTIONS:
+            b = bucket_start(start, res)
+            k = keys.bucket_key(prefix, job, res, b)
+            for f, v in fields.items():
+                pipe.hincrby(k, f, v)
+            pipe.hset(k, "price_version", version)
+            pipe.zadd(keys.index_key(prefix, job, res), {str(b): b})
+        for f, v in fields.items():
+            total[f] = total.get(f, 0) + v
+    tk = keys.total_key(prefix, job)
+    for f, v in total.items():
+        pipe.hincrby(tk, f, v)
+
+
+def queue_incidents(pipe, prefix: str, job: str, agent: str, incidents) -> None:
+    """Write incidents (dicts with category and start) and index their hash (in the caller's MULTI)."""
+    written = False
+    for inc in incidents:
+        pipe.hset(incidents_key(prefix, job, agent), f"{inc['category']}:{inc['start']}", json.dumps(inc))
+        written = True
+    if written:
+        pipe.sadd(incident_index_key(prefix, job), agent)
+
+
+def index_incidents(client, prefix: str, count: int = 1000) -> int:
+    """Index incident hashes written before the index existed (one SCAN at startup, never on a
+    request). Returns how many hashes were indexed."""
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + ":{*}:ledger:incidents:*"
+    n = 0
+    for k in client.scan_iter(match=pattern, count=count):
+        k = k.decode() if isinstance(k, bytes) else k
+        head, sep, agent = k.rpartition("}:ledger:incidents:")
+        job = head[len(prefix) + 2 :]
+        if not sep or not head.startswith(prefix + ":{") or not agent:
+            continue
+        client.sadd(incident_index_key(prefix, job), agent)
+        n += 1
+    return n
+
+
+def queue_steps(
+    pipe, prefix: str, job: str, steps: list, after_ms: int, upto_ms: int, voids: set[int]
+) -> None:
+    """Step completions and voids as sorted sets keyed by step record, so every agent writes the
+    same members (idempotent) and a window's counts are ZCOUNTs.
+
+    `ledger:steps`: score = completion time (s), member = "<record>:<cumulative tokens>";
+    `ledger:voids`: score = when the voiding resume was seen, member = "<record>:<cumulative
+    voided tokens>". Only completions in (after_ms, upto_ms] and the voids in `voids` (record
+    numbers) are sent.
+    """
+    done, voided = {}, {}
+    cum = cum_v = 0
+    for i, s in enumerate(steps):
+        cum += s.tokens
+        if after_ms < s.ts_ms <= upto_ms:
+            done[f"{i}:{cum}"] = s.ts_ms / 1000
+    order = sorted((i for i, s in enumerate(steps) if s.voided), key=lambda i: (steps[i].voided_ms or 0, i))
+    for i in order:
+        cum_v += steps[i].tokens
+        if i in voids:
+            voided[f"{i}:{cum_v}"] = (steps[i].voided_ms or steps[i].ts_ms) / 1000
+    if done:
+        pipe.zadd(keys.steps_key(prefix, job), done)
+    if voided:
+        pipe.zadd(keys.voids_key(prefix, job), voided)
+
+
+def read_amounts(
+    client, prefix: str, job: str, res: str | None = None, start: int | None = None
+) -> dict[str, int]:
+    """One amounts hash as integers (the total, or one bucket)."""
+    k = keys.total_key(prefix, job) if res is None else keys.bucket_key(prefix, job, res, start)
+    raw = client.hgetall(k)
+    out = {}
+    for f, v in raw.items():
+        f = f.decode() if isinstance(f, bytes) else f
+        if f != "price_version":
+            out[f] = int(v)
+    return out
+
+
+def net_ms(amounts_: dict[str, int]) -> dict[str, int]:
+    """Per category GPU-milliseconds after rollback corrections."""
+    return {c: amounts_.get(f"{c}:ms", 0) - amounts_.get(f"voided:{c}:ms", 0) for c in CATEGORIES}
+
+
+def load_watermark(client, prefix: str, job: str, agent: str) -> dict | None:
+    raw = client.get(keys.watermark_key(prefix, job, agent))
+    return json.loads(raw) if raw else None
+
+
+class Conflict(Exception):
+    """The watermark changed since this agent read it: another agent with the same id wrote."""
+
+
+def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: dict, queue) -> str:
+    """Write one round of a job exactly once: `queue(pipe)` and the new watermark in one
+    MULTI/EXEC that runs only if the watermark is still `expected` (the raw JSON this agent read
+    or wrote last; None: absent). Returns the new raw watermark; raises Conflict otherwise."""
+    import redis
+
+    k = keys.watermark_key(prefix, job, agent)
+    raw = json.dumps(wm)
+    with client.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(k)
+            if pipe.get(k) != expected:
+                raise Conflict(job)
+            pipe.multi()
+            queue(pipe)
+            pipe.set(k, raw)
+            pipe.execute()
+        except redis.WatchError:
+            raise Conflict(job) from None
+    return raw
+
+
+def queue_delta(
+    pipe,
+    prefix: str,
+    job: str,
+    agent: str,
+    delta,
+    version: str,
+    steps: list,
+    after_ms: int,
+    figures: dict | None = None,
+) -> None:
+    """The writes of one round's `live.LedgerDelta` (inside the caller's MULTI); `figures`, the
+    job-level figures to SET, default to the delta's own."""
+    queue_amounts(pipe, prefix, job, delta.by_bucket, version)
+    if delta.moved.any():
+        b = {delta.correction_bucket: delta.moved}
+        queue_amounts(pipe, prefix, job, b, version, field_prefix="voided:")
+        queue_amounts(pipe, prefix, job, {delta.correction_bucket: delta.rolled}, version)
+    rbidx = keys.rbidx_key(prefix, job, agent)
+    if delta.index_new:
+        pipe.hset(rbidx, mapping={str(k): json.dumps(v) for k, v in delta.index_new.items()})
+    drops = sorted(delta.index_drops)
+    for i in range(0, len(drops), 10_000):  # entries no resume reads again (pruned)
+        pipe.hdel(rbidx, *map(str, drops[i : i + 10_000]))
+    queue_incidents(pipe, prefix, job, agent, delta.incidents.values())
+    figures = delta.figures if figures is None else figures
+    pipe.hset(keys.figures_key(prefix, job), mapping={k: v for k, v in figures.items() if v is not None})
+    members = getattr(delta, "step_members", None)  # a folded timeline's (incremental agent)
+    if members is None:
+        queue_steps(pipe, prefix, job, steps, after_ms, delta.state.booked_until, delta.voids)
+    else:
+        for name, m in zip(("steps", "voids"), members, strict=True):
+            if m:
+                pipe.zadd(keys.ledger_key(prefix, job, name), m)
+
+
+def queue_position(
+    pipe, prefix: str, job: str, reader: str, stream_id: str, now: float | None = None, **extra
+) -> None:
+    """Register how far `reader` needs the job's stream kept (from `stream_id` on); `ts` (now)
+    says the reader is alive."""
+    import time
+
+    ts = time.time() if now is None else now
+    pos = {"id": stream_id, "ts": round(ts, 3), **extra}
+    pipe.hset(readers_key(prefix, job), reader, json.dumps(pos))
+
+
+def _stream_id(x: str) -> tuple[int, int]:
+    a, _, b = x.partition("-")
+    return int(a), int(b or 0)
+
+
+def trim_stream(
+    client, prefix: str, job: str, now: float, stale_s: float, ranks: set[int] | None = None
+) -> int:
+    """Trim the job's event stream below the oldest position of its fresh readers (XTRIM MINID;
+    idempotent). A reader not heard of for `stale_s` no longer counts (and is forgotten); with no
+    fresh reader nothing is trimmed, nor while a rank of `ranks` (the job's registered ones) is
+    not in the `ranks` of some fresh agent's position (its agent has not stored a fold yet: it
+    still needs the whole stream). Returns the entries removed; -1: waiting for an agent."""
+    positions = []
+    covered: set[int] = set()
+    stale = []
+    for reader, raw in client.hgetall(readers_key(prefix, job)).items():
+        try:
+            pos = json.loads(raw)
+            sid, ts = _stream_id(str(pos["id"])), float(pos["ts"])
+        except (ValueError, KeyError, TypeError):
+            stale.append(reader)  # not a position: never pins the stream
+            continue
+        if now - ts > stale_s:
+            stale.append(reader)
+        else:
+            positions.append(sid)
+            r = pos.get("ranks")
+            if isinstance(r, list):
+                covered.update(x for x in r if isinstance(x, int))
+    if stale:
+        client.hdel(readers_key(prefix, job), *stale)
+    if ranks and not ranks <= covered:
+        return -1
+    if not positions:
+        return 0
+    lo = min(positions)
+    if lo <= (0, 0):
+        return 0
+    return int(client.xtrim(protocol.stream_key(prefix, job), minid=f"{lo[0]}-{lo[1]}", approximate=False))
+
+
+def ensure_epoch(client, prefix: str, candidate: str) -> str:
+    """This Redis's epoch marker: `candidate` if none was set, else the one there."""
+    client.set(epoch_key(prefix), candidate, nx=True)
+    return client.get(epoch_key(prefix)) or candidate

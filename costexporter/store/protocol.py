@@ -1,0 +1,145 @@
+"""Entry encoding of event protocol v1 (docs/protocol.md) and the trainer's side of Redis.
+
+The keys are built in `keys.py`; the trainer's are re-exported here, where the reporter, the
+reader and users' scripts have always found them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from costexporter.store.keys import job_key as job_key
+from costexporter.store.keys import jobs_key as jobs_key
+from costexporter.store.keys import meta_key as meta_key
+from costexporter.store.keys import ranks_key as ranks_key
+from costexporter.store.keys import registrations_key as registrations_key
+from costexporter.store.keys import stream_key as stream_key
+
+DEFAULT_PREFIX = "costexporter"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+JOB_RE = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
+
+
+def connect(url: str):
+    """A client for the agent and the watcher: short timeouts and no retries, so an outage shows
+    at once as an error the caller counts, instead of a round that hangs. A Redis Cluster URL
+    (`redis+cluster://host:port`) gives a cluster client (redisconn)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from costexporter.store import redisconn
+
+    return redisconn.from_url(
+        url,
+        socket_timeout=2.0,
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=True,
+    )
+
+
+def check_job(job: str) -> str:
+    """A job name usable inside a hash tag: no braces, no whitespace, at most 200 characters."""
+    if not isinstance(job, str) or not JOB_RE.match(job):
+        raise ValueError(
+            f"job name {job!r} must be 1-200 characters of letters, digits and ._:/@+=- "
+            "(no braces or spaces: it is a Redis Cluster hash tag)"
+        )
+    return job
+
+
+def encode_fields(fields: dict[str, object]) -> dict[str, str]:
+    """Flat string field/value pairs for XADD: numbers as text, booleans as 'true'/'false',
+    nested values (preflight checks) as JSON; None values are left out."""
+    out: dict[str, str] = {}
+    for k, v in fields.items():
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            out[k] = "true" if v else "false"
+        elif isinstance(v, float):
+            out[k] = repr(v)
+        elif isinstance(v, (int, str)):
+            out[k] = str(v)
+        else:
+            out[k] = json.dumps(v, separators=(",", ":"), sort_keys=True)
+    return out
+
+
+# ---- registrations (`<prefix>:{<job>}:ranks`: rank -> JSON of the register event) ------------
+MAX_WORLD_SIZE = 65_536  # ranks are 0 .. world_size - 1; a larger number is a corrupt entry
+MAX_GPU_INDEX = 1_024
+
+
+class RegistrationError(ValueError):
+    """A ranks entry the agent cannot use; `reason` is the short label it is counted under."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    rank: int
+    ts: float  # Unix seconds, finite
+    host: str | None
+    gpu: int | None  # index on the host
+    gpu_uuid: str | None
+    world_size: int | None
+
+
+def _int_field(entry: dict, name: str, hi: int, reason: str) -> int | None:
+    v = entry.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError
+        n = int(v)
+    except (TypeError, ValueError):
+        raise RegistrationError(f"bad_{name}", f"{name} {v!r} is not an integer") from None
+    if not 0 <= n < hi:
+        raise RegistrationError(reason, f"{name} {n} is outside 0..{hi - 1}")
+    return n
+
+
+def parse_registration(rank_s: str, raw: str) -> Registration:
+    """Validate one ranks entry, as the events are validated: a clear reason, never an exception
+    other than RegistrationError, and bounded numbers (a rank of 99999999999 would size arrays)."""
+    try:
+        rank = int(rank_s)
+    except (TypeError, ValueError):
+        raise RegistrationError("bad_rank", f"rank {rank_s!r} is not an integer") from None
+    if not 0 <= rank < MAX_WORLD_SIZE:
+        raise RegistrationError("rank_out_of_range", f"rank {rank} is outside 0..{MAX_WORLD_SIZE - 1}")
+    try:
+        entry = json.loads(raw)
+    except (TypeError, ValueError):
+        raise RegistrationError("bad_json", "the entry is not JSON") from None
+    if not isinstance(entry, dict):
+        raise RegistrationError("not_an_object", f"the entry is a JSON {type(entry).__name__}, not an object")
+    ts = entry.get("ts")
+    if isinstance(ts, str):
+        with contextlib.suppress(ValueError):
+            ts = float(ts)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts <= 0:
+        raise RegistrationError("bad_ts", f"ts {entry.get('ts')!r} is not a Unix time")
+    world = _int_field(entry, "world_size", MAX_WORLD_SIZE + 1, "world_size_out_of_range")
+    if world is not None and rank >= world:
+        raise RegistrationError("rank_out_of_range", f"rank {rank} is not below world_size {world}")
+    gpu = _int_field(entry, "gpu", MAX_GPU_INDEX, "gpu_out_of_range")
+    uuid = entry.get("gpu_uuid")
+    host = entry.get("host")
+    return Registration(
+        rank,
+        float(ts),
+        None if host is None else str(host),
+        gpu,
+        str(uuid) if uuid else None,
+        world,
+    )

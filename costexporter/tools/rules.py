@@ -1,0 +1,366 @@
+"""The Prometheus alert and recording rules, from one parameterized source.
+
+`render(RuleWindows())` is the shipped `dashboards/costexporter-rules.yaml` (a test keeps the
+two equal); tests render the same rules with short windows (`RuleWindows.short()`), the demo
+with windows divided by its speed (`for_speed`), so what they check is what ships.
+
+Aggregation: per-GPU and booked series (`costexporter_gpu_*`,
+`costexporter_cost_total`, ...) are summed over agents; job-level series
+(`costexporter_job_*`) are the same on every agent of a job and are taken with `max`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields, replace
+
+import yaml
+
+WASTED = "stalled|idle|no_progress|rolled_back"
+VALID = "productive|communication|starved"
+
+
+@dataclass(frozen=True)
+class RuleWindows:
+    """Windows and thresholds of the rules (Prometheus durations)."""
+
+    slope_window: str = "10m"  # CostSlopeWithoutSteps: cost rising, progress still, over this window
+    slope_for: str = "5m"
+    deadlock_for: str = "30s"  # two scrapes at 15 s: the signature on two consecutive samples
+    hung_for: str = "1m"
+    crashed_for: str = "1m"
+    comm_share: float = 0.5  # CommunicationBound: this share of the job's GPUs in the band ...
+    comm_for: str = "15m"  # ... for this long (compute/communication overlap failed, R2)
+    starvation_window: str = "10m"  # the straggler: lowest mean utilization over this window
+    starvation_for: str = "10m"
+    waste_window: str = "1h"
+    waste_ratio: float = 0.15  # R7: at least 15% invalid spend a month
+    waste_for: str = "15m"
+    budget_for: str = "5m"
+    group_interval: str = "15s"
+
+    @classmethod
+    def short(cls) -> RuleWindows:
+        """Windows for tests and the demo's time-compressed story (seconds, not minutes)."""
+        return cls(
+            slope_window="30s",
+            slope_for="10s",
+            deadlock_for="4s",
+            hung_for="4s",
+            crashed_for="4s",
+            comm_for="20s",
+            starvation_window="20s",
+            starvation_for="10s",
+            waste_window="2m",
+            waste_for="20s",
+            budget_for="10s",
+            group_interval="2s",
+        )
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+# A Prometheus that watches a sped-up story (the demo's compose stack, its tests) scrapes and
+# evaluates this often: at 160x a scrape every 15 s of the story is 0.1 s of wall time, and the
+# story's shortest alerting stretch, a crash of the crash loop, lasts about a second.
+SPEED_INTERVAL_S = 0.25
+# A window holds at least this many scrapes: a rate needs a few samples in its window.
+MIN_WINDOW_SCRAPES = 10
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration ('1h30m', '15s', '500ms') in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)", duration)
+    if not parts or "".join(n + u for n, u in parts) != duration:
+        raise ValueError(f"{duration!r} is not a Prometheus duration")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def duration(s: float) -> str:
+    """Seconds as a Prometheus duration (whole milliseconds)."""
+    ms = max(round(s * 1000), 1)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def _net(total: str, voided: str) -> str:
+    """`total` less the rollback corrections. Counters only go up: a resume
+    adds the voided valid amounts to `rolled_back` and to the `..._voided_...` counters, so a
+    total subtracts the latter; a job without resumes has no voided series (`or ... * 0`)."""
+    return f"{total}\n- ({voided} or {total} * 0)"
+
+
+def for_speed(w: RuleWindows, speed: float, interval_s: float = SPEED_INTERVAL_S) -> RuleWindows:
+    """`w` for a story played `speed` times faster than real time (the demo at --speed), watched
+    by a Prometheus that scrapes and evaluates every `interval_s`: every window and `for`
+    divided by the speed, so a stretch that lasts 20 minutes of the story (7.5 s of wall time
+    at 160x) still fires the alert it would fire in real time. Floors keep the rules evaluable:
+    windows hold >= MIN_WINDOW_SCRAPES scrapes, groups evaluate every `interval_s` at most.
+
+    JobCrashed gets no `for` at all: the watcher already held the silence past its heartbeat
+    timeout, in the story's time, and a crash of the demo's crash loop (three minutes down, one
+    of them the timeout) reads `crashed` for about half a second of wall time at 160x: a scaled
+    minute behind the watcher's poll, a scrape and an evaluation would rarely fire."""
+    if speed <= 0:
+        raise ValueError("speed must be > 0")
+    if interval_s <= 0:
+        raise ValueError("interval_s must be > 0")
+    kw = {}
+    for f in fields(RuleWindows):
+        value = getattr(w, f.name)
+        if not isinstance(value, str):
+            continue  # thresholds and shares do not scale
+        if f.name == "crashed_for" and speed > 1:
+            kw[f.name] = "0s"
+            continue
+        if f.name == "group_interval":
+            floor = interval_s
+        elif f.name.endswith("_for"):
+            floor = 0.001
+        else:
+            floor = MIN_WINDOW_SCRAPES * interval_s
+        kw[f.name] = duration(max(seconds(value) / speed, min(floor, seconds(value))))
+    return replace(w, **kw)
+
+
+def rules(w: RuleWindows) -> dict:
+    not_ended = "unless on (training_job) (max by (training_job) (costexporter_job_ended) == 1)"
+    cost_rising = f"(sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])) > 0)"
+    since_step = (
+        "(sum by (training_job) (costexporter_cost_since_last_step)"
+        f" or sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])))"
+    )
+    progress = "costexporter_job_last_progress_timestamp_seconds"
+    slope = (
+        f"(\n  {since_step}\n  and on (training_job) {cost_rising}\n  and on (training_job) (\n"
+        f"    (max by (training_job) (changes({progress}[{w.slope_window}])) == 0)\n"
+        f"    or on (training_job)\n"
+        f"    ({cost_rising} unless on (training_job) max by (training_job) ({progress}))\n"
+        "  )\n"
+        "  unless on (training_job) (max by (training_job) (costexporter_job_in_allowance) == 1)\n"
+        f"  {not_ended}\n)\n"
+        f"or\n({since_step}\n  and on (training_job) {cost_rising}\n"
+        f"  and on () absent_over_time({progress}[{w.slope_window}])\n)"
+    )
+    # A job without steps (a Kubernetes pod booked by band) never makes step progress.
+    stepless = 'max by (training_job) (costexporter_job_info{progress="none"})'
+    slope = f"({slope})\nunless on (training_job) {stepless}"
+
+    deadlock = (
+        "max by (training_job, rank, host, gpu) (\n"
+        '  (costexporter_gpu_band{band="deadlock"} == 1)\n'
+        "  and on (host, gpu) (costexporter_gpu_utilization_ratio < 0.1)\n"
+        f")\n{not_ended}"
+    )
+
+    def state(s: str) -> str:
+        return (
+            "max by (training_job) (costexporter_job_suspect_rank)\n"
+            f'and on (training_job) (costexporter_job_state{{costexporter_job_state="{s}"}} == 1)'
+        )
+
+    comm = (
+        f'avg by (training_job) (costexporter_gpu_band{{band="communication"}}) > {w.comm_share}\n{not_ended}'
+    )
+    starving = (
+        "bottomk by (training_job) (1,\n"
+        f"  avg_over_time(costexporter_gpu_utilization_ratio[{w.starvation_window}])\n"
+        '  and on (host, gpu) (costexporter_gpu_band{band="starvation"} == 1)\n'
+        f")\n{not_ended}"
+    )
+    waste = f"training_job:costexporter_waste_ratio:ratio_{w.waste_window} > {w.waste_ratio}"
+    time_all = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
+    time_wasted = f'costexporter_gpu_time_seconds_total{{category=~"{WASTED}"}}'
+    by_job, by_cur = "sum by (training_job)", "sum by (training_job, currency)"
+    cost_net = _net(f"{by_cur} (costexporter_cost_total)", f"{by_cur} (costexporter_voided_cost_total)")
+    time_voided = "costexporter_voided_gpu_time_seconds_total"
+    voided_h = f"{by_job} ({time_voided})"
+    records = [
+        {"record": "training_job:costexporter_cost:sum", "expr": cost_net},
+        {
+            "record": "training_job:costexporter_valid_steps:max",
+            "expr": "max by (training_job) (costexporter_job_valid_steps)",
+        },
+        {
+            # Sum of cost over agents / max of valid steps (job-level).
+            "record": "training_job:costexporter_cost_per_valid_step:ratio",
+            "expr": "training_job:costexporter_cost:sum\n"
+            "/ on (training_job) group_left () (max by (training_job) (costexporter_job_valid_steps) > 0)",
+        },
+        {
+            "record": "training_job:costexporter_gpu_hours:sum",
+            "expr": f"({_net(f'{by_job} ({time_all})', voided_h)}) / 3600",
+        },
+        {
+            "record": "training_job:costexporter_valid_gpu_hours:sum",
+            "expr": "("
+            + _net(f'{by_job} (costexporter_gpu_time_seconds_total{{category=~"{VALID}"}})', voided_h)
+            + ") / 3600",
+        },
+        {
+            # Booked wasted time (rolled_back includes the valid time later voided by resumes).
+            "record": "training_job:costexporter_wasted_gpu_hours:sum",
+            "expr": f"sum by (training_job) ({time_wasted}) / 3600",
+        },
+        {
+            "record": "training_job_category:costexporter_wasted_gpu_hours:sum",
+            "expr": f"sum by (training_job, category) ({time_wasted}) / 3600",
+        },
+        {
+            "record": f"training_job:costexporter_waste_ratio:ratio_{w.waste_window}",
+            "expr": f"{by_job} (increase({time_wasted}[{w.waste_window}]))\n/ ("
+            + _net(
+                f"{by_job} (increase({time_all}[{w.waste_window}]))",
+                f"{by_job} (increase({time_voided}[{w.waste_window}]))",
+            )
+            + ")",
+        },
+    ]
+
+    budget = (
+        f"({cost_net})\n"
+        "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)"
+    )
+
+    def alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict:
+        return {
+            "alert": name,
+            "expr": expr,
+            "for": for_,
+            "labels": {"severity": severity},
+            "annotations": {"summary": summary, "description": description},
+        }
+
+    alerts = [
+        alert(
+            "CostSlopeWithoutSteps",
+            slope,
+            w.slope_for,
+            "critical",
+            "{{ $labels.training_job }}: cost keeps rising while steps do not",
+            '{{ $value | printf "%.2f" }} burned since the last step; no progress in '
+            f"{w.slope_window} and no declared phase within its allowance (R7 in docs/background.md).",
+        ),
+        alert(
+            "DeadlockSignature",
+            deadlock,
+            w.deadlock_for,
+            "critical",
+            "{{ $labels.training_job }}: deadlock signature, rank {{ $labels.rank }} at 0%",
+            "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) is at 0% "
+            "while the others spin at ~100% utilization and low power (R2, R3 in docs/background.md).",
+        ),
+        alert(
+            "JobHung",
+            state("hung"),
+            w.hung_for,
+            "critical",
+            "{{ $labels.training_job }} is hung",
+            "The watcher reports hung; suspect rank {{ $value }} (-1: none named).",
+        ),
+        alert(
+            "JobCrashed",
+            state("crashed"),
+            w.crashed_for,
+            "critical",
+            "{{ $labels.training_job }} crashed",
+            "The watcher reports crashed: heartbeats gone and no run end; suspect rank {{ $value }}.",
+        ),
+        alert(
+            "CommunicationBound",
+            comm,
+            w.comm_for,
+            "warning",
+            "{{ $labels.training_job }}: communication-bound",
+            "{{ $value | humanizePercentage }} of the GPUs sit in the communication band: "
+            "compute/communication overlap failed (R2 in docs/background.md).",
+        ),
+        alert(
+            "DataStarvation",
+            starving,
+            w.starvation_for,
+            "warning",
+            "{{ $labels.training_job }}: data starvation, straggler rank {{ $labels.rank }}",
+            "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) averages "
+            "{{ $value | humanizePercentage }} utilization while the job starves for input.",
+        ),
+        alert(
+            "HighWasteRatio",
+            waste,
+            w.waste_for,
+            "warning",
+            "{{ $labels.training_job }}: {{ $value | humanizePercentage }} of GPU time wasted",
+            f"Stalled, idle, no-progress and rolled-back time over {w.waste_window} "
+            f"exceeds {w.waste_ratio:.0%}.",
+        ),
+        alert(
+            "BudgetExceeded",
+            budget,
+            w.budget_for,
+            "warning",
+            "{{ $labels.training_job }} is over budget",
+            '{{ $value | printf "%.2f" }} {{ $labels.currency }} spent, '
+            "more than the budget in the job's meta.",
+        ),
+    ]
+    return {
+        "groups": [
+            {"name": "costexporter.records", "interval": w.group_interval, "rules": records},
+            {"name": "costexporter.alerts", "interval": w.group_interval, "rules": alerts},
+        ]
+    }
+
+
+class _Literal(str):
+    pass
+
+
+def _literal(dumper: yaml.SafeDumper, s: _Literal):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+
+
+def render(w: RuleWindows | None = None) -> str:
+    """The rule file as YAML text (multi-line expressions as block literals, for review)."""
+    w = w or RuleWindows()
+    doc = rules(w)
+    for g in doc["groups"]:
+        for r in g["rules"]:
+            r["expr"] = _Literal(r["expr"])
+    dumper = type("D", (yaml.SafeDumper,), {})
+    dumper.add_representer(_Literal, _literal)
+    head = (
+        "# Generated by `costexporter rules` from costexporter/tools/rules.py: "
+        "edit the source, not this file.\n"
+        f"# Windows: {asdict(w)}\n"
+    )
+    return head + yaml.dump(doc, Dumper=dumper, sort_keys=False, width=120)
+
+
+PROMETHEUS_RULE_API = "monitoring.coreos.com/v1"
+
+
+def prometheus_rule(
+    w: RuleWindows | None = None, name: str = "costexporter", labels: dict[str, str] | None = None
+) -> dict:
+    """The same rules as a prometheus-operator `PrometheusRule` object (its `spec` is the rule
+    file's groups), for clusters where the operator loads rules from the API, not from files."""
+    return {
+        "apiVersion": PROMETHEUS_RULE_API,
+        "kind": "PrometheusRule",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "costexporter", **(labels or {})}},
+        "spec": rules(w or RuleWindows()),
+    }
+
+
+def render_prometheus_rule(
+    w: RuleWindows | None = None, name: str = "costexporter", labels: dict[str, str] | None = None
+) -> str:
+    """`prometheus_rule()` as YAML, formatted like `render()`."""
+    w = w or RuleWindows()
+    body = render(w).split("\n", 2)[2]  # the groups, without render()'s two header lines
+    head = {k: v for k, v in prometheus_rule(w, name, labels).items() if k != "spec"}
+    return (
+        "# Generated by `costexporter rules --format prometheusrule` from costexporter/tools/rules.py.\n"
+        f"# Windows: {asdict(w)}\n"
+        + yaml.safe_dump(head, sort_keys=False)
+        + "spec:\n"
+        + "".join(f"  {line}\n" if line else "\n" for line in body.rstrip("\n").split("\n"))
+    )

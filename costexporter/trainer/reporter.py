@@ -1,0 +1,783 @@
+"""The trainer's side of the contract: `StepReporter` posts events without slowing training.
+
+    rep = StepReporter(job="qwen3-32b-ft")   # rank etc. from torchrun/SLURM env, Redis from env
+    rep.step(step, tokens=n)                 # after each optimizer step
+    with rep.phase("checkpoint", step=step):
+        save()
+
+The hot path only appends a tuple to a deque (a few hundred nanoseconds). A background thread
+encodes batches and sends them with one pipelined round trip. When Redis is down or slow the
+events wait in memory with their original timestamps and spill to a spool file on local disk
+when memory fills; at exit the flush waits at most `exit_timeout_s` and spools whatever is left;
+the next reporter that starts on the host for the same Redis and prefix sends the spool. Values
+are checked at the call (a bad one raises there), a batch the server refuses is dropped and
+counted, so nothing can wedge the queue. `run end` is posted only when the process ends cleanly
+(`costexporter.exitstatus`). In a forked child (DataLoader workers) the reporter goes quiet: the
+parent posts, the child never does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import itertools
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from costexporter.core.events import (
+    BASE_FIELDS,
+    MAX_GPU_INDEX,
+    MAX_RANK,
+    MAX_STEP,
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
+    META_NUMBERS,
+    META_TEXT,
+)
+from costexporter.store import protocol, redisconn
+from costexporter.trainer import coerce, exitstatus, spool
+
+log = logging.getLogger("costexporter.client")
+
+_REPORTERS: weakref.WeakSet[StepReporter] = weakref.WeakSet()
+
+
+def _quiet_in_child() -> None:
+    for rep in list(_REPORTERS):
+        rep._inactive = True
+        rep._closed = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_quiet_in_child)
+
+
+def _env_int(*names: str, default: int) -> int:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            try:
+                return int(v)
+            except ValueError:
+                continue
+    return default
+
+
+def detect_ranks() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun, SLURM or Open MPI variables."""
+    rank = _env_int("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", default=0)
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)
+    return rank, local, world
+
+
+def detect_gpu(local_rank: int) -> tuple[int | None, str | None]:
+    """This rank's physical GPU index and UUID, via CUDA_VISIBLE_DEVICES and NVML when present."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entry: str | None = str(local_rank)
+    if visible:
+        items = [x.strip() for x in visible.split(",") if x.strip()]
+        entry = items[local_rank] if local_rank < len(items) else None
+    if entry is None:
+        return None, None
+    if entry.startswith(("GPU-", "MIG-")):
+        uuid, index = entry, None
+    else:
+        try:
+            index, uuid = int(entry), None
+        except ValueError:
+            return None, None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if uuid is None:
+                h = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(h)
+            else:
+                h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                index = pynvml.nvmlDeviceGetIndex(h)
+            if isinstance(uuid, bytes):
+                uuid = uuid.decode()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML, no GPU, no permission: host + index will do
+        pass
+    return index, uuid
+
+
+def default_spool_dir() -> Path:
+    env = os.environ.get("COSTEXPORTER_SPOOL_DIR")
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "costexporter" / "spool"
+
+
+def _writable_dir(path: Path) -> Path:
+    for p in (path, Path(tempfile.gettempdir()) / f"costexporter-spool-{os.getuid()}"):
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            if os.access(p, os.W_OK):
+                return p
+        except OSError:
+            continue
+    raise OSError(f"no writable spool directory ({path})")
+
+
+_told_no_uuid = False
+
+
+def _tell_no_uuid(rank: int, host: str, index: int, local_rank: int) -> None:
+    """Without a UUID the agent can only match this rank by host + index: say how to do better."""
+    global _told_no_uuid
+    if _told_no_uuid:
+        return
+    _told_no_uuid = True
+    source = "CUDA_VISIBLE_DEVICES" if os.environ.get("CUDA_VISIBLE_DEVICES") else f"local rank {local_rank}"
+    log.info(
+        "costexporter: no GPU UUID for rank %d (NVML not available: pip install nvidia-ml-py); "
+        "registering host %s GPU index %d (from %s). If that is not this rank's GPU, pass "
+        "StepReporter(gpu_uuid=... or gpu_index=...), set CUDA_VISIBLE_DEVICES, or set "
+        "COSTEXPORTER_HOST when hosts share a name",
+        rank,
+        host,
+        index,
+        source,
+    )
+
+
+# A queued event: (type, ts, seq, fields). Built on the trainer's thread; encoded on the sender's.
+_Event = tuple[str, float, int, dict | None]
+
+# Server errors that pass (Redis full, loading, a replica during failover): retry, never drop.
+_RETRYABLE_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
+
+
+def _retryable(exc: BaseException) -> bool:
+    from redis import exceptions as rx
+
+    transient = (rx.OutOfMemoryError, rx.ReadOnlyError, rx.BusyLoadingError, rx.TryAgainError)
+    transient += (rx.ClusterDownError, rx.MasterDownError)
+    return isinstance(exc, transient) or str(exc).split(" ", 1)[0] in _RETRYABLE_CODES
+
+
+class _Retry(Exception):
+    """Some events are back in line for a later try (the server said: not now)."""
+
+
+class StepReporter:
+    """Posts a rank's events to `<prefix>:{<job>}:events` (protocol v1, docs/protocol.md).
+
+    `stats` counts where every event went: `sent` (written to Redis), `spooled` (written to the
+    spool file) and `unspooled` (left it again: sent or rejected), `rejected` (refused by the
+    server, dropped), `lost` (could not even be spooled), `overflow` (refused by a full buffer, never
+    queued); `drained` counts other reporters' spooled events this one sent for them. Events in
+    the spool now = spooled - unspooled.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        redis_url: str | None = None,
+        *,
+        rank: int | None = None,
+        local_rank: int | None = None,
+        world_size: int | None = None,
+        host: str | None = None,
+        gpu_uuid: str | None = None,
+        gpu_index: int | None = None,
+        prefix: str | None = None,
+        resume_from: int | None = None,
+        meta: dict | None = None,
+        heartbeat_s: float = 10.0,
+        flush_interval_s: float = 0.05,
+        batch_size: int = 2000,
+        buffer_size: int = 100_000,
+        exit_timeout_s: float = 2.0,
+        spool_dir: str | Path | None = None,
+        socket_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        started_at: float | None = None,
+    ) -> None:
+        self.job = protocol.check_job(job)
+        self.prefix = prefix or os.environ.get("COSTEXPORTER_PREFIX", protocol.DEFAULT_PREFIX)
+        self.redis_url = redis_url or os.environ.get("COSTEXPORTER_REDIS_URL", protocol.DEFAULT_REDIS_URL)
+        env_rank, env_local, env_world = detect_ranks()
+        # The reader's bounds (events.parse_event): a register outside them would make the reader
+        # refuse every event of this rank, so the constructor refuses it instead.
+        env = " (from the launcher's environment)"
+        self.rank = coerce.count(
+            env_rank if rank is None else rank, "rank" + (env if rank is None else ""), MAX_RANK
+        )
+        self.local_rank = coerce.count(
+            env_local if local_rank is None else local_rank,
+            "local_rank" + (env if local_rank is None else ""),
+            MAX_GPU_INDEX,
+        )
+        self.world_size = coerce.count(
+            env_world if world_size is None else world_size,
+            "world_size" + (env if world_size is None else ""),
+            MAX_WORLD_SIZE,
+            lo=1,
+        )
+        self.host = coerce.text(host or os.environ.get("COSTEXPORTER_HOST") or socket.gethostname(), "host")
+        if gpu_uuid is None and gpu_index is None:
+            gpu_index, gpu_uuid = detect_gpu(self.local_rank)
+            if gpu_uuid is None:
+                _tell_no_uuid(
+                    self.rank, self.host, self.local_rank if gpu_index is None else gpu_index, self.local_rank
+                )
+        self.gpu_index = coerce.count(
+            self.local_rank if gpu_index is None else gpu_index, "gpu_index", MAX_GPU_INDEX
+        )
+        self.gpu_uuid = None if gpu_uuid is None else coerce.text(gpu_uuid, "gpu_uuid")
+        self.session = secrets.token_hex(8)
+        self._clock = clock  # Unix seconds; a simulation passes its own
+        self.heartbeat_s = heartbeat_s
+        self.flush_interval_s = flush_interval_s
+        self.batch_size = batch_size
+        self.capacity = buffer_size
+        self.exit_timeout_s = exit_timeout_s
+        self.spool_dir = _writable_dir(Path(spool_dir) if spool_dir else default_spool_dir())
+        self._spool_path = (
+            self.spool_dir
+            / f"{spool.safe_name(self.prefix)}.{spool.safe_name(self.job)}.{self.session}.jsonl"
+        )
+        self.destination = spool.destination(self.redis_url)
+        self._spool = spool.SpoolFile(self._spool_path, self.destination, self.prefix)
+        # Bounds how long close() waits for a send in progress (a connect plus a reply).
+        self._io_wait_s = socket_timeout_s + min(1.0, socket_timeout_s) + 0.5
+
+        self._queue: collections.deque[_Event] = collections.deque()
+        self._seq = itertools.count()
+        self._inflight: list[_Event] = []
+        self._io_lock = threading.Lock()  # held by whoever moves events out of memory (sender, close)
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._inactive = False  # set in a forked child: the hot path returns at once
+        self._closed = False
+        self._stopping = False
+        self._warned_overflow = False
+        self._logged: set[str] = set()
+        self._bad_files: set[Path] = set()
+        self.stats = collections.Counter()
+
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No client-side retries: the sender loop owns backoff, so a dead server costs one attempt.
+        self._redis = redisconn.from_url(
+            self.redis_url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=min(1.0, socket_timeout_s),
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._redis_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+        exitstatus.install()
+        self._post(
+            "register",
+            ts=self._ts(started_at),
+            host=self.host,
+            gpu_uuid=self.gpu_uuid,
+            gpu=self.gpu_index,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+        )
+        if resume_from is None:
+            self._post("run", ts=self._ts(started_at), state="start")
+        else:
+            self.resume(resume_from, ts=started_at)
+        if meta:
+            self.meta(**meta)
+        _REPORTERS.add(self)
+        self._pid = os.getpid()
+        self._thread = threading.Thread(
+            target=self._run, name=f"costexporter-reporter-{self.rank}", daemon=True
+        )
+        self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---- the trainer's API (hot path: no I/O, no locks) -------------------------------------
+    def step(self, step: int, tokens: int | None = None, ts: float | None = None) -> None:
+        """Optimizer step `step` just finished (tokens: the global batch's, on rank 0).
+
+        `ts` (Unix seconds) when it finished, if not now. Numbers of other types (numpy,
+        Decimal) are converted; what is not a whole number raises TypeError/ValueError here."""
+        if self._inactive:
+            return
+        if type(step) is not int or step < 0 or step > MAX_STEP:
+            step = coerce.count(step, "step", MAX_STEP)
+        if tokens is not None and (type(tokens) is not int or tokens < 0 or tokens > MAX_TOKENS):
+            tokens = coerce.count(tokens, "tokens", MAX_TOKENS)
+        if ts is None:
+            ts = self._clock()
+        elif type(ts) is not float or not 0.0 <= ts < 1e11:
+            ts = coerce.timestamp(ts)
+        q = self._queue
+        if len(q) >= self.capacity:
+            self._overflow()
+            return
+        q.append(("step", ts, next(self._seq), {"step": step, "tokens": tokens}))
+
+    def phase_begin(self, name: str, step: int | None = None, ts: float | None = None) -> None:
+        self._post("phase", ts=self._ts(ts), name=_name(name), state="begin", step=_opt_count(step, "step"))
+
+    def phase_end(self, name: str, step: int | None = None, ts: float | None = None) -> None:
+        self._post("phase", ts=self._ts(ts), name=_name(name), state="end", step=_opt_count(step, "step"))
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator[None]:
+        """Declared non-step work: `with rep.phase("checkpoint", step=s): save()`."""
+        self.phase_begin(name)
+        try:
+            yield
+        finally:
+            self.phase_end(name, step=step)
+
+    def resume(self, step: int, ts: float | None = None) -> None:
+        """This run restarted from the checkpoint saved after `step` (voids later steps)."""
+        self._post("run", ts=self._ts(ts), state="resume", step=coerce.count(step, "step", MAX_STEP))
+
+    def meta(self, ts: float | None = None, **fields: object) -> None:
+        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget, the watcher's
+        thresholds: events.META_TEXT and META_NUMBERS); last write wins.
+
+        Prices, budgets and thresholds must be finite numbers >= 0 and the text fields strings,
+        as the reader requires; other values must be JSON-plain."""
+        clean: dict[str, object] = {}
+        for k, v in fields.items():
+            if k in META_NUMBERS and v is not None:
+                x = coerce.number(v, k)
+                if x < 0:
+                    raise ValueError(f"{k} must be >= 0, got {v!r}")
+                clean[k] = x
+            elif k in META_TEXT and v is not None:
+                clean[k] = coerce.text(v, k)
+            else:
+                clean[coerce.text(k, "a meta field name")] = coerce.plain(v, k)
+        self._post("meta", ts=self._ts(ts), **clean)
+
+    def preflight(self, passed: bool, checks: object = None) -> None:
+        """The pre-run invariant gate's result."""
+        self._post("preflight", passed=bool(passed), checks=coerce.plain(checks, "checks"))
+
+    def _ts(self, ts: object) -> float:
+        return self._clock() if ts is None else coerce.timestamp(ts)
+
+    def _post(self, type_: str, ts: float | None = None, **fields: object) -> None:
+        if self._inactive:
+            return
+        if len(self._queue) >= self.capacity:
+            self._overflow()
+            return
+        self._queue.append((type_, self._clock() if ts is None else ts, next(self._seq), fields))
+
+    def _overflow(self) -> None:
+        self.stats["overflow"] += 1
+        if not self._warned_overflow:
+            self._warned_overflow = True
+            log.warning(
+                "costexporter: event buffer full (%d): dropping events until it drains", self.capacity
+            )
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued and spooled event has reached Redis (or been refused by it);
+        False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue or self._inflight or self._spool.lines:
+            self._idle.clear()
+            self._wake.set()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self._idle.wait(0.05 if remaining is None else min(0.05, remaining))
+        return True
+
+    def close(
+        self, timeout: float | None = None, *, end_run: bool | None = None, ts: float | None = None
+    ) -> None:
+        """Post `run end` if the run ended cleanly, flush for at most `timeout` (default
+        exit_timeout_s) and spool what is left.
+
+        `end_run=None` decides: no `run end` after an uncaught exception, a `sys.exit` with a
+        non-zero status, or when called while an exception is propagating (a `finally:` block)."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        if end_run is None:
+            why = exitstatus.crash_reason() or (
+                f"{sys.exc_info()[0].__name__} in flight" if sys.exc_info()[0] is not None else None
+            )
+            end_run = why is None
+            if why:
+                log.info("costexporter: not posting run end for %s rank %d: %s", self.job, self.rank, why)
+        if end_run:
+            self._post("run", ts=None if ts is None else self._ts(ts), state="end")
+        self._closed = True
+        timeout = self.exit_timeout_s if timeout is None else timeout
+        self.flush(timeout)
+        self._stopping = True
+        self._wake.set()
+        if self._io_lock.acquire(timeout=self._io_wait_s):
+            try:
+                self._spool_events(self._inflight + list(self._queue))
+                self._inflight = []
+                self._queue.clear()
+                self._spool.close()
+            finally:
+                self._io_lock.release()
+        else:  # the sender is stuck past its socket timeout: keep out of its files
+            self._close_stuck()
+        self._inactive = True
+
+    def _close_stuck(self) -> None:
+        late = spool.SpoolFile(self._spool_path.with_suffix(".late.jsonl"), self.destination, self.prefix)
+        events = list(self._queue)
+        self._queue.clear()
+        try:
+            self._spool_events(events, late)
+        finally:
+            late.close()
+        if self._inflight:
+            self._count_lost(len(self._inflight), "a send did not return in time")
+
+    def __enter__(self) -> StepReporter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(end_run=exc_type is None and exitstatus.crash_reason() is None)
+
+    # ---- the sender thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.0
+        next_beat = time.monotonic() + self.heartbeat_s
+        drained_others = False
+        while not self._stopping:
+            self._wake.wait(backoff or self.flush_interval_s)
+            self._wake.clear()
+            if self._stopping:
+                break
+            now = time.monotonic()
+            if now >= next_beat and not self._closed:
+                self._post("heartbeat")
+                next_beat = now + self.heartbeat_s
+            with self._io_lock:
+                if self._stopping:
+                    break
+                try:
+                    if not drained_others:
+                        self._drain_others()
+                        drained_others = True
+                    self._drain_own()
+                    self._send_queue()
+                    backoff = 0.0
+                except (_Retry, *self._redis_errors) as e:
+                    self.stats["send_errors"] += 1
+                    if backoff == 0.0:
+                        log.warning("costexporter: Redis unreachable or busy (%s); buffering events", e)
+                    backoff = min(max(backoff * 2, 0.1), 2.0)
+                    if len(self._queue) > self.capacity // 2:
+                        self._spill()
+                except Exception:  # the sender must never die, nor retry a poison batch forever
+                    log.exception("costexporter: unexpected error in the reporter thread")
+                    self.stats["rejected"] += len(self._inflight)
+                    self._inflight = []
+                    backoff = 1.0
+            if not self._queue and not self._inflight and not self._spool.lines:
+                self._idle.set()
+
+    def _send_queue(self) -> None:
+        while self._queue and not self._stopping:
+            n = min(len(self._queue), self.batch_size)
+            # In flight before it leaves the queue: flush() (another thread) must never see both
+            # empty while a batch is on its way.
+            self._inflight = list(itertools.islice(self._queue, n))
+            for _ in range(n):
+                self._queue.popleft()
+            entries, events = self._encode(self._inflight)
+            try:
+                ok, retry = self._deliver(entries)
+            except self._redis_errors:
+                self._requeue()
+                raise
+            self.stats["sent"] += ok
+            self._inflight = [events[i] for i in retry]
+            self._requeue()
+            if retry:
+                raise _Retry(f"{len(retry)} events refused for now")
+
+    def _drain_own(self) -> None:
+        """Send this reporter's own spool (older than anything in memory) once Redis is back."""
+        if not self._spool.lines:
+            return
+        self._redis.ping()  # while Redis is down, do not re-read a big spool every round
+        entries = self._spool.read()
+        remaining = entries
+        try:
+            while remaining and not self._stopping:
+                chunk, rest = remaining[: self.batch_size], remaining[self.batch_size :]
+                ok, retry = self._deliver(chunk)
+                self.stats["sent"] += ok
+                self.stats["unspooled"] += len(chunk) - len(retry)
+                remaining = [chunk[i] for i in retry] + rest
+                if retry:
+                    raise _Retry(f"{len(retry)} spooled events refused for now")
+        finally:
+            if remaining is not entries:
+                self._spool.replace(remaining)
+
+    def _drain_others(self) -> None:
+        """Send the spool files that crashed or exited reporters left for this Redis and prefix."""
+        pinged = False
+        for path in spool.others(self.spool_dir, self.prefix, skip=self._spool_path):
+            if self._stopping:
+                return
+            if path in self._bad_files:
+                continue
+            if not pinged:
+                self._redis.ping()  # while Redis is down, do not re-read the files every round
+                pinged = True
+            with spool.claim(path) as f:
+                if f is None:
+                    continue
+                head = spool.read_header(f)
+                if spool.mismatch(path, head, self.destination, self.prefix):
+                    continue
+                try:
+                    if self._send_file(f, head):
+                        path.unlink()
+                except (_Retry, *self._redis_errors):
+                    raise
+                except Exception:  # an unreadable file must not stop this reporter's own events
+                    self._bad_files.add(path)
+                    log.exception("costexporter: cannot send spool %s; leaving it", path)
+
+    def _send_file(self, f, head: dict) -> bool:
+        """Send a claimed file's events; on any stop, keep what is unsent in it. True: all sent."""
+        remaining, skipped = spool.entries_of(f)
+        total = len(remaining)
+        if skipped:  # torn or corrupted lines: nothing of them can be sent
+            self.stats["spool_corrupt_lines"] += skipped
+            log.warning("costexporter: spool %s: %d corrupted lines skipped", f.name, skipped)
+        try:
+            while remaining and not self._stopping:
+                chunk, rest = remaining[: self.batch_size], remaining[self.batch_size :]
+                ok, retry = self._deliver(chunk, "drain_rejected")
+                self.stats["drained"] += ok
+                remaining = [chunk[i] for i in retry] + rest
+                if retry:
+                    raise _Retry(f"{len(retry)} spooled events refused for now")
+        finally:
+            if remaining and len(remaining) != total:
+                spool.rewrite(f, head, remaining)
+        return not remaining
+
+    def _deliver(self, entries: list[dict[str, str]], refused_key: str = "rejected") -> tuple[int, list[int]]:
+        """Send; count what the server refused for good (dropped, logged once per reason).
+        Returns how many arrived and the indices of what it refused for now (to retry).
+        Raises on a dead connection."""
+        retry: list[int] = []
+        refused = 0
+        by_job: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_job.setdefault(e.get("job", self.job), []).append(i)
+        for job, idx in by_job.items():
+            res = send_entries(self._redis, self.prefix, job, [entries[i] for i in idx], raise_on_error=False)
+            for j, exc in res.failed.items():
+                if _retryable(exc):
+                    retry.append(idx[j])
+                else:
+                    refused += 1
+                    self.stats[refused_key] += 1
+                    self._log_once(
+                        f"rejected:{exc}",
+                        "costexporter: Redis refused events of %s (%s): dropped (stats['rejected'])",
+                        job,
+                        exc,
+                    )
+            for j, exc in res.side_failed:
+                if j is not None and j not in res.failed and _retryable(exc):
+                    retry.append(idx[j])  # resent whole; the reader drops the duplicate entry
+                elif not _retryable(exc):
+                    self.stats["side_rejected"] += 1
+                    self._log_once(
+                        f"side:{exc}",
+                        "costexporter: Redis refused a ranks/meta/jobs write of %s (%s); events went through",
+                        job,
+                        exc,
+                    )
+            if res.counter_failed is not None:
+                self.stats["counter_rejected"] += 1
+                if f"counter:{res.counter_failed}" not in self._logged:
+                    self._logged.add(f"counter:{res.counter_failed}")
+                    log.warning(
+                        "costexporter: Redis refused the registrations counter (%s; an ACL without "
+                        "%s:registrations?): agents find %s's registration by their slower refresh",
+                        res.counter_failed,
+                        self.prefix,
+                        job,
+                    )
+        retry = sorted(set(retry))
+        return len(entries) - refused - len(retry), retry  # a retried entry counts when it succeeds
+
+    def _encode(self, batch: list[_Event]) -> tuple[list[dict[str, str]], list[_Event]]:
+        entries, events = [], []
+        for ev in batch:
+            try:
+                entries.append(self._entry(ev))
+                events.append(ev)
+            except (TypeError, ValueError) as e:  # values are checked at the call; a last guard
+                self.stats["rejected"] += 1
+                self._log_once(
+                    f"encode:{type(e).__name__}",
+                    "costexporter: cannot encode a %s event (%s): dropped",
+                    ev[0],
+                    e,
+                )
+        return entries, events
+
+    def _log_once(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._logged and len(self._logged) < 100:
+            self._logged.add(key)
+            log.error(msg, *args)
+
+    def _requeue(self) -> None:
+        if self._inflight:
+            self._queue.extendleft(reversed(self._inflight))
+            self._inflight = []
+
+    def _entry(self, ev: _Event) -> dict[str, str]:
+        type_, ts, seq, fields = ev
+        base = {
+            "v": "1",
+            "type": type_,
+            "job": self.job,
+            "ts": f"{ts:.6f}",
+            "rank": self.rank,
+            "session": self.session,
+            "seq": seq,
+        }
+        return protocol.encode_fields({**base, **(fields or {})})
+
+    def _spill(self) -> None:
+        """Redis is down and memory is filling: move the oldest half to the spool file."""
+        n = len(self._queue) // 2
+        self._spool_events(list(itertools.islice(self._queue, n)))  # on disk before it leaves the queue
+        for _ in range(n):
+            self._queue.popleft()
+
+    def _spool_events(self, batch: list[_Event], into: spool.SpoolFile | None = None) -> None:
+        """Encode and append to this reporter's spool (or `into`); counted spooled, or lost."""
+        if not batch:
+            return
+        entries, _ = self._encode(batch)
+        try:
+            (into or self._spool).append(entries)
+            self.stats["spooled"] += len(entries)
+        except OSError as e:
+            self._count_lost(len(entries), e)
+
+    def _count_lost(self, n: int, why: object) -> None:
+        self.stats["lost"] += n
+        log.error("costexporter: cannot spool to %s (%s): %d events lost", self._spool_path, why, n)
+
+
+def _name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a phase name must be a non-empty string, got {name!r}")
+    return coerce.text(name, "a phase name")
+
+
+def _opt_count(x: object, name: str) -> int | None:
+    return None if x is None else coerce.count(x, name, MAX_STEP)
+
+
+@dataclass
+class Delivery:
+    """What the server refused in one batch: XADDs by entry index, and the side writes (ranks,
+    meta: by entry index; the jobs index: None)."""
+
+    failed: dict[int, Exception] = field(default_factory=dict)
+    side_failed: list[tuple[int | None, Exception]] = field(default_factory=list)
+    counter_failed: Exception | None = None  # the registrations counter's INCR (never retried)
+
+
+def send_entries(
+    client, prefix: str, job: str, entries: list[dict[str, str]], *, raise_on_error: bool = True
+) -> Delivery:
+    """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta`, the jobs index and, with
+    a register, the registrations counter.
+
+    A dead connection raises. The server's refusals raise the first one, or with
+    `raise_on_error=False` come back per entry (a non-transactional pipeline applies the rest)."""
+    pipe = client.pipeline(transaction=False)
+    stream = protocol.stream_key(prefix, job)
+    owners: list[tuple[int | None, bool]] = []  # per command: (entry index, is the XADD)
+    last_ts = 0.0
+    for i, e in enumerate(entries):
+        pipe.xadd(stream, e)
+        owners.append((i, True))
+        if e.get("type") == "register":
+            pipe.hset(protocol.ranks_key(prefix, job), e["rank"], json.dumps(e, separators=(",", ":")))
+            owners.append((i, False))
+        elif e.get("type") == "meta":
+            fields = {k: v for k, v in e.items() if k not in BASE_FIELDS}
+            if fields:
+                pipe.hset(protocol.meta_key(prefix, job), mapping=fields)
+                owners.append((i, False))
+        with contextlib.suppress(TypeError, ValueError):
+            last_ts = max(last_ts, float(e.get("ts", 0.0)))
+    # The jobs index is another slot than the job's keys: on a Redis Cluster this pipeline goes to
+    # two nodes in no set order. Either order is safe: a reader that finds the job before its
+    # stream or ranks reads nothing new yet, and a stream whose index write failed is listed by
+    # the next batch (every batch repeats the ZADD; GT keeps the newest time).
+    pipe.zadd(protocol.jobs_key(prefix), {job: last_ts}, gt=True)
+    owners.append((None, False))
+    version_at = None
+    if any(e.get("type") == "register" for e in entries):
+        # Agents run discovery when this counter moves, not every few seconds for every job. A
+        # refusal (an ACL written before this key) costs only that: agents also re-read slowly.
+        pipe.execute_command("INCR", protocol.registrations_key(prefix))  # incr() sends INCRBY
+        version_at = len(owners)
+        owners.append((None, False))
+    results = pipe.execute(raise_on_error=False)
+    if raise_on_error:
+        first = next((r for k, r in enumerate(results) if isinstance(r, Exception) and k != version_at), None)
+        if first is not None:
+            raise first
+    out = Delivery()
+    for k, ((i, is_xadd), r) in enumerate(zip(owners, results, strict=True)):
+        if k == version_at:
+            out.counter_failed = r if isinstance(r, Exception) else None
+        elif isinstance(r, Exception):
+            if is_xadd:
+                out.failed[i] = r
+            else:
+                out.side_failed.append((i, r))
+    return out
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    rep = ref()
+    if rep is not None:
+        try:
+            rep.close()
+        except Exception:  # never fail interpreter shutdown
+            log.exception("costexporter: error while closing the reporter at exit")
