@@ -1,0 +1,63 @@
+"""`costexporter api`: the finance API."""
+
+from __future__ import annotations
+
+import click
+
+from costexporter.cli.options import (
+    DEFAULT_API_PORT,
+    check_port,
+    check_tz,
+    listen_option,
+    prefix_option,
+    redis_url_option,
+)
+from costexporter.cli.servers import api_app, serve_forever
+
+
+@click.command()
+@redis_url_option()
+@prefix_option
+@listen_option("finance API")
+@click.option("--port", type=int, default=DEFAULT_API_PORT, help="Port of the finance API.")
+@click.option(
+    "--tokens-file",
+    envvar="COSTEXPORTER_API_TOKENS_FILE",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Bearer tokens with team scopes (YAML or JSON); without it the API is open.",
+)
+@click.option("--currency", default="USD", help="The ledger's currency.")
+@click.option(
+    "--tz", default="UTC", callback=check_tz, help="Time zone of calendar windows (today, month, ...)."
+)
+@click.option(
+    "--hash-token",
+    default=None,
+    metavar="TOKEN",
+    help="Print the sha256 of TOKEN for the tokens file, and exit.",
+)
+@click.option(
+    "--cache-mb",
+    envvar="COSTEXPORTER_API_CACHE_MB",
+    type=click.FloatRange(min=0),
+    default=64,
+    show_default=True,
+    help="Memory for cached series responses (0: no cache).",
+)
+@click.option("--focus-provider", default="costexporter", show_default=True, help="FOCUS ProviderName.")
+@click.option("--focus-publisher", default=None, help="FOCUS PublisherName (default: the provider).")
+@click.option("--focus-invoice-issuer", default=None, help="FOCUS InvoiceIssuerName (default: the provider).")
+@click.option(
+    "--focus-billing-account-id", default=None, help="FOCUS BillingAccountId (default: the provider)."
+)
+@click.option("--focus-billing-account-name", default=None, help="FOCUS BillingAccountName.")
+def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token, **options) -> None:
+    """The finance API over the ledger: /api/v1, OpenAPI at /docs."""
+    if hash_token:
+        from costexporter.api.auth import hash_token as h
+
+        click.echo(h(hash_token))
+        return
+    check_port(listen, port, "--port")
+    serve_forever(api_app(redis_url, prefix, tokens_file, currency, tz, **options), listen, port)

@@ -1,0 +1,70 @@
+"""`costexporter dashboard` and `costexporter rules`: the Grafana dashboard and the Prometheus rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def dashboard(output) -> None:
+    """Print (or write) the Grafana dashboard JSON."""
+    from costexporter.tools.dashboard import render
+
+    text = render()
+    if output:
+        output.write_text(text)
+    else:
+        click.echo(text, nl=False)
+
+
+@click.command()
+@click.option(
+    "--short", is_flag=True, help="Short windows (seconds), for tests and the time-compressed demo."
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Override one window or threshold (e.g. slope_window=20m); see costexporter/tools/rules.py.",
+)
+@click.option(
+    "--speed",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Windows for a story played this many times faster (the demo's --speed): each divided by it.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["rules", "prometheusrule"]),
+    default="rules",
+    help="A Prometheus rule file, or a prometheus-operator PrometheusRule object.",
+)
+@click.option("--name", default="costexporter", help="metadata.name of the PrometheusRule.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def rules(short, speed, overrides, fmt, name, output) -> None:
+    """Print (or write) the Prometheus alert and recording rules."""
+    import dataclasses
+
+    from costexporter.tools.rules import RuleWindows, for_speed, render, render_prometheus_rule
+
+    w = RuleWindows.short() if short else RuleWindows()
+    if speed:
+        w = for_speed(w, speed)
+    known = {f.name: f.type for f in dataclasses.fields(RuleWindows)}
+    kw = {}
+    for o in overrides:
+        key, sep, value = o.partition("=")  # not `name`: that is the PrometheusRule's --name
+        if not sep or key not in known:
+            raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
+        kw[key] = float(value) if known[key] in (float, "float") else value
+    w = dataclasses.replace(w, **kw)
+    text = render(w) if fmt == "rules" else render_prometheus_rule(w, name)
+    if output:
+        output.write_text(text)
+    else:
+        click.echo(text, nl=False)

@@ -1,0 +1,147 @@
+"""`costexporter replay`: a recorded trace and the events in, the report out."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import click
+
+from costexporter.cli.options import (
+    InputFailure,
+    booking_config,
+    booking_options,
+    check_tz,
+    load_profile,
+    price_config,
+    price_options,
+    profile_option,
+    sample_spec,
+)
+
+
+@click.command()
+@click.option(
+    "--samples",
+    "samples",
+    multiple=True,
+    required=True,
+    metavar="[HOST=]PATH",
+    help="nvidia-smi CSV or JSONL samples; repeatable. HOST defaults to the file's stem.",
+)
+@click.option(
+    "--events", type=click.Path(dir_okay=False, path_type=Path), help="Trainer events, JSONL of protocol v1."
+)
+@click.option(
+    "--job",
+    default=None,
+    help="Name of the implicit job when no event registers a GPU [default: the events' job, else 'trace'].",
+)
+@click.option(
+    "--tz", default="UTC", callback=check_tz, help="Time zone of naive CSV timestamps (IANA name or +HH:MM)."
+)
+@click.option("--gpu-model", default=None, help="GPU model (picks or derives the band profile).")
+@click.option(
+    "--power-limit",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Board power limit in W (derives an uncalibrated profile).",
+)
+@profile_option
+@booking_options
+@price_options
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    default=None,
+    help="Write the report here instead of stdout.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="Do not print warnings about skipped input.")
+@click.option("--timings", is_flag=True, help="Print where the time went (JSON, to stderr).")
+def replay(
+    samples,
+    events,
+    job,
+    tz,
+    gpu_model,
+    power_limit,
+    profile_path,
+    fmt,
+    output,
+    quiet,
+    timings,
+    **config,
+) -> None:
+    """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
+    from costexporter.cli import report
+    from costexporter.core import profiles
+    from costexporter.core import tracefiles as files
+    from costexporter.core.diagnostics import Diagnostics, InputError
+    from costexporter.core.replay import ReplayConfig
+    from costexporter.core.replay import replay as run_replay
+
+    diag = Diagnostics(stream=None if quiet else sys.stderr)
+    clock = [("start", time.perf_counter())]
+    try:
+        profile = load_profile(profile_path)
+        specs = [sample_spec(s) for s in samples]
+        with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
+            chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))
+        sample_set = files.combine(chunks)
+        evs = files.read_events_jsonl(events, diag) if events else []
+        clock.append(("read_s", time.perf_counter()))
+        cfg = ReplayConfig(
+            booking=booking_config(config),
+            prices=price_config(config),
+            job=job,
+            gpu_model=gpu_model,
+            power_limit_w=power_limit,
+            profile=profile,
+        )
+        result = run_replay(sample_set, evs, cfg)
+        clock.append(("book_s", time.perf_counter()))
+    except (InputError, profiles.ProfileError) as e:
+        raise InputFailure(str(e)) from None
+    result["warnings"] = diag.summary()
+    for line in [] if quiet else report.clock_warnings(result, tz):
+        click.echo(f"warning: {line}", err=True)
+    if not quiet:
+        _price_overrides(result, config["price_per_gpu_hour"])
+    text = {"json": report.to_json, "csv": report.to_csv, "table": report.to_table}[fmt](result)
+    if output:
+        output.write_text(text if text.endswith("\n") else text + "\n")
+    else:
+        click.echo(text, nl=not text.endswith("\n"))
+    if timings:
+        import json
+
+        clock.append(("render_s", time.perf_counter()))
+        t = {name: round(b - a, 4) for (_, a), (name, b) in itertools.pairwise(clock)}
+        t["rows"] = len(sample_set)
+        t["rows_per_s"] = round(len(sample_set) / (clock[2][1] - clock[0][1]))
+        click.echo("timings: " + json.dumps(t), err=True)
+    if diag.counts and not quiet:
+        total = sum(diag.counts.values())
+        click.echo(
+            f"costexporter: {total} input problem(s) counted and skipped: "
+            + ", ".join(f"{k}={v}" for k, v in diag.summary().items()),
+            err=True,
+        )
+
+
+def _price_overrides(result: dict, flag_price: float) -> None:
+    """Say once per job when its meta's price wins over --price-per-gpu-hour, which would
+    otherwise seem to do nothing."""
+    from costexporter.core.cost import price_override_note
+
+    for name, j in result.get("jobs", {}).items():
+        meta_price = (j.get("meta") or {}).get("price_per_gpu_hour")
+        note = price_override_note(name, meta_price, j.get("price_per_gpu_hour", flag_price), flag_price)
+        if note:
+            click.echo(f"costexporter: {note}", err=True)

@@ -1,0 +1,244 @@
+"""`costexporter serve`: the per-node agent."""
+
+from __future__ import annotations
+
+import click
+
+from costexporter.cli.options import (
+    DEFAULT_METRICS_PORT,
+    InputFailure,
+    booking_config,
+    booking_options,
+    check_port,
+    check_tz,
+    listen_option,
+    load_profile,
+    prefix_option,
+    price_config,
+    price_options,
+    profile_option,
+    redis_url_option,
+    require_redis,
+    sample_spec,
+)
+from costexporter.cli.servers import api_app, serve_in_thread
+from costexporter.sources.factory import KINDS, make_source
+
+
+@click.command()
+@click.option(
+    "--source",
+    type=click.Choice(KINDS),
+    default="nvml",
+    help="Where samples come from.",
+)
+@click.option("--scenario", default="mini", help="The simulated job of --source sim (mini, r1).")
+@click.option(
+    "--dcgm-url",
+    "dcgm_urls",
+    multiple=True,
+    metavar="URL",
+    help="dcgm-exporter /metrics endpoint(s) for --source dcgm.",
+)
+@click.option(
+    "--samples", "samples", multiple=True, metavar="[HOST=]PATH", help="Trace file(s) for --source replay."
+)
+@click.option("--speed", type=click.FloatRange(min=0.001), default=1.0, help="Replay speed (1 = real time).")
+@click.option("--tz", default="UTC", callback=check_tz, help="Time zone of naive CSV timestamps.")
+@click.option("--host", default=None, help="This node's name [default: the source's].")
+@click.option("--agent-id", default=None, help="This agent's id in the ledger [default: the host].")
+@redis_url_option()
+@prefix_option
+@listen_option("/metrics server (and the API of --api-port)")
+@click.option("--port", type=int, default=DEFAULT_METRICS_PORT, help="Port of the /metrics server (0: none).")
+@click.option("--book-interval", type=click.FloatRange(min=0.05), default=5.0, help="Seconds between rounds.")
+@click.option(
+    "--sample-interval", type=click.FloatRange(min=0.01), default=1.0, help="Seconds between samples."
+)
+@click.option("--gpu-model", default=None, help="GPU model (picks or derives the band profile).")
+@click.option("--power-limit", type=click.FloatRange(min=1), default=None, help="Board power limit in W.")
+@profile_option
+@click.option("--exit-when-done", is_flag=True, help="Replay: exit once the trace is played and booked.")
+@click.option("--api-port", type=int, default=0, help="Also serve the finance API on this port (0: no).")
+@click.option(
+    "--peer-timeout",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Seconds another agent of a job may stay silent before booking goes on without it "
+    "[default: max(6 rounds, 30 s)].",
+)
+@click.option(
+    "--tokens-file",
+    envvar="COSTEXPORTER_API_TOKENS_FILE",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Bearer tokens of the finance API.",
+)
+@click.option(
+    "--series-ttl",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    help="Seconds an ended job's series stay on /metrics.",
+)
+@click.option(
+    "--k8s-jobs/--no-k8s-jobs",
+    default=True,
+    help="--source dcgm: book GPUs dcgm-exporter attributes to a pod as that pod's job (no trainer needed).",
+)
+@click.option(
+    "--k8s-job-label",
+    "k8s_job_labels",
+    multiple=True,
+    metavar="LABEL",
+    help="Pod label naming the job (repeatable, first present wins) [default: Kubeflow, JobSet, batch Job].",
+)
+@click.option(
+    "--event-lag",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds live booking stays behind the newest sample, so trainer events that arrive up to "
+    "this late still count as on time (trainers behind a slow or buffering path).",
+)
+@click.option(
+    "--unassigned-hold",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    help="Seconds the time of GPUs no job holds waits before it is booked `unassigned`, so a "
+    "register that arrives this late still wins its GPU's time for the job.",
+)
+@click.option(
+    "--trim/--no-trim",
+    "trim_streams",
+    default=True,
+    help="Trim each job's event stream below its readers' oldest position (docs/agent.md, "
+    '"Restart and trimming").',
+)
+@click.option(
+    "--late-keep",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    help="Seconds late an event may arrive and still be folded in exactly after trimming (the "
+    "stream is kept 1-2 x this behind its slowest reader).",
+)
+@booking_options
+@price_options
+def serve(
+    source,
+    scenario,
+    dcgm_urls,
+    samples,
+    speed,
+    tz,
+    host,
+    agent_id,
+    redis_url,
+    prefix,
+    listen,
+    port,
+    book_interval,
+    sample_interval,
+    gpu_model,
+    power_limit,
+    profile_path,
+    exit_when_done,
+    api_port,
+    peer_timeout,
+    tokens_file,
+    series_ttl,
+    k8s_jobs,
+    k8s_job_labels,
+    event_lag,
+    unassigned_hold,
+    trim_streams,
+    late_keep,
+    **config,
+) -> None:
+    """The per-node agent: sample GPUs, book the ledger exactly once, serve /metrics."""
+    import logging
+    import signal
+
+    from costexporter.core import profiles
+    from costexporter.core.diagnostics import Diagnostics, InputError
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.base import GpuInitError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_port(listen, port, "--port")
+    check_port(listen, api_port, "--api-port")
+    try:
+        src = make_source(
+            source,
+            host=host,
+            dcgm_urls=dcgm_urls,
+            samples=[sample_spec(x) for x in samples],
+            speed=speed,
+            tz=tz,
+            diag=Diagnostics(),
+            scenario=scenario,
+            redis_url=redis_url,
+            prefix=prefix,
+        )
+        profile = load_profile(profile_path)
+    except GpuInitError as e:
+        hint = (
+            " (no GPU here? `--source sim --scenario mini` plays a simulated job)" if source == "nvml" else ""
+        )
+        raise InputFailure(f"{e}{hint}") from None
+    except (InputError, profiles.ProfileError, ValueError) as e:
+        raise InputFailure(str(e)) from None
+    if exit_when_done:
+        # A batch run that cannot book must say so, not wait for ever for Redis.
+        require_redis(redis_url)
+    cfg = AgentConfig(
+        redis_url=redis_url,
+        prefix=prefix,
+        agent_id=agent_id or host or src.host,
+        host=host,
+        booking=booking_config(config),
+        prices=price_config(config),
+        book_interval_s=book_interval,
+        sample_interval_s=sample_interval,
+        profile=profile,
+        gpu_model=gpu_model,
+        power_limit_w=power_limit,
+        series_ttl_s=series_ttl,
+        peer_timeout_s=peer_timeout,
+        event_lag_s=event_lag,
+        unassigned_hold_s=unassigned_hold,
+        trim_streams=trim_streams,
+        late_keep_s=late_keep,
+    )
+    agent = Agent(src, cfg).start()
+    if port:
+        from prometheus_client import start_http_server
+
+        from costexporter.services.exporter import registry_for
+
+        start_http_server(port, addr=listen, registry=registry_for(agent))
+        click.echo(
+            f"costexporter serve: /metrics on {listen}:{port}, source {source}, agent {cfg.agent_id}",
+            err=True,
+        )
+    if api_port:
+        serve_in_thread(api_app(redis_url, prefix, tokens_file, cfg.prices.currency, "UTC"), listen, api_port)
+    if source == "dcgm" and k8s_jobs:
+        from costexporter.services.k8s import start_kubernetes_jobs
+
+        start_kubernetes_jobs(agent, k8s_job_labels)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    idle_rounds = [0, -1]
+
+    def done() -> bool:
+        if not exit_when_done or not getattr(src, "done", False):
+            return False
+        progress = sum(j.booked_until for j in agent.jobs.values())
+        idle_rounds[0] = idle_rounds[0] + 1 if progress == idle_rounds[1] else 0
+        idle_rounds[1] = progress
+        return (all(j.done for j in agent.jobs.values() if j.own) and bool(agent.jobs)) or idle_rounds[0] >= 5
+
+    try:
+        agent.run(until=done)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        agent.shutdown()

@@ -1,0 +1,132 @@
+"""`costexporter watch`: each job's state, decided from outside it."""
+
+from __future__ import annotations
+
+import click
+
+from costexporter.cli.options import (
+    DEFAULT_WATCH_PORT,
+    InputFailure,
+    booking_config,
+    booking_options,
+    check_port,
+    listen_option,
+    load_profile,
+    prefix_option,
+    profile_option,
+    redis_url_option,
+    safe_url,
+)
+
+
+@click.command()
+@redis_url_option()
+@prefix_option
+@click.option("--job", "jobs", multiple=True, help="Watch only this job (repeatable) [default: every job].")
+@click.option("--poll", type=click.FloatRange(min=0.05), default=5.0, help="Seconds between polls.")
+@click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    help="Seconds without any event from a rank before its process counts as gone.",
+)
+@click.option("--status-ttl", type=click.FloatRange(min=1), default=None, help="TTL of the status keys.")
+@click.option("--webhook-url", envvar="COSTEXPORTER_WEBHOOK_URL", default=None, help="POST transitions here.")
+@click.option("--webhook-retries", type=click.IntRange(min=0), default=5, help="Retries of a failed POST.")
+@click.option(
+    "--alertmanager-url",
+    envvar="COSTEXPORTER_ALERTMANAGER_URL",
+    default=None,
+    help="Alertmanager base URL (http://alertmanager:9093): crashed/hung/starving/unknown are posted "
+    "to its /api/v2/alerts and resolved when they end.",
+)
+@click.option(
+    "--alertmanager-resend",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    help="Seconds between re-posts of a firing alert (its endsAt lies 4 re-posts ahead).",
+)
+@listen_option("/metrics server")
+@click.option("--port", type=int, default=DEFAULT_WATCH_PORT, help="Port of the /metrics server (0: none).")
+@click.option("--gpu-model", default=None, help="GPU model of the live signature [default: the job's meta].")
+@profile_option
+@click.option(
+    "--sim-clock",
+    is_flag=True,
+    help="Judge time by the clock a simulated job publishes (the demo at --speed), not the wall clock.",
+)
+@click.option("--once", is_flag=True, help="Poll once, print each job's status as JSON, exit.")
+@booking_options
+def watch(
+    redis_url,
+    prefix,
+    jobs,
+    poll,
+    heartbeat_timeout,
+    status_ttl,
+    webhook_url,
+    webhook_retries,
+    alertmanager_url,
+    alertmanager_resend,
+    listen,
+    port,
+    gpu_model,
+    profile_path,
+    sim_clock,
+    once,
+    **config,
+) -> None:
+    """Decide each job's state from outside it: running, done, crashed, hung, starving, unknown."""
+    import json
+    import logging
+    import signal
+
+    from costexporter.core import profiles
+    from costexporter.services.watcher import WatchConfig, Watcher
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        profile = load_profile(profile_path) or (profiles.select(gpu_model) if gpu_model else None)
+    except profiles.ProfileError as e:
+        raise InputFailure(str(e)) from None
+    cfg = WatchConfig(
+        redis_url=redis_url,
+        prefix=prefix,
+        booking=booking_config(config),
+        poll_s=poll,
+        heartbeat_timeout_s=heartbeat_timeout,
+        status_ttl_s=status_ttl,
+        jobs=tuple(jobs),
+        webhook_url=webhook_url,
+        webhook_retries=webhook_retries,
+        alertmanager_url=alertmanager_url,
+        alertmanager_resend_s=alertmanager_resend,
+        profile=profile,
+    )
+    if sim_clock:
+        from costexporter.sources.sim import published_clock
+
+        cfg.clock = published_clock(redis_url, prefix)
+    watcher = Watcher(cfg)
+    if once:
+        decided = watcher.poll()
+        watcher.stop()
+        if not watcher.redis_up:
+            raise InputFailure(f"Redis at {safe_url(redis_url)} is unreachable: no job can be judged")
+        click.echo(json.dumps({j: st.to_dict() for j, st in decided.items()}, indent=2))
+        return
+    if port:
+        from prometheus_client import start_http_server
+
+        from costexporter.services.exporter import watch_registry
+
+        check_port(listen, port, "--port")
+        start_http_server(port, addr=listen, registry=watch_registry(watcher))
+        click.echo(f"costexporter watch: /metrics on {listen}:{port}", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: watcher.stop())
+    try:
+        watcher.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watcher.stop()

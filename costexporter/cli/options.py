@@ -1,0 +1,281 @@
+"""Shared by every command: the --config file, the options several commands take, the booking
+and price flags, and the checks that turn unusable input into one line and exit 2."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import click
+
+EXIT_INPUT = 2
+
+
+class InputFailure(click.ClickException):
+    """Unusable input: one clear line and exit 2."""
+
+    exit_code = EXIT_INPUT
+
+
+def load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """--config before the command (`costexporter --config f.yaml serve`) or after it
+    (`costexporter serve --config f.yaml`): the file's section of the command gives defaults."""
+    if not value:
+        return value
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(value).read_text()) or {}
+    except OSError as e:
+        raise click.BadParameter(f"cannot read {value}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise click.BadParameter(f"{value} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{value}: expected a mapping of command names to options")
+    sections = {k: v for k, v in data.items() if isinstance(v, dict)}
+    ctx.default_map = sections if ctx.parent is None else sections.get(ctx.info_name or "", {})
+    return value
+
+
+def config_option() -> click.Option:
+    return click.Option(
+        ["--config"],
+        type=click.Path(dir_okay=False),
+        envvar="COSTEXPORTER_CONFIG",
+        callback=load_config,
+        is_eager=True,
+        expose_value=False,
+        help="YAML file of defaults, keyed by command name (flags and environment variables win).",
+    )
+
+
+def check_port(listen: str, port: int, flag: str) -> None:
+    """A port already in use: say which one and which flag moves it (exit 2), before anything
+    starts, instead of an OSError from a server thread."""
+    import socket
+
+    if not port:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(listen, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        raise InputFailure(
+            f"port {port} on {listen} is not available ({e.strerror or e}): "
+            f"choose another with {flag} (0: none)"
+        ) from None
+
+
+def require_redis(url: str, says: str = "Redis at {url} is unreachable: {e}") -> None:
+    """Exit 2 with one line when Redis does not answer (or the URL is not one): `says` with
+    `{url}` (without credentials) and `{e}` filled in."""
+    import redis
+
+    from costexporter.store import redisconn
+
+    try:
+        redisconn.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
+    except (redis.RedisError, OSError, ValueError) as e:
+        raise InputFailure(says.format(url=safe_url(url), e=e)) from None
+
+
+def safe_url(url: str) -> str:
+    """A Redis URL fit for a message: no credentials, no options."""
+    from costexporter.trainer.spool import destination
+
+    return destination(url)
+
+
+def check_tz(_ctx, _param, value: str) -> str:
+    if value.upper() in ("UTC", "Z"):
+        return value
+    if m := re.fullmatch(r"[+-](\d{2}):(\d{2})", value):
+        if int(m[1]) <= 23 and int(m[2]) <= 59:  # what a UTC offset can be (Arrow refuses more)
+            return value
+        raise click.BadParameter(f"{value!r} is not an offset like +08:00 (at most +/-23:59)")
+    try:
+        from zoneinfo import ZoneInfo
+
+        ZoneInfo(value)
+    except (KeyError, ValueError, OSError):  # ZoneInfoNotFoundError is a KeyError
+        raise click.BadParameter(f"{value!r} is not an IANA time zone or an offset like +08:00") from None
+    return value
+
+
+profile_option = click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="Band profile file (YAML or JSON), or a directory of them matched by GPU model "
+    "[default: $COSTEXPORTER_PROFILE_DIR].",
+)
+
+
+REDIS_URL_HELP = "Redis of the events and the ledger; rediss:// for TLS, user:password@ for ACL users."
+
+
+def redis_url_option(default: str | None = "redis://127.0.0.1:6379/0", help: str = REDIS_URL_HELP):
+    return click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default=default, help=help)
+
+
+prefix_option = click.option(
+    "--prefix",
+    envvar="COSTEXPORTER_PREFIX",
+    default="costexporter",
+    help="Redis key prefix of this deployment.",
+)
+
+
+def listen_option(what: str):
+    return click.option("--listen", default="0.0.0.0", help=f"Address the {what} listens on.")
+
+
+def load_profile(path: Path | None):
+    """--profile: a file is the profile; a directory is searched by GPU model (like
+    $COSTEXPORTER_PROFILE_DIR); nothing: pick by model."""
+    from costexporter.core import profiles
+
+    if path is None:
+        return None
+    if path.is_dir():
+        os.environ[profiles.PROFILE_DIR_ENV] = str(path)
+        return None
+    return profiles.load(path)
+
+
+def sample_spec(spec: str) -> tuple[str, Path]:
+    """'[HOST=]PATH' -> (host, path); the host defaults to the file's stem."""
+    host, sep, path = spec.partition("=")
+    if sep and host and "/" not in host and not Path(spec).exists():
+        return host, Path(path)
+    return Path(spec).stem, Path(spec)
+
+
+# Flags of the booking rules and prices, shared by every command that books. Defaults come from
+# BookingConfig and Prices, so the dataclasses stay the one place where they are written.
+BOOKING_FLAGS = [
+    ("--grid", "grid_s", 0.001, "Shared time grid, seconds."),
+    ("--stall-k", "stall_k", 0, "Stall threshold: k x p95 of recent step durations..."),
+    ("--stall-floor", "stall_floor_s", 0, "...but at least this many seconds."),
+    ("--checkpoint-allowance", "checkpoint_allowance_s", 0, "Seconds."),
+    ("--eval-allowance", "eval_allowance_s", 0, "Seconds."),
+    ("--startup-allowance", "startup_allowance_s", 0, "Seconds."),
+    ("--phase-allowance", "phase_allowance_s", 0, "Seconds, for other declared phases."),
+    ("--allowance-k", "allowance_k", 0, "Learned allowance: k x median of the job's own phase durations."),
+    (
+        "--gap-intervals",
+        "gap_intervals",
+        1,
+        "A sample gap longer than this many intervals books 'unobserved'.",
+    ),
+    (
+        "--rollback-checkpoints",
+        "rollback_checkpoints",
+        1,
+        "A resume reaches back at most this many declared checkpoints (the agent's rollback index "
+        "keeps entries back to the oldest of them).",
+    ),
+]
+PRICE_FLAGS = [
+    ("--price-per-gpu-hour", "price_per_gpu_hour", 0, "Price of a GPU-hour (a job's meta price wins)."),
+    (
+        "--wasted-price-per-gpu-hour",
+        "wasted_price_per_gpu_hour",
+        0,
+        "Price for wasted categories (a base rate).",
+    ),
+    ("--price-per-kwh", "price_per_kwh", 0, "Energy price, on top of the GPU-hour price."),
+    ("--pue", "pue", 1, "Power usage effectiveness, multiplies the energy cost."),
+]
+
+
+def _param(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _options(flags: list, defaults: object):
+    def decorate(f):
+        for flag, field, lo, help_ in reversed(flags):
+            default = getattr(defaults, field)
+            kind = click.IntRange(min=lo) if type(default) is int else click.FloatRange(min=lo)
+            f = click.option(flag, type=kind, default=default, help=help_)(f)
+        return f
+
+    return decorate
+
+
+def booking_options(f):
+    from costexporter.core.booking import BookingConfig
+
+    return _options(BOOKING_FLAGS, BookingConfig())(f)
+
+
+def price_options(f):
+    from costexporter.core.cost import Prices
+
+    f = click.option("--currency", default=Prices().currency, help="Currency of all prices.")(f)
+    return _options(PRICE_FLAGS, Prices())(f)
+
+
+def booking_config(params: dict):
+    from costexporter.core.booking import BookingConfig
+
+    return BookingConfig(**{field: params[_param(flag)] for flag, field, _, _ in BOOKING_FLAGS})
+
+
+def price_config(params: dict):
+    from costexporter.core.cost import Prices
+
+    fields = {field: params[_param(flag)] for flag, field, _, _ in PRICE_FLAGS}
+    return Prices(currency=params["currency"], **fields)
+
+
+DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
+
+
+DEFAULT_API_PORT = 9403
+
+
+DEFAULT_WATCH_PORT = 9404
+
+
+def parse_time(tz: str):
+    """Label times: Unix seconds, or ISO 8601 (naive times in --tz)."""
+    import datetime as dt
+
+    def parse(text: str) -> int:
+        text = text.strip()
+        try:
+            return int(float(text) * 1000)
+        except ValueError:
+            pass
+        try:
+            t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time") from None
+        if t.tzinfo is None:
+            from costexporter.core.timeutil import tz_zone
+
+            t = t.replace(tzinfo=tz_zone(tz))
+        return int(t.timestamp() * 1000)
+
+    return parse
+
+
+def finish_options(group: click.Group) -> None:
+    """Every command: --config after the command name too, and --help that names the
+    environment variable of each option (COSTEXPORTER_REDIS_URL, COSTEXPORTER_PREFIX, ...;
+    the others are COSTEXPORTER_<COMMAND>_<OPTION>)."""
+    for cmd in group.commands.values():
+        if isinstance(cmd, click.Group):
+            finish_options(cmd)
+            continue
+        if not any(p.name == "config" for p in cmd.params):
+            cmd.params.append(config_option())
+        for p in cmd.params:
+            if isinstance(p, click.Option) and p.name not in ("help",):
+                p.show_envvar = True

@@ -1,0 +1,82 @@
+"""The finance API app for a command, and uvicorn to serve it (in the foreground, or on a thread
+beside an agent or the demo)."""
+
+from __future__ import annotations
+
+import click
+
+from costexporter.cli.options import InputFailure
+
+
+def api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **options):
+    """The finance API app; `options`: cache_mb and the FOCUS names (focus_provider, ...)."""
+    from costexporter.api.app import create_app
+    from costexporter.api.auth import TokenConfigError, Tokens
+    from costexporter.api.export import FocusSettings
+    from costexporter.api.store import LedgerStore
+    from costexporter.store import redisconn
+
+    try:
+        tokens = Tokens.load(tokens_file)
+    except TokenConfigError as e:
+        raise InputFailure(str(e)) from None
+    if not tokens.enabled:
+        click.echo("costexporter api: no tokens file: the API is open to anyone who can reach it", err=True)
+    client = redisconn.from_url(redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2)
+    store = LedgerStore(client, prefix)
+    index_in_background(store)
+    names = {k[6:]: v for k, v in options.items() if k.startswith("focus_") and v}
+    return create_app(
+        store,
+        tokens,
+        currency=currency,
+        tz=tz,
+        cache_bytes=int(float(64 if options.get("cache_mb") is None else options["cache_mb"]) * 2**20),
+        focus=FocusSettings(**names) if names else None,
+    )
+
+
+def index_in_background(store) -> None:
+    """Incidents written before the per-job index existed, and ledgers written before the rollups:
+    indexed and rolled up once, off the request path (until then those jobs are read exactly)."""
+    import logging
+    import threading
+
+    import redis
+
+    def run() -> None:
+        try:
+            n = store.index_incidents()
+        except redis.RedisError as e:
+            logging.getLogger("costexporter.api").warning("incident index migration skipped: %s", e)
+            return
+        if n:
+            log = logging.getLogger("costexporter.api")
+            log.warning("indexed %d incident hashes written before the index", n)
+        try:
+            n = store.build_rollups()
+        except redis.RedisError as e:
+            logging.getLogger("costexporter.api").warning("ledger rollups not built: %s", e)
+            return
+        if n:
+            logging.getLogger("costexporter.api").warning("built the rollups of %d older ledgers", n)
+
+    threading.Thread(target=run, name="costexporter-incident-index", daemon=True).start()
+
+
+def serve_in_thread(app, listen: str, port: int) -> None:
+    """The API on a daemon thread beside an agent or the demo, which own the signals (SIGTERM)."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=listen, port=port, log_level="warning"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
+
+
+def serve_forever(app, listen: str, port: int) -> None:
+    """The API in the foreground (`costexporter api`): uvicorn owns the signals."""
+    import uvicorn
+
+    uvicorn.run(app, host=listen, port=port, log_level="info")
