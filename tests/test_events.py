@@ -7,7 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costexporter.core.events import EVENT_TYPES, META_NUMBERS, META_TEXT, EventError, parse_event
+from costexporter.core.events import (
+    EVENT_TYPES,
+    FUTURE_SLACK_S,
+    META_NUMBERS,
+    META_TEXT,
+    EventError,
+    _checked_base,
+    _text_base,
+    parse_event,
+)
 
 
 class _Text(str):
@@ -55,6 +64,21 @@ def entries(draw) -> dict:
 def test_plain_text_values_are_judged_as_the_general_path_judges_them(entry):
     slow = {k: _Text(v) for k, v in entry.items()}
     assert _outcome(entry) == _outcome(slow)
+
+
+@settings(max_examples=600, deadline=None)
+@given(entry=entries(), job=st.sampled_from(["j", None]), strict=st.booleans())
+def test_the_base_fields_fast_path_gives_what_the_field_by_field_checks_give(entry, job, strict):
+    """`_text_base` answers only entries the checks accept, with the same values; it passes on
+    every other one (the checks then word the error)."""
+    limit = 2e9 + FUTURE_SLACK_S
+    fast = _text_base(entry, job, limit)
+    try:
+        checked = _checked_base(entry, job, limit, strict)
+    except EventError:
+        assert fast is None
+        return
+    assert fast is None or fast == checked
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,6 @@ enter it.
 from __future__ import annotations
 
 import bisect
-import copy
 from array import array
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -154,6 +153,7 @@ class _Walk:
 
     def __init__(self, cfg: BookingConfig, start_ms: int) -> None:
         self.cfg = cfg
+        self.floor_ms = int(cfg.stall_floor_s * 1000)
         self.start_ms = start_ms
         self.allow = Allowances(cfg)
         self.p0 = _Phases(self.allow)
@@ -189,7 +189,8 @@ class _Walk:
         self._popped: list[tuple[int, int, int, int, int]] = []
 
     def clone(self) -> _Walk:
-        c = copy.copy(self)
+        c = _Walk.__new__(_Walk)  # copy.copy's shallow copy, without its generic protocol
+        c.__dict__.update(self.__dict__)
         c.allow = self.allow.copy()
         c.p0 = self.p0.clone(c.allow)
         c.pr = {r: p.clone(p.allow.copy()) for r, p in self.pr.items()}
@@ -281,9 +282,9 @@ class _Walk:
     def close_interval(self, b: int, outcome: str, step_index: int = -1, final: bool = True) -> bool:
         cfg = self.cfg
         ov, rest = self.split(self.anchor, b)
-        eff = sum(y - x for x, y in rest)
-        floor_ms = int(cfg.stall_floor_s * 1000)
-        stalled = eff > floor_ms and eff > stall_threshold_ms(self.durations, cfg)
+        # One piece (most steps: no phase nor startup around them) needs no generator.
+        eff = rest[0][1] - rest[0][0] if len(rest) == 1 else sum(y - x for x, y in rest)
+        stalled = eff > self.floor_ms and eff > stall_threshold_ms(self.durations, cfg)
         if not ov and outcome == "step" and not stalled:
             self.emit(self.anchor, b, Regime.STEP, step_index)
             if not self.in_startup:

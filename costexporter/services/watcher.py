@@ -125,6 +125,11 @@ class _Rank:
     session: str | None = None  # the rank's newest process
 
 
+# What `decide` reads for a registered rank without any event yet (read only: one instance
+# instead of a new one per rank per job per poll).
+_NO_EVENTS = _Rank()
+
+
 @dataclass
 class JobView:
     """What the watcher knows of one job: its events folded per rank, and its live GPU state."""
@@ -306,11 +311,11 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
 
     # Crashed: a rank that has not ended went silent.
     members = sorted(set(view.registrations) | set(view.ranks))
-    running = [r for r in members if not view.ranks.get(r, _Rank()).ended]
-    silent = [r for r in running if now - view.ranks.get(r, _Rank()).last_seen > cfg.heartbeat_timeout_s]
+    running = [r for r in members if not view.ranks.get(r, _NO_EVENTS).ended]
+    silent = [r for r in running if now - view.ranks.get(r, _NO_EVENTS).last_seen > cfg.heartbeat_timeout_s]
     if running and silent:
         who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
-        quiet = now - max(view.ranks.get(r, _Rank()).last_seen for r in silent)
+        quiet = now - max(view.ranks.get(r, _NO_EVENTS).last_seen for r in silent)
         return status(
             "crashed",
             f"no heartbeat from {who} for {human(quiet)} and no run end",
@@ -417,7 +422,7 @@ def _first_silent(view: JobView, running: list[int], silent: list[int], interval
     """The rank whose silence started measurably first (more than two heartbeat intervals
     before any other rank's), else none: when torchrun's survivors are SIGTERMed within
     milliseconds of a kill -9, the first to stop cannot be told from its heartbeats."""
-    seen = sorted((view.ranks.get(r, _Rank()).last_seen, r) for r in running)
+    seen = sorted((view.ranks.get(r, _NO_EVENTS).last_seen, r) for r in running)
     first_ts, first = seen[0]
     if first in silent and (len(seen) == 1 or seen[1][0] - first_ts > 2 * interval_s):
         return {**view.where(first), "why": "heartbeats gone first"}
