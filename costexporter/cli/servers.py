@@ -71,7 +71,8 @@ def serve_in_thread(app, listen: str, port: int) -> None:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, host=listen, port=port, log_level="warning"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # The owner of the process handles SIGTERM (uvicorn.Server reads this attribute when it starts).
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
 
 

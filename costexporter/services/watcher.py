@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -251,7 +252,8 @@ class JobView:
         """`cfg` with the job's own thresholds from its meta (`heartbeat_timeout_s`,
         `stall_floor_s`, `stall_k`, `checkpoint_allowance_s`, ...): a job of 5-minute steps
         needs other thresholds than one of 5-second steps. Unusable values are ignored."""
-        watch_kw, booking_kw = {}, {}
+        watch_kw: dict[str, Any] = {}  # float values of float fields, for dataclasses.replace
+        booking_kw: dict[str, Any] = {}
         for key, value in self.meta.items():
             if key not in META_THRESHOLDS:
                 continue
@@ -285,7 +287,7 @@ def human(seconds: float) -> str:
 def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None = None) -> Status:
     """The job's state at `now` (Unix seconds, the clock of the trainers' timestamps)."""
 
-    def status(state: str, reason: str, suspect: dict | None = None, **kw) -> Status:
+    def status(state: str, reason: str, suspect: dict | None = None, **kw: Any) -> Status:
         since = previous.since if previous is not None and previous.state == state else now
         return Status(state, reason, since, now, suspect=suspect, **kw)
 
@@ -300,7 +302,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     now_ms = int(now * 1000)
     tl = view.timeline(cfg.booking, start_ms, now_ms, lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None
-    progress = dict(
+    progress: dict[str, Any] = dict(  # Status's progress fields
         last_step=last.step if last else None,
         last_step_ts=last.ts_ms / 1000 if last else None,
         seconds_since_last_step=round(now - last.ts_ms / 1000, 3) if last else None,
@@ -516,7 +518,7 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
     last_of = {int(r): i for i, r in enumerate(rank.tolist())}  # sorted by (rank, ts): last wins
     idx = np.asarray(sorted(last_of.values()))
     band = res.band[idx]
-    out = {"deadlock": None, "straggler": None}
+    out: dict[str, int | None] = {"deadlock": None, "straggler": None}
     if (band == Band.DEADLOCK).any() and newest[idx].any():
         zero = idx[arr[idx, 3] <= profile.zero_util_pct]
         out["deadlock"] = int(rank[zero[0]]) if zero.size else int(rank[idx[0]])
@@ -766,8 +768,8 @@ class Watcher:
                 except JUDGE_ERRORS as e:
                     self._set_aside(job, e)
             self._read_registrations([v for j, v in views.items() if j in self._unregistered])
-            for job, e in self._read_live_many(list(views.values())).items():
-                self._set_aside(job, e)
+            for job, err in self._read_live_many(list(views.values())).items():
+                self._set_aside(job, err)
                 del views[job]
             for job, view in views.items():
                 prev = self.status.get(job)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -56,12 +57,15 @@ def rules(short, speed, overrides, fmt, name, output) -> None:
     if speed:
         w = for_speed(w, speed)
     known = {f.name: f.type for f in dataclasses.fields(RuleWindows)}
-    kw = {}
+    kw: dict[str, Any] = {}  # each value of its field's type, checked here
     for o in overrides:
         key, sep, value = o.partition("=")  # not `name`: that is the PrometheusRule's --name
         if not sep or key not in known:
             raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
-        kw[key] = float(value) if known[key] in (float, "float") else value
+        try:
+            kw[key] = float(value) if known[key] in (float, "float") else value
+        except ValueError:
+            raise click.BadParameter(f"{o!r}: {key} takes a number") from None
     w = dataclasses.replace(w, **kw)
     text = render(w) if fmt == "rules" else render_prometheus_rule(w, name)
     if output:
