@@ -564,3 +564,13 @@ def for_speed_160() -> RuleWindows:
     from costexporter.tools.rules import for_speed
 
     return for_speed(RuleWindows(), 160)
+
+
+def test_set_takes_each_field_of_its_own_type(cli):
+    """`rules --set`: a number field given text is one line and exit 2 (it was an internal
+    error); a number is rendered into the rules."""
+    bad = cli("rules", "--set", "waste_ratio=lots")
+    assert bad.returncode == 2 and "waste_ratio takes a number" in bad.stderr
+    assert "Traceback" not in bad.stderr and "internal error" not in bad.stderr
+    good = cli("rules", "--set", "waste_ratio=0.25")
+    assert good.returncode == 0 and "0.25" in good.stdout and "0.15" not in good.stdout
