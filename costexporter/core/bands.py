@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from costexporter.core.model import Band
 from costexporter.core.profiles import Profile
@@ -44,7 +46,7 @@ class RunCarry:
     confirmed: int
     zero: dict[int, int]
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[object]:
         return [
             self.at_ms,
             self.start_ms,
@@ -54,7 +56,7 @@ class RunCarry:
         ]
 
     @classmethod
-    def from_json(cls, x: list | None) -> RunCarry | None:
+    def from_json(cls, x: list[Any] | None) -> RunCarry | None:  # Any: as json.loads gave it
         if not x:
             return None
         at, start, moments, confirmed, zero = x
@@ -478,13 +480,14 @@ def _spinning(
     t0: int,
     cell: int,
     step_ms: np.ndarray,
-) -> np.ndarray:
+) -> npt.NDArray[np.bool_]:
     """Moments where every observed rank is at ~100% at low power and no step completes within a
     moment of it: a thread spinning on a flag or in a collective, any number of ranks."""
-    spin = (n_obs >= 1) & (low.sum(0) == n_obs) & ((low & busy).sum(0) == n_obs)
+    spin: npt.NDArray[np.bool_] = (n_obs >= 1) & (low.sum(0) == n_obs) & ((low & busy).sum(0) == n_obs)
     if not spin.any() or step_ms.size == 0:
         return spin
     t = t0 + cols * cell
     steps = np.sort(np.asarray(step_ms, np.int64))
     near = np.searchsorted(steps, t + 2 * cell, "right") - np.searchsorted(steps, t - 2 * cell, "left")
-    return spin & (near == 0)
+    spin_alone: npt.NDArray[np.bool_] = spin & (near == 0)  # numpy's stubs type `&` here as Any
+    return spin_alone

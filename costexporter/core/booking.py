@@ -19,12 +19,17 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from costexporter.core import bands as bands_mod
 from costexporter.core.model import NO_BAND, Band, Category, Event
 from costexporter.core.profiles import Profile
+
+if TYPE_CHECKING:  # fold imports this module: its type only, for the checker
+    from costexporter.core.fold import StepSummary
 
 NEG_INF = np.iinfo(np.int64).min // 4
 POS_INF = np.iinfo(np.int64).max // 4
@@ -197,7 +202,7 @@ class Timeline:
     # A folded timeline (`fold.TimelineFold`) keeps only recent step records: `steps[0]` is record
     # `step_base`, and `summary` (a `fold.StepSummary`) counts the rest.
     step_base: int = 0
-    summary: object | None = None
+    summary: StepSummary | None = None
     # The oldest step record a resume can still reach back to (the record of the oldest of the
     # last `rollback_checkpoints` checkpoints on the valid steps); None: any of them.
     rollback_floor: int | None = None
@@ -221,7 +226,7 @@ def intersect(a: int, b: int, starts: np.ndarray, ends: np.ndarray) -> list[tupl
     return list(zip(lo[keep].tolist(), hi[keep].tolist(), strict=True))
 
 
-def percentile(values: list[int] | deque, q: float) -> float:
+def percentile(values: list[int] | deque[int], q: float) -> float:
     """`np.percentile(values, q)` (its default, linear method) to the last bit, in plain Python:
     for the few hundred values of a step window, numpy's call overhead costs several times the
     work (a watcher asks once per job per poll)."""
@@ -239,7 +244,7 @@ def percentile(values: list[int] | deque, q: float) -> float:
     return y - d * (1 - t) if t >= 0.5 else x + d * t
 
 
-def stall_threshold_ms(durations_ms: list[int] | deque, cfg: BookingConfig) -> int:
+def stall_threshold_ms(durations_ms: list[int] | deque[int], cfg: BookingConfig) -> int:
     """max(k x p95 of the last step durations, floor)."""
     floor = int(cfg.stall_floor_s * 1000)
     if not durations_ms:
@@ -269,7 +274,7 @@ def _intervals_of_phases(
         allowances.observe(name, end, end - begin)
 
     for ev in events:
-        name = str(ev.get("name"))
+        name = ev.str_field("name")
         t = int(ev.ts * 1000)
         if ev.get("state") == "begin":
             if name in open_:  # a begin without its end: the first one ends here
@@ -277,8 +282,8 @@ def _intervals_of_phases(
             open_[name] = t
         elif name in open_:
             close(name, open_.pop(name), t)
-            if name == "checkpoint" and ev.get("step") is not None:
-                last_ckpt = (int(ev.get("step")), t)  # type: ignore[arg-type]
+            if name == "checkpoint" and (step := ev.opt_int_field("step")) is not None:
+                last_ckpt = (step, t)
     for name, begin in open_.items():
         close(name, begin, max(end_ms, begin))
     return _merge(sorted(out)), overrun, last_ckpt
@@ -447,11 +452,11 @@ def build_timeline(
             in_startup, startup_from = True, t
             startup_allow = allowances.current("startup")
         if ev.type == "step":
-            n = int(ev.get("step"))  # type: ignore[arg-type]
+            n = ev.int_field("step")
             if max_valid is not None and n <= max_valid:  # implicit resume (DESIGN section 5)
                 resumes.append((t, n - 1, void_above(n - 1, t)))
             max_valid = n if max_valid is None else max(max_valid, n)
-            steps.append(StepRecord(n, t, int(ev.get("tokens") or 0)))  # type: ignore[arg-type]
+            steps.append(StepRecord(n, t, ev.opt_int_field("tokens") or 0))
             close_interval(t, "step", len(steps) - 1)
             if in_startup:
                 allowances.observe("startup", t, t - startup_from)
@@ -461,8 +466,7 @@ def build_timeline(
             if state in ("start", "resume"):
                 if anchor < t:
                     close_interval(t, "orphan")
-                if state == "resume" and ev.get("step") is not None:
-                    k = int(ev.get("step"))  # type: ignore[arg-type]
+                if state == "resume" and (k := ev.opt_int_field("step")) is not None:
                     resumes.append((t, k, void_above(k, t)))
                 if not in_startup:
                     in_startup, startup_from = True, t
@@ -580,15 +584,15 @@ class Slices:
 class Pieces:
     """Slices cut at segment bounds, each with its category: what the ledger sums."""
 
-    gpu: np.ndarray
-    start_ms: np.ndarray
-    end_ms: np.ndarray
-    band: np.ndarray
-    category: np.ndarray
-    energy_mj: np.ndarray
+    gpu: npt.NDArray[np.int32]
+    start_ms: npt.NDArray[np.int64]
+    end_ms: npt.NDArray[np.int64]
+    band: npt.NDArray[np.int8]
+    category: npt.NDArray[np.int8]
+    energy_mj: npt.NDArray[np.float64]
 
     @property
-    def dur_ms(self) -> np.ndarray:
+    def dur_ms(self) -> npt.NDArray[np.int64]:
         return self.end_ms - self.start_ms
 
 
@@ -721,7 +725,7 @@ def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
     slices a cut falls strictly inside are looked at one piece at a time; every other slice is
     found uncut by one search of its start among the (few) cuts.
     """
-    if cut_ms.size and s.span_start_ms is not None:
+    if cut_ms.size and s.span_start_ms is not None and s.span_end_ms is not None:
         # Only cuts strictly inside their GPU's span of slices can split anything.
         inside = (cut_ms > s.span_start_ms[cut_gpu]) & (cut_ms < s.span_end_ms[cut_gpu])
         cut_gpu, cut_ms = cut_gpu[inside], cut_ms[inside]

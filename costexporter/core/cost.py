@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from costexporter.core.model import WASTED_CATEGORIES, Category
 
@@ -54,11 +55,11 @@ class Prices:
         energy_mj: np.ndarray,
         category: np.ndarray | None = None,
         price_per_gpu_hour: float | None = None,
-    ) -> np.ndarray:
+    ) -> npt.NDArray[np.float64]:
         """Cost of amounts given per category (category = arange) or per item with `category`."""
         rates = self.gpu_hour_rates(price_per_gpu_hour)
         rate = rates if category is None else rates[category]
-        c = np.asarray(gpu_ms, np.float64) / MS_PER_HOUR * rate
+        c: npt.NDArray[np.float64] = np.asarray(gpu_ms, np.float64) / MS_PER_HOUR * rate
         if self.price_per_kwh:
             c = c + np.asarray(energy_mj, np.float64) / MJ_PER_KWH * self.price_per_kwh * self.pue
         return c

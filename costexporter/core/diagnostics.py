@@ -18,8 +18,8 @@ class Diagnostics:
 
     stream: TextIO | None = field(default_factory=lambda: sys.stderr)
     max_per_reason: int = 10
-    counts: Counter = field(default_factory=Counter)
-    printed: Counter = field(default_factory=Counter)
+    counts: Counter[str] = field(default_factory=Counter)  # reason -> warnings
+    printed: Counter[tuple[str, str]] = field(default_factory=Counter)  # (where, reason) -> warnings
 
     def warn(self, where: str, line: int | None, reason: str, detail: str = "") -> None:
         self.counts[reason] += 1

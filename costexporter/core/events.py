@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
+from typing import Literal, SupportsFloat, SupportsIndex, overload
 
 from costexporter.core.model import Event
 
@@ -55,7 +57,11 @@ class UnknownEventType(EventError):
     """A well-formed entry of a type this version does not know: ignored and counted."""
 
 
-def _present(entry: dict, key: str, required: bool) -> object:
+# An entry as it arrives: a JSON object's fields or a Redis stream entry's (all strings).
+Entry = Mapping[str, object]
+
+
+def _present(entry: Entry, key: str, required: bool) -> object:
     """The field's value, or None when it is absent and optional ('' counts as absent)."""
     v = entry.get(key)
     if (v is None or v == "") and required:
@@ -63,7 +69,14 @@ def _present(entry: dict, key: str, required: bool) -> object:
     return None if v == "" else v
 
 
-def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bool = True):
+# The field readers give None only for an optional field that is absent (the overloads say so).
+@overload
+def _int(
+    entry: Entry, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: Literal[True] = True
+) -> int: ...
+@overload
+def _int(entry: Entry, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bool) -> int | None: ...
+def _int(entry: Entry, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bool = True) -> int | None:
     v = entry.get(key)
     if type(v) is not str or not v:  # a stream entry's text skips these checks (a fast path)
         v = _present(entry, key, required)
@@ -87,7 +100,11 @@ def _int(entry: dict, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: bo
     return n
 
 
-def _float(entry: dict, key: str, *, required: bool = True):
+@overload
+def _float(entry: Entry, key: str, *, required: Literal[True] = True) -> float: ...
+@overload
+def _float(entry: Entry, key: str, *, required: bool) -> float | None: ...
+def _float(entry: Entry, key: str, *, required: bool = True) -> float | None:
     v = entry.get(key)
     if type(v) is not str or not v:
         v = _present(entry, key, required)
@@ -96,6 +113,9 @@ def _float(entry: dict, key: str, *, required: bool = True):
     if isinstance(v, bool):
         raise EventError("bad_type", f"{key!r} must be a number, got {v!r}")
     try:
+        # What float() takes (the common types first: isinstance stops at the first match).
+        if not isinstance(v, (str, float, int, bytes, bytearray, SupportsFloat, SupportsIndex)):
+            raise TypeError
         x = float(v)
     except (TypeError, ValueError):
         raise EventError("bad_type", f"{key!r} must be a number, got {v!r}") from None
@@ -104,7 +124,15 @@ def _float(entry: dict, key: str, *, required: bool = True):
     return x
 
 
-def _str(entry: dict, key: str, *, required: bool = True, choices: frozenset | None = None):
+@overload
+def _str(
+    entry: Entry, key: str, *, required: Literal[True] = True, choices: frozenset[str] | None = None
+) -> str: ...
+@overload
+def _str(entry: Entry, key: str, *, required: bool, choices: frozenset[str] | None = None) -> str | None: ...
+def _str(
+    entry: Entry, key: str, *, required: bool = True, choices: frozenset[str] | None = None
+) -> str | None:
     v = entry.get(key)
     if type(v) is not str or not v:
         v = _present(entry, key, required)
@@ -164,7 +192,7 @@ def _checked_base(entry: dict, job: str | None, limit: float, strict_ids: bool) 
 
 
 def parse_event(
-    entry: dict, *, job: str | None = None, now: float | None = None, strict_ids: bool = False
+    entry: Entry, *, job: str | None = None, now: float | None = None, strict_ids: bool = False
 ) -> Event:
     """Validate one entry. `job`: the stream's job (a foreign job is rejected).
 

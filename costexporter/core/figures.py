@@ -7,10 +7,16 @@ last checkpoint. Sharing them is what keeps the live and offline books from drif
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from costexporter.core.booking import Pieces, Timeline
 from costexporter.core.model import CATEGORIES, WASTED_CATEGORIES, Band
+
+# One open incident: category, start, end, gpu_ms, ranks, zero_util_ranks, host. A JSON record
+# (the agent's watermark stores it, older ones lack keys), so its values are Any.
+Incident = dict[str, Any]
 
 
 def zero_util_ranks(
@@ -28,13 +34,13 @@ def zero_util_ranks(
 
 
 def extend_incidents(
-    open_: dict[str, dict],
+    open_: dict[str, Incident],
     pieces: Pieces,
     own_ranks: np.ndarray,
     host: str,
     tol_ms: int,
     signatures: list[tuple[int, int, list[int]]] | None = None,
-) -> dict[str, dict]:
+) -> dict[str, Incident]:
     """Extend or open the incidents (one open stretch per wasted category) with `pieces`;
     `signatures` (the window's confirmed signature runs) name a deadlock's ~0% ranks."""
     out = {k: dict(v) for k, v in open_.items()}
@@ -57,13 +63,13 @@ def extend_incidents(
 
 
 def extend_rolled_back(
-    open_: dict[str, dict],
+    open_: dict[str, Incident],
     spans: list[tuple[int, int]],
     gpu_ms: int,
     ranks: list[int],
     host: str,
     tol_ms: int,
-) -> dict[str, dict]:
+) -> dict[str, Incident]:
     """The `rolled_back` incident of a resume whose voided steps were booked valid already (the
     live ledger moves their amounts by correction, not as pieces): the span of those steps
     that held valid time, and the GPU time moved. Replay books the same time as rolled_back
@@ -76,7 +82,7 @@ def extend_rolled_back(
 
 
 def _extend(
-    out: dict[str, dict],
+    out: dict[str, Incident],
     name: str,
     s: int,
     e: int,
@@ -106,7 +112,7 @@ def _extend(
         }
 
 
-def job_figures(tl: Timeline) -> dict:
+def job_figures(tl: Timeline) -> dict[str, float]:
     """Job-level figures: the same for every agent that reads the job's events (SET, not added)."""
     steps = tl.steps
     summary = tl.summary  # a folded timeline's counts over records it no longer holds

@@ -26,6 +26,7 @@ import bisect
 from array import array
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -87,7 +88,7 @@ class _Phases:
         return c
 
     def add(self, ev: Event) -> None:
-        name = str(ev.get("name"))
+        name = ev.str_field("name")
         t = int(ev.ts * 1000)
         if ev.get("state") == "begin":
             if name in self.open:
@@ -95,8 +96,8 @@ class _Phases:
             self.open[name] = t
         elif name in self.open:
             self._close(name, self.open.pop(name), t)
-            if name == "checkpoint" and ev.get("step") is not None:
-                self.last_ckpt = (int(ev.get("step")), t)  # type: ignore[arg-type]
+            if name == "checkpoint" and (step := ev.opt_int_field("step")) is not None:
+                self.last_ckpt = (step, t)
 
     def close_open(self, end_ms: int) -> None:
         for name, begin in self.open.items():
@@ -204,15 +205,16 @@ class _Walk:
         c.durations = deque(self.durations, maxlen=self.cfg.stall_window)
         return c
 
-    def _stack(self) -> tuple[array, ...]:
+    def _stack(self) -> tuple[array[int], ...]:
         return self.v_rec, self.v_step, self.v_ts, self.v_tok, self.v_prev
 
     def _pop(self) -> tuple[int, int, int, int, int]:
-        vals = tuple(a.pop() for a in self._stack())
+        # The five arrays of `_stack`, in its order.
+        vals = (self.v_rec.pop(), self.v_step.pop(), self.v_ts.pop(), self.v_tok.pop(), self.v_prev.pop())
         if self._shared is not None and len(self.v_rec) < self._shared:
             self._shared = len(self.v_rec)
-            self._popped.append(vals)  # type: ignore[arg-type]
-        return vals  # type: ignore[return-value]
+            self._popped.append(vals)
+        return vals
 
     def release(self) -> None:
         """A view's copy is done: the shared valid stack is the fold's again, as it was."""
@@ -352,10 +354,10 @@ class _Walk:
             self.in_startup, self.startup_from = True, t
             self.startup_allow = self.allow.current("startup")
         if ev.type == "step":
-            n = int(ev.get("step"))  # type: ignore[arg-type]
+            n = ev.int_field("step")
             if self.v_step and n <= self.v_step[-1]:
                 self.resumes.append((t, n - 1, self.void_above(n - 1, t)))
-            rec = StepRecord(n, t, int(ev.get("tokens") or 0))  # type: ignore[arg-type]
+            rec = StepRecord(n, t, ev.opt_int_field("tokens") or 0)
             i = self.n_steps
             self.steps.append(rec)
             self.v_rec.append(i)
@@ -375,8 +377,7 @@ class _Walk:
             if state in ("start", "resume"):
                 if self.anchor < t:
                     self.close_interval(t, "orphan")
-                if state == "resume" and ev.get("step") is not None:
-                    k = int(ev.get("step"))  # type: ignore[arg-type]
+                if state == "resume" and (k := ev.opt_int_field("step")) is not None:
                     self.resumes.append((t, k, self.void_above(k, t)))
                 if not self.in_startup:
                     self.in_startup, self.startup_from = True, t
@@ -468,7 +469,7 @@ class TimelineFold:
             if ev.type == "meta":
                 self.stepless_declared = True
                 continue
-            if ev.type == "phase" and ev.rank == 0 and str(ev.get("name")) == "startup":
+            if ev.type == "phase" and ev.rank == 0 and ev.get("name") == "startup":
                 # A declared phase named like the walk's own startup allowance shares its learned
                 # durations across the whole history: not foldable, rebuilt each round.
                 self.late = True
@@ -540,9 +541,9 @@ class TimelineFold:
         elif end_ms > w.anchor:
             w.close_interval(end_ms, "tail", final=final)
         bounds, regime = _segments(w)
-        pending = np.flatnonzero(regime == Regime.PENDING)
+        undecided = np.flatnonzero(regime == Regime.PENDING)
         decided_until = (
-            int(bounds[pending[0]]) if pending.size else (job_end if job_end is not None else end_ms)
+            int(bounds[undecided[0]]) if undecided.size else (job_end if job_end is not None else end_ms)
         )
         last_ckpt = w.p0.last_ckpt
         return Timeline(
@@ -585,6 +586,7 @@ class TimelineFold:
 
 
 # ---- persisting a fold (the agent stores it with its watermark; pure: bytes in, bytes out) ----
+# The `_*_in` readers take what `json.loads` gave (Any): they convert and check each value.
 
 FOLD_FORMAT = 2  # bump when the layout below changes: an older stored fold is rebuilt, not read
 _MAGIC = b"CEFOLD"
@@ -605,11 +607,11 @@ def cfg_fingerprint(cfg: BookingConfig) -> str:
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
-def _ev_out(e: Event) -> list:
+def _ev_out(e: Event) -> list[object]:
     return [e.type, e.ts, e.rank, e.session, e.seq, e.fields]
 
 
-def _ev_in(x: list, job: str) -> Event:
+def _ev_in(x: list[Any], job: str) -> Event:
     t, ts, rank, session, seq, fields = x
     return Event(
         type=str(t),
@@ -622,33 +624,33 @@ def _ev_in(x: list, job: str) -> Event:
     )
 
 
-def _rec_out(r: StepRecord | None) -> list | None:
+def _rec_out(r: StepRecord | None) -> list[object] | None:
     return None if r is None else [r.step, r.ts_ms, r.tokens, r.voided, r.voided_ms]
 
 
-def _rec_in(x: list | None) -> StepRecord | None:
+def _rec_in(x: list[Any] | None) -> StepRecord | None:
     if x is None:
         return None
     s, ts, tok, v, vm = x
     return StepRecord(int(s), int(ts), int(tok), bool(v), None if vm is None else int(vm))
 
 
-def _allow_out(a: Allowances) -> list:
+def _allow_out(a: Allowances) -> list[object]:
     return [a._durations, {k: [list(x), list(y)] for k, (x, y) in a._history.items()}]
 
 
-def _allow_in(x: list, cfg: BookingConfig) -> Allowances:
+def _allow_in(x: list[Any], cfg: BookingConfig) -> Allowances:
     a = Allowances(cfg)
     a._durations = {str(k): [int(v) for v in vs] for k, vs in x[0].items()}
     a._history = {str(k): ([int(v) for v in s], [int(v) for v in w]) for k, (s, w) in x[1].items()}
     return a
 
 
-def _phases_out(p: _Phases) -> list:
+def _phases_out(p: _Phases) -> list[object]:
     return [p.open, p.closed, p.overrun, p.last_ckpt]
 
 
-def _phases_in(x: list, allow: Allowances) -> _Phases:
+def _phases_in(x: list[Any], allow: Allowances) -> _Phases:
     p = _Phases(allow)
     p.open = {str(k): int(v) for k, v in x[0].items()}
     p.closed = [(int(a), int(b)) for a, b in x[1]]
@@ -658,7 +660,7 @@ def _phases_in(x: list, allow: Allowances) -> _Phases:
     return p
 
 
-def dump_fold(fold: TimelineFold, job: str, extra: dict | None = None) -> bytes:
+def dump_fold(fold: TimelineFold, job: str, extra: dict[str, Any] | None = None) -> bytes:
     """The fold as compact bytes: a JSON header (the walk's bounded state, `extra`) and the valid
     step stack delta-encoded, all zlib-compressed (a few bytes a valid step). Only a fold that can
     give its view (not `late`) is worth storing."""
@@ -711,7 +713,7 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict | None = None) -> bytes:
     return _MAGIC + zlib.compress(len(body).to_bytes(8, "little") + body + stack, 1)
 
 
-def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, dict]:
+def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, dict[str, Any]]:
     """A fold stored by `dump_fold` and its `extra`; FoldFormatError if it is not one this version
     wrote for this job and booking configuration (its owner rebuilds from the stream)."""
     import json

@@ -14,6 +14,7 @@ the same transaction as the amounts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from costexporter.core.booking import (
 )
 from costexporter.core.buckets import BUCKET_S, amounts
 from costexporter.core.cost import Prices
-from costexporter.core.figures import at_risk_ms, extend_incidents, extend_rolled_back, job_figures
+from costexporter.core.figures import Incident, at_risk_ms, extend_incidents, extend_rolled_back, job_figures
 from costexporter.core.model import VALID_CATEGORIES, Category, Event
 from costexporter.core.profiles import Profile
 
@@ -130,7 +131,14 @@ def book_window(
             horizon,
             data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals, hold_ranks, ignore_ranks, ahead),
         )
-    empty = Pieces(*(np.zeros(0, dt) for dt in (np.int32, np.int64, np.int64, np.int8, np.int8, np.float64)))
+    empty = Pieces(
+        np.zeros(0, np.int32),
+        np.zeros(0, np.int64),
+        np.zeros(0, np.int64),
+        np.zeros(0, np.int8),
+        np.zeros(0, np.int8),
+        np.zeros(0, np.float64),
+    )
     booked_from = (
         np.full(own_ranks.size, booked_until_ms, np.int64)
         if booked_from_ms is None
@@ -174,7 +182,11 @@ def book_window(
     )
     keep = (slices.start_ms >= booked_from[slices.gpu]) & (slices.end_ms <= horizon)
     slices = Slices(
-        *(getattr(slices, f)[keep] for f in ("gpu", "start_ms", "end_ms", "band", "energy_mj")),
+        slices.gpu[keep],
+        slices.start_ms[keep],
+        slices.end_ms[keep],
+        slices.band[keep],
+        slices.energy_mj[keep],
         slices.span_start_ms,
         slices.span_end_ms,
     )
@@ -211,10 +223,10 @@ class JobState:
     voided: np.ndarray = field(default_factory=zeros)  # valid amounts moved to rolled_back
     # step record -> cum (flattened); the agent keeps here only the entries a round needs (the
     # rest are in the `rbidx` hash, read when a resume voids their records)
-    rb_index: dict[int, list] = field(default_factory=dict)
+    rb_index: dict[int, list[int]] = field(default_factory=dict)
     rb_applied: set[int] = field(default_factory=set)  # step records whose void is booked
     rb_floor: int = 0  # index entries of records below this are pruned (no resume reaches them)
-    incidents: dict[str, dict] = field(default_factory=dict)  # category -> the open incident
+    incidents: dict[str, Incident] = field(default_factory=dict)  # category -> the open incident
     starts: dict[int, int] = field(default_factory=dict)  # own rank -> when its GPU's time starts
     # own rank -> how far its GPU is booked, for a rank that joined after the watermark had passed
     # its start (its register was read late): it catches up to `booked_until`, then leaves this
@@ -236,7 +248,7 @@ class JobState:
             return None, None
         return self.win[0], self.win[2]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {
             "booked_until": self.booked_until,
             "cum": self.cum.tolist(),
@@ -253,7 +265,7 @@ class JobState:
         }
 
     @classmethod
-    def from_json(cls, wm: dict, rb_index: dict[int, list]) -> JobState:
+    def from_json(cls, wm: dict[str, Any], rb_index: dict[int, list[int]]) -> JobState:  # Any: JSON
         def arr(k: str) -> np.ndarray:
             return np.asarray(wm[k], np.int64).reshape(N_CAT, 3) if k in wm else zeros()
 
@@ -274,14 +286,17 @@ class JobState:
         )
 
 
-def _window_json(w: tuple[int, int, bands_mod.RunCarry | None] | None) -> list | None:
+Window = tuple[int, int, bands_mod.RunCarry | None]  # `JobState.win`
+
+
+def _window_json(w: Window | None) -> list[object] | None:
     return None if w is None else [w[0], w[1], w[2].to_json() if w[2] is not None else None]
 
 
-def _window_from_json(x) -> dict:
+def _window_from_json(x: Any) -> dict[str, Window | None]:
     """The stored band windows; older or damaged ones are none (the whole context)."""
 
-    def one(w):
+    def one(w: Any) -> Window | None:
         return None if w is None else (int(w[0]), int(w[1]), bands_mod.RunCarry.from_json(w[2]))
 
     try:
@@ -299,12 +314,12 @@ class LedgerDelta:
     moved: np.ndarray  # valid amounts voided this round (the `voided:` corrections) ...
     rolled: np.ndarray  # ... and the same amounts as rolled_back
     correction_bucket: int  # where the corrections are booked: the bucket of the horizon
-    index_new: dict[int, list]  # rollback index entries of the step records booked this round
+    index_new: dict[int, list[int]]  # rollback index entries of the step records booked this round
     index_drops: set[int]  # ... and the stored entries no resume reads again (pruned)
     unreachable_voids: int  # voided records whose entries were pruned: not moved (counted)
     voids: set[int]  # step records voided this round
-    incidents: dict[str, dict]
-    figures: dict
+    incidents: dict[str, Incident]
+    figures: dict[str, float]
     at_risk_ms: int
     state: JobState
     # ("steps", "voids") members as `ledger.queue_steps` writes them, when the timeline is folded
@@ -333,7 +348,7 @@ def index_entry(cum: np.ndarray) -> list[int]:
     return cum[VALID].ravel().tolist()
 
 
-def index_amounts(entry: list) -> np.ndarray:
+def index_amounts(entry: list[int]) -> np.ndarray:
     """An index entry back as [category, (ms, mJ, micro-cost)]; also the older full layout."""
     a = np.asarray(entry, np.int64)
     if a.size == N_CAT * 3:
@@ -344,7 +359,7 @@ def index_amounts(entry: list) -> np.ndarray:
 
 
 def voided_part(
-    i: int, index: dict, cum_now: np.ndarray, booked_until: int, prev_ts: int, floor: int = 0
+    i: int, index: dict[int, list[int]], cum_now: np.ndarray, booked_until: int, prev_ts: int, floor: int = 0
 ) -> np.ndarray | None:
     """Valid amounts already booked inside step record i's interval, which began at `prev_ts`
     (the previous record's time, or the job's start). None: the entry before it was pruned (a
@@ -355,7 +370,8 @@ def voided_part(
         return None
     prev = index_amounts(index[i - 1]) if i > 0 and i - 1 in index else 0
     cur = index_amounts(index[i]) if i in index else cum_now
-    return np.clip(cur - prev, 0, None)
+    part: np.ndarray = np.clip(cur - prev, 0, None)  # (numpy's stubs give np.clip of an int as Any)
+    return part
 
 
 def index_drops(applied: set[int], new: set[int]) -> set[int]:
@@ -401,7 +417,7 @@ def ledger_delta(
     booked = sum(by_bucket.values(), zeros())
 
     # Rollback index: cumulative valid amounts at each step record booked this round.
-    index_new: dict[int, list] = {}
+    index_new: dict[int, list[int]] = {}
     vp = np.isin(p.category, VALID)
     vp_start, vp_end, vp_cat, vp_mj = p.start_ms[vp], p.end_ms[vp], p.category[vp], p.energy_mj[vp]
     for i, rec in enumerate(tl.steps, tl.step_base):
@@ -512,6 +528,7 @@ def folded_step_members(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """`ledger.queue_steps`'s members from a folded timeline: the same names and scores."""
     s = tl.summary
+    assert s is not None, "members of a folded timeline only"
     done: dict[str, float] = {}
     cum = s.tokens_before
     for i, rec in enumerate(tl.steps, tl.step_base):

@@ -133,3 +133,49 @@ class Event:
 
     def get(self, key: str, default: object = None) -> object:
         return self.fields.get(key, default)
+
+    # Typed payload accessors: `fields` holds what `events.parse_event` validated, so these only
+    # say so to the type checker (and fail loudly on an event built by hand with the wrong type).
+    def int_field(self, key: str) -> int:
+        """An integer field that must be there (a step's `step`)."""
+        v = self.fields.get(key)
+        if type(v) is int:
+            return v
+        return _as_int(self, key, v)
+
+    def opt_int_field(self, key: str) -> int | None:
+        """An optional integer field (`tokens`, a phase's or resume's `step`): None when absent."""
+        v = self.fields.get(key)
+        if v is None or type(v) is int:
+            return v
+        return _as_int(self, key, v)
+
+    def str_field(self, key: str) -> str:
+        """A text field that must be there (a phase's `name`)."""
+        v = self.fields.get(key)
+        if type(v) is str:
+            return v
+        raise TypeError(f"{self.type} event field {key!r} must be a string, got {v!r}")
+
+    def opt_str_field(self, key: str) -> str | None:
+        """An optional text field (`state`, `gpu_uuid`): None when absent."""
+        v = self.fields.get(key)
+        if v is None or type(v) is str:
+            return v
+        raise TypeError(f"{self.type} event field {key!r} must be a string, got {v!r}")
+
+    def opt_float_field(self, key: str) -> float | None:
+        """An optional number field (a meta's price or threshold): None when absent."""
+        v = self.fields.get(key)
+        if v is None or type(v) is float:
+            return v
+        if isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool):
+            return float(v)
+        raise TypeError(f"{self.type} event field {key!r} must be a number, got {v!r}")
+
+
+def _as_int(ev: Event, key: str, v: object) -> int:
+    """The slow path of the integer accessors: numpy integers pass, anything else is an error."""
+    if isinstance(v, int | np.integer) and not isinstance(v, bool):
+        return int(v)
+    raise TypeError(f"{ev.type} event field {key!r} must be an integer, got {v!r}")

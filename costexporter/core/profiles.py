@@ -32,8 +32,8 @@ class Profile:
     zero_util_pct: float = 10.0  # at or below: the "~0%" of R2
     power_limit_w: float | None = None
     gpu_model: str | None = None  # the device name a fitted profile is for (matched by model key)
-    centres: dict | None = None  # fitted: each band's power centre (W)
-    provenance: dict | None = None  # fitted: from which files, when, how well it separates
+    centres: dict[str, float] | None = None  # fitted: each band's power centre (W)
+    provenance: dict[str, object] | None = None  # fitted: from which files, when, how well it separates
 
     def __post_init__(self) -> None:
         if not (0 <= self.idle_max_w <= self.low_max_w <= self.compute_min_w):
@@ -44,7 +44,7 @@ class Profile:
         if not (0 <= self.zero_util_pct < self.busy_util_pct <= 100):
             raise ProfileError(f"profile {self.name!r}: need 0 <= zero_util_pct < busy_util_pct <= 100")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -196,7 +196,8 @@ def find(gpu_model: str | None, directory: str | Path | None = None) -> Profile 
     return _FOUND[stamp]
 
 
-_FOUND: dict[tuple, Profile | None] = {}
+# (directory, model key, (file, mtime) of each profile file) -> the profile found there
+_FOUND: dict[tuple[str, str, tuple[tuple[str, int], ...]], Profile | None] = {}
 
 
 def load(path: str | Path) -> Profile:

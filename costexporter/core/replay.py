@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from costexporter.core.booking import (
     POS_INF,
     BookingConfig,
     Pieces,
+    Timeline,
     active_intervals,
     book,
     build_timeline,
@@ -40,6 +42,9 @@ from costexporter.core.model import (
 )
 from costexporter.core.profiles import Profile
 
+# A part of the report (costexporter/schemas): a JSON document, so its values are Any.
+Report = dict[str, Any]
+
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -60,16 +65,16 @@ class JobResult:
     ranks: np.ndarray
     pieces: Pieces
     profile: Profile
-    timeline: object
-    meta: dict
+    timeline: Timeline
+    meta: dict[str, Any]  # the job's meta events' fields, merged (free-form, as in the report)
     band_result: bands_mod.BandResult
-    preflight: dict | None
+    preflight: dict[str, Any] | None
     member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
     sample_range_ms: tuple[int, int] | None = None  # the job's first and last sample
     event_range_ms: tuple[int, int] | None = None  # the job's first and last event
 
 
-def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict) -> Profile:
+def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict[str, Any]) -> Profile:
     if cfg.profile is not None:
         return cfg.profile
     model = cfg.gpu_model or meta.get("gpu_model") or next((g.name for g in gpus if g.name), None)
@@ -89,17 +94,17 @@ def register_matches(
     by_host_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
     out: dict[str, dict[int, tuple[int, int]]] = {}
     for ev in sorted((e for e in events if e.type == "register"), key=lambda e: e.ts):
-        uuid = ev.get("gpu_uuid")
+        uuid = ev.opt_str_field("gpu_uuid")
         host = str(ev.get("host"))
-        index = ev.get("gpu")
+        index = ev.opt_int_field("gpu")
         g = by_uuid.get(uuid) if uuid else None
         if g is None and index is not None:
-            g = by_host_index.get((host, int(index)))  # type: ignore[arg-type]
+            g = by_host_index.get((host, index))
         if g is None:
-            gpus.append(GpuId(host, int(index) if index is not None else -1, uuid))  # type: ignore[arg-type]
+            gpus.append(GpuId(host, index if index is not None else -1, uuid))
             g = len(gpus) - 1
             if uuid:
-                by_uuid[uuid] = g  # type: ignore[index]
+                by_uuid[uuid] = g
             by_host_index[(host, gpus[g].index)] = g
         ranks = out.setdefault(ev.job, {})
         if ev.rank not in ranks:  # a re-registration after a restart keeps the first start
@@ -130,7 +135,7 @@ def _one_rank_per_gpu(
     return sorted(first.values())
 
 
-def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = None) -> dict:
+def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = None) -> Report:
     """Book a trace; returns the report described in docs and costexporter/schemas."""
     cfg = cfg or ReplayConfig()
     results, unassigned = book_trace(samples, events, cfg)
@@ -141,7 +146,7 @@ def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = Non
     }
 
 
-def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tuple[list[JobResult], dict]:
+def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tuple[list[JobResult], Report]:
     bc = cfg.booking
     gpus, registered = register_matches(samples, events)
     events_by_job: dict[str, list[Event]] = {}
@@ -151,8 +156,8 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
     # Jobs and their members: (job, rank, gpu, member_start).
     jobs: dict[str, list[tuple[int, int, int]]] = {}
     if registered:
-        for job, ranks in registered.items():
-            jobs[job] = _one_rank_per_gpu(job, sorted((r, g, t) for r, (g, t) in ranks.items()), gpus)
+        for job, job_ranks in registered.items():
+            jobs[job] = _one_rank_per_gpu(job, sorted((r, g, t) for r, (g, t) in job_ranks.items()), gpus)
     elif samples.gpus:
         name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
         t0 = int(samples.ts_ms.min())
@@ -183,8 +188,8 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
     member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
     for job, members in jobs.items():
         jev = events_by_job.get(job, [])
-        meta: dict = {}
-        preflight = None
+        meta: dict[str, Any] = {}
+        preflight: dict[str, Any] | None = None
         for e in sorted(jev, key=lambda e: e.ts):
             if e.type == "meta":
                 meta.update({k: v for k, v in e.fields.items() if not k.startswith("_")})
@@ -264,7 +269,7 @@ def _unassigned(
     interval_ms: int,
     members: list[tuple[int, int, int]],
     cfg: ReplayConfig,
-) -> dict:
+) -> Report:
     """GPU time no job held: observed slices outside every job's membership."""
     zero = {"gpu_hours": 0.0, "energy_kwh": 0.0}
     if not len(samples):
@@ -384,7 +389,7 @@ def _money(x: float) -> float:
     return round(float(x), 6)
 
 
-def job_report(r: JobResult, cfg: ReplayConfig) -> dict:
+def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
     n_cat, n_band, n_gpu = len(Category), len(Band), len(r.gpus)
@@ -516,7 +521,7 @@ def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OV
     return min(a[1], b[1]) - max(a[0], b[0]) >= share * shorter
 
 
-def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
+def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
     """Merged job-level stretches of one wasted category.
 
     A stretch is what the live agent's rule (`figures.extend_incidents`: a piece within `tol`
@@ -525,7 +530,7 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[dict]:
     whole job at once: the dominant band, the GPUs and hosts, and the cost."""
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
-    out: list[dict] = []
+    out: list[Report] = []
     wasted = np.flatnonzero((p.category >= min(WASTED_CATEGORIES)) & (p.category <= max(WASTED_CATEGORIES)))
     by_cat = wasted[np.argsort(p.category[wasted], kind="stable")]
     cats = p.category[by_cat]

@@ -11,7 +11,10 @@ Pure: numpy only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
+import numpy.typing as npt
 
 Cols = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # rank, ts, p, u, e
 
@@ -21,8 +24,14 @@ _TS_LIMIT = 1 << _TS_BITS
 DTYPES = (np.int64, np.int64, np.float64, np.float64, np.float64)
 
 
+def _cols(arrays: Iterable[np.ndarray]) -> Cols:
+    """Five columns as a `Cols` (mypy cannot count a generator's items; this unpacking can)."""
+    r, t, p, u, e = arrays
+    return r, t, p, u, e
+
+
 def empty() -> Cols:
-    return tuple(np.zeros(0, dt) for dt in DTYPES)  # type: ignore[return-value]
+    return _cols(np.zeros(0, dt) for dt in DTYPES)
 
 
 def _finite(c: Cols) -> Cols:
@@ -37,7 +46,7 @@ def _keyable(r: np.ndarray, t: np.ndarray) -> bool:
     )
 
 
-def _key(r: np.ndarray, t: np.ndarray) -> np.ndarray:
+def _key(r: npt.NDArray[np.int64], t: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return (r << _TS_BITS) | t
 
 
@@ -80,9 +89,9 @@ class SampleWindow:
         (`keep_from`), sorted by (rank, ts); ties keep own first, then arrival order.
         Afterwards peers' samples of `own_ranks` are no longer held. The arrays returned are
         held for the next round: read them, never write them."""
-        new = tuple(np.concatenate(c) for c in zip(*self.pending, strict=True)) if self.pending else empty()
+        new = _cols(np.concatenate(c) for c in zip(*self.pending, strict=True)) if self.pending else empty()
         self.pending = []
-        new = _finite(new)  # type: ignore[arg-type]
+        new = _finite(new)
         own = _finite(own)
         if self.sorted_mode and not (_keyable(new[0], new[1]) and _keyable(own[0], own[1])):
             self.sorted_mode = False
@@ -99,24 +108,24 @@ class SampleWindow:
             order = np.argsort(k, kind="stable")
             k = k[order]
             at = np.searchsorted(keys, k, side="right")  # after equal keys held: arrival order
-            cols = tuple(np.insert(a, at, b[order]) for a, b in zip(cols, new, strict=True))
+            cols = _cols(np.insert(a, at, b[order]) for a, b in zip(cols, new, strict=True))
             keys = np.insert(keys, at, k)
         if own[1].size:
             k = _key(own[0], own[1])
             order = np.argsort(k, kind="stable")
             k = k[order]
             at = np.searchsorted(keys, k, side="left")  # before equal keys held: own first
-            cols = tuple(np.insert(a, at, b[order]) for a, b in zip(cols, own, strict=True))
+            cols = _cols(np.insert(a, at, b[order]) for a, b in zip(cols, own, strict=True))
             keys = np.insert(keys, at, k)
         keep = keep_from(cols[0], cols[1], lo_ms)
         if not keep.all():
-            cols, keys = tuple(a[keep] for a in cols), keys[keep]
+            cols, keys = _cols(a[keep] for a in cols), keys[keep]
         if own_ranks:  # hold the peers' part only
             peers = ~np.isin(cols[0], list(own_ranks))
-            self.cols, self.keys = tuple(a[peers] for a in cols), keys[peers]  # type: ignore[assignment]
+            self.cols, self.keys = _cols(a[peers] for a in cols), keys[peers]
         else:
-            self.cols, self.keys = cols, keys  # type: ignore[assignment]
-        return cols  # type: ignore[return-value]
+            self.cols, self.keys = cols, keys
+        return cols
 
     def _full(self, own: Cols, new: Cols, lo_ms: int, own_ranks: set[int]) -> Cols:
         """Timestamps or ranks out of the key's range: the whole window sorted, every round."""
@@ -126,7 +135,7 @@ class SampleWindow:
         w = keep_from(R, T, lo_ms)
         R, T, P, U, E = (a[w] for a in (R, T, P, U, E))
         remote = ~np.isin(R, list(own_ranks))
-        self.cols = tuple(a[remote] for a in (R, T, P, U, E))  # type: ignore[assignment]
+        self.cols = _cols(a[remote] for a in (R, T, P, U, E))
         self.keys = np.zeros(0, np.int64)
         return R, T, P, U, E
 
@@ -134,6 +143,7 @@ class SampleWindow:
 # ---- a host's sample stream entries (`<p>:{job}:samples:<host>`, one per agent round) ----------
 # A sample packed little-endian: rank, ts (ms), power W, utilization %, energy mJ (36 bytes).
 ENTRY = np.dtype([("r", "<i4"), ("t", "<i8"), ("p", "<f8"), ("u", "<f8"), ("e", "<f8")])
+ENTRY_NAMES: tuple[str, ...] = ENTRY.names or ()  # a structured dtype's names are never None
 
 
 def encode_entry(cols: Cols) -> dict[str, str]:
@@ -142,12 +152,12 @@ def encode_entry(cols: Cols) -> dict[str, str]:
     import base64
 
     rec = np.empty(cols[0].size, ENTRY)
-    for name, a in zip(ENTRY.names, cols, strict=True):
+    for name, a in zip(ENTRY_NAMES, cols, strict=True):
         rec[name] = a
     return {"b": base64.b64encode(rec.tobytes()).decode()}
 
 
-def entry_bytes(fields: dict) -> bytes:
+def entry_bytes(fields: dict[str, str]) -> bytes:
     """An entry's packed samples (`ENTRY`); the older layout (a JSON list per column, NaN as
     null) packed the same way. Raises ValueError or KeyError on a damaged entry."""
     import base64
@@ -166,7 +176,7 @@ def entry_bytes(fields: dict) -> bytes:
     if len({a.shape for a in cols}) != 1 or cols[0].ndim != 1:
         raise ValueError("columns of different lengths")
     rec = np.empty(cols[0].size, ENTRY)
-    for name, a in zip(ENTRY.names, cols, strict=True):
+    for name, a in zip(ENTRY_NAMES, cols, strict=True):
         rec[name] = a
     return rec.tobytes()
 
@@ -174,8 +184,8 @@ def entry_bytes(fields: dict) -> bytes:
 def decode_entries(raw: bytes) -> Cols:
     """Packed samples (one entry's, or many entries' joined) as columns."""
     rec = np.frombuffer(raw, ENTRY)
-    return tuple(rec[name].astype(dt) for name, dt in zip(ENTRY.names, DTYPES, strict=True))  # type: ignore[return-value]
+    return _cols(rec[name].astype(dt) for name, dt in zip(ENTRY_NAMES, DTYPES, strict=True))
 
 
-def decode_entry(fields: dict) -> Cols:
+def decode_entry(fields: dict[str, str]) -> Cols:
     return decode_entries(entry_bytes(fields))

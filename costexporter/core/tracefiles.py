@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.csv as pcsv
 
@@ -34,7 +36,7 @@ from costexporter.core.events import (
 from costexporter.core.model import Event, GpuId, Samples
 
 
-def _pc():
+def _pc() -> Any:  # pyarrow ships no types: Any at the boundary (pyproject [tool.mypy])
     """pyarrow.compute, imported on first use: it builds ~280 Python wrappers at import (30 ms of
     the command's start-up, measured), and only files with odd rows need more than a trim and a
     cast."""
@@ -148,13 +150,16 @@ _MINUTE_DIGITS = [0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15]
 _MONTH_DAYS = np.array([0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31])
 
 
-def _days_from_civil(y: np.ndarray, m: np.ndarray, d: np.ndarray) -> np.ndarray:
+def _days_from_civil(
+    y: npt.NDArray[np.int64], m: npt.NDArray[np.int64], d: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
     """Days since 1970-01-01 of proleptic Gregorian dates (H. Hinnant's algorithm)."""
     y = y - (m <= 2)
     era = y // 400
     yoe = y - era * 400
     doy = (153 * ((m + 9) % 12) + 2) // 5 + d - 1
-    return era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+    days: npt.NDArray[np.int64] = era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+    return days  # (annotated: numpy's stubs lose the dtype in the mixed int/bool arithmetic above)
 
 
 def _fixed_timestamps(col: pa.ChunkedArray) -> np.ndarray | None:
@@ -468,12 +473,14 @@ def _positional_index(
     ends = [int(group_end[j]) - 1 for j in short_groups]
     if (n_rows - anchors[-1]) % n_gpus:
         ends.append(n_rows - 1)  # the file ends inside an instant
-    for last in ends if warn is not None else []:
-        row = last if every else int(rows[last])
-        warn(
-            int(line_of_row[row]) if line_of_row is not None else row,
-            f"an instant of {n_gpus} GPUs ends after {pos[last] + 1} line(s); lines are numbered in order",
-        )
+    if warn is not None:
+        for last in ends:
+            row = last if every else int(rows[last])
+            warn(
+                int(line_of_row[row]) if line_of_row is not None else row,
+                f"an instant of {n_gpus} GPUs ends after {pos[last] + 1} line(s); "
+                "lines are numbered in order",
+            )
     if every:
         return pos
     index = np.full(ts_ms.size, -1, np.int64)
@@ -516,7 +523,7 @@ def _last_row_complete(table: pa.Table) -> bool:
     return len(",".join(last)) >= len(",".join(prev))
 
 
-def _json_lines(path: Path):
+def _json_lines(path: Path) -> Iterator[tuple[int, bytes, Any]]:  # Any: what json.loads gave
     """(line number, raw bytes, parsed value or None) for each non-blank line of a JSONL file."""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -531,7 +538,7 @@ def _json_lines(path: Path):
 def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     """One JSON object a line: ts, host, gpu, uuid?, power_w, util_pct, energy_mj?."""
     _check_file(path)
-    cols: dict[str, list] = {k: [] for k in ("host", "gpu", "ts", "p", "u", "e")}
+    cols: dict[str, list[float]] = {k: [] for k in ("host", "gpu", "ts", "p", "u", "e")}
     host_ids: dict[str, int] = {}
     uuids: dict[tuple[str, int], str] = {}
     names: dict[tuple[str, int], str] = {}
@@ -613,9 +620,9 @@ def combine(chunks: list[SampleChunk]) -> Samples:
         return Samples.empty()
     hosts = sorted({h for c in chunks for h in c.hosts})
     host_no = {h: i for i, h in enumerate(hosts)}
-    uuids: dict = {}
-    names: dict = {}
-    limits: dict = {}
+    uuids: dict[tuple[str, int], str] = {}
+    names: dict[tuple[str, int], str] = {}
+    limits: dict[tuple[str, int], float] = {}
     width = max((int(c.index.max()) + 1 for c in chunks if c.index.size), default=1)
     keys = []
     for c in chunks:
@@ -667,7 +674,7 @@ def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
     _check_file(path)
     where = str(path)
     out: list[Event] = []
-    seen: set[tuple] = set()
+    seen: set[tuple[object, ...]] = set()
     parsed_any = False
     now = time.time()
     for lineno, _raw, d in _json_lines(path):
@@ -685,7 +692,7 @@ def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
             continue
         parsed_any = True
         if ev.seq >= 0:
-            key: tuple = (ev.job, ev.rank, ev.session, ev.seq)
+            key: tuple[object, ...] = (ev.job, ev.rank, ev.session, ev.seq)
         else:
             key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
         if key in seen:
