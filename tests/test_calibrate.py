@@ -267,6 +267,58 @@ def test_find_matches_by_model_key(tmp_path):
     assert Path(tmp_path / "a.yaml").read_text().startswith("name: mine")
 
 
+def test_one_rule_picks_a_jobs_profile(tmp_path):
+    """profiles.choose, the rule replay, the agent and the watcher share: the configured profile
+    wins; the model comes from the flag, the job's meta, then the GPUs; a fitted profile of the
+    directory beats a derived one; the directory is only the one given (no environment)."""
+    from costexporter.core.model import GpuId
+
+    mine = profiles.Profile("mine", True, 80, 200, 400, gpu_model="NVIDIA H200 141GB HBM3e")
+    profiles.save(mine, tmp_path / "a.yaml")
+    h100 = GpuId("n", 0, "GPU-1", "NVIDIA H100 80GB HBM3", 700.0)
+    assert profiles.choose(profiles.B300, "NVIDIA H200", gpus=[h100], directory=tmp_path) is profiles.B300
+    assert profiles.choose(None, gpus=[h100]).name == "H100"
+    assert profiles.choose(None, meta={"gpu_model": "NVIDIA H200"}, gpus=[h100]).name == "H200"
+    assert profiles.choose(None, "NVIDIA H200", meta={"gpu_model": "NVIDIA H100"}).name == "H200"
+    fitted = profiles.choose(None, meta={"gpu_model": "NVIDIA H200"}, directory=tmp_path)
+    assert fitted.name == "mine" and fitted.calibrated
+    assert profiles.choose(None, gpus=[h100], directory=tmp_path).name == "H100"  # no fitted H100
+    odd = GpuId("n", 0, "GPU-2", "Some Future GPU", 900.0)
+    assert profiles.choose(None, gpus=[odd]).power_limit_w == 900.0  # derived from the GPU's limit
+
+
+def test_the_profile_directory_of_the_environment_is_read_at_the_command(tmp_path):
+    """$COSTEXPORTER_PROFILE_DIR: a fitted profile there is the replay's; a directory that does
+    not exist stops the command with one line (exit 2), before any booking."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    mine = profiles.Profile("mine", True, 80, 200, 400, gpu_model="NVIDIA H200")
+    (tmp_path / "profiles").mkdir()
+    profiles.save(mine, tmp_path / "profiles" / "h200.yaml")
+    b = h200(2, "x")
+    b.stretch("compute", 60)
+    csv = write_nvidia_smi_csv(b.samples(), tmp_path / "t", name=True)[0]
+
+    def replay(profile_dir: Path) -> subprocess.CompletedProcess:
+        env = {**os.environ, "COSTEXPORTER_PROFILE_DIR": str(profile_dir)}
+        args = ["replay", "--samples", f"{csv.stem}={csv}", "--format", "json"]
+        return subprocess.run(
+            [sys.executable, "-m", "costexporter.cli", *args],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+        )
+
+    ok = replay(tmp_path / "profiles")
+    assert ok.returncode == 0, ok.stderr
+    assert {j["profile"]["name"] for j in json.loads(ok.stdout)["jobs"].values()} == {"mine"}
+    missing = replay(tmp_path / "nowhere")
+    assert missing.returncode == 2 and "COSTEXPORTER_PROFILE_DIR" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
 # Issue 15.4: calibrate on real-like noisy baselines (REFERENCE R8's mess, two GPU models).
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from decimal import Decimal
 
 import orjson
@@ -10,6 +9,7 @@ from fastapi.responses import Response
 
 from costexporter.api.store import JOB_CATS, Amounts
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
+from costexporter.core.timeutil import iso_utc
 
 PLACES = Decimal("0.000001")
 
@@ -25,9 +25,7 @@ def micro(u: int) -> str:
 
 
 def iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return dt.datetime.fromtimestamp(float(ts), dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    return None if ts is None else iso_utc(ts)
 
 
 def per(cost: Decimal, n: int, scale: int = 1) -> str | None:

@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from costexporter.core.profiles import Profile
 
 EXIT_INPUT = 2
 
@@ -134,17 +138,22 @@ def listen_option(what: str):
     return click.option("--listen", default="0.0.0.0", help=f"Address the {what} listens on.")
 
 
-def load_profile(path: Path | None):
-    """--profile: a file is the profile; a directory is searched by GPU model (like
-    $COSTEXPORTER_PROFILE_DIR); nothing: pick by model."""
+def load_profile(path: Path | None) -> tuple[Profile | None, Path | None]:
+    """--profile: a file is the profile; a directory holds fitted profiles matched by GPU model.
+    Without it, $COSTEXPORTER_PROFILE_DIR names the directory. Returns (profile, directory); a
+    directory that is named but missing stops the command here, not a round later."""
     from costexporter.core import profiles
 
     if path is None:
-        return None
+        env = os.environ.get(profiles.PROFILE_DIR_ENV)
+        if not env:
+            return None, None
+        path = Path(env)
+        if not path.is_dir():
+            raise InputFailure(f"${profiles.PROFILE_DIR_ENV}: {path} is not a directory")
     if path.is_dir():
-        os.environ[profiles.PROFILE_DIR_ENV] = str(path)
-        return None
-    return profiles.load(path)
+        return None, path
+    return profiles.load(path), None
 
 
 def sample_spec(spec: str) -> tuple[str, Path]:

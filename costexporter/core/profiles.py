@@ -12,9 +12,13 @@ costexporter/core/idle.py): idle depends on a live CUDA context, not only on the
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from costexporter.core.model import GpuId
 
 
 class ProfileError(ValueError):
@@ -138,14 +142,15 @@ def _model_key(gpu_model: str) -> str | None:
 def select(
     gpu_model: str | None = None,
     power_limit_w: float | None = None,
+    directory: str | Path | None = None,
 ) -> Profile:
-    """Pick the profile: a fitted one for the model in $COSTEXPORTER_PROFILE_DIR (see `find`),
-    else the built-in B300 when the model is a B300, else derive from the limit.
+    """Pick the profile: a fitted one for the model in `directory` (see `find`), else the
+    built-in B300 when the model is a B300, else derive from the limit.
 
     An explicit power limit wins over the table of known limits; with neither a known model
     nor a limit, fall back to the B300 profile (the product's reference hardware).
     """
-    fitted = find(gpu_model)
+    fitted = find(gpu_model, directory)
     if fitted is not None:
         return fitted
     key = _model_key(gpu_model) if gpu_model else None
@@ -159,6 +164,28 @@ def select(
     return B300
 
 
+def choose(
+    configured: Profile | None,
+    gpu_model: str | None = None,
+    power_limit_w: float | None = None,
+    *,
+    meta: Mapping[str, object] | None = None,
+    gpus: Iterable[GpuId] = (),
+    directory: str | Path | None = None,
+) -> Profile:
+    """A job's (or one GPU's) profile by the one rule replay, the agent and the watcher share:
+    the configured profile wins; else the model is the configured one, the job's meta
+    `gpu_model`, or the first GPU's name, and the limit the configured one or the first GPU's
+    that reports one; then `select` (a fitted profile of `directory` first)."""
+    if configured is not None:
+        return configured
+    gpus = list(gpus)
+    model = gpu_model or (meta or {}).get("gpu_model") or next((g.name for g in gpus if g.name), None)
+    limit = power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
+    return select(str(model) if model else None, limit, directory)
+
+
+# The directory of fitted profiles a command uses when --profile names none (read by the CLI).
 PROFILE_DIR_ENV = "COSTEXPORTER_PROFILE_DIR"
 
 
@@ -172,9 +199,8 @@ def save(profile: Profile, path: str | Path) -> Path:
 
 
 def find(gpu_model: str | None, directory: str | Path | None = None) -> Profile | None:
-    """A profile file of `directory` (default $COSTEXPORTER_PROFILE_DIR) for this GPU model:
-    its `gpu_model` (or file name) has the same model key ('NVIDIA H200' matches 'H200')."""
-    directory = directory or os.environ.get(PROFILE_DIR_ENV)
+    """A profile file of `directory` for this GPU model: its `gpu_model` (or file name) has the
+    same model key ('NVIDIA H200' matches 'H200')."""
     if not directory or not gpu_model:
         return None
     d = Path(directory)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,7 @@ class ReplayConfig:
     gpu_model: str | None = None
     power_limit_w: float | None = None
     profile: Profile | None = None  # overrides model-based selection
+    profile_dir: Path | None = None  # fitted profiles, matched by GPU model (profiles.find)
 
 
 @dataclass(slots=True)
@@ -72,14 +74,6 @@ class JobResult:
     member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
     sample_range_ms: tuple[int, int] | None = None  # the job's first and last sample
     event_range_ms: tuple[int, int] | None = None  # the job's first and last event
-
-
-def _job_profile(cfg: ReplayConfig, gpus: list[GpuId], meta: dict[str, Any]) -> Profile:
-    if cfg.profile is not None:
-        return cfg.profile
-    model = cfg.gpu_model or meta.get("gpu_model") or next((g.name for g in gpus if g.name), None)
-    limit = cfg.power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
-    return profiles.select(model, limit)
 
 
 def register_matches(
@@ -218,7 +212,14 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
             )
         n_ranks = int(ranks.max()) + 1 if ranks.size else 0
         member_gpu_list = [gpus[g] for g in member_gpus]
-        profile = _job_profile(cfg, member_gpu_list, meta)
+        profile = profiles.choose(
+            cfg.profile,
+            cfg.gpu_model,
+            cfg.power_limit_w,
+            meta=meta,
+            gpus=member_gpu_list,
+            directory=cfg.profile_dir,
+        )
         br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, interval)
         mem_start = np.asarray([t for _, _, t in members], np.int64)
         mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)

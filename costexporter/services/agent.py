@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -103,6 +104,7 @@ class AgentConfig:
     # and booked time is never re-booked; too long only delays booking.
     peer_timeout_s: float | None = None
     profile: Profile | None = None
+    profile_dir: Path | None = None  # fitted profiles, matched by GPU model (profiles.find)
     gpu_model: str | None = None
     power_limit_w: float | None = None
     # Time of GPUs no job holds is booked `unassigned` only this long after it was sampled: a
@@ -443,13 +445,12 @@ class Agent:
 
     def _gpu_profile(self, g: int) -> Profile:
         """The band profile of one GPU of this node, with its learned idle level."""
-        gpus = self.source.gpus()
-        gid = gpus[g] if g < len(gpus) else None
         if self.cfg.profile is not None:
             return self.cfg.profile
-        prof = profiles.select(
-            self.cfg.gpu_model or (gid.name if gid else None),
-            self.cfg.power_limit_w or (gid.power_limit_w if gid else None),
+        gpus = self.source.gpus()
+        cfg = self.cfg
+        prof = profiles.choose(
+            None, cfg.gpu_model, cfg.power_limit_w, gpus=gpus[g : g + 1], directory=cfg.profile_dir
         )
         return profiles.with_idle(prof, self._idle_level([g]))
 
@@ -1088,12 +1089,13 @@ class Agent:
         booked_from = np.asarray([behind.get(int(r), job.booked_until) for r in own_ranks], np.int64)
         meta = job.meta
         profile = cfg.profile or profiles.with_idle(
-            profiles.select(
-                cfg.gpu_model
-                or meta.get("gpu_model")
-                or next((g.name for g in self.source.gpus() if g.name), None),
-                cfg.power_limit_w
-                or next((g.power_limit_w for g in self.source.gpus() if g.power_limit_w), None),
+            profiles.choose(
+                None,
+                cfg.gpu_model,
+                cfg.power_limit_w,
+                meta=meta,
+                gpus=self.source.gpus(),
+                directory=cfg.profile_dir,
             ),
             self._idle_level(sorted(job.own.values())),
         )

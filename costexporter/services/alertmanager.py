@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from costexporter.core.timeutil import iso_utc
 from costexporter.services.watcher import ALERTING, Status, Webhook
 
 ALERTS_PATH = "/api/v2/alerts"
@@ -25,12 +26,6 @@ RESEND_FACTOR = 4  # a firing alert's endsAt lies this many resends ahead
 
 def severity(state: str) -> str:
     return "critical" if state in ("hung", "crashed") else "warning"
-
-
-def _iso(t: float) -> str:
-    import datetime as dt
-
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass
@@ -58,8 +53,8 @@ def postable(job: str, st: Status, starts: float, ends: float, generator_url: st
             "severity": severity(st.state),
         },
         "annotations": annotations,
-        "startsAt": _iso(starts),
-        "endsAt": _iso(ends),
+        "startsAt": iso_utc(starts),
+        "endsAt": iso_utc(ends),
         "generatorURL": generator_url,
     }
 

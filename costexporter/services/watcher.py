@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime as dt
 import hashlib
 import json
 import logging
@@ -39,6 +38,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from costexporter.core.events import META_THRESHOLDS
 from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
 from costexporter.core.profiles import Profile
+from costexporter.core.timeutil import iso_utc
 from costexporter.store import ledger, protocol
 from costexporter.store.keys import live_key, status_key
 from costexporter.store.reader import EventReader, read_all_many
@@ -94,6 +95,7 @@ class WatchConfig:
     alertmanager_url: str | None = None
     alertmanager_resend_s: float = 60.0
     profile: Profile | None = None
+    profile_dir: Path | None = None  # fitted profiles, matched by the job's GPU model
     watcher_id: str = "watcher"
     # How often the watcher registers how far it has read each job's stream (`<p>:{job}:readers`,
     # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
@@ -457,9 +459,8 @@ def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
 
 
 def _profile(view: JobView, cfg: WatchConfig) -> Profile:
-    model = view.meta.get("gpu_model")
     try:
-        return cfg.profile or profiles.select(str(model) if model else None, None)
+        return profiles.choose(cfg.profile, meta=view.meta, directory=cfg.profile_dir)
     except profiles.ProfileError:
         return profiles.B300
 
@@ -529,10 +530,6 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
 
 
 # ---- notifications -----------------------------------------------------------------------
-def _iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:
     labels = {
         "alertname": "Job" + st.state.capitalize(),
@@ -555,8 +552,8 @@ def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:
             "description": st.reason,
             "suspect": json.dumps(st.suspect) if st.suspect else "",
         },
-        "startsAt": _iso(st.since),
-        "endsAt": _iso(now) if status == "resolved" else "0001-01-01T00:00:00Z",
+        "startsAt": iso_utc(st.since),
+        "endsAt": iso_utc(now) if status == "resolved" else "0001-01-01T00:00:00Z",
         "generatorURL": "",
         "fingerprint": fp,
     }

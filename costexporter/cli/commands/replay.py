@@ -89,7 +89,7 @@ def replay(
     diag = Diagnostics(stream=None if quiet else sys.stderr)
     clock = [("start", time.perf_counter())]
     try:
-        profile = load_profile(profile_path)
+        profile, profile_dir = load_profile(profile_path)
         specs = [sample_spec(s) for s in samples]
         with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
             chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))
@@ -103,6 +103,7 @@ def replay(
             gpu_model=gpu_model,
             power_limit_w=power_limit,
             profile=profile,
+            profile_dir=profile_dir,
         )
         result = run_replay(sample_set, evs, cfg)
         clock.append(("book_s", time.perf_counter()))

@@ -178,7 +178,7 @@ def serve(
             redis_url=redis_url,
             prefix=prefix,
         )
-        profile = load_profile(profile_path)
+        profile, profile_dir = load_profile(profile_path)
     except GpuInitError as e:
         hint = (
             " (no GPU here? `--source sim --scenario mini` plays a simulated job)" if source == "nvml" else ""
@@ -199,6 +199,7 @@ def serve(
         book_interval_s=book_interval,
         sample_interval_s=sample_interval,
         profile=profile,
+        profile_dir=profile_dir,
         gpu_model=gpu_model,
         power_limit_w=power_limit,
         series_ttl_s=series_ttl,

@@ -86,7 +86,9 @@ def watch(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        profile = load_profile(profile_path) or (profiles.select(gpu_model) if gpu_model else None)
+        profile, profile_dir = load_profile(profile_path)
+        if profile is None and gpu_model:
+            profile = profiles.select(gpu_model, directory=profile_dir)
     except profiles.ProfileError as e:
         raise InputFailure(str(e)) from None
     cfg = WatchConfig(
@@ -102,6 +104,7 @@ def watch(
         alertmanager_url=alertmanager_url,
         alertmanager_resend_s=alertmanager_resend,
         profile=profile,
+        profile_dir=profile_dir,
     )
     if sim_clock:
         from costexporter.sources.sim import published_clock
