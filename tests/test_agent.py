@@ -163,6 +163,12 @@ def trace(tmp_path):
     return b, {p.stem: p for p in csvs}
 
 
+def test_read_amounts_of_a_bucket_needs_its_start(shared, prefix):
+    # It read the key `...:5m:None`, which never exists: an empty bucket instead of an error.
+    with pytest.raises(ValueError, match="needs its start"):
+        ledger.read_amounts(shared, prefix, "some-job", "5m")
+
+
 def test_two_agents_book_one_job_and_their_metrics_agree(shared, prefix, trace):
     b, csvs = trace
     post_events(shared, prefix, b)

@@ -234,3 +234,11 @@ def test_the_result_is_posted_as_the_jobs_preflight_event(cli, tmp_path, prefix)
     assert ev.type == "preflight" and ev.get("passed") is False
     checks = {c["name"]: c for c in json.loads(ev.get("checks"))}  # a JSON field of the entry
     assert checks["cache"]["status"] == "fail" and checks["cache"]["shortest_rank"] == 3
+
+
+def test_posting_without_a_redis_url_says_so():
+    # It failed inside redis-py with AttributeError ('NoneType' object has no attribute ...).
+    from costexporter.tools.preflight import PreflightConfig, post
+
+    with pytest.raises(ValueError, match="redis_url is not set"):
+        post(PreflightConfig(job="no-redis"), True, [])

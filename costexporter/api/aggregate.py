@@ -52,7 +52,7 @@ def value(field: str, job: str, meta: dict) -> str | None:
 
 def key_of(fields: list[str], props: dict[str, str | None]) -> str:
     """A row's key: the values joined by '/', a missing one as '(no <field>)'."""
-    return "/".join(props[f] if props[f] is not None else f"(no {f})" for f in fields)
+    return "/".join(f"(no {f})" if (v := props[f]) is None else v for f in fields)
 
 
 def periods(start: int, end: int, step: str | None) -> list[tuple[int, int]]:
@@ -181,7 +181,7 @@ def table_rows(
         order = sorted(visible, key=jobs.__getitem__)
         keys = [jobs[i] for i in order]
         members = [[i] for i in order]
-        props_of = [{"job": k} for k in keys]
+        props_of: list[dict[str, str | None]] = [{"job": k} for k in keys]
     else:
         groups: dict[str, tuple[dict, list[int]]] = {}
         for i in sorted(visible, key=lambda i: jobs[i]):

@@ -77,13 +77,13 @@ def visible_job(
 ) -> dict:
     """The job's info (all of it with `full`, else just its team), or 404: unknown, or outside the
     token's scope (as if absent)."""
+    info: dict | None
     if full:  # existence, team and the rest of the info in one round trip
         info = s.job_info(job, warn)
-        exists = info is not None
-        team = info["meta"].get("team") if exists else None
+        team = info["meta"].get("team") if info is not None else None
     else:
         exists, team = s.job_team(job)
-        info = {"meta": {"team": team}}
-    if not exists or not who.sees(team):
+        info = {"meta": {"team": team}} if exists else None
+    if info is None or not who.sees(team):
         raise HTTPException(404, f"no job {job!r}")
     return info

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import overload
 
 import orjson
 from fastapi.responses import Response
@@ -22,6 +23,14 @@ def micro(u: int) -> str:
     """Micro-units as a decimal string with 6 places, by integer arithmetic (exact and fast)."""
     sign, u = ("-", -u) if u < 0 else ("", u)
     return f"{sign}{u // 1_000_000}.{u % 1_000_000:06d}"
+
+
+@overload
+def iso(ts: float) -> str: ...
+
+
+@overload
+def iso(ts: None) -> None: ...
 
 
 def iso(ts: float | None) -> str | None:

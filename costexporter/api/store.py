@@ -73,7 +73,7 @@ def number(v: object) -> int | None:
     if isinstance(v, bool):
         return None
     try:
-        return int(v)  # type: ignore[arg-type]
+        return int(v)  # type: ignore[call-overload]
     except (TypeError, ValueError, OverflowError):
         try:
             f = float(v)  # type: ignore[arg-type]
@@ -427,7 +427,7 @@ class LedgerStore:
         for j in jobs:
             self._queue_info(pipe, j)
         raw = _run(pipe)
-        return {j: _info(j, *raw[4 * i : 4 * i + 4], warn) for i, j in enumerate(jobs)}
+        return {j: _info(j, raw[4 * i : 4 * i + 4], warn) for i, j in enumerate(jobs)}
 
     def job_info(self, job: str, warn: Warnings | None = None) -> dict | None:
         """One job's `info_many` entry, or None if there is no such job: one round trip."""
@@ -436,7 +436,7 @@ class LedgerStore:
         pipe.zscore(protocol.jobs_key(self.prefix), job)
         self._queue_info(pipe, job)
         score, *raw = _run(pipe)
-        return None if score is None else _info(job, *raw, warn)
+        return None if score is None else _info(job, raw, warn)
 
     def _queue_info(self, pipe, j: str) -> None:
         """The 4 reads `_info` parses."""
@@ -483,7 +483,7 @@ class LedgerStore:
         chunks = list(self.table_chunks(jobs, spans, warn, meta, tokens))
         if len(chunks) == 1:
             return chunks[0][1], chunks[0][2]
-        metas: dict[str, dict] = {}
+        metas = {}
         for _, m, _ in chunks:
             metas.update(m)
         out = []
@@ -583,7 +583,8 @@ class LedgerStore:
         out = []
         for w, (start, end) in enumerate(spans):
             warn, exact_warn = notes[1 + 2 * w], notes[2 + 2 * w]
-            ends, starts, versions, fast, exact = [], [], [None] * n, [], []
+            ends, starts, fast, exact = [], [], [], []
+            versions: list[set[str] | None] = [None] * n  # per job; every one is set below
             at = 3 + per_w * w
             if tokens:
                 counted = [g[at + 2 : at + 8] if g[at + 2] is not None else None for g in replies]
@@ -827,8 +828,9 @@ def _steps(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, S
     return out
 
 
-def _info(j: str, meta, figures, status, ranks, warn: Warnings) -> dict:
-    """A job's info from the replies of `LedgerStore._queue_info`."""
+def _info(j: str, replies: list, warn: Warnings) -> dict:
+    """A job's info from the 4 replies of `LedgerStore._queue_info`."""
+    meta, figures, status, ranks = replies
     for what, value in (("meta", meta), ("figures", figures), ("ranks", ranks)):
         if value is None:
             warn.add(j, f"{what} key has the wrong type: ignored")

@@ -13,7 +13,7 @@ try:
     from lightning.pytorch import Callback
 except ImportError:  # pragma: no cover - the standalone package name
     try:
-        from pytorch_lightning import Callback  # type: ignore[no-redef]
+        from pytorch_lightning import Callback
     except ImportError as e:
         raise ImportError(
             "costexporter.integrations.lightning needs lightning: pip install 'costexporter[lightning]'"

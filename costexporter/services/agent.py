@@ -462,8 +462,8 @@ class Agent:
         levels = [
             self.idle.level(self._gpu_key(g), ids[g].power_limit_w if g < len(ids) else None) for g in gpus
         ]
-        levels = [lv for lv in levels if lv is not None]
-        return max(levels) if levels else None
+        known = [lv for lv in levels if lv is not None]
+        return max(known) if known else None
 
     def _band_readings(self) -> None:
         """Each GPU's band from its newest reading alone: the band shown for a job's GPU whose
@@ -630,7 +630,7 @@ class Agent:
                     self._reject_registration(name, rank_s, raw, e.reason, str(e))
                     continue
                 g = by_uuid.get(reg.gpu_uuid) if reg.gpu_uuid else None
-                if g is None and reg.gpu is not None:
+                if g is None and reg.gpu is not None and reg.host is not None:
                     g = by_index.get((reg.host, reg.gpu))
                 regs.append((reg, g))
             if job is None and all(g is None for _reg, g in regs):
@@ -656,9 +656,9 @@ class Agent:
                     job.floors[reg.rank] = self._booked_elsewhere(g, job)
         for job in self.jobs.values():
             hosts: dict[str, list[int]] = {}
-            for r, e in sorted(job.ranks.items()):
+            for r, peer in sorted(job.ranks.items()):
                 if r not in job.own:
-                    hosts.setdefault(str(e.host), []).append(r)
+                    hosts.setdefault(str(peer.host), []).append(r)
             job.peer_hosts = hosts
         self._handover()
         # A counter that moved since a discovery is looked at once more next round: on a cluster
@@ -1298,6 +1298,7 @@ class Agent:
         else:
             horizon = int(t.max()) - interval - int(self.cfg.unassigned_hold_s * 1000)
         lo = self._unassigned_until
+        assert lo is not None  # _load_unassigned() set it
         if horizon <= lo:
             self.unassigned_settled = final
             return
@@ -1395,7 +1396,7 @@ class Agent:
         sample's own (never None: the watcher decides a hang from it)."""
         if rank.size == 0:
             return
-        last = {}
+        last: dict[int, tuple[int, float, float]] = {}  # rank -> its newest (ms, W, %)
         for r, t, pw, ut in zip(rank.tolist(), ts.tolist(), p.tolist(), u.tolist(), strict=True):
             if r not in last or t >= last[r][0]:
                 last[r] = (t, pw, ut)

@@ -51,10 +51,6 @@ class GpuSource(abc.ABC):
     """The node's GPUs, read all at once."""
 
     host: str
-    # How far behind the newest sample the trainers' events may still be on their way, in the
-    # samples' own time; the agent books no closer to its newest sample than this. Zero for a
-    # real node: a reporter flushes every 50 ms, well inside one sampling interval.
-    event_lag_s: float = 0.0
     # The energy counter costs real CPU to read (NVML: ~3.9 ms a call on an H200). Where True,
     # the source also offers `read(energy=False)`, `read_energy()` and `energy_gpus()`, and the
     # sampler reads the counter only at anchors, sharing it out between them by power.
@@ -66,6 +62,13 @@ class GpuSource(abc.ABC):
     def __init__(self) -> None:
         # (gpu index, error kind) -> count; exported as a metric by the agent.
         self.errors: collections.Counter[tuple[int, str]] = collections.Counter()
+
+    @property
+    def event_lag_s(self) -> float:
+        """How far behind the newest sample the trainers' events may still be on their way, in
+        the samples' own time; the agent books no closer to its newest sample than this. Zero for
+        a real node: a reporter flushes every 50 ms, well inside one sampling interval."""
+        return 0.0
 
     @abc.abstractmethod
     def gpus(self) -> list[GpuId]:

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 

@@ -11,14 +11,17 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, SupportsInt
 
 import numpy as np
 
+from costexporter.core.events import MAX_STEP, MAX_TOKENS
 from costexporter.core.model import Event, Samples
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import SCENARIOS, TraceBuilder
 from costexporter.store import protocol, redisconn
 from costexporter.store.keys import simclock_key
+from costexporter.trainer import coerce
 from costexporter.trainer.reporter import StepReporter
 
 log = logging.getLogger("costexporter.sources.sim")
@@ -67,7 +70,7 @@ class SimSource(ReplaySource):
         self._started: set[int] = set()
         self._fresh = False  # the processes were (re)started and have not trained since
         self._stop = threading.Event()
-        self._clock_client = None
+        self._clock_client: Any = None  # redisconn.from_url's client (untyped: a Redis or a LazyCluster)
         self.trainer_done = threading.Event()
         self._trainer = threading.Thread(target=self._train, name="costexporter-sim-trainer", daemon=True)
         self._trainer.start()
@@ -198,14 +201,18 @@ class SimSource(ReplaySource):
         elif ev.type == "run" and state == "resume":
             if ev.rank == 0 and not self._fresh:  # a resume is a new run of every process
                 self._restart_all(ts)
-            self._reporter(ev.rank, ts).resume(int(f["step"]), ts=ts)
+            self._reporter(ev.rank, ts).resume(_int(f["step"]), ts=ts)
         elif ev.type == "run" and state == "end":
             self._reporter(ev.rank, ts).close(ts=ts)
         elif ev.type == "step":
-            self._reporter(ev.rank, ts).step(int(f["step"]), tokens=f.get("tokens"), ts=ts)
+            tokens = _count(f.get("tokens"), "tokens", MAX_TOKENS)
+            self._reporter(ev.rank, ts).step(_int(f["step"]), tokens=tokens, ts=ts)
         elif ev.type == "phase":
-            rep = self._reporter(ev.rank, ts)
-            (rep.phase_begin if state == "begin" else rep.phase_end)(f["name"], step=f.get("step"), ts=ts)
+            rep, name = self._reporter(ev.rank, ts), f["name"]
+            if not isinstance(name, str):
+                raise TypeError(f"a phase name must be a string, got {name!r}")
+            post = rep.phase_begin if state == "begin" else rep.phase_end
+            post(name, step=_count(f.get("step"), "step", MAX_STEP), ts=ts)
         elif ev.type == "meta":
             self._reporter(ev.rank, ts).meta(ts=ts, **f)
 
@@ -220,6 +227,18 @@ class SimSource(ReplaySource):
     @property
     def done(self) -> bool:
         return super().done and self.trainer_done.is_set()
+
+
+def _int(x: object) -> int:
+    """A number field of the scenario's own events (TraceBuilder writes ints) as an int."""
+    if not isinstance(x, SupportsInt):
+        raise TypeError(f"not a number: {x!r}")
+    return int(x)
+
+
+def _count(x: object, name: str, hi: int) -> int | None:
+    """An optional count of an event as the reporter reads it (it would coerce it so anyway)."""
+    return None if x is None else coerce.count(x, name, hi)
 
 
 def crash_loop_deaths(b: TraceBuilder) -> list[Event]:
@@ -252,7 +271,7 @@ def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
     import redis
 
     client = redisconn.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    last = {"sim": None, "wall": 0.0, "speed": 1.0, "lag": 0.0}
+    last: dict[str, Any] = {"sim": None, "wall": 0.0, "speed": 1.0, "lag": 0.0}  # updated from JSON
 
     def now() -> float:
         try:

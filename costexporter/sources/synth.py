@@ -206,13 +206,20 @@ def write_events_jsonl(events: list[Event], path: Path) -> Path:
     return path
 
 
+def _offset_s(ts: int, tz: dt.tzinfo) -> float:
+    """The zone's UTC offset at Unix second `ts`, in seconds."""
+    off = dt.datetime.fromtimestamp(ts, tz).utcoffset()
+    assert off is not None  # fromtimestamp() with a zone refuses one whose offset is None
+    return off.total_seconds()
+
+
 def _local_stamps(ts_ms: np.ndarray, tz: dt.tzinfo | None) -> np.ndarray:
     """nvidia-smi's timestamp text ('2025/07/26 23:53:30.945') in zone `tz` (None: UTC)."""
     if tz is None:
         local = ts_ms
     else:  # the zone's offset per distinct second, DST included
         secs, inv = np.unique(ts_ms // 1000, return_inverse=True)
-        off = np.array([dt.datetime.fromtimestamp(int(x), tz).utcoffset().total_seconds() for x in secs])
+        off = np.array([_offset_s(int(x), tz) for x in secs])
         local = ts_ms + (off[inv] * 1000).astype(np.int64)
     text = np.datetime_as_string(local.astype("datetime64[ms]"), unit="ms")
     return np.char.replace(np.char.replace(text, "-", "/"), "T", " ")

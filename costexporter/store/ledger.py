@@ -341,8 +341,13 @@ def queue_steps(
 def read_amounts(
     client, prefix: str, job: str, res: str | None = None, start: int | None = None
 ) -> dict[str, int]:
-    """One amounts hash as integers (the total, or one bucket)."""
-    k = keys.total_key(prefix, job) if res is None else keys.bucket_key(prefix, job, res, start)
+    """One amounts hash as integers (the total, or with `res` the bucket starting at `start`)."""
+    if res is None:
+        k = keys.total_key(prefix, job)
+    elif start is None:
+        raise ValueError(f"the {res} bucket of {job!r} needs its start")
+    else:
+        k = keys.bucket_key(prefix, job, res, start)
     raw = client.hgetall(k)
     out = {}
     for f, v in raw.items():

@@ -345,7 +345,8 @@ def fit(
     if not named:
         raise CalibrationError("no power levels found in the baselines")
     check_physical(named, limit)
-    warnings, defaulted = [], []
+    warnings: list[str] = []
+    defaulted: list[str] = []
     prof = _profile(named, limit, model, warnings, defaulted)
     _overlaps(named, limit, warnings)
     confusion, acc = _confusion(samples, rank, held, named, prof, grid_ms)

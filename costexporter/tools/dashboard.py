@@ -65,7 +65,7 @@ def state_code_expr() -> str:
 def _money(**custom) -> dict:
     """Field config of a money panel: the unit follows the series' currency label (shown in the
     legend as `(EUR)`), not a fixed USD."""
-    d = {"unit": "short"}
+    d: dict[str, object] = {"unit": "short"}
     if custom:
         d["custom"] = custom
     overrides = [
@@ -90,7 +90,7 @@ def _mappings(codes: dict[str, str]) -> list[dict]:
 
 
 def _target(expr: str, legend: str = "", instant: bool = False, ref: str = "A") -> dict:
-    t = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
+    t: dict[str, object] = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
     if instant:
         t.update(instant=True, range=False)
     return t
@@ -110,10 +110,10 @@ def _panel(kind: str, title: str, grid: tuple[int, int, int, int], targets: list
 
 
 def _defaults(unit: str = "short", **custom) -> dict:
-    d = {"fieldConfig": {"defaults": {"unit": unit}, "overrides": []}}
+    defaults: dict[str, object] = {"unit": unit}
     if custom:
-        d["fieldConfig"]["defaults"]["custom"] = custom
-    return d
+        defaults["custom"] = custom
+    return {"fieldConfig": {"defaults": defaults, "overrides": []}}
 
 
 def _variable(name: str, label: str, metric: str, of: str, **extra) -> dict:
@@ -387,7 +387,7 @@ def dashboard() -> dict:
         "refresh": "10s",
         "time": {"from": "now-6h", "to": "now"},
         "timezone": "utc",
-        "annotations": {"list": annotations()},
+        "annotations": {"list": annotation_list()},
         "templating": {
             "list": [
                 {
@@ -418,7 +418,7 @@ def dashboard() -> dict:
     }
 
 
-def annotations() -> list[dict]:
+def annotation_list() -> list[dict]:
     """Incidents (firing alerts; the watcher's hung or crashed) and declared phases, as
     Prometheus annotations: a marker for every step where the expression has a series."""
 

@@ -22,6 +22,7 @@ well under a second.
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import json
 import os
@@ -219,6 +220,8 @@ def _is_local(addr: str) -> bool:
         return False
     for *_, sa in infos:
         ip = sa[0]
+        if not isinstance(ip, str):  # an IPv4 or IPv6 address is text; (int, bytes) is not one
+            continue
         try:
             with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((ip, 0))
@@ -290,7 +293,8 @@ def run(cfg: PreflightConfig) -> tuple[bool, list[Check]]:
     cache = _timed(lambda: check_cache(cfg))
     checks = [cache, _timed(lambda: check_tokens(cfg, cache))]
     checks += [
-        _timed(lambda f=f: f(cfg)) for f in (check_occupancy, check_port, check_disk, check_interconnect)
+        _timed(functools.partial(f, cfg))
+        for f in (check_occupancy, check_port, check_disk, check_interconnect)
     ]
     bad = {"fail"} | (set() if cfg.allow_unknown else {"unknown"})
     # A gate that checked nothing (every check skipped) proves nothing: no PASS.
@@ -305,6 +309,8 @@ def post(cfg: PreflightConfig, passed: bool, checks: list[Check]) -> None:
     from costexporter.store import protocol, redisconn
     from costexporter.trainer.reporter import send_entries
 
+    if not cfg.redis_url:
+        raise ValueError("preflight.post needs the Redis to post to: cfg.redis_url is not set")
     r = redisconn.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2, decode_responses=True)
     entry = protocol.encode_fields(
         {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import NoReturn
 
 _installed = False
 _crash: str | None = None  # why this process is not ending cleanly, once we know
@@ -57,7 +58,7 @@ def install() -> None:
             note_crash(f"uncaught {args.exc_type.__name__} in thread {name}")
         prev_thread_hook(args)
 
-    def exit(status: object = None) -> None:
+    def exit(status: str | int | None = None) -> NoReturn:  # sys.exit's signature
         global _crash
         if status is None or status == 0:
             if _crash is not None and _crash.startswith("sys.exit("):

@@ -170,8 +170,14 @@ _RETRYABLE_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
 def _retryable(exc: BaseException) -> bool:
     from redis import exceptions as rx
 
-    transient = (rx.OutOfMemoryError, rx.ReadOnlyError, rx.BusyLoadingError, rx.TryAgainError)
-    transient += (rx.ClusterDownError, rx.MasterDownError)
+    transient = (
+        rx.OutOfMemoryError,
+        rx.ReadOnlyError,
+        rx.BusyLoadingError,
+        rx.TryAgainError,
+        rx.ClusterDownError,
+        rx.MasterDownError,
+    )
     return isinstance(exc, transient) or str(exc).split(" ", 1)[0] in _RETRYABLE_CODES
 
 
@@ -274,7 +280,7 @@ class StepReporter:
         self._warned_overflow = False
         self._logged: set[str] = set()
         self._bad_files: set[Path] = set()
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
 
         import redis
         from redis.backoff import NoBackoff
@@ -422,9 +428,8 @@ class StepReporter:
         if self._closed or os.getpid() != self._pid:
             return
         if end_run is None:
-            why = exitstatus.crash_reason() or (
-                f"{sys.exc_info()[0].__name__} in flight" if sys.exc_info()[0] is not None else None
-            )
+            in_flight = sys.exc_info()[0]
+            why = exitstatus.crash_reason() or (f"{in_flight.__name__} in flight" if in_flight else None)
             end_run = why is None
             if why:
                 log.info("costexporter: not posting run end for %s rank %d: %s", self.job, self.rank, why)
@@ -558,8 +563,8 @@ class StepReporter:
                 if f is None:
                     continue
                 head = spool.read_header(f)
-                if spool.mismatch(path, head, self.destination, self.prefix):
-                    continue
+                if spool.mismatch(path, head, self.destination, self.prefix) or head is None:
+                    continue  # (mismatch() refuses a file without a header: head is a dict here)
                 try:
                     if self._send_file(f, head):
                         path.unlink()
@@ -612,9 +617,9 @@ class StepReporter:
                         job,
                         exc,
                     )
-            for j, exc in res.side_failed:
-                if j is not None and j not in res.failed and _retryable(exc):
-                    retry.append(idx[j])  # resent whole; the reader drops the duplicate entry
+            for side, exc in res.side_failed:
+                if side is not None and side not in res.failed and _retryable(exc):
+                    retry.append(idx[side])  # resent whole; the reader drops the duplicate entry
                 elif not _retryable(exc):
                     self.stats["side_rejected"] += 1
                     self._log_once(
@@ -763,14 +768,14 @@ def send_entries(
         if first is not None:
             raise first
     out = Delivery()
-    for k, ((i, is_xadd), r) in enumerate(zip(owners, results, strict=True)):
+    for k, ((at, is_xadd), r) in enumerate(zip(owners, results, strict=True)):
         if k == version_at:
             out.counter_failed = r if isinstance(r, Exception) else None
         elif isinstance(r, Exception):
-            if is_xadd:
-                out.failed[i] = r
+            if is_xadd and at is not None:  # (an XADD always has its entry's index)
+                out.failed[at] = r
             else:
-                out.side_failed.append((i, r))
+                out.side_failed.append((at, r))
     return out
 
 

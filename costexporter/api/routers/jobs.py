@@ -7,12 +7,14 @@ import json
 from decimal import Decimal
 from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import Response
 
 from costexporter.api.deps import Config, Store, Who, Win, visible_job
 from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
 from costexporter.api.schemas import (
+    ByCategory,
     Incident,
     Incidents,
     JobList,
@@ -133,7 +135,7 @@ def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -
     wasted = (m[:, 0::3][:, WASTED_IDX].sum(axis=1) / MS_PER_HOUR).tolist()
     cost = u.sum(axis=1).tolist()
     cat_h, cat_e, cat_u = (ms / MS_PER_HOUR).tolist(), (mj / MJ_PER_KWH).tolist(), u.tolist()
-    empty = (~m.any(axis=1)).tolist()
+    empty: list[bool] = np.logical_not(m.any(axis=1)).tolist()
     zero = {  # the by_category of a point without amounts: one object, encoded as often as used
         "gpu_hours": dict.fromkeys(JOB_CATS, 0.0),
         "energy_kwh": dict.fromkeys(JOB_CATS, 0.0),
@@ -218,7 +220,7 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         cost_center=meta.get("cost_center"),
         gpu_model=meta.get("gpu_model"),
         status=info["status"],
-        by_category=by_category(a),
+        by_category=ByCategory.model_validate(by_category(a)),
         gpu_hours=a.hours(JOB_CATS),
         cost=money(cost),
         wasted_gpu_hours=a.hours(WASTED),
