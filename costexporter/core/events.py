@@ -145,7 +145,11 @@ def _str(
     return v
 
 
-def _text_base(entry: dict, job: str | None, limit: float) -> tuple | None:
+# (type, job, ts, rank, session, seq): what every event has, read before its payload
+_Base = tuple[str, str, float, int, str, int]
+
+
+def _text_base(entry: Mapping[str, object], job: str | None, limit: float) -> _Base | None:
     """The base fields of an entry whose values are plain, non-empty text, all valid (a stream
     entry, nearly always), in one pass: what `_checked_base` gives them, without its calls per
     field (they count at 10,000 events a poll). None for anything else: `_checked_base` then
@@ -173,7 +177,7 @@ def _text_base(entry: dict, job: str | None, limit: float) -> tuple | None:
     return etype, ev_job, t, r, session, n
 
 
-def _checked_base(entry: dict, job: str | None, limit: float, strict_ids: bool) -> tuple:
+def _checked_base(entry: Mapping[str, object], job: str | None, limit: float, strict_ids: bool) -> _Base:
     """(type, job, ts, rank, session, seq) of any entry, checked field by field in order (the
     first fault is the one reported)."""
     etype = _str(entry, "type")

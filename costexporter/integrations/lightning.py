@@ -13,7 +13,8 @@ try:
     from lightning.pytorch import Callback
 except ImportError:  # pragma: no cover - the standalone package name
     try:
-        from pytorch_lightning import Callback
+        # The standalone package's Callback is another class of the same shape.
+        from pytorch_lightning import Callback  # type: ignore[assignment, unused-ignore]
     except ImportError as e:
         raise ImportError(
             "costexporter.integrations.lightning needs lightning: pip install 'costexporter[lightning]'"

@@ -230,7 +230,7 @@ class JobView:
                     r.ended = False
                 r.session = ev.session
             if ev.type == "step":
-                r.last_step = int(ev.get("step"))  # type: ignore[arg-type]
+                r.last_step = ev.int_field("step")
             elif ev.type == "phase":
                 name = str(ev.get("name"))
                 if ev.get("state") == "begin":
