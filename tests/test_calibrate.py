@@ -287,6 +287,17 @@ def test_one_rule_picks_a_jobs_profile(tmp_path):
     assert profiles.choose(None, gpus=[odd]).power_limit_w == 900.0  # derived from the GPU's limit
 
 
+def test_the_watcher_judges_with_the_fitted_profile_of_its_directory(tmp_path):
+    """`watch --profile DIR`: the job's meta names its GPU model, the directory's fitted profile
+    for it is the one the live signature is judged with; a model it lacks is derived."""
+    from costexporter.services.watcher import JobView, WatchConfig, _profile
+
+    profiles.save(profiles.Profile("mine", True, 80, 200, 400, gpu_model="NVIDIA H200"), tmp_path / "a.yaml")
+    cfg = WatchConfig(profile_dir=tmp_path)
+    assert _profile(JobView("j", meta={"gpu_model": "NVIDIA H200"}), cfg).name == "mine"
+    assert _profile(JobView("j", meta={"gpu_model": "NVIDIA H100 80GB HBM3"}), cfg).name == "H100"
+    assert _profile(JobView("j", meta={"gpu_model": "NVIDIA H200"}), WatchConfig()).name == "H200"
+
 def test_the_profile_directory_of_the_environment_is_read_at_the_command(tmp_path):
     """$COSTEXPORTER_PROFILE_DIR: a fitted profile there is the replay's; a directory that does
     not exist stops the command with one line (exit 2), before any booking."""

@@ -62,8 +62,10 @@ def preflight_table(job: str, passed: bool, checks, elapsed: float) -> None:
     Console().print(t)
 
 
-def demo_loop(d, plain: bool, stop, render_view, plain_line) -> None:
+def demo_loop(d, plain: bool, stop) -> None:
     """Status to stderr until the story ends: a live view on a terminal, else a line every 5 s."""
+    from costexporter.tools.demo import plain_line, render_view
+
     if plain or not sys.stderr.isatty():
         last = 0.0
         while not d.finished and not stop.wait(0.5):
@@ -79,3 +81,12 @@ def demo_loop(d, plain: bool, stop, render_view, plain_line) -> None:
         while not d.finished and not stop.wait(0.25):
             live.update(render_view(d.state()))
         live.update(render_view(d.state()))
+
+
+def demo_bill(bill: dict) -> None:
+    """The demo's closing bill as a table (`--json` prints the same dict as JSON instead)."""
+    from rich.console import Console
+
+    from costexporter.tools.demo import render_bill
+
+    Console().print(render_bill(bill))

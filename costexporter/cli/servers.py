@@ -44,22 +44,23 @@ def index_in_background(store) -> None:
 
     import redis
 
+    log = logging.getLogger("costexporter.api")
+
     def run() -> None:
         try:
             n = store.index_incidents()
         except redis.RedisError as e:
-            logging.getLogger("costexporter.api").warning("incident index migration skipped: %s", e)
+            log.warning("incident index migration skipped: %s", e)
             return
         if n:
-            log = logging.getLogger("costexporter.api")
             log.warning("indexed %d incident hashes written before the index", n)
         try:
             n = store.build_rollups()
         except redis.RedisError as e:
-            logging.getLogger("costexporter.api").warning("ledger rollups not built: %s", e)
+            log.warning("ledger rollups not built: %s", e)
             return
         if n:
-            logging.getLogger("costexporter.api").warning("built the rollups of %d older ledgers", n)
+            log.warning("built the rollups of %d older ledgers", n)
 
     threading.Thread(target=run, name="costexporter-incident-index", daemon=True).start()
 

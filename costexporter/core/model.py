@@ -164,15 +164,6 @@ class Event:
             return v
         raise TypeError(f"{self.type} event field {key!r} must be a string, got {v!r}")
 
-    def opt_float_field(self, key: str) -> float | None:
-        """An optional number field (a meta's price or threshold): None when absent."""
-        v = self.fields.get(key)
-        if v is None or type(v) is float:
-            return v
-        if isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool):
-            return float(v)
-        raise TypeError(f"{self.type} event field {key!r} must be a number, got {v!r}")
-
 
 def _as_int(ev: Event, key: str, v: object) -> int:
     """The slow path of the integer accessors: numpy integers pass, anything else is an error."""

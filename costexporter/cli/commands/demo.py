@@ -14,7 +14,7 @@ from costexporter.cli.options import (
     redis_url_option,
     require_redis,
 )
-from costexporter.cli.render import demo_loop
+from costexporter.cli.render import demo_bill, demo_loop
 from costexporter.cli.servers import api_app, serve_in_thread
 
 
@@ -60,9 +60,6 @@ def demo(
         DemoConfig,
         DemoError,
         embedded_redis,
-        plain_line,
-        render_bill,
-        render_view,
     )
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,15 +94,13 @@ def demo(
                     err=True,
                 )
                 # Status (live view or plain lines) goes to stderr: stdout carries only the bill.
-                demo_loop(d, plain, stop, render_view, plain_line)
+                demo_loop(d, plain, stop)
                 bill = d.bill()
                 with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
                     if as_json:
                         click.echo(json.dumps(bill, indent=2))
                     else:
-                        from rich.console import Console
-
-                        Console().print(render_bill(bill))
+                        demo_bill(bill)
                 if forever:
                     stop.wait()
                 elif linger:
