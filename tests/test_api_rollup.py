@@ -48,7 +48,7 @@ def write(r, prefix: str, job: str, agent: str, by_bucket: dict, version: str, v
 
     def queue(pipe) -> None:
         if voided:
-            ledger.queue_amounts(pipe, prefix, job, by_bucket, version, field_prefix="voided:")
+            ledger.queue_amounts(pipe, prefix, job, by_bucket, version, voided=True)
             rolled = {b: np.zeros_like(a) for b, a in by_bucket.items()}
             for b, a in by_bucket.items():
                 rolled[b][Category.ROLLED_BACK] = a.sum(axis=0)

@@ -136,8 +136,10 @@ def check_view(fold: TimelineFold, seen: list[Event], end_ms: int, lo: int) -> N
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(streams(), st.integers(0, 20_000), st.integers(0, 120_000))
-def test_fold_equals_rebuild(stream, ahead_ms, context_ms):
+@given(streams(), st.integers(0, 20_000), st.integers(0, 120_000), st.integers(-60_000, 30_000))
+def test_fold_equals_rebuild(stream, ahead_ms, context_ms, others_ms):
+    """`others_ms`: the other ranks' phases walked for good up to a frontier of their own, behind
+    or ahead of rank 0's (the watcher's, where a rank reports rarely)."""
     arrival, cuts = stream
     fold = TimelineFold(CFG, 1_000_000)
     seen: list[Event] = []
@@ -156,7 +158,7 @@ def test_fold_equals_rebuild(stream, ahead_ms, context_ms):
         check_view(fold, seen, end_ms, lo)
         frontier = end_ms - LAG_MS
         keep_from = frontier - context_ms
-        fold.advance(frontier, keep_from)
+        fold.advance(frontier, keep_from, others_ms=min(frontier + others_ms, end_ms))
         lo = max(lo, min(keep_from, fold.w.anchor))
         check_view(fold, seen, end_ms, lo)
 
@@ -287,6 +289,32 @@ def test_watcher_folded_poll_by_poll_judges_as_a_fresh_view(stream, ahead_ms):
         now = max(e.ts for e in arrival[:cut]) + ahead_ms / 1000
         assert decide(view, now, cfg).to_dict() == decide(fresh, now, cfg).to_dict()
     assert len(view.walk) == sum(walk_relevant(e) for e in arrival[:prev])  # no heartbeats kept
+
+
+def test_a_silent_rank_does_not_hold_rank_0s_walk_back():
+    """Rank 1 went quiet (hung, or heartbeats far apart) while rank 0 steps on: the watcher's
+    fold walks rank 0's steps for good as they settle, so each poll re-walks about a second of
+    them, not the whole two minutes of lag; rank 1's phases still wait for rank 1."""
+    from costexporter.services.watcher import JobView, WatchConfig, decide
+
+    cfg = WatchConfig(booking=CFG, heartbeat_timeout_s=600.0)
+    view = JobView("j")
+    seen = [ev("run", 1000.0, seq=0, state="start"), ev("heartbeat", 1000.0, rank=1, seq=1)]
+    seen.append(ev("phase", 1000.5, rank=1, seq=2, name="eval", state="begin"))
+    view.fold(seen)
+    for k in range(1, 300):
+        batch = [ev("step", 1000.0 + k, seq=2 + k, step=k, tokens=1)]
+        view.fold(batch)
+        seen += batch
+        fresh = JobView("j")
+        fresh.fold(seen)
+        now = 1000.0 + k + 0.5
+        assert decide(view, now, cfg).to_dict() == decide(fresh, now, cfg).to_dict()
+        f = view.timeline_fold
+        assert sum(e.rank == 0 for e in f.pending) <= 2  # rank 0's last second or so
+        if k < 25:  # rank 1's open phase waits for rank 1 (at most the watcher's 30 s of lag)
+            assert [e.rank for e in f.pending if e.rank != 0] == [1]
+    assert view.rebuilds == 0
 
 
 def test_the_rollback_floor_is_the_oldest_reachable_checkpoints_record():

@@ -23,7 +23,7 @@ import redis
 import redis.cluster
 
 from costexporter.api.windows import decompose
-from costexporter.core.buckets import RESOLUTIONS
+from costexporter.core.buckets import RESOLUTIONS, UNITS
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
 from costexporter.store import ledger, protocol
@@ -93,10 +93,10 @@ def decimal(v: object) -> Decimal | None:
 
 # Ledger field -> (unit index, category, sign): parsed once, not per field per bucket.
 _FIELDS = {
-    f"{prefix}{c}:{u}": (i, c, -1 if prefix else 1)
-    for prefix in ("", "voided:")
+    ledger.amount_field(c, u, voided=voided): (i, c, -1 if voided else 1)
+    for voided in (False, True)
     for c in CATEGORIES
-    for i, u in enumerate(("ms", "mj", "ucost"))
+    for i, u in enumerate(UNITS)
 }
 
 

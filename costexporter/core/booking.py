@@ -310,6 +310,160 @@ def dated_until(events: list[Event], end_ms: int) -> list[Event]:
     return [e for e in events if e.type == "meta" or int(e.ts * 1000) <= end_ms]
 
 
+class _ReferenceWalk:
+    """`build_timeline`'s walk over rank 0's progress points, one at a time: the reference the
+    incremental `fold._Walk` is tested equal to (kept simple rather than fast: a resume scans
+    every record)."""
+
+    def __init__(
+        self,
+        cfg: BookingConfig,
+        allowances: Allowances,
+        overhead: list[tuple[int, int]],
+        start_ms: int,
+        final: bool,
+    ) -> None:
+        self.cfg, self.allowances, self.final = cfg, allowances, final
+        self.overhead, self.ov_starts = overhead, [a for a, _ in overhead]
+        self.seg_start: list[int] = [NEG_INF]
+        self.seg_regime: list[int] = [Regime.UNASSIGNED]
+        self.seg_step: list[int] = [-1]
+        self.steps: list[StepRecord] = []
+        self.resumes: list[tuple[int, int, int]] = []
+        self.durations: deque[int] = deque(maxlen=cfg.stall_window)
+        self.startup_allow = allowances.current("startup")
+        self.floor_ms = int(cfg.stall_floor_s * 1000)
+        self.max_valid: int | None = None  # highest step number completed and not voided
+        self.anchor = start_ms
+        self.in_startup = True
+        self.startup_from = start_ms
+        self.ended = False
+
+    def emit(self, a: int, b: int, regime: int, step: int = -1) -> None:
+        if b <= a:
+            return
+        ss, sr, sp = self.seg_start, self.seg_regime, self.seg_step
+        if ss[-1] == a:  # replace an empty placeholder at the same start
+            sr[-1], sp[-1] = regime, step
+        elif sr[-1] == regime and sp[-1] == step:
+            pass  # contiguous with the same label: extend
+        else:
+            ss.append(a)
+            sr.append(regime)
+            sp.append(step)
+        ss.append(b)
+        sr.append(Regime.UNASSIGNED)
+        sp.append(-1)
+
+    def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """[a, b) into overhead pieces and the rest."""
+        overhead = self.overhead
+        i = max(bisect.bisect_right(self.ov_starts, a) - 1, 0)
+        if (
+            not self.in_startup
+            and (i >= len(overhead) or overhead[i][1] <= a)
+            and (i + 1 >= len(overhead) or overhead[i + 1][0] >= b)
+        ):
+            return [], [(a, b)]  # the common case: a plain interval between two steps
+        ov: list[tuple[int, int]] = []
+        while i < len(overhead) and overhead[i][0] < b:
+            x, y = max(overhead[i][0], a), min(overhead[i][1], b)
+            if y > x:
+                ov.append((x, y))
+            i += 1
+        if self.in_startup:
+            x, y = max(self.startup_from, a), min(self.startup_from + self.startup_allow, b)
+            if y > x:
+                ov.append((x, y))
+        ov = _merge(sorted(ov))
+        rest: list[tuple[int, int]] = []
+        cur = a
+        for x, y in ov:
+            if x > cur:
+                rest.append((cur, x))
+            cur = max(cur, y)
+        if b > cur:
+            rest.append((cur, b))
+        return ov, rest
+
+    def close_interval(self, b: int, outcome: str, step_index: int = -1) -> bool:
+        """Book [anchor, b); outcome: 'step', 'orphan' (restart), 'end' or 'tail'.
+
+        Returns whether progress had stopped (rule 4) within the interval.
+        """
+        anchor = self.anchor
+        ov, rest = self.split(anchor, b)
+        eff = sum(y - x for x, y in rest)
+        # The threshold is never below the floor: only a longer interval needs the percentile.
+        stalled = eff > self.floor_ms and eff > stall_threshold_ms(self.durations, self.cfg)
+        if not ov and outcome == "step" and not stalled:  # fast path: one step segment
+            self.emit(anchor, b, Regime.STEP, step_index)
+            if not self.in_startup:
+                self.durations.append(eff)
+            return False
+        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
+        if outcome == "step" and not stalled:
+            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
+        elif outcome in ("end", "tail") and not stalled:
+            regime = Regime.PENDING if outcome == "tail" and not self.final else Regime.OVERHEAD
+            pieces += [(x, y, regime, -1) for x, y in rest]
+        else:
+            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
+        for x, y, r, st in sorted(pieces):
+            self.emit(x, y, r, st)
+        if outcome == "step" and not stalled and not self.in_startup:
+            self.durations.append(eff)
+        return stalled
+
+    def void_above(self, k: int, at_ms: int) -> int:
+        n = 0
+        for s in self.steps:
+            if not s.voided and s.step > k:
+                s.voided = True
+                s.voided_ms = at_ms
+                n += 1
+        self.max_valid = max((s.step for s in self.steps if not s.voided), default=None)
+        return n
+
+    def point(self, ev: Event) -> None:
+        """One of rank 0's step or run events, in time order."""
+        t = int(ev.ts * 1000)
+        if t < self.anchor:
+            t = self.anchor
+        if self.ended:
+            if not (ev.type == "run" and ev.get("state") in ("start", "resume")):
+                return  # nothing books between a run's end and the next start
+            self.emit(self.anchor, t, Regime.UNASSIGNED)
+            self.anchor = t
+            self.ended = False
+            self.in_startup, self.startup_from = True, t
+            self.startup_allow = self.allowances.current("startup")
+        if ev.type == "step":
+            n = ev.int_field("step")
+            if self.max_valid is not None and n <= self.max_valid:  # implicit resume (DESIGN 5)
+                self.resumes.append((t, n - 1, self.void_above(n - 1, t)))
+            self.max_valid = n if self.max_valid is None else max(self.max_valid, n)
+            self.steps.append(StepRecord(n, t, ev.opt_int_field("tokens") or 0))
+            self.close_interval(t, "step", len(self.steps) - 1)
+            if self.in_startup:
+                self.allowances.observe("startup", t, t - self.startup_from)
+            self.in_startup = False
+        else:
+            state = ev.get("state")
+            if state in ("start", "resume"):
+                if self.anchor < t:
+                    self.close_interval(t, "orphan")
+                if state == "resume" and (k := ev.opt_int_field("step")) is not None:
+                    self.resumes.append((t, k, self.void_above(k, t)))
+                if not self.in_startup:
+                    self.in_startup, self.startup_from = True, t
+                    self.startup_allow = self.allowances.current("startup")
+            elif state == "end":
+                self.close_interval(t, "end")
+                self.ended = True
+        self.anchor = t
+
+
 def build_timeline(
     events: list[Event], cfg: BookingConfig, start_ms: int, end_ms: int, *, final: bool = True
 ) -> Timeline:
@@ -336,153 +490,18 @@ def build_timeline(
     for rank, evs in by_rank.items():
         rank_overhead[rank], _, _ = _intervals_of_phases(evs, Allowances(cfg), end_ms)
 
-    points = [e for e in events if e.rank == 0 and e.type in ("step", "run")]
-    ov_starts = [a for a, _ in overhead]
-
-    seg_start: list[int] = [NEG_INF]
-    seg_regime: list[int] = [Regime.UNASSIGNED]
-    seg_step: list[int] = [-1]
-
-    def emit(a: int, b: int, regime: int, step: int = -1) -> None:
-        if b <= a:
-            return
-        if seg_start[-1] == a:  # replace an empty placeholder at the same start
-            seg_regime[-1], seg_step[-1] = regime, step
-        elif seg_regime[-1] == regime and seg_step[-1] == step:
-            pass  # contiguous with the same label: extend
-        else:
-            seg_start.append(a)
-            seg_regime.append(regime)
-            seg_step.append(step)
-        seg_start.append(b)
-        seg_regime.append(Regime.UNASSIGNED)
-        seg_step.append(-1)
-
-    steps: list[StepRecord] = []
-    resumes: list[tuple[int, int, int]] = []
-    durations: deque[int] = deque(maxlen=cfg.stall_window)
-    startup_allow = allowances.current("startup")
-
-    floor_ms = int(cfg.stall_floor_s * 1000)
-    max_valid: int | None = None  # highest step number completed and not voided
-    anchor = start_ms
-    in_startup = True
-    startup_from = start_ms
-    ended = False
-
-    def split(a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """[a, b) into overhead pieces and the rest."""
-        i = max(bisect.bisect_right(ov_starts, a) - 1, 0)
-        if (
-            not in_startup
-            and (i >= len(overhead) or overhead[i][1] <= a)
-            and (i + 1 >= len(overhead) or overhead[i + 1][0] >= b)
-        ):
-            return [], [(a, b)]  # the common case: a plain interval between two steps
-        ov: list[tuple[int, int]] = []
-        while i < len(overhead) and overhead[i][0] < b:
-            x, y = max(overhead[i][0], a), min(overhead[i][1], b)
-            if y > x:
-                ov.append((x, y))
-            i += 1
-        if in_startup:
-            x, y = max(startup_from, a), min(startup_from + startup_allow, b)
-            if y > x:
-                ov.append((x, y))
-        ov = _merge(sorted(ov))
-        rest: list[tuple[int, int]] = []
-        cur = a
-        for x, y in ov:
-            if x > cur:
-                rest.append((cur, x))
-            cur = max(cur, y)
-        if b > cur:
-            rest.append((cur, b))
-        return ov, rest
-
-    def close_interval(b: int, outcome: str, step_index: int = -1) -> bool:
-        """Book [anchor, b); outcome: 'step', 'orphan' (restart), 'end' or 'tail'.
-
-        Returns whether progress had stopped (rule 4) within the interval.
-        """
-        ov, rest = split(anchor, b)
-        eff = sum(y - x for x, y in rest)
-        # The threshold is never below the floor: only a longer interval needs the percentile.
-        stalled = eff > floor_ms and eff > stall_threshold_ms(durations, cfg)
-        if not ov and outcome == "step" and not stalled:  # fast path: one step segment
-            emit(anchor, b, Regime.STEP, step_index)
-            if not in_startup:
-                durations.append(eff)
-            return False
-        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
-        if outcome == "step" and not stalled:
-            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
-        elif outcome in ("end", "tail") and not stalled:
-            regime = Regime.PENDING if outcome == "tail" and not final else Regime.OVERHEAD
-            pieces += [(x, y, regime, -1) for x, y in rest]
-        else:
-            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
-        for x, y, r, s in sorted(pieces):
-            emit(x, y, r, s)
-        if outcome == "step" and not stalled and not in_startup:
-            durations.append(eff)
-        return stalled
-
-    def void_above(k: int, at_ms: int) -> int:
-        nonlocal max_valid
-        n = 0
-        for s in steps:
-            if not s.voided and s.step > k:
-                s.voided = True
-                s.voided_ms = at_ms
-                n += 1
-        max_valid = max((s.step for s in steps if not s.voided), default=None)
-        return n
-
-    for ev in points:
-        t = int(ev.ts * 1000)
-        if t < anchor:
-            t = anchor
-        if ended:
-            if not (ev.type == "run" and ev.get("state") in ("start", "resume")):
-                continue  # nothing books between a run's end and the next start
-            emit(anchor, t, Regime.UNASSIGNED)
-            anchor = t
-            ended = False
-            in_startup, startup_from = True, t
-            startup_allow = allowances.current("startup")
-        if ev.type == "step":
-            n = ev.int_field("step")
-            if max_valid is not None and n <= max_valid:  # implicit resume (DESIGN section 5)
-                resumes.append((t, n - 1, void_above(n - 1, t)))
-            max_valid = n if max_valid is None else max(max_valid, n)
-            steps.append(StepRecord(n, t, ev.opt_int_field("tokens") or 0))
-            close_interval(t, "step", len(steps) - 1)
-            if in_startup:
-                allowances.observe("startup", t, t - startup_from)
-            in_startup = False
-        else:
-            state = ev.get("state")
-            if state in ("start", "resume"):
-                if anchor < t:
-                    close_interval(t, "orphan")
-                if state == "resume" and (k := ev.opt_int_field("step")) is not None:
-                    resumes.append((t, k, void_above(k, t)))
-                if not in_startup:
-                    in_startup, startup_from = True, t
-                    startup_allow = allowances.current("startup")
-            elif state == "end":
-                close_interval(t, "end")
-                ended = True
-        anchor = t
-
+    walk = _ReferenceWalk(cfg, allowances, overhead, start_ms, final)
+    for ev in events:
+        if ev.rank == 0 and ev.type in ("step", "run"):
+            walk.point(ev)
     job_end: int | None = None
-    if ended:
-        job_end = anchor
-    elif end_ms > anchor:
-        close_interval(end_ms, "tail")
+    if walk.ended:
+        job_end = walk.anchor
+    elif end_ms > walk.anchor:
+        walk.close_interval(end_ms, "tail")
     # The last placeholder segment runs to +inf, outside the job.
-    seg_start.append(POS_INF)
+    seg_start, seg_regime, seg_step = [*walk.seg_start, POS_INF], walk.seg_regime, walk.seg_step
+    steps, resumes, durations = walk.steps, walk.resumes, walk.durations
 
     bounds = np.asarray(seg_start, np.int64)
     regime = np.asarray(seg_regime, np.int8)

@@ -387,9 +387,10 @@ class _Walk:
                 self.ended = True
         self.anchor = t
 
-    def trim(self, keep_from: int) -> None:
+    def trim(self, keep_from: int, *, others_from: int | None = None) -> None:
         """Drop segments and step records wholly before `keep_from` (the last ones stay); never
-        past the last progress point, where the next interval starts."""
+        past the last progress point, where the next interval starts. Other ranks' overhead
+        intervals from `others_from` (default: `keep_from`) on stay."""
         keep_from = min(keep_from, self.anchor)
         ss = self.seg_start
         n = bisect.bisect_right(ss, keep_from) - 1  # the segment holding keep_from stays
@@ -405,7 +406,7 @@ class _Walk:
             self.step_base += k
         self.p0.trim(keep_from)
         for p in self.pr.values():
-            p.trim(keep_from)
+            p.trim(keep_from if others_from is None else min(keep_from, others_from))
 
 
 SHORT_WALK = 64  # segments: below this, `_segments` in Python beats numpy's per-call cost
@@ -454,6 +455,10 @@ class TimelineFold:
         self.cfg = cfg
         self.start_ms = start_ms
         self.frontier = NEG_INF
+        # Other ranks' phases change only their own overhead intervals, never rank 0's walk: they
+        # are walked for good up to a frontier of their own (the watcher's: where those ranks are
+        # settled), so a rank that reports rarely does not hold rank 0's walk back.
+        self.others_frontier = NEG_INF
         self.pending: list[Event] = []
         self.late = False  # an event at or before the frontier arrived: rebuild from the stream
         self.stepless_declared = False
@@ -473,7 +478,7 @@ class TimelineFold:
                 # A declared phase named like the walk's own startup allowance shares its learned
                 # durations across the whole history: not foldable, rebuilt each round.
                 self.late = True
-            if int(ev.ts * 1000) <= self.frontier:
+            if int(ev.ts * 1000) <= (self.frontier if ev.rank == 0 else self.others_frontier):
                 self.late = True
             if ev.type == "step":
                 self.rank0_step = True
@@ -481,30 +486,33 @@ class TimelineFold:
                 self.run0.append(ev)
             self.pending.append(ev)
 
-    def advance(self, frontier_ms: int, keep_from_ms: int) -> None:
-        """Walk for good the events up to `frontier_ms` (no later than any round's end to come)
-        and forget what lies wholly before `keep_from_ms`."""
-        if frontier_ms <= self.frontier:
+    def advance(self, frontier_ms: int, keep_from_ms: int, *, others_ms: int | None = None) -> None:
+        """Walk for good rank 0's events up to `frontier_ms` and the other ranks' phases up to
+        `others_ms` (default: the same; neither later than any round's end to come), and forget
+        what lies wholly before `keep_from_ms`."""
+        others_ms = frontier_ms if others_ms is None else others_ms
+        if frontier_ms <= self.frontier and others_ms <= self.others_frontier:
             return
+        frontier_ms, others_ms = max(frontier_ms, self.frontier), max(others_ms, self.others_frontier)
         self.pending.sort(key=lambda e: (e.ts, e.seq))
-        n = 0
-        while n < len(self.pending) and int(self.pending[n].ts * 1000) <= frontier_ms:
-            n += 1
         w = self.w
-        for ev in self.pending[:n]:
-            if ev.type == "phase":
+        keep: list[Event] = []
+        for ev in self.pending:
+            if int(ev.ts * 1000) > (frontier_ms if ev.rank == 0 else others_ms):
+                keep.append(ev)
+            elif ev.type == "phase":
                 w.phase(ev)
             else:
                 w.point(ev)
-        del self.pending[:n]
-        self.folded += n
-        self.frontier = frontier_ms
-        w.trim(keep_from_ms)
+        self.folded += len(self.pending) - len(keep)
+        self.pending = keep
+        self.frontier, self.others_frontier = frontier_ms, others_ms
+        w.trim(keep_from_ms, others_from=min(keep_from_ms, others_ms))
 
     def timeline(self, end_ms: int, *, final: bool = False, dated_until: bool = False) -> Timeline | None:
         """The view of `build_timeline(all events, end_ms)`; None when the fold cannot give it
         (a late event, or an end before the frontier): rebuild from the stream."""
-        if self.late or end_ms < self.frontier:
+        if self.late or end_ms < max(self.frontier, self.others_frontier):
             return None
         self.pending.sort(key=lambda e: (e.ts, e.seq))
         # `dated_until`: as build_timeline over `booking.dated_until(events, end_ms)`, what live
@@ -676,6 +684,7 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict[str, Any] | None = None)
         "cfg": cfg_fingerprint(fold.cfg),
         "start_ms": fold.start_ms,
         "frontier": fold.frontier,
+        "others_frontier": fold.others_frontier,
         "stepless": fold.stepless_declared,
         "rank0_step": fold.rank0_step,
         "folded": fold.folded,
@@ -738,6 +747,7 @@ def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, 
             raise FoldFormatError("truncated step stack")
         f = TimelineFold(cfg, int(head["start_ms"]))
         f.frontier = int(head["frontier"])
+        f.others_frontier = int(head.get("others_frontier", f.frontier))
         f.stepless_declared, f.rank0_step = bool(head["stepless"]), bool(head["rank0_step"])
         f.folded = int(head["folded"])
         f.pending = [_ev_in(e, job) for e in head["pending"]]

@@ -35,7 +35,7 @@ from costexporter.core.booking import (
 from costexporter.core.buckets import BUCKET_S, amounts
 from costexporter.core.cost import Prices
 from costexporter.core.figures import Incident, at_risk_ms, extend_incidents, extend_rolled_back, job_figures
-from costexporter.core.model import VALID_CATEGORIES, Category, Event
+from costexporter.core.model import VALID_CODES, Category, Event
 from costexporter.core.profiles import Profile
 
 
@@ -206,7 +206,7 @@ def book_window(
 
 # ---- the ledger delta of one round (pure) -----------------------------------------------------
 N_CAT = len(Category)
-VALID = sorted(int(c) for c in VALID_CATEGORIES)
+VALID = VALID_CODES
 
 
 def zeros() -> np.ndarray:

@@ -6,6 +6,7 @@ lookup tables (band x regime -> category) are ordinary 2-D arrays.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -44,6 +45,9 @@ CATEGORIES: tuple[str, ...] = tuple(c.name.lower() for c in Category)
 
 VALID_CATEGORIES = frozenset({Category.PRODUCTIVE, Category.COMMUNICATION, Category.STARVED})
 WASTED_CATEGORIES = frozenset({Category.STALLED, Category.IDLE, Category.NO_PROGRESS, Category.ROLLED_BACK})
+# Their codes in order, a list: numpy indexes with it (a tuple would index dimensions).
+VALID_CODES: list[int] = sorted(int(c) for c in VALID_CATEGORIES)
+WASTED_CODES: list[int] = sorted(int(c) for c in WASTED_CATEGORIES)
 # Categories that belong to a job's bill (everything but `unassigned`).
 JOB_CATEGORIES = tuple(c for c in Category if c is not Category.UNASSIGNED)
 
@@ -62,6 +66,29 @@ class GpuId:
     uuid: str | None = None
     name: str | None = None
     power_limit_w: float | None = None
+
+
+class GpuIndex:
+    """Which GPU a registration names: by UUID first, else by host and index. One rule for the
+    agent's discovery (its node's GPUs) and replay (a trace's)."""
+
+    def __init__(self, gpus: Iterable[GpuId]) -> None:
+        self._by_uuid: dict[str, int] = {}
+        self._by_host_index: dict[tuple[str, int], int] = {}
+        for i, g in enumerate(gpus):
+            self.add(i, g)
+
+    def add(self, i: int, gpu: GpuId) -> None:
+        """GPU number `i` is `gpu` (a later one with the same UUID or host and index wins)."""
+        if gpu.uuid:
+            self._by_uuid[gpu.uuid] = i
+        self._by_host_index[(gpu.host, gpu.index)] = i
+
+    def find(self, uuid: str | None, host: str | None, index: int | None) -> int | None:
+        g = self._by_uuid.get(uuid) if uuid else None
+        if g is None and index is not None and host is not None:
+            g = self._by_host_index.get((host, index))
+        return g
 
 
 @dataclass(slots=True)

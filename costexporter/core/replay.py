@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import profiles
+from costexporter.core import jobfacts, profiles
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
@@ -35,10 +35,12 @@ from costexporter.core.model import (
     BANDS,
     CATEGORIES,
     WASTED_CATEGORIES,
+    WASTED_CODES,
     Band,
     Category,
     Event,
     GpuId,
+    GpuIndex,
     Samples,
 )
 from costexporter.core.profiles import Profile
@@ -84,22 +86,17 @@ def register_matches(
     GPUs registered but absent from the trace are appended (they book `unobserved`).
     """
     gpus = list(samples.gpus)
-    by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
-    by_host_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
+    index = GpuIndex(gpus)
     out: dict[str, dict[int, tuple[int, int]]] = {}
     for ev in sorted((e for e in events if e.type == "register"), key=lambda e: e.ts):
         uuid = ev.opt_str_field("gpu_uuid")
         host = str(ev.get("host"))
-        index = ev.opt_int_field("gpu")
-        g = by_uuid.get(uuid) if uuid else None
-        if g is None and index is not None:
-            g = by_host_index.get((host, index))
+        number = ev.opt_int_field("gpu")
+        g = index.find(uuid, host, number)
         if g is None:
-            gpus.append(GpuId(host, index if index is not None else -1, uuid))
+            gpus.append(GpuId(host, number if number is not None else -1, uuid))
             g = len(gpus) - 1
-            if uuid:
-                by_uuid[uuid] = g
-            by_host_index[(host, gpus[g].index)] = g
+            index.add(g, gpus[g])
         ranks = out.setdefault(ev.job, {})
         if ev.rank not in ranks:  # a re-registration after a restart keeps the first start
             ranks[ev.rank] = (g, int(ev.ts * 1000))
@@ -186,12 +183,12 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
         preflight: dict[str, Any] | None = None
         for e in sorted(jev, key=lambda e: e.ts):
             if e.type == "meta":
-                meta.update({k: v for k, v in e.fields.items() if not k.startswith("_")})
+                jobfacts.merge_meta(meta, e)
             elif e.type == "preflight":
-                preflight = {"passed": e.get("passed"), "checks": e.get("checks"), "ts": e.ts}
+                preflight = jobfacts.preflight_result(e)
         member_gpus = np.asarray([g for _, g, _ in members], np.int64)
         ranks = np.asarray([r for r, _, _ in members], np.int64)
-        start_ms = min(t for _, _, t in members)
+        start_ms = jobfacts.job_start_ms(t for _, _, t in members)
         ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
         end_ms = int(max(ev_end, last_end[member_gpus].max(initial=NEG_INF), start_ms))
         timeline = build_timeline(jev, bc, start_ms, end_ms)
@@ -532,7 +529,7 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
     out: list[Report] = []
-    wasted = np.flatnonzero((p.category >= min(WASTED_CATEGORIES)) & (p.category <= max(WASTED_CATEGORIES)))
+    wasted = np.flatnonzero(np.isin(p.category, WASTED_CODES))
     by_cat = wasted[np.argsort(p.category[wasted], kind="stable")]
     cats = p.category[by_cat]
     for c in sorted(WASTED_CATEGORIES):

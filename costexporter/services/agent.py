@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import buckets, live, livestate, profiles, samplewin
+from costexporter.core import buckets, jobfacts, live, livestate, profiles, samplewin
 from costexporter.core.booking import (
     POS_INF,
     BookingConfig,
@@ -56,7 +56,7 @@ from costexporter.core.fold import (
 )
 from costexporter.core.idle import IdleLearner
 from costexporter.core.live import JobState, book_window
-from costexporter.core.model import BANDS, Category, Event
+from costexporter.core.model import BANDS, Category, Event, GpuIndex
 from costexporter.core.profiles import Profile
 from costexporter.core.samplewin import SampleWindow
 from costexporter.sources.base import GpuSource
@@ -604,9 +604,7 @@ class Agent:
         self._gpus_seen = self._gpu_ids()
         if self._unassigned_until is None:
             self._load_unassigned()
-        gpus = self.source.gpus()
-        by_uuid = {g.uuid: i for i, g in enumerate(gpus) if g.uuid}
-        by_index = {(g.host, g.index): i for i, g in enumerate(gpus)}
+        node_gpus = GpuIndex(self.source.gpus())
         fresh = False
         names = []
         for name in self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1):
@@ -629,9 +627,7 @@ class Agent:
                 except protocol.RegistrationError as e:
                     self._reject_registration(name, rank_s, raw, e.reason, str(e))
                     continue
-                g = by_uuid.get(reg.gpu_uuid) if reg.gpu_uuid else None
-                if g is None and reg.gpu is not None and reg.host is not None:
-                    g = by_index.get((reg.host, reg.gpu))
+                g = node_gpus.find(reg.gpu_uuid, reg.host, reg.gpu)
                 regs.append((reg, g))
             if job is None and all(g is None for _reg, g in regs):
                 continue  # no GPU of this node: not this agent's job
@@ -910,11 +906,9 @@ class Agent:
                 break
         for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
             if ev.type == "meta":
-                job.meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
+                jobfacts.merge_meta(job.meta, ev)
             elif ev.type == "preflight":
-                job.preflight = json.dumps(
-                    {"passed": ev.get("passed"), "checks": ev.get("checks"), "ts": ev.ts}
-                )
+                job.preflight = json.dumps(jobfacts.preflight_result(ev))
         for entry_id, reason, message in list(job.reader.rejections):
             self._log_once(
                 ("rejected", job.name, reason),
@@ -1076,11 +1070,11 @@ class Agent:
             return
         member_end = np.maximum(np.asarray([job.claim(int(r))[1] for r in own_ranks], np.int64), member_start)
         # Other hosts' ranks may have registered a little earlier; an ancient date is not trusted.
-        job_start = max(
-            min(int(reg.ts * 1000) for reg in job.ranks.values()), int(member_start.min()) - 600_000
+        job_start = jobfacts.job_start_ms(
+            (int(reg.ts * 1000) for reg in job.ranks.values()),
+            own_start_ms=int(member_start.min()),
+            stored_start_ms=job.fold_start,
         )
-        if job.fold_start is not None:  # restarted: no later than the start its stored fold had
-            job_start = min(job_start, job.fold_start)
         if job.state.booked_until == 0:
             job.state.booked_until = int(member_start.min())
         # A rank that joined after the job's watermark passed its start (its register was read a
@@ -1409,15 +1403,15 @@ class Agent:
             return BANDS[int(bands_mod.reading_bands(np.asarray([pw]), np.asarray([ut]), profile)[0])]
 
         mapping = {
-            str(r): json.dumps(
-                {
-                    "ts": t / 1000,
-                    "power_w": pw,
-                    "util_pct": ut,
-                    "band": band(r, pw, ut),
-                    "gpu": job.own.get(r),
-                    "uuid": gpus[job.own[r]].uuid if job.own.get(r, len(gpus)) < len(gpus) else None,
-                }
+            str(r): protocol.encode_live(
+                protocol.LiveEntry(
+                    t,
+                    pw,
+                    ut,
+                    band(r, pw, ut),
+                    job.own.get(r),
+                    gpus[job.own[r]].uuid if job.own.get(r, len(gpus)) < len(gpus) else None,
+                )
             )
             for r, (t, pw, ut) in last.items()
         }

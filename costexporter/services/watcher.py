@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import profiles
+from costexporter.core import jobfacts, profiles
 from costexporter.core.booking import NEG_INF, BookingConfig, Regime, Timeline, build_timeline
 from costexporter.core.events import META_THRESHOLDS
 from costexporter.core.fold import TimelineFold, walk_relevant
@@ -163,11 +163,13 @@ class JobView:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
         end_ms = max(now_ms, start_ms + 1)
         f = self.timeline_fold
-        frontier = min(end_ms, max(self.newest_ms - lag_ms, self.settled_ms()))
+        rank0_ms, others_ms = self.settled_ms()
+        frontier = min(end_ms, max(self.newest_ms - lag_ms, rank0_ms))
+        others = min(end_ms, max(self.newest_ms - lag_ms, others_ms))
 
         def view(f: TimelineFold) -> Timeline | None:
             if not f.late:  # walk for good what is settled first: the view walks only the rest
-                f.advance(frontier, frontier)
+                f.advance(frontier, frontier, others_ms=others)
             return f.timeline(end_ms)
 
         if f is not None and f.start_ms == start_ms and f.cfg == booking:
@@ -194,15 +196,21 @@ class JobView:
                 return build_timeline(walk, booking, start_ms, end_ms, final=False)
         return tl
 
-    def settled_ms(self) -> int:
-        """Up to when every rank's events are in, as far as the watcher can tell: each rank
-        sends its events in time order, so none older than its newest one (less a margin for
-        a process's threads) is to come. The fold walks for good up to here, not just up to
-        `lag_ms` behind the newest event: a poll re-walks a few seconds, not the whole lag. A
-        rank that breaks this costs a refold from the stream (counted), never a wrong view."""
-        if not self.ranks:
-            return NEG_INF
-        return int(min(r.last_seen for r in self.ranks.values()) * 1000) - SETTLED_MARGIN_MS
+    def settled_ms(self) -> tuple[int, int]:
+        """Up to when rank 0's events are in, and every other rank's, as far as the watcher can
+        tell: each rank sends its events in time order, so none older than its newest one (less
+        a margin for a process's threads) is to come. The fold walks for good up to here, not
+        just up to `lag_ms` behind the newest event: a poll re-walks a few seconds, not the whole
+        lag. Rank 0's walk waits for rank 0 alone (other ranks' phases never change it), so a
+        rank that only sends a heartbeat every few seconds, or has gone silent, does not make
+        every poll walk rank 0's last seconds again. A rank that breaks the order costs a refold
+        from the stream (counted), never a wrong view."""
+        ranks = self.ranks
+        r0 = ranks.get(0)
+        rank0 = NEG_INF if r0 is None else int(r0.last_seen * 1000) - SETTLED_MARGIN_MS
+        seen = [r.last_seen for k, r in ranks.items() if k != 0]
+        others = int(min(seen) * 1000) - SETTLED_MARGIN_MS if seen else rank0
+        return rank0, others
 
     def fold(self, events: list[Event]) -> None:
         ranks = self.ranks
@@ -248,7 +256,7 @@ class JobView:
             elif ev.type == "register":
                 self.registrations.setdefault(ev.rank, dict(ev.fields))
             elif ev.type == "meta":
-                self.meta.update(ev.fields)
+                jobfacts.merge_meta(self.meta, ev)
 
     def config(self, cfg: WatchConfig) -> WatchConfig:
         """`cfg` with the job's own thresholds from its meta (`heartbeat_timeout_s`,
@@ -296,11 +304,10 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     if view.first_ms is None:
         return status("unknown", "no events from the job yet")
     cfg = view.config(cfg)
-    start_ms = view.first_ms
-    if view.registrations:
-        start_ms = min(
-            start_ms, int(min(float(r.get("ts", 1e18)) for r in view.registrations.values()) * 1000)
-        )
+    start_ms = jobfacts.job_start_ms(
+        (int(float(r["ts"]) * 1000) for r in view.registrations.values() if "ts" in r),
+        first_event_ms=view.first_ms,
+    )
     now_ms = int(now * 1000)
     tl = view.timeline(cfg.booking, start_ms, now_ms, lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None
@@ -707,9 +714,13 @@ class Watcher:
         self.ttl = int(cfg.status_ttl_s or max(60.0, 6 * cfg.poll_s))
         self._positions: dict[str, float] = {}  # job -> when its stream position was last registered
 
-    def run(self) -> None:
+    def run(self, after_poll: Callable[[], None] | None = None) -> None:
+        """Poll every `poll_s` until stopped; `after_poll`: the process's upkeep between polls
+        (the `watch` command's `gcstate.FrozenState`)."""
         while not self._stop.is_set():
             self.poll()
+            if after_poll is not None:
+                after_poll()
             self._stop.wait(self.cfg.poll_s)
 
     def stop(self) -> None:
@@ -927,23 +938,20 @@ class Watcher:
         for h, raw in replies:
             for rank, v in raw.items():
                 try:
-                    d = json.loads(v)
-                    row = (int(rank), int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"]))
-                    band = d.get("band")
-                except (ValueError, TypeError, KeyError, AttributeError):
+                    r, e = int(rank), protocol.decode_live(v)
+                except ValueError:  # LiveEntryError too
                     self.stats["bad_live"] += 1
                     continue
-                snap.append(row)
-                if isinstance(band, str):
-                    gpu = d.get("gpu")
-                    agent_live[row[0]] = {
-                        "ts_ms": row[1],
-                        "power_w": row[2],
-                        "util_pct": row[3],
-                        "band": band,
+                snap.append((r, e.ts_ms, e.power_w, e.util_pct))
+                if e.band is not None:
+                    agent_live[r] = {
+                        "ts_ms": e.ts_ms,
+                        "power_w": e.power_w,
+                        "util_pct": e.util_pct,
+                        "band": e.band,
                         "host": h,
-                        "gpu": gpu if isinstance(gpu, int) else None,
-                        "uuid": d.get("uuid") if isinstance(d.get("uuid"), str) else None,
+                        "gpu": e.gpu,
+                        "uuid": e.uuid,
                     }
         view.agent_live = agent_live
         if snap and (not view.live or set(snap) != set(view.live[-1])):

@@ -44,7 +44,7 @@ import json
 import numpy as np
 
 from costexporter.core.buckets import RESOLUTIONS, UNITS, bucket_start
-from costexporter.core.model import CATEGORIES, VALID_CATEGORIES
+from costexporter.core.model import CATEGORIES
 from costexporter.store import keys, protocol
 from costexporter.store.keys import epoch_key as epoch_key
 from costexporter.store.keys import fold_key as fold_key
@@ -58,19 +58,26 @@ from costexporter.store.keys import rollup_state_key as rollup_state_key
 
 key = keys.job_key  # the generic builder, for scripts and tests that walk a job's keys
 UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
-VALID = sorted(int(c) for c in VALID_CATEGORIES)
 
 
-def _fields(a: np.ndarray, prefix: str = "") -> dict[str, int]:
+VOIDED = "voided:"  # the prefix of a rollback correction's field
+
+
+def amount_field(category: str, unit: str, *, voided: bool = False) -> str:
+    """The name of one amount in an amounts hash (the one spelling its writer and readers use)."""
+    return f"{VOIDED if voided else ''}{category}:{unit}"
+
+
+def _fields(a: np.ndarray, voided: bool = False) -> dict[str, int]:
     return {
-        f"{prefix}{CATEGORIES[c]}:{u}": int(a[c, j])
+        amount_field(CATEGORIES[c], u, voided=voided): int(a[c, j])
         for c in range(a.shape[0])
         for j, u in enumerate(UNITS)
         if a[c, j]
     }
 
 
-PACKED = [f"{c}:{u}" for c in CATEGORIES for u in UNITS]  # the rollup's packing order
+PACKED = [amount_field(c, u) for c in CATEGORIES for u in UNITS]  # the rollup's packing order
 EXACT_LIMIT = 2**53  # Lua numbers are doubles: integers below this are exact
 
 _LUA_PARSE = r"""
@@ -261,15 +268,15 @@ def build_rollups(client, prefix: str) -> int:
 
 
 def queue_amounts(
-    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, field_prefix: str = ""
+    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, *, voided: bool = False
 ) -> None:
     """HINCRBY every bucket, its rollups and the total, and the job's rollup (inside the caller's
-    MULTI)."""
+    MULTI); `voided`: the amounts are rollback corrections (the `voided:` fields)."""
     if by_bucket:
-        queue_rollup(pipe, prefix, job, by_bucket, version, -1 if field_prefix == "voided:" else 1)
+        queue_rollup(pipe, prefix, job, by_bucket, version, -1 if voided else 1)
     total: dict[str, int] = {}
     for start, a in by_bucket.items():
-        fields = _fields(a, field_prefix)
+        fields = _fields(a, voided)
         for res in RESOLUTIONS:
             b = bucket_start(start, res)
             k = keys.bucket_key(prefix, job, res, b)
@@ -359,7 +366,10 @@ def read_amounts(
 
 def net_ms(amounts_: dict[str, int]) -> dict[str, int]:
     """Per category GPU-milliseconds after rollback corrections."""
-    return {c: amounts_.get(f"{c}:ms", 0) - amounts_.get(f"voided:{c}:ms", 0) for c in CATEGORIES}
+    return {
+        c: amounts_.get(amount_field(c, "ms"), 0) - amounts_.get(amount_field(c, "ms", voided=True), 0)
+        for c in CATEGORIES
+    }
 
 
 def load_watermark(client, prefix: str, job: str, agent: str) -> dict | None:
@@ -409,7 +419,7 @@ def queue_delta(
     queue_amounts(pipe, prefix, job, delta.by_bucket, version)
     if delta.moved.any():
         b = {delta.correction_bucket: delta.moved}
-        queue_amounts(pipe, prefix, job, b, version, field_prefix="voided:")
+        queue_amounts(pipe, prefix, job, b, version, voided=True)
         queue_amounts(pipe, prefix, job, {delta.correction_bucket: delta.rolled}, version)
     rbidx = keys.rbidx_key(prefix, job, agent)
     if delta.index_new:

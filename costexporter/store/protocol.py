@@ -143,3 +143,56 @@ def parse_registration(rank_s: str, raw: str) -> Registration:
         str(uuid) if uuid else None,
         world,
     )
+
+
+# ---- the live hash (`<prefix>:{job}:live:<host>`): rank -> its newest sample, as its agent saw it
+
+
+class LiveEntryError(ValueError):
+    """A live hash entry that cannot be used (not JSON, a field missing or not a number)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveEntry:
+    """One rank's newest sample and the band its agent gave it. The agent writes it every
+    round; the watcher reads it to see a hang within a round (`band`: None from an agent that
+    does not band)."""
+
+    ts_ms: int
+    power_w: float
+    util_pct: float
+    band: str | None = None
+    gpu: int | None = None
+    uuid: str | None = None
+
+
+def encode_live(e: LiveEntry) -> str:
+    return json.dumps(
+        {
+            "ts": e.ts_ms / 1000,
+            "power_w": e.power_w,
+            "util_pct": e.util_pct,
+            "band": e.band,
+            "gpu": e.gpu,
+            "uuid": e.uuid,
+        }
+    )
+
+
+def decode_live(raw: str) -> LiveEntry:
+    """One entry, checked: LiveEntryError if its sample is unusable; optional fields of the
+    wrong type read as absent (one odd field must not hide the sample)."""
+    try:
+        d = json.loads(raw)
+        ts_ms, power_w, util_pct = int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"])
+    except (ValueError, TypeError, KeyError, OverflowError) as e:
+        raise LiveEntryError(f"not a live entry: {type(e).__name__}") from None
+    band, gpu, uuid = d.get("band"), d.get("gpu"), d.get("uuid")
+    return LiveEntry(
+        ts_ms,
+        power_w,
+        util_pct,
+        band if isinstance(band, str) else None,
+        gpu if isinstance(gpu, int) and not isinstance(gpu, bool) else None,
+        uuid if isinstance(uuid, str) else None,
+    )

@@ -16,6 +16,8 @@ redis-py's cluster client splits per node.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -66,9 +68,10 @@ def _cluster_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
     return urlunsplit((scheme, netloc, "", urlencode(query), "")), seeds
 
 
-def from_url(url: str, **kwargs):
+def from_url(url: str, **kwargs: Any) -> Any:
     """A redis-py client for `url`: `redis.Redis` for one Redis, a `redis.RedisCluster` (behind
-    `LazyCluster`) for a cluster URL. `kwargs` (timeouts, `retry`, `decode_responses`) go to
+    `LazyCluster`) for a cluster URL (typed Any: callers use the commands both share, which
+    redis-py types differently for the two). `kwargs` (timeouts, `retry`, `decode_responses`) go to
     either, so each caller keeps its own timeouts; `retry` of a cluster client governs its outage
     retries (it follows MOVED/ASK redirects in any case)."""
     import redis
@@ -88,7 +91,7 @@ def from_url(url: str, **kwargs):
 
     base, seeds = _cluster_parts(url)
 
-    def make():
+    def make() -> Any:
         return RedisCluster(
             url=base, startup_nodes=[ClusterNode(h, p) for h, p in seeds[1:]] or None, **kwargs
         )
@@ -96,7 +99,7 @@ def from_url(url: str, **kwargs):
     return LazyCluster(make)
 
 
-def _unreachable_class():
+def _unreachable_class() -> type[Exception]:
     import redis
     from redis.exceptions import RedisClusterException
 
@@ -114,12 +117,12 @@ class LazyCluster:
     down and every caller counts an outage as `redis.ConnectionError`, as with one Redis; this
     wrapper gives both. Every attribute is the real client's."""
 
-    def __init__(self, make) -> None:
+    def __init__(self, make: Callable[[], Any]) -> None:
         self._make = make
-        self._client = None
+        self._client: Any = None
         self._lock = threading.Lock()
 
-    def _get(self):
+    def _get(self) -> Any:
         if self._client is None:
             with self._lock:
                 if self._client is None:
@@ -127,18 +130,18 @@ class LazyCluster:
         return self._client
 
     @property
-    def cluster(self):
+    def cluster(self) -> Any:
         """The redis-py RedisCluster (connecting now if it has not yet)."""
         return self._get()
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._get(), name)
 
     def __repr__(self) -> str:
         return f"LazyCluster({self._client!r})"
 
 
-def _call(fn, *args, **kwargs):
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """fn(...), with "no node answers" raised as ClusterUnreachable (a redis.ConnectionError)."""
     from redis.exceptions import RedisClusterException
 
@@ -150,20 +153,20 @@ def _call(fn, *args, **kwargs):
         raise _UNREACHABLE(str(e)) from None
 
 
-def _guard(client):
+def _guard(client: Any) -> Any:
     """Make the client's topology refresh (run after a node fails, also inside pipelines, which
     share its nodes manager) raise ClusterUnreachable when no node answers."""
     nm = client.nodes_manager
     init = nm.initialize
 
-    def initialize(*args, **kwargs):
+    def initialize(*args: Any, **kwargs: Any) -> Any:
         return _call(init, *args, **kwargs)
 
     nm.initialize = initialize
     return client
 
 
-def is_cluster(client) -> bool:
+def is_cluster(client: Any) -> bool:
     """Whether `client` talks to a Redis Cluster."""
     if isinstance(client, LazyCluster):
         return True
@@ -172,7 +175,7 @@ def is_cluster(client) -> bool:
     return isinstance(client, (RedisCluster, ClusterPipeline))
 
 
-def script(client, text: str):
+def script(client: Any, text: str) -> Callable[..., Any]:
     """`client.register_script(text)`, usable on a cluster's pipelines too.
 
     redis-py's Script loads itself only into a single Redis's pipelines; on a cluster pipeline it
@@ -181,7 +184,7 @@ def script(client, text: str):
     if not is_cluster(client):
         return client.register_script(text)
 
-    def run(keys=(), args=(), client=client):
+    def run(keys: Iterable[str] = (), args: Iterable[Any] = (), client: Any = client) -> Any:
         keys, args = list(keys), list(args)
         # execute_command: ClusterPipeline has no eval(); the keys still pick the slot's node.
         return client.execute_command("EVAL", text, len(keys), *keys, *args)
@@ -189,7 +192,7 @@ def script(client, text: str):
     return run
 
 
-def mget(client, keys: list[str]) -> list:
+def mget(client: Any, keys: list[str]) -> list[Any]:
     """MGET of keys in any slots: one MGET on a single Redis; on a cluster, one per slot
     (redis-py's `mget_nonatomic`), as a cluster refuses a multi-key command across slots."""
     if is_cluster(client):

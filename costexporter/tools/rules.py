@@ -17,8 +17,11 @@ from typing import Any
 
 import yaml
 
-WASTED = "stalled|idle|no_progress|rolled_back"
-VALID = "productive|communication|starved"
+from costexporter.core.model import CATEGORIES, VALID_CODES, WASTED_CODES
+
+# PromQL regexes of the category label (stalled|idle|no_progress|rolled_back, productive|...).
+WASTED = "|".join(CATEGORIES[c] for c in WASTED_CODES)
+VALID = "|".join(CATEGORIES[c] for c in VALID_CODES)
 
 
 @dataclass(frozen=True)

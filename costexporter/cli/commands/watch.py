@@ -82,6 +82,7 @@ def watch(
     import signal
 
     from costexporter.core import profiles
+    from costexporter.services.gcstate import FrozenState
     from costexporter.services.watcher import WatchConfig, Watcher
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -128,7 +129,9 @@ def watch(
         click.echo(f"costexporter watch: /metrics on {listen}:{port}", err=True)
     signal.signal(signal.SIGTERM, lambda *_: watcher.stop())
     try:
-        watcher.run()
+        # This process is the watcher's alone: its long-lived state is kept out of the collector's
+        # full walks (services/gcstate.py).
+        watcher.run(after_poll=FrozenState().after_round)
     except KeyboardInterrupt:
         pass
     finally:

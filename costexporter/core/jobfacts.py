@@ -1,0 +1,56 @@
+"""What a job says about itself, read the same way by the agent, the watcher and replay: its
+start, its meta and its gate's result. Each reader folds its events as they come; the rules of
+what they mean live here, once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from costexporter.core.model import Event
+
+# A registration from another host dated more than this before the agent's own ranks started is
+# not trusted as the job's start (a skewed clock, a name reused from an old job).
+START_SKEW_GUARD_MS = 600_000
+
+
+def job_start_ms(
+    registered_ms: Iterable[int],
+    *,
+    first_event_ms: int | None = None,
+    own_start_ms: int | None = None,
+    stored_start_ms: int | None = None,
+) -> int:
+    """When the job's booking timeline starts: its earliest registration, and
+
+    * `first_event_ms`: no later than its first event (the watcher, which reads the whole
+      stream: a run start posted before the ranks registered);
+    * `own_start_ms`: no earlier than `START_SKEW_GUARD_MS` before the agent's own ranks
+      started (the agent books only its own GPUs, from their start);
+    * `stored_start_ms`: no later than where a restarted agent's stored fold started (the fold
+      stays valid; its start never moves later).
+
+    ValueError when there is nothing to date it by.
+    """
+    candidates = list(registered_ms)
+    if first_event_ms is not None:
+        candidates.append(first_event_ms)
+    if not candidates:
+        raise ValueError("a job's start needs a registration or an event")
+    start = min(candidates)
+    if own_start_ms is not None:
+        start = max(start, own_start_ms - START_SKEW_GUARD_MS)
+    if stored_start_ms is not None:
+        start = min(start, stored_start_ms)
+    return start
+
+
+def merge_meta(meta: dict[str, Any], ev: Event) -> None:
+    """A `meta` event's fields merged into the job's meta, the newest value of a key winning;
+    the reader's notes (`_unknown_fields`) are not the job's."""
+    meta.update({k: v for k, v in ev.fields.items() if not k.startswith("_")})
+
+
+def preflight_result(ev: Event) -> dict[str, Any]:
+    """A `preflight` event as the job's gate result: passed, its checks, when."""
+    return {"passed": ev.get("passed"), "checks": ev.get("checks"), "ts": ev.ts}
