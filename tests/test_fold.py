@@ -436,3 +436,16 @@ def test_a_short_walks_segments_in_python_are_numpys(segs, voided, base):
         fold.SHORT_WALK = saved
     assert py[0].tolist() == vec[0].tolist() and py[1].tolist() == vec[1].tolist()
     assert py[0].dtype == vec[0].dtype and py[1].dtype == vec[1].dtype
+
+
+def test_the_regime_at_a_time_is_that_of_the_millisecond_ending_there():
+    """`Timeline.regime_at`, what the agent and the watcher ask of a live timeline: at a step's
+    time, the interval the step closed; outside the segments, None."""
+    events = [ev("run", 1000.0, seq=0, state="start")]
+    events += [ev("step", 1000.0 + k, seq=k, step=k, tokens=1) for k in range(1, 40)]
+    tl = build_timeline(events, CFG, 1_000_000, 1_200_000, final=False)
+    assert tl.regime_at(1_001_000) == Regime.OVERHEAD  # the startup the first step closed
+    assert tl.regime_at(1_030_000) == Regime.STEP
+    assert tl.regime_at(1_030_001) == Regime.STEP
+    assert tl.regime_at(1_200_000) == Regime.STALL  # 161 s without a step, past the threshold
+    assert tl.regime_at(NEG_INF) is None

@@ -37,6 +37,9 @@ from .fake_nvml import ENV as FAKE_ENV
 from .redis_server import free_port
 from .test_agent import stop_all
 
+# Played on a clock: another test's load can delay it past its windows (the README's test command).
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parent.parent
 UUID = "GPU-fa4e0000-0000-0000-0000-000000000000"  # FileDrivenFakeNvml's first GPU
 HOST = "h200-node"

@@ -207,6 +207,12 @@ class Timeline:
     # last `rollback_checkpoints` checkpoints on the valid steps); None: any of them.
     rollback_floor: int | None = None
 
+    def regime_at(self, t_ms: int) -> int | None:
+        """The regime of the time just before `t_ms` (the millisecond that ends there): what the
+        job was doing at `t_ms` as a live reader asks it. None outside the segments."""
+        i = int(np.searchsorted(self.bounds, t_ms - 1, "right")) - 1
+        return int(self.regime[i]) if 0 <= i < self.regime.size else None
+
 
 def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
     """Maximal stretches where the job runs (regime other than UNASSIGNED): between a

@@ -1369,8 +1369,7 @@ class Agent:
         timestamp that never moves back, unlike a step number after a resume), whether the job
         is inside a declared phase or its startup within the allowance, and its budget."""
         last = tl.steps[-1].ts_ms if tl.steps else tl.start_ms
-        i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
-        in_allowance = 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.OVERHEAD
+        in_allowance = tl.regime_at(now_ms) == Regime.OVERHEAD
         budget = job.meta.get("budget")
         try:
             budget = float(budget) if budget not in (None, "") else None

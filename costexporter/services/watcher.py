@@ -335,8 +335,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
         )
 
     live = _live_bands(view, cfg)
-    i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
-    stalled = 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.STALL
+    stalled = tl.regime_at(now_ms) == Regime.STALL
     overrun = _phase_overrun(view, tl, now)
     if live is not None and live["deadlock"] is not None:
         r = live["deadlock"]
@@ -387,8 +386,7 @@ def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, d
     }
     if not dead:
         return None
-    i = int(np.searchsorted(tl.bounds, now_ms - 1, "right")) - 1
-    if 0 <= i < tl.regime.size and int(tl.regime[i]) == Regime.OVERHEAD:
+    if tl.regime_at(now_ms) == Regime.OVERHEAD:
         return None
     zero_pct = _profile(view, cfg).zero_util_pct
     zero = [r for r in sorted(dead) if dead[r]["util_pct"] <= zero_pct]
