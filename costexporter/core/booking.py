@@ -316,7 +316,33 @@ def dated_until(events: list[Event], end_ms: int) -> list[Event]:
     return [e for e in events if e.type == "meta" or int(e.ts * 1000) <= end_ms]
 
 
-class _ReferenceWalk:
+class Segments:
+    """Regime segments as three parallel lists (start, regime, step record), what a walk
+    writes: `build_timeline`'s and, incrementally, `fold._Walk`."""
+
+    seg_start: list[int]
+    seg_regime: list[int]
+    seg_step: list[int]
+
+    def emit(self, a: int, b: int, regime: int, step: int = -1) -> None:
+        """Label [a, b): a placeholder segment from b on follows, for the next label."""
+        if b <= a:
+            return
+        ss, sr, sp = self.seg_start, self.seg_regime, self.seg_step
+        if ss[-1] == a:  # replace an empty placeholder at the same start
+            sr[-1], sp[-1] = regime, step
+        elif sr[-1] == regime and sp[-1] == step:
+            pass  # contiguous with the same label: extend
+        else:
+            ss.append(a)
+            sr.append(regime)
+            sp.append(step)
+        ss.append(b)
+        sr.append(Regime.UNASSIGNED)
+        sp.append(-1)
+
+
+class _ReferenceWalk(Segments):
     """`build_timeline`'s walk over rank 0's progress points, one at a time: the reference the
     incremental `fold._Walk` is tested equal to (kept simple rather than fast: a resume scans
     every record)."""
@@ -344,22 +370,6 @@ class _ReferenceWalk:
         self.in_startup = True
         self.startup_from = start_ms
         self.ended = False
-
-    def emit(self, a: int, b: int, regime: int, step: int = -1) -> None:
-        if b <= a:
-            return
-        ss, sr, sp = self.seg_start, self.seg_regime, self.seg_step
-        if ss[-1] == a:  # replace an empty placeholder at the same start
-            sr[-1], sp[-1] = regime, step
-        elif sr[-1] == regime and sp[-1] == step:
-            pass  # contiguous with the same label: extend
-        else:
-            ss.append(a)
-            sr.append(regime)
-            sp.append(step)
-        ss.append(b)
-        sr.append(Regime.UNASSIGNED)
-        sp.append(-1)
 
     def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """[a, b) into overhead pieces and the rest."""

@@ -37,6 +37,7 @@ from costexporter.core.booking import (
     Allowances,
     BookingConfig,
     Regime,
+    Segments,
     StepRecord,
     Timeline,
     _merge,
@@ -149,7 +150,7 @@ class _Phases:
         self.overrun = [o for o in self.overrun if o[2] >= keep_from]
 
 
-class _Walk:
+class _Walk(Segments):
     """`build_timeline`'s walk over rank 0's steps and runs, one point at a time."""
 
     def __init__(self, cfg: BookingConfig, start_ms: int) -> None:
@@ -241,22 +242,6 @@ class _Walk:
             p.add(ev)
 
     # ---- the walk (as in build_timeline) ----------------------------------------------------
-    def emit(self, a: int, b: int, regime: int, step: int = -1) -> None:
-        if b <= a:
-            return
-        ss, sr, sp = self.seg_start, self.seg_regime, self.seg_step
-        if ss[-1] == a:
-            sr[-1], sp[-1] = regime, step
-        elif sr[-1] == regime and sp[-1] == step:
-            pass
-        else:
-            ss.append(a)
-            sr.append(regime)
-            sp.append(step)
-        ss.append(b)
-        sr.append(Regime.UNASSIGNED)
-        sp.append(-1)
-
     def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         overhead = self.p0.around(a, b, with_open=not self.final_phases)
         if not self.in_startup and not overhead:
