@@ -36,6 +36,7 @@ from costexporter.services.watcher import (
     notification,
 )
 from costexporter.store import ledger
+from costexporter.store.protocol import LiveEntry
 from costexporter.trainer.reporter import StepReporter
 
 from .conftest import SHARED_URL
@@ -155,15 +156,10 @@ def test_starving_names_the_straggler():
 
 def agent_band(v: JobView, ts: float, rank: int, band: str, util: float, power: float = 124.1) -> None:
     """What an agent's live hash says of a rank (its newest sample and the band it gave it)."""
-    v.agent_live[rank] = {
-        "ts_ms": int((T0 + ts) * 1000),
-        "power_w": power,
-        "util_pct": util,
-        "band": band,
-        "host": f"h{rank // 2}",
-        "gpu": rank % 2,
-        "uuid": f"GPU-{rank}",
-    }
+    v.agent_live[rank] = (
+        f"h{rank // 2}",
+        LiveEntry(int((T0 + ts) * 1000), power, util, band, gpu=rank % 2, uuid=f"GPU-{rank}"),
+    )
 
 
 def test_the_agents_spin_band_is_hung_at_once_naming_the_gpu_and_rank():
@@ -227,7 +223,7 @@ def test_the_agents_live_hash_with_junk_is_read_entry_by_entry(shared, prefix):
     shared.hset(ledger.key(prefix, "j", "live", "h0"), mapping=raw)
     w._read_live(v)
     assert sorted(v.agent_live) == [0, 5] and w.stats["bad_live"] == 3
-    assert v.agent_live[5]["gpu"] is None and v.agent_live[5]["uuid"] is None
+    assert v.agent_live[5][1].gpu is None and v.agent_live[5][1].uuid is None
     st = decide(v, T0 + 102, CFG)
     assert st.state == "hung" and st.suspect["rank"] == 0 and st.suspect["uuid"] == "GPU-0"
 

@@ -142,9 +142,9 @@ class JobView:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
     meta: dict = field(default_factory=dict)
-    # The agents' live hashes as last read: rank -> its newest sample and the band the agent
-    # gave it (ts_ms, power_w, util_pct, band, host, gpu, uuid).
-    agent_live: dict[int, dict] = field(default_factory=dict)
+    # The agents' live hashes as last read: rank -> (the agent's host, its entry: the rank's newest
+    # sample and the band the agent gave it), for the ranks an agent banded.
+    agent_live: dict[int, tuple[str, protocol.LiveEntry]] = field(default_factory=dict)
     # The booking timeline, folded once per event (`fold.TimelineFold`) instead of rebuilt from
     # every event each poll. It is folded again from every walk-relevant event (rank 0's steps
     # and runs, every rank's phases: no heartbeats) when an event arrives older than the fold,
@@ -381,37 +381,37 @@ def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, d
     stale_ms = int(cfg.heartbeat_timeout_s * 1000)
     dead = {
         r: e
-        for r, e in view.agent_live.items()
-        if e["band"] == "deadlock" and e["ts_ms"] > last_ms and now_ms - e["ts_ms"] <= stale_ms
+        for r, (_, e) in view.agent_live.items()
+        if e.band == "deadlock" and e.ts_ms > last_ms and now_ms - e.ts_ms <= stale_ms
     }
     if not dead:
         return None
     if tl.regime_at(now_ms) == Regime.OVERHEAD:
         return None
     zero_pct = _profile(view, cfg).zero_util_pct
-    zero = [r for r in sorted(dead) if dead[r]["util_pct"] <= zero_pct]
+    zero = [r for r in sorted(dead) if dead[r].util_pct <= zero_pct]
     r = zero[0] if zero else min(dead)
     e = dead[r]
     where = view.where(r)
     where = {
         "rank": r,
-        "host": where["host"] if where["host"] is not None else e.get("host"),
-        "gpu": where["gpu"] if where["gpu"] is not None else e.get("gpu"),
+        "host": where["host"] if where["host"] is not None else view.agent_live[r][0],
+        "gpu": where["gpu"] if where["gpu"] is not None else e.gpu,
     }
-    if e.get("uuid"):
-        where["uuid"] = e["uuid"]
+    if e.uuid:
+        where["uuid"] = e.uuid
     gpu = f"{where['host']} GPU {where['gpu']}"
     quiet = human(now - last_ms / 1000)
     if zero:
         reason = (
-            f"deadlock signature: rank {r} ({gpu}) at {e['util_pct']:.0f}% utilization while "
+            f"deadlock signature: rank {r} ({gpu}) at {e.util_pct:.0f}% utilization while "
             f"ranks {sorted(dead)} sit at low power, no step for {quiet}"
         )
         why = "0% utilization in the deadlock signature"
     else:
         reason = (
-            f"spin signature: rank {r} ({gpu}) at {e['util_pct']:.0f}% utilization drawing "
-            f"{e['power_w']:.0f} W, idle-level power, no step for {quiet}"
+            f"spin signature: rank {r} ({gpu}) at {e.util_pct:.0f}% utilization drawing "
+            f"{e.power_w:.0f} W, idle-level power, no step for {quiet}"
         )
         why = "spinning at ~100% utilization at idle-level power with no step"
     return reason, {**where, "why": why}
@@ -942,15 +942,7 @@ class Watcher:
                     continue
                 snap.append((r, e.ts_ms, e.power_w, e.util_pct))
                 if e.band is not None:
-                    agent_live[r] = {
-                        "ts_ms": e.ts_ms,
-                        "power_w": e.power_w,
-                        "util_pct": e.util_pct,
-                        "band": e.band,
-                        "host": h,
-                        "gpu": e.gpu,
-                        "uuid": e.uuid,
-                    }
+                    agent_live[r] = (h, e)
         view.agent_live = agent_live
         if snap and (not view.live or set(snap) != set(view.live[-1])):
             view.live.append(tuple(snap))
