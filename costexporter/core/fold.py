@@ -375,7 +375,7 @@ class _Walk(Segments):
     def trim(self, keep_from: int, *, others_from: int | None = None) -> None:
         """Drop segments and step records wholly before `keep_from` (the last ones stay); never
         past the last progress point, where the next interval starts. Other ranks' overhead
-        intervals from `others_from` (default: `keep_from`) on stay."""
+        intervals stay from the earlier of that and `others_from` (their own frontier) on."""
         keep_from = min(keep_from, self.anchor)
         ss = self.seg_start
         n = bisect.bisect_right(ss, keep_from) - 1  # the segment holding keep_from stays
@@ -492,7 +492,7 @@ class TimelineFold:
         self.folded += len(self.pending) - len(keep)
         self.pending = keep
         self.frontier, self.others_frontier = frontier_ms, others_ms
-        w.trim(keep_from_ms, others_from=min(keep_from_ms, others_ms))
+        w.trim(keep_from_ms, others_from=others_ms)
 
     def timeline(self, end_ms: int, *, final: bool = False, dated_until: bool = False) -> Timeline | None:
         """The view of `build_timeline(all events, end_ms)`; None when the fold cannot give it
