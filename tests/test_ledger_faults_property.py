@@ -183,6 +183,17 @@ def _cleanup(client, prefix: str) -> None:
 @example(
     build(1, 0, [("compute", 10, 4)], (6, 30), {"late_register": True, "register_late_s": 90, "twin": True})
 )
+# ... and with b's claim made while a's watermark, in this twin's memory, was behind the other
+# twin's: b's time started at the stale watermark of a, 1 s booked twice (by a and by b).
+@example(
+    build(
+        1,
+        0,
+        [("compute", 10, None)] * 3 + [("compute", 15, None)],
+        (5, 41),
+        {"late_register": True, "register_late_s": 90, "twin": True},
+    )
+)
 # An agent restarted after b had taken a's GPUs handed a the time b had booked (24 s twice):
 # b's stored start was not loaded yet when the restarted agent computed a's end.
 @example(build(1, 0, [("compute", 60, 4)], (5, 30), {"restart_at": 11}))

@@ -670,8 +670,14 @@ class Agent:
         until = self._unassigned_until or 0
         for j in self.jobs.values():
             if j is not new and gpu in j.own.values():
-                until = max(until, j.booked_until)
+                # The stored watermark too: a twin agent (the same agent id) may have booked
+                # that job further than this agent's memory says.
+                until = max(until, j.booked_until, self._stored_booked_until(j))
         return until
+
+    def _stored_booked_until(self, job: _Job) -> int:
+        raw = self.redis.get(watermark_key(self.cfg.prefix, job.name, self.cfg.agent_id))
+        return int(json.loads(raw).get("booked_until", 0)) if raw else 0
 
     def _handover(self) -> None:
         """A GPU registered by a later job leaves the earlier job at the later one's start (the
