@@ -236,16 +236,16 @@ def percentile(values: list[int] | deque[int], q: float) -> float:
     """`np.percentile(values, q)` (its default, linear method) to the last bit, in plain Python:
     for the few hundred values of a step window, numpy's call overhead costs several times the
     work (a watcher asks once per job per poll)."""
-    a = sorted(map(float, values))
+    a = sorted(values)  # as floats, the same order: only the values read are converted
     n = len(a)
     vi = (n - 1) * (q / 100)
     if vi >= n - 1:
-        return a[-1]
+        return float(a[-1])
     if vi < 0:
-        return a[0]
+        return float(a[0])
     lo = int(vi // 1)
     t = vi - lo
-    x, y = a[lo], a[lo + 1]
+    x, y = float(a[lo]), float(a[lo + 1])
     d = y - x
     return y - d * (1 - t) if t >= 0.5 else x + d * t
 

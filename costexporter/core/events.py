@@ -33,6 +33,9 @@ META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container"
 META_NUMBERS = ("price_per_gpu_hour", "budget", *META_THRESHOLDS)
 BASE_FIELDS = frozenset({"v", "type", "job", "ts", "rank", "session", "seq"})
 _META_TEXT_SET = frozenset(META_TEXT)
+# Per event type, the fields parse_event reads (every type but meta reads the same ones each
+# time): learned from the first event of the type, so one set difference finds unknown fields.
+_KNOWN_FIELDS: dict[str, frozenset[str]] = {}
 
 # Timestamps outside [2000-01-01, now + 1 day] are absurd: a clock gone wrong, not an event.
 MIN_TS = 946_684_800.0
@@ -252,9 +255,12 @@ def parse_event(
             raise EventError("missing_field", "preflight needs 'passed' (bool)")
         f["passed"] = passed
         f["checks"] = entry.get("checks")
-    extra = entry.keys() - BASE_FIELDS
-    if extra:
-        extra = extra - f.keys() - _META_TEXT_SET
+    known = _KNOWN_FIELDS.get(etype)
+    if known is None:
+        known = BASE_FIELDS | f.keys() | _META_TEXT_SET
+        if etype != "meta":  # a meta reads only the numbers it is given: its set varies
+            _KNOWN_FIELDS[etype] = known
+    extra = entry.keys() - known
     if extra:
         f["_unknown_fields"] = sorted(extra)
     return Event(etype, ev_job, ts, rank, session, seq, f)

@@ -144,10 +144,15 @@ class _Phases:
         return out
 
     def trim(self, keep_from: int) -> None:
-        n = bisect.bisect_left([y for _, y in self.closed], keep_from) if self.closed else 0
+        # Called for every rank each poll, and nearly always with nothing to drop: no list built
+        # for that (the intervals are merged, so their ends increase too).
+        closed, n = self.closed, 0
+        while n < len(closed) and closed[n][1] < keep_from:
+            n += 1
         if n:
-            del self.closed[:n], self.starts[:n]
-        self.overrun = [o for o in self.overrun if o[2] >= keep_from]
+            del closed[:n], self.starts[:n]
+        if self.overrun:
+            self.overrun = [o for o in self.overrun if o[2] >= keep_from]
 
 
 class _Walk(Segments):
@@ -189,13 +194,17 @@ class _Walk(Segments):
         # of that, put back by `release`.
         self._shared: int | None = None
         self._popped: list[tuple[int, int, int, int, int]] = []
+        self._own_pr: set[int] | None = None  # a view's copy: the ranks' phases it copied
 
     def clone(self) -> _Walk:
         c = _Walk.__new__(_Walk)  # copy.copy's shallow copy, without its generic protocol
         c.__dict__.update(self.__dict__)
         c.allow = self.allow.copy()
         c.p0 = self.p0.clone(c.allow)
-        c.pr = {r: p.clone(p.allow.copy()) for r, p in self.pr.items()}
+        # Other ranks' phases are shared until the copy changes them (`_rank_phases`): a view
+        # closes the open phases of a few ranks, not of every rank of a wide job.
+        c.pr = dict(self.pr)
+        c._own_pr = set()
         c.seg_start, c.seg_regime = list(self.seg_start), list(self.seg_regime)
         c.seg_step = list(self.seg_step)
         c.steps = list(self.steps)
@@ -236,14 +245,30 @@ class _Walk(Segments):
             if self.p0.last_ckpt is not None and self.p0.last_ckpt != saved:
                 self._checkpoint(self.p0.last_ckpt[0])
         else:
-            p = self.pr.get(ev.rank)
-            if p is None:
-                p = self.pr[ev.rank] = _Phases(Allowances(self.cfg))
-            p.add(ev)
+            self._rank_phases(ev.rank).add(ev)
+
+    def _rank_phases(self, rank: int) -> _Phases:
+        """Rank `rank`'s phases, to change: a view's copy copies them first."""
+        p = self.pr.get(rank)
+        if p is None:
+            p = self.pr[rank] = _Phases(Allowances(self.cfg))
+        elif self._own_pr is not None and rank not in self._own_pr:
+            p = self.pr[rank] = p.clone(p.allow.copy())
+            self._own_pr.add(rank)
+        return p
+
+    def close_open(self, end_ms: int) -> None:
+        """Close every open phase at `end_ms` (a view's end), as if each ended there."""
+        self.p0.close_open(end_ms)
+        for r in [r for r, p in self.pr.items() if p.open]:
+            self._rank_phases(r).close_open(end_ms)
 
     # ---- the walk (as in build_timeline) ----------------------------------------------------
     def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        overhead = self.p0.around(a, b, with_open=not self.final_phases)
+        p0 = self.p0
+        if not self.in_startup and not p0.open and (not p0.closed or p0.closed[-1][1] <= a):
+            return [], [(a, b)]  # most steps: no phase meets them (the closed ones end in order)
+        overhead = p0.around(a, b, with_open=not self.final_phases)
         if not self.in_startup and not overhead:
             return [], [(a, b)]
         ov: list[tuple[int, int]] = []
@@ -394,7 +419,17 @@ class _Walk(Segments):
             p.trim(keep_from if others_from is None else min(keep_from, others_from))
 
 
+_PENDING = int(Regime.PENDING)  # numpy compares an array with an int, not an IntEnum, at once
 SHORT_WALK = 64  # segments: below this, `_segments` in Python beats numpy's per-call cost
+
+
+def _first_pending(regime: np.ndarray) -> int | None:
+    """The first PENDING segment's index, if any (a watcher's few segments: in Python)."""
+    if regime.size < SHORT_WALK:
+        r = regime.tolist()
+        return r.index(_PENDING) if _PENDING in r else None
+    found = np.flatnonzero(regime == _PENDING)
+    return int(found[0]) if found.size else None
 
 
 def _segments(w: _Walk) -> tuple[np.ndarray, np.ndarray]:
@@ -521,9 +556,7 @@ class TimelineFold:
         for ev in pending:
             if ev.type == "phase":
                 w.phase(ev)
-        w.p0.close_open(end_ms)
-        for p in w.pr.values():
-            p.close_open(end_ms)
+        w.close_open(end_ms)
         w.final_phases = True
         for ev in pending:
             if ev.type != "phase":
@@ -534,9 +567,9 @@ class TimelineFold:
         elif end_ms > w.anchor:
             w.close_interval(end_ms, "tail", final=final)
         bounds, regime = _segments(w)
-        undecided = np.flatnonzero(regime == Regime.PENDING)
+        undecided = _first_pending(regime)
         decided_until = (
-            int(bounds[undecided[0]]) if undecided.size else (job_end if job_end is not None else end_ms)
+            int(bounds[undecided]) if undecided is not None else (job_end if job_end is not None else end_ms)
         )
         last_ckpt = w.p0.last_ckpt
         return Timeline(

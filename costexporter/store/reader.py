@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 from dataclasses import dataclass, field
 
 from costexporter.core.events import EventError, UnknownEventType, parse_event
@@ -25,6 +26,9 @@ class _Seen:
     gaps: set[int] = field(default_factory=set)
 
     def first_time(self, seq: int) -> bool:
+        if seq == self.high + 1:  # the next one, as nearly always: no gap to remember
+            self.high = seq
+            return True
         if seq > self.high:
             if seq - self.high - 1 <= MAX_GAP:
                 self.gaps.update(range(self.high + 1, seq))
@@ -87,9 +91,10 @@ class EventReader:
         out: list[Event] = []
         offsets: dict[int, float] = {}
         self.last_read = len(entries)
+        now = time.time()  # the clock the timestamps are checked against, read once a batch
         for entry_id, raw in entries:
             self.cursor = eid = entry_id if type(entry_id) is str else _text(entry_id)
-            ev = self._accept(_fields(raw), eid)
+            ev = self._accept(_fields(raw), eid, now)
             if ev is not None:
                 out.append(ev)
                 d = ev.ts - int(eid.partition("-")[0]) / 1000
@@ -148,9 +153,9 @@ class EventReader:
         int(a), int(b or 0)
         self.cursor, self._seen = cursor, seen
 
-    def _accept(self, fields: dict[str, str], entry_id: str) -> Event | None:
+    def _accept(self, fields: dict[str, str], entry_id: str, now: float | None = None) -> Event | None:
         try:
-            ev = parse_event(fields, job=self.job, strict_ids=True)
+            ev = parse_event(fields, job=self.job, now=now, strict_ids=True)
         except UnknownEventType:
             self.stats["unknown_type"] += 1
             return None
