@@ -6,7 +6,8 @@ its targets.
 * agent: round CPU and RSS against a job's history, and restart catch-up (bench/scale_agent.py).
 * wide: round CPU, RSS and Redis commands/CPU per round of an agent owning 8 GPUs of a job
   64, 512 and 4,096 GPUs wide, its peers publishing sample streams (bench/scale_wide.py).
-* watcher: poll time at 1,000 jobs x 1k steps and 1 job x 100k steps (bench/scale_agent.py).
+* watcher: poll time at 1,000 jobs x 1k steps (one watcher, and two sharing the jobs) and 1 job x
+  100k steps (bench/scale_agent.py).
 * api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py).
 """
 
@@ -26,7 +27,11 @@ def main() -> None:
     ap.add_argument("--part", action="append", choices=PARTS, help="run only these parts (default: all)")
     ap.add_argument("--steps", default="1000,100000,300000", help="agent: history sizes (steps)")
     ap.add_argument("--widths", default="64,512,4096", help="wide: job widths (GPUs)")
-    ap.add_argument("--watcher", default="1000x1000,1x100000", help="watcher: JOBSxSTEPS shapes")
+    ap.add_argument(
+        "--watcher",
+        default="1000x1000,1000x1000/2,1x100000",
+        help="watcher: JOBSxSTEPS[/SHARDS] shapes (/2: two watchers, each polling half the jobs)",
+    )
     ap.add_argument("--jobs", default="1000,10000", help="api: job counts to seed (comma-separated)")
     a = ap.parse_args()
     parts = a.part or list(PARTS)
@@ -45,8 +50,7 @@ def main() -> None:
         import scale_agent
 
         print("== watcher ==")
-        shapes = [tuple(map(int, x.split("x"))) for x in a.watcher.split(",")]
-        scale_agent.report_watcher(scale_agent.measure_watcher(shapes))
+        scale_agent.report_watcher(scale_agent.measure_watcher(scale_agent.parse_shapes(a.watcher)))
     if "api" in parts:
         import scale_api
 

@@ -366,11 +366,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", default="1000,100000,300000", help="history sizes (steps), comma-separated")
     ap.add_argument(
-        "--watcher", default="1000x1000,1x100000", help="watcher shapes: JOBSxSTEPS, comma-separated"
+        "--watcher",
+        default="1000x1000,1000x1000/2,1x100000",
+        help="watcher shapes: JOBSxSTEPS[/SHARDS], comma-separated",
     )
     a = ap.parse_args()
     report(measure([int(x) for x in a.steps.split(",")]))
-    report_watcher(measure_watcher([tuple(map(int, x.split("x"))) for x in a.watcher.split(",")]))
+    report_watcher(measure_watcher(parse_shapes(a.watcher)))
 
 
 if __name__ == "__main__":
@@ -378,50 +380,90 @@ if __name__ == "__main__":
 
 
 # ---- the watcher ---------------------------------------------------------------------------------
-def _watch_one(jobs: int, steps: int, url: str, out, seqs0: dict[int, int]) -> None:
-    """In a fresh process: a watcher's first poll (it reads every job's history), then steady
-    polls with a few new steps per job between them (numbered on from the history's, so the
-    watcher reads them as new rather than as duplicates)."""
-    import redis
-
+def _watch_shard(shard: tuple[int, int], url: str, cmds, out) -> None:
+    """In a fresh process: a watcher of one shard of the jobs ((0, 1): every job) polling when
+    told to (at the clock time given), replying each poll's time. The first poll reads every
+    job's history; between polls it does what the watch command's loop does (untimed, as there)."""
     from costexporter.services.gcstate import FrozenState
     from costexporter.services.watcher import WatchConfig, Watcher
 
-    client = redis.Redis.from_url(url, decode_responses=True)
-    names = [f"w{i}" for i in range(jobs)]
-    seqs = {n: dict(seqs0) for n in names}
-    clock = [T0 + steps + 1]
-    w = Watcher(WatchConfig(redis_url=url, prefix=PREFIX, clock=lambda: clock[0], forget_after_s=1e9))
-    upkeep = FrozenState()  # between polls, as the watch command's loop does (untimed, as there)
-    t = time.perf_counter()
-    w.poll()
-    first = time.perf_counter() - t
-    upkeep.after_round()
-    polls = []
-    for k in range(10):
-        clock[0] += 5
-        a = steps + 5 * k + 1
-        pipe = client.pipeline(transaction=False)
-        for n in names:
-            for e in _entries(n, a, a + 4, seqs[n]):
-                pipe.xadd(f"{PREFIX}:{{{n}}}:events", e)
-        pipe.execute()
+    clock = [0.0]
+    w = Watcher(
+        WatchConfig(
+            redis_url=url,
+            prefix=PREFIX,
+            clock=lambda: clock[0],
+            forget_after_s=1e9,
+            shard=None if shard[1] == 1 else shard,
+        )
+    )
+    upkeep = FrozenState()
+    while (now := cmds.get()) is not None:
+        clock[0] = now
         t = time.perf_counter()
         st = w.poll()
-        polls.append(time.perf_counter() - t)
+        took = time.perf_counter() - t
         upkeep.after_round()
-    states = sorted({s.state for s in st.values()})
-    out.put(
-        {
+        out.put((took, len(st), sorted({s.state for s in st.values()}), _rss_mb()))
+
+
+def _watch(jobs: int, steps: int, shards: int) -> dict:
+    """Poll times of `shards` watcher processes sharing `jobs` jobs of `steps` steps each, all
+    polling at once after the same new events: ten 5-s polls, 5 new steps a job each (numbered
+    on from the history's, so they are read as new rather than as duplicates)."""
+    import redis
+
+    proc, url, d = _redis()
+    ctx = multiprocessing.get_context("spawn")
+    kids = []
+    try:
+        seqs0 = _post_jobs(jobs, steps, url)
+        client = redis.Redis.from_url(url, decode_responses=True)
+        names = [f"w{i}" for i in range(jobs)]
+        seqs = {n: dict(seqs0) for n in names}
+        for i in range(shards):
+            cmds, out = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=_watch_shard, args=((i, shards), url, cmds, out))
+            p.start()
+            kids.append((p, cmds, out))
+
+        def poll(now: float) -> list[tuple]:
+            for _, cmds, _ in kids:
+                cmds.put(now)
+            return [out.get(timeout=1800) for _, _, out in kids]
+
+        clock = T0 + steps + 1
+        first = poll(clock)
+        polls = []
+        for k in range(10):
+            clock += 5
+            a = steps + 5 * k + 1
+            pipe = client.pipeline(transaction=False)
+            for n in names:
+                for e in _entries(n, a, a + 4, seqs[n]):
+                    pipe.xadd(f"{PREFIX}:{{{n}}}:events", e)
+            pipe.execute()
+            polls.append(poll(clock))
+        for _, cmds, _ in kids:
+            cmds.put(None)
+        per_poll = [max(r[0] for r in got) for got in polls]  # the slowest shard's poll
+        return {
             "jobs": jobs,
             "steps": steps,
-            "first_s": first,
-            "poll_ms": statistics.median(polls) * 1000,
-            "max_ms": max(polls) * 1000,  # the polls that also bring every rank's heartbeats
-            "rss_mb": _rss_mb(),
-            "states": states,
+            "shards": shards,
+            "first_s": max(r[0] for r in first),
+            "poll_ms": statistics.median(per_poll) * 1000,
+            "max_ms": max(per_poll) * 1000,  # the polls that also bring every rank's heartbeats
+            "rss_mb": max(r[3] for r in polls[-1]),
+            "per_shard": [r[1] for r in polls[-1]],
+            "states": sorted({s for r in polls[-1] for s in r[2]}),
         }
-    )
+    finally:
+        for p, _, _ in kids:
+            p.join(60)
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _post_jobs(jobs: int, steps: int, url: str) -> dict[int, int]:
@@ -443,30 +485,39 @@ def _post_jobs(jobs: int, steps: int, url: str) -> dict[int, int]:
     return seqs
 
 
-def measure_watcher(shapes: list[tuple[int, int]]) -> list[dict]:
-    """Watcher poll time per (jobs, steps per job), each in a fresh process and Redis."""
-    return in_fresh_processes(
-        shapes,
-        lambda shape, url: _post_jobs(*shape, url),
-        _watch_one,
-        lambda shape, url, seqs, q: (*shape, url, q, seqs),
-    )
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'1000x1000,1000x1000/2' -> [(jobs, steps per job, watcher shards)]."""
+    out = []
+    for x in text.split(","):
+        shape, _, shards = x.partition("/")
+        jobs, steps = map(int, shape.split("x"))
+        out.append((jobs, steps, int(shards or 1)))
+    return out
+
+
+def measure_watcher(shapes: list[tuple[int, int, int]]) -> list[dict]:
+    """Watcher poll time per (jobs, steps per job, shards), each on a private Redis."""
+    return [_watch(*shape) for shape in shapes]
 
 
 WATCHER_TARGET_MS = {(1000, 1000): 200, (1, 100_000): 20}  # issue 16, per (jobs, steps per job)
 
 
 def report_watcher(res: list[dict]) -> None:
-    print("watcher poll (target: 1,000 jobs x 1k steps <= 200 ms; 1 job x 100k steps <= 20 ms)")
+    print(
+        "watcher poll (target: 1,000 jobs x 1k steps <= 200 ms; 1 job x 100k steps <= 20 ms; "
+        "with shards: the slowest shard's poll, all polling at once)"
+    )
     head = (
-        f"{'jobs':>6} {'steps/job':>10} {'poll ms':>8} {'target':>14} {'max ms':>7} "
+        f"{'jobs':>6} {'steps/job':>10} {'shards':>6} {'poll ms':>8} {'target':>14} {'max ms':>7} "
         f"{'first poll s':>13} {'RSS MB':>7}"
     )
-    print(f"  {head}  states")
+    print(f"  {head}  jobs per shard, states")
     for r in res:
         target = WATCHER_TARGET_MS.get((r["jobs"], r["steps"]))
         verdict = "" if target is None else f"<= {target}" + ("" if r["poll_ms"] <= target else " MISSED")
         print(
-            f"  {r['jobs']:>6} {r['steps']:>10} {r['poll_ms']:>8.1f} {verdict:>14} {r['max_ms']:>7.1f} "
-            f"{r['first_s']:>13.2f} {r['rss_mb']:>7.0f}  {','.join(r['states'])}"
+            f"  {r['jobs']:>6} {r['steps']:>10} {r['shards']:>6} {r['poll_ms']:>8.1f} {verdict:>14} "
+            f"{r['max_ms']:>7.1f} {r['first_s']:>13.2f} {r['rss_mb']:>7.0f}  "
+            f"{'+'.join(map(str, r['per_shard']))}, {','.join(r['states'])}"
         )

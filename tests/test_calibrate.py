@@ -298,6 +298,7 @@ def test_the_watcher_judges_with_the_fitted_profile_of_its_directory(tmp_path):
     assert _profile(JobView("j", meta={"gpu_model": "NVIDIA H100 80GB HBM3"}), cfg).name == "H100"
     assert _profile(JobView("j", meta={"gpu_model": "NVIDIA H200"}), WatchConfig()).name == "H200"
 
+
 def test_the_profile_directory_of_the_environment_is_read_at_the_command(tmp_path):
     """$COSTEXPORTER_PROFILE_DIR: a fitted profile there is the replay's; a directory that does
     not exist stops the command with one line (exit 2), before any booking."""
@@ -319,7 +320,11 @@ def test_the_profile_directory_of_the_environment_is_read_at_the_command(tmp_pat
         args = ["replay", "--samples", f"{csv.stem}={csv}", "--format", "json"]
         return subprocess.run(
             [sys.executable, "-m", "costexporter.cli", *args],
-            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=120,
         )
 
     ok = replay(tmp_path / "profiles")

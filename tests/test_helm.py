@@ -40,6 +40,7 @@ VALUE_SETS = {
         "serviceMonitor": {"enabled": False},
         "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         "prices": {"currency": "EUR", "pricePerGpuHour": 2.9, "pricePerKwh": 0.21, "pue": 1.3},
+        "watcher": {"shards": 3},
     },
     "open-api+redis-url+no-watcher": {
         "api": {"allowOpen": True, "service": {"type": "LoadBalancer"}},
@@ -181,6 +182,35 @@ def test_rendered_workloads_carry_what_the_values_say():
     assert mount["mountPath"] == "/etc/costexporter/tokens"
 
 
+def test_watcher_shards_are_one_deployment_each_behind_one_service():
+    one = [d for d in _by_kind(_render(TOKENS))["Deployment"] if "-watcher" in d["metadata"]["name"]]
+    assert [d["metadata"]["name"] for d in one] == ["ce-costexporter-watcher"]  # the name users have
+    args = one[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--shard") for a in args)
+    k = _by_kind(_render(VALUE_SETS["dcgm+podmonitor+external-redis"]))
+    shards = sorted(
+        (d for d in k["Deployment"] if "-watcher" in d["metadata"]["name"]),
+        key=lambda d: d["metadata"]["name"],
+    )
+    assert [d["metadata"]["name"] for d in shards] == [f"ce-costexporter-watcher-{i}" for i in range(3)]
+    selectors = []
+    for i, d in enumerate(shards):
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert [a for a in args if a.startswith("--shard")] == [f"--shard={i}/3"]
+        sel = d["spec"]["selector"]["matchLabels"]
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert sel.items() <= labels.items()  # each Deployment owns its pods
+        selectors.append(sel)
+    # No Deployment's selector matches another shard's pods.
+    for i, sel in enumerate(selectors):
+        for j, d in enumerate(shards):
+            pod = d["spec"]["template"]["metadata"]["labels"]
+            assert (sel.items() <= pod.items()) == (i == j)
+    (svc,) = [s for s in k["Service"] if s["metadata"]["name"].endswith("-watcher")]
+    for d in shards:  # the one Service (and so the monitors) covers every shard
+        assert svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
     k = _by_kind(_render(TOKENS))
     (sts,) = k["StatefulSet"]
@@ -211,6 +241,7 @@ def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
         ({"api": {"tokens": [{**TOKEN, "teams": [""]}]}}, "/api/tokens/0/teams"),
         ({"api": {"tokens": [{**TOKEN, "teams": ["llm", "*"]}]}}, "/api/tokens/0/teams"),
         ({**TOKENS, "prices": {"currency": "usd"}}, "/prices/currency"),
+        ({**TOKENS, "watcher": {"shards": 0}}, "/watcher/shards"),
     ],
 )
 def test_chart_fails_closed_with_a_one_line_reason(values, message):

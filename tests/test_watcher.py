@@ -99,6 +99,16 @@ def test_crashed_when_heartbeats_are_gone_and_names_the_rank():
     assert st.state == "crashed" and "every rank" in st.reason
 
 
+def test_a_rank_registered_but_not_yet_heard_from_is_not_crashed():
+    """The ranks hash is read after the poll's events: it can hold a rank whose register event
+    the poll did not bring. Its silence counts from its registration, not from 1970."""
+    v = view([*registered(3), *steps(1, 20, ranks=(0, 1, 2)), *beats(100, ranks=(0, 1, 2))])
+    v.registrations[3] = {"ts": T0 + 95, "host": "h1", "gpu": 1}
+    assert decide(v, T0 + 102, CFG).state == "running"
+    st = decide(v, T0 + 158, CFG)  # still nothing from it 63 s after it registered: crashed
+    assert st.state == "crashed" and "1 of 4 ranks for 63s" in st.reason
+
+
 def test_hung_past_the_stall_threshold_names_the_diverging_rank():
     # 5 s steps: threshold max(5 x 5 s, 60 s) = 60 s. Rank 3 alone entered the checkpoint.
     evs = [*registered(), *steps(1, 20), *beats(400), ev("phase", 101, 3, name="checkpoint", state="begin")]

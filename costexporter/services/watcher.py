@@ -36,12 +36,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, profiles
@@ -86,6 +88,9 @@ class WatchConfig:
     status_ttl_s: float | None = None  # default max(60 s, 6 polls)
     forget_after_s: float = 86_400.0  # jobs not seen for this long are no longer watched
     jobs: tuple[str, ...] = ()  # watch only these (default: every job in `<p>:jobs`)
+    # (index, count): watch only the jobs of shard `index` of `count` (`in_shard`), so that
+    # `count` watchers share a fleet, each polling its part. None: every job.
+    shard: tuple[int, int] | None = None
     webhook_url: str | None = None
     webhook_retries: int = 5
     webhook_timeout_s: float = 5.0
@@ -212,6 +217,14 @@ class JobView:
         others = int(min(seen) * 1000) - SETTLED_MARGIN_MS if seen else rank0
         return rank0, others
 
+    def last_heard(self, rank: int) -> float:
+        """When the rank last showed life: its newest event, or its registration if later. The
+        ranks hash is read after the events, so it can name a rank whose register event the
+        same poll did not bring: silent since 1970 it is not."""
+        seen = self.ranks.get(rank, _NO_EVENTS).last_seen
+        ts = self.registrations.get(rank, {}).get("ts")
+        return max(seen, ts) if type(ts) is float else seen
+
     def fold(self, events: list[Event]) -> None:
         ranks = self.ranks
         for ev in events:
@@ -283,6 +296,25 @@ class JobView:
         return {"rank": rank, "host": reg.get("host"), "gpu": reg.get("gpu")}
 
 
+def in_shard(job: str, shard: tuple[int, int]) -> bool:
+    """Whether `job` belongs to shard (index, count): by CRC-32 of its name, the same in every
+    process and release (Python's own string hash changes with each process)."""
+    index, count = shard
+    return zlib.crc32(job.encode("utf-8", "surrogatepass")) % count == index
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N), 0 <= I < N (ValueError with a one-line reason otherwise)."""
+    index, sep, count = text.strip().partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        raise ValueError(f"expected INDEX/COUNT such as 0/2, got {text!r}") from None
+    if not sep or n < 1 or not 0 <= i < n:
+        raise ValueError(f"expected INDEX/COUNT with 0 <= INDEX < COUNT, got {text!r}")
+    return i, n
+
+
 def human(seconds: float) -> str:
     """A duration for people: 45s, 12m30s, 4h17m."""
     s = max(round(seconds), 0)
@@ -323,10 +355,10 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     # Crashed: a rank that has not ended went silent.
     members = sorted(set(view.registrations) | set(view.ranks))
     running = [r for r in members if not view.ranks.get(r, _NO_EVENTS).ended]
-    silent = [r for r in running if now - view.ranks.get(r, _NO_EVENTS).last_seen > cfg.heartbeat_timeout_s]
+    silent = [r for r in running if now - view.last_heard(r) > cfg.heartbeat_timeout_s]
     if running and silent:
         who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
-        quiet = now - max(view.ranks.get(r, _NO_EVENTS).last_seen for r in silent)
+        quiet = now - max(view.last_heard(r) for r in silent)
         return status(
             "crashed",
             f"no heartbeat from {who} for {human(quiet)} and no run end",
@@ -431,7 +463,7 @@ def _first_silent(view: JobView, running: list[int], silent: list[int], interval
     """The rank whose silence started measurably first (more than two heartbeat intervals
     before any other rank's), else none: when torchrun's survivors are SIGTERMed within
     milliseconds of a kill -9, the first to stop cannot be told from its heartbeats."""
-    seen = sorted((view.ranks.get(r, _NO_EVENTS).last_seen, r) for r in running)
+    seen = sorted((view.last_heard(r), r) for r in running)
     first_ts, first = seen[0]
     if first in silent and (len(seen) == 1 or seen[1][0] - first_ts > 2 * interval_s):
         return {**view.where(first), "why": "heartbeats gone first"}
@@ -676,6 +708,8 @@ class Watcher:
     def __init__(self, cfg: WatchConfig) -> None:
         import redis
 
+        if cfg.shard is not None:
+            parse_shard("/".join(map(str, cfg.shard)))  # fails closed: a shard that owns no job
         self.cfg = cfg
         self.redis = protocol.connect(cfg.redis_url)
         self._errors = (redis.RedisError, OSError)
@@ -755,6 +789,8 @@ class Watcher:
         jobs = list(cfg.jobs) or self.redis.zrangebyscore(
             protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
         )
+        if cfg.shard is not None:
+            jobs = [j for j in jobs if in_shard(j, cfg.shard)]
         decided: dict[str, Status] = {}
         for i in range(0, len(jobs), JOBS_PER_READ):
             # One XREAD for the next jobs' events (bounded memory), one round trip for their
@@ -794,8 +830,8 @@ class Watcher:
                     self._ended.pop(job, None)
         pipe = self.redis.pipeline(transaction=False)
         for job, st in decided.items():
-            # vars(): what asdict() gives, without its deep copy (the same JSON, a 10th of the time)
-            pipe.set(status_key(cfg.prefix, job), json.dumps(vars(st)), ex=self.ttl)
+            # vars(): what asdict() gives, without its deep copy; orjson: a 10th of json's time
+            pipe.set(status_key(cfg.prefix, job), orjson.dumps(vars(st)), ex=self.ttl)
         pipe.execute()
         return decided
 

@@ -19,10 +19,30 @@ from costexporter.cli.options import (
 )
 
 
+def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    from costexporter.services.watcher import parse_shard
+
+    if value is None:
+        return None
+    try:
+        return parse_shard(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.command()
 @redis_url_option()
 @prefix_option
 @click.option("--job", "jobs", multiple=True, help="Watch only this job (repeatable) [default: every job].")
+@click.option(
+    "--shard",
+    envvar="COSTEXPORTER_WATCH_SHARD",
+    default=None,
+    callback=_shard,
+    metavar="INDEX/COUNT",
+    help="Watch only shard INDEX of COUNT (0/2 and 1/2: two watchers share the jobs, each job in "
+    "exactly one, by a hash of its name) [default: every job].",
+)
 @click.option("--poll", type=click.FloatRange(min=0.05), default=5.0, help="Seconds between polls.")
 @click.option(
     "--heartbeat-timeout",
@@ -61,6 +81,7 @@ def watch(
     redis_url,
     prefix,
     jobs,
+    shard,
     poll,
     heartbeat_timeout,
     status_ttl,
@@ -100,6 +121,7 @@ def watch(
         heartbeat_timeout_s=heartbeat_timeout,
         status_ttl_s=status_ttl,
         jobs=tuple(jobs),
+        shard=shard,
         webhook_url=webhook_url,
         webhook_retries=webhook_retries,
         alertmanager_url=alertmanager_url,
@@ -112,6 +134,8 @@ def watch(
 
         cfg.clock = published_clock(redis_url, prefix)
     watcher = Watcher(cfg)
+    if shard is not None:
+        click.echo(f"costexporter watch: shard {shard[0]}/{shard[1]} of the jobs", err=True)
     if once:
         decided = watcher.poll()
         watcher.stop()
