@@ -94,26 +94,15 @@ def _post_jobs(shared, prefix: str, now: float) -> dict[str, str]:
     return want
 
 
-def _watch_once(prefix: str, *extra: str) -> dict[str, dict]:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "costexporter.cli",
-            "watch",
-            "--redis-url",
-            SHARED_URL,
-            "--prefix",
-            prefix,
-            "--once",
-            "--port",
-            "0",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def _watch(prefix: str, *extra: str) -> subprocess.CompletedProcess:
+    cmd = ["watch", "--redis-url", SHARED_URL, "--prefix", prefix, "--once", "--port", "0", *extra]
+    return subprocess.run(
+        [sys.executable, "-m", "costexporter.cli", *cmd], capture_output=True, text=True, timeout=120
     )
+
+
+def _watch_once(prefix: str, *extra: str) -> dict[str, dict]:
+    r = _watch(prefix, *extra)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -135,24 +124,7 @@ def test_two_sharded_watcher_processes_judge_each_job_once_as_one_watcher_does(p
 
 
 def test_the_cli_refuses_an_unusable_shard_in_one_line(prefix):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "costexporter.cli",
-            "watch",
-            "--redis-url",
-            SHARED_URL,
-            "--prefix",
-            prefix,
-            "--once",
-            "--shard",
-            "2/2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _watch(prefix, "--shard", "2/2")
     assert r.returncode == 2
     assert "--shard" in r.stderr and "0 <= INDEX < COUNT" in r.stderr
     assert "Traceback" not in r.stderr
