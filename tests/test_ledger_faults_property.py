@@ -11,6 +11,7 @@ one example takes a fraction of a second; tests/faults/ has the real-process cas
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 
@@ -52,7 +53,17 @@ def build(n: int, seed: int, stretches: list, crash: tuple | None, faults: dict)
     else:
         a.run("end")
     a.stretch("idle", HOLD_S + 3 * ROUND_S)
-    return a, jobs, {**NO_FAULTS, **faults}
+    faults = {**NO_FAULTS, **faults}
+    if faults["early_rank_s"] and n > 1:  # the last rank registered first (its clock, its start)
+        last = n - 1
+        for b in jobs:
+            b.events = [
+                dataclasses.replace(e, ts=e.ts - faults["early_rank_s"])
+                if e.type == "register" and e.rank == last
+                else e
+                for e in b.events
+            ]
+    return a, jobs, faults
 
 
 NO_FAULTS = {
@@ -61,6 +72,7 @@ NO_FAULTS = {
     "late_register": False,
     "register_late_s": 10,
     "late_rank_s": 0,
+    "early_rank_s": 0,
     "duplicate": False,
     "restart_at": None,
     "twin": False,
@@ -85,6 +97,9 @@ def scenarios(draw):
         # the last rank's register alone arrives late (read a round or more after the others'),
         # within the unassigned hold: its GPU's time is still the job's from its register
         "late_rank_s": draw(st.sampled_from([0, 0, 20, 50])),
+        # ... and dated a little before the others' (that rank's process registered first): the
+        # job's start moves earlier when it is read
+        "early_rank_s": draw(st.sampled_from([0, 0, 2, 5])),
         "duplicate": draw(st.booleans()),
         "restart_at": draw(st.one_of(st.none(), st.integers(1, 20))),
         "twin": draw(st.booleans()),
@@ -194,6 +209,18 @@ def _cleanup(client, prefix: str) -> None:
         {"late_register": True, "register_late_s": 90, "twin": True},
     )
 )
+# b's register read 90 s late, the agent restarted after a's hold had ended at b's start but a's
+# watermark had moved on: the restarted agent started b where a's watermark was, and the GPU's
+# 15 s in between were booked by nobody. A job now keeps how far it booked each GPU (`held`).
+@example(
+    build(
+        1,
+        0,
+        [("compute", 10, None)],
+        (5, 30),
+        {"late_register": True, "register_late_s": 90, "restart_at": 8},
+    )
+)
 # An agent restarted after b had taken a's GPUs handed a the time b had booked (24 s twice):
 # b's stored start was not loaded yet when the restarted agent computed a's end.
 @example(build(1, 0, [("compute", 60, 4)], (5, 30), {"restart_at": 11}))
@@ -205,6 +232,10 @@ def _cleanup(client, prefix: str) -> None:
 # its GPU's time up to there was booked by nobody (a Kubernetes pod's second GPU discovered a
 # round late lost seconds the same way).
 @example(build(2, 0, [("compute", 60, 5)], None, {"late_rank_s": 50}))
+# ... and dated 2 s before rank 0's: the job's start moved earlier when it was read, the agent
+# walked the timeline again from the stream, which it had trimmed already: the steps of the
+# first 45 s were gone and their 70 GPU-seconds booked overhead instead of productive.
+@example(build(2, 0, [("compute", 60, 5), ("compute", 40, 4)], None, {"late_rank_s": 50, "early_rank_s": 2}))
 # ... and when the job had ended before rank 1's register was read, nobody booked rank 1 at all.
 @example(build(2, 0, [("idle", 10, None)], None, {"late_rank_s": 50}))
 # a crashed (no run end) 5 s after its last step and b took the GPU: a's last 5 s waited on a

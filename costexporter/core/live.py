@@ -20,6 +20,7 @@ import numpy as np
 
 from costexporter.core import bands as bands_mod
 from costexporter.core.booking import (
+    NEG_INF,
     POS_INF,
     BookingConfig,
     Pieces,
@@ -231,6 +232,10 @@ class JobState:
     # own rank -> how far its GPU is booked, for a rank that joined after the watermark had passed
     # its start (its register was read late): it catches up to `booked_until`, then leaves this
     behind: dict[int, int] = field(default_factory=dict)
+    # own rank -> how far this job has booked its GPU: the watermark, or less once the job's
+    # hold on the GPU ended (another job took it). A later claim of the GPU starts there, and
+    # only there: the watermark moves on past the end, the GPU's time is not this job's.
+    held: dict[int, int] = field(default_factory=dict)
     since_ref_ms: int = -1  # the last progress point ...
     since_cost: int = 0  # ... and the cost (micro-units) booked after it
     # The band window, (samples from, where its carry stands, the signature run open there:
@@ -259,6 +264,7 @@ class JobState:
             "incidents_open": self.incidents,
             "starts": {str(k): v for k, v in self.starts.items()},
             "behind": {str(k): v for k, v in self.behind.items()},
+            "held": {str(k): v for k, v in self.held.items()},
             "since_ref_ms": self.since_ref_ms,
             "since_cost": self.since_cost,
             "win": [_window_json(self.win), _window_json(self.win_next)],
@@ -280,6 +286,7 @@ class JobState:
             incidents=wm.get("incidents_open", {}),
             starts={int(k): int(v) for k, v in wm.get("starts", {}).items()},
             behind={int(k): int(v) for k, v in wm.get("behind", {}).items()},
+            held={int(k): int(v) for k, v in wm.get("held", {}).items()},
             since_ref_ms=int(wm.get("since_ref_ms", -1)),
             since_cost=int(wm.get("since_cost", 0)),
             **_window_from_json(wm.get("win")),
@@ -408,6 +415,7 @@ def ledger_delta(
     host: str,
     incident_tol_ms: int,
     bucket_s: int = BUCKET_S,
+    member_end_ms: np.ndarray | None = None,
 ) -> LedgerDelta:
     """From the agent's state of a job and one booked window to what the round writes: bucket
     amounts, rollback corrections and index entries, step/void records, incidents, figures and
@@ -476,6 +484,12 @@ def ledger_delta(
         incidents = extend_rolled_back(incidents, spans, gpu_ms, ranks, host, incident_tol_ms)
     booked_until = max(state.booked_until, res.horizon_ms)
     caught_up = {r: max(v, res.horizon_ms) for r, v in state.behind.items()}
+    held = dict(state.held)
+    ends = member_end_ms.tolist() if member_end_ms is not None else [POS_INF] * own_ranks.size
+    for r, end in zip(own_ranks.tolist(), ends, strict=True):
+        reach = min(caught_up.get(r, booked_until), booked_until, int(end))
+        if reach > held.get(r, NEG_INF):
+            held[r] = reach
     nxt = JobState(
         booked_until=booked_until,
         cum=new_cum,
@@ -487,6 +501,7 @@ def ledger_delta(
         incidents=incidents,
         starts=dict(state.starts),
         behind={r: v for r, v in caught_up.items() if v < booked_until},
+        held=held,
         since_ref_ms=last_progress_ms,
         since_cost=since_cost,
         win=state.win,

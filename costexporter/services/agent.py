@@ -190,6 +190,15 @@ class _Job:
         return self.state.booked_until
 
     @property
+    def start_settled(self) -> bool:
+        """Whether every rank the job declares (`world_size`) has registered, as far as this
+        agent has read. Until then a registration read late may date the job's start earlier,
+        and the timeline is then walked again from the whole stream, so the stream must be
+        there whole. Registrations that declare no size cannot tell: settled."""
+        sizes = [r.world_size for r in self.ranks.values() if r.world_size]
+        return not sizes or len(self.ranks) >= max(sizes)
+
+    @property
     def oldest_unbooked(self) -> int:
         """Where the job's least-booked GPU is: the watermark, or a late rank catching up."""
         return min([self.state.booked_until, *self.state.behind.values()])
@@ -216,6 +225,12 @@ class _Job:
             start = max(int(self.ranks[rank].ts * 1000), self.floors.get(rank, 0))
         end = min(self.ends.get(rank, POS_INF), self.end_ms if self.end_ms is not None else POS_INF)
         return start, max(start, end)
+
+
+def _held(state: JobState, rank: int) -> int:
+    """How far a job's state has booked its rank's GPU (states stored before `held` was kept:
+    the watermark)."""
+    return state.held.get(rank, state.booked_until)
 
 
 class Agent:
@@ -669,15 +684,19 @@ class Agent:
         that arrives late starts there, so no GPU-second is booked twice."""
         until = self._unassigned_until or 0
         for j in self.jobs.values():
-            if j is not new and gpu in j.own.values():
-                # The stored watermark too: a twin agent (the same agent id) may have booked
-                # that job further than this agent's memory says.
-                until = max(until, j.booked_until, self._stored_booked_until(j))
+            if j is new:
+                continue
+            for r, g in j.own.items():
+                if g == gpu:
+                    # How far that job booked this GPU (not its watermark: its hold may have
+                    # ended), in memory and as stored: a twin agent (the same agent id) may
+                    # have booked it further than this agent's memory says.
+                    until = max(until, _held(j.state, r), _held(self._stored_state(j), r))
         return until
 
-    def _stored_booked_until(self, job: _Job) -> int:
+    def _stored_state(self, job: _Job) -> JobState:
         raw = self.redis.get(watermark_key(self.cfg.prefix, job.name, self.cfg.agent_id))
-        return int(json.loads(raw).get("booked_until", 0)) if raw else 0
+        return JobState.from_json(json.loads(raw) if raw else {}, {})
 
     def _handover(self) -> None:
         """A GPU registered by a later job leaves the earlier job at the later one's start (the
@@ -775,7 +794,9 @@ class Agent:
                 cfg.prefix,
                 job.name,
                 f"agent:{cfg.agent_id}",
-                cursor,
+                # While a rank may still register earlier than the start walked with, the whole
+                # stream is kept: moving the start folds the job again from its first event.
+                cursor if job.start_settled else "0-0",
                 at=round(at, 3),
                 ranks=sorted(job.own),  # the trimmer waits until every rank has its agent here
             )
@@ -1180,6 +1201,7 @@ class Agent:
             price=price,
             own_ranks=own_ranks,
             member_start_ms=member_start,
+            member_end_ms=member_end,
             job_start_ms=job_start,
             last_progress_ms=int(progress["last_progress_ts"] * 1000),
             host=self.host,
