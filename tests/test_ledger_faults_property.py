@@ -221,6 +221,11 @@ def _cleanup(client, prefix: str) -> None:
         {"late_register": True, "register_late_s": 90, "restart_at": 8},
     )
 )
+# Twins and one of b's steps 26 s late: the twin that committed trimmed the stream below its own
+# position (the twins share one), past entries the other had not read; that one never saw b's
+# `run end` and booked b's GPU idle for 105 s that `_unassigned` booked too. A conflict now
+# reloads the stored fold and stream position with the watermark.
+@example(build(1, 0, [("compute", 10, None)] * 3, (5, 30), {"late": [2], "late_s": 26, "twin": True}))
 # An agent restarted after b had taken a's GPUs handed a the time b had booked (24 s twice):
 # b's stored start was not loaded yet when the restarted agent computed a's end.
 @example(build(1, 0, [("compute", 60, 4)], (5, 30), {"restart_at": 11}))

@@ -171,6 +171,10 @@ class _Job:
     fold_candidates: list = field(default_factory=list)
     loaded: bool = False
     ever_loaded: bool = False
+    # Another agent with this agent's id committed the job (a compare-and-set conflict): its
+    # stored fold and stream position go with the watermark reloaded, not this agent's fold
+    # (that agent may have trimmed the stream past what this one read).
+    restore: bool = False
     remote: SampleWindow = field(default_factory=SampleWindow)  # other hosts' samples, sorted
     remote_ids: dict[str, str] = field(default_factory=dict)
     remote_seen: dict[str, float] = field(default_factory=dict)  # host -> monotonic time of its last entry
@@ -441,7 +445,7 @@ class Agent:
                 job.name,
                 self.cfg.agent_id,
             )
-            job.loaded = False
+            job.loaded, job.restore = False, True
         except self._redis_errors:
             raise
         except Exception as e:
@@ -721,7 +725,8 @@ class Agent:
         # The rollback index stays in Redis: a round reads the entries its voids need.
         job.state = JobState.from_json(json.loads(raw) if raw else {}, {})
         job.wm_raw = raw
-        if not job.ever_loaded and job.fold is None and job.reader.cursor in ("0", "0-0"):
+        if job.restore or (not job.ever_loaded and job.fold is None and job.reader.cursor in ("0", "0-0")):
+            job.restore = False
             self._restore_fold(job)
         job.loaded = job.ever_loaded = True
 
@@ -757,6 +762,8 @@ class Agent:
             return
         job.fold, job.meta, job.preflight, job.newest_event_ms = fold, meta, preflight, newest
         job.fold_start = fold.start_ms
+        # What this agent read or folded before is the stored fold's now, or read again after it.
+        job.fresh, job.fold_candidates = [], []
         self.stats["fold_restores"] += 1
 
     def _fold_due(self, job: _Job, now: float) -> bool:
