@@ -102,11 +102,17 @@ def test_crashed_when_heartbeats_are_gone_and_names_the_rank():
 def test_a_rank_registered_but_not_yet_heard_from_is_not_crashed():
     """The ranks hash is read after the poll's events: it can hold a rank whose register event
     the poll did not bring. Its silence counts from its registration, not from 1970."""
-    v = view([*registered(3), *steps(1, 20, ranks=(0, 1, 2)), *beats(100, ranks=(0, 1, 2))])
-    v.registrations[3] = {"ts": T0 + 95, "host": "h1", "gpu": 1}
+    v = view([*registered(3), *steps(1, 20, ranks=(0, 1, 2)), *beats(200, ranks=(0, 1, 2))])
+    v.registrations[3], v.registrations_read[3] = {"ts": T0 + 95, "host": "h1", "gpu": 1}, T0 + 101
     assert decide(v, T0 + 102, CFG).state == "running"
     st = decide(v, T0 + 158, CFG)  # still nothing from it 63 s after it registered: crashed
     assert st.state == "crashed" and "1 of 4 ranks for 63s" in st.reason
+    # A registration dated an hour ahead (a skewed clock) counts from when it was read: it does
+    # not hide the rank's silence.
+    v.registrations[3]["ts"] = T0 + 3600
+    assert decide(v, T0 + 150, CFG).state == "running"
+    st = decide(v, T0 + 165, CFG)
+    assert st.state == "crashed" and "1 of 4 ranks for 64s" in st.reason
 
 
 def test_hung_past_the_stall_threshold_names_the_diverging_rank():

@@ -699,8 +699,12 @@ class Agent:
         return until
 
     def _stored_state(self, job: _Job) -> JobState:
+        """The job's watermark as stored (an unreadable one: this agent's memory of it)."""
         raw = self.redis.get(watermark_key(self.cfg.prefix, job.name, self.cfg.agent_id))
-        return JobState.from_json(json.loads(raw) if raw else {}, {})
+        try:
+            return JobState.from_json(json.loads(raw) if raw else {}, {})
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return job.state
 
     def _handover(self) -> None:
         """A GPU registered by a later job leaves the earlier job at the later one's start (the

@@ -147,6 +147,8 @@ class JobView:
     ranks: dict[int, _Rank] = field(default_factory=dict)
     live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
     meta: dict = field(default_factory=dict)
+    # rank -> when (the watcher's clock) its registration was read from the ranks hash
+    registrations_read: dict[int, float] = field(default_factory=dict)
     # The agents' live hashes as last read: rank -> (the agent's host, its entry: the rank's newest
     # sample and the band the agent gave it), for the ranks an agent banded.
     agent_live: dict[int, tuple[str, protocol.LiveEntry]] = field(default_factory=dict)
@@ -220,10 +222,14 @@ class JobView:
     def last_heard(self, rank: int) -> float:
         """When the rank last showed life: its newest event, or its registration if later. The
         ranks hash is read after the events, so it can name a rank whose register event the
-        same poll did not bring: silent since 1970 it is not."""
+        same poll did not bring: silent since 1970 it is not. A registration counts no later
+        than when the watcher read it (a clock ahead must not hide a silence)."""
         seen = self.ranks.get(rank, _NO_EVENTS).last_seen
         ts = self.registrations.get(rank, {}).get("ts")
-        return max(seen, ts) if type(ts) is float else seen
+        read = self.registrations_read.get(rank)
+        if type(ts) is not float or read is None:
+            return seen
+        return max(seen, min(ts, read))
 
     def fold(self, events: list[Event]) -> None:
         ranks = self.ranks
@@ -809,7 +815,7 @@ class Watcher:
                     raise
                 except JUDGE_ERRORS as e:
                     self._set_aside(job, e)
-            self._read_registrations([v for j, v in views.items() if j in self._unregistered])
+            self._read_registrations([v for j, v in views.items() if j in self._unregistered], now)
             for job, err in self._read_live_many(list(views.values())).items():
                 self._set_aside(job, err)
                 del views[job]
@@ -901,7 +907,7 @@ class Watcher:
         view.fold(events)
         return view
 
-    def _read_registrations(self, views: list[JobView]) -> None:
+    def _read_registrations(self, views: list[JobView], now: float) -> None:
         """Registrations arrive as `register` events; the hash keeps them once their events are
         trimmed away, so it is read once, when the job is first seen (one round trip for all)."""
         if not views:
@@ -917,11 +923,12 @@ class Watcher:
                     self.stats["bad_registrations"] += 1
                     continue
                 view.registrations.setdefault(*entry)
+                view.registrations_read.setdefault(entry[0], now)
 
     def _judge(self, job: str, now: float, events: list[Event]) -> Status:
         """One job read and decided on its own (`_poll` does the same for many jobs at once)."""
         view = self._fold(job, events)
-        self._read_registrations([view] if job in self._unregistered else [])
+        self._read_registrations([view] if job in self._unregistered else [], now)
         self._read_live(view)
         return decide(view, now, self.cfg, self.status.get(job))
 
