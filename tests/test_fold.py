@@ -436,6 +436,20 @@ def test_a_short_walks_segments_in_python_are_numpys(segs, voided, base):
         fold.SHORT_WALK = saved
     assert py[0].tolist() == vec[0].tolist() and py[1].tolist() == vec[1].tolist()
     assert py[0].dtype == vec[0].dtype and py[1].dtype == vec[1].dtype
+    # ... and where the timeline is decided until: the first PENDING segment's start, both ways.
+    from costexporter.core import booking
+
+    saved = booking.SHORT_WALK
+    try:
+        booking.SHORT_WALK = 10**9
+        d_py = booking.decided_until_ms(py[0], py[1], None, 123)
+        booking.SHORT_WALK = 0
+        d_vec = booking.decided_until_ms(py[0], py[1], None, 123)
+    finally:
+        booking.SHORT_WALK = saved
+    starts, regimes = py[0].tolist()[:-1], py[1].tolist()
+    pending = [b for b, r in zip(starts, regimes, strict=True) if r == Regime.PENDING]
+    assert d_py == d_vec == (pending[0] if pending else 123)
 
 
 def test_the_regime_at_a_time_is_that_of_the_millisecond_ending_there():

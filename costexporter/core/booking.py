@@ -214,6 +214,24 @@ class Timeline:
         return int(self.regime[i]) if 0 <= i < self.regime.size else None
 
 
+_PENDING = int(Regime.PENDING)  # numpy compares an array with an int, not an IntEnum, at once
+SHORT_WALK = 64  # segments: below this, Python's list operations beat numpy's per-call cost
+
+
+def decided_until_ms(bounds: np.ndarray, regime: np.ndarray, job_end: int | None, end_ms: int) -> int:
+    """A timeline's `decided_until_ms`: where its first PENDING segment starts, else the job's
+    end, else `end_ms`. A watcher's timeline has a few segments: looked up in Python."""
+    if regime.size < SHORT_WALK:
+        r = regime.tolist()
+        i = r.index(_PENDING) if _PENDING in r else None
+    else:
+        found = np.flatnonzero(regime == _PENDING)
+        i = int(found[0]) if found.size else None
+    if i is not None:
+        return int(bounds[i])
+    return job_end if job_end is not None else end_ms
+
+
 def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
     """Maximal stretches where the job runs (regime other than UNASSIGNED): between a
     registration or run start and the run's end."""
@@ -533,8 +551,7 @@ def build_timeline(
     keep[1:] = regime[1:] != regime[:-1]
     bounds = np.append(bounds[:-1][keep], bounds[-1])
     regime = regime[keep]
-    pending = np.flatnonzero(regime == Regime.PENDING)
-    decided_until = int(bounds[pending[0]]) if pending.size else (job_end if job_end is not None else end_ms)
+    decided_until = decided_until_ms(bounds, regime, job_end, end_ms)
 
     return Timeline(
         bounds=bounds,

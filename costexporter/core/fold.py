@@ -33,6 +33,7 @@ import numpy as np
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
+    SHORT_WALK,
     STEPLESS_META,
     Allowances,
     BookingConfig,
@@ -42,6 +43,7 @@ from costexporter.core.booking import (
     Timeline,
     _merge,
     band_timeline,
+    decided_until_ms,
     stall_threshold_ms,
 )
 from costexporter.core.model import Event
@@ -419,19 +421,6 @@ class _Walk(Segments):
             p.trim(keep_from if others_from is None else min(keep_from, others_from))
 
 
-_PENDING = int(Regime.PENDING)  # numpy compares an array with an int, not an IntEnum, at once
-SHORT_WALK = 64  # segments: below this, `_segments` in Python beats numpy's per-call cost
-
-
-def _first_pending(regime: np.ndarray) -> int | None:
-    """The first PENDING segment's index, if any (a watcher's few segments: in Python)."""
-    if regime.size < SHORT_WALK:
-        r = regime.tolist()
-        return r.index(_PENDING) if _PENDING in r else None
-    found = np.flatnonzero(regime == _PENDING)
-    return int(found[0]) if found.size else None
-
-
 def _segments(w: _Walk) -> tuple[np.ndarray, np.ndarray]:
     """The walk's segments as a timeline's `bounds` and `regime`: steps a resume voided marked
     VOID, neighbours of one regime merged."""
@@ -567,10 +556,7 @@ class TimelineFold:
         elif end_ms > w.anchor:
             w.close_interval(end_ms, "tail", final=final)
         bounds, regime = _segments(w)
-        undecided = _first_pending(regime)
-        decided_until = (
-            int(bounds[undecided]) if undecided is not None else (job_end if job_end is not None else end_ms)
-        )
+        decided_until = decided_until_ms(bounds, regime, job_end, end_ms)
         last_ckpt = w.p0.last_ckpt
         return Timeline(
             bounds=bounds,
