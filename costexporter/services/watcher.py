@@ -316,9 +316,17 @@ def parse_shard(text: str) -> tuple[int, int]:
         i, n = int(index), int(count)
     except ValueError:
         raise ValueError(f"expected INDEX/COUNT such as 0/2, got {text!r}") from None
-    if not sep or n < 1 or not 0 <= i < n:
+    if not sep:
         raise ValueError(f"expected INDEX/COUNT with 0 <= INDEX < COUNT, got {text!r}")
-    return i, n
+    return check_shard((i, n))
+
+
+def check_shard(shard: tuple[int, int]) -> tuple[int, int]:
+    """`shard` if it owns jobs (0 <= index < count), else ValueError: fails closed."""
+    i, n = shard
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"expected INDEX/COUNT with 0 <= INDEX < COUNT, got '{i}/{n}'")
+    return shard
 
 
 def human(seconds: float) -> str:
@@ -715,7 +723,7 @@ class Watcher:
         import redis
 
         if cfg.shard is not None:
-            parse_shard("/".join(map(str, cfg.shard)))  # fails closed: a shard that owns no job
+            check_shard(cfg.shard)  # fails closed: a shard that owns no job
         self.cfg = cfg
         self.redis = protocol.connect(cfg.redis_url)
         self._errors = (redis.RedisError, OSError)
