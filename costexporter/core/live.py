@@ -487,7 +487,7 @@ def ledger_delta(
     held = dict(state.held)
     ends = member_end_ms.tolist() if member_end_ms is not None else [POS_INF] * own_ranks.size
     for r, end in zip(own_ranks.tolist(), ends, strict=True):
-        reach = min(caught_up.get(r, booked_until), booked_until, int(end))
+        reach = min(caught_up.get(r, booked_until), int(end))  # a behind rank: where it caught up to
         if reach > held.get(r, NEG_INF):
             held[r] = reach
     nxt = JobState(
