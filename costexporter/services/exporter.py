@@ -28,21 +28,32 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from costexporter import __version__
 from costexporter.core.model import BANDS, CATEGORIES
 
-# dcgm-exporter's label names on every per-GPU series, so `* on(UUID)` joins with DCGM_FI_*
-# need no label_replace (`gpu` is already DCGM's); empty where unknown (no pod). Not modelName:
-# `promtool check metrics` rejects camelCase label names; join it from DCGM by UUID instead.
-DCGM_LABELS = ["UUID", "Hostname", "pod", "namespace", "container"]
+# dcgm-exporter's label names on every per-GPU series, so joins with DCGM_FI_* need no
+# label_replace (`gpu` is already DCGM's): `UUID` and `GPU_I_ID` (a MIG instance; "" for a whole
+# GPU), the node under both spellings dcgm-exporter has used (`Hostname` before 4.x, `hostname`
+# since), and the pod holding the GPU as `pod`/`namespace`/`container` and as the `exported_*`
+# names a Prometheus gives dcgm-exporter's own pod labels under its default ServiceMonitor
+# (`honorLabels: false`). Empty where unknown. Not modelName: `promtool check metrics` rejects
+# camelCase label names; join it from DCGM by UUID instead.
+DCGM_LABELS = [
+    "UUID",
+    "GPU_I_ID",
+    "Hostname",
+    "hostname",
+    "pod",
+    "namespace",
+    "container",
+    "exported_pod",
+    "exported_namespace",
+    "exported_container",
+]
 
 
 def dcgm_label_values(g, pod) -> list[str]:
     """Values of DCGM_LABELS for one GPU (`GpuId`) and the pod holding it, if known."""
-    return [
-        g.uuid or "",
-        g.host,
-        pod.pod if pod else "",
-        pod.namespace if pod else "",
-        pod.container if pod else "",
-    ]
+    where = [pod.pod if pod else "", pod.namespace if pod else "", pod.container if pod else ""]
+    uuid = getattr(g, "parent_uuid", None) or g.uuid or ""
+    return [uuid, getattr(g, "instance", None) or "", g.host, g.host, *where, *where]
 
 
 # A job's categories: `unassigned` is time outside every job, never a job's.

@@ -4,9 +4,10 @@ job's ranks, registered in Redis exactly as a trainer's `StepReporter` would reg
 dcgm-exporter's Kubernetes mode labels each GPU's series with the `pod`, `namespace` and
 `container` the device plugin gave it to (and, with `--kubernetes-enable-pod-labels`, the pod's
 labels). The job is `<namespace>:<name>` (no `/`: a job name is one path segment of the finance
-API), the name taken from the first configured pod label
-present (Kubeflow, JobSet, batch Job), else from the pod name without its replica/ordinal/hash
-suffixes. Such a job posts no steps, so its meta says `progress=none` and the booking books it by
+API), the name that of the workload owning the pod (`k8s_owner`: PyTorchJob, JobSet, Volcano
+Job, LeaderWorkerSet, batch Job, Deployment, StatefulSet), read from the pod object through the
+Kubernetes API where the agent may (`k8s_api`), else from the labels dcgm-exporter exported and
+the pod name. Such a job posts no steps, so its meta says `progress=none` and the booking books it by
 band (`booking.band_timeline`): busy bands valid, idle and deadlock waste. Its meta records the
 namespace (the API aggregates by it). When a trainer registers the same GPU itself, its events
 win: this module leaves that GPU alone, and a rank-0 step switches the job to the step rules.
@@ -24,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from costexporter.services.k8s_api import PodLookup
+from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
 from costexporter.sources.dcgm import PodRef
 from costexporter.store import protocol
 from costexporter.store.keys import k8s_gpus_key, k8s_ranks_key
@@ -31,16 +34,6 @@ from costexporter.trainer.reporter import send_entries
 
 log = logging.getLogger("costexporter.k8s")
 
-DEFAULT_JOB_LABELS = (
-    "training.kubeflow.org/job-name",
-    "jobset.sigs.k8s.io/jobset-name",
-    "batch.kubernetes.io/job-name",
-)
-# A pod name less the suffixes its controller adds: -worker-3, -launcher, -0-1, -x7k2p.
-POD_NAME_RE = re.compile(
-    r"^(?P<job>.+?)(?:-(?:master|worker|launcher|chief|ps|evaluator|replica|node|leader)s?)?"
-    r"(?:-\d+)*(?:-[a-z0-9]{5})?$"
-)
 HEARTBEAT_S = 10.0
 SESSION_PREFIX = "k8s:"
 # One rank per GPU of a job, the same on every agent: allocated once, in the job's slot.
@@ -53,23 +46,29 @@ return r
 """
 
 
-def _label(labels: dict[str, str], name: str) -> str | None:
-    """A pod label as dcgm-exporter may export it: as is, sanitized, or `label_`-prefixed."""
-    clean = re.sub(r"[^A-Za-z0-9_]", "_", name)
-    for k in (name, clean, f"label_{clean}"):
-        if labels.get(k):
-            return labels[k]
-    return None
+def owner(
+    ref: PodRef,
+    job_labels: Iterable[str] = (),
+    team_labels: Iterable[str] = DEFAULT_TEAM_LABELS,
+    lookup: PodLookup | None = None,
+) -> Owner:
+    """The workload holding a pod: from its object in the API when `lookup` can read it, else
+    from what dcgm-exporter exported."""
+    obj = lookup.get(ref.namespace, ref.pod) if lookup is not None and ref.namespace else None
+    if obj is not None:
+        return owner_of_pod(obj, job_labels=job_labels, team_labels=team_labels)
+    return owner_of(ref.namespace, ref.pod, ref.labels, job_labels=job_labels, team_labels=team_labels)
 
 
-def job_name(ref: PodRef, job_labels: Iterable[str] = DEFAULT_JOB_LABELS) -> str:
-    """`<namespace>:<job>` for the pod holding a GPU."""
-    name = next((v for v in (_label(ref.labels, n) for n in job_labels) if v), None)
-    if name is None:
-        m = POD_NAME_RE.match(ref.pod)
-        name = m.group("job") if m else ref.pod
+def job_id(ref: PodRef, name: str) -> str:
+    """`<namespace>:<name>`, usable as a hash tag and one path segment (ValueError if not)."""
     job = f"{ref.namespace}:{name}" if ref.namespace else name
     return protocol.check_job(re.sub(r"[^A-Za-z0-9._:@+=-]", "-", job)[:200])
+
+
+def job_name(ref: PodRef, job_labels: Iterable[str] = (), lookup: PodLookup | None = None) -> str:
+    """`<namespace>:<job>` for the pod holding a GPU."""
+    return job_id(ref, owner(ref, job_labels, lookup=lookup).name)
 
 
 class KubernetesJobs:
@@ -82,14 +81,18 @@ class KubernetesJobs:
         prefix: str,
         source,
         host: str,
-        job_labels: Iterable[str] = DEFAULT_JOB_LABELS,
+        job_labels: Iterable[str] = (),
         clock: Callable[[], float] = time.time,
+        team_labels: Iterable[str] = DEFAULT_TEAM_LABELS,
+        lookup: PodLookup | None = None,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
         self.source = source
         self.host = host
-        self.job_labels = tuple(job_labels) or DEFAULT_JOB_LABELS
+        self.job_labels = tuple(job_labels)
+        self.team_labels = tuple(team_labels)
+        self.lookup = lookup
         self.clock = clock
         self.session = f"{SESSION_PREFIX}{host}:{secrets.token_hex(4)}"
         self._seq = 0
@@ -103,15 +106,16 @@ class KubernetesJobs:
     def sync(self) -> None:
         """Register new pods' GPUs, heartbeat the live jobs, end the jobs whose GPUs all left."""
         pods, gpus = self.source.pods(), self.source.gpus()
-        current: dict[tuple[str, int], PodRef] = {}
+        current: dict[tuple[str, int], tuple[PodRef, Owner]] = {}
         for i, ref in pods.items():
             try:
-                current[(job_name(ref, self.job_labels), i)] = ref
+                own = owner(ref, self.job_labels, self.team_labels, self.lookup)
+                current[(job_id(ref, own.name), i)] = (ref, own)
             except ValueError as e:  # a name no hash tag can hold: say so, skip the GPU
                 log.warning("pod %s/%s: %s", ref.namespace, ref.pod, e)
-        for (job, i), ref in sorted(current.items()):
+        for (job, i), (ref, own) in sorted(current.items(), key=lambda kv: kv[0]):
             if (job, i) not in self.registered and (job, i) not in self.skipped and i < len(gpus):
-                self._register(job, i, ref, gpus[i])
+                self._register(job, i, ref, own, gpus[i])
         for key in sorted(set(self.registered) - set(current)):
             self._release(*key)
         self.skipped &= set(current)
@@ -152,7 +156,7 @@ class KubernetesJobs:
                 return True
         return False
 
-    def _register(self, job: str, i: int, ref: PodRef, gpu) -> None:
+    def _register(self, job: str, i: int, ref: PodRef, own: Owner, gpu) -> None:
         if self._trainer_has(job, gpu):
             self.skipped.add((job, i))
             return
@@ -168,11 +172,11 @@ class KubernetesJobs:
         if ended:  # the job's pods came back (a retried Job): its run starts again
             entries.append(self._entry("run", job, 0, now, {"state": "start"}))
         meta = {"progress": "none", "source": "kubernetes", "namespace": ref.namespace, "pod": ref.pod}
+        meta["owner_kind"] = own.kind
         if ref.container:
             meta["container"] = ref.container
-        team = _label(ref.labels, "team")
-        if team:
-            meta["team"] = team
+        if own.team:
+            meta["team"] = own.team
         if gpu.name:
             meta["gpu_model"] = gpu.name
         entries.append(self._entry("meta", job, rank, now, meta))
@@ -223,10 +227,21 @@ def _json(raw: str) -> dict:
     return e if isinstance(e, dict) else {}
 
 
-def start_kubernetes_jobs(agent, job_labels: Iterable[str] = ()) -> KubernetesJobs:
+def start_kubernetes_jobs(
+    agent,
+    job_labels: Iterable[str] = (),
+    team_labels: Iterable[str] = DEFAULT_TEAM_LABELS,
+    lookup: PodLookup | None = None,
+) -> KubernetesJobs:
     """Run the registrations beside an agent (a daemon thread, stopped with the agent)."""
     kj = KubernetesJobs(
-        protocol.connect(agent.cfg.redis_url), agent.cfg.prefix, agent.source, agent.host, job_labels
+        protocol.connect(agent.cfg.redis_url),
+        agent.cfg.prefix,
+        agent.source,
+        agent.host,
+        job_labels,
+        team_labels=team_labels or DEFAULT_TEAM_LABELS,
+        lookup=lookup,
     )
     threading.Thread(
         target=kj.run,

@@ -42,6 +42,16 @@ STALE_SCRAPES = 3  # consecutive unchanged scrapes of every GPU before warning
 DCGM_LABELS = frozenset(
     {"gpu", "UUID", "device", "modelName", "Hostname", "hostname", "pci_bus_id", "DCGM_FI_DRIVER_VERSION"}
     | {"pod", "namespace", "container", "GPU_I_ID", "GPU_I_PROFILE", "err_code", "err_msg", "instance", "job"}
+    | {"pod_name", "pod_namespace", "container_name", "exported_pod", "exported_namespace"}
+    | {"exported_container", "exported_instance", "exported_job"}
+)
+# Where dcgm-exporter puts the pod holding a GPU, in the order tried: `exported_*` when its
+# series went through a Prometheus that renamed them (a federation URL), its default labels, and
+# its `--kubernetes-use-old-namespace` ones.
+POD_LABELS = (
+    ("exported_pod", "exported_namespace", "exported_container"),
+    ("pod", "namespace", "container"),
+    ("pod_name", "pod_namespace", "container_name"),
 )
 
 
@@ -67,6 +77,8 @@ class DcgmSource(GpuSource):
         self.urls = list(urls)
         self.timeout_s = timeout_s
         self.host = host or urllib.parse.urlparse(self.urls[0]).hostname or "localhost"
+        self._node = host  # the node this agent runs on, when told: its exporter must be this one's
+        self.foreign_hosts: set[str] = set()
         self._gpus: list[GpuId] = []
         self._index: dict[tuple[str, str], int] = {}  # (host, gpu label or UUID) -> our index
         self.pod: dict[int, PodRef] = {}  # our index -> the pod holding it, as of the newest scrape
@@ -85,7 +97,17 @@ class DcgmSource(GpuSource):
         return dict(self.pod)
 
     def _gpu_of(self, labels: dict[str, str], endpoint_host: str) -> int:
-        host = labels.get("Hostname") or labels.get("hostname") or endpoint_host
+        named = labels.get("Hostname") or labels.get("hostname")
+        if named and self._node and named != self._node and named not in self.foreign_hosts:
+            self.foreign_hosts.add(named)
+            log.warning(
+                "dcgm-exporter reports GPUs of node %r, not this agent's node %r: --dcgm-url must reach "
+                "the exporter on the agent's own node (a Service with internalTrafficPolicy: Local, or "
+                "a hostPort), or another node's GPUs are booked here",
+                named,
+                self._node,
+            )
+        host = named or endpoint_host
         key = (host, labels.get("UUID") or labels.get("gpu", ""))
         i = self._index.get(key)
         if i is None:
@@ -97,10 +119,11 @@ class DcgmSource(GpuSource):
 
     @staticmethod
     def _pod_of(labels: dict[str, str]) -> PodRef | None:
-        if not labels.get("pod"):
-            return None
-        extra = {k: v for k, v in labels.items() if k not in DCGM_LABELS}
-        return PodRef(labels.get("namespace", ""), labels["pod"], labels.get("container", ""), extra)
+        for pod, ns, container in POD_LABELS:
+            if labels.get(pod):
+                extra = {k: v for k, v in labels.items() if k not in DCGM_LABELS}
+                return PodRef(labels.get(ns, ""), labels[pod], labels.get(container, ""), extra)
+        return None
 
     def _scrape(self, url: str) -> str | None:
         try:

@@ -90,7 +90,25 @@ from costexporter.sources.factory import KINDS, make_source
     "k8s_job_labels",
     multiple=True,
     metavar="LABEL",
-    help="Pod label naming the job (repeatable, first present wins) [default: Kubeflow, JobSet, batch Job].",
+    help="Pod label naming the job (repeatable, first present wins), tried before the built-in ones "
+    "(Kubeflow, JobSet, Volcano, LeaderWorkerSet, batch Job) and the pod's owner.",
+)
+@click.option(
+    "--k8s-team-label",
+    "k8s_team_labels",
+    multiple=True,
+    metavar="LABEL",
+    help="Pod label naming a Kubernetes job's team (repeatable, first present wins) [default: team; "
+    "else the namespace].",
+)
+@click.option(
+    "--k8s-api",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Read each GPU pod's labels and owners from the Kubernetes API (the `k8s` extra; RBAC get "
+    "on pods): auto = when running in a cluster with the client installed; on = required (stops "
+    "with the reason if it cannot be used).",
 )
 @click.option(
     "--event-lag",
@@ -147,6 +165,8 @@ def serve(
     series_ttl,
     k8s_jobs,
     k8s_job_labels,
+    k8s_team_labels,
+    k8s_api,
     event_lag,
     unassigned_hold,
     trim_streams,
@@ -186,6 +206,19 @@ def serve(
         raise InputFailure(f"{e}{hint}") from None
     except (InputError, profiles.ProfileError, ValueError) as e:
         raise InputFailure(str(e)) from None
+    lookup = None
+    if source == "dcgm" and k8s_jobs and k8s_api != "off":
+        from costexporter.services import k8s_api as k8s_api_mod
+
+        try:
+            if k8s_api == "on" or k8s_api_mod.in_cluster():
+                lookup = k8s_api_mod.PodLookup(k8s_api_mod.lightkube_fetch())
+        except k8s_api_mod.KubernetesUnavailable as e:
+            if k8s_api == "on":  # asked for and unusable: stop, never run on half the configuration
+                raise InputFailure(f"--k8s-api on: {e}") from None
+            logging.getLogger("costexporter.k8s").warning(
+                "Kubernetes API not used (%s): jobs are named from dcgm-exporter's pod labels", e
+            )
     if exit_when_done:
         # A batch run that cannot book must say so, not wait for ever for Redis.
         require_redis(redis_url)
@@ -225,7 +258,7 @@ def serve(
     if source == "dcgm" and k8s_jobs:
         from costexporter.services.k8s import start_kubernetes_jobs
 
-        start_kubernetes_jobs(agent, k8s_job_labels)
+        start_kubernetes_jobs(agent, k8s_job_labels, k8s_team_labels, lookup)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     idle_rounds = [0, -1]
 
