@@ -2,9 +2,11 @@
 the console entry point.
 
 Configuration precedence: flags, then `COSTEXPORTER_*` environment variables
-(`COSTEXPORTER_REPLAY_PRICE_PER_GPU_HOUR`, ...), then an optional YAML file given with
-`--config` (before or after the command) or `COSTEXPORTER_CONFIG`, whose top-level keys are
-command names holding option names (`replay: {price_per_gpu_hour: 4.1}`).
+(`COSTEXPORTER_<COMMAND>_<OPTION>` after the flag: `COSTEXPORTER_REPLAY_PRICE_PER_GPU_HOUR`;
+shared: `COSTEXPORTER_REDIS_URL`, `_PREFIX`, `_PROFILE`, `_CONFIG`), then an optional YAML file
+given with `--config` (before or after the command) or `COSTEXPORTER_CONFIG`, whose top-level
+keys are command names holding option names (`replay: {price_per_gpu_hour: 4.1}`); an unknown
+command or option there stops the command with exit 2.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from costexporter.cli.commands import (
     serve,
     watch,
 )
-from costexporter.cli.options import finish_options, load_config
+from costexporter.cli.options import finish_options, load_config, warn_deprecated_env
 
 
 @click.group(
@@ -51,8 +53,10 @@ from costexporter.cli.options import finish_options, load_config
     expose_value=False,
     help="YAML file of defaults, keyed by command name.",
 )
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Cost per valid step and wasted GPU-hours for distributed training jobs."""
+    warn_deprecated_env(ctx.invoked_subcommand)
 
 
 for command in (

@@ -24,7 +24,9 @@ class InputFailure(click.ClickException):
 
 def load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     """--config before the command (`costexporter --config f.yaml serve`) or after it
-    (`costexporter serve --config f.yaml`): the file's section of the command gives defaults."""
+    (`costexporter serve --config f.yaml`): the file's section of the command gives defaults.
+    A key that names no command or option stops the command (exit 2) with the names: a typo
+    must not be ignored in silence."""
     if not value:
         return value
     import yaml
@@ -32,14 +34,85 @@ def load_config(ctx: click.Context, _param: click.Parameter, value: str | None) 
     try:
         data = yaml.safe_load(Path(value).read_text()) or {}
     except OSError as e:
-        raise click.BadParameter(f"cannot read {value}: {e.strerror or e}") from None
+        raise InputFailure(f"--config: cannot read {value}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise click.BadParameter(f"{value} is not valid YAML: {e}") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputFailure(f"--config: {value} is not valid YAML: {first}") from None
     if not isinstance(data, dict):
-        raise click.BadParameter(f"{value}: expected a mapping of command names to options")
-    sections = {k: v for k, v in data.items() if isinstance(v, dict)}
-    ctx.default_map = sections if ctx.parent is None else sections.get(ctx.info_name or "", {})
+        raise InputFailure(f"--config: {value}: expected a mapping of command names to options")
+    root = ctx.find_root()
+    defaults = config_defaults(root.command, data, value)
+    path: list[str] = []
+    c: click.Context | None = ctx
+    while c is not None and c.parent is not None:
+        path.insert(0, c.info_name or "")
+        c = c.parent
+    for name in path:
+        defaults = defaults.get(name, {})
+    ctx.default_map = defaults
     return value
+
+
+def config_defaults(cmd: click.Command, data: dict, where: str, at: str = "") -> dict:
+    """The defaults a --config mapping gives `cmd`, keyed as click looks them up: a group's keys
+    are its commands, a command's keys its options (written as on the command line, `gpu-model`
+    or `gpu_model`, or by the option's parameter name). Unknown keys raise InputFailure naming
+    each of them and what is known there."""
+    out: dict = {}
+    unknown: list[str] = []
+    if isinstance(cmd, click.Group):
+        for key, section in data.items():
+            sub = cmd.commands.get(str(key))
+            if sub is None:
+                unknown.append(str(key))
+                continue
+            if section is None:
+                continue
+            if not isinstance(section, dict):
+                raise InputFailure(f"--config: {where}: {at}{key} must be a mapping of options")
+            out[str(key)] = config_defaults(sub, section, where, f"{at}{key}.")
+        known = sorted(cmd.commands)
+        what = "command"
+    else:
+        names = config_names(cmd)
+        for key, v in data.items():
+            name = names.get(str(key).replace("-", "_"))
+            if name is None:
+                unknown.append(str(key))
+            else:
+                out[name] = v
+        known = sorted({k for k, n in names.items() if k == _flag_key(cmd, n)})
+        what = "option"
+    if unknown:
+        listed = ", ".join(f"{at}{k}" for k in unknown)
+        raise InputFailure(
+            f"--config: {where}: unknown {what}{'s' if len(unknown) > 1 else ''} {listed} "
+            f"(known{' at ' + at.rstrip('.') if at else ''}: {', '.join(known)})"
+        )
+    return out
+
+
+def config_names(cmd: click.Command) -> dict[str, str]:
+    """Key in a --config file (underscored) -> the option's parameter name."""
+    names: dict[str, str] = {}
+    for p in cmd.params:
+        if not isinstance(p, click.Option) or p.name is None or not p.expose_value:
+            continue
+        names[p.name] = p.name
+        for opt in p.opts + p.secondary_opts:
+            if opt.startswith("--"):
+                names[opt[2:].replace("-", "_")] = p.name
+    return names
+
+
+def _flag_key(cmd: click.Command, name: str) -> str:
+    """The key a --config file names an option by in messages: its first long flag."""
+    for p in cmd.params:
+        if p.name == name:
+            for opt in p.opts:
+                if opt.startswith("--"):
+                    return opt[2:].replace("-", "_")
+    return name
 
 
 def config_option() -> click.Option:
@@ -109,13 +182,15 @@ def check_tz(_ctx, _param, value: str) -> str:
     return value
 
 
+PROFILE_ENV = "COSTEXPORTER_PROFILE"
+
 profile_option = click.option(
     "--profile",
     "profile_path",
+    envvar=PROFILE_ENV,
     type=click.Path(exists=True, path_type=Path),
     default=None,
-    help="Band profile file (YAML or JSON), or a directory of them matched by GPU model "
-    "[default: $COSTEXPORTER_PROFILE_DIR].",
+    help="Band profile file (YAML or JSON), or a directory of them matched by GPU model.",
 )
 
 
@@ -134,14 +209,15 @@ prefix_option = click.option(
 )
 
 
-def listen_option(what: str):
-    return click.option("--listen", default="0.0.0.0", help=f"Address the {what} listens on.")
+def listen_option(what: str, default: str = "0.0.0.0"):
+    return click.option("--listen", default=default, help=f"Address the {what} listens on.")
 
 
 def load_profile(path: Path | None) -> tuple[Profile | None, Path | None]:
     """--profile: a file is the profile; a directory holds fitted profiles matched by GPU model.
-    Without it, $COSTEXPORTER_PROFILE_DIR names the directory. Returns (profile, directory); a
-    directory that is named but missing stops the command here, not a round later."""
+    Without it, $COSTEXPORTER_PROFILE_DIR (the older name of $COSTEXPORTER_PROFILE) names the
+    directory. Returns (profile, directory); a directory that is named but missing stops the
+    command here, not a round later."""
     from costexporter.core import profiles
 
     if path is None:
@@ -275,16 +351,63 @@ def parse_time(tz: str):
     return parse
 
 
-def finish_options(group: click.Group) -> None:
-    """Every command: --config after the command name too, and --help that names the
-    environment variable of each option (COSTEXPORTER_REDIS_URL, COSTEXPORTER_PREFIX, ...;
-    the others are COSTEXPORTER_<COMMAND>_<OPTION>)."""
-    for cmd in group.commands.values():
+# Old environment variable -> the one that replaced it (filled by finish_options): still read,
+# with a deprecation line on stderr.
+DEPRECATED_ENV: dict[str, str] = {}
+ENV_PREFIX = "COSTEXPORTER"
+
+
+def env_name(path: list[str], option: click.Option) -> str:
+    """The one naming rule: COSTEXPORTER_<COMMAND>_<OPTION>, from the command's path and the
+    option's first long flag (`replay --format` -> COSTEXPORTER_REPLAY_FORMAT)."""
+    flag = next((o for o in option.opts if o.startswith("--")), None)
+    name = flag[2:] if flag else (option.name or "")
+    return "_".join([ENV_PREFIX, *path, name]).replace("-", "_").upper()
+
+
+def finish_options(group: click.Group, path: list[str] | None = None) -> None:
+    """Every command: --config after the command name too, --help that names the environment
+    variable of each option (COSTEXPORTER_REDIS_URL, COSTEXPORTER_PREFIX, COSTEXPORTER_PROFILE
+    are shared; the others are COSTEXPORTER_<COMMAND>_<OPTION>, named after the flag), and the
+    variables of older releases (named after the parameter: COSTEXPORTER_REPLAY_FMT) still read,
+    with a deprecation line."""
+    path = path or []
+    for name, cmd in group.commands.items():
+        here = [*path, name]
         if isinstance(cmd, click.Group):
-            finish_options(cmd)
+            finish_options(cmd, here)
             continue
         if not any(p.name == "config" for p in cmd.params):
             cmd.params.append(config_option())
         for p in cmd.params:
-            if isinstance(p, click.Option) and p.name not in ("help",):
-                p.show_envvar = True
+            if not isinstance(p, click.Option) or p.name in ("help", "config"):
+                continue
+            p.show_envvar = True
+            if not p.allow_from_autoenv and p.envvar is None:
+                continue
+            old = "_".join([ENV_PREFIX, *here, p.name or ""]).replace("-", "_").upper()
+            if p.envvar is None:
+                new = env_name(here, p)
+                if new != old:
+                    p.envvar = [new, old]
+                    DEPRECATED_ENV[old] = new
+            elif p.name == "profile_path":
+                p.envvar = [PROFILE_ENV, old]
+                DEPRECATED_ENV[old] = PROFILE_ENV
+
+
+def warn_deprecated_env(command: str | None) -> None:
+    """One line on stderr for each variable of an older release that the command reads and that
+    is set (it is read all the same, unless the new one is set too)."""
+    from costexporter.core.profiles import PROFILE_DIR_ENV
+
+    mine = f"{ENV_PREFIX}_{(command or '').replace('-', '_').upper()}_"
+    olds = {o: n for o, n in DEPRECATED_ENV.items() if command is None or o.startswith(mine)}
+    olds[PROFILE_DIR_ENV] = PROFILE_ENV
+    for old, new in sorted(olds.items()):
+        if old not in os.environ:
+            continue
+        if new in os.environ:
+            click.echo(f"costexporter: ${old} is ignored: ${new} is set", err=True)
+        else:
+            click.echo(f"costexporter: ${old} is deprecated: use ${new}", err=True)

@@ -63,12 +63,13 @@ def preflight_table(job: str, passed: bool, checks, elapsed: float) -> None:
 
 
 def demo_loop(d, plain: bool, stop) -> None:
-    """Status to stderr until the story ends: a live view on a terminal, else a line every 5 s."""
+    """Status to stderr until the story ends (or is stopped, or its Redis is lost): a live view on a
+    terminal, else a line every 5 s."""
     from costexporter.tools.demo import plain_line, render_view
 
     if plain or not sys.stderr.isatty():
         last = 0.0
-        while not d.finished and not stop.wait(0.5):
+        while not d.finished and not d.failure() and not stop.wait(0.5):
             if time.monotonic() - last >= 5:
                 last = time.monotonic()
                 click.echo(plain_line(d.state()), err=True)
@@ -78,7 +79,7 @@ def demo_loop(d, plain: bool, stop) -> None:
     from rich.live import Live
 
     with Live(render_view(d.state()), refresh_per_second=4, console=Console(stderr=True)) as live:
-        while not d.finished and not stop.wait(0.25):
+        while not d.finished and not d.failure() and not stop.wait(0.25):
             live.update(render_view(d.state()))
         live.update(render_view(d.state()))
 

@@ -48,7 +48,11 @@ class SimSource(ReplaySource):
         prefix: str | None = None,
         spool_dir: str | None = None,
         host: str | None = None,
+        ends_at: float | None = None,
     ) -> None:
+        """`ends_at` (Unix s): place the story so that it ends then (the demo: at its own start,
+        so the whole story lies in the past and any window ending now covers it); by default it
+        starts now."""
         if isinstance(scenario, str):
             if scenario not in SCENARIOS:
                 raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(sorted(SCENARIOS))}")
@@ -56,12 +60,15 @@ class SimSource(ReplaySource):
         b = scenario
         self.builder = b
         start = time.time()
-        shift_ms = int((start - b.t0) * 1000)
+        shift_ms = int(((start if ends_at is None else ends_at - (b.t - b.t0)) - b.t0) * 1000)
         s = b.samples()
         shifted = Samples(s.gpus, s.gpu, s.ts_ms + shift_ms, s.power_w, s.util_pct, s.energy_mj)
         super().__init__(shifted, speed=speed, host=host or "sim", clock=time.monotonic)
         self.shift_s = shift_ms / 1000
         self._t_wall = start
+        # Past the story's end the clock runs at real time: a simulation left running (`demo
+        # --forever`) keeps a plausible clock instead of racing days ahead of the wall clock.
+        self._story_s = (b.t - b.t0) if len(shifted) else 0.0
         self._events: list[Event] = sorted(b.events + crash_loop_deaths(b), key=lambda e: (e.ts, e.seq))
         self._redis_url, self._prefix = redis_url, prefix
         self._own_spool = spool_dir is None  # a directory of ours: removed at close()
@@ -94,8 +101,18 @@ class SimSource(ReplaySource):
         return max(10.0 / self.speed, HEARTBEAT_MIN_WALL_S)
 
     def sim_time(self) -> float:
-        """The scenario's clock, in Unix seconds (shifted to start now)."""
-        return self._trace_t0 / 1000 + (self._clock() - self._t0) * self.speed
+        """The scenario's clock, in Unix seconds: `speed` times the wall clock through the story,
+        the wall clock's pace after it."""
+        wall = self._clock() - self._t0
+        story_wall = self._story_s / self.speed
+        if wall <= story_wall:
+            return self._trace_t0 / 1000 + wall * self.speed
+        return self._trace_t0 / 1000 + self._story_s + (wall - story_wall)
+
+    @property
+    def clock_speed(self) -> float:
+        """How fast the clock runs now: `speed` through the story, 1 after it."""
+        return self.speed if self._clock() - self._t0 <= self._story_s / self.speed else 1.0
 
     def _reporter(self, rank: int, ts: float, new: bool = False) -> StepReporter:
         """The rank's trainer process; `new`: it restarted (a new process, a new session)."""
@@ -159,7 +176,7 @@ class SimSource(ReplaySource):
                     {
                         "sim": self.sim_time(),
                         "wall": time.time(),
-                        "speed": self.speed,
+                        "speed": self.clock_speed,
                         "lag": self.event_lag_s,
                     }
                 ),

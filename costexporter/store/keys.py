@@ -167,3 +167,14 @@ def status_key(prefix: str, job: str) -> str:
 def simclock_key(prefix: str) -> str:
     """A simulated job's clock (`demo`, `serve --source sim`), for `watch --sim-clock`."""
     return f"{prefix}:simclock"
+
+
+def demo_key(prefix: str) -> str:
+    """Marks a prefix whose data the demo wrote (JSON of its last run): a later demo on the same
+    prefix clears it and plays the story again; a prefix without it is never cleared."""
+    return f"{prefix}:demo"
+
+
+def demo_lease_key(prefix: str) -> str:
+    """A demo is playing on this prefix now (JSON of its host and pid, short TTL, renewed)."""
+    return f"{prefix}:demo:lease"

@@ -238,16 +238,18 @@ def queue_rollup(
     pipe.execute_command("EVAL", ROLLUP_ADD, 3, *_rollup_keys(prefix, job), *args)
 
 
-def build_rollup(client, prefix: str, job: str) -> bool:
-    """Build the rollup of a ledger written before rollups existed (one atomic script); False if
-    it already had one."""
+def build_rollup(client, prefix: str, job: str) -> int:
+    """Build the rollup of a ledger written before rollups existed (one atomic script): 0 if it
+    already had one, else 1 + the number of 5-minute buckets rolled up (1: a ledger with no
+    amounts yet, whose rollup starts empty)."""
     bucket_prefix = keys.bucket_key(prefix, job, "5m", "")
-    return bool(client.execute_command("EVAL", ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
+    return int(client.execute_command("EVAL", ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
 
 
 def build_rollups(client, prefix: str) -> int:
     """Build the missing rollups of every job in the jobs index and of `_unassigned` (once, at the
-    API's start); returns how many were built."""
+    API's start); returns how many older ledgers (ones holding amounts) were rolled up. A job
+    with nothing booked yet gets its empty rollup too, uncounted: nothing older was there."""
     import redis
 
     jobs = [*client.zrange(protocol.jobs_key(prefix), 0, -1), UNASSIGNED_JOB]
@@ -261,7 +263,7 @@ def build_rollups(client, prefix: str) -> int:
         missing = [j for j, has in zip(chunk, found, strict=True) if has is False]
         for j in missing:
             try:
-                built += build_rollup(client, prefix, j)
+                built += build_rollup(client, prefix, j) > 1
             except redis.ResponseError:  # a key of the wrong type: readers sum buckets for it
                 continue
     return built

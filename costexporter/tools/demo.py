@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
+import json
 import os
 import shutil
 import socket
@@ -21,11 +23,13 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 
 from costexporter.core.baseline import utilization_rule
 from costexporter.core.booking import BookingConfig
@@ -42,7 +46,8 @@ from costexporter.services.agent import Agent, AgentConfig
 from costexporter.services.watcher import ALERTING, WatchConfig, Watcher
 from costexporter.sources.sim import WATCH_LAG_WALL_S, SimSource
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import ledger, protocol
+from costexporter.store import keys, ledger, protocol, redisconn
+from costexporter.trainer.spool import destination
 
 BAND_STYLE = {
     "compute": "green",
@@ -79,8 +84,20 @@ def redis_server_binary() -> str | None:
     return None
 
 
+@dataclass
+class PrivateRedis:
+    """The demo's own redis-server: its URL and process (watched: a Redis that dies ends the
+    demo with a clear line instead of a story of zeros)."""
+
+    url: str
+    proc: subprocess.Popen | None = None
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
 @contextlib.contextmanager
-def embedded_redis() -> Iterator[str]:
+def embedded_redis() -> Iterator[PrivateRedis]:
     """A private redis-server on a free port in a temporary directory; removed at exit."""
     binary = redis_server_binary()
     if binary is None:
@@ -125,7 +142,7 @@ def embedded_redis() -> Iterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise DemoError(f"{binary} did not start") from None
                 time.sleep(0.05)
-        yield url
+        yield PrivateRedis(url, proc)
     finally:
         proc.terminate()
         try:
@@ -145,13 +162,36 @@ class DemoConfig:
     watch: bool = True  # run the watcher in-process (the Docker stack runs its own)
     prices: Prices = field(default_factory=Prices)
     booking: BookingConfig = field(default_factory=BookingConfig)
+    # The story ends when the demo starts (it lies in the recent past), so the finance API's
+    # default window (30 days ending now) covers it, during and after the run.
+    in_the_past: bool = True
+    redis: PrivateRedis | None = None  # the private redis-server, when the demo started one
+
+
+LEASE_S = 15  # how long a demo's lease on its prefix outlives its last renewal
+REDIS_GONE_S = 10  # a Redis that does not answer this long ends the demo
 
 
 class Demo:
     def __init__(self, cfg: DemoConfig) -> None:
         self.cfg = cfg
+        self._client = redisconn.from_url(cfg.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.cleared = claim_prefix(self._client, cfg.prefix, self.run_id)
+        self._redis_ok_at = time.monotonic()
+        self._failure: str | None = None
+        self._lease_thread = threading.Thread(
+            target=self._renew_lease, name="costexporter-demo-lease", daemon=True
+        )
+        self._lease_stop = threading.Event()
+        self._lease_thread.start()
         self.src = SimSource(
-            cfg.scenario, speed=cfg.speed, redis_url=cfg.redis_url, prefix=cfg.prefix, host="demo"
+            cfg.scenario,
+            speed=cfg.speed,
+            redis_url=cfg.redis_url,
+            prefix=cfg.prefix,
+            host="demo",
+            ends_at=time.time() if cfg.in_the_past else None,
         )
         b = self.src.builder
         self.job = b.job
@@ -233,6 +273,34 @@ class Demo:
             t.join(5)
         self.agent.shutdown()
         self.src.close()
+        self._lease_stop.set()
+        self._lease_thread.join(5)
+        with contextlib.suppress(redis.RedisError, OSError):
+            self._client.delete(keys.demo_lease_key(self.cfg.prefix))
+
+    def _renew_lease(self) -> None:
+        """Keep the prefix's lease while the demo runs, and notice a Redis that stops answering."""
+        while not self._lease_stop.wait(1.0):
+            try:
+                self._client.set(
+                    keys.demo_lease_key(self.cfg.prefix), _owner(self.run_id), ex=LEASE_S
+                )
+                self._redis_ok_at = time.monotonic()
+            except (redis.RedisError, OSError):
+                pass
+
+    def failure(self) -> str | None:
+        """Why the demo cannot go on (its Redis died or stopped answering), else None."""
+        if self._failure is None and self.cfg.redis is not None:
+            code = self.cfg.redis.exited()
+            if code is not None:
+                self._failure = f"the private Redis exited (code {code}): the demo cannot go on"
+        if self._failure is None and time.monotonic() - self._redis_ok_at > REDIS_GONE_S:
+            self._failure = (
+                f"Redis at {destination(self.cfg.redis_url)} has not answered for {REDIS_GONE_S} s: "
+                "the demo cannot go on"
+            )
+        return self._failure
 
     # ---- what the views show -------------------------------------------------------------
     def state(self) -> dict:
@@ -294,13 +362,18 @@ class Demo:
         story = STORIES.get(self.cfg.scenario, b.job) if isinstance(self.cfg.scenario, str) else b.job
         return f"costexporter demo: {b.n_gpus} x {b.gpu_name.removeprefix('NVIDIA ')}, {story}"
 
-    def bill(self) -> dict:
-        """costexporter's split next to the utilization rule's (R7's > 60% exporter)."""
+    def bill(self, partial: bool = False) -> dict:
+        """costexporter's split next to the utilization rule's (a utilization > 60% exporter).
+        `partial`: the story was stopped (or its Redis lost) before its end: the utilization rule
+        is then held to what the agent booked, and the bill says it is partial."""
         j = self.agent.jobs.get(self.job)
         empty = np.zeros((len(Category), 3), np.int64)
         hours, cost = _net(j.booked if j else empty, j.voided if j else empty)
         price = self.cfg.prices.price_per_gpu_hour
-        util = utilization_rule(self.played_samples())
+        until_ms = None
+        if partial:
+            until_ms = j.booked_until if j is not None else 0
+        util = utilization_rule(self.played_samples(until_ms))
         valid_h = sum(hours[CATEGORIES[c]] for c in VALID_CATEGORIES)
         wasted_h = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
         figures = j.figures if j is not None else {}
@@ -308,7 +381,11 @@ class Demo:
         # Money to 1/100 of a cent: the ledger rounds each round's cost to micro-units, so the
         # last digits depend on how the story was cut into rounds, not on what was booked.
         total_cost = round(sum(cost.values()), 4)
+        job_h = valid_h + hours["overhead"] + wasted_h + hours["unobserved"]
+        unassigned_h = self.unassigned_hours()
         return {
+            "job": self.job,
+            "partial": partial,
             "currency": self.cfg.prices.currency,
             "utilization_rule": {
                 "useful_gpu_hours": util["useful_gpu_hours"],
@@ -323,8 +400,11 @@ class Demo:
                     CATEGORIES[c]: hours[CATEGORIES[c]] for c in sorted(WASTED_CATEGORIES)
                 },
                 "unobserved_gpu_hours": hours["unobserved"],
-                "unassigned_gpu_hours": self.unassigned_hours(),
-                "total_gpu_hours": valid_h + hours["overhead"] + wasted_h + hours["unobserved"],
+                "unassigned_gpu_hours": unassigned_h,
+                # The job's GPU-hours (what the finance API reports for it), and every row of the
+                # bill: the job's and the GPUs' time after the run's end, nobody's.
+                "job_gpu_hours": job_h,
+                "total_gpu_hours": job_h + unassigned_h,
                 "valid_cost": round(sum(cost[CATEGORIES[c]] for c in VALID_CATEGORIES), 4),
                 "wasted_cost": round(sum(cost[CATEGORIES[c]] for c in WASTED_CATEGORIES), 4),
                 "total_cost": total_cost,
@@ -333,10 +413,13 @@ class Demo:
             },
         }
 
-    def played_samples(self) -> Samples:
-        """The story's samples up to where it was played (all of it, unless stopped early)."""
+    def played_samples(self, booked_until_ms: int | None = None) -> Samples:
+        """The story's samples up to where it was played (all of it, unless stopped early), or
+        up to what the agent booked (`booked_until_ms`, in the story's shifted time)."""
         s = self.src.builder.samples()
         until_ms = (self.src.sim_time() - self.src.shift_s) * 1000
+        if booked_until_ms is not None:
+            until_ms = min(until_ms, booked_until_ms - self.src.shift_s * 1000)
         keep = s.ts_ms <= until_ms
         return Samples(
             s.gpus, s.gpu[keep], s.ts_ms[keep], s.power_w[keep], s.util_pct[keep], s.energy_mj[keep]
@@ -352,6 +435,58 @@ class Demo:
         except (redis.RedisError, OSError):
             return 0.0
         return ledger.net_ms(amounts).get("unassigned", 0) / MS_PER_HOUR
+
+
+class PrefixBusy(DemoError):
+    """The prefix is another demo's now, or holds data the demo did not write."""
+
+
+def _owner(run_id: str) -> str:
+    return json.dumps({"run": run_id, "host": socket.gethostname(), "pid": os.getpid(), "at": time.time()})
+
+
+def _glob(prefix: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + ":*"
+
+
+def claim_prefix(client, prefix: str, run_id: str) -> bool:
+    """Make `prefix` the demo's for this run, before anything is posted. A prefix another demo
+    plays on now (its lease) or one holding data the demo did not write (no demo marker: a real
+    deployment's ledger, say) is refused with PrefixBusy; an earlier demo's data is cleared, so
+    a rerun (a compose restart on the same Redis) books the same bill. Returns whether it
+    cleared anything."""
+    lease = client.get(keys.demo_lease_key(prefix))
+    if lease:
+        try:
+            who = json.loads(lease)
+            by = f" (pid {who.get('pid')} on {who.get('host')})"
+        except (ValueError, AttributeError):
+            by = ""
+        raise PrefixBusy(
+            f"another demo is playing on prefix {prefix!r} of this Redis{by}: "
+            "pass --prefix NAME to run a second one beside it"
+        )
+    marked = client.exists(keys.demo_key(prefix))
+    found = list(itertools.islice(client.scan_iter(match=_glob(prefix), count=1000), 1))
+    if found and not marked:
+        raise PrefixBusy(
+            f"prefix {prefix!r} of this Redis holds data the demo did not write (e.g. {found[0][:80]!r}): "
+            "pass --prefix NAME (an unused one) to play the demo beside it"
+        )
+    cleared = 0
+    if found:
+        batch = []
+        for k in client.scan_iter(match=_glob(prefix), count=1000):
+            batch.append(k)
+            if len(batch) >= 500:
+                cleared += client.unlink(*batch)
+                batch = []
+        if batch:
+            cleared += client.unlink(*batch)
+        sys.stderr.write(f"costexporter demo: cleared the earlier demo's {cleared} keys under {prefix!r}\n")
+    client.set(keys.demo_lease_key(prefix), _owner(run_id), ex=LEASE_S)
+    client.set(keys.demo_key(prefix), _owner(run_id))
+    return bool(cleared)
 
 
 def _net(booked: np.ndarray, voided: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
@@ -433,7 +568,8 @@ def render_bill(bill: dict):
 
     cur = bill["currency"]
     u, c = bill["utilization_rule"], bill["costexporter"]
-    t = Table(title="The bill: utilization > 60% rule vs costexporter")
+    title = "The bill: utilization > 60% rule vs costexporter"
+    t = Table(title=title + (" (partial: stopped before the story's end)" if bill.get("partial") else ""))
     t.add_column("")
     t.add_column("utilization rule", justify="right")
     t.add_column("costexporter", justify="right")

@@ -35,6 +35,9 @@ from costexporter.cli.servers import api_app, serve_forever
     "--hash-token",
     default=None,
     metavar="TOKEN",
+    # An action, not a setting: a variable left in the environment must not turn the server
+    # into a one-shot hash printer.
+    allow_from_autoenv=False,
     help="Print the sha256 of TOKEN for the tokens file, and exit.",
 )
 @click.option(

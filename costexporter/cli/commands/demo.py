@@ -27,8 +27,14 @@ from costexporter.cli.servers import api_app, serve_in_thread
     default=160.0,
     help="Times faster than real time (160: the ~8-hour story in about 3 minutes).",
 )
-@click.option("--scenario", default="r1", help="The story: r1 (16 x B300, R1 + R7) or mini (4 GPUs, 40 min).")
-@listen_option("/metrics server and the finance API")
+@click.option(
+    "--scenario",
+    type=click.Choice(["r1", "mini"]),
+    default="r1",
+    help="The story: r1 (16 x B300, R1 + R7) or mini (4 GPUs, 40 min).",
+)
+# Loopback: the demo's API has no tokens; a container (the compose stack) passes 0.0.0.0.
+@listen_option("/metrics server and the finance API", default="127.0.0.1")
 @click.option(
     "--port", type=int, default=DEFAULT_METRICS_PORT, help="/metrics of the agent and the watcher (0: none)."
 )
@@ -48,7 +54,13 @@ from costexporter.cli.servers import api_app, serve_in_thread
 def demo(
     redis_url, prefix, speed, scenario, listen, port, api_port, plain, linger, forever, no_watch, as_json
 ) -> None:
-    """Play the R1 + R7 story (docs/background.md) on a simulated job, live, then print the bill."""
+    """Play the R1 + R7 story (a deadlock at a checkpoint, a hung write, a crash loop and a
+    resume) on a simulated job, live, then print the bill.
+
+    The story is placed so that it ends when the demo starts: the finance API's default window
+    covers it. A rerun on the same Redis and prefix clears the earlier demo's data first; a
+    prefix holding other data is refused. Interrupted (Ctrl-C, SIGTERM, SIGHUP), it prints the
+    bill so far marked partial and exits 128 + the signal."""
     import contextlib
     import json
     import logging
@@ -59,6 +71,7 @@ def demo(
         Demo,
         DemoConfig,
         DemoError,
+        PrivateRedis,
         embedded_redis,
     )
 
@@ -66,19 +79,35 @@ def demo(
     check_port(listen, port, "--port")
     check_port(listen, api_port, "--api-port")
     stop = threading.Event()
-    # Closing the terminal (SIGHUP) stops the demo like SIGTERM: the private Redis, the temporary
-    # directories and the threads are cleaned up on the way out.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+    got: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        got.append(signum)
+        stop.set()
+
+    # Ctrl-C, SIGTERM and closing the terminal (SIGHUP) stop the demo the same way: the bill so
+    # far (partial), then the private Redis, the temporary directories and the threads go.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    failed: str | None = None
+    partial = False
     try:
         if redis_url:
             # Fail fast instead of playing a story of zeros.
             require_redis(
                 redis_url, "the Redis of --redis-url does not answer ({e}); omit it for a private one"
             )
-        ctx = contextlib.nullcontext(redis_url) if redis_url else embedded_redis()
-        with ctx as url:
-            cfg = DemoConfig(redis_url=url, prefix=prefix, scenario=scenario, speed=speed, watch=not no_watch)
+        ctx = contextlib.nullcontext(PrivateRedis(redis_url)) if redis_url else embedded_redis()
+        with ctx as private:
+            url = private.url
+            cfg = DemoConfig(
+                redis_url=url,
+                prefix=prefix,
+                scenario=scenario,
+                speed=speed,
+                watch=not no_watch,
+                redis=private if private.proc is not None else None,
+            )
             d = Demo(cfg)
             try:
                 d.start()
@@ -93,15 +122,30 @@ def demo(
                     f"API {f':{api_port}' if api_port else 'off'}, speed {speed:g}x",
                     err=True,
                 )
+                if api_port:
+                    host = "127.0.0.1" if listen in ("0.0.0.0", "::") else listen
+                    click.echo(
+                        f"costexporter demo: the bill over HTTP: curl -s http://{host}:{api_port}"
+                        f"/api/v1/jobs/{d.job}",
+                        err=True,
+                    )
                 # Status (live view or plain lines) goes to stderr: stdout carries only the bill.
                 demo_loop(d, plain, stop)
-                bill = d.bill()
+                failed = d.failure()
+                partial = not d.finished
+                bill = d.bill(partial=partial)
                 with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
                     if as_json:
                         click.echo(json.dumps(bill, indent=2))
                     else:
                         demo_bill(bill)
-                if forever:
+                if failed:
+                    click.echo(f"costexporter demo: {failed}", err=True)
+                elif partial:
+                    click.echo(
+                        "costexporter demo: stopped before the story's end: the bill is partial", err=True
+                    )
+                elif forever:
                     stop.wait()
                 elif linger:
                     stop.wait(linger)
@@ -109,5 +153,7 @@ def demo(
                 d.stop()
     except DemoError as e:
         raise InputFailure(str(e)) from None
-    except KeyboardInterrupt:
-        pass
+    if got and partial:
+        raise SystemExit(128 + got[0])
+    if failed:
+        raise SystemExit(1)

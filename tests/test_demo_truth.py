@@ -1,0 +1,172 @@
+"""The demo tells the truth: a rerun on the same Redis and prefix books the same bill, the finance
+API's default window agrees with the bill, an interrupted demo says its bill is partial and exits
+non-zero, a private Redis that dies ends the demo with one clear line, and a prefix that is not
+the demo's is never cleared."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+import redis
+
+from costexporter.store import keys
+
+from .conftest import ROOT, SHARED_URL
+from .redis_server import free_port
+
+# Real demos played on a clock: run alone, after the parallel tests.
+pytestmark = pytest.mark.serial
+
+JOB = "sim-mini"
+
+
+def demo(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "costexporter.cli", "demo", "--scenario", "mini", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **kw.pop("env", {})},
+        **kw,
+    )
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def read_bill(proc: subprocess.Popen) -> dict:
+    """The JSON bill from stdout (the process may still be lingering)."""
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.rstrip() == "}":
+            break
+    return json.loads("".join(lines))
+
+
+@pytest.fixture
+def prefix():
+    p = f"test-demo-{uuid.uuid4().hex[:10]}"
+    yield p
+    r = redis.Redis.from_url(SHARED_URL)
+    found = list(r.scan_iter(f"{p}:*"))
+    if found:
+        r.delete(*found)
+
+
+def test_a_rerun_on_the_same_prefix_books_the_same_bill_and_the_api_agrees(prefix):
+    bills, answers = [], []
+    for run in range(2):
+        api_port = free_port()
+        proc = demo(
+            "--speed", "600", "--json", "--linger", "30", "--redis-url", SHARED_URL, "--prefix", prefix,
+            "--api-port", str(api_port),
+        )  # fmt: skip
+        try:
+            during = None
+            deadline = time.monotonic() + 120
+            while during is None:  # the API serves the job while the story plays, no window given
+                assert proc.poll() is None and time.monotonic() < deadline
+                try:
+                    got = get(f"http://127.0.0.1:{api_port}/api/v1/jobs/{JOB}")
+                    if got["gpu_hours"] > 0:
+                        during = got
+                except OSError:
+                    pass
+                time.sleep(0.2)
+            bill = read_bill(proc)
+            after = get(f"http://127.0.0.1:{api_port}/api/v1/jobs/{JOB}")  # the default window
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]  # stopped while lingering: the story was whole
+        assert ("cleared the earlier demo's" in err) == (run == 1), err[-2000:]
+        c = bill["costexporter"]
+        assert bill["partial"] is False
+        assert during["gpu_hours"] <= after["gpu_hours"] + 1e-9
+        assert after["gpu_hours"] == pytest.approx(c["job_gpu_hours"], abs=1e-5)
+        assert float(after["cost"]) == pytest.approx(c["total_cost"], abs=1e-3)
+        assert after["valid_steps"] == c["valid_steps"] > 0
+        # The bill's rows add up to its total: the job's and the unassigned tail.
+        rows = c["valid_gpu_hours"] + c["overhead_gpu_hours"] + c["wasted_gpu_hours"]
+        rows += c["unobserved_gpu_hours"] + c["unassigned_gpu_hours"]
+        assert c["total_gpu_hours"] == pytest.approx(rows)
+        u = bill["utilization_rule"]
+        assert u["useful_gpu_hours"] + u["not_useful_gpu_hours"] == pytest.approx(
+            c["total_gpu_hours"], abs=0.02
+        )
+        # The story lies in the past: it ended before the API was asked.
+        assert after["window"]["end_unix"] >= time.time() - 600
+        bills.append(bill)
+        answers.append(after)
+    assert bills[0] == bills[1]
+    assert answers[0]["gpu_hours"] == answers[1]["gpu_hours"]
+
+
+def test_a_prefix_holding_other_data_or_a_playing_demo_is_refused_at_once(prefix):
+    r = redis.Redis.from_url(SHARED_URL)
+    r.set(keys.epoch_key(prefix), "a real deployment's")
+    t0 = time.monotonic()
+    proc = demo("--api-port", "0", "--redis-url", SHARED_URL, "--prefix", prefix)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - t0 < 30, err
+    assert "--prefix" in err and "did not write" in err and "Traceback" not in err and out == ""
+    assert r.get(keys.epoch_key(prefix)) == b"a real deployment's"  # never cleared
+    r.delete(keys.epoch_key(prefix))
+    r.set(keys.demo_lease_key(prefix), json.dumps({"host": "elsewhere", "pid": 7}), ex=30)
+    proc = demo("--api-port", "0", "--redis-url", SHARED_URL, "--prefix", prefix)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "another demo is playing" in err and "pid 7 on elsewhere" in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_demo_prints_its_bill_marked_partial_and_exits_non_zero(prefix, sig):
+    proc = demo(
+        "--speed", "40", "--json", "--plain", "--api-port", "0", "--redis-url", SHARED_URL, "--prefix", prefix
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if re.search(r"step \d+, [1-9]\d* valid", line):  # some steps booked
+            break
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    bill = json.loads(out)
+    assert bill["partial"] is True and "the bill is partial" in err
+    c, u = bill["costexporter"], bill["utilization_rule"]
+    assert 0 < c["valid_steps"] < 150 and c["total_gpu_hours"] < 2.2
+    # The utilization rule is held to what was booked, not the whole story.
+    assert u["useful_gpu_hours"] + u["not_useful_gpu_hours"] <= c["total_gpu_hours"] + 0.02
+
+
+def test_a_private_redis_that_dies_ends_the_demo_with_a_clear_line():
+    proc = demo("--speed", "20", "--json", "--plain", "--api-port", "0")
+    assert proc.stderr is not None
+    port = None
+    for line in proc.stderr:
+        if m := re.search(r"Redis redis://127\.0\.0\.1:(\d+)/", line):
+            port = int(m.group(1))
+            break
+    assert port is not None
+    time.sleep(2)
+    pid = redis.Redis(port=port).info("server")["process_id"]
+    os.kill(int(pid), signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=90)
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 1, err[-2000:]
+    assert "the private Redis exited" in err and "Traceback" not in err
+    assert json.loads(out)["partial"] is True
