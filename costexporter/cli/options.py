@@ -389,21 +389,20 @@ def finish_options(group: click.Group, path: list[str] | None = None) -> None:
             if p.envvar is None:
                 new = env_name(here, p)
                 if new != old:
-                    p.envvar = [new, old]
+                    p.envvar = new
                     DEPRECATED_ENV[old] = new
             elif p.name == "profile_path":
-                p.envvar = [PROFILE_ENV, old]
                 DEPRECATED_ENV[old] = PROFILE_ENV
 
 
 def warn_deprecated_env(command: str | None) -> None:
-    """One line on stderr for each variable of an older release that the command reads and that
-    is set (it is read all the same, unless the new one is set too)."""
+    """Variables of an older release that the command reads: each set one is read as its new
+    name (unless that is set too), with one line on stderr. Runs before the command parses its
+    options, so --help names only the new variables."""
     from costexporter.core.profiles import PROFILE_DIR_ENV
 
     mine = f"{ENV_PREFIX}_{(command or '').replace('-', '_').upper()}_"
     olds = {o: n for o, n in DEPRECATED_ENV.items() if command is None or o.startswith(mine)}
-    olds[PROFILE_DIR_ENV] = PROFILE_ENV
     for old, new in sorted(olds.items()):
         if old not in os.environ:
             continue
@@ -411,3 +410,7 @@ def warn_deprecated_env(command: str | None) -> None:
             click.echo(f"costexporter: ${old} is ignored: ${new} is set", err=True)
         else:
             click.echo(f"costexporter: ${old} is deprecated: use ${new}", err=True)
+            os.environ[new] = os.environ[old]
+    if PROFILE_DIR_ENV in os.environ:
+        # Still read where --profile and $COSTEXPORTER_PROFILE are not given (load_profile).
+        click.echo(f"costexporter: ${PROFILE_DIR_ENV} is deprecated: use ${PROFILE_ENV}", err=True)
