@@ -220,6 +220,15 @@ def agreement(bands: np.ndarray, trace: RealTrace) -> float:
     return float(np.mean(bands == trace.label_bands()))
 
 
+def csv_lines(trace: RealTrace) -> np.ndarray:
+    """The sample (index into `trace.samples`) written on each data line of `write_csv`: line
+    k of the file (header = 1) holds sample `csv_lines(trace)[k - 2]`."""
+    s = trace.samples
+    G = len(s.gpus)
+    n = len(s) // G
+    return (np.arange(G)[None, :] * n + np.arange(n)[:, None]).ravel()
+
+
 def write_csv(trace: RealTrace, path: Path, *, power_unit: str = "W", trailing_newline: bool = True) -> Path:
     """The trace as index-less `nvidia-smi --format=csv -lms 100` output, local time = UTC."""
     s = trace.samples

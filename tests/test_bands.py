@@ -120,7 +120,8 @@ def test_derived_profile_sees_checkpoint_waiters_spinning_just_above_idle():
 
 def test_profile_selection():
     assert profiles.select("NVIDIA B300") is profiles.B300
-    assert profiles.select(None, None) is profiles.B300
+    with pytest.raises(ProfileError, match="--gpu-model or --power-limit"):
+        profiles.select(None, None)  # never another GPU's profile in silence
     derived = profiles.select("Some Future GPU", 900)
     assert derived.power_limit_w == 900 and not derived.calibrated
     with pytest.raises(ProfileError, match="unknown GPU model"):

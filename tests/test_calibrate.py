@@ -204,10 +204,12 @@ def test_replay_finds_the_profile_by_gpu_model_and_flags_uncalibrated(cli, fitte
     for c in csvs:
         args += ["--samples", f"{c.stem}={c}"]
     derived = json.loads(cli(*args).stdout)["jobs"]["incident"]
-    assert derived["profile"] == {"name": "H200", "calibrated": False}
+    assert derived["profile"]["name"] == "H200" and derived["profile"]["calibrated"] is False
+    assert derived["profile"]["source"] == "model"
     r = cli(*args, "--profile", str(fitted["dir"]))
     found = json.loads(r.stdout)["jobs"]["incident"]
-    assert found["profile"] == {"name": "NVIDIA H200", "calibrated": True}
+    assert found["profile"]["name"] == "NVIDIA H200" and found["profile"]["calibrated"] is True
+    assert found["profile"]["source"] == "fitted"
     table = cli(*[a for a in args if a not in ("--format", "json")]).stdout
     assert "profile H200 (uncalibrated)" in table
 

@@ -205,18 +205,21 @@ def test_profile_from_the_traces_name_column_or_flags(cli, tmp_path):
     s.gpus = [type(g)(g.host, g.index, g.uuid, "NVIDIA H100 80GB HBM3") for g in s.gpus]
     [p] = write_nvidia_smi_csv(s, tmp_path, name=True)
     rep = json.loads(cli("replay", "--samples", p, "--format", "json").stdout)
-    assert rep["jobs"]["trace"]["profile"] == {"name": "H100", "calibrated": False}
+    prof = rep["jobs"]["trace"]["profile"]
+    assert (prof["name"], prof["calibrated"], prof["source"]) == ("H100", False, "model")
     rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--gpu-model", "B300").stdout)
-    assert rep["jobs"]["trace"]["profile"] == {"name": "B300", "calibrated": True}
+    prof = rep["jobs"]["trace"]["profile"]
+    assert (prof["name"], prof["calibrated"], prof["source"]) == ("B300", True, "built-in")
     rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--power-limit", "2000").stdout)
     prof = rep["jobs"]["trace"]["profile"]
-    assert prof["calibrated"] is False
+    assert prof["calibrated"] is False and prof["source"] == "power-limit"
     # 940-1040 W is below 65% of a 2000 W limit: not compute under that profile.
     assert rep["jobs"]["trace"]["band_gpu_hours"]["compute"] == 0
     custom = tmp_path / "p.yaml"
     custom.write_text("name: lab\nidle_max_w: 100\nlow_max_w: 200\ncompute_min_w: 900\n")
     rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--profile", custom).stdout)
-    assert rep["jobs"]["trace"]["profile"] == {"name": "lab", "calibrated": True}
+    prof = rep["jobs"]["trace"]["profile"]
+    assert (prof["name"], prof["calibrated"], prof["source"]) == ("lab", True, "profile-file")
 
 
 def test_host_override_and_timings(cli, tmp_path):

@@ -93,6 +93,73 @@ def clock_warnings(report: dict, tz: str) -> list[str]:
     return out
 
 
+def profile_notes(report: dict) -> list[str]:
+    """One line per job banded with a profile derived from the trace's own levels: no model and
+    no limit named it, so the user knows what the bands stand on and how to pin them."""
+    out = []
+    for job, j in report["jobs"].items():
+        p = j["profile"]
+        if p.get("source") != "trace":
+            continue
+        idle = p.get("learned_idle_w")
+        out.append(
+            f"job {job}: no GPU model or power limit in the trace or flags; its bands use a profile "
+            f"derived from the trace's own levels (compute ~{p.get('compute_level_w', 0):.0f} W, "
+            + (f"idle ~{idle:.0f} W" if idle is not None else "no idle level")
+            + f"; edges {p['idle_max_w']:.0f}/{p['low_max_w']:.0f}/{p['compute_min_w']:.0f} W): "
+            "give --gpu-model or --power-limit to pin them"
+        )
+    return out
+
+
+def write_timeline(path, samples, results, files: list[str]) -> None:
+    """One CSV row per sample read, in the order of the input files and their lines: where it was
+    read (file, line; header = line 1), its GPU, time (ISO 8601 UTC), power, utilization, band and
+    category. A sample no job held has no band and the category `unassigned`."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    from costexporter.core.replay import sample_timeline
+
+    tl = sample_timeline(samples, results)
+    n = len(samples)
+    src = samples.src if samples.src is not None else np.zeros(n, np.int64)
+    order = np.argsort(src, kind="stable")
+    file_no = (src >> 32)[order]
+    names = np.asarray(files or [""], object)
+    band_names = np.asarray(["", *BANDS], object)
+    cat_names = np.asarray(CATEGORIES, object)
+    hosts = np.asarray([g.host for g in samples.gpus] or [""], object)
+    index = np.asarray([g.index for g in samples.gpus] or [0], np.int64)
+    g = samples.gpu[order]
+    ts = pa.array(samples.ts_ms[order], pa.timestamp("ms", tz="UTC"))
+    table = pa.table(
+        {
+            "file": pa.array(names[np.clip(file_no, 0, names.size - 1)], pa.string()),
+            "line": pa.array((src & 0xFFFFFFFF)[order]),
+            "host": pa.array(hosts[g], pa.string()),
+            "gpu": pa.array(index[g]),
+            "ts": ts,
+            "power_w": pa.array(samples.power_w[order]),
+            "util_pct": pa.array(samples.util_pct[order]),
+            "band": pa.array(band_names[tl["band"][order].astype(np.int64) + 1], pa.string()),
+            "category": pa.array(cat_names[tl["category"][order]], pa.string()),
+        }
+    )
+    import io
+
+    buf = io.BytesIO()
+    try:  # plain values; quoted only where a file or host name needs it
+        pcsv.write_csv(table, buf, pcsv.WriteOptions(include_header=False, quoting_style="none"))
+    except pa.ArrowInvalid:
+        buf = io.BytesIO()
+        pcsv.write_csv(table, buf, pcsv.WriteOptions(include_header=False, quoting_style="needed"))
+    with open(path, "wb") as f:
+        f.write((",".join(table.column_names) + "\n").encode())
+        f.write(buf.getbuffer())
+
+
 def _fmt_money(x: float | None, cur: str) -> str:
     return "n/a" if x is None else f"{x:,.4f} {cur}" if abs(x) < 1 else f"{x:,.2f} {cur}"
 
@@ -109,6 +176,7 @@ def to_table(report: dict) -> str:
         console.print(
             f"[bold]job {job}[/]  profile {prof['name']}"
             + ("" if prof["calibrated"] else " (uncalibrated)")
+            + (" (from the trace's own levels)" if prof.get("source") == "trace" else "")
             + f"  {j['gpu_hours_total']:.2f} GPU-h  {len(j['gpus'])} GPUs"
         )
         t = Table(show_edge=False, pad_edge=False)

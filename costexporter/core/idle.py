@@ -23,7 +23,9 @@ WINDOW = 600  # newest 0%-utilization readings kept per GPU (10 min at 1 Hz)
 MIN_SAMPLES = 30  # readings at 0% before a level is used
 ZERO_UTIL_PCT = 0.5  # "at 0%": NVML reports whole percents
 MIN_FRACTION = 0.03  # a learned idle below 3% of the limit is a bad reading, not idle
-MAX_FRACTION = 0.30  # ... and above 30% it is not idle (a GPU busy at 0% reported utilization)
+# ... and above 40% it is not idle (a GPU busy at 0% reported utilization). An old board holding a
+# CUDA context idles high: a 250 W TITAN X (Pascal) at 87-95 W, 35-38% of its limit.
+MAX_FRACTION = 0.40
 ABS_MIN_W, ABS_MAX_W = 5.0, 400.0  # the same bounds where the limit is unknown
 
 
@@ -77,3 +79,24 @@ class IdleLearner:
         """Readings at 0% the level stands on (this process's, else the stored level's)."""
         n = self._count.get(key, 0)
         return n if n >= self.min_samples else max(n, self._seed.get(key, (0.0, 0))[1])
+
+
+def trace_levels(
+    gpu: np.ndarray, power_w: np.ndarray, util_pct: np.ndarray, limits: list[float | None]
+) -> list[float | None]:
+    """Each GPU's idle level over a whole recorded trace, by the agent's rule (median of its
+    readings at 0%, at least MIN_SAMPLES of them, plausible for its limit); `gpu` numbers the
+    readings 0..len(limits)-1."""
+    n = len(limits)
+    with np.errstate(invalid="ignore"):
+        keep = (util_pct <= ZERO_UTIL_PCT) & (util_pct >= 0) & np.isfinite(power_w) & (power_w >= 0)
+    g, p = gpu[keep], power_w[keep]
+    order = np.argsort(g, kind="stable")
+    g, p = g[order], p[order]
+    bounds = np.searchsorted(g, np.arange(n + 1))
+    out: list[float | None] = []
+    for i in range(n):
+        part = p[bounds[i] : bounds[i + 1]]
+        lv = float(np.median(part)) if part.size >= MIN_SAMPLES else None
+        out.append(lv if lv is not None and plausible(lv, limits[i]) else None)
+    return out

@@ -105,6 +105,9 @@ class Samples:
     power_w: np.ndarray  # float64
     util_pct: np.ndarray  # float64
     energy_mj: np.ndarray  # float64
+    # Where each sample was read: input file number << 32 | its line in that file (header = 1);
+    # None where the samples did not come from files.
+    src: np.ndarray | None = None  # int64
 
     def __len__(self) -> int:
         return int(self.ts_ms.shape[0])
@@ -143,6 +146,7 @@ class Samples:
             power_w=self.power_w[order],
             util_pct=self.util_pct[order],
             energy_mj=self.energy_mj[order],
+            src=None if self.src is None else self.src[order],
         )
 
 

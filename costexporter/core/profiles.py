@@ -12,10 +12,12 @@ costexporter/core/idle.py): idle depends on a live CUDA context, not only on the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from costexporter.core.model import GpuId
@@ -71,24 +73,50 @@ IDLE_FRACTION = 0.16
 LOW_FRACTION = 0.30
 COMPUTE_FRACTION = 0.65
 
-# Board power limits (W) of common datacenter GPUs, for deriving a profile from a model name.
-KNOWN_POWER_LIMITS_W: dict[str, float] = {
-    "GB300": 1400.0,
-    "B300": 1100.0,
-    "GB200": 1200.0,
-    "B200": 1000.0,
-    "H200": 700.0,
-    "H100": 700.0,
-    "H800": 700.0,
-    "H20": 400.0,
-    "A100": 400.0,
-    "A800": 400.0,
-    "L40S": 350.0,
-    "L40": 300.0,
-    "L4": 72.0,
-    "A10": 150.0,
-    "MI300X": 750.0,
-}
+# Board power limits (W) of the GPUs training teams use, for deriving a profile from a model name.
+# Device names ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-PCIE-40GB', 'NVIDIA TITAN X (Pascal)') are
+# matched by their words: each entry's words must all be in the name, the first entry that
+# matches wins (a variant before its family's default form, which keeps the family's name).
+MODEL_VARIANTS: list[tuple[str, tuple[str, ...], float]] = [
+    ("GB300", ("GB300",), 1400.0),
+    ("GB200", ("GB200",), 1200.0),
+    ("B300", ("B300",), 1100.0),
+    ("B200", ("B200",), 1000.0),
+    ("H200 NVL", ("H200", "NVL"), 600.0),
+    ("H200", ("H200",), 700.0),
+    ("H100 PCIe", ("H100", "PCIE"), 350.0),
+    ("H100 NVL", ("H100", "NVL"), 400.0),
+    ("H100", ("H100",), 700.0),  # SXM
+    ("H800 PCIe", ("H800", "PCIE"), 350.0),
+    ("H800", ("H800",), 700.0),
+    ("H20", ("H20",), 400.0),
+    ("A100 PCIe 80GB", ("A100", "PCIE", "80GB"), 300.0),
+    ("A100 PCIe", ("A100", "PCIE"), 250.0),
+    ("A100", ("A100",), 400.0),  # SXM4, 40 and 80 GB
+    ("A800 PCIe", ("A800", "PCIE"), 300.0),
+    ("A800", ("A800",), 400.0),
+    ("L40S", ("L40S",), 350.0),
+    ("L40", ("L40",), 300.0),
+    ("L4", ("L4",), 72.0),
+    ("A10G", ("A10G",), 300.0),
+    ("A10", ("A10",), 150.0),
+    ("A30", ("A30",), 165.0),
+    ("A40", ("A40",), 300.0),
+    ("RTX A6000", ("A6000",), 300.0),
+    ("T4", ("T4",), 70.0),
+    ("V100S", ("V100S",), 250.0),
+    ("V100 PCIe", ("V100", "PCIE"), 250.0),
+    ("V100", ("V100",), 300.0),  # SXM2
+    ("P100", ("P100",), 250.0),
+    ("TITAN RTX", ("TITAN", "RTX"), 280.0),
+    ("TITAN V", ("TITAN", "V"), 250.0),
+    ("TITAN Xp", ("TITAN", "XP"), 250.0),
+    ("TITAN X", ("TITAN", "X"), 250.0),
+    ("RTX 4090", ("4090",), 450.0),
+    ("RTX 3090", ("3090",), 350.0),
+    ("MI300X", ("MI300X",), 750.0),
+]
+KNOWN_POWER_LIMITS_W: dict[str, float] = {key: limit for key, _, limit in MODEL_VARIANTS}
 
 
 def derive(power_limit_w: float, name: str = "derived") -> Profile:
@@ -122,7 +150,7 @@ def with_idle(profile: Profile, idle_w: float | None) -> Profile:
     edges stay below the compute edge."""
     if idle_w is None or profile.calibrated or not idle_w > 0:
         return profile
-    ceiling = 0.9 * profile.compute_min_w
+    ceiling = 0.95 * profile.compute_min_w
     idle_max = min(IDLE_MARGIN * idle_w, ceiling)
     low_max = min(max(LOW_RATIO * idle_w, idle_max), ceiling)
     return replace(
@@ -135,8 +163,60 @@ def with_idle(profile: Profile, idle_w: float | None) -> Profile:
 
 def _model_key(gpu_model: str) -> str | None:
     """Match a device name such as 'NVIDIA H100 80GB HBM3' to a key of KNOWN_POWER_LIMITS_W."""
-    tokens = set(gpu_model.upper().replace("-", " ").split())
-    return next((k for k in KNOWN_POWER_LIMITS_W if k in tokens), None)
+    words = set(gpu_model.upper().replace("-", " ").replace("(", " ").replace(")", " ").split())
+    return next((key for key, need, _ in MODEL_VARIANTS if words.issuperset(need)), None)
+
+
+def known_models() -> str:
+    """The model names a profile can be derived for, for an error message."""
+    return ", ".join(key for key, _, _ in MODEL_VARIANTS)
+
+
+# A trace that names no model and no limit: its profile is derived from its own levels. A GPU
+# computing draws most of its limit (an H100 at 530-580 W of 700 W, an H200 at its 700 W cap,
+# R2's B300 at 940-1040 W of 1100 W): the limit is taken as the busy readings' 95th percentile
+# over this share. A compute level less than this many times the idle level is not told apart.
+TRACE_COMPUTE_SHARE = 0.85
+TRACE_MIN_COMPUTE_OVER_IDLE = 2.0
+TRACE_BUSY_UTIL_PCT = 80.0
+TRACE_MIN_BUSY = 30  # busy readings a compute level stands on
+
+
+@dataclass(frozen=True, slots=True)
+class TraceLevels:
+    """What a trace says of its own GPUs' power: the learned idle level (None: too few readings
+    at 0%) and the compute level (95th percentile of busy readings; None: too few)."""
+
+    idle_w: float | None
+    compute_w: float | None
+
+
+def trace_levels(power_w: np.ndarray, util_pct: np.ndarray, idle_w: float | None) -> TraceLevels:
+    """The compute level of readings at or above TRACE_BUSY_UTIL_PCT, with the idle level
+    learned per GPU (`costexporter/core/idle.py`)."""
+    with np.errstate(invalid="ignore"):
+        busy = power_w[(util_pct >= TRACE_BUSY_UTIL_PCT) & np.isfinite(power_w)]
+    compute = float(np.percentile(busy, 95)) if busy.size >= TRACE_MIN_BUSY else None
+    return TraceLevels(idle_w, compute)
+
+
+def from_trace(levels: TraceLevels, name: str) -> Profile:
+    """An uncalibrated profile from a trace's own levels (`trace_levels`), derived as from a power
+    limit; ProfileError when the trace does not tell compute from idle."""
+    c, i = levels.compute_w, levels.idle_w
+    if c is None or (i is not None and c < TRACE_MIN_COMPUTE_OVER_IDLE * i):
+        what = "no busy readings" if c is None else f"busy readings at ~{c:.0f} W, idle at ~{i:.0f} W"
+        raise ProfileError(
+            f"the trace names no GPU model or power limit and its own levels do not tell compute from "
+            f"idle ({what}): give --gpu-model or --power-limit"
+        )
+    limit = round(c / TRACE_COMPUTE_SHARE, 1)
+    p = derive(limit, name=name)
+    return replace(p, provenance={"compute_level_w": round(c, 1), "estimated_power_limit_w": limit})
+
+
+# Where a profile came from, as the report names it.
+SOURCES = ("profile-file", "fitted", "built-in", "power-limit", "model", "trace")
 
 
 def select(
@@ -145,23 +225,60 @@ def select(
     directory: str | Path | None = None,
 ) -> Profile:
     """Pick the profile: a fitted one for the model in `directory` (see `find`), else the
-    built-in B300 when the model is a B300, else derive from the limit.
+    built-in B300 when the model is a B300, else derive from the limit (an explicit one wins
+    over the table of known limits). ProfileError without a model or limit to go by."""
+    return resolve(None, gpu_model, power_limit_w, directory=directory)[0]
 
-    An explicit power limit wins over the table of known limits; with neither a known model
-    nor a limit, fall back to the B300 profile (the product's reference hardware).
-    """
-    fitted = find(gpu_model, directory)
+
+def resolve(
+    configured: Profile | None,
+    gpu_model: str | None = None,
+    power_limit_w: float | None = None,
+    *,
+    meta: Mapping[str, object] | None = None,
+    gpus: Iterable[GpuId] = (),
+    directory: str | Path | None = None,
+    levels: TraceLevels | Callable[[], TraceLevels] | None = None,
+) -> tuple[Profile, str]:
+    """The profile and where it came from (one of SOURCES), by the one rule replay, the agent and
+    the watcher share: the configured profile wins; else the model is the configured one
+    (`gpu_model`), the job's meta `gpu_model`, or the first GPU's name, and the limit the
+    configured one or the first GPU's that reports one. A fitted profile of `directory` for the
+    model comes first; then the built-in B300; then one derived from the limit, or from the
+    model's known limit. A model named in the configuration that is not known, with no limit,
+    is an error; a trace's own name that is not known, or no name at all, derives the profile
+    from the trace's `levels` when given (a function: called only then). Never another GPU's
+    profile in silence: without any of these, ProfileError naming --gpu-model and --power-limit."""
+    if configured is not None:
+        return configured, "profile-file"
+    gpus = list(gpus)
+    named = (meta or {}).get("gpu_model") or next((g.name for g in gpus if g.name), None)
+    model = gpu_model or (str(named) if named else None)
+    limit = power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
+    fitted = find(model, directory)
     if fitted is not None:
-        return fitted
-    key = _model_key(gpu_model) if gpu_model else None
-    if key == "B300" and power_limit_w in (None, B300.power_limit_w):
-        return B300
-    limit = power_limit_w or (KNOWN_POWER_LIMITS_W.get(key) if key else None)
+        return fitted, "fitted"
+    key = _model_key(model) if model else None
+    if key == "B300" and limit in (None, B300.power_limit_w):
+        return B300, "built-in"
     if limit:
-        return derive(limit, name=key or (gpu_model or "derived"))
+        return derive(limit, name=key or (model or "derived")), "power-limit"
+    if key:
+        return derive(KNOWN_POWER_LIMITS_W[key], name=key), "model"
     if gpu_model:
-        raise ProfileError(f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE")
-    return B300
+        raise ProfileError(
+            f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE "
+            f"(known models: {known_models()})"
+        )
+    if levels is not None:
+        if callable(levels):
+            levels = levels()
+        return from_trace(levels, name=model or "derived"), "trace"
+    what = f"unknown GPU model {model!r} and no power limit" if model else "no GPU model and no power limit"
+    raise ProfileError(
+        f"{what}: give --gpu-model or --power-limit (or --profile FILE); "
+        "no other GPU's profile is used in its place"
+    )
 
 
 def choose(
@@ -172,17 +289,12 @@ def choose(
     meta: Mapping[str, object] | None = None,
     gpus: Iterable[GpuId] = (),
     directory: str | Path | None = None,
+    levels: TraceLevels | Callable[[], TraceLevels] | None = None,
 ) -> Profile:
-    """A job's (or one GPU's) profile by the one rule replay, the agent and the watcher share:
-    the configured profile wins; else the model is the configured one, the job's meta
-    `gpu_model`, or the first GPU's name, and the limit the configured one or the first GPU's
-    that reports one; then `select` (a fitted profile of `directory` first)."""
-    if configured is not None:
-        return configured
-    gpus = list(gpus)
-    model = gpu_model or (meta or {}).get("gpu_model") or next((g.name for g in gpus if g.name), None)
-    limit = power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
-    return select(str(model) if model else None, limit, directory)
+    """A job's (or one GPU's) profile by the one rule (`resolve`), without its source."""
+    return resolve(
+        configured, gpu_model, power_limit_w, meta=meta, gpus=gpus, directory=directory, levels=levels
+    )[0]
 
 
 # The directory of fitted profiles a command uses when --profile names none (read by the CLI).

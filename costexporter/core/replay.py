@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import jobfacts, profiles
+from costexporter.core import idle, jobfacts, profiles
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
@@ -76,6 +76,9 @@ class JobResult:
     member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
     sample_range_ms: tuple[int, int] | None = None  # the job's first and last sample
     event_range_ms: tuple[int, int] | None = None  # the job's first and last event
+    profile_source: str = "profile-file"  # where the profile came from (profiles.SOURCES)
+    rows: np.ndarray | None = None  # the trace's samples that are the job's, in order (None: all)
+    member_gpus: np.ndarray | None = None  # the trace's GPU number of each job GPU
 
 
 def register_matches(
@@ -129,7 +132,11 @@ def _one_rank_per_gpu(
 def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = None) -> Report:
     """Book a trace; returns the report described in docs and costexporter/schemas."""
     cfg = cfg or ReplayConfig()
-    results, unassigned = book_trace(samples, events, cfg)
+    return report_of(*book_trace(samples, events, cfg), cfg)
+
+
+def report_of(results: list[JobResult], unassigned: Report, cfg: ReplayConfig) -> Report:
+    """The report of booked jobs (`book_trace`)."""
     return {
         "currency": cfg.prices.currency,
         "jobs": {r.name: job_report(r, cfg) for r in results},
@@ -198,25 +205,20 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
         local = np.full(n_g, -1, np.int64)
         local[member_gpus] = np.arange(member_gpus.size)
         # Samples stay grouped by GPU in time order; only the GPU numbers change.
+        rows = None
         if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
             lg = local[samples.gpu]
             ts, pw, ut, en = samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj
         else:
             sel = local[samples.gpu] >= 0
+            rows = np.flatnonzero(sel)
             lg = local[samples.gpu[sel]]
             ts, pw, ut, en = (
                 a[sel] for a in (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
             )
         n_ranks = int(ranks.max()) + 1 if ranks.size else 0
         member_gpu_list = [gpus[g] for g in member_gpus]
-        profile = profiles.choose(
-            cfg.profile,
-            cfg.gpu_model,
-            cfg.power_limit_w,
-            meta=meta,
-            gpus=member_gpu_list,
-            directory=cfg.profile_dir,
-        )
+        profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
         br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, interval)
         mem_start = np.asarray([t for _, _, t in members], np.int64)
         mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
@@ -255,10 +257,74 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
                 mem_ivals,
                 (int(ts.min()), int(ts.max())) if ts.size else None,
                 (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
+                source,
+                rows,
+                member_gpus,
             )
         )
 
     return results, _unassigned(samples, n_g, interval, member_ivals, cfg)
+
+
+def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.ndarray]:
+    """Per sample of the trace (in the trace's order): its band code (-1: no job banded it) and
+    the category code of the time it starts (a sample no job held is `unassigned`). A sample's
+    slice begins at its own timestamp, so the piece of its GPU that starts there is its own."""
+    n = len(samples)
+    band = np.full(n, -1, np.int8)
+    cat = np.full(n, int(Category.UNASSIGNED), np.int8)
+    for r in results:
+        rows = np.arange(n) if r.rows is None else r.rows
+        if rows.size == 0:
+            continue
+        band[rows] = r.band_result.band
+        p = r.pieces
+        local = np.full(len(samples.gpus), -1, np.int64)
+        mg = r.member_gpus if r.member_gpus is not None else np.arange(len(r.gpus))
+        local[mg[mg < local.size]] = np.flatnonzero(mg < local.size)
+        g_local = local[samples.gpu[rows]]
+        key_p = p.gpu.astype(np.int64) * (1 << 44) + (p.start_ms - int(samples.ts_ms.min(initial=0)))
+        observed = p.category != Category.UNOBSERVED
+        kp = key_p[observed]
+        cp = p.category[observed]
+        order = np.argsort(kp, kind="stable")
+        kp, cp = kp[order], cp[order]
+        ks = g_local * (1 << 44) + (samples.ts_ms[rows] - int(samples.ts_ms.min(initial=0)))
+        if kp.size == 0:
+            continue
+        at = np.clip(np.searchsorted(kp, ks), 0, kp.size - 1)
+        hit = (kp[at] == ks) & (g_local >= 0)
+        cat[rows[hit]] = cp[at[hit]]
+    return {"band": band, "category": cat}
+
+
+def job_profile(
+    cfg: ReplayConfig,
+    meta: dict[str, Any],
+    gpus: list[GpuId],
+    gpu: np.ndarray,
+    power_w: np.ndarray,
+    util_pct: np.ndarray,
+) -> tuple[Profile, str]:
+    """A job's profile and its source by the one rule (`profiles.resolve`), with the idle level
+    learned per GPU as the live agent learns it: a derived profile's idle and low edges follow the
+    highest of the job's GPUs' idle levels (`profiles.with_idle`). A trace that names no model or
+    limit has its profile derived from its own levels."""
+    if cfg.profile is not None:
+        return cfg.profile, "profile-file"
+    levels = idle.trace_levels(gpu, power_w, util_pct, [g.power_limit_w for g in gpus])
+    known = [x for x in levels if x is not None]
+    learned = max(known) if known else None
+    profile, source = profiles.resolve(
+        None,
+        cfg.gpu_model,
+        cfg.power_limit_w,
+        meta=meta,
+        gpus=gpus,
+        directory=cfg.profile_dir,
+        levels=lambda: profiles.trace_levels(power_w, util_pct, learned),
+    )
+    return profiles.with_idle(profile, learned), source
 
 
 def _unassigned(
@@ -445,7 +511,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "productive_cost_per_step": _money(cat_cost[Category.PRODUCTIVE] / valid) if valid else None,
         "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
         "price_per_gpu_hour": price,
-        "profile": {"name": r.profile.name, "calibrated": r.profile.calibrated},
+        "profile": profile_report(r.profile, r.profile_source),
         "sampling_interval_s": r.band_result.interval_ms / 1000,
         "grid_s": r.band_result.grid_ms / 1000,
         "stall_threshold_s": figs["stall_threshold_s"],
@@ -472,6 +538,23 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         },
         "clock_offset_hours": clock_offset_hours(r.sample_range_ms, r.event_range_ms),
     }
+
+
+def profile_report(p: Profile, source: str) -> Report:
+    """The profile a job was banded with: its name, where it came from, its edges."""
+    prov = p.provenance or {}
+    out: Report = {
+        "name": p.name,
+        "calibrated": p.calibrated,
+        "source": source,
+        "idle_max_w": p.idle_max_w,
+        "low_max_w": p.low_max_w,
+        "compute_min_w": p.compute_min_w,
+    }
+    for k in ("learned_idle_w", "compute_level_w", "estimated_power_limit_w"):
+        if k in prov:
+            out[k] = prov[k]
+    return out
 
 
 def _range_s(r: tuple[int, int] | None) -> list[float] | None:

@@ -83,6 +83,7 @@ class SampleChunk:
     uuid: dict[tuple[str, int], str]  # per GPU, not per row
     name: dict[tuple[str, int], str]
     power_limit_w: dict[tuple[str, int], float]
+    line: np.ndarray | None = None  # int64: each row's line in its file (header = 1)
 
 
 def _check_file(path: Path) -> bytes:
@@ -381,8 +382,10 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if "power.limit" in col:
         lim = _numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
         limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
+    lines = np.asarray(line_of_row, np.int64) if invalid else np.arange(2, n + 2, dtype=np.int64)
     if keep is not None:
         index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
+        lines = lines[keep]
     return SampleChunk(
         hosts=[host],
         host=None,
@@ -394,6 +397,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         uuid=per_gpu("uuid"),
         name=per_gpu("name"),
         power_limit_w=limits,
+        line=lines,
     )
 
 
@@ -538,7 +542,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, bytes, Any]]:  # Any: what js
 def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     """One JSON object a line: ts, host, gpu, uuid?, power_w, util_pct, energy_mj?."""
     _check_file(path)
-    cols: dict[str, list[float]] = {k: [] for k in ("host", "gpu", "ts", "p", "u", "e")}
+    cols: dict[str, list[float]] = {k: [] for k in ("host", "gpu", "ts", "p", "u", "e", "line")}
     host_ids: dict[str, int] = {}
     uuids: dict[tuple[str, int], str] = {}
     names: dict[tuple[str, int], str] = {}
@@ -593,6 +597,7 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
         cols["p"].append(p)
         cols["u"].append(u)
         cols["e"].append(e)
+        cols["line"].append(lineno)
         if d.get("name"):
             names.setdefault((h, g), str(d["name"]))
         if limit:
@@ -611,6 +616,7 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
         uuid=uuids,
         name=names,
         power_limit_w=limits,
+        line=np.asarray(cols["line"], np.int64),
     )
 
 
@@ -653,6 +659,9 @@ def combine(chunks: list[SampleChunk]) -> Samples:
         energy = joined(
             [c.energy_mj if c.energy_mj is not None else np.full(c.index.size, np.nan) for c in chunks]
         )
+    src = None
+    if all(c.line is not None for c in chunks):
+        src = joined([(np.int64(i) << 32) | c.line for i, c in enumerate(chunks)])  # type: ignore[operator]
     return Samples(
         gpus=gpus,
         gpu=gpu.astype(np.int32),
@@ -660,6 +669,7 @@ def combine(chunks: list[SampleChunk]) -> Samples:
         power_w=joined([c.power_w for c in chunks]),
         util_pct=joined([c.util_pct for c in chunks]),
         energy_mj=energy,
+        src=src,
     ).sort()
 
 

@@ -62,6 +62,13 @@ from costexporter.cli.options import (
     default=None,
     help="Write the report here instead of stdout.",
 )
+@click.option(
+    "--timeline",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    default=None,
+    help="Also write one CSV row per sample read (file, line, host, gpu, ts, power_w, util_pct, "
+    "band, category): plot it, or check it against your own labels.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Do not print warnings about skipped input.")
 @click.option("--timings", is_flag=True, help="Print where the time went (JSON, to stderr).")
 def replay(
@@ -74,6 +81,7 @@ def replay(
     profile_path,
     fmt,
     output,
+    timeline,
     quiet,
     timings,
     **config,
@@ -83,8 +91,7 @@ def replay(
     from costexporter.core import profiles
     from costexporter.core import tracefiles as files
     from costexporter.core.diagnostics import Diagnostics, InputError
-    from costexporter.core.replay import ReplayConfig
-    from costexporter.core.replay import replay as run_replay
+    from costexporter.core.replay import ReplayConfig, book_trace, report_of
 
     diag = Diagnostics(stream=None if quiet else sys.stderr)
     clock = [("start", time.perf_counter())]
@@ -105,8 +112,11 @@ def replay(
             profile=profile,
             profile_dir=profile_dir,
         )
-        result = run_replay(sample_set, evs, cfg)
+        results, unassigned = book_trace(sample_set, evs, cfg)
+        result = report_of(results, unassigned, cfg)
         clock.append(("book_s", time.perf_counter()))
+        if timeline:
+            report.write_timeline(timeline, sample_set, results, [str(p) for _, p in specs])
     except (InputError, profiles.ProfileError) as e:
         raise InputFailure(str(e)) from None
     result["warnings"] = diag.summary()
@@ -114,6 +124,8 @@ def replay(
         click.echo(f"warning: {line}", err=True)
     if not quiet:
         _price_overrides(result, config["price_per_gpu_hour"])
+        for line in report.profile_notes(result):
+            click.echo(f"costexporter: {line}", err=True)
     text = {"json": report.to_json, "csv": report.to_csv, "table": report.to_table}[fmt](result)
     if output:
         output.write_text(text if text.endswith("\n") else text + "\n")
