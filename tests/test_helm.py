@@ -27,16 +27,24 @@ CHART = ROOT / "deploy" / "helm" / "costexporter"
 KUBE = "1.33.0"  # a current release: Deployment/DaemonSet/StatefulSet apps/v1 as served today
 TOKEN = {"name": "finance", "sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"}
 TOKENS = {
-    "api": {"tokens": [{**TOKEN, "teams": "*"}, {"name": "llm", "sha256": "ab" * 32, "teams": ["llm"]}]}
+    "api": {"tokens": [{**TOKEN, "teams": "*"}, {"name": "llm", "sha256": "ab" * 32, "teams": ["llm"]}]},
+    # Offline, Helm's capabilities lack the Operator's API: render its objects as on a cluster with it.
+    "monitoringCRDs": "present",
 }
+DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 # Value sets a user would install with; every one must lint, render and validate.
 VALUE_SETS = {
+    "defaults": {},  # installs as is: a generated API token, no Operator objects without its API
     "defaults+tokens": TOKENS,
     "dcgm+podmonitor+external-redis": {
         **TOKENS,
-        "agent": {"source": "dcgm", "kubernetesJobs": {"jobLabels": ["jobset.sigs.k8s.io/jobset-name"]}},
         "redis": {"enabled": False, "existingSecret": "my-redis", "existingSecretKey": "sentinel-url"},
+        "agent": {
+            "source": "dcgm",
+            "dcgmUrl": "http://$(HOST_IP):9400/metrics",
+            "kubernetesJobs": {"jobLabels": ["jobset.sigs.k8s.io/jobset-name"]},
+        },
         "serviceMonitor": {"enabled": False},
         "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         "prices": {"currency": "EUR", "pricePerGpuHour": 2.9, "pricePerKwh": 0.21, "pue": 1.3},
@@ -47,6 +55,39 @@ VALUE_SETS = {
         "redis": {"enabled": False, "url": "rediss://costexporter:pw@redis.example:6380/0"},
         "watcher": {"enabled": False, "webhookUrl": "http://hooks/x"},
         "dashboard": {"namespace": "grafana", "labels": {"grafana_dashboard": "1", "team": "ml"}},
+    },
+    # Every extension point dcgm-exporter's and OpenCost's charts offer, at once.
+    "extension-points": {
+        "monitoringCRDs": "present",
+        "namespaceOverride": "finops",
+        "cluster": "eu-west-1",
+        "image": {"repository": "registry.example.com/costexporter", "digest": DIGEST},
+        "serviceAccount": {
+            "create": True,
+            "name": "ce-agent",
+            "annotations": {"eks.amazonaws.com/role-arn": "arn:x"},
+        },
+        "podAnnotations": {"example.com/scrape": "false"},
+        "podLabels": {"cost-center": "ml-platform"},
+        "priorityClassName": "system-cluster-critical",
+        "extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+        "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
+        "agent": {
+            "source": "dcgm",
+            "priorityClassName": "system-node-critical",
+            "dcgm": {
+                "localService": {"namespace": "gpu-operator", "selector": {"app": "nvidia-dcgm-exporter"}}
+            },
+            "kubernetesJobs": {"teamLabels": ["example.com/team", "team"]},
+        },
+        "watcher": {"alertmanagerUrl": "http://alertmanager-operated.monitoring:9093"},
+        "serviceMonitor": {
+            "additionalLabels": {"release": "kube-prometheus-stack"},
+            "honorLabels": False,
+            "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}],
+            "metricRelabelings": [{"sourceLabels": ["__name__"], "regex": "go_.*", "action": "drop"}],
+        },
+        "prometheusRule": {"additionalLabels": {"release": "kube-prometheus-stack"}},
     },
 }
 
@@ -230,7 +271,12 @@ def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({}, "api.tokens"),  # no tokens and not explicitly open: refuse
+        (
+            {**TOKENS, "agent": {"source": "dcgm", "dcgm": {"localService": {"enabled": False}}}},
+            "agent.dcgmUrl",
+        ),
+        ({**TOKENS, "image": {"repository": "x", "digest": "latest"}}, "/image/digest"),
+        ({**TOKENS, "monitoringCRDs": "yes"}, "/monitoringCRDs"),
         ({**TOKENS, "redis": {"enabled": False}}, "redis.existingSecret"),
         ({**TOKENS, "agent": {"source": "smi"}}, "/agent/source"),  # values.schema.json
         ({**TOKENS, "agent": {"sourc": "dcgm"}}, "'sourc' not allowed"),  # a typo is not ignored

@@ -27,7 +27,90 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "costexporter.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
+
+{{- define "costexporter.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride -}}
+{{- end -}}
+
+{{- define "costexporter.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{ default (include "costexporter.fullname" .) .Values.serviceAccount.name }}
+{{- else -}}
+{{ default "default" .Values.serviceAccount.name }}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the agents read pods from the Kubernetes API ("true" or ""): the only pods that get a token. */}}
+{{- define "costexporter.agentReadsPods" -}}
+{{- if and (eq .Values.agent.source "dcgm") .Values.agent.kubernetesJobs.enabled .Values.agent.kubernetesJobs.api -}}true{{- end -}}
+{{- end -}}
+
+{{/* Whether the Prometheus Operator's objects are rendered ("true" or ""). */}}
+{{- define "costexporter.monitoring" -}}
+{{- if eq .Values.monitoringCRDs "present" -}}true
+{{- else if and (eq .Values.monitoringCRDs "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}true
+{{- end -}}
+{{- end -}}
+
+{{/* The node-local dcgm-exporter Service (agent.dcgm.localService), when the agent uses it. */}}
+{{- define "costexporter.dcgmLocalService" -}}
+{{- if and (eq .Values.agent.source "dcgm") (not .Values.agent.dcgmUrl) .Values.agent.dcgm.localService.enabled -}}
+{{ include "costexporter.fullname" . }}-dcgm-local
+{{- end -}}
+{{- end -}}
+
+{{- define "costexporter.dcgmUrl" -}}
+{{- if .Values.agent.dcgmUrl -}}
+{{ .Values.agent.dcgmUrl }}
+{{- else if include "costexporter.dcgmLocalService" . -}}
+{{- $svc := .Values.agent.dcgm.localService -}}
+http://{{ include "costexporter.dcgmLocalService" . }}.{{ default (include "costexporter.namespace" .) $svc.namespace }}.svc:{{ $svc.port }}/metrics
+{{- else -}}
+{{- fail "costexporter: agent.source=dcgm needs agent.dcgmUrl, or agent.dcgm.localService.enabled=true" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What every pod of the chart carries: the pod labels and annotations of the values. */}}
+{{- define "costexporter.podLabels" -}}
+{{- with .Values.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The pod spec's common part: service account, token, priority, pull secrets. */}}
+{{- define "costexporter.podCommon" -}}
+serviceAccountName: {{ include "costexporter.serviceAccountName" .root }}
+automountServiceAccountToken: {{ .token | default false }}
+{{- with (.priorityClassName | default .root.Values.priorityClassName) }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A monitor's relabelings: the `cluster` label first, then the values'. */}}
+{{- define "costexporter.relabelings" -}}
+{{- $out := list -}}
+{{- if .root.Values.cluster -}}
+{{- $out = append $out (dict "targetLabel" "cluster" "replacement" .root.Values.cluster "action" "replace") -}}
+{{- end -}}
+{{- $out = concat $out (.m.relabelings | default list) -}}
+{{- with $out }}
+relabelings:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .m.metricRelabelings }}
+metricRelabelings:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{/* The Secret and key holding the Redis URL; fails closed when none is configured. */}}
@@ -54,6 +137,9 @@ app.kubernetes.io/component: {{ .component }}
       key: {{ include "costexporter.redisSecretKey" . }}
 - name: COSTEXPORTER_PREFIX
   value: {{ .Values.prefix | quote }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{- define "costexporter.priceArgs" -}}
@@ -68,12 +154,17 @@ app.kubernetes.io/component: {{ .component }}
 - --pue={{ .Values.prices.pue }}
 {{- end -}}
 
+{{/* The Secret holding the API's tokens.yaml: the values', the user's, or the generated one. */}}
 {{- define "costexporter.tokensSecret" -}}
 {{- if .Values.api.tokensSecret -}}
 {{ .Values.api.tokensSecret }}
 {{- else if .Values.api.tokens -}}
 {{ include "costexporter.fullname" . }}-api-tokens
 {{- else if not .Values.api.allowOpen -}}
-{{- fail "costexporter: the finance API needs api.tokens (SHA-256 hashes) or api.tokensSecret; set api.allowOpen=true only on a trusted network" -}}
+{{ include "costexporter.fullname" . }}-api-token
 {{- end -}}
+{{- end -}}
+
+{{- define "costexporter.generatesToken" -}}
+{{- if and .Values.api.enabled (not .Values.api.tokensSecret) (not .Values.api.tokens) (not .Values.api.allowOpen) -}}true{{- end -}}
 {{- end -}}
