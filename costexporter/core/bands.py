@@ -1,4 +1,4 @@
-"""Classify every sample of a job into a band (DESIGN section 3), vectorized.
+"""Classify every sample of a job into a band (docs/background.md, the power bands), vectorized.
 
 A job's samples are laid on a shared time grid, a matrix of ranks x moments: samples of
 different GPUs and hosts within half a grid step are the same moment. A rank without a sample
@@ -101,7 +101,8 @@ def classify(
 
     `step_ms`: the job's step completion times, where known. Then a moment where every observed
     rank (one GPU is enough) spins at ~100% utilization at low power with no step around it is
-    a deadlock candidate too: a hang looks like that on a single GPU (REFERENCE R9).
+    a deadlock candidate too: a hang looks like that on a single GPU (measured on an H200: a
+    thread spinning on a device flag draws idle power at 100% utilization).
 
     `checkpoint_allowance_ms` is either a constant or a function mapping the start times of
     signature runs (ms) to the allowance in force then (learned from the job's checkpoints).
@@ -236,7 +237,7 @@ def _signature(
     window's run through that time is that run (its start, length and ~0% counts before then
     are the carry's), so a window need not hold a long signature's start."""
     # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
-    # persisting for two consecutive moments and at least one grid step (REFERENCE R2, R3).
+    # persisting for two consecutive moments and at least one grid step (R2, R3 in docs/background.md).
     n_lowbusy = (low & busy).sum(0)
     cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
     if step_ms is not None:

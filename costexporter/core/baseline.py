@@ -1,7 +1,7 @@
-"""The naive utilization rule of REFERENCE R7 (seed 003's exporter), for comparison.
+"""The naive utilization rule of R7 (docs/background.md: the team's earlier exporter), for comparison.
 
 It counts a GPU-second as useful when utilization is above 60%, so a deadlock where every rank
-but one spins at 100% reads as useful work (REFERENCE R1). The demo and the tests show its bill
+but one spins at 100% reads as useful work (R1). The demo and the tests show its bill
 next to costexporter's.
 """
 

@@ -1,4 +1,4 @@
-"""The booking rules of DESIGN section 4.
+"""The booking rules (docs/background.md, the booking rules; docs/accounting.md).
 
 Two halves:
 
@@ -88,7 +88,8 @@ CATEGORY_TABLE[Regime.PENDING, 1:] = _C.OVERHEAD  # placeholder: pending time is
 
 @dataclass(frozen=True, slots=True)
 class BookingConfig:
-    """Thresholds and allowances of DESIGN section 4 (seconds)."""
+    """Thresholds and allowances of the booking rules (seconds): the stall threshold
+    `max(stall_k x p95 of recent step durations, stall_floor_s)` and the phase allowances."""
 
     stall_k: float = 5.0
     stall_floor_s: float = 60.0
@@ -474,7 +475,8 @@ class _ReferenceWalk(Segments):
             self.startup_allow = self.allowances.current("startup")
         if ev.type == "step":
             n = ev.int_field("step")
-            if self.max_valid is not None and n <= self.max_valid:  # implicit resume (DESIGN 5)
+            # A step at or below the newest valid one: an implicit resume.
+            if self.max_valid is not None and n <= self.max_valid:
                 self.resumes.append((t, n - 1, self.void_above(n - 1, t)))
             self.max_valid = n if self.max_valid is None else max(self.max_valid, n)
             self.steps.append(StepRecord(n, t, ev.opt_int_field("tokens") or 0))
@@ -621,7 +623,8 @@ def band_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_ms
 
 @dataclass(slots=True)
 class Slices:
-    """Slices of many GPUs (DESIGN: the unit of booking), in no particular order."""
+    """Slices of many GPUs (a slice, one GPU's stretch of time in one band, is the unit of
+    booking), in no particular order."""
 
     gpu: np.ndarray  # int32, index into the job's GPU list
     start_ms: np.ndarray  # int64

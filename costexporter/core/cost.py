@@ -1,5 +1,5 @@
 """Money: a slice's GPU-hours at the GPU-hour price (the wasted price for wasted categories,
-where one is configured) plus its energy at the energy price times PUE (DESIGN section 4)."""
+where one is configured) plus its energy at the energy price times PUE."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from costexporter.core.model import WASTED_CATEGORIES, Category
 
 MS_PER_HOUR = 3_600_000.0
 MJ_PER_KWH = 3_600_000_000.0  # millijoules in a kilowatt-hour
-DEFAULT_PRICE_PER_GPU_HOUR = 3.5  # REFERENCE R7: USD per B200/B300 GPU-hour
+DEFAULT_PRICE_PER_GPU_HOUR = 3.5  # USD per B200/B300 GPU-hour (R7, docs/background.md)
 
 
 def price_override_note(job: str, meta_price: object, used: float, flag_price: float) -> str | None:

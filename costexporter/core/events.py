@@ -1,4 +1,4 @@
-"""Event protocol v1 (DESIGN section 5): validation of one flat entry into an `Event`.
+"""Event protocol v1 (docs/protocol.md): validation of one flat entry into an `Event`.
 
 The same function validates a JSONL line of `replay --events` and a Redis stream entry (whose
 values are all strings), so both paths accept and reject the same things.

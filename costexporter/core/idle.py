@@ -2,7 +2,8 @@
 
 A derived profile (no calibration for the model) used to put its idle edge at a fixed fraction
 of the power limit. That misses what a GPU holding a CUDA context draws: on an H200 idle is
-79.6 W without a context and 123.7 W with one, above the derived 112 W edge (REFERENCE R9).
+79.6 W without a context and 123.7 W with one, above the derived 112 W edge (measured with
+NVML on an H200 under a PyTorch job).
 The agent therefore learns each GPU's idle level from its own readings at 0% utilization and
 derives the low band edges of a derived profile from it (`profiles.with_idle`).
 

@@ -1,4 +1,5 @@
-"""The vocabulary of DESIGN.md section 2, as small integer codes the vectorized core can index with.
+"""The vocabulary (bands, categories, regimes, events, samples), as small integer codes the
+vectorized core can index with.
 
 Bands and categories are `IntEnum`s so that numpy arrays of them are plain int8 arrays and
 lookup tables (band x regime -> category) are ordinary 2-D arrays.
@@ -14,7 +15,7 @@ import numpy as np
 
 
 class Band(IntEnum):
-    """What the power/utilization shape says (DESIGN section 3)."""
+    """What a GPU's power/utilization shape says at a moment (docs/background.md, the power bands)."""
 
     COMPUTE = 0
     COMMUNICATION = 1
@@ -26,7 +27,8 @@ class Band(IntEnum):
 
 
 class Category(IntEnum):
-    """Where a slice is booked (DESIGN section 4)."""
+    """Where a slice of GPU time is booked: valid, overhead, wasted, or outside a job
+    (docs/accounting.md)."""
 
     PRODUCTIVE = 0
     COMMUNICATION = 1
@@ -152,7 +154,7 @@ class Samples:
 
 @dataclass(slots=True)
 class Event:
-    """One trainer event of protocol v1 (DESIGN section 5), already validated."""
+    """One trainer event of protocol v1 (docs/protocol.md), already validated."""
 
     type: str
     job: str

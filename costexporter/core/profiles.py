@@ -1,13 +1,13 @@
-"""Band thresholds per GPU model (DESIGN section 3, REFERENCE R2).
+"""Band thresholds per GPU model (docs/profiles.md).
 
-The B300 profile is calibrated from the field table in REFERENCE R2. Other models get a profile
-derived from their power limit, flagged uncalibrated: R2 says the shapes carry over between GPUs
-but the absolute watts do not, so the derived thresholds are fractions of the limit chosen to
-hold where absolute numbers would not (a small model computing at 75-80% of the limit with
-85-97% utilization; checkpoint waiters spinning at 100% just above idle power). The live agent
-moves a derived profile's idle and low edges to each GPU's learned idle power (`with_idle`,
-costexporter/core/idle.py): idle depends on a live CUDA context, not only on the limit (R9).
-"""
+The B300 profile is calibrated from the measured field table (R2 in docs/background.md). Other
+models get a profile derived from their power limit, flagged uncalibrated: R2 says the shapes
+carry over between GPUs but the absolute watts do not, so the derived thresholds are fractions
+of the limit chosen to hold where absolute numbers would not (a small model computing at 75-80%
+of the limit with 85-97% utilization; checkpoint waiters spinning at 100% just above idle
+power). The live agent moves a derived profile's idle and low edges to each GPU's learned idle
+power (`with_idle`, costexporter/core/idle.py): idle depends on a live CUDA context, not only on
+the limit (an H200 draws 79.6 W idle without a context, 123.7 W with one)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Profile:
         return asdict(self)
 
 
-# REFERENCE R2: compute 940-1040 W, communication ~640 W, starvation ~575 W,
+# B300 (R2, docs/background.md): compute 940-1040 W, communication ~640 W, starvation ~575 W,
 # deadlock 190-195 W, idle ~135 W. Boundaries sit between the observed states.
 B300 = Profile(
     name="B300",
@@ -138,8 +138,8 @@ def derive(power_limit_w: float, name: str = "derived") -> Profile:
 # A learned idle level (costexporter/core/idle.py) moves a derived profile's low edges: idle up to
 # IDLE_MARGIN x idle, "only a little above idle" (deadlock, checkpoint waiters) below
 # LOW_RATIO x idle. R2's B300 through these (idle ~135 W): idle <= 155 W, low < 270 W, with its
-# deadlock at 190-195 W and starvation at ~575 W; R9's H200 (123.7 W with a context): idle
-# <= 142 W, low < 247 W, its checkpoint and spin at 124 W and compute at 660-729 W.
+# deadlock at 190-195 W and starvation at ~575 W; an H200 measured with NVML (123.7 W idle with a
+# context): idle <= 142 W, low < 247 W, its checkpoint and spin at 124 W and compute at 660-729 W.
 IDLE_MARGIN = 1.15
 LOW_RATIO = 2.0
 

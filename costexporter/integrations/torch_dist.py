@@ -1,6 +1,6 @@
 """The R4 fix for trainers: stop every rank at the same batch count.
 
-REFERENCE R4: ranks packed into fixed-size blocks got different block counts (30,835 to 30,888);
+R4 (docs/background.md): ranks packed into fixed-size blocks got different block counts (30,835 to 30,888);
 the rank with fewest left the loop for the save barrier while the rest waited in the gradient
 all-reduce, and the job hung for 3 hours. All-reduce the per-rank count with MIN before the loop
 and every rank stops together:

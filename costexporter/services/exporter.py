@@ -1,4 +1,4 @@
-"""Prometheus metrics of an agent (DESIGN section 7): a custom Collector over one snapshot.
+"""Prometheus metrics of an agent and of the watcher (docs/metrics.md): custom Collectors over one snapshot.
 
 Every family is built at scrape time from `Agent.snapshot()`; nothing mutates gauges between
 scrapes. Units are base units (seconds, joules); the training job's label is `training_job`

@@ -37,7 +37,8 @@ class GpuNoPermissionError(GpuSourceError):
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """One sample of one GPU (DESIGN section 2): W, %, and the energy counter in mJ if any."""
+    """One sample of one GPU at one time: board power in W, utilization in %, and the energy
+    counter in mJ where the source has one."""
 
     gpu: int  # index into the source's gpus()
     ts: float  # Unix seconds

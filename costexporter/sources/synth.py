@@ -1,4 +1,5 @@
-"""Synthetic traces shaped like REFERENCE R2: a scenario of stretches in, samples and events out.
+"""Synthetic traces shaped like the B300 power-band table (R2 in docs/background.md): a
+scenario of stretches in, samples and events out.
 
 Used by the tests, the benchmark and the shipped example; the `sim` source builds on it. Power
 and utilization per state follow the B300 triage table (R2) with a little noise.
@@ -14,7 +15,7 @@ import numpy as np
 
 from costexporter.core.model import Event, GpuId, Samples
 
-# (power low, power high, util low, util high) per state, from REFERENCE R2.
+# (power low, power high, util low, util high) per state, from the B300 table (R2, docs/background.md).
 STATES = {
     "compute": (940.0, 1040.0, 100.0, 100.0),
     "communication": (630.0, 650.0, 100.0, 100.0),
@@ -293,7 +294,7 @@ def write_samples_jsonl(samples: Samples, path: Path) -> Path:
 def r1_incident(
     interval_s: float = 1.0, steps: int = 3850, step_s: float = 5.0, deadlock_h: float = 3.0, seed: int = 1
 ) -> TraceBuilder:
-    """REFERENCE R1: 16 B300 on two hosts, ~5 h of ~5 s steps, then the end-of-epoch checkpoint
+    """R1 (docs/background.md): 16 B300 on two hosts, ~5 h of ~5 s steps, then the end-of-epoch checkpoint
     that deadlocks for 3 h with rank 3 at 0% (it entered the save barrier; the rest wait in the
     gradient all-reduce). The NCCL watchdog kills the job: no run end."""
     b = TraceBuilder(n_gpus=16, per_host=8, interval_s=interval_s, job="qwen3-32b-ft", seed=seed)
@@ -333,7 +334,7 @@ def scenario_mini(seed: int = 3) -> TraceBuilder:
 
 
 def scenario_r1_story(seed: int = 1) -> TraceBuilder:
-    """REFERENCE R1 then R7, on 16 B300 over two hosts (the demo's story): healthy compute, a
+    """R1 then R7 (docs/background.md), on 16 B300 over two hosts (the demo's story): healthy compute, a
     communication-bound stretch, a straggler, the end-of-epoch checkpoint that deadlocks on rank 3
     until the watchdog; then a restart whose checkpoint write hangs, a crash loop, and a resume
     from an earlier checkpoint."""

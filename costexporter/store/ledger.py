@@ -1,4 +1,4 @@
-"""The ledger in Redis (DESIGN section 6): exact integer amounts per job, bucket and category.
+"""The ledger in Redis (docs/ledger.md): exact integer amounts per job, bucket and category.
 
 Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
 

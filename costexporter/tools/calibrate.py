@@ -1,6 +1,6 @@
 """`costexporter calibrate`: fit a GPU model's band profile from a team's own baselines.
 
-REFERENCE R2: the B300 wattages do not carry over to other GPUs, the shapes do; record a
+The B300 wattages (R2 in docs/background.md) do not carry over to other GPUs, the shapes do; record a
 known-healthy run and a known hang and classify against them. Real baselines are noisy (power
 ramps between levels, noise tails, a checkpoint's writer and waiters at different levels), so:
 

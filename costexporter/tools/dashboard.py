@@ -3,7 +3,7 @@ and recording-rule names they use; `dashboards/costexporter.json` is `render()`'
 keeps them equal, and checks it against Grafana's dashboard schema). `costexporter dashboard -o
 FILE` writes it.
 
-Layout: REFERENCE R7's four zones first (cumulative cost, current step, cost per valid step,
+Layout: the four zones of R7 (docs/background.md) first (cumulative cost, current step, cost per valid step,
 invalid time), then the burn rate, wasted GPU-hours by category and GPU-hours at risk, the
 watcher's state (coloured: hung red), a state timeline of each GPU's band, power per GPU with the
 band edges of the job's own profile drawn next to utilization per GPU (to show how utilization
@@ -138,7 +138,7 @@ def _variable(name: str, label: str, metric: str, of: str, **extra) -> dict:
 
 def dashboard() -> dict:
     panels = []
-    # Row 1: the four zones of REFERENCE R7.
+    # Row 1: the four zones of R7 (docs/background.md).
     panels.append(
         _panel(
             "timeseries",
