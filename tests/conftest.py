@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -23,6 +24,22 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 ROOT = Path(__file__).resolve().parent.parent
+PROMTOOL = shutil.which("promtool")
+
+
+def promtool_check_metrics(text: str) -> bool:
+    """`promtool check metrics` on an exposition: asserts it is clean and returns True, or returns
+    False when promtool is absent; the caller then skips, after its other checks, with
+    `skip_unchecked_exposition()`."""
+    if PROMTOOL is None:
+        return False
+    check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    return True
+
+
+def skip_unchecked_exposition() -> None:
+    pytest.skip("promtool not installed (.ci/run installs it): the exposition was not checked")
 
 
 @pytest.fixture(autouse=True)

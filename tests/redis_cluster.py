@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from .redis_server import redis_server_binaries
@@ -47,7 +48,7 @@ class RedisCluster:
         self.procs: list[subprocess.Popen] = []
         binaries = redis_server_binaries()
         if not binaries or not shutil.which("redis-cli"):
-            raise RuntimeError("redis-server and redis-cli must be on PATH (apt-get install redis-server)")
+            pytest.skip("redis-server and redis-cli are not on PATH (.ci/run installs them)")
         self.binary = binaries[0]
 
     @property

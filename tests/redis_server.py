@@ -56,7 +56,7 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
         self.candidates = redis_server_binaries()
         if not self.candidates:
-            raise RuntimeError("redis-server is not on PATH (apt-get install redis-server)")
+            pytest.skip("redis-server is not on PATH (.ci/run installs it: apt-get install redis-server)")
         self.binary = self.candidates[0]
 
     @property

@@ -21,6 +21,7 @@ from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
+from .conftest import promtool_check_metrics, skip_unchecked_exposition
 from .redis_server import RedisServer, free_port
 
 
@@ -207,14 +208,13 @@ def test_two_agents_book_one_job_and_their_metrics_agree(shared, prefix, trace):
         # Job-level series: identical on both agents; max is the job's figure.
         steps = [v for m, _ in scraped for lab, v in m["costexporter_job_steps_completed_total"]]
         assert steps == [len(offline.timeline.steps)] * 2
-        # promtool agrees the exposition is clean.
-        for _, text in scraped:
-            check = subprocess.run(
-                ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
-            )
-            assert check.returncode == 0, check.stdout + check.stderr
+        # promtool agrees the exposition is clean (the other checks above run without it).
+        checked = [promtool_check_metrics(text) for _, text in scraped]
     finally:
         stop_all(procs)
+    assert len(checked) == 2
+    if not all(checked):
+        skip_unchecked_exposition()
 
 
 def test_agent_killed_and_restarted_ends_with_the_same_ledger(shared, prefix, trace, tmp_path):
@@ -278,6 +278,8 @@ def test_redis_down_for_30_s_loses_nothing_and_books_no_stall(tmp_path, trace):
     assert all("Traceback" not in e for e in errs)
 
 
+# Played on a clock: the booked time is compared with the wall-clock time the GPU was lost.
+@pytest.mark.serial
 def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix, monkeypatch):
     import threading
 

@@ -239,6 +239,7 @@ def test_the_api_builds_missing_rollups_at_start(shared, prefix):
         while shared.hget(ledger.rollup_state_key(prefix, "legacy"), "v") != "1":
             assert time.monotonic() < deadline and proc.poll() is None, "the rollup was not built"
             time.sleep(0.1)
+        assert shared.hget(ledger.rollup_state_key(prefix, "legacy"), "v") == "1"
     finally:
         proc.terminate()
         proc.wait(10)

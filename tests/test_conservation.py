@@ -76,8 +76,10 @@ def test_categories_tile_each_gpus_time_and_cost_adds_up(scenario):
     b, energy = scenario
     cfg = ReplayConfig(prices=Prices(wasted_price_per_gpu_hour=1.0, price_per_kwh=0.3, pue=1.2))
     results, _ = book_trace(b.samples(energy_counter=energy), b.events, cfg)
+    assert results, "no job was booked"
     for r in results:
         p = r.pieces
+        assert r.member_intervals, "a job without GPUs"
         for g, ivals in enumerate(r.member_intervals):
             mine = np.flatnonzero(p.gpu == g)
             order = mine[np.argsort(p.start_ms[mine], kind="stable")]
