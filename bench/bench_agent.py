@@ -1,15 +1,20 @@
-"""Agent benchmark: python bench/bench_agent.py [--seconds S]
+"""Agent benchmark: python bench/bench_agent.py [--seconds S] [--redis-url URL]
 
 * CPU of `costexporter serve`'s agent (in a process of its own) sampling 8 GPUs at 10 Hz through
-  the fake NVML of the tests, booking a job whose trainer posts a step a second to the local
-  Redis: target <= 1% of one core.
-* /metrics render time for 8 GPUs and 10 jobs: target <= 5 ms.
+  the fake NVML of the tests, booking a job whose trainer posts a step a second to the Redis of
+  --redis-url ($COSTEXPORTER_REDIS_URL, else the local one): target <= 1% of one core. Measured
+  in the steady state: the window opens after the agent's first two rounds (the first discovers
+  the job and reads its registrations).
+* /metrics render time for 8 GPUs and 10 jobs (target p99 <= 5 ms) and 1,000 jobs (how it grows),
+  with the long-lived state frozen out of the garbage collector's walks as `serve` does
+  (services/gcstate.py), the collector left on.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import resource
 import statistics
 import sys
@@ -46,23 +51,53 @@ def _fake_source():
     return NvmlSource(host="bench-node")
 
 
-def _agent_process(prefix: str, seconds: float, out) -> None:
+WARM_ROUNDS = 2  # the first discovers the job and reads its registrations: not the steady state
+
+
+def _agent_process(prefix: str, seconds: float, url: str, out) -> None:
+    from costexporter.services.gcstate import FrozenState
+
     agent = Agent(
         _fake_source(),
-        AgentConfig(prefix=prefix, agent_id="bench-node", book_interval_s=5.0, sample_interval_s=0.1),
+        AgentConfig(
+            redis_url=url, prefix=prefix, agent_id="bench-node", book_interval_s=5.0, sample_interval_s=0.1
+        ),
     ).start()
+    frozen = FrozenState()  # as `serve` runs it
+    rounds = [0]
+
+    def warm() -> bool:
+        frozen.after_round()
+        rounds[0] += 1
+        return rounds[0] >= WARM_ROUNDS
+
+    agent.run(until=warm)
+    r0, reads0 = agent.stats["rounds"], agent.sampler.reads
     t0, c0 = time.monotonic(), time.process_time()
-    agent.run(until=lambda: time.monotonic() - t0 > seconds)
+
+    def steady() -> bool:
+        frozen.after_round()
+        return time.monotonic() - t0 > seconds
+
+    agent.run(until=steady)
     wall, cpu = time.monotonic() - t0, time.process_time() - c0
-    out.put({"wall_s": wall, "cpu_s": cpu, "rounds": agent.stats["rounds"], "reads": agent.sampler.reads})
+    out.put(
+        {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "rounds": agent.stats["rounds"] - r0,
+            "reads": agent.sampler.reads - reads0,
+        }
+    )
     agent.shutdown()
 
 
-def cpu(seconds: float) -> dict:
+def cpu(seconds: float, url: str) -> dict:
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     reps = [
         StepReporter(
             "bench-job",
+            url,
             prefix=prefix,
             rank=r,
             local_rank=r,
@@ -78,11 +113,11 @@ def cpu(seconds: float) -> dict:
         rep.flush(5)
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_agent_process, args=(prefix, seconds, q))
+    proc = ctx.Process(target=_agent_process, args=(prefix, seconds, url, q))
     proc.start()
     step = 0
     t0 = time.monotonic()
-    while proc.is_alive() and time.monotonic() - t0 < seconds + 30:
+    while proc.is_alive() and time.monotonic() - t0 < seconds + 60:
         step += 1
         reps[0].step(step, tokens=4096)
         time.sleep(1.0)
@@ -92,20 +127,21 @@ def cpu(seconds: float) -> dict:
     proc.join(30)
     for rep in reps:
         rep.close()
-    r = redis.Redis()
+    r = redis.Redis.from_url(url)
     keys = list(r.scan_iter(f"{prefix}:*"))
     if keys:
         r.delete(*keys)
     return res
 
 
-def render(n_jobs: int = 10, iterations: int = 300) -> list[float]:
+def render(url: str, n_jobs: int = 10, iterations: int = 300) -> list[float]:
     from prometheus_client import generate_latest
 
     from costexporter.services.exporter import registry_for
+    from costexporter.services.gcstate import FrozenState
     from costexporter.store.reader import EventReader
 
-    agent = Agent(_fake_source(), AgentConfig(agent_id="bench-node"))
+    agent = Agent(_fake_source(), AgentConfig(redis_url=url, agent_id="bench-node"))
     agent.sampler.source.read()
     for r in agent.sampler.source.read():
         agent.sampler._latest[r.gpu] = r
@@ -128,6 +164,8 @@ def render(n_jobs: int = 10, iterations: int = 300) -> list[float]:
         job.latest_band = {r: 0 for r in range(8)}
         agent.jobs[job.name] = job
     reg = registry_for(agent)
+    generate_latest(reg)  # the first scrape builds the families
+    FrozenState().after_round()  # what `serve` does after its first round
     times = []
     for _ in range(iterations):
         agent.stats["rounds"] += 1  # as if a round had just booked: the job families are rebuilt
@@ -137,21 +175,37 @@ def render(n_jobs: int = 10, iterations: int = 300) -> list[float]:
     return times
 
 
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0)
-    a = ap.parse_args()
-    c = cpu(a.seconds)
-    t = sorted(render())
-    share = 100 * c["cpu_s"] / c["wall_s"]
-    print(
-        f"agent benchmark: 8 GPUs x 10 Hz (fake NVML), {c['wall_s']:.0f} s, {c['rounds']} booking rounds, "
-        f"{c['reads']} reads"
+    ap.add_argument(
+        "--redis-url", default=os.environ.get("COSTEXPORTER_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
-    print(f"  agent CPU          {share:6.2f}% of one core ({c['cpu_s']:.2f} s CPU)   target <= 1%")
+    a = ap.parse_args()
+    c = cpu(a.seconds, a.redis_url)
+    t = sorted(render(a.redis_url))
+    t_1k = sorted(render(a.redis_url, 1000, 30))
+    share = 100 * c["cpu_s"] / c["wall_s"]
+    p99 = t[int(0.99 * len(t))]
     print(
-        f"  /metrics render    p50 {statistics.median(t):.2f} ms   p99 {t[int(0.99 * len(t))]:.2f} ms"
-        f"   (8 GPUs, 10 jobs)   target <= 5 ms"
+        f"agent benchmark: 8 GPUs x 10 Hz (fake NVML), {c['wall_s']:.0f} s steady state, "
+        f"{c['rounds']} booking rounds, {c['reads']} reads"
+    )
+    print(
+        f"  agent CPU          {share:6.2f}% of one core ({c['cpu_s']:.2f} s CPU)   "
+        f"target <= 1%: {verdict(share <= 1)}"
+    )
+    print(
+        f"  /metrics render    p50 {statistics.median(t):.2f} ms   p99 {p99:.2f} ms"
+        f"   (8 GPUs, 10 jobs)   target p99 <= 5 ms: {verdict(p99 <= 5)}"
+    )
+    print(
+        f"  /metrics render    p50 {statistics.median(t_1k):.1f} ms   max {t_1k[-1]:.1f} ms"
+        f"   (8 GPUs, 1,000 jobs: {statistics.median(t_1k) / statistics.median(t):.0f}x the 10-job time)"
     )
     print(f"  peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 

@@ -1,8 +1,9 @@
 """The agent at scale: round CPU and RSS against a job's history, and restart catch-up.
 
 Each history size runs in a process of its own against a private `redis-server` (no
-persistence, a free port): a 2-GPU job whose stream holds N steps of rank 0 (one a second, a
-checkpoint every 1,000) and a heartbeat every 10 s from each of 8 ranks. The agent starts with
+persistence, a free port): an 8-GPU job on one node (an agent's usual share) whose stream holds
+N steps of rank 0 (one a second, a checkpoint every 1,000) and a heartbeat every 10 s from each
+of its 8 ranks. The agent starts with
 that backlog (a restart after its watermark: `catch-up`, the CPU to read and fold it), then
 books steady rounds of 5 s, 5 new steps each (`round`: median thread CPU of a round; `rss`: the
 process's resident memory after them; `trimmed`: after malloc_trim, what the process holds
@@ -14,7 +15,9 @@ Then the agent is killed, BACKLOG s of steps arrive, and a new agent starts: it 
 fold stored with the watermark (`restart`: CPU to read and fold the backlog; the first start,
 above, had no stored fold and folded the whole history). `Redis bytes`: the job's keys
 (MEMORY USAGE) after the stream was trimmed, their growth per booked step split by key, and the
-day of a 256-GPU job (32 agents, a step a second) extrapolated from it (target <= 1 GB/day).
+day of a 256-GPU job (32 agents, a step a second) extrapolated from it (target <= 1 GB/day); a
+host's sample stream at its cap is measured on a stream of 8-GPU round entries written for it (a
+one-node job publishes none).
 
 Run through bench/bench_scale.py, or alone: python bench/scale_agent.py [--steps 1000,100000]
 """
@@ -105,9 +108,9 @@ def _post_history(n_steps: int, url: str) -> dict[int, int]:
     from tests.test_agent import event_entry
 
     client = redis.Redis.from_url(url, decode_responses=True)
-    reg = TraceBuilder(n_gpus=2, per_host=2, job=JOB, seed=1, interval_s=1.0, t0=T0)
+    reg = TraceBuilder(n_gpus=RANKS, per_host=RANKS, job=JOB, seed=1, interval_s=1.0, t0=T0)
     send_entries(client, PREFIX, JOB, [event_entry(e) for e in reg.events])
-    seqs = {0: 1, 1: 1}  # after the registrations' seq numbers
+    seqs = dict.fromkeys(range(RANKS), 1)  # after the registrations' seq numbers
     for a in range(1, n_steps + 1, 20_000):
         send_entries(client, PREFIX, JOB, _entries(JOB, a, min(a + 19_999, n_steps), seqs))
     return seqs
@@ -127,7 +130,13 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
     client = redis.Redis.from_url(url, decode_responses=True)
     # Samples: the last WINDOW_S s of the history, and the steady rounds to come.
     sb = TraceBuilder(
-        n_gpus=2, per_host=2, job=job, seed=1, interval_s=1.0, t0=T0 + n_steps - WINDOW_S, register=False
+        n_gpus=RANKS,
+        per_host=RANKS,
+        job=job,
+        seed=1,
+        interval_s=1.0,
+        t0=T0 + n_steps - WINDOW_S,
+        register=False,
     )
     sb.stretch("compute", WINDOW_S + 5 * ROUNDS + BACKLOG + 40)
     # The agent restarts: its watermark says it booked the job up to the samples it still has.
@@ -222,6 +231,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
             "stream_len": client.xlen(f"{prefix}:{{{job}}}:events"),
             "samples_len": client.xlen(ledger.key(prefix, job, "samples", agent.host)),
             "mem_kb": {k: v / 1024 for k, v in mem1.items()},
+            "sample_stream_bytes": _sample_stream_bytes(client),
             "bytes_per_step": growth,
             "booked_steps": booked_steps,
         }
@@ -242,6 +252,29 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
             "rebuilds": rebuilds,
         }
     )
+
+
+def _sample_stream_bytes(client, n: int = 200) -> float:
+    """A host's sample stream at its cap (`samples_maxlen` entries, one a 5-s round of 8 GPUs at
+    1 Hz, as `Agent._window` publishes them): MEMORY USAGE of `n` such entries, scaled."""
+    import numpy as np
+
+    from costexporter.core.samplewin import encode_entry
+    from costexporter.services.agent import AgentConfig, samples_maxlen
+
+    key = "scratch:samples"
+    rng = np.random.default_rng(0)
+    pipe = client.pipeline(transaction=False)
+    for k in range(n):
+        r = np.repeat(np.arange(8), 5)
+        t = np.tile(np.round((T0 + 5 * k + np.arange(5)) * 1000).astype(np.int64), 8)
+        p = rng.uniform(940.0, 1040.0, r.size).round(1)
+        e = ((t - T0 * 1000) * 1000.0 + r).round()
+        pipe.xadd(key, encode_entry((r, t, p, np.full(r.size, 100.0), e)))
+    pipe.execute()
+    used = int(client.memory_usage(key, samples=0) or 0)
+    client.delete(key)
+    return used / n * samples_maxlen(AgentConfig())
 
 
 def _job_bytes(client, prefix: str, job: str) -> dict[str, int]:
@@ -309,7 +342,8 @@ def report(res: list[dict]) -> None:
     ok_round = all(r["round_ms"] <= 20 for r in res)
     ok_rss = all(r["rss_mb"] <= 150 for r in res)
     print(
-        f"  round <= 20 ms: {'yes' if ok_round else 'NO'}; RSS <= 150 MB: {'yes' if ok_rss else 'NO'}; "
+        f"  round <= 20 ms: {'MET' if ok_round else 'MISSED'}; "
+        f"RSS <= 150 MB: {'MET' if ok_rss else 'MISSED'}; "
         "catch-up linear: compare s/100k steps across sizes"
     )
     if not res or "restart_s" not in res[0]:
@@ -323,7 +357,7 @@ def report(res: list[dict]) -> None:
             f"{r['accepted_after_restart']:>12} {r['restored']:>9}"
         )
     flat = max(r["restart_s"] for r in res) <= 3 * min(r["restart_s"] for r in res) + 0.05
-    print(f"  restart flat across history (same backlog): {'yes' if flat else 'NO'}")
+    print(f"  restart flat across history (same backlog): {'MET' if flat else 'MISSED'}")
     print("Redis bytes of the job after trimming (target: <= 1 GB/day for a 256-GPU job)")
     print(f"  {'steps':>8} {'stream len':>10} {'trimmed':>9} {'job KB':>8}  growth per step (B): by key")
     for r in res:
@@ -332,7 +366,7 @@ def report(res: list[dict]) -> None:
             f"  {r['steps']:>8} {r['stream_len']:>10} {r['trimmed']:>9} {sum(r['mem_kb'].values()):>8.0f}  "
             + ", ".join(f"{k} {v:.0f}" for k, v in g.items())
         )
-    from costexporter.services.agent import AgentConfig, samples_maxlen
+    from costexporter.services.agent import AgentConfig
 
     r = res[-1]
     g = r["bytes_per_step"]
@@ -346,15 +380,15 @@ def report(res: list[dict]) -> None:
     # A 256-GPU job, 32 agents (8 GPUs each), a step a second: the shared keys once, each agent's
     # own 32 times; the stream kept up to 2 x late_keep_s, its entries scaled from these 8 ranks'
     # (a heartbeat each every 10 s, a step a second) to 256 ranks'; each host's sample stream
-    # capped at samples_maxlen entries (one a 5-s round) of 8 GPUs' samples (these grew by 2 a step).
+    # capped at samples_maxlen entries (one a 5-s round) of 8 GPUs' samples.
     entry = r["mem_kb"].get("events", 0) * 1024 / max(r["stream_len"], 1)
     stream = entry * (1 + 256 / 10) * 2 * AgentConfig.late_keep_s
-    samples = 32 * samples_maxlen(AgentConfig()) * 5 * 8 * g.get("samples", 0) / 2
+    samples = 32 * r["sample_stream_bytes"]
     day = 86400 * (shared + 32 * per_agent)
     total = day + stream + samples + rbidx
     print(
-        f"  per step: {shared:.0f} B shared + {per_agent:.0f} B per agent (per GPU-hour of this 2-GPU job: "
-        f"{3600 * (shared + per_agent) / 2 / 1024:.0f} KB); rollback index held at the end: "
+        f"  per step: {shared:.0f} B shared + {per_agent:.0f} B per agent (per GPU-hour of this 8-GPU job: "
+        f"{3600 * (shared + per_agent) / RANKS / 1024:.0f} KB); rollback index held at the end: "
         f"{r['mem_kb'].get('ledger:rbidx', 0):.0f} KB per agent\n  256-GPU job: grows {day / 1e6:.0f} MB/day "
         f"({'<=' if day <= 1e9 else '>'} 1 GB/day), plus what stays bounded: {stream / 1e6:.0f} MB of stream "
         f"kept, {samples / 1e6:.0f} MB of sample streams at their cap, {rbidx / 1e6:.0f} MB of rollback "
@@ -373,10 +407,6 @@ def main() -> None:
     a = ap.parse_args()
     report(measure([int(x) for x in a.steps.split(",")]))
     report_watcher(measure_watcher(parse_shapes(a.watcher)))
-
-
-if __name__ == "__main__":
-    main()
 
 
 # ---- the watcher ---------------------------------------------------------------------------------
@@ -521,3 +551,7 @@ def report_watcher(res: list[dict]) -> None:
             f"{r['max_ms']:>7.1f} {r['first_s']:>13.2f} {r['rss_mb']:>7.0f}  "
             f"{'+'.join(map(str, r['per_shard']))}, {','.join(r['states'])}"
         )
+
+
+if __name__ == "__main__":
+    main()

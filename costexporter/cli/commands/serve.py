@@ -180,6 +180,7 @@ def serve(
     from costexporter.core import profiles
     from costexporter.core.diagnostics import Diagnostics, InputError
     from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.services.gcstate import FrozenState
     from costexporter.sources.base import GpuInitError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -270,8 +271,17 @@ def serve(
         idle_rounds[1] = progress
         return (all(j.done for j in agent.jobs.values() if j.own) and bool(agent.jobs)) or idle_rounds[0] >= 5
 
+    # This process is the agent's alone: its long-lived state (jobs, folds, the exporter's
+    # families) is kept out of the collector's full walks, which otherwise land in a /metrics
+    # scrape's tail as in a watcher's poll (services/gcstate.py).
+    frozen = FrozenState()
+
+    def after_round() -> bool:
+        frozen.after_round()
+        return done()
+
     try:
-        agent.run(until=done)
+        agent.run(until=after_round)
     except KeyboardInterrupt:
         pass
     finally:
