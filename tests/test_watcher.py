@@ -373,9 +373,9 @@ def test_an_alertmanager_that_stays_down_never_delays_a_poll_and_is_counted(pref
     )
     w = Watcher(cfg)
     try:
-        t0 = time.monotonic()
         assert w.poll()[f"{prefix}-j"].state == "unknown"  # an alerting state: posted, off the poll
-        assert time.monotonic() - t0 < 2.0  # 3 s of backoff alone if the poll waited for it
+        # The delivery takes 3 s of backoff before it gives up: still under way when the poll returns.
+        assert w.alertmanager.stats["failed"] == 0
         w.alertmanager.drain()
         assert w.alertmanager.stats["failed"] == 1 and w.alertmanager.stats["retries"] == 2
     finally:

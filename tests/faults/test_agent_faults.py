@@ -156,6 +156,8 @@ def live_entry(job: str, rank: int, seq: int, type_: str, ts: float | None = Non
     )
 
 
+# Played on a clock: the booked time is bounded by wall-clock times.
+@pytest.mark.serial
 def test_7_an_ancient_register_and_a_skewed_clock_are_bounded_and_shown(shared, prefix):
     from tests.helpers.nvml_serve import uuid
 

@@ -564,9 +564,8 @@ def test_a_failed_computation_is_not_cached_and_a_stale_answer_never_waits():
     refresher.start()
     try:
         assert started.wait(10)
-        t0 = time.monotonic()
         assert cache.get("k", down).body == b"old"
-        assert time.monotonic() - t0 < 1
+        assert refresher.is_alive()  # served stale without waiting for the refresh in flight
     finally:
         release.set()
         refresher.join(10)
