@@ -115,6 +115,11 @@ class BookingConfig:
         return int(s * 1000)
 
 
+# The name the walk's own startup allowance learns under, in an `Allowances` of its own (never
+# the declared phases' one, so no phase name can share or skew it).
+RUN_STARTUP = "startup"
+
+
 class Allowances:
     """Per-phase allowances, learned as k x the median of the job's own completed durations
     (at least the stall floor).
@@ -382,7 +387,10 @@ class _ReferenceWalk(Segments):
         self.steps: list[StepRecord] = []
         self.resumes: list[tuple[int, int, int]] = []
         self.durations: deque[int] = deque(maxlen=cfg.stall_window)
-        self.startup_allow = allowances.current("startup")
+        # The run's own startup (registration or restart to the first step) learns apart from the
+        # declared phases: a phase a trainer names `startup` is data, not this allowance.
+        self.run_allow = Allowances(cfg)
+        self.startup_allow = self.run_allow.current(RUN_STARTUP)
         self.floor_ms = int(cfg.stall_floor_s * 1000)
         self.max_valid: int | None = None  # highest step number completed and not voided
         self.anchor = start_ms
@@ -472,7 +480,7 @@ class _ReferenceWalk(Segments):
             self.anchor = t
             self.ended = False
             self.in_startup, self.startup_from = True, t
-            self.startup_allow = self.allowances.current("startup")
+            self.startup_allow = self.run_allow.current(RUN_STARTUP)
         if ev.type == "step":
             n = ev.int_field("step")
             # A step at or below the newest valid one: an implicit resume.
@@ -482,7 +490,7 @@ class _ReferenceWalk(Segments):
             self.steps.append(StepRecord(n, t, ev.opt_int_field("tokens") or 0))
             self.close_interval(t, "step", len(self.steps) - 1)
             if self.in_startup:
-                self.allowances.observe("startup", t, t - self.startup_from)
+                self.run_allow.observe(RUN_STARTUP, t, t - self.startup_from)
             self.in_startup = False
         else:
             state = ev.get("state")
@@ -493,7 +501,7 @@ class _ReferenceWalk(Segments):
                     self.resumes.append((t, k, self.void_above(k, t)))
                 if not self.in_startup:
                     self.in_startup, self.startup_from = True, t
-                    self.startup_allow = self.allowances.current("startup")
+                    self.startup_allow = self.run_allow.current(RUN_STARTUP)
             elif state == "end":
                 self.close_interval(t, "end")
                 self.ended = True

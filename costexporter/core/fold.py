@@ -33,6 +33,7 @@ import numpy as np
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
+    RUN_STARTUP,
     SHORT_WALK,
     STEPLESS_META,
     Allowances,
@@ -185,7 +186,9 @@ class _Walk(Segments):
         # The last checkpoints that saved a valid step: (step, its record), oldest first.
         self.ckpts: deque[tuple[int, int]] = deque(maxlen=max(cfg.rollback_checkpoints, 1))
         self.durations: deque[int] = deque(maxlen=cfg.stall_window)
-        self.startup_allow = self.allow.current("startup")
+        # The run's startup learns apart from the declared phases (`booking.RUN_STARTUP`).
+        self.run_allow = Allowances(cfg)
+        self.startup_allow = self.run_allow.current(RUN_STARTUP)
         self.anchor = start_ms
         self.in_startup = True
         self.startup_from = start_ms
@@ -202,6 +205,7 @@ class _Walk(Segments):
         c = _Walk.__new__(_Walk)  # copy.copy's shallow copy, without its generic protocol
         c.__dict__.update(self.__dict__)
         c.allow = self.allow.copy()
+        c.run_allow = self.run_allow.copy()
         c.p0 = self.p0.clone(c.allow)
         # Other ranks' phases are shared until the copy changes them (`_rank_phases`): a view
         # closes the open phases of a few ranks, not of every rank of a wide job.
@@ -364,7 +368,7 @@ class _Walk(Segments):
             self.anchor = t
             self.ended = False
             self.in_startup, self.startup_from = True, t
-            self.startup_allow = self.allow.current("startup")
+            self.startup_allow = self.run_allow.current(RUN_STARTUP)
         if ev.type == "step":
             n = ev.int_field("step")
             if self.v_step and n <= self.v_step[-1]:
@@ -382,7 +386,7 @@ class _Walk(Segments):
             self.last_step, self.last_ts = rec, t
             self.close_interval(t, "step", i)
             if self.in_startup:
-                self.allow.observe("startup", t, t - self.startup_from)
+                self.run_allow.observe(RUN_STARTUP, t, t - self.startup_from)
             self.in_startup = False
         else:
             state = ev.get("state")
@@ -393,7 +397,7 @@ class _Walk(Segments):
                     self.resumes.append((t, k, self.void_above(k, t)))
                 if not self.in_startup:
                     self.in_startup, self.startup_from = True, t
-                    self.startup_allow = self.allow.current("startup")
+                    self.startup_allow = self.run_allow.current(RUN_STARTUP)
             elif state == "end":
                 self.close_interval(t, "end")
                 self.ended = True
@@ -483,10 +487,6 @@ class TimelineFold:
             if ev.type == "meta":
                 self.stepless_declared = True
                 continue
-            if ev.type == "phase" and ev.rank == 0 and ev.get("name") == "startup":
-                # A declared phase named like the walk's own startup allowance shares its learned
-                # durations across the whole history: not foldable, rebuilt each round.
-                self.late = True
             if int(ev.ts * 1000) <= (self.frontier if ev.rank == 0 else self.others_frontier):
                 self.late = True
             if ev.type == "step":
@@ -593,7 +593,7 @@ class TimelineFold:
             + 90 * len(w.seg_start)
             + 60 * (len(w.p0.closed) + sum(len(p.closed) for p in w.pr.values()))
             + 700 * (len(self.pending) + len(self.run0))
-            + 16 * sum(len(v) for v in w.allow._durations.values())
+            + 16 * sum(len(v) for a in (w.allow, w.run_allow) for v in a._durations.values())
         )
 
 
@@ -695,6 +695,7 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict[str, Any] | None = None)
         "pending": [_ev_out(e) for e in sorted(fold.pending, key=lambda e: (e.ts, e.seq))],
         "run0": [_ev_out(e) for e in fold.run0],
         "allow": _allow_out(w.allow),
+        "run_allow": _allow_out(w.run_allow),
         "p0": _phases_out(w.p0),
         "pr": {str(r): [_allow_out(p.allow), _phases_out(p)] for r, p in w.pr.items()},
         "seg": [w.seg_start, w.seg_regime, w.seg_step],
@@ -758,6 +759,14 @@ def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, 
         f.run0 = [_ev_in(e, job) for e in head["run0"]]
         w = f.w
         w.allow = _allow_in(head["allow"], cfg)
+        if "run_allow" in head:
+            w.run_allow = _allow_in(head["run_allow"], cfg)
+        else:  # stored before the run's startup learned apart: its `startup` was the run's own
+            w.run_allow = Allowances(cfg)
+            if RUN_STARTUP in w.allow._durations:
+                w.run_allow._durations[RUN_STARTUP] = w.allow._durations.pop(RUN_STARTUP)
+            if RUN_STARTUP in w.allow._history:
+                w.run_allow._history[RUN_STARTUP] = w.allow._history.pop(RUN_STARTUP)
         w.p0 = _phases_in(head["p0"], w.allow)
         w.pr = {int(r): _phases_in(ph, _allow_in(al, cfg)) for r, (al, ph) in head["pr"].items()}
         w.seg_start, w.seg_regime, w.seg_step = ([int(v) for v in s] for s in head["seg"])

@@ -875,8 +875,7 @@ class Agent:
         tl = fold.timeline(now_ms, final=final, dated_until=True)
         if tl is not None:
             return tl
-        # An event of the stream older than what was folded before it, or not foldable (a
-        # declared phase named `startup`): every event at once.
+        # An event of the stream older than what was folded before it: every event at once.
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
         events = reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant)
         job.fold = TimelineFold(self.cfg.booking, job_start)

@@ -164,7 +164,7 @@ class JobView:
     timeline_fold: TimelineFold | None = None
     fresh: list[Event] = field(default_factory=list)
     rebuilds: int = 0
-    unfoldable: bool = False  # a declared phase named `startup`: built from every event each poll
+    unfoldable: bool = False  # a fold that cannot give its view: built from every event each poll
 
     def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
@@ -198,7 +198,7 @@ class JobView:
             f.add(walk)
             self.fresh = []
             tl = view(f)
-            if tl is None:  # not foldable (a declared phase named `startup`)
+            if tl is None:  # not foldable (never expected: a safety net)
                 self.timeline_fold, self.unfoldable = None, True
                 return build_timeline(walk, booking, start_ms, end_ms, final=False)
         return tl
