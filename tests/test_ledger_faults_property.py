@@ -76,6 +76,8 @@ NO_FAULTS = {
     "duplicate": False,
     "restart_at": None,
     "twin": False,
+    # a second host presents the same agent id (its own idle GPUs): it must book nothing
+    "twin_host": False,
 }
 
 
@@ -103,6 +105,7 @@ def scenarios(draw):
         "duplicate": draw(st.booleans()),
         "restart_at": draw(st.one_of(st.none(), st.integers(1, 20))),
         "twin": draw(st.booleans()),
+        "twin_host": draw(st.booleans()),
     }
     return build(n, seed, stretches, crash, faults)
 
@@ -133,8 +136,20 @@ class Run:
         self.agents = [self._agent()]
         if self.faults.get("twin"):
             self.agents.append(self._agent())
+        if self.faults.get("twin_host"):
+            other = TraceBuilder(
+                n_gpus=2,
+                per_host=2,
+                job="-",
+                seed=a.seed + 1,
+                host_prefix="twin",
+                register=False,
+                t0=a.t0 + 7,
+            )  # its rounds a little ahead of node0's, as another host's are
+            other.stretch("idle", (self.end - self.t0) + 4 * ROUND_S)
+            self.agents.append(self._agent(other.samples()))
 
-    def _agent(self) -> Agent:
+    def _agent(self, samples=None) -> Agent:
         started = [False]
 
         def clock() -> float:  # 0 at creation: a (re)started source plays the trace from its start
@@ -144,7 +159,7 @@ class Run:
             return self.now
 
         return Agent(
-            ReplaySource(self.samples, clock=clock),
+            ReplaySource(self.samples if samples is None else samples, clock=clock),
             AgentConfig(
                 prefix=self.prefix,
                 agent_id="node0",

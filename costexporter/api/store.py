@@ -10,7 +10,6 @@ null, a bucket field that is not a number, a key of the wrong type) is skipped a
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from costexporter.api.windows import decompose
 from costexporter.core.buckets import RESOLUTIONS, UNITS
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
-from costexporter.store import ledger, protocol
+from costexporter.store import ledger, protocol, untrusted
 from costexporter.store.keys import (
     bucket_key,
     figures_key,
@@ -344,9 +343,11 @@ def _run(pipe) -> list:
 
 
 def _json(raw: object) -> object:
+    """A stored JSON value, or None when it is not one (or is deeper or larger than any value
+    the product writes: a trainer may have written it)."""
     try:
-        return json.loads(raw) if isinstance(raw, str | bytes) else None
-    except ValueError:
+        return untrusted.loads(raw) if isinstance(raw, str | bytes) else None
+    except untrusted.UntrustedValue:
         return None
 
 

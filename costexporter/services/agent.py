@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -61,7 +62,7 @@ from costexporter.core.profiles import Profile
 from costexporter.core.samplewin import SampleWindow
 from costexporter.sources.base import GpuSource
 from costexporter.sources.sampler import Sampler
-from costexporter.store import ledger, protocol
+from costexporter.store import agentid, ledger, protocol, untrusted
 from costexporter.store.keys import (
     epoch_key,
     fold_key,
@@ -271,7 +272,9 @@ class Agent:
         self.redis_up = False
         self.stats: collections.Counter[str] = collections.Counter()
         self.registrations_rejected: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._rejected_seen: set[tuple[str, str, str]] = set()
+        self._rejected_seen: set[tuple[str, str, int]] = set()
+        # Trainer-writable values refused (keys of the wrong type, ...), by job and reason.
+        self.refusals = untrusted.Refusals(log)
         self._logged: set[tuple] = set()
         learn = cfg.learn_idle if cfg.learn_idle is not None else bool(getattr(source, "wall_clock", False))
         self.idle = IdleLearner() if learn else None
@@ -284,9 +287,20 @@ class Agent:
         # Round CPU time: per bucket of ROUND_BUCKETS (+Inf last), and the sum (s).
         self.round_counts = [0] * (len(ROUND_BUCKETS) + 1)
         self.round_sum = 0.0
+        # The agent id's lease (agentid.py): renewed every round, outliving a few slow ones.
+        self._id_ttl_s = max(30.0, 10 * cfg.book_interval_s)
+        self.id_refused = False  # another host holds this agent id: nothing is booked
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Agent:
+        """Claim the agent id (AgentIdInUse when another host holds it), then sample."""
+        try:
+            holder = agentid.claim(self.redis, self.cfg.prefix, self.cfg.agent_id, self.host, self._id_ttl_s)
+        except self._redis_errors as e:
+            log.info("cannot check agent id %r now (%s): it is checked every round", self.cfg.agent_id, e)
+            holder = None
+        if holder is not None:
+            raise agentid.AgentIdInUse(self.cfg.agent_id, self.host, holder)
         self.sampler.start()
         self.warn_if_not_persistent()
         return self
@@ -312,6 +326,9 @@ class Agent:
         self.sampler.stop()
         self._final = True  # no later sample will come: the unassigned time is booked to the end
         self.tick()
+        if not self.id_refused:
+            with contextlib.suppress(*self._redis_errors):  # else the lease runs out by itself
+                agentid.release(self.redis, self.cfg.prefix, self.cfg.agent_id, self.host)
         self.source.close()
 
     def warn_if_not_persistent(self) -> None:
@@ -381,10 +398,15 @@ class Agent:
             if not self.redis_up:
                 self._redis_back_at = time.monotonic()
             self._sync_idle()
-            for job in list(self.jobs.values()):
-                if job.own:
-                    self._book_isolated(job, local)
-            self._book_unassigned(local)
+            if self._hold_id():
+                for job in list(self.jobs.values()):
+                    if job.own:
+                        self._book_isolated(job, local)
+                try:
+                    self._book_unassigned(local)
+                except ledger.WrongType as e:
+                    self._wrong_type(ledger.UNASSIGNED_JOB, e, e.keys)
+                    self._unassigned_loaded = False
             self._publish_node()
             self.redis_up = True
         except self._redis_errors as e:
@@ -400,6 +422,27 @@ class Agent:
         with self.lock:
             self.live_seq += 1  # the live state changed every round, booked or not
         self._trim(local)
+
+    def _hold_id(self) -> bool:
+        """Renew this agent id's lease; False (nothing booked this round, counted, said once per
+        spell) while another host holds it. When it is this host's again, the watermarks are
+        read again: the other host may have written them meanwhile."""
+        holder = agentid.claim(self.redis, self.cfg.prefix, self.cfg.agent_id, self.host, self._id_ttl_s)
+        if holder is None:
+            if self.id_refused:
+                log.warning("agent id %r is this host's again: booking resumes", self.cfg.agent_id)
+                self.id_refused = False
+                self._forget_watermarks()
+            return True
+        self.stats["agent_id_refused"] += 1
+        if not self.id_refused:
+            log.error(
+                "%s. This agent books nothing while that host holds the id (counted in "
+                "costexporter_agent_id_refused_rounds_total)",
+                agentid.AgentIdInUse(self.cfg.agent_id, self.host, holder),
+            )
+        self.id_refused = True
+        return False
 
     def _forget_watermarks(self) -> None:
         """The last write may or may not have landed: re-read the watermarks before booking."""
@@ -446,8 +489,12 @@ class Agent:
                 self.cfg.agent_id,
             )
             job.loaded, job.restore = False, True
-        except self._redis_errors:
-            raise
+        except ledger.WrongType as e:
+            self._wrong_type(job.name, e, e.keys)
+        except self._redis_errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            self._wrong_type(job.name, e)
         except Exception as e:
             self.stats["job_errors"] += 1
             job.loaded = False
@@ -589,18 +636,19 @@ class Agent:
     # ---- jobs ------------------------------------------------------------------------------
     def _reject_registration(self, job: str, rank_s: str, raw: str, reason: str, message: str) -> None:
         """Counted once per entry, logged once per job and reason; the job's other ranks go on."""
-        if (job, rank_s, raw) in self._rejected_seen:
+        seen = (job, rank_s[:100], hash(raw))  # not the entry itself: it may be a megabyte
+        if seen in self._rejected_seen:
             return
         if len(self._rejected_seen) < 100_000:
-            self._rejected_seen.add((job, rank_s, raw))
+            self._rejected_seen.add(seen)
         self.registrations_rejected[(job, reason)] += 1
         self._log_once(
             ("registration", job, reason),
             logging.WARNING,
             "job %r: registration of rank %s rejected (%s): %s; counted in "
             "costexporter_registrations_rejected_total, the other ranks and jobs book on",
-            job,
-            rank_s,
+            untrusted.short(job),
+            untrusted.short(rank_s),
             reason,
             message,
         )
@@ -609,7 +657,15 @@ class Agent:
         """Whether a register arrived since the last discovery (the trainers' counter moved; also
         when Redis lost it) or the node's GPUs changed (a source that finds them late): discovery
         then reads every job's registrations again."""
-        raw = self.redis.get(protocol.registrations_key(self.cfg.prefix))
+        try:
+            raw = self.redis.get(protocol.registrations_key(self.cfg.prefix))
+        except self._redis_errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            self.refusals.refuse(
+                "", "wrong_type", "the registrations counter is not a string: jobs are looked for every round"
+            )
+            return True
         self._reg_read = raw.decode() if isinstance(raw, bytes) else raw
         return self._reg_read != self._reg_version or self._gpu_ids() != self._gpus_seen
 
@@ -624,51 +680,41 @@ class Agent:
         if self._unassigned_until is None:
             self._load_unassigned()
         node_gpus = GpuIndex(self.source.gpus())
-        fresh = False
         names = []
-        for name in self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1):
+        try:
+            listed = self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1)
+        except self._redis_errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            self.refusals.refuse("", "wrong_type", "the jobs index is not a sorted set: no new job is found")
+            listed = []
+        for name in listed:
             try:
                 protocol.check_job(name)
             except ValueError as e:
                 self._reject_registration(name, "*", "", "bad_job_name", str(e))
                 continue
             names.append(name)
-        # Every job's registrations in one round trip (512 jobs: one, not 512).
+        # Every job's registrations in one round trip (512 jobs: one, not 512). A reply that is
+        # an error (a ranks key of the wrong type) is that job's alone.
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(protocol.ranks_key(self.cfg.prefix, name))
-        for name, ranks in zip(names, pipe.execute() if names else [], strict=True):
-            job = self.jobs.get(name)
-            regs = []
-            for rank_s, raw in ranks.items():
-                try:
-                    reg = protocol.parse_registration(rank_s, raw)
-                except protocol.RegistrationError as e:
-                    self._reject_registration(name, rank_s, raw, e.reason, str(e))
-                    continue
-                g = node_gpus.find(reg.gpu_uuid, reg.host, reg.gpu)
-                regs.append((reg, g))
-            if job is None and all(g is None for _reg, g in regs):
-                continue  # no GPU of this node: not this agent's job
-            # Every rank of the job, the other hosts' too (whatever order the hash gives them):
-            # their samples are read, and this agent's shared, only for ranks it knows of.
-            for reg, g in regs:
-                if job is None:
-                    job = self.jobs[name] = _Job(name, EventReader(self.redis, name, prefix=self.cfg.prefix))
-                    # its stored GPU starts and watermark before any claim or handover uses them (a
-                    # restarted agent would otherwise hand a crashed job time its successor booked)
-                    self._load(job)
-                old = job.ranks.get(reg.rank)
-                if old is not None:  # a restart registers again: the GPU is the job's from the
-                    # rank's first registration on (the hash keeps only the newest)
-                    reg = dataclasses.replace(reg, ts=min(old.ts, reg.ts))
-                job.ranks[reg.rank] = reg
-                if g is not None and reg.rank not in job.own:
-                    if not fresh:  # a twin agent may have booked `_unassigned` further
-                        self._load_unassigned(ahead_only=True)
-                        fresh = True
-                    job.own[reg.rank] = g
-                    job.floors[reg.rank] = self._booked_elsewhere(g, job)
+        fresh = [False]
+        for name, ranks in zip(names, pipe.execute(raise_on_error=False) if names else [], strict=True):
+            if isinstance(ranks, Exception):
+                if not untrusted.is_wrong_type(ranks):
+                    raise ranks
+                self.refusals.refuse(
+                    name, "wrong_type", "its ranks key is not a hash: its registrations are not read"
+                )
+                continue
+            try:
+                self._discover_job(name, ranks, node_gpus, fresh)
+            except self._redis_errors as e:
+                if not untrusted.is_wrong_type(e):
+                    raise
+                self._wrong_type(name, e)
         for job in self.jobs.values():
             hosts: dict[str, list[int]] = {}
             for r, peer in sorted(job.ranks.items()):
@@ -682,6 +728,99 @@ class Agent:
         settled = self._reg_prev == "?" or self._reg_read == self._reg_prev
         self._reg_version = self._reg_read if settled else "?"
         self._reg_prev = self._reg_read
+
+    def _discover_job(self, name: str, ranks: dict, node_gpus: GpuIndex, fresh: list[bool]) -> None:
+        """One job's registrations read: the ranks on this node's GPUs become the job's own."""
+        job = self.jobs.get(name)
+        regs = []
+        for rank_s, raw in ranks.items():
+            try:
+                reg = protocol.parse_registration(rank_s, raw)
+            except protocol.RegistrationError as e:
+                self._reject_registration(name, rank_s, raw, e.reason, str(e))
+                continue
+            g = node_gpus.find(reg.gpu_uuid, reg.host, reg.gpu)
+            regs.append((reg, g))
+        if job is None and all(g is None for _reg, g in regs):
+            return  # no GPU of this node: not this agent's job
+        # Every rank of the job, the other hosts' too (whatever order the hash gives them):
+        # their samples are read, and this agent's shared, only for ranks it knows of.
+        for reg, g in regs:
+            if job is None:
+                job = self.jobs[name] = _Job(name, EventReader(self.redis, name, prefix=self.cfg.prefix))
+                # its stored GPU starts and watermark before any claim or handover uses them (a
+                # restarted agent would otherwise hand a crashed job time its successor booked)
+                self._load(job)
+            old = job.ranks.get(reg.rank)
+            if old is not None:  # a restart registers again: the GPU is the job's from the
+                # rank's first registration on (the hash keeps only the newest)
+                reg = dataclasses.replace(reg, ts=min(old.ts, reg.ts))
+            job.ranks[reg.rank] = reg
+            if g is not None and reg.rank not in job.own:
+                if self._claim_refused(job, reg, g):
+                    continue
+                if not fresh[0]:  # a twin agent may have booked `_unassigned` further
+                    self._load_unassigned(ahead_only=True)
+                    fresh[0] = True
+                job.own[reg.rank] = g
+                job.floors[reg.rank] = self._booked_elsewhere(g, job)
+
+    def _claim_refused(self, job: _Job, reg: protocol.Registration, gpu: int) -> bool:
+        """A registration that names this GPU by host and index only, while another job that has
+        not ended holds it by its UUID: refused (counted, logged), the holder keeps it. A
+        trainer could otherwise move another job's GPU time to itself by naming the GPU's index;
+        a real successor reads the UUID (the reporter does) and takes over as usual."""
+        uuids = self.source.gpus()
+        uuid_ = uuids[gpu].uuid if gpu < len(uuids) else None
+        if not uuid_ or reg.gpu_uuid == uuid_:
+            return False
+        for other in self.jobs.values():
+            if other is job or other.end_ms is not None:
+                continue
+            for r, g in other.own.items():
+                held = other.ranks.get(r)
+                if g == gpu and held is not None and held.gpu_uuid == uuid_ and held.ts <= reg.ts:
+                    self.refusals.refuse(
+                        job.name,
+                        "gpu_held",
+                        "rank %d names GPU %s of %s by its index, which job %r holds by its UUID %s: "
+                        "refused, the GPU stays that job's (register with gpu_uuid to take it over)",
+                        reg.rank,
+                        reg.gpu,
+                        untrusted.short(reg.host),
+                        untrusted.short(other.name),
+                        uuid_,
+                    )
+                    return True
+        return False
+
+    def _wrong_type(self, name: str, e: BaseException, wrong: dict[str, str] | None = None) -> None:
+        """A job's round met a key of the wrong type. Keys only the agents write are moved aside
+        (someone else created them: they never held the ledger) and written afresh next round;
+        a trainer's own key of the wrong type is refused, counted and logged, every round until
+        it is fixed. The other jobs go on either way."""
+        job = self.jobs.get(name)
+        if wrong is None:
+            expected = ledger.agent_keys(self.cfg.prefix, name, self.cfg.agent_id, self.host)
+            for h in job.peer_hosts if job is not None else ():
+                expected[samples_key(self.cfg.prefix, name, h)] = "stream"
+            wrong = ledger.wrong_types(self.redis, expected)
+        moved = ledger.set_aside(self.redis, wrong) if wrong else []
+        if moved:
+            self.refusals.refuse(
+                name,
+                "wrong_type",
+                "%d key(s) only the agents write held another type (created by someone else): moved "
+                "aside to <key>:wrongtype, booked afresh next round: %s",
+                len(moved),
+                ", ".join(untrusted.short(k) for k in moved[:3]),
+            )
+        else:
+            self.refusals.refuse(
+                name, "wrong_type", "a key of the job has the wrong type: not booked (%s)", e
+            )
+        if job is not None:
+            job.loaded = False
 
     def _booked_elsewhere(self, gpu: int, new: _Job) -> int:
         """How far this GPU's time is booked already (unassigned, or by another job): a claim
@@ -1303,7 +1442,14 @@ class Agent:
         `ahead_only`, adopted only if it is ahead of ours (a twin agent booked further), so a late
         claim starts after it; never going back (after an empty Redis restart our in-memory
         watermark is the truth)."""
-        raw = self.redis.get(watermark_key(self.cfg.prefix, ledger.UNASSIGNED_JOB, self.cfg.agent_id))
+        k = watermark_key(self.cfg.prefix, ledger.UNASSIGNED_JOB, self.cfg.agent_id)
+        try:
+            raw = self.redis.get(k)
+        except self._redis_errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            self._wrong_type(ledger.UNASSIGNED_JOB, e, {k: "string"})
+            raw = None
         stored = int(json.loads(raw).get("booked_until", 0)) if raw else 0
         if ahead_only and stored <= (self._unassigned_until or 0):
             return
@@ -1475,6 +1621,7 @@ class Agent:
                 "agent": self.cfg.agent_id,
                 "currency": self.cfg.prices.currency,
                 "redis_up": self.redis_up,
+                "id_refused": self.id_refused,
                 "gpus": self.source.gpus(),
                 "latest": self.sampler.latest(),
                 "gpu_bands": dict(self._gpu_band),
@@ -1483,6 +1630,7 @@ class Agent:
                 "stats": dict(self.stats),
                 "dropped": self.sampler.dropped,
                 "registrations_rejected": dict(self.registrations_rejected),
+                "data_rejected": dict(self.refusals.counts),
                 "round_counts": list(self.round_counts),
                 "round_sum": self.round_sum,
                 "jobs": {

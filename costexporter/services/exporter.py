@@ -194,6 +194,18 @@ class AgentCollector(Collector):
         )
         epoch.add_metric([], s["stats"].get("epoch_resets", 0))
         yield epoch
+        idr = CounterMetricFamily(
+            "costexporter_agent_id_refused_rounds",
+            "Rounds that booked nothing because another host holds this agent's --agent-id.",
+        )
+        idr.add_metric([], s["stats"].get("agent_id_refused", 0))
+        yield idr
+        held = GaugeMetricFamily(
+            "costexporter_agent_id_held",
+            "1 while this host holds its --agent-id (0: refused, booking nothing).",
+        )
+        held.add_metric([], 0 if s.get("id_refused") else 1)
+        yield held
         jerr = CounterMetricFamily(
             "costexporter_job_errors", "Job rounds that failed and were skipped (the other jobs booked)."
         )
@@ -207,6 +219,7 @@ class AgentCollector(Collector):
         for (job, reason), n in sorted(s["registrations_rejected"].items()):
             regs.add_metric([job, reason], n)
         yield regs
+        yield data_rejected(s["data_rejected"])
         rej = CounterMetricFamily(
             "costexporter_events_rejected",
             "Events refused (malformed), by job and reason.",
@@ -394,6 +407,21 @@ def _dashboard_families(s):
     yield edges
 
 
+def data_rejected(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
+    """Stored values a job's trainer can write that were refused, by job and reason (one family
+    for the agent and the watcher)."""
+    fam = CounterMetricFamily(
+        "costexporter_data_rejected",
+        "Stored values of a job refused (a key of the wrong type, a GPU claimed from the job that "
+        "holds it, ...), by job and reason: that job's data is skipped, the other jobs go on. "
+        "training_job is empty for keys across jobs (the jobs index, the registrations counter).",
+        labels=["training_job", "reason"],
+    )
+    for (job, reason), n in sorted(counts.items()):
+        fam.add_metric([job, reason], n)
+    return fam
+
+
 class WatchCollector(Collector):
     """The watcher's metrics: each job's state as a stateset, seconds since its last step and
     the suspect rank; the watcher's own health (Redis, webhook deliveries)."""
@@ -442,6 +470,15 @@ class WatchCollector(Collector):
         for outcome in ("sent", "retries", "failed", "dropped"):
             wh.add_metric([outcome], s["webhook"].get(outcome, 0))
         yield wh
+        regs = CounterMetricFamily(
+            "costexporter_registrations_rejected",
+            "Ranks entries (registrations) refused, by job and reason.",
+            labels=["training_job", "reason"],
+        )
+        for (job, reason), n in sorted(s["registrations_rejected"].items()):
+            regs.add_metric([job, reason], n)
+        yield regs
+        yield data_rejected(s["data_rejected"])
 
 
 def registry_for(agent) -> CollectorRegistry:

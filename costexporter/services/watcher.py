@@ -53,7 +53,7 @@ from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
 from costexporter.core.profiles import Profile
 from costexporter.core.timeutil import iso_utc
-from costexporter.store import ledger, protocol
+from costexporter.store import ledger, protocol, untrusted
 from costexporter.store.keys import live_key, status_key
 from costexporter.store.reader import EventReader, read_all_many
 
@@ -67,7 +67,6 @@ LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
 # the others of META_THRESHOLDS are the booking rules'.
 WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
 NO_AGENT_DATA = "no agent data: cannot name a rank"
-MAX_RANK = 1 << 20  # a ranks entry beyond this is not a rank of any real job
 # What one poisoned job (a bad name, stored values of the wrong type) raises: it is set aside.
 SETTLED_MARGIN_MS = 1_000  # `JobView.settled_ms`: events of a rank may be this much out of order
 JUDGE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError)
@@ -693,21 +692,18 @@ class Webhook:
 
 
 # ---- the polling loop --------------------------------------------------------------------
-def _registration(rank: str | bytes, raw: str | bytes) -> tuple[int, dict] | None:
-    """A ranks-hash entry as (rank, registration), or None when it is not a JSON object with a
-    usable rank and timestamp (the hash is writable by every trainer)."""
-    try:
-        r, entry = int(rank), json.loads(raw)
-    except (ValueError, TypeError):
-        return None
-    if not isinstance(entry, dict) or not 0 <= r < MAX_RANK:
-        return None
-    try:
-        if "ts" in entry:
-            entry["ts"] = float(entry["ts"])
-    except (TypeError, ValueError):
-        return None
-    return r, entry
+def _registration(rank: str, raw: str) -> tuple[int, dict]:
+    """A ranks-hash entry as (rank, registration), checked as the agent checks it
+    (`protocol.parse_registration`: RegistrationError with the reason it is counted under)."""
+    reg = protocol.parse_registration(rank, raw)
+    entry = {
+        "ts": reg.ts,
+        "host": reg.host,
+        "gpu": reg.gpu,
+        "gpu_uuid": reg.gpu_uuid,
+        "world_size": reg.world_size,
+    }
+    return reg.rank, {k: v for k, v in entry.items() if v is not None}
 
 
 def _still_done(prev: Status, now: float) -> Status:
@@ -739,6 +735,9 @@ class Watcher:
         self.history: collections.deque[tuple[str, str, str, float]] = collections.deque(maxlen=1000)
         self.redis_up = False
         self.stats: collections.Counter[str] = collections.Counter()
+        # Refused ranks entries and other values a trainer can write, by (job, reason).
+        self.registrations_rejected: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.refusals = untrusted.Refusals(log)
         self.webhook = (
             Webhook(cfg.webhook_url, cfg.webhook_retries, cfg.webhook_timeout_s, cfg.webhook_backoff_s)
             if cfg.webhook_url
@@ -800,9 +799,15 @@ class Watcher:
 
     def _poll(self, now: float) -> dict[str, Status]:
         cfg = self.cfg
-        jobs = list(cfg.jobs) or self.redis.zrangebyscore(
-            protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
-        )
+        try:
+            jobs = list(cfg.jobs) or self.redis.zrangebyscore(
+                protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
+            )
+        except self._errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            self.refusals.refuse("", "wrong_type", "the jobs index is not a sorted set: the jobs known go on")
+            jobs = list(self.views)
         if cfg.shard is not None:
             jobs = [j for j in jobs if in_shard(j, cfg.shard)]
         decided: dict[str, Status] = {}
@@ -814,6 +819,8 @@ class Watcher:
             views: dict[str, JobView] = {}
             quiet: set[str] = set()  # jobs without a new event this poll
             for job in batch:
+                if job in self.bad_jobs:  # set aside while its events were read
+                    continue
                 try:
                     events = fresh.pop(job, [])
                     views[job] = self._fold(job, events)
@@ -867,7 +874,10 @@ class Watcher:
             ledger.queue_position(pipe, self.cfg.prefix, job, f"watcher:{self.cfg.watcher_id}", reader.cursor)
             self._positions[job] = now
         if pipe is not None:
-            pipe.execute()
+            for reply in pipe.execute(raise_on_error=False):
+                if isinstance(reply, Exception) and not untrusted.is_wrong_type(reply):
+                    raise reply
+                # a readers hash of the wrong type: the agents set it aside (they write it too)
 
     def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
         """Every job's new events, one XREAD for all of them; a job whose name is refused is
@@ -881,7 +891,12 @@ class Watcher:
                     continue
                 self.views.pop(job, None)  # a new reader: the view is read from the start again
             readers.append(self.readers[job])
-        return read_all_many(self.redis, readers)
+        return read_all_many(self.redis, readers, on_wrong_type=self._wrong_stream)
+
+    def _wrong_stream(self, job: str) -> None:
+        """The job's events key is not a stream: the job is set aside (counted), the others read."""
+        self.refusals.refuse(job, "wrong_type", "its events key is not a stream: the job is not watched")
+        self._set_aside(job, TypeError("its events key is not a stream"))
 
     def _refold_source(self, job: str) -> Callable[[], list[Event]]:
         """The job's walk-relevant events up to where its reader is, read again from its stream
@@ -902,7 +917,7 @@ class Watcher:
         self.readers.pop(job, None)
         self._hosts.pop(job, None)
         self._ended.pop(job, None)
-        log.warning("job %r skipped: %s", job, self.bad_jobs[job])
+        log.warning("job %r skipped: %s", untrusted.short(job), untrusted.short(self.bad_jobs[job], 300))
 
     def _fold(self, job: str, events: list[Event]) -> JobView:
         """The job's view with its new events folded in."""
@@ -923,12 +938,29 @@ class Watcher:
         pipe = self.redis.pipeline(transaction=False)
         for view in views:
             pipe.hgetall(protocol.ranks_key(self.cfg.prefix, view.name))
-        for view, raw in zip(views, pipe.execute(), strict=True):
+        for view, raw in zip(views, pipe.execute(raise_on_error=False), strict=True):
             self._unregistered.discard(view.name)
+            if isinstance(raw, Exception):
+                if not untrusted.is_wrong_type(raw):
+                    raise raw
+                self.refusals.refuse(
+                    view.name, "wrong_type", "its ranks key is not a hash: judged from its events"
+                )
+                continue
             for rank, value in raw.items():
-                entry = _registration(rank, value)
-                if entry is None:
+                try:
+                    entry = _registration(rank, value)
+                except protocol.RegistrationError as e:
                     self.stats["bad_registrations"] += 1
+                    self.registrations_rejected[(view.name, e.reason)] += 1
+                    self.refusals.log_once(
+                        view.name,
+                        f"registration:{e.reason}",
+                        "a registration of rank %s refused (%s): %s",
+                        untrusted.short(rank),
+                        e.reason,
+                        e,
+                    )
                     continue
                 view.registrations.setdefault(*entry)
                 view.registrations_read.setdefault(entry[0], now)
@@ -973,9 +1005,17 @@ class Watcher:
                 pipe.hgetall(live_key(self.cfg.prefix, view.name, h))
         if not keys:
             return bad
-        replies = iter(pipe.execute())
+        replies = iter(pipe.execute(raise_on_error=False))
         for view, hosts in keys:
             got = [(h, next(replies)) for h in hosts]
+            for _h, reply in got:
+                if isinstance(reply, Exception) and not untrusted.is_wrong_type(reply):
+                    raise reply
+            if any(isinstance(reply, Exception) for _h, reply in got):
+                self.refusals.refuse(
+                    view.name, "wrong_type", "a live key is not a hash: its hosts' samples skipped"
+                )
+                got = [(h, reply) for h, reply in got if not isinstance(reply, Exception)]
             try:
                 self._apply_live(view, got)
             except JUDGE_ERRORS as e:
@@ -1018,6 +1058,8 @@ class Watcher:
                 "status": dict(self.status),
                 "redis_up": self.redis_up,
                 "stats": dict(self.stats),
+                "registrations_rejected": dict(self.registrations_rejected),
+                "data_rejected": dict(self.refusals.counts),
                 "webhook": dict(self.webhook.stats) if self.webhook else {},
                 "alertmanager": dict(self.alertmanager.stats) if self.alertmanager else {},
                 "now": self.cfg.clock(),

@@ -137,6 +137,12 @@ def node_key(prefix: str, host: str) -> str:
     return f"{prefix}:node:{host}"
 
 
+def agent_id_key(prefix: str, agent: str) -> str:
+    """Which host runs agent id `agent` (JSON: host, pid, since), with a TTL its agent renews
+    every round: a second host that presents the same id is refused (agentid.py)."""
+    return f"{prefix}:agentid:{agent}"
+
+
 def gpu_idle_key(prefix: str, gpu_uuid: str) -> str:
     """A GPU's idle power as its agent learned it (JSON: idle_w, n, host, updated), by the GPU's
     UUID so it follows the GPU, not the agent: a restarted agent starts from it (idle.py)."""

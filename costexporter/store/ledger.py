@@ -383,18 +383,124 @@ class Conflict(Exception):
     """The watermark changed since this agent read it: another agent with the same id wrote."""
 
 
+class WrongType(Exception):
+    """Keys a round writes hold another type than the one written there (created by someone
+    else): nothing of the round was written. `keys`: key -> the type expected."""
+
+    def __init__(self, job: str, wrong: dict[str, str]) -> None:
+        super().__init__(f"{len(wrong)} key(s) of job {job[:80]!r} of the wrong type: {sorted(wrong)[:5]}")
+        self.keys = wrong
+
+
+# The type each writing command needs its key to be (commands absent here take any).
+_KEY_TYPES = {
+    **dict.fromkeys(("HSET", "HINCRBY", "HINCRBYFLOAT", "HDEL", "HMSET", "HSETNX"), "hash"),
+    **dict.fromkeys(("ZADD", "ZREM", "ZREMRANGEBYSCORE", "ZINCRBY"), "zset"),
+    **dict.fromkeys(("SADD", "SREM"), "set"),
+    **dict.fromkeys(("SET", "INCR", "INCRBY", "INCRBYFLOAT", "GET"), "string"),
+    **dict.fromkeys(("XADD", "XTRIM"), "stream"),
+}
+
+# Keys and types checked (the watermark first), then the wrong-typed ones returned after the
+# watermark's value: one round trip, in place of the GET a commit did before.
+_CHECK_TYPES = """
+local wm = false
+if redis.call('TYPE', KEYS[1]).ok == 'string' then wm = redis.call('GET', KEYS[1]) end
+local out = {wm}
+for i = 1, #KEYS do
+  local t = redis.call('TYPE', KEYS[i]).ok
+  if t ~= 'none' and t ~= ARGV[i] then table.insert(out, KEYS[i]) end
+end
+return out
+"""
+
+
+def _written_types(client, queue) -> dict[str, str]:
+    """The keys `queue` writes and the type each must have, from its commands queued on a
+    pipeline that is never sent."""
+    scratch = client.pipeline(transaction=False)
+    queue(scratch)
+    out: dict[str, str] = {}
+    for c in scratch.command_stack:
+        args = c.args if hasattr(c, "args") else c[0]  # a cluster's pipeline keeps objects
+        name = str(args[0]).upper()
+        if name == "EVAL" and args[1] == ROLLUP_ADD:
+            out.update(zip(args[3 : 3 + int(args[2])], ("hash", "zset", "zset"), strict=True))
+        elif name in _KEY_TYPES:
+            out.setdefault(str(args[1]), _KEY_TYPES[name])
+    scratch.reset()
+    return out
+
+
+def agent_keys(prefix: str, job: str, agent: str, host: str) -> dict[str, str]:
+    """The keys of a job one agent writes whatever the round (buckets aside: those a round names
+    are checked with its commit), and their types."""
+    return {
+        keys.watermark_key(prefix, job, agent): "string",
+        keys.fold_key(prefix, job, agent): "string",
+        keys.fold_key(prefix, job, agent, old=True): "string",
+        readers_key(prefix, job): "hash",
+        keys.live_key(prefix, job, host): "hash",
+        keys.samples_key(prefix, job, host): "stream",
+        keys.total_key(prefix, job): "hash",
+        keys.figures_key(prefix, job): "hash",
+        keys.steps_key(prefix, job): "zset",
+        keys.voids_key(prefix, job): "zset",
+        keys.rollup_key(prefix, job): "zset",
+        keys.rollup_state_key(prefix, job): "hash",
+        keys.rbidx_key(prefix, job, agent): "hash",
+        incidents_key(prefix, job, agent): "hash",
+        incident_index_key(prefix, job): "set",
+        **{keys.index_key(prefix, job, res): "zset" for res in RESOLUTIONS},
+    }
+
+
+def wrong_types(client, expected: dict[str, str]) -> dict[str, str]:
+    """Those of `expected` (key -> type) that exist with another type (one pipeline)."""
+    pipe = client.pipeline(transaction=False)
+    for k in expected:
+        pipe.type(k)
+    got = pipe.execute()
+    return {k: t for (k, t), have in zip(expected.items(), got, strict=True) if have not in ("none", t)}
+
+
+def set_aside(client, wrong: dict[str, str]) -> list[str]:
+    """Move keys of the wrong type out of the way (to `<key>:wrongtype`, the same slot, kept for
+    a look), so the writer's next round writes them afresh. These are keys only the agents
+    write: a value of another type there was never the ledger's. Returns the keys moved."""
+    import redis
+
+    moved = []
+    for k in wrong:
+        try:
+            client.rename(k, f"{k}:wrongtype")
+            moved.append(k)
+        except redis.ResponseError:  # gone meanwhile
+            continue
+    return moved
+
+
 def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: dict, queue) -> str:
     """Write one round of a job exactly once: `queue(pipe)` and the new watermark in one
     MULTI/EXEC that runs only if the watermark is still `expected` (the raw JSON this agent read
-    or wrote last; None: absent). Returns the new raw watermark; raises Conflict otherwise."""
+    or wrote last; None: absent). Returns the new raw watermark; raises Conflict otherwise, and
+    WrongType (nothing written) when a key the round writes holds another type: Redis would run
+    the rest of the transaction without that command, a round half written."""
     import redis
 
     k = keys.watermark_key(prefix, job, agent)
     raw = json.dumps(wm)
+    types = {key: t for key, t in _written_types(client, queue).items() if key != k}
     with client.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(k)
-            if pipe.get(k) != expected:
+            got = pipe.execute_command(
+                "EVAL", _CHECK_TYPES, 1 + len(types), k, *types, "string", *types.values()
+            )
+            wrong = {str(x): ({k: "string"} | types)[str(x)] for x in got[1:]}
+            if wrong:
+                raise WrongType(job, wrong)
+            if got[0] != expected:
                 raise Conflict(job)
             pipe.multi()
             queue(pipe)

@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from costexporter.store import untrusted
 from costexporter.store.keys import job_key as job_key
 from costexporter.store.keys import jobs_key as jobs_key
 from costexporter.store.keys import meta_key as meta_key
@@ -73,6 +74,7 @@ def encode_fields(fields: dict[str, object]) -> dict[str, str]:
 # ---- registrations (`<prefix>:{<job>}:ranks`: rank -> JSON of the register event) ------------
 MAX_WORLD_SIZE = 65_536  # ranks are 0 .. world_size - 1; a larger number is a corrupt entry
 MAX_GPU_INDEX = 1_024
+MAX_TS = 4_102_444_800.0  # 2100-01-01: a registration dated later is a corrupt entry
 
 
 class RegistrationError(ValueError):
@@ -118,31 +120,33 @@ def parse_registration(rank_s: str, raw: str) -> Registration:
     if not 0 <= rank < MAX_WORLD_SIZE:
         raise RegistrationError("rank_out_of_range", f"rank {rank} is outside 0..{MAX_WORLD_SIZE - 1}")
     try:
-        entry = json.loads(raw)
-    except (TypeError, ValueError):
-        raise RegistrationError("bad_json", "the entry is not JSON") from None
+        entry = untrusted.loads(raw)
+    except untrusted.UntrustedValue as e:
+        raise RegistrationError(e.reason, f"the entry is refused: {e}") from None
     if not isinstance(entry, dict):
         raise RegistrationError("not_an_object", f"the entry is a JSON {type(entry).__name__}, not an object")
     ts = entry.get("ts")
     if isinstance(ts, str):
         with contextlib.suppress(ValueError):
             ts = float(ts)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts <= 0:
-        raise RegistrationError("bad_ts", f"ts {entry.get('ts')!r} is not a Unix time")
+    if (
+        isinstance(ts, bool)
+        or not isinstance(ts, (int, float))
+        or not math.isfinite(ts)
+        or not 0 < ts < MAX_TS
+    ):
+        raise RegistrationError("bad_ts", f"ts {untrusted.short(entry.get('ts'))} is not a Unix time")
     world = _int_field(entry, "world_size", MAX_WORLD_SIZE + 1, "world_size_out_of_range")
     if world is not None and rank >= world:
         raise RegistrationError("rank_out_of_range", f"rank {rank} is not below world_size {world}")
     gpu = _int_field(entry, "gpu", MAX_GPU_INDEX, "gpu_out_of_range")
     uuid = entry.get("gpu_uuid")
     host = entry.get("host")
-    return Registration(
-        rank,
-        float(ts),
-        None if host is None else str(host),
-        gpu,
-        str(uuid) if uuid else None,
-        world,
-    )
+    if host is not None and not (isinstance(host, str) and 0 < len(host) <= 255):
+        raise RegistrationError("bad_host", f"host {untrusted.short(host)} is not a host name")
+    if uuid not in (None, "") and not (isinstance(uuid, str) and len(uuid) <= 255):
+        raise RegistrationError("bad_gpu_uuid", f"gpu_uuid {untrusted.short(uuid)} is not a GPU UUID")
+    return Registration(rank, float(ts), host, gpu, uuid or None, world)
 
 
 # ---- the live hash (`<prefix>:{job}:live:<host>`): rank -> its newest sample, as its agent saw it
@@ -183,7 +187,9 @@ def decode_live(raw: str) -> LiveEntry:
     """One entry, checked: LiveEntryError if its sample is unusable; optional fields of the
     wrong type read as absent (one odd field must not hide the sample)."""
     try:
-        d = json.loads(raw)
+        d = untrusted.loads(raw)
+        if not isinstance(d, dict):
+            raise TypeError
         ts_ms, power_w, util_pct = int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"])
     except (ValueError, TypeError, KeyError, OverflowError) as e:
         raise LiveEntryError(f"not a live entry: {type(e).__name__}") from None

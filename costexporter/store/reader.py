@@ -175,9 +175,15 @@ class EventReader:
         return ev
 
 
-def read_all_many(client, readers: list[EventReader], count: int = 10_000) -> dict[str, list[Event]]:
+def read_all_many(
+    client, readers: list[EventReader], count: int = 10_000, on_wrong_type=None
+) -> dict[str, list[Event]]:
     """`read_all` of many jobs' streams with one XREAD per round trip for all of them (a watcher
-    of 1,000 jobs: one round trip a poll, not two per job)."""
+    of 1,000 jobs: one round trip a poll, not two per job). A job whose events key is not a
+    stream (its trainer's doing) is left out and handed to `on_wrong_type(job)`: one such key
+    must not fail the XREAD of every other job."""
+    import redis
+
     out: dict[str, list[Event]] = {r.job: [] for r in readers}
     todo = list(readers)
     while todo:
@@ -188,9 +194,23 @@ def read_all_many(client, readers: list[EventReader], count: int = 10_000) -> di
             pipe = client.pipeline(transaction=False)
             for r in todo:
                 pipe.xread({r.key: r.cursor}, count=per)
-            resp = [kv for got in pipe.execute() for kv in (got or [])]
+            got_all = pipe.execute(raise_on_error=False)
+            bad = [(r, got) for r, got in zip(todo, got_all, strict=True) if isinstance(got, Exception)]
+            _wrong_streams([r for r, _ in bad], [got for _, got in bad], out, on_wrong_type)
+            resp = [kv for got in got_all if not isinstance(got, Exception) for kv in (got or [])]
         else:
-            resp = client.xread({r.key: r.cursor for r in todo}, count=per)
+            try:
+                resp = client.xread({r.key: r.cursor for r in todo}, count=per)
+            except redis.ResponseError as e:
+                if "WRONGTYPE" not in str(e):
+                    raise
+                types = _types(client, [r.key for r in todo])
+                wrong = [r for r, t in zip(todo, types, strict=True) if t not in ("stream", "none")]
+                if not wrong:
+                    raise
+                _wrong_streams(wrong, [e] * len(wrong), out, on_wrong_type)
+                todo = [r for r in todo if r not in wrong]
+                continue
         again = []
         for key, entries in resp or []:
             r = by_key[_text(key)]
@@ -199,3 +219,23 @@ def read_all_many(client, readers: list[EventReader], count: int = 10_000) -> di
                 again.append(r)
         todo = again
     return out
+
+
+def _types(client, keys: list[str]) -> list[str]:
+    """Each key's type (one pipeline)."""
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.type(k)
+    return [_text(t) for t in pipe.execute()]
+
+
+def _wrong_streams(wrong, replies, out, on_wrong_type) -> None:
+    """Readers whose XREAD failed on their key's type: out of the result, handed on."""
+    import redis
+
+    for r, e in zip(wrong, replies, strict=True):
+        if isinstance(e, Exception) and not (isinstance(e, redis.ResponseError) and "WRONGTYPE" in str(e)):
+            raise e
+        out.pop(r.job, None)
+        if on_wrong_type is not None:
+            on_wrong_type(r.job)

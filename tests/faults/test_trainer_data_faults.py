@@ -9,11 +9,22 @@ real (the FastAPI app over HTTP through its test client).
 
 from __future__ import annotations
 
-from costexporter.sources.synth import TraceBuilder
-from costexporter.store import ledger
+import json
+import time
+import uuid
 
+import httpx
+import pytest
+import redis
+from prometheus_client import generate_latest
+
+from costexporter.sources.synth import TraceBuilder
+from costexporter.store import keys, ledger, protocol
+from costexporter.trainer.reporter import send_entries
+
+from ..conftest import SHARED_URL
 from ..test_agent import offline_ms
-from ..test_ledger_faults_property import Run
+from ..test_ledger_faults_property import HOLD_S, ROUND_S, Run, _cleanup
 
 
 def startup_phase_job(name: str) -> TraceBuilder:
@@ -55,3 +66,262 @@ def test_a_phase_named_startup_keeps_rollbacks_exact_after_the_stream_is_trimmed
         assert got == expected, (name, got, expected)
         assert expected["rolled_back"] >= 2 * 290_000, expected  # the resume voided ~300 s on 2 GPUs
         assert not any(ag.stats["timeline_rebuilds"] for ag in run.agents), name
+
+
+# ---- one trainer's data never stops booking for the others --------------------------------------
+def victim_job() -> TraceBuilder:
+    """Job `a` on GPUs 0 and 1 of node0; GPU 2 of the node belongs to no job (a rogue trainer's
+    job `bad` claims it in some cases)."""
+    a = TraceBuilder(n_gpus=3, per_host=3, job="a", seed=7)
+    a.events = [e for e in a.events if not (e.type == "register" and e.rank == 2)]
+    a.run("start")
+    a.stretch("compute", 120, step_s=5, tokens=10)
+    a.phase("checkpoint", "begin")
+    a.stretch("checkpoint", 10)
+    a.phase("checkpoint", "end", step=24)
+    a.stretch("compute", 60, step_s=5, tokens=10)
+    a.run("end")
+    a.stretch("idle", HOLD_S + 3 * ROUND_S)
+    return a
+
+
+def rogue_job(a: TraceBuilder) -> TraceBuilder:
+    """The rogue trainer's job `bad`: its events (its register is written by each case)."""
+    b = TraceBuilder(n_gpus=1, per_host=1, job="bad", seed=8, register=False, t0=a.t0 + 10)
+    b.run("start")
+    b.stretch("compute", 60, step_s=5, tokens=10)
+    b.phase("checkpoint", "begin")
+    b.stretch("checkpoint", 10)
+    b.phase("checkpoint", "end", step=12)
+    b.stretch("compute", 60, step_s=5, tokens=10)
+    b.run("end")
+    return b
+
+
+def bad_registration(a: TraceBuilder, **over) -> str:
+    reg = {"ts": a.t0 + 10, "host": "node0", "gpu": 2, "gpu_uuid": a.uuid(2), "world_size": 1, **over}
+    return json.dumps(reg)
+
+
+def _ranks(p: str) -> str:
+    return protocol.ranks_key(p, "bad")
+
+
+# name -> what the rogue trainer (or anyone with its ACL) writes before the agents start; every
+# case also sorts its job first in the jobs index (`ZADD jobs 0`).
+HOSTILE = {
+    "ranks_is_a_stream": lambda r, p, a: r.xadd(_ranks(p), {"x": "1"}),
+    "deep_json": lambda r, p, a: r.hset(_ranks(p), "0", "[" * 200_000 + "]" * 200_000),
+    "huge_json": lambda r, p, a: r.hset(_ranks(p), "0", bad_registration(a, pad="x" * 1_000_000)),
+    "ts_1e300": lambda r, p, a: r.hset(_ranks(p), "0", bad_registration(a, ts=1e300)),
+    "list_host": lambda r, p, a: r.hset(_ranks(p), "0", bad_registration(a, host=["node0"], gpu_uuid=None)),
+    # keys only the agents write, created first with another type; the job is `bad`'s own
+    "wm_is_a_hash": lambda r, p, a: (
+        r.hset(_ranks(p), "0", bad_registration(a)),
+        r.hset(keys.watermark_key(p, "bad", "node0"), "x", "1"),
+    ),
+    "fold_is_a_hash": lambda r, p, a: (
+        r.hset(_ranks(p), "0", bad_registration(a)),
+        r.hset(keys.fold_key(p, "bad", "node0"), "x", "1"),
+    ),
+    "readers_is_a_stream": lambda r, p, a: (
+        r.hset(_ranks(p), "0", bad_registration(a)),
+        r.xadd(keys.readers_key(p, "bad"), {"x": "1"}),
+    ),
+    "rbidx_is_a_string": lambda r, p, a: (
+        r.hset(_ranks(p), "0", bad_registration(a)),
+        r.set(keys.rbidx_key(p, "bad", "node0"), "x"),
+    ),
+    "bucket_is_a_string": lambda r, p, a: (
+        r.hset(_ranks(p), "0", bad_registration(a)),
+        r.set(keys.bucket_key(p, "bad", "1h", int(a.t0) // 3600 * 3600), "x"),
+    ),
+}
+# Cases where the rogue job's registration is usable: GPU 2 is its own, booked exactly too.
+CLAIMS = {"wm_is_a_hash", "fold_is_a_hash", "readers_is_a_stream", "rbidx_is_a_string", "bucket_is_a_string"}
+
+
+@pytest.fixture(scope="module")
+def clean_victim():
+    """Job a's ledger, and the unassigned time, with no rogue trainer."""
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    p = f"test-{uuid.uuid4().hex[:12]}"
+    a = victim_job()
+    try:
+        run = Run(client, p, a, [a], None)
+        run.run()
+        return run.ledger(["a"])
+    finally:
+        _cleanup(client, p)
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_rogue_trainers_data_never_stops_or_skews_booking_for_another_job(
+    shared, prefix, clean_victim, case
+):
+    a = victim_job()
+    run = Run(shared, prefix, a, [a, rogue_job(a)], None)
+    HOSTILE[case](shared, prefix, a)
+    shared.zadd(protocol.jobs_key(prefix), {"bad": 0})  # sorts first: looked at before `a`
+    run.run()
+    got = run.ledger(["a", "bad"])
+    agent = run.agents[0]
+    assert got["a"] == clean_victim["a"], (case, got["a"], clean_victim["a"])  # not a millisecond moved
+    u = ledger.load_watermark(shared, prefix, ledger.UNASSIGNED_JOB, "node0")["booked_until"]
+    booked = sum(got["a"].values()) + sum(got["bad"].values()) + got["_unassigned"]
+    assert booked == 3 * (u - int(a.t0 * 1000)), case  # every GPU-ms of the node once
+    if case in CLAIMS:  # the rogue job's own GPU time did not vanish either
+        assert sum(got["bad"].values()) > 0 and got["_unassigned"] < clean_victim["_unassigned"], got
+    else:  # refused: GPU 2 stayed unassigned, as with no rogue job
+        assert got["_unassigned"] == clean_victim["_unassigned"] and not any(got["bad"].values())
+    refusals = getattr(agent, "refusals", None)
+    refused = {**agent.registrations_rejected, **(refusals.counts if refusals else {})}
+    assert any(job == "bad" for job, _reason in refused), (case, refused)  # counted, per job
+    assert not agent.stats["round_errors"] and not agent.stats["redis_errors"], (case, agent.stats)
+
+
+# ---- the watcher: the agent's registration rules, one bad entry never sets a job aside ----------
+def _event(job: str, rank: int, seq: int, type_: str, ts: float, **f) -> dict:
+    return protocol.encode_fields(
+        {
+            "v": "1",
+            "type": type_,
+            "job": job,
+            "ts": f"{ts:.3f}",
+            "rank": rank,
+            "session": f"s{rank}",
+            "seq": seq,
+            **f,
+        }
+    )
+
+
+def test_the_watcher_refuses_registrations_as_the_agent_does_and_judges_every_job(shared, prefix):
+    from costexporter.services.exporter import watch_registry
+    from costexporter.services.watcher import WatchConfig, Watcher
+
+    now = time.time()
+    for job in ("odd", "good", "streamed"):
+        send_entries(
+            shared,
+            prefix,
+            job,
+            [_event(job, 0, 0, "run", now - 20, state="start")]
+            + [_event(job, 0, k, "step", now - 20 + 2 * k, step=k) for k in range(1, 10)],
+        )
+    reg = {"ts": now - 20, "host": "h0", "gpu": 0, "world_size": 2}
+    shared.hset(
+        protocol.ranks_key(prefix, "odd"),
+        mapping={
+            "0": json.dumps(reg),
+            "70000": json.dumps(reg),  # beyond any world size
+            "5": json.dumps(reg),  # not below its world_size
+            "1": json.dumps({**reg, "ts": "nan"}),
+            "2": json.dumps({**reg, "ts": -5}),
+            "3": json.dumps({k: v for k, v in reg.items() if k != "ts"}),
+            "4": "[" * 20_000 + "]" * 20_000,  # under the size bound, far over the depth one
+        },
+    )
+    shared.delete(protocol.ranks_key(prefix, "streamed"))
+    shared.xadd(protocol.ranks_key(prefix, "streamed"), {"x": "1"})  # a ranks key of the wrong type
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix, clock=lambda: now))
+    try:
+        decided = w.poll()
+        assert w.redis_up
+        assert set(decided) >= {"odd", "good", "streamed"}, (decided, w.bad_jobs)
+        assert not w.bad_jobs, w.bad_jobs  # none set aside
+        for job in ("odd", "good", "streamed"):
+            assert decided[job].state == "running", (job, decided[job])
+        assert decided["odd"].last_step == 9
+        rejected = getattr(w, "registrations_rejected", {})
+        reasons = {r for (j, r), n in rejected.items() if j == "odd" and n}
+        assert reasons == {"rank_out_of_range", "bad_ts", "too_deep"}, rejected
+        assert sum(n for (j, _r), n in rejected.items() if j == "odd") == 6
+        assert w.refusals.counts[("streamed", "wrong_type")] == 1
+        text = generate_latest(watch_registry(w)).decode()
+        assert 'costexporter_registrations_rejected_total{reason="bad_ts",training_job="odd"} 3.0' in text
+        assert 'costexporter_data_rejected_total{reason="wrong_type",training_job="streamed"} 1.0' in text
+    finally:
+        w.stop()
+
+
+def test_a_watcher_goes_on_when_a_jobs_events_key_is_not_a_stream(shared, prefix):
+    from costexporter.services.watcher import WatchConfig, Watcher
+
+    now = time.time()
+    send_entries(shared, prefix, "good", [_event("good", 0, 0, "run", now - 5, state="start")])
+    shared.hset(protocol.stream_key(prefix, "hashed"), "x", "1")
+    shared.zadd(protocol.jobs_key(prefix), {"hashed": now})
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix, clock=lambda: now))
+    try:
+        decided = w.poll()
+        assert w.redis_up and decided["good"].state == "running", (w.redis_up, decided)
+        assert "hashed" not in decided and "hashed" in w.bad_jobs
+    finally:
+        w.stop()
+
+
+# ---- the API: GET /api/v1/jobs never answers 500 for a bad job -------------------------------------
+def test_the_jobs_list_answers_with_warnings_whatever_a_trainer_wrote(shared, prefix):
+    from costexporter.api.store import LedgerStore
+
+    from ..api_helpers import WINDOW, served, write_job
+
+    for j in ("good", "deep", "huge", "streamed", "metastring"):
+        write_job(shared, prefix, j, "team")
+    shared.hset(protocol.ranks_key(prefix, "deep"), "1", "[" * 200_000 + "]" * 200_000)
+    shared.hset(protocol.ranks_key(prefix, "huge"), "1", json.dumps({"ts": 1e9, "pad": "x" * 1_000_000}))
+    shared.delete(protocol.ranks_key(prefix, "streamed"), protocol.meta_key(prefix, "metastring"))
+    shared.xadd(protocol.ranks_key(prefix, "streamed"), {"x": "1"})
+    shared.set(protocol.meta_key(prefix, "metastring"), "x")
+    with served(LedgerStore(shared, prefix)) as (base, _):
+        for params in ({}, {"window": WINDOW}):
+            got = httpx.get(f"{base}/api/v1/jobs", params=params, timeout=30)
+            assert got.status_code == 200, got.text[:500]
+            listed = {j["job"] for j in got.json()["jobs"]}
+            assert listed >= {"good", "deep", "huge", "streamed", "metastring"}, listed
+
+
+# ---- one agent id, one host ----------------------------------------------------------------------
+def test_a_second_host_with_the_same_agent_id_is_refused_at_start(shared, prefix, tmp_path):
+    from costexporter.sources.synth import write_nvidia_smi_csv
+
+    from ..redis_server import free_port
+    from ..test_agent import serve, stop_all
+
+    b = TraceBuilder(n_gpus=4, per_host=2, job="twohosts", seed=9)
+    b.run("start")
+    b.stretch("compute", 600, step_s=5, tokens=10)
+    csvs = {p.stem: p for p in write_nvidia_smi_csv(b.samples(), tmp_path / "t")}
+    first = serve(csvs["node0"], "node0", SHARED_URL, prefix, free_port(), "--agent-id", "shared", speed=5)
+    try:
+        deadline = time.monotonic() + 30
+        while not shared.get(keys.agent_id_key(prefix, "shared")):
+            assert first.poll() is None and time.monotonic() < deadline, "the first agent did not start"
+            time.sleep(0.1)
+        second = serve(
+            csvs["node1"], "node1", SHARED_URL, prefix, free_port(), "--agent-id", "shared", speed=5
+        )
+        _out, err = second.communicate(timeout=60)
+        assert second.returncode == 2, err[-2000:]
+        assert "agent id 'shared' is held by host 'node0'" in err and "--agent-id" in err, err[-2000:]
+        assert "Traceback" not in err
+        assert first.poll() is None  # the holder books on
+    finally:
+        stop_all([first])
+    # The holder gave the id up at its exit: a host that takes over need not wait for the lease.
+    assert shared.get(keys.agent_id_key(prefix, "shared")) is None
+
+
+def test_a_second_host_with_the_same_agent_id_books_nothing_and_the_ledger_stays_exact(shared, prefix):
+    # In-process, a round at a time: the twin host is started after the first (no start-up check
+    # there) and must neither book its own GPUs under the shared id nor disturb the first one's.
+    a = victim_job()
+    clean = Run(shared, f"{prefix}:clean", a, [a], None)
+    clean.run()
+    run = Run(shared, f"{prefix}:twin", a, [a], {"twin_host": True})
+    run.run()
+    assert run.ledger(["a"]) == clean.ledger(["a"])
+    twin = run.agents[-1]
+    assert twin.host == "twin0" and twin.stats["agent_id_refused"] > 0 and twin.id_refused
+    assert not any(j.booked_until for j in twin.jobs.values())

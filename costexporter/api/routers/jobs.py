@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import json
 from decimal import Decimal
 from typing import Annotated, Literal
 
@@ -37,6 +36,7 @@ from costexporter.api.windows import Window
 from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.model import CATEGORIES
+from costexporter.store import untrusted
 
 # Job names may contain "/" (`team/run-7`): the job is a path parameter, and the sub-resources are
 # declared before the job itself so `a/b/series` is the series of `a/b`.
@@ -279,8 +279,8 @@ def stored_json(h: dict, name: str, job: str, warn: Warnings) -> dict | None:
     if not raw:
         return None
     try:
-        parsed = json.loads(raw)
-    except ValueError:
+        parsed = untrusted.loads(raw)
+    except untrusted.UntrustedValue:
         parsed = None
     if not isinstance(parsed, dict):
         warn.add(job, f"{name} is not a JSON object: ignored")

@@ -243,7 +243,13 @@ def serve(
         trim_streams=trim_streams,
         late_keep_s=late_keep,
     )
-    agent = Agent(src, cfg).start()
+    from costexporter.store.agentid import AgentIdInUse
+
+    try:
+        agent = Agent(src, cfg).start()
+    except AgentIdInUse as e:
+        src.close()
+        raise InputFailure(str(e)) from None
     if port:
         from prometheus_client import start_http_server
 
