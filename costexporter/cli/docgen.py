@@ -133,11 +133,19 @@ AGENT_SNAPSHOT: dict[str, Any] = {
     "stats": {},
     "dropped": 0,
     "registrations_rejected": {},
+    "data_rejected": {},
     "round_counts": [],
     "round_sum": 0.0,
     "jobs": {},
 }
-WATCH_SNAPSHOT: dict[str, Any] = {"redis_up": True, "status": {}, "stats": {}, "webhook": {}}
+WATCH_SNAPSHOT: dict[str, Any] = {
+    "redis_up": True,
+    "status": {},
+    "stats": {},
+    "webhook": {},
+    "registrations_rejected": {},
+    "data_rejected": {},
+}
 
 _SUFFIX = {"counter": "_total", "histogram": ""}
 
