@@ -21,7 +21,7 @@ from costexporter.api.cache import DEFAULT_MAX_BYTES, ResponseCache
 from costexporter.api.deps import ApiConfig
 from costexporter.api.export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSettings
 from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
-from costexporter.api.routers import allocation, health, jobs
+from costexporter.api.routers import allocation, health, jobs, opencost
 from costexporter.api.schemas import *  # noqa: F403  (the models were importable from here)
 from costexporter.api.store import LedgerStore
 
@@ -49,10 +49,12 @@ def create_app(
     cache_s: float = 5.0,
     cache_bytes: int = DEFAULT_MAX_BYTES,
     focus: FocusSettings | None = None,
+    cluster: str | None = None,
 ) -> FastAPI:
     """The app. `cache_s`: series responses are reused this long (dashboards poll the same
     ranges; 0 turns it off), in at most `cache_bytes` of response bodies. `focus`: the names the
-    FOCUS export gives (default: `provider` for all of them)."""
+    FOCUS export gives (default: `provider` for all of them). `cluster`: the cluster of jobs whose
+    meta names none, in the OpenCost endpoint's `cluster` property."""
     app = FastAPIOffline(  # Swagger UI and ReDoc served from the package: no CDN, air-gap safe
         title="costexporter finance API",
         version=__version__,
@@ -64,6 +66,7 @@ def create_app(
         tokens=tokens or Tokens([]),
         currency=currency,
         tz=tz,
+        cluster=cluster or None,
         focus=focus or FocusSettings(provider=provider),
         cache=ResponseCache(cache_s, cache_bytes),
     )
@@ -80,7 +83,7 @@ def create_app(
             {"detail": f"the ledger (Redis) is unreachable: {type(exc).__name__}"}, status_code=503
         )
 
-    for module in (health, jobs, allocation):
+    for module in (health, jobs, allocation, opencost):
         app.include_router(module.router)
     app.openapi = lambda: document_errors(app)  # type: ignore[method-assign]
     return app

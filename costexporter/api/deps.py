@@ -28,6 +28,7 @@ class ApiConfig:
     tokens: Tokens
     currency: str = "USD"
     tz: str = "UTC"
+    cluster: str | None = None  # the cluster name of jobs whose meta names none (OpenCost's `cluster`)
     focus: FocusSettings = field(default_factory=FocusSettings)
     cache: ResponseCache = field(default_factory=ResponseCache)
 

@@ -26,6 +26,7 @@ def api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **
     store = LedgerStore(client, prefix)
     index_in_background(store)
     names = {k[6:]: v for k, v in options.items() if k.startswith("focus_") and v}
+    cluster = options.get("cluster") or None
     return create_app(
         store,
         tokens,
@@ -33,6 +34,7 @@ def api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **
         tz=tz,
         cache_bytes=int(float(64 if options.get("cache_mb") is None else options["cache_mb"]) * 2**20),
         focus=FocusSettings(**names) if names else None,
+        cluster=cluster,
     )
 
 

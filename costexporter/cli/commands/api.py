@@ -48,6 +48,12 @@ from costexporter.cli.servers import api_app, serve_forever
     show_default=True,
     help="Memory for cached series responses (0: no cache).",
 )
+@click.option(
+    "--cluster",
+    envvar="COSTEXPORTER_CLUSTER",
+    default=None,
+    help="Cluster name of jobs whose meta names none (the OpenCost endpoint's `cluster`).",
+)
 @click.option("--focus-provider", default="costexporter", show_default=True, help="FOCUS ProviderName.")
 @click.option("--focus-publisher", default=None, help="FOCUS PublisherName (default: the provider).")
 @click.option("--focus-invoice-issuer", default=None, help="FOCUS InvoiceIssuerName (default: the provider).")
