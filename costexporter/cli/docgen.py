@@ -107,45 +107,28 @@ def render_cli(group: click.Group | None = None) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-class _Stub:
-    """Stands in for an agent or a watcher: the collectors read only `snapshot()` (and, for
-    the agent, `source.pods()` where a source has it)."""
+def _collectors() -> tuple[Any, Any, Any]:
+    """The agent's and the watcher's collectors over a real Agent and Watcher that hold no GPU
+    and no job (nothing connects to Redis until they run), and the watcher to stop after."""
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.services.exporter import AgentCollector, WatchCollector
+    from costexporter.services.watcher import WatchConfig, Watcher
+    from costexporter.sources.base import GpuSource, Reading
 
-    def __init__(self, snapshot: dict[str, Any]) -> None:
-        self._snapshot = snapshot
-        self.source = object()
+    class NoGpus(GpuSource):
+        host = "node0"
 
-    def snapshot(self) -> dict[str, Any]:
-        return self._snapshot
+        def gpus(self) -> list[Any]:
+            return []
 
+        def read(self) -> list[Reading]:
+            return []
 
-AGENT_SNAPSHOT: dict[str, Any] = {
-    "pending": 0,
-    "host": "node0",
-    "agent": "node0",
-    "currency": "USD",
-    "redis_up": True,
-    "gpus": [],
-    "latest": {},
-    "gpu_bands": {},
-    "live_seq": 0,
-    "errors": {},
-    "stats": {},
-    "dropped": 0,
-    "registrations_rejected": {},
-    "data_rejected": {},
-    "round_counts": [],
-    "round_sum": 0.0,
-    "jobs": {},
-}
-WATCH_SNAPSHOT: dict[str, Any] = {
-    "redis_up": True,
-    "status": {},
-    "stats": {},
-    "webhook": {},
-    "registrations_rejected": {},
-    "data_rejected": {},
-}
+    nowhere = "redis://127.0.0.1:1/0"
+    agent = Agent(NoGpus(), AgentConfig(redis_url=nowhere, agent_id="node0"))
+    watcher = Watcher(WatchConfig(redis_url=nowhere))
+    return AgentCollector(agent), WatchCollector(watcher), watcher
+
 
 _SUFFIX = {"counter": "_total", "histogram": ""}
 
@@ -162,10 +145,14 @@ def _families(collector: Any) -> list[tuple[str, str, list[str], str]]:
 
 
 def render_metrics() -> str:
-    from costexporter.services.agent import ROUND_BUCKETS
-    from costexporter.services.exporter import AgentCollector, WatchCollector
-
-    agent = dict(AGENT_SNAPSHOT, round_counts=[0] * (len(ROUND_BUCKETS) + 1))
+    agent, watch, watcher = _collectors()
+    try:
+        sections = [
+            ("The agent: `costexporter serve` (and the demo), on `:9402/metrics`", _families(agent)),
+            ("The watcher: `costexporter watch`, on `:9404/metrics`", _families(watch)),
+        ]
+    finally:
+        watcher.stop()
     out = [
         "# Metrics reference",
         "",
@@ -194,13 +181,9 @@ def render_metrics() -> str:
         "([deployment.md](deployment.md#joining-with-dcgm-exporter-the-label-mapping)).",
         "The alert and recording rules built on these series are in [dashboard.md](dashboard.md).",
     ]
-    sections = [
-        ("The agent: `costexporter serve` (and the demo), on `:9402/metrics`", AgentCollector(_Stub(agent))),
-        ("The watcher: `costexporter watch`, on `:9404/metrics`", WatchCollector(_Stub(WATCH_SNAPSHOT))),
-    ]
-    for title, collector in sections:
+    for title, families in sections:
         out += ["", f"## {title}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]
-        for name, kind, labels, help_ in _families(collector):
+        for name, kind, labels, help_ in families:
             lab = ", ".join(f"`{x}`" for x in labels)
             out.append(f"| `{name}` | {kind} | {lab} | {_cell(help_)} |")
     return "\n".join(out) + "\n"
