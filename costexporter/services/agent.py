@@ -41,6 +41,7 @@ from costexporter.core.booking import (
     BookingConfig,
     Pieces,
     Regime,
+    Timeline,
     _cut_per_gpu,
     build_timeline,
     dated_until,
@@ -185,7 +186,11 @@ class _Job:
     latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
     at_risk_ms: int = 0
     live: dict = field(default_factory=dict)  # this round's live figures (livestate.py)
-    end_ms: int | None = None  # the run's end, once seen
+    end_ms: int | None = None  # the run's end while it is ended (a later run start reopens it)
+    end_at: int | None = None  # ... as the timeline dates it (end_ms: no earlier than what was booked)
+    # Stretches between a run's clean end and the job's next run start (a resume or a plain
+    # start after `run end`): the GPUs were free then, and `_unassigned` books them.
+    gaps: dict[int, tuple[int, int]] = field(default_factory=dict)  # gap start in the timeline -> [a, b)
     done: bool = False
     done_at: float | None = None  # monotonic time when the job was booked to its end
     skew_s: float | None = None
@@ -230,6 +235,41 @@ class _Job:
             start = max(int(self.ranks[rank].ts * 1000), self.floors.get(rank, 0))
         end = min(self.ends.get(rank, POS_INF), self.end_ms if self.end_ms is not None else POS_INF)
         return start, max(start, end)
+
+    def held(self, rank: int) -> list[tuple[int, int]]:
+        """The job's hold on its rank's GPU as [start, end) stretches: its claim less the gaps
+        between a clean end and the next run start."""
+        start, end = self.claim(rank)
+        out, cur = [], start
+        for a, b in sorted(self.gaps.values()):
+            if b <= cur or a >= end:
+                continue
+            if a > cur:
+                out.append((cur, a))
+            cur = max(cur, b)
+        if end > cur:
+            out.append((cur, end))
+        return out
+
+    def note_runs(self, tl: Timeline) -> None:
+        """Follow the run's ends and restarts from this round's timeline. A run that starts again
+        after a clean end (a resume, a requeue, a second `train()`) reopens the job's hold on its
+        GPUs: the stretch between stays free. Time booked before a late `run end` arrived stays
+        the job's."""
+        b, r = tl.bounds, tl.regime
+        if tl.end_ms is None and self.end_at is not None:
+            i = int(np.searchsorted(b, self.end_at, "right")) - 1
+            if r[i] == Regime.UNASSIGNED and b[i + 1] >= POS_INF:
+                return  # a run start seen at the edge of the data: reopened when it has time
+        for i in np.flatnonzero(r == Regime.UNASSIGNED).tolist():
+            lo, hi = int(b[i]), int(b[i + 1])
+            if lo > tl.start_ms and hi < POS_INF and lo not in self.gaps:
+                held_to = self.end_ms if lo == self.end_at and self.end_ms is not None else lo
+                self.gaps[lo] = (min(max(lo, held_to), hi), hi)
+        if tl.end_ms is None:
+            self.end_ms = self.end_at = None
+        elif tl.end_ms != self.end_at:
+            self.end_ms, self.end_at = max(tl.end_ms, self.booked_until), tl.end_ms
 
 
 def _held(state: JobState, rank: int) -> int:
@@ -1085,6 +1125,8 @@ class Agent:
                 jobfacts.merge_meta(job.meta, ev)
             elif ev.type == "preflight":
                 job.preflight = json.dumps(jobfacts.preflight_result(ev))
+            elif ev.type == "register":
+                self._earlier_register(job, ev)
         for entry_id, reason, message in list(job.reader.rejections):
             self._log_once(
                 ("rejected", job.name, reason),
@@ -1109,6 +1151,24 @@ class Agent:
                     rank,
                     skew,
                 )
+
+    @staticmethod
+    def _earlier_register(job: _Job, ev: Event) -> None:
+        """The ranks hash keeps a rank's newest register only: a process that ran and ended
+        before this agent read the hash (then ran again) is seen here, in the stream. The same
+        GPU registered earlier dates the rank's start, as replay dates it, while its start is
+        not fixed yet."""
+        reg = job.ranks.get(ev.rank)
+        if reg is None or ev.ts >= reg.ts or ev.rank in job.state.starts:
+            return
+        uuid_ = ev.get("gpu_uuid")
+        same = (
+            uuid_ == reg.gpu_uuid
+            if uuid_ and reg.gpu_uuid
+            else (ev.get("host") == reg.host and ev.get("gpu") == reg.gpu)
+        )
+        if same:
+            job.ranks[ev.rank] = dataclasses.replace(reg, ts=ev.ts)
 
     def _starts(self, job: _Job, own_ranks: np.ndarray) -> np.ndarray | None:
         """When each own rank's GPU time starts, fixed the first time it is booked and kept in the
@@ -1244,7 +1304,6 @@ class Agent:
         (R, T, P, U, E), (own_rank, own_ts, own_p, own_u) = self._window(job, local, keep_from)
         if T.size == 0 or member_start is None:
             return
-        member_end = np.maximum(np.asarray([job.claim(int(r))[1] for r in own_ranks], np.int64), member_start)
         # Other hosts' ranks may have registered a little earlier; an ancient date is not trusted.
         job_start = jobfacts.job_start_ms(
             (int(reg.ts * 1000) for reg in job.ranks.values()),
@@ -1284,6 +1343,8 @@ class Agent:
         else:  # events still on their way (a sim at --speed; trainers that deliver late)
             now_ms -= int(max(self.source.event_lag_s, cfg.event_lag_s) * 1000)
         tl = self._timeline(job, job_start, now_ms, final=played)
+        job.note_runs(tl)  # a run end frees the GPUs; a later run start takes them back
+        member_end = np.maximum(np.asarray([job.claim(int(r))[1] for r in own_ranks], np.int64), member_start)
         res = book_window(
             events=[],
             timeline=tl,
@@ -1325,9 +1386,6 @@ class Agent:
         with self.lock:
             job.latest_band = latest or job.latest_band
         self._publish_live(job, own_rank, own_ts, own_p, own_u, profile)
-        if job.end_ms is None and tl.end_ms is not None:
-            # Time booked before a late `run end` arrived stays the job's: its GPUs are free after.
-            job.end_ms = max(tl.end_ms, job.booked_until)
         progress = self._progress(job, tl, now_ms)
         with self.lock:
             job.figures = {**job.figures, **progress}
@@ -1407,6 +1465,8 @@ class Agent:
             )
             if job.done and job.done_at is None:
                 job.done_at = time.monotonic()
+            elif not job.done:
+                job.done_at = None
         self._live_figures(job, *live_args)
         self.stats["rounds"] += 1
 
@@ -1481,7 +1541,13 @@ class Agent:
             self.unassigned_settled = final
             return
         n_g = int(g.max()) + 1
-        claims = [(gg, *j.claim(r)) for j in self.jobs.values() for r, gg in j.own.items() if gg < n_g]
+        claims = [
+            (gg, a, b)
+            for j in self.jobs.values()
+            for r, gg in j.own.items()
+            if gg < n_g
+            for a, b in j.held(r)
+        ]
         none = np.full(n_g, POS_INF, np.int64)
         s = make_slices(
             g, t, pw, en, np.zeros(t.size, np.int8), n_g, interval, none, none, self.cfg.booking.gap_intervals

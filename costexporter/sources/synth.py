@@ -46,6 +46,7 @@ class TraceBuilder:
     _rows: list = field(init=False, default_factory=list)
     events: list[Event] = field(init=False, default_factory=list)
     _seq: dict = field(init=False, default_factory=dict)
+    _generation: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.t = self.t0
@@ -79,7 +80,7 @@ class TraceBuilder:
                 self.job,
                 self.t if ts is None else ts,
                 rank,
-                f"s{rank}",
+                f"s{rank}" if not self._generation else f"s{rank}.{self._generation}",
                 seq,
                 {k: v for k, v in fields.items() if v is not None},
             )
@@ -90,6 +91,26 @@ class TraceBuilder:
         self.event("run", state=state, step=step)
         if state == "resume" and step is not None:
             self.step = step
+        return self
+
+    def new_processes(self, register: bool = True) -> TraceBuilder:
+        """The job's processes start again (a requeue, a resume): new reporter sessions, their
+        entries numbered from 0, each rank registering again."""
+        self._generation += 1
+        self._seq.clear()
+        if register:
+            for r in range(self.n_gpus):
+                h, g = self.host_of(r)
+                self.event(
+                    "register",
+                    rank=r,
+                    host=h,
+                    gpu=g,
+                    gpu_uuid=self.uuid(r),
+                    local_rank=g,
+                    world_size=self.n_gpus,
+                    pid=2000 + r,
+                )
         return self
 
     def phase(self, name: str, state: str, rank: int = 0, step: int | None = None) -> TraceBuilder:

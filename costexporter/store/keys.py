@@ -54,6 +54,13 @@ def fold_key(prefix: str, job: str, agent: str, old: bool = False) -> str:
     return job_key(prefix, job, "fold", "old" if old else "new", agent)
 
 
+def kept_key(prefix: str, job: str) -> str:
+    """The job's registrations, run events, meta and gate results moved out of the event stream
+    when the agents trim it (stream, same entry ids): what a replay of the job needs whatever
+    their age. Only the trimming agent writes it; readers merge it with the stream by id."""
+    return job_key(prefix, job, "kept")
+
+
 def readers_key(prefix: str, job: str) -> str:
     """The job's stream readers (hash reader id -> JSON `{"id": stream id, "ts": Unix s}`): what
     each still needs of the stream. The stream is trimmed below the oldest fresh one."""

@@ -598,7 +598,72 @@ def trim_stream(
     lo = min(positions)
     if lo <= (0, 0):
         return 0
-    return int(client.xtrim(protocol.stream_key(prefix, job), minid=f"{lo[0]}-{lo[1]}", approximate=False))
+    return trim_keeping(client, prefix, job, f"{lo[0]}-{lo[1]}")
+
+
+# The entry types a replay needs whatever their age: kept apart when the stream is trimmed.
+KEPT_TYPES = ("register", "run", "meta", "preflight")
+TRIM_PAGE = 1000  # entries a script call looks at: Redis is blocked one page at a time
+MAX_KEPT_FIELDS = 256  # an entry with more fields is not copied (no protocol entry has that many)
+MAX_KEPT = 100_000  # the kept stream's length bound: a trainer posting meta in a loop cannot grow it
+
+# Move the kept types of one page of the entries below the trim point to the kept stream (under
+# their own ids, so a second agent doing the same adds nothing), then trim that page. Returns
+# {entries trimmed, entries copied, 1 when the trim point was reached}.
+_TRIM_KEEPING = """
+local function id_gt(x, y)
+  local xa, xb = string.match(x, '^(%d+)-(%d+)$')
+  local ya, yb = string.match(y, '^(%d+)-(%d+)$')
+  xa, xb, ya, yb = tonumber(xa), tonumber(xb), tonumber(ya), tonumber(yb)
+  return xa > ya or (xa == ya and xb > yb)
+end
+local page = tonumber(ARGV[2])
+local keep = {}
+for i = 5, #ARGV do keep[ARGV[i]] = true end
+local entries = redis.call('XRANGE', KEYS[1], '-', '(' .. ARGV[1], 'COUNT', page)
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local last = '0-0'
+if top[1] then last = top[1][1] end
+local copied = 0
+for _, e in ipairs(entries) do
+  local id, f = e[1], e[2]
+  if #f <= tonumber(ARGV[3]) then
+    for i = 1, #f - 1, 2 do
+      if f[i] == 'type' then
+        if keep[f[i + 1]] and id_gt(id, last) then
+          redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], id, unpack(f))
+          copied = copied + 1
+        end
+        break
+      end
+    end
+  end
+end
+local done = #entries < page
+local upto = ARGV[1]
+if not done then upto = entries[#entries][1] end
+local trimmed = 0
+if #entries > 0 then trimmed = redis.call('XTRIM', KEYS[1], 'MINID', upto) end
+return {trimmed, copied, done and 1 or 0}
+"""
+
+
+def trim_keeping(client, prefix: str, job: str, minid: str) -> int:
+    """`XTRIM <stream> MINID <minid>`, moving the entries of `KEPT_TYPES` below it to the job's
+    kept stream first, a page at a time (each page one script: atomic, idempotent). Returns the
+    entries removed from the stream."""
+    from costexporter.store import redisconn
+
+    run = redisconn.script(client, _TRIM_KEEPING)
+    stream, kept = protocol.stream_key(prefix, job), keys.kept_key(prefix, job)
+    total = 0
+    while True:
+        trimmed, _copied, done = run(
+            keys=[stream, kept], args=[minid, TRIM_PAGE, MAX_KEPT_FIELDS, MAX_KEPT, *KEPT_TYPES]
+        )
+        total += int(trimmed)
+        if int(done):
+            return total
 
 
 def ensure_epoch(client, prefix: str, candidate: str) -> str:

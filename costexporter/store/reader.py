@@ -86,6 +86,11 @@ class EventReader:
         resp = self.client.xread({self.key: self.cursor}, count=count, block=block_ms)
         return self._consume([e for _key, entries in resp or [] for e in entries])
 
+    def consume(self, entries: list) -> list[Event]:
+        """The valid, new events of (id, fields) entries read by the caller (a merge of the
+        stream and the kept stream, in id order); the cursor moves to the last one."""
+        return self._consume(entries)
+
     def _consume(self, entries: list) -> list[Event]:
         """The valid, new events of entries read after the cursor; advances it."""
         out: list[Event] = []

@@ -18,7 +18,18 @@ from pathlib import Path
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import Event
 from costexporter.store import protocol
+from costexporter.store.keys import kept_key
 from costexporter.store.reader import EventReader
+
+
+def _text(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _id(x: str) -> tuple[int, int]:
+    a, _, b = x.partition("-")
+    return int(a), int(b or 0)
+
 
 # Kept by `--since` whatever their time: a replay needs the GPU map and the price.
 STATE_TYPES = frozenset({"register", "meta"})
@@ -44,16 +55,30 @@ def entry_of(ev: Event) -> dict[str, str]:
 
 def export_lines(client, job: str, prefix: str, since: float | None = None) -> tuple[Iterator[str], Counter]:
     """JSONL lines of the job's events in stream order, and the reader's counts (filled as the
-    lines are consumed). `since`: drop events before it, except registrations and meta."""
+    lines are consumed). The entries the agents moved out of the stream when they trimmed it
+    (registrations, run events, meta) are merged back in by id. `since`: drop events before it,
+    except registrations and meta."""
     reader = EventReader(client, job, prefix=prefix)
+    kept = client.xrange(kept_key(prefix, job))  # small: a job's registrations, runs and meta
 
     def lines() -> Iterator[str]:
+        nonlocal kept
+        cursor = "0-0"
         while True:
-            cursor = reader.cursor
-            for ev in reader.poll(10_000):
+            resp = client.xread({reader.key: cursor}, count=10_000)
+            entries = [e for _key, got in resp or [] for e in got]
+            if entries:
+                cursor = _text(entries[-1][0])
+                top = _id(cursor)
+                older = [e for e in kept if _id(_text(e[0])) <= top]
+                kept = kept[len(older) :]
+            else:
+                older, kept = kept, []
+            merged = sorted(older + entries, key=lambda e: _id(_text(e[0])))
+            for ev in reader.consume(merged):
                 if since is None or ev.ts >= since or ev.type in STATE_TYPES:
                     yield json.dumps(entry_of(ev), separators=(",", ":")) + "\n"
-            if reader.cursor == cursor:
+            if not entries:
                 return
 
     return lines(), reader.stats
