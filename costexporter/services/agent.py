@@ -62,7 +62,7 @@ from costexporter.core.model import BANDS, Category, Event, GpuIndex
 from costexporter.core.profiles import Profile
 from costexporter.core.samplewin import SampleWindow
 from costexporter.sources.base import GpuSource
-from costexporter.sources.sampler import Sampler
+from costexporter.sources.sampler import ClockWatch, Sampler
 from costexporter.store import agentid, ledger, protocol, untrusted
 from costexporter.store.keys import (
     epoch_key,
@@ -279,7 +279,9 @@ def _held(state: JobState, rank: int) -> int:
 
 
 class Agent:
-    def __init__(self, source: GpuSource, cfg: AgentConfig) -> None:
+    def __init__(self, source: GpuSource, cfg: AgentConfig, clock: ClockWatch | None = None) -> None:
+        """`clock`: the wall and monotonic clocks a live source's samples are checked with (tests
+        inject one)."""
         import redis
 
         self.source = source
@@ -287,7 +289,7 @@ class Agent:
         self.host = cfg.host or source.host
         self.redis = protocol.connect(cfg.redis_url)
         self._redis_errors = (redis.RedisError, OSError)
-        self.sampler = Sampler(source, cfg.sample_interval_s)
+        self.sampler = Sampler(source, cfg.sample_interval_s, clock=clock)
         self.jobs: dict[str, _Job] = {}
         self.context_ms = int((cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60) * 1000)
         self.samples_maxlen = samples_maxlen(cfg)
@@ -1695,6 +1697,8 @@ class Agent:
                 "errors": dict(self.source.errors),
                 "stats": dict(self.stats),
                 "dropped": self.sampler.dropped,
+                "clock_steps": dict(self.sampler.clock.steps) if self.sampler.clock else {},
+                "clock_offset_s": self.sampler.clock.offset_s if self.sampler.clock else 0.0,
                 "registrations_rejected": dict(self.registrations_rejected),
                 "data_rejected": dict(self.refusals.counts),
                 "round_counts": list(self.round_counts),

@@ -194,6 +194,22 @@ class AgentCollector(Collector):
         )
         epoch.add_metric([], s["stats"].get("epoch_resets", 0))
         yield epoch
+        steps = CounterMetricFamily(
+            "costexporter_agent_clock_steps",
+            "Steps of this host's wall clock against its monotonic clock (beyond 2 s), by direction: "
+            "the samples keep one continuous clock, so a step's time is neither billed nor lost.",
+            labels=["direction"],
+        )
+        for direction in ("forward", "backward"):
+            steps.add_metric([direction], s.get("clock_steps", {}).get(direction, 0))
+        yield steps
+        off = GaugeMetricFamily(
+            "costexporter_agent_clock_offset_seconds",
+            "How far the samples' clock runs behind this host's wall clock after the steps seen "
+            "(0 without a step; a restart realigns it).",
+        )
+        off.add_metric([], s.get("clock_offset_s", 0.0))
+        yield off
         idr = CounterMetricFamily(
             "costexporter_agent_id_refused_rounds",
             "Rounds that booked nothing because another host holds this agent's --agent-id.",

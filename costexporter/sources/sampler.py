@@ -15,6 +15,53 @@ from costexporter.sources.energy import Anchor, share
 log = logging.getLogger("costexporter.sources.sampler")
 
 
+class ClockWatch:
+    """The host's wall clock checked against its monotonic clock at every read.
+
+    A live source stamps its readings with the wall clock, which can step (a manual `date`, NTP
+    stepping instead of slewing, a VM resumed): +300 s would bill five minutes nobody used, -50 s
+    would stamp new readings over booked ones. A difference between the two clocks' advance
+    beyond `tolerance_s` is a step: it is counted (`steps`), logged, and added to `offset_s`,
+    which `stamp()` takes off every later wall-clock stamp, so the samples keep one continuous
+    clock and the time across the step is neither invented nor lost. The samples then run
+    `offset_s` off the wall clock (exported) until the agent restarts.
+    """
+
+    def __init__(self, wall=time.time, mono=time.monotonic, tolerance_s: float = 2.0) -> None:
+        self.wall, self.mono, self.tolerance_s = wall, mono, tolerance_s
+        self.offset_s = 0.0
+        self.steps: collections.Counter[str] = collections.Counter()  # "forward" / "backward"
+        self._last: tuple[float, float] | None = None
+        self._logged_at = -math.inf
+
+    def check(self) -> float | None:
+        """The step since the last check (s, + forward), if one beyond the tolerance."""
+        w, m = self.wall(), self.mono()
+        last, self._last = self._last, (w, m)
+        if last is None:
+            return None
+        step = (w - last[0]) - (m - last[1])
+        if abs(step) <= self.tolerance_s:
+            return None
+        self.offset_s += step
+        self.steps["forward" if step > 0 else "backward"] += 1
+        if m - self._logged_at >= 60:  # a clock that flaps: a line a minute
+            self._logged_at = m
+            log.warning(
+                "the wall clock stepped %+.1f s against the monotonic clock: samples keep one "
+                "continuous clock (now %+.1f s off the wall clock), so the step's time is neither "
+                "billed nor lost (counted in costexporter_agent_clock_steps_total); keep the host "
+                "on NTP, slewing rather than stepping, and restart the agent to realign",
+                step,
+                -self.offset_s,
+            )
+        return step
+
+    def stamp(self, ts: float) -> float:
+        """A wall-clock stamp on the samples' continuous clock."""
+        return ts - self.offset_s
+
+
 class Sampler:
     """Reads `source` every `interval_s` into a bounded buffer.
 
@@ -36,8 +83,12 @@ class Sampler:
         interval_s: float = 1.0,
         capacity: int = 1_000_000,
         energy_interval_s: float = 0.0,
+        clock: ClockWatch | None = None,
     ) -> None:
         self.source = source
+        # Only a source stamped with this host's wall clock is checked for steps; a replay or a
+        # simulation plays its own time.
+        self.clock = (clock or ClockWatch()) if getattr(source, "wall_clock", False) else None
         self.interval_s = interval_s
         self.energy_interval_s = energy_interval_s
         self._buf: collections.deque[Reading] = collections.deque()
@@ -68,24 +119,33 @@ class Sampler:
     def _read(self) -> list[Reading]:
         return self.source.read(energy=False) if self._anchored else self.source.read()  # type: ignore[call-arg]
 
+    def sample_once(self) -> None:
+        """One read of every GPU into the buffer (the sampling thread's tick), stamped on the
+        samples' continuous clock."""
+        with self._lock:
+            try:
+                readings = self._read()
+            except Exception:  # a source bug must not kill sampling: log, count, go on
+                log.exception("sampling failed")
+                self.source.errors[(-1, "read_failed")] += 1
+                readings = []
+            if self.clock is not None:
+                self.clock.check()
+                if self.clock.offset_s:
+                    readings = [dataclasses.replace(r, ts=self.clock.stamp(r.ts)) for r in readings]
+            self.reads += 1
+            for r in readings:
+                self._latest[r.gpu] = r
+            overflow = len(self._buf) + len(readings) - self.capacity
+            for _ in range(max(overflow, 0)):
+                self._buf.popleft()
+                self.dropped += 1
+            self._buf.extend(readings)
+
     def _run(self) -> None:
         next_t = time.monotonic()
         while not self._stop.is_set():
-            with self._lock:
-                try:
-                    readings = self._read()
-                except Exception:  # a source bug must not kill sampling: log, count, go on
-                    log.exception("sampling failed")
-                    self.source.errors[(-1, "read_failed")] += 1
-                    readings = []
-                self.reads += 1
-                for r in readings:
-                    self._latest[r.gpu] = r
-                overflow = len(self._buf) + len(readings) - self.capacity
-                for _ in range(max(overflow, 0)):
-                    self._buf.popleft()
-                    self.dropped += 1
-                self._buf.extend(readings)
+            self.sample_once()
             next_t += self.interval_s
             delay = next_t - time.monotonic()
             if delay < 0:  # fell behind (a slow read): skip the missed ticks, do not burst
@@ -118,6 +178,8 @@ class Sampler:
         self._anchor_at = time.monotonic()
         now: dict[int, Anchor] = {}
         for g, (ts, mj) in got.items():
+            if self.clock is not None:
+                ts = self.clock.stamp(ts)
             now[g] = Anchor(ts, mj)
             self.anchors.append((g, ts, mj))
         return now

@@ -282,9 +282,7 @@ class Demo:
         """Keep the prefix's lease while the demo runs, and notice a Redis that stops answering."""
         while not self._lease_stop.wait(1.0):
             try:
-                self._client.set(
-                    keys.demo_lease_key(self.cfg.prefix), _owner(self.run_id), ex=LEASE_S
-                )
+                self._client.set(keys.demo_lease_key(self.cfg.prefix), _owner(self.run_id), ex=LEASE_S)
                 self._redis_ok_at = time.monotonic()
             except (redis.RedisError, OSError):
                 pass
