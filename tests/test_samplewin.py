@@ -138,6 +138,7 @@ def test_a_stream_entry_decodes_to_what_was_encoded_and_the_older_layout_still_r
         np.array([np.nan, 1e12 + 0.5, 3.0]),
     )
     got = decode_entry(encode_entry(cols))
+    assert len(got) == len(cols)
     for a, b in zip(got, cols, strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
     old = {c: json.dumps(a.tolist()).replace("NaN", "null") for c, a in zip("rtpue", cols, strict=True)}

@@ -24,6 +24,7 @@ def test_the_shards_partition_any_set_of_job_names(names, count):
     for name in names:
         owners = [i for i in range(count) if in_shard(name, (i, count))]
         assert len(owners) == 1, (name, owners)
+    assert sum(in_shard(n, (i, count)) for n in names for i in range(count)) == len(names)
 
 
 def test_a_jobs_shard_is_the_same_in_every_process():
