@@ -30,6 +30,9 @@ from costexporter.sources.synth import _local_stamps, write_events_jsonl
 LevelTable = dict[str, tuple[tuple[float, float, float, float], tuple[float, float, float, float]]]
 
 H100_LEVELS: LevelTable = {
+    # The first 0.5-1 s of a checkpoint wait (when onset plateaus are on): rank 0 at ~218 W and
+    # 0% while the others wait at ~230 W and 100%, above the waiters' level, before it settles.
+    "onset": ((218.0, 4.0, 0.0, 2.0), (230.0, 3.0, 100.0, 100.0)),
     "compute": ((555.0, 12.0, 84.0, 97.0), (555.0, 12.0, 84.0, 97.0)),
     "checkpoint": ((135.0, 7.0, 0.0, 5.0), (157.0, 3.5, 100.0, 100.0)),
     "idle": ((98.0, 9.0, 0.0, 0.0), (98.0, 9.0, 0.0, 0.0)),
@@ -60,6 +63,8 @@ class RealTrace:
     true_energy_mj: np.ndarray  # per GPU: energy really used from the first to the last sample
     instant_of_line: np.ndarray  # CSV line order: (instant, gpu) of each written line
     gap_ms: int  # total time inside logger gaps (per GPU)
+    line_sample: np.ndarray | None = None  # CSV line order: the sample each line holds
+    memory_mib: np.ndarray | None = None  # per sample: memory.used (with `memory`)
 
     def label_bands(self) -> np.ndarray:
         return np.asarray([LABEL_BAND[x] for x in self.labels], np.int8)
@@ -83,11 +88,31 @@ class Scenario:
     jitter_p: float = 0.1  # share of instants whose GPU 0 line is stamped 50-80 ms early
     tail_p: float = 0.001  # share of samples drawn from a tail that bridges levels
     energy_quantum_mj: float = 1000.0  # the counter's own step (1 J)
+    # The real files' harder features (off by default; `Scenario.field` turns them on):
+    burst_p: float = 0.0  # share of instants written in two bursts ~110 ms apart
+    onset_s: tuple[float, float] = (0.0, 0.0)  # a checkpoint wait's onset plateau, s (lo, hi)
+    gap_s: tuple[float, float] = (0.3, 1.0)  # a logger hiccup's length, s (lo, hi)
+    vanish: tuple[int, float, float] | None = None  # (GPU, from s, for s): it writes no lines
+    memory: bool = False  # a memory.used column: each GPU's own, drifting slowly
     seed: int = 0
     t0: float = 1_753_577_230.134  # 2025-07-27 00:47:10.134 UTC
 
     @classmethod
     def h100(cls, **kw) -> Scenario:
+        return cls(**kw)
+
+    @classmethod
+    def field(cls, **kw) -> Scenario:
+        """Every feature of the real 8xH100 recordings: instants written in bursts, onset plateaus
+        of checkpoint waits, ramps, logger hiccups of 0.3-0.5 s, a GPU missing for a minute,
+        memory.used per GPU."""
+        kw.setdefault("burst_p", 0.02)
+        kw.setdefault("onset_s", (0.5, 1.0))
+        kw.setdefault("gap_s", (0.3, 0.5))
+        kw.setdefault("gap_every_s", 20.0)
+        kw.setdefault("compute_s", 150.0)
+        kw.setdefault("vanish", (3, kw.get("idle_s", 15.0) + 40.0, 60.0))
+        kw.setdefault("memory", True)
         return cls(**kw)
 
     @classmethod
@@ -121,16 +146,23 @@ class Scenario:
             i += k
         t_inst = self.t0 * 1000 + np.arange(n_inst) * iv  # true instants (ms, float)
 
-        # Logger gaps: whole instants with no lines, 0.3-1 s long.
+        # Logger gaps: whole instants with no lines.
         logged = np.ones(n_inst, bool)
         n_gaps = max(1, int(n_inst * iv / 1000 / self.gap_every_s))
+        lo, hi = (round(x * 1000 / iv) for x in self.gap_s)
         for start in rng.integers(50, n_inst - 50, n_gaps):
-            logged[start : start + int(rng.integers(3, 11))] = False
+            logged[start : start + int(rng.integers(lo, hi + 1))] = False
 
         G = self.n_gpus
         power = np.empty((G, n_inst))
         util = np.empty((G, n_inst))
         centre = np.empty((G, n_inst))
+        onset = np.zeros(n_inst, bool)
+        if self.onset_s[1] > 0 and "onset" in self.levels:
+            for name, a, b in bounds:
+                if name == "checkpoint":
+                    k = round(rng.uniform(*self.onset_s) * 1000 / iv)
+                    onset[a : min(a + k, b)] = True
         for g in range(G):
             cls_ = 0 if g == 0 else 1
             for name, a, b in bounds:
@@ -138,6 +170,12 @@ class Scenario:
                 centre[g, a:b] = c
                 power[g, a:b] = rng.normal(c, sd, b - a)
                 util[g, a:b] = rng.uniform(ulo, uhi, b - a).round()
+            if onset.any():
+                c, sd, ulo, uhi = self.levels["onset"][cls_]
+                k = int(onset.sum())
+                centre[g, onset] = c
+                power[g, onset] = rng.normal(c, sd, k)
+                util[g, onset] = rng.uniform(ulo, uhi, k).round()
             # Ramps: 1-3 samples after each level change move linearly from the old level.
             for (_, _, e), (_, a2, _) in itertools.pairwise(bounds):
                 k = int(rng.integers(1, 4))
@@ -162,25 +200,66 @@ class Scenario:
         )
         early = rng.random(n_inst) < self.jitter_p
         stamp[0, early] -= rng.uniform(50, 80, early.sum())
+        # Bursts: GPUs k.. of an instant written ~110 ms after GPUs ..k-1; the logger's timer
+        # then writes the next instant, overdue, right after the second burst.
+        burst = np.flatnonzero((rng.random(n_inst) < self.burst_p) & ~early)
+        burst = burst[(burst > 0) & (burst < n_inst - 2)] if G > 1 else burst[:0]
+        for j in burst.tolist():
+            k = int(rng.integers(1, G))
+            stamp[k:, j] += rng.uniform(100, 120)
+            stamp[:, j + 1] = np.maximum(stamp[:, j + 1], stamp[G - 1, j] + rng.uniform(1, 5))
+            early[j + 1] = False
         stamp = np.round(stamp).astype(np.int64)
+        # One GPU's lines are stamped in order (a burst's overdue next instant never ties).
+        k = np.arange(n_inst)
+        stamp = np.maximum.accumulate(stamp - k, axis=1) + k
 
-        cols = np.flatnonzero(logged)
-        gpu = np.repeat(np.arange(G, dtype=np.int32), cols.size)
+        # Memory: each GPU's own level per state, drifting by a few MiB.
+        mem = np.empty((G, n_inst))
+        base = rng.uniform(60_000, 75_000, G).round()
+        for g in range(G):
+            busy = np.asarray([x != "idle" for x in state])
+            mem[g] = np.where(busy, base[g], 4.0 + 130.0 * (g == 0))
+            mem[g] += np.where(busy, np.cumsum(rng.integers(-2, 3, n_inst)), 0)
+
+        written = np.repeat(logged[None, :], G, 0)
+        if self.vanish is not None:
+            vg, at_s, for_s = self.vanish
+            a = round(at_s * 1000 / iv)
+            written[vg, a : a + round(for_s * 1000 / iv)] = False
+        # Samples: written entries, sorted by (gpu, ts); lines: instant by instant, GPUs in order.
+        gg, jj = np.nonzero(written)
+        order = np.lexsort((stamp[gg, jj], gg))
+        gg, jj = gg[order], jj[order]
         s = Samples(
             [GpuId("node0", g, f"GPU-{self.seed:04x}-{g:04x}", self.gpu_name, None) for g in range(G)],
-            gpu,
-            stamp[:, cols].ravel(),
-            power[:, cols].ravel(),
-            util[:, cols].ravel(),
-            counter[:, cols].ravel(),
+            gg.astype(np.int32),
+            stamp[gg, jj],
+            power[gg, jj],
+            util[gg, jj],
+            counter[gg, jj],
         )
-        labels = np.tile(state[cols], G)
-        truth = centre[:, cols].ravel()
+        labels = state[jj]
+        truth = centre[gg, jj]
+        cols = np.flatnonzero(logged)
         first, last = cols[0], cols[-1]
         true_energy = cum[:, last] - (cum[:, first] - power[:, first] * iv)
         gaps = int((~logged[first : last + 1]).sum()) * iv
-        line = np.stack(np.meshgrid(cols, np.arange(G), indexing="ij"), -1).reshape(-1, 2)
-        return RealTrace(s, labels, truth, self.events(bounds, t_inst), true_energy, line, gaps)
+        sample_of = np.full((G, n_inst), -1, np.int64)
+        sample_of[gg, jj] = np.arange(gg.size)
+        lj, lg = np.nonzero(written.T)  # line order: instant, then GPU
+        line = np.stack([lj, lg], -1)
+        return RealTrace(
+            s,
+            labels,
+            truth,
+            self.events(bounds, t_inst),
+            true_energy,
+            line,
+            gaps,
+            sample_of[lg, lj],
+            mem[gg, jj] if self.memory else None,
+        )
 
     def events(self, bounds: list, t_inst: np.ndarray) -> list[Event]:
         evs: list[Event] = []
@@ -223,27 +302,29 @@ def agreement(bands: np.ndarray, trace: RealTrace) -> float:
 def csv_lines(trace: RealTrace) -> np.ndarray:
     """The sample (index into `trace.samples`) written on each data line of `write_csv`: line
     k of the file (header = 1) holds sample `csv_lines(trace)[k - 2]`."""
-    s = trace.samples
-    G = len(s.gpus)
-    n = len(s) // G
-    return (np.arange(G)[None, :] * n + np.arange(n)[:, None]).ravel()
+    assert trace.line_sample is not None
+    return trace.line_sample
 
 
 def write_csv(trace: RealTrace, path: Path, *, power_unit: str = "W", trailing_newline: bool = True) -> Path:
-    """The trace as index-less `nvidia-smi --format=csv -lms 100` output, local time = UTC."""
+    """The trace as index-less `nvidia-smi --format=csv -lms 100` output, local time = UTC (with
+    a memory.used column where the trace has one)."""
     s = trace.samples
-    G = len(s.gpus)
-    n = len(s) // G
-    ts = s.ts_ms.reshape(G, n)
-    pw = s.power_w.reshape(G, n)
-    ut = s.util_pct.reshape(G, n)
+    order = csv_lines(trace)
     scale = {"W": 1.0, "mW": 1000.0, "kW": 0.001}[power_unit]
     digits = {"W": 2, "mW": 0, "kW": 5}[power_unit]
-    lines = [f"timestamp, power.draw [{power_unit}], utilization.gpu [%]"]
+    mem = trace.memory_mib
+    header = f"timestamp, power.draw [{power_unit}], utilization.gpu [%]"
+    lines = [header + (", memory.used [MiB]" if mem is not None else "")]
     # Line order: instant by instant, GPUs 0..G-1 within one (whatever their stamps).
-    stamps = _local_stamps(ts.T.ravel(), None).tolist()
-    for stamp, p, u in zip(stamps, pw.T.ravel().tolist(), ut.T.ravel().tolist(), strict=True):
-        lines.append(f"{stamp}, {p * scale:.{digits}f} {power_unit}, {int(u)} %")
+    stamps = _local_stamps(s.ts_ms[order], None).tolist()
+    pw, ut = (s.power_w[order] * scale).tolist(), s.util_pct[order].tolist()
+    if mem is None:
+        for stamp, p, u in zip(stamps, pw, ut, strict=True):
+            lines.append(f"{stamp}, {p:.{digits}f} {power_unit}, {int(u)} %")
+    else:
+        for stamp, p, u, m in zip(stamps, pw, ut, mem[order].tolist(), strict=True):
+            lines.append(f"{stamp}, {p:.{digits}f} {power_unit}, {int(u)} %, {int(m)} MiB")
     path.write_text("\n".join(lines) + ("\n" if trailing_newline else ""))
     return path
 

@@ -25,6 +25,7 @@ try:  # the compute kernels a clean file needs, without pyarrow.compute's start-
 except ImportError:  # pragma: no cover - a pyarrow that moved them
     from pyarrow.compute import CastOptions, TrimOptions, call_function
 
+from costexporter.core import numbering
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.events import (
     FUTURE_SLACK_S,
@@ -63,10 +64,6 @@ NA_MARKERS = [
 NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
 TS_RE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d+)?$"
 MAX_POWER_W = 10_000.0
-# Rows of one sampling instant in an index-less CSV are within this of each other.
-INSTANT_TOLERANCE_MS = 50
-# An instant ends where at least this share of the sampling interval passes without a line.
-SPLIT_GAP_SHARE = 0.85
 
 
 @dataclass(slots=True)
@@ -269,10 +266,14 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         )
 
     invalid: list[int] = []
+    not_lines: list[int] = []  # invalid rows that are no GPU's line (blank, a repeated header)
     counts_before = diag.counts.copy()
 
     def on_invalid(row: pcsv.InvalidRow) -> str:
         invalid.append(row.number if row.number is not None else -1)
+        text = (row.text or "").strip().lower()
+        if not text or text.startswith("timestamp"):
+            not_lines.append(invalid[-1])
         return "skip"
 
     try:
@@ -307,10 +308,12 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
     except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
         raise InputError(f"{path}: impossible timestamp: {e}") from None
+    skip = np.zeros(n, bool)  # rows that are no GPU's line
     if bad_ts.any():  # blank lines and repeated headers are skipped silently
         pc = _pc()
         ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
-        drop |= pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
+        skip = pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
+        drop |= skip
     if (
         not ends_with_newline
         and n
@@ -361,10 +364,24 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         index = np.nan_to_num(idx_f, nan=-1).astype(np.int64)
     else:
         index = _positional_index(
-            ts_ms, drop, lambda line, why: diag.warn(str(path), line, "short_block", why), line_of_row
+            ts_ms,
+            drop,
+            lambda line, reason, why: diag.warn(str(path), line, reason, why),
+            np.asarray(line_of_row, np.int64),
+            skip=skip,
+            power=power,
+            memory=(lambda: _numeric(col["memory.used"])[0]) if "memory.used" in col else None,
+            invalid_lines=[x for x in invalid if x not in set(not_lines)],
         )
+        drop |= index < 0
 
     keep = np.flatnonzero(~drop) if drop.any() else None  # None: every row
+    _say_missing_gpus(
+        index if keep is None else index[keep],
+        ts_ms if keep is None else ts_ms[keep],
+        np.asarray(line_of_row, np.int64) if keep is None else np.asarray(line_of_row, np.int64)[keep],
+        lambda line, why: diag.warn(str(path), line, "gpu_missing", why),
+    )
     if (keep is not None and keep.size == 0) or n == 0:
         mine = diag.counts - counts_before
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
@@ -401,6 +418,57 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     )
 
 
+# A GPU without samples for longer than this many sampling intervals (and at least MISSING_MIN_MS)
+# while the file's other GPUs have theirs is said to be missing.
+MISSING_INTERVALS = 10
+MISSING_MIN_MS = 2000
+
+
+def _say_missing_gpus(
+    index: np.ndarray, ts_ms: np.ndarray, line: np.ndarray, warn: Callable[[int, str], None]
+) -> None:
+    """Say each stretch where one GPU of a file has no samples while the others do (it fell off
+    the bus, or its lines were lost): its index, the span, and the line where it went missing.
+    A stretch where no GPU has samples (the logger paused) is no GPU's."""
+    if index.size < 4 or int(index.max(initial=0)) >= 1 << 15:
+        return
+    gpus = np.unique(index[index >= 0])
+    if gpus.size < 2:
+        return
+    order = np.argsort(index.astype(np.int16), kind="stable")
+    g, t = index[order], ts_ms[order]
+    same = g[1:] == g[:-1]
+    d = np.diff(t)
+    iv = float(np.median(d[same][:100_000])) if same.any() else 0.0
+    if iv <= 0:
+        return
+    limit = max(MISSING_INTERVALS * iv, MISSING_MIN_MS)
+    t0, t1 = int(ts_ms.min()), int(ts_ms.max())
+    firsts = np.flatnonzero(np.concatenate([[True], ~same]))
+    lasts = np.append(firsts[1:] - 1, g.size - 1)
+    spans = [(int(g[i]), int(t[i]), int(t[i + 1]), int(order[i])) for i in np.flatnonzero(same & (d > limit))]
+    spans += [(int(g[f]), t0, int(t[f]), int(order[f])) for f in firsts if t[f] - t0 > limit]
+    spans += [(int(g[e]), int(t[e]), t1, int(order[e])) for e in lasts if t1 - t[e] > limit]
+    if not spans:
+        return
+    mono = np.maximum.accumulate(ts_ms)
+    import datetime as dt
+
+    def when(ms: int) -> str:
+        return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+    for gpu, a, b, row in sorted(spans, key=lambda x: (x[1], x[0])):
+        others = int(np.searchsorted(mono, b, "left") - np.searchsorted(mono, a, "right"))
+        expected = (gpus.size - 1) * (b - a) / iv
+        if others < 0.5 * expected:
+            continue  # the logger paused for every GPU
+        warn(
+            int(line[row]),
+            f"GPU {gpu} has no samples from {when(a)} to {when(b)} UTC ({(b - a) / 1000:.1f} s) while the "
+            "file's other GPUs do: its time there is unobserved",
+        )
+
+
 def _first_rows(index: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     """The first kept row (None: every row is kept) of each GPU index, in index order. Every GPU
     shows up within the first instants, so the head of the rows holds them all; a full sort
@@ -415,80 +483,51 @@ def _first_rows(index: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
 def _positional_index(
     ts_ms: np.ndarray,
     drop: np.ndarray,
-    warn: Callable[[int, str], None] | None = None,
+    warn: Callable[[int, str, str], None] | None = None,
     line_of_row: np.ndarray | None = None,
+    *,
+    skip: np.ndarray | None = None,
+    power: np.ndarray | None = None,
+    memory: Callable[[], np.ndarray] | None = None,
+    invalid_lines: list[int] | None = None,
 ) -> np.ndarray:
-    """Without an index column, the lines of one sampling instant are GPUs 0..N-1 in order.
-
-    N is the usual number of lines per instant (lines within INSTANT_TOLERANCE_MS of each other).
-    Lines are numbered by position within blocks of N consecutive lines, not by their stamps:
-    nvidia-smi sometimes stamps the GPU 0 line of an instant 50-80 ms before GPUs 1-7, which
-    splits the instants by time as N+1, N-1 lines; counting on keeps that line GPU 0. A block
-    that ends short (the logger lost lines) is warned about, and counting restarts at the next
-    instant.
-    """
-    every = not drop.any()  # the usual case: no row dropped, rows are lines
-    rows = np.arange(0) if every else np.flatnonzero(~drop)
-    n_rows = ts_ms.size if every else rows.size
-    if n_rows == 0:
-        return np.full(ts_ms.size, -1, np.int64)
-    t = ts_ms if every else ts_ms[rows]
-    new = np.ones(n_rows, bool)
-    new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
-    group_start = np.flatnonzero(new)
-    sizes = np.diff(np.append(group_start, n_rows))
-    # An instant ends where most of a sampling interval passes without a line (an early-stamped
-    # GPU 0 line is split from the rest of its instant by 50-80 ms, not by one). N is the usual
-    # number of lines between instant ends (a tie: the larger).
-    gap_after = np.append(t[group_start[1:]] - t[group_start[1:] - 1], np.iinfo(np.int64).max)
-    interval = float(np.median(np.diff(t[group_start]))) if group_start.size > 1 else 0.0
-    ends_instant = gap_after >= SPLIT_GAP_SHARE * interval
-    bounds = np.append(0, (group_start + sizes)[ends_instant])
-    counts = np.bincount(np.diff(bounds))
-    n_gpus = max(int(counts.size - 1 - np.argmax(counts[::-1])), 1)
-    # Count lines on from the last restart (`anchor`); where an instant ends before its block of
-    # N is complete, the block was short and counting restarts after it. That depends only on the
-    # anchor modulo N, so the short blocks of each residue are found once (when needed).
-    group_end = group_start + sizes
-    at_end = np.flatnonzero(ends_instant)
-    end_residue = group_end[at_end] % n_gpus
-    short_by_residue: dict[int, np.ndarray] = {}
-    anchors = [0]
-    short_groups = []
-    j0 = 0
-    while True:
-        r = anchors[-1] % n_gpus
-        if r not in short_by_residue:
-            short_by_residue[r] = at_end[end_residue != r]
-        cand = short_by_residue[r]
-        k = int(np.searchsorted(cand, j0))
-        if k == cand.size:
-            break
-        j = int(cand[k])
-        short_groups.append(j)
-        anchors.append(int(group_end[j]))
-        j0 = j + 1
-    line = np.arange(n_rows)
-    if len(anchors) == 1:
-        pos = line % n_gpus
-    else:
-        anchor_arr = np.asarray(anchors, np.int64)
-        pos = (line - anchor_arr[np.searchsorted(anchor_arr, line, "right") - 1]) % n_gpus
-    ends = [int(group_end[j]) - 1 for j in short_groups]
-    if (n_rows - anchors[-1]) % n_gpus:
-        ends.append(n_rows - 1)  # the file ends inside an instant
+    """Without an index column, each row's GPU by its place among the lines nvidia-smi wrote
+    (`costexporter/core/numbering.py`); -1 for a row whose GPU cannot be told (said through
+    `warn(line, reason, detail)`, never given to another GPU). `drop`: rows rejected (they still
+    held their GPU's place); `skip`: rows that are no GPU's line (blank, a repeated header);
+    `invalid_lines`: lines the CSV parser rejected that held a GPU's place."""
+    n = ts_ms.size
+    if line_of_row is None:
+        line_of_row = np.arange(2, n + 2, dtype=np.int64)
+    skip = np.zeros(n, bool) if skip is None else skip
+    # Each GPU line's place: rows and rejected lines in file order, without the non-lines.
+    extra = np.asarray(sorted(invalid_lines or []), np.int64)
+    is_line = ~skip
+    lines = line_of_row[is_line]
+    all_lines = np.union1d(lines, extra) if extra.size else lines
+    slot_of_row = np.full(n, -1, np.int64)
+    slot_of_row[is_line] = np.searchsorted(all_lines, lines)
+    valid = is_line & ~drop
+    rows = np.flatnonzero(is_line)
+    index = np.full(n, -1, np.int64)
+    if rows.size == 0:
+        return index
+    gpu, notes = numbering.number_lines(
+        slot_of_row[rows],
+        ts_ms[rows],
+        valid[rows],
+        int(all_lines.size),
+        None if power is None else power[rows],
+        None if memory is None else (lambda: memory()[rows]),
+    )
+    index[rows] = gpu[slot_of_row[rows]]
     if warn is not None:
-        for last in ends:
-            row = last if every else int(rows[last])
-            warn(
-                int(line_of_row[row]) if line_of_row is not None else row,
-                f"an instant of {n_gpus} GPUs ends after {pos[last] + 1} line(s); "
-                "lines are numbered in order",
-            )
-    if every:
-        return pos
-    index = np.full(ts_ms.size, -1, np.int64)
-    index[rows] = pos
+        for note in notes:
+            first_line = int(all_lines[note.first])
+            warn(first_line, note.reason, note.detail)
+            if note.reason == "unplaced_line" and note.lines > 1:
+                for s in range(note.first + 1, note.last + 1):
+                    warn(int(all_lines[s]), note.reason, "(as above)")
     return index
 
 

@@ -1,0 +1,383 @@
+"""Which GPU each line of an index-less nvidia-smi CSV is.
+
+Without an `index` column, nvidia-smi writes one line per GPU per instant, GPUs in order. So the
+lines are GPUs 0..N-1, N-line block after N-line block, and counting lines is right as long as no
+line is lost: a line the reader rejects (malformed, a bad value) still counts, since nvidia-smi
+wrote it for its GPU. Timestamps alone cannot number lines: nvidia-smi stamps an instant's GPU 0
+line 50-80 ms early at times, and writes an instant in two bursts ~110 ms apart at others, so the
+gaps between lines do not always fall between instants.
+
+Timestamps instead say where counting may have slipped. Instants begin after a pause of most of a
+sampling interval; in a steady file they begin every N lines. A pause where counting says none
+belongs is a burst or a jittered stamp when the instants after it begin where counting says
+again; when they keep beginning elsewhere, lines were lost (or a GPU stopped answering, and the
+instants are one line shorter for a while). Counting then restarts there, and the lines between
+are placed by what each GPU's own readings say: its memory.used and power change little from
+one instant to the next, so the lines of a short instant (or of a stretch where one GPU is
+missing) go to the GPUs whose readings they continue. A line whose GPU the readings do not tell
+apart from another is not placed: it is counted and said, never given to a GPU by guess.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+# Lines of one instant are within this of each other (the rest of the instant after an early
+# GPU 0 line, or after a burst, starts a new group).
+INSTANT_TOLERANCE_MS = 50
+# An instant begins where most of a sampling interval passes without a line.
+SPLIT_GAP_SHARE = 0.85
+# Instant starts after a shift that set the new block size.
+CONFIRM_STARTS = 3
+# How many blocks apart the on-count starts around a burst may be.
+BURST_BLOCKS = 6
+# Placing by continuity: how many instants each side are compared, how much better the best
+# placement must be than the next (in units of a typical step of a GPU's own readings).
+COMPARE_INSTANTS = 3
+PLACE_MARGIN = 1.5
+POWER_STEP_W, POWER_STEP_SHARE = 15.0, 0.05  # a GPU's power moves about this much per instant
+MEMORY_STEP_MIB, MEMORY_STEP_SHARE = 4.0, 0.002  # ... and its memory.used this much
+MAX_TERM = 8.0  # one reading's mismatch counts at most this much
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something the numbering has to say about lines `first`..`last` (slots)."""
+
+    first: int
+    last: int
+    reason: str  # "short_block", "unplaced_line", "gpu_missing"
+    detail: str
+    lines: int = 1  # how many lines it counts
+
+
+def number_lines(
+    slot: np.ndarray,
+    ts_ms: np.ndarray,
+    valid: np.ndarray,
+    n_slots: int,
+    power_w: np.ndarray | None = None,
+    memory_mib: Callable[[], np.ndarray | None] | None = None,
+) -> tuple[np.ndarray, list[Note]]:
+    """GPU of each slot (0..n_slots-1: the data lines nvidia-smi wrote, rejected ones included),
+    -1 where it cannot be told, and what to say. `slot`, `ts_ms`, `power_w`, `memory_mib` are per
+    row of the file (`valid`: the row's stamp can be trusted); `memory_mib` is read only when
+    lines must be placed."""
+    gpu = np.full(n_slots, -1, np.int64)
+    notes: list[Note] = []
+    sv, tv = slot[valid], ts_ms[valid]
+    if sv.size == 0:
+        return gpu, notes
+    starts = _instant_starts(sv, tv)
+    n_gpus = _usual_block(starts, n_slots)
+    segments = _segments(starts, n_gpus, n_slots)
+    if len(segments) == 1 and segments[0][2] == n_gpus and n_slots % n_gpus == 0:
+        return np.arange(n_slots) % n_gpus, notes  # the usual file: counting is right throughout
+    p = np.full(n_slots, np.nan)
+    m = np.full(n_slots, np.nan)
+    if power_w is not None:
+        p[slot] = power_w
+    mem = memory_mib() if memory_mib is not None else None
+    if mem is not None:
+        m[slot] = mem
+    # Each segment: lines [a, b) of blocks of n lines, and where its last block ends short.
+    mapping: list[np.ndarray | None] = []
+    for k, (a, b, n) in enumerate(segments):
+        if n == n_gpus:
+            mapping.append(np.arange(n_gpus))
+            continue
+        prev = _block_before(segments, mapping, k, a)
+        mapping.append(_choose_mapping(a, b, n, n_gpus, p, m, prev))
+    for k, (a, b, n) in enumerate(segments):
+        full_end = a + (b - a) // n * n
+        mp = mapping[k]
+        if mp is not None and full_end > a:
+            gpu[a:full_end] = mp[(np.arange(a, full_end) - a) % n]
+        elif full_end > a:
+            notes.append(
+                Note(
+                    a,
+                    full_end - 1,
+                    "unplaced_line",
+                    f"instants of {n_gpus} GPUs have {n} lines here and the readings do not tell "
+                    "which GPU is missing: these lines are not booked",
+                    full_end - a,
+                )
+            )
+        if full_end < b:  # a short instant: placed by continuity, or not at all
+            last_segment = k == len(segments) - 1
+            if last_segment:  # the file ends inside an instant: its first lines are in order
+                gpu[full_end:b] = (mp if mp is not None else np.arange(n_gpus))[: b - full_end]
+                notes.append(
+                    Note(
+                        full_end,
+                        b - 1,
+                        "short_block",
+                        f"the file ends inside an instant of {n_gpus} GPUs after {b - full_end} line(s)",
+                    )
+                )
+                continue
+            ref_prev = _values_before(gpu, p, m, full_end, n_gpus)
+            ref_next = _values_after(segments, mapping, k + 1, p, m, n_gpus)
+            placed = _place(np.arange(full_end, b), n_gpus, p, m, ref_prev, ref_next)
+            if placed is None:
+                notes.append(
+                    Note(
+                        full_end,
+                        b - 1,
+                        "unplaced_line",
+                        f"an instant of {n_gpus} GPUs has {b - full_end} line(s) and the readings do "
+                        "not tell which GPUs they are: not booked",
+                        b - full_end,
+                    )
+                )
+            else:
+                gpu[full_end:b] = placed
+                notes.append(
+                    Note(
+                        full_end,
+                        b - 1,
+                        "short_block",
+                        f"an instant of {n_gpus} GPUs has {b - full_end} line(s); placed as GPU "
+                        + ",".join(map(str, placed.tolist()))
+                        + " by what each GPU's own readings continue",
+                    )
+                )
+    return gpu, notes
+
+
+def _instant_starts(slot: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Slots where an instant begins, by the stamps: after most of a sampling interval without a
+    line (an early-stamped GPU 0 line sits 50-80 ms before the rest of its instant, not one
+    interval)."""
+    new = np.ones(t.size, bool)
+    new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
+    group_start = np.flatnonzero(new)
+    if group_start.size < 2:
+        return slot[group_start]
+    interval = float(np.median(np.diff(t[group_start])))
+    gap_before = t[group_start[1:]] - t[group_start[1:] - 1]
+    begins = np.concatenate([[True], gap_before >= SPLIT_GAP_SHARE * interval])
+    out: np.ndarray = slot[group_start[begins]]
+    return out
+
+
+def _usual_block(starts: np.ndarray, n_slots: int) -> int:
+    """N: the usual number of lines between instant starts (a tie: the larger)."""
+    bounds = np.append(starts, n_slots)
+    counts = np.bincount(np.diff(bounds))
+    return max(int(counts.size - 1 - np.argmax(counts[::-1])), 1)
+
+
+def _segments(starts: np.ndarray, n_gpus: int, n_slots: int) -> list[tuple[int, int, int]]:
+    """Stretches [a, b) counted in blocks of n lines from a: a new one begins where instants keep
+    beginning off the count (lines lost, or a GPU not answering: then n is the new usual block).
+    nvidia-smi begins a file with an instant's first GPU."""
+    out: list[tuple[int, int, int]] = []
+    a, n, i = 0, n_gpus, 0
+    if starts[-1] < n_slots:  # the file's end is where the next instant would begin
+        starts = np.append(starts, n_slots)
+    while i < starts.size:
+        rest = starts[i:]
+        on = (rest - a) % n == 0
+        # An off-count start is a burst (or jitter) when it is the only one between two on-count
+        # starts at most BURST_BLOCKS blocks apart (the instant after a burst follows it closely
+        # and early-stamped lines hide starts, so the next starts may not show); lost lines put
+        # every start after them off the count.
+        j = np.arange(rest.size)
+        prev_on = np.maximum.accumulate(np.where(on, j, -1))
+        next_on = np.minimum.accumulate(np.where(on, j, rest.size)[::-1])[::-1]
+        burst = (
+            (prev_on >= 0)
+            & (next_on < rest.size)
+            & (next_on - prev_on == 2)
+            & (rest[np.minimum(next_on, rest.size - 1)] - rest[np.maximum(prev_on, 0)] <= BURST_BLOCKS * n)
+        )
+        off = np.flatnonzero(~on & ~burst & (j + 1 < rest.size))
+        if off.size == 0:
+            break
+        k = i + int(off[0])
+        b = int(starts[k])
+        # Where counting restarts and in blocks of how many: of b, the starts just after it and
+        # the places the old count reaches (a GPU that stopped answering right after a burst),
+        # and of the block sizes up to N, the pair the next starts agree with most (a tie: the
+        # larger block, then the earliest place). An early-stamped GPU 0 line can hide an
+        # instant's start, so the next starts may be two blocks apart.
+        before = starts[i:k]
+        on_before = before[(before - a) % n == 0]
+        last_on = int(on_before[-1]) if on_before.size else a
+        reach = np.arange(last_on, b + 2 * n + 1, n)
+        near = starts[(starts > b) & (starts <= b + 2 * n)]
+        cands = np.unique(np.concatenate([[b], near, reach[reach > a]])).tolist()
+        after = starts[k : k + 1 + 4 * CONFIRM_STARTS]
+        best = (-np.inf, n, b)
+        for size in range(n_gpus, 0, -1):
+            for c in cands:
+                seen = after[after > c]
+                on_count = int((((seen - c) % size) == 0).sum())
+                # Starts off the count speak against it, and so do instants it expects where no
+                # start shows (a smaller block always fits more starts).
+                unseen = max((int(seen[-1]) - c) // size - on_count, 0) if seen.size else 0
+                score = on_count - (seen.size - on_count) - 0.5 * unseen
+                if score > best[0]:
+                    best = (score, size, c)
+        n_new, new_a = int(best[1]), int(best[2])
+        if new_a > a:
+            out.append((a, new_a, n))
+        a, n = new_a, n_new
+        i = max(k + 1, int(np.searchsorted(starts, new_a, "right")))
+    out.append((a, n_slots, n))
+    return [s for s in out if s[1] > s[0]]
+
+
+def _block_before(
+    segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None], k: int, a: int
+) -> tuple[int, int, np.ndarray] | None:
+    """The last full block before slot `a` whose GPUs are known: (first slot, size, GPUs)."""
+    for j in range(k - 1, -1, -1):
+        a0, b0, n0 = segments[j]
+        mp = mapping[j]
+        full = (b0 - a0) // n0
+        if mp is not None and full:
+            return a0 + (full - 1) * n0, n0, mp
+    return None
+
+
+def _step(x: np.ndarray, ref: np.ndarray, step: float, share: float) -> np.ndarray:
+    """Mismatch of readings `x` with `ref`, in typical steps; NaN where either is unknown."""
+    d = np.abs(x - ref) / np.maximum(step, share * np.abs(ref))
+    out: np.ndarray = np.minimum(d, MAX_TERM)
+    return out
+
+
+def _cost(lines: np.ndarray, gpus: np.ndarray, p: np.ndarray, m: np.ndarray, ref: np.ndarray) -> float:
+    """How badly lines (slots) continue the readings `ref` (GPU x [power, memory]) of `gpus`: a
+    line given to a GPU with no reading to continue costs half the most a mismatch can."""
+    terms = [_step(p[lines], ref[gpus, 0], POWER_STEP_W, POWER_STEP_SHARE)]
+    if not np.isnan(m[lines]).all():
+        terms.append(_step(m[lines], ref[gpus, 1], MEMORY_STEP_MIB, MEMORY_STEP_SHARE))
+    t = np.concatenate(terms)
+    if np.isnan(ref[:, 0]).all():
+        return float("nan")
+    unknown = np.isnan(t) & np.concatenate([~np.isnan(p[lines])] + [~np.isnan(m[lines])] * (len(terms) - 1))
+    return float(np.nansum(t) + unknown.sum() * MAX_TERM / 2)
+
+
+def _choose_mapping(
+    a: int,
+    b: int,
+    n: int,
+    n_gpus: int,
+    p: np.ndarray,
+    m: np.ndarray,
+    prev: tuple[int, int, np.ndarray] | None,
+) -> np.ndarray | None:
+    """The GPUs of a stretch whose instants have n < N lines (a GPU not answering): the n of N,
+    in order, whose readings before the stretch its first instants continue best; None when no
+    choice is clearly best."""
+    if prev is None:
+        return None
+    ref = np.full((n_gpus, 2), np.nan)
+    p0, n0, mp0 = prev
+    ref[mp0, 0] = p[p0 : p0 + n0]
+    ref[mp0, 1] = m[p0 : p0 + n0]
+    k = min((b - a) // n, COMPARE_INSTANTS)
+    if k == 0:
+        return None
+    lines = np.arange(a, a + k * n)
+    return _best(itertools.combinations(range(n_gpus), n), lines, n, p, m, ref)
+
+
+def _best(
+    choices: itertools.combinations[tuple[int, ...]],
+    lines: np.ndarray,
+    n: int,
+    p: np.ndarray,
+    m: np.ndarray,
+    ref: np.ndarray,
+) -> np.ndarray | None:
+    """The choice of GPUs (for each block of n lines) with the clearly lowest cost, or None."""
+    scored = []
+    for ch in choices:
+        g = np.tile(np.asarray(ch), lines.size // n)
+        scored.append((_cost(lines, g, p, m, ref), ch))
+    scored = [s for s in scored if s[0] == s[0]]
+    if not scored:
+        return None
+    scored.sort(key=lambda s: s[0])
+    best = scored[0]
+    if len(scored) > 1 and scored[1][0] - best[0] < PLACE_MARGIN:
+        return None
+    return np.asarray(best[1], np.int64)
+
+
+def _values_before(gpu: np.ndarray, p: np.ndarray, m: np.ndarray, at: int, n_gpus: int) -> np.ndarray:
+    """Each GPU's readings on its last placed line before slot `at` (GPU x [power, memory])."""
+    ref = np.full((n_gpus, 2), np.nan)
+    lo = max(0, at - 3 * n_gpus)
+    for s in range(at - 1, lo - 1, -1):
+        g = gpu[s]
+        if g >= 0 and np.isnan(ref[g, 0]):
+            ref[g] = p[s], m[s]
+    return ref
+
+
+def _values_after(
+    segments: list[tuple[int, int, int]],
+    mapping: list[np.ndarray | None],
+    k: int,
+    p: np.ndarray,
+    m: np.ndarray,
+    n_gpus: int,
+) -> np.ndarray:
+    """Each GPU's readings on the first full block of segment `k` (GPU x [power, memory])."""
+    ref = np.full((n_gpus, 2), np.nan)
+    if k >= len(segments) or mapping[k] is None:
+        return ref
+    a, b, n = segments[k]
+    if b - a < n:
+        return ref
+    mp = mapping[k]
+    assert mp is not None
+    ref[mp, 0] = p[a : a + n]
+    ref[mp, 1] = m[a : a + n]
+    return ref
+
+
+def _place(
+    lines: np.ndarray,
+    n_gpus: int,
+    p: np.ndarray,
+    m: np.ndarray,
+    ref_prev: np.ndarray,
+    ref_next: np.ndarray,
+) -> np.ndarray | None:
+    """The GPUs of a short instant's lines (in order): those whose readings before and after
+    they continue clearly best; None when the readings do not tell."""
+    scored = []
+    for ch in itertools.combinations(range(n_gpus), lines.size):
+        g = np.asarray(ch)
+        c = [_cost(lines, g, p, m, r) for r in (ref_prev, ref_next)]
+        c = [x for x in c if x == x]
+        if c:
+            scored.append((sum(c) / len(c), ch))
+    if not scored:
+        return None
+    scored.sort(key=lambda s: s[0])
+    if len(scored) > 1 and scored[1][0] - scored[0][0] < PLACE_MARGIN:
+        return None
+    return np.asarray(scored[0][1], np.int64)
+
+
+def warn_notes(
+    notes: list[Note],
+    line_of_slot: Callable[[int], int],
+    warn: Callable[[int, str, str], None],
+) -> None:
+    """Say each note at its first line."""
+    for note in notes:
+        warn(line_of_slot(note.first), note.reason, note.detail)
