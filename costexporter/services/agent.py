@@ -847,7 +847,7 @@ class Agent:
             for h in job.peer_hosts if job is not None else ():
                 expected[samples_key(self.cfg.prefix, name, h)] = "stream"
             wrong = ledger.wrong_types(self.redis, expected)
-        moved = ledger.set_aside(self.redis, wrong) if wrong else []
+        moved = ledger.set_aside(self.redis, wrong, self.cfg.prefix, name) if wrong else []
         if moved:
             self.refusals.refuse(
                 name,

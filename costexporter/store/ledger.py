@@ -464,10 +464,15 @@ def wrong_types(client, expected: dict[str, str]) -> dict[str, str]:
     return {k: t for (k, t), have in zip(expected.items(), got, strict=True) if have not in ("none", t)}
 
 
-def set_aside(client, wrong: dict[str, str]) -> list[str]:
+def set_aside(client, wrong: dict[str, str], prefix: str | None = None, job: str | None = None) -> list[str]:
     """Move keys of the wrong type out of the way (to `<key>:wrongtype`, the same slot, kept for
     a look), so the writer's next round writes them afresh. These are keys only the agents
-    write: a value of another type there was never the ledger's. Returns the keys moved."""
+    write: a value of another type there was never the ledger's. Returns the keys moved.
+
+    The rollup is a cache of the buckets whose state says it is whole: with either of its two
+    keys moved, the other would make a later round's rollup (its records started afresh) look
+    whole. So the job's rollup is dropped (`prefix`, `job` given): readers sum the buckets until
+    the API's next start rebuilds it."""
     import redis
 
     moved = []
@@ -477,6 +482,12 @@ def set_aside(client, wrong: dict[str, str]) -> list[str]:
             moved.append(k)
         except redis.ResponseError:  # gone meanwhile
             continue
+    if (
+        prefix is not None
+        and job is not None
+        and {rollup_key(prefix, job), rollup_state_key(prefix, job)} & set(wrong)
+    ):
+        drop_rollup(client, prefix, job)
     return moved
 
 
