@@ -12,6 +12,7 @@ one example takes a fraction of a second; tests/faults/ has the real-process cas
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import uuid
 
@@ -24,8 +25,9 @@ from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.services.agent import Agent, AgentConfig
 from costexporter.sources.playback import ReplaySource
+from costexporter.sources.sampler import ClockWatch
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import ledger
+from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
 from .test_agent import event_entry
@@ -41,6 +43,10 @@ def build(n: int, seed: int, stretches: list, crash: tuple | None, faults: dict,
     (new processes: a resume from a checkpoint, or a plain start); then an idle tail, so the
     unassigned ledger passes the end."""
     a = TraceBuilder(n_gpus=n, per_host=n, job="a", seed=seed)
+    if faults.get("startup_phase"):  # rank 0 declares a phase named like the run's own startup
+        a.phase("startup", "begin")
+        a.stretch("idle", 5)
+        a.phase("startup", "end")
     a.run("start")
     jobs = [a]
     for state, d, step_s in stretches:
@@ -93,6 +99,28 @@ NO_FAULTS = {
     # a second host presents the same agent id (its own idle GPUs): it must book nothing
     "twin_host": False,
     "rerun": None,
+    "startup_phase": False,
+    # a rogue trainer's job sorted first in the jobs index, with a ranks key it broke
+    "rogue": None,
+    # a key of job a that only agents write, created first with another type
+    "wrong_type_key": None,
+    # the agent host's wall clock stepping: ((at trace s, step s), ...)
+    "clock_steps": (),
+}
+
+ROGUE = {
+    "ranks_stream": lambda r, p, a: r.xadd(protocol.ranks_key(p, "bad"), {"x": "1"}),
+    "deep_json": lambda r, p, a: r.hset(protocol.ranks_key(p, "bad"), "0", "[" * 200_000 + "]" * 200_000),
+    "ts_1e300": lambda r, p, a: r.hset(
+        protocol.ranks_key(p, "bad"), "0", json.dumps({"ts": 1e300, "host": "node0", "gpu": 0})
+    ),
+}
+WRONG_TYPE = {  # a key of job a only the agents write -> written first as another type
+    "wm": lambda r, p: r.hset(keys.watermark_key(p, "a", "node0"), "x", "1"),
+    "fold": lambda r, p: r.hset(keys.fold_key(p, "a", "node0"), "x", "1"),
+    "readers": lambda r, p: r.xadd(keys.readers_key(p, "a"), {"x": "1"}),
+    "rbidx": lambda r, p: r.set(keys.rbidx_key(p, "a", "node0"), "x"),
+    "total": lambda r, p: r.set(keys.total_key(p, "a"), "x"),
 }
 
 
@@ -127,6 +155,12 @@ def scenarios(draw):
         "restart_at": draw(st.one_of(st.none(), st.integers(1, 20))),
         "twin": draw(st.booleans()),
         "twin_host": draw(st.booleans()),
+        "startup_phase": draw(st.booleans()),
+        "rogue": draw(st.sampled_from([None, None, *ROGUE])),
+        "wrong_type_key": draw(st.sampled_from([None, None, *WRONG_TYPE])),
+        "clock_steps": draw(
+            st.lists(st.tuples(st.integers(5, 400), st.sampled_from([-60, -20, 20, 300])), max_size=2)
+        ),
     }
     return build(n, seed, stretches, crash, faults, rerun)
 
@@ -190,13 +224,42 @@ class Run:
             ),
         )
 
+    def prepare(self) -> None:
+        """The hostile writes the faults name, before the agents' first round."""
+        if self.faults.get("rogue"):
+            ROGUE[self.faults["rogue"]](self.client, self.prefix, None)
+            self.client.zadd(protocol.jobs_key(self.prefix), {"bad": 0})  # sorted first
+        if self.faults.get("wrong_type_key"):
+            WRONG_TYPE[self.faults["wrong_type_key"]](self.client, self.prefix)
+
     def tick(self) -> None:
+        steps = self.faults.get("clock_steps") or ()
         for ag in self.agents:
-            for r in ag.source.read():
-                ag.sampler._buf.append(r)
+            if not steps:
+                for r in ag.source.read():
+                    ag.sampler._buf.append(r)
+            else:  # as the host's wall clock stamps them, a read per sampling second
+                self._stepped_reads(ag, steps)
             ag.tick()
 
+    def _stepped_reads(self, ag: Agent, steps) -> None:
+        """The replayed readings stamped by a wall clock that steps (`steps`: at trace s, by s),
+        handed to the agent's sampler one sampling moment at a time, its clock check included."""
+        if ag.sampler.clock is None:
+            now = [0.0, 0.0]  # (wall, monotonic) of the moment being read
+            ag.sampler.clock = ClockWatch(wall=lambda: now[0], mono=lambda: now[1])
+            ag.sampler.clock.now = now  # type: ignore[attr-defined]
+        now = ag.sampler.clock.now  # type: ignore[attr-defined]
+        by_ts: dict[float, list] = {}
+        for r in ag.source.read():
+            by_ts.setdefault(r.ts, []).append(r)
+        for ts in sorted(by_ts):
+            wall = ts + sum(d for at, d in steps if ts >= self.t0 + at)
+            now[0], now[1] = wall, ts
+            ag.sampler.take([dataclasses.replace(r, ts=wall) for r in by_ts[ts]])
+
     def run(self) -> None:
+        self.prepare()
         rounds = 0
         while self.t0 + self.now <= self.end + 2 * ROUND_S:
             self.now += ROUND_S
@@ -304,6 +367,15 @@ def _cleanup(client, prefix: str) -> None:
 @example(build(1, 0, [("compute", 10, None)], None, {}, (0, None, 10)))
 # ... with the agent restarted and a twin booking alongside.
 @example(build(2, 0, [("compute", 30, 5)], None, {"restart_at": 6, "twin": True}, (30, 3, 40)))
+# A trainer's data of the wrong shape, keys created first with another type, twin hosts on one
+# agent id, the agent's wall clock stepping, a phase named `startup`: each once, pinned.
+@example(build(2, 1, [("compute", 60, 5)], None, {"rogue": "ranks_stream", "wrong_type_key": "wm"}))
+@example(build(1, 1, [("compute", 60, 5)], None, {"rogue": "deep_json", "wrong_type_key": "readers"}))
+@example(build(2, 1, [("compute", 60, 5)], (5, 30), {"rogue": "ts_1e300", "wrong_type_key": "total"}))
+@example(build(1, 1, [("compute", 90, 4)], None, {"wrong_type_key": "fold", "twin_host": True}))
+@example(build(2, 1, [("compute", 90, 4)], None, {"wrong_type_key": "rbidx", "startup_phase": True}))
+@example(build(2, 2, [("compute", 120, 4)], None, {"clock_steps": ((30, 300), (55, -300)), "restart_at": 4}))
+@example(build(1, 2, [("compute", 120, 4), ("idle", 30, None)], None, {"clock_steps": ((40, -60),)}))
 @given(scenarios())
 def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
     client = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)

@@ -742,7 +742,7 @@ class Agent:
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(protocol.ranks_key(self.cfg.prefix, name))
-        fresh = [False]
+        fresh, retry = [False], False
         for name, ranks in zip(names, pipe.execute(raise_on_error=False) if names else [], strict=True):
             if isinstance(ranks, Exception):
                 if not untrusted.is_wrong_type(ranks):
@@ -757,6 +757,7 @@ class Agent:
                 if not untrusted.is_wrong_type(e):
                     raise
                 self._wrong_type(name, e)
+                retry = True  # its keys set aside: looked at again next round
         for job in self.jobs.values():
             hosts: dict[str, list[int]] = {}
             for r, peer in sorted(job.ranks.items()):
@@ -767,7 +768,7 @@ class Agent:
         # A counter that moved since a discovery is looked at once more next round: on a cluster
         # it and a job's `:ranks` sit on different nodes, and the trainer's INCR may land before
         # its HSET. (Not after the first: that one reads what was there before the agent.)
-        settled = self._reg_prev == "?" or self._reg_read == self._reg_prev
+        settled = not retry and (self._reg_prev == "?" or self._reg_read == self._reg_prev)
         self._reg_version = self._reg_read if settled else "?"
         self._reg_prev = self._reg_read
 

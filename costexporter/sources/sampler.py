@@ -129,18 +129,27 @@ class Sampler:
                 log.exception("sampling failed")
                 self.source.errors[(-1, "read_failed")] += 1
                 readings = []
-            if self.clock is not None:
-                self.clock.check()
-                if self.clock.offset_s:
-                    readings = [dataclasses.replace(r, ts=self.clock.stamp(r.ts)) for r in readings]
-            self.reads += 1
-            for r in readings:
-                self._latest[r.gpu] = r
-            overflow = len(self._buf) + len(readings) - self.capacity
-            for _ in range(max(overflow, 0)):
-                self._buf.popleft()
-                self.dropped += 1
-            self._buf.extend(readings)
+            self._take(readings)
+
+    def take(self, readings: list[Reading]) -> None:
+        """Readings just read elsewhere (a test's driver), stamped and buffered as a read's."""
+        with self._lock:
+            self._take(readings)
+
+    def _take(self, readings: list[Reading]) -> None:
+        """(Under the lock.) Checked for a clock step, stamped, buffered."""
+        if self.clock is not None:
+            self.clock.check()
+            if self.clock.offset_s:
+                readings = [dataclasses.replace(r, ts=self.clock.stamp(r.ts)) for r in readings]
+        self.reads += 1
+        for r in readings:
+            self._latest[r.gpu] = r
+        overflow = len(self._buf) + len(readings) - self.capacity
+        for _ in range(max(overflow, 0)):
+            self._buf.popleft()
+            self.dropped += 1
+        self._buf.extend(readings)
 
     def _run(self) -> None:
         next_t = time.monotonic()
