@@ -1017,7 +1017,9 @@ class Agent:
             n = ledger.trim_stream(
                 self.redis, self.cfg.prefix, job.name, time.time(), self.cfg.reader_stale_s, set(job.ranks)
             )
-        except redis.RedisError:
+        except redis.RedisError as e:
+            if untrusted.is_wrong_type(e):  # a readers hash created as something else
+                self._wrong_type(job.name, e)
             self.stats["trim_errors"] += 1
             return
         if n < 0:  # another agent of the job has not stored its fold yet

@@ -17,7 +17,6 @@ The agent books these jobs through its normal path; nothing here books.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
@@ -28,7 +27,7 @@ from collections.abc import Callable, Iterable
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
 from costexporter.sources.dcgm import PodRef
-from costexporter.store import protocol
+from costexporter.store import protocol, untrusted
 from costexporter.store.keys import k8s_gpus_key, k8s_ranks_key
 from costexporter.trainer.reporter import send_entries
 
@@ -220,9 +219,10 @@ class KubernetesJobs:
 
 
 def _json(raw: str) -> dict:
+    """A ranks entry as a dict ({} when it is not one: a trainer may have written anything)."""
     try:
-        e = json.loads(raw)
-    except ValueError:
+        e = untrusted.loads(raw)
+    except untrusted.UntrustedValue:
         return {}
     return e if isinstance(e, dict) else {}
 
