@@ -49,7 +49,7 @@ def _process_still_clean():
     click exit 2 in-process (CliRunner) or lets a thread raise would otherwise make every later
     reporter of this pytest process skip its `run end`."""
     yield
-    exitstatus._crash = None
+    exitstatus.reset()
 
 
 def book(b: TraceBuilder, cfg: ReplayConfig | None = None, **samples_kw) -> dict:

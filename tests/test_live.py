@@ -60,10 +60,11 @@ def book_seen(
     cfg=None,
     since=None,
     carry=None,
+    member_start=None,
 ):
     """`book_window` as the live agent runs it at `now` (ms): the samples (rank r is GPU r) and
     events seen by then (samples from `since`: a band window, with its `carry`), every own
-    rank's GPU time from `start`."""
+    rank's GPU time from `start` (or from its `member_start`)."""
     seen = s.ts_ms <= now
     if since is not None:  # the band window, as the agent's SampleWindow keeps it
         seen &= keep_from(s.gpu, s.ts_ms, since)
@@ -79,7 +80,7 @@ def book_seen(
         energy_mj=s.energy_mj[seen],
         n_ranks=n_ranks,
         own_ranks=own,
-        member_start_ms=np.full(own.size, start),
+        member_start_ms=np.full(own.size, start) if member_start is None else member_start,
         booked_until_ms=booked_until,
         now_ms=now if now_ms is None else now_ms,
         carry=carry,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.core import profiles
+from costexporter.core import jobfacts, profiles
 from costexporter.core.model import BANDS, CATEGORIES, Band
 from costexporter.core.replay import ReplayConfig, book_trace, job_report
 from costexporter.sources.synth import TraceBuilder
@@ -57,6 +57,18 @@ def _by_category_and_band(pieces) -> np.ndarray:
 SMALL = Scenario.h100(seed=3, compute_s=12.0, checkpoint_s=3.0, checkpoints=2, idle_s=3.0, gap_every_s=10.0)
 SMALL_TRACE = SMALL.build()
 _START = int(min(e.ts for e in SMALL_TRACE.events) * 1000)
+# Each GPU's time starts as the agent starts it: at its register, within its samples.
+_MEMBER_START = np.asarray(
+    [
+        jobfacts.gpu_start_ms(
+            _START,
+            int(SMALL_TRACE.samples.ts_ms[SMALL_TRACE.samples.gpu == g].min()),
+            int(SMALL_TRACE.samples.ts_ms[SMALL_TRACE.samples.gpu == g].max()),
+        )[0]
+        for g in range(len(SMALL_TRACE.samples.gpus))
+    ],
+    np.int64,
+)
 _END = int(max(e.ts for e in SMALL_TRACE.events) * 1000)
 # Where the state changes: rounds just around these are the ones that can go wrong.
 _CHANGES = sorted({int(e.ts * 1000) for e in SMALL_TRACE.events if e.type in ("phase", "run")})
@@ -82,7 +94,9 @@ def test_live_rounds_at_random_boundaries_equal_the_offline_booking(cuts):
     booked = start
     live = np.zeros_like(offline)
     for now in rounds:
-        res = book_seen(s, events, now, start, own, booked, n_ranks=own.size, profile=H100)
+        res = book_seen(
+            s, events, now, start, own, booked, n_ranks=own.size, profile=H100, member_start=_MEMBER_START
+        )
         live += _by_category_and_band(res.pieces)
         booked = max(booked, res.horizon_ms)
     assert booked == end

@@ -33,10 +33,10 @@ LATEST = 32_503_680_000  # 3000-01-01
 NOT_HONOURED = {
     "resolution": "the ledger is exact to the millisecond; there is no query resolution to set",
     "accumulateBy": "use accumulate=true (one set) or step=<duration> (one set per step)",
-    "filterNamespaces": "use filter=namespace:\"<name>\" (OpenCost's filter syntax)",
-    "filterClusters": "use filter=cluster:\"<name>\"",
-    "filterControllers": "use filter=controllerName:\"<name>\"",
-    "filterLabels": "use filter=label[<name>]:\"<value>\"",
+    "filterNamespaces": 'use filter=namespace:"<name>" (OpenCost\'s filter syntax)',
+    "filterClusters": 'use filter=cluster:"<name>"',
+    "filterControllers": 'use filter=controllerName:"<name>"',
+    "filterLabels": 'use filter=label[<name>]:"<value>"',
     "idleByNode": "idle GPU time is not split by node",
     "sharelb": "no load balancers are costed",
     "shareNamespaces": "shared costs are not split",
@@ -396,7 +396,7 @@ def parse_filter(text: str | None) -> Pred | None:
     while pos < len(src):
         m = _TOKEN.match(src, pos)
         if not m or m.end() == pos:
-            raise OpenCostError(f"filter {text!r}: cannot read it at {src[pos:pos + 20]!r}")
+            raise OpenCostError(f"filter {text!r}: cannot read it at {src[pos : pos + 20]!r}")
         kind = m.lastgroup or ""
         toks.append((kind, m.group(kind)))
         pos = m.end()
@@ -422,7 +422,7 @@ def parse_filter(text: str | None) -> Pred | None:
         if low == "label":
             k, key = take()
             if k != "key" or not key.strip():
-                raise OpenCostError(f"filter {text!r}: label needs a key, e.g. label[app]:\"x\"")
+                raise OpenCostError(f'filter {text!r}: label needs a key, e.g. label[app]:"x"')
             fld = "label:" + sanitize(key.strip())
         elif low in FILTER_FIELDS:
             fld = FILTER_FIELDS[low]

@@ -45,6 +45,30 @@ def job_start_ms(
     return start
 
 
+# A register this far before its GPU's first sample, or after its newest, is not a late start or a
+# skewed clock within reason: replay says so (counted, warned) as well as bounding it.
+REGISTER_FAR_MS = 600_000
+
+
+def gpu_start_ms(
+    register_ms: int, first_sample_ms: int, newest_sample_ms: int | None, floor_ms: int = 0
+) -> tuple[int, int]:
+    """When a rank's GPU time starts, and how far its register lies past the GPU's newest sample.
+
+    The start is the register's time, but no earlier than the GPU's first sample (the time before
+    it was never observed: a register dated years back books nothing there) or than `floor_ms`
+    (what is booked already elsewhere), and no later than the GPU's newest sample (a register
+    dated after every sample, a clock ahead, starts at that sample instead of dropping the GPU).
+    The second value (ms, > 0 only when the register is past the newest sample) lets the live
+    agent wait a round for a register just past its last sampling round. `newest_sample_ms`
+    None: nothing to bound it by (a GPU never sampled).
+    """
+    start = max(register_ms, first_sample_ms, floor_ms)
+    if newest_sample_ms is None or start <= newest_sample_ms:
+        return start, 0
+    return newest_sample_ms, start - newest_sample_ms
+
+
 def merge_meta(meta: dict[str, Any], ev: Event) -> None:
     """A `meta` event's fields merged into the job's meta, the newest value of a key winning;
     the reader's notes (`_unknown_fields`) are not the job's."""

@@ -30,6 +30,7 @@ from costexporter.core.booking import (
     make_slices,
 )
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR, Prices
+from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.figures import at_risk_ms, extend_incidents, job_figures
 from costexporter.core.model import (
     BANDS,
@@ -106,6 +107,69 @@ def register_matches(
     return gpus, out
 
 
+def _bound_registers(
+    registered: dict[str, dict[int, tuple[int, int]]],
+    samples: Samples,
+    gpus: list[GpuId],
+    counts: np.ndarray,
+    starts: np.ndarray,
+    diag: Diagnostics | None,
+) -> dict[str, dict[int, tuple[int, int]]]:
+    """Each rank's GPU time starts where the live agent starts it (`jobfacts.gpu_start_ms`):
+    within its GPU's samples. A register far outside them is counted and warned about, as well
+    as bounded: one dated far before (a clock years off) starts at the GPU's first sample. One
+    dated far after every sample of its GPU (a clock a day ahead) cannot be placed at all: the
+    live agent starts it when it reads the register, which a trace does not record, so its date
+    is refused and it starts with its job (its other ranks' registers), else at its first sample.
+    """
+    if not len(samples):
+        return registered
+    trace_first = int(samples.ts_ms.min())
+
+    def span(g: int) -> tuple[int, int | None]:
+        if g < len(counts) and counts[g] > 0:
+            return int(samples.ts_ms[starts[g]]), int(samples.ts_ms[starts[g] + counts[g] - 1])
+        return trace_first, None
+
+    def far_ahead(g: int, reg: int) -> bool:
+        newest = span(g)[1]
+        return newest is not None and reg - newest > jobfacts.REGISTER_FAR_MS
+
+    out: dict[str, dict[int, tuple[int, int]]] = {}
+    for job, ranks in registered.items():
+        trusted = [jobfacts.gpu_start_ms(t, *span(g))[0] for g, t in ranks.values() if not far_ahead(g, t)]
+        job_start = min(trusted, default=None)
+        out[job] = {}
+        for rank, (g, reg) in ranks.items():
+            first, newest = span(g)
+            gpu = gpus[g]
+            where = f"job {job!r} rank {rank}"
+            if far_ahead(g, reg):
+                start, _ = jobfacts.gpu_start_ms(first if job_start is None else job_start, first, newest)
+                if diag is not None:
+                    diag.warn(
+                        where,
+                        None,
+                        "register_after_samples",
+                        f"registered {(reg - (newest or reg)) / 3_600_000:.1f} h after {gpu.host} GPU "
+                        f"{gpu.index}'s last sample (a clock ahead?): its date is not used, its time "
+                        "starts with its job's",
+                    )
+            else:
+                start, _ = jobfacts.gpu_start_ms(reg, first, newest)
+                if diag is not None and first - reg > jobfacts.REGISTER_FAR_MS:
+                    diag.warn(
+                        where,
+                        None,
+                        "register_before_samples",
+                        f"registered {(first - reg) / 3_600_000:.1f} h before {gpu.host} GPU {gpu.index}'s "
+                        "first sample (a clock behind?): its time starts at that sample, as the live agent "
+                        "books it",
+                    )
+            out[job][rank] = (g, start)
+    return out
+
+
 def _one_rank_per_gpu(
     job: str, members: list[tuple[int, int, int]], gpus: list[GpuId]
 ) -> list[tuple[int, int, int]]:
@@ -129,10 +193,13 @@ def _one_rank_per_gpu(
     return sorted(first.values())
 
 
-def replay(samples: Samples, events: list[Event], cfg: ReplayConfig | None = None) -> Report:
-    """Book a trace; returns the report described in docs and costexporter/schemas."""
+def replay(
+    samples: Samples, events: list[Event], cfg: ReplayConfig | None = None, diag: Diagnostics | None = None
+) -> Report:
+    """Book a trace; returns the report described in docs and costexporter/schemas. `diag`
+    counts (and warns about) registers the trace's samples bound."""
     cfg = cfg or ReplayConfig()
-    return report_of(*book_trace(samples, events, cfg), cfg)
+    return report_of(*book_trace(samples, events, cfg, diag), cfg)
 
 
 def report_of(results: list[JobResult], unassigned: Report, cfg: ReplayConfig) -> Report:
@@ -144,12 +211,24 @@ def report_of(results: list[JobResult], unassigned: Report, cfg: ReplayConfig) -
     }
 
 
-def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tuple[list[JobResult], Report]:
+def book_trace(
+    samples: Samples, events: list[Event], cfg: ReplayConfig, diag: Diagnostics | None = None
+) -> tuple[list[JobResult], Report]:
     bc = cfg.booking
     gpus, registered = register_matches(samples, events)
     events_by_job: dict[str, list[Event]] = {}
     for e in events:
         events_by_job.setdefault(e.job, []).append(e)
+
+    interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
+    n_g = len(gpus)
+    counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
+    starts = np.cumsum(counts) - counts
+    last_end = np.full(n_g, NEG_INF, np.int64)
+    has = counts > 0
+    if len(samples):
+        last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
+    registered = _bound_registers(registered, samples, gpus, counts, starts, diag)
 
     # Jobs and their members: (job, rank, gpu, member_start).
     jobs: dict[str, list[tuple[int, int, int]]] = {}
@@ -160,15 +239,6 @@ def book_trace(samples: Samples, events: list[Event], cfg: ReplayConfig) -> tupl
         name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
         t0 = int(samples.ts_ms.min())
         jobs[name] = [(r, g, t0) for r, g in enumerate(range(len(samples.gpus)))]
-
-    interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
-    n_g = len(gpus)
-    counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
-    starts = np.cumsum(counts) - counts
-    last_end = np.full(n_g, NEG_INF, np.int64)
-    has = counts > 0
-    if len(samples):
-        last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
 
     # A GPU registered by a later job leaves the earlier job then.
     claims = sorted((t, g, job) for job, mem in jobs.items() for _, g, t in mem)

@@ -683,7 +683,8 @@ class Agent:
             return
         if len(self._rejected_seen) < 100_000:
             self._rejected_seen.add(seen)
-        self.registrations_rejected[(job, reason)] += 1
+        # (a job name is at most 200 characters: a longer one is cut for the metric's label too)
+        self.registrations_rejected[(untrusted.short(job, 200), reason)] += 1
         self._log_once(
             ("registration", job, reason),
             logging.WARNING,
@@ -1190,11 +1191,10 @@ class Agent:
                 g = job.own[r]
                 reg = int(job.ranks[r].ts * 1000)
                 observed = self._first_seen.get(g, min(self._first_seen.values(), default=reg))
-                start = max(reg, observed, job.floors.get(r, 0))
-                newest = self._newest.get(g, start)
-                if newest < start <= newest + tol_ms and not final:
+                start, ahead = jobfacts.gpu_start_ms(reg, observed, self._newest.get(g), job.floors.get(r, 0))
+                if 0 < ahead <= tol_ms and not final:
                     return None  # the next sampling round reaches the register: book then
-                fixed[r] = min(start, newest)
+                fixed[r] = start
                 if 0 < fixed[r] < job.state.booked_until:
                     job.state.behind[r] = fixed[r]
             out.append(fixed.get(r, job.state.starts.get(r)))

@@ -296,6 +296,7 @@ class StepReporter:
         self._redis_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
 
         exitstatus.install()
+        exitstatus.on_hard_exit(_close_all)
         self._post(
             "register",
             ts=self._ts(started_at),
@@ -423,13 +424,14 @@ class StepReporter:
         """Post `run end` if the run ended cleanly, flush for at most `timeout` (default
         exit_timeout_s) and spool what is left.
 
-        `end_run=None` decides: no `run end` after an uncaught exception, a `sys.exit` with a
-        non-zero status, or when called while an exception is propagating (a `finally:` block)."""
+        `end_run=None` decides (`exitstatus`): no `run end` after an uncaught exception or an exit
+        with a failing status, or when called while an exception other than a clean `SystemExit`
+        is propagating (a `finally:` block). Never raises for a full or unwritable spool: what
+        cannot be spooled is counted `lost` and logged once."""
         if self._closed or os.getpid() != self._pid:
             return
         if end_run is None:
-            in_flight = sys.exc_info()[0]
-            why = exitstatus.crash_reason() or (f"{in_flight.__name__} in flight" if in_flight else None)
+            why = exitstatus.crash_reason() or exitstatus.exception_reason(sys.exc_info()[1])
             end_run = why is None
             if why:
                 log.info("costexporter: not posting run end for %s rank %d: %s", self.job, self.rank, why)
@@ -445,7 +447,7 @@ class StepReporter:
                 self._spool_events(self._inflight + list(self._queue))
                 self._inflight = []
                 self._queue.clear()
-                self._spool.close()
+                self._close_spool(self._spool)
             finally:
                 self._io_lock.release()
         else:  # the sender is stuck past its socket timeout: keep out of its files
@@ -459,15 +461,23 @@ class StepReporter:
         try:
             self._spool_events(events, late)
         finally:
-            late.close()
+            self._close_spool(late)
         if self._inflight:
             self._count_lost(len(self._inflight), "a send did not return in time")
+
+    def _close_spool(self, f: spool.SpoolFile) -> None:
+        """Close a spool file; its writes went to the OS unbuffered, so there is nothing left to
+        lose here, and a disk error on closing is only logged (close() never raises for it)."""
+        try:
+            f.close()
+        except OSError as e:
+            self._log_once(f"close:{e.errno}", "costexporter: cannot close spool %s (%s)", f.path, e)
 
     def __enter__(self) -> StepReporter:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(end_run=exc_type is None and exitstatus.crash_reason() is None)
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(end_run=exitstatus.exception_reason(exc) is None and exitstatus.crash_reason() is None)
 
     # ---- the sender thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -700,8 +710,18 @@ class StepReporter:
             self._count_lost(len(entries), e)
 
     def _count_lost(self, n: int, why: object) -> None:
+        """Events that could not even be spooled (a full, read-only or forbidden disk): counted
+        in stats['lost'], logged once per reason (a disk stays full for every later try)."""
         self.stats["lost"] += n
-        log.error("costexporter: cannot spool to %s (%s): %d events lost", self._spool_path, why, n)
+        key = f"lost:{getattr(why, 'errno', None) or why}"
+        if key not in self._logged and len(self._logged) < 100:
+            self._logged.add(key)
+            log.error(
+                "costexporter: cannot spool to %s (%s): %d events lost (counted in stats['lost'])",
+                self._spool_path,
+                why,
+                n,
+            )
 
 
 def _name(name: object) -> str:
@@ -777,6 +797,13 @@ def send_entries(
             else:
                 out.side_failed.append((at, r))
     return out
+
+
+def _close_all() -> None:
+    """The process ends without its exit handlers (os._exit, a fatal signal): close every
+    reporter now (exitstatus decides about `run end`)."""
+    for rep in list(_REPORTERS):
+        _close_at_exit(weakref.ref(rep))
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

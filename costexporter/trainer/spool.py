@@ -56,6 +56,17 @@ def _encode(entry: dict[str, str]) -> str:
     return json.dumps(entry, separators=(",", ":")) + "\n"
 
 
+def _write(f, text: str) -> None:
+    """Write at the file's end with the OS call itself, never through Python's buffer: a write
+    the disk refuses (full, read-only) raises here, and leaves nothing buffered for a later write
+    or close() to fail on again."""
+    data = text.encode("utf-8", "surrogateescape")
+    fd = f.fileno()
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
 class SpoolFile:
     """One reporter's spool file, opened and locked on first write, kept locked until `close`.
     Not thread-safe: the reporter serializes its use."""
@@ -69,13 +80,13 @@ class SpoolFile:
     def append(self, entries: list[dict[str, str]]) -> None:
         """All or nothing: on an error the file is cut back to where it was, and it raises OSError."""
         f = self._open()
-        start = f.seek(0, os.SEEK_END)
+        text = "".join(_encode(e) for e in entries)
+        start = os.lseek(f.fileno(), 0, os.SEEK_END)
         try:
-            f.write("".join(_encode(e) for e in entries))
-            f.flush()
-        except (OSError, TypeError, ValueError):
+            _write(f, text)
+        except OSError:
             with contextlib.suppress(OSError):
-                f.truncate(start)
+                os.ftruncate(f.fileno(), start)
             raise
         self.lines += len(entries)
 
@@ -104,9 +115,15 @@ class SpoolFile:
             if os.fstat(f.fileno()).st_nlink == 0:  # a sender took the empty file away meanwhile
                 f.close()
                 continue
-            if f.seek(0, os.SEEK_END) == 0:
-                f.write(_encode(self._header))
-                f.flush()
+            try:
+                if f.seek(0, os.SEEK_END) == 0:
+                    _write(f, _encode(self._header))
+            except OSError:  # a full disk: leave no empty or torn file behind for others to puzzle over
+                with contextlib.suppress(OSError):
+                    if os.fstat(f.fileno()).st_size < len(_encode(self._header)):
+                        self.path.unlink()
+                f.close()
+                raise
             self._f = f
         return self._f
 
@@ -197,7 +214,6 @@ def entries_of(f) -> tuple[list[dict[str, str]], int]:
 
 
 def rewrite(f, head: dict, entries: list[dict[str, str]]) -> None:
-    f.seek(0)
-    f.truncate()
-    f.write(_encode(head) + "".join(_encode(e) for e in entries))
-    f.flush()
+    f.seek(0)  # (also drops what the text layer had read ahead)
+    os.ftruncate(f.fileno(), 0)
+    _write(f, _encode(head) + "".join(_encode(e) for e in entries))

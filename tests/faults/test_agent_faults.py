@@ -18,7 +18,7 @@ import pytest
 from costexporter.core.model import CATEGORIES, Event
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
-from costexporter.store import ledger, protocol
+from costexporter.store import ledger, protocol, untrusted
 from costexporter.trainer.reporter import send_entries
 
 from ..redis_server import RedisServer, free_port
@@ -261,6 +261,10 @@ def test_9_poisoned_registrations_are_skipped_counted_and_the_healthy_job_books(
         "bad-world": {"0": json.dumps({**reg, "gpu": 3, "world_size": 10**12})},
         "bad job": {"0": json.dumps({**reg, "gpu": 2})},
         "bad{job}": {"0": json.dumps({**reg, "gpu": 3})},
+        "bad-ts-huge": {"0": json.dumps({**reg, "ts": 1e300, "gpu": 2})},  # overflowed every round
+        "bad-host": {"0": json.dumps({**reg, "host": ["node0"], "gpu": 2})},
+        "bad-uuid": {"0": json.dumps({**reg, "gpu_uuid": 5, "gpu": 3})},
+        "j" * 1_000_000: {"0": json.dumps({**reg, "gpu": 2})},  # never logged whole
     }
     for name, ranks in poisoned.items():
         shared.hset(protocol.job_key(prefix, name, "ranks"), mapping=ranks)
@@ -280,10 +284,13 @@ def test_9_poisoned_registrations_are_skipped_counted_and_the_healthy_job_books(
     got = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
     assert got == expected
     rejected = scraped.get("costexporter_registrations_rejected_total", [])
-    assert {lab["training_job"] for lab, v in rejected if v >= 1} == set(poisoned), rejected
+    labels = {untrusted.short(n, 200) for n in poisoned}
+    assert {lab["training_job"] for lab, v in rejected if v >= 1} == labels, rejected
     for name in poisoned:  # each logged, once per job and reason
-        lines = [x for x in err.splitlines() if "registration" in x and repr(name) in x]
-        assert len(lines) == 1, (name, lines)
+        shown = repr(untrusted.short(name))
+        lines = [x for x in err.splitlines() if "registration" in x and shown in x]
+        assert len(lines) == 1, (name[:100], lines)
+        assert len(lines[0]) < 1000  # a 1 MB name is cut
     assert "booking round failed" not in err
 
 

@@ -112,7 +112,7 @@ def replay(
             profile=profile,
             profile_dir=profile_dir,
         )
-        results, unassigned = book_trace(sample_set, evs, cfg)
+        results, unassigned = book_trace(sample_set, evs, cfg, diag)
         result = report_of(results, unassigned, cfg)
         clock.append(("book_s", time.perf_counter()))
         if timeline:
