@@ -140,3 +140,37 @@ def at_risk_ms(tl: Timeline, horizon: int, member_start: np.ndarray) -> int:
     """GPU time since the job's last saved checkpoint (all of it without one), on these GPUs."""
     since = tl.last_checkpoint_ms
     return int(sum(max(0, horizon - max(int(ms), since or int(ms))) for ms in member_start))
+
+
+AT_RISK_PREFIX = "at_risk:"  # a field of the job's figures hash per agent: `at_risk:<agent>`
+
+
+def at_risk_field(agent: str) -> str:
+    return AT_RISK_PREFIX + agent
+
+
+def encode_at_risk(ms: int, checkpoint_ms: int | None, upto_ms: int) -> str:
+    """One agent's GPU time at risk: `<ms>,<the checkpoint's time in ms or empty>,<booked to ms>`."""
+    return f"{int(ms)},{'' if checkpoint_ms is None else int(checkpoint_ms)},{int(upto_ms)}"
+
+
+def exact_at_risk_ms(
+    figures: dict[str, str], checkpoint_ms: int, window_start_ms: int, window_end_ms: int
+) -> int | None:
+    """The job's GPU time at risk since the checkpoint at `checkpoint_ms`, summed over the agents'
+    exact figures, when every agent counted from that checkpoint and the window holds what they
+    counted; None otherwise (the caller reads the ledger's buckets)."""
+    total, seen = 0, False
+    for k, raw in figures.items():
+        if not k.startswith(AT_RISK_PREFIX):
+            continue
+        try:
+            ms_s, ck_s, upto_s = str(raw).split(",")
+            ms, upto = int(ms_s), int(upto_s)
+            ck = int(ck_s) if ck_s else None
+        except ValueError:
+            return None
+        if ck != checkpoint_ms or ms < 0 or upto > window_end_ms or checkpoint_ms < window_start_ms:
+            return None
+        total, seen = total + ms, True
+    return total if seen else None

@@ -48,7 +48,7 @@ from costexporter.core.booking import (
     make_slices,
 )
 from costexporter.core.cost import Prices, price_override_note
-from costexporter.core.figures import at_risk_ms
+from costexporter.core.figures import at_risk_field, at_risk_ms, encode_at_risk
 from costexporter.core.fold import (
     FoldFormatError,
     TimelineFold,
@@ -1440,6 +1440,11 @@ class Agent:
             "band_idle_max_w": profile.idle_max_w,
             "band_low_max_w": profile.low_max_w,
             "band_compute_min_w": profile.compute_min_w,
+            # This agent's GPU time at risk since the last checkpoint, exact (the API sums the
+            # agents' when the window holds it; the buckets would start at the checkpoint's 5 min).
+            at_risk_field(cfg.agent_id): encode_at_risk(
+                delta.at_risk_ms, tl.last_checkpoint_ms, res.horizon_ms
+            ),
         }
         version = buckets.price_version(cfg.prices, price)
         wm = {**delta.state.to_json(), "agent": cfg.agent_id, "host": self.host, "updated": time.time()}

@@ -47,7 +47,7 @@ import orjson
 
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, profiles
-from costexporter.core.booking import NEG_INF, BookingConfig, Regime, Timeline, build_timeline
+from costexporter.core.booking import NEG_INF, BookingConfig, Regime, StepRecord, Timeline, build_timeline
 from costexporter.core.events import META_THRESHOLDS
 from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
@@ -403,6 +403,13 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
             reason = f"no step for {human(now - since)} (stall threshold {threshold})"
         suspect = _divergent(view, running) or _zero_util_rank(view, cfg)
         return status("hung", reason, suspect, **progress)
+    if previous is not None and previous.state == "hung" and not _stepped_since(previous, last):
+        # The signature cleared (an operator killed a rank, an elastic restart is under way)
+        # but no step came: a hang ends with progress, not with the GPUs going quiet.
+        reason = previous.reason
+        if not reason.startswith(STILL_HUNG):
+            reason = f"{STILL_HUNG} it hung ({reason})"
+        return status("hung", reason, previous.suspect, **progress)
     if live is not None and live["straggler"] is not None:
         r = live["straggler"]
         return status(
@@ -412,6 +419,17 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
             **progress,
         )
     return status("running", "steps advancing", **progress)
+
+
+STILL_HUNG = "no step since"
+
+
+def _stepped_since(previous: Status, last: StepRecord | None) -> bool:
+    """Whether a step completed after the poll that said `previous`: a newer last step (by its
+    time: after a resume the step number may go down)."""
+    if last is None:
+        return False
+    return previous.last_step_ts is None or last.ts_ms / 1000 > previous.last_step_ts
 
 
 def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, dict] | None:

@@ -297,16 +297,20 @@ class StepReporter:
 
         exitstatus.install()
         exitstatus.on_hard_exit(_close_all)
-        self._post(
-            "register",
-            ts=self._ts(started_at),
-            host=self.host,
-            gpu_uuid=self.gpu_uuid,
-            gpu=self.gpu_index,
-            local_rank=self.local_rank,
-            world_size=self.world_size,
-            pid=os.getpid(),
+        # The register, and the meta as merged so far: posted again if Redis loses them.
+        self._registration: tuple[float, dict] = (
+            self._ts(started_at),
+            {
+                "host": self.host,
+                "gpu_uuid": self.gpu_uuid,
+                "gpu": self.gpu_index,
+                "local_rank": self.local_rank,
+                "world_size": self.world_size,
+                "pid": os.getpid(),
+            },
         )
+        self._meta: dict[str, object] = {}
+        self._post("register", ts=self._registration[0], **self._registration[1])
         if resume_from is None:
             self._post("run", ts=self._ts(started_at), state="start")
         else:
@@ -380,6 +384,7 @@ class StepReporter:
             else:
                 clean[coerce.text(k, "a meta field name")] = coerce.plain(v, k)
         self._post("meta", ts=self._ts(ts), **clean)
+        self._meta.update(clean)
 
     def preflight(self, passed: bool, checks: object = None) -> None:
         """The pre-run invariant gate's result."""
@@ -638,6 +643,13 @@ class StepReporter:
                         job,
                         exc,
                     )
+            if (
+                res.job_new
+                and job == self.job
+                and refused_key == "rejected"
+                and not self._registers_in(entries)
+            ):
+                self._register_again()
             if res.counter_failed is not None:
                 self.stats["counter_rejected"] += 1
                 if f"counter:{res.counter_failed}" not in self._logged:
@@ -651,6 +663,29 @@ class StepReporter:
                     )
         retry = sorted(set(retry))
         return len(entries) - refused - len(retry), retry  # a retried entry counts when it succeeds
+
+    def _registers_in(self, entries: list[dict[str, str]]) -> bool:
+        """Whether a batch holds this reporter's own register."""
+        rank = str(self.rank)
+        return any(
+            e.get("type") == "register" and e.get("rank") == rank and e.get("session") == self.session
+            for e in entries
+        )
+
+    def _register_again(self) -> None:
+        """The jobs index lost the job: Redis restarted empty (or the key was deleted). The ranks
+        and meta hashes went with it, and an agent that starts now would find no registration:
+        post the register (its first time) and the meta again."""
+        self.stats["registered_again"] += 1
+        log.info(
+            "costexporter: Redis no longer knew job %s (restarted empty?): registering rank %d again",
+            self.job,
+            self.rank,
+        )
+        ts, fields = self._registration
+        self._post("register", ts=ts, **fields)
+        if self._meta:
+            self._post("meta", None, **self._meta)
 
     def _encode(self, batch: list[_Event]) -> tuple[list[dict[str, str]], list[_Event]]:
         entries, events = [], []
@@ -742,6 +777,9 @@ class Delivery:
     failed: dict[int, Exception] = field(default_factory=dict)
     side_failed: list[tuple[int | None, Exception]] = field(default_factory=list)
     counter_failed: Exception | None = None  # the registrations counter's INCR (never retried)
+    # The jobs index did not hold the job before this batch (its ZADD added it): a new job, or a
+    # Redis that restarted empty (then the job's registrations and meta are gone too).
+    job_new: bool = False
 
 
 def send_entries(
@@ -774,6 +812,7 @@ def send_entries(
     # stream or ranks reads nothing new yet, and a stream whose index write failed is listed by
     # the next batch (every batch repeats the ZADD; GT keeps the newest time).
     pipe.zadd(protocol.jobs_key(prefix), {job: last_ts}, gt=True)
+    zadd_at = len(owners)
     owners.append((None, False))
     version_at = None
     if any(e.get("type") == "register" for e in entries):
@@ -789,6 +828,8 @@ def send_entries(
             raise first
     out = Delivery()
     for k, ((at, is_xadd), r) in enumerate(zip(owners, results, strict=True)):
+        if k == zadd_at:
+            out.job_new = r == 1
         if k == version_at:
             out.counter_failed = r if isinstance(r, Exception) else None
         elif isinstance(r, Exception):

@@ -35,6 +35,7 @@ from costexporter.api.store import (
 from costexporter.api.windows import Window
 from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
+from costexporter.core.figures import exact_at_risk_ms
 from costexporter.core.model import CATEGORIES
 from costexporter.store import untrusted
 
@@ -208,6 +209,10 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     risk_to = max(w.end, risk_from + BUCKET_S)
     risk = a if risk_from == w.start else s.amounts_many([job], risk_from, risk_to)[job]
     at_risk = risk.hours(JOB_CATS)
+    if ckpt:  # the agents' exact count from the checkpoint's own time, when the window holds it
+        exact = exact_at_risk_ms(fig, round(ckpt * 1000), w.start * 1000, w.end * 1000)
+        if exact is not None:
+            at_risk = exact / MS_PER_HOUR
     spend_all = s.totals_many([job], warn)[job].total_cost()
     budget_d = stored_decimal(meta, "budget", job, warn)
     preflight = stored_json(fig, "preflight", job, warn)
