@@ -27,8 +27,9 @@ from .redis_server import free_port
 from .test_stack import _get, _prometheus, _query
 
 PROMETHEUS = shutil.which("prometheus")
+PARENT = "GPU-5e1d0c3b-7a9f-4c2e-8b1d-2f3a4b5c6d70"  # the MIG GPU of the recorded H100 node
 DATA = Path(__file__).parent / "data" / "dcgm"
-OLD, NEW = "dcgm-3.3-Hostname.prom", "dcgm-4.2-hostname.prom"
+OLD, NEW, MIG = "dcgm-3.3-Hostname.prom", "dcgm-4.2-hostname.prom", "dcgm-4.2-mig-h100.prom"
 
 # The queries docs/deployment.md shows (kept here, so a change to either is seen).
 JOINS = {
@@ -36,7 +37,8 @@ JOINS = {
     "Hostname": "{ours} * on (UUID, Hostname, gpu) group_left (modelName) DCGM_FI_DEV_POWER_USAGE",
     "hostname": "{ours} * on (UUID, hostname, gpu) group_left (modelName) DCGM_FI_DEV_POWER_USAGE",
     "exported_pod": (
-        "DCGM_FI_DEV_FB_USED * on (exported_namespace, exported_pod, gpu) group_left (training_job) {ours}"
+        "DCGM_FI_DEV_FB_USED * on (exported_namespace, exported_pod, gpu, GPU_I_ID) "
+        "group_left (training_job) {ours_pod}"
     ),
 }
 
@@ -86,10 +88,11 @@ def _scrape(job: str, target: str, path: str, honor: bool, pod: str, namespace: 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (.ci/run installs it)")
 def test_documented_joins_work_under_both_host_spellings_and_the_default_servicemonitor(prefix, tmp_path):
-    files = StaticFiles({OLD: DATA / OLD, NEW: DATA / NEW})
+    files = StaticFiles({OLD: DATA / OLD, NEW: DATA / NEW, MIG: DATA / MIG})
     port, prom_port = free_port(), free_port()
     args = ["serve", "--source", "dcgm", "--dcgm-url", f"http://{files.addr}/{OLD}"]
     args += ["--dcgm-url", f"http://{files.addr}/{NEW}", "--agent-id", "a1", "--k8s-api", "off"]
+    args += ["--dcgm-url", f"http://{files.addr}/{MIG}"]
     args += ["--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1"]
     args += ["--book-interval", "0.5", "--sample-interval", "0.5"]
     agent = subprocess.Popen(
@@ -106,6 +109,7 @@ def test_documented_joins_work_under_both_host_spellings_and_the_default_service
                     # dcgm-exporter's chart: its ServiceMonitor, honorLabels false.
                     _scrape("dcgm-old", files.addr, f"/{OLD}", False, "dcgm-exporter-4kx8p", "gpu-operator"),
                     _scrape("dcgm-new", files.addr, f"/{NEW}", False, "dcgm-exporter-9zq2m", "gpu-operator"),
+                    _scrape("dcgm-mig", files.addr, f"/{MIG}", False, "dcgm-exporter-7hw4d", "gpu-operator"),
                     # costexporter's chart (honorLabels true), and a ServiceMonitor without it.
                     _scrape("ce-honor", f"127.0.0.1:{port}", "/metrics", True, "ce-agent", "monitoring"),
                     _scrape("ce-default", f"127.0.0.1:{port}", "/metrics", False, "ce-agent", "monitoring"),
@@ -120,7 +124,7 @@ def test_documented_joins_work_under_both_host_spellings_and_the_default_service
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
-                if len(_query(base, ready)) == 2 and len(_query(base, "DCGM_FI_DEV_FB_USED")) == 4:
+                if len(_query(base, ready)) == 2 and len(_query(base, "DCGM_FI_DEV_FB_USED")) == 8:
                     break
             except OSError:
                 pass
@@ -130,16 +134,25 @@ def test_documented_joins_work_under_both_host_spellings_and_the_default_service
             ours = f'costexporter_gpu_power_watts{{job="{scrape_job}"}}'
             # DCGM's series of every GPU a training job holds, by UUID: all four GPUs, both nodes.
             res = _query(base, JOINS["uuid"].format(ours=ours))
-            assert {r["metric"]["training_job"] for r in res} == {"ml:llama-ft", "team-a:infer-a"}, scrape_job
-            assert len(res) == 4
+            jobs = {r["metric"].get("training_job", "") for r in res}
+            assert jobs == {"ml:llama-ft", "team-a:infer-a", "nlp:bert-eval", "ml:sft", ""}, scrape_job
+            assert len(res) == 8  # every GPU and every MIG instance, each once
+            mig = {
+                r["metric"].get("GPU_I_ID"): r["metric"].get("training_job", "")
+                for r in res
+                if r["metric"]["UUID"] == PARENT
+            }
+            assert mig == {"1": "ml:llama-ft", "5": "nlp:bert-eval", "13": ""}
             # The old exporter's `Hostname` joins its two GPUs, the new one's `hostname` its two.
             for label, node in (("Hostname", "gpu-node-a"), ("hostname", "gpu-node-b")):
-                res = _query(base, JOINS[label].format(ours=ours))
+                on_node = f'costexporter_gpu_power_watts{{job="{scrape_job}",{label}="{node}"}}'
+                res = _query(base, JOINS[label].format(ours=on_node))
                 assert len(res) == 2 and {r["metric"][label] for r in res} == {node}, (scrape_job, label)
                 assert {r["metric"]["modelName"] for r in res} == {"NVIDIA H100 80GB HBM3"}
             # Under dcgm-exporter's default ServiceMonitor its `pod` is its own pod: the workload is
             # `exported_pod`, and costexporter's series carry that name too.
-            res = _query(base, JOINS["exported_pod"].format(ours=ours))
+            ours_pod = f'costexporter_gpu_power_watts{{job="{scrape_job}",exported_pod!=""}}'
+            res = _query(base, JOINS["exported_pod"].format(ours_pod=ours_pod))
             got = {
                 (r["metric"]["exported_pod"], r["metric"]["gpu"], r["metric"]["training_job"]) for r in res
             }
@@ -148,6 +161,9 @@ def test_documented_joins_work_under_both_host_spellings_and_the_default_service
                 ("llama-ft-worker-0", "1", "ml:llama-ft"),
                 ("infer-a-7d9f8c6b5-x2k9q", "0", "team-a:infer-a"),
                 ("infer-a-7d9f8c6b5-x2k9q", "1", "team-a:infer-a"),
+                ("llama-ft-worker-0", "0", "ml:llama-ft"),  # the MIG node's 3g instance
+                ("bert-eval-x7k2p", "0", "nlp:bert-eval"),
+                ("sft-0", "1", "ml:sft"),
             }, scrape_job
             seen += 1
         assert seen == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from costexporter.tools.rules import RuleWindows, render
+from costexporter.tools.rules import RuleWindows, render, runbook_url
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "dashboards" / "costexporter-rules.yaml"
@@ -26,6 +26,11 @@ def _series(name: str, labels: str, values: str) -> dict:
 
 
 def _run(tmp_path: Path, rule_file: Path, tests: list[dict], interval: str = "1m") -> None:
+    for t in tests:  # every alert links its runbook: expected wherever annotations are
+        for check in t.get("alert_rule_test", []):
+            for exp in check["exp_alerts"]:
+                if "exp_annotations" in exp:
+                    exp["exp_annotations"].setdefault("runbook_url", runbook_url(check["alertname"]))
     doc = {"rule_files": [str(rule_file)], "evaluation_interval": interval, "tests": tests}
     f = tmp_path / "rules_test.yaml"
     f.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -574,3 +579,21 @@ def test_set_takes_each_field_of_its_own_type(cli):
     assert "Traceback" not in bad.stderr and "internal error" not in bad.stderr
     good = cli("rules", "--set", "waste_ratio=0.25")
     assert good.returncode == 0 and "0.25" in good.stdout and "0.15" not in good.stdout
+
+
+def test_every_alert_links_its_section_of_the_runbooks_page():
+    """Each alert's runbook_url names a section docs/runbooks.md has (GitHub's anchor of its
+    heading), and the page has no section for an alert that does not exist."""
+    import re
+
+    from costexporter.tools.rules import RUNBOOKS, rules
+
+    page = (ROOT / "docs" / "runbooks.md").read_text()
+    anchors = {h.strip().lower() for h in re.findall(r"^## (.+)$", page, flags=re.M)}
+    alerts = [r for g in rules(RuleWindows())["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts
+    for r in alerts:
+        url = r["annotations"]["runbook_url"]
+        base, _, anchor = url.partition("#")
+        assert base == RUNBOOKS and anchor == r["alert"].lower() and anchor in anchors, url
+    assert anchors == {r["alert"].lower() for r in alerts}

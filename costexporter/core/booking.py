@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from costexporter.core import bands as bands_mod
+from costexporter.core import shares
 from costexporter.core.model import NO_BAND, Band, Category, Event
 from costexporter.core.profiles import Profile
 
@@ -653,10 +654,30 @@ class Pieces:
     band: npt.NDArray[np.int8]
     category: npt.NDArray[np.int8]
     energy_mj: npt.NDArray[np.float64]
+    # Per piece (lo, hi, den): the lanes of its GPU a shared slice holds (`core.shares`); None:
+    # whole GPUs.
+    lanes: npt.NDArray[np.int64] | None = None
 
     @property
     def dur_ms(self) -> npt.NDArray[np.int64]:
         return self.end_ms - self.start_ms
+
+    @property
+    def gpu_ms(self) -> npt.NDArray[np.int64]:
+        """GPU-milliseconds: the wall time, or a shared slice's part of it."""
+        return shares.gpu_ms(self.start_ms, self.end_ms, self.lanes)
+
+    def take(self, mask: npt.NDArray[np.bool_] | npt.NDArray[np.intp]) -> Pieces:
+        """The pieces `mask` selects (a boolean mask or indices)."""
+        return Pieces(
+            self.gpu[mask],
+            self.start_ms[mask],
+            self.end_ms[mask],
+            self.band[mask],
+            self.category[mask],
+            self.energy_mj[mask],
+            None if self.lanes is None else self.lanes[mask],
+        )
 
 
 def make_slices(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from costexporter.core import shares
 from costexporter.core.booking import Pieces, Slices, _cut
 from costexporter.core.cost import Prices
 from costexporter.core.model import Category
@@ -45,10 +46,14 @@ def amounts(
     lo = int(pieces.start_ms.min()) // (bucket_s * 1000) * bucket_s * 1000
     hi = int(pieces.end_ms.max())
     bounds = np.arange(lo, hi + bucket_s * 1000 + 1, bucket_s * 1000, dtype=np.int64)
-    s = Slices(pieces.gpu, pieces.start_ms, pieces.end_ms, pieces.category, pieces.energy_mj)
+    # _cut carries the category in the band column, and here each piece's number in the gpu one
+    # (a shared slice's lanes are looked up by it).
+    ids = np.arange(pieces.gpu.size, dtype=np.int64)
+    s = Slices(ids, pieces.start_ms, pieces.end_ms, pieces.category, pieces.energy_mj)
     cut, seg = _cut(s, bounds)
-    cat = cut.band.astype(np.int64)  # _cut carries the category in the band column here
-    dur = cut.end_ms - cut.start_ms
+    cat = cut.band.astype(np.int64)
+    lanes = None if pieces.lanes is None else pieces.lanes[cut.gpu]
+    dur = shares.gpu_ms(cut.start_ms, cut.end_ms, lanes)
     n_cat = len(Category)
     n_b = bounds.size
     k = seg.astype(np.int64) * n_cat + cat

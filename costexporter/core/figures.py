@@ -53,7 +53,7 @@ def extend_incidents(
             CATEGORIES[c],
             int(pieces.start_ms[sel].min()),
             int(pieces.end_ms[sel].max()),
-            int((pieces.end_ms[sel] - pieces.start_ms[sel]).sum()),
+            int(pieces.gpu_ms[sel].sum()),
             sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()}),
             zero_util_ranks(pieces, sel, signatures or [], tol_ms),
             host,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import bands as bands_mod
+from costexporter.core import shares
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
@@ -108,6 +109,7 @@ def book_window(
     booked_from_ms: np.ndarray | None = None,
     timeline: Timeline | None = None,
     carry: bands_mod.RunCarry | None = None,
+    lanes: np.ndarray | None = None,
 ) -> WindowResult:
     """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
 
@@ -117,7 +119,8 @@ def book_window(
     `booked_until_ms`) lets a rank that joined after the job's watermark had passed its start
     (a rank discovered late; that time is nobody else's) catch up: the result's horizon may then
     lie before `booked_until_ms`. `timeline`: the job's timeline at `now_ms` when the caller
-    folds it incrementally (`fold.TimelineFold`); else built from `events`.
+    folds it incrementally (`fold.TimelineFold`); else built from `events`. `lanes` (per own
+    rank: lo, hi, den) where an own GPU is a shared slice (`core.shares`).
     """
     if timeline is None:
         timeline = build_timeline(
@@ -194,7 +197,9 @@ def book_window(
     pieces = book(slices, tl, own_ranks, member_start_ms.astype(np.int64), np.minimum(cover_end, job_end))
     inside = pieces.category != Category.UNASSIGNED
     if not inside.all():
-        pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
+        pieces = pieces.take(inside)
+    if lanes is not None and pieces.gpu.size:
+        pieces.lanes = np.asarray(lanes, np.int64)[pieces.gpu]
 
     latest: dict[int, int] = {}
     if lg.size:
@@ -398,7 +403,8 @@ def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int
     full = np.maximum(end - pieces.start_ms[after], 1)
     mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
     cat = pieces.category[after].astype(np.int64)
-    cost = prices.cost((end - start).astype(float), mj, cat, price_per_gpu_hour=price)
+    ms = shares.gpu_ms(start, end, None if pieces.lanes is None else pieces.lanes[after])
+    cost = prices.cost(ms.astype(float), mj, cat, price_per_gpu_hour=price)
     return round(float(np.sum(cost)) * 1e6)
 
 
@@ -428,12 +434,18 @@ def ledger_delta(
     index_new: dict[int, list[int]] = {}
     vp = np.isin(p.category, VALID)
     vp_start, vp_end, vp_cat, vp_mj = p.start_ms[vp], p.end_ms[vp], p.category[vp], p.energy_mj[vp]
+    vp_lanes = None if p.lanes is None else p.lanes[vp]
     for i, rec in enumerate(tl.steps, tl.step_base):
         if state.booked_until < rec.ts_ms <= res.horizon_ms and i not in state.rb_index:
-            upto = np.clip(np.minimum(vp_end, rec.ts_ms) - vp_start, 0, None)
-            frac = np.divide(upto, vp_end - vp_start, out=np.zeros(upto.size), where=vp_end > vp_start)
+            cut = np.clip(np.minimum(vp_end, rec.ts_ms), vp_start, None)
+            frac = np.divide(
+                cut - vp_start, vp_end - vp_start, out=np.zeros(cut.size), where=vp_end > vp_start
+            )
+            upto = shares.gpu_ms(vp_start, cut, vp_lanes)
             index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac, price))
-    new_cum = state.cum + valid_amounts(prices, vp_cat, vp_end - vp_start, vp_mj, price)
+    new_cum = state.cum + valid_amounts(
+        prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj, price
+    )
 
     # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
     index = {**state.rb_index, **index_new}

@@ -61,13 +61,19 @@ MS = 1000  # milliseconds per second: the core keeps time as int64 milliseconds 
 
 @dataclass(frozen=True, slots=True)
 class GpuId:
-    """One physical GPU of a trace: identified by host and index, with its UUID where known."""
+    """One GPU of a trace: identified by host and index, with its UUID where known. A slice of a
+    shared GPU (a MIG instance, or a partitioned GPU's unpartitioned rest) names its parent's
+    UUID, its GPU instance and profile, and the lanes of the GPU it holds (`core.shares`)."""
 
     host: str
     index: int
     uuid: str | None = None
     name: str | None = None
     power_limit_w: float | None = None
+    parent_uuid: str | None = None
+    instance: str | None = None  # dcgm-exporter's GPU_I_ID
+    profile: str | None = None  # dcgm-exporter's GPU_I_PROFILE (1g.10gb)
+    lanes: tuple[int, int, int] = (0, 1, 1)
 
 
 class GpuIndex:

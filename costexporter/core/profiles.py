@@ -161,6 +161,21 @@ def with_idle(profile: Profile, idle_w: float | None) -> Profile:
     )
 
 
+def scaled(profile: Profile, fraction: float) -> Profile:
+    """`profile` for a slice of its GPU that gets `fraction` of the GPU's power (a MIG instance):
+    every power edge scaled by it; the utilization edges stay."""
+    f = float(fraction)
+    return replace(
+        profile,
+        name=f"{profile.name}x{f:.3g}",
+        idle_max_w=profile.idle_max_w * f,
+        low_max_w=profile.low_max_w * f,
+        compute_min_w=profile.compute_min_w * f,
+        power_limit_w=None if profile.power_limit_w is None else profile.power_limit_w * f,
+        centres=None if profile.centres is None else {k: v * f for k, v in profile.centres.items()},
+    )
+
+
 def _model_key(gpu_model: str) -> str | None:
     """Match a device name such as 'NVIDIA H100 80GB HBM3' to a key of KNOWN_POWER_LIMITS_W."""
     words = set(gpu_model.upper().replace("-", " ").replace("(", " ").replace(")", " ").split())

@@ -307,7 +307,7 @@ def book_trace(
         pieces = book(slices, timeline, ranks, mem_start, mem_end)
         inside = pieces.category != Category.UNASSIGNED
         if not inside.all():
-            pieces = Pieces(*(getattr(pieces, f)[inside] for f in Pieces.__slots__))
+            pieces = pieces.take(inside)
         act_start, act_end = active_intervals(timeline)
         mem_ivals = [
             intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
@@ -705,7 +705,7 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
         dominant = band_ms.argmax(1) - 1
         for i in range(n):
             part = sel[bounds[i] : bounds[i + 1]]
-            stretch = Pieces(*(getattr(p, f)[part] for f in Pieces.__slots__))
+            stretch = p.take(part)
             [inc] = extend_incidents({}, stretch, r.ranks, "", tol, r.band_result.signatures).values()
             gl = np.unique(stretch.gpu).tolist()
             out.append(

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import buckets, jobfacts, live, livestate, profiles, samplewin
+from costexporter.core import buckets, jobfacts, live, livestate, profiles, samplewin, shares
 from costexporter.core.booking import (
     POS_INF,
     BookingConfig,
@@ -560,7 +560,25 @@ class Agent:
         prof = profiles.choose(
             None, cfg.gpu_model, cfg.power_limit_w, gpus=gpus[g : g + 1], directory=cfg.profile_dir
         )
-        return profiles.with_idle(prof, self._idle_level([g]))
+        return profiles.with_idle(self._sliced(prof, [g]), self._idle_level([g]))
+
+    def _lanes(self, gpus: list[int]) -> np.ndarray | None:
+        """Each GPU's lanes (lo, hi, den) where one of them is a slice of a shared GPU; None when
+        all are whole GPUs (the common case: nothing to weigh)."""
+        ids = self.source.gpus()
+        lanes = [ids[g].lanes if g < len(ids) else shares.WHOLE for g in gpus]
+        if all(x == shares.WHOLE for x in lanes):
+            return None
+        return np.asarray(lanes, np.int64).reshape(-1, 3)
+
+    def _sliced(self, prof: Profile, gpus: list[int]) -> Profile:
+        """A whole GPU's profile for a slice of it (a MIG instance): its power edges scaled by the
+        slice's share, as the source scales the slice's power."""
+        ids = self.source.gpus()
+        fracs = {shares.fraction(ids[g].lanes) for g in gpus if g < len(ids)}
+        if len(fracs) != 1 or fracs == {1.0}:
+            return prof
+        return profiles.scaled(prof, fracs.pop())
 
     def _idle_level(self, gpus: list[int]) -> float | None:
         """The highest learned idle level of these GPUs (so each one's idle is under the edge)."""
@@ -1323,13 +1341,16 @@ class Agent:
         booked_from = np.asarray([behind.get(int(r), job.booked_until) for r in own_ranks], np.int64)
         meta = job.meta
         profile = cfg.profile or profiles.with_idle(
-            profiles.choose(
-                None,
-                cfg.gpu_model,
-                cfg.power_limit_w,
-                meta=meta,
-                gpus=self.source.gpus(),
-                directory=cfg.profile_dir,
+            self._sliced(
+                profiles.choose(
+                    None,
+                    cfg.gpu_model,
+                    cfg.power_limit_w,
+                    meta=meta,
+                    gpus=self.source.gpus(),
+                    directory=cfg.profile_dir,
+                ),
+                sorted(job.own.values()),
             ),
             self._idle_level(sorted(job.own.values())),
         )
@@ -1373,6 +1394,7 @@ class Agent:
             booked_from_ms=booked_from,
             final=played,
             carry=carry,
+            lanes=self._lanes([job.own[int(r)] for r in own_ranks]),
         )
         # Fold for good what lies far enough behind the data time and the events read.
         if job.fold is not None:
@@ -1573,6 +1595,7 @@ class Agent:
         keep = (s.start_ms >= lo) & (s.end_ms <= horizon)
         for cg, a, b in claims:
             keep &= ~((s.gpu == cg) & (s.start_ms >= a) & (s.end_ms <= b))
+        lanes = self._lanes(list(range(n_g)))
         pieces = Pieces(
             s.gpu[keep],
             s.start_ms[keep],
@@ -1580,6 +1603,7 @@ class Agent:
             s.band[keep],
             np.full(int(keep.sum()), Category.UNASSIGNED, np.int8),
             s.energy_mj[keep],
+            None if lanes is None else lanes[s.gpu[keep]],
         )
         by_bucket = buckets.amounts(pieces, self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
         wm = {"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host, "updated": time.time()}

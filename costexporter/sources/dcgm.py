@@ -8,6 +8,18 @@ fields are enabled). Labels: `gpu`, `UUID`, `Hostname` or `hostname`, `modelName
 GPU to), and with `--kubernetes-enable-pod-labels` the pod's own labels. `pods()` is the newest
 scrape's attribution, for `costexporter.k8s`. The text is parsed with prometheus_client's parser.
 
+MIG: dcgm-exporter labels a MIG instance's series with its parent's `UUID` and `gpu` plus
+`GPU_I_ID` and `GPU_I_PROFILE`. Each instance is a device of its own, holding its profile's
+compute slices of the GPU (`1g.10gb`: 1 of an H100's 7; `core.shares`), and the GPU's
+unpartitioned rest is one more device (nobody's: `unassigned`). Its GPU-time is its slices'
+share of the GPU's. Its utilization is its own `DCGM_FI_PROF_GR_ENGINE_ACTIVE` (the profiling
+field: `DCGM_FI_DEV_GPU_UTIL` is not supported in MIG mode), or `DCGM_FI_DEV_GPU_UTIL` where
+DCGM gives it per instance. DCGM measures power per GPU, not per instance: a fifth of the GPU's
+power is shared by slice size (the idle draw every slice holds), the rest by slice size times
+the instance's measured engine activity (all of it by size while no activity is known), so the
+slices' power always adds up to the GPU's and a busy slice beside idle ones reads busy. Energy
+is their power over time (the GPU's energy counter cannot be split).
+
 dcgm-exporter collects every 30 s by default (`-c 30000`); scraping it every second then sees
 the same values 30 times. The source notices (an energy counter that does not move while the GPU
 draws power, or a power reading frozen to the milliwatt) and warns once, with the update
@@ -22,10 +34,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from costexporter.core import shares
 from costexporter.core.model import GpuId
 from costexporter.sources.base import GpuSource, Reading
 
@@ -36,14 +49,17 @@ POWER_INSTANT = "DCGM_FI_DEV_POWER_USAGE_INSTANT"
 UTIL = "DCGM_FI_DEV_GPU_UTIL"
 ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
 SM_ACTIVE = "DCGM_FI_PROF_SM_ACTIVE"
-FIELDS = (POWER, POWER_INSTANT, UTIL, ENERGY, SM_ACTIVE)
+GR_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
+FIELDS = (POWER, POWER_INSTANT, UTIL, ENERGY, SM_ACTIVE, GR_ACTIVE)
+GPU_FIELDS = (POWER, POWER_INSTANT, ENERGY)  # measured per GPU: a slice gets its share
+BASE_SHARE = 0.2  # of a MIG GPU's power, shared by slice size alone (the idle draw)
 STALE_SCRAPES = 3  # consecutive unchanged scrapes of every GPU before warning
 # dcgm-exporter's own labels; any other label on a GPU's series is one of its pod's labels.
 DCGM_LABELS = frozenset(
     {"gpu", "UUID", "device", "modelName", "Hostname", "hostname", "pci_bus_id", "DCGM_FI_DRIVER_VERSION"}
     | {"pod", "namespace", "container", "GPU_I_ID", "GPU_I_PROFILE", "err_code", "err_msg", "instance", "job"}
     | {"pod_name", "pod_namespace", "container_name", "exported_pod", "exported_namespace"}
-    | {"exported_container", "exported_instance", "exported_job"}
+    | {"exported_container", "exported_instance", "exported_job", "vgpu"}
 )
 # Where dcgm-exporter puts the pod holding a GPU, in the order tried: `exported_*` when its
 # series went through a Prometheus that renamed them (a federation URL), its default labels, and
@@ -80,7 +96,10 @@ class DcgmSource(GpuSource):
         self._node = host  # the node this agent runs on, when told: its exporter must be this one's
         self.foreign_hosts: set[str] = set()
         self._gpus: list[GpuId] = []
-        self._index: dict[tuple[str, str], int] = {}  # (host, gpu label or UUID) -> our index
+        # (host, gpu label or UUID, GPU_I_ID or "") -> our index
+        self._index: dict[tuple[str, str, str], int] = {}
+        self._slices: dict[tuple[str, str], list[int]] = {}  # a MIG GPU -> its instances' indexes
+        self._rest: dict[tuple[str, str], int] = {}  # a MIG GPU -> its unpartitioned rest's index
         self.pod: dict[int, PodRef] = {}  # our index -> the pod holding it, as of the newest scrape
         self._last: dict[int, tuple[float, float]] = {}  # index -> (power, energy) last scrape
         self._changed_at: dict[int, float] = {}
@@ -88,6 +107,8 @@ class DcgmSource(GpuSource):
         self.update_interval_s: float | None = None
         self._warned_coarse = False
         self.scrape_errors = 0
+        self.shared_warned: set[int] = set()
+        self._power_share: dict[int, float] = {}
 
     def gpus(self) -> list[GpuId]:
         return list(self._gpus)
@@ -108,14 +129,68 @@ class DcgmSource(GpuSource):
                 self._node,
             )
         host = named or endpoint_host
-        key = (host, labels.get("UUID") or labels.get("gpu", ""))
+        parent = labels.get("UUID") or labels.get("gpu", "")
+        instance = labels.get("GPU_I_ID", "")
+        key = (host, parent, instance)
         i = self._index.get(key)
         if i is None:
             gpu = labels.get("gpu", "")
             index = int(gpu) if gpu.isdigit() else len(self._gpus)
-            self._gpus.append(GpuId(host, index, labels.get("UUID") or None, labels.get("modelName") or None))
+            uuid, model = labels.get("UUID") or None, labels.get("modelName") or None
+            if instance:
+                g = GpuId(host, index, f"MIG-{parent}/{instance}", model, None, uuid, instance)
+                g = replace(g, profile=labels.get("GPU_I_PROFILE") or None)
+            else:
+                g = GpuId(host, index, uuid, model)
+            self._gpus.append(g)
             i = self._index[key] = len(self._gpus) - 1
+            if instance:
+                self._slices.setdefault((host, parent), []).append(i)
         return i
+
+    def _share_out(self) -> None:
+        """Lanes for the MIG instances first seen in this scrape, and the GPU's rest the lanes
+        left: consecutive from 0, so that each device holds one range of lanes (`core.shares`)."""
+        for (host, parent), members in self._slices.items():
+            fresh = [i for i in members if self._gpus[i].lanes == shares.WHOLE]
+            rest = self._rest.get((host, parent))
+            if not fresh and rest is not None:
+                continue
+            first = self._gpus[members[0]]
+            den = shares.mig_slices(first.name)
+            used = max((self._gpus[i].lanes[1] for i in members if i not in fresh), default=0)
+            for i in sorted(
+                fresh,
+                key=lambda i: (
+                    int(self._gpus[i].instance or 0) if (self._gpus[i].instance or "").isdigit() else 0
+                ),
+            ):
+                g = self._gpus[i]
+                try:
+                    n = shares.profile_slices(g.profile or "")
+                except ValueError as e:
+                    n = 1
+                    self.errors[(i, "bad_mig_profile")] += 1
+                    log.warning(
+                        "dcgm-exporter GPU %s instance %s: %s; counted as 1 slice", parent, g.instance, e
+                    )
+                if used + n > den:
+                    self.errors[(i, "mig_over_capacity")] += 1
+                    log.warning(
+                        "GPU %s: MIG instances hold more than its %d slices; instance %s gets none",
+                        parent,
+                        den,
+                        g.instance,
+                    )
+                    n = max(den - used, 0)
+                self._gpus[i] = replace(g, lanes=(used, used + n, den))
+                used += n
+            key = (host, parent, "")
+            if key not in self._index:  # the GPU itself: its rest, the lanes no instance holds
+                self._gpus.append(GpuId(host, first.index, first.parent_uuid, first.name))
+                self._index[key] = len(self._gpus) - 1
+            r = self._rest[(host, parent)] = self._index[key]
+            self._gpus[r] = replace(self._gpus[r], lanes=(min(used, den), den, den))
 
     @staticmethod
     def _pod_of(labels: dict[str, str]) -> PodRef | None:
@@ -144,6 +219,7 @@ class DcgmSource(GpuSource):
             endpoint_host = urllib.parse.urlparse(url).hostname or self.host
             ts = time.time()
             pods: dict[int, PodRef | None] = {}
+            sharing: dict[int, dict[tuple[str, str], PodRef]] = {}
             try:
                 for family in text_string_to_metric_families(text):
                     for s in family.samples:
@@ -152,31 +228,94 @@ class DcgmSource(GpuSource):
                         name = s.name[:-6] if s.name.endswith("_total") and s.name[:-6] in FIELDS else s.name
                         if name in FIELDS:
                             i = self._gpu_of(s.labels, endpoint_host)
-                            values.setdefault(i, {"ts": ts})[name] = float(s.value)
-                            pods[i] = pods.get(i) or self._pod_of(s.labels)
+                            v = values.setdefault(i, {"ts": ts})
+                            if name not in v:  # fanned out per pod (time-slicing): the first
+                                v[name] = float(s.value)
+                            pod = self._pod_of(s.labels)
+                            if pod is not None:
+                                held = sharing.setdefault(i, {})
+                                held.setdefault((pod.namespace, pod.pod), pod)
+                            pods[i] = pods.get(i) or pod
             except ValueError as e:  # not the Prometheus text format
                 self.errors[(-1, "parse_failed")] += 1
                 log.warning("dcgm-exporter %s: cannot parse: %s", url, e)
                 continue
+            self._share_out()
+            for i, held in sharing.items():
+                if len(held) > 1 and i not in self.shared_warned:
+                    self.shared_warned.add(i)
+                    self.errors[(i, "time_sliced")] += 1
+                    log.warning(
+                        "GPU %s of %s is shared by %d pods at once (time-slicing): it is booked to "
+                        "the first one's job (%s/%s); give each job whole GPUs or MIG instances",
+                        self._gpus[i].index,
+                        self._gpus[i].host,
+                        len(held),
+                        *next(iter(held)),
+                    )
             # A GPU this endpoint reported without a pod has been released: its pod is gone.
             new = {i: p for i, p in self.pod.items() if i not in pods}
             new.update({i: p for i, p in pods.items() if p is not None})
             self.pod = new  # replaced, not mutated: the k8s sync reads it from another thread
         out = []
+        self._power_share = self._power_shares(values)
+        rests = set(self._rest.values())
         for i, v in sorted(values.items()):
-            power = v.get(POWER_INSTANT, v.get(POWER, math.nan))
-            out.append(
-                Reading(
-                    i,
-                    v["ts"],
-                    power,
-                    v.get(UTIL, math.nan),
-                    v.get(ENERGY, math.nan),
-                    v.get(SM_ACTIVE, math.nan),
-                )
-            )
+            lo, hi, _den = self._gpus[i].lanes
+            if hi == lo:
+                continue  # a slice of no lanes (a fully partitioned GPU's rest): no time of its own
+            # The rest of a MIG GPU runs nothing: the GPU-level engine activity is the instances'.
+            out.append(self._reading(i, {**v, UTIL: 0.0} if i in rests else v, values))
+        # A MIG GPU's rest: its share of the GPU's power, no engine of its own.
+        for (host, parent), r in sorted(self._rest.items()):
+            g = self._gpus[r]
+            if r not in values and g.lanes[1] > g.lanes[0] and (gv := self._gpu_values(host, parent, values)):
+                out.append(self._reading(r, {**gv, UTIL: 0.0}, values))
+        out.sort(key=lambda x: x.gpu)
         self._watch_staleness(out)
         return out
+
+    def _power_shares(self, values: dict[int, dict[str, float]]) -> dict[int, float]:
+        """Each slice's share of its GPU's power this scrape (they add up to 1 per GPU)."""
+        out: dict[int, float] = {}
+        for key, members in self._slices.items():
+            devs = [*members, *([self._rest[key]] if key in self._rest else [])]
+            size = {i: shares.fraction(self._gpus[i].lanes) for i in devs}
+            act: dict[int, float] = {}
+            for i in members:
+                v = values.get(i, {})
+                a = v.get(GR_ACTIVE, v.get(UTIL, math.nan) / 100)
+                if not math.isnan(a):
+                    act[i] = min(max(a, 0.0), 1.0)
+            busy = sum(size[i] * a for i, a in act.items())
+            if len(act) < len(members) or busy <= 0:  # activity unknown, or none: by size
+                out.update(size)
+                continue
+            for i in devs:
+                out[i] = BASE_SHARE * size[i] + (1 - BASE_SHARE) * size[i] * act.get(i, 0.0) / busy
+        return out
+
+    def _gpu_values(self, host: str, parent: str, values: dict[int, dict[str, float]]) -> dict[str, float]:
+        """The GPU-level fields (power, energy) of a MIG GPU: its own row's, else any instance's
+        (dcgm-exporter may copy them onto the instances' series)."""
+        for i in [self._index.get((host, parent, "")), *self._slices.get((host, parent), [])]:
+            v = values.get(i) if i is not None else None
+            if v and any(f in v for f in GPU_FIELDS):
+                return {"ts": v["ts"], **{f: v[f] for f in GPU_FIELDS if f in v}}
+        return {}
+
+    def _reading(self, i: int, v: dict[str, float], values: dict[int, dict[str, float]]) -> Reading:
+        g = self._gpus[i]
+        util = v.get(UTIL, math.nan)
+        if math.isnan(util) and GR_ACTIVE in v:  # MIG: GPU_UTIL is not supported, the engine's is
+            util = 100.0 * v[GR_ACTIVE]
+        if g.lanes != shares.WHOLE:  # a slice: its share of what DCGM measures for the GPU
+            f = self._power_share.get(i, shares.fraction(g.lanes))
+            gv = self._gpu_values(g.host, g.parent_uuid or g.uuid or "", values) or v
+            power = gv.get(POWER_INSTANT, gv.get(POWER, math.nan)) * f
+            return Reading(i, v["ts"], power, util, math.nan, v.get(SM_ACTIVE, math.nan))
+        power = v.get(POWER_INSTANT, v.get(POWER, math.nan))
+        return Reading(i, v["ts"], power, util, v.get(ENERGY, math.nan), v.get(SM_ACTIVE, math.nan))
 
     def _watch_staleness(self, readings: list[Reading]) -> None:
         """Warn once when the exporter's data is coarser than the scrapes."""

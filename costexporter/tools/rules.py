@@ -19,6 +19,14 @@ import yaml
 
 from costexporter.core.model import CATEGORIES, VALID_CODES, WASTED_CODES
 
+# Each alert's `runbook_url`: its section of the runbooks page (docs/runbooks.md).
+RUNBOOKS = "https://github.com/costexporter/costexporter/blob/main/docs/runbooks.md"
+
+
+def runbook_url(alertname: str) -> str:
+    return f"{RUNBOOKS}#{alertname.lower()}"
+
+
 # PromQL regexes of the category label (stalled|idle|no_progress|rolled_back, productive|...).
 WASTED = "|".join(CATEGORIES[c] for c in WASTED_CODES)
 VALID = "|".join(CATEGORIES[c] for c in VALID_CODES)
@@ -307,6 +315,8 @@ def rules(w: RuleWindows) -> dict:
             "more than the budget in the job's meta.",
         ),
     ]
+    for a in alerts:
+        a["annotations"]["runbook_url"] = runbook_url(a["alert"])
     return {
         "groups": [
             {"name": "costexporter.records", "interval": w.group_interval, "rules": records},
