@@ -62,7 +62,7 @@ def partitions(draw):
 )
 def test_slices_of_a_gpu_add_up_to_its_time_exactly_however_cut(part, start, lengths):
     """Any partition of the lanes, any pieces of time: the slices' GPU-ms are the GPU's ms, and
-    each slice gets its share within two milliseconds (one rounding at each end)."""
+    each slice gets its share within a few milliseconds (whole milliseconds go round the lanes)."""
     edges = T0 + start + np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     a, b = edges[:-1], edges[1:]
     total = 0
@@ -71,7 +71,7 @@ def test_slices_of_a_gpu_add_up_to_its_time_exactly_however_cut(part, start, len
         ms = shares.gpu_ms(a, b, lane_rows)
         assert (ms >= 0).all()
         share = int(ms.sum())
-        assert abs(share - shares.fraction(lanes) * int(edges[-1] - edges[0])) < 2.0
+        assert abs(share - shares.fraction(lanes) * int(edges[-1] - edges[0])) < 2 * lanes[2]
         total += share
     assert total == int(edges[-1] - edges[0])
     assert (shares.gpu_ms(a, b, None) == b - a).all()
@@ -110,6 +110,7 @@ def test_booking_and_buckets_conserve_a_gpus_time_across_its_slices(part, bands,
     pieces = book(s, tl, np.arange(n), np.full(n, start, np.int64), np.full(n, end, np.int64))
     pieces.lanes = np.asarray(part, np.int64)[pieces.gpu]
     assert int(pieces.gpu_ms.sum()) == end - start  # booked once across the slices
+    assert (pieces.gpu_ms >= 0).all()  # no piece is negative, however short
     # The categories are the band table's, whatever the weight.
     i = np.searchsorted(tl.bounds, pieces.start_ms, "right") - 1
     open_ = tl.regime[i] == Regime.BAND

@@ -2,9 +2,11 @@
 holds lanes [lo, hi) of the GPU's `den` lanes, and its GPU-milliseconds are counted so that the
 slices of one GPU always add up to the GPU's own time, exactly, in integers.
 
-A slice's GPU-time from 0 to t is F(t) = floor(hi*t/den) - floor(lo*t/den); the time of [a, b) is
-F(b) - F(a). Summed over any pieces of one slice it telescopes to F(end) - F(start); summed over
-slices that partition the lanes it telescopes to t: every GPU-millisecond lands once.
+Each wall-clock millisecond m goes whole to the slice whose lanes hold m mod den: a slice's
+GPU-time from 0 to t is F(t) = (t // den) * (hi - lo) + clip(t % den - lo, 0, hi - lo), and the time
+of [a, b) is F(b) - F(a). F never decreases (a piece is never negative); over any pieces of one
+slice it telescopes to F(end) - F(start), within den milliseconds of its share; over slices that
+partition the lanes it adds up to t: every GPU-millisecond lands once.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ def gpu_ms(
         out: npt.NDArray[np.int64] = end_ms - start_ms
         return out
     lo, hi, den = lanes[:, 0], lanes[:, 1], lanes[:, 2]
+    width = hi - lo
 
     def f(t: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        r: npt.NDArray[np.int64] = (hi * t) // den - (lo * t) // den
+        r: npt.NDArray[np.int64] = (t // den) * width + np.clip(t % den - lo, 0, width)
         return r
 
     return f(end_ms) - f(start_ms)
