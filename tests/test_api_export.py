@@ -60,8 +60,8 @@ DATETIMES = ["BillingPeriodStart", "BillingPeriodEnd", "ChargePeriodStart", "Cha
 NOT_NULL = [
     "BilledCost", "BillingAccountId", "BillingAccountName", "BillingCurrency", "BillingPeriodEnd",
     "BillingPeriodStart", "ChargeCategory", "ChargeDescription", "ChargeFrequency", "ChargePeriodEnd",
-    "ChargePeriodStart", "ContractedCost", "EffectiveCost", "InvoiceIssuerName", "ListCost", "ProviderName",
-    "PublisherName", "ServiceCategory", "ServiceName", "ServiceSubcategory",
+    "ChargePeriodStart", "ContractedCost", "EffectiveCost", "InvoiceId", "InvoiceIssuerName", "ListCost",
+    "ProviderName", "PublisherName", "ServiceCategory", "ServiceName", "ServiceSubcategory",
 ]  # fmt: skip
 ALLOWED = {
     "ChargeCategory": {"Usage", "Purchase", "Tax", "Credit", "Adjustment"},

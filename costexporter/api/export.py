@@ -203,7 +203,9 @@ def focus_values(
     if price is None:
         # several prices in one row (a price change in the period, or GPU models priced apart):
         # the row's average is the only single unit price it has; said so in the warnings
-        price = (Decimal(r.cost) / hours).quantize(PLACES) if hours else Decimal(0)
+        # (over the unrounded hours: the 6-place ones would move the price, 3.5 to 3.500011)
+        exact = Decimal(repr(r.gpu_hours))
+        price = (Decimal(r.cost) / exact).quantize(PLACES).normalize() if exact else Decimal(0)
         if r.price_versions and warn is not None:
             n = len(r.price_versions)
             warn.add(r.key, f"{n} price versions in one FOCUS row: ListUnitPrice is their average")
@@ -250,6 +252,8 @@ def focus_values(
         "ProviderName": fs.provider,
         "PublisherName": fs.publisher or fs.provider,
         "InvoiceIssuerName": fs.invoice_issuer or fs.provider,
+        # one invoice per billing account and billing period (a calendar month)
+        "InvoiceId": f"{fs.billing_account_id or fs.provider}-{iso(month_start(start))[:7]}",
         "ResourceId": r.key if is_job else "",
         "ResourceName": r.key if is_job else "",
         "ResourceType": "Training Job" if is_job else "",

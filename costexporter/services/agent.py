@@ -1606,6 +1606,8 @@ class Agent:
             None if lanes is None else lanes[s.gpu[keep]],
         )
         by_bucket = buckets.amounts(pieces, self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
+        # the price table that costed it, as for a job's buckets (FOCUS reads its unit price there)
+        version = buckets.price_version(self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
         wm = {"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host, "updated": time.time()}
         try:
             self._unassigned_raw = ledger.commit(
@@ -1616,7 +1618,7 @@ class Agent:
                 self._unassigned_raw,
                 wm,
                 lambda pipe: ledger.queue_amounts(
-                    pipe, self.cfg.prefix, ledger.UNASSIGNED_JOB, by_bucket, "unassigned"
+                    pipe, self.cfg.prefix, ledger.UNASSIGNED_JOB, by_bucket, version
                 ),
             )
         except ledger.Conflict:

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from costexporter.api.export import gpu_hour_price
 from costexporter.core.model import CATEGORIES, Event
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
-from costexporter.store import ledger, protocol, untrusted
+from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.trainer.reporter import send_entries
 
 from ..redis_server import RedisServer, free_port
@@ -98,6 +99,15 @@ def test_5_a_late_register_moves_no_time_twice(shared, prefix, tmp_path):
     assert sum(job.values()) + unassigned == physical
     assert job == expected
     assert unassigned == 2 * max(0, u - offline.timeline.end_ms)
+    # unassigned time names the price table that costed it, as the job's time does (a FOCUS
+    # export reads its exact unit price there, not an average of rounded hours)
+    versions = {}
+    for j in (b.job, ledger.UNASSIGNED_JOB):
+        starts = shared.zrange(keys.index_key(prefix, j, "5m"), 0, 0)
+        assert starts, j
+        versions[j] = shared.hget(keys.bucket_key(prefix, j, "5m", int(starts[0])), "price_version")
+    assert versions[ledger.UNASSIGNED_JOB] == versions[b.job]
+    assert gpu_hour_price([versions[ledger.UNASSIGNED_JOB]]) is not None
 
 
 # ---- 6. a GPU reused by a new job after the old one crashed -----------------------------------

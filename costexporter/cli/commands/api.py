@@ -56,7 +56,12 @@ from costexporter.cli.servers import api_app, serve_forever
 )
 @click.option("--focus-provider", default="costexporter", show_default=True, help="FOCUS ProviderName.")
 @click.option("--focus-publisher", default=None, help="FOCUS PublisherName (default: the provider).")
-@click.option("--focus-invoice-issuer", default=None, help="FOCUS InvoiceIssuerName (default: the provider).")
+@click.option(
+    "--focus-invoice-issuer",
+    default=None,
+    help="FOCUS InvoiceIssuerName (default: the provider; another issuer marks, to FOCUS 1.2, a "
+    "marketplace charge whose BilledCost validators expect to be 0).",
+)
 @click.option(
     "--focus-billing-account-id", default=None, help="FOCUS BillingAccountId (default: the provider)."
 )
