@@ -288,6 +288,7 @@ class Agent:
         self.cfg = cfg
         self.host = cfg.host or source.host
         self.redis = protocol.connect(cfg.redis_url)
+        self._instance = uuid.uuid4().hex[:12]  # this process: its watermarks say it wrote them
         self._redis_errors = (redis.RedisError, OSError)
         self.sampler = Sampler(source, cfg.sample_interval_s, clock=clock)
         self.jobs: dict[str, _Job] = {}
@@ -519,17 +520,8 @@ class Agent:
         """One job's round; its failure (bad stored data, a bug) skips it, not the others."""
         try:
             self._book(job, local)
-        except ledger.Conflict:
-            self.stats["conflicts"] += 1
-            self._log_once(
-                ("conflict", job.name),
-                logging.WARNING,
-                "job %r: its watermark changed under agent %r: another agent runs with the same agent "
-                "id. The round is dropped and the ledger re-read, so nothing is booked twice; run one "
-                "agent per --agent-id",
-                job.name,
-                self.cfg.agent_id,
-            )
+        except ledger.Conflict as e:
+            self._conflict(job.name, e)
             job.loaded, job.restore = False, True
         except ledger.WrongType as e:
             self._wrong_type(job.name, e, e.keys)
@@ -543,6 +535,29 @@ class Agent:
             if ("error", job.name, type(e).__name__) not in self._logged:
                 self._logged.add(("error", job.name, type(e).__name__))
                 log.exception("job %r: booking failed; skipped this round, the other jobs book on", job.name)
+
+    def _conflict(self, job: str, e: ledger.Conflict) -> None:
+        """Another process with this agent id wrote the job's watermark (a commit of this
+        process whose reply was lost is told apart in `ledger.commit`, and is no conflict). The
+        round is dropped and the ledger re-read, so nothing is booked twice; the log names the
+        writer when its watermark says."""
+        self.stats["conflicts"] += 1
+        writer = ledger.conflict_writer(e.stored)
+        who = (
+            f"process {writer.get('instance') or '?'} on host {writer.get('host')!r} wrote it"
+            if writer is not None
+            else "it is gone or unreadable"
+        )
+        self._log_once(
+            ("conflict", job),
+            logging.WARNING,
+            "job %r: its watermark changed under agent %r (%s): another process runs with the same "
+            "agent id. The round is dropped and the ledger re-read, so nothing is booked twice; run "
+            "one agent per --agent-id",
+            job,
+            self.cfg.agent_id,
+            who,
+        )
 
     # ---- live state every round (booked or not) ---------------------------------------------
     def _gpu_key(self, g: int) -> str:
@@ -1469,7 +1484,13 @@ class Agent:
             ),
         }
         version = buckets.price_version(cfg.prices, price)
-        wm = {**delta.state.to_json(), "agent": cfg.agent_id, "host": self.host, "updated": time.time()}
+        wm = {
+            **delta.state.to_json(),
+            "agent": cfg.agent_id,
+            "host": self.host,
+            "instance": self._instance,
+            "updated": time.time(),
+        }
         data_s = now_ms / 1000  # stored folds are dated by data time (what lateness is measured in)
         fold_blob = self._dump_fold(job) if self._fold_due(job, data_s) else None
         old_fold = self._old_fold(job, fold_blob, data_s) if fold_blob is not None else None
@@ -1608,7 +1629,13 @@ class Agent:
         by_bucket = buckets.amounts(pieces, self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
         # the price table that costed it, as for a job's buckets (FOCUS reads its unit price there)
         version = buckets.price_version(self.cfg.prices, self.cfg.prices.price_per_gpu_hour)
-        wm = {"booked_until": horizon, "agent": self.cfg.agent_id, "host": self.host, "updated": time.time()}
+        wm = {
+            "booked_until": horizon,
+            "agent": self.cfg.agent_id,
+            "host": self.host,
+            "instance": self._instance,
+            "updated": time.time(),
+        }
         try:
             self._unassigned_raw = ledger.commit(
                 self.redis,
@@ -1621,8 +1648,8 @@ class Agent:
                     pipe, self.cfg.prefix, ledger.UNASSIGNED_JOB, by_bucket, version
                 ),
             )
-        except ledger.Conflict:
-            self.stats["conflicts"] += 1
+        except ledger.Conflict as e:
+            self._conflict(ledger.UNASSIGNED_JOB, e)
             self._unassigned_loaded = False
             return
         self._unassigned_until = horizon

@@ -380,7 +380,21 @@ def load_watermark(client, prefix: str, job: str, agent: str) -> dict | None:
 
 
 class Conflict(Exception):
-    """The watermark changed since this agent read it: another agent with the same id wrote."""
+    """The watermark is not what this agent read or wrote last: another process with the same
+    agent id wrote it. `stored`: what it holds instead (raw), which says who (`conflict_writer`)."""
+
+    def __init__(self, job: str, stored: object = None) -> None:
+        super().__init__(job)
+        self.stored = stored
+
+
+def conflict_writer(stored: object) -> dict | None:
+    """Who wrote a watermark met in a Conflict (its `agent`, `host`, `instance`), if it says."""
+    try:
+        d = json.loads(stored) if isinstance(stored, str | bytes) else None
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
 
 
 class WrongType(Exception):
@@ -512,13 +526,19 @@ def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: 
             if wrong:
                 raise WrongType(job, wrong)
             if got[0] != expected:
-                raise Conflict(job)
+                raise Conflict(job, got[0])
             pipe.multi()
             queue(pipe)
             pipe.set(k, raw)
             pipe.execute()
         except redis.WatchError:
-            raise Conflict(job) from None
+            # redis-py answers a connection lost while watching with WatchError too: the EXEC may
+            # have applied and only its reply been lost. The watermark tells (`raw` is unique: it
+            # holds this process's id and the time): if it is ours, the whole round is written.
+            stored = client.get(k)
+            if (stored.decode() if isinstance(stored, bytes) else stored) == raw:
+                return raw
+            raise Conflict(job, stored) from None
     return raw
 
 
