@@ -1,8 +1,13 @@
 """Hugging Face `transformers` integration: `Trainer(..., callbacks=[CostExporterCallback(job=...)])`.
 
-Posts every optimizer step (with the tokens seen, when the Trainer counts them:
-`include_num_input_tokens_seen=True`), evaluation as an `eval` phase and checkpoint saves as a
-`checkpoint` phase carrying the saved step. A run resumed from a checkpoint posts `run resume`.
+Posts every optimizer step (with the global batch's tokens, when the Trainer counts them:
+`include_num_input_tokens_seen=True`; the Trainer gathers that count across ranks), evaluation
+as an `eval` phase and checkpoint saves as a `checkpoint` phase carrying the saved step, for the
+step and the epoch strategies alike: the phase begins when the Trainer has decided to evaluate
+or save (after the step, or at the epoch's end) and ends when it is done. A run resumed from a
+checkpoint posts `run resume`. Without `job`, the job is the run's `run_name`, else the output
+directory's name plus the start time (the same on every rank), so unnamed runs never share a
+job. Each `train()` is a run: a second one on the same callback opens a new reporter.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "costexporter.integrations.hf needs transformers: pip install 'costexporter[hf]'"
     ) from e
 
+import os
+
+from costexporter.integrations.naming import job_name, start_stamp
 from costexporter.trainer.reporter import StepReporter
 
 
@@ -34,15 +42,15 @@ class CostExporterCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.reporter is None:
-            job = self.job or args.run_name or "hf-trainer"
             self.reporter = StepReporter(
-                job,
+                self.job or default_job(args),
                 rank=args.process_index,
                 local_rank=max(args.local_process_index, 0),
                 world_size=args.world_size,
                 **self._kwargs,
             )
         self._first_step = True
+        self._eval_open = self._ckpt_open = False
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -59,11 +67,23 @@ class CostExporterCallback(TrainerCallback):
         )
         self._tokens_seen = seen
         rep.step(step, tokens=tokens)
-        # The default flow callback has decided what happens next (it runs before user callbacks).
-        if control.should_evaluate:
+        self._open_phase(control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # `eval_strategy`/`save_strategy="epoch"`: decided here, done right after.
+        if self.reporter is not None:
+            self._open_phase(control)
+
+    def _open_phase(self, control) -> None:
+        """The default flow callback (it runs before user callbacks) has decided what the
+        Trainer does next: begin that phase now, before the work."""
+        rep = self.reporter
+        if rep is None:
+            return
+        if control.should_evaluate and not self._eval_open:
             rep.phase_begin("eval")
             self._eval_open = True
-        elif control.should_save:
+        elif control.should_save and not control.should_evaluate and not self._ckpt_open:
             rep.phase_begin("checkpoint")
             self._ckpt_open = True
 
@@ -87,3 +107,13 @@ class CostExporterCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.reporter is not None and self._owns:
             self.reporter.close()
+            self.reporter = None  # a second train() is another run: a new reporter
+
+
+def default_job(args) -> str:
+    """The run's `run_name`, else `<output dir name>-<start time, UTC>`: unique per run, the same
+    on every rank (rank 0's, broadcast when torch.distributed runs)."""
+    if args.run_name and args.run_name != args.output_dir:
+        return job_name(str(args.run_name))
+    base = os.path.basename(os.path.normpath(str(args.output_dir or "hf"))) or "hf"
+    return job_name(f"{base}-{start_stamp()}", agree=True)

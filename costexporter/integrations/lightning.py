@@ -2,11 +2,17 @@
 
 Posts every optimizer step (`trainer.global_step`), validation as an `eval` phase and every
 checkpoint save (whoever triggers it: ModelCheckpoint or your code) as a `checkpoint` phase
-carrying the saved step. `tokens_per_batch(batch)` may return the global batch's tokens.
+carrying the saved step. `tokens_per_batch(batch)` returns the tokens of one micro-batch across
+every rank (this rank's count x `trainer.world_size` under DDP): the step posts the sum over
+its micro-batches, the global batch's tokens, as the protocol counts them. A `fit(ckpt_path=...)`
+posts `run resume` at the restored step (once the checkpoint is loaded, at `on_train_start`).
+Without `job`, the job is `<default_root_dir name>-<start time, UTC>` (rank 0's on every rank),
+so unnamed runs never share a job. Each `fit()` is a run: a second one opens a new reporter.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 try:
@@ -20,6 +26,7 @@ except ImportError:  # pragma: no cover - the standalone package name
             "costexporter.integrations.lightning needs lightning: pip install 'costexporter[lightning]'"
         ) from e
 
+from costexporter.integrations.naming import job_name, start_stamp
 from costexporter.trainer.reporter import StepReporter
 
 
@@ -44,23 +51,32 @@ class CostExporterLightningCallback(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.reporter is None:
             self.reporter = StepReporter(
-                self.job or "lightning",
+                self.job or default_job(trainer),
                 rank=trainer.global_rank,
                 local_rank=trainer.local_rank,
                 world_size=trainer.world_size,
                 **self._kwargs,
             )
-        self._last_step = trainer.global_step
-        if trainer.global_step > 0:
-            self.reporter.resume(int(trainer.global_step))
-        rep = self.reporter
-        save = trainer.save_checkpoint
+        self._tokens = 0
+        if getattr(trainer, "_costexporter_save", None) is None:
+            save = trainer.save_checkpoint
 
-        def save_checkpoint(*args, **kwargs):
-            with rep.phase("checkpoint", step=int(trainer.global_step)):
-                return save(*args, **kwargs)
+            def save_checkpoint(*args, **kwargs):
+                rep = self.reporter
+                if rep is None:
+                    return save(*args, **kwargs)
+                with rep.phase("checkpoint", step=int(trainer.global_step)):
+                    return save(*args, **kwargs)
 
-        trainer.save_checkpoint = save_checkpoint  # every save, whoever triggers it
+            trainer._costexporter_save = save
+            trainer.save_checkpoint = save_checkpoint  # every save, whoever triggers it
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # The checkpoint of `fit(ckpt_path=...)` is restored by now (not yet at on_fit_start).
+        self._last_step = int(trainer.global_step)
+        self._tokens = 0
+        if self._last_step > 0 and self.reporter is not None:
+            self.reporter.resume(self._last_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._tokens_per_batch is not None:
@@ -83,7 +99,19 @@ class CostExporterLightningCallback(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.reporter is not None and self._owns:
             self.reporter.close()
+            self.reporter = None  # a second fit() is another run: a new reporter
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.reporter is not None and self._owns:
             self.reporter.close(end_run=False)
+            self.reporter = None
+
+
+def default_job(trainer) -> str:
+    """`<default_root_dir name>-<start time, UTC>`, rank 0's on every rank."""
+    root = (
+        os.path.basename(os.path.normpath(str(getattr(trainer, "default_root_dir", "") or ""))) or "lightning"
+    )
+    name = f"{root}-{start_stamp()}"
+    broadcast = getattr(getattr(trainer, "strategy", None), "broadcast", None)
+    return job_name(name, agree=True, broadcast=(lambda x: broadcast(x, src=0)) if broadcast else None)

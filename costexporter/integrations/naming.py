@@ -1,0 +1,38 @@
+"""Default job names for the integrations: unique per run, the same on every rank."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from costexporter.store import protocol
+
+_NOT_ALLOWED = re.compile(r"[^A-Za-z0-9._:/@+=-]+")
+
+
+def job_name(name: str, agree: bool = False, broadcast=None) -> str:
+    """`name` made a valid job name (characters outside the protocol's set become `-`, at most
+    200). `agree`: every rank takes rank 0's (`broadcast(obj) -> obj`, else torch.distributed's
+    when it runs), since ranks started a moment apart would name different jobs."""
+    clean = _NOT_ALLOWED.sub("-", name).strip("-")[:200] or "run"
+    if agree:
+        clean = (broadcast or _torch_broadcast)(clean)
+    return protocol.check_job(clean)
+
+
+def start_stamp(now: float | None = None) -> str:
+    """UTC to the millisecond, `20260726T224640123Z`: two runs a second apart get two names."""
+    t = time.time() if now is None else now
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(t)) + f"{int(t * 1000) % 1000:03d}Z"
+
+
+def _torch_broadcast(obj: str) -> str:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return obj
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
