@@ -76,7 +76,8 @@ VALUE_SETS = {
             "source": "dcgm",
             "priorityClassName": "system-node-critical",
             "dcgm": {
-                "localService": {"namespace": "gpu-operator", "selector": {"app": "nvidia-dcgm-exporter"}}
+                "localService": {"namespace": "gpu-operator", "selector": {"app": "nvidia-dcgm-exporter"}},
+                "timeSlicingReplicas": 4,
             },
             "kubernetesJobs": {"teamLabels": ["example.com/team", "team"]},
         },

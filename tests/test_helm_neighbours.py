@@ -95,6 +95,7 @@ def test_every_extension_point_lands_where_it_belongs():
     }
     args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--dcgm-url=http://ce-costexporter-dcgm-local.gpu-operator.svc:9400/metrics" in args
+    assert "--time-slicing-replicas=4" in args
     assert [a for a in args if a.startswith("--k8s-")] == [
         "--k8s-team-label=example.com/team",
         "--k8s-team-label=team",

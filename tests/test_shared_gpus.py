@@ -190,10 +190,12 @@ def test_a30_has_four_slices_and_a_bad_profile_is_a_clear_error():
 # ---- end to end: a real agent books MIG pods into the ledger, each by its share ----------------
 
 
-def test_a_real_agent_books_each_mig_instance_by_its_share(prefix, shared, mig_exporter):
+def _agent_books_by_lanes(shared, prefix, url, host, jobs, *extra) -> None:
+    """A real agent on `url`: each job's ledger holds, to the millisecond, its slice's lanes of
+    the time from its registration to its watermark."""
     port = free_port()
-    args = ["serve", "--source", "dcgm", "--dcgm-url", mig_exporter, "--host", "gpu-node-m"]
-    args += ["--agent-id", "gpu-node-m", "--k8s-api", "off", "--redis-url", SHARED_URL, "--prefix", prefix]
+    args = ["serve", "--source", "dcgm", "--dcgm-url", url, "--host", host, "--agent-id", host]
+    args += ["--k8s-api", "off", "--redis-url", SHARED_URL, "--prefix", prefix, *extra]
     args += [
         "--port",
         str(port),
@@ -210,10 +212,8 @@ def test_a_real_agent_books_each_mig_instance_by_its_share(prefix, shared, mig_e
         stderr=subprocess.PIPE,
         text=True,
     )
-    jobs = {"ml:llama-ft": (0, 3, 7), "nlp:bert-eval": (3, 5, 7), "ml:sft": shares.WHOLE}
     try:
         deadline = time.monotonic() + 60
-        booked: dict[str, int] = {}
         while time.monotonic() < deadline:
             booked = {j: sum(ledger.net_ms(ledger.read_amounts(shared, prefix, j)).values()) for j in jobs}
             if all(v >= 3000 * shares.fraction(jobs[j]) for j, v in booked.items()):
@@ -225,48 +225,100 @@ def test_a_real_agent_books_each_mig_instance_by_its_share(prefix, shared, mig_e
         for job, lanes in jobs.items():
             (raw,) = shared.hvals(protocol.ranks_key(prefix, job))
             reg = json.loads(raw)
-            wm = ledger.load_watermark(shared, prefix, job, "gpu-node-m")["booked_until"]
+            wm = ledger.load_watermark(shared, prefix, job, host)["booked_until"]
             start = np.asarray([int(float(reg["ts"]) * 1000)], np.int64)
             want = int(shares.gpu_ms(start, np.asarray([wm], np.int64), np.asarray([lanes], np.int64))[0])
             got = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
             # Registration to watermark, weighted by the slice's lanes: to the millisecond.
             assert got == want > 0, (job, got, want)
-        busy = ledger.net_ms(ledger.read_amounts(shared, prefix, "ml:llama-ft"))
-        idle = ledger.net_ms(ledger.read_amounts(shared, prefix, "nlp:bert-eval"))
-        # The busy 3g instance is compute, not idle; the idle 2g beside it is idle.
-        assert busy["productive"] > 0 and busy["idle"] == 0
-        assert idle["idle"] > 0 and idle["productive"] == 0
     finally:
         if agent.poll() is None:
             agent.kill()
             agent.communicate(timeout=30)
 
 
-def test_a_time_sliced_gpu_is_said_and_counted_not_booked_twice(tmp_path, caplog):
-    """dcgm-exporter --kubernetes-virtual-gpus fans a shared GPU's series out per pod: the GPU stays
-    one device, booked to one job, and the sharing is counted and said once."""
-    lab = 'gpu="0",UUID="GPU-1",modelName="NVIDIA H100 80GB HBM3",hostname="n1",container="c"'
-    text = "\n".join(
-        [
-            "# TYPE DCGM_FI_DEV_POWER_USAGE gauge",
-            f'DCGM_FI_DEV_POWER_USAGE{{{lab},namespace="a",pod="infer-a-0",vgpu="0"}} 300',
-            f'DCGM_FI_DEV_POWER_USAGE{{{lab},namespace="b",pod="infer-b-0",vgpu="1"}} 300',
-            "# TYPE DCGM_FI_DEV_GPU_UTIL gauge",
-            f'DCGM_FI_DEV_GPU_UTIL{{{lab},namespace="a",pod="infer-a-0",vgpu="0"}} 40',
-            f'DCGM_FI_DEV_GPU_UTIL{{{lab},namespace="b",pod="infer-b-0",vgpu="1"}} 35',
-        ]
-    )
-    (tmp_path / "ts.prom").write_text(text + "\n")
+def test_a_real_agent_books_each_mig_instance_by_its_share(prefix, shared, mig_exporter):
+    jobs = {"ml:llama-ft": (0, 3, 7), "nlp:bert-eval": (3, 5, 7), "ml:sft": shares.WHOLE}
+    _agent_books_by_lanes(shared, prefix, mig_exporter, "gpu-node-m", jobs)
+    busy = ledger.net_ms(ledger.read_amounts(shared, prefix, "ml:llama-ft"))
+    idle = ledger.net_ms(ledger.read_amounts(shared, prefix, "nlp:bert-eval"))
+    # The busy 3g instance is compute, not idle; the idle 2g beside it is idle.
+    assert busy["productive"] > 0 and busy["idle"] == 0
+    assert idle["idle"] > 0 and idle["productive"] == 0
+
+
+TS_LAB = 'gpu="0",UUID="GPU-1",modelName="NVIDIA H100 80GB HBM3",hostname="n1",container="c"'
+# dcgm-exporter --kubernetes-virtual-gpus on a GPU the device plugin time-slices into 4 replicas,
+# two of them held: the device's series fanned out per pod, GPU_UTIL per pod (4.6+).
+TIME_SLICED = "\n".join(
+    [
+        "# TYPE DCGM_FI_DEV_POWER_USAGE gauge",
+        f'DCGM_FI_DEV_POWER_USAGE{{{TS_LAB},namespace="a",pod="infer-a-0",vgpu="0"}} 300',
+        f'DCGM_FI_DEV_POWER_USAGE{{{TS_LAB},namespace="b",pod="infer-b-0",vgpu="2"}} 300',
+        "# TYPE DCGM_FI_DEV_GPU_UTIL gauge",
+        f'DCGM_FI_DEV_GPU_UTIL{{{TS_LAB},namespace="a",pod="infer-a-0",vgpu="0"}} 40',
+        f'DCGM_FI_DEV_GPU_UTIL{{{TS_LAB},namespace="b",pod="infer-b-0",vgpu="2"}} 35',
+    ]
+)
+
+
+@pytest.fixture
+def time_sliced(tmp_path):
+    (tmp_path / "ts.prom").write_text(TIME_SLICED + "\n")
     files = StaticFiles({"ts.prom": tmp_path / "ts.prom"})
-    try:
-        src = DcgmSource([f"http://{files.addr}/ts.prom"], host="n1")
-        with caplog.at_level("WARNING", logger="costexporter.sources.dcgm"):
-            (r,) = src.read()
-            src.read()
-        assert len(src.gpus()) == 1 and r.power_w == 300.0
-        assert src.pods()[0].pod == "infer-a-0"
-        said = [m for m in caplog.messages if "shared by 2 pods" in m]
-        assert len(said) == 1 and "a/infer-a-0" in said[0]
-        assert src.errors[(0, "time_sliced")] == 1
-    finally:
-        files.close()
+    yield f"http://{files.addr}/ts.prom"
+    files.close()
+
+
+def test_a_time_sliced_gpu_without_replicas_is_said_and_counted_not_booked_twice(time_sliced, caplog):
+    """No replica count given: the GPU stays one device, booked to one job, and the sharing is
+    counted and said once."""
+    src = DcgmSource([time_sliced], host="n1")
+    with caplog.at_level("WARNING", logger="costexporter.sources.dcgm"):
+        (r,) = src.read()
+        src.read()
+    assert len(src.gpus()) == 1 and r.power_w == 300.0
+    assert src.pods()[0].pod == "infer-a-0"
+    said = [m for m in caplog.messages if "shared by 2 pods" in m]
+    assert len(said) == 1 and "a/infer-a-0" in said[0]
+    assert src.errors[(0, "time_sliced")] == 1
+
+
+def test_time_sliced_replicas_are_devices_sharing_the_gpu(time_sliced):
+    """With the device plugin's replica count: each replica is a device of 1/4 of the GPU's time,
+    held by its pod; the replicas no pod holds are devices too (nobody's); power adds up to the
+    GPU's, shared by the pods' own utilization."""
+    src = DcgmSource([time_sliced], host="n1", replicas=4)
+    readings = {r.gpu: r for r in src.read()}
+    gpus = src.gpus()
+    reps = {g.uuid: i for i, g in enumerate(gpus) if g.parent_uuid == "GPU-1"}
+    assert set(reps) == {f"GPU-1::{k}" for k in range(4)}
+    assert [gpus[reps[f"GPU-1::{k}"]].lanes for k in range(4)] == [(k, k + 1, 4) for k in range(4)]
+    (whole,) = [g for g in gpus if g.uuid == "GPU-1"]
+    assert whole.lanes[0] == whole.lanes[1]  # no time of its own
+    assert set(readings) == set(reps.values())
+    assert sum(r.power_w for r in readings.values()) == pytest.approx(300.0)
+    busy = 0.25 * 0.40 + 0.25 * 0.35
+    p0 = readings[reps["GPU-1::0"]].power_w
+    assert p0 == pytest.approx(300 * (0.2 * 0.25 + 0.8 * 0.25 * 0.40 / busy))
+    assert readings[reps["GPU-1::1"]].power_w == pytest.approx(300 * 0.2 * 0.25)
+    assert readings[reps["GPU-1::1"]].util_pct == 0.0 and readings[reps["GPU-1::2"]].util_pct == 35.0
+    pods = src.pods()
+    assert pods[reps["GPU-1::0"]].pod == "infer-a-0" and pods[reps["GPU-1::2"]].pod == "infer-b-0"
+    assert reps["GPU-1::1"] not in pods and not any(k[1] == "time_sliced" for k in src.errors)
+
+
+def test_a_replica_past_the_configured_count_is_said(time_sliced, caplog):
+    src = DcgmSource([time_sliced], host="n1", replicas=2)  # the exposition names replica 2
+    with caplog.at_level("WARNING", logger="costexporter.sources.dcgm"):
+        src.read()
+        src.read()
+    assert len([m for m in caplog.messages if "names replica 2" in m]) == 1
+    # Counted per series read (two per scrape), and the pod it was given to is said shared too.
+    assert sum(n for (_g, kind), n in src.errors.items() if kind == "replica_out_of_range") == 4
+    assert len([m for m in caplog.messages if "shared by 2 pods" in m]) == 1
+
+
+def test_a_real_agent_books_each_time_sliced_replica_by_its_share(prefix, shared, time_sliced):
+    jobs = {"a:infer-a": (0, 1, 4), "b:infer-b": (2, 3, 4)}
+    _agent_books_by_lanes(shared, prefix, time_sliced, "n1", jobs, "--time-slicing-replicas", "4")

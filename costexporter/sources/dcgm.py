@@ -86,7 +86,9 @@ class DcgmSource(GpuSource):
 
     wall_clock = True
 
-    def __init__(self, urls: list[str], timeout_s: float = 2.0, host: str | None = None) -> None:
+    def __init__(
+        self, urls: list[str], timeout_s: float = 2.0, host: str | None = None, replicas: int = 0
+    ) -> None:
         super().__init__()
         if not urls:
             raise ValueError("DcgmSource needs at least one dcgm-exporter URL")
@@ -108,6 +110,9 @@ class DcgmSource(GpuSource):
         self._warned_coarse = False
         self.scrape_errors = 0
         self.shared_warned: set[int] = set()
+        # The device plugin's time-slicing replicas per GPU (its `replicas`); 0: not configured.
+        self.replicas = int(replicas)
+        self._bad_vgpu: set[tuple[str, str]] = set()
         self._power_share: dict[int, float] = {}
 
     def gpus(self) -> list[GpuId]:
@@ -131,6 +136,9 @@ class DcgmSource(GpuSource):
         host = named or endpoint_host
         parent = labels.get("UUID") or labels.get("gpu", "")
         instance = labels.get("GPU_I_ID", "")
+        vgpu = labels.get("vgpu", "")
+        if vgpu and self.replicas and not instance:
+            return self._replica_of(labels, host, parent, vgpu)
         key = (host, parent, instance)
         i = self._index.get(key)
         if i is None:
@@ -148,6 +156,45 @@ class DcgmSource(GpuSource):
                 self._slices.setdefault((host, parent), []).append(i)
         return i
 
+    def _replica_of(self, labels: dict[str, str], host: str, parent: str, vgpu: str) -> int:
+        """A time-sliced GPU's replica (dcgm-exporter --kubernetes-virtual-gpus names it `vgpu`):
+        the first time the GPU is seen, every one of its `replicas` becomes a device holding one
+        lane of it, named as the device plugin names it (`<UUID>::<k>`); the GPU itself keeps no
+        time of its own."""
+        key = (host, parent)
+        if key not in self._slices:
+            gpu = labels.get("gpu", "")
+            index = int(gpu) if gpu.isdigit() else len(self._gpus)
+            uuid, model, r = labels.get("UUID") or None, labels.get("modelName") or None, self.replicas
+            members = []
+            for k in range(r):
+                g = GpuId(host, index, f"{parent}::{k}", model, None, uuid, None, None, (k, k + 1, r))
+                self._gpus.append(g)
+                members.append(len(self._gpus) - 1)
+                self._index[(host, parent, f"::{k}")] = members[-1]
+            self._slices[key] = members
+            whole = self._index.get((host, parent, ""))
+            if whole is None:
+                self._gpus.append(GpuId(host, index, uuid, model))
+                whole = self._index[(host, parent, "")] = len(self._gpus) - 1
+            self._gpus[whole] = replace(self._gpus[whole], lanes=(r, r, r))
+            self._rest[key] = whole
+        i = self._index.get((host, parent, f"::{vgpu}"))
+        if i is None:  # a replica past the configured count: the configuration is wrong
+            if key not in self._bad_vgpu:
+                self._bad_vgpu.add(key)
+                log.warning(
+                    "GPU %s of %s: dcgm-exporter names replica %s, but --time-slicing-replicas is %d: "
+                    "set it to the device plugin's replicas; that replica's pod is booked to replica 0",
+                    parent,
+                    host,
+                    vgpu,
+                    self.replicas,
+                )
+            self.errors[(self._slices[key][0], "replica_out_of_range")] += 1
+            i = self._slices[key][0]
+        return i
+
     def _share_out(self) -> None:
         """Lanes for the MIG instances first seen in this scrape, and the GPU's rest the lanes
         left: consecutive from 0, so that each device holds one range of lanes (`core.shares`)."""
@@ -155,7 +202,7 @@ class DcgmSource(GpuSource):
             fresh = [i for i in members if self._gpus[i].lanes == shares.WHOLE]
             rest = self._rest.get((host, parent))
             if not fresh and rest is not None:
-                continue
+                continue  # laned already (a time-sliced GPU's replicas are laned when made)
             first = self._gpus[members[0]]
             den = shares.mig_slices(first.name)
             used = max((self._gpus[i].lanes[1] for i in members if i not in fresh), default=0)
@@ -266,11 +313,16 @@ class DcgmSource(GpuSource):
                 continue  # a slice of no lanes (a fully partitioned GPU's rest): no time of its own
             # The rest of a MIG GPU runs nothing: the GPU-level engine activity is the instances'.
             out.append(self._reading(i, {**v, UTIL: 0.0} if i in rests else v, values))
-        # A MIG GPU's rest: its share of the GPU's power, no engine of its own.
+        # A MIG GPU's rest, a time-sliced GPU's replicas no pod holds: their share of the GPU's
+        # power, no engine of their own.
         for (host, parent), r in sorted(self._rest.items()):
-            g = self._gpus[r]
-            if r not in values and g.lanes[1] > g.lanes[0] and (gv := self._gpu_values(host, parent, values)):
-                out.append(self._reading(r, {**gv, UTIL: 0.0}, values))
+            for i in [r, *self._slices.get((host, parent), [])]:
+                g = self._gpus[i]
+                if i in values or g.lanes[1] == g.lanes[0]:
+                    continue
+                gv = self._gpu_values(host, parent, values)
+                if gv:
+                    out.append(self._reading(i, {**gv, UTIL: 0.0}, values))
         out.sort(key=lambda x: x.gpu)
         self._watch_staleness(out)
         return out
@@ -283,7 +335,10 @@ class DcgmSource(GpuSource):
             size = {i: shares.fraction(self._gpus[i].lanes) for i in devs}
             act: dict[int, float] = {}
             for i in members:
-                v = values.get(i, {})
+                v = values.get(i)
+                if v is None:  # a replica no pod holds: nothing runs on it
+                    act[i] = 0.0
+                    continue
                 a = v.get(GR_ACTIVE, v.get(UTIL, math.nan) / 100)
                 if not math.isnan(a):
                     act[i] = min(max(a, 0.0), 1.0)

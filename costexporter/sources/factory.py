@@ -26,6 +26,7 @@ def make_source(
     scenario: str | None = None,
     redis_url: str | None = None,
     prefix: str | None = None,
+    time_slicing_replicas: int = 0,
 ) -> GpuSource:
     """The source of `kind`; `samples` are (host, path) trace files for `replay`. A source that
     lacks what it needs raises ValueError naming the flag (the CLI prints it as one line)."""
@@ -34,7 +35,7 @@ def make_source(
 
         if not dcgm_urls:
             raise ValueError("--source dcgm needs --dcgm-url")
-        return DcgmSource(list(dcgm_urls), host=host)
+        return DcgmSource(list(dcgm_urls), host=host, replicas=time_slicing_replicas)
     if kind == "sim":
         from costexporter.sources.sim import SimSource
 

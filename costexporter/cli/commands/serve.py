@@ -94,6 +94,15 @@ from costexporter.sources.factory import KINDS, make_source
     "(Kubeflow, JobSet, Volcano, LeaderWorkerSet, batch Job) and the pod's owner.",
 )
 @click.option(
+    "--time-slicing-replicas",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="--source dcgm: the device plugin's time-slicing replicas per GPU. Each replica dcgm-exporter "
+    "names (--kubernetes-virtual-gpus) is a device of 1/N of the GPU's time, booked to its pod's job; "
+    "0: a shared GPU is booked to one pod's job.",
+)
+@click.option(
     "--k8s-team-label",
     "k8s_team_labels",
     multiple=True,
@@ -167,6 +176,7 @@ def serve(
     k8s_job_labels,
     k8s_team_labels,
     k8s_api,
+    time_slicing_replicas,
     event_lag,
     unassigned_hold,
     trim_streams,
@@ -198,6 +208,7 @@ def serve(
             scenario=scenario,
             redis_url=redis_url,
             prefix=prefix,
+            time_slicing_replicas=time_slicing_replicas,
         )
         profile, profile_dir = load_profile(profile_path)
     except GpuInitError as e:
