@@ -33,6 +33,7 @@ class FakeGpu:
     last: float = 0.0
     instant_zero: bool = False  # the H200: the instant field "supported" but always 0
     counter_power_mw: int | None = None  # what the counter integrates, if not power_mw
+    mig: tuple[str, ...] = ()  # the UUIDs of its MIG devices (MIG mode on)
 
 
 class FakeNvml:
@@ -48,6 +49,10 @@ class FakeNvml:
         "nvmlDeviceGetPowerUsage",
         "nvmlDeviceGetUtilizationRates",
         "nvmlDeviceGetTotalEnergyConsumption",
+        "nvmlDeviceGetHandleByUUID",
+        "nvmlDeviceGetIndex",
+        "nvmlDeviceIsMigDeviceHandle",
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
     )
 
     def __init__(self, gpus: list[FakeGpu], cpu_cost_s: dict[str, float] | None = None) -> None:
@@ -118,7 +123,33 @@ class FakeNvml:
         return i
 
     def nvmlDeviceGetUUID(self, h):
+        if isinstance(h, tuple):  # a MIG device's handle: ("mig", parent index, instance)
+            return self.gpus[h[1]].mig[h[2]]
         return self._gpu(h, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        """A GPU's handle, or a MIG device's; NVML_ERROR_NOT_FOUND for any other (the real
+        library takes only a whole UUID)."""
+        for i, g in enumerate(self.gpus):
+            if g.uuid == uuid:
+                return i
+            if uuid in g.mig:
+                return ("mig", i, g.mig.index(uuid))
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetIndex(self, h):
+        if isinstance(h, tuple):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a MIG device has no index
+        self._gpu(h)
+        return h
+
+    def nvmlDeviceIsMigDeviceHandle(self, h):
+        return isinstance(h, tuple)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h):
+        if not isinstance(h, tuple):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return h[1]
 
     def nvmlDeviceGetName(self, h):
         return self._gpu(h, "nvmlDeviceGetName").name

@@ -278,6 +278,8 @@ def test_gpu_uuid_from_nvml_through_cuda_visible_devices(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert detect_gpu(4) == (4, uuids[4])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert detect_gpu(3) == (0, uuids[0])  # one GPU visible (per-task binding): that one
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert detect_gpu(3) == (None, None)  # more local ranks than visible GPUs: no guess
 
 
@@ -346,7 +348,7 @@ def test_without_nvml_the_gpu_guess_is_said_once_with_how_to_set_it(monkeypatch,
     import costexporter.trainer.reporter as client
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails, as on a host without it
-    monkeypatch.setattr(client, "_told_no_uuid", False)
+    monkeypatch.setattr(client, "_told_gpu", False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     url = f"redis://127.0.0.1:{free_port()}/0"
     with caplog.at_level(logging.INFO, logger="costexporter.client"):
@@ -355,12 +357,13 @@ def test_without_nvml_the_gpu_guess_is_said_once_with_how_to_set_it(monkeypatch,
         rep.close(timeout=0.1)
     told = [r for r in caplog.records if "no GPU UUID" in r.message]
     assert len(told) == 1 and told[0].levelno == logging.INFO
-    assert "GPU index 2 (from local rank 2)" in told[0].message
+    assert "GPU index 2 (from local rank 2 (CUDA_VISIBLE_DEVICES unset))" in told[0].message
+    assert "nvidia-ml-py is not installed" in told[0].message
     assert "gpu_uuid=" in told[0].message and "gpu_index=" in told[0].message
     assert (reps[0].gpu_index, reps[0].gpu_uuid) == (2, None)
     # Given a GPU, nothing is said.
     caplog.clear()
-    monkeypatch.setattr(client, "_told_no_uuid", False)
+    monkeypatch.setattr(client, "_told_gpu", False)
     with caplog.at_level(logging.INFO, logger="costexporter.client"):
         StepReporter("nonvml", url, rank=0, gpu_index=5, spool_dir=tmp_path).close(timeout=0.1)
     assert not [r for r in caplog.records if "no GPU UUID" in r.message]

@@ -83,40 +83,96 @@ def detect_ranks() -> tuple[int, int, int]:
     return rank, local, world
 
 
+@dataclass(frozen=True)
+class GpuGuess:
+    """Which physical GPU a rank trains on, and how that was found out (for its log line)."""
+
+    index: int | None
+    uuid: str | None
+    source: str  # where the answer came from, in words
+    problem: str | None = None  # why NVML could not say more (None: it did, or was not needed)
+
+
 def detect_gpu(local_rank: int) -> tuple[int | None, str | None]:
     """This rank's physical GPU index and UUID, via CUDA_VISIBLE_DEVICES and NVML when present."""
+    g = locate_gpu(local_rank)
+    return g.index, g.uuid
+
+
+def _visible_entry(local_rank: int) -> tuple[str | None, str]:
+    """This rank's entry of CUDA_VISIBLE_DEVICES (None: not one), and where it came from. A
+    process that sees one GPU uses it whatever its local rank (SLURM's per-task binding:
+    `CUDA_VISIBLE_DEVICES=5` with `SLURM_LOCALID=1`); with several, the local rank picks one."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    entry: str | None = str(local_rank)
-    if visible:
-        items = [x.strip() for x in visible.split(",") if x.strip()]
-        entry = items[local_rank] if local_rank < len(items) else None
+    if visible is None:
+        return str(local_rank), f"local rank {local_rank} (CUDA_VISIBLE_DEVICES unset)"
+    items = [x.strip() for x in visible.split(",") if x.strip()]
+    if len(items) == 1:
+        return items[0], f"CUDA_VISIBLE_DEVICES={visible!r}, the one GPU this process sees"
+    if local_rank < len(items):
+        return items[local_rank], f"CUDA_VISIBLE_DEVICES={visible!r}, entry {local_rank} (the local rank)"
+    return None, f"CUDA_VISIBLE_DEVICES={visible!r} has no entry {local_rank} (the local rank)"
+
+
+def locate_gpu(local_rank: int) -> GpuGuess:
+    """The physical GPU behind this rank's CUDA_VISIBLE_DEVICES entry: an index, a GPU UUID (or
+    a unique prefix of one, as CUDA takes it) or a MIG device UUID, mapped through NVML to the
+    physical index and UUID (a MIG device to the GPU that holds it: the agent samples that)."""
+    entry, source = _visible_entry(local_rank)
     if entry is None:
-        return None, None
-    if entry.startswith(("GPU-", "MIG-")):
-        uuid, index = entry, None
-    else:
-        try:
-            index, uuid = int(entry), None
-        except ValueError:
-            return None, None
+        return GpuGuess(None, None, source)
     try:
         import pynvml
-
+    except ImportError:
+        return _without_nvml(entry, source, "nvidia-ml-py is not installed")
+    try:
         pynvml.nvmlInit()
-        try:
-            if uuid is None:
-                h = pynvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = pynvml.nvmlDeviceGetUUID(h)
-            else:
-                h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-                index = pynvml.nvmlDeviceGetIndex(h)
-            if isinstance(uuid, bytes):
-                uuid = uuid.decode()
-        finally:
+    except Exception as e:  # noqa: BLE001 - NVMLError (no driver, no GPU), or a library that fails to load
+        return _without_nvml(entry, source, f"NVML did not start: {e}")
+    try:
+        h = _nvml_handle(pynvml, entry)
+        if h is None:
+            return GpuGuess(None, None, source, f"NVML knows no GPU {entry!r}")
+        is_mig = getattr(pynvml, "nvmlDeviceIsMigDeviceHandle", None)
+        if is_mig is not None and entry.startswith("MIG-") and is_mig(h):
+            h = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h)
+        uuid = pynvml.nvmlDeviceGetUUID(h)
+        index = int(pynvml.nvmlDeviceGetIndex(h))
+        return GpuGuess(index, uuid.decode() if isinstance(uuid, bytes) else str(uuid), source)
+    except Exception as e:  # noqa: BLE001 - an NVMLError on a lost or hidden GPU
+        return _without_nvml(entry, source, f"NVML could not read GPU {entry!r}: {e}")
+    finally:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no NVML, no GPU, no permission: host + index will do
-        pass
-    return index, uuid
+
+
+def _nvml_handle(pynvml, entry: str):
+    """NVML's handle of an index, a UUID (full or a unique prefix) or a MIG device UUID."""
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(entry)
+    except pynvml.NVMLError:
+        if entry.startswith("MIG-"):
+            return None
+    found = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        u = pynvml.nvmlDeviceGetUUID(h)
+        if (u.decode() if isinstance(u, bytes) else str(u)).startswith(entry):
+            found.append(h)
+    return found[0] if len(found) == 1 else None
+
+
+def _without_nvml(entry: str, source: str, problem: str) -> GpuGuess:
+    """What the entry alone says: an index is the GPU's index (CUDA's order: set
+    CUDA_DEVICE_ORDER=PCI_BUS_ID to be sure it is NVML's), a full GPU UUID is the GPU's UUID; a
+    MIG device or a UUID prefix cannot be placed."""
+    if entry.isdigit():
+        return GpuGuess(int(entry), None, source, problem)
+    if entry.startswith("GPU-") and len(entry) == 40:
+        return GpuGuess(None, entry, source, problem)
+    return GpuGuess(None, None, source, problem)
 
 
 def default_spool_dir() -> Path:
@@ -138,25 +194,25 @@ def _writable_dir(path: Path) -> Path:
     raise OSError(f"no writable spool directory ({path})")
 
 
-_told_no_uuid = False
+_told_gpu = False
 
 
-def _tell_no_uuid(rank: int, host: str, index: int, local_rank: int) -> None:
-    """Without a UUID the agent can only match this rank by host + index: say how to do better."""
-    global _told_no_uuid
-    if _told_no_uuid:
+def _tell_gpu(rank: int, host: str, index: int, guess: GpuGuess) -> None:
+    """Without a UUID the agent can only match this rank by host + index: say what was found,
+    from what, why no more, and how to do better (once a process)."""
+    global _told_gpu
+    if _told_gpu:
         return
-    _told_no_uuid = True
-    source = "CUDA_VISIBLE_DEVICES" if os.environ.get("CUDA_VISIBLE_DEVICES") else f"local rank {local_rank}"
+    _told_gpu = True
     log.info(
-        "costexporter: no GPU UUID for rank %d (NVML not available: pip install nvidia-ml-py); "
-        "registering host %s GPU index %d (from %s). If that is not this rank's GPU, pass "
-        "StepReporter(gpu_uuid=... or gpu_index=...), set CUDA_VISIBLE_DEVICES, or set "
-        "COSTEXPORTER_HOST when hosts share a name",
+        "costexporter: no GPU UUID for rank %d (%s); registering host %s GPU index %d (from %s). If "
+        "that is not this rank's GPU, pass StepReporter(gpu_uuid=... or gpu_index=...) or set "
+        "CUDA_VISIBLE_DEVICES; set COSTEXPORTER_HOST when hosts share a name",
         rank,
+        guess.problem or "none found",
         host,
         index,
-        source,
+        guess.source,
     )
 
 
@@ -242,11 +298,10 @@ class StepReporter:
         )
         self.host = coerce.text(host or os.environ.get("COSTEXPORTER_HOST") or socket.gethostname(), "host")
         if gpu_uuid is None and gpu_index is None:
-            gpu_index, gpu_uuid = detect_gpu(self.local_rank)
+            guess = locate_gpu(self.local_rank)
+            gpu_index, gpu_uuid = guess.index, guess.uuid
             if gpu_uuid is None:
-                _tell_no_uuid(
-                    self.rank, self.host, self.local_rank if gpu_index is None else gpu_index, self.local_rank
-                )
+                _tell_gpu(self.rank, self.host, self.local_rank if gpu_index is None else gpu_index, guess)
         self.gpu_index = coerce.count(
             self.local_rank if gpu_index is None else gpu_index, "gpu_index", MAX_GPU_INDEX
         )
