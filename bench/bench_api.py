@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from costexporter.core.model import Category
 from costexporter.store import ledger, protocol
+from costexporter.store.keys import steps_key
 
 DAY = 86400
 END = 1_764_547_200  # 2025-12-01T00:00:00Z
@@ -60,7 +61,7 @@ def populate(r: redis.Redis, prefix: str, n_jobs: int) -> None:
         }
         ledger.queue_amounts(pipe, prefix, name, days, "bench")
         pipe.zadd(
-            ledger.key(prefix, name, "ledger", "steps"),
+            steps_key(prefix, name),
             {f"{i}:{i * 1000}": START + i * 60 for i in range(0, 30 * 24 * 60, 97)},
         )
         if j % 50 == 49:

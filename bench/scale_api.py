@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from costexporter.core.model import Category  # noqa: E402
 from costexporter.store import ledger, protocol  # noqa: E402
+from costexporter.store.keys import steps_key  # noqa: E402
 
 DAY = 86400
 END = 1_764_547_200  # 2025-12-01T00:00:00Z
@@ -82,7 +83,7 @@ def seed(r: redis.Redis, prefix: str, n_jobs: int, first: int = 0) -> None:
             by_bucket[t0 + 300 * b] = a
         ledger.queue_amounts(pipe, prefix, name, by_bucket, "bench")
         pipe.zadd(
-            ledger.key(prefix, name, "ledger", "steps"),
+            steps_key(prefix, name),
             {f"{i}:{(i + 1) * 1000}": t0 + 90 * i for i in range(40)},
         )
         if j % 100 == 99:

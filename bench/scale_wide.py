@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from costexporter.store.keys import samples_key, watermark_key
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,11 +63,10 @@ def _peer_entry(host: int, t0: float, seconds: int, rng: np.random.Generator) ->
 
 
 def _publish(client, hosts: range, t0: float, seconds: int, rng: np.random.Generator) -> None:
-    from costexporter.store import ledger
 
     pipe = client.pipeline(transaction=False)
     for h in hosts:
-        pipe.xadd(ledger.key(PREFIX, JOB, "samples", f"node{h}"), _peer_entry(h, t0, seconds, rng))
+        pipe.xadd(samples_key(PREFIX, JOB, f"node{h}"), _peer_entry(h, t0, seconds, rng))
     pipe.execute()
 
 
@@ -127,7 +128,6 @@ def _prepare(width: int, url: str) -> dict[int, int]:
     import redis
 
     from costexporter.sources.synth import TraceBuilder
-    from costexporter.store import ledger
     from costexporter.trainer.reporter import send_entries
     from tests.test_agent import event_entry
 
@@ -150,7 +150,7 @@ def _prepare(width: int, url: str) -> dict[int, int]:
         # As a running agent stores it: its band window, seconds before the watermark.
         "win": [[booked - overlap, booked, None], None],
     }
-    client.set(ledger.key(PREFIX, JOB, "wm", "node0"), json.dumps(wm))
+    client.set(watermark_key(PREFIX, JOB, "node0"), json.dumps(wm))
     return seqs
 
 

@@ -19,6 +19,7 @@ from costexporter.core.buckets import price_version
 from costexporter.core.cost import Prices
 from costexporter.core.model import Category
 from costexporter.store import ledger, protocol
+from costexporter.store.keys import steps_key
 
 from .redis_server import free_port
 
@@ -60,7 +61,7 @@ def write_job(
     a[Category.STALLED] = [360_000, 10**8, 350_000]
     ledger.queue_amounts(pipe, prefix, job, {T0: a, T0 + 3600: a}, PRICE_VERSION)
     pipe.zadd(
-        ledger.key(prefix, job, "ledger", "steps"), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)}
+        steps_key(prefix, job), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)}
     )
     incs = [
         {

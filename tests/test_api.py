@@ -25,6 +25,7 @@ from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.core.tracefiles import combine, read_samples
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import ledger
+from costexporter.store.keys import figures_key
 
 from .api_helpers import T0, WINDOW, write_job
 from .conftest import SHARED_URL
@@ -316,7 +317,7 @@ def test_gpu_hours_at_risk_count_from_the_last_checkpoint(shared, prefix):
     api = TestClient(create_app(LedgerStore(shared, prefix)))
     got = api.get("/api/v1/jobs/ckpt", params={"window": WINDOW}).json()
     assert got["gpu_hours_at_risk"] == got["gpu_hours"] == pytest.approx(2.2)
-    shared.hset(ledger.key(prefix, "ckpt", "ledger", "job"), "last_checkpoint_ts", T0 + 3600)
+    shared.hset(figures_key(prefix, "ckpt"), "last_checkpoint_ts", T0 + 3600)
     got = api.get("/api/v1/jobs/ckpt", params={"window": WINDOW}).json()
     assert got["gpu_hours"] == pytest.approx(2.2)
     assert got["gpu_hours_at_risk"] == pytest.approx(1.1)

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from costexporter.api.format import per, per_micro
+from costexporter.store.keys import bucket_key, rollup_state_key, steps_key
 
 from .api_helpers import served
 from .test_api_rollup import BASE, amounts, write
@@ -64,7 +65,7 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
     from costexporter.api import store as store_mod
     from costexporter.api.store import LedgerStore
     from costexporter.core.buckets import RESOLUTIONS, bucket_start
-    from costexporter.store import ledger, protocol
+    from costexporter.store import protocol
 
     prefix = f"test-chunks-{uuid.uuid4().hex[:10]}"
     rng = np.random.default_rng(seed)
@@ -78,21 +79,21 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
                 write(shared, prefix, name, "a", {BASE + 300 * b: amounts(rng) for b in buckets}, "v1")
             if steps:
                 shared.zadd(
-                    ledger.key(prefix, name, "ledger", "steps"),
+                    steps_key(prefix, name),
                     {f"{i}:{i * 10}": BASE + int(rng.integers(0, 3 * 86400)) for i in range(steps)},
                 )
             if spoil == "meta":
                 shared.delete(protocol.meta_key(prefix, name))
                 shared.set(protocol.meta_key(prefix, name), "x")
             elif spoil == "steps":
-                shared.delete(ledger.key(prefix, name, "ledger", "steps"))
-                shared.set(ledger.key(prefix, name, "ledger", "steps"), "x")
+                shared.delete(steps_key(prefix, name))
+                shared.set(steps_key(prefix, name), "x")
             elif spoil in ("exact", "bad-bucket"):
-                shared.delete(ledger.key(prefix, name, "ledger", "cumstate"))
+                shared.delete(rollup_state_key(prefix, name))
                 if spoil == "bad-bucket":
                     for res in RESOLUTIONS:
                         b = bucket_start(BASE, res)
-                        shared.hset(ledger.key(prefix, name, "ledger", res, str(b)), "productive:ms", "5k")
+                        shared.hset(bucket_key(prefix, name, res, str(b)), "productive:ms", "5k")
         window = f"{BASE},{BASE + 3 * 86400}"
         queries = [
             {"window": window},

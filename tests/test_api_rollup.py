@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
-from costexporter.store import ledger
+from costexporter.store import ledger, protocol
+from costexporter.store.keys import bucket_key, steps_key, watermark_key
 
 from .api_helpers import T0
 from .conftest import SHARED_URL
@@ -43,7 +44,7 @@ def amounts(rng: np.random.Generator) -> np.ndarray:
 def write(r, prefix: str, job: str, agent: str, by_bucket: dict, version: str, voided: bool = False):
     """One round of one agent: its amounts (or a rollback's correction: the `voided:` amounts and
     the same as rolled_back) and its watermark, compare-and-set as the agent commits."""
-    wm_raw = r.get(ledger.key(prefix, job, "wm", agent))
+    wm_raw = r.get(watermark_key(prefix, job, agent))
     n = json.loads(wm_raw)["n"] + 1 if wm_raw else 1
 
     def queue(pipe) -> None:
@@ -125,7 +126,7 @@ def test_a_single_version_ledger_is_answered_from_the_rollup(shared, prefix):
     rng = np.random.default_rng(1)
     by_bucket = {BASE + 300 * i: amounts(rng) for i in range(0, 570, 7)}
     write(shared, prefix, "job", "a", by_bucket, "v1")
-    shared.delete(ledger.key(prefix, "job", "ledger", "1d", str(BASE)))
+    shared.delete(bucket_key(prefix, "job", "1d", str(BASE)))
     got = LedgerStore(shared, prefix).amounts_many(["job"], BASE, BASE + 2 * 86400)["job"]
     want = sum(by_bucket.values())
     assert [got.ms[c] for c in ledger.CATEGORIES] == list(want[:, 0])
@@ -135,7 +136,7 @@ def test_a_single_version_ledger_is_answered_from_the_rollup(shared, prefix):
 def test_a_twin_agent_that_loses_the_watermark_writes_no_rollup(shared, prefix):
     rng = np.random.default_rng(2)
     write(shared, prefix, "job", "a", {BASE: amounts(rng)}, "v1")
-    stale = shared.get(ledger.key(prefix, "job", "wm", "a"))
+    stale = shared.get(watermark_key(prefix, "job", "a"))
     write(shared, prefix, "job", "a", {BASE + 300: amounts(rng)}, "v1")
 
     def rollup():
@@ -164,7 +165,7 @@ def test_a_ledger_older_than_its_rollup_is_read_exactly_until_rebuilt(shared, pr
     rng = np.random.default_rng(3)
     write(shared, prefix, "job", "a", {BASE + 300 * i: amounts(rng) for i in range(5)}, "v1")
     ledger.drop_rollup(shared, prefix, "job")  # as written before rollups existed
-    shared.zadd(f"{prefix}:jobs", {"job": BASE})
+    shared.zadd(protocol.jobs_key(prefix), {"job": BASE})
     write(shared, prefix, "job", "a", {BASE + 3000: amounts(rng)}, "v1")
     assert not shared.exists(ledger.rollup_key(prefix, "job"), ledger.rollup_state_key(prefix, "job"))
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600), (BASE + 600, BASE + 1200)])
@@ -219,7 +220,7 @@ def test_the_api_builds_missing_rollups_at_start(shared, prefix):
     """`costexporter api` rolls up ledgers written before rollups existed, by itself, at start."""
     rng = np.random.default_rng(5)
     write(shared, prefix, "legacy", "a", {BASE + 300 * i: amounts(rng) for i in range(3)}, "v1")
-    shared.zadd(f"{prefix}:jobs", {"legacy": BASE})
+    shared.zadd(protocol.jobs_key(prefix), {"legacy": BASE})
     ledger.drop_rollup(shared, prefix, "legacy")
     port = free_port()
     proc = subprocess.Popen(
@@ -259,7 +260,7 @@ def test_bad_amounts_in_an_old_ledger_leave_its_rollup_unusable(shared, prefix):
     rng = np.random.default_rng(6)
     write(shared, prefix, "job", "a", {BASE + 300 * i: amounts(rng) for i in range(3)}, "v1")
     ledger.drop_rollup(shared, prefix, "job")
-    shared.hset(ledger.key(prefix, "job", "ledger", "5m", str(BASE)), "productive:ms", "abc")
+    shared.hset(bucket_key(prefix, "job", "5m", str(BASE)), "productive:ms", "abc")
     assert ledger.build_rollup(shared, prefix, "job")
     assert shared.hget(ledger.rollup_state_key(prefix, "job"), "v") == "bad"
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600)])
@@ -308,12 +309,12 @@ def test_allocation_rows_equal_the_per_job_sums(shared, jobs, fields, window, se
             names.append(name)
             meta = {k: v for k, v in (("team", team), ("cost_center", cc), ("ns", ns)) if v}
             if meta:
-                shared.hset(f"{prefix}:{{{name}}}:meta", mapping=meta)
+                shared.hset(protocol.meta_key(prefix, name), mapping=meta)
             if buckets:
                 write(shared, prefix, name, "a", {BASE + 300 * b: amounts(rng) for b in buckets}, "v1")
             if steps:
                 shared.zadd(
-                    ledger.key(prefix, name, "ledger", "steps"),
+                    steps_key(prefix, name),
                     {f"{i}:{i * 10}": BASE + int(rng.integers(0, N_BUCKETS * 300)) for i in range(steps)},
                 )
         s, e = window
@@ -361,7 +362,7 @@ def test_series_from_the_rollup_equal_the_buckets(shared, writes, window, step):
         assert [{k: p[k] for k in old[0]} for p in json.loads(fast)["points"]] == old
         starts, m = LedgerStore(shared, prefix).series_matrix("job", w.start, w.end, step)
         for b, row in zip(starts, m, strict=True):
-            h = shared.hgetall(ledger.key(prefix, "job", "ledger", step, str(b)))
+            h = shared.hgetall(bucket_key(prefix, "job", step, str(b)))
             want = [int(h.get(f, 0)) - int(h.get("voided:" + f, 0)) for f in ledger.PACKED]
             assert row.tolist() == want
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from costexporter.store import protocol
+from costexporter.store import acl, protocol
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import StepReporter
 
@@ -284,28 +284,12 @@ def test_gpu_uuid_from_nvml_through_cuda_visible_devices(monkeypatch, tmp_path):
 
 
 def test_a_trainer_with_the_recommended_acl_can_post_and_nothing_else(tmp_path):
-    """docs/protocol.md's ACL: append to your own job's keys only."""
+    """`costexporter acl --role trainer --job`: append to your own job's keys only."""
     server = RedisServer(tmp_path / "redis").start()
     try:
         admin = server.client()
-        admin.execute_command(
-            "ACL",
-            "SETUSER",
-            "trainer-j",
-            "on",
-            ">s3cret",
-            "~costexporter:{acl-job}:*",
-            "~costexporter:jobs",
-            "~costexporter:registrations",
-            "-@all",
-            "+xadd",
-            "+hset",
-            "+zadd",
-            "+incr",
-            "+ping",
-            "+hello",
-            "+auth",
-        )
+        args = acl.setuser_args("trainer", job="acl-job", user="trainer-j", password="s3cret")
+        admin.execute_command("ACL", "SETUSER", *args)
         url = f"redis://trainer-j:s3cret@127.0.0.1:{server.port}/0"
         rep = StepReporter("acl-job", url, rank=0, spool_dir=tmp_path / "spool", heartbeat_s=3600)
         rep.step(1)
@@ -313,12 +297,13 @@ def test_a_trainer_with_the_recommended_acl_can_post_and_nothing_else(tmp_path):
         rep.close()
         events = EventReader(admin, "acl-job").read_all()
         assert [e.type for e in events] == ["register", "run", "step", "run"]
-        assert int(admin.get("costexporter:registrations") or 0) == 1 and not rep.stats["counter_rejected"]
+        registrations = admin.get(protocol.registrations_key("costexporter"))
+        assert int(registrations or 0) == 1 and not rep.stats["counter_rejected"]
         as_trainer = redis.Redis.from_url(url)
         with pytest.raises(redis.exceptions.NoPermissionError):
-            as_trainer.xadd("costexporter:{someone-else}:events", {"x": "1"})
+            as_trainer.xadd(protocol.stream_key("costexporter", "someone-else"), {"x": "1"})
         with pytest.raises(redis.exceptions.NoPermissionError):
-            as_trainer.xrange("costexporter:{acl-job}:events")
+            as_trainer.xrange(protocol.stream_key("costexporter", "acl-job"))
     finally:
         server.stop()
 

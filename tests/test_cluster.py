@@ -24,7 +24,15 @@ from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import RESOLUTIONS
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
-from costexporter.store import ledger, protocol, redisconn
+from costexporter.store import acl, ledger, protocol, redisconn
+from costexporter.store.keys import (
+    figures_key,
+    incidents_key,
+    index_key,
+    steps_key,
+    voids_key,
+    watermark_key,
+)
 from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW
@@ -142,8 +150,8 @@ def test_every_key_is_in_its_jobs_slot_or_one_of_the_few_cross_job_keys(backends
     keys = list(b["redis"].scan_iter(match=f"{b['prefix']}:*"))
     assert keys
     p = re.escape(b["prefix"])
-    cross_job = re.compile(rf"^{p}:(jobs|registrations|epoch|node:[^{{}}]+|gpu:[^{{}}]+:idle)$")
-    tagged = re.compile(rf"^{p}:\{{([^{{}}]+)\}}:")
+    cross_job = re.compile(rf"^{p}:(t:jobs|t:registrations|a:epoch|a:node:[^{{}}]+|a:gpu:[^{{}}]+:idle)$")
+    tagged = re.compile(rf"^{p}:[tarw]:\{{([^{{}}]+)\}}:")
     odd = [k for k in keys if not tagged.match(k) and not cross_job.match(k)]
     assert odd == []
     assert {tagged.match(k).group(1) for k in keys if tagged.match(k)} >= {
@@ -178,11 +186,11 @@ def test_the_ledger_equals_the_offline_replay(backends, backend):
         expected, offline = offline_ms(trace)
         total = ledger.read_amounts(r, prefix, name)
         assert ledger.net_ms(total) == expected, name  # to the millisecond
-        figures = r.hgetall(ledger.key(prefix, name, "ledger", "job"))
+        figures = r.hgetall(figures_key(prefix, name))
         assert int(figures["steps_completed"]) == len(offline.timeline.steps)
         for res in ("5m", "1h", "1d"):  # the rollups hold the same amounts as the total
             got: dict[str, int] = {}
-            for s in r.zrange(ledger.key(prefix, name, "ledger", "index", res), 0, -1):
+            for s in r.zrange(index_key(prefix, name, res), 0, -1):
                 for f, v in ledger.read_amounts(r, prefix, name, res, int(s)).items():
                     got[f] = got.get(f, 0) + v
             assert got and got == total, (name, res)
@@ -204,14 +212,14 @@ def test_the_cluster_ledger_is_the_single_redis_ledger(backends):
     s, c = backends["single"], backends["cluster"]
 
     def dump(b: dict, job: str) -> dict:
-        r, k = b["redis"], lambda *parts: ledger.key(b["prefix"], job, *parts)
-        incidents = [json.loads(v) for v in r.hvals(k("ledger", "incidents", b["agent"]))]
+        r, p = b["redis"], b["prefix"]
+        incidents = [json.loads(v) for v in r.hvals(incidents_key(p, job, b["agent"]))]
         return {
-            "figures": r.hgetall(k("ledger", "job")),
-            "steps": r.zrange(k("ledger", "steps"), 0, -1, withscores=True),
-            "voids": r.zrange(k("ledger", "voids"), 0, -1, withscores=True),
+            "figures": r.hgetall(figures_key(p, job)),
+            "steps": r.zrange(steps_key(p, job), 0, -1, withscores=True),
+            "voids": r.zrange(voids_key(p, job), 0, -1, withscores=True),
             "incidents": sorted((i["category"], i["start"], i["end"], i["gpu_ms"]) for i in incidents),
-            "buckets": {res: r.zrange(k("ledger", "index", res), 0, -1) for res in RESOLUTIONS},
+            "buckets": {res: r.zrange(index_key(p, job, res), 0, -1) for res in RESOLUTIONS},
         }
 
     for job in [*s["jobs"], ledger.UNASSIGNED_JOB]:
@@ -342,16 +350,14 @@ def test_a_trainer_posts_to_the_cluster_and_the_watcher_sees_it_run_and_hang(clu
 
 
 def test_the_documented_trainer_acl_works_on_the_cluster(cluster, tmp_path):
-    """docs/protocol.md's cluster ACL, set on every node: the trainer posts and nothing is spooled."""
+    """`costexporter acl --role trainer --cluster`, set on every node: the trainer posts and
+    nothing is spooled."""
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     job = "acl-job"
     user = f"trainer-{uuid.uuid4().hex[:6]}"
-    rules = [
-        "on", ">s3cret", f"~{prefix}:{{{job}}}:*", f"~{prefix}:jobs", f"~{prefix}:registrations",
-        "-@all", "+xadd", "+hset", "+zadd", "+incr", "+ping", "+hello", "+auth", "+cluster|slots", "+command",
-    ]  # fmt: skip
+    rules = acl.setuser_args("trainer", prefix, job=job, user=user, password="s3cret", cluster=True)
     for port in cluster.ports:
-        redis.Redis(port=port).execute_command("ACL", "SETUSER", user, *rules)
+        redis.Redis(port=port).execute_command("ACL", "SETUSER", *rules)
     url = cluster.url.replace("redis+cluster://", f"redis+cluster://{user}:s3cret@")
     try:
         rep = StepReporter(job, url, rank=0, world_size=1, prefix=prefix, spool_dir=tmp_path)
@@ -376,7 +382,7 @@ def test_mget_across_slots_on_the_cluster(cluster):
     """The agent's idle levels (one key per GPU, in many slots) are read in one call."""
     r = redisconn.from_url(cluster.url, decode_responses=True)
     prefix = f"test-{uuid.uuid4().hex[:12]}"
-    keys = [f"{prefix}:gpu:GPU-{i}:idle" for i in range(20)]
+    keys = [ledger.gpu_idle_key(prefix, f"GPU-{i}") for i in range(20)]
     assert len({r.keyslot(k) for k in keys}) > 1
     for i, k in enumerate(keys[::2]):
         r.set(k, str(i))
@@ -457,7 +463,7 @@ def test_kubernetes_registrations_and_the_incident_index_on_the_cluster(cluster)
         exp.close()
     # Incident hashes of jobs in different slots, without their index: one SCAN finds them all.
     jobs = [f"job-{i}" for i in range(12)]
-    assert len({r.keyslot(protocol.job_key(prefix, j, "x")) for j in jobs}) > 3
+    assert len({r.keyslot(protocol.stream_key(prefix, j)) for j in jobs}) > 3
     for j in jobs:
         r.hset(ledger.incidents_key(prefix, j, "agent-a"), "stalled:1", "{}")
     assert ledger.index_incidents(r, prefix) == len(jobs)
@@ -529,7 +535,7 @@ def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(clus
 
     def queue(pipe, sneak: bool = False) -> None:
         if sneak:  # another writer of the same watermark, after WATCH, before EXEC
-            other.set(ledger.key(prefix, job, "wm", agent), '{"booked_until": 1}')
+            other.set(watermark_key(prefix, job, agent), '{"booked_until": 1}')
         ledger.queue_amounts(pipe, prefix, job, {1_753_531_200: a}, "v1")
 
     raw = ledger.commit(r, prefix, job, agent, None, {"booked_until": 2}, queue)

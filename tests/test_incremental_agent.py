@@ -19,7 +19,8 @@ from costexporter.services.agent import Agent, AgentConfig
 from costexporter.services.exporter import registry_for
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import ledger
+from costexporter.store import ledger, protocol
+from costexporter.store.keys import rbidx_key
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import send_entries
 
@@ -32,7 +33,7 @@ class RebuildingAgent(Agent):
     whole rollback index."""
 
     def _fetch_index(self, job, tl):
-        rb = self.redis.hgetall(ledger.key(self.cfg.prefix, job.name, "ledger", "rbidx", self.cfg.agent_id))
+        rb = self.redis.hgetall(rbidx_key(self.cfg.prefix, job.name, self.cfg.agent_id))
         job.state.rb_index = {int(k): json.loads(v) for k, v in rb.items()}
 
     def _timeline(self, job, job_start, now_ms, final=False):
@@ -179,7 +180,7 @@ def test_folding_agent_books_every_key_as_the_rebuilding_one(prefix):
 
 
 def _stream_len(client, prefix: str, job: str) -> int:
-    return client.xlen(f"{prefix}:{{{job}}}:events")
+    return client.xlen(protocol.stream_key(prefix, job))
 
 
 def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_never_stopped(prefix):
@@ -238,7 +239,7 @@ def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_a
                     d = st.to_dict()
                     d.pop("since")
                     seen[p].append((w.cfg.watcher_id, rounds, d))
-            first = client.xrange(f"{p}:{{{b.job}}}:events", count=1)
+            first = client.xrange(protocol.stream_key(p, b.job), count=1)
             lowest[p].append((first[0][0] if first else None, lagging.readers.get(b.job)))
 
         return on_round
@@ -299,7 +300,7 @@ def test_a_reader_silent_too_long_no_longer_pins_the_stream(prefix):
     """`trim_stream` trims below the oldest fresh reader; a stale or malformed entry is ignored
     and forgotten; a registered rank no agent covers yet holds every trim back."""
     client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
-    key = f"{prefix}:{{j}}:events"
+    key = protocol.stream_key(prefix, "j")
     ids = [client.xadd(key, {"n": str(i)}, id=f"{1000 + i}-0") for i in range(10)]
     rk = ledger.readers_key(prefix, "j")
     pipe = client.pipeline()
@@ -420,7 +421,7 @@ def checkpointed(resume_to: int) -> TraceBuilder:
 
 
 def _rbidx(client, prefix: str, job: str) -> dict[int, list]:
-    raw = client.hgetall(ledger.key(prefix, job, "ledger", "rbidx", "a"))
+    raw = client.hgetall(rbidx_key(prefix, job, "a"))
     return {int(k): json.loads(v) for k, v in raw.items()}
 
 

@@ -35,6 +35,7 @@ from costexporter.core.model import BANDS, CATEGORIES, Band, Category, Event
 from costexporter.services.k8s import job_name
 from costexporter.sources.dcgm import PodRef
 from costexporter.store import ledger, protocol
+from costexporter.store.keys import figures_key
 
 from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition
 from .redis_server import free_port
@@ -340,7 +341,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         exp.set(2, pod=None, ns=None)
         _wait(
             "resnet ended",
-            lambda: shared.hget(ledger.key(prefix, resnet, "ledger", "job"), "ended") == "1",
+            lambda: shared.hget(figures_key(prefix, resnet), "ended") == "1",
         )
         events = shared.xrange(protocol.stream_key(prefix, resnet))
         ends = [f for _, f in events if f["type"] == "run" and f["state"] == "end"]

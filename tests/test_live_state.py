@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from costexporter.core.model import BANDS
 from costexporter.store import ledger, protocol
+from costexporter.store.keys import live_key, status_key
 from costexporter.trainer.reporter import send_entries
 
 from .fake_nvml import ENV as FAKE_ENV
@@ -135,17 +136,17 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
         return ts
 
     def scraper() -> None:
-        status_key = ledger.key(prefix, JOB, "status")
+        status = status_key(prefix, JOB)
         while not stop.is_set():
             now = time.time()
             with contextlib.suppress(OSError):
                 seen.agent.append((now, get(a_port)))
             with contextlib.suppress(OSError):
                 seen.watch.append((now, get(w_port)))
-            raw = shared.get(status_key)
+            raw = shared.get(status)
             if raw:
                 seen.status.append((now, json.loads(raw)))
-            raw = shared.hget(ledger.key(prefix, JOB, "live", HOST), "0")
+            raw = shared.hget(live_key(prefix, JOB, HOST), "0")
             if raw:
                 seen.live.append((now, json.loads(raw)))
             stop.wait(0.2)

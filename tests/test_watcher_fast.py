@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from costexporter.core.booking import BookingConfig
 from costexporter.services import watcher as watcher_mod
 from costexporter.services.watcher import LIVE_HISTORY, WatchConfig, Watcher
-from costexporter.store import ledger, protocol
+from costexporter.store import protocol
+from costexporter.store.keys import live_key
 from costexporter.trainer.reporter import send_entries
 
 from .conftest import SHARED_URL
@@ -89,7 +90,7 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
             for view in views:  # one job at a time, as the watcher read them before batching
                 regs = view.registrations.values()
                 hosts = sorted({str(r.get("host")) for r in regs if r.get("host")})
-                got = [(h, self.redis.hgetall(ledger.key(prefix, view.name, "live", h))) for h in hosts]
+                got = [(h, self.redis.hgetall(live_key(prefix, view.name, h))) for h in hosts]
                 if got:
                     self._apply_live(view, got)
                 view.live = collections.deque(main.views[view.name].live, maxlen=LIVE_HISTORY)
@@ -114,7 +115,7 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
                         "band": band,
                         "gpu": rank,
                     }
-                    shared.hset(ledger.key(prefix, n, "live", f"h{rank % 2}"), str(rank), json.dumps(sample))
+                    shared.hset(live_key(prefix, n, f"h{rank % 2}"), str(rank), json.dumps(sample))
         clock[0] = newest + ahead_ms / 1000
         got = {j: s.to_dict() for j, s in main.poll().items()}
         want = {j: s.to_dict() for j, s in Fresh(cfg).poll().items()}

@@ -13,7 +13,8 @@ from costexporter.core.model import Samples
 from costexporter.services.agent import Agent, AgentConfig
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import ledger, protocol
+from costexporter.store import keys, ledger, protocol
+from costexporter.store.keys import samples_key
 from costexporter.trainer.reporter import send_entries
 
 from .test_agent import event_entry, post_events
@@ -102,7 +103,7 @@ def test_a_job_on_one_host_publishes_no_samples_until_a_rank_registers_elsewhere
     for _ in range(4):
         _tick(agent, now, 60)
     host = agent.host
-    stream = ledger.key(prefix, b.job, "samples", host)
+    stream = samples_key(prefix, b.job, host)
     assert agent.stats["rounds"] > 0 and not shared.exists(stream)
     assert ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))["productive"] > 0
     # A rank of the job registers on another host: its agent needs this host's samples, the
@@ -131,7 +132,9 @@ def test_a_counter_the_acl_refuses_does_not_fail_the_trainer(tmp_path):
     srv = RedisServer(tmp_path / "redis").start()
     try:
         admin = redis.Redis(port=srv.port, decode_responses=True)
-        admin.execute_command("ACL", "SETUSER", "trainer", "on", ">pw", "~p:{j}:*", "~p:jobs", "+@all")
+        # A rule from before the registrations counter: no access to it.
+        old_rule = [f"~{keys.job_key('p', keys.TRAINER, 'j', '*')}", f"~{protocol.jobs_key('p')}"]
+        admin.execute_command("ACL", "SETUSER", "trainer", "on", ">pw", *old_rule, "+@all")
         trainer = redis.Redis(port=srv.port, username="trainer", password="pw", decode_responses=True)
         reg = TraceBuilder(n_gpus=1, per_host=1, job="j", seed=6)
         out = send_entries(trainer, "p", "j", [event_entry(e) for e in reg.events])
@@ -199,7 +202,7 @@ def test_one_discovery_knows_every_rank_of_a_job_whatever_order_the_ranks_hash_g
     job = agent.jobs["order"]
     assert len(calls) == 1  # no second look: the first one had to see it all
     assert set(job.ranks) == {0, 1, 2, 3} and set(job.own) == ({0, 1} if host == "node0" else {2, 3})
-    assert shared.exists(ledger.key(prefix, b.job, "samples", host))  # shared with the other agent
+    assert shared.exists(samples_key(prefix, b.job, host))  # shared with the other agent
 
 
 def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix):
@@ -209,7 +212,7 @@ def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix
     b.run("start")
     b.stretch("compute", 900, step_s=5)
     post_events(shared, prefix, b)
-    peer = ledger.key(prefix, b.job, "samples", "node1")
+    peer = samples_key(prefix, b.job, "node1")
     s = b.samples()
     for t in range(int(b.t0), int(b.t), 5):  # node1's 180 rounds, as its agent publishes them
         sel = (s.gpu >= 2) & (s.ts_ms >= t * 1000) & (s.ts_ms < (t + 5) * 1000)

@@ -521,8 +521,8 @@ class LedgerStore:
         n = len(jobs)
         cuts = list(range(0, n, CHUNK)) or [0]
         args = [len(spans), int(meta), int(tokens), *(t for span in spans for t in span)]
-        # the keys of ledger.key and protocol.meta_key, per job in this order
-        suffixes = ["ledger:cumstate", "ledger:cum", "ledger:steps", "ledger:voids"] + ["meta"] * meta
+        # per job, in this order
+        builders = [rollup_state_key, rollup_key, steps_key, voids_key] + [protocol.meta_key] * meta
         p = self.prefix
 
         def read(i: int) -> list:
@@ -531,7 +531,7 @@ class LedgerStore:
                 return []
             pipe = self.r.pipeline(transaction=False)
             for b in range(0, len(part), self.batch):
-                keys = [f"{p}:{{{j}}}:{x}" for j in part[b : b + self.batch] for x in suffixes]
+                keys = [k(p, j) for j in part[b : b + self.batch] for k in builders]
                 self._windows(keys=keys, args=args, client=pipe)
             return _run(pipe)
 

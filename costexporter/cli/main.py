@@ -23,11 +23,13 @@ import click
 
 from costexporter import __version__
 from costexporter.cli.commands import (
+    acl,
     api,
     artifacts,
     calibrate,
     demo,
     events,
+    keyspace,
     preflight,
     replay,
     serve,
@@ -70,6 +72,8 @@ for command in (
     preflight.preflight,
     watch.watch,
     events.events,
+    acl.acl,
+    keyspace.keys_group,
 ):
     main.add_command(command)
 finish_options(main)

@@ -51,6 +51,9 @@ def index_in_background(store) -> None:
     def run() -> None:
         try:
             n = store.index_incidents()
+        except redis.exceptions.NoPermissionError:
+            log.info("read-only Redis user: older ledgers are indexed by `costexporter keys migrate`")
+            return
         except redis.RedisError as e:
             log.warning("incident index migration skipped: %s", e)
             return

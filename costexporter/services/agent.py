@@ -63,7 +63,7 @@ from costexporter.core.profiles import Profile
 from costexporter.core.samplewin import SampleWindow
 from costexporter.sources.base import GpuSource
 from costexporter.sources.sampler import ClockWatch, Sampler
-from costexporter.store import agentid, ledger, protocol, untrusted
+from costexporter.store import agentid, ledger, migrate, protocol, untrusted
 from costexporter.store.keys import (
     epoch_key,
     fold_key,
@@ -309,6 +309,7 @@ class Agent:
         # or after a replay's last one): a bill read before then would miss its last stretch.
         self.unassigned_settled = False
         self._epoch: str | None = None
+        self._layout = _Layout()
         self._final = False
         self._started_at = time.monotonic()
         self._redis_back_at = 0.0
@@ -433,6 +434,7 @@ class Agent:
         local = self._local_arrays()
         self._band_readings()
         try:
+            self._layout.check(self.redis, self.cfg.prefix)  # before the epoch, which it may move
             self._check_epoch()
             # Also after an outage: the jobs are read again as after a start.
             stale = not self.redis_up or time.monotonic() - self._last_refresh > self.cfg.job_refresh_s
@@ -452,6 +454,8 @@ class Agent:
                     self._unassigned_loaded = False
             self._publish_node()
             self.redis_up = True
+        except migrate.LayoutPending:
+            self.stats["layout_waits"] += 1  # samples are held; nothing is booked from legacy keys
         except self._redis_errors as e:
             if self.redis_up or not self.stats["redis_errors"]:
                 log.warning("Redis unreachable (%s): holding samples until it is back", e)
@@ -1788,3 +1792,35 @@ class Agent:
                     if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)
                 },
             }
+
+
+class _Layout:
+    """The keyspace's layout as this agent found it: legacy keys are moved before the first round
+    books anything (`migrate.ensure`), retried every RETRY_S while agents of the old version
+    still run; afterwards, every FORWARD_S, what trainers of the old version still write is
+    forwarded (`migrate.forward`)."""
+
+    RETRY_S = 5.0
+    FORWARD_S = 5.0
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.forwarding = True
+        self.next_at = 0.0
+
+    def check(self, client, prefix: str) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            if not self.ready:
+                raise migrate.LayoutPending
+            return
+        if not self.ready:
+            self.next_at = now + self.RETRY_S
+            if not migrate.ensure(client, prefix):
+                raise migrate.LayoutPending
+            self.ready = True
+            self.next_at = now + self.FORWARD_S
+            return
+        self.next_at = now + self.FORWARD_S
+        if self.forwarding:
+            self.forwarding = migrate.forward_quietly(client, prefix)

@@ -2,7 +2,7 @@
 
 R3 (docs/background.md): a watcher on another machine, so it does not hang with the job, tells done from
 crashed from hung. It reads only Redis: the trainers' events (progress, phases, heartbeats) and
-the agents' live GPU state (`<p>:{job}:live:<host>`). Each poll it decides, per job, the first
+the agents' live GPU state (`<p>:a:{job}:live:<host>`). Each poll it decides, per job, the first
 state that applies:
 
 * `unknown`: it cannot observe (Redis unreachable, no events). A blind watcher never says healthy.
@@ -18,7 +18,7 @@ state that applies:
 
 It names a suspect: the rank (host, GPU) at 0% in the signature, else the rank whose events
 diverge from the others' (the one rank inside a phase, or that ended, or whose last step
-differs). Each job's status is written to `<p>:{job}:status` with a TTL, so a watcher that
+differs). Each job's status is written to `<p>:w:{job}:status` with a TTL, so a watcher that
 stops leaves `unknown` behind rather than a stale `running`. Transitions are POSTed to an
 optional webhook as Alertmanager-style payloads, with retries, off the polling thread; the
 alerting states can also go to Alertmanager's own API (costexporter/services/alertmanager.py).
@@ -101,7 +101,7 @@ class WatchConfig:
     profile: Profile | None = None
     profile_dir: Path | None = None  # fitted profiles, matched by the job's GPU model
     watcher_id: str = "watcher"
-    # How often the watcher registers how far it has read each job's stream (`<p>:{job}:readers`,
+    # How often the watcher registers how far it has read each job's stream (`<p>:r:{job}:readers`,
     # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
     register_position_s: float | None = 60.0
     clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo

@@ -1,49 +1,76 @@
 """The Redis keyspace (pure): one named builder for every key in docs/protocol.md's table.
 
-Everything of a job lives under its hash tag, `<prefix>:{<job>}:`, so one MULTI covers a booking
-round and a Redis Cluster keeps the job on one node; the few keys across jobs (the jobs set, the
-registrations counter, nodes, GPUs, the epoch, the sim clock) carry only the prefix. Callers
-build keys here and never spell a suffix themselves.
+Each key sits under the sub-prefix of the party that writes it, so a Redis ACL can give each its
+own keys and nothing else (`acl.py` prints the lines):
+
+    <prefix>:t:...   the trainers (reporters): a job's events, registrations and meta, the jobs index
+    <prefix>:a:...   the agents: the ledger, watermarks, folds, live state, node and GPU keys
+    <prefix>:r:...   the stream readers (agents, watchers, a reader of your own)
+    <prefix>:w:...   the watchers: each job's state
+
+A job's keys carry its hash tag, `<prefix>:<ns>:{<job>}:`, in every sub-prefix: the tag alone
+picks the Redis Cluster slot, so all of a job's keys stay on one node and one MULTI covers a
+booking round. The few keys across jobs carry no tag. Callers build keys here and never spell a
+suffix themselves. The layout before the sub-prefixes (`<prefix>:{<job>}:...`) is the legacy
+one; `migrate.py` moves it.
 """
 
 from __future__ import annotations
 
+TRAINER = "t"
+AGENT = "a"
+READERS = "r"
+WATCHER = "w"
+NAMESPACES = (TRAINER, AGENT, READERS, WATCHER)
 
-def job_key(prefix: str, job: str, *parts: str) -> str:
-    """`<prefix>:{<job>}:<part>:<part>...`: every per-job key below is one of these."""
-    return f"{prefix}:{{{job}}}:{':'.join(parts)}"
+
+def ns_key(prefix: str, ns: str, *parts: str) -> str:
+    """`<prefix>:<ns>:<part>...`: a key across jobs."""
+    return ":".join((prefix, ns, *parts))
+
+
+def job_key(prefix: str, ns: str, job: str, *parts: str) -> str:
+    """`<prefix>:<ns>:{<job>}:<part>...`: every per-job key below is one of these."""
+    return f"{prefix}:{ns}:{{{job}}}:{':'.join(parts)}"
 
 
 # ---- written by the trainers (the reporter) ----------------------------------------------------
 def stream_key(prefix: str, job: str) -> str:
     """The job's event stream."""
-    return job_key(prefix, job, "events")
+    return job_key(prefix, TRAINER, job, "events")
 
 
 def ranks_key(prefix: str, job: str) -> str:
     """Rank -> JSON of its latest `register` (hash)."""
-    return job_key(prefix, job, "ranks")
+    return job_key(prefix, TRAINER, job, "ranks")
 
 
 def meta_key(prefix: str, job: str) -> str:
     """The job's `meta` fields, last write wins (hash)."""
-    return job_key(prefix, job, "meta")
+    return job_key(prefix, TRAINER, job, "meta")
 
 
 def jobs_key(prefix: str) -> str:
     """Job -> Unix time of its latest event (zset)."""
-    return f"{prefix}:jobs"
+    return ns_key(prefix, TRAINER, "jobs")
 
 
 def registrations_key(prefix: str) -> str:
     """A counter every batch with a register entry increments: agents discover jobs when it moves."""
-    return f"{prefix}:registrations"
+    return ns_key(prefix, TRAINER, "registrations")
+
+
+# ---- written by the stream's readers (the agents, the watchers, a reader of your own) ----------
+def readers_key(prefix: str, job: str) -> str:
+    """The job's stream readers (hash reader id -> JSON `{"id": stream id, "ts": Unix s}`): what
+    each still needs of the stream. The stream is trimmed below the oldest fresh one."""
+    return job_key(prefix, READERS, job, "readers")
 
 
 # ---- written by the agents ---------------------------------------------------------------------
 def watermark_key(prefix: str, job: str, agent: str) -> str:
     """What one agent has booked of a job (JSON), the compare-and-set point of its rounds."""
-    return job_key(prefix, job, "wm", agent)
+    return job_key(prefix, AGENT, job, "wm", agent)
 
 
 def fold_key(prefix: str, job: str, agent: str, old: bool = False) -> str:
@@ -51,35 +78,29 @@ def fold_key(prefix: str, job: str, agent: str, old: bool = False) -> str:
     written with its watermark: a restarted agent resumes from the newest (`fold:new:`); an
     older one (`fold:old:`, kept a while behind) lets a late event be folded in again after the
     stream below the newest was trimmed."""
-    return job_key(prefix, job, "fold", "old" if old else "new", agent)
+    return job_key(prefix, AGENT, job, "fold", "old" if old else "new", agent)
 
 
 def kept_key(prefix: str, job: str) -> str:
     """The job's registrations, run events, meta and gate results moved out of the event stream
     when the agents trim it (stream, same entry ids): what a replay of the job needs whatever
     their age. Only the trimming agent writes it; readers merge it with the stream by id."""
-    return job_key(prefix, job, "kept")
-
-
-def readers_key(prefix: str, job: str) -> str:
-    """The job's stream readers (hash reader id -> JSON `{"id": stream id, "ts": Unix s}`): what
-    each still needs of the stream. The stream is trimmed below the oldest fresh one."""
-    return job_key(prefix, job, "readers")
+    return job_key(prefix, AGENT, job, "kept")
 
 
 def live_key(prefix: str, job: str, host: str) -> str:
     """Rank -> JSON of its GPU's newest sample and band, from the agent of `host` (hash, TTL)."""
-    return job_key(prefix, job, "live", host)
+    return job_key(prefix, AGENT, job, "live", host)
 
 
 def samples_key(prefix: str, job: str, host: str) -> str:
     """The samples of the job's GPUs on `host`, one packed entry a round (stream)."""
-    return job_key(prefix, job, "samples", host)
+    return job_key(prefix, AGENT, job, "samples", host)
 
 
 def ledger_key(prefix: str, job: str, *parts: str) -> str:
-    """`<prefix>:{<job>}:ledger:<part>...`: the ledger family below."""
-    return job_key(prefix, job, "ledger", *parts)
+    """`<prefix>:a:{<job>}:ledger:<part>...`: the ledger family below."""
+    return job_key(prefix, AGENT, job, "ledger", *parts)
 
 
 def total_key(prefix: str, job: str) -> str:
@@ -141,53 +162,65 @@ def rbidx_key(prefix: str, job: str, agent: str) -> str:
 def node_key(prefix: str, host: str) -> str:
     """A node's GPUs as its agent last read them (hash gpu index -> JSON), with a TTL: the
     pre-run gate's occupancy check reads it before any job has registered."""
-    return f"{prefix}:node:{host}"
+    return ns_key(prefix, AGENT, "node", host)
 
 
 def agent_id_key(prefix: str, agent: str) -> str:
     """Which host runs agent id `agent` (JSON: host, pid, since), with a TTL its agent renews
     every round: a second host that presents the same id is refused (agentid.py)."""
-    return f"{prefix}:agentid:{agent}"
+    return ns_key(prefix, AGENT, "agentid", agent)
 
 
 def gpu_idle_key(prefix: str, gpu_uuid: str) -> str:
     """A GPU's idle power as its agent learned it (JSON: idle_w, n, host, updated), by the GPU's
     UUID so it follows the GPU, not the agent: a restarted agent starts from it (idle.py)."""
-    return f"{prefix}:gpu:{gpu_uuid}:idle"
+    return ns_key(prefix, AGENT, "gpu", gpu_uuid, "idle")
 
 
 def epoch_key(prefix: str) -> str:
     """The ledger's epoch: a Redis restarted empty has another (or none)."""
-    return f"{prefix}:epoch"
+    return ns_key(prefix, AGENT, "epoch")
 
 
 def k8s_ranks_key(prefix: str, job: str) -> str:
     """A Kubernetes job's GPU -> rank allocation, the same on every agent (hash; `_next`, `_ended`)."""
-    return job_key(prefix, job, "k8s")
+    return job_key(prefix, AGENT, job, "k8s")
 
 
 def k8s_gpus_key(prefix: str, job: str) -> str:
     """The GPUs a Kubernetes job's pods hold now, across agents (set)."""
-    return job_key(prefix, job, "k8s", "gpus")
-
-
-# ---- written by the watcher and the simulation -------------------------------------------------
-def status_key(prefix: str, job: str) -> str:
-    """The watcher's JSON state of the job (string, TTL)."""
-    return job_key(prefix, job, "status")
+    return job_key(prefix, AGENT, job, "k8s", "gpus")
 
 
 def simclock_key(prefix: str) -> str:
-    """A simulated job's clock (`demo`, `serve --source sim`), for `watch --sim-clock`."""
-    return f"{prefix}:simclock"
+    """A simulated job's clock, written by the agent that simulates it (`demo`, `serve --source
+    sim`), for `watch --sim-clock`."""
+    return ns_key(prefix, AGENT, "simclock")
 
 
 def demo_key(prefix: str) -> str:
     """Marks a prefix whose data the demo wrote (JSON of its last run): a later demo on the same
     prefix clears it and plays the story again; a prefix without it is never cleared."""
-    return f"{prefix}:demo"
+    return ns_key(prefix, AGENT, "demo")
 
 
 def demo_lease_key(prefix: str) -> str:
     """A demo is playing on this prefix now (JSON of its host and pid, short TTL, renewed)."""
-    return f"{prefix}:demo:lease"
+    return ns_key(prefix, AGENT, "demo", "lease")
+
+
+# ---- written by the watchers -------------------------------------------------------------------
+def status_key(prefix: str, job: str) -> str:
+    """The watcher's JSON state of the job (string, TTL)."""
+    return job_key(prefix, WATCHER, job, "status")
+
+
+# ---- the legacy layout (`migrate.py` moves it) -------------------------------------------------
+def legacy_job_key(prefix: str, job: str, *parts: str) -> str:
+    """A job's key before the sub-prefixes: `<prefix>:{<job>}:<part>...` (every party's)."""
+    return f"{prefix}:{{{job}}}:{':'.join(parts)}"
+
+
+def legacy_key(prefix: str, *parts: str) -> str:
+    """A key across jobs before the sub-prefixes: `<prefix>:jobs`, `<prefix>:node:<host>`, ..."""
+    return ":".join((prefix, *parts))

@@ -1,20 +1,20 @@
 """The ledger in Redis (docs/ledger.md): exact integer amounts per job, bucket and category.
 
-Keys (all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
+Keys (built in keys.py; all in the job's hash-tag slot, so one MULTI/EXEC covers a round):
 
-    <p>:{job}:ledger:total                 hash  all-time amounts
-    <p>:{job}:ledger:5m:<start>            hash  one 5-minute bucket (start: Unix seconds)
-    <p>:{job}:ledger:1h:<start>, :1d:, :1w:       hourly, daily and weekly (Monday) rollups
-    <p>:{job}:ledger:index:<res>           zset  bucket start -> start, to find buckets by time
-    <p>:{job}:ledger:job                   hash  job-level figures (steps, tokens, ...), SET not added
-    <p>:{job}:ledger:rbidx:<agent>         hash  step record -> cumulative valid amounts (rollback)
-    <p>:{job}:ledger:incidents:<agent>     hash  incident id -> JSON
-    <p>:{job}:ledger:incidents             set   agents that wrote incidents of the job (the index)
-    <p>:{job}:ledger:cum                   zset  the job's rollup: per 5-minute bucket the net
+    <p>:a:{job}:ledger:total               hash  all-time amounts
+    <p>:a:{job}:ledger:5m:<start>          hash  one 5-minute bucket (start: Unix seconds)
+    <p>:a:{job}:ledger:1h:<start>, :1d:, :1w:     hourly, daily and weekly (Monday) rollups
+    <p>:a:{job}:ledger:index:<res>         zset  bucket start -> start, to find buckets by time
+    <p>:a:{job}:ledger:job                 hash  job-level figures (steps, tokens, ...), SET not added
+    <p>:a:{job}:ledger:rbidx:<agent>       hash  step record -> cumulative valid amounts (rollback)
+    <p>:a:{job}:ledger:incidents:<agent>   hash  incident id -> JSON
+    <p>:a:{job}:ledger:incidents           set   agents that wrote incidents of the job (the index)
+    <p>:a:{job}:ledger:cum                 zset  the job's rollup: per 5-minute bucket the net
                                                   amounts up to and including it (see below)
-    <p>:{job}:ledger:cumstate              hash  whether the rollup is usable, its price version
-    <p>:{job}:wm:<agent>                   string the agent's watermark (JSON)
-    <p>:epoch                              string this Redis's life: set once, gone after an
+    <p>:a:{job}:ledger:cumstate            hash  whether the rollup is usable, its price version
+    <p>:a:{job}:wm:<agent>                 string the agent's watermark (JSON)
+    <p>:a:epoch                            string this Redis's life: set once, gone after an
                                                   empty restart (the agents notice)
 
 Fields of an amounts hash: `<category>:ms` (GPU-milliseconds), `<category>:mj` (millijoules),
@@ -56,7 +56,6 @@ from costexporter.store.keys import readers_key as readers_key
 from costexporter.store.keys import rollup_key as rollup_key
 from costexporter.store.keys import rollup_state_key as rollup_state_key
 
-key = keys.job_key  # the generic builder, for scripts and tests that walk a job's keys
 UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
 
 
@@ -306,13 +305,14 @@ def queue_incidents(pipe, prefix: str, job: str, agent: str, incidents) -> None:
 def index_incidents(client, prefix: str, count: int = 1000) -> int:
     """Index incident hashes written before the index existed (one SCAN at startup, never on a
     request). Returns how many hashes were indexed."""
-    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + ":{*}:ledger:incidents:*"
+    head_of = keys.ns_key(prefix, keys.AGENT, "{")
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head_of) + "*}:ledger:incidents:*"
     n = 0
     for k in client.scan_iter(match=pattern, count=count):
         k = k.decode() if isinstance(k, bytes) else k
         head, sep, agent = k.rpartition("}:ledger:incidents:")
-        job = head[len(prefix) + 2 :]
-        if not sep or not head.startswith(prefix + ":{") or not agent:
+        job = head[len(head_of) :]
+        if not sep or not head.startswith(head_of) or not agent:
             continue
         client.sadd(incident_index_key(prefix, job), agent)
         n += 1

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 
 from costexporter.store import untrusted
-from costexporter.store.keys import job_key as job_key
 from costexporter.store.keys import jobs_key as jobs_key
 from costexporter.store.keys import meta_key as meta_key
 from costexporter.store.keys import ranks_key as ranks_key
@@ -71,7 +70,7 @@ def encode_fields(fields: dict[str, object]) -> dict[str, str]:
     return out
 
 
-# ---- registrations (`<prefix>:{<job>}:ranks`: rank -> JSON of the register event) ------------
+# ---- registrations (`<prefix>:t:{<job>}:ranks`: rank -> JSON of the register event) ------------
 MAX_WORLD_SIZE = 65_536  # ranks are 0 .. world_size - 1; a larger number is a corrupt entry
 MAX_GPU_INDEX = 1_024
 MAX_TS = 4_102_444_800.0  # 2100-01-01: a registration dated later is a corrupt entry
@@ -149,7 +148,7 @@ def parse_registration(rank_s: str, raw: str) -> Registration:
     return Registration(rank, float(ts), host, gpu, uuid or None, world)
 
 
-# ---- the live hash (`<prefix>:{job}:live:<host>`): rank -> its newest sample, as its agent saw it
+# ---- the live hash (`<prefix>:a:{job}:live:<host>`): rank -> its newest sample, as its agent saw it
 
 
 class LiveEntryError(ValueError):

@@ -7,7 +7,7 @@ learns the rest of the cluster from whichever answers. Credentials and query opt
 (`ssl_ca_certs`, ...) are those of redis-py's URLs and apply to every node. A cluster has only
 database 0.
 
-Every key of a job carries the job as a hash tag (`<prefix>:{<job>}:...`, protocol.job_key), so a
+Every key of a job carries the job as a hash tag (`<prefix>:<ns>:{<job>}:...`, keys.job_key), so a
 job's transaction stays in one slot; the few keys outside a job (the jobs index, node and GPU
 keys, the epoch marker) are written by single commands or non-transactional pipelines, which
 redis-py's cluster client splits per node.

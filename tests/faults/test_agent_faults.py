@@ -20,6 +20,7 @@ from costexporter.core.model import CATEGORIES, Event
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol, untrusted
+from costexporter.store.keys import ranks_key
 from costexporter.trainer.reporter import send_entries
 
 from ..redis_server import RedisServer, free_port
@@ -277,7 +278,7 @@ def test_9_poisoned_registrations_are_skipped_counted_and_the_healthy_job_books(
         "j" * 1_000_000: {"0": json.dumps({**reg, "gpu": 2})},  # never logged whole
     }
     for name, ranks in poisoned.items():
-        shared.hset(protocol.job_key(prefix, name, "ranks"), mapping=ranks)
+        shared.hset(ranks_key(prefix, name), mapping=ranks)
         shared.zadd(protocol.jobs_key(prefix), {name: b.t0})
     port = free_port()
     p = serve(csv, "node0", URL, prefix, port, speed=20, book_s=0.1)

@@ -23,6 +23,7 @@ from costexporter.api.cache import ResponseCache
 from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import bucket_start
 from costexporter.store import ledger, protocol
+from costexporter.store.keys import bucket_key, figures_key, steps_key, total_key
 
 from ..api_helpers import T0, WINDOW, served, write_job
 from ..conftest import ROOT
@@ -216,22 +217,22 @@ BAD_STORED = [
     ("ranks not json", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", "{nope"), "ranks"),
     (
         "preflight not json",
-        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "preflight", "{"),
+        lambda r, p, j: r.hset(figures_key(p, j), "preflight", "{"),
         "preflight",
     ),
     (
         "preflight a list",
-        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "preflight", "[]"),
+        lambda r, p, j: r.hset(figures_key(p, j), "preflight", "[]"),
         "preflight",
     ),
     (
         "valid_steps text",
-        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "valid_steps", "x"),
+        lambda r, p, j: r.hset(figures_key(p, j), "valid_steps", "x"),
         "valid_steps",
     ),
     (
         "checkpoint inf",
-        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "job"), "last_checkpoint_ts", "inf"),
+        lambda r, p, j: r.hset(figures_key(p, j), "last_checkpoint_ts", "inf"),
         "last_checkpoint",
     ),
     # Buckets are summed where a ledger has no rollup (written before rollups existed): the
@@ -241,20 +242,20 @@ BAD_STORED = [
         "bucket text",
         lambda r, p, j: (
             ledger.drop_rollup(r, p, j),
-            r.hset(ledger.key(p, j, "ledger", "1h", str(T0 // 3600 * 3600)), "productive:ms", "abc"),
+            r.hset(bucket_key(p, j, "1h", str(T0 // 3600 * 3600)), "productive:ms", "abc"),
         ),
         "amounts",
     ),
     (
         "total text",
-        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "total"), "productive:ucost", "1e999"),
+        lambda r, p, j: r.hset(total_key(p, j), "productive:ucost", "1e999"),
         "amounts",
     ),
     (
         "bucket wrong type",
         lambda r, p, j: (
             ledger.drop_rollup(r, p, j),
-            r.delete(k := ledger.key(p, j, "ledger", "1d", str(T0 // 86400 * 86400))),
+            r.delete(k := bucket_key(p, j, "1d", str(T0 // 86400 * 86400))),
             r.set(k, "x"),
         ),
         "amounts",
@@ -266,12 +267,12 @@ BAD_STORED = [
     ),
     (
         "steps wrong type",
-        lambda r, p, j: (r.delete(k := ledger.key(p, j, "ledger", "steps")), r.set(k, "x")),
+        lambda r, p, j: (r.delete(k := steps_key(p, j)), r.set(k, "x")),
         "step",
     ),
     (
         "step member",
-        lambda r, p, j: r.zadd(ledger.key(p, j, "ledger", "steps"), {"garbage": T0 + 7000}),
+        lambda r, p, j: r.zadd(steps_key(p, j), {"garbage": T0 + 7000}),
         "step member",
     ),
     (

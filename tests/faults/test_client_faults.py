@@ -29,7 +29,7 @@ from costexporter.core.events import (
     EventError,
     parse_event,
 )
-from costexporter.store import protocol
+from costexporter.store import keys, protocol
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import StepReporter
 
@@ -346,8 +346,8 @@ def test_a_batch_the_server_refuses_is_dropped_counted_and_later_batches_go_thro
     try:
         admin = server.client()
         acl = [
-            "~costexporter:{refused}:*",
-            "~costexporter:jobs",
+            f"~{keys.job_key('costexporter', keys.TRAINER, 'refused', '*')}",
+            f"~{protocol.jobs_key('costexporter')}",
             "-@all",
             "+hset",
             "+zadd",

@@ -1,0 +1,49 @@
+"""`costexporter acl`: the least-privilege `ACL SETUSER` line of one party (store/acl.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from costexporter.cli.options import InputFailure, prefix_option
+
+
+@click.command("acl")
+@click.option(
+    "--role",
+    required=True,
+    type=click.Choice(["trainer", "agent", "watcher", "api"]),
+    help="The party the user is for.",
+)
+@click.option("--job", default=None, help="A trainer for this job only.")
+@click.option("--team", default=None, help="A trainer for the jobs named <team>/<anything>.")
+@click.option(
+    "--user",
+    default=None,
+    help="The Redis user [default: costexporter-<role>, costexporter-trainer-<job or team>].",
+)
+@prefix_option
+@click.option(
+    "--password-stdin",
+    is_flag=True,
+    help="Read the password from stdin; the line sets its SHA-256 (#...), never the text. "
+    "Without it the line sets no password: a new user cannot log in until you add one.",
+)
+@click.option("--cluster", is_flag=True, help="Add what a Redis Cluster client needs (slot map, COMMAND).")
+def acl(role, job, team, user, prefix, password_stdin, cluster) -> None:
+    """Print the ACL SETUSER line of one party: only the commands its code sends and only its
+    keys. A trainer's covers its job's keys (or its team's) and cannot reach the ledger or
+    another job's keys. Run it with redis-cli on every node (ACLs are per server)."""
+    from costexporter.store import acl as rules
+
+    password = None
+    if password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    try:
+        args = rules.setuser_args(
+            role, prefix, user=user, job=job, team=team, password=password, cluster=cluster
+        )
+    except rules.AclError as e:
+        raise InputFailure(str(e)) from None
+    click.echo(rules.setuser_line(args))

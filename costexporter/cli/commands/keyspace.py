@@ -1,0 +1,69 @@
+"""`costexporter keys migrate`: move a deployment's keys from the legacy layout (store/migrate.py)."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from costexporter.cli.options import InputFailure, prefix_option, redis_url_option, require_redis
+
+
+@click.group("keys")
+def keys_group() -> None:
+    """The Redis keyspace: move a deployment's keys to this version's layout."""
+
+
+@keys_group.command("migrate")
+@redis_url_option()
+@prefix_option
+@click.option("--dry-run", is_flag=True, help="List the legacy keys and their new names; change nothing.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Move even while agents of the previous version still run (their rounds since are lost).",
+)
+@click.option(
+    "--follow",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    metavar="SECONDS",
+    help="Then keep forwarding what trainers of the previous version write, every SECONDS, until "
+    "interrupted (the agents of this version also do).",
+)
+def keys_migrate(redis_url, prefix, dry_run, force, follow) -> None:
+    """Move every key of the legacy layout (<prefix>:{<job>}:...) to its new name. Agents of this
+    version do it themselves before their first round; run it to see the plan (--dry-run), or
+    before you apply `costexporter acl` rules, under which agents cannot read the legacy names.
+    Exits 1 when a key could not be moved because its new name exists too (listed)."""
+    import redis
+
+    from costexporter.store import migrate, protocol
+
+    require_redis(redis_url, "cannot reach Redis at {url}: {e}")
+    client = protocol.connect(redis_url)
+    try:
+        report = migrate.migrate(client, prefix, force=force, dry_run=dry_run)
+    except migrate.OldAgentsRunning as e:
+        raise InputFailure(f"{e} (or --force)") from None
+    except redis.RedisError as e:
+        raise InputFailure(f"migration stopped: {e}; run it again, it goes on where it stopped") from None
+    if dry_run:
+        for old, new, kind in report.plan:
+            click.echo(f"{old} -> {new} ({kind})")
+        click.echo(f"costexporter: {len(report.plan)} legacy keys under {prefix}", err=True)
+        return
+    click.echo(f"costexporter: {report.summary()}", err=True)
+    for old, new in report.conflicts:
+        click.echo(f"not moved: {old} ({new} exists too; compare the two and keep one)")
+    if report.conflicts:
+        raise SystemExit(1)
+    while follow is not None:
+        time.sleep(follow)
+        try:
+            got = migrate.forward(client, prefix)
+        except redis.RedisError as e:
+            click.echo(f"costexporter: forwarding failed ({e}); retrying", err=True)
+            continue
+        if got.touched:
+            click.echo(f"costexporter: forwarded {got.summary()}", err=True)

@@ -1,0 +1,285 @@
+"""`costexporter acl`: each party under its own Redis user, against a real Redis.
+
+The trainer's rule must leave it no way to reach the ledger its bill is made of, nor another
+job; the agents, the watcher and the API must still do their whole work under theirs. The keys
+the trainer is refused are those a real booking creates (two real agents book a job), not a
+hand-made list.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import urllib.request
+import uuid
+
+import pytest
+import redis
+
+from costexporter.api.store import LedgerStore
+from costexporter.services.watcher import WatchConfig, Watcher
+from costexporter.sources.synth import write_nvidia_smi_csv
+from costexporter.store import acl, keys, ledger, protocol
+from costexporter.trainer.reporter import StepReporter
+
+from .api_helpers import WINDOW, served
+from .redis_server import RedisServer, free_port
+from .test_agent import event_entry, offline_ms, serve, stop_all, two_host_job, wait_booked
+
+PREFIX = "ce"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = RedisServer(tmp_path_factory.mktemp("acl-redis")).start()
+    yield s
+    s.stop()
+
+
+def url_as(server: RedisServer, user: str, password: str) -> str:
+    return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
+
+
+def setuser(admin: redis.Redis, role: str, **kw) -> tuple[str, str]:
+    """The rule `costexporter acl` prints, run as printed; returns (user, password)."""
+    pw = uuid.uuid4().hex
+    args = acl.setuser_args(role, PREFIX, password=pw, **kw)
+    admin.execute_command(*shlex.split(acl.setuser_line(args)))
+    return args[0], pw
+
+
+def client_as(server: RedisServer, user: str, pw: str) -> redis.Redis:
+    return redis.Redis(port=server.port, username=user, password=pw, decode_responses=True)
+
+
+def refused(fn, *args) -> bool:
+    """Whether Redis refuses the call for want of permission (NOPERM, or, inside a script, the
+    error a script's refused command raises)."""
+    try:
+        fn(*args)
+    except redis.exceptions.NoPermissionError:
+        return True
+    except redis.exceptions.ResponseError as e:
+        return "can't run this command" in str(e) or "No permissions" in str(e)
+    return False
+
+
+def acl_denials(admin: redis.Redis, user: str) -> list[dict]:
+    out = []
+    for e in admin.acl_log(count=1000):
+        if e.get("username") == user:
+            out.append(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def booked(server, tmp_path_factory):
+    """A two-host job posted by a job-scoped trainer user and booked to its end by two real
+    agents, each under the agent rule."""
+    admin = server.client()
+    admin.execute_command("ACL", "LOG", "RESET")
+    b = two_host_job()
+    csvs = {p.stem: p for p in write_nvidia_smi_csv(b.samples(), tmp_path_factory.mktemp("trace"))}
+    trainer = setuser(admin, "trainer", job=b.job)
+    agent = setuser(admin, "agent")
+    as_trainer = client_as(server, *trainer)
+    from costexporter.trainer.reporter import send_entries
+
+    send_entries(as_trainer, PREFIX, b.job, [event_entry(e) for e in sorted(b.events, key=lambda e: e.ts)])
+    expected, offline = offline_ms(b)
+    url = url_as(server, *agent)
+    procs = [serve(csvs[h], h, url, PREFIX, free_port()) for h in ("node0", "node1")]
+    try:
+        wait_booked(admin, PREFIX, b.job, ["node0", "node1"], offline.timeline.end_ms)
+    finally:
+        errs = stop_all(procs)
+    return {"b": b, "expected": expected, "trainer": trainer, "agent": agent, "errs": errs}
+
+
+def test_two_agents_book_a_job_to_the_ms_under_the_agent_rule(server, booked):
+    admin = server.client()
+    total = ledger.read_amounts(admin, PREFIX, booked["b"].job)
+    assert ledger.net_ms(total) == booked["expected"]
+    denied = acl_denials(admin, booked["agent"][0])
+    # The persistence check's CONFIG GET is not granted (it reveals the whole configuration):
+    # the agent says it could not check, and that is the only thing refused.
+    # redis-py's CLIENT SETINFO (Redis 7.2+) is refused too, and redis-py goes on without it.
+    assert {e["object"] for e in denied} <= {"config|get", "client|setinfo"}, denied
+    assert not acl_denials(admin, booked["trainer"][0])
+    state = admin.hgetall(keys.rollup_state_key(PREFIX, booked["b"].job))
+    assert state.get("v") == "1", state  # the rollup script ran whole: nothing in it was refused
+
+
+def trainer_writes(c: redis.Redis, key: str) -> list:
+    """Every write a trainer's rule grants, aimed at `key`."""
+    return [
+        (c.xadd, key, {"v": "1"}),
+        (c.hset, key, "f", "1"),
+        (c.zadd, key, {"m": 1}),
+        (c.execute_command, "INCR", key),  # incr() sends INCRBY
+    ]
+
+
+def test_every_key_the_booking_wrote_is_refused_to_the_trainer(server, booked):
+    admin = server.client()
+    job = booked["b"].job
+    as_trainer = client_as(server, *booked["trainer"])
+    written = sorted(admin.scan_iter(f"{PREFIX}:*"))
+    own = {protocol.stream_key(PREFIX, job), protocol.ranks_key(PREFIX, job), protocol.meta_key(PREFIX, job)}
+    cross = {protocol.jobs_key(PREFIX), protocol.registrations_key(PREFIX)}
+    others = [k for k in written if k not in own | cross]
+    # The booking wrote the ledger, watermarks, folds, live and sample streams, readers, idle
+    # levels, node keys and the epoch: dozens of keys, none of them the trainer's.
+    assert len(others) >= 30 and any(":ledger:total" in k for k in others), others
+    tried = 0
+    for k in others:
+        for fn, *args in trainer_writes(as_trainer, k):
+            assert refused(fn, *args), (fn.__name__, k)
+            tried += 1
+        assert refused(as_trainer.delete, k) and refused(as_trainer.get, k), k
+    assert tried == 4 * len(others)
+    # What was booked is as it was.
+    assert ledger.net_ms(ledger.read_amounts(admin, PREFIX, job)) == booked["expected"]
+
+
+def test_a_trainer_reaches_its_own_job_and_no_other(server, tmp_path):
+    admin = server.client()
+    user = setuser(admin, "trainer", job="mine", user=f"t-{uuid.uuid4().hex[:6]}")
+    c = client_as(server, *user)
+    # The reporter does its whole work under the rule: nothing refused, nothing spooled.
+    rep = StepReporter("mine", url_as(server, *user), rank=0, world_size=1, prefix=PREFIX, spool_dir=tmp_path)
+    rep.meta(team="llm", price_per_gpu_hour=2.5)
+    for step in range(1, 4):
+        rep.step(step, tokens=10)
+    with rep.phase("checkpoint", step=3):
+        pass
+    rep.close()
+    assert rep.stats["sent"] >= 7 and not rep.stats["rejected"] and not rep.stats["side_rejected"], rep.stats
+    assert not rep.stats["counter_rejected"] and not rep.stats["spooled"], rep.stats
+    assert admin.hget(protocol.meta_key(PREFIX, "mine"), "team") == "llm"
+    assert c.xadd(protocol.stream_key(PREFIX, "mine"), {"v": "1"})
+    assert c.hset(protocol.ranks_key(PREFIX, "mine"), "9", "{}") == 1
+    assert c.zadd(protocol.jobs_key(PREFIX), {"mine-2": 1}) == 1
+    assert c.execute_command("INCR", protocol.registrations_key(PREFIX)) >= 1
+    for other in ("other", "mine2", "min", "mine/x", "x-mine"):
+        theirs = (protocol.stream_key, protocol.ranks_key, protocol.meta_key)
+        for k in (key(PREFIX, other) for key in theirs):
+            for fn, *args in trainer_writes(c, k):
+                assert refused(fn, *args), (other, k, fn.__name__)
+    # Nor its own keys read back, nor under another prefix, nor the stream trimmed.
+    assert refused(c.xrange, protocol.stream_key(PREFIX, "mine"))
+    assert refused(c.xtrim, protocol.stream_key(PREFIX, "mine"), 0)
+    assert refused(c.xadd, protocol.stream_key("other-prefix", "mine"), {"v": "1"})
+    admin.execute_command("ACL", "DELUSER", user[0])
+
+
+def test_a_team_rule_covers_the_teams_jobs_only(server):
+    admin = server.client()
+    user = setuser(admin, "trainer", team="llm")
+    c = client_as(server, *user)
+    for job in ("llm/a", "llm/b:run-7"):
+        assert c.xadd(protocol.stream_key(PREFIX, job), {"v": "1"})
+    for job in ("vision/a", "llm-a", "llm", "llmx/a", "x/llm/a"):
+        assert refused(c.xadd, protocol.stream_key(PREFIX, job), {"v": "1"}), job
+    admin.execute_command("ACL", "DELUSER", user[0])
+
+
+def test_the_agent_rule_refuses_the_trainers_and_the_watchers_writes(server, booked):
+    c = client_as(server, *booked["agent"])
+    job = booked["b"].job
+    events = protocol.stream_key(PREFIX, job)
+    assert refused(c.xadd, events, {"v": "1"})
+    assert refused(c.xdel, events, "0-1")
+    assert refused(c.delete, events)
+    assert refused(c.hset, protocol.ranks_key(PREFIX, job), "0", "{}")
+    assert refused(c.hset, protocol.meta_key(PREFIX, job), "price_per_gpu_hour", "0")
+    assert refused(c.zadd, protocol.jobs_key(PREFIX), {job: 1})
+    assert refused(c.set, protocol.registrations_key(PREFIX), "1")
+    assert refused(c.set, keys.status_key(PREFIX, job), "{}")
+    assert c.xtrim(events, minid="0-1") == 0  # the one write it has on a trainer key
+
+
+def test_the_watcher_polls_and_writes_its_state_and_nothing_else(server, booked):
+    admin = server.client()
+    job = booked["b"].job
+    user, pw = setuser(admin, "watcher")
+    w = Watcher(WatchConfig(redis_url=url_as(server, user, pw), prefix=PREFIX, forget_after_s=1e12))
+    try:
+        got = w.poll()
+    finally:
+        w.stop()
+    assert got[job].state == "done"
+    assert json.loads(admin.get(keys.status_key(PREFIX, job)))["state"] == "done"
+    assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
+    c = client_as(server, user, pw)
+    for k in (keys.total_key(PREFIX, job), keys.figures_key(PREFIX, job), protocol.ranks_key(PREFIX, job)):
+        assert refused(c.hset, k, "f", "1"), k
+    assert refused(c.set, keys.watermark_key(PREFIX, job, "node0"), "{}")
+    assert refused(c.zadd, protocol.jobs_key(PREFIX), {job: 1})
+    assert refused(c.delete, keys.total_key(PREFIX, job))
+    assert refused(c.set, keys.epoch_key(PREFIX), "x")
+    admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_the_api_answers_under_a_read_only_rule_that_refuses_every_write(server, booked):
+    admin = server.client()
+    job = booked["b"].job
+    user, pw = setuser(admin, "api")
+    c = redis.Redis.from_url(url_as(server, user, pw), decode_responses=True)
+    with served(LedgerStore(c, PREFIX), cache_s=0) as (base, _app):
+        paths = [
+            "/readyz",
+            f"/api/v1/jobs?window={WINDOW}",
+            f"/api/v1/jobs/{job}/series?window={WINDOW}&step=5m",
+            f"/api/v1/jobs/{job}/incidents?window={WINDOW}",
+            *(f"/api/v1/allocation?window={WINDOW}&aggregate={a}" for a in ("job", "team")),
+            f"/api/v1/allocation?window={WINDOW}&format=csv",
+            f"/api/v1/allocation?window={WINDOW}&format=focus",
+            f"/api/v1/allocation?window={WINDOW}&accumulate=false&step=1h",
+        ]
+        for path in paths:
+            with urllib.request.urlopen(base + path, timeout=10) as resp:
+                assert resp.status == 200, path
+                resp.read()
+        with urllib.request.urlopen(f"{base}/api/v1/jobs/{job}?window={WINDOW}", timeout=10) as resp:
+            body = json.loads(resp.read())
+    assert body["gpu_hours"] == pytest.approx(sum(booked["expected"].values()) / 3.6e6, rel=1e-6)
+    assert not body["warnings"] or body["warnings"] == {}, body["warnings"]
+    assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
+    for k in (keys.total_key(PREFIX, job), protocol.meta_key(PREFIX, job), keys.status_key(PREFIX, job)):
+        assert refused(c.hset, k, "f", "1"), k
+        assert refused(c.delete, k), k
+    # Its scripts read: one that writes is refused even on a key it may read.
+    assert refused(c.eval, "return redis.call('HSET', KEYS[1], 'f', '1')", 1, keys.total_key(PREFIX, job))
+    admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_every_rule_is_accepted_by_redis_as_printed(server, cli):
+    admin = server.client()
+    for role, extra in [("trainer", ["--job", "j"]), ("trainer", ["--team", "t"]), ("trainer", []),
+                        ("agent", []), ("watcher", []), ("api", [])]:  # fmt: skip
+        user = f"u-{uuid.uuid4().hex[:8]}"
+        r = cli("acl", "--role", role, *extra, "--user", user, "--prefix", "p1", "--cluster")
+        assert r.returncode == 0, r.stderr
+        line = r.stdout.strip()
+        assert line.startswith(f"ACL SETUSER {user} on ") and "nopass" not in line
+        assert admin.execute_command(*shlex.split(line)) in (b"OK", "OK", True)
+        got = admin.execute_command("ACL", "GETUSER", user)
+        assert got
+        admin.execute_command("ACL", "DELUSER", user)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--role", "agent", "--job", "j"], "scope a trainer"),
+        (["--role", "trainer", "--job", "a", "--team", "b"], "not both"),
+        (["--role", "trainer", "--job", "bad job"], "job name"),
+        (["--role", "trainer", "--team", "a/b"], "team"),
+        (["--role", "api", "--prefix", "ce*"], "prefix"),
+        (["--role", "root"], "root"),
+    ],
+)
+def test_a_rule_that_would_not_be_what_it_says_exits_2_with_one_line(cli, args, message):
+    r = cli("acl", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,0 +1,189 @@
+"""Moving a deployment from the legacy keyspace (`<prefix>:{<job>}:...`) to the sub-prefixes.
+
+The legacy layout is made the way the previous version made it: real agents book part of a job,
+are killed, and every key is given the name the previous version used (the same name without
+the party's letter after the prefix). Upgraded agents must then book the rest, each GPU-second
+once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import redis
+
+from costexporter.sources.synth import write_nvidia_smi_csv
+from costexporter.store import keys, ledger, migrate, protocol
+from costexporter.store.reader import EventReader
+
+from .redis_server import RedisServer
+from .test_agent import event_entry, offline_ms, post_events, serve, two_host_job, wait_booked
+
+PREFIX = "ce"
+
+
+def legacy_name(key: str, prefix: str = PREFIX) -> str:
+    """The previous version's name of `key`: every key of a job under `<prefix>:{<job>}:`, the
+    keys across jobs right under the prefix (its docs/protocol.md key table)."""
+    ns, sep, rest = key[len(prefix) + 1 :].partition(":")
+    assert key.startswith(prefix + ":") and sep and ns in keys.NAMESPACES, key
+    return f"{prefix}:{rest}"
+
+
+def to_legacy(client, prefix: str = PREFIX) -> list[str]:
+    """Rename every key under `prefix` to its legacy name; returns the legacy names."""
+    out = []
+    for k in list(client.scan_iter(f"{prefix}:*")):
+        k = k.decode() if isinstance(k, bytes) else k
+        old = legacy_name(k, prefix)
+        client.rename(k, old)
+        out.append(old)
+    return out
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = RedisServer(tmp_path / "redis").start()
+    yield s
+    s.stop()
+
+
+def test_every_key_a_booking_writes_maps_back_from_its_legacy_name(server, tmp_path):
+    """new_name is the inverse of the previous layout for every key a real booking creates."""
+    client = server.client()
+    b = two_host_job()
+    csvs = {p.stem: p for p in write_nvidia_smi_csv(b.samples(), tmp_path / "trace")}
+    post_events(client, PREFIX, b)
+    _, offline = offline_ms(b)
+    p = serve(csvs["node0"], "node0", server.url, PREFIX, 0)
+    try:
+        wait_booked(client, PREFIX, b.job, ["node0"], offline.timeline.end_ms)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    written = sorted(client.scan_iter(f"{PREFIX}:*"))
+    assert len(written) >= 20
+    for k in written:
+        got = migrate.new_name(PREFIX, legacy_name(k))
+        assert got is not None and got[0] == k, (k, got)
+        assert migrate.new_name(PREFIX, k) is None  # a new name is never taken for a legacy one
+
+
+def test_upgraded_agents_book_a_job_begun_under_the_legacy_layout_exactly_once(server, tmp_path, cli):
+    client = server.client()
+    b = two_host_job()
+    csvs = {p.stem: p for p in write_nvidia_smi_csv(b.samples(), tmp_path / "trace")}
+    post_events(client, PREFIX, b)
+    expected, offline = offline_ms(b)
+    # The previous version's agents book part of the job and stop (SIGKILL: mid-round).
+    first = [serve(csvs[h], h, server.url, PREFIX, 0) for h in ("node0", "node1")]
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            wms = [ledger.load_watermark(client, PREFIX, b.job, h) for h in ("node0", "node1")]
+            if all(w and w["booked_until"] > offline.timeline.start_ms + 200_000 for w in wms):
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        for p in first:
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+    half = ledger.net_ms(ledger.read_amounts(client, PREFIX, b.job))
+    assert 0 < sum(half.values()) < sum(expected.values())
+    legacy = to_legacy(client)
+    # Their node keys are gone 30 s after they stopped: the upgraded agents do not wait.
+    for k in legacy:
+        if k.startswith(f"{PREFIX}:node:"):
+            client.delete(k)
+    plan = cli("keys", "migrate", "--dry-run", "--redis-url", server.url, "--prefix", PREFIX)
+    assert plan.returncode == 0, plan.stderr
+    assert len(plan.stdout.splitlines()) == len(client.keys(f"{PREFIX}:*")) > 20
+    assert ledger.read_amounts(client, PREFIX, b.job) == {}  # nothing under the new names yet
+
+    second = [serve(csvs[h], h, server.url, PREFIX, 0) for h in ("node0", "node1")]
+    try:
+        wait_booked(client, PREFIX, b.job, ["node0", "node1"], offline.timeline.end_ms)
+    finally:
+        for p in second:
+            p.send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=30)[1] for p in second]
+    assert all(p.returncode == 0 for p in second), errs
+    assert "moved the keys of the previous layout" in "".join(errs)
+    assert "was not moved" not in "".join(errs)
+    # Every GPU-second of the job once: the first agents' part and the rest, to the ms.
+    assert ledger.net_ms(ledger.read_amounts(client, PREFIX, b.job)) == expected
+    left = [k for k in client.scan_iter(f"{PREFIX}:*") if migrate.new_name(PREFIX, k)]
+    assert left == []
+    state = client.hgetall(keys.rollup_state_key(PREFIX, b.job))
+    assert state.get("v") == "1", state
+
+
+def test_agents_of_the_previous_version_still_running_hold_the_move(server, cli):
+    client = server.client()
+    client.set(keys.legacy_key(PREFIX, "epoch"), "e1")
+    client.set(keys.legacy_key(PREFIX, "node", "gpu-7"), "{}", ex=30)
+    assert migrate.ensure(client, PREFIX) is False
+    assert client.get(keys.legacy_key(PREFIX, "epoch")) == "e1"  # nothing moved
+    r = cli("keys", "migrate", "--redis-url", server.url, "--prefix", PREFIX)
+    assert r.returncode == 2 and "gpu-7" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    client.delete(keys.legacy_key(PREFIX, "node", "gpu-7"))  # it stopped 30 s ago
+    assert migrate.ensure(client, PREFIX) is True
+    assert client.get(keys.epoch_key(PREFIX)) == "e1" and not client.exists(keys.legacy_key(PREFIX, "epoch"))
+
+
+def legacy_post(client, job: str, entries: list[dict]) -> None:
+    """What a reporter of the previous version sends: XADD, the register to the ranks hash, the
+    jobs index, the counter."""
+    pipe = client.pipeline(transaction=False)
+    for e in entries:
+        pipe.xadd(keys.legacy_job_key(PREFIX, job, "events"), e)
+        if e["type"] == "register":
+            pipe.hset(keys.legacy_job_key(PREFIX, job, "ranks"), e["rank"], json.dumps(e))
+    pipe.zadd(keys.legacy_key(PREFIX, "jobs"), {job: max(float(e["ts"]) for e in entries)}, gt=True)
+    pipe.execute_command("INCR", keys.legacy_key(PREFIX, "registrations"))
+    pipe.execute()
+
+
+def test_what_old_trainers_write_after_the_move_is_forwarded_once(server):
+    client = redis.Redis(port=server.port, decode_responses=True)
+    b = two_host_job()
+    entries = [event_entry(e) for e in sorted(b.events, key=lambda e: e.ts)]
+    cut = len(entries) // 2
+    legacy_post(client, b.job, entries[:cut])
+    assert migrate.migrate(client, PREFIX).moved == 4  # events, ranks, jobs, counter
+    # The old trainer goes on: part of it twice (a batch resent after a lost reply).
+    legacy_post(client, b.job, entries[cut - 5 :])
+    report = migrate.forward(client, PREFIX)
+    assert report.events == len(entries) - cut + 5 and report.merged >= 3
+    assert migrate.forward(client, PREFIX).touched == 0  # nothing new: nothing moved
+    assert not client.exists(keys.legacy_job_key(PREFIX, b.job, "events"), keys.legacy_key(PREFIX, "jobs"))
+    reader = EventReader(client, b.job, prefix=PREFIX)
+    got = reader.read_all()
+    assert len(got) == len(entries) and reader.stats["duplicate"] == 5
+    latest = max(float(e["ts"]) for e in entries)
+    assert client.zscore(protocol.jobs_key(PREFIX), b.job) == pytest.approx(latest)
+    assert int(client.get(protocol.registrations_key(PREFIX))) >= 2
+
+
+def test_a_newer_registration_wins_and_a_ledger_is_never_merged(server, cli):
+    client = redis.Redis(port=server.port, decode_responses=True)
+    new_ranks, old_ranks = protocol.ranks_key(PREFIX, "j"), keys.legacy_job_key(PREFIX, "j", "ranks")
+    client.hset(new_ranks, mapping={"0": json.dumps({"ts": 200}), "1": json.dumps({"ts": 100})})
+    client.hset(old_ranks, mapping={"0": json.dumps({"ts": 150}), "1": json.dumps({"ts": 300}), "2": "{"})
+    client.set(keys.watermark_key(PREFIX, "j", "a"), '{"booked_until": 5}')
+    client.set(keys.legacy_job_key(PREFIX, "j", "wm", "a"), '{"booked_until": 9}')
+    client.hset(keys.total_key(PREFIX, "j"), "productive:ms", 5)
+    client.hset(keys.legacy_job_key(PREFIX, "j", "ledger", "total"), "productive:ms", 5)
+    r = cli("keys", "migrate", "--redis-url", f"redis://127.0.0.1:{server.port}/0", "--prefix", PREFIX)
+    assert r.returncode == 1 and keys.legacy_job_key(PREFIX, "j", "wm", "a") in r.stdout, r.stdout + r.stderr
+    ranks = {k: json.loads(v).get("ts") if v != "{" else v for k, v in client.hgetall(new_ranks).items()}
+    assert ranks == {"0": 200, "1": 300, "2": "{"}
+    # The watermarks differ: both kept, neither changed. The identical totals: one kept.
+    assert client.get(keys.watermark_key(PREFIX, "j", "a")) == '{"booked_until": 5}'
+    assert client.get(keys.legacy_job_key(PREFIX, "j", "wm", "a")) == '{"booked_until": 9}'
+    assert not client.exists(keys.legacy_job_key(PREFIX, "j", "ledger", "total"))
+    assert client.hget(keys.total_key(PREFIX, "j"), "productive:ms") == "5"
