@@ -19,7 +19,7 @@ import redis
 from costexporter.api.store import LedgerStore
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import write_nvidia_smi_csv
-from costexporter.store import acl, keys, ledger, protocol
+from costexporter.store import acl, keys, ledger, migrate, protocol
 from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW, served
@@ -103,8 +103,11 @@ def test_two_agents_book_a_job_to_the_ms_under_the_agent_rule(server, booked):
     denied = acl_denials(admin, booked["agent"][0])
     # The persistence check's CONFIG GET is not granted (it reveals the whole configuration):
     # the agent says it could not check, and that is the only thing refused.
-    # redis-py's CLIENT SETINFO (Redis 7.2+) is refused too, and redis-py goes on without it.
-    assert {e["object"] for e in denied} <= {"config|get", "client|setinfo"}, denied
+    # redis-py's CLIENT SETINFO (Redis 7.2+) is refused too, and redis-py goes on without it; and
+    # the agent's look at start for keys of the legacy layout (it then leaves them alone).
+    objects = {e["object"] for e in denied if not migrate.new_name(PREFIX, e["object"])}
+    assert objects <= {"config|get", "client|setinfo"}, denied
+    assert sum(e["count"] for e in denied) <= 20, denied  # once per agent, not every round
     assert not acl_denials(admin, booked["trainer"][0])
     state = admin.hgetall(keys.rollup_state_key(PREFIX, booked["b"].job))
     assert state.get("v") == "1", state  # the rollup script ran whole: nothing in it was refused

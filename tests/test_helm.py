@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,18 @@ VALUE_SETS = {
         "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         "prices": {"currency": "EUR", "pricePerGpuHour": 2.9, "pricePerKwh": 0.21, "pue": 1.3},
         "watcher": {"shards": 3},
+    },
+    "redis-acl": {
+        **TOKENS,
+        "redis": {"acl": {"enabled": True, "trainers": [{"team": "llm"}, {"job": "j-1"}]}},
+    },
+    "own-redis+acl-secrets": {
+        **TOKENS,
+        "redis": {
+            "enabled": False,
+            "existingSecret": "admin-url",
+            "acl": {"secrets": {"agent": "agent-url", "watcher": "watcher-url", "api": "api-url"}},
+        },
     },
     "open-api+redis-url+no-watcher": {
         "api": {"allowOpen": True, "service": {"type": "LoadBalancer"}},
@@ -253,6 +266,69 @@ def test_watcher_shards_are_one_deployment_each_behind_one_service():
         assert svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_the_in_chart_redis_acl_file_is_what_costexporter_acl_prints_and_each_part_logs_in(tmp_path):
+    """redis.acl: the init container's script (run here, with the real CLI) writes an ACL file a
+    real redis-server loads; each part's URL names its own user, and a trainer's user is refused
+    the ledger."""
+    import os
+    import uuid
+
+    import redis
+
+    from costexporter.store import keys, protocol
+
+    from .redis_server import free_port
+
+    docs = _by_kind(_render(VALUE_SETS["redis-acl"]))
+    [sts] = docs["StatefulSet"]
+    [init] = sts["spec"]["template"]["spec"]["initContainers"]
+    [server] = sts["spec"]["template"]["spec"]["containers"]
+    assert server["args"][-2:] == ["--aclfile", "/acl/users.acl"]
+    [secret] = [d for d in docs["Secret"] if d["metadata"]["name"].endswith("-redis-acl")]
+    pw = secret["stringData"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for e in init["env"]:
+        env[e["name"]] = e.get("value") or pw[e["valueFrom"]["secretKeyRef"]["key"]]
+    script = init["args"][0].replace("/acl/", f"{tmp_path}/")
+    r = subprocess.run([*init["command"], script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--aclfile", str(tmp_path / "users.acl")],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        anon = redis.Redis(port=port, decode_responses=True)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert anon.ping()  # the readiness probe, as the default user
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            anon.get("x")
+        users = set(redis.Redis(port=port, username="admin", password=pw["admin"]).acl_users())
+        assert users >= {"costexporter-agent", "costexporter-trainer-llm", "costexporter-trainer-j-1"}
+        for kind in ("DaemonSet", "Deployment"):
+            for d in docs[kind]:
+                c = d["spec"]["template"]["spec"]["containers"][0]
+                url = next(e["value"] for e in c["env"] if e["name"] == "COSTEXPORTER_REDIS_URL")
+                key = next(e for e in c["env"] if e["name"] == "REDIS_ACL_PASSWORD")["valueFrom"]
+                user = url.split("//")[1].split(":")[0]
+                as_part = redis.Redis(port=port, username=user, password=pw[key["secretKeyRef"]["key"]])
+                assert as_part.ping(), user
+        t = redis.Redis(port=port, username="costexporter-trainer-llm", password=pw["trainer-llm"])
+        assert t.xadd(protocol.stream_key("costexporter", "llm/run-1"), {"v": "1"})
+        for k in (keys.total_key("costexporter", "llm/run-1"), protocol.stream_key("costexporter", "other")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                t.hset(k, "f", uuid.uuid4().hex)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
     k = _by_kind(_render(TOKENS))
     (sts,) = k["StatefulSet"]
@@ -289,6 +365,14 @@ def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
         ({"api": {"tokens": [{**TOKEN, "teams": ["llm", "*"]}]}}, "/api/tokens/0/teams"),
         ({**TOKENS, "prices": {"currency": "usd"}}, "/prices/currency"),
         ({**TOKENS, "watcher": {"shards": 0}}, "/watcher/shards"),
+        (
+            {**TOKENS, "redis": {"enabled": False, "url": "redis://r:6379/0", "acl": {"enabled": True}}},
+            "redis.acl.enabled writes the users of the in-chart Redis",
+        ),
+        (
+            {**TOKENS, "redis": {"acl": {"enabled": True, "trainers": [{"team": "a/b"}]}}},
+            "/redis/acl/trainers/0",
+        ),
     ],
 )
 def test_chart_fails_closed_with_a_one_line_reason(values, message):

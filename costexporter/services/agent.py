@@ -1809,18 +1809,17 @@ class _Layout:
         self.next_at = 0.0
 
     def check(self, client, prefix: str) -> None:
+        """Raises LayoutPending while the agent must not book; a Redis error as any round's."""
         now = time.monotonic()
-        if now < self.next_at:
-            if not self.ready:
-                raise migrate.LayoutPending
-            return
         if not self.ready:
-            self.next_at = now + self.RETRY_S
+            if now < self.next_at:  # old agents ran at the last look
+                raise migrate.LayoutPending
             if not migrate.ensure(client, prefix):
+                self.next_at = now + self.RETRY_S
                 raise migrate.LayoutPending
             self.ready = True
             self.next_at = now + self.FORWARD_S
-            return
-        self.next_at = now + self.FORWARD_S
-        if self.forwarding:
-            self.forwarding = migrate.forward_quietly(client, prefix)
+        elif now >= self.next_at:
+            self.next_at = now + self.FORWARD_S
+            if self.forwarding:
+                self.forwarding = migrate.forward_quietly(client, prefix)

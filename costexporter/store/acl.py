@@ -178,5 +178,11 @@ def default_user(role: str, job: str | None = None, team: str | None = None) -> 
 
 
 def setuser_line(args: Sequence[str]) -> str:
-    """`ACL SETUSER ...` as redis-cli and a Redis ACL file read it (a selector quoted)."""
+    """`ACL SETUSER ...` as redis-cli reads it (a selector quoted)."""
     return "ACL SETUSER " + " ".join(f'"{a}"' if " " in a else a for a in args)
+
+
+def aclfile_line(args: Sequence[str]) -> str:
+    """The same user as a line of a Redis ACL file (`aclfile`): `user <name> <rules>`, a
+    selector unquoted (the file's reader joins the words of a `(...)` itself)."""
+    return "user " + " ".join(args)

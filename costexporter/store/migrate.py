@@ -54,6 +54,8 @@ _CROSS: dict[str, tuple[Callable[[str], str], str]] = {
     "registrations": (keys.registrations_key, COUNTER),
     "epoch": (keys.epoch_key, OWNED),
     "simclock": (keys.simclock_key, FRESH),
+    "demo": (keys.demo_key, FRESH),
+    "demo:lease": (keys.demo_lease_key, FRESH),
 }
 
 _MOVE_EVENTS = """

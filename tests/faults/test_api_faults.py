@@ -4,6 +4,7 @@ Real Redis (a prefix per test), the real app over HTTP, the real CLI for startup
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from costexporter.api.auth import TokenConfigError, Tokens, hash_token, parse_to
 from costexporter.api.cache import ResponseCache
 from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import bucket_start
-from costexporter.store import ledger, protocol
+from costexporter.store import keys, ledger, protocol
 from costexporter.store.keys import bucket_key, figures_key, steps_key, total_key
 
 from ..api_helpers import T0, WINDOW, served, write_job
@@ -353,21 +354,24 @@ def test_a_window_outside_the_calendar_is_a_400(r, prefix, window):
             assert got.status_code == 400 and ("window" in detail or "time" in detail), detail
 
 
-KEY_SUFFIXES = [
-    "meta",
-    "ranks",
-    "status",
-    "ledger:job",
-    "ledger:total",
-    "ledger:steps",
-    "ledger:voids",
-    "ledger:incidents",
-    "ledger:incidents:agent-1",
-    f"ledger:1h:{T0 // 3600 * 3600}",
-    f"ledger:1d:{T0 // 86400 * 86400}",
-    f"ledger:5m:{T0 // 300 * 300}",
-    f"ledger:1w:{bucket_start(T0, '1w')}",
-]
+def bucket(p: str, j: str, res: str) -> str:
+    return keys.bucket_key(p, j, res, bucket_start(T0, res))
+
+
+# Every key of a job the API reads, by name (the builder for the key of job `j` under prefix `p`).
+JOB_KEYS = {
+    "meta": protocol.meta_key,
+    "ranks": protocol.ranks_key,
+    "status": keys.status_key,
+    "ledger:job": keys.figures_key,
+    "ledger:total": keys.total_key,
+    "ledger:steps": keys.steps_key,
+    "ledger:voids": keys.voids_key,
+    "ledger:incidents": keys.incident_index_key,
+    "ledger:incidents:agent-1": lambda p, j: keys.incidents_key(p, j, "agent-1"),
+    **{f"ledger:{res}": functools.partial(bucket, res=res) for res in ("1h", "1d", "5m", "1w")},
+}
+KEY_SUFFIXES = list(JOB_KEYS)
 values = st.one_of(
     st.text(max_size=12),
     st.integers(),
@@ -427,7 +431,7 @@ garbage = st.lists(
 
 def spoil(r: redis.Redis, prefix: str, job: str, writes) -> None:
     for suffix, kind, mapping in writes:
-        k = protocol.job_key(prefix, job, suffix)
+        k = JOB_KEYS[suffix](prefix, job)
         r.delete(k)
         if kind == "hash":
             r.hset(k, mapping=mapping)
@@ -469,7 +473,7 @@ def test_fuzzed_requests_over_fuzzed_stored_data_never_get_a_5xx(r, prefix):
         )
         @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(writes, case, path, window, choice):
-            r.delete(*[protocol.job_key(prefix, "victim", k) for k in KEY_SUFFIXES])
+            r.delete(*[build(prefix, "victim") for build in JOB_KEYS.values()])
             write_job(r, prefix, "victim", "a")
             spoil(r, prefix, "victim", writes)
             params = {"window": window} if window else {}

@@ -31,7 +31,14 @@ from costexporter.cli.options import InputFailure, prefix_option
     "Without it the line sets no password: a new user cannot log in until you add one.",
 )
 @click.option("--cluster", is_flag=True, help="Add what a Redis Cluster client needs (slot map, COMMAND).")
-def acl(role, job, team, user, prefix, password_stdin, cluster) -> None:
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["setuser", "aclfile"]),
+    default="setuser",
+    help="An ACL SETUSER command, or a line of a Redis ACL file (user <name> <rules>).",
+)
+def acl(role, job, team, user, prefix, password_stdin, cluster, fmt) -> None:
     """Print the ACL SETUSER line of one party: only the commands its code sends and only its
     keys. A trainer's covers its job's keys (or its team's) and cannot reach the ledger or
     another job's keys. Run it with redis-cli on every node (ACLs are per server)."""
@@ -46,4 +53,4 @@ def acl(role, job, team, user, prefix, password_stdin, cluster) -> None:
         )
     except rules.AclError as e:
         raise InputFailure(str(e)) from None
-    click.echo(rules.setuser_line(args))
+    click.echo(rules.setuser_line(args) if fmt == "setuser" else rules.aclfile_line(args))

@@ -128,17 +128,53 @@ metricRelabelings:
 {{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecretKey }}{{- else -}}url{{- end -}}
 {{- end -}}
 
-{{/* Environment every component shares: the Redis URL and the key prefix. */}}
+{{/* Whether the in-chart Redis runs with one user per part (redis.acl.enabled). */}}
+{{- define "costexporter.redisAcl" -}}
+{{- if .Values.redis.acl.enabled -}}
+{{- if not .Values.redis.enabled -}}
+{{- fail "costexporter: redis.acl.enabled writes the users of the in-chart Redis (redis.enabled=true); for your own Redis, create them with `costexporter acl` and set redis.acl.secrets" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* A trainer's user and its key in the ACL Secret: {team: t} or {job: j}. */}}
+{{- define "costexporter.trainerUser" -}}
+costexporter-trainer-{{ .team | default .job }}
+{{- end -}}
+
+{{/* Environment every component shares: its Redis URL (its own user's with redis.acl) and the
+key prefix. `role`: agent, watcher or api. */}}
 {{- define "costexporter.env" -}}
+{{- $root := .root -}}
+{{- $acl := $root.Values.redis.acl -}}
+{{- if include "costexporter.redisAcl" $root }}
+- name: REDIS_ACL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "costexporter.fullname" $root }}-redis-acl
+      key: {{ .role }}
+- name: COSTEXPORTER_REDIS_URL
+  value: {{ printf "redis://costexporter-%s:$(REDIS_ACL_PASSWORD)@%s-redis:6379/0" .role (include "costexporter.fullname" $root) | quote }}
+{{- else if (index $acl.secrets .role) }}
 - name: COSTEXPORTER_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ include "costexporter.redisSecret" . }}
-      key: {{ include "costexporter.redisSecretKey" . }}
+      name: {{ index $acl.secrets .role }}
+      key: url
+{{- else }}
+- name: COSTEXPORTER_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "costexporter.redisSecret" $root }}
+      key: {{ include "costexporter.redisSecretKey" $root }}
+{{- end }}
+{{- with $root }}
 - name: COSTEXPORTER_PREFIX
   value: {{ .Values.prefix | quote }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
