@@ -118,9 +118,12 @@ def key_patterns(role: str, prefix: str, scope: Scope = Scope()) -> list[str]:
 
 def selectors(role: str, prefix: str) -> list[str]:
     """The role's selectors: the agents trim the trainers' event streams, and write nothing else
-    of theirs."""
+    of theirs. The trim runs as a script over the stream and the kept stream (`ledger.trim`):
+    the selector lets the script be called with both keys; each command inside it is checked
+    again on its own, so the script cannot add to the stream either."""
     if role == "agent":
-        return [f"({'~' + keys.stream_key(prefix, '*')} +xtrim)"]
+        stream, kept = keys.stream_key(prefix, "*"), keys.kept_key(prefix, "*")
+        return [f"(~{stream} ~{kept} +xtrim +eval +evalsha)"]
     return []
 
 

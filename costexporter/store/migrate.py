@@ -131,6 +131,8 @@ def new_name(prefix: str, key: str) -> tuple[str, str] | None:
         return build_cross(prefix), kind
     if rest.startswith("node:") and len(rest) > 5:
         return keys.node_key(prefix, rest[5:]), FRESH
+    if rest.startswith("agentid:") and len(rest) > 8:
+        return keys.agent_id_key(prefix, rest[8:]), FRESH
     if rest.startswith("gpu:") and rest.endswith(":idle") and len(rest) > 9:
         return keys.gpu_idle_key(prefix, rest[4:-5]), FRESH
     return None
