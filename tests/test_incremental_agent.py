@@ -72,7 +72,7 @@ def ledger_keys(client, prefix: str) -> dict:
             continue
         if ":fold:" in name or name.endswith(":readers"):  # the agent's own resume state
             continue
-        if name.startswith(":agentid:"):  # the agent id's lease: which process holds it, and when
+        if ":agentid:" in name:  # the agent id's lease: which process holds it, and when
             continue
         t = client.type(k)
         if t == "hash":
