@@ -322,3 +322,50 @@ def test_a_replica_past_the_configured_count_is_said(time_sliced, caplog):
 def test_a_real_agent_books_each_time_sliced_replica_by_its_share(prefix, shared, time_sliced):
     jobs = {"a:infer-a": (0, 1, 4), "b:infer-b": (2, 3, 4)}
     _agent_books_by_lanes(shared, prefix, time_sliced, "n1", jobs, "--time-slicing-replicas", "4")
+
+
+def test_slices_carry_dcgm_exporters_labels_on_metrics(shared, prefix, mig_exporter, time_sliced):
+    """/metrics names each slice as dcgm-exporter does: a MIG instance by its parent's UUID and
+    GPU_I_ID, a replica by the UUID and vgpu; `promtool check metrics` stays clean."""
+    import shutil
+
+    from .test_agent import scrape
+
+    port = free_port()
+    args = ["serve", "--source", "dcgm", "--dcgm-url", mig_exporter, "--dcgm-url", time_sliced]
+    args += ["--time-slicing-replicas", "4", "--agent-id", "m", "--k8s-api", "off", "--redis-url", SHARED_URL]
+    args += ["--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1", "--book-interval", "0.3"]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "costexporter.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        power: list = []
+        while time.monotonic() < deadline and len(power) < 9:
+            try:
+                m, text = scrape(port)
+                power = m.get("costexporter_gpu_power_watts", [])
+            except OSError:
+                pass
+            time.sleep(0.3)
+        keys = {(lab["UUID"], lab["GPU_I_ID"], lab["vgpu"]) for lab, _v in power}
+        assert keys == {
+            (PARENT, "1", ""),
+            (PARENT, "5", ""),
+            (PARENT, "13", ""),
+            (PARENT, "", ""),  # the MIG GPU's rest
+            (WHOLE_GPU, "", ""),
+            *{("GPU-1", "", str(k)) for k in range(4)},
+        }
+        if shutil.which("promtool"):
+            check = subprocess.run(
+                ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+            )
+            assert check.returncode == 0, check.stderr
+    finally:
+        agent.terminate()
+        _out, err = agent.communicate(timeout=30)
+    assert "Traceback" not in err, err

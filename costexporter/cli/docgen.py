@@ -175,7 +175,7 @@ def render_metrics() -> str:
         "`training_job:costexporter_cost_per_valid_step:ratio`:",
         "`(sum(costexporter_cost_total) - sum(costexporter_voided_cost_total)) /",
         "max(costexporter_job_valid_steps)` per job. The per-GPU series also carry dcgm-exporter's",
-        "label names (`UUID`, `GPU_I_ID`, `Hostname` and `hostname`, `pod`, `namespace`, `container`",
+        "label names (`UUID`, `GPU_I_ID`, `vgpu`, `Hostname` and `hostname`, `pod`, `namespace`, `container`",
         "and their `exported_` twins), so they join with",
         "`DCGM_FI_*` series `on (UUID)`",
         "([deployment.md](deployment.md#joining-with-dcgm-exporter-the-label-mapping)).",

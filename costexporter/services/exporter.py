@@ -30,7 +30,8 @@ from costexporter.core.model import BANDS, CATEGORIES
 
 # dcgm-exporter's label names on every per-GPU series, so joins with DCGM_FI_* need no
 # label_replace (`gpu` is already DCGM's): `UUID` and `GPU_I_ID` (a MIG instance; "" for a whole
-# GPU), the node under both spellings dcgm-exporter has used (`Hostname` before 4.x, `hostname`
+# GPU), `vgpu` (a time-sliced GPU's replica, as dcgm-exporter --kubernetes-virtual-gpus names
+# it), the node under both spellings dcgm-exporter has used (`Hostname` before 4.x, `hostname`
 # since), and the pod holding the GPU as `pod`/`namespace`/`container` and as the `exported_*`
 # names a Prometheus gives dcgm-exporter's own pod labels under its default ServiceMonitor
 # (`honorLabels: false`). Empty where unknown. Not modelName: `promtool check metrics` rejects
@@ -38,6 +39,7 @@ from costexporter.core.model import BANDS, CATEGORIES
 DCGM_LABELS = [
     "UUID",
     "GPU_I_ID",
+    "vgpu",
     "Hostname",
     "hostname",
     "pod",
@@ -52,8 +54,11 @@ DCGM_LABELS = [
 def dcgm_label_values(g, pod) -> list[str]:
     """Values of DCGM_LABELS for one GPU (`GpuId`) and the pod holding it, if known."""
     where = [pod.pod if pod else "", pod.namespace if pod else "", pod.container if pod else ""]
-    uuid = getattr(g, "parent_uuid", None) or g.uuid or ""
-    return [uuid, getattr(g, "instance", None) or "", g.host, g.host, *where, *where]
+    parent = getattr(g, "parent_uuid", None)
+    instance = getattr(g, "instance", None) or ""
+    # A time-sliced GPU's replica is `<UUID>::<k>`, as the device plugin names it.
+    vgpu = g.uuid.rpartition("::")[2] if parent and not instance and g.uuid and "::" in g.uuid else ""
+    return [parent or g.uuid or "", instance, vgpu, g.host, g.host, *where, *where]
 
 
 # A job's categories: `unassigned` is time outside every job, never a job's.
