@@ -130,6 +130,7 @@ def test_steps_and_accumulate(store):
 
 def test_filters(store):
     with served(store, cluster="west") as (url, _):
+
         def names(f: str) -> list[str]:
             r = get(url, window=DAY, aggregate="controller", filter=f)
             assert r.status_code == 200, r.text

@@ -61,7 +61,7 @@ def test_every_test_asserts_something_whatever_its_data():
 
 
 def test_the_check_tells_a_loop_over_data_from_one_that_always_runs():
-    src = '''
+    src = """
 def test_data(xs):
     for x in xs:
         assert x
@@ -81,5 +81,5 @@ def test_branch(flag):
 
 def test_none():
     pass
-'''
+"""
     assert only_conditional_asserts(src) == ["test_data (line 2)", "test_branch (line 15)"]

@@ -114,13 +114,22 @@ def test_energy_across_gaps_comes_from_the_counter_and_coverage_is_reported():
     assert rep["gpu_hours"]["unobserved"] > 0 and rep["energy_kwh"]["unobserved"] > 0
     assert rep["energy_coverage"] >= 0.9999
 
-    # Without a counter the gaps' energy is unknown, and the coverage says how much.
+    # Without a counter, a hiccup of at most a second keeps its energy: the power interpolated
+    # across it (its time stays unobserved). Booked energy is within 0.5% of what was used.
     tr.samples.energy_mj[:] = np.nan
     [job], _ = book_trace(tr.samples, tr.events, ReplayConfig())
     rep = job_report(job, ReplayConfig())
-    unobserved_share = rep["gpu_hours"]["unobserved"] / rep["gpu_hours_total"]
-    assert rep["energy_coverage"] == pytest.approx(1 - unobserved_share, abs=1e-6)
-    assert rep["energy_coverage"] < 0.995
+    assert rep["gpu_hours"]["unobserved"] > 0 and rep["energy_coverage"] >= 0.9999
+    assert job.pieces.energy_mj.sum() == pytest.approx(tr.true_energy_mj.sum(), rel=0.005)
+
+    # A longer gap's energy is unknown, and the coverage says how much.
+    s = tr.samples
+    t_mid = int(np.median(s.ts_ms))
+    cut = (s.ts_ms > t_mid) & (s.ts_ms < t_mid + 5000)
+    s2 = type(s)(s.gpus, s.gpu[~cut], s.ts_ms[~cut], s.power_w[~cut], s.util_pct[~cut], s.energy_mj[~cut])
+    [job], _ = book_trace(s2, tr.events, ReplayConfig())
+    rep = job_report(job, ReplayConfig())
+    assert rep["energy_coverage"] < 0.9995
     assert job.pieces.energy_mj.sum() < 0.995 * tr.true_energy_mj.sum()
 
 

@@ -93,6 +93,19 @@ def clock_warnings(report: dict, tz: str) -> list[str]:
     return out
 
 
+def progress_notes(report: dict, progress: str) -> list[str]:
+    """One line per job booked by band alone because it had no progress event: without steps no
+    time is waste for lack of them, and the user learns how to book progress."""
+    if progress != "auto":
+        return []
+    return [
+        f"job {job}: no steps to book progress by: booked by band alone (--progress none); give "
+        "--events with the trainer's steps to book its progress"
+        for job, j in report["jobs"].items()
+        if j.get("booked_by") == "band"
+    ]
+
+
 def profile_notes(report: dict) -> list[str]:
     """One line per job banded with a profile derived from the trace's own levels: no model and
     no limit named it, so the user knows what the bands stand on and how to pin them."""
@@ -178,6 +191,7 @@ def to_table(report: dict) -> str:
             + ("" if prof["calibrated"] else " (uncalibrated)")
             + (" (from the trace's own levels)" if prof.get("source") == "trace" else "")
             + f"  {j['gpu_hours_total']:.2f} GPU-h  {len(j['gpus'])} GPUs"
+            + ("  booked by band alone" if j.get("booked_by") == "band" else "")
         )
         t = Table(show_edge=False, pad_edge=False)
         for col in ("category", "kind", "GPU-h", "share", "kWh", f"cost ({cur})"):

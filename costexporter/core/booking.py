@@ -680,6 +680,13 @@ class Pieces:
         )
 
 
+# An unobserved gap of at most this long, give or take half a sampling interval of stamp jitter
+# (a logger's hiccup: 0.3-1 s in real 100 ms recordings)
+# keeps its energy without an energy counter: the power interpolated across it. Its time stays
+# unobserved.
+HICCUP_MS = 1000
+
+
 def make_slices(
     gpu: np.ndarray,
     ts_ms: np.ndarray,
@@ -696,7 +703,9 @@ def make_slices(
     for the parts of each GPU's coverage [cover_start, cover_end) that have no samples at all.
 
     A sample's slice runs to the next sample of its GPU (the last one: one interval); a gap
-    longer than `gap_intervals` intervals keeps one interval and the rest is unobserved.
+    longer than `gap_intervals` intervals keeps one interval and the rest is unobserved; the
+    unobserved part carries the energy counter's delta, or without one, across a gap of at most
+    HICCUP_MS, the power interpolated between the samples either side.
     `cover_*` are per GPU; a coverage start of POS_INF means "not a job GPU".
     """
     n = ts_ms.size
@@ -731,6 +740,20 @@ def make_slices(
         if any_gap:
             bridged = use_counter[gap]
             gap_energy[bridged] = de[gap][bridged] * (1.0 - share[gap][bridged])
+
+    # A logger's hiccup (a gap of at most HICCUP_MS) without a counter: the time stays
+    # unobserved, its energy is the power interpolated between the samples either side of it.
+    if any_gap and n > 1:
+        short = np.isnan(gap_energy) | (gap_energy == 0)
+        gi = np.flatnonzero(gap)
+        span = (nxt - ts_ms)[gi]
+        short &= ((nxt - end)[gi] <= HICCUP_MS + iv // 2) & ~last[gi]  # stamps jitter
+        if short.any():
+            i = gi[short]
+            p0, p1 = power_w[i], power_w[i + 1]
+            at_start = p0 + (p1 - p0) * (dur[i] / span[short])
+            e = (at_start + p1) / 2 * (nxt[i] - end[i])
+            gap_energy[short] = np.where(np.isfinite(e), e, 0.0)
 
     # Unobserved pieces: interior gaps, coverage before the first and after the last sample.
     gap_start = end[gap] if any_gap else np.zeros(0, np.int64)

@@ -19,6 +19,7 @@ from costexporter.core import idle, jobfacts, profiles
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
+    STEPLESS_META,
     BookingConfig,
     Pieces,
     Timeline,
@@ -26,6 +27,7 @@ from costexporter.core.booking import (
     book,
     build_timeline,
     intersect,
+    is_stepless,
     job_bands,
     make_slices,
 )
@@ -59,6 +61,9 @@ class ReplayConfig:
     power_limit_w: float | None = None
     profile: Profile | None = None  # overrides model-based selection
     profile_dir: Path | None = None  # fitted profiles, matched by GPU model (profiles.find)
+    # How progress is booked: "events" (steps and declared phases), "none" (by band alone), or
+    # "auto": by events where the job has any progress event, by band alone where it has none.
+    progress: str = "auto"
 
 
 @dataclass(slots=True)
@@ -80,6 +85,7 @@ class JobResult:
     profile_source: str = "profile-file"  # where the profile came from (profiles.SOURCES)
     rows: np.ndarray | None = None  # the trace's samples that are the job's, in order (None: all)
     member_gpus: np.ndarray | None = None  # the trace's GPU number of each job GPU
+    booked_by: str = "steps"  # "steps": by progress events; "band": by band alone
 
 
 def register_matches(
@@ -268,7 +274,16 @@ def book_trace(
         start_ms = jobfacts.job_start_ms(t for _, _, t in members)
         ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
         end_ms = int(max(ev_end, last_end[member_gpus].max(initial=NEG_INF), start_ms))
-        timeline = build_timeline(jev, bc, start_ms, end_ms)
+        booked_by = progress_of(jev, cfg.progress)
+        if booked_by == "band" and not is_stepless(jev):
+            # Booked by band alone, as a job declared stepless is: its steps say nothing here.
+            field_, value = STEPLESS_META
+            t_meta = min((e.ts for e in jev), default=start_ms / 1000)
+            jev_band = [e for e in jev if e.type != "step"]
+            jev_band.append(Event("meta", job, t_meta, 0, "replay", -1, {field_: value}))
+            timeline = build_timeline(jev_band, bc, start_ms, end_ms)
+        else:
+            timeline = build_timeline(jev, bc, start_ms, end_ms)
         job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
 
         # Samples of member GPUs, renumbered 0..n-1 in member order (job-local GPU index).
@@ -330,6 +345,7 @@ def book_trace(
                 source,
                 rows,
                 member_gpus,
+                booked_by,
             )
         )
 
@@ -366,6 +382,23 @@ def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.
         hit = (kp[at] == ks) & (g_local >= 0)
         cat[rows[hit]] = cp[at[hit]]
     return {"band": band, "category": cat}
+
+
+# Events that say how a job progresses: without any, a trace is bare.
+PROGRESS_EVENTS = ("step", "run", "phase")
+
+
+def progress_of(events: list[Event], progress: str) -> str:
+    """How a job's time is booked: "steps" (rank 0's steps, runs and phases decide, the booking
+    rules) or "band" (its band alone, as for a job without a trainer). `progress` "none" books by
+    band; "events" by steps; "auto" by steps where the job has any progress event, by band where
+    it has none (a bare trace is never waste for lack of events), and a job declared stepless
+    (meta progress=none) by band."""
+    if progress == "none" or is_stepless(events):
+        return "band"
+    if progress == "events":
+        return "steps"
+    return "steps" if any(e.type in PROGRESS_EVENTS for e in events) else "band"
 
 
 def job_profile(
@@ -582,6 +615,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
         "price_per_gpu_hour": price,
         "profile": profile_report(r.profile, r.profile_source),
+        "booked_by": r.booked_by,
         "sampling_interval_s": r.band_result.interval_ms / 1000,
         "grid_s": r.band_result.grid_ms / 1000,
         "stall_threshold_s": figs["stall_threshold_s"],

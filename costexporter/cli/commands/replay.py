@@ -44,6 +44,15 @@ from costexporter.cli.options import (
 @click.option(
     "--tz", default="UTC", callback=check_tz, help="Time zone of naive CSV timestamps (IANA name or +HH:MM)."
 )
+@click.option(
+    "--progress",
+    type=click.Choice(["auto", "events", "none"]),
+    default="auto",
+    show_default=True,
+    help="How progress is booked: 'events' by the trainer's steps, runs and phases; 'none' by band "
+    "alone (a trace without a trainer); 'auto' by events where a job has any progress event, else "
+    "by band (said on stderr).",
+)
 @click.option("--gpu-model", default=None, help="GPU model (picks or derives the band profile).")
 @click.option(
     "--power-limit",
@@ -76,6 +85,7 @@ def replay(
     events,
     job,
     tz,
+    progress,
     gpu_model,
     power_limit,
     profile_path,
@@ -111,6 +121,7 @@ def replay(
             power_limit_w=power_limit,
             profile=profile,
             profile_dir=profile_dir,
+            progress=progress,
         )
         results, unassigned = book_trace(sample_set, evs, cfg, diag)
         result = report_of(results, unassigned, cfg)
@@ -124,6 +135,8 @@ def replay(
         click.echo(f"warning: {line}", err=True)
     if not quiet:
         _price_overrides(result, config["price_per_gpu_hour"])
+        for line in report.progress_notes(result, progress):
+            click.echo(f"costexporter: {line}", err=True)
         for line in report.profile_notes(result):
             click.echo(f"costexporter: {line}", err=True)
     text = {"json": report.to_json, "csv": report.to_csv, "table": report.to_table}[fmt](result)
