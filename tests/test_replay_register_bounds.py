@@ -44,9 +44,7 @@ def _replay(cli, tmp_path, events, name: str):
 
 
 def _redate(events, rank: int, ts: float):
-    return [
-        dataclasses.replace(e, ts=ts) if e.type == "register" and e.rank == rank else e for e in events
-    ]
+    return [dataclasses.replace(e, ts=ts) if e.type == "register" and e.rank == rank else e for e in events]
 
 
 def _hours(rep) -> float:

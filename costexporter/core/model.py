@@ -74,6 +74,9 @@ class GpuId:
     instance: str | None = None  # dcgm-exporter's GPU_I_ID
     profile: str | None = None  # dcgm-exporter's GPU_I_PROFILE (1g.10gb)
     lanes: tuple[int, int, int] = (0, 1, 1)
+    # A recorded trace's own idle level for this GPU (learned over the whole trace; a live source
+    # learns it as it reads): what a played-back trace gives the agent so it bands as replay does.
+    idle_w: float | None = None
 
 
 class GpuIndex:

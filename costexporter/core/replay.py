@@ -384,6 +384,34 @@ def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.
     return {"band": band, "category": cat}
 
 
+def recorded_gpus(samples: Samples) -> list[GpuId]:
+    """A recorded trace's GPUs as a live agent playing it back should see them: each with its idle
+    level learned over the whole trace (`idle.trace_levels`) and, where the trace names no model
+    and no limit, the limit its own levels give (`profiles.from_trace`), so the agent's profile
+    is the one offline replay derives."""
+    from dataclasses import replace
+
+    gpus = list(samples.gpus)
+    if not gpus or not len(samples):
+        return gpus
+    levels = idle.trace_levels(
+        samples.gpu, samples.power_w, samples.util_pct, [g.power_limit_w for g in gpus]
+    )
+    gpus = [replace(g, idle_w=lv) for g, lv in zip(gpus, levels, strict=True)]
+    named = any(g.power_limit_w or (g.name and profiles._model_key(g.name)) for g in gpus)
+    if not named:
+        known = [x for x in levels if x is not None]
+        try:
+            est = profiles.from_trace(
+                profiles.trace_levels(samples.power_w, samples.util_pct, max(known) if known else None),
+                "derived",
+            )
+        except profiles.ProfileError:
+            return gpus
+        gpus = [replace(g, power_limit_w=est.power_limit_w) for g in gpus]
+    return gpus
+
+
 # Events that say how a job progresses: without any, a trace is bare.
 PROGRESS_EVENTS = ("step", "run", "phase")
 

@@ -601,9 +601,10 @@ class Agent:
 
     def _idle_level(self, gpus: list[int]) -> float | None:
         """The highest learned idle level of these GPUs (so each one's idle is under the edge)."""
-        if self.idle is None:
-            return None
         ids = self.source.gpus()
+        if self.idle is None:  # a played-back trace brings its own levels (replay learns them)
+            given = [lv for g in gpus if g < len(ids) and (lv := ids[g].idle_w) is not None]
+            return max(given) if given else None
         levels = [
             self.idle.level(self._gpu_key(g), ids[g].power_limit_w if g < len(ids) else None) for g in gpus
         ]

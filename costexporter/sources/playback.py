@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from costexporter.core.model import GpuId, Samples
+from costexporter.core.replay import recorded_gpus
 from costexporter.sources.base import GpuSource, Reading
 
 
@@ -29,7 +30,9 @@ class ReplaySource(GpuSource):
         self._p = samples.power_w[order]
         self._u = samples.util_pct[order]
         self._e = samples.energy_mj[order]
-        self._gpus = list(samples.gpus)
+        # Each GPU's idle level (and, for a trace naming no model or limit, the limit its levels
+        # give) as offline replay learns them, so the agent bands the trace as replay does.
+        self._gpus = recorded_gpus(samples)
         self.host = host or (self._gpus[0].host if self._gpus else "replay")
         self.speed = speed
         self._clock = clock
