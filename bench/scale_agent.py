@@ -280,8 +280,10 @@ def _sample_stream_bytes(client, n: int = 200) -> float:
 
 def _job_bytes(client, prefix: str, job: str) -> dict[str, int]:
     """The job's Redis memory by kind of key (MEMORY USAGE, every sample of a key)."""
+    from costexporter.store import keys
+
     out: dict[str, int] = {}
-    for k in client.scan_iter(f"{prefix}:?:{{{job}}}:*", count=1000):
+    for k in client.scan_iter(keys.job_key(prefix, "?", job, "*"), count=1000):  # every party's
         rest = k.split("}:", 1)[1]
         parts = rest.split(":")
         if parts[0] == "ledger" and parts[1] in ("5m", "1h", "1d", "1w"):
