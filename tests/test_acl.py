@@ -290,3 +290,47 @@ def test_every_rule_is_accepted_by_redis_as_printed(server, cli):
 def test_a_rule_that_would_not_be_what_it_says_exits_2_with_one_line(cli, args, message):
     r = cli("acl", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# Each write command a rule may hold, aimed at a key (the argument shapes Redis checks).
+WRITES = {
+    "+set": lambda c, k: c.set(k, "x"),
+    "+del": lambda c, k: c.delete(k),
+    "+expire": lambda c, k: c.expire(k, 1),
+    "+hset": lambda c, k: c.hset(k, "f", "1"),
+    "+hdel": lambda c, k: c.hdel(k, "f"),
+    "+hincrby": lambda c, k: c.hincrby(k, "f", 1),
+    "+sadd": lambda c, k: c.sadd(k, "m"),
+    "+srem": lambda c, k: c.srem(k, "m"),
+    "+zadd": lambda c, k: c.zadd(k, {"m": 1}),
+    "+zrem": lambda c, k: c.zrem(k, "m"),
+    "+xadd": lambda c, k: c.xadd(k, {"v": "1"}),
+    "+xtrim": lambda c, k: c.xtrim(k, minid="0-1"),
+    "+incr": lambda c, k: c.execute_command("INCR", k),
+}
+
+
+@pytest.mark.parametrize("role", ["agent", "watcher", "api"])
+def test_every_write_a_service_should_not_make_is_refused(server, booked, role):
+    """Every key under the prefix (those a real booking wrote), every write command the role's
+    rule holds (and, for the API, which holds none, every one): refused outside its own
+    sub-prefixes. The agent's one exception is XTRIM of an event stream."""
+    admin = server.client()
+    user, pw = setuser(admin, role)
+    c = client_as(server, user, pw)
+    own = {"agent": (keys.AGENT, keys.READERS), "watcher": (keys.READERS, keys.WATCHER), "api": ()}[role]
+    granted = [w for w in WRITES if w in acl.COMMANDS[role]] or list(WRITES)
+    foreign = [k for k in admin.scan_iter(f"{PREFIX}:*") if k.split(":")[1] not in own]
+    assert len(foreign) >= 8, foreign  # the trainer's keys at least, and the ledger for the watcher
+    lasting = [k for k in foreign if admin.ttl(k) == -1]  # live, node and status keys expire
+    before = {k: admin.dump(k) for k in lasting}
+    tried = 0
+    for k in foreign:
+        for w in granted:
+            if role == "agent" and w == "+xtrim" and k.endswith(":events"):
+                continue  # trimming is the agents' (below the readers' positions only)
+            assert refused(WRITES[w], c, k), (role, w, k)
+            tried += 1
+    assert tried >= len(foreign) * len(granted) - len(foreign)
+    assert {k: admin.dump(k) for k in lasting} == before  # nothing changed
+    admin.execute_command("ACL", "DELUSER", user)
