@@ -46,7 +46,7 @@ def check_job(job: str) -> str:
     """A job name usable inside a hash tag: no braces, no whitespace, at most 200 characters."""
     if not isinstance(job, str) or not JOB_RE.match(job):
         raise ValueError(
-            f"job name {job!r} must be 1-200 characters of letters, digits and ._:/@+=- "
+            f"job name {untrusted.short(job)!r} must be 1-200 characters of letters, digits and ._:/@+=- "
             "(no braces or spaces: it is a Redis Cluster hash tag)"
         )
     return job
