@@ -60,9 +60,7 @@ def write_job(
     a[Category.PRODUCTIVE] = [3_600_000, 10**9, 3_500_000]
     a[Category.STALLED] = [360_000, 10**8, 350_000]
     ledger.queue_amounts(pipe, prefix, job, {T0: a, T0 + 3600: a}, PRICE_VERSION)
-    pipe.zadd(
-        steps_key(prefix, job), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)}
-    )
+    pipe.zadd(steps_key(prefix, job), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)})
     incs = [
         {
             "category": "stalled",

@@ -152,9 +152,13 @@ def classify(
     mid &= obs
     low &= obs
     n_obs = obs.sum(0)
+    # The cross-rank signature holds a little above the low edge: at the onset of a checkpoint
+    # wait (0.5-1 s) the writer reads ~1.1x and the waiters ~1.2x the waiters' settled level.
+    with np.errstate(invalid="ignore"):
+        sig_low = obs & (onset_edge_w(profile) > P)
 
     dead, ckpt, n_confirmed, signatures, carry_out = _signature(
-        low,
+        sig_low,
         busy,
         zero,
         n_obs,
@@ -166,6 +170,7 @@ def classify(
         checkpoint_allowance_ms,
         carry,
         carry_at_ms,
+        spin_low=low,
     )
 
     # Starvation: most ranks at mid power and at least one well below ~100% utilization.
@@ -229,6 +234,7 @@ def _signature(
     checkpoint_allowance_ms: Callable[[np.ndarray], np.ndarray] | int,
     carry: RunCarry | None = None,
     carry_at_ms: int | None = None,
+    spin_low: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int, list[tuple[int, int, list[int]]], RunCarry | None]:
     """The deadlock and checkpoint moments (column masks), how many moments confirmed, the
     confirmed runs with their ranks at ~0%, and the run open at `carry_at_ms` (`RunCarry`).
@@ -241,7 +247,7 @@ def _signature(
     n_lowbusy = (low & busy).sum(0)
     cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
     if step_ms is not None:
-        cand |= _spinning(low, busy, n_obs, cols, t0, cell, step_ms)
+        cand |= _spinning(low if spin_low is None else spin_low, busy, n_obs, cols, t0, cell, step_ms)
     cand = _bridge(cand, cols)
     times = t0 + cols * cell
     # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
@@ -358,6 +364,18 @@ def _levels(
         zero = profile.zero_util_pct >= U
     mid = ~high & ~low & ~np.isnan(P)
     return high, mid, low, at_idle, busy, zero
+
+
+# How far above the low edge, as a share of the way to the compute edge, the cross-rank
+# signature (one rank at ~0%, the majority at ~100%) still holds: a checkpoint wait's onset on an
+# H100 reads 218-230 W over a low edge of ~200 W and a compute edge of 455 W. R2's starvation
+# (575 W of a B300, its straggler at 55-65%, never ~0%) stays far above it.
+ONSET_SHARE = 0.25
+
+
+def onset_edge_w(profile: Profile) -> float:
+    """Below this power the cross-rank deadlock/checkpoint signature holds."""
+    return profile.low_max_w + ONSET_SHARE * (profile.compute_min_w - profile.low_max_w)
 
 
 # Power ramps between levels over 1-3 samples of a 100 ms trace (nvidia-smi averages power over
