@@ -338,6 +338,7 @@ def fit(
                 f"{_when(int(ts.min()), tz)}..{_when(int(ts.max()), tz)} (times in --tz {tz})"
             )
         lab[inside] = level
+        _one_level(a, b, level, inside & np.isfinite(power), power, limit, tz)
     held = ((ts // HOLD_OUT_BLOCK_MS) % HOLD_OUT_EVERY) == HOLD_OUT_EVERY - 1
     train = ~held & np.isfinite(power) & np.isfinite(util)
 
@@ -350,6 +351,7 @@ def fit(
     prof = _profile(named, limit, model, warnings, defaulted)
     _overlaps(named, limit, warnings)
     confusion, acc = _confusion(samples, rank, held, named, prof, grid_ms)
+    _check_labels(samples, rank, held, lab, named, prof, grid_ms)
     prof = replace(
         prof,
         centres={k: round(v.centre, 1) for k, v in named.items()},
@@ -365,6 +367,81 @@ def fit(
         },
     )
     return Fit(prof, named, confusion, acc, warnings, defaulted)
+
+
+# A label's samples fall into two levels when a second one holds this share of them and sits this
+# far (a ratio of centres) from the first: a checkpoint's writer and waiters (~135 and ~157 W on an
+# H100) are one level; compute at 551 W and waiters at 153 W are two.
+TWO_LEVEL_SHARE = 0.1
+TWO_LEVEL_RATIO = 1.5
+# A fitted profile must band at least this share of each labelled band's held-out samples as it.
+MIN_LABEL_AGREEMENT = 0.9
+
+
+def _one_level(
+    a: int, b: int, level: str, inside: np.ndarray, power: np.ndarray, limit: float, tz: str
+) -> None:
+    """Refuse a label whose samples are two power levels far apart: one label, one level."""
+    idx = np.flatnonzero(inside)
+    if idx.size < MIN_LABELLED:
+        return
+    found = modes(np.where(inside, power, np.nan), limit)
+    big = [f for f in found if f.size >= TWO_LEVEL_SHARE * idx.size]
+    if len(big) < 2:
+        return
+    centres = sorted(float(np.median(power[f])) for f in big)
+    if centres[-1] >= TWO_LEVEL_RATIO * centres[0]:
+        raise CalibrationError(
+            f"label {_when(a, tz)}..{_when(b, tz)}={level} spans two power levels (~{centres[-1]:.0f} W and "
+            f"~{centres[0]:.0f} W): a label holds one band; split it where the power changes"
+        )
+
+
+# What a fitted profile's bands say of a label: the label's level, or for time inside completed
+# steps (healthy) any valid level.
+_AGREES = {HEALTHY: ("compute", "communication", "starvation")}
+
+
+def _check_labels(
+    samples: Samples,
+    rank: np.ndarray,
+    held: np.ndarray,
+    lab: np.ndarray,
+    levels: dict[str, Level],
+    prof: Profile,
+    grid_ms: int,
+) -> None:
+    """Refuse a profile that misclassifies its own labels: classified with the real classifier,
+    each labelled band's held-out samples (all of them when too few are held out) must land in
+    that band at MIN_LABEL_AGREEMENT at least; an idle edge below the labelled idle's readings
+    is named."""
+    order = np.lexsort((samples.ts_ms, rank))
+    r, t = rank[order], samples.ts_ms[order]
+    p, u = samples.power_w[order], samples.util_pct[order]
+    res = bands_mod.classify(r, t, p, u, int(rank.max()) + 1, prof, grid_ms=grid_ms)
+    pred = np.asarray([BAND_LEVEL[Band(b)] for b in res.band])
+    lab_o, held_o = lab[order], held[order]
+    for name in sorted({str(x) for x in lab_o if x}):
+        mine = (lab_o == name) & np.isfinite(p)
+        if (mine & held_o).sum() >= MIN_LABELLED:
+            mine &= held_o
+        if mine.sum() < MIN_LABELLED:
+            continue
+        ok = np.isin(pred[mine], _AGREES.get(name, (name,)))
+        share = float(ok.mean())
+        if share >= MIN_LABEL_AGREEMENT:
+            continue
+        why = ""
+        if name == "idle" and "idle" in levels and prof.idle_max_w < levels["idle"].hi:
+            why = (
+                f": the idle edge ({prof.idle_max_w:.0f} W) clips the labelled idle "
+                f"(up to {levels['idle'].hi:.0f} W)"
+            )
+        shown = "healthy" if name == HEALTHY else name
+        raise CalibrationError(
+            f"the fitted profile bands only {100 * share:.0f}% of the {shown}-labelled samples as {shown}"
+            f"{why}; no profile written: check the labels and events"
+        )
 
 
 def _when(ms: int, tz: str) -> str:
@@ -412,6 +489,8 @@ def _profile(
         low_max = (low.hi + above_low) / 2 if above_low is not None else low.hi + 0.25 * (compute.lo - low.hi)
     else:
         low_max = min(d.low_max_w, compute_min * 0.9)
+        if idle is not None:  # above the labelled idle: an old board idles high (a TITAN X at 95 W)
+            low_max = min(max(low_max, 1.2 * idle.hi), compute_min * 0.95)
     if idle is not None and low is not None:
         idle_max = (idle.hi + low.lo) / 2
     elif idle is not None:
