@@ -41,8 +41,8 @@ def test_a_label_spanning_two_power_levels_is_refused():
     tr = Scenario.h100(seed=3, checkpoints=1, compute_s=40.0, checkpoint_s=10.0).build()
     st_ = spans(tr)
     (_, c0, c1), (_, k0, k1) = (
-        [x for x in st_ if x[0] == "compute"][0],
-        [x for x in st_ if x[0] == "checkpoint"][0],
+        next(x for x in st_ if x[0] == "compute"),
+        next(x for x in st_ if x[0] == "checkpoint"),
     )
     with pytest.raises(CalibrationError, match=r"spans two power levels \(~5\d\d W and ~1[3-6]\d W\)"):
         fit(tr.samples, labels=[(c0, k1, "compute")])  # compute and the checkpoint's waiters as one
@@ -64,8 +64,8 @@ def test_labelled_idle_of_an_old_board_is_not_clipped_by_a_derived_edge():
 def test_a_profile_that_misclassifies_its_own_labels_is_refused():
     tr = Scenario.h100(seed=4, checkpoints=1).build()
     st_ = spans(tr)
-    (_, c0, c1) = [x for x in st_ if x[0] == "compute"][0]
-    (_, i0, i1) = [x for x in st_ if x[0] == "idle"][0]
+    (_, c0, c1) = next(x for x in st_ if x[0] == "compute")
+    (_, i0, i1) = next(x for x in st_ if x[0] == "idle")
     # Idle readings labelled as compute: compute would sit at idle power; and compute labelled idle.
     with pytest.raises(CalibrationError):
         fit(tr.samples, labels=[(c0, c1, "idle"), (i0, i1, "compute")])
