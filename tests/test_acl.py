@@ -20,6 +20,7 @@ from costexporter.api.store import LedgerStore
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import write_nvidia_smi_csv
 from costexporter.store import acl, keys, ledger, migrate, protocol
+from costexporter.tools import preflight
 from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW, served
@@ -169,6 +170,15 @@ def test_a_trainer_reaches_its_own_job_and_no_other(server, tmp_path):
         for k in (key(PREFIX, other) for key in theirs):
             for fn, *args in trainer_writes(c, k):
                 assert refused(fn, *args), (other, k, fn.__name__)
+    # The pre-run gate's occupancy check reads the agents' node keys, and writes none.
+    admin.hset(keys.node_key(PREFIX, "gpu-host-1"), mapping={"0": "{}", "1": "{}"})
+    check = preflight.check_occupancy(
+        preflight.PreflightConfig(
+            job="mine", nodes=["gpu-host-1"], redis_url=url_as(server, *user), prefix=PREFIX
+        )
+    )
+    assert check.status == "pass", check
+    assert refused(c.hset, keys.node_key(PREFIX, "gpu-host-1"), "2", "{}")
     # Nor its own keys read back, nor under another prefix, nor the stream trimmed.
     assert refused(c.xrange, protocol.stream_key(PREFIX, "mine"))
     assert refused(c.xtrim, protocol.stream_key(PREFIX, "mine"), 0)
@@ -271,6 +281,7 @@ def test_every_rule_is_accepted_by_redis_as_printed(server, cli):
         line = r.stdout.strip()
         assert line.startswith(f"ACL SETUSER {user} on ") and "nopass" not in line
         assert admin.execute_command(*shlex.split(line)) in (b"OK", "OK", True)
+        assert ("covers every job" in r.stderr) == (role == "trainer" and not extra), r.stderr
         got = admin.execute_command("ACL", "GETUSER", user)
         assert got
         admin.execute_command("ACL", "DELUSER", user)

@@ -1,8 +1,9 @@
 """Least-privilege Redis ACL rules for each party (pure): the `ACL SETUSER` line of `costexporter acl`.
 
 Each party gets the commands its code really sends and the keys of its own sub-prefix
-(keys.py): a trainer appends to its own job's keys and can read or write nothing else, not the
-ledger its bill is made of, not another job's keys; the agents read what the trainers post and
+(keys.py): a trainer appends to its own job's keys and writes nothing else, not the ledger its
+bill is made of, not another job's keys (it reads only the agents' node keys, for the pre-run
+gate); the agents read what the trainers post and
 write the ledger; the watchers read both and write each job's state; the finance API only reads.
 The stream readers' hash (`<prefix>:r:`) is the agents' and the watchers'. No party gets a
 channel. Read-only access and the agent's one write to a trainer key (`XTRIM` of the event
@@ -37,8 +38,9 @@ def _cmds(text: str) -> tuple[str, ...]:
 # these rules against a real Redis: a command missing here fails them with NOPERM.
 COMMANDS: dict[str, tuple[str, ...]] = {
     # trainer/reporter.py's batch: XADD the events, HSET ranks and meta, ZADD the jobs index,
-    # INCR the registrations counter.
-    "trainer": _cmds("+xadd +hset +zadd +incr"),
+    # INCR the registrations counter; and `costexporter preflight`'s occupancy check, which
+    # reads the agents' node keys (HGETALL, read only).
+    "trainer": _cmds("+xadd +hset +zadd +incr +hgetall"),
     # services/agent.py, services/k8s.py, store/ledger.py and store/reader.py: discovery, the
     # booking round (WATCH the watermark, MULTI ... EXEC, the rollup script and the commands in
     # it), live and sample streams, idle levels, node keys, the readers hash and trimming.
@@ -102,7 +104,8 @@ def key_patterns(role: str, prefix: str, scope: Scope = Scope()) -> list[str]:
     t = lambda *p: keys.ns_key(prefix, keys.TRAINER, *p)  # noqa: E731
     ns = lambda n: keys.ns_key(prefix, n, "*")  # noqa: E731
     if role == "trainer":
-        return [f"~{t('{' + scope.tag() + '}', '*')}", f"~{t('jobs')}", f"~{t('registrations')}"]
+        own = [f"~{t('{' + scope.tag() + '}', '*')}", f"~{t('jobs')}", f"~{t('registrations')}"]
+        return [*own, f"%R~{keys.node_key(prefix, '*')}"]
     if role == "agent":
         return [f"%R~{ns(keys.TRAINER)}", f"~{ns(keys.AGENT)}", f"~{ns(keys.READERS)}"]
     if role == "watcher":

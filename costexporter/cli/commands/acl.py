@@ -54,3 +54,9 @@ def acl(role, job, team, user, prefix, password_stdin, cluster, fmt) -> None:
     except rules.AclError as e:
         raise InputFailure(str(e)) from None
     click.echo(rules.setuser_line(args) if fmt == "setuser" else rules.aclfile_line(args))
+    if role == "trainer" and job is None and team is None:
+        click.echo(
+            "costexporter acl: this trainer rule covers every job's keys (not the ledger): "
+            "give --job or --team to confine it",
+            err=True,
+        )
