@@ -553,3 +553,29 @@ def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(clus
     with pytest.raises(ledger.Conflict):  # and a stale expectation is refused before MULTI
         ledger.commit(r, prefix, job, agent, raw, {"booked_until": 4}, queue)
     assert ledger.load_watermark(r, prefix, job, agent) == {"booked_until": 1}
+
+
+def test_the_legacy_keyspace_moves_on_the_cluster(cluster):
+    """A job's keys are renamed in their slot (the hash tag picks it); the keys across jobs, whose
+    old and new names lie in different slots, are copied with their TTL and removed."""
+    from costexporter.store import keys, migrate
+
+    r = redisconn.from_url(cluster.url, decode_responses=True)
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    jobs = [f"job-{i}" for i in range(6)]
+    for j in jobs:
+        r.xadd(keys.legacy_job_key(prefix, j, "events"), {"v": "1", "job": j})
+        r.set(keys.legacy_job_key(prefix, j, "wm", "a"), '{"booked_until": 7}')
+        r.zadd(keys.legacy_key(prefix, "jobs"), {j: 1.0})
+    r.set(keys.legacy_key(prefix, "epoch"), "e1")
+    r.set(keys.legacy_key(prefix, "gpu", "GPU-1", "idle"), "{}", ex=3600)
+    old_slots = {r.keyslot(keys.legacy_key(prefix, "jobs")), r.keyslot(protocol.jobs_key(prefix))}
+    assert len(old_slots) == 2  # a cross-slot move is exercised
+    report = migrate.migrate(r, prefix)
+    assert report.moved == 2 * len(jobs) + 3 and not report.conflicts, report
+    assert r.zrange(protocol.jobs_key(prefix), 0, -1) == sorted(jobs)
+    assert r.get(keys.epoch_key(prefix)) == "e1" and 0 < r.ttl(keys.gpu_idle_key(prefix, "GPU-1")) <= 3600
+    for j in jobs:
+        assert r.xlen(protocol.stream_key(prefix, j)) == 1
+        assert r.get(keys.watermark_key(prefix, j, "a")) == '{"booked_until": 7}'
+    assert migrate.legacy_keys(r, prefix) == []

@@ -206,10 +206,13 @@ def forward(client: Any, prefix: str) -> Report:
 def move(client: Any, old: str, new: str, kind: str, report: Report) -> None:
     """Move one key: rename it when `new` is free, else resolve the collision by `kind`."""
     import redis
+    from redis.exceptions import RedisClusterException
 
     try:
+        if redisconn.is_cluster(client) and client.keyslot(old) != client.keyslot(new):
+            raise RedisClusterException("CROSSSLOT")  # the cluster client would refuse it itself
         renamed = client.renamenx(old, new)
-    except redis.ResponseError as e:
+    except (redis.ResponseError, RedisClusterException) as e:
         text = str(e)
         if "no such key" in text.lower():
             return  # moved by another agent meanwhile, or expired
