@@ -222,7 +222,9 @@ def _segments(starts: np.ndarray, n_gpus: int, n_slots: int) -> list[tuple[int, 
                 # Starts off the count speak against it, and so do instants it expects where no
                 # start shows (a smaller block always fits more starts).
                 unseen = max((int(seen[-1]) - c) // size - on_count, 0) if seen.size else 0
-                score = on_count - (seen.size - on_count) - 0.5 * unseen
+                score = (
+                    on_count - (seen.size - on_count) - unseen + 3 * (size == n)
+                )  # inertia: keep the block size
                 if score > best[0]:
                     best = (score, size, c)
         n_new, new_a = int(best[1]), int(best[2])

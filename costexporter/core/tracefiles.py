@@ -294,7 +294,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if invalid:
         line_of_row = np.setdiff1d(np.arange(2, total_lines + 1), np.asarray(invalid))
     else:
-        line_of_row = range(2, n + 2)  # type: ignore[assignment]  # indexed like the array
+        line_of_row = np.arange(2, n + 2, dtype=np.int64)
     last_line = total_lines
     for num in invalid:
         if num == last_line and not ends_with_newline:
@@ -367,7 +367,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
             ts_ms,
             drop,
             lambda line, reason, why: diag.warn(str(path), line, reason, why),
-            np.asarray(line_of_row, np.int64),
+            line_of_row,
             skip=skip,
             power=power,
             memory=(lambda: _numeric(col["memory.used"])[0]) if "memory.used" in col else None,
@@ -379,7 +379,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     _say_missing_gpus(
         index if keep is None else index[keep],
         ts_ms if keep is None else ts_ms[keep],
-        np.asarray(line_of_row, np.int64) if keep is None else np.asarray(line_of_row, np.int64)[keep],
+        line_of_row if keep is None else line_of_row[keep],
         lambda line, why: diag.warn(str(path), line, "gpu_missing", why),
     )
     if (keep is not None and keep.size == 0) or n == 0:
@@ -399,7 +399,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if "power.limit" in col:
         lim = _numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
         limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
-    lines = np.asarray(line_of_row, np.int64) if invalid else np.arange(2, n + 2, dtype=np.int64)
+    lines = line_of_row
     if keep is not None:
         index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
         lines = lines[keep]
@@ -502,25 +502,34 @@ def _positional_index(
     skip = np.zeros(n, bool) if skip is None else skip
     # Each GPU line's place: rows and rejected lines in file order, without the non-lines.
     extra = np.asarray(sorted(invalid_lines or []), np.int64)
-    is_line = ~skip
-    lines = line_of_row[is_line]
-    all_lines = np.union1d(lines, extra) if extra.size else lines
-    slot_of_row = np.full(n, -1, np.int64)
-    slot_of_row[is_line] = np.searchsorted(all_lines, lines)
-    valid = is_line & ~drop
-    rows = np.flatnonzero(is_line)
+    if not extra.size and not skip.any():  # the usual file: rows are the lines
+        slot_of_row = rows = np.arange(n)
+        all_lines = line_of_row
+        valid = ~drop
+    else:
+        is_line = ~skip
+        lines = line_of_row[is_line]
+        all_lines = np.union1d(lines, extra) if extra.size else lines
+        slot_of_row = np.full(n, -1, np.int64)
+        slot_of_row[is_line] = np.searchsorted(all_lines, lines)
+        valid = is_line & ~drop
+        rows = np.flatnonzero(is_line)
     index = np.full(n, -1, np.int64)
     if rows.size == 0:
         return index
+    every = rows.size == n
     gpu, notes = numbering.number_lines(
-        slot_of_row[rows],
-        ts_ms[rows],
-        valid[rows],
+        slot_of_row if every else slot_of_row[rows],
+        ts_ms if every else ts_ms[rows],
+        valid if every else valid[rows],
         int(all_lines.size),
-        None if power is None else power[rows],
-        None if memory is None else (lambda: memory()[rows]),
+        None if power is None else (power if every else power[rows]),
+        None if memory is None else (memory if every else (lambda: memory()[rows])),
     )
-    index[rows] = gpu[slot_of_row[rows]]
+    if every and gpu.size == n:
+        index = gpu
+    else:
+        index[rows] = gpu[slot_of_row[rows]]
     if warn is not None:
         for note in notes:
             first_line = int(all_lines[note.first])
