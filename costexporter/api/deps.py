@@ -18,6 +18,7 @@ from costexporter.api.cache import ResponseCache
 from costexporter.api.export import FocusSettings
 from costexporter.api.store import LedgerStore, Warnings
 from costexporter.api.windows import ACCEPTED, Window, WindowError, parse_window
+from costexporter.api.windows import PATTERN as WINDOW_PATTERN
 
 
 @dataclass
@@ -60,7 +61,12 @@ async def principal(
 
 
 async def window(
-    cfg: Config, window: Annotated[str | None, Query(description=ACCEPTED, max_length=120)] = None
+    cfg: Config,
+    window: Annotated[
+        str | None,
+        # the pattern documents the syntax; parse_window checks it, with a 400 (never a 422)
+        Query(description=ACCEPTED, max_length=120, json_schema_extra={"pattern": WINDOW_PATTERN}),
+    ] = None,
 ) -> Window:
     try:
         return parse_window(window, cfg.tz)

@@ -67,18 +67,25 @@ def timestamp(v: object) -> float | None:
     return t if math.isfinite(t) and 0 <= t < LATEST_TS else None
 
 
+INT64 = 1 << 63  # what HINCRBY can hold: a larger amount was never the ledger's (HSET by hand)
+
+
 def number(v: object) -> int | None:
-    """A stored integer (counts, amounts), or None."""
+    """A stored integer (counts, amounts) that fits Redis's 64-bit integers, or None (a
+    40-digit amount would overflow every sum and format it enters)."""
     if isinstance(v, bool):
         return None
     try:
-        return int(v)  # type: ignore[call-overload]
+        n = int(v)  # type: ignore[call-overload]
     except (TypeError, ValueError, OverflowError):
         try:
             f = float(v)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             return None
-        return int(f) if math.isfinite(f) and f == int(f) else None
+        if not (math.isfinite(f) and f == int(f)):
+            return None
+        n = int(f)
+    return n if -INT64 <= n < INT64 else None
 
 
 def decimal(v: object) -> Decimal | None:

@@ -20,6 +20,28 @@ ACCEPTED = (
     "month, lastmonth), an RFC 3339 pair 'start,end' or a Unix-seconds pair 'start,end'"
 )
 DURATION = re.compile(r"^(\d{1,6})([mhdw])$")
+CALENDAR_WORDS = ("today", "yesterday", "week", "lastweek", "month", "lastmonth")
+
+
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" for c in word)
+
+
+# What `parse_window` reads, as a regular expression in the subset JSON Schema (ECMA 262) and
+# Python share: the OpenAPI documents it as the parameter's `pattern`. A string that matches it is
+# refused only for what a pattern cannot say (a span of 0 or over 400 days, an end before its
+# start, a date that is not in the calendar, outside 1970-3000), with a 400 that says which.
+_UNIX = r"[0-9]{9,11}(\.[0-9]+)?"
+_RFC3339 = (
+    r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt ]([01][0-9]|2[0-3]):[0-5][0-9]"
+    r"(:[0-5][0-9](\.[0-9]{1,6})?)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+)
+_INSTANT = rf"\s*({_UNIX}|{_RFC3339})\s*"
+PATTERN = (
+    r"^\s*([0-9]{1,6}[mhdwMHDW]|"
+    + "|".join(_any_case(w) for w in CALENDAR_WORDS)
+    + rf"|{_INSTANT},{_INSTANT})?\s*$"  # (empty: the default window)
+)
 UNIT_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 MAX_SPAN_S = 400 * 86400  # a window longer than this is surely a typo
 LATEST = 32_503_680_000  # 3000-01-01T00:00:00Z: windows lie between 1970 and 3000
@@ -61,9 +83,14 @@ def _instant(text: str) -> float:
     t = text.strip()
     if re.fullmatch(r"\d{9,11}(\.\d+)?", t):
         return float(t)
+    if re.fullmatch(_RFC3339, t):  # RFC 3339 allows a lower-case t and z; fromisoformat does not
+        t = t[:10] + "T" + t[11:]
+        t = t[:-1] + "+00:00" if t[-1] in "Zz" else t
     try:
         d = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:
+        if re.fullmatch(_RFC3339, text.strip()):
+            raise WindowError(f"{text!r} is not a date in the calendar") from None
         raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds") from None
     if d.tzinfo is None:
         raise WindowError(f"{text!r} has no time zone offset (RFC 3339 needs one, e.g. Z or +08:00)")
@@ -75,7 +102,7 @@ def _instant(text: str) -> float:
 
 def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, default: str = "30d") -> Window:
     """Resolve a window; raises WindowError with a message for the client."""
-    raw = (text or default).strip()
+    raw = (text or "").strip() or default
     now = time.time() if now is None else now
     zone = ZoneInfo(tz)
     today = dt.datetime.fromtimestamp(now, zone).date()

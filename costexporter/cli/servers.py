@@ -70,20 +70,27 @@ def index_in_background(store) -> None:
     threading.Thread(target=run, name="costexporter-incident-index", daemon=True).start()
 
 
-def serve_in_thread(app, listen: str, port: int) -> None:
-    """The API on a daemon thread beside an agent or the demo, which own the signals (SIGTERM)."""
+def serve_in_thread(app, listen: str, port: int, limits=None) -> None:
+    """The API on a daemon thread beside an agent or the demo, which own the signals (SIGTERM)
+    and the logging."""
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=listen, port=port, log_level="warning"))
+    from costexporter.api.server import ServerLimits, config
+
+    cfg = config(app, listen, port, limits or ServerLimits(), "warning", own_logging=False)
+    server = uvicorn.Server(cfg)
     # The owner of the process handles SIGTERM (uvicorn.Server reads this attribute when it starts).
     server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
 
 
-def serve_forever(app, listen: str, port: int) -> None:
-    """The API in the foreground (`costexporter api`): uvicorn owns the signals."""
+def serve_forever(app, listen: str, port: int, limits=None) -> None:
+    """The API in the foreground (`costexporter api`): uvicorn owns the signals and the logging
+    (bounded: the same line at most once every few seconds)."""
     import uvicorn
 
-    uvicorn.run(app, host=listen, port=port, log_level="info")
+    from costexporter.api.server import ServerLimits, config
+
+    uvicorn.Server(config(app, listen, port, limits or ServerLimits(), "info", own_logging=True)).run()

@@ -253,6 +253,19 @@ BAD_STORED = [
         "amounts",
     ),
     (
+        "total 40 digits",
+        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "total"), "productive:ucost", "9" * 40),
+        "amounts",
+    ),
+    (
+        "bucket 40 digits",
+        lambda r, p, j: (
+            ledger.drop_rollup(r, p, j),
+            r.hset(ledger.key(p, j, "ledger", "1h", str(T0 // 3600 * 3600)), "productive:ms", "9" * 40),
+        ),
+        "amounts",
+    ),
+    (
         "bucket wrong type",
         lambda r, p, j: (
             ledger.drop_rollup(r, p, j),
@@ -296,6 +309,20 @@ BAD_STORED = [
                     "zero_util_ranks": ["0"],
                 }
             ),
+        ),
+        "incident",
+    ),
+    (
+        "incident deep JSON",
+        lambda r, p, j: r.hset(ledger.incidents_key(p, j, "agent-1"), "x", "[" * 200_000 + "]" * 200_000),
+        "incident",
+    ),
+    (
+        "incident deep object",
+        lambda r, p, j: r.hset(
+            ledger.incidents_key(p, j, "agent-1"),
+            "y",
+            '{"category": ' + '{"a": ' * 100_000 + "1" + "}" * 100_001,
         ),
         "incident",
     ),

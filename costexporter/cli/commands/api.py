@@ -54,6 +54,39 @@ from costexporter.cli.servers import api_app, serve_forever
     default=None,
     help="Cluster name of jobs whose meta names none (the OpenCost endpoint's `cluster`).",
 )
+@click.option(
+    "--header-timeout",
+    envvar="COSTEXPORTER_API_HEADER_TIMEOUT",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="Seconds a client has to send a request's head (line and headers); then it is closed.",
+)
+@click.option(
+    "--body-timeout",
+    envvar="COSTEXPORTER_API_BODY_TIMEOUT",
+    type=click.FloatRange(min=0.1),
+    default=30.0,
+    show_default=True,
+    help="Seconds a client has to send a request's body after its head.",
+)
+@click.option(
+    "--keep-alive-timeout",
+    envvar="COSTEXPORTER_API_KEEP_ALIVE_TIMEOUT",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Seconds an idle kept-alive connection stays open.",
+)
+@click.option(
+    "--max-connections",
+    envvar="COSTEXPORTER_API_MAX_CONNECTIONS",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Connections open at once (kept under the file-descriptor limit); past it the one "
+    "waiting longest for its request head is closed.",
+)
 @click.option("--focus-provider", default="costexporter", show_default=True, help="FOCUS ProviderName.")
 @click.option("--focus-publisher", default=None, help="FOCUS PublisherName (default: the provider).")
 @click.option(
@@ -73,5 +106,13 @@ def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token, 
 
         click.echo(h(hash_token))
         return
+    from costexporter.api.server import ServerLimits
+
     check_port(listen, port, "--port")
-    serve_forever(api_app(redis_url, prefix, tokens_file, currency, tz, **options), listen, port)
+    limits = ServerLimits(
+        header_timeout_s=options.pop("header_timeout"),
+        body_timeout_s=options.pop("body_timeout"),
+        keep_alive_s=options.pop("keep_alive_timeout"),
+        max_connections=options.pop("max_connections"),
+    )
+    serve_forever(api_app(redis_url, prefix, tokens_file, currency, tz, **options), listen, port, limits)
