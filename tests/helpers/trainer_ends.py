@@ -19,6 +19,8 @@ def start() -> StepReporter:
     for s in range(1, 6):
         rep.step(s, tokens=10)
     rep.flush(5)
+    if how.startswith("signal") or how == "own_sigterm_handler":
+        rep.step(6)  # not flushed: the signal path must still send it
     print("stepping", flush=True)
     return rep
 
@@ -87,7 +89,6 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         print("handler", flush=True)
     if how.startswith("signal") or how == "own_sigterm_handler":
-        rep.step(6)  # not flushed: the signal path must still send it
         time.sleep(60)
         raise SystemExit("not killed")
 
