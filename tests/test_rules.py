@@ -29,6 +29,8 @@ def _run(tmp_path: Path, rule_file: Path, tests: list[dict], interval: str = "1m
     for t in tests:  # every alert links its runbook: expected wherever annotations are
         for check in t.get("alert_rule_test", []):
             for exp in check["exp_alerts"]:
+                if "exp_labels" in exp:  # every alert of the rules says it is theirs
+                    exp["exp_labels"].setdefault("source", "rules")
                 if "exp_annotations" in exp:
                     exp["exp_annotations"].setdefault("runbook_url", runbook_url(check["alertname"]))
     doc = {"rule_files": [str(rule_file)], "evaluation_interval": interval, "tests": tests}

@@ -6,9 +6,13 @@ lets its alerts expire rather than fire for ever), and posts `endsAt = now` when
 the state: the alert is resolved. Only the alerting states (`crashed`, `hung`, `starving`,
 `unknown`) are alerts; `running` and `done` are states, and resolve the job's alert.
 
-The alert's identity is its labels (`alertname`, `training_job`, `severity`): the suspect and
-the reason are annotations, so a suspect named later updates the alert instead of opening a
-second one. Times are the wall clock (Alertmanager's), whatever clock the watcher judges by.
+The alert's identity is its labels (`alertname`, `training_job`, `severity`, `source="watcher"`,
+and `cluster` when the watcher is given one): the suspect and the reason are annotations, so a
+suspect named later updates the alert instead of opening a second one. `source` keeps these
+alerts apart from the same-named ones the Prometheus rules raise (`source="rules"`) from the
+watcher's exported state: the two paths never merge into one alert whose annotations flip or
+whose resolve by one path ends the other's. Times are the wall clock (Alertmanager's), whatever
+clock the watcher judges by.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ class _Firing:
     posted: float  # wall clock of the last post
 
 
-def postable(job: str, st: Status, starts: float, ends: float, generator_url: str = "") -> dict:
+SOURCE = "watcher"  # the `source` label of the alerts this path posts (the rules' are "rules")
+
+
+def postable(
+    job: str, st: Status, starts: float, ends: float, generator_url: str = "", cluster: str | None = None
+) -> dict:
     """One alert in the shape of Alertmanager's `postableAlert`."""
     suspect = st.suspect or {}
     annotations = {
@@ -46,12 +55,16 @@ def postable(job: str, st: Status, starts: float, ends: float, generator_url: st
         annotations["suspect_rank"] = str(suspect["rank"])
     if suspect.get("why"):
         annotations["suspect"] = str(suspect["why"])
+    labels = {
+        "alertname": "Job" + st.state.capitalize(),
+        "training_job": job,
+        "severity": severity(st.state),
+        "source": SOURCE,
+    }
+    if cluster:
+        labels["cluster"] = cluster
     return {
-        "labels": {
-            "alertname": "Job" + st.state.capitalize(),
-            "training_job": job,
-            "severity": severity(st.state),
-        },
+        "labels": labels,
         "annotations": annotations,
         "startsAt": iso_utc(starts),
         "endsAt": iso_utc(ends),
@@ -72,11 +85,13 @@ class Alertmanager:
         backoff_s: float = 0.5,
         clock: Callable[[], float] = time.time,
         generator_url: str = "",
+        cluster: str | None = None,
     ) -> None:
         self.url = base_url.rstrip("/") + ALERTS_PATH
         self.resend_s = resend_s
         self.clock = clock
         self.generator_url = generator_url
+        self.cluster = cluster
         self.firing: dict[str, _Firing] = {}
         self.last: dict[str, Status] = {}
         self.sender = Webhook(self.url, retries, timeout_s, backoff_s)
@@ -92,7 +107,7 @@ class Alertmanager:
         for job, st in decided.items():
             cur = self.firing.get(job)
             if cur is not None and cur.state != st.state:  # left the alerting state: resolve it
-                out.append(postable(job, self.last[job], cur.started, now, self.generator_url))
+                out.append(postable(job, self.last[job], cur.started, now, self.generator_url, self.cluster))
                 del self.firing[job]
                 cur = None
             if st.state in ALERTING:
@@ -103,7 +118,7 @@ class Alertmanager:
                 )
                 if now - cur.posted >= self.resend_s or cur.posted == 0.0 or changed:
                     ends = now + RESEND_FACTOR * self.resend_s
-                    out.append(postable(job, st, cur.started, ends, self.generator_url))
+                    out.append(postable(job, st, cur.started, ends, self.generator_url, self.cluster))
                     cur.posted = now
             self.last[job] = st
         if out:

@@ -491,6 +491,15 @@ class WatchCollector(Collector):
         for outcome in ("sent", "retries", "failed", "dropped"):
             wh.add_metric([outcome], s["webhook"].get(outcome, 0))
         yield wh
+        am = CounterMetricFamily(
+            "costexporter_watch_alertmanager_posts",
+            "Posts of alerts to Alertmanager by outcome (sent; retries; failed: given up after the "
+            "retries; dropped: the queue was full).",
+            labels=["outcome"],
+        )
+        for outcome in ("sent", "retries", "failed", "dropped"):
+            am.add_metric([outcome], s["alertmanager"].get(outcome, 0))
+        yield am
         regs = CounterMetricFamily(
             "costexporter_registrations_rejected",
             "Ranks entries (registrations) refused, by job and reason.",

@@ -98,6 +98,9 @@ class WatchConfig:
     # every alertmanager_resend_s while they last, resolved when they end.
     alertmanager_url: str | None = None
     alertmanager_resend_s: float = 60.0
+    # The `cluster` label of the alerts posted to Alertmanager (as Prometheus's external labels
+    # give the rules' alerts one), so the two paths' alerts of one job share it.
+    cluster: str | None = None
     profile: Profile | None = None
     profile_dir: Path | None = None  # fitted profiles, matched by the job's GPU model
     watcher_id: str = "watcher"
@@ -359,7 +362,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     progress: dict[str, Any] = dict(  # Status's progress fields
         last_step=last.step if last else None,
         last_step_ts=last.ts_ms / 1000 if last else None,
-        seconds_since_last_step=round(now - last.ts_ms / 1000, 3) if last else None,
+        seconds_since_last_step=since_step(now, last.ts_ms / 1000) if last else None,
         stall_threshold_s=tl.stall_threshold_ms / 1000,
     )
     if tl.end_ms is not None:
@@ -608,6 +611,7 @@ def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:
         else "warning"
         if st.state in ALERTING
         else "info",
+        "source": "watcher",
     }
     if st.suspect and st.suspect.get("rank") is not None:
         labels["suspect_rank"] = str(st.suspect["rank"])
@@ -728,8 +732,15 @@ def _still_done(prev: Status, now: float) -> Status:
     """`decide` for a job it found `done` whose view has had no event since, at a later `now`:
     an ended run stays ended and its last step stays its last, so only the time since that step
     moves (a watcher of a day's jobs holds many ended ones; they cost nothing to re-judge)."""
-    since_step = None if prev.last_step_ts is None else round(now - prev.last_step_ts, 3)
-    return dataclasses.replace(prev, updated=now, seconds_since_last_step=since_step)
+    since = None if prev.last_step_ts is None else since_step(now, prev.last_step_ts)
+    return dataclasses.replace(prev, updated=now, seconds_since_last_step=since)
+
+
+def since_step(now: float, step_ts: float) -> float:
+    """Seconds from a step to `now`, never below 0: a trainer whose clock runs ahead of the
+    watcher's dates its steps in the watcher's future, and a negative age would read as a step
+    yet to come (the step is as fresh as can be: 0)."""
+    return max(0.0, round(now - step_ts, 3))
 
 
 class Watcher:
@@ -771,6 +782,7 @@ class Watcher:
                 retries=cfg.webhook_retries,
                 timeout_s=cfg.webhook_timeout_s,
                 backoff_s=cfg.webhook_backoff_s,
+                cluster=cfg.cluster,
             )
         self.lock = threading.Lock()
         self._stop = threading.Event()

@@ -135,6 +135,24 @@ def for_speed(w: RuleWindows, speed: float, interval_s: float = SPEED_INTERVAL_S
     return replace(w, **kw)
 
 
+# The `source` label of every alert here: the watcher posts its own (JobHung, JobCrashed, ...)
+# to Alertmanager as `source="watcher"`, and the two paths stay two alerts.
+SOURCE = "rules"
+
+
+def with_cluster(expr: str) -> str:
+    """`expr` aggregated and matched per cluster as well: jobs of the same name in two clusters
+    that one Prometheus scrapes (the `cluster` label its targets or external labels give) stay
+    apart. Where no series has a `cluster` label, the results are the same as without it."""
+    for a, b in (
+        ("by (training_job", "by (cluster, training_job"),
+        ("on (training_job", "on (cluster, training_job"),
+        ("on (host, gpu)", "on (cluster, host, gpu)"),
+    ):
+        expr = expr.replace(a, b)
+    return expr
+
+
 def rules(w: RuleWindows) -> dict:
     not_ended = "unless on (training_job) (max by (training_job) (costexporter_job_ended) == 1)"
     cost_rising = f"(sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])) > 0)"
@@ -157,6 +175,11 @@ def rules(w: RuleWindows) -> dict:
     # A job without steps (a Kubernetes pod booked by band) never makes step progress.
     stepless = 'max by (training_job) (costexporter_job_info{progress="none"})'
     slope = f"({slope})\nunless on (training_job) {stepless}"
+    # The watcher's own verdict covers a job it finds hung or crashed (JobHung, JobCrashed): no
+    # second critical page for the same stop, also not while JobHung has cleared and JobCrashed
+    # waits out its `for` (the state went hung -> crashed).
+    stopped = 'max by (training_job) (costexporter_job_state{costexporter_job_state=~"hung|crashed"})'
+    slope = f"({slope})\nunless on (training_job) ({stopped} == 1)"
 
     deadlock = (
         "max by (training_job, rank, host, gpu) (\n"
@@ -239,7 +262,7 @@ def rules(w: RuleWindows) -> dict:
             "alert": name,
             "expr": expr,
             "for": for_,
-            "labels": {"severity": severity},
+            "labels": {"severity": severity, "source": SOURCE},
             "annotations": {"summary": summary, "description": description},
         }
 
@@ -317,6 +340,8 @@ def rules(w: RuleWindows) -> dict:
     ]
     for a in alerts:
         a["annotations"]["runbook_url"] = runbook_url(a["alert"])
+    for r in records + alerts:
+        r["expr"] = with_cluster(r["expr"])
     return {
         "groups": [
             {"name": "costexporter.records", "interval": w.group_interval, "rules": records},

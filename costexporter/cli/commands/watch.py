@@ -61,6 +61,13 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "to its /api/v2/alerts and resolved when they end.",
 )
 @click.option(
+    "--cluster",
+    envvar="COSTEXPORTER_CLUSTER",
+    default=None,
+    help="The `cluster` label of the alerts posted to Alertmanager (the one Prometheus gives the "
+    "rules' alerts), so both paths' alerts of a job share it.",
+)
+@click.option(
     "--alertmanager-resend",
     type=click.FloatRange(min=0.1),
     default=60.0,
@@ -89,6 +96,7 @@ def watch(
     webhook_retries,
     alertmanager_url,
     alertmanager_resend,
+    cluster,
     listen,
     port,
     gpu_model,
@@ -126,6 +134,7 @@ def watch(
         webhook_retries=webhook_retries,
         alertmanager_url=alertmanager_url,
         alertmanager_resend_s=alertmanager_resend,
+        cluster=cluster or None,
         profile=profile,
         profile_dir=profile_dir,
     )

@@ -1,0 +1,210 @@
+"""The watcher's alert path beside the rules' one: its own identity (`source="watcher"`), a
+counter of failed posts to Alertmanager, and the age of the last step never negative when a
+trainer's clock runs ahead of the watcher's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.exposition import generate_latest
+
+from costexporter.core.timeutil import iso_utc
+from costexporter.services.alertmanager import Alertmanager, postable
+from costexporter.services.exporter import watch_registry
+from costexporter.services.watcher import Status, Watcher, decide
+
+from .conftest import SHARED_URL
+from .redis_server import free_port
+from .test_rules import SHIPPED, J, _case, _run, _series, _slope_alert, _slope_series
+from .test_watcher import CFG, T0, beats, registered, steps, view
+
+
+@given(ahead=st.floats(0.001, 3600))
+def test_seconds_since_last_step_is_never_negative_when_the_trainer_runs_ahead(ahead):
+    v = view(registered() + steps(1, 20) + beats(100))  # the last step at T0 + 100
+    st_ = decide(v, T0 + 100 - ahead, CFG)  # the watcher's clock behind the trainer's
+    assert st_.last_step is not None, st_
+    assert st_.seconds_since_last_step is not None and st_.seconds_since_last_step >= 0.0
+    later = decide(v, T0 + 130, CFG)
+    assert later.seconds_since_last_step == pytest.approx(30)
+
+
+def test_the_watchers_alerts_carry_their_source():
+    a = postable("j", Status("hung", "no step for 30 min", T0, T0), T0, T0 + 60)
+    assert a["labels"] == {
+        "alertname": "JobHung", "training_job": "j", "severity": "critical", "source": "watcher"
+    }
+    c = postable("j", Status("hung", "x", T0, T0), T0, T0 + 60, cluster="east")
+    assert c["labels"]["cluster"] == "east"
+
+
+def test_failed_alertmanager_posts_are_counted_and_exported(prefix):
+    """Alertmanager down (nothing listens): every post fails after its retries and the watcher's
+    /metrics says so, by outcome."""
+    from costexporter.services.watcher import WatchConfig
+
+    cfg = WatchConfig(
+        redis_url=SHARED_URL,
+        prefix=prefix,
+        alertmanager_url=f"http://127.0.0.1:{free_port()}",
+        webhook_retries=1,
+        webhook_timeout_s=0.5,
+        webhook_backoff_s=0.01,
+    )
+    w = Watcher(cfg)
+    try:
+        assert isinstance(w.alertmanager, Alertmanager)
+        w.alertmanager.update({"j": Status("crashed", "heartbeats gone", T0, T0)})
+        w.alertmanager.drain(20)
+        assert w.alertmanager.stats["failed"] == 1 and w.alertmanager.stats["sent"] == 0
+        text = generate_latest(watch_registry(w)).decode()
+        assert 'costexporter_watch_alertmanager_posts_total{outcome="failed"} 1.0' in text
+        assert 'costexporter_watch_alertmanager_posts_total{outcome="sent"} 0.0' in text
+    finally:
+        w.stop()
+
+
+# ---- the rules' path: promtool runs the shipped rules --------------------------------------------
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+
+
+def _states60(states: dict[str, str], suspect: str = "3x60", labels: str = J) -> list[dict]:
+    out = [_series("costexporter_job_suspect_rank", labels, suspect)]
+    for s in ("running", "done", "crashed", "hung", "starving", "unknown"):
+        out.append(
+            _series("costexporter_job_state", f'{labels},costexporter_job_state="{s}"', states.get(s, "0x60"))
+        )
+    return out
+
+
+CRASHED = {
+    "exp_labels": {"severity": "critical", "training_job": "j", "source": "rules"},
+    "exp_annotations": {
+        "summary": "j crashed",
+        "description": "The watcher reports crashed: heartbeats gone and no run end; suspect rank 3.",
+    },
+}
+
+
+@needs_promtool
+def test_no_cost_slope_page_between_hung_and_crashed(tmp_path):
+    """Hung for 30 minutes (steps stopped at minute 20), then crashed, the cost still rising:
+    JobHung pages, then JobCrashed after its `for`; CostSlopeWithoutSteps never pages, neither
+    during the hang nor in the gap where JobHung has cleared and JobCrashed is still pending."""
+    n = "CostSlopeWithoutSteps"
+    series = _slope_series("1000+60x20 2200x40") + _states60(
+        {"running": "1x20 0x39", "hung": "0x20 1x29 0x9", "crashed": "0x50 1x9"}
+    )  # hung from minute 21 to 50, crashed from 51
+    checks = [(t, n, []) for t in ("35m", "45m", "50m", "51m", "52m", "55m", "59m")]
+    checks += [("50m", "JobCrashed", []), ("51m", "JobHung", []), ("51m", "JobCrashed", [])]
+    checks += [("53m", "JobCrashed", [dict(CRASHED)])]
+    _run(tmp_path, SHIPPED, [_case(series, checks)])
+    # the same story where the watcher says nothing: the slope alert still pages (the rule was
+    # not silenced, only stood aside for the watcher's verdict)
+    alone = _slope_series("1000+60x20 2200x40")
+    _run(tmp_path, SHIPPED, [_case(alone, [("35m", n, _slope_alert("35.00"))])])
+
+
+REC = "training_job:costexporter_cost:sum"
+
+
+@needs_promtool
+def test_same_named_jobs_of_two_clusters_stay_apart(tmp_path):
+    """One Prometheus scraping two clusters (a `cluster` label on their series): a job named
+    alike in both is two recorded costs and two alerts, not one merged."""
+    series = []
+    for c, rate in (("east", 1), ("west", 3)):
+        labels = f'{J},cluster="{c}",category="productive",currency="USD"'
+        series.append(_series("costexporter_cost_total", labels, f"0+{rate}x60"))
+        series += _states60({"crashed": "1x60"}, labels=f'{J},cluster="{c}"')
+    test = _case(series, [("10m", "JobCrashed", [
+        {**CRASHED, "exp_labels": {**CRASHED["exp_labels"], "cluster": c}} for c in ("east", "west")
+    ])])  # fmt: skip
+    test["promql_expr_test"] = [{
+        "expr": REC, "eval_time": "10m",
+        "exp_samples": [
+            {"labels": f'{REC}{{cluster="{c}",currency="USD",training_job="j"}}', "value": v}
+            for c, v in (("east", 10), ("west", 30))
+        ],
+    }]  # fmt: skip
+    _run(tmp_path, SHIPPED, [test])
+
+
+# ---- the shipped Alertmanager config, on a real Alertmanager -----------------------------------
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+SHIPPED_AM = SHIPPED.parents[1] / "docker" / "alertmanager" / "alertmanager.yml"
+
+
+def _post(base: str, alerts: list[dict]) -> None:
+    req = urllib.request.Request(
+        f"{base}/api/v2/alerts", json.dumps(alerts).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.status == 200
+
+
+def _alert(name: str, source: str, job: str = "j", **labels: str) -> dict:
+    now = time.time()
+    return {
+        "labels": {"alertname": name, "training_job": job, "severity": "critical", "source": source}
+        | labels,
+        "annotations": {"summary": name},
+        "startsAt": iso_utc(now - 60),
+        "endsAt": iso_utc(now + 600),
+    }
+
+
+@pytest.mark.skipif(ALERTMANAGER is None, reason="no prometheus-alertmanager (.ci/run installs it)")
+def test_the_shipped_alertmanager_config_pages_once_per_stop(tmp_path):
+    """Both paths' JobHung stay two alerts (their identities differ by `source`); the watcher's
+    inhibits the rules' one and a CostSlopeWithoutSteps of the same job; the same job name in
+    another cluster is not inhibited."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [ALERTMANAGER, f"--config.file={SHIPPED_AM}", f"--storage.path={tmp_path / 'am'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "alertmanager did not start"
+                time.sleep(0.1)
+        _post(base, [
+            _alert("JobHung", "watcher", cluster="east"),
+            _alert("JobHung", "rules", cluster="east"),
+            _alert("CostSlopeWithoutSteps", "rules", cluster="east"),
+            _alert("CostSlopeWithoutSteps", "rules", cluster="west"),
+        ])  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            with urllib.request.urlopen(f"{base}/api/v2/alerts", timeout=5) as r:
+                got = json.loads(r.read())
+            key = lambda a: tuple(a["labels"][k] for k in ("alertname", "source", "cluster"))  # noqa: E731
+            state = {key(a): a["status"]["state"] for a in got}
+            if len(got) == 4 and "unprocessed" not in state.values():
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        assert state == {
+            ("JobHung", "watcher", "east"): "active",
+            ("JobHung", "rules", "east"): "suppressed",
+            ("CostSlopeWithoutSteps", "rules", "east"): "suppressed",
+            ("CostSlopeWithoutSteps", "rules", "west"): "active",
+        }
+    finally:
+        proc.terminate()
+        proc.wait(10)
