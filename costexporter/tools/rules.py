@@ -175,10 +175,10 @@ def rules(w: RuleWindows) -> dict:
     # A job without steps (a Kubernetes pod booked by band) never makes step progress.
     stepless = 'max by (training_job) (costexporter_job_info{progress="none"})'
     slope = f"({slope})\nunless on (training_job) {stepless}"
-    # The watcher's own verdict covers a job it finds hung or crashed (JobHung, JobCrashed): no
-    # second critical page for the same stop, also not while JobHung has cleared and JobCrashed
-    # waits out its `for` (the state went hung -> crashed).
-    stopped = 'max by (training_job) (costexporter_job_state{costexporter_job_state=~"hung|crashed"})'
+    # A job the watcher finds crashed pages as JobCrashed: not a second critical page for the same
+    # stop, also not while JobCrashed waits out its `for` after a hang (JobHung, which inhibits
+    # this alert in Alertmanager, has cleared by then: nothing would hold this page back).
+    stopped = 'max by (training_job) (costexporter_job_state{costexporter_job_state="crashed"})'
     slope = f"({slope})\nunless on (training_job) ({stopped} == 1)"
 
     deadlock = (
