@@ -254,14 +254,14 @@ BAD_STORED = [
     ),
     (
         "total 40 digits",
-        lambda r, p, j: r.hset(ledger.key(p, j, "ledger", "total"), "productive:ucost", "9" * 40),
+        lambda r, p, j: r.hset(keys.total_key(p, j), "productive:ucost", "9" * 40),
         "amounts",
     ),
     (
         "bucket 40 digits",
         lambda r, p, j: (
             ledger.drop_rollup(r, p, j),
-            r.hset(ledger.key(p, j, "ledger", "1h", str(T0 // 3600 * 3600)), "productive:ms", "9" * 40),
+            r.hset(keys.bucket_key(p, j, "1h", T0 // 3600 * 3600), "productive:ms", "9" * 40),
         ),
         "amounts",
     ),
