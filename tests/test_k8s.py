@@ -456,7 +456,12 @@ def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
         for k, v in slope["annotations"].items()
     }
     exp = (
-        [{"exp_labels": {"training_job": "ml:j", "severity": "critical", "source": "rules"}, "exp_annotations": notes}]
+        [
+            {
+                "exp_labels": {"training_job": "ml:j", "severity": "critical", "source": "rules"},
+                "exp_annotations": notes,
+            }
+        ]
         if fires
         else []
     )
