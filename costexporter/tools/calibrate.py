@@ -351,7 +351,7 @@ def fit(
     prof = _profile(named, limit, model, warnings, defaulted)
     _overlaps(named, limit, warnings)
     confusion, acc = _confusion(samples, rank, held, named, prof, grid_ms)
-    _check_labels(samples, rank, held, lab, named, prof, grid_ms)
+    _check_labels(samples, rank, held, lab, labels, named, prof, grid_ms)
     prof = replace(
         prof,
         centres={k: round(v.centre, 1) for k, v in named.items()},
@@ -407,22 +407,26 @@ def _check_labels(
     rank: np.ndarray,
     held: np.ndarray,
     lab: np.ndarray,
+    windows: list[tuple[int, int, str]],
     levels: dict[str, Level],
     prof: Profile,
     grid_ms: int,
 ) -> None:
     """Refuse a profile that misclassifies its own labels: classified with the real classifier,
     each labelled band's held-out samples (all of them when too few are held out) must land in
-    that band at MIN_LABEL_AGREEMENT at least; an idle edge below the labelled idle's readings
-    is named."""
+    that band at MIN_LABEL_AGREEMENT at least, and so must each labelled window's on its own (a
+    wrong window can hide between hold-out blocks behind a right one of the same name); an idle
+    edge below the labelled idle's readings is named."""
     order = np.lexsort((samples.ts_ms, rank))
     r, t = rank[order], samples.ts_ms[order]
     p, u = samples.power_w[order], samples.util_pct[order]
     res = bands_mod.classify(r, t, p, u, int(rank.max()) + 1, prof, grid_ms=grid_ms)
     pred = np.asarray([BAND_LEVEL[Band(b)] for b in res.band])
     lab_o, held_o = lab[order], held[order]
-    for name in sorted({str(x) for x in lab_o if x}):
-        mine = (lab_o == name) & np.isfinite(p)
+    groups = [(name, lab_o == name) for name in sorted({str(x) for x in lab_o if x})]
+    groups += [(name, (t >= a) & (t < b)) for a, b, name in windows]
+    for name, in_group in groups:
+        mine = in_group & np.isfinite(p)
         if (mine & held_o).sum() >= MIN_LABELLED:
             mine &= held_o
         if not mine.any():  # a short label is checked too: its few samples are all it says
