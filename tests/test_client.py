@@ -114,6 +114,7 @@ def test_redis_killed_mid_run_every_event_arrives_once_with_its_timestamp(tmp_pa
     assert p99 < 1_000_000 and latencies[-1] < 250_000_000
 
 
+@pytest.mark.serial  # asserts wall-clock time: only in the serial group
 def test_exit_with_redis_down_spools_and_the_next_reporter_sends(tmp_path):
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"

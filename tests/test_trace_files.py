@@ -363,3 +363,19 @@ def test_any_mix_of_bad_csv_lines_is_samples_or_an_input_error(tmp_path_factory,
         files.read_samples(p, "n", "UTC", Diagnostics(stream=None))
     except InputError as e:
         assert "\n" not in str(e)
+
+
+def test_two_readings_of_one_gpu_at_one_ms_keep_the_later_and_are_counted(tmp_path):
+    p = tmp_path / "h.csv"
+    p.write_text(
+        "timestamp, index, power.draw [W], utilization.gpu [%]\n"
+        "2025/07/26 23:53:30.945, 0, 100.00 W, 0 %\n"
+        "2025/07/26 23:53:30.945, 0, 900.00 W, 100 %\n"
+        "2025/07/26 23:53:30.945, 1, 120.00 W, 0 %\n"
+        "2025/07/26 23:53:31.945, 0, 905.00 W, 100 %\n"
+    )
+    diag = Diagnostics(stream=None)
+    s = files.combine([files.read_samples(p, "h", "UTC", diag)], diag)
+    assert len(s) == 3
+    assert diag.counts["duplicate_sample"] == 1
+    np.testing.assert_allclose(s.power_w[s.gpu == 0], [900.0, 905.0])

@@ -668,7 +668,7 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     )
 
 
-def combine(chunks: list[SampleChunk]) -> Samples:
+def combine(chunks: list[SampleChunk], diag: Diagnostics | None = None) -> Samples:
     """Number GPUs by (host, index) across files and sort by (gpu, ts)."""
     if not chunks:
         return Samples.empty()
@@ -710,7 +710,7 @@ def combine(chunks: list[SampleChunk]) -> Samples:
     src = None
     if all(c.line is not None for c in chunks):
         src = joined([(np.int64(i) << 32) | c.line for i, c in enumerate(chunks)])  # type: ignore[operator]
-    return Samples(
+    raw = Samples(
         gpus=gpus,
         gpu=gpu.astype(np.int32),
         ts_ms=joined([c.ts_ms for c in chunks]),
@@ -718,7 +718,12 @@ def combine(chunks: list[SampleChunk]) -> Samples:
         util_pct=joined([c.util_pct for c in chunks]),
         energy_mj=energy,
         src=src,
-    ).sort()
+    )
+    out = raw.sort()
+    if diag is not None and len(out) < len(raw):
+        # Two readings of one GPU at the same ms: the later line is kept, the other counted.
+        diag.counts["duplicate_sample"] += len(raw) - len(out)
+    return out
 
 
 def read_samples(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:

@@ -46,7 +46,7 @@ def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> 
     diag = Diagnostics(stream=sys.stderr)
     try:
         specs = [sample_spec(s) for s in samples]
-        sample_set = files.combine([files.read_samples(p, h, tz, diag) for h, p in specs])
+        sample_set = files.combine([files.read_samples(p, h, tz, diag) for h, p in specs], diag)
         evs = files.read_events_jsonl(events, diag) if events else []
         windows = [parse_label(x, parse_time(tz)) for x in labels]
         if not evs and not windows:

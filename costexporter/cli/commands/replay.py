@@ -110,7 +110,7 @@ def replay(
         specs = [sample_spec(s) for s in samples]
         with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
             chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))
-        sample_set = files.combine(chunks)
+        sample_set = files.combine(chunks, diag)
         evs = files.read_events_jsonl(events, diag) if events else []
         clock.append(("read_s", time.perf_counter()))
         cfg = ReplayConfig(
@@ -155,7 +155,7 @@ def replay(
     if diag.counts and not quiet:
         total = sum(diag.counts.values())
         click.echo(
-            f"costexporter: {total} input problem(s) counted and skipped: "
+            f"costexporter: {total} input problem(s) counted: "
             + ", ".join(f"{k}={v}" for k, v in diag.summary().items()),
             err=True,
         )
