@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costexporter.services.watcher import WatchConfig, Watcher
-from costexporter.store import protocol
+from costexporter.store import keys, protocol
 from costexporter.trainer.reporter import StepReporter
 
 from ..conftest import SHARED_URL
@@ -184,3 +184,72 @@ def _utf8(b: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+# A trainer-writable ranks entry the agent refuses (`protocol.parse_registration`): the watcher
+# refuses it too, counts it by reason, and still judges the job from its other ranks and events.
+MALFORMED_RANKS = {
+    "rank 70000": ("70000", {"rank": "70000", "ts": "{now}"}, "rank_out_of_range"),
+    "ts nan": ("1", {"rank": "1", "ts": "nan"}, "bad_ts"),
+    "rank >= world_size": ("2", {"rank": "2", "ts": "{now}"}, "rank_out_of_range"),
+    "ts -5": ("1", {"rank": "1", "ts": -5}, "bad_ts"),
+    "no ts": ("1", {"rank": "1"}, "bad_ts"),
+}
+
+
+def _malformed_job(shared: redis.Redis, prefix: str, job: str, case: str, spool) -> None:
+    """Rank 0 of a two-rank job steps (its reporter registers it); the ranks hash also holds the
+    malformed entry of `case`."""
+    rep = StepReporter(job, SHARED_URL, prefix=prefix, rank=0, world_size=2, host="h0", spool_dir=str(spool))
+    for s in (1, 2, 3):
+        rep.step(s)
+    key, fields, _ = MALFORMED_RANKS[case]
+    entry = {"v": "1", "type": "register", "job": job, "world_size": "2", "host": "h1", "gpu": "1", **fields}
+    if entry.get("ts") == "{now}":
+        entry["ts"] = str(time.time())
+    shared.hset(protocol.ranks_key(prefix, job), key, json.dumps(entry))
+    rep.close(5, end_run=False)  # the job stays running: no run end
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_RANKS))
+def test_a_malformed_ranks_entry_is_refused_counted_and_the_job_still_judged(case, prefix, shared, tmp_path):
+    from prometheus_client.exposition import generate_latest
+
+    from costexporter.services.exporter import watch_registry
+
+    job = f"{prefix}-j"
+    _malformed_job(shared, prefix, job, case, tmp_path)
+    reason = MALFORMED_RANKS[case][2]
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix))
+    try:
+        st = w.poll()[job]
+        assert job not in w.bad_jobs
+        assert st.state == "running" and st.last_step == 3
+        # Only rank 0's registration counts: the refused entry names no member and no start.
+        view = w.views[job]
+        assert set(view.registrations) == {0}
+        assert all(r.get("ts", 1) > 0 for r in view.registrations.values())
+        assert w.registrations_rejected == {(job, reason): 1}
+        stored = json.loads(shared.get(keys.status_key(prefix, job)))
+        assert stored["state"] == "running"
+        text = generate_latest(watch_registry(w)).decode()
+        assert (
+            f'costexporter_registrations_rejected_total{{reason="{reason}",training_job="{job}"}} 1.0' in text
+        )
+    finally:
+        w.stop()
+
+
+def test_watch_once_judges_every_job_with_a_malformed_ranks_entry(prefix, shared, tmp_path, cli):
+    """The issue's report, by the real command: each malformed entry is refused with one line,
+    and every job is judged (none skipped)."""
+    jobs = {}
+    for i, case in enumerate(MALFORMED_RANKS):
+        jobs[case] = f"{prefix}-{i}"
+        _malformed_job(shared, prefix, jobs[case], case, tmp_path / str(i))
+    r = cli("watch", "--prefix", prefix, "--once", "--port", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert {out[j]["state"] for j in jobs.values()} == {"running"}
+    assert "skipped" not in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("refused") >= len(jobs)
