@@ -31,6 +31,7 @@ from costexporter.store.keys import (
     figures_key,
     incident_index_key,
     incidents_key,
+    kept_key,
     rollup_key,
     rollup_state_key,
     status_key,
@@ -435,7 +436,8 @@ class LedgerStore:
         for j in jobs:
             self._queue_info(pipe, j)
         raw = _run(pipe)
-        return {j: _info(j, raw[4 * i : 4 * i + 4], warn) for i, j in enumerate(jobs)}
+        n = INFO_READS
+        return {j: _info(j, raw[n * i : n * i + n], warn) for i, j in enumerate(jobs)}
 
     def job_info(self, job: str, warn: Warnings | None = None) -> dict | None:
         """One job's `info_many` entry, or None if there is no such job: one round trip."""
@@ -447,11 +449,16 @@ class LedgerStore:
         return None if score is None else _info(job, raw, warn)
 
     def _queue_info(self, pipe, j: str) -> None:
-        """The 4 reads `_info` parses."""
+        """The `INFO_READS` reads `_info` parses: the ranks hash holds each rank's latest
+        register only (a resume overwrites it), so the first start comes from the oldest
+        entries of the kept stream (registrations moved out when the stream was trimmed) and of
+        the event stream."""
         pipe.hgetall(protocol.meta_key(self.prefix, j))
         pipe.hgetall(figures_key(self.prefix, j))
         pipe.get(status_key(self.prefix, j))
         pipe.hvals(protocol.ranks_key(self.prefix, j))
+        pipe.xrange(kept_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
+        pipe.xrange(protocol.stream_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
 
     def amounts_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
@@ -836,9 +843,30 @@ def _steps(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, S
     return out
 
 
+INFO_READS = 6  # the replies `LedgerStore._queue_info` queues per job
+# The oldest entries of a stream looked at for the job's first register: a reporter's first
+# batch starts with it, and the kept stream holds only registrations, runs, meta and gates.
+FIRST_ENTRIES = 16
+
+
+def _first_register(entries: object) -> float | None:
+    """The time of the oldest `register` among a stream's oldest entries (XRANGE's reply)."""
+    if not isinstance(entries, list):
+        return None
+    for entry in entries:
+        fields = entry[1] if isinstance(entry, list | tuple) and len(entry) == 2 else None
+        if isinstance(fields, dict) and fields.get("type") == "register":
+            t = timestamp(fields.get("ts"))
+            if t is not None:
+                return t
+    return None
+
+
 def _info(j: str, replies: list, warn: Warnings) -> dict:
-    """A job's info from the 4 replies of `LedgerStore._queue_info`."""
-    meta, figures, status, ranks = replies
+    """A job's info from the `INFO_READS` replies of `LedgerStore._queue_info`. `first_seen` is
+    its first register's time: the oldest register of the kept stream, else of the event stream,
+    and never later than a rank's latest."""
+    meta, figures, status, ranks, kept, events = replies
     for what, value in (("meta", meta), ("figures", figures), ("ranks", ranks)):
         if value is None:
             warn.add(j, f"{what} key has the wrong type: ignored")
@@ -850,6 +878,11 @@ def _info(j: str, replies: list, warn: Warnings) -> dict:
             warn.add(j, "a ranks entry without a valid registration time: ignored")
         else:
             regs.append(t)
+    first = _first_register(kept)
+    if first is None:
+        first = _first_register(events)
+    if first is not None:
+        regs.append(first)
     state = "unknown"
     if status:
         parsed = _json(status)
