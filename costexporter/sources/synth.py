@@ -52,18 +52,23 @@ class TraceBuilder:
         self.t = self.t0
         self.rng = np.random.default_rng(self.seed)
         if self.register:
-            for r in range(self.n_gpus):
-                h, g = self.host_of(r)
-                self.event(
-                    "register",
-                    rank=r,
-                    host=h,
-                    gpu=g,
-                    gpu_uuid=self.uuid(r),
-                    local_rank=g,
-                    world_size=self.n_gpus,
-                    pid=1000 + r,
-                )
+            self._register_all(pid_base=1000)
+
+    def _register_all(self, pid_base: int) -> None:
+        """Every rank registers its host, GPU and process (pids from `pid_base`: a new generation
+        of processes has new pids)."""
+        for r in range(self.n_gpus):
+            h, g = self.host_of(r)
+            self.event(
+                "register",
+                rank=r,
+                host=h,
+                gpu=g,
+                gpu_uuid=self.uuid(r),
+                local_rank=g,
+                world_size=self.n_gpus,
+                pid=pid_base + r,
+            )
 
     def host_of(self, rank: int) -> tuple[str, int]:
         return f"{self.host_prefix}{rank // self.per_host}", rank % self.per_host
@@ -99,18 +104,7 @@ class TraceBuilder:
         self._generation += 1
         self._seq.clear()
         if register:
-            for r in range(self.n_gpus):
-                h, g = self.host_of(r)
-                self.event(
-                    "register",
-                    rank=r,
-                    host=h,
-                    gpu=g,
-                    gpu_uuid=self.uuid(r),
-                    local_rank=g,
-                    world_size=self.n_gpus,
-                    pid=2000 + r,
-                )
+            self._register_all(pid_base=2000)
         return self
 
     def phase(self, name: str, state: str, rank: int = 0, step: int | None = None) -> TraceBuilder:
