@@ -6,6 +6,7 @@ a burn rate, annotations. With a real Prometheus: DCGM-style joins (18.3) and ev
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -94,15 +95,33 @@ def test_watcher_state_is_mapped_to_colours_hung_red():
         assert f'costexporter_job_state="{state}"}} == 1) * 0 + {code}\n' in expr + "\n"
 
 
-def test_variables_team_job_hostname_gpu_chain():
+def test_variables_cluster_team_job_hostname_gpu_chain():
     v = {x["name"]: x for x in dash.dashboard()["templating"]["list"]}
-    assert list(v) == ["datasource", "team", "training_job", "Hostname", "gpu"]
+    assert list(v) == ["datasource", "cluster", "team", "training_job", "Hostname", "gpu"]
+    assert v["cluster"]["query"]["query"] == "label_values(costexporter_job_info, cluster)"
+    assert v["cluster"]["includeAll"] and v["cluster"]["allValue"] == ".*"  # matches no label too
+    assert "$cluster" in v["team"]["query"]["query"] and "$cluster" in v["training_job"]["query"]["query"]
     assert "$team" in v["training_job"]["query"]["query"]  # team narrows the jobs
     assert "$training_job" in v["Hostname"]["query"]["query"] and "$Hostname" in v["gpu"]["query"]["query"]
     for p in dash.dashboard()["panels"]:
         for t in p["targets"]:
             if "costexporter_gpu_" in t["expr"] and "costexporter_gpu_time" not in t["expr"]:
                 assert 'Hostname=~"$Hostname"' in t["expr"] and 'gpu=~"$gpu"' in t["expr"], t["expr"]
+
+
+def test_every_job_query_keeps_clusters_apart_as_the_rules_do():
+    """Jobs of one name in two clusters stay two series: every selector of a job narrows to the
+    chosen cluster, and every aggregation that keeps the job keeps the cluster."""
+    d = dash.dashboard()
+    exprs = [t["expr"] for p in d["panels"] for t in p["targets"]]
+    exprs += [a["expr"] for a in d["annotations"]["list"]]
+    assert len(exprs) > 15
+    for e in exprs:
+        assert e.count('training_job=~"$training_job"') == e.count('cluster=~"$cluster",training_job=~'), e
+        for by in re.findall(r"by \(([^)]*)\)", e):
+            labels = [x.strip() for x in by.split(",")]
+            assert "training_job" not in labels or labels[:2] == ["cluster", "training_job"], e
+    assert sum("by (cluster, training_job" in e for e in exprs) >= 8
 
 
 def test_power_thresholds_come_from_the_jobs_profile_not_b300():
@@ -166,11 +185,13 @@ def test_a_real_prometheus_joins_costexporter_and_dcgm_series_on_uuid(shared, pr
                 "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                 "scrape_configs": [
                     {"job_name": "dcgm", "static_configs": [{"targets": [dcgm_target]}]},
-                    # As the chart's ServiceMonitor: the exporter's pod/namespace labels win.
+                    # As the chart's ServiceMonitor: the exporter's pod/namespace labels win, and
+                    # the chart's `cluster` value becomes every series' `cluster` label.
                     {
                         "job_name": "costexporter",
                         "honor_labels": True,
                         "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+                        "relabel_configs": [{"target_label": "cluster", "replacement": "east"}],
                     },
                 ],
             }
@@ -218,12 +239,17 @@ def test_a_real_prometheus_joins_costexporter_and_dcgm_series_on_uuid(shared, pr
         # Every dashboard query (annotations too) is valid PromQL here; the per-job ones answer.
         expected_empty = ("ALERTS", "costexporter_job_state", "seconds_since_last_step", "suspect_rank",
                           "training_job:", "training_job_category:", "in_allowance")  # fmt: skip
-        empty = []
-        for expr in dash.expressions(annotations_too=True):
-            out = _query(base, expr.replace("$training_job", "ml:llama-ft"))
-            if not out and not any(k in expr for k in expected_empty):
-                empty.append(expr)
+        empty, other = [], []
+        for cluster in (".*", "east", "west"):
+            for expr in dash.expressions(annotations_too=True, cluster=cluster):
+                out = _query(base, expr.replace("$training_job", "ml:llama-ft"))
+                if cluster == "west" and out and 'cluster=~"west"' in expr:
+                    other.append(expr)  # another cluster's selection shows none of this one's
+                elif cluster != "west" and not out and not any(k in expr for k in expected_empty):
+                    empty.append((cluster, expr))
         assert not empty, empty
+        assert not other, other
+        assert {r["metric"].get("cluster") for r in info} == {"east"}
     finally:
         prom.terminate()
         agent.terminate()

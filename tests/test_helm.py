@@ -101,7 +101,10 @@ VALUE_SETS = {
             "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}],
             "metricRelabelings": [{"sourceLabels": ["__name__"], "regex": "go_.*", "action": "drop"}],
         },
-        "prometheusRule": {"additionalLabels": {"release": "kube-prometheus-stack"}},
+        "prometheusRule": {
+            "additionalLabels": {"release": "kube-prometheus-stack"},
+            "runbookUrl": "https://wiki.example.com/ml/costexporter-runbooks",
+        },
     },
 }
 
@@ -172,6 +175,34 @@ def test_chart_copies_of_rules_and_dashboard_are_generated_from_the_source():
     rule = _by_kind(_render(TOKENS))["PrometheusRule"][0]
     assert rule["spec"] == prometheus_rule()["spec"]
     assert yaml.safe_load(render_prometheus_rule())["spec"] == rule["spec"]
+
+
+def test_runbook_url_and_cluster_values_reach_the_rules_the_watcher_and_the_api():
+    """`prometheusRule.runbookUrl` gives the rules `costexporter rules --runbook-url`'s links;
+    `cluster` is the watcher's alert label and the API's OpenCost cluster, as the monitors'
+    relabelings give it to every series."""
+    values = VALUE_SETS["extension-points"]
+    base = values["prometheusRule"]["runbookUrl"]
+    k = _by_kind(_render(values))
+    (rule,) = k["PrometheusRule"]
+    assert rule["spec"] == prometheus_rule(runbooks=base)["spec"]
+    links = [
+        r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    ]
+    assert links and all(u.startswith(base + "#") for u in links)
+    for d in k["Deployment"]:
+        env = {e["name"]: e.get("value") for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env.get("COSTEXPORTER_CLUSTER") == "eu-west-1", d["metadata"]["name"]
+    assert {d["metadata"]["name"].rsplit("-", 1)[1] for d in k["Deployment"]} >= {"api", "watcher"}
+    # Without the values: the project's runbooks, and no cluster.
+    plain = _by_kind(_render(TOKENS))
+    assert plain["PrometheusRule"][0]["spec"] == prometheus_rule()["spec"]
+    for d in plain["Deployment"]:
+        assert "COSTEXPORTER_CLUSTER" not in {
+            e["name"] for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+    with pytest.raises(Exception, match="runbookUrl"):
+        _render({**TOKENS, "prometheusRule": {"runbookUrl": "https://x/y#z"}})
 
 
 CLI = (sys.executable, "-m", "costexporter.cli")

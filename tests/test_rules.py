@@ -599,3 +599,20 @@ def test_every_alert_links_its_section_of_the_runbooks_page():
         base, _, anchor = url.partition("#")
         assert base == RUNBOOKS and anchor == r["alert"].lower() and anchor in anchors, url
     assert anchors == {r["alert"].lower() for r in alerts}
+
+
+def test_runbook_url_option_links_every_alert_to_your_own_page(cli):
+    from costexporter.tools.rules import rules
+
+    r = cli("rules", "--runbook-url", "https://wiki.example.com/runbooks")
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(r.stdout)
+    alerts = [x for g in doc["groups"] for x in g["rules"] if "alert" in x]
+    assert alerts and all(
+        a["annotations"]["runbook_url"] == f"https://wiki.example.com/runbooks#{a['alert'].lower()}"
+        for a in alerts
+    )
+    assert doc == rules(RuleWindows(), "https://wiki.example.com/runbooks")
+    for bad in ("wiki/runbooks", "https://wiki.example.com/runbooks#top", "ftp://x/y"):
+        r = cli("rules", "--runbook-url", bad)
+        assert r.returncode == 2 and "--runbook-url" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -7,7 +7,8 @@ Layout: the four zones of R7 (docs/background.md) first (cumulative cost, curren
 invalid time), then the burn rate, wasted GPU-hours by category and GPU-hours at risk, the
 watcher's state (coloured: hung red), a state timeline of each GPU's band, power per GPU with the
 band edges of the job's own profile drawn next to utilization per GPU (to show how utilization
-lies, R1), and the alerts. Variables: team -> training job, Hostname -> gpu (DCGM's label names).
+lies, R1), and the alerts. Variables: cluster -> team -> training job, Hostname -> gpu (DCGM's
+label names); every query keeps clusters apart (`by (cluster, training_job)`, as the rules).
 Money is shown in the currency of its `currency` label. Annotations mark incidents (firing
 alerts, the watcher's hung/crashed) and declared phases.
 """
@@ -19,9 +20,13 @@ import re
 
 from costexporter.core.model import BANDS
 
-JOB = 'training_job=~"$training_job"'
+# The cluster's and job's selectors. `cluster` is the label the monitors' relabelings give every
+# series (one Prometheus, many clusters); where no series has it, the variable has only its All
+# value, `.*`, which also matches a series without the label.
+CLUSTER = 'cluster=~"$cluster"'
+JOB = f'{CLUSTER},training_job=~"$training_job"'
 GPU = f'{JOB},Hostname=~"$Hostname",gpu=~"$gpu"'  # per-GPU series (DCGM's label names)
-ALL = ".*"  # the All value of the team/Hostname/gpu variables
+ALL = ".*"  # the All value of the cluster/team/Hostname/gpu variables
 # Watcher states (costexporter.watcher.STATES) as codes with their colours: hung must be red.
 STATE_COLORS = {
     "running": "green",
@@ -50,7 +55,7 @@ def band_code_expr() -> str:
     """Each GPU's band as its code (the Band enum), one series per rank: every band's 0/1
     series kept where 1, mapped to the band's code, and combined."""
     terms = [f'(costexporter_gpu_band{{{GPU},band="{b}"}} == 1) * 0 + {i}' for i, b in enumerate(BANDS)]
-    return "max by (training_job, rank, Hostname, gpu) (\n  " + "\n  or ".join(terms) + "\n)"
+    return "max by (cluster, training_job, rank, Hostname, gpu) (\n  " + "\n  or ".join(terms) + "\n)"
 
 
 def state_code_expr() -> str:
@@ -59,7 +64,7 @@ def state_code_expr() -> str:
         f'(costexporter_job_state{{{JOB},costexporter_job_state="{st}"}} == 1) * 0 + {i}'
         for i, st in enumerate(STATE_COLORS)
     ]
-    return "max by (training_job) (\n  " + "\n  or ".join(terms) + "\n)"
+    return "max by (cluster, training_job) (\n  " + "\n  or ".join(terms) + "\n)"
 
 
 def _money(**custom) -> dict:
@@ -156,9 +161,11 @@ def dashboard() -> dict:
             "Current step",
             (6, 0, 6, 8),
             [
-                _target(f"max by (training_job) (costexporter_job_last_step{{{JOB}}})", "step"),
+                _target(f"max by (cluster, training_job) (costexporter_job_last_step{{{JOB}}})", "step"),
                 _target(
-                    f"max by (training_job) (costexporter_job_valid_steps{{{JOB}}})", "valid steps", ref="B"
+                    f"max by (cluster, training_job) (costexporter_job_valid_steps{{{JOB}}})",
+                    "valid steps",
+                    ref="B",
                 ),
             ],
             description="The newest step; it can drop after a resume. Valid steps exclude voided ones.",
@@ -202,11 +209,12 @@ def dashboard() -> dict:
             (0, 8, 6, 7),
             [
                 _target(
-                    f"sum by (training_job, currency) (rate(costexporter_cost_total{{{JOB}}}[5m])) * 3600",
+                    "sum by (cluster, training_job, currency) "
+                    f"(rate(costexporter_cost_total{{{JOB}}}[5m])) * 3600",
                     "{{training_job}} ({{currency}})",
                 ),
                 _target(
-                    "sum by (training_job, currency) "
+                    "sum by (cluster, training_job, currency) "
                     f'(rate(costexporter_cost_total{{{JOB},category=~"stalled|idle|no_progress|rolled_back"}}[5m]))'
                     " * 3600",
                     "{{training_job}} wasted ({{currency}})",
@@ -240,7 +248,7 @@ def dashboard() -> dict:
             (12, 8, 4, 7),
             [
                 _target(
-                    f"sum by (training_job) (costexporter_gpu_time_at_risk_seconds{{{JOB}}}) / 3600",
+                    f"sum by (cluster, training_job) (costexporter_gpu_time_at_risk_seconds{{{JOB}}}) / 3600",
                     "{{training_job}}",
                 )
             ],
@@ -279,10 +287,13 @@ def dashboard() -> dict:
             (20, 8, 4, 7),
             [
                 _target(
-                    f"max by (training_job) (costexporter_job_seconds_since_last_step{{{JOB}}})", "since"
+                    f"max by (cluster, training_job) (costexporter_job_seconds_since_last_step{{{JOB}}})",
+                    "since",
                 ),
                 _target(
-                    f"max by (training_job) (costexporter_job_suspect_rank{{{JOB}}})", "suspect rank", ref="B"
+                    f"max by (cluster, training_job) (costexporter_job_suspect_rank{{{JOB}}})",
+                    "suspect rank",
+                    ref="B",
                 ),
             ],
             **_defaults("none"),
@@ -398,9 +409,13 @@ def dashboard() -> dict:
                     "current": {},
                     "hide": 0,
                 },
-                _variable("team", "Team", "costexporter_job_info", "team", allValue=ALL),
+                _variable("cluster", "Cluster", "costexporter_job_info", "cluster", allValue=ALL),
+                _variable("team", "Team", f"costexporter_job_info{{{CLUSTER}}}", "team", allValue=ALL),
                 _variable(
-                    "training_job", "Training job", 'costexporter_job_info{team=~"$team"}', "training_job"
+                    "training_job",
+                    "Training job",
+                    f'costexporter_job_info{{{CLUSTER},team=~"$team"}}',
+                    "training_job",
                 ),
                 _variable(
                     "Hostname", "Host", f"costexporter_gpu_power_watts{{{JOB}}}", "Hostname", allValue=ALL
@@ -455,7 +470,7 @@ def annotation_list() -> list[dict]:
         ),
         ann(
             "Declared phases",
-            f"max by (training_job) (costexporter_job_in_allowance{{{JOB}}}) == 1",
+            f"max by (cluster, training_job) (costexporter_job_in_allowance{{{JOB}}}) == 1",
             "purple",
             "phase",
             "{{training_job}}: inside a declared phase or its startup, within the allowance",
@@ -468,11 +483,11 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
 
-def expressions(d: dict | None = None, *, annotations_too: bool = False) -> list[str]:
+def expressions(d: dict | None = None, *, annotations_too: bool = False, cluster: str = ALL) -> list[str]:
     """Every PromQL expression of the dashboard (panels, and the series each variable reads its
-    values from), with the team/Hostname/gpu variables at their All value; `$training_job` is
-    left for the caller. Annotations only with `annotations_too`: they are empty when nothing
-    happened."""
+    values from), with the team/Hostname/gpu variables at their All value and `$cluster` at
+    `cluster` (All by default); `$training_job` is left for the caller. Annotations only with
+    `annotations_too`: they are empty when nothing happened."""
     d = d or dashboard()
     out = [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
     for v in d["templating"]["list"]:
@@ -481,4 +496,4 @@ def expressions(d: dict | None = None, *, annotations_too: bool = False) -> list
             out.append(m.group(1) if m else v["query"]["query"])
     if annotations_too:
         out += [a["expr"] for a in d["annotations"]["list"] if "expr" in a]
-    return [re.sub(r"\$(team|Hostname|gpu)\b", ALL, e) for e in out]
+    return [re.sub(r"\$(team|Hostname|gpu)\b", ALL, e).replace("$cluster", cluster) for e in out]

@@ -19,12 +19,22 @@ import yaml
 
 from costexporter.core.model import CATEGORIES, VALID_CODES, WASTED_CODES
 
-# Each alert's `runbook_url`: its section of the runbooks page (docs/runbooks.md).
+# Each alert's `runbook_url`: its section of the runbooks page (docs/runbooks.md), on the
+# project's site unless `costexporter rules --runbook-url` names a copy of your own.
 RUNBOOKS = "https://github.com/costexporter/costexporter/blob/main/docs/runbooks.md"
 
 
-def runbook_url(alertname: str) -> str:
-    return f"{RUNBOOKS}#{alertname.lower()}"
+def runbook_url(alertname: str, base: str = RUNBOOKS) -> str:
+    """The alert's section of the runbooks page at `base` (the anchor of its heading)."""
+    return f"{base}#{alertname.lower()}"
+
+
+def check_runbooks(base: str) -> str:
+    """`base` as a runbooks page's URL (an absolute http(s) URL without a fragment: each alert
+    adds its own), or ValueError saying why not."""
+    if not re.fullmatch(r"https?://[^\s#]+", base):
+        raise ValueError(f"{base!r} is not an http(s) URL without a '#' (each alert adds its own anchor)")
+    return base
 
 
 # PromQL regexes of the category label (stalled|idle|no_progress|rolled_back, productive|...).
@@ -142,8 +152,9 @@ SOURCE = "rules"
 
 def with_cluster(expr: str) -> str:
     """`expr` aggregated and matched per cluster as well: jobs of the same name in two clusters
-    that one Prometheus scrapes (the `cluster` label its targets or external labels give) stay
-    apart. Where no series has a `cluster` label, the results are the same as without it."""
+    that one Prometheus scrapes (the `cluster` label its scrape gives them: the chart's monitors'
+    relabelings) stay apart. Where no series has a `cluster` label, the results are the same as
+    without it."""
     for a, b in (
         ("by (training_job", "by (cluster, training_job"),
         ("on (training_job", "on (cluster, training_job"),
@@ -153,7 +164,8 @@ def with_cluster(expr: str) -> str:
     return expr
 
 
-def rules(w: RuleWindows) -> dict:
+def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict:
+    """The rule file's groups; each alert's `runbook_url` is its section of `runbooks`."""
     not_ended = "unless on (training_job) (max by (training_job) (costexporter_job_ended) == 1)"
     cost_rising = f"(sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])) > 0)"
     since_step = (
@@ -339,7 +351,7 @@ def rules(w: RuleWindows) -> dict:
         ),
     ]
     for a in alerts:
-        a["annotations"]["runbook_url"] = runbook_url(a["alert"])
+        a["annotations"]["runbook_url"] = runbook_url(a["alert"], runbooks)
     for r in records + alerts:
         r["expr"] = with_cluster(r["expr"])
     return {
@@ -358,10 +370,10 @@ def _literal(dumper: yaml.SafeDumper, s: _Literal):
     return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
 
 
-def render(w: RuleWindows | None = None) -> str:
+def render(w: RuleWindows | None = None, runbooks: str = RUNBOOKS) -> str:
     """The rule file as YAML text (multi-line expressions as block literals, for review)."""
     w = w or RuleWindows()
-    doc = rules(w)
+    doc = rules(w, runbooks)
     for g in doc["groups"]:
         for r in g["rules"]:
             r["expr"] = _Literal(r["expr"])
@@ -382,7 +394,10 @@ PROMETHEUS_RULE_API = "monitoring.coreos.com/v1"
 
 
 def prometheus_rule(
-    w: RuleWindows | None = None, name: str = "costexporter", labels: dict[str, str] | None = None
+    w: RuleWindows | None = None,
+    name: str = "costexporter",
+    labels: dict[str, str] | None = None,
+    runbooks: str = RUNBOOKS,
 ) -> dict:
     """The same rules as a prometheus-operator `PrometheusRule` object (its `spec` is the rule
     file's groups), for clusters where the operator loads rules from the API, not from files."""
@@ -390,17 +405,20 @@ def prometheus_rule(
         "apiVersion": PROMETHEUS_RULE_API,
         "kind": "PrometheusRule",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "costexporter", **(labels or {})}},
-        "spec": rules(w or RuleWindows()),
+        "spec": rules(w or RuleWindows(), runbooks),
     }
 
 
 def render_prometheus_rule(
-    w: RuleWindows | None = None, name: str = "costexporter", labels: dict[str, str] | None = None
+    w: RuleWindows | None = None,
+    name: str = "costexporter",
+    labels: dict[str, str] | None = None,
+    runbooks: str = RUNBOOKS,
 ) -> str:
     """`prometheus_rule()` as YAML, formatted like `render()`."""
     w = w or RuleWindows()
-    body = render(w).split("\n", 2)[2]  # the groups, without render()'s two header lines
-    head = {k: v for k, v in prometheus_rule(w, name, labels).items() if k != "spec"}
+    body = render(w, runbooks).split("\n", 2)[2]  # the groups, without render()'s two header lines
+    head = {k: v for k, v in prometheus_rule(w, name, labels, runbooks).items() if k != "spec"}
     return (
         "# Generated by `costexporter rules --format prometheusrule` from costexporter/tools/rules.py.\n"
         f"# Windows: {asdict(w)}\n"

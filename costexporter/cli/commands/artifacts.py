@@ -46,12 +46,32 @@ def dashboard(output) -> None:
     help="A Prometheus rule file, or a prometheus-operator PrometheusRule object.",
 )
 @click.option("--name", default="costexporter", help="metadata.name of the PrometheusRule.")
+@click.option(
+    "--runbook-url",
+    "runbooks",
+    default=None,
+    metavar="URL",
+    help="The runbooks page each alert's runbook_url links (URL#<alert name in lower case>), "
+    "e.g. your own copy of docs/runbooks.md; default: the project's.",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def rules(short, speed, overrides, fmt, name, output) -> None:
+def rules(short, speed, overrides, fmt, name, runbooks, output) -> None:
     """Print (or write) the Prometheus alert and recording rules."""
     import dataclasses
 
-    from costexporter.tools.rules import RuleWindows, for_speed, render, render_prometheus_rule
+    from costexporter.tools.rules import (
+        RUNBOOKS,
+        RuleWindows,
+        check_runbooks,
+        for_speed,
+        render,
+        render_prometheus_rule,
+    )
+
+    try:
+        runbooks = check_runbooks(runbooks) if runbooks is not None else RUNBOOKS
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--runbook-url") from None
 
     w = RuleWindows.short() if short else RuleWindows()
     if speed:
@@ -67,7 +87,7 @@ def rules(short, speed, overrides, fmt, name, output) -> None:
         except ValueError:
             raise click.BadParameter(f"{o!r}: {key} takes a number") from None
     w = dataclasses.replace(w, **kw)
-    text = render(w) if fmt == "rules" else render_prometheus_rule(w, name)
+    text = render(w, runbooks) if fmt == "rules" else render_prometheus_rule(w, name, runbooks=runbooks)
     if output:
         output.write_text(text)
     else:

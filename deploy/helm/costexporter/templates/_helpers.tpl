@@ -172,6 +172,12 @@ key prefix. `role`: agent, watcher or api. */}}
 {{- with $root }}
 - name: COSTEXPORTER_PREFIX
   value: {{ .Values.prefix | quote }}
+{{- if and .Values.cluster (has $.role (list "watcher" "api")) }}
+{{- /* The watcher's alerts and the API's OpenCost `cluster` name the cluster the monitors'
+relabelings give every series. */}}
+- name: COSTEXPORTER_CLUSTER
+  value: {{ .Values.cluster | quote }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
