@@ -868,3 +868,44 @@ def test_a_stopped_demo_bills_the_utilization_rule_only_for_what_was_played(pref
     total = u["useful_gpu_hours"] + u["not_useful_gpu_hours"]
     assert 0 < total <= played_h + 0.01  # not the whole 40-minute story (2.2 GPU-h)
     assert total < 1.0
+
+
+def test_the_demo_without_its_watcher_shows_what_a_separate_watcher_wrote(prefix):
+    """`demo --no-watch` (the compose stack): the state a separate `costexporter watch` keeps in
+    Redis, and `not running` while there is none (its status expired), never a silent unknown."""
+    from costexporter.services.watcher import STATES, WatchConfig, Watcher
+    from costexporter.store.keys import status_key
+    from costexporter.tools.demo import Demo, DemoConfig, plain_line
+
+    r = redis_mod.Redis.from_url(SHARED_URL, decode_responses=True)
+    d = Demo(
+        DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario="mini", speed=100.0, watch=False)
+    ).start()
+    key = status_key(prefix, d.job)
+    try:
+        assert r.get(key) is None
+        s = d.state()
+        assert (s["state"], s["reason"], s["suspect"]) == ("not running", "", None)
+        assert "watcher: not running" in plain_line(s)
+        # A real watcher of its own (as `costexporter watch` in another container) judges the job.
+        w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix, jobs=(d.job,), clock=d.judge_time))
+        try:
+            w.poll()
+        finally:
+            w.stop()
+        stored = json.loads(r.get(key))
+        s = d.state()
+        assert (s["state"], s["reason"]) == (stored["state"], stored["reason"]) and s["state"] in STATES
+        # What the watcher says while the job is hung: the state, its suspect and its alert.
+        hung = {**stored, "state": "hung", "reason": "no step for 900 s",
+                "suspect": {"rank": 3, "why": "0% utilization in the deadlock band"}}  # fmt: skip
+        r.set(key, json.dumps(hung))
+        s = d.state()
+        assert (s["state"], s["reason"], s["suspect"]) == ("hung", "no step for 900 s", hung["suspect"])
+        assert "watcher: hung" in plain_line(s) and "JobHung" in s["alerts"]
+        r.set(key, "{not json")  # a status that does not read: said, not guessed
+        assert d.state()["state"] == "unknown" and "does not read" in d.state()["reason"]
+        r.delete(key)  # the separate watcher stopped: its status expired
+        assert d.state()["state"] == "not running"
+    finally:
+        d.stop()

@@ -301,10 +301,33 @@ class Demo:
         return self._failure
 
     # ---- what the views show -------------------------------------------------------------
+    def watcher_status(self) -> tuple[str, str, dict | None]:
+        """The job's watcher state, reason and suspect: the demo's own watcher's, or with it off
+        (`--no-watch`, as in the compose stack) what a separate `costexporter watch` wrote to
+        Redis. `not running` when none has written one: the status expires a few polls after
+        its watcher stops."""
+        if self.cfg.watch:
+            st = self.watcher.snapshot()["status"].get(self.job)
+            return (st.state, st.reason, st.suspect) if st else ("unknown", "", None)
+        try:
+            raw = self._client.get(keys.status_key(self.cfg.prefix, self.job))
+        except (redis.RedisError, OSError):
+            return "unknown", "Redis did not answer", None
+        if raw is None:
+            return "not running", "", None
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            d = None
+        if not isinstance(d, dict) or not isinstance(d.get("state"), str):
+            return "unknown", "the watcher's status does not read", None
+        suspect = d.get("suspect")
+        return d["state"], str(d.get("reason") or ""), suspect if isinstance(suspect, dict) else None
+
     def state(self) -> dict:
         snap = self.agent.snapshot()
         j = snap["jobs"].get(self.job)
-        st = self.watcher.snapshot()["status"].get(self.job)
+        state, reason, suspect = self.watcher_status()
         out = {
             "progress": min(max((self.src.sim_time() - self.t_start) / self.t_len, 0.0), 1.0),
             "sim_time": self.src.sim_time(),
@@ -314,9 +337,9 @@ class Demo:
             "cost_per_valid_step": None,
             "wasted_gpu_hours": 0.0,
             "bands": [],
-            "state": st.state if st else "unknown",
-            "reason": st.reason if st else "",
-            "suspect": st.suspect if st else None,
+            "state": state,
+            "reason": reason,
+            "suspect": suspect,
             "alerts": [],
             "currency": snap["currency"],
             "title": self.title(),
@@ -529,7 +552,7 @@ def render_view(s: dict):
         gpus.append(f"{cell:<19}", style=("reverse " if zero else "") + BAND_STYLE.get(b, ""))
         if i % 4 == 3 and i + 1 < len(s["bands"]):
             gpus.append("\n")
-    state_style = "green" if s["state"] in ("running", "done") else "bold red"
+    state_style = {"running": "green", "done": "green", "not running": "dim"}.get(s["state"], "bold red")
     watch = Text(f"watcher: {s['state']}", style=state_style)
     if s["reason"]:
         watch.append(f" ({s['reason']})", style="dim")
