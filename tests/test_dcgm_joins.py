@@ -43,6 +43,18 @@ JOINS = {
 }
 
 
+def test_the_joins_run_here_are_the_ones_the_docs_show():
+    """docs/deployment.md shows each join this file runs, and the README the first one."""
+    root = Path(__file__).resolve().parent.parent
+    docs = " ".join((root / "docs" / "deployment.md").read_text().split())
+    readme = " ".join((root / "README.md").read_text().split())
+    ours = "costexporter_gpu_power_watts"
+    for name, q in JOINS.items():
+        shown = q.format(ours=ours, ours_pod=f'{ours}{{exported_pod!=""}}')
+        assert shown in docs, name
+    assert JOINS["uuid"].format(ours=ours) in readme
+
+
 class StaticFiles:
     """A real HTTP server answering /<name> with a file's bytes, as an exporter's /metrics."""
 
