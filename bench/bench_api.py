@@ -28,8 +28,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from costexporter.core.model import Category
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import steps_key
+from costexporter.store import keys, ledger
 
 DAY = 86400
 END = 1_764_547_200  # 2025-12-01T00:00:00Z
@@ -42,8 +41,8 @@ def populate(r: redis.Redis, prefix: str, n_jobs: int) -> None:
     pipe = r.pipeline(transaction=False)
     # One job with 30 days of hourly buckets (and their daily rollups).
     job = "series-job"
-    pipe.zadd(protocol.jobs_key(prefix), {job: END})
-    pipe.hset(protocol.meta_key(prefix, job), mapping={"team": "t0"})
+    pipe.zadd(keys.jobs_key(prefix), {job: END})
+    pipe.hset(keys.meta_key(prefix, job), mapping={"team": "t0"})
     for h in range(START, END, 3600):
         a = rng.integers(0, 10**7, (len(Category), 3)).astype(np.int64)
         ledger.queue_amounts(pipe, prefix, job, {h: a}, "bench")
@@ -52,16 +51,16 @@ def populate(r: redis.Redis, prefix: str, n_jobs: int) -> None:
     # rollup exists), step sets and meta.
     for j in range(n_jobs):
         name = f"job-{j:04d}"
-        pipe.zadd(protocol.jobs_key(prefix), {name: END})
+        pipe.zadd(keys.jobs_key(prefix), {name: END})
         pipe.hset(
-            protocol.meta_key(prefix, name), mapping={"team": f"team-{j % 20}", "cost_center": f"cc-{j % 7}"}
+            keys.meta_key(prefix, name), mapping={"team": f"team-{j % 20}", "cost_center": f"cc-{j % 7}"}
         )
         days = {
             d: rng.integers(0, 10**8, (len(Category), 3)).astype(np.int64) for d in range(START, END, DAY)
         }
         ledger.queue_amounts(pipe, prefix, name, days, "bench")
         pipe.zadd(
-            steps_key(prefix, name),
+            keys.steps_key(prefix, name),
             {f"{i}:{i * 1000}": START + i * 60 for i in range(0, 30 * 24 * 60, 97)},
         )
         if j % 50 == 49:

@@ -19,7 +19,7 @@ import uuid
 import numpy as np
 import redis
 
-from costexporter.store import protocol
+from costexporter.store import keys, protocol
 from costexporter.trainer.reporter import StepReporter
 
 
@@ -62,7 +62,7 @@ def main() -> None:
         rep.close(timeout=30)
 
         # 2. A synchronous XADD per step, on the same Redis.
-        key = protocol.stream_key(prefix, "bench-sync")
+        key = keys.stream_key(prefix, "bench-sync")
         sync = []
         for s in range(min(a.n, 20_000)):
             fields = {
@@ -90,11 +90,11 @@ def main() -> None:
         rep.flush(timeout=120)
         rate = a.n / (time.perf_counter() - t)
         rep.close()
-        in_stream = r.xlen(protocol.stream_key(prefix, "bench-rate"))
+        in_stream = r.xlen(keys.stream_key(prefix, "bench-rate"))
     finally:
-        keys = list(r.scan_iter(f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        found = list(r.scan_iter(f"{prefix}:*"))
+        if found:
+            r.delete(*found)
 
     p50, p99, mx = pct(lat, 0.5), pct(lat, 0.99), max(lat) / 1000
     n50, n99 = pct(lat_np, 0.5), pct(lat_np, 0.99)

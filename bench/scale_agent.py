@@ -123,8 +123,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
     from costexporter.services.agent import Agent, AgentConfig
     from costexporter.sources.playback import ReplaySource
     from costexporter.sources.synth import TraceBuilder
-    from costexporter.store import protocol
-    from costexporter.store.keys import samples_key, watermark_key
+    from costexporter.store import keys
     from costexporter.trainer.reporter import send_entries
 
     job, prefix = JOB, PREFIX
@@ -145,7 +144,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
         "booked_until": int((T0 + n_steps - WINDOW_S) * 1000),
         "starts": {"0": int(T0 * 1000), "1": int(T0 * 1000)},
     }
-    client.set(watermark_key(prefix, job, "node0"), json.dumps(wm))
+    client.set(keys.watermark_key(prefix, job, "node0"), json.dumps(wm))
     now = [0.0]
     agent = Agent(
         ReplaySource(sb.samples(), speed=1.0, clock=lambda: now[0]),
@@ -161,7 +160,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
         agent.tick()
         return time.thread_time() - t
 
-    last_id = client.xrevrange(protocol.stream_key(prefix, job), count=1)[0][0]
+    last_id = client.xrevrange(keys.stream_key(prefix, job), count=1)[0][0]
     catch_cpu, catch_wall, catch_rounds = 0.0, time.perf_counter(), 0
     while True:
         catch_cpu += tick()
@@ -205,7 +204,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
         ReplaySource(sb.samples(), speed=1.0, clock=clock),
         AgentConfig(redis_url=url, prefix=prefix, agent_id="node0", job_refresh_s=3600),
     )
-    last_id = client.xrevrange(protocol.stream_key(prefix, job), count=1)[0][0]
+    last_id = client.xrevrange(keys.stream_key(prefix, job), count=1)[0][0]
     restart_cpu, restart_wall, restart_rounds = 0.0, time.perf_counter(), 0
     while True:
         restart_cpu += tick()
@@ -229,8 +228,8 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
             "restart_rebuilds": agent.stats["timeline_rebuilds"],
             "accepted_after_restart": j.reader.stats["accepted"],
             "trimmed": trimmed0 + agent.stats["stream_entries_trimmed"],
-            "stream_len": client.xlen(protocol.stream_key(prefix, job)),
-            "samples_len": client.xlen(samples_key(prefix, job, agent.host)),
+            "stream_len": client.xlen(keys.stream_key(prefix, job)),
+            "samples_len": client.xlen(keys.samples_key(prefix, job, agent.host)),
             "mem_kb": {k: v / 1024 for k, v in mem1.items()},
             "sample_stream_bytes": _sample_stream_bytes(client),
             "bytes_per_step": growth,
@@ -446,7 +445,7 @@ def _watch(jobs: int, steps: int, shards: int) -> dict:
     on from the history's, so they are read as new rather than as duplicates)."""
     import redis
 
-    from costexporter.store import protocol
+    from costexporter.store import keys
 
     proc, url, d = _redis()
     ctx = multiprocessing.get_context("spawn")
@@ -476,7 +475,7 @@ def _watch(jobs: int, steps: int, shards: int) -> dict:
             pipe = client.pipeline(transaction=False)
             for n in names:
                 for e in _entries(n, a, a + 4, seqs[n]):
-                    pipe.xadd(protocol.stream_key(PREFIX, n), e)
+                    pipe.xadd(keys.stream_key(PREFIX, n), e)
             pipe.execute()
             polls.append(poll(clock))
         for _, cmds, _ in kids:

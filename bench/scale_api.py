@@ -24,8 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from costexporter.core.model import Category  # noqa: E402
-from costexporter.store import ledger, protocol  # noqa: E402
-from costexporter.store.keys import steps_key  # noqa: E402
+from costexporter.store import keys, ledger  # noqa: E402
 
 DAY = 86400
 END = 1_764_547_200  # 2025-12-01T00:00:00Z
@@ -69,9 +68,9 @@ def seed(r: redis.Redis, prefix: str, n_jobs: int, first: int = 0) -> None:
     pipe = r.pipeline(transaction=False)
     for j in range(first, first + n_jobs):
         name = f"job-{j:05d}"
-        pipe.zadd(protocol.jobs_key(prefix), {name: END})
+        pipe.zadd(keys.jobs_key(prefix), {name: END})
         pipe.hset(
-            protocol.meta_key(prefix, name),
+            keys.meta_key(prefix, name),
             mapping={"team": f"team-{j % TEAMS}", "cost_center": f"cc-{j % 7}"},
         )
         t0 = START + int(rng.integers(0, 29 * DAY // 300)) * 300
@@ -83,7 +82,7 @@ def seed(r: redis.Redis, prefix: str, n_jobs: int, first: int = 0) -> None:
             by_bucket[t0 + 300 * b] = a
         ledger.queue_amounts(pipe, prefix, name, by_bucket, "bench")
         pipe.zadd(
-            steps_key(prefix, name),
+            keys.steps_key(prefix, name),
             {f"{i}:{(i + 1) * 1000}": t0 + 90 * i for i in range(40)},
         )
         if j % 100 == 99:

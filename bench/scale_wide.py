@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from costexporter.store.keys import samples_key, watermark_key
+from costexporter.store import keys
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,7 +66,7 @@ def _publish(client, hosts: range, t0: float, seconds: int, rng: np.random.Gener
 
     pipe = client.pipeline(transaction=False)
     for h in hosts:
-        pipe.xadd(samples_key(PREFIX, JOB, f"node{h}"), _peer_entry(h, t0, seconds, rng))
+        pipe.xadd(keys.samples_key(PREFIX, JOB, f"node{h}"), _peer_entry(h, t0, seconds, rng))
     pipe.execute()
 
 
@@ -150,7 +150,7 @@ def _prepare(width: int, url: str) -> dict[int, int]:
         # As a running agent stores it: its band window, seconds before the watermark.
         "win": [[booked - overlap, booked, None], None],
     }
-    client.set(watermark_key(PREFIX, JOB, "node0"), json.dumps(wm))
+    client.set(keys.watermark_key(PREFIX, JOB, "node0"), json.dumps(wm))
     return seqs
 
 

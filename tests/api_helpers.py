@@ -18,8 +18,7 @@ from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import price_version
 from costexporter.core.cost import Prices
 from costexporter.core.model import Category
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import steps_key
+from costexporter.store import keys, ledger
 
 from .redis_server import free_port
 
@@ -51,16 +50,16 @@ def write_job(
 ) -> None:
     """A job with a registration, 2 hours of amounts, 10 steps and `incidents` incidents."""
     pipe = r.pipeline(transaction=True)
-    pipe.zadd(protocol.jobs_key(prefix), {job: T0 + 7200})
+    pipe.zadd(keys.jobs_key(prefix), {job: T0 + 7200})
     fields = {"team": team, **meta} if team is not None else meta
     if fields:
-        pipe.hset(protocol.meta_key(prefix, job), mapping=fields)
-    pipe.hset(protocol.ranks_key(prefix, job), "0", json.dumps({"ts": T0, "host": "h", "gpu": 0}))
+        pipe.hset(keys.meta_key(prefix, job), mapping=fields)
+    pipe.hset(keys.ranks_key(prefix, job), "0", json.dumps({"ts": T0, "host": "h", "gpu": 0}))
     a = np.zeros((len(Category), 3), np.int64)
     a[Category.PRODUCTIVE] = [3_600_000, 10**9, 3_500_000]
     a[Category.STALLED] = [360_000, 10**8, 350_000]
     ledger.queue_amounts(pipe, prefix, job, {T0: a, T0 + 3600: a}, PRICE_VERSION)
-    pipe.zadd(steps_key(prefix, job), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)})
+    pipe.zadd(keys.steps_key(prefix, job), {f"{i}:{100 * (i + 1)}": T0 + 60 * i for i in range(10)})
     incs = [
         {
             "category": "stalled",

@@ -19,7 +19,7 @@ import redis
 from costexporter.api.store import LedgerStore
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import write_nvidia_smi_csv
-from costexporter.store import acl, keys, ledger, migrate, protocol
+from costexporter.store import acl, keys, ledger, migrate
 from costexporter.tools import preflight
 from costexporter.trainer.reporter import StepReporter
 
@@ -129,8 +129,8 @@ def test_every_key_the_booking_wrote_is_refused_to_the_trainer(server, booked):
     job = booked["b"].job
     as_trainer = client_as(server, *booked["trainer"])
     written = sorted(admin.scan_iter(f"{PREFIX}:*"))
-    own = {protocol.stream_key(PREFIX, job), protocol.ranks_key(PREFIX, job), protocol.meta_key(PREFIX, job)}
-    cross = {protocol.jobs_key(PREFIX), protocol.registrations_key(PREFIX)}
+    own = {keys.stream_key(PREFIX, job), keys.ranks_key(PREFIX, job), keys.meta_key(PREFIX, job)}
+    cross = {keys.jobs_key(PREFIX), keys.registrations_key(PREFIX)}
     others = [k for k in written if k not in own | cross]
     # The booking wrote the ledger, watermarks, folds, live and sample streams, readers, idle
     # levels, node keys and the epoch: dozens of keys, none of them the trainer's.
@@ -160,13 +160,13 @@ def test_a_trainer_reaches_its_own_job_and_no_other(server, tmp_path):
     rep.close()
     assert rep.stats["sent"] >= 7 and not rep.stats["rejected"] and not rep.stats["side_rejected"], rep.stats
     assert not rep.stats["counter_rejected"] and not rep.stats["spooled"], rep.stats
-    assert admin.hget(protocol.meta_key(PREFIX, "mine"), "team") == "llm"
-    assert c.xadd(protocol.stream_key(PREFIX, "mine"), {"v": "1"})
-    assert c.hset(protocol.ranks_key(PREFIX, "mine"), "9", "{}") == 1
-    assert c.zadd(protocol.jobs_key(PREFIX), {"mine-2": 1}) == 1
-    assert c.execute_command("INCR", protocol.registrations_key(PREFIX)) >= 1
+    assert admin.hget(keys.meta_key(PREFIX, "mine"), "team") == "llm"
+    assert c.xadd(keys.stream_key(PREFIX, "mine"), {"v": "1"})
+    assert c.hset(keys.ranks_key(PREFIX, "mine"), "9", "{}") == 1
+    assert c.zadd(keys.jobs_key(PREFIX), {"mine-2": 1}) == 1
+    assert c.execute_command("INCR", keys.registrations_key(PREFIX)) >= 1
     for other in ("other", "mine2", "min", "mine/x", "x-mine"):
-        theirs = (protocol.stream_key, protocol.ranks_key, protocol.meta_key)
+        theirs = (keys.stream_key, keys.ranks_key, keys.meta_key)
         for k in (key(PREFIX, other) for key in theirs):
             for fn, *args in trainer_writes(c, k):
                 assert refused(fn, *args), (other, k, fn.__name__)
@@ -180,9 +180,9 @@ def test_a_trainer_reaches_its_own_job_and_no_other(server, tmp_path):
     assert check.status == "pass", check
     assert refused(c.hset, keys.node_key(PREFIX, "gpu-host-1"), "2", "{}")
     # Nor its own keys read back, nor under another prefix, nor the stream trimmed.
-    assert refused(c.xrange, protocol.stream_key(PREFIX, "mine"))
-    assert refused(c.xtrim, protocol.stream_key(PREFIX, "mine"), 0)
-    assert refused(c.xadd, protocol.stream_key("other-prefix", "mine"), {"v": "1"})
+    assert refused(c.xrange, keys.stream_key(PREFIX, "mine"))
+    assert refused(c.xtrim, keys.stream_key(PREFIX, "mine"), 0)
+    assert refused(c.xadd, keys.stream_key("other-prefix", "mine"), {"v": "1"})
     admin.execute_command("ACL", "DELUSER", user[0])
 
 
@@ -191,23 +191,23 @@ def test_a_team_rule_covers_the_teams_jobs_only(server):
     user = setuser(admin, "trainer", team="llm")
     c = client_as(server, *user)
     for job in ("llm/a", "llm/b:run-7"):
-        assert c.xadd(protocol.stream_key(PREFIX, job), {"v": "1"})
+        assert c.xadd(keys.stream_key(PREFIX, job), {"v": "1"})
     for job in ("vision/a", "llm-a", "llm", "llmx/a", "x/llm/a"):
-        assert refused(c.xadd, protocol.stream_key(PREFIX, job), {"v": "1"}), job
+        assert refused(c.xadd, keys.stream_key(PREFIX, job), {"v": "1"}), job
     admin.execute_command("ACL", "DELUSER", user[0])
 
 
 def test_the_agent_rule_refuses_the_trainers_and_the_watchers_writes(server, booked):
     c = client_as(server, *booked["agent"])
     job = booked["b"].job
-    events = protocol.stream_key(PREFIX, job)
+    events = keys.stream_key(PREFIX, job)
     assert refused(c.xadd, events, {"v": "1"})
     assert refused(c.xdel, events, "0-1")
     assert refused(c.delete, events)
-    assert refused(c.hset, protocol.ranks_key(PREFIX, job), "0", "{}")
-    assert refused(c.hset, protocol.meta_key(PREFIX, job), "price_per_gpu_hour", "0")
-    assert refused(c.zadd, protocol.jobs_key(PREFIX), {job: 1})
-    assert refused(c.set, protocol.registrations_key(PREFIX), "1")
+    assert refused(c.hset, keys.ranks_key(PREFIX, job), "0", "{}")
+    assert refused(c.hset, keys.meta_key(PREFIX, job), "price_per_gpu_hour", "0")
+    assert refused(c.zadd, keys.jobs_key(PREFIX), {job: 1})
+    assert refused(c.set, keys.registrations_key(PREFIX), "1")
     assert refused(c.set, keys.status_key(PREFIX, job), "{}")
     assert c.xtrim(events, minid="0-1") == 0  # the one write it has on a trainer key
     # Nor through a script, which its trimming selector may call with the stream's key.
@@ -229,10 +229,10 @@ def test_the_watcher_polls_and_writes_its_state_and_nothing_else(server, booked)
     assert json.loads(admin.get(keys.status_key(PREFIX, job)))["state"] == "done"
     assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
     c = client_as(server, user, pw)
-    for k in (keys.total_key(PREFIX, job), keys.figures_key(PREFIX, job), protocol.ranks_key(PREFIX, job)):
+    for k in (keys.total_key(PREFIX, job), keys.figures_key(PREFIX, job), keys.ranks_key(PREFIX, job)):
         assert refused(c.hset, k, "f", "1"), k
     assert refused(c.set, keys.watermark_key(PREFIX, job, "node0"), "{}")
-    assert refused(c.zadd, protocol.jobs_key(PREFIX), {job: 1})
+    assert refused(c.zadd, keys.jobs_key(PREFIX), {job: 1})
     assert refused(c.delete, keys.total_key(PREFIX, job))
     assert refused(c.set, keys.epoch_key(PREFIX), "x")
     admin.execute_command("ACL", "DELUSER", user)
@@ -263,7 +263,7 @@ def test_the_api_answers_under_a_read_only_rule_that_refuses_every_write(server,
     assert body["gpu_hours"] == pytest.approx(sum(booked["expected"].values()) / 3.6e6, rel=1e-6)
     assert not body["warnings"] or body["warnings"] == {}, body["warnings"]
     assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
-    for k in (keys.total_key(PREFIX, job), protocol.meta_key(PREFIX, job), keys.status_key(PREFIX, job)):
+    for k in (keys.total_key(PREFIX, job), keys.meta_key(PREFIX, job), keys.status_key(PREFIX, job)):
         assert refused(c.hset, k, "f", "1"), k
         assert refused(c.delete, k), k
     # Its scripts read: one that writes is refused even on a key it may read.

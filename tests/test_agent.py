@@ -18,8 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import figures_key, index_key
+from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
 from .conftest import promtool_check_metrics, skip_unchecked_exposition
@@ -185,11 +184,11 @@ def test_two_agents_book_one_job_and_their_metrics_agree(shared, prefix, trace):
         total = ledger.read_amounts(shared, prefix, b.job)
         assert ledger.net_ms(total) == expected  # both agents together = the offline replay, to the ms
         assert total["stalled:ms"] > 0  # node1's agent saw node0's rank at 0%
-        figures = shared.hgetall(figures_key(prefix, b.job))
+        figures = shared.hgetall(keys.figures_key(prefix, b.job))
         assert int(figures["steps_completed"]) == len(offline.timeline.steps)
         # The rollups hold the same amounts as the 5-minute buckets.
         for res in ("5m", "1h", "1d"):
-            starts = [int(x) for x in shared.zrange(index_key(prefix, b.job, res), 0, -1)]
+            starts = [int(x) for x in shared.zrange(keys.index_key(prefix, b.job, res), 0, -1)]
             got = {}
             for s in starts:
                 for f, v in ledger.read_amounts(shared, prefix, b.job, res, s).items():
@@ -394,7 +393,7 @@ def test_a_resume_moves_the_voided_steps_to_rolled_back(shared, prefix, tmp_path
     assert ledger.net_ms(total) == expected
     assert total["rolled_back:ms"] == expected["rolled_back"] == 2 * 100_000  # steps 41..60: 100 s x 2 GPUs
     assert total["voided:productive:ms"] == expected["rolled_back"]
-    figures = shared.hgetall(figures_key(prefix, b.job))
+    figures = shared.hgetall(keys.figures_key(prefix, b.job))
     assert (int(figures["steps_voided"]), int(figures["valid_steps"])) == (20, 70)
 
 
@@ -435,7 +434,7 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            f = shared.hgetall(figures_key(prefix, b.job))
+            f = shared.hgetall(keys.figures_key(prefix, b.job))
             if f.get("ended") == "1":
                 wm = ledger.load_watermark(shared, prefix, b.job, "sim")
                 if wm and wm["booked_until"] >= int(float(f["last_step_ts"]) * 1000):

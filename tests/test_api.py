@@ -24,8 +24,7 @@ from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.core.tracefiles import combine, read_samples
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
-from costexporter.store import ledger
-from costexporter.store.keys import figures_key
+from costexporter.store import keys, ledger
 
 from .api_helpers import T0, WINDOW, write_job
 from .conftest import SHARED_URL
@@ -317,7 +316,7 @@ def test_gpu_hours_at_risk_count_from_the_last_checkpoint(shared, prefix):
     api = TestClient(create_app(LedgerStore(shared, prefix)))
     got = api.get("/api/v1/jobs/ckpt", params={"window": WINDOW}).json()
     assert got["gpu_hours_at_risk"] == got["gpu_hours"] == pytest.approx(2.2)
-    shared.hset(figures_key(prefix, "ckpt"), "last_checkpoint_ts", T0 + 3600)
+    shared.hset(keys.figures_key(prefix, "ckpt"), "last_checkpoint_ts", T0 + 3600)
     got = api.get("/api/v1/jobs/ckpt", params={"window": WINDOW}).json()
     assert got["gpu_hours"] == pytest.approx(2.2)
     assert got["gpu_hours_at_risk"] == pytest.approx(1.1)
@@ -331,7 +330,7 @@ def test_the_agent_keeps_each_jobs_rollup_equal_to_its_buckets(built):
     fast, exact = LedgerStore(r, prefix), LedgerStore(r, prefix, use_rollups=False)
     jobs = [*built["jobs"], ledger.UNASSIGNED_JOB]
     for j in jobs:
-        assert r.hget(ledger.rollup_state_key(prefix, j), "v") == "1", j
+        assert r.hget(keys.rollup_state_key(prefix, j), "v") == "1", j
     lo, seen = T0 // 86400 * 86400 - 86400, 0
     for start in range(lo, lo + 3 * 86400, 3 * 3600 + 300):
         for span in (300, 3600 + 600, 86400, 2 * 86400 + 1500):

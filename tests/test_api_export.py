@@ -20,7 +20,7 @@ from costexporter.api.auth import Tokens, hash_token
 from costexporter.api.export import FocusSettings
 from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
-from costexporter.store import ledger, protocol
+from costexporter.store import keys, ledger
 
 from .api_helpers import PRICE_VERSION, T0, WINDOW, served, write_job
 from .redis_server import free_port
@@ -40,8 +40,8 @@ def ledger_of_four(shared, prefix):
     a = np.zeros((len(Category), 3), np.int64)
     a[Category.PRODUCTIVE] = [3_600_000, 10**9, 3_500_000]
     pipe = shared.pipeline()
-    pipe.zadd(protocol.jobs_key(prefix), {"month-end": JULY_END + 4 * 3600})
-    pipe.hset(protocol.meta_key(prefix, "month-end"), mapping={"team": "llm", "namespace": "ns-a"})
+    pipe.zadd(keys.jobs_key(prefix), {"month-end": JULY_END + 4 * 3600})
+    pipe.hset(keys.meta_key(prefix, "month-end"), mapping={"team": "llm", "namespace": "ns-a"})
     ledger.queue_amounts(pipe, prefix, "month-end", {JULY_END + h * 3600: a for h in range(4)}, PRICE_VERSION)
     unassigned = np.zeros((len(Category), 3), np.int64)
     unassigned[Category.UNASSIGNED] = [1_800_000, 0, 1_750_000]

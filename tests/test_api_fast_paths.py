@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from costexporter.api.format import per, per_micro
-from costexporter.store.keys import bucket_key, rollup_state_key, steps_key
+from costexporter.store import keys
 
 from .api_helpers import served
 from .test_api_rollup import BASE, amounts, write
@@ -65,35 +65,34 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
     from costexporter.api import store as store_mod
     from costexporter.api.store import LedgerStore
     from costexporter.core.buckets import RESOLUTIONS, bucket_start
-    from costexporter.store import protocol
 
     prefix = f"test-chunks-{uuid.uuid4().hex[:10]}"
     rng = np.random.default_rng(seed)
     try:
         for n, (team, buckets, steps, spoil) in enumerate(jobs):
             name = f"job-{(n * 7) % 10}-{n}"  # the jobs set's order is not the names' order
-            shared.zadd(protocol.jobs_key(prefix), {name: BASE + 86400 - n})
+            shared.zadd(keys.jobs_key(prefix), {name: BASE + 86400 - n})
             if team:
-                shared.hset(protocol.meta_key(prefix, name), mapping={"team": team, "cost_center": "cc"})
+                shared.hset(keys.meta_key(prefix, name), mapping={"team": team, "cost_center": "cc"})
             if buckets:
                 write(shared, prefix, name, "a", {BASE + 300 * b: amounts(rng) for b in buckets}, "v1")
             if steps:
                 shared.zadd(
-                    steps_key(prefix, name),
+                    keys.steps_key(prefix, name),
                     {f"{i}:{i * 10}": BASE + int(rng.integers(0, 3 * 86400)) for i in range(steps)},
                 )
             if spoil == "meta":
-                shared.delete(protocol.meta_key(prefix, name))
-                shared.set(protocol.meta_key(prefix, name), "x")
+                shared.delete(keys.meta_key(prefix, name))
+                shared.set(keys.meta_key(prefix, name), "x")
             elif spoil == "steps":
-                shared.delete(steps_key(prefix, name))
-                shared.set(steps_key(prefix, name), "x")
+                shared.delete(keys.steps_key(prefix, name))
+                shared.set(keys.steps_key(prefix, name), "x")
             elif spoil in ("exact", "bad-bucket"):
-                shared.delete(rollup_state_key(prefix, name))
+                shared.delete(keys.rollup_state_key(prefix, name))
                 if spoil == "bad-bucket":
                     for res in RESOLUTIONS:
                         b = bucket_start(BASE, res)
-                        shared.hset(bucket_key(prefix, name, res, str(b)), "productive:ms", "5k")
+                        shared.hset(keys.bucket_key(prefix, name, res, str(b)), "productive:ms", "5k")
         window = f"{BASE},{BASE + 3 * 86400}"
         queries = [
             {"window": window},
@@ -115,6 +114,6 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
         assert answers() == whole
         assert all(code == 200 for code, _, _ in whole)
     finally:
-        keys = list(shared.scan_iter(f"{prefix}:*"))
-        if keys:
-            shared.delete(*keys)
+        found = list(shared.scan_iter(f"{prefix}:*"))
+        if found:
+            shared.delete(*found)

@@ -17,7 +17,7 @@ from costexporter.api import opencost as oc
 from costexporter.api.auth import Tokens, hash_token
 from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
-from costexporter.store import ledger, protocol
+from costexporter.store import keys, ledger
 
 from .api_helpers import PRICE_VERSION, T0, WINDOW, served, write_job
 
@@ -260,7 +260,7 @@ def test_redis_down_is_503(shared, prefix):
 
 def test_hostile_meta_does_not_break_the_answer(shared, prefix):
     write_job(shared, prefix, "odd", "t", namespace="", cluster="c/1")
-    shared.hset(protocol.meta_key(prefix, "odd"), mapping={"weird key!": "v", "controller_kind": ""})
+    shared.hset(keys.meta_key(prefix, "odd"), mapping={"weird key!": "v", "controller_kind": ""})
     with served(LedgerStore(shared, prefix)) as (url, _):
         d = get(url, window=DAY, aggregate="namespace,cluster").json()["data"][0]
         assert list(d) == ["__unallocated__/c/1"]

@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 
 from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import bucket_key, steps_key, watermark_key
+from costexporter.store import keys, ledger
 
 from .api_helpers import T0
 from .conftest import SHARED_URL
@@ -44,7 +43,7 @@ def amounts(rng: np.random.Generator) -> np.ndarray:
 def write(r, prefix: str, job: str, agent: str, by_bucket: dict, version: str, voided: bool = False):
     """One round of one agent: its amounts (or a rollback's correction: the `voided:` amounts and
     the same as rolled_back) and its watermark, compare-and-set as the agent commits."""
-    wm_raw = r.get(watermark_key(prefix, job, agent))
+    wm_raw = r.get(keys.watermark_key(prefix, job, agent))
     n = json.loads(wm_raw)["n"] + 1 if wm_raw else 1
 
     def queue(pipe) -> None:
@@ -107,7 +106,7 @@ def test_rollup_windows_equal_the_bucket_sums(shared, writes, windows, seed, reb
         for agent, buckets, voided, version in writes:
             by_bucket = {BASE + 300 * b + int(rng.integers(0, 300)): amounts(rng) for b in buckets}
             write(shared, prefix, "job", agent, by_bucket, version, voided)
-        state = shared.hget(ledger.rollup_state_key(prefix, "job"), "v")
+        state = shared.hget(keys.rollup_state_key(prefix, "job"), "v")
         assert state == "1"
         assert_windows_equal(shared, prefix, "job", windows)
         if rebuild:
@@ -115,9 +114,9 @@ def test_rollup_windows_equal_the_bucket_sums(shared, writes, windows, seed, reb
             assert ledger.build_rollup(shared, prefix, "job")
             assert_windows_equal(shared, prefix, "job", windows)
     finally:
-        keys = list(shared.scan_iter(f"{prefix}:*"))
-        if keys:
-            shared.delete(*keys)
+        found = list(shared.scan_iter(f"{prefix}:*"))
+        if found:
+            shared.delete(*found)
 
 
 def test_a_single_version_ledger_is_answered_from_the_rollup(shared, prefix):
@@ -126,7 +125,7 @@ def test_a_single_version_ledger_is_answered_from_the_rollup(shared, prefix):
     rng = np.random.default_rng(1)
     by_bucket = {BASE + 300 * i: amounts(rng) for i in range(0, 570, 7)}
     write(shared, prefix, "job", "a", by_bucket, "v1")
-    shared.delete(bucket_key(prefix, "job", "1d", str(BASE)))
+    shared.delete(keys.bucket_key(prefix, "job", "1d", str(BASE)))
     got = LedgerStore(shared, prefix).amounts_many(["job"], BASE, BASE + 2 * 86400)["job"]
     want = sum(by_bucket.values())
     assert [got.ms[c] for c in ledger.CATEGORIES] == list(want[:, 0])
@@ -136,12 +135,12 @@ def test_a_single_version_ledger_is_answered_from_the_rollup(shared, prefix):
 def test_a_twin_agent_that_loses_the_watermark_writes_no_rollup(shared, prefix):
     rng = np.random.default_rng(2)
     write(shared, prefix, "job", "a", {BASE: amounts(rng)}, "v1")
-    stale = shared.get(watermark_key(prefix, "job", "a"))
+    stale = shared.get(keys.watermark_key(prefix, "job", "a"))
     write(shared, prefix, "job", "a", {BASE + 300: amounts(rng)}, "v1")
 
     def rollup():
-        return shared.hgetall(ledger.rollup_state_key(prefix, "job")), shared.zrange(
-            ledger.rollup_key(prefix, "job"), 0, -1, withscores=True
+        return shared.hgetall(keys.rollup_state_key(prefix, "job")), shared.zrange(
+            keys.rollup_key(prefix, "job"), 0, -1, withscores=True
         )
 
     before = rollup()
@@ -165,22 +164,22 @@ def test_a_ledger_older_than_its_rollup_is_read_exactly_until_rebuilt(shared, pr
     rng = np.random.default_rng(3)
     write(shared, prefix, "job", "a", {BASE + 300 * i: amounts(rng) for i in range(5)}, "v1")
     ledger.drop_rollup(shared, prefix, "job")  # as written before rollups existed
-    shared.zadd(protocol.jobs_key(prefix), {"job": BASE})
+    shared.zadd(keys.jobs_key(prefix), {"job": BASE})
     write(shared, prefix, "job", "a", {BASE + 3000: amounts(rng)}, "v1")
-    assert not shared.exists(ledger.rollup_key(prefix, "job"), ledger.rollup_state_key(prefix, "job"))
+    assert not shared.exists(keys.rollup_key(prefix, "job"), keys.rollup_state_key(prefix, "job"))
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600), (BASE + 600, BASE + 1200)])
     # The job's ledger held amounts: counted. `_unassigned` holds none here: its empty rollup is
     # made all the same, uncounted (nothing older was there to roll up).
     assert ledger.build_rollups(shared, prefix) == 1
-    assert shared.hget(ledger.rollup_state_key(prefix, "job"), "v") == "1"
-    assert shared.hget(ledger.rollup_state_key(prefix, ledger.UNASSIGNED_JOB), "v") == "1"
+    assert shared.hget(keys.rollup_state_key(prefix, "job"), "v") == "1"
+    assert shared.hget(keys.rollup_state_key(prefix, ledger.UNASSIGNED_JOB), "v") == "1"
     assert ledger.build_rollups(shared, prefix) == 0  # once
     write(shared, prefix, "job", "a", {BASE + 900: amounts(rng)}, "v1", voided=True)
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600), (BASE + 600, BASE + 1200)])
 
 
 LAST = BASE + 1000  # after the four buckets: the record a window to BASE + 3600 ends on
-STATE, RECORDS = ledger.rollup_state_key, ledger.rollup_key
+STATE, RECORDS = keys.rollup_state_key, keys.rollup_key
 
 
 @pytest.mark.parametrize(
@@ -220,7 +219,7 @@ def test_the_api_builds_missing_rollups_at_start(shared, prefix):
     """`costexporter api` rolls up ledgers written before rollups existed, by itself, at start."""
     rng = np.random.default_rng(5)
     write(shared, prefix, "legacy", "a", {BASE + 300 * i: amounts(rng) for i in range(3)}, "v1")
-    shared.zadd(protocol.jobs_key(prefix), {"legacy": BASE})
+    shared.zadd(keys.jobs_key(prefix), {"legacy": BASE})
     ledger.drop_rollup(shared, prefix, "legacy")
     port = free_port()
     proc = subprocess.Popen(
@@ -244,10 +243,10 @@ def test_the_api_builds_missing_rollups_at_start(shared, prefix):
     )
     try:
         deadline = time.monotonic() + 30
-        while shared.hget(ledger.rollup_state_key(prefix, "legacy"), "v") != "1":
+        while shared.hget(keys.rollup_state_key(prefix, "legacy"), "v") != "1":
             assert time.monotonic() < deadline and proc.poll() is None, "the rollup was not built"
             time.sleep(0.1)
-        assert shared.hget(ledger.rollup_state_key(prefix, "legacy"), "v") == "1"
+        assert shared.hget(keys.rollup_state_key(prefix, "legacy"), "v") == "1"
     finally:
         proc.terminate()
         proc.wait(10)
@@ -260,9 +259,9 @@ def test_bad_amounts_in_an_old_ledger_leave_its_rollup_unusable(shared, prefix):
     rng = np.random.default_rng(6)
     write(shared, prefix, "job", "a", {BASE + 300 * i: amounts(rng) for i in range(3)}, "v1")
     ledger.drop_rollup(shared, prefix, "job")
-    shared.hset(bucket_key(prefix, "job", "5m", str(BASE)), "productive:ms", "abc")
+    shared.hset(keys.bucket_key(prefix, "job", "5m", str(BASE)), "productive:ms", "abc")
     assert ledger.build_rollup(shared, prefix, "job")
-    assert shared.hget(ledger.rollup_state_key(prefix, "job"), "v") == "bad"
+    assert shared.hget(keys.rollup_state_key(prefix, "job"), "v") == "bad"
     assert_windows_equal(shared, prefix, "job", [(BASE, BASE + 3600)])
 
 
@@ -309,12 +308,12 @@ def test_allocation_rows_equal_the_per_job_sums(shared, jobs, fields, window, se
             names.append(name)
             meta = {k: v for k, v in (("team", team), ("cost_center", cc), ("ns", ns)) if v}
             if meta:
-                shared.hset(protocol.meta_key(prefix, name), mapping=meta)
+                shared.hset(keys.meta_key(prefix, name), mapping=meta)
             if buckets:
                 write(shared, prefix, name, "a", {BASE + 300 * b: amounts(rng) for b in buckets}, "v1")
             if steps:
                 shared.zadd(
-                    steps_key(prefix, name),
+                    keys.steps_key(prefix, name),
                     {f"{i}:{i * 10}": BASE + int(rng.integers(0, N_BUCKETS * 300)) for i in range(steps)},
                 )
         s, e = window
@@ -324,9 +323,9 @@ def test_allocation_rows_equal_the_per_job_sums(shared, jobs, fields, window, se
         parts = [agg.JobPart(j, metas[j], by_job[j], steps_[j]) for j in names]
         assert got == [r.model_dump() for r in agg.rows(parts, fields, s, e)]
     finally:
-        keys = list(shared.scan_iter(f"{prefix}:*"))
-        if keys:
-            shared.delete(*keys)
+        found = list(shared.scan_iter(f"{prefix}:*"))
+        if found:
+            shared.delete(*found)
 
 
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -362,10 +361,10 @@ def test_series_from_the_rollup_equal_the_buckets(shared, writes, window, step):
         assert [{k: p[k] for k in old[0]} for p in json.loads(fast)["points"]] == old
         starts, m = LedgerStore(shared, prefix).series_matrix("job", w.start, w.end, step)
         for b, row in zip(starts, m, strict=True):
-            h = shared.hgetall(bucket_key(prefix, "job", step, str(b)))
+            h = shared.hgetall(keys.bucket_key(prefix, "job", step, str(b)))
             want = [int(h.get(f, 0)) - int(h.get("voided:" + f, 0)) for f in ledger.PACKED]
             assert row.tolist() == want
     finally:
-        keys = list(shared.scan_iter(f"{prefix}:*"))
-        if keys:
-            shared.delete(*keys)
+        found = list(shared.scan_iter(f"{prefix}:*"))
+        if found:
+            shared.delete(*found)

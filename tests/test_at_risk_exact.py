@@ -12,7 +12,7 @@ from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.figures import encode_at_risk, exact_at_risk_ms
 from costexporter.services.agent import Agent
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store.keys import figures_key
+from costexporter.store import keys
 
 from .test_incremental_agent import run_agent
 
@@ -39,7 +39,7 @@ def test_at_risk_from_the_checkpoints_time(shared, prefix, after_s, end):
     b = _job(after_s, end)
     late = b.events[-1]
     run_agent(Agent, prefix, b, late, late_s=0)
-    fig = shared.hgetall(figures_key(prefix, "risk"))
+    fig = shared.hgetall(keys.figures_key(prefix, "risk"))
     ckpt = float(fig["last_checkpoint_ts"])
     got = (
         TestClient(create_app(LedgerStore(shared, prefix)))

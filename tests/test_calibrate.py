@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from costexporter.core import bands, profiles
 from costexporter.core.model import Band
 from costexporter.sources.synth import STATES, TraceBuilder, write_nvidia_smi_csv
-from costexporter.store.keys import figures_key
+from costexporter.store import keys
 from costexporter.tools.calibrate import fit
 
 from .conftest import SHARED_URL
@@ -234,7 +234,7 @@ def test_agent_metrics_and_api_flag_an_uncalibrated_profile(fitted, prefix, tmp_
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                fig = r.hgetall(figures_key(p, "h200-live"))
+                fig = r.hgetall(keys.figures_key(p, "h200-live"))
                 if fig.get("profile"):
                     break
                 time.sleep(0.2)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from costexporter.store import acl, protocol
+from costexporter.store import acl, keys
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import StepReporter
 
@@ -60,10 +60,10 @@ def test_four_processes_each_event_arrives_once_in_order(shared, prefix, tmp_pat
     for r in range(4):
         assert kinds[(r, "register")] == 1 and kinds[(r, "run")] == 2 and kinds[(r, "phase")] == 10
     # The register events also landed in the ranks hash, with world size and pid.
-    ranks = shared.hgetall(protocol.ranks_key(prefix, "job4"))
+    ranks = shared.hgetall(keys.ranks_key(prefix, "job4"))
     assert sorted(ranks) == ["0", "1", "2", "3"]
     assert json.loads(ranks["2"])["world_size"] == "4"
-    assert shared.zscore(protocol.jobs_key(prefix), "job4") > 0
+    assert shared.zscore(keys.jobs_key(prefix), "job4") > 0
     assert reader.stats["rejected:missing_field"] == 0
 
 
@@ -156,7 +156,7 @@ def test_exit_with_redis_down_spools_and_the_next_reporter_sends(tmp_path):
 
 
 def test_bad_entries_are_rejected_and_counted_and_reading_goes_on(shared, prefix):
-    key = protocol.stream_key(prefix, "j")
+    key = keys.stream_key(prefix, "j")
     good = {
         "v": "1",
         "type": "step",
@@ -298,13 +298,13 @@ def test_a_trainer_with_the_recommended_acl_can_post_and_nothing_else(tmp_path):
         rep.close()
         events = EventReader(admin, "acl-job").read_all()
         assert [e.type for e in events] == ["register", "run", "step", "run"]
-        registrations = admin.get(protocol.registrations_key("costexporter"))
+        registrations = admin.get(keys.registrations_key("costexporter"))
         assert int(registrations or 0) == 1 and not rep.stats["counter_rejected"]
         as_trainer = redis.Redis.from_url(url)
         with pytest.raises(redis.exceptions.NoPermissionError):
-            as_trainer.xadd(protocol.stream_key("costexporter", "someone-else"), {"x": "1"})
+            as_trainer.xadd(keys.stream_key("costexporter", "someone-else"), {"x": "1"})
         with pytest.raises(redis.exceptions.NoPermissionError):
-            as_trainer.xrange(protocol.stream_key("costexporter", "acl-job"))
+            as_trainer.xrange(keys.stream_key("costexporter", "acl-job"))
     finally:
         server.stop()
 
@@ -367,4 +367,4 @@ def test_a_spool_without_a_destination_is_left_alone_and_said_once(shared, prefi
             rep.close()
     told = [r.message for r in caplog.records if "leaving spool" in r.message]
     assert len(told) == 1 and "records no destination" in told[0] and str(legacy) in told[0]
-    assert legacy.exists() and not shared.exists(protocol.stream_key(prefix, "old"))
+    assert legacy.exists() and not shared.exists(keys.stream_key(prefix, "old"))

@@ -24,15 +24,7 @@ from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import RESOLUTIONS
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
-from costexporter.store import acl, ledger, protocol, redisconn
-from costexporter.store.keys import (
-    figures_key,
-    incidents_key,
-    index_key,
-    steps_key,
-    voids_key,
-    watermark_key,
-)
+from costexporter.store import acl, keys, ledger, protocol, redisconn
 from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW
@@ -172,11 +164,11 @@ def test_the_agent_stored_its_fold_and_trimmed_the_streams(backends, backend):
     r, prefix, agent = b["redis"], b["prefix"], b["agent"]
     assert b["jobs"], "no jobs were booked"
     for name, trace in b["jobs"].items():
-        assert r.exists(ledger.fold_key(prefix, name, agent)), name
-        pos = json.loads(r.hget(ledger.readers_key(prefix, name), f"agent:{agent}"))
-        first = r.xrange(protocol.stream_key(prefix, name), count=1)
+        assert r.exists(keys.fold_key(prefix, name, agent)), name
+        pos = json.loads(r.hget(keys.readers_key(prefix, name), f"agent:{agent}"))
+        first = r.xrange(keys.stream_key(prefix, name), count=1)
         assert first and first[0][0] == pos["id"], name  # trimmed exactly below the position
-        assert r.xlen(protocol.stream_key(prefix, name)) < len(trace.events), name
+        assert r.xlen(keys.stream_key(prefix, name)) < len(trace.events), name
 
 
 @pytest.mark.parametrize("backend", ["single", "cluster"])
@@ -188,11 +180,11 @@ def test_the_ledger_equals_the_offline_replay(backends, backend):
         expected, offline = offline_ms(trace)
         total = ledger.read_amounts(r, prefix, name)
         assert ledger.net_ms(total) == expected, name  # to the millisecond
-        figures = r.hgetall(figures_key(prefix, name))
+        figures = r.hgetall(keys.figures_key(prefix, name))
         assert int(figures["steps_completed"]) == len(offline.timeline.steps)
         for res in ("5m", "1h", "1d"):  # the rollups hold the same amounts as the total
             got: dict[str, int] = {}
-            for s in r.zrange(index_key(prefix, name, res), 0, -1):
+            for s in r.zrange(keys.index_key(prefix, name, res), 0, -1):
                 for f, v in ledger.read_amounts(r, prefix, name, res, int(s)).items():
                     got[f] = got.get(f, 0) + v
             assert got and got == total, (name, res)
@@ -215,13 +207,13 @@ def test_the_cluster_ledger_is_the_single_redis_ledger(backends):
 
     def dump(b: dict, job: str) -> dict:
         r, p = b["redis"], b["prefix"]
-        incidents = [json.loads(v) for v in r.hvals(incidents_key(p, job, b["agent"]))]
+        incidents = [json.loads(v) for v in r.hvals(keys.incidents_key(p, job, b["agent"]))]
         return {
-            "figures": r.hgetall(figures_key(p, job)),
-            "steps": r.zrange(steps_key(p, job), 0, -1, withscores=True),
-            "voids": r.zrange(voids_key(p, job), 0, -1, withscores=True),
+            "figures": r.hgetall(keys.figures_key(p, job)),
+            "steps": r.zrange(keys.steps_key(p, job), 0, -1, withscores=True),
+            "voids": r.zrange(keys.voids_key(p, job), 0, -1, withscores=True),
             "incidents": sorted((i["category"], i["start"], i["end"], i["gpu_ms"]) for i in incidents),
-            "buckets": {res: r.zrange(index_key(p, job, res), 0, -1) for res in RESOLUTIONS},
+            "buckets": {res: r.zrange(keys.index_key(p, job, res), 0, -1) for res in RESOLUTIONS},
         }
 
     for job in [*s["jobs"], ledger.UNASSIGNED_JOB]:
@@ -334,10 +326,10 @@ def test_a_trainer_posts_to_the_cluster_and_the_watcher_sees_it_run_and_hang(clu
             rep.step(s, tokens=100)
         assert rep.flush(5)
         r = redisconn.from_url(cluster.url, decode_responses=True)
-        types = [f["type"] for _id, f in r.xrange(protocol.stream_key(prefix, job))]
+        types = [f["type"] for _id, f in r.xrange(keys.stream_key(prefix, job))]
         assert types.count("step") == 5 and types[0] == "register"
-        assert json.loads(r.hget(protocol.ranks_key(prefix, job), "0"))["world_size"] == "1"
-        assert r.zscore(protocol.jobs_key(prefix), job) == pytest.approx(clock[0], abs=1)
+        assert json.loads(r.hget(keys.ranks_key(prefix, job), "0"))["world_size"] == "1"
+        assert r.zscore(keys.jobs_key(prefix), job) == pytest.approx(clock[0], abs=1)
         assert w.poll()[job].state == "running"
         clock[0] += 30  # no step for 30 s > the 5 s threshold; heartbeats go on
         time.sleep(0.6)
@@ -368,10 +360,10 @@ def test_the_documented_trainer_acl_works_on_the_cluster(cluster, tmp_path):
         assert rep.flush(5)
         rep.close()
         admin = redisconn.from_url(cluster.url, decode_responses=True)
-        types = [f["type"] for _id, f in admin.xrange(protocol.stream_key(prefix, job))]
+        types = [f["type"] for _id, f in admin.xrange(keys.stream_key(prefix, job))]
         assert types == ["register", "run", "step", "step", "step", "run"]  # start ... end at close
-        assert admin.zscore(protocol.jobs_key(prefix), job) is not None
-        assert admin.get(protocol.registrations_key(prefix)) == "1" and not rep.stats["counter_rejected"]
+        assert admin.zscore(keys.jobs_key(prefix), job) is not None
+        assert admin.get(keys.registrations_key(prefix)) == "1" and not rep.stats["counter_rejected"]
         assert not list(tmp_path.glob("*.jsonl")) or all(
             p.stat().st_size == 0 for p in tmp_path.glob("*.jsonl")
         )
@@ -384,13 +376,13 @@ def test_mget_across_slots_on_the_cluster(cluster):
     """The agent's idle levels (one key per GPU, in many slots) are read in one call."""
     r = redisconn.from_url(cluster.url, decode_responses=True)
     prefix = f"test-{uuid.uuid4().hex[:12]}"
-    keys = [ledger.gpu_idle_key(prefix, f"GPU-{i}") for i in range(20)]
-    assert len({r.keyslot(k) for k in keys}) > 1
-    for i, k in enumerate(keys[::2]):
+    names = [keys.gpu_idle_key(prefix, f"GPU-{i}") for i in range(20)]
+    assert len({r.keyslot(k) for k in names}) > 1
+    for i, k in enumerate(names[::2]):
         r.set(k, str(i))
-    assert redisconn.mget(r, keys) == [str(i // 2) if i % 2 == 0 else None for i in range(20)]
+    assert redisconn.mget(r, names) == [str(i // 2) if i % 2 == 0 else None for i in range(20)]
     with pytest.raises(RedisClusterException, match="same key slot"):
-        r.mget(keys)  # what the agent did before: refused across slots
+        r.mget(names)  # what the agent did before: refused across slots
 
 
 def test_a_master_down_loses_no_trainer_event_and_the_jobs_index_comes_back(tmp_path):
@@ -401,11 +393,11 @@ def test_a_master_down_loses_no_trainer_event_and_the_jobs_index_comes_back(tmp_
     try:
         prefix = f"test-{uuid.uuid4().hex[:12]}"
         r = redisconn.from_url(c.url, decode_responses=True)
-        jobs_node = r.get_node_from_key(protocol.jobs_key(prefix)).port
+        jobs_node = r.get_node_from_key(keys.jobs_key(prefix)).port
         job = next(
             f"job-{i}"
             for i in range(1000)
-            if r.get_node_from_key(protocol.stream_key(prefix, f"job-{i}")).port != jobs_node
+            if r.get_node_from_key(keys.stream_key(prefix, f"job-{i}")).port != jobs_node
         )
         rep = StepReporter(
             job,
@@ -427,10 +419,10 @@ def test_a_master_down_loses_no_trainer_event_and_the_jobs_index_comes_back(tmp_
         assert rep.flush(20)
         rep.close()
         steps = [
-            int(f["step"]) for _id, f in r.xrange(protocol.stream_key(prefix, job)) if f["type"] == "step"
+            int(f["step"]) for _id, f in r.xrange(keys.stream_key(prefix, job)) if f["type"] == "step"
         ]
         assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # duplicates are dropped by the reader
-        assert r.zscore(protocol.jobs_key(prefix), job) is not None
+        assert r.zscore(keys.jobs_key(prefix), job) is not None
         assert rep.stats["rejected"] == 0
     finally:
         c.stop()
@@ -452,24 +444,24 @@ def test_kubernetes_registrations_and_the_incident_index_on_the_cluster(cluster)
     try:
         src.read()
         kj.sync()
-        _wait("registered", lambda: len(r.hgetall(protocol.ranks_key(prefix, "nlp:bert"))) == 2)
+        _wait("registered", lambda: len(r.hgetall(keys.ranks_key(prefix, "nlp:bert"))) == 2)
         for g in (0, 1):
             exp.set(g, pod=None, ns=None)
         src.read()
         kj.sync()
         runs = [
-            f.get("state") for _, f in r.xrange(protocol.stream_key(prefix, "nlp:bert")) if f["type"] == "run"
+            f.get("state") for _, f in r.xrange(keys.stream_key(prefix, "nlp:bert")) if f["type"] == "run"
         ]
         assert runs == ["end"] and kj.errors == 0  # as on one Redis (test_k8s)
     finally:
         exp.close()
     # Incident hashes of jobs in different slots, without their index: one SCAN finds them all.
     jobs = [f"job-{i}" for i in range(12)]
-    assert len({r.keyslot(protocol.stream_key(prefix, j)) for j in jobs}) > 3
+    assert len({r.keyslot(keys.stream_key(prefix, j)) for j in jobs}) > 3
     for j in jobs:
-        r.hset(ledger.incidents_key(prefix, j, "agent-a"), "stalled:1", "{}")
+        r.hset(keys.incidents_key(prefix, j, "agent-a"), "stalled:1", "{}")
     assert ledger.index_incidents(r, prefix) == len(jobs)
-    assert all(r.smembers(ledger.incident_index_key(prefix, j)) == {"agent-a"} for j in jobs)
+    assert all(r.smembers(keys.incident_index_key(prefix, j)) == {"agent-a"} for j in jobs)
 
 
 def test_an_old_redis_py_is_a_one_line_error_for_a_cluster_url(monkeypatch):
@@ -542,7 +534,7 @@ def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(clus
         # commit() calls `queue` twice: first to learn the keys it writes (their types are
         # checked with the watermark), then inside MULTI: the second is after WATCH
         if sneak and calls[0] % 2 == 0:  # another writer of the same watermark, before EXEC
-            other.set(watermark_key(prefix, job, agent), '{"booked_until": 1}')
+            other.set(keys.watermark_key(prefix, job, agent), '{"booked_until": 1}')
         ledger.queue_amounts(pipe, prefix, job, {1_753_531_200: a}, "v1")
 
     raw = ledger.commit(r, prefix, job, agent, None, {"booked_until": 2}, queue)
@@ -558,7 +550,7 @@ def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(clus
 def test_the_legacy_keyspace_moves_on_the_cluster(cluster):
     """A job's keys are renamed in their slot (the hash tag picks it); the keys across jobs, whose
     old and new names lie in different slots, are copied with their TTL and removed."""
-    from costexporter.store import keys, migrate
+    from costexporter.store import migrate
 
     r = redisconn.from_url(cluster.url, decode_responses=True)
     prefix = f"test-{uuid.uuid4().hex[:12]}"
@@ -569,13 +561,13 @@ def test_the_legacy_keyspace_moves_on_the_cluster(cluster):
         r.zadd(keys.legacy_key(prefix, "jobs"), {j: 1.0})
     r.set(keys.legacy_key(prefix, "epoch"), "e1")
     r.set(keys.legacy_key(prefix, "gpu", "GPU-1", "idle"), "{}", ex=3600)
-    old_slots = {r.keyslot(keys.legacy_key(prefix, "jobs")), r.keyslot(protocol.jobs_key(prefix))}
+    old_slots = {r.keyslot(keys.legacy_key(prefix, "jobs")), r.keyslot(keys.jobs_key(prefix))}
     assert len(old_slots) == 2  # a cross-slot move is exercised
     report = migrate.migrate(r, prefix)
     assert report.moved == 2 * len(jobs) + 3 and not report.conflicts, report
-    assert r.zrange(protocol.jobs_key(prefix), 0, -1) == sorted(jobs)
+    assert r.zrange(keys.jobs_key(prefix), 0, -1) == sorted(jobs)
     assert r.get(keys.epoch_key(prefix)) == "e1" and 0 < r.ttl(keys.gpu_idle_key(prefix, "GPU-1")) <= 3600
     for j in jobs:
-        assert r.xlen(protocol.stream_key(prefix, j)) == 1
+        assert r.xlen(keys.stream_key(prefix, j)) == 1
         assert r.get(keys.watermark_key(prefix, j, "a")) == '{"booked_until": 7}'
     assert migrate.legacy_keys(r, prefix) == []

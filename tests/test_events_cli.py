@@ -8,7 +8,7 @@ import json
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.tracefiles import read_events_jsonl
 from costexporter.sources.synth import scenario_mini, write_samples_jsonl
-from costexporter.store import protocol
+from costexporter.store import keys
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import StepReporter, send_entries
 
@@ -36,7 +36,7 @@ def test_export_of_a_live_stream_replays_to_the_same_report_as_the_original_file
     samples = write_samples_jsonl(b.samples(), tmp_path / "samples.jsonl")
     entries = [{k: str(v) for k, v in d.items()} for d in _lines(original)]
     send_entries(shared, prefix, "sim-mini", entries)
-    key = protocol.stream_key(prefix, "sim-mini")
+    key = keys.stream_key(prefix, "sim-mini")
     shared.xadd(key, entries[5])  # a resent batch: a duplicate the reader drops
     shared.xadd(key, {**entries[6], "seq": "999999", "step": "eleven"})  # malformed: rejected
     out = tmp_path / "exported.jsonl"
@@ -90,8 +90,8 @@ def test_import_then_export_round_trips_and_importing_twice_adds_nothing(cli, sh
     assert "duplicate=" in r.stderr  # the second import was all duplicates
     assert sorted(_events(out)) == sorted(_events(original))
     # The import wrote the side keys the agents and the watcher read.
-    assert sorted(shared.hkeys(protocol.ranks_key(prefix, "sim-mini"))) == ["0", "1", "2", "3"]
-    assert shared.hget(protocol.meta_key(prefix, "sim-mini"), "team") == "research"
+    assert sorted(shared.hkeys(keys.ranks_key(prefix, "sim-mini"))) == ["0", "1", "2", "3"]
+    assert shared.hget(keys.meta_key(prefix, "sim-mini"), "team") == "research"
     # --job posts into another job.
     r = cli(
         "events", "import", original, "--job", "copy-of-mini", "--prefix", prefix, "--redis-url", SHARED_URL

@@ -306,7 +306,7 @@ def test_the_in_chart_redis_acl_file_is_what_costexporter_acl_prints_and_each_pa
 
     import redis
 
-    from costexporter.store import keys, protocol
+    from costexporter.store import keys
 
     from .redis_server import free_port
 
@@ -351,8 +351,8 @@ def test_the_in_chart_redis_acl_file_is_what_costexporter_acl_prints_and_each_pa
                 as_part = redis.Redis(port=port, username=user, password=pw[key["secretKeyRef"]["key"]])
                 assert as_part.ping(), user
         t = redis.Redis(port=port, username="costexporter-trainer-llm", password=pw["trainer-llm"])
-        assert t.xadd(protocol.stream_key("costexporter", "llm/run-1"), {"v": "1"})
-        for k in (keys.total_key("costexporter", "llm/run-1"), protocol.stream_key("costexporter", "other")):
+        assert t.xadd(keys.stream_key("costexporter", "llm/run-1"), {"v": "1"})
+        for k in (keys.total_key("costexporter", "llm/run-1"), keys.stream_key("costexporter", "other")):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 t.hset(k, "f", uuid.uuid4().hex)
     finally:

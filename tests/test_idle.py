@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from costexporter.core import bands, idle, profiles
 from costexporter.core.model import Band
 from costexporter.core.profiles import B300, derive, with_idle
-from costexporter.store import ledger
+from costexporter.store import keys
 
 H200 = derive(700.0, "H200")
 
@@ -145,7 +145,7 @@ def test_the_agent_keeps_each_gpus_idle_in_redis_by_uuid_and_a_new_agent_starts_
 
     a = Agent(NvmlSource(host="n"), cfg)
     run_for(a, 1.5)
-    stored = json.loads(shared.get(ledger.gpu_idle_key(prefix, uuid)))
+    stored = json.loads(shared.get(keys.gpu_idle_key(prefix, uuid)))
     assert stored["idle_w"] == pytest.approx(123.7) and stored["n"] >= idle.MIN_SAMPLES
     assert stored["host"] == "n" and stored["gpu"] == 0
     # The GPU computes now: a new agent sees no 0% reading, yet knows the idle level at once.
@@ -166,7 +166,7 @@ def test_junk_in_the_stored_level_is_counted_not_raised(shared, prefix, monkeypa
 
     uuid = "GPU-fa4e0000-0000-0000-0000-000000000008"
     FakeNvml([FakeGpu(uuid, name="NVIDIA H200", limit_mw=700_000)]).install(monkeypatch)
-    shared.set(ledger.gpu_idle_key(prefix, uuid), "not json")
+    shared.set(keys.gpu_idle_key(prefix, uuid), "not json")
     a = Agent(NvmlSource(host="n"), AgentConfig(prefix=prefix, agent_id="n"))
     a.tick()
     assert a.stats["bad_idle_entries"] == 1 and a.stats["round_errors"] == 0

@@ -19,8 +19,7 @@ from costexporter.services.agent import Agent, AgentConfig
 from costexporter.services.exporter import registry_for
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import rbidx_key
+from costexporter.store import keys, ledger
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import send_entries
 
@@ -33,7 +32,7 @@ class RebuildingAgent(Agent):
     whole rollback index."""
 
     def _fetch_index(self, job, tl):
-        rb = self.redis.hgetall(rbidx_key(self.cfg.prefix, job.name, self.cfg.agent_id))
+        rb = self.redis.hgetall(keys.rbidx_key(self.cfg.prefix, job.name, self.cfg.agent_id))
         job.state.rb_index = {int(k): json.loads(v) for k, v in rb.items()}
 
     def _timeline(self, job, job_start, now_ms, final=False):
@@ -174,13 +173,13 @@ def test_folding_agent_books_every_key_as_the_rebuilding_one(prefix):
         state = {s.labels["training_job"]: s.value for s in fams["costexporter_agent_state_bytes"].samples}
         assert 0 < state[b.job] < 1_000_000
     finally:
-        keys = list(client.scan_iter(f"{prefix}-ref:*"))
-        if keys:
-            client.delete(*keys)
+        found = list(client.scan_iter(f"{prefix}-ref:*"))
+        if found:
+            client.delete(*found)
 
 
 def _stream_len(client, prefix: str, job: str) -> int:
-    return client.xlen(protocol.stream_key(prefix, job))
+    return client.xlen(keys.stream_key(prefix, job))
 
 
 def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_never_stopped(prefix):
@@ -205,9 +204,9 @@ def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_ne
         assert sum(a.stats["stream_entries_trimmed"] for a in every) > total / 2
         assert _stream_len(client, prefix, b.job) < total / 2  # 1-2 x late_keep_s kept
     finally:
-        keys = list(client.scan_iter(f"{prefix}-ref:*"))
-        if keys:
-            client.delete(*keys)
+        found = list(client.scan_iter(f"{prefix}-ref:*"))
+        if found:
+            client.delete(*found)
 
 
 def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_as_without(prefix):
@@ -239,7 +238,7 @@ def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_a
                     d = st.to_dict()
                     d.pop("since")
                     seen[p].append((w.cfg.watcher_id, rounds, d))
-            first = client.xrange(protocol.stream_key(p, b.job), count=1)
+            first = client.xrange(keys.stream_key(p, b.job), count=1)
             lowest[p].append((first[0][0] if first else None, lagging.readers.get(b.job)))
 
         return on_round
@@ -257,12 +256,12 @@ def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_a
             if first is not None and reader is not None and reader.cursor != "0-0":
                 a, c = (tuple(int(x) for x in i.split("-")) for i in (first, reader.cursor))
                 assert a <= c
-        readers = client.hgetall(ledger.readers_key(prefix, b.job))
+        readers = client.hgetall(keys.readers_key(prefix, b.job))
         assert set(readers) == {"agent:a", "watcher:every", "watcher:lagging"}
     finally:
-        keys = list(client.scan_iter(f"{ref}:*"))
-        if keys:
-            client.delete(*keys)
+        found = list(client.scan_iter(f"{ref}:*"))
+        if found:
+            client.delete(*found)
 
 
 def test_a_restart_after_the_trainer_registered_again_keeps_the_jobs_start(prefix):
@@ -291,18 +290,18 @@ def test_a_restart_after_the_trainer_registered_again_keeps_the_jobs_start(prefi
         assert agent.stats["fold_restores"] == 1 and agent.stats["timeline_rebuilds"] == 0
         assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
     finally:
-        keys = list(client.scan_iter(f"{prefix}-ref:*"))
-        if keys:
-            client.delete(*keys)
+        found = list(client.scan_iter(f"{prefix}-ref:*"))
+        if found:
+            client.delete(*found)
 
 
 def test_a_reader_silent_too_long_no_longer_pins_the_stream(prefix):
     """`trim_stream` trims below the oldest fresh reader; a stale or malformed entry is ignored
     and forgotten; a registered rank no agent covers yet holds every trim back."""
     client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
-    key = protocol.stream_key(prefix, "j")
+    key = keys.stream_key(prefix, "j")
     ids = [client.xadd(key, {"n": str(i)}, id=f"{1000 + i}-0") for i in range(10)]
-    rk = ledger.readers_key(prefix, "j")
+    rk = keys.readers_key(prefix, "j")
     pipe = client.pipeline()
     ledger.queue_position(pipe, prefix, "j", "agent:a", ids[6], now=100.0, ranks=[0, 1])
     ledger.queue_position(pipe, prefix, "j", "watcher:w", ids[2], now=50.0)
@@ -344,7 +343,7 @@ def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream
                 junk_value = junk
 
                 def _load(self, job):  # the stored fold is damaged before a restart reads it
-                    k = ledger.fold_key(self.cfg.prefix, job.name, self.cfg.agent_id)
+                    k = keys.fold_key(self.cfg.prefix, job.name, self.cfg.agent_id)
                     if client.exists(k):
                         client.set(k, self.junk_value)
                     super()._load(job)
@@ -352,12 +351,12 @@ def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream
             agent = run_agent(Corrupting, p, b, late, restart_at=(30,), fold_persist_s=0, trim_streams=False)
             assert agent.stats["fold_restore_failures"] == 1 and agent.stats["fold_restores"] == 0
             assert ledger_keys(client, p) == ledger_keys(client, prefix + "-ref")
-            keys = list(client.scan_iter(f"{p}:*"))
-            client.delete(*keys)
+            found = list(client.scan_iter(f"{p}:*"))
+            client.delete(*found)
     finally:
-        keys = list(client.scan_iter(f"{prefix}-ref:*"))
-        if keys:
-            client.delete(*keys)
+        found = list(client.scan_iter(f"{prefix}-ref:*"))
+        if found:
+            client.delete(*found)
 
 
 def test_a_watcher_refolds_a_late_event_from_the_stream_and_judges_as_a_fresh_one(prefix):
@@ -421,7 +420,7 @@ def checkpointed(resume_to: int) -> TraceBuilder:
 
 
 def _rbidx(client, prefix: str, job: str) -> dict[int, list]:
-    raw = client.hgetall(rbidx_key(prefix, job, "a"))
+    raw = client.hgetall(keys.rbidx_key(prefix, job, "a"))
     return {int(k): json.loads(v) for k, v in raw.items()}
 
 
@@ -445,9 +444,9 @@ def test_the_rollback_index_keeps_only_what_a_resume_can_reach_and_books_as_the_
         assert min(small) == 59 and min(full) == 0 and len(small) < len(full) / 2
         assert {len(v) for v in small.values()} == {9}  # 3 valid categories x (ms, mJ, cost)
     finally:
-        keys = list(client.scan_iter(f"{prefix}-all:*"))
-        if keys:
-            client.delete(*keys)
+        found = list(client.scan_iter(f"{prefix}-all:*"))
+        if found:
+            client.delete(*found)
 
 
 def test_a_resume_further_back_than_the_index_reaches_is_counted_and_moves_nothing_twice(prefix, caplog):
@@ -472,6 +471,6 @@ def test_a_resume_further_back_than_the_index_reaches_is_counted_and_moves_nothi
             sum("older than the oldest of the last 3 checkpoints" in r.message for r in caplog.records) == 1
         )
     finally:
-        keys = list(client.scan_iter(f"{prefix}-all:*"))
-        if keys:
-            client.delete(*keys)
+        found = list(client.scan_iter(f"{prefix}-all:*"))
+        if found:
+            client.delete(*found)

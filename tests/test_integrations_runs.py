@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from costexporter.store import protocol
+from costexporter.store import keys
 from costexporter.store.reader import EventReader
 
 from .conftest import SHARED_URL
@@ -21,7 +21,7 @@ def _events(prefix: str, job: str):
 
 
 def _jobs(prefix: str) -> list[str]:
-    return redis.Redis.from_url(SHARED_URL, decode_responses=True).zrange(protocol.jobs_key(prefix), 0, -1)
+    return redis.Redis.from_url(SHARED_URL, decode_responses=True).zrange(keys.jobs_key(prefix), 0, -1)
 
 
 # ---- Hugging Face ------------------------------------------------------------------------------

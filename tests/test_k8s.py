@@ -34,8 +34,7 @@ from costexporter.core.booking import (
 from costexporter.core.model import BANDS, CATEGORIES, Band, Category, Event
 from costexporter.services.k8s import job_name
 from costexporter.sources.dcgm import PodRef
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import figures_key
+from costexporter.store import keys, ledger, protocol
 
 from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition
 from .redis_server import free_port
@@ -303,14 +302,14 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
     port = free_port()
     agent = _serve(exp.url, prefix, port)
     try:
-        _wait("both jobs", lambda: set(shared.zrange(protocol.jobs_key(prefix), 0, -1)) >= {llama, resnet})
+        _wait("both jobs", lambda: set(shared.zrange(keys.jobs_key(prefix), 0, -1)) >= {llama, resnet})
         time.sleep(0.5)
-        jobs = set(shared.zrange(protocol.jobs_key(prefix), 0, -1))
+        jobs = set(shared.zrange(keys.jobs_key(prefix), 0, -1))
         assert jobs == {llama, resnet}  # the pod-less GPU is no job's
-        meta = shared.hgetall(protocol.meta_key(prefix, llama))
+        meta = shared.hgetall(keys.meta_key(prefix, llama))
         assert meta["namespace"] == "ml" and meta["pod"] == "llama-ft-worker-0" and meta["progress"] == "none"
         assert meta["gpu_model"] == "NVIDIA B300 SXM6 AC"
-        ranks = {int(r): json.loads(v) for r, v in shared.hgetall(protocol.ranks_key(prefix, llama)).items()}
+        ranks = {int(r): json.loads(v) for r, v in shared.hgetall(keys.ranks_key(prefix, llama)).items()}
         assert sorted((e["gpu_uuid"], e["host"]) for e in ranks.values()) == [
             (uuid(0), HOST),
             (uuid(1), HOST),
@@ -341,15 +340,15 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         exp.set(2, pod=None, ns=None)
         _wait(
             "resnet ended",
-            lambda: shared.hget(figures_key(prefix, resnet), "ended") == "1",
+            lambda: shared.hget(keys.figures_key(prefix, resnet), "ended") == "1",
         )
-        events = shared.xrange(protocol.stream_key(prefix, resnet))
+        events = shared.xrange(keys.stream_key(prefix, resnet))
         ends = [f for _, f in events if f["type"] == "run" and f["state"] == "end"]
         assert len(ends) == 1 and ends[0]["rank"] == "0"
         assert any(f["type"] == "heartbeat" for _, f in events)  # the watcher sees it alive meanwhile
         beats = {
             f["rank"]
-            for _, f in shared.xrange(protocol.stream_key(prefix, llama))
+            for _, f in shared.xrange(keys.stream_key(prefix, llama))
             if f["type"] == "heartbeat"
         }
         assert beats == {"0", "1"}  # every rank, or the watcher would call the silent one crashed
@@ -357,7 +356,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         exp.set(2, pod="resnet-k9d2q", ns="vision")
 
         def restarted():
-            evs = shared.xrange(protocol.stream_key(prefix, resnet))
+            evs = shared.xrange(keys.stream_key(prefix, resnet))
             return [f for _, f in evs if f["type"] == "run" and f["state"] == "start" and f["rank"] == "0"]
 
         _wait("resnet restarted", restarted)
@@ -366,7 +365,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         for job in (llama,):
             wm = ledger.load_watermark(shared, prefix, job, HOST)["booked_until"]
             regs = [
-                int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(protocol.ranks_key(prefix, job))
+                int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(keys.ranks_key(prefix, job))
             ]
             total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
             assert total == sum(wm - r for r in regs), job
@@ -408,7 +407,7 @@ def test_a_gpu_the_trainer_registered_itself_is_left_to_the_trainer(shared, pref
     try:
         _wait("the agent booked the trainer's job", lambda: ledger.load_watermark(shared, prefix, job, HOST))
         time.sleep(1.0)  # a few more k8s sync rounds
-        entries = shared.xrange(protocol.stream_key(prefix, job))
+        entries = shared.xrange(keys.stream_key(prefix, job))
         assert [f["session"] for _, f in entries if f["type"] == "register"] == ["trainer-1"]
         assert not any(f["type"] == "meta" and f.get("progress") == "none" for _, f in entries)
     finally:
@@ -507,7 +506,7 @@ def test_registrations_survive_a_redis_outage_without_duplicates(tmp_path, prefi
     r = server.client()
 
     def entries(type_: str, **match) -> list[dict]:
-        out = [f for _, f in r.xrange(protocol.stream_key(prefix, job)) if f["type"] == type_]
+        out = [f for _, f in r.xrange(keys.stream_key(prefix, job)) if f["type"] == type_]
         return [f for f in out if all(f.get(k) == v for k, v in match.items())]
 
     try:
@@ -532,7 +531,7 @@ def test_registrations_survive_a_redis_outage_without_duplicates(tmp_path, prefi
         regs = entries("register")
         assert len(regs) == 4  # each GPU once per run
         assert sorted({(f["gpu_uuid"], f["rank"]) for f in regs}) == [(uuid(0), "0"), (uuid(1), "1")]
-        assert len(r.hgetall(protocol.ranks_key(prefix, job))) == 2
+        assert len(r.hgetall(keys.ranks_key(prefix, job))) == 2
     finally:
         stop.set()
         loop.join(5)

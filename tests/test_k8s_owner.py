@@ -19,7 +19,7 @@ from costexporter.services.k8s import KubernetesJobs, job_name
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import OWNER_LABELS, owner_of, owner_of_pod
 from costexporter.sources.dcgm import DcgmSource, PodRef
-from costexporter.store import protocol
+from costexporter.store import keys
 
 from .test_k8s import HOST, FakeDcgmExporter
 
@@ -199,11 +199,11 @@ def test_registrations_name_jobs_by_owner_through_the_lookup(shared, prefix):
         src.read()
         kj = KubernetesJobs(shared, prefix, src, HOST, lookup=PodLookup(lambda ns, n: objs.get(n)))
         kj.sync()
-        jobs = set(shared.zrange(protocol.jobs_key(prefix), 0, -1))
+        jobs = set(shared.zrange(keys.jobs_key(prefix), 0, -1))
         assert jobs == {"ml:llama-ft", "ml:gpt-trainer", "team-a:infer-a", "serving:vllm-70b"}
-        meta = shared.hgetall(protocol.meta_key(prefix, "ml:llama-ft"))
+        meta = shared.hgetall(keys.meta_key(prefix, "ml:llama-ft"))
         assert meta["owner_kind"] == "PyTorchJob" and meta["team"] == "llm"
-        assert shared.hgetall(protocol.meta_key(prefix, "team-a:infer-a"))["team"] == "team-a"
+        assert shared.hgetall(keys.meta_key(prefix, "team-a:infer-a"))["team"] == "team-a"
     finally:
         exp.close()
 

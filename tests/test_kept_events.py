@@ -10,7 +10,7 @@ from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.tracefiles import read_events_jsonl
 from costexporter.services.agent import Agent
 from costexporter.sources.synth import write_samples_jsonl
-from costexporter.store import keys, ledger, protocol
+from costexporter.store import keys, ledger
 from costexporter.tools.eventfile import export_lines
 
 from .conftest import SHARED_URL
@@ -32,7 +32,7 @@ def _entry(i: int, type_: str, **f) -> dict[str, str]:
 
 def test_trimming_moves_the_kept_types_once_and_pages_through_a_long_stream(shared, prefix, monkeypatch):
     monkeypatch.setattr(ledger, "TRIM_PAGE", 4)  # several script calls for one trim
-    stream, kept = protocol.stream_key(prefix, "j"), keys.kept_key(prefix, "j")
+    stream, kept = keys.stream_key(prefix, "j"), keys.kept_key(prefix, "j")
     types = [
         "register",
         "run",
@@ -73,7 +73,7 @@ def test_the_export_of_a_trimmed_live_job_has_its_registrations_runs_and_meta_an
     late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
     agent = run_agent(Agent, prefix, b, late, fold_persist_s=0)
     assert agent.stats["stream_entries_trimmed"] > 0
-    stream = protocol.stream_key(prefix, b.job)
+    stream = keys.stream_key(prefix, b.job)
     left = {f["type"] for _, f in shared.xrange(stream)}
     assert "register" not in left  # trimmed from the stream ...
     lines, stats = export_lines(shared, b.job, prefix)

@@ -27,7 +27,7 @@ from costexporter.services.agent import Agent, AgentConfig
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.sampler import ClockWatch
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import keys, ledger, protocol
+from costexporter.store import keys, ledger
 from costexporter.trainer.reporter import send_entries
 
 from .test_agent import event_entry
@@ -109,10 +109,10 @@ NO_FAULTS = {
 }
 
 ROGUE = {
-    "ranks_stream": lambda r, p, a: r.xadd(protocol.ranks_key(p, "bad"), {"x": "1"}),
-    "deep_json": lambda r, p, a: r.hset(protocol.ranks_key(p, "bad"), "0", "[" * 200_000 + "]" * 200_000),
+    "ranks_stream": lambda r, p, a: r.xadd(keys.ranks_key(p, "bad"), {"x": "1"}),
+    "deep_json": lambda r, p, a: r.hset(keys.ranks_key(p, "bad"), "0", "[" * 200_000 + "]" * 200_000),
     "ts_1e300": lambda r, p, a: r.hset(
-        protocol.ranks_key(p, "bad"), "0", json.dumps({"ts": 1e300, "host": "node0", "gpu": 0})
+        keys.ranks_key(p, "bad"), "0", json.dumps({"ts": 1e300, "host": "node0", "gpu": 0})
     ),
 }
 WRONG_TYPE = {  # a key of job a only the agents write -> written first as another type
@@ -228,7 +228,7 @@ class Run:
         """The hostile writes the faults name, before the agents' first round."""
         if self.faults.get("rogue"):
             ROGUE[self.faults["rogue"]](self.client, self.prefix, None)
-            self.client.zadd(protocol.jobs_key(self.prefix), {"bad": 0})  # sorted first
+            self.client.zadd(keys.jobs_key(self.prefix), {"bad": 0})  # sorted first
         if self.faults.get("wrong_type_key"):
             WRONG_TYPE[self.faults["wrong_type_key"]](self.client, self.prefix)
 

@@ -30,8 +30,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from costexporter.core.model import BANDS
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import live_key, status_key
+from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
 from .fake_nvml import ENV as FAKE_ENV
@@ -136,7 +135,7 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
         return ts
 
     def scraper() -> None:
-        status = status_key(prefix, JOB)
+        status = keys.status_key(prefix, JOB)
         while not stop.is_set():
             now = time.time()
             with contextlib.suppress(OSError):
@@ -146,7 +145,7 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
             raw = shared.get(status)
             if raw:
                 seen.status.append((now, json.loads(raw)))
-            raw = shared.hget(live_key(prefix, JOB, HOST), "0")
+            raw = shared.hget(keys.live_key(prefix, JOB, HOST), "0")
             if raw:
                 seen.live.append((now, json.loads(raw)))
             stop.wait(0.2)
@@ -258,13 +257,13 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
     net = ledger.net_ms(ledger.read_amounts(shared, prefix, JOB))
     hang_ms = (t["idle"] - t["hang"]) * 1000
     assert hang_ms - 2 * SAMPLE_S * 1000 - 150 <= net["stalled"] <= hang_ms + 150, net
-    incidents = [json.loads(v) for v in shared.hgetall(ledger.incidents_key(prefix, JOB, HOST)).values()]
+    incidents = [json.loads(v) for v in shared.hgetall(keys.incidents_key(prefix, JOB, HOST)).values()]
     stall = [i for i in incidents if i["category"] == "stalled"]
     assert stall and abs(stall[0]["start"] / 1000 - t["hang"]) <= 2 * SAMPLE_S + 0.1, (stall, t["hang"])
 
     # 6. The idle level the GPU showed (123.7 W with a context) was learned and kept by UUID,
     # and the derived H200 profile's idle edge sits above it (112 W from the limit alone).
-    stored = json.loads(shared.get(ledger.gpu_idle_key(prefix, UUID)))
+    stored = json.loads(shared.get(keys.gpu_idle_key(prefix, UUID)))
     assert stored["idle_w"] == pytest.approx(123.7, abs=0.5)
     edge = one(seen.agent[-1][1], "costexporter_job_band_edge_watts", training_job=JOB, edge="idle_max")
     assert edge == pytest.approx(1.15 * stored["idle_w"], abs=0.2) and edge > 124.1

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from costexporter.sources.synth import write_nvidia_smi_csv
-from costexporter.store import keys, ledger, migrate, protocol
+from costexporter.store import keys, ledger, migrate
 from costexporter.store.reader import EventReader
 
 from .redis_server import RedisServer
@@ -165,13 +165,13 @@ def test_what_old_trainers_write_after_the_move_is_forwarded_once(server):
     got = reader.read_all()
     assert len(got) == len(entries) and reader.stats["duplicate"] == 5
     latest = max(float(e["ts"]) for e in entries)
-    assert client.zscore(protocol.jobs_key(PREFIX), b.job) == pytest.approx(latest)
-    assert int(client.get(protocol.registrations_key(PREFIX))) >= 2
+    assert client.zscore(keys.jobs_key(PREFIX), b.job) == pytest.approx(latest)
+    assert int(client.get(keys.registrations_key(PREFIX))) >= 2
 
 
 def test_a_newer_registration_wins_and_a_ledger_is_never_merged(server, cli):
     client = redis.Redis(port=server.port, decode_responses=True)
-    new_ranks, old_ranks = protocol.ranks_key(PREFIX, "j"), keys.legacy_job_key(PREFIX, "j", "ranks")
+    new_ranks, old_ranks = keys.ranks_key(PREFIX, "j"), keys.legacy_job_key(PREFIX, "j", "ranks")
     client.hset(new_ranks, mapping={"0": json.dumps({"ts": 200}), "1": json.dumps({"ts": 100})})
     client.hset(old_ranks, mapping={"0": json.dumps({"ts": 150}), "1": json.dumps({"ts": 300}), "2": "{"})
     client.set(keys.watermark_key(PREFIX, "j", "a"), '{"booked_until": 5}')

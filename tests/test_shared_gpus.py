@@ -33,7 +33,7 @@ from costexporter.core.buckets import amounts
 from costexporter.core.cost import Prices
 from costexporter.core.model import BANDS, Category, Event
 from costexporter.sources.dcgm import DcgmSource
-from costexporter.store import ledger, protocol
+from costexporter.store import keys, ledger
 
 from .conftest import SHARED_URL
 from .redis_server import free_port
@@ -223,7 +223,7 @@ def _agent_books_by_lanes(shared, prefix, url, host, jobs, *extra) -> None:
         _out, err = agent.communicate(timeout=30)
         assert "Traceback" not in err, err
         for job, lanes in jobs.items():
-            (raw,) = shared.hvals(protocol.ranks_key(prefix, job))
+            (raw,) = shared.hvals(keys.ranks_key(prefix, job))
             reg = json.loads(raw)
             wm = ledger.load_watermark(shared, prefix, job, host)["booked_until"]
             start = np.asarray([int(float(reg["ts"]) * 1000)], np.int64)

@@ -35,7 +35,7 @@ from costexporter.services.watcher import (
     decide,
     notification,
 )
-from costexporter.store.keys import live_key, status_key
+from costexporter.store import keys
 from costexporter.store.protocol import LiveEntry
 from costexporter.trainer.reporter import StepReporter
 
@@ -236,7 +236,7 @@ def test_the_agents_live_hash_with_junk_is_read_entry_by_entry(shared, prefix):
         "5": {**good, "gpu": "zero", "uuid": 7},  # a rank beyond the job, odd index and UUID types
     }
     raw = {r: e if isinstance(e, str) else json.dumps(e) for r, e in entries.items()}
-    shared.hset(live_key(prefix, "j", "h0"), mapping=raw)
+    shared.hset(keys.live_key(prefix, "j", "h0"), mapping=raw)
     w._read_live(v)
     assert sorted(v.agent_live) == [0, 5] and w.stats["bad_live"] == 3
     assert v.agent_live[5][1].gpu is None and v.agent_live[5][1].uuid is None
@@ -325,8 +325,8 @@ def test_watcher_writes_status_serves_metrics_and_notifies_with_retries(prefix, 
         st = w.poll()[job]
         assert st.state == "hung" and st.seconds_since_last_step == pytest.approx(30, abs=0.5)
         r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
-        stored = json.loads(r.get(status_key(prefix, job)))
-        assert stored["state"] == "hung" and 0 < r.ttl(status_key(prefix, job)) <= w.ttl
+        stored = json.loads(r.get(keys.status_key(prefix, job)))
+        assert stored["state"] == "hung" and 0 < r.ttl(keys.status_key(prefix, job)) <= w.ttl
         # The finance API reads the same key.
         assert LedgerStore(r, prefix).info_many([job])[job]["status"] == "hung"
         text = generate_latest(watch_registry(w)).decode()

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from costexporter.core.booking import BookingConfig
 from costexporter.services import watcher as watcher_mod
 from costexporter.services.watcher import LIVE_HISTORY, WatchConfig, Watcher
-from costexporter.store import protocol
-from costexporter.store.keys import live_key
+from costexporter.store import keys, protocol
 from costexporter.trainer.reporter import send_entries
 
 from .conftest import SHARED_URL
@@ -75,7 +74,7 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
     for n in names:
         for rank in range(3):
             reg = {"ts": SHIFT + 1000.0, "host": f"h{rank % 2}", "gpu": rank}
-            shared.hset(protocol.ranks_key(prefix, n), str(rank), json.dumps(reg))
+            shared.hset(keys.ranks_key(prefix, n), str(rank), json.dumps(reg))
     clock = [0.0]
     cfg = WatchConfig(
         redis_url=SHARED_URL, prefix=prefix, booking=BOOKING, jobs=tuple(names), clock=lambda: clock[0]
@@ -90,7 +89,7 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
             for view in views:  # one job at a time, as the watcher read them before batching
                 regs = view.registrations.values()
                 hosts = sorted({str(r.get("host")) for r in regs if r.get("host")})
-                got = [(h, self.redis.hgetall(live_key(prefix, view.name, h))) for h in hosts]
+                got = [(h, self.redis.hgetall(keys.live_key(prefix, view.name, h))) for h in hosts]
                 if got:
                     self._apply_live(view, got)
                 view.live = collections.deque(main.views[view.name].live, maxlen=LIVE_HISTORY)
@@ -115,7 +114,7 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
                         "band": band,
                         "gpu": rank,
                     }
-                    shared.hset(live_key(prefix, n, f"h{rank % 2}"), str(rank), json.dumps(sample))
+                    shared.hset(keys.live_key(prefix, n, f"h{rank % 2}"), str(rank), json.dumps(sample))
         clock[0] = newest + ahead_ms / 1000
         got = {j: s.to_dict() for j, s in main.poll().items()}
         want = {j: s.to_dict() for j, s in Fresh(cfg).poll().items()}

@@ -13,8 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from costexporter.services.watcher import WatchConfig, Watcher, in_shard, parse_shard
-from costexporter.store import protocol
-from costexporter.store.keys import status_key
+from costexporter.store import keys, protocol
 from costexporter.trainer.reporter import send_entries
 
 from .conftest import SHARED_URL
@@ -122,7 +121,7 @@ def test_two_sharded_watcher_processes_judge_each_job_once_as_one_watcher_does(p
         same = ("state", "last_step", "stall_threshold_s", "suspect")
         assert {k: st_[k] for k in same} == {k: whole[job][k] for k in same}, job
     # Each shard wrote the status of its own jobs, as the API reads them.
-    assert json.loads(shared.get(status_key(prefix, "job-0")))["state"] == want["job-0"]
+    assert json.loads(shared.get(keys.status_key(prefix, "job-0")))["state"] == want["job-0"]
 
 
 def test_the_cli_refuses_an_unusable_shard_in_one_line(prefix):

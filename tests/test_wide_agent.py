@@ -13,8 +13,7 @@ from costexporter.core.model import Samples
 from costexporter.services.agent import Agent, AgentConfig
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import keys, ledger, protocol
-from costexporter.store.keys import samples_key
+from costexporter.store import keys, ledger
 from costexporter.trainer.reporter import send_entries
 
 from .test_agent import event_entry, post_events
@@ -68,7 +67,7 @@ def test_discovery_runs_when_a_register_arrives_not_every_round(shared, prefix):
     # Once more the round after (on a cluster the counter may land before the `:ranks` write).
     assert len(calls) == settled + 2
     # Redis lost the counter (a restart, a flush): discovery runs again rather than trusting it.
-    shared.delete(protocol.registrations_key(prefix))
+    shared.delete(keys.registrations_key(prefix))
     _tick(agent, now, 10)
     assert len(calls) == settled + 3
 
@@ -84,8 +83,8 @@ def test_a_register_written_without_the_counter_is_found_by_the_periodic_refresh
     assert len(calls) == 1  # settled
     reg = TraceBuilder(n_gpus=2, per_host=2, job="old-client", seed=4)
     for e in reg.events:
-        shared.hset(protocol.ranks_key(prefix, e.job), str(e.rank), json.dumps(event_entry(e)))
-    shared.zadd(protocol.jobs_key(prefix), {"old-client": reg.events[0].ts})
+        shared.hset(keys.ranks_key(prefix, e.job), str(e.rank), json.dumps(event_entry(e)))
+    shared.zadd(keys.jobs_key(prefix), {"old-client": reg.events[0].ts})
     for _ in range(3):
         _tick(agent, now, 10)
     assert len(calls) == 1 and not agent.jobs
@@ -103,7 +102,7 @@ def test_a_job_on_one_host_publishes_no_samples_until_a_rank_registers_elsewhere
     for _ in range(4):
         _tick(agent, now, 60)
     host = agent.host
-    stream = samples_key(prefix, b.job, host)
+    stream = keys.samples_key(prefix, b.job, host)
     assert agent.stats["rounds"] > 0 and not shared.exists(stream)
     assert ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))["productive"] > 0
     # A rank of the job registers on another host: its agent needs this host's samples, the
@@ -133,14 +132,14 @@ def test_a_counter_the_acl_refuses_does_not_fail_the_trainer(tmp_path):
     try:
         admin = redis.Redis(port=srv.port, decode_responses=True)
         # A rule from before the registrations counter: no access to it.
-        old_rule = [f"~{keys.job_key('p', keys.TRAINER, 'j', '*')}", f"~{protocol.jobs_key('p')}"]
+        old_rule = [f"~{keys.job_key('p', keys.TRAINER, 'j', '*')}", f"~{keys.jobs_key('p')}"]
         admin.execute_command("ACL", "SETUSER", "trainer", "on", ">pw", *old_rule, "+@all")
         trainer = redis.Redis(port=srv.port, username="trainer", password="pw", decode_responses=True)
         reg = TraceBuilder(n_gpus=1, per_host=1, job="j", seed=6)
         out = send_entries(trainer, "p", "j", [event_entry(e) for e in reg.events])
         assert not out.failed and not out.side_failed and out.counter_failed is not None
         assert (
-            admin.hlen(protocol.ranks_key("p", "j")) == 1 and admin.xlen(protocol.stream_key("p", "j")) == 1
+            admin.hlen(keys.ranks_key("p", "j")) == 1 and admin.xlen(keys.stream_key("p", "j")) == 1
         )
     finally:
         srv.kill()
@@ -189,7 +188,7 @@ def test_one_discovery_knows_every_rank_of_a_job_whatever_order_the_ranks_hash_g
     post_events(shared, prefix, b)
     # Redis gives a hash's fields in its own order: the agent runs on the host whose ranks do
     # not come first, so discovery meets the other host's rank before any of its own.
-    first = int(shared.hkeys(protocol.ranks_key(prefix, b.job))[0])
+    first = int(shared.hkeys(keys.ranks_key(prefix, b.job))[0])
     host = "node1" if b.host_of(first)[0] == "node0" else "node0"
     now = [0.0]
     agent = Agent(
@@ -202,7 +201,7 @@ def test_one_discovery_knows_every_rank_of_a_job_whatever_order_the_ranks_hash_g
     job = agent.jobs["order"]
     assert len(calls) == 1  # no second look: the first one had to see it all
     assert set(job.ranks) == {0, 1, 2, 3} and set(job.own) == ({0, 1} if host == "node0" else {2, 3})
-    assert shared.exists(samples_key(prefix, b.job, host))  # shared with the other agent
+    assert shared.exists(keys.samples_key(prefix, b.job, host))  # shared with the other agent
 
 
 def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix):
@@ -212,7 +211,7 @@ def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix
     b.run("start")
     b.stretch("compute", 900, step_s=5)
     post_events(shared, prefix, b)
-    peer = samples_key(prefix, b.job, "node1")
+    peer = keys.samples_key(prefix, b.job, "node1")
     s = b.samples()
     for t in range(int(b.t0), int(b.t), 5):  # node1's 180 rounds, as its agent publishes them
         sel = (s.gpu >= 2) & (s.ts_ms >= t * 1000) & (s.ts_ms < (t + 5) * 1000)

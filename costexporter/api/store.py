@@ -25,20 +25,7 @@ from costexporter.api.windows import decompose
 from costexporter.core.buckets import RESOLUTIONS, UNITS
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
-from costexporter.store import ledger, protocol, untrusted
-from costexporter.store.keys import (
-    bucket_key,
-    figures_key,
-    incident_index_key,
-    incidents_key,
-    kept_key,
-    rollup_key,
-    rollup_state_key,
-    status_key,
-    steps_key,
-    total_key,
-    voids_key,
-)
+from costexporter.store import keys, ledger, protocol, untrusted
 
 WASTED = [c.name.lower() for c in sorted(WASTED_CATEGORIES)]
 VALID = [c.name.lower() for c in sorted(VALID_CATEGORIES)]
@@ -383,7 +370,7 @@ class LedgerStore:
     def jobs(self, warn: Warnings | None = None) -> list[tuple[str, float | None]]:
         """Every job with the time of its newest event (None where that is not a time)."""
         out = []
-        for j, score in self.r.zrange(protocol.jobs_key(self.prefix), 0, -1, withscores=True):
+        for j, score in self.r.zrange(keys.jobs_key(self.prefix), 0, -1, withscores=True):
             t = timestamp(score)
             if t is None and warn is not None:
                 warn.add(j, f"newest event time {score!r} is not a time: ignored")
@@ -392,16 +379,16 @@ class LedgerStore:
 
     def job_names(self) -> list[str]:
         """Every job's name (no times: cheaper where they are not shown)."""
-        return self.r.zrange(protocol.jobs_key(self.prefix), 0, -1)
+        return self.r.zrange(keys.jobs_key(self.prefix), 0, -1)
 
     def job_exists(self, job: str) -> bool:
-        return self.r.zscore(protocol.jobs_key(self.prefix), job) is not None
+        return self.r.zscore(keys.jobs_key(self.prefix), job) is not None
 
     def job_team(self, job: str) -> tuple[bool, str | None]:
         """Whether the job exists, and its team: one round trip."""
         pipe = self.r.pipeline(transaction=False)
-        pipe.zscore(protocol.jobs_key(self.prefix), job)
-        pipe.hget(protocol.meta_key(self.prefix, job), "team")
+        pipe.zscore(keys.jobs_key(self.prefix), job)
+        pipe.hget(keys.meta_key(self.prefix, job), "team")
         score, team = _run(pipe)
         return score is not None, team
 
@@ -410,8 +397,8 @@ class LedgerStore:
         one pipeline."""
         pipe = self.r.pipeline(transaction=False)
         for i in range(0, len(jobs), self.batch):
-            keys = [protocol.meta_key(self.prefix, j) for j in jobs[i : i + self.batch]]
-            self._teams(keys=keys, client=pipe)
+            metas = [keys.meta_key(self.prefix, j) for j in jobs[i : i + self.batch]]
+            self._teams(keys=metas, client=pipe)
         teams: list = []
         for i, got in zip(range(0, len(jobs), self.batch), _run(pipe) if jobs else [], strict=True):
             teams += got if got is not None else [None] * len(jobs[i : i + self.batch])
@@ -421,7 +408,7 @@ class LedgerStore:
         """Each job's meta (team, cost center, ...) in one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
-            pipe.hgetall(protocol.meta_key(self.prefix, j))
+            pipe.hgetall(keys.meta_key(self.prefix, j))
         out = {}
         for j, meta in zip(jobs, _run(pipe), strict=True):
             if meta is None and warn is not None:
@@ -443,7 +430,7 @@ class LedgerStore:
         """One job's `info_many` entry, or None if there is no such job: one round trip."""
         warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
-        pipe.zscore(protocol.jobs_key(self.prefix), job)
+        pipe.zscore(keys.jobs_key(self.prefix), job)
         self._queue_info(pipe, job)
         score, *raw = _run(pipe)
         return None if score is None else _info(job, raw, warn)
@@ -453,12 +440,12 @@ class LedgerStore:
         register only (a resume overwrites it), so the first start comes from the oldest
         entries of the kept stream (registrations moved out when the stream was trimmed) and of
         the event stream."""
-        pipe.hgetall(protocol.meta_key(self.prefix, j))
-        pipe.hgetall(figures_key(self.prefix, j))
-        pipe.get(status_key(self.prefix, j))
-        pipe.hvals(protocol.ranks_key(self.prefix, j))
-        pipe.xrange(kept_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
-        pipe.xrange(protocol.stream_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
+        pipe.hgetall(keys.meta_key(self.prefix, j))
+        pipe.hgetall(keys.figures_key(self.prefix, j))
+        pipe.get(keys.status_key(self.prefix, j))
+        pipe.hvals(keys.ranks_key(self.prefix, j))
+        pipe.xrange(keys.kept_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
+        pipe.xrange(keys.stream_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
 
     def amounts_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
@@ -536,7 +523,8 @@ class LedgerStore:
         cuts = list(range(0, n, CHUNK)) or [0]
         args = [len(spans), int(meta), int(tokens), *(t for span in spans for t in span)]
         # per job, in this order
-        builders = [rollup_state_key, rollup_key, steps_key, voids_key] + [protocol.meta_key] * meta
+        builders = [keys.rollup_state_key, keys.rollup_key, keys.steps_key, keys.voids_key]
+        builders += [keys.meta_key] * meta
         p = self.prefix
 
         def read(i: int) -> list:
@@ -545,8 +533,8 @@ class LedgerStore:
                 return []
             pipe = self.r.pipeline(transaction=False)
             for b in range(0, len(part), self.batch):
-                keys = [k(p, j) for j in part[b : b + self.batch] for k in builders]
-                self._windows(keys=keys, args=args, client=pipe)
+                names = [k(p, j) for j in part[b : b + self.batch] for k in builders]
+                self._windows(keys=names, args=args, client=pipe)
             return _run(pipe)
 
         notes: list[list[Warnings]] = []  # per chunk: meta, then per window steps and exact
@@ -651,12 +639,12 @@ class LedgerStore:
     def _queue_amounts(self, pipe, jobs: list[str], start: int, end: int) -> None:
         parts = decompose(start, end)
         for j in jobs:
-            self._sum(keys=[bucket_key(self.prefix, j, res, b) for res, b in parts], client=pipe)
+            self._sum(keys=[keys.bucket_key(self.prefix, j, res, b) for res, b in parts], client=pipe)
 
     def _queue_steps(self, pipe, jobs: list[str], start: float, end: float) -> None:
         for j in jobs:
             self._steps(
-                keys=[steps_key(self.prefix, j), voids_key(self.prefix, j)],
+                keys=[keys.steps_key(self.prefix, j), keys.voids_key(self.prefix, j)],
                 args=[start, end],
                 client=pipe,
             )
@@ -665,7 +653,7 @@ class LedgerStore:
         """All-time amounts (the `ledger:total` hash) of many jobs, one pipeline."""
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
-            pipe.hgetall(total_key(self.prefix, j))
+            pipe.hgetall(keys.total_key(self.prefix, j))
         out = {}
         for j, h in zip(jobs, _run(pipe), strict=True):
             a = Amounts()
@@ -686,7 +674,7 @@ class LedgerStore:
         starts = list(range(first, end, secs))
         if self.use_rollups and starts:
             got = self._series(
-                keys=[rollup_state_key(self.prefix, job), rollup_key(self.prefix, job)],
+                keys=[keys.rollup_state_key(self.prefix, job), keys.rollup_key(self.prefix, job)],
                 args=[first, secs, len(starts)],
             )
             if got and got[0] == "1":
@@ -711,7 +699,7 @@ class LedgerStore:
         starts = list(range(first, end, secs))
         pipe = self.r.pipeline(transaction=False)
         for b in starts:
-            pipe.hgetall(bucket_key(self.prefix, job, res, b))
+            pipe.hgetall(keys.bucket_key(self.prefix, job, res, b))
         out = []
         bad = 0
         for b, h in zip(starts, _run(pipe), strict=True):
@@ -730,14 +718,14 @@ class LedgerStore:
         The agents that wrote incidents are read from the job's index (never a SCAN)."""
         warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
-        pipe.smembers(incident_index_key(self.prefix, job))
+        pipe.smembers(keys.incident_index_key(self.prefix, job))
         (agents,) = _run(pipe)
         if agents is None:
             warn.add(job, "the incident index is not a set: incidents skipped")
         agents = sorted(agents or ())
         pipe = self.r.pipeline(transaction=False)
         for agent in agents:
-            pipe.hvals(incidents_key(self.prefix, job, agent))
+            pipe.hvals(keys.incidents_key(self.prefix, job, agent))
         raw = []
         for values in _run(pipe) if agents else []:
             for v in values or []:

@@ -68,10 +68,13 @@ from costexporter.store.keys import (
     epoch_key,
     fold_key,
     gpu_idle_key,
+    jobs_key,
     live_key,
     node_key,
+    ranks_key,
     rbidx_key,
     readers_key,
+    registrations_key,
     samples_key,
     watermark_key,
 )
@@ -625,7 +628,7 @@ class Agent:
             self._gpu_band = out
 
     def _sync_idle(self) -> None:
-        """Learned idle levels in Redis by GPU UUID (`ledger.gpu_idle_key`): read once at start
+        """Learned idle levels in Redis by GPU UUID (`keys.gpu_idle_key`): read once at start
         (a restarted agent starts from them), written when they move or every 10 minutes."""
         if self.idle is None:
             return
@@ -739,7 +742,7 @@ class Agent:
         when Redis lost it) or the node's GPUs changed (a source that finds them late): discovery
         then reads every job's registrations again."""
         try:
-            raw = self.redis.get(protocol.registrations_key(self.cfg.prefix))
+            raw = self.redis.get(registrations_key(self.cfg.prefix))
         except self._redis_errors as e:
             if not untrusted.is_wrong_type(e):
                 raise
@@ -763,7 +766,7 @@ class Agent:
         node_gpus = GpuIndex(self.source.gpus())
         names = []
         try:
-            listed = self.redis.zrange(protocol.jobs_key(self.cfg.prefix), 0, -1)
+            listed = self.redis.zrange(jobs_key(self.cfg.prefix), 0, -1)
         except self._redis_errors as e:
             if not untrusted.is_wrong_type(e):
                 raise
@@ -780,7 +783,7 @@ class Agent:
         # an error (a ranks key of the wrong type) is that job's alone.
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
-            pipe.hgetall(protocol.ranks_key(self.cfg.prefix, name))
+            pipe.hgetall(ranks_key(self.cfg.prefix, name))
         fresh, retry = [False], False
         for name, ranks in zip(names, pipe.execute(raise_on_error=False) if names else [], strict=True):
             if isinstance(ranks, Exception):

@@ -27,8 +27,7 @@ from collections.abc import Callable, Iterable
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
 from costexporter.sources.dcgm import PodRef
-from costexporter.store import protocol, untrusted
-from costexporter.store.keys import k8s_gpus_key, k8s_ranks_key
+from costexporter.store import keys, protocol, untrusted
 from costexporter.trainer.reporter import send_entries
 
 log = logging.getLogger("costexporter.k8s")
@@ -145,7 +144,7 @@ class KubernetesJobs:
 
     def _trainer_has(self, job: str, gpu) -> bool:
         """Whether a trainer (not this module) registered this GPU for the job: its events win."""
-        for raw in self.redis.hvals(protocol.ranks_key(self.prefix, job)):
+        for raw in self.redis.hvals(keys.ranks_key(self.prefix, job)):
             e = _json(raw)
             if str(e.get("session", "")).startswith(SESSION_PREFIX):
                 continue
@@ -160,10 +159,10 @@ class KubernetesJobs:
             self.skipped.add((job, i))
             return
         now = self.clock()
-        k8s = k8s_ranks_key(self.prefix, job)
+        k8s = keys.k8s_ranks_key(self.prefix, job)
         rank = int(self._allocate(keys=[k8s], args=[self._gpu_key(gpu)]))
         pipe = self.redis.pipeline(transaction=True)
-        pipe.sadd(k8s_gpus_key(self.prefix, job), self._gpu_key(gpu))
+        pipe.sadd(keys.k8s_gpus_key(self.prefix, job), self._gpu_key(gpu))
         pipe.hget(k8s, "_ended")
         pipe.hdel(k8s, "_ended")
         _, ended, _ = pipe.execute()
@@ -199,13 +198,13 @@ class KubernetesJobs:
         rank = self.registered[(job, i)]
         gpus = self.source.gpus()
         pipe = self.redis.pipeline(transaction=True)
-        pipe.srem(k8s_gpus_key(self.prefix, job), self._gpu_key(gpus[i]))
-        pipe.scard(k8s_gpus_key(self.prefix, job))
+        pipe.srem(keys.k8s_gpus_key(self.prefix, job), self._gpu_key(gpus[i]))
+        pipe.scard(keys.k8s_gpus_key(self.prefix, job))
         _, left = pipe.execute()
         if left == 0:
             now = self.clock()
             send_entries(self.redis, self.prefix, job, [self._entry("run", job, 0, now, {"state": "end"})])
-            self.redis.hset(k8s_ranks_key(self.prefix, job), "_ended", "1")
+            self.redis.hset(keys.k8s_ranks_key(self.prefix, job), "_ended", "1")
             log.info("Kubernetes job %s: its last GPU was released (rank %d): run end", job, rank)
         del self.registered[(job, i)]
         if not any(j == job for j, _ in self.registered):

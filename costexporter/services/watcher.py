@@ -53,8 +53,7 @@ from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
 from costexporter.core.profiles import Profile
 from costexporter.core.timeutil import iso_utc
-from costexporter.store import ledger, protocol, untrusted
-from costexporter.store.keys import live_key, status_key
+from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.reader import EventReader, read_all_many
 
 log = logging.getLogger("costexporter.watcher")
@@ -831,7 +830,7 @@ class Watcher:
         cfg = self.cfg
         try:
             jobs = list(cfg.jobs) or self.redis.zrangebyscore(
-                protocol.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
+                keys.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
             )
         except self._errors as e:
             if not untrusted.is_wrong_type(e):
@@ -882,7 +881,7 @@ class Watcher:
         pipe = self.redis.pipeline(transaction=False)
         for job, st in decided.items():
             # vars(): what asdict() gives, without its deep copy; orjson: a 10th of json's time
-            pipe.set(status_key(cfg.prefix, job), orjson.dumps(vars(st)), ex=self.ttl)
+            pipe.set(keys.status_key(cfg.prefix, job), orjson.dumps(vars(st)), ex=self.ttl)
         pipe.execute()
         return decided
 
@@ -967,7 +966,7 @@ class Watcher:
             return
         pipe = self.redis.pipeline(transaction=False)
         for view in views:
-            pipe.hgetall(protocol.ranks_key(self.cfg.prefix, view.name))
+            pipe.hgetall(keys.ranks_key(self.cfg.prefix, view.name))
         for view, raw in zip(views, pipe.execute(raise_on_error=False), strict=True):
             self._unregistered.discard(view.name)
             if isinstance(raw, Exception):
@@ -1020,7 +1019,7 @@ class Watcher:
         """The agents' live hashes of every host of these jobs, in one round trip; returns the
         jobs whose stored values could not be used (each set aside by the caller)."""
         bad: dict[str, Exception] = {}
-        keys: list[tuple[JobView, list[str]]] = []
+        wanted: list[tuple[JobView, list[str]]] = []
         pipe = self.redis.pipeline(transaction=False)
         for view in views:
             try:
@@ -1030,13 +1029,13 @@ class Watcher:
                 continue
             if not hosts:
                 continue
-            keys.append((view, hosts))
+            wanted.append((view, hosts))
             for h in hosts:
-                pipe.hgetall(live_key(self.cfg.prefix, view.name, h))
-        if not keys:
+                pipe.hgetall(keys.live_key(self.cfg.prefix, view.name, h))
+        if not wanted:
             return bad
         replies = iter(pipe.execute(raise_on_error=False))
-        for view, hosts in keys:
+        for view, hosts in wanted:
             got = [(h, next(replies)) for h in hosts]
             for _h, reply in got:
                 if isinstance(reply, Exception) and not untrusted.is_wrong_type(reply):

@@ -19,8 +19,7 @@ from costexporter.core.events import MAX_STEP, MAX_TOKENS
 from costexporter.core.model import Event, Samples
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import SCENARIOS, TraceBuilder
-from costexporter.store import protocol, redisconn
-from costexporter.store.keys import simclock_key
+from costexporter.store import keys, protocol, redisconn
 from costexporter.trainer import coerce
 from costexporter.trainer.reporter import StepReporter
 
@@ -171,7 +170,7 @@ class SimSource(ReplaySource):
                     socket_connect_timeout=1.0,
                 )
             self._clock_client.set(
-                simclock_key(self._prefix or protocol.DEFAULT_PREFIX),
+                keys.simclock_key(self._prefix or protocol.DEFAULT_PREFIX),
                 json.dumps(
                     {
                         "sim": self.sim_time(),
@@ -292,7 +291,7 @@ def published_clock(redis_url: str, prefix: str) -> Callable[[], float]:
 
     def now() -> float:
         try:
-            raw = client.get(simclock_key(prefix))
+            raw = client.get(keys.simclock_key(prefix))
             if raw:
                 last.update(json.loads(raw))
         except (redis.RedisError, OSError, ValueError):

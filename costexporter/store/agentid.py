@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from costexporter.store.keys import agent_id_key
+from costexporter.store import keys
 
 # Renew the lease, or take it when it is free or held by this host; else answer the holder.
 _CLAIM = """
@@ -60,7 +60,7 @@ def claim(client, prefix: str, agent: str, host: str, ttl_s: float) -> dict | No
     """Hold (or renew) agent id `agent` for `host` for `ttl_s`. None when this host holds it
     now; else the holder's entry (a dict with its `host`). A lease key of another type (not
     written by an agent) is replaced."""
-    k = agent_id_key(prefix, agent)
+    k = keys.agent_id_key(prefix, agent)
     entry = json.dumps({"host": host, "pid": os.getpid(), "ts": round(time.time(), 3)})
     got = [_text(x) for x in client.execute_command("EVAL", _CLAIM, 1, k, host, entry, int(ttl_s * 1000))]
     if got and got[0] == "wrongtype":
@@ -81,4 +81,4 @@ def _text(x: object) -> str:
 
 def release(client, prefix: str, agent: str, host: str) -> None:
     """Give the id up (at shutdown), if this host holds it: a host that takes over need not wait."""
-    client.execute_command("EVAL", _RELEASE, 1, agent_id_key(prefix, agent), host)
+    client.execute_command("EVAL", _RELEASE, 1, keys.agent_id_key(prefix, agent), host)

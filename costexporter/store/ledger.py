@@ -45,16 +45,7 @@ import numpy as np
 
 from costexporter.core.buckets import RESOLUTIONS, UNITS, bucket_start
 from costexporter.core.model import CATEGORIES
-from costexporter.store import keys, protocol
-from costexporter.store.keys import epoch_key as epoch_key
-from costexporter.store.keys import fold_key as fold_key
-from costexporter.store.keys import gpu_idle_key as gpu_idle_key
-from costexporter.store.keys import incident_index_key as incident_index_key
-from costexporter.store.keys import incidents_key as incidents_key
-from costexporter.store.keys import node_key as node_key
-from costexporter.store.keys import readers_key as readers_key
-from costexporter.store.keys import rollup_key as rollup_key
-from costexporter.store.keys import rollup_state_key as rollup_state_key
+from costexporter.store import keys
 
 UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
 
@@ -213,11 +204,15 @@ return n + 1
 def drop_rollup(client, prefix: str, job: str) -> None:
     """Remove a job's rollup (the API's next start rebuilds it from the buckets; until then the
     job is read by summing buckets): after editing a ledger by hand."""
-    client.delete(rollup_state_key(prefix, job), rollup_key(prefix, job))
+    client.delete(keys.rollup_state_key(prefix, job), keys.rollup_key(prefix, job))
 
 
 def _rollup_keys(prefix: str, job: str) -> list[str]:
-    return [rollup_state_key(prefix, job), rollup_key(prefix, job), keys.index_key(prefix, job, "5m")]
+    return [
+        keys.rollup_state_key(prefix, job),
+        keys.rollup_key(prefix, job),
+        keys.index_key(prefix, job, "5m"),
+    ]
 
 
 def queue_rollup(
@@ -251,13 +246,13 @@ def build_rollups(client, prefix: str) -> int:
     with nothing booked yet gets its empty rollup too, uncounted: nothing older was there."""
     import redis
 
-    jobs = [*client.zrange(protocol.jobs_key(prefix), 0, -1), UNASSIGNED_JOB]
+    jobs = [*client.zrange(keys.jobs_key(prefix), 0, -1), UNASSIGNED_JOB]
     built = 0
     for i in range(0, len(jobs), 500):
         chunk = jobs[i : i + 500]
         pipe = client.pipeline(transaction=False)
         for j in chunk:
-            pipe.hexists(rollup_state_key(prefix, j), "v")
+            pipe.hexists(keys.rollup_state_key(prefix, j), "v")
         found = pipe.execute(raise_on_error=False)
         missing = [j for j, has in zip(chunk, found, strict=True) if has is False]
         for j in missing:
@@ -296,10 +291,11 @@ def queue_incidents(pipe, prefix: str, job: str, agent: str, incidents) -> None:
     """Write incidents (dicts with category and start) and index their hash (in the caller's MULTI)."""
     written = False
     for inc in incidents:
-        pipe.hset(incidents_key(prefix, job, agent), f"{inc['category']}:{inc['start']}", json.dumps(inc))
+        field = f"{inc['category']}:{inc['start']}"
+        pipe.hset(keys.incidents_key(prefix, job, agent), field, json.dumps(inc))
         written = True
     if written:
-        pipe.sadd(incident_index_key(prefix, job), agent)
+        pipe.sadd(keys.incident_index_key(prefix, job), agent)
 
 
 def index_incidents(client, prefix: str, count: int = 1000) -> int:
@@ -314,7 +310,7 @@ def index_incidents(client, prefix: str, count: int = 1000) -> int:
         job = head[len(head_of) :]
         if not sep or not head.startswith(head_of) or not agent:
             continue
-        client.sadd(incident_index_key(prefix, job), agent)
+        client.sadd(keys.incident_index_key(prefix, job), agent)
         n += 1
     return n
 
@@ -453,7 +449,7 @@ def agent_keys(prefix: str, job: str, agent: str, host: str) -> dict[str, str]:
         keys.watermark_key(prefix, job, agent): "string",
         keys.fold_key(prefix, job, agent): "string",
         keys.fold_key(prefix, job, agent, old=True): "string",
-        readers_key(prefix, job): "hash",
+        keys.readers_key(prefix, job): "hash",
         keys.live_key(prefix, job, host): "hash",
         keys.samples_key(prefix, job, host): "stream",
         keys.total_key(prefix, job): "hash",
@@ -463,8 +459,8 @@ def agent_keys(prefix: str, job: str, agent: str, host: str) -> dict[str, str]:
         keys.rollup_key(prefix, job): "zset",
         keys.rollup_state_key(prefix, job): "hash",
         keys.rbidx_key(prefix, job, agent): "hash",
-        incidents_key(prefix, job, agent): "hash",
-        incident_index_key(prefix, job): "set",
+        keys.incidents_key(prefix, job, agent): "hash",
+        keys.incident_index_key(prefix, job): "set",
         **{keys.index_key(prefix, job, res): "zset" for res in RESOLUTIONS},
     }
 
@@ -499,7 +495,7 @@ def set_aside(client, wrong: dict[str, str], prefix: str | None = None, job: str
     if (
         prefix is not None
         and job is not None
-        and {rollup_key(prefix, job), rollup_state_key(prefix, job)} & set(wrong)
+        and {keys.rollup_key(prefix, job), keys.rollup_state_key(prefix, job)} & set(wrong)
     ):
         drop_rollup(client, prefix, job)
     return moved
@@ -587,7 +583,7 @@ def queue_position(
 
     ts = time.time() if now is None else now
     pos = {"id": stream_id, "ts": round(ts, 3), **extra}
-    pipe.hset(readers_key(prefix, job), reader, json.dumps(pos))
+    pipe.hset(keys.readers_key(prefix, job), reader, json.dumps(pos))
 
 
 def _stream_id(x: str) -> tuple[int, int]:
@@ -606,7 +602,7 @@ def trim_stream(
     positions = []
     covered: set[int] = set()
     stale = []
-    for reader, raw in client.hgetall(readers_key(prefix, job)).items():
+    for reader, raw in client.hgetall(keys.readers_key(prefix, job)).items():
         try:
             pos = json.loads(raw)
             sid, ts = _stream_id(str(pos["id"])), float(pos["ts"])
@@ -621,7 +617,7 @@ def trim_stream(
             if isinstance(r, list):
                 covered.update(x for x in r if isinstance(x, int))
     if stale:
-        client.hdel(readers_key(prefix, job), *stale)
+        client.hdel(keys.readers_key(prefix, job), *stale)
     if ranks and not ranks <= covered:
         return -1
     if not positions:
@@ -686,7 +682,7 @@ def trim_keeping(client, prefix: str, job: str, minid: str) -> int:
     from costexporter.store import redisconn
 
     run = redisconn.script(client, _TRIM_KEEPING)
-    stream, kept = protocol.stream_key(prefix, job), keys.kept_key(prefix, job)
+    stream, kept = keys.stream_key(prefix, job), keys.kept_key(prefix, job)
     total = 0
     while True:
         trimmed, _copied, done = run(
@@ -699,5 +695,5 @@ def trim_keeping(client, prefix: str, job: str, minid: str) -> int:
 
 def ensure_epoch(client, prefix: str, candidate: str) -> str:
     """This Redis's epoch marker: `candidate` if none was set, else the one there."""
-    client.set(epoch_key(prefix), candidate, nx=True)
-    return client.get(epoch_key(prefix)) or candidate
+    client.set(keys.epoch_key(prefix), candidate, nx=True)
+    return client.get(keys.epoch_key(prefix)) or candidate

@@ -1,7 +1,6 @@
 """Entry encoding of event protocol v1 (docs/protocol.md) and the trainer's side of Redis.
 
-The keys are built in `keys.py`; the trainer's are re-exported here, where the reporter, the
-reader and users' scripts have always found them.
+The keys are built in `keys.py` (one named builder per key; every caller imports them from there).
 """
 
 from __future__ import annotations
@@ -13,11 +12,6 @@ import re
 from dataclasses import dataclass
 
 from costexporter.store import untrusted
-from costexporter.store.keys import jobs_key as jobs_key
-from costexporter.store.keys import meta_key as meta_key
-from costexporter.store.keys import ranks_key as ranks_key
-from costexporter.store.keys import registrations_key as registrations_key
-from costexporter.store.keys import stream_key as stream_key
 
 DEFAULT_PREFIX = "costexporter"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from costexporter.core.events import EventError, UnknownEventType, parse_event
 from costexporter.core.model import Event
-from costexporter.store import protocol, redisconn
+from costexporter.store import keys, protocol, redisconn
 
 MAX_GAP = 100_000  # a jump larger than this is not remembered seq by seq
 
@@ -73,7 +73,7 @@ class EventReader:
     def __init__(self, client, job: str, prefix: str = protocol.DEFAULT_PREFIX, cursor: str = "0-0") -> None:
         self.client = client
         self.job = protocol.check_job(job)
-        self.key = protocol.stream_key(prefix, job)
+        self.key = keys.stream_key(prefix, job)
         self.cursor = cursor
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=100)

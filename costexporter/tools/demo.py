@@ -236,7 +236,7 @@ class Demo:
         """Start booking once every simulated rank has registered, so the agent's first
         discovery sees every GPU of the job and each run books the same bill."""
         want = self.src.builder.n_gpus
-        key = protocol.ranks_key(self.cfg.prefix, self.job)
+        key = keys.ranks_key(self.cfg.prefix, self.job)
         deadline = time.monotonic() + timeout_s
         while self.agent.redis.hlen(key) < want and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import Event
-from costexporter.store import protocol
-from costexporter.store.keys import kept_key
+from costexporter.store import keys, protocol
 from costexporter.store.reader import EventReader
 
 
@@ -59,7 +58,7 @@ def export_lines(client, job: str, prefix: str, since: float | None = None) -> t
     (registrations, run events, meta) are merged back in by id. `since`: drop events before it,
     except registrations and meta."""
     reader = EventReader(client, job, prefix=prefix)
-    kept = client.xrange(kept_key(prefix, job))  # small: a job's registrations, runs and meta
+    kept = client.xrange(keys.kept_key(prefix, job))  # small: a job's registrations, runs and meta
 
     def lines() -> Iterator[str]:
         nonlocal kept

@@ -186,8 +186,7 @@ def check_occupancy(cfg: PreflightConfig) -> Check:
         return Check("occupancy", "unknown", "no Redis to read the agents' node state from")
     import redis
 
-    from costexporter.store import redisconn
-    from costexporter.store.keys import node_key
+    from costexporter.store import keys, redisconn
 
     try:
         r = redisconn.from_url(
@@ -195,7 +194,7 @@ def check_occupancy(cfg: PreflightConfig) -> Check:
         )
         pipe = r.pipeline(transaction=False)
         for n in cfg.nodes:
-            pipe.hgetall(node_key(cfg.prefix, n))
+            pipe.hgetall(keys.node_key(cfg.prefix, n))
         states = pipe.execute()
     except (redis.RedisError, OSError) as e:
         return Check("occupancy", "unknown", f"cannot read Redis: {e}")

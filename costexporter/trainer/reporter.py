@@ -46,7 +46,7 @@ from costexporter.core.events import (
     META_NUMBERS,
     META_TEXT,
 )
-from costexporter.store import protocol, redisconn
+from costexporter.store import keys, protocol, redisconn
 from costexporter.trainer import coerce, exitstatus, spool
 
 log = logging.getLogger("costexporter.client")
@@ -846,19 +846,19 @@ def send_entries(
     A dead connection raises. The server's refusals raise the first one, or with
     `raise_on_error=False` come back per entry (a non-transactional pipeline applies the rest)."""
     pipe = client.pipeline(transaction=False)
-    stream = protocol.stream_key(prefix, job)
+    stream = keys.stream_key(prefix, job)
     owners: list[tuple[int | None, bool]] = []  # per command: (entry index, is the XADD)
     last_ts = 0.0
     for i, e in enumerate(entries):
         pipe.xadd(stream, e)
         owners.append((i, True))
         if e.get("type") == "register":
-            pipe.hset(protocol.ranks_key(prefix, job), e["rank"], json.dumps(e, separators=(",", ":")))
+            pipe.hset(keys.ranks_key(prefix, job), e["rank"], json.dumps(e, separators=(",", ":")))
             owners.append((i, False))
         elif e.get("type") == "meta":
             fields = {k: v for k, v in e.items() if k not in BASE_FIELDS}
             if fields:
-                pipe.hset(protocol.meta_key(prefix, job), mapping=fields)
+                pipe.hset(keys.meta_key(prefix, job), mapping=fields)
                 owners.append((i, False))
         with contextlib.suppress(TypeError, ValueError):
             last_ts = max(last_ts, float(e.get("ts", 0.0)))
@@ -866,14 +866,14 @@ def send_entries(
     # two nodes in no set order. Either order is safe: a reader that finds the job before its
     # stream or ranks reads nothing new yet, and a stream whose index write failed is listed by
     # the next batch (every batch repeats the ZADD; GT keeps the newest time).
-    pipe.zadd(protocol.jobs_key(prefix), {job: last_ts}, gt=True)
+    pipe.zadd(keys.jobs_key(prefix), {job: last_ts}, gt=True)
     zadd_at = len(owners)
     owners.append((None, False))
     version_at = None
     if any(e.get("type") == "register" for e in entries):
         # Agents run discovery when this counter moves, not every few seconds for every job. A
         # refusal (an ACL written before this key) costs only that: agents also re-read slowly.
-        pipe.execute_command("INCR", protocol.registrations_key(prefix))  # incr() sends INCRBY
+        pipe.execute_command("INCR", keys.registrations_key(prefix))  # incr() sends INCRBY
         version_at = len(owners)
         owners.append((None, False))
     results = pipe.execute(raise_on_error=False)

@@ -20,7 +20,6 @@ from costexporter.core.model import CATEGORIES, Event
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol, untrusted
-from costexporter.store.keys import ranks_key
 from costexporter.trainer.reporter import send_entries
 
 from ..redis_server import RedisServer, free_port
@@ -81,7 +80,7 @@ def test_5_a_late_register_moves_no_time_twice(shared, prefix, tmp_path):
         # the agent has sampled the GPUs for more than a minute of trace time.
         deadline = time.monotonic() + 30
         while True:
-            node = shared.hgetall(ledger.node_key(prefix, "node0"))
+            node = shared.hgetall(keys.node_key(prefix, "node0"))
             if node and json.loads(node["0"])["ts"] and json.loads(node["0"])["ts"] > b.t0 + 90:
                 break
             assert time.monotonic() < deadline, "the agent did not sample"
@@ -278,8 +277,8 @@ def test_9_poisoned_registrations_are_skipped_counted_and_the_healthy_job_books(
         "j" * 1_000_000: {"0": json.dumps({**reg, "gpu": 2})},  # never logged whole
     }
     for name, ranks in poisoned.items():
-        shared.hset(ranks_key(prefix, name), mapping=ranks)
-        shared.zadd(protocol.jobs_key(prefix), {name: b.t0})
+        shared.hset(keys.ranks_key(prefix, name), mapping=ranks)
+        shared.zadd(keys.jobs_key(prefix), {name: b.t0})
     port = free_port()
     p = serve(csv, "node0", URL, prefix, port, speed=20, book_s=0.1)
     try:

@@ -23,8 +23,7 @@ from costexporter.api.auth import TokenConfigError, Tokens, hash_token, parse_to
 from costexporter.api.cache import ResponseCache
 from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import bucket_start
-from costexporter.store import keys, ledger, protocol
-from costexporter.store.keys import bucket_key, figures_key, steps_key, total_key
+from costexporter.store import keys, ledger
 
 from ..api_helpers import T0, WINDOW, served, write_job
 from ..conftest import ROOT
@@ -150,15 +149,15 @@ def test_incidents_written_before_the_index_are_indexed_once(r, prefix):
     prefix's (a prefix with glob characters matches only itself)."""
     odd = prefix + "[x]"
     for p in (prefix, odd, prefix + "x"):
-        r.zadd(protocol.jobs_key(p), {"old": T0})
+        r.zadd(keys.jobs_key(p), {"old": T0})
         inc = {"category": "idle", "start": T0 * 1000, "end": (T0 + 60) * 1000, "gpu_ms": 1, "ranks": [0]}
-        r.hset(ledger.incidents_key(p, "old", "agent-0"), "idle:1", json.dumps(inc))
+        r.hset(keys.incidents_key(p, "old", "agent-0"), "idle:1", json.dumps(inc))
     try:
         store = LedgerStore(r, odd)
         assert store.incidents("old", T0 - 3600, T0 + 3600) == []
         assert store.index_incidents() == 1
         assert [i["category"] for i in store.incidents("old", T0 - 3600, T0 + 3600)] == ["idle"]
-        assert r.smembers(ledger.incident_index_key(prefix, "old")) == set()
+        assert r.smembers(keys.incident_index_key(prefix, "old")) == set()
     finally:
         for p in (odd, prefix + "x"):
             r.delete(*r.keys(p.replace("[", "\\[").replace("]", "\\]") + ":*"))
@@ -169,7 +168,7 @@ def test_the_api_indexes_old_incidents_at_start(r, prefix):
     index appears on /incidents without anyone running anything else."""
     write_job(r, prefix, "legacy", "a", incidents=0)
     inc = {"category": "idle", "start": T0 * 1000, "end": (T0 + 60) * 1000, "gpu_ms": 60_000, "ranks": [0]}
-    r.hset(ledger.incidents_key(prefix, "legacy", "old-agent"), "idle:1", json.dumps(inc))
+    r.hset(keys.incidents_key(prefix, "legacy", "old-agent"), "idle:1", json.dumps(inc))
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -209,31 +208,31 @@ def test_the_api_indexes_old_incidents_at_start(r, prefix):
 
 # ---- 15: never a 500 from stored data --------------------------------------------------------------
 BAD_STORED = [
-    ("budget 5k", lambda r, p, j: r.hset(protocol.meta_key(p, j), "budget", "5k"), "budget"),
-    ("budget inf", lambda r, p, j: r.hset(protocol.meta_key(p, j), "budget", "inf"), "budget"),
-    ("budget nan", lambda r, p, j: r.hset(protocol.meta_key(p, j), "budget", "NaN"), "budget"),
-    ("ranks ts null", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", '{"ts": null}'), "ranks"),
-    ("ranks ts inf", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", '{"ts": 1e400}'), "ranks"),
-    ("ranks a list", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", "[1, 2]"), "ranks"),
-    ("ranks not json", lambda r, p, j: r.hset(protocol.ranks_key(p, j), "1", "{nope"), "ranks"),
+    ("budget 5k", lambda r, p, j: r.hset(keys.meta_key(p, j), "budget", "5k"), "budget"),
+    ("budget inf", lambda r, p, j: r.hset(keys.meta_key(p, j), "budget", "inf"), "budget"),
+    ("budget nan", lambda r, p, j: r.hset(keys.meta_key(p, j), "budget", "NaN"), "budget"),
+    ("ranks ts null", lambda r, p, j: r.hset(keys.ranks_key(p, j), "1", '{"ts": null}'), "ranks"),
+    ("ranks ts inf", lambda r, p, j: r.hset(keys.ranks_key(p, j), "1", '{"ts": 1e400}'), "ranks"),
+    ("ranks a list", lambda r, p, j: r.hset(keys.ranks_key(p, j), "1", "[1, 2]"), "ranks"),
+    ("ranks not json", lambda r, p, j: r.hset(keys.ranks_key(p, j), "1", "{nope"), "ranks"),
     (
         "preflight not json",
-        lambda r, p, j: r.hset(figures_key(p, j), "preflight", "{"),
+        lambda r, p, j: r.hset(keys.figures_key(p, j), "preflight", "{"),
         "preflight",
     ),
     (
         "preflight a list",
-        lambda r, p, j: r.hset(figures_key(p, j), "preflight", "[]"),
+        lambda r, p, j: r.hset(keys.figures_key(p, j), "preflight", "[]"),
         "preflight",
     ),
     (
         "valid_steps text",
-        lambda r, p, j: r.hset(figures_key(p, j), "valid_steps", "x"),
+        lambda r, p, j: r.hset(keys.figures_key(p, j), "valid_steps", "x"),
         "valid_steps",
     ),
     (
         "checkpoint inf",
-        lambda r, p, j: r.hset(figures_key(p, j), "last_checkpoint_ts", "inf"),
+        lambda r, p, j: r.hset(keys.figures_key(p, j), "last_checkpoint_ts", "inf"),
         "last_checkpoint",
     ),
     # Buckets are summed where a ledger has no rollup (written before rollups existed): the
@@ -243,13 +242,13 @@ BAD_STORED = [
         "bucket text",
         lambda r, p, j: (
             ledger.drop_rollup(r, p, j),
-            r.hset(bucket_key(p, j, "1h", str(T0 // 3600 * 3600)), "productive:ms", "abc"),
+            r.hset(keys.bucket_key(p, j, "1h", str(T0 // 3600 * 3600)), "productive:ms", "abc"),
         ),
         "amounts",
     ),
     (
         "total text",
-        lambda r, p, j: r.hset(total_key(p, j), "productive:ucost", "1e999"),
+        lambda r, p, j: r.hset(keys.total_key(p, j), "productive:ucost", "1e999"),
         "amounts",
     ),
     (
@@ -269,35 +268,35 @@ BAD_STORED = [
         "bucket wrong type",
         lambda r, p, j: (
             ledger.drop_rollup(r, p, j),
-            r.delete(k := bucket_key(p, j, "1d", str(T0 // 86400 * 86400))),
+            r.delete(k := keys.bucket_key(p, j, "1d", str(T0 // 86400 * 86400))),
             r.set(k, "x"),
         ),
         "amounts",
     ),
     (
         "meta wrong type",
-        lambda r, p, j: (r.delete(protocol.meta_key(p, j)), r.set(protocol.meta_key(p, j), "x")),
+        lambda r, p, j: (r.delete(keys.meta_key(p, j)), r.set(keys.meta_key(p, j), "x")),
         "meta",
     ),
     (
         "steps wrong type",
-        lambda r, p, j: (r.delete(k := steps_key(p, j)), r.set(k, "x")),
+        lambda r, p, j: (r.delete(k := keys.steps_key(p, j)), r.set(k, "x")),
         "step",
     ),
     (
         "step member",
-        lambda r, p, j: r.zadd(steps_key(p, j), {"garbage": T0 + 7000}),
+        lambda r, p, j: r.zadd(keys.steps_key(p, j), {"garbage": T0 + 7000}),
         "step member",
     ),
     (
         "incident garbage",
-        lambda r, p, j: r.hset(ledger.incidents_key(p, j, "agent-1"), "x", '{"category": 1}'),
+        lambda r, p, j: r.hset(keys.incidents_key(p, j, "agent-1"), "x", '{"category": 1}'),
         "incident",
     ),
     (
         "incident zero_util_ranks garbage",
         lambda r, p, j: r.hset(
-            ledger.incidents_key(p, j, "agent-1"),
+            keys.incidents_key(p, j, "agent-1"),
             "x",
             json.dumps(
                 {
@@ -314,13 +313,13 @@ BAD_STORED = [
     ),
     (
         "incident deep JSON",
-        lambda r, p, j: r.hset(ledger.incidents_key(p, j, "agent-1"), "x", "[" * 200_000 + "]" * 200_000),
+        lambda r, p, j: r.hset(keys.incidents_key(p, j, "agent-1"), "x", "[" * 200_000 + "]" * 200_000),
         "incident",
     ),
     (
         "incident deep object",
         lambda r, p, j: r.hset(
-            ledger.incidents_key(p, j, "agent-1"),
+            keys.incidents_key(p, j, "agent-1"),
             "y",
             '{"category": ' + '{"a": ' * 100_000 + "1" + "}" * 100_001,
         ),
@@ -328,10 +327,10 @@ BAD_STORED = [
     ),
     (
         "incident index type",
-        lambda r, p, j: (r.delete(k := ledger.incident_index_key(p, j)), r.set(k, "x")),
+        lambda r, p, j: (r.delete(k := keys.incident_index_key(p, j)), r.set(k, "x")),
         "incident index",
     ),
-    ("newest event inf", lambda r, p, j: r.zadd(protocol.jobs_key(p), {j: float("inf")}), "not a time"),
+    ("newest event inf", lambda r, p, j: r.zadd(keys.jobs_key(p), {j: float("inf")}), "not a time"),
 ]
 
 
@@ -387,8 +386,8 @@ def bucket(p: str, j: str, res: str) -> str:
 
 # Every key of a job the API reads, by name (the builder for the key of job `j` under prefix `p`).
 JOB_KEYS = {
-    "meta": protocol.meta_key,
-    "ranks": protocol.ranks_key,
+    "meta": keys.meta_key,
+    "ranks": keys.ranks_key,
     "status": keys.status_key,
     "ledger:job": keys.figures_key,
     "ledger:total": keys.total_key,
@@ -630,8 +629,8 @@ def test_bytes_that_are_not_utf8_in_a_trainer_writable_key_never_break_the_api(r
     write_job(r, prefix, "good", "a")
     write_job(r, prefix, "bad", "a")
     raw = redis.Redis.from_url(SHARED_URL)
-    raw.zadd(protocol.jobs_key(prefix), {b"j\xff\xfe": T0 + 7200})
-    raw.hset(protocol.meta_key(prefix, "bad"), mapping={"team": b"t\xff", b"\xfe": b"1"})
+    raw.zadd(keys.jobs_key(prefix), {b"j\xff\xfe": T0 + 7200})
+    raw.hset(keys.meta_key(prefix, "bad"), mapping={"team": b"t\xff", b"\xfe": b"1"})
     client = redisconn.from_url(SHARED_URL, decode_responses=True, socket_timeout=5)
     with served(LedgerStore(client, prefix)) as (base, _):
         for path in ("/api/v1/jobs", "/api/v1/allocation", "/api/v1/jobs/good", "/api/v1/jobs/bad"):

@@ -29,7 +29,7 @@ from costexporter.core.events import (
     EventError,
     parse_event,
 )
-from costexporter.store import keys, protocol
+from costexporter.store import keys
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import StepReporter
 
@@ -141,7 +141,7 @@ def test_numpy_and_decimal_values_are_converted_and_arrive(shared, prefix, tmp_p
         "tokens": 10,
     }
     assert not [k for k in reader.stats if k.startswith("rejected")], reader.stats
-    assert shared.hget(protocol.meta_key(prefix, "numbers"), "budget") == "5000.5"
+    assert shared.hget(keys.meta_key(prefix, "numbers"), "budget") == "5000.5"
 
 
 def test_a_meta_the_reader_would_refuse_is_refused_at_the_call(shared, prefix, tmp_path):
@@ -347,7 +347,7 @@ def test_a_batch_the_server_refuses_is_dropped_counted_and_later_batches_go_thro
         admin = server.client()
         acl = [
             f"~{keys.job_key('costexporter', keys.TRAINER, 'refused', '*')}",
-            f"~{protocol.jobs_key('costexporter')}",
+            f"~{keys.jobs_key('costexporter')}",
             "-@all",
             "+hset",
             "+zadd",
@@ -355,7 +355,7 @@ def test_a_batch_the_server_refuses_is_dropped_counted_and_later_batches_go_thro
             "+hello",
         ]
         admin.execute_command("ACL", "SETUSER", "t", "on", ">pw", *acl, "+xadd")
-        admin.set(protocol.ranks_key("costexporter", "refused"), "not a hash")
+        admin.set(keys.ranks_key("costexporter", "refused"), "not a hash")
         url = f"redis://t:pw@127.0.0.1:{server.port}/0"
         rep = StepReporter("refused", url, rank=0, spool_dir=tmp_path / "spool", heartbeat_s=3600)
         with caplog.at_level(logging.ERROR, logger="costexporter.client"):
@@ -478,9 +478,9 @@ def test_a_spool_is_sent_only_to_the_redis_and_prefix_it_was_written_for(tmp_pat
                 other.close()
         assert sum("leaving spool" in r.message for r in caplog.records) == 1
         assert len(spool_lines(spool_dir)) == 4
-        assert redis.Redis.from_url(SHARED_URL).xlen(protocol.stream_key("pa", "dest")) == 2 * 3
+        assert redis.Redis.from_url(SHARED_URL).xlen(keys.stream_key("pa", "dest")) == 2 * 3
         redis.Redis.from_url(SHARED_URL).delete(
-            protocol.stream_key("pa", "dest"), protocol.ranks_key("pa", "dest")
+            keys.stream_key("pa", "dest"), keys.ranks_key("pa", "dest")
         )
         server.start()
         server.client().config_set("requirepass", "s3cret")
@@ -525,7 +525,7 @@ def test_a_live_reporters_spool_is_not_taken_from_under_it(tmp_path):
         second.close()
         client = server.client()
         events = EventReader(client, "live").read_all()
-        raw = client.xlen(protocol.stream_key("costexporter", "live"))
+        raw = client.xlen(keys.stream_key("costexporter", "live"))
     finally:
         server.stop()
     assert [int(e.get("step")) for e in events if e.type == "step"] == list(range(1, 121))
@@ -724,7 +724,7 @@ def test_a_corrupted_spool_sends_its_good_lines_and_counts_the_rest(junk, torn, 
         got = [e for e in EventReader(r, "torn", prefix=prefix).read_all() if e.rank == 3]
     finally:
         r.delete(
-            protocol.stream_key(prefix, "torn"), protocol.ranks_key(prefix, "torn"), protocol.jobs_key(prefix)
+            keys.stream_key(prefix, "torn"), keys.ranks_key(prefix, "torn"), keys.jobs_key(prefix)
         )
     assert sorted(e.get("step") for e in got) == [1, 2, 3, 4]
     assert rep.stats["drained"] == len(good)

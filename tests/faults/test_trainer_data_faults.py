@@ -104,7 +104,7 @@ def bad_registration(a: TraceBuilder, **over) -> str:
 
 
 def _ranks(p: str) -> str:
-    return protocol.ranks_key(p, "bad")
+    return keys.ranks_key(p, "bad")
 
 
 # name -> what the rogue trainer (or anyone with its ACL) writes before the agents start; every
@@ -162,7 +162,7 @@ def test_a_rogue_trainers_data_never_stops_or_skews_booking_for_another_job(
     a = victim_job()
     run = Run(shared, prefix, a, [a, rogue_job(a)], None)
     HOSTILE[case](shared, prefix, a)
-    shared.zadd(protocol.jobs_key(prefix), {"bad": 0})  # sorts first: looked at before `a`
+    shared.zadd(keys.jobs_key(prefix), {"bad": 0})  # sorts first: looked at before `a`
     run.run()
     got = run.ledger(["a", "bad"])
     agent = run.agents[0]
@@ -211,7 +211,7 @@ def test_the_watcher_refuses_registrations_as_the_agent_does_and_judges_every_jo
         )
     reg = {"ts": now - 20, "host": "h0", "gpu": 0, "world_size": 2}
     shared.hset(
-        protocol.ranks_key(prefix, "odd"),
+        keys.ranks_key(prefix, "odd"),
         mapping={
             "0": json.dumps(reg),
             "70000": json.dumps(reg),  # beyond any world size
@@ -222,8 +222,8 @@ def test_the_watcher_refuses_registrations_as_the_agent_does_and_judges_every_jo
             "4": "[" * 20_000 + "]" * 20_000,  # under the size bound, far over the depth one
         },
     )
-    shared.delete(protocol.ranks_key(prefix, "streamed"))
-    shared.xadd(protocol.ranks_key(prefix, "streamed"), {"x": "1"})  # a ranks key of the wrong type
+    shared.delete(keys.ranks_key(prefix, "streamed"))
+    shared.xadd(keys.ranks_key(prefix, "streamed"), {"x": "1"})  # a ranks key of the wrong type
     w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix, clock=lambda: now))
     try:
         decided = w.poll()
@@ -250,8 +250,8 @@ def test_a_watcher_goes_on_when_a_jobs_events_key_is_not_a_stream(shared, prefix
 
     now = time.time()
     send_entries(shared, prefix, "good", [_event("good", 0, 0, "run", now - 5, state="start")])
-    shared.hset(protocol.stream_key(prefix, "hashed"), "x", "1")
-    shared.zadd(protocol.jobs_key(prefix), {"hashed": now})
+    shared.hset(keys.stream_key(prefix, "hashed"), "x", "1")
+    shared.zadd(keys.jobs_key(prefix), {"hashed": now})
     w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix, clock=lambda: now))
     try:
         decided = w.poll()
@@ -269,11 +269,11 @@ def test_the_jobs_list_answers_with_warnings_whatever_a_trainer_wrote(shared, pr
 
     for j in ("good", "deep", "huge", "streamed", "metastring"):
         write_job(shared, prefix, j, "team")
-    shared.hset(protocol.ranks_key(prefix, "deep"), "1", "[" * 200_000 + "]" * 200_000)
-    shared.hset(protocol.ranks_key(prefix, "huge"), "1", json.dumps({"ts": 1e9, "pad": "x" * 1_000_000}))
-    shared.delete(protocol.ranks_key(prefix, "streamed"), protocol.meta_key(prefix, "metastring"))
-    shared.xadd(protocol.ranks_key(prefix, "streamed"), {"x": "1"})
-    shared.set(protocol.meta_key(prefix, "metastring"), "x")
+    shared.hset(keys.ranks_key(prefix, "deep"), "1", "[" * 200_000 + "]" * 200_000)
+    shared.hset(keys.ranks_key(prefix, "huge"), "1", json.dumps({"ts": 1e9, "pad": "x" * 1_000_000}))
+    shared.delete(keys.ranks_key(prefix, "streamed"), keys.meta_key(prefix, "metastring"))
+    shared.xadd(keys.ranks_key(prefix, "streamed"), {"x": "1"})
+    shared.set(keys.meta_key(prefix, "metastring"), "x")
     with served(LedgerStore(shared, prefix)) as (base, _):
         for params in ({}, {"window": WINDOW}):
             got = httpx.get(f"{base}/api/v1/jobs", params=params, timeout=30)

@@ -33,11 +33,11 @@ def _healthy(prefix: str, job: str, spool) -> None:
 
 def _poison(r: redis.Redis, prefix: str) -> None:
     now = time.time()
-    r.zadd(protocol.jobs_key(prefix), {"bad name": now, "br{ace": now, "listed": now, "": now})
+    r.zadd(keys.jobs_key(prefix), {"bad name": now, "br{ace": now, "listed": now, "": now})
     # A job whose ranks hash holds a JSON list and other non-objects, next to its real events.
-    r.hset(protocol.ranks_key(prefix, "listed"), mapping={"0": "[1, 2]", "1": "7", "x": "{}"})
+    r.hset(keys.ranks_key(prefix, "listed"), mapping={"0": "[1, 2]", "1": "7", "x": "{}"})
     r.xadd(
-        protocol.stream_key(prefix, "listed"),
+        keys.stream_key(prefix, "listed"),
         {
             "v": "1",
             "type": "heartbeat",
@@ -110,9 +110,9 @@ def _poll_once(prefix: str) -> dict:
 def test_any_ranks_entry_never_stops_the_watcher(raw, rank):
     with _own_prefix() as (prefix, r):
         now = time.time()
-        r.zadd(protocol.jobs_key(prefix), {"j": now})
-        r.hset(protocol.ranks_key(prefix, "j"), mapping={rank or "0": raw})
-        r.xadd(protocol.stream_key(prefix, "j"), _heartbeat("j", now, 0))
+        r.zadd(keys.jobs_key(prefix), {"j": now})
+        r.hset(keys.ranks_key(prefix, "j"), mapping={rank or "0": raw})
+        r.xadd(keys.stream_key(prefix, "j"), _heartbeat("j", now, 0))
         assert "j" in _poll_once(prefix)
 
 
@@ -153,19 +153,19 @@ def test_bytes_that_are_not_utf8_are_refused_and_counted_not_fatal(junk, field):
 
     with _own_prefix() as (prefix, r):
         now = time.time()
-        r.zadd(protocol.jobs_key(prefix), {"j": now, "k": now, junk: now})
+        r.zadd(keys.jobs_key(prefix), {"j": now, "k": now, junk: now})
         bad = _heartbeat("j", now, 1)
         if field == "x":
             bad = {**bad, junk: "1"}
         else:
             bad = {**bad, field: b"a" + junk}
         for job in ("j", "k"):
-            key = protocol.stream_key(prefix, job)
+            key = keys.stream_key(prefix, job)
             r.xadd(key, _heartbeat(job, now - 1, 0))
             if job == "j":
                 r.xadd(key, bad)
             r.xadd(key, _heartbeat(job, now, 2))
-        r.hset(protocol.ranks_key(prefix, "j"), mapping={junk: junk, "1": b"{" + junk})
+        r.hset(keys.ranks_key(prefix, "j"), mapping={junk: junk, "1": b"{" + junk})
         reader = EventReader(protocol.connect(SHARED_URL), "j", prefix)
         got = reader.read_all()
         # A type or ts that is not UTF-8 is refused; in a session or an unknown field's name the

@@ -67,7 +67,7 @@ def preflight(
     """The pre-run invariant gate (R5 in docs/background.md): exit 0 only when every required check passes."""
     import time as time_mod
 
-    from costexporter.store import protocol
+    from costexporter.store import keys, protocol
     from costexporter.tools.preflight import PreflightConfig, post, run, to_json
 
     try:
@@ -101,7 +101,7 @@ def preflight(
 
         try:
             post(cfg, passed, checks)
-            posted = f"posted to {protocol.stream_key(prefix, job)}"
+            posted = f"posted to {keys.stream_key(prefix, job)}"
         except (redis.RedisError, OSError) as e:
             posted = f"not posted: Redis unreachable ({e})"
     if fmt == "json":
