@@ -14,11 +14,11 @@ import uvicorn
 
 from costexporter.api.app import create_app
 from costexporter.api.auth import Tokens
-from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import price_version
 from costexporter.core.cost import Prices
 from costexporter.core.model import Category
 from costexporter.store import keys, ledger
+from costexporter.store.ledger_read import LedgerStore
 
 from .redis_server import free_port
 

@@ -16,10 +16,10 @@ import uuid
 import pytest
 import redis
 
-from costexporter.api.store import LedgerStore
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import write_nvidia_smi_csv
 from costexporter.store import acl, keys, ledger, migrate
+from costexporter.store.ledger_read import LedgerStore
 from costexporter.tools import preflight
 from costexporter.trainer.reporter import StepReporter
 

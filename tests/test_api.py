@@ -18,13 +18,13 @@ from hypothesis import HealthCheck, given, settings
 
 from costexporter.api.app import FOCUS_COLUMNS, create_app
 from costexporter.api.auth import Tokens, hash_token
-from costexporter.api.store import LedgerStore
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.core.tracefiles import combine, read_samples
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger
+from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import T0, WINDOW, write_job
 from .conftest import SHARED_URL

@@ -18,9 +18,9 @@ import pytest
 from costexporter.api.app import FOCUS_COLUMNS, FOCUS_X
 from costexporter.api.auth import Tokens, hash_token
 from costexporter.api.export import FocusSettings
-from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
 from costexporter.store import keys, ledger
+from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import PRICE_VERSION, T0, WINDOW, served, write_job
 from .redis_server import free_port

@@ -62,9 +62,9 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
     import httpx
     import numpy as np
 
-    from costexporter.api import store as store_mod
-    from costexporter.api.store import LedgerStore
     from costexporter.core.buckets import RESOLUTIONS, bucket_start
+    from costexporter.store import ledger_read as store_mod
+    from costexporter.store.ledger_read import LedgerStore
 
     prefix = f"test-chunks-{uuid.uuid4().hex[:10]}"
     rng = np.random.default_rng(seed)

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from costexporter.api import opencost as oc
 from costexporter.api.auth import Tokens, hash_token
-from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
 from costexporter.store import keys, ledger
+from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import PRICE_VERSION, T0, WINDOW, served, write_job
 

@@ -20,9 +20,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
 from costexporter.store import keys, ledger
+from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import T0
 from .conftest import SHARED_URL
@@ -297,7 +297,7 @@ def test_allocation_rows_equal_the_per_job_sums(shared, jobs, fields, window, se
     """The column sums of `aggregate.table_rows` over the rollups equal the per-job rows of
     `aggregate.rows` (Decimal money, Python sums) over the buckets, for any aggregate."""
     from costexporter.api import aggregate as agg
-    from costexporter.api.store import Warnings
+    from costexporter.store.ledger_read import Warnings
 
     prefix = f"test-rollup-{uuid.uuid4().hex[:10]}"
     rng = np.random.default_rng(seed)
@@ -347,7 +347,7 @@ def test_series_from_the_rollup_equal_the_buckets(shared, writes, window, step):
         exact = series_body("job", w, step, LedgerStore(shared, prefix, use_rollups=False), "USD").body
         assert json.loads(fast) == json.loads(exact)
         from costexporter.api.format import by_category, micro
-        from costexporter.api.store import JOB_CATS, WASTED
+        from costexporter.store.ledger_read import JOB_CATS, WASTED
 
         old = [  # the points as they were built from `Amounts` before the matrix
             {

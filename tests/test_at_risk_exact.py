@@ -7,12 +7,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from costexporter.api.app import create_app
-from costexporter.api.store import LedgerStore
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.figures import encode_at_risk, exact_at_risk_ms
 from costexporter.services.agent import Agent
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys
+from costexporter.store.ledger_read import LedgerStore
 
 from .test_incremental_agent import run_agent
 

@@ -20,11 +20,11 @@ from fastapi.testclient import TestClient
 from redis.exceptions import RedisClusterException
 
 from costexporter.api.app import create_app
-from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import RESOLUTIONS
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import acl, keys, ledger, protocol, redisconn
+from costexporter.store.ledger_read import LedgerStore
 from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from costexporter.api.export import FocusSettings
-from costexporter.api.store import LedgerStore
 from costexporter.core.model import Category
 from costexporter.store import ledger
+from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import PRICE_VERSION, T0, WINDOW, served, write_job
 from .test_api_export import SHAPES, ledger_of_four  # noqa: F401 (the fixture)

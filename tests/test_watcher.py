@@ -23,7 +23,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
-from costexporter.api.store import LedgerStore
 from costexporter.core.booking import BookingConfig
 from costexporter.core.model import Event
 from costexporter.services.exporter import watch_registry
@@ -36,6 +35,7 @@ from costexporter.services.watcher import (
     notification,
 )
 from costexporter.store import keys
+from costexporter.store.ledger_read import LedgerStore
 from costexporter.store.protocol import LiveEntry
 from costexporter.trainer.reporter import StepReporter
 

@@ -72,7 +72,7 @@ def test_every_documented_form_matches_and_is_accepted(text):
 
 def test_the_openapi_documents_the_pattern(shared, prefix):
     from costexporter.api.app import create_app
-    from costexporter.api.store import LedgerStore
+    from costexporter.store.ledger_read import LedgerStore
 
     spec = create_app(LedgerStore(shared, prefix), None).openapi()
     params = [

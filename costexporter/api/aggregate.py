@@ -12,10 +12,10 @@ import numpy as np
 
 from costexporter.api.format import iso, micro, money, per_micro
 from costexporter.api.schemas import AllocationRow
-from costexporter.api.store import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
 from costexporter.core.buckets import RESOLUTIONS
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES
+from costexporter.store.ledger_read import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
 
 FIELDS = ("job", "team", "namespace", "cost_center")
 LABEL = re.compile(r"^label:([A-Za-z0-9_.\-/]{1,100})$")

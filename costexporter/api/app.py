@@ -23,7 +23,7 @@ from costexporter.api.export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSe
 from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
 from costexporter.api.routers import allocation, health, jobs, opencost
 from costexporter.api.schemas import *  # noqa: F403  (the models were importable from here)
-from costexporter.api.store import LedgerStore
+from costexporter.store.ledger_read import LedgerStore
 
 __all__ = [
     "CSV_COLUMNS",

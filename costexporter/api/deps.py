@@ -16,9 +16,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from costexporter.api.auth import Principal, Tokens
 from costexporter.api.cache import ResponseCache
 from costexporter.api.export import FocusSettings
-from costexporter.api.store import LedgerStore, Warnings
 from costexporter.api.windows import ACCEPTED, Window, WindowError, parse_window
 from costexporter.api.windows import PATTERN as WINDOW_PATTERN
+from costexporter.store.ledger_read import LedgerStore, Warnings
 
 
 @dataclass

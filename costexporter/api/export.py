@@ -12,8 +12,8 @@ from decimal import Decimal
 
 from costexporter.api.format import PLACES, iso, money
 from costexporter.api.schemas import AllocationRow
-from costexporter.api.store import Warnings
 from costexporter.api.windows import Window
+from costexporter.store.ledger_read import Warnings
 
 CSV_COLUMNS = [
     "key",

@@ -8,9 +8,9 @@ from typing import overload
 import orjson
 from fastapi.responses import Response
 
-from costexporter.api.store import JOB_CATS, Amounts
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.timeutil import iso_utc
+from costexporter.store.ledger_read import JOB_CATS, Amounts
 
 PLACES = Decimal("0.000001")
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from zoneinfo import ZoneInfo
 
-from costexporter.core.buckets import BUCKET_S, RESOLUTIONS, bucket_start
+from costexporter.core.buckets import BUCKET_S
 
 ACCEPTED = (
     "a duration back from now (30m, 24h, 7d, 2w), a calendar word (today, yesterday, week, lastweek, "
@@ -142,20 +142,3 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, de
         raise WindowError(f"window {raw!r} must lie between 1970-01-01 and 3000-01-01")
     s, e = _align(start, end)
     return Window(s, e, raw)
-
-
-def decompose(start: int, end: int) -> list[tuple[str, int]]:
-    """[start, end) as the fewest ledger buckets: whole weeks (Monday, UTC), days, hours, then
-    5 minutes."""
-    out: list[tuple[str, int]] = []
-    t = start
-    while t < end:
-        for res in ("1w", "1d", "1h", "5m"):
-            secs = RESOLUTIONS[res]
-            if bucket_start(t, res) == t and t + secs <= end:
-                out.append((res, t))
-                t += secs
-                break
-        else:  # not on a 5-minute boundary: cannot happen for aligned windows
-            raise WindowError("window is not aligned to the ledger's buckets")
-    return out

@@ -13,8 +13,8 @@ def api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **
     from costexporter.api.app import create_app
     from costexporter.api.auth import TokenConfigError, Tokens
     from costexporter.api.export import FocusSettings
-    from costexporter.api.store import LedgerStore
     from costexporter.store import redisconn
+    from costexporter.store.ledger_read import LedgerStore
 
     try:
         tokens = Tokens.load(tokens_file)

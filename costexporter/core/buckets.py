@@ -26,6 +26,23 @@ def bucket_start(t: int, res: str) -> int:
     return (t - off) // secs * secs + off
 
 
+def decompose(start: int, end: int) -> list[tuple[str, int]]:
+    """[start, end) as the fewest ledger buckets: whole weeks (Monday, UTC), days, hours, then
+    5 minutes."""
+    out: list[tuple[str, int]] = []
+    t = start
+    while t < end:
+        for res in ("1w", "1d", "1h", "5m"):
+            secs = RESOLUTIONS[res]
+            if bucket_start(t, res) == t and t + secs <= end:
+                out.append((res, t))
+                t += secs
+                break
+        else:  # not on a 5-minute boundary: cannot happen for aligned windows
+            raise ValueError(f"[{start}, {end}) is not aligned to the ledger's buckets")
+    return out
+
+
 def price_version(prices: Prices, price_per_gpu_hour: float) -> str:
     """A short name of the price table, stored with every bucket it costed."""
     return (

@@ -910,7 +910,7 @@ class Watcher:
 
     def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
         """Every job's new events, one XREAD for all of them; a job whose name is refused is
-        left to `_judge`, which sets it aside."""
+        left to `_fold`, whose refusal sets it aside."""
         readers = []
         for job in jobs:
             if job not in self.readers:
@@ -993,13 +993,6 @@ class Watcher:
                     continue
                 view.registrations.setdefault(*entry)
                 view.registrations_read.setdefault(entry[0], now)
-
-    def _judge(self, job: str, now: float, events: list[Event]) -> Status:
-        """One job read and decided on its own (`_poll` does the same for many jobs at once)."""
-        view = self._fold(job, events)
-        self._read_registrations([view] if job in self._unregistered else [], now)
-        self._read_live(view)
-        return decide(view, now, self.cfg, self.status.get(job))
 
     def _read_live(self, view: JobView) -> None:
         for e in self._read_live_many([view]).values():

@@ -54,8 +54,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     # services/watcher.py: the jobs index, ranks, events, live state and the simulation's clock;
     # its status and its position in the readers hash.
     "watcher": _cmds("+get +set +hgetall +hset +zrangebyscore +xread +xrange"),
-    # api/store.py: reads only, also in its scripts (which read the rollups and buckets), and
-    # the oldest entries of a job's streams (its first register).
+    # store/ledger_read.py (the API): reads only, also in its scripts (which read the rollups and
+    # buckets), and the oldest entries of a job's streams (its first register).
     "api": _cmds(
         """+get +hget +hgetall +hvals +hmget +smembers +exists +type +xrange
         +zrange +zscore +zcount +zrevrangebyscore +eval +evalsha +script|load +script|exists"""

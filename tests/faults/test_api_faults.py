@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from costexporter.api.auth import TokenConfigError, Tokens, hash_token, parse_tokens
 from costexporter.api.cache import ResponseCache
-from costexporter.api.store import LedgerStore
 from costexporter.core.buckets import bucket_start
 from costexporter.store import keys, ledger
+from costexporter.store.ledger_read import LedgerStore
 
 from ..api_helpers import T0, WINDOW, served, write_job
 from ..conftest import ROOT

@@ -263,7 +263,7 @@ def test_a_watcher_goes_on_when_a_jobs_events_key_is_not_a_stream(shared, prefix
 
 # ---- the API: GET /api/v1/jobs never answers 500 for a bad job -------------------------------------
 def test_the_jobs_list_answers_with_warnings_whatever_a_trainer_wrote(shared, prefix):
-    from costexporter.api.store import LedgerStore
+    from costexporter.store.ledger_read import LedgerStore
 
     from ..api_helpers import WINDOW, served, write_job
 

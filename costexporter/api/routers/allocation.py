@@ -15,7 +15,7 @@ from costexporter.api.deps import Config, Store, Who, Win
 from costexporter.api.export import to_csv, to_focus
 from costexporter.api.format import json_bytes
 from costexporter.api.schemas import Allocation, AllocationRow
-from costexporter.api.store import LedgerStore, Warnings
+from costexporter.store.ledger_read import LedgerStore, Warnings
 
 router = APIRouter(prefix="/api/v1/allocation", tags=["allocation"])
 

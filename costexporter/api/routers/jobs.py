@@ -23,7 +23,13 @@ from costexporter.api.schemas import (
     Series,
     WindowOut,
 )
-from costexporter.api.store import (
+from costexporter.api.windows import Window
+from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
+from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
+from costexporter.core.figures import exact_at_risk_ms
+from costexporter.core.model import CATEGORIES
+from costexporter.store import untrusted
+from costexporter.store.ledger_read import (
     JOB_CATS,
     WASTED,
     LedgerStore,
@@ -32,12 +38,6 @@ from costexporter.api.store import (
     number,
     timestamp,
 )
-from costexporter.api.windows import Window
-from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
-from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
-from costexporter.core.figures import exact_at_risk_ms
-from costexporter.core.model import CATEGORIES
-from costexporter.store import untrusted
 
 # Job names may contain "/" (`team/run-7`): the job is a path parameter, and the sub-resources are
 # declared before the job itself so `a/b/series` is the series of `a/b`.

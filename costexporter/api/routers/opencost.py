@@ -14,8 +14,8 @@ from costexporter.api import opencost as oc
 from costexporter.api.auth import Principal
 from costexporter.api.deps import Config, Store, Who
 from costexporter.api.format import json_bytes
-from costexporter.api.store import JOB_CATS, VALID, WASTED, LedgerStore, Warnings, WindowTable
 from costexporter.core.model import CATEGORIES
+from costexporter.store.ledger_read import JOB_CATS, VALID, WASTED, LedgerStore, Warnings, WindowTable
 
 router = APIRouter(tags=["opencost"])
 _COL = {c: n for n, c in enumerate(CATEGORIES)}

@@ -21,8 +21,7 @@ import orjson
 import redis
 import redis.cluster
 
-from costexporter.api.windows import decompose
-from costexporter.core.buckets import RESOLUTIONS, UNITS
+from costexporter.core.buckets import RESOLUTIONS, UNITS, decompose
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
 from costexporter.store import keys, ledger, protocol, untrusted
@@ -380,9 +379,6 @@ class LedgerStore:
     def job_names(self) -> list[str]:
         """Every job's name (no times: cheaper where they are not shown)."""
         return self.r.zrange(keys.jobs_key(self.prefix), 0, -1)
-
-    def job_exists(self, job: str) -> bool:
-        return self.r.zscore(keys.jobs_key(self.prefix), job) is not None
 
     def job_team(self, job: str) -> tuple[bool, str | None]:
         """Whether the job exists, and its team: one round trip."""
