@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import csv
-import datetime as dt
 import io
 import json
 import re
 from dataclasses import dataclass
 from decimal import Decimal
 
+from costexporter.api.aggregate import month_start, next_month
 from costexporter.api.format import PLACES, iso, money
 from costexporter.api.schemas import AllocationRow
 from costexporter.api.windows import Window
+from costexporter.core.timeutil import parse_instant
 from costexporter.store.ledger_read import Warnings
 
 CSV_COLUMNS = [
@@ -192,34 +193,74 @@ def to_focus(
     return buf.getvalue()
 
 
-def focus_values(
-    r: AllocationRow, currency: str, fields: list[str], fs: FocusSettings, warn: Warnings | None = None
-) -> dict[str, object]:
-    from costexporter.api.aggregate import month_start, next_month
-
-    start = int(dt.datetime.fromisoformat(str(r.start).replace("Z", "+00:00")).timestamp())
-    hours = Decimal(f"{r.gpu_hours:.6f}")
+def _unit_price(r: AllocationRow, warn: Warnings | None) -> Decimal:
+    """The row's GPU-hour price; several prices in one row (a price change in the period, or GPU
+    models priced apart) give the row's average, the only single unit price it has, said so in
+    the warnings (over the unrounded hours: the 6-place ones would move the price, 3.5 to
+    3.500011)."""
     price = gpu_hour_price(r.price_versions)
-    if price is None:
-        # several prices in one row (a price change in the period, or GPU models priced apart):
-        # the row's average is the only single unit price it has; said so in the warnings
-        # (over the unrounded hours: the 6-place ones would move the price, 3.5 to 3.500011)
-        exact = Decimal(repr(r.gpu_hours))
-        price = (Decimal(r.cost) / exact).quantize(PLACES).normalize() if exact else Decimal(0)
-        if r.price_versions and warn is not None:
-            n = len(r.price_versions)
-            warn.add(r.key, f"{n} price versions in one FOCUS row: ListUnitPrice is their average")
-    list_cost = (price * hours).quantize(PLACES)
-    is_job = fields == ["job"] and r.key != "unassigned"
-    team = r.team if r.key != "unassigned" else None
+    if price is not None:
+        return price
+    exact = Decimal(repr(r.gpu_hours))
+    if r.price_versions and warn is not None:
+        n = len(r.price_versions)
+        warn.add(r.key, f"{n} price versions in one FOCUS row: ListUnitPrice is their average")
+    return (Decimal(r.cost) / exact).quantize(PLACES).normalize() if exact else Decimal(0)
+
+
+def _tags(r: AllocationRow) -> str:
+    """The row's FOCUS Tags: its meta's tag fields, its labels, its team and cost center (JSON)."""
     tags = {f: r.properties.get(f) for f in MAX_TAG_FIELDS if r.properties.get(f)}
     tags.update({f[6:]: v for f, v in r.properties.items() if f.startswith("label:") and v})
     if r.team and r.key != "unassigned":
         tags.setdefault("team", r.team)
     if r.cost_center:
         tags.setdefault("cost_center", r.cost_center)
+    return json.dumps(tags, sort_keys=True) if tags else ""
+
+
+def _parties(fs: FocusSettings, start: int) -> dict[str, object]:
+    """Who bills, publishes and invoices: the FOCUS settings, each falling back to the provider."""
+    account = fs.billing_account_id or fs.provider
+    return {
+        "BillingAccountId": account,
+        "BillingAccountName": fs.billing_account_name or account,
+        "BillingAccountType": fs.billing_account_type,
+        "ProviderName": fs.provider,
+        "PublisherName": fs.publisher or fs.provider,
+        "InvoiceIssuerName": fs.invoice_issuer or fs.provider,
+        # one invoice per billing account and billing period (a calendar month)
+        "InvoiceId": f"{account}-{iso(month_start(start))[:7]}",
+    }
+
+
+def _resource(r: AllocationRow, fields: list[str]) -> dict[str, object]:
+    """The job a row is (ResourceId, SubAccount...): a job row names it, others leave it blank."""
+    is_job = fields == ["job"] and r.key != "unassigned"
+    team = r.team if r.key != "unassigned" else None
+    name = r.key if is_job else ""
+    return {
+        "ResourceId": name,
+        "ResourceName": name,
+        "ResourceType": "Training Job" if is_job else "",
+        "SubAccountId": team or "",
+        "SubAccountName": team or "",
+        "SubAccountType": "Team" if team else "",
+        "x_TrainingJob": name,
+    }
+
+
+def focus_values(
+    r: AllocationRow, currency: str, fields: list[str], fs: FocusSettings, warn: Warnings | None = None
+) -> dict[str, object]:
+    start = int(parse_instant(str(r.start)))
+    hours = Decimal(f"{r.gpu_hours:.6f}")
+    price = _unit_price(r, warn)
+    list_cost = (price * hours).quantize(PLACES)
     what = "GPU time no job registered" if r.key == "unassigned" else f"GPU time of {r.key}"
     return {
+        **_parties(fs, start),
+        **_resource(r, fields),
         "BilledCost": r.cost,
         "EffectiveCost": r.cost,
         "ListCost": money(list_cost),
@@ -229,9 +270,6 @@ def focus_values(
         "PricingCurrencyListUnitPrice": plain(price),
         "PricingCurrencyContractedUnitPrice": plain(price),
         "PricingCurrencyEffectiveCost": r.cost,
-        "BillingAccountId": fs.billing_account_id or fs.provider,
-        "BillingAccountName": fs.billing_account_name or fs.billing_account_id or fs.provider,
-        "BillingAccountType": fs.billing_account_type,
         "BillingCurrency": currency,
         "PricingCurrency": currency,
         "BillingPeriodStart": iso(month_start(start)),
@@ -249,25 +287,13 @@ def focus_values(
         "ServiceCategory": "AI and Machine Learning",
         "ServiceSubcategory": "Machine Learning",
         "ServiceName": "GPU training",
-        "ProviderName": fs.provider,
-        "PublisherName": fs.publisher or fs.provider,
-        "InvoiceIssuerName": fs.invoice_issuer or fs.provider,
-        # one invoice per billing account and billing period (a calendar month)
-        "InvoiceId": f"{fs.billing_account_id or fs.provider}-{iso(month_start(start))[:7]}",
-        "ResourceId": r.key if is_job else "",
-        "ResourceName": r.key if is_job else "",
-        "ResourceType": "Training Job" if is_job else "",
         "SkuId": SKU_ID,
         "SkuPriceId": SKU_ID,
         "SkuMeter": "GPU Time",
-        "SubAccountId": team or "",
-        "SubAccountName": team or "",
-        "SubAccountType": "Team" if team else "",
-        "Tags": json.dumps(tags, sort_keys=True) if tags else "",
+        "Tags": _tags(r),
         "x_ValidSteps": r.valid_steps,
         "x_WastedGpuHours": f"{r.wasted_gpu_hours:.6f}",
         "x_CostPerValidStep": r.cost_per_valid_step or "",
         "x_ValidGpuHours": f"{r.valid_gpu_hours:.6f}",
-        "x_TrainingJob": r.key if is_job else "",
         "x_AllocationKey": r.key,
     }

@@ -21,7 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo
 
+from costexporter.api.windows import calendar_span
 from costexporter.core.buckets import BUCKET_S
+from costexporter.core.timeutil import parse_instant
 
 UNALLOCATED = "__unallocated__"
 IDLE = "__idle__"
@@ -144,24 +146,11 @@ class Window:
         return self.start == self.asked_start and self.end == self.asked_end
 
 
-def _midnight(d: dt.date, zone: ZoneInfo) -> float:
-    return dt.datetime(d.year, d.month, d.day, tzinfo=zone).timestamp()
-
-
 def _instant(text: str) -> float:
-    t = text.strip()
-    if re.fullmatch(r"\d{1,11}(\.\d+)?", t):
-        return float(t)
     try:
-        d = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
-    except ValueError:
-        raise OpenCostError(f"{text!r} is neither an RFC 3339 time nor Unix seconds") from None
-    if d.tzinfo is None:
-        raise OpenCostError(f"{text!r} has no time zone offset (RFC 3339 needs one, e.g. Z)")
-    try:
-        return d.timestamp()
-    except (ValueError, OverflowError):
-        raise OpenCostError(f"{text!r} is not a time this API can use") from None
+        return parse_instant(text)
+    except ValueError as e:
+        raise OpenCostError(str(e)) from None
 
 
 def _ceil_bucket(t: float) -> int:
@@ -181,36 +170,19 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None) ->
     raw = text.strip()
     now = _time.time() if now is None else now
     zone = ZoneInfo(tz)
-    today = dt.datetime.fromtimestamp(now, zone).date()
     now_end = float(_ceil_bucket(now))
     w = raw.lower()
     if m := re.fullmatch(r"(\d{1,6})(m|h|d|w)", w):
         n, unit = int(m.group(1)), m.group(2)
         if unit == "w":
-            end = _midnight(dt.datetime.fromtimestamp(now, dt.timezone.utc).date(), ZoneInfo("UTC")) + 86400
+            end = float((int(now) // 86400 + 1) * 86400)  # the end of today (UTC)
             start = end - n * 7 * 86400
         else:
             dur = {"m": BUCKET_S, "h": 3600, "d": 86400}[unit]
             end = float((int(now) // dur + 1) * dur)
             start = end - n * {"m": 60, "h": 3600, "d": 86400}[unit]
-    elif w == "today":
-        start = _midnight(today, zone)
-        end = _midnight(today + dt.timedelta(days=1), zone)
-    elif w == "yesterday":
-        start, end = _midnight(today - dt.timedelta(days=1), zone), _midnight(today, zone)
-    elif w in ("week", "lastweek"):
-        sunday = today - dt.timedelta(days=(today.weekday() + 1) % 7)
-        if w == "week":
-            start, end = _midnight(sunday, zone), now_end
-        else:
-            start, end = _midnight(sunday - dt.timedelta(days=7), zone), _midnight(sunday, zone)
-    elif w in ("month", "lastmonth"):
-        first = today.replace(day=1)
-        if w == "month":
-            start, end = _midnight(first, zone), now_end
-        else:
-            prev = (first - dt.timedelta(days=1)).replace(day=1)
-            start, end = _midnight(prev, zone), _midnight(first, zone)
+    elif cal := calendar_span(w, now, zone, week_start=6, whole_today=True, now_end=now_end):
+        start, end = cal
     elif "," in raw:
         a, b = raw.split(",", 1)
         start, end = _instant(a), _instant(b)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from zoneinfo import ZoneInfo
 
 from costexporter.core.buckets import BUCKET_S
+from costexporter.core.timeutil import RFC3339, parse_instant
 
 ACCEPTED = (
     "a duration back from now (30m, 24h, 7d, 2w), a calendar word (today, yesterday, week, lastweek, "
@@ -32,11 +33,7 @@ def _any_case(word: str) -> str:
 # refused only for what a pattern cannot say (a span of 0 or over 400 days, an end before its
 # start, a date that is not in the calendar, outside 1970-3000), with a 400 that says which.
 _UNIX = r"[0-9]{9,11}(\.[0-9]+)?"
-_RFC3339 = (
-    r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt ]([01][0-9]|2[0-3]):[0-5][0-9]"
-    r"(:[0-5][0-9](\.[0-9]{1,6})?)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-)
-_INSTANT = rf"\s*({_UNIX}|{_RFC3339})\s*"
+_INSTANT = rf"\s*({_UNIX}|{RFC3339})\s*"
 PATTERN = (
     r"^\s*([0-9]{1,6}[mhdwMHDW]|"
     + "|".join(_any_case(w) for w in CALENDAR_WORDS)
@@ -75,29 +72,60 @@ def _align(start: float, end: float) -> tuple[int, int]:
     return s, max(e, s + BUCKET_S)
 
 
-def _midnight(d: dt.date, tz: ZoneInfo) -> float:
+def _midnight(d: dt.date, tz: dt.tzinfo) -> float:
     return dt.datetime(d.year, d.month, d.day, tzinfo=tz).timestamp()
 
 
 def _instant(text: str) -> float:
-    t = text.strip()
-    if re.fullmatch(r"\d{9,11}(\.\d+)?", t):
-        return float(t)
-    if re.fullmatch(_RFC3339, t):  # RFC 3339 allows a lower-case t and z; fromisoformat does not
-        t = t[:10] + "T" + t[11:]
-        t = t[:-1] + "+00:00" if t[-1] in "Zz" else t
+    if not re.fullmatch(_UNIX, text.strip()) and _is_number(text):  # Unix seconds: 9 to 11 digits
+        raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds")
     try:
-        d = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
+        return parse_instant(text)
+    except ValueError as e:
+        raise WindowError(str(e)) from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
     except ValueError:
-        if re.fullmatch(_RFC3339, text.strip()):
-            raise WindowError(f"{text!r} is not a date in the calendar") from None
-        raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds") from None
-    if d.tzinfo is None:
-        raise WindowError(f"{text!r} has no time zone offset (RFC 3339 needs one, e.g. Z or +08:00)")
-    try:
-        return d.timestamp()
-    except (ValueError, OverflowError):  # year 1 or 9999 with an offset that leaves the calendar
-        raise WindowError(f"{text!r} is not a time this API can use") from None
+        return False
+    return True
+
+
+def calendar_span(
+    word: str,
+    now: float,
+    zone: dt.tzinfo,
+    week_start: int = 0,
+    whole_today: bool = False,
+    now_end: float | None = None,
+) -> tuple[float, float] | None:
+    """A calendar word's [start, end) in `zone` (today, yesterday, week, lastweek, month,
+    lastmonth), None for another word. Weeks start on `week_start` (0 Monday, 6 Sunday); the
+    current week and month end at `now_end` (default `now`), and so does today unless
+    `whole_today` (then at its midnight). The API's windows and OpenCost's resolve the words
+    here."""
+    today = dt.datetime.fromtimestamp(now, zone).date()
+    end_now = now if now_end is None else now_end
+    if word == "today":
+        return _midnight(today, zone), _midnight(
+            today + dt.timedelta(days=1), zone
+        ) if whole_today else end_now
+    if word == "yesterday":
+        return _midnight(today - dt.timedelta(days=1), zone), _midnight(today, zone)
+    if word in ("week", "lastweek"):
+        first = today - dt.timedelta(days=(today.weekday() - week_start) % 7)
+        if word == "week":
+            return _midnight(first, zone), end_now
+        return _midnight(first - dt.timedelta(days=7), zone), _midnight(first, zone)
+    if word in ("month", "lastmonth"):
+        first = today.replace(day=1)
+        if word == "month":
+            return _midnight(first, zone), end_now
+        prev = (first - dt.timedelta(days=1)).replace(day=1)
+        return _midnight(prev, zone), _midnight(first, zone)
+    return None
 
 
 def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, default: str = "30d") -> Window:
@@ -105,30 +133,14 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, de
     raw = (text or "").strip() or default
     now = time.time() if now is None else now
     zone = ZoneInfo(tz)
-    today = dt.datetime.fromtimestamp(now, zone).date()
     w = raw.lower()
     if m := DURATION.match(w):
         span = int(m.group(1)) * UNIT_S[m.group(2)]
         if span <= 0 or span > MAX_SPAN_S:
             raise WindowError(f"window {raw!r} must be between 1 minute and 400 days")
         start, end = now - span, now
-    elif w == "today":
-        start, end = _midnight(today, zone), now
-    elif w == "yesterday":
-        start, end = _midnight(today - dt.timedelta(days=1), zone), _midnight(today, zone)
-    elif w in ("week", "lastweek"):
-        monday = today - dt.timedelta(days=today.weekday())
-        if w == "week":
-            start, end = _midnight(monday, zone), now
-        else:
-            start, end = _midnight(monday - dt.timedelta(days=7), zone), _midnight(monday, zone)
-    elif w in ("month", "lastmonth"):
-        first = today.replace(day=1)
-        if w == "month":
-            start, end = _midnight(first, zone), now
-        else:
-            prev = (first - dt.timedelta(days=1)).replace(day=1)
-            start, end = _midnight(prev, zone), _midnight(first, zone)
+    elif cal := calendar_span(w, now, zone):
+        start, end = cal
     elif "," in raw:
         a, b = raw.split(",", 1)
         start, end = _instant(a), _instant(b)

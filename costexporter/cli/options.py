@@ -329,24 +329,14 @@ DEFAULT_WATCH_PORT = 9404
 
 
 def parse_time(tz: str):
-    """Label times: Unix seconds, or ISO 8601 (naive times in --tz)."""
-    import datetime as dt
+    """Label times: Unix seconds, or RFC 3339 / ISO 8601 (naive times in --tz), as milliseconds."""
+    from costexporter.core.timeutil import parse_instant, tz_zone
 
     def parse(text: str) -> int:
-        text = text.strip()
         try:
-            return int(float(text) * 1000)
-        except ValueError:
-            pass
-        try:
-            t = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-        except ValueError:
-            raise click.BadParameter(f"{text!r} is neither Unix seconds nor an ISO 8601 time") from None
-        if t.tzinfo is None:
-            from costexporter.core.timeutil import tz_zone
-
-            t = t.replace(tzinfo=tz_zone(tz))
-        return int(t.timestamp() * 1000)
+            return int(parse_instant(text, tz_zone(tz)) * 1000)
+        except (ValueError, OverflowError) as e:
+            raise click.BadParameter(str(e)) from None
 
     return parse
 

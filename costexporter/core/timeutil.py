@@ -7,6 +7,7 @@ watcher's webhook and its Alertmanager alerts write a time the same way (`iso_ut
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 from zoneinfo import ZoneInfo
 
@@ -24,3 +25,45 @@ def tz_zone(tz: str) -> dt.tzinfo:
 def iso_utc(ts: float) -> str:
     """Unix seconds as RFC 3339 in UTC with a `Z` (fractions of a second only where there are)."""
     return dt.datetime.fromtimestamp(float(ts), dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+# RFC 3339's date-time (its lower-case `t` and `z` and a space for the `T` included): the API's
+# window pattern is built from it, and `parse_instant` reads it.
+RFC3339 = (
+    r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt ]([01][0-9]|2[0-3]):[0-5][0-9]"
+    r"(:[0-5][0-9](\.[0-9]{1,6})?)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+)
+
+
+def parse_instant(text: str, tz: dt.tzinfo | None = None) -> float:
+    """A time as users write it -> Unix seconds: Unix seconds, RFC 3339, or ISO 8601. An ISO
+    time without an offset is taken in `tz`; without `tz` it is refused (RFC 3339 needs one).
+    The one time parser of the API's windows, OpenCost's windows, the FOCUS export and the CLI's
+    times; raises ValueError with a one-line message."""
+    t = text.strip()
+    try:
+        unix = float(t)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(unix):
+            return unix
+    iso = t
+    rfc = re.fullmatch(RFC3339, t) is not None
+    if rfc:  # RFC 3339 allows a lower-case t and z and a space; fromisoformat wants T and +00:00
+        iso = t[:10] + "T" + t[11:]
+        iso = iso[:-1] + "+00:00" if iso[-1] in "Zz" else iso
+    try:
+        d = dt.datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        if rfc:
+            raise ValueError(f"{text!r} is not a date in the calendar") from None
+        raise ValueError(f"{text!r} is neither an RFC 3339 time nor Unix seconds") from None
+    if d.tzinfo is None:
+        if tz is None:
+            raise ValueError(f"{text!r} has no time zone offset (RFC 3339 needs one, e.g. Z or +08:00)")
+        d = d.replace(tzinfo=tz)
+    try:
+        return d.timestamp()
+    except (ValueError, OverflowError):  # year 1 or 9999 with an offset that leaves the calendar
+        raise ValueError(f"{text!r} is not a time this API can use") from None
