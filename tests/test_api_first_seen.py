@@ -11,9 +11,8 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.api.store import LedgerStore
-from costexporter.store import ledger, protocol
-from costexporter.store.keys import kept_key
+from costexporter.store import keys, ledger
+from costexporter.store.ledger_read import LedgerStore
 from costexporter.trainer.reporter import send_entries
 
 from .api_helpers import T0, served
@@ -38,7 +37,7 @@ def _steps(rank: int, ts: float, n: int) -> list[dict[str, str]]:
 
 def _trim_all(r: redis.Redis, prefix: str, job: str) -> None:
     """What an agent's trim does once every reader is past the whole stream."""
-    top = r.xrevrange(protocol.stream_key(prefix, job), count=1)
+    top = r.xrevrange(keys.stream_key(prefix, job), count=1)
     sid = top[0][0]
     ms, seq = sid.split("-")
     ledger.trim_keeping(r, prefix, job, f"{ms}-{int(seq) + 1}")
@@ -77,7 +76,7 @@ def test_first_seen_is_the_first_start_through_resumes_and_trims(runs, ranks):
 
 
 def _ranks(r: redis.Redis, prefix: str, job: str) -> list[dict]:
-    return [json.loads(v) for v in r.hvals(protocol.ranks_key(prefix, job))]
+    return [json.loads(v) for v in r.hvals(keys.ranks_key(prefix, job))]
 
 
 def test_jobs_endpoint_keeps_first_seen_after_a_restart(prefix):
@@ -97,8 +96,8 @@ def test_first_seen_survives_junk_in_the_streams(prefix):
     """A kept stream of the wrong type or a register without a time is skipped, never a 500:
     `first_seen` falls back to what still parses."""
     r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
-    r.xadd(protocol.stream_key(prefix, "j"), {"type": "register", "rank": "0", "ts": "soon"})
+    r.xadd(keys.stream_key(prefix, "j"), {"type": "register", "rank": "0", "ts": "soon"})
     send_entries(r, prefix, "j", [_register(0, T0 + 60, "a")])
-    r.set(kept_key(prefix, "j"), "not a stream")
+    r.set(keys.kept_key(prefix, "j"), "not a stream")
     info = LedgerStore(r, prefix).job_info("j")
     assert info is not None and info["first_seen"] == T0 + 60

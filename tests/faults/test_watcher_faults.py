@@ -207,7 +207,7 @@ def _malformed_job(shared: redis.Redis, prefix: str, job: str, case: str, spool)
     entry = {"v": "1", "type": "register", "job": job, "world_size": "2", "host": "h1", "gpu": "1", **fields}
     if entry.get("ts") == "{now}":
         entry["ts"] = str(time.time())
-    shared.hset(protocol.ranks_key(prefix, job), key, json.dumps(entry))
+    shared.hset(keys.ranks_key(prefix, job), key, json.dumps(entry))
     rep.close(5, end_run=False)  # the job stays running: no run end
 
 
