@@ -23,12 +23,11 @@ import redis.cluster
 
 from costexporter.core.buckets import RESOLUTIONS, UNITS, decompose
 from costexporter.core.cost import MS_PER_HOUR
-from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES
+from costexporter.core.model import CATEGORIES, JOB_CATEGORY_NAMES, VALID_NAMES, WASTED_NAMES
 from costexporter.store import keys, ledger, protocol, untrusted
 
-WASTED = [c.name.lower() for c in sorted(WASTED_CATEGORIES)]
-VALID = [c.name.lower() for c in sorted(VALID_CATEGORIES)]
-JOB_CATS = [c for c in CATEGORIES if c != "unassigned"]
+# The category sets by name (`core/model.py`'s), as the API's readers use them.
+WASTED, VALID, JOB_CATS = WASTED_NAMES, VALID_NAMES, JOB_CATEGORY_NAMES
 
 
 LATEST_TS = 32_503_680_000  # 3000-01-01: a stored time beyond it (or before 1970) is not a time
@@ -330,6 +329,48 @@ def _record(raw: str) -> list[int] | None:
     return v if ok else None
 
 
+def _metas(jobs: list[str], replies: list, warn: Warnings) -> dict[str, dict]:
+    """Each job's meta from ROLLUP_WINDOWS's replies (their first value: the meta hash's pairs)."""
+    metas: dict[str, dict] = {}
+    for j, got in zip(jobs, replies, strict=True):
+        m = got[0]
+        if m is None:
+            warn.add(j, "meta is not a hash: ignored")
+        metas[j] = dict(zip(m[::2], m[1::2], strict=True)) if m else {}
+    return metas
+
+
+def _rollup_net(replies: list, at: int) -> tuple[np.ndarray, list[set[str] | None], list[int]]:
+    """One window's net amounts from the rollup records at `at` (its end's, then its start's)
+    of each job whose rollup is usable; returns the amounts, the price versions (None where not
+    read) and the jobs (indices) to read exactly instead: no usable rollup, or a damaged record."""
+    n = len(replies)
+    ends, starts, fast, exact = [], [], [], []
+    for i, got in enumerate(replies):
+        re, rs = got[at], got[at + 1]
+        if got[1] == "1" and re is not None and rs is not None:
+            fast.append(i)
+            ends.append(re or ZEROS)
+            starts.append(rs or ZEROS)
+        else:
+            exact.append(i)
+    net = np.zeros((n, WIDTH - 1), np.int64)
+    versions: list[set[str] | None] = [None] * n  # per job; the caller sets the exact ones
+    e_m, s_m = _records(ends), _records(starts)
+    if e_m is None or s_m is None:  # a damaged record somewhere: check them one by one
+        good = list(zip(fast, map(_record, ends), map(_record, starts), strict=True))
+        exact += [i for i, a, b in good if a is None or b is None]
+        good = [(i, a, b) for i, a, b in good if a is not None and b is not None]
+        fast = [i for i, _, _ in good]
+        e_m = np.array([a for _, a, _ in good], np.int64).reshape(len(good), WIDTH)
+        s_m = np.array([b for _, _, b in good], np.int64).reshape(len(good), WIDTH)
+    net[fast] = e_m[:, 1:] - s_m[:, 1:]
+    moved = (e_m[:, 0] != s_m[:, 0]).tolist()  # some bucket lies in the window
+    for i, m in zip(fast, moved, strict=True):
+        versions[i] = {replies[i][2]} if m and replies[i][2] else set()
+    return net, versions, exact
+
+
 def _run(pipe) -> list:
     """Execute a pipeline; a command that failed on the stored data (a key of the wrong type, a
     script error) gives None instead of failing every other result. Outages still raise."""
@@ -565,52 +606,23 @@ class LedgerStore:
     ) -> tuple[dict[str, dict], list[WindowTable]]:
         """One chunk's replies of ROLLUP_WINDOWS as its meta and tables; `notes`: where its
         warnings go (meta, then per window the steps' and the exact path's)."""
-        metas: dict[str, dict] = {}
-        n = len(jobs)
         per_w = 8 if tokens else 4
         replies: list = []
-        for i, got in zip(range(0, n, self.batch), results, strict=True):
+        for i, got in zip(range(0, len(jobs), self.batch), results, strict=True):
             if got is None:  # cannot happen short of an outage (which raises): read exactly
                 got = [[0, "", ""] + [False] * (per_w * len(spans))] * len(jobs[i : i + self.batch])
             replies += got
-        for j, got in zip(jobs, replies, strict=True):
-            if meta:
-                m = got[0]
-                if m is None:
-                    notes[0].add(j, "meta is not a hash: ignored")
-                metas[j] = dict(zip(m[::2], m[1::2], strict=True)) if m else {}
+        metas = _metas(jobs, replies, notes[0]) if meta else {}
         out = []
         for w, (start, end) in enumerate(spans):
-            warn, exact_warn = notes[1 + 2 * w], notes[2 + 2 * w]
-            ends, starts, fast, exact = [], [], [], []
-            versions: list[set[str] | None] = [None] * n  # per job; every one is set below
             at = 3 + per_w * w
+            warn, exact_warn = notes[1 + 2 * w], notes[2 + 2 * w]
             if tokens:
                 counted = [g[at + 2 : at + 8] if g[at + 2] is not None else None for g in replies]
                 steps = _steps(jobs, counted, warn)
             else:
                 steps = _counts(jobs, [g[at + 2 : at + 4] for g in replies], warn)
-            for i, got in enumerate(replies):
-                re, rs = got[at], got[at + 1]
-                if got[1] == "1" and re is not None and rs is not None:
-                    fast.append(i)
-                    ends.append(re or ZEROS)
-                    starts.append(rs or ZEROS)
-                else:
-                    exact.append(i)
-            net = np.zeros((n, WIDTH - 1), np.int64)
-            e_m, s_m = _records(ends), _records(starts)
-            if e_m is None or s_m is None:  # a damaged record somewhere: check them one by one
-                good = list(zip(fast, map(_record, ends), map(_record, starts), strict=True))
-                exact += [i for i, a, b in good if a is None or b is None]
-                good = [(i, a, b) for i, a, b in good if a is not None and b is not None]
-                fast = [i for i, _, _ in good]
-                e_m = np.array([a for _, a, _ in good], np.int64).reshape(len(good), WIDTH)
-                s_m = np.array([b for _, _, b in good], np.int64).reshape(len(good), WIDTH)
-            net[fast] = e_m[:, 1:] - s_m[:, 1:]
-            moved = (e_m[:, 0] != s_m[:, 0]).tolist()  # some bucket lies in the window
-            for i, m in zip(fast, moved, strict=True):
-                versions[i] = {replies[i][2]} if m and replies[i][2] else set()
+            net, versions, exact = _rollup_net(replies, at)
             if exact:
                 names = [jobs[i] for i in exact]
                 pipe = self.r.pipeline(transaction=False)
