@@ -514,7 +514,7 @@ def test_a_window_with_no_bucket_and_an_unknown_job_on_the_cluster(backends, mir
     assert api.get("/api/v1/jobs/no-such-job").status_code == 404
 
 
-def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(cluster):
+def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(cluster, monkeypatch):
     """ledger.commit on a cluster: a watermark changed between WATCH and EXEC (a second agent
     with the same id) aborts the whole round, amounts included; a clean round applies whole."""
     import numpy as np
@@ -527,20 +527,23 @@ def test_the_agents_compare_and_set_round_is_one_transaction_on_the_cluster(clus
     a = np.zeros((len(Category), 3), np.int64)
     a[Category.PRODUCTIVE] = [1000, 5, 7]
 
-    calls = [0]
-
-    def queue(pipe, sneak: bool = False) -> None:
-        calls[0] += 1
-        # commit() calls `queue` twice: first to learn the keys it writes (their types are
-        # checked with the watermark), then inside MULTI: the second is after WATCH
-        if sneak and calls[0] % 2 == 0:  # another writer of the same watermark, before EXEC
-            other.set(keys.watermark_key(prefix, job, agent), '{"booked_until": 1}')
+    def queue(pipe) -> None:
         ledger.queue_amounts(pipe, prefix, job, {1_753_531_200: a}, "v1")
 
     raw = ledger.commit(r, prefix, job, agent, None, {"booked_until": 2}, queue)
     assert ledger.read_amounts(r, prefix, job)["productive:ms"] == 1000
-    with pytest.raises(ledger.Conflict):
-        ledger.commit(r, prefix, job, agent, raw, {"booked_until": 3}, lambda p: queue(p, sneak=True))
+    # commit() queues the round once, checks the types of the keys it writes with the watermark
+    # under WATCH, then replays the round inside MULTI: another writer of the same watermark
+    # comes in there, after WATCH and before EXEC
+    replay = ledger._Recorded.replay
+
+    def sneak(self, pipe) -> None:
+        other.set(keys.watermark_key(prefix, job, agent), '{"booked_until": 1}')
+        replay(self, pipe)
+
+    with monkeypatch.context() as m, pytest.raises(ledger.Conflict):
+        m.setattr(ledger._Recorded, "replay", sneak)
+        ledger.commit(r, prefix, job, agent, raw, {"booked_until": 3}, queue)
     assert ledger.read_amounts(r, prefix, job)["productive:ms"] == 1000  # nothing of the aborted round
     with pytest.raises(ledger.Conflict):  # and a stale expectation is refused before MULTI
         ledger.commit(r, prefix, job, agent, raw, {"booked_until": 4}, queue)

@@ -425,21 +425,42 @@ return out
 """
 
 
-def _written_types(client, queue) -> dict[str, str]:
-    """The keys `queue` writes and the type each must have, from its commands queued on a
-    pipeline that is never sent."""
-    scratch = client.pipeline(transaction=False)
-    queue(scratch)
-    out: dict[str, str] = {}
-    for c in scratch.command_stack:
-        args = c.args if hasattr(c, "args") else c[0]  # a cluster's pipeline keeps objects
-        name = str(args[0]).upper()
-        if name == "EVAL" and args[1] == ROLLUP_ADD:
-            out.update(zip(args[3 : 3 + int(args[2])], ("hash", "zset", "zset"), strict=True))
-        elif name in _KEY_TYPES:
-            out.setdefault(str(args[1]), _KEY_TYPES[name])
-    scratch.reset()
-    return out
+class _Recorded:
+    """A round's writes queued once: each call goes to a pipeline that is never sent (which says
+    the Redis command it makes, so the keys and their types are known before the transaction)
+    and is kept to be replayed on the transaction."""
+
+    def __init__(self, client) -> None:
+        self.scratch = client.pipeline(transaction=False)
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str):
+        method = getattr(self.scratch, name)
+        if not callable(method):
+            return method
+
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return method(*args, **kwargs)
+
+        return call
+
+    def written_types(self) -> dict[str, str]:
+        """The keys the round writes and the type each must have."""
+        out: dict[str, str] = {}
+        for c in self.scratch.command_stack:
+            args = c.args if hasattr(c, "args") else c[0]  # a cluster's pipeline keeps objects
+            name = str(args[0]).upper()
+            if name == "EVAL" and args[1] == ROLLUP_ADD:
+                out.update(zip(args[3 : 3 + int(args[2])], ("hash", "zset", "zset"), strict=True))
+            elif name in _KEY_TYPES:
+                out.setdefault(str(args[1]), _KEY_TYPES[name])
+        self.scratch.reset()
+        return out
+
+    def replay(self, pipe) -> None:
+        for name, args, kwargs in self.calls:
+            getattr(pipe, name)(*args, **kwargs)
 
 
 def agent_keys(prefix: str, job: str, agent: str, host: str) -> dict[str, str]:
@@ -511,7 +532,9 @@ def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: 
 
     k = keys.watermark_key(prefix, job, agent)
     raw = json.dumps(wm)
-    types = {key: t for key, t in _written_types(client, queue).items() if key != k}
+    round_ = _Recorded(client)
+    queue(round_)
+    types = {key: t for key, t in round_.written_types().items() if key != k}
     with client.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(k)
@@ -524,7 +547,7 @@ def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: 
             if got[0] != expected:
                 raise Conflict(job, got[0])
             pipe.multi()
-            queue(pipe)
+            round_.replay(pipe)
             pipe.set(k, raw)
             pipe.execute()
         except redis.WatchError:
