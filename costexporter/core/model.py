@@ -52,6 +52,11 @@ VALID_CODES: list[int] = sorted(int(c) for c in VALID_CATEGORIES)
 WASTED_CODES: list[int] = sorted(int(c) for c in WASTED_CATEGORIES)
 # Categories that belong to a job's bill (everything but `unassigned`).
 JOB_CATEGORIES = tuple(c for c in Category if c is not Category.UNASSIGNED)
+# Their names, in code order: the ledger's fields, the API's and the metrics' `category` label
+# (the alert rules' and the dashboard's regexes join them).
+VALID_NAMES: list[str] = [CATEGORIES[c] for c in VALID_CODES]
+WASTED_NAMES: list[str] = [CATEGORIES[c] for c in WASTED_CODES]
+JOB_CATEGORY_NAMES: list[str] = [CATEGORIES[c] for c in JOB_CATEGORIES]
 
 # Band code for slices that have no sample behind them (unobserved gaps).
 NO_BAND = -1

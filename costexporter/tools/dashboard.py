@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from costexporter.core.model import BANDS
+from costexporter.core.model import BANDS, WASTED_NAMES
 
 # The cluster's and job's selectors. `cluster` is the label the monitors' relabelings give every
 # series (one Prometheus, many clusters); where no series has it, the variable has only its All
@@ -27,6 +27,8 @@ CLUSTER = 'cluster=~"$cluster"'
 JOB = f'{CLUSTER},training_job=~"$training_job"'
 GPU = f'{JOB},Hostname=~"$Hostname",gpu=~"$gpu"'  # per-GPU series (DCGM's label names)
 ALL = ".*"  # the All value of the cluster/team/Hostname/gpu variables
+# The `category` label's regex of wasted time, joined from the one list as tools/rules.py joins it.
+WASTED = "|".join(WASTED_NAMES)
 # Watcher states (costexporter.watcher.STATES) as codes with their colours: hung must be red.
 STATE_COLORS = {
     "running": "green",
@@ -215,7 +217,7 @@ def dashboard() -> dict:
                 ),
                 _target(
                     "sum by (cluster, training_job, currency) "
-                    f'(rate(costexporter_cost_total{{{JOB},category=~"stalled|idle|no_progress|rolled_back"}}[5m]))'
+                    f'(rate(costexporter_cost_total{{{JOB},category=~"{WASTED}"}}[5m]))'
                     " * 3600",
                     "{{training_job}} wasted ({{currency}})",
                     ref="B",

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from costexporter.core.model import CATEGORIES, VALID_CODES, WASTED_CODES
+from costexporter.core.model import VALID_NAMES, WASTED_NAMES
 
 # Each alert's `runbook_url`: its section of the runbooks page (docs/runbooks.md), on the
 # project's site unless `costexporter rules --runbook-url` names a copy of your own.
@@ -38,8 +38,8 @@ def check_runbooks(base: str) -> str:
 
 
 # PromQL regexes of the category label (stalled|idle|no_progress|rolled_back, productive|...).
-WASTED = "|".join(CATEGORIES[c] for c in WASTED_CODES)
-VALID = "|".join(CATEGORIES[c] for c in VALID_CODES)
+WASTED = "|".join(WASTED_NAMES)
+VALID = "|".join(VALID_NAMES)
 
 
 @dataclass(frozen=True)
