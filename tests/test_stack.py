@@ -874,14 +874,14 @@ def test_the_demo_without_its_watcher_shows_what_a_separate_watcher_wrote(prefix
     """`demo --no-watch` (the compose stack): the state a separate `costexporter watch` keeps in
     Redis, and `not running` while there is none (its status expired), never a silent unknown."""
     from costexporter.services.watcher import STATES, WatchConfig, Watcher
-    from costexporter.store.keys import status_key
+    from costexporter.store import keys
     from costexporter.tools.demo import Demo, DemoConfig, plain_line
 
     r = redis_mod.Redis.from_url(SHARED_URL, decode_responses=True)
     d = Demo(
         DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario="mini", speed=100.0, watch=False)
     ).start()
-    key = status_key(prefix, d.job)
+    key = keys.status_key(prefix, d.job)
     try:
         assert r.get(key) is None
         s = d.state()
