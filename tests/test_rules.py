@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from costexporter.tools.rules import RuleWindows, render, runbook_url
 
@@ -616,3 +618,59 @@ def test_runbook_url_option_links_every_alert_to_your_own_page(cli):
     for bad in ("wiki/runbooks", "https://wiki.example.com/runbooks#top", "ftp://x/y"):
         r = cli("rules", "--runbook-url", bad)
         assert r.returncode == 2 and "--runbook-url" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _money_text(u: int) -> str:
+    """Micro-units as the decimal the exporter's counter shows."""
+    return f"{u // 1_000_000}.{u % 1_000_000:06d}"
+
+
+@needs_promtool
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    agents=st.lists(st.integers(0, 10**9), min_size=1, max_size=3),
+    voided=st.integers(0, 10**6),
+    valid=st.integers(1, 10**6),
+)
+def test_the_cost_per_valid_step_rule_is_the_one_function(tmp_path, agents, voided, valid):
+    """The recording rule gives what `cost.cost_per_valid_step` gives for the same figures (to
+    the half micro-unit the function rounds to): each agent's booked cost summed, the voided cost
+    taken off, over the job's valid steps (the same on every agent, not summed)."""
+    from costexporter.core.cost import cost_per_valid_step
+
+    voided = min(voided, sum(agents))
+    series = [
+        _series(
+            "costexporter_cost_total",
+            f'{J},category="productive",currency="USD",instance="a{i}"',
+            f"{_money_text(u)}x10",
+        )
+        for i, u in enumerate(agents)
+    ]
+    series += [
+        _series("costexporter_job_valid_steps", f'{J},instance="a{i}"', f"{valid}x10")
+        for i in range(len(agents))
+    ]
+    series.append(
+        _series(
+            "costexporter_voided_cost_total",
+            f'{J},category="productive",currency="USD",instance="a0"',
+            f"{_money_text(voided)}x10",
+        )
+    )
+    want = cost_per_valid_step(sum(agents) - voided, valid)
+    assert want is not None
+    rule = "training_job:costexporter_cost_per_valid_step:ratio"
+    test = {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [
+            {
+                # 1 where the rule's figure rounds to the function's micro-units (a tie: either side)
+                "expr": f"abs({rule} - {want / 1_000_000!r}) <= bool 0.000000501",
+                "eval_time": "5m",
+                "exp_samples": [{"labels": '{training_job="j",currency="USD"}', "value": 1}],
+            }
+        ],
+    }
+    _run(tmp_path, SHIPPED, [test])

@@ -8,7 +8,7 @@ from typing import overload
 import orjson
 from fastapi.responses import Response
 
-from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
+from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR, cost_per_valid_step
 from costexporter.core.timeutil import iso_utc
 from costexporter.store.ledger_read import JOB_CATS, Amounts
 
@@ -42,20 +42,14 @@ def per(cost: Decimal, n: int, scale: int = 1) -> str | None:
 
 
 def per_micro(u: int, n: int) -> str | None:
-    """`per(Decimal(u).scaleb(-6), n)` (micro-units over a count) by integer arithmetic: the
-    quotient rounded half-even to a micro-unit, as Decimal's divide then quantize round it. Exact
-    within the bounds below (Decimal's 28 digits then hold the quotient far closer than any tie
-    can lie: at least 1/(2n) of a micro-unit away); outside them Decimal itself answers."""
-    if n <= 0:
+    """Micro-units over a count of valid steps (`cost.cost_per_valid_step`: half-even, exact), as
+    the API writes money; a negative quotient that rounds to zero keeps its sign ("-0.000000"),
+    as Decimal writes it."""
+    q = cost_per_valid_step(u, n)
+    if q is None:
         return None
-    if not (-(10**15) < u < 10**15 and n < 10**9):
-        return per(Decimal(u).scaleb(-6), n)
-    a = -u if u < 0 else u
-    q, r = divmod(a, n)
-    if 2 * r > n or (2 * r == n and q & 1):
-        q += 1
-    if u < 0:  # Decimal keeps the sign of a quotient that rounds to zero: "-0.000000"
-        return "-" + micro(q)
+    if u < 0 and q == 0:
+        return "-" + micro(0)
     return micro(q)
 
 

@@ -13,6 +13,25 @@ from costexporter.core.model import WASTED_CATEGORIES, Category
 MS_PER_HOUR = 3_600_000.0
 MJ_PER_KWH = 3_600_000_000.0  # millijoules in a kilowatt-hour
 DEFAULT_PRICE_PER_GPU_HOUR = 3.5  # USD per B200/B300 GPU-hour (R7, docs/background.md)
+MICRO_PER_UNIT = 1_000_000  # the ledger holds money in integer micro-units of its currency
+
+
+def to_micro(amount: float) -> int:
+    """A float amount of money in integer micro-units (nearest; for sums computed in floats)."""
+    return round(float(amount) * MICRO_PER_UNIT)
+
+
+def cost_per_valid_step(cost_micro: int, valid_steps: int) -> int | None:
+    """A job's cost per valid step, in micro-units: its net cost (micro-units, as the ledger holds
+    it) over its valid steps, rounded half-even to a micro-unit by integer arithmetic, so exact at
+    any size. None without a valid step. The one rule: the API, the allocation rows, replay and
+    the demo all call it, and the Prometheus recording rule is held to it."""
+    if valid_steps <= 0:
+        return None
+    q, r = divmod(abs(cost_micro), valid_steps)
+    if 2 * r > valid_steps or (2 * r == valid_steps and q & 1):
+        q += 1
+    return -q if cost_micro < 0 else q
 
 
 def price_override_note(job: str, meta_price: object, used: float, flag_price: float) -> str | None:

@@ -31,7 +31,14 @@ from costexporter.core.booking import (
     job_bands,
     make_slices,
 )
-from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR, Prices
+from costexporter.core.cost import (
+    MICRO_PER_UNIT,
+    MJ_PER_KWH,
+    MS_PER_HOUR,
+    Prices,
+    cost_per_valid_step,
+    to_micro,
+)
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.figures import at_risk_ms, extend_incidents, job_figures
 from costexporter.core.model import (
@@ -584,6 +591,13 @@ def _money(x: float) -> float:
     return round(float(x), 6)
 
 
+def _per_step(cost: float, valid: int) -> float | None:
+    """Cost per valid step by the one rule (`cost.cost_per_valid_step`), of the cost in
+    micro-units as the report rounds it."""
+    q = cost_per_valid_step(to_micro(cost), valid)
+    return None if q is None else q / MICRO_PER_UNIT
+
+
 def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
@@ -638,8 +652,8 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "steps_voided": figs["steps_voided"],
         "valid_steps": valid,
         "tokens": int(tokens),
-        "cost_per_valid_step": _money(cost_total / valid) if valid else None,
-        "productive_cost_per_step": _money(cat_cost[Category.PRODUCTIVE] / valid) if valid else None,
+        "cost_per_valid_step": _per_step(cost_total, int(valid)),
+        "productive_cost_per_step": _per_step(cat_cost[Category.PRODUCTIVE], int(valid)),
         "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
         "price_per_gpu_hour": price,
         "profile": profile_report(r.profile, r.profile_source),

@@ -33,7 +33,7 @@ import redis
 
 from costexporter.core.baseline import utilization_rule
 from costexporter.core.booking import BookingConfig
-from costexporter.core.cost import MS_PER_HOUR, Prices
+from costexporter.core.cost import MICRO_PER_UNIT, MS_PER_HOUR, Prices, cost_per_valid_step
 from costexporter.core.model import (
     BANDS,
     CATEGORIES,
@@ -355,11 +355,12 @@ class Demo:
         latest = snap["latest"]
         utils = [latest[j["own"][r]].util_pct if j["own"][r] in latest else None for r in sorted(j["own"])]
         valid = int(f.get("valid_steps", 0))
+        per_step = cost_per_valid_step(int((j["booked"] - j["voided"])[:, 2].sum()), valid)
         out.update(
             step=f.get("last_step"),
             valid_steps=valid,
             cost=cost,
-            cost_per_valid_step=cost / valid if valid else None,
+            cost_per_valid_step=None if per_step is None else per_step / MICRO_PER_UNIT,
             wasted_gpu_hours=wasted,
             bands=bands,
             utils=utils,
@@ -402,6 +403,8 @@ class Demo:
         # Money to 1/100 of a cent: the ledger rounds each round's cost to micro-units, so the
         # last digits depend on how the story was cut into rounds, not on what was booked.
         total_cost = round(sum(cost.values()), 4)
+        net_u = int(((j.booked - j.voided)[:, 2]).sum()) if j is not None else 0
+        per_step = cost_per_valid_step(net_u, valid_steps)
         job_h = valid_h + hours["overhead"] + wasted_h + hours["unobserved"]
         unassigned_h = self.unassigned_hours()
         return {
@@ -430,7 +433,7 @@ class Demo:
                 "wasted_cost": round(sum(cost[CATEGORIES[c]] for c in WASTED_CATEGORIES), 4),
                 "total_cost": total_cost,
                 "valid_steps": valid_steps,
-                "cost_per_valid_step": total_cost / valid_steps if valid_steps else None,
+                "cost_per_valid_step": None if per_step is None else per_step / MICRO_PER_UNIT,
             },
         }
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import Response
 
 from costexporter.api.deps import Config, Store, Who, Win, visible_job
-from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
+from costexporter.api.format import by_category, iso, json_bytes, micro, money, per, per_micro
 from costexporter.api.schemas import (
     ByCategory,
     Incident,
@@ -100,7 +100,7 @@ def list_jobs(
                     cost=money(cost),
                     wasted_gpu_hours=a.hours(WASTED),
                     valid_steps=valid,
-                    cost_per_valid_step=per(cost, valid),
+                    cost_per_valid_step=per_micro(sum(a.ucost[c] for c in JOB_CATS), valid),
                 )
             )
             last = j
@@ -234,8 +234,8 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         steps_voided=st.voided,
         valid_steps=st.valid,
         tokens=st.tokens,
-        cost_per_valid_step=per(cost, st.valid),
-        productive_cost_per_step=per(a.cost("productive"), st.valid),
+        cost_per_valid_step=per_micro(sum(a.ucost[c] for c in JOB_CATS), st.valid),
+        productive_cost_per_step=per_micro(a.ucost["productive"], st.valid),
         cost_per_million_tokens=per(cost, st.tokens, 10**6),
         gpu_hours_at_risk=at_risk,
         budget=money(budget_d) if budget_d is not None else None,
