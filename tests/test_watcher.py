@@ -44,7 +44,11 @@ from .redis_server import RedisServer, free_port
 
 HERE = Path(__file__).resolve().parent
 T0 = 1_760_000_000.0
-CFG = WatchConfig(booking=BookingConfig(stall_floor_s=60.0), heartbeat_timeout_s=60.0)
+# The live samples below are a B300's (compute ~1000 W, the deadlock signature at ~192 W): the
+# watcher is told so, as `watch --gpu-model` does (without a model it judges no power band).
+CFG = WatchConfig(
+    booking=BookingConfig(stall_floor_s=60.0), heartbeat_timeout_s=60.0, gpu_model="NVIDIA B300"
+)
 
 
 def ev(type_: str, ts: float, rank: int = 0, **fields) -> Event:

@@ -89,7 +89,7 @@ class JobResult:
     member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
     sample_range_ms: tuple[int, int] | None = None  # the job's first and last sample
     event_range_ms: tuple[int, int] | None = None  # the job's first and last event
-    profile_source: str = "profile-file"  # where the profile came from (profiles.SOURCES)
+    profile_source: str = "file"  # where the profile came from (profiles.SOURCES)
     rows: np.ndarray | None = None  # the trace's samples that are the job's, in order (None: all)
     member_gpus: np.ndarray | None = None  # the trace's GPU number of each job GPU
     booked_by: str = "steps"  # "steps": by progress events; "band": by band alone
@@ -449,7 +449,7 @@ def job_profile(
     highest of the job's GPUs' idle levels (`profiles.with_idle`). A trace that names no model or
     limit has its profile derived from its own levels."""
     if cfg.profile is not None:
-        return cfg.profile, "profile-file"
+        return cfg.profile, "file"
     levels = idle.trace_levels(gpu, power_w, util_pct, [g.power_limit_w for g in gpus])
     known = [x for x in levels if x is not None]
     learned = max(known) if known else None
@@ -462,7 +462,7 @@ def job_profile(
         directory=cfg.profile_dir,
         levels=lambda: profiles.trace_levels(power_w, util_pct, learned),
     )
-    return profiles.with_idle(profile, learned), source
+    return profiles.learned(profile, source, learned)
 
 
 def _unassigned(
@@ -697,7 +697,7 @@ def profile_report(p: Profile, source: str) -> Report:
         "low_max_w": p.low_max_w,
         "compute_min_w": p.compute_min_w,
     }
-    for k in ("learned_idle_w", "compute_level_w", "estimated_power_limit_w"):
+    for k in ("derived_from", "learned_idle_w", "compute_level_w", "estimated_power_limit_w"):
         if k in prov:
             out[k] = prov[k]
     return out

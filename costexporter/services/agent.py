@@ -328,6 +328,8 @@ class Agent:
         self._idle_seeded = False
         self._idle_saved: dict[str, tuple[float, float]] = {}  # GPU key -> (level, monotonic time) stored
         self._gpu_band: dict[int, int] = {}  # GPU index -> band of its newest reading alone
+        self._gpu_prof: dict[int, tuple[str, str]] = {}  # GPU index -> (profile, source) in use
+        self._profile_said: dict[str, object] = {}  # GPU key -> the profile last logged for it
         self.live_seq = 0  # rounds that published live state: the exporter's cache key
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -536,6 +538,11 @@ class Agent:
             if not untrusted.is_wrong_type(e):
                 raise
             self._wrong_type(job.name, e)
+        except profiles.ProfileError as e:  # no model or limit: held, never another GPU's profile
+            self.stats["job_errors"] += 1
+            if ("profile", job.name, str(e)) not in self._logged:
+                self._logged.add(("profile", job.name, str(e)))
+                log.error("job %r: %s; its samples are held, not booked", job.name, e)
         except Exception as e:
             self.stats["job_errors"] += 1
             job.loaded = False
@@ -575,14 +582,19 @@ class Agent:
 
     def _gpu_profile(self, g: int) -> Profile:
         """The band profile of one GPU of this node, with its learned idle level."""
+        return self._gpu_profile_source(g)[0]
+
+    def _gpu_profile_source(self, g: int) -> tuple[Profile, str]:
+        """One GPU's profile and where it came from (`profiles.SOURCES`), by the one rule: the
+        operator's --profile/--gpu-model/--power-limit, else the GPU's own name and limit."""
         if self.cfg.profile is not None:
-            return self.cfg.profile
+            return self.cfg.profile, "file"
         gpus = self.source.gpus()
         cfg = self.cfg
-        prof = profiles.choose(
+        prof, source = profiles.resolve(
             None, cfg.gpu_model, cfg.power_limit_w, gpus=gpus[g : g + 1], directory=cfg.profile_dir
         )
-        return profiles.with_idle(self._sliced(prof, [g]), self._idle_level([g]))
+        return profiles.learned(self._sliced(prof, [g]), source, self._idle_level([g]))
 
     def _lanes(self, gpus: list[int]) -> np.ndarray | None:
         """Each GPU's lanes (lo, hi, den) where one of them is a slice of a shared GPU; None when
@@ -618,14 +630,37 @@ class Agent:
         """Each GPU's band from its newest reading alone: the band shown for a job's GPU whose
         job has no classified sample yet, so /metrics always has one."""
         out = {}
+        used = self._gpu_profiles()
         for g, r in self.sampler.latest().items():
-            try:
-                prof = self._gpu_profile(g)
-            except profiles.ProfileError:
+            if g not in used:
                 continue
+            prof = used[g][0]
             out[g] = int(bands_mod.reading_bands(np.asarray([r.power_w]), np.asarray([r.util_pct]), prof)[0])
         with self.lock:
             self._gpu_band = out
+            self._gpu_prof = {g: (p.name, src) for g, (p, src) in used.items()}
+
+    def _gpu_profiles(self) -> dict[int, tuple[Profile, str]]:
+        """Each GPU's profile and source; a GPU without one (no model or limit known) is left
+        out. Each GPU's profile, or why it has none, is logged once, and again when it changes."""
+        used: dict[int, tuple[Profile, str]] = {}
+        gpus = self.source.gpus()
+        for g in range(len(gpus)):
+            key = self._gpu_key(g)
+            try:
+                prof, source = used[g] = self._gpu_profile_source(g)
+            except profiles.ProfileError as e:
+                if self._profile_said.get(key) != str(e):
+                    self._profile_said[key] = str(e)
+                    log.error("GPU %s: %s; its readings get no band until one is given", key, e)
+                continue
+            line = profiles.describe(prof, source)
+            if self._profile_said.get(key) != line:
+                self._profile_said[key] = line
+                origin = (prof.provenance or {}).get("derived_from", source)
+                level = logging.INFO if origin in ("file", "calibrated", "builtin") else logging.WARNING
+                log.log(level, "GPU %s (%s): band profile %s", key, gpus[g].name or "no model name", line)
+        return used
 
     def _sync_idle(self) -> None:
         """Learned idle levels in Redis by GPU UUID (`keys.gpu_idle_key`): read once at start
@@ -1363,6 +1398,8 @@ class Agent:
         behind = job.state.behind
         booked_from = np.asarray([behind.get(int(r), job.booked_until) for r in own_ranks], np.int64)
         meta = job.meta
+        mine = sorted(job.own.values())
+        ids = self.source.gpus()
         profile = cfg.profile or profiles.with_idle(
             self._sliced(
                 profiles.choose(
@@ -1370,12 +1407,12 @@ class Agent:
                     cfg.gpu_model,
                     cfg.power_limit_w,
                     meta=meta,
-                    gpus=self.source.gpus(),
+                    gpus=[ids[g] for g in mine if g < len(ids)],  # the job's own GPUs, not the node's first
                     directory=cfg.profile_dir,
                 ),
-                sorted(job.own.values()),
+                mine,
             ),
-            self._idle_level(sorted(job.own.values())),
+            self._idle_level(mine),
         )
         n_ranks = int(max(max(job.ranks), int(R.max()))) + 1
         hold, ignore, wait = self._remote_liveness(job)
@@ -1762,6 +1799,7 @@ class Agent:
                 "gpus": self.source.gpus(),
                 "latest": self.sampler.latest(),
                 "gpu_bands": dict(self._gpu_band),
+                "gpu_profiles": dict(self._gpu_prof),
                 "live_seq": self.live_seq,
                 "errors": dict(self.source.errors),
                 "stats": dict(self.stats),

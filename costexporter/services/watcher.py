@@ -102,6 +102,8 @@ class WatchConfig:
     cluster: str | None = None
     profile: Profile | None = None
     profile_dir: Path | None = None  # fitted profiles, matched by the job's GPU model
+    gpu_model: str | None = None  # the operator's model (wins over the job's meta)
+    power_limit_w: float | None = None  # the operator's board power limit
     watcher_id: str = "watcher"
     # How often the watcher registers how far it has read each job's stream (`<p>:r:{job}:readers`,
     # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
@@ -166,6 +168,7 @@ class JobView:
     fresh: list[Event] = field(default_factory=list)
     rebuilds: int = 0
     unfoldable: bool = False  # a fold that cannot give its view: built from every event each poll
+    profile_said: bool = False  # the job's profile (or why it has none) was logged
 
     def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
@@ -453,7 +456,7 @@ def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, d
         return None
     if tl.regime_at(now_ms) == Regime.OVERHEAD:
         return None
-    zero_pct = _profile(view, cfg).zero_util_pct
+    zero_pct = _util_edges(view, cfg)[0]
     zero = [r for r in sorted(dead) if dead[r].util_pct <= zero_pct]
     r = zero[0] if zero else min(dead)
     e = dead[r]
@@ -520,19 +523,39 @@ def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
         for rank, ts, _power, util in snap:
             if rank not in newest or ts >= newest[rank][0]:
                 newest[rank] = (ts, util)
-    profile = _profile(view, cfg)
-    zero = [r for r, (_, u) in newest.items() if u <= profile.zero_util_pct]
-    busy = [r for r, (_, u) in newest.items() if u >= profile.busy_util_pct]
+    zero_pct, busy_pct = _util_edges(view, cfg)
+    zero = [r for r, (_, u) in newest.items() if u <= zero_pct]
+    busy = [r for r, (_, u) in newest.items() if u >= busy_pct]
     if len(zero) == 1 and len(busy) * 2 >= len(newest):
         return {**view.where(zero[0]), "why": "0% utilization while the other ranks spin"}
     return _unnamed("the agents' live state names no single rank at 0%")
 
 
-def _profile(view: JobView, cfg: WatchConfig) -> Profile:
+def _resolve(view: JobView, cfg: WatchConfig) -> tuple[Profile, str]:
+    """The job's profile and its source by the one rule (`profiles.resolve`): the watcher's
+    --profile, else --gpu-model/--power-limit, else the job's meta `gpu_model`."""
+    return profiles.resolve(
+        cfg.profile, cfg.gpu_model, cfg.power_limit_w, meta=view.meta, directory=cfg.profile_dir
+    )
+
+
+def _profile(view: JobView, cfg: WatchConfig) -> Profile | None:
+    """The job's profile, or None when nothing names its model or limit: then the watcher leaves
+    the power bands to the agents (the band each gives a rank in the live state) and judges
+    utilization by the edges every derived profile has (`_util_edges`), never by another GPU's
+    profile (`Watcher` says so once per job)."""
     try:
-        return profiles.choose(cfg.profile, meta=view.meta, directory=cfg.profile_dir)
+        return _resolve(view, cfg)[0]
     except profiles.ProfileError:
-        return profiles.B300
+        return None
+
+
+def _util_edges(view: JobView, cfg: WatchConfig) -> tuple[float, float]:
+    """(~0%, ~100%) utilization edges of the job's profile; without one, the derived profiles'."""
+    p = _profile(view, cfg)
+    if p is None:
+        return profiles.ZERO_UTIL_PCT, profiles.BUSY_UTIL_PCT
+    return p.zero_util_pct, p.busy_util_pct
 
 
 def _divergent(view: JobView, running: list[int]) -> dict | None:
@@ -573,6 +596,8 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
         return None
     n_ranks = int(max(rank.max(), max(view.registrations, default=0))) + 1
     profile = _profile(view, cfg)
+    if profile is None:  # no model or limit: the agents' bands decide (`_agent_deadlock`)
+        return None
     res = bands_mod.classify(
         rank,
         ts,
@@ -866,6 +891,7 @@ class Watcher:
             for job, view in views.items():
                 prev = self.status.get(job)
                 ended = job in quiet and self._ended.get(job) is view
+                self._say_profile(job, view)
                 try:
                     if ended and prev is not None and prev.state == "done" and now >= prev.updated:
                         decided[job] = _still_done(prev, now)  # what decide() answers, without its work
@@ -993,6 +1019,26 @@ class Watcher:
                     continue
                 view.registrations.setdefault(*entry)
                 view.registrations_read.setdefault(entry[0], now)
+
+    def _say_profile(self, job: str, view: JobView) -> None:
+        """Log once per job which profile judges its live power, or why none does."""
+        if view.profile_said:
+            return
+        view.profile_said = True
+        try:
+            prof, source = _resolve(view, self.cfg)
+        except profiles.ProfileError as e:
+            self.stats["jobs_without_profile"] += 1
+            log.warning(
+                "job %r: %s; the watcher judges its live power by the agents' bands only and its "
+                "utilization at the derived profiles' edges (<= %.0f%%, >= %.0f%%)",
+                untrusted.short(job),
+                e,
+                profiles.ZERO_UTIL_PCT,
+                profiles.BUSY_UTIL_PCT,
+            )
+            return
+        log.info("job %r: band profile %s (%s)", untrusted.short(job), prof.name, source)
 
     def _read_live(self, view: JobView) -> None:
         for e in self._read_live_many([view]).values():

@@ -107,6 +107,8 @@ def replay(
     clock = [("start", time.perf_counter())]
     try:
         profile, profile_dir = load_profile(profile_path)
+        if profile is None:
+            profiles.check_model(gpu_model, power_limit, profile_dir)
         specs = [sample_spec(s) for s in samples]
         with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
             chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))

@@ -197,6 +197,9 @@ def serve(
     check_port(listen, port, "--port")
     check_port(listen, api_port, "--api-port")
     try:
+        profile, profile_dir = load_profile(profile_path)
+        if profile is None:  # before the GPUs are opened: a flag that cannot be used stops it first
+            profiles.check_model(gpu_model, power_limit, profile_dir)
         src = make_source(
             source,
             host=host,
@@ -210,7 +213,6 @@ def serve(
             prefix=prefix,
             time_slicing_replicas=time_slicing_replicas,
         )
-        profile, profile_dir = load_profile(profile_path)
     except GpuInitError as e:
         hint = (
             " (no GPU here? `--source sim --scenario mini` plays a simulated job)" if source == "nvml" else ""
