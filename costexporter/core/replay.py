@@ -606,9 +606,15 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     # One key (gpu, category, band + 1) and two bincounts give every total as a sum over axes;
     # band column 0 holds unobserved pieces (no sample, no band).
     shape = (n_gpu, n_cat, n_band + 1)
-    key = (p.gpu.astype(np.int64) * n_cat + p.category) * (n_band + 1) + (p.band + 1)
+    key = p.gpu.astype(np.intp)  # built in place: one array, not one per operation
+    key *= n_cat
+    key += p.category
+    key *= n_band + 1
+    key += p.band
+    key += 1
     ms = np.bincount(key, weights=dur, minlength=n_gpu * n_cat * (n_band + 1)).reshape(shape)
     mj = np.bincount(key, weights=p.energy_mj, minlength=ms.size).reshape(shape)
+    del key
     per_gpu_cat_ms = ms.sum(2)
     per_gpu_band_ms = ms.sum(1)[:, 1:]
     cat_ms = per_gpu_cat_ms.sum(0)
@@ -618,8 +624,9 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     cat_cost = cfg.prices.cost(cat_ms, cat_mj, price_per_gpu_hour=price)
     cat_cost[Category.UNASSIGNED] = 0.0
 
-    per_gpu_cat = per_gpu_cat_ms / MS_PER_HOUR
-    per_gpu_band = per_gpu_band_ms / MS_PER_HOUR
+    per_gpu_cat = (per_gpu_cat_ms / MS_PER_HOUR).tolist()
+    per_gpu_band = (per_gpu_band_ms / MS_PER_HOUR).tolist()
+    rank_of = r.ranks.tolist()
 
     tl = r.timeline
     # The job-level figures and the GPU time at risk as the live agent computes them (figures).
@@ -670,14 +677,14 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
                 "host": g.host,
                 "gpu": g.index,
                 "uuid": g.uuid,
-                "rank": int(r.ranks[i]),
-                "band_gpu_hours": {b: float(per_gpu_band[i, j]) for j, b in enumerate(BANDS)},
-                "gpu_hours": {c: float(per_gpu_cat[i, j]) for j, c in enumerate(CATEGORIES)},
+                "rank": rank_of[i],
+                "band_gpu_hours": dict(zip(BANDS, per_gpu_band[i], strict=True)),
+                "gpu_hours": dict(zip(CATEGORIES, per_gpu_cat[i], strict=True)),
             }
             for i, g in enumerate(r.gpus)
         ],
         "incidents": incidents(r, cfg, price),
-        "energy_coverage": energy_coverage(p),
+        "energy_coverage": energy_coverage(p, dur),
         "time_range": {
             "samples": _range_s(r.sample_range_ms),
             "events": _range_s(r.event_range_ms),
@@ -707,15 +714,19 @@ def _range_s(r: tuple[int, int] | None) -> list[float] | None:
     return None if r is None else [r[0] / 1000, r[1] / 1000]
 
 
-def energy_coverage(p: Pieces) -> float | None:
+def energy_coverage(p: Pieces, dur: np.ndarray | None = None) -> float | None:
     """Share of the job's GPU time whose energy is known: sampled time, and unobserved gaps an
-    energy counter bridged (they carry the counter's delta)."""
-    dur = p.dur_ms
+    energy counter bridged (they carry the counter's delta). `dur`: the pieces' durations,
+    when the caller has them."""
+    if dur is None:
+        dur = p.dur_ms
     total = float(dur.sum())
     if total <= 0:
         return None
-    known = (p.category != Category.UNOBSERVED) | (p.energy_mj > 0)
-    return round(float(dur[known].sum()) / total, 6)
+    # Only the (few) unobserved pieces can be unknown: sum those, not a mask of every piece.
+    uo = np.flatnonzero(p.category == Category.UNOBSERVED)
+    unknown = float(dur[uo[~(p.energy_mj[uo] > 0)]].sum()) if uo.size else 0.0
+    return round((total - unknown) / total, 6)
 
 
 # Samples and events that overlap less than this share of the shorter range look misaligned.
@@ -748,6 +759,10 @@ def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OV
     return min(a[1], b[1]) - max(a[0], b[0]) >= share * shorter
 
 
+# Category code -> whether it is a wasted category: one gather instead of a set test per piece.
+_IS_WASTED = np.isin(np.arange(len(Category)), WASTED_CODES)
+
+
 def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
     """Merged job-level stretches of one wasted category.
 
@@ -758,7 +773,7 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
     out: list[Report] = []
-    wasted = np.flatnonzero(np.isin(p.category, WASTED_CODES))
+    wasted = np.flatnonzero(_IS_WASTED[p.category])
     by_cat = wasted[np.argsort(p.category[wasted], kind="stable")]
     cats = p.category[by_cat]
     for c in sorted(WASTED_CATEGORIES):
@@ -783,7 +798,7 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
             part = sel[bounds[i] : bounds[i + 1]]
             stretch = p.take(part)
             [inc] = extend_incidents({}, stretch, r.ranks, "", tol, r.band_result.signatures).values()
-            gl = np.unique(stretch.gpu).tolist()
+            gl = np.flatnonzero(np.bincount(stretch.gpu, minlength=len(r.gpus))).tolist()
             out.append(
                 {
                     "start": inc["start"] / 1000,

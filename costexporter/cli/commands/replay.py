@@ -98,11 +98,13 @@ def replay(
 ) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
     from costexporter.cli import report
+    from costexporter.cli.allocator import keep_freed_memory
     from costexporter.core import profiles
     from costexporter.core import tracefiles as files
     from costexporter.core.diagnostics import Diagnostics, InputError
     from costexporter.core.replay import ReplayConfig, book_trace, report_of
 
+    keep_freed_memory()
     diag = Diagnostics(stream=None if quiet else sys.stderr)
     clock = [("start", time.perf_counter())]
     try:
