@@ -358,8 +358,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
         (int(float(r["ts"]) * 1000) for r in view.registrations.values() if "ts" in r),
         first_event_ms=view.first_ms,
     )
-    now_ms = int(now * 1000)
-    tl = view.timeline(cfg.booking, start_ms, now_ms, lag_ms=30_000)
+    tl = view.timeline(cfg.booking, start_ms, int(now * 1000), lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None
     progress: dict[str, Any] = dict(  # Status's progress fields
         last_step=last.step if last else None,
@@ -369,61 +368,95 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     )
     if tl.end_ms is not None:
         return status("done", "the run ended", **progress)
-
-    # Crashed: a rank that has not ended went silent.
     members = sorted(set(view.registrations) | set(view.ranks))
     running = [r for r in members if not view.ranks.get(r, _NO_EVENTS).ended]
-    silent = [r for r in running if now - view.last_heard(r) > cfg.heartbeat_timeout_s]
-    if running and silent:
-        who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
-        quiet = now - max(view.last_heard(r) for r in silent)
-        return status(
-            "crashed",
-            f"no heartbeat from {who} for {human(quiet)} and no run end",
-            _first_silent(view, running, silent, cfg.heartbeat_interval_s),
-            **progress,
+    verdict = _crashed(view, running, now, cfg)
+    if verdict is None:
+        live = _live_bands(view, cfg)
+        verdict = (
+            _hung(view, tl, now, cfg, live, running, start_ms)
+            or _still_hung(previous, last)
+            or _starving(view, live)
         )
+    if verdict is None:
+        return status("running", "steps advancing", **progress)
+    state, reason, suspect = verdict
+    return status(state, reason, suspect, **progress)
 
-    live = _live_bands(view, cfg)
-    stalled = tl.regime_at(now_ms) == Regime.STALL
-    overrun = _phase_overrun(view, tl, now)
+
+# A decision other than `running`: (state, reason, suspect).
+Verdict = tuple[str, str, dict | None]
+
+
+def _crashed(view: JobView, running: list[int], now: float, cfg: WatchConfig) -> Verdict | None:
+    """Crashed: a rank that has not ended went silent."""
+    silent = [r for r in running if now - view.last_heard(r) > cfg.heartbeat_timeout_s]
+    if not (running and silent):
+        return None
+    who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
+    quiet = now - max(view.last_heard(r) for r in silent)
+    return (
+        "crashed",
+        f"no heartbeat from {who} for {human(quiet)} and no run end",
+        _first_silent(view, running, silent, cfg.heartbeat_interval_s),
+    )
+
+
+def _hung(
+    view: JobView,
+    tl: Timeline,
+    now: float,
+    cfg: WatchConfig,
+    live: dict | None,
+    running: list[int],
+    start_ms: int,
+) -> Verdict | None:
+    """Hung: the deadlock signature in the agents' live bands, a hang an agent banded, no step
+    past the stall threshold, or a phase past its allowance."""
     if live is not None and live["deadlock"] is not None:
         r = live["deadlock"]
-        return status(
+        return (
             "hung",
             f"deadlock signature on two consecutive samples: rank {r} at 0%, the rest busy at low power",
             {**view.where(r), "why": "0% utilization in the deadlock signature"},
-            **progress,
         )
     hang = _agent_hang(view, tl, now, cfg)  # names the GPU, also past the stall threshold
     if hang is not None:
-        return status("hung", hang[0], hang[1], **progress)
-    if stalled or overrun:
-        if overrun:
-            name, rank, open_s, allow_s = overrun
-            reason = f"{name} on rank {rank} open for {human(open_s)}, past its {human(allow_s)} allowance"
-        else:
-            since = last.ts_ms / 1000 if last else start_ms / 1000
-            threshold = human(tl.stall_threshold_ms / 1000)
-            reason = f"no step for {human(now - since)} (stall threshold {threshold})"
-        suspect = _divergent(view, running) or _zero_util_rank(view, cfg)
-        return status("hung", reason, suspect, **progress)
-    if previous is not None and previous.state == "hung" and not _stepped_since(previous, last):
-        # The signature cleared (an operator killed a rank, an elastic restart is under way)
-        # but no step came: a hang ends with progress, not with the GPUs going quiet.
-        reason = previous.reason
-        if not reason.startswith(STILL_HUNG):
-            reason = f"{STILL_HUNG} it hung ({reason})"
-        return status("hung", reason, previous.suspect, **progress)
-    if live is not None and live["straggler"] is not None:
-        r = live["straggler"]
-        return status(
-            "starving",
-            f"data starvation: rank {r} lowest in utilization",
-            {**view.where(r), "why": "straggler"},
-            **progress,
-        )
-    return status("running", "steps advancing", **progress)
+        return ("hung", hang[0], hang[1])
+    overrun = _phase_overrun(view, tl, now)
+    if overrun:
+        name, rank, open_s, allow_s = overrun
+        reason = f"{name} on rank {rank} open for {human(open_s)}, past its {human(allow_s)} allowance"
+    elif tl.regime_at(int(now * 1000)) == Regime.STALL:
+        since = tl.steps[-1].ts_ms / 1000 if tl.steps else start_ms / 1000
+        threshold = human(tl.stall_threshold_ms / 1000)
+        reason = f"no step for {human(now - since)} (stall threshold {threshold})"
+    else:
+        return None
+    return ("hung", reason, _divergent(view, running) or _zero_util_rank(view, cfg))
+
+
+def _still_hung(previous: Status | None, last: StepRecord | None) -> Verdict | None:
+    """A hang's signature cleared (an operator killed a rank, an elastic restart is under way)
+    but no step came: a hang ends with progress, not with the GPUs going quiet."""
+    if previous is None or previous.state != "hung" or _stepped_since(previous, last):
+        return None
+    reason = previous.reason
+    if not reason.startswith(STILL_HUNG):
+        reason = f"{STILL_HUNG} it hung ({reason})"
+    return ("hung", reason, previous.suspect)
+
+
+def _starving(view: JobView, live: dict | None) -> Verdict | None:
+    """Starving: the agents' live bands name a straggler."""
+    if live is None or live["straggler"] is None:
+        return None
+    r = live["straggler"]
+    return (
+        "starving",
+        f"data starvation: rank {r} lowest in utilization",
+        {**view.where(r), "why": "straggler"},
+    )
 
 
 STILL_HUNG = "no step since"
