@@ -302,3 +302,34 @@ def test_replay_report_schema_names_every_source():
 
     props = find(schema)
     assert props is not None and props["source"]["enum"] == list(profiles.SOURCES)
+
+
+def test_a_played_back_trace_without_model_or_limit_says_its_profile_is_from_the_trace(
+    shared, prefix, caplog
+):
+    """`serve --source playback` of a trace naming no model or limit: the agent bands it with the
+    profile offline replay derives from the trace's own levels, and says so (never
+    `derived_from_limit`: nobody gave a limit)."""
+    from costexporter.core.replay import ReplayConfig, book_trace
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.sources.playback import ReplaySource
+
+    from .realtrace import Scenario
+    from .test_trace_profiles import A100_LEVELS, _nameless
+
+    tr = _nameless(Scenario(seed=2, levels=A100_LEVELS, checkpoints=1, compute_s=30.0).build())
+    [job], _ = book_trace(tr.samples, tr.events, ReplayConfig())
+    src = ReplaySource(tr.samples, speed=1e6)
+    agent = Agent(src, AgentConfig(redis_url=SHARED_URL, prefix=prefix, agent_id="pb", learn_idle=False))
+    try:
+        with caplog.at_level(logging.INFO, logger="costexporter.agent"):
+            agent.tick()
+            prof, source = agent._gpu_profile_source(0)
+    finally:
+        agent.shutdown()
+    assert (prof.provenance or {}).get("derived_from", source) == "derived_from_trace"
+    assert job.profile.provenance["derived_from"] == "derived_from_trace"
+    assert prof.compute_min_w == pytest.approx(job.profile.compute_min_w)
+    assert _scrape(agent)["0"]["source"] in ("derived_from_trace", "learned_idle")
+    said = [r.getMessage() for r in caplog.records if "band profile" in r.getMessage()]
+    assert said and all("derived from the trace's own levels" in m for m in said), said

@@ -309,7 +309,8 @@ def resolve(
     gpus = list(gpus)
     named = next((g.name for g in gpus if g.name), None) or (meta or {}).get("gpu_model")
     model = gpu_model or (str(named) if named else None)
-    limit = power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
+    reported = next((g for g in gpus if g.power_limit_w), None)
+    limit = power_limit_w or (reported.power_limit_w if reported is not None else None)
     fitted = find(model, directory)
     if fitted is not None:
         return fitted, "calibrated"
@@ -318,7 +319,9 @@ def resolve(
     if key == "B300" and limit in (None, B300.power_limit_w):
         return B300, "builtin"
     if limit:
-        return derive(limit, name=key or (model or "derived")), "derived_from_limit"
+        estimated = not power_limit_w and reported is not None and reported.limit_from_trace
+        source = "derived_from_trace" if estimated else "derived_from_limit"
+        return derive(limit, name=key or (model or "derived")), source
     if key:
         return derive(KNOWN_POWER_LIMITS_W[key], name=key), "derived_from_model"
     if levels is not None:

@@ -415,7 +415,7 @@ def recorded_gpus(samples: Samples) -> list[GpuId]:
             )
         except profiles.ProfileError:
             return gpus
-        gpus = [replace(g, power_limit_w=est.power_limit_w) for g in gpus]
+        gpus = [replace(g, power_limit_w=est.power_limit_w, limit_from_trace=True) for g in gpus]
     return gpus
 
 
