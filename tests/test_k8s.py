@@ -6,7 +6,6 @@ End to end: a real HTTP server serving dcgm-exporter's text with pod labels, a r
 
 from __future__ import annotations
 
-import http.server
 import json
 import shutil
 import subprocess
@@ -37,6 +36,7 @@ from costexporter.sources.dcgm import PodRef
 from costexporter.store import keys, ledger, protocol
 
 from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition
+from .http_stub import Exposition
 from .redis_server import free_port
 from .test_agent import scrape
 
@@ -201,23 +201,8 @@ class FakeDcgmExporter:
         self.energy = [0.0] * len(gpus)
         self.last = time.time()
         self.lock = threading.Lock()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = outer.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = Exposition(self.render)
+        self.url = self.http.url
 
     def render(self) -> str:
         with self.lock:
@@ -257,8 +242,7 @@ class FakeDcgmExporter:
                 self.gpus[g].pop("labels", None)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 def _serve(url: str, prefix: str, port: int) -> subprocess.Popen:
@@ -347,9 +331,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         assert len(ends) == 1 and ends[0]["rank"] == "0"
         assert any(f["type"] == "heartbeat" for _, f in events)  # the watcher sees it alive meanwhile
         beats = {
-            f["rank"]
-            for _, f in shared.xrange(keys.stream_key(prefix, llama))
-            if f["type"] == "heartbeat"
+            f["rank"] for _, f in shared.xrange(keys.stream_key(prefix, llama)) if f["type"] == "heartbeat"
         }
         assert beats == {"0", "1"}  # every rank, or the watcher would call the silent one crashed
         # A retried Job: the same job's pod takes the GPU again, so its run starts again.
@@ -364,9 +346,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         # Conservation: every millisecond from registration to the watermark, on each GPU, once.
         for job in (llama,):
             wm = ledger.load_watermark(shared, prefix, job, HOST)["booked_until"]
-            regs = [
-                int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(keys.ranks_key(prefix, job))
-            ]
+            regs = [int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(keys.ranks_key(prefix, job))]
             total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
             assert total == sum(wm - r for r in regs), job
         assert set(ledger.net_ms(ledger.read_amounts(shared, prefix, llama))) <= set(CATEGORIES)
