@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,7 +181,7 @@ class Agent:
         self.warn_if_not_persistent()
         return self
 
-    def run(self, until=None) -> None:
+    def run(self, until: Callable[[], bool] | None = None) -> None:
         """Round after round until stop() (or `until()` says so)."""
         while not self._stop.is_set():
             self.tick()
@@ -710,7 +711,7 @@ class Agent:
         with self.lock:
             job.live = {"since_cost": booked + pending, "at_risk_ms": at_risk}
 
-    def _progress(self, job: AgentJob, tl, now_ms: int) -> dict:
+    def _progress(self, job: AgentJob, tl: Timeline, now_ms: int) -> dict[str, Any]:
         """What the alert rules need at the agent's data time: the last progress point (a
         timestamp that never moves back, unlike a step number after a resume), whether the job
         is inside a declared phase or its startup within the allowance, and its budget."""
@@ -773,7 +774,7 @@ class Agent:
         n = job.fold.state_bytes() if job.fold is not None else 0
         return n + 700 * len(job.fresh) + 400 * len(job.state.rb_index) + 16 * len(job.state.rb_applied)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         with self.lock:
             pending = self.samples.pending()
@@ -838,7 +839,7 @@ class _Layout:
         self.forwarding = True
         self.next_at = 0.0
 
-    def check(self, client, prefix: str) -> None:
+    def check(self, client: Any, prefix: str) -> None:
         """Raises LayoutPending while the agent must not book; a Redis error as any round's."""
         now = time.monotonic()
         if not self.ready:

@@ -4,6 +4,7 @@ folded timeline and what is stored of it, and the other hosts' samples of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class AgentJob:
     fold: TimelineFold | None = None
     fresh: list[Event] = field(default_factory=list)
     newest_event_ms: int = 0  # the newest event time read (the fold stays behind it)
-    meta: dict = field(default_factory=dict)  # the job's meta events folded, last write wins
+    meta: dict[str, Any] = field(default_factory=dict)  # the job's meta events folded, last write wins
     preflight: str = ""  # JSON of the latest pre-run gate result
     ranks: dict[int, protocol.Registration] = field(default_factory=dict)
     own: dict[int, int] = field(default_factory=dict)  # rank -> source GPU index
@@ -65,10 +66,10 @@ class AgentJob:
     # (that agent may have trimmed the stream past what this one read).
     restore: bool = False
     peers: PeerStreams = field(default_factory=lambda: PeerStreams())  # the other hosts' samples
-    figures: dict = field(default_factory=lambda: {"steps_completed": 0, "steps_voided": 0})
+    figures: dict[str, Any] = field(default_factory=lambda: {"steps_completed": 0, "steps_voided": 0})
     latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
     at_risk_ms: int = 0
-    live: dict = field(default_factory=dict)  # this round's live figures (livestate.py)
+    live: dict[str, Any] = field(default_factory=dict)  # this round's live figures (livestate.py)
     end_ms: int | None = None  # the run's end while it is ended (a later run start reopens it)
     end_at: int | None = None  # ... as the timeline dates it (end_ms: no earlier than what was booked)
     # Stretches between a run's clean end and the job's next run start (a resume or a plain
