@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, spawn_cli
 from .http_stub import EXPOSITION, HttpStub
 from .redis_server import free_port
 from .test_stack import _get, _prometheus, _query
@@ -92,12 +91,7 @@ def test_documented_joins_work_under_both_host_spellings_and_the_default_service
     args += ["--dcgm-url", f"http://{files.addr}/{MIG}"]
     args += ["--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1"]
     args += ["--book-interval", "0.5", "--sample-interval", "0.5"]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agent = spawn_cli(*args, stderr=subprocess.PIPE)
     (tmp_path / "prometheus.yml").write_text(
         yaml.safe_dump(
             {

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import threading
 import time
 
@@ -35,7 +34,7 @@ from costexporter.services.k8s import job_name
 from costexporter.sources.dcgm import PodRef
 from costexporter.store import keys, ledger, protocol
 
-from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition
+from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition, spawn_cli
 from .http_stub import Exposition
 from .redis_server import free_port
 from .test_agent import scrape
@@ -250,12 +249,7 @@ def _serve(url: str, prefix: str, port: int) -> subprocess.Popen:
     args += ["--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1"]
     args += ["--book-interval", "0.3", "--sample-interval", "0.2", "--k8s-job-label", KUBEFLOW]
     args += ["--no-trim"]  # the tests read the jobs' whole streams (what was posted, heartbeats too)
-    return subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _wait(what, cond, timeout: float = 60.0):
