@@ -7,7 +7,6 @@ import dataclasses
 import http.server
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from costexporter.store.ledger_read import LedgerStore
 from costexporter.store.protocol import LiveEntry
 from costexporter.trainer.reporter import StepReporter
 
+from .alertmanager import ALERTMANAGER, running_alertmanager
 from .conftest import SHARED_URL
 from .redis_server import RedisServer, free_port
 
@@ -621,7 +621,6 @@ def test_a_job_sets_its_own_thresholds_in_meta():
 
 
 # ---- Alertmanager's own API (issue 18 item 6), against Debian's prometheus-alertmanager ----------
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 
 class _AMReceiver(http.server.BaseHTTPRequestHandler):
@@ -644,7 +643,6 @@ def alertmanager(tmp_path):
     recv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AMReceiver)
     threading.Thread(target=recv.serve_forever, daemon=True).start()
     _AMReceiver.received = []
-    port = free_port()
     cfg = tmp_path / "alertmanager.yml"
     cfg.write_text(
         json.dumps(
@@ -667,33 +665,8 @@ def alertmanager(tmp_path):
             }
         )
     )
-    proc = subprocess.Popen(
-        [
-            ALERTMANAGER,
-            f"--config.file={cfg}",
-            f"--storage.path={tmp_path / 'am'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/-/ready", timeout=1) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError("alertmanager did not start: " + (proc.communicate()[0] or "")) from None
-            time.sleep(0.1)
-    yield base
-    proc.terminate()
-    proc.wait(10)
+    with running_alertmanager(cfg, tmp_path / "am") as base:
+        yield base
     recv.shutdown()
 
 
