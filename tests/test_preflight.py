@@ -97,37 +97,19 @@ def test_broken_token_files_fail_with_the_reason(cli, tmp_path, prefix):
 
 
 def test_a_bound_master_port_fails(cli, prefix):
+    def port_check(port: int):
+        args = ("--job", "p", "--prefix", prefix, "--master-addr", "127.0.0.1", "--master-port", str(port))
+        return gate(cli, *args, "--no-post")
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        rc, out = gate(
-            cli,
-            "--job",
-            "p",
-            "--prefix",
-            prefix,
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "--no-post",
-        )
+        rc, out = port_check(port)
         assert (
             rc == 1 and by_name(out)["port"]["status"] == "fail" and "in use" in by_name(out)["port"]["value"]
         )
-    rc, out = gate(
-        cli,
-        "--job",
-        "p",
-        "--prefix",
-        prefix,
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        "--no-post",
-    )
+    rc, out = port_check(port)
     assert rc == 0 and by_name(out)["port"]["status"] == "pass"
 
 
