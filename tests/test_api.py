@@ -12,9 +12,7 @@ from decimal import Decimal
 
 import pytest
 import redis
-import schemathesis
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
 
 from costexporter.api.app import FOCUS_COLUMNS, create_app
 from costexporter.api.auth import Tokens, hash_token
@@ -26,7 +24,7 @@ from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, redisconn
 from costexporter.store.ledger_read import LedgerStore
 
-from .api_helpers import T0, WINDOW, write_job
+from .api_helpers import T0, WINDOW, assert_no_server_error, write_job
 from .conftest import SHARED_URL
 from .redis_server import free_port
 from .test_agent import offline_ms, post_events, scrape, serve
@@ -295,23 +293,7 @@ def test_schemathesis_finds_no_server_error(built):
     Driven through each operation's Hypothesis strategy: schemathesis' pytest plugin does not
     run under pytest 9 yet."""
     store = LedgerStore(redis.Redis.from_url(SHARED_URL, decode_responses=True), built["prefix"])
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(store))
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) >= 7
-    for op in operations:
-
-        @given(op.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        def check(case):
-            response = case.call()
-            assert response.status_code < 500, (
-                case.method,
-                case.formatted_path,
-                case.query,
-                response.text[:300],
-            )
-
-        check()
+    assert assert_no_server_error(store, max_examples=25) >= 7
 
 
 def test_money_is_a_decimal_string_everywhere(built):

@@ -431,25 +431,10 @@ def test_the_helm_chart_takes_a_cluster_url():
 def test_schemathesis_finds_no_server_error_on_the_cluster(cluster, mirrored):
     """Every operation with generated parameters over the cluster's copy of the ledger: never a
     5xx (odd windows send a script no bucket key, odd job names hash anywhere)."""
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
+    from .api_helpers import assert_no_server_error
 
     store = LedgerStore(redisconn.from_url(cluster.url, decode_responses=True), mirrored)
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(store))
-    for op in [result.ok() for result in schema.get_all_operations()]:
-
-        @given(op.as_strategy())
-        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        def check(case):
-            response = case.call()
-            assert response.status_code < 500, (
-                case.method,
-                case.formatted_path,
-                case.query,
-                response.text[:300],
-            )
-
-        check()
+    assert assert_no_server_error(store, max_examples=15) >= 7
 
 
 def test_a_window_with_no_bucket_and_an_unknown_job_on_the_cluster(backends, mirrored, cluster):

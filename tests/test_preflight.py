@@ -114,32 +114,14 @@ def test_a_bound_master_port_fails(cli, prefix):
 
 
 def test_free_space_threshold(cli, tmp_path, prefix):
-    rc, out = gate(
-        cli,
-        "--job",
-        "d",
-        "--prefix",
-        prefix,
-        "--checkpoint-path",
-        str(tmp_path / "ckpt"),
-        "--min-free-gb",
-        "1e9",
-        "--no-post",
-    )
+    def disk_check(path, min_free_gb: str):
+        args = ("--job", "d", "--prefix", prefix, "--checkpoint-path", str(path))
+        return gate(cli, *args, "--min-free-gb", min_free_gb, "--no-post")
+
+    rc, out = disk_check(tmp_path / "ckpt", "1e9")
     d = by_name(out)["disk"]
     assert rc == 1 and d["status"] == "fail" and d["detail"]["min_free_gb"] == 1e9
-    rc, out = gate(
-        cli,
-        "--job",
-        "d",
-        "--prefix",
-        prefix,
-        "--checkpoint-path",
-        str(tmp_path),
-        "--min-free-gb",
-        "0.001",
-        "--no-post",
-    )
+    rc, out = disk_check(tmp_path, "0.001")
     assert rc == 0 and by_name(out)["disk"]["status"] == "pass"
 
 
