@@ -13,6 +13,7 @@ from costexporter.cli.options import (
     check_tz,
     listen_option,
     load_profile,
+    policy_rules,
     prefix_option,
     price_config,
     price_options,
@@ -197,9 +198,6 @@ def serve(
     check_port(listen, port, "--port")
     check_port(listen, api_port, "--api-port")
     try:
-        profile, profile_dir = load_profile(profile_path)
-        if profile is None:  # before the GPUs are opened: a flag that cannot be used stops it first
-            profiles.check_model(gpu_model, power_limit, profile_dir)
         src = make_source(
             source,
             host=host,
@@ -213,6 +211,7 @@ def serve(
             prefix=prefix,
             time_slicing_replicas=time_slicing_replicas,
         )
+        profile, profile_dir = load_profile(profile_path)
     except GpuInitError as e:
         hint = (
             " (no GPU here? `--source sim --scenario mini` plays a simulated job)" if source == "nvml" else ""
@@ -242,6 +241,7 @@ def serve(
         agent_id=agent_id or host or src.host,
         host=host,
         booking=booking_config(config),
+        policy_rules=policy_rules(config),
         prices=price_config(config),
         book_interval_s=book_interval,
         sample_interval_s=sample_interval,
