@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import data
 from loop_baseline import book_loop
 
+from costexporter.cli.allocator import keep_freed_memory
 from costexporter.core import tracefiles as files
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.replay import ReplayConfig, book_trace, replay
@@ -119,22 +120,33 @@ def _rate(rows: int, s: float) -> str:
 
 
 def run_core(csvs: list[Path], events: Path, runs: int, loop: bool) -> dict:
+    """The core and the loop in this process, by wall clock and by this process's CPU time (both
+    run on one thread; the CPU time is what the load of a shared machine moves least). The
+    allocator is set as the replay command sets it."""
+    keep_freed_memory()
     diag = Diagnostics(stream=None)
     samples = files.combine([files.read_samples(p, p.stem, "UTC", diag) for p in csvs])
     evs = files.read_events_jsonl(events, diag)
     cfg = ReplayConfig()
     replay(samples, evs, cfg)  # warm-up
-    times = []
+    times, cpus = [], []
     for _ in range(runs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         replay(samples, evs, cfg)
         times.append(time.perf_counter() - t)
-    out = {"samples": len(samples), "core_s": statistics.median(times), "core_best_s": min(times)}
+        cpus.append(time.process_time() - c)
+    out = {
+        "samples": len(samples),
+        "core_s": statistics.median(times),
+        "core_best_s": min(times),
+        "core_cpu_s": statistics.median(cpus),
+    }
     if loop:
         [job] = book_trace(samples, evs, cfg)[0]
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         loop_totals = book_loop(samples, evs, job.profile, cfg.booking)
         out["loop_s"] = time.perf_counter() - t
+        out["loop_cpu_s"] = time.process_time() - c
         report = replay(samples, evs, cfg)["jobs"]["bench"]
         worst = 0.0
         for cat, hours in report["gpu_hours"].items():
@@ -185,7 +197,8 @@ def main() -> None:
             "core alone (samples in memory)",
             f"{core['samples'] / core['core_s'] / 1e6:.2f}M samples/s",
             ">= 10M samples/s",
-            f"median {core['core_s'] * 1000:.0f} ms, best {core['core_best_s'] * 1000:.0f} ms",
+            f"median {core['core_s'] * 1000:.0f} ms, best {core['core_best_s'] * 1000:.0f} ms; "
+            f"CPU {core['core_cpu_s'] * 1000:.0f} ms",
         ),
     ]
     if "loop_s" in core:
@@ -194,7 +207,9 @@ def main() -> None:
                 "per-sample Python loop, same data",
                 f"{core['samples'] / core['loop_s'] / 1e6:.2f}M samples/s",
                 "baseline",
-                f"{core['loop_s']:.2f} s; core is {core['loop_s'] / core['core_s']:.0f}x faster; "
+                f"{core['loop_s']:.2f} s, CPU {core['loop_cpu_s']:.2f} s; core is "
+                f"{core['loop_cpu_s'] / core['core_cpu_s']:.0f}x faster by CPU time, "
+                f"{core['loop_s'] / core['core_s']:.0f}x by wall; "
                 f"totals differ by <= {100 * core['loop_max_diff_share']:.3f}% of GPU time",
             )
         )
@@ -237,8 +252,12 @@ def main() -> None:
     print(f"whole command >= 1M rows/s on both traces: {'MET' if ok else 'MISSED'}")
     print(f"peak memory <= 1024 MB: {'MET' if max(cmd['peak_mb'], real['peak_mb']) <= 1024 else 'MISSED'}")
     if "loop_s" in core:
-        x = core["loop_s"] / core["core_s"]
-        print(f"core >= 50x the per-sample loop: {'MET' if x >= 50 else 'MISSED'} ({x:.0f}x)")
+        x = core["loop_cpu_s"] / core["core_cpu_s"]
+        w = core["loop_s"] / core["core_s"]
+        print(
+            f"core >= 50x the per-sample loop (by CPU time): {'MET' if x >= 50 else 'MISSED'} "
+            f"({x:.0f}x; {w:.0f}x by wall)"
+        )
     print("json: " + json.dumps({"command": cmds, "core": core, "real_like": reals}))
 
 

@@ -70,6 +70,13 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def spawn_cli(*args: object, **popen_kw) -> subprocess.Popen:
+    """The real `costexporter` command as a long-running child process (serve, api, watch);
+    its output is dropped unless the test asks for a pipe (stdout=/stderr=subprocess.PIPE)."""
+    kw: dict = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "costexporter.cli", *map(str, args)], **{**kw, **popen_kw})
+
+
 @pytest.fixture
 def cli():
     return run_cli

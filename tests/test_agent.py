@@ -21,7 +21,7 @@ from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
-from .conftest import promtool_check_metrics, skip_unchecked_exposition
+from .conftest import promtool_check_metrics, skip_unchecked_exposition, spawn_cli
 from .redis_server import RedisServer, free_port
 
 
@@ -402,34 +402,28 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
 
     b = scenario_mini()
     expected, offline = offline_ms(b)
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "costexporter.cli",
-            "serve",
-            "--source",
-            "sim",
-            "--scenario",
-            "mini",
-            "--redis-url",
-            "redis://127.0.0.1:6379/0",
-            "--prefix",
-            prefix,
-            "--port",
-            "0",
-            "--speed",
-            "200",
-            "--book-interval",
-            "0.2",
-            "--sample-interval",
-            "0.1",
-            "--agent-id",
-            "sim",
-        ],
+    p = spawn_cli(
+        "serve",
+        "--source",
+        "sim",
+        "--scenario",
+        "mini",
+        "--redis-url",
+        "redis://127.0.0.1:6379/0",
+        "--prefix",
+        prefix,
+        "--port",
+        "0",
+        "--speed",
+        "200",
+        "--book-interval",
+        "0.2",
+        "--sample-interval",
+        "0.1",
+        "--agent-id",
+        "sim",
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -455,8 +449,8 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
 
 def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared, prefix, monkeypatch, caplog):
     import costexporter.services.agent as agent_mod
-    from costexporter.services.agent import Agent, AgentConfig
-    from costexporter.sources.playback import ReplaySource
+
+    from .agent_rounds import replay_agent, tick
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="bumpy", seed=2)
     b.run("start")
@@ -474,16 +468,9 @@ def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared,
         return real(**kw)
 
     monkeypatch.setattr(agent_mod, "book_window", flaky)
-    now = [0.0]
-    agent = Agent(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(prefix=prefix, agent_id="bumpy", job_refresh_s=0),
-    )
+    agent, now = replay_agent(b, prefix=prefix, agent_id="bumpy", job_refresh_s=0)
     for _ in range(4):
-        now[0] += 100
-        for r in agent.source.read():
-            agent.sampler._buf.append(r)
-        agent.tick()
+        tick(agent, now, 100)
     assert agent.stats["job_errors"] == 1  # the job's round failed alone, and was booked later
     assert "'bumpy': booking failed; skipped this round" in caplog.text
     total = ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))
@@ -503,8 +490,8 @@ def test_serve_says_once_per_job_when_its_meta_price_overrides_the_flag(
     import logging
 
     from costexporter.core.cost import Prices
-    from costexporter.services.agent import Agent, AgentConfig
-    from costexporter.sources.playback import ReplaySource
+
+    from .agent_rounds import replay_agent, tick
 
     caplog.set_level(logging.INFO, logger="costexporter.agent")
     job = f"priced-{uuid.uuid4().hex[:6]}"
@@ -516,18 +503,11 @@ def test_serve_says_once_per_job_when_its_meta_price_overrides_the_flag(
     b.run("end")
     b.stretch("idle", 5)
     post_events(shared, prefix, b)
-    now = [0.0]
-    agent = Agent(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(
-            prefix=prefix, agent_id="priced", job_refresh_s=0, prices=Prices(price_per_gpu_hour=flag_price)
-        ),
+    agent, now = replay_agent(
+        b, prefix=prefix, agent_id="priced", job_refresh_s=0, prices=Prices(price_per_gpu_hour=flag_price)
     )
     for _ in range(6):
-        now[0] += 50
-        for r in agent.source.read():
-            agent.sampler._buf.append(r)
-        agent.tick()
+        tick(agent, now, 50)
     assert agent.stats["rounds"] >= 3  # several rounds booked the job: the note is still said once
     note = f"job {job}: its meta sets price_per_gpu_hour={meta_price}, which overrides --price-per-gpu-hour 2"
     assert caplog.text.count("overrides --price-per-gpu-hour") == (1 if says else 0), caplog.text
@@ -542,23 +522,16 @@ def test_every_counter_of_a_job_is_exported_at_zero_from_its_first_round(shared,
     """rate()/increase() see the first rollback only if the series existed at 0 before it."""
     from prometheus_client import generate_latest
 
-    from costexporter.services.agent import Agent, AgentConfig
     from costexporter.services.exporter import registry_for
-    from costexporter.sources.playback import ReplaySource
+
+    from .agent_rounds import replay_agent, tick
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="fresh", seed=3)
     b.run("start")
     b.stretch("compute", 300, step_s=5)
     post_events(shared, prefix, b)
-    now = [0.0]
-    agent = Agent(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(prefix=prefix, agent_id="fresh", job_refresh_s=0),
-    )
-    now[0] += 30
-    for r in agent.source.read():
-        agent.sampler._buf.append(r)
-    agent.tick()
+    agent, now = replay_agent(b, prefix=prefix, agent_id="fresh", job_refresh_s=0)
+    tick(agent, now, 30)
     assert agent.stats["rounds"] == 1
     families = {
         f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
@@ -585,23 +558,15 @@ def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_befor
     rounds, as a Kubernetes pod's does) starts the GPU's time at the register, never earlier:
     the time before it is nobody's job. Only a register dated past `clock_skew_warn_s` (a clock
     ahead) starts at the newest sample."""
-    from costexporter.services.agent import Agent, AgentConfig
-    from costexporter.sources.playback import ReplaySource
+    from .agent_rounds import replay_agent, tick
 
     job = f"between-{uuid.uuid4().hex[:6]}"
     b = TraceBuilder(n_gpus=2, per_host=2, job=job, seed=9, register=False)
     b.stretch("idle", 200)
-    now = [0.0]
-    agent = Agent(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(prefix=prefix, agent_id=job, job_refresh_s=0, clock_skew_warn_s=10.0),
-    )
+    agent, now = replay_agent(b, prefix=prefix, agent_id=job, job_refresh_s=0, clock_skew_warn_s=10.0)
 
     def play(seconds: float) -> None:
-        now[0] += seconds
-        for r in agent.source.read():
-            agent.sampler._buf.append(r)
-        agent.tick()
+        tick(agent, now, seconds)
 
     play(60)
     regs = {0: agent._newest[0] + just_after_ms, 1: agent._newest[1] + far_ahead_s * 1000}
@@ -643,17 +608,12 @@ def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_befor
 def test_samples_held_while_redis_is_unreachable_are_bounded_and_the_overflow_counted():
     """Redis down for long: the agent holds at most `max_buffered_samples` (the newest), counts
     what it dropped, and each round fails as a Redis error, never blocking or raising."""
-    from costexporter.services.agent import Agent, AgentConfig
-    from costexporter.sources.playback import ReplaySource
+    from .agent_rounds import replay_agent
 
     b = TraceBuilder(n_gpus=2, per_host=2, job="held", seed=3)
     b.run("start")
     b.stretch("compute", 120, step_s=5)
-    now = [0.0]
-    agent = Agent(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", max_buffered_samples=50),
-    )
+    agent, now = replay_agent(b, redis_url=f"redis://127.0.0.1:{free_port()}/0", max_buffered_samples=50)
     fed = []
     for _ in range(10):
         now[0] += 10

@@ -11,11 +11,11 @@ import redis
 import redis.client
 
 from costexporter.core.model import CATEGORIES
-from costexporter.services.agent import Agent, AgentConfig
-from costexporter.sources.playback import ReplaySource
+from costexporter.services.agent import Agent
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
 
+from .agent_rounds import replay_agent, tick
 from .test_agent import post_events
 
 
@@ -40,16 +40,9 @@ def _run(shared, prefix: str, lose: int | None, monkeypatch) -> tuple[Agent, dic
         return out
 
     monkeypatch.setattr(redis.client.Pipeline, "_execute_transaction", lossy)
-    now = [0.0]
-    agent = Agent(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(prefix=prefix, agent_id="lr", job_refresh_s=0),
-    )
+    agent, now = replay_agent(b, prefix=prefix, agent_id="lr", job_refresh_s=0)
     for _ in range(10):
-        now[0] += 30
-        for r in agent.source.read():
-            agent.sampler._buf.append(r)
-        agent.tick()
+        tick(agent, now, 30)
     total = ledger.read_amounts(shared, prefix, b.job)
     return agent, {c: total.get(f"{c}:ms", 0) for c in CATEGORIES}, seen[0]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 import urllib.request
 
@@ -20,6 +19,7 @@ from costexporter.services.alertmanager import Alertmanager, postable
 from costexporter.services.exporter import watch_registry
 from costexporter.services.watcher import Status, Watcher, decide
 
+from .alertmanager import ALERTMANAGER, running_alertmanager
 from .conftest import SHARED_URL
 from .redis_server import free_port
 from .test_rules import SHIPPED, J, _case, _run, _series, _slope_alert, _slope_series
@@ -39,7 +39,10 @@ def test_seconds_since_last_step_is_never_negative_when_the_trainer_runs_ahead(a
 def test_the_watchers_alerts_carry_their_source():
     a = postable("j", Status("hung", "no step for 30 min", T0, T0), T0, T0 + 60)
     assert a["labels"] == {
-        "alertname": "JobHung", "training_job": "j", "severity": "critical", "source": "watcher"
+        "alertname": "JobHung",
+        "training_job": "j",
+        "severity": "critical",
+        "source": "watcher",
     }
     c = postable("j", Status("hung", "x", T0, T0), T0, T0 + 60, cluster="east")
     assert c["labels"]["cluster"] == "east"
@@ -140,7 +143,6 @@ def test_same_named_jobs_of_two_clusters_stay_apart(tmp_path):
 
 
 # ---- the shipped Alertmanager config, on a real Alertmanager -----------------------------------
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 SHIPPED_AM = SHIPPED.parents[1] / "docker" / "alertmanager" / "alertmanager.yml"
 
 
@@ -155,8 +157,7 @@ def _post(base: str, alerts: list[dict]) -> None:
 def _alert(name: str, source: str, job: str = "j", **labels: str) -> dict:
     now = time.time()
     return {
-        "labels": {"alertname": name, "training_job": job, "severity": "critical", "source": source}
-        | labels,
+        "labels": {"alertname": name, "training_job": job, "severity": "critical", "source": source} | labels,
         "annotations": {"summary": name},
         "startsAt": iso_utc(now - 60),
         "endsAt": iso_utc(now + 600),
@@ -168,23 +169,7 @@ def test_the_shipped_alertmanager_config_pages_once_per_stop(tmp_path):
     """Both paths' JobHung stay two alerts (their identities differ by `source`); the watcher's
     inhibits the rules' one and a CostSlopeWithoutSteps of the same job; the same job name in
     another cluster is not inhibited."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [ALERTMANAGER, f"--config.file={SHIPPED_AM}", f"--storage.path={tmp_path / 'am'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "alertmanager did not start"
-                time.sleep(0.1)
+    with running_alertmanager(SHIPPED_AM, tmp_path / "am") as base:
         _post(base, [
             _alert("JobHung", "watcher", cluster="east"),
             _alert("JobHung", "rules", cluster="east"),
@@ -207,6 +192,3 @@ def test_the_shipped_alertmanager_config_pages_once_per_stop(tmp_path):
             ("CostSlopeWithoutSteps", "rules", "east"): "suppressed",
             ("CostSlopeWithoutSteps", "rules", "west"): "active",
         }
-    finally:
-        proc.terminate()
-        proc.wait(10)

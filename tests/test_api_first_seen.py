@@ -64,10 +64,8 @@ def test_first_seen_is_the_first_start_through_resumes_and_trims(runs, ranks):
                 )
             if trimmed:
                 _trim_all(r, prefix, job)
-            info = store.job_info(job)
-            assert info is not None
-            assert info["first_seen"] == T0 + runs[0][0]  # rank 0's first register
-            assert store.info_many([job])[job]["first_seen"] == T0 + runs[0][0]
+            first = store.first_seen_many([job], store.info_many([job]))[job]
+            assert first == T0 + runs[0][0]  # rank 0's first register
         # the ranks hash alone says the last resume: what `first_seen` used to be
         assert min(float(x["ts"]) for x in _ranks(r, prefix, job)) == t
     finally:
@@ -88,8 +86,12 @@ def test_jobs_endpoint_keeps_first_seen_after_a_restart(prefix):
     send_entries(r, prefix, "fresh", [_register(0, T0 + 7200, "c")])
     with served(LedgerStore(r, prefix), cache_s=0) as (base, _app):
         jobs = httpx.get(f"{base}/api/v1/jobs").json()["jobs"]
+        page = httpx.get(f"{base}/api/v1/jobs", params={"limit": 1}).json()
+        nxt = httpx.get(f"{base}/api/v1/jobs", params={"limit": 1, "cursor": page["next_cursor"]}).json()
     seen = {j["job"]: j["first_seen"] for j in jobs}
     assert seen == {"llm": "2025-07-26T12:00:00Z", "fresh": "2025-07-26T14:00:00Z"}
+    assert [(j["job"], j["first_seen"]) for j in page["jobs"] + nxt["jobs"]] == sorted(seen.items())
+    assert nxt["next_cursor"] is None
 
 
 def test_first_seen_survives_junk_in_the_streams(prefix):
@@ -99,5 +101,5 @@ def test_first_seen_survives_junk_in_the_streams(prefix):
     r.xadd(keys.stream_key(prefix, "j"), {"type": "register", "rank": "0", "ts": "soon"})
     send_entries(r, prefix, "j", [_register(0, T0 + 60, "a")])
     r.set(keys.kept_key(prefix, "j"), "not a stream")
-    info = LedgerStore(r, prefix).job_info("j")
-    assert info is not None and info["first_seen"] == T0 + 60
+    store = LedgerStore(r, prefix)
+    assert store.first_seen_many(["j"], store.info_many(["j"]))["j"] == T0 + 60

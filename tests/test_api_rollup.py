@@ -8,8 +8,6 @@ corrections, the agents and the price versions."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +23,7 @@ from costexporter.store import keys, ledger
 from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import T0
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, spawn_cli
 from .redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,24 +220,16 @@ def test_the_api_builds_missing_rollups_at_start(shared, prefix):
     shared.zadd(keys.jobs_key(prefix), {"legacy": BASE})
     ledger.drop_rollup(shared, prefix, "legacy")
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "costexporter.cli",
-            "api",
-            "--redis-url",
-            SHARED_URL,
-            "--prefix",
-            prefix,
-            "--port",
-            str(port),
-            "--listen",
-            "127.0.0.1",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc = spawn_cli(
+        "api",
+        "--redis-url",
+        SHARED_URL,
+        "--prefix",
+        prefix,
+        "--port",
+        str(port),
+        "--listen",
+        "127.0.0.1",
     )
     try:
         deadline = time.monotonic() + 30

@@ -205,11 +205,11 @@ def test_replay_finds_the_profile_by_gpu_model_and_flags_uncalibrated(cli, fitte
         args += ["--samples", f"{c.stem}={c}"]
     derived = json.loads(cli(*args).stdout)["jobs"]["incident"]
     assert derived["profile"]["name"] == "H200" and derived["profile"]["calibrated"] is False
-    assert derived["profile"]["source"] == "model"
+    assert derived["profile"].get("derived_from", derived["profile"]["source"]) == "derived_from_model"
     r = cli(*args, "--profile", str(fitted["dir"]))
     found = json.loads(r.stdout)["jobs"]["incident"]
     assert found["profile"]["name"] == "NVIDIA H200" and found["profile"]["calibrated"] is True
-    assert found["profile"]["source"] == "fitted"
+    assert found["profile"]["source"] == "calibrated"
     table = cli(*[a for a in args if a not in ("--format", "json")]).stdout
     assert "profile H200 (uncalibrated)" in table
 
@@ -271,8 +271,9 @@ def test_find_matches_by_model_key(tmp_path):
 
 def test_one_rule_picks_a_jobs_profile(tmp_path):
     """profiles.choose, the rule replay, the agent and the watcher share: the configured profile
-    wins; the model comes from the flag, the job's meta, then the GPUs; a fitted profile of the
-    directory beats a derived one; the directory is only the one given (no environment)."""
+    wins; the model comes from the flag, the GPUs' own name, then the job's meta (a trainer's
+    meta never gives a GPU another model's profile); a fitted profile of the directory beats a
+    derived one; the directory is only the one given (no environment)."""
     from costexporter.core.model import GpuId
 
     mine = profiles.Profile("mine", True, 80, 200, 400, gpu_model="NVIDIA H200 141GB HBM3e")
@@ -280,7 +281,9 @@ def test_one_rule_picks_a_jobs_profile(tmp_path):
     h100 = GpuId("n", 0, "GPU-1", "NVIDIA H100 80GB HBM3", 700.0)
     assert profiles.choose(profiles.B300, "NVIDIA H200", gpus=[h100], directory=tmp_path) is profiles.B300
     assert profiles.choose(None, gpus=[h100]).name == "H100"
-    assert profiles.choose(None, meta={"gpu_model": "NVIDIA H200"}, gpus=[h100]).name == "H200"
+    assert profiles.choose(None, meta={"gpu_model": "NVIDIA B300"}, gpus=[h100]).name == "H100"
+    nameless = GpuId("n", 0, "GPU-1", None, None)
+    assert profiles.choose(None, meta={"gpu_model": "NVIDIA H200"}, gpus=[nameless]).name == "H200"
     assert profiles.choose(None, "NVIDIA H200", meta={"gpu_model": "NVIDIA H100"}).name == "H200"
     fitted = profiles.choose(None, meta={"gpu_model": "NVIDIA H200"}, directory=tmp_path)
     assert fitted.name == "mine" and fitted.calibrated

@@ -17,7 +17,7 @@ from costexporter.cli.main import main
 from costexporter.cli.options import DEPRECATED_ENV, config_defaults, env_name
 from costexporter.store import keys, ledger
 
-from .conftest import ROOT, SHARED_URL
+from .conftest import ROOT, SHARED_URL, spawn_cli
 from .redis_server import free_port
 
 EXAMPLE = ROOT / "examples" / "r1-mini"
@@ -167,25 +167,18 @@ def test_a_hash_token_variable_in_the_environment_does_not_stop_the_api_serving(
     import urllib.request
 
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "costexporter.cli",
-            "api",
-            "--redis-url",
-            SHARED_URL,
-            "--port",
-            str(port),
-            "--listen",
-            "127.0.0.1",
-            "--prefix",
-            f"test-{uuid.uuid4().hex[:10]}",
-        ],
+    proc = spawn_cli(
+        "api",
+        "--redis-url",
+        SHARED_URL,
+        "--port",
+        str(port),
+        "--listen",
+        "127.0.0.1",
+        "--prefix",
+        f"test-{uuid.uuid4().hex[:10]}",
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
         env={**os.environ, "COSTEXPORTER_API_HASH_TOKEN": "secret"},
     )
     try:

@@ -206,20 +206,20 @@ def test_profile_from_the_traces_name_column_or_flags(cli, tmp_path):
     [p] = write_nvidia_smi_csv(s, tmp_path, name=True)
     rep = json.loads(cli("replay", "--samples", p, "--format", "json").stdout)
     prof = rep["jobs"]["trace"]["profile"]
-    assert (prof["name"], prof["calibrated"], prof["source"]) == ("H100", False, "model")
+    assert (prof["name"], prof["calibrated"], prof["source"]) == ("H100", False, "derived_from_model")
     rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--gpu-model", "B300").stdout)
     prof = rep["jobs"]["trace"]["profile"]
-    assert (prof["name"], prof["calibrated"], prof["source"]) == ("B300", True, "built-in")
+    assert (prof["name"], prof["calibrated"], prof["source"]) == ("B300", True, "builtin")
     rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--power-limit", "2000").stdout)
     prof = rep["jobs"]["trace"]["profile"]
-    assert prof["calibrated"] is False and prof["source"] == "power-limit"
+    assert prof["calibrated"] is False and prof.get("derived_from", prof["source"]) == "derived_from_limit"
     # 940-1040 W is below 65% of a 2000 W limit: not compute under that profile.
     assert rep["jobs"]["trace"]["band_gpu_hours"]["compute"] == 0
     custom = tmp_path / "p.yaml"
     custom.write_text("name: lab\nidle_max_w: 100\nlow_max_w: 200\ncompute_min_w: 900\n")
     rep = json.loads(cli("replay", "--samples", p, "--format", "json", "--profile", custom).stdout)
     prof = rep["jobs"]["trace"]["profile"]
-    assert (prof["name"], prof["calibrated"], prof["source"]) == ("lab", True, "profile-file")
+    assert (prof["name"], prof["calibrated"], prof["source"]) == ("lab", True, "file")
 
 
 def test_host_override_and_timings(cli, tmp_path):

@@ -9,11 +9,8 @@ as a ServiceMonitor gives them (the exporter's own pod and namespace) and the ag
 
 from __future__ import annotations
 
-import http.server
 import shutil
 import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -22,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, spawn_cli
+from .http_stub import EXPOSITION, HttpStub
 from .redis_server import free_port
 from .test_stack import _get, _prometheus, _query
 
@@ -59,32 +57,18 @@ class StaticFiles:
     """A real HTTP server answering /<name> with a file's bytes, as an exporter's /metrics."""
 
     def __init__(self, files: dict[str, Path]) -> None:
-        outer = self
         self.files = files
+        self.http = HttpStub(self.answer)
+        self.addr = self.http.addr
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                path = outer.files.get(self.path.strip("/"))
-                if path is None:
-                    self.send_error(404)
-                    return
-                body = path.read_bytes()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.addr = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def answer(self, path: str) -> tuple[int, str, bytes]:
+        file = self.files.get(path.strip("/"))
+        if file is None:
+            return 404, "text/plain", b"no such file\n"
+        return 200, EXPOSITION, file.read_bytes()
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 def _scrape(job: str, target: str, path: str, honor: bool, pod: str, namespace: str) -> dict:
@@ -107,12 +91,7 @@ def test_documented_joins_work_under_both_host_spellings_and_the_default_service
     args += ["--dcgm-url", f"http://{files.addr}/{MIG}"]
     args += ["--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1"]
     args += ["--book-interval", "0.5", "--sample-interval", "0.5"]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agent = spawn_cli(*args, stderr=subprocess.PIPE)
     (tmp_path / "prometheus.yml").write_text(
         yaml.safe_dump(
             {

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 
 import pytest
 import redis
@@ -55,16 +54,6 @@ def read_bill(proc: subprocess.Popen) -> dict:
         if line.rstrip() == "}":
             break
     return json.loads("".join(lines))
-
-
-@pytest.fixture
-def prefix():
-    p = f"test-demo-{uuid.uuid4().hex[:10]}"
-    yield p
-    r = redis.Redis.from_url(SHARED_URL)
-    found = list(r.scan_iter(f"{p}:*"))
-    if found:
-        r.delete(*found)
 
 
 def test_a_rerun_on_the_same_prefix_books_the_same_bill_and_the_api_agrees(prefix):

@@ -6,11 +6,9 @@ End to end: a real HTTP server serving dcgm-exporter's text with pod labels, a r
 
 from __future__ import annotations
 
-import http.server
 import json
 import shutil
 import subprocess
-import sys
 import threading
 import time
 
@@ -36,7 +34,8 @@ from costexporter.services.k8s import job_name
 from costexporter.sources.dcgm import PodRef
 from costexporter.store import keys, ledger, protocol
 
-from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition
+from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition, spawn_cli
+from .http_stub import Exposition
 from .redis_server import free_port
 from .test_agent import scrape
 
@@ -201,23 +200,8 @@ class FakeDcgmExporter:
         self.energy = [0.0] * len(gpus)
         self.last = time.time()
         self.lock = threading.Lock()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = outer.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = Exposition(self.render)
+        self.url = self.http.url
 
     def render(self) -> str:
         with self.lock:
@@ -257,8 +241,7 @@ class FakeDcgmExporter:
                 self.gpus[g].pop("labels", None)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 def _serve(url: str, prefix: str, port: int) -> subprocess.Popen:
@@ -266,12 +249,7 @@ def _serve(url: str, prefix: str, port: int) -> subprocess.Popen:
     args += ["--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1"]
     args += ["--book-interval", "0.3", "--sample-interval", "0.2", "--k8s-job-label", KUBEFLOW]
     args += ["--no-trim"]  # the tests read the jobs' whole streams (what was posted, heartbeats too)
-    return subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _wait(what, cond, timeout: float = 60.0):
@@ -347,9 +325,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         assert len(ends) == 1 and ends[0]["rank"] == "0"
         assert any(f["type"] == "heartbeat" for _, f in events)  # the watcher sees it alive meanwhile
         beats = {
-            f["rank"]
-            for _, f in shared.xrange(keys.stream_key(prefix, llama))
-            if f["type"] == "heartbeat"
+            f["rank"] for _, f in shared.xrange(keys.stream_key(prefix, llama)) if f["type"] == "heartbeat"
         }
         assert beats == {"0", "1"}  # every rank, or the watcher would call the silent one crashed
         # A retried Job: the same job's pod takes the GPU again, so its run starts again.
@@ -364,9 +340,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         # Conservation: every millisecond from registration to the watermark, on each GPU, once.
         for job in (llama,):
             wm = ledger.load_watermark(shared, prefix, job, HOST)["booked_until"]
-            regs = [
-                int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(keys.ranks_key(prefix, job))
-            ]
+            regs = [int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(keys.ranks_key(prefix, job))]
             total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
             assert total == sum(wm - r for r in regs), job
         assert set(ledger.net_ms(ledger.read_amounts(shared, prefix, llama))) <= set(CATEGORIES)

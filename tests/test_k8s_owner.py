@@ -5,10 +5,8 @@ registration loop with a pod lookup; lightkube against an HTTP server speaking t
 
 from __future__ import annotations
 
-import http.server
 import json
 import re
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from costexporter.services.k8s_owner import OWNER_LABELS, owner_of, owner_of_pod
 from costexporter.sources.dcgm import DcgmSource, PodRef
 from costexporter.store import keys
 
+from .http_stub import HttpStub
 from .test_k8s import HOST, FakeDcgmExporter
 
 PODS = Path(__file__).parent / "data" / "k8s_pods"
@@ -217,41 +216,28 @@ class PodsApi:
     def __init__(self, pods: dict[tuple[str, str], dict]) -> None:
         self.pods = pods
         self.forbidden = False
-        outer = self
+        self.http = HttpStub(self.answer)
+        self.url = self.http.url
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/?]+)", self.path.split("?")[0])
-                if outer.forbidden:
-                    code, body = (
-                        403,
-                        _status(
-                            403,
-                            "Forbidden",
-                            'pods is forbidden: User "system:serviceaccount:x:y" cannot get resource "pods"',
-                        ),
-                    )
-                elif m and (m.group(1), m.group(2)) in outer.pods:
-                    code, body = 200, outer.pods[(m.group(1), m.group(2))]
-                else:
-                    code, body = 404, _status(404, "NotFound", "pods not found")
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def answer(self, path: str) -> tuple[int, str, bytes]:
+        m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/?]+)", path.split("?")[0])
+        if self.forbidden:
+            code, body = (
+                403,
+                _status(
+                    403,
+                    "Forbidden",
+                    'pods is forbidden: User "system:serviceaccount:x:y" cannot get resource "pods"',
+                ),
+            )
+        elif m and (m.group(1), m.group(2)) in self.pods:
+            code, body = 200, self.pods[(m.group(1), m.group(2))]
+        else:
+            code, body = 404, _status(404, "NotFound", "pods not found")
+        return code, "application/json", json.dumps(body).encode()
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 def _status(code: int, reason: str, message: str) -> dict:

@@ -97,67 +97,31 @@ def test_broken_token_files_fail_with_the_reason(cli, tmp_path, prefix):
 
 
 def test_a_bound_master_port_fails(cli, prefix):
+    def port_check(port: int):
+        args = ("--job", "p", "--prefix", prefix, "--master-addr", "127.0.0.1", "--master-port", str(port))
+        return gate(cli, *args, "--no-post")
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        rc, out = gate(
-            cli,
-            "--job",
-            "p",
-            "--prefix",
-            prefix,
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "--no-post",
-        )
+        rc, out = port_check(port)
         assert (
             rc == 1 and by_name(out)["port"]["status"] == "fail" and "in use" in by_name(out)["port"]["value"]
         )
-    rc, out = gate(
-        cli,
-        "--job",
-        "p",
-        "--prefix",
-        prefix,
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        "--no-post",
-    )
+    rc, out = port_check(port)
     assert rc == 0 and by_name(out)["port"]["status"] == "pass"
 
 
 def test_free_space_threshold(cli, tmp_path, prefix):
-    rc, out = gate(
-        cli,
-        "--job",
-        "d",
-        "--prefix",
-        prefix,
-        "--checkpoint-path",
-        str(tmp_path / "ckpt"),
-        "--min-free-gb",
-        "1e9",
-        "--no-post",
-    )
+    def disk_check(path, min_free_gb: str):
+        args = ("--job", "d", "--prefix", prefix, "--checkpoint-path", str(path))
+        return gate(cli, *args, "--min-free-gb", min_free_gb, "--no-post")
+
+    rc, out = disk_check(tmp_path / "ckpt", "1e9")
     d = by_name(out)["disk"]
     assert rc == 1 and d["status"] == "fail" and d["detail"]["min_free_gb"] == 1e9
-    rc, out = gate(
-        cli,
-        "--job",
-        "d",
-        "--prefix",
-        prefix,
-        "--checkpoint-path",
-        str(tmp_path),
-        "--min-free-gb",
-        "0.001",
-        "--no-post",
-    )
+    rc, out = disk_check(tmp_path, "0.001")
     assert rc == 0 and by_name(out)["disk"]["status"] == "pass"
 
 

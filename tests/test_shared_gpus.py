@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from costexporter.core.model import BANDS, Category, Event
 from costexporter.sources.dcgm import DcgmSource
 from costexporter.store import keys, ledger
 
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, spawn_cli
 from .redis_server import free_port
 from .test_dcgm_joins import StaticFiles
 
@@ -206,12 +205,7 @@ def _agent_books_by_lanes(shared, prefix, url, host, jobs, *extra) -> None:
         "--sample-interval",
         "0.2",
     ]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agent = spawn_cli(*args, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -335,12 +329,7 @@ def test_slices_carry_dcgm_exporters_labels_on_metrics(shared, prefix, mig_expor
     args = ["serve", "--source", "dcgm", "--dcgm-url", mig_exporter, "--dcgm-url", time_sliced]
     args += ["--time-slicing-replicas", "4", "--agent-id", "m", "--k8s-api", "off", "--redis-url", SHARED_URL]
     args += ["--prefix", prefix, "--port", str(port), "--listen", "127.0.0.1", "--book-interval", "0.3"]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "costexporter.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agent = spawn_cli(*args, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
         power: list = []

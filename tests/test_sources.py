@@ -18,6 +18,7 @@ from costexporter.sources.nvml import NvmlSource
 from costexporter.sources.sampler import Sampler
 
 from .fake_nvml import FakeGpu, FakeNvml
+from .http_stub import Exposition
 
 
 def uuid(i: int) -> str:
@@ -346,29 +347,10 @@ class DcgmExporter:
     def __init__(
         self, n: int, hostname_label: str = "Hostname", host: str = "gpu-node-1", frozen: bool = False
     ) -> None:
-        import http.server
-        import threading
-
         self.n, self.label, self.host, self.frozen = n, hostname_label, host, frozen
         self.requests = 0
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = outer.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.http = Exposition(self.render)
+        self.url = self.http.url
 
     def render(self) -> str:
         k = 0 if self.frozen else self.requests
@@ -389,8 +371,7 @@ class DcgmExporter:
         return DCGM_TEMPLATE.format(**{k: "\n".join(v) for k, v in lines.items()})
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 def test_dcgm_source_scrapes_two_exporters(caplog):

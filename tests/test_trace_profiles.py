@@ -56,10 +56,10 @@ A100_LEVELS = {
 )
 def test_the_gpus_training_teams_use_have_a_profile_by_name(name, key, limit):
     prof, source = profiles.resolve(None, name)
-    assert (prof.name, prof.power_limit_w, source) == (key, limit, "model")
+    assert (prof.name, prof.power_limit_w, source) == (key, limit, "derived_from_model")
     assert not prof.calibrated
     b300, source = profiles.resolve(None, "NVIDIA B300 SXM6 AC")
-    assert b300 is profiles.B300 and source == "built-in"
+    assert b300 is profiles.B300 and source == "builtin"
 
 
 def test_no_model_and_no_limit_is_never_another_gpus_profile():
@@ -71,7 +71,7 @@ def test_no_model_and_no_limit_is_never_another_gpus_profile():
     # The same name read from the trace itself: derived from the trace's levels, and said.
     gpus = [GpuId("h", 0, None, "Quantum 9000")]
     prof, source = profiles.resolve(None, gpus=gpus, levels=profiles.TraceLevels(90.0, 500.0))
-    assert source == "trace" and prof.name == "Quantum 9000" and not prof.calibrated
+    assert source == "derived_from_trace" and prof.name == "Quantum 9000" and not prof.calibrated
     # A trace whose levels do not tell compute from idle: refused with the flags to give.
     with pytest.raises(ProfileError, match="--gpu-model or --power-limit"):
         profiles.resolve(None, levels=profiles.TraceLevels(90.0, 120.0))
@@ -103,8 +103,8 @@ def test_bands_hold_by_model_by_limit_and_from_the_trace_alone(levels, model, li
         if how == "limit":
             cfg = ReplayConfig(power_limit_w=limit)
         [job], _ = book_trace(tr.samples, tr.events, cfg)
-        src = {"model": "model", "limit": "power-limit", "trace": "trace"}[how]
-        assert job.profile_source == src
+        src = f"derived_from_{how}"
+        assert (job.profile.provenance or {}).get("derived_from", job.profile_source) == src
         got = agreement(job.band_result.band, tr)
         assert got >= 0.99, (model, how, got, job.profile)
         # Idle with a CUDA context (a TITAN X at 87-95 W, 35-38% of its limit) is idle.
@@ -131,7 +131,8 @@ def test_the_cli_says_where_the_profile_came_from(cli, tmp_path):
     r = cli("replay", "--samples", f"node0={a}", "--format", "json", "--timeline", out)
     assert r.returncode == 0, r.stderr
     prof = json.loads(r.stdout)["jobs"]["trace"]["profile"]
-    assert prof["source"] == "trace" and prof["calibrated"] is False
+    assert prof["source"] == "learned_idle" and prof["derived_from"] == "derived_from_trace"
+    assert prof["calibrated"] is False
     assert prof["learned_idle_w"] == pytest.approx(58, abs=3)
     assert "derived from the trace's own levels" in r.stderr and "--gpu-model or --power-limit" in r.stderr
     import csv

@@ -16,23 +16,12 @@ from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
 from costexporter.trainer.reporter import send_entries
 
+from .agent_rounds import replay_agent, tick
 from .test_agent import event_entry, post_events
 
 
 def _agent(b: TraceBuilder, prefix: str, **kw) -> tuple[Agent, list[float]]:
-    now = [0.0]
-    agent = Agent(
-        ReplaySource(b.samples(), speed=1.0, clock=lambda: now[0]),
-        AgentConfig(prefix=prefix, agent_id="wide", **kw),
-    )
-    return agent, now
-
-
-def _tick(agent: Agent, now: list[float], dt: float) -> None:
-    now[0] += dt
-    for r in agent.source.read():
-        agent.sampler._buf.append(r)
-    agent.tick()
+    return replay_agent(b, prefix=prefix, agent_id="wide", **kw)
 
 
 def _counting(agent: Agent) -> list[int]:
@@ -52,23 +41,23 @@ def test_discovery_runs_when_a_register_arrives_not_every_round(shared, prefix):
     b.stretch("compute", 400)
     agent, now = _agent(b, prefix, job_refresh_s=3600)
     calls = _counting(agent)
-    _tick(agent, now, 30)
+    tick(agent, now, 30)
     assert len(calls) == 1 and not agent.jobs  # the first round looks
     for _ in range(4):
-        _tick(agent, now, 10)
+        tick(agent, now, 10)
     settled = len(calls)
     assert settled == 1  # nothing registered: no discovery, whatever `job_refresh_s`
     reg = TraceBuilder(n_gpus=2, per_host=2, job="late-reg", seed=3)
     post_events(shared, prefix, reg)  # the trainer's batch moves the registrations counter
-    _tick(agent, now, 10)
+    tick(agent, now, 10)
     assert len(calls) == settled + 1 and set(agent.jobs["late-reg"].own) == {0, 1}
     for _ in range(3):
-        _tick(agent, now, 10)
+        tick(agent, now, 10)
     # Once more the round after (on a cluster the counter may land before the `:ranks` write).
     assert len(calls) == settled + 2
     # Redis lost the counter (a restart, a flush): discovery runs again rather than trusting it.
     shared.delete(keys.registrations_key(prefix))
-    _tick(agent, now, 10)
+    tick(agent, now, 10)
     assert len(calls) == settled + 3
 
 
@@ -79,17 +68,17 @@ def test_a_register_written_without_the_counter_is_found_by_the_periodic_refresh
     agent, now = _agent(b, prefix, job_refresh_s=3600)
     calls = _counting(agent)
     for _ in range(3):
-        _tick(agent, now, 10)
+        tick(agent, now, 10)
     assert len(calls) == 1  # settled
     reg = TraceBuilder(n_gpus=2, per_host=2, job="old-client", seed=4)
     for e in reg.events:
         shared.hset(keys.ranks_key(prefix, e.job), str(e.rank), json.dumps(event_entry(e)))
     shared.zadd(keys.jobs_key(prefix), {"old-client": reg.events[0].ts})
     for _ in range(3):
-        _tick(agent, now, 10)
+        tick(agent, now, 10)
     assert len(calls) == 1 and not agent.jobs
     agent.cfg.job_refresh_s = 0.0  # the safety net's period has passed
-    _tick(agent, now, 10)
+    tick(agent, now, 10)
     assert set(agent.jobs["old-client"].own) == {0, 1}
 
 
@@ -100,7 +89,7 @@ def test_a_job_on_one_host_publishes_no_samples_until_a_rank_registers_elsewhere
     post_events(shared, prefix, b)
     agent, now = _agent(b, prefix, job_refresh_s=3600)
     for _ in range(4):
-        _tick(agent, now, 60)
+        tick(agent, now, 60)
     host = agent.host
     stream = keys.samples_key(prefix, b.job, host)
     assert agent.stats["rounds"] > 0 and not shared.exists(stream)
@@ -117,7 +106,7 @@ def test_a_job_on_one_host_publishes_no_samples_until_a_rank_registers_elsewhere
     }
     other.pop("gpu_uuid", None)
     send_entries(shared, prefix, b.job, [other])
-    _tick(agent, now, 10)
+    tick(agent, now, 10)
     entries = shared.xrange(stream)
     assert len(entries) == 1
     ts = samplewin.decode_entry(entries[0][1])[1].tolist()
@@ -138,9 +127,7 @@ def test_a_counter_the_acl_refuses_does_not_fail_the_trainer(tmp_path):
         reg = TraceBuilder(n_gpus=1, per_host=1, job="j", seed=6)
         out = send_entries(trainer, "p", "j", [event_entry(e) for e in reg.events])
         assert not out.failed and not out.side_failed and out.counter_failed is not None
-        assert (
-            admin.hlen(keys.ranks_key("p", "j")) == 1 and admin.xlen(keys.stream_key("p", "j")) == 1
-        )
+        assert admin.hlen(keys.ranks_key("p", "j")) == 1 and admin.xlen(keys.stream_key("p", "j")) == 1
     finally:
         srv.kill()
 
@@ -153,11 +140,11 @@ def test_gpus_the_source_finds_late_run_discovery_again(shared, prefix):
     agent, now = _agent(b, prefix, job_refresh_s=3600)
     real = agent.source.gpus
     agent.source.gpus = lambda: []  # type: ignore[method-assign]
-    _tick(agent, now, 30)
-    _tick(agent, now, 10)
+    tick(agent, now, 30)
+    tick(agent, now, 10)
     assert not agent.jobs
     agent.source.gpus = real  # type: ignore[method-assign]
-    _tick(agent, now, 10)
+    tick(agent, now, 10)
     assert set(agent.jobs["late-gpus"].own) == {0, 1}
 
 
@@ -197,7 +184,7 @@ def test_one_discovery_knows_every_rank_of_a_job_whatever_order_the_ranks_hash_g
     )
     calls = _counting(agent)
     for _ in range(3):
-        _tick(agent, now, 20)
+        tick(agent, now, 20)
     job = agent.jobs["order"]
     assert len(calls) == 1  # no second look: the first one had to see it all
     assert set(job.ranks) == {0, 1, 2, 3} and set(job.own) == ({0, 1} if host == "node0" else {2, 3})

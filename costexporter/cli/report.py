@@ -106,13 +106,19 @@ def progress_notes(report: dict, progress: str) -> list[str]:
     ]
 
 
+def from_trace(profile: dict) -> bool:
+    """Whether a report's profile was derived from the trace's own levels (its idle edges may
+    since have moved to the learned idle: `derived_from` keeps the origin)."""
+    return profile.get("derived_from", profile.get("source")) == "derived_from_trace"
+
+
 def profile_notes(report: dict) -> list[str]:
     """One line per job banded with a profile derived from the trace's own levels: no model and
     no limit named it, so the user knows what the bands stand on and how to pin them."""
     out = []
     for job, j in report["jobs"].items():
         p = j["profile"]
-        if p.get("source") != "trace":
+        if not from_trace(p):
             continue
         idle = p.get("learned_idle_w")
         out.append(
@@ -189,7 +195,7 @@ def to_table(report: dict) -> str:
         console.print(
             f"[bold]job {job}[/]  profile {prof['name']}"
             + ("" if prof["calibrated"] else " (uncalibrated)")
-            + (" (from the trace's own levels)" if prof.get("source") == "trace" else "")
+            + (" (from the trace's own levels)" if from_trace(prof) else "")
             + f"  {j['gpu_hours_total']:.2f} GPU-h  {len(j['gpus'])} GPUs"
             + ("  booked by band alone" if j.get("booked_by") == "band" else "")
         )

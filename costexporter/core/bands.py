@@ -179,9 +179,17 @@ def classify(
     # Every sample is classified from its own reading; the job-level signatures of its moment
     # are laid over it (so a grid step can hold two bands, by duration).
     band, s_mid = _reading_bands(power_w, util_pct, profile)
-    band[s_mid & starv[col]] = Band.STARVATION
-    band[dead[col]] = Band.DEADLOCK
-    band[ckpt[col]] = Band.CHECKPOINT
+    # The moment's signature, one gather for all three (a checkpoint over a deadlock over
+    # starvation, as they are laid in that order).
+    sig = np.zeros(n_cols, np.int8)
+    sig[starv] = 1
+    sig[dead] = 2
+    sig[ckpt] = 3
+    if sig.any():
+        at = sig[col]
+        band[s_mid & (at == 1)] = Band.STARVATION
+        band[at == 2] = Band.DEADLOCK
+        band[at == 3] = Band.CHECKPOINT
 
     straggler = None
     if starv.any():
@@ -444,8 +452,15 @@ def moments(rank: np.ndarray, ts_ms: np.ndarray, cell: int) -> np.ndarray:
     the next cell when that one is free for its rank, where the rest of its instant is.
     """
     pre = ts_ms[:200_001] % cell
-    ang = pre * (2 * np.pi / cell)
-    phase = float(np.arctan2(np.sin(ang).mean(), np.cos(ang).mean())) * cell / (2 * np.pi)
+    if cell <= pre.size:  # the stamps' phases counted, each angle's sine and cosine taken once
+        k = np.bincount(pre, minlength=cell)
+        at = np.flatnonzero(k)
+        ang = at * (2 * np.pi / cell)
+        w = k[at] / pre.size
+        phase = float(np.arctan2((np.sin(ang) * w).sum(), (np.cos(ang) * w).sum())) * cell / (2 * np.pi)
+    else:
+        ang = pre * (2 * np.pi / cell)
+        phase = float(np.arctan2(np.sin(ang).mean(), np.cos(ang).mean())) * cell / (2 * np.pi)
     off = round(phase) - cell // 2
     tick = (ts_ms - off) // cell
     tick -= tick.min()

@@ -925,7 +925,7 @@ def book(
         np.clip(np.concatenate(cut_t), NEG_INF // 2, POS_INF // 2),
     )
     s, seg = _cut(s, timeline.bounds)
-    regime = timeline.regime[seg].copy()
+    regime = timeline.regime[seg]  # a gather: already a copy of its own
     for g, a, b in overlays:
         mine = s.gpu == g
         j = np.searchsorted(a, s.start_ms[mine], "right") - 1
@@ -940,7 +940,11 @@ def book(
         outside = (s.start_ms < member_start_ms[s.gpu]) | (s.start_ms >= member_end_ms[s.gpu])
         regime[outside] = Regime.UNASSIGNED
     # CATEGORY_TABLE[regime, band + 1] as one flat take.
-    category = np.take(CATEGORY_TABLE.ravel(), regime.astype(np.intp) * (len(Band) + 1) + s.band + 1)
+    at = regime.astype(np.intp)  # built in place: one array, not one per operation
+    at *= len(Band) + 1
+    at += s.band
+    at += 1
+    category = np.take(CATEGORY_TABLE.ravel(), at)
     return Pieces(s.gpu, s.start_ms, s.end_ms, s.band, category, s.energy_mj)
 
 

@@ -33,6 +33,11 @@ def zero_util_ranks(
     )
 
 
+def _present(gpu: np.ndarray) -> list[int]:
+    """The distinct GPU indices of `gpu`, ascending (small non-negative ints: a count, not a sort)."""
+    return np.flatnonzero(np.bincount(gpu)).tolist() if gpu.size else []
+
+
 def extend_incidents(
     open_: dict[str, Incident],
     pieces: Pieces,
@@ -54,7 +59,7 @@ def extend_incidents(
             int(pieces.start_ms[sel].min()),
             int(pieces.end_ms[sel].max()),
             int(pieces.gpu_ms[sel].sum()),
-            sorted({int(own_ranks[g]) for g in np.unique(pieces.gpu[sel]).tolist()}),
+            sorted({int(own_ranks[g]) for g in _present(pieces.gpu[sel])}),
             zero_util_ranks(pieces, sel, signatures or [], tol_ms),
             host,
             tol_ms,

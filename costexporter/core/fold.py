@@ -727,9 +727,9 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict[str, Any] | None = None)
     return _MAGIC + zlib.compress(len(body).to_bytes(8, "little") + body + stack, 1)
 
 
-def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, dict[str, Any]]:
-    """A fold stored by `dump_fold` and its `extra`; FoldFormatError if it is not one this version
-    wrote for this job and booking configuration (its owner rebuilds from the stream)."""
+def _read_head(data: bytes, cfg: BookingConfig, job: str) -> tuple[dict[str, Any], bytes]:
+    """A stored fold's JSON header, checked to be this version's for this job and booking
+    configuration, and the step stack's bytes after it."""
     import json
     import zlib
 
@@ -745,9 +745,57 @@ def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, 
         raise FoldFormatError(f"format {head.get('v') if isinstance(head, dict) else '?'}, not {FOLD_FORMAT}")
     if head.get("job") != job or head.get("cfg") != cfg_fingerprint(cfg):
         raise FoldFormatError("another job or booking configuration")
+    return head, raw[8 + n :]
+
+
+def _run_allow_in(head: dict[str, Any], allow: Allowances, cfg: BookingConfig) -> Allowances:
+    """The run's own allowances; a fold stored before the run's startup was learned apart kept
+    it in the job's `startup`: moved over."""
+    if "run_allow" in head:
+        return _allow_in(head["run_allow"], cfg)
+    run_allow = Allowances(cfg)
+    if RUN_STARTUP in allow._durations:
+        run_allow._durations[RUN_STARTUP] = allow._durations.pop(RUN_STARTUP)
+    if RUN_STARTUP in allow._history:
+        run_allow._history[RUN_STARTUP] = allow._history.pop(RUN_STARTUP)
+    return run_allow
+
+
+def _scalars_in(w: _Walk, sc: list[Any]) -> None:
+    if len(sc) != 10:
+        raise FoldFormatError("corrupted: scalars")
+    w.step_base, w.tokens_before, w.n_steps, w.valid_tokens = (int(x) for x in sc[:4])
+    w.startup_allow, w.anchor, w.startup_from = int(sc[5]), int(sc[6]), int(sc[8])
+    last_ts, in_startup, ended = sc[4], sc[7], sc[9]
+    w.last_ts = None if last_ts is None else int(last_ts)
+    w.in_startup, w.ended = bool(in_startup), bool(ended)
+
+
+def _walk_in(w: _Walk, head: dict[str, Any], stack: bytes, k: int, cfg: BookingConfig) -> None:
+    """The walk's bounded state and its valid step stack (`k` records), from a stored fold."""
+    w.allow = _allow_in(head["allow"], cfg)
+    w.run_allow = _run_allow_in(head, w.allow, cfg)
+    w.p0 = _phases_in(head["p0"], w.allow)
+    w.pr = {int(r): _phases_in(ph, _allow_in(al, cfg)) for r, (al, ph) in head["pr"].items()}
+    w.seg_start, w.seg_regime, w.seg_step = ([int(v) for v in s] for s in head["seg"])
+    w.steps = [_rec_in(s) for s in head["steps"]]  # type: ignore[misc]
+    _scalars_in(w, head["scalars"])
+    w.last_step = _rec_in(head["last_step"])
+    w.voided = [(int(i), _rec_in(r), None if p is None else int(p)) for i, r, p in head["voided"]]  # type: ignore[misc]
+    w.resumes = [(int(a), int(b), int(c)) for a, b, c in head["resumes"]]
+    w.ckpts.extend((int(st), int(rec)) for st, rec in head["ckpts"])
+    w.durations = deque((int(d) for d in head["durations"]), maxlen=cfg.stall_window)
+    for j, a in enumerate(w._stack() if k else ()):
+        vals = np.cumsum(np.frombuffer(stack, "<i8", count=k, offset=j * 8 * k))
+        a.frombytes(vals.astype(np.int64).tobytes())
+
+
+def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, dict[str, Any]]:
+    """A fold stored by `dump_fold` and its `extra`; FoldFormatError if it is not one this version
+    wrote for this job and booking configuration (its owner rebuilds from the stream)."""
+    head, stack = _read_head(data, cfg, job)
     try:
         k = int(head["n_valid"])
-        stack = raw[8 + n :]
         if len(stack) != 5 * 8 * k:
             raise FoldFormatError("truncated step stack")
         f = TimelineFold(cfg, int(head["start_ms"]))
@@ -757,36 +805,7 @@ def load_fold(data: bytes, cfg: BookingConfig, job: str) -> tuple[TimelineFold, 
         f.folded = int(head["folded"])
         f.pending = [_ev_in(e, job) for e in head["pending"]]
         f.run0 = [_ev_in(e, job) for e in head["run0"]]
-        w = f.w
-        w.allow = _allow_in(head["allow"], cfg)
-        if "run_allow" in head:
-            w.run_allow = _allow_in(head["run_allow"], cfg)
-        else:  # stored before the run's startup learned apart: its `startup` was the run's own
-            w.run_allow = Allowances(cfg)
-            if RUN_STARTUP in w.allow._durations:
-                w.run_allow._durations[RUN_STARTUP] = w.allow._durations.pop(RUN_STARTUP)
-            if RUN_STARTUP in w.allow._history:
-                w.run_allow._history[RUN_STARTUP] = w.allow._history.pop(RUN_STARTUP)
-        w.p0 = _phases_in(head["p0"], w.allow)
-        w.pr = {int(r): _phases_in(ph, _allow_in(al, cfg)) for r, (al, ph) in head["pr"].items()}
-        w.seg_start, w.seg_regime, w.seg_step = ([int(v) for v in s] for s in head["seg"])
-        w.steps = [_rec_in(s) for s in head["steps"]]  # type: ignore[misc]
-        sc = head["scalars"]
-        if len(sc) != 10:
-            raise FoldFormatError("corrupted: scalars")
-        w.step_base, w.tokens_before, w.n_steps, w.valid_tokens = (int(x) for x in sc[:4])
-        w.startup_allow, w.anchor, w.startup_from = int(sc[5]), int(sc[6]), int(sc[8])
-        last_ts, in_startup, ended = sc[4], sc[7], sc[9]
-        w.last_ts = None if last_ts is None else int(last_ts)
-        w.in_startup, w.ended = bool(in_startup), bool(ended)
-        w.last_step = _rec_in(head["last_step"])
-        w.voided = [(int(i), _rec_in(r), None if p is None else int(p)) for i, r, p in head["voided"]]  # type: ignore[misc]
-        w.resumes = [(int(a), int(b), int(c)) for a, b, c in head["resumes"]]
-        w.ckpts.extend((int(st), int(rec)) for st, rec in head["ckpts"])
-        w.durations = deque((int(d) for d in head["durations"]), maxlen=cfg.stall_window)
-        for j, a in enumerate(w._stack() if k else ()):
-            vals = np.cumsum(np.frombuffer(stack, "<i8", count=k, offset=j * 8 * k))
-            a.frombytes(vals.astype(np.int64).tobytes())
+        _walk_in(f.w, head, stack, k, cfg)
     except FoldFormatError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:

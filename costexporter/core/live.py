@@ -339,12 +339,14 @@ class LedgerDelta:
     step_members: tuple[dict[str, float], dict[str, float]] | None = None
 
 
-def valid_amounts(prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray) -> np.ndarray:
+def valid_amounts(
+    prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray, price: float
+) -> np.ndarray:
     """[category, (ms, mJ, micro-cost)] of the valid categories only."""
     a = zeros()
     ms_c = np.bincount(cat, weights=ms, minlength=N_CAT)
     mj_c = np.bincount(cat, weights=mj, minlength=N_CAT)
-    cost = prices.cost(ms_c, mj_c, np.arange(N_CAT))
+    cost = prices.cost(ms_c, mj_c, np.arange(N_CAT), price_per_gpu_hour=price)
     a[:, 0] = np.round(ms_c)
     a[:, 1] = np.round(mj_c)
     a[:, 2] = np.round(cost * 1e6)
@@ -390,7 +392,7 @@ def index_drops(applied: set[int], new: set[int]) -> set[int]:
     return {j for i in new for j in (i - 1, i) if j >= 0 and j in applied and j + 1 in applied}
 
 
-def cost_after(pieces: Pieces, ref_ms: int, prices: Prices) -> int:
+def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int:
     """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
     progress point, for the "cost slope without steps" alert's annotation."""
     after = pieces.end_ms > ref_ms
@@ -402,8 +404,105 @@ def cost_after(pieces: Pieces, ref_ms: int, prices: Prices) -> int:
     mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
     cat = pieces.category[after].astype(np.int64)
     ms = shares.gpu_ms(start, end, None if pieces.lanes is None else pieces.lanes[after])
-    cost = prices.cost(ms.astype(float), mj, cat)
+    cost = prices.cost(ms.astype(float), mj, cat, price_per_gpu_hour=price)
     return round(float(np.sum(cost)) * 1e6)
+
+
+def _index_entries(
+    state: JobState, res: WindowResult, prices: Prices, price: float
+) -> tuple[dict[int, list[int]], np.ndarray]:
+    """The rollback index entries of the step records booked this round (cumulative valid amounts
+    at each), and the cumulative valid amounts after the round."""
+    tl, p = res.timeline, res.pieces
+    index_new: dict[int, list[int]] = {}
+    vp = np.isin(p.category, VALID)
+    vp_start, vp_end, vp_cat, vp_mj = p.start_ms[vp], p.end_ms[vp], p.category[vp], p.energy_mj[vp]
+    vp_lanes = None if p.lanes is None else p.lanes[vp]
+    for i, rec in enumerate(tl.steps, tl.step_base):
+        if state.booked_until < rec.ts_ms <= res.horizon_ms and i not in state.rb_index:
+            cut = np.clip(np.minimum(vp_end, rec.ts_ms), vp_start, None)
+            frac = np.divide(
+                cut - vp_start, vp_end - vp_start, out=np.zeros(cut.size), where=vp_end > vp_start
+            )
+            upto = shares.gpu_ms(vp_start, cut, vp_lanes)
+            index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac, price))
+    new_cum = state.cum + valid_amounts(
+        prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj, price
+    )
+    return index_new, new_cum
+
+
+def _new_voids(tl: Timeline, applied: set[int], job_start_ms: int) -> list[tuple[int, Any, int]]:
+    """The voided step records not applied yet: (index, record, its predecessor's time)."""
+    if tl.summary is not None:  # folded: every voided record, with its predecessor's time
+        return [
+            (i, rec, job_start_ms if prev is None else prev)
+            for i, rec, prev in tl.summary.voided
+            if i not in applied
+        ]
+    return [
+        (i, rec, tl.steps[i - 1].ts_ms if i > 0 else job_start_ms)
+        for i, rec in enumerate(tl.steps)
+        if rec.voided and i not in applied
+    ]
+
+
+@dataclass
+class _Voids:
+    """What a round's resumes move: valid amounts to rolled_back, the spans they held."""
+
+    moved: np.ndarray
+    applied: set[int]
+    spans: list[tuple[int, int]]  # the newly voided steps that held booked valid time
+    unreachable: int  # voided records whose index entries were pruned: their move is left out
+
+
+def _apply_voids(
+    state: JobState, tl: Timeline, index: dict[int, list[int]], new_cum: np.ndarray, job_start_ms: int
+) -> _Voids:
+    """Resumes: valid amounts already booked in steps that are now voided move to rolled_back."""
+    out = _Voids(zeros(), set(state.rb_applied), [], 0)
+    for i, rec, prev_ts in _new_voids(tl, out.applied, job_start_ms):
+        out.applied.add(i)
+        part = voided_part(i, index, new_cum, state.booked_until, prev_ts, state.rb_floor)
+        if part is None:
+            out.unreachable += 1
+            continue
+        out.moved += part
+        if part[VALID, 0].sum() > 0:
+            out.spans.append((max(int(prev_ts), job_start_ms), min(rec.ts_ms, state.booked_until)))
+    return out
+
+
+def _pruned_index(
+    state: JobState, tl: Timeline, index: dict[int, list[int]], applied: set[int]
+) -> tuple[dict[int, list[int]], set[int], int]:
+    """(the index kept, the entries dropped, the new floor): entries no resume can read again,
+    both records around them voided, or below the oldest checkpoint a resume can reach."""
+    drops = index_drops(applied, applied - state.rb_applied)
+    floor = state.rb_floor
+    if tl.rollback_floor is not None and tl.rollback_floor > floor:
+        drops |= set(range(floor, tl.rollback_floor))
+        floor = tl.rollback_floor
+    return {k: v for k, v in index.items() if k not in drops and k >= floor}, drops, floor
+
+
+def _held(
+    state: JobState,
+    horizon_ms: int,
+    booked_until: int,
+    own_ranks: np.ndarray,
+    member_end_ms: np.ndarray | None,
+) -> tuple[dict[int, int], dict[int, int]]:
+    """(how far each rank's GPU is booked, where each behind rank caught up to)."""
+    caught_up = {r: max(v, horizon_ms) for r, v in state.behind.items()}
+    held = dict(state.held)
+    ends = member_end_ms.tolist() if member_end_ms is not None else [POS_INF] * own_ranks.size
+    for r, end in zip(own_ranks.tolist(), ends, strict=True):
+        reach = min(caught_up.get(r, booked_until), int(end))  # a behind rank: where it caught up to
+        if reach > held.get(r, NEG_INF):
+            held[r] = reach
+    return held, caught_up
 
 
 def ledger_delta(
@@ -411,6 +510,7 @@ def ledger_delta(
     res: WindowResult,
     *,
     prices: Prices,
+    price: float,
     own_ranks: np.ndarray,
     member_start_ms: np.ndarray,
     job_start_ms: int,
@@ -424,111 +524,60 @@ def ledger_delta(
     amounts, rollback corrections and index entries, step/void records, incidents, figures and
     the next state. Pure: the agent commits it with its watermark in one compare-and-set."""
     tl, p = res.timeline, res.pieces
-    by_bucket = amounts(p, prices, bucket_s)
+    by_bucket = amounts(p, prices, price, bucket_s)
     booked = sum(by_bucket.values(), zeros())
-
-    # Rollback index: cumulative valid amounts at each step record booked this round.
-    index_new: dict[int, list[int]] = {}
-    vp = np.isin(p.category, VALID)
-    vp_start, vp_end, vp_cat, vp_mj = p.start_ms[vp], p.end_ms[vp], p.category[vp], p.energy_mj[vp]
-    vp_lanes = None if p.lanes is None else p.lanes[vp]
-    for i, rec in enumerate(tl.steps, tl.step_base):
-        if state.booked_until < rec.ts_ms <= res.horizon_ms and i not in state.rb_index:
-            cut = np.clip(np.minimum(vp_end, rec.ts_ms), vp_start, None)
-            frac = np.divide(
-                cut - vp_start, vp_end - vp_start, out=np.zeros(cut.size), where=vp_end > vp_start
-            )
-            upto = shares.gpu_ms(vp_start, cut, vp_lanes)
-            index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac))
-    new_cum = state.cum + valid_amounts(prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj)
-
+    index_new, new_cum = _index_entries(state, res, prices, price)
     # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
     index = {**state.rb_index, **index_new}
-    moved = zeros()
-    applied = set(state.rb_applied)
-    spans: list[tuple[int, int]] = []  # the newly voided steps that held booked valid time
-    if tl.summary is not None:  # folded: every voided record, with its predecessor's time
-        voided = [
-            (i, rec, job_start_ms if prev is None else prev)
-            for i, rec, prev in tl.summary.voided
-            if i not in applied
-        ]
-    else:
-        voided = [
-            (i, rec, tl.steps[i - 1].ts_ms if i > 0 else job_start_ms)
-            for i, rec in enumerate(tl.steps)
-            if rec.voided and i not in applied
-        ]
-    unreachable = 0  # voided records whose index entries were pruned: their move is left out
-    for i, rec, prev_ts in voided:
-        applied.add(i)
-        part = voided_part(i, index, new_cum, state.booked_until, prev_ts, state.rb_floor)
-        if part is None:
-            unreachable += 1
-            continue
-        moved += part
-        if part[VALID, 0].sum() > 0:
-            spans.append((max(int(prev_ts), job_start_ms), min(rec.ts_ms, state.booked_until)))
-    # Entries no resume can read again: both records around them voided, or below the oldest
-    # checkpoint a resume can reach.
-    drops = index_drops(applied, applied - state.rb_applied)
-    floor = state.rb_floor
-    if tl.rollback_floor is not None and tl.rollback_floor > floor:
-        drops |= set(range(floor, tl.rollback_floor))
-        floor = tl.rollback_floor
-    index = {k: v for k, v in index.items() if k not in drops and k >= floor}
+    v = _apply_voids(state, tl, index, new_cum, job_start_ms)
+    index, drops, floor = _pruned_index(state, tl, index, v.applied)
     rolled = zeros()
-    rolled[Category.ROLLED_BACK] = moved[VALID].sum(0)
+    rolled[Category.ROLLED_BACK] = v.moved[VALID].sum(0)
 
     since_cost = (state.since_cost if last_progress_ms == state.since_ref_ms else 0) + cost_after(
-        p, last_progress_ms, prices
+        p, last_progress_ms, prices, price
     )
     incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
-    if spans:
-        end = max(b for _, b in spans)
+    if v.spans:
+        end = max(b for _, b in v.spans)
         ranks = [int(r) for r, t in zip(own_ranks.tolist(), member_start_ms.tolist(), strict=True) if t < end]
-        gpu_ms = int(moved[VALID, 0].sum())
-        incidents = extend_rolled_back(incidents, spans, gpu_ms, ranks, host, incident_tol_ms)
+        gpu_ms = int(v.moved[VALID, 0].sum())
+        incidents = extend_rolled_back(incidents, v.spans, gpu_ms, ranks, host, incident_tol_ms)
     booked_until = max(state.booked_until, res.horizon_ms)
-    caught_up = {r: max(v, res.horizon_ms) for r, v in state.behind.items()}
-    held = dict(state.held)
-    ends = member_end_ms.tolist() if member_end_ms is not None else [POS_INF] * own_ranks.size
-    for r, end in zip(own_ranks.tolist(), ends, strict=True):
-        reach = min(caught_up.get(r, booked_until), int(end))  # a behind rank: where it caught up to
-        if reach > held.get(r, NEG_INF):
-            held[r] = reach
+    held, caught_up = _held(state, res.horizon_ms, booked_until, own_ranks, member_end_ms)
     nxt = JobState(
         booked_until=booked_until,
         cum=new_cum,
         booked=state.booked + booked + rolled,
-        voided=state.voided + moved,
+        voided=state.voided + v.moved,
         rb_index=index,
-        rb_applied=applied,
+        rb_applied=v.applied,
         rb_floor=floor,
         incidents=incidents,
         starts=dict(state.starts),
-        behind={r: v for r, v in caught_up.items() if v < booked_until},
+        behind={r: t for r, t in caught_up.items() if t < booked_until},
         held=held,
         since_ref_ms=last_progress_ms,
         since_cost=since_cost,
         win=state.win,
         win_next=res.next_window or state.win_next,
     )
+    new_voids = v.applied - state.rb_applied
     return LedgerDelta(
         by_bucket=by_bucket,
-        moved=moved,
+        moved=v.moved,
         rolled=rolled,
         correction_bucket=res.horizon_ms // 1000 // bucket_s * bucket_s,
-        index_new={k: v for k, v in index_new.items() if k not in drops and k >= floor},
+        index_new={k: e for k, e in index_new.items() if k not in drops and k >= floor},
         index_drops=drops,
-        unreachable_voids=unreachable,
-        voids=applied - state.rb_applied,
+        unreachable_voids=v.unreachable,
+        voids=new_voids,
         incidents=incidents,
         figures=job_figures(tl),
         at_risk_ms=at_risk_ms(tl, res.horizon_ms, member_start_ms),
         state=nxt,
         step_members=(
-            folded_step_members(tl, state.booked_until, res.horizon_ms, applied - state.rb_applied)
+            folded_step_members(tl, state.booked_until, res.horizon_ms, new_voids)
             if tl.summary is not None
             else None
         ),

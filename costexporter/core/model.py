@@ -82,6 +82,9 @@ class GpuId:
     # A recorded trace's own idle level for this GPU (learned over the whole trace; a live source
     # learns it as it reads): what a played-back trace gives the agent so it bands as replay does.
     idle_w: float | None = None
+    # `power_limit_w` is a recorded trace's own estimate (`profiles.from_trace`), not a reading:
+    # a profile derived from it says `derived_from_trace`.
+    limit_from_trace: bool = False
 
 
 class GpuIndex:

@@ -27,6 +27,12 @@ class ProfileError(ValueError):
     """A profile file or model name that cannot be used."""
 
 
+# The utilization edges of every derived profile: they do not depend on the GPU model, so a
+# judge that has no profile (no model, no limit) can still tell ~0% from ~100% by them.
+BUSY_UTIL_PCT = 80.0
+ZERO_UTIL_PCT = 10.0
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
@@ -34,8 +40,8 @@ class Profile:
     idle_max_w: float  # at or below: idle power
     low_max_w: float  # below: "only a little above idle" (deadlock / checkpoint waiters)
     compute_min_w: float  # at or above: matmul-bound compute
-    busy_util_pct: float = 80.0  # at or above: the "~100%" of R2
-    zero_util_pct: float = 10.0  # at or below: the "~0%" of R2
+    busy_util_pct: float = BUSY_UTIL_PCT  # at or above: the "~100%" of R2
+    zero_util_pct: float = ZERO_UTIL_PCT  # at or below: the "~0%" of R2
     power_limit_w: float | None = None
     gpu_model: str | None = None  # the device name a fitted profile is for (matched by model key)
     centres: dict[str, float] | None = None  # fitted: each band's power centre (W)
@@ -129,8 +135,8 @@ def derive(power_limit_w: float, name: str = "derived") -> Profile:
         idle_max_w=IDLE_FRACTION * power_limit_w,
         low_max_w=LOW_FRACTION * power_limit_w,
         compute_min_w=COMPUTE_FRACTION * power_limit_w,
-        busy_util_pct=80.0,
-        zero_util_pct=10.0,
+        busy_util_pct=BUSY_UTIL_PCT,
+        zero_util_pct=ZERO_UTIL_PCT,
         power_limit_w=power_limit_w,
     )
 
@@ -230,8 +236,39 @@ def from_trace(levels: TraceLevels, name: str) -> Profile:
     return replace(p, provenance={"compute_level_w": round(c, 1), "estimated_power_limit_w": limit})
 
 
-# Where a profile came from, as the report names it.
-SOURCES = ("profile-file", "fitted", "built-in", "power-limit", "model", "trace")
+# Where a profile came from: the replay report's `profile.source`, the `source` label of
+# costexporter_gpu_profile_info. `learned_idle`: a derived profile whose idle and low edges
+# follow the GPU's learned idle power (`learned`); what it was derived from is kept beside it.
+SOURCES = (
+    "file",  # --profile FILE
+    "calibrated",  # fitted by `costexporter calibrate`, found by model in the profile directory
+    "builtin",  # the built-in B300 table
+    "derived_from_limit",  # from a power limit (the flag, NVML's, the trace's column)
+    "derived_from_model",  # from a known model's board power limit
+    "derived_from_trace",  # from a trace's own levels: no model or limit anywhere
+    "learned_idle",  # one of the derived ones, its low edges at the learned idle power
+)
+
+
+def unknown_model(gpu_model: str) -> ProfileError:
+    """The one error for a model given by the operator that no table or fitted profile knows."""
+    return ProfileError(
+        f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE "
+        f"(known models: {known_models()})"
+    )
+
+
+def check_model(
+    gpu_model: str | None, power_limit_w: float | None = None, directory: str | Path | None = None
+) -> None:
+    """An operator's --gpu-model must be usable as given: a known model, a fitted profile of the
+    profile directory, or named together with --power-limit. Otherwise ProfileError
+    (`unknown_model`): every command stops at start with the same line, rather than deriving a
+    profile the operator did not ask for from whatever limit the GPU or trace reports."""
+    if not gpu_model or power_limit_w or _model_key(gpu_model) is not None:
+        return
+    if find(gpu_model, directory) is None:
+        raise unknown_model(gpu_model)
 
 
 def select(
@@ -255,45 +292,75 @@ def resolve(
     directory: str | Path | None = None,
     levels: TraceLevels | Callable[[], TraceLevels] | None = None,
 ) -> tuple[Profile, str]:
-    """The profile and where it came from (one of SOURCES), by the one rule replay, the agent and
-    the watcher share: the configured profile wins; else the model is the configured one
-    (`gpu_model`), the job's meta `gpu_model`, or the first GPU's name, and the limit the
-    configured one or the first GPU's that reports one. A fitted profile of `directory` for the
-    model comes first; then the built-in B300; then one derived from the limit, or from the
-    model's known limit. A model named in the configuration that is not known, with no limit,
-    is an error; a trace's own name that is not known, or no name at all, derives the profile
-    from the trace's `levels` when given (a function: called only then). Never another GPU's
-    profile in silence: without any of these, ProfileError naming --gpu-model and --power-limit."""
+    """The profile and where it came from (one of SOURCES), by the one rule serve (the agent),
+    watch (the watcher), replay, calibrate and the demo share.
+
+    The configured profile (--profile FILE) wins. Else the model is the operator's (`gpu_model`),
+    else the GPUs' own name (NVML's, the trace's `name` column), else the job's meta
+    `gpu_model`; the limit is the operator's (`power_limit_w`), else the first GPU's that reports
+    one. In order: a fitted profile of `directory` for the model; the built-in B300; a profile
+    derived from the limit; one derived from the model's known limit; one derived from the
+    trace's `levels` (a function: called only then). An operator's model that is not known and
+    comes without an operator's limit is an error (`check_model`), whatever limit the GPUs
+    report. Never another GPU's profile in silence: without any of these, ProfileError naming
+    --gpu-model and --power-limit."""
     if configured is not None:
-        return configured, "profile-file"
+        return configured, "file"
     gpus = list(gpus)
-    named = (meta or {}).get("gpu_model") or next((g.name for g in gpus if g.name), None)
+    named = next((g.name for g in gpus if g.name), None) or (meta or {}).get("gpu_model")
     model = gpu_model or (str(named) if named else None)
-    limit = power_limit_w or next((g.power_limit_w for g in gpus if g.power_limit_w), None)
+    reported = next((g for g in gpus if g.power_limit_w), None)
+    limit = power_limit_w or (reported.power_limit_w if reported is not None else None)
     fitted = find(model, directory)
     if fitted is not None:
-        return fitted, "fitted"
+        return fitted, "calibrated"
+    check_model(gpu_model, power_limit_w)
     key = _model_key(model) if model else None
     if key == "B300" and limit in (None, B300.power_limit_w):
-        return B300, "built-in"
+        return B300, "builtin"
     if limit:
-        return derive(limit, name=key or (model or "derived")), "power-limit"
+        estimated = not power_limit_w and reported is not None and reported.limit_from_trace
+        source = "derived_from_trace" if estimated else "derived_from_limit"
+        return derive(limit, name=key or (model or "derived")), source
     if key:
-        return derive(KNOWN_POWER_LIMITS_W[key], name=key), "model"
-    if gpu_model:
-        raise ProfileError(
-            f"unknown GPU model {gpu_model!r}: give --power-limit W or --profile FILE "
-            f"(known models: {known_models()})"
-        )
+        return derive(KNOWN_POWER_LIMITS_W[key], name=key), "derived_from_model"
     if levels is not None:
         if callable(levels):
             levels = levels()
-        return from_trace(levels, name=model or "derived"), "trace"
+        return from_trace(levels, name=model or "derived"), "derived_from_trace"
     what = f"unknown GPU model {model!r} and no power limit" if model else "no GPU model and no power limit"
     raise ProfileError(
         f"{what}: give --gpu-model or --power-limit (or --profile FILE); "
         "no other GPU's profile is used in its place"
     )
+
+
+def learned(profile: Profile, source: str, idle_w: float | None) -> tuple[Profile, str]:
+    """`with_idle` with the source it leaves: `learned_idle` when the learned idle power moved a
+    derived profile's edges (what it was derived from stays in its provenance, `derived_from`),
+    else the source unchanged."""
+    moved = with_idle(profile, idle_w)
+    if moved is profile:
+        return profile, source
+    prov = {**(moved.provenance or {}), "derived_from": source}
+    return replace(moved, provenance=prov), "learned_idle"
+
+
+def describe(profile: Profile, source: str) -> str:
+    """One line for a log: the profile and where it came from (for a derived one, what from).
+    The learned idle is left out: the line stays the same while the idle level is learned."""
+    prov = profile.provenance or {}
+    origin = str(prov.get("derived_from", source))
+    limit = f"{profile.power_limit_w:g} W" if profile.power_limit_w else "unknown"
+    what = {
+        "file": "from --profile",
+        "calibrated": "fitted by calibrate",
+        "builtin": "built-in, calibrated",
+        "derived_from_limit": f"derived from the power limit ({limit}), uncalibrated",
+        "derived_from_model": f"derived from the model's board limit ({limit}), uncalibrated",
+        "derived_from_trace": "derived from the trace's own levels, uncalibrated",
+    }.get(origin, origin)
+    return f"{profile.name} ({what})"
 
 
 def choose(

@@ -54,7 +54,6 @@ from costexporter.core.model import (
     Samples,
 )
 from costexporter.core.profiles import Profile
-from costexporter.core.terms import JobTerms, Policy, PolicyRule, job_terms
 
 # A part of the report (costexporter/schemas): a JSON document, so its values are Any.
 Report = dict[str, Any]
@@ -72,12 +71,6 @@ class ReplayConfig:
     # How progress is booked: "events" (steps and declared phases), "none" (by band alone), or
     # "auto": by events where the job has any progress event, by band alone where it has none.
     progress: str = "auto"
-    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
-    policy_rules: tuple[PolicyRule, ...] = ()
-
-    def policy(self) -> Policy:
-        """The operator's terms: the flags' thresholds and prices, the policy file's rules."""
-        return Policy(self.booking, self.prices, self.policy_rules)
 
 
 @dataclass(slots=True)
@@ -96,11 +89,10 @@ class JobResult:
     member_intervals: list[list[tuple[int, int]]]  # per job GPU: when it belonged to the job
     sample_range_ms: tuple[int, int] | None = None  # the job's first and last sample
     event_range_ms: tuple[int, int] | None = None  # the job's first and last event
-    profile_source: str = "profile-file"  # where the profile came from (profiles.SOURCES)
+    profile_source: str = "file"  # where the profile came from (profiles.SOURCES)
     rows: np.ndarray | None = None  # the trace's samples that are the job's, in order (None: all)
     member_gpus: np.ndarray | None = None  # the trace's GPU number of each job GPU
     booked_by: str = "steps"  # "steps": by progress events; "band": by band alone
-    terms: JobTerms | None = None  # what it was booked by (`terms.job_terms`)
 
 
 def register_matches(
@@ -235,61 +227,23 @@ def report_of(results: list[JobResult], unassigned: Report, cfg: ReplayConfig) -
 def book_trace(
     samples: Samples, events: list[Event], cfg: ReplayConfig, diag: Diagnostics | None = None
 ) -> tuple[list[JobResult], Report]:
-    """Every job of the trace booked (`JobResult`s) and the time no job held (`unassigned`)."""
+    bc = cfg.booking
     gpus, registered = register_matches(samples, events)
     events_by_job: dict[str, list[Event]] = {}
     for e in events:
         events_by_job.setdefault(e.job, []).append(e)
-    layout = _TraceLayout.of(samples, len(gpus))
-    registered = _bound_registers(registered, samples, gpus, layout.counts, layout.starts, diag)
-    jobs = _members(registered, samples, gpus, events_by_job, cfg)
-    next_claim = _next_claims(jobs)
-    policy = cfg.policy()
-    results: list[JobResult] = []
-    member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
-    for job, members in jobs.items():
-        r = _book_job(
-            job, members, events_by_job.get(job, []), samples, gpus, layout, next_claim, cfg, policy
-        )
-        gpus_of = r.member_gpus if r.member_gpus is not None else np.zeros(0, np.int64)
-        member_ivals += [
-            (int(g), a, b) for g, iv in zip(gpus_of, r.member_intervals, strict=True) for a, b in iv
-        ]
-        results.append(r)
-    return results, _unassigned(samples, len(gpus), layout.interval, member_ivals, cfg)
 
+    interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
+    n_g = len(gpus)
+    counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
+    starts = np.cumsum(counts) - counts
+    last_end = np.full(n_g, NEG_INF, np.int64)
+    has = counts > 0
+    if len(samples):
+        last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
+    registered = _bound_registers(registered, samples, gpus, counts, starts, diag)
 
-@dataclass(frozen=True, slots=True)
-class _TraceLayout:
-    """Where each GPU's samples lie in the trace (grouped by GPU, in time order) and when each
-    GPU's last sample's slice ends."""
-
-    interval: int
-    counts: np.ndarray
-    starts: np.ndarray
-    last_end: np.ndarray
-
-    @classmethod
-    def of(cls, samples: Samples, n_g: int) -> _TraceLayout:
-        interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
-        counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
-        starts = np.cumsum(counts) - counts
-        last_end = np.full(n_g, NEG_INF, np.int64)
-        has = counts > 0
-        if len(samples):
-            last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
-        return cls(interval, counts, starts, last_end)
-
-
-def _members(
-    registered: dict[str, dict[int, tuple[int, int]]],
-    samples: Samples,
-    gpus: list[GpuId],
-    events_by_job: dict[str, list[Event]],
-    cfg: ReplayConfig,
-) -> dict[str, list[tuple[int, int, int]]]:
-    """Jobs and their members, (rank, gpu, member_start): the registered ones, else one job
-    holding every GPU of the trace from its first sample."""
+    # Jobs and their members: (job, rank, gpu, member_start).
     jobs: dict[str, list[tuple[int, int, int]]] = {}
     if registered:
         for job, job_ranks in registered.items():
@@ -298,12 +252,8 @@ def _members(
         name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
         t0 = int(samples.ts_ms.min())
         jobs[name] = [(r, g, t0) for r, g in enumerate(range(len(samples.gpus)))]
-    return jobs
 
-
-def _next_claims(jobs: dict[str, list[tuple[int, int, int]]]) -> dict[tuple[str, int], int]:
-    """(job, gpu) -> when another job next registers the GPU (a GPU registered by a later job
-    leaves the earlier job then), from the job's first claim of it."""
+    # A GPU registered by a later job leaves the earlier job then.
     claims = sorted((t, g, job) for job, mem in jobs.items() for _, g, t in mem)
     claims_by_gpu: dict[int, list[tuple[int, str]]] = {}
     for t, g, job in claims:
@@ -311,113 +261,102 @@ def _next_claims(jobs: dict[str, list[tuple[int, int, int]]]) -> dict[tuple[str,
     next_claim: dict[tuple[str, int], int] = {}
     for g, gpu_claims in claims_by_gpu.items():
         for i, (_t, job) in enumerate(gpu_claims):
-            if (job, g) not in next_claim:
+            if (job, g) not in next_claim:  # from the job's first claim: the next other job's
                 later = (t2 for t2, j2 in gpu_claims[i + 1 :] if j2 != job)
                 next_claim[(job, g)] = next(later, POS_INF)
-    return next_claim
 
+    results: list[JobResult] = []
+    member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
+    for job, members in jobs.items():
+        jev = events_by_job.get(job, [])
+        meta: dict[str, Any] = {}
+        preflight: dict[str, Any] | None = None
+        for e in sorted(jev, key=lambda e: e.ts):
+            if e.type == "meta":
+                jobfacts.merge_meta(meta, e)
+            elif e.type == "preflight":
+                preflight = jobfacts.preflight_result(e)
+        member_gpus = np.asarray([g for _, g, _ in members], np.int64)
+        ranks = np.asarray([r for r, _, _ in members], np.int64)
+        start_ms = jobfacts.job_start_ms(t for _, _, t in members)
+        ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
+        end_ms = int(max(ev_end, last_end[member_gpus].max(initial=NEG_INF), start_ms))
+        booked_by = progress_of(jev, cfg.progress)
+        if booked_by == "band" and not is_stepless(jev):
+            # Booked by band alone, as a job declared stepless is: its steps say nothing here.
+            field_, value = STEPLESS_META
+            t_meta = min((e.ts for e in jev), default=start_ms / 1000)
+            jev_band = [e for e in jev if e.type != "step"]
+            jev_band.append(Event("meta", job, t_meta, 0, "replay", -1, {field_: value}))
+            timeline = build_timeline(jev_band, bc, start_ms, end_ms)
+        else:
+            timeline = build_timeline(jev, bc, start_ms, end_ms)
+        job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
 
-def _job_facts(jev: list[Event]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The job's merged meta and its gate result, from its events in time order."""
-    meta: dict[str, Any] = {}
-    preflight: dict[str, Any] | None = None
-    for e in sorted(jev, key=lambda e: e.ts):
-        if e.type == "meta":
-            jobfacts.merge_meta(meta, e)
-        elif e.type == "preflight":
-            preflight = jobfacts.preflight_result(e)
-    return meta, preflight
+        # Samples of member GPUs, renumbered 0..n-1 in member order (job-local GPU index).
+        local = np.full(n_g, -1, np.int64)
+        local[member_gpus] = np.arange(member_gpus.size)
+        # Samples stay grouped by GPU in time order; only the GPU numbers change.
+        rows = None
+        if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
+            lg = local[samples.gpu]
+            ts, pw, ut, en = samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj
+        else:
+            sel = local[samples.gpu] >= 0
+            rows = np.flatnonzero(sel)
+            lg = local[samples.gpu[sel]]
+            ts, pw, ut, en = (
+                a[sel] for a in (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
+            )
+        n_ranks = int(ranks.max()) + 1 if ranks.size else 0
+        member_gpu_list = [gpus[g] for g in member_gpus]
+        profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
+        br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, interval)
+        mem_start = np.asarray([t for _, _, t in members], np.int64)
+        mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
+        slices = make_slices(
+            lg,
+            ts,
+            pw,
+            en,
+            br.band,
+            member_gpus.size,
+            br.interval_ms,
+            mem_start,
+            mem_end,
+            bc.gap_intervals,
+        )
+        pieces = book(slices, timeline, ranks, mem_start, mem_end)
+        inside = pieces.category != Category.UNASSIGNED
+        if not inside.all():
+            pieces = pieces.take(inside)
+        act_start, act_end = active_intervals(timeline)
+        mem_ivals = [
+            intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
+        ]
+        member_ivals += [(int(g), a, b) for g, iv in zip(member_gpus, mem_ivals, strict=True) for a, b in iv]
+        results.append(
+            JobResult(
+                job,
+                member_gpu_list,
+                ranks,
+                pieces,
+                profile,
+                timeline,
+                meta,
+                br,
+                preflight,
+                mem_ivals,
+                (int(ts.min()), int(ts.max())) if ts.size else None,
+                (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
+                source,
+                rows,
+                member_gpus,
+                booked_by,
+            )
+        )
 
-
-def _job_timeline(
-    job: str, jev: list[Event], booked_by: str, bc: BookingConfig, start_ms: int, end_ms: int
-) -> Timeline:
-    """The job's booking timeline; booked by band alone, as a job declared stepless is, its
-    steps say nothing."""
-    if booked_by == "band" and not is_stepless(jev):
-        field_, value = STEPLESS_META
-        t_meta = min((e.ts for e in jev), default=start_ms / 1000)
-        jev_band = [e for e in jev if e.type != "step"]
-        jev_band.append(Event("meta", job, t_meta, 0, "replay", -1, {field_: value}))
-        return build_timeline(jev_band, bc, start_ms, end_ms)
-    return build_timeline(jev, bc, start_ms, end_ms)
-
-
-def _job_samples(
-    samples: Samples, member_gpus: np.ndarray, n_g: int
-) -> tuple[np.ndarray | None, tuple[np.ndarray, ...]]:
-    """The samples of the member GPUs, renumbered 0..n-1 in member order (job-local GPU index):
-    (their rows in the trace, None when the job holds every GPU), (lg, ts, power, util, energy).
-    Samples stay grouped by GPU in time order; only the GPU numbers change."""
-    local = np.full(n_g, -1, np.int64)
-    local[member_gpus] = np.arange(member_gpus.size)
-    cols = (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
-    if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
-        return None, (local[samples.gpu], *cols)
-    sel = local[samples.gpu] >= 0
-    return np.flatnonzero(sel), (local[samples.gpu[sel]], *(a[sel] for a in cols))
-
-
-def _book_job(
-    job: str,
-    members: list[tuple[int, int, int]],
-    jev: list[Event],
-    samples: Samples,
-    gpus: list[GpuId],
-    layout: _TraceLayout,
-    next_claim: dict[tuple[str, int], int],
-    cfg: ReplayConfig,
-    policy: Policy,
-) -> JobResult:
-    """One job booked on its own terms (`terms.job_terms`, as the agent and the watcher derive
-    them)."""
-    meta, preflight = _job_facts(jev)
-    member_gpus = np.asarray([g for _, g, _ in members], np.int64)
-    ranks = np.asarray([r for r, _, _ in members], np.int64)
-    rows, (lg, ts, pw, ut, en) = _job_samples(samples, member_gpus, len(gpus))
-    member_gpu_list = [gpus[g] for g in member_gpus]
-    profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
-    terms = job_terms(job, meta, policy, (t for _, _, t in members), profile=profile)
-    bc, start_ms = terms.booking, terms.start_ms
-    ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
-    end_ms = int(max(ev_end, layout.last_end[member_gpus].max(initial=NEG_INF), start_ms))
-    booked_by = progress_of(jev, cfg.progress)
-    timeline = _job_timeline(job, jev, booked_by, bc, start_ms, end_ms)
-    job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
-    n_ranks = int(ranks.max()) + 1 if ranks.size else 0
-    br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, layout.interval)
-    mem_start = np.asarray([t for _, _, t in members], np.int64)
-    mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
-    slices = make_slices(
-        lg, ts, pw, en, br.band, member_gpus.size, br.interval_ms, mem_start, mem_end, bc.gap_intervals
-    )
-    pieces = book(slices, timeline, ranks, mem_start, mem_end)
-    inside = pieces.category != Category.UNASSIGNED
-    if not inside.all():
-        pieces = pieces.take(inside)
-    act_start, act_end = active_intervals(timeline)
-    mem_ivals = [
-        intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
-    ]
-    return JobResult(
-        job,
-        member_gpu_list,
-        ranks,
-        pieces,
-        profile,
-        timeline,
-        meta,
-        br,
-        preflight,
-        mem_ivals,
-        (int(ts.min()), int(ts.max())) if ts.size else None,
-        (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
-        source,
-        rows,
-        member_gpus,
-        booked_by,
-        terms,
-    )
+    return results, _unassigned(samples, n_g, interval, member_ivals, cfg)
 
 
 def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.ndarray]:
@@ -476,7 +415,7 @@ def recorded_gpus(samples: Samples) -> list[GpuId]:
             )
         except profiles.ProfileError:
             return gpus
-        gpus = [replace(g, power_limit_w=est.power_limit_w) for g in gpus]
+        gpus = [replace(g, power_limit_w=est.power_limit_w, limit_from_trace=True) for g in gpus]
     return gpus
 
 
@@ -510,7 +449,7 @@ def job_profile(
     highest of the job's GPUs' idle levels (`profiles.with_idle`). A trace that names no model or
     limit has its profile derived from its own levels."""
     if cfg.profile is not None:
-        return cfg.profile, "profile-file"
+        return cfg.profile, "file"
     levels = idle.trace_levels(gpu, power_w, util_pct, [g.power_limit_w for g in gpus])
     known = [x for x in levels if x is not None]
     learned = max(known) if known else None
@@ -523,7 +462,7 @@ def job_profile(
         directory=cfg.profile_dir,
         levels=lambda: profiles.trace_levels(power_w, util_pct, learned),
     )
-    return profiles.with_idle(profile, learned), source
+    return profiles.learned(profile, source, learned)
 
 
 def _unassigned(
@@ -659,13 +598,6 @@ def _per_step(cost: float, valid: int) -> float | None:
     return None if q is None else q / MICRO_PER_UNIT
 
 
-def job_terms_of(r: JobResult, cfg: ReplayConfig) -> JobTerms:
-    """The terms the job was booked by (a result made without them: derived again)."""
-    if r.terms is not None:
-        return r.terms
-    return job_terms(r.name, r.meta, cfg.policy(), [r.timeline.start_ms], profile=r.profile)
-
-
 def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
@@ -674,20 +606,27 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     # One key (gpu, category, band + 1) and two bincounts give every total as a sum over axes;
     # band column 0 holds unobserved pieces (no sample, no band).
     shape = (n_gpu, n_cat, n_band + 1)
-    key = (p.gpu.astype(np.int64) * n_cat + p.category) * (n_band + 1) + (p.band + 1)
+    key = p.gpu.astype(np.intp)  # built in place: one array, not one per operation
+    key *= n_cat
+    key += p.category
+    key *= n_band + 1
+    key += p.band
+    key += 1
     ms = np.bincount(key, weights=dur, minlength=n_gpu * n_cat * (n_band + 1)).reshape(shape)
     mj = np.bincount(key, weights=p.energy_mj, minlength=ms.size).reshape(shape)
+    del key
     per_gpu_cat_ms = ms.sum(2)
     per_gpu_band_ms = ms.sum(1)[:, 1:]
     cat_ms = per_gpu_cat_ms.sum(0)
     cat_mj = mj.sum((0, 2))
     band_ms = per_gpu_band_ms.sum(0)
-    terms = job_terms_of(r, cfg)
-    cat_cost = terms.prices.cost(cat_ms, cat_mj)
+    price = float(r.meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
+    cat_cost = cfg.prices.cost(cat_ms, cat_mj, price_per_gpu_hour=price)
     cat_cost[Category.UNASSIGNED] = 0.0
 
-    per_gpu_cat = per_gpu_cat_ms / MS_PER_HOUR
-    per_gpu_band = per_gpu_band_ms / MS_PER_HOUR
+    per_gpu_cat = (per_gpu_cat_ms / MS_PER_HOUR).tolist()
+    per_gpu_band = (per_gpu_band_ms / MS_PER_HOUR).tolist()
+    rank_of = r.ranks.tolist()
 
     tl = r.timeline
     # The job-level figures and the GPU time at risk as the live agent computes them (figures).
@@ -723,8 +662,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "cost_per_valid_step": _per_step(cost_total, int(valid)),
         "productive_cost_per_step": _per_step(cat_cost[Category.PRODUCTIVE], int(valid)),
         "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
-        "price_per_gpu_hour": terms.prices.price_per_gpu_hour,
-        "meta_ignored": list(terms.ignored_meta),
+        "price_per_gpu_hour": price,
         "profile": profile_report(r.profile, r.profile_source),
         "booked_by": r.booked_by,
         "sampling_interval_s": r.band_result.interval_ms / 1000,
@@ -739,14 +677,14 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
                 "host": g.host,
                 "gpu": g.index,
                 "uuid": g.uuid,
-                "rank": int(r.ranks[i]),
-                "band_gpu_hours": {b: float(per_gpu_band[i, j]) for j, b in enumerate(BANDS)},
-                "gpu_hours": {c: float(per_gpu_cat[i, j]) for j, c in enumerate(CATEGORIES)},
+                "rank": rank_of[i],
+                "band_gpu_hours": dict(zip(BANDS, per_gpu_band[i], strict=True)),
+                "gpu_hours": dict(zip(CATEGORIES, per_gpu_cat[i], strict=True)),
             }
             for i, g in enumerate(r.gpus)
         ],
-        "incidents": incidents(r, terms.prices),
-        "energy_coverage": energy_coverage(p),
+        "incidents": incidents(r, cfg, price),
+        "energy_coverage": energy_coverage(p, dur),
         "time_range": {
             "samples": _range_s(r.sample_range_ms),
             "events": _range_s(r.event_range_ms),
@@ -766,7 +704,7 @@ def profile_report(p: Profile, source: str) -> Report:
         "low_max_w": p.low_max_w,
         "compute_min_w": p.compute_min_w,
     }
-    for k in ("learned_idle_w", "compute_level_w", "estimated_power_limit_w"):
+    for k in ("derived_from", "learned_idle_w", "compute_level_w", "estimated_power_limit_w"):
         if k in prov:
             out[k] = prov[k]
     return out
@@ -776,15 +714,19 @@ def _range_s(r: tuple[int, int] | None) -> list[float] | None:
     return None if r is None else [r[0] / 1000, r[1] / 1000]
 
 
-def energy_coverage(p: Pieces) -> float | None:
+def energy_coverage(p: Pieces, dur: np.ndarray | None = None) -> float | None:
     """Share of the job's GPU time whose energy is known: sampled time, and unobserved gaps an
-    energy counter bridged (they carry the counter's delta)."""
-    dur = p.dur_ms
+    energy counter bridged (they carry the counter's delta). `dur`: the pieces' durations,
+    when the caller has them."""
+    if dur is None:
+        dur = p.dur_ms
     total = float(dur.sum())
     if total <= 0:
         return None
-    known = (p.category != Category.UNOBSERVED) | (p.energy_mj > 0)
-    return round(float(dur[known].sum()) / total, 6)
+    # Only the (few) unobserved pieces can be unknown: sum those, not a mask of every piece.
+    uo = np.flatnonzero(p.category == Category.UNOBSERVED)
+    unknown = float(dur[uo[~(p.energy_mj[uo] > 0)]].sum()) if uo.size else 0.0
+    return round((total - unknown) / total, 6)
 
 
 # Samples and events that overlap less than this share of the shorter range look misaligned.
@@ -817,7 +759,11 @@ def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OV
     return min(a[1], b[1]) - max(a[0], b[0]) >= share * shorter
 
 
-def incidents(r: JobResult, prices: Prices) -> list[Report]:
+# Category code -> whether it is a wasted category: one gather instead of a set test per piece.
+_IS_WASTED = np.isin(np.arange(len(Category)), WASTED_CODES)
+
+
+def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
     """Merged job-level stretches of one wasted category.
 
     A stretch is what the live agent's rule (`figures.extend_incidents`: a piece within `tol`
@@ -827,7 +773,7 @@ def incidents(r: JobResult, prices: Prices) -> list[Report]:
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
     out: list[Report] = []
-    wasted = np.flatnonzero(np.isin(p.category, WASTED_CODES))
+    wasted = np.flatnonzero(_IS_WASTED[p.category])
     by_cat = wasted[np.argsort(p.category[wasted], kind="stable")]
     cats = p.category[by_cat]
     for c in sorted(WASTED_CATEGORIES):
@@ -845,14 +791,14 @@ def incidents(r: JobResult, prices: Prices) -> list[Report]:
         dur = e - s
         g_ms = np.bincount(gid, weights=dur, minlength=n)
         g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
-        g_cost = prices.cost(g_ms, g_mj, np.full(n, c))
+        g_cost = cfg.prices.cost(g_ms, g_mj, np.full(n, c), price_per_gpu_hour=price)
         band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
         dominant = band_ms.argmax(1) - 1
         for i in range(n):
             part = sel[bounds[i] : bounds[i + 1]]
             stretch = p.take(part)
             [inc] = extend_incidents({}, stretch, r.ranks, "", tol, r.band_result.signatures).values()
-            gl = np.unique(stretch.gpu).tolist()
+            gl = np.flatnonzero(np.bincount(stretch.gpu, minlength=len(r.gpus))).tolist()
             out.append(
                 {
                     "start": inc["start"] / 1000,

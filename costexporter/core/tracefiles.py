@@ -247,6 +247,94 @@ def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray]:
 def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
     """`nvidia-smi --query-gpu=... --format=csv[,nounits] -lms N` output, in any column order."""
     _check_file(path)
+    names, keys, ends_with_newline = _smi_header(path)
+    counts_before = diag.counts.copy()
+    table, invalid, not_lines = _smi_table(path, names)
+    n = table.num_rows
+    line_of_row, last_line = _smi_lines(path, n, invalid, ends_with_newline, diag)
+    col = {k: table.column(i) for i, k in enumerate(keys) if k}
+    rows = _RowFilter(str(path), n, line_of_row, diag)
+    try:
+        ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
+    except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
+        raise InputError(f"{path}: impossible timestamp: {e}") from None
+    skip = np.zeros(n, bool)  # rows that are no GPU's line
+    if bad_ts.any():  # blank lines and repeated headers are skipped silently
+        pc = _pc()
+        ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
+        skip = pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
+        rows.drop |= skip
+    if (
+        not ends_with_newline
+        and n
+        and (not invalid or invalid[-1] != last_line)
+        and not _last_row_complete(table)
+    ):
+        # The last line parsed with the right column count but was cut mid-value.
+        diag.warn(str(path), int(line_of_row[-1]), "truncated_last_line", "skipped")
+        rows.drop[-1] = True
+
+    rows.bad(bad_ts, "bad_timestamp", "unparseable timestamp")
+    now_ms = (time.time() + FUTURE_SLACK_S) * 1000
+    rows.bad(
+        (ts_ms > now_ms) | (ts_ms < MIN_TS * 1000),
+        "bad_timestamp",
+        "timestamp far outside the plausible range",
+    )
+    power, util = _smi_readings(col, names, keys, rows)
+    if "index" in col:
+        idx_f, bad = _numeric(col["index"])
+        rows.bad(bad | np.isnan(idx_f), "bad_value", "non-numeric index")
+        index = np.nan_to_num(idx_f, nan=-1).astype(np.int64)
+    else:
+        index = _positional_index(
+            ts_ms,
+            rows.drop,
+            lambda line, reason, why: diag.warn(str(path), line, reason, why),
+            line_of_row,
+            skip=skip,
+            power=power,
+            memory=(lambda: _numeric(col["memory.used"])[0]) if "memory.used" in col else None,
+            invalid_lines=[x for x in invalid if x not in set(not_lines)],
+        )
+        rows.drop |= index < 0
+
+    drop = rows.drop
+    keep = np.flatnonzero(~drop) if drop.any() else None  # None: every row
+    _say_missing_gpus(
+        index if keep is None else index[keep],
+        ts_ms if keep is None else ts_ms[keep],
+        line_of_row if keep is None else line_of_row[keep],
+        lambda line, why: diag.warn(str(path), line, "gpu_missing", why),
+    )
+    if (keep is not None and keep.size == 0) or n == 0:
+        mine = diag.counts - counts_before
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
+        raise InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
+    uuids, gpu_names, limits = _smi_gpu_attributes(col, host, index, keep)
+    lines = line_of_row
+    if keep is not None:
+        index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
+        lines = lines[keep]
+    return SampleChunk(
+        hosts=[host],
+        host=None,
+        index=index,
+        ts_ms=ts_ms,
+        power_w=power,
+        util_pct=util,
+        energy_mj=None,
+        uuid=uuids,
+        name=gpu_names,
+        power_limit_w=limits,
+        line=lines,
+    )
+
+
+def _smi_header(path: Path) -> tuple[list[str], list[str], bool]:
+    """The header's column names, their keys, and whether the file ends with a newline (a last
+    line without one may have been cut by a killed logger). InputError when the columns are
+    not an nvidia-smi CSV's."""
     with path.open("rb") as f:
         header = f.readline().decode("utf-8", "replace")
         f.seek(0, 2)
@@ -264,10 +352,14 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
             f"{path}: not an nvidia-smi CSV: need columns timestamp, power.draw and "
             f"utilization.gpu (got {', '.join(k for k in keys if k) or 'none'})"
         )
+    return names, keys, ends_with_newline
 
+
+def _smi_table(path: Path, names: list[str]) -> tuple[pa.Table, list[int], list[int]]:
+    """The CSV as strings, with the line numbers of the rows skipped as invalid and, among them,
+    those that are no GPU's line (blank, a repeated header)."""
     invalid: list[int] = []
-    not_lines: list[int] = []  # invalid rows that are no GPU's line (blank, a repeated header)
-    counts_before = diag.counts.copy()
+    not_lines: list[int] = []
 
     def on_invalid(row: pcsv.InvalidRow) -> str:
         invalid.append(row.number if row.number is not None else -1)
@@ -287,9 +379,14 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
         )
     except (pa.ArrowInvalid, OSError) as e:
         raise InputError(f"{path}: cannot parse as CSV: {e}") from None
+    return table, invalid, not_lines
 
-    n = table.num_rows
-    # Physical line of each table row (header is line 1; skipped rows hold their own lines).
+
+def _smi_lines(
+    path: Path, n: int, invalid: list[int], ends_with_newline: bool, diag: Diagnostics
+) -> tuple[np.ndarray, int]:
+    """The physical line of each table row (header is line 1; skipped rows hold their own
+    lines) and the file's last line; each skipped row said (a cut last line as such)."""
     total_lines = n + len(invalid) + 1
     if invalid:
         line_of_row = np.setdiff1d(np.arange(2, total_lines + 1), np.asarray(invalid))
@@ -301,92 +398,57 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
             diag.warn(str(path), num, "truncated_last_line", "skipped (logger killed mid-write?)")
         else:
             diag.warn(str(path), num, "malformed_row", "wrong number of columns")
+    return line_of_row, last_line
 
-    col = {k: table.column(i) for i, k in enumerate(keys) if k}
-    drop = np.zeros(n, bool)
-    try:
-        ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
-    except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
-        raise InputError(f"{path}: impossible timestamp: {e}") from None
-    skip = np.zeros(n, bool)  # rows that are no GPU's line
-    if bad_ts.any():  # blank lines and repeated headers are skipped silently
-        pc = _pc()
-        ts_text = pc.utf8_lower(pc.utf8_trim_whitespace(col["timestamp"]))
-        skip = pc.is_in(ts_text, value_set=pa.array(["", "timestamp"])).to_numpy(zero_copy_only=False)
-        drop |= skip
-    if (
-        not ends_with_newline
-        and n
-        and (not invalid or invalid[-1] != last_line)
-        and not _last_row_complete(table)
-    ):
-        # The last line parsed with the right column count but was cut mid-value.
-        diag.warn(str(path), int(line_of_row[-1]), "truncated_last_line", "skipped")
-        drop[-1] = True
 
-    def bad_rows(mask: np.ndarray, reason: str, detail: str) -> None:
+class _RowFilter:
+    """The rows of a file dropped so far (`drop`), and `bad`: drop more, saying each newly
+    dropped row (up to the diagnostics' limit per reason, the rest counted)."""
+
+    def __init__(self, path: str, n: int, line_of_row: np.ndarray, diag: Diagnostics) -> None:
+        self.path, self.line_of_row, self.diag = path, line_of_row, diag
+        self.drop = np.zeros(n, bool)
+
+    def bad(self, mask: np.ndarray, reason: str, detail: str) -> None:
         if not mask.any():  # the usual case: one quick pass
             return
-        new = mask & ~drop
+        diag = self.diag
+        new = mask & ~self.drop
         for i in np.flatnonzero(new)[: diag.max_per_reason + 1]:
-            diag.warn(str(path), int(line_of_row[i]), reason, detail)
+            diag.warn(self.path, int(self.line_of_row[i]), reason, detail)
         extra = int(new.sum()) - min(int(new.sum()), diag.max_per_reason + 1)
         if extra:
             diag.counts[reason] += extra
-        drop[:] |= mask
+        self.drop[:] |= mask
 
-    bad_rows(bad_ts, "bad_timestamp", "unparseable timestamp")
-    now_ms = (time.time() + FUTURE_SLACK_S) * 1000
-    bad_rows(
-        (ts_ms > now_ms) | (ts_ms < MIN_TS * 1000),
-        "bad_timestamp",
-        "timestamp far outside the plausible range",
-    )
 
+def _smi_readings(
+    col: dict[str, pa.ChunkedArray], names: list[str], keys: list[str], rows: _RowFilter
+) -> tuple[np.ndarray, np.ndarray]:
+    """Power (W: the instant reading first, then power.draw, then the average) and utilization
+    (%), each value out of range or not a number dropping its row."""
     power = None
     for k in ("power.draw.instant", "power.draw", "power.draw.average"):
         if k in col:
             p, bad = _numeric(col[k])
             p = p * POWER_UNITS[_power_unit(names[keys.index(k)], col[k])]
-            bad_rows(bad, "bad_value", f"non-numeric {k}")
+            rows.bad(bad, "bad_value", f"non-numeric {k}")
             power = p if power is None else np.where(np.isnan(power), p, power)
     assert power is not None
     with np.errstate(invalid="ignore"):
-        bad_rows((power < 0) | (power > MAX_POWER_W), "bad_value", "power outside [0, 10000] W")
+        rows.bad((power < 0) | (power > MAX_POWER_W), "bad_value", "power outside [0, 10000] W")
     util, bad = _numeric(col["utilization.gpu"])
-    bad_rows(bad, "bad_value", "non-numeric utilization.gpu")
+    rows.bad(bad, "bad_value", "non-numeric utilization.gpu")
     with np.errstate(invalid="ignore"):
-        bad_rows((util < 0) | (util > 100), "bad_value", "utilization outside [0, 100] %")
+        rows.bad((util < 0) | (util > 100), "bad_value", "utilization outside [0, 100] %")
+    return power, util
 
-    if "index" in col:
-        idx_f, bad = _numeric(col["index"])
-        bad_rows(bad | np.isnan(idx_f), "bad_value", "non-numeric index")
-        index = np.nan_to_num(idx_f, nan=-1).astype(np.int64)
-    else:
-        index = _positional_index(
-            ts_ms,
-            drop,
-            lambda line, reason, why: diag.warn(str(path), line, reason, why),
-            line_of_row,
-            skip=skip,
-            power=power,
-            memory=(lambda: _numeric(col["memory.used"])[0]) if "memory.used" in col else None,
-            invalid_lines=[x for x in invalid if x not in set(not_lines)],
-        )
-        drop |= index < 0
 
-    keep = np.flatnonzero(~drop) if drop.any() else None  # None: every row
-    _say_missing_gpus(
-        index if keep is None else index[keep],
-        ts_ms if keep is None else ts_ms[keep],
-        line_of_row if keep is None else line_of_row[keep],
-        lambda line, why: diag.warn(str(path), line, "gpu_missing", why),
-    )
-    if (keep is not None and keep.size == 0) or n == 0:
-        mine = diag.counts - counts_before
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
-        raise InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
-    # Per-GPU attributes from each GPU's first row: a few values, not a column of strings.
+def _smi_gpu_attributes(
+    col: dict[str, pa.ChunkedArray], host: str, index: np.ndarray, keep: np.ndarray | None
+) -> tuple[dict[tuple[str, int], str], dict[tuple[str, int], str], dict[tuple[str, int], float]]:
+    """Per-GPU UUID, name and power limit from each GPU's first row: a few values, not a column
+    of strings."""
     first = _first_rows(index, keep)
 
     def per_gpu(key: str) -> dict[tuple[str, int], str]:
@@ -399,23 +461,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     if "power.limit" in col:
         lim = _numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
         limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
-    lines = line_of_row
-    if keep is not None:
-        index, ts_ms, power, util = (a[keep] for a in (index, ts_ms, power, util))
-        lines = lines[keep]
-    return SampleChunk(
-        hosts=[host],
-        host=None,
-        index=index,
-        ts_ms=ts_ms,
-        power_w=power,
-        util_pct=util,
-        energy_mj=None,
-        uuid=per_gpu("uuid"),
-        name=per_gpu("name"),
-        power_limit_w=limits,
-        line=lines,
-    )
+    return per_gpu("uuid"), per_gpu("name"), limits
 
 
 # A GPU without samples for longer than this many sampling intervals (and at least MISSING_MIN_MS)

@@ -65,6 +65,24 @@ def dcgm_label_values(g, pod) -> list[str]:
 JOB_CATEGORIES = [(k, c) for k, c in enumerate(CATEGORIES) if c != "unassigned"]
 
 
+def gpu_profile_info(s: dict) -> GaugeMetricFamily:
+    """Which band profile each GPU's readings are banded with, and where it came from. A GPU
+    without one (no model or power limit known) has no series (the agent logs why)."""
+    fam = GaugeMetricFamily(
+        "costexporter_gpu_profile_info",
+        "1 per GPU: the band profile its readings are banded with and its source (builtin, file, "
+        "calibrated, derived_from_limit, derived_from_model, learned_idle: a derived profile whose "
+        "idle edges sit at the GPU's learned idle power).",
+        labels=["host", "gpu", "uuid", "profile", "source"],
+    )
+    used = s.get("gpu_profiles", {})
+    for i, g in enumerate(s["gpus"]):
+        if i in used:
+            name, source = used[i]
+            fam.add_metric([g.host, str(g.index), g.uuid or "", name, source], 1)
+    return fam
+
+
 class AgentCollector(Collector):
     def __init__(self, agent) -> None:
         self.agent = agent
@@ -120,6 +138,7 @@ class AgentCollector(Collector):
         yield power
         yield util
         yield band
+        yield gpu_profile_info(s)
 
         errors = CounterMetricFamily(
             "costexporter_gpu_errors",
@@ -240,7 +259,6 @@ class AgentCollector(Collector):
         for (job, reason), n in sorted(s["registrations_rejected"].items()):
             regs.add_metric([job, reason], n)
         yield regs
-        yield meta_ignored(s.get("meta_ignored", {}))
         yield data_rejected(s["data_rejected"])
         rej = CounterMetricFamily(
             "costexporter_events_rejected",
@@ -429,20 +447,6 @@ def _dashboard_families(s):
     yield edges
 
 
-def meta_ignored(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
-    """Meta keys a job set that only the operator sets (booking thresholds), ignored: counted
-    once per job and key."""
-    fam = CounterMetricFamily(
-        "costexporter_meta_ignored",
-        "Thresholds a job's meta tried to set that only the operator sets (flags or --policy): "
-        "ignored, once per job and key.",
-        labels=["training_job", "key"],
-    )
-    for (job, key), n in sorted(counts.items()):
-        fam.add_metric([job, key], n)
-    return fam
-
-
 def data_rejected(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
     """Stored values a job's trainer can write that were refused, by job and reason (one family
     for the agent and the watcher)."""
@@ -523,7 +527,6 @@ class WatchCollector(Collector):
         for (job, reason), n in sorted(s["registrations_rejected"].items()):
             regs.add_metric([job, reason], n)
         yield regs
-        yield meta_ignored(s.get("meta_ignored", {}))
         yield data_rejected(s["data_rejected"])
 
 

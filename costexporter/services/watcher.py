@@ -48,11 +48,10 @@ import orjson
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, profiles
 from costexporter.core.booking import NEG_INF, BookingConfig, Regime, StepRecord, Timeline, build_timeline
-from costexporter.core.cost import Prices
+from costexporter.core.events import META_THRESHOLDS
 from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
 from costexporter.core.profiles import Profile
-from costexporter.core.terms import JobTerms, Policy, PolicyRule, ignored_meta_note, job_terms
 from costexporter.core.timeutil import iso_utc
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.reader import EventReader, read_all_many
@@ -63,6 +62,9 @@ JOBS_PER_READ = 100  # a poll reads the jobs' new events 100 jobs per XREAD
 STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
 ALERTING = {"crashed", "hung", "starving", "unknown"}
 LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
+# Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's);
+# the others of META_THRESHOLDS are the booking rules'.
+WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
 NO_AGENT_DATA = "no agent data: cannot name a rank"
 # What one poisoned job (a bad name, stored values of the wrong type) raises: it is set aside.
 SETTLED_MARGIN_MS = 1_000  # `JobView.settled_ms`: events of a rank may be this much out of order
@@ -100,18 +102,13 @@ class WatchConfig:
     cluster: str | None = None
     profile: Profile | None = None
     profile_dir: Path | None = None  # fitted profiles, matched by the job's GPU model
+    gpu_model: str | None = None  # the operator's model (wins over the job's meta)
+    power_limit_w: float | None = None  # the operator's board power limit
     watcher_id: str = "watcher"
     # How often the watcher registers how far it has read each job's stream (`<p>:r:{job}:readers`,
     # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
     register_position_s: float | None = 60.0
     clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
-    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
-    policy_rules: tuple[PolicyRule, ...] = ()
-
-    def policy(self) -> Policy:
-        """The operator's terms the watcher judges by: the flags' thresholds and the policy
-        file's rules (the watcher prices nothing: its prices are the defaults)."""
-        return Policy(self.booking, Prices(), self.policy_rules)
 
 
 @dataclass
@@ -171,7 +168,7 @@ class JobView:
     fresh: list[Event] = field(default_factory=list)
     rebuilds: int = 0
     unfoldable: bool = False  # a fold that cannot give its view: built from every event each poll
-    judged_terms: JobTerms | None = None  # the terms of the last decision (`terms.job_terms`)
+    profile_said: bool = False  # the job's profile (or why it has none) was logged
 
     def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
@@ -284,25 +281,25 @@ class JobView:
             elif ev.type == "meta":
                 jobfacts.merge_meta(self.meta, ev)
 
-    def terms(self, cfg: WatchConfig) -> JobTerms:
-        """The job's terms (`terms.job_terms`, as the agent and replay derive them): its start
-        (its registrations, no later than its first event), the operator's booking thresholds
-        the ledger books it by, its liveness cadence from its meta."""
-        registered = (int(float(r["ts"]) * 1000) for r in self.registrations.values() if "ts" in r)
-        return job_terms(self.name, self.meta, cfg.policy(), registered, first_event_ms=self.first_ms)
-
-    @staticmethod
-    def config(cfg: WatchConfig, terms: JobTerms) -> WatchConfig:
-        """`cfg` with the job's terms: the booking thresholds it is booked by, and its own
-        heartbeat cadence where its meta sets one (a job of 5-minute steps may beat slower)."""
-        kw: dict[str, Any] = {}
-        if terms.booking is not cfg.booking:
-            kw["booking"] = terms.booking
-        if terms.heartbeat_timeout_s is not None:
-            kw["heartbeat_timeout_s"] = terms.heartbeat_timeout_s
-        if terms.heartbeat_interval_s is not None:
-            kw["heartbeat_interval_s"] = terms.heartbeat_interval_s
-        return dataclasses.replace(cfg, **kw) if kw else cfg
+    def config(self, cfg: WatchConfig) -> WatchConfig:
+        """`cfg` with the job's own thresholds from its meta (`heartbeat_timeout_s`,
+        `stall_floor_s`, `stall_k`, `checkpoint_allowance_s`, ...): a job of 5-minute steps
+        needs other thresholds than one of 5-second steps. Unusable values are ignored."""
+        watch_kw: dict[str, Any] = {}  # float values of float fields, for dataclasses.replace
+        booking_kw: dict[str, Any] = {}
+        for key, value in self.meta.items():
+            if key not in META_THRESHOLDS:
+                continue
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                continue
+            if not (v == v and 0 < v < 1e9):
+                continue
+            (watch_kw if key in WATCH_THRESHOLDS else booking_kw)[key] = v
+        if not watch_kw and not booking_kw:
+            return cfg
+        return dataclasses.replace(cfg, booking=dataclasses.replace(cfg.booking, **booking_kw), **watch_kw)
 
     def where(self, rank: int) -> dict:
         reg = self.registrations.get(rank, {})
@@ -356,11 +353,12 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
 
     if view.first_ms is None:
         return status("unknown", "no events from the job yet")
-    terms = view.judged_terms = view.terms(cfg)
-    cfg = view.config(cfg, terms)
-    start_ms = terms.start_ms
-    now_ms = int(now * 1000)
-    tl = view.timeline(cfg.booking, start_ms, now_ms, lag_ms=30_000)
+    cfg = view.config(cfg)
+    start_ms = jobfacts.job_start_ms(
+        (int(float(r["ts"]) * 1000) for r in view.registrations.values() if "ts" in r),
+        first_event_ms=view.first_ms,
+    )
+    tl = view.timeline(cfg.booking, start_ms, int(now * 1000), lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None
     progress: dict[str, Any] = dict(  # Status's progress fields
         last_step=last.step if last else None,
@@ -370,61 +368,95 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     )
     if tl.end_ms is not None:
         return status("done", "the run ended", **progress)
-
-    # Crashed: a rank that has not ended went silent.
     members = sorted(set(view.registrations) | set(view.ranks))
     running = [r for r in members if not view.ranks.get(r, _NO_EVENTS).ended]
-    silent = [r for r in running if now - view.last_heard(r) > cfg.heartbeat_timeout_s]
-    if running and silent:
-        who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
-        quiet = now - max(view.last_heard(r) for r in silent)
-        return status(
-            "crashed",
-            f"no heartbeat from {who} for {human(quiet)} and no run end",
-            _first_silent(view, running, silent, cfg.heartbeat_interval_s),
-            **progress,
+    verdict = _crashed(view, running, now, cfg)
+    if verdict is None:
+        live = _live_bands(view, cfg)
+        verdict = (
+            _hung(view, tl, now, cfg, live, running, start_ms)
+            or _still_hung(previous, last)
+            or _starving(view, live)
         )
+    if verdict is None:
+        return status("running", "steps advancing", **progress)
+    state, reason, suspect = verdict
+    return status(state, reason, suspect, **progress)
 
-    live = _live_bands(view, cfg)
-    stalled = tl.regime_at(now_ms) == Regime.STALL
-    overrun = _phase_overrun(view, tl, now)
+
+# A decision other than `running`: (state, reason, suspect).
+Verdict = tuple[str, str, dict | None]
+
+
+def _crashed(view: JobView, running: list[int], now: float, cfg: WatchConfig) -> Verdict | None:
+    """Crashed: a rank that has not ended went silent."""
+    silent = [r for r in running if now - view.last_heard(r) > cfg.heartbeat_timeout_s]
+    if not (running and silent):
+        return None
+    who = "every rank" if len(silent) == len(running) else f"{len(silent)} of {len(running)} ranks"
+    quiet = now - max(view.last_heard(r) for r in silent)
+    return (
+        "crashed",
+        f"no heartbeat from {who} for {human(quiet)} and no run end",
+        _first_silent(view, running, silent, cfg.heartbeat_interval_s),
+    )
+
+
+def _hung(
+    view: JobView,
+    tl: Timeline,
+    now: float,
+    cfg: WatchConfig,
+    live: dict | None,
+    running: list[int],
+    start_ms: int,
+) -> Verdict | None:
+    """Hung: the deadlock signature in the agents' live bands, a hang an agent banded, no step
+    past the stall threshold, or a phase past its allowance."""
     if live is not None and live["deadlock"] is not None:
         r = live["deadlock"]
-        return status(
+        return (
             "hung",
             f"deadlock signature on two consecutive samples: rank {r} at 0%, the rest busy at low power",
             {**view.where(r), "why": "0% utilization in the deadlock signature"},
-            **progress,
         )
     hang = _agent_hang(view, tl, now, cfg)  # names the GPU, also past the stall threshold
     if hang is not None:
-        return status("hung", hang[0], hang[1], **progress)
-    if stalled or overrun:
-        if overrun:
-            name, rank, open_s, allow_s = overrun
-            reason = f"{name} on rank {rank} open for {human(open_s)}, past its {human(allow_s)} allowance"
-        else:
-            since = last.ts_ms / 1000 if last else start_ms / 1000
-            threshold = human(tl.stall_threshold_ms / 1000)
-            reason = f"no step for {human(now - since)} (stall threshold {threshold})"
-        suspect = _divergent(view, running) or _zero_util_rank(view, cfg)
-        return status("hung", reason, suspect, **progress)
-    if previous is not None and previous.state == "hung" and not _stepped_since(previous, last):
-        # The signature cleared (an operator killed a rank, an elastic restart is under way)
-        # but no step came: a hang ends with progress, not with the GPUs going quiet.
-        reason = previous.reason
-        if not reason.startswith(STILL_HUNG):
-            reason = f"{STILL_HUNG} it hung ({reason})"
-        return status("hung", reason, previous.suspect, **progress)
-    if live is not None and live["straggler"] is not None:
-        r = live["straggler"]
-        return status(
-            "starving",
-            f"data starvation: rank {r} lowest in utilization",
-            {**view.where(r), "why": "straggler"},
-            **progress,
-        )
-    return status("running", "steps advancing", **progress)
+        return ("hung", hang[0], hang[1])
+    overrun = _phase_overrun(view, tl, now)
+    if overrun:
+        name, rank, open_s, allow_s = overrun
+        reason = f"{name} on rank {rank} open for {human(open_s)}, past its {human(allow_s)} allowance"
+    elif tl.regime_at(int(now * 1000)) == Regime.STALL:
+        since = tl.steps[-1].ts_ms / 1000 if tl.steps else start_ms / 1000
+        threshold = human(tl.stall_threshold_ms / 1000)
+        reason = f"no step for {human(now - since)} (stall threshold {threshold})"
+    else:
+        return None
+    return ("hung", reason, _divergent(view, running) or _zero_util_rank(view, cfg))
+
+
+def _still_hung(previous: Status | None, last: StepRecord | None) -> Verdict | None:
+    """A hang's signature cleared (an operator killed a rank, an elastic restart is under way)
+    but no step came: a hang ends with progress, not with the GPUs going quiet."""
+    if previous is None or previous.state != "hung" or _stepped_since(previous, last):
+        return None
+    reason = previous.reason
+    if not reason.startswith(STILL_HUNG):
+        reason = f"{STILL_HUNG} it hung ({reason})"
+    return ("hung", reason, previous.suspect)
+
+
+def _starving(view: JobView, live: dict | None) -> Verdict | None:
+    """Starving: the agents' live bands name a straggler."""
+    if live is None or live["straggler"] is None:
+        return None
+    r = live["straggler"]
+    return (
+        "starving",
+        f"data starvation: rank {r} lowest in utilization",
+        {**view.where(r), "why": "straggler"},
+    )
 
 
 STILL_HUNG = "no step since"
@@ -457,7 +489,7 @@ def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, d
         return None
     if tl.regime_at(now_ms) == Regime.OVERHEAD:
         return None
-    zero_pct = _profile(view, cfg).zero_util_pct
+    zero_pct = _util_edges(view, cfg)[0]
     zero = [r for r in sorted(dead) if dead[r].util_pct <= zero_pct]
     r = zero[0] if zero else min(dead)
     e = dead[r]
@@ -524,19 +556,39 @@ def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
         for rank, ts, _power, util in snap:
             if rank not in newest or ts >= newest[rank][0]:
                 newest[rank] = (ts, util)
-    profile = _profile(view, cfg)
-    zero = [r for r, (_, u) in newest.items() if u <= profile.zero_util_pct]
-    busy = [r for r, (_, u) in newest.items() if u >= profile.busy_util_pct]
+    zero_pct, busy_pct = _util_edges(view, cfg)
+    zero = [r for r, (_, u) in newest.items() if u <= zero_pct]
+    busy = [r for r, (_, u) in newest.items() if u >= busy_pct]
     if len(zero) == 1 and len(busy) * 2 >= len(newest):
         return {**view.where(zero[0]), "why": "0% utilization while the other ranks spin"}
     return _unnamed("the agents' live state names no single rank at 0%")
 
 
-def _profile(view: JobView, cfg: WatchConfig) -> Profile:
+def _resolve(view: JobView, cfg: WatchConfig) -> tuple[Profile, str]:
+    """The job's profile and its source by the one rule (`profiles.resolve`): the watcher's
+    --profile, else --gpu-model/--power-limit, else the job's meta `gpu_model`."""
+    return profiles.resolve(
+        cfg.profile, cfg.gpu_model, cfg.power_limit_w, meta=view.meta, directory=cfg.profile_dir
+    )
+
+
+def _profile(view: JobView, cfg: WatchConfig) -> Profile | None:
+    """The job's profile, or None when nothing names its model or limit: then the watcher leaves
+    the power bands to the agents (the band each gives a rank in the live state) and judges
+    utilization by the edges every derived profile has (`_util_edges`), never by another GPU's
+    profile (`Watcher` says so once per job)."""
     try:
-        return profiles.choose(cfg.profile, meta=view.meta, directory=cfg.profile_dir)
+        return _resolve(view, cfg)[0]
     except profiles.ProfileError:
-        return profiles.B300
+        return None
+
+
+def _util_edges(view: JobView, cfg: WatchConfig) -> tuple[float, float]:
+    """(~0%, ~100%) utilization edges of the job's profile; without one, the derived profiles'."""
+    p = _profile(view, cfg)
+    if p is None:
+        return profiles.ZERO_UTIL_PCT, profiles.BUSY_UTIL_PCT
+    return p.zero_util_pct, p.busy_util_pct
 
 
 def _divergent(view: JobView, running: list[int]) -> dict | None:
@@ -577,6 +629,8 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
         return None
     n_ranks = int(max(rank.max(), max(view.registrations, default=0))) + 1
     profile = _profile(view, cfg)
+    if profile is None:  # no model or limit: the agents' bands decide (`_agent_deadlock`)
+        return None
     res = bands_mod.classify(
         rank,
         ts,
@@ -770,8 +824,6 @@ class Watcher:
         # Refused ranks entries and other values a trainer can write, by (job, reason).
         self.registrations_rejected: collections.Counter[tuple[str, str]] = collections.Counter()
         self.refusals = untrusted.Refusals(log)
-        # (job, key): meta keys a job set that only the operator sets (ignored; said once per job)
-        self.meta_ignored: dict[tuple[str, str], int] = {}
         self.webhook = (
             Webhook(cfg.webhook_url, cfg.webhook_retries, cfg.webhook_timeout_s, cfg.webhook_backoff_s)
             if cfg.webhook_url
@@ -872,6 +924,7 @@ class Watcher:
             for job, view in views.items():
                 prev = self.status.get(job)
                 ended = job in quiet and self._ended.get(job) is view
+                self._say_profile(job, view)
                 try:
                     if ended and prev is not None and prev.state == "done" and now >= prev.updated:
                         decided[job] = _still_done(prev, now)  # what decide() answers, without its work
@@ -880,8 +933,6 @@ class Watcher:
                 except JUDGE_ERRORS as e:
                     self._set_aside(job, e)
                     continue
-                if view.judged_terms is not None and view.judged_terms.ignored_meta:
-                    self._meta_ignored(job, view.judged_terms.ignored_meta)
                 if decided[job].state == "done":
                     self._ended[job] = view
                 else:
@@ -967,15 +1018,6 @@ class Watcher:
         view.fold(events)
         return view
 
-    def _meta_ignored(self, job: str, keys: tuple[str, ...]) -> None:
-        """Count and say once the thresholds a job's meta tried to set (the operator's alone)."""
-        name = untrusted.short(job, 200)
-        new = [k for k in keys if (name, k) not in self.meta_ignored]
-        if new:
-            for k in new:
-                self.meta_ignored[(name, k)] = 1
-            log.warning("%s", ignored_meta_note(untrusted.short(job), new))
-
     def _read_registrations(self, views: list[JobView], now: float) -> None:
         """Registrations arrive as `register` events; the hash keeps them once their events are
         trimmed away, so it is read once, when the job is first seen (one round trip for all)."""
@@ -1010,6 +1052,26 @@ class Watcher:
                     continue
                 view.registrations.setdefault(*entry)
                 view.registrations_read.setdefault(entry[0], now)
+
+    def _say_profile(self, job: str, view: JobView) -> None:
+        """Log once per job which profile judges its live power, or why none does."""
+        if view.profile_said:
+            return
+        view.profile_said = True
+        try:
+            prof, source = _resolve(view, self.cfg)
+        except profiles.ProfileError as e:
+            self.stats["jobs_without_profile"] += 1
+            log.warning(
+                "job %r: %s; the watcher judges its live power by the agents' bands only and its "
+                "utilization at the derived profiles' edges (<= %.0f%%, >= %.0f%%)",
+                untrusted.short(job),
+                e,
+                profiles.ZERO_UTIL_PCT,
+                profiles.BUSY_UTIL_PCT,
+            )
+            return
+        log.info("job %r: band profile %s (%s)", untrusted.short(job), prof.name, source)
 
     def _read_live(self, view: JobView) -> None:
         for e in self._read_live_many([view]).values():
@@ -1098,7 +1160,6 @@ class Watcher:
                 "redis_up": self.redis_up,
                 "stats": dict(self.stats),
                 "registrations_rejected": dict(self.registrations_rejected),
-                "meta_ignored": dict(self.meta_ignored),
                 "data_rejected": dict(self.refusals.counts),
                 "webhook": dict(self.webhook.stats) if self.webhook else {},
                 "alertmanager": dict(self.alertmanager.stats) if self.alertmanager else {},

@@ -460,8 +460,7 @@ class LedgerStore:
         for j in jobs:
             self._queue_info(pipe, j)
         raw = _run(pipe)
-        n = INFO_READS
-        return {j: _info(j, raw[n * i : n * i + n], warn) for i, j in enumerate(jobs)}
+        return {j: _info(j, raw[4 * i : 4 * i + 4], warn) for i, j in enumerate(jobs)}
 
     def job_info(self, job: str, warn: Warnings | None = None) -> dict | None:
         """One job's `info_many` entry, or None if there is no such job: one round trip."""
@@ -473,16 +472,30 @@ class LedgerStore:
         return None if score is None else _info(job, raw, warn)
 
     def _queue_info(self, pipe, j: str) -> None:
-        """The `INFO_READS` reads `_info` parses: the ranks hash holds each rank's latest
-        register only (a resume overwrites it), so the first start comes from the oldest
-        entries of the kept stream (registrations moved out when the stream was trimmed) and of
-        the event stream."""
+        """The 4 reads `_info` parses."""
         pipe.hgetall(keys.meta_key(self.prefix, j))
         pipe.hgetall(keys.figures_key(self.prefix, j))
         pipe.get(keys.status_key(self.prefix, j))
         pipe.hvals(keys.ranks_key(self.prefix, j))
-        pipe.xrange(keys.kept_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
-        pipe.xrange(keys.stream_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
+
+    def first_seen_many(self, jobs: list[str], info: dict[str, dict]) -> dict[str, float | None]:
+        """Each job's first start, in one round trip: its oldest register, from the oldest
+        entries of its kept stream (registrations moved out when the stream was trimmed), else
+        of its event stream; never later than `info`'s `first_seen` (`info_many`'s, from the
+        ranks hash, which holds each rank's latest register only: a resume overwrites it)."""
+        pipe = self.r.pipeline(transaction=False)
+        for j in jobs:
+            pipe.xrange(keys.kept_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
+            pipe.xrange(keys.stream_key(self.prefix, j), "-", "+", count=FIRST_ENTRIES)
+        raw = _run(pipe) if jobs else []
+        out = {}
+        for i, j in enumerate(jobs):
+            first = _first_register(raw[2 * i])
+            if first is None:
+                first = _first_register(raw[2 * i + 1])
+            known = [t for t in (first, info[j]["first_seen"]) if t is not None]
+            out[j] = min(known) if known else None
+        return out
 
     def amounts_many(
         self, jobs: list[str], start: int, end: int, warn: Warnings | None = None
@@ -839,7 +852,6 @@ def _steps(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, S
     return out
 
 
-INFO_READS = 6  # the replies `LedgerStore._queue_info` queues per job
 # The oldest entries of a stream looked at for the job's first register: a reporter's first
 # batch starts with it, and the kept stream holds only registrations, runs, meta and gates.
 FIRST_ENTRIES = 16
@@ -859,10 +871,9 @@ def _first_register(entries: object) -> float | None:
 
 
 def _info(j: str, replies: list, warn: Warnings) -> dict:
-    """A job's info from the `INFO_READS` replies of `LedgerStore._queue_info`. `first_seen` is
-    its first register's time: the oldest register of the kept stream, else of the event stream,
-    and never later than a rank's latest."""
-    meta, figures, status, ranks, kept, events = replies
+    """A job's info from the 4 replies of `LedgerStore._queue_info`. `first_seen` is its ranks'
+    oldest latest register (`LedgerStore.first_seen_many` finds the first start)."""
+    meta, figures, status, ranks = replies
     for what, value in (("meta", meta), ("figures", figures), ("ranks", ranks)):
         if value is None:
             warn.add(j, f"{what} key has the wrong type: ignored")
@@ -874,11 +885,6 @@ def _info(j: str, replies: list, warn: Warnings) -> dict:
             warn.add(j, "a ranks entry without a valid registration time: ignored")
         else:
             regs.append(t)
-    first = _first_register(kept)
-    if first is None:
-        first = _first_register(events)
-    if first is not None:
-        regs.append(first)
     state = "unknown"
     if status:
         parsed = _json(status)

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from costexporter.core import bands as bands_mod
+from costexporter.core import profiles
 from costexporter.core.model import Band, Event, Samples
-from costexporter.core.profiles import KNOWN_POWER_LIMITS_W, Profile, _model_key, derive
+from costexporter.core.profiles import Profile, _model_key, derive
 from costexporter.core.replay import register_matches
 
 LEVELS = ("compute", "communication", "starvation", "low", "idle")
@@ -321,11 +322,7 @@ def fit(
         raise CalibrationError(
             "the baselines do not name the GPU model (no name column, no meta event): give --gpu-model"
         )
-    key = _model_key(model)
-    limit = power_limit_w or next((g.power_limit_w for g in samples.gpus if g.power_limit_w), None)
-    limit = (
-        limit or (KNOWN_POWER_LIMITS_W.get(key) if key else None) or float(np.nanmax(samples.power_w)) * 1.1
-    )
+    limit, limit_from = _power_limit(samples, model, power_limit_w)
 
     ts, power, util = samples.ts_ms, samples.power_w, samples.util_pct
     rank = _ranks(samples, events)[samples.gpu]
@@ -347,6 +344,16 @@ def fit(
         raise CalibrationError("no power levels found in the baselines")
     check_physical(named, limit)
     warnings: list[str] = []
+    if limit_from in ("derived_from_trace", "highest_reading"):
+        warnings.append(
+            f"the power limit ({limit:.0f} W, the scale of the fit) is "
+            + (
+                "estimated from the baselines' busy level"
+                if limit_from == "derived_from_trace"
+                else "taken as 1.1x the highest reading"
+            )
+            + ": give --power-limit W if you know it"
+        )
     defaulted: list[str] = []
     prof = _profile(named, limit, model, warnings, defaulted)
     _overlaps(named, limit, warnings)
@@ -364,9 +371,32 @@ def fit(
             "events": len(events),
             "defaulted": defaulted,
             "held_out_accuracy": None if acc is None else round(acc, 4),
+            "power_limit_from": limit_from,
         },
     )
     return Fit(prof, named, confusion, acc, warnings, defaulted)
+
+
+def _power_limit(samples: Samples, model: str, power_limit_w: float | None) -> tuple[float, str]:
+    """The power limit that scales the fit, by the profile rule (`profiles.resolve`): --power-limit,
+    the trace's `power.limit`, the model's known limit, else the baselines' own busy level; and
+    where it came from. The model being calibrated may be one no table knows: it names the fit,
+    it does not pick a limit. Baselines with no busy level (only idle labelled) fall back to 1.1x
+    the highest reading, and the fit says so."""
+    known = model if _model_key(model) else None
+    try:
+        basis, source = profiles.resolve(
+            None,
+            known,
+            power_limit_w,
+            gpus=samples.gpus,
+            levels=lambda: profiles.trace_levels(samples.power_w, samples.util_pct, None),
+        )
+    except profiles.ProfileError:
+        return float(np.nanmax(samples.power_w)) * 1.1, "highest_reading"
+    if basis.power_limit_w is None:  # pragma: no cover - every profile the rule builds has one
+        return float(np.nanmax(samples.power_w)) * 1.1, "highest_reading"
+    return float(basis.power_limit_w), source
 
 
 # A label's samples fall into two levels when a second one holds this share of them and sits this

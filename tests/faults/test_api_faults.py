@@ -26,7 +26,7 @@ from costexporter.store import keys, ledger
 from costexporter.store.ledger_read import LedgerStore
 
 from ..api_helpers import T0, WINDOW, served, write_job
-from ..conftest import ROOT
+from ..conftest import ROOT, spawn_cli
 from ..redis_server import RedisServer, free_port
 
 DIGEST = hash_token("secret")
@@ -170,22 +170,14 @@ def test_the_api_indexes_old_incidents_at_start(r, prefix):
     inc = {"category": "idle", "start": T0 * 1000, "end": (T0 + 60) * 1000, "gpu_ms": 60_000, "ranks": [0]}
     r.hset(keys.incidents_key(prefix, "legacy", "old-agent"), "idle:1", json.dumps(inc))
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "costexporter.cli",
-            "api",
-            "--prefix",
-            prefix,
-            "--port",
-            str(port),
-            "--listen",
-            "127.0.0.1",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc = spawn_cli(
+        "api",
+        "--prefix",
+        prefix,
+        "--port",
+        str(port),
+        "--listen",
+        "127.0.0.1",
     )
     try:
         deadline = time.monotonic() + 60

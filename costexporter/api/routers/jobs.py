@@ -81,8 +81,9 @@ def list_jobs(
             if who.sees(info[j]["meta"].get("team"))
             and (team is None or info[j]["meta"].get("team") == team)
             and (status is None or info[j]["status"] == status)
-        ]
+        ][: limit - len(out)]  # the rest lies past this page
         totals = s.totals_many(visible, warn) if visible else {}
+        first_seen = s.first_seen_many(visible, info)
         for j in visible:
             a, meta, fig = totals[j], info[j]["meta"], info[j]["figures"]
             cost = a.total_cost()
@@ -94,7 +95,7 @@ def list_jobs(
                     cost_center=meta.get("cost_center"),
                     gpu_model=meta.get("gpu_model"),
                     status=info[j]["status"],
-                    first_seen=iso(info[j]["first_seen"]),
+                    first_seen=iso(first_seen[j]),
                     last_seen=iso(seen[j]),
                     gpu_hours=a.hours(JOB_CATS),
                     cost=money(cost),

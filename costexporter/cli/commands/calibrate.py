@@ -38,11 +38,13 @@ def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> 
     """Fit a GPU model's band profile from your own baselines (docs/background.md, the power bands)."""
     import json
 
+    from costexporter.cli.allocator import keep_freed_memory
     from costexporter.core import profiles
     from costexporter.core import tracefiles as files
     from costexporter.core.diagnostics import Diagnostics, InputError
     from costexporter.tools.calibrate import CalibrationError, fit, parse_label
 
+    keep_freed_memory()
     diag = Diagnostics(stream=sys.stderr)
     try:
         specs = [sample_spec(s) for s in samples]

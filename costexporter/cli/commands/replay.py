@@ -17,7 +17,6 @@ from costexporter.cli.options import (
     booking_options,
     check_tz,
     load_profile,
-    policy_rules,
     price_config,
     price_options,
     profile_option,
@@ -99,15 +98,19 @@ def replay(
 ) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
     from costexporter.cli import report
+    from costexporter.cli.allocator import keep_freed_memory
     from costexporter.core import profiles
     from costexporter.core import tracefiles as files
     from costexporter.core.diagnostics import Diagnostics, InputError
     from costexporter.core.replay import ReplayConfig, book_trace, report_of
 
+    keep_freed_memory()
     diag = Diagnostics(stream=None if quiet else sys.stderr)
     clock = [("start", time.perf_counter())]
     try:
         profile, profile_dir = load_profile(profile_path)
+        if profile is None:
+            profiles.check_model(gpu_model, power_limit, profile_dir)
         specs = [sample_spec(s) for s in samples]
         with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
             chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))
@@ -116,7 +119,6 @@ def replay(
         clock.append(("read_s", time.perf_counter()))
         cfg = ReplayConfig(
             booking=booking_config(config),
-            policy_rules=policy_rules(config),
             prices=price_config(config),
             job=job,
             gpu_model=gpu_model,
@@ -136,7 +138,7 @@ def replay(
     for line in [] if quiet else report.clock_warnings(result, tz):
         click.echo(f"warning: {line}", err=True)
     if not quiet:
-        _term_notes(results)
+        _price_overrides(result, config["price_per_gpu_hour"])
         for line in report.progress_notes(result, progress):
             click.echo(f"costexporter: {line}", err=True)
         for line in report.profile_notes(result):
@@ -163,16 +165,13 @@ def replay(
         )
 
 
-def _term_notes(results: list) -> None:
-    """Say once per job what of its terms its meta set: a price that wins over
-    --price-per-gpu-hour (the flag would otherwise seem to do nothing), thresholds that only the
-    operator sets (ignored)."""
-    from costexporter.core.terms import ignored_meta_note
+def _price_overrides(result: dict, flag_price: float) -> None:
+    """Say once per job when its meta's price wins over --price-per-gpu-hour, which would
+    otherwise seem to do nothing."""
+    from costexporter.core.cost import price_override_note
 
-    for r in results:
-        if r.terms is None:
-            continue
-        if r.terms.price_note:
-            click.echo(f"costexporter: {r.terms.price_note}", err=True)
-        if r.terms.ignored_meta:
-            click.echo(f"costexporter: {ignored_meta_note(r.name, r.terms.ignored_meta)}", err=True)
+    for name, j in result.get("jobs", {}).items():
+        meta_price = (j.get("meta") or {}).get("price_per_gpu_hour")
+        note = price_override_note(name, meta_price, j.get("price_per_gpu_hour", flag_price), flag_price)
+        if note:
+            click.echo(f"costexporter: {note}", err=True)

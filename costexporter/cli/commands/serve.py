@@ -13,7 +13,6 @@ from costexporter.cli.options import (
     check_tz,
     listen_option,
     load_profile,
-    policy_rules,
     prefix_option,
     price_config,
     price_options,
@@ -198,6 +197,9 @@ def serve(
     check_port(listen, port, "--port")
     check_port(listen, api_port, "--api-port")
     try:
+        profile, profile_dir = load_profile(profile_path)
+        if profile is None:  # before the GPUs are opened: a flag that cannot be used stops it first
+            profiles.check_model(gpu_model, power_limit, profile_dir)
         src = make_source(
             source,
             host=host,
@@ -211,7 +213,6 @@ def serve(
             prefix=prefix,
             time_slicing_replicas=time_slicing_replicas,
         )
-        profile, profile_dir = load_profile(profile_path)
     except GpuInitError as e:
         hint = (
             " (no GPU here? `--source sim --scenario mini` plays a simulated job)" if source == "nvml" else ""
@@ -241,7 +242,6 @@ def serve(
         agent_id=agent_id or host or src.host,
         host=host,
         booking=booking_config(config),
-        policy_rules=policy_rules(config),
         prices=price_config(config),
         book_interval_s=book_interval,
         sample_interval_s=sample_interval,

@@ -12,7 +12,6 @@ from costexporter.cli.options import (
     check_port,
     listen_option,
     load_profile,
-    policy_rules,
     prefix_option,
     profile_option,
     redis_url_option,
@@ -77,6 +76,12 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @listen_option("/metrics server")
 @click.option("--port", type=int, default=DEFAULT_WATCH_PORT, help="Port of the /metrics server (0: none).")
 @click.option("--gpu-model", default=None, help="GPU model of the live signature [default: the job's meta].")
+@click.option(
+    "--power-limit",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Board power limit in W (derives the live signature's profile; with an unknown --gpu-model).",
+)
 @profile_option
 @click.option(
     "--sim-clock",
@@ -101,6 +106,7 @@ def watch(
     listen,
     port,
     gpu_model,
+    power_limit,
     profile_path,
     sim_clock,
     once,
@@ -118,15 +124,14 @@ def watch(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         profile, profile_dir = load_profile(profile_path)
-        if profile is None and gpu_model:
-            profile = profiles.select(gpu_model, directory=profile_dir)
+        if profile is None:
+            profiles.check_model(gpu_model, power_limit, profile_dir)
     except profiles.ProfileError as e:
         raise InputFailure(str(e)) from None
     cfg = WatchConfig(
         redis_url=redis_url,
         prefix=prefix,
         booking=booking_config(config),
-        policy_rules=policy_rules(config),
         poll_s=poll,
         heartbeat_timeout_s=heartbeat_timeout,
         status_ttl_s=status_ttl,
@@ -139,6 +144,8 @@ def watch(
         cluster=cluster or None,
         profile=profile,
         profile_dir=profile_dir,
+        gpu_model=gpu_model,
+        power_limit_w=power_limit,
     )
     if sim_clock:
         from costexporter.sources.sim import published_clock

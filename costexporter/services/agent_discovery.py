@@ -1,0 +1,259 @@
+"""Which jobs hold this node's GPUs: the trainers' registrations read (validated, the refused
+ones counted), each job's ranks on this node's GPUs made its own, and a GPU that a later job
+registers handed over from the earlier one."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from costexporter.core.model import GpuIndex
+from costexporter.services.agent_fold import JobFolds, LogOnce
+from costexporter.services.agent_job import AgentJob, held_until
+from costexporter.services.agent_unassigned import UnassignedBooker
+from costexporter.sources.base import GpuSource
+from costexporter.store import protocol, untrusted
+from costexporter.store.keys import jobs_key, ranks_key, registrations_key
+from costexporter.store.reader import EventReader
+
+
+class JobDiscovery:
+    """Finds the jobs of this node's GPUs (into the agent's `jobs`), when the trainers'
+    registrations counter moves, the node's GPUs change, or `job_refresh_s` has passed."""
+
+    def __init__(
+        self,
+        redis: Any,
+        prefix: str,
+        source: GpuSource,
+        jobs: dict[str, AgentJob],
+        folds: JobFolds,
+        load: Callable[[AgentJob], None],
+        unassigned: UnassignedBooker,
+        refusals: untrusted.Refusals,
+        log_once: LogOnce,
+        wrong_type: Callable[[str, BaseException], None],
+        redis_errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.source = source
+        self.jobs = jobs
+        self.folds = folds
+        self._load = load  # a job's watermark and stored fold, read
+        self.unassigned = unassigned
+        self.refusals = refusals
+        self._log_once = log_once
+        self._wrong_type = wrong_type
+        self._redis_errors = redis_errors
+        self.last_refresh = 0.0
+        self._reg_version: str | None = "?"  # the registrations counter at the last discovery
+        self._reg_read: str | None = None  # ... and as this round read it
+        self._reg_prev: str | None = "?"  # ... and as the discovery before read it
+        self._gpus_seen: tuple[Any, ...] = ()  # the node's GPUs at the last discovery
+        self.rejected: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._rejected_seen: set[tuple[str, str, int]] = set()
+
+    def _gpu_ids(self) -> tuple[Any, ...]:
+        return tuple((g.uuid, g.host, g.index) for g in self.source.gpus())
+
+    def changed(self) -> bool:
+        """Whether a register arrived since the last discovery (the trainers' counter moved; also
+        when Redis lost it) or the node's GPUs changed (a source that finds them late): discovery
+        then reads every job's registrations again."""
+        try:
+            raw = self.redis.get(registrations_key(self.prefix))
+        except self._redis_errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            self.refusals.refuse(
+                "", "wrong_type", "the registrations counter is not a string: jobs are looked for every round"
+            )
+            return True
+        self._reg_read = raw.decode() if isinstance(raw, bytes) else raw
+        return self._reg_read != self._reg_version or self._gpu_ids() != self._gpus_seen
+
+    def reject(self, job: str, rank_s: str, raw: str, reason: str, message: str) -> None:
+        """Counted once per entry, logged once per job and reason; the job's other ranks go on."""
+        seen = (job, rank_s[:100], hash(raw))  # not the entry itself: it may be a megabyte
+        if seen in self._rejected_seen:
+            return
+        if len(self._rejected_seen) < 100_000:
+            self._rejected_seen.add(seen)
+        # (a job name is at most 200 characters: a longer one is cut for the metric's label too)
+        self.rejected[(untrusted.short(job, 200), reason)] += 1
+        self._log_once(
+            ("registration", job, reason),
+            logging.WARNING,
+            "job %r: registration of rank %s rejected (%s): %s; counted in "
+            "costexporter_registrations_rejected_total, the other ranks and jobs book on",
+            untrusted.short(job),
+            untrusted.short(rank_s),
+            reason,
+            message,
+        )
+
+    def _listed(self) -> list[str]:
+        """The jobs index's valid names (a bad one rejected, counted)."""
+        try:
+            listed = self.redis.zrange(jobs_key(self.prefix), 0, -1)
+        except self._redis_errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            self.refusals.refuse("", "wrong_type", "the jobs index is not a sorted set: no new job is found")
+            listed = []
+        names = []
+        for name in listed:
+            try:
+                protocol.check_job(name)
+            except ValueError as e:
+                self.reject(name, "*", "", "bad_job_name", str(e))
+                continue
+            names.append(name)
+        return names
+
+    def discover(self) -> None:
+        """Jobs whose registered GPUs are this node's (by UUID, else host + index)."""
+        self.last_refresh = time.monotonic()
+        self._reg_version = "?"  # a discovery cut short by an error is run again next round
+        self._gpus_seen = self._gpu_ids()
+        if self.unassigned.until is None:
+            self.unassigned.load()
+        node_gpus = GpuIndex(self.source.gpus())
+        names = self._listed()
+        # Every job's registrations in one round trip (512 jobs: one, not 512). A reply that is
+        # an error (a ranks key of the wrong type) is that job's alone.
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(ranks_key(self.prefix, name))
+        fresh, retry = [False], False
+        for name, ranks in zip(names, pipe.execute(raise_on_error=False) if names else [], strict=True):
+            if isinstance(ranks, Exception):
+                if not untrusted.is_wrong_type(ranks):
+                    raise ranks
+                self.refusals.refuse(
+                    name, "wrong_type", "its ranks key is not a hash: its registrations are not read"
+                )
+                continue
+            try:
+                self._discover_job(name, ranks, node_gpus, fresh)
+            except self._redis_errors as e:
+                if not untrusted.is_wrong_type(e):
+                    raise
+                self._wrong_type(name, e)
+                retry = True  # its keys set aside: looked at again next round
+        for job in self.jobs.values():
+            hosts: dict[str, list[int]] = {}
+            for r, peer in sorted(job.ranks.items()):
+                if r not in job.own:
+                    hosts.setdefault(str(peer.host), []).append(r)
+            job.peers.hosts = hosts
+        self._handover()
+        # A counter that moved since a discovery is looked at once more next round: on a cluster
+        # it and a job's `:ranks` sit on different nodes, and the trainer's INCR may land before
+        # its HSET. (Not after the first: that one reads what was there before the agent.)
+        settled = not retry and (self._reg_prev == "?" or self._reg_read == self._reg_prev)
+        self._reg_version = self._reg_read if settled else "?"
+        self._reg_prev = self._reg_read
+
+    def _discover_job(self, name: str, ranks: dict[str, str], node_gpus: GpuIndex, fresh: list[bool]) -> None:
+        """One job's registrations read: the ranks on this node's GPUs become the job's own."""
+        job = self.jobs.get(name)
+        regs = []
+        for rank_s, raw in ranks.items():
+            try:
+                reg = protocol.parse_registration(rank_s, raw)
+            except protocol.RegistrationError as e:
+                self.reject(name, rank_s, raw, e.reason, str(e))
+                continue
+            g = node_gpus.find(reg.gpu_uuid, reg.host, reg.gpu)
+            regs.append((reg, g))
+        if job is None and all(g is None for _reg, g in regs):
+            return  # no GPU of this node: not this agent's job
+        # Every rank of the job, the other hosts' too (whatever order the hash gives them):
+        # their samples are read, and this agent's shared, only for ranks it knows of.
+        for reg, g in regs:
+            if job is None:
+                job = self.jobs[name] = AgentJob(name, EventReader(self.redis, name, prefix=self.prefix))
+                # its stored GPU starts and watermark before any claim or handover uses them (a
+                # restarted agent would otherwise hand a crashed job time its successor booked)
+                self._load(job)
+            old = job.ranks.get(reg.rank)
+            if old is not None:  # a restart registers again: the GPU is the job's from the
+                # rank's first registration on (the hash keeps only the newest)
+                reg = dataclasses.replace(reg, ts=min(old.ts, reg.ts))
+            job.ranks[reg.rank] = reg
+            if g is not None and reg.rank not in job.own:
+                if self._claim_refused(job, reg, g):
+                    continue
+                if not fresh[0]:  # a twin agent may have booked `_unassigned` further
+                    self.unassigned.load(ahead_only=True)
+                    fresh[0] = True
+                job.own[reg.rank] = g
+                job.floors[reg.rank] = self._booked_elsewhere(g, job)
+
+    def _claim_refused(self, job: AgentJob, reg: protocol.Registration, gpu: int) -> bool:
+        """A registration that names this GPU by host and index only, while another job that has
+        not ended holds it by its UUID: refused (counted, logged), the holder keeps it. A
+        trainer could otherwise move another job's GPU time to itself by naming the GPU's index;
+        a real successor reads the UUID (the reporter does) and takes over as usual."""
+        uuids = self.source.gpus()
+        uuid_ = uuids[gpu].uuid if gpu < len(uuids) else None
+        if not uuid_ or reg.gpu_uuid == uuid_:
+            return False
+        for other in self.jobs.values():
+            if other is job or other.end_ms is not None:
+                continue
+            for r, g in other.own.items():
+                held = other.ranks.get(r)
+                if g == gpu and held is not None and held.gpu_uuid == uuid_ and held.ts <= reg.ts:
+                    self.refusals.refuse(
+                        job.name,
+                        "gpu_held",
+                        "rank %d names GPU %s of %s by its index, which job %r holds by its UUID %s: "
+                        "refused, the GPU stays that job's (register with gpu_uuid to take it over)",
+                        reg.rank,
+                        reg.gpu,
+                        untrusted.short(reg.host),
+                        untrusted.short(other.name),
+                        uuid_,
+                    )
+                    return True
+        return False
+
+    def _booked_elsewhere(self, gpu: int, new: AgentJob) -> int:
+        """How far this GPU's time is booked already (unassigned, or by another job): a claim
+        that arrives late starts there, so no GPU-second is booked twice."""
+        until = self.unassigned.until or 0
+        for j in self.jobs.values():
+            if j is new:
+                continue
+            for r, g in j.own.items():
+                if g == gpu:
+                    # How far that job booked this GPU (not its watermark: its hold may have
+                    # ended), in memory and as stored: a twin agent (the same agent id) may
+                    # have booked it further than this agent's memory says.
+                    stored = self.folds.stored_state(j)
+                    until = max(until, held_until(j.state, r), held_until(stored, r))
+        return until
+
+    def _handover(self) -> None:
+        """A GPU registered by a later job leaves the earlier job at the later one's start (the
+        earlier one crashed without `run end`), as offline replay does."""
+        claims: dict[int, list[tuple[int, str, int]]] = {}
+        for j in self.jobs.values():
+            for r, g in j.own.items():
+                claims.setdefault(g, []).append((int(j.ranks[r].ts * 1000), j.name, r))
+        for lst in claims.values():
+            lst.sort()
+            for i, (_t, name, r) in enumerate(lst):
+                later = [(n2, r2) for _t2, n2, r2 in lst[i + 1 :] if n2 != name]
+                if later:
+                    n2, r2 = later[0]
+                    self.jobs[name].ends[r] = self.jobs[n2].claim(r2)[0]
+                else:
+                    self.jobs[name].ends.pop(r, None)

@@ -1,0 +1,172 @@
+"""A job as one agent books it: its registrations, its own GPUs, its watermark state, its
+folded timeline and what is stored of it, and the other hosts' samples of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from costexporter.core.booking import POS_INF, Regime, Timeline
+from costexporter.core.fold import TimelineFold
+from costexporter.core.live import JobState
+from costexporter.core.model import Event
+from costexporter.core.samplewin import SampleWindow
+from costexporter.store import protocol
+from costexporter.store.reader import EventReader
+
+
+@dataclass
+class PeerStreams:
+    """The job's other hosts, as this agent exchanges samples with them."""
+
+    remote: SampleWindow = field(default_factory=SampleWindow)  # other hosts' samples, sorted
+    ids: dict[str, str] = field(default_factory=dict)  # host -> its last entry read
+    seen: dict[str, float] = field(default_factory=dict)  # host -> monotonic time of its last entry
+    hosts: dict[str, list[int]] = field(default_factory=dict)  # other ranks by host (discovery)
+    published_ts: dict[int, int] = field(default_factory=dict)  # rank -> newest ts published
+
+
+@dataclass
+class SavedFolds:
+    """What this agent stored of the job's fold: when, and the candidates for the older one."""
+
+    saved_at: float | None = None  # data time (s) of the last stored fold
+    old_at: float | None = None  # data time (s) of the stored older fold (`fold:old:`)
+    # Stored folds that may become the older one: (data time, blob, stream position)
+    candidates: list[tuple[float, str, str]] = field(default_factory=list)
+
+
+@dataclass
+class AgentJob:
+    name: str
+    reader: EventReader
+    # The job's timeline, folded event by event (bounded); the walk-relevant events read since
+    # the last round wait in `fresh` until the round knows the job's start.
+    fold: TimelineFold | None = None
+    fresh: list[Event] = field(default_factory=list)
+    newest_event_ms: int = 0  # the newest event time read (the fold stays behind it)
+    meta: dict[str, Any] = field(default_factory=dict)  # the job's meta events folded, last write wins
+    preflight: str = ""  # JSON of the latest pre-run gate result
+    ranks: dict[int, protocol.Registration] = field(default_factory=dict)
+    own: dict[int, int] = field(default_factory=dict)  # rank -> source GPU index
+    floors: dict[int, int] = field(default_factory=dict)  # rank -> GPU time already booked elsewhere
+    ends: dict[int, int] = field(default_factory=dict)  # rank -> a later job's claim of its GPU
+    state: JobState = field(default_factory=JobState)
+    wm_raw: str | None = None  # the watermark as this agent last read or wrote it (the CAS)
+    saved: SavedFolds = field(default_factory=lambda: SavedFolds())  # the folds stored
+    # The job's start its restored fold was walked with: the ranks hash keeps only each rank's
+    # newest registration, so a restarted agent would otherwise see a later start.
+    fold_start: int | None = None
+    loaded: bool = False
+    ever_loaded: bool = False
+    # Another agent with this agent's id committed the job (a compare-and-set conflict): its
+    # stored fold and stream position go with the watermark reloaded, not this agent's fold
+    # (that agent may have trimmed the stream past what this one read).
+    restore: bool = False
+    peers: PeerStreams = field(default_factory=lambda: PeerStreams())  # the other hosts' samples
+    figures: dict[str, Any] = field(default_factory=lambda: {"steps_completed": 0, "steps_voided": 0})
+    latest_band: dict[int, int] = field(default_factory=dict)  # rank -> band
+    at_risk_ms: int = 0
+    live: dict[str, Any] = field(default_factory=dict)  # this round's live figures (livestate.py)
+    end_ms: int | None = None  # the run's end while it is ended (a later run start reopens it)
+    end_at: int | None = None  # ... as the timeline dates it (end_ms: no earlier than what was booked)
+    # Stretches between a run's clean end and the job's next run start (a resume or a plain
+    # start after `run end`): the GPUs were free then, and `_unassigned` books them.
+    gaps: dict[int, tuple[int, int]] = field(default_factory=dict)  # gap start in the timeline -> [a, b)
+    done: bool = False
+    done_at: float | None = None  # monotonic time when the job was booked to its end
+    skew_s: float | None = None
+
+    @property
+    def remote(self) -> SampleWindow:
+        """The other hosts' samples of the job, sorted."""
+        return self.peers.remote
+
+    @property
+    def remote_ids(self) -> dict[str, str]:
+        """Each other host's last sample entry read."""
+        return self.peers.ids
+
+    @property
+    def booked_until(self) -> int:
+        return self.state.booked_until
+
+    @property
+    def start_settled(self) -> bool:
+        """Whether every rank the job declares (`world_size`) has registered, as far as this
+        agent has read. Until then a registration read late may date the job's start earlier,
+        and the timeline is then walked again from the whole stream, so the stream must be
+        there whole. Registrations that declare no size cannot tell: settled."""
+        sizes = [r.world_size for r in self.ranks.values() if r.world_size]
+        return not sizes or len(self.ranks) >= max(sizes)
+
+    @property
+    def oldest_unbooked(self) -> int:
+        """Where the job's least-booked GPU is: the watermark, or a late rank catching up."""
+        return min([self.state.booked_until, *self.state.behind.values()])
+
+    @property
+    def booked(self) -> np.ndarray:
+        """All amounts this agent booked for the job, [category, (ms, mJ, micro-cost)]."""
+        return self.state.booked
+
+    @property
+    def voided(self) -> np.ndarray:
+        return self.state.voided
+
+    def window_from(self, context_ms: int) -> int:
+        """Where the job's band window starts: its state's window, else (before the first booked
+        round, a rank registered late, a state stored without one) the whole booking context."""
+        w, oldest = self.state.win, self.oldest_unbooked
+        return w[0] if w is not None and w[1] <= oldest else oldest - context_ms
+
+    def claim(self, rank: int) -> tuple[int, int]:
+        """[start, end) of the job's hold on its rank's GPU, as far as known now."""
+        start = self.state.starts.get(rank)
+        if start is None:
+            start = max(int(self.ranks[rank].ts * 1000), self.floors.get(rank, 0))
+        end = min(self.ends.get(rank, POS_INF), self.end_ms if self.end_ms is not None else POS_INF)
+        return start, max(start, end)
+
+    def held(self, rank: int) -> list[tuple[int, int]]:
+        """The job's hold on its rank's GPU as [start, end) stretches: its claim less the gaps
+        between a clean end and the next run start."""
+        start, end = self.claim(rank)
+        out, cur = [], start
+        for a, b in sorted(self.gaps.values()):
+            if b <= cur or a >= end:
+                continue
+            if a > cur:
+                out.append((cur, a))
+            cur = max(cur, b)
+        if end > cur:
+            out.append((cur, end))
+        return out
+
+    def note_runs(self, tl: Timeline) -> None:
+        """Follow the run's ends and restarts from this round's timeline. A run that starts again
+        after a clean end (a resume, a requeue, a second `train()`) reopens the job's hold on its
+        GPUs: the stretch between stays free. Time booked before a late `run end` arrived stays
+        the job's."""
+        b, r = tl.bounds, tl.regime
+        if tl.end_ms is None and self.end_at is not None:
+            i = int(np.searchsorted(b, self.end_at, "right")) - 1
+            if r[i] == Regime.UNASSIGNED and b[i + 1] >= POS_INF:
+                return  # a run start seen at the edge of the data: reopened when it has time
+        for i in np.flatnonzero(r == Regime.UNASSIGNED).tolist():
+            lo, hi = int(b[i]), int(b[i + 1])
+            if lo > tl.start_ms and hi < POS_INF and lo not in self.gaps:
+                held_to = self.end_ms if lo == self.end_at and self.end_ms is not None else lo
+                self.gaps[lo] = (min(max(lo, held_to), hi), hi)
+        if tl.end_ms is None:
+            self.end_ms = self.end_at = None
+        elif tl.end_ms != self.end_at:
+            self.end_ms, self.end_at = max(tl.end_ms, self.booked_until), tl.end_ms
+
+
+def held_until(state: JobState, rank: int) -> int:
+    """How far a job's state has booked its rank's GPU (states stored before `held` was kept:
+    the watermark)."""
+    return state.held.get(rank, state.booked_until)
