@@ -121,6 +121,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
     import redis
 
     from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.services.gcstate import FrozenState
     from costexporter.sources.playback import ReplaySource
     from costexporter.sources.synth import TraceBuilder
     from costexporter.store import keys
@@ -153,12 +154,16 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
     now[0] = float(WINDOW_S)  # the samples reach the history's last step
     rss0 = _rss_mb()
 
+    upkeep = FrozenState()  # what `serve` does after each round (untimed here, as the round is)
+
     def tick() -> float:
         for r in agent.source.read():
             agent.sampler._buf.append(r)
         t = time.thread_time()
         agent.tick()
-        return time.thread_time() - t
+        took = time.thread_time() - t
+        upkeep.after_round()
+        return took
 
     last_id = client.xrevrange(keys.stream_key(prefix, job), count=1)[0][0]
     catch_cpu, catch_wall, catch_rounds = 0.0, time.perf_counter(), 0

@@ -1,14 +1,15 @@
 """`gcstate.FrozenState`: the watch process's long-lived state kept out of full collections,
-and cycles that die among it still reclaimed at each refresh."""
+cycles that die among it still reclaimed at each refresh, and a peak's freed memory returned."""
 
 from __future__ import annotations
 
 import gc
+import platform
 import weakref
 
 import pytest
 
-from costexporter.services.gcstate import FrozenState
+from costexporter.services.gcstate import FrozenState, rss_bytes
 
 
 class _Node:
@@ -55,3 +56,24 @@ def test_a_cycle_that_dies_among_the_frozen_state_is_reclaimed_at_the_next_refre
 def test_refresh_rounds_must_be_positive():
     with pytest.raises(ValueError, match="refresh_rounds"):
         FrozenState(refresh_rounds=0)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or rss_bytes() is None, reason="glibc on Linux")
+def test_a_peak_freed_since_the_last_round_is_handed_back_once():
+    upkeep = FrozenState(trim_growth_bytes=16 << 20)
+    upkeep.after_round()  # the first round returns what start-up left
+    before = upkeep.trims
+    # A peak: 96 MB in heap-sized blocks (below glibc's mmap threshold), all freed but the last,
+    # which pins the heap's top so that free() alone cannot shrink it.
+    peak = [bytearray(100_000) for _ in range(960)]
+    for b in peak:
+        b[::4096] = b"\x01" * len(b[::4096])  # touch every page: resident
+    last = peak[-1]
+    del peak
+    held = rss_bytes()
+    upkeep.after_round()
+    assert upkeep.trims == before + 1
+    assert held - rss_bytes() > 48 << 20, "the freed peak stayed resident"
+    upkeep.after_round()  # no growth since: no second trim
+    assert upkeep.trims == before + 1
+    assert last  # held to the end
