@@ -19,7 +19,6 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -28,9 +27,6 @@ from costexporter.core import bands as bands_mod
 from costexporter.core import shares
 from costexporter.core.model import NO_BAND, Band, Category, Event
 from costexporter.core.profiles import Profile
-
-if TYPE_CHECKING:  # fold imports this module: its type only, for the checker
-    from costexporter.core.fold import StepSummary
 
 NEG_INF = np.iinfo(np.int64).min // 4
 POS_INF = np.iinfo(np.int64).max // 4
@@ -190,6 +186,20 @@ class StepRecord:
 
 
 @dataclass(slots=True)
+class StepSummary:
+    """What a folded timeline (`fold.py`) says about steps beyond its recent `steps`
+    (`Timeline.summary`)."""
+
+    n_steps: int  # every step record so far
+    n_voided: int
+    valid_tokens: int
+    tokens_before: int  # tokens of the records before `Timeline.step_base` (voided ones too)
+    last_step: StepRecord | None
+    # Every voided record: (record index, record, the previous record's ts or None for the first)
+    voided: list[tuple[int, StepRecord, int | None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Timeline:
     """A job's regime segments: segment i covers [bounds[i], bounds[i+1])."""
 
@@ -207,7 +217,7 @@ class Timeline:
     stall_threshold_ms: int = 60_000  # in force at the end of the job's events
     decided_until_ms: int = POS_INF  # live: where the first PENDING segment starts
     # A folded timeline (`fold.TimelineFold`) keeps only recent step records: `steps[0]` is record
-    # `step_base`, and `summary` (a `fold.StepSummary`) counts the rest.
+    # `step_base`, and `summary` (a `StepSummary`) counts the rest.
     step_base: int = 0
     summary: StepSummary | None = None
     # The oldest step record a resume can still reach back to (the record of the oldest of the

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from array import array
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ from costexporter.core.booking import (
     Regime,
     Segments,
     StepRecord,
+    StepSummary,
     Timeline,
     _merge,
     band_timeline,
@@ -48,19 +49,6 @@ from costexporter.core.booking import (
     stall_threshold_ms,
 )
 from costexporter.core.model import Event
-
-
-@dataclass(slots=True)
-class StepSummary:
-    """What a folded timeline says about steps beyond its recent `steps` (`Timeline.summary`)."""
-
-    n_steps: int  # every step record so far
-    n_voided: int
-    valid_tokens: int
-    tokens_before: int  # tokens of the records before `Timeline.step_base` (voided ones too)
-    last_step: StepRecord | None
-    # Every voided record: (record index, record, the previous record's ts or None for the first)
-    voided: list[tuple[int, StepRecord, int | None]] = field(default_factory=list)
 
 
 def walk_relevant(ev: Event) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from costexporter.core.timeutil import iso_utc
-from costexporter.services.watcher import ALERTING, Status, Webhook
+from costexporter.services.notify import ALERTING, Status, Webhook
 
 ALERTS_PATH = "/api/v2/alerts"
 RESEND_FACTOR = 4  # a firing alert's endsAt lies this many resends ahead

@@ -470,7 +470,7 @@ class WatchCollector(Collector):
         self.watcher = watcher
 
     def collect(self):
-        from costexporter.services.watcher import STATES
+        from costexporter.services.notify import STATES
 
         s = self.watcher.snapshot()
         info = GaugeMetricFamily("costexporter_watch_info", "The watcher: 1.", labels=["version"])

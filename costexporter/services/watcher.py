@@ -31,14 +31,11 @@ import dataclasses
 import hashlib
 import json
 import logging
-import queue
 import threading
 import time
-import urllib.error
-import urllib.request
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +50,14 @@ from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
 from costexporter.core.profiles import Profile
 from costexporter.core.timeutil import iso_utc
+from costexporter.services.alertmanager import Alertmanager
+from costexporter.services.notify import ALERTING, Status, Webhook
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.reader import EventReader, read_all_many
 
 log = logging.getLogger("costexporter.watcher")
 JOBS_PER_READ = 100  # a poll reads the jobs' new events 100 jobs per XREAD
 
-STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
-ALERTING = {"crashed", "hung", "starving", "unknown"}
 LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
 # Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's);
 # the others of META_THRESHOLDS are the booking rules'.
@@ -109,22 +106,6 @@ class WatchConfig:
     # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
     register_position_s: float | None = 60.0
     clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
-
-
-@dataclass
-class Status:
-    state: str
-    reason: str
-    since: float
-    updated: float
-    last_step: int | None = None
-    last_step_ts: float | None = None
-    seconds_since_last_step: float | None = None
-    stall_threshold_s: float | None = None
-    suspect: dict | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -710,66 +691,6 @@ def notification(job: str, old: Status | None, new: Status, now: float, prefix: 
     }
 
 
-class Webhook:
-    """POSTs payloads on its own thread, retrying with exponential backoff, so a slow or down
-    receiver never delays the watcher's polls. Counts what was sent, retried and given up."""
-
-    def __init__(self, url: str, retries: int = 5, timeout_s: float = 5.0, backoff_s: float = 0.5) -> None:
-        self.url, self.retries, self.timeout_s, self.backoff_s = url, retries, timeout_s, backoff_s
-        self.q: queue.Queue = queue.Queue(maxsize=10_000)
-        self.stats: collections.Counter[str] = collections.Counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="costexporter-webhook", daemon=True)
-        self._thread.start()
-
-    def send(self, payload: dict) -> None:
-        try:
-            self.q.put_nowait(payload)
-        except queue.Full:
-            self.stats["dropped"] += 1
-
-    def _post(self, payload: dict) -> None:
-        req = urllib.request.Request(
-            self.url,
-            data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json", "User-Agent": "costexporter-watch"},
-            method="POST",
-        )
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            resp.read()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                payload = self.q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            for attempt in range(self.retries + 1):
-                try:
-                    self._post(payload)
-                    self.stats["sent"] += 1
-                    break
-                except (urllib.error.URLError, OSError, ValueError) as e:
-                    if attempt == self.retries:
-                        self.stats["failed"] += 1
-                        log.warning("webhook %s: giving up after %d tries: %s", self.url, attempt + 1, e)
-                        break
-                    self.stats["retries"] += 1
-                    if self._stop.wait(self.backoff_s * 2**attempt):
-                        return
-            self.q.task_done()
-
-    def drain(self, timeout: float = 10.0) -> None:
-        """Wait until every queued payload was sent or given up (tests, shutdown)."""
-        end = time.monotonic() + timeout
-        while self.q.unfinished_tasks and time.monotonic() < end:
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.drain(2.0)
-        self._stop.set()
-
-
 # ---- the polling loop --------------------------------------------------------------------
 def _registration(rank: str, raw: str) -> tuple[int, dict]:
     """A ranks-hash entry as (rank, registration), checked as the agent checks it
@@ -831,8 +752,6 @@ class Watcher:
         )
         self.alertmanager = None
         if cfg.alertmanager_url:
-            from costexporter.services.alertmanager import Alertmanager
-
             self.alertmanager = Alertmanager(
                 cfg.alertmanager_url,
                 resend_s=cfg.alertmanager_resend_s,

@@ -29,7 +29,7 @@ GPU = f'{JOB},Hostname=~"$Hostname",gpu=~"$gpu"'  # per-GPU series (DCGM's label
 ALL = ".*"  # the All value of the cluster/team/Hostname/gpu variables
 # The `category` label's regex of wasted time, joined from the one list as tools/rules.py joins it.
 WASTED = "|".join(WASTED_NAMES)
-# Watcher states (costexporter.watcher.STATES) as codes with their colours: hung must be red.
+# Watcher states (services/notify.py STATES) as codes with their colours: hung must be red.
 STATE_COLORS = {
     "running": "green",
     "done": "blue",
