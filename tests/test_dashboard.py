@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from costexporter.services.watcher import STATES
+from costexporter.services.notify import STATES
 from costexporter.tools import dashboard as dash
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -873,7 +873,8 @@ def test_a_stopped_demo_bills_the_utilization_rule_only_for_what_was_played(pref
 def test_the_demo_without_its_watcher_shows_what_a_separate_watcher_wrote(prefix):
     """`demo --no-watch` (the compose stack): the state a separate `costexporter watch` keeps in
     Redis, and `not running` while there is none (its status expired), never a silent unknown."""
-    from costexporter.services.watcher import STATES, WatchConfig, Watcher
+    from costexporter.services.notify import STATES
+    from costexporter.services.watcher import WatchConfig, Watcher
     from costexporter.store import keys
     from costexporter.tools.demo import Demo, DemoConfig, plain_line
 

@@ -102,8 +102,13 @@ def check_prefix(prefix: str) -> str:
 def key_patterns(role: str, prefix: str, scope: Scope = Scope()) -> list[str]:
     """The role's key patterns (`~` read and write, `%R~` read only), without its selectors."""
     check_prefix(prefix)
-    t = lambda *p: keys.ns_key(prefix, keys.TRAINER, *p)  # noqa: E731
-    ns = lambda n: keys.ns_key(prefix, n, "*")  # noqa: E731
+
+    def t(*p: str) -> str:
+        return keys.ns_key(prefix, keys.TRAINER, *p)
+
+    def ns(n: str) -> str:
+        return keys.ns_key(prefix, n, "*")
+
     if role == "trainer":
         own = [f"~{t('{' + scope.tag() + '}', '*')}", f"~{t('jobs')}", f"~{t('registrations')}"]
         return [*own, f"%R~{keys.node_key(prefix, '*')}"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 from costexporter.store import keys
 
@@ -41,7 +42,7 @@ return 0
 class AgentIdInUse(RuntimeError):
     """Another host holds this agent id."""
 
-    def __init__(self, agent: str, host: str, holder: dict) -> None:
+    def __init__(self, agent: str, host: str, holder: dict[str, Any]) -> None:
         try:
             since = f"renewed {time.time() - float(holder['ts']):.0f} s ago"
         except (KeyError, TypeError, ValueError):
@@ -56,7 +57,7 @@ class AgentIdInUse(RuntimeError):
         self.holder = holder
 
 
-def claim(client, prefix: str, agent: str, host: str, ttl_s: float) -> dict | None:
+def claim(client: Any, prefix: str, agent: str, host: str, ttl_s: float) -> dict[str, Any] | None:
     """Hold (or renew) agent id `agent` for `host` for `ttl_s`. None when this host holds it
     now; else the holder's entry (a dict with its `host`). A lease key of another type (not
     written by an agent) is replaced."""
@@ -79,6 +80,6 @@ def _text(x: object) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
-def release(client, prefix: str, agent: str, host: str) -> None:
+def release(client: Any, prefix: str, agent: str, host: str) -> None:
     """Give the id up (at shutdown), if this host holds it: a host that takes over need not wait."""
     client.execute_command("EVAL", _RELEASE, 1, keys.agent_id_key(prefix, agent), host)

@@ -40,6 +40,7 @@ until `build_rollup` makes it (the API does, at start); until then writes leave 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 
@@ -201,7 +202,7 @@ return n + 1
 )
 
 
-def drop_rollup(client, prefix: str, job: str) -> None:
+def drop_rollup(client: Any, prefix: str, job: str) -> None:
     """Remove a job's rollup (the API's next start rebuilds it from the buckets; until then the
     job is read by summing buckets): after editing a ledger by hand."""
     client.delete(keys.rollup_state_key(prefix, job), keys.rollup_key(prefix, job))
@@ -216,7 +217,7 @@ def _rollup_keys(prefix: str, job: str) -> list[str]:
 
 
 def queue_rollup(
-    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, sign: int = 1
+    pipe: Any, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, sign: int = 1
 ) -> None:
     """The rollup's share of one write (inside the caller's MULTI, before its HINCRBYs): the net
     amounts per 5-minute bucket (`sign` -1 for the `voided:` corrections). EVAL, not EVALSHA: a
@@ -225,14 +226,14 @@ def queue_rollup(
     for start, a in by_bucket.items():
         b = bucket_start(start, "5m")
         net[b] = net.get(b, 0) + sign * np.asarray(a, np.int64)
-    args: list = [version]
+    args: list[Any] = [version]
     for b in sorted(net):
         args += [str(b), "[" + ",".join(str(int(x)) for x in net[b].reshape(-1)) + "]"]
     # execute_command: a cluster's pipeline has no eval(); the keys still pick the job's node.
     pipe.execute_command("EVAL", ROLLUP_ADD, 3, *_rollup_keys(prefix, job), *args)
 
 
-def build_rollup(client, prefix: str, job: str) -> int:
+def build_rollup(client: Any, prefix: str, job: str) -> int:
     """Build the rollup of a ledger written before rollups existed (one atomic script): 0 if it
     already had one, else 1 + the number of 5-minute buckets rolled up (1: a ledger with no
     amounts yet, whose rollup starts empty)."""
@@ -240,7 +241,7 @@ def build_rollup(client, prefix: str, job: str) -> int:
     return int(client.execute_command("EVAL", ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
 
 
-def build_rollups(client, prefix: str) -> int:
+def build_rollups(client: Any, prefix: str) -> int:
     """Build the missing rollups of every job in the jobs index and of `_unassigned` (once, at the
     API's start); returns how many older ledgers (ones holding amounts) were rolled up. A job
     with nothing booked yet gets its empty rollup too, uncounted: nothing older was there."""
@@ -264,7 +265,7 @@ def build_rollups(client, prefix: str) -> int:
 
 
 def queue_amounts(
-    pipe, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, *, voided: bool = False
+    pipe: Any, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, *, voided: bool = False
 ) -> None:
     """HINCRBY every bucket, its rollups and the total, and the job's rollup (inside the caller's
     MULTI); `voided`: the amounts are rollback corrections (the `voided:` fields)."""
@@ -287,7 +288,7 @@ def queue_amounts(
         pipe.hincrby(tk, f, v)
 
 
-def queue_incidents(pipe, prefix: str, job: str, agent: str, incidents) -> None:
+def queue_incidents(pipe: Any, prefix: str, job: str, agent: str, incidents: Any) -> None:
     """Write incidents (dicts with category and start) and index their hash (in the caller's MULTI)."""
     written = False
     for inc in incidents:
@@ -298,7 +299,7 @@ def queue_incidents(pipe, prefix: str, job: str, agent: str, incidents) -> None:
         pipe.sadd(keys.incident_index_key(prefix, job), agent)
 
 
-def index_incidents(client, prefix: str, count: int = 1000) -> int:
+def index_incidents(client: Any, prefix: str, count: int = 1000) -> int:
     """Index incident hashes written before the index existed (one SCAN at startup, never on a
     request). Returns how many hashes were indexed."""
     head_of = keys.ns_key(prefix, keys.AGENT, "{")
@@ -316,7 +317,7 @@ def index_incidents(client, prefix: str, count: int = 1000) -> int:
 
 
 def queue_steps(
-    pipe, prefix: str, job: str, steps: list, after_ms: int, upto_ms: int, voids: set[int]
+    pipe: Any, prefix: str, job: str, steps: list[Any], after_ms: int, upto_ms: int, voids: set[int]
 ) -> None:
     """Step completions and voids as sorted sets keyed by step record, so every agent writes the
     same members (idempotent) and a window's counts are ZCOUNTs.
@@ -344,7 +345,7 @@ def queue_steps(
 
 
 def read_amounts(
-    client, prefix: str, job: str, res: str | None = None, start: int | None = None
+    client: Any, prefix: str, job: str, res: str | None = None, start: int | None = None
 ) -> dict[str, int]:
     """One amounts hash as integers (the total, or with `res` the bucket starting at `start`)."""
     if res is None:
@@ -370,7 +371,7 @@ def net_ms(amounts_: dict[str, int]) -> dict[str, int]:
     }
 
 
-def load_watermark(client, prefix: str, job: str, agent: str) -> dict | None:
+def load_watermark(client: Any, prefix: str, job: str, agent: str) -> dict[str, Any] | None:
     raw = client.get(keys.watermark_key(prefix, job, agent))
     return json.loads(raw) if raw else None
 
@@ -384,7 +385,7 @@ class Conflict(Exception):
         self.stored = stored
 
 
-def conflict_writer(stored: object) -> dict | None:
+def conflict_writer(stored: object) -> dict[str, Any] | None:
     """Who wrote a watermark met in a Conflict (its `agent`, `host`, `instance`), if it says."""
     try:
         d = json.loads(stored) if isinstance(stored, str | bytes) else None
@@ -430,16 +431,16 @@ class _Recorded:
     the Redis command it makes, so the keys and their types are known before the transaction)
     and is kept to be replayed on the transaction."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client: Any) -> None:
         self.scratch = client.pipeline(transaction=False)
-        self.calls: list[tuple[str, tuple, dict]] = []
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         method = getattr(self.scratch, name)
         if not callable(method):
             return method
 
-        def call(*args, **kwargs):
+        def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append((name, args, kwargs))
             return method(*args, **kwargs)
 
@@ -458,7 +459,7 @@ class _Recorded:
         self.scratch.reset()
         return out
 
-    def replay(self, pipe) -> None:
+    def replay(self, pipe: Any) -> None:
         for name, args, kwargs in self.calls:
             getattr(pipe, name)(*args, **kwargs)
 
@@ -486,7 +487,7 @@ def agent_keys(prefix: str, job: str, agent: str, host: str) -> dict[str, str]:
     }
 
 
-def wrong_types(client, expected: dict[str, str]) -> dict[str, str]:
+def wrong_types(client: Any, expected: dict[str, str]) -> dict[str, str]:
     """Those of `expected` (key -> type) that exist with another type (one pipeline)."""
     pipe = client.pipeline(transaction=False)
     for k in expected:
@@ -495,7 +496,9 @@ def wrong_types(client, expected: dict[str, str]) -> dict[str, str]:
     return {k: t for (k, t), have in zip(expected.items(), got, strict=True) if have not in ("none", t)}
 
 
-def set_aside(client, wrong: dict[str, str], prefix: str | None = None, job: str | None = None) -> list[str]:
+def set_aside(
+    client: Any, wrong: dict[str, str], prefix: str | None = None, job: str | None = None
+) -> list[str]:
     """Move keys of the wrong type out of the way (to `<key>:wrongtype`, the same slot, kept for
     a look), so the writer's next round writes them afresh. These are keys only the agents
     write: a value of another type there was never the ledger's. Returns the keys moved.
@@ -522,7 +525,9 @@ def set_aside(client, wrong: dict[str, str], prefix: str | None = None, job: str
     return moved
 
 
-def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: dict, queue) -> str:
+def commit(
+    client: Any, prefix: str, job: str, agent: str, expected: str | None, wm: dict[str, Any], queue: Any
+) -> str:
     """Write one round of a job exactly once: `queue(pipe)` and the new watermark in one
     MULTI/EXEC that runs only if the watermark is still `expected` (the raw JSON this agent read
     or wrote last; None: absent). Returns the new raw watermark; raises Conflict otherwise, and
@@ -562,15 +567,15 @@ def commit(client, prefix: str, job: str, agent: str, expected: str | None, wm: 
 
 
 def queue_delta(
-    pipe,
+    pipe: Any,
     prefix: str,
     job: str,
     agent: str,
-    delta,
+    delta: Any,
     version: str,
-    steps: list,
+    steps: list[Any],
     after_ms: int,
-    figures: dict | None = None,
+    figures: dict[str, Any] | None = None,
 ) -> None:
     """The writes of one round's `live.LedgerDelta` (inside the caller's MULTI); `figures`, the
     job-level figures to SET, default to the delta's own."""
@@ -598,7 +603,7 @@ def queue_delta(
 
 
 def queue_position(
-    pipe, prefix: str, job: str, reader: str, stream_id: str, now: float | None = None, **extra
+    pipe: Any, prefix: str, job: str, reader: str, stream_id: str, now: float | None = None, **extra: Any
 ) -> None:
     """Register how far `reader` needs the job's stream kept (from `stream_id` on); `ts` (now)
     says the reader is alive."""
@@ -615,7 +620,7 @@ def _stream_id(x: str) -> tuple[int, int]:
 
 
 def trim_stream(
-    client, prefix: str, job: str, now: float, stale_s: float, ranks: set[int] | None = None
+    client: Any, prefix: str, job: str, now: float, stale_s: float, ranks: set[int] | None = None
 ) -> int:
     """Trim the job's event stream below the oldest position of its fresh readers (XTRIM MINID;
     idempotent). A reader not heard of for `stale_s` no longer counts (and is forgotten); with no
@@ -698,7 +703,7 @@ return {trimmed, copied, done and 1 or 0}
 """
 
 
-def trim_keeping(client, prefix: str, job: str, minid: str) -> int:
+def trim_keeping(client: Any, prefix: str, job: str, minid: str) -> int:
     """`XTRIM <stream> MINID <minid>`, moving the entries of `KEPT_TYPES` below it to the job's
     kept stream first, a page at a time (each page one script: atomic, idempotent). Returns the
     entries removed from the stream."""
@@ -716,7 +721,7 @@ def trim_keeping(client, prefix: str, job: str, minid: str) -> int:
             return total
 
 
-def ensure_epoch(client, prefix: str, candidate: str) -> str:
+def ensure_epoch(client: Any, prefix: str, candidate: str) -> str:
     """This Redis's epoch marker: `candidate` if none was set, else the one there."""
     client.set(keys.epoch_key(prefix), candidate, nx=True)
     return client.get(keys.epoch_key(prefix)) or candidate

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 import numpy as np
 import orjson
@@ -33,7 +34,7 @@ WASTED, VALID, JOB_CATS = WASTED_NAMES, VALID_NAMES, JOB_CATEGORY_NAMES
 LATEST_TS = 32_503_680_000  # 3000-01-01: a stored time beyond it (or before 1970) is not a time
 
 
-class Warnings(list):
+class Warnings(list[str]):
     """What a request skipped in the stored data, one line per job and problem (deduplicated)."""
 
     def add(self, job: str, what: str) -> None:
@@ -101,7 +102,7 @@ class Amounts:
     ucost: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     price_versions: set[str] = field(default_factory=set)
 
-    def add_hash(self, h: dict) -> int:
+    def add_hash(self, h: dict[str, Any]) -> int:
         """Add one amounts hash; returns how many of its amounts were not integers (skipped)."""
         targets = (self.ms, self.mj, self.ucost)
         bad = 0
@@ -286,7 +287,9 @@ class WindowTable:
     """Many jobs' net amounts over one window as one integer matrix (a row per job, columns
     `ledger.PACKED`), with their price versions and steps: allocation sums it by column."""
 
-    def __init__(self, jobs: list[str], net: np.ndarray, versions: list, steps: dict[str, Steps]) -> None:
+    def __init__(
+        self, jobs: list[str], net: np.ndarray, versions: list[Any], steps: dict[str, Steps]
+    ) -> None:
         self.jobs = jobs
         self.net = net
         self.versions = versions  # per job: a set of price versions
@@ -329,9 +332,9 @@ def _record(raw: str) -> list[int] | None:
     return v if ok else None
 
 
-def _metas(jobs: list[str], replies: list, warn: Warnings) -> dict[str, dict]:
+def _metas(jobs: list[str], replies: list[Any], warn: Warnings) -> dict[str, dict[str, Any]]:
     """Each job's meta from ROLLUP_WINDOWS's replies (their first value: the meta hash's pairs)."""
-    metas: dict[str, dict] = {}
+    metas: dict[str, dict[str, Any]] = {}
     for j, got in zip(jobs, replies, strict=True):
         m = got[0]
         if m is None:
@@ -340,7 +343,7 @@ def _metas(jobs: list[str], replies: list, warn: Warnings) -> dict[str, dict]:
     return metas
 
 
-def _rollup_net(replies: list, at: int) -> tuple[np.ndarray, list[set[str] | None], list[int]]:
+def _rollup_net(replies: list[Any], at: int) -> tuple[np.ndarray, list[set[str] | None], list[int]]:
     """One window's net amounts from the rollup records at `at` (its end's, then its start's)
     of each job whose rollup is usable; returns the amounts, the price versions (None where not
     read) and the jobs (indices) to read exactly instead: no usable rollup, or a damaged record."""
@@ -371,7 +374,7 @@ def _rollup_net(replies: list, at: int) -> tuple[np.ndarray, list[set[str] | Non
     return net, versions, exact
 
 
-def _run(pipe) -> list:
+def _run(pipe: Any) -> list[Any]:
     """Execute a pipeline; a command that failed on the stored data (a key of the wrong type, a
     script error) gives None instead of failing every other result. Outages still raise."""
     return [None if isinstance(x, redis.ResponseError) else x for x in pipe.execute(raise_on_error=False)]
@@ -390,7 +393,7 @@ class LedgerStore:
     """The API's reads. `use_rollups` False: window amounts always summed from the buckets (the
     exact path the rollups are tested against)."""
 
-    def __init__(self, client, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True) -> None:
+    def __init__(self, client: Any, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True) -> None:
         from costexporter.store import redisconn
 
         self.r = client
@@ -419,7 +422,8 @@ class LedgerStore:
 
     def job_names(self) -> list[str]:
         """Every job's name (no times: cheaper where they are not shown)."""
-        return self.r.zrange(keys.jobs_key(self.prefix), 0, -1)
+        names: list[str] = self.r.zrange(keys.jobs_key(self.prefix), 0, -1)
+        return names
 
     def job_team(self, job: str) -> tuple[bool, str | None]:
         """Whether the job exists, and its team: one round trip."""
@@ -436,12 +440,12 @@ class LedgerStore:
         for i in range(0, len(jobs), self.batch):
             metas = [keys.meta_key(self.prefix, j) for j in jobs[i : i + self.batch]]
             self._teams(keys=metas, client=pipe)
-        teams: list = []
+        teams: list[Any] = []
         for i, got in zip(range(0, len(jobs), self.batch), _run(pipe) if jobs else [], strict=True):
             teams += got if got is not None else [None] * len(jobs[i : i + self.batch])
         return dict(zip(jobs, teams, strict=True))
 
-    def meta_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict]:
+    def meta_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict[str, Any]]:
         """Each job's meta (team, cost center, ...) in one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
@@ -453,7 +457,7 @@ class LedgerStore:
             out[j] = meta or {}
         return out
 
-    def info_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict]:
+    def info_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict[str, Any]]:
         """meta, figures, status and first registration of many jobs in one round trip."""
         warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
@@ -462,7 +466,7 @@ class LedgerStore:
         raw = _run(pipe)
         return {j: _info(j, raw[4 * i : 4 * i + 4], warn) for i, j in enumerate(jobs)}
 
-    def job_info(self, job: str, warn: Warnings | None = None) -> dict | None:
+    def job_info(self, job: str, warn: Warnings | None = None) -> dict[str, Any] | None:
         """One job's `info_many` entry, or None if there is no such job: one round trip."""
         warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
@@ -471,14 +475,14 @@ class LedgerStore:
         score, *raw = _run(pipe)
         return None if score is None else _info(job, raw, warn)
 
-    def _queue_info(self, pipe, j: str) -> None:
+    def _queue_info(self, pipe: Any, j: str) -> None:
         """The 4 reads `_info` parses."""
         pipe.hgetall(keys.meta_key(self.prefix, j))
         pipe.hgetall(keys.figures_key(self.prefix, j))
         pipe.get(keys.status_key(self.prefix, j))
         pipe.hvals(keys.ranks_key(self.prefix, j))
 
-    def first_seen_many(self, jobs: list[str], info: dict[str, dict]) -> dict[str, float | None]:
+    def first_seen_many(self, jobs: list[str], info: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         """Each job's first start, in one round trip: its oldest register, from the oldest
         entries of its kept stream (registrations moved out when the stream was trimmed), else
         of its event stream; never later than `info`'s `first_seen` (`info_many`'s, from the
@@ -519,7 +523,7 @@ class LedgerStore:
         warn: Warnings | None = None,
         meta: bool = False,
         tokens: bool = False,
-    ) -> tuple[dict[str, dict], list[WindowTable]]:
+    ) -> tuple[dict[str, dict[str, Any]], list[WindowTable]]:
         """Each job's meta (with `meta`; else {}) and, per window, a `WindowTable` of the jobs'
         amounts and steps (tokens counted only with `tokens`).
 
@@ -561,7 +565,7 @@ class LedgerStore:
         warn: Warnings,
         meta: bool = False,
         tokens: bool = False,
-    ) -> Iterator[tuple[list[str], dict[str, dict], list[WindowTable]]]:
+    ) -> Iterator[tuple[list[str], dict[str, dict[str, Any]], list[WindowTable]]]:
         """`tables` CHUNK jobs at a time, in order: (the chunk's jobs, their meta, their tables).
 
         Redis runs the scripts of the next chunks (on a thread of their own, which waits on the
@@ -577,7 +581,7 @@ class LedgerStore:
         builders += [keys.meta_key] * meta
         p = self.prefix
 
-        def read(i: int) -> list:
+        def read(i: int) -> list[Any]:
             part = jobs[i : i + CHUNK]
             if not part:
                 return []
@@ -611,16 +615,16 @@ class LedgerStore:
     def _chunk(
         self,
         jobs: list[str],
-        results: list,
+        results: list[Any],
         spans: list[tuple[int, int]],
         meta: bool,
         tokens: bool,
         notes: list[Warnings],
-    ) -> tuple[dict[str, dict], list[WindowTable]]:
+    ) -> tuple[dict[str, dict[str, Any]], list[WindowTable]]:
         """One chunk's replies of ROLLUP_WINDOWS as its meta and tables; `notes`: where its
         warnings go (meta, then per window the steps' and the exact path's)."""
         per_w = 8 if tokens else 4
-        replies: list = []
+        replies: list[Any] = []
         for i, got in zip(range(0, len(jobs), self.batch), results, strict=True):
             if got is None:  # cannot happen short of an outage (which raises): read exactly
                 got = [[0, "", ""] + [False] * (per_w * len(spans))] * len(jobs[i : i + self.batch])
@@ -657,12 +661,12 @@ class LedgerStore:
         versions = [amounts[j].price_versions for j in jobs]
         return WindowTable(jobs, net, versions, _steps(jobs, raw[len(jobs) :], warn))
 
-    def _queue_amounts(self, pipe, jobs: list[str], start: int, end: int) -> None:
+    def _queue_amounts(self, pipe: Any, jobs: list[str], start: int, end: int) -> None:
         parts = decompose(start, end)
         for j in jobs:
             self._sum(keys=[keys.bucket_key(self.prefix, j, res, b) for res, b in parts], client=pipe)
 
-    def _queue_steps(self, pipe, jobs: list[str], start: float, end: float) -> None:
+    def _queue_steps(self, pipe: Any, jobs: list[str], start: float, end: float) -> None:
         for j in jobs:
             self._steps(
                 keys=[keys.steps_key(self.prefix, j), keys.voids_key(self.prefix, j)],
@@ -733,7 +737,7 @@ class LedgerStore:
 
     def incidents(
         self, job: str, start: int, end: int, tol_s: float = 5.0, warn: Warnings | None = None
-    ) -> list[dict]:
+    ) -> list[dict[str, Any]]:
         """Every agent's incidents merged job-wide: one stretch per category and overlap.
 
         The agents that wrote incidents are read from the job's index (never a SCAN)."""
@@ -755,7 +759,7 @@ class LedgerStore:
                     warn.add(job, "an incident that is not a valid record: skipped")
                 else:
                     raw.append(inc)
-        merged: list[dict] = []
+        merged: list[dict[str, Any]] = []
         for inc in sorted(raw, key=lambda x: (x["category"], x["start"])):
             s, e = inc["start"] / 1000, inc["end"] / 1000
             last = merged[-1] if merged else None
@@ -791,7 +795,7 @@ class LedgerStore:
         return self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
 
 
-def _packed(values: list, versions: set) -> Amounts:
+def _packed(values: list[Any], versions: set[Any]) -> Amounts:
     """Amounts from a matrix row: net values in the order `ledger.PACKED`."""
     return Amounts(
         dict(zip(CATEGORIES, values[0::3], strict=True)),
@@ -801,7 +805,7 @@ def _packed(values: list, versions: set) -> Amounts:
     )
 
 
-def _amounts(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, Amounts]:
+def _amounts(jobs: list[str], replies: list[Any], warn: Warnings | None) -> dict[str, Amounts]:
     """Each job's window amounts from the replies of `LedgerStore._queue_amounts`."""
     out = {}
     for j, flat in zip(jobs, replies, strict=True):
@@ -817,7 +821,7 @@ def _amounts(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str,
     return out
 
 
-def _counts(jobs: list[str], replies: list, warn: Warnings) -> dict[str, Steps]:
+def _counts(jobs: list[str], replies: list[Any], warn: Warnings) -> dict[str, Steps]:
     """Steps completed and voided (no tokens) from (completed, voided) pairs; None: the sets
     have the wrong type."""
     out = {}
@@ -830,7 +834,7 @@ def _counts(jobs: list[str], replies: list, warn: Warnings) -> dict[str, Steps]:
     return out
 
 
-def _steps(jobs: list[str], replies: list, warn: Warnings | None) -> dict[str, Steps]:
+def _steps(jobs: list[str], replies: list[Any], warn: Warnings | None) -> dict[str, Steps]:
     """Each job's window steps from the replies of `LedgerStore._queue_steps`."""
     warn = Warnings() if warn is None else warn
     out = {}
@@ -870,7 +874,7 @@ def _first_register(entries: object) -> float | None:
     return None
 
 
-def _info(j: str, replies: list, warn: Warnings) -> dict:
+def _info(j: str, replies: list[Any], warn: Warnings) -> dict[str, Any]:
     """A job's info from the 4 replies of `LedgerStore._queue_info`. `first_seen` is its ranks'
     oldest latest register (`LedgerStore.first_seen_many` finds the first start)."""
     meta, figures, status, ranks = replies
@@ -897,7 +901,7 @@ def _info(j: str, replies: list, warn: Warnings) -> dict:
     }
 
 
-def incident(x: object) -> dict | None:
+def incident(x: object) -> dict[str, Any] | None:
     """A stored incident as the reader needs it, or None if it is not one."""
     if not isinstance(x, dict) or not isinstance(x.get("category"), str):
         return None

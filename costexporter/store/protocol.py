@@ -10,6 +10,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from costexporter.store import untrusted
 
@@ -18,7 +19,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 JOB_RE = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
 
 
-def connect(url: str):
+def connect(url: str) -> Any:
     """A client for the agent and the watcher: short timeouts and no retries, so an outage shows
     at once as an error the caller counts, instead of a round that hangs. A Redis Cluster URL
     (`redis+cluster://host:port`) gives a cluster client (redisconn)."""
@@ -88,7 +89,7 @@ class Registration:
     world_size: int | None
 
 
-def _int_field(entry: dict, name: str, hi: int, reason: str) -> int | None:
+def _int_field(entry: dict[str, Any], name: str, hi: int, reason: str) -> int | None:
     v = entry.get(name)
     if v is None or v == "":
         return None

@@ -11,7 +11,9 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from costexporter.core.events import EventError, UnknownEventType, parse_event
 from costexporter.core.model import Event
@@ -44,7 +46,7 @@ def _text(x: object) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
-def _fields(raw: dict) -> dict[str, str]:
+def _fields(raw: dict[Any, Any]) -> dict[str, str]:
     """An entry's fields as text: a client that decodes replies (the protocol's) gives them so
     already, plain UTF-8 bytes are decoded at once (this counts at 10,000 events a poll), and
     anything else goes through `_text`."""
@@ -70,7 +72,9 @@ class EventReader:
     the clock is behind, or every event of the poll was delivered late).
     """
 
-    def __init__(self, client, job: str, prefix: str = protocol.DEFAULT_PREFIX, cursor: str = "0-0") -> None:
+    def __init__(
+        self, client: Any, job: str, prefix: str = protocol.DEFAULT_PREFIX, cursor: str = "0-0"
+    ) -> None:
         self.client = client
         self.job = protocol.check_job(job)
         self.key = keys.stream_key(prefix, job)
@@ -86,12 +90,12 @@ class EventReader:
         resp = self.client.xread({self.key: self.cursor}, count=count, block=block_ms)
         return self._consume([e for _key, entries in resp or [] for e in entries])
 
-    def consume(self, entries: list) -> list[Event]:
+    def consume(self, entries: list[Any]) -> list[Event]:
         """The valid, new events of (id, fields) entries read by the caller (a merge of the
         stream and the kept stream, in id order); the cursor moves to the last one."""
         return self._consume(entries)
 
-    def _consume(self, entries: list) -> list[Event]:
+    def _consume(self, entries: list[Any]) -> list[Event]:
         """The valid, new events of entries read after the cursor; advances it."""
         out: list[Event] = []
         offsets: dict[int, float] = {}
@@ -118,7 +122,13 @@ class EventReader:
             if self.cursor == batch_cursor:
                 return out
 
-    def read_until(self, last_id: str, count: int = 10_000, keep=None, on_batch=None) -> list[Event]:
+    def read_until(
+        self,
+        last_id: str,
+        count: int = 10_000,
+        keep: Callable[[Event], bool] | None = None,
+        on_batch: Callable[[list[Event]], None] | None = None,
+    ) -> list[Event]:
         """Every valid event from the cursor up to and including entry `last_id` (a second
         reader catching up with a first one, to rebuild what the first one folded); `keep`, a
         predicate, drops the others as they are read; `on_batch` takes each batch instead of
@@ -140,7 +150,7 @@ class EventReader:
             if len(entries) < count:
                 return out
 
-    def position(self) -> dict:
+    def position(self) -> dict[str, Any]:
         """What a reader resuming at `cursor` needs to de-duplicate as this one would (stored
         with a persisted fold): per (rank, session) the highest seq and the gaps below it."""
         return {
@@ -148,7 +158,7 @@ class EventReader:
             "seen": [[r, s, x.high, sorted(x.gaps)] for (r, s), x in self._seen.items()],
         }
 
-    def restore(self, pos: dict) -> None:
+    def restore(self, pos: dict[str, Any]) -> None:
         """Resume at a stored `position()` (ValueError/KeyError/TypeError if it is not one)."""
         seen = {}
         for r, s, high, gaps in pos["seen"]:
@@ -181,7 +191,10 @@ class EventReader:
 
 
 def read_all_many(
-    client, readers: list[EventReader], count: int = 10_000, on_wrong_type=None
+    client: Any,
+    readers: list[EventReader],
+    count: int = 10_000,
+    on_wrong_type: Callable[[str], None] | None = None,
 ) -> dict[str, list[Event]]:
     """`read_all` of many jobs' streams with one XREAD per round trip for all of them (a watcher
     of 1,000 jobs: one round trip a poll, not two per job). A job whose events key is not a
@@ -226,7 +239,7 @@ def read_all_many(
     return out
 
 
-def _types(client, keys: list[str]) -> list[str]:
+def _types(client: Any, keys: list[str]) -> list[str]:
     """Each key's type (one pipeline)."""
     pipe = client.pipeline(transaction=False)
     for k in keys:
@@ -234,7 +247,12 @@ def _types(client, keys: list[str]) -> list[str]:
     return [_text(t) for t in pipe.execute()]
 
 
-def _wrong_streams(wrong, replies, out, on_wrong_type) -> None:
+def _wrong_streams(
+    wrong: list[EventReader],
+    replies: list[Any],
+    out: dict[str, list[Event]],
+    on_wrong_type: Callable[[str], None] | None,
+) -> None:
     """Readers whose XREAD failed on their key's type: out of the result, handed on."""
     import redis
 

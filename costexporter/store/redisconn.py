@@ -90,11 +90,10 @@ def from_url(url: str, **kwargs: Any) -> Any:
     from redis.cluster import ClusterNode, RedisCluster
 
     base, seeds = _cluster_parts(url)
+    node: Any = ClusterNode  # redis-py leaves its __init__ untyped
 
     def make() -> Any:
-        return RedisCluster(
-            url=base, startup_nodes=[ClusterNode(h, p) for h, p in seeds[1:]] or None, **kwargs
-        )
+        return RedisCluster(url=base, startup_nodes=[node(h, p) for h, p in seeds[1:]] or None, **kwargs)
 
     return LazyCluster(make)
 
@@ -182,7 +181,8 @@ def script(client: Any, text: str) -> Callable[..., Any]:
     would send EVALSHA to a node that may never have seen the script (NOSCRIPT, a wrong None).
     There the call sends EVAL, which every node runs (and caches) whatever it loaded before."""
     if not is_cluster(client):
-        return client.register_script(text)
+        registered: Callable[..., Any] = client.register_script(text)
+        return registered
 
     def run(keys: Iterable[str] = (), args: Iterable[Any] = (), client: Any = client) -> Any:
         keys, args = list(keys), list(args)
@@ -195,9 +195,8 @@ def script(client: Any, text: str) -> Callable[..., Any]:
 def mget(client: Any, keys: list[str]) -> list[Any]:
     """MGET of keys in any slots: one MGET on a single Redis; on a cluster, one per slot
     (redis-py's `mget_nonatomic`), as a cluster refuses a multi-key command across slots."""
-    if is_cluster(client):
-        return client.mget_nonatomic(keys)
-    return client.mget(keys)
+    got: list[Any] = client.mget_nonatomic(keys) if is_cluster(client) else client.mget(keys)
+    return got
 
 
 _UNREACHABLE = _unreachable_class()
