@@ -80,5 +80,5 @@ def test_every_module_is_named_in_the_architecture_page():
         )
         if not any(n in page for n in names):
             unnamed.append(rel)
-    assert len(modules) > 100
+    assert len(modules) > 50  # the package's modules were found
     assert unnamed == []
