@@ -1,7 +1,7 @@
 """The agent in a wide job: round CPU, RSS and Redis load against the job's width.
 
 One agent owns 8 GPUs (host node0) of a job of W GPUs, 8 per host. Its W/8 - 1 peers are
-simulated as real agents publish: each peer host's sample stream (`<p>:{job}:samples:<host>`)
+simulated as real agents publish: each peer host's sample stream (`<p>:a:{job}:samples:<host>`)
 gets one entry per 5-s round with its 8 ranks' readings, written straight into a private
 `redis-server` (no persistence, a free port) in the agents' own format. Before the agent starts
 the streams hold the whole booking context (2 x the checkpoint allowance + 60 s: 1,860 s at 1 Hz),

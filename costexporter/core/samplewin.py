@@ -140,7 +140,7 @@ class SampleWindow:
         return R, T, P, U, E
 
 
-# ---- a host's sample stream entries (`<p>:{job}:samples:<host>`, one per agent round) ----------
+# ---- a host's sample stream entries (`<p>:a:{job}:samples:<host>`, one per agent round) ----------
 # A sample packed little-endian: rank, ts (ms), power W, utilization %, energy mJ (36 bytes).
 ENTRY = np.dtype([("r", "<i4"), ("t", "<i8"), ("p", "<f8"), ("u", "<f8"), ("e", "<f8")])
 ENTRY_NAMES: tuple[str, ...] = ENTRY.names or ()  # a structured dtype's names are never None

@@ -59,7 +59,7 @@ def _fields(raw: dict[Any, Any]) -> dict[str, str]:
 
 
 class EventReader:
-    """Consumes `<prefix>:{<job>}:events` from `cursor` (a stream id) on.
+    """Consumes `<prefix>:t:{<job>}:events` from `cursor` (a stream id) on.
 
     `stats` counts what was read: `accepted`, `duplicate`, `unknown_type`, `unknown_field` and
     one `rejected:<reason>` per kind of bad entry (missing_field, bad_type, foreign_job, ...);

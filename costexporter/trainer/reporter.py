@@ -242,7 +242,7 @@ class _Retry(Exception):
 
 
 class StepReporter:
-    """Posts a rank's events to `<prefix>:{<job>}:events` (protocol v1, docs/protocol.md).
+    """Posts a rank's events to `<prefix>:t:{<job>}:events` (protocol v1, docs/protocol.md).
 
     `stats` counts where every event went: `sent` (written to Redis), `spooled` (written to the
     spool file) and `unspooled` (left it again: sent or rejected), `rejected` (refused by the
