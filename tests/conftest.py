@@ -85,15 +85,20 @@ def cli():
 SHARED_URL = "redis://127.0.0.1:6379/0"
 
 
+def drop_prefix(r, prefix: str) -> None:
+    """Remove every key under `prefix:` (a test's own prefix on the shared Redis)."""
+    found = list(r.scan_iter(f"{prefix}:*"))
+    if found:
+        r.delete(*found)
+
+
 @pytest.fixture
 def prefix():
     """A key prefix of this test's own on the shared Redis; its keys are removed afterwards."""
     p = f"test-{uuid.uuid4().hex[:12]}"
     yield p
     r = redis.Redis.from_url(SHARED_URL)
-    keys = list(r.scan_iter(f"{p}:*"))
-    if keys:
-        r.delete(*keys)
+    drop_prefix(r, p)
 
 
 @pytest.fixture

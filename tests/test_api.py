@@ -25,7 +25,7 @@ from costexporter.store import keys, ledger, redisconn
 from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import T0, WINDOW, assert_no_server_error, write_job
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, drop_prefix
 from .redis_server import free_port
 from .test_agent import offline_ms, post_events, scrape, serve
 
@@ -63,9 +63,7 @@ def built(tmp_path_factory):
     out = book_two_jobs(SHARED_URL, prefix, tmp_path_factory.mktemp("api"))
     yield out
     r = out["redis"]
-    keys = list(r.scan_iter(f"{prefix}:*"))
-    if keys:
-        r.delete(*keys)
+    drop_prefix(r, prefix)
 
 
 def book_two_jobs(url: str, prefix: str, tmp) -> dict:

@@ -11,6 +11,7 @@ from costexporter.api.format import per, per_micro
 from costexporter.store import keys
 
 from .api_helpers import served
+from .conftest import drop_prefix
 from .test_api_rollup import BASE, amounts, write
 
 MICRO = st.one_of(st.integers(-(10**16), 10**16), st.integers(-50, 50), st.integers(-(10**7), 10**7))
@@ -114,6 +115,4 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
         assert answers() == whole
         assert all(code == 200 for code, _, _ in whole)
     finally:
-        found = list(shared.scan_iter(f"{prefix}:*"))
-        if found:
-            shared.delete(*found)
+        drop_prefix(shared, prefix)

@@ -23,7 +23,7 @@ from costexporter.store import keys, ledger
 from costexporter.store.ledger_read import LedgerStore
 
 from .api_helpers import T0
-from .conftest import SHARED_URL, spawn_cli
+from .conftest import SHARED_URL, drop_prefix, spawn_cli
 from .redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,9 +112,7 @@ def test_rollup_windows_equal_the_bucket_sums(shared, writes, windows, seed, reb
             assert ledger.build_rollup(shared, prefix, "job")
             assert_windows_equal(shared, prefix, "job", windows)
     finally:
-        found = list(shared.scan_iter(f"{prefix}:*"))
-        if found:
-            shared.delete(*found)
+        drop_prefix(shared, prefix)
 
 
 def test_a_single_version_ledger_is_answered_from_the_rollup(shared, prefix):
@@ -313,9 +311,7 @@ def test_allocation_rows_equal_the_per_job_sums(shared, jobs, fields, window, se
         parts = [agg.JobPart(j, metas[j], by_job[j], steps_[j]) for j in names]
         assert got == [r.model_dump() for r in agg.rows(parts, fields, s, e)]
     finally:
-        found = list(shared.scan_iter(f"{prefix}:*"))
-        if found:
-            shared.delete(*found)
+        drop_prefix(shared, prefix)
 
 
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -355,6 +351,4 @@ def test_series_from_the_rollup_equal_the_buckets(shared, writes, window, step):
             want = [int(h.get(f, 0)) - int(h.get("voided:" + f, 0)) for f in ledger.PACKED]
             assert row.tolist() == want
     finally:
-        found = list(shared.scan_iter(f"{prefix}:*"))
-        if found:
-            shared.delete(*found)
+        drop_prefix(shared, prefix)

@@ -17,7 +17,7 @@ from costexporter.cli.main import main
 from costexporter.cli.options import DEPRECATED_ENV, config_defaults, env_name
 from costexporter.store import keys, ledger
 
-from .conftest import ROOT, SHARED_URL, spawn_cli
+from .conftest import ROOT, SHARED_URL, drop_prefix, spawn_cli
 from .redis_server import free_port
 
 EXAMPLE = ROOT / "examples" / "r1-mini"
@@ -223,6 +223,4 @@ def test_a_fresh_ledger_is_not_reported_as_older_ledgers_rolled_up():
         assert ledger.build_rollups(client, prefix) == 0
         assert client.hget(keys.rollup_state_key(prefix, "fresh"), "v") == "1"
     finally:
-        found = list(client.scan_iter(f"{prefix}:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, prefix)

@@ -26,7 +26,7 @@ from costexporter.store.ledger_read import LedgerStore
 from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, drop_prefix
 from .redis_cluster import RedisCluster
 from .redis_server import free_port
 from .test_agent import offline_ms
@@ -50,9 +50,7 @@ def backends(cluster, tmp_path_factory):
     }
     yield out
     r = redis.Redis.from_url(SHARED_URL)
-    keys = list(r.scan_iter(f"{prefix}:*"))
-    if keys:
-        r.delete(*keys)
+    drop_prefix(r, prefix)
 
 
 def test_the_cluster_url_forms_and_their_errors():

@@ -23,7 +23,7 @@ from costexporter.store import keys, ledger
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import send_entries
 
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, drop_prefix
 from .test_agent import event_entry
 
 
@@ -173,9 +173,7 @@ def test_folding_agent_books_every_key_as_the_rebuilding_one(prefix):
         state = {s.labels["training_job"]: s.value for s in fams["costexporter_agent_state_bytes"].samples}
         assert 0 < state[b.job] < 1_000_000
     finally:
-        found = list(client.scan_iter(f"{prefix}-ref:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, f"{prefix}-ref")
 
 
 def _stream_len(client, prefix: str, job: str) -> int:
@@ -204,9 +202,7 @@ def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_ne
         assert sum(a.stats["stream_entries_trimmed"] for a in every) > total / 2
         assert _stream_len(client, prefix, b.job) < total / 2  # 1-2 x late_keep_s kept
     finally:
-        found = list(client.scan_iter(f"{prefix}-ref:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, f"{prefix}-ref")
 
 
 def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_as_without(prefix):
@@ -259,9 +255,7 @@ def test_after_trimming_a_restarted_agent_and_a_lagging_watcher_book_and_judge_a
         readers = client.hgetall(keys.readers_key(prefix, b.job))
         assert set(readers) == {"agent:a", "watcher:every", "watcher:lagging"}
     finally:
-        found = list(client.scan_iter(f"{ref}:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, ref)
 
 
 def test_a_restart_after_the_trainer_registered_again_keeps_the_jobs_start(prefix):
@@ -290,9 +284,7 @@ def test_a_restart_after_the_trainer_registered_again_keeps_the_jobs_start(prefi
         assert agent.stats["fold_restores"] == 1 and agent.stats["timeline_rebuilds"] == 0
         assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
     finally:
-        found = list(client.scan_iter(f"{prefix}-ref:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, f"{prefix}-ref")
 
 
 def test_a_reader_silent_too_long_no_longer_pins_the_stream(prefix):
@@ -354,9 +346,7 @@ def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream
             found = list(client.scan_iter(f"{p}:*"))
             client.delete(*found)
     finally:
-        found = list(client.scan_iter(f"{prefix}-ref:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, f"{prefix}-ref")
 
 
 def test_a_watcher_refolds_a_late_event_from_the_stream_and_judges_as_a_fresh_one(prefix):
@@ -444,9 +434,7 @@ def test_the_rollback_index_keeps_only_what_a_resume_can_reach_and_books_as_the_
         assert min(small) == 59 and min(full) == 0 and len(small) < len(full) / 2
         assert {len(v) for v in small.values()} == {9}  # 3 valid categories x (ms, mJ, cost)
     finally:
-        found = list(client.scan_iter(f"{prefix}-all:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, f"{prefix}-all")
 
 
 def test_a_resume_further_back_than_the_index_reaches_is_counted_and_moves_nothing_twice(prefix, caplog):
@@ -471,6 +459,4 @@ def test_a_resume_further_back_than_the_index_reaches_is_counted_and_moves_nothi
             sum("older than the oldest of the last 3 checkpoints" in r.message for r in caplog.records) == 1
         )
     finally:
-        found = list(client.scan_iter(f"{prefix}-all:*"))
-        if found:
-            client.delete(*found)
+        drop_prefix(client, f"{prefix}-all")

@@ -30,6 +30,7 @@ from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
 from costexporter.trainer.reporter import send_entries
 
+from .conftest import drop_prefix
 from .test_agent import event_entry
 
 HOLD_S = 60.0  # unassigned time is booked this long after it was sampled
@@ -295,12 +296,6 @@ def offline(a: TraceBuilder, jobs: list[TraceBuilder]) -> dict:
     return out
 
 
-def _cleanup(client, prefix: str) -> None:
-    keys = list(client.scan_iter(f"{prefix}:*"))
-    if keys:
-        client.delete(*keys)
-
-
 @settings(max_examples=int(os.environ.get("LEDGER_FAULT_EXAMPLES", "40")))
 # A twin agent had booked `_unassigned` past the other's in-memory watermark when b's late
 # register arrived: b's GPU time started at the stale watermark, 2 s booked twice.
@@ -391,7 +386,7 @@ def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
             results[kind] = run.ledger(names)
             u = ledger.load_watermark(client, prefix, ledger.UNASSIGNED_JOB, "node0")["booked_until"]
         finally:
-            _cleanup(client, prefix)
+            drop_prefix(client, prefix)
         # Conservation: up to the unassigned ledger's watermark (past every job's end), every
         # GPU-millisecond is in exactly one job's categories or unassigned.
         booked = sum(sum(results[kind][j].values()) for j in names) + results[kind]["_unassigned"]

@@ -5,17 +5,13 @@ readers refuse its timestamps)."""
 from __future__ import annotations
 
 import time
-import uuid
-
-import redis
 
 from costexporter.sources.sim import SimSource
 
 from .conftest import SHARED_URL
 
 
-def test_a_story_placed_in_the_past_ends_now_and_then_runs_at_real_time():
-    prefix = f"test-{uuid.uuid4().hex[:10]}"
+def test_a_story_placed_in_the_past_ends_now_and_then_runs_at_real_time(prefix):
     speed = 40_000.0  # the 40-minute story in 0.06 s
     before = time.time()
     src = SimSource("mini", speed=speed, redis_url=SHARED_URL, prefix=prefix, host="t", ends_at=before)
@@ -32,14 +28,9 @@ def test_a_story_placed_in_the_past_ends_now_and_then_runs_at_real_time():
         assert 0.2 <= b - a <= 1.0  # real time's pace, not 40,000x (which would be hours)
     finally:
         src.close()
-        r = redis.Redis.from_url(SHARED_URL)
-        found = list(r.scan_iter(f"{prefix}:*"))
-        if found:
-            r.delete(*found)
 
 
-def test_a_story_that_starts_now_plays_at_its_speed():
-    prefix = f"test-{uuid.uuid4().hex[:10]}"
+def test_a_story_that_starts_now_plays_at_its_speed(prefix):
     src = SimSource("mini", speed=100.0, redis_url=SHARED_URL, prefix=prefix, host="t")
     try:
         assert abs(src.sim_time() - time.time()) < 5
@@ -49,7 +40,3 @@ def test_a_story_that_starts_now_plays_at_its_speed():
         assert src.sim_time() - a >= 10  # 100x
     finally:
         src.close()
-        r = redis.Redis.from_url(SHARED_URL)
-        found = list(r.scan_iter(f"{prefix}:*"))
-        if found:
-            r.delete(*found)

@@ -29,7 +29,7 @@ from costexporter.tools.dashboard import expressions
 from costexporter.tools.dashboard import render as render_dashboard
 from costexporter.tools.rules import RuleWindows, render
 
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, drop_prefix
 from .redis_server import free_port
 
 # Played on a clock: another test's load can delay it past its windows (the README's test command).
@@ -329,9 +329,7 @@ def story_run(tmp_path_factory):
         prom.terminate()
         prom.wait(30)
         r = redis_mod.Redis.from_url(SHARED_URL)
-        keys = list(r.scan_iter(f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        drop_prefix(r, prefix)
 
 
 def _in(episodes: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:

@@ -19,7 +19,7 @@ from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.store import keys, protocol
 from costexporter.trainer.reporter import StepReporter
 
-from ..conftest import SHARED_URL
+from ..conftest import SHARED_URL, drop_prefix
 
 POISON_RANKS = ["[1, 2]", "3", '"gpu"', "null", '{"ts": null}', '{"host": ["a"], "ts": "x"}', "{", ""]
 
@@ -90,9 +90,7 @@ def _own_prefix() -> Iterator[tuple[str, redis.Redis]]:
     try:
         yield prefix, r
     finally:
-        keys = list(r.scan_iter(f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        drop_prefix(r, prefix)
 
 
 def _poll_once(prefix: str) -> dict:
