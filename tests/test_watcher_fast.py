@@ -11,23 +11,15 @@ import uuid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.core.booking import BookingConfig
 from costexporter.services import watcher as watcher_mod
 from costexporter.services.watcher import LIVE_HISTORY, WatchConfig, Watcher
 from costexporter.store import keys, protocol
 from costexporter.trainer.reporter import send_entries
 
 from .conftest import SHARED_URL
-from .test_fold import streams
+from .test_fold import CFG, streams
 
 SHIFT = 1_750_000_000.0  # the strategy's times are small: make them plausible Unix times
-BOOKING = BookingConfig(
-    stall_floor_s=5.0,
-    checkpoint_allowance_s=20.0,
-    eval_allowance_s=10.0,
-    startup_allowance_s=15.0,
-    stall_window=8,
-)
 
 
 def entry(e, job: str) -> dict[str, str]:
@@ -77,7 +69,7 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
             shared.hset(keys.ranks_key(prefix, n), str(rank), json.dumps(reg))
     clock = [0.0]
     cfg = WatchConfig(
-        redis_url=SHARED_URL, prefix=prefix, booking=BOOKING, jobs=tuple(names), clock=lambda: clock[0]
+        redis_url=SHARED_URL, prefix=prefix, booking=CFG, jobs=tuple(names), clock=lambda: clock[0]
     )
     main = Watcher(cfg)
 
