@@ -23,6 +23,7 @@ from costexporter.core.buckets import RESOLUTIONS
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.store import acl, keys, ledger, protocol, redisconn
 from costexporter.store.ledger_read import LedgerStore
+from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import StepReporter
 
 from .api_helpers import WINDOW
@@ -271,7 +272,7 @@ def test_a_trainer_posts_to_the_cluster_and_the_watcher_sees_it_run_and_hang(clu
             rep.step(s, tokens=100)
         assert rep.flush(5)
         r = redisconn.from_url(cluster.url, decode_responses=True)
-        types = [f["type"] for _id, f in r.xrange(keys.stream_key(prefix, job))]
+        types = [e.type for e in EventReader(r, job, prefix).read_all()]  # (steps go out batched)
         assert types.count("step") == 5 and types[0] == "register"
         assert json.loads(r.hget(keys.ranks_key(prefix, job), "0"))["world_size"] == "1"
         assert r.zscore(keys.jobs_key(prefix), job) == pytest.approx(clock[0], abs=1)
@@ -305,7 +306,7 @@ def test_the_documented_trainer_acl_works_on_the_cluster(cluster, tmp_path):
         assert rep.flush(5)
         rep.close()
         admin = redisconn.from_url(cluster.url, decode_responses=True)
-        types = [f["type"] for _id, f in admin.xrange(keys.stream_key(prefix, job))]
+        types = [e.type for e in EventReader(admin, job, prefix).read_all()]
         assert types == ["register", "run", "step", "step", "step", "run"]  # start ... end at close
         assert admin.zscore(keys.jobs_key(prefix), job) is not None
         assert admin.get(keys.registrations_key(prefix)) == "1" and not rep.stats["counter_rejected"]
@@ -363,8 +364,9 @@ def test_a_master_down_loses_no_trainer_event_and_the_jobs_index_comes_back(tmp_
         c.restart(jobs_node)
         assert rep.flush(20)
         rep.close()
-        steps = [int(f["step"]) for _id, f in r.xrange(keys.stream_key(prefix, job)) if f["type"] == "step"]
-        assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]  # duplicates are dropped by the reader
+        reader = EventReader(r, job, prefix)
+        steps = [e.int_field("step") for e in reader.read_all() if e.type == "step"]
+        assert sorted(steps) == [1, 2, 3, 4, 5, 6]  # duplicates (a batch resent) are dropped
         assert r.zscore(keys.jobs_key(prefix), job) is not None
         assert rep.stats["rejected"] == 0
     finally:

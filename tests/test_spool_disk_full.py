@@ -49,7 +49,11 @@ def _spooled_lines(spool_dir: Path) -> list[dict]:
         lines = p.read_text().splitlines()
         for line in lines:
             d = json.loads(line)  # every line whole: a refused write was cut back
-            if not spool.is_header(d):
+            if spool.is_header(d):
+                continue
+            if d.get("type") == "steps":  # a batched entry: one per step it carries
+                out += [{**d, "type": "step", "seq": str(int(d["seq"]) + i)} for i in range(int(d["n"]))]
+            else:
                 out.append(d)
     return out
 
@@ -146,7 +150,7 @@ def _fill(fs: Path, leave: int) -> None:
 
 def test_a_full_filesystem_keeps_only_whole_lines_and_counts_the_rest(tmp_path, caplog):
     with _tmpfs(tmp_path / "fs") as fs:
-        rep = _reporter(fs / "spool")
+        rep = _reporter(fs / "spool", batch_steps=False)  # a line per event: they fill the disk
         _fill(fs, leave=8192)  # room for part of the events only
         posted = _post_and_close(rep, caplog)
         on_disk = _spooled_lines(fs / "spool")
@@ -169,7 +173,7 @@ def test_a_disk_that_fills_after_the_spool_opened_does_not_make_close_raise(tmp_
     """The spool file is open (an earlier spill went through), then the disk fills: a refused
     write must leave nothing buffered that close() would try, and fail, to write again."""
     with _tmpfs(tmp_path / "fs") as fs:
-        rep = _reporter(fs / "spool", buffer_size=40)
+        rep = _reporter(fs / "spool", buffer_size=40, batch_steps=False)  # a line per event
         caplog.set_level(logging.ERROR, logger="costexporter.client")
         posted = 3  # the register, the run start, and at close the run end
         for s in range(1, 31):

@@ -6,10 +6,15 @@ values are all strings), so both paths accept and reject the same things.
 
 from __future__ import annotations
 
+import base64
+import itertools
 import math
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Literal, SupportsFloat, SupportsIndex, overload
+
+import numpy as np
 
 from costexporter.core.model import Event
 
@@ -26,6 +31,12 @@ META_THRESHOLDS = (
     "phase_allowance_s",
 )
 EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta", "preflight"})
+# A batched entry: a run of steps of one session with consecutive seqs (`parse_events` expands it).
+STEPS_TYPE = "steps"
+STEPS_FORMATS = frozenset({"1"})
+MAX_BATCH_STEPS = 10_000  # steps in one `steps` entry
+MAX_BATCH_CHARS = 33 * MAX_BATCH_STEPS + 1024  # its packed field's length (base64 of at most 24 bytes a step)
+_ENTRY_TYPES = EVENT_TYPES | {STEPS_TYPE}
 # Text fields of a meta event; the Kubernetes ones come from `costexporter.k8s` (namespace for the
 # API's aggregation, progress=none for a job without steps, booked by band).
 META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container", "source", "progress")
@@ -169,7 +180,7 @@ def _text_base(entry: Mapping[str, object], job: str | None, limit: float) -> _B
         and type(seq) is str
     ):
         return None
-    if not (etype and ev_job and session) or etype not in EVENT_TYPES or (job is not None and ev_job != job):
+    if not (etype and ev_job and session) or etype not in _ENTRY_TYPES or (job is not None and ev_job != job):
         return None
     try:
         t, r, n = float(ts), int(rank), int(seq)  # what _float and _int take of text
@@ -193,7 +204,7 @@ def _checked_base(entry: Mapping[str, object], job: str | None, limit: float, st
     rank = _int(entry, "rank", hi=MAX_RANK)
     session = _str(entry, "session", required=strict_ids) or ""
     seq = _int(entry, "seq", hi=1 << 62, required=strict_ids)
-    if etype not in EVENT_TYPES:
+    if etype not in _ENTRY_TYPES:
         raise UnknownEventType("unknown_type", f"event type {etype!r} is not known to v1")
     return etype, ev_job, ts, rank, session, -1 if seq is None else seq
 
@@ -217,6 +228,8 @@ def parse_event(
     etype, ev_job, ts, rank, session, seq = base
 
     f: dict[str, object] = {}
+    if etype == STEPS_TYPE:
+        raise EventError("bad_steps", "a batched steps entry holds many events: read it with parse_events")
     if etype == "register":
         f["host"] = _str(entry, "host")
         f["gpu_uuid"] = _str(entry, "gpu_uuid", required=False)
@@ -264,3 +277,105 @@ def parse_event(
     if extra:
         f["_unknown_fields"] = sorted(extra)
     return Event(etype, ev_job, ts, rank, session, seq, f)
+
+
+def parse_events(
+    entry: Entry, *, job: str | None = None, now: float | None = None, strict_ids: bool = False
+) -> list[Event]:
+    """Validate one entry into its events: a batched `steps` entry gives its steps, as the
+    single `step` entries they stand for would; any other entry one event (`parse_event`).
+    A bad `steps` entry is refused whole (EventError), never in part."""
+    if not isinstance(entry, dict) or entry.get("type") != STEPS_TYPE:
+        return [parse_event(entry, job=job, now=now, strict_ids=strict_ids)]
+    v = entry.get("v")
+    if v is None and strict_ids:
+        raise EventError("missing_field", "'v' is required")
+    if v is not None and str(v) != PROTOCOL_VERSION:
+        raise EventError("bad_version", f"protocol version {v!r} is not supported (want '1')")
+    limit = (time.time() if now is None else now) + FUTURE_SLACK_S
+    _etype, ev_job, ts, rank, session, seq = _text_base(entry, job, limit) or _checked_base(
+        entry, job, limit, strict_ids
+    )
+    fmt = entry.get("fmt")
+    if str(fmt) not in STEPS_FORMATS:
+        raise EventError(
+            "bad_steps", f"steps format {fmt!r} is not known (want one of {sorted(STEPS_FORMATS)})"
+        )
+    n = _int(entry, "n", hi=1 << 62)
+    if not 1 <= n <= MAX_BATCH_STEPS:
+        raise EventError("too_many_steps", f"'n'={n}: a steps entry holds 1..{MAX_BATCH_STEPS} steps")
+    if seq >= 0 and seq + n - 1 > 1 << 62:
+        raise EventError("out_of_range", "'seq' + 'n' overflows the sequence numbers")
+    packed = _str(entry, "b")
+    if len(packed) > MAX_BATCH_CHARS:
+        raise EventError("too_many_steps", f"'b' is {len(packed)} characters, at most {MAX_BATCH_CHARS}")
+    cols = unpack_steps(packed, n)
+    base_us = micros(entry.get("ts"), ts)
+    steps = np.cumsum(cols[0])
+    times = np.cumsum(cols[1]) + base_us
+    tokens = cols[2]
+    lo_us, hi_us = int(MIN_TS * 1_000_000), int(limit * 1_000_000)
+    if int(steps.min()) < 0 or int(steps.max()) > MAX_STEP:
+        raise EventError("out_of_range", f"a step of the batch is outside 0..{MAX_STEP}")
+    if int(times.min()) < lo_us or int(times.max()) > hi_us:
+        raise EventError("bad_timestamp", "a step of the batch is not at a plausible Unix time")
+    if int(tokens.min()) < -1 or int(tokens.max()) > MAX_TOKENS:
+        raise EventError("out_of_range", f"a step of the batch has tokens outside 0..{MAX_TOKENS}")
+    extra = entry.keys() - _STEPS_FIELDS
+    out: list[Event] = []
+    seqs = range(seq, seq + n) if seq >= 0 else itertools.repeat(-1, n)
+    for i, (s, t, k, q) in enumerate(
+        zip(steps.tolist(), (times / 1_000_000).tolist(), tokens.tolist(), seqs, strict=True)
+    ):
+        f: dict[str, object] = {"step": s, "tokens": None if k < 0 else k}
+        if i == 0 and extra:
+            f["_unknown_fields"] = sorted(extra)
+        out.append(Event("step", ev_job, t, rank, session, q, f))
+    return out
+
+
+# A delta bound that keeps the running sums of MAX_BATCH_STEPS deltas inside int64.
+_MAX_DELTA = 10**14
+
+
+def pack_steps(steps: np.ndarray, micros_: np.ndarray, tokens: np.ndarray, first_us: int) -> str:
+    """The `b` field of a `steps` entry, format 1: base64 of the zlib-compressed little-endian
+    int64 array [step deltas (the first against 0), time deltas in microseconds (the first
+    against the entry's `ts`), tokens (-1: none)], n of each."""
+    ds = np.diff(steps, prepend=0)
+    dt = np.diff(micros_, prepend=first_us)
+    body = np.concatenate((ds, dt, tokens)).astype("<i8", copy=False).tobytes()
+    return base64.b64encode(zlib.compress(body, 1)).decode("ascii")
+
+
+def unpack_steps(packed: str, n: int) -> np.ndarray:
+    """The (3, n) int64 array of deltas and tokens a `b` field holds; EventError for anything
+    that is not exactly that (bad base64, a bad or oversized zlib stream, a wrong length,
+    a delta too large to add up)."""
+    try:
+        raw = base64.b64decode(packed, validate=True)
+        z = zlib.decompressobj()
+        body = z.decompress(raw, 24 * n + 1)
+        if len(body) != 24 * n or not z.eof or z.unused_data or z.unconsumed_tail:
+            raise ValueError(f"it unpacks to {len(body)} bytes or more, not {24 * n}")
+    except (ValueError, zlib.error) as e:  # (binascii.Error is a ValueError)
+        raise EventError("bad_steps", f"'b' is not {n} packed steps: {e}") from None
+    cols = np.frombuffer(body, dtype="<i8").reshape(3, n)
+    if int(cols[:2].min()) < -_MAX_DELTA or int(cols[:2].max()) > _MAX_DELTA:
+        raise EventError("bad_steps", "'b' holds a delta too large to be a step or a time")
+    return cols
+
+
+_STEPS_FIELDS = BASE_FIELDS | {"fmt", "n", "b"}
+
+
+def micros(v: object, ts: float) -> int:
+    """A timestamp's microseconds, exactly as its text says (`1753570005.004` is
+    1753570005004000): a batch's times add to it in whole microseconds, and each step's time,
+    microseconds / 1e6, is then the float a single `step` entry's `ts` text parses to. `ts` is
+    the value already parsed (its fallback, rounded to the microsecond)."""
+    if type(v) is str:
+        a, _dot, b = v.partition(".")
+        if a.isascii() and a.isdigit() and (not b or (b.isascii() and b.isdigit() and len(b) <= 6)):
+            return int(a) * 1_000_000 + (int(b.ljust(6, "0")) if b else 0)
+    return round(ts * 1_000_000)

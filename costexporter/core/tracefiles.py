@@ -32,7 +32,7 @@ from costexporter.core.events import (
     MIN_TS,
     EventError,
     UnknownEventType,
-    parse_event,
+    parse_events,
 )
 from costexporter.core.model import Event, GpuId, Samples
 
@@ -791,7 +791,7 @@ def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
             diag.warn(where, lineno, "malformed_event", "not valid JSON")
             continue
         try:
-            ev = parse_event(d, now=now)
+            evs = parse_events(d, now=now)  # a batched steps line gives its steps
         except UnknownEventType as e:
             parsed_any = True
             diag.warn(where, lineno, e.reason, str(e))
@@ -800,17 +800,18 @@ def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
             diag.warn(where, lineno, e.reason, str(e))
             continue
         parsed_any = True
-        if ev.seq >= 0:
-            key: tuple[object, ...] = (ev.job, ev.rank, ev.session, ev.seq)
-        else:
-            key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
-        if key in seen:
-            diag.counts["duplicate_event"] += 1
-            continue
-        seen.add(key)
-        if ev.get("_unknown_fields"):
-            diag.counts["unknown_field"] += 1  # forward compatibility: ignored, counted
-        out.append(ev)
+        for ev in evs:
+            if ev.seq >= 0:
+                key: tuple[object, ...] = (ev.job, ev.rank, ev.session, ev.seq)
+            else:
+                key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
+            if key in seen:
+                diag.counts["duplicate_event"] += 1
+                continue
+            seen.add(key)
+            if ev.get("_unknown_fields"):
+                diag.counts["unknown_field"] += 1  # forward compatibility: ignored, counted
+            out.append(ev)
     if not parsed_any:
         raise InputError(f"{path}: no usable events (is this an events JSONL file?)")
     return out

@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from costexporter.core.events import STEPS_TYPE, pack_steps
 from costexporter.store import untrusted
 
 DEFAULT_PREFIX = "costexporter"
@@ -63,6 +66,32 @@ def encode_fields(fields: dict[str, object]) -> dict[str, str]:
         else:
             out[k] = json.dumps(v, separators=(",", ":"), sort_keys=True)
     return out
+
+
+def ts_text(us: int) -> str:
+    """Unix seconds to the microsecond, from microseconds (a time reads the same whether it goes
+    out in a single entry or in a batched `steps` entry)."""
+    return f"{us // 1_000_000}.{us % 1_000_000:06d}"
+
+
+def steps_entry(
+    job: str, rank: int, session: str, seq: int, steps: np.ndarray, micros: np.ndarray, tokens: np.ndarray
+) -> dict[str, str]:
+    """A batched `steps` entry (format 1): steps `steps` at Unix microseconds `micros`, with
+    `tokens` (-1: none), numbered seq, seq + 1, ... (int64 arrays of one length, 1..MAX_BATCH_STEPS)."""
+    first = int(micros[0])
+    return {
+        "v": "1",
+        "type": STEPS_TYPE,
+        "job": job,
+        "ts": ts_text(first),
+        "rank": str(rank),
+        "session": session,
+        "seq": str(seq),
+        "fmt": "1",
+        "n": str(len(steps)),
+        "b": pack_steps(steps, micros, tokens, first),
+    }
 
 
 # ---- registrations (`<prefix>:t:{<job>}:ranks`: rank -> JSON of the register event) ------------

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from costexporter.core.events import EventError, UnknownEventType, parse_event
+from costexporter.core.events import STEPS_TYPE, EventError, UnknownEventType, parse_event, parse_events
 from costexporter.core.model import Event
 from costexporter.store import keys, protocol, redisconn
 
@@ -44,6 +44,10 @@ class _Seen:
 
 def _text(x: object) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+
+
+def _ts_of(ev: Event) -> float:
+    return ev.ts
 
 
 def _fields(raw: dict[Any, Any]) -> dict[str, str]:
@@ -103,12 +107,22 @@ class EventReader:
         now = time.time()  # the clock the timestamps are checked against, read once a batch
         for entry_id, raw in entries:
             self.cursor = eid = entry_id if type(entry_id) is str else _text(entry_id)
-            ev = self._accept(_fields(raw), eid, now)
-            if ev is not None:
-                out.append(ev)
-                d = ev.ts - int(eid.partition("-")[0]) / 1000
-                if d > offsets.get(ev.rank, -math.inf):
-                    offsets[ev.rank] = d
+            fields = _fields(raw)
+            if fields.get("type") == STEPS_TYPE:
+                evs = self._accept_batch(fields, eid, now)
+                if not evs:
+                    continue
+                out += evs
+                ev = max(evs, key=_ts_of)  # the latest step is the nearest to its arrival
+            else:
+                one = self._accept(fields, eid, now)
+                if one is None:
+                    continue
+                out.append(one)
+                ev = one
+            d = ev.ts - int(eid.partition("-")[0]) / 1000
+            if d > offsets.get(ev.rank, -math.inf):
+                offsets[ev.rank] = d
         self.clock_offset_s.update(offsets)
         return out
 
@@ -141,7 +155,11 @@ class EventReader:
             entries = self.client.xrange(self.key, min=lo, max=last_id, count=count)
             for entry_id, raw in entries:
                 self.cursor = _text(entry_id)
-                ev = self._accept(_fields(raw), self.cursor)
+                fields = _fields(raw)
+                if fields.get("type") == STEPS_TYPE:
+                    out += [ev for ev in self._accept_batch(fields, self.cursor) if keep is None or keep(ev)]
+                    continue
+                ev = self._accept(fields, self.cursor)
                 if ev is not None and (keep is None or keep(ev)):
                     out.append(ev)
             if on_batch is not None:
@@ -167,6 +185,27 @@ class EventReader:
         a, _, b = cursor.partition("-")
         int(a), int(b or 0)
         self.cursor, self._seen = cursor, seen
+
+    def _accept_batch(self, fields: dict[str, str], entry_id: str, now: float | None = None) -> list[Event]:
+        """The new steps of a batched `steps` entry (each de-duplicated on its own seq, so a
+        batch resent whole, or cut otherwise, still gives each step once); a bad entry is
+        counted as rejected whole."""
+        try:
+            evs = parse_events(fields, job=self.job, now=now, strict_ids=True)
+        except EventError as e:
+            self.stats[f"rejected:{e.reason}"] += 1
+            self.rejections.append((entry_id, e.reason, str(e)))
+            return []
+        if evs[0].get("_unknown_fields"):
+            self.stats["unknown_field"] += 1
+        seen = self._seen.get((evs[0].rank, evs[0].session))
+        if seen is None:
+            seen = self._seen[(evs[0].rank, evs[0].session)] = _Seen()
+        out = [ev for ev in evs if seen.first_time(ev.seq)]
+        if len(out) < len(evs):
+            self.stats["duplicate"] += len(evs) - len(out)
+        self.stats["accepted"] += len(out)
+        return out
 
     def _accept(self, fields: dict[str, str], entry_id: str, now: float | None = None) -> Event | None:
         try:
