@@ -299,15 +299,23 @@ def queue_incidents(pipe: Any, prefix: str, job: str, agent: str, incidents: Any
         pipe.sadd(keys.incident_index_key(prefix, job), agent)
 
 
+def _glob_escaped(text: str) -> str:
+    """`text` matched literally in a SCAN pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 def index_incidents(client: Any, prefix: str, count: int = 1000) -> int:
     """Index incident hashes written before the index existed (one SCAN at startup, never on a
     request). Returns how many hashes were indexed."""
-    head_of = keys.ns_key(prefix, keys.AGENT, "{")
-    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head_of) + "*}:ledger:incidents:*"
+    # The key's parts around the job and the agent, from its builder: `<head_of><job><mid><agent>`.
+    template = keys.incidents_key(prefix, "\0", "\1")
+    head_of, rest = template.split("\0")
+    mid = rest.split("\1")[0]
+    pattern = f"{_glob_escaped(head_of)}*{_glob_escaped(mid)}*"
     n = 0
     for k in client.scan_iter(match=pattern, count=count):
         k = k.decode() if isinstance(k, bytes) else k
-        head, sep, agent = k.rpartition("}:ledger:incidents:")
+        head, sep, agent = k.rpartition(mid)
         job = head[len(head_of) :]
         if not sep or not head.startswith(head_of) or not agent:
             continue
