@@ -445,6 +445,9 @@ class Agent:
     def _gpu_profile(self, g: int) -> Profile:
         return self.node.profile(g)
 
+    def _gpu_profile_source(self, g: int) -> tuple[Profile, str]:
+        return self.node.profile_source(g)
+
     def _idle_level(self, gpus: list[int]) -> float | None:
         return self.node.idle_level(gpus)
 
