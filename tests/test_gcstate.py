@@ -77,3 +77,19 @@ def test_a_peak_freed_since_the_last_round_is_handed_back_once():
     upkeep.after_round()  # no growth since: no second trim
     assert upkeep.trims == before + 1
     assert last  # held to the end
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or rss_bytes() is None, reason="glibc on Linux")
+def test_a_rounds_transient_below_a_quarter_of_the_rss_is_left_to_the_allocator():
+    upkeep = FrozenState(trim_growth_bytes=1)
+    upkeep.after_round()
+    before, base = upkeep.trims, upkeep.rss_after_trim
+    assert base is not None
+    # An eighth of the RSS more (what a round's arrays take and give back each round): trimming
+    # it would only make the next round fault the same pages in again.
+    held = [bytearray(100_000) for _ in range(base // 8 // 100_000)]
+    for b in held:
+        b[::4096] = b"\x01" * len(b[::4096])
+    upkeep.after_round()
+    assert upkeep.trims == before
+    assert held

@@ -13,8 +13,8 @@ Freezing is process-wide: the process's owner (the `watch` command) opts in, not
 
 A peak (an agent catching up on a long backlog, a watcher's first poll) leaves memory that
 glibc keeps for reuse rather than returning it: the process's RSS stays at the peak. After a
-round whose RSS grew by `trim_growth_bytes` since the last return, `malloc_trim` hands the
-allocator's free pages back (a no-op off glibc).
+round whose RSS grew by `trim_growth_bytes` and a quarter since the last return, `malloc_trim`
+hands the allocator's free pages back (a no-op off glibc).
 """
 
 from __future__ import annotations
@@ -76,7 +76,11 @@ class FrozenState:
         rss = rss_bytes()
         if rss is None:
             return
-        if self.rss_after_trim is None or rss - self.rss_after_trim >= self.trim_growth_bytes:
+        base = self.rss_after_trim
+        # A quarter above the last trim's RSS, too: a round's own transient arrays (a few MB to
+        # tens of MB at a large state) come back each round, and returning them every round
+        # would only make the next round fault its pages in again.
+        if base is None or rss - base >= max(self.trim_growth_bytes, base // 4):
             self._trim(0)
             self.trims += 1
             self.rss_after_trim = rss_bytes()
