@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from costexporter.core.timeutil import iso_utc
 from costexporter.services.notify import ALERTING, Status, Webhook
@@ -44,7 +45,7 @@ SOURCE = "watcher"  # the `source` label of the alerts this path posts (the rule
 
 def postable(
     job: str, st: Status, starts: float, ends: float, generator_url: str = "", cluster: str | None = None
-) -> dict:
+) -> dict[str, Any]:
     """One alert in the shape of Alertmanager's `postableAlert`."""
     suspect = st.suspect or {}
     annotations = {
@@ -97,10 +98,10 @@ class Alertmanager:
         self.sender = Webhook(self.url, retries, timeout_s, backoff_s)
 
     @property
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         return self.sender.stats
 
-    def update(self, decided: dict[str, Status]) -> list[dict]:
+    def update(self, decided: dict[str, Status]) -> list[dict[str, Any]]:
         """One poll's statuses -> the alerts to post (new, resent, resolved); posts them."""
         now = self.clock()
         out = []

@@ -16,6 +16,8 @@ Cost per valid step is a recording rule (sum of cost / max of valid steps), not 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,10 +25,16 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     StateSetMetricFamily,
 )
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from costexporter import __version__
-from costexporter.core.model import BANDS, CATEGORIES
+from costexporter.core.model import BANDS, CATEGORIES, GpuId
+
+if TYPE_CHECKING:
+    from costexporter.services.agent import Agent
+    from costexporter.services.watcher import Watcher
+    from costexporter.sources.dcgm import PodRef
 
 # dcgm-exporter's label names on every per-GPU series, so joins with DCGM_FI_* need no
 # label_replace (`gpu` is already DCGM's): `UUID` and `GPU_I_ID` (a MIG instance; "" for a whole
@@ -51,7 +59,7 @@ DCGM_LABELS = [
 ]
 
 
-def dcgm_label_values(g, pod) -> list[str]:
+def dcgm_label_values(g: GpuId, pod: PodRef | None) -> list[str]:
     """Values of DCGM_LABELS for one GPU (`GpuId`) and the pod holding it, if known."""
     where = [pod.pod if pod else "", pod.namespace if pod else "", pod.container if pod else ""]
     parent = getattr(g, "parent_uuid", None)
@@ -65,7 +73,7 @@ def dcgm_label_values(g, pod) -> list[str]:
 JOB_CATEGORIES = [(k, c) for k, c in enumerate(CATEGORIES) if c != "unassigned"]
 
 
-def gpu_profile_info(s: dict) -> GaugeMetricFamily:
+def gpu_profile_info(s: dict[str, Any]) -> GaugeMetricFamily:
     """Which band profile each GPU's readings are banded with, and where it came from. A GPU
     without one (no model or power limit known) has no series (the agent logs why)."""
     fam = GaugeMetricFamily(
@@ -84,12 +92,12 @@ def gpu_profile_info(s: dict) -> GaugeMetricFamily:
 
 
 class AgentCollector(Collector):
-    def __init__(self, agent) -> None:
+    def __init__(self, agent: Agent) -> None:
         self.agent = agent
-        self._cache: list = []
+        self._cache: list[Metric] = []
         self._cache_key: object = None
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self.agent.snapshot()
         host = s["host"]
         info = GaugeMetricFamily(
@@ -177,7 +185,7 @@ class AgentCollector(Collector):
             self._cache_key = key
         yield from self._cache
 
-    def _cost_families(self, s):
+    def _cost_families(self, s: dict[str, Any]) -> Iterator[Metric]:
         """What the agent itself costs: CPU per round and memory per job, flat at any history."""
         from costexporter.services.agent import ROUND_BUCKETS
 
@@ -202,7 +210,7 @@ class AgentCollector(Collector):
             state.add_metric([name], j.get("state_bytes", 0))
         yield state
 
-    def _fault_families(self, s):
+    def _fault_families(self, s: dict[str, Any]) -> Iterator[Metric]:
         """What the agent refused or noticed: a second agent with its id, an empty Redis,
         rejected registrations and events, trainer clocks off their events' arrival."""
         conflicts = CounterMetricFamily(
@@ -279,7 +287,7 @@ class AgentCollector(Collector):
         yield rej
         yield skew
 
-    def _job_families(self, s):
+    def _job_families(self, s: dict[str, Any]) -> Iterator[Metric]:
         cur = s["currency"]
         # Booked amounts (this agent's GPUs): sum across agents.
         jl = ["training_job", "category"]
@@ -424,7 +432,7 @@ BAND_EDGES = {"band_idle_max_w": "idle_max", "band_low_max_w": "low_max", "band_
 JOB_INFO = ("team", "namespace", "cost_center", "progress")  # progress="none": a job without steps
 
 
-def _dashboard_families(s):
+def _dashboard_families(s: dict[str, Any]) -> Iterator[Metric]:
     """Job-level series the dashboard filters and draws with (the same on every agent: max):
     the job's team/namespace/cost center as an info series, and its profile's band edges."""
     info = GaugeMetricFamily(
@@ -466,10 +474,10 @@ class WatchCollector(Collector):
     """The watcher's metrics: each job's state as a stateset, seconds since its last step and
     the suspect rank; the watcher's own health (Redis, webhook deliveries)."""
 
-    def __init__(self, watcher) -> None:
+    def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         from costexporter.services.notify import STATES
 
         s = self.watcher.snapshot()
@@ -530,13 +538,13 @@ class WatchCollector(Collector):
         yield data_rejected(s["data_rejected"])
 
 
-def registry_for(agent) -> CollectorRegistry:
+def registry_for(agent: Agent) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(AgentCollector(agent))
     return reg
 
 
-def watch_registry(watcher) -> CollectorRegistry:
+def watch_registry(watcher: Watcher) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(WatchCollector(watcher))
     return reg

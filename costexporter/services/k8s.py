@@ -23,12 +23,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
+from costexporter.core.model import GpuId
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
-from costexporter.sources.dcgm import PodRef
+from costexporter.sources.dcgm import DcgmSource, PodRef
 from costexporter.store import keys, protocol, untrusted
 from costexporter.trainer.reporter import send_entries
+
+if TYPE_CHECKING:
+    from costexporter.services.agent import Agent
 
 log = logging.getLogger("costexporter.k8s")
 
@@ -75,9 +80,9 @@ class KubernetesJobs:
 
     def __init__(
         self,
-        redis,
+        redis: Any,
         prefix: str,
-        source,
+        source: DcgmSource,
         host: str,
         job_labels: Iterable[str] = (),
         clock: Callable[[], float] = time.time,
@@ -139,10 +144,10 @@ class KubernetesJobs:
             stop.wait(interval_s)
 
     # ---- the parts ------------------------------------------------------------------------------
-    def _gpu_key(self, gpu) -> str:
+    def _gpu_key(self, gpu: GpuId) -> str:
         return gpu.uuid or f"{gpu.host}:{gpu.index}"
 
-    def _trainer_has(self, job: str, gpu) -> bool:
+    def _trainer_has(self, job: str, gpu: GpuId) -> bool:
         """Whether a trainer (not this module) registered this GPU for the job: its events win."""
         for raw in self.redis.hvals(keys.ranks_key(self.prefix, job)):
             e = _json(raw)
@@ -154,7 +159,7 @@ class KubernetesJobs:
                 return True
         return False
 
-    def _register(self, job: str, i: int, ref: PodRef, own: Owner, gpu) -> None:
+    def _register(self, job: str, i: int, ref: PodRef, own: Owner, gpu: GpuId) -> None:
         if self._trainer_has(job, gpu):
             self.skipped.add((job, i))
             return
@@ -210,14 +215,14 @@ class KubernetesJobs:
         if not any(j == job for j, _ in self.registered):
             self._beat.pop(job, None)
 
-    def _entry(self, type_: str, job: str, rank: int, ts: float, fields: dict) -> dict[str, str]:
+    def _entry(self, type_: str, job: str, rank: int, ts: float, fields: dict[str, Any]) -> dict[str, str]:
         seq, self._seq = self._seq, self._seq + 1
         base = {"v": "1", "type": type_, "job": job, "ts": f"{ts:.6f}", "rank": rank}
         base.update(session=self.session, seq=seq)
         return protocol.encode_fields({**base, **fields})
 
 
-def _json(raw: str) -> dict:
+def _json(raw: str) -> dict[str, Any]:
     """A ranks entry as a dict ({} when it is not one: a trainer may have written anything)."""
     try:
         e = untrusted.loads(raw)
@@ -227,7 +232,7 @@ def _json(raw: str) -> dict:
 
 
 def start_kubernetes_jobs(
-    agent,
+    agent: Agent,
     job_labels: Iterable[str] = (),
     team_labels: Iterable[str] = DEFAULT_TEAM_LABELS,
     lookup: PodLookup | None = None,
@@ -236,7 +241,7 @@ def start_kubernetes_jobs(
     kj = KubernetesJobs(
         protocol.connect(agent.cfg.redis_url),
         agent.cfg.prefix,
-        agent.source,
+        cast(DcgmSource, agent.source),  # serve starts this for --source dcgm only
         agent.host,
         job_labels,
         team_labels=team_labels or DEFAULT_TEAM_LABELS,

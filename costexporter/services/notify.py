@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
+from typing import Any
 
 log = logging.getLogger("costexporter.watcher")
 
@@ -30,9 +31,9 @@ class Status:
     last_step_ts: float | None = None
     seconds_since_last_step: float | None = None
     stall_threshold_s: float | None = None
-    suspect: dict | None = None
+    suspect: dict[str, Any] | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -42,19 +43,19 @@ class Webhook:
 
     def __init__(self, url: str, retries: int = 5, timeout_s: float = 5.0, backoff_s: float = 0.5) -> None:
         self.url, self.retries, self.timeout_s, self.backoff_s = url, retries, timeout_s, backoff_s
-        self.q: queue.Queue = queue.Queue(maxsize=10_000)
+        self.q: queue.Queue[Any] = queue.Queue(maxsize=10_000)
         self.stats: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="costexporter-webhook", daemon=True)
         self._thread.start()
 
-    def send(self, payload: dict) -> None:
+    def send(self, payload: dict[str, Any]) -> None:
         try:
             self.q.put_nowait(payload)
         except queue.Full:
             self.stats["dropped"] += 1
 
-    def _post(self, payload: dict) -> None:
+    def _post(self, payload: dict[str, Any]) -> None:
         req = urllib.request.Request(
             self.url,
             data=json.dumps(payload).encode(),

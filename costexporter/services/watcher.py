@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,10 +127,10 @@ class JobView:
     """What the watcher knows of one job: its events folded per rank, and its live GPU state."""
 
     name: str
-    registrations: dict[int, dict] = field(default_factory=dict)
+    registrations: dict[int, dict[str, Any]] = field(default_factory=dict)
     ranks: dict[int, _Rank] = field(default_factory=dict)
-    live: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
-    meta: dict = field(default_factory=dict)
+    live: collections.deque[Any] = field(default_factory=lambda: collections.deque(maxlen=LIVE_HISTORY))
+    meta: dict[str, Any] = field(default_factory=dict)
     # rank -> when (the watcher's clock) its registration was read from the ranks hash
     registrations_read: dict[int, float] = field(default_factory=dict)
     # The agents' live hashes as last read: rank -> (the agent's host, its entry: the rank's newest
@@ -282,7 +282,7 @@ class JobView:
             return cfg
         return dataclasses.replace(cfg, booking=dataclasses.replace(cfg.booking, **booking_kw), **watch_kw)
 
-    def where(self, rank: int) -> dict:
+    def where(self, rank: int) -> dict[str, Any]:
         reg = self.registrations.get(rank, {})
         return {"rank": rank, "host": reg.get("host"), "gpu": reg.get("gpu")}
 
@@ -328,7 +328,7 @@ def human(seconds: float) -> str:
 def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None = None) -> Status:
     """The job's state at `now` (Unix seconds, the clock of the trainers' timestamps)."""
 
-    def status(state: str, reason: str, suspect: dict | None = None, **kw: Any) -> Status:
+    def status(state: str, reason: str, suspect: dict[str, Any] | None = None, **kw: Any) -> Status:
         since = previous.since if previous is not None and previous.state == state else now
         return Status(state, reason, since, now, suspect=suspect, **kw)
 
@@ -366,7 +366,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
 
 
 # A decision other than `running`: (state, reason, suspect).
-Verdict = tuple[str, str, dict | None]
+Verdict = tuple[str, str, dict[str, Any] | None]
 
 
 def _crashed(view: JobView, running: list[int], now: float, cfg: WatchConfig) -> Verdict | None:
@@ -388,7 +388,7 @@ def _hung(
     tl: Timeline,
     now: float,
     cfg: WatchConfig,
-    live: dict | None,
+    live: dict[str, Any] | None,
     running: list[int],
     start_ms: int,
 ) -> Verdict | None:
@@ -428,7 +428,7 @@ def _still_hung(previous: Status | None, last: StepRecord | None) -> Verdict | N
     return ("hung", reason, previous.suspect)
 
 
-def _starving(view: JobView, live: dict | None) -> Verdict | None:
+def _starving(view: JobView, live: dict[str, Any] | None) -> Verdict | None:
     """Starving: the agents' live bands name a straggler."""
     if live is None or live["straggler"] is None:
         return None
@@ -451,7 +451,9 @@ def _stepped_since(previous: Status, last: StepRecord | None) -> bool:
     return previous.last_step_ts is None or last.ts_ms / 1000 > previous.last_step_ts
 
 
-def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, dict] | None:
+def _agent_hang(
+    view: JobView, tl: Timeline, now: float, cfg: WatchConfig
+) -> tuple[str, dict[str, Any]] | None:
     """A hang the agents already see: a rank whose newest sample, after the job's last step,
     the agent banded `deadlock`. The agent confirms that band on two consecutive samples: the
     spin on any number of GPUs (~100% utilization at idle-level power, no step) or the
@@ -499,7 +501,7 @@ def _agent_hang(view: JobView, tl, now: float, cfg: WatchConfig) -> tuple[str, d
     return reason, {**where, "why": why}
 
 
-def _phase_overrun(view: JobView, tl, now: float) -> tuple[str, int, float, float] | None:
+def _phase_overrun(view: JobView, tl: Timeline, now: float) -> tuple[str, int, float, float] | None:
     """A declared phase still open past its allowance (rank 0's are job-wide; any rank's counts)."""
     for rank in sorted(view.ranks):
         for name, begin in view.ranks[rank].open_phases.items():
@@ -509,7 +511,7 @@ def _phase_overrun(view: JobView, tl, now: float) -> tuple[str, int, float, floa
     return None
 
 
-def _first_silent(view: JobView, running: list[int], silent: list[int], interval_s: float) -> dict:
+def _first_silent(view: JobView, running: list[int], silent: list[int], interval_s: float) -> dict[str, Any]:
     """The rank whose silence started measurably first (more than two heartbeat intervals
     before any other rank's), else none: when torchrun's survivors are SIGTERMed within
     milliseconds of a kill -9, the first to stop cannot be told from its heartbeats."""
@@ -521,12 +523,12 @@ def _first_silent(view: JobView, running: list[int], silent: list[int], interval
     return _unnamed(f"{together} stopped together")
 
 
-def _unnamed(why: str) -> dict:
+def _unnamed(why: str) -> dict[str, Any]:
     """A suspect without a rank: why none can be named."""
     return {"rank": None, "host": None, "gpu": None, "why": why}
 
 
-def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict:
+def _zero_util_rank(view: JobView, cfg: WatchConfig) -> dict[str, Any]:
     """A hang whose events do not diverge (a DDP hang keeps the ranks in lockstep, and the hung
     rank's reporter thread keeps heartbeating): the agents' live state names the rank at 0%
     while the others spin. Without agent data no rank can be named."""
@@ -572,7 +574,7 @@ def _util_edges(view: JobView, cfg: WatchConfig) -> tuple[float, float]:
     return p.zero_util_pct, p.busy_util_pct
 
 
-def _divergent(view: JobView, running: list[int]) -> dict | None:
+def _divergent(view: JobView, running: list[int]) -> dict[str, Any] | None:
     """The rank whose events differ from the others': the one inside a phase the rest are not
     in, the one that ended, or the one whose last step differs from the majority's."""
     ranks = [r for r in sorted(view.ranks) if r in running or view.ranks[r].ended]
@@ -598,7 +600,7 @@ def _divergent(view: JobView, running: list[int]) -> dict | None:
     return None
 
 
-def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
+def _live_bands(view: JobView, cfg: WatchConfig) -> dict[str, Any] | None:
     """Classify the live snapshots seen so far: a rank in a confirmed deadlock signature (at 0%)
     at the newest moment, or the straggler of a starvation lasting two moments."""
     rows = [x for snap in view.live for x in snap]
@@ -639,7 +641,7 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict | None:
 
 
 # ---- notifications -----------------------------------------------------------------------
-def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:
+def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict[str, Any]:
     labels = {
         "alertname": "Job" + st.state.capitalize(),
         "training_job": job,
@@ -669,7 +671,7 @@ def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict:
     }
 
 
-def notification(job: str, old: Status | None, new: Status, now: float, prefix: str) -> dict:
+def notification(job: str, old: Status | None, new: Status, now: float, prefix: str) -> dict[str, Any]:
     """An Alertmanager webhook payload (version 4) for one transition: the old state's alert
     resolved, the new state's firing."""
     alerts = []
@@ -692,7 +694,7 @@ def notification(job: str, old: Status | None, new: Status, now: float, prefix: 
 
 
 # ---- the polling loop --------------------------------------------------------------------
-def _registration(rank: str, raw: str) -> tuple[int, dict]:
+def _registration(rank: str, raw: str) -> tuple[int, dict[str, Any]]:
     """A ranks-hash entry as (rank, registration), checked as the agent checks it
     (`protocol.parse_registration`: RegistrationError with the reason it is counted under)."""
     reg = protocol.parse_registration(rank, raw)
@@ -735,7 +737,7 @@ class Watcher:
         self.status: dict[str, Status] = {}
         self.bad_jobs: dict[str, str] = {}  # job -> why it is skipped (logged once)
         self._unregistered: set[str] = set()  # views whose ranks hash is still to be read
-        self._hosts: dict[str, tuple[dict, int, list[str]]] = {}  # `_live_hosts`' cache
+        self._hosts: dict[str, tuple[dict[int, dict[str, Any]], int, list[str]]] = {}  # `_live_hosts`' cache
         # Jobs decided `done`, with the view that was: while no new event arrives, still done.
         self._ended: dict[str, JobView] = {}
         # The latest transitions (job, state, reason, the clock's time), for views and tests.
@@ -863,7 +865,7 @@ class Watcher:
         pipe.execute()
         return decided
 
-    def _register_positions(self, now: float, jobs) -> None:
+    def _register_positions(self, now: float, jobs: Iterable[str]) -> None:
         """Register how far this watcher has read the stream of each job it judged (at most every
         `register_position_s`, one pipeline): the agents keep the stream from there on. A job it
         no longer watches stops being refreshed, so its entry goes stale and pins nothing."""
@@ -1042,7 +1044,7 @@ class Watcher:
                 bad[view.name] = e
         return bad
 
-    def _apply_live(self, view: JobView, replies: list[tuple[str, dict]]) -> None:
+    def _apply_live(self, view: JobView, replies: list[tuple[str, dict[str, Any]]]) -> None:
         snap, agent_live = [], {}
         for h, raw in replies:
             for rank, v in raw.items():
@@ -1072,7 +1074,7 @@ class Watcher:
                     if self.webhook is not None:
                         self.webhook.send(notification(job, old, st, now, self.cfg.prefix))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return {
                 "status": dict(self.status),
