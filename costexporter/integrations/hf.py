@@ -67,7 +67,8 @@ class CostExporterCallback(TrainerCallback):
         )
         self._tokens_seen = seen
         rep.step(step, tokens=tokens)
-        self._open_phase(control)
+        if control.should_evaluate or control.should_save:  # (the hot path: no call otherwise)
+            self._open_phase(control)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         # `eval_strategy`/`save_strategy="epoch"`: decided here, done right after.
