@@ -35,11 +35,11 @@ class RebuildingAgent(Agent):
         rb = self.redis.hgetall(keys.rbidx_key(self.cfg.prefix, job.name, self.cfg.agent_id))
         job.state.rb_index = {int(k): json.loads(v) for k, v in rb.items()}
 
-    def _timeline(self, job, job_start, now_ms, final=False):
+    def _timeline(self, job, terms, now_ms, final=False):
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
         events = [e for e in reader.read_until(job.reader.cursor) if walk_relevant(e)]
         job.fresh = []
-        return build_timeline(dated_until(events, now_ms), self.cfg.booking, job_start, now_ms, final=final)
+        return build_timeline(dated_until(events, now_ms), terms.booking, terms.start_ms, now_ms, final=final)
 
 
 def trace() -> TraceBuilder:

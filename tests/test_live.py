@@ -92,8 +92,7 @@ def delta_of(state, res, own, start, tol_ms, prices=None):
     return ledger_delta(
         state,
         res,
-        prices=Prices() if prices is None else prices,
-        price=3.5,
+        prices=Prices(price_per_gpu_hour=3.5) if prices is None else prices,
         own_ranks=own,
         member_start_ms=np.full(own.size, start),
         job_start_ms=start,
@@ -243,7 +242,7 @@ def test_the_live_deadlock_incident_names_the_zero_util_rank_as_replay_does(zero
     [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
     from costexporter.core.replay import incidents as replay_incidents
 
-    offline = [i for i in replay_incidents(r, ReplayConfig(), 3.5) if i["zero_util_ranks"]]
+    offline = [i for i in replay_incidents(r, Prices(price_per_gpu_hour=3.5)) if i["zero_util_ranks"]]
     assert [i["zero_util_ranks"] for i in offline] == [[zero_rank]]
     for own in ([0, 1], [2, 3], [0, 1, 2, 3]):
         incs = chained_incidents(b, own, rounds_s)
@@ -262,7 +261,7 @@ def test_a_hung_checkpoint_names_the_writing_rank_once_it_turns_into_a_deadlock(
     [r], _ = book_trace(b.samples(), b.events, ReplayConfig())
     from costexporter.core.replay import incidents as replay_incidents
 
-    offline = {i["category"]: i["zero_util_ranks"] for i in replay_incidents(r, ReplayConfig(), 3.5)}
+    offline = {i["category"]: i["zero_util_ranks"] for i in replay_incidents(r, Prices())}
     assert offline["stalled"] == [0] and [] in offline.values()
     incs = chained_incidents(b, [0, 1, 2, 3], 9.0)
     assert {k: i["zero_util_ranks"] for k, i in incs.items()} == offline

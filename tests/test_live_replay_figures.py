@@ -87,8 +87,7 @@ def live_rounds(b: TraceBuilder, rounds_s: float) -> dict:
         last = ledger_delta(
             state,
             res,
-            prices=Prices(),
-            price=PRICE,
+            prices=Prices(price_per_gpu_hour=PRICE),
             own_ranks=own,
             member_start_ms=np.full(own.size, start),
             job_start_ms=start,
@@ -114,7 +113,7 @@ def piece_cost(pieces: list, category: str, start_ms: int, end_ms: int) -> float
         sel = (p.category == c) & (p.start_ms >= start_ms) & (p.end_ms <= end_ms)
         ms += float((p.end_ms[sel] - p.start_ms[sel]).sum())
         mj += float(np.nan_to_num(p.energy_mj[sel]).sum())
-    return float(Prices().cost(np.array([ms]), np.array([mj]), np.array([c]), price_per_gpu_hour=PRICE)[0])
+    return float(Prices(price_per_gpu_hour=PRICE).cost(np.array([ms]), np.array([mj]), np.array([c]))[0])
 
 
 @pytest.mark.parametrize("kind", ["deadlock", "checkpoint", "resume", "hung", "stalls"])

@@ -24,6 +24,7 @@ from prometheus_client.exposition import generate_latest
 
 from costexporter.core.booking import BookingConfig
 from costexporter.core.model import Event
+from costexporter.core.terms import PolicyRule
 from costexporter.services.exporter import watch_registry
 from costexporter.services.watcher import (
     JobView,
@@ -604,14 +605,21 @@ def test_a_ddp_hang_in_lockstep_is_named_from_the_agents_live_state_or_not_at_al
     assert "0% utilization" in st.suspect["why"]
 
 
-def test_a_job_sets_its_own_thresholds_in_meta():
-    # A 5-minute-step job: 60 s without a step is normal for it.
+def test_a_jobs_meta_sets_its_heartbeat_cadence_but_never_its_stall_threshold():
+    """The stall threshold moves GPU time between valid and wasted: the operator's (flags or
+    policy), never a trainer's meta. The heartbeat cadence may come from meta."""
     slow = [*registered(), *steps(1, 4, every=300.0), *beats(1500)]
     assert decide(view(slow), T0 + 1200 + 200, CFG).state == "hung"  # the default 60 s floor
     meta = ev("meta", 0, 0, stall_floor_s=1800, heartbeat_timeout_s=900)
-    st = decide(view([meta, *slow]), T0 + 1200 + 200, CFG)
+    v = view([meta, *slow])
+    st = decide(v, T0 + 1200 + 200, CFG)
+    assert st.state == "hung" and st.stall_threshold_s == 60  # the meta's floor is ignored
+    assert v.judged_terms is not None and v.judged_terms.ignored_meta == ("stall_floor_s",)
+    # The operator's policy gives the job its floor, by its name.
+    rule = PolicyRule((("stall_floor_s", 1800.0),), job="j*")
+    st = decide(view([meta, *slow]), T0 + 1200 + 200, dataclasses.replace(CFG, policy_rules=(rule,)))
     assert st.state == "running" and st.stall_threshold_s == 1800
-    # Its heartbeat timeout too: silent for 300 s is not crashed with a 900 s timeout.
+    # Its heartbeat timeout is the job's own: silent for 300 s is not crashed with a 900 s timeout.
     quiet = [meta, *registered(), *steps(1, 4, every=300.0), *beats(1200)]
     assert decide(view(quiet), T0 + 1500, CFG).state != "crashed"
     assert decide(view(quiet[1:]), T0 + 1500, CFG).state == "crashed"
@@ -734,13 +742,14 @@ def test_watch_posts_to_a_real_alertmanager_and_resolves(prefix, tmp_path, alert
         w.stop()
 
 
-def test_per_job_thresholds_travel_through_the_real_reporter_and_redis(prefix, tmp_path):
-    """meta(stall_floor_s=...) posted by a StepReporter reaches the watcher's decision."""
+def test_per_job_thresholds_come_from_the_operators_policy_not_the_reporters_meta(prefix, tmp_path):
+    """meta(stall_floor_s=...) posted by a StepReporter is ignored, counted once and said; the
+    operator's policy rule for the job's name gives it its floor."""
     clock = [time.time()]
     jobs = {}
-    for name, meta in (("slow", {"stall_floor_s": 1800.0}), ("fast", {})):
+    for name in ("slow", "fast"):
         job = f"{prefix}-{name}"
-        rep = _one_rank(job, prefix, tmp_path, clock, meta=meta or None)
+        rep = _one_rank(job, prefix, tmp_path, clock, meta={"stall_floor_s": 1800.0})
         for s in range(1, 4):
             rep.step(s, ts=clock[0] + s * 300)
         assert rep.flush(5)
@@ -749,8 +758,15 @@ def test_per_job_thresholds_travel_through_the_real_reporter_and_redis(prefix, t
     for _, rep in jobs.values():
         rep._post("heartbeat", ts=clock[0])  # alive
         assert rep.flush(5)
+    rule = PolicyRule((("stall_floor_s", 1800.0),), job="*-slow")
     w = Watcher(
-        WatchConfig(redis_url=SHARED_URL, prefix=prefix, heartbeat_timeout_s=10_000, clock=lambda: clock[0])
+        WatchConfig(
+            redis_url=SHARED_URL,
+            prefix=prefix,
+            heartbeat_timeout_s=10_000,
+            clock=lambda: clock[0],
+            policy_rules=(rule,),
+        )
     )
     try:
         decided = w.poll()
@@ -758,6 +774,11 @@ def test_per_job_thresholds_travel_through_the_real_reporter_and_redis(prefix, t
             decided[jobs["slow"][0]].state == "running" and decided[jobs["slow"][0]].stall_threshold_s == 1800
         )
         assert decided[jobs["fast"][0]].state == "hung"
+        w.poll()
+        fast = jobs["fast"][0]
+        assert w.meta_ignored == {(jobs["slow"][0], "stall_floor_s"): 1, (fast, "stall_floor_s"): 1}
+        text = generate_latest(watch_registry(w)).decode()
+        assert f'costexporter_meta_ignored_total{{key="stall_floor_s",training_job="{fast}"}} 1.0' in text
     finally:
         w.stop()
         for _, rep in jobs.values():

@@ -296,7 +296,38 @@ def _options(flags: list, defaults: object):
 def booking_options(f):
     from costexporter.core.booking import BookingConfig
 
+    f = click.option(
+        "--policy",
+        "policy",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="The operator's policy file (YAML or JSON): booking thresholds by job-name pattern or "
+        "team, over the flags' (docs/terms.md). Never a job's meta.",
+    )(f)
     return _options(BOOKING_FLAGS, BookingConfig())(f)
+
+
+def policy_rules(params: dict) -> tuple:
+    """The rules of `--policy` (none without it); an unusable file stops the command with one
+    line (exit 2): a policy given but unusable fails closed."""
+    path = params.get("policy")
+    if path is None:
+        return ()
+    import yaml
+
+    from costexporter.core.terms import PolicyError, parse_policy
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text())  # JSON is YAML
+    except OSError as e:
+        raise InputFailure(f"--policy: cannot read {path}: {e.strerror or e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputFailure(f"--policy: {path} is not valid YAML or JSON: {first}") from None
+    try:
+        return parse_policy(doc, f"--policy {path}")
+    except PolicyError as e:
+        raise InputFailure(str(e)) from None
 
 
 def price_options(f):

@@ -43,17 +43,15 @@ def decompose(start: int, end: int) -> list[tuple[str, int]]:
     return out
 
 
-def price_version(prices: Prices, price_per_gpu_hour: float) -> str:
+def price_version(prices: Prices) -> str:
     """A short name of the price table, stored with every bucket it costed."""
     return (
-        f"gpu_hour={price_per_gpu_hour:g};wasted={prices.wasted_price_per_gpu_hour};"
+        f"gpu_hour={prices.price_per_gpu_hour:g};wasted={prices.wasted_price_per_gpu_hour};"
         f"kwh={prices.price_per_kwh};pue={prices.pue:g};{prices.currency}"
     )
 
 
-def amounts(
-    pieces: Pieces, prices: Prices, price_per_gpu_hour: float, bucket_s: int = BUCKET_S
-) -> dict[int, np.ndarray]:
+def amounts(pieces: Pieces, prices: Prices, bucket_s: int = BUCKET_S) -> dict[int, np.ndarray]:
     """Bucket start (s) -> int64 array [category, unit] of ms, mJ and micro-cost.
 
     Pieces crossing a bucket boundary are split there (time and energy in proportion).
@@ -76,7 +74,7 @@ def amounts(
     k = seg.astype(np.int64) * n_cat + cat
     ms = np.bincount(k, weights=dur, minlength=n_b * n_cat).reshape(n_b, n_cat)
     mj = np.bincount(k, weights=cut.energy_mj, minlength=n_b * n_cat).reshape(n_b, n_cat)
-    cost = prices.cost(ms, mj, np.arange(n_cat)[None, :], price_per_gpu_hour=price_per_gpu_hour)
+    cost = prices.cost(ms, mj, np.arange(n_cat)[None, :])
     out = {}
     for b in np.flatnonzero(ms.sum(1) > 0):
         a = np.stack([ms[b], np.round(mj[b]), np.round(cost[b] * 1e6)], axis=1).astype(np.int64)

@@ -34,18 +34,6 @@ def cost_per_valid_step(cost_micro: int, valid_steps: int) -> int | None:
     return -q if cost_micro < 0 else q
 
 
-def price_override_note(job: str, meta_price: object, used: float, flag_price: float) -> str | None:
-    """The one line saying a job's meta price wins over --price-per-gpu-hour (the flag would
-    otherwise seem to do nothing), or None when the flag's price is the one used. Replay and the
-    agent say it in the same words."""
-    if meta_price is None or float(used) == float(flag_price):
-        return None
-    return (
-        f"job {job}: its meta sets price_per_gpu_hour={meta_price}, which overrides "
-        f"--price-per-gpu-hour {flag_price:g}"
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class Prices:
     price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR
@@ -60,9 +48,9 @@ class Prices:
             if v is not None and (not np.isfinite(v) or v < 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
 
-    def gpu_hour_rates(self, price_per_gpu_hour: float | None = None) -> np.ndarray:
+    def gpu_hour_rates(self) -> np.ndarray:
         """Price per GPU-hour for each category code."""
-        base = self.price_per_gpu_hour if price_per_gpu_hour is None else price_per_gpu_hour
+        base = self.price_per_gpu_hour
         wasted = base if self.wasted_price_per_gpu_hour is None else self.wasted_price_per_gpu_hour
         rates = np.full(len(Category), base, np.float64)
         rates[[int(c) for c in WASTED_CATEGORIES]] = wasted
@@ -73,10 +61,10 @@ class Prices:
         gpu_ms: np.ndarray,
         energy_mj: np.ndarray,
         category: np.ndarray | None = None,
-        price_per_gpu_hour: float | None = None,
     ) -> npt.NDArray[np.float64]:
-        """Cost of amounts given per category (category = arange) or per item with `category`."""
-        rates = self.gpu_hour_rates(price_per_gpu_hour)
+        """Cost of amounts given per category (category = arange) or per item with `category`,
+        at these prices (a job's: `terms.job_terms` sets its own GPU-hour price)."""
+        rates = self.gpu_hour_rates()
         rate = rates if category is None else rates[category]
         c: npt.NDArray[np.float64] = np.asarray(gpu_ms, np.float64) / MS_PER_HOUR * rate
         if self.price_per_kwh:

@@ -340,13 +340,13 @@ class LedgerDelta:
 
 
 def valid_amounts(
-    prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray, price: float
+    prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray
 ) -> np.ndarray:
     """[category, (ms, mJ, micro-cost)] of the valid categories only."""
     a = zeros()
     ms_c = np.bincount(cat, weights=ms, minlength=N_CAT)
     mj_c = np.bincount(cat, weights=mj, minlength=N_CAT)
-    cost = prices.cost(ms_c, mj_c, np.arange(N_CAT), price_per_gpu_hour=price)
+    cost = prices.cost(ms_c, mj_c, np.arange(N_CAT))
     a[:, 0] = np.round(ms_c)
     a[:, 1] = np.round(mj_c)
     a[:, 2] = np.round(cost * 1e6)
@@ -392,7 +392,7 @@ def index_drops(applied: set[int], new: set[int]) -> set[int]:
     return {j for i in new for j in (i - 1, i) if j >= 0 and j in applied and j + 1 in applied}
 
 
-def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int:
+def cost_after(pieces: Pieces, ref_ms: int, prices: Prices) -> int:
     """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
     progress point, for the "cost slope without steps" alert's annotation."""
     after = pieces.end_ms > ref_ms
@@ -404,12 +404,12 @@ def cost_after(pieces: Pieces, ref_ms: int, prices: Prices, price: float) -> int
     mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
     cat = pieces.category[after].astype(np.int64)
     ms = shares.gpu_ms(start, end, None if pieces.lanes is None else pieces.lanes[after])
-    cost = prices.cost(ms.astype(float), mj, cat, price_per_gpu_hour=price)
+    cost = prices.cost(ms.astype(float), mj, cat)
     return round(float(np.sum(cost)) * 1e6)
 
 
 def _index_entries(
-    state: JobState, res: WindowResult, prices: Prices, price: float
+    state: JobState, res: WindowResult, prices: Prices
 ) -> tuple[dict[int, list[int]], np.ndarray]:
     """The rollback index entries of the step records booked this round (cumulative valid amounts
     at each), and the cumulative valid amounts after the round."""
@@ -425,9 +425,9 @@ def _index_entries(
                 cut - vp_start, vp_end - vp_start, out=np.zeros(cut.size), where=vp_end > vp_start
             )
             upto = shares.gpu_ms(vp_start, cut, vp_lanes)
-            index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac, price))
+            index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac))
     new_cum = state.cum + valid_amounts(
-        prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj, price
+        prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj
     )
     return index_new, new_cum
 
@@ -510,7 +510,6 @@ def ledger_delta(
     res: WindowResult,
     *,
     prices: Prices,
-    price: float,
     own_ranks: np.ndarray,
     member_start_ms: np.ndarray,
     job_start_ms: int,
@@ -524,9 +523,9 @@ def ledger_delta(
     amounts, rollback corrections and index entries, step/void records, incidents, figures and
     the next state. Pure: the agent commits it with its watermark in one compare-and-set."""
     tl, p = res.timeline, res.pieces
-    by_bucket = amounts(p, prices, price, bucket_s)
+    by_bucket = amounts(p, prices, bucket_s)
     booked = sum(by_bucket.values(), zeros())
-    index_new, new_cum = _index_entries(state, res, prices, price)
+    index_new, new_cum = _index_entries(state, res, prices)
     # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
     index = {**state.rb_index, **index_new}
     v = _apply_voids(state, tl, index, new_cum, job_start_ms)
@@ -535,7 +534,7 @@ def ledger_delta(
     rolled[Category.ROLLED_BACK] = v.moved[VALID].sum(0)
 
     since_cost = (state.since_cost if last_progress_ms == state.since_ref_ms else 0) + cost_after(
-        p, last_progress_ms, prices, price
+        p, last_progress_ms, prices
     )
     incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
     if v.spans:

@@ -47,7 +47,6 @@ def newest_bands(
 
 def unbooked_cost(
     prices: Prices,
-    price: float,
     from_ms: np.ndarray,
     now_ms: int,
     rank: np.ndarray,
@@ -56,7 +55,7 @@ def unbooked_cost(
     own_ranks: np.ndarray,
 ) -> int:
     """Cost (micro-units) of own GPUs' time in [from_ms (per own rank), now_ms), not booked yet:
-    GPU-hours at the job's price, energy from the mean power of the samples in it."""
+    GPU-hours at the job's prices, energy from the mean power of the samples in it."""
     if own_ranks.size == 0:
         return 0
     ms = np.clip(now_ms - from_ms.astype(np.int64), 0, None).astype(np.float64)
@@ -66,5 +65,5 @@ def unbooked_cost(
         if sel.any():
             watts[i] = float(power_w[sel].mean())
     cat = np.full(own_ranks.size, int(Category.PRODUCTIVE))
-    cost = prices.cost(ms, ms * watts, cat, price_per_gpu_hour=price)
+    cost = prices.cost(ms, ms * watts, cat)
     return round(float(np.sum(cost)) * 1e6)

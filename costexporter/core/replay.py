@@ -54,6 +54,7 @@ from costexporter.core.model import (
     Samples,
 )
 from costexporter.core.profiles import Profile
+from costexporter.core.terms import JobTerms, Policy, PolicyRule, job_terms
 
 # A part of the report (costexporter/schemas): a JSON document, so its values are Any.
 Report = dict[str, Any]
@@ -71,6 +72,12 @@ class ReplayConfig:
     # How progress is booked: "events" (steps and declared phases), "none" (by band alone), or
     # "auto": by events where the job has any progress event, by band alone where it has none.
     progress: str = "auto"
+    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
+    policy_rules: tuple[PolicyRule, ...] = ()
+
+    def policy(self) -> Policy:
+        """The operator's terms: the flags' thresholds and prices, the policy file's rules."""
+        return Policy(self.booking, self.prices, self.policy_rules)
 
 
 @dataclass(slots=True)
@@ -93,6 +100,7 @@ class JobResult:
     rows: np.ndarray | None = None  # the trace's samples that are the job's, in order (None: all)
     member_gpus: np.ndarray | None = None  # the trace's GPU number of each job GPU
     booked_by: str = "steps"  # "steps": by progress events; "band": by band alone
+    terms: JobTerms | None = None  # what it was booked by (`terms.job_terms`)
 
 
 def register_matches(
@@ -227,23 +235,61 @@ def report_of(results: list[JobResult], unassigned: Report, cfg: ReplayConfig) -
 def book_trace(
     samples: Samples, events: list[Event], cfg: ReplayConfig, diag: Diagnostics | None = None
 ) -> tuple[list[JobResult], Report]:
-    bc = cfg.booking
+    """Every job of the trace booked (`JobResult`s) and the time no job held (`unassigned`)."""
     gpus, registered = register_matches(samples, events)
     events_by_job: dict[str, list[Event]] = {}
     for e in events:
         events_by_job.setdefault(e.job, []).append(e)
+    layout = _TraceLayout.of(samples, len(gpus))
+    registered = _bound_registers(registered, samples, gpus, layout.counts, layout.starts, diag)
+    jobs = _members(registered, samples, gpus, events_by_job, cfg)
+    next_claim = _next_claims(jobs)
+    policy = cfg.policy()
+    results: list[JobResult] = []
+    member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
+    for job, members in jobs.items():
+        r = _book_job(
+            job, members, events_by_job.get(job, []), samples, gpus, layout, next_claim, cfg, policy
+        )
+        gpus_of = r.member_gpus if r.member_gpus is not None else np.zeros(0, np.int64)
+        member_ivals += [
+            (int(g), a, b) for g, iv in zip(gpus_of, r.member_intervals, strict=True) for a, b in iv
+        ]
+        results.append(r)
+    return results, _unassigned(samples, len(gpus), layout.interval, member_ivals, cfg)
 
-    interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
-    n_g = len(gpus)
-    counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
-    starts = np.cumsum(counts) - counts
-    last_end = np.full(n_g, NEG_INF, np.int64)
-    has = counts > 0
-    if len(samples):
-        last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
-    registered = _bound_registers(registered, samples, gpus, counts, starts, diag)
 
-    # Jobs and their members: (job, rank, gpu, member_start).
+@dataclass(frozen=True, slots=True)
+class _TraceLayout:
+    """Where each GPU's samples lie in the trace (grouped by GPU, in time order) and when each
+    GPU's last sample's slice ends."""
+
+    interval: int
+    counts: np.ndarray
+    starts: np.ndarray
+    last_end: np.ndarray
+
+    @classmethod
+    def of(cls, samples: Samples, n_g: int) -> _TraceLayout:
+        interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
+        counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
+        starts = np.cumsum(counts) - counts
+        last_end = np.full(n_g, NEG_INF, np.int64)
+        has = counts > 0
+        if len(samples):
+            last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
+        return cls(interval, counts, starts, last_end)
+
+
+def _members(
+    registered: dict[str, dict[int, tuple[int, int]]],
+    samples: Samples,
+    gpus: list[GpuId],
+    events_by_job: dict[str, list[Event]],
+    cfg: ReplayConfig,
+) -> dict[str, list[tuple[int, int, int]]]:
+    """Jobs and their members, (rank, gpu, member_start): the registered ones, else one job
+    holding every GPU of the trace from its first sample."""
     jobs: dict[str, list[tuple[int, int, int]]] = {}
     if registered:
         for job, job_ranks in registered.items():
@@ -252,8 +298,12 @@ def book_trace(
         name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
         t0 = int(samples.ts_ms.min())
         jobs[name] = [(r, g, t0) for r, g in enumerate(range(len(samples.gpus)))]
+    return jobs
 
-    # A GPU registered by a later job leaves the earlier job then.
+
+def _next_claims(jobs: dict[str, list[tuple[int, int, int]]]) -> dict[tuple[str, int], int]:
+    """(job, gpu) -> when another job next registers the GPU (a GPU registered by a later job
+    leaves the earlier job then), from the job's first claim of it."""
     claims = sorted((t, g, job) for job, mem in jobs.items() for _, g, t in mem)
     claims_by_gpu: dict[int, list[tuple[int, str]]] = {}
     for t, g, job in claims:
@@ -261,102 +311,113 @@ def book_trace(
     next_claim: dict[tuple[str, int], int] = {}
     for g, gpu_claims in claims_by_gpu.items():
         for i, (_t, job) in enumerate(gpu_claims):
-            if (job, g) not in next_claim:  # from the job's first claim: the next other job's
+            if (job, g) not in next_claim:
                 later = (t2 for t2, j2 in gpu_claims[i + 1 :] if j2 != job)
                 next_claim[(job, g)] = next(later, POS_INF)
+    return next_claim
 
-    results: list[JobResult] = []
-    member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
-    for job, members in jobs.items():
-        jev = events_by_job.get(job, [])
-        meta: dict[str, Any] = {}
-        preflight: dict[str, Any] | None = None
-        for e in sorted(jev, key=lambda e: e.ts):
-            if e.type == "meta":
-                jobfacts.merge_meta(meta, e)
-            elif e.type == "preflight":
-                preflight = jobfacts.preflight_result(e)
-        member_gpus = np.asarray([g for _, g, _ in members], np.int64)
-        ranks = np.asarray([r for r, _, _ in members], np.int64)
-        start_ms = jobfacts.job_start_ms(t for _, _, t in members)
-        ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
-        end_ms = int(max(ev_end, last_end[member_gpus].max(initial=NEG_INF), start_ms))
-        booked_by = progress_of(jev, cfg.progress)
-        if booked_by == "band" and not is_stepless(jev):
-            # Booked by band alone, as a job declared stepless is: its steps say nothing here.
-            field_, value = STEPLESS_META
-            t_meta = min((e.ts for e in jev), default=start_ms / 1000)
-            jev_band = [e for e in jev if e.type != "step"]
-            jev_band.append(Event("meta", job, t_meta, 0, "replay", -1, {field_: value}))
-            timeline = build_timeline(jev_band, bc, start_ms, end_ms)
-        else:
-            timeline = build_timeline(jev, bc, start_ms, end_ms)
-        job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
 
-        # Samples of member GPUs, renumbered 0..n-1 in member order (job-local GPU index).
-        local = np.full(n_g, -1, np.int64)
-        local[member_gpus] = np.arange(member_gpus.size)
-        # Samples stay grouped by GPU in time order; only the GPU numbers change.
-        rows = None
-        if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
-            lg = local[samples.gpu]
-            ts, pw, ut, en = samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj
-        else:
-            sel = local[samples.gpu] >= 0
-            rows = np.flatnonzero(sel)
-            lg = local[samples.gpu[sel]]
-            ts, pw, ut, en = (
-                a[sel] for a in (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
-            )
-        n_ranks = int(ranks.max()) + 1 if ranks.size else 0
-        member_gpu_list = [gpus[g] for g in member_gpus]
-        profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
-        br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, interval)
-        mem_start = np.asarray([t for _, _, t in members], np.int64)
-        mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
-        slices = make_slices(
-            lg,
-            ts,
-            pw,
-            en,
-            br.band,
-            member_gpus.size,
-            br.interval_ms,
-            mem_start,
-            mem_end,
-            bc.gap_intervals,
-        )
-        pieces = book(slices, timeline, ranks, mem_start, mem_end)
-        inside = pieces.category != Category.UNASSIGNED
-        if not inside.all():
-            pieces = pieces.take(inside)
-        act_start, act_end = active_intervals(timeline)
-        mem_ivals = [
-            intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
-        ]
-        member_ivals += [(int(g), a, b) for g, iv in zip(member_gpus, mem_ivals, strict=True) for a, b in iv]
-        results.append(
-            JobResult(
-                job,
-                member_gpu_list,
-                ranks,
-                pieces,
-                profile,
-                timeline,
-                meta,
-                br,
-                preflight,
-                mem_ivals,
-                (int(ts.min()), int(ts.max())) if ts.size else None,
-                (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
-                source,
-                rows,
-                member_gpus,
-                booked_by,
-            )
-        )
+def _job_facts(jev: list[Event]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The job's merged meta and its gate result, from its events in time order."""
+    meta: dict[str, Any] = {}
+    preflight: dict[str, Any] | None = None
+    for e in sorted(jev, key=lambda e: e.ts):
+        if e.type == "meta":
+            jobfacts.merge_meta(meta, e)
+        elif e.type == "preflight":
+            preflight = jobfacts.preflight_result(e)
+    return meta, preflight
 
-    return results, _unassigned(samples, n_g, interval, member_ivals, cfg)
+
+def _job_timeline(
+    job: str, jev: list[Event], booked_by: str, bc: BookingConfig, start_ms: int, end_ms: int
+) -> Timeline:
+    """The job's booking timeline; booked by band alone, as a job declared stepless is, its
+    steps say nothing."""
+    if booked_by == "band" and not is_stepless(jev):
+        field_, value = STEPLESS_META
+        t_meta = min((e.ts for e in jev), default=start_ms / 1000)
+        jev_band = [e for e in jev if e.type != "step"]
+        jev_band.append(Event("meta", job, t_meta, 0, "replay", -1, {field_: value}))
+        return build_timeline(jev_band, bc, start_ms, end_ms)
+    return build_timeline(jev, bc, start_ms, end_ms)
+
+
+def _job_samples(
+    samples: Samples, member_gpus: np.ndarray, n_g: int
+) -> tuple[np.ndarray | None, tuple[np.ndarray, ...]]:
+    """The samples of the member GPUs, renumbered 0..n-1 in member order (job-local GPU index):
+    (their rows in the trace, None when the job holds every GPU), (lg, ts, power, util, energy).
+    Samples stay grouped by GPU in time order; only the GPU numbers change."""
+    local = np.full(n_g, -1, np.int64)
+    local[member_gpus] = np.arange(member_gpus.size)
+    cols = (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
+    if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
+        return None, (local[samples.gpu], *cols)
+    sel = local[samples.gpu] >= 0
+    return np.flatnonzero(sel), (local[samples.gpu[sel]], *(a[sel] for a in cols))
+
+
+def _book_job(
+    job: str,
+    members: list[tuple[int, int, int]],
+    jev: list[Event],
+    samples: Samples,
+    gpus: list[GpuId],
+    layout: _TraceLayout,
+    next_claim: dict[tuple[str, int], int],
+    cfg: ReplayConfig,
+    policy: Policy,
+) -> JobResult:
+    """One job booked on its own terms (`terms.job_terms`, as the agent and the watcher derive
+    them)."""
+    meta, preflight = _job_facts(jev)
+    member_gpus = np.asarray([g for _, g, _ in members], np.int64)
+    ranks = np.asarray([r for r, _, _ in members], np.int64)
+    rows, (lg, ts, pw, ut, en) = _job_samples(samples, member_gpus, len(gpus))
+    member_gpu_list = [gpus[g] for g in member_gpus]
+    profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
+    terms = job_terms(job, meta, policy, (t for _, _, t in members), profile=profile)
+    bc, start_ms = terms.booking, terms.start_ms
+    ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
+    end_ms = int(max(ev_end, layout.last_end[member_gpus].max(initial=NEG_INF), start_ms))
+    booked_by = progress_of(jev, cfg.progress)
+    timeline = _job_timeline(job, jev, booked_by, bc, start_ms, end_ms)
+    job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
+    n_ranks = int(ranks.max()) + 1 if ranks.size else 0
+    br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, layout.interval)
+    mem_start = np.asarray([t for _, _, t in members], np.int64)
+    mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
+    slices = make_slices(
+        lg, ts, pw, en, br.band, member_gpus.size, br.interval_ms, mem_start, mem_end, bc.gap_intervals
+    )
+    pieces = book(slices, timeline, ranks, mem_start, mem_end)
+    inside = pieces.category != Category.UNASSIGNED
+    if not inside.all():
+        pieces = pieces.take(inside)
+    act_start, act_end = active_intervals(timeline)
+    mem_ivals = [
+        intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
+    ]
+    return JobResult(
+        job,
+        member_gpu_list,
+        ranks,
+        pieces,
+        profile,
+        timeline,
+        meta,
+        br,
+        preflight,
+        mem_ivals,
+        (int(ts.min()), int(ts.max())) if ts.size else None,
+        (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
+        source,
+        rows,
+        member_gpus,
+        booked_by,
+        terms,
+    )
 
 
 def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.ndarray]:
@@ -598,6 +659,13 @@ def _per_step(cost: float, valid: int) -> float | None:
     return None if q is None else q / MICRO_PER_UNIT
 
 
+def job_terms_of(r: JobResult, cfg: ReplayConfig) -> JobTerms:
+    """The terms the job was booked by (a result made without them: derived again)."""
+    if r.terms is not None:
+        return r.terms
+    return job_terms(r.name, r.meta, cfg.policy(), [r.timeline.start_ms], profile=r.profile)
+
+
 def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
@@ -620,8 +688,8 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     cat_ms = per_gpu_cat_ms.sum(0)
     cat_mj = mj.sum((0, 2))
     band_ms = per_gpu_band_ms.sum(0)
-    price = float(r.meta.get("price_per_gpu_hour") or cfg.prices.price_per_gpu_hour)
-    cat_cost = cfg.prices.cost(cat_ms, cat_mj, price_per_gpu_hour=price)
+    terms = job_terms_of(r, cfg)
+    cat_cost = terms.prices.cost(cat_ms, cat_mj)
     cat_cost[Category.UNASSIGNED] = 0.0
 
     per_gpu_cat = (per_gpu_cat_ms / MS_PER_HOUR).tolist()
@@ -662,7 +730,8 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "cost_per_valid_step": _per_step(cost_total, int(valid)),
         "productive_cost_per_step": _per_step(cat_cost[Category.PRODUCTIVE], int(valid)),
         "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
-        "price_per_gpu_hour": price,
+        "price_per_gpu_hour": terms.prices.price_per_gpu_hour,
+        "meta_ignored": list(terms.ignored_meta),
         "profile": profile_report(r.profile, r.profile_source),
         "booked_by": r.booked_by,
         "sampling_interval_s": r.band_result.interval_ms / 1000,
@@ -683,7 +752,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
             }
             for i, g in enumerate(r.gpus)
         ],
-        "incidents": incidents(r, cfg, price),
+        "incidents": incidents(r, terms.prices),
         "energy_coverage": energy_coverage(p, dur),
         "time_range": {
             "samples": _range_s(r.sample_range_ms),
@@ -763,7 +832,7 @@ def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OV
 _IS_WASTED = np.isin(np.arange(len(Category)), WASTED_CODES)
 
 
-def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
+def incidents(r: JobResult, prices: Prices) -> list[Report]:
     """Merged job-level stretches of one wasted category.
 
     A stretch is what the live agent's rule (`figures.extend_incidents`: a piece within `tol`
@@ -791,7 +860,7 @@ def incidents(r: JobResult, cfg: ReplayConfig, price: float) -> list[Report]:
         dur = e - s
         g_ms = np.bincount(gid, weights=dur, minlength=n)
         g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
-        g_cost = cfg.prices.cost(g_ms, g_mj, np.full(n, c), price_per_gpu_hour=price)
+        g_cost = prices.cost(g_ms, g_mj, np.full(n, c))
         band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
         dominant = band_ms.argmax(1) - 1
         for i in range(n):

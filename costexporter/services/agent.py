@@ -34,11 +34,11 @@ import numpy as np
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, live, livestate, profiles
 from costexporter.core.booking import Regime, Timeline
-from costexporter.core.cost import price_override_note
 from costexporter.core.figures import at_risk_ms
 from costexporter.core.live import WindowResult, book_window
 from costexporter.core.model import BANDS
 from costexporter.core.profiles import Profile
+from costexporter.core.terms import JobTerms, ignored_meta_note, job_terms
 from costexporter.services.agent_commit import RoundCommit, round_figures
 from costexporter.services.agent_config import AgentConfig, samples_maxlen
 from costexporter.services.agent_discovery import JobDiscovery
@@ -75,6 +75,7 @@ class _Window:
     samples: Local  # every rank's (rank, ts, W, %, mJ), sorted by (rank, ts)
     own: Local  # this agent's (rank, ts, W, %)
     job_start: int
+    terms: JobTerms  # the job's terms this round (`terms.job_terms`)
     booked_from: np.ndarray
     profile: Profile
     n_ranks: int
@@ -105,7 +106,8 @@ class Agent:
         self._redis_errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self.sampler = Sampler(source, cfg.sample_interval_s, clock=clock)
         self.jobs: dict[str, AgentJob] = {}
-        self.context_ms = int((cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60) * 1000)
+        self.policy = cfg.policy()
+        self.context_ms = int((cfg.context_s or 2 * self.policy.widest_checkpoint_allowance_s() + 60) * 1000)
         self.samples_maxlen = samples_maxlen(cfg)
         self._epoch: str | None = None
         self._layout = _Layout()
@@ -160,6 +162,8 @@ class Agent:
             self.redis, cfg.prefix, cfg.agent_id, self.host, self._instance, self.folds
         )
         self.registrations_rejected = self.discovery.rejected
+        # (job, key): meta keys a job set that only the operator sets (ignored; said once per job)
+        self.meta_ignored: dict[tuple[str, str], int] = {}
 
     @property
     def unassigned_settled(self) -> bool:
@@ -426,8 +430,34 @@ class Agent:
     def _load(self, job: AgentJob) -> None:
         self.folds.load(job)
 
-    def _timeline(self, job: AgentJob, job_start: int, now_ms: int, final: bool = False) -> Timeline:
-        return self.folds.timeline(job, job_start, now_ms, final)
+    def _timeline(self, job: AgentJob, terms: JobTerms, now_ms: int, final: bool = False) -> Timeline:
+        return self.folds.timeline(job, terms, now_ms, final)
+
+    def _terms(self, job: AgentJob, member_start: np.ndarray, profile: Profile) -> JobTerms:
+        """The job's terms this round (`terms.job_terms`, as the watcher and replay derive them):
+        other hosts' ranks may have registered a little earlier, an ancient date is not trusted.
+        What its meta set that only the operator sets is ignored, counted and said once."""
+        terms = job_terms(
+            job.name,
+            job.meta,
+            self.policy,
+            (int(reg.ts * 1000) for reg in job.ranks.values()),
+            own_start_ms=int(member_start.min()),
+            stored_start_ms=job.fold_start,
+            profile=profile,
+        )
+        if terms.price_note:
+            self._log_once(("price", job.name), logging.INFO, "%s", terms.price_note)
+        name = untrusted.short(job.name, 200)
+        new = [k for k in terms.ignored_meta if (name, k) not in self.meta_ignored]
+        if new:
+            for k in new:
+                self.meta_ignored[(name, k)] = 1
+            self._log_once(
+                ("meta_ignored", job.name, *new), logging.WARNING, "%s", ignored_meta_note(job.name, new)
+            )
+        job.terms = terms
+        return terms
 
     def _fetch_index(self, job: AgentJob, tl: Timeline) -> None:
         self.folds.fetch_index(job, tl)
@@ -510,20 +540,19 @@ class Agent:
         w = self._read_window(job, local)
         if w is None:
             return
-        tl = self._timeline(job, w.job_start, w.now_ms, final=w.played)
+        tl = self._timeline(job, w.terms, w.now_ms, final=w.played)
         job.note_runs(tl)  # a run end frees the GPUs; a later run start takes them back
         ends = np.asarray([job.claim(int(r))[1] for r in w.own_ranks], np.int64)
         member_end = np.maximum(ends, w.member_start)
         res = self._book_window(job, w, tl, member_end)
         self.folds.advance(job, w.now_ms)  # what lies far enough behind, folded for good
         progress = self._publish_round(job, w, res)
-        price = float(job.meta.get("price_per_gpu_hour") or self.cfg.prices.price_per_gpu_hour)
         last_ms = int(progress["last_progress_ts"] * 1000)
         if res.horizon_ms <= job.booked_until and not res.pieces.dur_ms.size:
-            self._live_figures(job, res.timeline, w, last_ms, price)
+            self._live_figures(job, res.timeline, w, last_ms)
             return
-        self._commit(job, w, res, member_end, last_ms, progress, price)
-        self._live_figures(job, res.timeline, w, last_ms, price)
+        self._commit(job, w, res, member_end, last_ms, progress)
+        self._live_figures(job, res.timeline, w, last_ms)
         self.stats["rounds"] += 1
 
     def _read_window(self, job: AgentJob, local: Local) -> _Window | None:
@@ -540,12 +569,6 @@ class Agent:
         R, T = samples[0], samples[1]
         if T.size == 0 or member_start is None:
             return None
-        # Other hosts' ranks may have registered a little earlier; an ancient date is not trusted.
-        job_start = jobfacts.job_start_ms(
-            (int(reg.ts * 1000) for reg in job.ranks.values()),
-            own_start_ms=int(member_start.min()),
-            stored_start_ms=job.fold_start,
-        )
         if job.state.booked_until == 0:
             job.state.booked_until = int(member_start.min())
         # A rank that joined after the job's watermark passed its start (its register was read a
@@ -553,6 +576,7 @@ class Agent:
         behind = job.state.behind
         booked_from = np.asarray([behind.get(int(r), job.booked_until) for r in own_ranks], np.int64)
         profile = self.node.job_profile(job.meta, sorted(job.own.values()))
+        terms = self._terms(job, member_start, profile)
         n_ranks = int(max(max(job.ranks), int(R.max()))) + 1
         hold, ignore, wait = self.peers.liveness(job)
         if wait:
@@ -573,7 +597,8 @@ class Agent:
             carry=carry,
             samples=samples,
             own=own,
-            job_start=job_start,
+            job_start=terms.start_ms,
+            terms=terms,
             booked_from=booked_from,
             profile=profile,
             n_ranks=n_ranks,
@@ -589,7 +614,7 @@ class Agent:
         return book_window(
             events=[],
             timeline=tl,
-            cfg=self.cfg.booking,
+            cfg=w.terms.booking,
             profile=w.profile,
             job_start_ms=w.job_start,
             rank=R,
@@ -623,7 +648,7 @@ class Agent:
             {int(w.own_ranks[i]): b for i, b in res.latest_band.items()}
             if res.latest_band
             else livestate.newest_bands(
-                self.cfg.booking, tl, w.profile, R, T, P, U, w.n_ranks, w.own_ranks, w.carry
+                w.terms.booking, tl, w.profile, R, T, P, U, w.n_ranks, w.own_ranks, w.carry
             )
         )
         with self.lock:
@@ -643,34 +668,27 @@ class Agent:
         member_end: np.ndarray,
         last_ms: int,
         progress: dict[str, Any],
-        price: float,
     ) -> None:
         """The round's ledger delta (pure), committed with the watermark; the job's state then."""
         cfg = self.cfg
         tl = res.timeline
-        note = price_override_note(
-            job.name, job.meta.get("price_per_gpu_hour"), price, cfg.prices.price_per_gpu_hour
-        )
-        if note:
-            self._log_once(("price", job.name), logging.INFO, "%s", note)
         self._fetch_index(job, tl)
         delta = live.ledger_delta(
             job.state,
             res,
-            prices=cfg.prices,
-            price=price,
+            prices=w.terms.prices,
             own_ranks=w.own_ranks,
             member_start_ms=w.member_start,
             member_end_ms=member_end,
             job_start_ms=w.job_start,
             last_progress_ms=last_ms,
             host=self.host,
-            incident_tol_ms=2 * int(cfg.booking.grid_s * 1000) + int(cfg.sample_interval_s * 2000),
+            incident_tol_ms=2 * int(w.terms.booking.grid_s * 1000) + int(cfg.sample_interval_s * 2000),
         )
         if delta.unreachable_voids:
             self._unreachable_voids(job.name, delta.unreachable_voids)
         figures = round_figures(delta, job.preflight, progress, w.profile, cfg.agent_id, tl, res.horizon_ms)
-        self.committer.commit(job, delta, figures, cfg.prices, price, tl, w.now_ms)
+        self.committer.commit(job, delta, figures, w.terms.prices, tl, w.now_ms)
         delta.state.rb_index = {}  # written with the watermark: read back only when a void needs it
         with self.lock:
             job.state = delta.state
@@ -697,9 +715,7 @@ class Agent:
             self.cfg.booking.rollback_checkpoints,
         )
 
-    def _live_figures(
-        self, job: AgentJob, tl: Timeline, w: _Window, last_progress_ms: int, price: float
-    ) -> None:
+    def _live_figures(self, job: AgentJob, tl: Timeline, w: _Window, last_progress_ms: int) -> None:
         """Cost since the last progress point and GPU time at risk up to the newest sample, not
         only to the booking horizon: the booked part plus the pending part, estimated."""
         st = job.state
@@ -709,7 +725,7 @@ class Agent:
             upto = min(upto, tl.end_ms)
         start = np.maximum(np.maximum(w.member_start, st.booked_until), last_progress_ms)
         R, T, P = w.samples[0], w.samples[1], w.samples[2]
-        pending = livestate.unbooked_cost(self.cfg.prices, price, start, upto, R, T, P, w.own_ranks)
+        pending = livestate.unbooked_cost(w.terms.prices, start, upto, R, T, P, w.own_ranks)
         at_risk = at_risk_ms(tl, upto, w.member_start) if tl.end_ms is None else job.at_risk_ms
         with self.lock:
             job.live = {"since_cost": booked + pending, "at_risk_ms": at_risk}
@@ -799,6 +815,7 @@ class Agent:
                 "clock_steps": dict(self.sampler.clock.steps) if self.sampler.clock else {},
                 "clock_offset_s": self.sampler.clock.offset_s if self.sampler.clock else 0.0,
                 "registrations_rejected": dict(self.registrations_rejected),
+                "meta_ignored": dict(self.meta_ignored),
                 "data_rejected": dict(self.refusals.counts),
                 "round_counts": list(self.round_counts),
                 "round_sum": self.round_sum,

@@ -63,13 +63,12 @@ class RoundCommit:
         delta: LedgerDelta,
         figures: dict[str, Any],
         prices: Prices,
-        price: float,
         tl: Timeline,
         now_ms: int,
     ) -> None:
         """Commit the round (ledger.Conflict when another writer moved the watermark); the job's
         compare-and-set value, and the stored fold's notes, follow it."""
-        version = buckets.price_version(prices, price)
+        version = buckets.price_version(prices)
         wm = {
             **delta.state.to_json(),
             "agent": self.agent_id,

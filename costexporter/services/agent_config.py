@@ -9,6 +9,7 @@ from pathlib import Path
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import Prices
 from costexporter.core.profiles import Profile
+from costexporter.core.terms import Policy, PolicyRule
 from costexporter.store import protocol
 
 
@@ -66,11 +67,17 @@ class AgentConfig:
     # second stored fold is kept 1-2 x this far behind, and the stream from its position on.
     # Keep it under half of `reader_stale_s`.
     late_keep_s: float = 3600.0
+    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
+    policy_rules: tuple[PolicyRule, ...] = ()
+
+    def policy(self) -> Policy:
+        """The operator's terms: the flags' thresholds and prices, the policy file's rules."""
+        return Policy(self.booking, self.prices, self.policy_rules)
 
 
 def samples_maxlen(cfg: AgentConfig) -> int:
     """Entries a host's sample stream keeps (one per round): the booking context, what an agent
     that starts on a running job reads to learn a signature run already under way (31 minutes
     by default)."""
-    context_s = cfg.context_s or 2 * cfg.booking.checkpoint_allowance_s + 60
+    context_s = cfg.context_s or 2 * cfg.policy().widest_checkpoint_allowance_s() + 60
     return max(64, int(context_s / max(cfg.book_interval_s, 0.01)) + 8)

@@ -24,6 +24,7 @@ from costexporter.core.booking import Timeline, build_timeline, dated_until
 from costexporter.core.fold import FoldFormatError, TimelineFold, dump_fold, load_fold, walk_relevant
 from costexporter.core.live import JobState
 from costexporter.core.model import Event
+from costexporter.core.terms import JobTerms
 from costexporter.services.agent_config import AgentConfig
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger, untrusted
@@ -99,7 +100,7 @@ class JobFolds:
         if raw is None:
             return
         try:
-            fold, extra = load_fold(base64.b64decode(raw, validate=True), cfg.booking, job.name)
+            fold, extra = self._load_fold(raw, job.name)
             job.reader.restore(extra["reader"])
             meta, preflight = dict(extra["meta"]), str(extra["preflight"])
             newest = int(extra["newest_event_ms"])
@@ -191,11 +192,27 @@ class JobFolds:
 
         return fold_batch
 
-    def timeline(self, job: AgentJob, job_start: int, now_ms: int, final: bool = False) -> Timeline:
+    def _load_fold(self, raw: bytes | str, job: str) -> tuple[TimelineFold, dict[str, Any]]:
+        """A stored fold of the job, folded with any of the booking configurations the
+        operator's policy gives (the job's own is known once its meta is read: a fold of another
+        is folded again then)."""
+        data = base64.b64decode(raw, validate=True)
+        error = FoldFormatError("no booking configuration")
+        for booking in self.cfg.policy().bookings():
+            try:
+                return load_fold(data, booking, job)
+            except FoldFormatError as e:
+                error = e
+        raise error
+
+    def timeline(self, job: AgentJob, terms: JobTerms, now_ms: int, final: bool = False) -> Timeline:
         """The job's timeline at `now_ms` from its fold (`final`: no later event or sample will
         come); the fold is (re)built from the job's stream, up to where its reader is, when there
-        is none yet, the job's start moved, or an event arrived older than what was folded."""
-        if job.fold is not None and job.fold.start_ms == job_start:
+        is none yet, the job's start or booking thresholds moved, or an event arrived older than
+        what was folded."""
+        job_start, booking = terms.start_ms, terms.booking
+        same = job.fold is not None and job.fold.start_ms == job_start and job.fold.cfg == booking
+        if job.fold is not None and same:
             job.fold.add(job.fresh)
             job.fresh = []
             tl = job.fold.timeline(now_ms, final=final, dated_until=True)
@@ -203,13 +220,13 @@ class JobFolds:
                 return tl
         if job.fold is not None:
             self.stats["timeline_rebuilds"] += 1
-            if job.fold.start_ms == job_start:
-                tl = self._refold_from_store(job, job_start, now_ms, final)
+            if same:
+                tl = self._refold_from_store(job, terms, now_ms, final)
                 if tl is not None:
                     return tl
         job.fresh = []
         # Folded batch by batch, as far behind the newest event read as a live round folds.
-        fold = job.fold = TimelineFold(self.cfg.booking, job_start)
+        fold = job.fold = TimelineFold(booking, job_start)
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
         reader.read_until(
             job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=self._fold_batch(fold, job, now_ms)
@@ -220,15 +237,15 @@ class JobFolds:
         # An event of the stream older than what was folded before it: every event at once.
         reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
         events = reader.read_until(job.reader.cursor, count=10_000, keep=walk_relevant)
-        job.fold = TimelineFold(self.cfg.booking, job_start)
+        job.fold = TimelineFold(booking, job_start)
         job.fold.add(events)
         tl = job.fold.timeline(now_ms, final=final, dated_until=True)
         if tl is None:
             job.fold = None
-            tl = build_timeline(dated_until(events, now_ms), self.cfg.booking, job_start, now_ms, final=final)
+            tl = build_timeline(dated_until(events, now_ms), booking, job_start, now_ms, final=final)
         return tl
 
-    def _refold_from_store(self, job: AgentJob, job_start: int, now_ms: int, final: bool) -> Timeline | None:
+    def _refold_from_store(self, job: AgentJob, terms: JobTerms, now_ms: int, final: bool) -> Timeline | None:
         """An event arrived older than the fold: fold it again from the older stored fold and the
         stream since that fold's position (the stream may be trimmed below it), rather than from
         the whole stream. None when the stored fold is missing, unreadable, or itself newer than
@@ -238,12 +255,12 @@ class JobFolds:
         if raw is None:
             return None
         try:
-            fold, extra = load_fold(base64.b64decode(raw, validate=True), cfg.booking, job.name)
+            fold, extra = self._load_fold(raw, job.name)
             reader = EventReader(self.redis, job.name, prefix=cfg.prefix)
             reader.restore(extra["reader"])
         except (FoldFormatError, ValueError, KeyError, TypeError):
             return None
-        if fold.start_ms != job_start:
+        if fold.start_ms != terms.start_ms or fold.cfg != terms.booking:
             return None
         reader.read_until(
             job.reader.cursor, count=10_000, keep=walk_relevant, on_batch=self._fold_batch(fold, job, now_ms)

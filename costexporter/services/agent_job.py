@@ -13,6 +13,7 @@ from costexporter.core.fold import TimelineFold
 from costexporter.core.live import JobState
 from costexporter.core.model import Event
 from costexporter.core.samplewin import SampleWindow
+from costexporter.core.terms import JobTerms
 from costexporter.store import protocol
 from costexporter.store.reader import EventReader
 
@@ -48,6 +49,7 @@ class AgentJob:
     fresh: list[Event] = field(default_factory=list)
     newest_event_ms: int = 0  # the newest event time read (the fold stays behind it)
     meta: dict[str, Any] = field(default_factory=dict)  # the job's meta events folded, last write wins
+    terms: JobTerms | None = None  # the terms of its last round (`terms.job_terms`)
     preflight: str = ""  # JSON of the latest pre-run gate result
     ranks: dict[int, protocol.Registration] = field(default_factory=dict)
     own: dict[int, int] = field(default_factory=dict)  # rank -> source GPU index

@@ -156,9 +156,9 @@ class UnassignedBooker:
     def _commit(self, pieces: Pieces, horizon: int) -> bool:
         """The pieces' amounts with the watermark, compare-and-set; False on a conflict."""
         cfg = self.cfg
-        by_bucket = buckets.amounts(pieces, cfg.prices, cfg.prices.price_per_gpu_hour)
+        by_bucket = buckets.amounts(pieces, cfg.prices)
         # the price table that costed it, as for a job's buckets (FOCUS reads its unit price there)
-        version = buckets.price_version(cfg.prices, cfg.prices.price_per_gpu_hour)
+        version = buckets.price_version(cfg.prices)
         wm = {
             "booked_until": horizon,
             "agent": cfg.agent_id,

@@ -267,6 +267,7 @@ class AgentCollector(Collector):
         for (job, reason), n in sorted(s["registrations_rejected"].items()):
             regs.add_metric([job, reason], n)
         yield regs
+        yield meta_ignored(s.get("meta_ignored", {}))
         yield data_rejected(s["data_rejected"])
         rej = CounterMetricFamily(
             "costexporter_events_rejected",
@@ -455,6 +456,20 @@ def _dashboard_families(s: dict[str, Any]) -> Iterator[Metric]:
     yield edges
 
 
+def meta_ignored(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
+    """Meta keys a job set that only the operator sets (booking thresholds), ignored: counted
+    once per job and key."""
+    fam = CounterMetricFamily(
+        "costexporter_meta_ignored",
+        "Thresholds a job's meta tried to set that only the operator sets (flags or --policy): "
+        "ignored, once per job and key.",
+        labels=["training_job", "key"],
+    )
+    for (job, key), n in sorted(counts.items()):
+        fam.add_metric([job, key], n)
+    return fam
+
+
 def data_rejected(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
     """Stored values a job's trainer can write that were refused, by job and reason (one family
     for the agent and the watcher)."""
@@ -535,6 +550,7 @@ class WatchCollector(Collector):
         for (job, reason), n in sorted(s["registrations_rejected"].items()):
             regs.add_metric([job, reason], n)
         yield regs
+        yield meta_ignored(s.get("meta_ignored", {}))
         yield data_rejected(s["data_rejected"])
 
 

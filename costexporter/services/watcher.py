@@ -45,10 +45,11 @@ import orjson
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, profiles
 from costexporter.core.booking import NEG_INF, BookingConfig, Regime, StepRecord, Timeline, build_timeline
-from costexporter.core.events import META_THRESHOLDS
+from costexporter.core.cost import Prices
 from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
 from costexporter.core.profiles import Profile
+from costexporter.core.terms import JobTerms, Policy, PolicyRule, ignored_meta_note, job_terms
 from costexporter.core.timeutil import iso_utc
 from costexporter.services.alertmanager import Alertmanager
 from costexporter.services.notify import ALERTING, Status, Webhook
@@ -59,9 +60,6 @@ log = logging.getLogger("costexporter.watcher")
 JOBS_PER_READ = 100  # a poll reads the jobs' new events 100 jobs per XREAD
 
 LIVE_HISTORY = 12  # live snapshots kept per job for the two-sample signature
-# Thresholds a job may set for itself in its meta (the rest of WatchConfig is the watcher's);
-# the others of META_THRESHOLDS are the booking rules'.
-WATCH_THRESHOLDS = ("heartbeat_timeout_s", "heartbeat_interval_s")
 NO_AGENT_DATA = "no agent data: cannot name a rank"
 # What one poisoned job (a bad name, stored values of the wrong type) raises: it is set aside.
 SETTLED_MARGIN_MS = 1_000  # `JobView.settled_ms`: events of a rank may be this much out of order
@@ -106,6 +104,13 @@ class WatchConfig:
     # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
     register_position_s: float | None = 60.0
     clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
+    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
+    policy_rules: tuple[PolicyRule, ...] = ()
+
+    def policy(self) -> Policy:
+        """The operator's terms the watcher judges by: the flags' thresholds and the policy
+        file's rules (the watcher prices nothing: its prices are the defaults)."""
+        return Policy(self.booking, Prices(), self.policy_rules)
 
 
 @dataclass
@@ -150,6 +155,7 @@ class JobView:
     rebuilds: int = 0
     unfoldable: bool = False  # a fold that cannot give its view: built from every event each poll
     profile_said: bool = False  # the job's profile (or why it has none) was logged
+    judged_terms: JobTerms | None = None  # the terms of the last decision (`terms.job_terms`)
 
     def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
@@ -262,25 +268,25 @@ class JobView:
             elif ev.type == "meta":
                 jobfacts.merge_meta(self.meta, ev)
 
-    def config(self, cfg: WatchConfig) -> WatchConfig:
-        """`cfg` with the job's own thresholds from its meta (`heartbeat_timeout_s`,
-        `stall_floor_s`, `stall_k`, `checkpoint_allowance_s`, ...): a job of 5-minute steps
-        needs other thresholds than one of 5-second steps. Unusable values are ignored."""
-        watch_kw: dict[str, Any] = {}  # float values of float fields, for dataclasses.replace
-        booking_kw: dict[str, Any] = {}
-        for key, value in self.meta.items():
-            if key not in META_THRESHOLDS:
-                continue
-            try:
-                v = float(value)
-            except (TypeError, ValueError):
-                continue
-            if not (v == v and 0 < v < 1e9):
-                continue
-            (watch_kw if key in WATCH_THRESHOLDS else booking_kw)[key] = v
-        if not watch_kw and not booking_kw:
-            return cfg
-        return dataclasses.replace(cfg, booking=dataclasses.replace(cfg.booking, **booking_kw), **watch_kw)
+    def terms(self, cfg: WatchConfig) -> JobTerms:
+        """The job's terms (`terms.job_terms`, as the agent and replay derive them): its start
+        (its registrations, no later than its first event), the operator's booking thresholds
+        the ledger books it by, its liveness cadence from its meta."""
+        registered = (int(float(r["ts"]) * 1000) for r in self.registrations.values() if "ts" in r)
+        return job_terms(self.name, self.meta, cfg.policy(), registered, first_event_ms=self.first_ms)
+
+    @staticmethod
+    def config(cfg: WatchConfig, terms: JobTerms) -> WatchConfig:
+        """`cfg` with the job's terms: the booking thresholds it is booked by, and its own
+        heartbeat cadence where its meta sets one (a job of 5-minute steps may beat slower)."""
+        kw: dict[str, Any] = {}
+        if terms.booking is not cfg.booking:
+            kw["booking"] = terms.booking
+        if terms.heartbeat_timeout_s is not None:
+            kw["heartbeat_timeout_s"] = terms.heartbeat_timeout_s
+        if terms.heartbeat_interval_s is not None:
+            kw["heartbeat_interval_s"] = terms.heartbeat_interval_s
+        return dataclasses.replace(cfg, **kw) if kw else cfg
 
     def where(self, rank: int) -> dict[str, Any]:
         reg = self.registrations.get(rank, {})
@@ -334,11 +340,9 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
 
     if view.first_ms is None:
         return status("unknown", "no events from the job yet")
-    cfg = view.config(cfg)
-    start_ms = jobfacts.job_start_ms(
-        (int(float(r["ts"]) * 1000) for r in view.registrations.values() if "ts" in r),
-        first_event_ms=view.first_ms,
-    )
+    terms = view.judged_terms = view.terms(cfg)
+    cfg = view.config(cfg, terms)
+    start_ms = terms.start_ms
     tl = view.timeline(cfg.booking, start_ms, int(now * 1000), lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None
     progress: dict[str, Any] = dict(  # Status's progress fields
@@ -747,6 +751,8 @@ class Watcher:
         # Refused ranks entries and other values a trainer can write, by (job, reason).
         self.registrations_rejected: collections.Counter[tuple[str, str]] = collections.Counter()
         self.refusals = untrusted.Refusals(log)
+        # (job, key): meta keys a job set that only the operator sets (ignored; said once per job)
+        self.meta_ignored: dict[tuple[str, str], int] = {}
         self.webhook = (
             Webhook(cfg.webhook_url, cfg.webhook_retries, cfg.webhook_timeout_s, cfg.webhook_backoff_s)
             if cfg.webhook_url
@@ -854,6 +860,8 @@ class Watcher:
                 except JUDGE_ERRORS as e:
                     self._set_aside(job, e)
                     continue
+                if view.judged_terms is not None and view.judged_terms.ignored_meta:
+                    self._meta_ignored(job, view.judged_terms.ignored_meta)
                 if decided[job].state == "done":
                     self._ended[job] = view
                 else:
@@ -938,6 +946,15 @@ class Watcher:
         view = self.views[job]
         view.fold(events)
         return view
+
+    def _meta_ignored(self, job: str, keys: tuple[str, ...]) -> None:
+        """Count and say once the thresholds a job's meta tried to set (the operator's alone)."""
+        name = untrusted.short(job, 200)
+        new = [k for k in keys if (name, k) not in self.meta_ignored]
+        if new:
+            for k in new:
+                self.meta_ignored[(name, k)] = 1
+            log.warning("%s", ignored_meta_note(untrusted.short(job), new))
 
     def _read_registrations(self, views: list[JobView], now: float) -> None:
         """Registrations arrive as `register` events; the hash keeps them once their events are
@@ -1081,6 +1098,7 @@ class Watcher:
                 "redis_up": self.redis_up,
                 "stats": dict(self.stats),
                 "registrations_rejected": dict(self.registrations_rejected),
+                "meta_ignored": dict(self.meta_ignored),
                 "data_rejected": dict(self.refusals.counts),
                 "webhook": dict(self.webhook.stats) if self.webhook else {},
                 "alertmanager": dict(self.alertmanager.stats) if self.alertmanager else {},

@@ -445,8 +445,9 @@ class StepReporter:
         self._post("run", ts=self._ts(ts), state="resume", step=coerce.count(step, "step", MAX_STEP))
 
     def meta(self, ts: float | None = None, **fields: object) -> None:
-        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget, the watcher's
-        thresholds: events.META_TEXT and META_NUMBERS); last write wins.
+        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget, the heartbeat
+        cadence: events.META_TEXT and META_NUMBERS); last write wins. Booking thresholds
+        (stall_floor_s, ...) are the operator's: sent here they are ignored, and said.
 
         Prices, budgets and thresholds must be finite numbers >= 0 and the text fields strings,
         as the reader requires; other values must be JSON-plain."""

@@ -17,6 +17,7 @@ from costexporter.cli.options import (
     booking_options,
     check_tz,
     load_profile,
+    policy_rules,
     price_config,
     price_options,
     profile_option,
@@ -119,6 +120,7 @@ def replay(
         clock.append(("read_s", time.perf_counter()))
         cfg = ReplayConfig(
             booking=booking_config(config),
+            policy_rules=policy_rules(config),
             prices=price_config(config),
             job=job,
             gpu_model=gpu_model,
@@ -138,7 +140,7 @@ def replay(
     for line in [] if quiet else report.clock_warnings(result, tz):
         click.echo(f"warning: {line}", err=True)
     if not quiet:
-        _price_overrides(result, config["price_per_gpu_hour"])
+        _term_notes(results)
         for line in report.progress_notes(result, progress):
             click.echo(f"costexporter: {line}", err=True)
         for line in report.profile_notes(result):
@@ -165,13 +167,16 @@ def replay(
         )
 
 
-def _price_overrides(result: dict, flag_price: float) -> None:
-    """Say once per job when its meta's price wins over --price-per-gpu-hour, which would
-    otherwise seem to do nothing."""
-    from costexporter.core.cost import price_override_note
+def _term_notes(results: list) -> None:
+    """Say once per job what of its terms its meta set: a price that wins over
+    --price-per-gpu-hour (the flag would otherwise seem to do nothing), thresholds that only the
+    operator sets (ignored)."""
+    from costexporter.core.terms import ignored_meta_note
 
-    for name, j in result.get("jobs", {}).items():
-        meta_price = (j.get("meta") or {}).get("price_per_gpu_hour")
-        note = price_override_note(name, meta_price, j.get("price_per_gpu_hour", flag_price), flag_price)
-        if note:
-            click.echo(f"costexporter: {note}", err=True)
+    for r in results:
+        if r.terms is None:
+            continue
+        if r.terms.price_note:
+            click.echo(f"costexporter: {r.terms.price_note}", err=True)
+        if r.terms.ignored_meta:
+            click.echo(f"costexporter: {ignored_meta_note(r.name, r.terms.ignored_meta)}", err=True)
