@@ -1,0 +1,207 @@
+"""A job's terms, one home (`core/terms.job_terms`): the agent, the watcher and replay derive
+equal terms from the same meta, registrations, flags, policy and GPUs, and book and judge the
+job alike; thresholds that move GPU time are the operator's (flags or --policy), never a
+trainer's meta; a policy file given but unusable stops the command with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+
+import numpy as np
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costexporter.core.booking import BookingConfig
+from costexporter.core.cost import Prices
+from costexporter.core.model import CATEGORIES
+from costexporter.core.replay import ReplayConfig, book_trace, report_of
+from costexporter.core.terms import Policy, PolicyError, PolicyRule, job_terms, parse_policy
+from costexporter.services.watcher import WatchConfig, Watcher
+from costexporter.sources.synth import TraceBuilder
+from costexporter.store import ledger
+
+from .agent_rounds import replay_agent, tick
+from .conftest import SHARED_URL
+from .test_agent import post_events
+
+
+def test_policy_rules_pick_a_jobs_thresholds_by_name_and_team_and_never_from_meta():
+    flags = BookingConfig(stall_floor_s=60.0)
+    rules = parse_policy(
+        {
+            "rules": [
+                {"job": "pretrain-*", "stall_floor_s": 1800},
+                {"team": "research", "stall_k": 8, "checkpoint_allowance_s": 3600},
+            ]
+        }
+    )
+    policy = Policy(flags, Prices(price_per_gpu_hour=2.0), rules)
+    meta = {"team": "research", "stall_floor_s": 5, "heartbeat_timeout_s": 900, "price_per_gpu_hour": 4}
+    t = job_terms("pretrain-7", meta, policy, [1_000, 2_000])
+    assert t.start_ms == 1_000
+    assert t.booking == dataclasses.replace(flags, stall_floor_s=1800.0)  # the first rule that matches
+    assert t.ignored_meta == ("stall_floor_s",) and t.heartbeat_timeout_s == 900
+    assert t.prices.price_per_gpu_hour == 4 and "overrides --price-per-gpu-hour 2" in (t.price_note or "")
+    t = job_terms("finetune", meta, policy, [5])
+    assert t.booking == dataclasses.replace(flags, stall_k=8.0, checkpoint_allowance_s=3600.0)
+    t = job_terms("finetune", {"team": "llm"}, policy, [5])
+    assert t.booking is flags and t.prices is policy.prices and t.price_note is None
+    assert max(policy.widest_checkpoint_allowance_s(), 0) == 3600
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [1, 2],
+        {"rules": {"job": "x"}},
+        {"rules": [{"job": "x"}]},  # sets nothing
+        {"rules": [{"job": "x", "stall_floor": 5}]},  # unknown key (a typo)
+        {"rules": [{"job": "x", "stall_floor_s": -5}]},
+        {"rules": [{"job": "x", "stall_floor_s": "soon"}]},
+        {"rules": [{"job": 7, "stall_floor_s": 5}]},
+        {"policy": []},
+    ],
+)
+def test_an_unusable_policy_is_refused_with_one_line(doc):
+    with pytest.raises(PolicyError) as e:
+        parse_policy(doc, "p.yaml")
+    assert "\n" not in str(e.value) and str(e.value).startswith("p.yaml")
+
+
+@pytest.mark.parametrize("command", ["replay", "watch"])
+@pytest.mark.parametrize(
+    "text",
+    [None, "rules: [", '{"rules": [{"job": "x", "stall_floor_s": 0}]}'],
+    ids=["missing", "yaml", "zero"],
+)
+def test_a_policy_file_given_but_unusable_stops_the_command(cli, tmp_path, command, text):
+    path = tmp_path / "policy.yaml"
+    if text is not None:
+        path.write_text(text)
+    ex = ["--samples", "examples/r1-mini/node0.csv"] if command == "replay" else ["--once", "--port", "0"]
+    r = cli(command, "--policy", str(path), *ex)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--policy" in r.stderr and "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if "--policy" in ln]) == 1
+
+
+def _job(name: str, meta: dict) -> TraceBuilder:
+    """Two GPUs on one host: steps, a 100 s stop (a stall under a 60 s floor, not under 1800 s),
+    steps again, the run's end."""
+    b = TraceBuilder(n_gpus=2, per_host=2, job=name, seed=5)
+    if meta:
+        b.meta(**meta)
+    b.run("start")
+    b.stretch("compute", 120, step_s=5)
+    b.stretch("idle", 100)
+    b.stretch("compute", 60, step_s=5)
+    b.run("end")
+    b.stretch("idle", 5)
+    return b
+
+
+META = st.fixed_dictionaries(
+    {},
+    optional={
+        "stall_floor_s": st.sampled_from([30.0, 1800.0]),
+        "checkpoint_allowance_s": st.sampled_from([60.0, 3600.0]),
+        "heartbeat_timeout_s": st.sampled_from([120.0, 900.0]),
+        "price_per_gpu_hour": st.sampled_from([2.0, 5.0]),
+        "team": st.sampled_from(["llm", "research"]),
+    },
+)
+RULES = st.sampled_from(
+    [
+        (),
+        (PolicyRule((("stall_floor_s", 1800.0),), team="research"),),
+        (PolicyRule((("stall_floor_s", 1800.0), ("stall_k", 6.0)), job="terms-*"),),
+    ]
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(meta=META, rules=RULES, floor=st.sampled_from([20.0, 60.0]), price=st.sampled_from([3.5, 2.0]))
+def test_the_agent_the_watcher_and_replay_derive_equal_terms_and_book_and_judge_alike(
+    meta, rules, floor, price
+):
+    """Same meta, registrations, flags, policy and GPUs: equal terms in all three programs; the
+    agent's ledger equals replay's to the millisecond and micro-unit; the watcher's stall
+    threshold is the ledger's."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    shared = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    booking, prices = BookingConfig(stall_floor_s=floor), Prices(price_per_gpu_hour=price)
+    b = _job(f"terms-{uuid.uuid4().hex[:6]}", meta)
+    try:
+        post_events(shared, prefix, b)
+        [r], _ = book_trace(
+            b.samples(), b.events, ReplayConfig(booking=booking, prices=prices, policy_rules=rules)
+        )
+        offline = r.terms
+        # The watcher first: the agent trims the stream it has read (no watcher registered).
+        w = Watcher(
+            WatchConfig(
+                redis_url=SHARED_URL, prefix=prefix, booking=booking, policy_rules=rules, clock=lambda: b.t
+            )
+        )
+        try:
+            st_ = w.poll()[b.job]
+            judged = w.views[b.job].judged_terms
+        finally:
+            w.stop()
+        agent, now = replay_agent(
+            b,
+            prefix=prefix,
+            agent_id="t",
+            job_refresh_s=0,
+            booking=booking,
+            prices=prices,
+            policy_rules=rules,
+        )
+        for _ in range(8):
+            tick(agent, now, 50)
+        live = agent.jobs[b.job].terms
+        assert offline is not None and live is not None and judged is not None
+        # Equal terms: what the operator sets, what the meta may set, what it may not.
+        want = Policy(booking, prices, rules).booking_for(b.job, meta.get("team"))
+        assert offline.booking == live.booking == judged.booking == want
+        assert offline.start_ms == live.start_ms == judged.start_ms
+        assert offline.prices == live.prices
+        assert offline.prices.price_per_gpu_hour == meta.get("price_per_gpu_hour", price)
+        assert offline.ignored_meta == live.ignored_meta == judged.ignored_meta
+        assert set(offline.ignored_meta) == set(meta) & {"stall_floor_s", "checkpoint_allowance_s"}
+        hb = (offline.heartbeat_timeout_s, live.heartbeat_timeout_s, judged.heartbeat_timeout_s)
+        assert hb == (meta.get("heartbeat_timeout_s"),) * 3
+        assert offline.profile is not None and live.profile is not None
+        assert offline.profile.name == live.profile.name
+        # Booked alike: the agent's ledger is replay's, time and money.
+        total = ledger.read_amounts(shared, prefix, b.job)
+        ms = np.bincount(r.pieces.category, weights=r.pieces.dur_ms, minlength=len(CATEGORIES))
+        assert {c: v for c, v in ledger.net_ms(total).items() if v} == {
+            c: int(v) for c, v in zip(CATEGORIES, ms, strict=True) if v
+        }
+        report = report_of([r], {}, ReplayConfig(booking=booking, prices=prices, policy_rules=rules))
+        ucost = sum(total.get(f"{c}:ucost", 0) for c in CATEGORIES)
+        assert ucost / 1e6 == pytest.approx(report["jobs"][b.job]["cost_total"], abs=1e-4)
+        # Judged alike: the watcher's stall threshold is the ledger's timeline's.
+        assert st_.stall_threshold_s == r.timeline.stall_threshold_ms / 1000
+        if offline.ignored_meta:
+            assert {k for (j, k) in agent.meta_ignored if j == b.job} == set(offline.ignored_meta)
+            assert {k for (j, k) in w.meta_ignored if j == b.job} == set(offline.ignored_meta)
+    finally:
+        keys = list(shared.scan_iter(f"{prefix}:*"))
+        if keys:
+            shared.delete(*keys)
+
+
+def test_replay_ignores_and_says_a_meta_that_sets_a_booking_threshold():
+    b = _job("said", {"stall_floor_s": 1800.0})
+    cfg = ReplayConfig(booking=BookingConfig(stall_floor_s=60.0))
+    [r], un = book_trace(b.samples(), b.events, cfg)
+    report = report_of([r], un, cfg)["jobs"]["said"]
+    assert report["meta_ignored"] == ["stall_floor_s"]
+    assert r.timeline.stall_threshold_ms == 60_000  # the flags' floor, not the meta's 1800 s
+    json.dumps(report)
