@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from costexporter.core.model import Band, Event, GpuId, Samples
+from costexporter.core.timeutil import to_ms
 from costexporter.sources.synth import _local_stamps, write_events_jsonl
 
 # state -> (power centre W, power sd W, util lo %, util hi %), per rank class (rank 0, others).
@@ -266,7 +267,7 @@ class Scenario:
         seq = [0] * self.n_gpus
 
         def ev(type_: str, t_ms: float, rank: int = 0, **f) -> None:
-            evs.append(Event(type_, "real", t_ms / 1000, rank, f"s{rank}", seq[rank], f))
+            evs.append(Event(type_, "real", to_ms(t_ms / 1000), rank, f"s{rank}", seq[rank], f))
             seq[rank] += 1
 
         t_start = t_inst[0]

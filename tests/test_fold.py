@@ -25,6 +25,7 @@ from costexporter.core.fold import (
     walk_relevant,
 )
 from costexporter.core.model import Event
+from costexporter.core.timeutil import to_ms
 
 CFG = BookingConfig(
     stall_floor_s=5.0,
@@ -37,7 +38,7 @@ LAG_MS = 30_000
 
 
 def ev(kind: str, ts: float, rank: int = 0, seq: int = 0, **fields) -> Event:
-    return Event(kind, "j", ts, rank, "s", seq, fields)
+    return Event(kind, "j", to_ms(ts), rank, "s", seq, fields)
 
 
 @st.composite
@@ -150,7 +151,7 @@ def test_fold_equals_rebuild(stream, ahead_ms, context_ms, others_ms):
         prev = cut
         seen += batch
         fold.add(batch)
-        end_ms = int(max(e.ts for e in seen) * 1000) + ahead_ms
+        end_ms = max(e.ts_ms for e in seen) + ahead_ms
         if fold.late:  # an event the fold had walked past: its owner rebuilds from the stream
             fold = TimelineFold(CFG, 1_000_000)
             fold.add(seen)
@@ -181,7 +182,7 @@ def test_a_stored_fold_resumes_as_the_one_that_never_stopped(stream, ahead_ms, c
         seen += batch
         fold.add(batch)
         kept.add(batch)
-        end_ms = int(max(e.ts for e in seen) * 1000) + ahead_ms
+        end_ms = max(e.ts_ms for e in seen) + ahead_ms
         if fold.late:
             break  # the owner rebuilds from a stream (agent tests); nothing stored to compare
         checked += 1

@@ -36,7 +36,7 @@ def test_a_start_needs_something_to_date_it_by():
 
 
 def _ev(kind: str, **fields) -> Event:
-    return Event(kind, "j", 100.0, 0, "s", 1, fields)
+    return Event(kind, "j", 100_000, 0, "s", 1, fields)
 
 
 def test_meta_merges_newest_first_and_keeps_the_readers_notes_out():

@@ -30,6 +30,7 @@ from costexporter.core.booking import (
     is_stepless,
 )
 from costexporter.core.model import BANDS, CATEGORIES, Band, Category, Event
+from costexporter.core.timeutil import to_ms
 from costexporter.services.k8s import job_name
 from costexporter.sources.dcgm import PodRef
 from costexporter.store import keys, ledger, protocol
@@ -100,7 +101,7 @@ def test_any_pod_name_gives_a_job_name_usable_as_a_hash_tag_and_a_path_segment(n
 
 
 def _ev(type_: str, ts: float, rank: int = 0, **fields) -> Event:
-    return Event(type_, "j", ts, rank, "s", int(ts * 1000), dict(fields))
+    return Event(type_, "j", to_ms(ts), rank, "s", int(ts * 1000), dict(fields))
 
 
 STEPLESS = [_ev("meta", 0.0, progress="none", namespace="ml")]
@@ -340,7 +341,8 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         # Conservation: every millisecond from registration to the watermark, on each GPU, once.
         for job in (llama,):
             wm = ledger.load_watermark(shared, prefix, job, HOST)["booked_until"]
-            regs = [int(float(json.loads(v)["ts"]) * 1000) for v in shared.hvals(keys.ranks_key(prefix, job))]
+            by_rank = shared.hgetall(keys.ranks_key(prefix, job))
+            regs = [protocol.parse_registration(r, v).ts_ms for r, v in by_rank.items()]
             total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
             assert total == sum(wm - r for r in regs), job
         assert set(ledger.net_ms(ledger.read_amounts(shared, prefix, llama))) <= set(CATEGORIES)

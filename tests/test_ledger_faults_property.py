@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
+from costexporter.core.timeutil import to_ms
 from costexporter.services.agent import Agent, AgentConfig
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.sampler import ClockWatch
@@ -79,7 +80,7 @@ def build(n: int, seed: int, stretches: list, crash: tuple | None, faults: dict,
         last = n - 1
         for b in jobs:
             b.events = [
-                dataclasses.replace(e, ts=e.ts - faults["early_rank_s"])
+                dataclasses.replace(e, ts_ms=e.ts_ms - to_ms(faults["early_rank_s"]))
                 if e.type == "register" and e.rank == last
                 else e
                 for e in b.events

@@ -69,7 +69,7 @@ def book_seen(
     if since is not None:  # the band window, as the agent's SampleWindow keeps it
         seen &= keep_from(s.gpu, s.ts_ms, since)
     return book_window(
-        events=[e for e in events if e.ts * 1000 <= now],
+        events=[e for e in events if e.ts_ms <= now],
         cfg=cfg or BookingConfig(),
         profile=profile,
         job_start_ms=start,

@@ -67,7 +67,7 @@ def live_rounds(b: TraceBuilder, rounds_s: float) -> dict:
         now += int(rounds_s * 1000)
         seen = s.ts_ms <= now
         res = book_window(
-            events=[e for e in events if e.ts * 1000 <= now],
+            events=[e for e in events if e.ts_ms <= now],
             cfg=BookingConfig(),
             profile=profiles.B300,
             job_start_ms=start,

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from costexporter.core import profiles
 from costexporter.core.model import Event, GpuId
 from costexporter.core.profiles import ProfileError
+from costexporter.core.timeutil import to_ms
 from costexporter.services.watcher import JobView, WatchConfig, Watcher, _live_bands, _profile, decide
 
 from .conftest import SHARED_URL
@@ -215,17 +216,22 @@ T0 = 1_760_000_000.0
 
 def _view(meta: dict) -> JobView:
     evs = [
-        Event("register", "j", T0, r, f"s{r}", 0, {"host": "h", "gpu": r, "world_size": 4}) for r in range(4)
+        Event("register", "j", to_ms(T0), r, f"s{r}", 0, {"host": "h", "gpu": r, "world_size": 4})
+        for r in range(4)
     ]
-    evs += [Event("run", "j", T0, 0, "s0", 1, {"state": "start"})]
+    evs += [Event("run", "j", to_ms(T0), 0, "s0", 1, {"state": "start"})]
     evs += [
-        Event("step", "j", T0 + s, r, f"s{r}", s + 1, {"step": s}) for s in range(1, 111) for r in range(4)
+        Event("step", "j", to_ms(T0 + s), r, f"s{r}", s + 1, {"step": s})
+        for s in range(1, 111)
+        for r in range(4)
     ]
     evs += [
-        Event("heartbeat", "j", T0 + t, r, f"s{r}", 100 + t, {}) for t in range(0, 200, 10) for r in range(4)
+        Event("heartbeat", "j", to_ms(T0 + t), r, f"s{r}", 100 + t, {})
+        for t in range(0, 200, 10)
+        for r in range(4)
     ]
     v = JobView("j", meta=meta)
-    v.fold(sorted(evs, key=lambda e: e.ts))
+    v.fold(sorted(evs, key=lambda e: e.ts_ms))
     # An H100 job computing at ~600 W, one rank at 58%: under the B300 table (compute >= 850 W)
     # that is starvation with a straggler; an H100 computes there.
     for t in (100, 105, 110):

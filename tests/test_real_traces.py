@@ -56,7 +56,7 @@ def _by_category_and_band(pieces) -> np.ndarray:
 
 SMALL = Scenario.h100(seed=3, compute_s=12.0, checkpoint_s=3.0, checkpoints=2, idle_s=3.0, gap_every_s=10.0)
 SMALL_TRACE = SMALL.build()
-_START = int(min(e.ts for e in SMALL_TRACE.events) * 1000)
+_START = min(e.ts_ms for e in SMALL_TRACE.events)
 # Each GPU's time starts as the agent starts it: at its register, within its samples.
 _MEMBER_START = np.asarray(
     [
@@ -69,9 +69,9 @@ _MEMBER_START = np.asarray(
     ],
     np.int64,
 )
-_END = int(max(e.ts for e in SMALL_TRACE.events) * 1000)
+_END = max(e.ts_ms for e in SMALL_TRACE.events)
 # Where the state changes: rounds just around these are the ones that can go wrong.
-_CHANGES = sorted({int(e.ts * 1000) for e in SMALL_TRACE.events if e.type in ("phase", "run")})
+_CHANGES = sorted({e.ts_ms for e in SMALL_TRACE.events if e.type in ("phase", "run")})
 _round = st.one_of(
     st.integers(_START, _END),
     st.tuples(st.sampled_from(_CHANGES), st.integers(-500, 2500)).map(sum),

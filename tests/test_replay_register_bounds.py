@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from costexporter.core import jobfacts
+from costexporter.core.timeutil import to_ms
 from costexporter.sources.synth import TraceBuilder, write_events_jsonl, write_nvidia_smi_csv
 
 from .conftest import ROOT
@@ -44,7 +45,9 @@ def _replay(cli, tmp_path, events, name: str):
 
 
 def _redate(events, rank: int, ts: float):
-    return [dataclasses.replace(e, ts=ts) if e.type == "register" and e.rank == rank else e for e in events]
+    ms = to_ms(ts)
+    mine = lambda e: e.type == "register" and e.rank == rank  # noqa: E731
+    return [dataclasses.replace(e, ts_ms=ms) if mine(e) else e for e in events]
 
 
 def _hours(rep) -> float:

@@ -8,7 +8,6 @@ read by the real source; a real `costexporter serve` booking MIG pods into the s
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -31,8 +30,9 @@ from costexporter.core.booking import (
 from costexporter.core.buckets import amounts
 from costexporter.core.cost import Prices
 from costexporter.core.model import BANDS, Category, Event
+from costexporter.core.timeutil import to_ms
 from costexporter.sources.dcgm import DcgmSource
-from costexporter.store import keys, ledger
+from costexporter.store import keys, ledger, protocol
 
 from .conftest import SHARED_URL, spawn_cli
 from .redis_server import free_port
@@ -77,7 +77,7 @@ def test_slices_of_a_gpu_add_up_to_its_time_exactly_however_cut(part, start, len
 
 
 def _ev(type_: str, ts: float, rank: int = 0, **fields) -> Event:
-    return Event(type_, "j", ts, rank, "s", int(ts * 1000), dict(fields))
+    return Event(type_, "j", to_ms(ts), rank, "s", int(ts * 1000), dict(fields))
 
 
 @given(
@@ -218,9 +218,9 @@ def _agent_books_by_lanes(shared, prefix, url, host, jobs, *extra) -> None:
         assert "Traceback" not in err, err
         for job, lanes in jobs.items():
             (raw,) = shared.hvals(keys.ranks_key(prefix, job))
-            reg = json.loads(raw)
+            reg = protocol.parse_registration("0", raw)
             wm = ledger.load_watermark(shared, prefix, job, host)["booked_until"]
-            start = np.asarray([int(float(reg["ts"]) * 1000)], np.int64)
+            start = np.asarray([reg.ts_ms], np.int64)
             want = int(shares.gpu_ms(start, np.asarray([wm], np.int64), np.asarray([lanes], np.int64))[0])
             got = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
             # Registration to watermark, weighted by the slice's lanes: to the millisecond.

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.events import MAX_BATCH_STEPS, MAX_STEP, EventError, parse_event, parse_events
+from costexporter.core.timeutil import to_ms
 from costexporter.core.tracefiles import read_events_jsonl
 from costexporter.services.agent import Agent, AgentConfig
 from costexporter.sources.playback import ReplaySource
@@ -182,22 +183,22 @@ calls_st = st.lists(
 
 
 def _post(rep: StepReporter, calls: list) -> list[tuple]:
-    """Post the calls; what the reader must give back, as (type, ts, step or name, tokens)."""
+    """Post the calls; what the reader must give back, as (type, ts_ms, step or name, tokens)."""
     want = []
     for kind, a, dt, tok in calls:
         ts = protocol.ts_text(T0_US + dt)
         if kind == "step":
             rep.step(a, tokens=tok, ts=float(ts))
-            want.append(("step", float(ts), a, tok))
+            want.append(("step", to_ms(float(ts)), a, tok))
         else:
             rep.phase_begin(a, ts=float(ts))
-            want.append(("phase", float(ts), a, None))
+            want.append(("phase", to_ms(float(ts)), a, None))
     return want
 
 
 def _got(evs) -> list[tuple]:
     return [
-        (e.type, e.ts, e.get("step") if e.type == "step" else e.get("name"), e.get("tokens"))
+        (e.type, e.ts_ms, e.get("step") if e.type == "step" else e.get("name"), e.get("tokens"))
         for e in evs
         if e.type in ("step", "phase")
     ]
@@ -291,7 +292,7 @@ def test_export_writes_a_batch_as_its_steps_and_a_file_with_a_batch_line_reads_a
     diag = Diagnostics()
     evs = read_events_jsonl(f, diag)
     assert [e.int_field("step") for e in evs] == list(range(1, 51))
-    assert [e.ts for e in evs] == [float(d["ts"]) for d in out[1:]]
+    assert [e.ts_ms for e in evs] == [to_ms(float(d["ts"])) for d in out[1:]]
     assert diag.counts["bad_steps"] == 1
 
 

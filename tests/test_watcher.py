@@ -25,6 +25,7 @@ from prometheus_client.exposition import generate_latest
 from costexporter.core.booking import BookingConfig
 from costexporter.core.model import Event
 from costexporter.core.terms import PolicyRule
+from costexporter.core.timeutil import to_ms
 from costexporter.services.exporter import watch_registry
 from costexporter.services.watcher import (
     JobView,
@@ -53,7 +54,7 @@ CFG = WatchConfig(
 
 
 def ev(type_: str, ts: float, rank: int = 0, **fields) -> Event:
-    return Event(type_, "j", T0 + ts, rank, f"s{rank}", int(ts * 1000), fields)
+    return Event(type_, "j", to_ms(T0 + ts), rank, f"s{rank}", int(ts * 1000), fields)
 
 
 def registered(n: int = 4) -> list[Event]:
@@ -527,7 +528,7 @@ def test_sim_clock_is_published_for_watchers_of_a_time_compressed_job(prefix):
 
 # ---- issue 17: phases closed by restarts, the right suspect, per-job thresholds ------------------
 def sess(type_: str, ts: float, rank: int, session: str, **fields) -> Event:
-    return Event(type_, "j", T0 + ts, rank, session, int(ts * 1000), fields)
+    return Event(type_, "j", to_ms(T0 + ts), rank, session, int(ts * 1000), fields)
 
 
 def test_a_new_session_of_a_rank_closes_its_old_sessions_phases():

@@ -316,7 +316,7 @@ def _intervals_of_phases(
 
     for ev in events:
         name = ev.str_field("name")
-        t = int(ev.ts * 1000)
+        t = ev.ts_ms
         if ev.get("state") == "begin":
             if name in open_:  # a begin without its end: the first one ends here
                 close(name, open_.pop(name), t)
@@ -348,7 +348,7 @@ def dated_until(events: list[Event], end_ms: int) -> list[Event]:
     dated later may still have earlier events on their way (within the agent's `event_lag_s`);
     deciding with it (a `run end` closing an interval a late step would have split) would book
     differently from an uninterrupted run."""
-    return [e for e in events if e.type == "meta" or int(e.ts * 1000) <= end_ms]
+    return [e for e in events if e.type == "meta" or e.ts_ms <= end_ms]
 
 
 class Segments:
@@ -481,7 +481,7 @@ class _ReferenceWalk(Segments):
 
     def point(self, ev: Event) -> None:
         """One of rank 0's step or run events, in time order."""
-        t = int(ev.ts * 1000)
+        t = ev.ts_ms
         if t < self.anchor:
             t = self.anchor
         if self.ended:
@@ -531,7 +531,7 @@ def build_timeline(
     `decided_until_ms` says where the decided part ends. (Live booking passes only the events
     dated up to `end_ms`: see `dated_until`.)
     """
-    events = sorted(events, key=lambda e: (e.ts, e.seq))
+    events = sorted(events, key=lambda e: (e.ts_ms, e.seq))
     if is_stepless(events):
         return band_timeline(events, cfg, start_ms, end_ms)
     allowances = Allowances(cfg)
@@ -610,7 +610,7 @@ def band_timeline(events: list[Event], cfg: BookingConfig, start_ms: int, end_ms
     for e in events:  # sorted by ts
         if e.type != "run" or e.rank != 0:
             continue
-        t = max(int(e.ts * 1000), start_ms)
+        t = max(e.ts_ms, start_ms)
         state = e.get("state")
         if state == "end" and regime[-1] == Regime.BAND:
             bounds.append(t)

@@ -17,6 +17,7 @@ from typing import Literal, SupportsFloat, SupportsIndex, overload
 import numpy as np
 
 from costexporter.core.model import Event
+from costexporter.core.timeutil import to_ms
 
 PROTOCOL_VERSION = "1"
 # A job's own watcher thresholds, in seconds (or a factor: stall_k), carried in its meta.
@@ -276,7 +277,7 @@ def parse_event(
     extra = entry.keys() - known
     if extra:
         f["_unknown_fields"] = sorted(extra)
-    return Event(etype, ev_job, ts, rank, session, seq, f)
+    return Event(etype, ev_job, to_ms(ts), rank, session, seq, f)
 
 
 def parse_events(
@@ -330,7 +331,7 @@ def parse_events(
         f: dict[str, object] = {"step": s, "tokens": None if k < 0 else k}
         if i == 0 and extra:
             f["_unknown_fields"] = sorted(extra)
-        out.append(Event("step", ev_job, t, rank, session, q, f))
+        out.append(Event("step", ev_job, to_ms(t), rank, session, q, f))
     return out
 
 

@@ -49,6 +49,7 @@ from costexporter.core.booking import (
     stall_threshold_ms,
 )
 from costexporter.core.model import Event
+from costexporter.core.timeutil import to_ms
 
 
 def walk_relevant(ev: Event) -> bool:
@@ -81,7 +82,7 @@ class _Phases:
 
     def add(self, ev: Event) -> None:
         name = ev.str_field("name")
-        t = int(ev.ts * 1000)
+        t = ev.ts_ms
         if ev.get("state") == "begin":
             if name in self.open:
                 self._close(name, self.open.pop(name), t)
@@ -346,7 +347,7 @@ class _Walk(Segments):
         return n
 
     def point(self, ev: Event) -> None:
-        t = int(ev.ts * 1000)
+        t = ev.ts_ms
         if t < self.anchor:
             t = self.anchor
         if self.ended:
@@ -475,7 +476,7 @@ class TimelineFold:
             if ev.type == "meta":
                 self.stepless_declared = True
                 continue
-            if int(ev.ts * 1000) <= (self.frontier if ev.rank == 0 else self.others_frontier):
+            if ev.ts_ms <= (self.frontier if ev.rank == 0 else self.others_frontier):
                 self.late = True
             if ev.type == "step":
                 self.rank0_step = True
@@ -491,11 +492,11 @@ class TimelineFold:
         if frontier_ms <= self.frontier and others_ms <= self.others_frontier:
             return
         frontier_ms, others_ms = max(frontier_ms, self.frontier), max(others_ms, self.others_frontier)
-        self.pending.sort(key=lambda e: (e.ts, e.seq))
+        self.pending.sort(key=lambda e: (e.ts_ms, e.seq))
         w = self.w
         keep: list[Event] = []
         for ev in self.pending:
-            if int(ev.ts * 1000) > (frontier_ms if ev.rank == 0 else others_ms):
+            if ev.ts_ms > (frontier_ms if ev.rank == 0 else others_ms):
                 keep.append(ev)
             elif ev.type == "phase":
                 w.phase(ev)
@@ -511,17 +512,17 @@ class TimelineFold:
         (a late event, or an end before the frontier): rebuild from the stream."""
         if self.late or end_ms < max(self.frontier, self.others_frontier):
             return None
-        self.pending.sort(key=lambda e: (e.ts, e.seq))
+        self.pending.sort(key=lambda e: (e.ts_ms, e.seq))
         # `dated_until`: as build_timeline over `booking.dated_until(events, end_ms)`, what live
         # booking decides with (an event dated after end_ms is not used yet).
-        pending = [e for e in self.pending if int(e.ts * 1000) <= end_ms] if dated_until else self.pending
+        pending = [e for e in self.pending if e.ts_ms <= end_ms] if dated_until else self.pending
         rank0_step = self.rank0_step
         if dated_until:
             rank0_step = self.w.n_steps > 0 or any(e.type == "step" for e in pending)
         if self.stepless_declared and not rank0_step:
-            run0 = sorted(self.run0, key=lambda e: (e.ts, e.seq))
+            run0 = sorted(self.run0, key=lambda e: (e.ts_ms, e.seq))
             if dated_until:
-                run0 = [e for e in run0 if int(e.ts * 1000) <= end_ms]
+                run0 = [e for e in run0 if e.ts_ms <= end_ms]
             return band_timeline(run0, self.cfg, self.start_ms, end_ms)
         w = self.w.clone()
         try:
@@ -608,7 +609,7 @@ def cfg_fingerprint(cfg: BookingConfig) -> str:
 
 
 def _ev_out(e: Event) -> list[object]:
-    return [e.type, e.ts, e.rank, e.session, e.seq, e.fields]
+    return [e.type, e.ts_ms, e.rank, e.session, e.seq, e.fields]
 
 
 def _ev_in(x: list[Any], job: str) -> Event:
@@ -616,7 +617,8 @@ def _ev_in(x: list[Any], job: str) -> Event:
     return Event(
         type=str(t),
         job=job,
-        ts=float(ts),
+        # integer milliseconds; a fold stored before times were milliseconds holds float seconds
+        ts_ms=to_ms(ts) if isinstance(ts, float) else int(ts),
         rank=int(rank),
         session=str(session),
         seq=int(seq),
@@ -680,7 +682,7 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict[str, Any] | None = None)
         "stepless": fold.stepless_declared,
         "rank0_step": fold.rank0_step,
         "folded": fold.folded,
-        "pending": [_ev_out(e) for e in sorted(fold.pending, key=lambda e: (e.ts, e.seq))],
+        "pending": [_ev_out(e) for e in sorted(fold.pending, key=lambda e: (e.ts_ms, e.seq))],
         "run0": [_ev_out(e) for e in fold.run0],
         "allow": _allow_out(w.allow),
         "run_allow": _allow_out(w.run_allow),

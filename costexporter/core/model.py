@@ -171,15 +171,21 @@ class Samples:
 
 @dataclass(slots=True)
 class Event:
-    """One trainer event of protocol v1 (docs/protocol.md), already validated."""
+    """One trainer event of protocol v1 (docs/protocol.md), already validated. Its time is
+    integer Unix milliseconds, rounded once where it was parsed (`timeutil.to_ms`)."""
 
     type: str
     job: str
-    ts: float
+    ts_ms: int
     rank: int
     session: str = ""
     seq: int = -1
     fields: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def ts(self) -> float:
+        """Unix seconds, for what people read (an exported file, the watcher's status)."""
+        return self.ts_ms / 1000
 
     def get(self, key: str, default: object = None) -> object:
         return self.fields.get(key, default)

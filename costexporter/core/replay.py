@@ -113,7 +113,7 @@ def register_matches(
     gpus = list(samples.gpus)
     index = GpuIndex(gpus)
     out: dict[str, dict[int, tuple[int, int]]] = {}
-    for ev in sorted((e for e in events if e.type == "register"), key=lambda e: e.ts):
+    for ev in sorted((e for e in events if e.type == "register"), key=lambda e: e.ts_ms):
         uuid = ev.opt_str_field("gpu_uuid")
         host = str(ev.get("host"))
         number = ev.opt_int_field("gpu")
@@ -124,7 +124,7 @@ def register_matches(
             index.add(g, gpus[g])
         ranks = out.setdefault(ev.job, {})
         if ev.rank not in ranks:  # a re-registration after a restart keeps the first start
-            ranks[ev.rank] = (g, int(ev.ts * 1000))
+            ranks[ev.rank] = (g, ev.ts_ms)
     return gpus, out
 
 
@@ -321,7 +321,7 @@ def _job_facts(jev: list[Event]) -> tuple[dict[str, Any], dict[str, Any] | None]
     """The job's merged meta and its gate result, from its events in time order."""
     meta: dict[str, Any] = {}
     preflight: dict[str, Any] | None = None
-    for e in sorted(jev, key=lambda e: e.ts):
+    for e in sorted(jev, key=lambda e: e.ts_ms):
         if e.type == "meta":
             jobfacts.merge_meta(meta, e)
         elif e.type == "preflight":
@@ -336,7 +336,7 @@ def _job_timeline(
     steps say nothing."""
     if booked_by == "band" and not is_stepless(jev):
         field_, value = STEPLESS_META
-        t_meta = min((e.ts for e in jev), default=start_ms / 1000)
+        t_meta = min((e.ts_ms for e in jev), default=start_ms)
         jev_band = [e for e in jev if e.type != "step"]
         jev_band.append(Event("meta", job, t_meta, 0, "replay", -1, {field_: value}))
         return build_timeline(jev_band, bc, start_ms, end_ms)
@@ -379,7 +379,7 @@ def _book_job(
     profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
     terms = job_terms(job, meta, policy, (t for _, _, t in members), profile=profile)
     bc, start_ms = terms.booking, terms.start_ms
-    ev_end = max((int(e.ts * 1000) for e in jev), default=NEG_INF)
+    ev_end = max((e.ts_ms for e in jev), default=NEG_INF)
     end_ms = int(max(ev_end, layout.last_end[member_gpus].max(initial=NEG_INF), start_ms))
     booked_by = progress_of(jev, cfg.progress)
     timeline = _job_timeline(job, jev, booked_by, bc, start_ms, end_ms)
@@ -411,7 +411,7 @@ def _book_job(
         preflight,
         mem_ivals,
         (int(ts.min()), int(ts.max())) if ts.size else None,
-        (int(min(e.ts for e in jev) * 1000), ev_end) if jev else None,
+        (min(e.ts_ms for e in jev), ev_end) if jev else None,
         source,
         rows,
         member_gpus,

@@ -1,4 +1,5 @@
-"""Time as users write it (pure): the zones a `--tz` names, and UTC times written out.
+"""Time as users write it and as the core counts it (pure): the zones a `--tz` names, UTC times
+written out, and seconds turned into the core's integer milliseconds (`to_ms`: one rule).
 
 The replay report, calibrate's labels and the CLI's times read a zone the same way; the API, the
 watcher's webhook and its Alertmanager alerts write a time the same way (`iso_utc`).
@@ -10,6 +11,8 @@ import datetime as dt
 import math
 import re
 from zoneinfo import ZoneInfo
+
+import numpy as np
 
 
 def tz_zone(tz: str) -> dt.tzinfo:
@@ -67,3 +70,18 @@ def parse_instant(text: str, tz: dt.tzinfo | None = None) -> float:
         return d.timestamp()
     except (ValueError, OverflowError):  # year 1 or 9999 with an offset that leaves the calendar
         raise ValueError(f"{text!r} is not a time this API can use") from None
+
+
+def to_ms(seconds: float) -> int:
+    """Seconds (a Unix time or a duration) as integer milliseconds: the nearest millisecond,
+    ties to even. The one rounding rule at every edge where time enters in seconds (an event's
+    or a registration's `ts`, a sample's time, a trace's column), so an event and a sample at
+    the same instant land on the same millisecond, and a time written with three decimals
+    reads back as the millisecond it was (truncating turns 1076499726.853 s, a float just
+    below, into ...852 ms)."""
+    return round(seconds * 1000)
+
+
+def to_ms_array(seconds: np.ndarray) -> np.ndarray:
+    """`to_ms` over an array (a trace's time column): the same rule, element by element."""
+    return np.rint(np.asarray(seconds, np.float64) * 1000).astype(np.int64)

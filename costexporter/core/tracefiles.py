@@ -35,6 +35,7 @@ from costexporter.core.events import (
     parse_events,
 )
 from costexporter.core.model import Event, GpuId, Samples
+from costexporter.core.timeutil import to_ms
 
 
 def _pc() -> Any:  # pyarrow ships no types: Any at the boundary (pyproject [tool.mypy])
@@ -687,7 +688,7 @@ def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
         cols["gpu"].append(g)
         if d.get("uuid"):
             uuids.setdefault((h, g), str(d["uuid"]))
-        cols["ts"].append(round(ts * 1000))
+        cols["ts"].append(to_ms(ts))
         cols["p"].append(p)
         cols["u"].append(u)
         cols["e"].append(e)
@@ -804,7 +805,7 @@ def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
             if ev.seq >= 0:
                 key: tuple[object, ...] = (ev.job, ev.rank, ev.session, ev.seq)
             else:
-                key = (ev.job, ev.rank, ev.type, ev.ts, ev.get("step"), ev.get("name"), ev.get("state"))
+                key = (ev.job, ev.rank, ev.type, ev.ts_ms, ev.get("step"), ev.get("name"), ev.get("state"))
             if key in seen:
                 diag.counts["duplicate_event"] += 1
                 continue

@@ -39,6 +39,7 @@ from costexporter.core.live import WindowResult, book_window
 from costexporter.core.model import BANDS
 from costexporter.core.profiles import Profile
 from costexporter.core.terms import JobTerms, ignored_meta_note, job_terms
+from costexporter.core.timeutil import to_ms
 from costexporter.services.agent_commit import RoundCommit, round_figures
 from costexporter.services.agent_config import AgentConfig, samples_maxlen
 from costexporter.services.agent_discovery import JobDiscovery
@@ -83,6 +84,12 @@ class _Window:
     ignore: np.ndarray
     now_ms: int
     played: bool  # no later sample will come: the job is booked to its last sample's slice
+
+
+def last_progress_ms(tl: Timeline) -> int:
+    """The job's last progress point: its newest step, else its start (a time that never moves
+    back, unlike a step number after a resume)."""
+    return tl.steps[-1].ts_ms if tl.steps else tl.start_ms
 
 
 class Agent:
@@ -441,7 +448,7 @@ class Agent:
             job.name,
             job.meta,
             self.policy,
-            (int(reg.ts * 1000) for reg in job.ranks.values()),
+            (reg.ts_ms for reg in job.ranks.values()),
             own_start_ms=int(member_start.min()),
             stored_start_ms=job.fold_start,
             profile=profile,
@@ -511,12 +518,12 @@ class Agent:
         reach it (starting at the older sample would bill time before the register)."""
         out: list[int | None] = []
         fixed: dict[int, int] = {}
-        tol_ms = int(self.cfg.clock_skew_warn_s * 1000)
+        tol_ms = to_ms(self.cfg.clock_skew_warn_s)
         final = self._no_more_samples
         for r in own_ranks.tolist():
             if r not in job.state.starts:
                 g = job.own[r]
-                reg = int(job.ranks[r].ts * 1000)
+                reg = job.ranks[r].ts_ms
                 first_seen = self.samples.first_seen
                 observed = first_seen.get(g, min(first_seen.values(), default=reg))
                 start, ahead = jobfacts.gpu_start_ms(
@@ -547,7 +554,7 @@ class Agent:
         res = self._book_window(job, w, tl, member_end)
         self.folds.advance(job, w.now_ms)  # what lies far enough behind, folded for good
         progress = self._publish_round(job, w, res)
-        last_ms = int(progress["last_progress_ts"] * 1000)
+        last_ms = last_progress_ms(res.timeline)
         if res.horizon_ms <= job.booked_until and not res.pieces.dur_ms.size:
             self._live_figures(job, res.timeline, w, last_ms)
             return
@@ -590,7 +597,7 @@ class Agent:
         if played:
             now_ms += bands_mod.sampling_interval_ms(R, T)
         else:  # events still on their way (a sim at --speed; trainers that deliver late)
-            now_ms -= int(max(self.source.event_lag_s, cfg.event_lag_s) * 1000)
+            now_ms -= to_ms(max(self.source.event_lag_s, cfg.event_lag_s))
         return _Window(
             own_ranks=own_ranks,
             member_start=member_start,
@@ -683,7 +690,7 @@ class Agent:
             job_start_ms=w.job_start,
             last_progress_ms=last_ms,
             host=self.host,
-            incident_tol_ms=2 * int(w.terms.booking.grid_s * 1000) + int(cfg.sample_interval_s * 2000),
+            incident_tol_ms=2 * to_ms(w.terms.booking.grid_s) + 2 * to_ms(cfg.sample_interval_s),
         )
         if delta.unreachable_voids:
             self._unreachable_voids(job.name, delta.unreachable_voids)
@@ -734,7 +741,7 @@ class Agent:
         """What the alert rules need at the agent's data time: the last progress point (a
         timestamp that never moves back, unlike a step number after a resume), whether the job
         is inside a declared phase or its startup within the allowance, and its budget."""
-        last = tl.steps[-1].ts_ms if tl.steps else tl.start_ms
+        last = last_progress_ms(tl)
         in_allowance = tl.regime_at(now_ms) == Regime.OVERHEAD
         budget = job.meta.get("budget")
         try:

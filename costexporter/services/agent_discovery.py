@@ -185,7 +185,7 @@ class JobDiscovery:
             old = job.ranks.get(reg.rank)
             if old is not None:  # a restart registers again: the GPU is the job's from the
                 # rank's first registration on (the hash keeps only the newest)
-                reg = dataclasses.replace(reg, ts=min(old.ts, reg.ts))
+                reg = dataclasses.replace(reg, ts_ms=min(old.ts_ms, reg.ts_ms))
             job.ranks[reg.rank] = reg
             if g is not None and reg.rank not in job.own:
                 if self._claim_refused(job, reg, g):
@@ -210,7 +210,7 @@ class JobDiscovery:
                 continue
             for r, g in other.own.items():
                 held = other.ranks.get(r)
-                if g == gpu and held is not None and held.gpu_uuid == uuid_ and held.ts <= reg.ts:
+                if g == gpu and held is not None and held.gpu_uuid == uuid_ and held.ts_ms <= reg.ts_ms:
                     self.refusals.refuse(
                         job.name,
                         "gpu_held",
@@ -247,7 +247,7 @@ class JobDiscovery:
         claims: dict[int, list[tuple[int, str, int]]] = {}
         for j in self.jobs.values():
             for r, g in j.own.items():
-                claims.setdefault(g, []).append((int(j.ranks[r].ts * 1000), j.name, r))
+                claims.setdefault(g, []).append((j.ranks[r].ts_ms, j.name, r))
         for lst in claims.values():
             lst.sort()
             for i, (_t, name, r) in enumerate(lst):

@@ -25,6 +25,7 @@ from costexporter.core.fold import FoldFormatError, TimelineFold, dump_fold, loa
 from costexporter.core.live import JobState
 from costexporter.core.model import Event
 from costexporter.core.terms import JobTerms
+from costexporter.core.timeutil import to_ms
 from costexporter.services.agent_config import AgentConfig
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger, untrusted
@@ -141,7 +142,7 @@ class JobFolds:
             new_events += batch
             job.fresh += [ev for ev in batch if walk_relevant(ev)]
             if batch:
-                job.newest_event_ms = max(job.newest_event_ms, int(max(ev.ts for ev in batch) * 1000))
+                job.newest_event_ms = max(job.newest_event_ms, max(ev.ts_ms for ev in batch))
             if job.reader.last_read < 10_000:
                 break
         for ev in new_events:  # fold meta and the gate's result as they arrive, not every round
@@ -182,13 +183,13 @@ class JobFolds:
     # ---- the timeline -------------------------------------------------------------------------
     def _fold_batch(self, fold: TimelineFold, job: AgentJob, now_ms: int) -> Callable[[list[Event]], None]:
         """Folds a batch read from the stream, as far behind the newest event as a round folds."""
-        lag = int(self.cfg.fold_lag_s * 1000)
+        lag = to_ms(self.cfg.fold_lag_s)
         keep_from = job.oldest_unbooked - self.context_ms - 60_000
 
         def fold_batch(batch: list[Event]) -> None:
             if batch and not fold.late:
                 fold.add(batch)
-                fold.advance(min(now_ms, int(max(e.ts for e in batch) * 1000)) - lag, keep_from)
+                fold.advance(min(now_ms, max(e.ts_ms for e in batch)) - lag, keep_from)
 
         return fold_batch
 
@@ -276,7 +277,7 @@ class JobFolds:
         """Fold for good what lies far enough behind the data time and the events read."""
         if job.fold is not None:
             job.fold.advance(
-                min(now_ms, job.newest_event_ms) - int(self.cfg.fold_lag_s * 1000),
+                min(now_ms, job.newest_event_ms) - to_ms(self.cfg.fold_lag_s),
                 job.oldest_unbooked - self.context_ms - 60_000,
             )
 
@@ -377,7 +378,7 @@ def earlier_register(job: AgentJob, ev: Event) -> None:
     GPU registered earlier dates the rank's start, as replay dates it, while its start is
     not fixed yet."""
     reg = job.ranks.get(ev.rank)
-    if reg is None or ev.ts >= reg.ts or ev.rank in job.state.starts:
+    if reg is None or ev.ts_ms >= reg.ts_ms or ev.rank in job.state.starts:
         return
     uuid_ = ev.get("gpu_uuid")
     same = (
@@ -386,4 +387,4 @@ def earlier_register(job: AgentJob, ev: Event) -> None:
         else (ev.get("host") == reg.host and ev.get("gpu") == reg.gpu)
     )
     if same:
-        job.ranks[ev.rank] = dataclasses.replace(reg, ts=ev.ts)
+        job.ranks[ev.rank] = dataclasses.replace(reg, ts_ms=ev.ts_ms)

@@ -128,7 +128,7 @@ class AgentJob:
         """[start, end) of the job's hold on its rank's GPU, as far as known now."""
         start = self.state.starts.get(rank)
         if start is None:
-            start = max(int(self.ranks[rank].ts * 1000), self.floors.get(rank, 0))
+            start = max(self.ranks[rank].ts_ms, self.floors.get(rank, 0))
         end = min(self.ends.get(rank, POS_INF), self.end_ms if self.end_ms is not None else POS_INF)
         return start, max(start, end)
 

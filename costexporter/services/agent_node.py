@@ -17,6 +17,7 @@ from costexporter.core import bands as bands_mod
 from costexporter.core import profiles, shares
 from costexporter.core.idle import IdleLearner
 from costexporter.core.profiles import Profile
+from costexporter.core.timeutil import to_ms
 from costexporter.services.agent_config import AgentConfig
 from costexporter.sources.base import GpuSource, Reading
 from costexporter.store.keys import gpu_idle_key, node_key
@@ -45,7 +46,7 @@ class LocalSamples:
         n = len(readings)
         chunk = (
             np.fromiter((r.gpu for r in readings), np.int64, n),
-            np.fromiter((round(r.ts * 1000) for r in readings), np.int64, n),
+            np.fromiter((to_ms(r.ts) for r in readings), np.int64, n),
             np.fromiter((r.power_w for r in readings), np.float64, n),
             np.fromiter((r.util_pct for r in readings), np.float64, n),
             np.fromiter((r.energy_mj for r in readings), np.float64, n),

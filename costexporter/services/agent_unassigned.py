@@ -17,6 +17,7 @@ from costexporter.core import bands as bands_mod
 from costexporter.core import buckets
 from costexporter.core.booking import POS_INF, Pieces, _cut_per_gpu, make_slices
 from costexporter.core.model import Category
+from costexporter.core.timeutil import to_ms
 from costexporter.services.agent_config import AgentConfig
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger, untrusted
@@ -100,7 +101,7 @@ class UnassignedBooker:
         if final:
             horizon = int(t.max()) + interval
         else:
-            horizon = int(t.max()) - interval - int(self.cfg.unassigned_hold_s * 1000)
+            horizon = int(t.max()) - interval - to_ms(self.cfg.unassigned_hold_s)
         lo = self.until
         assert lo is not None  # load() set it
         if horizon <= lo:

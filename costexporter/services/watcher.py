@@ -50,7 +50,7 @@ from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
 from costexporter.core.profiles import Profile
 from costexporter.core.terms import JobTerms, Policy, PolicyRule, ignored_meta_note, job_terms
-from costexporter.core.timeutil import iso_utc
+from costexporter.core.timeutil import iso_utc, to_ms
 from costexporter.services.alertmanager import Alertmanager
 from costexporter.services.notify import ALERTING, Status, Webhook
 from costexporter.store import keys, ledger, protocol, untrusted
@@ -115,7 +115,7 @@ class WatchConfig:
 
 @dataclass
 class _Rank:
-    last_seen: float = 0.0  # newest event of any type (heartbeats included)
+    last_seen_ms: int = 0  # newest event of any type (heartbeats included)
     last_step: int | None = None
     open_phases: dict[str, float] = field(default_factory=dict)
     ended: bool = False  # its latest run event is `end`
@@ -205,9 +205,9 @@ class JobView:
         from the stream (counted), never a wrong view."""
         ranks = self.ranks
         r0 = ranks.get(0)
-        rank0 = NEG_INF if r0 is None else int(r0.last_seen * 1000) - SETTLED_MARGIN_MS
-        seen = [r.last_seen for k, r in ranks.items() if k != 0]
-        others = int(min(seen) * 1000) - SETTLED_MARGIN_MS if seen else rank0
+        rank0 = NEG_INF if r0 is None else r0.last_seen_ms - SETTLED_MARGIN_MS
+        seen = [r.last_seen_ms for k, r in ranks.items() if k != 0]
+        others = min(seen) - SETTLED_MARGIN_MS if seen else rank0
         return rank0, others
 
     def last_heard(self, rank: int) -> float:
@@ -215,7 +215,7 @@ class JobView:
         ranks hash is read after the events, so it can name a rank whose register event the
         same poll did not bring: silent since 1970 it is not. A registration counts no later
         than when the watcher read it (a clock ahead must not hide a silence)."""
-        seen = self.ranks.get(rank, _NO_EVENTS).last_seen
+        seen = self.ranks.get(rank, _NO_EVENTS).last_seen_ms / 1000
         ts = self.registrations.get(rank, {}).get("ts")
         read = self.registrations_read.get(rank)
         if type(ts) is not float or read is None:
@@ -225,7 +225,7 @@ class JobView:
     def fold(self, events: list[Event]) -> None:
         ranks = self.ranks
         for ev in events:
-            t = int(ev.ts * 1000)
+            t = ev.ts_ms
             if self.first_ms is None or t < self.first_ms:
                 self.first_ms = t
             if t > self.newest_ms:
@@ -233,8 +233,8 @@ class JobView:
             r = ranks.get(ev.rank)
             if r is None:
                 r = ranks[ev.rank] = _Rank()
-            if ev.ts > r.last_seen:
-                r.last_seen = ev.ts
+            if t > r.last_seen_ms:
+                r.last_seen_ms = t
             if ev.type == "heartbeat" and ev.session == r.session:  # most events: nothing more
                 continue
             if walk_relevant(ev):
@@ -272,7 +272,7 @@ class JobView:
         """The job's terms (`terms.job_terms`, as the agent and replay derive them): its start
         (its registrations, no later than its first event), the operator's booking thresholds
         the ledger books it by, its liveness cadence from its meta."""
-        registered = (int(float(r["ts"]) * 1000) for r in self.registrations.values() if "ts" in r)
+        registered = (to_ms(float(r["ts"])) for r in self.registrations.values() if "ts" in r)
         return job_terms(self.name, self.meta, cfg.policy(), registered, first_event_ms=self.first_ms)
 
     @staticmethod

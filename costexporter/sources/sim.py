@@ -63,12 +63,13 @@ class SimSource(ReplaySource):
         s = b.samples()
         shifted = Samples(s.gpus, s.gpu, s.ts_ms + shift_ms, s.power_w, s.util_pct, s.energy_mj)
         super().__init__(shifted, speed=speed, host=host or "sim", clock=time.monotonic)
+        self.shift_ms = shift_ms
         self.shift_s = shift_ms / 1000
         self._t_wall = start
         # Past the story's end the clock runs at real time: a simulation left running (`demo
         # --forever`) keeps a plausible clock instead of racing days ahead of the wall clock.
         self._story_s = (b.t - b.t0) if len(shifted) else 0.0
-        self._events: list[Event] = sorted(b.events + crash_loop_deaths(b), key=lambda e: (e.ts, e.seq))
+        self._events: list[Event] = sorted(b.events + crash_loop_deaths(b), key=lambda e: (e.ts_ms, e.seq))
         self._redis_url, self._prefix = redis_url, prefix
         self._own_spool = spool_dir is None  # a directory of ours: removed at close()
         self._spool = spool_dir or tempfile.mkdtemp(prefix="costexporter-sim-")
@@ -141,7 +142,7 @@ class SimSource(ReplaySource):
     def _train(self) -> None:
         try:
             for ev in self._events:
-                ts = ev.ts + self.shift_s
+                ts = (ev.ts_ms + self.shift_ms) / 1000  # the reporter takes seconds
                 while self.sim_time() < ts:
                     if self._stop.wait(min(0.02, max((ts - self.sim_time()) / self.speed, 0.001))):
                         return
@@ -268,16 +269,16 @@ def crash_loop_deaths(b: TraceBuilder) -> list[Event]:
     ts_all, idx = np.unique(s.ts_ms, return_inverse=True)
     busy = np.zeros(ts_all.size, bool)
     np.logical_or.at(busy, idx, s.util_pct > 0)
-    idle_ts = ts_all[~busy] / 1000
+    idle_ms = ts_all[~busy]
     last = None  # the newest progress: a step or a run event of rank 0
     out = []
-    for e in sorted(b.events, key=lambda e: (e.ts, e.seq)):
+    for e in sorted(b.events, key=lambda e: (e.ts_ms, e.seq)):
         if e.type == "run" and e.rank == 0 and e.get("state") in ("start", "resume") and last is not None:
-            dead = idle_ts[(idle_ts > last) & (idle_ts < e.ts)]
+            dead = idle_ms[(idle_ms > last) & (idle_ms < e.ts_ms)]
             if dead.size:
-                out.append(Event(DIE, b.job, float(dead[0]), 0, "", -1, {}))
+                out.append(Event(DIE, b.job, int(dead[0]), 0, "", -1, {}))
         if e.type == "step" or (e.type == "run" and e.rank == 0):
-            last = e.ts
+            last = e.ts_ms
     return out
 
 

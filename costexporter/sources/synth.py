@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from costexporter.core.model import Event, GpuId, Samples
+from costexporter.core.timeutil import to_ms, to_ms_array
 
 # (power low, power high, util low, util high) per state, from the B300 table (R2, docs/background.md).
 STATES = {
@@ -83,7 +84,7 @@ class TraceBuilder:
             Event(
                 type,
                 self.job,
-                self.t if ts is None else ts,
+                to_ms(self.t if ts is None else ts),
                 rank,
                 f"s{rank}" if not self._generation else f"s{rank}.{self._generation}",
                 seq,
@@ -184,7 +185,7 @@ class TraceBuilder:
         s = Samples(
             self.gpu_ids(),
             gpu.astype(np.int32),
-            np.round(ts * 1000).astype(np.int64),
+            to_ms_array(ts),
             pw.round(2),
             ut,
             np.full(gpu.size, np.nan),
@@ -207,12 +208,12 @@ def write_events_jsonl(events: list[Event], path: Path) -> Path:
     import json
 
     with path.open("w") as f:
-        for e in sorted(events, key=lambda e: e.ts):
+        for e in sorted(events, key=lambda e: e.ts_ms):
             d = {
                 "v": "1",
                 "type": e.type,
                 "job": e.job,
-                "ts": round(e.ts, 3),
+                "ts": e.ts,
                 "rank": e.rank,
                 "session": e.session,
                 "seq": e.seq,

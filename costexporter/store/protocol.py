@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.core.events import STEPS_TYPE, pack_steps
+from costexporter.core.timeutil import to_ms
 from costexporter.store import untrusted
 
 DEFAULT_PREFIX = "costexporter"
@@ -111,11 +112,16 @@ class RegistrationError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Registration:
     rank: int
-    ts: float  # Unix seconds, finite
+    ts_ms: int  # Unix milliseconds (`timeutil.to_ms` of the entry's seconds)
     host: str | None
     gpu: int | None  # index on the host
     gpu_uuid: str | None
     world_size: int | None
+
+    @property
+    def ts(self) -> float:
+        """Unix seconds, for what people read (the watcher's status)."""
+        return self.ts_ms / 1000
 
 
 def _int_field(entry: dict[str, Any], name: str, hi: int, reason: str) -> int | None:
@@ -169,7 +175,7 @@ def parse_registration(rank_s: str, raw: str) -> Registration:
         raise RegistrationError("bad_host", f"host {untrusted.short(host)} is not a host name")
     if uuid not in (None, "") and not (isinstance(uuid, str) and len(uuid) <= 255):
         raise RegistrationError("bad_gpu_uuid", f"gpu_uuid {untrusted.short(uuid)} is not a GPU UUID")
-    return Registration(rank, float(ts), host, gpu, uuid or None, world)
+    return Registration(rank, to_ms(float(ts)), host, gpu, uuid or None, world)
 
 
 # ---- the live hash (`<prefix>:a:{job}:live:<host>`): rank -> its newest sample, as its agent saw it
@@ -213,7 +219,7 @@ def decode_live(raw: str) -> LiveEntry:
         d = untrusted.loads(raw)
         if not isinstance(d, dict):
             raise TypeError
-        ts_ms, power_w, util_pct = int(float(d["ts"]) * 1000), float(d["power_w"]), float(d["util_pct"])
+        ts_ms, power_w, util_pct = to_ms(float(d["ts"])), float(d["power_w"]), float(d["util_pct"])
     except (ValueError, TypeError, KeyError, OverflowError) as e:
         raise LiveEntryError(f"not a live entry: {type(e).__name__}") from None
     band, gpu, uuid = d.get("band"), d.get("gpu"), d.get("uuid")

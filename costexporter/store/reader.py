@@ -46,8 +46,8 @@ def _text(x: object) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
-def _ts_of(ev: Event) -> float:
-    return ev.ts
+def _ts_of(ev: Event) -> int:
+    return ev.ts_ms
 
 
 def _fields(raw: dict[Any, Any]) -> dict[str, str]:
@@ -120,7 +120,7 @@ class EventReader:
                     continue
                 out.append(one)
                 ev = one
-            d = ev.ts - int(eid.partition("-")[0]) / 1000
+            d = (ev.ts_ms - int(eid.partition("-")[0])) / 1000  # the stream id is ms too
             if d > offsets.get(ev.rank, -math.inf):
                 offsets[ev.rank] = d
         self.clock_offset_s.update(offsets)

@@ -113,12 +113,12 @@ def event_labels(events: list[Event], n: int, ts_ms: np.ndarray) -> np.ndarray:
     """Per sample: 'healthy' inside completed steps (outside phases), 'low' inside completed
     checkpoint phases, '' elsewhere."""
     lab = np.full(n, "", dtype=object)
-    evs = sorted((e for e in events if e.rank == 0), key=lambda e: e.ts)
+    evs = sorted((e for e in events if e.rank == 0), key=lambda e: e.ts_ms)
     phases: list[tuple[int, int]] = []
     open_: dict[str, int] = {}
     for e in events:
         if e.type == "phase":
-            t = int(e.ts * 1000)
+            t = e.ts_ms
             name = str(e.get("name"))
             if e.get("state") == "begin":
                 open_[name] = t
@@ -129,7 +129,7 @@ def event_labels(events: list[Event], n: int, ts_ms: np.ndarray) -> np.ndarray:
                 phases.append((b, t))
     prev = None
     for e in evs:
-        t = int(e.ts * 1000)
+        t = e.ts_ms
         if e.type == "step":
             if prev is not None:
                 lab[(ts_ms >= prev) & (ts_ms < t) & (lab == "")] = HEALTHY

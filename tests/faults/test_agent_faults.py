@@ -134,7 +134,7 @@ def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path
     post_events(shared, prefix, a)
     post_events(shared, prefix, b)
     p = serve(csv, "node0", URL, prefix, 0, speed=50, book_s=0.1)
-    end_b = int(max(e.ts for e in b.events) * 1000)
+    end_b = max(e.ts_ms for e in b.events)
     try:
         wait_booked(shared, prefix, "next", ["node0"], end_b)
         wait_booked(shared, prefix, "crashed", ["node0"], int(b.t0 * 1000))
@@ -344,7 +344,7 @@ def test_11_replay_books_a_gpu_claimed_by_two_ranks_once_and_names_them(cli, tmp
     b = TraceBuilder(n_gpus=2, per_host=2, job="dup", seed=11)
     regs = [e for e in b.events if e.type == "register"]
     b.events = [
-        Event("register", b.job, e.ts, e.rank, e.session, e.seq, {**e.fields, "gpu": 0}) for e in regs
+        Event("register", b.job, e.ts_ms, e.rank, e.session, e.seq, {**e.fields, "gpu": 0}) for e in regs
     ]  # both launchers said host node0, GPU 0 (no NVML to tell the UUID)
     for e in b.events:
         del e.fields["gpu_uuid"]
