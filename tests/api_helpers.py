@@ -24,7 +24,7 @@ from .redis_server import free_port
 
 WINDOW = "2025-07-26T00:00:00Z,2025-07-28T00:00:00Z"
 T0 = 1_753_531_200  # 2025-07-26T12:00:00Z
-PRICE_VERSION = price_version(Prices(), 3.5)
+PRICE_VERSION = price_version(Prices(price_per_gpu_hour=3.5))
 
 
 @contextlib.contextmanager

@@ -22,9 +22,9 @@ from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
-from ..conftest import SHARED_URL
+from ..conftest import SHARED_URL, drop_prefix
 from ..test_agent import offline_ms
-from ..test_ledger_faults_property import HOLD_S, ROUND_S, Run, _cleanup
+from ..test_ledger_faults_property import HOLD_S, ROUND_S, Run
 
 
 def startup_phase_job(name: str) -> TraceBuilder:
@@ -152,7 +152,7 @@ def clean_victim():
         run.run()
         return run.ledger(["a"])
     finally:
-        _cleanup(client, p)
+        drop_prefix(client, p)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
