@@ -374,12 +374,3 @@ def _place(
         return None
     return np.asarray(scored[0][1], np.int64)
 
-
-def warn_notes(
-    notes: list[Note],
-    line_of_slot: Callable[[int], int],
-    warn: Callable[[int, str, str], None],
-) -> None:
-    """Say each note at its first line."""
-    for note in notes:
-        warn(line_of_slot(note.first), note.reason, note.detail)
