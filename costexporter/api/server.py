@@ -47,8 +47,11 @@ class ServerLimits:
     def connection_cap(self) -> tuple[int, int]:
         """The connections allowed at once (as asked, but under the descriptor limit), and the
         listen backlog: asyncio accepts up to that many connections in one go before any of them
-        can be closed, and on a failed accept logs and retries that many times, so it is kept to
-        a quarter of the descriptors left above the cap."""
+        can be closed, and on a failed accept logs and retries that many times. A connection over
+        the cap frees its victim's descriptor only three loop turns after its accept (task,
+        connection_made, the abort's close), and every turn may accept another batch: so the
+        backlog is an eighth of the descriptors left above the cap, four batches in flight
+        leaving half of them for Redis, logs and the listener."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
             soft = 1 << 20
@@ -62,7 +65,7 @@ class ServerLimits:
                 room,
             )
         cap = min(wanted, room)
-        return cap, max(8, min(2048, (soft - cap) // 4))
+        return cap, max(8, min(2048, (soft - cap) // 8))
 
 
 # What the guard did, since the start (read by tests and the periodic log line).
