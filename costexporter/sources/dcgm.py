@@ -250,7 +250,7 @@ class DcgmSource(GpuSource):
     def _scrape(self, url: str) -> str | None:
         try:
             with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:  # the operator's URL
-                return resp.read().decode("utf-8", "replace")
+                return str(resp.read().decode("utf-8", "replace"))
         except (urllib.error.URLError, OSError, ValueError) as e:
             self.scrape_errors += 1
             self.errors[(-1, "scrape_failed")] += 1

@@ -8,6 +8,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 from costexporter.sources.base import GpuSource, Reading
 from costexporter.sources.energy import Anchor, share
@@ -27,7 +28,12 @@ class ClockWatch:
     `offset_s` off the wall clock (exported) until the agent restarts.
     """
 
-    def __init__(self, wall=time.time, mono=time.monotonic, tolerance_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+        tolerance_s: float = 2.0,
+    ) -> None:
         self.wall, self.mono, self.tolerance_s = wall, mono, tolerance_s
         self.offset_s = 0.0
         self.steps: collections.Counter[str] = collections.Counter()  # "forward" / "backward"
@@ -40,7 +46,7 @@ class ClockWatch:
         last, self._last = self._last, (w, m)
         if last is None:
             return None
-        step = (w - last[0]) - (m - last[1])
+        step: float = (w - last[0]) - (m - last[1])
         if abs(step) <= self.tolerance_s:
             return None
         self.offset_s += step

@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
 _installed = False
@@ -178,11 +178,13 @@ def install() -> None:
     prev_thread_hook = threading.excepthook
     prev_os_exit = os._exit
 
-    def excepthook(exc_type, exc, tb):
+    def excepthook(
+        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
         note_crash(f"uncaught {exc_type.__name__}")
         prev_hook(exc_type, exc, tb)
 
-    def thread_excepthook(args):
+    def thread_excepthook(args: threading.ExceptHookArgs) -> None:
         if not issubclass(args.exc_type, SystemExit):  # SystemExit ends only its thread, silently
             name = args.thread.name if args.thread is not None else "?"
             note_crash(f"uncaught {args.exc_type.__name__} in thread {name}")

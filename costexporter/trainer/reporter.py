@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -154,7 +155,7 @@ def locate_gpu(local_rank: int) -> GpuGuess:
             pynvml.nvmlShutdown()
 
 
-def _nvml_handle(pynvml, entry: str):
+def _nvml_handle(pynvml: Any, entry: str) -> Any:
     """NVML's handle of an index, a UUID (full or a unique prefix) or a MIG device UUID."""
     if entry.isdigit():
         return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
@@ -226,7 +227,7 @@ def _tell_gpu(rank: int, host: str, index: int, guess: GpuGuess) -> None:
 
 # A queued event: (type, ts, seq, fields), a step (type, ts, seq, step, tokens): no dict built
 # on the trainer's thread. Encoded on the sender's.
-_Event = tuple
+_Event = tuple[Any, ...]
 
 
 _TS, _STEP, _TOKENS = operator.itemgetter(1), operator.itemgetter(3), operator.itemgetter(4)
@@ -283,7 +284,7 @@ class StepReporter:
         gpu_index: int | None = None,
         prefix: str | None = None,
         resume_from: int | None = None,
-        meta: dict | None = None,
+        meta: dict[str, Any] | None = None,
         heartbeat_s: float = 10.0,
         flush_interval_s: float = 0.5,
         batch_size: int = 2000,
@@ -376,7 +377,7 @@ class StepReporter:
         exitstatus.install()
         exitstatus.on_hard_exit(_close_all)
         # The register, and the meta as merged so far: posted again if Redis loses them.
-        self._registration: tuple[float, dict] = (
+        self._registration: tuple[float, dict[str, Any]] = (
             self._ts(started_at),
             {
                 "host": self.host,
@@ -674,7 +675,7 @@ class StepReporter:
                     self._bad_files.add(path)
                     log.exception("costexporter: cannot send spool %s; leaving it", path)
 
-    def _send_file(self, f, head: dict) -> bool:
+    def _send_file(self, f: TextIO, head: dict[str, Any]) -> bool:
         """Send a claimed file's events; on any stop, keep what is unsent in it. True: all sent."""
         remaining, skipped = spool.entries_of(f)
         total = len(remaining)
@@ -914,7 +915,7 @@ class Delivery:
 
 
 def send_entries(
-    client, prefix: str, job: str, entries: list[dict[str, str]], *, raise_on_error: bool = True
+    client: Any, prefix: str, job: str, entries: list[dict[str, str]], *, raise_on_error: bool = True
 ) -> Delivery:
     """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta`, the jobs index and, with
     a register, the registrations counter.
@@ -981,7 +982,7 @@ def _close_all() -> None:
         _close_at_exit(weakref.ref(rep))
 
 
-def _close_at_exit(ref: weakref.ref) -> None:
+def _close_at_exit(ref: weakref.ref[StepReporter]) -> None:
     rep = ref()
     if rep is not None:
         try:

@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, TextIO, cast
 from urllib.parse import urlsplit
 
 log = logging.getLogger("costexporter.client")
@@ -56,7 +57,7 @@ def _encode(entry: dict[str, str]) -> str:
     return json.dumps(entry, separators=(",", ":")) + "\n"
 
 
-def _write(f, text: str) -> None:
+def _write(f: TextIO, text: str) -> None:
     """Write at the file's end with the OS call itself, never through Python's buffer: a write
     the disk refuses (full, read-only) raises here, and leaves nothing buffered for a later write
     or close() to fail on again."""
@@ -74,7 +75,7 @@ class SpoolFile:
     def __init__(self, path: Path, dest: str, prefix: str) -> None:
         self.path = path
         self._header = header(dest, prefix)
-        self._f = None
+        self._f: TextIO | None = None
         self.lines = 0  # entries in the file now (the header not counted)
 
     def append(self, entries: list[dict[str, str]]) -> None:
@@ -108,7 +109,7 @@ class SpoolFile:
         self._f.close()  # releases the flock
         self._f = None
 
-    def _open(self):
+    def _open(self) -> TextIO:
         while self._f is None:
             f = _open_spool(self.path, "a+")  # held open (and locked) for the reporter's life
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -128,13 +129,13 @@ class SpoolFile:
         return self._f
 
 
-def _open_spool(path: Path, mode: str):
+def _open_spool(path: Path, mode: str) -> TextIO:
     """A spool file as text. Bytes that are not UTF-8 (a torn write, a disk error) read as
     surrogates instead of failing the whole file: `_lines` tells the lines that hold them."""
-    return open(path, mode, encoding="utf-8", errors="surrogateescape")
+    return cast(TextIO, open(path, mode, encoding="utf-8", errors="surrogateescape"))
 
 
-def _lines(f) -> Iterator[dict[str, str] | None]:
+def _lines(f: TextIO) -> Iterator[dict[str, str] | None]:
     """Each line of a spool file as its event, or None for a line that is not one (torn,
     corrupted, not UTF-8: the reporter writes only UTF-8 JSON, and no blank line)."""
     for i, line in enumerate(f):
@@ -148,7 +149,7 @@ def _lines(f) -> Iterator[dict[str, str] | None]:
         yield {str(k): str(v) for k, v in d.items()} if isinstance(d, dict) and d.get("job") else None
 
 
-def read_header(f) -> dict | None:
+def read_header(f: TextIO) -> dict[str, Any] | None:
     f.seek(0)
     first = f.readline()
     try:
@@ -160,7 +161,7 @@ def read_header(f) -> dict | None:
 
 
 @contextlib.contextmanager
-def claim(path: Path) -> Iterator[object | None]:
+def claim(path: Path) -> Iterator[TextIO | None]:
     """The file, opened and exclusively locked, or None when its writer (or another sender) holds
     it, or it is already gone. Unlinking it while claimed is safe: a waiting claimant sees it gone."""
     try:
@@ -183,7 +184,7 @@ def others(spool_dir: Path, prefix: str, skip: Path | None) -> list[Path]:
     return [p for p in sorted(spool_dir.glob(f"{safe_name(prefix)}.*.jsonl")) if p != skip]
 
 
-def mismatch(path: Path, head: dict | None, dest: str, prefix: str) -> str | None:
+def mismatch(path: Path, head: dict[str, Any] | None, dest: str, prefix: str) -> str | None:
     """Why this reporter must not send the file (None: it may), logged once per file."""
     if head is None:
         why = "it records no destination (written by an older version)"
@@ -205,7 +206,7 @@ def mismatch(path: Path, head: dict | None, dest: str, prefix: str) -> str | Non
     return why
 
 
-def entries_of(f) -> tuple[list[dict[str, str]], int]:
+def entries_of(f: TextIO) -> tuple[list[dict[str, str]], int]:
     """A spool file's events, and how many of its lines were not one (skipped)."""
     f.seek(0)
     lines = list(_lines(f))
@@ -213,7 +214,7 @@ def entries_of(f) -> tuple[list[dict[str, str]], int]:
     return events, len(lines) - len(events)
 
 
-def rewrite(f, head: dict, entries: list[dict[str, str]]) -> None:
+def rewrite(f: TextIO, head: dict[str, Any], entries: list[dict[str, str]]) -> None:
     f.seek(0)  # (also drops what the text layer had read ahead)
     os.ftruncate(f.fileno(), 0)
     _write(f, _encode(head) + "".join(_encode(e) for e in entries))
