@@ -20,10 +20,10 @@ from costexporter.core.model import Event
 from costexporter.core.timeutil import to_ms
 
 PROTOCOL_VERSION = "1"
-# A job's own watcher thresholds, in seconds (or a factor: stall_k), carried in its meta.
-META_THRESHOLDS = (
-    "heartbeat_timeout_s",
-    "heartbeat_interval_s",
+# Thresholds a meta event may carry, in seconds (or a factor: stall_k), validated as numbers.
+# Those that move GPU time between categories are operator policy (`terms` ignores them in a
+# job's meta); the liveness cadence is the job's own.
+POLICY_THRESHOLDS = (
     "stall_floor_s",
     "stall_k",
     "checkpoint_allowance_s",
@@ -31,6 +31,8 @@ META_THRESHOLDS = (
     "startup_allowance_s",
     "phase_allowance_s",
 )
+LIVENESS_TERMS = ("heartbeat_timeout_s", "heartbeat_interval_s")
+META_THRESHOLDS = (*LIVENESS_TERMS, *POLICY_THRESHOLDS)
 EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta", "preflight"})
 # A batched entry: a run of steps of one session with consecutive seqs (`parse_events` expands it).
 STEPS_TYPE = "steps"
@@ -210,6 +212,17 @@ def _checked_base(entry: Mapping[str, object], job: str | None, limit: float, st
     return etype, ev_job, ts, rank, session, -1 if seq is None else seq
 
 
+def _versioned_base(entry: Mapping[str, object], job: str | None, limit: float, strict_ids: bool) -> _Base:
+    """The protocol version checked, then the base fields (one entry or a batch of steps);
+    `limit`: the latest time accepted (now + FUTURE_SLACK_S)."""
+    v = entry.get("v")
+    if v is None and strict_ids:
+        raise EventError("missing_field", "'v' is required")
+    if v is not None and str(v) != PROTOCOL_VERSION:
+        raise EventError("bad_version", f"protocol version {v!r} is not supported (want '1')")
+    return _text_base(entry, job, limit) or _checked_base(entry, job, limit, strict_ids)
+
+
 def parse_event(
     entry: Entry, *, job: str | None = None, now: float | None = None, strict_ids: bool = False
 ) -> Event:
@@ -219,14 +232,8 @@ def parse_event(
     """
     if not isinstance(entry, dict):
         raise EventError("not_an_object", "an event is a flat object of fields")
-    v = entry.get("v")
-    if v is None and strict_ids:
-        raise EventError("missing_field", "'v' is required")
-    if v is not None and str(v) != PROTOCOL_VERSION:
-        raise EventError("bad_version", f"protocol version {v!r} is not supported (want '1')")
     limit = (time.time() if now is None else now) + FUTURE_SLACK_S
-    base = _text_base(entry, job, limit) or _checked_base(entry, job, limit, strict_ids)
-    etype, ev_job, ts, rank, session, seq = base
+    etype, ev_job, ts, rank, session, seq = _versioned_base(entry, job, limit, strict_ids)
 
     f: dict[str, object] = {}
     if etype == STEPS_TYPE:
@@ -288,15 +295,8 @@ def parse_events(
     A bad `steps` entry is refused whole (EventError), never in part."""
     if not isinstance(entry, dict) or entry.get("type") != STEPS_TYPE:
         return [parse_event(entry, job=job, now=now, strict_ids=strict_ids)]
-    v = entry.get("v")
-    if v is None and strict_ids:
-        raise EventError("missing_field", "'v' is required")
-    if v is not None and str(v) != PROTOCOL_VERSION:
-        raise EventError("bad_version", f"protocol version {v!r} is not supported (want '1')")
     limit = (time.time() if now is None else now) + FUTURE_SLACK_S
-    _etype, ev_job, ts, rank, session, seq = _text_base(entry, job, limit) or _checked_base(
-        entry, job, limit, strict_ids
-    )
+    _etype, ev_job, ts, rank, session, seq = _versioned_base(entry, job, limit, strict_ids)
     fmt = entry.get("fmt")
     if str(fmt) not in STEPS_FORMATS:
         raise EventError(

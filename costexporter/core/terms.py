@@ -28,19 +28,9 @@ from typing import Any
 from costexporter.core import jobfacts
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import Prices
+from costexporter.core.events import POLICY_THRESHOLDS
 from costexporter.core.profiles import Profile
 
-# Thresholds that move GPU time between categories: operator policy, never a job's meta.
-POLICY_THRESHOLDS = (
-    "stall_floor_s",
-    "stall_k",
-    "checkpoint_allowance_s",
-    "eval_allowance_s",
-    "startup_allowance_s",
-    "phase_allowance_s",
-)
-# The liveness cadence a job may set for itself in its meta (the watcher's crash rule).
-LIVENESS_TERMS = ("heartbeat_timeout_s", "heartbeat_interval_s")
 _MAX_SECONDS = 1e9
 
 
