@@ -37,6 +37,7 @@ class CostExporterCallback(TrainerCallback):
         self._kwargs = reporter_kwargs
         self._first_step = True
         self._tokens_seen = 0
+        self._rank0 = True
         self._eval_open = False
         self._ckpt_open = False
 
@@ -54,20 +55,21 @@ class CostExporterCallback(TrainerCallback):
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
 
     def on_step_end(self, args, state, control, **kwargs):
+        # The hot path (once an optimizer step): attribute reads and one queue append; the
+        # reporter converts what is not already an int.
         rep = self.reporter
         if rep is None:
             return
-        step = int(state.global_step)
-        if self._first_step and step > 1:
-            rep.resume(step - 1)  # resumed from a checkpoint
-        self._first_step = False
-        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-        tokens = (
-            seen - self._tokens_seen if seen > self._tokens_seen and state.is_world_process_zero else None
-        )
-        self._tokens_seen = seen
-        rep.step(step, tokens=tokens)
-        if control.should_evaluate or control.should_save:  # (the hot path: no call otherwise)
+        step = state.global_step
+        if self._first_step:
+            self._first_step = False
+            self._rank0 = state.is_world_process_zero
+            if step > 1:
+                rep.resume(step - 1)  # resumed from a checkpoint
+        seen = getattr(state, "num_input_tokens_seen", 0) or 0
+        prev, self._tokens_seen = self._tokens_seen, seen
+        rep.step(step, seen - prev if seen > prev and self._rank0 else None)
+        if control.should_evaluate or control.should_save:  # (no call otherwise)
             self._open_phase(control)
 
     def on_epoch_end(self, args, state, control, **kwargs):

@@ -47,6 +47,7 @@ class CostExporterLightningCallback(Callback):
         self._tokens_per_batch = tokens_per_batch
         self._last_step = -1
         self._tokens = 0
+        self._rank0 = True
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.reporter is None:
@@ -73,18 +74,22 @@ class CostExporterLightningCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # The checkpoint of `fit(ckpt_path=...)` is restored by now (not yet at on_fit_start).
+        self._rank0 = trainer.global_rank == 0
         self._last_step = int(trainer.global_step)
         self._tokens = 0
         if self._last_step > 0 and self.reporter is not None:
             self.reporter.resume(self._last_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # The hot path (once a micro-batch): no call unless an optimizer step completed.
         if self._tokens_per_batch is not None:
             self._tokens += int(self._tokens_per_batch(batch))
-        step = int(trainer.global_step)
-        if step != self._last_step and self.reporter is not None:  # an optimizer step completed
-            tokens = self._tokens if (self._tokens and trainer.global_rank == 0) else None
-            self.reporter.step(step, tokens=tokens)
+        step = trainer.global_step
+        if step != self._last_step and self.reporter is not None:
+            if self._tokens and self._rank0:
+                self.reporter.step(step, self._tokens)
+            else:
+                self.reporter.step(step)
             self._tokens = 0
             self._last_step = step
 
