@@ -39,8 +39,9 @@ BURST_BLOCKS = 6
 # placement must be than the next (in units of a typical step of a GPU's own readings).
 COMPARE_INSTANTS = 3
 PLACE_MARGIN = 1.5
+REFINE_BLOCKS = 6  # how many blocks a boundary may move by the readings (as BURST_BLOCKS)
 POWER_STEP_W, POWER_STEP_SHARE = 15.0, 0.05  # a GPU's power moves about this much per instant
-MEMORY_STEP_MIB, MEMORY_STEP_SHARE = 4.0, 0.002  # ... and its memory.used this much
+MEMORY_STEP_MIB, MEMORY_STEP_SHARE = 4.0, 0.0002  # ... and its memory.used this much
 MAX_TERM = 8.0  # one reading's mismatch counts at most this much
 
 
@@ -72,9 +73,9 @@ def number_lines(
     sv, tv = slot[valid], ts_ms[valid]
     if sv.size == 0:
         return gpu, notes
-    starts = _instant_starts(sv, tv)
+    starts, hints = _instant_starts(sv, tv)
     n_gpus = _usual_block(starts, n_slots)
-    segments = _segments(starts, n_gpus, n_slots)
+    segments = _segments(starts, n_gpus, n_slots, hints)
     if len(segments) == 1 and segments[0][2] == n_gpus and n_slots % n_gpus == 0:
         return np.arange(n_slots) % n_gpus, notes  # the usual file: counting is right throughout
     p = np.full(n_slots, np.nan)
@@ -85,13 +86,9 @@ def number_lines(
     if mem is not None:
         m[slot] = mem
     # Each segment: lines [a, b) of blocks of n lines, and where its last block ends short.
-    mapping: list[np.ndarray | None] = []
-    for k, (a, b, n) in enumerate(segments):
-        if n == n_gpus:
-            mapping.append(np.arange(n_gpus))
-            continue
-        prev = _block_before(segments, mapping, k, a)
-        mapping.append(_choose_mapping(a, b, n, n_gpus, p, m, prev))
+    mapping = _mappings(segments, n_gpus, p, m)
+    if _refine(segments, mapping, n_gpus, p, m):
+        mapping = _mappings(segments, n_gpus, p, m)
     for k, (a, b, n) in enumerate(segments):
         full_end = a + (b - a) // n * n
         mp = mapping[k]
@@ -150,20 +147,20 @@ def number_lines(
     return gpu, notes
 
 
-def _instant_starts(slot: np.ndarray, t: np.ndarray) -> np.ndarray:
+def _instant_starts(slot: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Slots where an instant begins, by the stamps: after most of a sampling interval without a
     line (an early-stamped GPU 0 line sits 50-80 ms before the rest of its instant, not one
-    interval)."""
+    interval); and the slots after a shorter pause (the rest of an instant whose GPU 0 line was
+    stamped early: its start is hidden one line before)."""
     new = np.ones(t.size, bool)
     new[1:] = np.abs(np.diff(t)) > INSTANT_TOLERANCE_MS
     group_start = np.flatnonzero(new)
     if group_start.size < 2:
-        return slot[group_start]
+        return slot[group_start], slot[:0]
     interval = float(np.median(np.diff(t[group_start])))
     gap_before = t[group_start[1:]] - t[group_start[1:] - 1]
     begins = np.concatenate([[True], gap_before >= SPLIT_GAP_SHARE * interval])
-    out: np.ndarray = slot[group_start[begins]]
-    return out
+    return slot[group_start[begins]], slot[group_start[~begins]]
 
 
 def _usual_block(starts: np.ndarray, n_slots: int) -> int:
@@ -173,10 +170,14 @@ def _usual_block(starts: np.ndarray, n_slots: int) -> int:
     return max(int(counts.size - 1 - np.argmax(counts[::-1])), 1)
 
 
-def _segments(starts: np.ndarray, n_gpus: int, n_slots: int) -> list[tuple[int, int, int]]:
+def _segments(
+    starts: np.ndarray, n_gpus: int, n_slots: int, hints: np.ndarray | None = None
+) -> list[tuple[int, int, int]]:
     """Stretches [a, b) counted in blocks of n lines from a: a new one begins where instants keep
     beginning off the count (lines lost, or a GPU not answering: then n is the new usual block).
-    nvidia-smi begins a file with an instant's first GPU."""
+    nvidia-smi begins a file with an instant's first GPU. `hints`: slots one line after an
+    instant start the stamps hide (an early-stamped GPU 0 line)."""
+    hidden = np.union1d(starts, hints - 1) if hints is not None and hints.size else starts
     out: list[tuple[int, int, int]] = []
     a, n, i = 0, n_gpus, 0
     if starts[-1] < n_slots:  # the file's end is where the next instant would begin
@@ -220,8 +221,13 @@ def _segments(starts: np.ndarray, n_gpus: int, n_slots: int) -> list[tuple[int, 
                 seen = after[after > c]
                 on_count = int((((seen - c) % size) == 0).sum())
                 # Starts off the count speak against it, and so do instants it expects where no
-                # start shows (a smaller block always fits more starts).
-                unseen = max((int(seen[-1]) - c) // size - on_count, 0) if seen.size else 0
+                # start shows, not even one hidden by an early-stamped GPU 0 line (a smaller
+                # block always fits more starts).
+                unseen = 0
+                if seen.size:
+                    expect = np.arange(c + size, int(seen[-1]) + 1, size)
+                    at = np.minimum(np.searchsorted(hidden, expect), hidden.size - 1)
+                    unseen = int((hidden[at] != expect).sum())
                 score = (
                     on_count - (seen.size - on_count) - unseen + 3 * (size == n)
                 )  # inertia: keep the block size
@@ -236,16 +242,95 @@ def _segments(starts: np.ndarray, n_gpus: int, n_slots: int) -> list[tuple[int, 
     return [s for s in out if s[1] > s[0]]
 
 
+def _mappings(
+    segments: list[tuple[int, int, int]], n_gpus: int, p: np.ndarray, m: np.ndarray
+) -> list[np.ndarray | None]:
+    """Each segment's GPUs, in order (None: the readings do not tell which GPU is missing)."""
+    mapping: list[np.ndarray | None] = []
+    for k, (a, b, n) in enumerate(segments):
+        if n == n_gpus:
+            mapping.append(np.arange(n_gpus))
+            continue
+        prev = _block_before(segments, mapping, k, a)
+        mapping.append(_choose_mapping(a, b, n, n_gpus, p, m, prev))
+    return mapping
+
+
+def _refine(
+    segments: list[tuple[int, int, int]],
+    mapping: list[np.ndarray | None],
+    n_gpus: int,
+    p: np.ndarray,
+    m: np.ndarray,
+) -> bool:
+    """Move each boundary between two placed segments by whole blocks of the later one where the
+    readings say so: the stamps put it within a few blocks (an early-stamped GPU 0 line or a
+    burst hides an instant's start), and each GPU's memory.used and power continue across the
+    true boundary only. Whether any moved."""
+    moved = False
+    for k in range(len(segments) - 1):
+        (a1, _, n1), (b, c, n2) = segments[k], segments[k + 1]
+        mp1, mp2 = mapping[k], mapping[k + 1]
+        if mp1 is None or mp2 is None or (n1 == n2 and (mp1 == mp2).all()):
+            continue
+        j_lo = min(REFINE_BLOCKS, (b - a1) // n2 - 1)  # keep a block of each side as reference
+        j_hi = min(REFINE_BLOCKS, (c - b) // n2 - 2)
+        lo, hi = b - j_lo * n2 - n1, b + (j_hi + 1) * n2
+        ref_blk = a1 + ((lo - a1) // n1 - 1) * n1
+        if j_lo < 0 or j_hi < 0 or ref_blk < a1 or hi + n2 > c:
+            continue
+        refs = np.full((2, n_gpus, 2), np.nan)
+        refs[0, mp1, 0], refs[0, mp1, 1] = p[ref_blk : ref_blk + n1], m[ref_blk : ref_blk + n1]
+        refs[1, mp2, 0], refs[1, mp2, 1] = p[hi : hi + n2], m[hi : hi + n2]
+        scored = []
+        for j in range(-j_lo, j_hi + 1):
+            x = b + j * n2
+            full_end = a1 + (x - a1) // n1 * n1
+            cost = 0.0
+            if full_end > lo:
+                ls = np.arange(lo, full_end)
+                cost += _cost2(ls, mp1[(ls - a1) % n1], p, m, refs)
+            if x > full_end:  # a short instant: the GPUs it continues best
+                ls = np.arange(max(full_end, lo), x)
+                best = min(
+                    (
+                        _cost2(ls, np.asarray(ch), p, m, refs)
+                        for ch in itertools.combinations(range(n_gpus), ls.size)
+                    ),
+                    default=0.0,
+                )
+                cost += best
+            ls = np.arange(x, hi)
+            cost += _cost2(ls, mp2[(ls - x) % n2], p, m, refs)
+            scored.append((cost, x))
+        scored.sort()
+        here = next(cost for cost, x in scored if x == b)
+        if scored[0][1] != b and here - scored[0][0] >= PLACE_MARGIN:
+            x = scored[0][1]
+            segments[k], segments[k + 1] = (a1, x, n1), (x, c, n2)
+            moved = True
+    return moved
+
+
+def _cost2(lines: np.ndarray, gpus: np.ndarray, p: np.ndarray, m: np.ndarray, refs: np.ndarray) -> float:
+    """How badly lines continue their GPUs' readings before and after (the mean where both are
+    known)."""
+    c = [_cost(lines, gpus, p, m, r) for r in refs]
+    c = [x for x in c if x == x]
+    return sum(c) / len(c) if c else MAX_TERM * lines.size
+
+
 def _block_before(
     segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None], k: int, a: int
 ) -> tuple[int, int, np.ndarray] | None:
-    """The last full block before slot `a` whose GPUs are known: (first slot, size, GPUs)."""
+    """A full block before slot `a` whose GPUs are known: (first slot, size, GPUs); a few blocks
+    back where there are (the stamps may have put the boundary a few blocks late)."""
     for j in range(k - 1, -1, -1):
         a0, b0, n0 = segments[j]
         mp = mapping[j]
         full = (b0 - a0) // n0
         if mp is not None and full:
-            return a0 + (full - 1) * n0, n0, mp
+            return a0 + (full - 1 - min(full - 1, REFINE_BLOCKS)) * n0, n0, mp
     return None
 
 
@@ -373,4 +458,3 @@ def _place(
     if len(scored) > 1 and scored[1][0] - scored[0][0] < PLACE_MARGIN:
         return None
     return np.asarray(scored[0][1], np.int64)
-
