@@ -48,6 +48,46 @@ def test_the_watchers_alerts_carry_their_source():
     assert c["labels"]["cluster"] == "east"
 
 
+@pytest.mark.parametrize("base", [None, "https://wiki.example.com/ml/alerts"])
+def test_the_watchers_alerts_link_their_runbook_as_the_rules_do(base, prefix):
+    """Every alert the watcher posts (to Alertmanager, and as its webhook's firing alerts) carries
+    a `runbook_url` built by the rules' rule: the alerts page (the project's, or the one
+    `watch --runbook-url` names) at the alert's name in lower case."""
+    from costexporter.services.notify import ALERTING, RUNBOOKS, WATCHER_ALERTS
+    from costexporter.services.watcher import WatchConfig, notification
+    from costexporter.tools.rules import runbook_url
+
+    cfg = WatchConfig(
+        redis_url=SHARED_URL,
+        prefix=prefix,
+        alertmanager_url=f"http://127.0.0.1:{free_port()}",
+        webhook_retries=0,
+        webhook_timeout_s=0.2,
+        **({} if base is None else {"runbooks": base}),
+    )
+    page = base or RUNBOOKS
+    w = Watcher(cfg)
+    try:
+        assert isinstance(w.alertmanager, Alertmanager)
+        posted = w.alertmanager.update({f"j-{s}": Status(s, "why", T0, T0) for s in sorted(ALERTING)})
+    finally:
+        w.stop()
+    assert {a["labels"]["alertname"] for a in posted} == set(WATCHER_ALERTS) and len(WATCHER_ALERTS) == 4
+    for a in posted:
+        assert a["annotations"]["runbook_url"] == runbook_url(a["labels"]["alertname"], page)
+    hooks = [notification("j", None, Status(s, "why", T0, T0), T0, "p", page)["alerts"][0] for s in ALERTING]
+    assert len(hooks) == 4
+    for a in hooks:
+        assert a["annotations"]["runbook_url"] == f"{page}#{a['labels']['alertname'].lower()}"
+
+
+def test_watch_refuses_a_runbook_url_it_cannot_link(cli):
+    """`watch --runbook-url` takes what `rules --runbook-url` takes: an http(s) URL without a '#'."""
+    for bad in ("wiki/alerts", "https://wiki.example.com/alerts#top"):
+        r = cli("watch", "--once", "--runbook-url", bad)
+        assert r.returncode == 2 and "--runbook-url" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_failed_alertmanager_posts_are_counted_and_exported(prefix):
     """Alertmanager down (nothing listens): every post fails after its retries and the watcher's
     /metrics says so, by outcome."""

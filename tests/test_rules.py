@@ -585,22 +585,28 @@ def test_set_takes_each_field_of_its_own_type(cli):
     assert good.returncode == 0 and "0.25" in good.stdout and "0.15" not in good.stdout
 
 
-def test_every_alert_links_its_section_of_the_runbooks_page():
-    """Each alert's runbook_url names a section docs/runbooks.md has (GitHub's anchor of its
-    heading), and the page has no section for an alert that does not exist."""
+def test_every_alert_links_its_section_of_the_alerts_page():
+    """Each alert's runbook_url names a section docs/alerts.md has (GitHub's anchor of its
+    heading), the rules' alerts and every alert the watcher posts itself (JobHung, JobCrashed,
+    JobStarving, JobUnknown), and the page has no section for an alert that does not exist."""
     import re
 
+    from costexporter.services.alertmanager import postable
+    from costexporter.services.notify import ALERTING, WATCHER_ALERTS, Status
     from costexporter.tools.rules import RUNBOOKS, rules
 
-    page = (ROOT / "docs" / "runbooks.md").read_text()
+    page = (ROOT / "docs" / "alerts.md").read_text()
     anchors = {h.strip().lower() for h in re.findall(r"^## (.+)$", page, flags=re.M)}
     alerts = [r for g in rules(RuleWindows())["groups"] for r in g["rules"] if "alert" in r]
-    assert alerts
-    for r in alerts:
-        url = r["annotations"]["runbook_url"]
+    watched = [postable("j", Status(s, "why", 0.0, 0.0), 0.0, 60.0) for s in sorted(ALERTING)]
+    assert alerts and len(watched) == len(ALERTING) == 4
+    assert {a["labels"]["alertname"] for a in watched} == set(WATCHER_ALERTS)
+    linked = [(r["alert"], r["annotations"]["runbook_url"]) for r in alerts]
+    linked += [(a["labels"]["alertname"], a["annotations"]["runbook_url"]) for a in watched]
+    for name, url in linked:
         base, _, anchor = url.partition("#")
-        assert base == RUNBOOKS and anchor == r["alert"].lower() and anchor in anchors, url
-    assert anchors == {r["alert"].lower() for r in alerts}
+        assert base == RUNBOOKS and anchor == name.lower() and anchor in anchors, url
+    assert anchors == {name.lower() for name, _ in linked}
 
 
 def test_runbook_url_option_links_every_alert_to_your_own_page(cli):

@@ -7,7 +7,8 @@ the state: the alert is resolved. Only the alerting states (`crashed`, `hung`, `
 `unknown`) are alerts; `running` and `done` are states, and resolve the job's alert.
 
 The alert's identity is its labels (`alertname`, `training_job`, `severity`, `source="watcher"`,
-and `cluster` when the watcher is given one): the suspect and the reason are annotations, so a
+and `cluster` when the watcher is given one): the suspect, the reason and the `runbook_url` (the
+alert's section of the alerts page, linked as the rules link theirs) are annotations, so a
 suspect named later updates the alert instead of opening a second one. `source` keeps these
 alerts apart from the same-named ones the Prometheus rules raise (`source="rules"`) from the
 watcher's exported state: the two paths never merge into one alert whose annotations flip or
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from costexporter.core.timeutil import iso_utc
-from costexporter.services.notify import ALERTING, Status, Webhook
+from costexporter.services.notify import ALERTING, RUNBOOKS, Status, Webhook, alertname, runbook_url
 
 ALERTS_PATH = "/api/v2/alerts"
 RESEND_FACTOR = 4  # a firing alert's endsAt lies this many resends ahead
@@ -44,20 +45,28 @@ SOURCE = "watcher"  # the `source` label of the alerts this path posts (the rule
 
 
 def postable(
-    job: str, st: Status, starts: float, ends: float, generator_url: str = "", cluster: str | None = None
+    job: str,
+    st: Status,
+    starts: float,
+    ends: float,
+    generator_url: str = "",
+    cluster: str | None = None,
+    runbooks: str = RUNBOOKS,
 ) -> dict[str, Any]:
     """One alert in the shape of Alertmanager's `postableAlert`."""
     suspect = st.suspect or {}
+    name = alertname(st.state)
     annotations = {
         "summary": f"training job {job} is {st.state}",
         "description": st.reason,
+        "runbook_url": runbook_url(name, runbooks),
     }
     if suspect.get("rank") is not None:
         annotations["suspect_rank"] = str(suspect["rank"])
     if suspect.get("why"):
         annotations["suspect"] = str(suspect["why"])
     labels = {
-        "alertname": "Job" + st.state.capitalize(),
+        "alertname": name,
         "training_job": job,
         "severity": severity(st.state),
         "source": SOURCE,
@@ -87,8 +96,10 @@ class Alertmanager:
         clock: Callable[[], float] = time.time,
         generator_url: str = "",
         cluster: str | None = None,
+        runbooks: str = RUNBOOKS,
     ) -> None:
         self.url = base_url.rstrip("/") + ALERTS_PATH
+        self.runbooks = runbooks
         self.resend_s = resend_s
         self.clock = clock
         self.generator_url = generator_url
@@ -96,6 +107,9 @@ class Alertmanager:
         self.firing: dict[str, _Firing] = {}
         self.last: dict[str, Status] = {}
         self.sender = Webhook(self.url, retries, timeout_s, backoff_s)
+
+    def _postable(self, job: str, st: Status, starts: float, ends: float) -> dict[str, Any]:
+        return postable(job, st, starts, ends, self.generator_url, self.cluster, self.runbooks)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -108,7 +122,7 @@ class Alertmanager:
         for job, st in decided.items():
             cur = self.firing.get(job)
             if cur is not None and cur.state != st.state:  # left the alerting state: resolve it
-                out.append(postable(job, self.last[job], cur.started, now, self.generator_url, self.cluster))
+                out.append(self._postable(job, self.last[job], cur.started, now))
                 del self.firing[job]
                 cur = None
             if st.state in ALERTING:
@@ -119,7 +133,7 @@ class Alertmanager:
                 )
                 if now - cur.posted >= self.resend_s or cur.posted == 0.0 or changed:
                     ends = now + RESEND_FACTOR * self.resend_s
-                    out.append(postable(job, st, cur.started, ends, self.generator_url, self.cluster))
+                    out.append(self._postable(job, st, cur.started, ends))
                     cur.posted = now
             self.last[job] = st
         if out:

@@ -1,5 +1,6 @@
 """Where the watcher's judgements go: a job's status (`Status`, one of `STATES`), the states
-that alert (`ALERTING`), and the webhook sender both alert paths post with (the watcher's own
+that alert (`ALERTING`) and their alert names, each alert's runbook link (the rules' and the
+watcher's alike), and the webhook sender both alert paths post with (the watcher's own
 webhook and `alertmanager.py`'s Alertmanager API)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import collections
 import json
 import logging
 import queue
+import re
 import threading
 import time
 import urllib.error
@@ -19,6 +21,33 @@ log = logging.getLogger("costexporter.watcher")
 
 STATES = ("running", "done", "crashed", "hung", "starving", "unknown")
 ALERTING = {"crashed", "hung", "starving", "unknown"}
+
+# Each alert's `runbook_url`: its section of the alerts page (docs/alerts.md), on the project's
+# site unless `--runbook-url` (of `costexporter rules` and `costexporter watch`) names a copy of
+# your own. The Prometheus rules and the watcher's own alerts link by the same rule.
+RUNBOOKS = "https://github.com/costexporter/costexporter/blob/main/docs/alerts.md"
+
+
+def alertname(state: str) -> str:
+    """The name of the alert the watcher raises for an alerting state (`hung` -> JobHung)."""
+    return "Job" + state.capitalize()
+
+
+# Every alert name the watcher posts (to Alertmanager, and as its webhook's firing alerts).
+WATCHER_ALERTS = tuple(alertname(s) for s in STATES if s in ALERTING)
+
+
+def runbook_url(name: str, base: str = RUNBOOKS) -> str:
+    """The alert's section of the alerts page at `base` (the anchor of its heading)."""
+    return f"{base}#{name.lower()}"
+
+
+def check_runbooks(base: str) -> str:
+    """`base` as an alerts page's URL (an absolute http(s) URL without a fragment: each alert
+    adds its own), or ValueError saying why not."""
+    if not re.fullmatch(r"https?://[^\s#]+", base):
+        raise ValueError(f"{base!r} is not an http(s) URL without a '#' (each alert adds its own anchor)")
+    return base
 
 
 @dataclass

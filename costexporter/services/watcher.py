@@ -52,7 +52,7 @@ from costexporter.core.profiles import Profile
 from costexporter.core.terms import JobTerms, Policy, PolicyRule, ignored_meta_note, job_terms
 from costexporter.core.timeutil import iso_utc, to_ms
 from costexporter.services.alertmanager import Alertmanager
-from costexporter.services.notify import ALERTING, Status, Webhook
+from costexporter.services.notify import ALERTING, RUNBOOKS, Status, Webhook, alertname, runbook_url
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.reader import EventReader, read_all_many
 
@@ -95,6 +95,9 @@ class WatchConfig:
     # The `cluster` label of the alerts posted to Alertmanager (as Prometheus's external labels
     # give the rules' alerts one), so the two paths' alerts of one job share it.
     cluster: str | None = None
+    # The alerts page each alert's `runbook_url` links (`<runbooks>#<alert name in lower case>`),
+    # as `costexporter rules --runbook-url` gives the rules' alerts.
+    runbooks: str = RUNBOOKS
     profile: Profile | None = None
     profile_dir: Path | None = None  # fitted profiles, matched by the job's GPU model
     gpu_model: str | None = None  # the operator's model (wins over the job's meta)
@@ -645,9 +648,9 @@ def _live_bands(view: JobView, cfg: WatchConfig) -> dict[str, Any] | None:
 
 
 # ---- notifications -----------------------------------------------------------------------
-def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict[str, Any]:
+def _alert(job: str, st: Status, status: str, now: float, prefix: str, runbooks: str) -> dict[str, Any]:
     labels = {
-        "alertname": "Job" + st.state.capitalize(),
+        "alertname": alertname(st.state),
         "training_job": job,
         "state": st.state,
         "severity": "critical"
@@ -667,6 +670,8 @@ def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict[s
             "summary": f"training job {job} is {st.state}",
             "description": st.reason,
             "suspect": json.dumps(st.suspect) if st.suspect else "",
+            # an alerting state's section of the alerts page (running and done have none)
+            "runbook_url": runbook_url(alertname(st.state), runbooks) if st.state in ALERTING else "",
         },
         "startsAt": iso_utc(st.since),
         "endsAt": iso_utc(now) if status == "resolved" else "0001-01-01T00:00:00Z",
@@ -675,13 +680,15 @@ def _alert(job: str, st: Status, status: str, now: float, prefix: str) -> dict[s
     }
 
 
-def notification(job: str, old: Status | None, new: Status, now: float, prefix: str) -> dict[str, Any]:
+def notification(
+    job: str, old: Status | None, new: Status, now: float, prefix: str, runbooks: str = RUNBOOKS
+) -> dict[str, Any]:
     """An Alertmanager webhook payload (version 4) for one transition: the old state's alert
     resolved, the new state's firing."""
     alerts = []
     if old is not None and old.state in ALERTING:
-        alerts.append(_alert(job, old, "resolved", now, prefix))
-    alerts.append(_alert(job, new, "firing", now, prefix))
+        alerts.append(_alert(job, old, "resolved", now, prefix, runbooks))
+    alerts.append(_alert(job, new, "firing", now, prefix, runbooks))
     common = {"training_job": job}
     return {
         "version": "4",
@@ -767,6 +774,7 @@ class Watcher:
                 timeout_s=cfg.webhook_timeout_s,
                 backoff_s=cfg.webhook_backoff_s,
                 cluster=cfg.cluster,
+                runbooks=cfg.runbooks,
             )
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -1089,7 +1097,7 @@ class Watcher:
                     self.history.append((job, st.state, st.reason, now))
                     log.info("%s: %s -> %s (%s)", job, old.state if old else "-", st.state, st.reason)
                     if self.webhook is not None:
-                        self.webhook.send(notification(job, old, st, now, self.cfg.prefix))
+                        self.webhook.send(notification(job, old, st, now, self.cfg.prefix, self.cfg.runbooks))
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:

@@ -18,24 +18,7 @@ from typing import Any
 import yaml
 
 from costexporter.core.model import VALID_NAMES, WASTED_NAMES
-
-# Each alert's `runbook_url`: its section of the runbooks page (docs/runbooks.md), on the
-# project's site unless `costexporter rules --runbook-url` names a copy of your own.
-RUNBOOKS = "https://github.com/costexporter/costexporter/blob/main/docs/runbooks.md"
-
-
-def runbook_url(alertname: str, base: str = RUNBOOKS) -> str:
-    """The alert's section of the runbooks page at `base` (the anchor of its heading)."""
-    return f"{base}#{alertname.lower()}"
-
-
-def check_runbooks(base: str) -> str:
-    """`base` as a runbooks page's URL (an absolute http(s) URL without a fragment: each alert
-    adds its own), or ValueError saying why not."""
-    if not re.fullmatch(r"https?://[^\s#]+", base):
-        raise ValueError(f"{base!r} is not an http(s) URL without a '#' (each alert adds its own anchor)")
-    return base
-
+from costexporter.services.notify import RUNBOOKS, runbook_url  # the rule the watcher's alerts link by
 
 # PromQL regexes of the category label (stalled|idle|no_progress|rolled_back, productive|...).
 WASTED = "|".join(WASTED_NAMES)

@@ -51,22 +51,16 @@ def dashboard(output) -> None:
     "runbooks",
     default=None,
     metavar="URL",
-    help="The runbooks page each alert's runbook_url links (URL#<alert name in lower case>), "
-    "e.g. your own copy of docs/runbooks.md; default: the project's.",
+    help="The alerts page each alert's runbook_url links (URL#<alert name in lower case>), "
+    "e.g. your own copy of docs/alerts.md; default: the project's.",
 )
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def rules(short, speed, overrides, fmt, name, runbooks, output) -> None:
     """Print (or write) the Prometheus alert and recording rules."""
     import dataclasses
 
-    from costexporter.tools.rules import (
-        RUNBOOKS,
-        RuleWindows,
-        check_runbooks,
-        for_speed,
-        render,
-        render_prometheus_rule,
-    )
+    from costexporter.services.notify import RUNBOOKS, check_runbooks
+    from costexporter.tools.rules import RuleWindows, for_speed, render, render_prometheus_rule
 
     try:
         runbooks = check_runbooks(runbooks) if runbooks is not None else RUNBOOKS

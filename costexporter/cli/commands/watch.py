@@ -69,6 +69,14 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "rules' alerts), so both paths' alerts of a job share it.",
 )
 @click.option(
+    "--runbook-url",
+    "runbooks",
+    default=None,
+    metavar="URL",
+    help="The alerts page each posted alert's runbook_url links (URL#<alert name in lower case>), as "
+    "`costexporter rules --runbook-url` gives the rules' alerts; default: the project's docs/alerts.md.",
+)
+@click.option(
     "--alertmanager-resend",
     type=click.FloatRange(min=0.1),
     default=60.0,
@@ -104,6 +112,7 @@ def watch(
     alertmanager_url,
     alertmanager_resend,
     cluster,
+    runbooks,
     listen,
     port,
     gpu_model,
@@ -120,8 +129,13 @@ def watch(
 
     from costexporter.core import profiles
     from costexporter.services.gcstate import FrozenState
+    from costexporter.services.notify import RUNBOOKS, check_runbooks
     from costexporter.services.watcher import WatchConfig, Watcher
 
+    try:
+        runbooks = check_runbooks(runbooks) if runbooks is not None else RUNBOOKS
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--runbook-url") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         profile, profile_dir = load_profile(profile_path)
@@ -144,6 +158,7 @@ def watch(
         alertmanager_url=alertmanager_url,
         alertmanager_resend_s=alertmanager_resend,
         cluster=cluster or None,
+        runbooks=runbooks,
         profile=profile,
         profile_dir=profile_dir,
         gpu_model=gpu_model,
