@@ -78,3 +78,16 @@ def test_the_compose_prometheus_loads_the_rules_rendered_for_the_demos_speed():
     rules = {r["alert"]: r for g in yaml.safe_load(shipped)["groups"] for r in g["rules"] if "alert" in r}
     assert seconds(rules["CommunicationBound"]["for"]) == pytest.approx(15 * 60 / speed, abs=0.001)
     assert seconds(rules["CommunicationBound"]["for"]) < 20 * 60 / speed
+
+
+def test_the_compose_stack_publishes_its_ports_on_loopback_only():
+    """Nothing in the stack has a login (the demo's API runs without tokens, Grafana is
+    anonymous): every published port is bound to 127.0.0.1, and the file says how to expose one."""
+    text = (DOCKER / "compose.yaml").read_text()
+    compose = yaml.safe_load(text)
+    published = [(name, p) for name, svc in compose["services"].items() for p in svc.get("ports", [])]
+    assert len(published) >= 6, published  # demo (metrics, API), watcher, Prometheus, Alertmanager, Grafana
+    assert {p for _, p in published} >= {"127.0.0.1:9402:9402", "127.0.0.1:9403:9403"}
+    for name, p in published:
+        assert isinstance(p, str) and p.startswith("127.0.0.1:"), (name, p)
+    assert "To reach one from other machines" in text
