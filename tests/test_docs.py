@@ -13,6 +13,13 @@ from costexporter.cli import docgen
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The pages whose links are checked: the user's pages and the changelog (whose history may name
+# what was, but whose links must still lead somewhere).
+LINKED = [*PAGES, ROOT / "CHANGELOG.md"]
+SOURCES = sorted((ROOT / "costexporter").rglob("*.py"))
+# Pointers at what the repository does not hold: a design document's sections, a reference
+# list's items, a tracker's issues. A docstring or comment says the fact instead, or links docs/.
+FOREIGN_POINTER = re.compile(r"\bDESIGN section\b|\bREFERENCE R\d|\bissue \d+", re.IGNORECASE)
 
 FENCE = re.compile(r"^(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -94,7 +101,8 @@ def broken_links(pages: list[Path], root: Path) -> tuple[list[str], int]:
 
 
 def test_every_relative_link_and_anchor_resolves():
-    bad, checked = broken_links(PAGES, ROOT)
+    assert ROOT / "CHANGELOG.md" in LINKED and (ROOT / "CHANGELOG.md").exists()
+    bad, checked = broken_links(LINKED, ROOT)
     assert checked > 50, f"only {checked} links found: the link pattern stopped matching"
     assert not bad, "broken links:\n" + "\n".join(bad)
 
@@ -174,3 +182,21 @@ def test_the_product_speaks_of_itself_only(page):
     """No issue numbers or dated lab notes in the user's pages."""
     text = page.read_text()
     assert not re.search(r"\bissue \d+|\bstop \d+\b", text, re.IGNORECASE), page
+
+
+def test_the_package_points_at_nothing_the_repository_lacks():
+    """The package's docstrings and comments stand alone: no `DESIGN section N`, `REFERENCE R#`
+    or `issue N` (the files and tracker they pointed at are not the reader's)."""
+    assert len(SOURCES) > 50, SOURCES
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in SOURCES
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if FOREIGN_POINTER.search(line)
+    ]
+    assert not hits, "pointers at what the repository lacks:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("line", ["see DESIGN section 4", "(REFERENCE R7)", "as issue 16 asked"])
+def test_a_foreign_pointer_is_caught(line):
+    assert FOREIGN_POINTER.search(line)
