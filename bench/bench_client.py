@@ -5,7 +5,7 @@ Against the local Redis (127.0.0.1:6379, or COSTEXPORTER_REDIS_URL), side by sid
     with plain ints (the hot path) and with numpy integers (converted at the call);
   * a synchronous `XADD` per step (what a naive trainer would do), p50 / p99;
   * sustained events/s: N steps posted as fast as possible until all are in the stream.
-Targets (issue 3): step() p99 <= 10 us, and >= 10x faster than a synchronous XADD at the median.
+Targets (docs/benchmarks.md): step() p99 <= 10 us, and >= 10x faster than a synchronous XADD at the median.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ that backlog (a restart after its watermark: `catch-up`, the CPU to read and fol
 books steady rounds of 5 s, 5 new steps each (`round`: median thread CPU of a round; `rss`: the
 process's resident memory after them; `trimmed`: after malloc_trim, what the process holds
 rather than what the allocator kept from the catch-up's peak; `state`: the agent's estimate of
-its booking state, `costexporter_agent_state_bytes`). Targets (issue 16): round <= 20 ms at
+its booking state, `costexporter_agent_state_bytes`). Targets (docs/benchmarks.md): round <= 20 ms at
 any history, RSS flat <= 150 MB, catch-up linear in the backlog.
 
 Then the agent is killed, BACKLOG s of steps arrive, and a new agent starts: it resumes from the
@@ -540,7 +540,7 @@ def measure_watcher(shapes: list[tuple[int, int, int]]) -> list[dict]:
     return [_watch(*shape) for shape in shapes]
 
 
-WATCHER_TARGET_MS = {(1000, 1000): 200, (1, 100_000): 20}  # issue 16, per (jobs, steps per job)
+WATCHER_TARGET_MS = {(1000, 1000): 200, (1, 100_000): 20}  # the targets, per (jobs, steps per job)
 
 
 def report_watcher(res: list[dict]) -> None:

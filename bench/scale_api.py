@@ -3,7 +3,7 @@
 Each size gets a private `redis-server` (a temporary directory, a free port, no persistence),
 seeded through the ledger's own writer (`ledger.queue_amounts`, so every rollup exists as the
 agents write it), and the real API under uvicorn (`costexporter api`) in a process of its own.
-Figures: the median of 3 requests after one warm-up, next to the targets of issue 16; and the
+Figures: the median of 3 requests after one warm-up, next to the targets in docs/benchmarks.md; and the
 Redis bytes per job (INFO used_memory before and after seeding).
 """
 

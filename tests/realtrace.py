@@ -1,4 +1,4 @@
-"""A generator of real-like 100 ms nvidia-smi traces with per-sample labels (REFERENCE R8).
+"""A generator of real-like 100 ms nvidia-smi traces with per-sample labels.
 
 The project's `synth` draws clean, flat stretches; real recordings are messier, and the
 classification and `calibrate` must hold on what real files look like:
@@ -39,7 +39,7 @@ H100_LEVELS: LevelTable = {
     "idle": ((98.0, 9.0, 0.0, 0.0), (98.0, 9.0, 0.0, 0.0)),
     "communication": ((330.0, 10.0, 100.0, 100.0), (330.0, 10.0, 100.0, 100.0)),
 }
-# REFERENCE R2's table at B300 levels, with the same real-trace mess.
+# R2's table at B300 levels, with the same real-trace mess.
 B300_LEVELS: LevelTable = {
     "compute": ((990.0, 20.0, 95.0, 100.0), (990.0, 20.0, 95.0, 100.0)),
     "communication": ((640.0, 6.0, 100.0, 100.0), (640.0, 6.0, 100.0, 100.0)),

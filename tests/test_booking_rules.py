@@ -79,7 +79,7 @@ def test_hung_checkpoint_past_its_allowance_is_stalled():
     b = job()
     b.stretch("compute", 300, step_s=5)
     b.phase("checkpoint", "begin")
-    b.stretch("checkpoint", 3600, zero_ranks=(0,))  # REFERENCE R7: the 3 a.m. NFS write
+    b.stretch("checkpoint", 3600, zero_ranks=(0,))  # R7: the 3 a.m. NFS write
     r = book(b)
     # 15 min of overhead, then the rest of the hour is stalled.
     assert hours(r, "overhead") == pytest.approx(N * (900 + 5) * H)
@@ -124,7 +124,7 @@ def test_startup_within_allowance_is_overhead_and_beyond_is_no_progress():
 
 def test_crash_loop_from_launch_books_no_progress_after_the_startup_allowance():
     b = job()
-    for _ in range(20):  # REFERENCE R7: an OOM loop restarted by the kubelet, no step completes
+    for _ in range(20):  # R7: an OOM loop restarted by the kubelet, no step completes
         b.run("start")
         b.stretch("crashloop", 180)
     r = book(b)

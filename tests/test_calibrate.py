@@ -1,5 +1,5 @@
 """`costexporter calibrate`: a profile fitted from a team's own baselines classifies a separate
-incident of the same GPU; the B300 fit lands on REFERENCE R2's numbers; fitted profiles are
+incident of the same GPU; the B300 fit lands on R2's numbers; fitted profiles are
 found by GPU model; uncalibrated ones are flagged in the replay output, the metrics and the API."""
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_b300_fit_from_an_r1_like_trace_lands_on_r2():
     b.stretch("deadlock", 3600, zero_ranks=(3,))
     b.stretch("idle", 600)
     f = fit(b.samples(), b.events)
-    # REFERENCE R2: compute 940-1040 W, communication ~640, starvation ~575, deadlock 190-195, idle ~135.
+    # R2: compute 940-1040 W, communication ~640, starvation ~575, deadlock 190-195, idle ~135.
     r2 = {"compute": 990.0, "communication": 640.0, "starvation": 575.0, "low": 192.5, "idle": 135.0}
     for name, want in r2.items():
         assert f.levels[name].centre == pytest.approx(want, rel=0.05), name
@@ -340,7 +340,7 @@ def test_the_profile_directory_of_the_environment_is_read_at_the_command(tmp_pat
     assert "Traceback" not in missing.stderr
 
 
-# Issue 15.4: calibrate on real-like noisy baselines (REFERENCE R8's mess, two GPU models).
+# calibrate on real-like noisy baselines (tests/realtrace.py: ramps, skewed stamps, gaps; two GPU models).
 
 
 def _truth_centres(tr) -> dict[str, float]:

@@ -1,7 +1,7 @@
-"""The Grafana dashboard (issue 18.8) against Grafana's dashboard schema (the models
+"""The Grafana dashboard against Grafana's dashboard schema (the models
 grafana-foundation-sdk generates from it), and its promises: the watcher's state coloured, the
 team/Hostname/gpu variables, thresholds from the job's profile, money in its label's currency,
-a burn rate, annotations. With a real Prometheus: DCGM-style joins (18.3) and every query."""
+a burn rate, annotations. With a real Prometheus: joins with dcgm-exporter's series and every query."""
 
 from __future__ import annotations
 

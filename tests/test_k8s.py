@@ -1,4 +1,4 @@
-"""Kubernetes jobs without code changes (issue 18.2, 18.3): GPUs dcgm-exporter attributes to pods
+"""Kubernetes jobs without code changes: GPUs dcgm-exporter attributes to pods
 become jobs booked by band, with namespace in the meta and DCGM's labels on the per-GPU series.
 
 End to end: a real HTTP server serving dcgm-exporter's text with pod labels, a real

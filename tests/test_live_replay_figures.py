@@ -1,5 +1,5 @@
 """The live agent's incidents, GPU time at risk and job figures equal the offline replay's on the
-same samples and events (issue 13: both books call costexporter.figures, so they cannot drift).
+same samples and events (both books call costexporter.figures, so they cannot drift).
 
 The live side is the pure round: `book_window` + `ledger_delta` chained over booking rounds as
 the agent runs them (no Redis); the offline side is `replay`'s JSON report.

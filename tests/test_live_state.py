@@ -1,4 +1,4 @@
-"""Issue 14 end to end on R9's H200 levels: a real `costexporter serve --source nvml` (the
+"""The live state end to end on an H200's measured levels: a real `costexporter serve --source nvml` (the
 file-driven fake NVML of tests/fake_nvml.py in its process), a real `costexporter watch`, the
 shared Redis, and real /metrics scrapes every 0.2 s through a job's stretches:
 

@@ -1,4 +1,4 @@
-"""`costexporter preflight` (REFERENCE R5), through the real command: each check fails where it
+"""`costexporter preflight` (R5), through the real command: each check fails where it
 should, passes where it should, and the result lands in the job's events."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .conftest import SHARED_URL
 
 SEQ = 2048
 R4_BLOCKS = [30_888] * 16
-R4_BLOCKS[3] = 30_835  # REFERENCE R4: min 30,835, max 30,888 (53 blocks, ~7 steps)
+R4_BLOCKS[3] = 30_835  # R4: min 30,835, max 30,888 (53 blocks, ~7 steps)
 
 
 def make_cache(d: Path, blocks: list[int], seq_len: int = SEQ, sparse: bool = True) -> str:

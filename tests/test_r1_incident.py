@@ -1,4 +1,4 @@
-"""REFERENCE R1 rebuilt: the 3-hour silent deadlock at the end-of-epoch checkpoint."""
+"""R1 rebuilt: the 3-hour silent deadlock at the end-of-epoch checkpoint."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def r1():
 
 def test_deadlock_books_48_gpu_hours_stalled(r1):
     _, _, job = r1
-    # 16 GPUs x 3 h = 48 GPU-h (REFERENCE R6: "~48 GPU·h stalled"), within 1%.
+    # 16 GPUs x 3 h = 48 GPU-h (R6: "~48 GPU·h stalled"), within 1%.
     assert job["gpu_hours"]["stalled"] == pytest.approx(48.0, rel=0.01)
     assert job["band_gpu_hours"]["deadlock"] == pytest.approx(48.0, rel=0.01)
     assert job["steps_completed"] == 3850

@@ -1,4 +1,5 @@
-"""Real-like 100 ms traces (REFERENCE R8): every sample counts, live equals offline."""
+"""Real-like 100 ms traces (tests/realtrace.py: skewed stamps, ramps, logger gaps): every sample
+counts, live equals offline."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ _round = st.one_of(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_round, min_size=1, max_size=8))
 def test_live_rounds_at_random_boundaries_equal_the_offline_booking(cuts):
-    """Issue 14 item 5: the live agent's result does not depend on where its rounds fall."""
+    """The live agent's result does not depend on where its rounds fall."""
     tr = SMALL_TRACE
     s = tr.samples
     events = sorted(tr.events, key=lambda e: e.ts)
@@ -164,7 +165,7 @@ def test_clock_offset_is_reported_when_samples_and_events_do_not_overlap(shift_h
 
 
 def test_a_single_gpu_spinning_at_idle_power_without_steps_is_a_deadlock():
-    # Issue 14 item 2: 100% utilization at idle-level power, no step: a hang on one GPU.
+    # 100% utilization at idle-level power, no step: a hang on one GPU.
     b = TraceBuilder(n_gpus=1, per_host=1, job="one", seed=2)
     b.run("start")
     b.stretch("compute", 120, step_s=5)

@@ -480,7 +480,7 @@ def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
     _run(tmp_path, SHIPPED, [test])
 
 
-# ---- windows scaled to the demo's --speed (issue 17 item 4) ----------------------------------------
+# ---- windows scaled to the demo's --speed ----------------------------------------------------------
 def test_for_speed_divides_every_window_with_floors():
     from costexporter.tools.rules import SPEED_INTERVAL_S, duration, for_speed, seconds
 

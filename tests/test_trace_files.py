@@ -203,7 +203,7 @@ def test_events_jsonl_dedupes_and_counts_bad_entries(tmp_path):
     assert evs[1].get("_unknown_fields") == ["new_field"]
 
 
-# Issue 15: what real 100 ms nvidia-smi files look like (REFERENCE R8).
+# What real 100 ms nvidia-smi files look like (tests/realtrace.py: skewed stamps, ramps, gaps).
 
 
 def _real_csv(tmp_path, **kw):

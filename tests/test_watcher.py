@@ -425,7 +425,7 @@ def test_watch_cli_once_prints_statuses(prefix, tmp_path, cli):
     assert json.loads(r.stdout)[job]["state"] == "done"
 
 
-# ---- end to end: a real 4-rank gloo job (REFERENCE R4) ------------------------------------------
+# ---- end to end: a real 4-rank gloo job (R4) ------------------------------------------
 def _launch(job: str, prefix: str, url: str, spool: Path, mode: str) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
@@ -526,7 +526,7 @@ def test_sim_clock_is_published_for_watchers_of_a_time_compressed_job(prefix):
         src.close()
 
 
-# ---- issue 17: phases closed by restarts, the right suspect, per-job thresholds ------------------
+# ---- phases closed by restarts, the right suspect, per-job thresholds -----------------------------
 def sess(type_: str, ts: float, rank: int, session: str, **fields) -> Event:
     return Event(type_, "j", to_ms(T0 + ts), rank, session, int(ts * 1000), fields)
 
@@ -629,7 +629,7 @@ def test_a_jobs_meta_sets_its_heartbeat_cadence_but_never_its_stall_threshold():
     assert decide(view([bad, *slow]), T0 + 1400, CFG).stall_threshold_s == 60
 
 
-# ---- Alertmanager's own API (issue 18 item 6), against Debian's prometheus-alertmanager ----------
+# ---- Alertmanager's own API, against Debian's prometheus-alertmanager ---------------------------
 
 
 class _AMReceiver(http.server.BaseHTTPRequestHandler):

@@ -1,4 +1,4 @@
-"""Fewer round trips (issue 16.3): discovery only when registrations change, and sample streams
+"""Fewer round trips: discovery only when registrations change, and sample streams
 only for jobs that span more than one host."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13, cases 4-11: the agent's ledger stays exact under real faults.
+"""The agent's ledger stays exact under real faults.
 
 Real Redis (the shared one, or a private `redis-server` where it is restarted), real
 `costexporter serve` processes (replay source, or NVML through tests/fake_nvml.py where the

@@ -1,4 +1,4 @@
-"""Issue 13, cases 13-17: the finance API under hostile tokens files, job names and stored data.
+"""The finance API under hostile tokens files, job names and stored data.
 
 Real Redis (a prefix per test), the real app over HTTP, the real CLI for startup failures."""
 

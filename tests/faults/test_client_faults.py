@@ -1,4 +1,4 @@
-"""The trainer's reporter under faults (issue 13, cases 1-3): real Redis servers, real trainer
+"""The trainer's reporter under faults (Redis down, slow, refusing its ACL): real Redis servers, real trainer
 processes, real ACLs; each test failed on the reporter before the fix."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13 item 12: one poisoned job must not stop the watcher. A job name with a space in the
+"""One poisoned job must not stop the watcher. A job name with a space in the
 jobs set (the trainer ACL allows that ZADD) or a ranks entry that is a JSON list is skipped and
 counted; the healthy jobs next to it are still judged, by the real `costexporter watch`."""
 

@@ -1,4 +1,4 @@
-"""A real torch.distributed (gloo, CPU) trainer for the watcher's end-to-end test (REFERENCE R4).
+"""A real torch.distributed (gloo, CPU) trainer for the watcher's end-to-end test (R4).
 
     python gloo_train.py JOB PREFIX URL SPOOL uneven|fixed
 
