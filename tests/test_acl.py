@@ -165,11 +165,14 @@ def test_a_trainer_reaches_its_own_job_and_no_other(server, tmp_path):
     assert c.hset(keys.ranks_key(PREFIX, "mine"), "9", "{}") == 1
     assert c.zadd(keys.jobs_key(PREFIX), {"mine-2": 1}) == 1
     assert c.execute_command("INCR", keys.registrations_key(PREFIX)) >= 1
+    tried = 0
     for other in ("other", "mine2", "min", "mine/x", "x-mine"):
         theirs = (keys.stream_key, keys.ranks_key, keys.meta_key)
         for k in (key(PREFIX, other) for key in theirs):
             for fn, *args in trainer_writes(c, k):
                 assert refused(fn, *args), (other, k, fn.__name__)
+                tried += 1
+    assert tried >= 5 * 3, tried  # every other job's keys, each written at least one way
     # The pre-run gate's occupancy check reads the agents' node keys, and writes none.
     admin.hset(keys.node_key(PREFIX, "gpu-host-1"), mapping={"0": "{}", "1": "{}"})
     check = preflight.check_occupancy(

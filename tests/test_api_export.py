@@ -259,6 +259,7 @@ def test_accumulate_false_gives_one_row_per_step_that_adds_up(ledger_of_four, st
     assert len(starts) == n_steps and body["accumulate"] is False and body["step"] == step
     for r in body["rows"]:
         assert (when(r["end"]) - when(r["start"])).total_seconds() == {"1h": 3600, "1d": 86400}[step]
+    assert whole["rows"], whole
     for key in {r["key"] for r in whole["rows"]}:
         assert sum(Decimal(r["cost"]) for r in body["rows"] if r["key"] == key) == Decimal(
             next(r["cost"] for r in whole["rows"] if r["key"] == key)

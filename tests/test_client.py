@@ -51,6 +51,7 @@ def test_four_processes_each_event_arrives_once_in_order(shared, prefix, tmp_pat
                 env=env,
             )
         )
+    assert len(procs) == 4
     for p in procs:
         assert p.wait(60) == 0
     reader = EventReader(shared, "job4", prefix=prefix)
@@ -188,6 +189,7 @@ def test_bad_entries_are_rejected_and_counted_and_reading_goes_on(shared, prefix
     events = reader.read_all()
     assert [int(e.get("step")) for e in events] == [1, 2]
     expected = Counter(reason for _, reason in bad)
+    assert sum(expected.values()) == len(bad) >= 3, expected
     for reason, n in expected.items():
         assert reader.stats[reason] == n, reason
     assert reader.stats["duplicate"] == 1 and reader.stats["unknown_field"] == 1

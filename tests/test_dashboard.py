@@ -103,10 +103,11 @@ def test_variables_cluster_team_job_hostname_gpu_chain():
     assert "$cluster" in v["team"]["query"]["query"] and "$cluster" in v["training_job"]["query"]["query"]
     assert "$team" in v["training_job"]["query"]["query"]  # team narrows the jobs
     assert "$training_job" in v["Hostname"]["query"]["query"] and "$Hostname" in v["gpu"]["query"]["query"]
-    for p in dash.dashboard()["panels"]:
-        for t in p["targets"]:
-            if "costexporter_gpu_" in t["expr"] and "costexporter_gpu_time" not in t["expr"]:
-                assert 'Hostname=~"$Hostname"' in t["expr"] and 'gpu=~"$gpu"' in t["expr"], t["expr"]
+    exprs = [t["expr"] for p in dash.dashboard()["panels"] for t in p["targets"]]
+    per_gpu = [e for e in exprs if "costexporter_gpu_" in e and "costexporter_gpu_time" not in e]
+    assert per_gpu, exprs
+    for e in per_gpu:
+        assert 'Hostname=~"$Hostname"' in e and 'gpu=~"$gpu"' in e, e
 
 
 def test_every_job_query_keeps_clusters_apart_as_the_rules_do():
@@ -118,9 +119,11 @@ def test_every_job_query_keeps_clusters_apart_as_the_rules_do():
     assert len(exprs) > 15
     for e in exprs:
         assert e.count('training_job=~"$training_job"') == e.count('cluster=~"$cluster",training_job=~'), e
-        for by in re.findall(r"by \(([^)]*)\)", e):
-            labels = [x.strip() for x in by.split(",")]
-            assert "training_job" not in labels or labels[:2] == ["cluster", "training_job"], e
+    groupings = [(e, by) for e in exprs for by in re.findall(r"by \(([^)]*)\)", e)]
+    assert len(groupings) >= 8, groupings
+    for e, by in groupings:
+        labels = [x.strip() for x in by.split(",")]
+        assert "training_job" not in labels or labels[:2] == ["cluster", "training_job"], e
     assert sum("by (cluster, training_job" in e for e in exprs) >= 8
 
 

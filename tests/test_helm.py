@@ -288,6 +288,7 @@ def test_watcher_shards_are_one_deployment_each_behind_one_service():
         assert sel.items() <= labels.items()  # each Deployment owns its pods
         selectors.append(sel)
     # No Deployment's selector matches another shard's pods.
+    assert len(selectors) == len(shards) == 3
     for i, sel in enumerate(selectors):
         for j, d in enumerate(shards):
             pod = d["spec"]["template"]["metadata"]["labels"]
@@ -342,6 +343,7 @@ def test_the_in_chart_redis_acl_file_is_what_costexporter_acl_prints_and_each_pa
             anon.get("x")
         users = set(redis.Redis(port=port, username="admin", password=pw["admin"]).acl_users())
         assert users >= {"costexporter-agent", "costexporter-trainer-llm", "costexporter-trainer-j-1"}
+        assert docs["DaemonSet"] and docs["Deployment"], docs.keys()
         for kind in ("DaemonSet", "Deployment"):
             for d in docs[kind]:
                 c = d["spec"]["template"]["spec"]["containers"][0]

@@ -127,7 +127,9 @@ def test_agent_reading_pods_gets_exactly_get_list_watch_on_pods():
     for values in (TOKENS, {**TOKENS, "agent": {"source": "dcgm", "kubernetesJobs": {"api": False}}}):
         k = _by_kind(_render(values))
         assert "ClusterRole" not in k and "ClusterRoleBinding" not in k
-        for name, t in _pod_templates(_render(values)):
+        templates = list(_pod_templates(_render(values)))
+        assert templates, values
+        for name, t in templates:
             assert t["spec"]["automountServiceAccountToken"] is False, name
     off = _by_kind(_render({**TOKENS, "agent": {"source": "dcgm", "kubernetesJobs": {"api": False}}}))
     assert "--k8s-api=off" in off["DaemonSet"][0]["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -122,6 +122,7 @@ def test_compose_and_provisioning_parse_and_reference_existing_files():
                 assert src in compose.get("volumes", {}), (name, src)
     # Files the containers read, through those mounts.
     prom = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+    assert prom["rule_files"], prom
     for rf in prom["rule_files"]:
         assert (DOCKER / "prometheus" / rf).resolve().is_file(), rf
     ds = yaml.safe_load((DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text())
@@ -139,9 +140,10 @@ def test_compose_and_provisioning_parse_and_reference_existing_files():
     df = (DOCKER / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.\d+-slim", df, re.M)
     assert re.search(r"^USER (?!root)\S+", df, re.M) and "HEALTHCHECK" in df
-    for line in re.findall(r"^COPY (.+)$", df, re.M):
-        for src in line.split()[:-1]:
-            assert (ROOT / src).exists(), src
+    copied = [src for line in re.findall(r"^COPY (.+)$", df, re.M) for src in line.split()[:-1]]
+    assert copied, df
+    for src in copied:
+        assert (ROOT / src).exists(), src
     # The Kubernetes manifests: a DaemonSet for the agent and a ServiceMonitor.
     kinds = [
         d["kind"] for d in yaml.safe_load_all((DOCKER / "k8s" / "agent-daemonset.yaml").read_text()) if d
@@ -796,11 +798,14 @@ def test_replay_says_when_a_jobs_meta_price_overrides_the_flag(cli):
 def test_readme_and_docs_stand_alone():
     """No citation of documents outside the repository; every relative link resolves."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    linked = []
     for page in pages:
         text = page.read_text()
         assert not re.search(r"\bDESIGN\b|\bREFERENCE\b", text), page.name
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
-            assert (page.parent / target).exists(), (page.name, target)
+        linked += [(page, target) for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text)]
+    assert len(linked) > 50, len(linked)
+    for page, target in linked:
+        assert (page.parent / target).exists(), (page.name, target)
     bg = (ROOT / "docs" / "background.md").read_text()
     for must in ("R1.", "R7.", "940–1040 W", "190–195 W", "Progress stopped", "stall threshold"):
         assert must in bg, must
