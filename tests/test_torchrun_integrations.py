@@ -24,6 +24,7 @@ HERE = Path(__file__).parent
 def torchrun(script: str, *args: object) -> None:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["COSTEXPORTER_REDIS_URL"] = SHARED_URL
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     r = subprocess.run(
         [*cmd, str(HERE / "helpers" / script), *map(str, args)],
@@ -68,7 +69,7 @@ def epoch(tokens: int | None, first: int) -> list[tuple]:
 
 def test_hf_under_torchrun_two_ranks_one_job_per_train_epoch_phases_and_rank_0_tokens(prefix, tmp_path):
     pytest.importorskip("transformers", reason="transformers is the [hf] extra")
-    torchrun("hf_torchrun.py", prefix, SHARED_URL, tmp_path / "out", tmp_path / "spool")
+    torchrun("hf_torchrun.py", prefix, tmp_path)
     jobs = job_names(prefix)
     assert len(jobs) == 2 and all(j.startswith("out-") for j in jobs), jobs  # one job per train()
     for job in jobs:
@@ -87,7 +88,7 @@ def test_hf_under_torchrun_two_ranks_one_job_per_train_epoch_phases_and_rank_0_t
 
 def test_lightning_under_torchrun_resumes_from_a_checkpoint_in_a_second_fit(prefix, tmp_path):
     pytest.importorskip("lightning.pytorch", reason="lightning is the [lightning] extra")
-    torchrun("lightning_torchrun.py", "pl-ddp", prefix, SHARED_URL, tmp_path / "root", tmp_path / "spool")
+    torchrun("lightning_torchrun.py", "pl-ddp", prefix, tmp_path)
     got = per_rank(prefix, "pl-ddp")
     for rank in (0, 1):
         tokens = 2 * 8 * 2 if rank == 0 else None  # two micro-batches of 8 on each of 2 ranks
