@@ -190,17 +190,23 @@ def test_runbook_url_and_cluster_values_reach_the_rules_the_watcher_and_the_api(
         r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
     ]
     assert links and all(u.startswith(base + "#") for u in links)
+    watchers = 0
     for d in k["Deployment"]:
         env = {e["name"]: e.get("value") for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env.get("COSTEXPORTER_CLUSTER") == "eu-west-1", d["metadata"]["name"]
+        # The watcher's own alerts (JobHung, ...) link the same runbooks as the rules' alerts.
+        name = d["metadata"]["name"]
+        assert env.get("COSTEXPORTER_WATCH_RUNBOOK_URL") == (base if "-watcher" in name else None), name
+        watchers += "-watcher" in name
+    assert watchers >= 1
     assert {d["metadata"]["name"].rsplit("-", 1)[1] for d in k["Deployment"]} >= {"api", "watcher"}
     # Without the values: the project's runbooks, and no cluster.
     plain = _by_kind(_render(TOKENS))
     assert plain["PrometheusRule"][0]["spec"] == prometheus_rule()["spec"]
+    assert plain["Deployment"]
     for d in plain["Deployment"]:
-        assert "COSTEXPORTER_CLUSTER" not in {
-            e["name"] for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
-        }
+        names = {e["name"] for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert "COSTEXPORTER_CLUSTER" not in names and "COSTEXPORTER_WATCH_RUNBOOK_URL" not in names
     with pytest.raises(Exception, match="runbookUrl"):
         _render({**TOKENS, "prometheusRule": {"runbookUrl": "https://x/y#z"}})
 

@@ -178,6 +178,11 @@ relabelings give every series. */}}
 - name: COSTEXPORTER_CLUSTER
   value: {{ .Values.cluster | quote }}
 {{- end }}
+{{- if and .Values.prometheusRule.runbookUrl (eq $.role "watcher") }}
+{{- /* The watcher's own alerts link the runbooks the rules' alerts link. */}}
+- name: COSTEXPORTER_WATCH_RUNBOOK_URL
+  value: {{ .Values.prometheusRule.runbookUrl | quote }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
