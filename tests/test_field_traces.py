@@ -125,6 +125,10 @@ SWEEP = (
         )
         for s in (11, 19, 26)
     ]
+    # The last or the first GPU gone mid-compute, where a burst or an early stamp sits at the
+    # edge of the minute it is gone.
+    + [("h100-gpu7", s, {"vanish": (7, 200.0, 60.0)}) for s in (4, 22, 24)]
+    + [("h100-gpu0", s, {"vanish": (0, 200.0, 60.0)}) for s in (0, 22)]
 )
 
 

@@ -87,6 +87,7 @@ def number_lines(
         m[slot] = mem
     # Each segment: lines [a, b) of blocks of n lines, and where its last block ends short.
     mapping = _mappings(segments, n_gpus, p, m)
+    segments, mapping = _merged(segments, mapping)
     if _refine(segments, mapping, n_gpus, p, m):
         mapping = _mappings(segments, n_gpus, p, m)
     for k, (a, b, n) in enumerate(segments):
@@ -256,6 +257,23 @@ def _mappings(
     return mapping
 
 
+def _merged(
+    segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None]
+) -> tuple[list[tuple[int, int, int]], list[np.ndarray | None]]:
+    """Segments that continue the one before (same block, same GPUs, on its count) joined: the
+    same numbering, with room on both sides of each boundary left to move."""
+    segs, maps = [segments[0]], [mapping[0]]
+    for (a, b, n), mp in zip(segments[1:], mapping[1:], strict=True):
+        a0, _, n0 = segs[-1]
+        mp0 = maps[-1]
+        if n == n0 and (a - a0) % n == 0 and mp is not None and mp0 is not None and (mp == mp0).all():
+            segs[-1] = (a0, b, n)
+        else:
+            segs.append((a, b, n))
+            maps.append(mp)
+    return segs, maps
+
+
 def _refine(
     segments: list[tuple[int, int, int]],
     mapping: list[np.ndarray | None],
@@ -273,15 +291,17 @@ def _refine(
         mp1, mp2 = mapping[k], mapping[k + 1]
         if mp1 is None or mp2 is None or (n1 == n2 and (mp1 == mp2).all()):
             continue
-        j_lo = min(REFINE_BLOCKS, (b - a1) // n2 - 1)  # keep a block of each side as reference
-        j_hi = min(REFINE_BLOCKS, (c - b) // n2 - 2)
+        j_lo = min(REFINE_BLOCKS, (b - a1 - n1) // n2)
+        j_hi = min(REFINE_BLOCKS, (c - b) // n2 - 2)  # keep a block after as reference
         lo, hi = b - j_lo * n2 - n1, b + (j_hi + 1) * n2
-        ref_blk = a1 + ((lo - a1) // n1 - 1) * n1
-        if j_lo < 0 or j_hi < 0 or ref_blk < a1 or hi + n2 > c:
+        before = _block_ending(segments, mapping, k, lo)
+        if j_lo < 0 or j_hi < 0 or before is None or hi + n2 > c:
             continue
         refs = np.full((2, n_gpus, 2), np.nan)
-        refs[0, mp1, 0], refs[0, mp1, 1] = p[ref_blk : ref_blk + n1], m[ref_blk : ref_blk + n1]
+        r0, rn, rmp = before
+        refs[0, rmp, 0], refs[0, rmp, 1] = p[r0 : r0 + rn], m[r0 : r0 + rn]
         refs[1, mp2, 0], refs[1, mp2, 1] = p[hi : hi + n2], m[hi : hi + n2]
+        ref = _combined(refs)
         scored = []
         for j in range(-j_lo, j_hi + 1):
             x = b + j * n2
@@ -289,19 +309,12 @@ def _refine(
             cost = 0.0
             if full_end > lo:
                 ls = np.arange(lo, full_end)
-                cost += _cost2(ls, mp1[(ls - a1) % n1], p, m, refs)
+                cost += _cost2(ls, mp1[(ls - a1) % n1], p, m, ref)
             if x > full_end:  # a short instant: the GPUs it continues best
                 ls = np.arange(max(full_end, lo), x)
-                best = min(
-                    (
-                        _cost2(ls, np.asarray(ch), p, m, refs)
-                        for ch in itertools.combinations(range(n_gpus), ls.size)
-                    ),
-                    default=0.0,
-                )
-                cost += best
+                cost += _best_short(ls, n_gpus, p, m, ref)
             ls = np.arange(x, hi)
-            cost += _cost2(ls, mp2[(ls - x) % n2], p, m, refs)
+            cost += _cost2(ls, mp2[(ls - x) % n2], p, m, ref)
             scored.append((cost, x))
         scored.sort()
         here = next(cost for cost, x in scored if x == b)
@@ -312,12 +325,53 @@ def _refine(
     return moved
 
 
-def _cost2(lines: np.ndarray, gpus: np.ndarray, p: np.ndarray, m: np.ndarray, refs: np.ndarray) -> float:
-    """How badly lines continue their GPUs' readings before and after (the mean where both are
-    known)."""
-    c = [_cost(lines, gpus, p, m, r) for r in refs]
-    c = [x for x in c if x == x]
-    return sum(c) / len(c) if c else MAX_TERM * lines.size
+def _block_ending(
+    segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None], k: int, upto: int
+) -> tuple[int, int, np.ndarray] | None:
+    """The last full block of segment `k` or an earlier one that ends by slot `upto`, its GPUs
+    known: (first slot, size, GPUs)."""
+    for j in range(k, -1, -1):
+        a0, b0, n0 = segments[j]
+        mp = mapping[j]
+        full = (min(b0, upto) - a0) // n0
+        if mp is not None and full > 0:
+            return a0 + (full - 1) * n0, n0, mp
+    return None
+
+
+def _best_short(lines: np.ndarray, n_gpus: int, p: np.ndarray, m: np.ndarray, ref: np.ndarray) -> float:
+    """The lowest cost of a short instant's lines over every choice of GPUs in order (as
+    `_cost` would score each choice, all at once)."""
+    if np.isnan(ref[:, 0]).all():
+        return MAX_TERM * lines.size
+    cols = [(p[lines], ref[:, 0], POWER_STEP_W, POWER_STEP_SHARE)]
+    if not np.isnan(m[lines]).all():
+        cols.append((m[lines], ref[:, 1], MEMORY_STEP_MIB, MEMORY_STEP_SHARE))
+    per = np.zeros((lines.size, n_gpus))  # line x GPU
+    for x, r, step, share in cols:
+        t = _step(x[:, None], r[None, :], step, share)
+        unknown = np.isnan(t) & ~np.isnan(x)[:, None]
+        per += np.where(np.isnan(t), 0.0, t) + unknown * (MAX_TERM / 2)
+    choices = np.asarray(list(itertools.combinations(range(n_gpus), lines.size)), np.int64)
+    if choices.size == 0:
+        return 0.0
+    return float(per[np.arange(lines.size), choices].sum(axis=1).min())
+
+
+def _cost2(lines: np.ndarray, gpus: np.ndarray, p: np.ndarray, m: np.ndarray, ref: np.ndarray) -> float:
+    """How badly lines continue their GPUs' readings `ref` (before and after, `_combined`)."""
+    c = _cost(lines, gpus, p, m, ref)
+    return c if c == c else MAX_TERM * lines.size
+
+
+def _combined(refs: np.ndarray) -> np.ndarray:
+    """Each GPU's readings before and after (refs: 2 x GPU x [power, memory]): their mean, or
+    the one known (a GPU missing on one side is compared with the other side alone)."""
+    known = ~np.isnan(refs)
+    total = np.where(known, refs, 0.0).sum(axis=0)
+    count = known.sum(axis=0)
+    out: np.ndarray = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    return out
 
 
 def _block_before(
@@ -445,13 +499,12 @@ def _place(
 ) -> np.ndarray | None:
     """The GPUs of a short instant's lines (in order): those whose readings before and after
     they continue clearly best; None when the readings do not tell."""
+    ref = _combined(np.stack([ref_prev, ref_next]))
     scored = []
     for ch in itertools.combinations(range(n_gpus), lines.size):
-        g = np.asarray(ch)
-        c = [_cost(lines, g, p, m, r) for r in (ref_prev, ref_next)]
-        c = [x for x in c if x == x]
-        if c:
-            scored.append((sum(c) / len(c), ch))
+        c = _cost(lines, np.asarray(ch), p, m, ref)
+        if c == c:
+            scored.append((c, ch))
     if not scored:
         return None
     scored.sort(key=lambda s: s[0])
