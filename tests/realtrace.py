@@ -7,6 +7,8 @@ classification and `calibrate` must hold on what real files look like:
   instant stamped 50-80 ms before GPUs 1-7;
 * power ramps over 1-3 samples between levels (values between bands are real), and rare noise
   tails that bridge levels;
+* with `ramp_s`, slow ramps into compute: after the climb, power rises from ~72% to ~90% of the
+  compute level over 0.5-1.5 s (an H100 at 400-500 W) at compute's utilization, labelled compute;
 * occasional 0.3-1 s gaps where the logger wrote nothing (the GPUs kept drawing power);
 * checkpoint waits: rank 0 at 0-5 % and ~120-150 W writing, ranks 1-7 at 100 % and ~150-165 W;
 * an energy counter (mJ) integrating the true power, quantized to its own step;
@@ -66,6 +68,8 @@ class RealTrace:
     gap_ms: int  # total time inside logger gaps (per GPU)
     line_sample: np.ndarray | None = None  # CSV line order: the sample each line holds
     memory_mib: np.ndarray | None = None  # per sample: memory.used (with `memory`)
+    slow_ramp: np.ndarray | None = None  # per sample: inside a slow ramp into compute (`ramp_s`)
+    onset: np.ndarray | None = None  # per sample: inside a checkpoint wait's onset plateau (`onset_s`)
 
     def label_bands(self) -> np.ndarray:
         return np.asarray([LABEL_BAND[x] for x in self.labels], np.int8)
@@ -93,6 +97,7 @@ class Scenario:
     burst_p: float = 0.0  # share of instants written in two bursts ~110 ms apart
     onset_s: tuple[float, float] = (0.0, 0.0)  # a checkpoint wait's onset plateau, s (lo, hi)
     gap_s: tuple[float, float] = (0.3, 1.0)  # a logger hiccup's length, s (lo, hi)
+    ramp_s: tuple[float, float] = (0.0, 0.0)  # a slow ramp into compute after the climb, s (lo, hi)
     vanish: tuple[int, float, float] | None = None  # (GPU, from s, for s): it writes no lines
     memory: bool = False  # a memory.used column: each GPU's own, drifting slowly
     seed: int = 0
@@ -105,9 +110,10 @@ class Scenario:
     @classmethod
     def field(cls, **kw) -> Scenario:
         """Every feature of the real 8xH100 recordings: instants written in bursts, onset plateaus
-        of checkpoint waits, ramps, logger hiccups of 0.3-0.5 s, a GPU missing for a minute,
-        memory.used per GPU."""
+        of checkpoint waits, ramps (slow ones into compute), logger hiccups of 0.3-0.5 s, a GPU
+        missing for a minute, memory.used per GPU."""
         kw.setdefault("burst_p", 0.02)
+        kw.setdefault("ramp_s", (0.5, 1.5))
         kw.setdefault("onset_s", (0.5, 1.0))
         kw.setdefault("gap_s", (0.3, 0.5))
         kw.setdefault("gap_every_s", 20.0)
@@ -159,6 +165,7 @@ class Scenario:
         util = np.empty((G, n_inst))
         centre = np.empty((G, n_inst))
         onset = np.zeros(n_inst, bool)
+        ramping = np.zeros((G, n_inst), bool)
         if self.onset_s[1] > 0 and "onset" in self.levels:
             for name, a, b in bounds:
                 if name == "checkpoint":
@@ -177,13 +184,23 @@ class Scenario:
                 centre[g, onset] = c
                 power[g, onset] = rng.normal(c, sd, k)
                 util[g, onset] = rng.uniform(ulo, uhi, k).round()
-            # Ramps: 1-3 samples after each level change move linearly from the old level.
-            for (_, _, e), (_, a2, _) in itertools.pairwise(bounds):
+            # Ramps: 1-3 samples after each level change move linearly from the old level; with
+            # `ramp_s`, a climb into compute goes on slowly from ~72% to ~90% of the compute level.
+            for (_, _, e), (name2, a2, b2) in itertools.pairwise(bounds):
                 k = int(rng.integers(1, 4))
                 old, new = centre[g, e - 1], centre[g, a2]
+                slow = 0
+                if self.ramp_s[1] > 0 and name2 == "compute" and old < new:
+                    slow = min(round(rng.uniform(*self.ramp_s) * 1000 / iv), b2 - a2 - k)
+                    new = 0.72 * new
                 for j in range(k):
                     if a2 + j < n_inst:
                         power[g, a2 + j] = old + (new - old) * (j + 1) / (k + 1) + rng.normal(0, 3)
+                if slow > 0:
+                    c = centre[g, a2]
+                    rise = 0.72 + 0.18 * np.arange(1, slow + 1) / slow
+                    power[g, a2 + k : a2 + k + slow] = c * rise + rng.normal(0, 5, slow)
+                    ramping[g, a2 : a2 + k + slow] = True
             # Noise tails: a rare sample far from its level, possibly between bands.
             tail = rng.random(n_inst) < self.tail_p
             power[g, tail] += (
@@ -260,6 +277,8 @@ class Scenario:
             gaps,
             sample_of[lg, lj],
             mem[gg, jj] if self.memory else None,
+            ramping[gg, jj],
+            onset[jj],
         )
 
     def events(self, bounds: list, t_inst: np.ndarray) -> list[Event]:

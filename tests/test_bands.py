@@ -144,3 +144,21 @@ def test_profile_files(tmp_path):
     unknown.write_text("idle_max_w: 1\nlow_max_w: 2\ncompute_min_w: 3\nwat: 1\n")
     with pytest.raises(ProfileError, match="unknown profile keys"):
         profiles.load(unknown)
+
+
+@pytest.mark.parametrize(("above", "signature"), [(-5.0, True), (5.0, False)])
+def test_the_cross_rank_signature_holds_up_to_the_onset_edge(above, signature):
+    """A checkpoint wait's onset (writer at 0%, waiters at 100%) reads above the low edge; the
+    signature holds up to `onset_edge_w`, a quarter of the way to the compute edge, and no higher."""
+    from costexporter.core.bands import ONSET_SHARE, onset_edge_w
+
+    h100 = profiles.select("NVIDIA H100 80GB HBM3")
+    edge = onset_edge_w(h100)
+    assert edge == pytest.approx(h100.low_max_w + ONSET_SHARE * (h100.compute_min_w - h100.low_max_w))
+    assert h100.low_max_w < 218.0 < 230.0 < edge  # an H100's onset readings are inside it
+    p, u = uniform(8, 10, edge + above, 100.0)
+    p[0] -= 12.0  # the writer reads a little below the waiters
+    u[0] = 0.0
+    bands, _ = run(p, u, h100)
+    assert (bands == Band.CHECKPOINT).all() == signature
+    assert (bands == Band.CHECKPOINT).any() == signature

@@ -9,7 +9,7 @@ import csv
 import numpy as np
 import pytest
 
-from costexporter.core.model import BANDS
+from costexporter.core.model import BANDS, Band
 from tests.realtrace import LABEL_BAND, Scenario, csv_lines, write_csv, write_events
 from tests.test_trace_profiles import A100_LEVELS, TITAN_X_LEVELS
 
@@ -147,3 +147,31 @@ def test_every_line_of_many_files_keeps_its_gpu_and_the_missing_one_is_said(tmp_
     missing = [d for _, r, d in said if r == "gpu_missing"]
     assert len(missing) == 1 and f"GPU {vg} has no samples" in missing[0] and f"({for_s:.0f}." in missing[0]
     assert not [r for _, r, _ in said if r == "unplaced_line"]
+
+
+def _booked(tr):
+    from costexporter.core.replay import ReplayConfig, book_trace
+
+    [job], _ = book_trace(tr.samples, tr.events, ReplayConfig())
+    return job.band_result.band
+
+
+def test_checkpoint_wait_onsets_and_slow_ramps_into_compute_band_as_they_are():
+    """The first 0.5-1 s of each checkpoint wait (rank 0 at ~218 W / 0%, ranks 1-7 at ~230 W /
+    100%, above the low edge, and the ramp down into it) band checkpoint; the slow ramps into
+    compute (400-500 W at compute's utilization) band compute; every file still agrees >= 0.99."""
+    onset_ok = onset_n = ramp_ok = ramp_n = 0
+    for seed in range(10):
+        tr = Scenario.field(seed=seed).build()
+        band = _booked(tr)
+        assert tr.onset is not None and tr.slow_ramp is not None
+        assert tr.onset.sum() >= 100 and tr.slow_ramp.sum() >= 300
+        assert np.mean(band == tr.label_bands()) >= 0.99
+        onset_ok += int((band[tr.onset] == Band.CHECKPOINT).sum())
+        onset_n += int(tr.onset.sum())
+        ramp_ok += int((band[tr.slow_ramp] == Band.COMPUTE).sum())
+        ramp_n += int(tr.slow_ramp.sum())
+        assert np.mean(band[tr.onset] == Band.CHECKPOINT) >= 0.9, seed
+        assert np.mean(band[tr.slow_ramp] == Band.COMPUTE) >= 0.95, seed
+    assert onset_ok / onset_n >= 0.97
+    assert ramp_ok / ramp_n >= 0.98

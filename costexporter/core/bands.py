@@ -303,6 +303,7 @@ def _signature(
         idx = np.flatnonzero(confirmed)
         ckpt[idx[is_ckpt]] = True
         dead[idx[~is_ckpt]] = True
+        ckpt |= _wait_head(ckpt, cand, zero, cols)
         cidx = np.flatnonzero(confirmed & ~before)
         n_conf = np.bincount(run_id[cidx], minlength=start_cols.size)
         if cidx.size:
@@ -389,6 +390,19 @@ def onset_edge_w(profile: Profile) -> float:
 # Power ramps between levels over 1-3 samples of a 100 ms trace (nvidia-smi averages power over
 # a window): a stretch of mid-power readings no longer than this is a transition, not a state.
 RAMP_MS = 400
+# A stretch of mid-power readings between a compute reading and a low one (either way round) is a
+# transition up to this long: the onset of a checkpoint wait (a ramp down, then 0.5-1 s with the
+# writer at ~218 W / 0% and the waiters at ~230 W / 100% on an H100), or compute's ramp up through
+# 400-500 W after a wait. A state held between compute and the low band (communication before a
+# checkpoint, starvation) lasts far longer.
+TRANSITION_MS = 2000
+
+
+def ramp_samples(interval_ms: int) -> tuple[int, int]:
+    """(the longest ramp, the longest transition) in samples; (0, 0): the trace is sampled too
+    slowly for either (there a mid reading is a state)."""
+    k = RAMP_MS // max(int(interval_ms), 1)
+    return (k, max(k, TRANSITION_MS // max(int(interval_ms), 1))) if k >= 1 else (0, 0)
 
 
 def persist_moments(cell_ms: int, grid_ms: int) -> int:
@@ -398,13 +412,13 @@ def persist_moments(cell_ms: int, grid_ms: int) -> int:
 
 def lookahead_ms(interval_ms: int, grid_ms: int) -> int:
     """How far past a moment the classifier looks to band it: the rest of a signature's
-    confirming moments (across a logger gap), one moment to bridge a noisy reading, and a ramp's
-    length. Live booking stays this far behind its newest samples, so its result does not depend
-    on where booking rounds fall."""
+    confirming moments (across a logger gap), one moment to bridge a noisy reading, one for a
+    wait's head, and a transition's length. Live booking stays this far behind its newest
+    samples, so its result does not depend on where booking rounds fall."""
     cell = max(int(interval_ms), 1)
     grid = max(int(grid_ms), cell)
-    k = RAMP_MS // cell
-    return cell * (persist_moments(cell, grid) + (k + 1 if k else 0)) + (grid - cell)
+    _, k = ramp_samples(cell)
+    return cell * (persist_moments(cell, grid) + 1 + (k + 1 if k else 0)) + (grid - cell)
 
 
 def window_overlap_ms(interval_ms: int, grid_ms: int, gap_intervals: float) -> int:
@@ -416,11 +430,12 @@ def window_overlap_ms(interval_ms: int, grid_ms: int, gap_intervals: float) -> i
 
 def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms: int) -> np.ndarray:
     """Power for classification: a brief run of mid-power readings of one rank (a ramp, or a
-    noise tail) between readings outside the mid band takes the power of the reading after it,
-    the level the GPU was moving to. Runs of more than RAMP_MS, and traces sampled slower than
-    that, are left alone: there a mid reading is a state."""
+    noise tail) takes the power of the reading after it, the level the GPU was moving to. Brief
+    is up to RAMP_MS between two readings of one side of the mid band, up to TRANSITION_MS
+    between a compute reading and a low one. Longer runs, and traces sampled slower than
+    RAMP_MS, are left alone: there a mid reading is a state."""
     n = power_w.size
-    k = RAMP_MS // max(interval_ms, 1)
+    k, kt = ramp_samples(interval_ms)
     if k < 1 or n < 3:
         return power_w
     with np.errstate(invalid="ignore"):
@@ -430,9 +445,13 @@ def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms:
     edge = np.diff(np.concatenate([[0], mid.astype(np.int8), [0]]))
     a = np.flatnonzero(edge == 1)
     b = np.flatnonzero(edge == -1)  # one past the run
-    ok = (b - a <= k) & (a > 0) & (b < n)
+    ok = (b - a <= kt) & (a > 0) & (b < n)
     a, b = a[ok], b[ok]
     ok = (rank[a - 1] == rank[a]) & (rank[b] == rank[a]) & ~np.isnan(power_w[b]) & ~np.isnan(power_w[a - 1])
+    a, b = a[ok], b[ok]
+    # Between readings on opposite sides of the mid band (one high, one low): a transition.
+    across = (power_w[a - 1] >= profile.compute_min_w) != (power_w[b] >= profile.compute_min_w)
+    ok = (b - a <= k) | across
     a, b = a[ok], b[ok]
     if a.size == 0:
         return power_w
@@ -483,6 +502,20 @@ def _bridge(cand: np.ndarray, cols: np.ndarray) -> np.ndarray:
     out = cand.copy()
     out[1:-1] |= hole
     return out
+
+
+def _wait_head(
+    ckpt: np.ndarray, cand: np.ndarray, zero: np.ndarray, cols: np.ndarray
+) -> npt.NDArray[np.bool_]:
+    """The moment just before a checkpoint run where the writer (rank 0) already reads ~0%: the
+    first sample of the ramp down from compute, at any power (nvidia-smi averages power over a
+    window, utilization drops at once), is the wait's."""
+    head = np.zeros(ckpt.size, bool)
+    i = np.flatnonzero(ckpt[1:] & ~ckpt[:-1]) + 1
+    p = i - 1
+    p = p[(cols[i] - cols[p] == 1) & ~cand[p] & zero[0, p]]
+    head[p] = True
+    return head
 
 
 def _signature_runs(
