@@ -70,6 +70,8 @@ class RealTrace:
     memory_mib: np.ndarray | None = None  # per sample: memory.used (with `memory`)
     slow_ramp: np.ndarray | None = None  # per sample: inside a slow ramp into compute (`ramp_s`)
     onset: np.ndarray | None = None  # per sample: inside a checkpoint wait's onset plateau (`onset_s`)
+    phases: list[tuple[str, int, int]] = field(default_factory=list)  # (state, first ms, end ms)
+    phase_energy_mj: np.ndarray | None = None  # phases x GPUs: energy really used in each phase
 
     def label_bands(self) -> np.ndarray:
         return np.asarray([LABEL_BAND[x] for x in self.labels], np.int8)
@@ -279,6 +281,8 @@ class Scenario:
             mem[gg, jj] if self.memory else None,
             ramping[gg, jj],
             onset[jj],
+            [(name, round(t_inst[a]), round(t_inst[b - 1] + iv)) for name, a, b in bounds],
+            np.asarray([power[:, a:b].sum(1) * iv for _, a, b in bounds]),
         )
 
     def events(self, bounds: list, t_inst: np.ndarray) -> list[Event]:
