@@ -17,7 +17,8 @@ from costexporter.services.agent_job import AgentJob, held_until
 from costexporter.services.agent_unassigned import UnassignedBooker
 from costexporter.sources.base import GpuSource
 from costexporter.store import protocol, untrusted
-from costexporter.store.keys import jobs_key, ranks_key, registrations_key
+from costexporter.store.jobindex import JobIndex
+from costexporter.store.keys import ranks_key, registrations_key
 from costexporter.store.reader import EventReader
 
 
@@ -56,6 +57,8 @@ class JobDiscovery:
         self._reg_prev: str | None = "?"  # ... and as the discovery before read it
         self._gpus_seen: tuple[Any, ...] = ()  # the node's GPUs at the last discovery
         self.rejected: collections.Counter[tuple[str, str]] = collections.Counter()
+        # the jobs to look at: the trainers' index, scanned around when it cannot be trusted
+        self.index = JobIndex(redis, prefix, refusals, redis_errors)
         self._rejected_seen: set[tuple[str, str, int]] = set()
 
     def _gpu_ids(self) -> tuple[Any, ...]:
@@ -98,16 +101,10 @@ class JobDiscovery:
         )
 
     def _listed(self) -> list[str]:
-        """The jobs index's valid names (a bad one rejected, counted)."""
-        try:
-            listed = self.redis.zrange(jobs_key(self.prefix), 0, -1)
-        except self._redis_errors as e:
-            if not untrusted.is_wrong_type(e):
-                raise
-            self.refusals.refuse("", "wrong_type", "the jobs index is not a sorted set: no new job is found")
-            listed = []
+        """The valid names of the jobs index (or of the jobs' ranks keys when the index is of the
+        wrong type or flooded: `jobindex.JobIndex`), a bad one rejected, counted."""
         names = []
-        for name in listed:
+        for name in self.index.names():
             try:
                 protocol.check_job(name)
             except ValueError as e:

@@ -54,6 +54,7 @@ from costexporter.core.timeutil import iso_utc, to_ms
 from costexporter.services.alertmanager import Alertmanager
 from costexporter.services.notify import ALERTING, RUNBOOKS, Status, Webhook, alertname, runbook_url
 from costexporter.store import keys, ledger, protocol, untrusted
+from costexporter.store.jobindex import JobIndex
 from costexporter.store.reader import EventReader, read_all_many
 
 log = logging.getLogger("costexporter.watcher")
@@ -780,6 +781,8 @@ class Watcher:
         self._stop = threading.Event()
         self.ttl = int(cfg.status_ttl_s or max(60.0, 6 * cfg.poll_s))
         self._positions: dict[str, float] = {}  # job -> when its stream position was last registered
+        # the jobs to watch: the trainers' index, scanned around when it cannot be trusted
+        self.index = JobIndex(self.redis, cfg.prefix, self.refusals, self._errors)
 
     def run(self, after_poll: Callable[[], None] | None = None) -> None:
         """Poll every `poll_s` until stopped; `after_poll`: the process's upkeep between polls
@@ -821,15 +824,7 @@ class Watcher:
 
     def _poll(self, now: float) -> dict[str, Status]:
         cfg = self.cfg
-        try:
-            jobs = list(cfg.jobs) or self.redis.zrangebyscore(
-                keys.jobs_key(cfg.prefix), now - cfg.forget_after_s, "+inf"
-            )
-        except self._errors as e:
-            if not untrusted.is_wrong_type(e):
-                raise
-            self.refusals.refuse("", "wrong_type", "the jobs index is not a sorted set: the jobs known go on")
-            jobs = list(self.views)
+        jobs = list(cfg.jobs) or self._listed(now)
         if cfg.shard is not None:
             jobs = [j for j in jobs if in_shard(j, cfg.shard)]
         decided: dict[str, Status] = {}
@@ -880,6 +875,21 @@ class Watcher:
             pipe.set(keys.status_key(cfg.prefix, job), orjson.dumps(vars(st)), ex=self.ttl)
         pipe.execute()
         return decided
+
+    def _listed(self, now: float) -> list[str]:
+        """The jobs heard from within `forget_after_s`: the index's by their scores (or, when the
+        index is of the wrong type or flooded, the scanned jobs whose own stream has an entry that
+        recent), and every job already watched whose own newest event is that recent: a score a
+        trainer set (`ZADD jobs 0 <job>`) hides no job."""
+        since = now - self.cfg.forget_after_s
+        jobs = self.index.names(min_score=since)
+        if self.index.fell_back:  # scanned: a job's own stream says how recent it is
+            jobs = self.index.recent(jobs, time.time() - self.cfg.forget_after_s)
+        listed = set(jobs)
+        for name, view in self.views.items():
+            if name not in listed and view.newest_ms >= since * 1000:
+                jobs.append(name)
+        return jobs
 
     def _register_positions(self, now: float, jobs: Iterable[str]) -> None:
         """Register how far this watcher has read the stream of each job it judged (at most every

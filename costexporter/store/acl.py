@@ -43,17 +43,19 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "trainer": _cmds("+xadd +hset +zadd +incr +hgetall"),
     # services/agent.py, services/k8s.py, store/ledger.py and store/reader.py: discovery, the
     # booking round (WATCH the watermark, MULTI ... EXEC, the rollup script and the commands in
-    # it), live and sample streams, idle levels, node keys, the readers hash and trimming.
+    # it), live and sample streams, idle levels, node keys, the readers hash and trimming; SCAN
+    # for the jobs' ranks keys when the jobs index cannot be trusted (store/jobindex.py).
     "agent": _cmds(
-        """+get +mget +set +del +expire +exists +type
+        """+scan +get +mget +set +del +expire +exists +type
         +hget +hmget +hgetall +hvals +hset +hdel +hexists +hincrby +sadd +srem +scard
         +zadd +zrange +zrangebyscore +zrevrangebyscore +zrem
         +xadd +xread +xrange +xrevrange +xtrim
         +watch +unwatch +multi +exec +discard +eval +evalsha +script|load +script|exists"""
     ),
     # services/watcher.py: the jobs index, ranks, events, live state and the simulation's clock;
-    # its status and its position in the readers hash.
-    "watcher": _cmds("+get +set +hgetall +hset +zrangebyscore +xread +xrange"),
+    # its status and its position in the readers hash; SCAN and each scanned job's newest entry
+    # when the jobs index cannot be trusted (store/jobindex.py).
+    "watcher": _cmds("+get +set +hgetall +hset +zrangebyscore +xread +xrange +xrevrange +scan"),
     # store/ledger_read.py (the API): reads only, also in its scripts (which read the rollups and
     # buckets), and the oldest entries of a job's streams (its first register).
     "api": _cmds(

@@ -18,6 +18,7 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
+from costexporter.services.exporter import registry_for
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
@@ -136,6 +137,11 @@ HOSTILE = {
         r.hset(_ranks(p), "0", bad_registration(a)),
         r.set(keys.bucket_key(p, "bad", "1h", int(a.t0) // 3600 * 3600), "x"),
     ),
+    # GPU 0 of node0 by host + index only, which job a holds by its UUID (registered earlier):
+    # refused, the victim keeps it (sorted first, the rogue's claim is read before a's)
+    "claims_a_held_gpu": lambda r, p, a: r.hset(
+        _ranks(p), "0", json.dumps({"ts": a.t0 + 10, "host": "node0", "gpu": 0, "world_size": 1})
+    ),
 }
 # Cases where the rogue job's registration is usable: GPU 2 is its own, booked exactly too.
 CLAIMS = {"wm_is_a_hash", "fold_is_a_hash", "readers_is_a_stream", "rbidx_is_a_string", "bucket_is_a_string"}
@@ -177,7 +183,53 @@ def test_a_rogue_trainers_data_never_stops_or_skews_booking_for_another_job(
     refusals = getattr(agent, "refusals", None)
     refused = {**agent.registrations_rejected, **(refusals.counts if refusals else {})}
     assert any(job == "bad" for job, _reason in refused), (case, refused)  # counted, per job
+    if case == "claims_a_held_gpu":
+        assert refused.get(("bad", "gpu_held"), 0) >= 1, refused
+        text = generate_latest(registry_for(agent)).decode()
+        assert 'costexporter_data_rejected_total{reason="gpu_held",training_job="bad"}' in text
     assert not agent.stats["round_errors"] and not agent.stats["redis_errors"], (case, agent.stats)
+
+
+# ---- the jobs index: a trainer's writes to it hide no job -----------------------------------------
+INDEX_HOSTILE = {
+    # created first with another type (a fresh deployment, Redis restarted empty)
+    "index_is_a_stream": (lambda r, p: r.xadd(keys.jobs_key(p), {"x": "1"}), "wrong_type"),
+    "index_is_a_hash": (lambda r, p: r.hset(keys.jobs_key(p), "x", "1"), "wrong_type"),
+    # flooded with names that are no job's, dated ahead (the agents and the watcher take at most
+    # 20 names here)
+    "index_flooded": (
+        lambda r, p: r.zadd(keys.jobs_key(p), {f"fake{i:03d}": 4e9 for i in range(50)}),
+        "index_cut",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_HOSTILE))
+def test_a_jobs_index_a_trainer_broke_or_flooded_hides_no_job_from_the_agents(
+    shared, prefix, clean_victim, monkeypatch, case
+):
+    from .. import test_ledger_faults_property as harness
+
+    # the trainers go on when their ZADD is refused, as the reporter does (events went through)
+    monkeypatch.setattr(
+        harness, "send_entries", lambda *a, **kw: send_entries(*a, **kw, raise_on_error=False)
+    )
+    write, reason = INDEX_HOSTILE[case]
+    write(shared, prefix)
+    a = victim_job()
+    run = Run(shared, prefix, a, [a], None)
+    for agent in run.agents:
+        agent.discovery.index.max_names = 20
+    run.run()
+    got = run.ledger(["a"])
+    assert got["a"] == clean_victim["a"], (case, got["a"], clean_victim["a"])
+    assert got["_unassigned"] == clean_victim["_unassigned"], case
+    agent = run.agents[0]
+    assert agent.refusals.counts[("", reason)] >= 1, agent.refusals.counts
+    assert agent.discovery.index.scans >= 1
+    assert not agent.stats["round_errors"] and not agent.stats["redis_errors"], (case, agent.stats)
+    text = generate_latest(registry_for(agent)).decode()
+    assert f'costexporter_data_rejected_total{{reason="{reason}",training_job=""}}' in text
 
 
 # ---- the watcher: the agent's registration rules, one bad entry never sets a job aside ----------
@@ -241,6 +293,54 @@ def test_the_watcher_refuses_registrations_as_the_agent_does_and_judges_every_jo
         text = generate_latest(watch_registry(w)).decode()
         assert 'costexporter_registrations_rejected_total{reason="bad_ts",training_job="odd"} 3.0' in text
         assert 'costexporter_data_rejected_total{reason="wrong_type",training_job="streamed"} 1.0' in text
+    finally:
+        w.stop()
+
+
+def _watched(prefix: str, now: float, job: str = "good") -> None:
+    r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    events = [_event(job, 0, 0, "run", now - 30, state="start")]
+    events += [_event(job, 0, k, "step", now - 30 + 2 * k, step=k) for k in range(1, 10)]
+    send_entries(r, prefix, job, events, raise_on_error=False)
+    r.hset(keys.ranks_key(prefix, job), "0", json.dumps({"ts": now - 30, "host": "h0", "gpu": 0}))
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_HOSTILE))
+def test_a_watcher_finds_every_job_whatever_a_trainer_wrote_to_the_jobs_index(shared, prefix, case):
+    from costexporter.services.exporter import watch_registry
+    from costexporter.services.watcher import WatchConfig, Watcher
+
+    now = time.time()
+    write, reason = INDEX_HOSTILE[case]
+    write(shared, prefix)  # before any job: the trainers' ZADDs are refused from then on
+    _watched(prefix, now)
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix, clock=lambda: now))
+    w.index.max_names = 20
+    try:
+        decided = w.poll()
+        assert w.redis_up and "good" in decided and decided["good"].state == "running", decided
+        assert not any(j.startswith("fake") for j in decided), sorted(decided)  # no ranks key: no job
+        assert w.refusals.counts[("", reason)] >= 1, w.refusals.counts
+        text = generate_latest(watch_registry(w)).decode()
+        assert f'costexporter_data_rejected_total{{reason="{reason}",training_job=""}}' in text
+    finally:
+        w.stop()
+
+
+def test_a_score_a_trainer_set_in_the_jobs_index_drops_no_watched_job(shared, prefix):
+    from costexporter.services.watcher import WatchConfig, Watcher
+
+    now = time.time()
+    _watched(prefix, now, "quiet")  # quiet since its last step, 12 s ago: a hang to be told
+    clock = [now]
+    w = Watcher(WatchConfig(redis_url=SHARED_URL, prefix=prefix, clock=lambda: clock[0]))
+    try:
+        assert "quiet" in w.poll()
+        shared.zadd(keys.jobs_key(prefix), {"quiet": 0})  # a rogue trainer's ZADD (no GT)
+        clock[0] = now + 600
+        decided = w.poll()
+        assert "quiet" in decided, decided  # judged from its own events, not the score
+        assert decided["quiet"].state != "unknown", decided["quiet"]
     finally:
         w.stop()
 
