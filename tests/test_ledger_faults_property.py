@@ -116,6 +116,10 @@ ROGUE = {
     "ts_1e300": lambda r, p, a: r.hset(
         keys.ranks_key(p, "bad"), "0", json.dumps({"ts": 1e300, "host": "node0", "gpu": 0})
     ),
+    # GPU 0 by host + index only, dated inside a's run (a holds it by its UUID): refused
+    "gpu_held": lambda r, p, t0: r.hset(
+        keys.ranks_key(p, "bad"), "0", json.dumps({"ts": t0 + 1, "host": "node0", "gpu": 0})
+    ),
 }
 WRONG_TYPE = {  # a key of job a only the agents write -> written first as another type
     "wm": lambda r, p: r.hset(keys.watermark_key(p, "a", "node0"), "x", "1"),
@@ -170,6 +174,8 @@ def scenarios(draw):
 class Run:
     """Drive agents round by round on a data clock; post events when their time (+ delay) comes."""
 
+    redis_url = "redis://127.0.0.1:6379/0"  # the agents' Redis (a test's private server: its own)
+
     def __init__(self, client, prefix: str, a: TraceBuilder, jobs: list[TraceBuilder], faults: dict | None):
         self.client, self.prefix, self.samples, self.now = client, prefix, a.samples(), 0.0
         self.faults = faults or {}
@@ -218,6 +224,7 @@ class Run:
         return Agent(
             ReplaySource(self.samples if samples is None else samples, clock=clock),
             AgentConfig(
+                redis_url=self.redis_url,
                 prefix=self.prefix,
                 agent_id="node0",
                 job_refresh_s=0,
@@ -229,7 +236,7 @@ class Run:
     def prepare(self) -> None:
         """The hostile writes the faults name, before the agents' first round."""
         if self.faults.get("rogue"):
-            ROGUE[self.faults["rogue"]](self.client, self.prefix, None)
+            ROGUE[self.faults["rogue"]](self.client, self.prefix, self.t0)
             self.client.zadd(keys.jobs_key(self.prefix), {"bad": 0})  # sorted first
         if self.faults.get("wrong_type_key"):
             WRONG_TYPE[self.faults["wrong_type_key"]](self.client, self.prefix)
@@ -276,6 +283,8 @@ class Run:
             if rounds == self.faults.get("restart_at"):
                 self.agents[0] = self._agent()  # killed: its memory is gone
             self.tick()
+            if "after_round" in self.faults:  # a test's own fault (Redis restarted empty, ...)
+                self.faults["after_round"](self, rounds)
         for _ in range(3):
             self.tick()
 
@@ -368,6 +377,7 @@ def offline(a: TraceBuilder, jobs: list[TraceBuilder]) -> dict:
 @example(build(2, 1, [("compute", 60, 5)], None, {"rogue": "ranks_stream", "wrong_type_key": "wm"}))
 @example(build(1, 1, [("compute", 60, 5)], None, {"rogue": "deep_json", "wrong_type_key": "readers"}))
 @example(build(2, 1, [("compute", 60, 5)], (5, 30), {"rogue": "ts_1e300", "wrong_type_key": "total"}))
+@example(build(2, 1, [("compute", 60, 5)], (5, 30), {"rogue": "gpu_held", "restart_at": 3}))
 @example(build(1, 1, [("compute", 90, 4)], None, {"wrong_type_key": "fold", "twin_host": True}))
 @example(build(2, 1, [("compute", 90, 4)], None, {"wrong_type_key": "rbidx", "startup_phase": True}))
 @example(build(2, 2, [("compute", 120, 4)], None, {"clock_steps": ((30, 300), (55, -300)), "restart_at": 4}))

@@ -128,6 +128,7 @@ class JobDiscovery:
         for name in names:
             pipe.hgetall(ranks_key(self.prefix, name))
         fresh, retry = [False], False
+        claims: list[tuple[AgentJob, protocol.Registration, int]] = []
         for name, ranks in zip(names, pipe.execute(raise_on_error=False) if names else [], strict=True):
             if isinstance(ranks, Exception):
                 if not untrusted.is_wrong_type(ranks):
@@ -137,12 +138,24 @@ class JobDiscovery:
                 )
                 continue
             try:
-                self._discover_job(name, ranks, node_gpus, fresh)
+                claims += self._discover_job(name, ranks, node_gpus)
             except self._redis_errors as e:
                 if not untrusted.is_wrong_type(e):
                     raise
                 self._wrong_type(name, e)
                 retry = True  # its keys set aside: looked at again next round
+        # The claims of this node's GPUs, those naming the GPU's UUID first, then by time: which job
+        # the index lists first (a trainer's ZADD decides that) never decides who holds a GPU.
+        uuids = {g: gpu.uuid for g, gpu in enumerate(self.source.gpus())}
+        claims.sort(key=lambda c: (c[1].gpu_uuid != uuids.get(c[2]), c[1].ts_ms, c[0].name, c[1].rank))
+        for job, reg, g in claims:
+            try:
+                self._claim(job, reg, g, fresh)
+            except self._redis_errors as e:
+                if not untrusted.is_wrong_type(e):
+                    raise
+                self._wrong_type(job.name, e)
+                retry = True
         for job in self.jobs.values():
             hosts: dict[str, list[int]] = {}
             for r, peer in sorted(job.ranks.items()):
@@ -157,8 +170,11 @@ class JobDiscovery:
         self._reg_version = self._reg_read if settled else "?"
         self._reg_prev = self._reg_read
 
-    def _discover_job(self, name: str, ranks: dict[str, str], node_gpus: GpuIndex, fresh: list[bool]) -> None:
-        """One job's registrations read: the ranks on this node's GPUs become the job's own."""
+    def _discover_job(
+        self, name: str, ranks: dict[str, str], node_gpus: GpuIndex
+    ) -> list[tuple[AgentJob, protocol.Registration, int]]:
+        """One job's registrations read; returns its ranks on this node's GPUs not yet its own,
+        for `_claim` once every job's are read."""
         job = self.jobs.get(name)
         regs = []
         for rank_s, raw in ranks.items():
@@ -170,9 +186,10 @@ class JobDiscovery:
             g = node_gpus.find(reg.gpu_uuid, reg.host, reg.gpu)
             regs.append((reg, g))
         if job is None and all(g is None for _reg, g in regs):
-            return  # no GPU of this node: not this agent's job
+            return []  # no GPU of this node: not this agent's job
         # Every rank of the job, the other hosts' too (whatever order the hash gives them):
         # their samples are read, and this agent's shared, only for ranks it knows of.
+        claims = []
         for reg, g in regs:
             if job is None:
                 job = self.jobs[name] = AgentJob(name, EventReader(self.redis, name, prefix=self.prefix))
@@ -185,17 +202,23 @@ class JobDiscovery:
                 reg = dataclasses.replace(reg, ts_ms=min(old.ts_ms, reg.ts_ms))
             job.ranks[reg.rank] = reg
             if g is not None and reg.rank not in job.own:
-                if self._claim_refused(job, reg, g):
-                    continue
-                if not fresh[0]:  # a twin agent may have booked `_unassigned` further
-                    self.unassigned.load(ahead_only=True)
-                    fresh[0] = True
-                job.own[reg.rank] = g
-                job.floors[reg.rank] = self._booked_elsewhere(g, job)
+                claims.append((job, reg, g))
+        return claims
+
+    def _claim(self, job: AgentJob, reg: protocol.Registration, g: int, fresh: list[bool]) -> None:
+        """The rank's GPU made the job's own, unless another job holds it by its UUID."""
+        if self._claim_refused(job, reg, g):
+            return
+        if not fresh[0]:  # a twin agent may have booked `_unassigned` further
+            self.unassigned.load(ahead_only=True)
+            fresh[0] = True
+        job.own[reg.rank] = g
+        job.floors[reg.rank] = self._booked_elsewhere(g, job)
 
     def _claim_refused(self, job: AgentJob, reg: protocol.Registration, gpu: int) -> bool:
-        """A registration that names this GPU by host and index only, while another job that has
-        not ended holds it by its UUID: refused (counted, logged), the holder keeps it. A
+        """A registration that names this GPU by host and index only, dated while another job
+        holds it by its UUID (that job had not ended): refused (counted, logged), the holder keeps
+        it, also after it ends. A
         trainer could otherwise move another job's GPU time to itself by naming the GPU's index;
         a real successor reads the UUID (the reporter does) and takes over as usual."""
         uuids = self.source.gpus()
@@ -203,8 +226,8 @@ class JobDiscovery:
         if not uuid_ or reg.gpu_uuid == uuid_:
             return False
         for other in self.jobs.values():
-            if other is job or other.end_ms is not None:
-                continue
+            if other is job or (other.end_at is not None and other.end_at <= reg.ts_ms):
+                continue  # (a registration dated inside the holder's run stays refused after it)
             for r, g in other.own.items():
                 held = other.ranks.get(r)
                 if g == gpu and held is not None and held.gpu_uuid == uuid_ and held.ts_ms <= reg.ts_ms:

@@ -10,6 +10,7 @@ real (the FastAPI app over HTTP through its test client).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 
@@ -67,6 +68,46 @@ def test_a_phase_named_startup_keeps_rollbacks_exact_after_the_stream_is_trimmed
         assert got == expected, (name, got, expected)
         assert expected["rolled_back"] >= 2 * 290_000, expected  # the resume voided ~300 s on 2 GPUs
         assert not any(ag.stats["timeline_rebuilds"] for ag in run.agents), name
+
+
+def test_a_phase_named_startup_keeps_the_ledger_exact_across_redis_restarted_empty(tmp_path):
+    # A private redis-server, killed with its AOF removed while job st runs (after the agent read
+    # its phase and its resume): the ledger before plus the ledger after is the job's, whatever
+    # the phase's name.
+    from ..redis_server import RedisServer
+    from ..test_agent import event_entry
+
+    server = RedisServer(tmp_path / "redis").start()
+    got = {}
+    try:
+        for name in ("startup", "warmup"):
+            b = startup_phase_job(name)
+            client, prefix = server.client(), f"ce-{name}"
+            before: dict = {}
+
+            def restart(run: Run, rounds: int, b=b, prefix=prefix, before=before) -> None:
+                if rounds != 32:  # trace second 480: the phase (410-430 s) and the resume are read
+                    return
+                before.update(ledger.net_ms(ledger.read_amounts(run.client, prefix, b.job)))
+                server.kill()
+                shutil.rmtree(tmp_path / "redis" / "appendonlydir", ignore_errors=True)
+                server.start()  # empty
+                # the reporters find their job gone from the index and register again
+                regs = [event_entry(e) for e in b.events if e.type == "register"]
+                send_entries(run.client, prefix, b.job, regs)
+
+            run = Run(client, prefix, b, [b], {"after_round": restart})
+            run.redis_url = server.url
+            run.agents = [run._agent()]
+            run.run()
+            after = ledger.net_ms(ledger.read_amounts(client, prefix, b.job))
+            assert before and any(after.values()), (name, before, after)  # both lives booked
+            got[name] = {c: before.get(c, 0) + after.get(c, 0) for c in after}
+            assert sum(ag.stats["epoch_resets"] for ag in run.agents) >= 1, name
+    finally:
+        server.stop()
+    expected, _ = offline_ms(startup_phase_job("startup"))
+    assert got["startup"] == got["warmup"] == expected, got
 
 
 # ---- one trainer's data never stops booking for the others --------------------------------------
@@ -188,6 +229,26 @@ def test_a_rogue_trainers_data_never_stops_or_skews_booking_for_another_job(
         text = generate_latest(registry_for(agent)).decode()
         assert 'costexporter_data_rejected_total{reason="gpu_held",training_job="bad"}' in text
     assert not agent.stats["round_errors"] and not agent.stats["redis_errors"], (case, agent.stats)
+
+
+def test_a_gpu_claimed_by_index_stays_its_uuid_holders_whichever_job_is_read_first(
+    shared, prefix, clean_victim
+):
+    # The rogue posts nothing but its claim, sorted first in the jobs index: discovery reads it
+    # before the victim's registration (in the same round), and the order must not decide.
+    a = victim_job()
+    run = Run(shared, prefix, a, [a], None)
+    HOSTILE["claims_a_held_gpu"](shared, prefix, a)
+    shared.zadd(keys.jobs_key(prefix), {"bad": 0})
+    run.run()
+    got = run.ledger(["a", "bad"])
+    assert got["a"] == clean_victim["a"], (got["a"], clean_victim["a"])
+    u = ledger.load_watermark(shared, prefix, ledger.UNASSIGNED_JOB, "node0")["booked_until"]
+    booked = sum(got["a"].values()) + sum(got["bad"].values()) + got["_unassigned"]
+    assert booked == 3 * (u - int(a.t0 * 1000)), got  # every GPU-ms of the node once
+    # refused for good: dated inside a's run, the claim is not honoured once a has ended either
+    assert not any(got["bad"].values()) and got["_unassigned"] == clean_victim["_unassigned"], got
+    assert run.agents[0].refusals.counts[("bad", "gpu_held")] >= 1, run.agents[0].refusals.counts
 
 
 # ---- the jobs index: a trainer's writes to it hide no job -----------------------------------------
