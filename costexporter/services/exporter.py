@@ -477,7 +477,9 @@ def data_rejected(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
         "costexporter_data_rejected",
         "Stored values of a job refused (a key of the wrong type, a GPU claimed from the job that "
         "holds it, ...), by job and reason: that job's data is skipped, the other jobs go on. "
-        "training_job is empty for keys across jobs (the jobs index, the registrations counter).",
+        "training_job is empty for keys across jobs (the jobs index, the registrations counter; "
+        "index_cut: the jobs index held more names than a round takes, the jobs' ranks keys "
+        "were scanned instead).",
         labels=["training_job", "reason"],
     )
     for (job, reason), n in sorted(counts.items()):
