@@ -241,6 +241,34 @@ def test_the_watcher_polls_and_writes_its_state_and_nothing_else(server, booked)
     admin.execute_command("ACL", "DELUSER", user)
 
 
+def test_the_agent_and_the_watcher_scan_for_jobs_under_their_rules(server, booked):
+    # The jobs index refused (here: any name is over the bound): both find the jobs by SCAN of
+    # the ranks keys (the watcher reads each one's newest entry too), with no command denied.
+    import logging
+
+    from costexporter.store import untrusted
+    from costexporter.store.jobindex import JobIndex
+
+    admin = server.client()
+    job = booked["b"].job
+    agent_user, agent_pw = booked["agent"]
+    denied_before = [(e["object"], e["count"]) for e in acl_denials(admin, agent_user)]
+    user, pw = setuser(admin, "watcher")
+    w = Watcher(WatchConfig(redis_url=url_as(server, user, pw), prefix=PREFIX, forget_after_s=1e12))
+    w.index.max_names = 0
+    try:
+        got = w.poll()
+    finally:
+        w.stop()
+    assert got[job].state == "done" and w.index.scans == 1, (got, w.index.scans)
+    refusals = untrusted.Refusals(logging.getLogger("test"))
+    index = JobIndex(client_as(server, agent_user, agent_pw), PREFIX, refusals, (redis.RedisError,), 0)
+    assert index.names() == [job] and refusals.counts[("", "index_cut")] == 1
+    assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
+    assert [(e["object"], e["count"]) for e in acl_denials(admin, agent_user)] == denied_before
+    admin.execute_command("ACL", "DELUSER", user)
+
+
 def test_the_api_answers_under_a_read_only_rule_that_refuses_every_write(server, booked):
     admin = server.client()
     job = booked["b"].job
@@ -348,3 +376,5 @@ def test_every_write_a_service_should_not_make_is_refused(server, booked, role):
     assert tried >= len(foreign) * len(granted) - len(foreign)
     assert {k: admin.dump(k) for k in lasting} == before  # nothing changed
     admin.execute_command("ACL", "DELUSER", user)
+
+

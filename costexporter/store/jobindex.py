@@ -7,7 +7,7 @@ with names. Neither may stop discovery for the other jobs: an index of the wrong
 holding more than `max_names` names, is refused (counted under an empty job: `wrong_type`,
 `index_cut`) and the jobs are found by a `SCAN` over `<prefix>:t:{*}:ranks` instead, each job's
 own key, which a trainer scoped to its job cannot forge for another. The scan is bounded (at
-most `max_names` names, cut counted) and kept `scan_every_s`. An index score is never a reason
+most `max_scanned` names, cut counted) and kept `scan_every_s`. An index score is never a reason
 to drop a job: it only picks which jobs to look at first.
 """
 
@@ -38,6 +38,7 @@ class JobIndex:
         refusals: untrusted.Refusals,
         redis_errors: tuple[type[BaseException], ...],
         max_names: int = MAX_INDEX_NAMES,
+        max_scanned: int = MAX_INDEX_NAMES,
         scan_every_s: float = SCAN_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -45,7 +46,8 @@ class JobIndex:
         self.prefix = prefix
         self.refusals = refusals
         self._redis_errors = redis_errors
-        self.max_names = max_names
+        self.max_names = max_names  # names taken from the index
+        self.max_scanned = max_scanned  # ... and from a scan
         self.scan_every_s = scan_every_s
         self._clock = clock
         self._scanned: list[str] = []
@@ -82,7 +84,7 @@ class JobIndex:
         return list(got)
 
     def scanned(self) -> list[str]:
-        """Every job that has a ranks key (at most `max_names`, cut counted), kept `scan_every_s`."""
+        """Every job that has a ranks key (at most `max_scanned`, cut counted), kept `scan_every_s`."""
         now = self._clock()
         if self._scanned_at is not None and now - self._scanned_at < self.scan_every_s:
             return list(self._scanned)
@@ -91,9 +93,9 @@ class JobIndex:
         found: list[str] = []
         for k in self.redis.scan_iter(match=pattern, count=1000):
             k = k.decode() if isinstance(k, bytes) else k
-            if len(found) >= self.max_names:
+            if len(found) >= self.max_scanned:
                 self.refusals.refuse(
-                    "", "index_cut", "more than %d jobs' ranks keys: the scan is cut", self.max_names
+                    "", "index_cut", "more than %d jobs' ranks keys: the scan is cut", self.max_scanned
                 )
                 break
             found.append(k[len(head[0]) : len(k) - len(head[1])])
