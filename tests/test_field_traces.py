@@ -130,6 +130,12 @@ SWEEP = (
     # edge of the minute it is gone.
     + [("h100-gpu7", s, {"vanish": (7, 200.0, 60.0)}) for s in (4, 22, 24)]
     + [("h100-gpu0", s, {"vanish": (0, 200.0, 60.0)}) for s in (0, 22)]
+    + [("a100-gpu5", 53, {"levels": A100_LEVELS, "vanish": (5, 100.0, 60.0)})]  # GPUs alike in power
+    # Two GPUs, one gone: instants of one line, each a start (not a burst every other line).
+    + [
+        ("titan-x-2gpu", s, {"levels": TITAN_X_LEVELS, "n_gpus": 2, "vanish": (1, 55.0, 60.0)})
+        for s in (0, 3, 4)
+    ]
 )
 
 

@@ -11,8 +11,11 @@ Timestamps instead say where counting may have slipped. Instants begin after a p
 sampling interval; in a steady file they begin every N lines. A pause where counting says none
 belongs is a burst or a jittered stamp when the instants after it begin where counting says
 again; when they keep beginning elsewhere, lines were lost (or a GPU stopped answering, and the
-instants are one line shorter for a while). Counting then restarts there, and the lines between
-are placed by what each GPU's own readings say: its memory.used and power change little from
+instants are one line shorter for a while; where the starts such a count expects stop showing,
+the GPU is back). An instant start an early-stamped GPU 0 line hides (its pause is one line late
+and shorter) is not held against a count. Counting then restarts there, the boundary moves by
+whole blocks to where each GPU's readings continue, and the lines between are placed by what
+each GPU's own readings say: its memory.used and power change little from
 one instant to the next, so the lines of a short instant (or of a stretch where one GPU is
 missing) go to the GPUs whose readings they continue. A line whose GPU the readings do not tell
 apart from another is not placed: it is counted and said, never given to a GPU by guess.
@@ -39,6 +42,7 @@ BURST_BLOCKS = 6
 # placement must be than the next (in units of a typical step of a GPU's own readings).
 COMPARE_INSTANTS = 3
 PLACE_MARGIN = 1.5
+REF_BLOCKS = 4  # a GPU's readings before a segment: the median of this many blocks
 REFINE_BLOCKS = 6  # how many blocks a boundary may move by the readings (as BURST_BLOCKS)
 POWER_STEP_W, POWER_STEP_SHARE = 15.0, 0.05  # a GPU's power moves about this much per instant
 MEMORY_STEP_MIB, MEMORY_STEP_SHARE = 4.0, 0.0002  # ... and its memory.used this much
@@ -178,7 +182,7 @@ def _segments(
     beginning off the count (lines lost, or a GPU not answering: then n is the new usual block).
     nvidia-smi begins a file with an instant's first GPU. `hints`: slots one line after an
     instant start the stamps hide (an early-stamped GPU 0 line)."""
-    hidden = np.union1d(starts, hints - 1) if hints is not None and hints.size else starts
+    hidden = np.union1d(starts, np.union1d(hints, hints - 1)) if hints is not None and hints.size else starts
     out: list[tuple[int, int, int]] = []
     a, n, i = 0, n_gpus, 0
     if starts[-1] < n_slots:  # the file's end is where the next instant would begin
@@ -199,10 +203,21 @@ def _segments(
             & (next_on - prev_on == 2)
             & (rest[np.minimum(next_on, rest.size - 1)] - rest[np.maximum(prev_on, 0)] <= BURST_BLOCKS * n)
         )
+        # Bursts are rare: off-count starts every other start (instants of one line fewer than
+        # counted, as when one of two GPUs stops answering) are not bursts.
+        if burst.size > 2:
+            near = np.zeros(burst.size, bool)
+            near[2:] |= burst[:-2]
+            near[:-2] |= burst[2:]
+            burst &= ~near
         off = np.flatnonzero(~on & ~burst & (j + 1 < rest.size))
-        if off.size == 0:
+        k = i + int(off[0]) if off.size else starts.size
+        if n < n_gpus:  # a GPU back: the count expects starts that no longer show
+            gone = _starts_stop(hidden, a, n, int(starts[k - 1]) if k < starts.size else n_slots)
+            if gone is not None:
+                k = int(np.searchsorted(starts, gone))
+        if k >= starts.size - 1:
             break
-        k = i + int(off[0])
         b = int(starts[k])
         # Where counting restarts and in blocks of how many: of b, the starts just after it and
         # the places the old count reaches (a GPU that stopped answering right after a burst),
@@ -241,6 +256,25 @@ def _segments(
         i = max(k + 1, int(np.searchsorted(starts, new_a, "right")))
     out.append((a, n_slots, n))
     return [s for s in out if s[1] > s[0]]
+
+
+def _starts_stop(hidden: np.ndarray, a: int, n: int, until: int) -> int | None:
+    """Where a count of n-line blocks from slot `a` stops matching the stamps before `until`:
+    the first missing start of the first 2 x CONFIRM_STARTS starts it expects of which at least
+    CONFIRM_STARTS do not show (hidden ones included; instants of 2 lines counted as 1 miss
+    every other start), if any."""
+    expect = np.arange(a + n, until, n)
+    w = 2 * CONFIRM_STARTS
+    if expect.size < w:
+        return None
+    at = np.minimum(np.searchsorted(hidden, expect), hidden.size - 1)
+    missing = hidden[at] != expect
+    run = np.convolve(missing.astype(np.int64), np.ones(w, np.int64), "valid")
+    hit = np.flatnonzero(run >= CONFIRM_STARTS)
+    if not hit.size:
+        return None
+    first = int(hit[0]) + int(np.argmax(missing[hit[0] : hit[0] + w]))
+    return int(expect[first])
 
 
 def _mappings(
@@ -376,15 +410,16 @@ def _combined(refs: np.ndarray) -> np.ndarray:
 
 def _block_before(
     segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None], k: int, a: int
-) -> tuple[int, int, np.ndarray] | None:
+) -> tuple[int, int, np.ndarray, int] | None:
     """A full block before slot `a` whose GPUs are known: (first slot, size, GPUs); a few blocks
-    back where there are (the stamps may have put the boundary a few blocks late)."""
+    back where there are (the stamps may have put the boundary a few blocks late), and the first
+    slot of its segment."""
     for j in range(k - 1, -1, -1):
         a0, b0, n0 = segments[j]
         mp = mapping[j]
         full = (b0 - a0) // n0
         if mp is not None and full:
-            return a0 + (full - 1 - min(full - 1, REFINE_BLOCKS)) * n0, n0, mp
+            return a0 + (full - 1 - min(full - 1, REFINE_BLOCKS)) * n0, n0, mp, a0
     return None
 
 
@@ -415,7 +450,7 @@ def _choose_mapping(
     n_gpus: int,
     p: np.ndarray,
     m: np.ndarray,
-    prev: tuple[int, int, np.ndarray] | None,
+    prev: tuple[int, int, np.ndarray, int] | None,
 ) -> np.ndarray | None:
     """The GPUs of a stretch whose instants have n < N lines (a GPU not answering): the n of N,
     in order, whose readings before the stretch its first instants continue best; None when no
@@ -423,9 +458,12 @@ def _choose_mapping(
     if prev is None:
         return None
     ref = np.full((n_gpus, 2), np.nan)
-    p0, n0, mp0 = prev
-    ref[mp0, 0] = p[p0 : p0 + n0]
-    ref[mp0, 1] = m[p0 : p0 + n0]
+    p0, n0, mp0, a0 = prev
+    # The median of a few blocks: one block's power is too noisy a reference where GPUs draw
+    # alike (memory.used then tells them apart).
+    firsts = [p0 - j * n0 for j in range(REF_BLOCKS) if p0 - j * n0 >= a0]
+    ref[mp0, 0] = np.median(np.stack([p[f : f + n0] for f in firsts]), axis=0)
+    ref[mp0, 1] = np.median(np.stack([m[f : f + n0] for f in firsts]), axis=0)
     k = min((b - a) // n, COMPARE_INSTANTS)
     if k == 0:
         return None
