@@ -182,7 +182,14 @@ def _segments(
     beginning off the count (lines lost, or a GPU not answering: then n is the new usual block).
     nvidia-smi begins a file with an instant's first GPU. `hints`: slots one line after an
     instant start the stamps hide (an early-stamped GPU 0 line)."""
-    hidden = np.union1d(starts, np.union1d(hints, hints - 1)) if hints is not None and hints.size else starts
+    extra = [] if hints is None else [hints, hints - 1]
+    hidden_: list[np.ndarray] = []
+
+    def hidden() -> np.ndarray:  # sorted (repeats do no harm): needed only where counting slips
+        if not hidden_:
+            hidden_.append(np.sort(np.concatenate([starts, *extra])))
+        return hidden_[0]
+
     out: list[tuple[int, int, int]] = []
     a, n, i = 0, n_gpus, 0
     if starts[-1] < n_slots:  # the file's end is where the next instant would begin
@@ -213,7 +220,7 @@ def _segments(
         off = np.flatnonzero(~on & ~burst & (j + 1 < rest.size))
         k = i + int(off[0]) if off.size else starts.size
         if n < n_gpus:  # a GPU back: the count expects starts that no longer show
-            gone = _starts_stop(hidden, a, n, int(starts[k - 1]) if k < starts.size else n_slots)
+            gone = _starts_stop(hidden(), a, n, int(starts[k - 1]) if k < starts.size else n_slots)
             if gone is not None:
                 k = int(np.searchsorted(starts, gone))
         if k >= starts.size - 1:
@@ -242,8 +249,9 @@ def _segments(
                 unseen = 0
                 if seen.size:
                     expect = np.arange(c + size, int(seen[-1]) + 1, size)
-                    at = np.minimum(np.searchsorted(hidden, expect), hidden.size - 1)
-                    unseen = int((hidden[at] != expect).sum())
+                    hid = hidden()
+                    at = np.minimum(np.searchsorted(hid, expect), hid.size - 1)
+                    unseen = int((hid[at] != expect).sum())
                 score = (
                     on_count - (seen.size - on_count) - unseen + 3 * (size == n)
                 )  # inertia: keep the block size
