@@ -190,64 +190,77 @@ return out
 # Windows of many jobs from their rollups (ledger.ROLLUP_ADD) and step sets, in one call.
 # KEYS: per job its rollup state, rollup records, steps, voids and (with meta) meta.
 # ARGV: the number of windows, '1' to read meta, '1' to read tokens, then each window's start
-# and end. Reply per job, flat: meta (a flat HGETALL; false: not a hash; 0: not read), the
-# rollup's state ('1' usable), its price version, then per window: the record of the last bucket
-# before the end ('' if none; false if the rollup is unusable), that before the start, and the
-# steps: STEPS_WINDOW's six values with tokens, else the two counts (the first false if the
-# sets are not sorted sets). Records are returned as stored: the API subtracts them (exact integers, and
-# no JSON decoding inside Redis).
+# and end. Reply: one flat list, per job the same number of values (`_per_job`): meta (a flat
+# HGETALL; false: not a hash; 0: not read), the rollup's state ('1' usable), its price version,
+# then per window: the record of the last bucket before the end ('' if none; false if the rollup
+# is unusable), that before the start, and the steps: STEPS_WINDOW's six values with tokens, else
+# the two counts (the first false if the sets are not sorted sets). Records are returned as
+# stored: the API subtracts them (exact integers, and no JSON decoding inside Redis). Flat, with
+# no table per job or window and a window's start record taken from the window before when they
+# share the bound: most of a call's time is Lua's, not the commands'.
 ROLLUP_WINDOWS = r"""
 local nwin, with_meta, with_tokens = tonumber(ARGV[1]), ARGV[2] == '1', ARGV[3] == '1'
 local per = with_meta and 5 or 4
+local w, width = with_tokens and 3 or 1, with_tokens and 6 or 2
 local S, E, oS, oE = {}, {}, {}, {}  -- each window's bounds, and as exclusive ZRANGE bounds
 for i = 1, nwin do
   S[i], E[i] = ARGV[2 + 2 * i], ARGV[3 + 2 * i]
   oS[i], oE[i] = '(' .. S[i], '(' .. E[i]
 end
--- redis.pcall, not pcall: a key of the wrong type answers an error reply, caught cheaply
-local function bad(x) return type(x) == 'table' and x.err ~= nil end
-local function last(k, ot)
-  return redis.pcall('ZREVRANGEBYSCORE', k, ot, '-inf', 'LIMIT', 0, 1)
-end
-local out = {}
-for j = 0, #KEYS / per - 1 do
-  local st, cum, ks, kv = KEYS[j * per + 1], KEYS[j * per + 2], KEYS[j * per + 3], KEYS[j * per + 4]
-  local r = {0, '', ''}
+-- redis.pcall, not pcall: a key of the wrong type answers an error reply (a table with `err`)
+local pc = redis.pcall
+local out, n = {}, 0
+for b = 0, #KEYS - per, per do
+  local cum, ks, kv = KEYS[b + 2], KEYS[b + 3], KEYS[b + 4]
+  local m = 0
   if with_meta then
-    local m = redis.pcall('HGETALL', KEYS[j * per + 5])
-    if bad(m) then r[1] = false else r[1] = m end
+    m = pc('HGETALL', KEYS[b + 5])
+    if m.err ~= nil then m = false end
   end
-  local h = redis.pcall('HMGET', st, 'v', 'pv')
-  local usable = not bad(h) and h[1] == '1' and h[2] ~= '\n'
-  if usable then r[2], r[3] = '1', h[2] or '' end
-  local voids = redis.pcall('EXISTS', kv) == 1  -- most jobs never voided a step
-  local memo = {}  -- adjacent windows share a bound: its record is looked up once
+  local h = pc('HMGET', KEYS[b + 1], 'v', 'pv')
+  local usable = h.err == nil and h[1] == '1' and h[2] ~= '\n'
+  out[n + 1] = m
+  if usable then out[n + 2], out[n + 3] = '1', h[2] or '' else out[n + 2], out[n + 3] = '', '' end
+  n = n + 3
+  local voids = pc('EXISTS', kv) == 1  -- most jobs never voided a step
+  local pe, pa = nil, nil  -- the window before's end and its record
   for i = 1, nwin do
     local re, rs = false, false
     if usable then
-      local a, b = memo[E[i]] or last(cum, oE[i]), memo[S[i]] or last(cum, oS[i])
-      memo[E[i]], memo[S[i]] = a, b
-      if not bad(a) and not bad(b) then re, rs = a[1] or '', b[1] or '' end
+      local a = pc('ZREVRANGEBYSCORE', cum, oE[i], '-inf', 'LIMIT', 0, 1)
+      local r0 = S[i] == pe and pa or pc('ZREVRANGEBYSCORE', cum, oS[i], '-inf', 'LIMIT', 0, 1)
+      pe, pa = E[i], a
+      if a.err == nil and r0.err == nil then re, rs = a[1] or '', r0[1] or '' end
     end
-    r[#r + 1], r[#r + 2] = re, rs
-    local st = with_tokens and {0, '', '', 0, '', ''} or {0, 0}
-    local w = with_tokens and 3 or 1
+    out[n + 1], out[n + 2] = re, rs
+    n = n + 2
+    if with_tokens then
+      out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5], out[n + 6] = 0, '', '', 0, '', ''
+    else
+      out[n + 1], out[n + 2] = 0, 0
+    end
     for v = 0, (voids and 1 or 0) do
       local k = v == 0 and ks or kv
-      local n = redis.pcall('ZCOUNT', k, S[i], oE[i])
-      if bad(n) then st[1] = false; break end
-      st[w * v + 1] = n
+      local c = pc('ZCOUNT', k, S[i], oE[i])
+      if type(c) == 'table' then out[n + 1] = false; break end
+      out[n + w * v + 1] = c
       if with_tokens then
-        st[3 * v + 2] = last(k, oE[i])[1] or ''
-        st[3 * v + 3] = last(k, oS[i])[1] or ''
+        out[n + 3 * v + 2] = pc('ZREVRANGEBYSCORE', k, oE[i], '-inf', 'LIMIT', 0, 1)[1] or ''
+        out[n + 3 * v + 3] = pc('ZREVRANGEBYSCORE', k, oS[i], '-inf', 'LIMIT', 0, 1)[1] or ''
       end
     end
-    for x = 1, #st do r[#r + 1] = st[x] end
+    n = n + width
   end
-  out[#out + 1] = r
 end
 return out
 """
+
+
+def _per_job(windows: int, tokens: bool) -> int:
+    """How many values ROLLUP_WINDOWS replies per job."""
+    return 3 + (8 if tokens else 4) * windows
+
+
 # Each job's team (KEYS: meta hashes): false where there is none or meta is not a hash.
 TEAMS = r"""
 local out = {}
@@ -624,11 +637,13 @@ class LedgerStore:
         """One chunk's replies of ROLLUP_WINDOWS as its meta and tables; `notes`: where its
         warnings go (meta, then per window the steps' and the exact path's)."""
         per_w = 8 if tokens else 4
+        k = _per_job(len(spans), tokens)
         replies: list[Any] = []
         for i, got in zip(range(0, len(jobs), self.batch), results, strict=True):
             if got is None:  # cannot happen short of an outage (which raises): read exactly
-                got = [[0, "", ""] + [False] * (per_w * len(spans))] * len(jobs[i : i + self.batch])
-            replies += got
+                replies += [[0, "", ""] + [False] * (per_w * len(spans))] * len(jobs[i : i + self.batch])
+            else:
+                replies += [got[x : x + k] for x in range(0, len(got), k)]
         metas = _metas(jobs, replies, notes[0]) if meta else {}
         out = []
         for w, (start, end) in enumerate(spans):
