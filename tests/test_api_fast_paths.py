@@ -116,3 +116,61 @@ def test_allocation_read_in_chunks_is_byte_identical(shared, monkeypatch, jobs, 
         assert all(code == 200 for code, _, _ in whole)
     finally:
         drop_prefix(shared, prefix)
+
+
+AMOUNT = st.one_of(st.integers(-(10**12), 10**12), st.integers(-3, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.lists(AMOUNT, min_size=30, max_size=30),  # a row of the table (ledger.PACKED)
+            st.integers(0, 60),  # steps completed
+            st.integers(0, 8),  # of them voided
+            st.sampled_from([None, "llm", "vision"]),
+            st.sampled_from([None, "cc-1", "cc-2"]),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    fields=st.sampled_from([["job"], ["team"], ["cost_center"], ["team", "cost_center"]]),
+)
+def test_table_rows_equal_the_rows_of_any_amounts(jobs, fields):
+    """`aggregate.table_rows` (column sums, money made in place) gives the dicts of
+    `aggregate.rows` (per-job `Amounts`, `micro` and `per_micro`) for any amounts, negative
+    ones (rollbacks past the window's charges) and jobs with more voided than valid steps
+    included."""
+    import numpy as np
+
+    from costexporter.api import aggregate as agg
+    from costexporter.store import ledger
+    from costexporter.store.ledger_read import Steps, WindowTable
+
+    assert len(ledger.PACKED) == 30
+    names = [f"job-{(n * 5) % 8}-{n}" for n in range(len(jobs))]
+    net = np.array([j[0] for j in jobs], np.int64)
+    versions = [{"v1"} if n % 2 else {"v2", "v1"} for n in range(len(jobs))]
+    steps = {name: Steps(c, v) for name, (_, c, v, _, _) in zip(names, jobs, strict=True)}
+    metas = {
+        name: {k: x for k, x in (("team", t), ("cost_center", cc)) if x}
+        for name, (_, _, _, t, cc) in zip(names, jobs, strict=True)
+    }
+    table = WindowTable(names, net, versions, steps)
+    s, e = BASE, BASE + 3600
+    got = agg.table_rows(table, metas, list(range(len(names))), fields, s, e)
+    parts = [agg.JobPart(j, metas[j], table.amounts(j), steps[j]) for j in names]
+    assert got == [r.model_dump() for r in agg.rows(parts, fields, s, e)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(prefix=st.text(min_size=1, max_size=12), job=st.text(max_size=20))
+def test_key_templates_make_the_builders_keys(prefix, job):
+    """The reader's keys made by concatenation are the key builders' keys, for any job name."""
+    from costexporter.store.ledger_read import key_templates
+
+    builders = [keys.rollup_state_key, keys.rollup_key, keys.steps_key, keys.voids_key, keys.meta_key]
+    if "\x00job\x00" in prefix:
+        return
+    made = [h + job + t for h, t in key_templates(prefix, builders)]
+    assert made == [k(prefix, job) for k in builders]

@@ -201,6 +201,9 @@ def table_rows(
     wasted_u = g[:, WASTED_U].sum(axis=1).tolist()
     s, e = iso(start), iso(end)
     steps = table.steps
+    # money as `micro` writes it, made here for the usual non-negative amounts (a call less per figure)
+    costs = [f"{u // 1_000_000}.{u % 1_000_000:06d}" if u >= 0 else micro(u) for u in cost_u]
+    wasted = [f"{u // 1_000_000}.{u % 1_000_000:06d}" if u >= 0 else micro(u) for u in wasted_u]
     out = []
     for n, (k, m) in enumerate(zip(keys, members, strict=True)):
         props = props_of[n]
@@ -231,10 +234,10 @@ def table_rows(
                 "valid_gpu_hours": hours[1][n],
                 "overhead_gpu_hours": hours[2][n],
                 "wasted_gpu_hours": hours[3][n],
-                "cost": micro(cost_u[n]),
-                "wasted_cost": micro(wasted_u[n]),
+                "cost": costs[n],
+                "wasted_cost": wasted[n],
                 "valid_steps": valid,
-                "cost_per_valid_step": per_micro(cost_u[n], valid),
+                "cost_per_valid_step": per_micro(cost_u[n], valid) if valid > 0 else None,
                 "start": s,
                 "end": e,
                 "properties": props,

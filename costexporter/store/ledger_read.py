@@ -11,7 +11,7 @@ null, a bucket field that is not a number, a key of the wrong type) is skipped a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -254,6 +254,22 @@ for b = 0, #KEYS - per, per do
 end
 return out
 """
+
+
+def key_templates(prefix: str, builders: list[Callable[[str, str], str]]) -> list[tuple[str, str]]:
+    """Each key builder's text before and after the job's name: a key is then one concatenation
+    (50,000 keys of a 10,000-job read made without 150,000 calls). Equal to the builders' keys
+    for every job name (tests/test_api_fast_paths.py)."""
+    out = []
+    for k in builders:
+        head, mark, tail = k(prefix, _MARK).partition(_MARK)
+        if not mark or _MARK in tail:
+            raise ValueError(f"key builder {k.__name__} does not hold the job's name once")
+        out.append((head, tail))
+    return out
+
+
+_MARK = "\x00job\x00"
 
 
 def _per_job(windows: int, tokens: bool) -> int:
@@ -592,7 +608,7 @@ class LedgerStore:
         # per job, in this order
         builders = [keys.rollup_state_key, keys.rollup_key, keys.steps_key, keys.voids_key]
         builders += [keys.meta_key] * meta
-        p = self.prefix
+        around = key_templates(self.prefix, builders)
 
         def read(i: int) -> list[Any]:
             part = jobs[i : i + CHUNK]
@@ -600,7 +616,7 @@ class LedgerStore:
                 return []
             pipe = self.r.pipeline(transaction=False)
             for b in range(0, len(part), self.batch):
-                names = [k(p, j) for j in part[b : b + self.batch] for k in builders]
+                names = [h + j + t for j in part[b : b + self.batch] for h, t in around]
                 self._windows(keys=names, args=args, client=pipe)
             return _run(pipe)
 
