@@ -11,7 +11,7 @@ null, a bucket field that is not a number, a key of the wrong type) is skipped a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -256,7 +256,7 @@ return out
 """
 
 
-def key_templates(prefix: str, builders: list[Callable[[str, str], str]]) -> list[tuple[str, str]]:
+def key_templates(prefix: str, builders: Sequence[Callable[[str, str], str]]) -> list[tuple[str, str]]:
     """Each key builder's text before and after the job's name: a key is then one concatenation
     (50,000 keys of a 10,000-job read made without 150,000 calls). Equal to the builders' keys
     for every job name (tests/test_api_fast_paths.py)."""
