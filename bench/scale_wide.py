@@ -8,7 +8,9 @@ the streams hold the whole booking context (2 x the checkpoint allowance + 60 s:
 and the agent's watermark sits at its end with its band window, as after a restart (the first
 round reads each peer's stream back to that window only). The trainer posts a step a second,
 and every rank its heartbeat every 10 s (the reporter's default; `--heartbeat 0`: none), spread
-over the 10 s as independent processes' are: a 4,096-GPU job posts ~410 heartbeats a second.
+over the 10 s as independent processes' are: a 4,096-GPU job posts ~410 heartbeats a second,
+into the job's heartbeat stream as the reporter sends them (`keys.beats_key`, which the agent
+does not read).
 
 Per width, in a fresh process: the first round (it reads and merges the whole context), then
 steady rounds of 5 s: `round` is the median thread CPU of the real `Agent.tick()`, `RSS` the
@@ -110,8 +112,8 @@ def _heartbeats(width: int, t0: float, t1: float, seqs: dict[int, int], every: f
         k = np.ceil((t0 - T0 - phase) / every)
         t = T0 + phase + k * every
         while t < t1:
-            seq = seqs.get(r, 1)  # after its register (seq 0)
-            seqs[r] = seq + 1
+            seq = seqs.get(-1 - r, 0)  # the heartbeats' own seqs (keyed apart from the events')
+            seqs[-1 - r] = seq + 1
             out.append(
                 protocol.encode_fields(
                     {"v": "1", "type": "heartbeat", "job": JOB, "ts": f"{t:.3f}", "rank": r,
@@ -173,6 +175,7 @@ def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = H
     from costexporter.services.agent import Agent, AgentConfig
     from costexporter.sources.playback import ReplaySource
     from costexporter.sources.synth import TraceBuilder
+    from costexporter.store.protocol import beats_cap
     from costexporter.trainer.reporter import send_entries
 
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -204,7 +207,8 @@ def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = H
         _publish(client, hosts, T0 + t, ROUND_S, rng)
         s1 = _stats(client)
         send_entries(client, PREFIX, JOB, _steps(t + 1, t + ROUND_S, seqs))
-        send_entries(client, PREFIX, JOB, _heartbeats(width, T0 + t, T0 + t + ROUND_S, seqs, heartbeat_s))
+        beats = _heartbeats(width, T0 + t, T0 + t + ROUND_S, seqs, heartbeat_s)
+        send_entries(client, PREFIX, JOB, beats, beats_cap=beats_cap(width))  # as the reporter does
         s2 = _stats(client)
         cpu = tick()
         s3 = _stats(client)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 import urllib.request
 import uuid
 
@@ -130,6 +131,7 @@ def test_every_key_the_booking_wrote_is_refused_to_the_trainer(server, booked):
     as_trainer = client_as(server, *booked["trainer"])
     written = sorted(admin.scan_iter(f"{PREFIX}:*"))
     own = {keys.stream_key(PREFIX, job), keys.ranks_key(PREFIX, job), keys.meta_key(PREFIX, job)}
+    own.add(keys.beats_key(PREFIX, job))
     cross = {keys.jobs_key(PREFIX), keys.registrations_key(PREFIX)}
     others = [k for k in written if k not in own | cross]
     # The booking wrote the ledger, watermarks, folds, live and sample streams, readers, idle
@@ -151,23 +153,38 @@ def test_a_trainer_reaches_its_own_job_and_no_other(server, tmp_path):
     user = setuser(admin, "trainer", job="mine", user=f"t-{uuid.uuid4().hex[:6]}")
     c = client_as(server, *user)
     # The reporter does its whole work under the rule: nothing refused, nothing spooled.
-    rep = StepReporter("mine", url_as(server, *user), rank=0, world_size=1, prefix=PREFIX, spool_dir=tmp_path)
+    rep = StepReporter(
+        "mine",
+        url_as(server, *user),
+        rank=0,
+        world_size=1,
+        prefix=PREFIX,
+        spool_dir=tmp_path,
+        heartbeat_s=0.05,
+    )
     rep.meta(team="llm", price_per_gpu_hour=2.5)
     for step in range(1, 4):
         rep.step(step, tokens=10)
     with rep.phase("checkpoint", step=3):
         pass
+    deadline = time.monotonic() + 5
+    while not admin.xlen(keys.beats_key(PREFIX, "mine")) and time.monotonic() < deadline:
+        time.sleep(0.02)
     rep.close()
-    assert rep.stats["sent"] >= 7 and not rep.stats["rejected"] and not rep.stats["side_rejected"], rep.stats
+    assert rep.stats["sent"] >= 8 and not rep.stats["rejected"] and not rep.stats["side_rejected"], rep.stats
     assert not rep.stats["counter_rejected"] and not rep.stats["spooled"], rep.stats
     assert admin.hget(keys.meta_key(PREFIX, "mine"), "team") == "llm"
+    # Its heartbeats went to the job's heartbeat stream (XADD MAXLEN ~ under the same rule).
+    beats = admin.xrange(keys.beats_key(PREFIX, "mine"))
+    assert beats and {f["type"] for _, f in beats} == {"heartbeat"}, beats
+    assert c.xadd(keys.beats_key(PREFIX, "mine"), {"v": "1"}, maxlen=10, approximate=True)
     assert c.xadd(keys.stream_key(PREFIX, "mine"), {"v": "1"})
     assert c.hset(keys.ranks_key(PREFIX, "mine"), "9", "{}") == 1
     assert c.zadd(keys.jobs_key(PREFIX), {"mine-2": 1}) == 1
     assert c.execute_command("INCR", keys.registrations_key(PREFIX)) >= 1
     tried = 0
     for other in ("other", "mine2", "min", "mine/x", "x-mine"):
-        theirs = (keys.stream_key, keys.ranks_key, keys.meta_key)
+        theirs = (keys.stream_key, keys.beats_key, keys.ranks_key, keys.meta_key)
         for k in (key(PREFIX, other) for key in theirs):
             for fn, *args in trainer_writes(c, k):
                 assert refused(fn, *args), (other, k, fn.__name__)
@@ -205,6 +222,8 @@ def test_the_agent_rule_refuses_the_trainers_and_the_watchers_writes(server, boo
     job = booked["b"].job
     events = keys.stream_key(PREFIX, job)
     assert refused(c.xadd, events, {"v": "1"})
+    assert refused(c.xadd, keys.beats_key(PREFIX, job), {"v": "1"})
+    assert refused(c.xtrim, keys.beats_key(PREFIX, job), 0)  # its trimmer is the trainer's MAXLEN
     assert refused(c.xdel, events, "0-1")
     assert refused(c.delete, events)
     assert refused(c.hset, keys.ranks_key(PREFIX, job), "0", "{}")
@@ -223,17 +242,23 @@ def test_the_watcher_polls_and_writes_its_state_and_nothing_else(server, booked)
     admin = server.client()
     job = booked["b"].job
     user, pw = setuser(admin, "watcher")
+    # A heartbeat in the job's heartbeat stream, as the reporter posts it: the watcher reads it.
+    b = booked["b"]
+    beat = {"v": "1", "type": "heartbeat", "job": job, "ts": f"{b.t0 + 1:.3f}", "rank": "0"}
+    admin.xadd(keys.beats_key(PREFIX, job), {**beat, "session": "acl", "seq": "0"})
     w = Watcher(WatchConfig(redis_url=url_as(server, user, pw), prefix=PREFIX, forget_after_s=1e12))
     try:
         got = w.poll()
     finally:
         w.stop()
+    assert w.beats[job].stats["accepted"] == 1, w.beats[job].stats
     assert got[job].state == "done"
     assert json.loads(admin.get(keys.status_key(PREFIX, job)))["state"] == "done"
     assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
     c = client_as(server, user, pw)
     for k in (keys.total_key(PREFIX, job), keys.figures_key(PREFIX, job), keys.ranks_key(PREFIX, job)):
         assert refused(c.hset, k, "f", "1"), k
+    assert refused(c.xadd, keys.beats_key(PREFIX, job), {"v": "1"})
     assert refused(c.set, keys.watermark_key(PREFIX, job, "node0"), "{}")
     assert refused(c.zadd, keys.jobs_key(PREFIX), {job: 1})
     assert refused(c.delete, keys.total_key(PREFIX, job))

@@ -255,9 +255,11 @@ def test_heartbeats_while_alive(shared, prefix, tmp_path):
     rep = StepReporter("beats", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=0.1)
     time.sleep(0.6)
     rep.close()
-    beats = [e for e in EventReader(shared, "beats", prefix=prefix).read_all() if e.type == "heartbeat"]
-    assert len(beats) >= 3
+    beats = EventReader(shared, "beats", prefix=prefix, beats=True).read_all()
+    assert len(beats) >= 3 and {b.type for b in beats} == {"heartbeat"}
     assert all(b.ts > 0 for b in beats)
+    # In the heartbeat stream only: the events stream, which the agents read, holds none.
+    assert not [e for e in EventReader(shared, "beats", prefix=prefix).read_all() if e.type == "heartbeat"]
 
 
 def test_gpu_uuid_from_nvml_through_cuda_visible_devices(monkeypatch, tmp_path):

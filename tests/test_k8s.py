@@ -324,9 +324,11 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         events = shared.xrange(keys.stream_key(prefix, resnet))
         ends = [f for _, f in events if f["type"] == "run" and f["state"] == "end"]
         assert len(ends) == 1 and ends[0]["rank"] == "0"
-        assert any(f["type"] == "heartbeat" for _, f in events)  # the watcher sees it alive meanwhile
+        # The watcher sees it alive meanwhile, from the job's heartbeat stream (no agent reads it).
+        assert not any(f["type"] == "heartbeat" for _, f in events)
+        assert any(f["type"] == "heartbeat" for _, f in shared.xrange(keys.beats_key(prefix, resnet)))
         beats = {
-            f["rank"] for _, f in shared.xrange(keys.stream_key(prefix, llama)) if f["type"] == "heartbeat"
+            f["rank"] for _, f in shared.xrange(keys.beats_key(prefix, llama)) if f["type"] == "heartbeat"
         }
         assert beats == {"0", "1"}  # every rank, or the watcher would call the silent one crashed
         # A retried Job: the same job's pod takes the GPU again, so its run starts again.

@@ -127,7 +127,11 @@ class KubernetesJobs:
             if now - self._beat.get(job, 0.0) >= HEARTBEAT_S:  # every rank: the watcher checks each
                 ranks = sorted(r for (j, _), r in self.registered.items() if j == job)
                 send_entries(
-                    self.redis, self.prefix, job, [self._entry("heartbeat", job, r, now, {}) for r in ranks]
+                    self.redis,
+                    self.prefix,
+                    job,
+                    [self._entry("heartbeat", job, r, now, {}) for r in ranks],
+                    beats_cap=protocol.beats_cap(max(ranks) + 1),  # the job's heartbeat stream
                 )
                 self._beat[job] = now
 

@@ -1,9 +1,10 @@
 """The watcher behind `costexporter watch`: each job's state, decided from outside the job.
 
 R3 (docs/background.md): a watcher on another machine, so it does not hang with the job, tells done from
-crashed from hung. It reads only Redis: the trainers' events (progress, phases, heartbeats) and
-the agents' live GPU state (`<p>:a:{job}:live:<host>`). Each poll it decides, per job, the first
-state that applies:
+crashed from hung. It reads only Redis: the trainers' events (progress, phases), their heartbeats
+(`<p>:t:{job}:beats`, one stream a job that only watchers read; an older trainer's heartbeats
+come in its events and count the same) and the agents' live GPU state
+(`<p>:a:{job}:live:<host>`). Each poll it decides, per job, the first state that applies:
 
 * `unknown`: it cannot observe (Redis unreachable, no events). A blind watcher never says healthy.
 * `done`: the run ended (`run end` on rank 0).
@@ -746,6 +747,9 @@ class Watcher:
         self._errors = (redis.RedisError, OSError)
         self.views: dict[str, JobView] = {}
         self.readers: dict[str, EventReader] = {}
+        # Each job's heartbeat stream (`keys.beats_key`): the reporter's heartbeats, read only
+        # here (the agents never do); an older trainer's still come in its events.
+        self.beats: dict[str, EventReader] = {}
         self.status: dict[str, Status] = {}
         self.bad_jobs: dict[str, str] = {}  # job -> why it is skipped (logged once)
         self._unregistered: set[str] = set()  # views whose ranks hash is still to be read
@@ -917,21 +921,30 @@ class Watcher:
     def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
         """Every job's new events, one XREAD for all of them; a job whose name is refused is
         left to `_fold`, whose refusal sets it aside."""
-        readers = []
+        readers: list[EventReader] = []
         for job in jobs:
             if job not in self.readers:
                 try:
                     self.readers[job] = EventReader(self.redis, job, self.cfg.prefix)  # checks the name
                 except ValueError:
                     continue
+                self.beats.pop(job, None)  # read from the start again too
                 self.views.pop(job, None)  # a new reader: the view is read from the start again
-            readers.append(self.readers[job])
+            # Its heartbeat stream first, in the same XREAD: every event a heartbeat read now
+            # follows (the reporter sends a batch's events before its heartbeats) is read too.
+            beats = self.beats.get(job) or self.beats.setdefault(
+                job, EventReader(self.redis, job, self.cfg.prefix, beats=True)
+            )
+            readers += (beats, self.readers[job])
         return read_all_many(self.redis, readers, on_wrong_type=self._wrong_stream)
 
     def _wrong_stream(self, job: str) -> None:
-        """The job's events key is not a stream: the job is set aside (counted), the others read."""
-        self.refusals.refuse(job, "wrong_type", "its events key is not a stream: the job is not watched")
-        self._set_aside(job, TypeError("its events key is not a stream"))
+        """The job's events or heartbeat key is not a stream: the job is set aside (counted),
+        the others read."""
+        self.refusals.refuse(
+            job, "wrong_type", "its events or heartbeat key is not a stream: the job is not watched"
+        )
+        self._set_aside(job, TypeError("its events or heartbeat key is not a stream"))
 
     def _refold_source(self, job: str) -> Callable[[], list[Event]]:
         """The job's walk-relevant events up to where its reader is, read again from its stream
@@ -950,6 +963,7 @@ class Watcher:
         self.stats["bad_jobs"] += 1
         self.views.pop(job, None)
         self.readers.pop(job, None)
+        self.beats.pop(job, None)
         self._hosts.pop(job, None)
         self._ended.pop(job, None)
         log.warning("job %r skipped: %s", untrusted.short(job), untrusted.short(self.bad_jobs[job], 300))

@@ -3,7 +3,8 @@
 Each key sits under the sub-prefix of the party that writes it, so a Redis ACL can give each its
 own keys and nothing else (`acl.py` prints the lines):
 
-    <prefix>:t:...   the trainers (reporters): a job's events, registrations and meta, the jobs index
+    <prefix>:t:...   the trainers (reporters): a job's events, heartbeats, registrations and meta,
+                     the jobs index
     <prefix>:a:...   the agents: the ledger, watermarks, folds, live state, node and GPU keys
     <prefix>:r:...   the stream readers (agents, watchers, a reader of your own)
     <prefix>:w:...   the watchers: each job's state
@@ -38,6 +39,13 @@ def job_key(prefix: str, ns: str, job: str, *parts: str) -> str:
 def stream_key(prefix: str, job: str) -> str:
     """The job's event stream."""
     return job_key(prefix, TRAINER, job, "events")
+
+
+def beats_key(prefix: str, job: str) -> str:
+    """The job's heartbeats (stream, capped by its writers with `XADD MAXLEN ~`,
+    `protocol.beats_cap`): apart from the events, so the agents, which never use a heartbeat,
+    never read one. The watchers read it for liveness."""
+    return job_key(prefix, TRAINER, job, "beats")
 
 
 def ranks_key(prefix: str, job: str) -> str:

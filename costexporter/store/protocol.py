@@ -95,6 +95,19 @@ def steps_entry(
     }
 
 
+# ---- heartbeats (`<prefix>:t:{<job>}:beats`) ----------------------------------------------------
+BEATS_PER_RANK = 16  # heartbeats kept per rank: 160 s at the default 10-s cadence
+BEATS_MIN = 1_024
+
+
+def beats_cap(world_size: int) -> int:
+    """The `XADD MAXLEN ~` bound of a job's heartbeat stream: a bound in proportion to the job's
+    width, so every rank's newest heartbeats stay there for the watcher (one reader a job, each
+    poll), and the stream never grows past it (Redis trims whole nodes: a hundred entries more
+    at most)."""
+    return max(BEATS_MIN, BEATS_PER_RANK * max(int(world_size), 1))
+
+
 # ---- registrations (`<prefix>:t:{<job>}:ranks`: rank -> JSON of the register event) ------------
 MAX_WORLD_SIZE = 65_536  # ranks are 0 .. world_size - 1; a larger number is a corrupt entry
 MAX_GPU_INDEX = 1_024

@@ -17,7 +17,7 @@ from typing import Any
 
 from costexporter.core.events import STEPS_TYPE, EventError, UnknownEventType, parse_event, parse_events
 from costexporter.core.model import Event
-from costexporter.store import keys, protocol, redisconn
+from costexporter.store import keys, protocol, redisconn, untrusted
 
 MAX_GAP = 100_000  # a jump larger than this is not remembered seq by seq
 
@@ -77,11 +77,22 @@ class EventReader:
     """
 
     def __init__(
-        self, client: Any, job: str, prefix: str = protocol.DEFAULT_PREFIX, cursor: str = "0-0"
+        self,
+        client: Any,
+        job: str,
+        prefix: str = protocol.DEFAULT_PREFIX,
+        cursor: str = "0-0",
+        *,
+        beats: bool = False,
     ) -> None:
         self.client = client
         self.job = protocol.check_job(job)
-        self.key = keys.stream_key(prefix, job)
+        # beats: the job's heartbeat stream (`keys.beats_key`) instead. Only heartbeats count
+        # there (anything else is `rejected:not_heartbeat`: what the agents book is read from
+        # the events alone), and none is de-duplicated: a heartbeat read twice says the same,
+        # and the heartbeats' seqs are their own.
+        self.beats = beats
+        self.key = keys.beats_key(prefix, job) if beats else keys.stream_key(prefix, job)
         self.cursor = cursor
         self.stats: collections.Counter[str] = collections.Counter()
         self.rejections: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=100)
@@ -108,6 +119,11 @@ class EventReader:
         for entry_id, raw in entries:
             self.cursor = eid = entry_id if type(entry_id) is str else _text(entry_id)
             fields = _fields(raw)
+            if self.beats:
+                one = self._accept_beat(fields, eid, now)
+                if one is not None:
+                    out.append(one)
+                continue
             if fields.get("type") == STEPS_TYPE:
                 evs = self._accept_batch(fields, eid, now)
                 if not evs:
@@ -207,6 +223,22 @@ class EventReader:
         self.stats["accepted"] += len(out)
         return out
 
+    def _accept_beat(self, fields: dict[str, str], entry_id: str, now: float) -> Event | None:
+        """A heartbeat of the heartbeat stream, checked as any event; anything else refused."""
+        if fields.get("type") != "heartbeat":
+            self.stats["rejected:not_heartbeat"] += 1
+            msg = f"a {untrusted.short(str(fields.get('type')))} entry in the heartbeat stream"
+            self.rejections.append((entry_id, "not_heartbeat", msg))
+            return None
+        try:
+            ev = parse_event(fields, job=self.job, now=now, strict_ids=True)
+        except EventError as e:
+            self.stats[f"rejected:{e.reason}"] += 1
+            self.rejections.append((entry_id, e.reason, str(e)))
+            return None
+        self.stats["accepted"] += 1
+        return ev
+
     def _accept(self, fields: dict[str, str], entry_id: str, now: float | None = None) -> Event | None:
         try:
             ev = parse_event(fields, job=self.job, now=now, strict_ids=True)
@@ -236,9 +268,10 @@ def read_all_many(
     on_wrong_type: Callable[[str], None] | None = None,
 ) -> dict[str, list[Event]]:
     """`read_all` of many jobs' streams with one XREAD per round trip for all of them (a watcher
-    of 1,000 jobs: one round trip a poll, not two per job). A job whose events key is not a
-    stream (its trainer's doing) is left out and handed to `on_wrong_type(job)`: one such key
-    must not fail the XREAD of every other job."""
+    of 1,000 jobs: one round trip a poll, not two per job). Readers of one job (its heartbeat
+    stream's and its events') give one list, in the readers' order: one XREAD reads them at one
+    moment. A job with a key that is not a stream (its trainer's doing) is left out and handed
+    to `on_wrong_type(job)`: one such key must not fail the XREAD of every other job."""
     import redis
 
     out: dict[str, list[Event]] = {r.job: [] for r in readers}
@@ -254,6 +287,7 @@ def read_all_many(
             got_all = pipe.execute(raise_on_error=False)
             bad = [(r, got) for r, got in zip(todo, got_all, strict=True) if isinstance(got, Exception)]
             _wrong_streams([r for r, _ in bad], [got for _, got in bad], out, on_wrong_type)
+            todo = [r for r in todo if r.job in out]
             resp = [kv for got in got_all if not isinstance(got, Exception) for kv in (got or [])]
         else:
             try:
@@ -266,11 +300,13 @@ def read_all_many(
                 if not wrong:
                     raise
                 _wrong_streams(wrong, [e] * len(wrong), out, on_wrong_type)
-                todo = [r for r in todo if r not in wrong]
+                todo = [r for r in todo if r not in wrong and r.job in out]
                 continue
         again = []
         for key, entries in resp or []:
             r = by_key[_text(key)]
+            if r.job not in out:  # another of its keys is not a stream: the job is left out
+                continue
             out[r.job] += r._consume(entries)
             if len(entries) >= per:
                 again.append(r)
@@ -298,6 +334,5 @@ def _wrong_streams(
     for r, e in zip(wrong, replies, strict=True):
         if isinstance(e, Exception) and not (isinstance(e, redis.ResponseError) and "WRONGTYPE" in str(e)):
             raise e
-        out.pop(r.job, None)
-        if on_wrong_type is not None:
-            on_wrong_type(r.job)
+        if out.pop(r.job, None) is not None and on_wrong_type is not None:
+            on_wrong_type(r.job)  # once a job

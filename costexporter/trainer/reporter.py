@@ -261,12 +261,14 @@ class _Retry(Exception):
 
 
 class StepReporter:
-    """Posts a rank's events to `<prefix>:t:{<job>}:events` (protocol v1, docs/protocol.md).
+    """Posts a rank's events to `<prefix>:t:{<job>}:events` and its heartbeats to
+    `<prefix>:t:{<job>}:beats` (protocol v1, docs/protocol.md).
 
     `stats` counts where every event went (a batched `steps` entry counts its steps): `sent`
     (written to Redis), `spooled` (written to the spool file) and `unspooled` (left it again:
     sent or rejected), `rejected` (refused by the server, dropped), `lost` (could not even be
-    spooled), `overflow` (refused by a full buffer, never queued); `drained` counts other
+    spooled), `overflow` (refused by a full buffer, never queued), `heartbeats_unsent` (due
+    while Redis could not take them: never spooled); `drained` counts other
     reporters' spooled events this one sent for them. Events in the spool now = spooled -
     unspooled.
     """
@@ -349,6 +351,8 @@ class StepReporter:
 
         self._queue: collections.deque[_Event] = collections.deque()
         self._seq = itertools.count()
+        self._beat_seq = itertools.count()
+        self._beats_cap = protocol.beats_cap(self.world_size)
         self._inflight: list[_Event] = []
         self._io_lock = threading.Lock()  # held by whoever moves events out of memory (sender, close)
         self._wake = threading.Event()
@@ -481,6 +485,15 @@ class StepReporter:
             return
         self._queue.append((type_, self._clock() if ts is None else ts, next(self._seq), fields))
 
+    def _beat(self) -> None:
+        """Queue a heartbeat. Its seq counts the session's heartbeats, apart from the other
+        events' seqs: heartbeats go to a stream of their own (`keys.beats_key`), and the event
+        stream's seqs stay without gaps (a reader remembers each gap)."""
+        if len(self._queue) >= self.capacity:
+            self._overflow()
+            return
+        self._queue.append(("heartbeat", self._clock(), next(self._beat_seq), {}))
+
     def _overflow(self) -> None:
         self.stats["overflow"] += 1
         if not self._warned_overflow:
@@ -577,7 +590,7 @@ class StepReporter:
                 break
             now = time.monotonic()
             if now >= next_beat and not self._closed:
-                self._post("heartbeat")
+                self._beat()
                 next_beat = now + self.heartbeat_s
             with self._io_lock:
                 if self._stopping:
@@ -706,7 +719,14 @@ class StepReporter:
         for i, e in enumerate(entries):
             by_job.setdefault(e.get("job", self.job), []).append(i)
         for job, idx in by_job.items():
-            res = send_entries(self._redis, self.prefix, job, [entries[i] for i in idx], raise_on_error=False)
+            res = send_entries(
+                self._redis,
+                self.prefix,
+                job,
+                [entries[i] for i in idx],
+                raise_on_error=False,
+                beats_cap=self._beats_cap,
+            )
             for j, exc in res.failed.items():
                 if _retryable(exc):
                     retry.append(idx[j])
@@ -789,7 +809,11 @@ class StepReporter:
                 self._add(entries, groups, batch[i : i + MAX_BATCH_STEPS])
             return entries, groups
         run: list[_Event] = []
+        beats: list[_Event] = []
         for ev in batch:
+            if ev[0] == "heartbeat":  # its own stream and seqs: a run of steps goes on past it
+                beats.append(ev)
+                continue
             if self.batch_steps and len(ev) == 5:
                 if run and (ev[2] != run[-1][2] + 1 or len(run) >= MAX_BATCH_STEPS):
                     self._add(entries, groups, run)
@@ -802,6 +826,8 @@ class StepReporter:
             self._add(entries, groups, [ev])
         if run:
             self._add(entries, groups, run)
+        for ev in beats:  # after the events: a reader that sees a heartbeat sees what came before
+            self._add(entries, groups, [ev])
         return entries, groups
 
     def _add(self, entries: list[dict[str, str]], groups: list[list[_Event]], evs: list[_Event]) -> None:
@@ -865,7 +891,14 @@ class StepReporter:
             self._queue.popleft()
 
     def _spool_events(self, batch: list[_Event], into: spool.SpoolFile | None = None) -> None:
-        """Encode and append to this reporter's spool (or `into`); counted spooled, or lost."""
+        """Encode and append to this reporter's spool (or `into`); counted spooled, or lost.
+        Heartbeats are not spooled: sent late they say nothing, and a reporter of an older
+        release that drained the file would post them to the events stream, where their seqs
+        (the heartbeats' own) could pass for events' (counted `heartbeats_unsent`)."""
+        if any(ev[0] == "heartbeat" for ev in batch):
+            kept = [ev for ev in batch if ev[0] != "heartbeat"]
+            self.stats["heartbeats_unsent"] += len(batch) - len(kept)
+            batch = kept
         if not batch:
             return
         entries, _ = self._encode(batch)
@@ -915,19 +948,35 @@ class Delivery:
 
 
 def send_entries(
-    client: Any, prefix: str, job: str, entries: list[dict[str, str]], *, raise_on_error: bool = True
+    client: Any,
+    prefix: str,
+    job: str,
+    entries: list[dict[str, str]],
+    *,
+    raise_on_error: bool = True,
+    beats_cap: int | None = None,
 ) -> Delivery:
     """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta`, the jobs index and, with
     a register, the registrations counter.
+
+    `beats_cap` (`protocol.beats_cap` of the job's width): heartbeats go to the job's heartbeat
+    stream (`keys.beats_key`, `XADD MAXLEN ~ beats_cap`), the other entries to its events, so
+    the agents never read a heartbeat; a heartbeat's `seq` is then the rank's count of
+    heartbeats, apart from its events' (a gap in the events' seqs costs every reader memory).
+    None: every entry to the events stream, as a file exported from it holds them.
 
     A dead connection raises. The server's refusals raise the first one, or with
     `raise_on_error=False` come back per entry (a non-transactional pipeline applies the rest)."""
     pipe = client.pipeline(transaction=False)
     stream = keys.stream_key(prefix, job)
+    beats = keys.beats_key(prefix, job)
     owners: list[tuple[int | None, bool]] = []  # per command: (entry index, is the XADD)
     last_ts = 0.0
     for i, e in enumerate(entries):
-        pipe.xadd(stream, e)
+        if beats_cap is not None and e.get("type") == "heartbeat":
+            pipe.xadd(beats, e, maxlen=beats_cap, approximate=True)
+        else:
+            pipe.xadd(stream, e)
         owners.append((i, True))
         if e.get("type") == "register":
             pipe.hset(keys.ranks_key(prefix, job), e["rank"], json.dumps(e, separators=(",", ":")))
