@@ -37,7 +37,8 @@ def _cmds(text: str) -> tuple[str, ...]:
 # The commands each party's code sends, beyond the connection's. Tests run every party under
 # these rules against a real Redis: a command missing here fails them with NOPERM.
 COMMANDS: dict[str, tuple[str, ...]] = {
-    # trainer/reporter.py's batch: XADD the events, HSET ranks and meta, ZADD the jobs index,
+    # trainer/reporter.py's batch: XADD the events and the heartbeats (MAXLEN ~, no XTRIM),
+    # HSET ranks and meta, ZADD the jobs index,
     # INCR the registrations counter; and `costexporter preflight`'s occupancy check, which
     # reads the agents' node keys (HGETALL, read only).
     "trainer": _cmds("+xadd +hset +zadd +incr +hgetall"),
@@ -52,9 +53,9 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         +xadd +xread +xrange +xrevrange +xtrim
         +watch +unwatch +multi +exec +discard +eval +evalsha +script|load +script|exists"""
     ),
-    # services/watcher.py: the jobs index, ranks, events, live state and the simulation's clock;
-    # its status and its position in the readers hash; SCAN and each scanned job's newest entry
-    # when the jobs index cannot be trusted (store/jobindex.py).
+    # services/watcher.py: the jobs index, ranks, events, heartbeats, live state and the
+    # simulation's clock; its status and its position in the readers hash; SCAN and each scanned
+    # job's newest entry when the jobs index cannot be trusted (store/jobindex.py).
     "watcher": _cmds("+get +set +hgetall +hset +zrangebyscore +xread +xrange +xrevrange +scan"),
     # store/ledger_read.py (the API): reads only, also in its scripts (which read the rollups and
     # buckets), and the oldest entries of a job's streams (its first register).

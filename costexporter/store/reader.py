@@ -72,8 +72,10 @@ class EventReader:
     `clock_offset_s[rank]`: the largest (event ts - arrival) among the rank's events of the
     newest poll that had any, arrival being the stream entry id (Redis's clock). An event
     cannot arrive before it happens, so this is a lower bound of how far the rank's clock runs
-    ahead; with a heartbeat every few seconds it is close to the skew itself (a negative value:
-    the clock is behind, or every event of the poll was delivered late).
+    ahead; with events every few seconds (rank 0's steps; heartbeats, in the events stream of an
+    older trainer) it is close to the skew itself, a rank that posts seldom keeps its last
+    measure (a negative value: the clock is behind, or every event of the poll was delivered
+    late).
     """
 
     def __init__(
