@@ -4,6 +4,7 @@ and the stream stays within its bound. Real Redis (the shared one, a prefix per 
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis
@@ -215,3 +216,18 @@ def test_the_heartbeat_stream_stays_within_its_bound(shared, prefix, world, roun
     assert n >= min(rounds * world * 8, cap)
     newest = {f["rank"] for _, f in shared.xrevrange(key, count=world)}
     assert newest == {str(r) for r in range(world)}
+
+
+def test_a_scanned_job_that_only_beats_is_still_recent(shared, prefix):
+    """With the jobs index refused, a scanned job is judged by its own streams' newest entries:
+    a job whose events are old but whose heartbeats are fresh (hung, still beating) is kept."""
+    from costexporter.store import untrusted
+    from costexporter.store.jobindex import JobIndex
+
+    for job in ("beating", "silent"):
+        shared.xadd(keys.stream_key(prefix, job), entry("register", 0, 0, 0), id="1000-0")
+    shared.xadd(keys.beats_key(prefix, "beating"), entry("heartbeat", 0, 0, 0))
+    index = JobIndex(shared, prefix, untrusted.Refusals(logging.getLogger("test")), (redis.RedisError,))
+    assert index.recent(["beating", "silent"], time.time() - 60) == ["beating"]
+    shared.set(keys.beats_key(prefix, "silent"), "x")  # the watcher's own read refuses it
+    assert index.recent(["beating", "silent"], time.time() - 60) == ["beating", "silent"]

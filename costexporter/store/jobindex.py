@@ -104,23 +104,28 @@ class JobIndex:
         return list(self._scanned)
 
     def recent(self, names: list[str], since_s: float) -> list[str]:
-        """Those of `names` whose own event stream's newest entry was added at `since_s` (Unix s,
-        Redis's clock: the entry id) or later: a scanned job judged by its stream, not a score."""
+        """Those of `names` whose own event stream's or heartbeat stream's newest entry was added
+        at `since_s` (Unix s, Redis's clock: the entry id) or later: a scanned job judged by its
+        streams, not a score (a job that only beats, hung for a day, is still heard from)."""
         if not names:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.xrevrange(keys.stream_key(self.prefix, name), count=1)
+            pipe.xrevrange(keys.beats_key(self.prefix, name), count=1)
+        replies = pipe.execute(raise_on_error=False)
         out = []
-        for name, reply in zip(names, pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(reply, Exception):
-                if not untrusted.is_wrong_type(reply):
-                    raise reply
-                out.append(name)  # the watcher's own read refuses it, counted per job
-                continue
-            if reply:
-                entry_id = reply[0][0]
-                entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                if int(str(entry_id).split("-")[0]) >= since_s * 1000:
-                    out.append(name)
+        for i, name in enumerate(names):
+            for reply in replies[2 * i : 2 * i + 2]:
+                if isinstance(reply, Exception):
+                    if not untrusted.is_wrong_type(reply):
+                        raise reply
+                    out.append(name)  # the watcher's own read refuses it, counted per job
+                    break
+                if reply:
+                    entry_id = reply[0][0]
+                    entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    if int(str(entry_id).split("-")[0]) >= since_s * 1000:
+                        out.append(name)
+                        break
         return out
