@@ -231,3 +231,32 @@ def test_a_scanned_job_that_only_beats_is_still_recent(shared, prefix):
     assert index.recent(["beating", "silent"], time.time() - 60) == ["beating"]
     shared.set(keys.beats_key(prefix, "silent"), "x")  # the watcher's own read refuses it
     assert index.recent(["beating", "silent"], time.time() - 60) == ["beating", "silent"]
+
+
+def test_an_older_reporters_spooled_heartbeat_goes_to_the_events_stream_on_its_seqs(shared, prefix, tmp_path):
+    """A spool left by a reporter of an earlier release holds heartbeats on its events' seqs: a
+    new reporter that drains it sends them where that one would have (the events stream), so
+    the events' seqs stay without gaps for the agents."""
+    from costexporter.trainer import spool
+
+    old = spool.SpoolFile(
+        tmp_path / f"{prefix}.old-job.0123456789abcdef.jsonl", spool.destination(SHARED_URL), prefix
+    )
+    kinds = [("register", {"host": "h0", "gpu": 0, "world_size": 1, "local_rank": 0}), ("heartbeat", {})]
+    kinds += [("step", {"step": 1, "tokens": 1}), ("heartbeat", {}), ("step", {"step": 2, "tokens": 1})]
+    old.append([{**entry(t, 1 + i, 0, i, **f), "job": "old-job"} for i, (t, f) in enumerate(kinds)])
+    old.close()
+    rep = StepReporter(JOB, SHARED_URL, rank=0, world_size=1, prefix=prefix, spool_dir=tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while list(tmp_path.glob(f"{prefix}.old-job.*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not list(tmp_path.glob(f"{prefix}.old-job.*"))
+    finally:
+        rep.close()
+    assert rep.stats["drained"] == 5, rep.stats
+    reader = EventReader(shared, "old-job", prefix)
+    got = reader.read_all()
+    assert [e.type for e in got] == [t for t, _ in kinds]
+    assert all(not x.gaps for x in reader._seen.values())
+    assert not shared.exists(keys.beats_key(prefix, "old-job"))

@@ -652,7 +652,7 @@ class StepReporter:
         try:
             while remaining and not self._stopping:
                 chunk, rest = remaining[: self.batch_size], remaining[self.batch_size :]
-                ok, retry = self._deliver(chunk)
+                ok, retry = self._deliver(chunk, spooled=True)
                 self.stats["sent"] += ok
                 self.stats["unspooled"] += sum(map(_weight, chunk)) - sum(_weight(chunk[i]) for i in retry)
                 remaining = [chunk[i] for i in retry] + rest
@@ -698,7 +698,7 @@ class StepReporter:
         try:
             while remaining and not self._stopping:
                 chunk, rest = remaining[: self.batch_size], remaining[self.batch_size :]
-                ok, retry = self._deliver(chunk, "drain_rejected")
+                ok, retry = self._deliver(chunk, "drain_rejected", spooled=True)
                 self.stats["drained"] += ok
                 remaining = [chunk[i] for i in retry] + rest
                 if retry:
@@ -708,8 +708,13 @@ class StepReporter:
                 spool.rewrite(f, head, remaining)
         return not remaining
 
-    def _deliver(self, entries: list[dict[str, str]], refused_key: str = "rejected") -> tuple[int, list[int]]:
+    def _deliver(
+        self, entries: list[dict[str, str]], refused_key: str = "rejected", *, spooled: bool = False
+    ) -> tuple[int, list[int]]:
         """Send; count what the server refused for good (dropped, logged once per reason).
+        Heartbeats go to the job's heartbeat stream, except from a spool: this reporter spools
+        none, so a heartbeat there is a reporter's of an earlier release, on its events' seqs,
+        and goes where that reporter would have sent it (the events stream).
         Returns how many arrived and the indices of what it refused for now (to retry).
         Raises on a dead connection."""
         retry: list[int] = []
@@ -725,7 +730,7 @@ class StepReporter:
                 job,
                 [entries[i] for i in idx],
                 raise_on_error=False,
-                beats_cap=self._beats_cap,
+                beats_cap=None if spooled else self._beats_cap,
             )
             for j, exc in res.failed.items():
                 if _retryable(exc):
