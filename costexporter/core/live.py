@@ -232,6 +232,9 @@ class JobState:
     rb_index: dict[int, list[int]] = field(default_factory=dict)
     rb_applied: set[int] = field(default_factory=set)  # step records whose void is booked
     rb_floor: int = 0  # index entries of records below this are pruned (no resume reaches them)
+    # Index entries of records at or before this time went with Redis (it restarted empty): a
+    # resume reaching back there is not booked (counted), rather than computed from nothing.
+    rb_lost_until: int = NEG_INF
     incidents: dict[str, Incident] = field(default_factory=dict)  # category -> the open incident
     starts: dict[int, int] = field(default_factory=dict)  # own rank -> when its GPU's time starts
     # own rank -> how far its GPU is booked, for a rank that joined after the watermark had passed
@@ -266,6 +269,7 @@ class JobState:
             "voided": self.voided.tolist(),
             "rb_applied": sorted(self.rb_applied),
             "rb_floor": self.rb_floor,
+            **({"rb_lost_until": self.rb_lost_until} if self.rb_lost_until > NEG_INF else {}),
             "incidents_open": self.incidents,
             "starts": {str(k): v for k, v in self.starts.items()},
             "behind": {str(k): v for k, v in self.behind.items()},
@@ -288,6 +292,7 @@ class JobState:
             rb_index=rb_index,
             rb_applied=set(wm.get("rb_applied", [])),
             rb_floor=int(wm.get("rb_floor", 0)),
+            rb_lost_until=int(wm.get("rb_lost_until", NEG_INF)),
             incidents=wm.get("incidents_open", {}),
             starts={int(k): int(v) for k, v in wm.get("starts", {}).items()},
             behind={int(k): int(v) for k, v in wm.get("behind", {}).items()},
@@ -329,6 +334,7 @@ class LedgerDelta:
     index_new: dict[int, list[int]]  # rollback index entries of the step records booked this round
     index_drops: set[int]  # ... and the stored entries no resume reads again (pruned)
     unreachable_voids: int  # voided records whose entries were pruned: not moved (counted)
+    lost_voids: int  # voided records whose entries went with Redis's empty restart: not moved
     voids: set[int]  # step records voided this round
     incidents: dict[str, Incident]
     figures: dict[str, float]
@@ -371,14 +377,24 @@ def index_amounts(entry: list[int]) -> np.ndarray:
 
 
 def voided_part(
-    i: int, index: dict[int, list[int]], cum_now: np.ndarray, booked_until: int, prev_ts: int, floor: int = 0
+    i: int,
+    index: dict[int, list[int]],
+    cum_now: np.ndarray,
+    booked_until: int,
+    prev_ts: int,
+    floor: int = 0,
+    rec_ts: int | None = None,
+    lost_until: int = NEG_INF,
 ) -> np.ndarray | None:
     """Valid amounts already booked inside step record i's interval, which began at `prev_ts`
-    (the previous record's time, or the job's start). None: the entry before it was pruned (a
-    resume further back than `BookingConfig.rollback_checkpoints` reaches)."""
+    (the previous record's time, or the job's start) and ends at `rec_ts`. None: an entry it
+    needs is gone, pruned (a resume further back than `BookingConfig.rollback_checkpoints`
+    reaches) or lost with Redis (a record at or before `lost_until`): never read as zero."""
     if prev_ts >= booked_until:
         return zeros()  # nothing of it was booked yet: it books VOID later
-    if i > 0 and i - 1 not in index and i - 1 < floor:
+    if i > 0 and i - 1 not in index and (i - 1 < floor or prev_ts <= lost_until):
+        return None
+    if i not in index and rec_ts is not None and rec_ts <= lost_until:
         return None
     prev = index_amounts(index[i - 1]) if i > 0 and i - 1 in index else 0
     cur = index_amounts(index[i]) if i in index else cum_now
@@ -455,18 +471,25 @@ class _Voids:
     applied: set[int]
     spans: list[tuple[int, int]]  # the newly voided steps that held booked valid time
     unreachable: int  # voided records whose index entries were pruned: their move is left out
+    lost: int  # ... or went with Redis's empty restart
 
 
 def _apply_voids(
     state: JobState, tl: Timeline, index: dict[int, list[int]], new_cum: np.ndarray, job_start_ms: int
 ) -> _Voids:
     """Resumes: valid amounts already booked in steps that are now voided move to rolled_back."""
-    out = _Voids(zeros(), set(state.rb_applied), [], 0)
+    out = _Voids(zeros(), set(state.rb_applied), [], 0, 0)
+    lost_until = state.rb_lost_until
     for i, rec, prev_ts in _new_voids(tl, out.applied, job_start_ms):
         out.applied.add(i)
-        part = voided_part(i, index, new_cum, state.booked_until, prev_ts, state.rb_floor)
+        part = voided_part(
+            i, index, new_cum, state.booked_until, prev_ts, state.rb_floor, rec.ts_ms, lost_until
+        )
         if part is None:
-            out.unreachable += 1
+            if prev_ts <= lost_until:
+                out.lost += 1
+            else:
+                out.unreachable += 1
             continue
         out.moved += part
         if part[VALID, 0].sum() > 0:
@@ -552,6 +575,7 @@ def ledger_delta(
         rb_index=index,
         rb_applied=v.applied,
         rb_floor=floor,
+        rb_lost_until=state.rb_lost_until,
         incidents=incidents,
         starts=dict(state.starts),
         behind={r: t for r, t in caught_up.items() if t < booked_until},
@@ -570,6 +594,7 @@ def ledger_delta(
         index_new={k: e for k, e in index_new.items() if k not in drops and k >= floor},
         index_drops=drops,
         unreachable_voids=v.unreachable,
+        lost_voids=v.lost,
         voids=new_voids,
         incidents=incidents,
         figures=job_figures(tl),

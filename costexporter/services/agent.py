@@ -352,6 +352,9 @@ class Agent:
         for job in self.jobs.values():
             if job.ever_loaded:
                 job.loaded, job.wm_raw = True, None
+            # The rollback index of what was booked so far went too: a later resume reaching
+            # back there is counted, not computed from entries that read as nothing.
+            job.state.rb_lost_until = max(job.state.rb_lost_until, job.state.booked_until)
         self.unassigned.epoch_reset()
 
     def _book_isolated(self, job: AgentJob, local: Local) -> None:
@@ -694,6 +697,8 @@ class Agent:
         )
         if delta.unreachable_voids:
             self._unreachable_voids(job.name, delta.unreachable_voids)
+        if delta.lost_voids:
+            self._lost_voids(job.name, delta.lost_voids)
         figures = round_figures(delta, job.preflight, progress, w.profile, cfg.agent_id, tl, res.horizon_ms)
         self.committer.commit(job, delta, figures, w.terms.prices, tl, w.now_ms)
         delta.state.rb_index = {}  # written with the watermark: read back only when a void needs it
@@ -720,6 +725,16 @@ class Agent:
             "(raise --rollback-checkpoints to reach further back)",
             job,
             self.cfg.booking.rollback_checkpoints,
+        )
+
+    def _lost_voids(self, job: str, n: int) -> None:
+        self.stats["unreachable_voids"] += n
+        self._log_once(
+            ("lost-voids", job),
+            logging.WARNING,
+            "job %r: a resume voided steps booked before Redis restarted empty: their rollback "
+            "index went with it, so their valid time stays booked valid (enable appendonly yes)",
+            job,
         )
 
     def _live_figures(self, job: AgentJob, tl: Timeline, w: _Window, last_progress_ms: int) -> None:

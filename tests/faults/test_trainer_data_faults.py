@@ -110,6 +110,49 @@ def test_a_phase_named_startup_keeps_the_ledger_exact_across_redis_restarted_emp
     assert got["startup"] == got["warmup"] == expected, got
 
 
+def test_a_resume_read_after_redis_restarted_empty_never_books_from_a_lost_index(tmp_path):
+    # Redis restarts empty after the steps to be voided were booked but before the resume is
+    # read: their rollback index went with it. The agent cannot know what to move, so it moves
+    # nothing and says so; it used to read the lost entries as zero and roll back the whole
+    # history (tens of thousands of GPU-s, productive below zero).
+    from ..redis_server import RedisServer
+    from ..test_agent import event_entry
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        b = startup_phase_job("warmup")
+        client, prefix = server.client(), "ce-lost"
+        before: dict = {}
+
+        def restart(run: Run, rounds: int) -> None:
+            if rounds != 20:  # trace second 300: steps past the checkpoint booked, no resume yet
+                return
+            before.update(ledger.net_ms(ledger.read_amounts(run.client, prefix, b.job)))
+            server.kill()
+            shutil.rmtree(tmp_path / "redis" / "appendonlydir", ignore_errors=True)
+            server.start()  # empty
+            regs = [event_entry(e) for e in b.events if e.type == "register"]
+            send_entries(run.client, prefix, b.job, regs)  # the reporters register again
+
+        run = Run(client, prefix, b, [b], {"after_round": restart})
+        run.redis_url = server.url
+        run.agents = [run._agent()]
+        run.run()
+        after = ledger.net_ms(ledger.read_amounts(client, prefix, b.job))
+        stats = run.agents[0].stats
+    finally:
+        server.stop()
+    assert before and any(after.values()), (before, after)
+    got = {c: before.get(c, 0) + after.get(c, 0) for c in after}
+    expected, _ = offline_ms(b)
+    assert all(v >= 0 for v in after.values()), after  # nothing below zero
+    assert sum(got.values()) == sum(expected.values())  # every GPU-ms booked once
+    valid = ("productive", "overhead", "rolled_back")
+    assert sum(got[c] for c in valid) == sum(expected[c] for c in valid)  # valid time conserved
+    assert got["rolled_back"] < expected["rolled_back"]  # the lost part stays productive ...
+    assert stats["epoch_resets"] >= 1 and stats["unreachable_voids"] > 0  # ... and is counted
+
+
 # ---- one trainer's data never stops booking for the others --------------------------------------
 def victim_job() -> TraceBuilder:
     """Job `a` on GPUs 0 and 1 of node0; GPU 2 of the node belongs to no job (a rogue trainer's
