@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from costexporter.core import tracefiles as files
@@ -282,6 +282,14 @@ def test_a_file_whose_every_row_is_rejected_is_an_input_error_with_the_reason(tm
         min_size=8,
         max_size=80,
     ),
+)
+# The file begins with an instant one line short, every other start after it hidden by an early
+# GPU 0 line, then an instant three lines short: the count through the first shift was judged by
+# the starts after the second and lost to a block of 3 lines that fits both.
+@example(
+    6,
+    [(False, 1), (False, 0), (True, 0), (False, 0), (True, 0), (False, 0), (True, 0), (False, 3)]
+    + [(False, 0)] * 4,
 )
 def test_positional_numbering_holds_for_early_stamps_and_short_instants(n_gpus, instants):
     """Each instant: (GPU 0 stamped 50-80 ms early?, lines lost at its end). As in real files,

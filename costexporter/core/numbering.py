@@ -242,7 +242,15 @@ def _segments(
         for size in range(n_gpus, 0, -1):
             for c in cands:
                 seen = after[after > c]
-                on_count = int((((seen - c) % size) == 0).sum())
+                on_seen = ((seen - c) % size) == 0
+                # A count is judged up to where it slips for good (two starts in a row off it:
+                # lines lost again further on), not by the next stretch's count: that one
+                # would speak against the right count here, and for a smaller block that
+                # happens to fit both.
+                slip = np.flatnonzero(~on_seen[:-1] & ~on_seen[1:])
+                if slip.size:
+                    seen, on_seen = seen[: slip[0]], on_seen[: slip[0]]
+                on_count = int(on_seen.sum())
                 # Starts off the count speak against it, and so do instants it expects where no
                 # start shows, not even one hidden by an early-stamped GPU 0 line (a smaller
                 # block always fits more starts).
