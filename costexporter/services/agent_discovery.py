@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from costexporter.core.booking import POS_INF
 from costexporter.core.model import GpuIndex
 from costexporter.services.agent_fold import JobFolds, LogOnce
 from costexporter.services.agent_job import AgentJob, held_until
@@ -60,6 +61,7 @@ class JobDiscovery:
         # the jobs to look at: the trainers' index, scanned around when it cannot be trusted
         self.index = JobIndex(redis, prefix, refusals, redis_errors)
         self._rejected_seen: set[tuple[str, str, int]] = set()
+        self._squatters: set[tuple[str, int]] = set()  # (job, rank) moved off a UUID holder's GPU
 
     def _gpu_ids(self) -> tuple[Any, ...]:
         return tuple((g.uuid, g.host, g.index) for g in self.source.gpus())
@@ -245,6 +247,39 @@ class JobDiscovery:
                     return True
         return False
 
+    def _squatters_out(
+        self, lst: list[tuple[int, str, int]], uuid_: str | None
+    ) -> list[tuple[int, str, int]]:
+        """A GPU's claims less those by host and index only that are dated inside the run of a
+        job holding it by its UUID: a squatter that claimed it before that job's registration
+        was read (it came late) leaves at that job's claim, counted, and never ends its run."""
+        if not uuid_:
+            return lst
+        by_uuid = [(t, n, r) for t, n, r in lst if self.jobs[n].ranks[r].gpu_uuid == uuid_]
+        out = []
+        for t, name, r in lst:
+            job = self.jobs[name]
+            holders = [(n2, r2) for t2, n2, r2 in by_uuid if n2 != name and t2 <= t]
+            holder = next((h for h in holders if _running_at(self.jobs[h[0]], t)), None)
+            if job.ranks[r].gpu_uuid == uuid_ or holder is None:
+                out.append((t, name, r))
+                continue
+            job.ends[r] = min(job.ends.get(r, POS_INF), self.jobs[holder[0]].claim(holder[1])[0])
+            if (name, r) in self._squatters:
+                continue
+            self._squatters.add((name, r))
+            self.refusals.refuse(
+                name,
+                "gpu_held",
+                "rank %d named GPU %s by its index; job %r, registered earlier by its UUID %s, "
+                "holds it: the rank leaves it (register with gpu_uuid to take it over)",
+                r,
+                job.ranks[r].gpu,
+                untrusted.short(holder[0]),
+                uuid_,
+            )
+        return out
+
     def _booked_elsewhere(self, gpu: int, new: AgentJob) -> int:
         """How far this GPU's time is booked already (unassigned, or by another job): a claim
         that arrives late starts there, so no GPU-second is booked twice."""
@@ -268,8 +303,10 @@ class JobDiscovery:
         for j in self.jobs.values():
             for r, g in j.own.items():
                 claims.setdefault(g, []).append((j.ranks[r].ts_ms, j.name, r))
-        for lst in claims.values():
+        uuids = {g: gpu.uuid for g, gpu in enumerate(self.source.gpus())}
+        for g, lst in claims.items():
             lst.sort()
+            lst = self._squatters_out(lst, uuids.get(g))
             for i, (_t, name, r) in enumerate(lst):
                 later = [(n2, r2) for _t2, n2, r2 in lst[i + 1 :] if n2 != name]
                 if later:
@@ -277,3 +314,8 @@ class JobDiscovery:
                     self.jobs[name].ends[r] = self.jobs[n2].claim(r2)[0]
                 else:
                     self.jobs[name].ends.pop(r, None)
+
+
+def _running_at(job: AgentJob, ts_ms: int) -> bool:
+    """Whether the job's run had not ended (cleanly) by `ts_ms`."""
+    return job.end_at is None or job.end_at > ts_ms
