@@ -8,9 +8,10 @@ import collections
 import json
 import uuid
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from costexporter.core.model import Event
 from costexporter.services import watcher as watcher_mod
 from costexporter.services.watcher import LIVE_HISTORY, WatchConfig, Watcher
 from costexporter.store import keys, protocol
@@ -48,6 +49,25 @@ lives = st.lists(
 )
 
 
+def _e(kind: str, ts_ms: int, rank: int, seq: int, **fields) -> Event:
+    return Event(type=kind, job="j", ts_ms=ts_ms, rank=rank, session="s", seq=seq, fields=fields)
+
+
+# A step 9 s after the one before (stall threshold 5 s), polled at the step's own time: the
+# stall ended with that step, so not `hung` (a `hung` there was then held by the next poll, a
+# heartbeat later, while a fresh watcher said `running`).
+STEP_AT_NOW = [
+    _e("run", 1_000_000, 0, 0, state="start"),
+    _e("step", 1_000_500, 0, 1, step=1, tokens=0),
+    _e("step", 1_001_000, 1, 2, step=1),
+    _e("step", 1_001_500, 0, 3, step=2, tokens=0),
+    _e("step", 1_002_000, 0, 4, step=3, tokens=0),
+    _e("step", 1_002_500, 1, 5, step=3),
+    _e("step", 1_011_500, 0, 6, step=4, tokens=0),
+    _e("heartbeat", 1_012_000, 0, 7),
+]
+
+
 @settings(
     max_examples=25,
     deadline=None,
@@ -57,6 +77,7 @@ lives = st.lists(
     jobs=st.lists(st.tuples(streams(), st.lists(lives, max_size=12)), min_size=1, max_size=3),
     ahead_ms=st.integers(0, 120_000),
 )
+@example(jobs=[((STEP_AT_NOW, [7, 8]), [])], ahead_ms=0)
 def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monkeypatch, jobs, ahead_ms):
     # Each example on keys of its own (the fixture's prefix is one for every example: the streams
     # of an earlier example would be read again, and the same example could decide otherwise).

@@ -417,13 +417,22 @@ def _hung(
     if overrun:
         name, rank, open_s, allow_s = overrun
         reason = f"{name} on rank {rank} open for {human(open_s)}, past its {human(allow_s)} allowance"
-    elif tl.regime_at(int(now * 1000)) == Regime.STALL:
+    elif _stalled(tl, int(now * 1000)):
         since = tl.steps[-1].ts_ms / 1000 if tl.steps else start_ms / 1000
         threshold = human(tl.stall_threshold_ms / 1000)
         reason = f"no step for {human(now - since)} (stall threshold {threshold})"
     else:
         return None
     return ("hung", reason, _divergent(view, running) or _zero_util_rank(view, cfg))
+
+
+def _stalled(tl: Timeline, now_ms: int) -> bool:
+    """No step for longer than the stall threshold, now. A step at `now` (or later: a trainer
+    whose clock runs ahead) ends the stall the millisecond before it belongs to: judged `hung`,
+    the hold would keep a job hung that just made progress, and a fresh watcher would not."""
+    if tl.steps and tl.steps[-1].ts_ms >= now_ms:
+        return False
+    return tl.regime_at(now_ms) == Regime.STALL
 
 
 def _still_hung(previous: Status | None, last: StepRecord | None) -> Verdict | None:
