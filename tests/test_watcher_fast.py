@@ -54,8 +54,7 @@ def _e(kind: str, ts_ms: int, rank: int, seq: int, **fields) -> Event:
 
 
 # A step 9 s after the one before (stall threshold 5 s), polled at the step's own time: the
-# stall ended with that step, so not `hung` (a `hung` there was then held by the next poll, a
-# heartbeat later, while a fresh watcher said `running`).
+# stall ended with that step, so not `hung` (tests/test_watcher_hang_holds.py pins the rule).
 STEP_AT_NOW = [
     _e("run", 1_000_000, 0, 0, state="start"),
     _e("step", 1_000_500, 0, 1, step=1, tokens=0),
@@ -129,8 +128,13 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
                     }
                     shared.hset(keys.live_key(prefix, n, f"h{rank % 2}"), str(rank), json.dumps(sample))
         clock[0] = newest + ahead_ms / 1000
+        # The fresh watcher decides with the statuses the main one had before this poll: a hang
+        # holds until a step (docs/agent.md), also through a restart or a cleared signature, and
+        # only a watcher that saw the hang can hold it (as with the live history above).
+        fresh = Fresh(cfg)
+        fresh.status = dict(main.status)
         got = {j: s.to_dict() for j, s in main.poll().items()}
-        want = {j: s.to_dict() for j, s in Fresh(cfg).poll().items()}
+        want = {j: s.to_dict() for j, s in fresh.poll().items()}
         for d in (*got.values(), *want.values()):
             d.pop("since")  # a fresh watcher sees every state begin now
         assert got == want, p

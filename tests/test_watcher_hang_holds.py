@@ -57,3 +57,14 @@ def test_a_run_end_after_a_hang_is_done_and_silence_is_crashed():
     assert decide(v, T0 + 400, CFG, hung).state == "crashed"  # heartbeats stopped at 300 s
     v.fold([ev("run", 130, r, state="end") for r in range(4)])
     assert decide(v, T0 + 131, CFG, hung).state == "done"
+
+
+def test_a_step_at_the_polls_own_time_ends_the_stall_so_no_hang_is_held():
+    """The millisecond before a step belongs to the stall it ends: a poll at that step's time (or
+    before it, the trainer's clock ahead) sees progress, not `hung` for 0 s that a hold would keep."""
+    v = view([*registered(), *steps(1, 20), *beats(300), *steps(21, 21, t0=195)])  # 100 s gap
+    for t in (200, 198):
+        st = decide(v, T0 + t, CFG)
+        assert st.state == "running" and st.last_step == 21, (t, st.reason)
+        assert decide(v, T0 + t + 1, CFG, st).state == "running"
+    assert decide(v, T0 + 199, CFG).state == "running"
