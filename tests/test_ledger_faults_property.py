@@ -39,6 +39,9 @@ ROUND_S = 15.0  # data seconds between rounds
 LAG_S = 30.0  # the agents book this far behind their newest sample: events up to this late are on time
 
 
+LATE_90 = {"late_register": 1, "register_late_s": 90}
+
+
 def build(n: int, seed: int, stretches: list, crash: tuple | None, faults: dict, rerun: tuple | None = None):
     """The scenario: job a's stretches; with `crash` = (idle s, b's s), a crashes and b reuses
     its GPUs; with `rerun` = (idle s, resumed step or None, s), a ends cleanly and runs again
@@ -376,6 +379,10 @@ def offline(a: TraceBuilder, jobs: list[TraceBuilder]) -> dict:
 # agent id, the agent's wall clock stepping, a phase named `startup`: each once, pinned.
 @example(build(2, 1, [("compute", 60, 5)], None, {"rogue": "ranks_stream", "wrong_type_key": "wm"}))
 @example(build(1, 1, [("compute", 60, 5)], None, {"rogue": "deep_json", "wrong_type_key": "readers"}))
+# twin processes of one agent id, its rollback index key pre-created with another type, the
+# register read after the unassigned hold: one process's claim held the GPU's time back from the
+# unassigned ledger, the other's began where that ledger's watermark stood (15 s were lost)
+@example(build(1, 0, [("compute", 30, 4)], None, {**LATE_90, "twin": 1, "wrong_type_key": "rbidx"}))
 # the UUID holder's register read 30 s late: the rogue that named its GPU by index leaves it then
 @example(
     build(1, 0, [("compute", 100, 5)], None, {"rogue": "gpu_held", "late_register": 1, "register_late_s": 30})

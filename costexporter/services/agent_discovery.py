@@ -283,7 +283,7 @@ class JobDiscovery:
     def _booked_elsewhere(self, gpu: int, new: AgentJob) -> int:
         """How far this GPU's time is booked already (unassigned, or by another job): a claim
         that arrives late starts there, so no GPU-second is booked twice."""
-        until = self.unassigned.until or 0
+        until = self.unassigned.booked_until(gpu)
         for j in self.jobs.values():
             if j is new:
                 continue

@@ -48,6 +48,10 @@ class UnassignedBooker:
         self._wrong_type = wrong_type
         self._conflict = conflict
         self.until: int | None = None  # the watermark: booked up to here (None: not read yet)
+        # Per GPU, where its last unassigned piece ends (None: a watermark stored before this was
+        # kept): a GPU whose time a claim held back is booked only that far, whatever the
+        # watermark says, so a claim read later (by a twin agent too) starts there.
+        self.gpu_until: dict[int, int] | None = None
         self.raw: str | None = None  # ... as last read or written (the compare-and-set)
         self.loaded = False
         # True once the ledger is booked to the end of the newest sample (at shutdown, or after
@@ -67,10 +71,20 @@ class UnassignedBooker:
                 raise
             self._wrong_type(ledger.UNASSIGNED_JOB, e, {k: "string"})
             raw = None
-        stored = int(json.loads(raw).get("booked_until", 0)) if raw else 0
+        wm = json.loads(raw) if raw else {}
+        stored = int(wm.get("booked_until", 0))
         if ahead_only and stored <= (self.until or 0):
             return
         self.until, self.raw, self.loaded = stored, raw, True
+        gpus = wm.get("gpus") if raw else {}
+        self.gpu_until = {int(g): int(t) for g, t in gpus.items()} if isinstance(gpus, dict) else None
+
+    def booked_until(self, gpu: int) -> int:
+        """How far this GPU's time is booked as unassigned (a claim of it starts no earlier)."""
+        until = self.until or 0
+        if self.gpu_until is None:
+            return until
+        return min(until, self.gpu_until.get(gpu, 0))
 
     def epoch_reset(self) -> None:
         """Redis restarted empty: book on from this agent's watermark, written afresh."""
@@ -110,9 +124,16 @@ class UnassignedBooker:
         n_g = int(g.max()) + 1
         held = [(gg, a, b) for j in jobs for r, gg in j.own.items() if gg < n_g for a, b in j.held(r)]
         pieces = self._pieces(g, t, pw, en, n_g, interval, lo, horizon, held, lanes(list(range(n_g))))
-        if not self._commit(pieces, horizon):
+        # (A watermark stored before per-GPU ends were kept: every GPU booked to it.)
+        gpu_until = dict(self.gpu_until) if self.gpu_until is not None else dict.fromkeys(range(n_g), lo)
+        if pieces.gpu.size:
+            ends = np.full(n_g, np.iinfo(np.int64).min, np.int64)
+            np.maximum.at(ends, pieces.gpu.astype(np.int64), pieces.end_ms)
+            for gg in np.flatnonzero(ends > np.iinfo(np.int64).min).tolist():
+                gpu_until[gg] = max(gpu_until.get(gg, 0), int(ends[gg]))
+        if not self._commit(pieces, horizon, gpu_until):
             return
-        self.until = horizon
+        self.until, self.gpu_until = horizon, gpu_until
         self.settled = final
 
     def _pieces(
@@ -154,7 +175,7 @@ class UnassignedBooker:
             None if lanes is None else lanes[s.gpu[keep]],
         )
 
-    def _commit(self, pieces: Pieces, horizon: int) -> bool:
+    def _commit(self, pieces: Pieces, horizon: int, gpu_until: dict[int, int]) -> bool:
         """The pieces' amounts with the watermark, compare-and-set; False on a conflict."""
         cfg = self.cfg
         by_bucket = buckets.amounts(pieces, cfg.prices)
@@ -162,6 +183,7 @@ class UnassignedBooker:
         version = buckets.price_version(cfg.prices)
         wm = {
             "booked_until": horizon,
+            "gpus": {str(g): t for g, t in sorted(gpu_until.items())},
             "agent": cfg.agent_id,
             "host": self.host,
             "instance": self.instance,
