@@ -309,7 +309,7 @@ def offline(a: TraceBuilder, jobs: list[TraceBuilder]) -> dict:
     return out
 
 
-@settings(max_examples=int(os.environ.get("LEDGER_FAULT_EXAMPLES", "40")))
+@settings(max_examples=int(os.environ.get("LEDGER_FAULT_EXAMPLES", "30")))
 # A twin agent had booked `_unassigned` past the other's in-memory watermark when b's late
 # register arrived: b's GPU time started at the stale watermark, 2 s booked twice.
 @example(
