@@ -63,6 +63,10 @@ class JobDiscovery:
         self._rejected_seen: set[tuple[str, str, int]] = set()
         self._squatters: set[tuple[str, int]] = set()  # (job, rank) moved off a UUID holder's GPU
 
+    def _uuids(self) -> dict[int, str | None]:
+        """This node's GPUs' UUIDs by index (a claim naming one outranks one by host + index)."""
+        return {g: gpu.uuid for g, gpu in enumerate(self.source.gpus())}
+
     def _gpu_ids(self) -> tuple[Any, ...]:
         return tuple((g.uuid, g.host, g.index) for g in self.source.gpus())
 
@@ -148,7 +152,7 @@ class JobDiscovery:
                 retry = True  # its keys set aside: looked at again next round
         # The claims of this node's GPUs, those naming the GPU's UUID first, then by time: which job
         # the index lists first (a trainer's ZADD decides that) never decides who holds a GPU.
-        uuids = {g: gpu.uuid for g, gpu in enumerate(self.source.gpus())}
+        uuids = self._uuids()
         claims.sort(key=lambda c: (c[1].gpu_uuid != uuids.get(c[2]), c[1].ts_ms, c[0].name, c[1].rank))
         for job, reg, g in claims:
             try:
@@ -223,8 +227,7 @@ class JobDiscovery:
         it, also after it ends. A
         trainer could otherwise move another job's GPU time to itself by naming the GPU's index;
         a real successor reads the UUID (the reporter does) and takes over as usual."""
-        uuids = self.source.gpus()
-        uuid_ = uuids[gpu].uuid if gpu < len(uuids) else None
+        uuid_ = self._uuids().get(gpu)
         if not uuid_ or reg.gpu_uuid == uuid_:
             return False
         for other in self.jobs.values():
@@ -303,7 +306,7 @@ class JobDiscovery:
         for j in self.jobs.values():
             for r, g in j.own.items():
                 claims.setdefault(g, []).append((j.ranks[r].ts_ms, j.name, r))
-        uuids = {g: gpu.uuid for g, gpu in enumerate(self.source.gpus())}
+        uuids = self._uuids()
         for g, lst in claims.items():
             lst.sort()
             lst = self._squatters_out(lst, uuids.get(g))

@@ -70,12 +70,35 @@ def test_a_phase_named_startup_keeps_rollbacks_exact_after_the_stream_is_trimmed
         assert not any(ag.stats["timeline_rebuilds"] for ag in run.agents), name
 
 
+def _run_restarting_empty(
+    server, tmp_path, client, prefix: str, b: TraceBuilder, at_round: int, before: dict
+):
+    """Book `b` with one agent on the private `server`, which is killed with its AOF removed and
+    started empty after round `at_round` (the ledger then is kept in `before`); the reporters
+    find their job gone from the index and register again."""
+    from ..test_agent import event_entry
+
+    def restart(run: Run, rounds: int) -> None:
+        if rounds != at_round:
+            return
+        before.update(ledger.net_ms(ledger.read_amounts(run.client, prefix, b.job)))
+        server.kill()
+        shutil.rmtree(tmp_path / "redis" / "appendonlydir", ignore_errors=True)
+        server.start()  # empty
+        send_entries(run.client, prefix, b.job, [event_entry(e) for e in b.events if e.type == "register"])
+
+    run = Run(client, prefix, b, [b], {"after_round": restart})
+    run.redis_url = server.url
+    run.agents = [run._agent()]
+    run.run()
+    return run
+
+
 def test_a_phase_named_startup_keeps_the_ledger_exact_across_redis_restarted_empty(tmp_path):
     # A private redis-server, killed with its AOF removed while job st runs (after the agent read
     # its phase and its resume): the ledger before plus the ledger after is the job's, whatever
     # the phase's name.
     from ..redis_server import RedisServer
-    from ..test_agent import event_entry
 
     server = RedisServer(tmp_path / "redis").start()
     got = {}
@@ -85,21 +108,8 @@ def test_a_phase_named_startup_keeps_the_ledger_exact_across_redis_restarted_emp
             client, prefix = server.client(), f"ce-{name}"
             before: dict = {}
 
-            def restart(run: Run, rounds: int, b=b, prefix=prefix, before=before) -> None:
-                if rounds != 32:  # trace second 480: the phase (410-430 s) and the resume are read
-                    return
-                before.update(ledger.net_ms(ledger.read_amounts(run.client, prefix, b.job)))
-                server.kill()
-                shutil.rmtree(tmp_path / "redis" / "appendonlydir", ignore_errors=True)
-                server.start()  # empty
-                # the reporters find their job gone from the index and register again
-                regs = [event_entry(e) for e in b.events if e.type == "register"]
-                send_entries(run.client, prefix, b.job, regs)
-
-            run = Run(client, prefix, b, [b], {"after_round": restart})
-            run.redis_url = server.url
-            run.agents = [run._agent()]
-            run.run()
+            # trace second 480: the phase (410-430 s) and the resume are read
+            run = _run_restarting_empty(server, tmp_path, client, prefix, b, 32, before)
             after = ledger.net_ms(ledger.read_amounts(client, prefix, b.job))
             assert before and any(after.values()), (name, before, after)  # both lives booked
             got[name] = {c: before.get(c, 0) + after.get(c, 0) for c in after}
@@ -116,7 +126,6 @@ def test_a_resume_read_after_redis_restarted_empty_never_books_from_a_lost_index
     # nothing and says so; it used to read the lost entries as zero and roll back the whole
     # history (tens of thousands of GPU-s, productive below zero).
     from ..redis_server import RedisServer
-    from ..test_agent import event_entry
 
     server = RedisServer(tmp_path / "redis").start()
     try:
@@ -124,20 +133,8 @@ def test_a_resume_read_after_redis_restarted_empty_never_books_from_a_lost_index
         client, prefix = server.client(), "ce-lost"
         before: dict = {}
 
-        def restart(run: Run, rounds: int) -> None:
-            if rounds != 20:  # trace second 300: steps past the checkpoint booked, no resume yet
-                return
-            before.update(ledger.net_ms(ledger.read_amounts(run.client, prefix, b.job)))
-            server.kill()
-            shutil.rmtree(tmp_path / "redis" / "appendonlydir", ignore_errors=True)
-            server.start()  # empty
-            regs = [event_entry(e) for e in b.events if e.type == "register"]
-            send_entries(run.client, prefix, b.job, regs)  # the reporters register again
-
-        run = Run(client, prefix, b, [b], {"after_round": restart})
-        run.redis_url = server.url
-        run.agents = [run._agent()]
-        run.run()
+        # trace second 300: steps past the checkpoint booked, no resume yet
+        run = _run_restarting_empty(server, tmp_path, client, prefix, b, 20, before)
         after = ledger.net_ms(ledger.read_amounts(client, prefix, b.job))
         stats = run.agents[0].stats
     finally:
