@@ -296,6 +296,8 @@ class Run:
         out["_unassigned"] = ledger.read_amounts(self.client, self.prefix, ledger.UNASSIGNED_JOB).get(
             "unassigned:ms", 0
         )
+        # what the rogue's job booked, all categories (its claim by index can hold a GPU)
+        out["_rogue"] = sum(ledger.net_ms(ledger.read_amounts(self.client, self.prefix, "bad")).values())
         return out
 
 
@@ -387,6 +389,8 @@ def offline(a: TraceBuilder, jobs: list[TraceBuilder]) -> dict:
 @example(
     build(1, 0, [("compute", 100, 5)], None, {"rogue": "gpu_held", "late_register": 1, "register_late_s": 30})
 )
+# ... 90 s late, past the unassigned hold: the rogue booked the GPU until then (the job's whole run)
+@example(build(1, 0, [("compute", 10, None)], None, {"rogue": "gpu_held", **LATE_90}))
 @example(build(2, 1, [("compute", 60, 5)], (5, 30), {"rogue": "ts_1e300", "wrong_type_key": "total"}))
 @example(build(2, 1, [("compute", 60, 5)], (5, 30), {"rogue": "gpu_held", "restart_at": 3}))
 @example(build(1, 1, [("compute", 90, 4)], None, {"wrong_type_key": "fold", "twin_host": True}))
@@ -410,10 +414,15 @@ def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
         finally:
             drop_prefix(client, prefix)
         # Conservation: up to the unassigned ledger's watermark (past every job's end), every
-        # GPU-millisecond is in exactly one job's categories or unassigned.
-        booked = sum(sum(results[kind][j].values()) for j in names) + results[kind]["_unassigned"]
+        # GPU-millisecond is in exactly one job's categories (the rogue's included) or unassigned.
+        booked = sum(sum(results[kind][j].values()) for j in names)
+        booked += results[kind]["_unassigned"] + results[kind]["_rogue"]
         physical = a.n_gpus * (u - int(a.t0 * 1000))
         assert booked == physical, (kind, booked, physical, results[kind])
+        # A rogue's broken or refused claim books nothing; only a claim by index of a GPU whose
+        # holder is not known yet (its register late) books, to the rogue.
+        if not (kind == "faulty" and faults["rogue"] == "gpu_held" and faults["late_register"]):
+            assert results[kind]["_rogue"] == 0, (kind, results[kind])
     note(f"clean={results['clean']}\nfaulty={results['faulty']}")
     if faults["rerun"] and not faults["early_rank_s"]:
         # A job that ran again after a clean end: the uninterrupted live run books it as offline
@@ -431,10 +440,17 @@ def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
         # only one until the job's late register is read; the job then takes its GPU back from
         # the rogue's claim on (never the rogue's: conserved, checked above), and the second
         # before went to unassigned.
+        # With the register read later than the unassigned hold, the rogue's claim is the only one
+        # when GPU 0's time is booked: the rogue books it until the register is read.
         lost = results["clean"]["a"]["productive"] + results["clean"]["a"]["overhead"] - sum(
             results["faulty"]["a"][c] for c in ("productive", "overhead")
         )
-        assert 0 <= lost <= 1000 * len(a.samples().gpus), (lost, results)
+        if faults["register_late_s"] <= HOLD_S:
+            assert 0 <= lost <= 1000 * len(a.samples().gpus), (lost, results)
+            assert results["faulty"]["_rogue"] == 0, results
+        else:
+            assert lost >= 0, (lost, results)
+            assert 0 < results["faulty"]["_rogue"] <= 1000 * (faults["register_late_s"] + ROUND_S), results
         return
     if faults["late_register"] and faults["register_late_s"] > HOLD_S:
         # A documented limit: conserved (checked above), but the time before the register
