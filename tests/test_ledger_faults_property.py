@@ -442,8 +442,10 @@ def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
         # before went to unassigned.
         # With the register read later than the unassigned hold, the rogue's claim is the only one
         # when GPU 0's time is booked: the rogue books it until the register is read.
-        lost = results["clean"]["a"]["productive"] + results["clean"]["a"]["overhead"] - sum(
-            results["faulty"]["a"][c] for c in ("productive", "overhead")
+        lost = (
+            results["clean"]["a"]["productive"]
+            + results["clean"]["a"]["overhead"]
+            - sum(results["faulty"]["a"][c] for c in ("productive", "overhead"))
         )
         if faults["register_late_s"] <= HOLD_S:
             assert 0 <= lost <= 1000 * len(a.samples().gpus), (lost, results)
