@@ -174,3 +174,60 @@ def test_key_templates_make_the_builders_keys(prefix, job):
         return
     made = [h + job + t for h, t in key_templates(prefix, builders)]
     assert made == [k(prefix, job) for k in builders]
+
+
+RECORD = st.one_of(
+    st.just(""),  # no bucket before the bound
+    st.none(),  # the rollup could not be read
+    st.lists(st.integers(-(10**15), 10**15), min_size=30, max_size=30).flatmap(
+        lambda a: st.integers(0, 10**9).map(lambda b: "[" + ",".join(map(str, [b, *a])) + "]")
+    ),
+    st.sampled_from(  # damaged: text, not a list, too short, floats, past int64, past 2^53
+        [
+            "[1,2,x]",
+            '{"a": 1}',
+            "[5,1,2]",
+            "[5" + ",1.5" * 30 + "]",
+            "[1" + ",1" * 29 + "," + "9" * 20 + "]",
+            "[1" + ",1" * 29 + f",{2**53 + 1}]",
+        ]
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.sampled_from(["1", "1", "1", "", None]), st.sampled_from(["v1", "", "v2"]), RECORD, RECORD
+        ),
+        max_size=12,
+    )
+)
+def test_rollup_columns_equal_the_per_job_reading(jobs):
+    """A window's amounts from the columns of every job's rollup records (parsed in one go, a
+    record-less bound without parsing) equal each job's records read one by one: the net amounts,
+    the price versions, and which jobs go to the exact path, in the same order."""
+    import numpy as np
+
+    from costexporter.store.ledger_read import WIDTH, ZEROS, _record, _rollup_net
+
+    usable, pvs, ends, starts = (list(c) for c in zip(*jobs, strict=True)) if jobs else ([], [], [], [])
+    net, versions, exact = _rollup_net(usable, pvs, ends, starts)
+    want_exact, damaged = [], []
+    want_net = np.zeros((len(jobs), WIDTH - 1), np.int64)
+    want_versions: list[set[str] | None] = [None] * len(jobs)
+    for i, (u, pv, re, rs) in enumerate(jobs):
+        if u != "1" or re is None or rs is None:
+            want_exact.append(i)
+            continue
+        e, s = _record(re or ZEROS), _record(rs or ZEROS)
+        if e is None or s is None:
+            damaged.append(i)
+            continue
+        want_net[i] = np.array(e[1:]) - np.array(s[1:])
+        want_versions[i] = {pv} if e[0] != s[0] and pv else set()
+    assert exact == want_exact + damaged
+    good = [i for i in range(len(jobs)) if i not in exact]
+    assert (net[good] == want_net[good]).all()
+    assert [versions[i] for i in good] == [want_versions[i] for i in good]

@@ -361,36 +361,50 @@ def _record(raw: str) -> list[int] | None:
     return v if ok else None
 
 
-def _metas(jobs: list[str], replies: list[Any], warn: Warnings) -> dict[str, dict[str, Any]]:
-    """Each job's meta from ROLLUP_WINDOWS's replies (their first value: the meta hash's pairs)."""
+def _metas(jobs: list[str], raw: list[Any], warn: Warnings) -> dict[str, dict[str, Any]]:
+    """Each job's meta from ROLLUP_WINDOWS's replies (per job its first value: the meta hash's
+    pairs; None: not a hash)."""
     metas: dict[str, dict[str, Any]] = {}
-    for j, got in zip(jobs, replies, strict=True):
-        m = got[0]
+    for j, m in zip(jobs, raw, strict=True):
         if m is None:
             warn.add(j, "meta is not a hash: ignored")
-        metas[j] = dict(zip(m[::2], m[1::2], strict=True)) if m else {}
+            metas[j] = {}
+        elif m:
+            pairs = iter(m)  # HGETALL's pairs: field, value, field, value...
+            metas[j] = dict(zip(pairs, pairs, strict=True))
+        else:
+            metas[j] = {}
     return metas
 
 
-def _rollup_net(replies: list[Any], at: int) -> tuple[np.ndarray, list[set[str] | None], list[int]]:
-    """One window's net amounts from the rollup records at `at` (its end's, then its start's)
-    of each job whose rollup is usable; returns the amounts, the price versions (None where not
-    read) and the jobs (indices) to read exactly instead: no usable rollup, or a damaged record."""
-    n = len(replies)
-    ends, starts, fast, exact = [], [], [], []
-    for i, got in enumerate(replies):
-        re, rs = got[at], got[at + 1]
-        if got[1] == "1" and re is not None and rs is not None:
-            fast.append(i)
-            ends.append(re or ZEROS)
-            starts.append(rs or ZEROS)
-        else:
-            exact.append(i)
+def _rollup_net(
+    usable: list[Any], pvs: list[Any], ends: list[Any], starts: list[Any]
+) -> tuple[np.ndarray, list[set[str] | None], list[int]]:
+    """One window's net amounts from the rollup records (per job: whether its rollup is usable,
+    its price version, the record at the window's end and that at its start) of each job whose
+    rollup is usable; returns the amounts, the price versions (None where not read) and the jobs
+    (indices) to read exactly instead: no usable rollup, or a damaged record."""
+    n = len(usable)
+    ok = [
+        u == "1" and re is not None and rs is not None for u, re, rs in zip(usable, ends, starts, strict=True)
+    ]
+    if all(ok):
+        fast, exact = list(range(n)), []
+        e_raw, s_raw = ends, starts
+    else:
+        fast = [i for i, o in enumerate(ok) if o]
+        exact = [i for i, o in enumerate(ok) if not o]
+        e_raw, s_raw = [ends[i] for i in fast], [starts[i] for i in fast]
     net = np.zeros((n, WIDTH - 1), np.int64)
     versions: list[set[str] | None] = [None] * n  # per job; the caller sets the exact ones
-    e_m, s_m = _records(ends), _records(starts)
+    e_m, s_m = _records_or_zeros(e_raw), _records_or_zeros(s_raw)
     if e_m is None or s_m is None:  # a damaged record somewhere: check them one by one
-        good = list(zip(fast, map(_record, ends), map(_record, starts), strict=True))
+        good = [
+            (i, a, b)
+            for i, a, b in zip(
+                fast, (_record(r or ZEROS) for r in e_raw), (_record(r or ZEROS) for r in s_raw), strict=True
+            )
+        ]
         exact += [i for i, a, b in good if a is None or b is None]
         good = [(i, a, b) for i, a, b in good if a is not None and b is not None]
         fast = [i for i, _, _ in good]
@@ -399,8 +413,26 @@ def _rollup_net(replies: list[Any], at: int) -> tuple[np.ndarray, list[set[str] 
     net[fast] = e_m[:, 1:] - s_m[:, 1:]
     moved = (e_m[:, 0] != s_m[:, 0]).tolist()  # some bucket lies in the window
     for i, m in zip(fast, moved, strict=True):
-        versions[i] = {replies[i][2]} if m and replies[i][2] else set()
+        pv = pvs[i]
+        versions[i] = {pv} if m and pv else set()
     return net, versions, exact
+
+
+def _records_or_zeros(raw: list[str]) -> np.ndarray | None:
+    """`_records` of records where '' (no bucket before the bound) is the record before the
+    first bucket (ZEROS), parsing only the others: a job that began inside the window has no
+    record before its start."""
+    full = [i for i, r in enumerate(raw) if r]
+    if len(full) == len(raw):
+        return _records(raw)
+    m = np.zeros((len(raw), WIDTH), np.int64)
+    m[:, 0] = -1
+    if full:
+        parsed = _records([raw[i] for i in full])
+        if parsed is None:
+            return None
+        m[full] = parsed
+    return m
 
 
 def _run(pipe: Any) -> list[Any]:
@@ -654,23 +686,25 @@ class LedgerStore:
         warnings go (meta, then per window the steps' and the exact path's)."""
         per_w = 8 if tokens else 4
         k = _per_job(len(spans), tokens)
-        replies: list[Any] = []
+        flat: list[Any] = []  # every job's values in a row; a job's value x is flat[x::k]
         for i, got in zip(range(0, len(jobs), self.batch), results, strict=True):
             if got is None:  # cannot happen short of an outage (which raises): read exactly
-                replies += [[0, "", ""] + [False] * (per_w * len(spans))] * len(jobs[i : i + self.batch])
+                flat += ([0, "", ""] + [False] * (per_w * len(spans))) * len(jobs[i : i + self.batch])
             else:
-                replies += [got[x : x + k] for x in range(0, len(got), k)]
-        metas = _metas(jobs, replies, notes[0]) if meta else {}
+                flat += got
+        metas = _metas(jobs, flat[0::k], notes[0]) if meta else {}
+        usable, pvs = flat[1::k], flat[2::k]
         out = []
         for w, (start, end) in enumerate(spans):
             at = 3 + per_w * w
             warn, exact_warn = notes[1 + 2 * w], notes[2 + 2 * w]
             if tokens:
-                counted = [g[at + 2 : at + 8] if g[at + 2] is not None else None for g in replies]
+                cols = [flat[at + x :: k] for x in range(2, 8)]
+                counted = [None if got[0] is None else list(got) for got in zip(*cols, strict=True)]
                 steps = _steps(jobs, counted, warn)
             else:
-                steps = _counts(jobs, [g[at + 2 : at + 4] for g in replies], warn)
-            net, versions, exact = _rollup_net(replies, at)
+                steps = _counts(jobs, flat[at + 2 :: k], flat[at + 3 :: k], warn)
+            net, versions, exact = _rollup_net(usable, pvs, flat[at::k], flat[at + 1 :: k])
             if exact:
                 names = [jobs[i] for i in exact]
                 pipe = self.r.pipeline(transaction=False)
@@ -852,11 +886,11 @@ def _amounts(jobs: list[str], replies: list[Any], warn: Warnings | None) -> dict
     return out
 
 
-def _counts(jobs: list[str], replies: list[Any], warn: Warnings) -> dict[str, Steps]:
-    """Steps completed and voided (no tokens) from (completed, voided) pairs; None: the sets
-    have the wrong type."""
+def _counts(jobs: list[str], done: list[Any], voided: list[Any], warn: Warnings) -> dict[str, Steps]:
+    """Steps completed and voided (no tokens), a column each; a completed count of None: the
+    sets have the wrong type."""
     out = {}
-    for j, (c_n, v_n) in zip(jobs, replies, strict=True):
+    for j, c_n, v_n in zip(jobs, done, voided, strict=True):
         if c_n is None:
             warn.add(j, "the step sets have the wrong type: steps skipped")
             out[j] = Steps()
