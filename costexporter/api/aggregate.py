@@ -45,9 +45,7 @@ def value(field: str, job: str, meta: dict) -> str | None:
     """The job's value of an aggregate field: its name, or a field of its meta."""
     if field == "job":
         return job
-    name = field[6:] if field.startswith("label:") else field
-    v = meta.get(name)
-    return v if isinstance(v, str) and v != "" else None
+    return _text(meta.get(field[6:] if field.startswith("label:") else field))
 
 
 def key_of(fields: list[str], props: dict[str, str | None]) -> str:
@@ -204,31 +202,49 @@ def table_rows(
     # money as `micro` writes it, made here for the usual non-negative amounts (a call less per figure)
     costs = [f"{u // 1_000_000}.{u % 1_000_000:06d}" if u >= 0 else micro(u) for u in cost_u]
     wasted = [f"{u // 1_000_000}.{u % 1_000_000:06d}" if u >= 0 else micro(u) for u in wasted_u]
-    out = []
-    for n, (k, m) in enumerate(zip(keys, members, strict=True)):
-        props = props_of[n]
-        if len(m) == 1:  # the usual row of aggregate=job: no sets, no generators
-            j = jobs[m[0]]
-            meta = metas[j]
-            valid = steps[j].valid
-            team, cc = meta.get("team"), meta.get("cost_center")  # as `value` reads them
-            team = team if isinstance(team, str) and team else None
-            cc = cc if isinstance(cc, str) and cc else None
-            versions = list(table.versions[m[0]])
-            if len(versions) > 1:
-                versions.sort()
-        else:
-            valid = sum(steps[jobs[i]].valid for i in m)
-            teams = {value("team", jobs[i], metas[jobs[i]]) for i in m}
-            ccs = {value("cost_center", jobs[i], metas[jobs[i]]) for i in m}
-            team = teams.pop() if len(teams) == 1 else None
-            cc = ccs.pop() if len(ccs) == 1 else None
-            versions = sorted(set().union(*(table.versions[i] for i in m)))
-        out.append(
+    if all(len(m) == 1 for m in members):  # a row per job (aggregate=job): made column by column
+        at = [m[0] for m in members]
+        names = [jobs[i] for i in at]
+        valid = [steps[j].valid for j in names]
+        job_metas = [metas[j] for j in names]
+        teams = [_text(m.get("team")) for m in job_metas]  # `value`, without a call per field
+        ccs = [_text(m.get("cost_center")) for m in job_metas]
+        versions = [sorted(table.versions[i]) for i in at]
+        per_step = [per_micro(u, v) if v > 0 else None for u, v in zip(cost_u, valid, strict=True)]
+        return [
             {
                 "key": k,
                 "team": team,
                 "cost_center": cc,
+                "jobs": 1,
+                "gpu_hours": h0,
+                "valid_gpu_hours": h1,
+                "overhead_gpu_hours": h2,
+                "wasted_gpu_hours": h3,
+                "cost": cost,
+                "wasted_cost": waste,
+                "valid_steps": v,
+                "cost_per_valid_step": ps,
+                "start": s,
+                "end": e,
+                "properties": props,
+                "price_versions": pv,
+            }
+            for k, team, cc, h0, h1, h2, h3, cost, waste, v, ps, props, pv in zip(
+                keys, teams, ccs, *hours, costs, wasted, valid, per_step, props_of, versions, strict=True
+            )
+        ]
+    out = []
+    for n, (k, m) in enumerate(zip(keys, members, strict=True)):
+        props = props_of[n]
+        valid_n = sum(steps[jobs[i]].valid for i in m)
+        team_set = {value("team", jobs[i], metas[jobs[i]]) for i in m}
+        cc_set = {value("cost_center", jobs[i], metas[jobs[i]]) for i in m}
+        out.append(
+            {
+                "key": k,
+                "team": team_set.pop() if len(team_set) == 1 else None,
+                "cost_center": cc_set.pop() if len(cc_set) == 1 else None,
                 "jobs": len(m),
                 "gpu_hours": hours[0][n],
                 "valid_gpu_hours": hours[1][n],
@@ -236,15 +252,20 @@ def table_rows(
                 "wasted_gpu_hours": hours[3][n],
                 "cost": costs[n],
                 "wasted_cost": wasted[n],
-                "valid_steps": valid,
-                "cost_per_valid_step": per_micro(cost_u[n], valid) if valid > 0 else None,
+                "valid_steps": valid_n,
+                "cost_per_valid_step": per_micro(cost_u[n], valid_n) if valid_n > 0 else None,
                 "start": s,
                 "end": e,
                 "properties": props,
-                "price_versions": versions,
+                "price_versions": sorted(set().union(*(table.versions[i] for i in m))),
             }
         )
     return out
+
+
+def _text(v: object) -> str | None:
+    """A meta value as an aggregate field's value: a non-empty string, else None."""
+    return v if isinstance(v, str) and v else None
 
 
 def unassigned_row(u: Amounts, start: int, end: int) -> AllocationRow:
