@@ -35,6 +35,9 @@ def main() -> None:
         help="watcher: JOBSxSTEPS[/SHARDS] shapes (/2: two watchers, each polling half the jobs)",
     )
     ap.add_argument("--jobs", default="1000,10000", help="api: job counts to seed (comma-separated)")
+    ap.add_argument("--seed-dir", type=Path, help="api: keep each seeded Redis here and load it next time")
+    ap.add_argument("--against", type=Path, help="api: another source tree, its API timed beside")
+    ap.add_argument("--rounds", type=int, default=3, help="api: requests per figure (per API)")
     a = ap.parse_args()
     parts = a.part or list(PARTS)
 
@@ -57,7 +60,7 @@ def main() -> None:
         import scale_api
 
         print("== api ==")
-        scale_api.run(tuple(int(x) for x in a.jobs.split(",")))
+        scale_api.run(tuple(int(x) for x in a.jobs.split(",")), a.seed_dir, a.against, a.rounds)
 
 
 if __name__ == "__main__":

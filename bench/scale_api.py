@@ -3,14 +3,22 @@
 Each size gets a private `redis-server` (a temporary directory, a free port, no persistence),
 seeded through the ledger's own writer (`ledger.queue_amounts`, so every rollup exists as the
 agents write it), and the real API under uvicorn (`costexporter api`) in a process of its own.
-Figures: the median of 3 requests after one warm-up, next to their targets (as in
-docs/benchmarks.md) with MET or MISSED and the load average while timed; and the Redis bytes per
-job (INFO used_memory before and after seeding).
+Figures: the median (and p99) of `rounds` requests after one warm-up, next to their targets (as
+in docs/benchmarks.md) with MET or MISSED and the load average while timed; and the Redis bytes
+per job (INFO used_memory before and after seeding).
+
+`seed_dir`: the seeded Redis of each size is saved there (`seed-<jobs>.rdb`, with its seeding
+figures beside it) and loaded instead of seeding again (seeding 10,000 jobs takes minutes).
+`against`: another source tree (a checkout of the previous commit): its API serves the same
+Redis beside this tree's, and each round asks both, in alternating order, so the two are
+compared under the same load.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,25 +47,29 @@ TARGET_ALLOCATION_MS = 300  # at up to 10,000 jobs
 TARGET_P99_MS = 50
 
 
-def private_redis(tmp: Path) -> tuple[subprocess.Popen, redis.Redis]:
-    """A redis-server of our own on a free port (nothing shared is touched or flushed)."""
+def private_redis(tmp: Path, rdb: Path | None = None) -> tuple[subprocess.Popen, redis.Redis]:
+    """A redis-server of our own on a free port (nothing shared is touched or flushed); with
+    `rdb`, started from a copy of that snapshot (never written back: no persistence)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if rdb is not None:
+        shutil.copyfile(rdb, tmp / "dump.rdb")
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     r = redis.Redis(port=port, decode_responses=True)
-    for _ in range(200):
+    for _ in range(3000):  # loading a 10,000-job snapshot takes a few seconds
         try:
-            r.ping()
-            return proc, r
-        except redis.ConnectionError:
-            time.sleep(0.02)
+            if r.ping() and r.info("persistence")["loading"] == 0:
+                return proc, r
+        except (redis.ConnectionError, redis.BusyLoadingError):
+            pass
+        time.sleep(0.02)
     proc.kill()
     raise RuntimeError("redis-server did not start")
 
@@ -111,8 +123,9 @@ def job_day_bytes(r: redis.Redis, prefix: str, jobs: int = 20) -> tuple[float, f
     return (after - before) / jobs, (after - without) / jobs
 
 
-def serve_api(url: str, prefix: str) -> tuple[subprocess.Popen, str]:
-    """`costexporter api` as a user runs it, on a free port; returns (process, base URL)."""
+def serve_api(url: str, prefix: str, tree: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`costexporter api` of the source tree `tree` as a user runs it, on a free port; returns
+    (process, base URL)."""
     import socket
 
     with socket.socket() as s:
@@ -135,7 +148,8 @@ def serve_api(url: str, prefix: str) -> tuple[subprocess.Popen, str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        cwd=ROOT,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
     )
     base = f"http://127.0.0.1:{port}"
     for _ in range(400):
@@ -148,62 +162,116 @@ def serve_api(url: str, prefix: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the API did not start")
 
 
-def timed(c: httpx.Client, path: str, n: int = 3, **params) -> tuple[float, httpx.Response]:
-    """Median milliseconds of n requests after one warm-up (the response cache is for series only)."""
-    c.get(path, params=params)
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        resp = c.get(path, params=params)
-        times.append((time.perf_counter() - t) * 1000)
-        assert resp.status_code == 200, (path, resp.status_code, resp.text[:300])
-    return statistics.median(times), resp
+def timed(
+    clients: list[httpx.Client], path: str, rounds: int = 3, **params
+) -> tuple[list[list[float]], httpx.Response]:
+    """Milliseconds of `rounds` requests to each API after one warm-up each, the APIs asked in
+    turn, in alternating order (the response cache is for series only); and this tree's last
+    response."""
+    for c in clients:
+        c.get(path, params=params)
+    times: list[list[float]] = [[] for _ in clients]
+    resp = None
+    for n in range(rounds):
+        order = list(range(len(clients)))
+        for i in order if n % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            got = clients[i].get(path, params=params)
+            times[i].append((time.perf_counter() - t) * 1000)
+            assert got.status_code == 200, (path, got.status_code, got.text[:300])
+            if i == 0:
+                resp = got
+    assert resp is not None
+    return times, resp
 
 
-def measure(n_jobs: int) -> dict:
-    """Seed a private Redis with n_jobs jobs and time the API over it."""
+def seeded(r: redis.Redis, prefix: str, n_jobs: int, seed_dir: Path | None, tmp: Path) -> dict:
+    """Seed the private Redis (or find it loaded from `seed_dir`); its seeding figures."""
+    saved = seed_dir / f"seed-{n_jobs}.json" if seed_dir else None
+    if saved is not None and saved.exists() and r.zcard(keys.jobs_key(prefix)) == n_jobs:
+        figures: dict = json.loads(saved.read_text())
+        return figures
+    before = r.info("memory")["used_memory"]
+    t = time.perf_counter()
+    seed(r, prefix, n_jobs)
+    figures = {
+        "seed_s": time.perf_counter() - t,
+        "bytes_per_job": (r.info("memory")["used_memory"] - before) / n_jobs,
+    }
+    if seed_dir is not None and saved is not None:
+        seed_dir.mkdir(parents=True, exist_ok=True)
+        r.save()
+        shutil.copyfile(tmp / "dump.rdb", seed_dir / f"seed-{n_jobs}.rdb")
+        saved.write_text(json.dumps(figures))
+    return figures
+
+
+def measure(n_jobs: int, seed_dir: Path | None = None, against: Path | None = None, rounds: int = 3) -> dict:
+    """Seed a private Redis with n_jobs jobs (or load it from `seed_dir`) and time the API over
+    it (and the API of `against` beside it)."""
     prefix = "bench"
     with tempfile.TemporaryDirectory() as tmp:
-        proc, r = private_redis(Path(tmp))
+        rdb = seed_dir / f"seed-{n_jobs}.rdb" if seed_dir else None
+        proc, r = private_redis(Path(tmp), rdb if rdb is not None and rdb.exists() else None)
+        apis: list[subprocess.Popen] = []
         try:
-            before = r.info("memory")["used_memory"]
-            t = time.perf_counter()
-            seed(r, prefix, n_jobs)
-            seed_s = time.perf_counter() - t
-            per_job = (r.info("memory")["used_memory"] - before) / n_jobs
-            port = r.connection_pool.connection_kwargs["port"]
-            api, base = serve_api(f"redis://127.0.0.1:{port}/0", prefix)
-            out = {"jobs": n_jobs, "seed_s": seed_s, "bytes_per_job": per_job}
+            out = {"jobs": n_jobs, **seeded(r, prefix, n_jobs, seed_dir, Path(tmp))}
             out["job_day"], out["job_day_rollup"] = job_day_bytes(r, "day")
+            port = r.connection_pool.connection_kwargs["port"]
+            url = f"redis://127.0.0.1:{port}/0"
+            bases = []
+            for tree in [ROOT] + ([against] if against else []):
+                api, base = serve_api(url, prefix, tree)
+                apis.append(api)
+                bases.append(base)
+            clients = [httpx.Client(base_url=b, timeout=120) for b in bases]
             try:
-                with httpx.Client(base_url=base, timeout=120) as c:
-                    out["alloc_job"], resp = timed(c, "/api/v1/allocation", window=WINDOW)
-                    assert len(resp.json()["rows"]) == n_jobs + 1
-                    out["alloc_job_odd"], _ = timed(c, "/api/v1/allocation", window=WINDOW_ODD)
-                    out["alloc_team"], resp = timed(c, "/api/v1/allocation", window=WINDOW, aggregate="team")
-                    assert len(resp.json()["rows"]) == TEAMS + 1
-                    out["jobs_page"], _ = timed(c, "/api/v1/jobs", limit=100)
-                    out["jobs_team"], resp = timed(c, "/api/v1/jobs", limit=100, team="team-7")
-                    assert len(resp.json()["jobs"]) == min(100, n_jobs // TEAMS)
-                    out["load"] = os.getloadavg()[0]  # the machine is shared: say how busy it was
+                out["alloc_job"], resp = timed(clients, "/api/v1/allocation", rounds, window=WINDOW)
+                assert len(resp.json()["rows"]) == n_jobs + 1
+                out["alloc_job_odd"], _ = timed(clients, "/api/v1/allocation", rounds, window=WINDOW_ODD)
+                out["alloc_team"], resp = timed(
+                    clients, "/api/v1/allocation", rounds, window=WINDOW, aggregate="team"
+                )
+                assert len(resp.json()["rows"]) == TEAMS + 1
+                out["jobs_page"], _ = timed(clients, "/api/v1/jobs", rounds, limit=100)
+                out["jobs_team"], resp = timed(clients, "/api/v1/jobs", rounds, limit=100, team="team-7")
+                assert len(resp.json()["jobs"]) == min(100, n_jobs // TEAMS)
+                out["load"] = os.getloadavg()[0]  # the machine is shared: say how busy it was
             finally:
-                api.terminate()
-                api.wait(10)
+                for c in clients:
+                    c.close()
             return out
         finally:
+            for api in apis:
+                api.terminate()
+                api.wait(10)
             proc.kill()
             proc.wait(10)
 
 
-def report(results: list[dict]) -> None:
-    """The API's figures, each next to its target."""
-    print("finance API (private redis-server; median of 3 after a warm-up)")
+def _figure(times: list[float]) -> str:
+    """Median and p99 (nearest rank) of one API's requests."""
+    ranked = sorted(times)
+    p99 = ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))]
+    return f"{statistics.median(times):7.0f} ms (p99 {p99:5.0f})"
+
+
+def report(results: list[dict], against: Path | None = None) -> None:
+    """The API's figures, each next to its target (and the other tree's beside them)."""
+    n_req = len(results[0]["alloc_job"][0]) if results else 0
+    print(f"finance API (private redis-server; median and p99 of {n_req} requests after a warm-up)")
+    if against:
+        print(f"  each figure: this tree, then {against} (asked in turn, alternating)")
     for m in results:
         n = m["jobs"]
 
-        def tgt(ms: float) -> str:
-            verdict = "MISSED" if ms > TARGET_ALLOCATION_MS else "MET"
-            return f"target <= {TARGET_ALLOCATION_MS} ms {verdict}"
+        def tgt(times: list[list[float]]) -> str:
+            line = f"{_figure(times[0])}  target <= {TARGET_ALLOCATION_MS} ms "
+            line += "MISSED" if statistics.median(times[0]) > TARGET_ALLOCATION_MS else "MET"
+            return line + "".join(f"  | {_figure(t)}" for t in times[1:])
+
+        def plain(times: list[list[float]]) -> str:
+            return " | ".join(_figure(t) for t in times)
 
         print(
             f"  {n:>6} jobs (seeded in {m['seed_s']:.0f} s; load average {m['load']:.1f} while timed),"
@@ -213,15 +281,19 @@ def report(results: list[dict]) -> None:
             f"    Redis bytes per job-day of 5-minute buckets: {m['job_day']:,.0f}"
             f" (the rollup {m['job_day_rollup']:,.0f})"
         )
-        print(f"    /allocation 30 d, per job         {m['alloc_job']:7.0f} ms  {tgt(m['alloc_job'])}")
-        odd = m["alloc_job_odd"]
-        print(f"    /allocation 30 d not hour-aligned {odd:7.0f} ms  {tgt(odd)}")
-        print(f"    /allocation 30 d, per team        {m['alloc_team']:7.0f} ms  {tgt(m['alloc_team'])}")
-        print(f"    /jobs first page (100)            {m['jobs_page']:7.0f} ms")
-        print(f"    /jobs?team= (100 of one team)     {m['jobs_team']:7.0f} ms")
+        print(f"    /allocation 30 d, per job         {tgt(m['alloc_job'])}")
+        print(f"    /allocation 30 d not hour-aligned {tgt(m['alloc_job_odd'])}")
+        print(f"    /allocation 30 d, per team        {tgt(m['alloc_team'])}")
+        print(f"    /jobs first page (100)            {plain(m['jobs_page'])}")
+        print(f"    /jobs?team= (100 of one team)     {plain(m['jobs_team'])}")
 
 
-def run(sizes: tuple[int, ...] = (1_000, 10_000)) -> list[dict]:
-    results = [measure(n) for n in sizes]
-    report(results)
+def run(
+    sizes: tuple[int, ...] = (1_000, 10_000),
+    seed_dir: Path | None = None,
+    against: Path | None = None,
+    rounds: int = 3,
+) -> list[dict]:
+    results = [measure(n, seed_dir, against, rounds) for n in sizes]
+    report(results, against)
     return results
