@@ -9,7 +9,9 @@ its targets.
   10-s heartbeat (bench/scale_wide.py; --heartbeat 0 for none).
 * watcher: poll time at 1,000 jobs x 1k steps (one watcher, and two sharing the jobs) and 1 job x
   100k steps (bench/scale_agent.py).
-* api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py).
+* api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py;
+  --seed-dir keeps the seeded Redis for the next run, --baseline REV times that revision's API
+  beside this one).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main() -> None:
     )
     ap.add_argument("--jobs", default="1000,10000", help="api: job counts to seed (comma-separated)")
     ap.add_argument("--seed-dir", type=Path, help="api: keep each seeded Redis here and load it next time")
-    ap.add_argument("--against", type=Path, help="api: another source tree, its API timed beside")
+    ap.add_argument("--baseline", metavar="REV", help="api: also time this git revision's API, side by side")
     ap.add_argument("--rounds", type=int, default=3, help="api: requests per figure (per API)")
     a = ap.parse_args()
     parts = a.part or list(PARTS)
@@ -60,7 +62,7 @@ def main() -> None:
         import scale_api
 
         print("== api ==")
-        scale_api.run(tuple(int(x) for x in a.jobs.split(",")), a.seed_dir, a.against, a.rounds)
+        scale_api.run(tuple(int(x) for x in a.jobs.split(",")), a.seed_dir, a.baseline, a.rounds)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ per job (INFO used_memory before and after seeding).
 
 `seed_dir`: the seeded Redis of each size is saved there (`seed-<jobs>.rdb`, with its seeding
 figures beside it) and loaded instead of seeding again (seeding 10,000 jobs takes minutes).
-`against`: another source tree (a checkout of the previous commit): its API serves the same
-Redis beside this tree's, and each round asks both, in alternating order, so the two are
-compared under the same load.
+`baseline`: a git revision (the previous commit): its API serves the same Redis beside this
+tree's, and each round asks both, in alternating order, so the two are compared under the same
+load.
 """
 
 from __future__ import annotations
@@ -256,12 +256,12 @@ def _figure(times: list[float]) -> str:
     return f"{statistics.median(times):7.0f} ms (p99 {p99:5.0f})"
 
 
-def report(results: list[dict], against: Path | None = None) -> None:
-    """The API's figures, each next to its target (and the other tree's beside them)."""
+def report(results: list[dict], baseline: str | None = None) -> None:
+    """The API's figures, each next to its target (and the baseline's beside them)."""
     n_req = len(results[0]["alloc_job"][0]) if results else 0
     print(f"finance API (private redis-server; median and p99 of {n_req} requests after a warm-up)")
-    if against:
-        print(f"  each figure: this tree, then {against} (asked in turn, alternating)")
+    if baseline:
+        print(f"  each figure: this tree, then revision {baseline} (asked in turn, alternating)")
     for m in results:
         n = m["jobs"]
 
@@ -291,9 +291,16 @@ def report(results: list[dict], against: Path | None = None) -> None:
 def run(
     sizes: tuple[int, ...] = (1_000, 10_000),
     seed_dir: Path | None = None,
-    against: Path | None = None,
+    baseline: str | None = None,
     rounds: int = 3,
 ) -> list[dict]:
-    results = [measure(n, seed_dir, against, rounds) for n in sizes]
-    report(results, against)
+    if baseline is None:
+        results = [measure(n, seed_dir, None, rounds) for n in sizes]
+    else:
+        from bench_replay import _export
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = _export(baseline, Path(tmp))
+            results = [measure(n, seed_dir, tree, rounds) for n in sizes]
+    report(results, baseline)
     return results
