@@ -196,8 +196,9 @@ return out
 # is unusable), that before the start, and the steps: STEPS_WINDOW's six values with tokens, else
 # the two counts (the first false if the sets are not sorted sets). Records are returned as
 # stored: the API subtracts them (exact integers, and no JSON decoding inside Redis). Flat, with
-# no table per job or window and a window's start record taken from the window before when they
-# share the bound: most of a call's time is Lua's, not the commands'.
+# no table per job or window, and a window's start record taken from the window before when they
+# share the bound, and not read when there is no record before its end (a job that began after
+# the window): most of a call's time is Lua's, not the commands'.
 ROLLUP_WINDOWS = r"""
 local nwin, with_meta, with_tokens = tonumber(ARGV[1]), ARGV[2] == '1', ARGV[3] == '1'
 local per = with_meta and 5 or 4
@@ -228,7 +229,9 @@ for b = 0, #KEYS - per, per do
     local re, rs = false, false
     if usable then
       local a = pc('ZREVRANGEBYSCORE', cum, oE[i], '-inf', 'LIMIT', 0, 1)
-      local r0 = S[i] == pe and pa or pc('ZREVRANGEBYSCORE', cum, oS[i], '-inf', 'LIMIT', 0, 1)
+      local r0 = a  -- no record before the end (or an error): none before the start either
+      if S[i] == pe then r0 = pa
+      elseif a[1] ~= nil then r0 = pc('ZREVRANGEBYSCORE', cum, oS[i], '-inf', 'LIMIT', 0, 1) end
       pe, pa = E[i], a
       if a.err == nil and r0.err == nil then re, rs = a[1] or '', r0[1] or '' end
     end
