@@ -136,6 +136,21 @@ SWEEP = (
         ("titan-x-2gpu", s, {"levels": TITAN_X_LEVELS, "n_gpus": 2, "vanish": (1, 55.0, 60.0)})
         for s in (0, 3, 4)
     ]
+    # Bursts a few instants apart (every other start off the count, as when lines are lost) just
+    # before a GPU stops answering: the readings say the count goes on.
+    + [("h100-gpu7", 30, {"vanish": (7, 200.0, 60.0)})]
+    + [("titan-x", 17, {"levels": TITAN_X_LEVELS, "gpu_name": "NVIDIA TITAN X (Pascal)"})]
+    + [("a100-gpu5", 12, {"levels": A100_LEVELS, "vanish": (5, 100.0, 60.0)})]
+    # The stamps cut one count into short pieces at the GPU's going: the GPUs of the 7-line
+    # instants are chosen by the blocks before the pieces.
+    + [("h100-gpu7", 19, {"vanish": (7, 200.0, 60.0)})]
+    # Bursts right after the GPU's going restart the count for a few blocks of 8 lines.
+    + [("a100-gpu5", 79, {"levels": A100_LEVELS, "vanish": (5, 100.0, 60.0)})]
+    # The stamps put the GPU's going or return 7 instants of one line off.
+    + [
+        ("titan-x-2gpu", s, {"levels": TITAN_X_LEVELS, "n_gpus": 2, "vanish": (1, 55.0, 60.0)})
+        for s in (7, 41)
+    ]
 )
 
 

@@ -13,7 +13,11 @@ belongs is a burst or a jittered stamp when the instants after it begin where co
 again; when they keep beginning elsewhere, lines were lost (or a GPU stopped answering, and the
 instants are one line shorter for a while; where the starts such a count expects stop showing,
 the GPU is back). An instant start an early-stamped GPU 0 line hides (its pause is one line late
-and shorter) is not held against a count. Counting then restarts there, the boundary moves by
+and shorter) is not held against a count. Counting then restarts there. Where the readings tell
+the GPUs apart they check the stamps: a restart off the count that the readings say the old
+count goes on through is undone (bursts a few instants apart put starts off the count every
+other start, as lost lines do); a short restart that keeps the readings from telling which GPU
+the instants after it lack is folded into the count before it. The boundary then moves by
 whole blocks to where each GPU's readings continue, and the lines between are placed by what
 each GPU's own readings say: its memory.used and power change little from
 one instant to the next, so the lines of a short instant (or of a stretch where one GPU is
@@ -44,6 +48,9 @@ COMPARE_INSTANTS = 3
 PLACE_MARGIN = 1.5
 REF_BLOCKS = 4  # a GPU's readings before a segment: the median of this many blocks
 REFINE_BLOCKS = 6  # how many blocks a boundary may move by the readings (as BURST_BLOCKS)
+REFINE_LINES = 64  # ... and at least this many lines (bursts and early stamps around a GPU that
+# stops or comes back put the stamps' boundary up to ~8 instants off, more blocks of short ones)
+JOIN_BLOCKS = 4  # blocks after a restarted count compared with the count before continued
 POWER_STEP_W, POWER_STEP_SHARE = 15.0, 0.05  # a GPU's power moves about this much per instant
 MEMORY_STEP_MIB, MEMORY_STEP_SHARE = 4.0, 0.0002  # ... and its memory.used this much
 MAX_TERM = 8.0  # one reading's mismatch counts at most this much
@@ -90,8 +97,9 @@ def number_lines(
     if mem is not None:
         m[slot] = mem
     # Each segment: lines [a, b) of blocks of n lines, and where its last block ends short.
-    mapping = _mappings(segments, n_gpus, p, m)
-    segments, mapping = _merged(segments, mapping)
+    segments, mapping = _settled(segments, n_gpus, p, m)
+    if _rejoin(segments, mapping, n_gpus, p, m):
+        segments, mapping = _settled(segments, n_gpus, p, m)
     if _refine(segments, mapping, n_gpus, p, m):
         mapping = _mappings(segments, n_gpus, p, m)
     for k, (a, b, n) in enumerate(segments):
@@ -307,6 +315,48 @@ def _mappings(
     return mapping
 
 
+def _settled(
+    segments: list[tuple[int, int, int]], n_gpus: int, p: np.ndarray, m: np.ndarray
+) -> tuple[list[tuple[int, int, int]], list[np.ndarray | None]]:
+    """Segments' GPUs (`_mappings`) and segments that continue each other joined (`_merged`),
+    until no more join: a segment's GPUs are chosen by the blocks before it, so a join before
+    it (a few blocks of one count the stamps cut apart) can change them."""
+    mapping = _mappings(segments, n_gpus, p, m)
+    while True:
+        joined, mapping = _merged(segments, mapping)
+        if len(joined) == len(segments):
+            without = _without_short(joined, mapping, n_gpus, p, m)
+            if without is None:
+                return joined, mapping
+            joined = without
+        segments = joined
+        mapping = _mappings(segments, n_gpus, p, m)
+
+
+def _without_short(
+    segments: list[tuple[int, int, int]],
+    mapping: list[np.ndarray | None],
+    n_gpus: int,
+    p: np.ndarray,
+    m: np.ndarray,
+) -> list[tuple[int, int, int]] | None:
+    """The segments with one short segment joined to the one before (its count carried on),
+    where that lets the readings tell which GPU the segment after it lacks, which they could not
+    by the short one's blocks (bursts right after a GPU stopped answering restart the count for
+    a few blocks off both the old and the new block size; `_refine` then moves the boundary to
+    where the readings change); None when there is no such segment."""
+    for k in range(2, len(segments)):
+        (a0, _, n0), (a1, b1, n1), (b, c, n) = segments[k - 2 : k + 1]
+        if mapping[k] is not None or mapping[k - 2] is None or n0 != n1 or b1 - a1 > REFINE_BLOCKS * n1:
+            continue
+        trial = [*segments[: k - 2], (a0, b1, n0), *segments[k:]]
+        trial_map = [*mapping[: k - 1], *mapping[k:]]
+        prev = _block_before(trial, trial_map, k - 1, b)
+        if _choose_mapping(b, c, n, n_gpus, p, m, prev) is not None:
+            return trial
+    return None
+
+
 def _merged(
     segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None]
 ) -> tuple[list[tuple[int, int, int]], list[np.ndarray | None]]:
@@ -322,6 +372,66 @@ def _merged(
             segs.append((a, b, n))
             maps.append(mp)
     return segs, maps
+
+
+def _rejoin(
+    segments: list[tuple[int, int, int]],
+    mapping: list[np.ndarray | None],
+    n_gpus: int,
+    p: np.ndarray,
+    m: np.ndarray,
+) -> bool:
+    """Join (in place) each segment to the one before where both count blocks of the same GPUs,
+    the stamps restarted the count off the earlier one's, and the readings say the earlier count
+    goes on: bursts a few instants apart put starts off the count every other start, as lost
+    lines or instants of one line fewer do, though no line was lost. Whether any joined."""
+    k, joined = 1, False
+    while k < len(segments):
+        (a1, _, n1), (b, c, n) = segments[k - 1], segments[k]
+        mp1, mp = mapping[k - 1], mapping[k]
+        if (
+            n == n1
+            and (b - a1) % n
+            and mp is not None
+            and mp1 is not None
+            and (mp == mp1).all()
+            and _count_goes_on(a1, b, c, n, n_gpus, mp, p, m)
+        ):
+            segments[k - 1] = (a1, c, n)
+            del segments[k], mapping[k]
+            joined = True
+        else:
+            k += 1
+    return joined
+
+
+def _count_goes_on(
+    a1: int, b: int, c: int, n: int, n_gpus: int, mp: np.ndarray, p: np.ndarray, m: np.ndarray
+) -> bool:
+    """Whether the lines from the last full block before slot `b` to JOIN_BLOCKS blocks after it
+    continue each GPU's readings (the median of REF_BLOCKS blocks before) counted in n-line blocks
+    from `a1` clearly better than counted afresh from `b` (the lines before `b` then a short
+    instant): by a whole mismatch per block compared at least, far beyond what noise on GPUs that
+    read alike gives, so only readings that tell the GPUs apart join."""
+    full_end = a1 + (b - a1) // n * n
+    k_ref = min(REF_BLOCKS, (full_end - a1) // n)
+    k = min(JOIN_BLOCKS, (c - b) // n)
+    if k_ref == 0 or k == 0:
+        return False
+    firsts = [full_end - (j + 1) * n for j in range(k_ref)]
+    ref = np.full((n_gpus, 2), np.nan)
+    ref[mp, 0] = np.median(np.stack([p[f : f + n] for f in firsts]), axis=0)
+    ref[mp, 1] = np.median(np.stack([m[f : f + n] for f in firsts]), axis=0)
+    if np.isnan(ref[:, 0]).all():
+        return False
+    end = b + k * n
+    old_lines = np.arange(full_end, end)
+    old = _cost2(old_lines, mp[(old_lines - a1) % n], p, m, ref)
+    new_lines = np.arange(b, end)
+    new = _cost2(new_lines, mp[(new_lines - b) % n], p, m, ref)
+    if b > full_end:
+        new += _best_short(np.arange(full_end, b), n_gpus, p, m, ref)
+    return bool(new - old >= MAX_TERM * k)
 
 
 def _refine(
@@ -341,8 +451,9 @@ def _refine(
         mp1, mp2 = mapping[k], mapping[k + 1]
         if mp1 is None or mp2 is None or (n1 == n2 and (mp1 == mp2).all()):
             continue
-        j_lo = min(REFINE_BLOCKS, (b - a1 - n1) // n2)
-        j_hi = min(REFINE_BLOCKS, (c - b) // n2 - 2)  # keep a block after as reference
+        reach = max(REFINE_BLOCKS, REFINE_LINES // n2)
+        j_lo = min(reach, (b - a1 - n1) // n2)
+        j_hi = min(reach, (c - b) // n2 - 2)  # keep a block after as reference
         lo, hi = b - j_lo * n2 - n1, b + (j_hi + 1) * n2
         before = _block_ending(segments, mapping, k, lo)
         if j_lo < 0 or j_hi < 0 or before is None or hi + n2 > c:
