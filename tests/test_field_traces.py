@@ -197,3 +197,17 @@ def test_checkpoint_wait_onsets_and_slow_ramps_into_compute_band_as_they_are():
         assert np.mean(band[tr.slow_ramp] == Band.COMPUTE) >= 0.95, seed
     assert onset_ok / onset_n >= 0.97
     assert ramp_ok / ramp_n >= 0.98
+
+
+def test_titan_x_ramps_into_compute_band_compute():
+    """A TITAN X's mid band is narrow (154-162 W): its ramps from a checkpoint wait (118 W) or
+    idle (91 W) into compute (215 W) read in the low band at compute's utilization, and band
+    compute as the climb they are, not a wait's end or a hang; checkpoint waits keep theirs."""
+    for seed in range(3):
+        tr = Scenario.field(seed=seed, levels=TITAN_X_LEVELS, gpu_name="NVIDIA TITAN X (Pascal)").build()
+        band = _booked(tr)
+        assert tr.slow_ramp is not None and tr.slow_ramp.sum() >= 300
+        assert np.mean(band[tr.slow_ramp] == Band.COMPUTE) >= 0.93, seed
+        wait = tr.label_bands() == Band.CHECKPOINT
+        assert np.mean(band[wait] == Band.CHECKPOINT) >= 0.97, seed
+        assert np.mean(band == tr.label_bands()) >= 0.999, seed

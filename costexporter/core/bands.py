@@ -118,6 +118,13 @@ def classify(
     hold = int(gap_intervals * interval_ms)
 
     power_w = deramp(rank, power_w, profile, int(interval_ms))
+    climbed = None
+    k_ramp, _ = ramp_samples(int(interval_ms))
+    if k_ramp and n >= 3:
+        climbing = _climbs(rank, power_w, util_pct, profile, k_ramp)
+        if climbing is not power_w:
+            climbed = climbing != power_w
+            power_w = climbing
     tick = moments(rank, ts_ms, cell)
     n_ticks = int(tick.max()) + 1
     if n_ticks <= 4 * n + 1024:  # dense numbering in O(n); sparse traces fall back to unique
@@ -135,6 +142,10 @@ def classify(
     P.ravel()[flat] = power_w
     U.ravel()[flat] = util_pct
     present = P != -1.0
+    C = None  # climbing readings (`_climbs`), per moment
+    if climbed is not None:
+        C = np.zeros((n_ranks, n_cols), bool)
+        C.ravel()[flat] = climbed
 
     if present.all():  # every rank sampled at every moment: nothing to hold
         obs = present
@@ -147,6 +158,8 @@ def classify(
         rows = np.arange(n_ranks)[:, None]
         P = np.where(obs, P[rows, lastc], np.nan)
         U = np.where(obs, U[rows, lastc], np.nan)
+        if C is not None:
+            C = obs & C[rows, lastc]
 
     _, mid, low, _, busy, zero = _levels(P, U, profile)
     mid &= obs
@@ -156,6 +169,9 @@ def classify(
     # wait (0.5-1 s) the writer reads ~1.1x and the waiters ~1.2x the waiters' settled level.
     with np.errstate(invalid="ignore"):
         sig_low = obs & (onset_edge_w(profile) > P)
+    if C is not None:
+        # A rank whose climb into compute begins in a wait's last moment does not end the wait.
+        sig_low |= C
 
     dead, ckpt, n_confirmed, signatures, carry_out = _signature(
         sig_low,
@@ -459,6 +475,64 @@ def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms:
     lens = b - a
     idx = np.repeat(a, lens) + (np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens))
     out[idx] = np.repeat(power_w[b], lens)
+    return out
+
+
+# A climb into compute starts this far (a share of the compute edge) above the reading before it.
+CLIMB_SHARE = 0.04
+
+
+def _climbs(
+    rank: np.ndarray, power_w: np.ndarray, util_pct: np.ndarray, profile: Profile, k: int
+) -> np.ndarray:
+    """Readings of a climb into compute take the power of the compute reading they climb to
+    (the same object back when there is none): up to k readings of one rank right before its
+    compute reading, each at busy utilization and above the one before, from the first of them
+    CLIMB_SHARE of the compute edge above the reading before them (any of them after a compute
+    reading: a dip between two). Where the mid band is narrow (a TITAN X: 154-162 W), a ramp
+    from a checkpoint wait (118 W) into compute (215 W) reads in the low band and banded as a
+    wait's end or a hang."""
+    n = power_w.size
+    with np.errstate(invalid="ignore"):
+        high = power_w >= profile.compute_min_w
+        busy = util_pct >= profile.busy_util_pct
+        rises = np.zeros(n, bool)
+        rises[1:] = (power_w[1:] > power_w[:-1]) & (rank[1:] == rank[:-1])
+    # Compute entries: a compute reading after a reading of the same rank below compute (mid
+    # runs already `deramp`ed: a climb through the mid band enters where they begin).
+    entry = np.flatnonzero(high[1:] & ~high[:-1] & (rank[1:] == rank[:-1])) + 1
+    if entry.size == 0:
+        return power_w
+    # Walk back from each entry: j = entry - d is in the climb while every reading from it to
+    # the entry is below compute, busy, and each rises over the one before it (the entry too).
+    inside = np.ones(entry.size, bool)
+    start = entry.copy()
+    cond = ~high & busy
+    for d in range(1, k + 1):
+        j = entry - d
+        ok = inside & (j >= 1) & cond[np.maximum(j, 0)] & rises[np.maximum(j + 1, 0)]
+        start = np.where(ok, j, start)
+        inside = ok
+    # The climb begins at its first reading clearly above the reading before the walk (a
+    # waiter's noise rises too, by less).
+    s, e = start[start < entry], entry[start < entry]
+    ok = rank[np.maximum(s - 1, 0)] == rank[s]
+    s, e = s[ok], e[ok]
+    with np.errstate(invalid="ignore"):
+        # After a compute reading the walk is a dip (a noise tail), whole.
+        floor = np.where(high[s - 1], -np.inf, power_w[s - 1] + CLIMB_SHARE * profile.compute_min_w)
+        first = e.copy()
+        for d in range(k - 1, -1, -1):  # the earliest qualifying reading wins
+            x = s + d
+            hit = (x < e) & (power_w[np.minimum(x, n - 1)] >= floor)
+            first = np.where(hit, x, first)
+    s, e = first[first < e], e[first < e]
+    if s.size == 0:
+        return power_w
+    out = power_w.copy()
+    lens = e - s
+    idx = np.repeat(s, lens) + (np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens))
+    out[idx] = np.repeat(power_w[e], lens)
     return out
 
 
