@@ -162,3 +162,55 @@ def test_the_cross_rank_signature_holds_up_to_the_onset_edge(above, signature):
     bands, _ = run(p, u, h100)
     assert (bands == Band.CHECKPOINT).all() == signature
     assert (bands == Band.CHECKPOINT).any() == signature
+
+
+def _titan_x_with_idle_learned():
+    """A TITAN X's profile as replay derives it with idle learned at ~91 W: its mid band is
+    154-162 W, so ramps from a checkpoint wait (118 W) into compute (215 W) read in the low band."""
+    from dataclasses import replace
+
+    return replace(profiles.select("NVIDIA TITAN X (Pascal)"), idle_max_w=105.0, low_max_w=154.4)
+
+
+def run_100ms(power: np.ndarray, util: np.ndarray, profile, written: np.ndarray | None = None):
+    """Classify a ranks x moments matrix sampled every 100 ms (`written`: which readings exist)."""
+    n_ranks = power.shape[0]
+    written = np.ones(power.shape, bool) if written is None else written
+    rank, t = np.nonzero(written)
+    ts = (t * 100 + 1_753_570_000_000).astype(np.int64)
+    res = classify(rank, ts, power[rank, t], util[rank, t], n_ranks, profile)
+    out = np.full(power.shape, -1, np.int8)
+    out[rank, t] = res.band
+    return out
+
+
+def wait_then_compute(n_wait: int, n_compute: int) -> tuple[np.ndarray, np.ndarray]:
+    """8 ranks in a checkpoint wait (rank 0 writing at 100 W / 2%, the others at 118 W / 100%),
+    then compute at 215 W / 90%."""
+    p = np.concatenate([np.full((8, n_wait), 118.0), np.full((8, n_compute), 215.0)], axis=1)
+    u = np.concatenate([np.full((8, n_wait), 100.0), np.full((8, n_compute), 90.0)], axis=1)
+    p[0, :n_wait], u[0, :n_wait] = 100.0, 2.0
+    return p, u
+
+
+def test_a_climb_into_compute_from_below_the_mid_band_bands_compute():
+    prof = _titan_x_with_idle_learned()
+    p, u = wait_then_compute(30, 20)
+    p[:, 30:33], u[:, 30:33] = [127.0, 136.0, 145.0], 90.0  # the ramp, at compute's utilization
+    p[2, 29] = 121.0  # a waiter's noise rises too, by less than a climb: still the wait
+    bands = run_100ms(p, u, prof)
+    assert (bands[:, :30] == Band.CHECKPOINT).all()
+    assert (bands[:, 30:] == Band.COMPUTE).all()
+
+
+def test_a_lone_line_after_a_logger_hiccup_does_not_end_a_wait():
+    """After a 0.3 s hiccup, GPU 0's line stamped early sits alone in its moment; the wait's
+    0.9 s after it is the same wait, not a run too short to confirm."""
+    prof = _titan_x_with_idle_learned()
+    p, u = wait_then_compute(43, 20)
+    written = np.ones(p.shape, bool)
+    written[:, 30:34] = False
+    written[0, 33] = True
+    bands = run_100ms(p, u, prof, written)
+    assert (bands[:, :43][written[:, :43]] == Band.CHECKPOINT).all()
+    assert (bands[:, 43:] == Band.COMPUTE).all()

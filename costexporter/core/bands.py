@@ -274,9 +274,14 @@ def _signature(
         cand |= _spinning(low if spin_low is None else spin_low, busy, n_obs, cols, t0, cell, step_ms)
     cand = _bridge(cand, cols)
     times = t0 + cols * cell
-    # Consecutive samples: a moment where the logger wrote nothing at all does not end a run.
+    # Consecutive samples: a moment where the logger wrote nothing at all does not end a run,
+    # nor does one where most ranks wrote nothing (after a logger hiccup, an early-stamped GPU 0
+    # line alone in its moment): runs are cut on the other moments alone.
     starts = cand.copy()
-    starts[1:] &= ~(cand[:-1] & (np.diff(cols) * cell <= grid))
+    counted = np.flatnonzero(cand | (n_obs * 2 >= zero.shape[0]))
+    if counted.size > 1:
+        c = cand[counted]
+        starts[counted[1:]] &= ~(c[:-1] & (np.diff(cols[counted]) * cell <= grid))
     run_id = np.cumsum(starts) - 1
     start_cols = np.flatnonzero(starts)
     run_start_ms = times[start_cols]
