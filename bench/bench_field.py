@@ -13,7 +13,7 @@ A last column gives the worst share of slow-ramp samples (into compute) banded c
 reference. Then the files that missed, by kind and seed (`--case KIND:SEED` replays one and
 says which of its lines are misnumbered). `--kinds` picks among more kinds (`h100-no-memory`:
 no memory.used column, where power alone must tell the GPUs apart). The default, 6 kinds x 10
-seeds, takes about 10 s of CPU.
+seeds, takes about 6 s of CPU here.
 """
 
 from __future__ import annotations
