@@ -343,7 +343,7 @@ def windowed_rounds(b: TraceBuilder, rounds_s: float, windowed: bool) -> dict:
 
 
 @settings(
-    max_examples=int(os.environ.get("BAND_WINDOW_EXAMPLES", "60")),
+    max_examples=int(os.environ.get("BAND_WINDOW_EXAMPLES", "40")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

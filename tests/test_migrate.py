@@ -122,6 +122,36 @@ def test_upgraded_agents_book_a_job_begun_under_the_legacy_layout_exactly_once(s
     assert state.get("v") == "1", state
 
 
+def test_an_agent_starting_during_another_agents_move_sees_it_unfinished(server, monkeypatch):
+    """While any legacy key is left, one of the keys `ensure` looks for is too: an agent that
+    starts while another moves the keys moves along with it, rather than booking (and writing
+    its samples under the new names) before its own keys have moved."""
+    client = server.client()
+    job = "j"
+    client.xadd(keys.stream_key(PREFIX, job), {"x": "1"})
+    client.hset(keys.ranks_key(PREFIX, job), "0", "{}")
+    client.zadd(keys.jobs_key(PREFIX), {job: 1})
+    client.incr(keys.registrations_key(PREFIX))
+    client.set(keys.epoch_key(PREFIX), "e1")
+    client.hset(keys.readers_key(PREFIX, job), "a", "1")
+    for host in ("node0", "node1"):
+        client.xadd(keys.samples_key(PREFIX, job, host), {"x": "1"})
+        client.hset(keys.watermark_key(PREFIX, job, host), "booked_until", "1")
+    to_legacy(client)
+    marker_left: list[bool] = []
+    real_move = migrate.move
+
+    def move_then_look(*args):
+        real_move(*args)
+        if migrate.legacy_keys(client, PREFIX):  # the move is not finished: what a starting agent sees
+            marker_left.append(any(client.exists(k) for k in migrate._markers(PREFIX)))
+
+    monkeypatch.setattr(migrate, "move", move_then_look)
+    migrate.migrate(client, PREFIX)
+    assert len(marker_left) >= 9 and all(marker_left), marker_left
+    assert migrate.legacy_keys(client, PREFIX) == []
+
+
 def test_agents_of_the_previous_version_still_running_hold_the_move(server, cli):
     client = server.client()
     client.set(keys.legacy_key(PREFIX, "epoch"), "e1")

@@ -345,9 +345,7 @@ class LedgerDelta:
     step_members: tuple[dict[str, float], dict[str, float]] | None = None
 
 
-def valid_amounts(
-    prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray
-) -> np.ndarray:
+def valid_amounts(prices: Prices, cat: np.ndarray, ms: np.ndarray, mj: np.ndarray) -> np.ndarray:
     """[category, (ms, mJ, micro-cost)] of the valid categories only."""
     a = zeros()
     ms_c = np.bincount(cat, weights=ms, minlength=N_CAT)
@@ -442,9 +440,7 @@ def _index_entries(
             )
             upto = shares.gpu_ms(vp_start, cut, vp_lanes)
             index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac))
-    new_cum = state.cum + valid_amounts(
-        prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj
-    )
+    new_cum = state.cum + valid_amounts(prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj)
     return index_new, new_cum
 
 

@@ -168,9 +168,12 @@ def migrate(client: Any, prefix: str, *, force: bool = False, dry_run: bool = Fa
     if dry_run:
         report.plan = sorted(found)
         return report
-    # The trainers' keys first: a job's events are in place before its ledger.
+    # The trainers' keys first: a job's events are in place before its ledger. The keys `ensure`
+    # looks for last: an agent starting meanwhile sees one, moves along (a key moved by the
+    # other is skipped), and books only once every key has its new name.
     order = {EVENTS: 0, RANKS: 0, META: 0, JOBS: 1, COUNTER: 1, READERS: 2, FRESH: 3, OWNED: 3}
-    for old, new, kind in sorted(found, key=lambda f: (order[f[2]], f[0])):
+    markers = set(_markers(prefix))
+    for old, new, kind in sorted(found, key=lambda f: (f[0] in markers, order[f[2]], f[0])):
         move(client, old, new, kind, report)
     # What the API does at its start, for ledgers written before the incident index and the
     # rollups: also here, for an API whose read-only user cannot.
@@ -342,16 +345,20 @@ def _once(key: str, level: int, msg: str, *args: object) -> None:
         log.log(level, msg, *args)
 
 
+def _markers(prefix: str) -> list[str]:
+    """The legacy keys whose presence says a move is due or under way (`migrate` moves them last)."""
+    return [keys.legacy_key(prefix, n) for n in ("jobs", "epoch", "registrations")]
+
+
 def ensure(client: Any, prefix: str) -> bool:
     """An agent's check before its first round: True when no legacy key is left (moving them now
     when none of the old agents runs); False while one still runs. A Redis user that may not
     read the legacy names (this version's ACL) has nothing to move."""
     import redis
 
-    legacy = [keys.legacy_key(prefix, n) for n in ("jobs", "epoch", "registrations")]
     try:
         # One EXISTS a key: on a cluster they lie in different slots.
-        if not any(client.exists(k) for k in legacy):
+        if not any(client.exists(k) for k in _markers(prefix)):
             return True
     except redis.exceptions.NoPermissionError:
         _once("noperm", logging.INFO, "legacy keys are not readable under this ACL: nothing to move")

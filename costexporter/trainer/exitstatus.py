@@ -178,9 +178,7 @@ def install() -> None:
     prev_thread_hook = threading.excepthook
     prev_os_exit = os._exit
 
-    def excepthook(
-        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-    ) -> None:
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         note_crash(f"uncaught {exc_type.__name__}")
         prev_hook(exc_type, exc, tb)
 

@@ -591,7 +591,7 @@ def test_every_event_arrives_once_or_waits_on_disk_through_any_outage_schedule(t
     url = server.url
     case = [0]
 
-    @settings(max_examples=int(os.environ.get("CLIENT_FAULT_EXAMPLES", "20")))
+    @settings(max_examples=int(os.environ.get("CLIENT_FAULT_EXAMPLES", "15")))
     @example(ops=[("stop",), ("restart_trainer",), ("start",)])  # the second reporter drains the first
     @example(ops=[("stop",), ("steps", 5), ("restart_trainer",), ("steps", 5), ("restart_trainer",)])
     @given(ops=OPS)
