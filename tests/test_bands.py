@@ -197,6 +197,7 @@ def test_a_climb_into_compute_from_below_the_mid_band_bands_compute():
     prof = _titan_x_with_idle_learned()
     p, u = wait_then_compute(30, 20)
     p[:, 30:33], u[:, 30:33] = [127.0, 136.0, 145.0], 90.0  # the ramp, at compute's utilization
+    p[3, 30:33] = [127.0, 125.0, 145.0]  # its noise dips a little on the way
     p[2, 29] = 121.0  # a waiter's noise rises too, by less than a climb: still the wait
     bands = run_100ms(p, u, prof)
     assert (bands[:, :30] == Band.CHECKPOINT).all()

@@ -492,24 +492,26 @@ def _climbs(
 ) -> np.ndarray:
     """Readings of a climb into compute take the power of the compute reading they climb to
     (the same object back when there is none): up to k readings of one rank right before its
-    compute reading, each at busy utilization and above the one before, from the first of them
-    CLIMB_SHARE of the compute edge above the reading before them (any of them after a compute
-    reading: a dip between two). Where the mid band is narrow (a TITAN X: 154-162 W), a ramp
-    from a checkpoint wait (118 W) into compute (215 W) reads in the low band and banded as a
-    wait's end or a hang."""
+    compute reading, each at busy utilization and none below the one before by more than half
+    CLIMB_SHARE of the compute edge, from the first of them CLIMB_SHARE above the reading before
+    them (any of them after a compute reading: a dip between two). Where the mid band is narrow
+    (a TITAN X: 154-162 W), a ramp from a checkpoint wait (118 W) into compute (215 W) reads in
+    the low band and banded as a wait's end or a hang."""
     n = power_w.size
     with np.errstate(invalid="ignore"):
         high = power_w >= profile.compute_min_w
         busy = util_pct >= profile.busy_util_pct
         rises = np.zeros(n, bool)
-        rises[1:] = (power_w[1:] > power_w[:-1]) & (rank[1:] == rank[:-1])
+        # A climb's noise may dip a little (half the first step's rise) between readings.
+        slack = CLIMB_SHARE / 2 * profile.compute_min_w
+        rises[1:] = (power_w[1:] >= power_w[:-1] - slack) & (rank[1:] == rank[:-1])
     # Compute entries: a compute reading after a reading of the same rank below compute (mid
     # runs already `deramp`ed: a climb through the mid band enters where they begin).
     entry = np.flatnonzero(high[1:] & ~high[:-1] & (rank[1:] == rank[:-1])) + 1
     if entry.size == 0:
         return power_w
     # Walk back from each entry: j = entry - d is in the climb while every reading from it to
-    # the entry is below compute, busy, and each rises over the one before it (the entry too).
+    # the entry is below compute, busy, and each rises (within the slack) over the one before.
     inside = np.ones(entry.size, bool)
     start = entry.copy()
     cond = ~high & busy
