@@ -225,12 +225,27 @@ def _tell_gpu(rank: int, host: str, index: int, guess: GpuGuess) -> None:
     )
 
 
-# A queued event: (type, ts, seq, fields), a step (type, ts, seq, step, tokens): no dict built
-# on the trainer's thread. Encoded on the sender's.
+# A queued event: (type, ts, seq, fields), a step (type, ts, seq, step, tokens; -1: no tokens): no
+# dict built on the trainer's thread. Encoded on the sender's.
 _Event = tuple[Any, ...]
 
 
 _TS, _STEP, _TOKENS = operator.itemgetter(1), operator.itemgetter(3), operator.itemgetter(4)
+
+
+def _step_columns(run: list[_Event]) -> np.ndarray | None:
+    """The (3, n) int64 array [steps, Unix microseconds, tokens] of queued steps, each column
+    taken in one pass in C; None when the run holds another event (a 4-tuple: no tokens).
+    Times go to the microsecond as a single entry's `ts` text says them."""
+    n = len(run)
+    out = np.empty((3, n), dtype=np.int64)
+    try:
+        out[2] = np.fromiter(map(_TOKENS, run), np.int64, n)
+    except IndexError:
+        return None
+    out[1] = np.rint(np.fromiter(map(_TS, run), np.float64, n) * 1e6)
+    out[0] = np.fromiter(map(_STEP, run), np.int64, n)
+    return out
 
 
 def _weight(entry: dict[str, str]) -> int:
@@ -418,7 +433,9 @@ class StepReporter:
             return
         if type(step) is not int or step < 0 or step > MAX_STEP:
             step = coerce.count(step, "step", MAX_STEP)
-        if tokens is not None and (type(tokens) is not int or tokens < 0 or tokens > MAX_TOKENS):
+        if tokens is None:
+            tokens = -1  # (none: the batched entry's own word for it, no None to map on the sender)
+        elif type(tokens) is not int or tokens < 0 or tokens > MAX_TOKENS:
             tokens = coerce.count(tokens, "tokens", MAX_TOKENS)
         if ts is None:
             ts = self._clock()
@@ -627,12 +644,12 @@ class StepReporter:
             todo -= n
             # In flight before it leaves the queue: flush() (another thread) must never see both
             # empty while a batch is on its way.
-            self._inflight = list(itertools.islice(self._queue, n))
-            for _ in range(n):
-                self._queue.popleft()
-            entries, groups = self._encode(self._inflight)
+            # (extend() moves them in C, under the GIL: no other thread runs in between)
+            self._inflight = moving = []
+            moving.extend(itertools.starmap(self._queue.popleft, itertools.repeat((), n)))
+            entries, groups, last_ts = self._encode(moving)
             try:
-                ok, retry = self._deliver(entries)
+                ok, retry = self._deliver(entries, last_ts=last_ts)
             except self._redis_errors:
                 self._requeue()
                 raise
@@ -709,12 +726,18 @@ class StepReporter:
         return not remaining
 
     def _deliver(
-        self, entries: list[dict[str, str]], refused_key: str = "rejected", *, spooled: bool = False
+        self,
+        entries: list[dict[str, str]],
+        refused_key: str = "rejected",
+        *,
+        spooled: bool = False,
+        last_ts: float | None = None,
     ) -> tuple[int, list[int]]:
         """Send; count what the server refused for good (dropped, logged once per reason).
         Heartbeats go to the job's heartbeat stream, except from a spool: this reporter spools
         none, so a heartbeat there is a reporter's of an earlier release, on its events' seqs,
         and goes where that reporter would have sent it (the events stream).
+        `last_ts`: the newest time among this reporter's own entries, when known (send_entries).
         Returns how many arrived and the indices of what it refused for now (to retry).
         Raises on a dead connection."""
         retry: list[int] = []
@@ -731,6 +754,7 @@ class StepReporter:
                 [entries[i] for i in idx],
                 raise_on_error=False,
                 beats_cap=None if spooled else self._beats_cap,
+                last_ts=last_ts if job == self.job else None,
             )
             for j, exc in res.failed.items():
                 if _retryable(exc):
@@ -801,18 +825,20 @@ class StepReporter:
         if self._meta:
             self._post("meta", None, **self._meta)
 
-    def _encode(self, batch: list[_Event]) -> tuple[list[dict[str, str]], list[list[_Event]]]:
-        """The entries of queued events, and the events each entry carries: a run of steps with
-        consecutive seqs becomes one batched `steps` entry (at most MAX_BATCH_STEPS)."""
+    def _encode(self, batch: list[_Event]) -> tuple[list[dict[str, str]], list[list[_Event]], float]:
+        """The entries of queued events, the events each entry carries and the newest time among
+        them: a run of steps with consecutive seqs becomes one batched `steps` entry (at most
+        MAX_BATCH_STEPS)."""
         entries: list[dict[str, str]] = []
         groups: list[list[_Event]] = []
         n = len(batch)
-        if (
-            self.batch_steps and n > 1 and batch[-1][2] - batch[0][2] == n - 1 and set(map(len, batch)) == {5}
-        ):  # nothing but steps, one run of seqs (steps come from one thread, in order): no loop
+        cols = None
+        if self.batch_steps and n > 1 and batch[-1][2] - batch[0][2] == n - 1:
+            cols = _step_columns(batch)
+        if cols is not None:  # nothing but steps, one run of seqs (steps come from one thread, in order)
             for i in range(0, n, MAX_BATCH_STEPS):
-                self._add(entries, groups, batch[i : i + MAX_BATCH_STEPS])
-            return entries, groups
+                self._add(entries, groups, batch[i : i + MAX_BATCH_STEPS], cols[:, i : i + MAX_BATCH_STEPS])
+            return entries, groups, int(cols[1].max()) / 1e6
         run: list[_Event] = []
         beats: list[_Event] = []
         for ev in batch:
@@ -833,11 +859,17 @@ class StepReporter:
             self._add(entries, groups, run)
         for ev in beats:  # after the events: a reader that sees a heartbeat sees what came before
             self._add(entries, groups, [ev])
-        return entries, groups
+        return entries, groups, max(map(_TS, batch), default=0.0)
 
-    def _add(self, entries: list[dict[str, str]], groups: list[list[_Event]], evs: list[_Event]) -> None:
+    def _add(
+        self,
+        entries: list[dict[str, str]],
+        groups: list[list[_Event]],
+        evs: list[_Event],
+        cols: np.ndarray | None = None,
+    ) -> None:
         try:
-            entries.append(self._entry(evs[0]) if len(evs) == 1 else self._steps_entry(evs))
+            entries.append(self._entry(evs[0]) if len(evs) == 1 else self._steps_entry(evs, cols))
             groups.append(evs)
         except (TypeError, ValueError) as e:  # values are checked at the call; a last guard
             self.stats["rejected"] += len(evs)
@@ -848,18 +880,15 @@ class StepReporter:
                 e,
             )
 
-    def _steps_entry(self, run: list[_Event]) -> dict[str, str]:
+    def _steps_entry(self, run: list[_Event], cols: np.ndarray | None = None) -> dict[str, str]:
         """One batched `steps` entry (format 1, docs/protocol.md), built with array operations:
         per step a few hundred nanoseconds on the sender thread, not an XADD's tens of
-        microseconds. Times go to the microsecond as a single entry's `ts` text says them."""
-        n = len(run)
-        us = np.rint(np.fromiter(map(_TS, run), np.float64, n) * 1e6).astype(np.int64)
-        steps = np.fromiter(map(_STEP, run), np.int64, n)
-        tok = list(map(_TOKENS, run))
-        if None in tok:
-            tok = [-1 if k is None else k for k in tok]
-        tokens = np.array(tok, dtype=np.int64)
-        return protocol.steps_entry(self.job, self.rank, self.session, run[0][2], steps, us, tokens)
+        microseconds. `cols`: the run's `_step_columns`, when already taken."""
+        if cols is None:
+            cols = _step_columns(run)
+            if cols is None:
+                raise TypeError("a batched entry holds only steps")
+        return protocol.steps_entry(self.job, self.rank, self.session, run[0][2], cols[0], cols[1], cols[2])
 
     def _log_once(self, key: str, msg: str, *args: object) -> None:
         if key not in self._logged and len(self._logged) < 100:
@@ -874,7 +903,7 @@ class StepReporter:
     def _entry(self, ev: _Event) -> dict[str, str]:
         if len(ev) == 5:
             type_, ts, seq, step, tokens = ev
-            fields = {"step": step, "tokens": tokens}
+            fields = {"step": step, "tokens": None if tokens < 0 else tokens}
         else:
             type_, ts, seq, fields = ev
         base = {
@@ -906,7 +935,7 @@ class StepReporter:
             batch = kept
         if not batch:
             return
-        entries, _ = self._encode(batch)
+        entries, _, _ = self._encode(batch)
         n = sum(map(_weight, entries))
         try:
             (into or self._spool).append(entries)
@@ -960,6 +989,7 @@ def send_entries(
     *,
     raise_on_error: bool = True,
     beats_cap: int | None = None,
+    last_ts: float | None = None,
 ) -> Delivery:
     """One pipelined round trip: XADD each entry, keep `:ranks`, `:meta`, the jobs index and, with
     a register, the registrations counter.
@@ -970,13 +1000,16 @@ def send_entries(
     heartbeats, apart from its events' (a gap in the events' seqs costs every reader memory).
     None: every entry to the events stream, as a file exported from it holds them.
 
+    `last_ts`: the newest time among the entries (the jobs index's score), when the caller knows
+    it; else read from them (a batched entry unpacked for its last step's time).
+
     A dead connection raises. The server's refusals raise the first one, or with
     `raise_on_error=False` come back per entry (a non-transactional pipeline applies the rest)."""
     pipe = client.pipeline(transaction=False)
     stream = keys.stream_key(prefix, job)
     beats = keys.beats_key(prefix, job)
     owners: list[tuple[int | None, bool]] = []  # per command: (entry index, is the XADD)
-    last_ts = 0.0
+    newest = 0.0
     for i, e in enumerate(entries):
         if beats_cap is not None and e.get("type") == "heartbeat":
             pipe.xadd(beats, e, maxlen=beats_cap, approximate=True)
@@ -991,16 +1024,17 @@ def send_entries(
             if fields:
                 pipe.hset(keys.meta_key(prefix, job), mapping=fields)
                 owners.append((i, False))
-        with contextlib.suppress(TypeError, ValueError):  # (EventError is a ValueError)
-            t = float(e.get("ts", 0.0))
-            if e.get("type") == STEPS_TYPE:  # its last step's time: ts + the time deltas
-                t += int(unpack_steps(e["b"], int(e["n"]))[1].sum()) / 1e6
-            last_ts = max(last_ts, t)
+        if last_ts is None:
+            with contextlib.suppress(TypeError, ValueError):  # (EventError is a ValueError)
+                t = float(e.get("ts", 0.0))
+                if e.get("type") == STEPS_TYPE:  # its last step's time: ts + the time deltas
+                    t += int(unpack_steps(e["b"], int(e["n"]))[1].sum()) / 1e6
+                newest = max(newest, t)
     # The jobs index is another slot than the job's keys: on a Redis Cluster this pipeline goes to
     # two nodes in no set order. Either order is safe: a reader that finds the job before its
     # stream or ranks reads nothing new yet, and a stream whose index write failed is listed by
     # the next batch (every batch repeats the ZADD; GT keeps the newest time).
-    pipe.zadd(keys.jobs_key(prefix), {job: last_ts}, gt=True)
+    pipe.zadd(keys.jobs_key(prefix), {job: newest if last_ts is None else last_ts}, gt=True)
     zadd_at = len(owners)
     owners.append((None, False))
     version_at = None
