@@ -82,16 +82,17 @@ class CostExporterLightningCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # The hot path (once a micro-batch): no call unless an optimizer step completed.
-        if self._tokens_per_batch is not None:
-            self._tokens += int(self._tokens_per_batch(batch))
+        count = self._tokens_per_batch
+        if count is not None:
+            n = count(batch)
+            self._tokens += n if type(n) is int else int(n)  # (a tensor, a numpy integer)
         step = trainer.global_step
-        if step != self._last_step and self.reporter is not None:
-            if self._tokens and self._rank0:
-                self.reporter.step(step, self._tokens)
-            else:
-                self.reporter.step(step)
-            self._tokens = 0
-            self._last_step = step
+        if step != self._last_step:
+            rep = self.reporter
+            if rep is not None:
+                rep.step(step, self._tokens if self._tokens and self._rank0 else None)
+                self._tokens = 0
+                self._last_step = step
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if self.reporter is not None and not trainer.sanity_checking:
