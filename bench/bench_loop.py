@@ -21,7 +21,8 @@ steps run alternately bare and reporting (the order alternating), each timed by 
 queued, waited for inside the chunk, so each send's CPU is counted, once per 0.5 s of reporting
 work (the sender's interval at this step time) whatever the machine's load. The overhead is the
 median over blocks of ten pairs of (reporting CPU / bare CPU - 1); "paired, bare" is the same
-procedure with nothing reported, its error.
+procedure with nothing reported, its error; "an empty call" the loop with a call that does
+nothing in the reporter's place, the floor a Python call sets.
 
 The callbacks are driven as their frameworks drive them, one call per optimizer step with the
 frameworks' own state objects where they are cheap to build (transformers' TrainerState and
@@ -196,6 +197,10 @@ def one(run: Run, variant: str, work, steps: int) -> tuple[float, float, float]:
     return out
 
 
+def _empty(step: int, tokens: int | None = None) -> None:
+    """A call that does nothing, in the reporter's place: the paired measure's floor."""
+
+
 def paired(run: Run, variant: str, work, blocks: int, per_send: int, pairs: int = 10) -> float:
     """The median over blocks of (reporting CPU / bare CPU - 1), chunks alternating (module doc).
     The reporter's sender sends only when asked: at the end of each block's last reporting chunk,
@@ -238,6 +243,10 @@ def paired(run: Run, variant: str, work, blocks: int, per_send: int, pairs: int 
                 work()
                 trainer.global_step = k
                 on_batch_end(trainer, None, None, None, k - 1)
+        elif variant == "paired, empty call":
+            for k in range(s + 1, s + n + 1):
+                work()
+                _empty(k, tokens=TOKENS)
         else:
             for _ in range(n):
                 work()
@@ -349,7 +358,7 @@ def main() -> None:
         hot = {v: latency(run, v, work, a.steps) for v in variants}
         per_send = max(1, round(0.5 / (per_us * 1e-6)))  # steps a 0.5-s send interval holds
         pair: dict[str, float] = {}
-        for v in ["paired, bare", *variants]:
+        for v in ["paired, bare", "paired, empty call", *variants]:
             pair[v] = paired(run, v, work, a.blocks, per_send)
         print()
         print(
@@ -359,11 +368,13 @@ def main() -> None:
         b_cpu = statistics.median(x[0] for x in bares) if bares else per_us * 1e-6 * a.steps
         b_wall = statistics.median(x[1] for x in bares) if bares else 0.0
         print(f"{'bare loop':<20} {'':>11} {b_cpu:>12.2f} s {b_wall:>6.2f} s")
-        if again:
-            print(
-                f"{'bare again':<20} {100 * pair['paired, bare']:>+10.1f}%"
-                f" {100 * statistics.median(again):>+13.1f}%   (each measure's error: nothing reported)"
-            )
+        print(
+            f"{'bare again':<20} {100 * pair['paired, bare']:>+10.1f}%"
+            f" {100 * statistics.median(again) if again else float('nan'):>+13.1f}%"
+            "   (each measure's error: nothing reported)"
+        )
+        empty = pair["paired, empty call"]
+        print(f"{'an empty call':<20} {100 * empty:>+10.1f}%   (a call that does nothing)")
         for v in variants:
             cpu = statistics.median(x[0] for x in ratios[v]) if ratios[v] else float("nan")
             wall = statistics.median(x[1] for x in ratios[v]) if ratios[v] else float("nan")
