@@ -7,8 +7,9 @@
 
 The hot path only appends a tuple to a deque (a few hundred nanoseconds). A background thread
 sends what is queued every `flush_interval_s` with one pipelined round trip, each run of steps
-packed into one batched `steps` entry (array operations, no XADD per step: the sender costs
-about 1% of a 170 us-a-step loop, bench/bench_loop.py). When Redis is down or slow the
+packed into one batched `steps` entry (array operations, no XADD per step: the calls and the
+sender together execute about 0.2% of a 170 us-a-step loop's instructions,
+bench/loop_instructions.py). When Redis is down or slow the
 events wait in memory with their original timestamps and spill to a spool file on local disk
 when memory fills; at exit the flush waits at most `exit_timeout_s` and spools whatever is left;
 the next reporter that starts on the host for the same Redis and prefix sends the spool. Values
