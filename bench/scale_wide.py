@@ -61,7 +61,7 @@ def _peer_entry(host: int, t0: float, seconds: int, rng: np.random.Generator) ->
     e = ((t - T0 * 1000) * 1000.0 + r).round()  # cumulative mJ, as NVML's counter
     from costexporter.core.samplewin import encode_entry
 
-    return encode_entry((r, t, p, u, e))
+    return encode_entry((r, t, p, u, e), f"node{host}")
 
 
 def _publish(client, hosts: range, t0: float, seconds: int, rng: np.random.Generator) -> None:

@@ -205,7 +205,14 @@ def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix
         shared.xadd(
             peer,
             samplewin.encode_entry(
-                (s.gpu[sel].astype(np.int64), s.ts_ms[sel], s.power_w[sel], s.util_pct[sel], s.energy_mj[sel])
+                (
+                    s.gpu[sel].astype(np.int64),
+                    s.ts_ms[sel],
+                    s.power_w[sel],
+                    s.util_pct[sel],
+                    s.energy_mj[sel],
+                ),
+                "node1",
             ),
         )
     agent = Agent(
@@ -228,4 +235,68 @@ def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix
     held = job.remote.pending
     ts = np.concatenate([c[1] for c in held])
     assert ts.min() <= (b.t - 60) * 1000 and ts.min() >= (b.t - 120) * 1000  # a minute, and a round
-    assert sum(reads) < 180 and job.remote_ids["node1"] == shared.xrevrange(peer, count=1)[0][0]
+    assert sum(reads) < 180 and job.remote_ids[peer] == shared.xrevrange(peer, count=1)[0][0]
+
+
+def _sharing_hosts(n: int) -> list[str]:
+    """`n` host names that hash to the same sample stream."""
+    first: dict[int, list[str]] = {}
+    for i in range(10_000):
+        h = f"host{i}"
+        got = first.setdefault(keys.sample_stream(h), [])
+        got.append(h)
+        if len(got) == n:
+            return got
+    raise AssertionError("no hosts share a stream")
+
+
+def test_hosts_sharing_a_sample_stream_are_told_apart_and_each_entry_is_taken_once(shared, prefix):
+    """Hosts share a job's few sample streams: an agent takes only its peers' entries (not its
+    own, not a host it does not know yet), reads a host that joins later back to the window,
+    and one that leaves and comes back from where it stopped: every sample exactly once."""
+    import collections
+
+    from costexporter.services.agent_job import AgentJob
+    from costexporter.services.agent_peers import PeerExchange
+
+    me, a, b, c = _sharing_hosts(4)
+    other = next(f"x{i}" for i in range(1000) if keys.sample_stream(f"x{i}") != keys.sample_stream(me))
+    ranks = {me: 0, a: 1, b: 2, c: 3, other: 4}
+    sent: dict[str, list[int]] = {h: [] for h in ranks}
+
+    def publish(t0: int) -> None:
+        for h, r in ranks.items():
+            ts = np.arange(t0, t0 + 5) * 1000
+            p = np.full(5, 300.0)
+            cols = (np.full(5, r, np.int64), ts, p, p, p)
+            shared.xadd(keys.samples_key(prefix, "j", h), samplewin.encode_entry(cols, h))
+            sent[h] += ts.tolist()
+
+    def taken(job: AgentJob) -> dict[int, list[int]]:
+        r = np.concatenate([x[0] for x in job.remote.pending])
+        t = np.concatenate([x[1] for x in job.remote.pending])
+        job.remote.pending = []
+        return {int(k): sorted(t[r == k].tolist()) for k in np.unique(r)}
+
+    ex = PeerExchange(shared, prefix, me, collections.Counter(), maxlen=1000, grace_s=60)
+    job = AgentJob(name="j", reader=None)  # type: ignore[arg-type]
+    job.peers.hosts = {a: [1], b: [2], other: [4]}
+    for t in range(0, 100, 5):
+        publish(t)
+    ex.read(job, keep_from=50_000)
+    got = taken(job)
+    assert set(got) == {1, 2, 4}  # not this host's own, not c's (not known yet)
+    assert all(v[0] <= 50_000 and v[-1] == 99_000 and len(set(v)) == len(v) for v in got.values())
+    publish(100)
+    job.peers.hosts = {a: [1], c: [3], other: [4]}  # c joins, b leaves
+    ex.read(job, keep_from=60_000)
+    got = taken(job)
+    assert got[1] == got[4] == list(range(100_000, 105_000, 1000))
+    assert got[3][0] <= 60_000 and got[3][-1] == 104_000 and 2 not in got  # c read back
+    publish(105)
+    job.peers.hosts = {a: [1], b: [2], c: [3], other: [4]}  # b back: from where it stopped
+    ex.read(job, keep_from=60_000)
+    got = taken(job)
+    assert got[2] == list(range(100_000, 110_000, 1000))
+    assert got[1] == got[3] == got[4] == list(range(105_000, 110_000, 1000))
+    assert not ex.stats["bad_sample_entries"]

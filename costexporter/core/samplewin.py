@@ -146,15 +146,19 @@ ENTRY = np.dtype([("r", "<i4"), ("t", "<i8"), ("p", "<f8"), ("u", "<f8"), ("e", 
 ENTRY_NAMES: tuple[str, ...] = ENTRY.names or ()  # a structured dtype's names are never None
 
 
-def encode_entry(cols: Cols) -> dict[str, str]:
+def encode_entry(cols: Cols, host: str | None = None) -> dict[str, str]:
     """One round of this host's samples as a stream entry: the samples packed (`ENTRY`) in field
-    `b`, base64; a round's entries of every peer then decode as one array."""
+    `b`, base64 (a round's entries of every peer then decode as one array), and the host that
+    wrote them in field `h` (hosts share a stream)."""
     import base64
 
     rec = np.empty(cols[0].size, ENTRY)
     for name, a in zip(ENTRY_NAMES, cols, strict=True):
         rec[name] = a
-    return {"b": base64.b64encode(rec.tobytes()).decode()}
+    out = {"b": base64.b64encode(rec.tobytes()).decode()}
+    if host is not None:
+        out["h"] = host
+    return out
 
 
 def entry_bytes(fields: dict[str, str]) -> bytes:

@@ -23,7 +23,9 @@ class PeerStreams:
     """The job's other hosts, as this agent exchanges samples with them."""
 
     remote: SampleWindow = field(default_factory=SampleWindow)  # other hosts' samples, sorted
-    ids: dict[str, str] = field(default_factory=dict)  # host -> its last entry read
+    ids: dict[str, str] = field(default_factory=dict)  # sample stream -> its last entry read
+    tailed: set[str] = field(default_factory=set)  # hosts whose entries before `ids` were read
+    taken: dict[str, str] = field(default_factory=dict)  # host -> its last entry taken
     seen: dict[str, float] = field(default_factory=dict)  # host -> monotonic time of its last entry
     hosts: dict[str, list[int]] = field(default_factory=dict)  # other ranks by host (discovery)
     published_ts: dict[int, int] = field(default_factory=dict)  # rank -> newest ts published
@@ -88,7 +90,7 @@ class AgentJob:
 
     @property
     def remote_ids(self) -> dict[str, str]:
-        """Each other host's last sample entry read."""
+        """Each sample stream's last entry read."""
         return self.peers.ids
 
     @property

@@ -1,6 +1,8 @@
 """The sample exchange between the agents of one job: each host publishes its ranks' samples
-on its own stream (`:samples:<host>`) and reads the others', so cross-rank signatures see every
-rank. A host whose samples stop coming holds the booking horizon back only for a while."""
+on the job's sample stream its name hashes to (`keys.samples_key`: at most `SAMPLE_STREAMS` a
+job, each entry naming its host) and reads the others', so cross-rank signatures see every rank.
+A round reads at most `SAMPLE_STREAMS` keys however wide the job: a key costs Redis more than an
+entry. A host whose samples stop coming holds the booking horizon back only for a while."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ Local = tuple[np.ndarray, ...]  # this node's samples: (gpu, ts ms, W, %, mJ)
 
 
 class PeerExchange:
-    """Publishes this host's samples of a job and reads its other hosts' (one XREAD a round)."""
+    """Publishes this host's samples of a job and reads its other hosts' (one pipeline a round)."""
 
     def __init__(
         self,
@@ -44,63 +46,104 @@ class PeerExchange:
         gets this host's samples then, from the whole context kept."""
         return any(h != self.host for h in job.peers.hosts)
 
+    def _streams(self, job: AgentJob) -> dict[str, set[str]]:
+        """The job's sample streams that carry another host's samples, and those hosts."""
+        out: dict[str, set[str]] = {}
+        for h in job.peers.hosts:
+            if h != self.host:
+                out.setdefault(samples_key(self.prefix, job.name, h), set()).add(h)
+        return out
+
     def read(self, job: AgentJob, keep_from: int) -> None:
-        """The other hosts' new sample entries of the job: one XREAD for all of them, decoded as
-        one array. A host read for the first time (a start, a restart) is read from its newest
-        entry back to `keep_from` only, not its whole stream."""
-        hosts = sorted(h for h in job.peers.hosts if h != self.host)
-        if not hosts:
+        """The other hosts' new sample entries of the job: one XREAD a stream, pipelined (the
+        streams lie in different Cluster slots), decoded as one array. A host read for the first
+        time (a start, a restart, a host that joined) is read from its newest entry back to
+        `keep_from` only, not its whole stream."""
+        streams = self._streams(job)
+        # A host that comes back is read back to what was taken of it before.
+        job.peers.tailed &= job.peers.hosts.keys()
+        if not streams:
             return
-        keys = {samples_key(self.prefix, job.name, h): h for h in hosts}
         raw: list[bytes] = []
-        first = {k: h for k, h in keys.items() if h not in job.peers.ids}
+        first = {k: hs - job.peers.tailed for k, hs in streams.items()}
+        first = {k: hs for k, hs in first.items() if hs}
         if first:
             self._tails(job, first, keep_from, raw)
-        resp = self.redis.xread({k: job.peers.ids[h] for k, h in keys.items()}, count=10_000)
-        for k, entries in resp or []:
-            self._take(job, keys[k.decode() if isinstance(k, bytes) else k], entries, raw)
+        pipe = self.redis.pipeline(transaction=False)
+        for k in streams:
+            pipe.xread({k: job.peers.ids[k]}, count=10_000)
+        for k, resp in zip(streams, pipe.execute(), strict=True):
+            for _, entries in resp or []:
+                for entry_id, f in entries:
+                    job.peers.ids[k] = entry_id
+                    self._take(job, streams[k], entry_id, f, raw)
         if raw:
             job.peers.remote.add(samplewin.decode_entries(b"".join(raw)))
 
-    def _take(self, job: AgentJob, host: str, entries: list[Any], into: list[bytes]) -> None:
-        """A host's entries read: their packed samples onto `into` (a damaged one is counted)."""
-        if entries:
-            job.peers.seen[host] = time.monotonic()
-        for entry_id, f in entries:
-            job.peers.ids[host] = entry_id
-            try:
-                into.append(samplewin.entry_bytes(f))
-            except (KeyError, ValueError):
-                self.stats["bad_sample_entries"] += 1
+    def _take(
+        self, job: AgentJob, hosts: set[str], entry_id: str, f: dict[str, str], into: list[bytes]
+    ) -> None:
+        """An entry read: its packed samples onto `into` when one of `hosts` wrote it (this
+        host's own, and a host not known yet, are skipped; a damaged one is counted)."""
+        host = f.get("h")
+        if host is None:
+            self.stats["bad_sample_entries"] += 1
+            return
+        if host not in hosts:
+            return
+        job.peers.seen[host] = time.monotonic()
+        job.peers.taken[host] = entry_id
+        try:
+            into.append(samplewin.entry_bytes(f))
+        except (KeyError, ValueError):
+            self.stats["bad_sample_entries"] += 1
 
     def _tails(
-        self, job: AgentJob, keys: dict[str, str], keep_from: int, into: list[bytes], chunk: int = 16
+        self,
+        job: AgentJob,
+        streams: dict[str, set[str]],
+        keep_from: int,
+        into: list[bytes],
+        chunk: int = 16,
     ) -> None:
-        """Each stream's entries from the newest back to the first whose samples all lie before
-        `keep_from`, pipelined, `chunk` entries a stream at a time (doubling)."""
-        got: dict[str, list[Any]] = {k: [] for k in keys}
-        todo = {k: "+" for k in keys}
+        """The entries of `streams`' new hosts from the newest (or the stream's last entry read,
+        after which the round's XREAD takes them) back to each host's first whose samples all
+        lie before `keep_from`, or to the last taken of it before, pipelined, `chunk` entries a
+        stream at a time (doubling)."""
+        got: dict[str, list[Any]] = {k: [] for k in streams}
+        left = {k: set(hs) for k, hs in streams.items()}
+        todo = {k: job.peers.ids.get(k, "+") for k in streams}
+        newest: dict[str, str] = {}
         while todo:
             pipe = self.redis.pipeline(transaction=False)
             for k, hi in todo.items():
                 pipe.xrevrange(k, max=hi, count=chunk)
             nxt = {}
             for k, entries in zip(todo, pipe.execute(), strict=True):
+                if entries and k not in newest:
+                    newest[k] = entries[0][0]
                 for entry_id, f in entries:
+                    host = f.get("h")
+                    if host not in left[k]:
+                        continue
+                    if host in job.peers.taken and _id(entry_id) <= _id(job.peers.taken[host]):
+                        left[k].discard(host)
+                        continue
                     got[k].append((entry_id, f))
                     try:
                         old = int(samplewin.decode_entry(f)[1].max(initial=-1)) < keep_from
                     except (KeyError, ValueError):  # counted when taken
                         old = False
                     if old:
-                        break
-                else:
-                    if len(entries) == chunk:
-                        nxt[k] = f"({entries[-1][0]}"
+                        left[k].discard(host)
+                if left[k] and len(entries) == chunk:
+                    nxt[k] = f"({entries[-1][0]}"
             todo, chunk = nxt, chunk * 2
         for k, entries in got.items():
-            job.peers.ids[keys[k]] = "0-0"
-            self._take(job, keys[k], entries[::-1], into)
+            job.peers.ids.setdefault(k, newest.get(k, "0-0"))
+            for entry_id, f in entries[::-1]:
+                self._take(job, streams[k], entry_id, f, into)
+            job.peers.tailed |= streams[k]
 
     def window(self, job: AgentJob, local: Local, keep_from: int) -> tuple[Local, Local]:
         """Every rank's samples from `keep_from`, sorted by (rank, ts), and this agent's own
@@ -117,12 +160,15 @@ class PeerExchange:
             published = job.peers.published_ts
             new = own_ts > np.asarray([published.get(r, -1) for r in ranks.tolist()], np.int64)[at]
         if new.any():
+            key = samples_key(self.prefix, job.name, self.host)
+            hosts = {*job.peers.hosts, self.host}
+            sharing = sum(samples_key(self.prefix, job.name, h) == key for h in hosts)
             self.redis.xadd(
-                samples_key(self.prefix, job.name, self.host),
+                key,
                 samplewin.encode_entry(
-                    (own_rank[new], own_ts[new], p[mine][new], u[mine][new], e[mine][new])
+                    (own_rank[new], own_ts[new], p[mine][new], u[mine][new], e[mine][new]), self.host
                 ),
-                maxlen=self.maxlen,
+                maxlen=self.maxlen * sharing,  # `maxlen` entries for each host on it
                 approximate=True,
             )
             for r in np.unique(own_rank[new]).tolist():
@@ -154,3 +200,9 @@ class PeerExchange:
             else:
                 ignore += ranks
         return np.asarray(hold, np.int64), np.asarray(ignore, np.int64), wait
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id, ordered as Redis orders them."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -11,9 +11,10 @@ own keys and nothing else (`acl.py` prints the lines):
 
 A job's keys carry its hash tag, `<prefix>:<ns>:{<job>}:`, in every sub-prefix: the tag alone
 picks the Redis Cluster slot, so all of a job's keys stay on one node and one MULTI covers a
-booking round. The few keys across jobs carry no tag. Callers build keys here and never spell a
-suffix themselves. The layout before the sub-prefixes (`<prefix>:{<job>}:...`) is the legacy
-one; `migrate.py` moves it.
+booking round. The agents' sample streams, which no transaction covers, are the exception: each
+has a tag of its own (`samples_key`). The few keys across jobs carry no tag. Callers build keys
+here and never spell a suffix themselves. The layout before the sub-prefixes
+(`<prefix>:{<job>}:...`) is the legacy one; `migrate.py` moves it.
 """
 
 from __future__ import annotations
@@ -101,9 +102,24 @@ def live_key(prefix: str, job: str, host: str) -> str:
     return job_key(prefix, AGENT, job, "live", host)
 
 
+# A job's hosts share this many sample streams (a host's by a hash of its name): an agent reads
+# at most this many keys a round however wide the job, and each stream has a hash tag of its own.
+SAMPLE_STREAMS = 16
+
+
+def sample_stream(host: str) -> int:
+    """The job's sample stream `host` publishes on (stable across processes and releases)."""
+    import zlib
+
+    return zlib.crc32(host.encode()) % SAMPLE_STREAMS
+
+
 def samples_key(prefix: str, job: str, host: str) -> str:
-    """The samples of the job's GPUs on `host`, one packed entry a round (stream)."""
-    return job_key(prefix, AGENT, job, "samples", host)
+    """The stream `host` publishes the samples of the job's GPUs on, one packed entry a round
+    naming the host, shared with the other hosts of its `sample_stream`. Under a hash tag of its
+    own, `{<job>#<n>}`: no transaction covers the samples, so a wide job's streams spread over
+    Redis Cluster slots while its ledger stays on its own."""
+    return f"{prefix}:{AGENT}:{{{job}#{sample_stream(host)}}}:samples"
 
 
 def ledger_key(prefix: str, job: str, *parts: str) -> str:

@@ -9,7 +9,8 @@ database 0.
 
 Every key of a job carries the job as a hash tag (`<prefix>:<ns>:{<job>}:...`, keys.job_key), so a
 job's transaction stays in one slot; the few keys outside a job (the jobs index, node and GPU
-keys, the epoch marker) are written by single commands or non-transactional pipelines, which
+keys, the epoch marker) and the agents' sample streams (each under a tag of its own,
+keys.samples_key) are written by single commands or non-transactional pipelines, which
 redis-py's cluster client splits per node.
 """
 
