@@ -6,7 +6,8 @@ its targets.
 * agent: round CPU and RSS against a job's history, and restart catch-up (bench/scale_agent.py).
 * wide: round CPU, RSS and Redis commands/CPU per round of an agent owning 8 GPUs of a job
   64, 512 and 4,096 GPUs wide, its peers publishing sample streams and every rank its default
-  10-s heartbeat (bench/scale_wide.py; --heartbeat 0 for none).
+  10-s heartbeat (bench/scale_wide.py; --heartbeat 0 for none; --cluster: on a 3-master Redis
+  Cluster, the busiest master's share shown).
 * watcher: poll time at 1,000 jobs x 1k steps (one watcher, and two sharing the jobs) and 1 job x
   100k steps (bench/scale_agent.py).
 * api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py;
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--steps", default="1000,100000,300000", help="agent: history sizes (steps)")
     ap.add_argument("--widths", default="64,512,4096", help="wide: job widths (GPUs)")
     ap.add_argument("--heartbeat", type=float, default=10.0, help="wide: each rank's heartbeat, s (0: none)")
+    ap.add_argument("--cluster", action="store_true", help="wide: on a private 3-master Redis Cluster")
     ap.add_argument(
         "--watcher",
         default="1000x1000,1000x1000/2,1x100000",
@@ -52,7 +54,7 @@ def main() -> None:
         import scale_wide
 
         print("== wide ==")
-        scale_wide.report(scale_wide.measure([int(x) for x in a.widths.split(",")], a.heartbeat))
+        scale_wide.report(scale_wide.measure([int(x) for x in a.widths.split(",")], a.heartbeat, a.cluster))
     if "watcher" in parts:
         import scale_agent
 

@@ -18,10 +18,12 @@ process's resident memory after them; `cmds` the Redis commands one round sends 
 commandstats deltas around the tick), `redis ms` the Redis CPU it costs (INFO cpu deltas), with
 the peer's own XADD per round added. `cores@W` is that Redis CPU for all W/8 agents of the job at
 one round per 5 s. Targets: round <= 50 ms and RSS <= 150 MB at 4,096 GPUs; Redis <= 0.5 core
-at 4,096 GPUs (512 agents).
+at 4,096 GPUs (512 agents). `--cluster`: the same on a private 3-master Redis Cluster
+(tests/redis_cluster.py; redis-cli needed), Redis CPU summed over the masters and the busiest
+one's shown (`busiest@W`): what a job's keys spread over the shards takes off each.
 
 Run through bench/bench_scale.py --part wide, or alone:
-python bench/scale_wide.py [--widths 64,512] [--heartbeat 10]
+python bench/scale_wide.py [--widths 64,512] [--heartbeat 10] [--cluster]
 """
 
 from __future__ import annotations
@@ -127,13 +129,12 @@ def _heartbeats(width: int, t0: float, t1: float, seqs: dict[int, int], every: f
 
 def _prepare(width: int, url: str) -> dict[int, int]:
     """Registrations of every rank, a step a second and the peers' context, before the agent."""
-    import redis
 
     from costexporter.sources.synth import TraceBuilder
     from costexporter.trainer.reporter import send_entries
     from tests.test_agent import event_entry
 
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = _client(url)
     reg = TraceBuilder(n_gpus=width, per_host=PER_HOST, job=JOB, seed=1, interval_s=1.0, t0=T0)
     send_entries(client, PREFIX, JOB, [event_entry(e) for e in reg.events])
     seqs = {0: 1}  # after rank 0's register
@@ -156,21 +157,50 @@ def _prepare(width: int, url: str) -> dict[int, int]:
     return seqs
 
 
-def _stats(client) -> tuple[dict[str, tuple[int, int]], float]:
-    cs = client.info("commandstats")
-    cpu = client.info("cpu")
-    calls = {k.removeprefix("cmdstat_"): (v["calls"], v["usec"]) for k, v in cs.items()}
-    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+def _client(url: str):
+    """A client for one Redis or, for a cluster URL, the cluster (as the agent connects)."""
+    from costexporter.store import redisconn
+
+    return redisconn.from_url(url, decode_responses=True)
 
 
-def _delta(a, b) -> tuple[dict[str, int], float]:
-    """Commands sent between two snapshots (the snapshots' own INFO left out), and Redis CPU (s)."""
-    calls = {k: v[0] - a[0].get(k, (0, 0))[0] for k, v in b[0].items() if k != "info"}
-    return {k: n for k, n in calls.items() if n}, b[1] - a[1]
+def _nodes(url: str) -> list:
+    """A plain client per Redis: the one, or each master of a cluster."""
+    import redis
+
+    from costexporter.store import redisconn
+
+    if not redisconn.is_cluster_url(url):
+        return [redis.Redis.from_url(url, decode_responses=True)]
+    hosts = url.split("://", 1)[1].split(",")
+    return [
+        redis.Redis(host=h.rsplit(":", 1)[0], port=int(h.rsplit(":", 1)[1]), decode_responses=True)
+        for h in hosts
+    ]
+
+
+def _stats(nodes: list) -> tuple[dict[str, tuple[int, int]], list[float]]:
+    """Commands (calls, usec) summed over `nodes`, and each node's CPU (s)."""
+    calls: dict[str, tuple[int, int]] = {}
+    cpus = []
+    for n in nodes:
+        for k, v in n.info("commandstats").items():
+            c, u = calls.get(k.removeprefix("cmdstat_"), (0, 0))
+            calls[k.removeprefix("cmdstat_")] = (c + v["calls"], u + v["usec"])
+        cpu = n.info("cpu")
+        cpus.append(float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
+    return calls, cpus
+
+
+def _delta(a, b) -> tuple[dict[str, int], float, float]:
+    """Commands sent between two snapshots (the snapshots' own INFO and a cluster client's
+    topology reads left out), Redis CPU (s) over all nodes, and the busiest node's."""
+    calls = {k: v[0] - a[0].get(k, (0, 0))[0] for k, v in b[0].items() if k not in ("info", "cluster")}
+    cpu = [y - x for x, y in zip(a[1], b[1], strict=True)]
+    return {k: n for k, n in calls.items() if n}, sum(cpu), max(cpu)
 
 
 def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = HEARTBEAT_S) -> None:
-    import redis
 
     from costexporter.services.agent import Agent, AgentConfig
     from costexporter.sources.playback import ReplaySource
@@ -178,7 +208,8 @@ def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = H
     from costexporter.store.protocol import beats_cap
     from costexporter.trainer.reporter import send_entries
 
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = _client(url)
+    nodes = _nodes(url)
     sb = TraceBuilder(n_gpus=8, per_host=PER_HOST, job=JOB, seed=1, interval_s=1.0, t0=T0, register=False)
     sb.stretch("compute", HISTORY_S + ROUND_S * (ROUNDS + 2) + 10)
     now = [0.0]
@@ -199,25 +230,26 @@ def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = H
     first = tick()
     rng = np.random.default_rng(width + 1)
     hosts = range(1, width // PER_HOST)
-    rounds, cmds, redis_s, xadd_s = [], [], [], []
+    rounds, cmds, redis_s, xadd_s, busiest_s = [], [], [], [], []
     for k in range(ROUNDS + 1):
         t = HISTORY_S + k * ROUND_S
         now[0] = float(t + ROUND_S)
-        s0 = _stats(client)
+        s0 = _stats(nodes)
         _publish(client, hosts, T0 + t, ROUND_S, rng)
-        s1 = _stats(client)
+        s1 = _stats(nodes)
         send_entries(client, PREFIX, JOB, _steps(t + 1, t + ROUND_S, seqs))
         beats = _heartbeats(width, T0 + t, T0 + t + ROUND_S, seqs, heartbeat_s)
         send_entries(client, PREFIX, JOB, beats, beats_cap=beats_cap(width))  # as the reporter does
-        s2 = _stats(client)
+        s2 = _stats(nodes)
         cpu = tick()
-        s3 = _stats(client)
+        s3 = _stats(nodes)
         if k == 0:  # the first steady round still books the catch-up's tail
             continue
         rounds.append(cpu)
-        c, r = _delta(s2, s3)
+        c, r, top = _delta(s2, s3)
         cmds.append(c)
         redis_s.append(r)
+        busiest_s.append(top)
         xadd_s.append(_delta(s0, s1)[1] / max(len(hosts), 1))
     j = agent.jobs[JOB]
     out.put(
@@ -232,14 +264,41 @@ def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = H
             "booked_rounds": agent.stats["rounds"],
             "cmds": cmds[len(cmds) // 2],
             "redis_ms": statistics.median(redis_s) * 1000,
+            "busiest_ms": statistics.median(busiest_s) * 1000,
+            "nodes": len(nodes),
             "xadd_ms": statistics.median(xadd_s) * 1000,
         }
     )
 
 
-def measure(widths: list[int], heartbeat_s: float = HEARTBEAT_S) -> list[dict]:
-    """One fresh process and one private Redis per width."""
-    return in_fresh_processes(widths, _prepare, _one, lambda w, url, seqs, q: (w, url, seqs, q, heartbeat_s))
+def measure(widths: list[int], heartbeat_s: float = HEARTBEAT_S, cluster: bool = False) -> list[dict]:
+    """One fresh process and one private Redis (or 3-master cluster) per width."""
+
+    def args(w, url, seqs, q):
+        return (w, url, seqs, q, heartbeat_s)
+
+    if not cluster:
+        return in_fresh_processes(widths, _prepare, _one, args)
+    import multiprocessing
+    import tempfile
+
+    from tests.redis_cluster import RedisCluster
+
+    ctx = multiprocessing.get_context("spawn")
+    res = []
+    for w in widths:
+        with tempfile.TemporaryDirectory() as d:
+            c = RedisCluster(Path(d)).start()
+            try:
+                seqs = _prepare(w, c.url)
+                q = ctx.Queue()
+                p = ctx.Process(target=_one, args=args(w, c.url, seqs, q))
+                p.start()
+                res.append(q.get(timeout=1800))
+                p.join(60)
+            finally:
+                c.stop()
+    return res
 
 
 def report(res: list[dict]) -> None:
@@ -249,17 +308,21 @@ def report(res: list[dict]) -> None:
     )
     print(
         f"  {'GPUs':>6} {'window':>9} {'first s':>8} {'round ms':>9} {'max ms':>7} {'RSS MB':>7} "
-        f"{'cmds/round':>10} {'redis ms':>9} {'cores@W':>8}  commands"
+        f"{'cmds/round':>10} {'redis ms':>9} {'cores@W':>8} {'busiest@W':>9}  commands"
     )
     for r in res:
         agents = r["width"] // PER_HOST
         cores = (r["redis_ms"] + r["xadd_ms"]) / 1000 * agents / ROUND_S
         r["cores"] = cores
+        # The busiest node's share of the agents' rounds, each peer's XADD counted there in full.
+        busiest = (r["busiest_ms"] + r["xadd_ms"]) / 1000 * agents / ROUND_S
+        r["busiest"] = busiest
+        top = f"{busiest:>9.2f}" if r["nodes"] > 1 else f"{'':>9}"
         kinds = ",".join(f"{k}:{n}" for k, n in sorted(r["cmds"].items()))
         print(
             f"  {r['width']:>6} {r['window']:>9} {r['first_s']:>8.2f} {r['round_ms']:>9.1f} "
             f"{r['round_max_ms']:>7.1f} {r['rss_mb']:>7.0f} {sum(r['cmds'].values()):>10} "
-            f"{r['redis_ms'] + r['xadd_ms']:>9.2f} {cores:>8.2f}  {kinds}"
+            f"{r['redis_ms'] + r['xadd_ms']:>9.2f} {cores:>8.2f} {top}  {kinds}"
         )
     wide = [r for r in res if r["width"] >= 4096]
     if wide:
@@ -278,8 +341,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", default="64,512,4096", help="job widths (GPUs), comma-separated")
     ap.add_argument("--heartbeat", type=float, default=HEARTBEAT_S, help="each rank's heartbeat, s (0: none)")
+    ap.add_argument("--cluster", action="store_true", help="on a private 3-master Redis Cluster")
     a = ap.parse_args()
-    report(measure([int(x) for x in a.widths.split(",")], a.heartbeat))
+    report(measure([int(x) for x in a.widths.split(",")], a.heartbeat, a.cluster))
 
 
 if __name__ == "__main__":

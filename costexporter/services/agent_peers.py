@@ -55,7 +55,7 @@ class PeerExchange:
         return out
 
     def read(self, job: AgentJob, keep_from: int) -> None:
-        """The other hosts' new sample entries of the job: one XREAD a stream, pipelined (the
+        """The other hosts' new sample entries of the job: one XRANGE a stream, pipelined (the
         streams lie in different Cluster slots), decoded as one array. A host read for the first
         time (a start, a restart, a host that joined) is read from its newest entry back to
         `keep_from` only, not its whole stream."""
@@ -69,14 +69,15 @@ class PeerExchange:
         first = {k: hs for k, hs in first.items() if hs}
         if first:
             self._tails(job, first, keep_from, raw)
+        # XRANGE from after the last entry read, not XREAD: a cluster client sends an XREAD's
+        # keys to the server to learn its slot (COMMAND GETKEYS, a round trip each).
         pipe = self.redis.pipeline(transaction=False)
         for k in streams:
-            pipe.xread({k: job.peers.ids[k]}, count=10_000)
-        for k, resp in zip(streams, pipe.execute(), strict=True):
-            for _, entries in resp or []:
-                for entry_id, f in entries:
-                    job.peers.ids[k] = entry_id
-                    self._take(job, streams[k], entry_id, f, raw)
+            pipe.xrange(k, min=f"({job.peers.ids[k]}", count=10_000)
+        for k, entries in zip(streams, pipe.execute(), strict=True):
+            for entry_id, f in entries:
+                job.peers.ids[k] = entry_id
+                self._take(job, streams[k], entry_id, f, raw)
         if raw:
             job.peers.remote.add(samplewin.decode_entries(b"".join(raw)))
 
@@ -107,7 +108,7 @@ class PeerExchange:
         chunk: int = 16,
     ) -> None:
         """The entries of `streams`' new hosts from the newest (or the stream's last entry read,
-        after which the round's XREAD takes them) back to each host's first whose samples all
+        after which the round's XRANGE takes them) back to each host's first whose samples all
         lie before `keep_from`, or to the last taken of it before, pipelined, `chunk` entries a
         stream at a time (doubling)."""
         got: dict[str, list[Any]] = {k: [] for k in streams}
