@@ -64,11 +64,14 @@ class PeerExchange:
         job.peers.tailed &= job.peers.hosts.keys()
         if not streams:
             return
-        raw: list[bytes] = []
         first = {k: hs - job.peers.tailed for k, hs in streams.items()}
         first = {k: hs for k, hs in first.items() if hs}
         if first:
-            self._tails(job, first, keep_from, raw)
+            back: list[bytes] = []
+            self._tails(job, first, keep_from, back)
+            if back:  # kept even if the reads below fail: these hosts count as read back
+                job.peers.remote.add(samplewin.decode_entries(b"".join(back)))
+        raw: list[bytes] = []
         # XRANGE from after the last entry read, not XREAD: a cluster client sends an XREAD's
         # keys to the server to learn its slot (COMMAND GETKEYS, a round trip each).
         pipe = self.redis.pipeline(transaction=False)
