@@ -80,7 +80,9 @@ def book_two_jobs(url: str, prefix: str, tmp) -> dict:
     for b in jobs:
         post_events(client, prefix, b)
     port, api_port = free_port(), free_port()
-    extra = ["--api-port", str(api_port)]
+    # --late-keep 0: the streams are trimmed as soon as a fold is stored (tests/test_cluster.py
+    # checks the trimmed streams on both backends)
+    extra = ["--api-port", str(api_port), "--late-keep", "0"]
     for p in paths[1:]:
         extra += ["--samples", f"{p.stem}={p}"]
     proc = serve(paths[0], paths[0].stem, url, prefix, port, *extra, speed=200)

@@ -233,6 +233,9 @@ class Run:
                 job_refresh_s=0,
                 unassigned_hold_s=HOLD_S,
                 event_lag_s=LAG_S,
+                # the stream is trimmed (and the older fold rotated) within a scenario's length,
+                # later than any fault delays an event
+                late_keep_s=120.0,
             ),
         )
 

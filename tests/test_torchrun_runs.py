@@ -180,6 +180,6 @@ def test_a_job_that_runs_again_after_a_clean_end_is_billed_live_as_offline(
     valid = ("productive", "overhead")
     for part in (CATEGORIES, valid, ("rolled_back",), ("unobserved",)):
         got, want = sum(live.get(c, 0) for c in part), sum(offline_ms[c] for c in part)
-        assert abs(got - want) <= grid_ms, (part, live, offline_ms)
+        assert abs(got - want) <= grid_ms, (part, sorted(live.items()), sorted(offline_ms.items()))
     # Steps 11..20 of the first run were redone after the resume: rolled back, live as offline.
     assert live["rolled_back"] >= 2 * 10 * 100

@@ -302,14 +302,14 @@ class JobFolds:
 
     def _old_fold(self, job: AgentJob, blob: str, now: float) -> tuple[float, str, str] | None:
         """The stored fold to keep as the older one from this commit on, if it changes: one at
-        least `late_keep_s` old once the stored one is twice that (none stored: this one)."""
+        least `late_keep_s` old once none is stored or the stored one is twice that. Until then
+        this agent registers no position, so the job's stream is kept whole: an export of a job
+        in its first hour holds every step, as one of a longer job holds its last hour or two."""
         keep = self.cfg.late_keep_s
         cands = job.saved.candidates
         if not cands or now - cands[-1][0] >= keep / 4:
             cands.append((now, blob, job.reader.cursor))
-        if job.saved.old_at is None:
-            return cands[-1]
-        if now - job.saved.old_at < 2 * keep:
+        if job.saved.old_at is not None and now - job.saved.old_at < 2 * keep:
             return None
         ripe = [c for c in cands if now - c[0] >= keep]
         return ripe[-1] if ripe else None
