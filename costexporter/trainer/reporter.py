@@ -646,7 +646,8 @@ class StepReporter:
             # In flight before it leaves the queue: flush() (another thread) must never see both
             # empty while a batch is on its way.
             # (extend() moves them in C, under the GIL: no other thread runs in between)
-            self._inflight = moving = []
+            moving: list[_Event] = []
+            self._inflight = moving
             moving.extend(itertools.starmap(self._queue.popleft, itertools.repeat((), n)))
             entries, groups, last_ts = self._encode(moving)
             try:
