@@ -101,8 +101,34 @@ def test_a_rerun_on_the_same_prefix_books_the_same_bill_and_the_api_agrees(prefi
         assert after["window"]["end_unix"] >= time.time() - 600
         bills.append(bill)
         answers.append(after)
-    assert bills[0] == bills[1]
+    # The same bill. Where the run's startup ends and its valid time begins may move by a few
+    # story seconds with when the agent read the first step (at --speed 600 a few ms of wall
+    # time): that split only, its sum exact.
+    a, b = _flat(bills[0]), _flat(bills[1])
+    assert a.keys() == b.keys()
+    moved = {k for k in a if a[k] != b[k]}
+    assert all(("valid" in k or "overhead" in k or "productive" in k) for k in moved), moved
+    for k in moved:
+        near = abs(a[k] - b[k]) <= max(10 / 3600, 0.01 * abs(a[k]))
+        assert isinstance(a[k], float) and near, (k, a[k], b[k])
+    ca, cb = bills[0]["costexporter"], bills[1]["costexporter"]
+    assert ca["valid_gpu_hours"] + ca["overhead_gpu_hours"] == pytest.approx(
+        cb["valid_gpu_hours"] + cb["overhead_gpu_hours"], abs=1e-9
+    )
+    for k in ("total_gpu_hours", "job_gpu_hours", "wasted_gpu_hours", "total_cost", "valid_steps"):
+        assert ca[k] == cb[k], k
     assert answers[0]["gpu_hours"] == answers[1]["gpu_hours"]
+
+
+def _flat(d: dict, at: str = "") -> dict:
+    """A nested bill as {dotted key: value}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{at}{k}."))
+        else:
+            out[f"{at}{k}"] = v
+    return out
 
 
 def test_a_prefix_holding_other_data_or_a_playing_demo_is_refused_at_once(prefix):
