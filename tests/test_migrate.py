@@ -152,6 +152,28 @@ def test_an_agent_starting_during_another_agents_move_sees_it_unfinished(server,
     assert migrate.legacy_keys(client, PREFIX) == []
 
 
+def test_a_hosts_legacy_sample_stream_is_deleted_not_moved_under_a_name_nobody_reads(server, cli):
+    """A host's sample stream of the legacy layout (`<prefix>:{<job>}:samples:<host>`) is a few
+    seconds of band window: this version reads a job's shared streams, so the migration deletes
+    it, says so in the dry run and the summary, and leaves no key under a per-host name."""
+    client = server.client()
+    job = "j"
+    client.set(keys.legacy_key(PREFIX, "epoch"), "e1")
+    client.xadd(keys.legacy_job_key(PREFIX, job, "events"), {"x": "1"})
+    for host in ("node0", "node1"):
+        client.xadd(keys.legacy_job_key(PREFIX, job, "samples", host), {"x": "1"})
+    plan = cli("keys", "migrate", "--dry-run", "--redis-url", server.url, "--prefix", PREFIX)
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.count("deleted (a host's sample stream") == 2, plan.stdout
+    done = cli("keys", "migrate", "--redis-url", server.url, "--prefix", PREFIX)
+    assert done.returncode == 0, done.stderr
+    assert "2 deleted" in done.stderr, done.stderr
+    left = sorted(client.scan_iter(f"{PREFIX}:*"))
+    assert not [k for k in left if "samples" in k], left
+    assert migrate.legacy_keys(client, PREFIX) == []
+    assert client.xlen(keys.stream_key(PREFIX, job)) == 1  # the trainer's events moved, as before
+
+
 def test_agents_of_the_previous_version_still_running_hold_the_move(server, cli):
     client = server.client()
     client.set(keys.legacy_key(PREFIX, "epoch"), "e1")

@@ -18,7 +18,9 @@ When a key exists under both names: a trainer's keys are merged (events appended
 registration of each rank kept, meta and readers' fields filled in, the jobs index by latest
 time); short-lived state (status, live, node, simulation clock, idle level) keeps the new one;
 a ledger, watermark or fold is never merged: it is left under its legacy name and reported as a
-conflict, for a person to look at.
+conflict, for a person to look at. A host's legacy sample stream is deleted, not moved: its
+samples are a few seconds' band window for the job's other agents, and this version's agents
+publish and read a job's shared sample streams (`keys.samples_key`) instead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ log = logging.getLogger("costexporter.migrate")
 # Kinds of legacy key: how a collision with its new name is resolved.
 EVENTS, RANKS, META, JOBS, COUNTER = "events", "ranks", "meta", "jobs", "counter"
 READERS, FRESH, OWNED = "readers", "fresh", "owned"
+STALE = "stale"  # read by no agent of this version: deleted
 
 # A job's trainer keys (legacy suffix -> new builder), its readers and watcher keys.
 _JOB_KEYS: dict[str, tuple[Callable[[str, str], str], str]] = {
@@ -85,23 +88,26 @@ class OldAgentsRunning(RuntimeError):
 @dataclass
 class Report:
     """What a migration did (or, dry, would do): keys moved, merged, dropped (a newer copy
-    existed), events forwarded, and conflicts left under their legacy names."""
+    existed), deleted (no agent reads them now), events forwarded, and conflicts left under
+    their legacy names."""
 
     moved: int = 0
     merged: int = 0
     dropped: int = 0
+    deleted: int = 0
     events: int = 0
     conflicts: list[tuple[str, str]] = field(default_factory=list)
     plan: list[tuple[str, str, str]] = field(default_factory=list)  # (legacy, new, kind), dry runs
 
     @property
     def touched(self) -> int:
-        return self.moved + self.merged + self.dropped
+        return self.moved + self.merged + self.dropped + self.deleted
 
     def summary(self) -> str:
         return (
             f"{self.moved} renamed, {self.merged} merged, {self.dropped} dropped (a newer copy "
-            f"existed), {self.events} events forwarded, {len(self.conflicts)} conflicts"
+            f"existed), {self.deleted} deleted (sample streams no agent reads), "
+            f"{self.events} events forwarded, {len(self.conflicts)} conflicts"
         )
 
 
@@ -124,6 +130,8 @@ def new_name(prefix: str, key: str) -> tuple[str, str] | None:
             build, kind = _JOB_KEYS[tail]
             return build(prefix, job), kind
         parts = tail.split(":")
+        if len(parts) == 2 and parts[0] == "samples":  # a host's own sample stream
+            return keys.samples_key(prefix, job, parts[1]), STALE
         kind = FRESH if parts[0] in _FRESH_AGENT_PARTS else OWNED
         return keys.job_key(prefix, keys.AGENT, job, *parts), kind
     if rest in _CROSS:
@@ -171,7 +179,7 @@ def migrate(client: Any, prefix: str, *, force: bool = False, dry_run: bool = Fa
     # The trainers' keys first: a job's events are in place before its ledger. The keys `ensure`
     # looks for last: an agent starting meanwhile sees one, moves along (a key moved by the
     # other is skipped), and books only once every key has its new name.
-    order = {EVENTS: 0, RANKS: 0, META: 0, JOBS: 1, COUNTER: 1, READERS: 2, FRESH: 3, OWNED: 3}
+    order = {EVENTS: 0, RANKS: 0, META: 0, JOBS: 1, COUNTER: 1, READERS: 2, FRESH: 3, OWNED: 3, STALE: 3}
     markers = set(_markers(prefix))
     for old, new, kind in sorted(found, key=lambda f: (f[0] in markers, order[f[2]], f[0])):
         move(client, old, new, kind, report)
@@ -207,9 +215,14 @@ def forward(client: Any, prefix: str) -> Report:
 
 
 def move(client: Any, old: str, new: str, kind: str, report: Report) -> None:
-    """Move one key: rename it when `new` is free, else resolve the collision by `kind`."""
+    """Move one key: rename it when `new` is free, else resolve the collision by `kind`; a key
+    no agent reads now is deleted."""
     import redis
     from redis.exceptions import RedisClusterException
+
+    if kind == STALE:
+        report.deleted += client.delete(old)
+        return
 
     try:
         if redisconn.is_cluster(client) and client.keyslot(old) != client.keyslot(new):

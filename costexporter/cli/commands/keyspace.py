@@ -50,7 +50,10 @@ def keys_migrate(redis_url, prefix, dry_run, force, follow) -> None:
         raise InputFailure(f"migration stopped: {e}; run it again, it goes on where it stopped") from None
     if dry_run:
         for old, new, kind in report.plan:
-            click.echo(f"{old} -> {new} ({kind})")
+            if kind == migrate.STALE:
+                click.echo(f"{old} deleted (a host's sample stream: no agent reads it now)")
+            else:
+                click.echo(f"{old} -> {new} ({kind})")
         click.echo(f"costexporter: {len(report.plan)} legacy keys under {prefix}", err=True)
         return
     click.echo(f"costexporter: {report.summary()}", err=True)
