@@ -112,7 +112,7 @@ def demo(
             try:
                 d.start()
                 if port:
-                    from prometheus_client import start_http_server
+                    from costexporter.services.exposition import start_http_server
 
                     start_http_server(port, addr=listen, registry=d.registry())
                 if api_port:

@@ -266,9 +266,8 @@ def serve(
         src.close()
         raise InputFailure(str(e)) from None
     if port:
-        from prometheus_client import start_http_server
-
         from costexporter.services.exporter import registry_for
+        from costexporter.services.exposition import start_http_server
 
         start_http_server(port, addr=listen, registry=registry_for(agent))
         click.echo(

@@ -179,9 +179,8 @@ def watch(
         click.echo(json.dumps({j: st.to_dict() for j, st in decided.items()}, indent=2))
         return
     if port:
-        from prometheus_client import start_http_server
-
         from costexporter.services.exporter import watch_registry
+        from costexporter.services.exposition import start_http_server
 
         check_port(listen, port, "--port")
         start_http_server(port, addr=listen, registry=watch_registry(watcher))

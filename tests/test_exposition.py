@@ -1,0 +1,247 @@
+"""/metrics is written by services/exposition.py: the same bytes as prometheus_client's writers,
+for any families (drawn, hostile label values included) and over real HTTP, header for header."""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import string
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client import start_http_server as library_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    StateSetMetricFamily,
+    SummaryMetricFamily,
+    UnknownMetricFamily,
+)
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
+from prometheus_client.registry import CollectorRegistry
+from prometheus_client.samples import Exemplar
+
+from costexporter.services import exposition
+from costexporter.services.exposition import generate_openmetrics, generate_text
+
+
+class Fixed:
+    """Families fixed once, collected the same way by every writer."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+def registry(families) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=True)
+    reg.register(Fixed(families))
+    return reg
+
+
+def assert_same(families) -> None:
+    reg = registry(families)
+    assert generate_text(reg) == generate_latest(reg)
+    assert generate_openmetrics(reg) == om_generate_latest(reg)
+
+
+plain = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,12}", fullmatch=True)
+# Names the fast writer hands to the library: a colon, a non-ASCII letter.
+odd = st.sampled_from(["job:rate5m", "gpu_é", "a.b"])
+names = st.one_of(plain, plain, plain, odd)
+values = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(10**20), 10**20),
+    st.sampled_from([0.0, -0.0, 1e-300, 1234567.0, 12345678.9, 1e22, 0.1]),
+    st.booleans(),
+)
+label_values = st.text(alphabet=st.sampled_from(string.printable + '\\"\né€\u2028\x00'), max_size=12)
+
+
+@st.composite
+def families(draw):
+    out = []
+    used = set()
+    for _ in range(draw(st.integers(1, 6))):
+        name = draw(names.filter(lambda n: n not in used))
+        used.add(name)
+        kind = draw(
+            st.sampled_from(["gauge", "counter", "histogram", "summary", "info", "unknown", "gh", "ss"])
+        )
+        labels = draw(st.lists(names.filter(lambda n: n not in ("le", "quantile")), max_size=3, unique=True))
+        doc = draw(label_values)
+        rows = draw(
+            st.lists(
+                st.tuples(st.lists(label_values, min_size=len(labels), max_size=len(labels)), values),
+                max_size=4,
+            )
+        )
+        if kind == "gauge":
+            f = GaugeMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                f.add_metric(lv, v)
+        elif kind == "counter":
+            f = CounterMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                f.add_metric(
+                    lv, abs(v) if v == v else v, created=draw(st.one_of(st.none(), st.floats(0, 2e9)))
+                )
+        elif kind == "histogram":
+            f = HistogramMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                f.add_metric(lv, [("0.5", 1), ("1e+06", 2), ("+Inf", 3)], v)
+        elif kind == "gh":
+            f = GaugeHistogramMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                f.add_metric(lv, [("1.0", 1), ("+Inf", 2)], v)
+        elif kind == "summary":
+            f = SummaryMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                f.add_metric(lv, 3, v)
+        elif kind == "info":
+            f = InfoMetricFamily(name, doc, labels=labels)
+            for lv, _ in rows:
+                f.add_metric(lv, {"version": draw(label_values)})
+        elif kind == "ss":
+            f = StateSetMetricFamily(name, doc, labels=labels)
+            for lv, _ in rows:
+                f.add_metric(lv, {"on": True, "off": False})
+        else:
+            f = UnknownMetricFamily(name, doc, labels=labels)
+            for lv, v in rows:
+                f.add_metric(lv, v)
+        out.append(f)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(families())
+def test_drawn_families_write_the_libraries_bytes(fams):
+    assert_same(fams)
+
+
+def test_what_the_fast_writer_hands_to_the_library_is_written_the_same():
+    g = GaugeMetricFamily("plain", "x", labels=["a"])
+    g.add_metric(["v"], 1.0, timestamp=1700000000.5)
+    c = CounterMetricFamily("with_exemplar", "y")
+    c.add_sample("with_exemplar_total", {}, 2.0, exemplar=Exemplar({"trace": 'a"b'}, 1.0))
+    assert_same([g])
+    assert_same([c])
+    assert_same([GaugeMetricFamily("rule:name", "colon")])
+
+
+# Beyond its samples: every family of a 1-GPU... 8-GPU agent with hostile job names.
+def agent_families(monkeypatch, n_jobs: int):
+    from costexporter.core.model import Category
+    from costexporter.services.agent import Agent, AgentConfig, _Job
+    from costexporter.services.exporter import registry_for
+    from costexporter.sources.nvml import NvmlSource
+    from costexporter.store.reader import EventReader
+
+    from .fake_nvml import FakeGpu, FakeNvml
+
+    uuids = [f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in range(8)]
+    FakeNvml([FakeGpu(u) for u in uuids]).install(monkeypatch)
+    agent = Agent(
+        NvmlSource(host="exp-host"), AgentConfig(redis_url="redis://127.0.0.1:6379/0", agent_id="exp")
+    )
+    for r in agent.sampler.source.read():
+        agent.sampler._latest[r.gpu] = r
+    rng = np.random.default_rng(1)
+    for j in range(n_jobs):
+        name = ["job-a", "ns/job:b", "job@c+d=e", "job.f_g"][j % 4] + str(j)
+        job = _Job(name, EventReader(agent.redis, name))
+        job.meta = {"team": ['q"uote', "back\\slash", "new\nline", "jöb-€"][j % 4], "namespace": "ns"}
+        job.own = {r: (j + r) % 8 for r in range(8)}
+        job.state.booked = rng.integers(0, 10**12, (len(Category), 3))
+        job.figures = {
+            "steps_completed": j,
+            "valid_steps": j,
+            "tokens": 10**9 + j,
+            "last_step_ts": 1.7e9 + j / 7,
+        }
+        job.latest_band = {r: r % 4 for r in range(8)}
+        agent.jobs[name] = job
+    return list(registry_for(agent).collect())
+
+
+def test_an_agents_families_write_the_libraries_bytes(monkeypatch):
+    fams = agent_families(monkeypatch, 12)
+    assert sum(len(f.samples) for f in fams) > 500
+    assert_same(fams)
+
+
+def _get(url, headers):
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.headers.get("Content-Type"), r.headers.get("Content-Encoding"), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type"), None, e.read()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+@pytest.mark.parametrize(
+    "headers, path",
+    [
+        ({"Accept": PROMETHEUS_ACCEPT}, "/metrics"),  # what Prometheus sends: OpenMetrics 1.0.0
+        ({}, "/metrics"),  # curl: the text format 0.0.4
+        ({"Accept": "text/plain;version=1.0.0;escaping=underscores"}, "/metrics"),
+        ({"Accept": "text/plain;version=1.0.0;escaping=allow-utf-8"}, "/metrics"),  # the library's
+        ({"Accept": "application/openmetrics-text;version=2.0.0"}, "/metrics"),  # the library's
+        ({"Accept-Encoding": "gzip"}, "/metrics"),
+        ({}, "/metrics?name[]=costexporter_job_tokens&name[]=costexporter_redis_up"),
+        ({}, "/favicon.ico"),
+    ],
+)
+def test_the_server_answers_as_the_librarys_does(monkeypatch, headers, path):
+    reg = registry(agent_families(monkeypatch, 5))
+    ours, theirs = _free_port(), _free_port()
+    httpd = exposition.start_http_server(ours, addr="127.0.0.1", registry=reg)
+    lib, _ = library_server(theirs, addr="127.0.0.1", registry=reg)
+    try:
+        a = _get(f"http://127.0.0.1:{ours}{path}", headers)
+        b = _get(f"http://127.0.0.1:{theirs}{path}", headers)
+        if a[2] == "gzip":  # gzip's header holds a time
+            a, b = (*a[:3], gzip.decompress(a[3])), (*b[:3], gzip.decompress(b[3]))
+        assert a == b
+        assert a[0] == 200 and (path == "/favicon.ico" or len(a[3]) > 0)
+        if "name[]" in path:
+            assert b"costexporter_job_tokens" in a[3] and b"costexporter_gpu_power_watts" not in a[3]
+    finally:
+        httpd.shutdown()
+        lib.shutdown()
+
+
+def test_other_methods_are_refused_as_the_library_does(monkeypatch):
+    reg = registry([GaugeMetricFamily("x", "y", value=1)])
+    port = _free_port()
+    httpd = exposition.start_http_server(port, addr="127.0.0.1", registry=reg)
+    try:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="POST", data=b"")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 405 and e.value.headers["Allow"] == "OPTIONS,GET"
+    finally:
+        httpd.shutdown()
