@@ -9,7 +9,7 @@ or beyond ASCII, exemplars, native histograms, timestamps, the other escaping sc
 library unchanged. tests/test_exposition.py holds the two outputs equal.
 
 The HTTP side is prometheus_client's own (`choose_encoder` picks the format from the scraper's
-Accept header, gzip when asked, `name[]` filters), with this writer in place of its encoder
+Accept header, gzip when asked), with this writer in place of its encoder
 for the Prometheus text format 0.0.4 and OpenMetrics 1.0.0 (what Prometheus asks for).
 """
 
@@ -185,6 +185,23 @@ class _Fixed(Collector):
         return self.metrics
 
 
+class _Only(Collector):
+    """`?name[]=a&name[]=b`: only the samples of those names, as prometheus_client's
+    `restricted_registry` gives (whose registry would have to know every collector's names
+    up front; these collectors name their families as they collect)."""
+
+    def __init__(self, registry: Collector, names: Iterable[str]) -> None:
+        self.registry, self.names = registry, set(names)
+
+    def collect(self) -> Iterable[Metric]:
+        for m in self.registry.collect():
+            samples = [s for s in m.samples if s.name in self.names]
+            if samples:
+                only = Metric(m.name, m.documentation, m.type)
+                only.samples = samples
+                yield only
+
+
 def choose_encoder(accept_header: str | None) -> tuple[Callable[[Collector], bytes], str]:
     """prometheus_client's choice of format for an Accept header, with this module's writers
     where they give the same bytes (the default escaping of names)."""
@@ -216,8 +233,7 @@ def make_wsgi_app(registry: Collector) -> Callable[..., list[bytes]]:
         else:
             encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT"))
             params = parse_qs(environ.get("QUERY_STRING", ""))
-            reg = registry.restricted_registry(params["name[]"]) if "name[]" in params else registry  # type: ignore[attr-defined]
-            output = encoder(reg)
+            output = encoder(_Only(registry, params["name[]"]) if "name[]" in params else registry)
             status, headers = "200 OK", [("Content-Type", content_type)]
             if _text.gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
                 output = gzip.compress(output)
