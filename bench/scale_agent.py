@@ -67,13 +67,17 @@ def _redis() -> tuple[subprocess.Popen, str, str]:
     return proc, f"redis://127.0.0.1:{port}/0", d
 
 
-def _entries(job: str, first: int, last: int, seqs: dict[int, int]) -> list[dict[str, str]]:
-    """Steps first..last of rank 0 (one a second), checkpoints, every rank's heartbeats."""
+def _entries(job: str, first: int, last: int, seqs: dict, beats_apart: bool = False) -> list[dict[str, str]]:
+    """Steps first..last of rank 0 (one a second), checkpoints, every rank's heartbeats.
+    `beats_apart`: heartbeats numbered apart from the events, as the reporter numbers those it
+    sends to the job's heartbeat stream (`send_entries(..., beats_cap=...)` puts them there);
+    else on the events' seqs, as earlier reporters sent them in the events stream."""
     from costexporter.store import protocol
 
     def entry(kind: str, rank: int, ts: float, **fields) -> dict[str, str]:
-        seq = seqs.get(rank, 0)
-        seqs[rank] = seq + 1
+        key = ("beat", rank) if beats_apart and kind == "heartbeat" else rank
+        seq = seqs.get(key, 0)
+        seqs[key] = seq + 1
         base = {"v": "1", "type": kind, "job": job, "ts": f"{ts:.3f}", "rank": rank, "session": f"s{rank}"}
         return protocol.encode_fields({**base, "seq": seq, **fields})
 
@@ -451,7 +455,7 @@ def _watch(jobs: int, steps: int, shards: int) -> dict:
     on from the history's, so they are read as new rather than as duplicates)."""
     import redis
 
-    from costexporter.store import keys
+    from costexporter.store import keys, protocol
 
     proc, url, d = _redis()
     ctx = multiprocessing.get_context("spawn")
@@ -472,6 +476,7 @@ def _watch(jobs: int, steps: int, shards: int) -> dict:
                 cmds.put(now)
             return [out.get(timeout=1800) for _, _, out in kids]
 
+        cap = protocol.beats_cap(RANKS)
         clock = T0 + steps + 1
         first = poll(clock)
         polls = []
@@ -479,9 +484,12 @@ def _watch(jobs: int, steps: int, shards: int) -> dict:
             clock += 5
             a = steps + 5 * k + 1
             pipe = client.pipeline(transaction=False)
-            for n in names:
-                for e in _entries(n, a, a + 4, seqs[n]):
-                    pipe.xadd(keys.stream_key(PREFIX, n), e)
+            for n in names:  # where the reporter sends them: heartbeats to their own stream
+                for e in _entries(n, a, a + 4, seqs[n], beats_apart=True):
+                    if e["type"] == "heartbeat":
+                        pipe.xadd(keys.beats_key(PREFIX, n), e, maxlen=cap, approximate=True)
+                    else:
+                        pipe.xadd(keys.stream_key(PREFIX, n), e)
             pipe.execute()
             polls.append(poll(clock))
         for _, cmds, _ in kids:
@@ -506,11 +514,13 @@ def _watch(jobs: int, steps: int, shards: int) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _post_jobs(jobs: int, steps: int, url: str) -> dict[int, int]:
-    """Every job's registrations and history; returns the next seq number of each rank."""
+def _post_jobs(jobs: int, steps: int, url: str) -> dict:
+    """Every job's registrations and history, heartbeats where the reporter sends them; returns
+    the next seq number of each rank's events and heartbeats."""
     import redis
 
     from costexporter.sources.synth import TraceBuilder
+    from costexporter.store import protocol
     from costexporter.trainer.reporter import send_entries
     from tests.test_agent import event_entry
 
@@ -519,9 +529,10 @@ def _post_jobs(jobs: int, steps: int, url: str) -> dict[int, int]:
         n = f"w{i}"
         reg = TraceBuilder(n_gpus=2, per_host=2, job=n, seed=1, interval_s=1.0, t0=T0)
         send_entries(client, PREFIX, n, [event_entry(e) for e in reg.events])
-        seqs = {0: 1, 1: 1}
+        seqs: dict = {0: 1, 1: 1}
         for a in range(1, steps + 1, 20_000):
-            send_entries(client, PREFIX, n, _entries(n, a, min(a + 19_999, steps), seqs))
+            history = _entries(n, a, min(a + 19_999, steps), seqs, beats_apart=True)
+            send_entries(client, PREFIX, n, history, beats_cap=protocol.beats_cap(RANKS))
     return seqs
 
 

@@ -239,3 +239,27 @@ def test_a_newer_registration_wins_and_a_ledger_is_never_merged(server, cli):
     assert client.get(keys.legacy_job_key(PREFIX, "j", "wm", "a")) == '{"booked_until": 9}'
     assert not client.exists(keys.legacy_job_key(PREFIX, "j", "ledger", "total"))
     assert client.hget(keys.total_key(PREFIX, "j"), "productive:ms") == "5"
+
+
+def test_the_previous_releases_per_host_sample_streams_are_deleted_and_nothing_else(server, cli):
+    """`<prefix>:a:{<job>}:samples:<host>` (one stream per host, before the shared streams) is
+    read by no agent now: `keys migrate` lists and deletes it; the job's shared sample streams
+    and every other key of the current layout stay."""
+    client = server.client()
+    job = "ns/train:1"
+    kept = [keys.samples_key(PREFIX, job, "node0"), keys.stream_key(PREFIX, job)]
+    for k in kept:
+        client.xadd(k, {"x": "1"})
+    client.set(keys.job_key(PREFIX, keys.AGENT, job, "watermark", "node0"), "1")
+    stale = [keys.job_key(PREFIX, keys.AGENT, job, "samples", h) for h in ("node0", "node-1.example")]
+    for k in stale:
+        client.xadd(k, {"x": "1"})
+    before = sorted(client.scan_iter(f"{PREFIX}:*"))
+    plan = cli("keys", "migrate", "--dry-run", "--redis-url", server.url, "--prefix", PREFIX)
+    assert plan.returncode == 0, plan.stderr
+    assert sorted(line.split()[0] for line in plan.stdout.splitlines()) == sorted(stale), plan.stdout
+    assert sorted(client.scan_iter(f"{PREFIX}:*")) == before  # a dry run deletes nothing
+    done = cli("keys", "migrate", "--redis-url", server.url, "--prefix", PREFIX)
+    assert done.returncode == 0 and "2 deleted" in done.stderr, done.stderr
+    after = set(client.scan_iter(f"{PREFIX}:*"))  # (plus what the API's start-up upkeep writes)
+    assert not after & set(stale) and set(before) - set(stale) <= after, after

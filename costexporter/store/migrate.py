@@ -20,7 +20,9 @@ time); short-lived state (status, live, node, simulation clock, idle level) keep
 a ledger, watermark or fold is never merged: it is left under its legacy name and reported as a
 conflict, for a person to look at. A host's legacy sample stream is deleted, not moved: its
 samples are a few seconds' band window for the job's other agents, and this version's agents
-publish and read a job's shared sample streams (`keys.samples_key`) instead.
+publish and read a job's shared sample streams (`keys.samples_key`) instead. So is the previous
+release's per-host sample stream, `<prefix>:a:{<job>}:samples:<host>` (the only key of the
+sub-prefixed layout that this module touches).
 """
 
 from __future__ import annotations
@@ -122,6 +124,12 @@ def new_name(prefix: str, key: str) -> tuple[str, str] | None:
     if not key.startswith(head):
         return None
     rest = key[len(head) :]
+    if rest.startswith(keys.AGENT + ":{"):  # the previous release's per-host sample stream
+        job, sep, tail = rest[len(keys.AGENT) + 2 :].partition("}:")
+        host = tail.removeprefix("samples:")
+        if sep and job and not any(c in job for c in "{#") and host != tail and host and ":" not in host:
+            return keys.samples_key(prefix, job, host), STALE
+        return None
     if rest.startswith("{"):
         job, sep, tail = rest[1:].partition("}:")
         if not sep or not job or "{" in job or not tail:
