@@ -207,6 +207,10 @@ class JobDiscovery:
                 # rank's first registration on (the hash keeps only the newest)
                 reg = dataclasses.replace(reg, ts_ms=min(old.ts_ms, reg.ts_ms))
             job.ranks[reg.rank] = reg
+            if g is not None:
+                job.named[reg.rank] = g
+            else:
+                job.named.pop(reg.rank, None)
             if g is not None and reg.rank not in job.own:
                 claims.append((job, reg, g))
         return claims
@@ -297,6 +301,9 @@ class JobDiscovery:
                     # have booked it further than this agent's memory says.
                     stored = self.folds.stored_state(j)
                     until = max(until, held_until(j.state, r), held_until(stored, r))
+            for g, _start, end in j.booked_unheld():
+                if g == gpu:
+                    until = max(until, end)
         return until
 
     def _handover(self) -> None:

@@ -55,6 +55,9 @@ class AgentJob:
     preflight: str = ""  # JSON of the latest pre-run gate result
     ranks: dict[int, protocol.Registration] = field(default_factory=dict)
     own: dict[int, int] = field(default_factory=dict)  # rank -> source GPU index
+    # rank -> this node's GPU its registration names, held or not (a claim refused now may have
+    # booked that GPU before: `booked_unheld`)
+    named: dict[int, int] = field(default_factory=dict)
     floors: dict[int, int] = field(default_factory=dict)  # rank -> GPU time already booked elsewhere
     ends: dict[int, int] = field(default_factory=dict)  # rank -> a later job's claim of its GPU
     state: JobState = field(default_factory=JobState)
@@ -133,6 +136,20 @@ class AgentJob:
             start = max(self.ranks[rank].ts_ms, self.floors.get(rank, 0))
         end = min(self.ends.get(rank, POS_INF), self.end_ms if self.end_ms is not None else POS_INF)
         return start, max(start, end)
+
+    def booked_unheld(self) -> list[tuple[int, int, int]]:
+        """(GPU, start, end) the job's state booked on GPUs of ranks it does not hold now. A
+        claim by index booked a GPU while the GPU's holder by UUID was not read yet (its register
+        late); an agent restarted after that reads both at once and refuses the claim, but what
+        it booked stays booked: the holder and `_unassigned` start after it."""
+        out = []
+        for r, g in self.named.items():
+            if r in self.own:
+                continue
+            start, end = self.state.starts.get(r), self.state.held.get(r)
+            if start is not None and end is not None and end > start:
+                out.append((g, start, end))
+        return out
 
     def held(self, rank: int) -> list[tuple[int, int]]:
         """The job's hold on its rank's GPU as [start, end) stretches: its claim less the gaps

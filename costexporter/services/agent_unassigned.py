@@ -122,7 +122,9 @@ class UnassignedBooker:
             self.settled = final
             return
         n_g = int(g.max()) + 1
+        jobs = list(jobs)
         held = [(gg, a, b) for j in jobs for r, gg in j.own.items() if gg < n_g for a, b in j.held(r)]
+        held += [c for j in jobs for c in j.booked_unheld() if c[0] < n_g]
         pieces = self._pieces(g, t, pw, en, n_g, interval, lo, horizon, held, lanes(list(range(n_g))))
         # (A watermark stored before per-GPU ends were kept: every GPU booked to it.)
         gpu_until = dict(self.gpu_until) if self.gpu_until is not None else dict.fromkeys(range(n_g), lo)
