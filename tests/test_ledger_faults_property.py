@@ -460,9 +460,8 @@ def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
         # A documented limit: the rogue's claim by index (dated 1 s after the job's start) is the
         # only one until the job's late register is read (or its first round, dropped because a
         # key it reads first had the wrong type and was moved aside, is written); the job then
-        # takes its GPU back from
-        # the rogue's claim on (never the rogue's: conserved, checked above), and the second
-        # before went to unassigned.
+        # takes its GPU back from the rogue's claim on (never the rogue's: conserved, checked
+        # above), and the second before went to unassigned.
         # With the register read later than the unassigned hold, the rogue's claim is the only one
         # when GPU 0's time is booked: the rogue books it until the register is read.
         lost = (

@@ -339,8 +339,9 @@ class AgentCollector(Collector):
                 prof.add_metric([name, j["figures"]["profile"], calibrated], 1)
             if j["figures"].get("budget") is not None:
                 budget.add_metric([name, cur], float(j["figures"]["budget"]))
-            booked, voided = j["booked"].tolist(), j["voided"].tolist()  # Python ints: no numpy
-            for k, cat in JOB_CATEGORIES:  # scalar per value (58,000 of them at 1,000 jobs)
+            # As Python ints: no numpy scalar per value (58,000 of them at 1,000 jobs).
+            booked, voided = j["booked"].tolist(), j["voided"].tolist()
+            for k, cat in JOB_CATEGORIES:
                 t.add_metric([name, cat], booked[k][0] / 1000)
                 if cat != "unobserved":  # no sample, no energy
                     e.add_metric([name, cat], booked[k][1] / 1000)

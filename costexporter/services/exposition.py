@@ -156,22 +156,28 @@ def _openmetrics_families(metrics: Iterable[Metric]) -> str:
     return "".join(out)
 
 
-def generate_text(registry: Collector) -> bytes:
-    """`prometheus_client.generate_latest(registry)`, the same bytes."""
+def _write(
+    registry: Collector,
+    fast: Callable[[list[Metric]], str],
+    library: Callable[[Collector], bytes],
+) -> bytes:
+    """The families collected once, written by `fast`, else (a family it does not handle) by
+    the library's writer."""
     metrics = list(registry.collect())
     try:
-        return _text_families(metrics).encode()
+        return fast(metrics).encode()
     except _NotPlain:
-        return _text.generate_latest(_Fixed(metrics))
+        return library(_Fixed(metrics))
+
+
+def generate_text(registry: Collector) -> bytes:
+    """`prometheus_client.generate_latest(registry)`, the same bytes."""
+    return _write(registry, _text_families, _text.generate_latest)
 
 
 def generate_openmetrics(registry: Collector) -> bytes:
     """`prometheus_client.openmetrics.exposition.generate_latest(registry)`, the same bytes."""
-    metrics = list(registry.collect())
-    try:
-        return _openmetrics_families(metrics).encode()
-    except _NotPlain:
-        return _om_generate_latest(_Fixed(metrics))
+    return _write(registry, _openmetrics_families, _om_generate_latest)
 
 
 class _Fixed(Collector):
@@ -249,11 +255,9 @@ class _Quiet(WSGIRequestHandler):
         """A scrape every few seconds is not worth a log line."""
 
 
-def start_http_server(port: int, addr: str = "0.0.0.0", registry: Collector | None = None) -> Any:
+def start_http_server(port: int, addr: str, registry: Collector) -> Any:
     """prometheus_client's `start_http_server` (a thread per scrape, daemon threads, IPv6
     addresses) serving `make_wsgi_app` above; returns the server."""
-    assert registry is not None
-
     family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
 
     class Server(_text.ThreadingWSGIServer):
