@@ -340,7 +340,8 @@ class Demo:
             "state": state,
             "reason": reason,
             "suspect": suspect,
-            "alerts": [],
+            # The watcher's own alert shows even before the agent has booked the job.
+            "alerts": [f"Job{state.capitalize()}"] if state in ALERTING else [],
             "currency": snap["currency"],
             "title": self.title(),
             "utils": [],
@@ -365,9 +366,7 @@ class Demo:
             bands=bands,
             utils=utils,
         )
-        alerts = []
-        if out["state"] in ALERTING:
-            alerts.append(f"Job{out['state'].capitalize()}")
+        alerts = out["alerts"]
         if "deadlock" in bands:
             alerts.append("DeadlockSignature")
         if bands and bands.count("communication") * 2 > len(bands):
@@ -376,7 +375,6 @@ class Demo:
             alerts.append("DataStarvation")
         if f.get("budget") and cost > float(f["budget"]):
             alerts.append("BudgetExceeded")
-        out["alerts"] = alerts
         return out
 
     def title(self) -> str:
