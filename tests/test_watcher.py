@@ -624,6 +624,15 @@ def test_a_jobs_meta_sets_its_heartbeat_cadence_but_never_its_stall_threshold():
     quiet = [meta, *registered(), *steps(1, 4, every=300.0), *beats(1200)]
     assert decide(view(quiet), T0 + 1500, CFG).state != "crashed"
     assert decide(view(quiet[1:]), T0 + 1500, CFG).state == "crashed"
+    # A meta that arrives after the job was judged applies from the next decision on (the
+    # judged terms are kept between polls until one of their inputs changes).
+    later = view(quiet[1:])
+    assert decide(later, T0 + 1500, CFG).state == "crashed"
+    later.fold([dataclasses.replace(meta, ts_ms=meta.ts_ms + 1_400_000, seq=99)])
+    assert decide(later, T0 + 1500, CFG).state != "crashed"
+    # The operator's policy given anew (a watcher's config) is judged by at once too.
+    st = decide(later, T0 + 1500, dataclasses.replace(CFG, policy_rules=(rule,)))
+    assert st.stall_threshold_s == 1800
     # Unusable values are ignored, not fatal.
     bad = ev("meta", 0, 0, stall_floor_s="soon", heartbeat_timeout_s=-1)
     assert decide(view([bad, *slow]), T0 + 1400, CFG).stall_threshold_s == 60

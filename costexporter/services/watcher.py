@@ -161,6 +161,10 @@ class JobView:
     unfoldable: bool = False  # a fold that cannot give its view: built from every event each poll
     profile_said: bool = False  # the job's profile (or why it has none) was logged
     judged_terms: JobTerms | None = None  # the terms of the last decision (`terms.job_terms`)
+    metas: int = 0  # meta events folded: the terms change only with them, a registration or the start
+    # (the config judged by, what dates the terms, the terms, the config with them): a poll
+    # derives them again only when one of their inputs changed
+    _judged: tuple[WatchConfig, tuple[int | None, int, int], JobTerms, WatchConfig] | None = None
 
     def timeline(self, booking: BookingConfig, start_ms: int, now_ms: int, lag_ms: int = 120_000) -> Timeline:
         """`build_timeline` over every event of the job at `now_ms`, from the fold."""
@@ -272,6 +276,7 @@ class JobView:
                 self.registrations.setdefault(ev.rank, dict(ev.fields))
             elif ev.type == "meta":
                 jobfacts.merge_meta(self.meta, ev)
+                self.metas += 1
 
     def terms(self, cfg: WatchConfig) -> JobTerms:
         """The job's terms (`terms.job_terms`, as the agent and replay derive them): its start
@@ -279,6 +284,16 @@ class JobView:
         the ledger books it by, its liveness cadence from its meta."""
         registered = (to_ms(float(r["ts"])) for r in self.registrations.values() if "ts" in r)
         return job_terms(self.name, self.meta, cfg.policy(), registered, first_event_ms=self.first_ms)
+
+    def judged(self, cfg: WatchConfig) -> tuple[JobTerms, WatchConfig]:
+        """The job's terms and `cfg` with them, derived again only when the meta, the
+        registrations (they only grow) or the first event changed: they count at 1,000 jobs."""
+        inputs = (self.first_ms, len(self.registrations), self.metas)
+        memo = self._judged
+        if memo is None or memo[0] is not cfg or memo[1] != inputs:
+            terms = self.terms(cfg)
+            memo = self._judged = (cfg, inputs, terms, self.config(cfg, terms))
+        return memo[2], memo[3]
 
     @staticmethod
     def config(cfg: WatchConfig, terms: JobTerms) -> WatchConfig:
@@ -345,8 +360,8 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
 
     if view.first_ms is None:
         return status("unknown", "no events from the job yet")
-    terms = view.judged_terms = view.terms(cfg)
-    cfg = view.config(cfg, terms)
+    terms, cfg = view.judged(cfg)
+    view.judged_terms = terms
     start_ms = terms.start_ms
     tl = view.timeline(cfg.booking, start_ms, int(now * 1000), lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None

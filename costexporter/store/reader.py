@@ -50,10 +50,14 @@ def _ts_of(ev: Event) -> int:
     return ev.ts_ms
 
 
-def _fields(raw: dict[Any, Any]) -> dict[str, str]:
+def _fields(raw: dict[Any, Any] | list[Any]) -> dict[str, str]:
     """An entry's fields as text: a client that decodes replies (the protocol's) gives them so
     already, plain UTF-8 bytes are decoded at once (this counts at 10,000 events a poll), and
-    anything else goes through `_text`."""
+    anything else goes through `_text`. A flat [field, value, ...] list (`redisconn.xread_flat`)
+    is paired first."""
+    if isinstance(raw, list):
+        it = iter(raw)
+        raw = dict(zip(it, it, strict=False))
     if type(next(iter(raw), None)) is str:  # a decoding client decodes every key and value
         return raw
     try:
@@ -104,8 +108,8 @@ class EventReader:
 
     def poll(self, count: int = 10_000, block_ms: int | None = None) -> list[Event]:
         """The next valid, new events (at most `count` entries read); advances the cursor."""
-        resp = self.client.xread({self.key: self.cursor}, count=count, block=block_ms)
-        return self._consume([e for _key, entries in resp or [] for e in entries])
+        resp = redisconn.xread_flat(self.client, {self.key: self.cursor}, count, block_ms)
+        return self._consume([e for _key, entries in resp for e in entries])
 
     def consume(self, entries: list[Any]) -> list[Event]:
         """The valid, new events of (id, fields) entries read by the caller (a merge of the
@@ -290,10 +294,11 @@ def read_all_many(
             bad = [(r, got) for r, got in zip(todo, got_all, strict=True) if isinstance(got, Exception)]
             _wrong_streams([r for r, _ in bad], [got for _, got in bad], out, on_wrong_type)
             todo = [r for r in todo if r.job in out]
-            resp = [kv for got in got_all if not isinstance(got, Exception) for kv in (got or [])]
+            ok = [got for got in got_all if not isinstance(got, Exception)]
+            resp = [kv for got in ok for kv in redisconn.stream_replies(got)]
         else:
             try:
-                resp = client.xread({r.key: r.cursor for r in todo}, count=per)
+                resp = redisconn.xread_flat(client, {r.key: r.cursor for r in todo}, count=per)
             except redis.ResponseError as e:
                 if "WRONGTYPE" not in str(e):
                     raise
@@ -305,7 +310,7 @@ def read_all_many(
                 todo = [r for r in todo if r not in wrong and r.job in out]
                 continue
         again = []
-        for key, entries in resp or []:
+        for key, entries in resp:
             r = by_key[_text(key)]
             if r.job not in out:  # another of its keys is not a stream: the job is left out
                 continue

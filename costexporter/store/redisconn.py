@@ -17,6 +17,7 @@ redis-py's cluster client splits per node.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -201,3 +202,41 @@ def mget(client: Any, keys: list[str]) -> list[Any]:
 
 
 _UNREACHABLE = _unreachable_class()
+
+
+def stream_replies(response: Any, **_options: Any) -> list[tuple[Any, list[Any]]]:
+    """An XREAD reply as [(stream, entries)], whichever shape redis-py gave it: a list of pairs
+    (RESP2, or RESP3 mapped back, redis-py's default) or a dict (a client asked for RESP3, as a
+    URL's `?protocol=3` does)."""
+    if not response:
+        return []
+    if isinstance(response, dict):
+        return list(response.items())
+    return [(key, entries) for key, entries in response]
+
+
+# A sibling of each client, on its connection pool (its connections, their retry and decoding),
+# whose XREAD leaves the entries as the server sent them.
+_FLAT_XREAD: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def xread_flat(
+    client: Any, streams: dict[str, str], count: int, block: int | None = None
+) -> list[tuple[Any, list[Any]]]:
+    """XREAD of many streams as [(stream, [(id, fields), ...])]. On a single Redis each entry's
+    fields are the flat [field, value, ...] list the server sent: redis-py's reply callback
+    builds a dict per entry through calls of its own, about 2 µs an entry, a fifth of a
+    watcher's poll at 13,000 entries (the reader pairs them as it reads the entry). On a
+    cluster, redis-py's reply."""
+    if is_cluster(client):
+        return stream_replies(client.xread(streams, count=count, block=block))
+    import redis
+
+    raw: Any = _FLAT_XREAD.get(client)
+    if raw is None:
+        raw = redis.Redis(connection_pool=client.connection_pool)  # never closes the pool
+        raw.set_response_callback("XREAD", stream_replies)
+        _FLAT_XREAD[client] = raw
+    got: list[tuple[Any, list[Any]]] = raw.xread(streams, count=count, block=block)
+    return got
+

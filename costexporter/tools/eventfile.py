@@ -17,7 +17,7 @@ from pathlib import Path
 
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import Event
-from costexporter.store import keys, protocol
+from costexporter.store import keys, protocol, redisconn
 from costexporter.store.reader import EventReader
 
 
@@ -64,8 +64,8 @@ def export_lines(client, job: str, prefix: str, since: float | None = None) -> t
         nonlocal kept
         cursor = "0-0"
         while True:
-            resp = client.xread({reader.key: cursor}, count=10_000)
-            entries = [e for _key, got in resp or [] for e in got]
+            resp = redisconn.xread_flat(client, {reader.key: cursor}, 10_000)
+            entries = [e for _key, got in resp for e in got]
             if entries:
                 cursor = _text(entries[-1][0])
                 top = _id(cursor)

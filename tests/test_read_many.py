@@ -1,0 +1,71 @@
+"""`read_all_many` (one XREAD for many jobs, its entries left flat by `redisconn.xread_flat`)
+gives every job the events its entries read by XRANGE (redis-py's own reply) give, on RESP2 and
+RESP3 connections, decoding or not; one reader's `read_all` too. Real Redis (the shared one, a
+prefix per test)."""
+
+from __future__ import annotations
+
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costexporter.store import keys, protocol
+from costexporter.store.reader import EventReader, read_all_many
+
+from .conftest import SHARED_URL
+
+T0 = 1_760_000_000.0
+
+# One entry: (job index, kind, rank, extra field?, valid?)
+ENTRY = st.tuples(
+    st.integers(0, 3),
+    st.sampled_from(["step", "heartbeat", "phase"]),
+    st.integers(0, 2),
+    st.booleans(),
+    st.booleans(),
+)
+
+
+def _fields(job: str, kind: str, rank: int, seq: int, extra: bool, valid: bool) -> dict[str, str]:
+    f: dict[str, object] = {"v": "1", "type": kind, "job": job, "ts": f"{T0 + seq:.3f}", "rank": rank}
+    f |= {"session": f"s{rank}", "seq": seq}
+    if kind == "step":
+        f["step"] = seq
+    elif kind == "phase":
+        f |= {"name": "eval", "state": "begin" if seq % 2 else "end"}
+    if extra:
+        f["note"] = "ünïcode"  # an unknown field: counted, the event kept
+    if not valid:
+        f["ts"] = "yesterday"  # refused, counted
+    return protocol.encode_fields(f)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=st.lists(ENTRY, max_size=60), resp=st.sampled_from([2, 3]), decode=st.booleans())
+def test_one_xread_for_many_jobs_reads_what_each_jobs_own_reader_reads(shared, prefix, entries, resp, decode):
+    jobs = [f"j{i}" for i in range(4)]
+    for job in jobs:
+        shared.delete(keys.stream_key(prefix, job), keys.beats_key(prefix, job))
+    for seq, (i, kind, rank, extra, valid) in enumerate(entries, 1):
+        key = (keys.beats_key if kind == "heartbeat" else keys.stream_key)(prefix, jobs[i])
+        shared.xadd(key, _fields(jobs[i], kind, rank, seq, extra, valid))
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=decode, protocol=resp)
+
+    def readers() -> list[EventReader]:
+        out = []
+        for job in jobs:
+            out += [EventReader(client, job, prefix, beats=True), EventReader(client, job, prefix)]
+        return out
+
+    many = readers()
+    got = read_all_many(client, many, count=7)  # several round trips: cursors advance
+    ranged, alone = readers(), readers()
+    for k, job in enumerate(jobs):
+        beats, events = ranged[2 * k], ranged[2 * k + 1]
+        want = beats.consume(client.xrange(beats.key)) + events.consume(client.xrange(events.key))
+        assert got[job] == want
+        assert alone[2 * k].read_all(count=7) + alone[2 * k + 1].read_all(count=7) == want
+    assert len(many) == 2 * len(jobs)
+    for a, b, c in zip(many, ranged, alone, strict=True):
+        assert (a.cursor, dict(a.stats)) == (b.cursor, dict(b.stats)) == (c.cursor, dict(c.stats))
+    assert sum(len(v) for v in got.values()) == sum(1 for e in entries if e[4])
