@@ -16,6 +16,7 @@ from costexporter.core.events import (
     _checked_base,
     _text_base,
     parse_event,
+    parse_heartbeat,
 )
 
 
@@ -79,6 +80,25 @@ def test_the_base_fields_fast_path_gives_what_the_field_by_field_checks_give(ent
         assert fast is None
         return
     assert fast is None or fast == checked
+
+
+@settings(max_examples=600, deadline=None)
+@given(entry=entries(), plain=st.booleans())
+def test_the_heartbeat_fast_path_gives_what_parse_event_gives(entry, plain):
+    """`parse_heartbeat` (the heartbeat stream's reader) accepts and refuses exactly what
+    `parse_event` does, with the same event or the same error, whatever the entry holds."""
+    if plain:  # the common entry: the seven base fields only, most of them valid
+        entry = {k: entry[k] for k in ("v", "type", "job", "ts", "rank", "session", "seq")}
+
+    def outcome(parse) -> tuple:
+        try:
+            ev = parse(entry)
+        except EventError as e:
+            return ("error", type(e).__name__, e.reason, str(e))
+        return ("ok", ev)
+
+    want = outcome(lambda e: parse_event(e, job="j", now=2e9, strict_ids=True))
+    assert outcome(lambda e: parse_heartbeat(e, job="j", now=2e9)) == want
 
 
 @pytest.mark.parametrize(

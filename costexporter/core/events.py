@@ -287,6 +287,18 @@ def parse_event(
     return Event(etype, ev_job, to_ms(ts), rank, session, seq, f)
 
 
+def parse_heartbeat(entry: Entry, *, job: str, now: float) -> Event:
+    """`parse_event(entry, job=job, now=now, strict_ids=True)` of a heartbeat stream's entry:
+    the common one (the seven base fields, plain valid text) without parse_event's work for
+    payloads and unknown fields; anything else goes through parse_event. A watcher reads 8,000
+    of them a poll at 1,000 jobs of 8 ranks."""
+    if type(entry) is dict and len(entry) == 7 and entry.get("v") == PROTOCOL_VERSION:
+        base = _text_base(entry, job, now + FUTURE_SLACK_S)  # reads the six other fields
+        if base is not None and base[0] == "heartbeat":
+            return Event("heartbeat", base[1], to_ms(base[2]), base[3], base[4], base[5], {})
+    return parse_event(entry, job=job, now=now, strict_ids=True)
+
+
 def parse_events(
     entry: Entry, *, job: str | None = None, now: float | None = None, strict_ids: bool = False
 ) -> list[Event]:

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from costexporter.core.events import STEPS_TYPE, EventError, UnknownEventType, parse_event, parse_events
+from costexporter.core.events import (
+    STEPS_TYPE,
+    EventError,
+    UnknownEventType,
+    parse_event,
+    parse_events,
+    parse_heartbeat,
+)
 from costexporter.core.model import Event
 from costexporter.store import keys, protocol, redisconn, untrusted
 
@@ -57,6 +64,8 @@ def _fields(raw: dict[Any, Any] | list[Any]) -> dict[str, str]:
     is paired first."""
     if isinstance(raw, list):
         it = iter(raw)
+        if raw and type(raw[0]) is str:  # a decoding client's: paired, done
+            return dict(zip(it, it, strict=False))
         raw = dict(zip(it, it, strict=False))
     if type(next(iter(raw), None)) is str:  # a decoding client decodes every key and value
         return raw
@@ -122,14 +131,11 @@ class EventReader:
         offsets: dict[int, float] = {}
         self.last_read = len(entries)
         now = time.time()  # the clock the timestamps are checked against, read once a batch
+        if self.beats:
+            return self._consume_beats(entries, now)
         for entry_id, raw in entries:
             self.cursor = eid = entry_id if type(entry_id) is str else _text(entry_id)
             fields = _fields(raw)
-            if self.beats:
-                one = self._accept_beat(fields, eid, now)
-                if one is not None:
-                    out.append(one)
-                continue
             if fields.get("type") == STEPS_TYPE:
                 evs = self._accept_batch(fields, eid, now)
                 if not evs:
@@ -229,21 +235,27 @@ class EventReader:
         self.stats["accepted"] += len(out)
         return out
 
-    def _accept_beat(self, fields: dict[str, str], entry_id: str, now: float) -> Event | None:
-        """A heartbeat of the heartbeat stream, checked as any event; anything else refused."""
-        if fields.get("type") != "heartbeat":
-            self.stats["rejected:not_heartbeat"] += 1
-            msg = f"a {untrusted.short(str(fields.get('type')))} entry in the heartbeat stream"
-            self.rejections.append((entry_id, "not_heartbeat", msg))
-            return None
-        try:
-            ev = parse_event(fields, job=self.job, now=now, strict_ids=True)
-        except EventError as e:
-            self.stats[f"rejected:{e.reason}"] += 1
-            self.rejections.append((entry_id, e.reason, str(e)))
-            return None
-        self.stats["accepted"] += 1
-        return ev
+    def _consume_beats(self, entries: list[Any], now: float) -> list[Event]:
+        """The heartbeats of the heartbeat stream's entries, each checked as any event (not
+        de-duplicated: a heartbeat twice says the same); anything else refused, counted."""
+        out: list[Event] = []
+        job = self.job
+        for entry_id, raw in entries:
+            self.cursor = eid = entry_id if type(entry_id) is str else _text(entry_id)
+            fields = _fields(raw)
+            if fields.get("type") != "heartbeat":
+                self.stats["rejected:not_heartbeat"] += 1
+                msg = f"a {untrusted.short(str(fields.get('type')))} entry in the heartbeat stream"
+                self.rejections.append((eid, "not_heartbeat", msg))
+                continue
+            try:
+                out.append(parse_heartbeat(fields, job=job, now=now))
+            except EventError as e:
+                self.stats[f"rejected:{e.reason}"] += 1
+                self.rejections.append((eid, e.reason, str(e)))
+        if out:
+            self.stats["accepted"] += len(out)
+        return out
 
     def _accept(self, fields: dict[str, str], entry_id: str, now: float | None = None) -> Event | None:
         try:
