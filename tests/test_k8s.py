@@ -484,7 +484,10 @@ def test_registrations_survive_a_redis_outage_without_duplicates(tmp_path, prefi
     r = server.client()
 
     def entries(type_: str, **match) -> list[dict]:
-        out = [f for _, f in r.xrange(keys.stream_key(prefix, job)) if f["type"] == type_]
+        """The job's events as its readers take them: one per (rank, session, seq) (a write whose
+        reply the outage cut is sent again whole)."""
+        got = {(f["rank"], f["session"], f["seq"]): f for _, f in r.xrange(keys.stream_key(prefix, job))}
+        out = [f for f in got.values() if f["type"] == type_]
         return [f for f in out if all(f.get(k) == v for k, v in match.items())]
 
     try:
@@ -515,3 +518,59 @@ def test_registrations_survive_a_redis_outage_without_duplicates(tmp_path, prefi
         loop.join(5)
         server.stop()
         exp.close()
+
+
+def test_a_write_whose_reply_an_outage_cut_is_sent_again_and_the_job_still_ends(shared, prefix, monkeypatch):
+    """Redis applied a registration (or the run end) and died before it replied: the GPU is held
+    all the same, the write goes again whole (its seqs kept: readers take each event once) and
+    the job's last release still ends it. Before, the lost reply left the GPU in the job's set
+    but not in the agent's memory, and the job never ended."""
+    import redis as redis_mod
+
+    from costexporter.services import k8s
+    from costexporter.sources.dcgm import DcgmSource
+    from costexporter.store.reader import EventReader
+
+    real = k8s.send_entries
+    cut: list[str] = []  # the types of the writes whose reply is to be lost, in order
+
+    def send(client, prefix_, job_, entries, **kw):
+        delivery = real(client, prefix_, job_, entries, **kw)
+        if cut and cut[0] in {e["type"] for e in entries}:
+            cut.pop(0)
+            raise redis_mod.ConnectionError("Connection closed by server.")
+        return delivery
+
+    monkeypatch.setattr(k8s, "send_entries", send)
+    exp = FakeDcgmExporter([{"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"}] * 2)
+    try:
+        src = DcgmSource([exp.url], host=HOST)
+        kj = k8s.KubernetesJobs(protocol.connect(SHARED_URL), prefix, src, HOST)
+        src.read()
+        cut[:] = ["register", "register"]  # both registrations applied, neither acknowledged
+        for _ in range(3):
+            try:
+                kj.sync()
+            except redis_mod.ConnectionError:
+                kj.errors += 1
+        assert kj.errors == 2 and not cut and len(kj.registered) == 2
+        for g in (0, 1):
+            exp.set(g, pod=None, ns=None)
+        src.read()
+        cut[:] = ["run"]  # the run end applied, not acknowledged
+        for _ in range(3):
+            try:
+                kj.sync()
+            except redis_mod.ConnectionError:
+                kj.errors += 1
+        assert kj.errors == 3 and not cut and not kj.registered
+    finally:
+        exp.close()
+    job = "nlp:bert"
+    raw = [f for _, f in shared.xrange(keys.stream_key(prefix, job))]
+    assert len(raw) > 5  # some writes went twice, as an outage makes them
+    reader = EventReader(shared, job, prefix)
+    events = reader.read_all()
+    assert sorted(e.type for e in events) == ["meta", "meta", "register", "register", "run"]
+    assert reader.stats["duplicate"] == len(raw) - len(events)
+    assert shared.hget(keys.k8s_ranks_key(prefix, job), "_ended") == "1"

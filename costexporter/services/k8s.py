@@ -104,10 +104,15 @@ class KubernetesJobs:
         self._beat: dict[str, float] = {}
         self._allocate = redis.register_script(_ALLOCATE)
         self.errors = 0
+        # What is to be written, in order, kept until Redis acknowledged it: (job, entries, whether
+        # the write marks the job ended). A write whose reply was lost (Redis died after applying
+        # it) is sent again whole: its entries keep their seqs, so readers take each once.
+        self._outbox: list[tuple[str, list[dict[str, str]], bool]] = []
 
     # ---- one round ----------------------------------------------------------------------------
     def sync(self) -> None:
         """Register new pods' GPUs, heartbeat the live jobs, end the jobs whose GPUs all left."""
+        self._flush()  # what an outage interrupted, first
         pods, gpus = self.source.pods(), self.source.gpus()
         current: dict[tuple[str, int], tuple[PodRef, Owner]] = {}
         for i, ref in pods.items():
@@ -196,8 +201,10 @@ class KubernetesJobs:
                 {"host": gpu.host, "gpu_uuid": gpu.uuid, "gpu": gpu.index, "local_rank": gpu.index, "pid": 0},
             )
         )
-        send_entries(self.redis, self.prefix, job, entries)
+        # Held from here on: the GPU is in the job's set, so its release must end the job even
+        # if the registration's reply is lost in an outage (it is sent again).
         self.registered[(job, i)] = rank
+        self._send(job, entries)
         log.info(
             "Kubernetes job %s: GPU %s of %s (pod %s) as rank %d", job, gpu.index, gpu.host, ref.pod, rank
         )
@@ -210,14 +217,26 @@ class KubernetesJobs:
         pipe.srem(keys.k8s_gpus_key(self.prefix, job), self._gpu_key(gpus[i]))
         pipe.scard(keys.k8s_gpus_key(self.prefix, job))
         _, left = pipe.execute()
-        if left == 0:
-            now = self.clock()
-            send_entries(self.redis, self.prefix, job, [self._entry("run", job, 0, now, {"state": "end"})])
-            self.redis.hset(keys.k8s_ranks_key(self.prefix, job), "_ended", "1")
-            log.info("Kubernetes job %s: its last GPU was released (rank %d): run end", job, rank)
         del self.registered[(job, i)]
         if not any(j == job for j, _ in self.registered):
             self._beat.pop(job, None)
+        if left == 0:
+            log.info("Kubernetes job %s: its last GPU was released (rank %d): run end", job, rank)
+            self._send(job, [self._entry("run", job, 0, self.clock(), {"state": "end"})], ended=True)
+
+    def _send(self, job: str, entries: list[dict[str, str]], ended: bool = False) -> None:
+        """Queue a write and send what is queued (an outage leaves it queued: `_flush`)."""
+        self._outbox.append((job, entries, ended))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send the queued writes in order; each leaves the queue once Redis acknowledged it."""
+        while self._outbox:
+            job, entries, ended = self._outbox[0]
+            send_entries(self.redis, self.prefix, job, entries)
+            if ended:
+                self.redis.hset(keys.k8s_ranks_key(self.prefix, job), "_ended", "1")
+            self._outbox.pop(0)
 
     def _entry(self, type_: str, job: str, rank: int, ts: float, fields: dict[str, Any]) -> dict[str, str]:
         seq, self._seq = self._seq, self._seq + 1
