@@ -442,6 +442,18 @@ def lookahead_ms(interval_ms: int, grid_ms: int) -> int:
     return cell * (persist_moments(cell, grid) + 1 + (k + 1 if k else 0)) + (grid - cell)
 
 
+SPIN_STEP_CELLS = 2  # a spin moment is one with no step completing within this many moments
+
+
+def step_lookahead_ms(interval_ms: int, grid_ms: int) -> int:
+    """How far past a moment the steps must be known to band it: the spin signature holds only
+    where no step completes within `SPIN_STEP_CELLS` moments of each confirming moment. Live
+    booking stays this far behind the newest time its events are dated to, so a step posted
+    just after a moment changes its band live as it does in a replay."""
+    cell = max(int(interval_ms), 1)
+    return lookahead_ms(cell, grid_ms) + SPIN_STEP_CELLS * cell
+
+
 def window_overlap_ms(interval_ms: int, grid_ms: int, gap_intervals: float) -> int:
     """How far before the first moment it must band exactly a window's samples start: a gap held
     (`gap_intervals`), a ramp and a signature's confirming moments, a bridged hole."""
@@ -636,6 +648,7 @@ def _spinning(
         return spin
     t = t0 + cols * cell
     steps = np.sort(np.asarray(step_ms, np.int64))
-    near = np.searchsorted(steps, t + 2 * cell, "right") - np.searchsorted(steps, t - 2 * cell, "left")
+    span = SPIN_STEP_CELLS * cell
+    near = np.searchsorted(steps, t + span, "right") - np.searchsorted(steps, t - span, "left")
     spin_alone: npt.NDArray[np.bool_] = spin & (near == 0)  # numpy's stubs type `&` here as Any
     return spin_alone

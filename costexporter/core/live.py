@@ -135,6 +135,8 @@ def book_window(
             horizon,
             data_horizon(rank, ts_ms, now_ms, interval, cfg.gap_intervals, hold_ranks, ignore_ranks, ahead),
         )
+        if tl.steps:  # its steps are known up to now_ms; the spin signature looks past a moment
+            horizon = min(horizon, now_ms - bands_mod.step_lookahead_ms(interval, int(cfg.grid_s * 1000)))
     empty = Pieces(
         np.zeros(0, np.int32),
         np.zeros(0, np.int64),
