@@ -16,11 +16,12 @@ from .conftest import SHARED_URL
 
 T0 = 1_760_000_000.0
 
-# One entry: (job index, kind, rank, extra field?, valid?)
+# One entry: (job index, kind, rank, extra field?, valid?, posted twice?)
 ENTRY = st.tuples(
     st.integers(0, 3),
     st.sampled_from(["step", "heartbeat", "phase"]),
     st.integers(0, 2),
+    st.booleans(),
     st.booleans(),
     st.booleans(),
 )
@@ -46,9 +47,10 @@ def test_one_xread_for_many_jobs_reads_what_each_jobs_own_reader_reads(shared, p
     jobs = [f"j{i}" for i in range(4)]
     for job in jobs:
         shared.delete(keys.stream_key(prefix, job), keys.beats_key(prefix, job))
-    for seq, (i, kind, rank, extra, valid) in enumerate(entries, 1):
+    for seq, (i, kind, rank, extra, valid, twice) in enumerate(entries, 1):
         key = (keys.beats_key if kind == "heartbeat" else keys.stream_key)(prefix, jobs[i])
-        shared.xadd(key, _fields(jobs[i], kind, rank, seq, extra, valid))
+        for _ in range(1 + twice):  # a resent batch: an event is taken once, a heartbeat says it again
+            shared.xadd(key, _fields(jobs[i], kind, rank, seq, extra, valid))
     client = redis.Redis.from_url(SHARED_URL, decode_responses=decode, protocol=resp)
 
     def readers() -> list[EventReader]:
@@ -68,4 +70,5 @@ def test_one_xread_for_many_jobs_reads_what_each_jobs_own_reader_reads(shared, p
     assert len(many) == 2 * len(jobs)
     for a, b, c in zip(many, ranged, alone, strict=True):
         assert (a.cursor, dict(a.stats)) == (b.cursor, dict(b.stats)) == (c.cursor, dict(c.stats))
-    assert sum(len(v) for v in got.values()) == sum(1 for e in entries if e[4])
+    twice_beats = sum(1 for e in entries if e[4] and e[5] and e[1] == "heartbeat")
+    assert sum(len(v) for v in got.values()) == sum(1 for e in entries if e[4]) + twice_beats

@@ -160,7 +160,6 @@ class JobView:
     rebuilds: int = 0
     unfoldable: bool = False  # a fold that cannot give its view: built from every event each poll
     profile_said: bool = False  # the job's profile (or why it has none) was logged
-    judged_terms: JobTerms | None = None  # the terms of the last decision (`terms.job_terms`)
     metas: int = 0  # meta events folded: the terms change only with them, a registration or the start
     # (the config judged by, what dates the terms, the terms, the config with them): a poll
     # derives them again only when one of their inputs changed
@@ -285,6 +284,11 @@ class JobView:
         registered = (to_ms(float(r["ts"])) for r in self.registrations.values() if "ts" in r)
         return job_terms(self.name, self.meta, cfg.policy(), registered, first_event_ms=self.first_ms)
 
+    @property
+    def judged_terms(self) -> JobTerms | None:
+        """The terms of the last decision (`terms.job_terms`); None before the first."""
+        return None if self._judged is None else self._judged[2]
+
     def judged(self, cfg: WatchConfig) -> tuple[JobTerms, WatchConfig]:
         """The job's terms and `cfg` with them, derived again only when the meta, the
         registrations (they only grow) or the first event changed: they count at 1,000 jobs."""
@@ -361,7 +365,6 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
     if view.first_ms is None:
         return status("unknown", "no events from the job yet")
     terms, cfg = view.judged(cfg)
-    view.judged_terms = terms
     start_ms = terms.start_ms
     tl = view.timeline(cfg.booking, start_ms, int(now * 1000), lag_ms=30_000)
     last = tl.steps[-1] if tl.steps else None

@@ -64,8 +64,6 @@ def _fields(raw: dict[Any, Any] | list[Any]) -> dict[str, str]:
     is paired first."""
     if isinstance(raw, list):
         it = iter(raw)
-        if raw and type(raw[0]) is str:  # a decoding client's: paired, done
-            return dict(zip(it, it, strict=False))
         raw = dict(zip(it, it, strict=False))
     if type(next(iter(raw), None)) is str:  # a decoding client decodes every key and value
         return raw
@@ -127,12 +125,12 @@ class EventReader:
 
     def _consume(self, entries: list[Any]) -> list[Event]:
         """The valid, new events of entries read after the cursor; advances it."""
-        out: list[Event] = []
-        offsets: dict[int, float] = {}
         self.last_read = len(entries)
         now = time.time()  # the clock the timestamps are checked against, read once a batch
         if self.beats:
             return self._consume_beats(entries, now)
+        out: list[Event] = []
+        offsets: dict[int, float] = {}
         for entry_id, raw in entries:
             self.cursor = eid = entry_id if type(entry_id) is str else _text(entry_id)
             fields = _fields(raw)

@@ -239,4 +239,3 @@ def xread_flat(
         _FLAT_XREAD[client] = raw
     got: list[tuple[Any, list[Any]]] = raw.xread(streams, count=count, block=block)
     return got
-
