@@ -574,3 +574,78 @@ def test_a_write_whose_reply_an_outage_cut_is_sent_again_and_the_job_still_ends(
     assert sorted(e.type for e in events) == ["meta", "meta", "register", "register", "run"]
     assert reader.stats["duplicate"] == len(raw) - len(events)
     assert shared.hget(keys.k8s_ranks_key(prefix, job), "_ended") == "1"
+
+
+def test_a_job_whose_keys_redis_refuses_does_not_stall_the_other_jobs_on_the_node(
+    shared, prefix, monkeypatch, caplog
+):
+    """One job's events stream is not a stream (its trainer wrote anything there): Redis refuses
+    every write to it for good. That job's writes are set aside, counted and logged once; the
+    other jobs of the node are still registered, beat and ended. A refusal that passes (Redis
+    full) keeps its write queued, and it goes once Redis takes it. Before, the refused write was
+    queued first and sent again every round, and nothing after it was ever written."""
+    import logging
+
+    import redis as redis_mod
+
+    from costexporter.services import k8s
+    from costexporter.sources.dcgm import DcgmSource
+
+    bad, good = "nlp:bert", "vision:resnet"
+    shared.set(keys.stream_key(prefix, bad), "not a stream")
+    exp = FakeDcgmExporter(
+        [
+            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
+            {"power": 1000.0, "util": 100, "pod": "resnet-k9d2q", "ns": "vision"},
+        ]
+    )
+
+    def types(job):
+        return [f["type"] for _, f in shared.xrange(keys.stream_key(prefix, job))]
+
+    try:
+        src = DcgmSource([exp.url], host=HOST)
+        kj = k8s.KubernetesJobs(protocol.connect(SHARED_URL), prefix, src, HOST)
+        src.read()
+        with caplog.at_level(logging.DEBUG, logger=k8s.log.name):
+            for _ in range(3):
+                kj.sync()  # raises nothing: the refusal is the bad job's alone
+        assert sorted(kj.registered) == [(bad, 0), (good, 1)]  # the GPU is held all the same
+        assert types(good) == ["meta", "register"]
+        assert shared.xlen(keys.beats_key(prefix, good)) == 1
+        assert kj.refused == 1 and not kj._outbox  # its registration (heartbeats: a stream of their own)
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.message]
+        assert len(warned) == 1 and "nlp:bert" in warned[0].message
+
+        # Both pods go: the good job ends, the bad job's run end is refused and set aside.
+        exp.set(0, pod=None, ns=None)
+        exp.set(1, pod=None, ns=None)
+        src.read()
+        refused = kj.refused
+        kj.sync()
+        assert not kj.registered and not kj._outbox and kj.refused == refused + 1
+        assert types(good)[-1] == "run"
+        assert shared.hget(keys.k8s_ranks_key(prefix, good), "_ended") == "1"
+
+        # Redis is full as the good job's pod comes back: its write waits, then goes.
+        real, full = k8s.send_entries, [1]
+
+        def send(*a, **kw):
+            if full:
+                full.pop()
+                raise redis_mod.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'.")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(k8s, "send_entries", send)
+        exp.set(1, pod="resnet-k9d2q", ns="vision")
+        src.read()
+        with pytest.raises(redis_mod.OutOfMemoryError):
+            kj.sync()
+        assert len(kj._outbox) == 1 and kj.refused == refused + 1  # kept, not counted refused
+        kj.sync()
+        assert not kj._outbox
+        assert types(good)[-3:] == ["run", "meta", "register"]
+        runs = [f["state"] for _, f in shared.xrange(keys.stream_key(prefix, good)) if f["type"] == "run"]
+        assert runs == ["end", "start"]
+    finally:
+        exp.close()

@@ -29,7 +29,7 @@ from costexporter.core.model import GpuId
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
 from costexporter.sources.dcgm import DcgmSource, PodRef
-from costexporter.store import keys, protocol, untrusted
+from costexporter.store import keys, protocol, redisconn, untrusted
 from costexporter.trainer.reporter import send_entries
 
 if TYPE_CHECKING:
@@ -104,6 +104,10 @@ class KubernetesJobs:
         self._beat: dict[str, float] = {}
         self._allocate = redis.register_script(_ALLOCATE)
         self.errors = 0
+        # Parts of a round Redis refused for good (a key of the job's of the wrong type): set
+        # aside so the other jobs go on; each job's first refusal is logged as a warning.
+        self.refused = 0
+        self._refused_jobs: set[str] = set()
         # What is to be written, in order, kept until Redis acknowledged it: (job, entries, whether
         # the write marks the job ended). A write whose reply was lost (Redis died after applying
         # it) is sent again whole: its entries keep their seqs, so readers take each once.
@@ -123,15 +127,18 @@ class KubernetesJobs:
                 log.warning("pod %s/%s: %s", ref.namespace, ref.pod, e)
         for (job, i), (ref, own) in sorted(current.items(), key=lambda kv: kv[0]):
             if (job, i) not in self.registered and (job, i) not in self.skipped and i < len(gpus):
-                self._register(job, i, ref, own, gpus[i])
+                self._for_job(job, "its registration", self._register, job, i, ref, own, gpus[i])
         for key in sorted(set(self.registered) - set(current)):
-            self._release(*key)
+            self._for_job(key[0], "a release", self._release, *key)
         self.skipped &= set(current)
         now = self.clock()
         for job in sorted({j for j, _ in self.registered}):
             if now - self._beat.get(job, 0.0) >= HEARTBEAT_S:  # every rank: the watcher checks each
                 ranks = sorted(r for (j, _), r in self.registered.items() if j == job)
-                send_entries(
+                self._for_job(
+                    job,
+                    "its heartbeats",
+                    send_entries,
                     self.redis,
                     self.prefix,
                     job,
@@ -233,10 +240,36 @@ class KubernetesJobs:
         """Send the queued writes in order; each leaves the queue once Redis acknowledged it."""
         while self._outbox:
             job, entries, ended = self._outbox[0]
-            send_entries(self.redis, self.prefix, job, entries)
-            if ended:
-                self.redis.hset(keys.k8s_ranks_key(self.prefix, job), "_ended", "1")
+            self._for_job(job, f"{len(entries)} event(s)", self._write, job, entries, ended)
             self._outbox.pop(0)
+
+    def _write(self, job: str, entries: list[dict[str, str]], ended: bool) -> None:
+        send_entries(self.redis, self.prefix, job, entries)
+        if ended:
+            self.redis.hset(keys.k8s_ranks_key(self.prefix, job), "_ended", "1")
+
+    def _for_job(self, job: str, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """One job's part of a round. A refusal that would come again (`redisconn.retryable`:
+        a key of the job's of the wrong type, a command the ACL denies) sets the part aside,
+        counted, and the other jobs on this node go on; an outage, or a refusal that passes
+        (Redis full, failing over), raises: the round goes again, the queued writes first."""
+        import redis as redis_mod
+
+        try:
+            fn(*args, **kwargs)
+        except redis_mod.ResponseError as e:
+            if redisconn.retryable(e):
+                raise
+            self.refused += 1
+            first = job not in self._refused_jobs
+            self._refused_jobs.add(job)
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "Kubernetes job %s: Redis refused %s (%s); set aside, the other jobs go on",
+                untrusted.short(job),
+                what,
+                e,
+            )
 
     def _entry(self, type_: str, job: str, rank: int, ts: float, fields: dict[str, Any]) -> dict[str, str]:
         seq, self._seq = self._seq, self._seq + 1

@@ -167,6 +167,27 @@ def _guard(client: Any) -> Any:
     return client
 
 
+# Server errors that pass (Redis full, loading, a replica during failover): retry, never drop.
+_RETRYABLE_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a server's refusal passes with time (Redis full, loading, failing over): the
+    write waits and goes again. Any other refusal (a key of the wrong type, a command the ACL
+    denies) would be refused again: the write is dropped and counted, not retried forever."""
+    from redis import exceptions as rx
+
+    transient = (
+        rx.OutOfMemoryError,
+        rx.ReadOnlyError,
+        rx.BusyLoadingError,
+        rx.TryAgainError,
+        rx.ClusterDownError,
+        rx.MasterDownError,
+    )
+    return isinstance(exc, transient) or str(exc).split(" ", 1)[0] in _RETRYABLE_CODES
+
+
 def is_cluster(client: Any) -> bool:
     """Whether `client` talks to a Redis Cluster."""
     if isinstance(client, LazyCluster):

@@ -254,24 +254,6 @@ def _weight(entry: dict[str, str]) -> int:
     return int(entry["n"]) if entry.get("type") == STEPS_TYPE else 1
 
 
-# Server errors that pass (Redis full, loading, a replica during failover): retry, never drop.
-_RETRYABLE_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
-
-
-def _retryable(exc: BaseException) -> bool:
-    from redis import exceptions as rx
-
-    transient = (
-        rx.OutOfMemoryError,
-        rx.ReadOnlyError,
-        rx.BusyLoadingError,
-        rx.TryAgainError,
-        rx.ClusterDownError,
-        rx.MasterDownError,
-    )
-    return isinstance(exc, transient) or str(exc).split(" ", 1)[0] in _RETRYABLE_CODES
-
-
 class _Retry(Exception):
     """Some events are back in line for a later try (the server said: not now)."""
 
@@ -759,7 +741,7 @@ class StepReporter:
                 last_ts=last_ts if job == self.job else None,
             )
             for j, exc in res.failed.items():
-                if _retryable(exc):
+                if redisconn.retryable(exc):
                     retry.append(idx[j])
                 else:
                     w = _weight(entries[idx[j]])
@@ -772,9 +754,9 @@ class StepReporter:
                         exc,
                     )
             for side, exc in res.side_failed:
-                if side is not None and side not in res.failed and _retryable(exc):
+                if side is not None and side not in res.failed and redisconn.retryable(exc):
                     retry.append(idx[side])  # resent whole; the reader drops the duplicate entry
-                elif not _retryable(exc):
+                elif not redisconn.retryable(exc):
                     self.stats["side_rejected"] += 1
                     self._log_once(
                         f"side:{exc}",
