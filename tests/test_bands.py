@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from costexporter.core import profiles
 from costexporter.core.bands import classify
@@ -215,3 +217,54 @@ def test_a_lone_line_after_a_logger_hiccup_does_not_end_a_wait():
     bands = run_100ms(p, u, prof, written)
     assert (bands[:, :43][written[:, :43]] == Band.CHECKPOINT).all()
     assert (bands[:, 43:] == Band.COMPUTE).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 5).flatmap(
+        lambda n_ranks: st.tuples(
+            st.permutations(range(n_ranks)),
+            st.lists(
+                st.lists(
+                    st.tuples(
+                        st.sampled_from([135.0, 170.0, 250.0, 330.0, 640.0, 990.0, float("nan")]),
+                        st.sampled_from([0.0, 3.0, 50.0, 100.0, float("nan")]),
+                    ),
+                    min_size=n_ranks,
+                    max_size=n_ranks,
+                ),
+                min_size=2,
+                max_size=40,
+            ),
+        )
+    ),
+    st.booleans(),
+)
+def test_a_dense_trace_in_any_rank_order_bands_as_scattered_samples_do(drawn, with_steps):
+    """Every rank sampled once at every moment (GPUs in any rank order): the samples are taken
+    as the moments x ranks matrix, rows copied, and band exactly as the general path's scatter
+    of each sample to its cell does; so do the signatures, the straggler and the carry."""
+    from unittest import mock
+
+    from costexporter.core import bands
+
+    order, moments_ = drawn
+    n_ranks, n_t = len(order), len(moments_)
+    reading = np.asarray(moments_)  # moments x ranks x (power, util)
+    rank = np.repeat(np.asarray(order), n_t)  # GPU blocks, each a rank's, in GPU order
+    ts = np.tile(np.arange(n_t) * 1000, n_ranks).astype(np.int64) + 1_753_570_000_000
+    power = reading[:, :, 0].T[order].ravel()
+    util = reading[:, :, 1].T[order].ravel()
+    steps = ts[:n_t:3] + 400 if with_steps else None
+    kw = dict(step_ms=steps, carry_at_ms=int(ts[n_t // 2]))
+    assert bands._dense_blocks(rank, np.tile(np.arange(n_t), n_ranks), n_ranks, n_t) is not None
+    got = classify(rank, ts, power, util, n_ranks, profiles.B300, **kw)
+    with mock.patch.object(bands, "_dense_blocks", lambda *a: None):
+        want = classify(rank, ts, power, util, n_ranks, profiles.B300, **kw)
+    assert got.band.tolist() == want.band.tolist()
+    assert (got.signature_moments, got.signatures, got.straggler_rank, got.carry) == (
+        want.signature_moments,
+        want.signatures,
+        want.straggler_rank,
+        want.carry,
+    )

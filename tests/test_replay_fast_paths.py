@@ -3,25 +3,28 @@
 Each fast path is checked against a slow, obvious reference on random input: nvidia-smi
 timestamps read as fixed-width digits against Arrow's own parse, per-GPU cuts that only look at
 the slices a cut falls in against cutting every slice, and the GPU time no job held (sliced only
-where a sample lies outside the memberships) against slicing the whole trace.
+where a sample lies outside the memberships) against slicing the whole trace, and the incident
+stretches found from runs of pieces against the rule applied piece by piece in time order, and the
+report's totals summed run by run against one bincount of every piece.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from costexporter.core import tracefiles as files
 from costexporter.core.booking import NEG_INF, POS_INF, Slices, _cut_per_gpu, make_slices
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.model import Band, GpuId, Samples
-from costexporter.core.replay import ReplayConfig, _unassigned
+from costexporter.core.replay import ReplayConfig, _stretches, _totals_by_key, _TraceLayout, _unassigned
 
 
 def arrow_ms(values: pa.ChunkedArray, tz: str = "UTC") -> np.ndarray | None:
@@ -187,8 +190,64 @@ def test_unassigned_time_equals_slicing_the_whole_trace(n_gpus, steps, membershi
     base = int(samples.ts_ms.min())
     members = [(g, base + a * interval, base + (a + d) * interval) for g, a, d in memberships]
     cfg = ReplayConfig()
-    got = _unassigned(samples, n_gpus, interval, members, cfg)
+    layout = dataclasses.replace(_TraceLayout.of(samples, n_gpus), interval=interval)
+    got = _unassigned(samples, n_gpus, layout, members, cfg)
     ref = unassigned_reference(samples, n_gpus, interval, members, cfg.booking.gap_intervals)
     assert ref and set(got) == set(ref), (got, ref)
     for k in ref:
         assert abs(got[k] - ref[k]) <= 1e-9 * max(1.0, abs(ref[k])), (k, got, ref)
+
+
+def stretches_reference(start: list[int], end: list[int], tol: int) -> list[int]:
+    """The incident rule as written: pieces in time order, a piece that starts more than `tol`
+    after the stretch's reach so far opens the next stretch."""
+    order = sorted(range(len(start)), key=lambda i: start[i])
+    out = [0] * len(start)
+    sid, reach = -1, None
+    for i in order:
+        if reach is None or start[i] > reach + tol:
+            sid, reach = sid + 1, end[i]
+        reach = max(reach, end[i])
+        out[i] = sid
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 60), st.integers(0, 8)), min_size=1, max_size=80),
+    st.integers(0, 5),
+    st.sampled_from(["as drawn", "by gpu and time", "reversed"]),
+)
+# A piece inside its predecessor on one GPU: the run's reach is the predecessor's end.
+@example([(0, 0, 8), (0, 1, 0), (1, 5, 0)], 0, "as drawn")
+def test_incident_stretches_are_the_rule_applied_in_time_order(pieces, tol, order):
+    """Joining the pieces that follow one another on a GPU before sorting changes no stretch,
+    whatever order the pieces come in (cut pieces are appended after their GPU's run)."""
+    if order == "by gpu and time":
+        pieces = sorted(pieces)
+    elif order == "reversed":
+        pieces = sorted(pieces, reverse=True)
+    gpu = np.asarray([g for g, _, _ in pieces], np.int32)
+    start = np.asarray([s for _, s, _ in pieces], np.int64)
+    end = start + np.asarray([d for _, _, d in pieces], np.int64)
+    got, n = _stretches(gpu, start, end, tol)
+    ref = stretches_reference(start.tolist(), end.tolist(), tol)
+    assert got.tolist() == ref
+    assert n == max(ref) + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 40)), min_size=1, max_size=30),
+    st.integers(0, 2**31),
+)
+def test_totals_by_key_summed_in_runs_are_a_bincount(runs, seed):
+    """Per-key totals summed run by run (where keys come in long runs) are what one bincount
+    of every piece gives: durations exactly, energies to rounding."""
+    key = np.repeat([k for k, _ in runs], [n for _, n in runs]).astype(np.int32)
+    rng = np.random.default_rng(seed)
+    dur = rng.integers(0, 10**6, key.size)
+    mj = rng.random(key.size) * 1e6
+    ms_got, mj_got = _totals_by_key(key, 8, dur, mj)
+    assert ms_got.tolist() == np.bincount(key, weights=dur, minlength=8).tolist()
+    np.testing.assert_allclose(mj_got, np.bincount(key, weights=mj, minlength=8), rtol=1e-12)

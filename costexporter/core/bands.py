@@ -134,21 +134,33 @@ def classify(
     else:
         cols, col = np.unique(tick, return_inverse=True)
     n_cols = cols.size
-    # One flat index for every scatter and gather (much faster than 2-D fancy indexing).
-    flat = np.asarray(rank, np.intp) * n_cols + col
-    # -1 W marks "no sample at this moment" (ingest rejects negative power; NaN stays NaN).
-    P = np.full((n_ranks, n_cols), -1.0, np.float32)
-    U = np.full((n_ranks, n_cols), np.nan, np.float32)
-    P.ravel()[flat] = power_w
-    U.ravel()[flat] = util_pct
-    present = P != -1.0
+    shape = (n_ranks, n_cols)
     C = None  # climbing readings (`_climbs`), per moment
-    if climbed is not None:
-        C = np.zeros((n_ranks, n_cols), bool)
-        C.ravel()[flat] = climbed
+    block_rank = _dense_blocks(rank, col, n_ranks, n_cols)
+    if block_rank is not None:  # the samples are the matrix already: rows copied, nothing held
+        P = np.empty(shape, np.float32)
+        U = np.empty(shape, np.float32)
+        P[block_rank] = power_w.reshape(shape)
+        U[block_rank] = util_pct.reshape(shape)
+        if climbed is not None:
+            C = np.empty(shape, bool)
+            C[block_rank] = climbed.reshape(shape)
+        present = None
+    else:
+        # One flat index for every scatter and gather (much faster than 2-D fancy indexing).
+        flat = np.asarray(rank, np.intp) * n_cols + col
+        # -1 W marks "no sample at this moment" (ingest rejects negative power; NaN stays NaN).
+        P = np.full(shape, -1.0, np.float32)
+        U = np.full(shape, np.nan, np.float32)
+        P.ravel()[flat] = power_w
+        U.ravel()[flat] = util_pct
+        present = P != -1.0
+        if climbed is not None:
+            C = np.zeros(shape, bool)
+            C.ravel()[flat] = climbed
 
-    if present.all():  # every rank sampled at every moment: nothing to hold
-        obs = present
+    if present is None or present.all():  # every rank sampled at every moment: nothing to hold
+        obs = np.ones(shape, bool)
     else:  # forward-fill each rank's last sample for up to `hold`
         last = np.where(present, np.arange(n_cols), -1)
         np.maximum.accumulate(last, axis=1, out=last)
@@ -224,6 +236,21 @@ def classify(
         signatures=signatures,
         carry=carry_out,
     )
+
+
+def _dense_blocks(rank: np.ndarray, col: np.ndarray, n_ranks: int, n_cols: int) -> np.ndarray | None:
+    """Each block's rank when the samples are every rank's reading at every moment, one each,
+    a rank's in one block of `n_cols` (a steady logger's trace, GPUs in any rank order): the
+    moments x ranks matrix already, its rows in another order. None otherwise."""
+    if rank.size != n_ranks * n_cols or rank.size == 0:
+        return None
+    r = rank.reshape(n_ranks, n_cols)
+    block_rank = r[:, 0]
+    if block_rank.min() < 0 or not (np.bincount(block_rank, minlength=n_ranks) == 1).all():
+        return None
+    if not ((r == block_rank[:, None]).all() and (col.reshape(n_ranks, n_cols) == np.arange(n_cols)).all()):
+        return None
+    return block_rank
 
 
 def reading_bands(power_w: np.ndarray, util_pct: np.ndarray, profile: Profile) -> np.ndarray:

@@ -256,7 +256,7 @@ def book_trace(
             (int(g), a, b) for g, iv in zip(gpus_of, r.member_intervals, strict=True) for a, b in iv
         ]
         results.append(r)
-    return results, _unassigned(samples, len(gpus), layout.interval, member_ivals, cfg)
+    return results, _unassigned(samples, len(gpus), layout, member_ivals, cfg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +272,10 @@ class _TraceLayout:
     @classmethod
     def of(cls, samples: Samples, n_g: int) -> _TraceLayout:
         interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
-        counts = np.bincount(samples.gpu, minlength=n_g) if len(samples) else np.zeros(n_g, int)
-        starts = np.cumsum(counts) - counts
+        # Samples are sorted by GPU: each GPU's run is found by binary search (a bincount
+        # would pass over every sample several times).
+        bounds = np.searchsorted(samples.gpu, np.arange(n_g + 1), "left")
+        starts, counts = bounds[:-1], np.diff(bounds)
         last_end = np.full(n_g, NEG_INF, np.int64)
         has = counts > 0
         if len(samples):
@@ -529,7 +531,7 @@ def job_profile(
 def _unassigned(
     samples: Samples,
     n_gpus: int,
-    interval_ms: int,
+    layout: _TraceLayout,
     members: list[tuple[int, int, int]],
     cfg: ReplayConfig,
 ) -> Report:
@@ -537,8 +539,7 @@ def _unassigned(
     zero = {"gpu_hours": 0.0, "energy_kwh": 0.0}
     if not len(samples):
         return zero
-    counts = np.bincount(samples.gpu, minlength=n_gpus)
-    first = np.cumsum(counts) - counts
+    interval_ms, counts, first = layout.interval, layout.counts, layout.starts
     has = counts > 0
     span_start = np.where(has, samples.ts_ms[np.minimum(first, len(samples) - 1)], 0)
     span_end = np.where(has, samples.ts_ms[np.minimum(first + counts - 1, len(samples) - 1)], 0)
@@ -666,22 +667,38 @@ def job_terms_of(r: JobResult, cfg: ReplayConfig) -> JobTerms:
     return job_terms(r.name, r.meta, cfg.policy(), [r.timeline.start_ms], profile=r.profile)
 
 
+def _totals_by_key(key: np.ndarray, size: int, *weights: np.ndarray) -> list[np.ndarray]:
+    """Per key (0..size-1), the sum of each of `weights`: a bincount each. Pieces come in long
+    runs of one key (a GPU's time in one band and category), so where runs are long each run
+    is summed first and only the runs are counted."""
+    if key.size > 1:
+        heads = np.flatnonzero(key[1:] != key[:-1])
+        if heads.size * 4 < key.size:
+            heads += 1
+            heads = np.concatenate(([0], heads))
+            k = key[heads].astype(np.intp)
+            return [np.bincount(k, weights=np.add.reduceat(w, heads), minlength=size) for w in weights]
+    return [np.bincount(key, weights=w, minlength=size) for w in weights]
+
+
 def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
     n_cat, n_band, n_gpu = len(Category), len(Band), len(r.gpus)
     dur = p.dur_ms
-    # One key (gpu, category, band + 1) and two bincounts give every total as a sum over axes;
+    # One key (gpu, category, band + 1) summed per key gives every total as a sum over axes;
     # band column 0 holds unobserved pieces (no sample, no band).
     shape = (n_gpu, n_cat, n_band + 1)
-    key = p.gpu.astype(np.intp)  # built in place: one array, not one per operation
+    size = n_gpu * n_cat * (n_band + 1)
+    # Built in place, one array; 32-bit where the keys fit, half the memory to pass over.
+    wide = np.int32 if size < 2**31 else np.intp
+    key: np.ndarray[Any, np.dtype[np.signedinteger[Any]]] = p.gpu.astype(wide)
     key *= n_cat
     key += p.category
     key *= n_band + 1
     key += p.band
     key += 1
-    ms = np.bincount(key, weights=dur, minlength=n_gpu * n_cat * (n_band + 1)).reshape(shape)
-    mj = np.bincount(key, weights=p.energy_mj, minlength=ms.size).reshape(shape)
+    ms, mj = (t.reshape(shape) for t in _totals_by_key(key, size, dur, p.energy_mj))
     del key
     per_gpu_cat_ms = ms.sum(2)
     per_gpu_band_ms = ms.sum(1)[:, 1:]
@@ -828,8 +845,33 @@ def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OV
     return min(a[1], b[1]) - max(a[0], b[0]) >= share * shorter
 
 
-# Category code -> whether it is a wasted category: one gather instead of a set test per piece.
-_IS_WASTED = np.isin(np.arange(len(Category)), WASTED_CODES)
+# The wasted category codes are consecutive: one unsigned range test finds their pieces.
+_WASTED_LO, _WASTED_N = WASTED_CODES[0], len(WASTED_CODES)
+assert list(range(_WASTED_LO, _WASTED_LO + _WASTED_N)) == WASTED_CODES
+
+
+def _stretches(gpu: np.ndarray, start: np.ndarray, end: np.ndarray, tol: int) -> tuple[np.ndarray, int]:
+    """(stretch number per piece, how many): the connected parts of the union of the pieces'
+    [start, end + tol], numbered in time order: the stretches the incident rule makes of the
+    pieces in time order. Pieces may come in any order; those that follow one another on one GPU
+    (the pieces' usual order) are joined first, so only those runs are sorted, not the pieces."""
+    n = start.size
+    joined = np.zeros(n, bool)
+    joined[1:] = (
+        (gpu[1:] == gpu[:-1])
+        & (start[1:] >= start[:-1])
+        & (end[1:] >= end[:-1])
+        & (start[1:] <= end[:-1] + tol)
+    )
+    head = np.flatnonzero(~joined)
+    run_end = end[np.append(head[1:], n) - 1]  # a run's ends rise: its last is its reach
+    order = np.argsort(start[head], kind="stable")
+    reach = np.maximum.accumulate(run_end[order])
+    new = np.ones(head.size, bool)
+    new[1:] = start[head[order[1:]]] > reach[:-1] + tol
+    of_run = np.empty(head.size, np.intp)
+    of_run[order] = np.cumsum(new) - 1
+    return np.repeat(of_run, np.diff(np.append(head, n))), int(new.sum())
 
 
 def incidents(r: JobResult, prices: Prices) -> list[Report]:
@@ -842,27 +884,23 @@ def incidents(r: JobResult, prices: Prices) -> list[Report]:
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
     out: list[Report] = []
-    wasted = np.flatnonzero(_IS_WASTED[p.category])
-    by_cat = wasted[np.argsort(p.category[wasted], kind="stable")]
-    cats = p.category[by_cat]
-    for c in sorted(WASTED_CATEGORIES):
-        sel = by_cat[np.searchsorted(cats, c, "left") : np.searchsorted(cats, c, "right")]
+    wasted = np.flatnonzero(p.category.view(np.uint8) - np.uint8(_WASTED_LO) < _WASTED_N)
+    cats = p.category[wasted]
+    for c in WASTED_CODES:
+        sel = wasted[cats == c]
         if sel.size == 0:
             continue
-        sel = sel[np.argsort(p.start_ms[sel], kind="stable")]
         s, e = p.start_ms[sel], p.end_ms[sel]
-        reach = np.maximum.accumulate(e)
-        new = np.ones(sel.size, bool)
-        new[1:] = s[1:] > reach[:-1] + tol
-        gid = np.cumsum(new) - 1
-        n = int(gid[-1]) + 1
-        bounds = np.append(np.flatnonzero(new), sel.size)
+        gid, n = _stretches(p.gpu[sel], s, e, tol)
         dur = e - s
         g_ms = np.bincount(gid, weights=dur, minlength=n)
         g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
         g_cost = prices.cost(g_ms, g_mj, np.full(n, c))
         band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
         dominant = band_ms.argmax(1) - 1
+        if n > 1:  # each stretch's pieces together (a radix sort where the numbers are small)
+            sel = sel[np.argsort(gid.astype(np.int16) if n < 2**15 else gid, kind="stable")]
+        bounds = np.append(0, np.cumsum(np.bincount(gid, minlength=n)))
         for i in range(n):
             part = sel[bounds[i] : bounds[i + 1]]
             stretch = p.take(part)
