@@ -268,3 +268,54 @@ def test_a_dense_trace_in_any_rank_order_bands_as_scattered_samples_do(drawn, wi
         want.straggler_rank,
         want.carry,
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(
+        lambda n_ranks: st.integers(1, 30).flatmap(
+            lambda n_cols: st.tuples(
+                st.lists(
+                    st.lists(st.booleans(), min_size=n_cols, max_size=n_cols),
+                    min_size=n_ranks,
+                    max_size=n_ranks,
+                ),
+                st.lists(st.integers(1, 3), min_size=n_cols, max_size=n_cols),
+            )
+        )
+    ),
+    st.sampled_from([0, 100, 250, 1000]),
+    st.integers(0, 2**31),
+)
+def test_a_rank_without_a_sample_holds_its_last_one_for_the_hold_time(drawn, hold, seed):
+    """The moments a rank has no sample at take its last sample of at most `hold` ms before
+    (power, utilization, climbing), the others read NaN: what walking each rank's moments in
+    order gives."""
+    from costexporter.core.bands import _hold_last
+
+    present_rows, steps = drawn
+    present = np.asarray(present_rows, bool)
+    cols = np.cumsum(steps) - steps[0]  # moments with gaps between them
+    rng = np.random.default_rng(seed)
+    P = np.where(present, rng.random(present.shape) * 1000, -1.0).astype(np.float32)
+    U = np.where(present, rng.random(present.shape) * 100, np.nan).astype(np.float32)
+    C = present & (rng.random(present.shape) < 0.5)
+    want_p, want_u, want_c, want_obs = P.copy(), U.copy(), C.copy(), present.copy()
+    for r in range(present.shape[0]):
+        last = None
+        for c in range(present.shape[1]):
+            if present[r, c]:
+                last = c
+            elif last is not None and (cols[c] - cols[last]) * 100 <= hold:
+                want_p[r, c], want_u[r, c], want_c[r, c], want_obs[r, c] = (
+                    P[r, last],
+                    U[r, last],
+                    C[r, last],
+                    True,
+                )
+            else:
+                want_p[r, c] = np.nan
+    obs = _hold_last(P, U, C, present, cols, 100, hold)
+    assert obs.tolist() == want_obs.tolist() and C.tolist() == want_c.tolist()
+    np.testing.assert_array_equal(P, want_p)
+    np.testing.assert_array_equal(U, want_u)

@@ -161,17 +161,8 @@ def classify(
 
     if present is None or present.all():  # every rank sampled at every moment: nothing to hold
         obs = np.ones(shape, bool)
-    else:  # forward-fill each rank's last sample for up to `hold`
-        last = np.where(present, np.arange(n_cols), -1)
-        np.maximum.accumulate(last, axis=1, out=last)
-        seen = last >= 0
-        lastc = np.where(seen, last, 0)
-        obs = seen & ((cols[None, :] - cols[lastc]) * cell <= hold)
-        rows = np.arange(n_ranks)[:, None]
-        P = np.where(obs, P[rows, lastc], np.nan)
-        U = np.where(obs, U[rows, lastc], np.nan)
-        if C is not None:
-            C = obs & C[rows, lastc]
+    else:
+        obs = _hold_last(P, U, C, present, cols, cell, hold)
 
     _, mid, low, _, busy, zero = _levels(P, U, profile)
     mid &= obs
@@ -236,6 +227,44 @@ def classify(
         signatures=signatures,
         carry=carry_out,
     )
+
+
+def _hold_last(
+    P: np.ndarray,
+    U: np.ndarray,
+    C: np.ndarray | None,
+    present: np.ndarray,
+    cols: np.ndarray,
+    cell: int,
+    hold: int,
+) -> npt.NDArray[np.bool_]:
+    """Each rank's moments without a sample take its last sample of at most `hold` ms before
+    (power, utilization and climbing, in place); the others read NaN. Returns the moments
+    observed. Only the missing moments are visited: a run of them takes the sample just
+    before it in its row (a logger's gaps are few, the samples many)."""
+    n_cols = present.shape[1]
+    obs = present.copy()
+    miss = np.flatnonzero(~present.ravel())
+    if miss.size == 0:
+        return obs
+    col = miss % n_cols
+    head = np.ones(miss.size, bool)
+    head[1:] = miss[1:] != miss[:-1] + 1
+    head |= col == 0  # a row's first moment has nothing before it in its row
+    starts = np.flatnonzero(head)
+    lens = np.diff(np.append(starts, miss.size))
+    src = np.repeat(miss[starts] - 1, lens)  # the sample before the run, where the row has one
+    ok = np.repeat(col[starts] > 0, lens)
+    ok[ok] = (cols[col[ok]] - cols[src[ok] % n_cols]) * cell <= hold
+    dst, src = miss[ok], src[ok]
+    p, u = P.reshape(-1), U.reshape(-1)
+    p[dst], u[dst] = p[src], u[src]
+    p[miss[~ok]] = np.nan
+    if C is not None:
+        c = C.reshape(-1)
+        c[dst] = c[src]
+    obs.reshape(-1)[dst] = True
+    return obs
 
 
 def _dense_blocks(rank: np.ndarray, col: np.ndarray, n_ranks: int, n_cols: int) -> np.ndarray | None:
