@@ -531,9 +531,8 @@ def deramp(rank: np.ndarray, power_w: np.ndarray, profile: Profile, interval_ms:
         mid = (power_w >= profile.low_max_w) & (power_w < profile.compute_min_w)
     if not mid.any():
         return power_w
-    edge = np.diff(np.concatenate([[0], mid.astype(np.int8), [0]]))
-    a = np.flatnonzero(edge == 1)
-    b = np.flatnonzero(edge == -1)  # one past the run
+    a = np.flatnonzero(np.concatenate([mid[:1], mid[1:] > mid[:-1]]))  # a run's first reading
+    b = np.flatnonzero(np.concatenate([mid[:-1] > mid[1:], mid[-1:]])) + 1  # one past the run
     ok = (b - a <= kt) & (a > 0) & (b < n)
     a, b = a[ok], b[ok]
     ok = (rank[a - 1] == rank[a]) & (rank[b] == rank[a]) & ~np.isnan(power_w[b]) & ~np.isnan(power_w[a - 1])
@@ -568,24 +567,26 @@ def _climbs(
     n = power_w.size
     with np.errstate(invalid="ignore"):
         high = power_w >= profile.compute_min_w
-        busy = util_pct >= profile.busy_util_pct
-        rises = np.zeros(n, bool)
-        # A climb's noise may dip a little (half the first step's rise) between readings.
-        slack = CLIMB_SHARE / 2 * profile.compute_min_w
-        rises[1:] = (power_w[1:] >= power_w[:-1] - slack) & (rank[1:] == rank[:-1])
+    # A climb's noise may dip a little (half the first step's rise) between readings.
+    slack = CLIMB_SHARE / 2 * profile.compute_min_w
     # Compute entries: a compute reading after a reading of the same rank below compute (mid
-    # runs already `deramp`ed: a climb through the mid band enters where they begin).
-    entry = np.flatnonzero(high[1:] & ~high[:-1] & (rank[1:] == rank[:-1])) + 1
+    # runs already `deramp`ed: a climb through the mid band enters where they begin). The rest
+    # looks only at the few readings before an entry.
+    entry = np.flatnonzero(high[1:] > high[:-1]) + 1
+    entry = entry[rank[entry] == rank[entry - 1]]
     if entry.size == 0:
         return power_w
     # Walk back from each entry: j = entry - d is in the climb while every reading from it to
     # the entry is below compute, busy, and each rises (within the slack) over the one before.
     inside = np.ones(entry.size, bool)
     start = entry.copy()
-    cond = ~high & busy
     for d in range(1, k + 1):
-        j = entry - d
-        ok = inside & (j >= 1) & cond[np.maximum(j, 0)] & rises[np.maximum(j + 1, 0)]
+        j = np.maximum(entry - d, 0)
+        x = j + 1  # the reading that must rise over the one before it, j
+        with np.errstate(invalid="ignore"):
+            cond = ~high[j] & (util_pct[j] >= profile.busy_util_pct)
+            rises = (power_w[x] >= power_w[x - 1] - slack) & (rank[x] == rank[x - 1])
+        ok = inside & (entry - d >= 1) & cond & rises
         start = np.where(ok, j, start)
         inside = ok
     # The climb begins at its first reading clearly above the reading before the walk (a

@@ -447,7 +447,7 @@ class _ReferenceWalk(Segments):
         """
         anchor = self.anchor
         ov, rest = self.split(anchor, b)
-        eff = sum(y - x for x, y in rest)
+        eff = rest[0][1] - rest[0][0] if len(rest) == 1 else sum(y - x for x, y in rest)
         # The threshold is never below the floor: only a longer interval needs the percentile.
         stalled = eff > self.floor_ms and eff > stall_threshold_ms(self.durations, self.cfg)
         if not ov and outcome == "step" and not stalled:  # fast path: one step segment
@@ -756,8 +756,8 @@ def make_slices(
     if any_gap and n > 1:
         short = np.isnan(gap_energy) | (gap_energy == 0)
         gi = np.flatnonzero(gap)
-        span = (nxt - ts_ms)[gi]
-        short &= ((nxt - end)[gi] <= HICCUP_MS + iv // 2) & ~last[gi]  # stamps jitter
+        span = nxt[gi] - ts_ms[gi]
+        short &= (nxt[gi] - end[gi] <= HICCUP_MS + iv // 2) & ~last[gi]  # stamps jitter
         if short.any():
             i = gi[short]
             p0, p1 = power_w[i], power_w[i + 1]
