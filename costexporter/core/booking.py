@@ -848,24 +848,26 @@ def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
         cut_gpu, cut_ms = cut_gpu[inside], cut_ms[inside]
     if cut_ms.size == 0 or s.start_ms.size == 0:
         return s
+    # A slice can be cut only where a cut time of some GPU falls strictly inside it: one search
+    # of each start among the (few) times; the GPUs are matched for those slices alone.
+    times = np.unique(cut_ms)
+    cand = np.flatnonzero(np.append(times, POS_INF)[np.searchsorted(times, s.start_ms, "right")] < s.end_ms)
+    if cand.size == 0:
+        return s
     span = np.int64(1) << 42  # > any trace's span in ms after rebasing
-    base = int(min(s.start_ms.min(), cut_ms.min()))
+    base = int(min(s.start_ms[cand].min(), cut_ms.min()))
     cuts = np.unique(cut_gpu.astype(np.int64) * span + (np.clip(cut_ms, base, base + span - 1) - base))
     # The first cut after each slice's start; the slice is cut when that cut is on its GPU and
     # before its end.
-    key_s = s.gpu.astype(np.int64)
-    key_s *= span
-    key_s += s.start_ms
-    key_s -= base
-    lo = np.searchsorted(cuts, key_s, "right")
-    del key_s
+    g_c = s.gpu[cand].astype(np.int64)
+    lo_c = np.searchsorted(cuts, g_c * span + (s.start_ms[cand] - base), "right")
     pad_g = np.append(cuts // span, -1)  # past the last cut: no GPU
     pad_t = np.append(cuts % span + base, 0)
-    multi = np.flatnonzero((pad_g[lo] == s.gpu) & (pad_t[lo] < s.end_ms))
+    ok = (pad_g[lo_c] == g_c) & (pad_t[lo_c] < s.end_ms[cand])
+    multi, lo_m = cand[ok], lo_c[ok]
     if multi.size == 0:
         return s
     key_e = s.gpu[multi].astype(np.int64) * span + (s.end_ms[multi] - base)
-    lo_m = lo[multi]
     n_m = np.searchsorted(cuts, key_e, "left") - lo_m + 1  # pieces of each cut slice
     # Positions of the cut slices' pieces in the output, and each piece's cut bounds.
     extra = n_m - 1
