@@ -167,7 +167,7 @@ def classify(
     _, mid, low, _, busy, zero = _levels(P, U, profile)
     mid &= obs
     low &= obs
-    n_obs = obs.sum(0)
+    n_obs = _ranks_per_moment(obs)
     # The cross-rank signature holds a little above the low edge: at the onset of a checkpoint
     # wait (0.5-1 s) the writer reads ~1.1x and the waiters ~1.2x the waiters' settled level.
     with np.errstate(invalid="ignore"):
@@ -193,7 +193,7 @@ def classify(
     )
 
     # Starvation: most ranks at mid power and at least one well below ~100% utilization.
-    starv = (n_obs >= 2) & ((mid.sum(0) * 2) >= n_obs) & ((mid & ~busy & ~np.isnan(U)).sum(0) >= 1)
+    starv = (n_obs >= 2) & ((_ranks_per_moment(mid) * 2) >= n_obs) & (mid & ~busy & ~np.isnan(U)).any(0)
 
     # Every sample is classified from its own reading; the job-level signatures of its moment
     # are laid over it (so a grid step can hold two bands, by duration).
@@ -324,8 +324,8 @@ def _signature(
     are the carry's), so a window need not hold a long signature's start."""
     # Deadlock / checkpoint signature: everyone low, >= 1 rank at ~0%, the majority at ~100%,
     # persisting for two consecutive moments and at least one grid step (R2, R3 in docs/background.md).
-    n_lowbusy = (low & busy).sum(0)
-    cand = (n_obs >= 2) & (low.sum(0) == n_obs) & ((low & zero).sum(0) >= 1) & (n_lowbusy * 2 >= n_obs)
+    n_lowbusy = _ranks_per_moment(low & busy)
+    cand = (n_obs >= 2) & (_ranks_per_moment(low) == n_obs) & (low & zero).any(0) & (n_lowbusy * 2 >= n_obs)
     if step_ms is not None:
         cand |= _spinning(low if spin_low is None else spin_low, busy, n_obs, cols, t0, cell, step_ms)
     cand = _bridge(cand, cols)
@@ -436,6 +436,13 @@ def _carry_at(
         for k, v in carry.zero.items():  # type: ignore[union-attr]
             zero[k] = zero.get(k, 0) + v
     return RunCarry(at_ms, int(run_start_ms[r]), moments, n_conf, zero)
+
+
+def _ranks_per_moment(mask: np.ndarray) -> np.ndarray:
+    """How many ranks (rows) each moment (column) holds True: summed in a narrow integer, wide
+    enough for twice the rank count (several times faster than the default 64-bit sum)."""
+    counts: np.ndarray = mask.sum(0, dtype=np.int16 if mask.shape[0] < 2**14 else np.int64)
+    return counts
 
 
 def _levels(
@@ -700,7 +707,9 @@ def _spinning(
 ) -> npt.NDArray[np.bool_]:
     """Moments where every observed rank is at ~100% at low power and no step completes within a
     moment of it: a thread spinning on a flag or in a collective, any number of ranks."""
-    spin: npt.NDArray[np.bool_] = (n_obs >= 1) & (low.sum(0) == n_obs) & ((low & busy).sum(0) == n_obs)
+    spin: npt.NDArray[np.bool_] = (
+        (n_obs >= 1) & (_ranks_per_moment(low) == n_obs) & (_ranks_per_moment(low & busy) == n_obs)
+    )
     if not spin.any() or step_ms.size == 0:
         return spin
     t = t0 + cols * cell
