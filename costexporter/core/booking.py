@@ -803,15 +803,18 @@ def make_slices(
     )
 
 
-def _cut(s: Slices, bounds: np.ndarray) -> tuple[Slices, np.ndarray]:
-    """Cut slices at shared sorted bounds; return the pieces and each piece's segment index.
+def _cut(s: Slices, bounds: np.ndarray, of: np.ndarray | None = None) -> tuple[Slices, np.ndarray]:
+    """Cut slices at shared sorted bounds; return the pieces and each piece's segment index, or
+    with `of` (a value per segment) each piece's segment's value.
 
     A straddling slice keeps its first piece in place; its other pieces are appended.
     """
-    lo = np.searchsorted(bounds, s.start_ms, "right") - 1
-    multi = np.flatnonzero(s.end_ms > bounds[lo + 1])  # slices that cross their segment's end
+    nxt = np.searchsorted(bounds, s.start_ms, "right")  # the first bound after each start
+    multi = np.flatnonzero(s.end_ms > bounds[nxt])  # slices that cross their segment's end
+    lo = nxt
+    lo -= 1
     if multi.size == 0:
-        return s, lo
+        return s, lo if of is None else of[lo]
     hi = np.searchsorted(bounds, s.end_ms[multi] - 1, "right") - 1
     n = hi - lo[multi]  # extra pieces per straddling slice
     idx = np.repeat(multi, n)
@@ -832,6 +835,8 @@ def _cut(s: Slices, bounds: np.ndarray) -> tuple[Slices, np.ndarray]:
     first_end = bounds[lo[multi] + 1]
     out.end_ms[multi] = first_end
     out.energy_mj[multi] = s.energy_mj[multi] * ((first_end - s.start_ms[multi]) / full)
+    if of is not None:  # the values gathered, then joined: narrower than the indices
+        return out, np.concatenate([of[lo], of[seg]])
     return out, np.concatenate([lo, seg])
 
 
@@ -936,8 +941,7 @@ def book(
         np.concatenate(cut_g),
         np.clip(np.concatenate(cut_t), NEG_INF // 2, POS_INF // 2),
     )
-    s, seg = _cut(s, timeline.bounds)
-    regime = timeline.regime[seg]  # a gather: already a copy of its own
+    s, regime = _cut(s, timeline.bounds, timeline.regime)  # a gather: already a copy of its own
     for g, a, b in overlays:
         mine = s.gpu == g
         j = np.searchsorted(a, s.start_ms[mine], "right") - 1
