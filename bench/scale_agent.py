@@ -566,7 +566,7 @@ def report_watcher(res: list[dict]) -> None:
     print(f"  {head}  jobs per shard, states")
     for r in res:
         target = WATCHER_TARGET_MS.get((r["jobs"], r["steps"]))
-        verdict = "" if target is None else f"<= {target}" + ("" if r["poll_ms"] <= target else " MISSED")
+        verdict = "" if target is None else f"<= {target} " + ("MET" if r["poll_ms"] <= target else "MISSED")
         print(
             f"  {r['jobs']:>6} {r['steps']:>10} {r['shards']:>6} {r['poll_ms']:>8.1f} {verdict:>14} "
             f"{r['max_ms']:>7.1f} {r['first_s']:>13.2f} {r['rss_mb']:>7.0f}  "
