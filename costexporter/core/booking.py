@@ -812,7 +812,7 @@ def _cut(s: Slices, bounds: np.ndarray, of: np.ndarray | None = None) -> tuple[S
     nxt = np.searchsorted(bounds, s.start_ms, "right")  # the first bound after each start
     multi = np.flatnonzero(s.end_ms > bounds[nxt])  # slices that cross their segment's end
     lo = nxt
-    lo -= 1
+    lo -= 1  # in place: the bound before each start (nxt is not needed again)
     if multi.size == 0:
         return s, lo if of is None else of[lo]
     hi = np.searchsorted(bounds, s.end_ms[multi] - 1, "right") - 1

@@ -847,7 +847,8 @@ def _aligned(a: tuple[int, int], b: tuple[int, int], share: float = MIN_CLOCK_OV
 
 # The wasted category codes are consecutive: one unsigned range test finds their pieces.
 _WASTED_LO, _WASTED_N = WASTED_CODES[0], len(WASTED_CODES)
-assert list(range(_WASTED_LO, _WASTED_LO + _WASTED_N)) == WASTED_CODES
+if list(range(_WASTED_LO, _WASTED_LO + _WASTED_N)) != WASTED_CODES:  # pragma: no cover - a model change
+    raise RuntimeError("the wasted categories' codes must be consecutive (core.model.Category)")
 
 
 def _stretches(gpu: np.ndarray, start: np.ndarray, end: np.ndarray, tol: int) -> tuple[np.ndarray, int]:
