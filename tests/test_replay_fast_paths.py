@@ -191,7 +191,7 @@ def test_unassigned_time_equals_slicing_the_whole_trace(n_gpus, steps, membershi
     members = [(g, base + a * interval, base + (a + d) * interval) for g, a, d in memberships]
     cfg = ReplayConfig()
     layout = dataclasses.replace(_TraceLayout.of(samples, n_gpus), interval=interval)
-    got = _unassigned(samples, n_gpus, layout, members, cfg)
+    got = _unassigned(samples, layout, members, cfg)
     ref = unassigned_reference(samples, n_gpus, interval, members, cfg.booking.gap_intervals)
     assert ref and set(got) == set(ref), (got, ref)
     for k in ref:

@@ -256,7 +256,7 @@ def book_trace(
             (int(g), a, b) for g, iv in zip(gpus_of, r.member_intervals, strict=True) for a, b in iv
         ]
         results.append(r)
-    return results, _unassigned(samples, len(gpus), layout, member_ivals, cfg)
+    return results, _unassigned(samples, layout, member_ivals, cfg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,7 +530,6 @@ def job_profile(
 
 def _unassigned(
     samples: Samples,
-    n_gpus: int,
     layout: _TraceLayout,
     members: list[tuple[int, int, int]],
     cfg: ReplayConfig,
@@ -540,6 +539,7 @@ def _unassigned(
     if not len(samples):
         return zero
     interval_ms, counts, first = layout.interval, layout.counts, layout.starts
+    n_gpus = counts.size
     has = counts > 0
     span_start = np.where(has, samples.ts_ms[np.minimum(first, len(samples) - 1)], 0)
     span_end = np.where(has, samples.ts_ms[np.minimum(first + counts - 1, len(samples) - 1)], 0)
@@ -894,10 +894,10 @@ def incidents(r: JobResult, prices: Prices) -> list[Report]:
         s, e = p.start_ms[sel], p.end_ms[sel]
         gid, n = _stretches(p.gpu[sel], s, e, tol)
         dur = e - s
-        g_ms = np.bincount(gid, weights=dur, minlength=n)
+        band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
+        g_ms = band_ms.sum(1)  # whole milliseconds: the same sum in any order
         g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
         g_cost = prices.cost(g_ms, g_mj, np.full(n, c))
-        band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
         dominant = band_ms.argmax(1) - 1
         if n > 1:  # each stretch's pieces together (a radix sort where the numbers are small)
             sel = sel[np.argsort(gid.astype(np.int16) if n < 2**15 else gid, kind="stable")]
