@@ -9,7 +9,8 @@ its targets.
   10-s heartbeat (bench/scale_wide.py; --heartbeat 0 for none; --cluster: on a 3-master Redis
   Cluster, the busiest master's share shown).
 * watcher: poll time at 1,000 jobs x 1k steps (one watcher, and two sharing the jobs) and 1 job x
-  100k steps (bench/scale_agent.py).
+  100k steps (bench/scale_agent.py; --baseline REV: that revision's watcher polls the same jobs
+  in turns with this tree's).
 * api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py;
   --seed-dir keeps the seeded Redis for the next run, --baseline REV times that revision's API
   beside this one).
@@ -40,7 +41,9 @@ def main() -> None:
     )
     ap.add_argument("--jobs", default="1000,10000", help="api: job counts to seed (comma-separated)")
     ap.add_argument("--seed-dir", type=Path, help="api: keep each seeded Redis here and load it next time")
-    ap.add_argument("--baseline", metavar="REV", help="api: also time this git revision's API, side by side")
+    ap.add_argument(
+        "--baseline", metavar="REV", help="api, watcher: also time this git revision's, side by side"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="api: requests per figure (per API)")
     a = ap.parse_args()
     parts = a.part or list(PARTS)
@@ -59,7 +62,8 @@ def main() -> None:
         import scale_agent
 
         print("== watcher ==")
-        scale_agent.report_watcher(scale_agent.measure_watcher(scale_agent.parse_shapes(a.watcher)))
+        shapes = scale_agent.parse_shapes(a.watcher)
+        scale_agent.report_watcher(scale_agent.measure_watcher(shapes, a.baseline))
     if "api" in parts:
         import scale_api
 

@@ -421,10 +421,13 @@ def main() -> None:
 
 
 # ---- the watcher ---------------------------------------------------------------------------------
-def _watch_shard(shard: tuple[int, int], url: str, cmds, out) -> None:
+def _watch_shard(shard: tuple[int, int], url: str, cmds, out, code: str | None = None) -> None:
     """In a fresh process: a watcher of one shard of the jobs ((0, 1): every job) polling when
     told to (at the clock time given), replying each poll's time. The first poll reads every
-    job's history; between polls it does what the watch command's loop does (untimed, as there)."""
+    job's history; between polls it does what the watch command's loop does (untimed, as there).
+    `code`: the directory of the costexporter package to run (a baseline's), else this tree's."""
+    if code is not None:
+        sys.path.insert(0, code)
     from costexporter.services.gcstate import FrozenState
     from costexporter.services.watcher import WatchConfig, Watcher
 
@@ -449,37 +452,40 @@ def _watch_shard(shard: tuple[int, int], url: str, cmds, out) -> None:
         out.put((took, len(st), sorted({s.state for s in st.values()}), _rss_mb()))
 
 
-def _watch(jobs: int, steps: int, shards: int) -> dict:
+def _watch(jobs: int, steps: int, shards: int, code: dict[str, str | None]) -> dict[str, dict]:
     """Poll times of `shards` watcher processes sharing `jobs` jobs of `steps` steps each, all
     polling at once after the same new events: ten 5-s polls, 5 new steps a job each (numbered
-    on from the history's, so they are read as new rather than as duplicates)."""
+    on from the history's, so they are read as new rather than as duplicates). Each variant of
+    `code` (name -> package directory, None: this tree) watches the same jobs on the same Redis,
+    the variants polling in turns after each round of events, in alternating order."""
     import redis
 
     from costexporter.store import keys, protocol
 
     proc, url, d = _redis()
     ctx = multiprocessing.get_context("spawn")
-    kids = []
+    kids: dict[str, list] = {name: [] for name in code}
     try:
         seqs0 = _post_jobs(jobs, steps, url)
         client = redis.Redis.from_url(url, decode_responses=True)
         names = [f"w{i}" for i in range(jobs)]
         seqs = {n: dict(seqs0) for n in names}
-        for i in range(shards):
-            cmds, out = ctx.Queue(), ctx.Queue()
-            p = ctx.Process(target=_watch_shard, args=((i, shards), url, cmds, out))
-            p.start()
-            kids.append((p, cmds, out))
+        for name, root in code.items():
+            for i in range(shards):
+                cmds, out = ctx.Queue(), ctx.Queue()
+                p = ctx.Process(target=_watch_shard, args=((i, shards), url, cmds, out, root))
+                p.start()
+                kids[name].append((p, cmds, out))
 
-        def poll(now: float) -> list[tuple]:
-            for _, cmds, _ in kids:
+        def poll(name: str, now: float) -> list[tuple]:
+            for _, cmds, _ in kids[name]:
                 cmds.put(now)
-            return [out.get(timeout=1800) for _, _, out in kids]
+            return [out.get(timeout=1800) for _, _, out in kids[name]]
 
         cap = protocol.beats_cap(RANKS)
         clock = T0 + steps + 1
-        first = poll(clock)
-        polls = []
+        first = {name: poll(name, clock) for name in code}
+        polls: dict[str, list] = {name: [] for name in code}
         for k in range(10):
             clock += 5
             a = steps + 5 * k + 1
@@ -491,24 +497,33 @@ def _watch(jobs: int, steps: int, shards: int) -> dict:
                     else:
                         pipe.xadd(keys.stream_key(PREFIX, n), e)
             pipe.execute()
-            polls.append(poll(clock))
-        for _, cmds, _ in kids:
-            cmds.put(None)
-        per_poll = [max(r[0] for r in got) for got in polls]  # the slowest shard's poll
-        return {
-            "jobs": jobs,
-            "steps": steps,
-            "shards": shards,
-            "first_s": max(r[0] for r in first),
-            "poll_ms": statistics.median(per_poll) * 1000,
-            "max_ms": max(per_poll) * 1000,  # the polls that also bring every rank's heartbeats
-            "rss_mb": max(r[3] for r in polls[-1]),
-            "per_shard": [r[1] for r in polls[-1]],
-            "states": sorted({s for r in polls[-1] for s in r[2]}),
-        }
+            for name in list(code) if k % 2 == 0 else list(code)[::-1]:
+                polls[name].append(poll(name, clock))
+        out: dict[str, dict] = {}
+        for name in code:
+            per_poll = [max(r[0] for r in got) for got in polls[name]]  # the slowest shard's poll
+            last = polls[name][-1]
+            out[name] = {
+                "jobs": jobs,
+                "steps": steps,
+                "shards": shards,
+                "first_s": max(r[0] for r in first[name]),
+                "poll_ms": statistics.median(per_poll) * 1000,
+                "max_ms": max(per_poll) * 1000,  # the polls that also bring every rank's heartbeats
+                "rss_mb": max(r[3] for r in last),
+                "per_shard": [r[1] for r in last],
+                "states": sorted({s for r in last for s in r[2]}),
+            }
+        return out
     finally:
-        for p, _, _ in kids:
-            p.join(60)
+        for lst in kids.values():
+            for _, cmds, _ in lst:
+                cmds.put(None)
+        for lst in kids.values():
+            for p, _, _ in lst:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
         proc.terminate()
         proc.wait(10)
         shutil.rmtree(d, ignore_errors=True)
@@ -546,9 +561,20 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def measure_watcher(shapes: list[tuple[int, int, int]]) -> list[dict]:
-    """Watcher poll time per (jobs, steps per job, shards), each on a private Redis."""
-    return [_watch(*shape) for shape in shapes]
+def measure_watcher(shapes: list[tuple[int, int, int]], baseline: str | None = None) -> list[dict]:
+    """Watcher poll time per (jobs, steps per job, shards), each on a private Redis; with a
+    `baseline` git revision, that revision's watcher's beside this tree's (its rows named)."""
+    if baseline is None:
+        return [_watch(*shape, {"this tree": None})["this tree"] for shape in shapes]
+    from bench_replay import _export
+
+    with tempfile.TemporaryDirectory(prefix="watch-baseline-") as tmp:
+        code = {"this tree": None, baseline: str(_export(baseline, Path(tmp)))}
+        rows = []
+        for shape in shapes:
+            for name, r in _watch(*shape, code).items():
+                rows.append({**r, "variant": name})
+        return rows
 
 
 WATCHER_TARGET_MS = {(1000, 1000): 200, (1, 100_000): 20}  # the targets, per (jobs, steps per job)
@@ -567,10 +593,13 @@ def report_watcher(res: list[dict]) -> None:
     for r in res:
         target = WATCHER_TARGET_MS.get((r["jobs"], r["steps"]))
         verdict = "" if target is None else f"<= {target} " + ("MET" if r["poll_ms"] <= target else "MISSED")
+        if r.get("variant") not in (None, "this tree"):
+            verdict = "(baseline)"
         print(
             f"  {r['jobs']:>6} {r['steps']:>10} {r['shards']:>6} {r['poll_ms']:>8.1f} {verdict:>14} "
             f"{r['max_ms']:>7.1f} {r['first_s']:>13.2f} {r['rss_mb']:>7.0f}  "
             f"{'+'.join(map(str, r['per_shard']))}, {','.join(r['states'])}"
+            + (f"  [{r['variant']}]" if "variant" in r else "")
         )
 
 

@@ -5,12 +5,13 @@ prefix per test)."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costexporter.store import keys, protocol
-from costexporter.store.reader import EventReader, read_all_many
+from costexporter.store.reader import EventReader, read_ahead, read_all_many
 
 from .conftest import SHARED_URL
 
@@ -42,8 +43,15 @@ def _fields(job: str, kind: str, rank: int, seq: int, extra: bool, valid: bool) 
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(entries=st.lists(ENTRY, max_size=60), resp=st.sampled_from([2, 3]), decode=st.booleans())
-def test_one_xread_for_many_jobs_reads_what_each_jobs_own_reader_reads(shared, prefix, entries, resp, decode):
+@given(
+    entries=st.lists(ENTRY, max_size=60),
+    resp=st.sampled_from([2, 3]),
+    decode=st.booleans(),
+    ahead=st.booleans(),
+)
+def test_one_xread_for_many_jobs_reads_what_each_jobs_own_reader_reads(
+    shared, prefix, entries, resp, decode, ahead
+):
     jobs = [f"j{i}" for i in range(4)]
     for job in jobs:
         shared.delete(keys.stream_key(prefix, job), keys.beats_key(prefix, job))
@@ -60,7 +68,9 @@ def test_one_xread_for_many_jobs_reads_what_each_jobs_own_reader_reads(shared, p
         return out
 
     many = readers()
-    got = read_all_many(client, many, count=7)  # several round trips: cursors advance
+    # Several round trips (cursors advance); `ahead`: the first one sent before the call.
+    first = read_ahead(client, many, count=7) if ahead else None
+    got = read_all_many(client, many, count=7, first=first)
     ranged, alone = readers(), readers()
     for k, job in enumerate(jobs):
         beats, events = ranged[2 * k], ranged[2 * k + 1]
@@ -72,3 +82,31 @@ def test_one_xread_for_many_jobs_reads_what_each_jobs_own_reader_reads(shared, p
         assert (a.cursor, dict(a.stats)) == (b.cursor, dict(b.stats)) == (c.cursor, dict(c.stats))
     twice_beats = sum(1 for e in entries if e[4] and e[5] and e[1] == "heartbeat")
     assert sum(len(v) for v in got.values()) == sum(1 for e in entries if e[4]) + twice_beats
+
+
+def test_an_xread_sent_ahead_answers_later_and_a_cancelled_one_leaves_the_pool_sound(shared, prefix):
+    # Two jobs, one with an events key that is not a stream (its trainer's doing): the XREAD
+    # sent ahead is refused WRONGTYPE, that job is left out and the other read in full.
+    shared.set(keys.stream_key(prefix, "bad"), "oops")
+    for seq in range(3):
+        shared.xadd(keys.stream_key(prefix, "ok"), _fields("ok", "step", 0, seq + 1, False, True))
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    pool = client.connection_pool
+    many = [EventReader(client, job, prefix) for job in ("bad", "ok")]
+    sent = read_ahead(client, many)
+    assert sent is not None and len(pool._in_use_connections) == 1  # its own connection, held
+    shared.xadd(keys.stream_key(prefix, "ok"), _fields("ok", "step", 0, 9, False, True))  # after it
+    wrong: list[str] = []
+    got = read_all_many(client, many, on_wrong_type=wrong.append, first=sent)
+    assert wrong == ["bad"] and [e.seq for e in got["ok"]] == [1, 2, 3, 9]  # read again: all of it
+    assert not pool._in_use_connections
+    with pytest.raises(RuntimeError):
+        sent.reply()  # taken once
+
+    # Cancelled unread: the connection is closed, so no later command reads the XREAD's reply
+    # as its own, and the readers' cursors did not move: nothing is lost.
+    again = [EventReader(client, "ok", prefix)]
+    read_ahead(client, again).cancel()
+    assert not pool._in_use_connections
+    assert client.get(keys.stream_key(prefix, "bad")) == "oops"
+    assert [e.seq for e in read_all_many(client, again)["ok"]] == [1, 2, 3, 9]

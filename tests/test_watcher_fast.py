@@ -8,6 +8,7 @@ import collections
 import json
 import uuid
 
+import redis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -191,3 +192,44 @@ def test_an_ended_job_without_new_events_is_not_judged_again_yet_answers_as_judg
     want = Watcher(cfg).poll()[job].to_dict()
     got.pop("since"), want.pop("since")
     assert got == want
+
+
+def test_a_poll_cut_short_after_sending_the_next_jobs_read_loses_nothing(prefix, shared, monkeypatch):
+    """A poll sends the next jobs' XREAD before it decides the jobs it read. Redis failing while
+    those are decided: the read sent ahead is dropped with its connection (none left held, no
+    reply left to answer another command), and the next poll reads and decides every job as a
+    fresh watcher does."""
+    monkeypatch.setattr(watcher_mod, "JOBS_PER_READ", 1)
+    names = ["a", "b", "c"]
+    t0 = SHIFT + 9000.0
+    for n in names:
+        steps = [
+            protocol.encode_fields(
+                {"v": "1", "type": "step", "job": n, "ts": f"{t0 + k:.3f}", "rank": 0, "session": "s"}
+                | {"seq": k, "step": k, "tokens": 1}
+            )
+            for k in range(20)
+        ]
+        send_entries(shared, prefix, n, steps)
+    clock = [t0 + 21]
+    cfg = WatchConfig(redis_url=SHARED_URL, prefix=prefix, jobs=tuple(names), clock=lambda: clock[0])
+    w = Watcher(cfg)
+    real = Watcher._read_live_many
+    cut = {"left": 1}
+
+    def failing(self, views):
+        if cut["left"]:  # the first job's live hashes: Redis is gone (the next job's XREAD is out)
+            cut["left"] -= 1
+            raise redis.ConnectionError("connection lost")
+        return real(self, views)
+
+    monkeypatch.setattr(Watcher, "_read_live_many", failing)
+    pool = w.redis.connection_pool
+    w.poll()
+    assert not w.redis_up and not pool._in_use_connections
+    got = {j: s.to_dict() for j, s in w.poll().items()}
+    want = {j: s.to_dict() for j, s in Watcher(cfg).poll().items()}
+    for d in (*got.values(), *want.values()):
+        d.pop("since")
+    assert w.redis_up and got == want and set(got) == set(names)
+    assert all(w.readers[n].stats["accepted"] == 20 for n in names)  # each event read once

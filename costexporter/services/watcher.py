@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,8 @@ from costexporter.services.alertmanager import Alertmanager
 from costexporter.services.notify import ALERTING, RUNBOOKS, Status, Webhook, alertname, runbook_url
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.jobindex import JobIndex
-from costexporter.store.reader import EventReader, read_all_many
+from costexporter.store.reader import EventReader, read_ahead, read_all_many
+from costexporter.store.redisconn import SentXread
 
 log = logging.getLogger("costexporter.watcher")
 JOBS_PER_READ = 100  # a poll reads the jobs' new events 100 jobs per XREAD
@@ -859,11 +860,9 @@ class Watcher:
         if cfg.shard is not None:
             jobs = [j for j in jobs if in_shard(j, cfg.shard)]
         decided: dict[str, Status] = {}
-        for i in range(0, len(jobs), JOBS_PER_READ):
+        for batch, fresh in self._read_batches(jobs):
             # One XREAD for the next jobs' events (bounded memory), one round trip for their
             # registrations (first seen only) and one for the agents' live hashes, then decide.
-            batch = [j for j in jobs[i : i + JOBS_PER_READ] if j not in self.bad_jobs]
-            fresh = self._read_events(batch)
             views: dict[str, JobView] = {}
             quiet: set[str] = set()  # jobs without a new event this poll
             for job in batch:
@@ -945,9 +944,29 @@ class Watcher:
                     raise reply
                 # a readers hash of the wrong type: the agents set it aside (they write it too)
 
-    def _read_events(self, jobs: list[str]) -> dict[str, list[Event]]:
-        """Every job's new events, one XREAD for all of them; a job whose name is refused is
-        left to `_fold`, whose refusal sets it aside."""
+    def _read_batches(self, jobs: list[str]) -> Iterator[tuple[list[str], dict[str, list[Event]]]]:
+        """`JOBS_PER_READ` jobs at a time, those not set aside, with their new events. The next
+        jobs' XREAD is sent before these are handed out: Redis answers it while they are decided."""
+        batches = [jobs[i : i + JOBS_PER_READ] for i in range(0, len(jobs), JOBS_PER_READ)]
+        if not batches:
+            return
+        ahead = [self._send_read(b) for b in batches[:1]]  # the batch whose XREAD is on its way
+        try:
+            for nxt in [*batches[1:], None]:
+                batch, readers, sent = ahead.pop()
+                fresh = read_all_many(self.redis, readers, on_wrong_type=self._wrong_stream, first=sent)
+                if nxt is not None:
+                    ahead.append(self._send_read(nxt))
+                yield batch, fresh
+        finally:  # the poll failed or ended early: the reply sent for is not waited for
+            for _batch, _readers, sent in ahead:
+                if sent is not None:
+                    sent.cancel()
+
+    def _send_read(self, jobs: list[str]) -> tuple[list[str], list[EventReader], SentXread | None]:
+        """The jobs not set aside, their readers and their first XREAD sent (`read_ahead`). A
+        job whose name is refused is left to `_fold`, whose refusal sets it aside."""
+        jobs = [j for j in jobs if j not in self.bad_jobs]
         readers: list[EventReader] = []
         for job in jobs:
             if job not in self.readers:
@@ -963,7 +982,7 @@ class Watcher:
                 job, EventReader(self.redis, job, self.cfg.prefix, beats=True)
             )
             readers += (beats, self.readers[job])
-        return read_all_many(self.redis, readers, on_wrong_type=self._wrong_stream)
+        return jobs, readers, read_ahead(self.redis, readers)
 
     def _wrong_stream(self, job: str) -> None:
         """The job's events or heartbeat key is not a stream: the job is set aside (counted),

@@ -277,24 +277,41 @@ class EventReader:
         return ev
 
 
+def _per_round(readers: int, count: int) -> int:
+    """Entries a round's XREAD asks of each stream: a reply of at most ~50k entries."""
+    return max(100, min(count, 50_000 // readers))
+
+
+def read_ahead(client: Any, readers: list[EventReader], count: int = 10_000) -> redisconn.SentXread | None:
+    """The first XREAD of `read_all_many(client, readers, count)` sent now, for `read_all_many`'s
+    `first`; None where it cannot be (a cluster, no reader). A reader's cursor moves only when
+    its entries are consumed: a reply cancelled unread loses nothing."""
+    if not readers or redisconn.is_cluster(client):
+        return None
+    streams = {r.key: r.cursor for r in readers}
+    return redisconn.SentXread(client, streams, _per_round(len(readers), count))
+
+
 def read_all_many(
     client: Any,
     readers: list[EventReader],
     count: int = 10_000,
     on_wrong_type: Callable[[str], None] | None = None,
+    first: redisconn.SentXread | None = None,
 ) -> dict[str, list[Event]]:
     """`read_all` of many jobs' streams with one XREAD per round trip for all of them (a watcher
     of 1,000 jobs: one round trip a poll, not two per job). Readers of one job (its heartbeat
     stream's and its events') give one list, in the readers' order: one XREAD reads them at one
     moment. A job with a key that is not a stream (its trainer's doing) is left out and handed
-    to `on_wrong_type(job)`: one such key must not fail the XREAD of every other job."""
+    to `on_wrong_type(job)`: one such key must not fail the XREAD of every other job. `first`:
+    the first round's XREAD, sent ahead (`read_ahead` of the same readers and count)."""
     import redis
 
     out: dict[str, list[Event]] = {r.job: [] for r in readers}
     todo = list(readers)
     while todo:
         by_key = {r.key: r for r in todo}
-        per = max(100, min(count, 50_000 // len(todo)))  # a reply of at most ~50k entries
+        per = _per_round(len(todo), count)
         if redisconn.is_cluster(client):  # one XREAD a stream (a cluster refuses keys of many
             # slots in one command); the pipeline sends them to their nodes in one go each
             pipe = client.pipeline(transaction=False)
@@ -307,8 +324,12 @@ def read_all_many(
             ok = [got for got in got_all if not isinstance(got, Exception)]
             resp = [kv for got in ok for kv in redisconn.stream_replies(got)]
         else:
+            sent, first = first, None
             try:
-                resp = redisconn.xread_flat(client, {r.key: r.cursor for r in todo}, count=per)
+                if sent is not None:
+                    resp = sent.reply()
+                else:
+                    resp = redisconn.xread_flat(client, {r.key: r.cursor for r in todo}, count=per)
             except redis.ResponseError as e:
                 if "WRONGTYPE" not in str(e):
                     raise

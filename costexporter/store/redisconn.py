@@ -241,6 +241,47 @@ def stream_replies(response: Any, **_options: Any) -> list[tuple[Any, list[Any]]
 _FLAT_XREAD: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
+class SentXread:
+    """An XREAD sent now on a connection of its own, its reply read later (`reply()`): Redis
+    works out and sends the reply while the caller works on (a watcher decides the jobs it read
+    before). The entries come as `xread_flat` gives them. A single Redis only. Call `reply()` or
+    `cancel()` once: the connection goes back to the pool then (closed by `cancel`, or after
+    a failure: an unread reply would answer its next command)."""
+
+    def __init__(self, client: Any, streams: dict[str, str], count: int) -> None:
+        self._pool = client.connection_pool
+        self._conn: Any = self._pool.get_connection()
+        try:
+            self._conn.send_command("XREAD", "COUNT", count, "STREAMS", *streams, *streams.values())
+        except BaseException:
+            self.cancel()
+            raise
+
+    def reply(self) -> list[tuple[Any, list[Any]]]:
+        import redis
+
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("this XREAD's reply was taken or cancelled already")
+        try:
+            got = conn.read_response()
+        except redis.ResponseError:  # the server's refusal, read whole: the connection is sound
+            self._pool.release(conn)
+            raise
+        except BaseException:
+            conn.disconnect()
+            self._pool.release(conn)
+            raise
+        self._pool.release(conn)
+        return stream_replies(got)
+
+    def cancel(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.disconnect()
+            self._pool.release(conn)
+
+
 def xread_flat(
     client: Any, streams: dict[str, str], count: int, block: int | None = None
 ) -> list[tuple[Any, list[Any]]]:
