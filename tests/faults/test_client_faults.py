@@ -33,7 +33,7 @@ from costexporter.store import keys
 from costexporter.store.reader import EventReader
 from costexporter.trainer.reporter import StepReporter
 
-from ..conftest import SHARED_URL
+from ..conftest import SHARED_URL, drop_prefix
 from ..redis_server import RedisServer, free_port
 
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
@@ -463,46 +463,44 @@ def test_close_with_redis_down_and_a_spool_file_loses_nothing(tmp_path):
     assert not list(spool_dir.glob("*.jsonl"))
 
 
-def test_a_spool_is_sent_only_to_the_redis_and_prefix_it_was_written_for(tmp_path, caplog):
+def test_a_spool_is_sent_only_to_the_redis_and_prefix_it_was_written_for(tmp_path, caplog, prefix):
+    pa, pb = prefix, f"{prefix}-b"  # the shared Redis's keys under the fixture's prefix: removed after
     server = RedisServer(tmp_path / "redis").start()
     spool_dir = tmp_path / "spool"
     url = f"redis://:s3cret@127.0.0.1:{server.port}/0"
     try:
         server.client().config_set("requirepass", "s3cret")
         server.stop()  # down: the first reporter spools
-        first = StepReporter("dest", url, prefix="pa", rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        first = StepReporter("dest", url, prefix=pa, rank=0, spool_dir=spool_dir, heartbeat_s=3600)
         first.step(1)
         first.close(timeout=0.3)
         text = next(spool_dir.glob("*.jsonl")).read_text()
         head = json.loads(text.splitlines()[0])
-        assert head["destination"] == f"redis://127.0.0.1:{server.port}/0" and head["prefix"] == "pa"
+        assert head["destination"] == f"redis://127.0.0.1:{server.port}/0" and head["prefix"] == pa
         assert "s3cret" not in text
         # Another Redis with the same prefix (the shared one): it leaves the file alone, and says so once.
         with caplog.at_level(logging.WARNING, logger="costexporter.client"):
             for _ in range(2):
                 other = StepReporter(
-                    "dest", SHARED_URL, prefix="pa", rank=0, spool_dir=spool_dir, heartbeat_s=3600
+                    "dest", SHARED_URL, prefix=pa, rank=0, spool_dir=spool_dir, heartbeat_s=3600
                 )
                 assert other.flush(timeout=10)
                 other.close()
         assert sum("leaving spool" in r.message for r in caplog.records) == 1
         assert len(spool_lines(spool_dir)) == 4
-        assert redis.Redis.from_url(SHARED_URL).xlen(keys.stream_key("pa", "dest")) == 2 * 3
-        redis.Redis.from_url(SHARED_URL).delete(
-            keys.stream_key("pa", "dest"), keys.ranks_key("pa", "dest")
-        )
+        assert redis.Redis.from_url(SHARED_URL).xlen(keys.stream_key(pa, "dest")) == 2 * 3
         server.start()
         server.client().config_set("requirepass", "s3cret")
         # The same server under another prefix leaves it too; the right one sends it.
-        wrong = StepReporter("dest", url, prefix="pb", rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        wrong = StepReporter("dest", url, prefix=pb, rank=0, spool_dir=spool_dir, heartbeat_s=3600)
         assert wrong.flush(timeout=10)
         wrong.close()
         assert len(spool_lines(spool_dir)) == 4
-        right = StepReporter("dest", url, prefix="pa", rank=0, spool_dir=spool_dir, heartbeat_s=3600)
+        right = StepReporter("dest", url, prefix=pa, rank=0, spool_dir=spool_dir, heartbeat_s=3600)
         assert right.flush(timeout=10)
         right.close()
         admin = redis.Redis.from_url(url, decode_responses=True)
-        sessions = {e.session for e in EventReader(admin, "dest", prefix="pa").read_all()}
+        sessions = {e.session for e in EventReader(admin, "dest", prefix=pa).read_all()}
     finally:
         server.stop()
     assert first.session in sessions and right.stats["drained"] == 4
@@ -734,9 +732,7 @@ def test_a_corrupted_spool_sends_its_good_lines_and_counts_the_rest(junk, torn, 
     try:
         got = [e for e in EventReader(r, "torn", prefix=prefix).read_all() if e.rank == 3]
     finally:
-        r.delete(
-            keys.stream_key(prefix, "torn"), keys.ranks_key(prefix, "torn"), keys.jobs_key(prefix)
-        )
+        drop_prefix(r, prefix)  # every key the reporter wrote, its registrations counter too
     assert sorted(e.get("step") for e in got) == [1, 2, 3, 4]
     assert rep.stats["drained"] == len(good)
     assert rep.stats["spool_corrupt_lines"] == len(junk) + torn
