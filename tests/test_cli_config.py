@@ -160,7 +160,7 @@ def test_the_old_profile_directory_variable_is_read_with_a_deprecation_line(tmp_
     assert "deprecated: use $COSTEXPORTER_PROFILE" in r.stderr
 
 
-def test_a_hash_token_variable_in_the_environment_does_not_stop_the_api_serving():
+def test_a_hash_token_variable_in_the_environment_does_not_stop_the_api_serving(prefix):
     """`--hash-token` is an action: left in the environment it must not turn `api` into a
     one-shot hash printer that exits; the API serves."""
     import time
@@ -176,7 +176,7 @@ def test_a_hash_token_variable_in_the_environment_does_not_stop_the_api_serving(
         "--listen",
         "127.0.0.1",
         "--prefix",
-        f"test-{uuid.uuid4().hex[:10]}",
+        prefix,  # the fixture's: what the API writes at its start (rollups) is removed after
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "COSTEXPORTER_API_HASH_TOKEN": "secret"},
