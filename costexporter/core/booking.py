@@ -860,12 +860,13 @@ def _cut_per_gpu(s: Slices, cut_gpu: np.ndarray, cut_ms: np.ndarray) -> Slices:
     if cand.size == 0:
         return s
     span = np.int64(1) << 42  # > any trace's span in ms after rebasing
-    base = int(min(s.start_ms[cand].min(), cut_ms.min()))
+    start_c = s.start_ms[cand]
+    base = int(min(start_c.min(), cut_ms.min()))
     cuts = np.unique(cut_gpu.astype(np.int64) * span + (np.clip(cut_ms, base, base + span - 1) - base))
     # The first cut after each slice's start; the slice is cut when that cut is on its GPU and
     # before its end.
     g_c = s.gpu[cand].astype(np.int64)
-    lo_c = np.searchsorted(cuts, g_c * span + (s.start_ms[cand] - base), "right")
+    lo_c = np.searchsorted(cuts, g_c * span + (start_c - base), "right")
     pad_g = np.append(cuts // span, -1)  # past the last cut: no GPU
     pad_t = np.append(cuts % span + base, 0)
     ok = (pad_g[lo_c] == g_c) & (pad_t[lo_c] < s.end_ms[cand])

@@ -542,8 +542,7 @@ def _unassigned(
     n_gpus = counts.size
     has = counts > 0
     span_start = np.where(has, samples.ts_ms[np.minimum(first, len(samples) - 1)], 0)
-    span_end = np.where(has, samples.ts_ms[np.minimum(first + counts - 1, len(samples) - 1)], 0)
-    span_end = span_end + interval_ms
+    span_end = layout.last_end  # each GPU's last sample's slice end (read only where it has one)
     by_gpu: dict[int, list[tuple[int, int]]] = {}
     for g, a, b in members:
         by_gpu.setdefault(g, []).append((a, b))

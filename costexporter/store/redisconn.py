@@ -266,13 +266,12 @@ class SentXread:
         try:
             got = conn.read_response()
         except redis.ResponseError:  # the server's refusal, read whole: the connection is sound
-            self._pool.release(conn)
             raise
         except BaseException:
             conn.disconnect()
-            self._pool.release(conn)
             raise
-        self._pool.release(conn)
+        finally:
+            self._pool.release(conn)
         return stream_replies(got)
 
     def cancel(self) -> None:
