@@ -110,3 +110,32 @@ def test_an_xread_sent_ahead_answers_later_and_a_cancelled_one_leaves_the_pool_s
     assert not pool._in_use_connections
     assert client.get(keys.stream_key(prefix, "bad")) == "oops"
     assert [e.seq for e in read_all_many(client, again)["ok"]] == [1, 2, 3, 9]
+
+
+def test_an_xread_sent_ahead_to_a_redis_that_dies_raises_and_reads_all_once_it_is_back(tmp_path):
+    # The server takes the XREAD but dies before answering it (paused, then killed): the reply
+    # raises a connection error, the connection is closed and given back, and the cursor has not
+    # moved, so the server restarted empty then written again is read whole.
+    from .redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        client = protocol.connect(server.url)
+        admin = server.client()
+        admin.xadd(keys.stream_key("p", "job"), _fields("job", "step", 0, 1, False, True))
+        reader = EventReader(client, "job", "p")
+        client.ping()  # a connection in the pool, set up before the pause
+        admin.execute_command("CLIENT", "PAUSE", 60_000, "ALL")
+        sent = read_ahead(client, [reader])
+        assert sent is not None
+        server.kill()
+        with pytest.raises(redis.ConnectionError):
+            read_all_many(client, [reader], first=sent)
+        assert not client.connection_pool._in_use_connections and reader.cursor == "0-0"
+        server.start()
+        for seq in (1, 2):
+            server.client().xadd(keys.stream_key("p", "job"), _fields("job", "step", 0, seq, False, True))
+        got = read_all_many(client, [reader], first=read_ahead(client, [reader]))
+        assert [e.seq for e in got["job"]] == [1, 2] and reader.stats["accepted"] == 2
+    finally:
+        server.stop()
