@@ -649,3 +649,50 @@ def test_a_job_whose_keys_redis_refuses_does_not_stall_the_other_jobs_on_the_nod
         assert runs == ["end", "start"]
     finally:
         exp.close()
+
+
+def test_a_job_whose_ranks_hash_redis_refuses_is_retried_each_round_and_registers_once_mended(
+    shared, prefix, caplog
+):
+    """The ranks hash of one job is not a hash (a trainer wrote anything there): the read that
+    asks whether a trainer registered the GPU itself is refused. The registration is set aside
+    (counted each round, logged once) and the other job of the node registers and beats; once
+    the key is mended the GPU registers on the next round, once."""
+    import logging
+
+    from costexporter.services import k8s
+    from costexporter.sources.dcgm import DcgmSource
+
+    bad, good = "nlp:bert", "vision:resnet"
+    shared.set(keys.ranks_key(prefix, bad), "not a hash")
+    exp = FakeDcgmExporter(
+        [
+            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
+            {"power": 1000.0, "util": 100, "pod": "resnet-k9d2q", "ns": "vision"},
+        ]
+    )
+
+    def types(job):
+        return [f["type"] for _, f in shared.xrange(keys.stream_key(prefix, job))]
+
+    try:
+        src = DcgmSource([exp.url], host=HOST)
+        kj = k8s.KubernetesJobs(protocol.connect(SHARED_URL), prefix, src, HOST)
+        src.read()
+        with caplog.at_level(logging.DEBUG, logger=k8s.log.name):
+            for _ in range(3):
+                kj.sync()  # raises nothing: the refusal is the bad job's alone
+        assert sorted(kj.registered) == [(good, 1)]
+        assert types(good) == ["meta", "register"] and types(bad) == []
+        assert shared.xlen(keys.beats_key(prefix, good)) == 1
+        assert kj.refused == 3 and not kj._outbox
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.message]
+        assert len(warned) == 1 and "nlp:bert" in warned[0].message and "registration" in warned[0].message
+
+        shared.delete(keys.ranks_key(prefix, bad))  # mended
+        kj.sync()
+        kj.sync()
+        assert sorted(kj.registered) == [(bad, 0), (good, 1)] and kj.refused == 3
+        assert types(bad) == ["meta", "register"]
+    finally:
+        exp.close()
