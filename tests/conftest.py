@@ -42,12 +42,12 @@ def skip_unchecked_exposition() -> None:
     pytest.skip("promtool not installed (.ci/run installs it): the exposition was not checked")
 
 
-
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: two workers a core. Most tests wait on real processes, sockets and Redis rather
     than on the CPU: with one worker a core the run keeps the cores about a quarter busy."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 2 * cores
+
 
 @pytest.fixture(autouse=True)
 def _process_still_clean():

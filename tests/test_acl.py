@@ -406,5 +406,3 @@ def test_every_write_a_service_should_not_make_is_refused(server, booked, role):
     assert tried >= len(foreign) * len(granted) - len(foreign)
     assert {k: admin.dump(k) for k in lasting} == before  # nothing changed
     admin.execute_command("ACL", "DELUSER", user)
-
-
