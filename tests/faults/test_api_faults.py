@@ -447,6 +447,12 @@ garbage = st.lists(
 )
 
 
+def _decimal(v: str) -> bool:
+    """Whether `v` is a plain decimal number (str.isdigit also takes '²', which float refuses)."""
+    digits = v.replace(".", "", 1)
+    return digits.isascii() and digits.isdigit()
+
+
 def spoil(r: redis.Redis, prefix: str, job: str, writes) -> None:
     for suffix, kind, mapping in writes:
         k = JOB_KEYS[suffix](prefix, job)
@@ -456,7 +462,7 @@ def spoil(r: redis.Redis, prefix: str, job: str, writes) -> None:
         elif kind == "string":
             r.set(k, next(iter(mapping.values())))
         elif kind == "zset":
-            r.zadd(k, {m: (float(v) if v.replace(".", "", 1).isdigit() else T0) for m, v in mapping.items()})
+            r.zadd(k, {m: (float(v) if _decimal(v) else T0) for m, v in mapping.items()})
         elif kind == "set":
             r.sadd(k, *mapping.values())
         else:
