@@ -69,6 +69,25 @@ def gpu_start_ms(
     return newest_sample_ms, start - newest_sample_ms
 
 
+Member = tuple[int, int, int]  # (rank, GPU, when its claim dates from), as `one_rank_per_gpu` takes it
+
+
+def one_rank_per_gpu(members: Iterable[Member]) -> tuple[list[Member], list[Member]]:
+    """A job's GPU is booked for one rank: the one whose claim dates first (the lower rank at a
+    tie). Two ranks of a job name one GPU when an elastic restart renumbers the ranks (rank 1
+    comes back on another GPU, a new rank 2 on rank 1's), or two launchers post the same host
+    and index. A rank's GPU is the one its first registration named: a later registration
+    naming another GPU changes nothing. Returns (the members kept, by rank; the ranks left out
+    as (rank, GPU, the rank that keeps it)), for the caller to say."""
+    first: dict[int, Member] = {}
+    dropped: list[Member] = []
+    for m in sorted(members, key=lambda m: (m[2], m[0])):
+        kept = first.setdefault(m[1], m)
+        if kept is not m:
+            dropped.append((m[0], m[1], kept[0]))
+    return sorted(first.values()), dropped
+
+
 def merge_meta(meta: dict[str, Any], ev: Event) -> None:
     """A `meta` event's fields merged into the job's meta, the newest value of a key winning;
     the reader's notes (`_unknown_fields`) are not the job's."""

@@ -246,6 +246,10 @@ class JobState:
     # hold on the GPU ended (another job took it). A later claim of the GPU starts there, and
     # only there: the watermark moves on past the end, the GPU's time is not this job's.
     held: dict[int, int] = field(default_factory=dict)
+    # own rank -> the node's GPU its time is booked on, fixed with its start: a rank that
+    # registers again on another GPU stays there (`jobfacts.one_rank_per_gpu`), also after a
+    # restart, when the ranks hash holds only its newest registration
+    gpus: dict[int, int] = field(default_factory=dict)
     since_ref_ms: int = -1  # the last progress point ...
     since_cost: int = 0  # ... and the cost (micro-units) booked after it
     # The band window, (samples from, where its carry stands, the signature run open there:
@@ -276,6 +280,7 @@ class JobState:
             "starts": {str(k): v for k, v in self.starts.items()},
             "behind": {str(k): v for k, v in self.behind.items()},
             "held": {str(k): v for k, v in self.held.items()},
+            "gpus": {str(k): v for k, v in self.gpus.items()},
             "since_ref_ms": self.since_ref_ms,
             "since_cost": self.since_cost,
             "win": [_window_json(self.win), _window_json(self.win_next)],
@@ -299,6 +304,7 @@ class JobState:
             starts={int(k): int(v) for k, v in wm.get("starts", {}).items()},
             behind={int(k): int(v) for k, v in wm.get("behind", {}).items()},
             held={int(k): int(v) for k, v in wm.get("held", {}).items()},
+            gpus={int(k): int(v) for k, v in wm.get("gpus", {}).items()},
             since_ref_ms=int(wm.get("since_ref_ms", -1)),
             since_cost=int(wm.get("since_cost", 0)),
             **_window_from_json(wm.get("win")),
@@ -576,6 +582,7 @@ def ledger_delta(
         rb_lost_until=state.rb_lost_until,
         incidents=incidents,
         starts=dict(state.starts),
+        gpus=dict(state.gpus),
         behind={r: t for r, t in caught_up.items() if t < booked_until},
         held=held,
         since_ref_ms=last_progress_ms,

@@ -104,11 +104,13 @@ class JobResult:
 
 
 def register_matches(
-    samples: Samples, events: list[Event]
+    samples: Samples, events: list[Event], diag: Diagnostics | None = None
 ) -> tuple[list[GpuId], dict[str, dict[int, tuple[int, int]]]]:
     """Map each job's registered ranks to GPU indices: job -> rank -> (gpu, register_ms).
 
-    GPUs registered but absent from the trace are appended (they book `unobserved`).
+    GPUs registered but absent from the trace are appended (they book `unobserved`). A rank's
+    GPU is the one its first registration named (`jobfacts.one_rank_per_gpu`): one that comes
+    back on another GPU is said (`register_other_gpu`), as the live agent says it.
     """
     gpus = list(samples.gpus)
     index = GpuIndex(gpus)
@@ -125,6 +127,15 @@ def register_matches(
         ranks = out.setdefault(ev.job, {})
         if ev.rank not in ranks:  # a re-registration after a restart keeps the first start
             ranks[ev.rank] = (g, ev.ts_ms)
+        elif ranks[ev.rank][0] != g and diag is not None:
+            first = gpus[ranks[ev.rank][0]]
+            diag.warn(
+                f"job {ev.job!r} rank {ev.rank}",
+                None,
+                "register_other_gpu",
+                f"registered again on {gpus[g].host} GPU {gpus[g].index}; its time stays on "
+                f"{first.host} GPU {first.index}, where it registered first",
+            )
     return gpus, out
 
 
@@ -194,24 +205,19 @@ def _bound_registers(
 def _one_rank_per_gpu(
     job: str, members: list[tuple[int, int, int]], gpus: list[GpuId]
 ) -> list[tuple[int, int, int]]:
-    """Two ranks of a job on one GPU (two launchers that posted the same host name and index):
-    the GPU is booked once, for the rank that registered first; a warning names them."""
-    first: dict[int, tuple[int, int, int]] = {}
-    for m in sorted(members, key=lambda m: (m[2], m[0])):
-        g = m[1]
-        if g in first:
-            logging.getLogger("costexporter.replay").warning(
-                "job %r: ranks %d and %d both registered %s GPU %d; its time is booked once, for rank %d",
-                job,
-                first[g][0],
-                m[0],
-                gpus[g].host,
-                gpus[g].index,
-                first[g][0],
-            )
-        else:
-            first[g] = m
-    return sorted(first.values())
+    """`jobfacts.one_rank_per_gpu`, a warning naming each rank left out."""
+    kept, dropped = jobfacts.one_rank_per_gpu(members)
+    for rank, g, holder in dropped:
+        logging.getLogger("costexporter.replay").warning(
+            "job %r: ranks %d and %d both registered %s GPU %d; its time is booked once, for rank %d",
+            job,
+            holder,
+            rank,
+            gpus[g].host,
+            gpus[g].index,
+            holder,
+        )
+    return kept
 
 
 def replay(
@@ -236,7 +242,7 @@ def book_trace(
     samples: Samples, events: list[Event], cfg: ReplayConfig, diag: Diagnostics | None = None
 ) -> tuple[list[JobResult], Report]:
     """Every job of the trace booked (`JobResult`s) and the time no job held (`unassigned`)."""
-    gpus, registered = register_matches(samples, events)
+    gpus, registered = register_matches(samples, events, diag)
     events_by_job: dict[str, list[Event]] = {}
     for e in events:
         events_by_job.setdefault(e.job, []).append(e)

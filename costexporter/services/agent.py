@@ -535,6 +535,7 @@ class Agent:
                 if 0 < ahead <= tol_ms and not final:
                     return None  # the next sampling round reaches the register: book then
                 fixed[r] = start
+                job.state.gpus[r] = g  # the rank's GPU from here on, whatever it registers later
                 if 0 < fixed[r] < job.state.booked_until:
                     job.state.behind[r] = fixed[r]
             out.append(fixed.get(r, job.state.starts.get(r)))

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from costexporter.core.booking import POS_INF
+from costexporter.core import jobfacts
+from costexporter.core.booking import NEG_INF, POS_INF
 from costexporter.core.model import GpuIndex
 from costexporter.services.agent_fold import JobFolds, LogOnce
 from costexporter.services.agent_job import AgentJob, held_until
@@ -21,6 +22,15 @@ from costexporter.store import protocol, untrusted
 from costexporter.store.jobindex import JobIndex
 from costexporter.store.keys import ranks_key, registrations_key
 from costexporter.store.reader import EventReader
+
+# A rank's claim of one of this node's GPUs: (its job, its registration, the GPU, whether its
+# job's stored state booked the rank there before: a claim made before, which stands).
+_Claim = tuple[AgentJob, protocol.Registration, int, bool]
+
+
+def _gpu_name(gpus: list[Any], g: int) -> str:
+    """How a log line names the node's GPU `g`."""
+    return f"GPU {gpus[g].index} of {untrusted.short(gpus[g].host)}" if g < len(gpus) else f"GPU #{g}"
 
 
 class JobDiscovery:
@@ -62,6 +72,8 @@ class JobDiscovery:
         self.index = JobIndex(redis, prefix, refusals, redis_errors)
         self._rejected_seen: set[tuple[str, str, int]] = set()
         self._squatters: set[tuple[str, int]] = set()  # (job, rank) moved off a UUID holder's GPU
+        self._moved: set[tuple[str, int, int | None]] = set()  # (job, rank, GPU) said registered again
+        self._shared: set[tuple[str, int, int]] = set()  # (job, rank, GPU) said another rank's
 
     def _uuids(self) -> dict[int, str | None]:
         """This node's GPUs' UUIDs by index (a claim naming one outranks one by host + index)."""
@@ -134,7 +146,7 @@ class JobDiscovery:
         for name in names:
             pipe.hgetall(ranks_key(self.prefix, name))
         fresh, retry = [False], False
-        claims: list[tuple[AgentJob, protocol.Registration, int]] = []
+        claims: list[_Claim] = []
         for name, ranks in zip(names, pipe.execute(raise_on_error=False) if names else [], strict=True):
             if isinstance(ranks, Exception):
                 if not untrusted.is_wrong_type(ranks):
@@ -153,10 +165,12 @@ class JobDiscovery:
         # The claims of this node's GPUs, those naming the GPU's UUID first, then by time: which job
         # the index lists first (a trainer's ZADD decides that) never decides who holds a GPU.
         uuids = self._uuids()
-        claims.sort(key=lambda c: (c[1].gpu_uuid != uuids.get(c[2]), c[1].ts_ms, c[0].name, c[1].rank))
-        for job, reg, g in claims:
+        claims.sort(
+            key=lambda c: (not c[3] and c[1].gpu_uuid != uuids.get(c[2]), c[1].ts_ms, c[0].name, c[1].rank)
+        )
+        for job, reg, g, stored in claims:
             try:
-                self._claim(job, reg, g, fresh)
+                self._claim(job, reg, g, fresh, stored)
             except self._redis_errors as e:
                 if not untrusted.is_wrong_type(e):
                     raise
@@ -165,7 +179,7 @@ class JobDiscovery:
         for job in self.jobs.values():
             hosts: dict[str, list[int]] = {}
             for r, peer in sorted(job.ranks.items()):
-                if r not in job.own:
+                if r not in job.named:  # (a rank on this node's GPU that is not its own: no peer's)
                     hosts.setdefault(str(peer.host), []).append(r)
             job.peers.hosts = hosts
         self._handover()
@@ -176,11 +190,11 @@ class JobDiscovery:
         self._reg_version = self._reg_read if settled else "?"
         self._reg_prev = self._reg_read
 
-    def _discover_job(
-        self, name: str, ranks: dict[str, str], node_gpus: GpuIndex
-    ) -> list[tuple[AgentJob, protocol.Registration, int]]:
+    def _discover_job(self, name: str, ranks: dict[str, str], node_gpus: GpuIndex) -> list[_Claim]:
         """One job's registrations read; returns its ranks on this node's GPUs not yet its own,
-        for `_claim` once every job's are read."""
+        for `_claim` once every job's are read. A rank's GPU is the one its time was first
+        booked on (in memory, else in the stored state): a later registration naming another
+        GPU is said and changes nothing, as replay has it (`jobfacts.one_rank_per_gpu`)."""
         job = self.jobs.get(name)
         regs = []
         for rank_s, raw in ranks.items():
@@ -207,17 +221,67 @@ class JobDiscovery:
                 # rank's first registration on (the hash keeps only the newest)
                 reg = dataclasses.replace(reg, ts_ms=min(old.ts_ms, reg.ts_ms))
             job.ranks[reg.rank] = reg
+            booked_on = job.own.get(reg.rank, job.state.gpus.get(reg.rank))
+            if booked_on is not None and booked_on != g:
+                self._say_moved(job, reg, g, booked_on)
+                g = booked_on
             if g is not None:
                 job.named[reg.rank] = g
             else:
                 job.named.pop(reg.rank, None)
             if g is not None and reg.rank not in job.own:
-                claims.append((job, reg, g))
-        return claims
+                claims.append((job, reg, g, reg.rank in job.state.gpus))
+        return self._one_rank_per_gpu(job, claims) if job is not None else claims
 
-    def _claim(self, job: AgentJob, reg: protocol.Registration, g: int, fresh: list[bool]) -> None:
-        """The rank's GPU made the job's own, unless another job holds it by its UUID."""
-        if self._claim_refused(job, reg, g):
+    def _say_moved(self, job: AgentJob, reg: protocol.Registration, g: int | None, booked_on: int) -> None:
+        """A rank registered again naming another GPU than the one its time is booked on: said
+        once (counted), its time stays there."""
+        if (job.name, reg.rank, g) in self._moved:
+            return
+        self._moved.add((job.name, reg.rank, g))
+        gpus = self.source.gpus()
+        where = f"GPU {reg.gpu} of {untrusted.short(reg.host)}" if g is None else _gpu_name(gpus, g)
+        self.refusals.refuse(
+            job.name,
+            "register_other_gpu",
+            "rank %d registered again on %s; its time stays on %s, where it registered first",
+            reg.rank,
+            where,
+            _gpu_name(gpus, booked_on),
+        )
+
+    def _one_rank_per_gpu(self, job: AgentJob, claims: list[_Claim]) -> list[_Claim]:
+        """The claims of one job less those of a GPU another of its ranks holds or claims
+        first (`jobfacts.one_rank_per_gpu`: a rank that holds it, in memory or as stored, before
+        any new claim); each rank left out said once (counted)."""
+        members = [(r, g, NEG_INF) for r, g in job.own.items()]
+        members += [(reg.rank, g, NEG_INF if stored else reg.ts_ms) for _j, reg, g, stored in claims]
+        _kept, dropped = jobfacts.one_rank_per_gpu(members)
+        if not dropped:
+            return claims
+        out = {r for r, _g, _holder in dropped}
+        gpus = self.source.gpus()
+        for rank, g, holder in dropped:
+            if (job.name, rank, g) in self._shared:
+                continue
+            self._shared.add((job.name, rank, g))
+            self.refusals.refuse(
+                job.name,
+                "gpu_shared",
+                "ranks %d and %d both registered %s; its time is booked once, for rank %d",
+                holder,
+                rank,
+                _gpu_name(gpus, g),
+                holder,
+            )
+        return [c for c in claims if c[1].rank not in out]
+
+    def _claim(
+        self, job: AgentJob, reg: protocol.Registration, g: int, fresh: list[bool], stored: bool = False
+    ) -> None:
+        """The rank's GPU made the job's own, unless another job holds it by its UUID (`stored`:
+        the GPU its stored state booked it on, a claim that was made before: it stands)."""
+        if not stored and self._claim_refused(job, reg, g):
             return
         if not fresh[0]:  # a twin agent may have booked `_unassigned` further
             self.unassigned.load(ahead_only=True)

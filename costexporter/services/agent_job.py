@@ -141,9 +141,11 @@ class AgentJob:
         """(GPU, start, end) the job's state booked on GPUs of ranks it does not hold now. A
         claim by index booked a GPU while the GPU's holder by UUID was not read yet (its register
         late); an agent restarted after that reads both at once and refuses the claim, but what
-        it booked stays booked: the holder and `_unassigned` start after it."""
+        it booked stays booked: the holder and `_unassigned` start after it. The GPU is the one
+        the state booked the rank on (a state stored before it kept that: the one its
+        registration names)."""
         out = []
-        for r, g in self.named.items():
+        for r, g in {**self.named, **self.state.gpus}.items():
             if r in self.own:
                 continue
             start, end = self.state.starts.get(r), self.state.held.get(r)
