@@ -6,10 +6,11 @@ and every GPU-millisecond lands once (the job's, or unassigned)."""
 from __future__ import annotations
 
 import logging
+import secrets
 
 import pytest
 import redis
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costexporter.core import jobfacts
@@ -20,7 +21,7 @@ from costexporter.services.agent import Agent
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import ledger
 
-from .conftest import SHARED_URL
+from .conftest import SHARED_URL, drop_prefix
 from .test_incremental_agent import run_agent
 
 N_GPUS = 3  # one host: GPUs 0-2, every one sampled all along
@@ -33,6 +34,7 @@ SCENARIOS = {
     "renumbered: a new rank 2 on rank 1's GPU": (((0, 0), (1, 1)), ((0, 0), (1, 2), (2, 1))),
     "ranks swap GPUs": (((0, 0), (1, 1)), ((0, 1), (1, 0))),
     "two ranks name one GPU from the start": (((0, 0), (1, 1), (2, 1)), ((0, 0), (1, 1), (2, 1))),
+    "the rank left out moves to a free GPU": (((0, 0), (1, 0)), ((0, 0), (1, 1))),
 }
 
 
@@ -81,20 +83,14 @@ def replayed(b: TraceBuilder) -> tuple[dict[str, int], dict[str, float], int, Di
     return ms, mj, round(unassigned["gpu_hours"] * 3_600_000), diag
 
 
-@pytest.mark.parametrize("restart_s", [None, 280, 490], ids=["no restart", "restart before", "restart after"])
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_a_rank_is_booked_where_it_first_registered_as_replay_books_it_restarted_or_not(
-    prefix, name, restart_s, caplog
-):
-    """The ledger's GPU time and energy per category (the energy tells the GPUs apart: their
-    power differs sample by sample) are replay's, and the job's time plus the unassigned time is
-    every GPU's time. An agent restarted after the processes came back sees only their newest
-    registrations in the ranks hash: its stored state keeps each rank's GPU."""
-    b = scenario(*SCENARIOS[name])
+def booked_as_replay_books(
+    prefix: str, b: TraceBuilder, restart: tuple[int, ...]
+) -> tuple[Agent, Diagnostics]:
+    """Run the agent over `b` (restarted after the rounds in `restart`) and check its ledger
+    against replay's: GPU time and energy per category (the energy tells the GPUs apart: their
+    power differs sample by sample), the unassigned time, and every GPU's time booked once."""
     late = next(e for e in b.events if e.type == "step")  # posted on time (late_s=0)
-    restart = () if restart_s is None else (restart_s // 7,)  # run_agent's rounds are 7 s
-    with caplog.at_level(logging.WARNING, logger="costexporter"):
-        agent = run_agent(Agent, prefix, b, late, restart_at=restart, late_s=0, fold_persist_s=0)
+    agent = run_agent(Agent, prefix, b, late, restart_at=restart, late_s=0, fold_persist_s=0)
     client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
     amounts = ledger.read_amounts(client, prefix, b.job)
     got_ms = ledger.net_ms(amounts)
@@ -110,6 +106,21 @@ def test_a_rank_is_booked_where_it_first_registered_as_replay_books_it_restarted
     assert unassigned == want_unassigned
     physical = N_GPUS * (round(b.t * 1000) - round(b.t0 * 1000))
     assert sum(got_ms.values()) + unassigned == physical
+    return agent, diag
+
+
+@pytest.mark.parametrize("restart_s", [None, 490], ids=["no restart", "restart after"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_rank_is_booked_where_it_first_registered_as_replay_books_it_restarted_or_not(
+    prefix, name, restart_s, caplog
+):
+    """The agent's ledger is replay's (`booked_as_replay_books`). An agent restarted after the
+    processes came back sees only their newest registrations in the ranks hash: its stored
+    state keeps each rank's GPU."""
+    b = scenario(*SCENARIOS[name])
+    restart = () if restart_s is None else (restart_s // 7,)  # run_agent's rounds are 7 s
+    with caplog.at_level(logging.WARNING, logger="costexporter"):
+        agent, diag = booked_as_replay_books(prefix, b, restart)
 
     # Said by replay, and by the agent that saw it happen: each rank once, not every discovery
     # (it runs every round here).
@@ -128,6 +139,24 @@ def test_a_rank_is_booked_where_it_first_registered_as_replay_books_it_restarted
             else not said[(b.job, "register_other_gpu")]
         )
         assert said[(b.job, "gpu_shared")] == int(shared)
+
+
+registrations = st.lists(st.integers(0, N_GPUS - 1), min_size=1, max_size=3).map(
+    lambda gs: tuple(enumerate(gs))
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(registrations, registrations, st.one_of(st.none(), st.integers(1, 165)))
+def test_any_registrations_and_restart_book_as_replay_and_every_gpu_millisecond_once(first, second, restart):
+    """Ranks 0..n on any of the three GPUs (two on one GPU, moved, swapped, gone, new), then
+    the processes back on any GPUs, the agent restarted at any round or not."""
+    prefix = f"test-moves-{secrets.token_hex(6)}"
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    try:
+        booked_as_replay_books(prefix, scenario(first, second), () if restart is None else (restart,))
+    finally:
+        drop_prefix(client, prefix)
 
 
 @given(

@@ -246,9 +246,10 @@ class JobState:
     # hold on the GPU ended (another job took it). A later claim of the GPU starts there, and
     # only there: the watermark moves on past the end, the GPU's time is not this job's.
     held: dict[int, int] = field(default_factory=dict)
-    # own rank -> the node's GPU its time is booked on, fixed with its start: a rank that
-    # registers again on another GPU stays there (`jobfacts.one_rank_per_gpu`), also after a
-    # restart, when the ranks hash holds only its newest registration
+    # rank -> the node's GPU its first registration here named: the one its time is booked on
+    # (fixed with its start), or one another rank holds (`jobfacts.one_rank_per_gpu`). A rank
+    # that registers again naming another GPU stays there, also after a restart, when the ranks
+    # hash holds only its newest registration.
     gpus: dict[int, int] = field(default_factory=dict)
     since_ref_ms: int = -1  # the last progress point ...
     since_cost: int = 0  # ... and the cost (micro-units) booked after it

@@ -24,7 +24,7 @@ from costexporter.store.keys import ranks_key, registrations_key
 from costexporter.store.reader import EventReader
 
 # A rank's claim of one of this node's GPUs: (its job, its registration, the GPU, whether its
-# job's stored state booked the rank there before: a claim made before, which stands).
+# job's stored state booked the rank before: a claim made before, which stands).
 _Claim = tuple[AgentJob, protocol.Registration, int, bool]
 
 
@@ -230,7 +230,7 @@ class JobDiscovery:
             else:
                 job.named.pop(reg.rank, None)
             if g is not None and reg.rank not in job.own:
-                claims.append((job, reg, g, reg.rank in job.state.gpus))
+                claims.append((job, reg, g, reg.rank in job.state.starts))
         return self._one_rank_per_gpu(job, claims) if job is not None else claims
 
     def _say_moved(self, job: AgentJob, reg: protocol.Registration, g: int | None, booked_on: int) -> None:
@@ -262,6 +262,8 @@ class JobDiscovery:
         out = {r for r, _g, _holder in dropped}
         gpus = self.source.gpus()
         for rank, g, holder in dropped:
+            # the GPU the rank named first, where it stays when it registers again elsewhere
+            job.state.gpus.setdefault(rank, g)
             if (job.name, rank, g) in self._shared:
                 continue
             self._shared.add((job.name, rank, g))
