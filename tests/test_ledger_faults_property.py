@@ -60,7 +60,20 @@ def build(n: int, seed: int, stretches: list, crash: tuple | None, faults: dict,
         idle, resume, d = rerun
         a.run("end")
         a.stretch("idle", idle)
-        a.new_processes()
+        remap = faults.get("remap")
+        a.new_processes(register=remap is None)
+        for r, g in enumerate(remap or ()):  # the new processes on other GPUs (an elastic restart)
+            h, _ = a.host_of(r)
+            a.event(
+                "register",
+                rank=r,
+                host=h,
+                gpu=g,
+                gpu_uuid=a.uuid(g),
+                local_rank=g,
+                world_size=n,
+                pid=2000 + r,
+            )
         if resume is None:
             a.run("start")
         else:
@@ -104,6 +117,8 @@ NO_FAULTS = {
     # a second host presents the same agent id (its own idle GPUs): it must book nothing
     "twin_host": False,
     "rerun": None,
+    # with `rerun`: the GPU each rank's new process registers (ranks renumbered, two on one GPU)
+    "remap": None,
     "startup_phase": False,
     # a rogue trainer's job sorted first in the jobs index, with a ranks key it broke
     "rogue": None,
@@ -172,6 +187,9 @@ def scenarios(draw):
         "startup_phase": draw(st.booleans()),
         "rogue": draw(st.sampled_from([None, None, *ROGUE])),
         "wrong_type_key": draw(st.sampled_from([None, None, *WRONG_TYPE])),
+        "remap": tuple(draw(st.integers(0, n - 1)) for _ in range(n))
+        if rerun and draw(st.booleans())
+        else None,
         "clock_steps": draw(
             st.lists(st.tuples(st.integers(5, 400), st.sampled_from([-60, -20, 20, 300])), max_size=2)
         ),
@@ -320,6 +338,24 @@ def offline(a: TraceBuilder, jobs: list[TraceBuilder]) -> dict:
 
 
 @settings(max_examples=int(os.environ.get("LEDGER_FAULT_EXAMPLES", "30")))
+# a's watermark key pre-created with another type dropped a's first round; b had taken a's GPU
+# by a's second round, and a's claim, read after b's, started where b had booked: a's 15 s went
+# to `_unassigned`. A claim starts after what other jobs booked only if their hold began first.
+@example(build(1, 0, [("compute", 10, 4)], (5, 30), {"wrong_type_key": "wm"}))
+@example(build(1, 0, [("compute", 10, 4)], (5, 30), {"wrong_type_key": "wm", "rogue": "gpu_held"}))
+# The ranks came back on swapped GPUs: rank 0 stays on GPU 0 (its first registration), but its
+# newest registration names GPU 1's UUID, so a's hold of GPU 0 no longer read as by UUID and the
+# rogue's claim by index took GPU 0 (5 s lost). A rank's registration names the GPU it stays on.
+@example(
+    build(
+        2,
+        1,
+        [("compute", 30, 4)],
+        None,
+        {"remap": (1, 0), "rogue": "gpu_held", "wrong_type_key": "wm"},
+        (36, None, 10),
+    )
+)
 # A twin agent had booked `_unassigned` past the other's in-memory watermark when b's late
 # register arrived: b's GPU time started at the stale watermark, 2 s booked twice.
 @example(

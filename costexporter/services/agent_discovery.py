@@ -220,11 +220,12 @@ class JobDiscovery:
             if old is not None:  # a restart registers again: the GPU is the job's from the
                 # rank's first registration on (the hash keeps only the newest)
                 reg = dataclasses.replace(reg, ts_ms=min(old.ts_ms, reg.ts_ms))
-            job.ranks[reg.rank] = reg
             booked_on = job.own.get(reg.rank, job.state.gpus.get(reg.rank))
             if booked_on is not None and booked_on != g:
                 self._say_moved(job, reg, g, booked_on)
+                reg = self._as_claimed(reg, old, booked_on, node_gpus)
                 g = booked_on
+            job.ranks[reg.rank] = reg
             if g is not None:
                 job.named[reg.rank] = g
             else:
@@ -232,6 +233,21 @@ class JobDiscovery:
             if g is not None and reg.rank not in job.own:
                 claims.append((job, reg, g, reg.rank in job.state.starts))
         return self._one_rank_per_gpu(job, claims) if job is not None else claims
+
+    def _as_claimed(
+        self, reg: protocol.Registration, old: protocol.Registration | None, g: int, node_gpus: GpuIndex
+    ) -> protocol.Registration:
+        """A rank's registration naming the GPU it stays on, as its claim named it: by UUID or by
+        host and index (who holds a GPU by its UUID decides between jobs, `_claim_refused`). The
+        one read before says how; after a restart, a rank that registers by UUID now did then."""
+        if old is not None and node_gpus.find(old.gpu_uuid, old.host, old.gpu) == g:
+            return dataclasses.replace(reg, host=old.host, gpu=old.gpu, gpu_uuid=old.gpu_uuid)
+        gpus = self.source.gpus()
+        if g >= len(gpus):  # (the GPU left the node: nothing to name it by)
+            return reg
+        return dataclasses.replace(
+            reg, host=gpus[g].host, gpu=gpus[g].index, gpu_uuid=gpus[g].uuid if reg.gpu_uuid else None
+        )
 
     def _say_moved(self, job: AgentJob, reg: protocol.Registration, g: int | None, booked_on: int) -> None:
         """A rank registered again naming another GPU than the one its time is booked on: said
@@ -289,7 +305,7 @@ class JobDiscovery:
             self.unassigned.load(ahead_only=True)
             fresh[0] = True
         job.own[reg.rank] = g
-        job.floors[reg.rank] = self._booked_elsewhere(g, job)
+        job.floors[reg.rank] = self._booked_elsewhere(g, job, reg)
 
     def _claim_refused(self, job: AgentJob, reg: protocol.Registration, gpu: int) -> bool:
         """A registration that names this GPU by host and index only, dated while another job
@@ -353,15 +369,27 @@ class JobDiscovery:
             )
         return out
 
-    def _booked_elsewhere(self, gpu: int, new: AgentJob) -> int:
-        """How far this GPU's time is booked already (unassigned, or by another job): a claim
-        that arrives late starts there, so no GPU-second is booked twice."""
+    def _booked_elsewhere(self, gpu: int, new: AgentJob, reg: protocol.Registration) -> int:
+        """How far this GPU's time is booked already (unassigned, or by another job) for a claim
+        dated `since_ms`: a claim that arrives late starts there, so no GPU-second is booked
+        twice. A job that registered the GPU after this claim (`reg`) takes it over where this
+        claim's hold ends (`_handover`) and booked nothing before: a claim read late, after its
+        successor's (its first round dropped), keeps the time before the successor's. Not so a
+        claim by index under this claim by UUID (it leaves, `_squatters_out`), nor what a refused
+        claim booked (`booked_unheld`): those stay floors wherever they lie."""
+        uuid_ = self._uuids().get(gpu)
+        by_uuid = bool(uuid_) and reg.gpu_uuid == uuid_
+
+        def successor(j: AgentJob, r: int) -> bool:
+            held = j.ranks[r]
+            return held.ts_ms > reg.ts_ms and not (by_uuid and held.gpu_uuid != uuid_)
+
         until = self.unassigned.booked_until(gpu)
         for j in self.jobs.values():
             if j is new:
                 continue
             for r, g in j.own.items():
-                if g == gpu:
+                if g == gpu and not successor(j, r):
                     # How far that job booked this GPU (not its watermark: its hold may have
                     # ended), in memory and as stored: a twin agent (the same agent id) may
                     # have booked it further than this agent's memory says.
