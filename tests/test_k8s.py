@@ -6,6 +6,7 @@ End to end: a real HTTP server serving dcgm-exporter's text with pod labels, a r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -576,6 +577,35 @@ def test_a_write_whose_reply_an_outage_cut_is_sent_again_and_the_job_still_ends(
     assert shared.hget(keys.k8s_ranks_key(prefix, job), "_ended") == "1"
 
 
+BAD, GOOD = "nlp:bert", "vision:resnet"
+
+
+@contextlib.contextmanager
+def two_jobs_node(prefix: str):
+    """A node of two GPUs with a pod each (jobs BAD and GOOD, seen through dcgm-exporter's labels)
+    and its Kubernetes registrations: (exporter, source, registrations), the source read once."""
+    from costexporter.services import k8s
+    from costexporter.sources.dcgm import DcgmSource
+
+    exp = FakeDcgmExporter(
+        [
+            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
+            {"power": 1000.0, "util": 100, "pod": "resnet-k9d2q", "ns": "vision"},
+        ]
+    )
+    try:
+        src = DcgmSource([exp.url], host=HOST)
+        kj = k8s.KubernetesJobs(protocol.connect(SHARED_URL), prefix, src, HOST)
+        src.read()
+        yield exp, src, kj
+    finally:
+        exp.close()
+
+
+def stream_types(shared, prefix: str, job: str) -> list[str]:
+    return [f["type"] for _, f in shared.xrange(keys.stream_key(prefix, job))]
+
+
 def test_a_job_whose_keys_redis_refuses_does_not_stall_the_other_jobs_on_the_node(
     shared, prefix, monkeypatch, caplog
 ):
@@ -589,24 +619,14 @@ def test_a_job_whose_keys_redis_refuses_does_not_stall_the_other_jobs_on_the_nod
     import redis as redis_mod
 
     from costexporter.services import k8s
-    from costexporter.sources.dcgm import DcgmSource
 
-    bad, good = "nlp:bert", "vision:resnet"
+    bad, good = BAD, GOOD
     shared.set(keys.stream_key(prefix, bad), "not a stream")
-    exp = FakeDcgmExporter(
-        [
-            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
-            {"power": 1000.0, "util": 100, "pod": "resnet-k9d2q", "ns": "vision"},
-        ]
-    )
 
     def types(job):
-        return [f["type"] for _, f in shared.xrange(keys.stream_key(prefix, job))]
+        return stream_types(shared, prefix, job)
 
-    try:
-        src = DcgmSource([exp.url], host=HOST)
-        kj = k8s.KubernetesJobs(protocol.connect(SHARED_URL), prefix, src, HOST)
-        src.read()
+    with two_jobs_node(prefix) as (exp, src, kj):
         with caplog.at_level(logging.DEBUG, logger=k8s.log.name):
             for _ in range(3):
                 kj.sync()  # raises nothing: the refusal is the bad job's alone
@@ -647,8 +667,6 @@ def test_a_job_whose_keys_redis_refuses_does_not_stall_the_other_jobs_on_the_nod
         assert types(good)[-3:] == ["run", "meta", "register"]
         runs = [f["state"] for _, f in shared.xrange(keys.stream_key(prefix, good)) if f["type"] == "run"]
         assert runs == ["end", "start"]
-    finally:
-        exp.close()
 
 
 def test_a_job_whose_ranks_hash_redis_refuses_is_retried_each_round_and_registers_once_mended(
@@ -661,24 +679,14 @@ def test_a_job_whose_ranks_hash_redis_refuses_is_retried_each_round_and_register
     import logging
 
     from costexporter.services import k8s
-    from costexporter.sources.dcgm import DcgmSource
 
-    bad, good = "nlp:bert", "vision:resnet"
+    bad, good = BAD, GOOD
     shared.set(keys.ranks_key(prefix, bad), "not a hash")
-    exp = FakeDcgmExporter(
-        [
-            {"power": 1000.0, "util": 100, "pod": "bert-x7k2p", "ns": "nlp"},
-            {"power": 1000.0, "util": 100, "pod": "resnet-k9d2q", "ns": "vision"},
-        ]
-    )
 
     def types(job):
-        return [f["type"] for _, f in shared.xrange(keys.stream_key(prefix, job))]
+        return stream_types(shared, prefix, job)
 
-    try:
-        src = DcgmSource([exp.url], host=HOST)
-        kj = k8s.KubernetesJobs(protocol.connect(SHARED_URL), prefix, src, HOST)
-        src.read()
+    with two_jobs_node(prefix) as (_exp, _src, kj):
         with caplog.at_level(logging.DEBUG, logger=k8s.log.name):
             for _ in range(3):
                 kj.sync()  # raises nothing: the refusal is the bad job's alone
@@ -694,5 +702,3 @@ def test_a_job_whose_ranks_hash_redis_refuses_is_retried_each_round_and_register
         kj.sync()
         assert sorted(kj.registered) == [(bad, 0), (good, 1)] and kj.refused == 3
         assert types(bad) == ["meta", "register"]
-    finally:
-        exp.close()

@@ -63,17 +63,7 @@ def build(n: int, seed: int, stretches: list, crash: tuple | None, faults: dict,
         remap = faults.get("remap")
         a.new_processes(register=remap is None)
         for r, g in enumerate(remap or ()):  # the new processes on other GPUs (an elastic restart)
-            h, _ = a.host_of(r)
-            a.event(
-                "register",
-                rank=r,
-                host=h,
-                gpu=g,
-                gpu_uuid=a.uuid(g),
-                local_rank=g,
-                world_size=n,
-                pid=2000 + r,
-            )
+            a.register_rank(r, g, 2000 + r)
         if resume is None:
             a.run("start")
         else:

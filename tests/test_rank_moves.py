@@ -43,17 +43,7 @@ def scenario(first, second) -> TraceBuilder:
 
     def register(pairs, pid_base):
         for r, g in pairs:
-            h, _ = b.host_of(r)
-            b.event(
-                "register",
-                rank=r,
-                host=h,
-                gpu=g,
-                gpu_uuid=b.uuid(g),
-                local_rank=g,
-                world_size=len(pairs),
-                pid=pid_base + r,
-            )
+            b.register_rank(r, g, pid_base + r, world_size=len(pairs))
 
     register(first, 1000)
     b.run("start")

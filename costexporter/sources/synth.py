@@ -59,17 +59,23 @@ class TraceBuilder:
         """Every rank registers its host, GPU and process (pids from `pid_base`: a new generation
         of processes has new pids)."""
         for r in range(self.n_gpus):
-            h, g = self.host_of(r)
-            self.event(
-                "register",
-                rank=r,
-                host=h,
-                gpu=g,
-                gpu_uuid=self.uuid(r),
-                local_rank=g,
-                world_size=self.n_gpus,
-                pid=pid_base + r,
-            )
+            self.register_rank(r, r, pid_base + r)
+
+    def register_rank(self, rank: int, slot: int, pid: int, world_size: int | None = None) -> TraceBuilder:
+        """Rank `rank` registers the GPU that rank `slot` trains on by default (its host, index
+        and UUID) from process `pid`: a rank that comes back on another GPU, two on one."""
+        h, g = self.host_of(slot)
+        self.event(
+            "register",
+            rank=rank,
+            host=h,
+            gpu=g,
+            gpu_uuid=self.uuid(slot),
+            local_rank=g,
+            world_size=world_size or self.n_gpus,
+            pid=pid,
+        )
+        return self
 
     def host_of(self, rank: int) -> tuple[str, int]:
         return f"{self.host_prefix}{rank // self.per_host}", rank % self.per_host
