@@ -298,7 +298,7 @@ class JobDiscovery:
         self, job: AgentJob, reg: protocol.Registration, g: int, fresh: list[bool], stored: bool = False
     ) -> None:
         """The rank's GPU made the job's own, unless another job holds it by its UUID (`stored`:
-        the GPU its stored state booked it on, a claim that was made before: it stands)."""
+        the job's stored state booked the rank there before, a claim made before: it stands)."""
         if not stored and self._claim_refused(job, reg, g):
             return
         if not fresh[0]:  # a twin agent may have booked `_unassigned` further
@@ -370,9 +370,9 @@ class JobDiscovery:
         return out
 
     def _booked_elsewhere(self, gpu: int, new: AgentJob, reg: protocol.Registration) -> int:
-        """How far this GPU's time is booked already (unassigned, or by another job) for a claim
-        dated `since_ms`: a claim that arrives late starts there, so no GPU-second is booked
-        twice. A job that registered the GPU after this claim (`reg`) takes it over where this
+        """How far this GPU's time is booked already (unassigned, or by another job) for the
+        claim `reg`: a claim that arrives late starts there, so no GPU-second is booked twice.
+        A job that registered the GPU after this claim (`reg`) takes it over where this
         claim's hold ends (`_handover`) and booked nothing before: a claim read late, after its
         successor's (its first round dropped), keeps the time before the successor's. Not so a
         claim by index under this claim by UUID (it leaves, `_squatters_out`), nor what a refused
