@@ -581,9 +581,10 @@ BAD, GOOD = "nlp:bert", "vision:resnet"
 
 
 @contextlib.contextmanager
-def two_jobs_node(prefix: str):
+def two_jobs_node(shared, prefix: str):
     """A node of two GPUs with a pod each (jobs BAD and GOOD, seen through dcgm-exporter's labels)
-    and its Kubernetes registrations: (exporter, source, registrations), the source read once."""
+    and its Kubernetes registrations: (exporter, source, registrations, the types of a job's
+    events in its stream), the source read once."""
     from costexporter.services import k8s
     from costexporter.sources.dcgm import DcgmSource
 
@@ -597,13 +598,9 @@ def two_jobs_node(prefix: str):
         src = DcgmSource([exp.url], host=HOST)
         kj = k8s.KubernetesJobs(protocol.connect(SHARED_URL), prefix, src, HOST)
         src.read()
-        yield exp, src, kj
+        yield exp, src, kj, lambda job: [f["type"] for _, f in shared.xrange(keys.stream_key(prefix, job))]
     finally:
         exp.close()
-
-
-def stream_types(shared, prefix: str, job: str) -> list[str]:
-    return [f["type"] for _, f in shared.xrange(keys.stream_key(prefix, job))]
 
 
 def test_a_job_whose_keys_redis_refuses_does_not_stall_the_other_jobs_on_the_node(
@@ -622,11 +619,7 @@ def test_a_job_whose_keys_redis_refuses_does_not_stall_the_other_jobs_on_the_nod
 
     bad, good = BAD, GOOD
     shared.set(keys.stream_key(prefix, bad), "not a stream")
-
-    def types(job):
-        return stream_types(shared, prefix, job)
-
-    with two_jobs_node(prefix) as (exp, src, kj):
+    with two_jobs_node(shared, prefix) as (exp, src, kj, types):
         with caplog.at_level(logging.DEBUG, logger=k8s.log.name):
             for _ in range(3):
                 kj.sync()  # raises nothing: the refusal is the bad job's alone
@@ -682,11 +675,7 @@ def test_a_job_whose_ranks_hash_redis_refuses_is_retried_each_round_and_register
 
     bad, good = BAD, GOOD
     shared.set(keys.ranks_key(prefix, bad), "not a hash")
-
-    def types(job):
-        return stream_types(shared, prefix, job)
-
-    with two_jobs_node(prefix) as (_exp, _src, kj):
+    with two_jobs_node(shared, prefix) as (_exp, _src, kj, types):
         with caplog.at_level(logging.DEBUG, logger=k8s.log.name):
             for _ in range(3):
                 kj.sync()  # raises nothing: the refusal is the bad job's alone

@@ -535,11 +535,12 @@ class Agent:
                 if 0 < ahead <= tol_ms and not final:
                     return None  # the next sampling round reaches the register: book then
                 fixed[r] = start
-                job.state.gpus[r] = g  # the rank's GPU from here on, whatever it registers later
                 if 0 < fixed[r] < job.state.booked_until:
                     job.state.behind[r] = fixed[r]
             out.append(fixed.get(r, job.state.starts.get(r)))
         job.state.starts.update(fixed)
+        # each rank's GPU, fixed with its start: whatever it registers later, its time stays there
+        job.state.gpus.update((r, job.own[r]) for r in fixed)
         return np.asarray(out, np.int64)
 
     # ---- a job's round ---------------------------------------------------------------------

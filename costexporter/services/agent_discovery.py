@@ -71,9 +71,9 @@ class JobDiscovery:
         # the jobs to look at: the trainers' index, scanned around when it cannot be trusted
         self.index = JobIndex(redis, prefix, refusals, redis_errors)
         self._rejected_seen: set[tuple[str, str, int]] = set()
-        self._squatters: set[tuple[str, int]] = set()  # (job, rank) moved off a UUID holder's GPU
-        self._moved: set[tuple[str, int, int | None]] = set()  # (job, rank, GPU) said registered again
-        self._shared: set[tuple[str, int, int]] = set()  # (job, rank, GPU) said another rank's
+        # (reason, job, rank, GPU) said already: a rank moved off a UUID holder's GPU, registered
+        # again on another GPU, left out of a GPU another rank of its job holds
+        self._said: set[tuple[str, str, int, int | None]] = set()
 
     def _uuids(self) -> dict[int, str | None]:
         """This node's GPUs' UUIDs by index (a claim naming one outranks one by host + index)."""
@@ -252,19 +252,26 @@ class JobDiscovery:
     def _say_moved(self, job: AgentJob, reg: protocol.Registration, g: int | None, booked_on: int) -> None:
         """A rank registered again naming another GPU than the one its time is booked on: said
         once (counted), its time stays there."""
-        if (job.name, reg.rank, g) in self._moved:
-            return
-        self._moved.add((job.name, reg.rank, g))
         gpus = self.source.gpus()
         where = f"GPU {reg.gpu} of {untrusted.short(reg.host)}" if g is None else _gpu_name(gpus, g)
-        self.refusals.refuse(
-            job.name,
+        self._refuse_once(
+            (job.name, reg.rank, g),
             "register_other_gpu",
             "rank %d registered again on %s; its time stays on %s, where it registered first",
             reg.rank,
             where,
             _gpu_name(gpus, booked_on),
         )
+
+    def _refuse_once(
+        self, who: tuple[str, int, int | None], reason: str, message: str, *args: object
+    ) -> None:
+        """`refusals.refuse` for (job, rank, GPU) `who`, the first time only: discovery meets the
+        same registrations round after round."""
+        if (reason, *who) in self._said:
+            return
+        self._said.add((reason, *who))
+        self.refusals.refuse(who[0], reason, message, *args)
 
     def _one_rank_per_gpu(self, job: AgentJob, claims: list[_Claim]) -> list[_Claim]:
         """The claims of one job less those of a GPU another of its ranks holds or claims
@@ -280,11 +287,8 @@ class JobDiscovery:
         for rank, g, holder in dropped:
             # the GPU the rank named first, where it stays when it registers again elsewhere
             job.state.gpus.setdefault(rank, g)
-            if (job.name, rank, g) in self._shared:
-                continue
-            self._shared.add((job.name, rank, g))
-            self.refusals.refuse(
-                job.name,
+            self._refuse_once(
+                (job.name, rank, g),
                 "gpu_shared",
                 "ranks %d and %d both registered %s; its time is booked once, for rank %d",
                 holder,
@@ -354,11 +358,8 @@ class JobDiscovery:
                 out.append((t, name, r))
                 continue
             job.ends[r] = min(job.ends.get(r, POS_INF), self.jobs[holder[0]].claim(holder[1])[0])
-            if (name, r) in self._squatters:
-                continue
-            self._squatters.add((name, r))
-            self.refusals.refuse(
-                name,
+            self._refuse_once(
+                (name, r, None),
                 "gpu_held",
                 "rank %d named GPU %s by its index; job %r, registered earlier by its UUID %s, "
                 "holds it: the rank leaves it (register with gpu_uuid to take it over)",
