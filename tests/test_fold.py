@@ -33,6 +33,9 @@ CFG = BookingConfig(
     eval_allowance_s=10.0,
     startup_allowance_s=15.0,
     stall_window=8,
+    # short enough that the streams below lapse (a 40-s silence) and come back to life
+    liveness_timeout_s=30.0,
+    liveness_timeout_max_s=60.0,
 )
 LAG_MS = 30_000
 
@@ -112,6 +115,7 @@ def check_view(fold: TimelineFold, seen: list[Event], end_ms: int, lo: int) -> N
     assert tl.decided_until_ms == ref.decided_until_ms
     assert tl.stall_threshold_ms == ref.stall_threshold_ms
     assert tl.end_ms == ref.end_ms
+    assert tl.lapsed == ref.lapsed
     assert tl.last_checkpoint_step == ref.last_checkpoint_step
     assert tl.last_checkpoint_ms == ref.last_checkpoint_ms
     assert tl.resumes == ref.resumes
@@ -244,12 +248,17 @@ def test_a_stored_fold_of_another_version_config_or_job_is_refused():
 def test_late_event_is_flagged_and_noise_never_enters():
     fold = TimelineFold(CFG, 0)
     fold.add([ev("step", 10.0, step=1), ev("step", 20.0, step=2)])
-    fold.add([ev("heartbeat", 1.0, rank=0), ev("step", 1.0, rank=3, step=1), ev("register", 1.0, rank=2)])
-    assert len(fold.pending) == 2  # heartbeats, other ranks' steps, registrations: not folded
+    fold.add([ev("heartbeat", 1.0, rank=1), ev("step", 1.0, rank=3, step=1), ev("register", 1.0, rank=2)])
+    assert len(fold.pending) == 2  # other ranks' heartbeats and steps, registrations: not folded
     fold.advance(15_000, 0)
     assert fold.folded == 1 and not fold.late
-    fold.add([ev("heartbeat", 5.0)])
+    fold.add([ev("heartbeat", 5.0, rank=1)])
     assert not fold.late
+    fold.add([ev("heartbeat", 5.0)])  # rank 0's: a sign of life its run's lapse is dated by
+    assert fold.late
+    fold = TimelineFold(CFG, 0)
+    fold.add([ev("step", 10.0, step=1), ev("step", 20.0, step=2)])
+    fold.advance(15_000, 0)
     fold.add([ev("step", 14.0, step=2)])
     assert fold.late and fold.timeline(30_000) is None
 
@@ -257,6 +266,8 @@ def test_late_event_is_flagged_and_noise_never_enters():
 def test_walk_relevant():
     assert walk_relevant(ev("step", 1.0))
     assert not walk_relevant(ev("step", 1.0, rank=1))
+    assert walk_relevant(ev("heartbeat", 1.0))
+    assert not walk_relevant(ev("heartbeat", 1.0, rank=1))
     assert walk_relevant(ev("phase", 1.0, rank=5, name="x", state="begin"))
     assert not walk_relevant(ev("meta", 1.0, team="a"))
     assert walk_relevant(ev("meta", 1.0, progress="none"))
@@ -461,7 +472,9 @@ def test_the_regime_at_a_time_is_that_of_the_millisecond_ending_there():
     time, the interval the step closed; outside the segments, None."""
     events = [ev("run", 1000.0, seq=0, state="start")]
     events += [ev("step", 1000.0 + k, seq=k, step=k, tokens=1) for k in range(1, 40)]
-    tl = build_timeline(events, CFG, 1_000_000, 1_200_000, final=False)
+    tl = build_timeline(
+        events, dataclasses.replace(CFG, liveness_timeout_max_s=600.0), 1_000_000, 1_200_000, final=False
+    )
     assert tl.regime_at(1_001_000) == Regime.OVERHEAD  # the startup the first step closed
     assert tl.regime_at(1_030_000) == Regime.STEP
     assert tl.regime_at(1_030_001) == Regime.STEP

@@ -97,6 +97,17 @@ class BookingConfig:
     startup_allowance_s: float = 30 * 60.0
     phase_allowance_s: float = 15 * 60.0  # any other declared phase
     allowance_k: float = 3.0  # learned allowance: k x median of the job's own durations
+    # A run that stops without `run end` is over once rank 0 shows no sign of life (a step, a run
+    # event, a heartbeat in its events stream) for this long: its claim on its GPUs ends there.
+    liveness_timeout_s: float = 600.0
+    # ... and the longest it can be: a job's meta may lengthen the timeout up to here, and a job
+    # whose rank 0 posts no heartbeat where the agents read (an older reporter) gets this one.
+    liveness_timeout_max_s: float = 6 * 3600.0
+
+    def liveness_ms(self, beats: bool) -> int:
+        """How long rank 0 may be silent before its run is taken to be over."""
+        return int((self.liveness_timeout_s if beats else self.liveness_timeout_max_s) * 1000)
+
     gap_intervals: float = 3.0  # a sample gap longer than this many intervals is unobserved
     grid_s: float = 1.0
     # A resume reaches back at most this many declared checkpoints (a trainer keeps its last few):
@@ -215,6 +226,8 @@ class Timeline:
     last_checkpoint_ms: int | None = None  # when the last checkpoint that saved a step ended
     phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
     stall_threshold_ms: int = 60_000  # in force at the end of the job's events
+    # `end_ms` is a lapse (rank 0 silent for the liveness timeout, no `run end`), not a clean end
+    lapsed: bool = False
     decided_until_ms: int = POS_INF  # live: where the first PENDING segment starts
     # A folded timeline (`fold.TimelineFold`) keeps only recent step records: `steps[0]` is record
     # `step_base`, and `summary` (a `StepSummary`) counts the rest.
@@ -377,10 +390,206 @@ class Segments:
         sp.append(-1)
 
 
-class _ReferenceWalk(Segments):
-    """`build_timeline`'s walk over rank 0's progress points, one at a time: the reference the
-    incremental `fold._Walk` is tested equal to (kept simple rather than fast: a resume scans
-    every record)."""
+# How a walk's run stands (`RunWalk.ended`): running (None), ended cleanly, or lapsed.
+ENDED = "end"  # rank 0 posted `run end`: a `run start` opens a new run, which voids nothing before it
+LAPSED = "lapse"  # rank 0 silent past the liveness timeout: its next sign of life goes on with the run
+
+
+# The note the readers put on a heartbeat read from a job's heartbeat stream (only the watchers
+# read it): the agents never see those, so no walk may count them.
+FROM_BEATS = "_beats"
+
+
+def is_point(ev: Event) -> bool:
+    """Whether an event is one of the walk's points: rank 0's steps, run events and heartbeats
+    in its events stream (the signs of life that bound a run that stopped without `run end`)."""
+    if ev.rank != 0:
+        return False
+    return ev.type in ("step", "run") or (ev.type == "heartbeat" and FROM_BEATS not in ev.fields)
+
+
+class RunWalk(Segments):
+    """The run rules, one point at a time, shared by `build_timeline`'s walk and the incremental
+    `fold._Walk` (which keep their step records apart: a list, a compact stack).
+
+    A run is what a job does between a `run start` and its `run end`. A step at or below one
+    completed *in the same run* is an implicit resume (it voids the steps above it); a new
+    `run start` after a clean end opens a new run and voids nothing; a declared `run resume K`
+    voids the run's valid steps above K. A resume before the run's first step (a trainer
+    resuming from a checkpoint posts `run start`, then `run resume K`; or `run resume K` after
+    the end) continues the run before it. A run that stops without `run end` lapses once rank 0 has shown
+    no sign of life for the liveness timeout: what lies between its last progress and then is
+    its crash tail (booked by band, as progress stopped), what follows is outside the job until
+    its next sign of life, which carries the same run on."""
+
+    cfg: BookingConfig
+    floor_ms: int
+    durations: deque[int]
+    steps: list[StepRecord]
+    resumes: list[tuple[int, int, int]]
+    run_allow: Allowances
+    startup_allow: int
+    anchor: int
+    in_startup: bool
+    startup_from: int
+    ended: str | None
+    last_alive: int
+    beats: bool
+
+    def _start_run(self, cfg: BookingConfig, start_ms: int) -> None:
+        self.cfg = cfg
+        self.floor_ms = int(cfg.stall_floor_s * 1000)
+        self.durations = deque(maxlen=cfg.stall_window)
+        self.resumes = []
+        # The run's own startup (registration or restart to the first step) learns apart from the
+        # declared phases: a phase a trainer names `startup` is data, not this allowance.
+        self.run_allow = Allowances(cfg)
+        self.startup_allow = self.run_allow.current(RUN_STARTUP)
+        self.anchor = start_ms
+        self.in_startup = True
+        self.startup_from = start_ms
+        self.ended = None
+        self.last_alive = start_ms  # the registration is the first sign of life
+        self.beats = False  # rank 0 posted a heartbeat to its events stream
+        self.run_fresh = True  # no step since the run's start: a resume continues the run before
+
+    # ---- what each walk keeps its own way -----------------------------------------------------
+    def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """[a, b) into overhead pieces and the rest."""
+        raise NotImplementedError
+
+    def record(self, step: int, ts_ms: int, tokens: int) -> int:
+        """A completed step, as a valid record; returns its record index."""
+        raise NotImplementedError
+
+    def void_above(self, k: int, at_ms: int) -> int:
+        """Void the current run's newest valid records while their step is above `k`; returns
+        how many."""
+        raise NotImplementedError
+
+    def run_top(self) -> int | None:
+        """The newest valid step of the current run."""
+        raise NotImplementedError
+
+    def new_run(self) -> None:
+        """A `run start` after a clean end: the records so far are an earlier run's."""
+        raise NotImplementedError
+
+    def merge_run(self) -> None:
+        """The current run (no step yet) is the one before it, resumed."""
+        raise NotImplementedError
+
+    # ---- the rules ------------------------------------------------------------------------------
+    def alive_until(self) -> int:
+        """Where the run lapses unless rank 0 shows life before."""
+        return self.last_alive + self.cfg.liveness_ms(self.beats)
+
+    def close_interval(self, b: int, outcome: str, step_index: int = -1, final: bool = True) -> bool:
+        """Book [anchor, b); outcome: 'step', 'orphan' (a restart, a lapse), 'end' or 'tail'
+        (`final`: the input has ended, else the tail stays PENDING).
+
+        Returns whether progress had stopped (rule 4) within the interval.
+        """
+        anchor = self.anchor
+        ov, rest = self.split(anchor, b)
+        # One piece (most steps: no phase nor startup around them) needs no generator.
+        eff = rest[0][1] - rest[0][0] if len(rest) == 1 else sum(y - x for x, y in rest)
+        # The threshold is never below the floor: only a longer interval needs the percentile.
+        stalled = eff > self.floor_ms and eff > stall_threshold_ms(self.durations, self.cfg)
+        if not ov and outcome == "step" and not stalled:  # fast path: one step segment
+            self.emit(anchor, b, Regime.STEP, step_index)
+            if not self.in_startup:
+                self.durations.append(eff)
+            return False
+        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
+        if outcome == "step" and not stalled:
+            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
+        elif outcome in ("end", "tail") and not stalled:
+            regime = Regime.PENDING if outcome == "tail" and not final else Regime.OVERHEAD
+            pieces += [(x, y, regime, -1) for x, y in rest]
+        else:
+            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
+        for x, y, r, st in sorted(pieces):
+            self.emit(x, y, r, st)
+        if outcome == "step" and not stalled and not self.in_startup:
+            self.durations.append(eff)
+        return stalled
+
+    def lapse(self) -> None:
+        """The run stopped without `run end`: its crash tail is booked as progress stopped, up to
+        where the liveness timeout ran out."""
+        at = self.alive_until()
+        if self.anchor < at:
+            self.close_interval(at, "orphan")
+        self.anchor, self.ended = max(self.anchor, at), LAPSED
+
+    def point(self, ev: Event) -> None:
+        """One of rank 0's steps, run events or heartbeats, in time order."""
+        t = max(ev.ts_ms, self.anchor)
+        if self.ended is None and t > self.alive_until():
+            self.lapse()
+            t = max(t, self.anchor)
+        state = ev.get("state") if ev.type == "run" else None
+        starts = state in ("start", "resume")
+        if self.ended is not None:
+            if self.ended == ENDED and not starts:
+                return  # nothing books between a run's end and the next start
+            new_run = self.ended == ENDED and state == "start"
+            self.emit(self.anchor, t, Regime.UNASSIGNED)
+            self.anchor, self.ended = t, None
+            if starts:
+                self.in_startup, self.startup_from = True, t
+                self.startup_allow = self.run_allow.current(RUN_STARTUP)
+            if new_run:
+                self.new_run()
+                self.run_fresh = True
+        self.last_alive = max(self.last_alive, t)
+        if ev.type == "heartbeat":
+            self.beats = True
+            return  # a sign of life, not a progress point
+        if ev.type == "step":
+            n = ev.int_field("step")
+            top = self.run_top()
+            if top is not None and n <= top:  # at or below a step of this run: an implicit resume
+                self.resumes.append((t, n - 1, self.void_above(n - 1, t)))
+            i = self.record(n, t, ev.opt_int_field("tokens") or 0)
+            self.run_fresh = False
+            self.close_interval(t, "step", i)
+            if self.in_startup:
+                self.run_allow.observe(RUN_STARTUP, t, t - self.startup_from)
+            self.in_startup = False
+        elif starts:
+            if self.anchor < t:
+                self.close_interval(t, "orphan")
+            if state == "resume":
+                if self.run_fresh:
+                    self.merge_run()
+                    self.run_fresh = False
+                if (k := ev.opt_int_field("step")) is not None:
+                    self.resumes.append((t, k, self.void_above(k, t)))
+            if not self.in_startup:
+                self.in_startup, self.startup_from = True, t
+                self.startup_allow = self.run_allow.current(RUN_STARTUP)
+        elif state == "end":
+            self.close_interval(t, "end")
+            self.ended = ENDED
+        self.anchor = t
+
+    def finish(self, end_ms: int, final: bool) -> int | None:
+        """Close the walk at `end_ms` (the end of the input, or a live round's now); returns the
+        job's end (a clean end, or the lapse of a run that stopped), None while it runs."""
+        if self.ended is None and end_ms > self.alive_until():
+            self.lapse()
+        if self.ended is not None:
+            return self.anchor
+        if end_ms > self.anchor:
+            self.close_interval(end_ms, "tail", final=final)
+        return None
+
+
+class _ReferenceWalk(RunWalk):
+    """`build_timeline`'s walk over rank 0's points: the reference the incremental `fold._Walk`
+    is tested equal to (kept simple rather than fast: a resume scans the records)."""
 
     def __init__(
         self,
@@ -388,29 +597,17 @@ class _ReferenceWalk(Segments):
         allowances: Allowances,
         overhead: list[tuple[int, int]],
         start_ms: int,
-        final: bool,
     ) -> None:
-        self.cfg, self.allowances, self.final = cfg, allowances, final
+        self._start_run(cfg, start_ms)
+        self.allowances = allowances
         self.overhead, self.ov_starts = overhead, [a for a, _ in overhead]
         self.seg_start: list[int] = [NEG_INF]
         self.seg_regime: list[int] = [Regime.UNASSIGNED]
         self.seg_step: list[int] = [-1]
         self.steps: list[StepRecord] = []
-        self.resumes: list[tuple[int, int, int]] = []
-        self.durations: deque[int] = deque(maxlen=cfg.stall_window)
-        # The run's own startup (registration or restart to the first step) learns apart from the
-        # declared phases: a phase a trainer names `startup` is data, not this allowance.
-        self.run_allow = Allowances(cfg)
-        self.startup_allow = self.run_allow.current(RUN_STARTUP)
-        self.floor_ms = int(cfg.stall_floor_s * 1000)
-        self.max_valid: int | None = None  # highest step number completed and not voided
-        self.anchor = start_ms
-        self.in_startup = True
-        self.startup_from = start_ms
-        self.ended = False
+        self.run_from = self.prev_run_from = 0  # the first record of the current run, the one before
 
     def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """[a, b) into overhead pieces and the rest."""
         overhead = self.overhead
         i = max(bisect.bisect_right(self.ov_starts, a) - 1, 0)
         if (
@@ -440,83 +637,29 @@ class _ReferenceWalk(Segments):
             rest.append((cur, b))
         return ov, rest
 
-    def close_interval(self, b: int, outcome: str, step_index: int = -1) -> bool:
-        """Book [anchor, b); outcome: 'step', 'orphan' (restart), 'end' or 'tail'.
-
-        Returns whether progress had stopped (rule 4) within the interval.
-        """
-        anchor = self.anchor
-        ov, rest = self.split(anchor, b)
-        eff = rest[0][1] - rest[0][0] if len(rest) == 1 else sum(y - x for x, y in rest)
-        # The threshold is never below the floor: only a longer interval needs the percentile.
-        stalled = eff > self.floor_ms and eff > stall_threshold_ms(self.durations, self.cfg)
-        if not ov and outcome == "step" and not stalled:  # fast path: one step segment
-            self.emit(anchor, b, Regime.STEP, step_index)
-            if not self.in_startup:
-                self.durations.append(eff)
-            return False
-        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
-        if outcome == "step" and not stalled:
-            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
-        elif outcome in ("end", "tail") and not stalled:
-            regime = Regime.PENDING if outcome == "tail" and not self.final else Regime.OVERHEAD
-            pieces += [(x, y, regime, -1) for x, y in rest]
-        else:
-            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
-        for x, y, r, st in sorted(pieces):
-            self.emit(x, y, r, st)
-        if outcome == "step" and not stalled and not self.in_startup:
-            self.durations.append(eff)
-        return stalled
+    def record(self, step: int, ts_ms: int, tokens: int) -> int:
+        self.steps.append(StepRecord(step, ts_ms, tokens))
+        return len(self.steps) - 1
 
     def void_above(self, k: int, at_ms: int) -> int:
         n = 0
-        for s in self.steps:
-            if not s.voided and s.step > k:
-                s.voided = True
-                s.voided_ms = at_ms
-                n += 1
-        self.max_valid = max((s.step for s in self.steps if not s.voided), default=None)
+        for s in reversed(self.steps[self.run_from :]):
+            if s.voided:
+                continue
+            if s.step <= k:
+                break
+            s.voided, s.voided_ms = True, at_ms
+            n += 1
         return n
 
-    def point(self, ev: Event) -> None:
-        """One of rank 0's step or run events, in time order."""
-        t = ev.ts_ms
-        if t < self.anchor:
-            t = self.anchor
-        if self.ended:
-            if not (ev.type == "run" and ev.get("state") in ("start", "resume")):
-                return  # nothing books between a run's end and the next start
-            self.emit(self.anchor, t, Regime.UNASSIGNED)
-            self.anchor = t
-            self.ended = False
-            self.in_startup, self.startup_from = True, t
-            self.startup_allow = self.run_allow.current(RUN_STARTUP)
-        if ev.type == "step":
-            n = ev.int_field("step")
-            # A step at or below the newest valid one: an implicit resume.
-            if self.max_valid is not None and n <= self.max_valid:
-                self.resumes.append((t, n - 1, self.void_above(n - 1, t)))
-            self.max_valid = n if self.max_valid is None else max(self.max_valid, n)
-            self.steps.append(StepRecord(n, t, ev.opt_int_field("tokens") or 0))
-            self.close_interval(t, "step", len(self.steps) - 1)
-            if self.in_startup:
-                self.run_allow.observe(RUN_STARTUP, t, t - self.startup_from)
-            self.in_startup = False
-        else:
-            state = ev.get("state")
-            if state in ("start", "resume"):
-                if self.anchor < t:
-                    self.close_interval(t, "orphan")
-                if state == "resume" and (k := ev.opt_int_field("step")) is not None:
-                    self.resumes.append((t, k, self.void_above(k, t)))
-                if not self.in_startup:
-                    self.in_startup, self.startup_from = True, t
-                    self.startup_allow = self.run_allow.current(RUN_STARTUP)
-            elif state == "end":
-                self.close_interval(t, "end")
-                self.ended = True
-        self.anchor = t
+    def run_top(self) -> int | None:
+        return next((s.step for s in reversed(self.steps[self.run_from :]) if not s.voided), None)
+
+    def new_run(self) -> None:
+        self.prev_run_from, self.run_from = self.run_from, len(self.steps)
+
+    def merge_run(self) -> None:
+        self.run_from = self.prev_run_from
 
 
 def build_timeline(
@@ -545,15 +688,11 @@ def build_timeline(
     for rank, evs in by_rank.items():
         rank_overhead[rank], _, _ = _intervals_of_phases(evs, Allowances(cfg), end_ms)
 
-    walk = _ReferenceWalk(cfg, allowances, overhead, start_ms, final)
+    walk = _ReferenceWalk(cfg, allowances, overhead, start_ms)
     for ev in events:
-        if ev.rank == 0 and ev.type in ("step", "run"):
+        if is_point(ev):
             walk.point(ev)
-    job_end: int | None = None
-    if walk.ended:
-        job_end = walk.anchor
-    elif end_ms > walk.anchor:
-        walk.close_interval(end_ms, "tail")
+    job_end = walk.finish(end_ms, final)
     # The last placeholder segment runs to +inf, outside the job.
     seg_start, seg_regime, seg_step = [*walk.seg_start, POS_INF], walk.seg_regime, walk.seg_step
     steps, resumes, durations = walk.steps, walk.resumes, walk.durations
@@ -588,6 +727,7 @@ def build_timeline(
         phases_overrun=overrun,
         stall_threshold_ms=stall_threshold_ms(durations, cfg),
         decided_until_ms=decided_until,
+        lapsed=walk.ended == LAPSED,
     )
 
 

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from costexporter.core.booking import (
+    ENDED,
+    LAPSED,
     NEG_INF,
     POS_INF,
     RUN_STARTUP,
@@ -39,13 +41,14 @@ from costexporter.core.booking import (
     Allowances,
     BookingConfig,
     Regime,
-    Segments,
+    RunWalk,
     StepRecord,
     StepSummary,
     Timeline,
     _merge,
     band_timeline,
     decided_until_ms,
+    is_point,
     stall_threshold_ms,
 )
 from costexporter.core.model import Event
@@ -54,10 +57,8 @@ from costexporter.core.timeutil import to_ms
 
 def walk_relevant(ev: Event) -> bool:
     """Whether an event can change the booking timeline (everything else never enters it)."""
-    if ev.type == "phase":
+    if ev.type == "phase" or is_point(ev):
         return True
-    if ev.type in ("step", "run"):
-        return ev.rank == 0
     return ev.type == "meta" and ev.get(STEPLESS_META[0]) == STEPLESS_META[1]
 
 
@@ -147,12 +148,12 @@ class _Phases:
             self.overrun = [o for o in self.overrun if o[2] >= keep_from]
 
 
-class _Walk(Segments):
-    """`build_timeline`'s walk over rank 0's steps and runs, one point at a time."""
+class _Walk(RunWalk):
+    """`build_timeline`'s walk over rank 0's points (`booking.RunWalk`), its valid records kept
+    as a compact stack."""
 
     def __init__(self, cfg: BookingConfig, start_ms: int) -> None:
-        self.cfg = cfg
-        self.floor_ms = int(cfg.stall_floor_s * 1000)
+        self._start_run(cfg, start_ms)
         self.start_ms = start_ms
         self.allow = Allowances(cfg)
         self.p0 = _Phases(self.allow)
@@ -167,21 +168,14 @@ class _Walk(Segments):
         self.valid_tokens = 0
         self.last_step: StepRecord | None = None
         self.last_ts: int | None = None  # the newest record's ts (the next one's prev)
-        # The valid records, a stack increasing in step number (a resume pops its top).
+        # The valid records, a stack (a resume pops its top), increasing in step number within a
+        # run; the current run's are those from `run_floor` on.
         self.v_rec, self.v_step, self.v_ts = array("q"), array("q"), array("q")
         self.v_tok, self.v_prev = array("q"), array("q")
+        self.run_floor = self.prev_floor = 0
         self.voided: list[tuple[int, StepRecord, int | None]] = []
-        self.resumes: list[tuple[int, int, int]] = []
         # The last checkpoints that saved a valid step: (step, its record), oldest first.
         self.ckpts: deque[tuple[int, int]] = deque(maxlen=max(cfg.rollback_checkpoints, 1))
-        self.durations: deque[int] = deque(maxlen=cfg.stall_window)
-        # The run's startup learns apart from the declared phases (`booking.RUN_STARTUP`).
-        self.run_allow = Allowances(cfg)
-        self.startup_allow = self.run_allow.current(RUN_STARTUP)
-        self.anchor = start_ms
-        self.in_startup = True
-        self.startup_from = start_ms
-        self.ended = False
         self.final_phases = False  # the open phases were closed (a view's copy, never the fold)
         # A view's copy shares the valid stack with the fold (copying it would cost a round time
         # that grows with the job's age): how much of it is the fold's, and what the view popped
@@ -286,34 +280,9 @@ class _Walk(Segments):
             rest.append((cur, b))
         return ov, rest
 
-    def close_interval(self, b: int, outcome: str, step_index: int = -1, final: bool = True) -> bool:
-        cfg = self.cfg
-        ov, rest = self.split(self.anchor, b)
-        # One piece (most steps: no phase nor startup around them) needs no generator.
-        eff = rest[0][1] - rest[0][0] if len(rest) == 1 else sum(y - x for x, y in rest)
-        stalled = eff > self.floor_ms and eff > stall_threshold_ms(self.durations, cfg)
-        if not ov and outcome == "step" and not stalled:
-            self.emit(self.anchor, b, Regime.STEP, step_index)
-            if not self.in_startup:
-                self.durations.append(eff)
-            return False
-        pieces = [(x, y, Regime.OVERHEAD, -1) for x, y in ov]
-        if outcome == "step" and not stalled:
-            pieces += [(x, y, Regime.STEP, step_index) for x, y in rest]
-        elif outcome in ("end", "tail") and not stalled:
-            regime = Regime.PENDING if outcome == "tail" and not final else Regime.OVERHEAD
-            pieces += [(x, y, regime, -1) for x, y in rest]
-        else:
-            pieces += [(x, y, Regime.STALL, -1) for x, y in rest]
-        for x, y, r, s in sorted(pieces):
-            self.emit(x, y, r, s)
-        if outcome == "step" and not stalled and not self.in_startup:
-            self.durations.append(eff)
-        return stalled
-
     def _checkpoint(self, step: int) -> None:
         """A checkpoint saved `step`: a resume can come back to that valid record."""
-        j = bisect.bisect_left(self.v_step, step)
+        j = bisect.bisect_left(self.v_step, step, self.run_floor)  # (sorted within the run)
         if j < len(self.v_step) and self.v_step[j] == step:
             rec = self.v_rec[j]
             if not self.ckpts or self.ckpts[-1][1] < rec:
@@ -326,10 +295,8 @@ class _Walk(Segments):
         return self.ckpts[0][1] if full and self.ckpts else None
 
     def void_above(self, k: int, at_ms: int) -> int:
-        while self.ckpts and self.ckpts[-1][0] > k:  # checkpoints of voided steps are gone
-            self.ckpts.pop()
         n = 0
-        while self.v_step and self.v_step[-1] > k:
+        while len(self.v_step) > self.run_floor and self.v_step[-1] > k:
             n += 1
             rec, step, ts, tok, prev = self._pop()
             self.valid_tokens -= tok
@@ -344,53 +311,33 @@ class _Walk(Segments):
             self.voided.append((rec, voided, None if prev == NEG_INF else prev))
         if n:  # popped top first: keep the list in record order within one resume
             self.voided[-n:] = sorted(self.voided[-n:], key=lambda v: v[0])
+        top = self.v_rec[-1] if self.v_rec else -1
+        while self.ckpts and self.ckpts[-1][1] > top:  # checkpoints of voided steps are gone
+            self.ckpts.pop()
         return n
 
-    def point(self, ev: Event) -> None:
-        t = ev.ts_ms
-        if t < self.anchor:
-            t = self.anchor
-        if self.ended:
-            if not (ev.type == "run" and ev.get("state") in ("start", "resume")):
-                return
-            self.emit(self.anchor, t, Regime.UNASSIGNED)
-            self.anchor = t
-            self.ended = False
-            self.in_startup, self.startup_from = True, t
-            self.startup_allow = self.run_allow.current(RUN_STARTUP)
-        if ev.type == "step":
-            n = ev.int_field("step")
-            if self.v_step and n <= self.v_step[-1]:
-                self.resumes.append((t, n - 1, self.void_above(n - 1, t)))
-            rec = StepRecord(n, t, ev.opt_int_field("tokens") or 0)
-            i = self.n_steps
-            self.steps.append(rec)
-            self.v_rec.append(i)
-            self.v_step.append(n)
-            self.v_ts.append(t)
-            self.v_tok.append(rec.tokens)
-            self.v_prev.append(NEG_INF if self.last_ts is None else self.last_ts)
-            self.n_steps += 1
-            self.valid_tokens += rec.tokens
-            self.last_step, self.last_ts = rec, t
-            self.close_interval(t, "step", i)
-            if self.in_startup:
-                self.run_allow.observe(RUN_STARTUP, t, t - self.startup_from)
-            self.in_startup = False
-        else:
-            state = ev.get("state")
-            if state in ("start", "resume"):
-                if self.anchor < t:
-                    self.close_interval(t, "orphan")
-                if state == "resume" and (k := ev.opt_int_field("step")) is not None:
-                    self.resumes.append((t, k, self.void_above(k, t)))
-                if not self.in_startup:
-                    self.in_startup, self.startup_from = True, t
-                    self.startup_allow = self.run_allow.current(RUN_STARTUP)
-            elif state == "end":
-                self.close_interval(t, "end")
-                self.ended = True
-        self.anchor = t
+    def record(self, step: int, ts_ms: int, tokens: int) -> int:
+        rec = StepRecord(step, ts_ms, tokens)
+        i = self.n_steps
+        self.steps.append(rec)
+        self.v_rec.append(i)
+        self.v_step.append(step)
+        self.v_ts.append(ts_ms)
+        self.v_tok.append(tokens)
+        self.v_prev.append(NEG_INF if self.last_ts is None else self.last_ts)
+        self.n_steps += 1
+        self.valid_tokens += tokens
+        self.last_step, self.last_ts = rec, ts_ms
+        return i
+
+    def run_top(self) -> int | None:
+        return self.v_step[-1] if len(self.v_step) > self.run_floor else None
+
+    def new_run(self) -> None:
+        self.prev_floor, self.run_floor = self.run_floor, len(self.v_rec)
+
+    def merge_run(self) -> None:
+        self.run_floor = self.prev_floor
 
     def trim(self, keep_from: int, *, others_from: int | None = None) -> None:
         """Drop segments and step records wholly before `keep_from` (the last ones stay); never
@@ -539,11 +486,7 @@ class TimelineFold:
         for ev in pending:
             if ev.type != "phase":
                 w.point(ev)
-        job_end: int | None = None
-        if w.ended:
-            job_end = w.anchor
-        elif end_ms > w.anchor:
-            w.close_interval(end_ms, "tail", final=final)
+        job_end = w.finish(end_ms, final)
         bounds, regime = _segments(w)
         decided_until = decided_until_ms(bounds, regime, job_end, end_ms)
         last_ckpt = w.p0.last_ckpt
@@ -561,6 +504,7 @@ class TimelineFold:
             phases_overrun=w.p0.overrun,
             stall_threshold_ms=stall_threshold_ms(w.durations, self.cfg),
             decided_until_ms=decided_until,
+            lapsed=w.ended == LAPSED,
             step_base=w.step_base,
             rollback_floor=w.rollback_floor(),
             summary=StepSummary(
@@ -589,7 +533,7 @@ class TimelineFold:
 # ---- persisting a fold (the agent stores it with its watermark; pure: bytes in, bytes out) ----
 # The `_*_in` readers take what `json.loads` gave (Any): they convert and check each value.
 
-FOLD_FORMAT = 2  # bump when the layout below changes: an older stored fold is rebuilt, not read
+FOLD_FORMAT = 3  # bump when the layout below changes: an older stored fold is rebuilt, not read
 _MAGIC = b"CEFOLD"
 
 
@@ -701,6 +645,11 @@ def dump_fold(fold: TimelineFold, job: str, extra: dict[str, Any] | None = None)
             w.in_startup,
             w.startup_from,
             w.ended,
+            w.run_floor,
+            w.prev_floor,
+            w.run_fresh,
+            w.last_alive,
+            w.beats,
         ],
         "last_step": _rec_out(w.last_step),
         "voided": [[i, _rec_out(r), p] for i, r, p in w.voided],
@@ -752,13 +701,15 @@ def _run_allow_in(head: dict[str, Any], allow: Allowances, cfg: BookingConfig) -
 
 
 def _scalars_in(w: _Walk, sc: list[Any]) -> None:
-    if len(sc) != 10:
+    if len(sc) != 15 or sc[9] not in (None, ENDED, LAPSED):
         raise FoldFormatError("corrupted: scalars")
     w.step_base, w.tokens_before, w.n_steps, w.valid_tokens = (int(x) for x in sc[:4])
     w.startup_allow, w.anchor, w.startup_from = int(sc[5]), int(sc[6]), int(sc[8])
-    last_ts, in_startup, ended = sc[4], sc[7], sc[9]
+    last_ts, in_startup = sc[4], sc[7]
     w.last_ts = None if last_ts is None else int(last_ts)
-    w.in_startup, w.ended = bool(in_startup), bool(ended)
+    w.in_startup, w.ended = bool(in_startup), sc[9]
+    w.run_floor, w.prev_floor, w.run_fresh = int(sc[10]), int(sc[11]), bool(sc[12])
+    w.last_alive, w.beats = int(sc[13]), bool(sc[14])
 
 
 def _walk_in(w: _Walk, head: dict[str, Any], stack: bytes, k: int, cfg: BookingConfig) -> None:

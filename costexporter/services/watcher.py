@@ -45,7 +45,15 @@ import orjson
 
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, profiles
-from costexporter.core.booking import NEG_INF, BookingConfig, Regime, StepRecord, Timeline, build_timeline
+from costexporter.core.booking import (
+    NEG_INF,
+    BookingConfig,
+    Regime,
+    StepRecord,
+    Timeline,
+    build_timeline,
+    is_point,
+)
 from costexporter.core.cost import Prices
 from costexporter.core.fold import TimelineFold, walk_relevant
 from costexporter.core.model import Band, Event
@@ -244,8 +252,8 @@ class JobView:
                 r = ranks[ev.rank] = _Rank()
             if t > r.last_seen_ms:
                 r.last_seen_ms = t
-            if ev.type == "heartbeat" and ev.session == r.session:  # most events: nothing more
-                continue
+            if ev.type == "heartbeat" and ev.session == r.session and not is_point(ev):
+                continue  # most events: nothing more (rank 0's in its events stream date its lapse)
             if walk_relevant(ev):
                 if self.refold is None:
                     self.walk.append(ev)
@@ -375,7 +383,7 @@ def decide(view: JobView, now: float, cfg: WatchConfig, previous: Status | None 
         seconds_since_last_step=since_step(now, last.ts_ms / 1000) if last else None,
         stall_threshold_s=tl.stall_threshold_ms / 1000,
     )
-    if tl.end_ms is not None:
+    if tl.end_ms is not None and not tl.lapsed:
         return status("done", "the run ended", **progress)
     members = sorted(set(view.registrations) | set(view.ranks))
     running = [r for r in members if not view.ranks.get(r, _NO_EVENTS).ended]

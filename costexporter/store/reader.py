@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from costexporter.core.booking import FROM_BEATS
 from costexporter.core.events import (
     STEPS_TYPE,
     EventError,
@@ -247,10 +248,13 @@ class EventReader:
                 self.rejections.append((eid, "not_heartbeat", msg))
                 continue
             try:
-                out.append(parse_heartbeat(fields, job=job, now=now))
+                ev = parse_heartbeat(fields, job=job, now=now)
             except EventError as e:
                 self.stats[f"rejected:{e.reason}"] += 1
                 self.rejections.append((eid, e.reason, str(e)))
+                continue
+            ev.fields[FROM_BEATS] = True  # no walk counts it: the agents never read it
+            out.append(ev)
         if out:
             self.stats["accepted"] += len(out)
         return out
