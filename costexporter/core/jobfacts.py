@@ -88,6 +88,19 @@ def one_rank_per_gpu(members: Iterable[Member]) -> tuple[list[Member], list[Memb
     return sorted(first.values()), dropped
 
 
+def takeover_at(claim_ms: int, held: Iterable[tuple[int, int]]) -> int:
+    """When a claim of a GPU dated `claim_ms` takes the GPU from the job that holds it: at once
+    where that job's run is not live then (it ended cleanly, or lapsed), else where that run
+    ends: a live job's GPU is never taken over. `held`: the holder's stretches [start, end) of
+    its live run on the GPU, the open one ending at `POS_INF` (`booking.POS_INF`): a claim dated
+    inside it takes the GPU only once the holder's run is over (refused until then). The agent
+    and replay both decide by it."""
+    for a, b in held:
+        if a <= claim_ms < b:
+            return b
+    return claim_ms
+
+
 def merge_meta(meta: dict[str, Any], ev: Event) -> None:
     """A `meta` event's fields merged into the job's meta, the newest value of a key winning;
     the reader's notes (`_unknown_fields`) are not the job's."""

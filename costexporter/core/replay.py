@@ -249,14 +249,16 @@ def book_trace(
     layout = _TraceLayout.of(samples, len(gpus))
     registered = _bound_registers(registered, samples, gpus, layout.counts, layout.starts, diag)
     jobs = _members(registered, samples, gpus, events_by_job, cfg)
-    next_claim = _next_claims(jobs)
     policy = cfg.policy()
+    prepared = {
+        job: _prepare_job(job, members, events_by_job.get(job, []), samples, gpus, layout, cfg, policy)
+        for job, members in jobs.items()
+    }
+    spans = _claims(jobs, {job: active_intervals(p.timeline) for job, p in prepared.items()}, gpus, diag)
     results: list[JobResult] = []
     member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
-    for job, members in jobs.items():
-        r = _book_job(
-            job, members, events_by_job.get(job, []), samples, gpus, layout, next_claim, cfg, policy
-        )
+    for prep in prepared.values():
+        r = _book_job(prep, spans, samples, layout)
         gpus_of = r.member_gpus if r.member_gpus is not None else np.zeros(0, np.int64)
         member_ivals += [
             (int(g), a, b) for g, iv in zip(gpus_of, r.member_intervals, strict=True) for a, b in iv
@@ -309,20 +311,51 @@ def _members(
     return jobs
 
 
-def _next_claims(jobs: dict[str, list[tuple[int, int, int]]]) -> dict[tuple[str, int], int]:
-    """(job, gpu) -> when another job next registers the GPU (a GPU registered by a later job
-    leaves the earlier job then), from the job's first claim of it."""
-    claims = sorted((t, g, job) for job, mem in jobs.items() for _, g, t in mem)
-    claims_by_gpu: dict[int, list[tuple[int, str]]] = {}
-    for t, g, job in claims:
-        claims_by_gpu.setdefault(g, []).append((t, job))
-    next_claim: dict[tuple[str, int], int] = {}
-    for g, gpu_claims in claims_by_gpu.items():
-        for i, (_t, job) in enumerate(gpu_claims):
-            if (job, g) not in next_claim:
-                later = (t2 for t2, j2 in gpu_claims[i + 1 :] if j2 != job)
-                next_claim[(job, g)] = next(later, POS_INF)
-    return next_claim
+def _claims(
+    jobs: dict[str, list[tuple[int, int, int]]],
+    live: dict[str, tuple[np.ndarray, np.ndarray]],
+    gpus: list[GpuId],
+    diag: Diagnostics | None,
+) -> dict[tuple[str, int], tuple[int, int]]:
+    """(job, gpu) -> [start, end) of the job's hold on the GPU. Claims are taken in time order;
+    one by another job takes the GPU where the holder's run is over (`jobfacts.takeover_at`,
+    as the live agent decides): a GPU is not taken from a live run. `live`: each job's stretches
+    of a live run (`booking.active_intervals`)."""
+    by_gpu: dict[int, list[tuple[int, str]]] = {}
+    for job, mem in jobs.items():
+        for _, g, t in mem:
+            by_gpu.setdefault(g, []).append((t, job))
+    spans: dict[tuple[str, int], tuple[int, int]] = {}
+    for g, claims in by_gpu.items():
+        claims.sort()
+        holder, since = claims[0][1], claims[0][0]
+        for t, job in claims[1:]:
+            if job == holder:
+                continue
+            at = jobfacts.takeover_at(t, intersect(since, POS_INF, *live[holder]))
+            if at >= POS_INF:
+                spans[(job, g)] = (t, t)
+                if diag is not None:
+                    diag.warn(
+                        f"job {job!r}",
+                        None,
+                        "gpu_in_use",
+                        f"registered {gpus[g].host} GPU {gpus[g].index} while job {holder!r}'s run held it "
+                        "(its run never ended): refused, the GPU stays that job's",
+                    )
+                continue
+            if at > t and diag is not None:
+                diag.warn(
+                    f"job {job!r}",
+                    None,
+                    "gpu_in_use",
+                    f"registered {gpus[g].host} GPU {gpus[g].index} while job {holder!r}'s run held it: "
+                    "it takes the GPU when that run ended",
+                )
+            spans[(holder, g)] = (since, at)
+            holder, since = job, at
+        spans[(holder, g)] = (since, POS_INF)
+    return spans
 
 
 def _job_facts(jev: list[Event]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -366,36 +399,79 @@ def _job_samples(
     return np.flatnonzero(sel), (local[samples.gpu[sel]], *(a[sel] for a in cols))
 
 
-def _book_job(
+@dataclass(slots=True)
+class _Job:
+    """A job's facts, terms and timeline, before its GPUs' claims are settled."""
+
+    name: str
+    members: list[tuple[int, int, int]]  # (rank, gpu, its registration)
+    events: list[Event]
+    meta: dict[str, Any]
+    preflight: dict[str, Any] | None
+    profile: Profile
+    profile_source: str
+    terms: JobTerms
+    timeline: Timeline
+    booked_by: str
+    rows: np.ndarray | None
+    cols: tuple[np.ndarray, ...]  # the member GPUs' samples (lg, ts, power, util, energy)
+    member_gpu_list: list[GpuId]
+
+
+def _prepare_job(
     job: str,
     members: list[tuple[int, int, int]],
     jev: list[Event],
     samples: Samples,
     gpus: list[GpuId],
     layout: _TraceLayout,
-    next_claim: dict[tuple[str, int], int],
     cfg: ReplayConfig,
     policy: Policy,
-) -> JobResult:
-    """One job booked on its own terms (`terms.job_terms`, as the agent and the watcher derive
-    them)."""
+) -> _Job:
+    """One job's terms (`terms.job_terms`, as the agent and the watcher derive them) and its
+    timeline."""
     meta, preflight = _job_facts(jev)
     member_gpus = np.asarray([g for _, g, _ in members], np.int64)
-    ranks = np.asarray([r for r, _, _ in members], np.int64)
-    rows, (lg, ts, pw, ut, en) = _job_samples(samples, member_gpus, len(gpus))
+    rows, cols = _job_samples(samples, member_gpus, len(gpus))
+    lg, _ts, pw, ut, _en = cols
     member_gpu_list = [gpus[g] for g in member_gpus]
     profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
     terms = job_terms(job, meta, policy, (t for _, _, t in members), profile=profile)
-    bc, start_ms = terms.booking, terms.start_ms
     ev_end = max((e.ts_ms for e in jev), default=NEG_INF)
-    end_ms = int(max(ev_end, layout.last_end[member_gpus].max(initial=NEG_INF), start_ms))
+    end_ms = int(max(ev_end, layout.last_end[member_gpus].max(initial=NEG_INF), terms.start_ms))
     booked_by = progress_of(jev, cfg.progress)
-    timeline = _job_timeline(job, jev, booked_by, bc, start_ms, end_ms)
-    job_end = timeline.end_ms if timeline.end_ms is not None else end_ms
+    timeline = _job_timeline(job, jev, booked_by, terms.booking, terms.start_ms, end_ms)
+    return _Job(
+        job,
+        members,
+        jev,
+        meta,
+        preflight,
+        profile,
+        source,
+        terms,
+        timeline,
+        booked_by,
+        rows,
+        cols,
+        member_gpu_list,
+    )
+
+
+def _book_job(
+    prep: _Job, spans: dict[tuple[str, int], tuple[int, int]], samples: Samples, layout: _TraceLayout
+) -> JobResult:
+    """One job booked on its terms, each GPU for the stretch its claim holds it."""
+    job, members, timeline, bc = prep.name, prep.members, prep.timeline, prep.terms.booking
+    lg, ts, pw, ut, en = prep.cols
+    member_gpus = np.asarray([g for _, g, _ in members], np.int64)
+    ranks = np.asarray([r for r, _, _ in members], np.int64)
+    job_end = timeline.end_ms if timeline.end_ms is not None else POS_INF
     n_ranks = int(ranks.max()) + 1 if ranks.size else 0
-    br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, profile, layout.interval)
-    mem_start = np.asarray([t for _, _, t in members], np.int64)
-    mem_end = np.asarray([min(job_end, next_claim[(job, g)]) for _, g, _ in members], np.int64)
+    br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, prep.profile, layout.interval)
+    mem_start = np.asarray([spans[(job, g)][0] for _, g, _ in members], np.int64)
+    mem_end = np.asarray([min(job_end, spans[(job, g)][1]) for _, g, _ in members], np.int64)
+    mem_end = np.maximum(mem_end, mem_start)
     slices = make_slices(
         lg, ts, pw, en, br.band, member_gpus.size, br.interval_ms, mem_start, mem_end, bc.gap_intervals
     )
@@ -407,24 +483,25 @@ def _book_job(
     mem_ivals = [
         intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
     ]
+    jev = prep.events
     return JobResult(
         job,
-        member_gpu_list,
+        prep.member_gpu_list,
         ranks,
         pieces,
-        profile,
+        prep.profile,
         timeline,
-        meta,
+        prep.meta,
         br,
-        preflight,
+        prep.preflight,
         mem_ivals,
         (int(ts.min()), int(ts.max())) if ts.size else None,
-        (min(e.ts_ms for e in jev), ev_end) if jev else None,
-        source,
-        rows,
+        (min(e.ts_ms for e in jev), max(e.ts_ms for e in jev)) if jev else None,
+        prep.profile_source,
+        prep.rows,
         member_gpus,
-        booked_by,
-        terms,
+        prep.booked_by,
+        prep.terms,
     )
 
 

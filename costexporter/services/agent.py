@@ -46,6 +46,7 @@ from costexporter.services.agent_discovery import JobDiscovery
 from costexporter.services.agent_fold import JobFolds
 from costexporter.services.agent_job import AgentJob
 from costexporter.services.agent_node import LocalSamples, NodeGpus
+from costexporter.services.agent_notes import JobNotes
 from costexporter.services.agent_peers import PeerExchange
 from costexporter.services.agent_unassigned import UnassignedBooker
 from costexporter.sources.base import GpuSource
@@ -123,6 +124,7 @@ class Agent:
         self.stats: collections.Counter[str] = collections.Counter()
         # Trainer-writable values refused (keys of the wrong type, ...), by job and reason.
         self.refusals = untrusted.Refusals(log)
+        self.notes = JobNotes(self.redis, cfg.prefix, self._redis_errors)
         self._logged: set[tuple[Any, ...]] = set()
         learn = cfg.learn_idle if cfg.learn_idle is not None else bool(getattr(source, "wall_clock", False))
         self.idle = IdleLearner() if learn else None
@@ -164,6 +166,7 @@ class Agent:
             self._log_once,
             self._wrong_type,
             self._redis_errors,
+            self.notes,
         )
         self.committer = RoundCommit(
             self.redis, cfg.prefix, cfg.agent_id, self.host, self._instance, self.folds
@@ -299,6 +302,8 @@ class Agent:
         for job in list(self.jobs.values()):
             if job.own:
                 self._book_isolated(job, local)
+        if self.discovery.deferred_due():  # a run a claim waits for ended: it takes the GPU there
+            self._discover()
         try:
             self.unassigned.book(local, self.jobs.values(), self.node.lanes, self._no_more_samples)
         except ledger.WrongType as e:

@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from costexporter.core import jobfacts
+from costexporter.core import jobfacts, shares
 from costexporter.core.booking import NEG_INF, POS_INF
 from costexporter.core.model import GpuIndex
 from costexporter.services.agent_fold import JobFolds, LogOnce
 from costexporter.services.agent_job import AgentJob, held_until
+from costexporter.services.agent_notes import JobNotes
 from costexporter.services.agent_unassigned import UnassignedBooker
 from costexporter.sources.base import GpuSource
 from costexporter.store import protocol, untrusted
@@ -50,6 +51,7 @@ class JobDiscovery:
         log_once: LogOnce,
         wrong_type: Callable[[str, BaseException], None],
         redis_errors: tuple[type[BaseException], ...],
+        notes: JobNotes,
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -74,6 +76,9 @@ class JobDiscovery:
         # (reason, job, rank, GPU) said already: a rank moved off a UUID holder's GPU, registered
         # again on another GPU, left out of a GPU another rank of its job holds
         self._said: set[tuple[str, str, int, int | None]] = set()
+        # (job, rank) -> the job whose live run its claim waits for, and the GPU
+        self.deferred: dict[tuple[str, int], tuple[str, int]] = {}
+        self.notes = notes
 
     def _uuids(self) -> dict[int, str | None]:
         """This node's GPUs' UUIDs by index (a claim naming one outranks one by host + index)."""
@@ -301,15 +306,87 @@ class JobDiscovery:
     def _claim(
         self, job: AgentJob, reg: protocol.Registration, g: int, fresh: list[bool], stored: bool = False
     ) -> None:
-        """The rank's GPU made the job's own, unless another job holds it by its UUID (`stored`:
-        the job's stored state booked the rank there before, a claim made before: it stands)."""
-        if not stored and self._claim_refused(job, reg, g):
-            return
+        """The rank's GPU made the job's own, unless another job holds it by its UUID, or with a
+        live run (`stored`: the job's stored state booked the rank there before, a claim made
+        before: it stands). A claim dated inside another job's live run starts where that run
+        ended; while it runs the claim waits, said once and counted."""
+        at = reg.ts_ms
+        if not stored:
+            if self._claim_refused(job, reg, g):
+                return
+            at, holder = self._takeover_at(job, reg, g)
+            self.deferred.pop((job.name, reg.rank), None)
+            if at >= POS_INF:
+                self.deferred[(job.name, reg.rank)] = (holder, g)
+                self._in_use(job, reg, g, holder)
+                return
         if not fresh[0]:  # a twin agent may have booked `_unassigned` further
             self.unassigned.load(ahead_only=True)
             fresh[0] = True
         job.own[reg.rank] = g
-        job.floors[reg.rank] = self._booked_elsewhere(g, job, reg)
+        job.floors[reg.rank] = max(self._booked_elsewhere(g, job, reg), at)
+
+    def _takeover_at(self, job: AgentJob, reg: protocol.Registration, gpu: int) -> tuple[int, str]:
+        """When the claim `reg` takes this GPU from the jobs that hold it before it
+        (`jobfacts.takeover_at`: at once, or where a holder's live run ends, `POS_INF` while it
+        runs), and the holder it waits for. A claim by the GPU's UUID is not held back by one
+        that names it by index only (it outranks it: `_squatters_out`). A slice of a shared GPU
+        (MIG, time-slicing) is shared by design."""
+        gpus = self.source.gpus()
+        if gpu < len(gpus) and gpus[gpu].lanes != shares.WHOLE:
+            return reg.ts_ms, ""
+        uuid_ = gpus[gpu].uuid if gpu < len(gpus) else None
+        by_uuid = bool(uuid_) and reg.gpu_uuid == uuid_
+        at, holder = reg.ts_ms, ""
+        for other in self.jobs.values():
+            if other is job:
+                continue
+            for r, g in other.own.items():
+                held = other.ranks.get(r)
+                if g != gpu or held is None or (by_uuid and held.gpu_uuid != uuid_):
+                    continue
+                if other.claim(r)[0] > reg.ts_ms:
+                    continue  # it came after this claim: this claim's successor
+                t = jobfacts.takeover_at(reg.ts_ms, other.held(r))
+                if t > at:
+                    at, holder = t, other.name
+        return at, holder
+
+    def _in_use(self, job: AgentJob, reg: protocol.Registration, g: int, holder: str) -> None:
+        """A claim that waits for a live run's end: counted once (`gpu_in_use`), logged once, and
+        noted for both jobs, where the API shows it."""
+        where = _gpu_name(self.source.gpus(), g)
+        self.reject(
+            job.name,
+            str(reg.rank),
+            f"{g}:{reg.ts_ms}:{holder}",
+            "gpu_in_use",
+            f"it names {where}, which job {untrusted.short(holder)!r} holds with a live run: its time stays "
+            "that job's until the run ends (a clean end, or silent past its liveness timeout)",
+        )
+        self.notes.note(
+            job.name,
+            "gpu_in_use",
+            f"rank {reg.rank} registered {where} while job {holder!r}'s run held it: that GPU is not "
+            "this job's until that run ends",
+            about=holder,
+        )
+        self.notes.note(
+            holder,
+            "gpu_claimed",
+            f"job {job.name!r} registered {where} (rank {reg.rank}) while this job's run held it: refused, "
+            "the GPU stays this job's until its run ends",
+            about=job.name,
+        )
+
+    def deferred_due(self) -> bool:
+        """Whether a claim waits for a run that has ended since (discover again now, so the
+        claim starts where that run ended, not where the next discovery finds it)."""
+        for holder, g in self.deferred.values():
+            j = self.jobs.get(holder)
+            if j is None or not any(g2 == g and j.claim(r)[1] >= POS_INF for r, g2 in j.own.items()):
+                return True
+        return False
 
     def _claim_refused(self, job: AgentJob, reg: protocol.Registration, gpu: int) -> bool:
         """A registration that names this GPU by host and index only, dated while another job

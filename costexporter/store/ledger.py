@@ -40,6 +40,7 @@ until `build_rollup` makes it (the API does, at start); until then writes leave 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,8 @@ UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its ow
 
 
 VOIDED = "voided:"  # the prefix of a rollback correction's field
+NOTE = "note:"  # the prefix of a figures field that says something about the job (`note`)
+MAX_NOTES = 32  # notes an agent writes per job (a flood of claimants cannot grow the hash)
 
 
 def amount_field(category: str, unit: str, *, voided: bool = False) -> str:
@@ -733,3 +736,31 @@ def ensure_epoch(client: Any, prefix: str, candidate: str) -> str:
     """This Redis's epoch marker: `candidate` if none was set, else the one there."""
     client.set(keys.epoch_key(prefix), candidate, nx=True)
     return client.get(keys.epoch_key(prefix)) or candidate
+
+
+def note_field(reason: str, about: str = "") -> str:
+    """The figures field of a note: `note:<reason>` or `note:<reason>:<about>`."""
+    return f"{NOTE}{reason}:{about}" if about else f"{NOTE}{reason}"
+
+
+def note(client: Any, prefix: str, job: str, reason: str, about: str, text: str) -> None:
+    """Say something about a job where its readers look (the API's warnings): a field of its
+    figures hash, JSON of the text and when it was said (one per reason and other party)."""
+    value = json.dumps({"text": text, "ts": round(time.time(), 3)}, separators=(",", ":"))
+    client.hset(keys.figures_key(prefix, job), note_field(reason, about), value)
+
+
+def notes_of(figures: dict[str, str]) -> list[str]:
+    """The notes in a job's figures hash, as their texts, oldest first; a field that is not one
+    this release wrote is skipped."""
+    out: list[tuple[float, str]] = []
+    for k, v in figures.items():
+        if not k.startswith(NOTE):
+            continue
+        try:
+            x = json.loads(v)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(x, dict) and isinstance(x.get("text"), str) and isinstance(x.get("ts"), int | float):
+            out.append((float(x["ts"]), x["text"]))
+    return [t for _, t in sorted(out)]

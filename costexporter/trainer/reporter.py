@@ -260,7 +260,7 @@ class _Retry(Exception):
 
 class StepReporter:
     """Posts a rank's events to `<prefix>:t:{<job>}:events` and its heartbeats to
-    `<prefix>:t:{<job>}:beats` (protocol v1, docs/protocol.md).
+    `<prefix>:t:{<job>}:beats` (rank 0's to its events: protocol v1, docs/protocol.md).
 
     `stats` counts where every event went (a batched `steps` entry counts its steps): `sent`
     (written to Redis), `spooled` (written to the spool file) and `unspooled` (left it again:
@@ -486,13 +486,16 @@ class StepReporter:
         self._queue.append((type_, self._clock() if ts is None else ts, next(self._seq), fields))
 
     def _beat(self) -> None:
-        """Queue a heartbeat. Its seq counts the session's heartbeats, apart from the other
-        events' seqs: heartbeats go to a stream of their own (`keys.beats_key`), and the event
-        stream's seqs stay without gaps (a reader remembers each gap)."""
+        """Queue a heartbeat. Rank 0's go to the events stream on the events' seqs: they are the
+        signs of life the agents end a crashed run's claim on its GPUs by, and are spooled like
+        any event. The other ranks' seq counts the session's heartbeats, apart from the events'
+        seqs: they go to a stream of their own (`keys.beats_key`) that only the watchers read,
+        and the event stream's seqs stay without gaps (a reader remembers each gap)."""
         if len(self._queue) >= self.capacity:
             self._overflow()
             return
-        self._queue.append(("heartbeat", self._clock(), next(self._beat_seq), {}))
+        seq = self._seq if self.rank == 0 else self._beat_seq
+        self._queue.append(("heartbeat", self._clock(), next(seq), {}))
 
     def _overflow(self) -> None:
         self.stats["overflow"] += 1
@@ -718,9 +721,10 @@ class StepReporter:
         last_ts: float | None = None,
     ) -> tuple[int, list[int]]:
         """Send; count what the server refused for good (dropped, logged once per reason).
-        Heartbeats go to the job's heartbeat stream, except from a spool: this reporter spools
-        none, so a heartbeat there is a reporter's of an earlier release, on its events' seqs,
-        and goes where that reporter would have sent it (the events stream).
+        Heartbeats go to the job's heartbeat stream, except rank 0's (to its events stream, on
+        the events' seqs) and those from a spool: this reporter spools only rank 0's, and a
+        heartbeat there is on its events' seqs (a reporter's of an earlier release too) and goes
+        to the events stream.
         `last_ts`: the newest time among this reporter's own entries, when known (send_entries).
         Returns how many arrived and the indices of what it refused for now (to retry).
         Raises on a dead connection."""
@@ -737,7 +741,7 @@ class StepReporter:
                 job,
                 [entries[i] for i in idx],
                 raise_on_error=False,
-                beats_cap=None if spooled else self._beats_cap,
+                beats_cap=None if spooled or self.rank == 0 else self._beats_cap,
                 last_ts=last_ts if job == self.job else None,
             )
             for j, exc in res.failed.items():
@@ -826,7 +830,7 @@ class StepReporter:
         run: list[_Event] = []
         beats: list[_Event] = []
         for ev in batch:
-            if ev[0] == "heartbeat":  # its own stream and seqs: a run of steps goes on past it
+            if ev[0] == "heartbeat" and self.rank != 0:  # its own stream and seqs: steps go on past it
                 beats.append(ev)
                 continue
             if self.batch_steps and len(ev) == 5:
@@ -910,10 +914,12 @@ class StepReporter:
 
     def _spool_events(self, batch: list[_Event], into: spool.SpoolFile | None = None) -> None:
         """Encode and append to this reporter's spool (or `into`); counted spooled, or lost.
-        Heartbeats are not spooled: sent late they say nothing, and a reporter of an older
-        release that drained the file would post them to the events stream, where their seqs
-        (the heartbeats' own) could pass for events' (counted `heartbeats_unsent`)."""
-        if any(ev[0] == "heartbeat" for ev in batch):
+        The heartbeats of ranks other than 0 are not spooled: sent late they say nothing (only
+        the watcher reads them), and a reporter of an older release that drained the file would
+        post them to the events stream, where their seqs (the heartbeats' own) could pass for
+        events' (counted `heartbeats_unsent`). Rank 0's are on the events' seqs and date its
+        run's signs of life: spooled with the events."""
+        if self.rank != 0 and any(ev[0] == "heartbeat" for ev in batch):
             kept = [ev for ev in batch if ev[0] != "heartbeat"]
             self.stats["heartbeats_unsent"] += len(batch) - len(kept)
             batch = kept

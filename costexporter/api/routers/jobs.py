@@ -29,6 +29,7 @@ from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.figures import exact_at_risk_ms
 from costexporter.core.model import CATEGORIES
 from costexporter.store import untrusted
+from costexporter.store.ledger import notes_of
 from costexporter.store.ledger_read import (
     JOB_CATS,
     WASTED,
@@ -203,6 +204,8 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     amounts, steps = s.window_many([job], w.start, w.end, warn)
     a, st = amounts[job], steps[job]
     meta, fig = info["meta"], info["figures"]
+    for text in notes_of(fig):  # what the agents said of the job (a claim refused, a key unread)
+        warn.add(job, text)
     cost = a.total_cost()
     ckpt = stored_time(fig, "last_checkpoint_ts", job, warn)
     risk_from = max(int(ckpt) // BUCKET_S * BUCKET_S, w.start) if ckpt else w.start
