@@ -78,6 +78,7 @@ class JobDiscovery:
         self._said: set[tuple[str, str, int, int | None]] = set()
         # (job, rank) -> the job whose live run its claim waits for, and the GPU
         self.deferred: dict[tuple[str, int], tuple[str, int]] = {}
+        self._unread: set[int] = set()
         self.notes = notes
 
     def _uuids(self) -> dict[int, str | None]:
@@ -144,6 +145,7 @@ class JobDiscovery:
         if self.unassigned.until is None:
             self.unassigned.load()
         node_gpus = GpuIndex(self.source.gpus())
+        self._unread: set[int] = set()  # GPUs a job names whose state could not be read
         names = self._listed()
         # Every job's registrations in one round trip (512 jobs: one, not 512). A reply that is
         # an error (a ranks key of the wrong type) is that job's alone.
@@ -169,6 +171,8 @@ class JobDiscovery:
                 retry = True  # its keys set aside: looked at again next round
         # The claims of this node's GPUs, those naming the GPU's UUID first, then by time: which job
         # the index lists first (a trainer's ZADD decides that) never decides who holds a GPU.
+        if self._unread:  # (a claim made before stands: its job's stored state booked it)
+            claims = [c for c in claims if c[3] or c[2] not in self._unread]
         uuids = self._uuids()
         claims.sort(
             key=lambda c: (not c[3] and c[1].gpu_uuid != uuids.get(c[2]), c[1].ts_ms, c[0].name, c[1].rank)
@@ -220,7 +224,13 @@ class JobDiscovery:
                 job = self.jobs[name] = AgentJob(name, EventReader(self.redis, name, prefix=self.prefix))
                 # its stored GPU starts and watermark before any claim or handover uses them (a
                 # restarted agent would otherwise hand a crashed job time its successor booked)
-                self._load(job)
+                try:
+                    self._load(job)
+                except self._redis_errors:
+                    # Its claims are read next round: until then no other job's new claim of
+                    # those GPUs is decided (it may date inside this job's run).
+                    self._unread |= {x for _r, x in regs if x is not None}
+                    raise
             old = job.ranks.get(reg.rank)
             if old is not None:  # a restart registers again: the GPU is the job's from the
                 # rank's first registration on (the hash keeps only the newest)
@@ -324,7 +334,10 @@ class JobDiscovery:
             self.unassigned.load(ahead_only=True)
             fresh[0] = True
         job.own[reg.rank] = g
-        job.floors[reg.rank] = max(self._booked_elsewhere(g, job, reg), at)
+        floor = self._booked_elsewhere(g, job, reg)
+        # (a claim that waited starts where the run it waited for ended; one that did not keeps
+        # its registration's date, which an earlier register read later can still move back)
+        job.floors[reg.rank] = max(floor, at) if at > reg.ts_ms else floor
 
     def _takeover_at(self, job: AgentJob, reg: protocol.Registration, gpu: int) -> tuple[int, str]:
         """When the claim `reg` takes this GPU from the jobs that hold it before it
