@@ -78,7 +78,7 @@ class JobDiscovery:
         self._said: set[tuple[str, str, int, int | None]] = set()
         # (job, rank) -> the job whose live run its claim waits for, and the GPU
         self.deferred: dict[tuple[str, int], tuple[str, int]] = {}
-        self._unread: set[int] = set()
+        self._unread: set[int] = set()  # GPUs a job names whose state could not be read (a discovery)
         self.notes = notes
 
     def _uuids(self) -> dict[int, str | None]:
@@ -145,7 +145,7 @@ class JobDiscovery:
         if self.unassigned.until is None:
             self.unassigned.load()
         node_gpus = GpuIndex(self.source.gpus())
-        self._unread: set[int] = set()  # GPUs a job names whose state could not be read
+        self._unread = set()  # GPUs a job names whose state could not be read
         names = self._listed()
         # Every job's registrations in one round trip (512 jobs: one, not 512). A reply that is
         # an error (a ranks key of the wrong type) is that job's alone.
