@@ -21,6 +21,7 @@ import redis
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
+from costexporter.core.booking import BookingConfig
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.core.timeutil import to_ms
@@ -192,8 +193,17 @@ class Run:
 
     redis_url = "redis://127.0.0.1:6379/0"  # the agents' Redis (a test's private server: its own)
 
-    def __init__(self, client, prefix: str, a: TraceBuilder, jobs: list[TraceBuilder], faults: dict | None):
+    def __init__(
+        self,
+        client,
+        prefix: str,
+        a: TraceBuilder,
+        jobs: list[TraceBuilder],
+        faults: dict | None,
+        booking: BookingConfig | None = None,
+    ):
         self.client, self.prefix, self.samples, self.now = client, prefix, a.samples(), 0.0
+        self.booking = booking or BookingConfig()
         self.faults = faults or {}
         self.pending = []  # (post at data ts, job, entry)
         late = set(self.faults.get("late", []))
@@ -243,6 +253,7 @@ class Run:
                 redis_url=self.redis_url,
                 prefix=self.prefix,
                 agent_id="node0",
+                booking=self.booking,
                 job_refresh_s=0,
                 unassigned_hold_s=HOLD_S,
                 event_lag_s=LAG_S,
@@ -317,9 +328,10 @@ class Run:
         return out
 
 
-def offline(a: TraceBuilder, jobs: list[TraceBuilder]) -> dict:
+def offline(a: TraceBuilder, jobs: list[TraceBuilder], booking: BookingConfig | None = None) -> dict:
     """Offline replay's ms per category of each job, on the same samples and events."""
-    results, _ = book_trace(a.samples(), [e for b in jobs for e in b.events], ReplayConfig())
+    cfg = ReplayConfig(booking=booking or BookingConfig())
+    results, _ = book_trace(a.samples(), [e for b in jobs for e in b.events], cfg)
     out = {}
     for r in results:
         ms = np.bincount(r.pieces.category, weights=r.pieces.dur_ms, minlength=len(CATEGORIES))

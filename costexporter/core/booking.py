@@ -16,6 +16,8 @@ and the sums are exact.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -40,6 +42,7 @@ class Regime(IntEnum):
     UNASSIGNED = 4  # outside the job (before registration, after the run's end)
     PENDING = 5  # live only: after the last progress point, not decided yet (never booked)
     BAND = 6  # a job without steps (a Kubernetes pod's GPUs): booked by band alone
+    UNREAD = 7  # the job holds its GPUs but its events cannot be read (a key of the wrong type)
 
 
 # CATEGORY_TABLE[regime, band + 1]; column 0 is NO_BAND (no sample: unobserved).
@@ -80,6 +83,7 @@ _band_only = {**_step, _B.IDLE: _C.IDLE}
 for _b in Band:
     CATEGORY_TABLE[Regime.BAND, _b + 1] = _band_only[_b]
 CATEGORY_TABLE[Regime.UNASSIGNED, :] = _C.UNASSIGNED
+CATEGORY_TABLE[Regime.UNREAD, :] = _C.UNOBSERVED  # held, but nothing says what it was doing
 CATEGORY_TABLE[Regime.PENDING, 1:] = _C.OVERHEAD  # placeholder: pending time is never booked
 
 
@@ -260,6 +264,35 @@ def decided_until_ms(bounds: np.ndarray, regime: np.ndarray, job_end: int | None
     if i is not None:
         return int(bounds[i])
     return job_end if job_end is not None else end_ms
+
+
+def with_unread(tl: Timeline, spans: list[tuple[int, int]]) -> Timeline:
+    """`tl` with the stretches `spans` ([a, b), b up to POS_INF) UNREAD: the job's events could
+    not be read then (its stream was a key of another type), so its GPUs' time there is
+    `unobserved`, decided (never pending), and whatever its events say of that time later moves
+    none of it. Its steps and figures stay what was read."""
+    if not spans:
+        return tl
+    cuts = sorted({*tl.bounds.tolist(), *(x for a, b in spans for x in (a, b))})
+    starts: list[int] = []
+    regimes: list[int] = []
+    for a, b in itertools.pairwise(cuts):
+        inside = any(x <= a and b <= y for x, y in spans)
+        r = Regime.UNREAD if inside else tl.regime_at(a + 1)
+        if r is None:
+            r = Regime.UNASSIGNED
+        if not regimes or regimes[-1] != r:
+            starts.append(a)
+            regimes.append(int(r))
+    open_ = any(b >= POS_INF for _, b in spans)
+    return dataclasses.replace(
+        tl,
+        bounds=np.asarray([*starts, POS_INF], np.int64),
+        regime=np.asarray(regimes, np.int8),
+        end_ms=None if open_ else tl.end_ms,
+        lapsed=False if open_ else tl.lapsed,
+        decided_until_ms=POS_INF if open_ else tl.decided_until_ms,
+    )
 
 
 def active_intervals(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:

@@ -257,6 +257,10 @@ class JobState:
     # `bands.RunCarry` or None); None: the whole context. `win_next`: where the next one may start.
     win: tuple[int, int, bands_mod.RunCarry | None] | None = None
     win_next: tuple[int, int, bands_mod.RunCarry | None] | None = None
+    # Stretches [a, b) booked while the job's events could not be read (`booking.with_unread`;
+    # the last one open, b = POS_INF, while they still cannot): every later timeline of the job
+    # keeps them UNREAD, so no run rule hands that time to another ledger once it is read again.
+    unread: list[tuple[int, int]] = field(default_factory=list)
 
     def take_window(self, oldest_unbooked: int) -> tuple[int | None, bands_mod.RunCarry | None]:
         """This round's band window (samples from, carry), moving on to the next one once
@@ -285,6 +289,7 @@ class JobState:
             "since_ref_ms": self.since_ref_ms,
             "since_cost": self.since_cost,
             "win": [_window_json(self.win), _window_json(self.win_next)],
+            **({"unread": [list(x) for x in self.unread]} if self.unread else {}),
         }
 
     @classmethod
@@ -309,6 +314,7 @@ class JobState:
             since_ref_ms=int(wm.get("since_ref_ms", -1)),
             since_cost=int(wm.get("since_cost", 0)),
             **_window_from_json(wm.get("win")),
+            unread=[(int(a), int(b)) for a, b in wm.get("unread", [])],
         )
 
 
@@ -590,6 +596,7 @@ def ledger_delta(
         since_cost=since_cost,
         win=state.win,
         win_next=res.next_window or state.win_next,
+        unread=list(state.unread),
     )
     new_voids = v.applied - state.rb_applied
     return LedgerDelta(

@@ -332,7 +332,8 @@ def _claims(
         for t, job in claims[1:]:
             if job == holder:
                 continue
-            at = jobfacts.takeover_at(t, intersect(since, POS_INF, *live[holder]))
+            # (a claim dated before the holder's hold began, which waited itself, waits for it)
+            at = jobfacts.takeover_at(max(t, since), intersect(since, POS_INF, *live[holder]))
             if at >= POS_INF:
                 spans[(job, g)] = (t, t)
                 if diag is not None:

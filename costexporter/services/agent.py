@@ -33,7 +33,7 @@ import numpy as np
 
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, live, livestate, profiles
-from costexporter.core.booking import Regime, Timeline
+from costexporter.core.booking import POS_INF, Regime, Timeline, with_unread
 from costexporter.core.figures import at_risk_ms
 from costexporter.core.live import WindowResult, book_window
 from costexporter.core.model import BANDS
@@ -553,12 +553,27 @@ class Agent:
         """Read, book the window (pure), commit the delta with the watermark compare-and-set."""
         if not job.loaded:
             self._load(job)
-        self.folds.read_events(job, self.source.wall_clock)
+        unread = False
+        try:
+            self.folds.read_events(job, self.source.wall_clock)
+        except self._redis_errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            unread = True
+            self._unread(job.name)
         w = self._read_window(job, local)
         if w is None:
             return
-        tl = self._timeline(job, w.terms, w.now_ms, final=w.played)
-        job.note_runs(tl)  # a run end frees the GPUs; a later run start takes them back
+        spans = job.state.unread
+        if unread:  # its GPUs' time from here is unobserved: held, and nothing says what it did
+            if not spans or spans[-1][1] < POS_INF:
+                spans.append((job.oldest_unbooked, POS_INF))
+            tl = with_unread(self.folds.last_timeline(job, w.terms, min(w.now_ms, spans[-1][0])), spans)
+        else:
+            if spans and spans[-1][1] >= POS_INF:  # readable again: from what is left to book
+                spans[-1] = (spans[-1][0], max(spans[-1][0], job.oldest_unbooked))
+            tl = with_unread(self._timeline(job, w.terms, w.now_ms, final=w.played), spans)
+            job.note_runs(tl)  # a run end frees the GPUs; a later run start takes them back
         ends = np.asarray([job.claim(int(r))[1] for r in w.own_ranks], np.int64)
         member_end = np.maximum(ends, w.member_start)
         res = self._book_window(job, w, tl, member_end)
@@ -721,6 +736,21 @@ class Agent:
                 job.done_at = time.monotonic()
             elif not job.done:
                 job.done_at = None
+
+    def _unread(self, job: str) -> None:
+        """The job's events stream is a key of another type (its trainer, or someone with its
+        rights, wrote it so): counted, said, and its GPUs' time booked `unobserved` until it is
+        a stream again."""
+        self.refusals.refuse(
+            job,
+            "events_unreadable",
+            "its events key is not a stream: its GPUs' time is booked unobserved until it is one again",
+        )
+        self.notes.note(
+            job,
+            "events_unreadable",
+            "its events key is not a stream, so its GPUs' time is booked unobserved (delete or fix the key)",
+        )
 
     def _unreachable_voids(self, job: str, n: int) -> None:
         self.stats["unreachable_voids"] += n

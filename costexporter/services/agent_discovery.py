@@ -350,7 +350,7 @@ class JobDiscovery:
             return reg.ts_ms, ""
         uuid_ = gpus[gpu].uuid if gpu < len(gpus) else None
         by_uuid = bool(uuid_) and reg.gpu_uuid == uuid_
-        at, holder = reg.ts_ms, ""
+        holds = []  # the holds of the claims dated before this one, in the order they hold
         for other in self.jobs.values():
             if other is job:
                 continue
@@ -358,11 +358,15 @@ class JobDiscovery:
                 held = other.ranks.get(r)
                 if g != gpu or held is None or (by_uuid and held.gpu_uuid != uuid_):
                     continue
-                if other.claim(r)[0] > reg.ts_ms:
-                    continue  # it came after this claim: this claim's successor
-                t = jobfacts.takeover_at(reg.ts_ms, other.held(r))
-                if t > at:
-                    at, holder = t, other.name
+                if held.ts_ms > reg.ts_ms:
+                    continue  # a claim dated after this one: this claim's successor
+                holds.append((other.claim(r)[0], other.name, other.held(r)))
+        at, holder = reg.ts_ms, ""
+        for start, name, stretches in sorted(holds):
+            # (a hold that began after this claim's date waited itself: this claim waits for it)
+            t = jobfacts.takeover_at(max(at, start), stretches)
+            if t > at:
+                at, holder = t, name
         return at, holder
 
     def _in_use(self, job: AgentJob, reg: protocol.Registration, g: int, holder: str) -> None:

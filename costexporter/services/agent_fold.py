@@ -246,6 +246,17 @@ class JobFolds:
             tl = build_timeline(dated_until(events, now_ms), booking, job_start, now_ms, final=final)
         return tl
 
+    def last_timeline(self, job: AgentJob, terms: JobTerms, now_ms: int) -> Timeline:
+        """The timeline of what was read of the job so far, without reading its stream (it
+        cannot be read): its fold's view, else an empty one from its start."""
+        fold = job.fold
+        if fold is None or fold.late or fold.start_ms != terms.start_ms or fold.cfg != terms.booking:
+            fold = TimelineFold(terms.booking, terms.start_ms)
+        tl = fold.timeline(now_ms, dated_until=True)
+        return (
+            tl if tl is not None else build_timeline([], terms.booking, terms.start_ms, now_ms, final=False)
+        )
+
     def _refold_from_store(self, job: AgentJob, terms: JobTerms, now_ms: int, final: bool) -> Timeline | None:
         """An event arrived older than the fold: fold it again from the older stored fold and the
         stream since that fold's position (the stream may be trimmed below it), rather than from
