@@ -19,7 +19,7 @@ from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import Prices
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace, report_of
-from costexporter.core.terms import Policy, PolicyError, PolicyRule, job_terms, parse_policy
+from costexporter.core.terms import Policy, PolicyError, PolicyRule, job_terms, liveness, parse_policy
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import ledger
@@ -43,11 +43,14 @@ def test_policy_rules_pick_a_jobs_thresholds_by_name_and_team_and_never_from_met
     meta = {"team": "research", "stall_floor_s": 5, "heartbeat_timeout_s": 900, "price_per_gpu_hour": 4}
     t = job_terms("pretrain-7", meta, policy, [1_000, 2_000])
     assert t.start_ms == 1_000
-    assert t.booking == dataclasses.replace(flags, stall_floor_s=1800.0)  # the first rule that matches
+    # the first rule that matches; the meta's heartbeat timeout lengthens the liveness timeout
+    assert t.booking == dataclasses.replace(flags, stall_floor_s=1800.0, liveness_timeout_s=900.0)
     assert t.ignored_meta == ("stall_floor_s",) and t.heartbeat_timeout_s == 900
     assert t.prices.price_per_gpu_hour == 4 and "overrides --price-per-gpu-hour 2" in (t.price_note or "")
     t = job_terms("finetune", meta, policy, [5])
-    assert t.booking == dataclasses.replace(flags, stall_k=8.0, checkpoint_allowance_s=3600.0)
+    assert t.booking == dataclasses.replace(
+        flags, stall_k=8.0, checkpoint_allowance_s=3600.0, liveness_timeout_s=900.0
+    )
     t = job_terms("finetune", {"team": "llm"}, policy, [5])
     assert t.booking is flags and t.prices is policy.prices and t.price_note is None
     assert max(policy.widest_checkpoint_allowance_s(), 0) == 3600
@@ -166,7 +169,7 @@ def test_the_agent_the_watcher_and_replay_derive_equal_terms_and_book_and_judge_
         live = agent.jobs[b.job].terms
         assert offline is not None and live is not None and judged is not None
         # Equal terms: what the operator sets, what the meta may set, what it may not.
-        want = Policy(booking, prices, rules).booking_for(b.job, meta.get("team"))
+        want = liveness(Policy(booking, prices, rules).booking_for(b.job, meta.get("team")), meta)
         assert offline.booking == live.booking == judged.booking == want
         assert offline.start_ms == live.start_ms == judged.start_ms
         assert offline.prices == live.prices
@@ -205,3 +208,28 @@ def test_replay_ignores_and_says_a_meta_that_sets_a_booking_threshold():
     assert report["meta_ignored"] == ["stall_floor_s"]
     assert r.timeline.stall_threshold_ms == 60_000  # the flags' floor, not the meta's 1800 s
     json.dumps(report)
+
+
+@given(
+    policy_s=st.floats(1, 10_000),
+    longest_s=st.floats(1, 100_000),
+    asked=st.one_of(st.none(), st.floats(-10, 200_000), st.just("nan"), st.just(True), st.text(max_size=3)),
+)
+def test_a_jobs_meta_lengthens_its_liveness_timeout_up_to_the_operators_longest_and_never_shortens_it(
+    policy_s, longest_s, asked
+):
+    """Where a crashed run's claim ends moves money: the operator's timeout is the floor, their
+    longest the ceiling; the job's meta `heartbeat_timeout_s` moves it only between them, and a
+    meta `liveness_timeout_s` is ignored like any threshold."""
+    booking = BookingConfig(liveness_timeout_s=policy_s, liveness_timeout_max_s=longest_s)
+    meta = {"heartbeat_timeout_s": asked, "liveness_timeout_s": 1.0, "liveness_timeout_max_s": 1e9}
+    terms = job_terms("j", meta, Policy(booking), [0])
+    got = terms.booking
+    assert got.liveness_timeout_s >= policy_s
+    assert got.liveness_timeout_s <= max(policy_s, longest_s)
+    assert got.liveness_timeout_max_s == max(policy_s, longest_s)
+    if isinstance(asked, float) and policy_s < asked < longest_s:
+        assert got.liveness_timeout_s == asked
+    assert {"liveness_timeout_s", "liveness_timeout_max_s"} <= set(terms.ignored_meta)
+    rule = parse_policy({"rules": [{"job": "j*", "liveness_timeout_s": 30, "liveness_timeout_max_s": 60}]})
+    assert job_terms("job", {}, Policy(booking, rules=rule), [0]).booking.liveness_timeout_s == 30

@@ -258,6 +258,20 @@ BOOKING_FLAGS = [
         "A sample gap longer than this many intervals books 'unobserved'.",
     ),
     (
+        "--liveness-timeout",
+        "liveness_timeout_s",
+        1,
+        "A run that stops without 'run end' is over once rank 0 shows no sign of life (a step, a "
+        "run event, a heartbeat) for this many seconds: its claim on its GPUs ends there.",
+    ),
+    (
+        "--liveness-timeout-max",
+        "liveness_timeout_max_s",
+        1,
+        "The longest liveness timeout: a job's meta heartbeat_timeout_s lengthens it up to here, and "
+        "a job whose rank 0 posts no heartbeat to its events stream (an older reporter) gets it.",
+    ),
+    (
         "--rollback-checkpoints",
         "rollback_checkpoints",
         1,

@@ -30,6 +30,8 @@ POLICY_THRESHOLDS = (
     "eval_allowance_s",
     "startup_allowance_s",
     "phase_allowance_s",
+    "liveness_timeout_s",
+    "liveness_timeout_max_s",
 )
 LIVENESS_TERMS = ("heartbeat_timeout_s", "heartbeat_interval_s")
 META_THRESHOLDS = (*LIVENESS_TERMS, *POLICY_THRESHOLDS)

@@ -11,7 +11,9 @@ Where each term comes from (docs/terms.md):
   is ignored (and said: `JobTerms.ignored_meta`), since a trainer could otherwise declare its own
   waste away. The allowance learned from the job's own phases still applies (`core/booking`);
 * the liveness cadence (`heartbeat_timeout_s`, `heartbeat_interval_s`) may come from the job's
-  meta: a job of 5-minute steps beats at its own pace, and silence moves no money;
+  meta: a job of 5-minute steps beats at its own pace. Its `heartbeat_timeout_s` also lengthens
+  the booking's liveness timeout (where a crashed run's claim on its GPUs ends), up to the
+  operator's longest, never shortening it (`liveness`);
 * the GPU-hour price is the job's meta `price_per_gpu_hour` where it sets one, else the flag's;
 * the profile is resolved by `core/profiles` and carried here as given.
 """
@@ -197,7 +199,7 @@ def job_terms(
         stored_start_ms=stored_start_ms,
     )
     team = meta.get("team")
-    booking = policy.booking_for(job, team if isinstance(team, str) else None)
+    booking = liveness(policy.booking_for(job, team if isinstance(team, str) else None), meta)
     prices, note = job_price(job, meta, policy.prices)
     return JobTerms(
         start_ms=start,
@@ -209,6 +211,21 @@ def job_terms(
         ignored_meta=tuple(k for k in POLICY_THRESHOLDS if k in meta),
         price_note=note,
     )
+
+
+def liveness(booking: BookingConfig, meta: Mapping[str, Any]) -> BookingConfig:
+    """The job's liveness timeout: the operator's, lengthened by the job's meta
+    `heartbeat_timeout_s` (a job of 5-minute steps beats at its own pace) up to the operator's
+    longest (`liveness_timeout_max_s`); never shortened by it, since a shorter one would end the
+    job's claim (and its bill) sooner."""
+    longest = max(booking.liveness_timeout_max_s, booking.liveness_timeout_s)
+    asked = _seconds(meta.get("heartbeat_timeout_s"))
+    timeout = (
+        booking.liveness_timeout_s if asked is None else max(booking.liveness_timeout_s, min(asked, longest))
+    )
+    if timeout == booking.liveness_timeout_s and longest == booking.liveness_timeout_max_s:
+        return booking
+    return dataclasses.replace(booking, liveness_timeout_s=timeout, liveness_timeout_max_s=longest)
 
 
 def ignored_meta_note(job: str, keys: Iterable[str]) -> str:
