@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from costexporter.core.booking import BookingConfig
 from costexporter.core.diagnostics import Diagnostics
+from costexporter.core.events import parse_event
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder
@@ -282,3 +283,36 @@ def test_a_job_whose_events_key_breaks_mid_run_books_that_stretch_unobserved_and
     # through are outside the job: no sign of life is known there)
     assert got["a"]["productive"] > 2 * 70_000
     assert run.agents[0].refusals.counts[("a", "events_unreadable")] > 0
+
+
+def test_an_operator_closes_a_run_by_hand_and_its_claim_ends_there(prefix, cli) -> None:
+    """`costexporter claims close` (a real process) posts the job's run end at `--at`: the
+    agents end its claim on its GPUs there (the rest is `unassigned`), replay of the job's
+    exported events books it alike, and the close is noted for the API with its reason."""
+    a = TraceBuilder(n_gpus=1, per_host=1, job="a", seed=9)
+    a.run("start")
+    live(a, "compute", 120, 4, beats=True)  # a hung job's process would beat on: it never ends
+    a.stretch("idle", HOLD_S + 3 * ROUND_S)
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    client.zadd(keys.jobs_key(prefix), {"a": a.t0})  # known to the ledger
+    got = cli("claims", "close", "a", "--at", str(a.t0 + 50), "--reason", "node drained", "--prefix", prefix)
+    assert got.returncode == 0, got.stderr
+    assert cli("claims", "close", "nope", "--reason", "x", "--prefix", prefix).returncode == 2
+    closed = [e for e in client.xrange(keys.stream_key(prefix, "a")) if e[1].get("by") == "operator"]
+    assert len(closed) == 1
+    close_ev = parse_event(closed[0][1])
+    run = Run(client, prefix, a, [a], None, booking=BOOKING)
+    run.run()
+    booked_ms = run.ledger(["a"])
+    assert sum(booked_ms["a"].values()) == 50_000  # its claim ended at the close
+    assert booked_ms["a"] == offline(a, [a, _Events([close_ev])], BOOKING)["a"]
+    notes = ledger.notes_of(client.hgetall(keys.figures_key(prefix, "a")))
+    assert any("closed by hand" in t and "node drained" in t for t in notes), notes
+
+
+class _Events:
+    """Events of a job to book with a trace (`offline` takes builders)."""
+
+    def __init__(self, events) -> None:
+        self.events = events
+        self.job = events[0].job

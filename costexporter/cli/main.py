@@ -27,6 +27,7 @@ from costexporter.cli.commands import (
     api,
     artifacts,
     calibrate,
+    claims,
     demo,
     events,
     keyspace,
@@ -74,6 +75,7 @@ for command in (
     events.events,
     acl.acl,
     keyspace.keys_group,
+    claims.claims,
 ):
     main.add_command(command)
 finish_options(main)
