@@ -252,14 +252,23 @@ def test_reporter_reads_rank_and_world_from_the_environment(monkeypatch, tmp_pat
 
 
 def test_heartbeats_while_alive(shared, prefix, tmp_path):
-    rep = StepReporter("beats", SHARED_URL, prefix=prefix, rank=0, spool_dir=tmp_path, heartbeat_s=0.1)
+    """Rank 1's heartbeats go to the heartbeat stream only (the agents never read them); rank 0's
+    to its events stream, on the events' seqs, where the agents date a crashed run's end by them."""
+    reps = [
+        StepReporter("beats", SHARED_URL, prefix=prefix, rank=r, spool_dir=tmp_path, heartbeat_s=0.1)
+        for r in (0, 1)
+    ]
     time.sleep(0.6)
-    rep.close()
+    for rep in reps:
+        rep.close()
     beats = EventReader(shared, "beats", prefix=prefix, beats=True).read_all()
-    assert len(beats) >= 3 and {b.type for b in beats} == {"heartbeat"}
+    assert len(beats) >= 3 and {b.type for b in beats} == {"heartbeat"} and {b.rank for b in beats} == {1}
     assert all(b.ts > 0 for b in beats)
-    # In the heartbeat stream only: the events stream, which the agents read, holds none.
-    assert not [e for e in EventReader(shared, "beats", prefix=prefix).read_all() if e.type == "heartbeat"]
+    events = EventReader(shared, "beats", prefix=prefix).read_all()
+    in_events = [e for e in events if e.type == "heartbeat"]
+    assert len(in_events) >= 3 and {e.rank for e in in_events} == {0}
+    seqs = sorted(e.seq for e in events if e.rank == 0)
+    assert seqs == list(range(len(seqs)))  # one run of seqs: no reader keeps a gap
 
 
 def test_gpu_uuid_from_nvml_through_cuda_visible_devices(monkeypatch, tmp_path):

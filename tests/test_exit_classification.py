@@ -58,10 +58,19 @@ def _start(how: str, prefix: str, tmp_path: Path) -> subprocess.Popen:
 
 
 def _posted(shared, how: str, prefix: str) -> tuple[list[str | None], list[int]]:
+    runs, steps, _ = _read(shared, how, prefix)
+    return runs, steps
+
+
+def _read(shared, how: str, prefix: str) -> tuple[list[str | None], list[int], dict | None]:
+    """The run states and steps posted, and the crash record's fields (None: none posted)."""
     events = EventReader(shared, how, prefix=prefix).read_all()
-    return [e.get("state") for e in events if e.type == "run"], [
-        e.get("step") for e in events if e.type == "step"
-    ]
+    crash = next((e.fields for e in events if e.type == "run" and e.get("state") == "crash"), None)
+    return (
+        [e.get("state") for e in events if e.type == "run"],
+        [e.get("step") for e in events if e.type == "step"],
+        crash,
+    )
 
 
 @pytest.mark.parametrize("how", sorted(CASES))
@@ -70,8 +79,13 @@ def test_each_way_of_ending_is_classified(how, shared, prefix, tmp_path):
     p = _start(how, prefix, tmp_path)
     _, err = p.communicate(timeout=60)
     assert p.returncode == status, err  # the reporter never changes how the process ends
-    runs, steps = _posted(shared, how, prefix)
-    assert runs == (["start", "end"] if clean else ["start"]), err
+    runs, steps, crash = _read(shared, how, prefix)
+    # A failing end posts a crash record (how it ended, the exception's type where one was
+    # raised): the watcher names the rank that failed.
+    assert runs == (["start", "end"] if clean else ["start", "crash"]), err
+    if not clean:
+        assert crash is not None and crash["exit"], crash
+        assert crash.get("error") == ("RuntimeError" if how == "uncaught" else None), crash
     assert steps, err  # what it posted before the end arrived
     assert "Traceback" not in err or how == "uncaught", err
 
@@ -88,8 +102,11 @@ def test_a_fatal_signal_posts_no_run_end_and_sends_what_was_in_memory(how, share
         if p.poll() is None:
             p.kill()
     assert p.returncode == status, err  # still killed by the signal (its parent sees the same)
-    runs, steps = _posted(shared, how, prefix)
-    assert runs == ["start"], err
+    runs, steps, crash = _read(shared, how, prefix)
+    assert runs == ["start", "crash"], err
+    assert crash is not None and (sig.name in crash["exit"] or crash.get("error") == "KeyboardInterrupt"), (
+        crash
+    )
     assert steps == [1, 2, 3, 4, 5, 6], err  # step 6 was still in memory when the signal came
 
 

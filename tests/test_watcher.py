@@ -793,3 +793,31 @@ def test_per_job_thresholds_come_from_the_operators_policy_not_the_reporters_met
         w.stop()
         for _, rep in jobs.values():
             rep.close(timeout=0.5)
+
+
+def test_a_crash_record_names_the_failing_rank_at_once_even_when_every_rank_stops_together():
+    """torch's teardown silences every rank within the same seconds, so heartbeats cannot tell
+    which failed; the rank whose process could still write posted a crash record as it died
+    (an exception, `sys.exit(1)`): the watcher names it at once, before any heartbeat timeout."""
+    evs = [*registered(), *steps(1, 12), *beats(60)]
+    evs.append(ev("run", 61.0, 2, state="crash", exit="uncaught RuntimeError", error="RuntimeError"))
+    evs += [ev("heartbeat", 61.0 + 0.005 * r, r) for r in range(4)]
+    st = decide(view(evs), T0 + 65, CFG)  # 4 s after: no heartbeat timeout yet
+    assert st.state == "crashed" and st.suspect["rank"] == 2, st
+    assert "rank 2 crashed (uncaught RuntimeError)" in st.reason and "RuntimeError" in st.suspect["why"]
+    # A restart of the rank (a new process) forgets its crash record.
+    evs.append(Event("run", "j", to_ms(T0 + 80), 2, "s2-restart", 0, {"state": "start"}))
+    assert decide(view(evs), T0 + 85, CFG).state != "crashed"
+
+
+def test_one_rank_silent_while_the_others_stopped_within_seconds_is_said_as_such():
+    """1 of 4 ranks past the timeout, the other three's heartbeats stopped seconds after its:
+    which stopped first cannot be told, and the words say one rank, not 'ranks [2] ... together'."""
+    evs = [*registered(), *steps(1, 12), *beats(60)]
+    evs += [ev("heartbeat", 62.0, r) for r in (0, 1, 3)]
+    st = decide(view(evs), T0 + 60 + 60.5, CFG)
+    assert st.state == "crashed" and "1 of 4 ranks" in st.reason and st.suspect["rank"] is None
+    assert (
+        st.suspect["why"].startswith("rank 2 is silent past the timeout")
+        and "together" not in st.suspect["why"]
+    )

@@ -577,9 +577,9 @@ class RunWalk(Segments):
                 self.new_run()
                 self.run_fresh = True
         self.last_alive = max(self.last_alive, t)
-        if ev.type == "heartbeat":
-            self.beats = True
-            return  # a sign of life, not a progress point
+        if ev.type == "heartbeat" or state == "crash":  # a sign of life, not a progress point
+            self.beats = self.beats or ev.type == "heartbeat"
+            return
         if ev.type == "step":
             n = ev.int_field("step")
             top = self.run_top()

@@ -33,6 +33,9 @@ POLICY_THRESHOLDS = (
     "liveness_timeout_s",
     "liveness_timeout_max_s",
 )
+# Text fields of a run event: a crash record's (`exit`: how the process ended, `error`: the
+# exception's type) and an operator's close (`by`, `operator`, `reason`: `claims close`).
+RUN_TEXT = ("exit", "error", "by", "operator", "reason")
 LIVENESS_TERMS = ("heartbeat_timeout_s", "heartbeat_interval_s")
 META_THRESHOLDS = (*LIVENESS_TERMS, *POLICY_THRESHOLDS)
 EVENT_TYPES = frozenset({"register", "step", "phase", "run", "heartbeat", "meta", "preflight"})
@@ -257,8 +260,10 @@ def parse_event(
         f["state"] = _str(entry, "state", choices=frozenset({"begin", "end"}))
         f["step"] = _int(entry, "step", required=False)
     elif etype == "run":
-        f["state"] = _str(entry, "state", choices=frozenset({"start", "resume", "end"}))
+        f["state"] = _str(entry, "state", choices=frozenset({"start", "resume", "end", "crash"}))
         f["step"] = _int(entry, "step", required=False)
+        for key in RUN_TEXT:  # a crash record's exit and error; a close's by, operator, reason
+            f[key] = _str(entry, key, required=False)
     elif etype == "meta":
         for key in META_TEXT:
             val = entry.get(key)

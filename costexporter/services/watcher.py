@@ -133,6 +133,8 @@ class _Rank:
     last_step: int | None = None
     open_phases: dict[str, float] = field(default_factory=dict)
     ended: bool = False  # its latest run event is `end`
+    # its process's crash record (`run crash`, posted as it died): (ts, how it exited, error type)
+    crash: tuple[float, str, str | None] | None = None
     session: str | None = None  # the rank's newest process
 
 
@@ -263,6 +265,7 @@ class JobView:
                 if r.session is not None:
                     r.open_phases.clear()
                     r.ended = False
+                    r.crash = None
                 r.session = ev.session
             if ev.type == "step":
                 r.last_step = ev.int_field("step")
@@ -272,6 +275,13 @@ class JobView:
                     r.open_phases[name] = ev.ts
                 else:
                     r.open_phases.pop(name, None)
+            elif ev.type == "run" and ev.get("state") == "crash":
+                error = ev.get("error")
+                r.crash = (
+                    ev.ts,
+                    str(ev.get("exit") or "a failure"),
+                    error if isinstance(error, str) else None,
+                )
             elif ev.type == "run":
                 r.ended = ev.get("state") == "end"
                 if not r.ended:
@@ -406,7 +416,18 @@ Verdict = tuple[str, str, dict[str, Any] | None]
 
 
 def _crashed(view: JobView, running: list[int], now: float, cfg: WatchConfig) -> Verdict | None:
-    """Crashed: a rank that has not ended went silent."""
+    """Crashed: a rank that has not ended posted a crash record as its process died (named at
+    once: the first to post one), or went silent."""
+    records = sorted((c[0], r, c) for r in running if (c := view.ranks.get(r, _NO_EVENTS).crash) is not None)
+    if records:
+        _ts, rank, (_, exit_, error) = records[0]
+        how = f"{exit_}" + (f" ({error})" if error and error not in exit_ else "")
+        others = f"; {len(records) - 1} more rank(s) did too" if len(records) > 1 else ""
+        return (
+            "crashed",
+            f"rank {rank} crashed ({how}) and no run end{others}",
+            {**view.where(rank), "why": f"posted a crash record: {how}"},
+        )
     silent = [r for r in running if now - view.last_heard(r) > cfg.heartbeat_timeout_s]
     if not (running and silent):
         return None
@@ -564,8 +585,14 @@ def _first_silent(view: JobView, running: list[int], silent: list[int], interval
     first_ts, first = seen[0]
     if first in silent and (len(seen) == 1 or seen[1][0] - first_ts > 2 * interval_s):
         return {**view.where(first), "why": "heartbeats gone first"}
-    together = "all ranks" if len(silent) == len(running) else f"ranks {sorted(silent)}"
-    return _unnamed(f"{together} stopped together")
+    if len(silent) == len(running):
+        return _unnamed("all ranks stopped together")
+    if len(silent) == 1:
+        return _unnamed(
+            f"rank {silent[0]} is silent past the timeout, and the others' heartbeats stopped within "
+            f"{human(2 * interval_s)} of its: the first to stop cannot be told"
+        )
+    return _unnamed(f"ranks {sorted(silent)} stopped together")
 
 
 def _unnamed(why: str) -> dict[str, Any]:

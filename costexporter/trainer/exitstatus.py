@@ -69,6 +69,17 @@ def exception_reason(exc: BaseException | None) -> str | None:
     return f"{type(exc).__name__} in flight"
 
 
+def error_type(reason: str) -> str | None:
+    """The exception type a crash reason names (`uncaught ValueError`, `KeyError in flight`),
+    else None (an exit status, a signal)."""
+    for head, tail in (("uncaught ", ""), ("", " in flight")):
+        if reason.startswith(head) and reason.endswith(tail):
+            name = reason[len(head) : len(reason) - len(tail)].split(" ")[0]
+            if name.isidentifier() and not name.startswith("SystemExit"):
+                return name
+    return None
+
+
 def note_crash(reason: str) -> None:
     global _crash
     if _crash is None:

@@ -357,6 +357,7 @@ class StepReporter:
         self._idle = threading.Event()
         self._inactive = False  # set in a forked child: the hot path returns at once
         self._closed = False
+        self._exit_reason: str | None = None
         self._stopping = False
         self._warned_overflow = False
         self._logged: set[str] = set()
@@ -531,6 +532,7 @@ class StepReporter:
         cannot be spooled is counted `lost` and logged once."""
         if self._closed or os.getpid() != self._pid:
             return
+        why = self._exit_reason  # the `with` block's, when it ended the reporter
         if end_run is None:
             why = exitstatus.crash_reason() or exitstatus.exception_reason(sys.exc_info()[1])
             end_run = why is None
@@ -538,6 +540,12 @@ class StepReporter:
                 log.info("costexporter: not posting run end for %s rank %d: %s", self.job, self.rank, why)
         if end_run:
             self._post("run", ts=None if ts is None else self._ts(ts), state="end")
+        elif why:  # the process can still write: say which rank failed, and how (the watcher names it)
+            fields: dict[str, object] = {"state": "crash", "exit": why[:200]}
+            error = exitstatus.error_type(why)
+            if error:
+                fields["error"] = error
+            self._post("run", None, **fields)
         self._closed = True
         timeout = self.exit_timeout_s if timeout is None else timeout
         self.flush(timeout)
@@ -578,7 +586,8 @@ class StepReporter:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self.close(end_run=exitstatus.exception_reason(exc) is None and exitstatus.crash_reason() is None)
+        self._exit_reason = exitstatus.exception_reason(exc) or exitstatus.crash_reason()
+        self.close(end_run=self._exit_reason is None)
 
     # ---- the sender thread -----------------------------------------------------------------
     def _run(self) -> None:
