@@ -153,11 +153,11 @@ def test_a_trainer_reaches_its_own_job_and_no_other(server, tmp_path):
     user = setuser(admin, "trainer", job="mine", user=f"t-{uuid.uuid4().hex[:6]}")
     c = client_as(server, *user)
     # The reporter does its whole work under the rule: nothing refused, nothing spooled.
-    rep = StepReporter(
+    rep = StepReporter(  # rank 1: its heartbeats go to the heartbeat stream (rank 0's to its events)
         "mine",
         url_as(server, *user),
-        rank=0,
-        world_size=1,
+        rank=1,
+        world_size=2,
         prefix=PREFIX,
         spool_dir=tmp_path,
         heartbeat_s=0.05,

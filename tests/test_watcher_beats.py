@@ -142,31 +142,43 @@ def test_a_rank_beating_only_in_the_heartbeat_stream_is_alive(shared, prefix):
         w.stop()
 
 
-def test_a_reporters_heartbeats_never_reach_the_events_stream_nor_an_agents_read(shared, prefix, tmp_path):
-    rep = StepReporter(
-        JOB, SHARED_URL, rank=0, world_size=4, prefix=prefix, spool_dir=tmp_path, heartbeat_s=0.02
-    )
+def test_a_ranks_heartbeats_never_reach_the_events_stream_nor_an_agents_read_but_rank_0s_do(
+    shared, prefix, tmp_path
+):
+    """Rank 1's heartbeats go to the heartbeat stream alone, on seqs of their own. Rank 0's go
+    to the events stream on the events' seqs (no gap a reader must remember): the agents date a
+    run that stopped without `run end` by them."""
+    reps = [
+        StepReporter(
+            JOB, SHARED_URL, rank=r, world_size=4, prefix=prefix, spool_dir=tmp_path, heartbeat_s=0.02
+        )
+        for r in (1, 0)
+    ]
     beats_key = keys.beats_key(prefix, JOB)
     try:
         deadline = time.monotonic() + 10
         step = 0
         while shared.xlen(beats_key) < 10 and time.monotonic() < deadline:
             step += 1
-            rep.step(step)
+            for rep in reps:
+                rep.step(step)
             time.sleep(0.01)
     finally:
-        rep.close()
+        for rep in reps:
+            rep.close()
     beats = shared.xrange(beats_key)
     assert len(beats) >= 10 and {f["type"] for _, f in beats} == {"heartbeat"}
+    assert {f["rank"] for _, f in beats} == {"1"}
     # Their seqs are their own: 0, 1, 2, ... (the events' stay without gaps).
     assert [int(f["seq"]) for _, f in beats] == list(range(len(beats)))
     events = shared.xrange(keys.stream_key(prefix, JOB))
-    assert events and not [f for _, f in events if f["type"] == "heartbeat"]
-    # What an agent reads: the events stream, every event, no heartbeat, no seq gap.
+    assert events and {f["rank"] for _, f in events if f["type"] == "heartbeat"} == {"0"}
+    # What an agent reads: the events stream, rank 1's events without a heartbeat, no seq gap.
     agent = EventReader(shared, JOB, prefix)
     got = agent.read_all()
-    assert got and not [e for e in got if e.type == "heartbeat"]
-    assert agent.stats["accepted"] == step + 3  # register, run start, the steps, run end
+    assert got and not [e for e in got if e.type == "heartbeat" and e.rank != 0]
+    assert [e for e in got if e.type == "heartbeat" and e.rank == 0]
+    assert sum(e.rank == 1 for e in got) == step + 3  # register, run start, the steps, run end
     assert all(not x.gaps for x in agent._seen.values())
 
 

@@ -413,6 +413,7 @@ class _Job:
     profile_source: str
     terms: JobTerms
     timeline: Timeline
+    end_ms: int  # where its data ends (its last event or its GPUs' last sample)
     booked_by: str
     rows: np.ndarray | None
     cols: tuple[np.ndarray, ...]  # the member GPUs' samples (lg, ts, power, util, energy)
@@ -452,6 +453,7 @@ def _prepare_job(
         source,
         terms,
         timeline,
+        end_ms,
         booked_by,
         rows,
         cols,
@@ -467,7 +469,7 @@ def _book_job(
     lg, ts, pw, ut, en = prep.cols
     member_gpus = np.asarray([g for _, g, _ in members], np.int64)
     ranks = np.asarray([r for r, _, _ in members], np.int64)
-    job_end = timeline.end_ms if timeline.end_ms is not None else POS_INF
+    job_end = timeline.end_ms if timeline.end_ms is not None else prep.end_ms
     n_ranks = int(ranks.max()) + 1 if ranks.size else 0
     br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, prep.profile, layout.interval)
     mem_start = np.asarray([spans[(job, g)][0] for _, g, _ in members], np.int64)

@@ -218,14 +218,13 @@ def liveness(booking: BookingConfig, meta: Mapping[str, Any]) -> BookingConfig:
     `heartbeat_timeout_s` (a job of 5-minute steps beats at its own pace) up to the operator's
     longest (`liveness_timeout_max_s`); never shortened by it, since a shorter one would end the
     job's claim (and its bill) sooner."""
-    longest = max(booking.liveness_timeout_max_s, booking.liveness_timeout_s)
     asked = _seconds(meta.get("heartbeat_timeout_s"))
-    timeout = (
-        booking.liveness_timeout_s if asked is None else max(booking.liveness_timeout_s, min(asked, longest))
-    )
-    if timeout == booking.liveness_timeout_s and longest == booking.liveness_timeout_max_s:
+    timeout = booking.liveness_timeout_s
+    if asked is not None:
+        timeout = max(timeout, min(asked, booking.liveness_timeout_max_s))
+    if timeout == booking.liveness_timeout_s:
         return booking
-    return dataclasses.replace(booking, liveness_timeout_s=timeout, liveness_timeout_max_s=longest)
+    return dataclasses.replace(booking, liveness_timeout_s=timeout)
 
 
 def ignored_meta_note(job: str, keys: Iterable[str]) -> str:

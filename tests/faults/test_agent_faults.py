@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from costexporter.api.export import gpu_hour_price
+from costexporter.core.booking import BookingConfig
 from costexporter.core.model import CATEGORIES, Event
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
@@ -111,11 +112,15 @@ def test_5_a_late_register_moves_no_time_twice(shared, prefix, tmp_path):
 
 
 # ---- 6. a GPU reused by a new job after the old one crashed -----------------------------------
-def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path):
+@pytest.mark.parametrize("gap_s", [50, 20], ids=["after the lapse", "before the lapse"])
+def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path, gap_s):
+    """The crashed job's claim ends at its liveness timeout (30 s here, after its last step):
+    a new job that registers its GPUs later takes them at once, one that registers sooner waits
+    until then (its first seconds are the crashed job's tail)."""
     a = TraceBuilder(n_gpus=2, per_host=2, job="crashed", seed=6)
     a.run("start")
     a.stretch("compute", 100, step_s=5, tokens=100)
-    a.stretch("idle", 50)  # crashed: no run end
+    a.stretch("idle", gap_s)  # crashed: no run end
     b = TraceBuilder(n_gpus=2, per_host=2, job="next", seed=6, t0=a.t)  # same GPUs (same UUIDs)
     a.stretch("compute", 150)  # the samples of job "next"
     a.stretch("idle", 5)
@@ -123,7 +128,9 @@ def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path
     b.stretch("compute", 150, step_s=5, tokens=100)
     b.run("end")
     events = a.events + b.events
-    results, _ = book_trace(a.samples(), events, ReplayConfig())
+    results, _ = book_trace(
+        a.samples(), events, ReplayConfig(booking=BookingConfig(liveness_timeout_max_s=30))
+    )
     expected = {}
     for r in results:
         ms = [0] * len(CATEGORIES)
@@ -133,16 +140,18 @@ def test_6_a_gpu_reused_by_a_new_job_leaves_the_old_one(shared, prefix, tmp_path
     [csv] = write_nvidia_smi_csv(a.samples(), tmp_path / "t")
     post_events(shared, prefix, a)
     post_events(shared, prefix, b)
-    p = serve(csv, "node0", URL, prefix, 0, speed=50, book_s=0.1)
+    p = serve(csv, "node0", URL, prefix, 0, "--liveness-timeout-max", "30", speed=50, book_s=0.1)
     end_b = max(e.ts_ms for e in b.events)
     try:
         wait_booked(shared, prefix, "next", ["node0"], end_b)
-        wait_booked(shared, prefix, "crashed", ["node0"], int(b.t0 * 1000))
+        wait_booked(shared, prefix, "crashed", ["node0"], int(a.t0 * 1000) + 130_000)
         time.sleep(0.5)
     finally:
         stop_all([p])
     got = {j: ledger.net_ms(ledger.read_amounts(shared, prefix, j)) for j in ("crashed", "next")}
-    assert sum(got["crashed"].values()) + sum(got["next"].values()) == 2 * (end_b - int(a.t0 * 1000))
+    lapse = int(a.t0 * 1000) + 130_000  # its last step, plus the liveness timeout
+    assert sum(got["crashed"].values()) == 2 * (lapse - int(a.t0 * 1000))
+    assert sum(got["next"].values()) == 2 * (end_b - max(lapse, int(b.t0 * 1000)))
     assert got == expected
 
 
