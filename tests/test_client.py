@@ -382,3 +382,37 @@ def test_a_spool_without_a_destination_is_left_alone_and_said_once(shared, prefi
     told = [r.message for r in caplog.records if "leaving spool" in r.message]
     assert len(told) == 1 and "records no destination" in told[0] and str(legacy) in told[0]
     assert legacy.exists() and not shared.exists(keys.stream_key(prefix, "old"))
+
+
+def test_two_ranks_of_a_host_naming_one_gpu_are_told_once(shared, prefix, tmp_path, caplog):
+    """Ranks launched without a local rank in their environment (no LOCAL_RANK, SLURM_LOCALID)
+    all name GPU 0: the second to register reads the job's ranks and says so, once."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="costexporter")
+    reps = []
+    try:
+        for r in (0, 1):
+            reps.append(
+                StepReporter(
+                    "dup",
+                    SHARED_URL,
+                    prefix=prefix,
+                    rank=r,
+                    world_size=2,
+                    host="h1",
+                    gpu_index=0,
+                    spool_dir=tmp_path,
+                    heartbeat_s=60,
+                )
+            )
+            assert reps[-1].flush(5)
+            deadline = time.monotonic() + 5
+            while not reps[-1]._gpu_checked and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        for rep in reps:
+            rep.close()
+    said = [r.getMessage() for r in caplog.records if "both name GPU 0 of h1" in r.getMessage()]
+    assert len(said) == 1 and "ranks 0 and 1" in said[0], said
+    assert reps[1].stats["gpu_shared"] == 1 and not reps[0].stats["gpu_shared"]

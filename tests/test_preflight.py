@@ -4,7 +4,10 @@ should, passes where it should, and the result lands in the job's events."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -206,3 +209,26 @@ def test_posting_without_a_redis_url_says_so():
 
     with pytest.raises(ValueError, match="redis_url is not set"):
         post(PreflightConfig(job="no-redis"), True, [])
+
+
+def test_a_world_size_the_cache_does_not_match_fails_from_the_flag_or_the_launchers_environment(
+    cli, tmp_path, prefix
+):
+    """4 cache files, launched with 8 ranks (torchrun sets WORLD_SIZE): ranks 4-7 would read
+    nothing. Said from `--world-size` and from the launcher's variable alike; a match passes."""
+    cache = make_cache(tmp_path / "cache", [30_835] * 4)
+    rc, out = gate(cli, "--job", "ws", "--prefix", prefix, "--cache", cache, "--world-size", "8", "--no-post")
+    c = by_name(out)["cache"]
+    assert rc == 1 and c["status"] == "fail" and "ranks 4-7 have no file" in c["value"], c
+    env = {**os.environ, "WORLD_SIZE": "8"}
+    args = ["--format", "json", "--job", "ws", "--prefix", prefix, "--cache", str(cache), "--no-post"]
+    r = subprocess.run(
+        [sys.executable, "-m", "costexporter.cli", "preflight", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 1 and by_name(json.loads(r.stdout))["cache"]["detail"]["world_size"] == 8
+    rc, out = gate(cli, "--job", "ws", "--prefix", prefix, "--cache", cache, "--world-size", "4", "--no-post")
+    assert rc == 0 and by_name(out)["cache"]["status"] == "pass", out

@@ -3,8 +3,9 @@
 Six checks that take seconds and would have stopped the R1 launch whose 53-block imbalance
 later cost ~130 GPU-hours (R4, R6):
 
-1. cache: every per-rank token file readable and of whole 4-byte tokens, and the per-rank block
-   counts (file_bytes // 4 // seq_len) equal; otherwise the spread in blocks and optimizer steps,
+1. cache: one per-rank token file for each rank launched (`--world-size`, the launcher's
+   WORLD_SIZE), every one readable and of whole 4-byte tokens, and the per-rank block counts
+   (file_bytes // 4 // seq_len) equal; otherwise the spread in blocks and optimizer steps,
    naming the shortest and the longest rank;
 2. tokens: the total within a tolerance of the expected total;
 3. occupancy: every node of the job has an agent reporting its GPUs (the agents' node state in
@@ -67,6 +68,7 @@ class PreflightConfig:
     min_free_gb: float = 150.0
     ib_probe: bool = False
     allow_unknown: bool = False
+    world_size: int | None = None  # the ranks launched (WORLD_SIZE): one cache file each
 
 
 def _timed(fn: Callable[[], Check]) -> Check:
@@ -98,6 +100,19 @@ def check_cache(cfg: PreflightConfig) -> Check:
     files = rank_files(cfg.cache)
     if not files:
         return Check("cache", "fail", "no token files matched " + " ".join(cfg.cache))
+    if cfg.world_size is not None and len(files) != cfg.world_size:
+        return Check(
+            "cache",
+            "fail",
+            f"{len(files)} cache files for a world of {cfg.world_size} ranks: "
+            + (
+                f"ranks {len(files)}-{cfg.world_size - 1} have no file"
+                if len(files) < cfg.world_size
+                else f"{len(files) - cfg.world_size} file(s) no rank reads"
+            )
+            + " (a launch with the wrong --nproc-per-node or --nnodes, or a cache built for another size)",
+            {"files": len(files), "world_size": cfg.world_size},
+        )
     blocks: list[int] = []
     problems: list[str] = []
     total = 0

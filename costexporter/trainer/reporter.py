@@ -357,6 +357,7 @@ class StepReporter:
         self._idle = threading.Event()
         self._inactive = False  # set in a forked child: the hot path returns at once
         self._closed = False
+        self._gpu_checked = False  # whether another rank of this host names this GPU was looked at
         self._exit_reason: str | None = None
         self._stopping = False
         self._warned_overflow = False
@@ -613,6 +614,9 @@ class StepReporter:
                         drained_others = True
                     self._drain_own()
                     self._send_queue()
+                    if not self._gpu_checked and self.stats["sent"]:
+                        self._gpu_checked = True
+                        self._check_shared_gpu()
                     backoff = 0.0
                 except (_Retry, *self._redis_errors) as e:
                     self.stats["send_errors"] += 1
@@ -628,6 +632,38 @@ class StepReporter:
                     backoff = 1.0
             if not self._queue and not self._inflight and not self._spool.lines:
                 self._idle.set()
+
+    def _check_shared_gpu(self) -> None:
+        """Once registered: another rank of the job on this host naming the same GPU (ranks
+        without a local rank in their environment all take GPU 0) is said once, with the fix: the
+        agents book such a GPU for one rank only. A read the ACL or Redis refuses says nothing."""
+        try:
+            ranks = self._redis.hgetall(keys.ranks_key(self.prefix, self.job))
+        except Exception:  # noqa: BLE001 - a check, never the reporter's failure
+            return
+        for rank_s, raw in ranks.items():
+            try:
+                other = protocol.parse_registration(rank_s, raw)
+            except protocol.RegistrationError:
+                continue
+            same_gpu = (
+                (other.gpu_uuid == self.gpu_uuid)
+                if other.gpu_uuid and self.gpu_uuid
+                else other.gpu == self.gpu_index
+            )
+            if other.rank != self.rank and other.host == self.host and same_gpu:
+                self.stats["gpu_shared"] += 1
+                log.warning(
+                    "costexporter: ranks %d and %d of %s both name GPU %s of %s: its time is booked for one "
+                    "of them. Give each process its GPU (torchrun and srun set LOCAL_RANK / "
+                    "SLURM_LOCALID; or pass local_rank= or gpu_index= to StepReporter)",
+                    other.rank,
+                    self.rank,
+                    self.job,
+                    self.gpu_uuid or self.gpu_index,
+                    self.host,
+                )
+                return
 
     def _send_queue(self) -> None:
         """Send what is queued now; what arrives meanwhile waits for the next round (coalesced:

@@ -18,6 +18,14 @@ from costexporter.cli.render import preflight_table
     metavar="PATH|GLOB",
     help="Pretokenized cache: one file of 4-byte tokens per rank, in rank order (globs sort by rank number).",
 )
+@click.option(
+    "--world-size",
+    envvar=["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"],
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks launched: the cache must hold one file each [default: the launcher's WORLD_SIZE, "
+    "SLURM_NTASKS or OMPI_COMM_WORLD_SIZE].",
+)
 @click.option("--seq-len", type=click.IntRange(min=1), default=2048, help="Tokens per block.")
 @click.option(
     "--blocks-per-step", type=click.IntRange(min=1), default=8, help="Blocks per rank per optimizer step."
@@ -47,6 +55,7 @@ from costexporter.cli.render import preflight_table
 def preflight(
     job,
     cache,
+    world_size,
     seq_len,
     blocks_per_step,
     expected_tokens,
@@ -91,6 +100,7 @@ def preflight(
         min_free_gb=min_free_gb,
         ib_probe=ib_probe,
         allow_unknown=allow_unknown,
+        world_size=world_size,
     )
     t0 = time_mod.perf_counter()
     passed, checks = run(cfg)
