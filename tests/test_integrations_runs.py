@@ -4,9 +4,21 @@ train()/fit() on one callback, unique default job names."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from .tiny_runs import events, hf_trainer, job_names, pl_callback, pl_loader, pl_module, pl_trainer, timeline
+from .tiny_runs import (
+    booked_steps,
+    events,
+    hf_trainer,
+    job_names,
+    pl_callback,
+    pl_loader,
+    pl_module,
+    pl_trainer,
+    timeline,
+)
 
 pytest.importorskip("torch", reason="torch is an optional extra")
 
@@ -42,17 +54,39 @@ def test_hf_epoch_strategies_post_eval_around_the_eval_and_checkpoint_around_the
     assert (tmp_path / "out" / "checkpoint-4").is_dir()
 
 
-def test_hf_unnamed_runs_get_their_own_jobs_and_a_second_train_reopens(prefix, tmp_path):
+def test_hf_an_unnamed_second_train_is_a_second_run_of_its_job_and_voids_nothing(prefix, tmp_path):
+    """Without `run_name` the job is named by its output directory (and the user): a second
+    train() is a new run of the same job, after the first one's clean end: its steps 1-2 again
+    void nothing (4 completed, 4 valid)."""
     trainer, _ = _hf(tmp_path, prefix, max_steps=2, save_strategy="no")
     trainer.train()
     trainer.train()  # the same callback, a second run
-    jobs = job_names(prefix)
-    assert len(jobs) == 2 and all(j.startswith("out-") for j in jobs)
-    for j in jobs:
-        assert timeline(prefix, j) == [("run", "start"), ("step", 1), ("step", 2), ("run", "end")]
+    [job] = job_names(prefix)
+    assert job.startswith("out-")
+    once = [("run", "start"), ("step", 1), ("step", 2), ("run", "end")]
+    assert timeline(prefix, job) == once + once
+    assert booked_steps(prefix, job) == (4, 0)
     named, _ = _hf(tmp_path, prefix, max_steps=1, save_strategy="no", run_name="my run #1")
     named.train()
     assert "my-run-1" in job_names(prefix)
+
+
+def test_hf_resume_from_checkpoint_without_a_run_name_is_the_same_job_and_voids_the_redone_steps(
+    prefix, tmp_path
+):
+    """`resume_from_checkpoint=True` after a run of 4 steps that saved at 2 and 4, told to
+    resume from step 2: the resume's steps 3-4 redo the first run's 3-4, in the same job (its
+    default name is the output directory's, not the start time's), so those are voided: 6
+    completed, 2 voided, 4 valid."""
+    first, _ = _hf(tmp_path, prefix, max_steps=4, save_strategy="steps", save_steps=2)
+    first.train()
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    assert ckpt.is_dir()
+    shutil.rmtree(ckpt)  # the run is resumed from its checkpoint at step 2
+    again, _ = _hf(tmp_path, prefix, max_steps=4, save_strategy="steps", save_steps=2)
+    again.train(resume_from_checkpoint=True)
+    [job] = job_names(prefix)
+    assert booked_steps(prefix, job) == (6, 2)
 
 
 # ---- Lightning ---------------------------------------------------------------------------------
@@ -86,6 +120,9 @@ def test_lightning_resume_from_a_checkpoint_posts_run_resume_and_no_bogus_step(p
     assert [e.get("step") for e in resume] == [2]
     steps = [e for e in evs if e.type == "step"]
     assert [e.get("step") for e in steps] == [1, 2, 3, 4, 3, 4]
+    # The second fit resumes the first run (its `run start`, then `run resume 2` before any step):
+    # the redone steps 3-4 are voided.
+    assert booked_steps(prefix, "pl-resume") == (6, 2)
     assert all(e.get("tokens") == 16 for e in steps)  # two micro-batches of 8, never half a step
 
 
@@ -100,3 +137,8 @@ def test_lightning_second_fit_reopens_and_unnamed_fits_get_their_own_jobs(prefix
     for j in jobs:
         got = [x for x in timeline(prefix, j) if x[0] in ("run", "step")]
         assert got == [("run", "start"), ("step", 1), ("step", 2), ("run", "end")]
+    # With a job named, a second fit() is the job's second run: its steps 1-2 void nothing.
+    named = pl_callback(prefix, tmp_path, "pl-twice")
+    _pl_trainer(L, tmp_path, named, 2).fit(Tiny(), loader)
+    _pl_trainer(L, tmp_path, named, 2).fit(Tiny(), loader)
+    assert booked_steps(prefix, "pl-twice") == (4, 0)

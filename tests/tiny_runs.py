@@ -38,6 +38,17 @@ def timeline(prefix: str, job: str) -> list[tuple]:
     return out
 
 
+def booked_steps(prefix: str, job: str) -> tuple[int, int]:
+    """(steps completed, steps voided) as the agents and replay book the job's events (its
+    timeline from its first event to a minute past its last)."""
+    from costexporter.core.booking import BookingConfig, build_timeline
+
+    evs = events(prefix, job)
+    start, end = min(e.ts_ms for e in evs), max(e.ts_ms for e in evs) + 60_000
+    tl = build_timeline(evs, BookingConfig(), start, end)
+    return len(tl.steps), sum(s.voided for s in tl.steps)
+
+
 def job_names(prefix: str) -> list[str]:
     """The jobs registered under the prefix."""
     return _redis().zrange(keys.jobs_key(prefix), 0, -1)

@@ -6,8 +6,10 @@ as an `eval` phase and checkpoint saves as a `checkpoint` phase carrying the sav
 step and the epoch strategies alike: the phase begins when the Trainer has decided to evaluate
 or save (after the step, or at the epoch's end) and ends when it is done. A run resumed from a
 checkpoint posts `run resume`. Without `job`, the job is the run's `run_name`, else the output
-directory's name plus the start time (the same on every rank), so unnamed runs never share a
-job. Each `train()` is a run: a second one on the same callback opens a new reporter.
+directory's name plus a hash of the user and that directory's absolute path (the same on every
+rank): a `resume_from_checkpoint` run is the job it resumes (the steps it redoes are voided),
+two users' runs never share a job. Each `train()` is a run: a second one on the same callback
+opens a new reporter, and a new run of the job.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 import os
 
-from costexporter.integrations.naming import job_name, start_stamp
+from costexporter.integrations.naming import job_name, owner_hash
 from costexporter.trainer.reporter import StepReporter
 
 
@@ -114,9 +116,13 @@ class CostExporterCallback(TrainerCallback):
 
 
 def default_job(args) -> str:
-    """The run's `run_name`, else `<output dir name>-<start time, UTC>`: unique per run, the same
-    on every rank (rank 0's, broadcast when torch.distributed runs)."""
+    """The run's `run_name`, else `<output dir name>-<hash of the user and the absolute output
+    dir>`: what a resume shares with the run it resumes (`resume_from_checkpoint` reads that
+    directory), so the resume is the same job and voids the steps it redoes, while two users'
+    `trainer_output` never merge. The same on every rank (rank 0's, broadcast when
+    torch.distributed runs)."""
     if args.run_name and args.run_name != args.output_dir:
         return job_name(str(args.run_name))
-    base = os.path.basename(os.path.normpath(str(args.output_dir or "hf"))) or "hf"
-    return job_name(f"{base}-{start_stamp()}", agree=True)
+    out = os.path.abspath(str(args.output_dir or "hf"))
+    base = os.path.basename(os.path.normpath(out)) or "hf"
+    return job_name(f"{base}-{owner_hash(out)}", agree=True)

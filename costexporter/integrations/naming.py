@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -18,6 +19,19 @@ def job_name(name: str, agree: bool = False, broadcast=None) -> str:
     if agree:
         clean = (broadcast or _torch_broadcast)(clean)
     return protocol.check_job(clean)
+
+
+def owner_hash(path: str) -> str:
+    """8 hex digits of (the user, `path`): a stable name part that two users' runs in equally
+    named directories never share."""
+    import getpass
+    import hashlib
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container without a passwd entry for its uid
+        user = str(os.getuid())
+    return hashlib.sha256(f"{user}\0{path}".encode()).hexdigest()[:8]
 
 
 def start_stamp(now: float | None = None) -> str:
