@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 
+import pytest
 import redis
 from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
@@ -316,3 +317,37 @@ class _Events:
     def __init__(self, events) -> None:
         self.events = events
         self.job = events[0].job
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["torchrun --max-restarts", "slurm --requeue"],
+)
+def test_an_elastic_restart_and_a_requeue_book_as_the_run_table_says(prefix, case) -> None:
+    """torchrun restarts the crashed ranks within seconds (new processes register again and post
+    `run start`, their steps again from the last checkpoint, undeclared): the same run, the gap
+    its waste, the redone steps voided. SLURM requeues the job minutes later (`run resume` from
+    its checkpoint): the crashed run lapsed meanwhile, the time between is outside the job, the
+    resume voids the steps it redoes. Live as offline, every GPU-millisecond once."""
+    a = TraceBuilder(n_gpus=2, per_host=2, job="a", seed=11)
+    a.run("start")
+    live(a, "compute", 60, 4, beats=True)  # steps 1..15
+    a.stretch("idle", 8 if case.startswith("torchrun") else 120)  # crashed: nothing posts
+    a.new_processes()
+    if case.startswith("torchrun"):
+        a.run("start")
+        a.step = 10  # back to the checkpoint after step 10, not said
+    else:
+        a.run("resume", step=10)
+    live(a, "compute", 40, 4, beats=True)  # steps 11..20
+    a.run("end")
+    a.stretch("idle", HOLD_S + 3 * ROUND_S)
+    got, physical = booked(a, [a], prefix)
+    assert sum(got["a"].values()) + got["_unassigned"] == physical
+    assert got["a"] == offline(a, [a], BOOKING)["a"]
+    assert got["a"]["rolled_back"] == 2 * 5 * 4000  # steps 11..15 redone, 4 s each, on both GPUs
+    gap_outside = got["_unassigned"] - 2 * (HOLD_S + 3 * ROUND_S) * 1000
+    if case.startswith("torchrun"):
+        assert gap_outside == 0 and got["a"]["idle"] > 0  # the restart's gap is the run's waste
+    else:
+        assert gap_outside > 0  # from the lapse to the requeue: nobody's

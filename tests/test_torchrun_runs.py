@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 from costexporter.core.diagnostics import Diagnostics
+from costexporter.core.figures import job_figures
 from costexporter.core.model import CATEGORIES, GpuId, Samples
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.core.tracefiles import read_events_jsonl
-from costexporter.store import ledger
+from costexporter.store import keys, ledger
 
 from .conftest import SHARED_URL
 from .fake_nvml import FakeGpu, FakeNvml
@@ -115,8 +116,9 @@ def test_a_job_that_runs_again_after_a_clean_end_is_billed_live_as_offline(
     runner.start()
     job = "runs-again"
     # Run 1 trains steps 1..20 and ends; run 2 resumes from the checkpoint after step 10 and
-    # redoes 11..20; run 3 is a plain start in a new session (a second train()) that goes on.
-    runs = [(1, 20, None), (11, 20, 10), (21, 30, None)]
+    # redoes 11..20; run 3 is a plain start in a new session (torchrun again, from step 1): a
+    # new run after a clean end, which voids nothing.
+    runs = [(1, 20, None), (11, 20, 10), (1, 10, None)]
     try:
         time.sleep(1.0)
         spans = []
@@ -183,3 +185,8 @@ def test_a_job_that_runs_again_after_a_clean_end_is_billed_live_as_offline(
         assert abs(got - want) <= grid_ms, (part, sorted(live.items()), sorted(offline_ms.items()))
     # Steps 11..20 of the first run were redone after the resume: rolled back, live as offline.
     assert live["rolled_back"] >= 2 * 10 * 100
+    # 40 steps completed, the 10 the resume redid voided; run 3's steps 1..10 void nothing.
+    figures = shared.hgetall(keys.figures_key(prefix, job))
+    assert (int(figures["steps_completed"]), int(figures["steps_voided"])) == (40, 10), figures
+    offline_figures = job_figures(res.timeline)
+    assert (offline_figures["steps_completed"], offline_figures["steps_voided"]) == (40, 10)

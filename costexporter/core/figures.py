@@ -137,7 +137,7 @@ def job_figures(tl: Timeline) -> dict[str, float]:
         "last_checkpoint_step": tl.last_checkpoint_step if tl.last_checkpoint_step is not None else -1,
         "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
         "stall_threshold_s": tl.stall_threshold_ms / 1000,
-        "ended": int(tl.end_ms is not None),
+        "ended": int(tl.end_ms is not None and not tl.lapsed),  # cleanly (a lapse is no end of it)
     }
 
 
