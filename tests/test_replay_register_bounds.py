@@ -103,3 +103,25 @@ def test_a_gpus_start_lies_within_its_samples(reg, first, span, floor):
     assert ahead == max(0, max(reg, first, floor) - newest)
     # no newest sample: only the lower bounds apply
     assert jobfacts.gpu_start_ms(reg, first, None, floor) == (max(reg, first, floor), 0)
+
+
+def test_one_rank_a_day_ahead_among_punctual_ones_does_not_stretch_the_job(cli, tmp_path):
+    """No `run end` (the recording stopped with the job): the late rank's register date is
+    refused as its start and as the end of the job's data, so the job is not billed a day of
+    `unobserved` GPUs (before: 176 GPU-h of a 12 GPU-h job with 8 ranks)."""
+    b = TraceBuilder(n_gpus=4, per_host=4, seed=7)
+    b.run("start")
+    b.stretch("compute", 900, step_s=2.0, tokens=1000)
+    d = tmp_path / "late-rank"
+    d.mkdir()
+    [csv_path] = write_nvidia_smi_csv(b.samples(), d)
+    reps = {}
+    for name, events in (("good", b.events), ("late", _redate(b.events, 2, b.t0 + 22 * 3600))):
+        ev = write_events_jsonl(events, d / f"{name}.jsonl")
+        r = cli("replay", "--samples", f"node0={csv_path}", "--events", ev, "--format", "json")
+        assert r.returncode == 0, r.stderr
+        reps[name] = json.loads(r.stdout)
+    assert _hours(reps["late"]) == pytest.approx(_hours(reps["good"]), abs=1e-3)
+    [job] = reps["late"]["jobs"].values()
+    assert job["gpu_hours"]["unobserved"] == pytest.approx(0, abs=1e-3)
+    assert reps["late"]["warnings"] == {"register_after_samples": 1}

@@ -50,6 +50,12 @@ def job_start_ms(
 REGISTER_FAR_MS = 600_000
 
 
+def register_far_ahead(register_ms: int, newest_sample_ms: int | None) -> bool:
+    """A register dated more than `REGISTER_FAR_MS` after its GPU's newest sample: a clock ahead,
+    whose date is not used (not for its start, not as the end of the job's data)."""
+    return newest_sample_ms is not None and register_ms - newest_sample_ms > REGISTER_FAR_MS
+
+
 def gpu_start_ms(
     register_ms: int, first_sample_ms: int, newest_sample_ms: int | None, floor_ms: int = 0
 ) -> tuple[int, int]:

@@ -164,8 +164,7 @@ def _bound_registers(
         return trace_first, None
 
     def far_ahead(g: int, reg: int) -> bool:
-        newest = span(g)[1]
-        return newest is not None and reg - newest > jobfacts.REGISTER_FAR_MS
+        return jobfacts.register_far_ahead(reg, span(g)[1])
 
     out: dict[str, dict[int, tuple[int, int]]] = {}
     for job, ranks in registered.items():
@@ -439,7 +438,18 @@ def _prepare_job(
     member_gpu_list = [gpus[g] for g in member_gpus]
     profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
     terms = job_terms(job, meta, policy, (t for _, _, t in members), profile=profile)
-    ev_end = max((e.ts_ms for e in jev), default=NEG_INF)
+    # A register whose date is refused (far after its GPU's samples: a clock ahead) does not
+    # stretch the job's data to it either (a day of its GPUs `unobserved`).
+    gpu_of = {r: g for r, g, _ in members}
+    last_end = layout.last_end
+
+    def dated(e: Event) -> bool:
+        g = gpu_of.get(e.rank)
+        if e.type != "register" or g is None or g >= last_end.size or last_end[g] <= NEG_INF:
+            return True
+        return not jobfacts.register_far_ahead(e.ts_ms, int(last_end[g]) - layout.interval)
+
+    ev_end = max((e.ts_ms for e in jev if dated(e)), default=NEG_INF)
     end_ms = int(max(ev_end, layout.last_end[member_gpus].max(initial=NEG_INF), terms.start_ms))
     booked_by = progress_of(jev, cfg.progress)
     timeline = _job_timeline(job, jev, booked_by, terms.booking, terms.start_ms, end_ms)
