@@ -79,6 +79,11 @@ class JobTotals(BaseModel):
     budget_used: float | None
     preflight: dict | None
     profile: ProfileOut | None = None
+    unknown_before: str | None = Field(
+        None,
+        description="Redis restarted empty while the job ran (without persistence): its ledger is whole "
+        "from this time on; amounts, steps and incidents before it went with Redis. Null: whole.",
+    )
     warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from costexporter.core import buckets
-from costexporter.core.booking import Timeline
+from costexporter.core.booking import NEG_INF, Timeline
 from costexporter.core.cost import Prices
 from costexporter.core.figures import at_risk_field, encode_at_risk
 from costexporter.core.live import LedgerDelta
@@ -41,6 +41,13 @@ def round_figures(
         # This agent's GPU time at risk since the last checkpoint, exact (the API sums the
         # agents' when the window holds it; the buckets would start at the checkpoint's 5 min).
         at_risk_field(agent_id): encode_at_risk(delta.at_risk_ms, tl.last_checkpoint_ms, horizon_ms),
+        # Redis restarted empty while this agent booked the job: its ledger before here went
+        # with it (the API says so: `unknown_before`).
+        **(
+            {ledger.unknown_field(agent_id): delta.state.rb_lost_until}
+            if delta.state.rb_lost_until > NEG_INF
+            else {}
+        ),
     }
 
 

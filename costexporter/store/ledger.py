@@ -738,6 +738,30 @@ def ensure_epoch(client: Any, prefix: str, candidate: str) -> str:
     return client.get(keys.epoch_key(prefix)) or candidate
 
 
+UNKNOWN_BEFORE = "unknown_before:"  # a figures field: Redis restarted empty under this agent
+
+
+def unknown_field(agent: str) -> str:
+    """The figures field in which `agent` says from when (Unix ms) the job's ledger is whole:
+    Redis restarted empty while it booked the job, and what was booked before went with it."""
+    return f"{UNKNOWN_BEFORE}{agent}"
+
+
+def unknown_before(figures: dict[str, str]) -> int | None:
+    """From when (Unix ms) a job's ledger is whole, as its agents said it (the latest of
+    theirs); None where none said so. A field that is not a time is skipped."""
+    out = None
+    for k, v in figures.items():
+        if k.startswith(UNKNOWN_BEFORE):
+            try:
+                t = int(v)
+            except (TypeError, ValueError):
+                continue
+            if 0 < t < 2**53:
+                out = t if out is None else max(out, t)
+    return out
+
+
 def note_field(reason: str, about: str = "") -> str:
     """The figures field of a note: `note:<reason>` or `note:<reason>:<about>`."""
     return f"{NOTE}{reason}:{about}" if about else f"{NOTE}{reason}"

@@ -7,12 +7,14 @@ wall clock matters), the real `costexporter replay` command.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from costexporter.api.export import gpu_hour_price
@@ -21,8 +23,10 @@ from costexporter.core.model import CATEGORIES, Event
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol, untrusted
+from costexporter.store.ledger_read import LedgerStore
 from costexporter.trainer.reporter import send_entries
 
+from ..api_helpers import served
 from ..redis_server import RedisServer, free_port
 from ..test_agent import agent_process, offline_ms, post_events, scrape, serve, stop_all, wait_booked
 
@@ -247,6 +251,13 @@ def test_8_redis_restarted_empty_is_noticed_and_history_is_not_booked_again(tmp_
         wait_booked(client, "ce", b.job, ["node0"], offline.timeline.end_ms, timeout=60)
         after = ledger.net_ms(ledger.read_amounts(client, "ce", b.job))
         scraped, _ = scrape(port)
+        # The API answers from what the ledger holds and says from when it is whole: the agent
+        # noted where it had booked when it found Redis empty. (The job's reporter, had it still
+        # run, would have added the job to the emptied jobs index with its next batch.)
+        client.zadd(keys.jobs_key("ce"), {b.job: b.t})
+        with served(LedgerStore(client, "ce")) as (base, _app):
+            window = "2025-07-26T00:00:00Z,2025-07-28T00:00:00Z"
+            got = httpx.get(f"{base}/api/v1/jobs/{b.job}", params={"window": window}, timeout=10).json()
     finally:
         [err] = stop_all([p])
         server.stop()
@@ -254,6 +265,10 @@ def test_8_redis_restarted_empty_is_noticed_and_history_is_not_booked_again(tmp_
     assert {c: before[c] + after[c] for c in CATEGORIES} == expected
     assert "restarted empty" in err
     assert sum(metric(scraped, "costexporter_redis_epoch_resets_total")) >= 1
+    lost_ms = round(dt.datetime.fromisoformat(got["unknown_before"]).timestamp() * 1000)
+    assert int(b.t0 * 1000) + 120_000 < lost_ms < offline.timeline.end_ms
+    assert got["gpu_hours"] == pytest.approx(sum(after.values()) / 3_600_000, abs=1e-6)
+    assert any("Redis restarted empty" in w for w in got["warnings"]), got["warnings"]
 
 
 # ---- 9. one poisoned job stops nothing ---------------------------------------------------------

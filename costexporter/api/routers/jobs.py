@@ -29,7 +29,7 @@ from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.figures import exact_at_risk_ms
 from costexporter.core.model import CATEGORIES
 from costexporter.store import untrusted
-from costexporter.store.ledger import notes_of
+from costexporter.store.ledger import notes_of, unknown_before
 from costexporter.store.ledger_read import (
     JOB_CATS,
     WASTED,
@@ -206,6 +206,13 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     meta, fig = info["meta"], info["figures"]
     for text in notes_of(fig):  # what the agents said of the job (a claim refused, a key unread)
         warn.add(job, text)
+    lost_ms = unknown_before(fig)
+    if lost_ms is not None and w.start * 1000 < lost_ms:
+        warn.add(
+            job,
+            f"Redis restarted empty at {iso(lost_ms / 1000)}: the job's amounts, steps and incidents "
+            "before then are not in the ledger (run Redis with appendonly yes)",
+        )
     cost = a.total_cost()
     ckpt = stored_time(fig, "last_checkpoint_ts", job, warn)
     risk_from = max(int(ckpt) // BUCKET_S * BUCKET_S, w.start) if ckpt else w.start
@@ -246,6 +253,7 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         spend=money(spend_all),
         budget_used=float(spend_all / budget_d) if budget_d else None,
         preflight=preflight,
+        unknown_before=iso(lost_ms / 1000) if lost_ms is not None else None,
         warnings=warn,
         profile=ProfileOut(name=fig["profile"], calibrated=fig.get("profile_calibrated") == "1")
         if fig.get("profile")
