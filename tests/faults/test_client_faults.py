@@ -69,7 +69,8 @@ def test_a_crashing_trainer_posts_no_run_end(how, shared, prefix, tmp_path):
     out = _trainer(how, prefix, tmp_path)
     if how != "thread":  # an uncaught exception in a thread does not change the exit code
         assert out.returncode != 0, out.stderr
-    assert runs(shared, f"exit-{how}", prefix) == ["start"], out.stderr
+    # no `run end`; a crash record (the process could still write) names the failing rank
+    assert runs(shared, f"exit-{how}", prefix) == ["start", "crash"], out.stderr
     steps = [e for e in EventReader(shared, f"exit-{how}", prefix=prefix).read_all() if e.type == "step"]
     assert len(steps) == 5  # the events before the crash arrived
 
@@ -105,7 +106,9 @@ def test_a_rank_whose_peer_is_killed_posts_no_run_end(shared, prefix, tmp_path):
     assert procs[0].returncode not in (0, None), err  # the survivor raised from the all-reduce
     events = EventReader(shared, "peer-kill", prefix=prefix).read_all()
     survivor = [e.get("state") for e in events if e.type == "run" and e.rank == 0]
-    assert survivor == ["start"], err[-2000:]
+    assert survivor == ["start", "crash"], err[-2000:]  # its all-reduce raised: it says so
+    [record] = [e for e in events if e.type == "run" and e.get("state") == "crash"]
+    assert record.rank == 0 and record.get("error"), record
     assert sum(e.type == "step" and e.rank == 0 for e in events) >= 20
 
 
