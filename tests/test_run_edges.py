@@ -8,6 +8,7 @@ of the same samples and events, and every GPU-millisecond is booked exactly once
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 
@@ -21,6 +22,7 @@ from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.events import parse_event
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
+from costexporter.core.timeutil import to_ms
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
 from costexporter.trainer.reporter import send_entries
@@ -382,3 +384,31 @@ def test_an_elastic_restart_and_a_requeue_book_as_the_run_table_says(prefix, cas
         assert gap_outside == 0 and got["a"]["idle"] > 0  # the restart's gap is the run's waste
     else:
         assert gap_outside > 0  # from the lapse to the requeue: nobody's
+
+
+def test_a_register_dated_hours_after_its_gpus_samples_is_bounded_and_said_live_as_offline(prefix) -> None:
+    """Rank 1's clock runs two hours ahead: live and offline its GPU's time starts with its
+    samples, not two hours later nor never, and both say it (`register_after_samples`)."""
+    a = TraceBuilder(n_gpus=2, per_host=2, job="a", seed=12)
+    a.run("start")
+    live(a, "compute", 100, 4, beats=True)
+    a.run("end")
+    a.stretch("idle", HOLD_S + 3 * ROUND_S)
+    late = to_ms(a.t0 + 7200)
+    a.events = [
+        dataclasses.replace(e, ts_ms=late) if e.type == "register" and e.rank == 1 else e for e in a.events
+    ]
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    [reg] = [e for e in a.events if e.type == "register" and e.rank == 1]
+    client.hset(keys.ranks_key(prefix, "a"), "1", json.dumps({"ts": reg.ts, **reg.fields}))  # read at once
+    run = Run(client, prefix, a, [a], None, booking=BOOKING)
+    run.run()
+    got = run.ledger(["a"])
+    assert run.agents[0].refusals.counts[("a", "register_after_samples")] >= 1
+    diag = Diagnostics(stream=None)
+    results, _ = book_trace(a.samples(), a.events, ReplayConfig(booking=BOOKING), diag)
+    assert diag.counts["register_after_samples"] == 1
+    # Replay starts it with its job; live, at the newest sample when the agent read it (a round
+    # after the start here): the rule of docs/protocol.md's table, the GPU kept either way.
+    assert int(results[0].pieces.dur_ms.sum()) == 2 * 100_000
+    assert 2 * 100_000 - ROUND_S * 1000 <= sum(got["a"].values()) <= 2 * 100_000

@@ -534,11 +534,20 @@ class Agent:
                 reg = job.ranks[r].ts_ms
                 first_seen = self.samples.first_seen
                 observed = first_seen.get(g, min(first_seen.values(), default=reg))
-                start, ahead = jobfacts.gpu_start_ms(
-                    reg, observed, self.samples.newest.get(g), job.floors.get(r, 0)
-                )
+                newest = self.samples.newest.get(g)
+                start, ahead = jobfacts.gpu_start_ms(reg, observed, newest, job.floors.get(r, 0))
                 if 0 < ahead <= tol_ms and not final:
                     return None  # the next sampling round reaches the register: book then
+                if jobfacts.register_far_ahead(reg, newest):  # as replay says it
+                    self.refusals.refuse(
+                        job.name,
+                        "register_after_samples",
+                        "rank %d registered %.1f h after GPU %d's newest sample (a clock ahead?): its "
+                        "date is not used, its time starts at that sample",
+                        r,
+                        (reg - (newest or reg)) / 3_600_000,
+                        g,
+                    )
                 fixed[r] = start
                 if 0 < fixed[r] < job.state.booked_until:
                     job.state.behind[r] = fixed[r]
