@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import SHARED_URL
-from .tiny_runs import _redis, events, job_names
+from .tiny_runs import _redis, booked_steps, events, job_names
 
 pytest.importorskip("torch", reason="torch is an optional extra")
 HERE = Path(__file__).parent
@@ -67,23 +67,26 @@ def epoch(tokens: int | None, first: int) -> list[tuple]:
     ]
 
 
-def test_hf_under_torchrun_two_ranks_one_job_per_train_epoch_phases_and_rank_0_tokens(prefix, tmp_path):
+def test_hf_under_torchrun_two_ranks_one_job_two_runs_epoch_phases_and_rank_0_tokens(prefix, tmp_path):
+    """Two train() on one output directory: one job (its default name is the directory's), two
+    runs of it, each rank's events in both; the second run voids nothing of the first."""
     pytest.importorskip("transformers", reason="transformers is the [hf] extra")
     torchrun("hf_torchrun.py", prefix, tmp_path)
-    jobs = job_names(prefix)
-    assert len(jobs) == 2 and all(j.startswith("out-") for j in jobs), jobs  # one job per train()
-    for job in jobs:
-        assert sorted(_redis().hkeys(f"{prefix}:t:{{{job}}}:ranks")) == ["0", "1"]  # both ranks in it
-        got = per_rank(prefix, job)
-        for rank in (0, 1):
-            tokens = 4 * 16 * 2 if rank == 0 else None  # the global batch: 4 x 16 tokens x 2 ranks
-            assert got[rank] == [
-                ("register", None, None),
-                ("run", "start", None),
-                *epoch(tokens, 1),
-                *epoch(tokens, 3),
-                ("run", "end", None),
-            ], (rank, got[rank])
+    [job] = job_names(prefix)
+    assert job.startswith("out-"), job
+    assert sorted(_redis().hkeys(f"{prefix}:t:{{{job}}}:ranks")) == ["0", "1"]  # both ranks in it
+    got = per_rank(prefix, job)
+    for rank in (0, 1):
+        tokens = 4 * 16 * 2 if rank == 0 else None  # the global batch: 4 x 16 tokens x 2 ranks
+        run = [
+            ("register", None, None),
+            ("run", "start", None),
+            *epoch(tokens, 1),
+            *epoch(tokens, 3),
+            ("run", "end", None),
+        ]
+        assert got[rank] == run + run, (rank, got[rank])
+    assert booked_steps(prefix, job) == (8, 0)
 
 
 def test_lightning_under_torchrun_resumes_from_a_checkpoint_in_a_second_fit(prefix, tmp_path):

@@ -3,9 +3,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 hf_torchrun.py PREFIX TMP
 
 The tiny GPT-2 of tests/tiny_runs.py on 16 sequences, eval and save strategies "epoch", two
-epochs, no job name (each run is named after the output directory and its start time, the same
-on every rank), and `train()` called twice on the same callback: two runs, two jobs. Events go
-to the Redis of COSTEXPORTER_REDIS_URL (default: the shared one).
+epochs, no job name (the job is named after the output directory and the user, the same on every
+rank), and `train()` called twice on the same callback: two runs of one job. Events go to the
+Redis of COSTEXPORTER_REDIS_URL (default: the shared one).
 """
 
 import sys
