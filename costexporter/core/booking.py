@@ -512,6 +512,26 @@ class RunWalk(Segments):
         """The current run (no step yet) is the one before it, resumed."""
         raise NotImplementedError
 
+    def with_startup(
+        self, ov: list[tuple[int, int]], a: int, b: int
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """`split`'s end: the phases' overhead pieces `ov` of [a, b) and the run's startup within
+        its allowance, merged; and what they leave of [a, b)."""
+        if self.in_startup:
+            x, y = max(self.startup_from, a), min(self.startup_from + self.startup_allow, b)
+            if y > x:
+                ov.append((x, y))
+        ov = _merge(sorted(ov))
+        rest: list[tuple[int, int]] = []
+        cur = a
+        for x, y in ov:
+            if x > cur:
+                rest.append((cur, x))
+            cur = max(cur, y)
+        if b > cur:
+            rest.append((cur, b))
+        return ov, rest
+
     # ---- the rules ------------------------------------------------------------------------------
     def alive_until(self) -> int:
         """Where the run lapses unless rank 0 shows life before."""
@@ -655,20 +675,7 @@ class _ReferenceWalk(RunWalk):
             if y > x:
                 ov.append((x, y))
             i += 1
-        if self.in_startup:
-            x, y = max(self.startup_from, a), min(self.startup_from + self.startup_allow, b)
-            if y > x:
-                ov.append((x, y))
-        ov = _merge(sorted(ov))
-        rest: list[tuple[int, int]] = []
-        cur = a
-        for x, y in ov:
-            if x > cur:
-                rest.append((cur, x))
-            cur = max(cur, y)
-        if b > cur:
-            rest.append((cur, b))
-        return ov, rest
+        return self.with_startup(ov, a, b)
 
     def record(self, step: int, ts_ms: int, tokens: int) -> int:
         self.steps.append(StepRecord(step, ts_ms, tokens))

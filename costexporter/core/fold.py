@@ -265,20 +265,7 @@ class _Walk(RunWalk):
             x, y = max(x0, a), min(y0, b)
             if y > x:
                 ov.append((x, y))
-        if self.in_startup:
-            x, y = max(self.startup_from, a), min(self.startup_from + self.startup_allow, b)
-            if y > x:
-                ov.append((x, y))
-        ov = _merge(sorted(ov))
-        rest: list[tuple[int, int]] = []
-        cur = a
-        for x, y in ov:
-            if x > cur:
-                rest.append((cur, x))
-            cur = max(cur, y)
-        if b > cur:
-            rest.append((cur, b))
-        return ov, rest
+        return self.with_startup(ov, a, b)
 
     def _checkpoint(self, step: int) -> None:
         """A checkpoint saved `step`: a resume can come back to that valid record."""
