@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from costexporter.api import opencost as oc
 from costexporter.api.auth import Tokens, hash_token
 from costexporter.core.model import Category
+from costexporter.core.timeutil import iso_utc
 from costexporter.store import keys, ledger
 from costexporter.store.ledger_read import LedgerStore
 
@@ -220,7 +221,7 @@ NOW = dt.datetime(2025, 7, 30, 10, 17, 31, tzinfo=dt.timezone.utc).timestamp()  
 )  # fmt: skip
 def test_window_words_as_opencost_resolves_them(text, start, end):
     w = oc.parse_window(text, "UTC", NOW)
-    assert (oc.iso(w.start), oc.iso(w.end)) == (start, end) and w.exact
+    assert (iso_utc(w.start), iso_utc(w.end)) == (start, end) and w.exact
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

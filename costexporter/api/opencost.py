@@ -15,15 +15,15 @@ equals `gpuCost`.
 
 from __future__ import annotations
 
-import datetime as dt
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from zoneinfo import ZoneInfo
 
-from costexporter.api.windows import calendar_span
+from costexporter.api import windows
+from costexporter.api.windows import Window
 from costexporter.core.buckets import BUCKET_S
-from costexporter.core.timeutil import parse_instant
+from costexporter.core.cost import MICRO_PER_UNIT, cost_per_valid_step
+from costexporter.core.timeutil import iso_utc
 
 UNALLOCATED = "__unallocated__"
 IDLE = "__idle__"
@@ -129,77 +129,17 @@ def parse_step(text: str) -> int:
     return int(secs)
 
 
-@dataclass(frozen=True)
-class Window:
-    """The window asked (`asked_*`, as OpenCost resolves the text) and the one used (`start`,
-    `end`: the asked one widened to the ledger's 5-minute buckets); they differ only when the
-    asked one does not fall on buckets, and then the answer says so."""
-
-    start: int
-    end: int
-    asked_start: float
-    asked_end: float
-    text: str
-
-    @property
-    def exact(self) -> bool:
-        return self.start == self.asked_start and self.end == self.asked_end
-
-
-def _instant(text: str) -> float:
-    try:
-        return parse_instant(text)
-    except ValueError as e:
-        raise OpenCostError(str(e)) from None
-
-
-def _ceil_bucket(t: float) -> int:
-    return int(-(-t // BUCKET_S)) * BUCKET_S
-
-
 def parse_window(text: str | None, tz: str = "UTC", now: float | None = None) -> Window:
-    """OpenCost's windows: `today`, `yesterday`, `week` and `lastweek` (weeks start on Sunday),
-    `month`, `lastmonth`, durations (`45m`, `24h`, `7d`, `2w`: the last N units, ending at the
-    end of the current unit; minutes end at the end of the current 5 minutes) and RFC 3339 or
-    Unix-seconds pairs `start,end`. Calendar words are taken in `tz`; a window that ends "now"
-    ends at the end of the current 5 minutes (nothing is booked later)."""
-    if text is None or not text.strip():
-        raise OpenCostError("window is required (e.g. window=24h, window=today, window=<start>,<end>)")
-    import time as _time
-
-    raw = text.strip()
-    now = _time.time() if now is None else now
-    zone = ZoneInfo(tz)
-    now_end = float(_ceil_bucket(now))
-    w = raw.lower()
-    if m := re.fullmatch(r"(\d{1,6})(m|h|d|w)", w):
-        n, unit = int(m.group(1)), m.group(2)
-        if unit == "w":
-            end = float((int(now) // 86400 + 1) * 86400)  # the end of today (UTC)
-            start = end - n * 7 * 86400
-        else:
-            dur = {"m": BUCKET_S, "h": 3600, "d": 86400}[unit]
-            end = float((int(now) // dur + 1) * dur)
-            start = end - n * {"m": 60, "h": 3600, "d": 86400}[unit]
-    elif cal := calendar_span(w, now, zone, week_start=6, whole_today=True, now_end=now_end):
-        start, end = cal
-    elif "," in raw:
-        a, b = raw.split(",", 1)
-        start, end = _instant(a), _instant(b)
-        if end <= start:
-            raise OpenCostError(f"window {raw!r}: the end must come after the start")
-    else:
-        raise OpenCostError(
-            f"window {raw!r} is not understood; accepted: today, yesterday, week, lastweek, month, "
-            "lastmonth, a duration (45m, 24h, 7d, 2w) or a pair start,end (RFC 3339 or Unix seconds)"
-        )
-    if end - start > MAX_SPAN_S:
-        raise OpenCostError(f"window {raw!r} is longer than 400 days")
-    if not (start >= 0 and end <= LATEST):
-        raise OpenCostError(f"window {raw!r} must lie between 1970-01-01 and 3000-01-01")
-    s = int(start // BUCKET_S) * BUCKET_S
-    e = _ceil_bucket(end)
-    return Window(s, max(e, s + BUCKET_S), start, end, raw)
+    """OpenCost's windows (`windows.parse_window` with OpenCost's alignment): `today`,
+    `yesterday`, `week` and `lastweek` (weeks start on Sunday), `month`, `lastmonth`, durations
+    (`45m`, `24h`, `7d`, `2w`: the last N units, ending at the end of the current unit; minutes
+    end at the end of the current 5 minutes) and RFC 3339 or Unix-seconds pairs `start,end`.
+    Calendar words are taken in `tz`; a window that ends "now" ends at the end of the current 5
+    minutes (nothing is booked later). Required."""
+    try:
+        return windows.parse_window(text, tz, now, default=None, align=windows.OPENCOST)
+    except windows.WindowError as e:
+        raise OpenCostError(str(e)) from None
 
 
 def periods(w: Window, step_s: int | None, accumulate: bool) -> list[tuple[int, int]]:
@@ -456,10 +396,6 @@ def parse_filter(text: str | None) -> Pred | None:
 # ---- allocations --------------------------------------------------------------------------------
 
 
-def iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _r(x: float) -> float:
     return round(x, 6)
 
@@ -504,9 +440,9 @@ def allocation(name: str, props: dict, start: int, end: int, s: Sums) -> dict:
     out: dict[str, object] = {
         "name": name,
         "properties": props,
-        "window": {"start": iso(start), "end": iso(end)},
-        "start": iso(start),
-        "end": iso(end),
+        "window": {"start": iso_utc(start), "end": iso_utc(end)},
+        "start": iso_utc(start),
+        "end": iso_utc(end),
         "minutes": _r(minutes),
     }
     out.update(dict.fromkeys(ZERO_FIELDS[:9], 0.0))
@@ -533,7 +469,8 @@ def allocation(name: str, props: dict, start: int, end: int, s: Sums) -> dict:
     out["wastedGpuHours"] = _r(s.wasted_ms / 3_600_000)
     out["wastedCost"] = _r(s.wasted_ucost / 1_000_000)
     out["validSteps"] = s.valid_steps
-    out["costPerValidStep"] = _r(cost / s.valid_steps) if s.valid_steps > 0 else None
+    per_step = cost_per_valid_step(s.ucost, s.valid_steps)  # the one rule (core/cost.py)
+    out["costPerValidStep"] = per_step / MICRO_PER_UNIT if per_step is not None else None
     return out
 
 

@@ -2,7 +2,9 @@
 
 Every window is resolved to a half-open interval aligned to the ledger's 5-minute buckets (start
 rounded down, end rounded up) and echoed back, so a spreadsheet knows exactly what it summed.
-Calendar words are taken in the configured time zone.
+Calendar words are taken in the configured time zone (`timeutil.tz_zone`: an IANA name, UTC or
++HH:MM). One type and one parser for `/api/v1` and OpenCost's API (`OPENCOST`: its alignment of
+durations and weeks).
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ import datetime as dt
 import re
 import time
 from dataclasses import dataclass
-from zoneinfo import ZoneInfo
 
 from costexporter.core.buckets import BUCKET_S
-from costexporter.core.timeutil import RFC3339, parse_instant
+from costexporter.core.timeutil import RFC3339, iso_utc, parse_instant, tz_zone
 
 ACCEPTED = (
     "a duration back from now (30m, 24h, 7d, 2w), a calendar word (today, yesterday, week, lastweek, "
@@ -50,16 +51,25 @@ class WindowError(ValueError):
 
 @dataclass(frozen=True)
 class Window:
+    """The window used (`start`, `end`: bucket boundaries) and the one asked (`asked_*`, as the
+    text resolves, before alignment); they differ only where the asked one does not fall on
+    buckets, which an answer can say (`exact`)."""
+
     start: int  # Unix seconds, inclusive, a bucket boundary
     end: int  # Unix seconds, exclusive, a bucket boundary
     text: str  # as asked
+    asked_start: float = 0.0
+    asked_end: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.start == self.asked_start and self.end == self.asked_end
 
     def as_dict(self) -> dict:
-        iso = lambda t: dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat().replace("+00:00", "Z")  # noqa: E731
         return {
             "requested": self.text,
-            "start": iso(self.start),
-            "end": iso(self.end),
+            "start": iso_utc(self.start),
+            "end": iso_utc(self.end),
             "start_unix": self.start,
             "end_unix": self.end,
             "bucket_seconds": BUCKET_S,
@@ -76,8 +86,8 @@ def _midnight(d: dt.date, tz: dt.tzinfo) -> float:
     return dt.datetime(d.year, d.month, d.day, tzinfo=tz).timestamp()
 
 
-def _instant(text: str) -> float:
-    if not re.fullmatch(_UNIX, text.strip()) and _is_number(text):  # Unix seconds: 9 to 11 digits
+def _instant(text: str, strict: bool = True) -> float:
+    if strict and not re.fullmatch(_UNIX, text.strip()) and _is_number(text):  # Unix s: 9 to 11 digits
         raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds")
     try:
         return parse_instant(text)
@@ -128,22 +138,75 @@ def calendar_span(
     return None
 
 
-def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, default: str = "30d") -> Window:
-    """Resolve a window; raises WindowError with a message for the client."""
-    raw = (text or "").strip() or default
+@dataclass(frozen=True)
+class Alignment:
+    """How a window's words resolve: durations back from now (`/api/v1`), or OpenCost's (the last
+    N units ending at the end of the current unit); the weekday weeks start on; whether `today`
+    runs to midnight; whether windows ending now end at the end of the current bucket."""
+
+    durations_to_unit_end: bool = False
+    week_start: int = 0  # Monday (6: Sunday)
+    whole_today: bool = False
+    now_to_bucket_end: bool = False
+    unix_digits: bool = True  # Unix seconds of 9 to 11 digits only (OpenCost's: any)
+
+
+API = Alignment()
+OPENCOST = Alignment(
+    durations_to_unit_end=True, week_start=6, whole_today=True, now_to_bucket_end=True, unix_digits=False
+)
+
+
+def _ceil_bucket(t: float) -> int:
+    return int(-(-t // BUCKET_S)) * BUCKET_S
+
+
+def zone_of(tz: str) -> dt.tzinfo:
+    """The zone of a configured `tz` (WindowError where it names none: a 400, never a 500)."""
+    try:
+        return tz_zone(tz)
+    except (ValueError, KeyError) as e:  # ZoneInfoNotFoundError is a KeyError
+        raise WindowError(f"time zone {tz!r} is not an IANA name, UTC or +HH:MM: {e}") from None
+
+
+def parse_window(
+    text: str | None,
+    tz: str = "UTC",
+    now: float | None = None,
+    default: str | None = "30d",
+    align: Alignment = API,
+) -> Window:
+    """Resolve a window (`default` where none is given; None: one is required); raises
+    WindowError with a message for the client."""
+    raw = (text or "").strip() or (default or "")
+    if not raw:
+        raise WindowError("window is required (e.g. window=24h, window=today, window=<start>,<end>)")
     now = time.time() if now is None else now
-    zone = ZoneInfo(tz)
+    zone = zone_of(tz)
     w = raw.lower()
     if m := DURATION.match(w):
-        span = int(m.group(1)) * UNIT_S[m.group(2)]
+        n, unit = int(m.group(1)), m.group(2)
+        span = n * UNIT_S[unit]
         if span <= 0 or span > MAX_SPAN_S:
             raise WindowError(f"window {raw!r} must be between 1 minute and 400 days")
-        start, end = now - span, now
-    elif cal := calendar_span(w, now, zone):
+        if align.durations_to_unit_end:  # the last N units, ending at the end of the current one
+            unit_s = {"m": BUCKET_S, "h": 3600, "d": 86400, "w": 86400}[unit]
+            end = float((int(now) // unit_s + 1) * unit_s)
+        else:
+            end = now
+        start = end - span
+    elif cal := calendar_span(
+        w,
+        now,
+        zone,
+        align.week_start,
+        align.whole_today,
+        float(_ceil_bucket(now)) if align.now_to_bucket_end else None,
+    ):
         start, end = cal
     elif "," in raw:
         a, b = raw.split(",", 1)
-        start, end = _instant(a), _instant(b)
+        start, end = _instant(a, align.unix_digits), _instant(b, align.unix_digits)
         if end <= start:
             raise WindowError(f"window {raw!r}: the end must come after the start")
         if end - start > MAX_SPAN_S:
@@ -153,4 +216,4 @@ def parse_window(text: str | None, tz: str = "UTC", now: float | None = None, de
     if not (start >= 0 and end <= LATEST):
         raise WindowError(f"window {raw!r} must lie between 1970-01-01 and 3000-01-01")
     s, e = _align(start, end)
-    return Window(s, e, raw)
+    return Window(s, e, raw, start, end)

@@ -15,6 +15,7 @@ from costexporter.api.auth import Principal
 from costexporter.api.deps import Config, Store, Who
 from costexporter.api.format import json_bytes
 from costexporter.core.model import CATEGORIES
+from costexporter.core.timeutil import iso_utc
 from costexporter.store.ledger_read import JOB_CATS, VALID, WASTED, LedgerStore, Warnings, WindowTable
 
 router = APIRouter(tags=["opencost"])
@@ -50,8 +51,8 @@ def _run(request: Request, s: LedgerStore, who: Principal, cluster: str | None, 
     notes: list[str] = []
     if not w.exact:
         notes.append(
-            f"window {w.text!r} ({oc.iso(w.asked_start)} to {oc.iso(w.asked_end)}) does not fall on the "
-            f"ledger's 5-minute buckets: used {oc.iso(w.start)} to {oc.iso(w.end)}"
+            f"window {w.text!r} ({iso_utc(w.asked_start)} to {iso_utc(w.asked_end)}) does not fall on "
+            f"the ledger's 5-minute buckets: used {iso_utc(w.start)} to {iso_utc(w.end)}"
         )
     if include_idle and pred is not None:
         notes.append("__idle__ is left out: a filter selects jobs, and idle GPU time belongs to none")
