@@ -192,6 +192,7 @@ class Run:
     """Drive agents round by round on a data clock; post events when their time (+ delay) comes."""
 
     redis_url = "redis://127.0.0.1:6379/0"  # the agents' Redis (a test's private server: its own)
+    raise_on_error = True  # False: as a reporter posts, a refused side write (the index) goes on
 
     def __init__(
         self,
@@ -308,7 +309,7 @@ class Run:
             for _, job, entry in due:
                 by_job.setdefault(job, []).append(entry)
             for job, entries in by_job.items():
-                send_entries(self.client, self.prefix, job, entries)
+                send_entries(self.client, self.prefix, job, entries, raise_on_error=self.raise_on_error)
             rounds += 1
             if rounds == self.faults.get("restart_at"):
                 self.agents[0] = self._agent()  # killed: its memory is gone

@@ -55,12 +55,14 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     ),
     # services/watcher.py: the jobs index, ranks, events, heartbeats, live state and the
     # simulation's clock; its status and its position in the readers hash; SCAN and each scanned
-    # job's newest entry when the jobs index cannot be trusted (store/jobindex.py).
-    "watcher": _cmds("+get +set +hgetall +hset +zrangebyscore +xread +xrange +xrevrange +scan"),
+    # job's newest entry when the jobs index cannot be trusted (store/jobindex.py); TYPE, to tell
+    # a job's stream of the wrong type (set aside, the other jobs judged) from an outage.
+    "watcher": _cmds("+get +set +hgetall +hset +zrangebyscore +xread +xrange +xrevrange +scan +type"),
     # store/ledger_read.py (the API): reads only, also in its scripts (which read the rollups and
-    # buckets), and the oldest entries of a job's streams (its first register).
+    # buckets), and the oldest entries of a job's streams (its first register); SCAN for the
+    # jobs' ranks keys when the jobs index is of the wrong type (store/jobindex.py).
     "api": _cmds(
-        """+get +hget +hgetall +hvals +hmget +smembers +exists +type +xrange
+        """+get +hget +hgetall +hvals +hmget +smembers +exists +type +xrange +scan
         +zrange +zscore +zcount +zrevrangebyscore +eval +evalsha +script|load +script|exists"""
     ),
 }

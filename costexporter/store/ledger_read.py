@@ -10,6 +10,7 @@ null, a bucket field that is not a number, a key of the wrong type) is skipped a
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from costexporter.core.buckets import RESOLUTIONS, UNITS, decompose
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES, JOB_CATEGORY_NAMES, VALID_NAMES, WASTED_NAMES
 from costexporter.store import keys, ledger, protocol, untrusted
+from costexporter.store.jobindex import JobIndex
 
 # The category sets by name (`core/model.py`'s), as the API's readers use them.
 WASTED, VALID, JOB_CATS = WASTED_NAMES, VALID_NAMES, JOB_CATEGORY_NAMES
@@ -470,14 +472,26 @@ class LedgerStore:
         self._teams = redisconn.script(client, TEAMS)
         self._series = redisconn.script(client, SERIES)
         self.batch = 1 if redisconn.is_cluster(client) else BATCH
+        # The jobs found by their ranks keys where the jobs index is of the wrong type (kept a
+        # minute: a bounded SCAN, as the agents and the watcher do).
+        self._index = JobIndex(
+            client, prefix, untrusted.Refusals(logging.getLogger("costexporter.api")), (redis.RedisError,)
+        )
 
     def ping(self) -> bool:
         return bool(self.r.ping())
 
     def jobs(self, warn: Warnings | None = None) -> list[tuple[str, float | None]]:
-        """Every job with the time of its newest event (None where that is not a time)."""
+        """Every job with the time of its newest event (None where that is not a time, or the
+        jobs index is of the wrong type: the jobs are then found by their ranks keys)."""
+        try:
+            listed = self.r.zrange(keys.jobs_key(self.prefix), 0, -1, withscores=True)
+        except redis.ResponseError as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            return [(j, None) for j in self._scanned(warn)]
         out = []
-        for j, score in self.r.zrange(keys.jobs_key(self.prefix), 0, -1, withscores=True):
+        for j, score in listed:
             t = timestamp(score)
             if t is None and warn is not None:
                 warn.add(j, f"newest event time {score!r} is not a time: ignored")
@@ -486,16 +500,45 @@ class LedgerStore:
 
     def job_names(self) -> list[str]:
         """Every job's name (no times: cheaper where they are not shown)."""
-        names: list[str] = self.r.zrange(keys.jobs_key(self.prefix), 0, -1)
+        try:
+            names: list[str] = self.r.zrange(keys.jobs_key(self.prefix), 0, -1)
+        except redis.ResponseError as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            return self._scanned(None)
         return names
 
+    def _scanned(self, warn: Warnings | None) -> list[str]:
+        """The jobs index is not a sorted set (a trainer wrote it so, on a fresh deployment or
+        after Redis restarted empty): every job is found by its ranks key, as the agents and the
+        watcher find them (`jobindex.JobIndex`), and the answer says so."""
+        if warn is not None:
+            warn.add("*", "the jobs index is not a sorted set: jobs found by their registrations instead")
+        return self._index.scanned()
+
+    def _exists(self, job: str, score: object) -> bool:
+        """Whether a job exists, from its index score (the reply to ZSCORE; None where it failed
+        on the index's type: then by its ranks key, or a ledger of its own)."""
+        if score is not None:
+            return True
+        if self._index_wrong_type():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.exists(keys.ranks_key(self.prefix, job))
+            pipe.exists(keys.total_key(self.prefix, job))
+            return any(bool(x) for x in _run(pipe))
+        return False
+
+    def _index_wrong_type(self) -> bool:
+        return bool(self.r.type(keys.jobs_key(self.prefix)) not in ("zset", b"zset", "none", b"none"))
+
     def job_team(self, job: str) -> tuple[bool, str | None]:
-        """Whether the job exists, and its team: one round trip."""
+        """Whether the job exists, and its team: one round trip (two where the jobs index is
+        not a sorted set)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.zscore(keys.jobs_key(self.prefix), job)
         pipe.hget(keys.meta_key(self.prefix, job), "team")
         score, team = _run(pipe)
-        return score is not None, team
+        return self._exists(job, score), team
 
     def teams_many(self, jobs: list[str]) -> dict[str, str | None]:
         """Each job's team, for filtering before anything else is read: BATCH jobs a script call,
@@ -537,7 +580,7 @@ class LedgerStore:
         pipe.zscore(keys.jobs_key(self.prefix), job)
         self._queue_info(pipe, job)
         score, *raw = _run(pipe)
-        return None if score is None else _info(job, raw, warn)
+        return _info(job, raw, warn) if self._exists(job, score) else None
 
     def _queue_info(self, pipe: Any, j: str) -> None:
         """The 4 reads `_info` parses."""
