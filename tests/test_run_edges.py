@@ -412,3 +412,30 @@ def test_a_register_dated_hours_after_its_gpus_samples_is_bounded_and_said_live_
     # after the start here): the rule of docs/protocol.md's table, the GPU kept either way.
     assert int(results[0].pieces.dur_ms.sum()) == 2 * 100_000
     assert 2 * 100_000 - ROUND_S * 1000 <= sum(got["a"].values()) <= 2 * 100_000
+
+
+def test_a_replaced_node_books_as_the_run_table_says(prefix) -> None:
+    """Node 1 of a 2-node job dies; its ranks come back on a replacement node (node 2: other GPUs,
+    other UUIDs) and the run resumes. A rank's GPU is the one its first registration named
+    (accounting choice 15): the crashed node's GPUs keep ranks 2-3 to the end of the run (their
+    crash tail, then idle), the replacement's GPUs are outside the job; said (`register_other_gpu`),
+    live as offline, every GPU-millisecond once."""
+    a = TraceBuilder(n_gpus=6, per_host=2, job="a", seed=13, register=False)
+    for r in range(4):
+        a.register_rank(r, r, 1000 + r, world_size=4)
+    a.run("start")
+    live(a, "compute", 60, 4, beats=True)
+    a.stretch("idle", 10)  # node 1 is lost, the job stops
+    a.new_processes(register=False)
+    for r, slot in ((0, 0), (1, 1), (2, 4), (3, 5)):  # ranks 2 and 3 on node 2
+        a.register_rank(r, slot, 2000 + r, world_size=4)
+    a.run("resume", step=10)
+    live(a, "compute", 60, 4, beats=True)
+    a.run("end")
+    a.stretch("idle", HOLD_S + 3 * ROUND_S)
+    got, physical = booked(a, [a], prefix)
+    assert sum(got["a"].values()) + got["_unassigned"] == physical
+    assert got["a"] == offline(a, [a], BOOKING)["a"]
+    diag = Diagnostics(stream=None)
+    book_trace(a.samples(), a.events, ReplayConfig(booking=BOOKING), diag)
+    assert diag.counts["register_other_gpu"] == 2
