@@ -19,6 +19,7 @@ import bisect
 import dataclasses
 import itertools
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -659,6 +660,7 @@ class _ReferenceWalk(RunWalk):
         self.seg_step: list[int] = [-1]
         self.steps: list[StepRecord] = []
         self.run_from = self.prev_run_from = 0  # the first record of the current run, the one before
+        self._top: int | None = None  # the current run's newest valid step
 
     def split(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         overhead = self.overhead
@@ -679,27 +681,40 @@ class _ReferenceWalk(RunWalk):
 
     def record(self, step: int, ts_ms: int, tokens: int) -> int:
         self.steps.append(StepRecord(step, ts_ms, tokens))
+        self._top = step  # (the newest record is valid, and above the run's others)
         return len(self.steps) - 1
+
+    def _run_newest_first(self) -> Iterator[StepRecord]:
+        """The current run's records, newest first (no copy of the list: a step asks every time)."""
+        steps = self.steps
+        for i in range(len(steps) - 1, self.run_from - 1, -1):
+            yield steps[i]
 
     def void_above(self, k: int, at_ms: int) -> int:
         n = 0
-        for s in reversed(self.steps[self.run_from :]):
+        for s in self._run_newest_first():
             if s.voided:
                 continue
             if s.step <= k:
                 break
             s.voided, s.voided_ms = True, at_ms
             n += 1
+        self._top = self._find_top()
         return n
 
+    def _find_top(self) -> int | None:
+        return next((s.step for s in self._run_newest_first() if not s.voided), None)
+
     def run_top(self) -> int | None:
-        return next((s.step for s in reversed(self.steps[self.run_from :]) if not s.voided), None)
+        return self._top
 
     def new_run(self) -> None:
         self.prev_run_from, self.run_from = self.run_from, len(self.steps)
+        self._top = None
 
     def merge_run(self) -> None:
         self.run_from = self.prev_run_from
+        self._top = self._find_top()
 
 
 def build_timeline(
