@@ -25,7 +25,6 @@ from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.core.timeutil import to_ms
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
-from costexporter.trainer.reporter import send_entries
 
 from .conftest import SHARED_URL, drop_prefix
 from .test_ledger_faults_property import HOLD_S, ROUND_S, Run, offline
@@ -116,34 +115,28 @@ BREAK = {
 class _BrokenFor(Run):
     """Job a's trainer-written key `key` is of another type from round `bad[0]` to `bad[1]`
     (its trainer wrote it so): Redis refuses a's writes to it meanwhile, as a trainer's would be
-    refused (the others go through); then it is deleted (mended)."""
+    refused (the others go through); then it is deleted (mended). The faults property's rounds,
+    the key switched between two rounds (`after_round`)."""
+
+    raise_on_error = False
 
     def __init__(self, *args, bad: tuple[int, int], key: str = "events", **kw) -> None:
         super().__init__(*args, **kw)
-        self.bad, self.key = bad, key
+        self.bad, (self.build, self.breaks) = bad, BREAK[key]
+        self.faults["after_round"] = lambda run, rounds: run.switch(rounds + 1)
 
-    def run(self) -> None:
-        rounds = 0
-        build, breaks = BREAK[self.key]
-        key = build(self.prefix, "a")
-        while self.t0 + self.now <= self.end + 2 * ROUND_S:
-            self.now += ROUND_S
-            rounds += 1
-            if rounds == self.bad[0]:
-                self.client.delete(key)
-                breaks(self.client, key)
-            elif rounds == self.bad[1]:
-                self.client.delete(key)
-            due = [p for p in self.pending if p[0] <= self.t0 + self.now]
-            self.pending = self.pending[len(due) :]
-            by_job: dict[str, list] = {}
-            for _, job, entry in due:
-                by_job.setdefault(job, []).append(entry)
-            for job, entries in by_job.items():
-                send_entries(self.client, self.prefix, job, entries, raise_on_error=False)
-            self.tick()
-        for _ in range(3):
-            self.tick()
+    def switch(self, next_round: int) -> None:
+        """The key as round `next_round` finds it."""
+        key = self.build(self.prefix, "a")
+        if next_round == self.bad[0]:
+            self.client.delete(key)
+            self.breaks(self.client, key)
+        elif next_round == self.bad[1]:
+            self.client.delete(key)
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.switch(1)
 
 
 def booked(a: TraceBuilder, jobs: list[TraceBuilder], prefix: str, broken=None) -> tuple[dict, int]:
@@ -165,6 +158,10 @@ def booked(a: TraceBuilder, jobs: list[TraceBuilder], prefix: str, broken=None) 
 # A successor registered while the squatter's claim waited for a's crash to lapse: it waits for
 # the squatter's hold (whose run was over), not for a alone; replay judged it against the
 # squatter's hold, which had not begun at its date, and booked it inside a's crash tail.
+# a's events key unreadable until after b's claim waited for a and b's run ended: b's claim,
+# taken where a's hold ended, was an open hold when the time of no job was booked that round
+# (42 s lost); the jobs that take a GPU now book their round first.
+@example(build_edges(1, 0, False, 20, False, "end", "successor", 2, 80), ("events", 1, 14))
 @example(build_edges(1, 0, False, 20, True, "crash", "successor", 2, 20), None)
 @example(build_edges(2, 1, True, 30, False, "crash", "again", 40, 30), None)  # a lapse, then a's restart
 @example(build_edges(1, 2, True, 30, False, "end", "again", 5, 30), None)  # a rerun: a new run, no voids
@@ -244,7 +241,8 @@ def test_a_squatter_is_refused_counted_and_noted_for_both_jobs_and_the_holder_ke
     notes = {j: ledger.notes_of(f) for j, f in figures.items()}
     assert any("while job 'a'" in t for t in notes["sq"]), notes
     assert any("job 'sq' registered" in t for t in notes["a"]), notes
-    assert got == {**got, **{k: v for k, v in offline(a, [a, sq], BOOKING).items() if k in got}}
+    want = offline(a, [a, sq], BOOKING)
+    assert (got["a"], got["sq"]) == (want["a"], want["sq"])
 
 
 def test_a_job_whose_events_key_is_not_a_stream_books_its_gpus_unobserved(prefix) -> None:

@@ -28,8 +28,6 @@ from costexporter.core.timeutil import iso_utc
 UNALLOCATED = "__unallocated__"
 IDLE = "__idle__"
 MAX_SETS = 1000  # steps in one answer
-MAX_SPAN_S = 400 * 86400
-LATEST = 32_503_680_000  # 3000-01-01
 
 # Parameters OpenCost defines that this API cannot honour, and why (each a 400 naming it).
 NOT_HONOURED = {

@@ -303,7 +303,13 @@ class Agent:
             if job.own:
                 self._book_isolated(job, local)
         if self.discovery.deferred_due():  # a run a claim waits for ended: it takes the GPU there
+            held = {name: set(job.own) for name, job in self.jobs.items()}
             self._discover()
+            # The jobs that took a GPU now book their round before the time of no job does: its
+            # booker must see where their holds end (a claimant whose run is over holds nothing).
+            for name, job in list(self.jobs.items()):
+                if set(job.own) - held.get(name, set()):
+                    self._book_isolated(job, local)
         try:
             self.unassigned.book(local, self.jobs.values(), self.node.lanes, self._no_more_samples)
         except ledger.WrongType as e:
