@@ -350,6 +350,8 @@ class StepReporter:
         self._queue: collections.deque[_Event] = collections.deque()
         self._seq = itertools.count()
         self._beat_seq = itertools.count()
+        # Rank 0's heartbeats are events: in the events stream, on its seqs, spooled (`_beat`)
+        self._beats_are_events = self.rank == 0
         self._beats_cap = protocol.beats_cap(self.world_size)
         self._inflight: list[_Event] = []
         self._io_lock = threading.Lock()  # held by whoever moves events out of memory (sender, close)
@@ -496,7 +498,7 @@ class StepReporter:
         if len(self._queue) >= self.capacity:
             self._overflow()
             return
-        seq = self._seq if self.rank == 0 else self._beat_seq
+        seq = self._seq if self._beats_are_events else self._beat_seq
         self._queue.append(("heartbeat", self._clock(), next(seq), {}))
 
     def _overflow(self) -> None:
@@ -786,7 +788,7 @@ class StepReporter:
                 job,
                 [entries[i] for i in idx],
                 raise_on_error=False,
-                beats_cap=None if spooled or self.rank == 0 else self._beats_cap,
+                beats_cap=None if spooled or self._beats_are_events else self._beats_cap,
                 last_ts=last_ts if job == self.job else None,
             )
             for j, exc in res.failed.items():
@@ -875,7 +877,7 @@ class StepReporter:
         run: list[_Event] = []
         beats: list[_Event] = []
         for ev in batch:
-            if ev[0] == "heartbeat" and self.rank != 0:  # its own stream and seqs: steps go on past it
+            if ev[0] == "heartbeat" and not self._beats_are_events:  # its own stream and seqs
                 beats.append(ev)
                 continue
             if self.batch_steps and len(ev) == 5:
@@ -964,7 +966,7 @@ class StepReporter:
         post them to the events stream, where their seqs (the heartbeats' own) could pass for
         events' (counted `heartbeats_unsent`). Rank 0's are on the events' seqs and date its
         run's signs of life: spooled with the events."""
-        if self.rank != 0 and any(ev[0] == "heartbeat" for ev in batch):
+        if not self._beats_are_events and any(ev[0] == "heartbeat" for ev in batch):
             kept = [ev for ev in batch if ev[0] != "heartbeat"]
             self.stats["heartbeats_unsent"] += len(batch) - len(kept)
             batch = kept
