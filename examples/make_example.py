@@ -12,7 +12,7 @@ from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 
 here = Path(__file__).parent / "r1-mini"
 b = TraceBuilder(n_gpus=8, per_host=4, interval_s=5.0, job="qwen3-mini", seed=7)
-b.meta(gpu_model="NVIDIA B300", team="llm", cost_center="cc-42", price_per_gpu_hour=3.5)
+b.meta(gpu_model="NVIDIA B300")  # data; the price and the owner are the operator's (--policy)
 b.run("start")
 b.stretch("compute", 20 * 60, step_s=5.0, tokens=262_144)
 b.stretch("communication", 5 * 60, step_s=10.0, tokens=262_144)

@@ -14,6 +14,7 @@ import uvicorn
 
 from costexporter.api.app import create_app
 from costexporter.api.auth import Tokens
+from costexporter.core.attribution import GRANTABLE, Attribution
 from costexporter.core.buckets import price_version
 from costexporter.core.cost import Prices
 from costexporter.core.model import Category
@@ -48,12 +49,22 @@ def served(store: LedgerStore, tokens: Tokens | None = None, **kw) -> Iterator[t
 def write_job(
     r: redis.Redis, prefix: str, job: str, team: str | None, incidents: int = 1, **meta: str
 ) -> None:
-    """A job with a registration, 2 hours of amounts, 10 steps and `incidents` incidents."""
+    """A job with a registration, 2 hours of amounts, 10 steps and `incidents` incidents; its
+    `team` and the owner and place keys of `meta` (cost_center, namespace, ...) as an agent
+    attributes them by policy (the figures' `attr:` fields), the rest as the trainer's meta."""
     pipe = r.pipeline(transaction=True)
     pipe.zadd(keys.jobs_key(prefix), {job: T0 + 7200})
-    fields = {"team": team, **meta} if team is not None else meta
-    if fields:
-        pipe.hset(keys.meta_key(prefix, job), mapping=fields)
+    owned = {"team": team} if team is not None else {}
+    owned |= {k: v for k, v in meta.items() if k in GRANTABLE}
+    data = {k: v for k, v in meta.items() if k not in GRANTABLE}
+    if data:
+        pipe.hset(keys.meta_key(prefix, job), mapping=data)
+    if owned:
+        values = tuple(
+            (k, float(v) if k in ("budget", "price_per_gpu_hour") else v) for k, v in owned.items()
+        )
+        attr = Attribution(values, tuple((k, "policy rule 1") for k in owned))
+        ledger.queue_attribution(pipe, prefix, job, attr)
     pipe.hset(keys.ranks_key(prefix, job), "0", json.dumps({"ts": T0, "host": "h", "gpu": 0}))
     a = np.zeros((len(Category), 3), np.int64)
     a[Category.PRODUCTIVE] = [3_600_000, 10**9, 3_500_000]

@@ -322,7 +322,11 @@ def test_the_api_answers_under_a_read_only_rule_that_refuses_every_write(server,
         with urllib.request.urlopen(f"{base}/api/v1/jobs/{job}?window={WINDOW}", timeout=10) as resp:
             body = json.loads(resp.read())
     assert body["gpu_hours"] == pytest.approx(sum(booked["expected"].values()) / 3.6e6, rel=1e-6)
-    assert not body["warnings"] or body["warnings"] == {}, body["warnings"]
+    # the trainer's meta team is not the job's: said, nothing else is
+    assert body["warnings"] == [
+        f"{job}: its meta sets team, which only the operator's policy sets: ignored "
+        "(counted in costexporter_meta_ignored_total)"
+    ], body["warnings"]
     assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
     for k in (keys.total_key(PREFIX, job), keys.meta_key(PREFIX, job), keys.status_key(PREFIX, job)):
         assert refused(c.hset, k, "f", "1"), k

@@ -478,18 +478,20 @@ def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared,
 
 
 @pytest.mark.parametrize(
-    ("meta_price", "flag_price", "says"),
-    [(5.0, 2.0, True), (None, 2.0, False), (2.0, 2.0, False)],
-    ids=["meta-wins", "no-meta-price", "same-price"],
+    ("meta_price", "granted", "says"),
+    [(5.0, False, True), (None, False, False), (5.0, True, False)],
+    ids=["meta-ignored", "no-meta-price", "granted"],
 )
-def test_serve_says_once_per_job_when_its_meta_price_overrides_the_flag(
-    shared, prefix, caplog, meta_price, flag_price, says
+def test_serve_ignores_a_meta_price_once_per_job_unless_a_rule_grants_it(
+    shared, prefix, caplog, meta_price, granted, says
 ):
-    """The flag would otherwise seem to do nothing: the agent says so once per job, in replay's
-    words, however many rounds book it, and books the meta's price."""
+    """A trainer's meta price is not the job's: the agent books the operator's price, and says
+    once per job (however many rounds book it) which policy key would trust it; a rule that
+    grants the key makes it the job's price, said by nothing."""
     import logging
 
     from costexporter.core.cost import Prices
+    from costexporter.core.terms import PolicyRule
 
     from .agent_rounds import replay_agent, tick
 
@@ -503,19 +505,26 @@ def test_serve_says_once_per_job_when_its_meta_price_overrides_the_flag(
     b.run("end")
     b.stretch("idle", 5)
     post_events(shared, prefix, b)
+    rules = (PolicyRule(job="priced-*", grants=("price_per_gpu_hour",)),) if granted else ()
     agent, now = replay_agent(
-        b, prefix=prefix, agent_id="priced", job_refresh_s=0, prices=Prices(price_per_gpu_hour=flag_price)
+        b,
+        prefix=prefix,
+        agent_id="priced",
+        job_refresh_s=0,
+        prices=Prices(price_per_gpu_hour=2.0),
+        policy_rules=rules,
     )
     for _ in range(6):
         tick(agent, now, 50)
     assert agent.stats["rounds"] >= 3  # several rounds booked the job: the note is still said once
-    note = f"job {job}: its meta sets price_per_gpu_hour={meta_price}, which overrides --price-per-gpu-hour 2"
-    assert caplog.text.count("overrides --price-per-gpu-hour") == (1 if says else 0), caplog.text
+    note = f"job {job}: its meta sets price_per_gpu_hour, which only the operator sets"
+    assert caplog.text.count("grant_meta: [price_per_gpu_hour]") == (1 if says else 0), caplog.text
     assert (note in caplog.text) == says
+    assert ((job, "price_per_gpu_hour") in agent.meta_ignored) == says
     total = ledger.read_amounts(shared, prefix, job)
     ms = sum(total.get(f"{c}:ms", 0) for c in CATEGORIES)
     cost = sum(total.get(f"{c}:ucost", 0) for c in CATEGORIES) / 1e6
-    assert ms > 0 and cost == pytest.approx(ms / 3.6e6 * (meta_price or flag_price), rel=1e-3)
+    assert ms > 0 and cost == pytest.approx(ms / 3.6e6 * (meta_price if granted else 2.0), rel=1e-3)
 
 
 def test_every_counter_of_a_job_is_exported_at_zero_from_its_first_round(shared, prefix):

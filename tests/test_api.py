@@ -56,6 +56,21 @@ def vision_job() -> TraceBuilder:
     return b
 
 
+# Who owns each job is the operator's word: the trainers' meta team is theirs alone.
+OWNERS = {
+    "rules": [
+        {"job": "llm-*", "owner": {"team": "llm", "cost_center": "cc-1", "budget": 50.0}},
+        {"job": "vision-*", "owner": {"team": "vision", "cost_center": "cc-2"}},
+    ]
+}
+
+
+def write_owners(tmp) -> object:
+    path = tmp / "policy.json"
+    path.write_text(json.dumps(OWNERS))
+    return path
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """One agent replays three hosts: the llm job's, the vision job's, and a spare GPU nobody registered."""
@@ -82,7 +97,7 @@ def book_two_jobs(url: str, prefix: str, tmp) -> dict:
     port, api_port = free_port(), free_port()
     # --late-keep 0: the streams are trimmed as soon as a fold is stored (tests/test_cluster.py
     # checks the trimmed streams on both backends)
-    extra = ["--api-port", str(api_port), "--late-keep", "0"]
+    extra = ["--api-port", str(api_port), "--late-keep", "0", "--policy", str(write_owners(tmp))]
     for p in paths[1:]:
         extra += ["--samples", f"{p.stem}={p}"]
     proc = serve(paths[0], paths[0].stem, url, prefix, port, *extra, speed=200)

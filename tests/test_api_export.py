@@ -18,6 +18,7 @@ import pytest
 from costexporter.api.app import FOCUS_COLUMNS, FOCUS_X
 from costexporter.api.auth import Tokens, hash_token
 from costexporter.api.export import FocusSettings
+from costexporter.core.attribution import Attribution
 from costexporter.core.model import Category
 from costexporter.store import keys, ledger
 from costexporter.store.ledger_read import LedgerStore
@@ -41,7 +42,8 @@ def ledger_of_four(shared, prefix):
     a[Category.PRODUCTIVE] = [3_600_000, 10**9, 3_500_000]
     pipe = shared.pipeline()
     pipe.zadd(keys.jobs_key(prefix), {"month-end": JULY_END + 4 * 3600})
-    pipe.hset(keys.meta_key(prefix, "month-end"), mapping={"team": "llm", "namespace": "ns-a"})
+    owner = Attribution((("team", "llm"), ("namespace", "ns-a")), (("team", "rule"), ("namespace", "rule")))
+    ledger.queue_attribution(pipe, prefix, "month-end", owner)
     ledger.queue_amounts(pipe, prefix, "month-end", {JULY_END + h * 3600: a for h in range(4)}, PRICE_VERSION)
     unassigned = np.zeros((len(Category), 3), np.int64)
     unassigned[Category.UNASSIGNED] = [1_800_000, 0, 1_750_000]

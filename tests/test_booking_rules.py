@@ -259,13 +259,13 @@ def test_wasted_price_and_energy_price():
     assert r["energy_kwh"]["productive"] == pytest.approx(N * 595 * 990 / 3.6e6, rel=0.03)
 
 
-def test_job_meta_price_wins_over_the_configured_price():
+def test_a_jobs_meta_price_is_ignored_and_the_configured_price_books_it():
     b = job()
-    b.meta(price_per_gpu_hour=10.0)
+    b.meta(price_per_gpu_hour=1e-9)
     b.stretch("compute", 600, step_s=5)
     r = book(b, ReplayConfig(prices=Prices(price_per_gpu_hour=3.5)))
-    assert r["price_per_gpu_hour"] == 10.0
-    assert r["cost_total"] == pytest.approx(N * 600 * H * 10.0, abs=1e-6)
+    assert r["price_per_gpu_hour"] == 3.5 and r["meta_ignored"] == ["price_per_gpu_hour"]
+    assert r["cost_total"] == pytest.approx(N * 600 * H * 3.5, abs=1e-6)
 
 
 def test_a_ranks_own_phase_covers_only_its_gpu():

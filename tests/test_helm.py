@@ -35,11 +35,18 @@ TOKENS = {
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 # Value sets a user would install with; every one must lint, render and validate.
+POLICY = {
+    "cluster": "prod-east",
+    "node_pools": {"spot": "gpu-spot-*"},
+    "prices": [{"gpu_model": "*H100*", "node_pool": "spot", "price_per_gpu_hour": 1.4}],
+    "rules": [{"namespace": "llm-*", "owner": {"team": "llm"}}],
+}
 VALUE_SETS = {
     "defaults": {},  # installs as is: a generated API token, no Operator objects without its API
     "defaults+tokens": TOKENS,
     "dcgm+podmonitor+external-redis": {
         **TOKENS,
+        "policy": POLICY,
         "redis": {"enabled": False, "existingSecret": "my-redis", "existingSecretKey": "sentinel-url"},
         "agent": {
             "source": "dcgm",
@@ -272,6 +279,33 @@ def test_rendered_workloads_carry_what_the_values_say():
     assert env["COSTEXPORTER_API_TOKENS_FILE"] == "/etc/costexporter/tokens/tokens.yaml"
     mount = next(m for m in ac["volumeMounts"] if m["name"] == "tokens")
     assert mount["mountPath"] == "/etc/costexporter/tokens"
+
+
+def test_the_policy_value_reaches_the_agents_and_the_watcher_as_the_file_they_parse():
+    """Who pays is the operator's: the chart's `policy` is one ConfigMap, mounted read-only into
+    every agent and watcher and named by --policy; its file is one the programs accept."""
+    from costexporter.core.terms import parse_policy_file
+
+    k = _by_kind(_render(VALUE_SETS["dcgm+podmonitor+external-redis"]))
+    (cm,) = [c for c in k["ConfigMap"] if c["metadata"]["name"].endswith("-policy")]
+    parsed = parse_policy_file(json.loads(cm["data"]["policy.json"]))
+    assert parsed.pricing.cluster == "prod-east" and parsed.rules[0].owner == (("team", "llm"),)
+    workloads = [*k["DaemonSet"], *(d for d in k["Deployment"] if "-watcher" in d["metadata"]["name"])]
+    assert len(workloads) >= 2
+    for d in workloads:
+        spec = d["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        assert "--policy=/etc/costexporter/policy/policy.json" in c["args"]
+        assert {"name": "policy", "mountPath": "/etc/costexporter/policy", "readOnly": True} in c[
+            "volumeMounts"
+        ]
+        assert {"name": "policy", "configMap": {"name": cm["metadata"]["name"]}} in spec["volumes"]
+    plain = _by_kind(_render(TOKENS))
+    assert not [c for c in plain.get("ConfigMap", []) if c["metadata"]["name"].endswith("-policy")]
+    assert all(
+        "--policy" not in " ".join(d["spec"]["template"]["spec"]["containers"][0]["args"])
+        for d in plain["DaemonSet"]
+    )
 
 
 def test_watcher_shards_are_one_deployment_each_behind_one_service():

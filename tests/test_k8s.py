@@ -287,7 +287,11 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
         jobs = set(shared.zrange(keys.jobs_key(prefix), 0, -1))
         assert jobs == {llama, resnet}  # the pod-less GPU is no job's
         meta = shared.hgetall(keys.meta_key(prefix, llama))
-        assert meta["namespace"] == "ml" and meta["pod"] == "llama-ft-worker-0" and meta["progress"] == "none"
+        assert meta["pod"] == "llama-ft-worker-0" and meta["progress"] == "none"
+        assert "namespace" not in meta  # the cluster's word, in the agent's attribution
+        fig = keys.figures_key(prefix, llama)
+        _wait("attributed", lambda: shared.hget(fig, "attr:namespace") == "ml")
+        assert shared.hget(fig, "attr:namespace:source") == "kubernetes"
         assert meta["gpu_model"] == "NVIDIA B300 SXM6 AC"
         ranks = {int(r): json.loads(v) for r, v in shared.hgetall(keys.ranks_key(prefix, llama)).items()}
         assert sorted((e["gpu_uuid"], e["host"]) for e in ranks.values()) == [

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from costexporter.core.attribution import Facts
 from costexporter.services.k8s import KubernetesJobs, job_name
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import OWNER_LABELS, owner_of, owner_of_pod
@@ -184,7 +185,9 @@ def test_lookup_caches_and_a_failing_api_falls_back_to_dcgm_labels():
 
 def test_registrations_name_jobs_by_owner_through_the_lookup(shared, prefix):
     """The registration loop, with dcgm-exporter exporting no pod labels (its default) and the
-    pods read from the API: every GPU lands in its workload's job, with kind and team in meta."""
+    pods read from the API: every GPU lands in its workload's job, its kind in meta (data) and
+    its namespace, owner and team in the facts the agent attributes it by (never meta: a trainer
+    writes meta)."""
     fixtures = ["pytorchjob-worker", "jobset", "deployment", "lws-worker"]
     objs = {pod(f)["metadata"]["name"]: pod(f) for f in fixtures}
     exp = FakeDcgmExporter(
@@ -201,8 +204,9 @@ def test_registrations_name_jobs_by_owner_through_the_lookup(shared, prefix):
         jobs = set(shared.zrange(keys.jobs_key(prefix), 0, -1))
         assert jobs == {"ml:llama-ft", "ml:gpt-trainer", "team-a:infer-a", "serving:vllm-70b"}
         meta = shared.hgetall(keys.meta_key(prefix, "ml:llama-ft"))
-        assert meta["owner_kind"] == "PyTorchJob" and meta["team"] == "llm"
-        assert shared.hgetall(keys.meta_key(prefix, "team-a:infer-a"))["team"] == "team-a"
+        assert meta["owner_kind"] == "PyTorchJob" and "team" not in meta and "namespace" not in meta
+        assert kj.facts["ml:llama-ft"] == Facts("ml", "llama-ft", "PyTorchJob", "llm")
+        assert kj.facts["team-a:infer-a"].team == "team-a"
     finally:
         exp.close()
 

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import uuid
+from typing import ClassVar
 
 import numpy as np
 import redis
@@ -239,6 +240,8 @@ class Run:
             other.stretch("idle", (self.end - self.t0) + 4 * ROUND_S)
             self.agents.append(self._agent(other.samples()))
 
+    agent_kw: ClassVar[dict] = {}  # more of the agents' configuration (a subclass's policy)
+
     def _agent(self, samples=None) -> Agent:
         started = [False]
 
@@ -261,6 +264,7 @@ class Run:
                 # the stream is trimmed (and the older fold rotated) within a scenario's length,
                 # later than any fault delays an event
                 late_keep_s=120.0,
+                **self.agent_kw,
             ),
         )
 

@@ -6,7 +6,9 @@ Pure: jobs' amounts and meta in, rows out; the router does the reading."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -152,6 +154,7 @@ def row(key: str, props: dict, parts: list[JobPart], start: str | None, end: str
         end=end,
         properties=props,
         price_versions=sorted(a.price_versions),
+        attribution=_attribution(parts[0].meta) if len(parts) == 1 else None,
     )
 
 
@@ -229,9 +232,21 @@ def table_rows(
                 "end": e,
                 "properties": props,
                 "price_versions": pv,
+                "attribution": _attribution(m),
             }
-            for k, team, cc, h0, h1, h2, h3, cost, waste, v, ps, props, pv in zip(
-                keys, teams, ccs, *hours, costs, wasted, valid, per_step, props_of, versions, strict=True
+            for k, team, cc, h0, h1, h2, h3, cost, waste, v, ps, props, pv, m in zip(
+                keys,
+                teams,
+                ccs,
+                *hours,
+                costs,
+                wasted,
+                valid,
+                per_step,
+                props_of,
+                versions,
+                job_metas,
+                strict=True,
             )
         ]
     out = []
@@ -258,6 +273,7 @@ def table_rows(
                 "end": e,
                 "properties": props,
                 "price_versions": sorted(set().union(*(table.versions[i] for i in m))),
+                "attribution": _attribution(metas[jobs[m[0]]]) if len(m) == 1 else None,
             }
         )
     return out
@@ -287,3 +303,9 @@ def unassigned_row(u: Amounts, start: int, end: int) -> AllocationRow:
         properties={},
         price_versions=sorted(u.price_versions),
     )
+
+
+def _attribution(meta: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """A job row's `attribution` (`ledger_read.JobMeta`); None where the meta has none."""
+    attr = getattr(meta, "attribution", None)
+    return None if attr is None else attr.report()

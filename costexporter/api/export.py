@@ -8,6 +8,7 @@ import json
 import re
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from costexporter.api.aggregate import month_start, next_month
 from costexporter.api.format import PLACES, iso, money
@@ -101,6 +102,8 @@ FOCUS_X = [
     "x_ValidGpuHours",
     "x_TrainingJob",
     "x_AllocationKey",
+    "x_PriceSource",
+    "x_OwnerSource",
 ]
 
 
@@ -247,7 +250,20 @@ def _resource(r: AllocationRow, fields: list[str]) -> dict[str, object]:
         "SubAccountName": team or "",
         "SubAccountType": "Team" if team else "",
         "x_TrainingJob": name,
+        **_sources(r),
     }
+
+
+def _sources(r: AllocationRow) -> dict[str, str]:
+    """Where a job row's price and owner came from (its `attribution`); blank for other rows."""
+    a: dict[str, Any] = dict(r.attribution or {})
+
+    def source(key: str) -> str:
+        v = a.get(key)  # an `Attributed`, or its dict where the row was built without validation
+        s = v.get("source") if isinstance(v, dict) else getattr(v, "source", None)
+        return s or ""
+
+    return {"x_PriceSource": source("price_per_gpu_hour"), "x_OwnerSource": source("team")}
 
 
 def focus_values(

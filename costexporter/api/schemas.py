@@ -22,6 +22,19 @@ class ByCategory(BaseModel):
     cost: dict[str, str]
 
 
+ATTRIBUTION = (
+    "Where the job's price, owner and place came from: per key (team, cost_center, budget, "
+    "cluster, namespace, controller_kind, price_per_gpu_hour, node_pool) its value and source "
+    "(a policy rule, the price table, the flags, kubernetes, or meta where a policy rule grants it). "
+    "Empty until an agent has booked the job."
+)
+
+
+class Attributed(BaseModel):
+    value: str | float
+    source: str | None
+
+
 class JobSummary(BaseModel):
     job: str
     team: str | None
@@ -35,6 +48,7 @@ class JobSummary(BaseModel):
     wasted_gpu_hours: float
     valid_steps: int
     cost_per_valid_step: str | None
+    attribution: dict[str, Attributed] = Field(default_factory=dict, description=ATTRIBUTION)
 
 
 class JobList(BaseModel):
@@ -77,6 +91,7 @@ class JobTotals(BaseModel):
     budget: str | None
     spend: str
     budget_used: float | None
+    attribution: dict[str, Attributed] = Field(default_factory=dict, description=ATTRIBUTION)
     preflight: dict | None
     profile: ProfileOut | None = None
     unknown_before: str | None = Field(
@@ -144,6 +159,9 @@ class AllocationRow(BaseModel):
     )
     price_versions: list[str] = Field(
         default_factory=list, description="Price tables the amounts were costed with."
+    )
+    attribution: dict[str, Attributed] | None = Field(
+        None, description=ATTRIBUTION + " A row of one job (aggregate=job) only."
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -280,7 +280,12 @@ BOOKING_FLAGS = [
     ),
 ]
 PRICE_FLAGS = [
-    ("--price-per-gpu-hour", "price_per_gpu_hour", 0, "Price of a GPU-hour (a job's meta price wins)."),
+    (
+        "--price-per-gpu-hour",
+        "price_per_gpu_hour",
+        0,
+        "Price of a GPU-hour where the policy's price table has no row for the GPU (never a job's meta).",
+    ),
     (
         "--wasted-price-per-gpu-hour",
         "wasted_price_per_gpu_hour",
@@ -315,21 +320,28 @@ def booking_options(f):
         "policy",
         type=click.Path(dir_okay=False, path_type=Path),
         default=None,
-        help="The operator's policy file (YAML or JSON): booking thresholds by job-name pattern or "
-        "team, over the flags' (docs/terms.md). Never a job's meta.",
+        help="The operator's policy file (YAML or JSON): booking thresholds, owners and prices by "
+        "job-name pattern or Kubernetes namespace, and the price table by GPU model and node pool "
+        "(docs/terms.md). Never a job's meta.",
     )(f)
     return _options(BOOKING_FLAGS, BookingConfig())(f)
 
 
-def policy_rules(params: dict) -> tuple:
-    """The rules of `--policy` (none without it); an unusable file stops the command with one
-    line (exit 2): a policy given but unusable fails closed."""
+def policy_terms(params: dict) -> dict[str, Any]:
+    """A config's `policy_rules` and `pricing` from `--policy`."""
+    pf = policy_file(params)
+    return {"policy_rules": pf.rules, "pricing": pf.pricing}
+
+
+def policy_file(params: dict) -> Any:
+    """`--policy` as a `terms.PolicyFile` (an empty one without it); an unusable file stops the
+    command with one line (exit 2): a policy given but unusable fails closed."""
+    from costexporter.core.terms import PolicyError, PolicyFile, parse_policy_file
+
     path = params.get("policy")
     if path is None:
-        return ()
+        return PolicyFile()
     import yaml
-
-    from costexporter.core.terms import PolicyError, parse_policy
 
     try:
         doc = yaml.safe_load(Path(path).read_text())  # JSON is YAML
@@ -339,7 +351,7 @@ def policy_rules(params: dict) -> tuple:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputFailure(f"--policy: {path} is not valid YAML or JSON: {first}") from None
     try:
-        return parse_policy(doc, f"--policy {path}")
+        return parse_policy_file(doc, f"--policy {path}")
     except PolicyError as e:
         raise InputFailure(str(e)) from None
 

@@ -13,6 +13,8 @@ the same transaction as the amounts.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +36,11 @@ from costexporter.core.booking import (
     job_bands,
     make_slices,
 )
-from costexporter.core.buckets import BUCKET_S, amounts
+from costexporter.core.buckets import BUCKET_S, amounts, cut_at
 from costexporter.core.cost import Prices
 from costexporter.core.figures import Incident, at_risk_ms, extend_incidents, extend_rolled_back, job_figures
 from costexporter.core.model import VALID_CODES, Category, Event
+from costexporter.core.pricing import PriceSchedule, as_schedule
 from costexporter.core.profiles import Profile
 
 
@@ -421,7 +424,7 @@ def index_drops(applied: set[int], new: set[int]) -> set[int]:
     return {j for i in new for j in (i - 1, i) if j >= 0 and j in applied and j + 1 in applied}
 
 
-def cost_after(pieces: Pieces, ref_ms: int, prices: Prices) -> int:
+def cost_after(pieces: Pieces, ref_ms: int, prices: Prices | PriceSchedule) -> int:
     """Cost (micro-units) of the part of `pieces` after `ref_ms`: money burned since the last
     progress point, for the "cost slope without steps" alert's annotation."""
     after = pieces.end_ms > ref_ms
@@ -433,12 +436,15 @@ def cost_after(pieces: Pieces, ref_ms: int, prices: Prices) -> int:
     mj = np.nan_to_num(pieces.energy_mj[after]) * (end - start) / full
     cat = pieces.category[after].astype(np.int64)
     ms = shares.gpu_ms(start, end, None if pieces.lanes is None else pieces.lanes[after])
-    cost = prices.cost(ms.astype(float), mj, cat)
-    return round(float(np.sum(cost)) * 1e6)
+
+    def cost(p: Prices, ms: np.ndarray, mj: np.ndarray, cat: np.ndarray) -> np.ndarray:
+        return np.asarray(np.sum(p.cost(ms.astype(float), mj, cat)))
+
+    return round(float(_scheduled(as_schedule(prices), start, cost, ms, mj, cat)) * 1e6)
 
 
 def _index_entries(
-    state: JobState, res: WindowResult, prices: Prices
+    state: JobState, res: WindowResult, sched: PriceSchedule
 ) -> tuple[dict[int, list[int]], np.ndarray]:
     """The rollback index entries of the step records booked this round (cumulative valid amounts
     at each), and the cumulative valid amounts after the round."""
@@ -454,9 +460,33 @@ def _index_entries(
                 cut - vp_start, vp_end - vp_start, out=np.zeros(cut.size), where=vp_end > vp_start
             )
             upto = shares.gpu_ms(vp_start, cut, vp_lanes)
-            index_new[i] = index_entry(state.cum + valid_amounts(prices, vp_cat, upto, vp_mj * frac))
-    new_cum = state.cum + valid_amounts(prices, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj)
+            index_new[i] = index_entry(
+                state.cum + _scheduled(sched, vp_start, valid_amounts, vp_cat, upto, vp_mj * frac)
+            )
+    new_cum = state.cum + _scheduled(
+        sched, vp_start, valid_amounts, vp_cat, shares.gpu_ms(vp_start, vp_end, vp_lanes), vp_mj
+    )
     return index_new, new_cum
+
+
+def _scheduled(
+    sched: PriceSchedule,
+    start_ms: np.ndarray,
+    fn: Callable[..., np.ndarray],
+    *arrays: np.ndarray,
+) -> np.ndarray:
+    """`fn(prices, *arrays)` at the price of each piece's start (pieces are cut at the
+    schedule's changes first: `buckets.cut_at`): one call where one price covers them all, else
+    one per price, summed."""
+    if start_ms.size == 0 or not sched.cuts(int(start_ms.min()), int(start_ms.max()) + 1):
+        return fn(sched.at(int(start_ms.min()) if start_ms.size else 0), *arrays)
+    total: np.ndarray | None = None
+    for a, b, prices in sched.spans(int(start_ms.min()), int(start_ms.max()) + 1):
+        m = (start_ms >= a) & (start_ms < b)
+        part = fn(prices, *(x[m] for x in arrays))
+        total = part if total is None else total + part
+    assert total is not None
+    return total
 
 
 def _new_voids(tl: Timeline, applied: set[int], job_start_ms: int) -> list[tuple[int, Any, int]]:
@@ -543,7 +573,7 @@ def ledger_delta(
     state: JobState,
     res: WindowResult,
     *,
-    prices: Prices,
+    prices: Prices | PriceSchedule,
     own_ranks: np.ndarray,
     member_start_ms: np.ndarray,
     job_start_ms: int,
@@ -556,10 +586,14 @@ def ledger_delta(
     """From the agent's state of a job and one booked window to what the round writes: bucket
     amounts, rollback corrections and index entries, step/void records, incidents, figures and
     the next state. Pure: the agent commits it with its watermark in one compare-and-set."""
+    sched = as_schedule(prices)
     tl, p = res.timeline, res.pieces
-    by_bucket = amounts(p, prices, bucket_s)
+    if p.gpu.size and sched.cuts(int(p.start_ms.min()), int(p.end_ms.max())):
+        p = cut_at(p, sched.cuts(int(p.start_ms.min()), int(p.end_ms.max())))
+        res = dataclasses.replace(res, pieces=p)
+    by_bucket = amounts(p, sched, bucket_s)
     booked = sum(by_bucket.values(), zeros())
-    index_new, new_cum = _index_entries(state, res, prices)
+    index_new, new_cum = _index_entries(state, res, sched)
     # Resumes: valid amounts already booked in steps that are now voided move to rolled_back.
     index = {**state.rb_index, **index_new}
     v = _apply_voids(state, tl, index, new_cum, job_start_ms)
@@ -568,7 +602,7 @@ def ledger_delta(
     rolled[Category.ROLLED_BACK] = v.moved[VALID].sum(0)
 
     since_cost = (state.since_cost if last_progress_ms == state.since_ref_ms else 0) + cost_after(
-        p, last_progress_ms, prices
+        p, last_progress_ms, sched
     )
     incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
     if v.spans:

@@ -31,6 +31,7 @@ from costexporter.core.booking import (
     job_bands,
     make_slices,
 )
+from costexporter.core.buckets import cost_by_category
 from costexporter.core.cost import (
     MICRO_PER_UNIT,
     MJ_PER_KWH,
@@ -53,6 +54,7 @@ from costexporter.core.model import (
     GpuIndex,
     Samples,
 )
+from costexporter.core.pricing import PriceSchedule, Pricing
 from costexporter.core.profiles import Profile
 from costexporter.core.terms import JobTerms, Policy, PolicyRule, job_terms
 
@@ -72,12 +74,14 @@ class ReplayConfig:
     # How progress is booked: "events" (steps and declared phases), "none" (by band alone), or
     # "auto": by events where the job has any progress event, by band alone where it has none.
     progress: str = "auto"
-    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
+    # The operator's policy file (`terms.parse_policy_file`): its rules (thresholds, owners and
+    # prices by job name or namespace) and its price table.
     policy_rules: tuple[PolicyRule, ...] = ()
+    pricing: Pricing = field(default_factory=Pricing)
 
     def policy(self) -> Policy:
-        """The operator's terms: the flags' thresholds and prices, the policy file's rules."""
-        return Policy(self.booking, self.prices, self.policy_rules)
+        """The operator's terms: the flags' thresholds and prices, the policy file's."""
+        return Policy(self.booking, self.prices, self.policy_rules, self.pricing)
 
 
 @dataclass(slots=True)
@@ -437,7 +441,15 @@ def _prepare_job(
     lg, _ts, pw, ut, _en = cols
     member_gpu_list = [gpus[g] for g in member_gpus]
     profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
-    terms = job_terms(job, meta, policy, (t for _, _, t in members), profile=profile)
+    terms = job_terms(
+        job,
+        meta,
+        policy,
+        (t for _, _, t in members),
+        profile=profile,
+        gpu_model=cfg.gpu_model or next((g.name for g in member_gpu_list if g.name), None),
+        host=member_gpu_list[0].host if member_gpu_list else None,
+    )
     # A register whose date is refused (far after its GPU's samples: a clock ahead) does not
     # stretch the job's data to it either (a day of its GPUs `unobserved`).
     gpu_of = {r: g for r, g, _ in members}
@@ -801,7 +813,8 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     cat_mj = mj.sum((0, 2))
     band_ms = per_gpu_band_ms.sum(0)
     terms = job_terms_of(r, cfg)
-    cat_cost = terms.prices.cost(cat_ms, cat_mj)
+    flat, scheds = job_prices(r, cfg, terms)
+    cat_cost = flat.cost(cat_ms, cat_mj) if flat is not None else cost_by_category(p, scheds)
     cat_cost[Category.UNASSIGNED] = 0.0
 
     per_gpu_cat = (per_gpu_cat_ms / MS_PER_HOUR).tolist()
@@ -843,6 +856,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "productive_cost_per_step": _per_step(cat_cost[Category.PRODUCTIVE], int(valid)),
         "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
         "price_per_gpu_hour": terms.prices.price_per_gpu_hour,
+        "attribution": terms.attribution.report(),
         "meta_ignored": list(terms.ignored_meta),
         "profile": profile_report(r.profile, r.profile_source),
         "booked_by": r.booked_by,
@@ -864,7 +878,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
             }
             for i, g in enumerate(r.gpus)
         ],
-        "incidents": incidents(r, terms.prices),
+        "incidents": incidents(r, flat if flat is not None else scheds),
         "energy_coverage": energy_coverage(p, dur),
         "time_range": {
             "samples": _range_s(r.sample_range_ms),
@@ -970,7 +984,24 @@ def _stretches(gpu: np.ndarray, start: np.ndarray, end: np.ndarray, tol: int) ->
     return np.repeat(of_run, np.diff(np.append(head, n))), int(new.sum())
 
 
-def incidents(r: JobResult, prices: Prices) -> list[Report]:
+def job_prices(r: JobResult, cfg: ReplayConfig, terms: JobTerms) -> tuple[Prices | None, list[PriceSchedule]]:
+    """(one price for all of the job's time, or None), and each GPU's price schedule: the price
+    table by the GPU's model and its host's node pool, as the agent on that host prices it."""
+    policy = cfg.policy()
+    price = terms.attribution.granted_price
+    scheds = [
+        policy.pricing.schedule(policy.prices, cfg.gpu_model or g.name or None, g.host, price) for g in r.gpus
+    ]
+    p = r.pieces
+    if not scheds or p.gpu.size == 0:
+        return terms.prices, scheds
+    lo, hi = int(p.start_ms.min()), int(p.end_ms.max())
+    if len({s.changes for s in scheds}) == 1 and not scheds[0].cuts(lo, hi):
+        return scheds[0].at(lo), scheds
+    return None, scheds
+
+
+def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Report]:
     """Merged job-level stretches of one wasted category.
 
     A stretch is what the live agent's rule (`figures.extend_incidents`: a piece within `tol`
@@ -992,7 +1023,12 @@ def incidents(r: JobResult, prices: Prices) -> list[Report]:
         band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
         g_ms = band_ms.sum(1)  # whole milliseconds: the same sum in any order
         g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
-        g_cost = prices.cost(g_ms, g_mj, np.full(n, c))
+        if isinstance(prices, Prices):
+            g_cost = prices.cost(g_ms, g_mj, np.full(n, c))
+        else:  # priced piece by piece: the GPUs' prices differ, or change inside the job
+            g_cost = np.asarray(
+                [cost_by_category(p.take(sel[gid == i]), prices).sum() for i in range(n)], np.float64
+            )
         dominant = band_ms.argmax(1) - 1
         if n > 1:  # each stretch's pieces together (a radix sort where the numbers are small)
             sel = sel[np.argsort(gid.astype(np.int16) if n < 2**15 else gid, kind="stable")]

@@ -7,20 +7,25 @@ Where each term comes from (docs/terms.md):
 
 * the thresholds that move GPU time between valid, overhead and wasted (`stall_floor_s`,
   `stall_k`, the phases' allowances, ...) are the operator's: the flags, or the first rule of the
-  operator's policy file that matches the job's name or team. A trainer's meta event that sets one
-  is ignored (and said: `JobTerms.ignored_meta`), since a trainer could otherwise declare its own
-  waste away. The allowance learned from the job's own phases still applies (`core/booking`);
+  operator's policy file that matches the job (by its name or Kubernetes namespace) and sets
+  them. A trainer's meta event that sets one is ignored (and said: `JobTerms.ignored_meta`),
+  since a trainer could otherwise declare its own waste away. The allowance learned from the
+  job's own phases still applies (`core/booking`);
 * the liveness cadence (`heartbeat_timeout_s`, `heartbeat_interval_s`) may come from the job's
   meta: a job of 5-minute steps beats at its own pace. Its `heartbeat_timeout_s` also lengthens
   the booking's liveness timeout (where a crashed run's claim on its GPUs ends), up to the
   operator's longest, never shortening it (`liveness`);
-* the GPU-hour price is the job's meta `price_per_gpu_hour` where it sets one, else the flag's;
+* the price, the owner (team, cost centre, budget) and the place (cluster, namespace, controller
+  kind) are the operator's (`core/attribution`, `core/pricing`): a policy rule, the policy's
+  price table by GPU model and node pool from effective dates, the flags; a trainer's meta value
+  counts only where a rule grants it, else it is ignored and said like a threshold;
 * the profile is resolved by `core/profiles` and carried here as given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping
@@ -28,10 +33,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costexporter.core import jobfacts
+from costexporter.core.attribution import (
+    GRANTABLE,
+    Attribution,
+    Facts,
+    attribute,
+    parse_grants,
+    parse_owner,
+)
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import Prices
 from costexporter.core.events import POLICY_THRESHOLDS
+from costexporter.core.pricing import PriceSchedule, Pricing, PricingError, parse_pricing
 from costexporter.core.profiles import Profile
+from costexporter.core.timeutil import parse_instant
 
 _MAX_SECONDS = 1e9
 
@@ -53,33 +68,48 @@ def _seconds(value: object) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class PolicyRule:
-    """Booking thresholds for the jobs whose name matches `job` (a shell pattern) and whose team
-    is `team` (either may be None: any). `thresholds`: (name, value) pairs of POLICY_THRESHOLDS."""
+    """One rule of the operator's policy: for the jobs whose name matches `job` and whose
+    Kubernetes namespace (as the agent read it from the cluster) matches `namespace` (shell
+    patterns; None: any), the booking `thresholds` ((name, value) pairs of POLICY_THRESHOLDS),
+    the `owner` (team, cost_center, budget), a GPU-hour `price` over the price table's, and the
+    meta keys the operator `grants` the trainer (`attribution.GRANTABLE`). Never matched on a
+    trainer's own meta."""
 
-    thresholds: tuple[tuple[str, float], ...]
+    thresholds: tuple[tuple[str, float], ...] = ()
     job: str | None = None
-    team: str | None = None
+    namespace: str | None = None
+    owner: tuple[tuple[str, str | float], ...] = ()
+    price: float | None = None
+    grants: tuple[str, ...] = ()
 
-    def matches(self, job: str, team: str | None) -> bool:
-        if self.team is not None and self.team != team:
-            return False
+    def matches(self, job: str, facts: Facts | None = None) -> bool:
+        if self.namespace is not None:
+            ns = facts.namespace if facts is not None else None
+            if ns is None or not fnmatch.fnmatchcase(ns, self.namespace):
+                return False
         return self.job is None or fnmatch.fnmatchcase(job, self.job)
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The operator's terms: the flags' booking thresholds and prices, and the policy file's rules
-    (the first rule that matches a job gives its thresholds over the flags')."""
+    """The operator's terms: the flags' booking thresholds and prices, the policy file's rules
+    (each term from the first rule that matches a job and sets it) and its price table."""
 
     booking: BookingConfig = field(default_factory=BookingConfig)
     prices: Prices = field(default_factory=Prices)
     rules: tuple[PolicyRule, ...] = ()
+    pricing: Pricing = field(default_factory=Pricing)
 
-    def booking_for(self, job: str, team: str | None = None) -> BookingConfig:
-        for rule in self.rules:
-            if rule.matches(job, team):
-                return self._with(rule)
-        return self.booking
+    def first(self, job: str, facts: Facts | None, has: str) -> tuple[int, PolicyRule] | None:
+        """(number from 1, rule): the first rule matching the job that sets `has`."""
+        for i, rule in enumerate(self.rules, 1):
+            if getattr(rule, has) not in ((), None) and rule.matches(job, facts):
+                return i, rule
+        return None
+
+    def booking_for(self, job: str, facts: Facts | None = None) -> BookingConfig:
+        hit = self.first(job, facts, "thresholds")
+        return self.booking if hit is None else self._with(hit[1])
 
     def _with(self, rule: PolicyRule) -> BookingConfig:
         kw: dict[str, Any] = dict(rule.thresholds)
@@ -99,49 +129,110 @@ class Policy:
         rules = (dict(r.thresholds).get("checkpoint_allowance_s", 0.0) for r in self.rules)
         return max([self.booking.checkpoint_allowance_s, *rules])
 
+    def attribution(
+        self, job: str, meta: Mapping[str, Any], facts: Facts | None = None
+    ) -> tuple[Attribution, tuple[str, ...]]:
+        """The job's owner, place and price source (`attribution.attribute`), and the meta keys
+        it ignored."""
+        owner = self.first(job, facts, "owner")
+        grant = self.first(job, facts, "grants")
+        price = self.first(job, facts, "price")
+        return attribute(
+            meta,
+            facts,
+            owner=None if owner is None else (f"policy rule {owner[0]}", dict(owner[1].owner)),
+            grants=None if grant is None else (f"policy rule {grant[0]}", grant[1].grants),
+            price=None if price is None else (f"policy rule {price[0]}", price[1].price),
+            cluster=self.pricing.cluster,
+        )
+
+
+RULE_KEYS = ("job", "namespace", "owner", "price_per_gpu_hour", "grant_meta")
+POLICY_KEYS = ("rules", "prices", "node_pools", "cluster")
+
 
 def parse_policy(doc: object, where: str = "the policy") -> tuple[PolicyRule, ...]:
-    """The rules of an operator's policy document (parsed YAML or JSON):
+    """The rules of an operator's policy document (`parse_policy_file` for the whole file)."""
+    return parse_policy_file(doc, where).rules
 
+
+@dataclass(frozen=True, slots=True)
+class PolicyFile:
+    """An operator's policy file: its rules and its price side."""
+
+    rules: tuple[PolicyRule, ...] = ()
+    pricing: Pricing = field(default_factory=Pricing)
+
+
+def parse_policy_file(doc: object, where: str = "the policy") -> PolicyFile:
+    """An operator's policy document (parsed YAML or JSON), docs/terms.md:
+
+        cluster: prod-east
+        node_pools: {spot: "gpu-spot-*"}        # pool: host pattern
+        prices:                                  # first matching row of the latest date wins
+          - {gpu_model: "*H100*", price_per_gpu_hour: 2.9}
+          - {gpu_model: "*H100*", node_pool: spot, price_per_gpu_hour: 1.4, from: 2026-11-01}
         rules:
-          - job: "llm-*"          # a shell pattern of job names (optional)
-            team: research        # the job's meta team (optional)
+          - job: "llm/*"          # a shell pattern of job names (a team's ACL scope: <team>/*)
+            namespace: "ml-*"     # the Kubernetes namespace the agent read (optional)
+            owner: {team: llm, cost_center: cc-42, budget: 2000}
+            price_per_gpu_hour: 4.1
+            grant_meta: [cost_center]
             stall_floor_s: 600
-            checkpoint_allowance_s: 1800
 
     PolicyError (one line) for anything else: the policy fails closed."""
-    if not isinstance(doc, Mapping) or set(doc) - {"rules"}:
-        raise PolicyError(f"{where}: expected a mapping with one key, 'rules'")
+    if not isinstance(doc, Mapping) or set(doc) - set(POLICY_KEYS):
+        raise PolicyError(f"{where}: expected a mapping with the keys {', '.join(POLICY_KEYS)}")
+    try:
+        price_side = parse_pricing(doc, where, lambda t: parse_instant(t, dt.timezone.utc))
+    except PricingError as e:
+        raise PolicyError(str(e)) from None
     raw_rules = doc.get("rules") or []
     if not isinstance(raw_rules, list):
         raise PolicyError(f"{where}: 'rules' must be a list")
-    rules = []
-    for i, raw in enumerate(raw_rules):
-        if not isinstance(raw, Mapping):
-            raise PolicyError(f"{where}: rule {i + 1} is not a mapping")
-        job, team = raw.get("job"), raw.get("team")
-        for name, v in (("job", job), ("team", team)):
-            if v is not None and not (isinstance(v, str) and v):
-                raise PolicyError(f"{where}: rule {i + 1}: {name} must be a non-empty string")
-        unknown = set(raw) - {"job", "team", *POLICY_THRESHOLDS}
-        if unknown:
-            raise PolicyError(
-                f"{where}: rule {i + 1}: unknown key(s) {', '.join(sorted(map(str, unknown)))} "
-                f"(known: job, team, {', '.join(POLICY_THRESHOLDS)})"
-            )
-        thresholds = []
-        for name in POLICY_THRESHOLDS:
-            if name in raw:
-                v = _seconds(raw[name])
-                if v is None:
-                    raise PolicyError(
-                        f"{where}: rule {i + 1}: {name} must be a number > 0, got {raw[name]!r}"
-                    )
-                thresholds.append((name, v))
-        if not thresholds:
-            raise PolicyError(f"{where}: rule {i + 1} sets no threshold")
-        rules.append(PolicyRule(tuple(thresholds), job, team))
-    return tuple(rules)
+    return PolicyFile(
+        tuple(_rule(raw, f"{where}: rule {i + 1}") for i, raw in enumerate(raw_rules)), price_side
+    )
+
+
+def _rule(raw: object, at: str) -> PolicyRule:
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"{at} is not a mapping")
+    if "team" in raw:
+        raise PolicyError(
+            f"{at}: 'team' no longer matches (a trainer writes its own meta team); match on job or "
+            "namespace, and give the job its team with owner: {team: ...}"
+        )
+    for name in ("job", "namespace"):
+        v = raw.get(name)
+        if v is not None and not (isinstance(v, str) and v):
+            raise PolicyError(f"{at}: {name} must be a non-empty string")
+    unknown = set(raw) - {*RULE_KEYS, *POLICY_THRESHOLDS}
+    if unknown:
+        raise PolicyError(
+            f"{at}: unknown key(s) {', '.join(sorted(map(str, unknown)))} "
+            f"(known: {', '.join(RULE_KEYS)}, {', '.join(POLICY_THRESHOLDS)})"
+        )
+    thresholds = []
+    for name in POLICY_THRESHOLDS:
+        if name in raw:
+            v = _seconds(raw[name])
+            if v is None:
+                raise PolicyError(f"{at}: {name} must be a number > 0, got {raw[name]!r}")
+            thresholds.append((name, v))
+    try:
+        owner = parse_owner(raw.get("owner"))
+        grants = parse_grants(raw.get("grant_meta"))
+    except ValueError as e:
+        raise PolicyError(f"{at}: {e}") from None
+    price = raw.get("price_per_gpu_hour")
+    if price is not None:
+        if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 <= price < 1e9:
+            raise PolicyError(f"{at}: price_per_gpu_hour must be a number >= 0, got {price!r}")
+        price = float(price)
+    if not (thresholds or owner or grants or price is not None):
+        raise PolicyError(f"{at} sets nothing (a threshold, owner, price_per_gpu_hour or grant_meta)")
+    return PolicyRule(tuple(thresholds), raw.get("job"), raw.get("namespace"), owner, price, grants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,33 +241,16 @@ class JobTerms:
 
     start_ms: int
     booking: BookingConfig
-    prices: Prices  # `price_per_gpu_hour`: the job's own
+    prices: Prices  # the job's prices now (the schedule's latest)
     heartbeat_timeout_s: float | None = None  # from the job's meta; None: the watcher's own
     heartbeat_interval_s: float | None = None
     profile: Profile | None = None  # as `core/profiles` resolved it (None: not resolved here)
-    # Meta keys the job set that are the operator's to set (POLICY_THRESHOLDS): ignored.
+    # Meta keys the job set that only the operator sets (POLICY_THRESHOLDS, and the owner and
+    # price keys the policy does not grant): ignored.
     ignored_meta: tuple[str, ...] = ()
-    # The one line saying the job's meta price overrides the flag's (None: the flag's is used).
-    price_note: str | None = None
-
-
-def job_price(job: str, meta: Mapping[str, Any], prices: Prices) -> tuple[Prices, str | None]:
-    """The job's prices: its meta `price_per_gpu_hour` wins over the flag's where it sets a usable
-    one (a price of 0 or none at all: the flag's), with the line that says so."""
-    meta_price = meta.get("price_per_gpu_hour")
-    if isinstance(meta_price, bool):
-        return prices, None
-    try:
-        price = float(meta_price or 0)
-    except (TypeError, ValueError):
-        return prices, None
-    if not (math.isfinite(price) and price > 0) or price == prices.price_per_gpu_hour:
-        return prices, None
-    note = (
-        f"job {job}: its meta sets price_per_gpu_hour={meta_price}, which overrides "
-        f"--price-per-gpu-hour {prices.price_per_gpu_hour:g}"
-    )
-    return dataclasses.replace(prices, price_per_gpu_hour=price), note
+    attribution: Attribution = field(default_factory=Attribution)
+    # The job's prices over time on the GPUs priced here (`pricing.PriceSchedule`).
+    schedule: PriceSchedule | None = None
 
 
 def job_terms(
@@ -189,27 +263,33 @@ def job_terms(
     own_start_ms: int | None = None,
     stored_start_ms: int | None = None,
     profile: Profile | None = None,
+    facts: Facts | None = None,
+    gpu_model: str | None = None,
+    host: str | None = None,
 ) -> JobTerms:
     """The job's terms. The start follows `jobfacts.job_start_ms` (ValueError when nothing dates
-    it); the rest is described in this module's docstring."""
+    it); the rest is described in this module's docstring. `facts`: what the operator's side
+    read of the job (Kubernetes); `gpu_model`, `host`: the GPUs priced (the price table's keys)."""
     start = jobfacts.job_start_ms(
         registered_ms,
         first_event_ms=first_event_ms,
         own_start_ms=own_start_ms,
         stored_start_ms=stored_start_ms,
     )
-    team = meta.get("team")
-    booking = liveness(policy.booking_for(job, team if isinstance(team, str) else None), meta)
-    prices, note = job_price(job, meta, policy.prices)
+    booking = liveness(policy.booking_for(job, facts), meta)
+    attr, ignored = policy.attribution(job, meta, facts)
+    schedule = policy.pricing.schedule(policy.prices, gpu_model, host, attr.granted_price)
+    attr = attr.priced(schedule, policy.pricing.pool_of(host))
     return JobTerms(
         start_ms=start,
         booking=booking,
-        prices=prices,
+        prices=schedule.latest,
         heartbeat_timeout_s=_seconds(meta.get("heartbeat_timeout_s")),
         heartbeat_interval_s=_seconds(meta.get("heartbeat_interval_s")),
         profile=profile,
-        ignored_meta=tuple(k for k in POLICY_THRESHOLDS if k in meta),
-        price_note=note,
+        ignored_meta=(*(k for k in POLICY_THRESHOLDS if k in meta), *ignored),
+        attribution=attr,
+        schedule=schedule,
     )
 
 
@@ -228,8 +308,17 @@ def liveness(booking: BookingConfig, meta: Mapping[str, Any]) -> BookingConfig:
 
 
 def ignored_meta_note(job: str, keys: Iterable[str]) -> str:
-    """The one line saying a job's meta tried to set operator thresholds."""
-    return (
+    """The one line saying a job's meta tried to set what only the operator sets; for a price,
+    owner or place, it names the policy key that trusts it again."""
+    keys = list(keys)
+    line = (
         f"job {job}: its meta sets {', '.join(keys)}, which only the operator sets (flags or "
-        "--policy): ignored, the operator's thresholds apply"
+        "--policy): ignored"
     )
+    granted = [k for k in keys if k in GRANTABLE]
+    if granted:
+        line += (
+            f"; to trust the trainer's value again, a --policy rule matching the job grants it: "
+            f"grant_meta: [{', '.join(granted)}]"
+        )
+    return line

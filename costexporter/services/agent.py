@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import numpy as np
 
 from costexporter.core import bands as bands_mod
 from costexporter.core import jobfacts, live, livestate, profiles
+from costexporter.core.attribution import Attribution, Facts
 from costexporter.core.booking import POS_INF, Regime, Timeline, with_unread
 from costexporter.core.figures import at_risk_ms
 from costexporter.core.live import WindowResult, book_window
@@ -174,6 +175,8 @@ class Agent:
         self.registrations_rejected = self.discovery.rejected
         # (job, key): meta keys a job set that only the operator sets (ignored; said once per job)
         self.meta_ignored: dict[tuple[str, str], int] = {}
+        # What the operator's side read of each job (the Kubernetes path sets it: `k8s.py`).
+        self.facts: Mapping[str, Facts] = {}
 
     @property
     def unassigned_settled(self) -> bool:
@@ -466,9 +469,10 @@ class Agent:
             own_start_ms=int(member_start.min()),
             stored_start_ms=job.fold_start,
             profile=profile,
+            facts=self.facts.get(job.name),
+            gpu_model=self.node.gpu_model(sorted(job.own.values())),
+            host=self.host,
         )
-        if terms.price_note:
-            self._log_once(("price", job.name), logging.INFO, "%s", terms.price_note)
         name = untrusted.short(job.name, 200)
         new = [k for k in terms.ignored_meta if (name, k) not in self.meta_ignored]
         if new:
@@ -723,7 +727,7 @@ class Agent:
         delta = live.ledger_delta(
             job.state,
             res,
-            prices=w.terms.prices,
+            prices=w.terms.schedule or w.terms.prices,
             own_ranks=w.own_ranks,
             member_start_ms=w.member_start,
             member_end_ms=member_end,
@@ -737,7 +741,9 @@ class Agent:
         if delta.lost_voids:
             self._lost_voids(job.name, delta.lost_voids)
         figures = round_figures(delta, job.preflight, progress, w.profile, cfg.agent_id, tl, res.horizon_ms)
-        self.committer.commit(job, delta, figures, w.terms.prices, tl, w.now_ms)
+        self.committer.commit(
+            job, delta, figures, w.terms.schedule or w.terms.prices, tl, w.now_ms, w.terms.attribution
+        )
         delta.state.rb_index = {}  # written with the watermark: read back only when a void needs it
         with self.lock:
             job.state = delta.state
@@ -810,11 +816,7 @@ class Agent:
         is inside a declared phase or its startup within the allowance, and its budget."""
         last = last_progress_ms(tl)
         in_allowance = tl.regime_at(now_ms) == Regime.OVERHEAD
-        budget = job.meta.get("budget")
-        try:
-            budget = float(budget) if budget not in (None, "") else None
-        except (TypeError, ValueError):
-            budget = None
+        budget = job.terms.attribution.get("budget") if job.terms is not None else None
         return {
             "last_progress_ts": last / 1000,
             "in_allowance": int(in_allowance and tl.end_ms is None),
@@ -899,7 +901,8 @@ class Agent:
                         "booked": j.state.booked.copy(),
                         "voided": j.state.voided.copy(),
                         "figures": dict(j.figures),
-                        "meta": dict(j.meta),
+                        # its data keys, its owner and place the operator's (`attribution`)
+                        "meta": (j.terms.attribution if j.terms else Attribution()).overlay(j.meta),
                         "latest_band": dict(j.latest_band),
                         "booked_until": j.booked_until,
                         "at_risk_ms": j.live.get("at_risk_ms", j.at_risk_ms),

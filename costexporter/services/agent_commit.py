@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from costexporter.core import buckets
+from costexporter.core.attribution import Attribution
 from costexporter.core.booking import NEG_INF, Timeline
 from costexporter.core.cost import Prices
 from costexporter.core.figures import at_risk_field, encode_at_risk
 from costexporter.core.live import LedgerDelta
+from costexporter.core.pricing import PriceSchedule, as_schedule
 from costexporter.core.profiles import Profile
 from costexporter.services.agent_fold import FoldWrite, JobFolds
 from costexporter.services.agent_job import AgentJob
@@ -69,13 +70,15 @@ class RoundCommit:
         job: AgentJob,
         delta: LedgerDelta,
         figures: dict[str, Any],
-        prices: Prices,
+        prices: Prices | PriceSchedule,
         tl: Timeline,
         now_ms: int,
+        attribution: Attribution | None = None,
     ) -> None:
         """Commit the round (ledger.Conflict when another writer moved the watermark); the job's
         compare-and-set value, and the stored fold's notes, follow it."""
-        version = buckets.price_version(prices)
+        sched = as_schedule(prices)
+        version = sched.changes[0][2] if len(sched.changes) == 1 else (lambda b: sched.version_at(b * 1000))
         wm = {
             **delta.state.to_json(),
             "agent": self.agent_id,
@@ -90,6 +93,8 @@ class RoundCommit:
             ledger.queue_delta(
                 pipe, self.prefix, job.name, self.agent_id, delta, version, tl.steps, booked_until, figures
             )
+            if attribution is not None:
+                ledger.queue_attribution(pipe, self.prefix, job.name, attribution)
             if fold is not None:
                 self.folds.queue(pipe, job, fold)
 

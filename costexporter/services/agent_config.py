@@ -8,6 +8,7 @@ from pathlib import Path
 
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import Prices
+from costexporter.core.pricing import Pricing
 from costexporter.core.profiles import Profile
 from costexporter.core.terms import Policy, PolicyRule
 from costexporter.store import protocol
@@ -67,12 +68,14 @@ class AgentConfig:
     # second stored fold is kept 1-2 x this far behind, and the stream from its position on.
     # Keep it under half of `reader_stale_s`.
     late_keep_s: float = 3600.0
-    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
+    # The operator's policy file (`terms.parse_policy_file`): its rules (thresholds, owners and
+    # prices by job name or namespace) and its price table.
     policy_rules: tuple[PolicyRule, ...] = ()
+    pricing: Pricing = field(default_factory=Pricing)
 
     def policy(self) -> Policy:
-        """The operator's terms: the flags' thresholds and prices, the policy file's rules."""
-        return Policy(self.booking, self.prices, self.policy_rules)
+        """The operator's terms: the flags' thresholds and prices, the policy file's."""
+        return Policy(self.booking, self.prices, self.policy_rules, self.pricing)
 
 
 def samples_maxlen(cfg: AgentConfig) -> int:

@@ -170,6 +170,14 @@ class NodeGpus:
         )
         return profiles.with_idle(self.sliced(prof, gpus), self.idle_level(gpus))
 
+    def gpu_model(self, gpus: list[int]) -> str | None:
+        """The model of a job's GPUs on this node, as the operator or the source names it (the
+        price table's key; never the trainer's meta)."""
+        if self.cfg.gpu_model:
+            return self.cfg.gpu_model
+        ids = self.source.gpus()
+        return next((ids[g].name for g in gpus if g < len(ids) and ids[g].name), None)
+
     def lanes(self, gpus: list[int]) -> np.ndarray | None:
         """Each GPU's lanes (lo, hi, den) where one of them is a slice of a shared GPU; None when
         all are whole GPUs (the common case: nothing to weigh)."""

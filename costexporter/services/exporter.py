@@ -323,7 +323,7 @@ class AgentCollector(Collector):
         )
         budget = GaugeMetricFamily(
             "costexporter_job_budget",
-            "The job's budget from its meta, in the currency (job-level: max).",
+            "The job's budget from the operator's policy, in the currency (job-level: max).",
             labels=["training_job", "currency"],
         )
         prof = GaugeMetricFamily(
@@ -440,7 +440,8 @@ def _dashboard_families(s: dict[str, Any]) -> Iterator[Metric]:
     the job's team/namespace/cost center as an info series, and its profile's band edges."""
     info = GaugeMetricFamily(
         "costexporter_job_info",
-        "1 per job: team, Kubernetes namespace, cost center and progress (none: no steps) from its meta.",
+        "1 per job: team, Kubernetes namespace and cost center as the operator's policy and the "
+        "cluster attribute it, and progress (none: no steps) from its meta.",
         labels=["training_job", *JOB_INFO],
     )
     edges = GaugeMetricFamily(
@@ -459,12 +460,12 @@ def _dashboard_families(s: dict[str, Any]) -> Iterator[Metric]:
 
 
 def meta_ignored(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
-    """Meta keys a job set that only the operator sets (booking thresholds), ignored: counted
-    once per job and key."""
+    """Meta keys a job set that only the operator sets (booking thresholds, a price, an owner or
+    a place no policy rule grants), ignored: counted once per job and key."""
     fam = CounterMetricFamily(
         "costexporter_meta_ignored",
-        "Thresholds a job's meta tried to set that only the operator sets (flags or --policy): "
-        "ignored, once per job and key.",
+        "Thresholds, prices, owners and places a job's meta tried to set that only the operator "
+        "sets (flags or --policy, unless a policy rule grants the key): ignored, once per job and key.",
         labels=["training_job", "key"],
     )
     for (job, key), n in sorted(counts.items()):

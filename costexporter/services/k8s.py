@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
+from costexporter.core.attribution import Facts
 from costexporter.core.model import GpuId
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
@@ -104,6 +105,7 @@ class KubernetesJobs:
         self._beat: dict[str, float] = {}
         self._allocate = redis.register_script(_ALLOCATE)
         self.errors = 0
+        self.facts: dict[str, Facts] = {}  # job -> what the cluster says of it (`attribution`)
         # Parts of a round Redis refused for good (a key of the job's of the wrong type): set
         # aside so the other jobs go on; each job's first refusal is logged as a warning.
         self.refused = 0
@@ -176,6 +178,9 @@ class KubernetesJobs:
         return False
 
     def _register(self, job: str, i: int, ref: PodRef, own: Owner, gpu: GpuId) -> None:
+        # What the cluster says of the job (its namespace, owner, team label): the operator's
+        # side, read by this node's agent for the job's attribution (never written as meta).
+        self.facts[job] = Facts(ref.namespace, own.name, own.kind, own.team or None)
         if self._trainer_has(job, gpu):
             self.skipped.add((job, i))
             return
@@ -190,12 +195,9 @@ class KubernetesJobs:
         entries = []
         if ended:  # the job's pods came back (a retried Job): its run starts again
             entries.append(self._entry("run", job, 0, now, {"state": "start"}))
-        meta = {"progress": "none", "source": "kubernetes", "namespace": ref.namespace, "pod": ref.pod}
-        meta["owner_kind"] = own.kind
+        meta = {"progress": "none", "source": "kubernetes", "pod": ref.pod, "owner_kind": own.kind}
         if ref.container:
             meta["container"] = ref.container
-        if own.team:
-            meta["team"] = own.team
         if gpu.name:
             meta["gpu_model"] = gpu.name
         entries.append(self._entry("meta", job, rank, now, meta))
@@ -303,6 +305,7 @@ def start_kubernetes_jobs(
         team_labels=team_labels or DEFAULT_TEAM_LABELS,
         lookup=lookup,
     )
+    agent.facts = kj.facts
     threading.Thread(
         target=kj.run,
         args=(agent.stopping, min(agent.cfg.book_interval_s, 5.0)),

@@ -118,7 +118,8 @@ class WatchConfig:
     # `watcher:<watcher_id>`): the agents trim no stream below it. None: never (it pins nothing).
     register_position_s: float | None = 60.0
     clock: Callable[[], float] = time.time  # Unix seconds; the sim's clock in the demo
-    # The operator's policy file's rules (`terms.parse_policy`): thresholds by job name or team.
+    # The operator's policy file's rules (`terms.parse_policy_file`): thresholds by job name or
+    # Kubernetes namespace.
     policy_rules: tuple[PolicyRule, ...] = ()
 
     def policy(self) -> Policy:

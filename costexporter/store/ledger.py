@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from costexporter.core.attribution import FIELDS, Attribution
 from costexporter.core.buckets import RESOLUTIONS, UNITS, bucket_start
 from costexporter.core.model import CATEGORIES
 from costexporter.store import keys
@@ -53,6 +55,7 @@ UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its ow
 
 
 VOIDED = "voided:"  # the prefix of a rollback correction's field
+ATTR = "attr:"  # the prefix of a figures field holding the job's attribution (`queue_attribution`)
 NOTE = "note:"  # the prefix of a figures field that says something about the job (`note`)
 MAX_NOTES = 32  # notes an agent writes per job (a flood of claimants cannot grow the hash)
 
@@ -267,13 +270,27 @@ def build_rollups(client: Any, prefix: str) -> int:
     return built
 
 
+Version = str | Callable[[int], str]  # one price version, or each bucket's (by its start, s)
+
+
 def queue_amounts(
-    pipe: Any, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, *, voided: bool = False
+    pipe: Any,
+    prefix: str,
+    job: str,
+    by_bucket: dict[int, np.ndarray],
+    version: Version,
+    *,
+    voided: bool = False,
 ) -> None:
     """HINCRBY every bucket, its rollups and the total, and the job's rollup (inside the caller's
-    MULTI); `voided`: the amounts are rollback corrections (the `voided:` fields)."""
-    if by_bucket:
-        queue_rollup(pipe, prefix, job, by_bucket, version, -1 if voided else 1)
+    MULTI); `voided`: the amounts are rollback corrections (the `voided:` fields). `version`:
+    the price version of each bucket (a price changes only on a 5-minute bound)."""
+    of = version if callable(version) else (lambda _start, v=version: v)
+    by_version: dict[str, dict[int, np.ndarray]] = {}
+    for start, a in by_bucket.items():
+        by_version.setdefault(of(start), {})[start] = a
+    for v, part in by_version.items():
+        queue_rollup(pipe, prefix, job, part, v, -1 if voided else 1)
     total: dict[str, int] = {}
     for start, a in by_bucket.items():
         fields = _fields(a, voided)
@@ -282,7 +299,7 @@ def queue_amounts(
             k = keys.bucket_key(prefix, job, res, b)
             for f, v in fields.items():
                 pipe.hincrby(k, f, v)
-            pipe.hset(k, "price_version", version)
+            pipe.hset(k, "price_version", of(start))
             pipe.zadd(keys.index_key(prefix, job, res), {str(b): b})
         for f, v in fields.items():
             total[f] = total.get(f, 0) + v
@@ -583,7 +600,7 @@ def queue_delta(
     job: str,
     agent: str,
     delta: Any,
-    version: str,
+    version: Version,
     steps: list[Any],
     after_ms: int,
     figures: dict[str, Any] | None = None,
@@ -611,6 +628,31 @@ def queue_delta(
         for name, m in zip(("steps", "voids"), members, strict=True):
             if m:
                 pipe.zadd(keys.ledger_key(prefix, job, name), m)
+
+
+def attribution_fields() -> list[str]:
+    """Every figures field an attribution may hold (`attribution.FIELDS`, with their sources)."""
+    return [f"{ATTR}{k}{s}" for k in FIELDS for s in ("", ":source")]
+
+
+def queue_attribution(pipe: Any, prefix: str, job: str, attr: Attribution) -> None:
+    """The job's attribution into its figures hash (inside the caller's MULTI): fields it no longer
+    has are removed, so a changed policy leaves no stale owner behind."""
+    k = keys.figures_key(prefix, job)
+    pipe.hdel(k, *attribution_fields())
+    fields = {f"{ATTR}{f}": v for f, v in attr.to_fields().items()}
+    if fields:
+        pipe.hset(k, mapping=fields)
+
+
+def attribution_of(figures: dict[Any, Any]) -> Attribution:
+    """A job's attribution back from its figures hash (readers)."""
+    out = {}
+    for k, v in figures.items():
+        name = k.decode() if isinstance(k, bytes) else str(k)
+        if name.startswith(ATTR):
+            out[name[len(ATTR) :]] = v
+    return Attribution.from_fields(out)
 
 
 def queue_position(

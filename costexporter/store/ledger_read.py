@@ -23,6 +23,7 @@ import orjson
 import redis
 import redis.cluster
 
+from costexporter.core.attribution import GRANTABLE, Attribution
 from costexporter.core.buckets import RESOLUTIONS, UNITS, decompose
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES, JOB_CATEGORY_NAMES, VALID_NAMES, WASTED_NAMES
@@ -201,9 +202,12 @@ return out
 # no table per job or window, and a window's start record taken from the window before when they
 # share the bound, and not read when there is no record before its end (a job that began after
 # the window): most of a call's time is Lua's, not the commands'.
-ROLLUP_WINDOWS = r"""
+ROLLUP_WINDOWS = (
+    "local ATTR = {"
+    + ", ".join(f"'{f}'" for f in ledger.attribution_fields())
+    + r"""}
 local nwin, with_meta, with_tokens = tonumber(ARGV[1]), ARGV[2] == '1', ARGV[3] == '1'
-local per = with_meta and 5 or 4
+local per = with_meta and 6 or 4
 local w, width = with_tokens and 3 or 1, with_tokens and 6 or 2
 local S, E, oS, oE = {}, {}, {}, {}  -- each window's bounds, and as exclusive ZRANGE bounds
 for i = 1, nwin do
@@ -217,8 +221,11 @@ for b = 0, #KEYS - per, per do
   local cum, ks, kv = KEYS[b + 2], KEYS[b + 3], KEYS[b + 4]
   local m = 0
   if with_meta then
-    m = pc('HGETALL', KEYS[b + 5])
-    if m.err ~= nil then m = false end
+    local mp = pc('HGETALL', KEYS[b + 5])
+    if mp.err ~= nil then mp = false end
+    local at = pc('HMGET', KEYS[b + 6], unpack(ATTR))
+    if at.err ~= nil then at = {} end
+    m = {mp, at}
   end
   local h = pc('HMGET', KEYS[b + 1], 'v', 'pv')
   local usable = h.err == nil and h[1] == '1' and h[2] ~= '\n'
@@ -259,6 +266,7 @@ for b = 0, #KEYS - per, per do
 end
 return out
 """
+)
 
 
 def key_templates(prefix: str, builders: Sequence[Callable[[str, str], str]]) -> list[tuple[str, str]]:
@@ -282,11 +290,11 @@ def _per_job(windows: int, tokens: bool) -> int:
     return 3 + (8 if tokens else 4) * windows
 
 
-# Each job's team (KEYS: meta hashes): false where there is none or meta is not a hash.
+# Each job's team as the agents attributed it (KEYS: figures hashes): false where there is none.
 TEAMS = r"""
 local out = {}
 for i, k in ipairs(KEYS) do
-  local t = redis.pcall('HGET', k, 'team')
+  local t = redis.pcall('HGET', k, 'attr:team')
   if type(t) == 'table' then t = false end
   out[i] = t
 end
@@ -369,17 +377,34 @@ def _record(raw: str) -> list[int] | None:
 def _metas(jobs: list[str], raw: list[Any], warn: Warnings) -> dict[str, dict[str, Any]]:
     """Each job's meta from ROLLUP_WINDOWS's replies (per job its first value: the meta hash's
     pairs; None: not a hash)."""
+    fields = ledger.attribution_fields()
     metas: dict[str, dict[str, Any]] = {}
     for j, m in zip(jobs, raw, strict=True):
-        if m is None:
+        mp, at = m if isinstance(m, list) and len(m) == 2 else (m or [], [])
+        if mp is None or mp is False:
             warn.add(j, "meta is not a hash: ignored")
-            metas[j] = {}
-        elif m:
-            pairs = iter(m)  # HGETALL's pairs: field, value, field, value...
-            metas[j] = dict(zip(pairs, pairs, strict=True))
-        else:
-            metas[j] = {}
+            mp = []
+        pairs = iter(mp)  # HGETALL's pairs: field, value, field, value...
+        metas[j] = job_meta(dict(zip(pairs, pairs, strict=True)), dict(zip(fields, at or [], strict=False)))
     return metas
+
+
+class JobMeta(dict[str, Any]):
+    """A job's meta as readers show it: its data keys, with the owner and place keys the agents'
+    attribution (`Attribution.overlay`; a trainer's value for them is dropped), and the
+    attribution itself and the meta keys it ignored."""
+
+    attribution: Attribution
+    ignored: tuple[str, ...]
+
+
+def job_meta(meta: dict[str, Any], attr_fields: dict[str, Any]) -> JobMeta:
+    """`JobMeta` from a meta hash and the figures' attribution fields (`ledger.ATTR`...)."""
+    attr = ledger.attribution_of({k: v for k, v in attr_fields.items() if v is not None})
+    out = JobMeta(attr.overlay(meta))
+    out.attribution = attr
+    out.ignored = tuple(k for k in GRANTABLE if k in meta and not (attr.source(k) or "").startswith("meta"))
+    return out
 
 
 def _rollup_net(
@@ -536,7 +561,7 @@ class LedgerStore:
         not a sorted set)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.zscore(keys.jobs_key(self.prefix), job)
-        pipe.hget(keys.meta_key(self.prefix, job), "team")
+        pipe.hget(keys.figures_key(self.prefix, job), f"{ledger.ATTR}team")
         score, team = _run(pipe)
         return self._exists(job, score), team
 
@@ -545,23 +570,28 @@ class LedgerStore:
         one pipeline."""
         pipe = self.r.pipeline(transaction=False)
         for i in range(0, len(jobs), self.batch):
-            metas = [keys.meta_key(self.prefix, j) for j in jobs[i : i + self.batch]]
-            self._teams(keys=metas, client=pipe)
+            figs = [keys.figures_key(self.prefix, j) for j in jobs[i : i + self.batch]]
+            self._teams(keys=figs, client=pipe)
         teams: list[Any] = []
         for i, got in zip(range(0, len(jobs), self.batch), _run(pipe) if jobs else [], strict=True):
             teams += got if got is not None else [None] * len(jobs[i : i + self.batch])
         return dict(zip(jobs, teams, strict=True))
 
     def meta_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict[str, Any]]:
-        """Each job's meta (team, cost center, ...) in one round trip."""
+        """Each job's meta as readers show it (`JobMeta`: team, cost center, ... the agents'
+        attribution) in one round trip."""
+        fields = ledger.attribution_fields()
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
             pipe.hgetall(keys.meta_key(self.prefix, j))
-        out = {}
-        for j, meta in zip(jobs, _run(pipe), strict=True):
+            pipe.hmget(keys.figures_key(self.prefix, j), fields)
+        raw = _run(pipe)
+        out: dict[str, dict[str, Any]] = {}
+        for i, j in enumerate(jobs):
+            meta, attr = raw[2 * i], raw[2 * i + 1]
             if meta is None and warn is not None:
                 warn.add(j, "meta is not a hash: ignored")
-            out[j] = meta or {}
+            out[j] = job_meta(meta or {}, dict(zip(fields, attr or [], strict=False)))
         return out
 
     def info_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict[str, Any]]:
@@ -685,7 +715,7 @@ class LedgerStore:
         args = [len(spans), int(meta), int(tokens), *(t for span in spans for t in span)]
         # per job, in this order
         builders = [keys.rollup_state_key, keys.rollup_key, keys.steps_key, keys.voids_key]
-        builders += [keys.meta_key] * meta
+        builders += [keys.meta_key, keys.figures_key] * meta
         around = key_templates(self.prefix, builders)
 
         def read(i: int) -> list[Any]:
@@ -1005,7 +1035,7 @@ def _info(j: str, replies: list[Any], warn: Warnings) -> dict[str, Any]:
         parsed = _json(status)
         state = str(parsed.get("state", "unknown")) if isinstance(parsed, dict) else str(status)
     return {
-        "meta": meta or {},
+        "meta": job_meta(meta or {}, figures or {}),
         "figures": figures or {},
         "status": state,
         "first_seen": min(regs) if regs else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 from decimal import Decimal
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, HTTPException, Query
@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from costexporter.api.deps import Config, Store, Who, Win, visible_job
 from costexporter.api.format import by_category, iso, json_bytes, micro, money, per, per_micro
 from costexporter.api.schemas import (
+    Attributed,
     ByCategory,
     Incident,
     Incidents,
@@ -103,6 +104,7 @@ def list_jobs(
                     wasted_gpu_hours=a.hours(WASTED),
                     valid_steps=valid,
                     cost_per_valid_step=per_micro(sum(a.ucost[c] for c in JOB_CATS), valid),
+                    attribution=attribution_of(meta),
                 )
             )
             last = j
@@ -206,6 +208,13 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     meta, fig = info["meta"], info["figures"]
     for text in notes_of(fig):  # what the agents said of the job (a claim refused, a key unread)
         warn.add(job, text)
+    ignored = getattr(meta, "ignored", ())
+    if ignored:
+        warn.add(
+            job,
+            f"its meta sets {', '.join(ignored)}, which only the operator's policy sets: ignored "
+            "(counted in costexporter_meta_ignored_total)",
+        )
     lost_ms = unknown_before(fig)
     if lost_ms is not None and w.start * 1000 < lost_ms:
         warn.add(
@@ -252,6 +261,7 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         budget=money(budget_d) if budget_d is not None else None,
         spend=money(spend_all),
         budget_used=float(spend_all / budget_d) if budget_d else None,
+        attribution=attribution_of(meta),
         preflight=preflight,
         unknown_before=iso(lost_ms / 1000) if lost_ms is not None else None,
         warnings=warn,
@@ -259,6 +269,14 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         if fig.get("profile")
         else None,
     )
+
+
+def attribution_of(meta: dict[str, Any]) -> dict[str, Attributed]:
+    """The `attribution` of a job's row (`ledger_read.JobMeta`)."""
+    attr = getattr(meta, "attribution", None)
+    if attr is None:
+        return {}
+    return {k: Attributed(**v) for k, v in attr.report().items()}
 
 
 # ---- stored values: parsed, or skipped with a warning (never a 500) ---------------------------------

@@ -41,7 +41,8 @@ from costexporter.cli.options import InputFailure, prefix_option
 def acl(role, job, team, user, prefix, password_stdin, cluster, fmt) -> None:
     """Print the ACL SETUSER line of one party: only the commands its code sends and only its
     keys. A trainer's covers its job's keys (or its team's) and cannot reach the ledger or
-    another job's keys. Run it with redis-cli on every node (ACLs are per server)."""
+    another job's keys; what it writes is data, never its price or owner (the operator's
+    --policy). Run it with redis-cli on every node (ACLs are per server)."""
     from costexporter.store import acl as rules
 
     password = None
@@ -54,6 +55,13 @@ def acl(role, job, team, user, prefix, password_stdin, cluster, fmt) -> None:
     except rules.AclError as e:
         raise InputFailure(str(e)) from None
     click.echo(rules.setuser_line(args) if fmt == "setuser" else rules.aclfile_line(args))
+    if role == "trainer":
+        click.echo(
+            "costexporter acl: a trainer writes its job's events, ranks and meta: data, never money "
+            "(its meta price, team, cost_center, budget and thresholds are ignored unless a --policy "
+            "rule grants them; docs/protocol.md)",
+            err=True,
+        )
     if role == "trainer" and job is None and team is None:
         click.echo(
             "costexporter acl: this trainer rule covers every job's keys (not the ledger): "

@@ -17,7 +17,7 @@ from costexporter.cli.options import (
     booking_options,
     check_tz,
     load_profile,
-    policy_rules,
+    policy_terms,
     price_config,
     price_options,
     profile_option,
@@ -120,7 +120,7 @@ def replay(
         clock.append(("read_s", time.perf_counter()))
         cfg = ReplayConfig(
             booking=booking_config(config),
-            policy_rules=policy_rules(config),
+            **policy_terms(config),
             prices=price_config(config),
             job=job,
             gpu_model=gpu_model,
@@ -168,15 +168,12 @@ def replay(
 
 
 def _term_notes(results: list) -> None:
-    """Say once per job what of its terms its meta set: a price that wins over
-    --price-per-gpu-hour (the flag would otherwise seem to do nothing), thresholds that only the
-    operator sets (ignored)."""
+    """Say once per job what its meta set that only the operator sets (thresholds, a price, an
+    owner): ignored, with the policy key that would trust it."""
     from costexporter.core.terms import ignored_meta_note
 
     for r in results:
         if r.terms is None:
             continue
-        if r.terms.price_note:
-            click.echo(f"costexporter: {r.terms.price_note}", err=True)
         if r.terms.ignored_meta:
             click.echo(f"costexporter: {ignored_meta_note(r.name, r.terms.ignored_meta)}", err=True)

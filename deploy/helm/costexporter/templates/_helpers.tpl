@@ -215,3 +215,23 @@ relabelings give every series. */}}
 {{- define "costexporter.generatesToken" -}}
 {{- if and .Values.api.enabled (not .Values.api.tokensSecret) (not .Values.api.tokens) (not .Values.api.allowOpen) -}}true{{- end -}}
 {{- end -}}
+
+{{/* --policy, where the values give one (the policy ConfigMap, mounted at /etc/costexporter/policy). */}}
+{{- define "costexporter.policyArg" -}}
+{{- if .Values.policy }}
+- --policy=/etc/costexporter/policy/policy.json
+{{- end }}
+{{- end -}}
+
+{{- define "costexporter.policyMount" -}}
+{{- if .Values.policy }}
+- {name: policy, mountPath: /etc/costexporter/policy, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "costexporter.policyVolume" -}}
+{{- if .Values.policy }}
+- name: policy
+  configMap: {name: {{ include "costexporter.fullname" . }}-policy}
+{{- end }}
+{{- end -}}
