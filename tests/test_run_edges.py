@@ -195,6 +195,33 @@ def test_the_edges_of_runs_book_live_as_offline_and_every_gpu_millisecond_once(s
         assert got[j] == want.get(j, dict.fromkeys(CATEGORIES, 0)), (j, got[j], want.get(j))
 
 
+def test_a_job_run_again_then_crashed_keeps_its_gpu_from_a_claim_read_before_its_new_run_is_booked(
+    prefix,
+) -> None:
+    """a ends cleanly, its process starts again (a new register, a new run) and crashes 10 s
+    later; b registers the GPU 37 s after a's new run began. The agent books a lag behind, so it
+    reads b's claim before its timeline of a shows the new run: a's newer register says a runs
+    again, and b waits for a's run as replay has it (found by the faults property: b took the
+    GPU at once, 140 s of a's booked to b and `unassigned`)."""
+    from .test_ledger_faults_property import build
+
+    a, jobs, _faults = build(
+        1,
+        216,
+        [("compute", 29, 10), ("communication", 156, 4), ("idle", 138, 10)],
+        (27, 165),
+        {},
+        (41, None, 10),
+    )
+    run = Run(redis.Redis.from_url(SHARED_URL, decode_responses=True), prefix, a, jobs, None)
+    run.run()
+    got = run.ledger([b.job for b in jobs])
+    want = offline(a, jobs)
+    assert got["a"] == want["a"] and got["b"] == want["b"]
+    assert sum(got["b"].values()) == 0  # b's claim waits for a's run, past the trace's end
+    assert got["a"]["no_progress"] == 165_000  # b's program on a's GPU, inside a's live run
+
+
 def test_a_crashed_jobs_claim_ends_at_its_liveness_timeout_and_a_program_after_is_unassigned(prefix) -> None:
     """A job that beats crashes (no run end): its GPUs are its crash tail's waste for the
     liveness timeout after its last heartbeat, then `unassigned`; a program that reports

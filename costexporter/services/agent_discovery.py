@@ -231,6 +231,7 @@ class JobDiscovery:
                     # those GPUs is decided (it may date inside this job's run).
                     self._unread |= {x for _r, x in regs if x is not None}
                     raise
+            job.newest_reg[reg.rank] = reg.ts_ms  # (the hash keeps the newest: a restart's)
             old = job.ranks.get(reg.rank)
             if old is not None:  # a restart registers again: the GPU is the job's from the
                 # rank's first registration on (the hash keeps only the newest)
@@ -360,7 +361,7 @@ class JobDiscovery:
                     continue
                 if held.ts_ms > reg.ts_ms:
                     continue  # a claim dated after this one: this claim's successor
-                holds.append((other.claim(r)[0], other.name, other.held(r)))
+                holds.append((other.claim(r)[0], other.name, other.live_hold(r)))
         at, holder = reg.ts_ms, ""
         for start, name, stretches in sorted(holds):
             # (a hold that began after this claim's date waited itself: this claim waits for it)

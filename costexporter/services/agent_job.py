@@ -54,6 +54,9 @@ class AgentJob:
     terms: JobTerms | None = None  # the terms of its last round (`terms.job_terms`)
     preflight: str = ""  # JSON of the latest pre-run gate result
     ranks: dict[int, protocol.Registration] = field(default_factory=dict)
+    # Each rank's newest registration as read (`ranks` keeps its first date): a process started
+    # again after the job's clean end registers anew.
+    newest_reg: dict[int, int] = field(default_factory=dict)
     own: dict[int, int] = field(default_factory=dict)  # rank -> source GPU index
     # rank -> this node's GPU its registration names, held or not (a claim refused now may have
     # booked that GPU before: `booked_unheld`)
@@ -166,6 +169,16 @@ class AgentJob:
             cur = max(cur, b)
         if end > cur:
             out.append((cur, end))
+        return out
+
+    def live_hold(self, rank: int) -> list[tuple[int, int]]:
+        """`held`, for deciding another job's claim now: a rank whose process registered again
+        after the job's clean end runs again from that registration, before a round's timeline
+        shows the new run (its events are booked a lag behind), so its GPU is not free then."""
+        out = self.held(rank)
+        again = self.newest_reg.get(rank)
+        if self.end_at is not None and again is not None and again > self.end_at:
+            out = [(a, min(b, again)) for a, b in out if a < again] + [(again, POS_INF)]
         return out
 
     def note_runs(self, tl: Timeline) -> None:
