@@ -97,6 +97,7 @@ def test_a_trainer_under_its_own_acl_cannot_set_its_price_or_its_owner(server):
         by_team = get("/api/v1/allocation", as_llm, window=WINDOW, aggregate="team")
         focus = get("/api/v1/allocation", as_llm, window=WINDOW, aggregate="job", format="focus")
         alloc = get("/api/v1/allocation", as_llm, window=WINDOW, aggregate="job")
+        as_csv = get("/api/v1/allocation", as_llm, window=WINDOW, aggregate="job", format="csv")
     assert page.status_code == 200, page.text
     body = page.json()
     assert (body["team"], body["cost_center"], body["budget"]) == ("llm", "cc-42", "900.000000")
@@ -113,6 +114,12 @@ def test_a_trainer_under_its_own_acl_cannot_set_its_price_or_its_owner(server):
         "price:*B300*/*",
         "policy rule 1",
         "llm",
+    )
+    [line] = [r for r in csv.DictReader(io.StringIO(as_csv.text)) if r["key"] == JOB]
+    assert (line["team"], line["price_source"], line["owner_source"]) == (
+        "llm",
+        "price:*B300*/*",
+        "policy rule 1",
     )
     # The agent keeps the attribution beside the figures; nothing of the trainer's is in it.
     stored = ledger.attribution_of(admin.hgetall(keys.figures_key(prefix, JOB)))

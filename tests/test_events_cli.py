@@ -91,7 +91,7 @@ def test_import_then_export_round_trips_and_importing_twice_adds_nothing(cli, sh
     assert sorted(_events(out)) == sorted(_events(original))
     # The import wrote the side keys the agents and the watcher read.
     assert sorted(shared.hkeys(keys.ranks_key(prefix, "sim-mini"))) == ["0", "1", "2", "3"]
-    assert shared.hget(keys.meta_key(prefix, "sim-mini"), "team") == "research"
+    assert shared.hget(keys.meta_key(prefix, "sim-mini"), "gpu_model") == "NVIDIA B300"
     # --job posts into another job.
     r = cli(
         "events", "import", original, "--job", "copy-of-mini", "--prefix", prefix, "--redis-url", SHARED_URL

@@ -388,7 +388,7 @@ def test_budget_exceeded(tmp_path):
             "exp_labels": {"severity": "warning", "training_job": "j", "currency": "USD"},
             "exp_annotations": {
                 "summary": "j is over budget",
-                "description": "1060.00 USD spent, more than the budget in the job's meta.",
+                "description": "1060.00 USD spent, more than its budget (the operator's policy).",
             },
         }
     ]

@@ -33,6 +33,8 @@ CSV_COLUMNS = [
     "currency",
     "window_start",
     "window_end",
+    "price_source",
+    "owner_source",
 ]
 
 # FinOps FOCUS 1.2: every column of the specification (the mandatory ones filled), then x_ columns.
@@ -129,6 +131,7 @@ def to_csv(rows: list[AllocationRow], currency: str, w: Window) -> str:
                 currency,
                 r.start or iso(w.start),
                 r.end or iso(w.end),
+                *_sources(r).values(),
             ]
         )
     return buf.getvalue()

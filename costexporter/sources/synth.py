@@ -320,7 +320,7 @@ def r1_incident(
     that deadlocks for 3 h with rank 3 at 0% (it entered the save barrier; the rest wait in the
     gradient all-reduce). The NCCL watchdog kills the job: no run end."""
     b = TraceBuilder(n_gpus=16, per_host=8, interval_s=interval_s, job="qwen3-32b-ft", seed=seed)
-    b.meta(gpu_model="NVIDIA B300", team="llm", cost_center="cc-42")
+    b.meta(gpu_model="NVIDIA B300")  # the owner is the operator's (demo.DEMO_OWNERS)
     b.run("start")
     b.stretch("compute", steps * step_s, step_s=step_s, tokens=8 * 2048 * 16)
     b.phase("checkpoint", "begin", rank=3, step=steps)
@@ -333,7 +333,7 @@ def scenario_mini(seed: int = 3) -> TraceBuilder:
     stretch, a straggler, a checkpoint, a deadlock on rank 1, an idle gap, a crash loop with
     restarts, and a resume from an earlier checkpoint."""
     b = TraceBuilder(n_gpus=4, per_host=2, job="sim-mini", seed=seed, host_prefix="sim-node")
-    b.meta(gpu_model="NVIDIA B300", team="research", cost_center="cc-7")
+    b.meta(gpu_model="NVIDIA B300")  # the owner is the operator's (demo.DEMO_OWNERS)
     b.run("start")
     b.stretch("compute", 300, step_s=5, tokens=65_536)
     b.stretch("communication", 120, step_s=8, tokens=65_536)
@@ -361,7 +361,7 @@ def scenario_r1_story(seed: int = 1) -> TraceBuilder:
     until the watchdog; then a restart whose checkpoint write hangs, a crash loop, and a resume
     from an earlier checkpoint."""
     b = TraceBuilder(n_gpus=16, per_host=8, job="qwen3-32b-ft", seed=seed, interval_s=1.0)
-    b.meta(gpu_model="NVIDIA B300", team="llm", cost_center="cc-42", budget=2000.0)
+    b.meta(gpu_model="NVIDIA B300")  # the owner is the operator's (demo.DEMO_OWNERS)
     b.run("start")
     b.stretch("compute", 2 * 3600, step_s=5, tokens=262_144)
     b.stretch("communication", 1200, step_s=7, tokens=262_144)

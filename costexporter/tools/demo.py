@@ -42,6 +42,7 @@ from costexporter.core.model import (
     Category,
     Samples,
 )
+from costexporter.core.terms import PolicyRule
 from costexporter.services.agent import Agent, AgentConfig
 from costexporter.services.watcher import ALERTING, WatchConfig, Watcher
 from costexporter.sources.sim import WATCH_LAG_WALL_S, SimSource
@@ -82,6 +83,12 @@ def redis_server_binary() -> str | None:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     return None
+
+
+DEMO_OWNERS = (
+    PolicyRule(job="qwen3-32b-ft", owner=(("team", "llm"), ("cost_center", "cc-42"), ("budget", 2000.0))),
+    PolicyRule(job="sim-*", owner=(("team", "research"), ("cost_center", "cc-7"))),
+)
 
 
 @dataclass
@@ -205,6 +212,9 @@ class Demo:
                 agent_id="demo",
                 booking=cfg.booking,
                 prices=cfg.prices,
+                # Who owns the story's jobs is the operator's word, as in a deployment's policy
+                # (the scenarios' trainers post their team in meta too: ignored, said).
+                policy_rules=DEMO_OWNERS,
                 book_interval_s=cfg.book_interval_s,
                 sample_interval_s=min(0.25, cfg.book_interval_s),
                 # Restarts register again: look for new registrations every round, not every 10 s

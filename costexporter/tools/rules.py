@@ -330,7 +330,7 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict:
             "warning",
             "{{ $labels.training_job }} is over budget",
             '{{ $value | printf "%.2f" }} {{ $labels.currency }} spent, '
-            "more than the budget in the job's meta.",
+            "more than its budget (the operator's policy).",
         ),
     ]
     for a in alerts:

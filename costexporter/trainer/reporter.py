@@ -454,9 +454,10 @@ class StepReporter:
         self._post("run", ts=self._ts(ts), state="resume", step=coerce.count(step, "step", MAX_STEP))
 
     def meta(self, ts: float | None = None, **fields: object) -> None:
-        """Job metadata (gpu_model, team, cost_center, price_per_gpu_hour, budget, the heartbeat
-        cadence: events.META_TEXT and META_NUMBERS); last write wins. Booking thresholds
-        (stall_floor_s, ...) are the operator's: sent here they are ignored, and said.
+        """Job metadata (gpu_model, the heartbeat cadence, any data field: events.META_TEXT and
+        META_NUMBERS); last write wins. It is data, never money: the price, the owner (team,
+        cost_center, budget) and booking thresholds are the operator's policy; sent here they
+        are ignored and said, unless the operator's policy grants the key (docs/terms.md).
 
         Prices, budgets and thresholds must be finite numbers >= 0 and the text fields strings,
         as the reader requires; other values must be JSON-plain."""
