@@ -89,7 +89,12 @@ def cli():
     return run_cli
 
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
+# The shared Redis the tests use (each under its own key prefix, never flushed);
+# COSTEXPORTER_TEST_REDIS_URL points them at another one (a port of your own, a database other
+# than 0) when 127.0.0.1:6379 is someone else's.
+SHARED_URL = os.environ.get("COSTEXPORTER_TEST_REDIS_URL") or "redis://127.0.0.1:6379/0"
+if os.environ.get("COSTEXPORTER_TEST_REDIS_URL"):  # the commands the tests run default to it too
+    os.environ["COSTEXPORTER_REDIS_URL"] = SHARED_URL
 
 
 def drop_prefix(r, prefix: str) -> None:
@@ -110,10 +115,10 @@ def prefix():
 
 @pytest.fixture
 def shared():
-    """The shared Redis at 127.0.0.1:6379 (never flushed: tests use their own prefixes)."""
+    """The shared Redis at SHARED_URL (never flushed: tests use their own prefixes)."""
     r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
     try:
         r.ping()
     except redis.ConnectionError:
-        pytest.fail("the shared Redis at 127.0.0.1:6379 is not running")
+        pytest.fail(f"the shared Redis at {SHARED_URL} is not running (COSTEXPORTER_TEST_REDIS_URL)")
     return r

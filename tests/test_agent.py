@@ -21,7 +21,7 @@ from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
-from .conftest import promtool_check_metrics, skip_unchecked_exposition, spawn_cli
+from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition, spawn_cli
 from .redis_server import RedisServer, free_port
 
 
@@ -176,8 +176,8 @@ def test_two_agents_book_one_job_and_their_metrics_agree(shared, prefix, trace):
     expected, offline = offline_ms(b)
     ports = [free_port(), free_port()]
     procs = [
-        serve(csvs["node0"], "node0", "redis://127.0.0.1:6379/0", prefix, ports[0]),
-        serve(csvs["node1"], "node1", "redis://127.0.0.1:6379/0", prefix, ports[1]),
+        serve(csvs["node0"], "node0", SHARED_URL, prefix, ports[0]),
+        serve(csvs["node1"], "node1", SHARED_URL, prefix, ports[1]),
     ]
     try:
         wait_booked(shared, prefix, b.job, ["node0", "node1"], offline.timeline.end_ms)
@@ -222,8 +222,8 @@ def test_agent_killed_and_restarted_ends_with_the_same_ledger(shared, prefix, tr
     post_events(shared, prefix, b)
     expected, offline = offline_ms(b)
     # One agent per host, node0's killed with SIGKILL half way and started again.
-    other = serve(csvs["node1"], "node1", "redis://127.0.0.1:6379/0", prefix, 0)
-    first = serve(csvs["node0"], "node0", "redis://127.0.0.1:6379/0", prefix, 0)
+    other = serve(csvs["node1"], "node1", SHARED_URL, prefix, 0)
+    first = serve(csvs["node0"], "node0", SHARED_URL, prefix, 0)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -234,7 +234,7 @@ def test_agent_killed_and_restarted_ends_with_the_same_ledger(shared, prefix, tr
             time.sleep(0.05)
         first.send_signal(signal.SIGKILL)
         first.wait(10)
-        second = serve(csvs["node0"], "node0", "redis://127.0.0.1:6379/0", prefix, 0)
+        second = serve(csvs["node0"], "node0", SHARED_URL, prefix, 0)
         wait_booked(shared, prefix, b.job, ["node0", "node1"], offline.timeline.end_ms)
         second.send_signal(signal.SIGTERM)
         assert second.wait(30) == 0
@@ -296,7 +296,7 @@ def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix,
     agent = Agent(
         NvmlSource(host="gpu-host"),
         AgentConfig(
-            redis_url="redis://127.0.0.1:6379/0",
+            redis_url=SHARED_URL,
             prefix=prefix,
             agent_id="gpu-host",
             book_interval_s=0.1,
@@ -380,7 +380,7 @@ def test_a_resume_moves_the_voided_steps_to_rolled_back(shared, prefix, tmp_path
     b.events = [e for e in everything if e.ts < resume_ts]
     post_events(shared, prefix, b)
     step60 = max(e.ts for e in b.events if e.type == "step")
-    p = serve(csv, "node0", "redis://127.0.0.1:6379/0", prefix, 0)
+    p = serve(csv, "node0", SHARED_URL, prefix, 0)
     try:
         wait_booked(shared, prefix, b.job, ["node0"], int(step60 * 1000))
         b.events = [e for e in everything if e.ts >= resume_ts]
@@ -409,7 +409,7 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
         "--scenario",
         "mini",
         "--redis-url",
-        "redis://127.0.0.1:6379/0",
+        SHARED_URL,
         "--prefix",
         prefix,
         "--port",

@@ -32,6 +32,8 @@ from prometheus_client.samples import Exemplar
 from costexporter.services import exposition
 from costexporter.services.exposition import generate_openmetrics, generate_text
 
+from .conftest import SHARED_URL
+
 
 class Fixed:
     """Families fixed once, collected the same way by every writer."""
@@ -152,9 +154,7 @@ def agent_families(monkeypatch, n_jobs: int):
 
     uuids = [f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in range(8)]
     FakeNvml([FakeGpu(u) for u in uuids]).install(monkeypatch)
-    agent = Agent(
-        NvmlSource(host="exp-host"), AgentConfig(redis_url="redis://127.0.0.1:6379/0", agent_id="exp")
-    )
+    agent = Agent(NvmlSource(host="exp-host"), AgentConfig(redis_url=SHARED_URL, agent_id="exp"))
     for r in agent.sampler.source.read():
         agent.sampler._latest[r.gpu] = r
     rng = np.random.default_rng(1)

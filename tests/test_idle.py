@@ -19,6 +19,8 @@ from costexporter.core.model import Band
 from costexporter.core.profiles import B300, derive, with_idle
 from costexporter.store import keys
 
+from .conftest import SHARED_URL
+
 H200 = derive(700.0, "H200")
 
 
@@ -127,7 +129,7 @@ def test_the_agent_keeps_each_gpus_idle_in_redis_by_uuid_and_a_new_agent_starts_
     gpu = FakeGpu(uuid, name="NVIDIA H200", power_mw=123_700, util=0, limit_mw=700_000)
     fake = FakeNvml([gpu]).install(monkeypatch)
     cfg = AgentConfig(
-        redis_url="redis://127.0.0.1:6379/0",
+        redis_url=SHARED_URL,
         prefix=prefix,
         agent_id="n",
         sample_interval_s=0.02,

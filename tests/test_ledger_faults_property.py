@@ -33,7 +33,7 @@ from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
 from costexporter.trainer.reporter import send_entries
 
-from .conftest import drop_prefix
+from .conftest import SHARED_URL, drop_prefix
 from .test_agent import event_entry
 
 HOLD_S = 60.0  # unassigned time is booked this long after it was sampled
@@ -192,7 +192,7 @@ def scenarios(draw):
 class Run:
     """Drive agents round by round on a data clock; post events when their time (+ delay) comes."""
 
-    redis_url = "redis://127.0.0.1:6379/0"  # the agents' Redis (a test's private server: its own)
+    redis_url = SHARED_URL  # the agents' Redis (a test's private server: its own)
     raise_on_error = True  # False: as a reporter posts, a refused side write (the index) goes on
 
     def __init__(
@@ -477,7 +477,7 @@ def offline(a: TraceBuilder, jobs: list[TraceBuilder], booking: BookingConfig | 
 )
 @given(scenarios())
 def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
-    client = redis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
     a, jobs, faults = scenario
     names = [b.job for b in jobs]
     note(f"gpus={a.n_gpus} jobs={names} faults={faults}")

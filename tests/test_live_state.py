@@ -33,6 +33,7 @@ from costexporter.core.model import BANDS
 from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.reporter import send_entries
 
+from .conftest import SHARED_URL
 from .fake_nvml import ENV as FAKE_ENV
 from .redis_server import free_port
 from .test_agent import stop_all
@@ -112,7 +113,7 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
     path, level = gpu_state
     env = {**os.environ, FAKE_ENV: str(path), "PYTHONPATH": str(ROOT)}
     a_port, w_port = free_port(), free_port()
-    url = "redis://127.0.0.1:6379/0"
+    url = SHARED_URL
     agent = subprocess.Popen(
         [sys.executable, "-c", BOOT, "serve", "--source", "nvml", "--host", HOST, "--agent-id", HOST,
          "--redis-url", url, "--prefix", prefix, "--listen", "127.0.0.1", "--port", str(a_port),

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from costexporter.sources.synth import write_nvidia_smi_csv
-from costexporter.store import keys, ledger, migrate
+from costexporter.store import keys, keyspace, ledger, migrate
 from costexporter.store.reader import EventReader
 
 from .redis_server import RedisServer
@@ -38,6 +38,9 @@ def to_legacy(client, prefix: str = PREFIX) -> list[str]:
     out = []
     for k in list(client.scan_iter(f"{prefix}:*")):
         k = k.decode() if isinstance(k, bytes) else k
+        if k == keys.keyspace_key(prefix):  # the legacy layout kept no version
+            client.delete(k)
+            continue
         old = legacy_name(k, prefix)
         client.rename(k, old)
         out.append(old)
@@ -67,6 +70,8 @@ def test_every_key_a_booking_writes_maps_back_from_its_legacy_name(server, tmp_p
     written = sorted(client.scan_iter(f"{PREFIX}:*"))
     assert len(written) >= 20
     for k in written:
+        if k == keys.keyspace_key(PREFIX):
+            continue  # the keyspace's version: the legacy layout had none (keyspace.detect dates it)
         got = migrate.new_name(PREFIX, legacy_name(k))
         assert got is not None and got[0] == k, (k, got)
         assert migrate.new_name(PREFIX, k) is None  # a new name is never taken for a legacy one
@@ -112,7 +117,8 @@ def test_upgraded_agents_book_a_job_begun_under_the_legacy_layout_exactly_once(s
             p.send_signal(signal.SIGTERM)
         errs = [p.communicate(timeout=30)[1] for p in second]
     assert all(p.returncode == 0 for p in second), errs
-    assert "moved the keys of the previous layout" in "".join(errs)
+    assert "migrated the keyspace under ce: sub-prefixes (to version 2)" in "".join(errs)
+    assert keyspace.stored(client, PREFIX) == keyspace.VERSION
     assert "was not moved" not in "".join(errs)
     # Every GPU-second of the job once: the first agents' part and the rest, to the ms.
     assert ledger.net_ms(ledger.read_amounts(client, PREFIX, b.job)) == expected
@@ -144,7 +150,7 @@ def test_an_agent_starting_during_another_agents_move_sees_it_unfinished(server,
     def move_then_look(*args):
         real_move(*args)
         if migrate.legacy_keys(client, PREFIX):  # the move is not finished: what a starting agent sees
-            marker_left.append(any(client.exists(k) for k in migrate._markers(PREFIX)))
+            marker_left.append(any(client.exists(k) for k in migrate.legacy_markers(PREFIX)))
 
     monkeypatch.setattr(migrate, "move", move_then_look)
     migrate.migrate(client, PREFIX)
@@ -178,13 +184,15 @@ def test_agents_of_the_previous_version_still_running_hold_the_move(server, cli)
     client = server.client()
     client.set(keys.legacy_key(PREFIX, "epoch"), "e1")
     client.set(keys.legacy_key(PREFIX, "node", "gpu-7"), "{}", ex=30)
-    assert migrate.ensure(client, PREFIX) is False
+    assert keyspace.ensure(client, PREFIX) is False
     assert client.get(keys.legacy_key(PREFIX, "epoch")) == "e1"  # nothing moved
+    assert keyspace.stored(client, PREFIX) is None and keyspace.detect(client, PREFIX) == keyspace.LEGACY
     r = cli("keys", "migrate", "--redis-url", server.url, "--prefix", PREFIX)
     assert r.returncode == 2 and "gpu-7" in r.stderr and "Traceback" not in r.stderr, r.stderr
     client.delete(keys.legacy_key(PREFIX, "node", "gpu-7"))  # it stopped 30 s ago
-    assert migrate.ensure(client, PREFIX) is True
+    assert keyspace.ensure(client, PREFIX) is True
     assert client.get(keys.epoch_key(PREFIX)) == "e1" and not client.exists(keys.legacy_key(PREFIX, "epoch"))
+    assert keyspace.stored(client, PREFIX) == keyspace.VERSION
 
 
 def legacy_post(client, job: str, entries: list[dict]) -> None:

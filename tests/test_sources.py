@@ -17,6 +17,7 @@ from costexporter.sources.energy import Anchor, share
 from costexporter.sources.nvml import NvmlSource
 from costexporter.sources.sampler import Sampler
 
+from .conftest import SHARED_URL
 from .fake_nvml import FakeGpu, FakeNvml
 from .http_stub import Exposition
 
@@ -264,7 +265,7 @@ def test_a_real_agent_books_the_counters_energy_into_the_ledger_not_the_samples_
     gpus = [FakeGpu(uuid(i), power_mw=500_000, counter_power_mw=700_000) for i in range(2)]
     fake = FakeNvml(gpus, cpu_cost_s={"nvmlDeviceGetTotalEnergyConsumption": 0.0039}).install(monkeypatch)
     cfg = AgentConfig(
-        redis_url="redis://127.0.0.1:6379/0",
+        redis_url=SHARED_URL,
         prefix=prefix,
         agent_id="n",
         book_interval_s=0.3,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.api.format import iso, micro, money, per_micro
-from costexporter.api.schemas import AllocationRow
+from costexporter.api.schemas import AllocationRow, Attributed
 from costexporter.core.buckets import RESOLUTIONS
 from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES
@@ -154,7 +154,7 @@ def row(key: str, props: dict, parts: list[JobPart], start: str | None, end: str
         end=end,
         properties=props,
         price_versions=sorted(a.price_versions),
-        attribution=_attribution(parts[0].meta) if len(parts) == 1 else None,
+        attribution=_attributed(parts[0].meta) if len(parts) == 1 else None,
     )
 
 
@@ -306,6 +306,13 @@ def unassigned_row(u: Amounts, start: int, end: int) -> AllocationRow:
 
 
 def _attribution(meta: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
-    """A job row's `attribution` (`ledger_read.JobMeta`); None where the meta has none."""
+    """A job row's `attribution` as the rows built column by column hold it
+    (`ledger_read.JobMeta`); None where the meta has none."""
     attr = getattr(meta, "attribution", None)
     return None if attr is None else attr.report()
+
+
+def _attributed(meta: Mapping[str, Any]) -> dict[str, Attributed] | None:
+    """`_attribution` as the row model holds it."""
+    got = _attribution(meta)
+    return None if got is None else {k: Attributed(**v) for k, v in got.items()}

@@ -30,6 +30,9 @@ ATTRIBUTION = (
 )
 
 
+ATTRIBUTION_ROW = ATTRIBUTION + " A row of one job only."
+
+
 class Attributed(BaseModel):
     value: str | float
     source: str | None
@@ -160,9 +163,7 @@ class AllocationRow(BaseModel):
     price_versions: list[str] = Field(
         default_factory=list, description="Price tables the amounts were costed with."
     )
-    attribution: dict[str, Attributed] | None = Field(
-        None, description=ATTRIBUTION + " A row of one job (aggregate=job) only."
-    )
+    attribution: dict[str, Attributed] | None = Field(default=None, description=ATTRIBUTION_ROW)
 
 
 class Allocation(BaseModel):

@@ -82,9 +82,9 @@ def amounts(
         cost = sched.at(int(bounds[0])).cost(ms, mj, cats)
     else:  # rows of one price at a time, each as if alone
         cost = np.zeros_like(ms)
-        for a, b, p in sched.spans(int(bounds[0]), int(bounds[-1]) + 1):
-            rows = (bounds >= a) & (bounds < b)
-            cost[rows] = p.cost(ms[rows], mj[rows], cats)
+        for lo_ms, hi_ms, prices_then in sched.spans(int(bounds[0]), int(bounds[-1]) + 1):
+            rows = (bounds >= lo_ms) & (bounds < hi_ms)
+            cost[rows] = prices_then.cost(ms[rows], mj[rows], cats)
     out = {}
     for b in np.flatnonzero(ms.sum(1) > 0):
         a = np.stack([ms[b], np.round(mj[b]), np.round(cost[b] * 1e6)], axis=1).astype(np.int64)

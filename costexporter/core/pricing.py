@@ -196,7 +196,7 @@ def parse_pricing(doc: Mapping[str, object], where: str, parse_date: object) -> 
             + (f"@{raw['from']}" if raw.get("from") is not None else "")
         )
         rows.append(
-            PriceRule(price, model, pool, from_ms, None if wasted is None else float(wasted), name)  # type: ignore[arg-type]
+            PriceRule(price, model, pool, from_ms, None if wasted is None else float(wasted), name)
         )
     return Pricing(tuple(rows), pools, cluster)
 

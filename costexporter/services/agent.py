@@ -52,7 +52,7 @@ from costexporter.services.agent_peers import PeerExchange
 from costexporter.services.agent_unassigned import UnassignedBooker
 from costexporter.sources.base import GpuSource
 from costexporter.sources.sampler import ClockWatch, Sampler
-from costexporter.store import agentid, ledger, migrate, protocol, untrusted
+from costexporter.store import agentid, keyspace, ledger, migrate, protocol, untrusted
 from costexporter.store.keys import epoch_key, live_key, samples_key
 
 __all__ = ["ROUND_BUCKETS", "Agent", "AgentConfig", "samples_maxlen"]
@@ -269,7 +269,9 @@ class Agent:
         local = self.samples.arrays()
         self._band_readings()
         try:
-            self._layout.check(self.redis, self.cfg.prefix)  # before the epoch, which it may move
+            self._layout.check(
+                self.redis, self.cfg.prefix, self.cfg.agent_id
+            )  # before the epoch: it may move it
             self._check_epoch()
             # Also after an outage: the jobs are read again as after a start.
             stale = (
@@ -923,10 +925,11 @@ class Agent:
 
 
 class _Layout:
-    """The keyspace's layout as this agent found it: legacy keys are moved before the first round
-    books anything (`migrate.ensure`), retried every RETRY_S while agents of the old version
-    still run; afterwards, every FORWARD_S, what trainers of the old version still write is
-    forwarded (`migrate.forward`)."""
+    """The keyspace as this agent found it: brought to this release's version before the first
+    round books anything (`keyspace.ensure`: the legacy keys moved, the ordered migrations run),
+    retried every RETRY_S while agents of an older version still run or the keyspace is newer
+    than this release; afterwards, every FORWARD_S, what trainers of the legacy layout still
+    write is forwarded (`migrate.forward`)."""
 
     RETRY_S = 5.0
     FORWARD_S = 5.0
@@ -936,13 +939,13 @@ class _Layout:
         self.forwarding = True
         self.next_at = 0.0
 
-    def check(self, client: Any, prefix: str) -> None:
+    def check(self, client: Any, prefix: str, by: str = "") -> None:
         """Raises LayoutPending while the agent must not book; a Redis error as any round's."""
         now = time.monotonic()
         if not self.ready:
             if now < self.next_at:  # old agents ran at the last look
                 raise migrate.LayoutPending
-            if not migrate.ensure(client, prefix):
+            if not keyspace.ensure(client, prefix, by):
                 self.next_at = now + self.RETRY_S
                 raise migrate.LayoutPending
             self.ready = True

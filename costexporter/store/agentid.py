@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from costexporter.store import keys
+from costexporter.store.keyspace import VERSION
 
 # Renew the lease, or take it when it is free or held by this host; else answer the holder.
 _CLAIM = """
@@ -62,7 +63,8 @@ def claim(client: Any, prefix: str, agent: str, host: str, ttl_s: float) -> dict
     now; else the holder's entry (a dict with its `host`). A lease key of another type (not
     written by an agent) is replaced."""
     k = keys.agent_id_key(prefix, agent)
-    entry = json.dumps({"host": host, "pid": os.getpid(), "ts": round(time.time(), 3)})
+    # `keyspace`: the layout this agent writes (a migration waits for older ones: keyspace.py)
+    entry = json.dumps({"host": host, "pid": os.getpid(), "ts": round(time.time(), 3), "keyspace": VERSION})
     got = [_text(x) for x in client.execute_command("EVAL", _CLAIM, 1, k, host, entry, int(ttl_s * 1000))]
     if got and got[0] == "wrongtype":
         client.delete(k)

@@ -201,6 +201,12 @@ def gpu_idle_key(prefix: str, gpu_uuid: str) -> str:
     return ns_key(prefix, AGENT, "gpu", gpu_uuid, "idle")
 
 
+def keyspace_key(prefix: str) -> str:
+    """The keyspace's version and the migrations that brought it there (hash: `version`,
+    `migration:<name>` -> JSON), `store/keyspace.py`."""
+    return ns_key(prefix, AGENT, "keyspace")
+
+
 def epoch_key(prefix: str) -> str:
     """The ledger's epoch: a Redis restarted empty has another (or none)."""
     return ns_key(prefix, AGENT, "epoch")

@@ -289,8 +289,8 @@ def queue_amounts(
     by_version: dict[str, dict[int, np.ndarray]] = {}
     for start, a in by_bucket.items():
         by_version.setdefault(of(start), {})[start] = a
-    for v, part in by_version.items():
-        queue_rollup(pipe, prefix, job, part, v, -1 if voided else 1)
+    for pv, part in by_version.items():
+        queue_rollup(pipe, prefix, job, part, pv, -1 if voided else 1)
     total: dict[str, int] = {}
     for start, a in by_bucket.items():
         fields = _fields(a, voided)

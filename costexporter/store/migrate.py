@@ -5,7 +5,8 @@ trainer its events without the ledger. `migrate` moves each legacy key to its ne
 RENAME when nothing is there yet (a job's old and new keys share the hash tag, so this works on a
 Redis Cluster too; the keys across jobs are copied with DUMP/RESTORE where slots differ).
 
-An agent of this version moves them itself before its first booking round (`ensure`): nothing
+An agent of this version moves them itself before its first booking round (`keyspace.ensure`,
+the first of the keyspace's migrations): nothing
 is booked from legacy keys and nothing twice, because each agent's watermark, fold and ledger
 move whole, and it waits while an agent of the old version still runs (its node key, which
 lives 30 s, says so), since that one would keep writing legacy keys. Trainers of the old
@@ -113,7 +114,8 @@ class Report:
         )
 
 
-def _escape(text: str) -> str:
+def escape(text: str) -> str:
+    """`text` as a SCAN pattern matching itself."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
@@ -157,7 +159,7 @@ def new_name(prefix: str, key: str) -> tuple[str, str] | None:
 def legacy_keys(client: Any, prefix: str) -> list[tuple[str, str, str]]:
     """Every key of the legacy layout under `prefix`: (legacy, new, kind), found by one SCAN."""
     out = []
-    for k in client.scan_iter(match=_escape(prefix) + ":*", count=1000):
+    for k in client.scan_iter(match=escape(prefix) + ":*", count=1000):
         k = k.decode() if isinstance(k, bytes) else k
         got = new_name(prefix, k)
         if got is not None:
@@ -188,7 +190,7 @@ def migrate(client: Any, prefix: str, *, force: bool = False, dry_run: bool = Fa
     # looks for last: an agent starting meanwhile sees one, moves along (a key moved by the
     # other is skipped), and books only once every key has its new name.
     order = {EVENTS: 0, RANKS: 0, META: 0, JOBS: 1, COUNTER: 1, READERS: 2, FRESH: 3, OWNED: 3, STALE: 3}
-    markers = set(_markers(prefix))
+    markers = set(legacy_markers(prefix))
     for old, new, kind in sorted(found, key=lambda f: (f[0] in markers, order[f[2]], f[0])):
         move(client, old, new, kind, report)
     # What the API does at its start, for ledgers written before the incident index and the
@@ -366,33 +368,9 @@ def _once(key: str, level: int, msg: str, *args: object) -> None:
         log.log(level, msg, *args)
 
 
-def _markers(prefix: str) -> list[str]:
+def legacy_markers(prefix: str) -> list[str]:
     """The legacy keys whose presence says a move is due or under way (`migrate` moves them last)."""
     return [keys.legacy_key(prefix, n) for n in ("jobs", "epoch", "registrations")]
-
-
-def ensure(client: Any, prefix: str) -> bool:
-    """An agent's check before its first round: True when no legacy key is left (moving them now
-    when none of the old agents runs); False while one still runs. A Redis user that may not
-    read the legacy names (this version's ACL) has nothing to move."""
-    import redis
-
-    try:
-        # One EXISTS a key: on a cluster they lie in different slots.
-        if not any(client.exists(k) for k in _markers(prefix)):
-            return True
-    except redis.exceptions.NoPermissionError:
-        _once("noperm", logging.INFO, "legacy keys are not readable under this ACL: nothing to move")
-        return True
-    try:
-        report = migrate(client, prefix)
-    except OldAgentsRunning as e:
-        _once("old:" + ",".join(e.hosts), logging.WARNING, "not booking yet: %s", e)
-        return False
-    log.warning("moved the keys of the previous layout under %s: %s", prefix, report.summary())
-    for old, new in report.conflicts:
-        log.error("%s was not moved: %s exists too; compare the two, keep one", old, new)
-    return True
 
 
 def forward_quietly(client: Any, prefix: str) -> bool:

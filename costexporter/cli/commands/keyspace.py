@@ -1,4 +1,5 @@
-"""`costexporter keys migrate`: move a deployment's keys from the legacy layout (store/migrate.py)."""
+"""`costexporter keys`: the keyspace's version (`keys status`) and its migrations (`keys migrate`:
+store/keyspace.py, the legacy layout's move in store/migrate.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,40 @@ from costexporter.cli.options import InputFailure, prefix_option, redis_url_opti
 
 @click.group("keys")
 def keys_group() -> None:
-    """The Redis keyspace: move a deployment's keys to this version's layout."""
+    """The Redis keyspace: its version, and moving a deployment's keys to this release's layout."""
+
+
+@keys_group.command("status")
+@redis_url_option()
+@prefix_option
+def keys_status(redis_url, prefix) -> None:
+    """Print the keyspace's version, this release's, the migrations that ran and those pending.
+    Exits 1 when a migration is pending or the keyspace is newer than this release."""
+    import json
+
+    from costexporter.store import keys, keyspace, protocol
+
+    require_redis(redis_url, "cannot reach Redis at {url}: {e}")
+    client = protocol.connect(redis_url)
+    found, stored = keyspace.detect(client, prefix), keyspace.stored(client, prefix)
+    how = "stored" if stored is not None else "not stored: dated by the keys it holds"
+    click.echo(f"keyspace under {prefix}: version {found} ({how}); this release writes {keyspace.VERSION}")
+    for field, raw in sorted(client.hgetall(keys.keyspace_key(prefix)).items()):
+        if field.startswith("migration:"):
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                rec = {}
+            click.echo(f"  ran {field[10:]}: by {rec.get('by') or '?'} at {rec.get('at')}: {rec.get('did')}")
+    steps = keyspace.pending(found)
+    for m in steps:
+        click.echo(
+            f"  pending {m.name} (to version {m.to}): run `costexporter keys migrate`, or start an agent"
+        )
+    if found > keyspace.VERSION:
+        click.echo(f"  newer than this release: upgrade to a release that writes version {found}")
+    if steps or found > keyspace.VERSION:
+        raise SystemExit(1)
 
 
 @keys_group.command("migrate")
@@ -38,7 +72,7 @@ def keys_migrate(redis_url, prefix, dry_run, force, follow) -> None:
     Exits 1 when a key could not be moved because its new name exists too (listed)."""
     import redis
 
-    from costexporter.store import migrate, protocol
+    from costexporter.store import keyspace, migrate, protocol
 
     require_redis(redis_url, "cannot reach Redis at {url}: {e}")
     client = protocol.connect(redis_url)
@@ -61,6 +95,12 @@ def keys_migrate(redis_url, prefix, dry_run, force, follow) -> None:
         click.echo(f"not moved: {old} ({new} exists too; compare the two and keep one)")
     if report.conflicts:
         raise SystemExit(1)
+    try:  # the keyspace's later migrations, and its version recorded
+        for line in keyspace.upgrade(client, prefix, force=force, by="costexporter keys migrate"):
+            click.echo(f"costexporter: {line}", err=True)
+    except (keyspace.NewerKeyspace, keyspace.OlderAgentsRunning) as e:
+        raise InputFailure(str(e)) from None
+    click.echo(f"costexporter: keyspace version {keyspace.stored(client, prefix)}", err=True)
     while follow is not None:
         time.sleep(follow)
         try:
