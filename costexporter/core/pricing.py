@@ -195,9 +195,7 @@ def parse_pricing(doc: Mapping[str, object], where: str, parse_date: object) -> 
             + "/".join(str(x) for x in (model or "*", pool or "*"))
             + (f"@{raw['from']}" if raw.get("from") is not None else "")
         )
-        rows.append(
-            PriceRule(price, model, pool, from_ms, None if wasted is None else float(wasted), name)
-        )
+        rows.append(PriceRule(price, model, pool, from_ms, None if wasted is None else float(wasted), name))
     return Pricing(tuple(rows), pools, cluster)
 
 
