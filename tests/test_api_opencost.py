@@ -100,8 +100,26 @@ def test_aggregates(store):
         assert sorted(clusters) == ["__unallocated__", "east"]
         default = get(url, window=DAY).json()["data"][0]  # no aggregate: per training job
         assert sorted(default) == ["bare", "llm-2", "pytorchjob:llm-1", "vis-1"]
-        for agg, word in (("pod", "per pod"), ("node", "per node"), ("annotation:x", "annotations"),
-                          ("deployment", "controller"), ("bogus", "supported")):  # fmt: skip
+        # finer than the ledger books: every allocation's pod is __unallocated__, and said
+        pods = get(url, window=DAY, aggregate="namespace,pod").json()
+        assert sorted(pods["data"][0]) == [
+            "__unallocated__/__unallocated__",
+            "ns-a/__unallocated__",
+            "ns-b/__unallocated__",
+        ]
+        assert "not per pod" in pods["warning"]
+        # a per-kind aggregate: the controller where its kind is that one (OpenCost's semantics)
+        jobs = get(url, window=DAY, aggregate="statefulset").json()["data"][0]
+        assert list(jobs) == ["__unallocated__"] and jobs["__unallocated__"]["totalCost"] == pytest.approx(
+            4 * 7.7
+        )
+        kinds = get(url, window=DAY, aggregate="controllerKind").json()["data"][0]
+        assert sorted(kinds) == ["__unallocated__", "pytorchjob"]
+        for agg, word in (
+            ("annotation:x", "annotations"),
+            ("service", "not recorded"),
+            ("bogus", "supported"),
+        ):
             r = get(url, window=DAY, aggregate=agg)
             assert r.status_code == 400 and word in r.json()["message"], (agg, r.text)
             assert r.json()["code"] == 400 and r.json()["status"] == "error"
@@ -161,9 +179,9 @@ def test_filters(store):
 
 @pytest.mark.parametrize(
     "param,value",
-    [("includeIdle", "maybe"), ("shareIdle", "true"), ("filterNamespaces", "kube-system"),
-     ("resolution", "1m"), ("accumulateBy", "day"), ("idleByNode", "true"), ("sharelb", "true"),
-     ("shareNamespaces", "kube-system"), ("nonsense", "1")],
+    [("includeIdle", "maybe"), ("shareIdle", "true"), ("resolution", "1h"), ("resolution", "soon"),
+     ("accumulateBy", "day"), ("idleByNode", "true"), ("sharelb", "true"), ("filterClusters", "east"),
+     ("shareNamespaces", "kube-system"), ("includeAggregatedMetadata", "true"), ("nonsense", "1")],
 )  # fmt: skip
 def test_parameters_not_honoured_are_400_naming_them(store, param, value):
     with served(store) as (url, _):
@@ -173,6 +191,41 @@ def test_parameters_not_honoured_are_400_naming_them(store, param, value):
         # the same parameter twice is refused too, not resolved by a guess
         r = httpx.get(url + "/allocation", params=[("window", DAY), ("window", "1d")], timeout=30)
         assert r.status_code == 400 and "more than once" in r.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"idleByNode": "false", "sharelb": "false", "includeAggregatedMetadata": "false",
+      "includeProportionalAssetResourceCosts": "false", "includeSharedCostBreakdown": "false",
+      "reconcile": "false", "shareTenancyCosts": "false"},
+     {"resolution": "1m"}, {"resolution": "5m"},
+     {"filterClusters": "", "filterControllers": "", "filterLabels": "", "shareNamespaces": "",
+      "shareLabels": "", "shareCost": "0", "shareSplit": "weighted"}],
+)  # fmt: skip
+def test_parameters_whose_value_changes_nothing_are_accepted_and_said(store, params):
+    """What OpenCost clients send on every call: the same answer as without them; a non-empty
+    one said in `warning`."""
+    with served(store) as (url, _):
+        plain = get(url, window=DAY).json()
+        r = get(url, window=DAY, **params)
+        assert r.status_code == 200, r.text
+        assert r.json()["data"] == plain["data"]
+        said = [k for k, v in params.items() if v and v != "0" and f"{k}={v}" in r.json().get("warning", "")]
+        assert said == [k for k, v in params.items() if v and v != "0"]
+
+
+def test_filter_namespaces_and_idle_are_opencosts_older_names(store):
+    with served(store) as (url, _):
+        one = get(url, window=DAY, filterNamespaces="ns-a").json()["data"][0]
+        assert sorted(one) == ["pytorchjob:llm-1", "vis-1"]
+        assert get(url, window=DAY, filter='namespace:"ns-a"').json()["data"][0] == one
+        two = get(url, window=DAY, filterNamespaces="ns-a,ns-b", filter='label[team]:"llm"').json()["data"][0]
+        assert sorted(two) == ["llm-2", "pytorchjob:llm-1"]
+        idle = get(url, window=DAY, idle="true").json()["data"][0]
+        assert idle["__idle__"]["gpuHours"] == pytest.approx(0.5)
+        assert get(url, window=DAY, idle="true", includeIdle="true").json()["data"][0] == idle
+        r = get(url, window=DAY, idle="true", includeIdle="false")
+        assert r.status_code == 400 and "disagree" in r.json()["message"]
 
 
 def test_idle(store):
@@ -243,8 +296,12 @@ def test_team_token_sees_its_team_only(store):
         assert sorted(get(url, headers=h, window=DAY, aggregate="all").json()["data"][0]) == [""]
         everything = get(url, headers=h, window=DAY, aggregate="all").json()["data"][0]
         assert everything[""]["totalCost"] == pytest.approx(15.4)
-        r = get(url, headers=h, window=DAY, includeIdle="true")
-        assert r.status_code == 400 and "every team" in r.json()["message"]
+        r = get(url, headers=h, window=DAY, includeIdle="true")  # kubectl-cost's default
+        assert (
+            r.status_code == 200
+            and "__idle__" not in r.json()["data"][0]
+            and "every team" in r.json()["warning"]
+        )
 
 
 def test_redis_down_is_503(shared, prefix):
@@ -264,6 +321,7 @@ def test_hostile_meta_does_not_break_the_answer(shared, prefix):
     shared.hset(keys.meta_key(prefix, "odd"), mapping={"weird key!": "v", "controller_kind": ""})
     with served(LedgerStore(shared, prefix)) as (url, _):
         d = get(url, window=DAY, aggregate="namespace,cluster").json()["data"][0]
-        assert list(d) == ["__unallocated__/c/1"]
-        assert d["__unallocated__/c/1"]["properties"]["labels"]["weird_key_"] == "v"
+        assert list(d) == ["__unallocated__/c%2F1"]  # OpenCost clients split names on "/"
+        assert d["__unallocated__/c%2F1"]["properties"]["labels"]["weird_key_"] == "v"
+        assert d["__unallocated__/c%2F1"]["properties"]["cluster"] == "c/1"
         assert list(get(url, window=DAY, filter='label[weird key!]:"v"').json()["data"][0]) == ["odd"]

@@ -4,13 +4,16 @@ envelope, allocations with OpenCost's names and numeric types).
 
 Pure: parameters in, a plan out; per-job amounts in, allocations out. The router reads the
 ledger. A parameter this API does not honour is an error naming it, never ignored: a filter
-or an idle share left out silently would over-report.
+or an idle share left out silently would over-report. A parameter whose value changes nothing
+here (`idleByNode=false`, an empty `filterClusters`, a `resolution` within the ledger's bucket:
+what OpenCost clients such as kubectl-cost send on every call) is accepted and said.
 
-Mapping: a training job is OpenCost's controller (its name `controller`, its kind the meta's
-`controller_kind` if any); `namespace`, `cluster` and `team` come from the job's meta (the
-cluster from the API's `--cluster` when the meta has none); every other meta field is a label. Only
-GPU time is costed: CPU, RAM, storage, network and load-balancer fields are 0, and `totalCost`
-equals `gpuCost`.
+Mapping: a training job is OpenCost's controller: its name the controller the Kubernetes path
+read (else the job's name), its kind the controlling owner's, lower-cased as OpenCost writes it;
+`namespace`, `cluster` and `team` are the job's attribution (the cluster the API's `--cluster`
+where it has none); every other meta field is a label. A name holds no `/` (OpenCost clients
+split names on it): a value's `/` is written `%2F` (and `%` `%25`). Only GPU time is costed:
+CPU, RAM, storage, network and load-balancer fields are 0, and `totalCost` equals `gpuCost`.
 """
 
 from __future__ import annotations
@@ -31,44 +34,84 @@ MAX_SETS = 1000  # steps in one answer
 
 # Parameters OpenCost defines that this API cannot honour, and why (each a 400 naming it).
 NOT_HONOURED = {
-    "resolution": "the ledger is exact to the millisecond; there is no query resolution to set",
     "accumulateBy": "use accumulate=true (one set) or step=<duration> (one set per step)",
-    "filterNamespaces": 'use filter=namespace:"<name>" (OpenCost\'s filter syntax)',
-    "filterClusters": 'use filter=cluster:"<name>"',
-    "filterControllers": 'use filter=controllerName:"<name>"',
-    "filterLabels": 'use filter=label[<name>]:"<value>"',
-    "idleByNode": "idle GPU time is not split by node",
-    "sharelb": "no load balancers are costed",
-    "shareNamespaces": "shared costs are not split",
-    "shareLabels": "shared costs are not split",
-    "shareCost": "shared costs are not split",
-    "shareSplit": "shared costs are not split",
-    "includeProportionalAssetResourceCosts": "assets are not costed",
-    "includeAggregatedMetadata": "aggregated metadata is not kept",
-    "includeSharedCostBreakdown": "shared costs are not split",
-    "reconcile": "there is no cloud bill to reconcile against",
-    "shareTenancyCosts": "shared costs are not split",
     "offset": "give the window as an RFC 3339 or Unix-seconds pair instead",
 }
-HONOURED = ("window", "aggregate", "step", "accumulate", "filter", "includeIdle", "shareIdle")
+HONOURED = (
+    "window",
+    "aggregate",
+    "step",
+    "accumulate",
+    "filter",
+    "includeIdle",
+    "idle",  # OpenCost's older name of includeIdle (kubectl-cost sends both)
+    "shareIdle",
+    "filterNamespaces",  # OpenCost's v1 namespace filter (kubectl-cost -n): comma-separated names
+)
+
+
+def _false(v: str) -> bool:
+    return v.strip().lower() in ("", "0", "f", "false")
+
+
+def _empty(v: str) -> bool:
+    return not v.strip()
+
+
+def _within_bucket(v: str) -> bool:
+    t = v.strip()
+    parts = _DUR.findall(t)
+    if not t:
+        return True
+    return (
+        bool(parts)
+        and "".join(n + u for n, u in parts) == t
+        and sum(int(n) * _DUR_S[u] for n, u in parts) <= BUCKET_S
+    )
+
+
+# Parameters OpenCost defines whose value here may change nothing: (that value, why; another
+# value is a 400 naming the parameter).
+NO_OP: dict[str, tuple[Callable[[str], bool], str]] = {
+    "resolution": (
+        _within_bucket,
+        "the ledger is exact to the millisecond: a resolution up to 5m changes nothing",
+    ),
+    "idleByNode": (_false, "idle GPU time is not split by node"),
+    "sharelb": (_false, "no load balancers are costed"),
+    "includeProportionalAssetResourceCosts": (_false, "assets are not costed"),
+    "includeAggregatedMetadata": (_false, "aggregated metadata is not kept"),
+    "includeSharedCostBreakdown": (_false, "shared costs are not split"),
+    "reconcile": (_false, "there is no cloud bill to reconcile against"),
+    "shareTenancyCosts": (_false, "shared costs are not split"),
+    "filterClusters": (_empty, 'use filter=cluster:"<name>"'),
+    "filterControllers": (_empty, 'use filter=controllerName:"<name>"'),
+    "filterLabels": (_empty, 'use filter=label[<name>]:"<value>"'),
+    "shareNamespaces": (_empty, "shared costs are not split"),
+    "shareLabels": (_empty, "shared costs are not split"),
+    "shareCost": (lambda v: v.strip() in ("", "0"), "shared costs are not split"),
+    "shareSplit": (lambda v: v.strip().lower() in ("", "weighted", "even"), "shared costs are not split"),
+}
 
 # aggregate -> why it is refused (OpenCost properties the ledger does not book by)
 AGG_REFUSED = {
-    "pod": "the ledger books GPU time per training job, not per pod: use controller",
-    "container": "the ledger books GPU time per training job, not per container: use controller",
-    "node": "the ledger books GPU time per training job, not per node: use controller",
     "service": "services are not recorded",
     "providerid": "provider IDs are not recorded",
-    "deployment": "use controller (a training job is the controller)",
-    "statefulset": "use controller (a training job is the controller)",
-    "daemonset": "use controller (a training job is the controller)",
-    "job": "use controller (a training job is the controller)",
     "department": "use label:<name> with the meta field that holds it",
     "environment": "use label:<name> with the meta field that holds it",
     "owner": "use label:<name> with the meta field that holds it",
     "product": "use label:<name> with the meta field that holds it",
 }
 AGG_FIELDS = ("cluster", "namespace", "controller", "controllerkind", "team")
+# OpenCost's per-kind aggregates: the controller's name where its kind is that one, else
+# `__unallocated__` (as OpenCost has a pod without a deployment).
+KIND_FIELDS = ("deployment", "statefulset", "daemonset", "job")
+# Finer than the ledger books: every allocation's value is `__unallocated__`, and said.
+FINER_FIELDS = {
+    "pod": "the ledger books GPU time per training job, not per pod",
+    "container": "the ledger books GPU time per training job, not per container",
+    "node": "the ledger books GPU time per training job, not per node",
+}
 LABEL_RE = re.compile(r"^label:(.{1,100})$")
 
 
@@ -84,18 +127,46 @@ def sanitize(name: str) -> str:
 # ---- parameters -------------------------------------------------------------------------------
 
 
-def check_params(items: list[tuple[str, str]]) -> dict[str, str]:
-    """The query's parameters, each once; a parameter this API does not honour is an error."""
+def check_params(items: list[tuple[str, str]], notes: list[str] | None = None) -> dict[str, str]:
+    """The query's parameters, each once; a parameter this API does not honour is an error, one
+    whose value changes nothing here is left out (said in `notes` unless it is empty)."""
     out: dict[str, str] = {}
+    seen: set[str] = set()
     for k, v in items:
+        if k in seen:
+            raise OpenCostError(f"parameter {k!r} given more than once")
+        seen.add(k)
+        if k in NO_OP:
+            changes_nothing, why = NO_OP[k]
+            if not changes_nothing(v):
+                raise OpenCostError(f"parameter {k}={v!r} is not supported: {why}")
+            if v.strip() and notes is not None:
+                notes.append(f"{k}={v} changes nothing here ({why})")
+            continue
         if k in NOT_HONOURED:
             raise OpenCostError(f"parameter {k!r} is not supported: {NOT_HONOURED[k]}")
         if k not in HONOURED:
-            raise OpenCostError(f"parameter {k!r} is not supported; supported: {', '.join(HONOURED)}")
-        if k in out:
-            raise OpenCostError(f"parameter {k!r} given more than once")
+            known = ", ".join([*HONOURED, *NO_OP])
+            raise OpenCostError(f"parameter {k!r} is not supported; supported: {known}")
         out[k] = v
     return out
+
+
+def include_idle(q: Mapping[str, str]) -> bool:
+    """`includeIdle`, or OpenCost's older `idle`; both given, they agree."""
+    a = parse_bool("includeIdle", q.get("includeIdle"), False)
+    b = parse_bool("idle", q.get("idle"), a)
+    if q.get("includeIdle") and q.get("idle") and a != b:
+        raise OpenCostError(f"includeIdle={q['includeIdle']} and idle={q['idle']} disagree")
+    return a or b
+
+
+def namespaces_filter(text: str | None) -> Pred | None:
+    """OpenCost's v1 `filterNamespaces=a,b`: the jobs of those namespaces (empty: no filter)."""
+    names = {n.strip() for n in (text or "").split(",") if n.strip()}
+    if not names:
+        return None
+    return lambda p: p.namespace in names
 
 
 def parse_bool(name: str, text: str | None, default: bool) -> bool:
@@ -165,7 +236,7 @@ def parse_aggregate(text: str | None) -> list[str]:
     out: list[str] = []
     for a in items:
         low = a.lower()
-        if low in AGG_FIELDS:
+        if low in AGG_FIELDS or low in KIND_FIELDS or low in FINER_FIELDS:
             f = low
         elif m := LABEL_RE.match(a):
             f = "label:" + sanitize(m.group(1).strip())
@@ -191,9 +262,14 @@ class JobProps:
     job: str
     cluster: str
     namespace: str
-    kind: str
+    kind: str  # lower-cased, as OpenCost writes controller kinds
     team: str
     labels: dict[str, str] = field(default_factory=dict)
+    controller: str = ""  # the controller's name as the Kubernetes path read it ('' : the job's)
+
+    @property
+    def name(self) -> str:
+        return self.controller or self.job
 
     def get(self, f: str) -> str:
         """The value of an aggregate or filter field ('' when the job has none)."""
@@ -202,17 +278,22 @@ class JobProps:
         if f == "namespace":
             return self.namespace
         if f in ("controller", "controllername"):
-            return self.job
+            return self.name
         if f == "controllerkind":
             return self.kind
         if f == "team":
             return self.team
+        if f in KIND_FIELDS:
+            return self.name if self.kind == f else ""
+        if f in FINER_FIELDS:
+            return ""
         if f.startswith("label:"):
             return self.labels.get(f[6:], "")
         raise KeyError(f)
 
 
-PROPERTY_META = ("cluster", "namespace", "controller_kind")  # meta fields that are properties, not labels
+# meta fields that are properties, not labels
+PROPERTY_META = ("cluster", "namespace", "controller", "controller_kind")
 
 
 def job_props(job: str, meta: Mapping[str, object], cluster: str | None) -> JobProps:
@@ -224,18 +305,24 @@ def job_props(job: str, meta: Mapping[str, object], cluster: str | None) -> JobP
         sanitize(k): v for k, v in meta.items() if isinstance(v, str) and v != "" and k not in PROPERTY_META
     }
     home = s("cluster") or (cluster or "")
-    return JobProps(job, home, s("namespace"), s("controller_kind"), s("team"), labels)
+    kind = s("controller_kind").lower()
+    return JobProps(job, home, s("namespace"), kind, s("team"), labels, s("controller"))
+
+
+def escape(value: str) -> str:
+    """A value as one part of an allocation's name: OpenCost clients split names on `/`."""
+    return value.replace("%", "%25").replace("/", "%2F")
 
 
 def key_of(fields: list[str], p: JobProps) -> str:
     """The allocation's name as OpenCost makes it: the fields' values joined by '/', a missing
-    one `__unallocated__`; a controller with a kind is `<kind>:<name>`."""
+    one `__unallocated__`; a controller with a kind is `<kind>:<name>`; a value's `/` escaped."""
     names = []
     for f in fields:
         v = p.get(f)
         if f == "controller" and p.kind:
             v = f"{p.kind}:{v}"
-        names.append(v or UNALLOCATED)
+        names.append(escape(v) if v else UNALLOCATED)
     return "/".join(names)
 
 
@@ -246,7 +333,7 @@ def properties(members: list[JobProps]) -> dict:
     for name, get in (
         ("cluster", lambda p: p.cluster),
         ("namespace", lambda p: p.namespace),
-        ("controller", lambda p: p.job),
+        ("controller", lambda p: p.name),
         ("controllerKind", lambda p: p.kind),
     ):
         v = get(first)

@@ -24,7 +24,7 @@ class ByCategory(BaseModel):
 
 ATTRIBUTION = (
     "Where the job's price, owner and place came from: per key (team, cost_center, budget, "
-    "cluster, namespace, controller_kind, price_per_gpu_hour, node_pool) its value and source "
+    "cluster, namespace, controller, controller_kind, price_per_gpu_hour, node_pool) its value and source "
     "(a policy rule, the price table, the flags, kubernetes, or meta where a policy rule grants it). "
     "Empty until an agent has booked the job."
 )

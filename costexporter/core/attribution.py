@@ -22,7 +22,7 @@ from typing import Any
 from costexporter.core.pricing import NEG_INF, PriceSchedule
 
 OWNER_KEYS = ("team", "cost_center", "budget")
-PLACE_KEYS = ("cluster", "namespace", "controller_kind")
+PLACE_KEYS = ("cluster", "namespace", "controller", "controller_kind")
 PRICE_KEY = "price_per_gpu_hour"
 # The meta keys only the operator sets unless a policy rule grants them.
 GRANTABLE = (PRICE_KEY, *OWNER_KEYS, *PLACE_KEYS)
@@ -196,6 +196,7 @@ def attribute(
     fact_of = {
         "team": facts.team if facts else None,
         "namespace": facts.namespace if facts else None,
+        "controller": facts.controller if facts else None,
         "controller_kind": facts.controller_kind if facts else None,
     }
     for key in (*OWNER_KEYS, *PLACE_KEYS):

@@ -28,27 +28,39 @@ DESCRIPTION = (
     "comma-combined; default controller, the training job), `step` (any multiple of 5m: 1h, 2h, "
     "24h, 1d, 1w), `accumulate` (default false), `filter` (OpenCost's filter language: "
     'namespace:"a", controllerName:"job", label[team]:"llm", joined by + or |), `includeIdle` '
-    "(adds `__idle__`: GPU time no job registered). Any other parameter is a 400 naming it."
+    "(adds `__idle__`: GPU time no job registered; `idle` is its older name), `filterNamespaces` "
+    "(OpenCost's v1 namespace filter). A parameter whose value changes nothing here (idleByNode=false, "
+    "an empty filterClusters, a resolution up to 5m, ...) is accepted and said in `warning`; any "
+    "other parameter or value is a 400 naming it."
 )
 
 
 def _run(request: Request, s: LedgerStore, who: Principal, cluster: str | None, tz: str) -> Response:
+    notes: list[str] = []
     try:
-        q = oc.check_params(list(request.query_params.multi_items()))
+        q = oc.check_params(list(request.query_params.multi_items()), notes)
         w = oc.parse_window(q.get("window"), tz)
         fields = oc.parse_aggregate(q.get("aggregate"))
         step = oc.parse_step(q["step"]) if q.get("step") else None
         accumulate = oc.parse_bool("accumulate", q.get("accumulate"), False)
-        include_idle = oc.parse_bool("includeIdle", q.get("includeIdle"), False)
+        include_idle = oc.include_idle(q)
         if oc.parse_bool("shareIdle", q.get("shareIdle"), False):
             raise oc.OpenCostError("shareIdle=true is not supported: idle GPU time is not shared out")
         pred = oc.parse_filter(q.get("filter"))
+        by_ns = oc.namespaces_filter(q.get("filterNamespaces"))
         spans = oc.periods(w, step, accumulate)
-        if include_idle and not who.all_teams:
-            raise oc.OpenCostError("includeIdle=true needs a token that sees every team")
     except oc.OpenCostError as e:
         return JSONResponse(oc.error(400, str(e)), status_code=400)
-    notes: list[str] = []
+    if by_ns is not None:
+        pred = by_ns if pred is None else (lambda p, a=pred, b=by_ns: a(p) and b(p))
+    for f in fields:
+        if f in oc.FINER_FIELDS:
+            notes.append(f"aggregate {f}: {oc.FINER_FIELDS[f]}: every allocation's {f} is {oc.UNALLOCATED}")
+    if include_idle and not who.all_teams:
+        include_idle = False
+        notes.append(
+            "__idle__ is left out: GPU time no job registered is shown to tokens that see every team"
+        )
     if not w.exact:
         notes.append(
             f"window {w.text!r} ({iso_utc(w.asked_start)} to {iso_utc(w.asked_end)}) does not fall on "
@@ -103,6 +115,16 @@ def _sums(table: WindowTable, i: int) -> oc.Sums:
 
 def opencost_allocation(request: Request, s: Store, who: Who, cfg: Config) -> Response:
     return _run(request, s, who, cfg.cluster, cfg.tz)
+
+
+@router.get(
+    "/model/getConfigs",
+    summary="OpenCost's configuration (its currency)",
+    description="What OpenCost clients read of OpenCost's configuration: `currencyCode` (kubectl-cost "
+    "labels its table with it).",
+)
+def opencost_configs(cfg: Config) -> Response:
+    return json_bytes({"code": 200, "status": "success", "data": {"currencyCode": cfg.currency}})
 
 
 for path in ("/allocation", "/allocation/compute", "/model/allocation", "/model/allocation/compute"):
