@@ -281,31 +281,63 @@ def test_rendered_workloads_carry_what_the_values_say():
     assert mount["mountPath"] == "/etc/costexporter/tokens"
 
 
-def test_the_policy_value_reaches_the_agents_and_the_watcher_as_the_file_they_parse():
-    """Who pays is the operator's: the chart's `policy` is one ConfigMap, mounted read-only into
-    every agent and watcher and named by --policy; its file is one the programs accept."""
+def test_policy_profiles_and_extra_volumes_reach_the_programs_as_files_they_read(tmp_path):
+    """Who pays is the operator's and so is a GPU's profile: the chart's `policy` and `profiles`
+    are ConfigMaps (or existing ones), mounted read-only into every agent and watcher and named
+    by --policy / --profile; the files are ones the programs accept; extra volumes reach every
+    costexporter pod."""
+    from costexporter.core import profiles
     from costexporter.core.terms import parse_policy_file
 
-    k = _by_kind(_render(VALUE_SETS["dcgm+podmonitor+external-redis"]))
+    h200 = yaml.safe_load(profiles.save(profiles.derive(700.0, "H200"), tmp_path / "h200.yaml").read_text())
+    extra = {
+        "extraVolumes": [{"name": "ca", "secret": {"secretName": "corp-ca"}}],
+        "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+    }
+    values = {**VALUE_SETS["dcgm+podmonitor+external-redis"], "profiles": {"h200": h200}, **extra}
+    k = _by_kind(_render(values))
+    for d in k["ConfigMap"]:
+        kv.validate(d, KUBE, strict=True)
     (cm,) = [c for c in k["ConfigMap"] if c["metadata"]["name"].endswith("-policy")]
     parsed = parse_policy_file(json.loads(cm["data"]["policy.json"]))
     assert parsed.pricing.cluster == "prod-east" and parsed.rules[0].owner == (("team", "llm"),)
+    (pm,) = [c for c in k["ConfigMap"] if c["metadata"]["name"].endswith("-profiles")]
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "h200.json").write_text(pm["data"]["h200.json"])
+    found = profiles.find("NVIDIA H200", tmp_path / "dir")  # as the agent finds it by model
+    assert found is not None and found == profiles.derive(700.0, "H200")
     workloads = [*k["DaemonSet"], *(d for d in k["Deployment"] if "-watcher" in d["metadata"]["name"])]
     assert len(workloads) >= 2
     for d in workloads:
         spec = d["spec"]["template"]["spec"]
         c = spec["containers"][0]
-        assert "--policy=/etc/costexporter/policy/policy.json" in c["args"]
-        assert {"name": "policy", "mountPath": "/etc/costexporter/policy", "readOnly": True} in c[
-            "volumeMounts"
-        ]
-        assert {"name": "policy", "configMap": {"name": cm["metadata"]["name"]}} in spec["volumes"]
+        assert {
+            "--policy=/etc/costexporter/policy/policy.json",
+            "--profile=/etc/costexporter/profiles",
+        } <= set(c["args"])
+        mount = {"name": "policy", "mountPath": "/etc/costexporter/policy", "readOnly": True}
+        assert mount in c["volumeMounts"]
+        assert {"name": "profiles", "configMap": {"name": pm["metadata"]["name"]}} in spec["volumes"]
+    for d in [*k["DaemonSet"], *k["Deployment"]]:
+        spec = d["spec"]["template"]["spec"]
+        if d["metadata"]["name"].endswith("-redis"):
+            continue
+        assert extra["extraVolumes"][0] in spec["volumes"], d["metadata"]["name"]
+        assert extra["extraVolumeMounts"][0] in spec["containers"][0]["volumeMounts"]
+    # an existing ConfigMap instead: none rendered, that one mounted
+    own = _by_kind(_render({**values, "policyConfigMap": "my-policy", "profilesConfigMap": "my-profiles"}))
+    assert not [
+        c for c in own.get("ConfigMap", []) if c["metadata"]["name"].endswith(("-policy", "-profiles"))
+    ]
+    spec = own["DaemonSet"][0]["spec"]["template"]["spec"]
+    assert {"name": "policy", "configMap": {"name": "my-policy"}} in spec["volumes"]
+    assert {"name": "profiles", "configMap": {"name": "my-profiles"}} in spec["volumes"]
     plain = _by_kind(_render(TOKENS))
-    assert not [c for c in plain.get("ConfigMap", []) if c["metadata"]["name"].endswith("-policy")]
-    assert all(
-        "--policy" not in " ".join(d["spec"]["template"]["spec"]["containers"][0]["args"])
-        for d in plain["DaemonSet"]
-    )
+    assert not [
+        c for c in plain.get("ConfigMap", []) if c["metadata"]["name"].endswith(("-policy", "-profiles"))
+    ]
+    args = [" ".join(d["spec"]["template"]["spec"]["containers"][0]["args"]) for d in plain["DaemonSet"]]
+    assert args and all("--policy" not in a and "--profile" not in a for a in args)
 
 
 def test_watcher_shards_are_one_deployment_each_behind_one_service():

@@ -216,22 +216,47 @@ relabelings give every series. */}}
 {{- if and .Values.api.enabled (not .Values.api.tokensSecret) (not .Values.api.tokens) (not .Values.api.allowOpen) -}}true{{- end -}}
 {{- end -}}
 
-{{/* --policy, where the values give one (the policy ConfigMap, mounted at /etc/costexporter/policy). */}}
+{{/* The files the agents and the watchers read: the policy (--policy) and band profiles
+(--profile DIR), each from the chart's ConfigMap or an existing one; then the extra volumes. */}}
+{{- define "costexporter.policyConfigMap" -}}
+{{- if .Values.policyConfigMap }}{{ .Values.policyConfigMap }}{{- else if .Values.policy }}{{ include "costexporter.fullname" . }}-policy{{- end }}
+{{- end -}}
+
+{{- define "costexporter.profilesConfigMap" -}}
+{{- if .Values.profilesConfigMap }}{{ .Values.profilesConfigMap }}{{- else if .Values.profiles }}{{ include "costexporter.fullname" . }}-profiles{{- end }}
+{{- end -}}
+
 {{- define "costexporter.policyArg" -}}
-{{- if .Values.policy }}
+{{- if include "costexporter.policyConfigMap" . }}
 - --policy=/etc/costexporter/policy/policy.json
+{{- end }}
+{{- if include "costexporter.profilesConfigMap" . }}
+- --profile=/etc/costexporter/profiles
 {{- end }}
 {{- end -}}
 
 {{- define "costexporter.policyMount" -}}
-{{- if .Values.policy }}
+{{- if include "costexporter.policyConfigMap" . }}
 - {name: policy, mountPath: /etc/costexporter/policy, readOnly: true}
+{{- end }}
+{{- if include "costexporter.profilesConfigMap" . }}
+- {name: profiles, mountPath: /etc/costexporter/profiles, readOnly: true}
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
 {{- define "costexporter.policyVolume" -}}
-{{- if .Values.policy }}
+{{- with include "costexporter.policyConfigMap" . }}
 - name: policy
-  configMap: {name: {{ include "costexporter.fullname" . }}-policy}
+  configMap: {name: {{ . }}}
+{{- end }}
+{{- with include "costexporter.profilesConfigMap" . }}
+- name: profiles
+  configMap: {name: {{ . }}}
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
