@@ -340,6 +340,61 @@ def test_policy_profiles_and_extra_volumes_reach_the_programs_as_files_they_read
     assert args and all("--policy" not in a and "--profile" not in a for a in args)
 
 
+def test_registry_pull_secrets_monitor_and_ingress_knobs_render_valid_objects():
+    """What neighbouring charts take: global.imageRegistry honoured on every image (never
+    accepted and ignored), imagePullSecrets as names or {name}, the ServiceMonitor's
+    scrapeTimeout and namespace, the API Service's annotations and an Ingress; every object
+    valid for Kubernetes (strict)."""
+    values = {
+        **TOKENS,
+        "global": {"imageRegistry": "mirror.corp:5000"},
+        "imagePullSecrets": ["regcred", {"name": "other"}],
+        "serviceMonitor": {"enabled": True, "scrapeTimeout": "10s", "namespace": "monitoring-system"},
+        "api": {
+            **TOKENS["api"],
+            "service": {"annotations": {"cloud.example/internal": "true"}},
+            "ingress": {
+                "enabled": True,
+                "className": "nginx",
+                "hosts": [{"host": "cost.corp", "paths": [{"path": "/api", "pathType": "Prefix"}]}],
+                "tls": [{"hosts": ["cost.corp"], "secretName": "cost-tls"}],
+            },
+        },
+    }
+    docs = _render({**values, "monitoringCRDs": "present"})
+    k = _by_kind(docs)
+    for d in docs:
+        if not d["apiVersion"].startswith("monitoring.coreos.com/"):
+            kv.validate(d, KUBE, strict=True)
+    pods = [
+        d["spec"]["template"]["spec"]
+        for kind in ("DaemonSet", "Deployment", "StatefulSet")
+        for d in k.get(kind, [])
+    ]
+    assert pods
+    for spec in pods:
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}, {"name": "other"}]
+        for c in spec["containers"]:
+            assert c["image"].startswith("mirror.corp:5000/"), c["image"]
+    images = {c["image"] for spec in pods for c in spec["containers"]}
+    assert (
+        "mirror.corp:5000/costexporter/costexporter:0.1.0" in images
+        and "mirror.corp:5000/redis:7.4" in images
+    )
+    (sm,) = k["ServiceMonitor"]
+    assert sm["metadata"]["namespace"] == "monitoring-system"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["monitoring"]}
+    assert sm["spec"]["endpoints"][0]["scrapeTimeout"] == "10s"
+    (svc,) = [d for d in k["Service"] if d["metadata"]["name"].endswith("-api")]
+    assert svc["metadata"]["annotations"] == {"cloud.example/internal": "true"}
+    (ing,) = k["Ingress"]
+    assert ing["spec"]["ingressClassName"] == "nginx" and ing["spec"]["tls"][0]["secretName"] == "cost-tls"
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": svc["metadata"]["name"], "port": {"name": "http"}}
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE}")
+    assert not [m for m in report["messages"] if m["severity"] >= 2] and not report["errors"], report
+
+
 def test_watcher_shards_are_one_deployment_each_behind_one_service():
     one = [d for d in _by_kind(_render(TOKENS))["Deployment"] if "-watcher" in d["metadata"]["name"]]
     assert [d["metadata"]["name"] for d in one] == ["ce-costexporter-watcher"]  # the name users have

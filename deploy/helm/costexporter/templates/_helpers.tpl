@@ -26,11 +26,27 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* An image reference under global.imageRegistry, where one is set: the reference's own
+registry (a first part with a "." or ":", or localhost) replaced by it, or put in front. */}}
+{{- define "costexporter.registry" -}}
+{{- $ref := .ref -}}
+{{- with (.root.Values.global | default dict).imageRegistry -}}
+{{- $parts := splitList "/" $ref -}}
+{{- $head := first $parts -}}
+{{- if and (gt (len $parts) 1) (or (contains "." $head) (contains ":" $head) (eq $head "localhost")) -}}
+{{- $ref = join "/" (rest $parts) -}}
+{{- end -}}
+{{- $ref = printf "%s/%s" (trimSuffix "/" .) $ref -}}
+{{- end -}}
+{{- $ref -}}
+{{- end -}}
+
 {{- define "costexporter.image" -}}
+{{- $repo := include "costexporter.registry" (dict "root" . "ref" .Values.image.repository) -}}
 {{- if .Values.image.digest -}}
-{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{ $repo }}@{{ .Values.image.digest }}
 {{- else -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ $repo }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 {{- end -}}
 
@@ -92,7 +108,9 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
-  {{- toYaml . | nindent 2 }}
+  {{- range . }}
+  - name: {{ if kindIs "string" . }}{{ . }}{{ else }}{{ .name }}{{ end }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 
