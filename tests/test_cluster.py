@@ -89,7 +89,7 @@ def test_every_key_is_in_its_jobs_slot_or_one_of_the_few_cross_job_keys(backends
     assert keys
     p = re.escape(b["prefix"])
     cross_job = re.compile(
-        rf"^{p}:(t:jobs|t:registrations|a:epoch|a:node:[^{{}}]+|a:gpu:[^{{}}]+:idle|a:agentid:[^{{}}]+)$"
+        rf"^{p}:(t:jobs|t:registrations|a:epoch|a:keyspace|a:node:[^{{}}]+|a:gpu:[^{{}}]+:idle|a:agentid:[^{{}}]+)$"
     )
     tagged = re.compile(rf"^{p}:[tarw]:\{{([^{{}}]+)\}}:")
     odd = [k for k in keys if not tagged.match(k) and not cross_job.match(k)]
