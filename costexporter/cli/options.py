@@ -197,8 +197,30 @@ profile_option = click.option(
 REDIS_URL_HELP = "Redis of the events and the ledger; rediss:// for TLS, user:password@ for ACL users."
 
 
+def check_redis_url(_ctx: object, _param: object, value: str | None) -> str | None:
+    """A Redis URL's scheme, checked before anything connects: one line, not a traceback."""
+    if value is None:
+        return value
+    from urllib.parse import urlsplit
+
+    from costexporter.store.redisconn import CLUSTER_SCHEMES
+
+    schemes = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
+    try:
+        scheme = urlsplit(value).scheme.lower()
+    except ValueError:
+        scheme = ""
+    if scheme not in schemes:
+        raise click.BadParameter(
+            f"{safe_url(value)!r} is not a Redis URL ({', '.join(s + '://' for s in schemes)})"
+        )
+    return value
+
+
 def redis_url_option(default: str | None = "redis://127.0.0.1:6379/0", help: str = REDIS_URL_HELP):
-    return click.option("--redis-url", envvar="COSTEXPORTER_REDIS_URL", default=default, help=help)
+    return click.option(
+        "--redis-url", envvar="COSTEXPORTER_REDIS_URL", default=default, help=help, callback=check_redis_url
+    )
 
 
 prefix_option = click.option(
