@@ -172,6 +172,20 @@ def test_b300_fit_from_an_r1_like_trace_lands_on_r2():
     assert f.profile.idle_max_w < 190 < f.profile.low_max_w < 575 and 640 < f.profile.compute_min_w < 940
 
 
+def test_a_level_above_the_power_limit_is_said():
+    """B300 baselines fitted as an H200 (700 W): compute at ~990 W cannot be that GPU's; the
+    fit says so instead of writing a profile with a centre above the limit in silence."""
+    b = TraceBuilder(n_gpus=4, per_host=4, job="b300", seed=6)
+    b.run("start")
+    b.stretch("compute", 1200, step_s=5, tokens=1)
+    b.stretch("idle", 600)
+    right = fit(b.samples(), b.events)
+    assert not [w for w in right.warnings if "above the" in w]
+    wrong = fit(b.samples(), b.events, gpu_model="NVIDIA H200")
+    said = [w for w in wrong.warnings if "above the 700 W power limit" in w]
+    assert len(said) == 1 and said[0].startswith("compute sits at ~9") and "--gpu-model" in said[0]
+
+
 def test_labels_alone_are_enough_and_bad_labels_are_clear(cli, tmp_path):
     b = h200(3, "labelled")
     t0 = b.t

@@ -271,6 +271,11 @@ ORDER = ("idle", "low", "starvation", "communication", "compute")
 MIN_COMPUTE_FRACTION = 0.2
 
 
+# A level this far above the power limit is not of a GPU with that limit (boards briefly exceed
+# it; a level's centre does not).
+ABOVE_LIMIT = 1.05
+
+
 def check_physical(levels: dict[str, Level], limit: float) -> None:
     """Refuse a profile no GPU can have: compute at idle power or ~0% utilization, a band above
     one it must sit below (compute below idle), or two bands whose ranges reach past each
@@ -353,6 +358,12 @@ def fit(
                 else "taken as 1.1x the highest reading"
             )
             + ": give --power-limit W if you know it"
+        )
+    above = [lv for lv in named.values() if lv.centre > ABOVE_LIMIT * limit]
+    for lv in sorted(above, key=lambda x: -x.centre):
+        warnings.append(
+            f"{lv.name} sits at ~{lv.centre:.0f} W, above the {limit:.0f} W power limit ({limit_from}): the "
+            "baselines are not of this GPU model (--gpu-model) or the limit is wrong (--power-limit)"
         )
     defaulted: list[str] = []
     prof = _profile(named, limit, model, warnings, defaulted)
