@@ -32,8 +32,8 @@ OLD, NEW, MIG = "dcgm-3.3-Hostname.prom", "dcgm-4.2-hostname.prom", "dcgm-4.2-mi
 # The queries docs/deployment.md shows (kept here, so a change to either is seen).
 JOINS = {
     "uuid": "DCGM_FI_DEV_FB_USED * on (UUID, GPU_I_ID) group_left (training_job) {ours}",
-    "Hostname": "{ours} * on (UUID, Hostname, gpu) group_left (modelName) DCGM_FI_DEV_POWER_USAGE",
-    "hostname": "{ours} * on (UUID, hostname, gpu) group_left (modelName) DCGM_FI_DEV_POWER_USAGE",
+    "Hostname": "{ours} * on (UUID, Hostname, gpu, GPU_I_ID) group_left (modelName) DCGM_FI_DEV_POWER_USAGE",
+    "hostname": "{ours} * on (UUID, hostname, gpu, GPU_I_ID) group_left (modelName) DCGM_FI_DEV_POWER_USAGE",
     "exported_pod": (
         "DCGM_FI_DEV_FB_USED * on (exported_namespace, exported_pod, gpu, GPU_I_ID) "
         "group_left (training_job) {ours_pod}"
@@ -140,6 +140,13 @@ def test_documented_joins_work_under_both_host_spellings_and_the_default_service
                 res = _query(base, JOINS[label].format(ours=on_node))
                 assert len(res) == 2 and {r["metric"][label] for r in res} == {node}, (scrape_job, label)
                 assert {r["metric"]["modelName"] for r in res} == {"NVIDIA H100 80GB HBM3"}
+            # A MIG node as dcgm-exporter writes it (no row of the GPU itself, the GPU's power on
+            # every instance): each instance and the whole GPU beside it join once, no
+            # "duplicate series for the match group" (the join without GPU_I_ID failed here).
+            on_mig = f'costexporter_gpu_power_watts{{job="{scrape_job}",hostname="gpu-node-m"}}'
+            res = _query(base, JOINS["hostname"].format(ours=on_mig))
+            got_mig = sorted((r["metric"]["gpu"], r["metric"].get("GPU_I_ID", "")) for r in res)
+            assert got_mig == [("0", "1"), ("0", "13"), ("0", "5"), ("1", "")], (scrape_job, got_mig)
             # Under dcgm-exporter's default ServiceMonitor its `pod` is its own pod: the workload is
             # `exported_pod`, and costexporter's series carry that name too.
             ours_pod = f'costexporter_gpu_power_watts{{job="{scrape_job}",exported_pod!=""}}'
