@@ -14,11 +14,11 @@ exports and `/metrics` read it there, never the meta hash.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from costexporter.core.events import bounded_number
 from costexporter.core.pricing import NEG_INF, PriceSchedule
 
 OWNER_KEYS = ("team", "cost_center", "budget")
@@ -124,13 +124,7 @@ def _wire(v: str | float) -> str:
 
 
 def _number(v: object) -> float | None:
-    if isinstance(v, bool):
-        return None
-    try:
-        f = float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) and 0 <= f < 1e12 else None
+    return bounded_number(v, 0, 1e12)
 
 
 def _text(v: object) -> str | None:

@@ -122,6 +122,20 @@ def _int(entry: Entry, key: str, *, lo: int = 0, hi: int = MAX_STEP, required: b
     return n
 
 
+def bounded_number(value: object, lo: float, hi: float, *, above: bool = False) -> float | None:
+    """An untrusted value (a meta field, a stored figure) as a finite number in [lo, hi) (`above`:
+    (lo, hi)), else None: a bool, text that is no number, nan, inf and 1e300 are not numbers here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(v) or v >= hi or v < lo or (above and v == lo):
+        return None
+    return v
+
+
 @overload
 def _float(entry: Entry, key: str, *, required: Literal[True] = True) -> float: ...
 @overload

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import fnmatch
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +42,7 @@ from costexporter.core.attribution import (
 )
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import Prices
-from costexporter.core.events import POLICY_THRESHOLDS
+from costexporter.core.events import POLICY_THRESHOLDS, bounded_number
 from costexporter.core.pricing import PriceSchedule, Pricing, PricingError, parse_pricing
 from costexporter.core.profiles import Profile
 from costexporter.core.timeutil import parse_instant
@@ -57,13 +56,7 @@ class PolicyError(ValueError):
 
 def _seconds(value: object) -> float | None:
     """A positive finite threshold from an untrusted value, or None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        v = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) and 0 < v < _MAX_SECONDS else None
+    return bounded_number(value, 0, _MAX_SECONDS, above=True)
 
 
 @dataclass(frozen=True, slots=True)

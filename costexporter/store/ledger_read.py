@@ -26,6 +26,7 @@ import redis.cluster
 from costexporter.core.attribution import GRANTABLE, Attribution
 from costexporter.core.buckets import RESOLUTIONS, UNITS, decompose
 from costexporter.core.cost import MS_PER_HOUR
+from costexporter.core.events import bounded_number
 from costexporter.core.model import CATEGORIES, JOB_CATEGORY_NAMES, VALID_NAMES, WASTED_NAMES
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.jobindex import JobIndex
@@ -48,13 +49,7 @@ class Warnings(list[str]):
 
 def timestamp(v: object) -> float | None:
     """A stored Unix time, or None if it is not a finite number of seconds within 1970..3000."""
-    if isinstance(v, bool):
-        return None
-    try:
-        t = float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    return t if math.isfinite(t) and 0 <= t < LATEST_TS else None
+    return bounded_number(v, 0, LATEST_TS)
 
 
 INT64 = 1 << 63  # what HINCRBY can hold: a larger amount was never the ledger's (HSET by hand)
