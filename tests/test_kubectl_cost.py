@@ -121,13 +121,14 @@ def test_names_with_a_slash_never_break_kubectl_costs_table(shared, prefix):
     names = ["a/b", "a/b/c", "x%2Fy", "/lead", "trail/", "ok"]
     for n, lab in zip(names, itertools.cycle(["v/1", "%", "plain"]), strict=False):
         write_job(shared, prefix, n, None, app=lab, namespace="ns/1")
+    tables = {}
     with served(LedgerStore(shared, prefix)) as (url, _):
         for sub in kc.SUBCOMMANDS:
             body = httpx.get(
                 url + "/allocation/compute", params=kc.request(sub, window=DAY, idle=False), timeout=30
             )
             assert body.status_code == 200, body.text
-            rows = kc.table(kc.aggregation_of(sub), kc.unmarshal(body.json())[0])
-            assert rows
-            if sub == "controller":  # one row a job: no two names escape alike
-                assert len(rows) == len(names)
+            tables[sub] = kc.table(kc.aggregation_of(sub), kc.unmarshal(body.json())[0])
+    assert set(tables) == set(kc.SUBCOMMANDS) and all(tables.values())
+    assert len(tables["controller"]) == len(names)  # one row a job: no two names escape alike
+    assert {r.fields[1] for r in tables["namespace"]} == {"ns%2F1"}
