@@ -46,6 +46,16 @@ def test_the_watchers_alerts_carry_their_source():
     }
     c = postable("j", Status("hung", "x", T0, T0), T0, T0 + 60, cluster="east")
     assert c["labels"]["cluster"] == "east"
+    assert a["generatorURL"] == ""  # none configured
+    g = postable(
+        "llm/run 7", Status("hung", "x", T0, T0), T0, T0 + 60, "https://grafana/d/ce?var-training_job={job}"
+    )
+    assert g["generatorURL"] == "https://grafana/d/ce?var-training_job=llm%2Frun%207"
+
+
+def test_watch_refuses_a_generator_url_that_is_not_one(cli):
+    r = cli("watch", "--once", "--generator-url", "grafana/d/ce", "--port", "0")
+    assert r.returncode == 2 and "--generator-url" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("base", [None, "https://wiki.example.com/ml/alerts"])

@@ -97,7 +97,21 @@ def test_watcher_state_is_mapped_to_colours_hung_red():
 
 def test_variables_cluster_team_job_hostname_gpu_chain():
     v = {x["name"]: x for x in dash.dashboard()["templating"]["list"]}
-    assert list(v) == ["datasource", "cluster", "team", "training_job", "Hostname", "gpu"]
+    assert list(v) == [
+        "datasource",
+        "cluster",
+        "team",
+        "namespace",
+        "training_job",
+        "instance",
+        "Hostname",
+        "gpu",
+    ]
+    assert "$team" in v["namespace"]["query"]["query"] and "$namespace" in v["training_job"]["query"]["query"]
+    assert v["namespace"]["allValue"] == ".*"  # a job without a namespace stays listed
+    assert (
+        "$training_job" in v["instance"]["query"]["query"] and "$instance" in v["Hostname"]["query"]["query"]
+    )
     assert v["cluster"]["query"]["query"] == "label_values(costexporter_job_info, cluster)"
     assert v["cluster"]["includeAll"] and v["cluster"]["allValue"] == ".*"  # matches no label too
     assert "$cluster" in v["team"]["query"]["query"] and "$cluster" in v["training_job"]["query"]["query"]

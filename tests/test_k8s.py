@@ -434,13 +434,20 @@ def test_cost_slope_alert_ignores_jobs_without_steps(tmp_path, progress, fires):
         if r.get("alert") == "CostSlopeWithoutSteps"
     ]
     notes = {
-        k: v.replace("{{ $labels.training_job }}", "ml:j").replace('{{ $value | printf "%.2f" }}', "40.00")
+        k: v.replace("{{ $labels.training_job }}", "ml:j")
+        .replace('{{ $value | printf "%.2f" }}', "40.00")
+        .replace("{{ $labels.currency }}", "USD")
         for k, v in slope["annotations"].items()
     }
     exp = (
         [
             {
-                "exp_labels": {"training_job": "ml:j", "severity": "critical", "source": "rules"},
+                "exp_labels": {
+                    "training_job": "ml:j",
+                    "severity": "critical",
+                    "source": "rules",
+                    "currency": "USD",
+                },
                 "exp_annotations": notes,
             }
         ]

@@ -89,11 +89,11 @@ def _slope_series(
 
 
 SLOPE_FIRING = {
-    "exp_labels": {"severity": "critical", "training_job": "j"},
+    "exp_labels": {"severity": "critical", "training_job": "j", "currency": "USD"},
     "exp_annotations": {
         "summary": "j: cost keeps rising while steps do not",
-        "description": "{v} burned since the last step; no progress in 10m and no declared phase within its "
-        "allowance (R7 in docs/background.md).",
+        "description": "{v} USD burned since the last step; no progress in 10m and no declared phase "
+        "within its allowance (R7 in docs/background.md).",
     },
 }
 

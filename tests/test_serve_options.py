@@ -62,9 +62,10 @@ def test_a_negative_wait_is_a_usage_error(trace, flag):
     ids=lambda a: a[0] if a[0] != "keys" else "keys-status",
 )
 def test_a_url_that_is_not_a_redis_one_is_a_usage_error_without_its_password(args):
-    """`--redis-url http://...` was an "internal error" with a traceback: now one usage line
-    (exit 2) naming the schemes, the password left out."""
+    """`--redis-url http://...` was an "internal error" with a traceback: now one line (exit 2)
+    naming the schemes, the password left out."""
     r = CliRunner().invoke(main, [*args, "--redis-url", "http://user:s3cret@cache:6379/0"])
     assert r.exit_code == 2, r.output
-    assert "is not a Redis URL (redis://, rediss://, unix://" in r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert "--redis-url 'http://cache:6379/0' is not a Redis URL (redis://, rediss://, unix://" in r.output
     assert "s3cret" not in r.output and "Traceback" not in r.output and "internal error" not in r.output

@@ -25,6 +25,7 @@ import pytest
 import redis as redis_mod
 import yaml
 
+from costexporter.core.terms import PolicyRule
 from costexporter.tools.dashboard import expressions
 from costexporter.tools.dashboard import render as render_dashboard
 from costexporter.tools.rules import RuleWindows, render
@@ -162,7 +163,7 @@ def short_story():
     from costexporter.sources.synth import TraceBuilder
 
     b = TraceBuilder(n_gpus=8, per_host=4, job="short-r1", seed=5)
-    b.meta(gpu_model="NVIDIA B300", budget=15.0)  # 8 GPUs at 3.5 USD/GPU-h: crossed at ~1930 s
+    b.meta(gpu_model="NVIDIA B300")  # its budget is the operator's: STORY_OWNER
     b.run("start")
     b.stretch("compute", 300, step_s=5, tokens=1000)
     b.stretch("communication", 1200, step_s=7, tokens=1000)
@@ -258,6 +259,10 @@ class StoryRun:
         return eps
 
 
+# 8 GPUs at 3.5 USD/GPU-h: the budget is crossed at ~1930 s.
+STORY_OWNER = (PolicyRule(job="short-r1", owner=(("team", "llm"), ("budget", 15.0))),)
+
+
 @pytest.fixture(scope="module")
 def story_run(tmp_path_factory):
     """short_story() played by the demo at the compose stack's --speed, with its in-process
@@ -305,7 +310,10 @@ def story_run(tmp_path_factory):
             assert prom.poll() is None and time.monotonic() < deadline, "prometheus did not scrape"
             time.sleep(0.1)
         b = short_story()
-        d = Demo(DemoConfig(redis_url=SHARED_URL, prefix=prefix, scenario=b, speed=speed)).start()
+        cfg = DemoConfig(
+            redis_url=SHARED_URL, prefix=prefix, scenario=b, speed=speed, policy_rules=STORY_OWNER
+        )
+        d = Demo(cfg).start()
         server, _ = start_http_server(port, addr="127.0.0.1", registry=d.registry())
         start = time.time()
         t0 = d.src.sim_time() - d.src.shift_s - b.t0
@@ -419,7 +427,9 @@ def test_every_dashboard_query_returns_data_during_the_deadlock(story_run):
             res = _query(story_run.base, m.group(1), at)
             ok = any(r["metric"].get(m.group(2)) == "short-r1" for r in res)
         else:
-            ok = bool(_query(story_run.base, expr.replace("$training_job", "short-r1"), at))
+            for var, value in (("$training_job", "short-r1"), ("$namespace", ".*"), ("$instance", ".*")):
+                expr = expr.replace(var, value)
+            ok = bool(_query(story_run.base, expr, at))
         if not ok:
             empty.append(expr)
     assert not empty, empty
@@ -784,7 +794,7 @@ def test_every_command_documents_its_environment_variables_and_takes_config_afte
     assert cli("rules").stdout == render(RuleWindows())
 
 
-def test_replay_says_when_a_jobs_meta_price_overrides_the_flag(cli):
+def test_replay_says_when_a_jobs_meta_price_is_ignored_and_the_grant_that_trusts_it(cli, tmp_path):
     ex = ROOT / "examples" / "r1-mini"
     args = [
         "replay",
@@ -795,10 +805,17 @@ def test_replay_says_when_a_jobs_meta_price_overrides_the_flag(cli):
         "--events",
         ex / "events.jsonl",
     ]
-    r = cli(*args, "--price-per-gpu-hour", "2")
-    assert r.returncode == 0
-    assert r.stderr.count("overrides --price-per-gpu-hour 2") == 1
-    assert "overrides" not in cli(*args).stderr  # the same price: nothing to say
+    assert cli(*args).stderr == ""  # the example's trainer posts no price: nothing to say
+    events = tmp_path / "events.jsonl"
+    cheap = '"gpu_model": "NVIDIA B300", "price_per_gpu_hour": 0.01}'
+    lines = (ex / "events.jsonl").read_text().splitlines()
+    events.write_text("\n".join(ln.replace('"gpu_model": "NVIDIA B300"}', cheap) for ln in lines) + "\n")
+    args[-1] = events
+    r = cli(*args, "--price-per-gpu-hour", "2", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("its meta sets price_per_gpu_hour") == 1
+    assert "grant_meta: [price_per_gpu_hour]" in r.stderr
+    assert json.loads(r.stdout)["jobs"]["qwen3-mini"]["price_per_gpu_hour"] == 2.0  # the flag's, not 0.01
 
 
 def test_readme_and_docs_stand_alone():

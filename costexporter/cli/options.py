@@ -211,8 +211,8 @@ def check_redis_url(_ctx: object, _param: object, value: str | None) -> str | No
     except ValueError:
         scheme = ""
     if scheme not in schemes:
-        raise click.BadParameter(
-            f"{safe_url(value)!r} is not a Redis URL ({', '.join(s + '://' for s in schemes)})"
+        raise InputFailure(
+            f"--redis-url {safe_url(value)!r} is not a Redis URL ({', '.join(s + '://' for s in schemes)})"
         )
     return value
 

@@ -19,6 +19,7 @@ clock the watcher judges by.
 from __future__ import annotations
 
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,8 @@ def postable(
     cluster: str | None = None,
     runbooks: str = RUNBOOKS,
 ) -> dict[str, Any]:
-    """One alert in the shape of Alertmanager's `postableAlert`."""
+    """One alert in the shape of Alertmanager's `postableAlert`; `generator_url`'s `{job}` is the
+    job's name, URL-quoted (Alertmanager shows the link as the alert's source)."""
     suspect = st.suspect or {}
     name = alertname(st.state)
     annotations = {
@@ -78,7 +80,7 @@ def postable(
         "annotations": annotations,
         "startsAt": iso_utc(starts),
         "endsAt": iso_utc(ends),
-        "generatorURL": generator_url,
+        "generatorURL": generator_url.replace("{job}", urllib.parse.quote(job, safe="")),
     }
 
 

@@ -102,6 +102,9 @@ class WatchConfig:
     # Alertmanager's base URL: the alerting states are posted to its /api/v2/alerts, resent
     # every alertmanager_resend_s while they last, resolved when they end.
     alertmanager_url: str | None = None
+    # The link each posted alert carries (Alertmanager's generatorURL), `{job}` its job: a
+    # dashboard or the API's job page.
+    generator_url: str = ""
     alertmanager_resend_s: float = 60.0
     # The `cluster` label of the alerts posted to Alertmanager (as Prometheus's external labels
     # give the rules' alerts one), so the two paths' alerts of one job share it.
@@ -844,6 +847,7 @@ class Watcher:
                 backoff_s=cfg.webhook_backoff_s,
                 cluster=cfg.cluster,
                 runbooks=cfg.runbooks,
+                generator_url=cfg.generator_url,
             )
         self.lock = threading.Lock()
         self._stop = threading.Event()

@@ -413,14 +413,30 @@ def dashboard() -> dict:
                 },
                 _variable("cluster", "Cluster", "costexporter_job_info", "cluster", allValue=ALL),
                 _variable("team", "Team", f"costexporter_job_info{{{CLUSTER}}}", "team", allValue=ALL),
+                # Kubernetes jobs are namespaced: the namespace narrows the jobs as the team does.
+                _variable(
+                    "namespace",
+                    "Namespace",
+                    f'costexporter_job_info{{{CLUSTER},team=~"$team"}}',
+                    "namespace",
+                    allValue=ALL,
+                ),
                 _variable(
                     "training_job",
                     "Training job",
-                    f'costexporter_job_info{{{CLUSTER},team=~"$team"}}',
+                    f'costexporter_job_info{{{CLUSTER},team=~"$team",namespace=~"$namespace"}}',
                     "training_job",
                 ),
+                # The agent (scrape target) a host's series come from.
                 _variable(
-                    "Hostname", "Host", f"costexporter_gpu_power_watts{{{JOB}}}", "Hostname", allValue=ALL
+                    "instance", "Agent", f"costexporter_gpu_power_watts{{{JOB}}}", "instance", allValue=ALL
+                ),
+                _variable(
+                    "Hostname",
+                    "Host",
+                    f'costexporter_gpu_power_watts{{{JOB},instance=~"$instance"}}',
+                    "Hostname",
+                    allValue=ALL,
                 ),
                 _variable(
                     "gpu",

@@ -169,6 +169,8 @@ class DemoConfig:
     watch: bool = True  # run the watcher in-process (the Docker stack runs its own)
     prices: Prices = field(default_factory=Prices)
     booking: BookingConfig = field(default_factory=BookingConfig)
+    # Who owns the story's jobs (their team, cost center, budget): the operator's policy.
+    policy_rules: tuple[PolicyRule, ...] = DEMO_OWNERS
     # The story ends when the demo starts (it lies in the recent past), so the finance API's
     # default window (30 days ending now) covers it, during and after the run.
     in_the_past: bool = True
@@ -214,7 +216,7 @@ class Demo:
                 prices=cfg.prices,
                 # Who owns the story's jobs is the operator's word, as in a deployment's policy
                 # (the scenarios' trainers post their team in meta too: ignored, said).
-                policy_rules=DEMO_OWNERS,
+                policy_rules=cfg.policy_rules,
                 book_interval_s=cfg.book_interval_s,
                 sample_interval_s=min(0.25, cfg.book_interval_s),
                 # Restarts register again: look for new registrations every round, not every 10 s

@@ -152,8 +152,8 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict:
     not_ended = "unless on (training_job) (max by (training_job) (costexporter_job_ended) == 1)"
     cost_rising = f"(sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])) > 0)"
     since_step = (
-        "(sum by (training_job) (costexporter_cost_since_last_step)"
-        f" or sum by (training_job) (increase(costexporter_cost_total[{w.slope_window}])))"
+        "(sum by (training_job, currency) (costexporter_cost_since_last_step)"
+        f" or sum by (training_job, currency) (increase(costexporter_cost_total[{w.slope_window}])))"
     )
     progress = "costexporter_job_last_progress_timestamp_seconds"
     slope = (
@@ -268,7 +268,7 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict:
             w.slope_for,
             "critical",
             "{{ $labels.training_job }}: cost keeps rising while steps do not",
-            '{{ $value | printf "%.2f" }} burned since the last step; no progress in '
+            '{{ $value | printf "%.2f" }} {{ $labels.currency }} burned since the last step; no progress in '
             f"{w.slope_window} and no declared phase within its allowance (R7 in docs/background.md).",
         ),
         alert(

@@ -77,6 +77,14 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "`costexporter rules --runbook-url` gives the rules' alerts; default: the project's docs/alerts.md.",
 )
 @click.option(
+    "--generator-url",
+    default="",
+    metavar="URL",
+    help="The link each alert posted to Alertmanager carries (its source, generatorURL), {job} "
+    "replaced by the job's name: a dashboard (https://grafana/d/costexporter?var-training_job={job}) "
+    "or the API's job page.",
+)
+@click.option(
     "--alertmanager-resend",
     type=click.FloatRange(min=0.1),
     default=60.0,
@@ -110,6 +118,7 @@ def watch(
     webhook_url,
     webhook_retries,
     alertmanager_url,
+    generator_url,
     alertmanager_resend,
     cluster,
     runbooks,
@@ -136,6 +145,8 @@ def watch(
         runbooks = check_runbooks(runbooks) if runbooks is not None else RUNBOOKS
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--runbook-url") from None
+    if generator_url and not generator_url.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{generator_url!r} is not an http(s) URL", param_hint="--generator-url")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         profile, profile_dir = load_profile(profile_path)
@@ -159,6 +170,7 @@ def watch(
         alertmanager_resend_s=alertmanager_resend,
         cluster=cluster or None,
         runbooks=runbooks,
+        generator_url=generator_url,
         profile=profile,
         profile_dir=profile_dir,
         gpu_model=gpu_model,
