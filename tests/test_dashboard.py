@@ -259,7 +259,13 @@ def test_a_real_prometheus_joins_costexporter_and_dcgm_series_on_uuid(shared, pr
         empty, other = [], []
         for cluster in (".*", "east", "west"):
             for expr in dash.expressions(annotations_too=True, cluster=cluster):
-                out = _query(base, expr.replace("$training_job", "ml:llama-ft"))
+                for var, value in (
+                    ("$training_job", "ml:llama-ft"),
+                    ("$namespace", ".*"),
+                    ("$instance", ".*"),
+                ):
+                    expr = expr.replace(var, value)
+                out = _query(base, expr)
                 if cluster == "west" and out and 'cluster=~"west"' in expr:
                     other.append(expr)  # another cluster's selection shows none of this one's
                 elif cluster != "west" and not out and not any(k in expr for k in expected_empty):
