@@ -73,6 +73,13 @@ def test_policy_rules_pick_a_jobs_terms_by_name_and_namespace_and_never_from_met
     assert t.attribution.get("namespace") == "research-a"
     t = job_terms("finetune", {"team": "llm"}, policy, [5])
     assert t.booking is flags and t.prices == policy.prices and t.attribution.get("team") is None
+    # ... or the pod's controlling owner the agent read (never a meta `controller`)
+    by_owner = Policy(
+        flags, rules=parse_policy({"rules": [{"controller": "llama-*", "owner": {"team": "llm"}}]})
+    )
+    assert job_terms("ml:x", {"controller": "llama-7"}, by_owner, [0]).attribution.get("team") is None
+    owned = job_terms("ml:x", {}, by_owner, [0], facts=Facts("ml", "llama-7", "PyTorchJob"))
+    assert owned.attribution.get("team") == "llm" and owned.attribution.source("team") == "policy rule 1"
     assert t.attribution.source("price_per_gpu_hour") == "flags"
     assert max(policy.widest_checkpoint_allowance_s(), 0) == 3600
 

@@ -74,11 +74,14 @@ class PolicyRule:
     owner: tuple[tuple[str, str | float], ...] = ()
     price: float | None = None
     grants: tuple[str, ...] = ()
+    controller: str | None = None  # the pod's controlling owner, as the agent read it
 
     def matches(self, job: str, facts: Facts | None = None) -> bool:
-        if self.namespace is not None:
-            ns = facts.namespace if facts is not None else None
-            if ns is None or not fnmatch.fnmatchcase(ns, self.namespace):
+        for pattern, value in (
+            (self.namespace, facts.namespace if facts is not None else None),
+            (self.controller, facts.controller if facts is not None else None),
+        ):
+            if pattern is not None and (value is None or not fnmatch.fnmatchcase(value, pattern)):
                 return False
         return self.job is None or fnmatch.fnmatchcase(job, self.job)
 
@@ -140,7 +143,7 @@ class Policy:
         )
 
 
-RULE_KEYS = ("job", "namespace", "owner", "price_per_gpu_hour", "grant_meta")
+RULE_KEYS = ("job", "namespace", "controller", "owner", "price_per_gpu_hour", "grant_meta")
 POLICY_KEYS = ("rules", "prices", "node_pools", "cluster")
 
 
@@ -168,6 +171,7 @@ def parse_policy_file(doc: object, where: str = "the policy") -> PolicyFile:
         rules:
           - job: "llm/*"          # a shell pattern of job names (a team's ACL scope: <team>/*)
             namespace: "ml-*"     # the Kubernetes namespace the agent read (optional)
+            controller: "llama-*" # the pod's controlling owner the agent read (optional)
             owner: {team: llm, cost_center: cc-42, budget: 2000}
             price_per_gpu_hour: 4.1
             grant_meta: [cost_center]
@@ -196,7 +200,7 @@ def _rule(raw: object, at: str) -> PolicyRule:
             f"{at}: 'team' no longer matches (a trainer writes its own meta team); match on job or "
             "namespace, and give the job its team with owner: {team: ...}"
         )
-    for name in ("job", "namespace"):
+    for name in ("job", "namespace", "controller"):
         v = raw.get(name)
         if v is not None and not (isinstance(v, str) and v):
             raise PolicyError(f"{at}: {name} must be a non-empty string")
@@ -225,7 +229,9 @@ def _rule(raw: object, at: str) -> PolicyRule:
         price = float(price)
     if not (thresholds or owner or grants or price is not None):
         raise PolicyError(f"{at} sets nothing (a threshold, owner, price_per_gpu_hour or grant_meta)")
-    return PolicyRule(tuple(thresholds), raw.get("job"), raw.get("namespace"), owner, price, grants)
+    return PolicyRule(
+        tuple(thresholds), raw.get("job"), raw.get("namespace"), owner, price, grants, raw.get("controller")
+    )
 
 
 @dataclass(frozen=True, slots=True)
