@@ -56,10 +56,6 @@ class Attribution:
     def source(self, key: str) -> str | None:
         return dict(self.sources).get(key)
 
-    def text(self, key: str) -> str | None:
-        v = self.get(key)
-        return None if v is None else str(v)
-
     def priced(self, schedule: PriceSchedule, node_pool: str | None) -> Attribution:
         """With the job's GPU-hour price now and where it came from (the schedule's latest)."""
         _, prices, version = schedule.changes[-1]

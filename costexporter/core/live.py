@@ -588,8 +588,9 @@ def ledger_delta(
     the next state. Pure: the agent commits it with its watermark in one compare-and-set."""
     sched = as_schedule(prices)
     tl, p = res.timeline, res.pieces
-    if p.gpu.size and sched.cuts(int(p.start_ms.min()), int(p.end_ms.max())):
-        p = cut_at(p, sched.cuts(int(p.start_ms.min()), int(p.end_ms.max())))
+    changes = sched.cuts(int(p.start_ms.min()), int(p.end_ms.max())) if p.gpu.size else []
+    if changes:  # a price change inside the round: each piece priced at its start's price
+        p = cut_at(p, changes)
         res = dataclasses.replace(res, pieces=p)
     by_bucket = amounts(p, sched, bucket_s)
     booked = sum(by_bucket.values(), zeros())

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from costexporter.core.cost import Prices
+from costexporter.core.events import bounded_number
 
 BUCKET_MS = 300_000  # the ledger's finest bucket: an effective date falls on one of its bounds
 NEG_INF = -(2**62)
@@ -142,11 +143,9 @@ class PricingError(ValueError):
     """A price table that cannot be used (one line: what and where)."""
 
 
-def _price(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    f = float(v)
-    return f if 0 <= f < 1e9 else None
+def price_value(v: object) -> float | None:
+    """A price as a policy file gives it: a number (not text) >= 0 and finite, else None."""
+    return bounded_number(v, 0, 1e9) if isinstance(v, (int, float)) else None
 
 
 def parse_pricing(doc: Mapping[str, object], where: str, parse_date: object) -> Pricing:
@@ -174,11 +173,11 @@ def parse_pricing(doc: Mapping[str, object], where: str, parse_date: object) -> 
         if unknown:
             names = ", ".join(sorted(map(str, unknown)))
             raise PricingError(f"{at}: unknown key(s) {names} (known: {', '.join(sorted(known))})")
-        price = _price(raw.get("price_per_gpu_hour"))
+        price = price_value(raw.get("price_per_gpu_hour"))
         if price is None:
             raise PricingError(f"{at}: price_per_gpu_hour must be a number >= 0")
         wasted = raw.get("wasted_price_per_gpu_hour")
-        if wasted is not None and _price(wasted) is None:
+        if wasted is not None and price_value(wasted) is None:
             raise PricingError(f"{at}: wasted_price_per_gpu_hour must be a number >= 0")
         for k in ("gpu_model", "node_pool"):
             if raw.get(k) is not None and not (isinstance(raw[k], str) and raw[k]):

@@ -43,7 +43,7 @@ from costexporter.core.attribution import (
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import Prices
 from costexporter.core.events import POLICY_THRESHOLDS, bounded_number
-from costexporter.core.pricing import PriceSchedule, Pricing, PricingError, parse_pricing
+from costexporter.core.pricing import PriceSchedule, Pricing, PricingError, parse_pricing, price_value
 from costexporter.core.profiles import Profile
 from costexporter.core.timeutil import parse_instant
 
@@ -222,11 +222,13 @@ def _rule(raw: object, at: str) -> PolicyRule:
         grants = parse_grants(raw.get("grant_meta"))
     except ValueError as e:
         raise PolicyError(f"{at}: {e}") from None
-    price = raw.get("price_per_gpu_hour")
-    if price is not None:
-        if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 <= price < 1e9:
-            raise PolicyError(f"{at}: price_per_gpu_hour must be a number >= 0, got {price!r}")
-        price = float(price)
+    price = None
+    if raw.get("price_per_gpu_hour") is not None:
+        price = price_value(raw["price_per_gpu_hour"])
+        if price is None:
+            raise PolicyError(
+                f"{at}: price_per_gpu_hour must be a number >= 0, got {raw['price_per_gpu_hour']!r}"
+            )
     if not (thresholds or owner or grants or price is not None):
         raise PolicyError(f"{at} sets nothing (a threshold, owner, price_per_gpu_hour or grant_meta)")
     return PolicyRule(
