@@ -13,8 +13,38 @@ import pytest
 import redis
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a server a test starts: below the kernel's ephemeral range, so no
+    outgoing connection (every Redis client takes one) can be handed it before the server binds,
+    and in a block of its own per xdist worker, so two workers never pick the same one."""
+    lo, _hi = _ephemeral_range()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    n = int(worker[2:]) if worker[2:].isdigit() else 0
+    span = 1000
+    base = max(10000, lo - span * 16) + span * (n % 16)
+    if not _next_port:
+        _next_port.append(base + (os.getpid() % span))
+    for _ in range(span):
+        port = base + (_next_port[0] - base) % span
+        _next_port[0] = port + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the block is full: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -4,7 +4,6 @@ for any families (drawn, hostile label values included) and over real HTTP, head
 from __future__ import annotations
 
 import gzip
-import socket
 import string
 import urllib.error
 import urllib.request
@@ -33,6 +32,7 @@ from costexporter.services import exposition
 from costexporter.services.exposition import generate_openmetrics, generate_text
 
 from .conftest import SHARED_URL
+from .redis_server import free_port
 
 
 class Fixed:
@@ -190,12 +190,6 @@ def _get(url, headers):
         return e.code, e.headers.get("Content-Type"), None, e.read()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 PROMETHEUS_ACCEPT = (
     "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
@@ -216,7 +210,7 @@ PROMETHEUS_ACCEPT = (
 )
 def test_the_server_answers_as_the_librarys_does(monkeypatch, headers, path):
     reg = registry(agent_families(monkeypatch, 5))
-    ours, theirs = _free_port(), _free_port()
+    ours, theirs = free_port(), free_port()
     httpd = exposition.start_http_server(ours, addr="127.0.0.1", registry=reg)
     lib, _ = library_server(theirs, addr="127.0.0.1", registry=reg)
     try:
@@ -233,7 +227,7 @@ def test_the_server_answers_as_the_librarys_does(monkeypatch, headers, path):
 
 def test_other_methods_are_refused_as_the_library_does(monkeypatch):
     reg = registry([GaugeMetricFamily("x", "y", value=1)])
-    port = _free_port()
+    port = free_port()
     httpd = exposition.start_http_server(port, addr="127.0.0.1", registry=reg)
     try:
         req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="POST", data=b"")
@@ -251,7 +245,7 @@ def test_name_filters_give_only_the_samples_named(monkeypatch):
 
     reg = CollectorRegistry(auto_describe=False)  # as `serve` registers it: names not known up front
     reg.register(Fixed(agent_families(monkeypatch, 5)))
-    port = _free_port()
+    port = free_port()
     httpd = exposition.start_http_server(port, addr="127.0.0.1", registry=reg)
     names = ["costexporter_job_tokens", "costexporter_gpu_time_seconds_total", "costexporter_redis_up"]
     try:

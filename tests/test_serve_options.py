@@ -69,3 +69,36 @@ def test_a_url_that_is_not_a_redis_one_is_a_usage_error_without_its_password(arg
     assert len(r.output.strip().splitlines()) == 1, r.output
     assert "--redis-url 'http://cache:6379/0' is not a Redis URL (redis://, rediss://, unix://" in r.output
     assert "s3cret" not in r.output and "Traceback" not in r.output and "internal error" not in r.output
+
+
+def test_the_api_port_is_held_from_the_check_until_the_api_serves_on_it(shared, prefix):
+    """`--api-port` is bound when the flags are checked: while the agent starts, nothing else can
+    take it (an outgoing connection's ephemeral port did, and the API thread died unseen), and
+    the API thread answers on that same socket."""
+    import socket
+    import time
+
+    import httpx
+
+    from costexporter.cli.options import bind_port
+    from costexporter.cli.servers import api_app, serve_in_thread
+
+    from .conftest import SHARED_URL
+    from .redis_server import free_port
+
+    assert bind_port("127.0.0.1", 0, "--api-port") is None  # 0: no API
+    port = free_port()
+    sock = bind_port("127.0.0.1", port, "--api-port")
+    assert sock is not None
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    serve_in_thread(api_app(SHARED_URL, prefix, None, "USD", "UTC"), sock)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+            break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "the API thread never answered on the held port"
+            time.sleep(0.05)
+    assert r.status_code == 200

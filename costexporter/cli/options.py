@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,20 +131,32 @@ def config_option() -> click.Option:
 def check_port(listen: str, port: int, flag: str) -> None:
     """A port already in use: say which one and which flag moves it (exit 2), before anything
     starts, instead of an OSError from a server thread."""
-    import socket
+    sock = bind_port(listen, port, flag)
+    if sock is not None:
+        sock.close()
 
+
+def bind_port(listen: str, port: int, flag: str) -> socket.socket | None:
+    """The port bound now and held (None for port 0), for a server that starts later on another
+    thread: nothing else (an outgoing connection's ephemeral port, another process) can take it
+    in between, and a port in use is one line naming the flag (exit 2)."""
     if not port:
-        return
+        return None
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(listen, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(addr)
+        sock = socket.socket(family, kind, proto)
     except OSError as e:
+        raise InputFailure(f"{flag}: cannot listen on {listen}:{port} ({e.strerror or e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
         raise InputFailure(
             f"port {port} on {listen} is not available ({e.strerror or e}): "
             f"choose another with {flag} (0: none)"
         ) from None
+    return sock
 
 
 def require_redis(url: str, says: str = "Redis at {url} is unreachable: {e}") -> None:

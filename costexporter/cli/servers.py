@@ -3,6 +3,8 @@ beside an agent or the demo)."""
 
 from __future__ import annotations
 
+import socket
+
 import click
 
 from costexporter.cli.options import InputFailure
@@ -70,20 +72,24 @@ def index_in_background(store) -> None:
     threading.Thread(target=run, name="costexporter-incident-index", daemon=True).start()
 
 
-def serve_in_thread(app, listen: str, port: int, limits=None) -> None:
+def serve_in_thread(app, sock: socket.socket, limits=None) -> None:
     """The API on a daemon thread beside an agent or the demo, which own the signals (SIGTERM)
-    and the logging."""
+    and the logging. `sock`: bound by the command when it checked its flags (options.bind_port),
+    so the port cannot be lost between that check and this thread's start."""
     import threading
 
     import uvicorn
 
     from costexporter.api.server import ServerLimits, config
 
-    cfg = config(app, listen, port, limits or ServerLimits(), "warning", own_logging=False)
+    host, port = sock.getsockname()[:2]
+    cfg = config(app, host, port, limits or ServerLimits(), "warning", own_logging=False)
     server = uvicorn.Server(cfg)
     # The owner of the process handles SIGTERM (uvicorn.Server reads this attribute when it starts).
     server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
-    threading.Thread(target=server.run, name="costexporter-api", daemon=True).start()
+    threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="costexporter-api", daemon=True
+    ).start()
 
 
 def serve_forever(app, listen: str, port: int, limits=None) -> None:

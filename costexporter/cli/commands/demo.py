@@ -8,6 +8,7 @@ from costexporter.cli.options import (
     DEFAULT_API_PORT,
     DEFAULT_METRICS_PORT,
     InputFailure,
+    bind_port,
     check_port,
     listen_option,
     prefix_option,
@@ -77,7 +78,7 @@ def demo(
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_port(listen, port, "--port")
-    check_port(listen, api_port, "--api-port")
+    api_sock = bind_port(listen, api_port, "--api-port")
     stop = threading.Event()
     got: list[int] = []
 
@@ -115,8 +116,8 @@ def demo(
                     from costexporter.services.exposition import start_http_server
 
                     start_http_server(port, addr=listen, registry=d.registry())
-                if api_port:
-                    serve_in_thread(api_app(url, prefix, None, "USD", "UTC"), listen, api_port)
+                if api_sock is not None:
+                    serve_in_thread(api_app(url, prefix, None, "USD", "UTC"), api_sock)
                 click.echo(
                     f"costexporter demo: Redis {url}, /metrics {f':{port}' if port else 'off'}, "
                     f"API {f':{api_port}' if api_port else 'off'}, speed {speed:g}x",

@@ -7,6 +7,7 @@ import click
 from costexporter.cli.options import (
     DEFAULT_METRICS_PORT,
     InputFailure,
+    bind_port,
     booking_config,
     booking_options,
     check_port,
@@ -196,7 +197,7 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_port(listen, port, "--port")
-    check_port(listen, api_port, "--api-port")
+    api_sock = bind_port(listen, api_port, "--api-port")
     try:
         profile, profile_dir = load_profile(profile_path)
         if profile is None:  # before the GPUs are opened: a flag that cannot be used stops it first
@@ -274,8 +275,8 @@ def serve(
             f"costexporter serve: /metrics on {listen}:{port}, source {source}, agent {cfg.agent_id}",
             err=True,
         )
-    if api_port:
-        serve_in_thread(api_app(redis_url, prefix, tokens_file, cfg.prices.currency, "UTC"), listen, api_port)
+    if api_sock is not None:
+        serve_in_thread(api_app(redis_url, prefix, tokens_file, cfg.prices.currency, "UTC"), api_sock)
     if source == "dcgm" and k8s_jobs:
         from costexporter.services.k8s import start_kubernetes_jobs
 
