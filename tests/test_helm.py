@@ -61,6 +61,13 @@ VALUE_SETS = {
     "redis-acl": {
         **TOKENS,
         "redis": {"acl": {"enabled": True, "trainers": [{"team": "llm"}, {"job": "j-1"}]}},
+        "networkPolicy": {
+            "enabled": True,
+            "trainers": [
+                {"namespaceSelector": {}, "podSelector": {"matchLabels": {"costexporter.io/trainer": "true"}}}
+            ],
+            "apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+        },
     },
     "own-redis+acl-secrets": {
         **TOKENS,
@@ -125,6 +132,10 @@ def _render(values: dict, name: str = "ce") -> list[dict]:
             continue
         docs += [d for d in yaml.safe_load_all(text) if d]
     return docs
+
+
+def _chart_meta(chart: Path = CHART) -> dict:
+    return yaml.safe_load((chart / "Chart.yaml").read_text())
 
 
 def _by_kind(docs: list[dict]) -> dict[str, list[dict]]:
@@ -378,7 +389,7 @@ def test_registry_pull_secrets_monitor_and_ingress_knobs_render_valid_objects():
             assert c["image"].startswith("mirror.corp:5000/"), c["image"]
     images = {c["image"] for spec in pods for c in spec["containers"]}
     assert (
-        "mirror.corp:5000/costexporter/costexporter:0.1.0" in images
+        f"mirror.corp:5000/costexporter/costexporter:{_chart_meta()['appVersion']}" in images
         and "mirror.corp:5000/redis:7.4" in images
     )
     (sm,) = k["ServiceMonitor"]
@@ -562,3 +573,263 @@ def test_every_container_command_is_one_the_cli_accepts():
                 )
                 assert r.returncode == 0, (d["metadata"]["name"], c["args"], r.stderr)
     assert checked >= {"serve", "watch", "api"}, checked  # the agent, the watcher and the API ran
+
+
+# --- NetworkPolicies, evaluated as the API server's semantics define them -----------------------
+
+
+def _selects(selector: dict | None, labels: dict) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions); {} selects everything."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_admits(peer: dict, policy_ns: str, src: dict, namespaces: dict) -> bool:
+    if "ipBlock" in peer:
+        return False  # a pod's address is never in these tests' blocks
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], namespaces[src["ns"]]):
+            return False
+    elif src["ns"] != policy_ns:
+        return False
+    return _selects(peer.get("podSelector"), src["labels"])
+
+
+def _reaches(policies: list[dict], src: dict, dst: dict, port_name: str, namespaces: dict) -> bool:
+    """Whether `src` may open a TCP connection to `dst`'s named port (ingress side only)."""
+    number = dst["ports"][port_name]
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == dst["ns"]
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+        and _selects(p["spec"]["podSelector"], dst["labels"])
+    ]
+    if not selecting:
+        return True  # a pod no policy selects is not isolated
+    for p in selecting:
+        for rule in p["spec"].get("ingress") or []:
+            ports = rule.get("ports") or [{}]
+            if not any(q.get("port") in (None, number, port_name) for q in ports):
+                continue
+            peers = rule.get("from")
+            if not peers or any(_peer_admits(peer, dst["ns"], src, namespaces) for peer in peers):
+                return True
+    return False
+
+
+def _pods(docs: list[dict]) -> dict[str, dict]:
+    """One pod per workload of a render: its namespace, labels and named container ports."""
+    out = {}
+    for d in docs:
+        if d["kind"] not in ("DaemonSet", "Deployment", "StatefulSet"):
+            continue
+        tpl = d["spec"]["template"]
+        ports = {p["name"]: p["containerPort"] for c in tpl["spec"]["containers"] for p in c.get("ports", [])}
+        name = f"{d['metadata']['labels']['app.kubernetes.io/instance']}/{d['metadata']['name']}"
+        out[name] = {"ns": d["metadata"]["namespace"], "labels": tpl["metadata"]["labels"], "ports": ports}
+    return out
+
+
+def test_network_policies_let_only_the_parts_and_the_trainers_reach_redis():
+    """With networkPolicy.enabled, the in-chart Redis takes connections from this release's
+    agents, watcher shards and API and from the trainer pods the values name, and from no one
+    else (another release's agent, a trainer-labelled pod in another namespace, Prometheus); the
+    metrics ports only from the scrapers named; the API from anyone when apiFrom is empty."""
+    ns_of = lambda n: {"kubernetes.io/metadata.name": n}  # noqa: E731
+    values = {
+        **TOKENS,
+        "redis": {"acl": {"enabled": True, "trainers": [{"team": "llm"}]}},
+        "watcher": {"shards": 2},
+        "networkPolicy": {
+            "enabled": True,
+            "trainers": [
+                {
+                    "namespaceSelector": {"matchLabels": ns_of("training")},
+                    "podSelector": {"matchLabels": {"costexporter.io/trainer": "true"}},
+                }
+            ],
+            "metricsFrom": [
+                {
+                    "namespaceSelector": {"matchLabels": ns_of("monitoring")},
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+                }
+            ],
+        },
+    }
+    docs = _render(values)
+    policies = _by_kind(docs)["NetworkPolicy"]
+    for p in policies:
+        kv.validate(p, KUBE, strict=True)
+    pods = _pods(docs) | {f"other/{k}": v for k, v in _pods(_render(values, name="other")).items()}
+    namespaces = {n: ns_of(n) for n in ("monitoring", "training", "research")}
+    trainer = {"costexporter.io/trainer": "true"}
+    pods |= {
+        "trainer": {"ns": "training", "labels": trainer, "ports": {}},
+        "trainer-elsewhere": {"ns": "research", "labels": trainer, "ports": {}},
+        "stranger": {"ns": "monitoring", "labels": {"app": "debug"}, "ports": {}},
+        "prometheus": {"ns": "monitoring", "labels": {"app.kubernetes.io/name": "prometheus"}, "ports": {}},
+    }
+    [redis_pod] = [k for k in pods if k.startswith("ce/") and k.endswith("-redis")]
+    reach_redis = {
+        k
+        for k in pods
+        if k != redis_pod and _reaches(policies, pods[k], pods[redis_pod], "redis", namespaces)
+    }
+    parts = {k for k in pods if k.startswith("ce/") and not k.endswith("-redis")}
+    assert len([k for k in parts if "watcher" in k]) == 2 and any("agent" in k for k in parts)
+    assert reach_redis == parts | {"trainer"}
+    agent = next(pods[k] for k in parts if k.endswith("-agent"))
+    api = next(pods[k] for k in parts if k.endswith("-api"))
+    assert {k for k in pods if _reaches(policies, pods[k], agent, "metrics", namespaces)} == {"prometheus"}
+    assert all(_reaches(policies, pods[k], api, "http", namespaces) for k in pods)
+    # The evaluator itself: without the policies every pod reaches Redis.
+    open_docs = _render({**values, "networkPolicy": {"enabled": False}})
+    assert "NetworkPolicy" not in _by_kind(open_docs)
+    assert all(_reaches([], pods[k], pods[redis_pod], "redis", namespaces) for k in pods)
+
+
+# --- helm upgrade from the released chart ---------------------------------------------------------
+
+PREVIOUS = ROOT / "tests" / "data" / "helm" / "costexporter-0.1.0.tgz"  # the chart as released
+
+
+def _semver(v: str) -> tuple:
+    """A SemVer precedence key: 0.2.0-dev.0 < 0.2.0, numbers before pre-releases compare."""
+    core, _, pre = v.partition("-")
+    parts = tuple(int(x) for x in core.split("."))
+    return (
+        *parts,
+        0 if pre else 1,
+        tuple(int(x) if x.isdigit() else x for x in pre.split(".")) if pre else (),
+    )
+
+
+def _render_chart(chart, values: dict, *, upgrade: bool) -> dict[tuple[str, str], dict]:
+    out = chart.render(values, name="ce", namespace="monitoring", is_install=not upgrade, is_upgrade=upgrade)
+    docs = [
+        d
+        for path, text in sorted(out.items())
+        if not path.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+# What Kubernetes refuses to change in place (an upgrade that changes it fails, or loses data).
+IMMUTABLE = {
+    "DaemonSet": [("spec", "selector")],
+    "Deployment": [("spec", "selector")],
+    "StatefulSet": [("spec", "selector"), ("spec", "serviceName"), ("spec", "volumeClaimTemplates")],
+    "Secret": [("type",)],
+    "Service": [("spec", "clusterIP")],
+}
+
+
+def _at(doc: dict, path: tuple) -> object:
+    for k in path:
+        doc = (doc or {}).get(k)
+    return doc
+
+
+@pytest.mark.parametrize(
+    "name", ["defaults+tokens", "dcgm+podmonitor+external-redis", "open-api+redis-url+no-watcher"]
+)
+def test_helm_upgrade_from_the_released_chart_keeps_what_kubernetes_cannot_change(name):
+    """`helm upgrade` from 0.1.0 with the same values, rendered by both charts and diffed: the
+    chart's version moved on; no workload's selector, no StatefulSet's service or volume claims,
+    no Secret's type changes (Kubernetes refuses those in place); nothing that holds state (the
+    Redis StatefulSet and its volume, the generated token and passwords' Secrets) is renamed or
+    dropped; every new Service still selects the pods it selected."""
+    values = VALUE_SETS[name]
+    old_chart = helm.Chart.load(str(PREVIOUS))
+    old_version = yaml.safe_load(_untar(PREVIOUS, "costexporter/Chart.yaml"))["version"]
+    assert _semver(_chart_meta()["version"]) > _semver(old_version)
+    old = _render_chart(old_chart, _values_for(values, PREVIOUS), upgrade=False)
+    new = _render_chart(helm.Chart.load(str(CHART)), values, upgrade=True)
+    dropped = sorted(set(old) - set(new))
+    assert not [k for k in dropped if k[0] in ("StatefulSet", "Secret", "PersistentVolumeClaim")], dropped
+    changed = []
+    for key in sorted(set(old) & set(new)):
+        for path in IMMUTABLE.get(key[0], []):
+            if _at(old[key], path) != _at(new[key], path):
+                changed.append((key, path, _at(old[key], path), _at(new[key], path)))
+    assert not changed, changed
+    pods = [d for d in new.values() if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet")]
+    for key in set(old) & set(new):
+        if key[0] != "Service":
+            continue
+        sel = new[key]["spec"]["selector"]
+        before = [
+            p
+            for p in pods
+            if _selects(
+                {"matchLabels": old[key]["spec"]["selector"]}, p["spec"]["template"]["metadata"]["labels"]
+            )
+        ]
+        after = [
+            p for p in pods if _selects({"matchLabels": sel}, p["spec"]["template"]["metadata"]["labels"])
+        ]
+        assert after == before and after, key
+    # The diff a reviewer reads (pytest -s prints it): what the upgrade adds, drops and changes.
+    diff = _object_diff(old, new)
+    print(f"helm upgrade {old_version} -> {_chart_meta()['version']} ({name}):\n{diff}")
+    assert diff
+
+
+def _untar(archive: Path, member: str) -> str:
+    import tarfile
+
+    with tarfile.open(archive) as t:
+        f = t.extractfile(member)
+        assert f is not None
+        return f.read().decode()
+
+
+def _values_for(values: dict, archive: Path) -> dict:
+    """The same values, less the keys the older chart's schema does not know (it refuses them)."""
+    known = json.loads(_untar(archive, "costexporter/values.schema.json"))["properties"]
+    return {k: v for k, v in values.items() if k in known}
+
+
+def _object_diff(old: dict, new: dict) -> str:
+    import difflib
+
+    lines = [f"+ {k}/{n}" for k, n in sorted(set(new) - set(old))]
+    lines += [f"- {k}/{n}" for k, n in sorted(set(old) - set(new))]
+    volatile = ("helm.sh/chart", "app.kubernetes.io/version", "checksum/")
+    for key in sorted(set(old) & set(new)):
+        a, b = (yaml.safe_dump(d, sort_keys=True).splitlines() for d in (old[key], new[key]))
+        body = [
+            line
+            for line in difflib.unified_diff(a, b, lineterm="", n=0)
+            if line[:1] in "+-"
+            and not line.startswith(("+++", "---"))
+            and not any(v in line for v in volatile)
+        ]
+        if body:
+            lines.append(f"~ {key[0]}/{key[1]}: {len(body)} lines")
+    return "\n".join(lines)
+
+
+def test_the_charts_app_version_is_the_packages_version():
+    """The chart's default image tag (appVersion) names the release its templates were written
+    for: the package's version, SemVer-spelt (0.2.0.dev0 is 0.2.0-dev.0)."""
+    from packaging.version import Version
+
+    import costexporter
+
+    assert Version(_chart_meta()["appVersion"]) == Version(costexporter.__version__)
