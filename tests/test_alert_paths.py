@@ -167,6 +167,27 @@ def test_no_cost_slope_page_between_hung_and_crashed(tmp_path):
     _run(tmp_path, SHIPPED, [_case(alone, [("55m", n, _slope_alert("55.00"))])])
 
 
+@needs_promtool
+def test_no_cost_slope_page_as_a_hung_job_recovers(tmp_path):
+    """Hung from minute 21 to 40; the watcher reads it running at 41, but the agents' progress
+    series moves only at 42 (a scrape and a booking round behind). JobHung clears at 41 and with
+    it the inhibition: CostSlopeWithoutSteps must not be firing then, or it pages alone (the
+    critical route waits 0 s). During the hang it fires (inhibited in Alertmanager), and a job
+    that stays without steps after the hold pages again."""
+    n = "CostSlopeWithoutSteps"
+    states = _states60({"running": "1x20 0x19 1x19", "hung": "0x20 1x19 0x19"})
+    resumes = _slope_series("1000+60x20 2200x20 2260+60x17") + states
+    checks = [("35m", n, _slope_alert("35.00")), ("41m", "JobHung", [])]
+    checks += [("41m", n, []), ("42m", n, []), ("44m", n, [])]
+    _run(tmp_path, SHIPPED, [_case(resumes, checks)])
+    # The watcher says running, the steps never come back: the slope pages again once the hold
+    # is over and its `for` has passed anew (43m + 5m).
+    stays = _slope_series("1000+60x20 2200x39") + states
+    _run(
+        tmp_path, SHIPPED, [_case(stays, [("42m", n, []), ("47m", n, []), ("49m", n, _slope_alert("49.00"))])]
+    )
+
+
 REC = "training_job:costexporter_cost:sum"
 
 

@@ -42,6 +42,10 @@ class RuleWindows:
     waste_ratio: float = 0.15  # R7: at least 15% invalid spend a month
     waste_for: str = "15m"
     budget_for: str = "5m"
+    # CostSlopeWithoutSteps stands aside this long after the watcher's hung verdict clears: the
+    # agents' progress series follows the watcher's state a scrape and a booking round later, and
+    # in that gap JobHung (which inhibits it in Alertmanager) has already cleared.
+    recovery_hold: str = "2m"
     group_interval: str = "15s"
 
     @classmethod
@@ -59,6 +63,7 @@ class RuleWindows:
             waste_window="2m",
             waste_for="20s",
             budget_for="10s",
+            recovery_hold="6s",
             group_interval="2s",
         )
 
@@ -175,6 +180,14 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict:
     # this alert in Alertmanager, has cleared by then: nothing would hold this page back).
     stopped = 'max by (training_job) (costexporter_job_state{costexporter_job_state="crashed"})'
     slope = f"({slope})\nunless on (training_job) ({stopped} == 1)"
+    # Nor as a hung job recovers: the watcher reads it running again before the agents' progress
+    # series has moved, and for those evaluations nothing would inhibit this page.
+    hung = 'costexporter_job_state{costexporter_job_state="hung"}'
+    recovering = (
+        f"(max by (training_job) (max_over_time({hung}[{w.recovery_hold}])) == 1)\n"
+        f"  and on (training_job) (max by (training_job) ({hung}) == 0)"
+    )
+    slope = f"({slope})\nunless on (training_job) (\n  {recovering}\n)"
 
     deadlock = (
         "max by (training_job, rank, host, gpu) (\n"
