@@ -645,9 +645,13 @@ def test_three_demo_runs_print_the_same_json_bill_and_leave_nothing_behind(tmp_p
 
 
 @needs_private_redis
-def test_sighup_stops_the_demo_and_removes_its_redis_and_directories(tmp_path):
+@pytest.mark.parametrize("how", ["sighup", "ctrl-c"])
+def test_a_signal_stops_the_demo_and_removes_its_redis_and_directories(tmp_path, how):
     """While it plays, the demo's /metrics (the agent's and the watcher's series) and finance API
-    serve the job; SIGHUP then stops it like SIGTERM and removes what it created."""
+    serve the job; SIGHUP then stops it like SIGTERM and removes what it created. Ctrl-C in a
+    terminal (SIGINT to the whole foreground process group, the private redis-server's too if it
+    shared the group) stops it within seconds, its Redis answering to the end: no
+    "Redis unreachable" line while it closes."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     port, api_port = free_port(), free_port()
@@ -670,6 +674,7 @@ def test_sighup_stops_the_demo_and_removes_its_redis_and_directories(tmp_path):
         text=True,
         cwd=ROOT,
         env={**os.environ, "TMPDIR": str(tmp)},
+        start_new_session=how == "ctrl-c",  # a terminal's foreground group of its own
     )
     lines = []
     try:
@@ -692,14 +697,21 @@ def test_sighup_stops_the_demo_and_removes_its_redis_and_directories(tmp_path):
             assert time.monotonic() < deadline, (jobs, metrics[-2000:])
             time.sleep(0.2)
         assert "costexporter_agent_info" in metrics  # the agent's series beside the watcher's
-        proc.send_signal(signal.SIGHUP)
+        t0 = time.monotonic()
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGHUP)
         proc.wait(30)
+        took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-    # Stopped mid-story: the bill so far, marked partial, and 128 + SIGHUP.
+    # Stopped mid-story: the bill so far, marked partial, and 128 + the signal.
     err = proc.stderr.read()
-    assert proc.returncode == 128 + signal.SIGHUP, "".join(lines) + err
+    sig = signal.SIGINT if how == "ctrl-c" else signal.SIGHUP
+    assert proc.returncode == 128 + sig, "".join(lines) + err
+    assert took < 8 and "unreachable" not in err, (took, err[-3000:])
     assert "the bill is partial" in err
     assert list(tmp.iterdir()) == []
     with pytest.raises(redis_mod.ConnectionError):  # the private redis-server is gone

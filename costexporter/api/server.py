@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from costexporter.core.logflood import FloodFilter
+
 log = logging.getLogger("costexporter.api")
 
 # File descriptors kept free for what is not a client connection: Redis, logs, the listener.
@@ -166,35 +168,6 @@ def protocol_class(limits: ServerLimits, cap: int) -> type[asyncio.Protocol]:
             super().on_response_complete()
 
     return GuardedH11Protocol
-
-
-class FloodFilter(logging.Filter):
-    """Let the same message (logger, format, exception type) through at most once a window;
-    the next one that passes says how many were left out."""
-
-    window_s = 10.0
-
-    def __init__(self, name: str = "") -> None:
-        super().__init__(name)
-        self._last: dict[tuple[str, object, str], float] = {}
-        self._dropped: collections.Counter[tuple[str, object, str]] = collections.Counter()
-        self._lock = threading.Lock()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else ""
-        key = (record.name, record.msg, exc)
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -1e18) < self.window_s:
-                self._dropped[key] += 1
-                return False
-            if len(self._last) > 10_000:  # messages with the varying part in the format itself
-                self._last.clear()
-            self._last[key] = now
-            dropped = self._dropped.pop(key, 0)
-        if dropped:
-            record.msg = f"{record.msg} [{dropped} more like this in the last {self.window_s:g} s not logged]"
-        return True
 
 
 def log_config(level: str) -> dict[str, Any]:

@@ -128,6 +128,22 @@ def config_option() -> click.Option:
     )
 
 
+# A long-running command's same log line at most once this often (core/logflood.py).
+LOG_WINDOW_S = 60.0
+
+
+def setup_logging(level: int) -> None:
+    """The daemons' logging (serve, watch, demo): timestamped lines on stderr, the same line at
+    most once a minute with a count of those left out (a dcgm-exporter or a Redis that stays
+    down is one line a minute, not one a sample)."""
+    import logging
+
+    from costexporter.core import logflood
+
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logflood.install(LOG_WINDOW_S)
+
+
 def check_port(listen: str, port: int, flag: str) -> None:
     """A port already in use: say which one and which flag moves it (exit 2), before anything
     starts, instead of an OSError from a server thread."""

@@ -133,6 +133,10 @@ def embedded_redis() -> Iterator[PrivateRedis]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # A session of its own: Ctrl-C in a terminal signals the whole foreground group, and a
+        # Redis that died first left the closing demo writing to nothing (a warning a second);
+        # the demo stops it last, below.
+        start_new_session=True,
     )
     url = f"redis://127.0.0.1:{port}/0"
     sys.stderr.write(f"costexporter demo: a private Redis ({binary}) in {tmp}, removed at exit\n")

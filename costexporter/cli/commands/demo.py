@@ -14,6 +14,7 @@ from costexporter.cli.options import (
     prefix_option,
     redis_url_option,
     require_redis,
+    setup_logging,
 )
 from costexporter.cli.render import demo_bill, demo_loop
 from costexporter.cli.servers import api_app, serve_in_thread
@@ -76,7 +77,7 @@ def demo(
         embedded_redis,
     )
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
     check_port(listen, port, "--port")
     api_sock = bind_port(listen, api_port, "--api-port")
     stop = threading.Event()

@@ -22,6 +22,7 @@ from costexporter.cli.options import (
     redis_url_option,
     require_redis,
     sample_spec,
+    setup_logging,
 )
 from costexporter.cli.servers import api_app, serve_in_thread
 from costexporter.sources.factory import KINDS, make_source
@@ -195,7 +196,7 @@ def serve(
     from costexporter.services.gcstate import FrozenState
     from costexporter.sources.base import GpuInitError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.INFO)
     check_port(listen, port, "--port")
     api_sock = bind_port(listen, api_port, "--api-port")
     try:

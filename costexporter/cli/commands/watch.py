@@ -17,6 +17,7 @@ from costexporter.cli.options import (
     profile_option,
     redis_url_option,
     safe_url,
+    setup_logging,
 )
 
 
@@ -147,7 +148,7 @@ def watch(
         raise click.BadParameter(str(e), param_hint="--runbook-url") from None
     if generator_url and not generator_url.startswith(("http://", "https://")):
         raise click.BadParameter(f"{generator_url!r} is not an http(s) URL", param_hint="--generator-url")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.INFO)
     try:
         profile, profile_dir = load_profile(profile_path)
         if profile is None:

@@ -1,0 +1,60 @@
+"""The daemons' logs stay readable through a fault that repeats every sample: the same line at
+most once a window, the next one saying how many like it were left out."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+
+from costexporter.core import logflood
+
+from .conftest import SHARED_URL, spawn_cli
+from .redis_server import free_port
+
+
+def _record(msg: str, *args: object, name: str = "costexporter.x") -> logging.LogRecord:
+    return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
+
+
+def test_the_same_line_passes_once_a_window_and_then_says_how_many_were_left_out(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(logflood.time, "monotonic", lambda: now[0])
+    flood = logflood.FloodFilter(window_s=60)
+    fmt = "dcgm-exporter %s: %s"
+    passed = [flood.filter(_record(fmt, "http://a", f"error {i}")) for i in range(50)]
+    assert passed == [True] + [False] * 49  # the varying part is in the arguments: one line
+    assert flood.filter(_record("Redis unreachable (%s)", "x"))  # another line is its own
+    assert flood.filter(_record(fmt, "http://a", "e", name="costexporter.y"))  # another logger too
+    now[0] += 59.9
+    assert not flood.filter(_record(fmt, "http://a", "late"))
+    now[0] += 0.2
+    rec = _record(fmt, "http://a", "after the window")
+    assert flood.filter(rec)
+    assert rec.getMessage().endswith("[50 more like this in the last 60 s not logged]")
+
+
+def test_an_agent_whose_dcgm_exporter_is_down_says_so_once_a_minute(prefix):
+    """`serve --source dcgm` with its exporter down, sampling 5 times a second: one warning line
+    about it in 4 s (it was one a sample)."""
+    dead = f"http://127.0.0.1:{free_port()}/metrics"
+    args = ["serve", "--source", "dcgm", "--dcgm-url", dead, "--k8s-api", "off", "--port", "0"]
+    args += [
+        "--redis-url",
+        SHARED_URL,
+        "--prefix",
+        prefix,
+        "--sample-interval",
+        "0.2",
+        "--book-interval",
+        "0.5",
+    ]
+    proc = spawn_cli(*args, stderr=subprocess.PIPE)
+    try:
+        time.sleep(4)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    lines = [x for x in err.splitlines() if f"dcgm-exporter {dead}" in x]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
