@@ -445,6 +445,10 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
         assert got[cat] == pytest.approx(ms, abs=50), cat  # float timestamps: a few ms of rounding
     assert got["stalled"] > 0 and got["no_progress"] > 0 and got["rolled_back"] > 0 and got["starved"] > 0
     assert int(f["steps_completed"]) == len(offline.timeline.steps)
+    # The story lies in the past, as the demo's: ended before now, never dated ahead of the
+    # clock (a window ending now would miss the future part, and two windows would disagree).
+    assert float(f["last_step_ts"]) <= time.time()
+    assert wm["booked_until"] <= time.time() * 1000
 
 
 def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared, prefix, monkeypatch, caplog):

@@ -276,3 +276,41 @@ def test_power_in_kw_replays_and_a_file_with_no_usable_row_exits_2(cli, tmp_path
     assert r.returncode == 2 and r.stdout == ""
     last = r.stderr.strip().splitlines()[-1]
     assert "no usable samples: every row was rejected (bad_value=" in last and str(csv_path) in last
+
+
+def test_the_table_lists_real_incidents_and_sums_the_blips_the_json_keeps_every_one(cli, tmp_path):
+    """A 10-minute deadlock among 2-second blips (one sample of one GPU in another band): the
+    table lists the deadlock with its rank ids as runs, and sums the blips in one line; the JSON
+    keeps every incident; --incident-floor 0 lists them all."""
+    b = TraceBuilder(n_gpus=4, per_host=4, job="blips", seed=5)
+    b.run("start")
+    for k in range(6):
+        b.stretch("compute", 120, step_s=5)
+        b.stretch("idle", 2, gpus=(k % 4,))
+    b.stretch("deadlock", 600, zero_ranks=(2,))
+    b.stretch("compute", 120, step_s=5)
+    b.run("end")
+    paths = write_nvidia_smi_csv(b.samples(), tmp_path)
+    b.write_events(tmp_path / "events.jsonl")
+    args = ["replay", "--events", tmp_path / "events.jsonl", "--gpu-model", "NVIDIA B300"]
+    for p in paths:
+        args += ["--samples", p]
+    incidents = json.loads(cli(*args, "--format", "json").stdout)["jobs"]["blips"]["incidents"]
+    short = [i for i in incidents if i["end"] - i["start"] < 30]
+    assert len(incidents) == len(short) + 1 and short
+    table = cli(*args).stdout
+    rows = [line for line in table.splitlines() if line.startswith("20") and "│" in line]
+    assert len(rows) == 1 and "deadlock" in rows[0] and " 0-3 " in rows[0], table
+    assert f"{len(short)} incident(s) shorter than 30 s not listed" in table
+    everything = cli(*args, "--incident-floor", "0").stdout
+    assert len([line for line in everything.splitlines() if line.startswith("20") and "│" in line]) == len(
+        incidents
+    )
+    assert "not listed" not in everything
+
+
+def test_rank_ids_print_as_runs():
+    from costexporter.cli.report import rank_list
+
+    assert rank_list([5, 0, 1, 2, 3, 3]) == "0-3,5"
+    assert rank_list([7]) == "7" and rank_list([]) == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 
 from costexporter.core.model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
@@ -183,7 +184,22 @@ def _fmt_money(x: float | None, cur: str) -> str:
     return "n/a" if x is None else f"{x:,.4f} {cur}" if abs(x) < 1 else f"{x:,.2f} {cur}"
 
 
-def to_table(report: dict) -> str:
+def rank_list(ranks: list[int]) -> str:
+    """Rank ids as runs: [0, 1, 2, 3, 5] -> "0-3,5"."""
+    out: list[str] = []
+    for _, run in itertools.groupby(enumerate(sorted(set(ranks))), lambda p: p[1] - p[0]):
+        ids = [r for _, r in run]
+        out.append(str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}")
+    return ",".join(out)
+
+
+# The table lists incidents at least this long; shorter ones (a sample or two in a band: one
+# 100 ms sample of a real trace is an "incident" of 0.000 GPU-h) are summed in one line. The
+# JSON and CSV keep every one.
+INCIDENT_FLOOR_S = 30.0
+
+
+def to_table(report: dict, incident_floor_s: float = INCIDENT_FLOOR_S) -> str:
     """The human view: where the GPU-hours went and what a valid step cost."""
     from rich.console import Console
     from rich.table import Table
@@ -238,16 +254,18 @@ def to_table(report: dict) -> str:
         if j.get("straggler"):
             s = j["straggler"]
             console.print(f"straggler: rank {s['rank']} ({s['host']} GPU {s['gpu']})")
-        if j["incidents"]:
+        listed = [i for i in j["incidents"] if i["end"] - i["start"] >= incident_floor_s]
+        short = [i for i in j["incidents"] if i["end"] - i["start"] < incident_floor_s]
+        if listed:
             it = Table(title="incidents", show_edge=False, pad_edge=False)
-            for col in ("start (UTC)", "minutes", "category", "band", "ranks", "GPU-h", f"cost ({cur})"):
+            for col in ("start (UTC)", "minutes", "category", "band", "rank ids", "GPU-h", f"cost ({cur})"):
                 it.add_column(col)
             import datetime as dt
 
-            for inc in j["incidents"][:20]:
+            for inc in listed[:20]:
                 start = dt.datetime.fromtimestamp(inc["start"], dt.timezone.utc)
                 ranks = inc["ranks"]
-                rtxt = ",".join(map(str, ranks)) if len(ranks) <= 6 else f"{len(ranks)} ranks"
+                rtxt = rank_list(ranks) if len(ranks) <= 8 else f"{rank_list(ranks)} ({len(ranks)})"
                 zero = inc.get("zero_util_ranks") or []
                 it.add_row(
                     start.strftime("%Y-%m-%d %H:%M:%S"),
@@ -259,8 +277,15 @@ def to_table(report: dict) -> str:
                     f"{inc['cost']:,.2f}",
                 )
             console.print(it)
-            if len(j["incidents"]) > 20:
-                console.print(f"... and {len(j['incidents']) - 20} more incidents (see --format json)")
+            if len(listed) > 20:
+                console.print(f"... and {len(listed) - 20} more incidents (see --format json)")
+        if short:
+            gpu_h = sum(i["gpu_hours"] for i in short)
+            cost = sum(i["cost"] for i in short)
+            console.print(
+                f"{len(short)} incident(s) shorter than {incident_floor_s:g} s not listed: "
+                f"{gpu_h:.3f} GPU-h, {_fmt_money(cost, cur)} (see --format json; --incident-floor)"
+            )
         console.print()
     u = report["unassigned"]
     if u["gpu_hours"]:

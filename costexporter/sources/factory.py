@@ -37,9 +37,20 @@ def make_source(
             raise ValueError("--source dcgm needs --dcgm-url")
         return DcgmSource(list(dcgm_urls), host=host, replicas=time_slicing_replicas)
     if kind == "sim":
+        import time
+
         from costexporter.sources.sim import SimSource
 
-        return SimSource(scenario or "mini", speed=speed, redis_url=redis_url, prefix=prefix, host=host)
+        # The story ends as it starts playing, as the demo's: played faster than real time from
+        # now, it would date its samples and steps ahead of the clock.
+        return SimSource(
+            scenario or "mini",
+            speed=speed,
+            redis_url=redis_url,
+            prefix=prefix,
+            host=host,
+            ends_at=time.time(),
+        )
     if kind == "replay":
         from costexporter.core import tracefiles
         from costexporter.sources.playback import ReplaySource

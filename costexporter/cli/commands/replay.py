@@ -79,6 +79,13 @@ from costexporter.cli.options import (
     help="Also write one CSV row per sample read (file, line, host, gpu, ts, power_w, util_pct, "
     "band, category): plot it, or check it against your own labels.",
 )
+@click.option(
+    "--incident-floor",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="The table lists incidents at least this many seconds long and sums the shorter ones in "
+    "one line (default 30; JSON and CSV keep every incident).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Do not print warnings about skipped input.")
 @click.option("--timings", is_flag=True, help="Print where the time went (JSON, to stderr).")
 def replay(
@@ -93,6 +100,7 @@ def replay(
     fmt,
     output,
     timeline,
+    incident_floor,
     quiet,
     timings,
     **config,
@@ -145,7 +153,11 @@ def replay(
             click.echo(f"costexporter: {line}", err=True)
         for line in report.profile_notes(result):
             click.echo(f"costexporter: {line}", err=True)
-    text = {"json": report.to_json, "csv": report.to_csv, "table": report.to_table}[fmt](result)
+    if fmt == "table":
+        floor = report.INCIDENT_FLOOR_S if incident_floor is None else incident_floor
+        text = report.to_table(result, floor)
+    else:
+        text = {"json": report.to_json, "csv": report.to_csv}[fmt](result)
     if output:
         output.write_text(text if text.endswith("\n") else text + "\n")
     else:
