@@ -47,6 +47,14 @@ SIGNALS = {
 }
 
 
+def _default_signals() -> None:
+    """The trainer starts with the signals at their defaults, as under torchrun or a shell in a
+    terminal: a test run started in the background (`cmd &` ignores SIGINT) or under nohup
+    (SIGHUP) would otherwise hand its ignoring on, and the signal would never arrive."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _start(how: str, prefix: str, tmp_path: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(HELPER), how, prefix, SHARED_URL, str(tmp_path), how],
@@ -54,6 +62,7 @@ def _start(how: str, prefix: str, tmp_path: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "RANK": "0"},
+        preexec_fn=_default_signals,
     )
 
 
