@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from costexporter.core.attribution import Facts
 from costexporter.core.model import GpuId
-from costexporter.services.k8s_api import PodLookup
+from costexporter.services.k8s_api import NodePods, PodLookup
 from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
 from costexporter.sources.dcgm import DcgmSource, PodRef
 from costexporter.store import keys, protocol, redisconn, untrusted
@@ -89,8 +89,11 @@ class KubernetesJobs:
         clock: Callable[[], float] = time.time,
         team_labels: Iterable[str] = DEFAULT_TEAM_LABELS,
         lookup: PodLookup | None = None,
+        node_pods: NodePods | None = None,
     ) -> None:
         self.redis = redis
+        self.node_pods = node_pods
+        self._asked: set[tuple[str, str]] = set()  # pods a new node list was asked for
         self.prefix = prefix
         self.source = source
         self.host = host
@@ -127,9 +130,15 @@ class KubernetesJobs:
                 current[(job_id(ref, own.name), i)] = (ref, own)
             except ValueError as e:  # a name no hash tag can hold: say so, skip the GPU
                 log.warning("pod %s/%s: %s", ref.namespace, ref.pod, e)
+        unlisted = False
         for (job, i), (ref, own) in sorted(current.items(), key=lambda kv: kv[0]):
             if (job, i) not in self.registered and (job, i) not in self.skipped and i < len(gpus):
+                if self._unlisted(ref):
+                    unlisted = True
+                    continue
                 self._for_job(job, "its registration", self._register, job, i, ref, own, gpus[i])
+        if unlisted and self.node_pods is not None:
+            self.node_pods.refresh(force=True)
         for key in sorted(set(self.registered) - set(current)):
             self._for_job(key[0], "a release", self._release, *key)
         self.skipped &= set(current)
@@ -154,6 +163,8 @@ class KubernetesJobs:
         import redis as redis_mod
 
         while not stop.is_set():
+            if self.node_pods is not None:
+                self.node_pods.refresh()
             try:
                 self.sync()
             except (redis_mod.RedisError, OSError) as e:
@@ -162,6 +173,18 @@ class KubernetesJobs:
             stop.wait(interval_s)
 
     # ---- the parts ------------------------------------------------------------------------------
+    def _unlisted(self, ref: PodRef) -> bool:
+        """A pod dcgm-exporter names that the node's last pod list did not hold: it may share
+        its GPU through HAMi, which that list would say. Its GPU waits for one new list (asked
+        for now); a pod still not listed then is registered as dcgm-exporter names it."""
+        if self.node_pods is None or self.node_pods.listed(ref.namespace, ref.pod):
+            return False
+        key = (ref.namespace, ref.pod)
+        if key in self._asked:
+            return False
+        self._asked.add(key)
+        return True
+
     def _gpu_key(self, gpu: GpuId) -> str:
         return gpu.uuid or f"{gpu.host}:{gpu.index}"
 
@@ -294,8 +317,10 @@ def start_kubernetes_jobs(
     job_labels: Iterable[str] = (),
     team_labels: Iterable[str] = DEFAULT_TEAM_LABELS,
     lookup: PodLookup | None = None,
+    node_pods: NodePods | None = None,
 ) -> KubernetesJobs:
-    """Run the registrations beside an agent (a daemon thread, stopped with the agent)."""
+    """Run the registrations beside an agent (a daemon thread, stopped with the agent); with
+    `node_pods`, the node's HAMi shares are read on that thread and split the source's GPUs."""
     kj = KubernetesJobs(
         protocol.connect(agent.cfg.redis_url),
         agent.cfg.prefix,
@@ -304,7 +329,11 @@ def start_kubernetes_jobs(
         job_labels,
         team_labels=team_labels or DEFAULT_TEAM_LABELS,
         lookup=lookup,
+        node_pods=node_pods,
     )
+    if node_pods is not None and kj.source.allocations is None:
+        node_pods.refresh(force=True)
+        kj.source.allocations = node_pods.allocations
     agent.facts = kj.facts
     threading.Thread(
         target=kj.run,

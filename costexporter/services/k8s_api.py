@@ -1,4 +1,5 @@
-"""A pod's labels and owners from the Kubernetes API, for pods dcgm-exporter names without them.
+"""A pod's labels and owners from the Kubernetes API, for pods dcgm-exporter names without them;
+the pods of the agent's node, for their HAMi shares of its GPUs (`NodePods`).
 
 dcgm-exporter labels a GPU's series with the pod holding it, but its pod labels are off by
 default (they need its own RBAC). The agent then reads the pod object itself: `GET` of one pod,
@@ -10,12 +11,15 @@ cannot read is counted and named from dcgm-exporter's labels and its name instea
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from costexporter.core import hami
 
 log = logging.getLogger("costexporter.k8s")
 
@@ -118,3 +122,96 @@ def lightkube_fetch() -> Callable[[str, str], Mapping[str, Any] | None]:
         }
 
     return fetch
+
+
+class NodePods:
+    """The pods on this agent's node, listed through the Kubernetes API every `refresh_s` by the
+    Kubernetes path's thread (never by the sampler, which only reads the newest list): HAMi's
+    claims on the node's GPUs (`core.hami`). A list that fails keeps the last one (counted,
+    logged once per kind); a pod whose claim cannot be read is left out and said once."""
+
+    def __init__(
+        self,
+        list_pods: Callable[[str], list[Mapping[str, Any]]],
+        node: str,
+        refresh_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.list_pods = list_pods
+        self.node = node
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self._at = -math.inf
+        self._claims: dict[str, list[hami.Holder]] = {}
+        self._names: frozenset[tuple[str, str]] = frozenset()
+        self.errors: Counter[str] = Counter()
+        self._said: set[str] = set()
+
+    def refresh(self, force: bool = False) -> None:
+        if not force and self.clock() - self._at < self.refresh_s:
+            return
+        self._at = self.clock()
+        try:
+            pods = self.list_pods(self.node)
+        except Exception as e:  # noqa: BLE001 - the API's errors are many: each kind counted
+            kind = type(e).__name__
+            if not self.errors[kind]:
+                log.warning(
+                    "cannot list the pods of node %s (%s: %s); HAMi shares as last read", self.node, kind, e
+                )
+            self.errors[kind] += 1
+            return
+        self._names = frozenset(
+            ((p.get("metadata") or {}).get("namespace", ""), (p.get("metadata") or {}).get("name", ""))
+            for p in pods
+        )
+        claims, bad = hami.by_gpu(pods)
+        for line in bad:
+            self.errors["hami_annotation"] += 1
+            if line not in self._said:
+                self._said.add(line)
+                log.warning("pod %s; its HAMi share is not booked to it", line)
+        self._claims = claims  # replaced, not mutated: the sampler reads it from another thread
+
+    def listed(self, namespace: str, name: str) -> bool:
+        """Whether the newest list held this pod."""
+        return (namespace, name) in self._names
+
+    def allocations(self) -> dict[str, list[hami.Holder]]:
+        """The newest list's claims by GPU UUID."""
+        return self._claims
+
+
+def lightkube_list() -> Callable[[str], list[Mapping[str, Any]]]:
+    """A `list_pods(node)` through lightkube (the pods on one node, every namespace); raises
+    KubernetesUnavailable with the reason when it cannot be set up."""
+    try:
+        from lightkube import Client
+        from lightkube.resources.core_v1 import Pod
+    except ImportError as e:
+        raise KubernetesUnavailable(
+            "the Kubernetes API client is not installed (pip install 'costexporter[k8s]')"
+        ) from e
+    try:
+        client = Client()
+    except Exception as e:
+        raise KubernetesUnavailable(f"no Kubernetes configuration ({type(e).__name__}: {e})") from e
+
+    def list_pods(node: str) -> list[Mapping[str, Any]]:
+        out: list[Mapping[str, Any]] = []
+        for pod in client.list(Pod, namespace="*", fields={"spec.nodeName": node}):
+            meta, spec, status = pod.metadata, pod.spec, pod.status
+            out.append(
+                {
+                    "metadata": {
+                        "name": meta.name if meta else "",
+                        "namespace": meta.namespace if meta else "",
+                        "annotations": dict(meta.annotations or {}) if meta else {},
+                    },
+                    "spec": {"containers": [{"name": c.name} for c in (spec.containers if spec else [])]},
+                    "status": {"phase": status.phase if status else None},
+                }
+            )
+        return out
+
+    return list_pods

@@ -20,6 +20,12 @@ the instance's measured engine activity (all of it by size while no activity is 
 slices' power always adds up to the GPU's and a busy slice beside idle ones reads busy. Energy
 is their power over time (the GPU's energy counter cannot be split).
 
+HAMi: a GPU that pods share by HAMi's core limits (`allocations`: their claims by GPU UUID, as
+the Kubernetes path reads them from the pods' `hami.io/vgpu-devices-allocated`) is split as
+`core.hami` says: a device per pod holding its declared share of the GPU's lanes (named
+`<UUID>::h<k>`), and the GPU itself keeps the lanes nobody holds. DCGM measures the GPU as one:
+each pod's device reads the GPU's utilization and its share of the GPU's power by size.
+
 dcgm-exporter collects every 30 s by default (`-c 30000`); scraping it every second then sees
 the same values 30 times. The source notices (an energy counter that does not move while the GPU
 draws power, or a power reading frozen to the milliwatt) and warns once, with the update
@@ -34,11 +40,12 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from costexporter.core import shares
+from costexporter.core import hami, shares
 from costexporter.core.model import GpuId
 from costexporter.sources.base import GpuSource, Reading
 
@@ -114,6 +121,11 @@ class DcgmSource(GpuSource):
         self.replicas = int(replicas)
         self._bad_vgpu: set[tuple[str, str]] = set()
         self._power_share: dict[int, float] = {}
+        # HAMi: the pods' claims by GPU UUID (set by the Kubernetes path; read, never waited on),
+        # and per shared GPU its pods' devices by (namespace, pod).
+        self.allocations: Callable[[], Mapping[str, list[hami.Holder]]] | None = None
+        self._hami: dict[tuple[str, str], dict[tuple[str, str], int]] = {}
+        self._hami_over: set[tuple[str, str]] = set()
 
     def gpus(self) -> list[GpuId]:
         return list(self._gpus)
@@ -239,6 +251,46 @@ class DcgmSource(GpuSource):
             r = self._rest[(host, parent)] = self._index[key]
             self._gpus[r] = replace(self._gpus[r], lanes=(min(used, den), den, den))
 
+    def _hami_out(self, allocations: Mapping[str, list[hami.Holder]], pods: dict[int, PodRef]) -> None:
+        """The HAMi-shared GPUs' devices: one per pod, holding its lanes now; the GPU keeps the
+        rest. A pod that let go keeps its device with no lanes (its booked time stays its own).
+        `pods` (device -> pod) is updated in place."""
+        for (host, parent, instance), i in list(self._index.items()):
+            if instance or (host, parent) in self._slices or self._gpus[i].lanes[2] not in (1, hami.DEN):
+                continue  # MIG and time-sliced GPUs are split by their own rules
+            if i in self._rest.values() and (host, parent) not in self._hami:
+                continue
+            holders = allocations.get(self._gpus[i].uuid or parent, [])
+            devices = self._hami.get((host, parent))
+            if not holders and devices is None:
+                continue
+            devices = self._hami.setdefault((host, parent), {})
+            cut, over = hami.lanes(holders)
+            if over and (host, parent) not in self._hami_over:
+                self._hami_over.add((host, parent))
+                self.errors[(i, "hami_over_capacity")] += 1
+                log.warning("GPU %s: HAMi pods claim %d%% of its cores past 100%%; clipped", parent, over)
+            seen = set()
+            for h, lanes in cut:
+                key = (h.namespace, h.pod)
+                seen.add(key)
+                d = devices.get(key)
+                if d is None:
+                    g = self._gpus[i]
+                    uuid = f"{g.uuid or parent}::h{len(devices)}"
+                    self._gpus.append(GpuId(host, g.index, uuid, g.name, None, g.uuid or parent))
+                    d = devices[key] = len(self._gpus) - 1
+                self._gpus[d] = replace(self._gpus[d], lanes=lanes)
+                pods[d] = PodRef(h.namespace, h.pod, h.container)
+            for key, d in devices.items():
+                if key not in seen:  # released: no more time of its own
+                    self._gpus[d] = replace(self._gpus[d], lanes=(0, 0, hami.DEN))
+                    pods.pop(d, None)
+            used = cut[-1][1][1] if cut else 0
+            self._gpus[i] = replace(self._gpus[i], lanes=(used, hami.DEN, hami.DEN))
+            self._rest[(host, parent)] = i
+            pods.pop(i, None)  # the pod-resources view of a shared GPU names one of its pods
+
     @staticmethod
     def _pod_of(labels: dict[str, str]) -> PodRef | None:
         for pod, ns, container in POD_LABELS:
@@ -259,6 +311,7 @@ class DcgmSource(GpuSource):
 
     def read(self) -> list[Reading]:
         values: dict[int, dict[str, float]] = {}
+        current = dict(self.pod)
         for url in self.urls:
             text = self._scrape(url)
             if text is None:
@@ -288,7 +341,10 @@ class DcgmSource(GpuSource):
                 log.warning("dcgm-exporter %s: cannot parse: %s", url, e)
                 continue
             self._share_out()
+            claims = self.allocations() if self.allocations is not None else {}
             for i, held in sharing.items():
+                if self._gpus[i].uuid in claims:
+                    continue  # HAMi's: each pod booked by its share (`_hami_out`)
                 if len(held) > 1 and i not in self.shared_warned:
                     self.shared_warned.add(i)
                     self.errors[(i, "time_sliced")] += 1
@@ -301,9 +357,11 @@ class DcgmSource(GpuSource):
                         *next(iter(held)),
                     )
             # A GPU this endpoint reported without a pod has been released: its pod is gone.
-            new = {i: p for i, p in self.pod.items() if i not in pods}
-            new.update({i: p for i, p in pods.items() if p is not None})
-            self.pod = new  # replaced, not mutated: the k8s sync reads it from another thread
+            current = {i: p for i, p in current.items() if i not in pods}
+            current.update({i: p for i, p in pods.items() if p is not None})
+        if self.allocations is not None:
+            self._hami_out(self.allocations(), current)
+        self.pod = current  # replaced once, not mutated: the k8s sync reads it from another thread
         out = []
         self._power_share = self._power_shares(values)
         rests = set(self._rest.values())
@@ -316,13 +374,16 @@ class DcgmSource(GpuSource):
         # A MIG GPU's rest, a time-sliced GPU's replicas no pod holds: their share of the GPU's
         # power, no engine of their own.
         for (host, parent), r in sorted(self._rest.items()):
-            for i in [r, *self._slices.get((host, parent), [])]:
+            hami_devices = set(self._hami.get((host, parent), {}).values())
+            for i in [r, *self._slices.get((host, parent), []), *sorted(hami_devices)]:
                 g = self._gpus[i]
                 if i in values or g.lanes[1] == g.lanes[0]:
                     continue
                 gv = self._gpu_values(host, parent, values)
                 if gv:
-                    out.append(self._reading(i, {**gv, UTIL: 0.0}, values))
+                    # A HAMi pod's device runs on the whole GPU: the GPU's utilization is its.
+                    util = values.get(r, {}).get(UTIL, 0.0) if i in hami_devices else 0.0
+                    out.append(self._reading(i, {**gv, UTIL: util}, values))
         out.sort(key=lambda x: x.gpu)
         self._watch_staleness(out)
         return out
@@ -330,6 +391,9 @@ class DcgmSource(GpuSource):
     def _power_shares(self, values: dict[int, dict[str, float]]) -> dict[int, float]:
         """Each slice's share of its GPU's power this scrape (they add up to 1 per GPU)."""
         out: dict[int, float] = {}
+        for key, held in self._hami.items():  # one engine for all: by declared size
+            for i in [*held.values(), self._rest[key]]:
+                out[i] = shares.fraction(self._gpus[i].lanes)
         for key, members in self._slices.items():
             devs = [*members, *([self._rest[key]] if key in self._rest else [])]
             size = {i: shares.fraction(self._gpus[i].lanes) for i in devs}

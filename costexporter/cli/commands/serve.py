@@ -223,13 +223,18 @@ def serve(
         raise InputFailure(f"{e}{hint}") from None
     except (InputError, profiles.ProfileError, ValueError) as e:
         raise InputFailure(str(e)) from None
-    lookup = None
+    lookup = node_pods = None
     if source == "dcgm" and k8s_jobs and k8s_api != "off":
         from costexporter.services import k8s_api as k8s_api_mod
 
         try:
             if k8s_api == "on" or k8s_api_mod.in_cluster():
                 lookup = k8s_api_mod.PodLookup(k8s_api_mod.lightkube_fetch())
+                # The node's pods, for their HAMi shares of its GPUs (none: nothing changes).
+                node_pods = k8s_api_mod.NodePods(k8s_api_mod.lightkube_list(), host or src.host)
+                # Before the first sample: a GPU pods share is never booked whole to one of them.
+                node_pods.refresh(force=True)
+                src.allocations = node_pods.allocations  # type: ignore[attr-defined]
         except k8s_api_mod.KubernetesUnavailable as e:
             if k8s_api == "on":  # asked for and unusable: stop, never run on half the configuration
                 raise InputFailure(f"--k8s-api on: {e}") from None
@@ -281,7 +286,7 @@ def serve(
     if source == "dcgm" and k8s_jobs:
         from costexporter.services.k8s import start_kubernetes_jobs
 
-        start_kubernetes_jobs(agent, k8s_job_labels, k8s_team_labels, lookup)
+        start_kubernetes_jobs(agent, k8s_job_labels, k8s_team_labels, lookup, node_pods)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     idle_rounds = [0, -1]
 
