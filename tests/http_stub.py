@@ -44,3 +44,23 @@ class Exposition(HttpStub):
     def __init__(self, render: Callable[[], str]) -> None:
         super().__init__(lambda _path: (200, EXPOSITION, render().encode()))
         self.url = f"{self.url}/metrics"
+
+
+def write_kubeconfig(path, server: str):
+    """A kubeconfig naming `server` (a stub speaking the pods API) with a token user: what
+    lightkube reads where KUBECONFIG points."""
+    import json
+
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u", "namespace": "default"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    return path

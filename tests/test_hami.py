@@ -12,7 +12,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -25,12 +24,13 @@ from costexporter.core import hami, shares
 from costexporter.services.k8s import KubernetesJobs
 from costexporter.services.k8s_api import NodePods, PodLookup
 from costexporter.sources.dcgm import DcgmSource
-from costexporter.store import keys, ledger, protocol
+from costexporter.store import keys, protocol
 
 from .conftest import SHARED_URL, spawn_cli
-from .http_stub import HttpStub
+from .http_stub import HttpStub, write_kubeconfig
 from .redis_server import free_port
 from .test_dcgm_joins import StaticFiles
+from .test_shared_gpus import assert_booked_by_lanes, wait_booked
 
 PODS = Path(__file__).parent / "data" / "k8s_pods" / "hami"
 U1 = "GPU-5b2c3f1e-8a44-2d7e-91c0-3e6f0a1b2c3d"
@@ -279,19 +279,7 @@ def test_a_real_agent_books_each_hami_pod_by_its_share(shared, prefix, exporter,
     registration to its watermark."""
     pytest.importorskip("lightkube")
     api = PodsApi(_pods())
-    cfg = tmp_path / "kubeconfig"
-    cfg.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
+    cfg = write_kubeconfig(tmp_path / "kubeconfig", api.url)
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(cfg)}
     args = ["serve", "--source", "dcgm", "--dcgm-url", exporter, "--host", NODE, "--agent-id", NODE]
     args += ["--k8s-api", "on", "--redis-url", SHARED_URL, "--prefix", prefix, "--port", str(free_port())]
@@ -299,25 +287,11 @@ def test_a_real_agent_books_each_hami_pod_by_its_share(shared, prefix, exporter,
     jobs = {"ml:infer-a": (0, 30, 100), "ml:infer-b": (30, 50, 100), "research:notebook": (0, 100, 100)}
     agent = spawn_cli(*args, stderr=subprocess.PIPE, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            booked = {j: sum(ledger.net_ms(ledger.read_amounts(shared, prefix, j)).values()) for j in jobs}
-            if all(v >= 3000 * shares.fraction(jobs[j]) for j, v in booked.items()):
-                break
-            assert agent.poll() is None, agent.communicate()[1][-3000:]
-            time.sleep(0.3)
+        wait_booked(shared, prefix, jobs, agent)
         agent.terminate()
         _out, err = agent.communicate(timeout=30)
         assert "Traceback" not in err, err
-        for job, lanes in jobs.items():
-            (raw,) = shared.hvals(keys.ranks_key(prefix, job))
-            reg = protocol.parse_registration("0", raw)
-            wm = ledger.load_watermark(shared, prefix, job, NODE)["booked_until"]
-            want = shares.gpu_ms(
-                np.asarray([reg.ts_ms], np.int64), np.asarray([wm], np.int64), np.asarray([lanes], np.int64)
-            )
-            got = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
-            assert got == int(want[0]) > 0, (job, got, int(want[0]))
+        assert_booked_by_lanes(shared, prefix, NODE, jobs)
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -20,7 +20,7 @@ from costexporter.services.k8s_owner import OWNER_LABELS, owner_of, owner_of_pod
 from costexporter.sources.dcgm import DcgmSource, PodRef
 from costexporter.store import keys
 
-from .http_stub import HttpStub
+from .http_stub import HttpStub, write_kubeconfig
 from .test_k8s import HOST, FakeDcgmExporter
 
 PODS = Path(__file__).parent / "data" / "k8s_pods"
@@ -261,19 +261,7 @@ def test_lightkube_reads_pods_and_maps_404_to_none_and_403_to_a_counted_error(tm
 
     recorded = [pod(f) for f in ("volcano-job", "statefulset")]
     api = PodsApi({(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in recorded})
-    cfg = tmp_path / "kubeconfig"
-    cfg.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": api.url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u", "namespace": "default"}}],
-                "current-context": "x",
-            }
-        )
-    )
+    cfg = write_kubeconfig(tmp_path / "kubeconfig", api.url)
     monkeypatch.setenv("KUBECONFIG", str(cfg))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     try:

@@ -189,6 +189,30 @@ def test_a30_has_four_slices_and_a_bad_profile_is_a_clear_error():
 # ---- end to end: a real agent books MIG pods into the ledger, each by its share ----------------
 
 
+def assert_booked_by_lanes(shared, prefix: str, host: str, jobs: dict) -> None:
+    """Each job's ledger holds, to the millisecond, its one GPU slice's lanes of the time from
+    its registration to its watermark on `host`."""
+    for job, lanes in jobs.items():
+        (raw,) = shared.hvals(keys.ranks_key(prefix, job))
+        reg = protocol.parse_registration("0", raw)
+        wm = ledger.load_watermark(shared, prefix, job, host)["booked_until"]
+        start = np.asarray([reg.ts_ms], np.int64)
+        want = int(shares.gpu_ms(start, np.asarray([wm], np.int64), np.asarray([lanes], np.int64))[0])
+        got = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
+        assert got == want > 0, (job, got, want)
+
+
+def wait_booked(shared, prefix: str, jobs: dict, agent) -> None:
+    """Until each job holds 3 s of its slice (or 60 s pass, or the agent exits)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        booked = {j: sum(ledger.net_ms(ledger.read_amounts(shared, prefix, j)).values()) for j in jobs}
+        if all(v >= 3000 * shares.fraction(jobs[j]) for j, v in booked.items()):
+            return
+        assert agent.poll() is None, agent.communicate()[1][-3000:]
+        time.sleep(0.3)
+
+
 def _agent_books_by_lanes(shared, prefix, url, host, jobs, *extra) -> None:
     """A real agent on `url`: each job's ledger holds, to the millisecond, its slice's lanes of
     the time from its registration to its watermark."""
@@ -207,24 +231,11 @@ def _agent_books_by_lanes(shared, prefix, url, host, jobs, *extra) -> None:
     ]
     agent = spawn_cli(*args, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            booked = {j: sum(ledger.net_ms(ledger.read_amounts(shared, prefix, j)).values()) for j in jobs}
-            if all(v >= 3000 * shares.fraction(jobs[j]) for j, v in booked.items()):
-                break
-            time.sleep(0.3)
+        wait_booked(shared, prefix, jobs, agent)
         agent.terminate()
         _out, err = agent.communicate(timeout=30)
         assert "Traceback" not in err, err
-        for job, lanes in jobs.items():
-            (raw,) = shared.hvals(keys.ranks_key(prefix, job))
-            reg = protocol.parse_registration("0", raw)
-            wm = ledger.load_watermark(shared, prefix, job, host)["booked_until"]
-            start = np.asarray([reg.ts_ms], np.int64)
-            want = int(shares.gpu_ms(start, np.asarray([wm], np.int64), np.asarray([lanes], np.int64))[0])
-            got = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
-            # Registration to watermark, weighted by the slice's lanes: to the millisecond.
-            assert got == want > 0, (job, got, want)
+        assert_booked_by_lanes(shared, prefix, host, jobs)
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -81,20 +81,27 @@ class PodLookup:
         return obj
 
 
-def lightkube_fetch() -> Callable[[str, str], Mapping[str, Any] | None]:
-    """A `fetch` reading pods through lightkube with the in-cluster (or kubeconfig) credentials;
-    raises KubernetesUnavailable with the reason when it cannot be set up."""
+def _lightkube_client() -> Any:
+    """lightkube's Client with the in-cluster (or kubeconfig) credentials; KubernetesUnavailable
+    with the reason when it is not installed or finds no configuration."""
     try:
-        from lightkube import ApiError, Client
-        from lightkube.resources.core_v1 import Pod
+        from lightkube import Client
     except ImportError as e:
         raise KubernetesUnavailable(
             "the Kubernetes API client is not installed (pip install 'costexporter[k8s]')"
         ) from e
     try:
-        client = Client()  # lightkube's default timeouts (10 s): the loop has its own thread
+        return Client()  # lightkube's default timeouts (10 s): the callers have their own thread
     except Exception as e:  # lightkube raises its own config errors, or OSError for a missing file
         raise KubernetesUnavailable(f"no Kubernetes configuration ({type(e).__name__}: {e})") from e
+
+
+def lightkube_fetch() -> Callable[[str, str], Mapping[str, Any] | None]:
+    """A `fetch` reading pods through lightkube with the in-cluster (or kubeconfig) credentials;
+    raises KubernetesUnavailable with the reason when it cannot be set up."""
+    client = _lightkube_client()
+    from lightkube import ApiError
+    from lightkube.resources.core_v1 import Pod
 
     def fetch(namespace: str, name: str) -> Mapping[str, Any] | None:
         try:
@@ -185,17 +192,8 @@ class NodePods:
 def lightkube_list() -> Callable[[str], list[Mapping[str, Any]]]:
     """A `list_pods(node)` through lightkube (the pods on one node, every namespace); raises
     KubernetesUnavailable with the reason when it cannot be set up."""
-    try:
-        from lightkube import Client
-        from lightkube.resources.core_v1 import Pod
-    except ImportError as e:
-        raise KubernetesUnavailable(
-            "the Kubernetes API client is not installed (pip install 'costexporter[k8s]')"
-        ) from e
-    try:
-        client = Client()
-    except Exception as e:
-        raise KubernetesUnavailable(f"no Kubernetes configuration ({type(e).__name__}: {e})") from e
+    client = _lightkube_client()
+    from lightkube.resources.core_v1 import Pod
 
     def list_pods(node: str) -> list[Mapping[str, Any]]:
         out: list[Mapping[str, Any]] = []
