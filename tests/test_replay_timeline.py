@@ -29,7 +29,9 @@ def test_every_sample_read_is_one_row_naming_its_file_and_line(cli, tmp_path):
     r = cli("replay", "--samples", f"node0={a}", "--events", ev, "--timeline", out, "--format", "json")
     assert r.returncode == 0, r.stderr
     rows = read_timeline(out)
-    assert list(rows[0]) == ["file", "line", "host", "gpu", "ts", "power_w", "util_pct", "band", "category"]
+    assert list(rows[0]) == [
+        *("file", "line", "host", "gpu", "uuid", "name", "ts", "power_w", "util_pct", "band", "category")
+    ]
     assert len(rows) == len(lines) - 2  # every data line but the malformed one
     text = a.read_text().splitlines()
     got_lines = [int(x["line"]) for x in rows]

@@ -134,8 +134,9 @@ def profile_notes(report: dict) -> list[str]:
 
 def write_timeline(path, samples, results, files: list[str]) -> None:
     """One CSV row per sample read, in the order of the input files and their lines: where it was
-    read (file, line; header = line 1), its GPU, time (ISO 8601 UTC), power, utilization, band and
-    category. A sample no job held has no band and the category `unassigned`."""
+    read (file, line; header = line 1), its GPU (index, UUID and model where known), time (ISO
+    8601 UTC), power, utilization, band and category. A sample no job held has no band and the
+    category `unassigned`. One host's rows read back as a trace (`replay --samples`)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.csv as pcsv
@@ -152,6 +153,9 @@ def write_timeline(path, samples, results, files: list[str]) -> None:
     cat_names = np.asarray(CATEGORIES, object)
     hosts = np.asarray([g.host for g in samples.gpus] or [""], object)
     index = np.asarray([g.index for g in samples.gpus] or [0], np.int64)
+    # The GPU's UUID and model where the trace named them: the timeline reads back as a trace.
+    uuids = np.asarray([g.uuid or "" for g in samples.gpus] or [""], object)
+    models = np.asarray([g.name or "" for g in samples.gpus] or [""], object)
     g = samples.gpu[order]
     ts = pa.array(samples.ts_ms[order], pa.timestamp("ms", tz="UTC"))
     table = pa.table(
@@ -160,6 +164,8 @@ def write_timeline(path, samples, results, files: list[str]) -> None:
             "line": pa.array((src & 0xFFFFFFFF)[order]),
             "host": pa.array(hosts[g], pa.string()),
             "gpu": pa.array(index[g]),
+            "uuid": pa.array(uuids[g], pa.string()),
+            "name": pa.array(models[g], pa.string()),
             "ts": ts,
             "power_w": pa.array(samples.power_w[order]),
             "util_pct": pa.array(samples.util_pct[order]),

@@ -32,5 +32,12 @@ class Diagnostics:
             if self.printed[key] == self.max_per_reason:
                 print(f"warning: {where}: further {reason!r} warnings suppressed", file=self.stream)
 
+    def note(self, where: str, text: str) -> None:
+        """Say how an input was read (not a problem: not counted), once per (where, text)."""
+        key = (where, f"note:{text}")
+        self.printed[key] += 1
+        if self.stream is not None and self.printed[key] == 1:
+            print(f"costexporter: {where}: {text}", file=self.stream)
+
     def summary(self) -> dict[str, int]:
         return dict(sorted(self.counts.items()))

@@ -25,7 +25,7 @@ try:  # the compute kernels a clean file needs, without pyarrow.compute's start-
 except ImportError:  # pragma: no cover - a pyarrow that moved them
     from pyarrow.compute import CastOptions, TrimOptions, call_function
 
-from costexporter.core import numbering
+from costexporter.core import numbering, timeutil
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.events import (
     FUTURE_SLACK_S,
@@ -63,7 +63,6 @@ NA_MARKERS = [
     "ERR!",
 ]
 NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
-TS_RE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d+)?$"
 MAX_POWER_W = 10_000.0
 
 
@@ -113,12 +112,27 @@ def sniff_format(path: Path) -> str:
     return "jsonl" if head[:1] in (b"{", b"[") else "csv"
 
 
+# Column names other loggers (pynvml scripts, nanoGPT-style loggers, replay's own --timeline)
+# write for what nvidia-smi calls timestamp, index, power.draw, utilization.gpu, uuid and name.
+SYNONYMS = {
+    **dict.fromkeys(("ts", "time", "datetime", "date_time", "wall_time", "walltime"), "timestamp"),
+    **dict.fromkeys(("gpu", "gpu_index", "gpu_id", "gpu_idx", "device", "device_index"), "index"),
+    **dict.fromkeys(("power_w", "power", "power_watts", "power_draw", "power_draw_w"), "power.draw"),
+    **dict.fromkeys(
+        ("util_pct", "util", "gpu_util", "utilization", "utilization_gpu", "utilization_gpu_percent"),
+        "utilization.gpu",
+    ),
+    **dict.fromkeys(("gpu_uuid",), "uuid"),
+    **dict.fromkeys(("gpu_name", "model", "gpu_model"), "name"),
+}
+
+
 def _column_key(name: str) -> str:
-    """'power.draw [W]' -> 'power.draw'."""
+    """'power.draw [W]' -> 'power.draw'; a common other name -> nvidia-smi's ('power_W')."""
     key = name.strip().lower()
     if "[" in key:
         key = key[: key.index("[")].strip()
-    return key
+    return SYNONYMS.get(key, key)
 
 
 UNIT_CHARS = " W%JkmMiBHz"
@@ -220,29 +234,21 @@ def _fixed_timestamps(col: pa.ChunkedArray) -> np.ndarray | None:
     return np.concatenate(out) if out else None
 
 
-def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray]:
-    """nvidia-smi local times ('2025/07/26 23:53:30.945') in zone `tz` to UTC epoch ms."""
+def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """Logged times to UTC epoch ms, the rows that are no time, and how they were read
+    (`timeutil.parse_times`): nvidia-smi's local times ('2025/07/26 23:53:30.945') in zone `tz`
+    on the fast path, else any ISO 8601 form with or without a zone, or Unix time."""
     fixed = _fixed_timestamps(col)
-    if fixed is not None:  # fastest path: every row in nvidia-smi's own fixed-width layout
-        if tz.upper() in ("UTC", "Z", "+00:00"):
-            return fixed, np.zeros(fixed.size, bool)
-        t = pa.array(fixed, pa.timestamp("ms"))
-        bad = np.zeros(len(col), bool)
-    else:
-        pc = _pc()
-        try:  # fast path: every row is a well-formed timestamp
-            t = pc.cast(pc.replace_substring(col, "/", "-"), pa.timestamp("ms"))
-            bad = np.zeros(len(col), bool)
-        except pa.ArrowInvalid:
-            s = pc.replace_substring(pc.utf8_trim_whitespace(col), "/", "-")
-            ok = pc.fill_null(pc.match_substring_regex(s, TS_RE), False)
-            bad = ~ok.to_numpy(zero_copy_only=False)
-            t = pc.cast(pc.if_else(ok, s, pa.scalar(None, pa.string())), pa.timestamp("ms"))
+    if fixed is None:
+        return timeutil.parse_times(col, tz)
+    if tz.upper() in ("UTC", "Z", "+00:00"):
+        return fixed, np.zeros(fixed.size, bool), "local"
     pc = _pc()
-    if tz.upper() not in ("UTC", "Z", "+00:00"):
-        t = pc.assume_timezone(t, timezone=tz, ambiguous="earliest", nonexistent="earliest")
+    t = pc.assume_timezone(
+        pa.array(fixed, pa.timestamp("ms")), timezone=tz, ambiguous="earliest", nonexistent="earliest"
+    )
     ms = pc.fill_null(pc.cast(t, pa.int64()), 0).to_numpy(zero_copy_only=False)
-    return ms.astype(np.int64), bad
+    return ms.astype(np.int64), np.zeros(len(col), bool), "local"
 
 
 def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
@@ -256,9 +262,11 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     col = {k: table.column(i) for i, k in enumerate(keys) if k}
     rows = _RowFilter(str(path), n, line_of_row, diag)
     try:
-        ts_ms, bad_ts = _timestamps(col["timestamp"], tz)
+        ts_ms, bad_ts, read_as = _timestamps(col["timestamp"], tz)
     except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
         raise InputError(f"{path}: impossible timestamp: {e}") from None
+    if read_as.startswith("unix_"):
+        diag.note(str(path), f"timestamps read as Unix {read_as[5:]} (told by their magnitude)")
     skip = np.zeros(n, bool)  # rows that are no GPU's line
     if bad_ts.any():  # blank lines and repeated headers are skipped silently
         pc = _pc()

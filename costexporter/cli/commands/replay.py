@@ -76,8 +76,9 @@ from costexporter.cli.options import (
     "--timeline",
     type=click.Path(dir_okay=False, writable=True, path_type=Path),
     default=None,
-    help="Also write one CSV row per sample read (file, line, host, gpu, ts, power_w, util_pct, "
-    "band, category): plot it, or check it against your own labels.",
+    help="Also write one CSV row per sample read (file, line, host, gpu, uuid, name, ts, power_w, "
+    "util_pct, band, category): plot it, check it against your own labels, or replay one host's "
+    "rows as a trace.",
 )
 @click.option(
     "--incident-floor",
