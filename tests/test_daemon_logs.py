@@ -21,18 +21,25 @@ def _record(msg: str, *args: object, name: str = "costexporter.x") -> logging.Lo
 def test_the_same_line_passes_once_a_window_and_then_says_how_many_were_left_out(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(logflood.time, "monotonic", lambda: now[0])
-    flood = logflood.FloodFilter(window_s=60)
+    flood = logflood.FloodFilter(window_s=60, by_message=True)
     fmt = "dcgm-exporter %s: %s"
-    passed = [flood.filter(_record(fmt, "http://a", f"error {i}")) for i in range(50)]
-    assert passed == [True] + [False] * 49  # the varying part is in the arguments: one line
-    assert flood.filter(_record("Redis unreachable (%s)", "x"))  # another line is its own
-    assert flood.filter(_record(fmt, "http://a", "e", name="costexporter.y"))  # another logger too
+    passed = [flood.filter(_record(fmt, "http://a", "Connection refused")) for i in range(50)]
+    assert passed == [True] + [False] * 49  # the same line: one
+    assert flood.filter(_record(fmt, "http://b", "Connection refused"))  # another exporter's is its own
+    assert flood.filter(_record("job %r skipped", "a")) and flood.filter(_record("job %r skipped", "b"))
+    assert flood.filter(_record(fmt, "http://a", "Connection refused", name="costexporter.y"))
     now[0] += 59.9
-    assert not flood.filter(_record(fmt, "http://a", "late"))
+    assert not flood.filter(_record(fmt, "http://a", "Connection refused"))
     now[0] += 0.2
-    rec = _record(fmt, "http://a", "after the window")
+    rec = _record(fmt, "http://a", "Connection refused")
     assert flood.filter(rec)
-    assert rec.getMessage().endswith("[50 more like this in the last 60 s not logged]")
+    assert (
+        rec.getMessage()
+        == "dcgm-exporter http://a: Connection refused [50 more like this in the last 60 s not logged]"
+    )
+    # by format (the API's server log): the varying arguments are one line
+    by_format = logflood.FloodFilter(window_s=60)
+    assert [by_format.filter(_record(fmt, "x", str(i))) for i in range(3)] == [True, False, False]
 
 
 def test_an_agent_whose_dcgm_exporter_is_down_says_so_once_a_minute(prefix):

@@ -769,9 +769,9 @@ def test_helm_upgrade_from_the_released_chart_keeps_what_kubernetes_cannot_chang
                 changed.append((key, path, _at(old[key], path), _at(new[key], path)))
     assert not changed, changed
     pods = [d for d in new.values() if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet")]
-    for key in set(old) & set(new):
-        if key[0] != "Service":
-            continue
+    services = [key for key in set(old) & set(new) if key[0] == "Service"]
+    assert services
+    for key in services:
         sel = new[key]["spec"]["selector"]
         before = [
             p

@@ -140,8 +140,12 @@ def setup_logging(level: int) -> None:
 
     from costexporter.core import logflood
 
+    root = logging.getLogger()
+    before = list(root.handlers)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logflood.install(LOG_WINDOW_S)
+    # Only the handler set up here: where logging was configured already (an embedding program,
+    # a test runner's capture), its handlers are left as they are.
+    logflood.install(LOG_WINDOW_S, [h for h in root.handlers if h not in before])
 
 
 def check_port(listen: str, port: int, flag: str) -> None:
