@@ -134,3 +134,34 @@ def test_replays_timeline_reads_back_as_the_trace_it_came_from(cli, tmp_path):
     want = _bill(cli, EXAMPLE / "node0.csv", "--timeline", tl)
     got = _bill(cli, tl)
     assert {k: v for k, v in got.items() if k != "stderr"} == {k: v for k, v in want.items() if k != "stderr"}
+
+
+def test_columns_map_a_loggers_own_names(cli, tmp_path):
+    """Names no synonym knows (when, card, watts, busy): `--columns` says which is which; the same
+    bill. A role it does not know, or a column the file lacks, is one line and exit 2."""
+    header, rows = _nvidia_smi_rows()
+    keys = [c.strip().lower().split(" [")[0] for c in header]
+    rename = {"timestamp": "when", "index": "card", "power.draw": "watts", "utilization.gpu": "busy"}
+    out = tmp_path / "own.csv"
+    out.write_text("\n".join([",".join(rename.get(k, k) for k in keys), *(",".join(r) for r in rows)]) + "\n")
+    want = _bill(cli, EXAMPLE / "node0.csv")
+    got = _bill(cli, out, "--columns", "time=when, gpu=card,power=watts,util=busy")
+    assert {k: v for k, v in got.items() if k != "stderr"} == {k: v for k, v in want.items() if k != "stderr"}
+    for bad, says in (
+        ("temp=gpu_temp", "the role is one of"),
+        ("power=volts", "'volts', which is not a column"),
+    ):
+        r = cli("replay", "--samples", f"node0={out}", "--columns", f"time=when,{bad}")
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_model_nobody_knows_is_named_in_the_note(cli, tmp_path):
+    """A trace whose `name` column says a model without a known limit: the note names it (it
+    said "no GPU model" although the trace named one)."""
+    header, rows = _nvidia_smi_rows()
+    out = tmp_path / "named.csv"
+    out.write_text(
+        "\n".join([",".join([*header, " name"]), *(",".join([*r, " Quadro Z9000"]) for r in rows)]) + "\n"
+    )
+    said = _bill(cli, out)["stderr"]
+    assert "GPU model 'Quadro Z9000' has no known power limit" in said and "no GPU model or" not in said

@@ -122,8 +122,14 @@ def profile_notes(report: dict) -> list[str]:
         if not from_trace(p):
             continue
         idle = p.get("learned_idle_w")
+        model = p.get("name")
+        what = (
+            f"GPU model {model!r} has no known power limit and none is in the trace or flags"
+            if model and model != "derived"
+            else "no GPU model or power limit in the trace or flags"
+        )
         out.append(
-            f"job {job}: no GPU model or power limit in the trace or flags; its bands use a profile "
+            f"job {job}: {what}; its bands use a profile "
             f"derived from the trace's own levels (compute ~{p.get('compute_level_w', 0):.0f} W, "
             + (f"idle ~{idle:.0f} W" if idle is not None else "no idle level")
             + f"; edges {p['idle_max_w']:.0f}/{p['low_max_w']:.0f}/{p['compute_min_w']:.0f} W): "

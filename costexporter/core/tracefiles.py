@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,34 @@ SYNONYMS = {
     **dict.fromkeys(("gpu_uuid",), "uuid"),
     **dict.fromkeys(("gpu_name", "model", "gpu_model"), "name"),
 }
+
+
+# `--columns` names (what the column is) -> nvidia-smi's key.
+COLUMN_ROLES = {
+    "time": "timestamp",
+    "timestamp": "timestamp",
+    "gpu": "index",
+    "index": "index",
+    "power": "power.draw",
+    "util": "utilization.gpu",
+    "uuid": "uuid",
+    "name": "name",
+}
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """`gpu=gpu_index,power=power_W` -> {nvidia-smi key: the file's column name}; ValueError
+    naming what is wrong."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        role, sep, column = part.partition("=")
+        role = role.strip().lower()
+        if not sep or not column.strip():
+            raise ValueError(f"--columns {part!r}: write ROLE=COLUMN, e.g. power=power_W")
+        if role not in COLUMN_ROLES:
+            raise ValueError(f"--columns {part!r}: the role is one of {', '.join(sorted(COLUMN_ROLES))}")
+        out[COLUMN_ROLES[role]] = column.strip()
+    return out
 
 
 def _column_key(name: str) -> str:
@@ -251,10 +279,13 @@ def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray, 
     return ms.astype(np.int64), np.zeros(len(col), bool), "local"
 
 
-def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
-    """`nvidia-smi --query-gpu=... --format=csv[,nounits] -lms N` output, in any column order."""
+def read_nvidia_smi_csv(
+    path: Path, host: str, tz: str, diag: Diagnostics, columns: Mapping[str, str] | None = None
+) -> SampleChunk:
+    """`nvidia-smi --query-gpu=... --format=csv[,nounits] -lms N` output, in any column order
+    (or another logger's CSV: its column names as `columns` maps them, or the common ones)."""
     _check_file(path)
-    names, keys, ends_with_newline = _smi_header(path)
+    names, keys, ends_with_newline = _smi_header(path, columns)
     counts_before = diag.counts.copy()
     table, invalid, not_lines = _smi_table(path, names)
     n = table.num_rows
@@ -340,7 +371,7 @@ def read_nvidia_smi_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> Sa
     )
 
 
-def _smi_header(path: Path) -> tuple[list[str], list[str], bool]:
+def _smi_header(path: Path, columns: Mapping[str, str] | None = None) -> tuple[list[str], list[str], bool]:
     """The header's column names, their keys, and whether the file ends with a newline (a last
     line without one may have been cut by a killed logger). InputError when the columns are
     not an nvidia-smi CSV's."""
@@ -352,6 +383,17 @@ def _smi_header(path: Path) -> tuple[list[str], list[str], bool]:
         ends_with_newline = f.read(1) in (b"\n", b"\r")
     names = [c for c in header.rstrip("\r\n").split(",")]
     keys = [_column_key(c) for c in names]
+    for key, column in (columns or {}).items():  # the user's mapping wins over the names
+        at = [i for i, c in enumerate(names) if c.strip().lower() == column.lower()]
+        if not at:
+            at = [i for i, c in enumerate(names) if c.strip().lower().split(" [")[0] == column.lower()]
+        if not at:
+            raise InputError(
+                f"{path}: --columns names {column!r}, which is not a column here "
+                f"(columns: {', '.join(c.strip() for c in names)})"
+            )
+        keys = ["" if k == key else k for k in keys]
+        keys[at[0]] = key
     if (
         "timestamp" not in keys
         or "utilization.gpu" not in keys
@@ -781,10 +823,12 @@ def combine(chunks: list[SampleChunk], diag: Diagnostics | None = None) -> Sampl
     return out
 
 
-def read_samples(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleChunk:
+def read_samples(
+    path: Path, host: str, tz: str, diag: Diagnostics, columns: Mapping[str, str] | None = None
+) -> SampleChunk:
     if sniff_format(path) == "jsonl":
         return read_samples_jsonl(path, host, diag)
-    return read_nvidia_smi_csv(path, host, tz, diag)
+    return read_nvidia_smi_csv(path, host, tz, diag, columns)
 
 
 def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:

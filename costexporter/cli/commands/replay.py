@@ -81,6 +81,13 @@ from costexporter.cli.options import (
     "rows as a trace.",
 )
 @click.option(
+    "--columns",
+    default=None,
+    metavar="ROLE=COLUMN,...",
+    help="The CSV's column for each role (time, gpu, power, util, uuid, name) where its names are "
+    "not nvidia-smi's nor a common one: gpu=gpu_index,power=power_W,util=utilization_gpu_percent.",
+)
+@click.option(
     "--incident-floor",
     type=click.FloatRange(min=0),
     default=None,
@@ -101,6 +108,7 @@ def replay(
     fmt,
     output,
     timeline,
+    columns,
     incident_floor,
     quiet,
     timings,
@@ -122,8 +130,12 @@ def replay(
         if profile is None:
             profiles.check_model(gpu_model, power_limit, profile_dir)
         specs = [sample_spec(s) for s in samples]
+        try:
+            mapping = files.parse_columns(columns) if columns else None
+        except ValueError as e:
+            raise InputFailure(str(e)) from None
         with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
-            chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag), specs))
+            chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag, mapping), specs))
         sample_set = files.combine(chunks, diag)
         evs = files.read_events_jsonl(events, diag) if events else []
         clock.append(("read_s", time.perf_counter()))
