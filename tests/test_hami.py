@@ -176,6 +176,14 @@ def test_pods_sharing_a_gpu_are_devices_of_their_declared_share(exporter):
     assert src.gpus()[b].lanes == (0, 0, 100) and b not in readings and b not in src.pods()
     assert src.gpus()[g0].lanes == (30, 100, 100)
     assert sum(readings[i].power_w for i in (a, g0)) == pytest.approx(400.0)
+    # every HAMi pod gone: the GPU is whole again, and a pod given it whole (dcgm-exporter names
+    # it) holds it
+    node.list_pods = lambda n: []
+    node.refresh(force=True)
+    readings = {r.gpu: r for r in src.read()}
+    assert src.gpus()[g0].lanes == (0, 100, 100) and src.pods()[g0].pod == "infer-a-7d9f8-x2k4q"
+    assert readings[g0].power_w == pytest.approx(400.0) and readings[g0].util_pct == 60.0
+    assert a not in readings
 
 
 def test_the_kubernetes_path_registers_each_hami_pods_share_as_its_jobs_gpu(shared, prefix, exporter):

@@ -126,6 +126,7 @@ class DcgmSource(GpuSource):
         self.allocations: Callable[[], Mapping[str, list[hami.Holder]]] | None = None
         self._hami: dict[tuple[str, str], dict[tuple[str, str], int]] = {}
         self._hami_over: set[tuple[str, str]] = set()
+        self._hami_held: dict[tuple[str, str], bool] = {}  # whether pods hold shares now
 
     def gpus(self) -> list[GpuId]:
         return list(self._gpus)
@@ -289,7 +290,9 @@ class DcgmSource(GpuSource):
             used = cut[-1][1][1] if cut else 0
             self._gpus[i] = replace(self._gpus[i], lanes=(used, hami.DEN, hami.DEN))
             self._rest[(host, parent)] = i
-            pods.pop(i, None)  # the pod-resources view of a shared GPU names one of its pods
+            self._hami_held[(host, parent)] = bool(holders)
+            if holders:  # the pod-resources view of a shared GPU names one of its pods
+                pods.pop(i, None)
 
     @staticmethod
     def _pod_of(labels: dict[str, str]) -> PodRef | None:
@@ -364,7 +367,9 @@ class DcgmSource(GpuSource):
         self.pod = current  # replaced once, not mutated: the k8s sync reads it from another thread
         out = []
         self._power_share = self._power_shares(values)
-        rests = set(self._rest.values())
+        # A rest runs nothing of its own: a MIG GPU's, and a HAMi GPU's while pods hold shares
+        # (a HAMi GPU no pod shares any more is a whole GPU again, its engine its own).
+        rests = {r for key, r in self._rest.items() if key not in self._hami or self._hami_held.get(key)}
         for i, v in sorted(values.items()):
             lo, hi, _den = self._gpus[i].lanes
             if hi == lo:
