@@ -126,7 +126,6 @@ class DcgmSource(GpuSource):
         self.allocations: Callable[[], Mapping[str, list[hami.Holder]]] | None = None
         self._hami: dict[tuple[str, str], dict[tuple[str, str], int]] = {}
         self._hami_over: set[tuple[str, str]] = set()
-        self._hami_held: dict[tuple[str, str], bool] = {}  # whether pods hold shares now
 
     def gpus(self) -> list[GpuId]:
         return list(self._gpus)
@@ -290,7 +289,6 @@ class DcgmSource(GpuSource):
             used = cut[-1][1][1] if cut else 0
             self._gpus[i] = replace(self._gpus[i], lanes=(used, hami.DEN, hami.DEN))
             self._rest[(host, parent)] = i
-            self._hami_held[(host, parent)] = bool(holders)
             if holders:  # the pod-resources view of a shared GPU names one of its pods
                 pods.pop(i, None)
 
@@ -315,6 +313,7 @@ class DcgmSource(GpuSource):
     def read(self) -> list[Reading]:
         values: dict[int, dict[str, float]] = {}
         current = dict(self.pod)
+        claims = self.allocations() if self.allocations is not None else None
         for url in self.urls:
             text = self._scrape(url)
             if text is None:
@@ -344,9 +343,8 @@ class DcgmSource(GpuSource):
                 log.warning("dcgm-exporter %s: cannot parse: %s", url, e)
                 continue
             self._share_out()
-            claims = self.allocations() if self.allocations is not None else {}
             for i, held in sharing.items():
-                if self._gpus[i].uuid in claims:
+                if claims and self._gpus[i].uuid in claims:
                     continue  # HAMi's: each pod booked by its share (`_hami_out`)
                 if len(held) > 1 and i not in self.shared_warned:
                     self.shared_warned.add(i)
@@ -362,14 +360,15 @@ class DcgmSource(GpuSource):
             # A GPU this endpoint reported without a pod has been released: its pod is gone.
             current = {i: p for i, p in current.items() if i not in pods}
             current.update({i: p for i, p in pods.items() if p is not None})
-        if self.allocations is not None:
-            self._hami_out(self.allocations(), current)
+        if claims is not None:
+            self._hami_out(claims, current)
         self.pod = current  # replaced once, not mutated: the k8s sync reads it from another thread
         out = []
         self._power_share = self._power_shares(values)
         # A rest runs nothing of its own: a MIG GPU's, and a HAMi GPU's while pods hold shares
         # (a HAMi GPU no pod shares any more is a whole GPU again, its engine its own).
-        rests = {r for key, r in self._rest.items() if key not in self._hami or self._hami_held.get(key)}
+        # (Pods hold shares exactly when the GPU's own lanes no longer start at 0.)
+        rests = {r for key, r in self._rest.items() if key not in self._hami or self._gpus[r].lanes[0] > 0}
         for i, v in sorted(values.items()):
             lo, hi, _den = self._gpus[i].lanes
             if hi == lo:
