@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 ALLOCATED = "hami.io/vgpu-devices-allocated"
-NODE = "hami.io/vgpu-node"
 DEN = 100
 # A pod in these phases holds its devices (Pending: bound, containers starting).
 HOLDING_PHASES = frozenset({"Running", "Pending"})
@@ -118,9 +117,8 @@ def lanes(holders: list[Holder]) -> tuple[list[tuple[Holder, tuple[int, int, int
     """Each holder's lanes [lo, hi) of `DEN`, consecutive from 0 in the order given, and the
     lanes asked for past the GPU's (clipped: a claim over 100% in all never books more than the
     GPU). Core-limited pods hold their percentage; the others share what is left equally."""
-    limited = [h for h in holders if h.cores > 0]
-    free = [h for h in holders if h.cores == 0]
-    asked = sum(h.cores for h in limited)
+    free = sum(1 for h in holders if h.cores == 0)
+    asked = sum(h.cores for h in holders)
     width: dict[int, int] = {}
     left = DEN
     for k, h in enumerate(holders):
@@ -128,7 +126,7 @@ def lanes(holders: list[Holder]) -> tuple[list[tuple[Holder, tuple[int, int, int
             width[k] = min(h.cores, left)
             left -= width[k]
     if free:
-        each, extra = divmod(left, len(free))
+        each, extra = divmod(left, free)
         j = 0
         for k, h in enumerate(holders):
             if h.cores == 0:

@@ -11,8 +11,8 @@ import time
 
 
 class FloodFilter(logging.Filter):
-    """Let the same message (logger, format, exception type) through at most once a window;
-    the next one that passes says how many were left out."""
+    """Let the same message (logger, format or text, exception type) through at most once a
+    window; the next one that passes says how many were left out."""
 
     window_s = 10.0
 

@@ -102,7 +102,8 @@ def parse_times(texts: object, tz: str) -> tuple[npt.NDArray[np.int64], npt.NDAr
     the rows that are no time, and how the column was read: "local" (no zone: taken in `tz`),
     "zoned" (each row's own zone; `tz` applies to the rows without one), or "unix_s", "unix_ms",
     "unix_us", "unix_ns" (a column of numbers: the unit told by their magnitude). The one
-    vectorised rule of the trace readers; `parse_instant` is its one-value form."""
+    vectorised rule of the trace readers. (`parse_instant`, the API's and the CLI's one value, is
+    stricter: RFC 3339 needs a zone there, and a number is Unix seconds only.)"""
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -142,6 +142,7 @@ class KubernetesJobs:
         for key in sorted(set(self.registered) - set(current)):
             self._for_job(key[0], "a release", self._release, *key)
         self.skipped &= set(current)
+        self._asked &= {(ref.namespace, ref.pod) for ref, _own in current.values()}
         now = self.clock()
         for job in sorted({j for j, _ in self.registered}):
             if now - self._beat.get(job, 0.0) >= HEARTBEAT_S:  # every rank: the watcher checks each
@@ -320,7 +321,8 @@ def start_kubernetes_jobs(
     node_pods: NodePods | None = None,
 ) -> KubernetesJobs:
     """Run the registrations beside an agent (a daemon thread, stopped with the agent); with
-    `node_pods`, the node's HAMi shares are read on that thread and split the source's GPUs."""
+    `node_pods`, the node's pod list is refreshed on that thread (the caller gives the source its
+    `allocations` before the first sample, so a shared GPU is never booked whole)."""
     kj = KubernetesJobs(
         protocol.connect(agent.cfg.redis_url),
         agent.cfg.prefix,
@@ -331,9 +333,6 @@ def start_kubernetes_jobs(
         lookup=lookup,
         node_pods=node_pods,
     )
-    if node_pods is not None and kj.source.allocations is None:
-        node_pods.refresh(force=True)
-        kj.source.allocations = node_pods.allocations
     agent.facts = kj.facts
     threading.Thread(
         target=kj.run,
