@@ -102,6 +102,7 @@ class Scenario:
     ramp_s: tuple[float, float] = (0.0, 0.0)  # a slow ramp into compute after the climb, s (lo, hi)
     vanish: tuple[int, float, float] | None = None  # (GPU, from s, for s): it writes no lines
     memory: bool = False  # a memory.used column: each GPU's own, drifting slowly
+    offsets_w: tuple[float, ...] | None = None  # per GPU: its steady power above its level's centre
     seed: int = 0
     t0: float = 1_753_577_230.134  # 2025-07-27 00:47:10.134 UTC
 
@@ -177,6 +178,8 @@ class Scenario:
             cls_ = 0 if g == 0 else 1
             for name, a, b in bounds:
                 c, sd, ulo, uhi = self.levels[name][cls_]
+                if self.offsets_w is not None and name != "idle":
+                    c += self.offsets_w[g]
                 centre[g, a:b] = c
                 power[g, a:b] = rng.normal(c, sd, b - a)
                 util[g, a:b] = rng.uniform(ulo, uhi, b - a).round()

@@ -202,3 +202,82 @@ def test_the_cli_refuses_an_idle_edge_that_clips_labelled_idle_in_one_line(cli, 
     [line] = r.stderr.strip().splitlines()
     assert "idle-labelled samples as idle" in line and "clips the labelled idle" in line
     assert "no profile written" in line and not out.exists()
+
+
+def _eight_gpus(idle_w_of, seconds: int = 600, seed: int = 0):
+    """8 H100s at 100 ms: compute (~560 W, 100%) for the first half, then idle (0%) at the
+    power `idle_w_of(gpu, t_s)` gives, with noise."""
+    from costexporter.core.model import GpuId, Samples
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(seconds * 10) * 100 + 1_780_000_000_000
+    gpus = [GpuId("node0", g, f"GPU-{g}", "NVIDIA H100 80GB HBM3", 700.0) for g in range(8)]
+    cols = {"gpu": [], "ts": [], "p": [], "u": []}
+    for g in range(8):
+        s = (t - t[0]) / 1000
+        busy = s < seconds / 2
+        p = np.where(busy, 560.0, [idle_w_of(g, x) for x in s]) + rng.normal(0, 2, t.size)
+        cols["gpu"].append(np.full(t.size, g, np.int32))
+        cols["ts"].append(t)
+        cols["p"].append(p)
+        cols["u"].append(np.where(busy, 100.0, 0.0))
+    smp = Samples(
+        gpus,
+        np.concatenate(cols["gpu"]),
+        np.concatenate(cols["ts"]),
+        np.concatenate(cols["p"]),
+        np.concatenate(cols["u"]),
+        np.full(8 * t.size, np.nan),
+    )
+    half = int(t[0] + seconds * 500)
+    return smp, [(int(t[0]), half, "compute"), (half + 2000, int(t[-1]) + 100, "idle")]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "one GPU decays while the others stay",  # the real run's end: GPU 0 125 -> 70 W
+        "each GPU idles at its own level",
+    ],
+)
+def test_a_label_over_simultaneous_levels_is_fitted_not_refused(shape):
+    def idle_w(g: int, s: float) -> float:
+        if shape.startswith("one"):
+            return 124.0 if g else max(70.0, 125.0 - (s - 300.0) * 0.5)
+        return 70.0 if g % 2 else 124.0
+
+    smp, labels = _eight_gpus(idle_w)
+    f = fit(smp, labels=labels)
+    assert any("two power levels at the same moments" in w for w in f.warnings), f.warnings
+    assert f.profile.idle_max_w >= 124 + 6 and f.profile.compute_min_w > 300
+    assert label_agreement_samples(smp, f.profile, labels) >= MIN_LABEL_AGREEMENT
+
+
+def test_levels_one_after_the_other_in_one_label_are_still_refused():
+    """The same two idle levels, but every GPU at 124 W and then every GPU at 70 W: a split in
+    time separates them."""
+    smp, labels = _eight_gpus(lambda g, s: 124.0 if s < 450 else 70.0)
+    with pytest.raises(CalibrationError, match="spans two power levels"):
+        fit(smp, labels=labels)
+
+
+def test_a_fit_from_one_workload_says_so():
+    smp, labels = _eight_gpus(lambda g, s: 80.0)
+    assert any("fitted on one workload" in w for w in fit(smp, labels=labels).warnings)
+    other, _ = _eight_gpus(lambda g, s: 80.0, seed=1)
+    other.ts_ms = other.ts_ms + 86_400_000  # another run, the next day
+    both = type(smp)(
+        smp.gpus,
+        np.concatenate([smp.gpu, other.gpu]),
+        np.concatenate([smp.ts_ms, other.ts_ms]),
+        np.concatenate([smp.power_w, other.power_w]),
+        np.concatenate([smp.util_pct, other.util_pct]),
+        np.concatenate([smp.energy_mj, other.energy_mj]),
+    ).sort()
+    assert not any("fitted on one workload" in w for w in fit(both, labels=labels).warnings)
+
+
+def label_agreement_samples(s, prof, labels) -> float:
+    res = bands.classify(s.gpu, s.ts_ms, s.power_w, s.util_pct, len(s.gpus), prof)
+    pred = np.asarray([BAND_LEVEL[b] for b in res.band.tolist()])
+    return min(float(np.mean(pred[(s.ts_ms >= a) & (s.ts_ms < b)] == lv)) for a, b, lv in labels)

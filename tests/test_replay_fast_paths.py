@@ -71,7 +71,7 @@ def test_fixed_width_timestamps_are_arrows_or_left_to_it(values, edits, chunks, 
     if fixed is not None:
         assert arrow_ms(col) is not None and fixed.tolist() == arrow_ms(col).tolist()
     if ref is not None:
-        ms, bad, _how = files._timestamps(col, tz)
+        ms, bad, _how = files.timestamp_ms(col, tz)
         assert ms.tolist() == ref.tolist() and not bad.any()
 
 

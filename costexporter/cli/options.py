@@ -287,6 +287,23 @@ def load_profile(path: Path | None) -> tuple[Profile | None, Path | None]:
     return profiles.load(path), None
 
 
+def instant_ms(text: str, tz: str, flag: str) -> int:
+    """A time flag (ISO 8601 or Unix seconds; zone-less in --tz) as epoch ms, or one line."""
+    from costexporter.core import timeutil
+
+    try:
+        return timeutil.to_ms(timeutil.parse_instant(text, timeutil.tz_zone(tz)))
+    except ValueError as e:
+        raise InputFailure(f"{flag}: {e}") from None
+
+
+def log_clock(start: str | None, interval_s: float | None, tz: str):  # -> gpulogs.LogClock
+    """How a log without dates is dated: --start (its first line's time) and --interval (its -d)."""
+    from costexporter.core.gpulogs import LogClock
+
+    return LogClock(instant_ms(start, tz, "--start") if start else None, round(1000 * (interval_s or 1.0)))
+
+
 def sample_spec(spec: str) -> tuple[str, Path]:
     """'[HOST=]PATH' -> (host, path); the host defaults to the file's stem."""
     host, sep, path = spec.partition("=")

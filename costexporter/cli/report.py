@@ -123,11 +123,16 @@ def profile_notes(report: dict) -> list[str]:
             continue
         idle = p.get("learned_idle_w")
         model = p.get("name")
-        what = (
-            f"GPU model {model!r} has no known power limit and none is in the trace or flags"
-            if model and model != "derived"
-            else "no GPU model or power limit in the trace or flags"
-        )
+        over = p.get("over_limit")
+        if over:
+            what = (
+                f"the trace names GPU model {model!r} (limit {over['limit_w']:.0f} W) but reads "
+                f"{over['reading_w']:.0f} W: not that GPU's profile"
+            )
+        elif model and model != "derived":
+            what = f"GPU model {model!r} has no known power limit and none is in the trace or flags"
+        else:
+            what = "no GPU model or power limit in the trace or flags"
         out.append(
             f"job {job}: {what}; its bands use a profile "
             f"derived from the trace's own levels (compute ~{p.get('compute_level_w', 0):.0f} W, "
@@ -135,6 +140,24 @@ def profile_notes(report: dict) -> list[str]:
             + f"; edges {p['idle_max_w']:.0f}/{p['low_max_w']:.0f}/{p['compute_min_w']:.0f} W): "
             "give --gpu-model or --power-limit to pin them"
         )
+    return out
+
+
+ENERGY_COVERAGE_WARN = 0.99  # below this share of GPU time with known energy, replay says so
+
+
+def energy_notes(report: dict) -> list[str]:
+    """One line per job whose energy is known for less than ENERGY_COVERAGE_WARN of its GPU
+    time (gaps longer than the bridge, with no energy counter): its kWh is a floor."""
+    out = []
+    for job, j in report["jobs"].items():
+        cov = j.get("energy_coverage")
+        if cov is not None and cov < ENERGY_COVERAGE_WARN:
+            out.append(
+                f"job {job}: energy known for {100 * cov:.1f}% of its GPU time (sample gaps longer "
+                "than the bridge and no energy counter): its kWh is a floor; --gap-intervals "
+                "counts longer gaps as observed"
+            )
     return out
 
 

@@ -197,7 +197,7 @@ def classify(
 
     # Every sample is classified from its own reading; the job-level signatures of its moment
     # are laid over it (so a grid step can hold two bands, by duration).
-    band, s_mid = _reading_bands(power_w, util_pct, profile)
+    band, s_mid = _reading_bands(power_w, util_pct, profile, lone=n_ranks == 1)
     # The moment's signature, one gather for all three (a checkpoint over a deadlock over
     # starvation, as they are laid in that order).
     sig = np.zeros(n_cols, np.int8)
@@ -289,13 +289,15 @@ def reading_bands(power_w: np.ndarray, util_pct: np.ndarray, profile: Profile) -
 
 
 def _reading_bands(
-    power_w: np.ndarray, util_pct: np.ndarray, profile: Profile
+    power_w: np.ndarray, util_pct: np.ndarray, profile: Profile, lone: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(band per reading from its own power and utilization, the mid-power mask)."""
+    """(band per reading from its own power and utilization, the mid-power mask). `lone`: the
+    job has one GPU, which has no peer to wait on: busy at mid power is compute (a memory-bound
+    kernel), never communication."""
     s_high, s_mid, s_low, s_idle, s_busy, s_zero = _levels(power_w, util_pct, profile)
     band = np.full(power_w.size, Band.UNKNOWN, np.int8)
     band[s_high] = Band.COMPUTE
-    band[s_mid & s_busy] = Band.COMMUNICATION
+    band[s_mid & s_busy] = Band.COMPUTE if lone else Band.COMMUNICATION
     band[s_mid & ~s_busy & ~np.isnan(util_pct)] = Band.STARVATION
     band[s_low & (s_zero | (s_idle & ~s_busy))] = Band.IDLE
     return band, s_mid

@@ -886,10 +886,17 @@ class Pieces:
 
 
 # An unobserved gap of at most this long, give or take half a sampling interval of stamp jitter
-# (a logger's hiccup: 0.3-1 s in real 100 ms recordings)
-# keeps its energy without an energy counter: the power interpolated across it. Its time stays
-# unobserved.
+# (a logger's hiccup: 0.3-1 s in real 100 ms recordings, ~4 s in 1 s ones), keeps its energy
+# without an energy counter: the power interpolated across it. Its time stays unobserved. The
+# bridge scales with the logger's own period: HICCUP_INTERVALS of its intervals, at least
+# HICCUP_MS.
 HICCUP_MS = 1000
+HICCUP_INTERVALS = 10
+
+
+def hiccup_ms(interval_ms: int) -> int:
+    """The longest gap bridged by interpolated power at this sampling interval."""
+    return max(HICCUP_MS, HICCUP_INTERVALS * int(interval_ms))
 
 
 def make_slices(
@@ -910,7 +917,7 @@ def make_slices(
     A sample's slice runs to the next sample of its GPU (the last one: one interval); a gap
     longer than `gap_intervals` intervals keeps one interval and the rest is unobserved; the
     unobserved part carries the energy counter's delta, or without one, across a gap of at most
-    HICCUP_MS, the power interpolated between the samples either side.
+    `hiccup_ms(interval)`, the power interpolated between the samples either side.
     `cover_*` are per GPU; a coverage start of POS_INF means "not a job GPU".
     """
     n = ts_ms.size
@@ -946,13 +953,13 @@ def make_slices(
             bridged = use_counter[gap]
             gap_energy[bridged] = de[gap][bridged] * (1.0 - share[gap][bridged])
 
-    # A logger's hiccup (a gap of at most HICCUP_MS) without a counter: the time stays
+    # A logger's hiccup (a gap of at most hiccup_ms) without a counter: the time stays
     # unobserved, its energy is the power interpolated between the samples either side of it.
     if any_gap and n > 1:
         short = np.isnan(gap_energy) | (gap_energy == 0)
         gi = np.flatnonzero(gap)
         span = nxt[gi] - ts_ms[gi]
-        short &= (nxt[gi] - end[gi] <= HICCUP_MS + iv // 2) & ~last[gi]  # stamps jitter
+        short &= (nxt[gi] - end[gi] <= hiccup_ms(iv) + iv // 2) & ~last[gi]  # stamps jitter
         if short.any():
             i = gi[short]
             p0, p1 = power_w[i], power_w[i + 1]

@@ -28,6 +28,7 @@ apart from another is not placed: it is counted and said, never given to a GPU b
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -157,6 +158,20 @@ def number_lines(
                         + " by what each GPU's own readings continue",
                     )
                 )
+    for lo, hi in _edges_of_steady(segments, mapping, n_slots):
+        placed = np.flatnonzero(gpu[lo:hi] >= 0) + lo
+        if placed.size:
+            gpu[placed] = -1
+            notes.append(
+                Note(
+                    int(placed[0]),
+                    int(placed[-1]),
+                    "unplaced_line",
+                    "a GPU stopped or came back near here and only the GPUs' steady power tells "
+                    "them apart, not any one instant's: these lines are not booked",
+                    int(placed.size),
+                )
+            )
     return gpu, notes
 
 
@@ -451,6 +466,8 @@ def _refine(
         mp1, mp2 = mapping[k], mapping[k + 1]
         if mp1 is None or mp2 is None or (n1 == n2 and (mp1 == mp2).all()):
             continue
+        if isinstance(mp1, SteadyChoice) or isinstance(mp2, SteadyChoice):
+            continue  # single instants do not tell these GPUs apart: the edge stays unplaced
         reach = max(REFINE_BLOCKS, REFINE_LINES // n2)
         j_lo = min(reach, (b - a1 - n1) // n2)
         j_hi = min(reach, (c - b) // n2 - 2)  # keep a block after as reference
@@ -459,9 +476,17 @@ def _refine(
         if j_lo < 0 or j_hi < 0 or before is None or hi + n2 > c:
             continue
         refs = np.full((2, n_gpus, 2), np.nan)
-        r0, rn, rmp = before
-        refs[0, rmp, 0], refs[0, rmp, 1] = p[r0 : r0 + rn], m[r0 : r0 + rn]
-        refs[1, mp2, 0], refs[1, mp2, 1] = p[hi : hi + n2], m[hi : hi + n2]
+        r0, rn, rmp, ra = before
+        # The median of a few blocks each side: one block's power is as noisy as the GPUs' own
+        # differences on some boards.
+        back = [r0 - j * rn for j in range(REF_BLOCKS) if r0 - j * rn >= ra]
+        ahead = [hi + j * n2 for j in range(REF_BLOCKS) if hi + (j + 1) * n2 <= c]
+        with warnings.catch_warnings():  # a column without readings (no memory.used): NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for side, firsts, width, gpus_of in ((0, back, rn, rmp), (1, ahead, n2, mp2)):
+                for col, values in ((0, p), (1, m)):
+                    blocks = np.stack([values[f : f + width] for f in firsts])
+                    refs[side, gpus_of, col] = np.nanmedian(blocks, axis=0)
         ref = _combined(refs)
         scored = []
         for j in range(-j_lo, j_hi + 1):
@@ -488,15 +513,15 @@ def _refine(
 
 def _block_ending(
     segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None], k: int, upto: int
-) -> tuple[int, int, np.ndarray] | None:
+) -> tuple[int, int, np.ndarray, int] | None:
     """The last full block of segment `k` or an earlier one that ends by slot `upto`, its GPUs
-    known: (first slot, size, GPUs)."""
+    known: (first slot, size, GPUs, its segment's first slot)."""
     for j in range(k, -1, -1):
         a0, b0, n0 = segments[j]
         mp = mapping[j]
         full = (min(b0, upto) - a0) // n0
         if mp is not None and full > 0:
-            return a0 + (full - 1) * n0, n0, mp
+            return a0 + (full - 1) * n0, n0, mp, a0
     return None
 
 
@@ -595,7 +620,67 @@ def _choose_mapping(
     if k == 0:
         return None
     lines = np.arange(a, a + k * n)
-    return _best(itertools.combinations(range(n_gpus), n), lines, n, p, m, ref)
+    best = _best(itertools.combinations(range(n_gpus), n), lines, n, p, m, ref)
+    return best if best is not None else _by_steady_power(a, b, n, n_gpus, p, prev)
+
+
+# Where the first instants do not tell (GPUs reading alike within their noise), each GPU's own
+# steady power may: the median of up to STEADY_INSTANTS instants each side, on a level that holds
+# (the stretch's median within STEADY_LEVEL_SHARE of the blocks' before it), the best choice's
+# summed mismatch at least STEADY_MARGIN_W below the next one's.
+STEADY_INSTANTS = 30
+STEADY_LEVEL_SHARE = 0.05
+STEADY_MARGIN_W = 8.0
+
+
+def _by_steady_power(
+    a: int, b: int, n: int, n_gpus: int, p: np.ndarray, prev: tuple[int, int, np.ndarray, int]
+) -> np.ndarray | None:
+    """The n GPUs of a short stretch told apart by each GPU's steady power (18-45 W apart on
+    real boards at one level), or None where the levels do not differ clearly."""
+    p0, n0, mp0, a0 = prev
+    firsts = [p0 - j * n0 for j in range(STEADY_INSTANTS) if p0 - j * n0 >= a0]
+    k = min((b - a) // n, STEADY_INSTANTS)
+    if k < COMPARE_INSTANTS or len(firsts) < COMPARE_INSTANTS:
+        return None
+    ref = np.full(n_gpus, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref[mp0] = np.nanmedian(np.stack([p[f : f + n0] for f in firsts]), axis=0)
+        here = np.nanmedian(p[a : a + k * n].reshape(k, n), axis=0)
+    level = float(np.nanmedian(ref))
+    if not np.isfinite(here).all() or abs(float(np.median(here)) - level) > STEADY_LEVEL_SHARE * level:
+        return None
+    scored = []
+    for ch in itertools.combinations(range(n_gpus), n):
+        c = float(np.abs(here - ref[list(ch)]).sum())
+        if c == c:
+            scored.append((c, ch))
+    if not scored:
+        return None
+    scored.sort(key=lambda x: x[0])
+    if len(scored) > 1 and scored[1][0] - scored[0][0] < STEADY_MARGIN_W:
+        return None
+    return np.asarray(scored[0][1], np.int64).view(SteadyChoice)
+
+
+class SteadyChoice(np.ndarray):
+    """A segment's GPUs told by their steady power alone: right for the stretch, but no single
+    instant's readings place its edges, so the blocks around them are left unplaced."""
+
+
+def _edges_of_steady(
+    segments: list[tuple[int, int, int]], mapping: list[np.ndarray | None], n_slots: int
+) -> list[tuple[int, int]]:
+    """[first, end) slots around each edge of a segment placed by steady power: as far either
+    side as the stamps may put an edge off (`_refine`'s reach), on both segments."""
+    out = []
+    for k, (a, b, n) in enumerate(segments):
+        if not isinstance(mapping[k], SteadyChoice):
+            continue
+        reach = max(REFINE_BLOCKS, REFINE_LINES // n) * n
+        out += [(max(0, a - reach), min(n_slots, a + reach)), (max(0, b - reach), min(n_slots, b + reach))]
+    return out
 
 
 def _best(

@@ -335,6 +335,29 @@ def resolve(
     )
 
 
+# A model's known limit is doubted where this share of a GPU's readings lies above it by more
+# than OVER_LIMIT_MARGIN (boards briefly exceed their limit by a few percent; a trace that reads
+# 739 W for an "A100" of 400 W is another GPU, or a mislabelled one).
+OVER_LIMIT_SHARE = 0.01
+OVER_LIMIT_MARGIN = 1.15
+
+
+def over_limit(profile: Profile, source: str, power_w: np.ndarray) -> dict[str, float] | None:
+    """Where a profile taken from a model's name (its known limit, not one the trace or the
+    operator gave) is contradicted by the readings: {limit_w, reading_w} (the reading at the top
+    OVER_LIMIT_SHARE), else None."""
+    if source not in ("derived_from_model", "builtin") or not profile.power_limit_w:
+        return None
+    p = np.asarray(power_w, np.float64)
+    p = p[np.isfinite(p)]
+    if p.size == 0:
+        return None
+    top = float(np.quantile(p, 1 - OVER_LIMIT_SHARE))
+    if top <= profile.power_limit_w * OVER_LIMIT_MARGIN:
+        return None
+    return {"limit_w": float(profile.power_limit_w), "reading_w": round(top, 1)}
+
+
 def learned(profile: Profile, source: str, idle_w: float | None) -> tuple[Profile, str]:
     """`with_idle` with the source it leaves: `learned_idle` when the learned idle power moved a
     derived profile's edges (what it was derived from stays in its provenance, `derived_from`),

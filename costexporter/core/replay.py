@@ -8,7 +8,7 @@ job), classifies bands, builds the booking timeline and books every slice.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -633,6 +633,11 @@ def job_profile(
         directory=cfg.profile_dir,
         levels=lambda: profiles.trace_levels(power_w, util_pct, learned),
     )
+    over = profiles.over_limit(profile, source, power_w)
+    if over is not None:  # the named model is not the GPU that drew this power
+        derived = profiles.from_trace(profiles.trace_levels(power_w, util_pct, learned), name=profile.name)
+        profile = replace(derived, provenance={**(derived.provenance or {}), "over_limit": over})
+        source = "derived_from_trace"
     return profiles.learned(profile, source, learned)
 
 
@@ -899,7 +904,7 @@ def profile_report(p: Profile, source: str) -> Report:
         "low_max_w": p.low_max_w,
         "compute_min_w": p.compute_min_w,
     }
-    for k in ("derived_from", "learned_idle_w", "compute_level_w", "estimated_power_limit_w"):
+    for k in ("derived_from", "learned_idle_w", "compute_level_w", "estimated_power_limit_w", "over_limit"):
         if k in prov:
             out[k] = prov[k]
     return out

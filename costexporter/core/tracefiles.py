@@ -83,7 +83,7 @@ class SampleChunk:
     line: np.ndarray | None = None  # int64: each row's line in its file (header = 1)
 
 
-def _check_file(path: Path) -> bytes:
+def check_file(path: Path) -> bytes:
     """The first bytes of a usable text file; InputError with one clear line otherwise."""
     try:
         with path.open("rb") as f:
@@ -108,7 +108,7 @@ def _check_file(path: Path) -> bytes:
 
 def sniff_format(path: Path) -> str:
     """'csv' or 'jsonl', from the first non-blank character."""
-    head = _check_file(path).lstrip()
+    head = check_file(path).lstrip()
     return "jsonl" if head[:1] in (b"{", b"[") else "csv"
 
 
@@ -155,7 +155,7 @@ def parse_columns(text: str) -> dict[str, str]:
     return out
 
 
-def _column_key(name: str) -> str:
+def column_key(name: str) -> str:
     """'power.draw [W]' -> 'power.draw'; a common other name -> nvidia-smi's ('power_W')."""
     key = name.strip().lower()
     if "[" in key:
@@ -166,7 +166,7 @@ def _column_key(name: str) -> str:
 UNIT_CHARS = " W%JkmMiBHz"
 
 
-def _numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+def numeric(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """Text like ' 951.20 W', '100 %', '[N/A]' to float64 (NaN for N/A), plus a bad-value mask."""
     # ASCII units: the same as utf8_trim, faster.
     s = call_function("ascii_trim", [col], TrimOptions(UNIT_CHARS))
@@ -262,7 +262,7 @@ def _fixed_timestamps(col: pa.ChunkedArray) -> np.ndarray | None:
     return np.concatenate(out) if out else None
 
 
-def _timestamps(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray, str]:
+def timestamp_ms(col: pa.ChunkedArray, tz: str) -> tuple[np.ndarray, np.ndarray, str]:
     """Logged times to UTC epoch ms, the rows that are no time, and how they were read
     (`timeutil.parse_times`): nvidia-smi's local times ('2025/07/26 23:53:30.945') in zone `tz`
     on the fast path, else any ISO 8601 form with or without a zone, or Unix time."""
@@ -284,16 +284,16 @@ def read_nvidia_smi_csv(
 ) -> SampleChunk:
     """`nvidia-smi --query-gpu=... --format=csv[,nounits] -lms N` output, in any column order
     (or another logger's CSV: its column names as `columns` maps them, or the common ones)."""
-    _check_file(path)
+    check_file(path)
     names, keys, ends_with_newline = _smi_header(path, columns)
     counts_before = diag.counts.copy()
-    table, invalid, not_lines = _smi_table(path, names)
+    table, invalid, not_lines = csv_strings(path, names)
     n = table.num_rows
     line_of_row, last_line = _smi_lines(path, n, invalid, ends_with_newline, diag)
     col = {k: table.column(i) for i, k in enumerate(keys) if k}
     rows = _RowFilter(str(path), n, line_of_row, diag)
     try:
-        ts_ms, bad_ts, read_as = _timestamps(col["timestamp"], tz)
+        ts_ms, bad_ts, read_as = timestamp_ms(col["timestamp"], tz)
     except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
         raise InputError(f"{path}: impossible timestamp: {e}") from None
     if read_as.startswith("unix_"):
@@ -323,7 +323,7 @@ def read_nvidia_smi_csv(
     )
     power, util = _smi_readings(col, names, keys, rows)
     if "index" in col:
-        idx_f, bad = _numeric(col["index"])
+        idx_f, bad = numeric(col["index"])
         rows.bad(bad | np.isnan(idx_f), "bad_value", "non-numeric index")
         index = np.nan_to_num(idx_f, nan=-1).astype(np.int64)
     else:
@@ -334,7 +334,7 @@ def read_nvidia_smi_csv(
             line_of_row,
             skip=skip,
             power=power,
-            memory=(lambda: _numeric(col["memory.used"])[0]) if "memory.used" in col else None,
+            memory=(lambda: numeric(col["memory.used"])[0]) if "memory.used" in col else None,
             invalid_lines=[x for x in invalid if x not in set(not_lines)],
         )
         rows.drop |= index < 0
@@ -382,7 +382,7 @@ def _smi_header(path: Path, columns: Mapping[str, str] | None = None) -> tuple[l
         f.seek(max(size - 1, 0))
         ends_with_newline = f.read(1) in (b"\n", b"\r")
     names = [c for c in header.rstrip("\r\n").split(",")]
-    keys = [_column_key(c) for c in names]
+    keys = [column_key(c) for c in names]
     for key, column in (columns or {}).items():  # the user's mapping wins over the names
         at = [i for i, c in enumerate(names) if c.strip().lower() == column.lower()]
         if not at:
@@ -406,7 +406,7 @@ def _smi_header(path: Path, columns: Mapping[str, str] | None = None) -> tuple[l
     return names, keys, ends_with_newline
 
 
-def _smi_table(path: Path, names: list[str]) -> tuple[pa.Table, list[int], list[int]]:
+def csv_strings(path: Path, names: list[str]) -> tuple[pa.Table, list[int], list[int]]:
     """The CSV as strings, with the line numbers of the rows skipped as invalid and, among them,
     those that are no GPU's line (blank, a repeated header)."""
     invalid: list[int] = []
@@ -481,14 +481,14 @@ def _smi_readings(
     power = None
     for k in ("power.draw.instant", "power.draw", "power.draw.average"):
         if k in col:
-            p, bad = _numeric(col[k])
+            p, bad = numeric(col[k])
             p = p * POWER_UNITS[_power_unit(names[keys.index(k)], col[k])]
             rows.bad(bad, "bad_value", f"non-numeric {k}")
             power = p if power is None else np.where(np.isnan(power), p, power)
     assert power is not None
     with np.errstate(invalid="ignore"):
         rows.bad((power < 0) | (power > MAX_POWER_W), "bad_value", "power outside [0, 10000] W")
-    util, bad = _numeric(col["utilization.gpu"])
+    util, bad = numeric(col["utilization.gpu"])
     rows.bad(bad, "bad_value", "non-numeric utilization.gpu")
     with np.errstate(invalid="ignore"):
         rows.bad((util < 0) | (util > 100), "bad_value", "utilization outside [0, 100] %")
@@ -510,7 +510,7 @@ def _smi_gpu_attributes(
 
     limits: dict[tuple[str, int], float] = {}
     if "power.limit" in col:
-        lim = _numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
+        lim = numeric(call_function("take", [col["power.limit"], pa.array(first)]))[0]
         limits = {(host, int(index[i])): float(x) for i, x in zip(first, lim, strict=True) if x > 0}
     return per_gpu("uuid"), per_gpu("name"), limits
 
@@ -686,7 +686,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, bytes, Any]]:  # Any: what js
 
 def read_samples_jsonl(path: Path, host: str, diag: Diagnostics) -> SampleChunk:
     """One JSON object a line: ts, host, gpu, uuid?, power_w, util_pct, energy_mj?."""
-    _check_file(path)
+    check_file(path)
     cols: dict[str, list[float]] = {k: [] for k in ("host", "gpu", "ts", "p", "u", "e", "line")}
     host_ids: dict[str, int] = {}
     uuids: dict[tuple[str, int], str] = {}
@@ -833,7 +833,7 @@ def read_samples(
 
 def read_events_jsonl(path: Path, diag: Diagnostics) -> list[Event]:
     """Events of protocol v1, one JSON object a line; de-duplicated on (rank, session, seq)."""
-    _check_file(path)
+    check_file(path)
     where = str(path)
     out: list[Event] = []
     seen: set[tuple[object, ...]] = set()

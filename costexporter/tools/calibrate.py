@@ -332,6 +332,7 @@ def fit(
     ts, power, util = samples.ts_ms, samples.power_w, samples.util_pct
     rank = _ranks(samples, events)[samples.gpu]
     lab = event_labels(events, len(samples), ts) if events else np.full(len(samples), "", dtype=object)
+    notes: list[str] = []
     for a, b, level in labels:
         inside = (ts >= a) & (ts < b)
         if not inside.any():
@@ -340,7 +341,12 @@ def fit(
                 f"{_when(int(ts.min()), tz)}..{_when(int(ts.max()), tz)} (times in --tz {tz})"
             )
         lab[inside] = level
-        _one_level(a, b, level, inside & np.isfinite(power), power, limit, tz)
+        if _one_level(a, b, level, inside & np.isfinite(power), power, limit, tz, ts, grid_ms):
+            notes.append(
+                f"label {_when(a, tz)}..{_when(b, tz)}={level} holds two power levels at the same "
+                "moments (GPUs at levels of their own, or one decaying): both fitted as "
+                f"{level}"
+            )
     held = ((ts // HOLD_OUT_BLOCK_MS) % HOLD_OUT_EVERY) == HOLD_OUT_EVERY - 1
     train = ~held & np.isfinite(power) & np.isfinite(util)
 
@@ -348,7 +354,13 @@ def fit(
     if not named:
         raise CalibrationError("no power levels found in the baselines")
     check_physical(named, limit)
-    warnings: list[str] = []
+    warnings: list[str] = list(notes)
+    if workloads(samples, events) <= 1:
+        warnings.append(
+            "fitted on one workload (one run): its levels may not carry over to another workload "
+            "of this GPU (one TITAN X run's fit banded another's 0.72-0.75 alike); calibrate from "
+            "baselines of two or more of your workloads"
+        )
     if limit_from in ("derived_from_trace", "highest_reading"):
         warnings.append(
             f"the power limit ({limit:.0f} W, the scale of the fit) is "
@@ -388,6 +400,16 @@ def fit(
     return Fit(prof, named, confusion, acc, warnings, defaulted)
 
 
+SEPARATE_RUNS_MS = 10 * 60 * 1000  # recordings this far apart in time are separate runs
+
+
+def workloads(samples: Samples, events: list[Event]) -> int:
+    """How many runs the baselines hold: the events' jobs, or recordings apart in time."""
+    t = np.unique(samples.ts_ms)
+    recordings = 1 + int(np.sum(np.diff(t) > SEPARATE_RUNS_MS)) if t.size else 0
+    return max(len({e.job for e in events}), recordings)
+
+
 def _power_limit(samples: Samples, model: str, power_limit_w: float | None) -> tuple[float, str]:
     """The power limit that scales the fit, by the profile rule (`profiles.resolve`): --power-limit,
     the trace's `power.limit`, the model's known limit, else the baselines' own busy level; and
@@ -419,23 +441,43 @@ TWO_LEVEL_RATIO = 1.5
 MIN_LABEL_AGREEMENT = 0.9
 
 
+# Two levels of one label that share at least this share of their moments are simultaneous.
+SIMULTANEOUS_SHARE = 0.5
+
+
 def _one_level(
-    a: int, b: int, level: str, inside: np.ndarray, power: np.ndarray, limit: float, tz: str
-) -> None:
-    """Refuse a label whose samples are two power levels far apart: one label, one level."""
+    a: int,
+    b: int,
+    level: str,
+    inside: np.ndarray,
+    power: np.ndarray,
+    limit: float,
+    tz: str,
+    ts: np.ndarray,
+    grid_ms: int,
+) -> bool:
+    """Refuse a label whose samples are two power levels far apart one after the other: one
+    label, one level, and a time split separates them. Two levels at the same moments (GPUs
+    idling at their own levels, one GPU's power decaying while the others stay) are what the
+    label says of every GPU: accepted, and True is returned."""
     idx = np.flatnonzero(inside)
     if idx.size < MIN_LABELLED:
-        return
+        return False
     found = modes(np.where(inside, power, np.nan), limit)
     big = [f for f in found if f.size >= TWO_LEVEL_SHARE * idx.size]
     if len(big) < 2:
-        return
-    centres = sorted(float(np.median(power[f])) for f in big)
+        return False
+    by_centre = sorted(big, key=lambda f: float(np.median(power[f])))
+    centres = [float(np.median(power[f])) for f in by_centre]
     if centres[-1] >= TWO_LEVEL_RATIO * centres[0]:
+        lo, hi = (set((ts[f] // grid_ms).tolist()) for f in (by_centre[0], by_centre[-1]))
+        if len(lo & hi) >= SIMULTANEOUS_SHARE * min(len(lo), len(hi)):
+            return True
         raise CalibrationError(
             f"label {_when(a, tz)}..{_when(b, tz)}={level} spans two power levels (~{centres[-1]:.0f} W and "
             f"~{centres[0]:.0f} W): a label holds one band; split it where the power changes"
         )
+    return False
 
 
 # What a fitted profile's bands say of a label: the label's level, or for time inside completed

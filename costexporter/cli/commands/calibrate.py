@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from costexporter.cli.options import InputFailure, check_tz, parse_time, sample_spec
+from costexporter.cli.options import InputFailure, check_tz, log_clock, parse_time, sample_spec
 from costexporter.cli.render import calibration
 
 
@@ -18,7 +18,14 @@ from costexporter.cli.render import calibration
     multiple=True,
     required=True,
     metavar="[HOST=]PATH",
-    help="Baseline trace(s): a known-healthy run and a known hang (nvidia-smi CSV or JSONL).",
+    help="Baseline trace(s): a known-healthy run and a known hang (nvidia-smi CSV or any format "
+    "replay reads).",
+)
+@click.option(
+    "--start", default=None, help="The time of a dateless log's first line (dmon without -o DT, dcgmi dmon)."
+)
+@click.option(
+    "--interval", type=click.FloatRange(min=0.001), default=None, help="A dateless log's interval, s [1]."
 )
 @click.option("--events", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
 @click.option(
@@ -34,12 +41,12 @@ from costexporter.cli.render import calibration
 @click.option("--tz", default="UTC", callback=check_tz, help="Time zone of naive timestamps.")
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
-def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> None:
+def calibrate(samples, start, interval, events, labels, gpu_model, power_limit, tz, out, fmt) -> None:
     """Fit a GPU model's band profile from your own baselines (docs/background.md, the power bands)."""
     import json
 
     from costexporter.cli.allocator import keep_freed_memory
-    from costexporter.core import profiles
+    from costexporter.core import gpulogs, profiles
     from costexporter.core import tracefiles as files
     from costexporter.core.diagnostics import Diagnostics, InputError
     from costexporter.tools.calibrate import CalibrationError, fit, parse_label
@@ -48,7 +55,8 @@ def calibrate(samples, events, labels, gpu_model, power_limit, tz, out, fmt) -> 
     diag = Diagnostics(stream=sys.stderr)
     try:
         specs = [sample_spec(s) for s in samples]
-        sample_set = files.combine([files.read_samples(p, h, tz, diag) for h, p in specs], diag)
+        clock = log_clock(start, interval, tz)
+        sample_set = files.combine([gpulogs.read_log(p, h, tz, diag, clock=clock) for h, p in specs], diag)
         evs = files.read_events_jsonl(events, diag) if events else []
         windows = [parse_label(x, parse_time(tz)) for x in labels]
         if not evs and not windows:

@@ -16,7 +16,9 @@ from costexporter.cli.options import (
     booking_config,
     booking_options,
     check_tz,
+    instant_ms,
     load_profile,
+    log_clock,
     policy_terms,
     price_config,
     price_options,
@@ -30,9 +32,55 @@ from costexporter.cli.options import (
     "--samples",
     "samples",
     multiple=True,
-    required=True,
     metavar="[HOST=]PATH",
-    help="nvidia-smi CSV or JSONL samples; repeatable. HOST defaults to the file's stem.",
+    help="GPU samples: nvidia-smi CSV (or another logger's CSV, one column per GPU too), JSONL, "
+    "nvidia-smi dmon, dcgmi dmon, a dcgm-exporter dump; repeatable. HOST defaults to the file's stem.",
+)
+@click.option(
+    "--prometheus",
+    metavar="URL",
+    default=None,
+    help="Replay the DCGM series a Prometheus (Thanos, Mimir) holds for --start..--end instead of "
+    "(or beside) sample files; pods become jobs (kube-state-metrics' owners where it has them).",
+)
+@click.option(
+    "--match",
+    "selector",
+    default="",
+    metavar="MATCHERS",
+    help='Label matchers added to every --prometheus query: cluster="a",Hostname=~"node-1.*".',
+)
+@click.option(
+    "--start",
+    "start",
+    default=None,
+    help="Start of the --prometheus window, or the time of a dateless log's first line (dmon without "
+    "-o DT, dcgmi dmon, a dump without times); ISO 8601 or Unix seconds, zone-less in --tz.",
+)
+@click.option("--end", "end", default=None, help="End of the --prometheus window.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.001),
+    default=None,
+    help="A dateless log's sampling interval (its -d), default 1 s; the --prometheus query step, "
+    "default 15 s.",
+)
+@click.option(
+    "--job-map",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Jobs of a past window: a CSV of pod,job[,namespace], or SLURM `sacct -P -o "
+    "JobID,JobName,NodeList,Start,End,AllocTRES` output (whole nodes by node and time).",
+)
+@click.option(
+    "--steps-from-tensorboard",
+    "tensorboard",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The job's steps from a TensorBoard run directory (the wall times of --tag's values).",
+)
+@click.option(
+    "--tag", default=None, help="The TensorBoard tag logged with every (Nth) step, e.g. train/loss."
 )
 @click.option(
     "--events", type=click.Path(dir_okay=False, path_type=Path), help="Trainer events, JSONL of protocol v1."
@@ -98,6 +146,14 @@ from costexporter.cli.options import (
 @click.option("--timings", is_flag=True, help="Print where the time went (JSON, to stderr).")
 def replay(
     samples,
+    prometheus,
+    selector,
+    start,
+    end,
+    interval,
+    job_map,
+    tensorboard,
+    tag,
     events,
     job,
     tz,
@@ -130,14 +186,22 @@ def replay(
         if profile is None:
             profiles.check_model(gpu_model, power_limit, profile_dir)
         specs = [sample_spec(s) for s in samples]
+        if not specs and not prometheus:
+            raise InputFailure("give --samples FILE (repeatable) or --prometheus URL with --start and --end")
         try:
             mapping = files.parse_columns(columns) if columns else None
         except ValueError as e:
             raise InputFailure(str(e)) from None
-        with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
-            chunks = list(pool.map(lambda hp: files.read_samples(hp[1], hp[0], tz, diag, mapping), specs))
+        chunks, spans = _read_samples(specs, tz, diag, mapping, log_clock(start, interval, tz))
+        if prometheus:
+            got, more = _read_prometheus(prometheus, selector, start, end, interval, tz, diag)
+            chunks.append(got)
+            spans += more
         sample_set = files.combine(chunks, diag)
         evs = files.read_events_jsonl(events, diag) if events else []
+        evs += _job_events(sample_set, spans, job_map, prometheus, start, end, tz, diag)
+        if tensorboard:
+            evs += _tensorboard_steps(tensorboard, tag, job, evs)
         clock.append(("read_s", time.perf_counter()))
         cfg = ReplayConfig(
             booking=booking_config(config),
@@ -164,7 +228,7 @@ def replay(
         _term_notes(results)
         for line in report.progress_notes(result, progress):
             click.echo(f"costexporter: {line}", err=True)
-        for line in report.profile_notes(result):
+        for line in report.profile_notes(result) + report.energy_notes(result):
             click.echo(f"costexporter: {line}", err=True)
     if fmt == "table":
         floor = report.INCIDENT_FLOOR_S if incident_floor is None else incident_floor
@@ -202,3 +266,86 @@ def _term_notes(results: list) -> None:
             continue
         if r.terms.ignored_meta:
             click.echo(f"costexporter: {ignored_meta_note(r.name, r.terms.ignored_meta)}", err=True)
+
+
+def _read_samples(specs, tz, diag, mapping, clock) -> tuple[list, list]:
+    """Every --samples file, read by its format in parallel: the chunks, and the pods a
+    dcgm-exporter dump saw on its GPUs."""
+    from costexporter.core import gpulogs
+    from costexporter.services import history
+
+    def read(spec):
+        host, path = spec
+        if gpulogs.kind_of(path, mapping) == "dcgm-exporter":
+            return history.read_exporter_dump(path, host, clock, diag)
+        return gpulogs.read_log(path, host, tz, diag, mapping, clock), []
+
+    if not specs:
+        return [], []
+    with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
+        got = list(pool.map(read, specs))
+    return [c for c, _ in got], [s for _, spans in got for s in spans]
+
+
+def _read_prometheus(url, selector, start, end, interval, tz, diag):
+    from costexporter.services import history
+
+    if not start or not end:
+        raise InputFailure("--prometheus needs --start and --end")
+    t0, t1 = instant_ms(start, tz, "--start") / 1000, instant_ms(end, tz, "--end") / 1000
+    try:
+        return history.read_prometheus(history.Prometheus(url), t0, t1, interval or 15.0, diag, selector)
+    except history.PrometheusError as e:
+        raise InputFailure(str(e)) from None
+
+
+def _job_events(sample_set, spans, job_map_path, prometheus, start, end, tz, diag) -> list:
+    """The registrations of the jobs a past window's pods (or a SLURM export) say held its GPUs."""
+    from costexporter.core import bands
+    from costexporter.services import history, jobmap
+
+    jm = jobmap.load(job_map_path, tz) if job_map_path else None
+    out = []
+    if jm is not None and jm.slurm:
+        end_ms = int(sample_set.ts_ms.max()) if len(sample_set) else 0
+        out += jobmap.slurm_events(jm.slurm, sample_set.gpus, end_ms, diag)
+    if jm is not None and jm.pods and not spans:
+        click.echo(
+            "costexporter: the job map names pods, but no reading named the pod holding its GPU "
+            "(only dcgm-exporter's series do: a dump or --prometheus): it maps nothing here",
+            err=True,
+        )
+    if spans:
+        owners = {}
+        if prometheus and start and end:
+            try:
+                owners = history.pod_owners(
+                    history.Prometheus(prometheus),
+                    instant_ms(start, tz, "--start") / 1000,
+                    instant_ms(end, tz, "--end") / 1000,
+                )
+            except history.PrometheusError as e:
+                click.echo(
+                    f"costexporter: kube-state-metrics' pod owners not read ({e}): jobs named by pod",
+                    err=True,
+                )
+        names = jobmap.pod_jobs(spans, jm, owners)
+        interval = bands.sampling_interval_ms(sample_set.gpu, sample_set.ts_ms)
+        out += jobmap.span_events(spans, names, int(interval))
+    return out
+
+
+def _tensorboard_steps(path, tag, job, evs) -> list:
+    from costexporter.services import tbsteps
+
+    if not tag:
+        raise InputFailure(
+            "--steps-from-tensorboard needs --tag (the scalar logged with each step, e.g. train/loss)"
+        )
+    jobs = sorted({e.job for e in evs})
+    name = job or (jobs[0] if len(jobs) == 1 else None)
+    if name is None and jobs:
+        raise InputFailure(
+            f"--steps-from-tensorboard: say which job they are with --job (jobs: {', '.join(jobs[:10])})"
+        )
+    return tbsteps.step_events(tbsteps.logged_steps(path, tag), name or "trace")
