@@ -17,7 +17,7 @@ from costexporter.core.attribution import Facts
 from costexporter.services.k8s import KubernetesJobs, job_name
 from costexporter.services.k8s_api import PodLookup
 from costexporter.services.k8s_owner import OWNER_LABELS, owner_of, owner_of_pod
-from costexporter.sources.dcgm import DcgmSource, PodRef
+from costexporter.sources.dcgm import DcgmSource, PodRef, pod_of
 from costexporter.store import keys
 
 from .http_stub import HttpStub, write_kubeconfig
@@ -293,7 +293,7 @@ def test_lightkube_reads_pods_and_maps_404_to_none_and_403_to_a_counted_error(tm
     ],
 )
 def test_every_spelling_of_dcgm_exporters_pod_labels_gives_the_job(labels):
-    ref = DcgmSource._pod_of({"gpu": "0", "UUID": "GPU-1", **labels})
+    ref = pod_of({"gpu": "0", "UUID": "GPU-1", **labels})
     assert ref is not None
     assert (ref.namespace, ref.pod, ref.container) == ("ml", "llama-ft-worker-1", "trainer")
     assert job_name(ref) == "ml:llama-ft" and not ref.labels  # no label of dcgm's own taken for a pod's

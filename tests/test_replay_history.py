@@ -19,6 +19,7 @@ import pytest
 
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.services import history, jobmap, tbsteps
+from costexporter.sources.dcgm import PodRef
 
 from .conftest import ROOT
 from .http_stub import HttpStub
@@ -194,7 +195,7 @@ def test_the_window_is_pulled_in_chunks_and_a_failing_api_retried(prom, monkeypa
     assert failures["left"] == 0 and api.queries >= 4 * (720 // 50) + 2
     for name in ("ts_ms", "power_w", "util_pct", "index"):
         assert np.array_equal(getattr(chunk, name), getattr(whole_chunk, name)), name
-    assert len(chunk.ts_ms) == 8 * 720 and {s.pod.name for s in spans} >= {"llama-7b-worker-0"}
+    assert len(chunk.ts_ms) == 8 * 720 and {s.pod.pod for s in spans} >= {"llama-7b-worker-0"}
 
 
 def test_a_prometheus_that_refuses_is_one_line_exit_2(cli):
@@ -210,9 +211,9 @@ def test_a_prometheus_that_refuses_is_one_line_exit_2(cli):
 
 def test_pods_are_named_by_a_job_map_before_their_owner(tmp_path):
     spans = [
-        history.PodSpan(history.Pod("ml", "llama-7b-worker-0"), "node0", 0, "GPU-a", 0, 10_000),
-        history.PodSpan(history.Pod("ml", "llama-7b-worker-0"), "node0", 1, "GPU-b", 0, 10_000),
-        history.PodSpan(history.Pod("ci", "smoke-x7k2p"), "node1", 0, None, 5_000, 8_000),
+        history.PodSpan(PodRef("ml", "llama-7b-worker-0"), "node0", 0, "GPU-a", 0, 10_000),
+        history.PodSpan(PodRef("ml", "llama-7b-worker-0"), "node0", 1, "GPU-b", 0, 10_000),
+        history.PodSpan(PodRef("ci", "smoke-x7k2p"), "node1", 0, None, 5_000, 8_000),
     ]
     owners = {
         ("ml", "llama-7b-worker-0"): history.PodFacts(

@@ -414,7 +414,7 @@ def test_dcgm_exporters_own_output_saved_scrape_after_scrape_reads_as_a_dump(tmp
         t0 = 1772323200000
         assert chunk.hosts == [host] and chunk.index.tolist() == [i for i in range(n_gpus) for _ in (0, 1)]
         assert chunk.ts_ms.tolist() == [t0, t0 + 15000] * n_gpus
-        assert {s.pod.name for s in spans} == {pod} and all(s.last_ms == t0 + 15000 for s in spans)
+        assert {s.pod.pod for s in spans} == {pod} and all(s.last_ms == t0 + 15000 for s in spans)
         assert chunk.name[(host, 0)] == "NVIDIA H100 80GB HBM3" and chunk.energy_mj is not None
     path = tmp_path / "mig.prom"
     path.write_text("2026-03-01T00:00:00Z\n" + (src / "dcgm-4.2-mig-h100.prom").read_text())

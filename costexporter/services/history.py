@@ -6,7 +6,7 @@ is missing), `DCGM_FI_DEV_GPU_UTIL` (%), `DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION` 
 labelled `gpu`, `UUID`, `Hostname` or `hostname`, `modelName`, and in Kubernetes the `pod` and
 `namespace` holding the GPU (`exported_*` through a federation, `pod_name` in the old mode).
 A GPU is (host, `gpu`); MIG instances' series (`GPU_I_ID`) are counted and skipped: replay books
-whole GPUs. The pods become jobs (`PodSpans`, `jobs.py`'s job maps): each pod's stretch on a GPU
+whole GPUs. The pods become jobs (`PodSpan`s, `jobmap.py`): each pod's stretch on a GPU
 is a registration of its job, a rank per GPU.
 
 A dump's samples are dated by their own timestamps where the exposition carries them, else by
@@ -36,7 +36,7 @@ from costexporter.core import timeutil
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.gpulogs import LogClock
 from costexporter.core.tracefiles import MAX_POWER_W, SampleChunk, check_file
-from costexporter.sources.dcgm import ENERGY, POD_LABELS, POWER, POWER_INSTANT, UTIL
+from costexporter.sources.dcgm import ENERGY, POWER, POWER_INSTANT, UTIL, PodRef, pod_of
 
 log = logging.getLogger("costexporter.history")
 
@@ -47,20 +47,10 @@ RETRIES = 4
 
 
 @dataclass(frozen=True, slots=True)
-class Pod:
-    """A pod as dcgm-exporter labels a GPU's series: namespace, name, and the pod's own labels
-    where dcgm-exporter exports them."""
-
-    namespace: str
-    name: str
-    labels: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class PodSpan:
     """A pod's stretch on a GPU: from its first to its last reading there (epoch ms)."""
 
-    pod: Pod
+    pod: PodRef
     host: str
     gpu: int
     uuid: str | None
@@ -73,15 +63,7 @@ class _Gpu:
     uuid: str | None = None
     model: str | None = None
     points: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
-    pods: list[tuple[np.ndarray, Pod | None]] = field(default_factory=list)  # power points' pods
-
-
-def _pod_of(labels: Mapping[str, str]) -> Pod | None:
-    for pod_k, ns_k, _c in POD_LABELS:
-        if labels.get(pod_k):
-            own = tuple(sorted((k, v) for k, v in labels.items() if k.startswith("label_") or k == "team"))
-            return Pod(labels.get(ns_k, ""), labels[pod_k], own)
-    return None
+    pods: list[tuple[np.ndarray, PodRef | None]] = field(default_factory=list)  # power points' pods
 
 
 def _host_of(labels: Mapping[str, str], default: str) -> str:
@@ -120,7 +102,7 @@ class Gather:
         g.model = g.model or labels.get("modelName") or None
         g.points.setdefault(role, []).append((ts_ms.astype(np.int64), values.astype(np.float64)))
         if role in ("power", "power_instant"):
-            g.pods.append((ts_ms.astype(np.int64), _pod_of(labels)))
+            g.pods.append((ts_ms.astype(np.int64), pod_of(labels)))
 
     def chunk(self) -> tuple[SampleChunk, list[PodSpan]]:
         """One SampleChunk of every GPU, and each pod's stretches on them."""
@@ -191,10 +173,10 @@ def _at(parts: list[tuple[np.ndarray, np.ndarray]] | None, ts: np.ndarray) -> np
 
 
 def _spans(
-    pods: list[tuple[np.ndarray, Pod | None]], host: str, index: int, uuid: str | None
+    pods: list[tuple[np.ndarray, PodRef | None]], host: str, index: int, uuid: str | None
 ) -> list[PodSpan]:
     """Each pod's [first, last] reading on the GPU."""
-    by_pod: dict[Pod, list[int]] = {}
+    by_pod: dict[PodRef, list[int]] = {}
     for ts, pod in pods:
         if pod is None or ts.size == 0:
             continue

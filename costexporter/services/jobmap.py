@@ -22,8 +22,10 @@ from costexporter.core import timeutil
 from costexporter.core.booking import STEPLESS_META
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import Event, GpuId
-from costexporter.services.history import Pod, PodFacts, PodSpan
+from costexporter.services.history import PodFacts, PodSpan
+from costexporter.services.k8s import job_id
 from costexporter.services.k8s_owner import owner_of
+from costexporter.sources.dcgm import PodRef
 
 SESSION = "replay-jobmap"
 
@@ -137,28 +139,28 @@ def pod_jobs(
     spans: Iterable[PodSpan],
     job_map: JobMap | None = None,
     owners: Mapping[tuple[str, str], PodFacts] | None = None,
-) -> dict[Pod, str]:
-    """Each pod's job: the job map's name, else `<namespace>:<workload>` as the live Kubernetes
-    path names it (the owner and labels kube-state-metrics knew, else the pod's name)."""
-    out: dict[Pod, str] = {}
+) -> dict[PodRef, str]:
+    """Each pod's job: the job map's name, else as the live Kubernetes path names it
+    (`k8s.job_id`: `<namespace>:<workload>`), the workload from the owner and labels
+    kube-state-metrics knew, else from the labels dcgm-exporter exported and the pod's name."""
+    out: dict[PodRef, str] = {}
     for s in spans:
         p = s.pod
         if p in out:
             continue
         mapped = None
         if job_map is not None:
-            mapped = job_map.pods.get((p.namespace, p.name)) or job_map.pods.get(("", p.name))
+            mapped = job_map.pods.get((p.namespace, p.pod)) or job_map.pods.get(("", p.pod))
         if mapped:
             out[p] = mapped
             continue
-        known = (owners or {}).get((p.namespace, p.name)) or PodFacts()
-        labels = {**dict(p.labels), **known.labels}
-        owner = owner_of(p.namespace, p.name, labels, known.owner_refs)
-        out[p] = f"{p.namespace}:{owner.name}" if p.namespace else owner.name
+        known = (owners or {}).get((p.namespace, p.pod)) or PodFacts()
+        owner = owner_of(p.namespace, p.pod, {**p.labels, **known.labels}, known.owner_refs)
+        out[p] = job_id(p, owner.name)
     return out
 
 
-def span_events(spans: Iterable[PodSpan], names: Mapping[Pod, str], interval_ms: int) -> list[Event]:
+def span_events(spans: Iterable[PodSpan], names: Mapping[PodRef, str], interval_ms: int) -> list[Event]:
     """The registrations, the stepless declaration and the run end of each pod-made job."""
     by_job: dict[str, list[PodSpan]] = {}
     for s in spans:
@@ -168,7 +170,7 @@ def span_events(spans: Iterable[PodSpan], names: Mapping[Pod, str], interval_ms:
         js.sort(key=lambda s: (s.first_ms, s.host, s.gpu))
         first = min(s.first_ms for s in js)
         field_, value = STEPLESS_META
-        pods = sorted({s.pod.name for s in js})
+        pods = sorted({s.pod.pod for s in js})
         out.append(Event("meta", job, first, 0, SESSION, -1, {field_: value, "pod": ",".join(pods[:10])}))
         ranks: dict[tuple[str, int], int] = {}
         for s in js:

@@ -88,6 +88,16 @@ class PodRef:
     labels: dict[str, str] = field(default_factory=dict, compare=False)
 
 
+def pod_of(labels: Mapping[str, str]) -> PodRef | None:
+    """The pod a series' labels say holds its GPU, with the pod's own labels dcgm-exporter
+    exported (every label that is not its own); None where no pod holds it."""
+    for pod, ns, container in POD_LABELS:
+        if labels.get(pod):
+            extra = {k: v for k, v in labels.items() if k not in DCGM_LABELS}
+            return PodRef(labels.get(ns, ""), labels[pod], labels.get(container, ""), extra)
+    return None
+
+
 class DcgmSource(GpuSource):
     """GPUs behind one or more dcgm-exporter endpoints (`http://node:9400/metrics`)."""
 
@@ -292,14 +302,6 @@ class DcgmSource(GpuSource):
             if holders:  # the pod-resources view of a shared GPU names one of its pods
                 pods.pop(i, None)
 
-    @staticmethod
-    def _pod_of(labels: dict[str, str]) -> PodRef | None:
-        for pod, ns, container in POD_LABELS:
-            if labels.get(pod):
-                extra = {k: v for k, v in labels.items() if k not in DCGM_LABELS}
-                return PodRef(labels.get(ns, ""), labels[pod], labels.get(container, ""), extra)
-        return None
-
     def _scrape(self, url: str) -> str | None:
         try:
             with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:  # the operator's URL
@@ -333,7 +335,7 @@ class DcgmSource(GpuSource):
                             v = values.setdefault(i, {"ts": ts})
                             if name not in v:  # fanned out per pod (time-slicing): the first
                                 v[name] = float(s.value)
-                            pod = self._pod_of(s.labels)
+                            pod = pod_of(s.labels)
                             if pod is not None:
                                 held = sharing.setdefault(i, {})
                                 held.setdefault((pod.namespace, pod.pod), pod)
