@@ -422,3 +422,17 @@ def test_dcgm_exporters_own_output_saved_scrape_after_scrape_reads_as_a_dump(tmp
     chunk, _ = history.read_exporter_dump(path, "h", gpulogs.LogClock(), diag)
     assert chunk.index.tolist() == [1]  # GPU 0 is split into MIG instances: not replayed
     assert diag.counts["mig_instance_series"] > 0
+
+
+def test_only_a_sustained_reading_above_the_limit_doubts_the_model():
+    """Brief spikes over the limit (under 1% of readings) keep the model's profile; a level above
+    it does not; an operator's limit or a file is never doubted."""
+    from costexporter.core import profiles
+
+    a100 = profiles.derive(400.0, name="A100")
+    spikes = np.r_[np.full(995, 380.0), np.full(5, 700.0), np.nan]
+    assert profiles.over_limit(a100, "derived_from_model", spikes) is None
+    level = np.r_[np.full(500, 739.0), np.full(500, 80.0)]
+    assert profiles.over_limit(a100, "derived_from_model", level) == {"limit_w": 400.0, "reading_w": 739.0}
+    assert profiles.over_limit(a100, "derived_from_limit", level) is None
+    assert profiles.over_limit(a100, "file", level) is None

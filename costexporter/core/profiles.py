@@ -349,11 +349,12 @@ def over_limit(profile: Profile, source: str, power_w: np.ndarray) -> dict[str, 
     if source not in ("derived_from_model", "builtin") or not profile.power_limit_w:
         return None
     p = np.asarray(power_w, np.float64)
-    p = p[np.isfinite(p)]
-    if p.size == 0:
+    edge = profile.power_limit_w * OVER_LIMIT_MARGIN
+    if p.size == 0 or not np.nanmax(p, initial=0.0) > edge:  # the usual trace: one pass, no sort
         return None
+    p = p[np.isfinite(p)]
     top = float(np.quantile(p, 1 - OVER_LIMIT_SHARE))
-    if top <= profile.power_limit_w * OVER_LIMIT_MARGIN:
+    if top <= edge:
         return None
     return {"limit_w": float(profile.power_limit_w), "reading_w": round(top, 1)}
 
