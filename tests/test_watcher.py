@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 
@@ -563,6 +563,7 @@ def test_rank_0_run_start_or_resume_closes_every_ranks_older_phases():
     offsets=st.lists(st.floats(0, 100), min_size=2, max_size=8),
     interval=st.sampled_from([0.5, 10.0]),
 )
+@example(offsets=[1.0, 2.00001], interval=0.5)  # two intervals apart once rounded to ms: no blame
 def test_a_rank_is_blamed_only_when_its_silence_started_measurably_first(offsets, interval):
     """Every rank stops at 100 s + offset; the watcher names the first only when it stopped more
     than two heartbeat intervals before every other rank, else says they stopped together."""
@@ -572,9 +573,12 @@ def test_a_rank_is_blamed_only_when_its_silence_started_measurably_first(offsets
     cfg = dataclasses.replace(CFG, heartbeat_interval_s=interval)
     st = decide(view(evs), T0 + 1000, cfg)
     assert st.state == "crashed" and "every rank" in st.reason
-    order = sorted(range(n), key=lambda r: offsets[r])
+    # The times as the watcher has them: integer ms (an offset 1.0 and one 2.00001 s later are
+    # 1,000 ms apart there, not more).
+    stopped = [to_ms(T0 + 100 + off) for off in offsets]
+    order = sorted(range(n), key=lambda r: stopped[r])
     first, second = order[0], order[1]
-    if offsets[second] - offsets[first] > 2 * interval:
+    if stopped[second] - stopped[first] > 2 * interval * 1000:
         assert st.suspect["rank"] == first and "first" in st.suspect["why"]
     else:
         assert st.suspect["rank"] is None and st.suspect["why"] == "all ranks stopped together"

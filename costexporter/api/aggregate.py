@@ -6,7 +6,7 @@ Pure: jobs' amounts and meta in, rows out; the router does the reading."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ def parse_aggregate(text: str) -> list[str]:
     return fields
 
 
-def value(field: str, job: str, meta: dict) -> str | None:
+def value(field: str, job: str, meta: dict[str, Any]) -> str | None:
     """The job's value of an aggregate field: its name, or a field of its meta."""
     if field == "job":
         return job
@@ -99,14 +99,14 @@ class JobPart:
     """One job's amounts and steps over one period."""
 
     job: str
-    meta: dict
+    meta: dict[str, Any]
     amounts: Amounts
     steps: Steps
 
 
 def rows(parts: list[JobPart], fields: list[str], start: int, end: int) -> list[AllocationRow]:
     """One row per distinct combination of the fields' values, sorted by key."""
-    groups: dict[str, tuple[dict, list[JobPart]]] = {}
+    groups: dict[str, tuple[dict[str, Any], list[JobPart]]] = {}
     for p in sorted(parts, key=lambda p: p.job):
         props = {f: value(f, p.job, p.meta) for f in fields}
         groups.setdefault(key_of(fields, props), (props, []))[1].append(p)
@@ -114,7 +114,7 @@ def rows(parts: list[JobPart], fields: list[str], start: int, end: int) -> list[
     return [row(k, props, js, s, e) for k, (props, js) in sorted(groups.items())]
 
 
-def total(amounts) -> Amounts:
+def total(amounts: Iterable[Amounts]) -> Amounts:
     a = Amounts()
     for p in amounts:
         for mine, theirs in ((a.ms, p.ms), (a.mj, p.mj), (a.ucost, p.ucost)):
@@ -124,7 +124,9 @@ def total(amounts) -> Amounts:
     return a
 
 
-def row(key: str, props: dict, parts: list[JobPart], start: str | None, end: str | None) -> AllocationRow:
+def row(
+    key: str, props: dict[str, Any], parts: list[JobPart], start: str | None, end: str | None
+) -> AllocationRow:
     """One allocation row: the jobs' amounts summed; team and cost center where they all agree."""
     a = parts[0].amounts if len(parts) == 1 else total(p.amounts for p in parts)
     # Money in integer micro-units (exact, and 10,000 rows do not pay for Decimal sums).
@@ -171,8 +173,13 @@ JOB_U, WASTED_U = _cols(JOB_CATS, 2), _cols(WASTED, 2)
 
 
 def table_rows(
-    table: WindowTable, metas: dict[str, dict], visible: list[int], fields: list[str], start: int, end: int
-) -> list[dict]:
+    table: WindowTable,
+    metas: dict[str, dict[str, Any]],
+    visible: list[int],
+    fields: list[str],
+    start: int,
+    end: int,
+) -> list[dict[str, Any]]:
     """`rows` over a `WindowTable` (the jobs at `visible`), as the rows' dicts: the groups are
     summed by column in one go and the figures computed per column, so 10,000 jobs cost a few
     array operations and one small dict each. Equal to `rows` (the same integer sums, the same
@@ -184,7 +191,7 @@ def table_rows(
         members = [[i] for i in order]
         props_of: list[dict[str, str | None]] = [{"job": k} for k in keys]
     else:
-        groups: dict[str, tuple[dict, list[int]]] = {}
+        groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
         for i in sorted(visible, key=lambda i: jobs[i]):
             props = {f: value(f, jobs[i], metas[jobs[i]]) for f in fields}
             groups.setdefault(key_of(fields, props), (props, []))[1].append(i)

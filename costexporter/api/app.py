@@ -8,6 +8,8 @@ resource in `routers/`, response models in `schemas`, CSV/FOCUS in `export`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -97,7 +99,7 @@ ERRORS = {
 }
 
 
-def document_errors(app: FastAPI) -> dict:
+def document_errors(app: FastAPI) -> dict[str, Any]:
     """The OpenAPI schema with the errors the API really answers (400, 401, 404, 503, each a
     `{"detail": "..."}` body) instead of FastAPI's 422, which it never sends."""
     if app.openapi_schema:

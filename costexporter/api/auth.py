@@ -22,6 +22,7 @@ import hmac
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class TokenConfigError(ValueError):
@@ -82,7 +83,7 @@ def parse_tokens(data: object) -> list[tuple[str, str, frozenset[str] | None]]:
     return entries
 
 
-def _scope(t: dict, where: str) -> frozenset[str] | None:
+def _scope(t: dict[str, Any], where: str) -> frozenset[str] | None:
     if "teams" not in t:
         raise ValueError(f"{where}: no 'teams': name its teams as a list, or \"*\" for every team")
     teams = t["teams"]

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Any
 
 from fastapi.responses import Response
 
@@ -25,7 +26,7 @@ class ResponseCache:
         self._items: OrderedDict[Hashable, tuple[float, Response, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self._inflight: dict[Hashable, list] = {}  # key -> [lock, users]: only keys being computed
+        self._inflight: dict[Hashable, list[Any]] = {}  # key -> [lock, users]: only keys being computed
 
     @property
     def size_bytes(self) -> int:

@@ -8,7 +8,7 @@ would run a plain `def` in its thread pool, one hop per dependency per request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -35,7 +35,8 @@ class ApiConfig:
 
 
 async def get_config(request: Request) -> ApiConfig:
-    return request.app.state.config
+    config: ApiConfig = request.app.state.config
+    return config
 
 
 Config = Annotated[ApiConfig, Depends(get_config)]
@@ -81,10 +82,10 @@ Win = Annotated[Window, Depends(window)]
 
 def visible_job(
     job: str, who: Principal, s: LedgerStore, full: bool = False, warn: Warnings | None = None
-) -> dict:
+) -> dict[str, Any]:
     """The job's info (all of it with `full`, else just its team), or 404: unknown, or outside the
     token's scope (as if absent)."""
-    info: dict | None
+    info: dict[str, Any] | None
     if full:  # existence, team and the rest of the info in one round trip
         info = s.job_info(job, warn)
         team = info["meta"].get("team") if info is not None else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import overload
+from typing import Any, overload
 
 import orjson
 from fastapi.responses import Response
@@ -53,7 +53,7 @@ def per_micro(u: int, n: int) -> str | None:
     return micro(q)
 
 
-def by_category(a: Amounts) -> dict:
+def by_category(a: Amounts) -> dict[str, Any]:
     # 6 decimals: a micro-GPU-hour is 3.6 ms, finer than anything the ledger resolves.
     return {
         "gpu_hours": {c: round(a.ms[c] / MS_PER_HOUR, 6) for c in JOB_CATS},

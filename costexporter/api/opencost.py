@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from costexporter.api import windows
 from costexporter.api.windows import Window
@@ -326,16 +327,17 @@ def key_of(fields: list[str], p: JobProps) -> str:
     return "/".join(names)
 
 
-def properties(members: list[JobProps]) -> dict:
+def properties(members: list[JobProps]) -> dict[str, Any]:
     """OpenCost's `properties`: the values every member shares (labels: the shared pairs)."""
     first = members[0]
     out: dict[str, object] = {}
-    for name, get in (
+    getters: tuple[tuple[str, Callable[[JobProps], object]], ...] = (
         ("cluster", lambda p: p.cluster),
         ("namespace", lambda p: p.namespace),
         ("controller", lambda p: p.name),
         ("controllerKind", lambda p: p.kind),
-    ):
+    )
+    for name, get in getters:
         v = get(first)
         if v and all(get(p) == v for p in members[1:]):
             out[name] = v
@@ -516,7 +518,7 @@ ZERO_FIELDS = (
 )  # fmt: skip
 
 
-def allocation(name: str, props: dict, start: int, end: int, s: Sums) -> dict:
+def allocation(name: str, props: dict[str, Any], start: int, end: int, s: Sums) -> dict[str, Any]:
     """One allocation in OpenCost's JSON shape (numbers are numbers; money in the API's currency)."""
     minutes = (end - start) / 60
     hours = s.ms / 3_600_000
@@ -561,7 +563,7 @@ def allocation(name: str, props: dict, start: int, end: int, s: Sums) -> dict:
 
 def allocation_set(
     jobs: list[tuple[JobProps, Sums]], fields: list[str], start: int, end: int, idle: Sums | None
-) -> dict[str, dict]:
+) -> dict[str, dict[str, Any]]:
     """One set: the jobs grouped by their key (sorted by name), and `__idle__` (GPU time no job
     registered) when asked for."""
     groups: dict[str, tuple[list[JobProps], Sums]] = {}
@@ -579,13 +581,13 @@ def allocation_set(
     return out
 
 
-def envelope(data: list[dict[str, dict]], warnings: list[str]) -> dict:
+def envelope(data: list[dict[str, dict[str, Any]]], warnings: list[str]) -> dict[str, Any]:
     body: dict[str, object] = {"code": 200, "status": "success", "data": data}
     if warnings:
         body["warning"] = "; ".join(warnings)
     return body
 
 
-def error(status: int, message: str) -> dict:
+def error(status: int, message: str) -> dict[str, Any]:
     """OpenCost's error body, with FastAPI's `detail` beside its `message`."""
     return {"code": status, "status": "error", "message": message, "detail": message}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 WARNINGS = "Stored values this answer skipped because they do not parse (one line per job and problem)."
@@ -95,7 +97,7 @@ class JobTotals(BaseModel):
     spend: str
     budget_used: float | None
     attribution: dict[str, Attributed] = Field(default_factory=dict, description=ATTRIBUTION)
-    preflight: dict | None
+    preflight: dict[str, Any] | None
     profile: ProfileOut | None = None
     unknown_before: str | None = Field(
         None,

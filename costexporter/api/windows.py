@@ -13,6 +13,7 @@ import datetime as dt
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from costexporter.core.buckets import BUCKET_S
 from costexporter.core.timeutil import RFC3339, iso_utc, parse_instant, tz_zone
@@ -65,7 +66,7 @@ class Window:
     def exact(self) -> bool:
         return self.start == self.asked_start and self.end == self.asked_end
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "requested": self.text,
             "start": iso_utc(self.start),

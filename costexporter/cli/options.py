@@ -6,13 +6,19 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 if TYPE_CHECKING:
+    from costexporter.core.booking import BookingConfig
+    from costexporter.core.cost import Prices
+    from costexporter.core.gpulogs import LogClock
     from costexporter.core.profiles import Profile
+
+F = TypeVar("F", bound=Callable[..., Any])  # a click command being decorated
 
 EXIT_INPUT = 2
 
@@ -54,12 +60,12 @@ def load_config(ctx: click.Context, _param: click.Parameter, value: str | None) 
     return value
 
 
-def config_defaults(cmd: click.Command, data: dict, where: str, at: str = "") -> dict:
+def config_defaults(cmd: click.Command, data: dict[str, Any], where: str, at: str = "") -> dict[str, Any]:
     """The defaults a --config mapping gives `cmd`, keyed as click looks them up: a group's keys
     are its commands, a command's keys its options (written as on the command line, `gpu-model`
     or `gpu_model`, or by the option's parameter name). Unknown keys raise InputFailure naming
     each of them and what is known there."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     unknown: list[str] = []
     if isinstance(cmd, click.Group):
         for key, section in data.items():
@@ -199,7 +205,7 @@ def safe_url(url: str) -> str:
     return destination(url)
 
 
-def check_tz(_ctx, _param, value: str) -> str:
+def check_tz(_ctx: click.Context | None, _param: click.Parameter | None, value: str) -> str:
     if value.upper() in ("UTC", "Z"):
         return value
     if m := re.fullmatch(r"[+-](\d{2}):(\d{2})", value):
@@ -250,7 +256,9 @@ def check_redis_url(_ctx: object, _param: object, value: str | None) -> str | No
     return value
 
 
-def redis_url_option(default: str | None = "redis://127.0.0.1:6379/0", help: str = REDIS_URL_HELP):
+def redis_url_option(
+    default: str | None = "redis://127.0.0.1:6379/0", help: str = REDIS_URL_HELP
+) -> Callable[[F], F]:
     return click.option(
         "--redis-url", envvar="COSTEXPORTER_REDIS_URL", default=default, help=help, callback=check_redis_url
     )
@@ -264,7 +272,7 @@ prefix_option = click.option(
 )
 
 
-def listen_option(what: str, default: str = "0.0.0.0"):
+def listen_option(what: str, default: str = "0.0.0.0") -> Callable[[F], F]:
     return click.option("--listen", default=default, help=f"Address the {what} listens on.")
 
 
@@ -297,11 +305,13 @@ def instant_ms(text: str, tz: str, flag: str) -> int:
         raise InputFailure(f"{flag}: {e}") from None
 
 
-def log_clock(start: str | None, interval_s: float | None, tz: str):  # -> gpulogs.LogClock
+def log_clock(start: str | None, interval_s: float | None, tz: str) -> LogClock:
     """How a log without dates is dated: --start (its first line's time) and --interval (its -d)."""
-    from costexporter.core.gpulogs import LogClock
+    from costexporter.core import gpulogs
 
-    return LogClock(instant_ms(start, tz, "--start") if start else None, round(1000 * (interval_s or 1.0)))
+    return gpulogs.LogClock(
+        instant_ms(start, tz, "--start") if start else None, round(1000 * (interval_s or 1.0))
+    )
 
 
 def sample_spec(spec: str) -> tuple[str, Path]:
@@ -373,8 +383,8 @@ def _param(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _options(flags: list, defaults: object):
-    def decorate(f):
+def _options(flags: list[Any], defaults: object) -> Callable[[F], F]:
+    def decorate(f: F) -> F:
         for flag, field, lo, help_ in reversed(flags):
             default = getattr(defaults, field)
             kind = click.IntRange(min=lo) if type(default) is int else click.FloatRange(min=lo)
@@ -384,8 +394,8 @@ def _options(flags: list, defaults: object):
     return decorate
 
 
-def booking_options(f):
-    from costexporter.core.booking import BookingConfig
+def booking_options(f: F) -> F:
+    from costexporter.core import booking
 
     f = click.option(
         "--policy",
@@ -396,16 +406,16 @@ def booking_options(f):
         "job-name pattern or Kubernetes namespace, and the price table by GPU model and node pool "
         "(docs/terms.md). Never a job's meta.",
     )(f)
-    return _options(BOOKING_FLAGS, BookingConfig())(f)
+    return _options(BOOKING_FLAGS, booking.BookingConfig())(f)
 
 
-def policy_terms(params: dict) -> dict[str, Any]:
+def policy_terms(params: dict[str, Any]) -> dict[str, Any]:
     """A config's `policy_rules` and `pricing` from `--policy`."""
     pf = policy_file(params)
     return {"policy_rules": pf.rules, "pricing": pf.pricing}
 
 
-def policy_file(params: dict) -> Any:
+def policy_file(params: dict[str, Any]) -> Any:
     """`--policy` as a `terms.PolicyFile` (an empty one without it); an unusable file stops the
     command with one line (exit 2): a policy given but unusable fails closed."""
     from costexporter.core.terms import PolicyError, PolicyFile, parse_policy_file
@@ -428,24 +438,24 @@ def policy_file(params: dict) -> Any:
         raise InputFailure(str(e)) from None
 
 
-def price_options(f):
-    from costexporter.core.cost import Prices
+def price_options(f: F) -> F:
+    from costexporter.core import cost
 
-    f = click.option("--currency", default=Prices().currency, help="Currency of all prices.")(f)
-    return _options(PRICE_FLAGS, Prices())(f)
-
-
-def booking_config(params: dict):
-    from costexporter.core.booking import BookingConfig
-
-    return BookingConfig(**{field: params[_param(flag)] for flag, field, _, _ in BOOKING_FLAGS})
+    f = click.option("--currency", default=cost.Prices().currency, help="Currency of all prices.")(f)
+    return _options(PRICE_FLAGS, cost.Prices())(f)
 
 
-def price_config(params: dict):
-    from costexporter.core.cost import Prices
+def booking_config(params: dict[str, Any]) -> BookingConfig:
+    from costexporter.core import booking
+
+    return booking.BookingConfig(**{field: params[_param(flag)] for flag, field, _, _ in BOOKING_FLAGS})
+
+
+def price_config(params: dict[str, Any]) -> Prices:
+    from costexporter.core import cost
 
     fields = {field: params[_param(flag)] for flag, field, _, _ in PRICE_FLAGS}
-    return Prices(currency=params["currency"], **fields)
+    return cost.Prices(currency=params["currency"], **fields)
 
 
 DEFAULT_METRICS_PORT = 9402  # dcgm-exporter has 9400, node-exporter 9100
@@ -457,7 +467,7 @@ DEFAULT_API_PORT = 9403
 DEFAULT_WATCH_PORT = 9404
 
 
-def parse_time(tz: str):
+def parse_time(tz: str) -> Callable[[str], int]:
     """Label times: Unix seconds, or RFC 3339 / ISO 8601 (naive times in --tz), as milliseconds."""
     from costexporter.core.timeutil import parse_instant, tz_zone
 

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 import click
 
+if TYPE_CHECKING:
+    import threading
+    from pathlib import Path
 
-def calibration(result, out) -> None:
+    from costexporter.tools.calibrate import Fit
+    from costexporter.tools.demo import Demo
+
+
+def calibration(result: Fit, out: Path) -> None:
     """The fitted bands, the profile's edges, the held-out confusion table and the warnings."""
     from rich.console import Console
     from rich.table import Table
@@ -45,7 +53,7 @@ def calibration(result, out) -> None:
         con.print(f"[yellow]warning:[/] {w}")
 
 
-def preflight_table(job: str, passed: bool, checks, elapsed: float) -> None:
+def preflight_table(job: str, passed: bool, checks: list[Any], elapsed: float) -> None:
     """One row per check, coloured by its status, titled with the verdict."""
     from rich.console import Console
     from rich.table import Table
@@ -62,7 +70,7 @@ def preflight_table(job: str, passed: bool, checks, elapsed: float) -> None:
     Console().print(t)
 
 
-def demo_loop(d, plain: bool, stop) -> None:
+def demo_loop(d: Demo, plain: bool, stop: threading.Event) -> None:
     """Status to stderr until the story ends (or is stopped, or its Redis is lost): a live view on a
     terminal, else a line every 5 s."""
     from costexporter.tools.demo import plain_line, render_view
@@ -84,7 +92,7 @@ def demo_loop(d, plain: bool, stop) -> None:
         live.update(render_view(d.state()))
 
 
-def demo_bill(bill: dict) -> None:
+def demo_bill(bill: dict[str, Any]) -> None:
     """The demo's closing bill as a table (`--json` prints the same dict as JSON instead)."""
     from rich.console import Console
 

@@ -6,9 +6,16 @@ import csv
 import io
 import itertools
 import json
+from typing import TYPE_CHECKING, Any
 
 from costexporter.core.model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
 from costexporter.core.timeutil import tz_zone
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from costexporter.core.model import Samples
+    from costexporter.core.replay import JobResult
 
 CSV_COLUMNS = ["job", "category", "kind", "gpu_hours", "energy_kwh", "cost", "currency"]
 
@@ -22,11 +29,11 @@ def _kind(category: str) -> str:
     return {"overhead": "overhead", "unassigned": "outside", "unobserved": "unseen"}[category]
 
 
-def to_json(report: dict) -> str:
+def to_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=2, sort_keys=False)
 
 
-def to_csv(report: dict) -> str:
+def to_csv(report: dict[str, Any]) -> str:
     """One row per job and category, plus one `unassigned` row outside any job."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
@@ -72,7 +79,7 @@ def _offset_of(tz: str, at_s: float) -> int:
     return int(off.total_seconds() // 60) if off else 0
 
 
-def clock_warnings(report: dict, tz: str) -> list[str]:
+def clock_warnings(report: dict[str, Any], tz: str) -> list[str]:
     """One line per job whose samples and events barely overlap: both ranges, the --tz in force
     and, where a whole number of hours explains it, the zone that would line them up."""
     out = []
@@ -94,7 +101,7 @@ def clock_warnings(report: dict, tz: str) -> list[str]:
     return out
 
 
-def progress_notes(report: dict, progress: str) -> list[str]:
+def progress_notes(report: dict[str, Any], progress: str) -> list[str]:
     """One line per job booked by band alone because it had no progress event: without steps no
     time is waste for lack of them, and the user learns how to book progress."""
     if progress != "auto":
@@ -107,13 +114,13 @@ def progress_notes(report: dict, progress: str) -> list[str]:
     ]
 
 
-def from_trace(profile: dict) -> bool:
+def from_trace(profile: dict[str, Any]) -> bool:
     """Whether a report's profile was derived from the trace's own levels (its idle edges may
     since have moved to the learned idle: `derived_from` keeps the origin)."""
     return profile.get("derived_from", profile.get("source")) == "derived_from_trace"
 
 
-def profile_notes(report: dict) -> list[str]:
+def profile_notes(report: dict[str, Any]) -> list[str]:
     """One line per job banded with a profile derived from the trace's own levels: no model and
     no limit named it, so the user knows what the bands stand on and how to pin them."""
     out = []
@@ -146,7 +153,7 @@ def profile_notes(report: dict) -> list[str]:
 ENERGY_COVERAGE_WARN = 0.99  # below this share of GPU time with known energy, replay says so
 
 
-def energy_notes(report: dict) -> list[str]:
+def energy_notes(report: dict[str, Any]) -> list[str]:
     """One line per job whose energy is known for less than ENERGY_COVERAGE_WARN of its GPU
     time (gaps longer than the bridge, with no energy counter): its kWh is a floor."""
     out = []
@@ -161,7 +168,7 @@ def energy_notes(report: dict) -> list[str]:
     return out
 
 
-def write_timeline(path, samples, results, files: list[str]) -> None:
+def write_timeline(path: Path, samples: Samples, results: list[JobResult], files: list[str]) -> None:
     """One CSV row per sample read, in the order of the input files and their lines: where it was
     read (file, line; header = line 1), its GPU (index, UUID and model where known), time (ISO
     8601 UTC), power, utilization, band and category. A sample no job held has no band and the
@@ -234,7 +241,7 @@ def rank_list(ranks: list[int]) -> str:
 INCIDENT_FLOOR_S = 30.0
 
 
-def to_table(report: dict, incident_floor_s: float = INCIDENT_FLOOR_S) -> str:
+def to_table(report: dict[str, Any], incident_floor_s: float = INCIDENT_FLOOR_S) -> str:
     """The human view: where the GPU-hours went and what a valid step cost."""
     from rich.console import Console
     from rich.table import Table
@@ -325,4 +332,4 @@ def to_table(report: dict, incident_floor_s: float = INCIDENT_FLOOR_S) -> str:
     u = report["unassigned"]
     if u["gpu_hours"]:
         console.print(f"unassigned (no job registered these GPUs): {u['gpu_hours']:.3f} GPU-h")
-    return console.file.getvalue()  # type: ignore[attr-defined]
+    return str(console.file.getvalue())  # type: ignore[attr-defined]

@@ -4,13 +4,19 @@ beside an agent or the demo)."""
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from costexporter.cli.options import InputFailure
 
+if TYPE_CHECKING:
+    from costexporter.api.server import ServerLimits
 
-def api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **options):
+
+def api_app(
+    redis_url: str, prefix: str, tokens_file: str | None, currency: str, tz: str, **options: Any
+) -> Any:  # a FastAPI app
     """The finance API app; `options`: cache_mb and the FOCUS names (focus_provider, ...)."""
     from costexporter.api.app import create_app
     from costexporter.api.auth import TokenConfigError, Tokens
@@ -40,7 +46,7 @@ def api_app(redis_url: str, prefix: str, tokens_file, currency: str, tz: str, **
     )
 
 
-def index_in_background(store) -> None:
+def index_in_background(store: Any) -> None:  # the API's LedgerStore
     """Incidents written before the per-job index existed, and ledgers written before the rollups:
     indexed and rolled up once, off the request path (until then those jobs are read exactly)."""
     import logging
@@ -72,7 +78,7 @@ def index_in_background(store) -> None:
     threading.Thread(target=run, name="costexporter-incident-index", daemon=True).start()
 
 
-def serve_in_thread(app, sock: socket.socket, limits=None) -> None:
+def serve_in_thread(app: Any, sock: socket.socket, limits: ServerLimits | None = None) -> None:
     """The API on a daemon thread beside an agent or the demo, which own the signals (SIGTERM)
     and the logging. `sock`: bound by the command when it checked its flags (options.bind_port),
     so the port cannot be lost between that check and this thread's start."""
@@ -92,7 +98,7 @@ def serve_in_thread(app, sock: socket.socket, limits=None) -> None:
     ).start()
 
 
-def serve_forever(app, listen: str, port: int, limits=None) -> None:
+def serve_forever(app: Any, listen: str, port: int, limits: ServerLimits | None = None) -> None:
     """The API in the foreground (`costexporter api`): uvicorn owns the signals and the logging
     (bounded: the same line at most once every few seconds)."""
     import gc

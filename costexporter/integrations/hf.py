@@ -22,6 +22,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 import os
+from typing import Any
 
 from costexporter.integrations.naming import job_name, owner_hash
 from costexporter.trainer.reporter import StepReporter
@@ -31,7 +32,7 @@ class CostExporterCallback(TrainerCallback):
     """Reports a `transformers.Trainer` run to costexporter."""
 
     def __init__(
-        self, job: str | None = None, reporter: StepReporter | None = None, **reporter_kwargs
+        self, job: str | None = None, reporter: StepReporter | None = None, **reporter_kwargs: Any
     ) -> None:
         self.job = job
         self.reporter = reporter
@@ -43,7 +44,7 @@ class CostExporterCallback(TrainerCallback):
         self._eval_open = False
         self._ckpt_open = False
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.reporter is None:
             self.reporter = StepReporter(
                 self.job or default_job(args),
@@ -56,7 +57,7 @@ class CostExporterCallback(TrainerCallback):
         self._eval_open = self._ckpt_open = False
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The hot path (once an optimizer step): attribute reads and one queue append; the
         # reporter converts what is not already an int.
         rep = self.reporter
@@ -74,12 +75,12 @@ class CostExporterCallback(TrainerCallback):
         if control.should_evaluate or control.should_save:  # (no call otherwise)
             self._open_phase(control)
 
-    def on_epoch_end(self, args, state, control, **kwargs):
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # `eval_strategy`/`save_strategy="epoch"`: decided here, done right after.
         if self.reporter is not None:
             self._open_phase(control)
 
-    def _open_phase(self, control) -> None:
+    def _open_phase(self, control: Any) -> None:
         """The default flow callback (it runs before user callbacks) has decided what the
         Trainer does next: begin that phase now, before the work."""
         rep = self.reporter
@@ -92,7 +93,7 @@ class CostExporterCallback(TrainerCallback):
             rep.phase_begin("checkpoint")
             self._ckpt_open = True
 
-    def on_evaluate(self, args, state, control, **kwargs):
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.reporter is None or not self._eval_open:
             return
         self.reporter.phase_end("eval")
@@ -101,7 +102,7 @@ class CostExporterCallback(TrainerCallback):
             self.reporter.phase_begin("checkpoint")
             self._ckpt_open = True
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.reporter is None:
             return
         if not self._ckpt_open:
@@ -109,13 +110,13 @@ class CostExporterCallback(TrainerCallback):
         self.reporter.phase_end("checkpoint", step=int(state.global_step))
         self._ckpt_open = False
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.reporter is not None and self._owns:
             self.reporter.close()
             self.reporter = None  # a second train() is another run: a new reporter
 
 
-def default_job(args) -> str:
+def default_job(args: Any) -> str:  # transformers' TrainingArguments
     """The run's `run_name`, else `<output dir name>-<hash of the user and the absolute output
     dir>`: what a resume shares with the run it resumes (`resume_from_checkpoint` reads that
     directory), so the resume is the same job and voids the steps it redoes, while two users'

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 try:
     from lightning.pytorch import Callback
@@ -38,7 +39,7 @@ class CostExporterLightningCallback(Callback):
         job: str | None = None,
         reporter: StepReporter | None = None,
         tokens_per_batch: Callable[[object], int] | None = None,
-        **reporter_kwargs,
+        **reporter_kwargs: Any,
     ) -> None:
         self.job = job
         self.reporter = reporter
@@ -49,7 +50,7 @@ class CostExporterLightningCallback(Callback):
         self._tokens = 0
         self._rank0 = True
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self.reporter is None:
             self.reporter = StepReporter(
                 self.job or default_job(trainer),
@@ -62,7 +63,7 @@ class CostExporterLightningCallback(Callback):
         if getattr(trainer, "_costexporter_save", None) is None:
             save = trainer.save_checkpoint
 
-            def save_checkpoint(*args, **kwargs):
+            def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
                 rep = self.reporter
                 if rep is None:
                     return save(*args, **kwargs)
@@ -72,7 +73,7 @@ class CostExporterLightningCallback(Callback):
             trainer._costexporter_save = save
             trainer.save_checkpoint = save_checkpoint  # every save, whoever triggers it
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # The checkpoint of `fit(ckpt_path=...)` is restored by now (not yet at on_fit_start).
         self._rank0 = trainer.global_rank == 0
         self._last_step = int(trainer.global_step)
@@ -80,7 +81,9 @@ class CostExporterLightningCallback(Callback):
         if self._last_step > 0 and self.reporter is not None:
             self.reporter.resume(self._last_step)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # The hot path (once a micro-batch): no call unless an optimizer step completed.
         count = self._tokens_per_batch
         if count is not None:
@@ -94,26 +97,26 @@ class CostExporterLightningCallback(Callback):
                 self._tokens = 0
                 self._last_step = step
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.reporter is not None and not trainer.sanity_checking:
             self.reporter.phase_begin("eval")
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.reporter is not None and not trainer.sanity_checking:
             self.reporter.phase_end("eval")
 
-    def on_fit_end(self, trainer, pl_module) -> None:
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.reporter is not None and self._owns:
             self.reporter.close()
             self.reporter = None  # a second fit() is another run: a new reporter
 
-    def on_exception(self, trainer, pl_module, exception) -> None:
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.reporter is not None and self._owns:
             self.reporter.close(end_run=False)
             self.reporter = None
 
 
-def default_job(trainer) -> str:
+def default_job(trainer: Any) -> str:  # lightning's Trainer
     """`<default_root_dir name>-<start time, UTC>`, rank 0's on every rank."""
     root = (
         os.path.basename(os.path.normpath(str(getattr(trainer, "default_root_dir", "") or ""))) or "lightning"

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
+from typing import Any
 
 from costexporter.store import protocol
 
 _NOT_ALLOWED = re.compile(r"[^A-Za-z0-9._:/@+=-]+")
 
 
-def job_name(name: str, agree: bool = False, broadcast=None) -> str:
+def job_name(name: str, agree: bool = False, broadcast: Callable[[Any], Any] | None = None) -> str:
     """`name` made a valid job name (characters outside the protocol's set become `-`, at most
     200). `agree`: every rank takes rank 0's (`broadcast(obj) -> obj`, else torch.distributed's
     when it runs), since ranks started a moment apart would name different jobs."""

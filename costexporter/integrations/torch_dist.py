@@ -12,8 +12,10 @@ and every rank stops together:
 
 from __future__ import annotations
 
+from typing import Any
 
-def even_batches(count: int, group=None) -> int:
+
+def even_batches(count: int, group: Any = None) -> int:  # a torch ProcessGroup
     """The global minimum of `count` over the ranks of `group` (every rank must call it)."""
     # torch is no dependency (the user installs the build they need), so mypy may not find it;
     # where it is installed the ignore is unused, hence both codes.

@@ -19,6 +19,7 @@ import math
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from costexporter.core.model import GpuId
 from costexporter.sources.base import (
@@ -32,7 +33,7 @@ from costexporter.sources.base import (
 )
 
 
-def _pynvml():
+def _pynvml() -> Any:  # nvidia-ml-py ships no types: Any at the boundary
     try:
         import pynvml
     except ImportError as e:
@@ -96,7 +97,7 @@ class NvmlSource(GpuSource):
             self._instant.append(self._probe_instant(h))
             self._energy.append(self._probe_energy(h))
 
-    def _probe_instant(self, h) -> bool:
+    def _probe_instant(self, h: Any) -> bool:
         try:
             with _mapped():
                 instant = self._instant_power(h)
@@ -129,7 +130,7 @@ class NvmlSource(GpuSource):
                 self.errors[(i, "energy_error")] += 1
         return out
 
-    def _probe_energy(self, h) -> bool:
+    def _probe_energy(self, h: Any) -> bool:
         try:
             with _mapped():
                 self.nv.nvmlDeviceGetTotalEnergyConsumption(h)
@@ -137,7 +138,7 @@ class NvmlSource(GpuSource):
         except GpuSourceError:
             return False
 
-    def _instant_power(self, h) -> float | None:
+    def _instant_power(self, h: Any) -> float | None:
         nv = self.nv
         [v] = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_POWER_INSTANT])
         if v.nvmlReturn != nv.NVML_SUCCESS:

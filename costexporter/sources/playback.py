@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,7 +20,11 @@ class ReplaySource(GpuSource):
     """
 
     def __init__(
-        self, samples: Samples, speed: float = 1.0, host: str | None = None, clock=time.monotonic
+        self,
+        samples: Samples,
+        speed: float = 1.0,
+        host: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
         if speed <= 0:

@@ -103,11 +103,11 @@ class SimSource(ReplaySource):
     def sim_time(self) -> float:
         """The scenario's clock, in Unix seconds: `speed` times the wall clock through the story,
         the wall clock's pace after it."""
-        wall = self._clock() - self._t0
+        wall = float(self._clock() - self._t0)
         story_wall = self._story_s / self.speed
         if wall <= story_wall:
-            return self._trace_t0 / 1000 + wall * self.speed
-        return self._trace_t0 / 1000 + self._story_s + (wall - story_wall)
+            return float(self._trace_t0 / 1000 + wall * self.speed)
+        return float(self._trace_t0 / 1000 + self._story_s + (wall - story_wall))
 
     @property
     def clock_speed(self) -> float:

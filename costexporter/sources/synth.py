@@ -41,12 +41,13 @@ class TraceBuilder:
     register: bool = True
     host_prefix: str = "node"
     gpu_name: str = "NVIDIA B300"
-    states: dict = field(default_factory=lambda: dict(STATES))  # state -> (W lo, W hi, % lo, % hi)
+    # state -> (W lo, W hi, % lo, % hi)
+    states: dict[str, tuple[float, float, float, float]] = field(default_factory=lambda: dict(STATES))
     t: float = field(init=False)
     step: int = field(init=False, default=0)
-    _rows: list = field(init=False, default_factory=list)
+    _rows: list[tuple[np.ndarray, ...]] = field(init=False, default_factory=list)  # ranks, ts, power, util
     events: list[Event] = field(init=False, default_factory=list)
-    _seq: dict = field(init=False, default_factory=dict)
+    _seq: dict[int, int] = field(init=False, default_factory=dict)
     _generation: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -83,7 +84,7 @@ class TraceBuilder:
     def uuid(self, rank: int) -> str:
         return f"GPU-{self.seed:04x}{rank:04x}-0000-4000-8000-{rank:012x}"
 
-    def event(self, type: str, rank: int = 0, ts: float | None = None, **fields) -> None:
+    def event(self, type: str, rank: int = 0, ts: float | None = None, **fields: object) -> None:
         seq = self._seq.get(rank, 0)
         self._seq[rank] = seq + 1
         self.events.append(
@@ -118,8 +119,8 @@ class TraceBuilder:
         self.event("phase", rank=rank, name=name, state=state, step=step)
         return self
 
-    def meta(self, **fields) -> TraceBuilder:
-        self.event("meta", **fields)
+    def meta(self, **fields: object) -> TraceBuilder:
+        self.event("meta", 0, None, **fields)
         return self
 
     # Stretches ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -84,7 +85,7 @@ class Fit:
     defaulted: list[str] = field(default_factory=list)
 
 
-def parse_label(spec: str, parse_time) -> tuple[int, int, str]:
+def parse_label(spec: str, parse_time: Callable[[str], int]) -> tuple[int, int, str]:
     """'START..END=BAND' -> (start_ms, end_ms, level)."""
     span, sep, band = spec.rpartition("=")
     start, dots, end = span.partition("..")

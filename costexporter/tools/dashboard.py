@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from costexporter.core.model import BANDS, WASTED_NAMES
 
@@ -69,7 +70,7 @@ def state_code_expr() -> str:
     return "max by (cluster, training_job) (\n  " + "\n  or ".join(terms) + "\n)"
 
 
-def _money(**custom) -> dict:
+def _money(**custom: Any) -> dict[str, Any]:
     """Field config of a money panel: the unit follows the series' currency label (shown in the
     legend as `(EUR)`), not a fixed USD."""
     d: dict[str, object] = {"unit": "short"}
@@ -85,7 +86,7 @@ def _money(**custom) -> dict:
     return {"fieldConfig": {"defaults": d, "overrides": overrides}}
 
 
-def _mappings(codes: dict[str, str]) -> list[dict]:
+def _mappings(codes: dict[str, str]) -> list[dict[str, Any]]:
     return [
         {
             "type": "value",
@@ -96,14 +97,16 @@ def _mappings(codes: dict[str, str]) -> list[dict]:
     ]
 
 
-def _target(expr: str, legend: str = "", instant: bool = False, ref: str = "A") -> dict:
+def _target(expr: str, legend: str = "", instant: bool = False, ref: str = "A") -> dict[str, Any]:
     t: dict[str, object] = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
     if instant:
         t.update(instant=True, range=False)
     return t
 
 
-def _panel(kind: str, title: str, grid: tuple[int, int, int, int], targets: list[dict], **extra) -> dict:
+def _panel(
+    kind: str, title: str, grid: tuple[int, int, int, int], targets: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
     x, y, w, h = grid
     p = {
         "type": kind,
@@ -116,14 +119,14 @@ def _panel(kind: str, title: str, grid: tuple[int, int, int, int], targets: list
     return p
 
 
-def _defaults(unit: str = "short", **custom) -> dict:
+def _defaults(unit: str = "short", **custom: Any) -> dict[str, Any]:
     defaults: dict[str, object] = {"unit": unit}
     if custom:
         defaults["custom"] = custom
     return {"fieldConfig": {"defaults": defaults, "overrides": []}}
 
 
-def _variable(name: str, label: str, metric: str, of: str, **extra) -> dict:
+def _variable(name: str, label: str, metric: str, of: str, **extra: Any) -> dict[str, Any]:
     q = f"label_values({metric}, {of})"
     v = {
         "name": name,
@@ -143,7 +146,7 @@ def _variable(name: str, label: str, metric: str, of: str, **extra) -> dict:
     return v
 
 
-def dashboard() -> dict:
+def dashboard() -> dict[str, Any]:
     panels = []
     # Row 1: the four zones of R7 (docs/background.md).
     panels.append(
@@ -451,11 +454,11 @@ def dashboard() -> dict:
     }
 
 
-def annotation_list() -> list[dict]:
+def annotation_list() -> list[dict[str, Any]]:
     """Incidents (firing alerts; the watcher's hung or crashed) and declared phases, as
     Prometheus annotations: a marker for every step where the expression has a series."""
 
-    def ann(name: str, expr: str, color: str, title: str, text: str, tags: str) -> dict:
+    def ann(name: str, expr: str, color: str, title: str, text: str, tags: str) -> dict[str, Any]:
         return {
             "name": name,
             "datasource": DS,
@@ -501,7 +504,9 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2) + "\n"
 
 
-def expressions(d: dict | None = None, *, annotations_too: bool = False, cluster: str = ALL) -> list[str]:
+def expressions(
+    d: dict[str, Any] | None = None, *, annotations_too: bool = False, cluster: str = ALL
+) -> list[str]:
     """Every PromQL expression of the dashboard (panels, and the series each variable reads its
     values from), with the team/Hostname/gpu variables at their All value and `$cluster` at
     `cluster` (All by default); `$training_job` is left for the caller. Annotations only with

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
@@ -44,7 +45,8 @@ from costexporter.core.model import (
 )
 from costexporter.core.terms import PolicyRule
 from costexporter.services.agent import Agent, AgentConfig
-from costexporter.services.watcher import ALERTING, WatchConfig, Watcher
+from costexporter.services.notify import ALERTING
+from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.sim import WATCH_LAG_WALL_S, SimSource
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger, protocol, redisconn
@@ -97,7 +99,7 @@ class PrivateRedis:
     demo with a clear line instead of a story of zeros)."""
 
     url: str
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -264,7 +266,7 @@ class Demo:
             self._threads.append(t)
         return self
 
-    def registry(self):
+    def registry(self) -> Any:  # a prometheus_client CollectorRegistry
         from prometheus_client.registry import CollectorRegistry
 
         from costexporter.services.exporter import AgentCollector, WatchCollector
@@ -317,7 +319,7 @@ class Demo:
         return self._failure
 
     # ---- what the views show -------------------------------------------------------------
-    def watcher_status(self) -> tuple[str, str, dict | None]:
+    def watcher_status(self) -> tuple[str, str, dict[str, Any] | None]:
         """The job's watcher state, reason and suspect: the demo's own watcher's, or with it off
         (`--no-watch`, as in the compose stack) what a separate `costexporter watch` wrote to
         Redis. `not running` when none has written one: the status expires a few polls after
@@ -340,7 +342,7 @@ class Demo:
         suspect = d.get("suspect")
         return d["state"], str(d.get("reason") or ""), suspect if isinstance(suspect, dict) else None
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         snap = self.agent.snapshot()
         j = snap["jobs"].get(self.job)
         state, reason, suspect = self.watcher_status()
@@ -398,7 +400,7 @@ class Demo:
         story = STORIES.get(self.cfg.scenario, b.job) if isinstance(self.cfg.scenario, str) else b.job
         return f"costexporter demo: {b.n_gpus} x {b.gpu_name.removeprefix('NVIDIA ')}, {story}"
 
-    def bill(self, partial: bool = False) -> dict:
+    def bill(self, partial: bool = False) -> dict[str, Any]:
         """costexporter's split next to the utilization rule's (a utilization > 60% exporter).
         `partial`: the story was stopped (or its Redis lost) before its end: the utilization rule
         is then held to what the agent booked, and the bill says it is partial."""
@@ -487,7 +489,7 @@ def _glob(prefix: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + ":*"
 
 
-def claim_prefix(client, prefix: str, run_id: str) -> bool:
+def claim_prefix(client: Any, prefix: str, run_id: str) -> bool:
     """Make `prefix` the demo's for this run, before anything is posted. A prefix another demo
     plays on now (its lease) or one holding data the demo did not write (no demo marker: a real
     deployment's ledger, say) is refused with PrefixBusy; an earlier demo's data is cleared, so
@@ -536,7 +538,7 @@ def _net(booked: np.ndarray, voided: np.ndarray) -> tuple[dict[str, float], dict
     return hours, cost
 
 
-def render_view(s: dict):
+def render_view(s: dict[str, Any]) -> Any:  # a rich renderable
     """The live terminal view (rich renderable); fits 80 x 24 with 16 GPUs."""
     from rich.console import Group
     from rich.panel import Panel
@@ -587,7 +589,7 @@ def render_view(s: dict):
     return Panel(Group(top, gpus, watch, alerts, bar), title=s.get("title") or "costexporter demo")
 
 
-def plain_line(s: dict) -> str:
+def plain_line(s: dict[str, Any]) -> str:
     """One status line in words."""
     cps = f"{s['cost_per_valid_step']:.4f} {s['currency']}" if s["cost_per_valid_step"] else "-"
     counts = {b: s["bands"].count(b) for b in dict.fromkeys(s["bands"])}
@@ -601,7 +603,7 @@ def plain_line(s: dict) -> str:
     )
 
 
-def render_bill(bill: dict):
+def render_bill(bill: dict[str, Any]) -> Any:  # a rich Table
     from rich.table import Table
 
     cur = bill["currency"]

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import Event
@@ -52,7 +53,9 @@ def entry_of(ev: Event) -> dict[str, str]:
     return protocol.encode_fields({**base, **fields})
 
 
-def export_lines(client, job: str, prefix: str, since: float | None = None) -> tuple[Iterator[str], Counter]:
+def export_lines(
+    client: Any, job: str, prefix: str, since: float | None = None
+) -> tuple[Iterator[str], Counter[str]]:
     """JSONL lines of the job's events in stream order, and the reader's counts (filled as the
     lines are consumed). The entries the agents moved out of the stream when they trimmed it
     (registrations, run events, meta) are merged back in by id. `since`: drop events before it,
@@ -86,11 +89,13 @@ def export_lines(client, job: str, prefix: str, since: float | None = None) -> t
 @dataclass
 class ImportResult:
     sent: int = 0
-    refused: Counter = field(default_factory=Counter)  # by the server, by reason
-    jobs: Counter = field(default_factory=Counter)  # events sent per job
+    refused: Counter[str] = field(default_factory=Counter)  # by the server, by reason
+    jobs: Counter[str] = field(default_factory=Counter)  # events sent per job
 
 
-def import_file(client, path: Path, prefix: str, diag: Diagnostics, job: str | None = None) -> ImportResult:
+def import_file(
+    client: Any, path: Path, prefix: str, diag: Diagnostics, job: str | None = None
+) -> ImportResult:
     """Post a JSONL file's events to Redis (bad lines are counted in `diag` and skipped).
 
     Entries without `session`/`seq` (hand-written files) get a session derived from the file's

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 TOKEN_BYTES = 4
 SAMPLE_READS = 4  # sampled reads per file: readable from start to end
@@ -46,7 +47,7 @@ class Check:
     name: str
     status: str  # pass, fail, unknown, skip
     value: str  # what was measured, in words
-    detail: dict = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -82,7 +83,7 @@ def rank_files(specs: list[str]) -> list[Path]:
     """Files in rank order: explicit paths as given, globs expanded and sorted by the last
     number in the name (rank_2 before rank_10)."""
 
-    def by_rank(p: str) -> tuple:
+    def by_rank(p: str) -> tuple[int, str]:
         nums = re.findall(r"\d+", Path(p).name)
         return (int(nums[-1]) if nums else -1, p)
 
@@ -130,7 +131,7 @@ def check_cache(cfg: PreflightConfig) -> Check:
         except OSError as e:
             problems.append(f"rank {rank} ({f}): unreadable: {e.strerror or e}")
             blocks.append(-1)
-    detail: dict = {"files": len(files), "blocks": blocks, "seq_len": cfg.seq_len}
+    detail: dict[str, Any] = {"files": len(files), "blocks": blocks, "seq_len": cfg.seq_len}
     if problems:
         return Check("cache", "fail", "; ".join(problems[:5]), detail)
     detail["tokens"] = total

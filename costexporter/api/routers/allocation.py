@@ -4,10 +4,10 @@ namespace, cost_center, label:<name>, comma-combined), whole or per step, as JSO
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from costexporter.api import aggregate as agg
 from costexporter.api.auth import Principal
@@ -43,7 +43,7 @@ def allocation(
     step: Annotated[
         Literal["5m", "1h", "1d", "1w"] | None, Query(description="with accumulate=false")
     ] = None,
-):
+) -> Response:
     try:
         fields = agg.parse_aggregate(aggregate)
         spans = agg.periods(w.start, w.end, None if accumulate else (step or "1d"))
@@ -79,14 +79,14 @@ def allocation(
 
 def allocation_rows(
     s: LedgerStore, who: Principal, spans: list[tuple[int, int]], fields: list[str], warn: Warnings
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Rows of every period (as `AllocationRow` dicts), in time order; the unassigned pool last in
     each period (only for a caller who sees every team). One read for every job and period
     (meta and each period's rollup records), then column sums. A row per job depends on its job
     alone: those rows are made chunk by chunk while Redis reads the next chunks, then sorted."""
     names = s.job_names()
     if fields == ["job"]:
-        per_span: list[list[dict]] = [[] for _ in spans]
+        per_span: list[list[dict[str, Any]]] = [[] for _ in spans]
         chunks = 0
         for _jobs, metas, tables in s.table_chunks(names, spans, warn, meta=True):
             chunks += 1
@@ -103,7 +103,7 @@ def allocation_rows(
             agg.table_rows(table, metas, visible, fields, start, end)
             for (start, end), table in zip(spans, tables, strict=True)
         ]
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for (start, end), rows in zip(spans, per_span, strict=True):
         out += rows
         if who.all_teams:
@@ -111,5 +111,5 @@ def allocation_rows(
     return out
 
 
-def _key(row: dict) -> str:
-    return row["key"]
+def _key(row: dict[str, Any]) -> str:
+    return str(row["key"])

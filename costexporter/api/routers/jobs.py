@@ -280,7 +280,7 @@ def attribution_of(meta: dict[str, Any]) -> dict[str, Attributed]:
 
 
 # ---- stored values: parsed, or skipped with a warning (never a 500) ---------------------------------
-def count(h: dict, name: str, job: str, warn: Warnings) -> int:
+def count(h: dict[str, Any], name: str, job: str, warn: Warnings) -> int:
     raw = h.get(name)
     n = number(raw) if raw not in (None, "") else 0
     if n is None or n < 0:
@@ -289,7 +289,7 @@ def count(h: dict, name: str, job: str, warn: Warnings) -> int:
     return n
 
 
-def stored_time(h: dict, name: str, job: str, warn: Warnings) -> float | None:
+def stored_time(h: dict[str, Any], name: str, job: str, warn: Warnings) -> float | None:
     raw = h.get(name)
     if raw in (None, "", "0", 0):
         return None
@@ -299,7 +299,7 @@ def stored_time(h: dict, name: str, job: str, warn: Warnings) -> float | None:
     return t
 
 
-def stored_decimal(h: dict, name: str, job: str, warn: Warnings) -> Decimal | None:
+def stored_decimal(h: dict[str, Any], name: str, job: str, warn: Warnings) -> Decimal | None:
     raw = h.get(name)
     if raw in (None, ""):
         return None
@@ -309,7 +309,7 @@ def stored_decimal(h: dict, name: str, job: str, warn: Warnings) -> Decimal | No
     return d
 
 
-def stored_json(h: dict, name: str, job: str, warn: Warnings) -> dict | None:
+def stored_json(h: dict[str, Any], name: str, job: str, warn: Warnings) -> dict[str, Any] | None:
     raw = h.get(name)
     if not raw:
         return None

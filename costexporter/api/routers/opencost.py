@@ -7,6 +7,8 @@ it cannot use, is a 400 with OpenCost's error body (`{"code": 400, "status": "er
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -88,7 +90,7 @@ def _run(request: Request, s: LedgerStore, who: Principal, cluster: str | None, 
     return json_bytes(oc.envelope(data, notes + list(warn)))
 
 
-def _team(meta: dict) -> str | None:
+def _team(meta: dict[str, Any]) -> str | None:
     t = meta.get("team")
     return t if isinstance(t, str) and t else None
 

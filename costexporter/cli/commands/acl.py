@@ -38,7 +38,16 @@ from costexporter.cli.options import InputFailure, prefix_option
     default="setuser",
     help="An ACL SETUSER command, or a line of a Redis ACL file (user <name> <rules>).",
 )
-def acl(role, job, team, user, prefix, password_stdin, cluster, fmt) -> None:
+def acl(
+    role: str,
+    job: str | None,
+    team: str | None,
+    user: str | None,
+    prefix: str,
+    password_stdin: bool,
+    cluster: bool,
+    fmt: str,
+) -> None:
     """Print the ACL SETUSER line of one party: only the commands its code sends and only its
     keys. A trainer's covers its job's keys (or its team's) and cannot reach the ledger or
     another job's keys; what it writes is data, never its price or owner (the operator's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from costexporter.cli.options import (
@@ -99,7 +101,17 @@ from costexporter.cli.servers import api_app, serve_forever
     "--focus-billing-account-id", default=None, help="FOCUS BillingAccountId (default: the provider)."
 )
 @click.option("--focus-billing-account-name", default=None, help="FOCUS BillingAccountName.")
-def api(redis_url, prefix, listen, port, tokens_file, currency, tz, hash_token, **options) -> None:
+def api(
+    redis_url: str,
+    prefix: str,
+    listen: str,
+    port: int,
+    tokens_file: str | None,
+    currency: str,
+    tz: str,
+    hash_token: str | None,
+    **options: Any,
+) -> None:
     """The finance API over the ledger: /api/v1, OpenAPI at /docs."""
     if hash_token:
         from costexporter.api.auth import hash_token as h

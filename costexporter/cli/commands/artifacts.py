@@ -10,7 +10,7 @@ import click
 
 @click.command()
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def dashboard(output) -> None:
+def dashboard(output: Path | None) -> None:
     """Print (or write) the Grafana dashboard JSON."""
     from costexporter.tools.dashboard import render
 
@@ -55,7 +55,15 @@ def dashboard(output) -> None:
     "e.g. your own copy of docs/alerts.md; default: the project's.",
 )
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def rules(short, speed, overrides, fmt, name, runbooks, output) -> None:
+def rules(
+    short: bool,
+    speed: float | None,
+    overrides: tuple[str, ...],
+    fmt: str,
+    name: str,
+    runbooks: str | None,
+    output: Path | None,
+) -> None:
     """Print (or write) the Prometheus alert and recording rules."""
     import dataclasses
 

@@ -41,7 +41,18 @@ from costexporter.cli.render import calibration
 @click.option("--tz", default="UTC", callback=check_tz, help="Time zone of naive timestamps.")
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table")
-def calibrate(samples, start, interval, events, labels, gpu_model, power_limit, tz, out, fmt) -> None:
+def calibrate(
+    samples: tuple[str, ...],
+    start: str | None,
+    interval: float | None,
+    events: Path | None,
+    labels: tuple[str, ...],
+    gpu_model: str | None,
+    power_limit: float | None,
+    tz: str,
+    out: Path,
+    fmt: str,
+) -> None:
     """Fit a GPU model's band profile from your own baselines (docs/background.md, the power bands)."""
     import json
 

@@ -26,7 +26,7 @@ def claims() -> None:
 @click.option("--reason", required=True, help="Why, recorded with the close (the API shows it).")
 @redis_url_option(help="Redis of the ledger (a user that may write the job's events and figures).")
 @prefix_option
-def claims_close(job, at, reason, redis_url, prefix) -> None:
+def claims_close(job: str, at: str | None, reason: str, redis_url: str, prefix: str) -> None:
     """Post the job's `run end` for it (rank 0, by=operator), recorded in its events and its
     figures: the agents and replay end its claim on its GPUs there."""
     import redis

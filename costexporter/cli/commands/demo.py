@@ -54,7 +54,18 @@ from costexporter.cli.servers import api_app, serve_in_thread
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the final bill as JSON.")
 def demo(
-    redis_url, prefix, speed, scenario, listen, port, api_port, plain, linger, forever, no_watch, as_json
+    redis_url: str | None,
+    prefix: str,
+    speed: float,
+    scenario: str,
+    listen: str,
+    port: int,
+    api_port: int,
+    plain: bool,
+    linger: float,
+    forever: bool,
+    no_watch: bool,
+    as_json: bool,
 ) -> None:
     """Play the R1 + R7 story (a deadlock at a checkpoint, a hung write, a crash loop and a
     resume) on a simulated job, live, then print the bill.
@@ -83,7 +94,7 @@ def demo(
     stop = threading.Event()
     got: list[int] = []
 
-    def on_signal(signum, _frame) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
         got.append(signum)
         stop.set()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -15,7 +16,7 @@ def events() -> None:
     """A job's events as JSONL: export a live job for `replay --events`, or import a file."""
 
 
-def events_redis(redis_url: str):
+def events_redis(redis_url: str) -> Any:  # a redis client
     """A client that answers, or exit 2 with one line naming the Redis (without its password)."""
     from costexporter.store import protocol
 
@@ -40,7 +41,7 @@ def events_redis(redis_url: str):
     default=None,
     help="File [default: stdout].",
 )
-def events_export(job, since, redis_url, prefix, output) -> None:
+def events_export(job: str, since: str | None, redis_url: str, prefix: str, output: Path | None) -> None:
     """Write a job's events (validated, de-duplicated) as JSONL, the format `replay --events` reads."""
     import redis
 
@@ -79,7 +80,7 @@ def events_export(job, since, redis_url, prefix, output) -> None:
 @click.option("--job", default=None, help="Post into this job instead of each event's own.")
 @redis_url_option(help="Redis of the events.")
 @prefix_option
-def events_import(path, job, redis_url, prefix) -> None:
+def events_import(path: Path, job: str | None, redis_url: str, prefix: str) -> None:
     """Post a JSONL events file (as `replay --events` reads it) to a job's stream in Redis.
     Bad lines are reported and skipped; importing the same file twice adds nothing."""
     import redis

@@ -18,7 +18,7 @@ def keys_group() -> None:
 @keys_group.command("status")
 @redis_url_option()
 @prefix_option
-def keys_status(redis_url, prefix) -> None:
+def keys_status(redis_url: str, prefix: str) -> None:
     """Print the keyspace's version, this release's, the migrations that ran and those pending.
     Exits 1 when a migration is pending or the keyspace is newer than this release."""
     import json
@@ -65,7 +65,7 @@ def keys_status(redis_url, prefix) -> None:
     help="Then keep forwarding what trainers of the previous version write, every SECONDS, until "
     "interrupted (the agents of this version also do).",
 )
-def keys_migrate(redis_url, prefix, dry_run, force, follow) -> None:
+def keys_migrate(redis_url: str, prefix: str, dry_run: bool, force: bool, follow: float | None) -> None:
     """Move every key of the legacy layout (<prefix>:{<job>}:...) to its new name. Agents of this
     version do it themselves before their first round; run it to see the plan (--dry-run), or
     before you apply `costexporter acl` rules, under which agents cannot read the legacy names.

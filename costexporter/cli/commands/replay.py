@@ -8,8 +8,18 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from costexporter.core.diagnostics import Diagnostics
+    from costexporter.core.gpulogs import LogClock
+    from costexporter.core.model import Event, Samples
+    from costexporter.core.tracefiles import SampleChunk
+    from costexporter.services.history import PodSpan
 
 from costexporter.cli.options import (
     InputFailure,
@@ -145,30 +155,30 @@ from costexporter.cli.options import (
 @click.option("-q", "--quiet", is_flag=True, help="Do not print warnings about skipped input.")
 @click.option("--timings", is_flag=True, help="Print where the time went (JSON, to stderr).")
 def replay(
-    samples,
-    prometheus,
-    selector,
-    start,
-    end,
-    interval,
-    job_map,
-    tensorboard,
-    tag,
-    events,
-    job,
-    tz,
-    progress,
-    gpu_model,
-    power_limit,
-    profile_path,
-    fmt,
-    output,
-    timeline,
-    columns,
-    incident_floor,
-    quiet,
-    timings,
-    **config,
+    samples: tuple[str, ...],
+    prometheus: str | None,
+    selector: str,
+    start: str | None,
+    end: str | None,
+    interval: float | None,
+    job_map: Path | None,
+    tensorboard: Path | None,
+    tag: str | None,
+    events: Path | None,
+    job: str | None,
+    tz: str,
+    progress: str,
+    gpu_model: str | None,
+    power_limit: float | None,
+    profile_path: Path | None,
+    fmt: str,
+    output: Path | None,
+    timeline: Path | None,
+    columns: str | None,
+    incident_floor: float | None,
+    quiet: bool,
+    timings: bool,
+    **config: Any,
 ) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
     from costexporter.cli import report
@@ -256,7 +266,7 @@ def replay(
         )
 
 
-def _term_notes(results: list) -> None:
+def _term_notes(results: list[Any]) -> None:
     """Say once per job what its meta set that only the operator sets (thresholds, a price, an
     owner): ignored, with the policy key that would trust it."""
     from costexporter.core.terms import ignored_meta_note
@@ -268,13 +278,19 @@ def _term_notes(results: list) -> None:
             click.echo(f"costexporter: {ignored_meta_note(r.name, r.terms.ignored_meta)}", err=True)
 
 
-def _read_samples(specs, tz, diag, mapping, clock) -> tuple[list, list]:
+def _read_samples(
+    specs: list[tuple[str, Path]],
+    tz: str,
+    diag: Diagnostics,
+    mapping: Mapping[str, str] | None,
+    clock: LogClock,
+) -> tuple[list[SampleChunk], list[PodSpan]]:
     """Every --samples file, read by its format in parallel: the chunks, and the pods a
     dcgm-exporter dump saw on its GPUs."""
     from costexporter.core import gpulogs
     from costexporter.services import history
 
-    def read(spec):
+    def read(spec: tuple[str, Path]) -> tuple[SampleChunk, list[PodSpan]]:
         host, path = spec
         if gpulogs.kind_of(path, mapping) == "dcgm-exporter":
             return history.read_exporter_dump(path, host, clock, diag)
@@ -287,7 +303,15 @@ def _read_samples(specs, tz, diag, mapping, clock) -> tuple[list, list]:
     return [c for c, _ in got], [s for _, spans in got for s in spans]
 
 
-def _read_prometheus(url, selector, start, end, interval, tz, diag):
+def _read_prometheus(
+    url: str,
+    selector: str,
+    start: str | None,
+    end: str | None,
+    interval: float | None,
+    tz: str,
+    diag: Diagnostics,
+) -> tuple[SampleChunk, list[PodSpan]]:
     from costexporter.services import history
 
     if not start or not end:
@@ -299,7 +323,16 @@ def _read_prometheus(url, selector, start, end, interval, tz, diag):
         raise InputFailure(str(e)) from None
 
 
-def _job_events(sample_set, spans, job_map_path, prometheus, start, end, tz, diag) -> list:
+def _job_events(
+    sample_set: Samples,
+    spans: list[PodSpan],
+    job_map_path: Path | None,
+    prometheus: str | None,
+    start: str | None,
+    end: str | None,
+    tz: str,
+    diag: Diagnostics,
+) -> list[Event]:
     """The registrations of the jobs a past window's pods (or a SLURM export) say held its GPUs."""
     from costexporter.core import bands
     from costexporter.services import history, jobmap
@@ -335,7 +368,7 @@ def _job_events(sample_set, spans, job_map_path, prometheus, start, end, tz, dia
     return out
 
 
-def _tensorboard_steps(path, tag, job, evs) -> list:
+def _tensorboard_steps(path: Path, tag: str | None, job: str | None, evs: list[Event]) -> list[Event]:
     from costexporter.services import tbsteps
 
     if not tag:

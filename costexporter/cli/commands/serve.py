@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import click
 
 from costexporter.cli.options import (
@@ -153,38 +156,38 @@ from costexporter.sources.factory import KINDS, make_source
 @booking_options
 @price_options
 def serve(
-    source,
-    scenario,
-    dcgm_urls,
-    samples,
-    speed,
-    tz,
-    host,
-    agent_id,
-    redis_url,
-    prefix,
-    listen,
-    port,
-    book_interval,
-    sample_interval,
-    gpu_model,
-    power_limit,
-    profile_path,
-    exit_when_done,
-    api_port,
-    peer_timeout,
-    tokens_file,
-    series_ttl,
-    k8s_jobs,
-    k8s_job_labels,
-    k8s_team_labels,
-    k8s_api,
-    time_slicing_replicas,
-    event_lag,
-    unassigned_hold,
-    trim_streams,
-    late_keep,
-    **config,
+    source: str,
+    scenario: str,
+    dcgm_urls: tuple[str, ...],
+    samples: tuple[str, ...],
+    speed: float,
+    tz: str,
+    host: str | None,
+    agent_id: str | None,
+    redis_url: str,
+    prefix: str,
+    listen: str,
+    port: int,
+    book_interval: float,
+    sample_interval: float,
+    gpu_model: str | None,
+    power_limit: float | None,
+    profile_path: Path | None,
+    exit_when_done: bool,
+    api_port: int,
+    peer_timeout: float | None,
+    tokens_file: str | None,
+    series_ttl: float,
+    k8s_jobs: bool,
+    k8s_job_labels: tuple[str, ...],
+    k8s_team_labels: tuple[str, ...],
+    k8s_api: str,
+    time_slicing_replicas: int,
+    event_lag: float,
+    unassigned_hold: float,
+    trim_streams: bool,
+    late_keep: float,
+    **config: Any,
 ) -> None:
     """The per-node agent: sample GPUs, book the ledger exactly once, serve /metrics."""
     import logging

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import click
 
 from costexporter.cli.options import (
@@ -109,28 +112,28 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option("--once", is_flag=True, help="Poll once, print each job's status as JSON, exit.")
 @booking_options
 def watch(
-    redis_url,
-    prefix,
-    jobs,
-    shard,
-    poll,
-    heartbeat_timeout,
-    status_ttl,
-    webhook_url,
-    webhook_retries,
-    alertmanager_url,
-    generator_url,
-    alertmanager_resend,
-    cluster,
-    runbooks,
-    listen,
-    port,
-    gpu_model,
-    power_limit,
-    profile_path,
-    sim_clock,
-    once,
-    **config,
+    redis_url: str,
+    prefix: str,
+    jobs: tuple[str, ...],
+    shard: tuple[int, int] | None,
+    poll: float,
+    heartbeat_timeout: float,
+    status_ttl: float | None,
+    webhook_url: str | None,
+    webhook_retries: int,
+    alertmanager_url: str | None,
+    generator_url: str,
+    alertmanager_resend: float,
+    cluster: str | None,
+    runbooks: str | None,
+    listen: str,
+    port: int,
+    gpu_model: str | None,
+    power_limit: float | None,
+    profile_path: Path | None,
+    sim_clock: bool,
+    once: bool,
+    **config: Any,
 ) -> None:
     """Decide each job's state from outside it: running, done, crashed, hung, starving, unknown."""
     import json
