@@ -403,7 +403,7 @@ def test_redis_outage_makes_every_job_unknown(tmp_path):
         server.kill()
         st = w.poll()[job]
         assert st.state == "unknown" and "cannot read Redis" in st.reason
-        assert w.snapshot()["redis_up"] is False
+        assert w.snapshot().redis_up is False
         text = generate_latest(watch_registry(w)).decode()
         assert f'costexporter_job_state{{costexporter_job_state="unknown",training_job="{job}"}} 1.0' in text
         assert "costexporter_watch_redis_up 0.0" in text

@@ -50,6 +50,7 @@ from costexporter.services.agent_node import LocalSamples, NodeGpus
 from costexporter.services.agent_notes import JobNotes
 from costexporter.services.agent_peers import PeerExchange
 from costexporter.services.agent_unassigned import UnassignedBooker
+from costexporter.services.snapshots import AgentSnapshot, JobView
 from costexporter.sources.base import GpuSource
 from costexporter.sources.sampler import ClockWatch, Sampler
 from costexporter.store import agentid, keyspace, ledger, migrate, protocol, untrusted
@@ -871,57 +872,56 @@ class Agent:
         n = job.fold.state_bytes() if job.fold is not None else 0
         return n + 700 * len(job.fresh) + 400 * len(job.state.rb_index) + 16 * len(job.state.rb_applied)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> AgentSnapshot:
         now = time.monotonic()
         with self.lock:
-            pending = self.samples.pending()
-            return {
-                "pending": pending,
-                "host": self.host,
-                "agent": self.cfg.agent_id,
-                "currency": self.cfg.prices.currency,
-                "redis_up": self.redis_up,
-                "id_refused": self.id_refused,
-                "gpus": self.source.gpus(),
-                "latest": self.sampler.latest(),
-                "gpu_bands": dict(self._gpu_band),
-                "gpu_profiles": dict(self._gpu_prof),
-                "live_seq": self.live_seq,
-                "errors": dict(self.source.errors),
-                "stats": dict(self.stats),
-                "dropped": self.sampler.dropped,
-                "clock_steps": dict(self.sampler.clock.steps) if self.sampler.clock else {},
-                "clock_offset_s": self.sampler.clock.offset_s if self.sampler.clock else 0.0,
-                "registrations_rejected": dict(self.registrations_rejected),
-                "meta_ignored": dict(self.meta_ignored),
-                "data_rejected": dict(self.refusals.counts),
-                "round_counts": list(self.round_counts),
-                "round_sum": self.round_sum,
-                "jobs": {
-                    name: {
-                        "own": dict(j.own),
-                        "booked": j.state.booked.copy(),
-                        "voided": j.state.voided.copy(),
-                        "figures": dict(j.figures),
+            return AgentSnapshot(
+                pending=self.samples.pending(),
+                host=self.host,
+                agent=self.cfg.agent_id,
+                currency=self.cfg.prices.currency,
+                redis_up=self.redis_up,
+                id_refused=self.id_refused,
+                gpus=self.source.gpus(),
+                latest=self.sampler.latest(),
+                gpu_bands=dict(self._gpu_band),
+                gpu_profiles=dict(self._gpu_prof),
+                live_seq=self.live_seq,
+                errors=dict(self.source.errors),
+                stats=dict(self.stats),
+                dropped=self.sampler.dropped,
+                clock_steps=dict(self.sampler.clock.steps) if self.sampler.clock else {},
+                clock_offset_s=self.sampler.clock.offset_s if self.sampler.clock else 0.0,
+                registrations_rejected=dict(self.registrations_rejected),
+                meta_ignored=dict(self.meta_ignored),
+                data_rejected=dict(self.refusals.counts),
+                round_counts=list(self.round_counts),
+                round_sum=self.round_sum,
+                jobs={
+                    name: JobView(
+                        own=dict(j.own),
+                        booked=j.state.booked.copy(),
+                        voided=j.state.voided.copy(),
+                        figures=dict(j.figures),
                         # its data keys, its owner and place the operator's (`attribution`)
-                        "meta": (j.terms.attribution if j.terms else Attribution()).overlay(j.meta),
-                        "latest_band": dict(j.latest_band),
-                        "booked_until": j.booked_until,
-                        "at_risk_ms": j.live.get("at_risk_ms", j.at_risk_ms),
-                        "since_cost": j.live.get("since_cost", j.state.since_cost),
-                        "done": j.done,
-                        "rejected": {
+                        meta=(j.terms.attribution if j.terms else Attribution()).overlay(j.meta),
+                        latest_band=dict(j.latest_band),
+                        booked_until=j.booked_until,
+                        at_risk_ms=j.live.get("at_risk_ms", j.at_risk_ms),
+                        since_cost=j.live.get("since_cost", j.state.since_cost),
+                        done=j.done,
+                        rejected={
                             k.split(":", 1)[1]: n
                             for k, n in j.reader.stats.items()
                             if k.startswith("rejected:")
                         },
-                        "clock_skew_s": j.skew_s,
-                        "state_bytes": self._state_bytes(j),
-                    }
+                        clock_skew_s=j.skew_s,
+                        state_bytes=self._state_bytes(j),
+                    )
                     for name, j in self.jobs.items()
                     if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)
                 },
-            }
+            )
 
 
 class _Layout:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -33,6 +33,7 @@ from costexporter.core.model import BANDS, CATEGORIES, GpuId
 
 if TYPE_CHECKING:
     from costexporter.services.agent import Agent
+    from costexporter.services.snapshots import AgentSnapshot
     from costexporter.services.watcher import Watcher
     from costexporter.sources.dcgm import PodRef
 
@@ -73,7 +74,7 @@ def dcgm_label_values(g: GpuId, pod: PodRef | None) -> list[str]:
 JOB_CATEGORIES = [(k, c) for k, c in enumerate(CATEGORIES) if c != "unassigned"]
 
 
-def gpu_profile_info(s: dict[str, Any]) -> GaugeMetricFamily:
+def gpu_profile_info(s: AgentSnapshot) -> GaugeMetricFamily:
     """Which band profile each GPU's readings are banded with, and where it came from. A GPU
     without one (no model or power limit known) has no series (the agent logs why)."""
     fam = GaugeMetricFamily(
@@ -83,8 +84,8 @@ def gpu_profile_info(s: dict[str, Any]) -> GaugeMetricFamily:
         "idle edges sit at the GPU's learned idle power).",
         labels=["host", "gpu", "uuid", "profile", "source"],
     )
-    used = s.get("gpu_profiles", {})
-    for i, g in enumerate(s["gpus"]):
+    used = s.gpu_profiles
+    for i, g in enumerate(s.gpus):
         if i in used:
             name, source = used[i]
             fam.add_metric([g.host, str(g.index), g.uuid or "", name, source], 1)
@@ -99,22 +100,18 @@ class AgentCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.agent.snapshot()
-        host = s["host"]
+        host = s.host
         info = GaugeMetricFamily(
             "costexporter_agent_info", "The agent: 1 per running agent.", labels=["agent", "host", "version"]
         )
-        info.add_metric([s["agent"], host, __version__], 1)
+        info.add_metric([s.agent, host, __version__], 1)
         yield info
         up = GaugeMetricFamily("costexporter_redis_up", "Whether the last round could read and write Redis.")
-        up.add_metric([], 1 if s["redis_up"] else 0)
+        up.add_metric([], 1 if s.redis_up else 0)
         yield up
 
         # Per GPU: the live view. GPU index -> (job, rank, current band) of the GPUs a job holds.
-        held = {
-            g: (name, r, j["latest_band"].get(r))
-            for name, j in s["jobs"].items()
-            for r, g in j["own"].items()
-        }
+        held = {g: (name, r, j.latest_band.get(r)) for name, j in s.jobs.items() for r, g in j.own.items()}
         labels = ["host", "gpu", "uuid", "training_job", "rank", *DCGM_LABELS]
         pods = self.agent.source.pods() if hasattr(self.agent.source, "pods") else {}
         power = GaugeMetricFamily(
@@ -128,13 +125,13 @@ class AgentCollector(Collector):
             "1 for the GPU's current band, 0 for the others.",
             labels=[*labels, "band"],
         )
-        for i, g in enumerate(s["gpus"]):
+        for i, g in enumerate(s.gpus):
             job, rank, b = held.get(i, ("", "", None))
             if b is None and job:  # its job has no classified sample yet: the reading's own band
                 # (a GPU no job holds shows none: the alert rules and dashboards are per job)
-                b = s.get("gpu_bands", {}).get(i)
+                b = s.gpu_bands.get(i)
             lv = [g.host, str(g.index), g.uuid or "", job, str(rank), *dcgm_label_values(g, pods.get(i))]
-            r = s["latest"].get(i)
+            r = s.latest.get(i)
             if r is not None:
                 if not math.isnan(r.power_w):
                     power.add_metric(lv, r.power_w)
@@ -153,44 +150,44 @@ class AgentCollector(Collector):
             "Per-GPU read errors of the source, by kind.",
             labels=["host", "gpu", "kind"],
         )
-        for (gpu, kind), n in sorted(s["errors"].items()):
+        for (gpu, kind), n in sorted(s.errors.items()):
             errors.add_metric([host, str(gpu) if gpu >= 0 else "", kind], n)
         yield errors
         dropped = CounterMetricFamily(
             "costexporter_samples_dropped", "Samples dropped from full buffers (their time books unobserved)."
         )
-        dropped.add_metric([], s["dropped"] + s["stats"].get("samples_dropped", 0))
+        dropped.add_metric([], s.dropped + s.stats.get("samples_dropped", 0))
         yield dropped
         pending = GaugeMetricFamily(
             "costexporter_samples_pending", "Samples held for booking (they grow while Redis is unreachable)."
         )
-        pending.add_metric([], s["pending"])
+        pending.add_metric([], s.pending)
         yield pending
         rerr = CounterMetricFamily("costexporter_redis_errors", "Rounds that could not reach Redis.")
-        rerr.add_metric([], s["stats"].get("redis_errors", 0))
+        rerr.add_metric([], s.stats.get("redis_errors", 0))
         yield rerr
         ferr = CounterMetricFamily(
             "costexporter_round_errors", "Booking rounds that failed unexpectedly (see the log)."
         )
-        ferr.add_metric([], s["stats"].get("round_errors", 0))
+        ferr.add_metric([], s.stats.get("round_errors", 0))
         yield ferr
         yield from self._cost_families(s)
         yield from self._fault_families(s)
 
         # The job families hold live figures (cost since the last step, time at risk, whether a
         # phase's allowance holds) that change every round, booked or not: keyed on the round.
-        key = (s.get("live_seq", 0), s["stats"].get("rounds", 0), tuple(sorted(s["jobs"])))
+        key = (s.live_seq, s.stats.get("rounds", 0), tuple(sorted(s.jobs)))
         if self._cache_key != key:
             self._cache = list(self._job_families(s))
             self._cache_key = key
         yield from self._cache
 
-    def _cost_families(self, s: dict[str, Any]) -> Iterator[Metric]:
+    def _cost_families(self, s: AgentSnapshot) -> Iterator[Metric]:
         """What the agent itself costs: CPU per round and memory per job, flat at any history."""
         from costexporter.services.agent import ROUND_BUCKETS
 
-        counts = s.get("round_counts")
-        if counts is not None:
+        counts = s.round_counts
+        if counts:
             cum, buckets = 0, []
             for b, n in zip([*map(str, ROUND_BUCKETS), "+Inf"], counts, strict=True):
                 cum += n
@@ -198,7 +195,7 @@ class AgentCollector(Collector):
             h = HistogramMetricFamily(
                 "costexporter_agent_round_seconds", "CPU time of each booking round (all jobs of the node)."
             )
-            h.add_metric([], buckets, s.get("round_sum", 0.0))
+            h.add_metric([], buckets, s.round_sum)
             yield h
         state = GaugeMetricFamily(
             "costexporter_agent_state_bytes",
@@ -206,11 +203,11 @@ class AgentCollector(Collector):
             "index entries), about; bounded by the booking context, not the job's history.",
             labels=["training_job"],
         )
-        for name, j in sorted(s["jobs"].items()):
-            state.add_metric([name], j.get("state_bytes", 0))
+        for name, j in sorted(s.jobs.items()):
+            state.add_metric([name], j.state_bytes)
         yield state
 
-    def _fault_families(self, s: dict[str, Any]) -> Iterator[Metric]:
+    def _fault_families(self, s: AgentSnapshot) -> Iterator[Metric]:
         """What the agent refused or noticed: a second agent with its id, an empty Redis,
         rejected registrations and events, trainer clocks off their events' arrival."""
         conflicts = CounterMetricFamily(
@@ -218,13 +215,13 @@ class AgentCollector(Collector):
             "Rounds dropped because the watermark changed under this agent: another agent runs "
             "with the same agent id (nothing is booked twice).",
         )
-        conflicts.add_metric([], s["stats"].get("conflicts", 0))
+        conflicts.add_metric([], s.stats.get("conflicts", 0))
         yield conflicts
         epoch = CounterMetricFamily(
             "costexporter_redis_epoch_resets",
             "Times Redis came back empty (its epoch marker gone): the ledger before is lost there.",
         )
-        epoch.add_metric([], s["stats"].get("epoch_resets", 0))
+        epoch.add_metric([], s.stats.get("epoch_resets", 0))
         yield epoch
         steps = CounterMetricFamily(
             "costexporter_agent_clock_steps",
@@ -233,42 +230,42 @@ class AgentCollector(Collector):
             labels=["direction"],
         )
         for direction in ("forward", "backward"):
-            steps.add_metric([direction], s.get("clock_steps", {}).get(direction, 0))
+            steps.add_metric([direction], s.clock_steps.get(direction, 0))
         yield steps
         off = GaugeMetricFamily(
             "costexporter_agent_clock_offset_seconds",
             "How far the samples' clock runs behind this host's wall clock after the steps seen "
             "(0 without a step; a restart realigns it).",
         )
-        off.add_metric([], s.get("clock_offset_s", 0.0))
+        off.add_metric([], s.clock_offset_s)
         yield off
         idr = CounterMetricFamily(
             "costexporter_agent_id_refused_rounds",
             "Rounds that booked nothing because another host holds this agent's --agent-id.",
         )
-        idr.add_metric([], s["stats"].get("agent_id_refused", 0))
+        idr.add_metric([], s.stats.get("agent_id_refused", 0))
         yield idr
         held = GaugeMetricFamily(
             "costexporter_agent_id_held",
             "1 while this host holds its --agent-id (0: refused, booking nothing).",
         )
-        held.add_metric([], 0 if s.get("id_refused") else 1)
+        held.add_metric([], 0 if s.id_refused else 1)
         yield held
         jerr = CounterMetricFamily(
             "costexporter_job_errors", "Job rounds that failed and were skipped (the other jobs booked)."
         )
-        jerr.add_metric([], s["stats"].get("job_errors", 0))
+        jerr.add_metric([], s.stats.get("job_errors", 0))
         yield jerr
         regs = CounterMetricFamily(
             "costexporter_registrations_rejected",
             "Ranks entries (registrations) refused, by job and reason.",
             labels=["training_job", "reason"],
         )
-        for (job, reason), n in sorted(s["registrations_rejected"].items()):
+        for (job, reason), n in sorted(s.registrations_rejected.items()):
             regs.add_metric([job, reason], n)
         yield regs
-        yield meta_ignored(s.get("meta_ignored", {}))
-        yield data_rejected(s["data_rejected"])
+        yield meta_ignored(s.meta_ignored)
+        yield data_rejected(s.data_rejected)
         rej = CounterMetricFamily(
             "costexporter_events_rejected",
             "Events refused (malformed), by job and reason.",
@@ -280,16 +277,16 @@ class AgentCollector(Collector):
             "size over its ranks; negative: behind, or delivered late). Keep trainer hosts on NTP.",
             labels=["training_job"],
         )
-        for name, j in sorted(s["jobs"].items()):
-            for reason, n in sorted(j["rejected"].items()):
+        for name, j in sorted(s.jobs.items()):
+            for reason, n in sorted(j.rejected.items()):
                 rej.add_metric([name, reason], n)
-            if j["clock_skew_s"] is not None:
-                skew.add_metric([name], j["clock_skew_s"])
+            if j.clock_skew_s is not None:
+                skew.add_metric([name], j.clock_skew_s)
         yield rej
         yield skew
 
-    def _job_families(self, s: dict[str, Any]) -> Iterator[Metric]:
-        cur = s["currency"]
+    def _job_families(self, s: AgentSnapshot) -> Iterator[Metric]:
+        cur = s.currency
         # Booked amounts (this agent's GPUs): sum across agents.
         jl = ["training_job", "category"]
         t = CounterMetricFamily("costexporter_gpu_time_seconds", "GPU time booked, by category.", labels=jl)
@@ -332,15 +329,15 @@ class AgentCollector(Collector):
             "limit, fit one with `costexporter calibrate`.",
             labels=["training_job", "profile", "calibrated"],
         )
-        for name, j in sorted(s["jobs"].items()):
-            since.add_metric([name, cur], j["since_cost"] / 1e6)
-            if j["figures"].get("profile"):
-                calibrated = "true" if j["figures"].get("profile_calibrated") else "false"
-                prof.add_metric([name, j["figures"]["profile"], calibrated], 1)
-            if j["figures"].get("budget") is not None:
-                budget.add_metric([name, cur], float(j["figures"]["budget"]))
+        for name, j in sorted(s.jobs.items()):
+            since.add_metric([name, cur], j.since_cost / 1e6)
+            if j.figures.get("profile"):
+                calibrated = "true" if j.figures.get("profile_calibrated") else "false"
+                prof.add_metric([name, j.figures["profile"], calibrated], 1)
+            if j.figures.get("budget") is not None:
+                budget.add_metric([name, cur], float(j.figures["budget"]))
             # As Python ints: no numpy scalar per value (58,000 of them at 1,000 jobs).
-            booked, voided = j["booked"].tolist(), j["voided"].tolist()
+            booked, voided = j.booked.tolist(), j.voided.tolist()
             for k, cat in JOB_CATEGORIES:
                 t.add_metric([name, cat], booked[k][0] / 1000)
                 if cat != "unobserved":  # no sample, no energy
@@ -349,8 +346,8 @@ class AgentCollector(Collector):
                 # Every counter from 0 at the job's first round, so rate() sees the first rollback.
                 vt.add_metric([name, cat], voided[k][0] / 1000)
                 vc.add_metric([name, cat, cur], voided[k][2] / 1e6)
-            risk.add_metric([name], j["at_risk_ms"] / 1000)
-            booked_until.add_metric([name], j["booked_until"] / 1000)
+            risk.add_metric([name], j.at_risk_ms / 1000)
+            booked_until.add_metric([name], j.booked_until / 1000)
         yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)
         yield from _dashboard_families(s)
 
@@ -424,9 +421,9 @@ class AgentCollector(Collector):
         ]
         for metric, kind, help_, key, scale in f:
             fam = kind(metric, help_, labels=["training_job"])
-            for name, j in sorted(s["jobs"].items()):
-                if j["figures"].get(key) is not None:
-                    fam.add_metric([name], float(j["figures"][key]) * scale)
+            for name, j in sorted(s.jobs.items()):
+                if j.figures.get(key) is not None:
+                    fam.add_metric([name], float(j.figures[key]) * scale)
             yield fam
 
 
@@ -435,7 +432,7 @@ BAND_EDGES = {"band_idle_max_w": "idle_max", "band_low_max_w": "low_max", "band_
 JOB_INFO = ("team", "namespace", "cost_center", "progress")  # progress="none": a job without steps
 
 
-def _dashboard_families(s: dict[str, Any]) -> Iterator[Metric]:
+def _dashboard_families(s: AgentSnapshot) -> Iterator[Metric]:
     """Job-level series the dashboard filters and draws with (the same on every agent: max):
     the job's team/namespace/cost center as an info series, and its profile's band edges."""
     info = GaugeMetricFamily(
@@ -449,12 +446,12 @@ def _dashboard_families(s: dict[str, Any]) -> Iterator[Metric]:
         "Power edges of the band profile of the job's GPUs (idle_max, low_max, compute_min).",
         labels=["training_job", "edge"],
     )
-    for name, j in sorted(s["jobs"].items()):
-        meta = j.get("meta", {})
+    for name, j in sorted(s.jobs.items()):
+        meta = j.meta
         info.add_metric([name, *(str(meta.get(k) or "") for k in JOB_INFO)], 1)
         for key, edge in BAND_EDGES.items():
-            if j["figures"].get(key) is not None:
-                edges.add_metric([name, edge], float(j["figures"][key]))
+            if j.figures.get(key) is not None:
+                edges.add_metric([name, edge], float(j.figures[key]))
     yield info
     yield edges
 
@@ -505,7 +502,7 @@ class WatchCollector(Collector):
         info.add_metric([__version__], 1)
         yield info
         up = GaugeMetricFamily("costexporter_watch_redis_up", "Whether the last poll could read Redis.")
-        up.add_metric([], 1 if s["redis_up"] else 0)
+        up.add_metric([], 1 if s.redis_up else 0)
         yield up
         state = StateSetMetricFamily(
             "costexporter_job_state", "The job's state as the watcher decided it.", labels=["training_job"]
@@ -520,7 +517,7 @@ class WatchCollector(Collector):
             "The rank the watcher suspects (the one at 0%, or whose events diverge); -1: none.",
             labels=["training_job"],
         )
-        for job, st in sorted(s["status"].items()):
+        for job, st in sorted(s.status.items()):
             state.add_metric([job], {name: name == st.state for name in STATES})
             if st.seconds_since_last_step is not None:
                 since.add_metric([job], st.seconds_since_last_step)
@@ -528,7 +525,7 @@ class WatchCollector(Collector):
             suspect.add_metric([job], float(r) if r is not None else -1.0)
         yield from (state, since, suspect)
         transitions = CounterMetricFamily("costexporter_watch_transitions", "State transitions seen.")
-        transitions.add_metric([], s["stats"].get("transitions", 0))
+        transitions.add_metric([], s.stats.get("transitions", 0))
         yield transitions
         wh = CounterMetricFamily(
             "costexporter_watch_webhook_deliveries",
@@ -536,7 +533,7 @@ class WatchCollector(Collector):
             labels=["outcome"],
         )
         for outcome in ("sent", "retries", "failed", "dropped"):
-            wh.add_metric([outcome], s["webhook"].get(outcome, 0))
+            wh.add_metric([outcome], s.webhook.get(outcome, 0))
         yield wh
         am = CounterMetricFamily(
             "costexporter_watch_alertmanager_posts",
@@ -545,18 +542,18 @@ class WatchCollector(Collector):
             labels=["outcome"],
         )
         for outcome in ("sent", "retries", "failed", "dropped"):
-            am.add_metric([outcome], s["alertmanager"].get(outcome, 0))
+            am.add_metric([outcome], s.alertmanager.get(outcome, 0))
         yield am
         regs = CounterMetricFamily(
             "costexporter_registrations_rejected",
             "Ranks entries (registrations) refused, by job and reason.",
             labels=["training_job", "reason"],
         )
-        for (job, reason), n in sorted(s["registrations_rejected"].items()):
+        for (job, reason), n in sorted(s.registrations_rejected.items()):
             regs.add_metric([job, reason], n)
         yield regs
-        yield meta_ignored(s.get("meta_ignored", {}))
-        yield data_rejected(s["data_rejected"])
+        yield meta_ignored(s.meta_ignored)
+        yield data_rejected(s.data_rejected)
 
 
 def registry_for(agent: Agent) -> CollectorRegistry:

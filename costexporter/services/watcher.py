@@ -62,6 +62,7 @@ from costexporter.core.terms import JobTerms, Policy, PolicyRule, ignored_meta_n
 from costexporter.core.timeutil import iso_utc, to_ms
 from costexporter.services.alertmanager import Alertmanager
 from costexporter.services.notify import ALERTING, RUNBOOKS, Status, Webhook, alertname, runbook_url
+from costexporter.services.snapshots import WatcherSnapshot
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.jobindex import JobIndex
 from costexporter.store.reader import EventReader, read_ahead, read_all_many
@@ -1209,16 +1210,16 @@ class Watcher:
                     if self.webhook is not None:
                         self.webhook.send(notification(job, old, st, now, self.cfg.prefix, self.cfg.runbooks))
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> WatcherSnapshot:
         with self.lock:
-            return {
-                "status": dict(self.status),
-                "redis_up": self.redis_up,
-                "stats": dict(self.stats),
-                "registrations_rejected": dict(self.registrations_rejected),
-                "meta_ignored": dict(self.meta_ignored),
-                "data_rejected": dict(self.refusals.counts),
-                "webhook": dict(self.webhook.stats) if self.webhook else {},
-                "alertmanager": dict(self.alertmanager.stats) if self.alertmanager else {},
-                "now": self.cfg.clock(),
-            }
+            return WatcherSnapshot(
+                status=dict(self.status),
+                redis_up=self.redis_up,
+                stats=dict(self.stats),
+                registrations_rejected=dict(self.registrations_rejected),
+                meta_ignored=dict(self.meta_ignored),
+                data_rejected=dict(self.refusals.counts),
+                webhook=dict(self.webhook.stats) if self.webhook else {},
+                alertmanager=dict(self.alertmanager.stats) if self.alertmanager else {},
+                now=self.cfg.clock(),
+            )

@@ -325,7 +325,7 @@ class Demo:
         Redis. `not running` when none has written one: the status expires a few polls after
         its watcher stops."""
         if self.cfg.watch:
-            st = self.watcher.snapshot()["status"].get(self.job)
+            st = self.watcher.snapshot().status.get(self.job)
             return (st.state, st.reason, st.suspect) if st else ("unknown", "", None)
         try:
             raw = self._client.get(keys.status_key(self.cfg.prefix, self.job))
@@ -344,9 +344,9 @@ class Demo:
 
     def state(self) -> dict[str, Any]:
         snap = self.agent.snapshot()
-        j = snap["jobs"].get(self.job)
+        j = snap.jobs.get(self.job)
         state, reason, suspect = self.watcher_status()
-        out = {
+        out: dict[str, Any] = {
             "progress": min(max((self.src.sim_time() - self.t_start) / self.t_len, 0.0), 1.0),
             "sim_time": self.src.sim_time(),
             "step": None,
@@ -360,21 +360,21 @@ class Demo:
             "suspect": suspect,
             # The watcher's own alert shows even before the agent has booked the job.
             "alerts": [f"Job{state.capitalize()}"] if state in ALERTING else [],
-            "currency": snap["currency"],
+            "currency": snap.currency,
             "title": self.title(),
             "utils": [],
         }
         if j is None:
             return out
-        hours, costs = _net(j["booked"], j["voided"])
+        hours, costs = _net(j.booked, j.voided)
         cost = sum(costs.values())
-        f = j["figures"]
+        f = j.figures
         wasted = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
-        bands = [BANDS[j["latest_band"][r]] if r in j["latest_band"] else "unknown" for r in sorted(j["own"])]
-        latest = snap["latest"]
-        utils = [latest[j["own"][r]].util_pct if j["own"][r] in latest else None for r in sorted(j["own"])]
+        bands = [BANDS[j.latest_band[r]] if r in j.latest_band else "unknown" for r in sorted(j.own)]
+        latest = snap.latest
+        utils = [latest[j.own[r]].util_pct if j.own[r] in latest else None for r in sorted(j.own)]
         valid = int(f.get("valid_steps", 0))
-        per_step = cost_per_valid_step(int((j["booked"] - j["voided"])[:, 2].sum()), valid)
+        per_step = cost_per_valid_step(int((j.booked - j.voided)[:, 2].sum()), valid)
         out.update(
             step=f.get("last_step"),
             valid_steps=valid,
