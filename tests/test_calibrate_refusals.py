@@ -248,15 +248,21 @@ def test_a_label_over_simultaneous_levels_is_fitted_not_refused(shape):
 
     smp, labels = _eight_gpus(idle_w)
     f = fit(smp, labels=labels)
-    assert any("two power levels at the same moments" in w for w in f.warnings), f.warnings
+    assert any("holds two power levels" in w for w in f.warnings), f.warnings
     assert f.profile.idle_max_w >= 124 + 6 and f.profile.compute_min_w > 300
     assert label_agreement_samples(smp, f.profile, labels) >= MIN_LABEL_AGREEMENT
 
 
-def test_levels_one_after_the_other_in_one_label_are_still_refused():
-    """The same two idle levels, but every GPU at 124 W and then every GPU at 70 W: a split in
-    time separates them."""
+def test_an_idle_label_over_a_decay_is_fitted_but_busy_levels_one_after_the_other_are_refused():
+    """Every GPU's idle power decaying 125 -> 70 W after the run (both levels at 0%): idle, as
+    labelled. Compute at ~560 W and then waiters at ~150 W, 100% busy, labelled compute as one:
+    a split in time separates them, refused."""
     smp, labels = _eight_gpus(lambda g, s: 124.0 if s < 450 else 70.0)
+    f = fit(smp, labels=labels)
+    assert any("holds two power levels" in w for w in f.warnings) and f.profile.idle_max_w >= 124
+    smp, labels = _eight_gpus(lambda g, s: 80.0)
+    busy = smp.util_pct > 0
+    smp.power_w = np.where(busy & (smp.ts_ms >= smp.ts_ms.min() + 150_000), 150.0, smp.power_w)
     with pytest.raises(CalibrationError, match="spans two power levels"):
         fit(smp, labels=labels)
 

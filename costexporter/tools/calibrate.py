@@ -342,11 +342,10 @@ def fit(
                 f"{_when(int(ts.min()), tz)}..{_when(int(ts.max()), tz)} (times in --tz {tz})"
             )
         lab[inside] = level
-        if _one_level(a, b, level, inside & np.isfinite(power), power, limit, tz, ts, grid_ms):
+        if _one_level(a, b, level, inside & np.isfinite(power), power, limit, tz, ts, grid_ms, util):
             notes.append(
-                f"label {_when(a, tz)}..{_when(b, tz)}={level} holds two power levels at the same "
-                "moments (GPUs at levels of their own, or one decaying): both fitted as "
-                f"{level}"
+                f"label {_when(a, tz)}..{_when(b, tz)}={level} holds two power levels (GPUs at "
+                f"levels of their own, or an idle decay): both fitted as {level}"
             )
     held = ((ts // HOLD_OUT_BLOCK_MS) % HOLD_OUT_EVERY) == HOLD_OUT_EVERY - 1
     train = ~held & np.isfinite(power) & np.isfinite(util)
@@ -456,11 +455,14 @@ def _one_level(
     tz: str,
     ts: np.ndarray,
     grid_ms: int,
+    util: np.ndarray,
 ) -> bool:
     """Refuse a label whose samples are two power levels far apart one after the other: one
     label, one level, and a time split separates them. Two levels at the same moments (GPUs
     idling at their own levels, one GPU's power decaying while the others stay) are what the
-    label says of every GPU: accepted, and True is returned."""
+    label says of every GPU, and so is an idle label over a decay (both levels at ~0%
+    utilization: a board's idle power falls as its clocks drop after a run): accepted, and True
+    is returned."""
     idx = np.flatnonzero(inside)
     if idx.size < MIN_LABELLED:
         return False
@@ -473,6 +475,8 @@ def _one_level(
     if centres[-1] >= TWO_LEVEL_RATIO * centres[0]:
         lo, hi = (set((ts[f] // grid_ms).tolist()) for f in (by_centre[0], by_centre[-1]))
         if len(lo & hi) >= SIMULTANEOUS_SHARE * min(len(lo), len(hi)):
+            return True
+        if level == "idle" and all(float(np.nanmedian(util[f])) <= ZERO_UTIL for f in by_centre):
             return True
         raise CalibrationError(
             f"label {_when(a, tz)}..{_when(b, tz)}={level} spans two power levels (~{centres[-1]:.0f} W and "
