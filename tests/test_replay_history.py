@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from costexporter.core.diagnostics import Diagnostics
+from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.services import history, jobmap, tbsteps
 from costexporter.sources.dcgm import PodRef
 
@@ -324,8 +324,20 @@ def test_tensorboard_steps_bill_as_the_trainers_own(cli, tmp_path, trainer_event
 def test_tensorboard_without_the_tag_names_the_tags(tmp_path):
     pytest.importorskip("tensorboard")
     _tensorboard(tmp_path / "tb", [(T0 + 5.0, 1), (T0 + 10.0, 2)])
-    from costexporter.core.diagnostics import InputError
-
     with pytest.raises(InputError, match="no tag 'loss' \\(tags: train/loss\\)"):
         tbsteps.logged_steps(tmp_path / "tb", "loss")
     assert tbsteps.logged_steps(tmp_path / "tb", "train/loss") == [(T0 + 5.0, 1), (T0 + 10.0, 2)]
+
+
+def test_job_map_names_are_made_job_names_as_the_kubernetes_path_makes_them(tmp_path):
+    from costexporter.core.model import GpuId
+
+    evs = jobmap.slurm_events(
+        [jobmap.SlurmJob("7", "my run {a}", ("n1",), 0, 60_000, None)],
+        [GpuId("n1", 0, "GPU-0", None, None)],
+        60_000,
+        Diagnostics(stream=None),
+    )
+    assert {e.job for e in evs} == {"my-run--a--7"}
+    (tmp_path / "map.csv").write_text("pod,job\nw-0,team a/run 1\n")
+    assert jobmap.load(tmp_path / "map.csv", "UTC").pods == {("", "w-0"): "team-a-run-1"}

@@ -26,6 +26,7 @@ from costexporter.services.history import PodFacts, PodSpan
 from costexporter.services.k8s import job_id
 from costexporter.services.k8s_owner import owner_of
 from costexporter.sources.dcgm import PodRef
+from costexporter.store.protocol import job_segment
 
 SESSION = "replay-jobmap"
 
@@ -72,7 +73,10 @@ def load(path: Path, tz: str) -> JobMap:
     for row in rows:
         r = {k.strip().lower(): (v or "").strip() for k, v in row.items() if k}
         if r.get("pod") and r.get("job"):
-            pods[(r.get("namespace", ""), r["pod"])] = r["job"]
+            try:
+                pods[(r.get("namespace", ""), r["pod"])] = job_segment(r["job"])
+            except ValueError as e:
+                raise InputError(f"{path}: {e}") from None
     return JobMap(pods=pods)
 
 
@@ -198,7 +202,7 @@ def slurm_events(
     out: list[Event] = []
     for j in jobs:
         rank = 0
-        job = j.name if j.name == j.job_id else f"{j.name}-{j.job_id}"
+        job = job_segment(j.name if j.name == j.job_id else f"{j.name}-{j.job_id}")
         registers: list[Event] = []
         for node in j.nodes:
             node_gpus = sorted(by_host.get(node, []), key=lambda g: g.index)

@@ -18,7 +18,6 @@ The agent books these jobs through its normal path; nothing here books.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import threading
 import time
@@ -66,8 +65,7 @@ def owner(
 
 def job_id(ref: PodRef, name: str) -> str:
     """`<namespace>:<name>`, usable as a hash tag and one path segment (ValueError if not)."""
-    job = f"{ref.namespace}:{name}" if ref.namespace else name
-    return protocol.check_job(re.sub(r"[^A-Za-z0-9._:@+=-]", "-", job)[:200])
+    return protocol.job_segment(f"{ref.namespace}:{name}" if ref.namespace else name)
 
 
 def job_name(ref: PodRef, job_labels: Iterable[str] = (), lookup: PodLookup | None = None) -> str:

@@ -51,6 +51,13 @@ def check_job(job: str) -> str:
     return job
 
 
+def job_segment(name: str) -> str:
+    """`name` made a job name that is also one URL path segment: characters outside letters,
+    digits and ._:@+=- become '-', at most 200 (the Kubernetes path's and replay's job maps'
+    names); ValueError where nothing usable is left."""
+    return check_job(re.sub(r"[^A-Za-z0-9._:@+=-]", "-", name)[:200])
+
+
 def encode_fields(fields: dict[str, object]) -> dict[str, str]:
     """Flat string field/value pairs for XADD: numbers as text, booleans as 'true'/'false',
     nested values (preflight checks) as JSON; None values are left out."""
