@@ -23,8 +23,7 @@ from costexporter.core.booking import STEPLESS_META
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import Event, GpuId
 from costexporter.services.history import PodFacts, PodSpan
-from costexporter.services.k8s import job_id
-from costexporter.services.k8s_owner import owner_of
+from costexporter.services.k8s_owner import job_id, owner_of
 from costexporter.sources.dcgm import PodRef
 from costexporter.store.protocol import job_segment
 
@@ -145,7 +144,7 @@ def pod_jobs(
     owners: Mapping[tuple[str, str], PodFacts] | None = None,
 ) -> dict[PodRef, str]:
     """Each pod's job: the job map's name, else as the live Kubernetes path names it
-    (`k8s.job_id`: `<namespace>:<workload>`), the workload from the owner and labels
+    (`k8s_owner.job_id`: `<namespace>:<workload>`), the workload from the owner and labels
     kube-state-metrics knew, else from the labels dcgm-exporter exported and the pod's name."""
     out: dict[PodRef, str] = {}
     for s in spans:

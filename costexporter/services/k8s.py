@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 from costexporter.core.attribution import Facts
 from costexporter.core.model import GpuId
 from costexporter.services.k8s_api import NodePods, PodLookup
-from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, owner_of, owner_of_pod
+from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, job_id, owner_of, owner_of_pod
 from costexporter.sources.dcgm import DcgmSource, PodRef
 from costexporter.store import keys, protocol, redisconn, untrusted
 from costexporter.trainer.reporter import send_entries
@@ -61,11 +61,6 @@ def owner(
     if obj is not None:
         return owner_of_pod(obj, job_labels=job_labels, team_labels=team_labels)
     return owner_of(ref.namespace, ref.pod, ref.labels, job_labels=job_labels, team_labels=team_labels)
-
-
-def job_id(ref: PodRef, name: str) -> str:
-    """`<namespace>:<name>`, usable as a hash tag and one path segment (ValueError if not)."""
-    return protocol.job_segment(f"{ref.namespace}:{name}" if ref.namespace else name)
 
 
 def job_name(ref: PodRef, job_labels: Iterable[str] = (), lookup: PodLookup | None = None) -> str:

@@ -22,7 +22,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from costexporter.store import protocol
+
+if TYPE_CHECKING:
+    from costexporter.sources.dcgm import PodRef
 
 # (label, the workload kind it names), in the order they are tried.
 OWNER_LABELS: tuple[tuple[str, str], ...] = (
@@ -150,3 +155,9 @@ def owner_of_pod(
         job_labels=job_labels,
         team_labels=team_labels,
     )
+
+
+def job_id(ref: PodRef, name: str) -> str:
+    """`<namespace>:<name>`, usable as a hash tag and one path segment (ValueError if not): the
+    job a pod's workload is, live (`k8s`) and in replay (`jobmap`)."""
+    return protocol.job_segment(f"{ref.namespace}:{name}" if ref.namespace else name)

@@ -286,13 +286,14 @@ def _read_samples(
     clock: LogClock,
 ) -> tuple[list[SampleChunk], list[PodSpan]]:
     """Every --samples file, read by its format in parallel: the chunks, and the pods a
-    dcgm-exporter dump saw on its GPUs."""
+    dcgm-exporter dump saw on its GPUs (the Prometheus text parser imported only for one)."""
     from costexporter.core import gpulogs
-    from costexporter.services import history
 
     def read(spec: tuple[str, Path]) -> tuple[SampleChunk, list[PodSpan]]:
         host, path = spec
         if gpulogs.kind_of(path, mapping) == "dcgm-exporter":
+            from costexporter.services import history
+
             return history.read_exporter_dump(path, host, clock, diag)
         return gpulogs.read_log(path, host, tz, diag, mapping, clock), []
 
@@ -334,6 +335,8 @@ def _job_events(
     diag: Diagnostics,
 ) -> list[Event]:
     """The registrations of the jobs a past window's pods (or a SLURM export) say held its GPUs."""
+    if not spans and job_map_path is None:
+        return []  # (a plain trace: nothing to import)
     from costexporter.core import bands
     from costexporter.services import history, jobmap
 
