@@ -13,18 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests import prom_server  # noqa: E402
+
 TARGET_S = 60.0
 CMD = [sys.executable, "-m", "costexporter.cli", "replay", "--format", "json", "-q"]
 
@@ -89,7 +91,7 @@ def main() -> int:
     ap.add_argument("--days", type=float, default=7)
     ap.add_argument("--step", type=int, default=15)
     args = ap.parse_args()
-    prom, promtool = shutil.which("prometheus"), shutil.which("promtool")
+    prom, promtool = prom_server.PROMETHEUS, prom_server.PROMTOOL
     if not prom or not promtool:
         print("needs prometheus and promtool (apt-get install prometheus)")
         return 2
@@ -110,25 +112,11 @@ def main() -> int:
         om.unlink()
         (Path(d) / "prometheus.yml").write_text("global:\n  scrape_interval: 1m\n")
         port = free_port()
-        proc = subprocess.Popen(
-            [
-                prom,
-                f"--config.file={d}/prometheus.yml",
-                f"--storage.tsdb.path={d}/tsdb",
-                "--storage.tsdb.retention.time=100y",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        proc = prom_server.start(Path(d) / "prometheus.yml", port, None, "--storage.tsdb.retention.time=100y")
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(300):
-                try:
-                    urllib.request.urlopen(f"{url}/-/ready", timeout=2)
-                    break
-                except OSError:
-                    time.sleep(0.5)
+            if not prom_server.wait_ready(url, 150.0):
+                raise SystemExit("prometheus did not become ready")
             print(
                 f"{args.gpus} GPUs x {args.days:g} days at {args.step} s: {points:,} points "
                 f"({points // 2:,} a series family); written in {gen_s:.0f} s, promtool {load_s:.0f} s; "

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,12 +19,12 @@ from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.services import history, jobmap, tbsteps
 from costexporter.sources.dcgm import PodRef
 
+from . import prom_server
 from .conftest import ROOT
 from .http_stub import HttpStub
 from .redis_server import free_port
 
-PROMETHEUS = shutil.which("prometheus")
-PROMTOOL = shutil.which("promtool")
+PROMETHEUS, PROMTOOL = prom_server.PROMETHEUS, prom_server.PROMTOOL
 EXAMPLE = ROOT / "examples" / "r1-mini"
 T0 = 1753570000  # the example's first sample (2025-07-26T22:46:40Z)
 T_END = T0 + 3595  # its last
@@ -98,27 +96,9 @@ def prom(tmp_path_factory):
     assert r.returncode == 0, r.stderr
     (d / "prometheus.yml").write_text("global:\n  scrape_interval: 1m\n")
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={d / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tsdb}",
-            "--storage.tsdb.retention.time=100y",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = prom_server.start(d / "prometheus.yml", port, tsdb, "--storage.tsdb.retention.time=100y")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.3)
-    else:
+    if not prom_server.wait_ready(url):
         proc.kill()
         pytest.fail("prometheus did not become ready")
     yield url

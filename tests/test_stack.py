@@ -30,6 +30,7 @@ from costexporter.tools.dashboard import expressions
 from costexporter.tools.dashboard import render as render_dashboard
 from costexporter.tools.rules import RuleWindows, render
 
+from . import prom_server
 from .conftest import SHARED_URL, drop_prefix
 from .redis_server import free_port
 
@@ -57,16 +58,7 @@ def _query(base: str, expr: str, at: float | None = None) -> list:
 
 def _prometheus(config: Path, port: int) -> subprocess.Popen:
     """A real Prometheus of `config` on `port`, its TSDB beside the config."""
-    return subprocess.Popen(
-        [
-            PROMETHEUS,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={config.parent / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    return prom_server.start(config, port)
 
 
 def _firing(base: str) -> dict[str, list[dict]]:

@@ -436,3 +436,28 @@ def test_only_a_sustained_reading_above_the_limit_doubts_the_model():
     assert profiles.over_limit(a100, "derived_from_model", level) == {"limit_w": 400.0, "reading_w": 739.0}
     assert profiles.over_limit(a100, "derived_from_limit", level) is None
     assert profiles.over_limit(a100, "file", level) is None
+
+
+def test_a_wide_files_bad_cell_drops_that_gpus_reading_only_and_is_said(tmp_path):
+    """A cell that is no number, or power out of range, drops that GPU's reading of the row
+    (counted, its line named), not the other GPU's; a bad time drops the row for every GPU."""
+    path = tmp_path / "wide.csv"
+    path.write_text(
+        "time,gpu0_power_w,gpu0_util,gpu1_power_w,gpu1_util\n"
+        "2026-05-28T20:26:40Z,500,100,510,100\n"
+        "2026-05-28T20:26:41Z,oops,100,510,100\n"
+        "2026-05-28T20:26:42Z,500,100,20000,100\n"
+        "soon,500,100,510,100\n"
+        "2026-05-28T20:26:44Z,500,100,510,100\n"
+    )
+    diag = Diagnostics(stream=None)
+    chunk = gpulogs.read_log(path, "h", "UTC", diag)
+    assert sorted(zip(chunk.index.tolist(), chunk.line.tolist(), strict=True)) == [
+        (0, 2),
+        (0, 4),
+        (0, 6),
+        (1, 2),
+        (1, 3),
+        (1, 6),
+    ]
+    assert diag.counts["bad_value"] == 2 and diag.counts["bad_timestamp"] == 1

@@ -23,12 +23,16 @@ from costexporter.core import timeutil
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.tracefiles import (
     MAX_POWER_W,
+    RowFilter,
     SampleChunk,
     check_file,
     column_key,
+    csv_header,
     csv_strings,
+    no_usable_samples,
     numeric,
     read_samples,
+    row_lines,
     timestamp_ms,
 )
 
@@ -121,12 +125,6 @@ def _clocked(index: list[int], start_ms: int, interval_ms: int) -> np.ndarray:
     return start_ms + k * interval_ms
 
 
-def _no_samples(path: Path, diag: Diagnostics, before: dict[str, int], what: str) -> InputError:
-    mine = {k: v - before.get(k, 0) for k, v in diag.counts.items() if v - before.get(k, 0)}
-    reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data lines"
-    return InputError(f"{path}: no usable samples in this {what} ({reasons})")
-
-
 # --- nvidia-smi dmon ---------------------------------------------------------------------------
 
 _DATE_RE = re.compile(r"^(\d{4})[/-]?(\d{2})[/-]?(\d{2})$")
@@ -139,7 +137,7 @@ def read_dmon(path: Path, host: str, tz: str, clock: LogClock, diag: Diagnostics
     from `clock` (a `Time` without `Date` takes the start's date and rolls over at midnight)."""
     check_file(path)
     where = str(path)
-    before = dict(diag.counts)
+    before = diag.counts.copy()
     names: list[str] | None = None
     index: list[int] = []
     power: list[float] = []
@@ -182,10 +180,10 @@ def read_dmon(path: Path, host: str, tz: str, clock: LogClock, diag: Diagnostics
         dates.append(row.get("date", ""))
         times.append(row.get("time", ""))
     if not index:
-        raise _no_samples(path, diag, before, "nvidia-smi dmon log")
+        raise no_usable_samples(path, diag, before)
     if "sm" not in (names or []):
         diag.note(where, "no sm column (dmon -s without u): utilization unknown, bands by power alone")
-    ts = _dmon_times(path, dates, times, tz, clock, index, diag)
+    ts = _dmon_times(path, dates, times, tz, clock, index, lines, diag)
     chunk = _chunk(host, index, ts, power, util, lines)
     keep = ts >= 0
     if not keep.all():
@@ -201,6 +199,7 @@ def _dmon_times(
     tz: str,
     clock: LogClock,
     index: list[int],
+    lines: list[int],
     diag: Diagnostics,
 ) -> np.ndarray:
     """Epoch ms of each line (-1 where its date or time is no time, said)."""
@@ -228,19 +227,17 @@ def _dmon_times(
             texts.append(f"{m.group(1)}-{m.group(2)}-{m.group(3)} {t}".strip() if m else "")
         ms, bad, _ = timeutil.parse_times(pa.array(texts), tz)
     ms = np.asarray(ms, np.int64)
-    for i in np.flatnonzero(bad)[:10]:
-        diag.warn(where, None, "bad_timestamp", f"{dates[i]} {times[i]}".strip() or "no date")
-    if bad.sum() > 10:
-        diag.counts["bad_timestamp"] += int(bad.sum()) - 10
+    RowFilter(where, len(lines), np.asarray(lines, np.int64), diag).bad(
+        bad, "bad_timestamp", "unparseable date and time"
+    )
     ms[bad] = -1
     return ms
 
 
 # --- dcgmi dmon --------------------------------------------------------------------------------
 
-# dcgmi dmon's short names (`dcgmi dmon -l`) of the fields read: field 155 power (W), 203 GPU
-# utilization (%), 156 total energy since boot (mJ), 157 instant power (W).
-DCGMI_FIELDS = {"power": "power", "pwinst": "power_instant", "gputl": "util", "totec": "energy"}
+# dcgmi dmon's short names (`dcgmi dmon -l`) of the fields read: POWER (field 155, W), PWINST
+# (157, instant W), GPUTL (203, %), TOTEC (156, total energy since boot, mJ).
 
 
 def read_dcgmi_dmon(path: Path, host: str, clock: LogClock, diag: Diagnostics) -> SampleChunk:
@@ -251,7 +248,7 @@ def read_dcgmi_dmon(path: Path, host: str, clock: LogClock, diag: Diagnostics) -
     skipped."""
     check_file(path)
     where = str(path)
-    before = dict(diag.counts)
+    before = diag.counts.copy()
     fields: list[str] | None = None
     index: list[int] = []
     power: list[float] = []
@@ -291,7 +288,7 @@ def read_dcgmi_dmon(path: Path, host: str, clock: LogClock, diag: Diagnostics) -
         energy.append(float(row.get("totec", np.nan)))
         lines.append(n)
     if not index:
-        raise _no_samples(path, diag, before, "dcgmi dmon log")
+        raise no_usable_samples(path, diag, before)
     if "gputl" not in (fields or []):
         diag.note(where, "no GPUTL field (203): utilization unknown, bands by power alone")
     start = clock.need(path, "a dcgmi dmon log")
@@ -333,26 +330,21 @@ def read_wide_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleCh
     logger did not read it then: unobserved, not a reading)."""
     check_file(path)
     where = str(path)
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        names = f.readline().rstrip("\r\n").split(",")
+    names, ends_with_newline = csv_header(path)
     gpus = wide_columns(names)
     keys = [column_key(c) for c in names]
     if gpus is None or "timestamp" not in keys:
         raise InputError(
             f"{path}: not a one-column-per-GPU CSV: need a time column and a power column per GPU"
         )
+    before = diag.counts.copy()
     table, invalid, _not_lines = csv_strings(path, names)
     n = table.num_rows
-    for num in invalid:
-        diag.warn(where, num, "malformed_row", "wrong number of columns")
-    line = np.setdiff1d(np.arange(2, n + len(invalid) + 2), np.asarray(invalid, np.int64))[:n]
+    line, _last = row_lines(path, n, invalid, ends_with_newline, diag)
     ts, bad_ts, read_as = timestamp_ms(table.column(keys.index("timestamp")), tz)
     if read_as.startswith("unix_"):
         diag.note(where, f"timestamps read as Unix {read_as[5:]} (told by their magnitude)")
-    for i in np.flatnonzero(bad_ts)[:10]:
-        diag.warn(where, int(line[i]), "bad_timestamp", "unparseable timestamp")
-    if int(bad_ts.sum()) > 10:
-        diag.counts["bad_timestamp"] += int(bad_ts.sum()) - 10
+    RowFilter(where, n, line, diag).bad(bad_ts, "bad_timestamp", "unparseable timestamp")
     if not any("util" in roles for roles in gpus.values()):
         diag.note(where, "no utilization columns: bands by power alone")
     diag.note(where, f"one column per GPU: {len(gpus)} GPUs ({', '.join(map(str, sorted(gpus)))})")
@@ -363,14 +355,16 @@ def read_wide_csv(path: Path, host: str, tz: str, diag: Diagnostics) -> SampleCh
             u, bad_u = numeric(table.column(roles["util"]))
         else:
             u, bad_u = np.full(n, np.nan), np.zeros(n, bool)
-        bad = bad_ts | bad_p | bad_u | (p > MAX_POWER_W) | (p < 0)
-        for i in np.flatnonzero((bad_p | bad_u) & ~bad_ts)[:10]:
-            diag.warn(where, int(line[i]), "bad_value", f"GPU {gpu}: a value that is no number")
-        keep = ~bad & ~(np.isnan(p) & np.isnan(u))  # both cells empty: the GPU was not logged
+        cells = RowFilter(where, n, line, diag)  # this GPU's cells; a bad time drops every GPU's
+        cells.drop |= bad_ts
+        cells.bad(bad_p | bad_u, "bad_value", f"GPU {gpu}: a value that is no number")
+        with np.errstate(invalid="ignore"):
+            cells.bad((p < 0) | (p > MAX_POWER_W), "bad_value", f"GPU {gpu}: power outside [0, 10000] W")
+        keep = ~cells.drop & ~(np.isnan(p) & np.isnan(u))  # both cells empty: the GPU was not logged
         parts.append((np.full(int(keep.sum()), gpu), ts[keep], p[keep], u[keep], line[keep]))
     idx = np.concatenate([x[0] for x in parts])
     if idx.size == 0:
-        raise InputError(f"{path}: no usable samples in this one-column-per-GPU CSV")
+        raise no_usable_samples(path, diag, before)
     return SampleChunk(
         hosts=[host],
         host=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,9 +290,9 @@ def read_nvidia_smi_csv(
     counts_before = diag.counts.copy()
     table, invalid, not_lines = csv_strings(path, names)
     n = table.num_rows
-    line_of_row, last_line = _smi_lines(path, n, invalid, ends_with_newline, diag)
+    line_of_row, last_line = row_lines(path, n, invalid, ends_with_newline, diag)
     col = {k: table.column(i) for i, k in enumerate(keys) if k}
-    rows = _RowFilter(str(path), n, line_of_row, diag)
+    rows = RowFilter(str(path), n, line_of_row, diag)
     try:
         ts_ms, bad_ts, read_as = timestamp_ms(col["timestamp"], tz)
     except pa.ArrowInvalid as e:  # the shape of a timestamp, not a time ('2025/13/45 99:99:99')
@@ -348,9 +349,7 @@ def read_nvidia_smi_csv(
         lambda line, why: diag.warn(str(path), line, "gpu_missing", why),
     )
     if (keep is not None and keep.size == 0) or n == 0:
-        mine = diag.counts - counts_before
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
-        raise InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
+        raise no_usable_samples(path, diag, counts_before)
     uuids, gpu_names, limits = _smi_gpu_attributes(col, host, index, keep)
     lines = line_of_row
     if keep is not None:
@@ -371,17 +370,23 @@ def read_nvidia_smi_csv(
     )
 
 
-def _smi_header(path: Path, columns: Mapping[str, str] | None = None) -> tuple[list[str], list[str], bool]:
-    """The header's column names, their keys, and whether the file ends with a newline (a last
-    line without one may have been cut by a killed logger). InputError when the columns are
-    not an nvidia-smi CSV's."""
+def csv_header(path: Path) -> tuple[list[str], bool]:
+    """A CSV's column names, and whether the file ends with a newline (a last line without one
+    may have been cut by a killed logger)."""
     with path.open("rb") as f:
         header = f.readline().decode("utf-8", "replace")
         f.seek(0, 2)
         size = f.tell()
         f.seek(max(size - 1, 0))
         ends_with_newline = f.read(1) in (b"\n", b"\r")
-    names = [c for c in header.rstrip("\r\n").split(",")]
+    return header.rstrip("\r\n").split(","), ends_with_newline
+
+
+def _smi_header(path: Path, columns: Mapping[str, str] | None = None) -> tuple[list[str], list[str], bool]:
+    """The header's column names, their keys, and whether the file ends with a newline (a last
+    line without one may have been cut by a killed logger). InputError when the columns are
+    not an nvidia-smi CSV's."""
+    names, ends_with_newline = csv_header(path)
     keys = [column_key(c) for c in names]
     for key, column in (columns or {}).items():  # the user's mapping wins over the names
         at = [i for i, c in enumerate(names) if c.strip().lower() == column.lower()]
@@ -433,7 +438,7 @@ def csv_strings(path: Path, names: list[str]) -> tuple[pa.Table, list[int], list
     return table, invalid, not_lines
 
 
-def _smi_lines(
+def row_lines(
     path: Path, n: int, invalid: list[int], ends_with_newline: bool, diag: Diagnostics
 ) -> tuple[np.ndarray, int]:
     """The physical line of each table row (header is line 1; skipped rows hold their own
@@ -452,7 +457,14 @@ def _smi_lines(
     return line_of_row, last_line
 
 
-class _RowFilter:
+def no_usable_samples(path: Path, diag: Diagnostics, counts_before: Counter[str]) -> InputError:
+    """The one line for a file whose every row was rejected: the reasons counted while reading it."""
+    mine = diag.counts - counts_before
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(mine.items())) or "no data rows"
+    return InputError(f"{path}: no usable samples: every row was rejected ({reasons})")
+
+
+class RowFilter:
     """The rows of a file dropped so far (`drop`), and `bad`: drop more, saying each newly
     dropped row (up to the diagnostics' limit per reason, the rest counted)."""
 
@@ -474,7 +486,7 @@ class _RowFilter:
 
 
 def _smi_readings(
-    col: dict[str, pa.ChunkedArray], names: list[str], keys: list[str], rows: _RowFilter
+    col: dict[str, pa.ChunkedArray], names: list[str], keys: list[str], rows: RowFilter
 ) -> tuple[np.ndarray, np.ndarray]:
     """Power (W: the instant reading first, then power.draw, then the average) and utilization
     (%), each value out of range or not a number dropping its row."""

@@ -191,11 +191,13 @@ _SAMPLE_RE = re.compile(r"^[A-Za-z_:][A-Za-z0-9_:]*(\{|\s)")
 
 
 def read_exporter_dump(
-    path: Path, host: str, clock: LogClock, diag: Diagnostics
+    path: Path, host: str, clock: LogClock, diag: Diagnostics, tz: str = "UTC"
 ) -> tuple[SampleChunk, list[PodSpan]]:
-    """A file of dcgm-exporter /metrics scrapes, one after another."""
+    """A file of dcgm-exporter /metrics scrapes, one after another (a time line without a zone
+    in `tz`, as every zone-less time replay reads)."""
     check_file(path)
     where = str(path)
+    zone = timeutil.tz_zone(tz)
     blocks: list[tuple[int | None, list[str]]] = [(None, [])]
     with path.open("r", encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -204,7 +206,7 @@ def read_exporter_dump(
                 blocks[-1][1].append(line)
                 continue
             try:
-                at = timeutil.to_ms(timeutil.parse_instant(s, timeutil.tz_zone("UTC")))
+                at = timeutil.to_ms(timeutil.parse_instant(s, zone))
             except ValueError:
                 diag.warn(where, None, "malformed_row", f"neither a metric nor a time: {s[:60]!r}")
                 continue

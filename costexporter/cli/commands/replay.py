@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from costexporter.core.gpulogs import LogClock
     from costexporter.core.model import Event, Samples
     from costexporter.core.tracefiles import SampleChunk
-    from costexporter.services.history import PodSpan
+    from costexporter.services.history import PodSpan, Prometheus
+
+    PromWindow = tuple[Prometheus, float, float]  # --prometheus: the API, --start and --end (Unix s)
 
 from costexporter.cli.options import (
     InputFailure,
@@ -203,13 +205,14 @@ def replay(
         except ValueError as e:
             raise InputFailure(str(e)) from None
         chunks, spans = _read_samples(specs, tz, diag, mapping, log_clock(start, interval, tz))
-        if prometheus:
-            got, more = _read_prometheus(prometheus, selector, start, end, interval, tz, diag)
+        window = _prometheus_window(prometheus, start, end, tz) if prometheus else None
+        if window is not None:
+            got, more = _read_prometheus(window, selector, interval, diag)
             chunks.append(got)
             spans += more
         sample_set = files.combine(chunks, diag)
         evs = files.read_events_jsonl(events, diag) if events else []
-        evs += _job_events(sample_set, spans, job_map, prometheus, start, end, tz, diag)
+        evs += _job_events(sample_set, spans, job_map, window, tz, diag)
         if tensorboard:
             evs += _tensorboard_steps(tensorboard, tag, job, evs)
         clock.append(("read_s", time.perf_counter()))
@@ -294,7 +297,7 @@ def _read_samples(
         if gpulogs.kind_of(path, mapping) == "dcgm-exporter":
             from costexporter.services import history
 
-            return history.read_exporter_dump(path, host, clock, diag)
+            return history.read_exporter_dump(path, host, clock, diag, tz)
         return gpulogs.read_log(path, host, tz, diag, mapping, clock), []
 
     if not specs:
@@ -304,22 +307,27 @@ def _read_samples(
     return [c for c, _ in got], [s for _, spans in got for s in spans]
 
 
-def _read_prometheus(
-    url: str,
-    selector: str,
-    start: str | None,
-    end: str | None,
-    interval: float | None,
-    tz: str,
-    diag: Diagnostics,
-) -> tuple[SampleChunk, list[PodSpan]]:
+def _prometheus_window(url: str, start: str | None, end: str | None, tz: str) -> PromWindow:
+    """--prometheus with its --start and --end: the API and the window in Unix seconds."""
     from costexporter.services import history
 
     if not start or not end:
         raise InputFailure("--prometheus needs --start and --end")
-    t0, t1 = instant_ms(start, tz, "--start") / 1000, instant_ms(end, tz, "--end") / 1000
+    return (
+        history.Prometheus(url),
+        instant_ms(start, tz, "--start") / 1000,
+        instant_ms(end, tz, "--end") / 1000,
+    )
+
+
+def _read_prometheus(
+    window: PromWindow, selector: str, interval: float | None, diag: Diagnostics
+) -> tuple[SampleChunk, list[PodSpan]]:
+    from costexporter.services import history
+
+    prom, t0, t1 = window
     try:
-        return history.read_prometheus(history.Prometheus(url), t0, t1, interval or 15.0, diag, selector)
+        return history.read_prometheus(prom, t0, t1, interval or 15.0, diag, selector)
     except history.PrometheusError as e:
         raise InputFailure(str(e)) from None
 
@@ -328,9 +336,7 @@ def _job_events(
     sample_set: Samples,
     spans: list[PodSpan],
     job_map_path: Path | None,
-    prometheus: str | None,
-    start: str | None,
-    end: str | None,
+    window: PromWindow | None,
     tz: str,
     diag: Diagnostics,
 ) -> list[Event]:
@@ -353,13 +359,9 @@ def _job_events(
         )
     if spans:
         owners = {}
-        if prometheus and start and end:
+        if window is not None:
             try:
-                owners = history.pod_owners(
-                    history.Prometheus(prometheus),
-                    instant_ms(start, tz, "--start") / 1000,
-                    instant_ms(end, tz, "--end") / 1000,
-                )
+                owners = history.pod_owners(*window)
             except history.PrometheusError as e:
                 click.echo(
                     f"costexporter: kube-state-metrics' pod owners not read ({e}): jobs named by pod",
