@@ -461,3 +461,48 @@ def test_a_wide_files_bad_cell_drops_that_gpus_reading_only_and_is_said(tmp_path
         (1, 6),
     ]
     assert diag.counts["bad_value"] == 2 and diag.counts["bad_timestamp"] == 1
+
+
+_LINES = {
+    "dmon": ["# gpu   pwr    sm", "# Idx     W     %", "    0   312    98", "    1     -     -"],
+    "dcgmi": [
+        "#Entity   POWER    GPUTL    TOTEC",
+        "ID  W  %  mJ",
+        "GPU 0  120.5  45  1234",
+        "GPU-I 3 N/A 1 N/A",
+    ],
+    "wide": ["time,gpu0_power_w,gpu0_util", "2026-03-01T00:00:00Z,500,100", "2026-03-01T00:00:01Z,,"],
+    "dump": [
+        "2026-03-01T00:00:00Z",
+        "# TYPE DCGM_FI_DEV_POWER_USAGE gauge",
+        'DCGM_FI_DEV_POWER_USAGE{gpu="0",UUID="GPU-1",Hostname="n"} 71.2',
+    ],
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(_LINES)),
+    picks=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    junk=st.lists(st.text(max_size=40), max_size=4),
+)
+def test_any_mix_of_a_formats_lines_and_junk_reads_or_is_one_line(tmp_path_factory, kind, picks, junk):
+    """Lines of a format in any order, repeated, with junk between them (a cut line, stray text,
+    control characters): the reader gives samples or one InputError, never another exception."""
+    from costexporter.services import history
+
+    lines = _LINES[kind]
+    body = [lines[0]] + [lines[i % len(lines)] for i in picks] + [j.replace("\0", "") for j in junk]
+    path = tmp_path_factory.mktemp("fuzz") / f"f.{kind}"
+    path.write_text("\n".join(body) + "\n", encoding="utf-8", errors="replace")
+    diag = Diagnostics(stream=None)
+    clock = gpulogs.LogClock(1_772_323_200_000, 1000)
+    try:
+        if gpulogs.kind_of(path) == "dcgm-exporter":
+            chunk, _ = history.read_exporter_dump(path, "h", clock, diag)
+        else:
+            chunk = gpulogs.read_log(path, "h", "UTC", diag, clock=clock)
+    except InputError as e:
+        assert "\n" not in str(e)
+        return
+    assert chunk.index.size == chunk.ts_ms.size == chunk.power_w.size and chunk.index.size > 0
