@@ -108,7 +108,7 @@ def _post_history(n_steps: int, url: str) -> dict[int, int]:
     import redis
 
     from costexporter.sources.synth import TraceBuilder
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
     from tests.test_agent import event_entry
 
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -129,7 +129,7 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
     from costexporter.sources.playback import ReplaySource
     from costexporter.sources.synth import TraceBuilder
     from costexporter.store import keys
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
 
     job, prefix = JOB, PREFIX
     client = redis.Redis.from_url(url, decode_responses=True)
@@ -536,7 +536,7 @@ def _post_jobs(jobs: int, steps: int, url: str) -> dict:
 
     from costexporter.sources.synth import TraceBuilder
     from costexporter.store import protocol
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
     from tests.test_agent import event_entry
 
     client = redis.Redis.from_url(url, decode_responses=True)

@@ -131,7 +131,7 @@ def _prepare(width: int, url: str) -> dict[int, int]:
     """Registrations of every rank, a step a second and the peers' context, before the agent."""
 
     from costexporter.sources.synth import TraceBuilder
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
     from tests.test_agent import event_entry
 
     client = _client(url)
@@ -206,7 +206,7 @@ def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = H
     from costexporter.sources.playback import ReplaySource
     from costexporter.sources.synth import TraceBuilder
     from costexporter.store.protocol import beats_cap
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
 
     client = _client(url)
     nodes = _nodes(url)

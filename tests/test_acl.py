@@ -85,7 +85,7 @@ def booked(server, tmp_path_factory):
     trainer = setuser(admin, "trainer", job=b.job)
     agent = setuser(admin, "agent")
     as_trainer = client_as(server, *trainer)
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
 
     send_entries(as_trainer, PREFIX, b.job, [event_entry(e) for e in sorted(b.events, key=lambda e: e.ts)])
     expected, offline = offline_ms(b)

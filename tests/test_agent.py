@@ -19,7 +19,7 @@ from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition, spawn_cli
 from .redis_server import RedisServer, free_port

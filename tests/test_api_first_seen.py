@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from costexporter.store import keys, ledger
 from costexporter.store.ledger_read import LedgerStore
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .api_helpers import T0, served
 from .conftest import SHARED_URL

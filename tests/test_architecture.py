@@ -23,7 +23,8 @@ def test_the_public_import_paths_still_work():
     from costexporter import client, reader
     from costexporter.integrations import torch_dist
     from costexporter.store.reader import EventReader
-    from costexporter.trainer.reporter import StepReporter, send_entries
+    from costexporter.trainer.reporter import StepReporter
+    from costexporter.trainer.transport import send_entries
 
     assert client.StepReporter is StepReporter and client.send_entries is send_entries
     assert reader.EventReader is EventReader

@@ -284,7 +284,7 @@ def test_gpu_uuid_from_nvml_through_cuda_visible_devices(monkeypatch, tmp_path):
     fake.nvmlDeviceGetHandleByUUID = lambda u: ("handle", next(i for i, x in uuids.items() if x == u))
     fake.nvmlDeviceGetIndex = lambda h: h[1]
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    from costexporter.trainer.reporter import detect_gpu
+    from costexporter.trainer.detect import detect_gpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert detect_gpu(1) == (3, uuids[3])
@@ -345,7 +345,7 @@ def test_reporter_posts_over_tls(tmp_path):
 
 
 def test_without_nvml_the_gpu_guess_is_said_once_with_how_to_set_it(monkeypatch, tmp_path, caplog):
-    import costexporter.trainer.reporter as client
+    import costexporter.trainer.detect as client
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` fails, as on a host without it
     monkeypatch.setattr(client, "_told_gpu", False)
@@ -408,7 +408,7 @@ def test_two_ranks_of_a_host_naming_one_gpu_are_told_once(shared, prefix, tmp_pa
             )
             assert reps[-1].flush(5)
             deadline = time.monotonic() + 5
-            while not reps[-1]._gpu_checked and time.monotonic() < deadline:
+            while not reps[-1]._sender.first_sent and time.monotonic() < deadline:
                 time.sleep(0.02)
     finally:
         for rep in reps:

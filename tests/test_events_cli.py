@@ -10,7 +10,8 @@ from costexporter.core.tracefiles import read_events_jsonl
 from costexporter.sources.synth import scenario_mini, write_samples_jsonl
 from costexporter.store import keys
 from costexporter.store.reader import EventReader
-from costexporter.trainer.reporter import StepReporter, send_entries
+from costexporter.trainer.reporter import StepReporter
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL
 from .redis_server import free_port

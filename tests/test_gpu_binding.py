@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from costexporter.trainer import reporter
-from costexporter.trainer.reporter import locate_gpu
+from costexporter.trainer import detect, reporter
+from costexporter.trainer.detect import locate_gpu
 
 from .fake_nvml import FakeGpu, FakeNvml
 
@@ -71,7 +71,7 @@ def test_the_reporter_registers_the_mapped_gpu_and_says_truthfully_when_nvml_is_
         rep.close(end_run=False, timeout=0)
     # without nvidia-ml-py: index 5 from the one visible GPU, and the log says so
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setattr(reporter, "_told_gpu", False)
+    monkeypatch.setattr(detect, "_told_gpu", False)
     with caplog.at_level(logging.INFO, logger="costexporter.client"):
         rep = reporter.StepReporter(
             "bind", "redis://127.0.0.1:1/0", rank=1, spool_dir=tmp_path, heartbeat_s=3600

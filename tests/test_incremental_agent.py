@@ -21,7 +21,7 @@ from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
 from costexporter.store.reader import EventReader
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL, drop_prefix
 from .test_agent import event_entry

@@ -366,7 +366,7 @@ def test_pods_seen_through_dcgm_exporter_are_booked_as_jobs_by_band(shared, pref
 
 def test_a_gpu_the_trainer_registered_itself_is_left_to_the_trainer(shared, prefix):
     """Events win: the trainer's registration of the GPU stands; the pod adds no second one."""
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
 
     job = "ml:llama-ft"
     trainer = {

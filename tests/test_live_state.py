@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from costexporter.core.model import BANDS
 from costexporter.store import keys, ledger, protocol
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL
 from .fake_nvml import ENV as FAKE_ENV

@@ -81,7 +81,7 @@ def test_a_spool_on_dev_full_is_counted_lost_and_close_returns(tmp_path, caplog)
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here")
     rep = _reporter(tmp_path / "spool")
-    rep._spool_path.symlink_to("/dev/full")  # the kernel answers every write with ENOSPC
+    rep._sender.spooler.spool_path.symlink_to("/dev/full")  # the kernel answers every write with ENOSPC
     posted = _post_and_close(rep, caplog)
     assert rep.stats["lost"] == posted and rep.stats["spooled"] == 0, rep.stats
     assert len(_lost_logs(caplog)) == 1
@@ -105,7 +105,7 @@ def test_the_sender_spilling_to_a_full_disk_and_close_log_once(tmp_path, monkeyp
             deadline = 200
             while rep.stats["lost"] == 0 and deadline:
                 deadline -= 1
-                rep._wake.set()
+                rep._sender.wake.set()
                 time.sleep(0.01)
             if rep.stats["lost"]:
                 break
@@ -181,7 +181,7 @@ def test_a_disk_that_fills_after_the_spool_opened_does_not_make_close_raise(tmp_
             posted += 1
         deadline = time.monotonic() + 10
         while not rep.stats["spooled"] and time.monotonic() < deadline:
-            rep._wake.set()
+            rep._sender.wake.set()
             time.sleep(0.01)
         assert rep.stats["spooled"], rep.stats  # the file is open and holds a spill
         _fill(fs, leave=0)

@@ -31,7 +31,8 @@ from costexporter.sources.synth import TraceBuilder
 from costexporter.store import protocol
 from costexporter.store.reader import EventReader
 from costexporter.tools.eventfile import export_lines
-from costexporter.trainer.reporter import StepReporter, send_entries
+from costexporter.trainer.reporter import StepReporter
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL
 from .redis_server import RedisServer

@@ -23,7 +23,7 @@ from costexporter.core.tracefiles import read_events_jsonl, read_samples_jsonl
 from costexporter.store import protocol
 from costexporter.store.reader import EventReader
 from costexporter.tools.eventfile import entry_of, export_lines
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL
 

@@ -15,7 +15,8 @@ from costexporter.core.booking import BookingConfig
 from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.store import keys, protocol
 from costexporter.store.reader import EventReader
-from costexporter.trainer.reporter import StepReporter, send_entries
+from costexporter.trainer.reporter import StepReporter
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL
 

@@ -16,7 +16,7 @@ from costexporter.core.model import Event
 from costexporter.services import watcher as watcher_mod
 from costexporter.services.watcher import LIVE_HISTORY, WatchConfig, Watcher
 from costexporter.store import keys, protocol
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL
 from .test_fold import CFG, streams

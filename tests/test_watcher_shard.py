@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from costexporter.services.watcher import WatchConfig, Watcher, in_shard, parse_shard
 from costexporter.store import keys, protocol
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .conftest import SHARED_URL
 

@@ -14,7 +14,7 @@ from costexporter.services.agent import Agent, AgentConfig
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from .agent_rounds import replay_agent, tick
 from .test_agent import event_entry, post_events

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from costexporter.store import keys, ledger, protocol
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def import_file(
     Entries without `session`/`seq` (hand-written files) get a session derived from the file's
     content and their line order, so importing the same file twice posts nothing new."""
     from costexporter.core.tracefiles import read_events_jsonl
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
 
     if job is not None:
         protocol.check_job(job)

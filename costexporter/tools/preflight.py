@@ -322,7 +322,7 @@ def post(cfg: PreflightConfig, passed: bool, checks: list[Check]) -> None:
     """Post the result as the job's `preflight` event, so the ledger and the API
     show that a run was launched with a failing gate."""
     from costexporter.store import protocol, redisconn
-    from costexporter.trainer.reporter import send_entries
+    from costexporter.trainer.transport import send_entries
 
     if not cfg.redis_url:
         raise ValueError("preflight.post needs the Redis to post to: cfg.redis_url is not set")

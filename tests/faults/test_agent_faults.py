@@ -24,7 +24,7 @@ from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.ledger_read import LedgerStore
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from ..api_helpers import served
 from ..redis_server import RedisServer, free_port

@@ -552,7 +552,7 @@ def test_close_while_the_sender_is_stuck_spools_to_a_late_file_a_later_reporter_
     to a separate `.late` spool, out of the stuck sender's file, and the next reporter sends it."""
     kw = dict(rank=0, spool_dir=tmp_path, heartbeat_s=3600, socket_timeout_s=0.1)
     first = StepReporter("stuck", SHARED_URL, prefix=prefix, flush_interval_s=3600, **kw)
-    first._io_lock.acquire()  # the sender is "stuck" in a send
+    first._sender.io_lock.acquire()  # the sender is "stuck" in a send
     try:
         for s in range(1, 4):
             first.step(s)
@@ -560,7 +560,7 @@ def test_close_while_the_sender_is_stuck_spools_to_a_late_file_a_later_reporter_
         first.close(timeout=0.1)
         closing_s = time.monotonic() - t
     finally:
-        first._io_lock.release()
+        first._sender.io_lock.release()
     assert closing_s < 3.0  # the flush timeout plus the bounded wait for the lock (0.1 + 0.7 s)
     late = list(tmp_path.glob("*.late.jsonl"))
     assert len(late) == 1 and first.stats["spooled"] == 6 and not first.stats["lost"], first.stats

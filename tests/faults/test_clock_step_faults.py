@@ -16,7 +16,7 @@ from costexporter.services.exporter import registry_for
 from costexporter.sources.base import GpuSource, Reading
 from costexporter.sources.sampler import ClockWatch
 from costexporter.store import ledger, protocol
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 T0 = 1_790_000_000.0
 JOB_S = 70  # the job's length: 140 GPU-s on its two GPUs

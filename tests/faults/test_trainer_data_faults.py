@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 from costexporter.services.exporter import registry_for
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger, protocol
-from costexporter.trainer.reporter import send_entries
+from costexporter.trainer.transport import send_entries
 
 from ..conftest import SHARED_URL, drop_prefix
 from ..test_agent import offline_ms
