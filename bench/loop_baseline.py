@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from costexporter.core.booking import CATEGORY_TABLE, BookingConfig, build_timeline
+from costexporter.core import bandtable
+from costexporter.core.booking import BookingConfig, build_timeline, category_table
 from costexporter.core.model import Band, Category, Event, Samples
 from costexporter.core.profiles import Profile
 
@@ -94,5 +95,5 @@ def book_loop(samples: Samples, events: list[Event], profile: Profile, cfg: Book
             out[Category.UNOBSERVED] += end - t - interval
             end = t + interval
         seg = bisect.bisect_right(bounds, t) - 1
-        out[int(CATEGORY_TABLE[regime[seg], band + 1])] += end - t
+        out[int(category_table(bandtable.current())[regime[seg], band + 1])] += end - t
     return {Category(c).name.lower(): ms / 1000 for c, ms in out.items()}

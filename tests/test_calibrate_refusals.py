@@ -8,9 +8,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from costexporter.core import bands
+from costexporter.core import bands, bandtable
 from costexporter.tools.calibrate import (
-    BAND_LEVEL,
     HOLD_OUT_BLOCK_MS,
     HOLD_OUT_EVERY,
     LABEL_NAMES,
@@ -38,7 +37,7 @@ def label_agreement(tr, prof, labels) -> float:
     """Independently of calibrate: the share of each label's samples the profile bands as it."""
     s = tr.samples
     res = bands.classify(s.gpu, s.ts_ms, s.power_w, s.util_pct, len(s.gpus), prof)
-    pred = np.asarray([BAND_LEVEL[b] for b in res.band.tolist()])
+    pred = np.asarray(bandtable.current().level_of_code, object)[res.band]
     worst = 1.0
     for a, b, level in labels:
         inside = (s.ts_ms >= a) & (s.ts_ms < b)
@@ -86,7 +85,7 @@ def held_out_agreement(tr, prof, labels) -> float:
     MIN_LABELLED are held out) band as labelled; the worst share."""
     s = tr.samples
     res = bands.classify(s.gpu, s.ts_ms, s.power_w, s.util_pct, len(s.gpus), prof)
-    pred = np.asarray([BAND_LEVEL[b] for b in res.band.tolist()])
+    pred = np.asarray(bandtable.current().level_of_code, object)[res.band]
     held = (s.ts_ms // HOLD_OUT_BLOCK_MS) % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1
     lab = np.full(s.ts_ms.size, "", object)
     for a, b, level in labels:  # a later window relabels what it covers, as the fit reads them
@@ -285,5 +284,5 @@ def test_a_fit_from_one_workload_says_so():
 
 def label_agreement_samples(s, prof, labels) -> float:
     res = bands.classify(s.gpu, s.ts_ms, s.power_w, s.util_pct, len(s.gpus), prof)
-    pred = np.asarray([BAND_LEVEL[b] for b in res.band.tolist()])
+    pred = np.asarray(bandtable.current().level_of_code, object)[res.band]
     return min(float(np.mean(pred[(s.ts_ms >= a) & (s.ts_ms < b)] == lv)) for a, b, lv in labels)

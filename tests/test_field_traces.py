@@ -9,9 +9,12 @@ import csv
 import numpy as np
 import pytest
 
-from costexporter.core.model import BANDS, Band
+from costexporter.core import bandtable
+from costexporter.core.model import Band
 from tests.realtrace import LABEL_BAND, Scenario, csv_lines, write_csv, write_events
 from tests.test_trace_profiles import A100_LEVELS, TITAN_X_LEVELS
+
+BAND_NAMES = bandtable.current().names
 
 
 def replay_timeline(cli, tmp_path, tr, *args):
@@ -47,7 +50,7 @@ def test_every_line_keeps_its_gpu_and_bands_agree_in_every_file(cli, tmp_path, s
     gpu = np.asarray([int(x["gpu"]) for x in rows])
     assert (gpu == tr.samples.gpu[sample]).all()  # 0 misnumbered lines
     truth = np.asarray([LABEL_BAND[x] for x in tr.labels])[sample]
-    band = np.asarray([BANDS.index(x["band"]) for x in rows])
+    band = np.asarray([BAND_NAMES.index(x["band"]) for x in rows])
     assert np.mean(band == truth) >= 0.99
     # The GPU that stopped answering for a minute is said, with its span.
     vg, _, for_s = scenario.vanish

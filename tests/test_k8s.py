@@ -19,8 +19,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from costexporter.core import bandtable
 from costexporter.core.booking import (
-    CATEGORY_TABLE,
     POS_INF,
     BookingConfig,
     Regime,
@@ -28,9 +28,10 @@ from costexporter.core.booking import (
     band_timeline,
     book,
     build_timeline,
+    category_table,
     is_stepless,
 )
-from costexporter.core.model import BANDS, CATEGORIES, Band, Category, Event
+from costexporter.core.model import CATEGORIES, Band, Category, Event
 from costexporter.core.timeutil import to_ms
 from costexporter.services.k8s import job_name
 from costexporter.sources.dcgm import PodRef
@@ -40,6 +41,8 @@ from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposit
 from .http_stub import Exposition
 from .redis_server import free_port
 from .test_agent import scrape
+
+BAND_NAMES = bandtable.current().names
 
 CFG = BookingConfig()
 ROLES = {"master", "worker", "launcher", "chief", "ps", "evaluator", "replica", "node", "leader"}
@@ -109,12 +112,17 @@ STEPLESS = [_ev("meta", 0.0, progress="none", namespace="ml")]
 
 
 def test_band_categories_busy_valid_idle_and_deadlock_waste():
-    row = {Band(b): Category(CATEGORY_TABLE[Regime.BAND, b + 1]) for b in range(len(BANDS))}
+    row = {
+        Band(b): Category(category_table(bandtable.current())[Regime.BAND, b + 1])
+        for b in range(len(BAND_NAMES))
+    }
     assert row[Band.COMPUTE] == Category.PRODUCTIVE
     assert row[Band.COMMUNICATION] == Category.COMMUNICATION
     assert row[Band.IDLE] == Category.IDLE
     assert row[Band.DEADLOCK] == Category.STALLED
-    assert CATEGORY_TABLE[Regime.BAND, 0] == Category.UNOBSERVED  # no sample: unseen, not valid
+    assert (
+        category_table(bandtable.current())[Regime.BAND, 0] == Category.UNOBSERVED
+    )  # no sample: unseen, not valid
 
 
 def test_events_win_a_rank0_step_switches_to_the_step_rules():
@@ -142,7 +150,7 @@ def _runs(draw):
 
 @given(
     events=_runs(),
-    bands=st.lists(st.integers(0, len(BANDS) - 1), min_size=1, max_size=60),
+    bands=st.lists(st.integers(0, len(BAND_NAMES) - 1), min_size=1, max_size=60),
     n_gpus=st.integers(1, 4),
 )
 @settings(max_examples=200, deadline=None)
@@ -171,7 +179,7 @@ def test_stepless_booking_conserves_time_and_books_each_slice_by_its_band(events
     assert int(pieces.dur_ms.sum()) == n_gpus * (end - start)  # conserved
     i = np.searchsorted(tl.bounds, pieces.start_ms, "right") - 1
     open_ = tl.regime[i] == Regime.BAND
-    want = CATEGORY_TABLE[Regime.BAND, pieces.band.astype(int) + 1]
+    want = category_table(bandtable.current())[Regime.BAND, pieces.band.astype(int) + 1]
     assert (pieces.category[open_] == want[open_]).all()
     assert (pieces.category[~open_] == Category.UNASSIGNED).all()
     ends = [e for e in events if e.type == "run" and e.rank == 0 and e.get("state") == "end"]

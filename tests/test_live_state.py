@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from costexporter.core.model import BANDS
+from costexporter.core import bandtable
 from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.transport import send_entries
 
@@ -37,6 +37,8 @@ from .conftest import SHARED_URL
 from .fake_nvml import ENV as FAKE_ENV
 from .redis_server import free_port
 from .test_agent import stop_all
+
+BAND_NAMES = bandtable.current().names
 
 # Played on a clock: another test's load can delay it past its windows (the README's test command).
 pytestmark = pytest.mark.serial
@@ -224,7 +226,7 @@ def test_r9_stretches_live_state_every_round_and_the_hang_seen_within_two_rounds
     ]
     assert all(band_of(m) == [] for _, m in during(0, t["job"]))
     # ... and in the agent's live hash, which the watcher reads: a band name, never None.
-    assert len(seen.live) > 50 and all(e["band"] in BANDS for _, e in seen.live)
+    assert len(seen.live) > 50 and all(e["band"] in BAND_NAMES for _, e in seen.live)
     assert {e["band"] for _, e in during(t["hang"] + 2 * ROUND_S, t["idle"], seen.live)} == {"deadlock"}
     assert {(e["gpu"], e["uuid"]) for _, e in seen.live} == {(0, UUID)}
     assert {b for _, m in during(t["idle"] + ROUND_S + 0.5, t["steps"]) for b in band_of(m)} == {"idle"}

@@ -8,12 +8,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.core import jobfacts, profiles
-from costexporter.core.model import BANDS, CATEGORIES, Band
+from costexporter.core import bandtable, jobfacts, profiles
+from costexporter.core.model import CATEGORIES, Band
 from costexporter.core.replay import ReplayConfig, book_trace, job_report
 from costexporter.sources.synth import TraceBuilder
 from tests.realtrace import Scenario, agreement
 from tests.test_live import book_seen
+
+BAND_NAMES = bandtable.current().names
 
 H100 = profiles.select("NVIDIA H100 80GB HBM3")
 
@@ -49,8 +51,8 @@ def test_checkpoint_rows_are_checkpoint_at_every_sample_not_only_the_cell_s_last
 
 
 def _by_category_and_band(pieces) -> np.ndarray:
-    key = pieces.category.astype(np.int64) * (len(BANDS) + 1) + (pieces.band + 1)
-    return np.bincount(key, weights=pieces.dur_ms, minlength=len(CATEGORIES) * (len(BANDS) + 1)).astype(
+    key = pieces.category.astype(np.int64) * (len(BAND_NAMES) + 1) + (pieces.band + 1)
+    return np.bincount(key, weights=pieces.dur_ms, minlength=len(CATEGORIES) * (len(BAND_NAMES) + 1)).astype(
         np.int64
     )
 

@@ -17,19 +17,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from costexporter.core import shares
+from costexporter.core import bandtable, shares
 from costexporter.core.booking import (
-    CATEGORY_TABLE,
     BookingConfig,
     Pieces,
     Regime,
     Slices,
     band_timeline,
     book,
+    category_table,
 )
 from costexporter.core.buckets import amounts
 from costexporter.core.cost import Prices
-from costexporter.core.model import BANDS, Category, Event
+from costexporter.core.model import Category, Event
 from costexporter.core.timeutil import to_ms
 from costexporter.sources.dcgm import DcgmSource
 from costexporter.store import keys, ledger, protocol
@@ -37,6 +37,8 @@ from costexporter.store import keys, ledger, protocol
 from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition, spawn_cli
 from .redis_server import free_port
 from .test_dcgm_joins import StaticFiles
+
+BAND_NAMES = bandtable.current().names
 
 DATA = Path(__file__).parent / "data" / "dcgm"
 MIG = "dcgm-4.2-mig-h100.prom"
@@ -82,7 +84,7 @@ def _ev(type_: str, ts: float, rank: int = 0, **fields) -> Event:
 
 @given(
     part=partitions(),
-    bands=st.lists(st.integers(0, len(BANDS) - 1), min_size=1, max_size=40),
+    bands=st.lists(st.integers(0, len(BAND_NAMES) - 1), min_size=1, max_size=40),
     end_at=st.one_of(st.none(), st.integers(1, 999)),
 )
 def test_booking_and_buckets_conserve_a_gpus_time_across_its_slices(part, bands, end_at):
@@ -113,7 +115,7 @@ def test_booking_and_buckets_conserve_a_gpus_time_across_its_slices(part, bands,
     # The categories are the band table's, whatever the weight.
     i = np.searchsorted(tl.bounds, pieces.start_ms, "right") - 1
     open_ = tl.regime[i] == Regime.BAND
-    want = CATEGORY_TABLE[Regime.BAND, pieces.band.astype(int) + 1]
+    want = category_table(bandtable.current())[Regime.BAND, pieces.band.astype(int) + 1]
     assert (pieces.category[open_] == want[open_]).all()
     by_bucket = amounts(pieces, Prices(), 3.5)
     assert sum(int(a[:, 0].sum()) for a in by_bucket.values()) == end - start

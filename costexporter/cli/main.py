@@ -36,7 +36,7 @@ from costexporter.cli.commands import (
     serve,
     watch,
 )
-from costexporter.cli.options import finish_options, load_config, warn_deprecated_env
+from costexporter.cli.options import finish_options, load_bands, load_config, warn_deprecated_env
 
 
 @click.group(
@@ -55,6 +55,15 @@ from costexporter.cli.options import finish_options, load_config, warn_deprecate
     is_eager=True,
     expose_value=False,
     help="YAML file of defaults, keyed by command name.",
+)
+@click.option(
+    "--bands",
+    type=click.Path(dir_okay=False),
+    envvar="COSTEXPORTER_BANDS",
+    callback=load_bands,
+    is_eager=True,
+    expose_value=False,
+    help="Band table (JSON) whose rows change built-in bands or add new ones (docs/bands.md).",
 )
 @click.pass_context
 def main(ctx: click.Context) -> None:

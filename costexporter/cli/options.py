@@ -29,6 +29,19 @@ class InputFailure(click.ClickException):
     exit_code = EXIT_INPUT
 
 
+def load_bands(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """`--bands FILE`: the band table every command of this process reads (`bandtable.install`);
+    an unusable one stops here with one line."""
+    from costexporter.core import bandtable
+
+    if not value:
+        return
+    try:
+        bandtable.install(bandtable.load(value))
+    except bandtable.BandTableError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
 def load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     """--config before the command (`costexporter --config f.yaml serve`) or after it
     (`costexporter serve --config f.yaml`): the file's section of the command gives defaults.

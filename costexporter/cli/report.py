@@ -8,7 +8,8 @@ import itertools
 import json
 from typing import TYPE_CHECKING, Any
 
-from costexporter.core.model import BANDS, CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
+from costexporter.core import bandtable
+from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
 from costexporter.core.timeutil import tz_zone
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ def write_timeline(path: Path, samples: Samples, results: list[JobResult], files
     order = np.argsort(src, kind="stable")
     file_no = (src >> 32)[order]
     names = np.asarray(files or [""], object)
-    band_names = np.asarray(["", *BANDS], object)
+    band_names = np.asarray(["", *bandtable.current().names], object)
     cat_names = np.asarray(CATEGORIES, object)
     hosts = np.asarray([g.host for g in samples.gpus] or [""], object)
     index = np.asarray([g.index for g in samples.gpus] or [0], np.int64)
@@ -286,7 +287,11 @@ def to_table(report: dict[str, Any], incident_floor_s: float = INCIDENT_FLOOR_S)
         )
         console.print(
             f"wasted {j['wasted_gpu_hours']:.3f} GPU-h; bands: "
-            + ", ".join(f"{b} {j['band_gpu_hours'][b]:.2f}" for b in BANDS if j["band_gpu_hours"][b] > 0)
+            + ", ".join(
+                f"{b} {j['band_gpu_hours'][b]:.2f}"
+                for b in bandtable.current().names
+                if j["band_gpu_hours"][b] > 0
+            )
         )
         tr = j.get("time_range") or {}
         if tr:

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from costexporter.core import bandtable
 from costexporter.core.model import Band
-from costexporter.core.profiles import Profile
+from costexporter.core.profiles import Profile, profile_edges
 
 
 @dataclass(slots=True)
@@ -294,12 +295,10 @@ def _reading_bands(
     """(band per reading from its own power and utilization, the mid-power mask). `lone`: the
     job has one GPU, which has no peer to wait on: busy at mid power is compute (a memory-bound
     kernel), never communication."""
-    s_high, s_mid, s_low, s_idle, s_busy, s_zero = _levels(power_w, util_pct, profile)
-    band = np.full(power_w.size, Band.UNKNOWN, np.int8)
-    band[s_high] = Band.COMPUTE
-    band[s_mid & s_busy] = Band.COMPUTE if lone else Band.COMMUNICATION
-    band[s_mid & ~s_busy & ~np.isnan(util_pct)] = Band.STARVATION
-    band[s_low & (s_zero | (s_idle & ~s_busy))] = Band.IDLE
+    table = bandtable.current()
+    band = table.classify_readings(power_w, util_pct, profile_edges(profile), lone)
+    with np.errstate(invalid="ignore"):
+        s_mid = (profile.low_max_w <= power_w) & (profile.compute_min_w > power_w)
     return band, s_mid
 
 

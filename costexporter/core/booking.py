@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 from collections import deque
 from collections.abc import Iterator
@@ -27,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import shares
-from costexporter.core.model import NO_BAND, Band, Category, Event
+from costexporter.core import bandtable, shares
+from costexporter.core.model import NO_BAND, Category, Event
 from costexporter.core.profiles import Profile
 
 NEG_INF = np.iinfo(np.int64).min // 4
@@ -46,46 +47,24 @@ class Regime(IntEnum):
     UNREAD = 7  # the job holds its GPUs but its events cannot be read (a key of the wrong type)
 
 
-# CATEGORY_TABLE[regime, band + 1]; column 0 is NO_BAND (no sample: unobserved).
-_C = Category
-_B = Band
-CATEGORY_TABLE = np.zeros((len(Regime), len(Band) + 1), np.int8)
-for _r in Regime:
-    CATEGORY_TABLE[_r, 0] = _C.UNOBSERVED
-CATEGORY_TABLE[Regime.OVERHEAD, 1:] = _C.OVERHEAD
-_step = {
-    _B.COMPUTE: _C.PRODUCTIVE,
-    _B.COMMUNICATION: _C.COMMUNICATION,
-    _B.STARVATION: _C.STARVED,
-    _B.IDLE: _C.STARVED,
-    _B.DEADLOCK: _C.STALLED,
-    _B.CHECKPOINT: _C.OVERHEAD,
-    _B.UNKNOWN: _C.PRODUCTIVE,
-}
-_stall = {
-    _B.COMPUTE: _C.NO_PROGRESS,
-    _B.COMMUNICATION: _C.NO_PROGRESS,
-    _B.STARVATION: _C.NO_PROGRESS,
-    _B.IDLE: _C.IDLE,
-    _B.DEADLOCK: _C.STALLED,
-    _B.CHECKPOINT: _C.OVERHEAD,
-    _B.UNKNOWN: _C.NO_PROGRESS,
-}
-for _b in Band:
-    CATEGORY_TABLE[Regime.STEP, _b + 1] = _step[_b]
-    CATEGORY_TABLE[Regime.STALL, _b + 1] = _stall[_b]
-    _v = _step[_b]
-    CATEGORY_TABLE[Regime.VOID, _b + 1] = (
-        _C.ROLLED_BACK if _v in (_C.PRODUCTIVE, _C.COMMUNICATION, _C.STARVED) else _v
-    )
-# A stepless job: busy bands are valid (nothing says otherwise), idle and deadlock still waste:
-# as in a step, except that idle is idle (no step says the GPU waits on its input).
-_band_only = {**_step, _B.IDLE: _C.IDLE}
-for _b in Band:
-    CATEGORY_TABLE[Regime.BAND, _b + 1] = _band_only[_b]
-CATEGORY_TABLE[Regime.UNASSIGNED, :] = _C.UNASSIGNED
-CATEGORY_TABLE[Regime.UNREAD, :] = _C.UNOBSERVED  # held, but nothing says what it was doing
-CATEGORY_TABLE[Regime.PENDING, 1:] = _C.OVERHEAD  # placeholder: pending time is never booked
+@functools.lru_cache(maxsize=8)
+def category_table(bands: bandtable.BandTable) -> np.ndarray:
+    """CATEGORY[regime, band + 1] from the band table's rows (column 0 is NO_BAND: no sample,
+    unobserved). Inside a step a resume voided, a valid category books as rolled_back."""
+    table = np.zeros((len(Regime), len(bands) + 1), np.int8)
+    table[:, 0] = Category.UNOBSERVED
+    table[Regime.OVERHEAD, 1:] = Category.OVERHEAD
+    for r in bands.rows:
+        c = r.code + 1
+        table[Regime.STEP, c] = r.step
+        table[Regime.STALL, c] = r.stall
+        table[Regime.VOID, c] = Category.ROLLED_BACK if r.step in bandtable.VALID else r.step
+        table[Regime.BAND, c] = r.stepless  # a job without steps (a Kubernetes pod's GPUs)
+    table[Regime.UNASSIGNED, :] = Category.UNASSIGNED
+    table[Regime.UNREAD, :] = Category.UNOBSERVED  # held, but nothing says what it was doing
+    table[Regime.PENDING, 1:] = Category.OVERHEAD  # placeholder: pending time is never booked
+    table.setflags(write=False)
+    return table
 
 
 @dataclass(frozen=True, slots=True)
@@ -1158,12 +1137,13 @@ def book(
     ):
         outside = (s.start_ms < member_start_ms[s.gpu]) | (s.start_ms >= member_end_ms[s.gpu])
         regime[outside] = Regime.UNASSIGNED
-    # CATEGORY_TABLE[regime, band + 1] as one flat take.
+    # category_table[regime, band + 1] as one flat take.
+    table = category_table(bandtable.current())
     at = regime.astype(np.intp)  # built in place: one array, not one per operation
-    at *= len(Band) + 1
+    at *= table.shape[1]
     at += s.band
     at += 1
-    category = np.take(CATEGORY_TABLE.ravel(), at)
+    category = np.take(table.ravel(), at)
     return Pieces(s.gpu, s.start_ms, s.end_ms, s.band, category, s.energy_mj)
 
 

@@ -42,7 +42,6 @@ class Category(IntEnum):
     UNOBSERVED = 9
 
 
-BANDS: tuple[str, ...] = tuple(b.name.lower() for b in Band)
 CATEGORIES: tuple[str, ...] = tuple(c.name.lower() for c in Category)
 
 VALID_CATEGORIES = frozenset({Category.PRODUCTIVE, Category.COMMUNICATION, Category.STARVED})

@@ -1,6 +1,8 @@
 """Band thresholds per GPU model (docs/profiles.md).
 
-The B300 profile is calibrated from the measured field table (R2 in docs/background.md). Other
+Profiles are data: the calibrated ones shipped with the package are files of `data/profiles/`
+(the B300's, from the measured field table, R2 in docs/background.md), read by `load` as a
+user's are, and the board power limits of known models are rows of `data/gpus.json`. Other
 models get a profile derived from their power limit, flagged uncalibrated: R2 says the shapes
 carry over between GPUs but the absolute watts do not, so the derived thresholds are fractions
 of the limit chosen to hold where absolute numbers would not (a small model computing at 75-80%
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,18 +63,17 @@ class Profile:
         return asdict(self)
 
 
-# B300 (R2, docs/background.md): compute 940-1040 W, communication ~640 W, starvation ~575 W,
-# deadlock 190-195 W, idle ~135 W. Boundaries sit between the observed states.
-B300 = Profile(
-    name="B300",
-    calibrated=True,
-    idle_max_w=165.0,
-    low_max_w=320.0,
-    compute_min_w=850.0,
-    busy_util_pct=85.0,
-    zero_util_pct=10.0,
-    power_limit_w=1100.0,
-)
+def profile_edges(p: Profile) -> dict[str, float | None]:
+    """The edges a band table's reading conditions name (`bandtable.EDGES`)."""
+    return {
+        "idle_max_w": p.idle_max_w,
+        "low_max_w": p.low_max_w,
+        "compute_min_w": p.compute_min_w,
+        "busy_util_pct": p.busy_util_pct,
+        "zero_util_pct": p.zero_util_pct,
+        "power_limit_w": p.power_limit_w,
+    }
+
 
 # Fractions of the power limit for derived profiles. B300 through these fractions gives
 # idle <= 176 W, low < 330 W, compute >= 715 W: R2's table still classifies correctly.
@@ -79,49 +81,17 @@ IDLE_FRACTION = 0.16
 LOW_FRACTION = 0.30
 COMPUTE_FRACTION = 0.65
 
-# Board power limits (W) of the GPUs training teams use, for deriving a profile from a model name.
-# Device names ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-PCIE-40GB', 'NVIDIA TITAN X (Pascal)') are
-# matched by their words: each entry's words must all be in the name, the first entry that
-# matches wins (a variant before its family's default form, which keeps the family's name).
-MODEL_VARIANTS: list[tuple[str, tuple[str, ...], float]] = [
-    ("GB300", ("GB300",), 1400.0),
-    ("GB200", ("GB200",), 1200.0),
-    ("B300", ("B300",), 1100.0),
-    ("B200", ("B200",), 1000.0),
-    ("H200 NVL", ("H200", "NVL"), 600.0),
-    ("H200", ("H200",), 700.0),
-    ("H100 PCIe", ("H100", "PCIE"), 350.0),
-    ("H100 NVL", ("H100", "NVL"), 400.0),
-    ("H100", ("H100",), 700.0),  # SXM
-    ("H800 PCIe", ("H800", "PCIE"), 350.0),
-    ("H800", ("H800",), 700.0),
-    ("H20", ("H20",), 400.0),
-    ("A100 PCIe 80GB", ("A100", "PCIE", "80GB"), 300.0),
-    ("A100 PCIe", ("A100", "PCIE"), 250.0),
-    ("A100", ("A100",), 400.0),  # SXM4, 40 and 80 GB
-    ("A800 PCIe", ("A800", "PCIE"), 300.0),
-    ("A800", ("A800",), 400.0),
-    ("L40S", ("L40S",), 350.0),
-    ("L40", ("L40",), 300.0),
-    ("L4", ("L4",), 72.0),
-    ("A10G", ("A10G",), 300.0),
-    ("A10", ("A10",), 150.0),
-    ("A30", ("A30",), 165.0),
-    ("A40", ("A40",), 300.0),
-    ("RTX A6000", ("A6000",), 300.0),
-    ("T4", ("T4",), 70.0),
-    ("V100S", ("V100S",), 250.0),
-    ("V100 PCIe", ("V100", "PCIE"), 250.0),
-    ("V100", ("V100",), 300.0),  # SXM2
-    ("P100", ("P100",), 250.0),
-    ("TITAN RTX", ("TITAN", "RTX"), 280.0),
-    ("TITAN V", ("TITAN", "V"), 250.0),
-    ("TITAN Xp", ("TITAN", "XP"), 250.0),
-    ("TITAN X", ("TITAN", "X"), 250.0),
-    ("RTX 4090", ("4090",), 450.0),
-    ("RTX 3090", ("3090",), 350.0),
-    ("MI300X", ("MI300X",), 750.0),
-]
+
+def _gpu_table() -> list[tuple[str, tuple[str, ...], float]]:
+    """Board power limits (W) of the GPUs training teams use (`data/gpus.json`), for deriving a
+    profile from a model name: (model key, the words a device name must hold, limit W)."""
+    doc = json.loads(resources.files("costexporter.core").joinpath("data/gpus.json").read_text())
+    return [(str(m["model"]), tuple(m["words"]), float(m["power_limit_w"])) for m in doc["models"]]
+
+
+# Device names ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-PCIE-40GB') are matched by their words: each
+# row's words must all be in the name, the first row that matches wins.
+MODEL_VARIANTS: list[tuple[str, tuple[str, ...], float]] = _gpu_table()
 KNOWN_POWER_LIMITS_W: dict[str, float] = {key: limit for key, _, limit in MODEL_VARIANTS}
 
 
@@ -242,7 +212,7 @@ def from_trace(levels: TraceLevels, name: str) -> Profile:
 SOURCES = (
     "file",  # --profile FILE
     "calibrated",  # fitted by `costexporter calibrate`, found by model in the profile directory
-    "builtin",  # the built-in B300 table
+    "builtin",  # a calibrated profile shipped with the package (data/profiles: the B300 table)
     "derived_from_limit",  # from a power limit (the flag, NVML's, the trace's column)
     "derived_from_model",  # from a known model's board power limit
     "derived_from_trace",  # from a trace's own levels: no model or limit anywhere
@@ -277,7 +247,7 @@ def select(
     directory: str | Path | None = None,
 ) -> Profile:
     """Pick the profile: a fitted one for the model in `directory` (see `find`), else the
-    built-in B300 when the model is a B300, else derive from the limit (an explicit one wins
+    built-in calibrated profile of the model (the B300's), else derive from the limit (an explicit one wins
     over the table of known limits). ProfileError without a model or limit to go by."""
     return resolve(None, gpu_model, power_limit_w, directory=directory)[0]
 
@@ -298,7 +268,7 @@ def resolve(
     The configured profile (--profile FILE) wins. Else the model is the operator's (`gpu_model`),
     else the GPUs' own name (NVML's, the trace's `name` column), else the job's meta
     `gpu_model`; the limit is the operator's (`power_limit_w`), else the first GPU's that reports
-    one. In order: a fitted profile of `directory` for the model; the built-in B300; a profile
+    one. In order: a fitted profile of `directory` for the model; a built-in one; a profile
     derived from the limit; one derived from the model's known limit; one derived from the
     trace's `levels` (a function: called only then). An operator's model that is not known and
     comes without an operator's limit is an error (`check_model`), whatever limit the GPUs
@@ -316,8 +286,9 @@ def resolve(
         return fitted, "calibrated"
     check_model(gpu_model, power_limit_w)
     key = _model_key(model) if model else None
-    if key == "B300" and limit in (None, B300.power_limit_w):
-        return B300, "builtin"
+    builtin = BUILTIN.get(key) if key else None
+    if builtin is not None and limit in (None, builtin.power_limit_w):
+        return builtin, "builtin"
     if limit:
         estimated = not power_limit_w and reported is not None and reported.limit_from_trace
         source = "derived_from_trace" if estimated else "derived_from_limit"
@@ -469,3 +440,20 @@ def load(path: str | Path) -> Profile:
         return Profile(**data)
     except TypeError as e:
         raise ProfileError(f"{p}: {e}") from None
+
+
+def _builtin_profiles() -> dict[str, Profile]:
+    """The calibrated profiles shipped with the package (`data/profiles/*.json`, each with its
+    source in `provenance`), by model key: read by `load`, as a user's profile is."""
+    out: dict[str, Profile] = {}
+    for f in sorted(resources.files("costexporter.core").joinpath("data/profiles").iterdir(), key=str):
+        if f.name.endswith(".json"):
+            with resources.as_file(f) as path:
+                prof = load(path)
+            out[_model_key(prof.gpu_model or prof.name) or prof.name.upper()] = prof
+    return out
+
+
+BUILTIN: dict[str, Profile] = _builtin_profiles()
+# R2's B300 (docs/background.md): the calibrated profile the field table gives.
+B300 = BUILTIN["B300"]

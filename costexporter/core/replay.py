@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import idle, jobfacts, profiles
+from costexporter.core import bandtable, idle, jobfacts, profiles
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
@@ -43,7 +43,6 @@ from costexporter.core.cost import (
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.figures import at_risk_ms, extend_incidents, job_figures
 from costexporter.core.model import (
-    BANDS,
     CATEGORIES,
     WASTED_CATEGORIES,
     WASTED_CODES,
@@ -796,7 +795,7 @@ def _totals_by_key(key: np.ndarray, size: int, *weights: np.ndarray) -> list[np.
 def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
-    n_cat, n_band, n_gpu = len(Category), len(Band), len(r.gpus)
+    n_cat, n_band, n_gpu = len(Category), len(bandtable.current()), len(r.gpus)
     dur = p.dur_ms
     # One key (gpu, category, band + 1) summed per key gives every total as a sum over axes;
     # band column 0 holds unobserved pieces (no sample, no band).
@@ -848,7 +847,9 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "gpu_hours": {c: float(cat_ms[i] / MS_PER_HOUR) for i, c in enumerate(CATEGORIES)},
         "energy_kwh": {c: float(cat_mj[i] / MJ_PER_KWH) for i, c in enumerate(CATEGORIES)},
         "cost": {c: _money(cat_cost[i]) for i, c in enumerate(CATEGORIES)},
-        "band_gpu_hours": {b: float(band_ms[i] / MS_PER_HOUR) for i, b in enumerate(BANDS)},
+        "band_gpu_hours": {
+            b: float(band_ms[i] / MS_PER_HOUR) for i, b in enumerate(bandtable.current().names)
+        },
         "cost_total": _money(cost_total),
         "gpu_hours_total": float(dur.sum() / MS_PER_HOUR),
         "wasted_gpu_hours": float(wasted_ms / MS_PER_HOUR),
@@ -878,7 +879,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
                 "gpu": g.index,
                 "uuid": g.uuid,
                 "rank": rank_of[i],
-                "band_gpu_hours": dict(zip(BANDS, per_gpu_band[i], strict=True)),
+                "band_gpu_hours": dict(zip(bandtable.current().names, per_gpu_band[i], strict=True)),
                 "gpu_hours": dict(zip(CATEGORIES, per_gpu_cat[i], strict=True)),
             }
             for i, g in enumerate(r.gpus)
@@ -1025,7 +1026,8 @@ def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Report
         s, e = p.start_ms[sel], p.end_ms[sel]
         gid, n = _stretches(p.gpu[sel], s, e, tol)
         dur = e - s
-        band_ms = np.bincount(gid * 8 + (p.band[sel] + 1), weights=dur, minlength=n * 8).reshape(n, 8)
+        w = len(bandtable.current()) + 1  # (band + 1: column 0 is no band)
+        band_ms = np.bincount(gid * w + (p.band[sel] + 1), weights=dur, minlength=n * w).reshape(n, w)
         g_ms = band_ms.sum(1)  # whole milliseconds: the same sum in any order
         g_mj = np.bincount(gid, weights=p.energy_mj[sel], minlength=n)
         if isinstance(prices, Prices):
@@ -1048,7 +1050,7 @@ def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Report
                     "start": inc["start"] / 1000,
                     "end": inc["end"] / 1000,
                     "category": inc["category"],
-                    "band": BANDS[dominant[i]] if dominant[i] >= 0 else None,
+                    "band": bandtable.current().names[dominant[i]] if dominant[i] >= 0 else None,
                     "ranks": inc["ranks"],
                     # The deadlock signature's rank(s) at ~0% (R2): who left the collective.
                     "zero_util_ranks": inc["zero_util_ranks"],

@@ -32,12 +32,11 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import jobfacts, live, livestate, profiles
+from costexporter.core import bandtable, jobfacts, live, livestate, profiles
 from costexporter.core.attribution import Attribution, Facts
 from costexporter.core.booking import POS_INF, Regime, Timeline, with_unread
 from costexporter.core.figures import at_risk_ms
 from costexporter.core.live import WindowResult, book_window
-from costexporter.core.model import BANDS
 from costexporter.core.profiles import Profile
 from costexporter.core.terms import JobTerms, ignored_meta_note, job_terms
 from costexporter.core.timeutil import to_ms
@@ -843,8 +842,10 @@ class Agent:
 
         def band(r: int, pw: float, ut: float) -> str:
             if r in job.latest_band:
-                return BANDS[job.latest_band[r]]
-            return BANDS[int(bands_mod.reading_bands(np.asarray([pw]), np.asarray([ut]), profile)[0])]
+                return bandtable.current().names[job.latest_band[r]]
+            return bandtable.current().names[
+                int(bands_mod.reading_bands(np.asarray([pw]), np.asarray([ut]), profile)[0])
+            ]
 
         mapping = {
             str(r): protocol.encode_live(

@@ -29,7 +29,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from costexporter import __version__
-from costexporter.core.model import BANDS, CATEGORIES, GpuId
+from costexporter.core import bandtable
+from costexporter.core.model import CATEGORIES, GpuId
 
 if TYPE_CHECKING:
     from costexporter.services.agent import Agent
@@ -138,7 +139,7 @@ class AgentCollector(Collector):
                 if not math.isnan(r.util_pct):
                     util.add_metric(lv, r.util_pct / 100)
             if b is not None:
-                for k, name in enumerate(BANDS):
+                for k, name in enumerate(bandtable.current().names):
                     band.add_metric([*lv, name], 1 if k == b else 0)
         yield power
         yield util

@@ -30,22 +30,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import profiles
-from costexporter.core.model import Band, Event, Samples
+from costexporter.core import bandtable, profiles
+from costexporter.core.model import Event, Samples
 from costexporter.core.profiles import Profile, _model_key, derive
 from costexporter.core.replay import register_matches
 
 LEVELS = ("compute", "communication", "starvation", "low", "idle")
-# The classifier's bands, seen at the level of power: deadlock and checkpoint are both "low".
-BAND_LEVEL = {
-    Band.COMPUTE: "compute",
-    Band.COMMUNICATION: "communication",
-    Band.STARVATION: "starvation",
-    Band.CHECKPOINT: "low",
-    Band.DEADLOCK: "low",
-    Band.IDLE: "idle",
-    Band.UNKNOWN: "unknown",
-}
 LABEL_NAMES = {
     "compute": "compute",
     "communication": "communication",
@@ -509,7 +499,7 @@ def _check_labels(
     r, t = rank[order], samples.ts_ms[order]
     p, u = samples.power_w[order], samples.util_pct[order]
     res = bands_mod.classify(r, t, p, u, int(rank.max()) + 1, prof, grid_ms=grid_ms)
-    pred = np.asarray([BAND_LEVEL[Band(b)] for b in res.band])
+    pred = np.asarray(bandtable.current().level_of_code, object)[res.band]
     lab_o, held_o = lab[order], held[order]
     groups = [(name, lab_o == name) for name in sorted({str(x) for x in lab_o if x})]
     groups += [(name, (t >= a) & (t < b)) for a, b, name in windows]
@@ -632,7 +622,7 @@ def _confusion(
     r, t = rank[order], samples.ts_ms[order]
     p, u = samples.power_w[order], samples.util_pct[order]
     res = bands_mod.classify(r, t, p, u, int(rank.max()) + 1, prof, grid_ms=grid_ms)
-    pred = np.asarray([BAND_LEVEL[Band(b)] for b in res.band])
+    pred = np.asarray(bandtable.current().level_of_code, object)[res.band]
     # Truth: the nearest level by power, within its range.
     names = list(lv)
     centres = np.asarray([lv[n].centre for n in names])

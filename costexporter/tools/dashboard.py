@@ -19,7 +19,8 @@ import json
 import re
 from typing import Any
 
-from costexporter.core.model import BANDS, WASTED_NAMES
+from costexporter.core import bandtable
+from costexporter.core.model import WASTED_NAMES
 
 # The cluster's and job's selectors. `cluster` is the label the monitors' relabelings give every
 # series (one Prometheus, many clusters); where no series has it, the variable has only its All
@@ -43,21 +44,13 @@ STATE_COLORS = {
 # code in the legend.
 CURRENCY_UNITS = ("USD", "EUR", "GBP", "JPY", "CHF", "INR", "KRW", "BRL", "SEK", "NOK", "DKK", "PLN", "ZAR")
 DS = {"type": "prometheus", "uid": "${datasource}"}
-BAND_COLORS = {
-    "compute": "green",
-    "communication": "blue",
-    "starvation": "yellow",
-    "checkpoint": "purple",
-    "deadlock": "red",
-    "idle": "text",
-    "unknown": "#808080",
-}
 
 
 def band_code_expr() -> str:
     """Each GPU's band as its code (the Band enum), one series per rank: every band's 0/1
     series kept where 1, mapped to the band's code, and combined."""
-    terms = [f'(costexporter_gpu_band{{{GPU},band="{b}"}} == 1) * 0 + {i}' for i, b in enumerate(BANDS)]
+    names = bandtable.current().names
+    terms = [f'(costexporter_gpu_band{{{GPU},band="{b}"}} == 1) * 0 + {i}' for i, b in enumerate(names)]
     return "max by (cluster, training_job, rank, Hostname, gpu) (\n  " + "\n  or ".join(terms) + "\n)"
 
 
@@ -314,7 +307,7 @@ def dashboard() -> dict[str, Any]:
             options={"showValue": "never", "mergeValues": True, "rowHeight": 0.9},
             fieldConfig={
                 "defaults": {
-                    "mappings": _mappings(BAND_COLORS),
+                    "mappings": _mappings({r.name: r.colour for r in bandtable.current().rows}),
                     "color": {"mode": "thresholds"},
                     "custom": {"fillOpacity": 80},
                 },

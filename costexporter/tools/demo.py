@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import redis
 
+from costexporter.core import bandtable
 from costexporter.core.baseline import utilization_rule
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import MICRO_PER_UNIT, MS_PER_HOUR, Prices, cost_per_valid_step
 from costexporter.core.model import (
-    BANDS,
     CATEGORIES,
     VALID_CATEGORIES,
     WASTED_CATEGORIES,
@@ -52,15 +52,11 @@ from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger, protocol, redisconn
 from costexporter.trainer.spool import destination
 
-BAND_STYLE = {
-    "compute": "green",
-    "communication": "cyan",
-    "starvation": "yellow",
-    "checkpoint": "blue",
-    "deadlock": "bold red",
-    "idle": "white",
-    "unknown": "dim",
-}
+
+def _band_style(name: str) -> str:
+    """The band's terminal style (its row of the band table)."""
+    table = bandtable.current()
+    return table.row(name).terminal if name in table.names else ""
 
 
 STORIES = {"r1": "the R1 deadlock + R7 stories", "mini": "every kind of time in 40 minutes"}
@@ -370,7 +366,8 @@ class Demo:
         cost = sum(costs.values())
         f = j.figures
         wasted = sum(hours[CATEGORIES[c]] for c in WASTED_CATEGORIES)
-        bands = [BANDS[j.latest_band[r]] if r in j.latest_band else "unknown" for r in sorted(j.own)]
+        names = bandtable.current().names
+        bands = [names[j.latest_band[r]] if r in j.latest_band else "unknown" for r in sorted(j.own)]
         latest = snap.latest
         utils = [latest[j.own[r]].util_pct if j.own[r] in latest else None for r in sorted(j.own)]
         valid = int(f.get("valid_steps", 0))
@@ -568,7 +565,7 @@ def render_view(s: dict[str, Any]) -> Any:  # a rich renderable
         # The rank at ~0% among busy ones is the deadlock's (or checkpoint's) tell: marked.
         zero = u is not None and u <= ZERO_UTIL_PCT and b in ("deadlock", "checkpoint")
         cell = f"{i:>2} {b}{' 0%' if zero else ''}"
-        gpus.append(f"{cell:<19}", style=("reverse " if zero else "") + BAND_STYLE.get(b, ""))
+        gpus.append(f"{cell:<19}", style=("reverse " if zero else "") + _band_style(b))
         if i % 4 == 3 and i + 1 < len(s["bands"]):
             gpus.append("\n")
     state_style = {"running": "green", "done": "green", "not running": "dim"}.get(s["state"], "bold red")

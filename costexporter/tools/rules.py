@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from costexporter.core import bandtable
 from costexporter.core.model import VALID_NAMES, WASTED_NAMES
 from costexporter.services.notify import RUNBOOKS, runbook_url  # the rule the watcher's alerts link by
 
@@ -152,6 +153,16 @@ def with_cluster(expr: str) -> str:
     return expr
 
 
+def alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict[str, Any]:
+    return {
+        "alert": name,
+        "expr": expr,
+        "for": for_,
+        "labels": {"severity": severity, "source": SOURCE},
+        "annotations": {"summary": summary, "description": description},
+    }
+
+
 def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
     """The rule file's groups; each alert's `runbook_url` is its section of `runbooks`."""
     not_ended = "unless on (training_job) (max by (training_job) (costexporter_job_ended) == 1)"
@@ -265,17 +276,6 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)"
     )
 
-    def alert(
-        name: str, expr: str, for_: str, severity: str, summary: str, description: str
-    ) -> dict[str, Any]:
-        return {
-            "alert": name,
-            "expr": expr,
-            "for": for_,
-            "labels": {"severity": severity, "source": SOURCE},
-            "annotations": {"summary": summary, "description": description},
-        }
-
     alerts = [
         alert(
             "CostSlopeWithoutSteps",
@@ -348,6 +348,7 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
             "more than its budget (the operator's policy).",
         ),
     ]
+    alerts = _band_alerts(alerts, w, not_ended)
     for a in alerts:
         a["annotations"]["runbook_url"] = runbook_url(a["alert"], runbooks)
     for r in records + alerts:
@@ -358,6 +359,33 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
             {"name": "costexporter.alerts", "interval": w.group_interval, "rules": alerts},
         ]
     }
+
+
+def _band_alerts(alerts: list[dict[str, Any]], w: RuleWindows, not_ended: str) -> list[dict[str, Any]]:
+    """The band table's say: DeadlockSignature while the deadlock band alerts, and one
+    GpuInAlertingBand over every other band that alerts (a band added as a table row)."""
+    table = bandtable.current()
+    if "deadlock" not in table.alerting:
+        alerts = [a for a in alerts if a["alert"] != "DeadlockSignature"]
+    others = [r.name for r in table.rows if r.alerts and r.signature != "deadlock"]
+    if others:
+        expr = (
+            "max by (training_job, rank, host, gpu) (\n"
+            f'  costexporter_gpu_band{{band=~"{"|".join(others)}"}} == 1\n'
+            f")\n{not_ended}"
+        )
+        alerts.append(
+            alert(
+                "GpuInAlertingBand",
+                expr,
+                w.deadlock_for,
+                "warning",
+                "{{ $labels.training_job }}: rank {{ $labels.rank }} in an alerting band",
+                "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) reads a band the "
+                f"operator's band table marks as alerting ({', '.join(others)}).",
+            )
+        )
+    return alerts
 
 
 class _Literal(str):
