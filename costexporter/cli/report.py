@@ -6,10 +6,11 @@ import csv
 import io
 import itertools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from costexporter.core import bandtable
 from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
+from costexporter.core.replayreport import ProfileReport, ReplayReport
 from costexporter.core.timeutil import tz_zone
 
 if TYPE_CHECKING:
@@ -30,11 +31,11 @@ def _kind(category: str) -> str:
     return {"overhead": "overhead", "unassigned": "outside", "unobserved": "unseen"}[category]
 
 
-def to_json(report: dict[str, Any]) -> str:
+def to_json(report: ReplayReport) -> str:
     return json.dumps(report, indent=2, sort_keys=False)
 
 
-def to_csv(report: dict[str, Any]) -> str:
+def to_csv(report: ReplayReport) -> str:
     """One row per job and category, plus one `unassigned` row outside any job."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
@@ -80,7 +81,7 @@ def _offset_of(tz: str, at_s: float) -> int:
     return int(off.total_seconds() // 60) if off else 0
 
 
-def clock_warnings(report: dict[str, Any], tz: str) -> list[str]:
+def clock_warnings(report: ReplayReport, tz: str) -> list[str]:
     """One line per job whose samples and events barely overlap: both ranges, the --tz in force
     and, where a whole number of hours explains it, the zone that would line them up."""
     out = []
@@ -93,7 +94,7 @@ def clock_warnings(report: dict[str, Any], tz: str) -> list[str]:
             f"job {job}: samples ({_span(tr['samples'])}) and events ({_span(tr['events'])}) barely overlap "
             f"with --tz {tz}"
         )
-        if h:
+        if h and tr["samples"]:
             # Samples were read as local - offset(tz); lining up with the events needs offset - h.
             m = _offset_of(tz, tr["samples"][0]) - 60 * h
             sign = "+" if m >= 0 else "-"
@@ -102,7 +103,7 @@ def clock_warnings(report: dict[str, Any], tz: str) -> list[str]:
     return out
 
 
-def progress_notes(report: dict[str, Any], progress: str) -> list[str]:
+def progress_notes(report: ReplayReport, progress: str) -> list[str]:
     """One line per job booked by band alone because it had no progress event: without steps no
     time is waste for lack of them, and the user learns how to book progress."""
     if progress != "auto":
@@ -115,13 +116,13 @@ def progress_notes(report: dict[str, Any], progress: str) -> list[str]:
     ]
 
 
-def from_trace(profile: dict[str, Any]) -> bool:
+def from_trace(profile: ProfileReport) -> bool:
     """Whether a report's profile was derived from the trace's own levels (its idle edges may
     since have moved to the learned idle: `derived_from` keeps the origin)."""
     return profile.get("derived_from", profile.get("source")) == "derived_from_trace"
 
 
-def profile_notes(report: dict[str, Any]) -> list[str]:
+def profile_notes(report: ReplayReport) -> list[str]:
     """One line per job banded with a profile derived from the trace's own levels: no model and
     no limit named it, so the user knows what the bands stand on and how to pin them."""
     out = []
@@ -154,7 +155,7 @@ def profile_notes(report: dict[str, Any]) -> list[str]:
 ENERGY_COVERAGE_WARN = 0.99  # below this share of GPU time with known energy, replay says so
 
 
-def energy_notes(report: dict[str, Any]) -> list[str]:
+def energy_notes(report: ReplayReport) -> list[str]:
     """One line per job whose energy is known for less than ENERGY_COVERAGE_WARN of its GPU
     time (gaps longer than the bridge, with no energy counter): its kWh is a floor."""
     out = []
@@ -242,7 +243,7 @@ def rank_list(ranks: list[int]) -> str:
 INCIDENT_FLOOR_S = 30.0
 
 
-def to_table(report: dict[str, Any], incident_floor_s: float = INCIDENT_FLOOR_S) -> str:
+def to_table(report: ReplayReport, incident_floor_s: float = INCIDENT_FLOOR_S) -> str:
     """The human view: where the GPU-hours went and what a valid step cost."""
     from rich.console import Console
     from rich.table import Table
@@ -296,10 +297,11 @@ def to_table(report: dict[str, Any], incident_floor_s: float = INCIDENT_FLOOR_S)
         tr = j.get("time_range") or {}
         if tr:
             console.print(f"samples {_span(tr.get('samples'))}; events {_span(tr.get('events'))}")
-        if j.get("energy_coverage") is not None and j["energy_coverage"] < 1:
-            console.print(f"energy known for {100 * j['energy_coverage']:.1f}% of the GPU time")
-        if j.get("straggler"):
-            s = j["straggler"]
+        coverage = j.get("energy_coverage")
+        if coverage is not None and coverage < 1:
+            console.print(f"energy known for {100 * coverage:.1f}% of the GPU time")
+        s = j.get("straggler")
+        if s:
             console.print(f"straggler: rank {s['rank']} ({s['host']} GPU {s['gpu']})")
         listed = [i for i in j["incidents"] if i["end"] - i["start"] >= incident_floor_s]
         short = [i for i in j["incidents"] if i["end"] - i["start"] < incident_floor_s]

@@ -20,6 +20,7 @@ from typing import Any
 
 from costexporter.core.events import bounded_number
 from costexporter.core.pricing import NEG_INF, PriceSchedule
+from costexporter.core.replayreport import AttributionField
 
 OWNER_KEYS = ("team", "cost_center", "budget")
 PLACE_KEYS = ("cluster", "namespace", "controller", "controller_kind")
@@ -106,7 +107,7 @@ class Attribution:
         out.update({k: v for k, v in self.values if k != PRICE_KEY})
         return out
 
-    def report(self) -> dict[str, dict[str, Any]]:
+    def report(self) -> dict[str, AttributionField]:
         """`{key: {value, source}}`: the API's and the exports' `attribution`."""
         return {k: {"value": v, "source": self.source(k)} for k, v in self.values}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -55,10 +55,17 @@ from costexporter.core.model import (
 )
 from costexporter.core.pricing import PriceSchedule, Pricing
 from costexporter.core.profiles import Profile
+from costexporter.core.replayreport import (
+    Incident,
+    JobReport,
+    ProfileReport,
+    ReplayReport,
+    Straggler,
+    Unassigned,
+)
 from costexporter.core.terms import JobTerms, Policy, PolicyRule, job_terms
 
 # A part of the report (costexporter/schemas): a JSON document, so its values are Any.
-Report = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -224,14 +231,14 @@ def _one_rank_per_gpu(
 
 def replay(
     samples: Samples, events: list[Event], cfg: ReplayConfig | None = None, diag: Diagnostics | None = None
-) -> Report:
+) -> ReplayReport:
     """Book a trace; returns the report described in docs and costexporter/schemas. `diag`
     counts (and warns about) registers the trace's samples bound."""
     cfg = cfg or ReplayConfig()
     return report_of(*book_trace(samples, events, cfg, diag), cfg)
 
 
-def report_of(results: list[JobResult], unassigned: Report, cfg: ReplayConfig) -> Report:
+def report_of(results: list[JobResult], unassigned: Unassigned, cfg: ReplayConfig) -> ReplayReport:
     """The report of booked jobs (`book_trace`)."""
     return {
         "currency": cfg.prices.currency,
@@ -242,7 +249,7 @@ def report_of(results: list[JobResult], unassigned: Report, cfg: ReplayConfig) -
 
 def book_trace(
     samples: Samples, events: list[Event], cfg: ReplayConfig, diag: Diagnostics | None = None
-) -> tuple[list[JobResult], Report]:
+) -> tuple[list[JobResult], Unassigned]:
     """Every job of the trace booked (`JobResult`s) and the time no job held (`unassigned`)."""
     gpus, registered = register_matches(samples, events, diag)
     events_by_job: dict[str, list[Event]] = {}
@@ -645,9 +652,9 @@ def _unassigned(
     layout: _TraceLayout,
     members: list[tuple[int, int, int]],
     cfg: ReplayConfig,
-) -> Report:
+) -> Unassigned:
     """GPU time no job held: observed slices outside every job's membership."""
-    zero = {"gpu_hours": 0.0, "energy_kwh": 0.0}
+    zero: Unassigned = {"gpu_hours": 0.0, "energy_kwh": 0.0}
     if not len(samples):
         return zero
     interval_ms, counts, first = layout.interval, layout.counts, layout.starts
@@ -792,7 +799,7 @@ def _totals_by_key(key: np.ndarray, size: int, *weights: np.ndarray) -> list[np.
     return [np.bincount(key, weights=w, minlength=size) for w in weights]
 
 
-def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
+def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
     n_cat, n_band, n_gpu = len(Category), len(bandtable.current()), len(r.gpus)
@@ -836,7 +843,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     risk_ms = float(
         sum(at_risk_ms(tl, b, np.asarray([a], np.int64)) for iv in r.member_intervals for a, b in iv)
     )
-    straggler = None
+    straggler: Straggler | None = None
     if r.band_result.straggler_rank is not None:
         rank = r.band_result.straggler_rank
         idx = np.flatnonzero(r.ranks == rank)
@@ -854,9 +861,9 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "gpu_hours_total": float(dur.sum() / MS_PER_HOUR),
         "wasted_gpu_hours": float(wasted_ms / MS_PER_HOUR),
         "gpu_hours_at_risk": float(risk_ms / MS_PER_HOUR),
-        "steps_completed": figs["steps_completed"],
-        "steps_voided": figs["steps_voided"],
-        "valid_steps": valid,
+        "steps_completed": int(figs["steps_completed"]),
+        "steps_voided": int(figs["steps_voided"]),
+        "valid_steps": int(valid),
         "tokens": int(tokens),
         "cost_per_valid_step": _per_step(cost_total, int(valid)),
         "productive_cost_per_step": _per_step(cat_cost[Category.PRODUCTIVE], int(valid)),
@@ -869,7 +876,9 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
         "sampling_interval_s": r.band_result.interval_ms / 1000,
         "grid_s": r.band_result.grid_ms / 1000,
         "stall_threshold_s": figs["stall_threshold_s"],
-        "last_checkpoint_step": figs["last_checkpoint_step"] if figs["last_checkpoint_step"] >= 0 else None,
+        "last_checkpoint_step": int(figs["last_checkpoint_step"])
+        if figs["last_checkpoint_step"] >= 0
+        else None,
         "straggler": straggler,
         "meta": r.meta,
         "preflight": r.preflight,
@@ -894,10 +903,10 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> Report:
     }
 
 
-def profile_report(p: Profile, source: str) -> Report:
+def profile_report(p: Profile, source: str) -> ProfileReport:
     """The profile a job was banded with: its name, where it came from, its edges."""
     prov = p.provenance or {}
-    out: Report = {
+    out: ProfileReport = {
         "name": p.name,
         "calibrated": p.calibrated,
         "source": source,
@@ -907,7 +916,7 @@ def profile_report(p: Profile, source: str) -> Report:
     }
     for k in ("derived_from", "learned_idle_w", "compute_level_w", "estimated_power_limit_w", "over_limit"):
         if k in prov:
-            out[k] = prov[k]
+            cast(dict[str, object], out)[k] = prov[k]  # (each one of ProfileReport's optional keys)
     return out
 
 
@@ -1007,7 +1016,7 @@ def job_prices(r: JobResult, cfg: ReplayConfig, terms: JobTerms) -> tuple[Prices
     return None, scheds
 
 
-def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Report]:
+def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Incident]:
     """Merged job-level stretches of one wasted category.
 
     A stretch is what the live agent's rule (`figures.extend_incidents`: a piece within `tol`
@@ -1016,7 +1025,7 @@ def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Report
     whole job at once: the dominant band, the GPUs and hosts, and the cost."""
     p = r.pieces
     tol = 2 * r.band_result.grid_ms
-    out: list[Report] = []
+    out: list[Incident] = []
     wasted = np.flatnonzero(p.category.view(np.uint8) - np.uint8(_WASTED_LO) < _WASTED_N)
     cats = p.category[wasted]
     for c in WASTED_CODES:
