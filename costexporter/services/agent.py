@@ -53,6 +53,7 @@ from costexporter.services.snapshots import AgentSnapshot, JobView
 from costexporter.sources.base import GpuSource
 from costexporter.sources.sampler import ClockWatch, Sampler
 from costexporter.store import agentid, keyspace, ledger, migrate, protocol, untrusted
+from costexporter.store.client import RedisClient
 from costexporter.store.keys import epoch_key, live_key, samples_key
 
 __all__ = ["ROUND_BUCKETS", "Agent", "AgentConfig", "samples_maxlen"]
@@ -940,7 +941,7 @@ class _Layout:
         self.forwarding = True
         self.next_at = 0.0
 
-    def check(self, client: Any, prefix: str, by: str = "") -> None:
+    def check(self, client: RedisClient, prefix: str, by: str = "") -> None:
         """Raises LayoutPending while the agent must not book; a Redis error as any round's."""
         now = time.monotonic()
         if not self.ready:

@@ -17,6 +17,7 @@ from costexporter.core.profiles import Profile
 from costexporter.services.agent_fold import FoldWrite, JobFolds
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger
+from costexporter.store.client import Pipeline, RedisClient
 
 
 def round_figures(
@@ -56,7 +57,7 @@ class RoundCommit:
     """Commits a job's round: delta, figures, watermark and fold in one transaction."""
 
     def __init__(
-        self, redis: Any, prefix: str, agent_id: str, host: str, instance: str, folds: JobFolds
+        self, redis: RedisClient, prefix: str, agent_id: str, host: str, instance: str, folds: JobFolds
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -89,7 +90,7 @@ class RoundCommit:
         fold: FoldWrite | None = self.folds.write_due(job, now_ms)
         booked_until = job.booked_until
 
-        def queue(pipe: Any) -> None:
+        def queue(pipe: Pipeline) -> None:
             ledger.queue_delta(
                 pipe, self.prefix, job.name, self.agent_id, delta, version, tl.steps, booked_until, figures
             )

@@ -20,6 +20,7 @@ from costexporter.services.agent_notes import JobNotes
 from costexporter.services.agent_unassigned import UnassignedBooker
 from costexporter.sources.base import GpuSource
 from costexporter.store import protocol, untrusted
+from costexporter.store.client import RedisClient
 from costexporter.store.jobindex import JobIndex
 from costexporter.store.keys import ranks_key, registrations_key
 from costexporter.store.reader import EventReader
@@ -40,7 +41,7 @@ class JobDiscovery:
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         prefix: str,
         source: GpuSource,
         jobs: dict[str, AgentJob],

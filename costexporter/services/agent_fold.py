@@ -29,6 +29,7 @@ from costexporter.core.timeutil import to_ms
 from costexporter.services.agent_config import AgentConfig
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger, untrusted
+from costexporter.store.client import Pipeline, RedisClient
 from costexporter.store.keys import fold_key, rbidx_key, readers_key, watermark_key
 from costexporter.store.reader import EventReader
 
@@ -49,7 +50,7 @@ class JobFolds:
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         cfg: AgentConfig,
         context_ms: int,
         stats: collections.Counter[str],
@@ -335,7 +336,7 @@ class JobFolds:
         assert job.fold is not None  # _due() checked
         return base64.b64encode(dump_fold(job.fold, job.name, extra)).decode()
 
-    def queue(self, pipe: Any, job: AgentJob, w: FoldWrite) -> None:
+    def queue(self, pipe: Pipeline, job: AgentJob, w: FoldWrite) -> None:
         """The fold (and the older one and this agent's stream position, when it changes), in the
         commit's MULTI: the stream is kept from the older fold's position on."""
         cfg = self.cfg

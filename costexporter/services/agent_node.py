@@ -20,6 +20,7 @@ from costexporter.core.profiles import Profile
 from costexporter.core.timeutil import to_ms
 from costexporter.services.agent_config import AgentConfig
 from costexporter.sources.base import GpuSource, Reading
+from costexporter.store.client import RedisClient
 from costexporter.store.keys import gpu_idle_key, node_key
 
 log = logging.getLogger("costexporter.agent")
@@ -219,7 +220,7 @@ class NodeGpus:
             out[g] = int(bands_mod.reading_bands(np.asarray([r.power_w]), np.asarray([r.util_pct]), prof)[0])
         return out, {g: (p.name, src) for g, (p, src) in used.items()}
 
-    def sync_idle(self, redis: Any) -> None:
+    def sync_idle(self, redis: RedisClient) -> None:
         """Learned idle levels in Redis by GPU UUID (`keys.gpu_idle_key`): read once at start (a
         restarted agent starts from them), written when they move or every 10 minutes."""
         if self.idle is None:
@@ -247,7 +248,7 @@ class NodeGpus:
             pipe.execute()
             self._idle_saved.update(saved_now)
 
-    def _seed_idle(self, redis: Any, keys: dict[str, str]) -> None:
+    def _seed_idle(self, redis: RedisClient, keys: dict[str, str]) -> None:
         from costexporter.store import redisconn  # MGET across slots: one per slot on a Redis Cluster
 
         assert self.idle is not None
@@ -260,7 +261,7 @@ class NodeGpus:
                 self.stats["bad_idle_entries"] += 1
         self._idle_seeded = True
 
-    def publish(self, redis: Any, latest: dict[int, Reading], ttl_s: int) -> None:
+    def publish(self, redis: RedisClient, latest: dict[int, Reading], ttl_s: int) -> None:
         """This node's GPUs and their newest readings, for `preflight`'s occupancy check."""
         gpus = self.source.gpus()
         if not gpus:

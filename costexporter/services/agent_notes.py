@@ -6,15 +6,17 @@ job."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from costexporter.store import ledger, untrusted
+from costexporter.store.client import RedisClient
 
 log = logging.getLogger("costexporter.agent")
 
 
 class JobNotes:
-    def __init__(self, redis: Any, prefix: str, redis_errors: tuple[type[BaseException], ...]) -> None:
+    def __init__(
+        self, redis: RedisClient, prefix: str, redis_errors: tuple[type[BaseException], ...]
+    ) -> None:
         self.redis = redis
         self.prefix = prefix
         self._redis_errors = redis_errors

@@ -14,6 +14,7 @@ import numpy as np
 
 from costexporter.core import samplewin
 from costexporter.services.agent_job import AgentJob
+from costexporter.store.client import RedisClient
 from costexporter.store.keys import samples_key
 
 Local = tuple[np.ndarray, ...]  # this node's samples: (gpu, ts ms, W, %, mJ)
@@ -24,7 +25,7 @@ class PeerExchange:
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         prefix: str,
         host: str,
         stats: collections.Counter[str],

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from costexporter.core.timeutil import to_ms
 from costexporter.services.agent_config import AgentConfig
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger, untrusted
+from costexporter.store.client import RedisClient
 from costexporter.store.keys import watermark_key
 
 Claim = tuple[int, int, int]  # (GPU, start ms, end ms) of a job's hold
@@ -32,7 +32,7 @@ class UnassignedBooker:
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         cfg: AgentConfig,
         host: str,
         instance: str,

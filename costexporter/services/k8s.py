@@ -30,6 +30,7 @@ from costexporter.services.k8s_api import NodePods, PodLookup
 from costexporter.services.k8s_owner import DEFAULT_TEAM_LABELS, Owner, job_id, owner_of, owner_of_pod
 from costexporter.sources.dcgm import DcgmSource, PodRef
 from costexporter.store import keys, protocol, redisconn, untrusted
+from costexporter.store.client import RedisClient
 from costexporter.trainer.transport import send_entries
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class KubernetesJobs:
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         prefix: str,
         source: DcgmSource,
         host: str,

@@ -20,6 +20,7 @@ from costexporter.core.model import Event, Samples
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import SCENARIOS, TraceBuilder
 from costexporter.store import keys, protocol, redisconn
+from costexporter.store.client import RedisClient
 from costexporter.trainer import coerce
 from costexporter.trainer.reporter import StepReporter
 
@@ -77,7 +78,7 @@ class SimSource(ReplaySource):
         self._started: set[int] = set()
         self._fresh = False  # the processes were (re)started and have not trained since
         self._stop = threading.Event()
-        self._clock_client: Any = None  # redisconn.from_url's client (untyped: a Redis or a LazyCluster)
+        self._clock_client: RedisClient | None = None  # redisconn.from_url's client
         self.trainer_done = threading.Event()
         self._trainer = threading.Thread(target=self._train, name="costexporter-sim-trainer", daemon=True)
         self._trainer.start()

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from costexporter.store import keys
+from costexporter.store.client import RedisClient
 from costexporter.store.keyspace import VERSION
 
 # Renew the lease, or take it when it is free or held by this host; else answer the holder.
@@ -58,7 +59,7 @@ class AgentIdInUse(RuntimeError):
         self.holder = holder
 
 
-def claim(client: Any, prefix: str, agent: str, host: str, ttl_s: float) -> dict[str, Any] | None:
+def claim(client: RedisClient, prefix: str, agent: str, host: str, ttl_s: float) -> dict[str, Any] | None:
     """Hold (or renew) agent id `agent` for `host` for `ttl_s`. None when this host holds it
     now; else the holder's entry (a dict with its `host`). A lease key of another type (not
     written by an agent) is replaced."""
@@ -82,6 +83,6 @@ def _text(x: object) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
-def release(client: Any, prefix: str, agent: str, host: str) -> None:
+def release(client: RedisClient, prefix: str, agent: str, host: str) -> None:
     """Give the id up (at shutdown), if this host holds it: a host that takes over need not wait."""
     client.execute_command("EVAL", _RELEASE, 1, keys.agent_id_key(prefix, agent), host)

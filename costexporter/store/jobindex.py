@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from costexporter.store import keys, untrusted
+from costexporter.store.client import RedisClient
 
 MAX_INDEX_NAMES = 50_000  # names one discovery or watcher poll takes from the index, at most
 SCAN_EVERY_S = 60.0  # how long a scan of the jobs' ranks keys is kept
@@ -33,7 +33,7 @@ class JobIndex:
 
     def __init__(
         self,
-        redis: Any,
+        redis: RedisClient,
         prefix: str,
         refusals: untrusted.Refusals,
         redis_errors: tuple[type[BaseException], ...],

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from costexporter.store import keys, migrate
+from costexporter.store.client import RedisClient
 
 log = logging.getLogger("costexporter.keyspace")
 
@@ -58,7 +59,7 @@ class Migration:
     run: Callable[[Any, str, bool], str]  # (client, prefix, force) -> what it did, one line
 
 
-def _sub_prefixes(client: Any, prefix: str, force: bool) -> str:
+def _sub_prefixes(client: RedisClient, prefix: str, force: bool) -> str:
     report = migrate.migrate(client, prefix, force=force)
     for old, new in report.conflicts:
         log.error("%s was not moved: %s exists too; compare the two, keep one", old, new)
@@ -91,7 +92,7 @@ class OlderAgentsRunning(RuntimeError):
         self.agents = agents
 
 
-def stored(client: Any, prefix: str) -> int | None:
+def stored(client: RedisClient, prefix: str) -> int | None:
     """The version the keyspace says it holds; None where it says nothing (or nothing usable)."""
     raw = client.hget(keys.keyspace_key(prefix), "version")
     try:
@@ -100,7 +101,7 @@ def stored(client: Any, prefix: str) -> int | None:
         return None
 
 
-def detect(client: Any, prefix: str) -> int:
+def detect(client: RedisClient, prefix: str) -> int:
     """The keyspace's version: as stored, else dated by what it holds (the legacy layout's marker
     keys: LEGACY; anything else, a fresh Redis included: this release's)."""
     v = stored(client, prefix)
@@ -115,7 +116,7 @@ def detect(client: Any, prefix: str) -> int:
     return LEGACY if legacy else VERSION
 
 
-def older_agents(client: Any, prefix: str, target: int) -> list[str]:
+def older_agents(client: RedisClient, prefix: str, target: int) -> list[str]:
     """Agent ids whose live lease says they write a keyspace version below `target` (a lease of a
     release before the field: version 2)."""
     out = []
@@ -136,7 +137,7 @@ def pending(version: int) -> list[Migration]:
     return [m for m in MIGRATIONS if m.to > version]
 
 
-def upgrade(client: Any, prefix: str, *, force: bool = False, by: str = "") -> list[str]:
+def upgrade(client: RedisClient, prefix: str, *, force: bool = False, by: str = "") -> list[str]:
     """Bring the keyspace to `VERSION`: each pending migration in order, the version raised
     after each (never lowered). Returns one line per step run. NewerKeyspace for a keyspace
     newer than this release; migrate.OldAgentsRunning / OlderAgentsRunning while agents of an
@@ -162,7 +163,7 @@ def upgrade(client: Any, prefix: str, *, force: bool = False, by: str = "") -> l
 _said: set[str] = set()
 
 
-def ensure(client: Any, prefix: str, by: str = "") -> bool:
+def ensure(client: RedisClient, prefix: str, by: str = "") -> bool:
     """An agent's check before its first round: True when the keyspace is this release's (moving
     it there now when no agent of an older layout runs); False while one still runs, or while
     the keyspace is newer than this release (said once, at ERROR)."""

@@ -50,6 +50,7 @@ from costexporter.core.attribution import FIELDS, Attribution
 from costexporter.core.buckets import RESOLUTIONS, UNITS, bucket_start
 from costexporter.core.model import CATEGORIES
 from costexporter.store import keys
+from costexporter.store.client import Pipeline, RedisClient
 
 UNASSIGNED_JOB = "_unassigned"  # GPU time no job registered: a ledger of its own, same layout
 
@@ -208,7 +209,7 @@ return n + 1
 )
 
 
-def drop_rollup(client: Any, prefix: str, job: str) -> None:
+def drop_rollup(client: RedisClient, prefix: str, job: str) -> None:
     """Remove a job's rollup (the API's next start rebuilds it from the buckets; until then the
     job is read by summing buckets): after editing a ledger by hand."""
     client.delete(keys.rollup_state_key(prefix, job), keys.rollup_key(prefix, job))
@@ -223,7 +224,7 @@ def _rollup_keys(prefix: str, job: str) -> list[str]:
 
 
 def queue_rollup(
-    pipe: Any, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, sign: int = 1
+    pipe: Pipeline, prefix: str, job: str, by_bucket: dict[int, np.ndarray], version: str, sign: int = 1
 ) -> None:
     """The rollup's share of one write (inside the caller's MULTI, before its HINCRBYs): the net
     amounts per 5-minute bucket (`sign` -1 for the `voided:` corrections). EVAL, not EVALSHA: a
@@ -239,7 +240,7 @@ def queue_rollup(
     pipe.execute_command("EVAL", ROLLUP_ADD, 3, *_rollup_keys(prefix, job), *args)
 
 
-def build_rollup(client: Any, prefix: str, job: str) -> int:
+def build_rollup(client: RedisClient, prefix: str, job: str) -> int:
     """Build the rollup of a ledger written before rollups existed (one atomic script): 0 if it
     already had one, else 1 + the number of 5-minute buckets rolled up (1: a ledger with no
     amounts yet, whose rollup starts empty)."""
@@ -247,7 +248,7 @@ def build_rollup(client: Any, prefix: str, job: str) -> int:
     return int(client.execute_command("EVAL", ROLLUP_BUILD, 3, *_rollup_keys(prefix, job), bucket_prefix))
 
 
-def build_rollups(client: Any, prefix: str) -> int:
+def build_rollups(client: RedisClient, prefix: str) -> int:
     """Build the missing rollups of every job in the jobs index and of `_unassigned` (once, at the
     API's start); returns how many older ledgers (ones holding amounts) were rolled up. A job
     with nothing booked yet gets its empty rollup too, uncounted: nothing older was there."""
@@ -274,7 +275,7 @@ Version = str | Callable[[int], str]  # one price version, or each bucket's (by 
 
 
 def queue_amounts(
-    pipe: Any,
+    pipe: Pipeline,
     prefix: str,
     job: str,
     by_bucket: dict[int, np.ndarray],
@@ -308,7 +309,7 @@ def queue_amounts(
         pipe.hincrby(tk, f, v)
 
 
-def queue_incidents(pipe: Any, prefix: str, job: str, agent: str, incidents: Any) -> None:
+def queue_incidents(pipe: Pipeline, prefix: str, job: str, agent: str, incidents: Any) -> None:
     """Write incidents (dicts with category and start) and index their hash (in the caller's MULTI)."""
     written = False
     for inc in incidents:
@@ -324,7 +325,7 @@ def _glob_escaped(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def index_incidents(client: Any, prefix: str, count: int = 1000) -> int:
+def index_incidents(client: RedisClient, prefix: str, count: int = 1000) -> int:
     """Index incident hashes written before the index existed (one SCAN at startup, never on a
     request). Returns how many hashes were indexed."""
     # The key's parts around the job and the agent, from its builder: `<head_of><job><mid><agent>`.
@@ -345,7 +346,7 @@ def index_incidents(client: Any, prefix: str, count: int = 1000) -> int:
 
 
 def queue_steps(
-    pipe: Any, prefix: str, job: str, steps: list[Any], after_ms: int, upto_ms: int, voids: set[int]
+    pipe: Pipeline, prefix: str, job: str, steps: list[Any], after_ms: int, upto_ms: int, voids: set[int]
 ) -> None:
     """Step completions and voids as sorted sets keyed by step record, so every agent writes the
     same members (idempotent) and a window's counts are ZCOUNTs.
@@ -373,7 +374,7 @@ def queue_steps(
 
 
 def read_amounts(
-    client: Any, prefix: str, job: str, res: str | None = None, start: int | None = None
+    client: RedisClient, prefix: str, job: str, res: str | None = None, start: int | None = None
 ) -> dict[str, int]:
     """One amounts hash as integers (the total, or with `res` the bucket starting at `start`)."""
     if res is None:
@@ -399,7 +400,7 @@ def net_ms(amounts_: dict[str, int]) -> dict[str, int]:
     }
 
 
-def load_watermark(client: Any, prefix: str, job: str, agent: str) -> dict[str, Any] | None:
+def load_watermark(client: RedisClient, prefix: str, job: str, agent: str) -> dict[str, Any] | None:
     raw = client.get(keys.watermark_key(prefix, job, agent))
     return json.loads(raw) if raw else None
 
@@ -459,7 +460,7 @@ class _Recorded:
     the Redis command it makes, so the keys and their types are known before the transaction)
     and is kept to be replayed on the transaction."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self.scratch = client.pipeline(transaction=False)
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
@@ -477,7 +478,8 @@ class _Recorded:
     def written_types(self) -> dict[str, str]:
         """The keys the round writes and the type each must have."""
         out: dict[str, str] = {}
-        for c in self.scratch.command_stack:
+        stack: list[Any] = getattr(self.scratch, "command_stack")  # noqa: B009 - redis-py's, untyped
+        for c in stack:
             args = c.args if hasattr(c, "args") else c[0]  # a cluster's pipeline keeps objects
             name = str(args[0]).upper()
             if name == "EVAL" and args[1] == ROLLUP_ADD:
@@ -487,7 +489,7 @@ class _Recorded:
         self.scratch.reset()
         return out
 
-    def replay(self, pipe: Any) -> None:
+    def replay(self, pipe: Pipeline) -> None:
         for name, args, kwargs in self.calls:
             getattr(pipe, name)(*args, **kwargs)
 
@@ -515,7 +517,7 @@ def agent_keys(prefix: str, job: str, agent: str, host: str) -> dict[str, str]:
     }
 
 
-def wrong_types(client: Any, expected: dict[str, str]) -> dict[str, str]:
+def wrong_types(client: RedisClient, expected: dict[str, str]) -> dict[str, str]:
     """Those of `expected` (key -> type) that exist with another type (one pipeline)."""
     pipe = client.pipeline(transaction=False)
     for k in expected:
@@ -525,7 +527,7 @@ def wrong_types(client: Any, expected: dict[str, str]) -> dict[str, str]:
 
 
 def set_aside(
-    client: Any, wrong: dict[str, str], prefix: str | None = None, job: str | None = None
+    client: RedisClient, wrong: dict[str, str], prefix: str | None = None, job: str | None = None
 ) -> list[str]:
     """Move keys of the wrong type out of the way (to `<key>:wrongtype`, the same slot, kept for
     a look), so the writer's next round writes them afresh. These are keys only the agents
@@ -554,7 +556,13 @@ def set_aside(
 
 
 def commit(
-    client: Any, prefix: str, job: str, agent: str, expected: str | None, wm: dict[str, Any], queue: Any
+    client: RedisClient,
+    prefix: str,
+    job: str,
+    agent: str,
+    expected: str | None,
+    wm: dict[str, Any],
+    queue: Any,
 ) -> str:
     """Write one round of a job exactly once: `queue(pipe)` and the new watermark in one
     MULTI/EXEC that runs only if the watermark is still `expected` (the raw JSON this agent read
@@ -595,7 +603,7 @@ def commit(
 
 
 def queue_delta(
-    pipe: Any,
+    pipe: Pipeline,
     prefix: str,
     job: str,
     agent: str,
@@ -635,7 +643,7 @@ def attribution_fields() -> list[str]:
     return [f"{ATTR}{k}{s}" for k in FIELDS for s in ("", ":source")]
 
 
-def queue_attribution(pipe: Any, prefix: str, job: str, attr: Attribution) -> None:
+def queue_attribution(pipe: Pipeline, prefix: str, job: str, attr: Attribution) -> None:
     """The job's attribution into its figures hash (inside the caller's MULTI): fields it no longer
     has are removed, so a changed policy leaves no stale owner behind."""
     k = keys.figures_key(prefix, job)
@@ -656,7 +664,7 @@ def attribution_of(figures: dict[Any, Any]) -> Attribution:
 
 
 def queue_position(
-    pipe: Any, prefix: str, job: str, reader: str, stream_id: str, now: float | None = None, **extra: Any
+    pipe: Pipeline, prefix: str, job: str, reader: str, stream_id: str, now: float | None = None, **extra: Any
 ) -> None:
     """Register how far `reader` needs the job's stream kept (from `stream_id` on); `ts` (now)
     says the reader is alive."""
@@ -673,7 +681,7 @@ def _stream_id(x: str) -> tuple[int, int]:
 
 
 def trim_stream(
-    client: Any, prefix: str, job: str, now: float, stale_s: float, ranks: set[int] | None = None
+    client: RedisClient, prefix: str, job: str, now: float, stale_s: float, ranks: set[int] | None = None
 ) -> int:
     """Trim the job's event stream below the oldest position of its fresh readers (XTRIM MINID;
     idempotent). A reader not heard of for `stale_s` no longer counts (and is forgotten); with no
@@ -756,7 +764,7 @@ return {trimmed, copied, done and 1 or 0}
 """
 
 
-def trim_keeping(client: Any, prefix: str, job: str, minid: str) -> int:
+def trim_keeping(client: RedisClient, prefix: str, job: str, minid: str) -> int:
     """`XTRIM <stream> MINID <minid>`, moving the entries of `KEPT_TYPES` below it to the job's
     kept stream first, a page at a time (each page one script: atomic, idempotent). Returns the
     entries removed from the stream."""
@@ -774,7 +782,7 @@ def trim_keeping(client: Any, prefix: str, job: str, minid: str) -> int:
             return total
 
 
-def ensure_epoch(client: Any, prefix: str, candidate: str) -> str:
+def ensure_epoch(client: RedisClient, prefix: str, candidate: str) -> str:
     """This Redis's epoch marker: `candidate` if none was set, else the one there."""
     client.set(keys.epoch_key(prefix), candidate, nx=True)
     return client.get(keys.epoch_key(prefix)) or candidate
@@ -809,7 +817,7 @@ def note_field(reason: str, about: str = "") -> str:
     return f"{NOTE}{reason}:{about}" if about else f"{NOTE}{reason}"
 
 
-def note(client: Any, prefix: str, job: str, reason: str, about: str, text: str) -> None:
+def note(client: RedisClient, prefix: str, job: str, reason: str, about: str, text: str) -> None:
     """Say something about a job where its readers look (the API's warnings): a field of its
     figures hash, JSON of the text and when it was said (one per reason and other party)."""
     value = json.dumps({"text": text, "ts": round(time.time(), 3)}, separators=(",", ":"))

@@ -29,6 +29,7 @@ from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.events import bounded_number
 from costexporter.core.model import CATEGORIES, JOB_CATEGORY_NAMES, VALID_NAMES, WASTED_NAMES
 from costexporter.store import keys, ledger, protocol, untrusted
+from costexporter.store.client import Pipeline, RedisClient
 from costexporter.store.jobindex import JobIndex
 
 # The category sets by name (`core/model.py`'s), as the API's readers use them.
@@ -460,7 +461,7 @@ def _records_or_zeros(raw: list[str]) -> np.ndarray | None:
     return m
 
 
-def _run(pipe: Any) -> list[Any]:
+def _run(pipe: Pipeline) -> list[Any]:
     """Execute a pipeline; a command that failed on the stored data (a key of the wrong type, a
     script error) gives None instead of failing every other result. Outages still raise."""
     return [None if isinstance(x, redis.ResponseError) else x for x in pipe.execute(raise_on_error=False)]
@@ -479,7 +480,9 @@ class LedgerStore:
     """The API's reads. `use_rollups` False: window amounts always summed from the buckets (the
     exact path the rollups are tested against)."""
 
-    def __init__(self, client: Any, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True) -> None:
+    def __init__(
+        self, client: RedisClient, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True
+    ) -> None:
         from costexporter.store import redisconn
 
         self.r = client
@@ -607,7 +610,7 @@ class LedgerStore:
         score, *raw = _run(pipe)
         return _info(job, raw, warn) if self._exists(job, score) else None
 
-    def _queue_info(self, pipe: Any, j: str) -> None:
+    def _queue_info(self, pipe: Pipeline, j: str) -> None:
         """The 4 reads `_info` parses."""
         pipe.hgetall(keys.meta_key(self.prefix, j))
         pipe.hgetall(keys.figures_key(self.prefix, j))
@@ -797,12 +800,12 @@ class LedgerStore:
         versions = [amounts[j].price_versions for j in jobs]
         return WindowTable(jobs, net, versions, _steps(jobs, raw[len(jobs) :], warn))
 
-    def _queue_amounts(self, pipe: Any, jobs: list[str], start: int, end: int) -> None:
+    def _queue_amounts(self, pipe: Pipeline, jobs: list[str], start: int, end: int) -> None:
         parts = decompose(start, end)
         for j in jobs:
             self._sum(keys=[keys.bucket_key(self.prefix, j, res, b) for res, b in parts], client=pipe)
 
-    def _queue_steps(self, pipe: Any, jobs: list[str], start: float, end: float) -> None:
+    def _queue_steps(self, pipe: Pipeline, jobs: list[str], start: float, end: float) -> None:
         for j in jobs:
             self._steps(
                 keys=[keys.steps_key(self.prefix, j), keys.voids_key(self.prefix, j)],

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costexporter.store import keys, redisconn
+from costexporter.store.client import Pipeline, RedisClient
 
 log = logging.getLogger("costexporter.migrate")
 
@@ -156,7 +157,7 @@ def new_name(prefix: str, key: str) -> tuple[str, str] | None:
     return None
 
 
-def legacy_keys(client: Any, prefix: str) -> list[tuple[str, str, str]]:
+def legacy_keys(client: RedisClient, prefix: str) -> list[tuple[str, str, str]]:
     """Every key of the legacy layout under `prefix`: (legacy, new, kind), found by one SCAN."""
     out = []
     for k in client.scan_iter(match=escape(prefix) + ":*", count=1000):
@@ -173,7 +174,7 @@ def old_agents(found: list[tuple[str, str, str]], prefix: str) -> list[str]:
     return sorted(k[len(head) :] for k, _new, _kind in found if k.startswith(head))
 
 
-def migrate(client: Any, prefix: str, *, force: bool = False, dry_run: bool = False) -> Report:
+def migrate(client: RedisClient, prefix: str, *, force: bool = False, dry_run: bool = False) -> Report:
     """Move every legacy key under `prefix` (see the module's docstring). OldAgentsRunning while
     an agent of the legacy layout still runs, unless `force`."""
     from costexporter.store import ledger
@@ -200,7 +201,7 @@ def migrate(client: Any, prefix: str, *, force: bool = False, dry_run: bool = Fa
     return report
 
 
-def forward(client: Any, prefix: str) -> Report:
+def forward(client: RedisClient, prefix: str) -> Report:
     """Move what trainers of the legacy layout wrote since the last call: the jobs in the legacy
     jobs index (their events, registrations and meta), the index and the counter. Two reads
     when there is none; no SCAN."""
@@ -224,7 +225,7 @@ def forward(client: Any, prefix: str) -> Report:
     return report
 
 
-def move(client: Any, old: str, new: str, kind: str, report: Report) -> None:
+def move(client: RedisClient, old: str, new: str, kind: str, report: Report) -> None:
     """Move one key: rename it when `new` is free, else resolve the collision by `kind`; a key
     no agent reads now is deleted."""
     import redis
@@ -235,7 +236,8 @@ def move(client: Any, old: str, new: str, kind: str, report: Report) -> None:
         return
 
     try:
-        if redisconn.is_cluster(client) and client.keyslot(old) != client.keyslot(new):
+        cluster: Any = client  # (keyslot: the cluster client's alone)
+        if redisconn.is_cluster(client) and cluster.keyslot(old) != cluster.keyslot(new):
             raise RedisClusterException("CROSSSLOT")  # the cluster client would refuse it itself
         renamed = client.renamenx(old, new)
     except (redis.ResponseError, RedisClusterException) as e:
@@ -253,7 +255,7 @@ def move(client: Any, old: str, new: str, kind: str, report: Report) -> None:
     _collide(client, old, new, kind, report)
 
 
-def _copy_across_slots(client: Any, old: str, new: str) -> bool | None:
+def _copy_across_slots(client: RedisClient, old: str, new: str) -> bool | None:
     """RENAMENX where the two names hash to different slots (a cluster's keys across jobs):
     DUMP, RESTORE with its TTL, then DEL. None when the key is gone; False when `new` exists."""
     import redis
@@ -274,7 +276,7 @@ def _copy_across_slots(client: Any, old: str, new: str) -> bool | None:
     return True
 
 
-def _collide(client: Any, old: str, new: str, kind: str, report: Report) -> None:
+def _collide(client: RedisClient, old: str, new: str, kind: str, report: Report) -> None:
     """Both names exist: merge, drop the legacy copy, or leave it as a conflict."""
     if kind == EVENTS:
         script = redisconn.script(client, _MOVE_EVENTS)
@@ -300,12 +302,12 @@ def _collide(client: Any, old: str, new: str, kind: str, report: Report) -> None
         report.conflicts.append((old, new))
 
 
-def _merge_hash(client: Any, old: str, new: str, pick: Callable[[str, str], bool] | None) -> None:
+def _merge_hash(client: RedisClient, old: str, new: str, pick: Callable[[str, str], bool] | None) -> None:
     """Fill `new`'s hash from `old`'s and delete `old`, in one transaction on the job's slot
     (WATCH: a trainer writing `old` meanwhile makes it run again). `pick(old value, new value)`
     says whether the old value replaces a new one; without it the new one stays."""
 
-    def run(pipe: Any) -> None:
+    def run(pipe: Pipeline) -> None:
         theirs = pipe.hgetall(old)
         ours = pipe.hgetall(new)
         take = {f: v for f, v in theirs.items() if f not in ours or (pick is not None and pick(v, ours[f]))}
@@ -317,7 +319,7 @@ def _merge_hash(client: Any, old: str, new: str, pick: Callable[[str, str], bool
     client.transaction(run, old, new)
 
 
-def _merge_then_delete(client: Any, old: str, merge: Callable[[Any], Any], *, zset: bool) -> None:
+def _merge_then_delete(client: RedisClient, old: str, merge: Callable[[Any], Any], *, zset: bool) -> None:
     """Merge `old` into a key of another slot (the jobs index, the counter), then delete it
     unless it changed meanwhile (then merge again)."""
     for _ in range(100):
@@ -373,7 +375,7 @@ def legacy_markers(prefix: str) -> list[str]:
     return [keys.legacy_key(prefix, n) for n in ("jobs", "epoch", "registrations")]
 
 
-def forward_quietly(client: Any, prefix: str) -> bool:
+def forward_quietly(client: RedisClient, prefix: str) -> bool:
     """`forward`, logging what it moved; False when this user may not read the legacy names
     (the caller stops asking)."""
     import redis

@@ -17,13 +17,14 @@ import numpy as np
 from costexporter.core.events import STEPS_TYPE, pack_steps
 from costexporter.core.timeutil import to_ms
 from costexporter.store import untrusted
+from costexporter.store.client import RedisClient
 
 DEFAULT_PREFIX = "costexporter"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 JOB_RE = re.compile(r"^[A-Za-z0-9._:/@+=-]{1,200}$")
 
 
-def connect(url: str) -> Any:
+def connect(url: str) -> RedisClient:
     """A client for the agent and the watcher: short timeouts and no retries, so an outage shows
     at once as an error the caller counts, instead of a round that hangs. A Redis Cluster URL
     (`redis+cluster://host:port`) gives a cluster client (redisconn)."""

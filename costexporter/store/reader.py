@@ -26,6 +26,7 @@ from costexporter.core.events import (
 )
 from costexporter.core.model import Event
 from costexporter.store import keys, protocol, redisconn, untrusted
+from costexporter.store.client import RedisClient
 
 MAX_GAP = 100_000  # a jump larger than this is not remembered seq by seq
 
@@ -92,7 +93,7 @@ class EventReader:
 
     def __init__(
         self,
-        client: Any,
+        client: RedisClient,
         job: str,
         prefix: str = protocol.DEFAULT_PREFIX,
         cursor: str = "0-0",
@@ -286,7 +287,9 @@ def _per_round(readers: int, count: int) -> int:
     return max(100, min(count, 50_000 // readers))
 
 
-def read_ahead(client: Any, readers: list[EventReader], count: int = 10_000) -> redisconn.SentXread | None:
+def read_ahead(
+    client: RedisClient, readers: list[EventReader], count: int = 10_000
+) -> redisconn.SentXread | None:
     """The first XREAD of `read_all_many(client, readers, count)` sent now, for `read_all_many`'s
     `first`; None where it cannot be (a cluster, no reader). A reader's cursor moves only when
     its entries are consumed: a reply cancelled unread loses nothing."""
@@ -297,7 +300,7 @@ def read_ahead(client: Any, readers: list[EventReader], count: int = 10_000) -> 
 
 
 def read_all_many(
-    client: Any,
+    client: RedisClient,
     readers: list[EventReader],
     count: int = 10_000,
     on_wrong_type: Callable[[str], None] | None = None,
@@ -356,7 +359,7 @@ def read_all_many(
     return out
 
 
-def _types(client: Any, keys: list[str]) -> list[str]:
+def _types(client: RedisClient, keys: list[str]) -> list[str]:
     """Each key's type (one pipeline)."""
     pipe = client.pipeline(transaction=False)
     for k in keys:

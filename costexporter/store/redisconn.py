@@ -19,8 +19,10 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from costexporter.store.client import RedisClient
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _TRUE = {"1", "true", "yes", "on"}
@@ -70,10 +72,10 @@ def _cluster_parts(url: str) -> tuple[str, list[tuple[str, int]]]:
     return urlunsplit((scheme, netloc, "", urlencode(query), "")), seeds
 
 
-def from_url(url: str, **kwargs: Any) -> Any:
+def from_url(url: str, **kwargs: Any) -> RedisClient:
     """A redis-py client for `url`: `redis.Redis` for one Redis, a `redis.RedisCluster` (behind
-    `LazyCluster`) for a cluster URL (typed Any: callers use the commands both share, which
-    redis-py types differently for the two). `kwargs` (timeouts, `retry`, `decode_responses`) go to
+    `LazyCluster`) for a cluster URL, typed as the commands both share (`client.RedisClient`: redis-py
+    types the two differently). `kwargs` (timeouts, `retry`, `decode_responses`) go to
     either, so each caller keeps its own timeouts; `retry` of a cluster client governs its outage
     retries (it follows MOVED/ASK redirects in any case)."""
     import redis
@@ -83,7 +85,8 @@ def from_url(url: str, **kwargs: Any) -> Any:
         # read of the key raise: it decodes with U+FFFD and the reader refuses it, counted.
         kwargs.setdefault("encoding_errors", "replace")
     if not is_cluster_url(url):
-        return redis.Redis.from_url(url, **kwargs)
+        single: Any = redis.Redis.from_url(url, **kwargs)  # (its replies typed Awaitable | Any)
+        return cast(RedisClient, single)
     if _version(redis.__version__) < MIN_CLUSTER_REDIS_PY:
         raise ValueError(
             f"a Redis Cluster needs redis-py >= 6.1 (transactions on a cluster), not "
@@ -97,7 +100,7 @@ def from_url(url: str, **kwargs: Any) -> Any:
     def make() -> Any:
         return RedisCluster(url=base, startup_nodes=[node(h, p) for h, p in seeds[1:]] or None, **kwargs)
 
-    return LazyCluster(make)
+    return cast(RedisClient, LazyCluster(make))
 
 
 def _unreachable_class() -> type[Exception]:
@@ -156,7 +159,8 @@ def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def _guard(client: Any) -> Any:
     """Make the client's topology refresh (run after a node fails, also inside pipelines, which
-    share its nodes manager) raise ClusterUnreachable when no node answers."""
+    share its nodes manager) raise ClusterUnreachable when no node answers. (`client`: a
+    RedisCluster, whose nodes manager redis-py leaves untyped.)"""
     nm = client.nodes_manager
     init = nm.initialize
 
@@ -188,7 +192,7 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, transient) or str(exc).split(" ", 1)[0] in _RETRYABLE_CODES
 
 
-def is_cluster(client: Any) -> bool:
+def is_cluster(client: RedisClient) -> bool:
     """Whether `client` talks to a Redis Cluster."""
     if isinstance(client, LazyCluster):
         return True
@@ -197,7 +201,7 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, (RedisCluster, ClusterPipeline))
 
 
-def script(client: Any, text: str) -> Callable[..., Any]:
+def script(client: RedisClient, text: str) -> Callable[..., Any]:
     """`client.register_script(text)`, usable on a cluster's pipelines too.
 
     redis-py's Script loads itself only into a single Redis's pipelines; on a cluster pipeline it
@@ -207,7 +211,7 @@ def script(client: Any, text: str) -> Callable[..., Any]:
         registered: Callable[..., Any] = client.register_script(text)
         return registered
 
-    def run(keys: Iterable[str] = (), args: Iterable[Any] = (), client: Any = client) -> Any:
+    def run(keys: Iterable[str] = (), args: Iterable[Any] = (), client: RedisClient = client) -> Any:
         keys, args = list(keys), list(args)
         # execute_command: ClusterPipeline has no eval(); the keys still pick the slot's node.
         return client.execute_command("EVAL", text, len(keys), *keys, *args)
@@ -215,10 +219,11 @@ def script(client: Any, text: str) -> Callable[..., Any]:
     return run
 
 
-def mget(client: Any, keys: list[str]) -> list[Any]:
+def mget(client: RedisClient, keys: list[str]) -> list[Any]:
     """MGET of keys in any slots: one MGET on a single Redis; on a cluster, one per slot
     (redis-py's `mget_nonatomic`), as a cluster refuses a multi-key command across slots."""
-    got: list[Any] = client.mget_nonatomic(keys) if is_cluster(client) else client.mget(keys)
+    cluster: Any = client  # (mget_nonatomic: the cluster client's alone)
+    got: list[Any] = cluster.mget_nonatomic(keys) if is_cluster(client) else client.mget(keys)
     return got
 
 
@@ -248,8 +253,8 @@ class SentXread:
     `cancel()` once: the connection goes back to the pool then (closed by `cancel`, or after
     a failure: an unread reply would answer its next command)."""
 
-    def __init__(self, client: Any, streams: dict[str, str], count: int) -> None:
-        self._pool = client.connection_pool
+    def __init__(self, client: RedisClient, streams: dict[str, str], count: int) -> None:
+        self._pool: Any = getattr(client, "connection_pool")  # noqa: B009 - a single Redis's (untyped here)
         self._conn: Any = self._pool.get_connection()
         try:
             self._conn.send_command("XREAD", "COUNT", count, "STREAMS", *streams, *streams.values())
@@ -282,7 +287,7 @@ class SentXread:
 
 
 def xread_flat(
-    client: Any, streams: dict[str, str], count: int, block: int | None = None
+    client: RedisClient, streams: dict[str, str], count: int, block: int | None = None
 ) -> list[tuple[Any, list[Any]]]:
     """XREAD of many streams as [(stream, [(id, fields), ...])]. On a single Redis each entry's
     fields are the flat [field, value, ...] list the server sent: redis-py's reply callback
@@ -295,7 +300,8 @@ def xread_flat(
 
     raw: Any = _FLAT_XREAD.get(client)
     if raw is None:
-        raw = redis.Redis(connection_pool=client.connection_pool)  # never closes the pool
+        pool: Any = getattr(client, "connection_pool")  # noqa: B009 - a single Redis's
+        raw = redis.Redis(connection_pool=pool)  # never closes the pool
         raw.set_response_callback("XREAD", stream_replies)
         _FLAT_XREAD[client] = raw
     got: list[tuple[Any, list[Any]]] = raw.xread(streams, count=count, block=block)

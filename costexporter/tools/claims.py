@@ -15,9 +15,9 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from costexporter.store import keys, ledger, protocol
+from costexporter.store.client import RedisClient
 from costexporter.trainer.transport import send_entries
 
 
@@ -28,7 +28,7 @@ class Closed:
     entry: dict[str, str]
 
 
-def close_run(client: Any, prefix: str, job: str, at: float | None, reason: str, who: str) -> Closed:
+def close_run(client: RedisClient, prefix: str, job: str, at: float | None, reason: str, who: str) -> Closed:
     """Post the job's run end at `at` (default now) for the operator `who`; ValueError when the
     job is unknown (no registration, no jobs-index entry) or the name is not a job's."""
     protocol.check_job(job)

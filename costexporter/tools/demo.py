@@ -50,6 +50,7 @@ from costexporter.services.watcher import WatchConfig, Watcher
 from costexporter.sources.sim import WATCH_LAG_WALL_S, SimSource
 from costexporter.sources.synth import TraceBuilder
 from costexporter.store import keys, ledger, protocol, redisconn
+from costexporter.store.client import RedisClient
 from costexporter.trainer.spool import destination
 
 
@@ -486,7 +487,7 @@ def _glob(prefix: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + ":*"
 
 
-def claim_prefix(client: Any, prefix: str, run_id: str) -> bool:
+def claim_prefix(client: RedisClient, prefix: str, run_id: str) -> bool:
     """Make `prefix` the demo's for this run, before anything is posted. A prefix another demo
     plays on now (its lease) or one holding data the demo did not write (no demo marker: a real
     deployment's ledger, say) is refused with PrefixBusy; an earlier demo's data is cleared, so

@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import Event
 from costexporter.store import keys, protocol, redisconn
+from costexporter.store.client import RedisClient
 from costexporter.store.reader import EventReader
 
 
@@ -54,7 +54,7 @@ def entry_of(ev: Event) -> dict[str, str]:
 
 
 def export_lines(
-    client: Any, job: str, prefix: str, since: float | None = None
+    client: RedisClient, job: str, prefix: str, since: float | None = None
 ) -> tuple[Iterator[str], Counter[str]]:
     """JSONL lines of the job's events in stream order, and the reader's counts (filled as the
     lines are consumed). The entries the agents moved out of the stream when they trimmed it
@@ -94,7 +94,7 @@ class ImportResult:
 
 
 def import_file(
-    client: Any, path: Path, prefix: str, diag: Diagnostics, job: str | None = None
+    client: RedisClient, path: Path, prefix: str, diag: Diagnostics, job: str | None = None
 ) -> ImportResult:
     """Post a JSONL file's events to Redis (bad lines are counted in `diag` and skipped).
 

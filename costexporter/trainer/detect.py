@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from costexporter.store import keys, protocol
+from costexporter.store.client import RedisClient
 
 log = logging.getLogger("costexporter.client")
 
@@ -170,7 +171,7 @@ def tell_gpu(rank: int, host: str, index: int, guess: GpuGuess) -> None:
 
 
 def say_shared_gpu(
-    client: Any, prefix: str, job: str, rank: int, host: str, gpu_uuid: str | None, gpu_index: int
+    client: RedisClient, prefix: str, job: str, rank: int, host: str, gpu_uuid: str | None, gpu_index: int
 ) -> bool:
     """Say (and return True) when another rank of the job on this host names the same GPU
     (ranks without a local rank in their environment all take GPU 0). A read the ACL or Redis

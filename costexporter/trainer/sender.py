@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from costexporter.core.events import MAX_BATCH_STEPS
 from costexporter.store import redisconn
+from costexporter.store.client import RedisClient
 from costexporter.trainer.spooler import Spooler
 from costexporter.trainer.transport import Encoder, Event, NotNow, Wire, send_entries, weight
 
@@ -48,7 +48,7 @@ class Sender:
     def __init__(
         self,
         wire: Wire,
-        client: Any,
+        client: RedisClient,
         redis_errors: tuple[type[Exception], ...],
         pacing: Pacing,
         *,

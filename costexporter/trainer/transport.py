@@ -16,6 +16,7 @@ import numpy as np
 
 from costexporter.core.events import BASE_FIELDS, MAX_BATCH_STEPS, STEPS_TYPE, unpack_steps
 from costexporter.store import keys, protocol
+from costexporter.store.client import RedisClient
 
 # A queued event: (type, ts, seq, fields), a step (type, ts, seq, step, tokens; -1: no tokens): no
 # dict built on the trainer's thread. Encoded on the sender's.
@@ -168,7 +169,7 @@ class Delivery:
 
 
 def send_entries(
-    client: Any,
+    client: RedisClient,
     prefix: str,
     job: str,
     entries: list[dict[str, str]],
