@@ -73,7 +73,7 @@ def _agent_process(prefix: str, seconds: float, url: str, out) -> None:
         return rounds[0] >= WARM_ROUNDS
 
     agent.run(until=warm)
-    r0, reads0 = agent.stats["rounds"], agent.sampler.reads
+    r0, reads0 = agent.booker.stats["rounds"], agent.sampler.reads
     t0, c0 = time.monotonic(), time.process_time()
 
     def steady() -> bool:
@@ -86,7 +86,7 @@ def _agent_process(prefix: str, seconds: float, url: str, out) -> None:
         {
             "wall_s": wall,
             "cpu_s": cpu,
-            "rounds": agent.stats["rounds"] - r0,
+            "rounds": agent.booker.stats["rounds"] - r0,
             "reads": agent.sampler.reads - reads0,
         }
     )
@@ -187,7 +187,7 @@ def render(url: str, n_jobs: int = 10, iterations: int = 300) -> dict[str, list[
     times: dict[str, list[float]] = {k: [] for k in writers}
     for _ in range(iterations):
         for k, w in writers.items():
-            agent.stats["rounds"] += 1  # as if a round had just booked: the job families are rebuilt
+            agent.booker.stats["rounds"] += 1  # as if a round had just booked: the job families are rebuilt
             t = time.perf_counter()
             w(reg)
             times[k].append((time.perf_counter() - t) * 1000)

@@ -191,11 +191,11 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the allocator keeps after the catch-up's peak
-    rss_trimmed, state_kb = _rss_mb(), agent._state_bytes(j) / 1024
-    rebuilds = agent.stats["timeline_rebuilds"]
-    booked_rounds = agent.stats["rounds"]
+    rss_trimmed, state_kb = _rss_mb(), j.state_bytes() / 1024
+    rebuilds = agent.folds.stats["timeline_rebuilds"]
+    booked_rounds = agent.booker.stats["rounds"]
     mem0 = _job_bytes(client, prefix, job)
-    trimmed0 = agent.stats["stream_entries_trimmed"]
+    trimmed0 = agent.folds.stats["stream_entries_trimmed"]
     # Killed; BACKLOG s of events arrive; a new agent resumes from the stored fold.
     del agent, j
     a = n_steps + 5 * ROUNDS + 1
@@ -233,10 +233,10 @@ def _one(n_steps: int, url: str, seqs: dict[int, int], out) -> None:
             "restart_s": restart_cpu,
             "restart_wall_s": restart_wall,
             "restart_rounds": restart_rounds,
-            "restored": agent.stats["fold_restores"],
-            "restart_rebuilds": agent.stats["timeline_rebuilds"],
+            "restored": agent.folds.stats["fold_restores"],
+            "restart_rebuilds": agent.folds.stats["timeline_rebuilds"],
             "accepted_after_restart": j.reader.stats["accepted"],
-            "trimmed": trimmed0 + agent.stats["stream_entries_trimmed"],
+            "trimmed": trimmed0 + agent.folds.stats["stream_entries_trimmed"],
             "stream_len": client.xlen(keys.stream_key(prefix, job)),
             "samples_len": client.xlen(keys.samples_key(prefix, job, agent.host)),
             "mem_kb": {k: v / 1024 for k, v in mem1.items()},

@@ -261,7 +261,7 @@ def _one(width: int, url: str, seqs: dict[int, int], out, heartbeat_s: float = H
             "rss_mb": _rss_mb(),
             "rss_start_mb": rss0,
             "window": j.remote.size,
-            "booked_rounds": agent.stats["rounds"],
+            "booked_rounds": agent.booker.stats["rounds"],
             "cmds": cmds[len(cmds) // 2],
             "redis_ms": statistics.median(redis_s) * 1000,
             "busiest_ms": statistics.median(busiest_s) * 1000,

@@ -452,7 +452,7 @@ def test_sim_source_trainer_posts_through_the_reporter_and_the_agent_books_it(sh
 
 
 def test_an_unexpected_error_in_a_round_is_counted_and_the_agent_goes_on(shared, prefix, monkeypatch, caplog):
-    import costexporter.services.agent as agent_mod
+    import costexporter.services.agent_book as agent_mod
 
     from .agent_rounds import replay_agent, tick
 
@@ -520,7 +520,7 @@ def test_serve_ignores_a_meta_price_once_per_job_unless_a_rule_grants_it(
     )
     for _ in range(6):
         tick(agent, now, 50)
-    assert agent.stats["rounds"] >= 3  # several rounds booked the job: the note is still said once
+    assert agent.booker.stats["rounds"] >= 3  # several rounds booked the job: the note is still said once
     note = f"job {job}: its meta sets price_per_gpu_hour, which only the operator sets"
     assert caplog.text.count("grant_meta: [price_per_gpu_hour]") == (1 if says else 0), caplog.text
     assert (note in caplog.text) == says
@@ -545,7 +545,7 @@ def test_every_counter_of_a_job_is_exported_at_zero_from_its_first_round(shared,
     post_events(shared, prefix, b)
     agent, now = replay_agent(b, prefix=prefix, agent_id="fresh", job_refresh_s=0)
     tick(agent, now, 30)
-    assert agent.stats["rounds"] == 1
+    assert agent.booker.stats["rounds"] == 1
     families = {
         f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples}
         for f in text_string_to_metric_families(generate_latest(registry_for(agent)).decode())
@@ -582,7 +582,7 @@ def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_befor
         tick(agent, now, seconds)
 
     play(60)
-    regs = {0: agent._newest[0] + just_after_ms, 1: agent._newest[1] + far_ahead_s * 1000}
+    regs = {0: agent.samples.newest[0] + just_after_ms, 1: agent.samples.newest[1] + far_ahead_s * 1000}
     send_entries(
         shared,
         prefix,
@@ -607,12 +607,12 @@ def test_a_register_newer_than_the_last_sample_bills_from_its_own_time_not_befor
         ],
     )
     play(1)  # one more sample, still before both registers: the agent books the job now
-    assert agent._newest[1] < regs[1] - 10_000
+    assert agent.samples.newest[1] < regs[1] - 10_000
     for _ in range(4):
         play(20)
     starts = agent.jobs[job].state.starts
     assert starts[0] == regs[0]  # not the sample before it
-    assert starts[1] < regs[1] and starts[1] <= agent._newest[1]  # the clock ahead is bounded
+    assert starts[1] < regs[1] and starts[1] <= agent.samples.newest[1]  # the clock ahead is bounded
     wm = ledger.load_watermark(shared, prefix, job, agent.cfg.agent_id)["booked_until"]
     total = sum(ledger.net_ms(ledger.read_amounts(shared, prefix, job)).values())
     assert total == sum(wm - s for s in starts.values())
@@ -634,8 +634,8 @@ def test_samples_held_while_redis_is_unreachable_are_bounded_and_the_overflow_co
         fed += [round(r.ts * 1000) for r in readings]
         agent.sampler._buf.extend(readings)
         agent.tick()
-    held = np.sort(agent._local_arrays()[1])
+    held = np.sort(agent.samples.arrays()[1])
     assert len(fed) > 50 and agent.sampler.dropped == 0
     assert held.tolist() == sorted(fed)[-50:]  # the newest 50
-    assert agent.stats["samples_dropped"] == len(fed) - 50
+    assert agent.samples.stats["samples_dropped"] == len(fed) - 50
     assert agent.stats["redis_errors"] == 10 and not agent.redis_up

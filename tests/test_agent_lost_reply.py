@@ -51,7 +51,7 @@ def test_a_lost_exec_reply_is_not_called_a_twin_and_books_nothing_twice(shared, 
     caplog.set_level(logging.INFO, logger="costexporter.agent")
     agent, booked, commits = _run(shared, prefix, 2, monkeypatch)
     assert commits >= 3  # the lost reply, and rounds after it
-    assert agent.stats["conflicts"] == 0, agent.stats
+    assert agent.guard.stats["conflicts"] == 0, agent.stats
     assert "same agent id" not in caplog.text, caplog.text
     # an unfaulted agent, under the test's prefix (its keys are removed with it)
     _, clean, _ = _run(shared, prefix + ":clean", None, monkeypatch)

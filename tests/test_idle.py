@@ -154,8 +154,8 @@ def test_the_agent_keeps_each_gpus_idle_in_redis_by_uuid_and_a_new_agent_starts_
     fake.set(0, power_mw=692_000, util=100)
     b = Agent(NvmlSource(host="n"), cfg)
     b.tick()
-    assert b._idle_level([0]) == pytest.approx(123.7)
-    assert b._gpu_profile(0).idle_max_w == pytest.approx(142.3)
+    assert b.node.idle_level([0]) == pytest.approx(123.7)
+    assert b.node.profile(0).idle_max_w == pytest.approx(142.3)
     # Learning can be turned off (a replayed trace's default: its bill must equal the offline replay's).
     assert Agent(NvmlSource(host="n"), AgentConfig(prefix=prefix, learn_idle=False)).idle is None
 
@@ -171,5 +171,5 @@ def test_junk_in_the_stored_level_is_counted_not_raised(shared, prefix, monkeypa
     shared.set(keys.gpu_idle_key(prefix, uuid), "not json")
     a = Agent(NvmlSource(host="n"), AgentConfig(prefix=prefix, agent_id="n"))
     a.tick()
-    assert a.stats["bad_idle_entries"] == 1 and a.stats["round_errors"] == 0
-    assert profiles.select("NVIDIA H200").idle_max_w == a._gpu_profile(0).idle_max_w
+    assert a.node.stats["bad_idle_entries"] == 1 and a.stats["round_errors"] == 0
+    assert profiles.select("NVIDIA H200").idle_max_w == a.node.profile(0).idle_max_w

@@ -27,19 +27,24 @@ from .conftest import SHARED_URL, drop_prefix
 from .test_agent import event_entry
 
 
-class RebuildingAgent(Agent):
+def RebuildingAgent(source, cfg) -> Agent:
     """The agent before the fold: every round builds the timeline from every event and holds the
-    whole rollback index."""
+    whole rollback index (its folds part given those two ways)."""
+    agent = Agent(source, cfg)
 
-    def _fetch_index(self, job, tl):
-        rb = self.redis.hgetall(keys.rbidx_key(self.cfg.prefix, job.name, self.cfg.agent_id))
+    def fetch_index(job, tl):
+        rb = agent.redis.hgetall(keys.rbidx_key(cfg.prefix, job.name, cfg.agent_id))
         job.state.rb_index = {int(k): json.loads(v) for k, v in rb.items()}
 
-    def _timeline(self, job, terms, now_ms, final=False):
-        reader = EventReader(self.redis, job.name, prefix=self.cfg.prefix)
+    def timeline(job, terms, now_ms, final=False):
+        reader = EventReader(agent.redis, job.name, prefix=cfg.prefix)
         events = [e for e in reader.read_until(job.reader.cursor) if walk_relevant(e)]
         job.fresh = []
         return build_timeline(dated_until(events, now_ms), terms.booking, terms.start_ms, now_ms, final=final)
+
+    agent.folds.fetch_index = fetch_index  # type: ignore[method-assign]
+    agent.folds.timeline = timeline  # type: ignore[method-assign]
+    return agent
 
 
 def trace() -> TraceBuilder:
@@ -161,7 +166,7 @@ def test_folding_agent_books_every_key_as_the_rebuilding_one(prefix):
         assert got == want
         total = ledger.read_amounts(client, prefix, b.job)
         assert total.get("rolled_back:ms", 0) > 0 and total.get("stalled:ms", 0) + total.get("idle:ms", 0) > 0
-        assert folded.stats["timeline_rebuilds"] == 1  # the late phase begin, once
+        assert folded.folds.stats["timeline_rebuilds"] == 1  # the late phase begin, once
         job = folded.jobs[b.job]
         assert job.fold is not None and job.fold.folded > 0
         assert len(job.fold.w.steps) < 60  # the recent records only, not the 150 steps of history
@@ -193,13 +198,13 @@ def test_a_restarted_agent_resumes_from_its_stored_fold_and_books_as_one_that_ne
     try:
         assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
         every = [*agent.restarted, agent]
-        assert [a.stats["fold_restores"] for a in every] == [0, 1, 1, 1]
-        assert sum(a.stats["fold_restore_failures"] for a in every) == 0
+        assert [a.folds.stats["fold_restores"] for a in every] == [0, 1, 1, 1]
+        assert sum(a.folds.stats["fold_restore_failures"] for a in every) == 0
         total = _stream_len(client, prefix + "-ref", b.job)
         for a in every[1:]:  # each restart read the backlog, not the job's history
             assert a.jobs[b.job].reader.stats["accepted"] < total / 2
-        assert sum(a.stats["timeline_rebuilds_from_store"] for a in every) == 1
-        assert sum(a.stats["stream_entries_trimmed"] for a in every) > total / 2
+        assert sum(a.folds.stats["timeline_rebuilds_from_store"] for a in every) == 1
+        assert sum(a.folds.stats["stream_entries_trimmed"] for a in every) > total / 2
         assert _stream_len(client, prefix, b.job) < total / 2  # 1-2 x late_keep_s kept
     finally:
         drop_prefix(client, f"{prefix}-ref")
@@ -281,7 +286,7 @@ def test_a_restart_after_the_trainer_registered_again_keeps_the_jobs_start(prefi
     run_agent(RebuildingAgent, prefix + "-ref", b, late, fold_persist_s=None, trim_streams=False, **kw)
     client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
     try:
-        assert agent.stats["fold_restores"] == 1 and agent.stats["timeline_rebuilds"] == 0
+        assert agent.folds.stats["fold_restores"] == 1 and agent.folds.stats["timeline_rebuilds"] == 0
         assert ledger_keys(client, prefix) == ledger_keys(client, prefix + "-ref")
     finally:
         drop_prefix(client, f"{prefix}-ref")
@@ -331,17 +336,21 @@ def test_a_stored_fold_of_another_format_or_corrupted_is_rebuilt_from_the_stream
         for i, junk in enumerate(bad):
             p = f"{prefix}-{i}"
 
-            class Corrupting(Agent):
-                junk_value = junk
+            def Corrupting(source, cfg, junk=junk) -> Agent:
+                agent = Agent(source, cfg)
+                load = agent.folds.load
 
-                def _load(self, job):  # the stored fold is damaged before a restart reads it
-                    k = keys.fold_key(self.cfg.prefix, job.name, self.cfg.agent_id)
+                def damaged(job):  # the stored fold is damaged before a restart reads it
+                    k = keys.fold_key(cfg.prefix, job.name, cfg.agent_id)
                     if client.exists(k):
-                        client.set(k, self.junk_value)
-                    super()._load(job)
+                        client.set(k, junk)
+                    load(job)
+
+                agent.folds.load = damaged  # type: ignore[method-assign]
+                return agent
 
             agent = run_agent(Corrupting, p, b, late, restart_at=(30,), fold_persist_s=0, trim_streams=False)
-            assert agent.stats["fold_restore_failures"] == 1 and agent.stats["fold_restores"] == 0
+            assert agent.folds.stats["fold_restore_failures"] == 1 and agent.folds.stats["fold_restores"] == 0
             assert ledger_keys(client, p) == ledger_keys(client, prefix + "-ref")
             found = list(client.scan_iter(f"{p}:*"))
             client.delete(*found)
@@ -428,7 +437,7 @@ def test_the_rollback_index_keeps_only_what_a_resume_can_reach_and_books_as_the_
     try:
         got = ledger.read_amounts(client, prefix, b.job)
         assert got == ledger.read_amounts(client, prefix + "-all", b.job)
-        assert got.get("rolled_back:ms", 0) > 0 and pruned.stats["unreachable_voids"] == 0
+        assert got.get("rolled_back:ms", 0) > 0 and pruned.booker.stats["unreachable_voids"] == 0
         small, full = _rbidx(client, prefix, b.job), _rbidx(client, prefix + "-all", b.job)
         # The reachable checkpoints when step 90 was booked: 60, 70, 80 (records 59, 69, 79).
         assert min(small) == 59 and min(full) == 0 and len(small) < len(full) / 2
@@ -452,7 +461,7 @@ def test_a_resume_further_back_than_the_index_reaches_is_counted_and_moves_nothi
     try:
         got = ledger.read_amounts(client, prefix, b.job)
         full = ledger.read_amounts(client, prefix + "-all", b.job)
-        assert pruned.stats["unreachable_voids"] > 0
+        assert pruned.booker.stats["unreachable_voids"] > 0
         assert 0 < got.get("rolled_back:ms", 0) < full["rolled_back:ms"]
         assert sum(ledger.net_ms(got).values()) == sum(ledger.net_ms(full).values())  # each GPU-second once
         assert (

@@ -72,7 +72,7 @@ def test_the_export_of_a_trimmed_live_job_has_its_registrations_runs_and_meta_an
     b.meta(team="llm", price_per_gpu_hour=2.0)  # posted after the run: kept too
     late = next(e for e in b.events if e.type == "phase" and e.rank == 1 and e.get("state") == "begin")
     agent = run_agent(Agent, prefix, b, late, fold_persist_s=0, late_keep_s=60)
-    assert agent.stats["stream_entries_trimmed"] > 0
+    assert agent.folds.stats["stream_entries_trimmed"] > 0
     stream = keys.stream_key(prefix, b.job)
     left = {f["type"] for _, f in shared.xrange(stream)}
     assert "register" not in left  # trimmed from the stream ...

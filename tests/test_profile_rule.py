@@ -330,7 +330,7 @@ def test_a_played_back_trace_without_model_or_limit_says_its_profile_is_from_the
     try:
         with caplog.at_level(logging.INFO, logger="costexporter.agent"):
             agent.tick()
-            prof, source = agent._gpu_profile_source(0)
+            prof, source = agent.node.profile_source(0)
     finally:
         agent.shutdown()
     assert (prof.provenance or {}).get("derived_from", source) == "derived_from_trace"

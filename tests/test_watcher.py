@@ -243,7 +243,7 @@ def test_the_agents_live_hash_with_junk_is_read_entry_by_entry(shared, prefix):
     }
     raw = {r: e if isinstance(e, str) else json.dumps(e) for r, e in entries.items()}
     shared.hset(keys.live_key(prefix, "j", "h0"), mapping=raw)
-    w._read_live(v)
+    assert w.read_live([v]) == {}  # the junk is refused entry by entry, not the job
     assert sorted(v.agent_live) == [0, 5] and w.stats["bad_live"] == 3
     assert v.agent_live[5][1].gpu is None and v.agent_live[5][1].uuid is None
     st = decide(v, T0 + 102, CFG)

@@ -98,7 +98,7 @@ def test_a_watcher_poll_by_poll_decides_as_a_fresh_watcher(prefix, shared, monke
         """Reads every event at once; the live snapshots the main watcher has seen so far (the
         two-sample signatures need history a fresh watcher cannot have)."""
 
-        def _read_live_many(self, views):
+        def read_live(self, views):
             for view in views:  # one job at a time, as the watcher read them before batching
                 regs = view.registrations.values()
                 hosts = sorted({str(r.get("host")) for r in regs if r.get("host")})
@@ -214,7 +214,7 @@ def test_a_poll_cut_short_after_sending_the_next_jobs_read_loses_nothing(prefix,
     clock = [t0 + 21]
     cfg = WatchConfig(redis_url=SHARED_URL, prefix=prefix, jobs=tuple(names), clock=lambda: clock[0])
     w = Watcher(cfg)
-    real = Watcher._read_live_many
+    real = Watcher.read_live
     cut = {"left": 1}
 
     def failing(self, views):
@@ -223,7 +223,7 @@ def test_a_poll_cut_short_after_sending_the_next_jobs_read_loses_nothing(prefix,
             raise redis.ConnectionError("connection lost")
         return real(self, views)
 
-    monkeypatch.setattr(Watcher, "_read_live_many", failing)
+    monkeypatch.setattr(Watcher, "read_live", failing)
     pool = w.redis.connection_pool
     w.poll()
     assert not w.redis_up and not pool._in_use_connections

@@ -4,6 +4,7 @@ only for jobs that span more than one host."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import redis
@@ -11,9 +12,10 @@ import redis
 from costexporter.core import samplewin
 from costexporter.core.model import Samples
 from costexporter.services.agent import Agent, AgentConfig
+from costexporter.services.agent_context import AgentContext
 from costexporter.sources.playback import ReplaySource
 from costexporter.sources.synth import TraceBuilder
-from costexporter.store import keys, ledger
+from costexporter.store import keys, ledger, untrusted
 from costexporter.trainer.transport import send_entries
 
 from .agent_rounds import replay_agent, tick
@@ -26,13 +28,13 @@ def _agent(b: TraceBuilder, prefix: str, **kw) -> tuple[Agent, list[float]]:
 
 def _counting(agent: Agent) -> list[int]:
     calls = []
-    real = agent._discover
+    real = agent.discover
 
     def discover() -> None:
         calls.append(1)
         real()
 
-    agent._discover = discover  # type: ignore[method-assign]
+    agent.discover = discover  # type: ignore[method-assign]
     return calls
 
 
@@ -92,7 +94,7 @@ def test_a_job_on_one_host_publishes_no_samples_until_a_rank_registers_elsewhere
         tick(agent, now, 60)
     host = agent.host
     stream = keys.samples_key(prefix, b.job, host)
-    assert agent.stats["rounds"] > 0 and not shared.exists(stream)
+    assert agent.booker.stats["rounds"] > 0 and not shared.exists(stream)
     assert ledger.net_ms(ledger.read_amounts(shared, prefix, b.job))["productive"] > 0
     # A rank of the job registers on another host: its agent needs this host's samples, the
     # whole context this agent still holds, not only those from now on.
@@ -219,7 +221,7 @@ def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix
         ReplaySource(_host_samples(b, "node0"), speed=1.0, clock=lambda: 0.0),
         AgentConfig(prefix=prefix, agent_id="node0", job_refresh_s=3600),
     )
-    agent._discover()
+    agent.discover()
     job = agent.jobs[b.job]
     reads = []
     real = agent.redis.pipeline
@@ -231,7 +233,7 @@ def test_a_first_read_takes_a_peer_stream_back_to_the_window_only(shared, prefix
         return p
 
     agent.redis.pipeline = pipeline  # type: ignore[method-assign]
-    agent._remote_samples(job, int((b.t - 60) * 1000))
+    agent.peers.read(job, int((b.t - 60) * 1000))
     held = job.remote.pending
     ts = np.concatenate([c[1] for c in held])
     assert ts.min() <= (b.t - 60) * 1000 and ts.min() >= (b.t - 120) * 1000  # a minute, and a round
@@ -254,7 +256,6 @@ def test_hosts_sharing_a_sample_stream_are_told_apart_and_each_entry_is_taken_on
     """Hosts share a job's few sample streams: an agent takes only its peers' entries (not its
     own, not a host it does not know yet), reads a host that joins later back to the window,
     and one that leaves and comes back from where it stopped: every sample exactly once."""
-    import collections
 
     from costexporter.services.agent_job import AgentJob
     from costexporter.services.agent_peers import PeerExchange
@@ -278,7 +279,10 @@ def test_hosts_sharing_a_sample_stream_are_told_apart_and_each_entry_is_taken_on
         job.remote.pending = []
         return {int(k): sorted(t[r == k].tolist()) for k in np.unique(r)}
 
-    ex = PeerExchange(shared, prefix, me, collections.Counter(), maxlen=1000, grace_s=60)
+    ctx = AgentContext(
+        shared, AgentConfig(prefix=prefix), me, "test", (OSError,), untrusted.Refusals(logging.getLogger())
+    )
+    ex = PeerExchange(ctx, maxlen=1000, grace_s=60)
     job = AgentJob(name="j", reader=None)  # type: ignore[arg-type]
     job.peers.hosts = {a: [1], b: [2], other: [4]}
     for t in range(0, 100, 5):

@@ -14,10 +14,11 @@ from costexporter.core.figures import at_risk_field, encode_at_risk
 from costexporter.core.live import LedgerDelta
 from costexporter.core.pricing import PriceSchedule, as_schedule
 from costexporter.core.profiles import Profile
+from costexporter.services.agent_context import AgentContext
 from costexporter.services.agent_fold import FoldWrite, JobFolds
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger
-from costexporter.store.client import Pipeline, RedisClient
+from costexporter.store.client import Pipeline
 
 
 def round_figures(
@@ -56,14 +57,12 @@ def round_figures(
 class RoundCommit:
     """Commits a job's round: delta, figures, watermark and fold in one transaction."""
 
-    def __init__(
-        self, redis: RedisClient, prefix: str, agent_id: str, host: str, instance: str, folds: JobFolds
-    ) -> None:
-        self.redis = redis
-        self.prefix = prefix
-        self.agent_id = agent_id
-        self.host = host
-        self.instance = instance  # this process: its watermarks say it wrote them
+    def __init__(self, ctx: AgentContext, folds: JobFolds) -> None:
+        self.redis = ctx.redis
+        self.prefix = ctx.cfg.prefix
+        self.agent_id = ctx.cfg.agent_id
+        self.host = ctx.host
+        self.instance = ctx.instance  # this process: its watermarks say it wrote them
         self.folds = folds
 
     def commit(

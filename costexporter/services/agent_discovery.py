@@ -8,19 +8,18 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from costexporter.core import jobfacts, shares
 from costexporter.core.booking import NEG_INF, POS_INF
 from costexporter.core.model import GpuIndex
-from costexporter.services.agent_fold import JobFolds, LogOnce
+from costexporter.services.agent_context import AgentContext
+from costexporter.services.agent_fold import JobFolds
 from costexporter.services.agent_job import AgentJob, held_until
 from costexporter.services.agent_notes import JobNotes
 from costexporter.services.agent_unassigned import UnassignedBooker
 from costexporter.sources.base import GpuSource
 from costexporter.store import protocol, untrusted
-from costexporter.store.client import RedisClient
 from costexporter.store.jobindex import JobIndex
 from costexporter.store.keys import ranks_key, registrations_key
 from costexporter.store.reader import EventReader
@@ -35,36 +34,38 @@ def _gpu_name(gpus: list[Any], g: int) -> str:
     return f"GPU {gpus[g].index} of {untrusted.short(gpus[g].host)}" if g < len(gpus) else f"GPU #{g}"
 
 
+@dataclasses.dataclass
+class Found:
+    """What a discovery found: the jobs it met for the first time, and those whose keys held
+    the wrong type (set aside by the agent's `KeyGuard`; their claims are looked at again next
+    round)."""
+
+    new: list[str] = dataclasses.field(default_factory=list)
+    wrong_type: dict[str, BaseException] = dataclasses.field(default_factory=dict)
+
+
 class JobDiscovery:
-    """Finds the jobs of this node's GPUs (into the agent's `jobs`), when the trainers'
+    """Finds the jobs of this node's GPUs (its `jobs`, which the agent books), when the trainers'
     registrations counter moves, the node's GPUs change, or `job_refresh_s` has passed."""
 
     def __init__(
         self,
-        redis: RedisClient,
-        prefix: str,
+        ctx: AgentContext,
         source: GpuSource,
-        jobs: dict[str, AgentJob],
         folds: JobFolds,
-        load: Callable[[AgentJob], None],
         unassigned: UnassignedBooker,
-        refusals: untrusted.Refusals,
-        log_once: LogOnce,
-        wrong_type: Callable[[str, BaseException], None],
-        redis_errors: tuple[type[BaseException], ...],
         notes: JobNotes,
     ) -> None:
-        self.redis = redis
-        self.prefix = prefix
+        self.redis = ctx.redis
+        self.prefix = ctx.cfg.prefix
         self.source = source
-        self.jobs = jobs
+        self.jobs: dict[str, AgentJob] = {}  # the jobs of this node's GPUs, by name
         self.folds = folds
-        self._load = load  # a job's watermark and stored fold, read
         self.unassigned = unassigned
-        self.refusals = refusals
-        self._log_once = log_once
-        self._wrong_type = wrong_type
-        self._redis_errors = redis_errors
+        self.refusals = ctx.refusals
+        self._log_once = ctx.said
+        self._redis_errors = ctx.redis_errors
+        self._found = Found()
         self.last_refresh = 0.0
         self._reg_version: str | None = "?"  # the registrations counter at the last discovery
         self._reg_read: str | None = None  # ... and as this round read it
@@ -72,7 +73,7 @@ class JobDiscovery:
         self._gpus_seen: tuple[Any, ...] = ()  # the node's GPUs at the last discovery
         self.rejected: collections.Counter[tuple[str, str]] = collections.Counter()
         # the jobs to look at: the trainers' index, scanned around when it cannot be trusted
-        self.index = JobIndex(redis, prefix, refusals, redis_errors)
+        self.index = JobIndex(ctx.redis, ctx.cfg.prefix, ctx.refusals, ctx.redis_errors)
         self._rejected_seen: set[tuple[str, str, int]] = set()
         # (reason, job, rank, GPU) said already: a rank moved off a UUID holder's GPU, registered
         # again on another GPU, left out of a GPU another rank of its job holds
@@ -138,8 +139,14 @@ class JobDiscovery:
             names.append(name)
         return names
 
-    def discover(self) -> None:
-        """Jobs whose registered GPUs are this node's (by UUID, else host + index)."""
+    def discover(self) -> Found:
+        """Jobs whose registered GPUs are this node's (by UUID, else host + index), into `jobs`;
+        returns what was new, and which jobs' keys held the wrong type."""
+        self._found = Found()
+        self._discover()
+        return self._found
+
+    def _discover(self) -> None:
         self.last_refresh = time.monotonic()
         self._reg_version = "?"  # a discovery cut short by an error is run again next round
         self._gpus_seen = self._gpu_ids()
@@ -168,7 +175,7 @@ class JobDiscovery:
             except self._redis_errors as e:
                 if not untrusted.is_wrong_type(e):
                     raise
-                self._wrong_type(name, e)
+                self._found.wrong_type.setdefault(name, e)
                 retry = True  # its keys set aside: looked at again next round
         # The claims of this node's GPUs, those naming the GPU's UUID first, then by time: which job
         # the index lists first (a trainer's ZADD decides that) never decides who holds a GPU.
@@ -184,7 +191,7 @@ class JobDiscovery:
             except self._redis_errors as e:
                 if not untrusted.is_wrong_type(e):
                     raise
-                self._wrong_type(job.name, e)
+                self._found.wrong_type.setdefault(job.name, e)
                 retry = True
         for job in self.jobs.values():
             hosts: dict[str, list[int]] = {}
@@ -223,10 +230,11 @@ class JobDiscovery:
         for reg, g in regs:
             if job is None:
                 job = self.jobs[name] = AgentJob(name, EventReader(self.redis, name, prefix=self.prefix))
+                self._found.new.append(name)
                 # its stored GPU starts and watermark before any claim or handover uses them (a
                 # restarted agent would otherwise hand a crashed job time its successor booked)
                 try:
-                    self._load(job)
+                    self.folds.load(job)
                 except self._redis_errors:
                     # Its claims are read next round: until then no other job's new claim of
                     # those GPUs is decided (it may date inside this job's run).

@@ -26,14 +26,12 @@ from costexporter.core.live import JobState
 from costexporter.core.model import Event
 from costexporter.core.terms import JobTerms
 from costexporter.core.timeutil import to_ms
-from costexporter.services.agent_config import AgentConfig
+from costexporter.services.agent_context import AgentContext, KeyGuard
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger, untrusted
-from costexporter.store.client import Pipeline, RedisClient
+from costexporter.store.client import Pipeline
 from costexporter.store.keys import fold_key, rbidx_key, readers_key, watermark_key
 from costexporter.store.reader import EventReader
-
-LogOnce = Callable[..., None]  # (key, level, msg, *args): logged once per key
 
 
 @dataclass(frozen=True)
@@ -48,21 +46,13 @@ class FoldWrite:
 class JobFolds:
     """Reads a job's events, keeps its fold, and loads and stores both with its watermark."""
 
-    def __init__(
-        self,
-        redis: RedisClient,
-        cfg: AgentConfig,
-        context_ms: int,
-        stats: collections.Counter[str],
-        log_once: LogOnce,
-        wrong_type: Callable[[str, BaseException], None],
-    ) -> None:
-        self.redis = redis
-        self.cfg = cfg
+    def __init__(self, ctx: AgentContext, context_ms: int, guard: KeyGuard) -> None:
+        self.redis = ctx.redis
+        self.cfg = ctx.cfg
         self.context_ms = context_ms
-        self.stats = stats
-        self._log_once = log_once
-        self._wrong_type = wrong_type
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._log_once = ctx.said
+        self._guard = guard
 
     def _wm_key(self, job: AgentJob) -> str:
         return watermark_key(self.cfg.prefix, job.name, self.cfg.agent_id)
@@ -375,7 +365,7 @@ class JobFolds:
             )
         except redis.RedisError as e:
             if untrusted.is_wrong_type(e):  # a readers hash created as something else
-                self._wrong_type(job.name, e)
+                self._guard.wrong_type(job.name, e, job=job)
             self.stats["trim_errors"] += 1
             return
         if n < 0:  # another agent of the job has not stored its fold yet

@@ -126,6 +126,12 @@ class AgentJob:
     def voided(self) -> np.ndarray:
         return self.state.voided
 
+    def state_bytes(self) -> int:
+        """About what the agent holds for this job's booking: its folded timeline, the events
+        waiting to be folded and the rollback index entries in memory."""
+        n = self.fold.state_bytes() if self.fold is not None else 0
+        return n + 700 * len(self.fresh) + 400 * len(self.state.rb_index) + 16 * len(self.state.rb_applied)
+
     def window_from(self, context_ms: int) -> int:
         """Where the job's band window starts: its state's window, else (before the first booked
         round, a rank registered late, a state stored without one) the whole booking context."""

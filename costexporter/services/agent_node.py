@@ -33,9 +33,9 @@ class LocalSamples:
     """This node's samples, kept until every job (and the unassigned ledger) has booked them;
     bounded, the overflow counted."""
 
-    def __init__(self, max_buffered: int, stats: collections.Counter[str]) -> None:
+    def __init__(self, max_buffered: int) -> None:
         self.max_buffered = max_buffered
-        self.stats = stats
+        self.stats: collections.Counter[str] = collections.Counter()
         self.chunks: list[Local] = []
         self.first_seen: dict[int, int] = {}  # GPU -> this process's first sample of it (ms)
         self.newest: dict[int, int] = {}  # GPU -> newest sample (ms)
@@ -92,13 +92,12 @@ class NodeGpus:
         cfg: AgentConfig,
         host: str,
         idle: IdleLearner | None,
-        stats: collections.Counter[str],
     ) -> None:
         self.source = source
         self.cfg = cfg
         self.host = host
         self.idle = idle
-        self.stats = stats
+        self.stats: collections.Counter[str] = collections.Counter()
         self._idle_seeded = False
         self._idle_saved: dict[str, tuple[float, float]] = {}  # GPU key -> (level, monotonic time) stored
         self._profile_said: dict[str, object] = {}  # GPU key -> the profile last logged for it

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import logging
 
+from costexporter.services.agent_context import AgentContext
 from costexporter.store import ledger, untrusted
-from costexporter.store.client import RedisClient
 
 log = logging.getLogger("costexporter.agent")
 
 
 class JobNotes:
-    def __init__(
-        self, redis: RedisClient, prefix: str, redis_errors: tuple[type[BaseException], ...]
-    ) -> None:
-        self.redis = redis
-        self.prefix = prefix
-        self._redis_errors = redis_errors
+    def __init__(self, ctx: AgentContext) -> None:
+        self.redis = ctx.redis
+        self.prefix = ctx.cfg.prefix
+        self._redis_errors = ctx.redis_errors
         self._said: dict[str, set[tuple[str, str]]] = {}
 
     def note(self, job: str, reason: str, text: str, about: str = "") -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import samplewin
+from costexporter.services.agent_context import AgentContext
 from costexporter.services.agent_job import AgentJob
-from costexporter.store.client import RedisClient
 from costexporter.store.keys import samples_key
 
 Local = tuple[np.ndarray, ...]  # this node's samples: (gpu, ts ms, W, %, mJ)
@@ -25,17 +25,14 @@ class PeerExchange:
 
     def __init__(
         self,
-        redis: RedisClient,
-        prefix: str,
-        host: str,
-        stats: collections.Counter[str],
+        ctx: AgentContext,
         maxlen: int,
         grace_s: float,
     ) -> None:
-        self.redis = redis
-        self.prefix = prefix
-        self.host = host
-        self.stats = stats
+        self.redis = ctx.redis
+        self.prefix = ctx.cfg.prefix
+        self.host = ctx.host
+        self.stats: collections.Counter[str] = collections.Counter()
         self.maxlen = maxlen  # entries a host's stream keeps
         self.grace_s = grace_s  # how long a silent host still holds the horizon back
         self.started_at = time.monotonic()

@@ -17,10 +17,9 @@ from costexporter.core import buckets
 from costexporter.core.booking import POS_INF, Pieces, _cut_per_gpu, make_slices
 from costexporter.core.model import Category
 from costexporter.core.timeutil import to_ms
-from costexporter.services.agent_config import AgentConfig
+from costexporter.services.agent_context import AgentContext, KeyGuard
 from costexporter.services.agent_job import AgentJob
 from costexporter.store import ledger, untrusted
-from costexporter.store.client import RedisClient
 from costexporter.store.keys import watermark_key
 
 Claim = tuple[int, int, int]  # (GPU, start ms, end ms) of a job's hold
@@ -30,23 +29,13 @@ class UnassignedBooker:
     """Books the `_unassigned` ledger from this node's samples and the jobs' holds; its own
     watermark, loaded and committed like a job's."""
 
-    def __init__(
-        self,
-        redis: RedisClient,
-        cfg: AgentConfig,
-        host: str,
-        instance: str,
-        redis_errors: tuple[type[BaseException], ...],
-        wrong_type: Callable[[str, BaseException, dict[str, str]], None],
-        conflict: Callable[[str, ledger.Conflict], None],
-    ) -> None:
-        self.redis = redis
-        self.cfg = cfg
-        self.host = host
-        self.instance = instance
-        self._redis_errors = redis_errors
-        self._wrong_type = wrong_type
-        self._conflict = conflict
+    def __init__(self, ctx: AgentContext, guard: KeyGuard) -> None:
+        self.redis = ctx.redis
+        self.cfg = ctx.cfg
+        self.host = ctx.host
+        self.instance = ctx.instance
+        self._redis_errors = ctx.redis_errors
+        self._guard = guard
         self.until: int | None = None  # the watermark: booked up to here (None: not read yet)
         # Per GPU, where its last unassigned piece ends (None: a watermark stored before this was
         # kept): a GPU whose time a claim held back is booked only that far, whatever the
@@ -69,7 +58,7 @@ class UnassignedBooker:
         except self._redis_errors as e:
             if not untrusted.is_wrong_type(e):
                 raise
-            self._wrong_type(ledger.UNASSIGNED_JOB, e, {k: "string"})
+            self._guard.wrong_type(ledger.UNASSIGNED_JOB, e, {k: "string"})
             raw = None
         wm = json.loads(raw) if raw else {}
         stored = int(wm.get("booked_until", 0))
@@ -204,7 +193,7 @@ class UnassignedBooker:
                 ),
             )
         except ledger.Conflict as e:
-            self._conflict(ledger.UNASSIGNED_JOB, e)
+            self._guard.conflict(ledger.UNASSIGNED_JOB, e)
             self.loaded = False
             return False
         return True

@@ -327,7 +327,7 @@ def start_kubernetes_jobs(
         lookup=lookup,
         node_pods=node_pods,
     )
-    agent.facts = kj.facts
+    agent.booker.facts = kj.facts
     threading.Thread(
         target=kj.run,
         args=(agent.stopping, min(agent.cfg.book_interval_s, 5.0)),

@@ -919,7 +919,7 @@ class Watcher:
                 except JUDGE_ERRORS as e:
                     self._set_aside(job, e)
             self._read_registrations([v for j, v in views.items() if j in self._unregistered], now)
-            for job, err in self._read_live_many(list(views.values())).items():
+            for job, err in self.read_live(list(views.values())).items():
                 self._set_aside(job, err)
                 del views[job]
             for job, view in views.items():
@@ -1130,10 +1130,6 @@ class Watcher:
             return
         log.info("job %r: band profile %s (%s)", untrusted.short(job), prof.name, source)
 
-    def _read_live(self, view: JobView) -> None:
-        for e in self._read_live_many([view]).values():
-            raise e
-
     def _live_hosts(self, view: JobView) -> list[str]:
         """The job's registered hosts, worked out again only when a rank registers (the
         registrations only grow)."""
@@ -1144,7 +1140,7 @@ class Watcher:
             got = self._hosts[view.name] = (regs, len(regs), hosts)
         return got[2]
 
-    def _read_live_many(self, views: list[JobView]) -> dict[str, Exception]:
+    def read_live(self, views: list[JobView]) -> dict[str, Exception]:
         """The agents' live hashes of every host of these jobs, in one round trip; returns the
         jobs whose stored values could not be used (each set aside by the caller)."""
         bad: dict[str, Exception] = {}

@@ -63,11 +63,11 @@ def test_a_phase_named_startup_keeps_rollbacks_exact_after_the_stream_is_trimmed
         b = startup_phase_job(name)
         expected, _ = offline_ms(b)
         got, run = _booked(shared, f"{prefix}:{name}", b)
-        trimmed = sum(ag.stats["stream_entries_trimmed"] for ag in run.agents)
+        trimmed = sum(ag.folds.stats["stream_entries_trimmed"] for ag in run.agents)
         assert trimmed > 0, (name, "the stream was never trimmed: the case is not exercised")
         assert got == expected, (name, got, expected)
         assert expected["rolled_back"] >= 2 * 290_000, expected  # the resume voided ~300 s on 2 GPUs
-        assert not any(ag.stats["timeline_rebuilds"] for ag in run.agents), name
+        assert not any(ag.folds.stats["timeline_rebuilds"] for ag in run.agents), name
 
 
 def _run_restarting_empty(
@@ -136,7 +136,7 @@ def test_a_resume_read_after_redis_restarted_empty_never_books_from_a_lost_index
         # trace second 300: steps past the checkpoint booked, no resume yet
         run = _run_restarting_empty(server, tmp_path, client, prefix, b, 20, before)
         after = ledger.net_ms(ledger.read_amounts(client, prefix, b.job))
-        stats = run.agents[0].stats
+        stats = run.agents[0].counts()
     finally:
         server.stop()
     assert before and any(after.values()), (before, after)
