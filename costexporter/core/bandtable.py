@@ -232,17 +232,24 @@ def _row(raw: Mapping[str, object], code: int, base: BandRow | None, where: str)
     if "lone" in raw:
         kw["lone"] = None if raw["lone"] is None else str(raw["lone"])
     if base is None:
-        base = BandRow(
-            name=str(raw["name"]),
-            code=code,
-            step=Category.PRODUCTIVE,
-            stall=Category.NO_PROGRESS,
-            stepless=Category.PRODUCTIVE,
-            level="unknown",
-            colour="#808080",
-            terminal="white",
-        )
+        base = _blank(str(raw["name"]), code)
     return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def _blank(name: str, code: int, signature: str | None = None, default: bool = False) -> BandRow:
+    """A row before its fields are read: booked as busy time, shown grey."""
+    return BandRow(
+        name=name,
+        code=code,
+        step=Category.PRODUCTIVE,
+        stall=Category.NO_PROGRESS,
+        stepless=Category.PRODUCTIVE,
+        level="unknown",
+        colour="#808080",
+        terminal="white",
+        signature=signature,
+        default=default,
+    )
 
 
 def _rows_of(doc: object, where: str) -> list[Mapping[str, object]]:
@@ -297,18 +304,8 @@ def builtin() -> BandTable:
         if name.upper() not in Band.__members__:
             raise BandTableError(f"built-in band {name!r} is not one of model.Band's")
         code = int(Band[name.upper()])
-        base = BandRow(
-            name=name,
-            code=code,
-            step=Category.PRODUCTIVE,
-            stall=Category.NO_PROGRESS,
-            stepless=Category.PRODUCTIVE,
-            level="unknown",
-            colour="",
-            terminal="",
-            signature=str(raw["signature"]) if raw.get("signature") else None,
-            default=bool(raw.get("default")),
-        )
+        signature = str(raw["signature"]) if raw.get("signature") else None
+        base = _blank(name, code, signature, bool(raw.get("default")))
         rows.append(_row(raw, code, base, f"built-in band {name!r}"))
     rows.sort(key=lambda r: r.code)
     if [r.code for r in rows] != [int(b) for b in Band]:
