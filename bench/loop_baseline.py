@@ -10,10 +10,17 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from costexporter.core import bandtable
-from costexporter.core.booking import BookingConfig, build_timeline, category_table
+from costexporter.core.booking import BookingConfig, build_timeline
 from costexporter.core.model import Band, Category, Event, Samples
 from costexporter.core.profiles import Profile
+
+try:  # the band table's booking (bench_replay --baseline runs this file against older trees too)
+    from costexporter.core import bandtable
+    from costexporter.core.booking import category_table
+
+    CATEGORY_TABLE = category_table(bandtable.current())
+except ImportError:  # a release before the band table
+    from costexporter.core.booking import CATEGORY_TABLE  # type: ignore[attr-defined,no-redef]
 
 
 def book_loop(samples: Samples, events: list[Event], profile: Profile, cfg: BookingConfig) -> dict:
@@ -95,5 +102,5 @@ def book_loop(samples: Samples, events: list[Event], profile: Profile, cfg: Book
             out[Category.UNOBSERVED] += end - t - interval
             end = t + interval
         seg = bisect.bisect_right(bounds, t) - 1
-        out[int(category_table(bandtable.current())[regime[seg], band + 1])] += end - t
+        out[int(CATEGORY_TABLE[regime[seg], band + 1])] += end - t
     return {Category(c).name.lower(): ms / 1000 for c, ms in out.items()}

@@ -55,8 +55,15 @@ def test_the_built_in_table_bands_every_reading_as_the_hand_written_rule_did(rea
     p = profiles.B300 if model else profiles.derive(limit)
     P = np.asarray([r[0] for r in readings])
     U = np.asarray([r[1] for r in readings])
-    got = bandtable.builtin().classify_readings(P, U, profiles.profile_edges(p), lone)
+    table, edges = bandtable.builtin(), profiles.profile_edges(p)
+    got = table.classify_readings(P, U, edges, lone)
     assert got.tolist() == _old_reading_bands(P, U, p, lone).tolist()
+    # one reading at a time (the live path's own, without arrays) says the same
+    one = [
+        int(table.classify_readings(P[i : i + 1], U[i : i + 1], edges, lone)[0])
+        for i in range(min(P.size, 30))
+    ]
+    assert one == got[:30].tolist()
     # readings on the edges themselves too
     edges = np.asarray([p.idle_max_w, p.low_max_w, p.compute_min_w])
     utils = np.asarray([p.zero_util_pct, p.busy_util_pct, np.nan])

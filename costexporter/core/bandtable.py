@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -49,7 +50,15 @@ _OPS = {
     "<": np.less,
     "<=": np.less_equal,
 }
+_SCALAR_OPS = {
+    ">=": operator.ge,
+    ">": operator.gt,
+    "<": operator.lt,
+    "<=": operator.le,
+}
 _REGIME_FIELDS = ("step", "stall", "stepless")
+# A reading row, planned: (its code, its code in a one-GPU job, its rules as (comparison, negated)).
+_RowPlan = tuple[int, int, tuple[tuple[tuple[int, bool], ...], ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +104,7 @@ class BandRow:
     about: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed as itself: cheap as a cache key
 class BandTable:
     rows: tuple[BandRow, ...]
     source: str = "built-in"
@@ -104,7 +113,7 @@ class BandTable:
     def __post_init__(self) -> None:
         self._by_name.update({r.name: r for r in self.rows})
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         """Band names by code: the `band` label's values, replay's `band_gpu_hours` keys."""
         return tuple(r.name for r in self.rows)
@@ -137,30 +146,65 @@ class BandTable:
     def level_of_code(self) -> tuple[str, ...]:
         return tuple(r.level for r in self.rows)
 
+    @cached_property
+    def _plan(self) -> tuple[tuple[tuple[str, str, str | float], ...], tuple[_RowPlan, ...]]:
+        """The comparisons the reading rules make, each once, and per reading row its codes and
+        rules as (comparison index, negated) lists: worked out once per table."""
+        keys: list[tuple[str, str, str | float]] = []
+        rows: list[_RowPlan] = []
+        for r in self.reading_rows:
+            rules = []
+            for conds in r.reading:
+                rule = []
+                for c in conds:
+                    key = (c.field, c.op.lstrip("!"), c.edge)
+                    if key not in keys:
+                        keys.append(key)
+                    rule.append((keys.index(key), c.op.startswith("!")))
+                rules.append(tuple(rule))
+            lone = self.code(r.lone) if r.lone else r.code
+            rows.append((r.code, lone, tuple(rules)))
+        return tuple(keys), tuple(rows)
+
     def classify_readings(
         self, power_w: np.ndarray, util_pct: np.ndarray, edges: Mapping[str, float | None], lone: bool
     ) -> np.ndarray:
         """Each sample's band from its own reading: the rows' reading rules in table order (a
-        later row wins where two match), the default row where none does. A comparison that
-        several rules share is made once."""
+        later row wins where two match), the default row where none does. Each comparison the
+        rules share is made once; one reading is judged without arrays (the live path asks for
+        one GPU's newest reading every round)."""
+        keys, rows = self._plan
+        if power_w.size == 1:
+            return np.asarray(
+                [self._classify_one(float(power_w[0]), float(util_pct[0]), edges, lone)], np.int8
+            )
+        masks: list[np.ndarray] = []
+        with np.errstate(invalid="ignore"):
+            for fld, op, edge in keys:
+                e = edge if isinstance(edge, float) else edges.get(edge)
+                x = power_w if fld == "power" else util_pct
+                masks.append(np.zeros(x.shape, bool) if e is None else _OPS[op](x, e))
         band = np.full(power_w.size, self.default_code, np.int8)
-        seen: dict[tuple[str, str, str | float], np.ndarray] = {}
-
-        def holds(c: Condition) -> np.ndarray:
-            key = (c.field, c.op.lstrip("!"), c.edge)
-            m = seen.get(key)
-            if m is None:
-                m = seen[key] = Condition(*key).holds(power_w, util_pct, edges)
-            return ~m if c.op.startswith("!") else m
-
-        for r in self.reading_rows:
-            code = self.code(r.lone) if lone and r.lone else r.code
-            for conds in r.reading:
-                mask = holds(conds[0]).copy()
-                for c in conds[1:]:
-                    mask &= holds(c)
-                band[mask] = code
+        for code, lone_code, rules in rows:
+            for rule in rules:
+                k, neg = rule[0]
+                mask = ~masks[k] if neg else masks[k].copy()
+                for k, neg in rule[1:]:
+                    mask &= ~masks[k] if neg else masks[k]
+                band[mask] = lone_code if lone else code
         return band
+
+    def _classify_one(self, p: float, u: float, edges: Mapping[str, float | None], lone: bool) -> int:
+        keys, rows = self._plan
+        held = []
+        for fld, op, edge in keys:
+            e = edge if isinstance(edge, float) else edges.get(edge)
+            held.append(False if e is None else bool(_SCALAR_OPS[op](p if fld == "power" else u, e)))
+        out = self.default_code
+        for code, lone_code, rules in rows:
+            if any(all(held[k] != neg for k, neg in rule) for rule in rules):
+                out = lone_code if lone else code
+        return out
 
 
 def _category(name: object, where: str) -> Category:
