@@ -336,10 +336,36 @@ def test_the_api_answers_under_a_read_only_rule_that_refuses_every_write(server,
     admin.execute_command("ACL", "DELUSER", user)
 
 
+def test_the_sealer_seals_real_bookings_under_its_read_only_rule(server, booked, tmp_path):
+    """Two real agents' ledger, sealed by the sealer's user: the archive's job total is the
+    ledger's, to the micro-unit; the sealer wrote nothing in Redis."""
+    from costexporter.services.sealer import Sealer, window_totals
+    from costexporter.store.archive import Archive
+
+    admin = server.client()
+    user, pw = setuser(admin, "sealer")
+    job = booked["b"].job
+    before = {k: admin.dump(k) for k in admin.scan_iter(f"{PREFIX}:*") if admin.ttl(k) == -1}
+    archive = Archive.open(str(tmp_path))
+    far = int(time.time()) + 30 * 86400
+    rep = Sealer(client_as(server, user, pw), PREFIX, archive, "c1", delay_s=0).seal(far)
+    assert rep.written, rep
+    total = ledger.read_amounts(admin, PREFIX, job)
+    sealed = window_totals(archive, 0, far)[("c1", job)].to_json()
+    want = {
+        c: [total.get(f"{c}:{u}", 0) - total.get(f"voided:{c}:{u}", 0) for u in ("ms", "mj", "ucost")]
+        for c in sealed
+    }
+    assert sealed == want and sum(v[0] for v in sealed.values()) > 0
+    after = {k: admin.dump(k) for k in before}
+    assert after == before and not acl_denials(admin, user)  # read only, and never refused
+    admin.execute_command("ACL", "DELUSER", user)
+
+
 def test_every_rule_is_accepted_by_redis_as_printed(server, cli):
     admin = server.client()
     for role, extra in [("trainer", ["--job", "j"]), ("trainer", ["--team", "t"]), ("trainer", []),
-                        ("agent", []), ("watcher", []), ("api", [])]:  # fmt: skip
+                        ("agent", []), ("watcher", []), ("api", []), ("sealer", [])]:  # fmt: skip
         user = f"u-{uuid.uuid4().hex[:8]}"
         r = cli("acl", "--role", role, *extra, "--user", user, "--prefix", "p1", "--cluster")
         assert r.returncode == 0, r.stderr
@@ -386,7 +412,7 @@ WRITES = {
 }
 
 
-@pytest.mark.parametrize("role", ["agent", "watcher", "api"])
+@pytest.mark.parametrize("role", ["agent", "watcher", "api", "sealer"])
 def test_every_write_a_service_should_not_make_is_refused(server, booked, role):
     """Every key under the prefix (those a real booking wrote), every write command the role's
     rule holds (and, for the API, which holds none, every one): refused outside its own
@@ -394,7 +420,12 @@ def test_every_write_a_service_should_not_make_is_refused(server, booked, role):
     admin = server.client()
     user, pw = setuser(admin, role)
     c = client_as(server, user, pw)
-    own = {"agent": (keys.AGENT, keys.READERS), "watcher": (keys.READERS, keys.WATCHER), "api": ()}[role]
+    own = {
+        "agent": (keys.AGENT, keys.READERS),
+        "watcher": (keys.READERS, keys.WATCHER),
+        "api": (),
+        "sealer": (),
+    }[role]
     granted = [w for w in WRITES if w in acl.COMMANDS[role]] or list(WRITES)
     foreign = [k for k in admin.scan_iter(f"{PREFIX}:*") if k.split(":")[1] not in own]
     assert len(foreign) >= 8, foreign  # the trainer's keys at least, and the ledger for the watcher

@@ -25,6 +25,7 @@ from costexporter import __version__
 from costexporter.cli.commands import (
     acl,
     api,
+    archive,
     artifacts,
     calibrate,
     claims,
@@ -83,6 +84,7 @@ for command in (
     watch.watch,
     events.events,
     acl.acl,
+    archive.archive_group,
     keyspace.keys_group,
     claims.claims,
 ):

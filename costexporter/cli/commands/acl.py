@@ -13,7 +13,7 @@ from costexporter.cli.options import InputFailure, prefix_option
 @click.option(
     "--role",
     required=True,
-    type=click.Choice(["trainer", "agent", "watcher", "api"]),
+    type=click.Choice(["trainer", "agent", "watcher", "api", "sealer"]),
     help="The party the user is for.",
 )
 @click.option("--job", default=None, help="A trainer for this job only.")

@@ -1,0 +1,227 @@
+"""The sealed ledger's shape, pure: rows of the archive, how they are partitioned, what a
+manifest says of each file, and when a day can be sealed (docs/ledger.md, "The archive").
+
+A sealed file holds, for one cluster, one UTC day and one shard of the jobs, one row per job,
+5-minute bucket and category with amounts: GPU-milliseconds, millijoules, micro-units of the
+currency, each with its rollback corrections (`voided_*`, which readers subtract), and the
+bucket's price version. The same content always gives the same rows in the same order, so the
+same bytes (`store/archive.py` writes them), so sealing again never adds a file: the manifest
+keeps one file per (day, shard), by content hash; a day sealed again with other content is a new
+version that supersedes the old one, and a reader reads only the files the manifest lists.
+
+A day can be sealed once nothing can change it: every agent of the job booked past its end
+(their watermarks), and the seal delay has passed since (corrections such as rollbacks are
+booked in the bucket where they are seen, never back into a sealed day).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from costexporter.core.model import CATEGORIES
+
+SCHEMA_VERSION = 1
+DAY_S = 86_400
+UNITS = ("ms", "mj", "ucost")
+VOIDED = "voided:"
+# The columns of a sealed file, in order: (name, Arrow type name).
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("schema", "int32"),
+    ("cluster", "string"),
+    ("date", "string"),
+    ("job", "string"),
+    ("bucket_start", "int64"),  # Unix seconds, a multiple of 300
+    ("category", "string"),
+    ("gpu_ms", "int64"),
+    ("energy_mj", "int64"),
+    ("cost_micro", "int64"),
+    ("voided_gpu_ms", "int64"),
+    ("voided_energy_mj", "int64"),
+    ("voided_cost_micro", "int64"),
+    ("price_version", "string"),
+)
+# A row, in COLUMNS' order.
+Row = tuple[int, str, str, str, int, str, int, int, int, int, int, int, str]
+
+
+def day_of(start_s: int) -> str:
+    """The UTC date (YYYY-MM-DD) a bucket starting at `start_s` belongs to."""
+    return datetime.fromtimestamp(start_s - start_s % DAY_S, UTC).strftime("%Y-%m-%d")
+
+
+def day_start(date: str) -> int:
+    return int(datetime.strptime(date, "%Y-%m-%d").replace(tzinfo=UTC).timestamp())
+
+
+def shard_of(job: str, shards: int) -> int:
+    """The job's shard: a stable hash of its name (the same in every process and release)."""
+    return zlib.crc32(job.encode("utf-8", "surrogatepass")) % shards
+
+
+def rows_of_bucket(
+    cluster: str, job: str, start_s: int, fields: Mapping[str, str | int | bytes]
+) -> list[Row]:
+    """One 5-minute bucket's amounts hash as rows: a row per category with any amount."""
+    raw = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
+    pv = raw.get("price_version", "")
+    version = pv.decode() if isinstance(pv, bytes) else str(pv)
+    date = day_of(start_s)
+    out: list[Row] = []
+    for c in CATEGORIES:
+        vals = [int(raw.get(f"{c}:{u}", 0)) for u in UNITS]
+        voided = [int(raw.get(f"{VOIDED}{c}:{u}", 0)) for u in UNITS]
+        if any(vals) or any(voided):
+            out.append(
+                (SCHEMA_VERSION, cluster, date, job, start_s, c, *vals, *voided, version)  # type: ignore[arg-type]
+            )
+    return out
+
+
+def ordered(rows: Iterable[Row]) -> list[Row]:
+    """The one order a file's rows are written in: by job, bucket, category."""
+    return sorted(rows, key=lambda r: (r[3], r[4], r[5]))
+
+
+@dataclass
+class Totals:
+    """Net amounts (valid minus voided) per category: [ms, mJ, micro-cost], exact integers."""
+
+    by_category: dict[str, list[int]] = field(default_factory=dict)
+
+    def add_row(self, r: Row) -> None:
+        t = self.by_category.setdefault(r[5], [0, 0, 0])
+        t[0] += r[6] - r[9]
+        t[1] += r[7] - r[10]
+        t[2] += r[8] - r[11]
+
+    def add(self, other: Totals) -> None:
+        for c, v in other.by_category.items():
+            t = self.by_category.setdefault(c, [0, 0, 0])
+            for i in range(3):
+                t[i] += v[i]
+
+    @classmethod
+    def of(cls, rows: Iterable[Row]) -> Totals:
+        t = cls()
+        for r in rows:
+            t.add_row(r)
+        return t
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {c: list(v) for c, v in sorted(self.by_category.items()) if any(v)}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One sealed file of the manifest: its path (relative to the cluster's root), content hash,
+    rows, totals, the jobs it holds, its version and the paths it superseded."""
+
+    path: str
+    sha256: str
+    rows: int
+    totals: dict[str, list[int]]
+    jobs: tuple[str, ...]
+    version: int = 1
+    superseded: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "sha256": self.sha256,
+            "rows": self.rows,
+            "totals": self.totals,
+            "jobs": list(self.jobs),
+            "version": self.version,
+            "superseded": list(self.superseded),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, object]) -> Entry:
+        totals = d.get("totals") or {}
+        assert isinstance(totals, dict)
+        return cls(
+            path=str(d["path"]),
+            sha256=str(d["sha256"]),
+            rows=int(str(d["rows"])),
+            totals={str(k): [int(x) for x in v] for k, v in totals.items()},
+            jobs=tuple(str(j) for j in d.get("jobs") or ()),  # type: ignore[attr-defined]
+            version=int(str(d.get("version", 1))),
+            superseded=tuple(str(p) for p in d.get("superseded") or ()),  # type: ignore[attr-defined]
+        )
+
+
+def entry_key(date: str, shard: int) -> str:
+    return f"{date}/{shard:03d}"
+
+
+def file_path(date: str, shard: int, sha256: str) -> str:
+    """Where a sealed file lives under its cluster's root: `date=<day>/part-<shard>-<hash>.parquet`
+    (the content hash in the name: a new version never overwrites the old one)."""
+    return f"date={date}/part-{shard:03d}-{sha256[:16]}.parquet"
+
+
+@dataclass
+class Manifest:
+    """A cluster's sealed files: one entry per (day, shard)."""
+
+    cluster: str
+    entries: dict[str, Entry] = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def put(self, key: str, entry: Entry) -> bool:
+        """Record `entry` for `key`; the same content (hash) is no change (False). Other content
+        is a new version superseding the one before."""
+        old = self.entries.get(key)
+        if old is not None and old.sha256 == entry.sha256:
+            return False
+        if old is not None:
+            entry = Entry(
+                entry.path,
+                entry.sha256,
+                entry.rows,
+                entry.totals,
+                entry.jobs,
+                old.version + 1,
+                (*old.superseded, old.path),
+            )
+        self.entries[key] = entry
+        return True
+
+    def sealed_jobs(self, key: str) -> set[str]:
+        e = self.entries.get(key)
+        return set(e.jobs) if e is not None else set()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "schema": self.schema,
+            "cluster": self.cluster,
+            "entries": {k: e.to_json() for k, e in sorted(self.entries.items())},
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, object]) -> Manifest:
+        schema = int(str(d.get("schema", SCHEMA_VERSION)))
+        if schema > SCHEMA_VERSION:
+            raise ValueError(
+                f"the archive's manifest is schema {schema}, newer than this release's {SCHEMA_VERSION}: "
+                "upgrade costexporter to read it"
+            )
+        entries = d.get("entries") or {}
+        assert isinstance(entries, dict)
+        return cls(str(d["cluster"]), {str(k): Entry.from_json(v) for k, v in entries.items()}, schema)
+
+
+def sealable_before(watermarks_ms: Iterable[int], now_s: int, delay_s: int, max_wait_s: int) -> int:
+    """The start of the first UTC day of a job that cannot be sealed yet (seconds). A day can be
+    once it ended `delay_s` ago and every agent's watermark of the job is past its end; or, its
+    agents stopped short of it (the job ended that day, an agent is gone), once it ended
+    `max_wait_s` ago. Whatever is booked into a sealed day after that is sealed again as a new
+    version of its file."""
+    open_from = now_s - delay_s
+    marks = list(watermarks_ms)
+    booked = min(marks) // 1000 if marks else 0
+    until = max(min(booked, open_from), min(now_s - max_wait_s, open_from))
+    return max(until - until % DAY_S, 0)

@@ -1,0 +1,215 @@
+"""The sealer: writes each day of the ledger that can no longer change to the archive, as Parquet
+(`core/archive.py`, `store/archive.py`). Its own role: it reads the ledger and the watermarks
+(`costexporter acl --role sealer`) and writes nothing in Redis, so running it twice, two at once
+or after a crash half-way only writes the same files again.
+
+A day of a job is sealed once every agent that books the job has booked past the day's end and
+the seal delay has passed, or, its agents having stopped short of it, once the longest wait has
+(`archive.sealable_before`). A (day, shard) file is written again only when its content changed
+(a job whose agents were behind the first time, a late booking): the manifest then supersedes the
+earlier file with the new version. Every file written is read back and its hash checked before
+the manifest names it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from costexporter.core.archive import (
+    DAY_S,
+    Entry,
+    Manifest,
+    Row,
+    Totals,
+    day_of,
+    day_start,
+    entry_key,
+    file_path,
+    rows_of_bucket,
+    sealable_before,
+    shard_of,
+)
+from costexporter.store import keys, ledger, untrusted
+from costexporter.store.archive import Archive, ArchiveError, parquet_bytes, sha256
+from costexporter.store.client import RedisClient
+
+log = logging.getLogger("costexporter.sealer")
+
+DEFAULT_SHARDS = 16
+DEFAULT_DELAY_S = 3600  # past every watermark: a late agent's catch-up, an event lag
+DEFAULT_MAX_WAIT_S = 2 * 86400  # a job whose agents stopped short of a day's end (it ended)
+
+
+@dataclass
+class SealReport:
+    """What one seal did: files written (new or new versions), files already sealed as they
+    are, jobs left for later (their agents behind), and the rows written."""
+
+    written: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    waiting: list[str] = field(default_factory=list)
+    rows: int = 0
+
+    def line(self) -> str:
+        return (
+            f"sealed {len(self.written)} file(s), {self.rows:,} rows; {self.unchanged} already sealed; "
+            f"{len(self.waiting)} job(s) waiting for their agents"
+        )
+
+
+class Sealer:
+    def __init__(
+        self,
+        client: RedisClient,
+        prefix: str,
+        archive: Archive,
+        cluster: str,
+        *,
+        shards: int = DEFAULT_SHARDS,
+        delay_s: int = DEFAULT_DELAY_S,
+        max_wait_s: int = DEFAULT_MAX_WAIT_S,
+    ) -> None:
+        self.r = client
+        self.prefix = prefix
+        self.archive = archive
+        self.cluster = cluster
+        self.shards = shards
+        self.delay_s = delay_s
+        self.max_wait_s = max_wait_s
+
+    def jobs(self) -> list[str]:
+        """Every job with a ledger: the jobs index's, and the time of no job."""
+        names = [n for n in self.r.zrange(keys.jobs_key(self.prefix), 0, -1)]
+        out = sorted({n.decode() if isinstance(n, bytes) else str(n) for n in names})
+        return [*out, ledger.UNASSIGNED_JOB]
+
+    def watermarks_ms(self, job: str) -> list[int]:
+        """Every agent's booked-until of the job (its watermarks)."""
+        pattern = keys.watermark_key(self.prefix, job, "*")
+        found = list(self.r.scan_iter(match=pattern, count=1000))
+        out = []
+        for raw in (self.r.get(k) for k in found):
+            try:
+                wm = untrusted.loads(raw) if raw is not None else None
+            except ValueError:
+                wm = None  # an unreadable watermark seals nothing of the job (its agent rewrites it)
+                out.append(0)
+            if isinstance(wm, dict) and isinstance(wm.get("booked_until"), int | float):
+                out.append(int(wm["booked_until"]))
+        return out
+
+    def buckets(self, job: str, before_s: int) -> dict[str, list[Row]]:
+        """The job's 5-minute buckets before `before_s`, as rows by day."""
+        index = keys.index_key(self.prefix, job, "5m")
+        starts = [int(float(s)) for s in self.r.zrangebyscore(index, "-inf", f"({before_s}")]
+        if not starts:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for s in starts:
+            pipe.hgetall(keys.bucket_key(self.prefix, job, "5m", s))
+        by_day: dict[str, list[Row]] = {}
+        for s, h in zip(starts, pipe.execute(), strict=True):
+            rows = rows_of_bucket(self.cluster, job, s, h or {})
+            if rows:
+                by_day.setdefault(day_of(s), []).extend(rows)
+        return by_day
+
+    def seal(self, now_s: int) -> SealReport:
+        """Seal every day that can be. Each (day, shard) with a sealable job in the ledger is
+        built again from it and written only if its content changed (the same content, the
+        same hash: nothing new); so a day sealed before and booked into since comes in as a new
+        version, and one that did not change costs a read. The jobs of a file that are no
+        longer in the ledger stay in it, as they were sealed."""
+        report = SealReport()
+        manifest = self.archive.manifest(self.cluster)
+        cells: dict[tuple[str, int], dict[str, list[Row]]] = {}  # (day, shard) -> job -> rows
+        for job in self.jobs():
+            before = sealable_before(self.watermarks_ms(job), now_s, self.delay_s, self.max_wait_s)
+            if before <= 0:
+                report.waiting.append(job)
+                continue
+            shard = shard_of(job, self.shards)
+            for day, rows in self.buckets(job, before).items():
+                cells.setdefault((day, shard), {})[job] = rows
+        replaced: list[str] = []
+        for (day, shard), jobs in sorted(cells.items()):
+            key = entry_key(day, shard)
+            kept = self._sealed_rows(manifest, key, exclude=set(jobs))
+            rows = [r for rs in jobs.values() for r in rs] + kept
+            old = manifest.entries.get(key)
+            if self._write(manifest, key, day, shard, rows):
+                report.written.append(manifest.entries[key].path)
+                report.rows += len(rows)
+                if old is not None:
+                    replaced.append(old.path)
+            else:
+                report.unchanged += 1
+        if report.written:
+            self.archive.save_manifest(manifest)
+        # Once the manifest names their successors: a glob over the archive (DuckDB, Athena) then
+        # reads each day once too. A reader of the manifest before it changed fails closed on a
+        # file gone, and reads again.
+        for path in replaced:
+            self.archive.delete(self.cluster, path)
+        return report
+
+    def _sealed_rows(self, manifest: Manifest, key: str, exclude: set[str]) -> list[Row]:
+        e = manifest.entries.get(key)
+        if e is None:
+            return []
+        return [r for r in self.archive.read(self.cluster, e) if r[3] not in exclude]
+
+    def _write(self, manifest: Manifest, key: str, day: str, shard: int, rows: list[Row]) -> bool:
+        data = parquet_bytes(rows)
+        digest = sha256(data)
+        old = manifest.entries.get(key)
+        if old is not None and old.sha256 == digest:
+            return False
+        path = file_path(day, shard, digest)
+        self.archive.put(self.cluster, path, data)
+        back = self.archive.get(self.cluster, path)
+        if back is None or sha256(back) != digest:
+            raise ArchiveError(f"{path} read back from {self.archive.url} is not what was written")
+        totals = Totals.of(rows).to_json()
+        jobs = tuple(sorted({r[3] for r in rows}))
+        return manifest.put(key, Entry(path, digest, len(rows), totals, jobs))
+
+
+@dataclass
+class Check:
+    files: int = 0
+    rows: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def verify(archive: Archive, clusters: Iterable[str] | None = None) -> Check:
+    """Read every file the manifests name back: present, its hash, its rows and totals."""
+    out = Check()
+    for c in clusters or archive.clusters():
+        for e in archive.manifest(c).entries.values():
+            try:
+                out.rows += len(archive.read(c, e))
+                out.files += 1
+            except ArchiveError as err:
+                out.problems.append(str(err))
+    return out
+
+
+def window_totals(
+    archive: Archive, start_s: int, end_s: int, clusters: Iterable[str] | None = None
+) -> dict[tuple[str, str], Totals]:
+    """Net amounts by (cluster, job) over the 5-minute buckets starting in [start_s, end_s), read
+    from the files the manifests name (each checked)."""
+    out: dict[tuple[str, str], Totals] = {}
+    for c in clusters or archive.clusters():
+        m = archive.manifest(c)
+        for key, e in m.entries.items():
+            d0 = day_start(key.split("/", 1)[0])
+            if d0 + DAY_S <= start_s or d0 >= end_s:
+                continue
+            for r in archive.read(c, e):
+                if start_s <= r[4] < end_s:
+                    out.setdefault((c, r[3]), Totals()).add_row(r)
+    return out

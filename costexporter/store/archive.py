@@ -1,0 +1,171 @@
+"""The archive on an existing engine: sealed ledger files as Parquet on a local directory or on
+object storage, through pyarrow's filesystems (`file:///srv/archive` or a path, `s3://bucket/root`,
+`gs://bucket/root`, `abfs://...`; credentials and endpoints as pyarrow reads them: the usual
+`AWS_*` variables, or `?endpoint_override=host:port&scheme=http` for an S3-API server).
+
+Layout under the root: `cluster=<name>/manifest.json` and `cluster=<name>/date=<day>/part-<shard>-
+<hash>.parquet` (`core/archive.py`): each cluster's sealer writes its own partition, so one
+reader pointed at the root reads every cluster's bill. Files are written whole (a local file by
+rename, an object by one PUT), never changed: a new version is a new file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from costexporter.core.archive import COLUMNS, Entry, Manifest, Row, Totals, ordered
+
+MANIFEST = "manifest.json"
+
+
+class ArchiveError(RuntimeError):
+    """An archive that cannot be used, or a file that is not what the manifest says."""
+
+
+def _pa() -> tuple[Any, Any, Any]:
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    return pa, pafs, pq
+
+
+def parquet_bytes(rows: Iterable[Row]) -> bytes:
+    """The rows as one Parquet file, the same bytes for the same rows (ordered, fixed options)."""
+    pa, _, pq = _pa()
+    rows = ordered(rows)
+    cols = list(zip(*rows, strict=True)) if rows else [() for _ in COLUMNS]
+    arrays = [pa.array(list(c), type=getattr(pa, t)()) for c, (_, t) in zip(cols, COLUMNS, strict=True)]
+    table = pa.Table.from_arrays(arrays, names=[n for n, _ in COLUMNS])
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", use_dictionary=True, write_statistics=True)
+    return buf.getvalue()
+
+
+def rows_of(data: bytes) -> list[Row]:
+    """A sealed file's rows, read back."""
+    _, _, pq = _pa()
+    # Without pyarrow's thread pool: a file is one day of a shard, and with it pyarrow 26 aborted
+    # ~1 process exit in 7 here ("terminate called without an active exception").
+    table = pq.read_table(io.BytesIO(data), use_threads=False)
+    names = [n for n, _ in COLUMNS]
+    if table.column_names != names:
+        raise ArchiveError(f"a sealed file has columns {table.column_names}, not {names}")
+    cols = [table.column(n).to_pylist() for n in names]
+    return [tuple(r) for r in zip(*cols, strict=True)]
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Archive:
+    """One archive root. `cluster(name)` names the partition a sealer writes and reads."""
+
+    fs: Any  # a pyarrow FileSystem
+    root: str
+    url: str
+
+    @classmethod
+    def open(cls, url: str) -> Archive:
+        """The archive at `url` (a local directory is created if missing)."""
+        _, pafs, _ = _pa()
+        try:
+            fs, root = pafs.FileSystem.from_uri(url if "://" in url else f"file://{posixpath.abspath(url)}")
+        except (ValueError, OSError) as e:
+            raise ArchiveError(f"cannot open archive {url!r}: {e}") from None
+        if isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(root, recursive=True)
+        return cls(fs, root.rstrip("/"), url)
+
+    def _path(self, cluster: str, rel: str) -> str:
+        return f"{self.root}/cluster={cluster}/{rel}"
+
+    def put(self, cluster: str, rel: str, data: bytes) -> None:
+        """Write a file whole: a local file through a temporary name and a rename, an object by
+        one PUT. A reader never sees half of it."""
+        _, pafs, _ = _pa()
+        path = self._path(cluster, rel)
+        try:
+            if isinstance(self.fs, pafs.LocalFileSystem):  # (an object store needs no directories)
+                self.fs.create_dir(posixpath.dirname(path), recursive=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # each writer its own: two sealers at once
+                with self.fs.open_output_stream(tmp) as f:
+                    f.write(data)
+                self.fs.move(tmp, path)
+            else:
+                with self.fs.open_output_stream(path) as f:
+                    f.write(data)
+        except OSError as e:
+            raise ArchiveError(f"cannot write {path} in {self.url}: {e}") from None
+
+    def delete(self, cluster: str, rel: str) -> None:
+        """Remove a file (gone already: nothing to do)."""
+        _, pafs, _ = _pa()
+        path = self._path(cluster, rel)
+        try:
+            if self.fs.get_file_info(path).type != pafs.FileType.NotFound:
+                self.fs.delete_file(path)
+        except OSError as e:
+            raise ArchiveError(f"cannot remove {path} from {self.url}: {e}") from None
+
+    def get(self, cluster: str, rel: str) -> bytes | None:
+        _, pafs, _ = _pa()
+        path = self._path(cluster, rel)
+        try:
+            if self.fs.get_file_info(path).type == pafs.FileType.NotFound:
+                return None
+            with self.fs.open_input_stream(path) as f:
+                data: bytes = f.read()
+        except OSError as e:
+            raise ArchiveError(f"cannot read {path} in {self.url}: {e}") from None
+        return data
+
+    def manifest(self, cluster: str) -> Manifest:
+        raw = self.get(cluster, MANIFEST)
+        if raw is None:
+            return Manifest(cluster)
+        try:
+            return Manifest.from_json(json.loads(raw))
+        except (ValueError, KeyError, TypeError, AssertionError) as e:
+            raise ArchiveError(
+                f"the manifest of cluster {cluster!r} in {self.url} is unreadable: {e}"
+            ) from None
+
+    def save_manifest(self, m: Manifest) -> None:
+        text = json.dumps(m.to_json(), indent=1, sort_keys=True) + "\n"
+        self.put(m.cluster, MANIFEST, text.encode())
+
+    def clusters(self) -> list[str]:
+        """The clusters with a partition under the root."""
+        _, pafs, _ = _pa()
+        try:
+            info = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except OSError as e:
+            raise ArchiveError(f"cannot list archive {self.url}: {e}") from None
+        return sorted(i.base_name[len("cluster=") :] for i in info if i.base_name.startswith("cluster="))
+
+    def read(self, cluster: str, entry: Entry) -> list[Row]:
+        """A manifest entry's rows, its content checked against the manifest (hash and totals)."""
+        data = self.get(cluster, entry.path)
+        if data is None:
+            raise ArchiveError(f"{entry.path} of cluster {cluster!r} is missing from {self.url}")
+        got = sha256(data)
+        if got != entry.sha256:
+            raise ArchiveError(
+                f"{entry.path} of cluster {cluster!r} is damaged: sha256 {got[:16]}, not {entry.sha256[:16]}"
+            )
+        rows = rows_of(data)
+        if len(rows) != entry.rows or Totals.of(rows).to_json() != entry.totals:
+            raise ArchiveError(
+                f"{entry.path} of cluster {cluster!r} does not hold the totals its manifest says"
+            )
+        return rows

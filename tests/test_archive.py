@@ -1,0 +1,323 @@
+"""The sealed archive (core/archive.py, store/archive.py, services/sealer.py): a ledger written by
+the ledger's own writer, sealed to Parquet, gives the same totals for any window as the ledger
+does, to the micro-unit; sealing again, twice at once or after more days never counts a bucket
+twice; a day an agent has not booked past waits; a damaged file is found; an S3-API server
+(moto's, a real HTTP server) holds the same archive as a directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costexporter.core.archive import DAY_S, Manifest, Totals, sealable_before
+from costexporter.core.model import CATEGORIES
+from costexporter.services.sealer import Sealer, verify, window_totals
+from costexporter.store import keys, ledger
+from costexporter.store.archive import Archive
+
+from .conftest import SHARED_URL, drop_prefix
+from .redis_server import free_port
+
+DAY0 = 1_767_225_600  # 2026-01-01T00:00:00Z
+N_CAT = len(CATEGORIES)
+
+
+def _client() -> redis.Redis:
+    return redis.Redis.from_url(SHARED_URL, decode_responses=True)
+
+
+def write_ledger(
+    r: redis.Redis, prefix: str, job: str, buckets: dict[int, np.ndarray], voided: dict[int, np.ndarray]
+) -> None:
+    """Amounts written as an agent's round writes them (`ledger.queue_amounts`, in a MULTI)."""
+    pipe = r.pipeline(transaction=True)
+    if buckets:
+        ledger.queue_amounts(pipe, prefix, job, buckets, "pv1")
+    if voided:
+        ledger.queue_amounts(pipe, prefix, job, voided, "pv1", voided=True)
+    pipe.zadd(keys.jobs_key(prefix), {job: DAY0})
+    pipe.execute()
+
+
+def set_watermark(r: redis.Redis, prefix: str, job: str, agent: str, booked_until_s: int) -> None:
+    r.set(keys.watermark_key(prefix, job, agent), json.dumps({"booked_until": booked_until_s * 1000}))
+
+
+def ledger_window(r: redis.Redis, prefix: str, job: str, start_s: int, end_s: int) -> dict[str, list[int]]:
+    """The ledger's own net amounts over the 5-minute buckets starting in [start_s, end_s)."""
+    t = Totals()
+    for s in r.zrangebyscore(keys.index_key(prefix, job, "5m"), start_s, f"({end_s}"):
+        a = ledger.read_amounts(r, prefix, job, "5m", int(float(s)))
+        for c in CATEGORIES:
+            v = t.by_category.setdefault(c, [0, 0, 0])
+            for i, u in enumerate(("ms", "mj", "ucost")):
+                v[i] += a.get(f"{c}:{u}", 0) - a.get(f"voided:{c}:{u}", 0)
+    return t.to_json()
+
+
+amounts = st.lists(st.integers(0, 10**12), min_size=N_CAT * 3, max_size=N_CAT * 3).map(
+    lambda xs: np.asarray(xs, np.int64).reshape(N_CAT, 3)
+)
+ledgers = st.dictionaries(
+    st.sampled_from(["a", "team/b", "c-3", "d.4"]),
+    st.tuples(
+        st.dictionaries(st.integers(0, 3 * 288 - 1).map(lambda k: DAY0 + 300 * k), amounts, max_size=8),
+        st.dictionaries(st.integers(0, 3 * 288 - 1).map(lambda k: DAY0 + 300 * k), amounts, max_size=2),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@given(
+    led=ledgers,
+    windows=st.lists(st.tuples(st.integers(-10, 900), st.integers(1, 900)), min_size=1, max_size=5),
+)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_sealed_totals_equal_the_ledgers_for_any_window_and_sealing_again_changes_nothing(
+    tmp_path_factory, led, windows
+):
+    r, prefix = _client(), f"arch-{uuid.uuid4().hex[:10]}"
+    root = tmp_path_factory.mktemp("archive")
+    try:
+        for job, (b, v) in led.items():
+            write_ledger(r, prefix, job, b, v)
+            set_watermark(r, prefix, job, "n0", DAY0 + 5 * DAY_S)
+        archive = Archive.open(str(root))
+        sealer = Sealer(r, prefix, archive, "east", shards=3, delay_s=0)
+        first = sealer.seal(DAY0 + 10 * DAY_S)
+        manifest = (root / "cluster=east" / "manifest.json").read_bytes() if first.written else b""
+        files = sorted(p.name for p in root.rglob("*.parquet"))
+        again = sealer.seal(DAY0 + 10 * DAY_S)
+        assert not again.written  # the same content: nothing new
+        assert sorted(p.name for p in root.rglob("*.parquet")) == files
+        if first.written:
+            assert (root / "cluster=east" / "manifest.json").read_bytes() == manifest
+        assert not verify(archive).problems
+        for a, n in windows:
+            start, end = DAY0 + 300 * a, DAY0 + 300 * (a + n)
+            got = window_totals(archive, start, end)
+            for job in led:
+                want = ledger_window(r, prefix, job, start, end)
+                have = got.get(("east", job), Totals()).to_json()
+                assert have == want, (job, start, end)
+    finally:
+        drop_prefix(r, prefix)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _one_day(r: redis.Redis, prefix: str, job: str, day: int, gpu_ms: int) -> None:
+    a = np.zeros((N_CAT, 3), np.int64)
+    a[0] = [gpu_ms, 1000, 7]
+    write_ledger(r, prefix, job, {DAY0 + day * DAY_S + 600: a}, {})
+
+
+def test_a_day_waits_for_every_agent_and_a_late_job_is_a_new_version_never_a_second_count(tmp_path, prefix):
+    r = _client()
+    for job in ("x", "y"):
+        _one_day(r, prefix, job, 0, 5_000)
+    set_watermark(r, prefix, "x", "n0", DAY0 + 2 * DAY_S)
+    set_watermark(r, prefix, "y", "n0", DAY0 + 2 * DAY_S)
+    set_watermark(r, prefix, "y", "n1", DAY0 + 3600)  # y's second agent is behind: day 0 not sealable
+    archive = Archive.open(str(tmp_path))
+    sealer = Sealer(r, prefix, archive, "east", shards=1, delay_s=0, max_wait_s=30 * DAY_S)
+    rep = sealer.seal(DAY0 + 3 * DAY_S)
+    assert len(rep.written) == 1
+    m = archive.manifest("east")
+    [entry] = m.entries.values()
+    assert entry.jobs == ("x",) and entry.version == 1
+    # the seal delay holds too: a day ended less than the delay ago waits
+    assert sealable_before([(DAY0 + 2 * DAY_S) * 1000], DAY0 + DAY_S + 10, 3600, 2 * DAY_S) == DAY0
+    # ... and a job whose agents stopped short of a day (it ended) is sealed after the longest wait
+    assert sealable_before([(DAY0 + 3600) * 1000], DAY0 + DAY_S + 10, 0, 2 * DAY_S) == DAY0
+    assert sealable_before([(DAY0 + 3600) * 1000], DAY0 + 3 * DAY_S, 0, 2 * DAY_S) == DAY0 + DAY_S
+    set_watermark(r, prefix, "y", "n1", DAY0 + DAY_S)  # caught up
+    rep = sealer.seal(DAY0 + 3 * DAY_S)
+    [entry] = archive.manifest("east").entries.values()
+    assert entry.jobs == ("x", "y") and entry.version == 2 and len(entry.superseded) == 1
+    # the superseded file is gone: a glob over the archive reads the day once too
+    assert [p.name for p in tmp_path.rglob("*.parquet")] == [entry.path.split("/")[-1]]
+    got = window_totals(archive, DAY0, DAY0 + DAY_S)
+    assert got[("east", "x")].to_json()["productive"] == [5_000, 1000, 7]
+    assert got[("east", "y")].to_json()["productive"] == [5_000, 1000, 7]  # once, not twice
+    assert sum(t.to_json()["productive"][0] for t in got.values()) == 10_000
+
+
+def test_two_sealers_at_once_leave_one_file_per_day_and_the_same_totals(tmp_path, prefix):
+    r = _client()
+    for d in range(4):
+        for job in ("p", "q", "s"):
+            _one_day(r, prefix, job, d, 1_000 * (d + 1))
+    for job in ("p", "q", "s"):
+        set_watermark(r, prefix, job, "n0", DAY0 + 5 * DAY_S)
+    archive = Archive.open(str(tmp_path))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            Sealer(_client(), prefix, Archive.open(str(tmp_path)), "east", shards=2, delay_s=0).seal(
+                DAY0 + 9 * DAY_S
+            )
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    m = archive.manifest("east")
+    assert {k.split("/")[0] for k in m.entries} == {"2026-01-01", "2026-01-02", "2026-01-03", "2026-01-04"}
+    assert not verify(archive).problems
+    got = window_totals(archive, DAY0, DAY0 + 4 * DAY_S)
+    assert {j: t.to_json()["productive"][0] for (_c, j), t in got.items()} == {
+        "p": 10_000,
+        "q": 10_000,
+        "s": 10_000,
+    }
+
+
+def test_a_damaged_or_missing_file_is_found_and_read_fails_closed(tmp_path, prefix, cli):
+    r = _client()
+    _one_day(r, prefix, "z", 0, 3_000)
+    _one_day(r, prefix, "z", 1, 3_000)
+    set_watermark(r, prefix, "z", "n0", DAY0 + 3 * DAY_S)
+    archive = Archive.open(str(tmp_path))
+    Sealer(r, prefix, archive, "east", shards=1, delay_s=0).seal(DAY0 + 4 * DAY_S)
+    files = sorted(tmp_path.rglob("*.parquet"))
+    assert len(files) == 2
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    files[1].unlink()
+    done = cli("archive", "verify", "--archive", str(tmp_path))
+    assert done.returncode == 1 and "damaged" in done.stdout and "missing" in done.stdout, (
+        done.stdout + done.stderr
+    )
+    bad = cli(
+        "archive", "totals", "--archive", str(tmp_path), "--start", str(DAY0), "--end", str(DAY0 + DAY_S)
+    )
+    assert bad.returncode == 2 and "damaged" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_commands_seal_verify_and_read_totals_from_a_clean_checkout(tmp_path, prefix, cli):
+    r = _client()
+    _one_day(r, prefix, "team/run-1", 0, 7_200_000)  # 2 GPU-hours
+    set_watermark(r, prefix, "team/run-1", "n0", DAY0 + 2 * DAY_S)
+    seal = cli("archive", "seal", "--redis-url", SHARED_URL, "--prefix", prefix, "--archive", str(tmp_path),
+               "--cluster", "west", "--delay", "0")  # fmt: skip
+    assert seal.returncode == 0, seal.stderr
+    assert "date=2026-01-01/part-" in seal.stdout and "sealed 1 file(s)" in seal.stderr
+    again = cli("archive", "seal", "--redis-url", SHARED_URL, "--prefix", prefix, "--archive", str(tmp_path),
+                "--cluster", "west", "--delay", "0")  # fmt: skip
+    assert again.returncode == 0 and "sealed 0 file(s)" in again.stderr and "1 already sealed" in again.stderr
+    ok = cli("archive", "verify", "--archive", str(tmp_path))
+    assert ok.returncode == 0 and "1 file(s)" in ok.stderr
+    tot = cli(
+        "archive",
+        "totals",
+        "--archive",
+        str(tmp_path),
+        "--start",
+        "2026-01-01T00:00:00Z",
+        "--end",
+        "2026-01-02T00:00:00Z",
+    )
+    assert tot.returncode == 0, tot.stderr
+    [line] = [json.loads(x) for x in tot.stdout.splitlines()]
+    assert line["cluster"] == "west" and line["job"] == "team/run-1"
+    assert line["gpu_hours"]["productive"] == pytest.approx(2.0) and line["cost_micro"]["productive"] == 7
+    nope = cli("archive", "verify", "--archive", "s3://")
+    assert nope.returncode == 2 and "Traceback" not in nope.stderr
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """moto's S3 server (a real HTTP server speaking the S3 API) on a free port, one bucket."""
+    if shutil.which("moto_server") is None:
+        pytest.skip("moto[server] is not installed (the dev extra)")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["moto_server", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.create_bucket(Bucket="ledger")
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield (
+            f"s3://ledger/costexporter?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1",
+            client,
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_object_storage_holds_the_same_archive_as_a_directory(s3, tmp_path, prefix):
+    url, client = s3
+    r = _client()
+    for d in range(3):
+        _one_day(r, prefix, "obj", d, 60_000 * (d + 1))
+    set_watermark(r, prefix, "obj", "n0", DAY0 + 4 * DAY_S)
+    local, remote = Archive.open(str(tmp_path)), Archive.open(url)
+    for a in (local, remote):
+        rep = Sealer(r, prefix, a, "east", shards=1, delay_s=0).seal(DAY0 + 5 * DAY_S)
+        assert len(rep.written) == 3
+    names = sorted(o["Key"] for o in client.list_objects_v2(Bucket="ledger")["Contents"])
+    assert names[-1] == "costexporter/cluster=east/manifest.json" and len(names) == 4
+    assert all(n.startswith("costexporter/cluster=east/date=2026-01-0") for n in names[:3])
+    assert remote.manifest("east").to_json() == local.manifest("east").to_json()  # the same bytes' hashes
+    assert not verify(remote).problems
+    assert (
+        window_totals(remote, DAY0, DAY0 + 3 * DAY_S)[("east", "obj")].to_json()["productive"][0] == 360_000
+    )
+    assert not Sealer(r, prefix, remote, "east", shards=1, delay_s=0).seal(DAY0 + 5 * DAY_S).written
+
+
+def test_one_archive_answers_for_several_clusters(tmp_path, prefix):
+    r = _client()
+    archive = Archive.open(str(tmp_path))
+    for i, cluster in enumerate(("east", "west")):
+        p = f"{prefix}-{cluster}"
+        _one_day(r, p, "j", 0, 1_000 * (i + 1))
+        set_watermark(r, p, "j", "n0", DAY0 + 2 * DAY_S)
+        Sealer(r, p, archive, cluster, shards=1, delay_s=0).seal(DAY0 + 3 * DAY_S)
+        drop_prefix(r, p)
+    assert archive.clusters() == ["east", "west"]
+    got = window_totals(archive, DAY0, DAY0 + DAY_S)
+    assert {c: t.to_json()["productive"][0] for (c, _j), t in got.items()} == {"east": 1_000, "west": 2_000}
+    assert set(window_totals(archive, DAY0, DAY0 + DAY_S, ["west"])) == {("west", "j")}
+
+
+def test_a_manifest_of_a_newer_schema_is_refused_not_misread():
+    with pytest.raises(ValueError, match="newer than this release"):
+        Manifest.from_json({"schema": 99, "cluster": "c", "entries": {}})
