@@ -136,7 +136,7 @@ def test_a_day_waits_for_every_agent_and_a_late_job_is_a_new_version_never_a_sec
     assert len(rep.written) == 1
     m = archive.manifest("east")
     [entry] = m.entries.values()
-    assert entry.jobs == ("x",) and entry.version == 1
+    assert entry.jobs == ("x",) and entry.version == 1 and entry.final == ("x",)
     # the seal delay holds too: a day ended less than the delay ago waits
     assert sealable_before([(DAY0 + 2 * DAY_S) * 1000], DAY0 + DAY_S + 10, 3600, 2 * DAY_S) == DAY0
     # ... and a job whose agents stopped short of a day (it ended) is sealed after the longest wait
@@ -146,12 +146,37 @@ def test_a_day_waits_for_every_agent_and_a_late_job_is_a_new_version_never_a_sec
     rep = sealer.seal(DAY0 + 3 * DAY_S)
     [entry] = archive.manifest("east").entries.values()
     assert entry.jobs == ("x", "y") and entry.version == 2 and len(entry.superseded) == 1
+    assert entry.final == ("x", "y")  # both past every watermark now: not read from Redis again
     # the superseded file is gone: a glob over the archive reads the day once too
     assert [p.name for p in tmp_path.rglob("*.parquet")] == [entry.path.split("/")[-1]]
     got = window_totals(archive, DAY0, DAY0 + DAY_S)
     assert got[("east", "x")].to_json()["productive"] == [5_000, 1000, 7]
     assert got[("east", "y")].to_json()["productive"] == [5_000, 1000, 7]  # once, not twice
     assert sum(t.to_json()["productive"][0] for t in got.values()) == 10_000
+
+
+def test_a_day_sealed_after_the_longest_wait_is_read_again_and_a_late_booking_is_a_new_version(
+    tmp_path, prefix
+):
+    """A job whose agent stopped short of the day (it ended, or the agent is gone) is sealed after
+    --max-wait; a booking into that day later (the agent back, catching up) is sealed again as a
+    new version, never added twice; once every watermark is past the day it is final."""
+    r = _client()
+    _one_day(r, prefix, "w", 0, 1_000)
+    set_watermark(r, prefix, "w", "n0", DAY0 + 3600)  # stopped an hour into day 0
+    archive = Archive.open(str(tmp_path))
+    sealer = Sealer(r, prefix, archive, "east", shards=1, delay_s=0, max_wait_s=2 * DAY_S)
+    assert not sealer.seal(DAY0 + DAY_S + 60).written  # the longest wait is not over
+    assert len(sealer.seal(DAY0 + 3 * DAY_S).written) == 1
+    [e] = archive.manifest("east").entries.values()
+    assert e.final == () and e.version == 1
+    _one_day(r, prefix, "w", 0, 500)  # the agent came back and booked into the sealed day
+    set_watermark(r, prefix, "w", "n0", DAY0 + 2 * DAY_S)
+    rep = sealer.seal(DAY0 + 4 * DAY_S)
+    [e] = archive.manifest("east").entries.values()
+    assert len(rep.written) == 1 and e.version == 2 and e.final == ("w",)
+    assert window_totals(archive, DAY0, DAY0 + DAY_S)[("east", "w")].to_json()["productive"][0] == 1_500
+    assert not sealer.seal(DAY0 + 5 * DAY_S).written and not verify(archive).problems
 
 
 def test_two_sealers_at_once_leave_one_file_per_day_and_the_same_totals(tmp_path, prefix):

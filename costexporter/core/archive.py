@@ -16,6 +16,7 @@ booked in the bucket where they are seen, never back into a sealed day).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -49,7 +50,12 @@ Row = tuple[int, str, str, str, int, str, int, int, int, int, int, int, str]
 
 def day_of(start_s: int) -> str:
     """The UTC date (YYYY-MM-DD) a bucket starting at `start_s` belongs to."""
-    return datetime.fromtimestamp(start_s - start_s % DAY_S, UTC).strftime("%Y-%m-%d")
+    return _date(start_s - start_s % DAY_S)
+
+
+@functools.lru_cache(maxsize=4096)
+def _date(day_s: int) -> str:
+    return datetime.fromtimestamp(day_s, UTC).strftime("%Y-%m-%d")
 
 
 def day_start(date: str) -> int:
@@ -61,23 +67,40 @@ def shard_of(job: str, shards: int) -> int:
     return zlib.crc32(job.encode("utf-8", "surrogatepass")) % shards
 
 
+# An amounts hash's field -> (category, its place in a row's six amounts), as str and as bytes.
+_FIELD_AT: dict[str | bytes, tuple[str, int]] = {
+    f"{v}{c}:{u}": (c, i + (3 if v else 0))
+    for c in CATEGORIES
+    for i, u in enumerate(UNITS)
+    for v in ("", VOIDED)
+}
+_FIELD_AT.update({k.encode(): at for k, at in list(_FIELD_AT.items()) if isinstance(k, str)})
+_VERSION = ("price_version", b"price_version")
+
+
 def rows_of_bucket(
-    cluster: str, job: str, start_s: int, fields: Mapping[str, str | int | bytes]
+    cluster: str, job: str, start_s: int, fields: Mapping[str | bytes, str | int | bytes]
 ) -> list[Row]:
-    """One 5-minute bucket's amounts hash as rows: a row per category with any amount."""
-    raw = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in fields.items()}
-    pv = raw.get("price_version", "")
-    version = pv.decode() if isinstance(pv, bytes) else str(pv)
+    """One 5-minute bucket's amounts hash as rows: a row per category with any amount (a field
+    the ledger does not write is not the archive's)."""
+    amounts: dict[str, list[int]] = {}
+    version = ""
+    for k, v in fields.items():
+        at = _FIELD_AT.get(k)
+        if at is None:
+            if k in _VERSION:
+                version = v.decode() if isinstance(v, bytes) else str(v)
+            continue
+        a = amounts.get(at[0])
+        if a is None:
+            a = amounts[at[0]] = [0, 0, 0, 0, 0, 0]
+        a[at[1]] = int(v)
     date = day_of(start_s)
-    out: list[Row] = []
-    for c in CATEGORIES:
-        vals = [int(raw.get(f"{c}:{u}", 0)) for u in UNITS]
-        voided = [int(raw.get(f"{VOIDED}{c}:{u}", 0)) for u in UNITS]
-        if any(vals) or any(voided):
-            out.append(
-                (SCHEMA_VERSION, cluster, date, job, start_s, c, *vals, *voided, version)  # type: ignore[arg-type]
-            )
-    return out
+    return [
+        (SCHEMA_VERSION, cluster, date, job, start_s, c, *a, version)  # type: ignore[misc]
+        for c, a in sorted(amounts.items())
+        if any(a)
+    ]
 
 
 def ordered(rows: Iterable[Row]) -> list[Row]:
@@ -126,6 +149,9 @@ class Entry:
     jobs: tuple[str, ...]
     version: int = 1
     superseded: tuple[str, ...] = ()
+    # The jobs sealed once every agent had booked past the day: they cannot change, and are not
+    # read from the ledger again (the others, sealed after the longest wait, are, in case).
+    final: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -134,6 +160,7 @@ class Entry:
             "rows": self.rows,
             "totals": self.totals,
             "jobs": list(self.jobs),
+            "final": list(self.final),
             "version": self.version,
             "superseded": list(self.superseded),
         }
@@ -150,6 +177,7 @@ class Entry:
             jobs=tuple(str(j) for j in d.get("jobs") or ()),  # type: ignore[attr-defined]
             version=int(str(d.get("version", 1))),
             superseded=tuple(str(p) for p in d.get("superseded") or ()),  # type: ignore[attr-defined]
+            final=tuple(str(j) for j in d.get("final") or ()),  # type: ignore[attr-defined]
         )
 
 
@@ -186,13 +214,14 @@ class Manifest:
                 entry.jobs,
                 old.version + 1,
                 (*old.superseded, old.path),
+                entry.final,
             )
         self.entries[key] = entry
         return True
 
-    def sealed_jobs(self, key: str) -> set[str]:
+    def final_jobs(self, key: str) -> set[str]:
         e = self.entries.get(key)
-        return set(e.jobs) if e is not None else set()
+        return set(e.final) if e is not None else set()
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -13,8 +13,9 @@ the manifest names it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from costexporter.core.archive import (
@@ -31,7 +32,7 @@ from costexporter.core.archive import (
     sealable_before,
     shard_of,
 )
-from costexporter.store import keys, ledger, untrusted
+from costexporter.store import keys, ledger, redisconn, untrusted
 from costexporter.store.archive import Archive, ArchiveError, parquet_bytes, sha256
 from costexporter.store.client import RedisClient
 
@@ -78,6 +79,7 @@ class Sealer:
         self.shards = shards
         self.delay_s = delay_s
         self.max_wait_s = max_wait_s
+        self._dirty = False  # the manifest changed without a file written (a job now final)
 
     def jobs(self) -> list[str]:
         """Every job with a ledger: the jobs index's, and the time of no job."""
@@ -85,25 +87,30 @@ class Sealer:
         out = sorted({n.decode() if isinstance(n, bytes) else str(n) for n in names})
         return [*out, ledger.UNASSIGNED_JOB]
 
-    def watermarks_ms(self, job: str) -> list[int]:
-        """Every agent's booked-until of the job (its watermarks)."""
-        pattern = keys.watermark_key(self.prefix, job, "*")
+    def watermarks_ms(self) -> dict[str, list[int]]:
+        """Every agent's booked-until of every job (their watermarks), in one pass over the
+        keyspace (not one per job: that would grow with jobs times keys). A watermark that
+        cannot be read counts as 0: its job waits (its agent rewrites it)."""
+        pattern = keys.watermark_key(self.prefix, "*", "*")
         found = list(self.r.scan_iter(match=pattern, count=1000))
-        out = []
-        for raw in (self.r.get(k) for k in found):
+        out: dict[str, list[int]] = {}
+        for k, raw in zip(found, redisconn.mget(self.r, found) if found else [], strict=True):
+            name = k.decode() if isinstance(k, bytes) else str(k)
+            job = name[name.index("{") + 1 : name.rindex("}")]
             try:
                 wm = untrusted.loads(raw) if raw is not None else None
             except ValueError:
-                wm = None  # an unreadable watermark seals nothing of the job (its agent rewrites it)
-                out.append(0)
-            if isinstance(wm, dict) and isinstance(wm.get("booked_until"), int | float):
-                out.append(int(wm["booked_until"]))
+                wm = None
+            until = wm.get("booked_until") if isinstance(wm, dict) else None
+            out.setdefault(job, []).append(int(until) if isinstance(until, int | float) else 0)
         return out
 
-    def buckets(self, job: str, before_s: int) -> dict[str, list[Row]]:
-        """The job's 5-minute buckets before `before_s`, as rows by day."""
+    def buckets(self, job: str, before_s: int, skip: Callable[[str], bool]) -> dict[str, list[Row]]:
+        """The job's 5-minute buckets before `before_s`, as rows by day; not read for the days
+        `skip` says are sealed for good."""
         index = keys.index_key(self.prefix, job, "5m")
         starts = [int(float(s)) for s in self.r.zrangebyscore(index, "-inf", f"({before_s}")]
+        starts = [s for s in starts if not skip(day_of(s))]
         if not starts:
             return {}
         pipe = self.r.pipeline(transaction=False)
@@ -125,28 +132,44 @@ class Sealer:
         report = SealReport()
         manifest = self.archive.manifest(self.cluster)
         cells: dict[tuple[str, int], dict[str, list[Row]]] = {}  # (day, shard) -> job -> rows
+        final: dict[tuple[str, int], set[str]] = {}  # ... the jobs sealed past every watermark
+        skipped: set[tuple[str, int]] = set()  # cells of a job sealed for good: not read again
+        marks = self.watermarks_ms()
         for job in self.jobs():
-            before = sealable_before(self.watermarks_ms(job), now_s, self.delay_s, self.max_wait_s)
+            before = sealable_before(marks.get(job, []), now_s, self.delay_s, self.max_wait_s)
+            by_marks = sealable_before(marks.get(job, []), now_s, self.delay_s, now_s)  # without the wait
             if before <= 0:
                 report.waiting.append(job)
                 continue
             shard = shard_of(job, self.shards)
-            for day, rows in self.buckets(job, before).items():
+
+            def done(day: str, job: str = job, shard: int = shard) -> bool:
+                if job in manifest.final_jobs(entry_key(day, shard)):
+                    skipped.add((day, shard))
+                    return True
+                return False
+
+            for day, rows in self.buckets(job, before, done).items():
                 cells.setdefault((day, shard), {})[job] = rows
+                if day_start(day) + DAY_S <= by_marks:
+                    final.setdefault((day, shard), set()).add(job)
         replaced: list[str] = []
+        self._dirty = False
         for (day, shard), jobs in sorted(cells.items()):
             key = entry_key(day, shard)
             kept = self._sealed_rows(manifest, key, exclude=set(jobs))
             rows = [r for rs in jobs.values() for r in rs] + kept
             old = manifest.entries.get(key)
-            if self._write(manifest, key, day, shard, rows):
+            still = (manifest.final_jobs(key) - set(jobs)) | final.get((day, shard), set())
+            if self._write(manifest, key, day, shard, rows, still):
                 report.written.append(manifest.entries[key].path)
                 report.rows += len(rows)
                 if old is not None:
                     replaced.append(old.path)
             else:
                 report.unchanged += 1
-        if report.written:
+        report.unchanged += len(skipped - set(cells))
+        if report.written or self._dirty:
             self.archive.save_manifest(manifest)
         # Once the manifest names their successors: a glob over the archive (DuckDB, Athena) then
         # reads each day once too. A reader of the manifest before it changed fails closed on a
@@ -161,11 +184,17 @@ class Sealer:
             return []
         return [r for r in self.archive.read(self.cluster, e) if r[3] not in exclude]
 
-    def _write(self, manifest: Manifest, key: str, day: str, shard: int, rows: list[Row]) -> bool:
+    def _write(
+        self, manifest: Manifest, key: str, day: str, shard: int, rows: list[Row], final: set[str]
+    ) -> bool:
         data = parquet_bytes(rows)
         digest = sha256(data)
         old = manifest.entries.get(key)
         if old is not None and old.sha256 == digest:
+            keep = tuple(sorted(final & set(old.jobs)))
+            if keep != old.final:  # the same rows, now past every watermark too
+                manifest.entries[key] = dataclasses.replace(old, final=keep)
+                self._dirty = True
             return False
         path = file_path(day, shard, digest)
         self.archive.put(self.cluster, path, data)
@@ -174,7 +203,9 @@ class Sealer:
             raise ArchiveError(f"{path} read back from {self.archive.url} is not what was written")
         totals = Totals.of(rows).to_json()
         jobs = tuple(sorted({r[3] for r in rows}))
-        return manifest.put(key, Entry(path, digest, len(rows), totals, jobs))
+        return manifest.put(
+            key, Entry(path, digest, len(rows), totals, jobs, final=tuple(sorted(final & set(jobs))))
+        )
 
 
 @dataclass

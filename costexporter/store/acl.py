@@ -62,8 +62,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     # buckets), and the oldest entries of a job's streams (its first register); SCAN for the
     # jobs' ranks keys when the jobs index is of the wrong type (store/jobindex.py).
     # services/sealer.py (`costexporter archive seal`): the jobs index, each job's 5-minute
-    # buckets and their index, the agents' watermarks (SCAN by pattern): reads only.
-    "sealer": _cmds("+get +hgetall +zrange +zrangebyscore +scan"),
+    # buckets and their index, the agents' watermarks (one SCAN by pattern, MGET): reads only.
+    "sealer": _cmds("+get +mget +hgetall +zrange +zrangebyscore +scan"),
     "api": _cmds(
         """+get +hget +hgetall +hvals +hmget +smembers +exists +type +xrange +scan
         +zrange +zscore +zcount +zrevrangebyscore +eval +evalsha +script|load +script|exists"""
