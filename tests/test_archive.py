@@ -346,3 +346,20 @@ def test_one_archive_answers_for_several_clusters(tmp_path, prefix):
 def test_a_manifest_of_a_newer_schema_is_refused_not_misread():
     with pytest.raises(ValueError, match="newer than this release"):
         Manifest.from_json({"schema": 99, "cluster": "c", "entries": {}})
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["not json", "[]", '{"cluster": "east", "entries": [1]}',
+     '{"cluster": "east", "entries": {"d/0": {"path": 1}}}',
+     '{"cluster": "east", "entries": {"d/0": {"path": "p", "sha256": "x", "rows": 1, "totals": [1]}}}'],
+)  # fmt: skip
+def test_an_unreadable_manifest_is_one_line_never_a_traceback(tmp_path, cli, text):
+    (tmp_path / "cluster=east").mkdir()
+    (tmp_path / "cluster=east" / "manifest.json").write_text(text)
+    done = cli("archive", "verify", "--archive", str(tmp_path))
+    assert (
+        done.returncode == 2
+        and "manifest of cluster 'east'" in done.stderr
+        and "Traceback" not in done.stderr
+    )

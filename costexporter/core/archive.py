@@ -168,7 +168,8 @@ class Entry:
     @classmethod
     def from_json(cls, d: Mapping[str, object]) -> Entry:
         totals = d.get("totals") or {}
-        assert isinstance(totals, dict)
+        if not isinstance(totals, dict):
+            raise ValueError(f"an entry's totals are a {type(totals).__name__}, not an object")
         return cls(
             path=str(d["path"]),
             sha256=str(d["sha256"]),
@@ -239,7 +240,8 @@ class Manifest:
                 "upgrade costexporter to read it"
             )
         entries = d.get("entries") or {}
-        assert isinstance(entries, dict)
+        if not isinstance(entries, dict):
+            raise ValueError(f"the manifest's entries are a {type(entries).__name__}, not an object")
         return cls(str(d["cluster"]), {str(k): Entry.from_json(v) for k, v in entries.items()}, schema)
 
 

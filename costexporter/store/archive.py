@@ -135,7 +135,7 @@ class Archive:
             return Manifest(cluster)
         try:
             return Manifest.from_json(json.loads(raw))
-        except (ValueError, KeyError, TypeError, AssertionError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ArchiveError(
                 f"the manifest of cluster {cluster!r} in {self.url} is unreadable: {e}"
             ) from None
