@@ -343,6 +343,18 @@ def test_one_archive_answers_for_several_clusters(tmp_path, prefix):
     assert set(window_totals(archive, DAY0, DAY0 + DAY_S, ["west"])) == {("west", "j")}
 
 
+def test_a_job_whose_trainer_broke_the_jobs_index_is_sealed_all_the_same(tmp_path, prefix):
+    """The sealer finds jobs by their ledgers, not by the index a trainer can write."""
+    r = _client()
+    _one_day(r, prefix, "hidden", 0, 4_000)
+    set_watermark(r, prefix, "hidden", "n0", DAY0 + 2 * DAY_S)
+    r.delete(keys.jobs_key(prefix))
+    r.set(keys.jobs_key(prefix), "not a sorted set")
+    archive = Archive.open(str(tmp_path))
+    assert len(Sealer(r, prefix, archive, "east", shards=1, delay_s=0).seal(DAY0 + 3 * DAY_S).written) == 1
+    assert window_totals(archive, DAY0, DAY0 + DAY_S)[("east", "hidden")].to_json()["productive"][0] == 4_000
+
+
 def test_a_manifest_of_a_newer_schema_is_refused_not_misread():
     with pytest.raises(ValueError, match="newer than this release"):
         Manifest.from_json({"schema": 99, "cluster": "c", "entries": {}})

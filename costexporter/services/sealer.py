@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from costexporter.core.archive import (
     DAY_S,
@@ -32,7 +33,7 @@ from costexporter.core.archive import (
     sealable_before,
     shard_of,
 )
-from costexporter.store import keys, ledger, redisconn, untrusted
+from costexporter.store import keys, redisconn, untrusted
 from costexporter.store.archive import Archive, ArchiveError, parquet_bytes, sha256
 from costexporter.store.client import RedisClient
 
@@ -82,28 +83,37 @@ class Sealer:
         self._dirty = False  # the manifest changed without a file written (a job now final)
 
     def jobs(self) -> list[str]:
-        """Every job with a ledger: the jobs index's, and the time of no job."""
-        names = [n for n in self.r.zrange(keys.jobs_key(self.prefix), 0, -1)]
-        out = sorted({n.decode() if isinstance(n, bytes) else str(n) for n in names})
-        return [*out, ledger.UNASSIGNED_JOB]
+        """Every job with a ledger (the time of no job's too): found by its 5-minute bucket
+        index, in one pass over the keyspace, not by the trainers' jobs index (which a trainer
+        can write: no job hides from the seal that way)."""
+        return sorted(self._by_tag(keys.index_key(self.prefix, "*", "5m")))
+
+    def _by_tag(self, pattern: str) -> dict[str, list[Any]]:
+        """The keys matching `pattern`, by the job in their hash tag."""
+        out: dict[str, list[Any]] = {}
+        for k in self.r.scan_iter(match=pattern, count=1000):
+            name = k.decode() if isinstance(k, bytes) else str(k)
+            out.setdefault(name[name.index("{") + 1 : name.rindex("}")], []).append(k)
+        return out
 
     def watermarks_ms(self) -> dict[str, list[int]]:
         """Every agent's booked-until of every job (their watermarks), in one pass over the
-        keyspace (not one per job: that would grow with jobs times keys). A watermark that
-        cannot be read counts as 0: its job waits (its agent rewrites it)."""
-        pattern = keys.watermark_key(self.prefix, "*", "*")
-        found = list(self.r.scan_iter(match=pattern, count=1000))
+        keyspace (not one per job: that would grow with jobs times keys)."""
         out: dict[str, list[int]] = {}
-        for k, raw in zip(found, redisconn.mget(self.r, found) if found else [], strict=True):
-            name = k.decode() if isinstance(k, bytes) else str(k)
-            job = name[name.index("{") + 1 : name.rindex("}")]
-            try:
-                wm = untrusted.loads(raw) if raw is not None else None
-            except ValueError:
-                wm = None
-            until = wm.get("booked_until") if isinstance(wm, dict) else None
-            out.setdefault(job, []).append(int(until) if isinstance(until, int | float) else 0)
+        for job, found in self._by_tag(keys.watermark_key(self.prefix, "*", "*")).items():
+            out[job] = [self._booked_until(raw) for raw in redisconn.mget(self.r, found)]
         return out
+
+    @staticmethod
+    def _booked_until(raw: object) -> int:
+        """A watermark's booked-until (ms); one that cannot be read counts as 0: its job waits
+        (its agent rewrites it)."""
+        try:
+            wm = untrusted.loads(raw) if raw is not None else None
+        except ValueError:
+            wm = None
+        until = wm.get("booked_until") if isinstance(wm, dict) else None
+        return int(until) if isinstance(until, int | float) else 0
 
     def buckets(self, job: str, before_s: int, skip: Callable[[str], bool]) -> dict[str, list[Row]]:
         """The job's 5-minute buckets before `before_s`, as rows by day; not read for the days

@@ -61,9 +61,9 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     # store/ledger_read.py (the API): reads only, also in its scripts (which read the rollups and
     # buckets), and the oldest entries of a job's streams (its first register); SCAN for the
     # jobs' ranks keys when the jobs index is of the wrong type (store/jobindex.py).
-    # services/sealer.py (`costexporter archive seal`): the jobs index, each job's 5-minute
-    # buckets and their index, the agents' watermarks (one SCAN by pattern, MGET): reads only.
-    "sealer": _cmds("+get +mget +hgetall +zrange +zrangebyscore +scan"),
+    # services/sealer.py (`costexporter archive seal`): the jobs' 5-minute bucket indexes and the
+    # agents' watermarks (found by SCAN patterns; MGET), each job's buckets: reads only.
+    "sealer": _cmds("+mget +hgetall +zrangebyscore +scan"),
     "api": _cmds(
         """+get +hget +hgetall +hvals +hmget +smembers +exists +type +xrange +scan
         +zrange +zscore +zcount +zrevrangebyscore +eval +evalsha +script|load +script|exists"""
@@ -125,8 +125,8 @@ def key_patterns(role: str, prefix: str, scope: Scope = Scope()) -> list[str]:
     if role == "watcher":
         read = [f"%R~{ns(keys.TRAINER)}", f"%R~{ns(keys.AGENT)}"]
         return [*read, f"~{ns(keys.READERS)}", f"~{ns(keys.WATCHER)}"]
-    if role == "sealer":  # reads the ledger and the jobs index; writes nothing a trainer or agent reads
-        return [f"%R~{ns(keys.TRAINER)}", f"%R~{ns(keys.AGENT)}"]
+    if role == "sealer":  # reads the agents' ledger and watermarks; writes nothing
+        return [f"%R~{ns(keys.AGENT)}"]
     if role == "api":
         # Not `%R~`: Redis counts a script's keys as written (EVALSHA has no read-only form before
         # Redis 7's EVALSHA_RO), and the API reads through scripts. Its commands are all reads,
