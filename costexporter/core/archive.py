@@ -120,12 +120,6 @@ class Totals:
         t[1] += r[7] - r[10]
         t[2] += r[8] - r[11]
 
-    def add(self, other: Totals) -> None:
-        for c, v in other.by_category.items():
-            t = self.by_category.setdefault(c, [0, 0, 0])
-            for i in range(3):
-                t[i] += v[i]
-
     @classmethod
     def of(cls, rows: Iterable[Row]) -> Totals:
         t = cls()

@@ -31,8 +31,6 @@ import numpy as np
 
 from costexporter.core.model import Band, Category
 
-VALID = (Category.PRODUCTIVE, Category.COMMUNICATION, Category.STARVED)
-
 
 class BandTableError(ValueError):
     """A band table that cannot be used."""
@@ -68,20 +66,6 @@ class Condition:
     field: str
     op: str
     edge: str | float
-
-    def holds(
-        self, power_w: np.ndarray, util_pct: np.ndarray, edges: Mapping[str, float | None]
-    ) -> np.ndarray:
-        x = power_w if self.field == "power" else util_pct
-        edge = self.edge if isinstance(self.edge, float) else edges.get(self.edge)
-        if edge is None:  # an edge the profile does not know (no power limit): holds nowhere
-            return np.zeros(x.shape, bool)
-        with np.errstate(invalid="ignore"):
-            if self.op.startswith("!"):
-                out: np.ndarray = ~_OPS[self.op[1:]](x, edge)
-            else:
-                out = _OPS[self.op](x, edge)
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +114,6 @@ class BandTable:
     @cached_property
     def default_code(self) -> int:
         return next(r.code for r in self.rows if r.default)
-
-    def signature_code(self, signature: str) -> int:
-        return next(r.code for r in self.rows if r.signature == signature)
 
     @cached_property
     def reading_rows(self) -> tuple[BandRow, ...]:

@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from costexporter.core import bands as bands_mod
 from costexporter.core import bandtable, shares
-from costexporter.core.model import NO_BAND, Category, Event
+from costexporter.core.model import NO_BAND, VALID_CATEGORIES, Category, Event
 from costexporter.core.profiles import Profile
 
 NEG_INF = np.iinfo(np.int64).min // 4
@@ -58,7 +58,7 @@ def category_table(bands: bandtable.BandTable) -> np.ndarray:
         c = r.code + 1
         table[Regime.STEP, c] = r.step
         table[Regime.STALL, c] = r.stall
-        table[Regime.VOID, c] = Category.ROLLED_BACK if r.step in bandtable.VALID else r.step
+        table[Regime.VOID, c] = Category.ROLLED_BACK if r.step in VALID_CATEGORIES else r.step
         table[Regime.BAND, c] = r.stepless  # a job without steps (a Kubernetes pod's GPUs)
     table[Regime.UNASSIGNED, :] = Category.UNASSIGNED
     table[Regime.UNREAD, :] = Category.UNOBSERVED  # held, but nothing says what it was doing
