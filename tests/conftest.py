@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -122,3 +123,44 @@ def shared():
     except redis.ConnectionError:
         pytest.fail(f"the shared Redis at {SHARED_URL} is not running (COSTEXPORTER_TEST_REDIS_URL)")
     return r
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """moto's S3 server (a real HTTP server speaking the S3 API) on a free port, one bucket."""
+    from .redis_server import free_port
+
+    if shutil.which("moto_server") is None:
+        pytest.skip("moto[server] is not installed (the dev extra)")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["moto_server", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.create_bucket(Bucket="ledger")
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield (
+            f"s3://ledger/costexporter?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1",
+            client,
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

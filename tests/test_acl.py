@@ -352,6 +352,8 @@ def test_the_sealer_seals_real_bookings_under_its_read_only_rule(server, booked,
     assert rep.written, rep
     total = ledger.read_amounts(admin, PREFIX, job)
     sealed = window_totals(archive, 0, far)[("c1", job)].to_json()
+    steps = sealed.pop("_steps")  # every step the agents recorded, sealed with its day
+    assert steps[0] == admin.zcard(keys.steps_key(PREFIX, job)) > 0
     want = {
         c: [total.get(f"{c}:{u}", 0) - total.get(f"voided:{c}:{u}", 0) for u in ("ms", "mj", "ucost")]
         for c in sealed
@@ -362,10 +364,61 @@ def test_the_sealer_seals_real_bookings_under_its_read_only_rule(server, booked,
     admin.execute_command("ACL", "DELUSER", user)
 
 
+def test_retention_drops_only_what_the_archive_holds_under_its_rule(server, booked, tmp_path):
+    """A copy of two real agents' ledger (its own prefix: the other tests keep theirs), sealed by
+    the sealer's user and expired by the retention user: the bill of the whole run is the same
+    before and after, read across Redis and the archive; the retention user was never refused,
+    and every write its rule holds is refused on the trainers', the watchers' and the agents'
+    other keys."""
+    from costexporter.services.retention import Retention
+    from costexporter.services.sealer import Sealer
+    from costexporter.store.archive import Archive
+    from costexporter.store.coldledger import ColdLedger
+    from costexporter.store.ledger_read import LedgerStore
+
+    admin, other = server.client(), "cx"
+    job = booked["b"].job
+    for k in admin.scan_iter(f"{PREFIX}:*"):
+        if admin.ttl(k) == -1:
+            admin.restore(other + k[len(PREFIX) :], 0, admin.dump(k), replace=True)
+    users = {}
+    for role in ("sealer", "retention"):
+        pw = uuid.uuid4().hex
+        args = acl.setuser_args(role, other, password=pw)
+        admin.execute_command(*shlex.split(acl.setuser_line(args)))
+        users[role] = client_as(server, args[0], pw)
+    day = 86400
+    t0 = int(booked["b"].t0) // day * day
+    span = [(t0 - day, t0 + 2 * day)]
+    (before,) = LedgerStore(admin, other).tables([job], span, tokens=True)[1]
+    archive = Archive.open(str(tmp_path))
+    far = int(time.time()) + 60 * day
+    assert Sealer(users["sealer"], other, archive, "c1", delay_s=0).seal(far).written
+    rep = Retention(Sealer(users["retention"], other, archive, "c1"), hot_days=1).expire(far)
+    assert rep.keys > 0 and not rep.held, rep
+    assert not admin.keys(f"{other}:a:{{{job}}}:ledger:5m:*")
+    (after,) = LedgerStore(admin, other, cold=ColdLedger(archive, "c1")).tables([job], span, tokens=True)[1]
+    assert after.net.tolist() == before.net.tolist() and after.steps == before.steps
+    assert int(before.net.sum()) > 0
+    name = acl.default_user("retention")
+    assert not acl_denials(admin, name)
+    c = users["retention"]
+    foreign = [k for k in admin.scan_iter(f"{other}:*") if ":ledger:" not in k and not k.endswith(":hotfrom")]
+    assert any(f":{keys.TRAINER}:" in k for k in foreign) and any(":wm:" in k for k in foreign), foreign
+    lasting = {k: admin.dump(k) for k in foreign}
+    for k in foreign:
+        for w in [w for w in WRITES if w in acl.COMMANDS["retention"]]:
+            assert refused(WRITES[w], c, k), (w, k)
+    assert {k: admin.dump(k) for k in foreign} == lasting
+    for role in users:
+        admin.execute_command("ACL", "DELUSER", acl.default_user(role))
+
+
 def test_every_rule_is_accepted_by_redis_as_printed(server, cli):
     admin = server.client()
     for role, extra in [("trainer", ["--job", "j"]), ("trainer", ["--team", "t"]), ("trainer", []),
-                        ("agent", []), ("watcher", []), ("api", []), ("sealer", [])]:  # fmt: skip
+                        ("agent", []), ("watcher", []), ("api", []), ("sealer", []),
+                        ("retention", [])]:  # fmt: skip
         user = f"u-{uuid.uuid4().hex[:8]}"
         r = cli("acl", "--role", role, *extra, "--user", user, "--prefix", "p1", "--cluster")
         assert r.returncode == 0, r.stderr

@@ -7,11 +7,8 @@ twice; a day an agent has not booked past waits; a damaged file is found; an S3-
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import threading
-import time
 import uuid
 
 import numpy as np
@@ -27,7 +24,6 @@ from costexporter.store import keys, ledger
 from costexporter.store.archive import Archive
 
 from .conftest import SHARED_URL, drop_prefix
-from .redis_server import free_port
 
 DAY0 = 1_767_225_600  # 2026-01-01T00:00:00Z
 N_CAT = len(CATEGORIES)
@@ -179,6 +175,76 @@ def test_a_day_sealed_after_the_longest_wait_is_read_again_and_a_late_booking_is
     assert not sealer.seal(DAY0 + 5 * DAY_S).written and not verify(archive).problems
 
 
+class Crash(Exception):
+    pass
+
+
+def _crash_once(monkeypatch, archive: Archive, method: str) -> None:
+    real = getattr(archive, method)
+    calls = {"n": 0}
+
+    def crashing(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise Crash(method)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(archive, method, crashing)
+
+
+def test_a_sealer_that_dies_at_any_step_leaves_each_day_once_after_the_next_seal(
+    tmp_path, prefix, monkeypatch
+):
+    """Killed after writing its files but before the manifest names them, or after the manifest
+    names a new version but before the old file is removed: the next seal names each day's one
+    file, removes what no manifest names (once it is old enough not to be another sealer's in
+    flight), and a glob over the archive counts every day once. A file lost by hand is written
+    again the next time its day is read."""
+    r = _client()
+    for d in range(2):
+        _one_day(r, prefix, "k", d, 1_000 * (d + 1))
+    set_watermark(r, prefix, "k", "n0", DAY0 + 3600)  # stopped early: days sealed after the wait
+    archive = Archive.open(str(tmp_path))
+    sealer = Sealer(r, prefix, archive, "east", shards=1, delay_s=0, max_wait_s=0, orphan_age_s=0)
+    _crash_once(monkeypatch, archive, "save_manifest")
+    with pytest.raises(Crash):
+        sealer.seal(DAY0 + 3 * DAY_S)
+    assert (
+        len(list(tmp_path.rglob("*.parquet"))) == 2
+        and not (tmp_path / "cluster=east" / "manifest.json").exists()
+    )
+    sealer.seal(DAY0 + 3 * DAY_S)
+    assert len(list(tmp_path.rglob("*.parquet"))) == 2 and not verify(archive).problems
+    # A late booking into day 1, sealed again; killed before the superseded file is removed.
+    _one_day(r, prefix, "k", 1, 500)
+    _crash_once(monkeypatch, archive, "delete")
+    with pytest.raises(Crash):
+        sealer.seal(DAY0 + 3 * DAY_S)
+    assert len(list(tmp_path.rglob("*.parquet"))) == 3  # the old version is still there
+    assert verify(archive).orphans == [
+        "date=2026-01-02/" + archive.manifest("east").entries["2026-01-02/000"].superseded[0].split("/")[1]
+    ]
+    rep = sealer.seal(DAY0 + 3 * DAY_S)
+    assert len(rep.swept) == 1 and "no manifest named removed" in rep.line()
+    files = sorted(tmp_path.rglob("*.parquet"))
+    assert len(files) == 2 and not verify(archive).orphans
+    import pyarrow.dataset as ds
+
+    glob = ds.dataset([str(f) for f in files], format="parquet").to_table()
+    assert sum(glob.column("gpu_ms").to_pylist()) == 1_000 + 2_000 + 500  # each day once
+    # Younger than the age a sealer in flight may have: not swept.
+    young = Sealer(r, prefix, archive, "east", shards=1, delay_s=0, max_wait_s=0)
+    (tmp_path / "cluster=east" / "date=2026-01-01" / "part-000-stray.parquet").write_bytes(b"x")
+    assert not young.seal(DAY0 + 3 * DAY_S).swept
+    (tmp_path / "cluster=east" / "date=2026-01-01" / "part-000-stray.parquet").unlink()
+    # A file lost by hand: the next seal that reads its day writes it again.
+    [lost] = [f for f in files if "2026-01-02" in str(f)]
+    lost.unlink()
+    assert verify(archive).problems
+    sealer.seal(DAY0 + 3 * DAY_S)
+    assert lost.exists() and not verify(archive).problems
+
+
 def test_two_sealers_at_once_leave_one_file_per_day_and_the_same_totals(tmp_path, prefix):
     r = _client()
     for d in range(4):
@@ -264,47 +330,9 @@ def test_the_commands_seal_verify_and_read_totals_from_a_clean_checkout(tmp_path
     [line] = [json.loads(x) for x in tot.stdout.splitlines()]
     assert line["cluster"] == "west" and line["job"] == "team/run-1"
     assert line["gpu_hours"]["productive"] == pytest.approx(2.0) and line["cost_micro"]["productive"] == 7
+    assert "_steps" not in line["gpu_hours"] and line["steps"] == {"completed": 0, "voided": 0, "valid": 0}
     nope = cli("archive", "verify", "--archive", "s3://")
     assert nope.returncode == 2 and "Traceback" not in nope.stderr
-
-
-@pytest.fixture
-def s3(tmp_path):
-    """moto's S3 server (a real HTTP server speaking the S3 API) on a free port, one bucket."""
-    if shutil.which("moto_server") is None:
-        pytest.skip("moto[server] is not installed (the dev extra)")
-    port = free_port()
-    proc = subprocess.Popen(
-        ["moto_server", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.create_bucket(Bucket="ledger")
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        yield (
-            f"s3://ledger/costexporter?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1",
-            client,
-        )
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_object_storage_holds_the_same_archive_as_a_directory(s3, tmp_path, prefix):
@@ -375,3 +403,71 @@ def test_an_unreadable_manifest_is_one_line_never_a_traceback(tmp_path, cli, tex
         and "manifest of cluster 'east'" in done.stderr
         and "Traceback" not in done.stderr
     )
+
+
+def test_each_row_says_whose_it_is_so_the_parquet_alone_bills_by_team(tmp_path, prefix):
+    """Each sealed row carries its job's team and attributes as the API shows them (the agents'
+    attribution over the trainer's meta): a query over the files by team equals the ledger's
+    bill by team. Meta that changes after a day was sealed for good does not hold its expiry."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    from costexporter.services.retention import Retention
+    from costexporter.store.ledger_read import LedgerStore
+
+    from .api_helpers import T0, write_job
+
+    r = _client()
+    write_job(r, prefix, "llm/a", "llm", model="qwen3", cost_center="cc-1")
+    write_job(r, prefix, "llm/b", "llm")
+    write_job(r, prefix, "v/c", "vision")
+    write_job(r, prefix, "orphan", None)
+    for j in ("llm/a", "llm/b", "v/c", "orphan"):
+        set_watermark(r, prefix, j, "n0", T0 + 3 * DAY_S)
+    archive = Archive.open(str(tmp_path))
+    sealer = Sealer(r, prefix, archive, "east", shards=2, delay_s=0)
+    sealer.seal(T0 + 4 * DAY_S)
+    t = ds.dataset([str(f) for f in tmp_path.rglob("*.parquet")], format="parquet").to_table()
+    t = t.append_column("net", pc.subtract(t.column("cost_micro"), t.column("voided_cost_micro")))
+    by_team = {
+        row["team"]: row["net_sum"] for row in t.group_by("team").aggregate([("net", "sum")]).to_pylist()
+    }
+    store = LedgerStore(r, prefix)
+    want: dict[str, int] = {}
+    for j, team in (("llm/a", "llm"), ("llm/b", "llm"), ("v/c", "vision"), ("orphan", "")):
+        a = store.amounts_many([j], T0 - DAY_S, T0 + 2 * DAY_S)[j]
+        want[team] = want.get(team, 0) + sum(a.ucost.values())
+    assert by_team == want and want["llm"] > 0
+    metas = store.meta_many(["llm/a"])
+    [attrs] = {
+        x
+        for x, j in zip(t.column("attributes").to_pylist(), t.column("job").to_pylist(), strict=True)
+        if j == "llm/a"
+    }
+    assert json.loads(attrs) == dict(metas["llm/a"]) and json.loads(attrs)["model"] == "qwen3"
+    r.hset(keys.meta_key(prefix, "llm/a"), "model", "qwen3-next")  # after the day was sealed for good
+    rep = Retention(sealer, hot_days=1).expire(T0 + 4 * DAY_S)
+    assert not rep.held and rep.keys > 0, rep
+
+
+def test_a_file_of_the_first_schema_reads_with_no_steps_and_no_owner():
+    """An archive sealed by a release of schema 1 (no step columns, no team or attributes) is
+    read by this one: its amounts as they were, its steps 0, whose it is unknown ("")."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from costexporter.core.archive import V1_COLUMNS
+    from costexporter.store.archive import rows_of
+
+    row = (1, "east", "2026-01-01", "j", DAY0, "productive", 5, 6, 7, 1, 0, 0, "pv1")
+    table = pa.Table.from_arrays(
+        [pa.array([v], type=getattr(pa, t)()) for v, (_, t) in zip(row, V1_COLUMNS, strict=True)],
+        names=[n for n, _ in V1_COLUMNS],
+    )
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    [got] = rows_of(buf.getvalue())
+    assert got == (*row, 0, 0, 0, 0, "", "")
+    assert Totals.of([got]).to_json() == {"productive": [4, 6, 7]}

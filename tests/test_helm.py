@@ -61,6 +61,13 @@ VALUE_SETS = {
     "redis-acl": {
         **TOKENS,
         "redis": {"acl": {"enabled": True, "trainers": [{"team": "llm"}, {"job": "j-1"}]}},
+        "archive": {
+            "enabled": True,
+            "url": "s3://ledger-archive/prod",
+            "cluster": "prod-east",
+            "credentialsSecret": "archive-s3",
+            "otherClusters": ["prod-west", "lab"],
+        },
         "networkPolicy": {
             "enabled": True,
             "trainers": [
@@ -75,6 +82,16 @@ VALUE_SETS = {
             "enabled": False,
             "existingSecret": "admin-url",
             "acl": {"secrets": {"agent": "agent-url", "watcher": "watcher-url", "api": "api-url"}},
+        },
+    },
+    "archive-on-a-volume": {
+        **TOKENS,
+        "cluster": "c1",
+        "archive": {
+            "enabled": True,
+            "url": "/srv/archive",
+            "existingClaim": "archive",
+            "retention": {"enabled": False},
         },
     },
     "open-api+redis-url+no-watcher": {
@@ -481,10 +498,11 @@ def test_the_in_chart_redis_acl_file_is_what_costexporter_acl_prints_and_each_pa
             anon.get("x")
         users = set(redis.Redis(port=port, username="admin", password=pw["admin"]).acl_users())
         assert users >= {"costexporter-agent", "costexporter-trainer-llm", "costexporter-trainer-j-1"}
-        assert docs["DaemonSet"] and docs["Deployment"], docs.keys()
-        for kind in ("DaemonSet", "Deployment"):
+        assert users >= {"costexporter-sealer", "costexporter-retention"}
+        assert docs["DaemonSet"] and docs["Deployment"] and docs["CronJob"], docs.keys()
+        for kind in ("DaemonSet", "Deployment", "CronJob"):
             for d in docs[kind]:
-                c = d["spec"]["template"]["spec"]["containers"][0]
+                c = _containers(d)[0]
                 url = next(e["value"] for e in c["env"] if e["name"] == "COSTEXPORTER_REDIS_URL")
                 key = next(e for e in c["env"] if e["name"] == "REDIS_ACL_PASSWORD")["valueFrom"]
                 user = url.split("//")[1].split(":")[0]
@@ -544,6 +562,14 @@ def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
             {**TOKENS, "redis": {"acl": {"enabled": True, "trainers": [{"team": "a/b"}]}}},
             "/redis/acl/trainers/0",
         ),
+        ({**TOKENS, "archive": {"enabled": True, "cluster": "c"}}, "archive.enabled needs archive.url"),
+        ({**TOKENS, "archive": {"enabled": True, "url": "s3://b/r"}}, "archive.enabled needs a cluster name"),
+        ({**TOKENS, "archive": {"enabled": True, "url": "/srv/a", "cluster": "c"}}, "archive.existingClaim"),
+        ({**TOKENS, "archive": {"enabled": True, "url": "ftp://x", "cluster": "c"}}, "/archive/url"),
+        (
+            {**TOKENS, "cluster": "a", "archive": {"enabled": True, "url": "s3://b/r", "cluster": "b"}},
+            "archive.cluster and cluster differ",
+        ),
     ],
 )
 def test_chart_fails_closed_with_a_one_line_reason(values, message):
@@ -551,6 +577,51 @@ def test_chart_fails_closed_with_a_one_line_reason(values, message):
         _render(values)
     assert message in str(e.value)
     assert "Traceback" not in str(e.value)
+
+
+def _containers(d: dict) -> list[dict]:
+    """A workload's containers (a CronJob's are in its job template)."""
+    if d["kind"] in ("DaemonSet", "Deployment"):
+        return d["spec"]["template"]["spec"]["containers"]
+    if d["kind"] == "CronJob":
+        return d["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    return []
+
+
+def test_the_archive_cronjobs_seal_and_expire_and_the_api_reads_the_archive():
+    docs = _by_kind(_render(VALUE_SETS["redis-acl"]))
+    jobs = {d["metadata"]["name"]: d for d in docs["CronJob"]}
+    assert set(jobs) == {"ce-costexporter-archive-seal", "ce-costexporter-archive-expire"}
+    for name, d in jobs.items():
+        assert d["spec"]["concurrencyPolicy"] == "Forbid"
+        (c,) = _containers(d)
+        assert c["args"][:2] == ["archive", name.rsplit("-", 1)[1]]
+        assert "--archive=s3://ledger-archive/prod" in c["args"] and "--cluster=prod-east" in c["args"]
+        assert c["envFrom"] == [{"secretRef": {"name": "archive-s3"}}]
+        url = next(e["value"] for e in c["env"] if e["name"] == "COSTEXPORTER_REDIS_URL")
+        role = {"seal": "sealer", "expire": "retention"}[c["args"][1]]
+        assert url.startswith(f"redis://costexporter-{role}:")  # its own Redis user
+    (api,) = [d for d in docs["Deployment"] if d["metadata"]["name"].endswith("-api")]
+    (c,) = _containers(api)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert (
+        env["COSTEXPORTER_ARCHIVE"] == "s3://ledger-archive/prod"
+        and env["COSTEXPORTER_CLUSTER"] == "prod-east"
+    )
+    assert [a for a in c["args"] if a.startswith("--archive-cluster")] == [
+        "--archive-cluster=prod-west",
+        "--archive-cluster=lab",
+    ]
+    vol = _by_kind(_render(VALUE_SETS["archive-on-a-volume"]))
+    (seal,) = vol["CronJob"]  # no retention: no expire job
+    (c,) = _containers(seal)
+    assert {"name": "archive", "mountPath": "/srv/archive"} in c["volumeMounts"]
+    claims = [
+        v
+        for v in seal["spec"]["jobTemplate"]["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "archive"
+    ]
+    assert claims == [{"name": "archive", "persistentVolumeClaim": {"claimName": "archive"}}]
 
 
 def test_every_container_command_is_one_the_cli_accepts():
@@ -561,9 +632,7 @@ def test_every_container_command_is_one_the_cli_accepts():
     checked = set()
     for values in VALUE_SETS.values():
         for d in _render(values):
-            if d["kind"] not in ("DaemonSet", "Deployment"):
-                continue
-            for c in d["spec"]["template"]["spec"]["containers"]:
+            for c in _containers(d):
                 checked.add(c["args"][0])
                 r = subprocess.run(
                     [sys.executable, "-m", "costexporter.cli", *c["args"], "--help"],
@@ -572,7 +641,7 @@ def test_every_container_command_is_one_the_cli_accepts():
                     timeout=60,
                 )
                 assert r.returncode == 0, (d["metadata"]["name"], c["args"], r.stderr)
-    assert checked >= {"serve", "watch", "api"}, checked  # the agent, the watcher and the API ran
+    assert checked >= {"serve", "watch", "api", "archive"}, checked  # every part ran
 
 
 # --- NetworkPolicies, evaluated as the API server's semantics define them -----------------------

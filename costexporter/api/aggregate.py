@@ -1,4 +1,4 @@
-"""Allocation as OpenCost slices it: aggregate fields (job, team, namespace, cost_center,
+"""Allocation as OpenCost slices it: aggregate fields (job, team, namespace, cost_center, cluster,
 `label:<name>`, comma-combined), and periods (the whole window, or one per step).
 
 Pure: jobs' amounts and meta in, rows out; the router does the reading."""
@@ -19,7 +19,7 @@ from costexporter.core.cost import MS_PER_HOUR
 from costexporter.core.model import CATEGORIES
 from costexporter.store.ledger_read import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
 
-FIELDS = ("job", "team", "namespace", "cost_center")
+FIELDS = ("job", "team", "namespace", "cost_center", "cluster")
 LABEL = re.compile(r"^label:([A-Za-z0-9_.\-/]{1,100})$")
 STEP_S = RESOLUTIONS  # a period of the allocation
 MAX_PERIODS = 1000

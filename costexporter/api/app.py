@@ -25,6 +25,7 @@ from costexporter.api.export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSe
 from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
 from costexporter.api.routers import allocation, health, jobs, opencost
 from costexporter.api.schemas import *  # noqa: F403  (the models were importable from here)
+from costexporter.store.archive import ArchiveError
 from costexporter.store.ledger_read import LedgerStore
 
 __all__ = [
@@ -84,6 +85,11 @@ def create_app(
         return JSONResponse(
             {"detail": f"the ledger (Redis) is unreachable: {type(exc).__name__}"}, status_code=503
         )
+
+    @app.exception_handler(ArchiveError)
+    async def archive_unusable(_request: Request, exc: ArchiveError) -> JSONResponse:
+        # a damaged or missing sealed file: no bill rather than a short one
+        return JSONResponse({"detail": f"the archive cannot be read: {exc}"}, status_code=503)
 
     for module in (health, jobs, allocation, opencost):
         app.include_router(module.router)

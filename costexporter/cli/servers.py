@@ -31,10 +31,11 @@ def api_app(
     if not tokens.enabled:
         click.echo("costexporter api: no tokens file: the API is open to anyone who can reach it", err=True)
     client = redisconn.from_url(redis_url, decode_responses=True, socket_timeout=5, socket_connect_timeout=2)
-    store = LedgerStore(client, prefix)
+    cluster = options.get("cluster") or None
+    cold, others = cold_ledgers(options.get("archive"), cluster, options.get("archive_clusters") or ())
+    store = LedgerStore(client, prefix, cold=cold, others=others)
     index_in_background(store)
     names = {k[6:]: v for k, v in options.items() if k.startswith("focus_") and v}
-    cluster = options.get("cluster") or None
     return create_app(
         store,
         tokens,
@@ -44,6 +45,36 @@ def api_app(
         focus=FocusSettings(**names) if names else None,
         cluster=cluster,
     )
+
+
+def cold_ledgers(url: str | None, cluster: str | None, others: tuple[str, ...] = ()) -> tuple[Any, Any]:
+    """The archive the API reads the days before the ledger's start in Redis from (this
+    cluster's partition), and the other clusters it bills from the archive alone; (None, {})
+    without --archive. Given but unusable (no cluster, cannot be opened, another cluster with no
+    partition there): one line, exit 2."""
+    if not url:
+        if others:
+            raise InputFailure("--archive-cluster needs --archive: the archive its sealed days are in")
+        return None, {}
+    from costexporter.store.archive import Archive, ArchiveError
+    from costexporter.store.coldledger import ColdLedger
+
+    if not cluster:
+        raise InputFailure("--archive needs --cluster: the cluster partition (cluster=NAME) this API reads")
+    bad = [c for c in others if not c or ":" in c or c == cluster]
+    if bad:
+        raise InputFailure(f"--archive-cluster {bad[0]!r}: another cluster's name, without ':'")
+    try:
+        archive = Archive.open(url, create=False)
+        found = archive.clusters()  # reachable now, or not at all
+    except ArchiveError as e:
+        raise InputFailure(str(e)) from None
+    missing = [c for c in others if c not in found]
+    if missing:
+        raise InputFailure(
+            f"the archive {url} has no partition of cluster {missing[0]!r} (cluster={missing[0]}/)"
+        )
+    return ColdLedger(archive, cluster), {c: ColdLedger(archive, c) for c in others}
 
 
 def index_in_background(store: Any) -> None:  # the API's LedgerStore

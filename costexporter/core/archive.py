@@ -4,8 +4,11 @@ manifest says of each file, and when a day can be sealed (docs/ledger.md, "The a
 A sealed file holds, for one cluster, one UTC day and one shard of the jobs, one row per job,
 5-minute bucket and category with amounts: GPU-milliseconds, millijoules, micro-units of the
 currency, each with its rollback corrections (`voided_*`, which readers subtract), and the
-bucket's price version. The same content always gives the same rows in the same order, so the
-same bytes (`store/archive.py` writes them), so sealing again never adds a file: the manifest
+bucket's price version; and one row per job and bucket with steps (category ""): the steps
+completed in it and their tokens, the steps voided in it and theirs. A SQL `SUM` over any
+column is then the window's figure, with no row kind to tell apart. The same content always
+gives the same rows in the same order, so the same bytes (`store/archive.py` writes them), so
+sealing again never adds a file: the manifest
 keeps one file per (day, shard), by content hash; a day sealed again with other content is a new
 version that supersedes the old one, and a reader reads only the files the manifest lists.
 
@@ -17,6 +20,7 @@ booked in the bucket where they are seen, never back into a sealed day).
 from __future__ import annotations
 
 import functools
+import json
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +28,7 @@ from datetime import UTC, datetime
 
 from costexporter.core.model import CATEGORIES
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the step columns (a file of 1 reads with them 0)
 DAY_S = 86_400
 UNITS = ("ms", "mj", "ucost")
 VOIDED = "voided:"
@@ -43,9 +47,20 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("voided_energy_mj", "int64"),
     ("voided_cost_micro", "int64"),
     ("price_version", "string"),
+    ("steps", "int64"),  # completed in the bucket (by their completion time)
+    ("step_tokens", "int64"),
+    ("voided_steps", "int64"),  # voided in the bucket (by when the voiding resume was seen)
+    ("voided_tokens", "int64"),
+    ("team", "string"),  # the job's team as the API shows it ("" where it has none)
+    ("attributes", "string"),  # the job's meta as the API shows it, a JSON object
 )
+STEP_COLUMNS = ("steps", "step_tokens", "voided_steps", "voided_tokens")
+META_COLUMNS = ("team", "attributes")
+V1_COLUMNS = COLUMNS[:13]  # schema 1: neither steps nor the job's attributes
+STEPS_ROW = ""  # the category of a bucket's steps row
+BOOKED = 17  # a row's first columns: what was booked (the rest says whose it is)
 # A row, in COLUMNS' order.
-Row = tuple[int, str, str, str, int, str, int, int, int, int, int, int, str]
+Row = tuple[int, str, str, str, int, str, int, int, int, int, int, int, str, int, int, int, int, str, str]
 
 
 def day_of(start_s: int) -> str:
@@ -96,25 +111,107 @@ def rows_of_bucket(
             a = amounts[at[0]] = [0, 0, 0, 0, 0, 0]
         a[at[1]] = int(v)
     date = day_of(start_s)
-    return [
-        (SCHEMA_VERSION, cluster, date, job, start_s, c, *a, version)  # type: ignore[misc]
+    rows: list[Row] = [
+        (SCHEMA_VERSION, cluster, date, job, start_s, c, *a, version, 0, 0, 0, 0, "", "")  # type: ignore[misc]
         for c, a in sorted(amounts.items())
         if any(a)
     ]
+    if not rows and version:  # a bucket booked with nothing in it still has its price
+        rows.append(
+            (
+                SCHEMA_VERSION,
+                cluster,
+                date,
+                job,
+                start_s,
+                STEPS_ROW,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                version,
+                0,
+                0,
+                0,
+                0,
+                "",
+                "",
+            )
+        )
+    return rows
+
+
+# A step set's members as the API reads them: (score in seconds, cumulative tokens), in the
+# set's order (score, then member).
+Marks = list[tuple[float, int]]
+
+
+def step_rows(
+    cluster: str, job: str, done: Marks, done_base: int, voided: Marks, voided_base: int
+) -> list[Row]:
+    """A job's steps as one row per 5-minute bucket: the steps completed (voided) in it, by their
+    score, and their tokens, the cumulative tokens of its last member less those of the last
+    member before it (`*_base`: that of the last member before the first given). Summed over
+    any run of buckets this is the API's figure: a ZCOUNT, and the cumulative tokens at the
+    ends subtracted."""
+    per: dict[int, list[int]] = {}
+    for marks, base, at in ((done, done_base, 0), (voided, voided_base, 2)):
+        last: dict[int, int] = {}
+        for score, cum in marks:
+            b = int(score // 300 * 300)
+            per.setdefault(b, [0, 0, 0, 0])[at] += 1
+            last[b] = cum
+        prev = base
+        for b in sorted(last):
+            per[b][at + 1] = last[b] - prev
+            prev = last[b]
+    return [
+        (SCHEMA_VERSION, cluster, day_of(b), job, b, STEPS_ROW, 0, 0, 0, 0, 0, 0, "", *v, "", "")  # type: ignore[misc]
+        for b, v in sorted(per.items())
+    ]
+
+
+def with_attributes(rows: Iterable[Row], meta: Mapping[str, object]) -> list[Row]:
+    """The rows with their job's team and attributes (`meta`: the job's meta as the API shows
+    it), so the archive alone says whose a row is (one value per job: Parquet's dictionary
+    encoding keeps it to a few bytes a file)."""
+    team = meta.get("team")
+    text = json.dumps(dict(meta), sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    tail = (team if isinstance(team, str) else "", text)
+    return [(*r[:BOOKED], *tail) for r in rows]  # type: ignore[misc]
+
+
+def booked(rows: Iterable[Row]) -> list[tuple[object, ...]]:
+    """What the rows booked, in their one order, without whose they are: a day's rows compared
+    with what Redis holds now (a job's meta may change after its day; its bookings may not)."""
+    return [r[:BOOKED] for r in ordered(rows)]
 
 
 def ordered(rows: Iterable[Row]) -> list[Row]:
-    """The one order a file's rows are written in: by job, bucket, category."""
+    """The one order a file's rows are written in: by job, bucket, category (steps first)."""
     return sorted(rows, key=lambda r: (r[3], r[4], r[5]))
+
+
+STEPS_TOTAL = "_steps"  # Totals' key of the steps: [completed, tokens, voided, voided tokens]
 
 
 @dataclass
 class Totals:
-    """Net amounts (valid minus voided) per category: [ms, mJ, micro-cost], exact integers."""
+    """Net amounts (valid minus voided) per category: [ms, mJ, micro-cost], exact integers; and
+    the steps under `_steps`."""
 
     by_category: dict[str, list[int]] = field(default_factory=dict)
 
     def add_row(self, r: Row) -> None:
+        if r[5] == STEPS_ROW:
+            s = self.by_category.setdefault(STEPS_TOTAL, [0, 0, 0, 0])
+            s[0] += r[13]
+            s[1] += r[14]
+            s[2] += r[15]
+            s[3] += r[16]
+            return
         t = self.by_category.setdefault(r[5], [0, 0, 0])
         t[0] += r[6] - r[9]
         t[1] += r[7] - r[10]
@@ -220,7 +317,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "schema": self.schema,
+            "schema": SCHEMA_VERSION,  # what this release writes (it reads the files of any before)
             "cluster": self.cluster,
             "entries": {k: e.to_json() for k, e in sorted(self.entries.items())},
         }

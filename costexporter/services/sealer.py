@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import redis
 
 from costexporter.core.archive import (
     DAY_S,
@@ -32,16 +35,19 @@ from costexporter.core.archive import (
     rows_of_bucket,
     sealable_before,
     shard_of,
+    step_rows,
+    with_attributes,
 )
-from costexporter.store import keys, redisconn, untrusted
-from costexporter.store.archive import Archive, ArchiveError, parquet_bytes, sha256
-from costexporter.store.client import RedisClient
+from costexporter.store import keys, ledger_read, redisconn, untrusted
+from costexporter.store.archive import MANIFEST, Archive, ArchiveError, parquet_bytes, sha256
+from costexporter.store.client import Pipeline, RedisClient
 
 log = logging.getLogger("costexporter.sealer")
 
 DEFAULT_SHARDS = 16
 DEFAULT_DELAY_S = 3600  # past every watermark: a late agent's catch-up, an event lag
 DEFAULT_MAX_WAIT_S = 2 * 86400  # a job whose agents stopped short of a day's end (it ended)
+DEFAULT_ORPHAN_AGE_S = 3600.0  # a file no manifest names, this old, is no sealer's in flight
 
 
 @dataclass
@@ -53,11 +59,13 @@ class SealReport:
     unchanged: int = 0
     waiting: list[str] = field(default_factory=list)
     rows: int = 0
+    swept: list[str] = field(default_factory=list)  # files no manifest named, removed
 
     def line(self) -> str:
         return (
             f"sealed {len(self.written)} file(s), {self.rows:,} rows; {self.unchanged} already sealed; "
             f"{len(self.waiting)} job(s) waiting for their agents"
+            + (f"; {len(self.swept)} file(s) no manifest named removed" if self.swept else "")
         )
 
 
@@ -72,6 +80,7 @@ class Sealer:
         shards: int = DEFAULT_SHARDS,
         delay_s: int = DEFAULT_DELAY_S,
         max_wait_s: int = DEFAULT_MAX_WAIT_S,
+        orphan_age_s: float = DEFAULT_ORPHAN_AGE_S,
     ) -> None:
         self.r = client
         self.prefix = prefix
@@ -80,19 +89,22 @@ class Sealer:
         self.shards = shards
         self.delay_s = delay_s
         self.max_wait_s = max_wait_s
+        self.orphan_age_s = orphan_age_s
         self._dirty = False  # the manifest changed without a file written (a job now final)
 
     def jobs(self) -> list[str]:
         """Every job with a ledger (the time of no job's too): found by its 5-minute bucket
-        index, in one pass over the keyspace, not by the trainers' jobs index (which a trainer
-        can write: no job hides from the seal that way)."""
-        return sorted(self._by_tag(keys.index_key(self.prefix, "*", "5m")))
+        index or its steps, in one pass over the keyspace, not by the trainers' jobs index
+        (which a trainer can write: no job hides from the seal that way)."""
+        tails = (keys.index_key("", "", "5m").split("}", 1)[1], keys.steps_key("", "").split("}", 1)[1])
+        found = self._by_tag(keys.ledger_key(self.prefix, "*", "[is][nt]*"))  # index:*, steps, incidents...
+        return sorted(j for j, ks in found.items() if any(_name(k).endswith(tails) for k in ks))
 
     def _by_tag(self, pattern: str) -> dict[str, list[Any]]:
         """The keys matching `pattern`, by the job in their hash tag."""
         out: dict[str, list[Any]] = {}
         for k in self.r.scan_iter(match=pattern, count=1000):
-            name = k.decode() if isinstance(k, bytes) else str(k)
+            name = _name(k)
             out.setdefault(name[name.index("{") + 1 : name.rindex("}")], []).append(k)
         return out
 
@@ -116,21 +128,49 @@ class Sealer:
         return int(until) if isinstance(until, int | float) else 0
 
     def buckets(self, job: str, before_s: int, skip: Callable[[str], bool]) -> dict[str, list[Row]]:
-        """The job's 5-minute buckets before `before_s`, as rows by day; not read for the days
-        `skip` says are sealed for good."""
+        """The job's 5-minute buckets before `before_s`, and the steps of their days, as rows by
+        day; not read for the days `skip` says are sealed for good."""
         index = keys.index_key(self.prefix, job, "5m")
-        starts = [int(float(s)) for s in self.r.zrangebyscore(index, "-inf", f"({before_s}")]
-        starts = [s for s in starts if not skip(day_of(s))]
-        if not starts:
+        sets = (keys.steps_key(self.prefix, job), keys.voids_key(self.prefix, job))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zrangebyscore(index, "-inf", f"({before_s}")
+        for k in sets:  # the first step (void): a step in a day with no bucket is sealed too
+            pipe.zrange(k, 0, 0, withscores=True)
+        found, *firsts = _replies(pipe)
+        starts = [int(float(s)) for s in found] if isinstance(found, list) else []
+        lows = [int(f[0][1]) for f in firsts if isinstance(f, list) and f]
+        lo = min([*starts[:1], *lows], default=before_s)
+        days = [d for d in range(lo - lo % DAY_S, before_s, DAY_S) if not skip(day_of(d))]
+        read = set(days)  # (asked once a day, not once a bucket)
+        starts = [s for s in starts if s - s % DAY_S in read]
+        if not days:
             return {}
         pipe = self.r.pipeline(transaction=False)
         for s in starts:
             pipe.hgetall(keys.bucket_key(self.prefix, job, "5m", s))
+        for d in days:
+            for k in sets:
+                pipe.zrangebyscore(k, d, f"({d + DAY_S}", withscores=True)
+                pipe.zrevrangebyscore(k, f"({d}", "-inf", start=0, num=1)
+        got = _replies(pipe)
         by_day: dict[str, list[Row]] = {}
-        for s, h in zip(starts, pipe.execute(), strict=True):
-            rows = rows_of_bucket(self.cluster, job, s, h or {})
+        for s, h in zip(starts, got, strict=False):
+            rows = rows_of_bucket(self.cluster, job, s, h if isinstance(h, dict) else {})
             if rows:
                 by_day.setdefault(day_of(s), []).extend(rows)
+        marks = got[len(starts) :]
+        for i, d in enumerate(days):
+            done, done_before, voided, voided_before = marks[4 * i : 4 * i + 4]
+            rows = step_rows(
+                self.cluster,
+                job,
+                _marks(done),
+                _base(done_before),
+                _marks(voided),
+                _base(voided_before),
+            )
+            if rows:
+                by_day.setdefault(day_of(d), []).extend(rows)
         return by_day
 
     def seal(self, now_s: int) -> SealReport:
@@ -141,10 +181,14 @@ class Sealer:
         longer in the ledger stay in it, as they were sealed."""
         report = SealReport()
         manifest = self.archive.manifest(self.cluster)
+        new = self.archive.get(self.cluster, MANIFEST) is None  # written even empty: sealed once
         cells: dict[tuple[str, int], dict[str, list[Row]]] = {}  # (day, shard) -> job -> rows
         final: dict[tuple[str, int], set[str]] = {}  # ... the jobs sealed past every watermark
         skipped: set[tuple[str, int]] = set()  # cells of a job sealed for good: not read again
         marks = self.watermarks_ms()
+        # Days before the ledger's start left Redis for the archive: sealed for good (a booking
+        # into one now would be a bucket alone, not the day).
+        start = ledger_read.hot_from(self.r, self.prefix)
         for job in self.jobs():
             before = sealable_before(marks.get(job, []), now_s, self.delay_s, self.max_wait_s)
             by_marks = sealable_before(marks.get(job, []), now_s, self.delay_s, now_s)  # without the wait
@@ -154,6 +198,8 @@ class Sealer:
             shard = shard_of(job, self.shards)
 
             def done(day: str, job: str = job, shard: int = shard) -> bool:
+                if day_start(day) < start:
+                    return True
                 if job in manifest.final_jobs(entry_key(day, shard)):
                     skipped.add((day, shard))
                     return True
@@ -163,6 +209,13 @@ class Sealer:
                 cells.setdefault((day, shard), {})[job] = rows
                 if day_start(day) + DAY_S <= by_marks:
                     final.setdefault((day, shard), set()).add(job)
+        # whose each row is: the jobs' meta as the API shows it, read once for every job sealed
+        metas = ledger_read.LedgerStore(self.r, self.prefix).meta_many(
+            sorted({j for c in cells.values() for j in c})
+        )
+        for jobs in cells.values():
+            for job, rows in jobs.items():
+                jobs[job] = with_attributes(rows, metas.get(job, {}))
         replaced: list[str] = []
         self._dirty = False
         for (day, shard), jobs in sorted(cells.items()):
@@ -179,18 +232,20 @@ class Sealer:
             else:
                 report.unchanged += 1
         report.unchanged += len(skipped - set(cells))
-        if report.written or self._dirty:
+        if report.written or self._dirty or new:
             self.archive.save_manifest(manifest)
         # Once the manifest names their successors: a glob over the archive (DuckDB, Athena) then
         # reads each day once too. A reader of the manifest before it changed fails closed on a
         # file gone, and reads again.
         for path in replaced:
             self.archive.delete(self.cluster, path)
+        report.swept = self.sweep(manifest, time.time())
         return report
 
     def _sealed_rows(self, manifest: Manifest, key: str, exclude: set[str]) -> list[Row]:
+        """The rows of the jobs of a sealed file that are not read again (`exclude`)."""
         e = manifest.entries.get(key)
-        if e is None:
+        if e is None or set(e.jobs) <= exclude:  # (all read again: a lost file is no matter)
             return []
         return [r for r in self.archive.read(self.cluster, e) if r[3] not in exclude]
 
@@ -200,22 +255,77 @@ class Sealer:
         data = parquet_bytes(rows)
         digest = sha256(data)
         old = manifest.entries.get(key)
+        path = file_path(day, shard, digest)
         if old is not None and old.sha256 == digest:
             keep = tuple(sorted(final & set(old.jobs)))
             if keep != old.final:  # the same rows, now past every watermark too
                 manifest.entries[key] = dataclasses.replace(old, final=keep)
                 self._dirty = True
+            if not self.archive.exists(self.cluster, old.path):  # lost: written again, the same
+                self._put(path, data, digest)
             return False
-        path = file_path(day, shard, digest)
-        self.archive.put(self.cluster, path, data)
-        back = self.archive.get(self.cluster, path)
-        if back is None or sha256(back) != digest:
-            raise ArchiveError(f"{path} read back from {self.archive.url} is not what was written")
+        self._put(path, data, digest)
         totals = Totals.of(rows).to_json()
         jobs = tuple(sorted({r[3] for r in rows}))
         return manifest.put(
             key, Entry(path, digest, len(rows), totals, jobs, final=tuple(sorted(final & set(jobs))))
         )
+
+    def _put(self, path: str, data: bytes, digest: str) -> None:
+        """Write a file and read it back: the manifest names only a file that holds its hash."""
+        self.archive.put(self.cluster, path, data)
+        back = self.archive.get(self.cluster, path)
+        if back is None or sha256(back) != digest:
+            raise ArchiveError(f"{path} read back from {self.archive.url} is not what was written")
+
+    def sweep(self, manifest: Manifest, now_s: float) -> list[str]:
+        """Remove the files the manifest does not name that are older than `orphan_age_s`: a
+        file written by a sealer that stopped before its manifest named it, a superseded one it
+        stopped before removing, a temporary one. Younger ones may be another sealer's, about to
+        be named. A glob over the archive (DuckDB, Athena) then counts each day once."""
+        named = {e.path for e in manifest.entries.values()}
+        gone = []
+        for rel, mtime in self.archive.files(self.cluster):
+            if rel not in named and now_s - mtime >= self.orphan_age_s:
+                self.archive.delete(self.cluster, rel)
+                gone.append(rel)
+        return gone
+
+
+def _replies(pipe: Pipeline) -> list[Any]:
+    """A pipeline's replies; a key of the wrong type answers its error in place (read as none,
+    as the API reads it), any other error (a refused command, an outage) raises."""
+    got = pipe.execute(raise_on_error=False)
+    for x in got:
+        if isinstance(x, redis.RedisError) and not untrusted.is_wrong_type(x):
+            raise x
+    return got
+
+
+def _name(k: object) -> str:
+    return k.decode() if isinstance(k, bytes) else str(k)
+
+
+def _tokens(member: object) -> int:
+    """A step member's cumulative tokens (`<record>:<cumulative tokens>`), 0 where it has none,
+    as the API counts them."""
+    text = member.decode() if isinstance(member, bytes) else str(member)
+    tail = text.rpartition(":")[2]
+    if tail.isascii() and tail.isdigit() and len(tail) < 19:  # the agents' members: a plain count, read fast
+        return int(tail)
+    return ledger_read.number(tail) or 0
+
+
+def _marks(reply: object) -> list[tuple[float, int]]:
+    """ZRANGEBYSCORE ... WITHSCORES as (score, tokens); a set of the wrong type (the API skips
+    its steps too): none."""
+    if not isinstance(reply, list):
+        return []
+    return [(float(score), _tokens(m)) for m, score in reply]
+
+
+def _base(reply: object) -> int:
+    return _tokens(reply[0]) if isinstance(reply, list) and reply else 0
 
 
 @dataclass
@@ -223,13 +333,18 @@ class Check:
     files: int = 0
     rows: int = 0
     problems: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)  # files no manifest names (the next seal's)
 
 
 def verify(archive: Archive, clusters: Iterable[str] | None = None) -> Check:
-    """Read every file the manifests name back: present, its hash, its rows and totals."""
+    """Read every file the manifests name back: present, its hash, its rows and totals; and
+    list the files no manifest names (a sealer stopped half-way: the next seal removes them)."""
     out = Check()
     for c in clusters or archive.clusters():
-        for e in archive.manifest(c).entries.values():
+        m = archive.manifest(c)
+        named = {e.path for e in m.entries.values()}
+        out.orphans += [rel for rel, _ in archive.files(c) if rel not in named]
+        for e in m.entries.values():
             try:
                 out.rows += len(archive.read(c, e))
                 out.files += 1

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from costexporter.store import keys
 
-ROLES = ("trainer", "agent", "watcher", "api", "sealer")
+ROLES = ("trainer", "agent", "watcher", "api", "sealer", "retention")
 
 # Every client: the handshake (AUTH, HELLO, SELECT for a database other than 0) and PING, which
 # the reporter and the API's /readyz use. Not CLIENT SETINFO, which redis-py sends on Redis 7.2+
@@ -62,8 +62,17 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     # buckets), and the oldest entries of a job's streams (its first register); SCAN for the
     # jobs' ranks keys when the jobs index is of the wrong type (store/jobindex.py).
     # services/sealer.py (`costexporter archive seal`): the jobs' 5-minute bucket indexes and the
-    # agents' watermarks (found by SCAN patterns; MGET), each job's buckets: reads only.
-    "sealer": _cmds("+mget +hgetall +zrangebyscore +scan"),
+    # agents' watermarks (found by SCAN patterns; MGET), each job's buckets and step members, its
+    # meta and attribution (HGETALL, HMGET), the ledger's start: reads only.
+    "sealer": _cmds("+get +mget +hgetall +hmget +zrange +zrangebyscore +zrevrangebyscore +scan"),
+    # services/retention.py (`costexporter archive expire`): the sealer's reads, then it moves
+    # the ledger's start (WATCH, MULTI, SET) and drops what lies before it (DEL,
+    # ZREMRANGEBYSCORE, in a MULTI per job).
+    "retention": _cmds(
+        """+get +mget +set +del +hgetall +hmget +zrange +zrangebyscore +zrevrangebyscore +zremrangebyscore
+        +scan
+        +watch +unwatch +multi +exec +discard"""
+    ),
     "api": _cmds(
         """+get +hget +hgetall +hvals +hmget +smembers +exists +type +xrange +scan
         +zrange +zscore +zcount +zrevrangebyscore +eval +evalsha +script|load +script|exists"""
@@ -125,8 +134,16 @@ def key_patterns(role: str, prefix: str, scope: Scope = Scope()) -> list[str]:
     if role == "watcher":
         read = [f"%R~{ns(keys.TRAINER)}", f"%R~{ns(keys.AGENT)}"]
         return [*read, f"~{ns(keys.READERS)}", f"~{ns(keys.WATCHER)}"]
-    if role == "sealer":  # reads the agents' ledger and watermarks; writes nothing
-        return [f"%R~{ns(keys.AGENT)}"]
+    if role == "sealer":  # reads the agents' ledger and watermarks, the jobs' meta; writes nothing
+        return [f"%R~{ns(keys.TRAINER)}", f"%R~{ns(keys.AGENT)}"]
+    if role == "retention":  # the sealer's reads; writes the ledgers and the ledger's start only
+        ledgers = keys.ledger_key(prefix, "*", "*")
+        return [
+            f"%R~{ns(keys.TRAINER)}",
+            f"%R~{ns(keys.AGENT)}",
+            f"~{ledgers}",
+            f"~{keys.hot_from_key(prefix)}",
+        ]
     if role == "api":
         # Not `%R~`: Redis counts a script's keys as written (EVALSHA has no read-only form before
         # Redis 7's EVALSHA_RO), and the API reads through scripts. Its commands are all reads,

@@ -20,7 +20,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from costexporter.core.archive import COLUMNS, Entry, Manifest, Row, Totals, ordered
+from costexporter.core.archive import (
+    COLUMNS,
+    META_COLUMNS,
+    STEP_COLUMNS,
+    V1_COLUMNS,
+    Entry,
+    Manifest,
+    Row,
+    Totals,
+    ordered,
+)
 
 MANIFEST = "manifest.json"
 
@@ -49,16 +59,29 @@ def parquet_bytes(rows: Iterable[Row]) -> bytes:
     return buf.getvalue()
 
 
-def rows_of(data: bytes) -> list[Row]:
-    """A sealed file's rows, read back."""
-    _, _, pq = _pa()
+def _table(data: bytes) -> Any:
+    """A sealed file as an Arrow table in COLUMNS' layout (a file of schema 1 gains the step
+    columns, 0)."""
+    pa, _, pq = _pa()
     # Without pyarrow's thread pool: a file is one day of a shard, and with it pyarrow 26 aborted
     # ~1 process exit in 7 here ("terminate called without an active exception").
     table = pq.read_table(io.BytesIO(data), use_threads=False)
     names = [n for n, _ in COLUMNS]
-    if table.column_names != names:
-        raise ArchiveError(f"a sealed file has columns {table.column_names}, not {names}")
-    cols = [table.column(n).to_pylist() for n in names]
+    if table.column_names == names:
+        return table
+    if table.column_names == [n for n, _ in V1_COLUMNS]:
+        for n in STEP_COLUMNS:
+            table = table.append_column(n, pa.array([0] * table.num_rows, type=pa.int64()))
+        for n in META_COLUMNS:  # not sealed then: unknown
+            table = table.append_column(n, pa.array([""] * table.num_rows, type=pa.string()))
+        return table
+    raise ArchiveError(f"a sealed file has columns {table.column_names}, not {names}")
+
+
+def rows_of(data: bytes) -> list[Row]:
+    """A sealed file's rows, read back."""
+    table = _table(data)
+    cols = [table.column(n).to_pylist() for n, _ in COLUMNS]
     return [tuple(r) for r in zip(*cols, strict=True)]
 
 
@@ -75,15 +98,19 @@ class Archive:
     url: str
 
     @classmethod
-    def open(cls, url: str) -> Archive:
-        """The archive at `url` (a local directory is created if missing)."""
+    def open(cls, url: str, create: bool = True) -> Archive:
+        """The archive at `url`; a local directory is created if missing, or with `create`
+        False (a reader's: a mistyped path must not read as an empty archive) an error."""
         _, pafs, _ = _pa()
         try:
             fs, root = pafs.FileSystem.from_uri(url if "://" in url else f"file://{posixpath.abspath(url)}")
+            if isinstance(fs, pafs.LocalFileSystem):
+                if create:
+                    fs.create_dir(root, recursive=True)
+                elif fs.get_file_info(root).type != pafs.FileType.Directory:
+                    raise ArchiveError(f"no archive at {url!r}: not a directory")
         except (ValueError, OSError) as e:
             raise ArchiveError(f"cannot open archive {url!r}: {e}") from None
-        if isinstance(fs, pafs.LocalFileSystem):
-            fs.create_dir(root, recursive=True)
         return cls(fs, root.rstrip("/"), url)
 
     def _path(self, cluster: str, rel: str) -> str:
@@ -129,6 +156,30 @@ class Archive:
             raise ArchiveError(f"cannot read {path} in {self.url}: {e}") from None
         return data
 
+    def exists(self, cluster: str, rel: str) -> bool:
+        _, pafs, _ = _pa()
+        path = self._path(cluster, rel)
+        try:
+            return bool(self.fs.get_file_info(path).type != pafs.FileType.NotFound)
+        except OSError as e:
+            raise ArchiveError(f"cannot read {path} in {self.url}: {e}") from None
+
+    def files(self, cluster: str) -> list[tuple[str, float]]:
+        """Every file under the cluster's days (path relative to its root, modified time in Unix
+        seconds; 0 where the store does not say)."""
+        _, pafs, _ = _pa()
+        base = self._path(cluster, "").rstrip("/")
+        try:
+            info = self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        except OSError as e:
+            raise ArchiveError(f"cannot list {base} in {self.url}: {e}") from None
+        out = []
+        for i in info:
+            if i.type == pafs.FileType.File and i.path.startswith(base + "/date="):
+                mtime = i.mtime.timestamp() if i.mtime is not None else 0.0
+                out.append((i.path[len(base) + 1 :], mtime))
+        return sorted(out)
+
     def manifest(self, cluster: str) -> Manifest:
         raw = self.get(cluster, MANIFEST)
         if raw is None:
@@ -153,8 +204,7 @@ class Archive:
             raise ArchiveError(f"cannot list archive {self.url}: {e}") from None
         return sorted(i.base_name[len("cluster=") :] for i in info if i.base_name.startswith("cluster="))
 
-    def read(self, cluster: str, entry: Entry) -> list[Row]:
-        """A manifest entry's rows, its content checked against the manifest (hash and totals)."""
+    def _checked(self, cluster: str, entry: Entry) -> bytes:
         data = self.get(cluster, entry.path)
         if data is None:
             raise ArchiveError(f"{entry.path} of cluster {cluster!r} is missing from {self.url}")
@@ -163,9 +213,18 @@ class Archive:
             raise ArchiveError(
                 f"{entry.path} of cluster {cluster!r} is damaged: sha256 {got[:16]}, not {entry.sha256[:16]}"
             )
-        rows = rows_of(data)
+        return data
+
+    def read(self, cluster: str, entry: Entry) -> list[Row]:
+        """A manifest entry's rows, its content checked against the manifest (hash and totals)."""
+        rows = rows_of(self._checked(cluster, entry))
         if len(rows) != entry.rows or Totals.of(rows).to_json() != entry.totals:
             raise ArchiveError(
                 f"{entry.path} of cluster {cluster!r} does not hold the totals its manifest says"
             )
         return rows
+
+    def table(self, cluster: str, entry: Entry) -> Any:
+        """A manifest entry as an Arrow table (COLUMNS), its hash checked: the content the
+        manifest's totals were made of."""
+        return _table(self._checked(cluster, entry))

@@ -152,6 +152,13 @@ def rollup_state_key(prefix: str, job: str) -> str:
     return ledger_key(prefix, job, "cumstate")
 
 
+def hot_from_key(prefix: str) -> str:
+    """Where the ledger in Redis begins (Unix s, a UTC day's start; absent: it holds everything):
+    every job's amounts and steps before it are in the archive, and readers read them there
+    (`services/retention.py` moves it, then drops what lies before)."""
+    return ns_key(prefix, AGENT, "hotfrom")
+
+
 def steps_key(prefix: str, job: str) -> str:
     """Valid step records (zset)."""
     return ledger_key(prefix, job, "steps")

@@ -30,6 +30,7 @@ from costexporter.core.events import bounded_number
 from costexporter.core.model import CATEGORIES, JOB_CATEGORY_NAMES, VALID_NAMES, WASTED_NAMES
 from costexporter.store import keys, ledger, protocol, untrusted
 from costexporter.store.client import Pipeline, RedisClient
+from costexporter.store.coldledger import ColdLedger
 from costexporter.store.jobindex import JobIndex
 
 # The category sets by name (`core/model.py`'s), as the API's readers use them.
@@ -132,7 +133,13 @@ class Amounts:
 class Steps:
     completed: int = 0
     voided: int = 0
-    tokens: int = 0
+    # The valid steps' tokens less the voided ones': below 0 where a window holds more voided
+    # tokens than valid ones (shown as 0; kept, so that parts of a window add up exactly).
+    net_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return max(self.net_tokens, 0)
 
     @property
     def valid(self) -> int:
@@ -476,18 +483,39 @@ def _json(raw: object) -> object:
         return None
 
 
+def hot_from(client: RedisClient, prefix: str) -> int:
+    """Where the ledger in Redis begins (Unix s); 0: it holds every day. A value that is not a
+    whole number of seconds is taken as 0 (every day is then read from Redis, as before any
+    expiry): never a window read short."""
+    raw = client.get(keys.hot_from_key(prefix))
+    try:
+        v = int(raw) if raw is not None else 0
+    except (TypeError, ValueError):
+        return 0
+    return v if v > 0 and v % 86_400 == 0 else 0
+
+
 class LedgerStore:
     """The API's reads. `use_rollups` False: window amounts always summed from the buckets (the
     exact path the rollups are tested against)."""
 
     def __init__(
-        self, client: RedisClient, prefix: str = protocol.DEFAULT_PREFIX, use_rollups: bool = True
+        self,
+        client: RedisClient,
+        prefix: str = protocol.DEFAULT_PREFIX,
+        use_rollups: bool = True,
+        cold: ColdLedger | None = None,
+        others: dict[str, ColdLedger] | None = None,
     ) -> None:
         from costexporter.store import redisconn
 
         self.r = client
         self.prefix = prefix
         self.use_rollups = use_rollups
+        self.cold = cold  # the archive, for what lies before the ledger's start in Redis
+        # Other clusters billed here from their sealed days alone: their jobs are named
+        # `<cluster>:<job>` (`job_names` with a window), read from the archive only.
+        self.others = dict(others or {})
         # EVAL, not EVALSHA, on a cluster's pipelines: a node may never have loaded the script.
         self._sum = redisconn.script(client, SUM_BUCKETS)
         self._steps = redisconn.script(client, STEPS_WINDOW)
@@ -521,14 +549,18 @@ class LedgerStore:
             out.append((j, t))
         return out
 
-    def job_names(self) -> list[str]:
-        """Every job's name (no times: cheaper where they are not shown)."""
+    def job_names(self, start: int | None = None, end: int | None = None) -> list[str]:
+        """Every job's name (no times: cheaper where they are not shown); with a window, the
+        other clusters' jobs sealed with a day in it too (`<cluster>:<job>`)."""
         try:
             names: list[str] = self.r.zrange(keys.jobs_key(self.prefix), 0, -1)
         except redis.ResponseError as e:
             if not untrusted.is_wrong_type(e):
                 raise
-            return self._scanned(None)
+            names = self._scanned(None)
+        if start is not None and end is not None:
+            for c, cold in sorted(self.others.items()):
+                names = names + [f"{c}:{j}" for j in cold.jobs(start, end) if j != ledger.UNASSIGNED_JOB]
         return names
 
     def _scanned(self, warn: Warnings | None) -> list[str]:
@@ -669,26 +701,32 @@ class LedgerStore:
         days, hours, then 5 minutes): the exact path, which the rollup equals."""
         warn = Warnings() if warn is None else warn
         if not self.use_rollups:
-            metas = self.meta_many(jobs, warn) if meta and jobs else {}
-            return metas, [self._exact_table(jobs, start, end, warn) for start, end in spans]
-        chunks = list(self.table_chunks(jobs, spans, warn, meta, tokens))
-        if len(chunks) == 1:
+            local, foreign = self._split(jobs)
+            metas = self.meta_many(local, warn) if meta and local else {}
+            cut, hot = self._hot_spans(spans, warn)
+            tables = [self._exact_table(local, start, end, warn) for start, end in hot]
+            chunks = [(local, metas, self._with_cold(local, spans, cut, tables))]
+            if foreign:
+                chunks.append((foreign, *self._foreign_tables(foreign, spans, meta)))
+        else:
+            chunks = list(self.table_chunks(jobs, spans, warn, meta, tokens))
+        if len(chunks) == 1 and chunks[0][0] == jobs:
             return chunks[0][1], chunks[0][2]
         metas = {}
         for _, m, _ in chunks:
             metas.update(m)
+        order = {j: i for i, j in enumerate(j for c in chunks for j in c[0])}
+        at = [order[j] for j in jobs]  # the chunks' rows in the order asked
         out = []
         for w in range(len(spans)):
             parts = [c[2][w] for c in chunks]
             steps: dict[str, Steps] = {}
             for t in parts:
                 steps.update(t.steps)
+            versions = [v for t in parts for v in t.versions]
             out.append(
                 WindowTable(
-                    jobs,
-                    np.concatenate([t.net for t in parts]),
-                    [v for t in parts for v in t.versions],
-                    steps,
+                    jobs, np.concatenate([t.net for t in parts])[at], [versions[i] for i in at], steps
                 )
             )
         return metas, out
@@ -707,7 +745,98 @@ class LedgerStore:
         socket) while the caller works on this one, so a request of 10,000 jobs costs about the
         larger of Redis's time and Python's rather than their sum. The warnings reach `warn` in
         the order of one pass over every job (meta, then per window the steps and the exact
-        path's), once the last chunk is done."""
+        path's), once the last chunk is done. A window that begins before the ledger's start in
+        Redis (`hot_from`) is read from the archive up to it."""
+        local, foreign = self._split(jobs)
+        if local or not foreign:
+            cut, hot = self._hot_spans(spans, warn)
+            for part, metas, tables in self._table_chunks(local, hot, warn, meta, tokens):
+                yield part, metas, self._with_cold(part, spans, cut, tables)
+        if foreign:  # other clusters' jobs: one chunk, from the archive
+            yield foreign, *self._foreign_tables(foreign, spans, meta)
+
+    def _split(self, jobs: list[str]) -> tuple[list[str], list[str]]:
+        """This cluster's jobs, and other clusters' (`<cluster>:<job>`)."""
+        if not self.others:
+            return jobs, []
+        foreign = [j for j in jobs if j.split(":", 1)[0] in self.others and ":" in j]
+        if not foreign:
+            return jobs, []
+        theirs = set(foreign)
+        return [j for j in jobs if j not in theirs], foreign
+
+    def _foreign_tables(
+        self, names: list[str], spans: list[tuple[int, int]], meta: bool
+    ) -> tuple[dict[str, dict[str, Any]], list[WindowTable]]:
+        """Other clusters' jobs over the windows, from their sealed days: their meta (their
+        attributes as sealed, and their `cluster`) and their tables."""
+        by: dict[str, list[tuple[int, str]]] = {}
+        for i, n in enumerate(names):
+            c, j = n.split(":", 1)
+            by.setdefault(c, []).append((i, j))
+        attrs = [""] * len(names)
+        tables = []
+        for start, end in spans:
+            net = np.zeros((len(names), WIDTH - 1), np.int64)
+            versions: list[Any] = [set() for _ in names]
+            steps: dict[str, Steps] = {}
+            for c, members in by.items():
+                w = self.others[c].window([j for _, j in members], start, end)
+                for k, (i, _) in enumerate(members):
+                    net[i] = w.sums[k, : WIDTH - 1]
+                    versions[i] = w.versions[k]
+                    done, tokens, voided, voided_tokens = w.sums[k, WIDTH - 1 :].tolist()
+                    steps[names[i]] = Steps(done, voided, tokens - voided_tokens)
+                    attrs[i] = w.attributes[k] or attrs[i]
+            tables.append(WindowTable(names, net, versions, steps))
+        metas: dict[str, dict[str, Any]] = {}
+        if meta:
+            for n, text in zip(names, attrs, strict=True):
+                got = _json(text) if text else {}
+                metas[n] = {**(got if isinstance(got, dict) else {}), "cluster": n.split(":", 1)[0]}
+        return metas, tables
+
+    def _hot_spans(self, spans: list[tuple[int, int]], warn: Warnings) -> tuple[int, list[tuple[int, int]]]:
+        """The ledger's start in Redis, and the windows' parts from it on (empty before it)."""
+        cut = hot_from(self.r, self.prefix)
+        if not cut or all(start >= cut for start, _ in spans):
+            return 0, spans
+        if self.cold is None:
+            warn.add(
+                "ledger",
+                f"amounts before {_day(cut)} are in the archive, which this API does not read "
+                "(--archive): not counted",
+            )
+        return cut, [(max(start, cut), max(end, cut)) for start, end in spans]
+
+    def _with_cold(
+        self, jobs: list[str], spans: list[tuple[int, int]], cut: int, tables: list[WindowTable]
+    ) -> list[WindowTable]:
+        """Each window's tables plus, for a window that begins before `cut`, the archive's part."""
+        if not cut or self.cold is None:
+            return tables
+        for (start, end), t in zip(spans, tables, strict=True):
+            if start >= cut:
+                continue
+            cold = self.cold.window(jobs, start, min(end, cut))
+            t.net += cold.sums[:, : WIDTH - 1]
+            for i, j in enumerate(jobs):
+                if cold.versions[i]:
+                    t.versions[i] = set(t.versions[i] or ()) | cold.versions[i]
+                c = cold.sums[i, WIDTH - 1 :].tolist()
+                if any(c):
+                    was = t.steps.get(j, Steps())
+                    t.steps[j] = Steps(was.completed + c[0], was.voided + c[2], was.net_tokens + c[1] - c[3])
+        return tables
+
+    def _table_chunks(
+        self,
+        jobs: list[str],
+        spans: list[tuple[int, int]],
+        warn: Warnings,
+        meta: bool = False,
+        tokens: bool = False,
+    ) -> Iterator[tuple[list[str], dict[str, dict[str, Any]], list[WindowTable]]]:
         n = len(jobs)
         cuts = list(range(0, n, CHUNK)) or [0]
         args = [len(spans), int(meta), int(tokens), *(t for span in spans for t in span)]
@@ -836,6 +965,9 @@ class LedgerStore:
         secs = RESOLUTIONS[res]
         first = start // secs * secs
         starts = list(range(first, end, secs))
+        cut = hot_from(self.r, self.prefix) if starts else 0
+        cut = cut if cut > first else 0  # the series begins before the ledger's start
+        hot = None
         if self.use_rollups and starts:
             got = self._series(
                 keys=[keys.rollup_state_key(self.prefix, job), keys.rollup_key(self.prefix, job)],
@@ -848,26 +980,53 @@ class LedgerStore:
                         unique.append(r or ZEROS)
                     at.append(len(unique) - 1)
                 m = _records(unique)
+                if m is not None and cut:  # a bound before the ledger's start: its base record
+                    base = self.r.zrevrangebyscore(keys.rollup_key(self.prefix, job), f"({cut}", "-inf", 0, 1)
+                    b = _records([base[0]] if base else [ZEROS])
+                    if b is None:
+                        m = None
+                    else:
+                        m = m[at]
+                        bounds = np.arange(len(starts) + 1) * secs + first
+                        m[bounds <= cut] = b[0]
+                        at = list(range(len(at)))
                 if m is not None:
                     m = m[at]
-                    return starts, m[1:, 1:] - m[:-1, 1:]
-        rows = [_vector(a) for _, a in self.series(job, start, end, res, warn)]
-        return starts, np.array(rows, np.int64).reshape(len(starts), WIDTH - 1)
+                    hot = m[1:, 1:] - m[:-1, 1:]
+        if hot is None:
+            hot = np.array(
+                [_vector(a) for _, a in self.series(job, start, end, res, warn, cut)], np.int64
+            ).reshape(len(starts), WIDTH - 1)
+        if cut and self.cold is not None:
+            hot += self.cold.series(job, starts, secs, cut)[:, : WIDTH - 1]
+        elif cut and warn is not None:
+            warn.add("ledger", f"amounts before {_day(cut)} are in the archive, which this API does not read")
+        return starts, hot
 
     def series(
-        self, job: str, start: int, end: int, res: str, warn: Warnings | None = None
+        self, job: str, start: int, end: int, res: str, warn: Warnings | None = None, cut: int = 0
     ) -> list[tuple[int, Amounts]]:
-        """The series from the buckets of `res` (the exact path)."""
+        """The series from the buckets of `res` (the exact path); from `cut` on only (the
+        ledger's start in Redis: a point across it is summed from the buckets after it)."""
         secs = RESOLUTIONS[res]
         first = start // secs * secs
         starts = list(range(first, end, secs))
         pipe = self.r.pipeline(transaction=False)
         for b in starts:
-            pipe.hgetall(keys.bucket_key(self.prefix, job, res, b))
+            if b >= cut:
+                pipe.hgetall(keys.bucket_key(self.prefix, job, res, b))
+            else:
+                parts = decompose(cut, b + secs) if b + secs > cut else []
+                self._sum(keys=[keys.bucket_key(self.prefix, job, r, s) for r, s in parts], client=pipe)
         out = []
         bad = 0
         for b, h in zip(starts, _run(pipe), strict=True):
             a = Amounts()
+            if b < cut and h is not None:  # SUM_BUCKETS' flat reply
+                h = dict(zip(h[::2], h[1::2], strict=True))
+                versions = h.pop("price_version", None)
+                bad += number(h.pop("_bad", 0)) or 0
+                a.price_versions.update(versions.split("\n") if versions else ())
             bad += a.add_hash(h) if h is not None else 1
             out.append((b, a))
         if bad and warn is not None:
@@ -931,7 +1090,22 @@ class LedgerStore:
         return ledger.build_rollups(self.r, self.prefix)
 
     def unassigned(self, start: int, end: int, warn: Warnings | None = None) -> Amounts:
-        return self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
+        """GPU time no job registered, in this cluster and the others billed here."""
+        a = self.amounts_many([ledger.UNASSIGNED_JOB], start, end, warn)[ledger.UNASSIGNED_JOB]
+        for cold in self.others.values():
+            w = cold.window([ledger.UNASSIGNED_JOB], start, end)
+            theirs = _packed(w.sums[0, : WIDTH - 1].tolist(), w.versions[0])
+            for mine, more in ((a.ms, theirs.ms), (a.mj, theirs.mj), (a.ucost, theirs.ucost)):
+                for c in mine:
+                    mine[c] += more[c]
+            a.price_versions |= theirs.price_versions
+        return a
+
+
+def _day(t: int) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d")
 
 
 def _packed(values: list[Any], versions: set[Any]) -> Amounts:
@@ -991,7 +1165,7 @@ def _steps(jobs: list[str], replies: list[Any], warn: Warnings | None) -> dict[s
             return n or 0
 
         tokens = (cum(c_end) - cum(c_start)) - (cum(v_end) - cum(v_start))
-        out[j] = Steps(int(c_n), int(v_n), max(tokens, 0))
+        out[j] = Steps(int(c_n), int(v_n), tokens)
     return out
 
 

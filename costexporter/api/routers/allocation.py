@@ -20,8 +20,9 @@ from costexporter.store.ledger_read import LedgerStore, Warnings
 router = APIRouter(prefix="/api/v1/allocation", tags=["allocation"])
 
 AGGREGATE = (
-    "What a row is: job, team, namespace, cost_center or label:<name> (a field of the job's meta), "
-    "or several comma-combined (team,namespace): the row's key joins their values with '/'."
+    "What a row is: job, team, namespace, cost_center, cluster (this API's, or another cluster's "
+    "billed from the archive) or label:<name> (a field of the job's meta), or several "
+    "comma-combined (team,namespace): the row's key joins their values with '/'."
 )
 
 
@@ -54,7 +55,7 @@ def allocation(
     except agg.AggregateError as e:
         raise HTTPException(400, str(e)) from None
     warn = Warnings()
-    rows = allocation_rows(s, who, spans, fields, warn)
+    rows = allocation_rows(s, who, spans, fields, warn, cfg.cluster)
     if format == "json":  # rows built to the schema (`Allocation`): sent as they are
         return json_bytes(
             {
@@ -78,13 +79,18 @@ def allocation(
 
 
 def allocation_rows(
-    s: LedgerStore, who: Principal, spans: list[tuple[int, int]], fields: list[str], warn: Warnings
+    s: LedgerStore,
+    who: Principal,
+    spans: list[tuple[int, int]],
+    fields: list[str],
+    warn: Warnings,
+    cluster: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of every period (as `AllocationRow` dicts), in time order; the unassigned pool last in
     each period (only for a caller who sees every team). One read for every job and period
     (meta and each period's rollup records), then column sums. A row per job depends on its job
     alone: those rows are made chunk by chunk while Redis reads the next chunks, then sorted."""
-    names = s.job_names()
+    names = s.job_names(spans[0][0], spans[-1][1])  # other clusters': those sealed in the window
     if fields == ["job"]:
         per_span: list[list[dict[str, Any]]] = [[] for _ in spans]
         chunks = 0
@@ -98,6 +104,10 @@ def allocation_rows(
                 rows.sort(key=_key)
     else:
         metas, tables = s.tables(names, spans, warn, meta=True)
+        if "cluster" in fields and cluster:  # this cluster's jobs: the API's cluster
+            for m in metas.values():
+                if not isinstance(m.get("cluster"), str) or not m["cluster"]:
+                    m["cluster"] = cluster
         visible = [i for i, j in enumerate(names) if who.sees(metas[j].get("team"))]
         per_span = [
             agg.table_rows(table, metas, visible, fields, start, end)

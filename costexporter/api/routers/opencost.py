@@ -71,7 +71,7 @@ def _run(request: Request, s: LedgerStore, who: Principal, cluster: str | None, 
     if include_idle and pred is not None:
         notes.append("__idle__ is left out: a filter selects jobs, and idle GPU time belongs to none")
     warn = Warnings()
-    names = s.job_names()
+    names = s.job_names(spans[0][0], spans[-1][1])  # other clusters': those sealed in the window
     metas, tables = s.tables(names, spans, warn, meta=True)
     props = [oc.job_props(j, metas.get(j, {}), cluster) for j in names]
     keep = [

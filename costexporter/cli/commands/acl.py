@@ -7,13 +7,14 @@ import sys
 import click
 
 from costexporter.cli.options import InputFailure, prefix_option
+from costexporter.store.acl import ROLES
 
 
 @click.command("acl")
 @click.option(
     "--role",
     required=True,
-    type=click.Choice(["trainer", "agent", "watcher", "api", "sealer"]),
+    type=click.Choice(ROLES),
     help="The party the user is for.",
 )
 @click.option("--job", default=None, help="A trainer for this job only.")

@@ -57,6 +57,24 @@ from costexporter.cli.servers import api_app, serve_forever
     help="Cluster name of jobs whose meta names none (the OpenCost endpoint's `cluster`).",
 )
 @click.option(
+    "--archive",
+    envvar="COSTEXPORTER_ARCHIVE",
+    default=None,
+    metavar="URL",
+    help="The sealed archive (a directory, s3://bucket/root, ...): windows before the ledger's start "
+    "in Redis (`archive expire`) are read there, from this cluster's partition (--cluster).",
+)
+@click.option(
+    "--archive-cluster",
+    "archive_clusters",
+    multiple=True,
+    envvar="COSTEXPORTER_ARCHIVE_CLUSTERS",
+    metavar="NAME",
+    help="Another cluster whose sealed days this API bills too, from the archive (repeatable): "
+    "its jobs are `<cluster>:<job>` in /allocation and OpenCost's /allocation (aggregate=cluster "
+    "groups by cluster), up to its last seal.",
+)
+@click.option(
     "--header-timeout",
     envvar="COSTEXPORTER_API_HEADER_TIMEOUT",
     type=click.FloatRange(min=0.1),

@@ -1,5 +1,7 @@
-"""`costexporter archive`: seal the ledger's finished days to Parquet (`seal`), check what the
-archive holds (`verify`), and read a window's totals back from it (`totals`)."""
+"""`costexporter archive`: seal the ledger's finished days to Parquet (`seal`), drop from Redis
+what the archive holds past the hot window (`expire`), rebuild the hot window in a Redis that
+lost it (`restore`), check what the archive holds (`verify`), and read a window's totals back
+from it (`totals`)."""
 
 from __future__ import annotations
 
@@ -88,6 +90,90 @@ def archive_seal(
     click.echo(f"costexporter: {report.line()}", err=True)
 
 
+@archive_group.command("expire")
+@redis_url_option()
+@prefix_option
+@archive_option
+@click.option("--cluster", required=True, help="This cluster's name: its partition of the archive.")
+@click.option(
+    "--hot-days",
+    type=click.IntRange(min=1),
+    default=35,
+    show_default=True,
+    help="Days Redis keeps before today (UTC); what lies before them is read from the archive.",
+)
+@click.option(
+    "--shards", type=click.IntRange(1, 1024), default=16, help="The shards the sealer wrote (its --shards)."
+)
+def archive_expire(redis_url: str, prefix: str, url: str, cluster: str, hot_days: int, shards: int) -> None:
+    """Drop from Redis the days before the hot window that the archive holds exactly as Redis
+    does (each file read back, its hash checked, each job's rows compared), keeping the base
+    records that make cumulative figures exact. A day not sealed, or booked into since, holds
+    the window's start back (said). Run it after `archive seal`, with the retention ACL
+    (`costexporter acl --role retention`); point the API at the archive (`api --archive`)
+    before the first run, or it cannot count the days that left."""
+    import redis
+
+    from costexporter.services.retention import Retention
+    from costexporter.services.sealer import Sealer
+    from costexporter.store import protocol
+    from costexporter.store.archive import ArchiveError
+
+    require_redis(redis_url, "cannot reach Redis at {url}: {e}")
+    client, archive = protocol.connect(redis_url), _open(url)
+    retention = Retention(Sealer(client, prefix, archive, cluster, shards=shards), hot_days)
+    try:
+        report = retention.expire(int(time.time()))
+    except ArchiveError as e:
+        raise InputFailure(f"{e}; nothing was dropped that the archive does not hold") from None
+    except redis.RedisError as e:
+        raise InputFailure(f"expiry stopped: {e}; run it again") from None
+    for line in report.held:
+        click.echo(f"held: {line}", err=True)
+    click.echo(f"costexporter: {report.line()}", err=True)
+
+
+@archive_group.command("restore")
+@redis_url_option()
+@prefix_option
+@archive_option
+@click.option("--cluster", required=True, help="This cluster's name: its partition of the archive.")
+@click.option(
+    "--hot-days",
+    type=click.IntRange(min=1),
+    default=35,
+    show_default=True,
+    help="Days before today (UTC) to write back into Redis; the older ones stay in the archive.",
+)
+def archive_restore(redis_url: str, prefix: str, url: str, cluster: str, hot_days: int) -> None:
+    """Rebuild the hot window of a Redis that lost the ledger (restarted empty, a new Redis)
+    from the archive: each sealed job-day of the last --hot-days written back as the agents
+    wrote it, steps, meta and attribution included. A job-day Redis holds already is left as it
+    is (said): running it again, or beside agents that booked again, never counts twice. Run it
+    as Redis's admin (it writes the trainers' jobs index and meta too); the days since the last
+    seal are the agents' to book again."""
+    import redis
+
+    from costexporter.services.restore import Restore
+    from costexporter.store import protocol
+    from costexporter.store.archive import ArchiveError
+
+    require_redis(redis_url, "cannot reach Redis at {url}: {e}")
+    client, archive = protocol.connect(redis_url), _open(url)
+    from_s = (int(time.time()) // 86400 - hot_days) * 86400
+    try:
+        report = Restore(client, prefix, archive, cluster).restore(from_s)
+    except ArchiveError as e:
+        raise InputFailure(f"{e}; what was written stays, and running it again goes on from there") from None
+    except redis.RedisError as e:
+        raise InputFailure(
+            f"restoring stopped: {e}; run it again (days written are not written twice)"
+        ) from None
+    for line in report.kept:
+        click.echo(f"kept: {line}", err=True)
+    click.echo(f"costexporter: {report.line()}", err=True)
+
+
 @archive_group.command("verify")
 @archive_option
 @click.option(
@@ -105,6 +191,8 @@ def archive_verify(url: str, clusters: tuple[str, ...]) -> None:
         raise InputFailure(str(e)) from None
     for p in check.problems:
         click.echo(p)
+    for p in check.orphans:
+        click.echo(f"costexporter: {p}: named by no manifest (the next seal removes it)", err=True)
     click.echo(
         f"costexporter: {check.files} file(s), {check.rows:,} rows checked; {len(check.problems)} problem(s)",
         err=True,
@@ -119,8 +207,9 @@ def archive_verify(url: str, clusters: tuple[str, ...]) -> None:
 @click.option("--end", required=True, help="Window end.")
 @click.option("--cluster", "clusters", multiple=True, help="Only this cluster (repeatable).")
 def archive_totals(url: str, start: str, end: str, clusters: tuple[str, ...]) -> None:
-    """A window's net GPU-hours, kWh and cost by cluster and job, from the archive alone (JSON
-    lines). The window is cut at 5-minute buckets."""
+    """A window's net GPU-hours, kWh, cost and steps by cluster and job, from the archive alone
+    (JSON lines). The window is cut at 5-minute buckets."""
+    from costexporter.core.archive import STEPS_TOTAL
     from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
     from costexporter.core.model import MS
     from costexporter.services.sealer import window_totals
@@ -135,11 +224,14 @@ def archive_totals(url: str, start: str, end: str, clusters: tuple[str, ...]) ->
         raise InputFailure(str(e)) from None
     for (cluster, job), t in sorted(got.items()):
         cats = t.to_json()
+        done, tokens, voided, voided_tokens = cats.pop(STEPS_TOTAL, [0, 0, 0, 0])
         click.echo(
             json.dumps(
                 {
                     "cluster": cluster,
                     "job": job,
+                    "steps": {"completed": done, "voided": voided, "valid": done - voided},
+                    "tokens": tokens - voided_tokens,
                     "gpu_hours": {c: v[0] / MS_PER_HOUR for c, v in cats.items()},
                     "energy_kwh": {c: v[1] / MJ_PER_KWH for c, v in cats.items()},
                     "cost": {c: v[2] / 1e6 for c, v in cats.items()},

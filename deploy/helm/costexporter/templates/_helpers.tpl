@@ -278,3 +278,50 @@ relabelings give every series. */}}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+
+{{/* The archive's cluster partition: archive.cluster, else cluster; one is required, and where
+both are given they are the same (the API names one cluster). */}}
+{{- define "costexporter.archiveCluster" -}}
+{{- $c := .Values.archive.cluster | default .Values.cluster -}}
+{{- if not .Values.archive.url -}}
+{{- fail "costexporter: archive.enabled needs archive.url (s3://bucket/root, gs://..., or a path on archive.existingClaim)" -}}
+{{- end -}}
+{{- if not $c -}}
+{{- fail "costexporter: archive.enabled needs a cluster name: archive.cluster or cluster (its partition of the archive)" -}}
+{{- end -}}
+{{- if and .Values.cluster .Values.archive.cluster (ne .Values.cluster .Values.archive.cluster) -}}
+{{- fail "costexporter: archive.cluster and cluster differ; the API reads one cluster's partition: give one of them" -}}
+{{- end -}}
+{{- if and (hasPrefix "/" .Values.archive.url) (not .Values.archive.existingClaim) -}}
+{{- fail "costexporter: archive.url is a path: give archive.existingClaim, the volume it is on (or use object storage)" -}}
+{{- end -}}
+{{- $c -}}
+{{- end -}}
+
+{{/* The archive's credentials (a Secret's keys as environment variables), if any. */}}
+{{- define "costexporter.archiveEnvFrom" -}}
+{{- with .Values.archive.credentialsSecret }}
+envFrom:
+  - secretRef: {name: {{ . }}}
+{{- end }}
+{{- end -}}
+
+{{/* The archive's volume and its mount, for a path on a PVC. */}}
+{{- define "costexporter.archiveVolume" -}}
+{{- if and .Values.archive.enabled .Values.archive.existingClaim }}
+- name: archive
+  persistentVolumeClaim: {claimName: {{ .Values.archive.existingClaim }}}
+{{- end }}
+{{- end -}}
+{{- define "costexporter.archiveMount" -}}
+{{- if and .Values.archive.enabled .Values.archive.existingClaim (hasPrefix "/" .Values.archive.url) }}
+- {name: archive, mountPath: {{ .Values.archive.url }}}
+{{- end }}
+{{- end -}}
+
+{{/* The Redis users of the parts this release runs (redis.acl), but the trainers'. */}}
+{{- define "costexporter.aclRoles" -}}
+{{- $r := list "agent" "watcher" "api" -}}
+{{- if .Values.archive.enabled }}{{ $r = append $r "sealer" }}{{ if .Values.archive.retention.enabled }}{{ $r = append $r "retention" }}{{ end }}{{ end -}}
+{{- join " " $r -}}
+{{- end -}}
