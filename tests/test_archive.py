@@ -471,3 +471,19 @@ def test_a_file_of_the_first_schema_reads_with_no_steps_and_no_owner():
     [got] = rows_of(buf.getvalue())
     assert got == (*row, 0, 0, 0, 0, "", "")
     assert Totals.of([got]).to_json() == {"productive": [4, 6, 7]}
+
+
+def test_a_trainer_that_wrote_its_meta_as_another_type_does_not_stop_the_seal(tmp_path, prefix):
+    """The sealer reads the jobs' meta (the trainers' keys): one written as a stream is read as
+    no meta, the day sealed all the same, and the other job's attributes are its own."""
+    r = _client()
+    for job in ("ok", "bad"):
+        _one_day(r, prefix, job, 0, 1_000)
+        set_watermark(r, prefix, job, "n0", DAY0 + 2 * DAY_S)
+    r.hset(keys.meta_key(prefix, "ok"), "model", "m1")
+    r.xadd(keys.meta_key(prefix, "bad"), {"model": "x"})
+    archive = Archive.open(str(tmp_path))
+    assert Sealer(r, prefix, archive, "east", shards=1, delay_s=0).seal(DAY0 + 3 * DAY_S).written
+    [e] = archive.manifest("east").entries.values()
+    rows = archive.read("east", e)
+    assert {r_[3]: json.loads(r_[18]) for r_ in rows} == {"bad": {}, "ok": {"model": "m1"}}

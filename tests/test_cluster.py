@@ -13,6 +13,7 @@ import re
 import time
 import uuid
 
+import numpy as np
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -504,3 +505,47 @@ def test_the_legacy_keyspace_moves_on_the_cluster(cluster):
         assert r.xlen(keys.stream_key(prefix, j)) == 1
         assert r.get(keys.watermark_key(prefix, j, "a")) == '{"booked_until": 7}'
     assert migrate.legacy_keys(r, prefix) == []
+
+
+def test_seal_expire_read_across_and_restore_on_a_cluster(cluster, tmp_path):
+    """The archive's lifecycle on a 3-master Redis Cluster: sealed, expired (the ledger's start
+    on one node, each job's drop in a MULTI on its own), every window read the same across the
+    archive and Redis, then the keys lost and the hot window restored: the same again."""
+    from costexporter.services.restore import Restore
+    from costexporter.services.retention import Retention
+    from costexporter.services.sealer import Sealer
+    from costexporter.store import keys as k
+    from costexporter.store import ledger
+    from costexporter.store.archive import Archive
+    from costexporter.store.coldledger import ColdLedger
+    from costexporter.store.ledger_read import LedgerStore
+
+    from .test_archive import DAY0, N_CAT, set_watermark
+    from .test_retention import snapshot, write_steps
+
+    r, p, day = redisconn.from_url(cluster.url, decode_responses=True), f"lc-{uuid.uuid4().hex[:8]}", 86400
+    rng = np.random.default_rng(1)
+    jobs = ["a/1", "b/2", "c/3"]
+    for job in jobs:
+        pipe = r.pipeline(transaction=False)
+        b = {DAY0 + 3600 * h: rng.integers(0, 10**6, (N_CAT, 3)) for h in range(6 * 24)}
+        ledger.queue_amounts(pipe, p, job, b, "pv1")
+        pipe.zadd(k.jobs_key(p), {job: DAY0})
+        pipe.execute()
+        write_steps(r, p, job, [(DAY0 * 1000 + 600_000 * n, 5) for n in range(6 * 144)], [2])
+        set_watermark(r, p, job, "n0", DAY0 + 7 * day)
+    spans = [(DAY0, DAY0 + 6 * day), (DAY0 + 3600, DAY0 + 4 * day)]
+    before = snapshot(LedgerStore(r, p), jobs, spans)
+    archive = Archive.open(str(tmp_path))
+    sealer = Sealer(r, p, archive, "east", shards=2, delay_s=0)
+    assert sealer.seal(DAY0 + 8 * day).written
+    rep = Retention(sealer, hot_days=3).expire(DAY0 + 6 * day)
+    assert rep.hot_from == DAY0 + 3 * day and rep.keys > 0 and not rep.held
+    assert snapshot(LedgerStore(r, p, cold=ColdLedger(archive, "east")), jobs, spans) == before
+    for key in list(r.scan_iter(f"{p}:*")):
+        r.delete(key)
+    back = Restore(r, p, archive, "east").restore(DAY0 + 2 * day)
+    assert back.restored == 12 and not back.kept
+    assert snapshot(LedgerStore(r, p, cold=ColdLedger(archive, "east")), jobs, spans) == before
+    for key in list(r.scan_iter(f"{p}:*")):
+        r.delete(key)

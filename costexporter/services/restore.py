@@ -183,10 +183,10 @@ class Restore:
             pipe.zadd(keys.steps_key(self.prefix, job), done)
         if undone:
             pipe.zadd(keys.voids_key(self.prefix, job), undone)
-        if job != ledger.UNASSIGNED_JOB and (valid or done):
-            last = max([*valid, *(int(s) for s in done.values())]) + 300
-            pipe.zadd(keys.jobs_key(self.prefix), {job: last}, gt=True)
         pipe.execute()
+        if job != ledger.UNASSIGNED_JOB and (valid or done):  # (across jobs: not in the MULTI)
+            last = max([*valid, *(int(s) for s in done.values())]) + 300
+            self.r.zadd(keys.jobs_key(self.prefix), {job: last}, gt=True)
         return len(done)
 
     def _queue_total(self, pipe: Any, job: str, net: np.ndarray) -> None:
