@@ -161,9 +161,11 @@ def main() -> None:
                         f"    day {d:>3}: Redis without expiry {x['keep'][d] / 2**20:7.1f} MB,"
                         f" with expiry {x['exp'][d] / 2**20:7.1f} MB"
                     )
-                after = [d for d in marks if d > a.hot_days]
+                # growth a day: the least-squares slope over the last days, two hot windows on
+                # (the first weeks past the window the zsets' and the allocator's sizes settle)
+                after = [d for d in marks if d >= 2 * a.hot_days] or [d for d in marks if d > a.hot_days]
                 if len(after) >= 2:
-                    d1 = after[-1]  # growth a day: the least-squares slope over the days past the window
+                    d1 = after[-1]
                     grow_keep = float(np.polyfit(after, [x["keep"][d] for d in after], 1)[0])
                     grow_exp = float(np.polyfit(after, [x["exp"][d] for d in after], 1)[0])
                     hot_jd = x["keep"][d1] / (n * d1)

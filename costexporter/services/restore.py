@@ -131,15 +131,16 @@ class Restore:
         return {j for j, n in zip(jobs, pipe.execute(), strict=True) if not n}
 
     def _held_days(self, jobs: list[str], starts: list[int]) -> set[tuple[str, int]]:
-        """(job, day) that Redis holds a bucket or a step of already."""
+        """(job, day) that Redis holds a bucket, a step or a void of already."""
         days = sorted(set(starts))
         pipe = self.r.pipeline(transaction=False)
         for j in jobs:
             for d in days:
                 pipe.zcount(keys.index_key(self.prefix, j, "5m"), d, f"({d + DAY_S}")
                 pipe.zcount(keys.steps_key(self.prefix, j), d, f"({d + DAY_S}")
+                pipe.zcount(keys.voids_key(self.prefix, j), d, f"({d + DAY_S}")
         got = iter(pipe.execute())
-        return {(j, d) for j in jobs for d in days if next(got) + next(got)}
+        return {(j, d) for j in jobs for d in days if next(got) + next(got) + next(got)}
 
     def _nothing_before(self, jobs: list[str], from_s: int) -> bool:
         pipe = self.r.pipeline(transaction=False)

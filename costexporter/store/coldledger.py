@@ -14,17 +14,17 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from costexporter.core.archive import COLUMNS, DAY_S, STEPS_ROW, Entry, Manifest, day_start
+from costexporter.core.archive import DAY_S, STEPS_ROW, Entry, Manifest, day_start
 from costexporter.core.model import CATEGORIES
 from costexporter.store.archive import MANIFEST, Archive, ArchiveError
 
 AMOUNTS = len(CATEGORIES) * 3  # the columns of `ledger.PACKED`
 WIDTH = AMOUNTS + 4  # then completed steps, their tokens, voided steps, their tokens
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
-_NAMES = [n for n, _ in COLUMNS]
 FILES_KEPT = 16  # files kept as columns (a window cuts at most its first and last day)
 
 
@@ -42,71 +42,61 @@ class ColdWindow:
 Part = tuple[np.ndarray, set[str], str]  # a job's sums, price versions and attributes
 
 
+_NET = (("gpu_ms", "voided_gpu_ms"), ("energy_mj", "voided_energy_mj"), ("cost_micro", "voided_cost_micro"))
+_STEPS = ("steps", "step_tokens", "voided_steps", "voided_tokens")
+
+
 class _Sums:
-    """One file's rows as columns: per row its job's index, its bucket and a WIDTH vector."""
+    """One file's rows, summed by Arrow's group-by (in C++: a file of ~10,000 rows in about a
+    millisecond) by job and category over any run of its buckets."""
 
-    def __init__(
-        self,
-        jobs: list[str],
-        job_at: np.ndarray,
-        bucket: np.ndarray,
-        vec: np.ndarray,
-        pv: list[str],
-        attrs: dict[str, str],
-    ):
-        self.jobs = jobs
-        self.job_at = job_at
-        self.bucket = bucket
-        self.vec = vec
-        self.pv = pv  # per row
-        self.attrs = attrs  # per job: its attributes (JSON) as the day was sealed
+    def __init__(self, table: Any) -> None:
+        import pyarrow.compute as pc
 
-    @classmethod
-    def of(cls, data: object) -> _Sums:
-        t = data  # a pyarrow Table in COLUMNS' layout
-        col = {n: t.column(n).to_numpy(zero_copy_only=False) for n in _NAMES}  # type: ignore[attr-defined]
-        names = col["job"].astype(object)
-        jobs, job_at = np.unique(names, return_inverse=True)
-        n = len(names)
-        vec = np.zeros((n, WIDTH), np.int64)
-        cats = col["category"]
-        steps = cats == STEPS_ROW
-        for c, i in _CAT.items():
-            rows = cats == c
-            if rows.any():
-                for u, (plain, voided) in enumerate(
-                    (
-                        ("gpu_ms", "voided_gpu_ms"),
-                        ("energy_mj", "voided_energy_mj"),
-                        ("cost_micro", "voided_cost_micro"),
-                    )
-                ):
-                    vec[rows, 3 * i + u] = col[plain][rows] - col[voided][rows]
-        for k, name in enumerate(("steps", "step_tokens", "voided_steps", "voided_tokens")):
-            vec[steps, AMOUNTS + k] = col[name][steps]
-        pv = [str(x) for x in col["price_version"].tolist()]
-        attrs = dict(zip(names.tolist(), col["attributes"].tolist(), strict=True))
-        job_list = [str(j) for j in jobs]
-        return cls(job_list, job_at.reshape(-1), col["bucket_start"].astype(np.int64), vec, pv, attrs)
+        self.pc = pc
+        t = table
+        cols = {"job": t.column("job"), "category": t.column("category"), "bucket": t.column("bucket_start")}
+        for u, (plain, voided) in enumerate(_NET):
+            cols[f"n{u}"] = pc.subtract(t.column(plain), t.column(voided))
+        for name in _STEPS:
+            cols[name] = t.column(name)
+        cols["pv"] = t.column("price_version")
+        cols["attributes"] = t.column("attributes")
+        self.t = type(t).from_pydict(cols)
 
     def window(self, start: int, end: int) -> dict[str, Part]:
         """Each job's sums over the buckets starting in [start, end), its price versions and
         attributes."""
-        inside = (self.bucket >= start) & (self.bucket < end)
+        pc, t = self.pc, self.t
+        bucket = t.column("bucket")
+        mm = pc.min_max(bucket)  # a whole day's file inside the window: no filter
+        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        if lo is None or not (start <= lo and hi < end):
+            t = t.filter(pc.and_(pc.greater_equal(bucket, start), pc.less(bucket, end)))
         out: dict[str, Part] = {}
-        if not inside.any():
+        if t.num_rows == 0:
             return out
-        acc = np.zeros((len(self.jobs), WIDTH), np.int64)
-        np.add.at(acc, self.job_at[inside], self.vec[inside])
-        seen = np.zeros(len(self.jobs), bool)
-        seen[self.job_at[inside]] = True
-        versions: dict[int, set[str]] = {}
-        for i in np.flatnonzero(inside).tolist():
-            if self.pv[i]:
-                versions.setdefault(int(self.job_at[i]), set()).add(self.pv[i])
-        for i in np.flatnonzero(seen).tolist():
-            j = self.jobs[i]
-            out[j] = (acc[i], versions.get(i, set()), self.attrs.get(j) or "")
+        sums = [(f"n{u}", "sum") for u in range(3)] + [(n, "sum") for n in _STEPS]
+        by = t.group_by(["job", "category"], use_threads=False).aggregate(sums).to_pydict()
+        vecs: dict[str, np.ndarray] = {}
+        for k, (job, cat) in enumerate(zip(by["job"], by["category"], strict=True)):
+            v = vecs.get(job)
+            if v is None:
+                v = vecs[job] = np.zeros(WIDTH, np.int64)
+            if cat == STEPS_ROW:
+                for a, n in enumerate(_STEPS):
+                    v[AMOUNTS + a] += by[f"{n}_sum"][k]
+            elif cat in _CAT:
+                at = 3 * _CAT[cat]
+                for u in range(3):
+                    v[at + u] += by[f"n{u}_sum"][k]
+        meta = (
+            t.group_by("job", use_threads=False)
+            .aggregate([("pv", "distinct"), ("attributes", "max")])
+            .to_pydict()
+        )
+        for job, pvs, attrs in zip(meta["job"], meta["pv_distinct"], meta["attributes_max"], strict=True):
+            out[job] = (vecs[job], {x for x in pvs if x}, attrs or "")
         return out
 
 
@@ -134,13 +124,12 @@ class ColdLedger:
                 f"the archive {self.archive.url} holds no manifest of cluster {self.cluster!r}: the days "
                 "that left Redis cannot be read (is --cluster the name the sealer was given?)"
             )
-        else:
-            try:
-                m = Manifest.from_json(json.loads(raw))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ArchiveError(
-                    f"the manifest of cluster {self.cluster!r} in {self.archive.url} is unreadable: {e}"
-                ) from None
+        try:
+            m = Manifest.from_json(json.loads(raw))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ArchiveError(
+                f"the manifest of cluster {self.cluster!r} in {self.archive.url} is unreadable: {e}"
+            ) from None
         with self._lock:
             self._manifest = (raw, m)
         return m
@@ -153,7 +142,7 @@ class ColdLedger:
             if got is not None:
                 self._files.move_to_end(entry.sha256)
                 return got
-        got = _Sums.of(self.archive.table(self.cluster, entry))
+        got = _Sums(self.archive.table(self.cluster, entry))
         with self._lock:
             self._files[entry.sha256] = got
             while len(self._files) > FILES_KEPT:
