@@ -394,3 +394,17 @@ def test_one_api_bills_several_clusters_from_their_partitions(tmp_path, cli):
     finally:
         for prefix in p.values():
             drop_prefix(r, prefix)
+
+
+def test_the_api_reads_every_sealed_day_ahead_once(ledger_of_six_days):
+    """`warm` (the API's start, on a thread) reads each sealed day once and keeps its sums: a
+    later window of whole days reads no file (here: the files gone, the same answer)."""
+    r, prefix, archive = ledger_of_six_days
+    Sealer(r, prefix, archive, "east", shards=2, delay_s=0).seal(DAY0 + 10 * DAY_S)
+    cold = ColdLedger(archive, "east")
+    want = cold.window(["j1", "team/j2"], DAY0, DAY0 + DAYS * DAY_S).sums.tolist()
+    fresh = ColdLedger(archive, "east")
+    assert fresh.warm() == len(archive.manifest("east").entries)
+    for f in pathlib.Path(archive.root).rglob("*.parquet"):
+        f.unlink()
+    assert fresh.window(["j1", "team/j2"], DAY0, DAY0 + DAYS * DAY_S).sums.tolist() == want

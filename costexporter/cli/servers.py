@@ -35,6 +35,7 @@ def api_app(
     cold, others = cold_ledgers(options.get("archive"), cluster, options.get("archive_clusters") or ())
     store = LedgerStore(client, prefix, cold=cold, others=others)
     index_in_background(store)
+    warm_in_background([c for c in (cold, *others.values()) if c is not None])
     names = {k[6:]: v for k, v in options.items() if k.startswith("focus_") and v}
     return create_app(
         store,
@@ -75,6 +76,30 @@ def cold_ledgers(url: str | None, cluster: str | None, others: tuple[str, ...] =
             f"the archive {url} has no partition of cluster {missing[0]!r} (cluster={missing[0]}/)"
         )
     return ColdLedger(archive, cluster), {c: ColdLedger(archive, c) for c in others}
+
+
+def warm_in_background(colds: list[Any]) -> None:  # store.coldledger.ColdLedger
+    """Each archive's sealed days read once at start, on a thread: the first bill over months
+    then reads kept sums, not every file (a year of files takes seconds to tens of seconds)."""
+    if not colds:
+        return
+    import logging
+    import threading
+
+    from costexporter.store.archive import ArchiveError
+
+    log = logging.getLogger("costexporter.api")
+
+    def run() -> None:
+        for c in colds:
+            try:
+                n = c.warm()
+            except ArchiveError as e:  # said here; a request that needs the day says it again
+                log.warning("archive of cluster %s not read ahead: %s", c.cluster, e)
+                continue
+            log.info("read %d sealed days of cluster %s ahead", n, c.cluster)
+
+    threading.Thread(target=run, name="costexporter-archive-warm", daemon=True).start()
 
 
 def index_in_background(store: Any) -> None:  # the API's LedgerStore
