@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import click
 
-from costexporter.cli.options import InputFailure, instant_ms, prefix_option, redis_url_option, require_redis
+from costexporter.cli.options import (
+    F,
+    InputFailure,
+    instant_ms,
+    prefix_option,
+    redis_url_option,
+    require_redis,
+)
 
 archive_option = click.option(
     "--archive",
@@ -21,6 +29,15 @@ archive_option = click.option(
     "S3 credentials from AWS_* variables, ?endpoint_override=host:port&scheme=http for an "
     "S3-API server).",
 )
+
+
+cluster_option = click.option(
+    "--cluster", required=True, help="This cluster's name: its partition of the archive (cluster=NAME)."
+)
+
+
+def hot_days_option(text: str) -> Callable[[F], F]:
+    return click.option("--hot-days", type=click.IntRange(min=1), default=35, show_default=True, help=text)
 
 
 def _open(url: str):  # type: ignore[no-untyped-def]  # (store.archive.Archive, imported late)
@@ -41,9 +58,7 @@ def archive_group() -> None:
 @redis_url_option()
 @prefix_option
 @archive_option
-@click.option(
-    "--cluster", required=True, help="This cluster's name: its partition of the archive (cluster=NAME)."
-)
+@cluster_option
 @click.option(
     "--delay",
     type=click.FloatRange(min=0),
@@ -94,14 +109,8 @@ def archive_seal(
 @redis_url_option()
 @prefix_option
 @archive_option
-@click.option("--cluster", required=True, help="This cluster's name: its partition of the archive.")
-@click.option(
-    "--hot-days",
-    type=click.IntRange(min=1),
-    default=35,
-    show_default=True,
-    help="Days Redis keeps before today (UTC); what lies before them is read from the archive.",
-)
+@cluster_option
+@hot_days_option("Days Redis keeps before today (UTC); what lies before them is read from the archive.")
 @click.option(
     "--shards", type=click.IntRange(1, 1024), default=16, help="The shards the sealer wrote (its --shards)."
 )
@@ -137,14 +146,8 @@ def archive_expire(redis_url: str, prefix: str, url: str, cluster: str, hot_days
 @redis_url_option()
 @prefix_option
 @archive_option
-@click.option("--cluster", required=True, help="This cluster's name: its partition of the archive.")
-@click.option(
-    "--hot-days",
-    type=click.IntRange(min=1),
-    default=35,
-    show_default=True,
-    help="Days before today (UTC) to write back into Redis; the older ones stay in the archive.",
-)
+@cluster_option
+@hot_days_option("Days before today (UTC) to write back into Redis; the older ones stay in the archive.")
 def archive_restore(redis_url: str, prefix: str, url: str, cluster: str, hot_days: int) -> None:
     """Rebuild the hot window of a Redis that lost the ledger (restarted empty, a new Redis)
     from the archive: each sealed job-day of the last --hot-days written back as the agents
