@@ -408,3 +408,19 @@ def test_the_api_reads_every_sealed_day_ahead_once(ledger_of_six_days):
     for f in pathlib.Path(archive.root).rglob("*.parquet"):
         f.unlink()
     assert fresh.window(["j1", "team/j2"], DAY0, DAY0 + DAYS * DAY_S).sums.tolist() == want
+
+
+def test_a_damaged_sealed_file_holds_the_start_back_and_its_day_stays_in_redis(ledger_of_six_days):
+    r, prefix, archive = ledger_of_six_days
+    sealer = Sealer(r, prefix, archive, "east", shards=1, delay_s=0)
+    sealer.seal(DAY0 + 10 * DAY_S)
+    [day2] = sorted(pathlib.Path(archive.root).rglob("date=2026-01-03/*.parquet"))
+    data = bytearray(day2.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    day2.write_bytes(bytes(data))
+    rep = Retention(sealer, hot_days=1).expire(DAY0 + 10 * DAY_S)
+    assert rep.hot_from == DAY0 + 2 * DAY_S, rep
+    assert any("its file is damaged" in h for h in rep.held), rep.held
+    for job in ("j1", "team/j2"):
+        assert r.zcount(keys.index_key(prefix, job, "5m"), DAY0 + 2 * DAY_S, f"({DAY0 + 3 * DAY_S}") > 0
+        assert not r.zrangebyscore(keys.index_key(prefix, job, "5m"), "-inf", f"({DAY0 + 2 * DAY_S}")

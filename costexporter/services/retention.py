@@ -69,14 +69,15 @@ class Retention:
     def expire(self, now_s: int) -> ExpireReport:
         report = ExpireReport(before=hot_from(self.r, self.prefix))
         target = (now_s // DAY_S - self.hot_days) * DAY_S
+        jobs = self.sealer.jobs()  # (one pass over the keyspace for both steps)
         cut = max(target, report.before)
         if target > report.before:
-            cut = self._held_back(target, report)
+            cut = self._held_back(jobs, target, report)
         report.hot_from = max(cut, report.before)
         if report.hot_from > report.before:
             self._move_start(report.hot_from)
         if report.hot_from:
-            for job in self.sealer.jobs():
+            for job in jobs:
                 dropped = self.drop(job, report.hot_from)
                 if dropped[0] or dropped[1]:
                     report.jobs += 1
@@ -84,7 +85,7 @@ class Retention:
                     report.members += dropped[1]
         return report
 
-    def _held_back(self, target: int, report: ExpireReport) -> int:
+    def _held_back(self, jobs: list[str], target: int, report: ExpireReport) -> int:
         """How far the start can move towards `target`: to the first day of any job that the
         archive does not hold as Redis does."""
         archive, cluster = self.sealer.archive, self.sealer.cluster
@@ -95,12 +96,13 @@ class Retention:
             return 0
         manifest = archive.manifest(cluster)
         files: dict[str, dict[str, list[Row]]] = {}  # entry key -> job -> its sealed rows
+        damaged: set[str] = set()
         cut = target
 
         def kept(day: str) -> bool:  # the days before the start hold only base records
             return day_start(day) < report.before
 
-        for job in self.sealer.jobs():
+        for job in jobs:
             shard = shard_of(job, self.sealer.shards)
             for day, rows in sorted(self.sealer.buckets(job, target, kept).items()):
                 d0 = day_start(day)
@@ -116,10 +118,10 @@ class Retention:
                                 files[key].setdefault(r[3], []).append(r)
                         except ArchiveError as e:
                             report.held.append(f"{day} shard {shard}: {e}")
-                            files[key] = {"\0damaged": []}
+                            damaged.add(key)
                 why = None
-                if not files[key] or "\0damaged" in files[key]:
-                    why = "not sealed" if not files[key] else "its file is damaged"
+                if key in damaged:
+                    why = "its file is damaged"
                 elif job not in files[key]:
                     why = "not sealed"
                 elif booked(files[key][job]) != booked(rows):
