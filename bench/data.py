@@ -60,3 +60,72 @@ def ensure_real() -> tuple[list[Path], Path]:
     write_csv(tr, csv_path)
     write_events(tr, events)
     return [csv_path], events
+
+
+def day_scenario(b: TraceBuilder, gpus: tuple[int, ...]) -> None:
+    """A day of one job on every GPU of `b` (samples for `gpus` only): hourly checkpoints, a
+    communication-bound and a starved stretch each hour, and a deadlock in its last 20 minutes."""
+    b.meta(gpu_model="NVIDIA B300")
+    b.run("start")
+    for hour in range(24):
+        compute = 2400 if hour == 23 else 3000
+        b.stretch("compute", compute, step_s=1.72, tokens=4_194_304, gpus=gpus)
+        if hour == 23:
+            b.stretch("deadlock", 1200, zero_ranks=(3,), gpus=gpus)
+            break
+        b.phase("checkpoint", "begin")
+        b.stretch("checkpoint", 120, zero_ranks=(0,), gpus=gpus)
+        b.phase("checkpoint", "end", step=b.step)
+        b.stretch("communication", 300, step_s=2.5, tokens=4_194_304, gpus=gpus)
+        b.stretch("starvation", 180, step_s=2.5, tokens=4_194_304, straggler=b.n_gpus // 3, gpus=gpus)
+
+
+def _write_host_csv(samples, host: str, path: Path) -> None:
+    """nvidia-smi's CSV of one host's samples, in blocks (its text is built a block at a time)."""
+    import numpy as np
+
+    from costexporter.sources.synth import _local_stamps
+
+    gids = [i for i, g in enumerate(samples.gpus) if g.host == host]
+    sel = np.flatnonzero(np.isin(samples.gpu, gids))
+    order = sel[np.lexsort((samples.gpu[sel], samples.ts_ms[sel]))]
+    index = np.array([g.index for g in samples.gpus])
+    uuid = np.array([g.uuid or "" for g in samples.gpus])
+    with path.open("w") as f:
+        f.write("timestamp, index, uuid, power.draw [W], utilization.gpu [%]\n")
+        for a in range(0, order.size, 200_000):
+            o = order[a : a + 200_000]
+            g = samples.gpu[o]
+            cols = [
+                _local_stamps(samples.ts_ms[o], None),
+                index[g].astype(str),
+                uuid[g],
+                np.char.add(np.char.mod("%.2f", samples.power_w[o]), " W"),
+                np.char.add(np.char.mod("%.0f", samples.util_pct[o]), " %"),
+            ]
+            rows = cols[0]
+            for c in cols[1:]:
+                rows = np.char.add(np.char.add(rows, ", "), c)
+            f.write("\n".join(rows.tolist()) + "\n")
+
+
+def ensure_day(n_gpus: int) -> tuple[list[Path], Path]:
+    """`n_gpus` GPUs (hosts of 8) for 24 h at 1 s: n_gpus x 86,400 CSV rows, a file per host,
+    written host by host (never the whole trace in memory). Cached under bench/.data."""
+    import numpy as np
+
+    where = Path(__file__).parent / ".data" / f"{n_gpus}x24h"
+    n_hosts = n_gpus // PER_HOST
+    csvs = sorted(where.glob("node*.csv"))
+    events = where / "events.jsonl"
+    if len(csvs) == n_hosts and events.exists():
+        return csvs, events
+    where.mkdir(parents=True, exist_ok=True)
+    for h in range(n_hosts):
+        b = TraceBuilder(n_gpus=n_gpus, per_host=PER_HOST, interval_s=1.0, job="day", seed=24)
+        b.rng = np.random.default_rng(1000 + h)
+        day_scenario(b, tuple(range(h * PER_HOST, (h + 1) * PER_HOST)))
+        _write_host_csv(b.samples(), f"node{h}", where / f"node{h}.csv")
+        if h == 0:
+            b.write_events(events)
+    return sorted(where.glob("node*.csv")), events

@@ -34,6 +34,7 @@ class FakeGpu:
     instant_zero: bool = False  # the H200: the instant field "supported" but always 0
     counter_power_mw: int | None = None  # what the counter integrates, if not power_mw
     mig: tuple[str, ...] = ()  # the UUIDs of its MIG devices (MIG mode on)
+    read_at: float = 0.0  # Unix s of the last call that answered (the last sample it gave)
 
 
 class FakeNvml:
@@ -106,6 +107,7 @@ class FakeNvml:
         if g.lost:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         self._accrue(g)
+        g.read_at = time.time()
         return g
 
     def nvmlInit(self):

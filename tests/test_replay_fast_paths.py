@@ -10,7 +10,6 @@ report's totals summed run by run against one bincount of every piece.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import itertools
 
@@ -24,7 +23,8 @@ from costexporter.core import tracefiles as files
 from costexporter.core.booking import NEG_INF, POS_INF, Slices, _cut_per_gpu, make_slices
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.model import Band, GpuId, Samples
-from costexporter.core.replay import ReplayConfig, _stretches, _totals_by_key, _TraceLayout, _unassigned
+from costexporter.core.replay import ReplayConfig, _stretches, _totals_by_key, _unassigned
+from costexporter.core.tracesource import MemoryTrace
 
 
 def arrow_ms(values: pa.ChunkedArray, tz: str = "UTC") -> np.ndarray | None:
@@ -190,8 +190,10 @@ def test_unassigned_time_equals_slicing_the_whole_trace(n_gpus, steps, membershi
     base = int(samples.ts_ms.min())
     members = [(g, base + a * interval, base + (a + d) * interval) for g, a, d in memberships]
     cfg = ReplayConfig()
-    layout = dataclasses.replace(_TraceLayout.of(samples, n_gpus), interval=interval)
-    got = _unassigned(samples, layout, members, cfg)
+    trace = MemoryTrace(samples)
+    trace.extend(n_gpus)
+    trace.interval_ms = interval
+    got = _unassigned(trace, members, cfg)
     ref = unassigned_reference(samples, n_gpus, interval, members, cfg.booking.gap_intervals)
     assert ref and set(got) == set(ref), (got, ref)
     for k in ref:

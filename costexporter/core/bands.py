@@ -32,6 +32,36 @@ class BandResult:
     # 0% rank is the one that left the collective (rank 0 writing a checkpoint, or R4's rank 3).
     signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
     carry: RunCarry | None = None  # the run open at `carry_at_ms` (None: none open there)
+    starved: Starved | None = None  # the straggler's evidence (None: no starvation counted)
+
+
+@dataclass(frozen=True, slots=True)
+class Starved:
+    """Per rank, its utilization summed over the starvation moments where it read mid power, and
+    how many: sums of windows add up to the whole trace's (`add`), the straggler is the rank
+    lowest on average (`straggler`)."""
+
+    util_sum: np.ndarray  # float64 per rank
+    moments: np.ndarray  # int per rank
+
+    def add(self, other: Starved | None) -> Starved:
+        if other is None:
+            return self
+        n = max(self.util_sum.size, other.util_sum.size)
+        s, m = np.zeros(n), np.zeros(n, np.int64)
+        for x in (self, other):
+            s[: x.util_sum.size] += x.util_sum
+            m[: x.moments.size] += x.moments
+        return Starved(s, m)
+
+
+def straggler(starved: Starved | None) -> int | None:
+    """The rank lowest on average during starvation (None: no rank read mid power then)."""
+    if starved is None or not starved.moments.any():
+        return None
+    c = starved.moments
+    mean = np.where(c > 0, starved.util_sum / np.maximum(c, 1), np.inf)
+    return int(np.argmin(mean))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +123,15 @@ def classify(
     step_ms: np.ndarray | None = None,
     carry: RunCarry | None = None,
     carry_at_ms: int | None = None,
+    phase_ms: float | None = None,
+    count_from_ms: int | None = None,
+    count_to_ms: int | None = None,
 ) -> BandResult:
     """Band of each sample. Samples must be sorted by (rank, ts).
+
+    `phase_ms`: the trace's sampling phase (`sampling_phase`), where the caller classifies it in
+    windows; the straggler's evidence (`BandResult.starved`) counts the moments in
+    [`count_from_ms`, `count_to_ms`) only: each moment once over windows that overlap.
 
     `carry`: the signature run open at `carry.at_ms` in the samples before this window (the
     window then needs to hold only a few moments before that time); `carry_at_ms`: where to
@@ -126,7 +163,7 @@ def classify(
         if climbing is not power_w:
             climbed = climbing != power_w
             power_w = climbing
-    tick = moments(rank, ts_ms, cell)
+    tick, t0 = moments(rank, ts_ms, cell, phase_ms)
     n_ticks = int(tick.max()) + 1
     if n_ticks <= 4 * n + 1024:  # dense numbering in O(n); sparse traces fall back to unique
         used = np.bincount(tick, minlength=n_ticks) > 0
@@ -185,7 +222,7 @@ def classify(
         cols,
         cell,
         grid,
-        int(ts_ms.min()),
+        t0,
         step_ms,
         checkpoint_allowance_ms,
         carry,
@@ -211,20 +248,22 @@ def classify(
         band[at == 2] = Band.DEADLOCK
         band[at == 3] = Band.CHECKPOINT
 
-    straggler = None
+    starved = None
+    if count_from_ms is not None:  # a window: the moments an earlier one counted are not again
+        starv = starv & (t0 + cols * cell >= count_from_ms)
+    if count_to_ms is not None:  # nor those the next one will
+        starv = starv & (t0 + cols * cell < count_to_ms)
     if starv.any():
         u = np.where(mid[:, starv], U[:, starv], np.nan)
-        counts = (~np.isnan(u)).sum(1)
-        if counts.any():
-            mean = np.where(counts > 0, np.nansum(u, 1) / np.maximum(counts, 1), np.inf)
-            straggler = int(np.argmin(mean))
+        starved = Starved(np.asarray(np.nansum(u, 1, dtype=np.float64)), (~np.isnan(u)).sum(1))
 
     return BandResult(
         band=band,
         grid_ms=grid,
         interval_ms=int(interval_ms),
-        straggler_rank=straggler,
+        straggler_rank=straggler(starved),
         signature_moments=n_confirmed,
+        starved=starved,
         signatures=signatures,
         carry=carry_out,
     )
@@ -620,15 +659,13 @@ def _climbs(
     return out
 
 
-def moments(rank: np.ndarray, ts_ms: np.ndarray, cell: int) -> np.ndarray:
-    """The moment (a cell of one sampling interval) of each sample; samples sorted by (rank, ts).
-
-    Cells are centred on the trace's typical sampling phase, so the lines of one instant, stamped
-    a few ms apart, share a cell. A line stamped early (nvidia-smi sometimes stamps the GPU 0 line
-    of an instant 50-80 ms before the others) falls into its predecessor's cell; it moves on to
-    the next cell when that one is free for its rank, where the rest of its instant is.
-    """
+def sampling_phase(ts_ms: np.ndarray, cell: int) -> float:
+    """The stamps' typical phase within a cell (ms): their circular mean, over a bounded prefix
+    (samples sorted by rank, ts). A trace read in windows takes it once, from its own prefix, so
+    that every window cuts the same cells."""
     pre = ts_ms[:200_001] % cell
+    if pre.size == 0:
+        return 0.0
     if cell <= pre.size:  # the stamps' phases counted, each angle's sine and cosine taken once
         k = np.bincount(pre, minlength=cell)
         at = np.flatnonzero(k)
@@ -638,9 +675,26 @@ def moments(rank: np.ndarray, ts_ms: np.ndarray, cell: int) -> np.ndarray:
     else:
         ang = pre * (2 * np.pi / cell)
         phase = float(np.arctan2(np.sin(ang).mean(), np.cos(ang).mean())) * cell / (2 * np.pi)
+    return phase
+
+
+def moments(
+    rank: np.ndarray, ts_ms: np.ndarray, cell: int, phase_ms: float | None = None
+) -> tuple[np.ndarray, int]:
+    """The moment (a cell of one sampling interval) of each sample, numbered from 0, and the
+    time of moment 0 (ms); samples sorted by (rank, ts).
+
+    Cells are centred on the trace's typical sampling phase (`sampling_phase`, or `phase_ms`
+    where the caller took it once), so the lines of one instant, stamped a few ms apart, share a
+    cell. A line stamped early (nvidia-smi sometimes stamps the GPU 0 line of an instant 50-80 ms
+    before the others) falls into its predecessor's cell; it moves on to the next cell when that
+    one is free for its rank, where the rest of its instant is.
+    """
+    phase = sampling_phase(ts_ms, cell) if phase_ms is None else phase_ms
     off = round(phase) - cell // 2
     tick = (ts_ms - off) // cell
-    tick -= tick.min()
+    first = int(tick.min())
+    tick -= first
     if tick.size > 1:
         same = rank[1:] == rank[:-1]
         clash = np.flatnonzero(same & (tick[1:] <= tick[:-1])) + 1
@@ -649,7 +703,7 @@ def moments(rank: np.ndarray, ts_ms: np.ndarray, cell: int) -> np.ndarray:
             nxt = np.minimum(clash + 1, tick.size - 1)
             free = (clash + 1 >= tick.size) | (rank[nxt] != rank[clash]) | (tick[nxt] > target)
             tick[clash[free]] = target[free]
-    return tick
+    return tick, first * cell + off + cell // 2
 
 
 def _bridge(cand: np.ndarray, cols: np.ndarray) -> np.ndarray:

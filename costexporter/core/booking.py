@@ -851,6 +851,53 @@ class Pieces:
         """GPU-milliseconds: the wall time, or a shared slice's part of it."""
         return shares.gpu_ms(self.start_ms, self.end_ms, self.lanes)
 
+    @classmethod
+    def empty(cls) -> Pieces:
+        return cls(
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int8),
+            np.zeros(0, np.int8),
+            np.zeros(0, np.float64),
+        )
+
+    @classmethod
+    def concat(cls, parts: list[Pieces]) -> Pieces:
+        """The pieces of `parts`, one after the other (none shared: whole GPUs)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _PIECE_COLUMNS))
+
+    def merged(self) -> Pieces:
+        """Each run of pieces that follow one another on one GPU in one category and band as one
+        piece, its energy summed: what a report sums, in far fewer rows (a window of a replay
+        keeps these). Unobserved pieces stay apart (whether their energy is known is each one's)."""
+        n = self.gpu.size
+        if n < 2 or self.lanes is not None:
+            return self
+        cat = self.category
+        join = np.zeros(n, bool)
+        join[1:] = (
+            (self.gpu[1:] == self.gpu[:-1])
+            & (cat[1:] == cat[:-1])
+            & (self.band[1:] == self.band[:-1])
+            & (self.start_ms[1:] == self.end_ms[:-1])
+            & (cat[1:] != Category.UNOBSERVED)
+        )
+        if not join.any():
+            return self
+        heads = np.flatnonzero(~join)
+        last = np.append(heads[1:], n) - 1
+        return Pieces(
+            self.gpu[heads],
+            self.start_ms[heads],
+            self.end_ms[last],
+            self.band[heads],
+            cat[heads],
+            np.add.reduceat(self.energy_mj, heads),
+        )
+
     def take(self, mask: npt.NDArray[np.bool_] | npt.NDArray[np.intp]) -> Pieces:
         """The pieces `mask` selects (a boolean mask or indices)."""
         return Pieces(
@@ -862,6 +909,9 @@ class Pieces:
             self.energy_mj[mask],
             None if self.lanes is None else self.lanes[mask],
         )
+
+
+_PIECE_COLUMNS = ("gpu", "start_ms", "end_ms", "band", "category", "energy_mj")
 
 
 # An unobserved gap of at most this long, give or take half a sampling interval of stamp jitter
@@ -1159,9 +1209,12 @@ def job_bands(
     interval_ms: int,
     carry: bands_mod.RunCarry | None = None,
     carry_at_ms: int | None = None,
+    phase_ms: float | None = None,
+    count_ms: tuple[int | None, int | None] = (None, None),
 ) -> bands_mod.BandResult:
     """A job's bands on its grid, with the checkpoint allowance its own checkpoints taught
-    (`carry`, `carry_at_ms`: a live window's signature run carried in and out, `bands.classify`)."""
+    (`carry`, `carry_at_ms`: a window's signature run carried in and out; `phase_ms`, `count_ms`:
+    the trace's sampling phase and the moments this window counts, `bands.classify`)."""
     return bands_mod.classify(
         rank,
         ts_ms,
@@ -1178,4 +1231,7 @@ def job_bands(
         step_ms=np.asarray([s.ts_ms for s in timeline.steps], np.int64) if timeline.steps else None,
         carry=carry,
         carry_at_ms=carry_at_ms,
+        phase_ms=phase_ms,
+        count_from_ms=count_ms[0],
+        count_to_ms=count_ms[1],
     )

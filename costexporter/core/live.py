@@ -56,6 +56,20 @@ class WindowResult:
     # Where the next round's window may start: (start ms, the horizon, the signature run open
     # there: `bands.RunCarry` or None); None when this round booked nothing.
     next_window: tuple[int, int, bands_mod.RunCarry | None] | None = None
+    bands: bands_mod.BandResult | None = None  # the window's bands (None: it booked nothing)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceConstants:
+    """What replay takes once of a whole trace it books in windows (`book_window`), so that
+    every window cuts the same moments: the sampling interval and phase; where the windows
+    before stopped counting the straggler's evidence (None: none before), and whether the last
+    one counts the rest (else windows after it do)."""
+
+    interval_ms: int
+    phase_ms: float
+    counted_until_ms: int | None = None
+    counts_the_rest: bool = True  # the last window counts every moment it holds
 
 
 def data_horizon(
@@ -113,6 +127,7 @@ def book_window(
     timeline: Timeline | None = None,
     carry: bands_mod.RunCarry | None = None,
     lanes: np.ndarray | None = None,
+    trace: TraceConstants | None = None,
 ) -> WindowResult:
     """Book the decided part of [booked_until, now) for the GPUs of `own_ranks`.
 
@@ -123,14 +138,17 @@ def book_window(
     (a rank discovered late; that time is nobody else's) catch up: the result's horizon may then
     lie before `booked_until_ms`. `timeline`: the job's timeline at `now_ms` when the caller
     folds it incrementally (`fold.TimelineFold`); else built from `events`. `lanes` (per own
-    rank: lo, hi, den) where an own GPU is a shared slice (`core.shares`).
+    rank: lo, hi, den) where an own GPU is a shared slice (`core.shares`). `trace`: what replay
+    takes once of a whole trace it books in windows (the sampling interval and phase, where an
+    earlier window stopped counting the straggler's evidence); the live agent takes them from
+    each window.
     """
     if timeline is None:
         timeline = build_timeline(
             events if final else dated_until(events, now_ms), cfg, job_start_ms, now_ms, final=final
         )
     tl = timeline
-    interval = bands_mod.sampling_interval_ms(rank, ts_ms)
+    interval = bands_mod.sampling_interval_ms(rank, ts_ms) if trace is None else trace.interval_ms
     horizon = min(tl.decided_until_ms, now_ms)
     if not final:
         ahead = bands_mod.lookahead_ms(interval, int(cfg.grid_s * 1000))
@@ -140,14 +158,7 @@ def book_window(
         )
         if tl.steps:  # its steps are known up to now_ms; the spin signature looks past a moment
             horizon = min(horizon, now_ms - bands_mod.step_lookahead_ms(interval, int(cfg.grid_s * 1000)))
-    empty = Pieces(
-        np.zeros(0, np.int32),
-        np.zeros(0, np.int64),
-        np.zeros(0, np.int64),
-        np.zeros(0, np.int8),
-        np.zeros(0, np.int8),
-        np.zeros(0, np.float64),
-    )
+    empty = Pieces.empty()
     booked_from = (
         np.full(own_ranks.size, booked_until_ms, np.int64)
         if booked_from_ms is None
@@ -159,12 +170,21 @@ def book_window(
     # The next window starts `overlap` before this round's horizon, carrying the signature run
     # open there: a window holds seconds of every rank's samples, not a checkpoint's allowance.
     overlap = bands_mod.window_overlap_ms(interval, int(cfg.grid_s * 1000), cfg.gap_intervals)
-    br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon)
+    if trace is None:
+        br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon)
+    else:
+        count = (trace.counted_until_ms, None if final and trace.counts_the_rest else horizon)
+        br = job_bands(
+            cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon,
+            trace.phase_ms, count,
+        )  # fmt: skip
     # Own GPUs: local index = position in own_ranks.
     local_of_rank = np.full(max(n_ranks, int(own_ranks.max(initial=-1)) + 1), -1, np.int64)
     local_of_rank[own_ranks] = np.arange(own_ranks.size)
-    mine = local_of_rank[rank] >= 0 if rank.size else np.zeros(0, bool)
-    lg = local_of_rank[rank[mine]]
+    local = local_of_rank[rank]
+    own = local >= 0
+    mine: slice | np.ndarray = slice(None) if own.all() else own  # (replay: every GPU its own)
+    lg = local[mine]
     n_own = own_ranks.size
     job_end = tl.end_ms if tl.end_ms is not None else POS_INF
     cover_end = np.full(n_own, min(horizon, job_end), np.int64)
@@ -190,15 +210,16 @@ def book_window(
         np.concatenate([booked_from, np.full(n_own, horizon)]),
     )
     keep = (slices.start_ms >= booked_from[slices.gpu]) & (slices.end_ms <= horizon)
-    slices = Slices(
-        slices.gpu[keep],
-        slices.start_ms[keep],
-        slices.end_ms[keep],
-        slices.band[keep],
-        slices.energy_mj[keep],
-        slices.span_start_ms,
-        slices.span_end_ms,
-    )
+    if not keep.all():  # (a replay's last window keeps them all: no copy)
+        slices = Slices(
+            slices.gpu[keep],
+            slices.start_ms[keep],
+            slices.end_ms[keep],
+            slices.band[keep],
+            slices.energy_mj[keep],
+            slices.span_start_ms,
+            slices.span_end_ms,
+        )
     pieces = book(slices, tl, own_ranks, member_start_ms.astype(np.int64), np.minimum(cover_end, job_end))
     inside = pieces.category != Category.UNASSIGNED
     if not inside.all():
@@ -209,9 +230,10 @@ def book_window(
     latest: dict[int, int] = {}
     if lg.size:
         last = np.flatnonzero(np.append(lg[1:] != lg[:-1], True))
-        latest = {int(lg[i]): int(br.band[mine][i]) for i in last}
+        own_band = br.band[mine]  # (once: not per GPU)
+        latest = dict(zip(lg[last].tolist(), own_band[last].tolist(), strict=True))
     return WindowResult(
-        pieces, horizon, tl, latest, list(br.signatures), (horizon - overlap, horizon, br.carry)
+        pieces, horizon, tl, latest, list(br.signatures), (horizon - overlap, horizon, br.carry), br
     )
 
 

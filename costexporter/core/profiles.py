@@ -185,9 +185,20 @@ class TraceLevels:
 def trace_levels(power_w: np.ndarray, util_pct: np.ndarray, idle_w: float | None) -> TraceLevels:
     """The compute level of readings at or above TRACE_BUSY_UTIL_PCT, with the idle level
     learned per GPU (`costexporter/core/idle.py`)."""
+    return busy_levels(busy_readings(power_w, util_pct), idle_w)
+
+
+def busy_readings(power_w: np.ndarray, util_pct: np.ndarray) -> np.ndarray:
+    """The power readings at or above TRACE_BUSY_UTIL_PCT: what the compute level is taken from
+    (a trace read GPU by GPU keeps only these)."""
     with np.errstate(invalid="ignore"):
-        busy = power_w[(util_pct >= TRACE_BUSY_UTIL_PCT) & np.isfinite(power_w)]
-    compute = float(np.percentile(busy, 95)) if busy.size >= TRACE_MIN_BUSY else None
+        busy: np.ndarray = power_w[(util_pct >= TRACE_BUSY_UTIL_PCT) & np.isfinite(power_w)]
+    return busy
+
+
+def busy_levels(busy_w: np.ndarray, idle_w: float | None) -> TraceLevels:
+    """`trace_levels` of the busy readings (`busy_readings`)."""
+    compute = float(np.percentile(busy_w, 95)) if busy_w.size >= TRACE_MIN_BUSY else None
     return TraceLevels(idle_w, compute)
 
 
@@ -313,14 +324,19 @@ OVER_LIMIT_SHARE = 0.01
 OVER_LIMIT_MARGIN = 1.15
 
 
-def over_limit(profile: Profile, source: str, power_w: np.ndarray) -> dict[str, float] | None:
+def over_limit(
+    profile: Profile, source: str, power_w: np.ndarray | Callable[[], np.ndarray], max_w: float | None = None
+) -> dict[str, float] | None:
     """Where a profile taken from a model's name (its known limit, not one the trace or the
     operator gave) is contradicted by the readings: {limit_w, reading_w} (the reading at the top
-    OVER_LIMIT_SHARE), else None."""
+    OVER_LIMIT_SHARE), else None. `power_w` may be a function giving the readings, and `max_w`
+    their highest, known without them (a trace read GPU by GPU): they are read only past it."""
     if source not in ("derived_from_model", "builtin") or not profile.power_limit_w:
         return None
-    p = np.asarray(power_w, np.float64)
     edge = profile.power_limit_w * OVER_LIMIT_MARGIN
+    if max_w is not None and not max_w > edge:
+        return None
+    p = np.asarray(power_w() if callable(power_w) else power_w, np.float64)
     if p.size == 0 or not np.nanmax(p, initial=0.0) > edge:  # the usual trace: one pass, no sort
         return None
     p = p[np.isfinite(p)]

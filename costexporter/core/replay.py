@@ -24,11 +24,9 @@ from costexporter.core.booking import (
     Pieces,
     Timeline,
     active_intervals,
-    book,
     build_timeline,
     intersect,
     is_stepless,
-    job_bands,
     make_slices,
 )
 from costexporter.core.buckets import cost_by_category
@@ -42,6 +40,7 @@ from costexporter.core.cost import (
 )
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.figures import at_risk_ms, extend_incidents, job_figures
+from costexporter.core.live import TraceConstants
 from costexporter.core.model import (
     CATEGORIES,
     WASTED_CATEGORIES,
@@ -63,7 +62,9 @@ from costexporter.core.replayreport import (
     Straggler,
     Unassigned,
 )
+from costexporter.core.replaywindows import book_windows
 from costexporter.core.terms import JobTerms, Policy, PolicyRule, job_terms
+from costexporter.core.tracesource import JobSamples, MemoryTrace, PowerLevels, Trace
 
 # A part of the report (costexporter/schemas): a JSON document, so its values are Any.
 
@@ -84,6 +85,9 @@ class ReplayConfig:
     # prices by job name or namespace) and its price table.
     policy_rules: tuple[PolicyRule, ...] = ()
     pricing: Pricing = field(default_factory=Pricing)
+    # How long a stretch of the trace is booked at once (`replaywindows`); None: sized to hold
+    # about WINDOW_ROWS samples of the job.
+    window_ms: int | None = None
 
     def policy(self) -> Policy:
         """The operator's terms: the flags' thresholds and prices, the policy file's."""
@@ -114,7 +118,7 @@ class JobResult:
 
 
 def register_matches(
-    samples: Samples, events: list[Event], diag: Diagnostics | None = None
+    samples: Samples | Trace, events: list[Event], diag: Diagnostics | None = None
 ) -> tuple[list[GpuId], dict[str, dict[int, tuple[int, int]]]]:
     """Map each job's registered ranks to GPU indices: job -> rank -> (gpu, register_ms).
 
@@ -151,10 +155,8 @@ def register_matches(
 
 def _bound_registers(
     registered: dict[str, dict[int, tuple[int, int]]],
-    samples: Samples,
+    trace: Trace,
     gpus: list[GpuId],
-    counts: np.ndarray,
-    starts: np.ndarray,
     diag: Diagnostics | None,
 ) -> dict[str, dict[int, tuple[int, int]]]:
     """Each rank's GPU time starts where the live agent starts it (`jobfacts.gpu_start_ms`):
@@ -164,13 +166,14 @@ def _bound_registers(
     live agent starts it when it reads the register, which a trace does not record, so its date
     is refused and it starts with its job (its other ranks' registers), else at its first sample.
     """
-    if not len(samples):
+    if not len(trace):
         return registered
-    trace_first = int(samples.ts_ms.min())
+    trace_first = trace.first_sample_ms
+    counts = trace.counts
 
     def span(g: int) -> tuple[int, int | None]:
         if g < len(counts) and counts[g] > 0:
-            return int(samples.ts_ms[starts[g]]), int(samples.ts_ms[starts[g] + counts[g] - 1])
+            return int(trace.first_ms[g]), int(trace.last_ms[g])
         return trace_first, None
 
     def far_ahead(g: int, reg: int) -> bool:
@@ -248,61 +251,40 @@ def report_of(results: list[JobResult], unassigned: Unassigned, cfg: ReplayConfi
 
 
 def book_trace(
-    samples: Samples, events: list[Event], cfg: ReplayConfig, diag: Diagnostics | None = None
+    samples: Samples | Trace, events: list[Event], cfg: ReplayConfig, diag: Diagnostics | None = None
 ) -> tuple[list[JobResult], Unassigned]:
-    """Every job of the trace booked (`JobResult`s) and the time no job held (`unassigned`)."""
-    gpus, registered = register_matches(samples, events, diag)
+    """Every job of the trace booked (`JobResult`s) and the time no job held (`unassigned`).
+    `samples`: in memory, or a trace read window by window (`tracesource`)."""
+    trace = samples if isinstance(samples, Trace) else MemoryTrace(samples)
+    gpus, registered = register_matches(trace, events, diag)
+    trace.extend(len(gpus))
     events_by_job: dict[str, list[Event]] = {}
     for e in events:
         events_by_job.setdefault(e.job, []).append(e)
-    layout = _TraceLayout.of(samples, len(gpus))
-    registered = _bound_registers(registered, samples, gpus, layout.counts, layout.starts, diag)
-    jobs = _members(registered, samples, gpus, events_by_job, cfg)
+    registered = _bound_registers(registered, trace, gpus, diag)
+    jobs = _members(registered, trace, gpus, events_by_job, cfg)
     policy = cfg.policy()
     prepared = {
-        job: _prepare_job(job, members, events_by_job.get(job, []), samples, gpus, layout, cfg, policy)
+        job: _prepare_job(job, members, events_by_job.get(job, []), trace, gpus, cfg, policy)
         for job, members in jobs.items()
     }
     spans = _claims(jobs, {job: active_intervals(p.timeline) for job, p in prepared.items()}, gpus, diag)
     results: list[JobResult] = []
     member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
     for prep in prepared.values():
-        r = _book_job(prep, spans, samples, layout)
+        r = _book_job(prep, spans, trace.interval_ms, cfg.window_ms)
+        prep.samples = None  # (its window's columns are let go as the next job's are read)
         gpus_of = r.member_gpus if r.member_gpus is not None else np.zeros(0, np.int64)
         member_ivals += [
             (int(g), a, b) for g, iv in zip(gpus_of, r.member_intervals, strict=True) for a, b in iv
         ]
         results.append(r)
-    return results, _unassigned(samples, layout, member_ivals, cfg)
-
-
-@dataclass(frozen=True, slots=True)
-class _TraceLayout:
-    """Where each GPU's samples lie in the trace (grouped by GPU, in time order) and when each
-    GPU's last sample's slice ends."""
-
-    interval: int
-    counts: np.ndarray
-    starts: np.ndarray
-    last_end: np.ndarray
-
-    @classmethod
-    def of(cls, samples: Samples, n_g: int) -> _TraceLayout:
-        interval = bands_mod.sampling_interval_ms(samples.gpu, samples.ts_ms)
-        # Samples are sorted by GPU: each GPU's run is found by binary search (a bincount
-        # would pass over every sample several times).
-        bounds = np.searchsorted(samples.gpu, np.arange(n_g + 1), "left")
-        starts, counts = bounds[:-1], np.diff(bounds)
-        last_end = np.full(n_g, NEG_INF, np.int64)
-        has = counts > 0
-        if len(samples):
-            last_end[has] = samples.ts_ms[(starts + counts - 1)[has]] + interval
-        return cls(interval, counts, starts, last_end)
+    return results, _unassigned(trace, member_ivals, cfg)
 
 
 def _members(
     registered: dict[str, dict[int, tuple[int, int]]],
-    samples: Samples,
+    trace: Trace,
     gpus: list[GpuId],
     events_by_job: dict[str, list[Event]],
     cfg: ReplayConfig,
@@ -313,10 +295,10 @@ def _members(
     if registered:
         for job, job_ranks in registered.items():
             jobs[job] = _one_rank_per_gpu(job, sorted((r, g, t) for r, (g, t) in job_ranks.items()), gpus)
-    elif samples.gpus:
+    elif trace.gpus:
         name = cfg.job or (next(iter(events_by_job)) if len(events_by_job) == 1 else "trace")
-        t0 = int(samples.ts_ms.min())
-        jobs[name] = [(r, g, t0) for r, g in enumerate(range(len(samples.gpus)))]
+        t0 = trace.first_sample_ms
+        jobs[name] = [(r, g, t0) for r, g in enumerate(range(len(trace.gpus)))]
     return jobs
 
 
@@ -394,21 +376,6 @@ def _job_timeline(
     return build_timeline(jev, bc, start_ms, end_ms)
 
 
-def _job_samples(
-    samples: Samples, member_gpus: np.ndarray, n_g: int
-) -> tuple[np.ndarray | None, tuple[np.ndarray, ...]]:
-    """The samples of the member GPUs, renumbered 0..n-1 in member order (job-local GPU index):
-    (their rows in the trace, None when the job holds every GPU), (lg, ts, power, util, energy).
-    Samples stay grouped by GPU in time order; only the GPU numbers change."""
-    local = np.full(n_g, -1, np.int64)
-    local[member_gpus] = np.arange(member_gpus.size)
-    cols = (samples.ts_ms, samples.power_w, samples.util_pct, samples.energy_mj)
-    if member_gpus.size == n_g:  # the common case: the job holds every GPU of the trace
-        return None, (local[samples.gpu], *cols)
-    sel = local[samples.gpu] >= 0
-    return np.flatnonzero(sel), (local[samples.gpu[sel]], *(a[sel] for a in cols))
-
-
 @dataclass(slots=True)
 class _Job:
     """A job's facts, terms and timeline, before its GPUs' claims are settled."""
@@ -424,8 +391,7 @@ class _Job:
     timeline: Timeline
     end_ms: int  # where its data ends (its last event or its GPUs' last sample)
     booked_by: str
-    rows: np.ndarray | None
-    cols: tuple[np.ndarray, ...]  # the member GPUs' samples (lg, ts, power, util, energy)
+    samples: JobSamples | None  # the member GPUs' samples (None once booked)
     member_gpu_list: list[GpuId]
 
 
@@ -433,9 +399,8 @@ def _prepare_job(
     job: str,
     members: list[tuple[int, int, int]],
     jev: list[Event],
-    samples: Samples,
+    trace: Trace,
     gpus: list[GpuId],
-    layout: _TraceLayout,
     cfg: ReplayConfig,
     policy: Policy,
 ) -> _Job:
@@ -443,10 +408,10 @@ def _prepare_job(
     timeline."""
     meta, preflight = _job_facts(jev)
     member_gpus = np.asarray([g for _, g, _ in members], np.int64)
-    rows, cols = _job_samples(samples, member_gpus, len(gpus))
-    lg, _ts, pw, ut, _en = cols
+    samples = trace.job(member_gpus)
     member_gpu_list = [gpus[g] for g in member_gpus]
-    profile, source = job_profile(cfg, meta, member_gpu_list, lg, pw, ut)
+    levels = samples.levels([g.power_limit_w for g in member_gpu_list])
+    profile, source = job_profile(cfg, meta, member_gpu_list, levels)
     terms = job_terms(
         job,
         meta,
@@ -459,16 +424,16 @@ def _prepare_job(
     # A register whose date is refused (far after its GPU's samples: a clock ahead) does not
     # stretch the job's data to it either (a day of its GPUs `unobserved`).
     gpu_of = {r: g for r, g, _ in members}
-    last_end = layout.last_end
+    last_end = trace.last_end_ms()
 
     def dated(e: Event) -> bool:
         g = gpu_of.get(e.rank)
         if e.type != "register" or g is None or g >= last_end.size or last_end[g] <= NEG_INF:
             return True
-        return not jobfacts.register_far_ahead(e.ts_ms, int(last_end[g]) - layout.interval)
+        return not jobfacts.register_far_ahead(e.ts_ms, int(last_end[g]) - trace.interval_ms)
 
     ev_end = max((e.ts_ms for e in jev if dated(e)), default=NEG_INF)
-    end_ms = int(max(ev_end, layout.last_end[member_gpus].max(initial=NEG_INF), terms.start_ms))
+    end_ms = int(max(ev_end, last_end[member_gpus].max(initial=NEG_INF), terms.start_ms))
     booked_by = progress_of(jev, cfg.progress)
     timeline = _job_timeline(job, jev, booked_by, terms.booking, terms.start_ms, end_ms)
     return _Job(
@@ -483,33 +448,31 @@ def _prepare_job(
         timeline,
         end_ms,
         booked_by,
-        rows,
-        cols,
+        samples,
         member_gpu_list,
     )
 
 
 def _book_job(
-    prep: _Job, spans: dict[tuple[str, int], tuple[int, int]], samples: Samples, layout: _TraceLayout
+    prep: _Job, spans: dict[tuple[str, int], tuple[int, int]], interval_ms: int, window_ms: int | None
 ) -> JobResult:
-    """One job booked on its terms, each GPU for the stretch its claim holds it."""
+    """One job booked on its terms, each GPU for the stretch its claim holds it: in time windows
+    through the live agent's booking (`replaywindows`), so that memory holds one window's
+    samples and slices, not the job's."""
     job, members, timeline, bc = prep.name, prep.members, prep.timeline, prep.terms.booking
-    lg, ts, pw, ut, en = prep.cols
+    samples = prep.samples
+    assert samples is not None, "a job is booked once"
     member_gpus = np.asarray([g for _, g, _ in members], np.int64)
     ranks = np.asarray([r for r, _, _ in members], np.int64)
     job_end = timeline.end_ms if timeline.end_ms is not None else prep.end_ms
     n_ranks = int(ranks.max()) + 1 if ranks.size else 0
-    br = job_bands(bc, timeline, ranks[lg], ts, pw, ut, n_ranks, prep.profile, layout.interval)
     mem_start = np.asarray([spans[(job, g)][0] for _, g, _ in members], np.int64)
     mem_end = np.asarray([min(job_end, spans[(job, g)][1]) for _, g, _ in members], np.int64)
     mem_end = np.maximum(mem_end, mem_start)
-    slices = make_slices(
-        lg, ts, pw, en, br.band, member_gpus.size, br.interval_ms, mem_start, mem_end, bc.gap_intervals
+    trace = TraceConstants(interval_ms, bands_mod.sampling_phase(samples.ts_prefix(), max(interval_ms, 1)))
+    booked = book_windows(
+        samples, timeline, bc, prep.profile, ranks, n_ranks, mem_start, mem_end, job_end, trace, window_ms
     )
-    pieces = book(slices, timeline, ranks, mem_start, mem_end)
-    inside = pieces.category != Category.UNASSIGNED
-    if not inside.all():
-        pieces = pieces.take(inside)
     act_start, act_end = active_intervals(timeline)
     mem_ivals = [
         intersect(int(a), int(b), act_start, act_end) for a, b in zip(mem_start, mem_end, strict=True)
@@ -519,17 +482,17 @@ def _book_job(
         job,
         prep.member_gpu_list,
         ranks,
-        pieces,
+        booked.pieces,
         prep.profile,
         timeline,
         prep.meta,
-        br,
+        booked.bands,
         prep.preflight,
         mem_ivals,
-        (int(ts.min()), int(ts.max())) if ts.size else None,
+        samples.ts_range,
         (min(e.ts_ms for e in jev), max(e.ts_ms for e in jev)) if jev else None,
         prep.profile_source,
-        prep.rows,
+        samples.trace_rows,
         member_gpus,
         prep.booked_by,
         prep.terms,
@@ -539,7 +502,8 @@ def _book_job(
 def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.ndarray]:
     """Per sample of the trace (in the trace's order): its band code (-1: no job banded it) and
     the category code of the time it starts (a sample no job held is `unassigned`). A sample's
-    slice begins at its own timestamp, so the piece of its GPU that starts there is its own."""
+    slice begins at its own timestamp, so the observed piece of its GPU that holds that moment is
+    its own (a run of pieces is kept as one, `Pieces.merged`)."""
     n = len(samples)
     band = np.full(n, -1, np.int8)
     cat = np.full(n, int(Category.UNASSIGNED), np.int8)
@@ -547,7 +511,6 @@ def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.
         rows = np.arange(n) if r.rows is None else r.rows
         if rows.size == 0:
             continue
-        band[rows] = r.band_result.band
         p = r.pieces
         local = np.full(len(samples.gpus), -1, np.int64)
         mg = r.member_gpus if r.member_gpus is not None else np.arange(len(r.gpus))
@@ -556,15 +519,20 @@ def sample_timeline(samples: Samples, results: list[JobResult]) -> dict[str, np.
         key_p = p.gpu.astype(np.int64) * (1 << 44) + (p.start_ms - int(samples.ts_ms.min(initial=0)))
         observed = p.category != Category.UNOBSERVED
         kp = key_p[observed]
+        ke = kp + p.dur_ms[observed]  # (the same GPU's key at the piece's end)
         cp = p.category[observed]
         order = np.argsort(kp, kind="stable")
-        kp, cp = kp[order], cp[order]
+        kp, ke, cp = kp[order], ke[order], cp[order]
         ks = g_local * (1 << 44) + (samples.ts_ms[rows] - int(samples.ts_ms.min(initial=0)))
         if kp.size == 0:
             continue
-        at = np.clip(np.searchsorted(kp, ks), 0, kp.size - 1)
-        hit = (kp[at] == ks) & (g_local >= 0)
+        at = np.clip(np.searchsorted(kp, ks, "right") - 1, 0, kp.size - 1)
+        hit = (kp[at] <= ks) & (ks < ke[at]) & (g_local >= 0)
         cat[rows[hit]] = cp[at[hit]]
+    for r in results:  # every sample of a job's GPUs is banded by it (a later job's over it)
+        rows = np.arange(n) if r.rows is None else r.rows
+        banded = r.band_result.band >= 0
+        band[rows[banded]] = r.band_result.band[banded]
     return {"band": band, "category": cat}
 
 
@@ -614,21 +582,15 @@ def progress_of(events: list[Event], progress: str) -> str:
 
 
 def job_profile(
-    cfg: ReplayConfig,
-    meta: dict[str, Any],
-    gpus: list[GpuId],
-    gpu: np.ndarray,
-    power_w: np.ndarray,
-    util_pct: np.ndarray,
+    cfg: ReplayConfig, meta: dict[str, Any], gpus: list[GpuId], levels: PowerLevels
 ) -> tuple[Profile, str]:
     """A job's profile and its source by the one rule (`profiles.resolve`), with the idle level
     learned per GPU as the live agent learns it: a derived profile's idle and low edges follow the
     highest of the job's GPUs' idle levels (`profiles.with_idle`). A trace that names no model or
-    limit has its profile derived from its own levels."""
+    limit has its profile derived from its own levels (`levels`: `tracesource.PowerLevels`)."""
     if cfg.profile is not None:
         return cfg.profile, "file"
-    levels = idle.trace_levels(gpu, power_w, util_pct, [g.power_limit_w for g in gpus])
-    known = [x for x in levels if x is not None]
+    known = [x for x in levels.idle_w if x is not None]
     learned = max(known) if known else None
     profile, source = profiles.resolve(
         None,
@@ -637,31 +599,26 @@ def job_profile(
         meta=meta,
         gpus=gpus,
         directory=cfg.profile_dir,
-        levels=lambda: profiles.trace_levels(power_w, util_pct, learned),
+        levels=lambda: profiles.busy_levels(levels.busy_w(), learned),
     )
-    over = profiles.over_limit(profile, source, power_w)
+    over = profiles.over_limit(profile, source, levels.all_w, levels.max_w)
     if over is not None:  # the named model is not the GPU that drew this power
-        derived = profiles.from_trace(profiles.trace_levels(power_w, util_pct, learned), name=profile.name)
+        derived = profiles.from_trace(profiles.busy_levels(levels.busy_w(), learned), name=profile.name)
         profile = replace(derived, provenance={**(derived.provenance or {}), "over_limit": over})
         source = "derived_from_trace"
     return profiles.learned(profile, source, learned)
 
 
-def _unassigned(
-    samples: Samples,
-    layout: _TraceLayout,
-    members: list[tuple[int, int, int]],
-    cfg: ReplayConfig,
-) -> Unassigned:
+def _unassigned(trace: Trace, members: list[tuple[int, int, int]], cfg: ReplayConfig) -> Unassigned:
     """GPU time no job held: observed slices outside every job's membership."""
     zero: Unassigned = {"gpu_hours": 0.0, "energy_kwh": 0.0}
-    if not len(samples):
+    if not len(trace):
         return zero
-    interval_ms, counts, first = layout.interval, layout.counts, layout.starts
+    interval_ms, counts = trace.interval_ms, trace.counts
     n_gpus = counts.size
     has = counts > 0
-    span_start = np.where(has, samples.ts_ms[np.minimum(first, len(samples) - 1)], 0)
-    span_end = layout.last_end  # each GPU's last sample's slice end (read only where it has one)
+    span_start = np.where(has, trace.first_ms, 0)
+    span_end = trace.last_end_ms()  # each GPU's last sample's slice end (read only where it has one)
     by_gpu: dict[int, list[tuple[int, int]]] = {}
     for g, a, b in members:
         by_gpu.setdefault(g, []).append((a, b))
@@ -672,7 +629,11 @@ def _unassigned(
     todo = has & ~covered
     if not todo.any():
         return zero
+    # Only the GPUs some of whose time is free are read (a spilled trace reads them alone).
+    samples = trace.of_gpus(np.flatnonzero(todo))
     gpu, ts = samples.gpu, samples.ts_ms
+    bounds = np.searchsorted(gpu, np.arange(n_gpus + 1), "left")
+    first = bounds[:-1]
     # A sample's slice (and the gap after it) lies in [ts, next sample or ts + interval). One
     # inside the union of its GPU's memberships has no free time, so only the others (found by
     # binary search in each GPU's run of samples) and the sample after each (their slice ends

@@ -17,8 +17,10 @@ if TYPE_CHECKING:
 
     from costexporter.core.diagnostics import Diagnostics
     from costexporter.core.gpulogs import LogClock
-    from costexporter.core.model import Event, Samples
+    from costexporter.core.model import Event
     from costexporter.core.tracefiles import SampleChunk
+    from costexporter.core.tracesource import Trace
+    from costexporter.core.tracestore import Collector
     from costexporter.services.history import PodSpan, Prometheus
 
     PromWindow = tuple[Prometheus, float, float]  # --prometheus: the API, --start and --end (Unix s)
@@ -154,6 +156,22 @@ from costexporter.cli.options import (
     help="The table lists incidents at least this many seconds long and sums the shorter ones in "
     "one line (default 30; JSON and CSV keep every incident).",
 )
+@click.option(
+    "--spill-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where a trace too large to hold is written as it is read, then booked from, a window "
+    "at a time (default: the system's temporary directory; removed at exit). It takes about 36 "
+    "bytes a sample.",
+)
+@click.option(
+    "--spill-after",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="SAMPLES",
+    help="Spill a trace of more samples than this (default 2,000,000; memory then follows one "
+    "input file and one booking window). Not with --timeline, which holds every sample.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Do not print warnings about skipped input.")
 @click.option("--timings", is_flag=True, help="Print where the time went (JSON, to stderr).")
 def replay(
@@ -178,17 +196,63 @@ def replay(
     timeline: Path | None,
     columns: str | None,
     incident_floor: float | None,
+    spill_dir: Path | None,
+    spill_after: int | None,
     quiet: bool,
     timings: bool,
     **config: Any,
 ) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
+    import tempfile
+
+    if spill_dir is not None:
+        try:
+            spill_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputFailure(f"--spill-dir {spill_dir}: {e.strerror or e}") from None
+    with tempfile.TemporaryDirectory(prefix="costexporter-replay-", dir=spill_dir) as tmp:
+        _replay(
+            samples, prometheus, selector, start, end, interval, job_map, tensorboard, tag, events, job, tz,
+            progress, gpu_model, power_limit, profile_path, fmt, output, timeline, columns, incident_floor,
+            None if timeline else Path(tmp) / "trace", spill_after, quiet, timings, config,
+        )  # fmt: skip
+
+
+def _replay(
+    samples: tuple[str, ...],
+    prometheus: str | None,
+    selector: str,
+    start: str | None,
+    end: str | None,
+    interval: float | None,
+    job_map: Path | None,
+    tensorboard: Path | None,
+    tag: str | None,
+    events: Path | None,
+    job: str | None,
+    tz: str,
+    progress: str,
+    gpu_model: str | None,
+    power_limit: float | None,
+    profile_path: Path | None,
+    fmt: str,
+    output: Path | None,
+    timeline: Path | None,
+    columns: str | None,
+    incident_floor: float | None,
+    spill_to: Path | None,
+    spill_after: int | None,
+    quiet: bool,
+    timings: bool,
+    config: dict[str, Any],
+) -> None:
     from costexporter.cli import report
     from costexporter.cli.allocator import keep_freed_memory
-    from costexporter.core import profiles
+    from costexporter.core import profiles, tracestore
     from costexporter.core import tracefiles as files
     from costexporter.core.diagnostics import Diagnostics, InputError
     from costexporter.core.replay import ReplayConfig, book_trace, report_of
+    from costexporter.core.tracesource import MemoryTrace, SpilledTrace
 
     keep_freed_memory()
     diag = Diagnostics(stream=None if quiet else sys.stderr)
@@ -204,13 +268,18 @@ def replay(
             mapping = files.parse_columns(columns) if columns else None
         except ValueError as e:
             raise InputFailure(str(e)) from None
-        chunks, spans = _read_samples(specs, tz, diag, mapping, log_clock(start, interval, tz))
+        collector = tracestore.Collector(
+            spill_to, tracestore.SPILL_ROWS if spill_after is None else spill_after
+        )
+        spans = _read_samples(specs, tz, diag, mapping, log_clock(start, interval, tz), collector)
         window = _prometheus_window(prometheus, start, end, tz) if prometheus else None
         if window is not None:
             got, more = _read_prometheus(window, selector, interval, diag)
-            chunks.append(got)
+            collector.add(got, len(specs))
+            del got
             spans += more
-        sample_set = files.combine(chunks, diag)
+        read = collector.trace(diag)
+        sample_set: Trace = SpilledTrace(read) if isinstance(read, Path) else MemoryTrace(read)
         evs = files.read_events_jsonl(events, diag) if events else []
         evs += _job_events(sample_set, spans, job_map, window, tz, diag)
         if tensorboard:
@@ -230,8 +299,8 @@ def replay(
         results, unassigned = book_trace(sample_set, evs, cfg, diag)
         result = report_of(results, unassigned, cfg)
         clock.append(("book_s", time.perf_counter()))
-        if timeline:
-            report.write_timeline(timeline, sample_set, results, [str(p) for _, p in specs])
+        if timeline and isinstance(sample_set, MemoryTrace):  # (never spilled with --timeline)
+            report.write_timeline(timeline, sample_set.samples, results, [str(p) for _, p in specs])
     except (InputError, profiles.ProfileError) as e:
         raise InputFailure(str(e)) from None
     result["warnings"] = diag.summary()
@@ -287,9 +356,11 @@ def _read_samples(
     diag: Diagnostics,
     mapping: Mapping[str, str] | None,
     clock: LogClock,
-) -> tuple[list[SampleChunk], list[PodSpan]]:
-    """Every --samples file, read by its format in parallel: the chunks, and the pods a
-    dcgm-exporter dump saw on its GPUs (the Prometheus text parser imported only for one)."""
+    collector: Collector,
+) -> list[PodSpan]:
+    """Every --samples file, read by its format in parallel, each file's samples handed to
+    `collector` as it is read (held, or spilled to disk); the pods a dcgm-exporter dump saw on its
+    GPUs (the Prometheus text parser imported only for one)."""
     from costexporter.core import gpulogs
 
     def read(spec: tuple[str, Path]) -> tuple[SampleChunk, list[PodSpan]]:
@@ -300,11 +371,15 @@ def _read_samples(
             return history.read_exporter_dump(path, host, clock, diag, tz)
         return gpulogs.read_log(path, host, tz, diag, mapping, clock), []
 
+    def read_into(order: int) -> list[PodSpan]:
+        chunk, spans = read(specs[order])
+        collector.add(chunk, order)
+        return spans
+
     if not specs:
-        return [], []
+        return []
     with ThreadPoolExecutor(max_workers=min(len(specs), os.cpu_count() or 1)) as pool:
-        got = list(pool.map(read, specs))
-    return [c for c, _ in got], [s for _, spans in got for s in spans]
+        return [s for spans in pool.map(read_into, range(len(specs))) for s in spans]
 
 
 def _prometheus_window(url: str, start: str | None, end: str | None, tz: str) -> PromWindow:
@@ -333,7 +408,7 @@ def _read_prometheus(
 
 
 def _job_events(
-    sample_set: Samples,
+    sample_set: Trace,
     spans: list[PodSpan],
     job_map_path: Path | None,
     window: PromWindow | None,
@@ -343,13 +418,12 @@ def _job_events(
     """The registrations of the jobs a past window's pods (or a SLURM export) say held its GPUs."""
     if not spans and job_map_path is None:
         return []  # (a plain trace: nothing to import)
-    from costexporter.core import bands
     from costexporter.services import history, jobmap
 
     jm = jobmap.load(job_map_path, tz) if job_map_path else None
     out = []
     if jm is not None and jm.slurm:
-        end_ms = int(sample_set.ts_ms.max()) if len(sample_set) else 0
+        end_ms = int(sample_set.last_ms[sample_set.counts > 0].max()) if len(sample_set) else 0
         out += jobmap.slurm_events(jm.slurm, sample_set.gpus, end_ms, diag)
     if jm is not None and jm.pods and not spans:
         click.echo(
@@ -368,8 +442,7 @@ def _job_events(
                     err=True,
                 )
         names = jobmap.pod_jobs(spans, jm, owners)
-        interval = bands.sampling_interval_ms(sample_set.gpu, sample_set.ts_ms)
-        out += jobmap.span_events(spans, names, int(interval))
+        out += jobmap.span_events(spans, names, sample_set.interval_ms)
     return out
 
 
