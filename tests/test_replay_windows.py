@@ -21,7 +21,7 @@ from costexporter.core.model import Category, Samples
 from costexporter.core.replay import ReplayConfig, book_trace, replay, sample_timeline
 from costexporter.core.tracefiles import SampleChunk
 from costexporter.core.tracesource import SpilledTrace
-from costexporter.core.tracestore import Collector, SpillStore
+from costexporter.core.tracestore import SpillStore, TraceIntake
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 
 from .replay_corpus import cases
@@ -198,8 +198,8 @@ def chunks_of(s: Samples, how: str, dup: bool) -> list[SampleChunk]:
 def test_a_trace_spilled_as_it_is_read_books_as_the_trace_in_memory(tmp_path, name, how, dup):
     c = CORPUS[name]
     chunks = chunks_of(c.samples, how, dup)
-    in_memory = Collector(None)
-    spilled = Collector(tmp_path / "trace", spill_rows=0)
+    in_memory = TraceIntake(None)
+    spilled = TraceIntake(0, tmp_path)
     d_mem, d_spill = Diagnostics(stream=None), Diagnostics(stream=None)
     for order in (1, 0):  # (inputs finish in any order: the later input's line still wins)
         in_memory.add(chunks[order], order)
@@ -269,3 +269,35 @@ def test_an_unusable_spill_directory_is_one_clear_line(cli, tmp_path):
     assert r.returncode != 0
     assert "--spill-dir" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_disk_that_refuses_the_spill_is_one_clear_line(tmp_path):
+    """The spill's files may not grow past 64 KB (RLIMIT_FSIZE in the child: the write fails as
+    a full disk's does): one line naming --spill-dir, exit 2, nothing left behind."""
+    import resource
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    b = TraceBuilder(n_gpus=1, per_host=1, interval_s=0.1, job="long", seed=2)
+    b.stretch("compute", 1200)  # 12,000 samples: 96 KB of stamps for the GPU
+    [csv] = write_nvidia_smi_csv(b.samples(), tmp_path / "t")
+    spill = tmp_path / "spill"
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    args = ["replay", "--samples", csv, "--spill-after", "0", "--spill-dir", spill, "--gpu-model", "B300"]
+    r = subprocess.run(
+        [sys.executable, "-m", "costexporter.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        preexec_fn=small_files,
+    )
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert "spilling the trace" in line and "--spill-dir" in line and "Traceback" not in r.stderr
+    assert not list(spill.iterdir())

@@ -11,15 +11,19 @@ the later line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from costexporter.core.diagnostics import Diagnostics
+from costexporter.core.diagnostics import Diagnostics, InputError
 from costexporter.core.model import GpuId, Samples
 from costexporter.core.tracefiles import SampleChunk
 
@@ -196,21 +200,40 @@ class SpillStore:
         return got[0] if len(got) == 1 else np.concatenate(got)
 
 
-# A trace of more samples than this is spilled to disk as it is read (`Collector`).
+# A trace of more samples than this is spilled to disk as it is read (`TraceIntake`).
 SPILL_ROWS = 2_000_000
+# What a spilled sample takes on disk: its stamp, power, utilization and energy, 8 bytes each.
+SPILL_BYTES_PER_SAMPLE = 32
 
 
-class Collector:
+class TraceIntake:
     """The chunks of a trace as its inputs are read (in any order, from any thread): held in
-    memory while they are few, spilled to `directory` (and every later one) once they hold more
-    than `spill_rows` samples. `trace` is then the samples in memory, or the spilled trace."""
+    memory while they are few, spilled (and every later one) once they hold more than
+    `spill_rows` samples (None: never), to a directory of its own made under `parent` (default:
+    the system's temporary directory) and removed by `close`. `trace` is then the samples in
+    memory, or the spilled trace's directory."""
 
-    def __init__(self, directory: Path | None, spill_rows: int | None = SPILL_ROWS) -> None:
-        self.directory, self.spill_rows = directory, spill_rows
+    def __init__(self, spill_rows: int | None = SPILL_ROWS, parent: Path | None = None) -> None:
+        self.spill_rows = spill_rows
+        # Made at once, so that an unusable parent is said before anything is read.
+        self.directory = (
+            None if spill_rows is None else Path(tempfile.mkdtemp(prefix="costexporter-replay-", dir=parent))
+        )
         self._lock = threading.Lock()
         self._held: list[tuple[int, SampleChunk]] = []
         self._rows = 0
         self.store: SpillStore | None = None
+
+    def __enter__(self) -> TraceIntake:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the spilled trace (its directory and everything in it)."""
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     def add(self, chunk: SampleChunk, order: int) -> None:
         with self._lock:
@@ -218,14 +241,15 @@ class Collector:
             if spill is None:
                 self._held.append((order, chunk))
                 self._rows += chunk.index.size
-                if self.spill_rows is None or self.directory is None or self._rows <= self.spill_rows:
+                if self.directory is None or self.spill_rows is None or self._rows <= self.spill_rows:
                     return
                 spill = self.store = SpillStore(self.directory)
                 held, self._held = self._held, []
             else:
                 held = [(order, chunk)]
         for o, c in held:  # (outside the lock: the other readers go on)
-            spill.add(c, o)
+            with self._said():
+                spill.add(c, o)
 
     def trace(self, diag: Diagnostics | None = None) -> Samples | Path:
         """The samples (`tracefiles.combine`), or the directory of the spilled trace."""
@@ -233,4 +257,16 @@ class Collector:
 
         if self.store is None:
             return combine([c for _, c in sorted(self._held, key=lambda x: x[0])], diag)
-        return self.store.finish(diag)
+        with self._said():
+            return self.store.finish(diag)
+
+    @contextlib.contextmanager
+    def _said(self) -> Iterator[None]:
+        """A disk that is full or refuses the spill: one line (InputError), not a traceback."""
+        try:
+            yield
+        except OSError as e:
+            raise InputError(
+                f"spilling the trace to {self.directory}: {e.strerror or e} (a spilled trace takes "
+                f"~{SPILL_BYTES_PER_SAMPLE} bytes a sample: give --spill-dir on a disk with room)"
+            ) from None

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from costexporter.core.model import Event
     from costexporter.core.tracefiles import SampleChunk
     from costexporter.core.tracesource import Trace
-    from costexporter.core.tracestore import Collector
+    from costexporter.core.tracestore import TraceIntake
     from costexporter.services.history import PodSpan, Prometheus
 
     PromWindow = tuple[Prometheus, float, float]  # --prometheus: the API, --start and --end (Unix s)
@@ -161,7 +161,7 @@ from costexporter.cli.options import (
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Where a trace too large to hold is written as it is read, then booked from, a window "
-    "at a time (default: the system's temporary directory; removed at exit). It takes about 36 "
+    "at a time (default: the system's temporary directory; removed at exit). It takes about 32 "
     "bytes a sample.",
 )
 @click.option(
@@ -203,49 +203,6 @@ def replay(
     **config: Any,
 ) -> None:
     """Book a recorded GPU trace and the trainer's events: where did the GPU-hours go?"""
-    import tempfile
-
-    if spill_dir is not None:
-        try:
-            spill_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise InputFailure(f"--spill-dir {spill_dir}: {e.strerror or e}") from None
-    with tempfile.TemporaryDirectory(prefix="costexporter-replay-", dir=spill_dir) as tmp:
-        _replay(
-            samples, prometheus, selector, start, end, interval, job_map, tensorboard, tag, events, job, tz,
-            progress, gpu_model, power_limit, profile_path, fmt, output, timeline, columns, incident_floor,
-            None if timeline else Path(tmp) / "trace", spill_after, quiet, timings, config,
-        )  # fmt: skip
-
-
-def _replay(
-    samples: tuple[str, ...],
-    prometheus: str | None,
-    selector: str,
-    start: str | None,
-    end: str | None,
-    interval: float | None,
-    job_map: Path | None,
-    tensorboard: Path | None,
-    tag: str | None,
-    events: Path | None,
-    job: str | None,
-    tz: str,
-    progress: str,
-    gpu_model: str | None,
-    power_limit: float | None,
-    profile_path: Path | None,
-    fmt: str,
-    output: Path | None,
-    timeline: Path | None,
-    columns: str | None,
-    incident_floor: float | None,
-    spill_to: Path | None,
-    spill_after: int | None,
-    quiet: bool,
-    timings: bool,
-    config: dict[str, Any],
-) -> None:
     from costexporter.cli import report
     from costexporter.cli.allocator import keep_freed_memory
     from costexporter.core import profiles, tracestore
@@ -257,6 +214,14 @@ def _replay(
     keep_freed_memory()
     diag = Diagnostics(stream=None if quiet else sys.stderr)
     clock = [("start", time.perf_counter())]
+    # A large trace is spilled to disk as it is read (never with --timeline: it lists every sample).
+    try:
+        if spill_dir is not None:
+            spill_dir.mkdir(parents=True, exist_ok=True)
+        spill_rows = tracestore.SPILL_ROWS if spill_after is None else spill_after
+        intake = tracestore.TraceIntake(None if timeline else spill_rows, spill_dir)
+    except OSError as e:
+        raise InputFailure(f"--spill-dir {spill_dir or e.filename}: {e.strerror or e}") from None
     try:
         profile, profile_dir = load_profile(profile_path)
         if profile is None:
@@ -268,17 +233,14 @@ def _replay(
             mapping = files.parse_columns(columns) if columns else None
         except ValueError as e:
             raise InputFailure(str(e)) from None
-        collector = tracestore.Collector(
-            spill_to, tracestore.SPILL_ROWS if spill_after is None else spill_after
-        )
-        spans = _read_samples(specs, tz, diag, mapping, log_clock(start, interval, tz), collector)
+        spans = _read_samples(specs, tz, diag, mapping, log_clock(start, interval, tz), intake)
         window = _prometheus_window(prometheus, start, end, tz) if prometheus else None
         if window is not None:
             got, more = _read_prometheus(window, selector, interval, diag)
-            collector.add(got, len(specs))
+            intake.add(got, len(specs))
             del got
             spans += more
-        read = collector.trace(diag)
+        read = intake.trace(diag)
         sample_set: Trace = SpilledTrace(read) if isinstance(read, Path) else MemoryTrace(read)
         evs = files.read_events_jsonl(events, diag) if events else []
         evs += _job_events(sample_set, spans, job_map, window, tz, diag)
@@ -303,6 +265,8 @@ def _replay(
             report.write_timeline(timeline, sample_set.samples, results, [str(p) for _, p in specs])
     except (InputError, profiles.ProfileError) as e:
         raise InputFailure(str(e)) from None
+    finally:
+        intake.close()
     result["warnings"] = diag.summary()
     for line in [] if quiet else report.clock_warnings(result, tz):
         click.echo(f"warning: {line}", err=True)
@@ -356,10 +320,10 @@ def _read_samples(
     diag: Diagnostics,
     mapping: Mapping[str, str] | None,
     clock: LogClock,
-    collector: Collector,
+    intake: TraceIntake,
 ) -> list[PodSpan]:
     """Every --samples file, read by its format in parallel, each file's samples handed to
-    `collector` as it is read (held, or spilled to disk); the pods a dcgm-exporter dump saw on its
+    `intake` as it is read (held, or spilled to disk); the pods a dcgm-exporter dump saw on its
     GPUs (the Prometheus text parser imported only for one)."""
     from costexporter.core import gpulogs
 
@@ -373,7 +337,7 @@ def _read_samples(
 
     def read_into(order: int) -> list[PodSpan]:
         chunk, spans = read(specs[order])
-        collector.add(chunk, order)
+        intake.add(chunk, order)
         return spans
 
     if not specs:
