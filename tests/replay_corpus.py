@@ -17,6 +17,7 @@ from costexporter.sources import synth
 from costexporter.sources.synth import TraceBuilder
 
 from .realtrace import Scenario
+from .test_live import scenario as live_scenario
 
 DATA = Path(__file__).parent / "data"
 
@@ -29,25 +30,13 @@ class Case:
     cfg: ReplayConfig
 
 
-def _live(kind: str) -> TraceBuilder:
+def _gap() -> TraceBuilder:
+    """A job whose logger stops for 90 s mid-run, then goes on."""
     b = TraceBuilder(n_gpus=4, per_host=2, job="live", seed=11)
     b.run("start")
     b.stretch("compute", 300, step_s=5)
-    if kind == "deadlock":
-        b.stretch("deadlock", 30, zero_ranks=(1,))
-        b.stretch("compute", 100, step_s=5)
-        b.stretch("idle", 200)
-    elif kind == "resume":
-        b.stretch("idle", 20)
-        b.run("resume", step=40)
-        b.stretch("compute", 150, step_s=5)
-    elif kind == "hung":
-        b.phase("checkpoint", "begin")
-        b.stretch("checkpoint", 1500, zero_ranks=(0,))
-    elif kind == "gap":
-        b.gap(90)
-        b.stretch("compute", 60, step_s=5)
-    b.stretch("compute", 50, step_s=5)
+    b.gap(90)
+    b.stretch("compute", 60, step_s=5)
     b.run("end")
     b.stretch("idle", 5)
     return b
@@ -92,8 +81,9 @@ def cases(long: bool = True) -> Iterator[Case]:
     def tb(b: TraceBuilder, energy: bool = False) -> tuple[Samples, list[Event]]:
         return b.samples(energy_counter=energy), b.events
 
-    for kind in ("steps", "deadlock", "resume", "hung", "gap"):
-        builders.append((f"live-{kind}", lambda k=kind: tb(_live(k)), ReplayConfig()))
+    for kind in ("steps", "checkpoint", "deadlock", "resume", "hung"):
+        builders.append((f"live-{kind}", lambda k=kind: tb(live_scenario(k)), ReplayConfig()))
+    builders.append(("live-gap", lambda: tb(_gap()), ReplayConfig()))
     builders.append(("mini", lambda: tb(synth.scenario_mini()), b300))
     builders.append(("mini-energy", lambda: tb(synth.scenario_mini(), energy=True), b300))
     builders.append(("mini-bare", lambda: (synth.scenario_mini().samples(), []), b300))
