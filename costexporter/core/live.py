@@ -170,14 +170,15 @@ def book_window(
     # The next window starts `overlap` before this round's horizon, carrying the signature run
     # open there: a window holds seconds of every rank's samples, not a checkpoint's allowance.
     overlap = bands_mod.window_overlap_ms(interval, int(cfg.grid_s * 1000), cfg.gap_intervals)
-    if trace is None:
-        br = job_bands(cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon)
-    else:
+    # The agent: each window's own phase, every moment counted; replay: the trace's (`trace`).
+    phase: float | None = None
+    count: tuple[int | None, int | None] = (None, None)
+    if trace is not None:
+        phase = trace.phase_ms
         count = (trace.counted_until_ms, None if final and trace.counts_the_rest else horizon)
-        br = job_bands(
-            cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon,
-            trace.phase_ms, count,
-        )  # fmt: skip
+    br = job_bands(
+        cfg, tl, rank, ts_ms, power_w, util_pct, n_ranks, profile, interval, carry, horizon, phase, count
+    )
     # Own GPUs: local index = position in own_ranks.
     local_of_rank = np.full(max(n_ranks, int(own_ranks.max(initial=-1)) + 1), -1, np.int64)
     local_of_rank[own_ranks] = np.arange(own_ranks.size)

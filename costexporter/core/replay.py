@@ -64,7 +64,7 @@ from costexporter.core.replayreport import (
 )
 from costexporter.core.replaywindows import book_windows
 from costexporter.core.terms import JobTerms, Policy, PolicyRule, job_terms
-from costexporter.core.tracesource import JobSamples, MemoryTrace, PowerLevels, Trace
+from costexporter.core.tracesource import JobSamples, MemoryTrace, Trace
 
 # A part of the report (costexporter/schemas): a JSON document, so its values are Any.
 
@@ -273,7 +273,7 @@ def book_trace(
     member_ivals: list[tuple[int, int, int]] = []  # (gpu, start, end) across all jobs
     for prep in prepared.values():
         r = _book_job(prep, spans, trace.interval_ms, cfg.window_ms)
-        prep.samples = None  # (its window's columns are let go as the next job's are read)
+        prep.samples = None  # (its columns are let go once it is booked)
         gpus_of = r.member_gpus if r.member_gpus is not None else np.zeros(0, np.int64)
         member_ivals += [
             (int(g), a, b) for g, iv in zip(gpus_of, r.member_intervals, strict=True) for a, b in iv
@@ -410,8 +410,7 @@ def _prepare_job(
     member_gpus = np.asarray([g for _, g, _ in members], np.int64)
     samples = trace.job(member_gpus)
     member_gpu_list = [gpus[g] for g in member_gpus]
-    levels = samples.levels([g.power_limit_w for g in member_gpu_list])
-    profile, source = job_profile(cfg, meta, member_gpu_list, levels)
+    profile, source = job_profile(cfg, meta, member_gpu_list, samples)
     terms = job_terms(
         job,
         meta,
@@ -582,14 +581,15 @@ def progress_of(events: list[Event], progress: str) -> str:
 
 
 def job_profile(
-    cfg: ReplayConfig, meta: dict[str, Any], gpus: list[GpuId], levels: PowerLevels
+    cfg: ReplayConfig, meta: dict[str, Any], gpus: list[GpuId], samples: JobSamples
 ) -> tuple[Profile, str]:
     """A job's profile and its source by the one rule (`profiles.resolve`), with the idle level
     learned per GPU as the live agent learns it: a derived profile's idle and low edges follow the
     highest of the job's GPUs' idle levels (`profiles.with_idle`). A trace that names no model or
-    limit has its profile derived from its own levels (`levels`: `tracesource.PowerLevels`)."""
+    limit has its profile derived from its own levels (`JobSamples.levels`, read only here)."""
     if cfg.profile is not None:
         return cfg.profile, "file"
+    levels = samples.levels([g.power_limit_w for g in gpus])  # (a spilled trace: a pass over it)
     known = [x for x in levels.idle_w if x is not None]
     learned = max(known) if known else None
     profile, source = profiles.resolve(

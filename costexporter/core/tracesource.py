@@ -46,7 +46,7 @@ class PowerLevels:
         return cls(
             idle.trace_levels(gpu, power_w, util_pct, limits),
             lambda: profiles.busy_readings(power_w, util_pct),
-            float(np.nanmax(power_w, initial=0.0)) if power_w.size else 0.0,
+            float(np.nanmax(power_w, initial=0.0)),
             lambda: power_w,
         )
 
@@ -168,7 +168,8 @@ class Trace(ABC):
 
     @abstractmethod
     def of_gpus(self, gpus: np.ndarray) -> Samples:
-        """The samples of `gpus` only (GPU numbers kept): the few no job holds all of."""
+        """The samples of `gpus` (GPU numbers kept; others' may come too: a trace in memory gives
+        them all): the few GPUs no job holds all of."""
 
 
 class MemoryTrace(Trace):
@@ -213,19 +214,21 @@ class SpilledTrace(Trace):
         index = tracestore.read_index(directory)
         self.gpus = index.gpus
         self.counts, self.first_ms, self.last_ms = index.counts, index.first_ms, index.last_ms
-        rank, ts = [], []
-        left = PREFIX_ROWS
-        for g in range(len(self.gpus)):
+        self.interval_ms = bands_mod.sampling_interval_ms(*self.prefix(list(range(len(self.gpus)))))
+
+    def prefix(self, gpus: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The first PREFIX_ROWS samples of `gpus`, GPU after GPU: (position in `gpus`, stamp)."""
+        at, ts, left = [], [], PREFIX_ROWS
+        for k, g in enumerate(gpus):
             if left <= 0:
                 break
-            t = self.column(g, "ts_ms", 0, min(left, int(self.counts[g])))
+            t = self.column(g, "ts_ms", 0, min(left, int(self.counts[g])) if g < self.counts.size else 0)
             ts.append(t)
-            rank.append(np.full(t.size, g, np.int32))
+            at.append(np.full(t.size, k, np.int32))
             left -= t.size
-        self.interval_ms = bands_mod.sampling_interval_ms(
-            np.concatenate(rank) if rank else np.zeros(0, np.int32),
-            np.concatenate(ts) if ts else np.zeros(0, np.int64),
-        )
+        if not ts:
+            return np.zeros(0, np.int32), np.zeros(0, np.int64)
+        return np.concatenate(at), np.concatenate(ts)
 
     def column(self, g: int, name: str, start: int = 0, count: int = -1) -> np.ndarray:
         """`count` values (-1: all) of GPU `g`'s column from row `start`, read from disk."""
@@ -308,14 +311,7 @@ class SpilledJob(JobSamples):
         return lg, ts, pw, ut, en
 
     def ts_prefix(self) -> np.ndarray:
-        got, left = [], PREFIX_ROWS
-        for k, g in enumerate(self.gpus):
-            if left <= 0:
-                break
-            t = self.trace.column(g, "ts_ms", 0, min(left, int(self.counts[k])))
-            got.append(t)
-            left -= t.size
-        return np.concatenate(got) if got else np.zeros(0, np.int64)
+        return self.trace.prefix(self.gpus)[1]
 
     def levels(self, limits: list[float | None]) -> PowerLevels:
         """GPU by GPU: one GPU's readings in memory at a time, and the busy ones."""
@@ -324,8 +320,7 @@ class SpilledJob(JobSamples):
         for i, g in enumerate(self.gpus):
             pw, ut = self.trace.column(g, "power_w"), self.trace.column(g, "util_pct")
             idle_w += idle.trace_levels(np.zeros(pw.size, np.int64), pw, ut, [limits[i]])
-            if pw.size:
-                top = max(top, float(np.nanmax(pw, initial=0.0)))
+            top = max(top, float(np.nanmax(pw, initial=0.0)))
 
         def busy() -> np.ndarray:
             got = [

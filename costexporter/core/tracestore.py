@@ -69,6 +69,12 @@ class _Part:
     order: int  # the input's position: a later one's duplicate stamp wins
     k: int
     count: int
+    first_ms: int
+    last_ms: int
+
+
+# Per GPU (host, index): its UUID, name and power limit, as an input names them.
+_Attrs = tuple[dict[tuple[str, int], str], dict[tuple[str, int], str], dict[tuple[str, int], float]]
 
 
 class SpillStore:
@@ -79,9 +85,8 @@ class SpillStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._parts: dict[tuple[str, int], list[_Part]] = {}
-        self._attrs: list[tuple[int, SampleChunk]] = []  # (order, chunk without its columns)
+        self._attrs: list[tuple[int, _Attrs]] = []  # (order, what the input names its GPUs)
         self.duplicates = 0
-        self.rows = 0
 
     def add(self, chunk: SampleChunk, order: int) -> None:
         """Write one input's samples, each GPU's sorted by time (`Samples.sort`)."""
@@ -111,33 +116,22 @@ class SpillStore:
                     _part_path(self.dir, order, k, name)
                 )
             gpu_key = (hosts[int(keys[k]) // width], int(keys[k]) % width)
-            written.append((gpu_key, _Part(order, k, b - a)))
-        attrs = SampleChunk(
-            hosts,
-            None,
-            np.zeros(0, np.int64),
-            *(np.zeros(0),) * 3,
-            None,
-            chunk.uuid,
-            chunk.name,
-            chunk.power_limit_w,
-        )
+            written.append((gpu_key, _Part(order, k, b - a, int(s.ts_ms[a]), int(s.ts_ms[b - 1]))))
         with self._lock:
             for gpu_key, part in written:
                 self._parts.setdefault(gpu_key, []).append(part)
-            self._attrs.append((order, attrs))
+            self._attrs.append((order, (chunk.uuid, chunk.name, chunk.power_limit_w)))
             self.duplicates += len(raw) - len(s)
-            self.rows += len(s)
 
     def finish(self, diag: Diagnostics | None = None) -> Path:
         """Number the GPUs as `tracefiles.combine` does, join each GPU's parts, write the index."""
         uuids: dict[tuple[str, int], str] = {}
         names: dict[tuple[str, int], str] = {}
         limits: dict[tuple[str, int], float] = {}
-        for _, c in sorted(self._attrs, key=lambda x: x[0]):
-            uuids.update(c.uuid)
-            names.update(c.name)
-            limits.update(c.power_limit_w)
+        for _, (u, n, lim) in sorted(self._attrs, key=lambda x: x[0]):
+            uuids.update(u)
+            names.update(n)
+            limits.update(lim)
         gpus, counts, first, last = [], [], [], []
         for g, gk in enumerate(sorted(self._parts)):
             parts = sorted(self._parts[gk], key=lambda p: p.order)
@@ -145,32 +139,13 @@ class SpillStore:
                 p = parts[0]
                 for name in DTYPES:
                     os.replace(_part_path(self.dir, p.order, p.k, name), column_path(self.dir, g, name))
-                ts = read_column(self.dir, g, "ts_ms")
-                gpus.append(GpuId(gk[0], gk[1], uuids.get(gk), names.get(gk), limits.get(gk)))
-                counts.append(int(ts.size))
-                first.append(int(ts[0]) if ts.size else 0)
-                last.append(int(ts[-1]) if ts.size else 0)
-                continue
-            cols = {name: self._join(parts, name) for name in DTYPES}
-            if len(parts) > 1:  # one GPU in several inputs: sorted and deduplicated together
-                ts = cols["ts_ms"]
-                order = np.argsort(ts, kind="stable")
-                ts = ts[order]
-                keep = np.ones(ts.size, bool)
-                keep[:-1] = ts[1:] != ts[:-1]
-                order = order[keep]
-                self.duplicates += int((~keep).sum())
-                cols = {name: c[order] for name, c in cols.items()}
-            for name, col in cols.items():
-                col.tofile(column_path(self.dir, g, name))
-            for p in parts:
-                for name in DTYPES:
-                    _part_path(self.dir, p.order, p.k, name).unlink()
-            ts = cols["ts_ms"]
+                n_rows, lo, hi = p.count, p.first_ms, p.last_ms
+            else:
+                n_rows, lo, hi = self._merge(g, parts)
             gpus.append(GpuId(gk[0], gk[1], uuids.get(gk), names.get(gk), limits.get(gk)))
-            counts.append(int(ts.size))
-            first.append(int(ts[0]) if ts.size else 0)
-            last.append(int(ts[-1]) if ts.size else 0)
+            counts.append(n_rows)
+            first.append(lo)
+            last.append(hi)
         (self.dir / INDEX).write_text(
             json.dumps(
                 {
@@ -195,9 +170,26 @@ class SpillStore:
             diag.counts["duplicate_sample"] += self.duplicates
         return self.dir
 
-    def _join(self, parts: list[_Part], name: str) -> np.ndarray:
-        got = [np.fromfile(_part_path(self.dir, p.order, p.k, name), DTYPES[name]) for p in parts]
-        return got[0] if len(got) == 1 else np.concatenate(got)
+    def _merge(self, g: int, parts: list[_Part]) -> tuple[int, int, int]:
+        """One GPU in several inputs: its parts joined in input order, sorted by time and
+        deduplicated together (the later input's stamp kept), written as GPU `g`'s columns.
+        Returns its count, first and last stamp."""
+        cols = {
+            name: np.concatenate([np.fromfile(_part_path(self.dir, p.order, p.k, name), dt) for p in parts])
+            for name, dt in DTYPES.items()
+        }
+        order = np.argsort(cols["ts_ms"], kind="stable")
+        ts = cols["ts_ms"][order]
+        keep = np.ones(ts.size, bool)
+        keep[:-1] = ts[1:] != ts[:-1]
+        order = order[keep]
+        self.duplicates += int((~keep).sum())
+        for name, col in cols.items():
+            col[order].tofile(column_path(self.dir, g, name))
+        for p in parts:
+            for name in DTYPES:
+                _part_path(self.dir, p.order, p.k, name).unlink()
+        return int(order.size), int(ts[0]), int(ts[-1])
 
 
 # A trace of more samples than this is spilled to disk as it is read (`TraceIntake`).
