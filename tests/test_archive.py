@@ -487,3 +487,29 @@ def test_a_trainer_that_wrote_its_meta_as_another_type_does_not_stop_the_seal(tm
     [e] = archive.manifest("east").entries.values()
     rows = archive.read("east", e)
     assert {r_[3]: json.loads(r_[18]) for r_ in rows} == {"bad": {}, "ok": {"model": "m1"}}
+
+
+def test_reading_a_sealed_file_starts_no_arrow_thread_that_could_abort_the_exit():
+    """A command that read the archive exited with SIGABRT ~1 time in 400: Arrow's I/O pool read
+    the Python bytes and its worker dropped the last reference to them while the interpreter
+    exited ("terminate called without an active exception"). A sealed file is read in the
+    caller's thread from a buffer Arrow owns: no thread is started (counted in a fresh process,
+    where the old read started two), and the process exits 0."""
+    import subprocess
+    import sys
+
+    code = """
+import os
+from costexporter.store.archive import _table, parquet_bytes
+row = (2, "east", "2026-01-01", "j", 1767225600, "productive", 5, 6, 7, 1, 0, 0, "pv1",
+       1, 2, 0, 0, "t", "")
+data = parquet_bytes([row])
+before = len(os.listdir("/proc/self/task"))
+for _ in range(3):
+    assert _table(data).num_rows == 1
+print(before, len(os.listdir("/proc/self/task")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    before, after = map(int, out.stdout.split())
+    assert before >= 1 and after == before
