@@ -3,6 +3,7 @@ for any families (drawn, hostile label values included) and over real HTTP, head
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import string
 import urllib.error
@@ -132,6 +133,21 @@ def test_drawn_families_write_the_libraries_bytes(fams):
     assert_same(fams)
 
 
+@settings(max_examples=200, deadline=None)
+@given(families(), st.data())
+def test_frozen_families_written_ahead_are_served_as_the_libraries_bytes(fams, data):
+    """Some families frozen (the agent's job families), some of them written ahead in one
+    format: every scrape in either format is still the library's bytes, the second as the first."""
+    frozen = [f for f in fams if data.draw(st.booleans())]
+    exposition.freeze(frozen)
+    if data.draw(st.booleans()):
+        # (a name the fast writer leaves to the library is written there, per scrape)
+        with contextlib.suppress(exposition._NotPlain):
+            exposition.prerender(frozen, data.draw(st.sampled_from(["text", "openmetrics"])))
+    for _ in range(2):
+        assert_same(fams)
+
+
 def test_what_the_fast_writer_hands_to_the_library_is_written_the_same():
     g = GaugeMetricFamily("plain", "x", labels=["a"])
     g.add_metric(["v"], 1.0, timestamp=1700000000.5)
@@ -172,7 +188,15 @@ def agent_families(monkeypatch, n_jobs: int):
         }
         job.latest_band = {r: r % 4 for r in range(8)}
         agent.jobs[name] = job
-    return list(registry_for(agent).collect())
+    return Families(registry_for(agent).collect(), agent)
+
+
+class Families(list):
+    """An agent's families, and the agent."""
+
+    def __init__(self, fams, agent):
+        super().__init__(fams)
+        self.agent = agent
 
 
 def test_an_agents_families_write_the_libraries_bytes(monkeypatch):
@@ -260,3 +284,37 @@ def test_name_filters_give_only_the_samples_named(monkeypatch):
     assert sorted(map(repr, got)) == sorted(map(repr, want))
     samples = [line for line in body.decode().splitlines() if not line.startswith("#")]
     assert set(samples) <= set(whole.decode().splitlines())
+
+
+def test_the_agents_job_families_are_written_once_a_round_and_a_scrape_serves_them(monkeypatch):
+    """After `prepare` (the agent's loop, after each round) a scrape neither builds nor writes a
+    job family, in the format Prometheus asks for; the body is the library's bytes; the per-GPU
+    gauges stay fresh per scrape; and the next round's figures are served, never the last's."""
+    from costexporter.services.exporter import agent_registry
+
+    fams = agent_families(monkeypatch, 12)
+    agent = fams.agent
+    reg, collector = agent_registry(agent)
+    collector.prepare()
+    built, written = [], []
+    real_build, real_write = type(collector)._job_families, exposition._FAMILY["openmetrics"]
+    monkeypatch.setattr(type(collector), "_job_families", lambda c, s: built.append(1) or real_build(c, s))
+    monkeypatch.setitem(
+        exposition._FAMILY, "openmetrics", lambda m, lines: written.append(m.name) or real_write(m, lines)
+    )
+    body = generate_openmetrics(reg)
+    assert body == om_generate_latest(reg) and b"costexporter_gpu_time_seconds_total{" in body
+    job_families = {m.name for m in collector._jobs(agent.snapshot(with_jobs=False).jobs_key)}
+    assert "costexporter_gpu_time_seconds" in job_families and len(built) == 0
+    assert written and not job_families & set(written)
+    assert "costexporter_gpu_power_watts" in written  # the live gauges: per scrape
+    name = next(iter(agent.jobs))
+    agent.jobs[name].state.booked[0, 0] += 7_000  # the next round books 7 s more
+    agent.booker.stats["rounds"] += 1
+    collector.prepare()
+    assert len(built) == 1
+    after = generate_openmetrics(reg)
+    assert after == om_generate_latest(reg) and after != body
+    fresh, _ = agent_registry(agent)  # built and written in its first scrape: the same body
+    assert generate_openmetrics(fresh) == after
+    assert generate_text(reg) == generate_latest(reg)

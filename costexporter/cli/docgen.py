@@ -180,6 +180,12 @@ def render_metrics() -> str:
         "`DCGM_FI_*` series `on (UUID)`",
         "([deployment.md](deployment.md#joining-with-dcgm-exporter-the-label-mapping)).",
         "The alert and recording rules built on these series are in [dashboard.md](dashboard.md).",
+        "",
+        "Freshness: the per-GPU gauges (power, utilization, band) and the agent's own figures are",
+        "read at each scrape; the per-job series (`training_job` label) are as of the agent's last",
+        "booking round (every `--book-interval`), built and written once a round, so a scrape's",
+        "time does not grow with the number of jobs. An agent exports about 58 series per job it",
+        "holds, whatever the job's history: 58,000 at 1,000 jobs.",
     ]
     for title, families in sections:
         out += ["", f"## {title}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]

@@ -377,9 +377,17 @@ class Agent:
             total.update(part.stats)
         return dict(total)
 
-    def snapshot(self) -> AgentSnapshot:
+    def snapshot(self, with_jobs: bool = True) -> AgentSnapshot:
+        """The agent between rounds; `with_jobs` False: without each job's view (a scrape's
+        per-GPU families need only who holds each GPU; the job families are built once a round)."""
         now = time.monotonic()
         with self.lock:
+            shown = [
+                (name, j)
+                for name, j in self.jobs.items()
+                if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)
+            ]
+            stats = self.counts()
             return AgentSnapshot(
                 pending=self.samples.pending(),
                 host=self.host,
@@ -393,7 +401,7 @@ class Agent:
                 gpu_profiles=dict(self._gpu_prof),
                 live_seq=self.live_seq,
                 errors=dict(self.source.errors),
-                stats=self.counts(),
+                stats=stats,
                 dropped=self.sampler.dropped,
                 clock_steps=dict(self.sampler.clock.steps) if self.sampler.clock else {},
                 clock_offset_s=self.sampler.clock.offset_s if self.sampler.clock else 0.0,
@@ -423,9 +431,10 @@ class Agent:
                         clock_skew_s=j.skew_s,
                         state_bytes=j.state_bytes(),
                     )
-                    for name, j in self.jobs.items()
-                    if j.own and (j.done_at is None or now - j.done_at < self.cfg.series_ttl_s)
+                    for name, j in (shown if with_jobs else ())
                 },
+                held={g: (name, r, j.latest_band.get(r)) for name, j in shown for r, g in j.own.items()},
+                jobs_key=(self.live_seq, stats.get("rounds", 0), tuple(sorted(name for name, _ in shown))),
             )
 
 

@@ -1,8 +1,10 @@
 """Prometheus metrics of an agent and of the watcher (docs/metrics.md): custom Collectors over one snapshot.
 
-Every family is built at scrape time from `Agent.snapshot()`; nothing mutates gauges between
-scrapes. Units are base units (seconds, joules); the training job's label is `training_job`
-(Prometheus keeps `job` for the scrape target).
+Every family is built from `Agent.snapshot()`; nothing mutates gauges between scrapes. The
+per-GPU and per-agent families are built at each scrape; the job families (per job: what changes
+only in a round) once a round, written in the agent's thread after it (`AgentCollector.prepare`)
+and served as written (`exposition.freeze`). Units are base units (seconds, joules); the
+training job's label is `training_job` (Prometheus keeps `job` for the scrape target).
 
 Aggregating across agents:
 * per-GPU series and this agent's booked amounts (`costexporter_gpu_time_seconds_total`,
@@ -16,6 +18,7 @@ Cost per valid step is a recording rule (sum of cost / max of valid steps), not 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -31,6 +34,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from costexporter import __version__
 from costexporter.core import bandtable
 from costexporter.core.model import CATEGORIES, GpuId
+from costexporter.services.exposition import freeze, prerender
 
 if TYPE_CHECKING:
     from costexporter.services.agent import Agent
@@ -98,9 +102,10 @@ class AgentCollector(Collector):
         self.agent = agent
         self._cache: list[Metric] = []
         self._cache_key: object = None
+        self._lock = threading.Lock()  # the agent's `prepare` and the scrapes' threads
 
     def collect(self) -> Iterator[Metric]:
-        s = self.agent.snapshot()
+        s = self.agent.snapshot(with_jobs=False)
         host = s.host
         info = GaugeMetricFamily(
             "costexporter_agent_info", "The agent: 1 per running agent.", labels=["agent", "host", "version"]
@@ -112,7 +117,7 @@ class AgentCollector(Collector):
         yield up
 
         # Per GPU: the live view. GPU index -> (job, rank, current band) of the GPUs a job holds.
-        held = {g: (name, r, j.latest_band.get(r)) for name, j in s.jobs.items() for r, g in j.own.items()}
+        held = s.held
         labels = ["host", "gpu", "uuid", "training_job", "rank", *DCGM_LABELS]
         pods = self.agent.source.pods() if hasattr(self.agent.source, "pods") else {}
         power = GaugeMetricFamily(
@@ -175,13 +180,25 @@ class AgentCollector(Collector):
         yield from self._cost_families(s)
         yield from self._fault_families(s)
 
-        # The job families hold live figures (cost since the last step, time at risk, whether a
-        # phase's allowance holds) that change every round, booked or not: keyed on the round.
-        key = (s.live_seq, s.stats.get("rounds", 0), tuple(sorted(s.jobs)))
-        if self._cache_key != key:
-            self._cache = list(self._job_families(s))
-            self._cache_key = key
-        yield from self._cache
+        yield from self._jobs(s.jobs_key)
+
+    def prepare(self) -> None:
+        """After a round, in the agent's thread: the job families built and written now, so a
+        scrape serves them as written (at 1,000 jobs, 58,000 samples) and only renders the
+        per-GPU and per-agent families, which stay fresh per scrape."""
+        prerender(self._jobs(self.agent.snapshot(with_jobs=False).jobs_key))
+
+    def _jobs(self, key: object) -> list[Metric]:
+        """The job families hold live figures (cost since the last step, time at risk, whether
+        a phase's allowance holds) that change every round, booked or not: built from a whole
+        snapshot once a round (by `prepare`, or by the first scrape after it) and frozen until
+        the next."""
+        with self._lock:
+            if self._cache_key != key:
+                s = self.agent.snapshot()
+                self._cache = freeze(list(self._job_families(s)))
+                self._cache_key = s.jobs_key
+            return self._cache
 
     def _cost_families(self, s: AgentSnapshot) -> Iterator[Metric]:
         """What the agent itself costs: CPU per round and memory per job, flat at any history."""
@@ -198,15 +215,6 @@ class AgentCollector(Collector):
             )
             h.add_metric([], buckets, s.round_sum)
             yield h
-        state = GaugeMetricFamily(
-            "costexporter_agent_state_bytes",
-            "Memory the agent holds for a job's booking (folded timeline, events waiting, rollback "
-            "index entries), about; bounded by the booking context, not the job's history.",
-            labels=["training_job"],
-        )
-        for name, j in sorted(s.jobs.items()):
-            state.add_metric([name], j.state_bytes)
-        yield state
 
     def _fault_families(self, s: AgentSnapshot) -> Iterator[Metric]:
         """What the agent refused or noticed: a second agent with its id, an empty Redis,
@@ -267,24 +275,6 @@ class AgentCollector(Collector):
         yield regs
         yield meta_ignored(s.meta_ignored)
         yield data_rejected(s.data_rejected)
-        rej = CounterMetricFamily(
-            "costexporter_events_rejected",
-            "Events refused (malformed), by job and reason.",
-            labels=["training_job", "reason"],
-        )
-        skew = GaugeMetricFamily(
-            "costexporter_event_clock_skew_seconds",
-            "How far the job's event timestamps run ahead of their arrival in Redis (largest by "
-            "size over its ranks; negative: behind, or delivered late). Keep trainer hosts on NTP.",
-            labels=["training_job"],
-        )
-        for name, j in sorted(s.jobs.items()):
-            for reason, n in sorted(j.rejected.items()):
-                rej.add_metric([name, reason], n)
-            if j.clock_skew_s is not None:
-                skew.add_metric([name], j.clock_skew_s)
-        yield rej
-        yield skew
 
     def _job_families(self, s: AgentSnapshot) -> Iterator[Metric]:
         cur = s.currency
@@ -350,6 +340,31 @@ class AgentCollector(Collector):
             risk.add_metric([name], j.at_risk_ms / 1000)
             booked_until.add_metric([name], j.booked_until / 1000)
         yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)
+        rej = CounterMetricFamily(
+            "costexporter_events_rejected",
+            "Events refused (malformed), by job and reason.",
+            labels=["training_job", "reason"],
+        )
+        skew = GaugeMetricFamily(
+            "costexporter_event_clock_skew_seconds",
+            "How far the job's event timestamps run ahead of their arrival in Redis (largest by "
+            "size over its ranks; negative: behind, or delivered late). Keep trainer hosts on NTP.",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s.jobs.items()):
+            for reason, n in sorted(j.rejected.items()):
+                rej.add_metric([name, reason], n)
+            if j.clock_skew_s is not None:
+                skew.add_metric([name], j.clock_skew_s)
+        state = GaugeMetricFamily(
+            "costexporter_agent_state_bytes",
+            "Memory the agent holds for a job's booking (folded timeline, events waiting, rollback "
+            "index entries), about; bounded by the booking context, not the job's history.",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s.jobs.items()):
+            state.add_metric([name], j.state_bytes)
+        yield from (rej, skew, state)
         yield from _dashboard_families(s)
 
         # Job-level: the same on every agent of the job; aggregate with max.
@@ -558,9 +573,16 @@ class WatchCollector(Collector):
 
 
 def registry_for(agent: Agent) -> CollectorRegistry:
+    return agent_registry(agent)[0]
+
+
+def agent_registry(agent: Agent) -> tuple[CollectorRegistry, AgentCollector]:
+    """The agent's /metrics registry and its collector (whose `prepare` the agent's loop calls
+    after each round)."""
+    collector = AgentCollector(agent)
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(AgentCollector(agent))
-    return reg
+    reg.register(collector)
+    return reg, collector
 
 
 def watch_registry(watcher: Watcher) -> CollectorRegistry:

@@ -8,6 +8,10 @@ such families with only the label values escaped, and hands anything else (a nam
 or beyond ASCII, exemplars, native histograms, timestamps, the other escaping schemes) to the
 library unchanged. tests/test_exposition.py holds the two outputs equal.
 
+A family marked with `freeze` (one that will not change again: the agent's job families, until
+its next round) is written once per format and served as written; `prerender` writes it ahead,
+in the agent's thread, so a scrape only joins the text.
+
 The HTTP side is prometheus_client's own (`choose_encoder` picks the format from the scraper's
 Accept header, gzip when asked), with this writer in place of its encoder
 for the Prometheus text format 0.0.4 and OpenMetrics 1.0.0 (what Prometheus asks for).
@@ -115,45 +119,82 @@ class _Lines:
         return f"{s.name}{{{','.join(parts)}}} {_go_float(s.value)}\n"
 
 
-def _text_families(metrics: Iterable[Metric]) -> str:
+def _text_family(m: Metric, lines: _Lines) -> str:
     out: list[str] = []
+    name, mtype = m.name, m.type
+    if mtype == "counter":
+        name += "_total"
+    elif mtype == "info":
+        name += "_info"
+    mtype = _TEXT_TYPE.get(mtype, mtype)
+    lines.check(name)
+    doc = m.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+    out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
+    moved: dict[str, list[str]] = {}
+    for s in m.samples:
+        for suffix in _OM_SUFFIXES:
+            if s.name == m.name + suffix:
+                moved.setdefault(suffix, []).append(lines.line(s))
+                break
+        else:
+            out.append(lines.line(s))
+    for suffix, sl in sorted(moved.items()):
+        out.append(f"# HELP {m.name}{suffix} {doc}\n# TYPE {m.name}{suffix} gauge\n")
+        out.extend(sl)
+    return "".join(out)
+
+
+def _openmetrics_family(m: Metric, lines: _Lines) -> str:
+    lines.check(m.name)
+    doc = _escape_value(m.documentation)
+    head = f"# HELP {m.name} {doc}\n# TYPE {m.name} {m.type}\n"
+    if m.unit:
+        head += f"# UNIT {m.name} {m.unit}\n"
+    return head + "".join(lines.line(s) for s in m.samples)
+
+
+# A frozen family's text in each format, written the first time it is asked for (or by
+# `prerender`), kept on the family itself: it is dropped with it.
+_WRITTEN = "_costexporter_written"
+_FAMILY: dict[str, Callable[[Metric, _Lines], str]] = {
+    "text": _text_family,
+    "openmetrics": _openmetrics_family,
+}
+
+
+def freeze(metrics: list[Metric]) -> list[Metric]:
+    """Mark families that will not change again: each is written once per format and served as
+    written (a collector that rebuilds its families on a change hands out new ones)."""
+    for m in metrics:
+        setattr(m, _WRITTEN, {})
+    return metrics
+
+
+def prerender(metrics: Iterable[Metric], fmt: str = "openmetrics") -> None:
+    """Write frozen families now (the agent after its round), so a scrape only joins them."""
     lines = _Lines()
     for m in metrics:
-        name, mtype = m.name, m.type
-        if mtype == "counter":
-            name += "_total"
-        elif mtype == "info":
-            name += "_info"
-        mtype = _TEXT_TYPE.get(mtype, mtype)
-        lines.check(name)
-        doc = m.documentation.replace("\\", "\\\\").replace("\n", "\\n")
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {mtype}\n")
-        moved: dict[str, list[str]] = {}
-        for s in m.samples:
-            for suffix in _OM_SUFFIXES:
-                if s.name == m.name + suffix:
-                    moved.setdefault(suffix, []).append(lines.line(s))
-                    break
-            else:
-                out.append(lines.line(s))
-        for suffix, sl in sorted(moved.items()):
-            out.append(f"# HELP {m.name}{suffix} {doc}\n# TYPE {m.name}{suffix} gauge\n")
-            out.extend(sl)
-    return "".join(out)
+        _family(m, fmt, lines)
+
+
+def _family(m: Metric, fmt: str, lines: _Lines) -> str:
+    written: dict[str, str] | None = getattr(m, _WRITTEN, None)
+    if written is None:
+        return _FAMILY[fmt](m, lines)
+    text = written.get(fmt)
+    if text is None:  # two scrapes at once may both write it: the same text
+        text = written[fmt] = _FAMILY[fmt](m, lines)
+    return text
+
+
+def _text_families(metrics: Iterable[Metric]) -> str:
+    lines = _Lines()
+    return "".join(_family(m, "text", lines) for m in metrics)
 
 
 def _openmetrics_families(metrics: Iterable[Metric]) -> str:
-    out: list[str] = []
     lines = _Lines()
-    for m in metrics:
-        lines.check(m.name)
-        doc = _escape_value(m.documentation)
-        out.append(f"# HELP {m.name} {doc}\n# TYPE {m.name} {m.type}\n")
-        if m.unit:
-            out.append(f"# UNIT {m.name} {m.unit}\n")
-        out.extend(lines.line(s) for s in m.samples)
-    out.append("# EOF\n")
-    return "".join(out)
+    return "".join(_family(m, "openmetrics", lines) for m in metrics) + "# EOF\n"
 
 
 def _write(

@@ -63,7 +63,9 @@ class AgentSnapshot:
     data_rejected: dict[tuple[str, str], int]
     round_counts: list[int]  # the round-duration histogram's buckets
     round_sum: float
-    jobs: dict[str, JobView]
+    jobs: dict[str, JobView]  # empty in a snapshot taken without them
+    held: dict[int, tuple[str, int, int | None]]  # GPU index -> (job, rank, its newest band)
+    jobs_key: tuple[Any, ...]  # changes whenever `jobs` may: the round, the jobs shown
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -275,11 +276,14 @@ def serve(
     except AgentIdInUse as e:
         src.close()
         raise InputFailure(str(e)) from None
+    prepare_metrics: Callable[[], None] | None = None
     if port:
-        from costexporter.services.exporter import registry_for
+        from costexporter.services.exporter import agent_registry
         from costexporter.services.exposition import start_http_server
 
-        start_http_server(port, addr=listen, registry=registry_for(agent))
+        registry, collector = agent_registry(agent)
+        prepare_metrics = collector.prepare
+        start_http_server(port, addr=listen, registry=registry)
         click.echo(
             f"costexporter serve: /metrics on {listen}:{port}, source {source}, agent {cfg.agent_id}",
             err=True,
@@ -307,6 +311,8 @@ def serve(
     frozen = FrozenState()
 
     def after_round() -> bool:
+        if prepare_metrics is not None:  # the job families written once a round, not a scrape
+            prepare_metrics()
         frozen.after_round()
         return done()
 
