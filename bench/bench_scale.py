@@ -9,11 +9,13 @@ its targets.
   10-s heartbeat (bench/scale_wide.py; --heartbeat 0 for none; --cluster: on a 3-master Redis
   Cluster, the busiest master's share shown).
 * watcher: poll time at 1,000 jobs x 1k steps (one watcher, and two sharing the jobs) and 1 job x
-  100k steps (bench/scale_agent.py; --baseline REV: that revision's watcher polls the same jobs
-  in turns with this tree's).
+  100k steps (bench/scale_agent.py).
 * api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py;
-  --seed-dir keeps the seeded Redis for the next run, --baseline REV times that revision's API
-  beside this one).
+  --seed-dir keeps the seeded Redis for the next run).
+
+--baseline REV (watcher, api): that git revision (the previous release) side by side with this
+tree, each on a Redis of its own seeded and fed by its own code (its keys, its layout, its
+protocol: a tree reads what it wrote), asked in turns, in alternating order, under the same load.
 """
 
 from __future__ import annotations

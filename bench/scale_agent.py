@@ -428,20 +428,22 @@ def _watch_shard(shard: tuple[int, int], url: str, cmds, out, code: str | None =
     `code`: the directory of the costexporter package to run (a baseline's), else this tree's."""
     if code is not None:
         sys.path.insert(0, code)
+    import dataclasses
+
     from costexporter.services.gcstate import FrozenState
     from costexporter.services.watcher import WatchConfig, Watcher
 
     clock = [0.0]
-    w = Watcher(
-        WatchConfig(
-            redis_url=url,
-            prefix=PREFIX,
-            clock=lambda: clock[0],
-            forget_after_s=1e9,
-            gpu_model="NVIDIA B300",  # the benchmark's jobs are B300 jobs, as a watch --gpu-model says
-            shard=None if shard[1] == 1 else shard,
-        )
-    )
+    settings = {
+        "redis_url": url,
+        "prefix": PREFIX,
+        "clock": lambda: clock[0],
+        "forget_after_s": 1e9,
+        "gpu_model": "NVIDIA B300",  # the benchmark's jobs are B300 jobs, as a watch --gpu-model says
+        "shard": None if shard[1] == 1 else shard,
+    }
+    known = {f.name for f in dataclasses.fields(WatchConfig)}  # a baseline's may lack some
+    w = Watcher(WatchConfig(**{k: v for k, v in settings.items() if k in known}))
     upkeep = FrozenState()
     while (now := cmds.get()) is not None:
         clock[0] = now
@@ -452,58 +454,81 @@ def _watch_shard(shard: tuple[int, int], url: str, cmds, out, code: str | None =
         out.put((took, len(st), sorted({s.state for s in st.values()}), _rss_mb()))
 
 
-def _watch(jobs: int, steps: int, shards: int, code: dict[str, str | None]) -> dict[str, dict]:
-    """Poll times of `shards` watcher processes sharing `jobs` jobs of `steps` steps each, all
-    polling at once after the same new events: ten 5-s polls, 5 new steps a job each (numbered
-    on from the history's, so they are read as new rather than as duplicates). Each variant of
-    `code` (name -> package directory, None: this tree) watches the same jobs on the same Redis,
-    the variants polling in turns after each round of events, in alternating order."""
+def _poster(jobs: int, steps: int, url: str, cmds, out, code: str | None = None) -> None:
+    """In a fresh process running `code`'s package (None: this tree's): seed the jobs' history,
+    then post each round's events when told (round k: 5 new steps a job, numbered on from the
+    history's), replying when they are in. Each tree writes its own keys and its own protocol."""
+    if code is not None:
+        sys.path.insert(0, code)
     import redis
 
     from costexporter.store import keys, protocol
 
-    proc, url, d = _redis()
+    seqs0 = _post_jobs(jobs, steps, url)
+    client = redis.Redis.from_url(url, decode_responses=True)
+    names = [f"w{i}" for i in range(jobs)]
+    seqs = {n: dict(seqs0) for n in names}
+    cap = protocol.beats_cap(RANKS)
+    out.put("seeded")
+    while (k := cmds.get()) is not None:
+        a = steps + 5 * k + 1
+        pipe = client.pipeline(transaction=False)
+        for n in names:  # where the reporter sends them: heartbeats to their own stream
+            for e in _entries(n, a, a + 4, seqs[n], beats_apart=True):
+                if e["type"] == "heartbeat":
+                    pipe.xadd(keys.beats_key(PREFIX, n), e, maxlen=cap, approximate=True)
+                else:
+                    pipe.xadd(keys.stream_key(PREFIX, n), e)
+        pipe.execute()
+        out.put(k)
+
+
+def _watch(jobs: int, steps: int, shards: int, code: dict[str, str | None]) -> dict[str, dict]:
+    """Poll times of `shards` watcher processes sharing `jobs` jobs of `steps` steps each, all
+    polling at once after the same new events: ten 5-s polls, 5 new steps a job each. Each
+    variant of `code` (name -> package directory, None: this tree) has a Redis of its own,
+    seeded and fed by its own code (a baseline reads the keys and protocol it wrote), the
+    variants polling in turns after each round of events, in alternating order."""
     ctx = multiprocessing.get_context("spawn")
+    redises = {name: _redis() for name in code}
     kids: dict[str, list] = {name: [] for name in code}
+    posters: dict[str, tuple] = {}
     try:
-        seqs0 = _post_jobs(jobs, steps, url)
-        client = redis.Redis.from_url(url, decode_responses=True)
-        names = [f"w{i}" for i in range(jobs)]
-        seqs = {n: dict(seqs0) for n in names}
         for name, root in code.items():
+            url = redises[name][1]
+            cmds, out = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=_poster, args=(jobs, steps, url, cmds, out, root))
+            p.start()
+            posters[name] = (p, cmds, out)
+            if out.get(timeout=3600) != "seeded":
+                raise RuntimeError(f"{name}: seeding failed")
             for i in range(shards):
-                cmds, out = ctx.Queue(), ctx.Queue()
-                p = ctx.Process(target=_watch_shard, args=((i, shards), url, cmds, out, root))
-                p.start()
-                kids[name].append((p, cmds, out))
+                cmds_w, out_w = ctx.Queue(), ctx.Queue()
+                w = ctx.Process(target=_watch_shard, args=((i, shards), url, cmds_w, out_w, root))
+                w.start()
+                kids[name].append((w, cmds_w, out_w))
 
         def poll(name: str, now: float) -> list[tuple]:
             for _, cmds, _ in kids[name]:
                 cmds.put(now)
             return [out.get(timeout=1800) for _, _, out in kids[name]]
 
-        cap = protocol.beats_cap(RANKS)
         clock = T0 + steps + 1
         first = {name: poll(name, clock) for name in code}
         polls: dict[str, list] = {name: [] for name in code}
         for k in range(10):
             clock += 5
-            a = steps + 5 * k + 1
-            pipe = client.pipeline(transaction=False)
-            for n in names:  # where the reporter sends them: heartbeats to their own stream
-                for e in _entries(n, a, a + 4, seqs[n], beats_apart=True):
-                    if e["type"] == "heartbeat":
-                        pipe.xadd(keys.beats_key(PREFIX, n), e, maxlen=cap, approximate=True)
-                    else:
-                        pipe.xadd(keys.stream_key(PREFIX, n), e)
-            pipe.execute()
+            for _, cmds, _ in posters.values():
+                cmds.put(k)
+            for _, _, out in posters.values():
+                out.get(timeout=600)
             for name in list(code) if k % 2 == 0 else list(code)[::-1]:
                 polls[name].append(poll(name, clock))
-        out: dict[str, dict] = {}
+        out_rows: dict[str, dict] = {}
         for name in code:
             per_poll = [max(r[0] for r in got) for got in polls[name]]  # the slowest shard's poll
             last = polls[name][-1]
-            out[name] = {
+            out_rows[name] = {
                 "jobs": jobs,
                 "steps": steps,
                 "shards": shards,
@@ -514,19 +539,20 @@ def _watch(jobs: int, steps: int, shards: int, code: dict[str, str | None]) -> d
                 "per_shard": [r[1] for r in last],
                 "states": sorted({s for r in last for s in r[2]}),
             }
-        return out
+        return out_rows
     finally:
-        for lst in kids.values():
+        for lst in [*kids.values(), [posters[n] for n in posters]]:
             for _, cmds, _ in lst:
                 cmds.put(None)
-        for lst in kids.values():
+        for lst in [*kids.values(), [posters[n] for n in posters]]:
             for p, _, _ in lst:
                 p.join(60)
                 if p.is_alive():
                     p.kill()
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(d, ignore_errors=True)
+        for proc, _url, d in redises.values():
+            proc.terminate()
+            proc.wait(10)
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _post_jobs(jobs: int, steps: int, url: str) -> dict:
@@ -537,7 +563,10 @@ def _post_jobs(jobs: int, steps: int, url: str) -> dict:
     from costexporter.sources.synth import TraceBuilder
     from costexporter.store import protocol
     from costexporter.trainer.transport import send_entries
-    from tests.test_agent import event_entry
+
+    def event_entry(e) -> dict[str, str]:  # a synthetic trace's event as a trainer sends it
+        base = {"v": "1", "type": e.type, "job": e.job, "ts": f"{e.ts:.3f}", "rank": e.rank}
+        return protocol.encode_fields({**base, "session": e.session, "seq": e.seq, **e.fields})
 
     client = redis.Redis.from_url(url, decode_responses=True)
     for i in range(jobs):

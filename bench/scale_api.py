@@ -9,9 +9,9 @@ per job (INFO used_memory before and after seeding).
 
 `seed_dir`: the seeded Redis of each size is saved there (`seed-<jobs>.rdb`, with its seeding
 figures beside it) and loaded instead of seeding again (seeding 10,000 jobs takes minutes).
-`baseline`: a git revision (the previous commit): its API serves the same Redis beside this
-tree's, and each round asks both, in alternating order, so the two are compared under the same
-load.
+`baseline`: a git revision (the previous release): its API serves a Redis of its own beside
+this tree's, seeded with the same jobs by that revision's own writer (its keys, its layout), and
+each round asks both, in alternating order, so the two are compared under the same load.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def private_redis(tmp: Path, rdb: Path | None = None) -> tuple[subprocess.Popen,
 
 
 def seed(r: redis.Redis, prefix: str, n_jobs: int, first: int = 0) -> None:
-    """`n_jobs` jobs, each with meta (team, cost center), BUCKETS_PER_JOB 5-minute buckets of six
+    """`n_jobs` jobs, each with its owner (team, cost center), BUCKETS_PER_JOB 5-minute buckets of six
     categories written by `ledger.queue_amounts`, and 40 completed steps."""
     rng = np.random.default_rng(first)
     cats = [Category.PRODUCTIVE, Category.COMMUNICATION, Category.OVERHEAD, Category.STALLED, Category.IDLE]
@@ -83,10 +83,12 @@ def seed(r: redis.Redis, prefix: str, n_jobs: int, first: int = 0) -> None:
     for j in range(first, first + n_jobs):
         name = f"job-{j:05d}"
         pipe.zadd(keys.jobs_key(prefix), {name: END})
-        pipe.hset(
-            keys.meta_key(prefix, name),
-            mapping={"team": f"team-{j % TEAMS}", "cost_center": f"cc-{j % 7}"},
-        )
+        owner = {"team": f"team-{j % TEAMS}", "cost_center": f"cc-{j % 7}"}
+        attr = getattr(ledger, "ATTR", None)
+        if attr is not None:  # whose it is, as the agents book it from the operator's policy
+            pipe.hset(keys.figures_key(prefix, name), mapping={attr + k: v for k, v in owner.items()})
+        else:  # a release before the policy: the trainer's meta said it
+            pipe.hset(keys.meta_key(prefix, name), mapping=owner)
         t0 = START + int(rng.integers(0, 29 * DAY // 300)) * 300
         by_bucket = {}
         for b in range(BUCKETS_PER_JOB):
@@ -206,21 +208,45 @@ def seeded(r: redis.Redis, prefix: str, n_jobs: int, seed_dir: Path | None, tmp:
     return figures
 
 
+# `seed` run by another tree's package (imported first, so this module's imports take it): a
+# baseline's API reads the keys and the layout its own writer wrote.
+SEED_IN_TREE = (
+    "import sys; tree, bench, url, prefix, n = sys.argv[1:6]; sys.path.insert(0, tree)\n"
+    "import costexporter, redis; sys.path.insert(1, bench)\n"
+    "assert costexporter.__file__.startswith(tree), costexporter.__file__\n"
+    "import scale_api; scale_api.seed(redis.Redis.from_url(url), prefix, int(n))\n"
+)
+
+
+def seed_with(tree: Path, url: str, prefix: str, n_jobs: int) -> None:
+    """`seed` by the package of `tree` (a baseline's), in a process of its own."""
+    args = [sys.executable, "-c", SEED_IN_TREE, str(tree), str(ROOT / "bench"), url, prefix, str(n_jobs)]
+    subprocess.run(args, check=True, cwd=tree)
+
+
 def measure(n_jobs: int, seed_dir: Path | None = None, against: Path | None = None, rounds: int = 3) -> dict:
     """Seed a private Redis with n_jobs jobs (or load it from `seed_dir`) and time the API over
-    it (and the API of `against` beside it)."""
+    it; with `against` (a baseline's tree), its API beside it over a Redis of its own, seeded by
+    its own code (the same jobs and amounts, written in its layout)."""
     prefix = "bench"
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as tmp_b:
         rdb = seed_dir / f"seed-{n_jobs}.rdb" if seed_dir else None
         proc, r = private_redis(Path(tmp), rdb if rdb is not None and rdb.exists() else None)
+        redises = [proc]
         apis: list[subprocess.Popen] = []
         try:
             out = {"jobs": n_jobs, **seeded(r, prefix, n_jobs, seed_dir, Path(tmp))}
             out["job_day"], out["job_day_rollup"] = job_day_bytes(r, "day")
             port = r.connection_pool.connection_kwargs["port"]
-            url = f"redis://127.0.0.1:{port}/0"
+            served = [(ROOT, f"redis://127.0.0.1:{port}/0")]
+            if against is not None:
+                proc_b, r_b = private_redis(Path(tmp_b))
+                redises.append(proc_b)
+                url_b = f"redis://127.0.0.1:{r_b.connection_pool.connection_kwargs['port']}/0"
+                seed_with(against, url_b, prefix, n_jobs)
+                served.append((against, url_b))
             bases = []
-            for tree in [ROOT] + ([against] if against else []):
+            for tree, url in served:
                 api, base = serve_api(url, prefix, tree)
                 apis.append(api)
                 bases.append(base)
@@ -245,8 +271,9 @@ def measure(n_jobs: int, seed_dir: Path | None = None, against: Path | None = No
             for api in apis:
                 api.terminate()
                 api.wait(10)
-            proc.kill()
-            proc.wait(10)
+            for p in redises:
+                p.kill()
+                p.wait(10)
 
 
 def _figure(times: list[float]) -> str:
