@@ -351,11 +351,6 @@ class AgentCollector(Collector):
             "size over its ranks; negative: behind, or delivered late). Keep trainer hosts on NTP.",
             labels=["training_job"],
         )
-        for name, j in sorted(s.jobs.items()):
-            for reason, n in sorted(j.rejected.items()):
-                rej.add_metric([name, reason], n)
-            if j.clock_skew_s is not None:
-                skew.add_metric([name], j.clock_skew_s)
         state = GaugeMetricFamily(
             "costexporter_agent_state_bytes",
             "Memory the agent holds for a job's booking (folded timeline, events waiting, rollback "
@@ -363,6 +358,10 @@ class AgentCollector(Collector):
             labels=["training_job"],
         )
         for name, j in sorted(s.jobs.items()):
+            for reason, n in sorted(j.rejected.items()):
+                rej.add_metric([name, reason], n)
+            if j.clock_skew_s is not None:
+                skew.add_metric([name], j.clock_skew_s)
             state.add_metric([name], j.state_bytes)
         yield from (rej, skew, state)
         yield from _dashboard_families(s)
