@@ -201,7 +201,8 @@ class AgentCollector(Collector):
             return self._cache
 
     def _cost_families(self, s: AgentSnapshot) -> Iterator[Metric]:
-        """What the agent itself costs: CPU per round and memory per job, flat at any history."""
+        """What the agent itself costs: CPU per round, flat at any history (its memory per job
+        is a job family: `costexporter_agent_state_bytes`)."""
         from costexporter.services.agent import ROUND_BUCKETS
 
         counts = s.round_counts
