@@ -8,6 +8,7 @@ import gzip
 import string
 import urllib.error
 import urllib.request
+import zlib
 
 import numpy as np
 import pytest
@@ -56,6 +57,17 @@ def assert_same(families) -> None:
     reg = registry(families)
     assert generate_text(reg) == generate_latest(reg)
     assert generate_openmetrics(reg) == om_generate_latest(reg)
+    for ours, library in ((generate_text, generate_latest), (generate_openmetrics, om_generate_latest)):
+        assert one_gzip_member(exposition.GZIPPED[ours](reg)) == library(reg)
+
+
+def one_gzip_member(data: bytes) -> bytes:
+    """The body of a gzip answer that is one whole member (what every client reads), its CRC
+    and size checked."""
+    d = zlib.decompressobj(31)
+    body = d.decompress(data)
+    assert d.eof and not d.unused_data
+    return body
 
 
 plain = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,12}", fullmatch=True)
@@ -313,8 +325,68 @@ def test_the_agents_job_families_are_written_once_a_round_and_a_scrape_serves_th
     agent.booker.stats["rounds"] += 1
     collector.prepare()
     assert len(built) == 1
+    deflated = []
+    real_deflate = exposition._deflate
+    monkeypatch.setattr(exposition, "_deflate", lambda raw: deflated.append(len(raw)) or real_deflate(raw))
+    gz = exposition.GZIPPED[generate_openmetrics](reg)  # what Prometheus asks for: gzip
+    assert one_gzip_member(gz) == om_generate_latest(reg)
+    assert deflated and sum(deflated) < len(body) / 2  # only the fresh families, now
     after = generate_openmetrics(reg)
     assert after == om_generate_latest(reg) and after != body
     fresh, _ = agent_registry(agent)  # built and written in its first scrape: the same body
     assert generate_openmetrics(fresh) == after
     assert generate_text(reg) == generate_latest(reg)
+
+
+def test_a_real_prometheus_reads_the_gzip_body_joined_from_parts_compressed_ahead(monkeypatch, tmp_path):
+    """Prometheus asks for OpenMetrics with gzip; our answer is one gzip member whose deflate
+    stream joins the job families compressed by `prepare` with the per-scrape ones. A real
+    Prometheus (Go's gzip reader) scrapes it: every sample of the body is stored."""
+    import json
+    import time
+    import urllib.parse
+
+    import yaml
+
+    from costexporter.services.exporter import agent_registry
+
+    from . import prom_server
+
+    if prom_server.PROMETHEUS is None:
+        pytest.skip("prometheus not installed (.ci/run installs it)")
+    reg, collector = agent_registry(agent_families(monkeypatch, 12).agent)
+    collector.prepare()
+    samples = sum(1 for x in om_generate_latest(reg).decode().splitlines() if x and not x.startswith("#"))
+    port, prom_port = free_port(), free_port()
+    httpd = exposition.start_http_server(port, addr="127.0.0.1", registry=reg)
+    config = tmp_path / "prometheus.yml"
+    scrape = {
+        "job_name": "agent",
+        "scrape_interval": "1s",
+        "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+    }
+    config.write_text(yaml.safe_dump({"scrape_configs": [scrape]}))
+    prom = prom_server.start(config, prom_port)
+    base = f"http://127.0.0.1:{prom_port}"
+
+    def query(expr: str) -> list:
+        url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())["data"]["result"]
+
+    try:
+        assert prom_server.wait_ready(base)
+        deadline, got = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            got = query('scrape_samples_scraped{job="agent"}')
+            if got:
+                break
+            time.sleep(0.5)
+        assert got and float(got[0]["value"][1]) == samples
+        assert query('up{job="agent"}')[0]["value"][1] == "1"
+        time_series = next(m for m in collector._cache if m.name == "costexporter_gpu_time_seconds")
+        assert len(query("costexporter_gpu_time_seconds_total")) == len(time_series.samples) > 0
+    finally:
+        prom.terminate()
+        prom.wait(10)
+        httpd.shutdown()

@@ -10,7 +10,8 @@ library unchanged. tests/test_exposition.py holds the two outputs equal.
 
 A family marked with `freeze` (one that will not change again: the agent's job families, until
 its next round) is written once per format and served as written; `prerender` writes it ahead,
-in the agent's thread, so a scrape only joins the text.
+in the agent's thread, so a scrape only joins the text; compressed ahead too, a gzip answer
+joins its deflate blocks with the fresh families' in one gzip member (`GZIPPED`).
 
 The HTTP side is prometheus_client's own (`choose_encoder` picks the format from the scraper's
 Accept header, gzip when asked), with this writer in place of its encoder
@@ -23,8 +24,10 @@ import gzip
 import math
 import re
 import socket
+import struct
 import threading
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
@@ -171,10 +174,11 @@ def freeze(metrics: list[Metric]) -> list[Metric]:
 
 
 def prerender(metrics: Iterable[Metric], fmt: str = "openmetrics") -> None:
-    """Write frozen families now (the agent after its round), so a scrape only joins them."""
+    """Write and compress frozen families now (the agent after its round), so a scrape only
+    joins them."""
     lines = _Lines()
     for m in metrics:
-        _family(m, fmt, lines)
+        _compressed(m, fmt, lines)
 
 
 def _family(m: Metric, fmt: str, lines: _Lines) -> str:
@@ -185,6 +189,70 @@ def _family(m: Metric, fmt: str, lines: _Lines) -> str:
     if text is None:  # two scrapes at once may both write it: the same text
         text = written[fmt] = _FAMILY[fmt](m, lines)
     return text
+
+
+def _compressed(m: Metric, fmt: str, lines: _Lines) -> tuple[bytes, bytes]:
+    """A frozen family's bytes in `fmt` and their deflate blocks, made once."""
+    written: dict[str, Any] = getattr(m, _WRITTEN)
+    got: tuple[bytes, bytes] | None = written.get(fmt + "+deflate")
+    if got is None:
+        raw = _family(m, fmt, lines).encode()
+        got = written[fmt + "+deflate"] = (raw, _deflate(raw))
+    return got
+
+
+# gzip over a body of which some parts were compressed ahead. A gzip member's deflate stream
+# may be any run of blocks: each part is compressed on its own (no reference into another
+# part) and ended byte-aligned and not final (a sync flush), so the parts follow one another,
+# then one final empty block; the trailer holds the CRC and size of the whole body. One
+# standard member, for every client (several concatenated members are not read by all).
+_GZIP_LEVEL = 6  # zlib's default: an eighth of level 9's time on a large body, ~8% larger
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, no time
+_FINAL_BLOCK = zlib.compressobj(_GZIP_LEVEL, zlib.DEFLATED, -15).flush()
+
+
+def _deflate(raw: bytes) -> bytes:
+    c = zlib.compressobj(_GZIP_LEVEL, zlib.DEFLATED, -15)
+    return c.compress(raw) + c.flush(zlib.Z_SYNC_FLUSH)
+
+
+def _gzip(parts: Iterable[tuple[bytes, bytes | None]]) -> bytes:
+    """One gzip member of the parts' bytes, in order: (bytes, their deflate blocks where they
+    were compressed ahead, else None)."""
+    out, crc, size = [_GZIP_HEADER], 0, 0
+    for raw, blocks in parts:
+        out.append(_deflate(raw) if blocks is None else blocks)
+        crc = zlib.crc32(raw, crc)
+        size += len(raw)
+    out += [_FINAL_BLOCK, struct.pack("<II", crc, size & 0xFFFFFFFF)]
+    return b"".join(out)
+
+
+def _parts(metrics: Iterable[Metric], fmt: str) -> Iterator[tuple[bytes, bytes | None]]:
+    """The body in `fmt` as parts: each frozen family with its deflate blocks, the families
+    between them written now, together."""
+    lines, fresh = _Lines(), []
+    for m in metrics:
+        if getattr(m, _WRITTEN, None) is None:
+            fresh.append(_FAMILY[fmt](m, lines))
+            continue
+        if fresh:
+            yield "".join(fresh).encode(), None
+            fresh = []
+        yield _compressed(m, fmt, lines)
+    if fmt == "openmetrics":
+        fresh.append("# EOF\n")
+    if fresh:
+        yield "".join(fresh).encode(), None
+
+
+def _write_gzip(registry: Collector, fmt: str, library: Callable[[Collector], bytes]) -> bytes:
+    """`gzip.compress` of the body `_write` gives, its frozen families compressed ahead."""
+    metrics = list(registry.collect())
+    try:
+        return _gzip(_parts(metrics, fmt))
+    except _NotPlain:
+        return gzip.compress(library(_Fixed(metrics)))
 
 
 def _text_families(metrics: Iterable[Metric]) -> str:
@@ -219,6 +287,13 @@ def generate_text(registry: Collector) -> bytes:
 def generate_openmetrics(registry: Collector) -> bytes:
     """`prometheus_client.openmetrics.exposition.generate_latest(registry)`, the same bytes."""
     return _write(registry, _openmetrics_families, _om_generate_latest)
+
+
+# Our writers' gzip bodies (what Prometheus asks for), with the frozen families compressed ahead.
+GZIPPED: dict[Callable[[Collector], bytes], Callable[[Collector], bytes]] = {
+    generate_text: partial(_write_gzip, fmt="text", library=_text.generate_latest),
+    generate_openmetrics: partial(_write_gzip, fmt="openmetrics", library=_om_generate_latest),
+}
 
 
 class _Fixed(Collector):
@@ -280,10 +355,13 @@ def make_wsgi_app(registry: Collector) -> Callable[..., list[bytes]]:
         else:
             encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT"))
             params = parse_qs(environ.get("QUERY_STRING", ""))
-            output = encoder(_Only(registry, params["name[]"]) if "name[]" in params else registry)
+            source = _Only(registry, params["name[]"]) if "name[]" in params else registry
             status, headers = "200 OK", [("Content-Type", content_type)]
-            if _text.gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
-                output = gzip.compress(output)
+            if not _text.gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
+                output = encoder(source)
+            else:
+                gzipped = GZIPPED.get(encoder)
+                output = gzipped(source) if gzipped else gzip.compress(encoder(source))
                 headers.append(("Content-Encoding", "gzip"))
         start_response(status, headers)
         return [output]
