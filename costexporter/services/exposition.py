@@ -156,8 +156,8 @@ def _openmetrics_family(m: Metric, lines: _Lines) -> str:
     return head + "".join(lines.line(s) for s in m.samples)
 
 
-# A frozen family's text in each format, written the first time it is asked for (or by
-# `prerender`), kept on the family itself: it is dropped with it.
+# A frozen family's text in each format (and, for gzip, its bytes and deflate blocks), made the
+# first time it is asked for (or by `prerender`), kept on the family itself: dropped with it.
 _WRITTEN = "_costexporter_written"
 _FAMILY: dict[str, Callable[[Metric, _Lines], str]] = {
     "text": _text_family,
