@@ -541,10 +541,10 @@ def _watch(jobs: int, steps: int, shards: int, code: dict[str, str | None]) -> d
             }
         return out_rows
     finally:
-        for lst in [*kids.values(), [posters[n] for n in posters]]:
+        for lst in [*kids.values(), list(posters.values())]:
             for _, cmds, _ in lst:
                 cmds.put(None)
-        for lst in [*kids.values(), [posters[n] for n in posters]]:
+        for lst in [*kids.values(), list(posters.values())]:
             for p, _, _ in lst:
                 p.join(60)
                 if p.is_alive():

@@ -390,3 +390,58 @@ def test_a_real_prometheus_reads_the_gzip_body_joined_from_parts_compressed_ahea
         prom.terminate()
         prom.wait(10)
         httpd.shutdown()
+
+
+def test_scrapes_during_rounds_are_each_one_whole_body_of_one_round(monkeypatch):
+    """The agent's thread rebuilds and compresses the job families each round while scrapes
+    run in other threads (as `serve`'s HTTP threads do): every answer, gzip or not, is one
+    whole body (one gzip member; each family once; the EOF last) whose job figures are those of
+    a single round, never a mix of two."""
+    import threading
+    import time
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from costexporter.services.exporter import agent_registry
+
+    agent = agent_families(monkeypatch, 6).agent
+    reg, collector = agent_registry(agent)
+    collector.prepare()
+    stop, bodies, errors = threading.Event(), [], []
+
+    def rounds() -> None:
+        try:
+            for k in range(1, 16):
+                with agent.lock:  # a round's booking: every job's first category +k s at once
+                    for j in agent.jobs.values():
+                        j.state.booked[0, 0] = k * 1000
+                    agent.booker.stats["rounds"] += 1
+                collector.prepare()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def scrapes(zipped: bool) -> None:
+        while not stop.is_set():
+            if zipped:
+                bodies.append(one_gzip_member(exposition.GZIPPED[generate_openmetrics](reg)))
+            else:
+                bodies.append(generate_openmetrics(reg))
+            time.sleep(0.002)  # (a scrape loop without a pause would starve the rounds of the GIL)
+
+    threads = [threading.Thread(target=rounds)] + [
+        threading.Thread(target=scrapes, args=(z,)) for z in (True, False, True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(bodies) >= 10
+    for body in bodies:
+        text = body.decode()
+        assert text.endswith("# EOF\n") and text.count("# EOF") == 1
+        fams = list(text_string_to_metric_families(text))  # each family once, or it raises
+        [gpu_time] = [f for f in fams if f.name == "costexporter_gpu_time_seconds"]
+        firsts = {s.value for s in gpu_time.samples if s.labels["category"] == "productive"}
+        assert len(firsts) == 1  # one round's figures for every job

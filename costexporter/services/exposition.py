@@ -163,6 +163,7 @@ _FAMILY: dict[str, Callable[[Metric, _Lines], str]] = {
     "text": _text_family,
     "openmetrics": _openmetrics_family,
 }
+_END = {"text": "", "openmetrics": "# EOF\n"}  # what follows the last family
 
 
 def freeze(metrics: list[Metric]) -> list[Metric]:
@@ -240,10 +241,9 @@ def _parts(metrics: Iterable[Metric], fmt: str) -> Iterator[tuple[bytes, bytes |
             yield "".join(fresh).encode(), None
             fresh = []
         yield _compressed(m, fmt, lines)
-    if fmt == "openmetrics":
-        fresh.append("# EOF\n")
-    if fresh:
-        yield "".join(fresh).encode(), None
+    tail = "".join(fresh) + _END[fmt]
+    if tail:
+        yield tail.encode(), None
 
 
 def _write_gzip(registry: Collector, fmt: str, library: Callable[[Collector], bytes]) -> bytes:
@@ -255,14 +255,17 @@ def _write_gzip(registry: Collector, fmt: str, library: Callable[[Collector], by
         return gzip.compress(library(_Fixed(metrics)))
 
 
-def _text_families(metrics: Iterable[Metric]) -> str:
+def _families(metrics: Iterable[Metric], fmt: str) -> str:
     lines = _Lines()
-    return "".join(_family(m, "text", lines) for m in metrics)
+    return "".join(_family(m, fmt, lines) for m in metrics) + _END[fmt]
+
+
+def _text_families(metrics: Iterable[Metric]) -> str:
+    return _families(metrics, "text")
 
 
 def _openmetrics_families(metrics: Iterable[Metric]) -> str:
-    lines = _Lines()
-    return "".join(_family(m, "openmetrics", lines) for m in metrics) + "# EOF\n"
+    return _families(metrics, "openmetrics")
 
 
 def _write(
