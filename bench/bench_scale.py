@@ -8,8 +8,9 @@ its targets.
   64, 512 and 4,096 GPUs wide, its peers publishing sample streams and every rank its default
   10-s heartbeat (bench/scale_wide.py; --heartbeat 0 for none; --cluster: on a 3-master Redis
   Cluster, the busiest master's share shown).
-* watcher: poll time at 1,000 jobs x 1k steps (one watcher, and two sharing the jobs) and 1 job x
-  100k steps (bench/scale_agent.py).
+* watcher: poll time at 1,000 jobs x 1k steps (one watcher, and two sharing the jobs), 1 job x
+  100k steps, and 10,000 jobs of which 1,000 are running, the others ended (a day's jobs)
+  (bench/scale_agent.py).
 * api: the finance API at 1,000 and 10,000 jobs, and Redis bytes per job (bench/scale_api.py;
   --seed-dir keeps the seeded Redis for the next run).
 
@@ -38,8 +39,9 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true", help="wide: on a private 3-master Redis Cluster")
     ap.add_argument(
         "--watcher",
-        default="1000x1000,1000x1000/2,1x100000",
-        help="watcher: JOBSxSTEPS[/SHARDS] shapes (/2: two watchers, each polling half the jobs)",
+        default="1000x1000,1000x1000/2,1x100000,10000x100:1000",
+        help="watcher: JOBSxSTEPS[:RUNNING][/SHARDS] shapes (:1000: 1,000 of the jobs running, the "
+        "others ended; /2: two watchers, each polling half the jobs)",
     )
     ap.add_argument("--jobs", default="1000,10000", help="api: job counts to seed (comma-separated)")
     ap.add_argument("--seed-dir", type=Path, help="api: keep each seeded Redis here and load it next time")

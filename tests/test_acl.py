@@ -245,14 +245,20 @@ def test_the_watcher_polls_and_writes_its_state_and_nothing_else(server, booked)
     # A heartbeat in the job's heartbeat stream, as the reporter posts it: the watcher reads it.
     b = booked["b"]
     beat = {"v": "1", "type": "heartbeat", "job": job, "ts": f"{b.t0 + 1:.3f}", "rank": "0"}
-    admin.xadd(keys.beats_key(PREFIX, job), {**beat, "session": "acl", "seq": "0"})
-    w = Watcher(WatchConfig(redis_url=url_as(server, user, pw), prefix=PREFIX, forget_after_s=1e12))
+    first = admin.xadd(keys.beats_key(PREFIX, job), {**beat, "session": "acl", "seq": "0"})
+    # recheck_s tiny: the next poll looks at the settled job's stream ids (XREAD) at once
+    cfg = WatchConfig(redis_url=url_as(server, user, pw), prefix=PREFIX, forget_after_s=1e12, recheck_s=1e-3)
+    w = Watcher(cfg)
     try:
         got = w.poll()
+        assert w._settled[job].cursors[1] == first  # its heartbeat stream read, to the beat
+        second = admin.xadd(keys.beats_key(PREFIX, job), {**beat, "session": "acl", "seq": "1"})
+        time.sleep(0.01)
+        again = w.poll()
     finally:
         w.stop()
-    assert w.beats[job].stats["accepted"] == 1, w.beats[job].stats
-    assert got[job].state == "done"
+    assert w._settled[job].cursors[1] == second  # the recheck found it and the job was read again
+    assert got[job].state == again[job].state == "done"
     assert json.loads(admin.get(keys.status_key(PREFIX, job)))["state"] == "done"
     assert not [e for e in acl_denials(admin, user) if e["object"] != "client|setinfo"]
     c = client_as(server, user, pw)

@@ -231,3 +231,67 @@ def test_rollup_columns_equal_the_per_job_reading(jobs):
     good = [i for i in range(len(jobs)) if i not in exact]
     assert (net[good] == want_net[good]).all()
     assert [versions[i] for i in good] == [want_versions[i] for i in good]
+
+
+ATTR_VALUE = st.one_of(st.sampled_from(["team-a", "cc-1", "ns", "pool"]), st.text(min_size=1, max_size=8))
+NUMBER_TEXT = st.one_of(st.sampled_from(["2.5", "0", "-1", "nan", "1e13", "x"]), ATTR_VALUE)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "team",
+                        "cost_center",
+                        "namespace",
+                        "cluster",
+                        "node_pool",
+                        "controller",
+                        "controller_kind",
+                    ]
+                ),
+                ATTR_VALUE,
+                max_size=4,
+            ),
+            st.dictionaries(st.sampled_from(["budget", "price_per_gpu_hour"]), NUMBER_TEXT, max_size=2),
+            st.dictionaries(
+                st.sampled_from(["team", "namespace", "budget", "gpu_model"]), st.just("x"), max_size=2
+            ),  # sources
+            st.dictionaries(
+                st.sampled_from(["team", "gpu_model", "price_per_gpu_hour", "owner"]), ATTR_VALUE, max_size=3
+            ),  # the trainer's meta
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_the_readers_of_a_jobs_attribution_agree(shared, prefix, jobs):
+    """The three readers of a job's owner and place give the same `JobMeta` (keys, attribution,
+    ignored meta keys): the allocation script's (fields set, by position), `meta_many`'s
+    (an HMGET of every field) and one job's (its figures hash whole)."""
+    from costexporter.api import aggregate as agg
+    from costexporter.store import ledger
+    from costexporter.store.ledger_read import LedgerStore, Warnings, job_meta
+
+    names = [f"attr-{i}" for i in range(len(jobs))]
+    for n, (text, numbers, sources, meta) in zip(names, jobs, strict=True):
+        fields = {**text, **numbers, **{f"{k}:source": v for k, v in sources.items()}}
+        shared.delete(keys.figures_key(prefix, n), keys.meta_key(prefix, n))
+        if fields:
+            shared.hset(keys.figures_key(prefix, n), mapping={ledger.ATTR + k: v for k, v in fields.items()})
+        if meta:
+            shared.hset(keys.meta_key(prefix, n), mapping=meta)
+    store = LedgerStore(shared, prefix)
+    by_script, _ = store.tables(names, agg.periods(BASE, BASE + 86400, None), Warnings(), meta=True)
+    by_hmget = store.meta_many(names)
+    assert set(by_script) == set(by_hmget) == set(names)
+    for n in names:
+        whole = job_meta(
+            shared.hgetall(keys.meta_key(prefix, n)), shared.hgetall(keys.figures_key(prefix, n))
+        )
+        for got in (by_script[n], by_hmget[n]):
+            assert dict(got) == dict(whole)
+            assert (got.attribution, got.ignored) == (whole.attribution, whole.ignored)

@@ -549,3 +549,31 @@ def test_seal_expire_read_across_and_restore_on_a_cluster(cluster, tmp_path):
     assert snapshot(LedgerStore(r, p, cold=ColdLedger(archive, "east")), jobs, spans) == before
     for key in list(r.scan_iter(f"{p}:*")):
         r.delete(key)
+
+
+def test_a_settled_jobs_recheck_finds_events_that_did_not_move_the_index_on_the_cluster(cluster):
+    """On a cluster the recheck asks each stream's newest id (one command's keys share a slot):
+    events behind the job's index score are found by it, as on a single Redis."""
+    from .test_watcher_settled import T0, Trainer
+
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    r = redisconn.from_url(cluster.url, decode_responses=True)
+    tr = Trainer(r, prefix, "ended")
+    tr.run(T0)
+    clock = [T0 + 60]
+    cfg = WatchConfig(
+        redis_url=cluster.url, prefix=prefix, clock=lambda: clock[0], recheck_s=60.0, forget_after_s=1e9
+    )
+    w = Watcher(cfg)
+    try:
+        assert w.poll()["ended"].state == "done" and "ended" not in w.views  # settled
+        tr.run(tr.ended_at + 1, steps=2, end=False, linger=False)  # behind the index's score
+        clock[0] += 5
+        assert w.poll()["ended"].state == "done" and "ended" not in w.views  # not looked at yet
+        clock[0] += 60
+        got = w.poll()["ended"]
+        assert "ended" in w.views and got.state != "done"  # found by its recheck
+        want = Watcher(cfg).poll()["ended"]
+        assert (got.state, got.reason, got.last_step) == (want.state, want.reason, want.last_step)
+    finally:
+        w.stop()

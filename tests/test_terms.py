@@ -252,9 +252,14 @@ def test_the_agent_the_watcher_and_replay_derive_equal_terms_and_book_and_judge_
         [r], _ = book_trace(b.samples(), b.events, rcfg)
         offline = r.terms
         # The watcher first: the agent trims the stream it has read (no watcher registered).
-        w = Watcher(
+        w = Watcher(  # given the job: its view stays after a poll that finds it done
             WatchConfig(
-                redis_url=SHARED_URL, prefix=prefix, booking=booking, policy_rules=rules, clock=lambda: b.t
+                redis_url=SHARED_URL,
+                prefix=prefix,
+                booking=booking,
+                policy_rules=rules,
+                clock=lambda: b.t,
+                jobs=(b.job,),
             )
         )
         try:

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import zlib
@@ -63,7 +64,7 @@ from costexporter.core.timeutil import iso_utc, to_ms
 from costexporter.services.alertmanager import Alertmanager
 from costexporter.services.notify import ALERTING, RUNBOOKS, Status, Webhook, alertname, runbook_url
 from costexporter.services.snapshots import WatcherSnapshot
-from costexporter.store import keys, ledger, protocol, untrusted
+from costexporter.store import keys, ledger, protocol, redisconn, untrusted
 from costexporter.store.jobindex import JobIndex
 from costexporter.store.reader import EventReader, read_ahead, read_all_many
 from costexporter.store.redisconn import SentXread
@@ -92,6 +93,10 @@ class WatchConfig:
     heartbeat_interval_s: float = 10.0
     status_ttl_s: float | None = None  # default max(60 s, 6 polls)
     forget_after_s: float = 86_400.0  # jobs not seen for this long are no longer watched
+    # A job judged `done` is not read again while its jobs index score stays, until this long
+    # has passed (each job at its own point of the second half of it), when its streams' newest
+    # ids are looked at: what bounds the wait for events posted without moving the score.
+    recheck_s: float = 60.0
     jobs: tuple[str, ...] = ()  # watch only these (default: every job in `<p>:jobs`)
     # (index, count): watch only the jobs of shard `index` of `count` (`in_shard`), so that
     # `count` watchers share a fleet, each polling its part. None: every job.
@@ -789,12 +794,72 @@ def _registration(rank: str, raw: str) -> tuple[int, dict[str, Any]]:
     return reg.rank, {k: v for k, v in entry.items() if v is not None}
 
 
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A job judged `done`, as the poll that read it left it: its view is dropped, and
+    later polls skip it (no read, no decision) while its jobs index score stays `score` and
+    `recheck_at` is ahead. A trainer that posts again moves the score (the index keeps each
+    job's newest time), so the next poll reads the job afresh from its stream; one whose events
+    do not (a clock behind the run it reran, a score someone reset) is found by the recheck:
+    its streams' newest entry ids against where they were read to (`cursors`)."""
+
+    score: float
+    recheck_at: float
+    cursors: tuple[str, str]  # the events' and the heartbeats' last entry read
+
+    def holds(self, score: float | None, now: float) -> bool:
+        return score == self.score and now < self.recheck_at
+
+
+def settle(job: str, score: float, now: float, recheck_s: float, cursors: tuple[str, str]) -> Settled:
+    """`Settled` for a job found done at `now`: its recheck at its own point of the
+    second half of `recheck_s` (by its name), so rechecks do not all fall on one poll."""
+    return Settled(score, now + recheck_s * _share(job), cursors)
+
+
+def _newest_id(reply: object) -> str | None:
+    """The entry id of an `XREVRANGE ... COUNT 1` reply ("0-0": an empty or absent stream;
+    None: not a stream, which is read to be refused)."""
+    if isinstance(reply, Exception):
+        return None
+    if not reply:
+        return "0-0"
+    return _text(reply[0][0])  # type: ignore[index]
+
+
+def _text(x: object) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _share(job: str) -> float:
+    """The job's point in [0.5, 1), by its name: when in a period it is due (so that jobs
+    settled at one poll are not all due at one later poll)."""
+    return 0.5 + 0.5 * (zlib.crc32(job.encode("utf-8", "replace")) % 1024) / 1024
+
+
+def _rewrite_after(job: str, ttl: float) -> float:
+    """How long a skipped job's status stands before it is written again: between a third and
+    two thirds of its TTL."""
+    return ttl * 2 / 3 * _share(job)
+
+
 def _still_done(prev: Status, now: float) -> Status:
     """`decide` for a job it found `done` whose view has had no event since, at a later `now`:
     an ended run stays ended and its last step stays its last, so only the time since that step
     moves (a watcher of a day's jobs holds many ended ones; they cost nothing to re-judge)."""
     since = None if prev.last_step_ts is None else since_step(now, prev.last_step_ts)
-    return dataclasses.replace(prev, updated=now, seconds_since_last_step=since)
+    # Status(...), not dataclasses.replace: a fifth of its time, for every settled job a poll
+    return Status(
+        prev.state,
+        prev.reason,
+        prev.since,
+        now,
+        prev.last_step,
+        prev.last_step_ts,
+        since,
+        prev.stall_threshold_s,
+        prev.suspect,
+    )
 
 
 def since_step(now: float, step_ts: float) -> float:
@@ -824,6 +889,11 @@ class Watcher:
         self._hosts: dict[str, tuple[dict[int, dict[str, Any]], int, list[str]]] = {}  # `_live_hosts`' cache
         # Jobs decided `done`, with the view that was: while no new event arrives, still done.
         self._ended: dict[str, JobView] = {}
+        # Jobs done that polls skip while the jobs index says nothing new (`Settled`),
+        # and when each job's status was last written (a skipped job's is rewritten only before
+        # it would expire).
+        self._settled: dict[str, Settled] = {}
+        self._written: dict[str, float] = {}
         # The latest transitions (job, state, reason, the clock's time), for views and tests.
         self.history: collections.deque[tuple[str, str, str, float]] = collections.deque(maxlen=1000)
         self.redis_up = False
@@ -901,6 +971,10 @@ class Watcher:
         if cfg.shard is not None:
             jobs = [j for j in jobs if in_shard(j, cfg.shard)]
         decided: dict[str, Status] = {}
+        scores = {} if cfg.jobs or self.index.fell_back else self.index.scores
+        jobs, skipped = self._skip_settled(jobs, scores, now)
+        for job in skipped:
+            decided[job] = _still_done(self.status[job], now)
         for batch, fresh in self._read_batches(jobs):
             # One XREAD for the next jobs' events (bounded memory), one round trip for their
             # registrations (first seen only) and one for the agents' live hashes, then decide.
@@ -938,14 +1012,92 @@ class Watcher:
                     self._meta_ignored(job, view.judged_terms.ignored_meta)
                 if decided[job].state == "done":
                     self._ended[job] = view
+                    if job in scores:  # read past where its score (read before) says: settled
+                        self._settle(job, settle(job, scores[job], now, cfg.recheck_s, self._cursors(job)))
                 else:
                     self._ended.pop(job, None)
         pipe = self.redis.pipeline(transaction=False)
         for job, st in decided.items():
+            if job in skipped and now - self._written.get(job, -math.inf) < _rewrite_after(job, self.ttl):
+                continue
             # vars(): what asdict() gives, without its deep copy; orjson: a 10th of json's time
             pipe.set(keys.status_key(cfg.prefix, job), orjson.dumps(vars(st)), ex=self.ttl)
+            self._written[job] = now
         pipe.execute()
         return decided
+
+    def _skip_settled(
+        self, jobs: list[str], scores: dict[str, float], now: float
+    ) -> tuple[list[str], set[str]]:
+        """(the jobs to read this poll, those skipped: settled, with their index score unchanged
+        and either their recheck ahead or their streams where they were read to). A job read
+        again is read afresh, as a new watcher reads it. Without scores (a job list given, the
+        index scanned around) every job is read."""
+        if not self._settled:
+            return jobs, set()
+        read, skipped, due = [], set(), []
+        for job in jobs:
+            st = self._settled.get(job)
+            if st is None:
+                read.append(job)
+            elif st.holds(scores.get(job), now) and job in self.status:
+                skipped.add(job)
+            elif st.score == scores.get(job) and job in self.status:
+                due.append(job)  # its recheck: only its streams' ids are read
+            else:
+                del self._settled[job]
+                read.append(job)
+        moved = self._moved(due) if due else set()
+        for job in due:
+            st = self._settled[job]
+            if job in moved:
+                del self._settled[job]
+                read.append(job)
+            else:
+                self._settled[job] = settle(job, st.score, now, self.cfg.recheck_s, st.cursors)
+                skipped.add(job)
+        return read, skipped
+
+    def _moved(self, jobs: list[str]) -> set[str]:
+        """Those of the settled `jobs` whose events or heartbeats stream has an entry past
+        where it was read to: one `XREAD COUNT 1` of every stream from its cursor (it answers
+        only the streams that have one), or on a Redis Cluster, where one command's keys share a
+        slot, each stream's newest entry id (`XREVRANGE … COUNT 1`, pipelined). A stream that
+        cannot be read (not a stream) counts as moved: reading it refuses it."""
+        p = self.cfg.prefix
+        at = {}
+        for job in jobs:
+            events, beats = self._settled[job].cursors
+            at[keys.stream_key(p, job)] = (job, events)
+            at[keys.beats_key(p, job)] = (job, beats)
+        if redisconn.is_cluster(self.redis):
+            pipe = self.redis.pipeline(transaction=False)
+            for k in at:
+                pipe.xrevrange(k, count=1)
+            replies = pipe.execute(raise_on_error=False)
+            return {
+                job for (job, cursor), r in zip(at.values(), replies, strict=True) if _newest_id(r) != cursor
+            }
+        try:
+            got = self.redis.xread({k: cursor for k, (_, cursor) in at.items()}, count=1)
+        except self._errors as e:
+            if not untrusted.is_wrong_type(e):
+                raise
+            return set(jobs)
+        return {at[_text(k)][0] for k, _entries in got}
+
+    def _cursors(self, job: str) -> tuple[str, str]:
+        """Where the job's events and heartbeats have been read to."""
+        beats = self.beats.get(job)
+        return self.readers[job].cursor, "0-0" if beats is None else beats.cursor
+
+    def _settle(self, job: str, st: Settled) -> None:
+        """Skip the job from the next poll on, holding only its status: what was kept to read
+        and judge it goes (a watcher of a day's jobs holds mostly ended ones)."""
+        self._settled[job] = st
+        for held in (self.views, self.readers, self.beats, self._ended, self._hosts):
+            held.pop(job, None)
+        self._unregistered.discard(job)
 
     def _listed(self, now: float) -> list[str]:
         """The jobs heard from within `forget_after_s`: the index's by their scores (or, when the
@@ -1053,6 +1205,7 @@ class Watcher:
         self.beats.pop(job, None)
         self._hosts.pop(job, None)
         self._ended.pop(job, None)
+        self._settled.pop(job, None)
         log.warning("job %r skipped: %s", untrusted.short(job), untrusted.short(self.bad_jobs[job], 300))
 
     def _fold(self, job: str, events: list[Event]) -> JobView:

@@ -54,17 +54,24 @@ class JobIndex:
         self._scanned_at: float | None = None
         self.scans = 0  # SCAN walks made
         self.fell_back = False  # whether the last `names` came from the scan
+        # The last `names(min_score)`'s scores by name (the newest time each job's trainer
+        # posted, as it says): empty when they came from the scan. A hint, never a proof.
+        self.scores: dict[str, float] = {}
 
     def names(self, min_score: float | None = None) -> list[str]:
         """The index's names (those scored `min_score` or later when given), or, when the index
         is of the wrong type or holds more than `max_names` of them, every job's ranks key's."""
         key = keys.jobs_key(self.prefix)
         self.fell_back = True
+        self.scores = {}
         try:
             if min_score is None:
                 got = self.redis.zrange(key, 0, self.max_names)
             else:
-                got = self.redis.zrangebyscore(key, min_score, "+inf", start=0, num=self.max_names + 1)
+                scored = self.redis.zrangebyscore(
+                    key, min_score, "+inf", start=0, num=self.max_names + 1, withscores=True
+                )
+                got = [name for name, _ in scored]
         except self._redis_errors as e:
             if not untrusted.is_wrong_type(e):
                 raise
@@ -81,6 +88,8 @@ class JobIndex:
             )
             return self.scanned()
         self.fell_back = False
+        if min_score is not None:
+            self.scores = {n: float(v) for n, v in scored}
         return list(got)
 
     def scanned(self) -> list[str]:

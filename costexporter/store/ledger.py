@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from costexporter.core.attribution import FIELDS, Attribution
+from costexporter.core.attribution import FIELD_NAMES, Attribution
 from costexporter.core.buckets import RESOLUTIONS, UNITS, bucket_start
 from costexporter.core.model import CATEGORIES
 from costexporter.store import keys
@@ -639,8 +639,9 @@ def queue_delta(
 
 
 def attribution_fields() -> list[str]:
-    """Every figures field an attribution may hold (`attribution.FIELDS`, with their sources)."""
-    return [f"{ATTR}{k}{s}" for k in FIELDS for s in ("", ":source")]
+    """Every figures field an attribution may hold (`attribution.FIELD_NAMES`: each key and
+    its source), in the order `Attribution.from_values` takes their values."""
+    return [f"{ATTR}{k}" for k in FIELD_NAMES]
 
 
 def queue_attribution(pipe: Pipeline, prefix: str, job: str, attr: Attribution) -> None:

@@ -226,8 +226,12 @@ for b = 0, #KEYS - per, per do
   if with_meta then
     local mp = pc('HGETALL', KEYS[b + 5])
     if mp.err ~= nil then mp = false end
-    local at = pc('HMGET', KEYS[b + 6], unpack(ATTR))
-    if at.err ~= nil then at = {} end
+    local got, at = pc('HMGET', KEYS[b + 6], unpack(ATTR)), {}
+    if got.err == nil then  -- only the fields set, as (position, value): most are not
+      for i = 1, #ATTR do
+        if got[i] then at[#at + 1] = i; at[#at + 1] = got[i] end
+      end
+    end
     m = {mp, at}
   end
   local h = pc('HMGET', KEYS[b + 1], 'v', 'pv')
@@ -380,7 +384,6 @@ def _record(raw: str) -> list[int] | None:
 def _metas(jobs: list[str], raw: list[Any], warn: Warnings) -> dict[str, dict[str, Any]]:
     """Each job's meta from ROLLUP_WINDOWS's replies (per job its first value: the meta hash's
     pairs; None: not a hash)."""
-    fields = ledger.attribution_fields()
     metas: dict[str, dict[str, Any]] = {}
     for j, m in zip(jobs, raw, strict=True):
         mp, at = m if isinstance(m, list) and len(m) == 2 else (m or [], [])
@@ -388,8 +391,31 @@ def _metas(jobs: list[str], raw: list[Any], warn: Warnings) -> dict[str, dict[st
             warn.add(j, "meta is not a hash: ignored")
             mp = []
         pairs = iter(mp)  # HGETALL's pairs: field, value, field, value...
-        metas[j] = job_meta(dict(zip(pairs, pairs, strict=True)), dict(zip(fields, at or [], strict=False)))
+        metas[j] = _job_meta(dict(zip(pairs, pairs, strict=True)), _placed(at))
     return metas
+
+
+_NO_ATTRIBUTION = (None,) * len(ledger.attribution_fields())
+
+
+def _placed(at: object) -> Attribution:
+    """An attribution from ROLLUP_WINDOWS's (position from 1, value) pairs of the fields set."""
+    if not isinstance(at, list) or not at:
+        return Attribution.from_values(_NO_ATTRIBUTION)
+    values = list(_NO_ATTRIBUTION)
+    try:
+        for i in range(0, len(at) - 1, 2):
+            values[at[i] - 1] = at[i + 1]
+    except (TypeError, IndexError):
+        return Attribution.from_values(_NO_ATTRIBUTION)
+    return Attribution.from_values(values)
+
+
+def _attribution(values: object) -> Attribution:
+    """An attribution from an HMGET of `ledger.attribution_fields()` (anything else: none)."""
+    if not isinstance(values, list) or len(values) != len(_NO_ATTRIBUTION):
+        return Attribution.from_values(_NO_ATTRIBUTION)
+    return Attribution.from_values(values)
 
 
 class JobMeta(dict[str, Any]):
@@ -403,10 +429,14 @@ class JobMeta(dict[str, Any]):
 
 def job_meta(meta: dict[str, Any], attr_fields: dict[str, Any]) -> JobMeta:
     """`JobMeta` from a meta hash and the figures' attribution fields (`ledger.ATTR`...)."""
-    attr = ledger.attribution_of({k: v for k, v in attr_fields.items() if v is not None})
+    return _job_meta(meta, ledger.attribution_of({k: v for k, v in attr_fields.items() if v is not None}))
+
+
+def _job_meta(meta: dict[str, Any], attr: Attribution) -> JobMeta:
     out = JobMeta(attr.overlay(meta))
     out.attribution = attr
-    out.ignored = tuple(k for k in GRANTABLE if k in meta and not (attr.source(k) or "").startswith("meta"))
+    given = [k for k in GRANTABLE if k in meta]  # most jobs' meta sets none of them
+    out.ignored = tuple(k for k in given if not (attr.source(k) or "").startswith("meta"))
     return out
 
 
@@ -621,7 +651,7 @@ class LedgerStore:
             meta, attr = raw[2 * i], raw[2 * i + 1]
             if meta is None and warn is not None:
                 warn.add(j, "meta is not a hash: ignored")
-            out[j] = job_meta(meta or {}, dict(zip(fields, attr or [], strict=False)))
+            out[j] = _job_meta(meta or {}, _attribution(attr))
         return out
 
     def info_many(self, jobs: list[str], warn: Warnings | None = None) -> dict[str, dict[str, Any]]:

@@ -56,6 +56,13 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Seconds without any event from a rank before its process counts as gone.",
 )
 @click.option("--status-ttl", type=click.FloatRange(min=1), default=None, help="TTL of the status keys.")
+@click.option(
+    "--recheck",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    help="Seconds a job judged done, whose jobs index score has not moved, is skipped before its "
+    "streams are looked at again (the longest a rerun whose clock is behind goes unseen).",
+)
 @click.option("--webhook-url", envvar="COSTEXPORTER_WEBHOOK_URL", default=None, help="POST transitions here.")
 @click.option("--webhook-retries", type=click.IntRange(min=0), default=5, help="Retries of a failed POST.")
 @click.option(
@@ -119,6 +126,7 @@ def watch(
     poll: float,
     heartbeat_timeout: float,
     status_ttl: float | None,
+    recheck: float,
     webhook_url: str | None,
     webhook_retries: int,
     alertmanager_url: str | None,
@@ -166,6 +174,7 @@ def watch(
         poll_s=poll,
         heartbeat_timeout_s=heartbeat_timeout,
         status_ttl_s=status_ttl,
+        recheck_s=recheck,
         jobs=tuple(jobs),
         shard=shard,
         webhook_url=webhook_url,
