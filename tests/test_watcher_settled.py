@@ -232,3 +232,33 @@ def test_skipping_changes_no_verdict_beyond_the_recheck(prefix, shared, actions,
                 assert clock[0] - hidden[j] < cfg.recheck_s, j  # the bound
                 continue
             assert _judged(got[j]) == _judged(want[j]), (j, clock[0])
+
+
+def test_settled_jobs_are_done_again_after_redis_was_unreachable(prefix, shared, monkeypatch):
+    """A poll that cannot read Redis says every job `unknown`; the next one that can says the
+    settled jobs are done again (as a fresh watcher does), not the outage's word carried on."""
+    import redis
+
+    jobs = ["a", "b"]
+    for j in jobs:
+        Trainer(shared, prefix, j).run(T0)
+    clock = [T0 + 60]
+    cfg = WatchConfig(redis_url=SHARED_URL, prefix=prefix, clock=lambda: clock[0], forget_after_s=1e9)
+    w = Watcher(cfg)
+    assert {s.state for s in w.poll().values()} == {"done"}
+    real = w.index.names
+
+    def down(*a, **kw):
+        raise redis.ConnectionError("down")
+
+    monkeypatch.setattr(w.index, "names", down)
+    clock[0] += 5
+    assert {s.state for s in w.poll().values()} == {"unknown"}
+    monkeypatch.setattr(w.index, "names", real)
+    for _ in range(3):
+        clock[0] += 5
+        got = w.poll()
+        want = Watcher(cfg).poll()
+        assert set(got) == set(want) == set(jobs)
+        assert {j: _judged(s) for j, s in got.items()} == {j: _judged(s) for j, s in want.items()}
+        assert {s.since for s in got.values()} == {T0 + 70}  # done again since the outage ended

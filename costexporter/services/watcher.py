@@ -806,15 +806,18 @@ class Settled:
     score: float
     recheck_at: float
     cursors: tuple[str, str]  # the events' and the heartbeats' last entry read
+    status: Status  # as judged then (`done`): what a skipped poll answers, moved to its time
 
     def holds(self, score: float | None, now: float) -> bool:
         return score == self.score and now < self.recheck_at
 
 
-def settle(job: str, score: float, now: float, recheck_s: float, cursors: tuple[str, str]) -> Settled:
+def settle(
+    job: str, score: float, now: float, recheck_s: float, cursors: tuple[str, str], status: Status
+) -> Settled:
     """`Settled` for a job found done at `now`: its recheck at its own point of the
     second half of `recheck_s` (by its name), so rechecks do not all fall on one poll."""
-    return Settled(score, now + recheck_s * _share(job), cursors)
+    return Settled(score, now + recheck_s * _share(job), cursors, status)
 
 
 def _newest_id(reply: object) -> str | None:
@@ -974,7 +977,9 @@ class Watcher:
         scores = {} if cfg.jobs or self.index.fell_back else self.index.scores
         jobs, skipped = self._skip_settled(jobs, scores, now)
         for job in skipped:
-            decided[job] = _still_done(self.status[job], now)
+            done = decided[job] = _still_done(self._settled[job].status, now)
+            prev = self.status[job]  # `unknown` after an outage: done again since now
+            done.since = prev.since if prev.state == "done" else now
         for batch, fresh in self._read_batches(jobs):
             # One XREAD for the next jobs' events (bounded memory), one round trip for their
             # registrations (first seen only) and one for the agents' live hashes, then decide.
@@ -1013,7 +1018,8 @@ class Watcher:
                 if decided[job].state == "done":
                     self._ended[job] = view
                     if job in scores:  # read past where its score (read before) says: settled
-                        self._settle(job, settle(job, scores[job], now, cfg.recheck_s, self._cursors(job)))
+                        cursors = self._cursors(job)
+                        self._settle(job, settle(job, scores[job], now, cfg.recheck_s, cursors, decided[job]))
                 else:
                     self._ended.pop(job, None)
         pipe = self.redis.pipeline(transaction=False)
@@ -1054,7 +1060,7 @@ class Watcher:
                 del self._settled[job]
                 read.append(job)
             else:
-                self._settled[job] = settle(job, st.score, now, self.cfg.recheck_s, st.cursors)
+                self._settled[job] = settle(job, st.score, now, self.cfg.recheck_s, st.cursors, st.status)
                 skipped.add(job)
         return read, skipped
 
