@@ -978,8 +978,8 @@ class Watcher:
         jobs, skipped = self._skip_settled(jobs, scores, now)
         for job in skipped:
             done = decided[job] = _still_done(self._settled[job].status, now)
-            prev = self.status[job]  # `unknown` after an outage: done again since now
-            done.since = prev.since if prev.state == "done" else now
+            was = self.status[job]  # `unknown` after an outage: done again since now
+            done.since = was.since if was.state == "done" else now
         for batch, fresh in self._read_batches(jobs):
             # One XREAD for the next jobs' events (bounded memory), one round trip for their
             # registrations (first seen only) and one for the agents' live hashes, then decide.
