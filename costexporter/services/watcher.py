@@ -1016,10 +1016,11 @@ class Watcher:
                 if view.judged_terms is not None and view.judged_terms.ignored_meta:
                     self._meta_ignored(job, view.judged_terms.ignored_meta)
                 if decided[job].state == "done":
-                    self._ended[job] = view
                     if job in scores:  # read past where its score (read before) says: settled
                         cursors = self._cursors(job)
                         self._settle(job, settle(job, scores[job], now, cfg.recheck_s, cursors, decided[job]))
+                    else:  # no score to skip it by: read each poll, not judged again while quiet
+                        self._ended[job] = view
                 else:
                     self._ended.pop(job, None)
         pipe = self.redis.pipeline(transaction=False)
