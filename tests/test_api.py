@@ -16,9 +16,10 @@ from fastapi.testclient import TestClient
 
 from costexporter.api.app import FOCUS_COLUMNS, create_app
 from costexporter.api.auth import Tokens, hash_token
+from costexporter.core.carbon import GridIntensity
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.model import CATEGORIES
-from costexporter.core.replay import ReplayConfig, book_trace
+from costexporter.core.replay import ReplayConfig, book_trace, job_report
 from costexporter.core.tracefiles import combine, read_samples
 from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, redisconn
@@ -57,11 +58,13 @@ def vision_job() -> TraceBuilder:
 
 
 # Who owns each job is the operator's word: the trainers' meta team is theirs alone.
+GRID_G_PER_KWH = 400.0
 OWNERS = {
+    "carbon_intensity": GRID_G_PER_KWH,
     "rules": [
         {"job": "llm-*", "owner": {"team": "llm", "cost_center": "cc-1", "budget": 50.0}},
         {"job": "vision-*", "owner": {"team": "vision", "cost_center": "cc-2"}},
-    ]
+    ],
 }
 
 
@@ -179,6 +182,49 @@ def test_job_totals_are_the_ledger_and_the_prometheus_counters(built):
         net["stalled"] / 3.6e6 + net["no_progress"] / 3.6e6, abs=1e-9
     )
     assert body["budget"] == "50.000000" and 0 < body["budget_used"] < 1
+
+
+def test_goodput_energy_and_carbon_are_the_offline_replays_and_the_agents_counter(built):
+    """The API's goodput layers, energy and carbon of a job are offline replay's of the same
+    trace (one function each: core/goodput.py, core/carbon.py), ETTR and runtime goodput are the
+    ledger's valid over held time, and the agent's carbon counter (its policy's intensity) is the
+    API's figure."""
+    store = LedgerStore(redis.Redis.from_url(SHARED_URL, decode_responses=True), built["prefix"])
+    api = TestClient(create_app(store, carbon=GridIntensity(GRID_G_PER_KWH)))
+    body = api.get("/api/v1/jobs/llm-run", params={"window": WINDOW}).json()
+    b = built["jobs"]["llm-run"]
+    _, offline = offline_ms(b)
+    rep = job_report(offline, ReplayConfig(carbon=GridIntensity(GRID_G_PER_KWH)))
+    good, want = body["goodput"], rep["goodput"]
+    for layer in ("runtime", "ettr", "scheduling", "program"):
+        assert (good[layer] is None) == (want[layer] is None), layer
+        if want[layer] is not None:
+            assert good[layer] == pytest.approx(want[layer], rel=1e-9), layer
+    assert good["notes"] == want["notes"] and good["scheduling"] is None  # no submission time known
+    assert good["program"] is None and any("B300" in n for n in good["notes"])  # no peak row for it
+    net = ledger.net_ms(ledger.read_amounts(built["redis"], built["prefix"], "llm-run"))
+    valid = sum(net[c] for c in ("productive", "communication", "starved"))
+    held = sum(v for c, v in net.items() if c != "unassigned")
+    assert good["runtime"] == pytest.approx(valid / held, rel=1e-12) and 0.5 < good["runtime"] < 1
+    # ETTR: 2 ranks from the first registration to the run's end, by hand
+    start = min(e.ts_ms for e in b.events if e.type == "register")
+    end = max(e.ts_ms for e in b.events if e.type == "run" and e.get("state") == "end")
+    assert good["ettr"] == pytest.approx(valid / max(2 * (end - start), held), rel=1e-9)
+    assert good["ettr"] <= good["runtime"]
+    assert body["energy_kwh"] == pytest.approx(rep["energy_kwh_total"], rel=1e-6) and body["energy_kwh"] > 0
+    assert body["carbon_kg"] == pytest.approx(body["energy_kwh"] * GRID_G_PER_KWH / 1000, rel=1e-12)
+    assert body["carbon_kg"] == pytest.approx(rep["carbon_kg"], rel=1e-6)
+    assert body["carbon_kg_per_valid_step"] == pytest.approx(body["carbon_kg"] / body["valid_steps"])
+    counter = sum(
+        v for lab, v in built["metrics"]["costexporter_carbon_kg_total"] if lab["training_job"] == "llm-run"
+    )
+    assert counter == pytest.approx(body["carbon_kg"], rel=1e-6)
+    rows = {r["key"]: r for r in api.get("/api/v1/allocation", params={"window": WINDOW}).json()["rows"]}
+    assert rows["llm-run"]["runtime_goodput"] == pytest.approx(good["runtime"], rel=1e-12)
+    assert rows["llm-run"]["carbon_kg"] == pytest.approx(body["carbon_kg"], rel=1e-12)
+    # without an intensity the API gives no carbon figure, and says nothing false
+    plain = client(built).get("/api/v1/jobs/llm-run", params={"window": WINDOW}).json()
+    assert plain["carbon_kg"] is None and plain["energy_kwh"] == body["energy_kwh"]
 
 
 def test_serve_also_serves_the_api_over_http(built):

@@ -205,7 +205,8 @@ def test_registrations_name_jobs_by_owner_through_the_lookup(shared, prefix):
         assert jobs == {"ml:llama-ft", "ml:gpt-trainer", "team-a:infer-a", "serving:vllm-70b"}
         meta = shared.hgetall(keys.meta_key(prefix, "ml:llama-ft"))
         assert meta["owner_kind"] == "PyTorchJob" and "team" not in meta and "namespace" not in meta
-        assert kj.facts["ml:llama-ft"] == Facts("ml", "llama-ft", "PyTorchJob", "llm")
+        # submitted: the pod's creationTimestamp (2026-11-30T08:14:03Z), scheduling goodput's start
+        assert kj.facts["ml:llama-ft"] == Facts("ml", "llama-ft", "PyTorchJob", "llm", 1796026443.0)
         assert kj.facts["team-a:infer-a"].team == "team-a"
     finally:
         exp.close()

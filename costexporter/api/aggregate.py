@@ -14,8 +14,9 @@ import numpy as np
 
 from costexporter.api.format import iso, micro, money, per_micro
 from costexporter.api.schemas import AllocationRow, Attributed
+from costexporter.core import carbon, goodput
 from costexporter.core.buckets import RESOLUTIONS
-from costexporter.core.cost import MS_PER_HOUR
+from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.model import CATEGORIES
 from costexporter.store.ledger_read import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
 
@@ -104,14 +105,17 @@ class JobPart:
     steps: Steps
 
 
-def rows(parts: list[JobPart], fields: list[str], start: int, end: int) -> list[AllocationRow]:
-    """One row per distinct combination of the fields' values, sorted by key."""
+def rows(
+    parts: list[JobPart], fields: list[str], start: int, end: int, g_per_kwh: float | None = None
+) -> list[AllocationRow]:
+    """One row per distinct combination of the fields' values, sorted by key; `g_per_kwh`: the
+    grid's carbon intensity over the period (None: not known)."""
     groups: dict[str, tuple[dict[str, Any], list[JobPart]]] = {}
     for p in sorted(parts, key=lambda p: p.job):
         props = {f: value(f, p.job, p.meta) for f in fields}
         groups.setdefault(key_of(fields, props), (props, []))[1].append(p)
     s, e = iso(start), iso(end)
-    return [row(k, props, js, s, e) for k, (props, js) in sorted(groups.items())]
+    return [row(k, props, js, s, e, g_per_kwh) for k, (props, js) in sorted(groups.items())]
 
 
 def total(amounts: Iterable[Amounts]) -> Amounts:
@@ -125,7 +129,12 @@ def total(amounts: Iterable[Amounts]) -> Amounts:
 
 
 def row(
-    key: str, props: dict[str, Any], parts: list[JobPart], start: str | None, end: str | None
+    key: str,
+    props: dict[str, Any],
+    parts: list[JobPart],
+    start: str | None,
+    end: str | None,
+    g_per_kwh: float | None = None,
 ) -> AllocationRow:
     """One allocation row: the jobs' amounts summed; team and cost center where they all agree."""
     a = parts[0].amounts if len(parts) == 1 else total(p.amounts for p in parts)
@@ -139,6 +148,7 @@ def row(
         vals = {value(field, p.job, p.meta) for p in parts}
         return vals.pop() if len(vals) == 1 else None
 
+    kwh = sum(a.mj[c] for c in JOB_CATS) / MJ_PER_KWH
     return AllocationRow(
         key=key,
         team=common("team"),
@@ -148,6 +158,9 @@ def row(
         valid_gpu_hours=a.hours(VALID),
         overhead_gpu_hours=a.hours(["overhead"]),
         wasted_gpu_hours=a.hours(WASTED),
+        runtime_goodput=goodput.runtime(sum(a.ms[c] for c in VALID), sum(a.ms[c] for c in JOB_CATS)),
+        energy_kwh=kwh,
+        carbon_kg=carbon.kg_of(kwh, g_per_kwh),
         cost=micro(cost_u),
         wasted_cost=micro(sum(a.ucost[c] for c in WASTED)),
         valid_steps=valid,
@@ -169,6 +182,7 @@ def _cols(cats: list[str], unit: int) -> list[int]:
 
 
 JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS = (_cols(c, 0) for c in (JOB_CATS, VALID, ["overhead"], WASTED))
+JOB_MJ = _cols(JOB_CATS, 1)
 JOB_U, WASTED_U = _cols(JOB_CATS, 2), _cols(WASTED, 2)
 
 
@@ -179,6 +193,7 @@ def table_rows(
     fields: list[str],
     start: int,
     end: int,
+    g_per_kwh: float | None = None,
 ) -> list[dict[str, Any]]:
     """`rows` over a `WindowTable` (the jobs at `visible`), as the rows' dicts: the groups are
     summed by column in one go and the figures computed per column, so 10,000 jobs cost a few
@@ -204,7 +219,12 @@ def table_rows(
         order = [i for m in members for i in m]
         cuts = np.cumsum([0] + [len(m) for m in members[:-1]])
         g = np.add.reduceat(table.net[order], cuts, axis=0)
+    held_ms, valid_ms = g[:, JOB_MS].sum(axis=1), g[:, VALID_MS].sum(axis=1)
     hours = [(g[:, c].sum(axis=1) / MS_PER_HOUR).tolist() for c in (JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS)]
+    # valid over held, as `goodput.runtime` divides (None where nothing was held)
+    runtime = [v / h if h > 0 else None for v, h in zip(valid_ms.tolist(), held_ms.tolist(), strict=True)]
+    kwh = (g[:, JOB_MJ].sum(axis=1) / MJ_PER_KWH).tolist()
+    kg = [carbon.kg_of(e, g_per_kwh) for e in kwh]
     cost_u = g[:, JOB_U].sum(axis=1).tolist()
     wasted_u = g[:, WASTED_U].sum(axis=1).tolist()
     s, e = iso(start), iso(end)
@@ -231,6 +251,9 @@ def table_rows(
                 "valid_gpu_hours": h1,
                 "overhead_gpu_hours": h2,
                 "wasted_gpu_hours": h3,
+                "runtime_goodput": rg,
+                "energy_kwh": kwh_j,
+                "carbon_kg": kg_j,
                 "cost": cost,
                 "wasted_cost": waste,
                 "valid_steps": v,
@@ -241,11 +264,14 @@ def table_rows(
                 "price_versions": pv,
                 "attribution": _attribution(m),
             }
-            for k, team, cc, h0, h1, h2, h3, cost, waste, v, ps, props, pv, m in zip(
+            for k, team, cc, h0, h1, h2, h3, rg, kwh_j, kg_j, cost, waste, v, ps, props, pv, m in zip(
                 keys,
                 teams,
                 ccs,
                 *hours,
+                runtime,
+                kwh,
+                kg,
                 costs,
                 wasted,
                 valid,
@@ -272,6 +298,9 @@ def table_rows(
                 "valid_gpu_hours": hours[1][n],
                 "overhead_gpu_hours": hours[2][n],
                 "wasted_gpu_hours": hours[3][n],
+                "runtime_goodput": runtime[n],
+                "energy_kwh": kwh[n],
+                "carbon_kg": kg[n],
                 "cost": costs[n],
                 "wasted_cost": wasted[n],
                 "valid_steps": valid_n,
@@ -291,7 +320,7 @@ def _text(v: object) -> str | None:
     return v if isinstance(v, str) and v else None
 
 
-def unassigned_row(u: Amounts, start: int, end: int) -> AllocationRow:
+def unassigned_row(u: Amounts, start: int, end: int, g_per_kwh: float | None = None) -> AllocationRow:
     return AllocationRow(
         key="unassigned",
         team=None,
@@ -301,6 +330,9 @@ def unassigned_row(u: Amounts, start: int, end: int) -> AllocationRow:
         valid_gpu_hours=0.0,
         overhead_gpu_hours=0.0,
         wasted_gpu_hours=0.0,
+        runtime_goodput=None,
+        energy_kwh=u.mj["unassigned"] / MJ_PER_KWH,
+        carbon_kg=carbon.kg_of(u.mj["unassigned"] / MJ_PER_KWH, g_per_kwh),
         cost=money(u.cost("unassigned")),
         wasted_cost=money(0),
         valid_steps=0,

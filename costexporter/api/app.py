@@ -25,6 +25,7 @@ from costexporter.api.export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSe
 from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
 from costexporter.api.routers import allocation, health, jobs, opencost
 from costexporter.api.schemas import *  # noqa: F403  (the models were importable from here)
+from costexporter.core.carbon import GridIntensity
 from costexporter.store.archive import ArchiveError
 from costexporter.store.ledger_read import LedgerStore
 
@@ -53,11 +54,13 @@ def create_app(
     cache_bytes: int = DEFAULT_MAX_BYTES,
     focus: FocusSettings | None = None,
     cluster: str | None = None,
+    carbon: GridIntensity | None = None,
 ) -> FastAPI:
     """The app. `cache_s`: series responses are reused this long (dashboards poll the same
     ranges; 0 turns it off), in at most `cache_bytes` of response bodies. `focus`: the names the
     FOCUS export gives (default: `provider` for all of them). `cluster`: the cluster of jobs whose
-    meta names none, in the OpenCost endpoint's `cluster` property."""
+    meta names none, in the OpenCost endpoint's `cluster` property. `carbon`: the grid's intensity
+    (the policy's `carbon_intensity`); without it the carbon figures are null."""
     app = FastAPIOffline(  # Swagger UI and ReDoc served from the package: no CDN, air-gap safe
         title="costexporter finance API",
         version=__version__,
@@ -72,6 +75,7 @@ def create_app(
         cluster=cluster or None,
         focus=focus or FocusSettings(provider=provider),
         cache=ResponseCache(cache_s, cache_bytes),
+        carbon=carbon,
     )
 
     # ---- errors: bad input is a 400, a Redis outage a 503, never a 500 ------------------------

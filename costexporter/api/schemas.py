@@ -71,6 +71,36 @@ class ProfileOut(BaseModel):
     calibrated: bool
 
 
+RUNTIME_GOODPUT = (
+    "Valid GPU-time (productive, communication, starved) over the GPU-time held (every job "
+    "category); null when nothing was held. docs/accounting.md, goodput."
+)
+ENERGY = "Energy of the GPU-time (every job category), kWh."
+CARBON = (
+    "kgCO2e of that energy at the grid's intensity (the operator's carbon_intensity); null without "
+    "one, or where it does not cover the period."
+)
+
+
+class GoodputOut(BaseModel):
+    """The job's goodput layers over the window (ratios 0..1; null: not computed, `notes` say why)."""
+
+    runtime: float | None = Field(description=RUNTIME_GOODPUT)
+    ettr: float | None = Field(
+        description="Effective training time ratio: valid GPU-time over the job's ranks x its wall "
+        "time in the window (first registration to its end, or now): time between runs counts against it."
+    )
+    scheduling: float | None = Field(
+        description="Wall time over wall time plus the wait from submission (the pod's creation, or a "
+        "granted meta submitted_at) to the first registration."
+    )
+    program: float | None = Field(
+        description="MFU: the valid steps' tokens x model FLOPs per token over the peak FLOPS of the "
+        "job's GPUs (model, dtype) x its valid GPU-time."
+    )
+    notes: list[str] = Field(default_factory=list, description="Why a layer is null.")
+
+
 class JobTotals(BaseModel):
     job: str
     currency: str
@@ -92,6 +122,11 @@ class JobTotals(BaseModel):
     cost_per_valid_step: str | None
     productive_cost_per_step: str | None
     cost_per_million_tokens: str | None
+    goodput: GoodputOut
+    energy_kwh: float = Field(description=ENERGY)
+    energy_kwh_per_valid_step: float | None
+    carbon_kg: float | None = Field(description=CARBON)
+    carbon_kg_per_valid_step: float | None
     gpu_hours_at_risk: float
     budget: str | None
     spend: str
@@ -153,6 +188,9 @@ class AllocationRow(BaseModel):
     valid_gpu_hours: float
     overhead_gpu_hours: float
     wasted_gpu_hours: float
+    runtime_goodput: float | None = Field(None, description=RUNTIME_GOODPUT)
+    energy_kwh: float = Field(0.0, description=ENERGY)
+    carbon_kg: float | None = Field(None, description=CARBON)
     cost: str
     wasted_cost: str
     valid_steps: int

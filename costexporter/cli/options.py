@@ -425,7 +425,7 @@ def booking_options(f: F) -> F:
 def policy_terms(params: dict[str, Any]) -> dict[str, Any]:
     """A config's `policy_rules` and `pricing` from `--policy`."""
     pf = policy_file(params)
-    return {"policy_rules": pf.rules, "pricing": pf.pricing}
+    return {"policy_rules": pf.rules, "pricing": pf.pricing, "carbon": pf.carbon}
 
 
 def policy_file(params: dict[str, Any]) -> Any:
@@ -445,8 +445,12 @@ def policy_file(params: dict[str, Any]) -> Any:
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputFailure(f"--policy: {path} is not valid YAML or JSON: {first}") from None
+
+    def read(name: str) -> str:  # a file the policy names, relative to the policy's own
+        return (Path(path).parent / name).read_text(encoding="utf-8")
+
     try:
-        return parse_policy_file(doc, f"--policy {path}")
+        return parse_policy_file(doc, f"--policy {path}", read)
     except PolicyError as e:
         raise InputFailure(str(e)) from None
 

@@ -22,13 +22,19 @@ from typing import Any
 from costexporter.core.events import bounded_number
 from costexporter.core.pricing import NEG_INF, PriceSchedule
 from costexporter.core.replayreport import AttributionField
+from costexporter.core.timeutil import parse_instant
 
 OWNER_KEYS = ("team", "cost_center", "budget")
 PLACE_KEYS = ("cluster", "namespace", "controller", "controller_kind")
 PRICE_KEY = "price_per_gpu_hour"
+# When the job was submitted (Unix seconds): its wait before the start is scheduling goodput's
+# (`core/goodput.py`), so only the operator's side dates it (a pod's creation, or a launcher's
+# `submitted_at` a policy rule grants).
+SUBMITTED_KEY = "submitted_at"
 # The meta keys only the operator sets unless a policy rule grants them.
-GRANTABLE = (PRICE_KEY, *OWNER_KEYS, *PLACE_KEYS)
-FIELDS = (*OWNER_KEYS, *PLACE_KEYS, PRICE_KEY, "node_pool")
+GRANTABLE = (PRICE_KEY, *OWNER_KEYS, *PLACE_KEYS, SUBMITTED_KEY)
+FIELDS = (*OWNER_KEYS, *PLACE_KEYS, PRICE_KEY, "node_pool", SUBMITTED_KEY)
+_NUMBERS = ("budget", PRICE_KEY, SUBMITTED_KEY)
 _MAX_TEXT = 200
 
 
@@ -41,6 +47,7 @@ class Facts:
     controller: str | None = None
     controller_kind: str | None = None
     team: str | None = None
+    submitted_at: float | None = None  # the earliest creation of the job's pods (Unix seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +128,7 @@ def _from_values(values: tuple[str | None, ...]) -> Attribution:
         v: str | float | None = values[2 * i]
         if v is None:
             continue
-        if k in ("budget", PRICE_KEY):
+        if k in _NUMBERS:
             v = _number(v)
             if v is None:
                 continue
@@ -152,7 +159,19 @@ def _text(v: object) -> str | None:
 
 def _value(key: str, v: object) -> str | float | None:
     """A usable value of an attribution key, or None."""
-    return _number(v) if key in ("budget", PRICE_KEY) else _text(v)
+    if key == SUBMITTED_KEY:
+        return _time(v)
+    return _number(v) if key in _NUMBERS else _text(v)
+
+
+def _time(v: object) -> float | None:
+    """A submission time: Unix seconds, or RFC 3339 text (a launcher's `date -Is`)."""
+    if isinstance(v, str):
+        try:
+            v = parse_instant(v)  # Unix seconds as text too
+        except ValueError:
+            return None
+    return bounded_number(v, 0, 1e11, above=True)
 
 
 def parse_owner(raw: object) -> tuple[tuple[str, str | float], ...]:
@@ -209,8 +228,9 @@ def attribute(
         "namespace": facts.namespace if facts else None,
         "controller": facts.controller if facts else None,
         "controller_kind": facts.controller_kind if facts else None,
+        SUBMITTED_KEY: facts.submitted_at if facts else None,
     }
-    for key in (*OWNER_KEYS, *PLACE_KEYS):
+    for key in (*OWNER_KEYS, *PLACE_KEYS, SUBMITTED_KEY):
         candidates: list[tuple[object, str]] = []
         if owner is not None and key in owner[1]:
             candidates.append((owner[1][key], owner[0]))

@@ -138,6 +138,10 @@ def job_figures(tl: Timeline) -> dict[str, float]:
         "last_checkpoint_ts": (tl.last_checkpoint_ms or 0) / 1000,
         "stall_threshold_s": tl.stall_threshold_ms / 1000,
         "ended": int(tl.end_ms is not None and not tl.lapsed),  # cleanly (a lapse is no end of it)
+        # What dates the job's wall time (goodput's ETTR): its first registration, and its end
+        # (a clean end, or its claim lapsing; 0 while it runs).
+        "start_ts": tl.start_ms / 1000,
+        "end_ts": (tl.end_ms or 0) / 1000,
     }
 
 

@@ -287,6 +287,9 @@ class JobState:
     # the last one open, b = POS_INF, while they still cannot): every later timeline of the job
     # keeps them UNREAD, so no run rule hands that time to another ledger once it is read again.
     unread: list[tuple[int, int]] = field(default_factory=list)
+    # kgCO2e of the energy booked, in micrograms (`carbon.GridIntensity.micrograms`): counted
+    # with the watermark, so a round's carbon is counted exactly once.
+    carbon_ug: int = 0
 
     def take_window(self, oldest_unbooked: int) -> tuple[int | None, bands_mod.RunCarry | None]:
         """This round's band window (samples from, carry), moving on to the next one once
@@ -316,6 +319,7 @@ class JobState:
             "since_cost": self.since_cost,
             "win": [_window_json(self.win), _window_json(self.win_next)],
             **({"unread": [list(x) for x in self.unread]} if self.unread else {}),
+            **({"carbon_ug": self.carbon_ug} if self.carbon_ug else {}),
         }
 
     @classmethod
@@ -341,6 +345,7 @@ class JobState:
             since_cost=int(wm.get("since_cost", 0)),
             **_window_from_json(wm.get("win")),
             unread=[(int(a), int(b)) for a, b in wm.get("unread", [])],
+            carbon_ug=int(wm.get("carbon_ug", 0)),
         )
 
 

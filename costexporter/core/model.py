@@ -51,6 +51,7 @@ VALID_CODES: list[int] = sorted(int(c) for c in VALID_CATEGORIES)
 WASTED_CODES: list[int] = sorted(int(c) for c in WASTED_CATEGORIES)
 # Categories that belong to a job's bill (everything but `unassigned`).
 JOB_CATEGORIES = tuple(c for c in Category if c is not Category.UNASSIGNED)
+JOB_CODES: list[int] = [int(c) for c in JOB_CATEGORIES]
 # Their names, in code order: the ledger's fields, the API's and the metrics' `category` label
 # (the alert rules' and the dashboard's regexes join them).
 VALID_NAMES: list[str] = [CATEGORIES[c] for c in VALID_CODES]

@@ -152,7 +152,7 @@ def scaled(profile: Profile, fraction: float) -> Profile:
     )
 
 
-def _model_key(gpu_model: str) -> str | None:
+def model_key(gpu_model: str) -> str | None:
     """Match a device name such as 'NVIDIA H100 80GB HBM3' to a key of KNOWN_POWER_LIMITS_W."""
     words = set(gpu_model.upper().replace("-", " ").replace("(", " ").replace(")", " ").split())
     return next((key for key, need, _ in MODEL_VARIANTS if words.issuperset(need)), None)
@@ -246,7 +246,7 @@ def check_model(
     profile directory, or named together with --power-limit. Otherwise ProfileError
     (`unknown_model`): every command stops at start with the same line, rather than deriving a
     profile the operator did not ask for from whatever limit the GPU or trace reports."""
-    if not gpu_model or power_limit_w or _model_key(gpu_model) is not None:
+    if not gpu_model or power_limit_w or model_key(gpu_model) is not None:
         return
     if find(gpu_model, directory) is None:
         raise unknown_model(gpu_model)
@@ -296,7 +296,7 @@ def resolve(
     if fitted is not None:
         return fitted, "calibrated"
     check_model(gpu_model, power_limit_w)
-    key = _model_key(model) if model else None
+    key = model_key(model) if model else None
     builtin = BUILTIN.get(key) if key else None
     if builtin is not None and limit in (None, builtin.power_limit_w):
         return builtin, "builtin"
@@ -411,7 +411,7 @@ def find(gpu_model: str | None, directory: str | Path | None = None) -> Profile 
     d = Path(directory)
     if not d.is_dir():
         raise ProfileError(f"{d}: the profile directory does not exist")
-    want = _model_key(gpu_model) or gpu_model.upper()
+    want = model_key(gpu_model) or gpu_model.upper()
     files = sorted([*d.glob("*.yaml"), *d.glob("*.yml"), *d.glob("*.json")])
     stamp = (str(d), want, tuple((str(f), f.stat().st_mtime_ns) for f in files))
     if stamp not in _FOUND:  # the agent asks every round: read the files only when they change
@@ -420,7 +420,7 @@ def find(gpu_model: str | None, directory: str | Path | None = None) -> Profile 
         for f in files:
             prof = load(f)
             have = prof.gpu_model or prof.name
-            if (_model_key(have) or have.upper()) == want:
+            if (model_key(have) or have.upper()) == want:
                 match = prof
                 break
         _FOUND[stamp] = match
@@ -466,7 +466,7 @@ def _builtin_profiles() -> dict[str, Profile]:
         if f.name.endswith(".json"):
             with resources.as_file(f) as path:
                 prof = load(path)
-            out[_model_key(prof.gpu_model or prof.name) or prof.name.upper()] = prof
+            out[model_key(prof.gpu_model or prof.name) or prof.name.upper()] = prof
     return out
 
 

@@ -15,7 +15,8 @@ from typing import Any, cast
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import bandtable, idle, jobfacts, profiles
+from costexporter.core import bandtable, carbon, flops, idle, jobfacts, profiles
+from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
@@ -29,7 +30,8 @@ from costexporter.core.booking import (
     is_stepless,
     make_slices,
 )
-from costexporter.core.buckets import cost_by_category
+from costexporter.core.buckets import amounts, cost_by_category
+from costexporter.core.carbon import GridIntensity
 from costexporter.core.cost import (
     MICRO_PER_UNIT,
     MJ_PER_KWH,
@@ -40,9 +42,13 @@ from costexporter.core.cost import (
 )
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.figures import at_risk_ms, extend_incidents, job_figures
+from costexporter.core.goodput import Goodput, JobSpan
+from costexporter.core.goodput import job_goodput as job_goodput_of
 from costexporter.core.live import TraceConstants
 from costexporter.core.model import (
     CATEGORIES,
+    JOB_CODES,
+    VALID_CODES,
     WASTED_CATEGORIES,
     WASTED_CODES,
     Band,
@@ -88,6 +94,8 @@ class ReplayConfig:
     # How long a stretch of the trace is booked at once (`replaywindows`); None: sized to hold
     # about WINDOW_ROWS samples of the job.
     window_ms: int | None = None
+    # The grid's carbon intensity (the policy file's `carbon_intensity`); None: no carbon figures.
+    carbon: GridIntensity | None = None
 
     def policy(self) -> Policy:
         """The operator's terms: the flags' thresholds and prices, the policy file's."""
@@ -549,7 +557,7 @@ def recorded_gpus(samples: Samples) -> list[GpuId]:
         samples.gpu, samples.power_w, samples.util_pct, [g.power_limit_w for g in gpus]
     )
     gpus = [replace(g, idle_w=lv) for g, lv in zip(gpus, levels, strict=True)]
-    named = any(g.power_limit_w or (g.name and profiles._model_key(g.name)) for g in gpus)
+    named = any(g.power_limit_w or (g.name and profiles.model_key(g.name)) for g in gpus)
     if not named:
         known = [x for x in levels if x is not None]
         try:
@@ -739,6 +747,47 @@ def _per_step(cost: float, valid: int) -> float | None:
     return None if q is None else q / MICRO_PER_UNIT
 
 
+def job_goodput(r: JobResult, cfg: ReplayConfig, terms: JobTerms, cat_ms: np.ndarray, tokens: int) -> Goodput:
+    """The job's goodput layers over the whole trace (`core.goodput`), as the API computes them
+    from the ledger: its span from its timeline, its width its registered ranks."""
+    held = np.ones(len(Category), bool)
+    held[Category.UNASSIGNED] = False
+    p = r.pieces
+    booked = p.end_ms[p.category != Category.UNASSIGNED]
+    tl = r.timeline
+    end = int(booked.max()) if booked.size else tl.start_ms
+    submitted = terms.attribution.get(SUBMITTED_KEY)
+    span = JobSpan(
+        start_ms=tl.start_ms,
+        end_ms=tl.end_ms,
+        width=int(np.unique(r.ranks).size),
+        submitted_ms=round(submitted * 1000) if isinstance(submitted, float) else None,
+    )
+    gpu_model = cfg.gpu_model or next((g.name for g in r.gpus if g.name), None) or r.meta.get("gpu_model")
+    return job_goodput_of(
+        float(cat_ms[VALID_CODES].sum()),
+        float(cat_ms[held].sum()),
+        span,
+        (tl.start_ms, end if tl.end_ms is None else max(end, tl.end_ms)),
+        flops.work(r.meta, gpu_model if isinstance(gpu_model, str) else None, tokens),
+    )
+
+
+def job_carbon(r: JobResult, cfg: ReplayConfig, kwh: float) -> float | None:
+    """kgCO2e of the job's energy: at the policy's constant, or each 5-minute bucket of it (the
+    ledger's) at the series' value then; None without an intensity or where the series leaves
+    a bucket out (the API's rule)."""
+    if cfg.carbon is None:
+        return None
+    if cfg.carbon.constant is not None:
+        return carbon.kg_of(kwh, cfg.carbon.constant)
+    parts = (
+        (t * 1000, float(a[JOB_CODES, 1].sum()) / MJ_PER_KWH) for t, a in amounts(r.pieces, Prices()).items()
+    )
+    kg, uncovered = cfg.carbon.kg(parts)
+    return None if uncovered > 0 else kg
+
+
 def job_terms_of(r: JobResult, cfg: ReplayConfig) -> JobTerms:
     """The terms the job was booked by (a result made without them: derived again)."""
     if r.terms is not None:
@@ -798,6 +847,9 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
     figs = job_figures(tl)
     valid, tokens = figs["valid_steps"], figs["tokens"]
     cost_total = float(cat_cost.sum())
+    kwh = float((cat_mj.sum() - cat_mj[Category.UNASSIGNED]) / MJ_PER_KWH)
+    kg = job_carbon(r, cfg, kwh)
+    good = job_goodput(r, cfg, terms, cat_ms, int(tokens))
     wasted_ms = sum(cat_ms[c] for c in WASTED_CATEGORIES)
     # GPU time since the last saved checkpoint (all of it without one), over each stretch of
     # membership: the live rule with the stretch's end as the horizon.
@@ -829,6 +881,11 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
         "cost_per_valid_step": _per_step(cost_total, int(valid)),
         "productive_cost_per_step": _per_step(cat_cost[Category.PRODUCTIVE], int(valid)),
         "cost_per_million_tokens": _money(cost_total / tokens * 1e6) if tokens else None,
+        "goodput": good.report(),
+        "energy_kwh_total": kwh,
+        "energy_kwh_per_valid_step": kwh / valid if valid > 0 else None,
+        "carbon_kg": kg,
+        "carbon_kg_per_valid_step": kg / valid if kg is not None and valid > 0 else None,
         "price_per_gpu_hour": terms.prices.price_per_gpu_hour,
         "attribution": terms.attribution.report(),
         "meta_ignored": list(terms.ignored_meta),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+from costexporter.core.goodput import GoodputReport
+
 
 class AttributionField(TypedDict):
     value: str | float
@@ -89,6 +91,11 @@ class JobReport(TypedDict):
     cost_per_valid_step: float | None
     productive_cost_per_step: float | None
     cost_per_million_tokens: float | None
+    goodput: GoodputReport
+    energy_kwh_total: float
+    energy_kwh_per_valid_step: float | None
+    carbon_kg: float | None
+    carbon_kg_per_valid_step: float | None
     price_per_gpu_hour: float
     attribution: dict[str, AttributionField]
     meta_ignored: list[str]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from costexporter.core.attribution import (
     parse_owner,
 )
 from costexporter.core.booking import BookingConfig
+from costexporter.core.carbon import GridIntensity, IntensityError, parse_policy_intensity
 from costexporter.core.cost import Prices
 from costexporter.core.events import POLICY_THRESHOLDS, bounded_number
 from costexporter.core.pricing import PriceSchedule, Pricing, PricingError, parse_pricing, price_value
@@ -144,7 +145,7 @@ class Policy:
 
 
 RULE_KEYS = ("job", "namespace", "controller", "owner", "price_per_gpu_hour", "grant_meta")
-POLICY_KEYS = ("rules", "prices", "node_pools", "cluster")
+POLICY_KEYS = ("rules", "prices", "node_pools", "cluster", "carbon_intensity")
 
 
 def parse_policy(doc: object, where: str = "the policy") -> tuple[PolicyRule, ...]:
@@ -158,9 +159,12 @@ class PolicyFile:
 
     rules: tuple[PolicyRule, ...] = ()
     pricing: Pricing = field(default_factory=Pricing)
+    carbon: GridIntensity | None = None  # the grid's intensity (`core/carbon.py`); None: not given
 
 
-def parse_policy_file(doc: object, where: str = "the policy") -> PolicyFile:
+def parse_policy_file(
+    doc: object, where: str = "the policy", read: Callable[[str], str] | None = None
+) -> PolicyFile:
     """An operator's policy document (parsed YAML or JSON), docs/terms.md:
 
         cluster: prod-east
@@ -176,8 +180,10 @@ def parse_policy_file(doc: object, where: str = "the policy") -> PolicyFile:
             price_per_gpu_hour: 4.1
             grant_meta: [cost_center]
             stall_floor_s: 600
+        carbon_intensity: 390                    # gCO2e/kWh, or {file: grid.csv} (hourly rows)
 
-    PolicyError (one line) for anything else: the policy fails closed."""
+    `read` reads a file the policy names (the carbon intensity series). PolicyError (one line)
+    for anything else: the policy fails closed."""
     if not isinstance(doc, Mapping) or set(doc) - set(POLICY_KEYS):
         raise PolicyError(f"{where}: expected a mapping with the keys {', '.join(POLICY_KEYS)}")
     try:
@@ -187,8 +193,14 @@ def parse_policy_file(doc: object, where: str = "the policy") -> PolicyFile:
     raw_rules = doc.get("rules") or []
     if not isinstance(raw_rules, list):
         raise PolicyError(f"{where}: 'rules' must be a list")
+    intensity = None
+    if doc.get("carbon_intensity") is not None:
+        try:
+            intensity = parse_policy_intensity(doc["carbon_intensity"], where, *((read,) if read else ()))
+        except IntensityError as e:
+            raise PolicyError(str(e)) from None
     return PolicyFile(
-        tuple(_rule(raw, f"{where}: rule {i + 1}") for i, raw in enumerate(raw_rules)), price_side
+        tuple(_rule(raw, f"{where}: rule {i + 1}") for i, raw in enumerate(raw_rules)), price_side, intensity
     )
 
 

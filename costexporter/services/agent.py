@@ -414,6 +414,7 @@ class Agent:
                     name: JobView(
                         own=dict(j.own),
                         booked=j.state.booked.copy(),
+                        carbon_kg=None if self.cfg.carbon is None else j.state.carbon_ug / 1e9,
                         voided=j.state.voided.copy(),
                         figures=dict(j.figures),
                         # its data keys, its owner and place the operator's (`attribution`)

@@ -20,6 +20,7 @@ from costexporter.core.attribution import Facts
 from costexporter.core.booking import POS_INF, Regime, Timeline, with_unread
 from costexporter.core.figures import at_risk_ms
 from costexporter.core.live import WindowResult, book_window
+from costexporter.core.model import JOB_CODES
 from costexporter.core.profiles import Profile
 from costexporter.core.terms import JobTerms, Policy, ignored_meta_note, job_terms
 from costexporter.core.timeutil import to_ms
@@ -345,7 +346,17 @@ class JobBooker:
             self._unreachable_voids(job.name, delta.unreachable_voids)
         if delta.lost_voids:
             self._lost_voids(job.name, delta.lost_voids)
+        if cfg.carbon is not None and delta.by_bucket:
+            ug, uncovered = cfg.carbon.micrograms(
+                (t * 1000, float(a[JOB_CODES, 1].sum())) for t, a in delta.by_bucket.items()
+            )
+            delta.state.carbon_ug = job.state.carbon_ug + ug
+            if uncovered:
+                self.stats["carbon_uncovered_rounds"] += 1
         figures = round_figures(delta, job.preflight, progress, w.profile, cfg.agent_id, tl, res.horizon_ms)
+        gpu_name = self.node.gpu_model(sorted(job.own.values()))
+        if gpu_name:  # what the job's GPUs are, as this node reads them (MFU's peak)
+            figures["gpu_name"] = gpu_name
         self.committer.commit(
             job, delta, figures, w.terms.schedule or w.terms.prices, tl, w.now_ms, w.terms.attribution
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from costexporter.core.booking import BookingConfig
+from costexporter.core.carbon import GridIntensity
 from costexporter.core.cost import Prices
 from costexporter.core.pricing import Pricing
 from costexporter.core.profiles import Profile
@@ -72,6 +73,8 @@ class AgentConfig:
     # prices by job name or namespace) and its price table.
     policy_rules: tuple[PolicyRule, ...] = ()
     pricing: Pricing = field(default_factory=Pricing)
+    # Its grid carbon intensity (`core/carbon.py`): each round's energy is counted in kgCO2e too.
+    carbon: GridIntensity | None = None
 
     def policy(self) -> Policy:
         """The operator's terms: the flags' thresholds and prices, the policy file's."""

@@ -261,6 +261,13 @@ class AgentCollector(Collector):
         )
         held.add_metric([], 0 if s.id_refused else 1)
         yield held
+        uncovered = CounterMetricFamily(
+            "costexporter_carbon_uncovered_rounds",
+            "Job rounds with energy the policy's carbon_intensity series does not cover: not counted "
+            "in costexporter_carbon_kg_total (never at a guessed intensity).",
+        )
+        uncovered.add_metric([], s.stats.get("carbon_uncovered_rounds", 0))
+        yield uncovered
         jerr = CounterMetricFamily(
             "costexporter_job_errors", "Job rounds that failed and were skipped (the other jobs booked)."
         )
@@ -341,6 +348,16 @@ class AgentCollector(Collector):
             risk.add_metric([name], j.at_risk_ms / 1000)
             booked_until.add_metric([name], j.booked_until / 1000)
         yield from (t, e, c, vt, vc, risk, booked_until, since, budget, prof)
+        carbon = CounterMetricFamily(
+            "costexporter_carbon_kg",
+            "kgCO2e of the energy booked on this agent's GPUs, at the grid's intensity of the operator's "
+            "policy (carbon_intensity) in force at each 5-minute bucket; only with one.",
+            labels=["training_job"],
+        )
+        for name, j in sorted(s.jobs.items()):
+            if j.carbon_kg is not None:
+                carbon.add_metric([name], j.carbon_kg)
+        yield carbon
         rej = CounterMetricFamily(
             "costexporter_events_rejected",
             "Events refused (malformed), by job and reason.",

@@ -198,7 +198,11 @@ class KubernetesJobs:
     def _register(self, job: str, i: int, ref: PodRef, own: Owner, gpu: GpuId) -> None:
         # What the cluster says of the job (its namespace, owner, team label): the operator's
         # side, read by this node's agent for the job's attribution (never written as meta).
-        self.facts[job] = Facts(ref.namespace, own.name, own.kind, own.team or None)
+        # Submitted: the earliest creation of its pods (a pod that came back later waits no more).
+        before = self.facts.get(job)
+        created = [t for t in (own.created, before.submitted_at if before else None) if t is not None]
+        first = min(created, default=None)
+        self.facts[job] = Facts(ref.namespace, own.name, own.kind, own.team or None, first)
         if self._trainer_has(job, gpu):
             self.skipped.add((job, i))
             return

@@ -116,6 +116,9 @@ def lightkube_fetch() -> Callable[[str, str], Mapping[str, Any] | None]:
                 "name": meta.name if meta else name,
                 "namespace": meta.namespace if meta else namespace,
                 "labels": dict(meta.labels or {}) if meta else {},
+                "creationTimestamp": meta.creationTimestamp.isoformat()
+                if meta and meta.creationTimestamp
+                else None,
                 "ownerReferences": [
                     {
                         "apiVersion": r.apiVersion,

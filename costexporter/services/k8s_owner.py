@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from costexporter.core.timeutil import parse_instant
 from costexporter.store import protocol
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class Owner:
     kind: str
     via: str
     team: str = ""
+    created: float | None = None  # the pod's creationTimestamp (Unix seconds), where read
 
 
 def label(labels: Mapping[str, str], name: str) -> str | None:
@@ -147,7 +149,7 @@ def owner_of_pod(
 ) -> Owner:
     """`owner_of` for a pod object as the Kubernetes API returns it (a dict of its JSON)."""
     meta = obj.get("metadata") or {}
-    return owner_of(
+    own = owner_of(
         str(meta.get("namespace", "")),
         str(meta.get("name", "")),
         {str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
@@ -155,6 +157,17 @@ def owner_of_pod(
         job_labels=job_labels,
         team_labels=team_labels,
     )
+    return replace(own, created=_created(meta.get("creationTimestamp")))
+
+
+def _created(raw: object) -> float | None:
+    """A pod's creationTimestamp (RFC 3339, as the API writes it) in Unix seconds, or None."""
+    if not isinstance(raw, str) or not raw:
+        return None
+    try:
+        return parse_instant(raw)
+    except ValueError:
+        return None
 
 
 def job_id(ref: PodRef, name: str) -> str:

@@ -36,6 +36,7 @@ class JobView:
     rejected: dict[str, int]  # its events refused, by reason
     clock_skew_s: float | None
     state_bytes: int  # the size of its fold state in Redis
+    carbon_kg: float | None = None  # kgCO2e of the energy booked (None: no grid intensity given)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1241,6 +1241,7 @@ def _info(j: str, replies: list[Any], warn: Warnings) -> dict[str, Any]:
         "figures": figures or {},
         "status": state,
         "first_seen": min(regs) if regs else None,
+        "ranks": len(regs),  # the ranks registered (goodput's ETTR: the job's width)
     }
 
 

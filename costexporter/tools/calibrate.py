@@ -32,7 +32,7 @@ import numpy as np
 from costexporter.core import bands as bands_mod
 from costexporter.core import bandtable, profiles
 from costexporter.core.model import Event, Samples
-from costexporter.core.profiles import Profile, _model_key, derive
+from costexporter.core.profiles import Profile, derive, model_key
 from costexporter.core.replay import register_matches
 
 LEVELS = ("compute", "communication", "starvation", "low", "idle")
@@ -406,7 +406,7 @@ def _power_limit(samples: Samples, model: str, power_limit_w: float | None) -> t
     where it came from. The model being calibrated may be one no table knows: it names the fit,
     it does not pick a limit. Baselines with no busy level (only idle labelled) fall back to 1.1x
     the highest reading, and the fit says so."""
-    known = model if _model_key(model) else None
+    known = model if model_key(model) else None
     try:
         basis, source = profiles.resolve(
             None,

@@ -15,6 +15,7 @@ from costexporter.api.deps import Config, Store, Who, Win
 from costexporter.api.export import to_csv, to_focus
 from costexporter.api.format import json_bytes
 from costexporter.api.schemas import Allocation, AllocationRow
+from costexporter.core.carbon import GridIntensity
 from costexporter.store.ledger_read import LedgerStore, Warnings
 
 router = APIRouter(prefix="/api/v1/allocation", tags=["allocation"])
@@ -55,7 +56,7 @@ def allocation(
     except agg.AggregateError as e:
         raise HTTPException(400, str(e)) from None
     warn = Warnings()
-    rows = allocation_rows(s, who, spans, fields, warn, cfg.cluster)
+    rows = allocation_rows(s, who, spans, fields, warn, cfg.cluster, cfg.carbon)
     if format == "json":  # rows built to the schema (`Allocation`): sent as they are
         return json_bytes(
             {
@@ -85,20 +86,28 @@ def allocation_rows(
     fields: list[str],
     warn: Warnings,
     cluster: str | None = None,
+    intensity: GridIntensity | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of every period (as `AllocationRow` dicts), in time order; the unassigned pool last in
     each period (only for a caller who sees every team). One read for every job and period
     (meta and each period's rollup records), then column sums. A row per job depends on its job
     alone: those rows are made chunk by chunk while Redis reads the next chunks, then sorted."""
     names = s.job_names(spans[0][0], spans[-1][1])  # other clusters': those sealed in the window
+    grams = [None if intensity is None else intensity.over(a * 1000, b * 1000) for a, b in spans]
+    if intensity is not None and None in grams:
+        warn.add(
+            "carbon_kg",
+            f"null for periods that one value of the grid's intensity ({intensity.describe()}) does "
+            "not cover: ask for step=1h (accumulate=false), or a job's own totals",
+        )
     if fields == ["job"]:
         per_span: list[list[dict[str, Any]]] = [[] for _ in spans]
         chunks = 0
         for _jobs, metas, tables in s.table_chunks(names, spans, warn, meta=True):
             chunks += 1
             visible = [i for i, j in enumerate(_jobs) if who.sees(metas[j].get("team"))]
-            for rows, (start, end), table in zip(per_span, spans, tables, strict=True):
-                rows += agg.table_rows(table, metas, visible, fields, start, end)
+            for rows, (start, end), table, g in zip(per_span, spans, tables, grams, strict=True):
+                rows += agg.table_rows(table, metas, visible, fields, start, end, g)
         if chunks > 1:
             for rows in per_span:
                 rows.sort(key=_key)
@@ -110,14 +119,14 @@ def allocation_rows(
                     m["cluster"] = cluster
         visible = [i for i, j in enumerate(names) if who.sees(metas[j].get("team"))]
         per_span = [
-            agg.table_rows(table, metas, visible, fields, start, end)
-            for (start, end), table in zip(spans, tables, strict=True)
+            agg.table_rows(table, metas, visible, fields, start, end, g)
+            for (start, end), table, g in zip(spans, tables, grams, strict=True)
         ]
     out: list[dict[str, Any]] = []
-    for (start, end), rows in zip(spans, per_span, strict=True):
+    for (start, end), rows, g in zip(spans, per_span, grams, strict=True):
         out += rows
         if who.all_teams:
-            out.append(agg.unassigned_row(s.unassigned(start, end, warn), start, end).model_dump())
+            out.append(agg.unassigned_row(s.unassigned(start, end, warn), start, end, g).model_dump())
     return out
 
 

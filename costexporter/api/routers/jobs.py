@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
@@ -15,6 +16,7 @@ from costexporter.api.format import by_category, iso, json_bytes, micro, money, 
 from costexporter.api.schemas import (
     Attributed,
     ByCategory,
+    GoodputOut,
     Incident,
     Incidents,
     JobList,
@@ -25,7 +27,10 @@ from costexporter.api.schemas import (
     WindowOut,
 )
 from costexporter.api.windows import Window
+from costexporter.core import carbon, flops, goodput
+from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
+from costexporter.core.carbon import GridIntensity
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.figures import exact_at_risk_ms
 from costexporter.core.model import CATEGORIES
@@ -33,7 +38,9 @@ from costexporter.store import untrusted
 from costexporter.store.ledger import notes_of, unknown_before
 from costexporter.store.ledger_read import (
     JOB_CATS,
+    VALID,
     WASTED,
+    Amounts,
     LedgerStore,
     Warnings,
     decimal,
@@ -236,6 +243,9 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
     spend_all = s.totals_many([job], warn)[job].total_cost()
     budget_d = stored_decimal(meta, "budget", job, warn)
     preflight = stored_json(fig, "preflight", job, warn)
+    kwh = sum(a.mj[c] for c in JOB_CATS) / MJ_PER_KWH
+    kg = job_carbon(s, job, w, kwh, cfg.carbon, warn)
+    good = job_goodput(job, a, st.tokens, info, w, warn)
     return JobTotals(
         job=job,
         currency=cfg.currency,
@@ -257,6 +267,11 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         cost_per_valid_step=per_micro(sum(a.ucost[c] for c in JOB_CATS), st.valid),
         productive_cost_per_step=per_micro(a.ucost["productive"], st.valid),
         cost_per_million_tokens=per(cost, st.tokens, 10**6),
+        goodput=GoodputOut(**good.report()),
+        energy_kwh=kwh,
+        energy_kwh_per_valid_step=kwh / st.valid if st.valid > 0 else None,
+        carbon_kg=kg,
+        carbon_kg_per_valid_step=kg / st.valid if kg is not None and st.valid > 0 else None,
         gpu_hours_at_risk=at_risk,
         budget=money(budget_d) if budget_d is not None else None,
         spend=money(spend_all),
@@ -269,6 +284,54 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         if fig.get("profile")
         else None,
     )
+
+
+def job_goodput(
+    job: str, a: Amounts, tokens: int, info: dict[str, Any], w: Window, warn: Warnings
+) -> goodput.Goodput:
+    """The job's goodput layers over the window (`core.goodput`), from its amounts and what dates
+    it: the figures' start and end (the agents' timeline), its ranks, its submission time."""
+    fig, meta = info["figures"], info["meta"]
+    start = stored_time(fig, "start_ts", job, warn) or info.get("first_seen")
+    end = stored_time(fig, "end_ts", job, warn)
+    attr = getattr(meta, "attribution", None)
+    submitted = attr.get(SUBMITTED_KEY) if attr is not None else None
+    span = goodput.JobSpan(
+        start_ms=None if start is None else round(start * 1000),
+        end_ms=None if end is None else round(end * 1000),
+        width=int(info.get("ranks", 0)),
+        submitted_ms=round(float(submitted) * 1000) if isinstance(submitted, float) else None,
+    )
+    now_ms = round(time.time() * 1000)
+    return goodput.job_goodput(
+        sum(a.ms[c] for c in VALID),
+        sum(a.ms[c] for c in JOB_CATS),
+        span,
+        (w.start * 1000, min(w.end * 1000, now_ms)),
+        flops.work(meta, fig.get("gpu_name") or meta.get("gpu_model"), tokens),
+    )
+
+
+def job_carbon(
+    s: LedgerStore, job: str, w: Window, kwh: float, intensity: GridIntensity | None, warn: Warnings
+) -> float | None:
+    """kgCO2e of the job's energy in the window: at the one constant, or each 5-minute (hourly,
+    over long windows) part of it at the series' value then; None where the series leaves a part
+    uncovered (said)."""
+    if intensity is None:
+        return None
+    if intensity.constant is not None:
+        return carbon.kg_of(kwh, intensity.constant)
+    res = "5m" if (w.end - w.start) / STEP_S["5m"] <= MAX_POINTS else "1h"
+    starts, m = s.series_matrix(job, w.start, w.end, res, warn)
+    parts = (m[:, 1::3][:, JOB_IDX].sum(axis=1) / MJ_PER_KWH).tolist()
+    kg, uncovered = intensity.kg((t * 1000, e) for t, e in zip(starts, parts, strict=True))
+    if uncovered > 0:
+        warn.add(
+            job, f"carbon_kg: the grid intensity series leaves {uncovered:.3g} kWh of the window uncovered"
+        )
+        return None
+    return kg
 
 
 def attribution_of(meta: dict[str, Any]) -> dict[str, Attributed]:

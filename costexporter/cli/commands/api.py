@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -55,6 +56,14 @@ from costexporter.cli.servers import api_app, serve_forever
     envvar="COSTEXPORTER_CLUSTER",
     default=None,
     help="Cluster name of jobs whose meta names none (the OpenCost endpoint's `cluster`).",
+)
+@click.option(
+    "--policy",
+    "policy",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The operator's policy file (the agents'): the API takes its carbon_intensity (the grid's "
+    "gCO2e/kWh, or an hourly series file) for the carbon figures (docs/terms.md).",
 )
 @click.option(
     "--archive",
