@@ -222,6 +222,15 @@ def test_goodput_energy_and_carbon_are_the_offline_replays_and_the_agents_counte
     rows = {r["key"]: r for r in api.get("/api/v1/allocation", params={"window": WINDOW}).json()["rows"]}
     assert rows["llm-run"]["runtime_goodput"] == pytest.approx(good["runtime"], rel=1e-12)
     assert rows["llm-run"]["carbon_kg"] == pytest.approx(body["carbon_kg"], rel=1e-12)
+    # the exports carry them: CSV columns, FOCUS x_ columns
+    text = api.get("/api/v1/allocation", params={"window": WINDOW, "format": "csv"}).text
+    cells = {r["key"]: r for r in csv.DictReader(io.StringIO(text))}
+    assert float(cells["llm-run"]["runtime_goodput"]) == pytest.approx(good["runtime"], abs=1e-6)
+    text = api.get("/api/v1/allocation", params={"window": WINDOW, "format": "focus"}).text
+    [focus] = [f for f in csv.DictReader(io.StringIO(text)) if f["x_TrainingJob"] == "llm-run"]
+    assert float(focus["x_RuntimeGoodput"]) == pytest.approx(good["runtime"], abs=1e-6)
+    assert float(focus["x_EnergyKwh"]) == pytest.approx(body["energy_kwh"], abs=1e-6)
+    assert float(focus["x_CarbonKg"]) == pytest.approx(body["carbon_kg"], abs=1e-6)
     # without an intensity the API gives no carbon figure, and says nothing false
     plain = client(built).get("/api/v1/jobs/llm-run", params={"window": WINDOW}).json()
     assert plain["carbon_kg"] is None and plain["energy_kwh"] == body["energy_kwh"]

@@ -42,10 +42,8 @@ def test_layers_are_consistent_with_the_totals_for_any_amounts(ms, width, start,
         start, start + run if ended else None, width, None if wait is None else start - wait
     )
     g = goodput.job_goodput(valid, held, span, (a, b))
-    if held == 0:
-        assert g.runtime is None
-    else:
-        assert g.runtime == valid / held and 0 <= g.runtime <= 1
+    assert (g.runtime is None) == (held == 0)
+    assert g.runtime is None or (g.runtime == valid / held and 0 <= g.runtime <= 1)
     end = start + run if ended else b
     wall = (min(end, b) if ended else b) - max(start, a)
     capacity = max(width * max(wall, 0), held)
@@ -234,3 +232,47 @@ def test_the_policy_reads_a_series_file_beside_it(tmp_path):
     assert pf.carbon is not None and pf.carbon.at(1796083200_000) == 250.0
     assert parse_policy_intensity(390, "p").constant == 390.0
     assert carbon.kg_of(10.0, None) is None and carbon.kg_of(10.0, 390.0) == pytest.approx(3.9)
+
+
+# ---- scheduling: only the operator's side dates a submission ------------------------------------
+def test_a_submission_time_is_the_operators_a_trainers_only_where_granted():
+    from costexporter.core.attribution import SUBMITTED_KEY, Facts, attribute
+
+    meta = {SUBMITTED_KEY: "2026-12-01T00:00:00Z"}
+    attr, ignored = attribute(meta, None)
+    assert attr.get(SUBMITTED_KEY) is None and ignored == (SUBMITTED_KEY,)  # the subject's own word
+    attr, ignored = attribute(meta, None, grants=("policy rule 1", (SUBMITTED_KEY,)))
+    assert attr.get(SUBMITTED_KEY) == 1796083200.0 and ignored == ()
+    assert attr.source(SUBMITTED_KEY) == "meta, granted by policy rule 1"
+    attr, _ = attribute({}, Facts("ml", "llama", "PyTorchJob", None, 1796083100.0))
+    assert attr.get(SUBMITTED_KEY) == 1796083100.0 and attr.source(SUBMITTED_KEY) == "kubernetes"
+    for junk in ("soon", True, -5, float("inf")):  # never a time: nothing
+        assert (
+            attribute({SUBMITTED_KEY: junk}, None, grants=("r", (SUBMITTED_KEY,)))[0].get(SUBMITTED_KEY)
+            is None
+        )
+    # stored and read back as readers see it (a float)
+    from costexporter.core.attribution import Attribution
+
+    back = Attribution.from_fields(attr.to_fields())
+    assert back.get(SUBMITTED_KEY) == 1796083100.0
+
+
+def test_replay_gives_scheduling_goodput_from_a_granted_submission():
+    tr = Scenario.h100(seed=4).build()
+    t0 = min(e.ts_ms for e in tr.events)
+    wait_ms = 20 * 60_000
+    events = [*tr.events, Event("meta", "real", t0, 0, "s-meta", 0, {"submitted_at": (t0 - wait_ms) / 1000})]
+    from costexporter.core.terms import PolicyRule
+
+    rule = PolicyRule(job="real", grants=("submitted_at",))
+    cfg = ReplayConfig(policy_rules=(rule,))
+    [job], _ = book_trace(tr.samples, events, cfg)
+    rep = job_report(job, cfg)
+    tl = job.timeline
+    run, waited = tl.end_ms - tl.start_ms, tl.start_ms - (t0 - wait_ms)  # from the submission
+    assert waited >= wait_ms
+    assert rep["goodput"]["scheduling"] == pytest.approx(run / (run + waited), rel=1e-9)
+    assert rep["attribution"]["submitted_at"]["source"] == "meta, granted by policy rule 1"
+    [plain], _ = book_trace(tr.samples, events, ReplayConfig())
+    assert job_report(plain, ReplayConfig())["goodput"]["scheduling"] is None  # not granted: unknown

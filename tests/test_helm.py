@@ -346,6 +346,15 @@ def test_policy_profiles_and_extra_volumes_reach_the_programs_as_files_they_read
         mount = {"name": "policy", "mountPath": "/etc/costexporter/policy", "readOnly": True}
         assert mount in c["volumeMounts"]
         assert {"name": "profiles", "configMap": {"name": pm["metadata"]["name"]}} in spec["volumes"]
+    # the API reads the policy's carbon_intensity (no profiles: it bands nothing)
+    (api,) = [d for d in k["Deployment"] if d["metadata"]["name"].endswith("-api")]
+    spec = api["spec"]["template"]["spec"]
+    assert "--policy=/etc/costexporter/policy/policy.json" in spec["containers"][0]["args"]
+    assert not any(a.startswith("--profile") for a in spec["containers"][0]["args"])
+    assert {"name": "policy", "mountPath": "/etc/costexporter/policy", "readOnly": True} in spec[
+        "containers"
+    ][0]["volumeMounts"]
+    assert {"name": "policy", "configMap": {"name": cm["metadata"]["name"]}} in spec["volumes"]
     for d in [*k["DaemonSet"], *k["Deployment"]]:
         spec = d["spec"]["template"]["spec"]
         if d["metadata"]["name"].endswith("-redis"):
@@ -364,7 +373,10 @@ def test_policy_profiles_and_extra_volumes_reach_the_programs_as_files_they_read
     assert not [
         c for c in plain.get("ConfigMap", []) if c["metadata"]["name"].endswith(("-policy", "-profiles"))
     ]
-    args = [" ".join(d["spec"]["template"]["spec"]["containers"][0]["args"]) for d in plain["DaemonSet"]]
+    args = [
+        " ".join(d["spec"]["template"]["spec"]["containers"][0]["args"])
+        for d in [*plain["DaemonSet"], *plain["Deployment"]]
+    ]
     assert args and all("--policy" not in a and "--profile" not in a for a in args)
 
 

@@ -680,3 +680,115 @@ def test_the_cost_per_valid_step_rule_is_the_one_function(tmp_path, agents, void
         ],
     }
     _run(tmp_path, SHIPPED, [test])
+
+
+# ---- goodput (docs/accounting.md): runtime per job, team and cluster; ETTR; MFU; per valid step ----
+def test_goodput_rules_runtime_ettr_mfu_and_per_valid_step(tmp_path):
+    """Job j (team llm) on two agents, 3 ranks registered (one host's agent down: its rank books
+    nothing); job k (team llm) on a third, 1 rank. Per minute: j books 48 + 30 s valid of 120 s
+    held, k 60 of 60. A resume voided 6 s a minute of j's productive time (now rolled_back too)."""
+    per_min = {
+        ("j", "a1", "productive"): 48,
+        ("j", "a1", "rolled_back"): 6,  # the voided time, moved (counted again here)
+        ("j", "a1", "stalled"): 12,
+        ("j", "a2", "productive"): 30,
+        ("j", "a2", "idle"): 30,
+        ("k", "a3", "productive"): 60,
+    }
+    series = [
+        _series(
+            "costexporter_gpu_time_seconds_total",
+            f'training_job="{job}",category="{cat}",instance="{a}"',
+            f"0+{v}x130",
+        )
+        for (job, a, cat), v in per_min.items()
+    ]
+    series += [
+        _series(
+            "costexporter_voided_gpu_time_seconds_total",
+            'training_job="j",category="productive",instance="a1"',
+            "0+6x130",
+        ),
+        _series(
+            "costexporter_energy_joules_total",
+            'training_job="j",category="productive",instance="a1"',
+            "0+36000x130",
+        ),
+        _series(
+            "costexporter_energy_joules_total",
+            'training_job="j",category="idle",instance="a2"',
+            "0+36000x130",
+        ),
+        _series("costexporter_carbon_kg_total", 'training_job="j",instance="a1"', "0+0.5x130"),
+        _series("costexporter_carbon_kg_total", 'training_job="j",instance="a2"', "0+0.5x130"),
+    ]
+    for a, job, team, ranks in (("a1", "j", "llm", 3), ("a2", "j", "llm", 3), ("a3", "k", "llm", 1)):
+        lab = f'training_job="{job}",instance="{a}"'
+        series += [
+            _series(
+                "costexporter_job_info",
+                f'{lab},team="{team}",namespace="",cost_center="",progress=""',
+                "1x130",
+            ),
+            _series("costexporter_job_ranks", lab, f"{ranks}x130"),
+        ]
+    for a in ("a1", "a2"):  # job-level: the same on both agents
+        lab = f'training_job="j",instance="{a}"'
+        series += [
+            _series("costexporter_job_tokens", lab, "0+1000x130"),
+            _series("costexporter_job_valid_steps", lab, "0+10x130"),
+            _series("costexporter_job_model_flops_per_token", lab, "6e9x130"),
+            _series("costexporter_job_peak_flops", lab, "1e15x130"),
+        ]
+    j_valid, j_held = 48 + 30 - 6, 48 + 6 + 12 + 30 + 30 - 6  # per minute, net of the voided
+    k_valid = k_held = 60
+
+    def sample(expr: str, labels: str, value: float) -> dict:
+        return {"expr": expr, "eval_time": "2h", "exp_samples": [{"labels": labels, "value": value}]}
+
+    layer = 'layer="runtime"'
+    checks = [
+        sample(
+            'training_job:costexporter_goodput_ratio:ratio_1h{training_job="j"}',
+            f'training_job:costexporter_goodput_ratio:ratio_1h{{training_job="j",{layer}}}',
+            j_valid / j_held,
+        ),
+        sample(
+            "team:costexporter_goodput_ratio:ratio_24h",
+            f'team:costexporter_goodput_ratio:ratio_24h{{team="llm",{layer}}}',
+            (j_valid + k_valid) / (j_held + k_held),
+        ),
+        sample(
+            "cluster:costexporter_goodput_ratio:ratio_1h",
+            f"cluster:costexporter_goodput_ratio:ratio_1h{{{layer}}}",
+            (j_valid + k_valid) / (j_held + k_held),
+        ),
+        # 3 ranks x 60 s a minute is more than the 120 s held: the capacity; k held all along
+        sample(
+            'training_job:costexporter_ettr:ratio_1h{training_job="j"}',
+            'training_job:costexporter_ettr:ratio_1h{training_job="j"}',
+            j_valid / (3 * 60),
+        ),
+        sample(
+            'training_job:costexporter_ettr:ratio_1h{training_job="k"}',
+            'training_job:costexporter_ettr:ratio_1h{training_job="k"}',
+            1.0,
+        ),
+        # 1000 tokens x 6e9 FLOPs a minute over 72 valid GPU-seconds at 1e15 FLOPS
+        sample(
+            "training_job:costexporter_mfu:ratio_1h",
+            'training_job:costexporter_mfu:ratio_1h{training_job="j"}',
+            1000 * 6e9 / (j_valid * 1e15),
+        ),
+        sample(
+            "training_job:costexporter_energy_kwh_per_valid_step:ratio",
+            'training_job:costexporter_energy_kwh_per_valid_step:ratio{training_job="j"}',
+            2 * 36000 / 3.6e6 / 10,
+        ),
+        sample(
+            "training_job:costexporter_carbon_kg_per_valid_step:ratio",
+            'training_job:costexporter_carbon_kg_per_valid_step:ratio{training_job="j"}',
+            2 * 0.5 / 10,
+        ),
+    ]
+    _run(tmp_path, SHIPPED, [{"interval": "1m", "input_series": series, "promql_expr_test": checks}])

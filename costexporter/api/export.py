@@ -35,6 +35,9 @@ CSV_COLUMNS = [
     "window_end",
     "price_source",
     "owner_source",
+    "runtime_goodput",
+    "energy_kwh",
+    "carbon_kg",
 ]
 
 # FinOps FOCUS 1.2: every column of the specification (the mandatory ones filled), then x_ columns.
@@ -106,6 +109,9 @@ FOCUS_X = [
     "x_AllocationKey",
     "x_PriceSource",
     "x_OwnerSource",
+    "x_RuntimeGoodput",
+    "x_EnergyKwh",
+    "x_CarbonKg",
 ]
 
 
@@ -132,9 +138,19 @@ def to_csv(rows: list[AllocationRow], currency: str, w: Window) -> str:
                 r.start or iso(w.start),
                 r.end or iso(w.end),
                 *_sources(r).values(),
+                *_goodput_cells(r).values(),
             ]
         )
     return buf.getvalue()
+
+
+def _goodput_cells(r: AllocationRow) -> dict[str, str]:
+    """A row's runtime goodput, energy and carbon as cells (empty where there is no figure)."""
+    return {
+        "RuntimeGoodput": "" if r.runtime_goodput is None else f"{r.runtime_goodput:.6f}",
+        "EnergyKwh": f"{r.energy_kwh:.6f}",
+        "CarbonKg": "" if r.carbon_kg is None else f"{r.carbon_kg:.6f}",
+    }
 
 
 @dataclass(frozen=True)
@@ -315,4 +331,5 @@ def focus_values(
         "x_CostPerValidStep": r.cost_per_valid_step or "",
         "x_ValidGpuHours": f"{r.valid_gpu_hours:.6f}",
         "x_AllocationKey": r.key,
+        **{f"x_{k}": v for k, v in _goodput_cells(r).items()},
     }

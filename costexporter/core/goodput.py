@@ -130,7 +130,9 @@ def job_goodput(
             "the policy trusts)"
         )
     else:
-        sched = scheduling(span.submitted_ms, span.start_ms, span.end_ms or window[1])
+        sched = scheduling(
+            span.submitted_ms, span.start_ms, window[1] if span.end_ms is None else span.end_ms
+        )
     mfu = None
     work = work or Work(why_not=("program: the trainer posts no model_flops_per_token or model_params",))
     if work.why_not:

@@ -431,6 +431,7 @@ class Agent:
                         },
                         clock_skew_s=j.skew_s,
                         state_bytes=j.state_bytes(),
+                        ranks=len(j.ranks),
                     )
                     for name, j in (shown if with_jobs else ())
                 },

@@ -32,7 +32,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from costexporter import __version__
-from costexporter.core import bandtable
+from costexporter.core import bandtable, flops
 from costexporter.core.model import CATEGORIES, GpuId
 from costexporter.services.exposition import freeze, prerender
 
@@ -458,11 +458,40 @@ class AgentCollector(Collector):
                 if j.figures.get(key) is not None:
                     fam.add_metric([name], float(j.figures[key]) * scale)
             yield fam
+        yield from _goodput_families(s)
 
 
 # Band edges of the job's profile (figure key -> `edge` label), for the dashboard's thresholds.
 BAND_EDGES = {"band_idle_max_w": "idle_max", "band_low_max_w": "low_max", "band_compute_min_w": "compute_min"}
 JOB_INFO = ("team", "namespace", "cost_center", "progress")  # progress="none": a job without steps
+
+
+def _goodput_families(s: AgentSnapshot) -> Iterator[Metric]:
+    """Job-level inputs of the goodput rules (the same on every agent of a job: max): its ranks
+    (ETTR's width), and what MFU divides (docs/accounting.md, goodput)."""
+    ranks = GaugeMetricFamily(
+        "costexporter_job_ranks",
+        "Ranks the job registered: the GPUs its wall time is counted on (ETTR).",
+        labels=["training_job"],
+    )
+    per_token = GaugeMetricFamily(
+        "costexporter_job_model_flops_per_token",
+        "The trainer's model FLOPs per token (model_flops_per_token, or 6 x model_params): MFU's numerator.",
+        labels=["training_job"],
+    )
+    peak = GaugeMetricFamily(
+        "costexporter_job_peak_flops",
+        "Dense peak FLOPS of one of the job's GPUs for its dtype (its model's datasheet): MFU's denominator.",
+        labels=["training_job"],
+    )
+    for name, j in sorted(s.jobs.items()):
+        if j.ranks:
+            ranks.add_metric([name], j.ranks)
+        work = flops.work(j.meta, j.figures.get("gpu_name") or j.meta.get("gpu_model"), 0)
+        if work.flops_per_token is not None and work.peak_flops is not None:
+            per_token.add_metric([name], work.flops_per_token)
+            peak.add_metric([name], work.peak_flops)
+    yield from (ranks, per_token, peak)
 
 
 def _dashboard_families(s: AgentSnapshot) -> Iterator[Metric]:

@@ -37,6 +37,7 @@ class JobView:
     clock_skew_s: float | None
     state_bytes: int  # the size of its fold state in Redis
     carbon_kg: float | None = None  # kgCO2e of the energy booked (None: no grid intensity given)
+    ranks: int = 0  # the ranks the job registered (ETTR's width)
 
 
 @dataclass(frozen=True, slots=True)

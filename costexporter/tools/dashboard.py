@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from costexporter.core import bandtable
-from costexporter.core.model import WASTED_NAMES
+from costexporter.core.model import VALID_NAMES, WASTED_NAMES
 
 # The cluster's and job's selectors. `cluster` is the label the monitors' relabelings give every
 # series (one Prometheus, many clusters); where no series has it, the variable has only its All
@@ -373,12 +373,50 @@ def dashboard() -> dict[str, Any]:
             **_defaults("percentunit"),
         )
     )
-    # Row 5: the alerts.
+    # Row 5: goodput over the job's life (the rolling 1 h and 24 h figures are recording rules).
+    valid = f'costexporter_gpu_time_seconds_total{{{JOB},category=~"{"|".join(VALID_NAMES)}"}}'
+    held = f'costexporter_gpu_time_seconds_total{{{JOB},category!="unassigned"}}'
+    voided = f"sum by (cluster, training_job) (costexporter_voided_gpu_time_seconds_total{{{JOB}}})"
+
+    def net(expr: str) -> str:
+        total = f"sum by (cluster, training_job) ({expr})"
+        return f"({total} - ({voided} or {total} * 0))"
+
+    panels.append(
+        _panel(
+            "timeseries",
+            "Runtime goodput: valid over held GPU time",
+            (0, 33, 12, 8),
+            [_target(f"{net(valid)}\n/ ({net(held)} > 0)", "{{training_job}}")],
+            description="Productive, communication and starved GPU time over every GPU-second the job "
+            "held, since it started (docs/accounting.md, goodput; the 1 h and 24 h figures, ETTR and "
+            "MFU are recording rules).",
+            **_defaults("percentunit"),
+        )
+    )
+    panels.append(
+        _panel(
+            "timeseries",
+            "Energy per valid step",
+            (12, 33, 12, 8),
+            [
+                _target(
+                    f"sum by (cluster, training_job) (costexporter_energy_joules_total{{{JOB}}}) / 3.6e6\n"
+                    f"/ (max by (cluster, training_job) (costexporter_job_valid_steps{{{JOB}}}) > 0)",
+                    "{{training_job}}",
+                )
+            ],
+            description="kWh of the job's GPUs per valid step (carbon per valid step: the recording "
+            "rule training_job:costexporter_carbon_kg_per_valid_step:ratio, with a carbon_intensity).",
+            **_defaults("kwatth"),
+        )
+    )
+    # Row 6: the alerts.
     panels.append(
         _panel(
             "table",
             "Alerts",
-            (0, 33, 24, 7),
+            (0, 41, 24, 7),
             [_target(f'ALERTS{{{JOB},alertstate="firing"}}', "", instant=True)],
             transformations=[{"id": "labelsToFields", "options": {}}],
             **_defaults("none"),

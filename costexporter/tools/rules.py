@@ -43,6 +43,9 @@ class RuleWindows:
     waste_ratio: float = 0.15  # R7: at least 15% invalid spend a month
     waste_for: str = "15m"
     budget_for: str = "5m"
+    # Goodput's rolling windows: runtime goodput (job, team, cluster), ETTR and MFU (job).
+    goodput_short: str = "1h"
+    goodput_long: str = "24h"
     # CostSlopeWithoutSteps stands aside this long after the watcher's hung verdict clears: the
     # agents' progress series follows the watcher's state a scrape and a booking round later, and
     # in that gap JobHung (which inhibits it in Alertmanager) has already cleared.
@@ -64,6 +67,8 @@ class RuleWindows:
             waste_window="2m",
             waste_for="20s",
             budget_for="10s",
+            goodput_short="2m",
+            goodput_long="10m",
             recovery_hold="6s",
             group_interval="2s",
         )
@@ -271,6 +276,8 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         },
     ]
 
+    records += goodput_records(w)
+
     budget = (
         f"({cost_net})\n"
         "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)"
@@ -359,6 +366,78 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
             {"name": "costexporter.alerts", "interval": w.group_interval, "rules": alerts},
         ]
     }
+
+
+def goodput_records(w: RuleWindows) -> list[dict[str, Any]]:
+    """Rolling goodput (docs/accounting.md, goodput), each window's job-level valid and held GPU
+    time first (net of the voided time, as the ledger books it), then the ratios over them:
+    runtime goodput per job, team (`costexporter_job_info`'s) and cluster; ETTR and MFU per job;
+    energy and carbon per valid step."""
+    by_job = "sum by (training_job)"
+    job_info = "max by (training_job, team) (costexporter_job_info)"
+    time_all = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
+    time_valid = f'costexporter_gpu_time_seconds_total{{category=~"{VALID}"}}'
+    voided = "costexporter_voided_gpu_time_seconds_total"
+    out: list[dict[str, Any]] = []
+    for win in (w.goodput_short, w.goodput_long):
+        valid = f"training_job:costexporter_valid_gpu_seconds:increase_{win}"
+        held = f"training_job:costexporter_held_gpu_seconds:increase_{win}"
+        ranks = f"max by (training_job) (max_over_time(costexporter_job_ranks[{win}]))"
+        out += [
+            {
+                "record": valid,
+                "expr": _net(
+                    f"{by_job} (increase({time_valid}[{win}]))", f"{by_job} (increase({voided}[{win}]))"
+                ),
+            },
+            {
+                "record": held,
+                "expr": _net(
+                    f"{by_job} (increase({time_all}[{win}]))", f"{by_job} (increase({voided}[{win}]))"
+                ),
+            },
+            {
+                "record": f"training_job:costexporter_goodput_ratio:ratio_{win}",
+                "expr": f"{valid}\n/ ({held} > 0)",
+                "labels": {"layer": "runtime"},
+            },
+            {
+                "record": f"team:costexporter_goodput_ratio:ratio_{win}",
+                "expr": f"sum by (cluster, team) ({valid} * on (training_job) group_left (team) {job_info})\n"
+                f"/ (sum by (cluster, team) ({held} * on (training_job) group_left (team) {job_info}) > 0)",
+                "labels": {"layer": "runtime"},
+            },
+            {
+                "record": f"cluster:costexporter_goodput_ratio:ratio_{win}",
+                "expr": f"sum by (cluster) ({valid})\n/ (sum by (cluster) ({held}) > 0)",
+                "labels": {"layer": "runtime"},
+            },
+            {
+                # Valid GPU time over the job's ranks x the window, never over less than it held.
+                "record": f"training_job:costexporter_ettr:ratio_{win}",
+                "expr": f"{valid}\n/ (\n  (\n    ({ranks} * {seconds(win):g} > {held})\n"
+                f"    or {held}\n  ) > 0\n)",
+            },
+            {
+                "record": f"training_job:costexporter_mfu:ratio_{win}",
+                "expr": f"max by (training_job) (delta(costexporter_job_tokens[{win}]))\n"
+                "* on (training_job) max by (training_job) (costexporter_job_model_flops_per_token)\n"
+                f"/ on (training_job) ({valid} > 0)\n"
+                "/ on (training_job) max by (training_job) (costexporter_job_peak_flops)",
+            },
+        ]
+    steps = "on (training_job) group_left () (max by (training_job) (costexporter_job_valid_steps) > 0)"
+    out += [
+        {
+            "record": "training_job:costexporter_energy_kwh_per_valid_step:ratio",
+            "expr": f"{by_job} (costexporter_energy_joules_total) / 3.6e6\n/ {steps}",
+        },
+        {
+            "record": "training_job:costexporter_carbon_kg_per_valid_step:ratio",
+            "expr": f"{by_job} (costexporter_carbon_kg_total)\n/ {steps}",
+        },
+    ]
+    return out
 
 
 def _band_alerts(alerts: list[dict[str, Any]], w: RuleWindows, not_ended: str) -> list[dict[str, Any]]:
