@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from costexporter.core import profiles
+from costexporter.core import goodput, profiles
 from costexporter.core.booking import BookingConfig
 from costexporter.core.cost import MS_PER_HOUR, Prices
 from costexporter.core.live import JobState, book_window, ledger_delta
+from costexporter.core.model import JOB_CODES, VALID_CODES
 from costexporter.core.replay import ReplayConfig, replay
 from costexporter.sources.synth import TraceBuilder
 
@@ -100,7 +101,13 @@ def live_rounds(b: TraceBuilder, rounds_s: float) -> dict:
         pieces.append(res.pieces)
         state = last.state
     assert last is not None
-    return {"incidents": stored, "pieces": pieces, "figures": last.figures, "at_risk_ms": last.at_risk_ms}
+    return {
+        "incidents": stored,
+        "pieces": pieces,
+        "figures": last.figures,
+        "at_risk_ms": last.at_risk_ms,
+        "state": state,
+    }
 
 
 def piece_cost(pieces: list, category: str, start_ms: int, end_ms: int) -> float:
@@ -131,6 +138,18 @@ def test_live_and_replay_give_the_same_incidents_at_risk_and_figures(kind, round
     assert (job["last_checkpoint_step"] if job["last_checkpoint_step"] is not None else -1) == figs[
         "last_checkpoint_step"
     ]
+    # Goodput: the one function over the live ledger's net amounts (a resume's voided valid time
+    # moved to rolled_back) and the job's span as its figures date it, against replay's.
+    st = live["state"]
+    booked, voided = st.booked[:, 0], st.voided[:, 0]
+    valid_ms = float(booked[VALID_CODES].sum() - voided.sum())
+    held_ms = float(booked[JOB_CODES].sum() - voided.sum())
+    end_ms = round(figs["end_ts"] * 1000) or None
+    span = goodput.JobSpan(round(figs["start_ts"] * 1000), end_ms, b.n_gpus)
+    on = goodput.job_goodput(valid_ms, held_ms, span, (span.start_ms, end_ms or st.booked_until))
+    for layer in ("runtime", "ettr"):
+        assert on.report()[layer] == pytest.approx(job["goodput"][layer], rel=1e-9), layer
+    assert job["goodput"]["runtime"] is not None and job["goodput"]["ettr"] <= job["goodput"]["runtime"]
     # GPU time at risk since the last checkpoint, at the job's end.
     assert job["gpu_hours_at_risk"] * MS_PER_HOUR == pytest.approx(live["at_risk_ms"], abs=1e-6)
 
