@@ -251,14 +251,14 @@ def test_redis_down_mid_replay_loses_nothing_and_books_no_stall(tmp_path, trace)
     client = server.client()
     post_events(client, "ce", b)
     expected, offline = offline_ms(b)
-    # A slower replay (10x), so the trace is still playing while Redis is down.
+    # A slower replay (20x), so the trace is still playing while Redis is down.
     procs = [
-        serve(csvs[h], h, server.url, "ce", 0, speed=10, book_s=0.5, sample_s=0.2) for h in ("node0", "node1")
+        serve(csvs[h], h, server.url, "ce", 0, speed=20, book_s=0.5, sample_s=0.2) for h in ("node0", "node1")
     ]
     try:
-        time.sleep(8)
-        server.stop()  # 12 s without Redis: two minutes of the trace at 10x
-        time.sleep(12)
+        time.sleep(4)
+        server.stop()  # 6 s without Redis: two minutes of the trace at 20x
+        time.sleep(6)
         server.start()
         client = server.client()
         wait_booked(client, "ce", b.job, ["node0", "node1"], offline.timeline.end_ms, timeout=90)

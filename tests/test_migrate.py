@@ -61,7 +61,8 @@ def test_every_key_a_booking_writes_maps_back_from_its_legacy_name(server, tmp_p
     csvs = {p.stem: p for p in write_nvidia_smi_csv(b.samples(), tmp_path / "trace")}
     post_events(client, PREFIX, b)
     _, offline = offline_ms(b)
-    p = serve(csvs["node0"], "node0", server.url, PREFIX, 0)
+    # the keys, not the pace: node1's agent is not run, so node0 waits on it 2 s, not the default
+    p = serve(csvs["node0"], "node0", server.url, PREFIX, 0, "--peer-timeout", "2", speed=400)
     try:
         wait_booked(client, PREFIX, b.job, ["node0"], offline.timeline.end_ms)
     finally:

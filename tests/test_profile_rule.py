@@ -82,16 +82,16 @@ def test_never_another_gpus_profile(flag, flag_limit, gpu_name, gpu_limit, meta_
     gpus = [GpuId("n", 0, "GPU-1", gpu_name or None, gpu_limit)]
     meta = {"gpu_model": meta_name} if meta_name else {}
     model = flag or gpu_name or meta_name or None
-    key = profiles._model_key(model) if model else None
+    key = profiles.model_key(model) if model else None
     try:
         prof, source = profiles.resolve(None, flag or None, flag_limit, meta=meta, gpus=gpus)
     except ProfileError as e:
-        if flag and profiles._model_key(flag) is None and not flag_limit:
+        if flag and profiles.model_key(flag) is None and not flag_limit:
             assert str(e).startswith(f"unknown GPU model {flag!r}")
         else:
             assert key is None and not (flag_limit or gpu_limit)
         return
-    assert not (flag and profiles._model_key(flag) is None and not flag_limit)
+    assert not (flag and profiles.model_key(flag) is None and not flag_limit)
     if prof is profiles.B300:
         assert key == "B300" and source == "builtin"
         return

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.core import bandtable, jobfacts, profiles
-from costexporter.core.model import CATEGORIES, Band
+from costexporter.core import bandtable, goodput, jobfacts, profiles
+from costexporter.core.figures import job_figures
+from costexporter.core.model import CATEGORIES, JOB_CODES, VALID_CODES, Band
 from costexporter.core.replay import ReplayConfig, book_trace, job_report
 from costexporter.sources.synth import TraceBuilder
 from tests.realtrace import Scenario, agreement
@@ -104,6 +105,16 @@ def test_live_rounds_at_random_boundaries_equal_the_offline_booking(cuts):
         booked = max(booked, res.horizon_ms)
     assert booked == end
     assert live.tolist() == offline.tolist()
+    # and so its goodput: the one function over the live amounts and the figures' span
+    ms = live.reshape(len(CATEGORIES), -1).sum(1)
+    figs = job_figures(res.timeline)
+    span = goodput.JobSpan(round(figs["start_ts"] * 1000), round(figs["end_ts"] * 1000), own.size)
+    on = goodput.job_goodput(
+        float(ms[VALID_CODES].sum()), float(ms[JOB_CODES].sum()), span, (span.start_ms, span.end_ms)
+    )
+    want = job_report(job, ReplayConfig(profile=H100))["goodput"]
+    assert on.runtime == pytest.approx(want["runtime"], rel=1e-12) and want["runtime"] is not None
+    assert on.ettr == pytest.approx(want["ettr"], rel=1e-12)
 
 
 def test_energy_across_gaps_comes_from_the_counter_and_coverage_is_reported():

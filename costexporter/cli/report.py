@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from costexporter.core import bandtable
 from costexporter.core.model import CATEGORIES, VALID_CATEGORIES, WASTED_CATEGORIES, Category
-from costexporter.core.replayreport import ProfileReport, ReplayReport
+from costexporter.core.replayreport import JobReport, ProfileReport, ReplayReport
 from costexporter.core.timeutil import tz_zone
 
 if TYPE_CHECKING:
@@ -243,6 +243,24 @@ def rank_list(ranks: list[int]) -> str:
 INCIDENT_FLOOR_S = 30.0
 
 
+def goodput_line(j: JobReport) -> str:
+    """Goodput's layers (a dash where not computed) and the carbon, where an intensity was given."""
+    g = j["goodput"]
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    line = (
+        f"goodput: runtime {pct(g['runtime'])}, ETTR {pct(g['ettr'])}, scheduling {pct(g['scheduling'])}, "
+        f"MFU {pct(g['program'])}; {j['energy_kwh_total']:.2f} kWh"
+    )
+    if j["carbon_kg"] is not None:
+        line += f", {j['carbon_kg']:.2f} kgCO2e"
+        if j["carbon_kg_per_valid_step"] is not None:
+            line += f" ({1000 * j['carbon_kg_per_valid_step']:.3g} g per valid step)"
+    return line
+
+
 def to_table(report: ReplayReport, incident_floor_s: float = INCIDENT_FLOOR_S) -> str:
     """The human view: where the GPU-hours went and what a valid step cost."""
     from rich.console import Console
@@ -294,6 +312,7 @@ def to_table(report: ReplayReport, incident_floor_s: float = INCIDENT_FLOOR_S) -
                 if j["band_gpu_hours"][b] > 0
             )
         )
+        console.print(goodput_line(j))
         tr = j.get("time_range") or {}
         if tr:
             console.print(f"samples {_span(tr.get('samples'))}; events {_span(tr.get('events'))}")
