@@ -276,3 +276,30 @@ def test_replay_gives_scheduling_goodput_from_a_granted_submission():
     assert rep["attribution"]["submitted_at"]["source"] == "meta, granted by policy rule 1"
     [plain], _ = book_trace(tr.samples, events, ReplayConfig())
     assert job_report(plain, ReplayConfig())["goodput"]["scheduling"] is None  # not granted: unknown
+
+
+def test_the_api_counts_a_running_jobs_wall_time_to_the_window_end_or_now(shared, prefix):
+    """A job still running (its figures' end 0, as the agents write it) has its ETTR over its ranks
+    x the window from its first registration: 2 ranks for 36 h here, 2 GPU-h valid of 2.2 held."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from costexporter.api.app import create_app
+    from costexporter.store import keys
+    from costexporter.store.ledger_read import LedgerStore
+    from tests.api_helpers import T0, WINDOW, write_job
+
+    write_job(shared, prefix, "run", "llm")
+    shared.hset(keys.ranks_key(prefix, "run"), "1", json.dumps({"ts": T0, "host": "h", "gpu": 1}))
+    shared.hset(keys.figures_key(prefix, "run"), mapping={"start_ts": T0, "end_ts": 0.0})
+    api = TestClient(create_app(LedgerStore(shared, prefix)))
+    body = api.get("/api/v1/jobs/run", params={"window": WINDOW}).json()
+    valid, held = 2 * 3_600_000, 2 * 3_960_000
+    wall = (1_753_660_800 - T0) * 1000  # to the window's end (2025-07-28), long past
+    assert body["goodput"]["runtime"] == pytest.approx(valid / held)
+    assert body["goodput"]["ettr"] == pytest.approx(valid / (2 * wall))
+    # ended an hour after its start: the wall time stops there (never below what it held)
+    shared.hset(keys.figures_key(prefix, "run"), "end_ts", T0 + 7200)
+    body = api.get("/api/v1/jobs/run", params={"window": WINDOW}).json()
+    assert body["goodput"]["ettr"] == pytest.approx(valid / (2 * 7_200_000))

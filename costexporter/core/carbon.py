@@ -36,15 +36,26 @@ class GridIntensity:
     values: tuple[float, ...] = ()
     source: str = "policy"
 
-    def at(self, t_ms: int) -> float | None:
-        """The intensity in force at `t_ms` (None: outside the series)."""
+    def _row(self, t_ms: int) -> tuple[float, float] | None:
+        """(value, end ms) of what is in force at `t_ms`; None outside the series."""
         if self.constant is not None:
-            return self.constant
+            return self.constant, math.inf
         i = bisect.bisect_right(self.starts_ms, t_ms) - 1
         if i < 0:
             return None
         end = self.starts_ms[i + 1] if i + 1 < len(self.starts_ms) else self.starts_ms[i] + HOUR_MS
-        return self.values[i] if t_ms < end else None
+        return (self.values[i], end) if t_ms < end else None
+
+    def at(self, t_ms: int) -> float | None:
+        """The intensity in force at `t_ms` (None: outside the series)."""
+        row = self._row(t_ms)
+        return None if row is None else row[0]
+
+    def over(self, start_ms: int, end_ms: int) -> float | None:
+        """The one intensity in force over all of [start, end), or None where the series changes
+        inside it (a period longer than its rows) or does not cover it."""
+        row = self._row(start_ms)
+        return None if row is None or end_ms > row[1] else row[0]
 
     def kg(self, kwh_at: Iterable[tuple[int, float]]) -> tuple[float, float]:
         """(kgCO2e, kWh not covered) of energy given as (time ms, kWh) parts: each part at the
@@ -58,28 +69,10 @@ class GridIntensity:
                 kg += kwh * g / G_PER_KG
         return kg, uncovered
 
-    def micrograms(self, mj_by_bucket: Iterable[tuple[int, float]]) -> tuple[int, float]:
-        """(µgCO2e, mJ not covered) of energy in millijoules per ledger bucket (start ms)."""
-        ug = uncovered = 0.0
-        for t, mj in mj_by_bucket:
-            g = self.at(t)
-            if g is None:
-                uncovered += mj
-            else:
-                ug += mj / MJ_PER_KWH * g * 1e6
-        return round(ug), uncovered
-
-    def over(self, start_ms: int, end_ms: int) -> float | None:
-        """The one intensity in force over all of [start, end), or None where the series changes
-        inside it (a period longer than its rows) or does not cover it."""
-        if self.constant is not None:
-            return self.constant
-        g = self.at(start_ms)
-        if g is None or end_ms <= start_ms:
-            return g
-        i = bisect.bisect_right(self.starts_ms, start_ms) - 1
-        end = self.starts_ms[i + 1] if i + 1 < len(self.starts_ms) else self.starts_ms[i] + HOUR_MS
-        return g if end_ms <= end else None
+    def micrograms(self, mj_at: Iterable[tuple[int, float]]) -> tuple[int, float]:
+        """`kg` of energy in millijoules, as (µgCO2e, mJ not covered): the agent's counter."""
+        kg, uncovered = self.kg((t, mj / MJ_PER_KWH) for t, mj in mj_at)
+        return round(kg * 1e9), uncovered * MJ_PER_KWH
 
     def describe(self) -> str:
         if self.constant is not None:

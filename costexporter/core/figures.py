@@ -141,7 +141,7 @@ def job_figures(tl: Timeline) -> dict[str, float]:
         # What dates the job's wall time (goodput's ETTR): its first registration, and its end
         # (a clean end, or its claim lapsing; 0 while it runs).
         "start_ts": tl.start_ms / 1000,
-        "end_ts": (tl.end_ms or 0) / 1000,
+        "end_ts": tl.end_ms / 1000 if tl.end_ms is not None else 0,
     }
 
 

@@ -298,7 +298,7 @@ def job_goodput(
     submitted = attr.get(SUBMITTED_KEY) if attr is not None else None
     span = goodput.JobSpan(
         start_ms=None if start is None else round(start * 1000),
-        end_ms=None if end is None else round(end * 1000),
+        end_ms=round(end * 1000) if end else None,  # 0 (as "0.0" too): running
         width=int(info.get("ranks", 0)),
         submitted_ms=round(float(submitted) * 1000) if isinstance(submitted, float) else None,
     )
