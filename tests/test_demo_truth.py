@@ -108,8 +108,10 @@ def test_a_rerun_on_the_same_prefix_books_the_same_bill_and_the_api_agrees(prefi
     assert a.keys() == b.keys()
     moved = {k for k in a if a[k] != b[k]}
     assert all(("valid" in k or "overhead" in k or "productive" in k) for k in moved), moved
+    # Up to 10 story seconds of the job's 4 GPUs (on a loaded CI machine the split moved 4 s:
+    # 0.0044 GPU-h, over the 10 GPU-seconds allowed before).
     for k in moved:
-        near = abs(a[k] - b[k]) <= max(10 / 3600, 0.01 * abs(a[k]))
+        near = abs(a[k] - b[k]) <= max(10 * 4 / 3600, 0.01 * abs(a[k]))
         assert isinstance(a[k], float) and near, (k, a[k], b[k])
     ca, cb = bills[0]["costexporter"], bills[1]["costexporter"]
     assert ca["valid_gpu_hours"] + ca["overhead_gpu_hours"] == pytest.approx(
