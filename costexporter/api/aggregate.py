@@ -16,6 +16,7 @@ from costexporter.api.format import iso, micro, money, per_micro
 from costexporter.api.schemas import AllocationRow, Attributed
 from costexporter.core import carbon, goodput
 from costexporter.core.buckets import RESOLUTIONS
+from costexporter.core.carbon import G_PER_KG
 from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.model import CATEGORIES
 from costexporter.store.ledger_read import JOB_CATS, VALID, WASTED, Amounts, Steps, WindowTable
@@ -219,12 +220,17 @@ def table_rows(
         order = [i for m in members for i in m]
         cuts = np.cumsum([0] + [len(m) for m in members[:-1]])
         g = np.add.reduceat(table.net[order], cuts, axis=0)
-    held_ms, valid_ms = g[:, JOB_MS].sum(axis=1), g[:, VALID_MS].sum(axis=1)
-    hours = [(g[:, c].sum(axis=1) / MS_PER_HOUR).tolist() for c in (JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS)]
+    ms = [g[:, c].sum(axis=1) for c in (JOB_MS, VALID_MS, OVERHEAD_MS, WASTED_MS)]
+    hours = [(x / MS_PER_HOUR).tolist() for x in ms]
     # valid over held, as `goodput.runtime` divides (None where nothing was held)
-    runtime = [v / h if h > 0 else None for v, h in zip(valid_ms.tolist(), held_ms.tolist(), strict=True)]
-    kwh = (g[:, JOB_MJ].sum(axis=1) / MJ_PER_KWH).tolist()
-    kg = [carbon.kg_of(e, g_per_kwh) for e in kwh]
+    runtime: list[float | None] = (ms[1] / np.maximum(ms[0], 1)).tolist()
+    for i in np.flatnonzero(ms[0] <= 0).tolist():
+        runtime[i] = None
+    energy = g[:, JOB_MJ].sum(axis=1) / MJ_PER_KWH
+    kwh = energy.tolist()
+    kg: list[float | None] = (
+        [None] * len(kwh) if g_per_kwh is None else (energy * g_per_kwh / G_PER_KG).tolist()
+    )
     cost_u = g[:, JOB_U].sum(axis=1).tolist()
     wasted_u = g[:, WASTED_U].sum(axis=1).tolist()
     s, e = iso(start), iso(end)
