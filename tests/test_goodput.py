@@ -4,6 +4,8 @@ carbon at a constant or an hourly series, never guessed where the series stops."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -303,3 +305,21 @@ def test_the_api_counts_a_running_jobs_wall_time_to_the_window_end_or_now(shared
     shared.hset(keys.figures_key(prefix, "run"), "end_ts", T0 + 7200)
     body = api.get("/api/v1/jobs/run", params={"window": WINDOW}).json()
     assert body["goodput"]["ettr"] == pytest.approx(valid / (2 * 7_200_000))
+
+
+@pytest.mark.parametrize(
+    ("policy", "says"),
+    [
+        ("carbon_intensity: -3\n", "carbon_intensity: expected gCO2e/kWh"),
+        ("carbon_intensity: {file: grid.csv}\n", "carbon_intensity file grid.csv"),
+        ("carbon_intensity: {file: bad.csv}\n", "bad.csv line 1: 'noon' is not a time"),
+    ],
+)
+def test_commands_given_an_unusable_carbon_intensity_stop_with_one_line(tmp_path, cli, policy, says):
+    (tmp_path / "bad.csv").write_text("noon,300\n")
+    (tmp_path / "policy.yaml").write_text(policy)
+    trace = str(Path(__file__).resolve().parents[1] / "examples" / "r1-mini" / "node0.csv")
+    for cmd in (["api", "--port", "0"], ["replay", "--samples", trace]):
+        r = cli(*cmd, "--policy", str(tmp_path / "policy.yaml"))
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
