@@ -109,8 +109,8 @@ def parse_series(text: str, where: str) -> GridIntensity:
             continue
         if len(row) < 2:
             raise IntensityError(f"{where} line {n}: expected time,g_per_kwh")
-        if not starts and not _is_number(row[1]):
-            continue  # a header (before the first row)
+        if not starts and _header(row[1]):
+            continue
         try:
             t = parse_instant(row[0].strip(), dt.timezone.utc)
         except ValueError:
@@ -125,12 +125,13 @@ def parse_series(text: str, where: str) -> GridIntensity:
     return GridIntensity(None, tuple(starts), tuple(values), source=where)
 
 
-def _is_number(text: str) -> bool:
+def _header(value: str) -> bool:
+    """Whether a first row is a header: its value column is no number."""
     try:
-        float(text)
+        float(value)
     except ValueError:
-        return False
-    return True
+        return True
+    return False
 
 
 def parse_policy_intensity(
