@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from costexporter.core.archive import DAY_S
 from costexporter.core.buckets import RESOLUTIONS
+from costexporter.core.carbon import GridIntensity
 from costexporter.services.retention import Retention
 from costexporter.services.sealer import Sealer
 from costexporter.store import keys, ledger
@@ -356,11 +357,10 @@ def test_one_api_bills_several_clusters_from_their_partitions(tmp_path, cli):
         store = LedgerStore(
             r, p["east"], cold=ColdLedger(archive, "east"), others={"west": ColdLedger(archive, "west")}
         )
-        with served(store, cluster="east") as (url, _):
+        with served(store, cluster="east", carbon=GridIntensity(400.0)) as (url, _):
             get = lambda path, **q: httpx.get(url + path, params={"window": window, **q}, timeout=30)  # noqa: E731
-            by_cluster = {
-                row["key"]: row for row in get("/api/v1/allocation", aggregate="cluster").json()["rows"]
-            }
+            answer = get("/api/v1/allocation", aggregate="cluster").json()
+            by_cluster = {row["key"]: row for row in answer["rows"]}
             by_job = {row["key"]: row for row in get("/api/v1/allocation", aggregate="job").json()["rows"]}
             by_ct = {
                 row["key"]: row for row in get("/api/v1/allocation", aggregate="cluster,team").json()["rows"]
@@ -384,6 +384,12 @@ def test_one_api_bills_several_clusters_from_their_partitions(tmp_path, cli):
         assert oc_set["west"]["totalCost"] == pytest.approx(
             int(by_cluster["west"]["cost"].replace(".", "")) / 1e6
         )
+        # east's grid intensity is east's: west's jobs (and a group holding them) get no carbon
+        assert by_cluster["east"]["carbon_kg"] == pytest.approx(by_cluster["east"]["energy_kwh"] * 0.4)
+        assert by_cluster["west"]["carbon_kg"] is None and by_cluster["west"]["energy_kwh"] > 0
+        assert by_job["west:llm/a"]["carbon_kg"] is None and by_job["llm/a"]["carbon_kg"] > 0
+        assert any("other clusters' jobs" in w for w in answer["warnings"])
+        assert [r["carbon_kg"] for r in answer["rows"] if r["jobs"] == 0] == [None]  # both clusters' pool
         unassigned_rows = [row for row in by_job.values() if row["jobs"] == 0]
         assert unassigned_rows and unassigned_rows[0]["cost"] == "0.010000"  # 5,000 micro-units each
         bad = cli("api", "--redis-url", SHARED_URL, "--port", "0", "--archive-cluster", "west")

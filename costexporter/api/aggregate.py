@@ -195,11 +195,13 @@ def table_rows(
     start: int,
     end: int,
     g_per_kwh: float | None = None,
+    no_carbon: frozenset[int] = frozenset(),
 ) -> list[dict[str, Any]]:
     """`rows` over a `WindowTable` (the jobs at `visible`), as the rows' dicts: the groups are
     summed by column in one go and the figures computed per column, so 10,000 jobs cost a few
     array operations and one small dict each. Equal to `rows` (the same integer sums, the same
-    float divisions)."""
+    float divisions). `no_carbon`: jobs (indices) the intensity is not theirs (another cluster's):
+    their rows, and the groups that hold them, have no carbon."""
     jobs = table.jobs
     if fields == ["job"]:  # a row per job (the default): the key is the job's name
         order = sorted(visible, key=jobs.__getitem__)
@@ -231,6 +233,10 @@ def table_rows(
     kg: list[float | None] = (
         [None] * len(kwh) if g_per_kwh is None else (energy * g_per_kwh / G_PER_KG).tolist()
     )
+    if no_carbon:
+        for n, m in enumerate(members):
+            if not no_carbon.isdisjoint(m):
+                kg[n] = None
     cost_u = g[:, JOB_U].sum(axis=1).tolist()
     wasted_u = g[:, WASTED_U].sum(axis=1).tolist()
     s, e = iso(start), iso(end)

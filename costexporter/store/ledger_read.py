@@ -785,6 +785,10 @@ class LedgerStore:
         if foreign:  # other clusters' jobs: one chunk, from the archive
             yield foreign, *self._foreign_tables(foreign, spans, meta)
 
+    def foreign(self, jobs: list[str]) -> set[str]:
+        """Which of `jobs` are other clusters' (billed from the archive: `<cluster>:<job>`)."""
+        return set(self._split(jobs)[1])
+
     def _split(self, jobs: list[str]) -> tuple[list[str], list[str]]:
         """This cluster's jobs, and other clusters' (`<cluster>:<job>`)."""
         if not self.others:

@@ -94,6 +94,12 @@ def allocation_rows(
     alone: those rows are made chunk by chunk while Redis reads the next chunks, then sorted."""
     names = s.job_names(spans[0][0], spans[-1][1])  # other clusters': those sealed in the window
     grams = [None if intensity is None else intensity.over(a * 1000, b * 1000) for a, b in spans]
+    # this API's intensity is its own cluster's grid: another cluster's jobs get no carbon
+    foreign = s.foreign(names) if intensity is not None else set()
+    if foreign:
+        warn.add(
+            "carbon_kg", "null for other clusters' jobs: this API's carbon_intensity is its own cluster's"
+        )
     if intensity is not None and None in grams:
         warn.add(
             "carbon_kg",
@@ -106,8 +112,9 @@ def allocation_rows(
         for _jobs, metas, tables in s.table_chunks(names, spans, warn, meta=True):
             chunks += 1
             visible = [i for i, j in enumerate(_jobs) if who.sees(metas[j].get("team"))]
+            theirs = frozenset(i for i, j in enumerate(_jobs) if j in foreign)
             for rows, (start, end), table, g in zip(per_span, spans, tables, grams, strict=True):
-                rows += agg.table_rows(table, metas, visible, fields, start, end, g)
+                rows += agg.table_rows(table, metas, visible, fields, start, end, g, theirs)
         if chunks > 1:
             for rows in per_span:
                 rows.sort(key=_key)
@@ -118,15 +125,18 @@ def allocation_rows(
                 if not isinstance(m.get("cluster"), str) or not m["cluster"]:
                     m["cluster"] = cluster
         visible = [i for i, j in enumerate(names) if who.sees(metas[j].get("team"))]
+        theirs = frozenset(i for i, j in enumerate(names) if j in foreign)
         per_span = [
-            agg.table_rows(table, metas, visible, fields, start, end, g)
+            agg.table_rows(table, metas, visible, fields, start, end, g, theirs)
             for (start, end), table, g in zip(spans, tables, grams, strict=True)
         ]
     out: list[dict[str, Any]] = []
     for (start, end), rows, g in zip(spans, per_span, grams, strict=True):
         out += rows
         if who.all_teams:
-            out.append(agg.unassigned_row(s.unassigned(start, end, warn), start, end, g).model_dump())
+            # (the pool holds other clusters' unassigned time too, at their grids')
+            g_pool = None if s.others else g
+            out.append(agg.unassigned_row(s.unassigned(start, end, warn), start, end, g_pool).model_dump())
     return out
 
 
