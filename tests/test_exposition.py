@@ -139,13 +139,13 @@ def families(draw):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(families())
 def test_drawn_families_write_the_libraries_bytes(fams):
     assert_same(fams)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(families(), st.data())
 def test_frozen_families_written_ahead_are_served_as_the_libraries_bytes(fams, data):
     """Some families frozen (the agent's job families), some of them written ahead in one
