@@ -14,7 +14,7 @@ from importlib import resources
 from typing import Any
 
 from costexporter.core.events import bounded_number
-from costexporter.core.goodput import Work
+from costexporter.core.goodput import NO_FLOPS, Work
 from costexporter.core.profiles import model_key
 
 # Training FLOPs per parameter and token: the forward pass 2N, the backward 4N (Kaplan et al.
@@ -73,7 +73,7 @@ def work(meta: Mapping[str, Any], gpu_model: str | None, tokens: int) -> Work:
     peak = peak_flops(gpu_model, dtype) if dtype else None
     why = []
     if per_token is None:
-        why.append("program: the trainer posts no model_flops_per_token or model_params")
+        why.append(NO_FLOPS)
     if dtype is None:
         why.append(f"program: dtype {meta.get('dtype')!r} is not one of {', '.join(DTYPES)}")
     elif peak is None:

@@ -94,6 +94,9 @@ class JobSpan:
     submitted_ms: int | None = None
 
 
+NO_FLOPS = "program: the trainer posts no model_flops_per_token or model_params"
+
+
 @dataclass(frozen=True, slots=True)
 class Work:
     """What the program layer needs: the valid steps' tokens, the model FLOPs per token and the
@@ -134,7 +137,7 @@ def job_goodput(
             span.submitted_ms, span.start_ms, window[1] if span.end_ms is None else span.end_ms
         )
     mfu = None
-    work = work or Work(why_not=("program: the trainer posts no model_flops_per_token or model_params",))
+    work = work or Work(why_not=(NO_FLOPS,))
     if work.why_not:
         notes.extend(work.why_not)
     else:
