@@ -23,6 +23,7 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from costexporter.core.booking import BookingConfig
+from costexporter.core.carbon import GridIntensity
 from costexporter.core.model import CATEGORIES
 from costexporter.core.replay import ReplayConfig, book_trace
 from costexporter.core.timeutil import to_ms
@@ -36,6 +37,7 @@ from costexporter.trainer.transport import send_entries
 from .conftest import SHARED_URL, drop_prefix
 from .test_agent import event_entry
 
+G_PER_KWH = 400.0  # the agents' grid intensity (gCO2e/kWh)
 HOLD_S = 60.0  # unassigned time is booked this long after it was sampled
 ROUND_S = 15.0  # data seconds between rounds
 LAG_S = 30.0  # the agents book this far behind their newest sample: events up to this late are on time
@@ -240,7 +242,9 @@ class Run:
             other.stretch("idle", (self.end - self.t0) + 4 * ROUND_S)
             self.agents.append(self._agent(other.samples()))
 
-    agent_kw: ClassVar[dict] = {}  # more of the agents' configuration (a subclass's policy)
+    # more of the agents' configuration (a subclass's policy); a grid intensity: the agents count
+    # carbon with their watermarks, exactly once like the amounts (`carbon_counted_once`)
+    agent_kw: ClassVar[dict] = {"carbon": GridIntensity(G_PER_KWH)}
 
     def _agent(self, samples=None) -> Agent:
         started = [False]
@@ -322,6 +326,25 @@ class Run:
                 self.faults["after_round"](self, rounds)
         for _ in range(3):
             self.tick()
+
+    def carbon_counted_once(self, jobs: list[str]) -> None:
+        """Each job's carbon in its agent's watermark is the energy its ledger holds at the
+        policy's intensity, whatever crashed or restarted: counted once, with the amounts (a round
+        counted twice or lost would be off by its whole energy, far over the rounding)."""
+        if "carbon" not in self.agent_kw:
+            return
+        for j in jobs:
+            wm = ledger.load_watermark(self.client, self.prefix, j, "node0") or {}
+            total = ledger.read_amounts(self.client, self.prefix, j)
+            # net of a resume's corrections (the voided energy is in rolled_back as well)
+            mj = sum(
+                total.get(ledger.amount_field(c, "mj"), 0)
+                - total.get(ledger.amount_field(c, "mj", voided=True), 0)
+                for c in CATEGORIES
+            )
+            want_ug = mj / 3.6e9 * G_PER_KWH * 1e6
+            got_ug = int(wm.get("carbon_ug", 0))
+            assert abs(got_ug - want_ug) <= 1000 + 1e-6 * want_ug, (j, got_ug, want_ug, mj)
 
     def ledger(self, jobs: list[str]) -> dict:
         out = {j: ledger.net_ms(ledger.read_amounts(self.client, self.prefix, j)) for j in jobs}
@@ -488,6 +511,7 @@ def test_every_gpu_second_once_and_the_same_ledger_under_faults(scenario):
             run = Run(client, prefix, a, jobs, f)
             run.run()
             results[kind] = run.ledger(names)
+            run.carbon_counted_once(names)
             u = ledger.load_watermark(client, prefix, ledger.UNASSIGNED_JOB, "node0")["booked_until"]
         finally:
             drop_prefix(client, prefix)

@@ -660,6 +660,7 @@ def ledger_delta(
         win=state.win,
         win_next=res.next_window or state.win_next,
         unread=list(state.unread),
+        carbon_ug=state.carbon_ug,  # the agent adds this round's (it knows the grid's intensity)
     )
     new_voids = v.applied - state.rb_applied
     return LedgerDelta(

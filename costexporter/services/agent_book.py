@@ -350,7 +350,7 @@ class JobBooker:
             ug, uncovered = cfg.carbon.micrograms(
                 (t * 1000, float(a[JOB_CODES, 1].sum())) for t, a in delta.by_bucket.items()
             )
-            delta.state.carbon_ug = job.state.carbon_ug + ug
+            delta.state.carbon_ug += ug
             if uncovered:
                 self.stats["carbon_uncovered_rounds"] += 1
         figures = round_figures(delta, job.preflight, progress, w.profile, cfg.agent_id, tl, res.horizon_ms)
