@@ -323,3 +323,27 @@ def test_commands_given_an_unusable_carbon_intensity_stop_with_one_line(tmp_path
         r = cli(*cmd, "--policy", str(tmp_path / "policy.yaml"))
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_api_weighs_a_jobs_buckets_at_the_series_and_withholds_what_it_leaves_out(shared, prefix):
+    """Two hours of a job (1.1e9 mJ in each hour's first bucket): at 100 then 300 gCO2e/kWh, each
+    bucket at its own hour's; a series that stops after the first hour gives no figure, and says so."""
+    from fastapi.testclient import TestClient
+
+    from costexporter.api.app import create_app
+    from costexporter.store.ledger_read import LedgerStore
+    from tests.api_helpers import T0, WINDOW, write_job
+
+    write_job(shared, prefix, "run", "llm")
+    both = parse_series(f"{T0},100\n{T0 + 3600},300\n", "grid.csv")
+    body = TestClient(create_app(LedgerStore(shared, prefix), carbon=both)).get(
+        "/api/v1/jobs/run", params={"window": WINDOW}
+    )
+    kwh = 1.1e9 / carbon.MJ_PER_KWH
+    assert body.json()["carbon_kg"] == pytest.approx(kwh * 0.1 + kwh * 0.3)
+    first = parse_series(f"{T0},100\n", "grid.csv")
+    body = TestClient(create_app(LedgerStore(shared, prefix), carbon=first)).get(
+        "/api/v1/jobs/run", params={"window": WINDOW}
+    )
+    assert body.json()["carbon_kg"] is None and body.json()["energy_kwh"] == pytest.approx(2 * kwh)
+    assert any("series leaves" in w for w in body.json()["warnings"])

@@ -69,6 +69,17 @@ class GridIntensity:
                 kg += kwh * g / G_PER_KG
         return kg, uncovered
 
+    def kg_of_energy(
+        self, kwh: float, parts: Callable[[], Iterable[tuple[int, float]]]
+    ) -> tuple[float | None, float]:
+        """(kgCO2e, kWh not covered) of `kwh` of energy: at the constant, or each of its `parts`
+        (made only for a series) at its time; None where the series leaves some out. The API's
+        job page and replay's report both take their figure from here."""
+        if self.constant is not None:
+            return kg_of(kwh, self.constant), 0.0
+        kg, uncovered = self.kg(parts())
+        return (None if uncovered > 0 else kg), uncovered
+
     def micrograms(self, mj_at: Iterable[tuple[int, float]]) -> tuple[int, float]:
         """`kg` of energy in millijoules, as (µgCO2e, mJ not covered): the agent's counter."""
         kg, uncovered = self.kg((t, mj / MJ_PER_KWH) for t, mj in mj_at)
@@ -86,17 +97,17 @@ def kg_of(kwh: float, g_per_kwh: float | None) -> float | None:
 
 
 def _value(raw: object, where: str) -> float:
-    if isinstance(raw, bool):
-        raise IntensityError(f"{where}: expected gCO2e/kWh, a number in [0, {MAX_G_PER_KWH:g}), got {raw!r}")
-    try:
-        v = float(raw)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise IntensityError(
-            f"{where}: expected gCO2e/kWh, a number in [0, {MAX_G_PER_KWH:g}), got {raw!r}"
-        ) from None
-    if not (math.isfinite(v) and 0 <= v < MAX_G_PER_KWH):
+    v = None if isinstance(raw, bool) else _float(raw)
+    if v is None or not (math.isfinite(v) and 0 <= v < MAX_G_PER_KWH):
         raise IntensityError(f"{where}: expected gCO2e/kWh, a number in [0, {MAX_G_PER_KWH:g}), got {raw!r}")
     return v
+
+
+def _float(raw: object) -> float | None:
+    try:
+        return float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 def parse_series(text: str, where: str) -> GridIntensity:
@@ -109,8 +120,8 @@ def parse_series(text: str, where: str) -> GridIntensity:
             continue
         if len(row) < 2:
             raise IntensityError(f"{where} line {n}: expected time,g_per_kwh")
-        if not starts and _header(row[1]):
-            continue
+        if not starts and _float(row[1]) is None:
+            continue  # a header: its value column is no number
         try:
             t = parse_instant(row[0].strip(), dt.timezone.utc)
         except ValueError:
@@ -125,25 +136,17 @@ def parse_series(text: str, where: str) -> GridIntensity:
     return GridIntensity(None, tuple(starts), tuple(values), source=where)
 
 
-def _header(value: str) -> bool:
-    """Whether a first row is a header: its value column is no number."""
-    try:
-        float(value)
-    except ValueError:
-        return True
-    return False
-
-
 def parse_policy_intensity(
-    raw: object, where: str, read: Callable[[str], str] = lambda p: Path(p).read_text(encoding="utf-8")
+    raw: object, where: str, read: Callable[[str], str] | None = None
 ) -> GridIntensity:
-    """The policy's `carbon_intensity`: a number, or {file: PATH} of an hourly series."""
+    """The policy's `carbon_intensity`: a number, or {file: PATH} of an hourly series (`read`
+    reads it; default: the path as given)."""
     if isinstance(raw, Mapping):
         path = raw.get("file")
         if set(raw) != {"file"} or not isinstance(path, str) or not path:
             raise IntensityError(f"{where}: carbon_intensity is a number (gCO2e/kWh) or {{file: PATH}}")
         try:
-            text = read(path)
+            text = read(path) if read is not None else Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise IntensityError(f"{where}: carbon_intensity file {path}: {e.strerror or e}") from None
         return parse_series(text, f"{where}: carbon_intensity file {path}")

@@ -15,7 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import bandtable, carbon, flops, idle, jobfacts, profiles
+from costexporter.core import bandtable, flops, idle, jobfacts, profiles
 from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.booking import (
     NEG_INF,
@@ -750,8 +750,6 @@ def _per_step(cost: float, valid: int) -> float | None:
 def job_goodput(r: JobResult, cfg: ReplayConfig, terms: JobTerms, cat_ms: np.ndarray, tokens: int) -> Goodput:
     """The job's goodput layers over the whole trace (`core.goodput`), as the API computes them
     from the ledger: its span from its timeline, its width its registered ranks."""
-    held = np.ones(len(Category), bool)
-    held[Category.UNASSIGNED] = False
     p = r.pieces
     booked = p.end_ms[p.category != Category.UNASSIGNED]
     tl = r.timeline
@@ -766,7 +764,7 @@ def job_goodput(r: JobResult, cfg: ReplayConfig, terms: JobTerms, cat_ms: np.nda
     gpu_model = cfg.gpu_model or next((g.name for g in r.gpus if g.name), None) or r.meta.get("gpu_model")
     return job_goodput_of(
         float(cat_ms[VALID_CODES].sum()),
-        float(cat_ms[held].sum()),
+        float(cat_ms[JOB_CODES].sum()),
         span,
         (tl.start_ms, end if tl.end_ms is None else max(end, tl.end_ms)),
         flops.work(r.meta, gpu_model if isinstance(gpu_model, str) else None, tokens),
@@ -779,13 +777,13 @@ def job_carbon(r: JobResult, cfg: ReplayConfig, kwh: float) -> float | None:
     a bucket out (the API's rule)."""
     if cfg.carbon is None:
         return None
-    if cfg.carbon.constant is not None:
-        return carbon.kg_of(kwh, cfg.carbon.constant)
-    parts = (
-        (t * 1000, float(a[JOB_CODES, 1].sum()) / MJ_PER_KWH) for t, a in amounts(r.pieces, Prices()).items()
-    )
-    kg, uncovered = cfg.carbon.kg(parts)
-    return None if uncovered > 0 else kg
+    return cfg.carbon.kg_of_energy(
+        kwh,
+        lambda: (
+            (t * 1000, float(a[JOB_CODES, 1].sum()) / MJ_PER_KWH)
+            for t, a in amounts(r.pieces, Prices()).items()
+        ),
+    )[0]
 
 
 def job_terms_of(r: JobResult, cfg: ReplayConfig) -> JobTerms:
@@ -847,7 +845,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
     figs = job_figures(tl)
     valid, tokens = figs["valid_steps"], figs["tokens"]
     cost_total = float(cat_cost.sum())
-    kwh = float((cat_mj.sum() - cat_mj[Category.UNASSIGNED]) / MJ_PER_KWH)
+    kwh = float(cat_mj[JOB_CODES].sum() / MJ_PER_KWH)
     kg = job_carbon(r, cfg, kwh)
     good = job_goodput(r, cfg, terms, cat_ms, int(tokens))
     wasted_ms = sum(cat_ms[c] for c in WASTED_CATEGORIES)

@@ -196,7 +196,7 @@ def parse_policy_file(
     intensity = None
     if doc.get("carbon_intensity") is not None:
         try:
-            intensity = parse_policy_intensity(doc["carbon_intensity"], where, *((read,) if read else ()))
+            intensity = parse_policy_intensity(doc["carbon_intensity"], where, read)
         except IntensityError as e:
             raise PolicyError(str(e)) from None
     return PolicyFile(

@@ -24,6 +24,11 @@ from costexporter.services.notify import RUNBOOKS, runbook_url  # the rule the w
 # PromQL regexes of the category label (stalled|idle|no_progress|rolled_back, productive|...).
 WASTED = "|".join(WASTED_NAMES)
 VALID = "|".join(VALID_NAMES)
+# The booked GPU time the records sum: a job's (every category but unassigned), its valid part,
+# and the valid time a resume voided (counted again in rolled_back: `_net` takes it off).
+TIME_HELD = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
+TIME_VALID = f'costexporter_gpu_time_seconds_total{{category=~"{VALID}"}}'
+TIME_VOIDED = "costexporter_voided_gpu_time_seconds_total"
 
 
 @dataclass(frozen=True)
@@ -228,11 +233,11 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         f")\n{not_ended}"
     )
     waste = f"training_job:costexporter_waste_ratio:ratio_{w.waste_window} > {w.waste_ratio}"
-    time_all = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
+    time_all = TIME_HELD
     time_wasted = f'costexporter_gpu_time_seconds_total{{category=~"{WASTED}"}}'
     by_job, by_cur = "sum by (training_job)", "sum by (training_job, currency)"
     cost_net = _net(f"{by_cur} (costexporter_cost_total)", f"{by_cur} (costexporter_voided_cost_total)")
-    time_voided = "costexporter_voided_gpu_time_seconds_total"
+    time_voided = TIME_VOIDED
     voided_h = f"{by_job} ({time_voided})"
     records = [
         {"record": "training_job:costexporter_cost:sum", "expr": cost_net},
@@ -252,9 +257,7 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         },
         {
             "record": "training_job:costexporter_valid_gpu_hours:sum",
-            "expr": "("
-            + _net(f'{by_job} (costexporter_gpu_time_seconds_total{{category=~"{VALID}"}})', voided_h)
-            + ") / 3600",
+            "expr": "(" + _net(f"{by_job} ({TIME_VALID})", voided_h) + ") / 3600",
         },
         {
             # Booked wasted time (rolled_back includes the valid time later voided by resumes).
@@ -375,9 +378,6 @@ def goodput_records(w: RuleWindows) -> list[dict[str, Any]]:
     energy and carbon per valid step."""
     by_job = "sum by (training_job)"
     job_info = "max by (training_job, team) (costexporter_job_info)"
-    time_all = 'costexporter_gpu_time_seconds_total{category!="unassigned"}'
-    time_valid = f'costexporter_gpu_time_seconds_total{{category=~"{VALID}"}}'
-    voided = "costexporter_voided_gpu_time_seconds_total"
     out: list[dict[str, Any]] = []
     for win in (w.goodput_short, w.goodput_long):
         valid = f"training_job:costexporter_valid_gpu_seconds:increase_{win}"
@@ -387,13 +387,13 @@ def goodput_records(w: RuleWindows) -> list[dict[str, Any]]:
             {
                 "record": valid,
                 "expr": _net(
-                    f"{by_job} (increase({time_valid}[{win}]))", f"{by_job} (increase({voided}[{win}]))"
+                    f"{by_job} (increase({TIME_VALID}[{win}]))", f"{by_job} (increase({TIME_VOIDED}[{win}]))"
                 ),
             },
             {
                 "record": held,
                 "expr": _net(
-                    f"{by_job} (increase({time_all}[{win}]))", f"{by_job} (increase({voided}[{win}]))"
+                    f"{by_job} (increase({TIME_HELD}[{win}]))", f"{by_job} (increase({TIME_VOIDED}[{win}]))"
                 ),
             },
             {

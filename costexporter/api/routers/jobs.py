@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Iterable
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
@@ -27,7 +28,7 @@ from costexporter.api.schemas import (
     WindowOut,
 )
 from costexporter.api.windows import Window
-from costexporter.core import carbon, flops, goodput
+from costexporter.core import flops, goodput
 from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
 from costexporter.core.carbon import GridIntensity
@@ -320,12 +321,14 @@ def job_carbon(
     uncovered (said)."""
     if intensity is None:
         return None
-    if intensity.constant is not None:
-        return carbon.kg_of(kwh, intensity.constant)
-    res = "5m" if (w.end - w.start) / STEP_S["5m"] <= MAX_POINTS else "1h"
-    starts, m = s.series_matrix(job, w.start, w.end, res, warn)
-    parts = (m[:, 1::3][:, JOB_IDX].sum(axis=1) / MJ_PER_KWH).tolist()
-    kg, uncovered = intensity.kg((t * 1000, e) for t, e in zip(starts, parts, strict=True))
+
+    def parts() -> Iterable[tuple[int, float]]:  # read only for a series
+        res = "5m" if (w.end - w.start) / STEP_S["5m"] <= MAX_POINTS else "1h"
+        starts, m = s.series_matrix(job, w.start, w.end, res, warn)
+        kwh_at = (m[:, 1::3][:, JOB_IDX].sum(axis=1) / MJ_PER_KWH).tolist()
+        return ((t * 1000, e) for t, e in zip(starts, kwh_at, strict=True))
+
+    kg, uncovered = intensity.kg_of_energy(kwh, parts)
     if uncovered > 0:
         warn.add(
             job, f"carbon_kg: the grid intensity series leaves {uncovered:.3g} kWh of the window uncovered"
