@@ -322,6 +322,14 @@ def to_table(report: ReplayReport, incident_floor_s: float = INCIDENT_FLOOR_S) -
         s = j.get("straggler")
         if s:
             console.print(f"straggler: rank {s['rank']} ({s['host']} GPU {s['gpu']})")
+        for slow in j.get("slow_ranks") or []:
+            console.print(
+                f"slow rank {slow['rank']} ({slow['host']} GPU {slow['gpu']}): held every GPU longer for "
+                f"{slow['blocks']} min, {slow['gpu_hours']:.3f} GPU-h, {slow['cost']:.2f} {cur}"
+            )
+        untold = j.get("slow_ranks_untold_minutes")
+        if untold:
+            console.print(f"slow ranks: steps too short for the sampling in {untold} min (not told)")
         listed = [i for i in j["incidents"] if i["end"] - i["start"] >= incident_floor_s]
         short = [i for i in j["incidents"] if i["end"] - i["start"] < incident_floor_s]
         if listed:

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from costexporter.core import bandtable
+from costexporter.core import straggler as straggler_mod
 from costexporter.core.model import Band
 from costexporter.core.profiles import Profile, profile_edges
 
@@ -33,6 +34,9 @@ class BandResult:
     signatures: list[tuple[int, int, list[int]]] = field(default_factory=list)
     carry: RunCarry | None = None  # the run open at `carry_at_ms` (None: none open there)
     starved: Starved | None = None  # the straggler's evidence (None: no starvation counted)
+    # Per block (its start, Unix ms): each rank's time at compute power over the moments counted
+    # (core/straggler.py: the slow rank's lead, priced).
+    busy: dict[int, straggler_mod.Busy] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +159,7 @@ def classify(
     cell = max(int(interval_ms), 1)
     hold = int(gap_intervals * interval_ms)
 
+    read_w = power_w  # as read: the slow rank's evidence weighs every reading, ramps included
     power_w = deramp(rank, power_w, profile, int(interval_ms))
     climbed = None
     k_ramp, _ = ramp_samples(int(interval_ms))
@@ -249,10 +254,24 @@ def classify(
         band[at == 3] = Band.CHECKPOINT
 
     starved = None
+    at_ms = t0 + cols * cell
+    counted = np.ones(n_cols, bool)
     if count_from_ms is not None:  # a window: the moments an earlier one counted are not again
-        starv = starv & (t0 + cols * cell >= count_from_ms)
+        counted &= at_ms >= count_from_ms
     if count_to_ms is not None:  # nor those the next one will
-        starv = starv & (t0 + cols * cell < count_to_ms)
+        counted &= at_ms < count_to_ms
+    starv = starv & counted
+    evidence = {}
+    if n_ranks >= straggler_mod.MIN_RANKS and step_ms is not None and step_ms.size:
+        if power_w is read_w and present is None:  # P holds every reading as read, none held
+            R = P
+        else:  # the power as read (ramps weigh as they were read), NaN where a reading is missing
+            R = np.full(shape, np.nan, np.float32)
+            if block_rank is not None:
+                R[block_rank] = read_w.reshape(shape)
+            else:
+                R.ravel()[flat] = read_w
+        evidence = straggler_mod.evidence(R, U, counted & ~dead & ~ckpt, at_ms, cell, profile, step_ms)
     if starv.any():
         u = np.where(mid[:, starv], U[:, starv], np.nan)
         starved = Starved(np.asarray(np.nansum(u, 1, dtype=np.float64)), (~np.isnan(u)).sum(1))
@@ -266,6 +285,7 @@ def classify(
         starved=starved,
         signatures=signatures,
         carry=carry_out,
+        busy=evidence,
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import bandtable, flops, idle, jobfacts, profiles
+from costexporter.core import bandtable, flops, idle, jobfacts, profiles, straggler
 from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.booking import (
     NEG_INF,
@@ -65,6 +65,7 @@ from costexporter.core.replayreport import (
     JobReport,
     ProfileReport,
     ReplayReport,
+    SlowRankReport,
     Straggler,
     Unassigned,
 )
@@ -807,6 +808,32 @@ def _totals_by_key(key: np.ndarray, size: int, *weights: np.ndarray) -> list[np.
     return [np.bincount(key, weights=w, minlength=size) for w in weights]
 
 
+def slow_ranks(r: JobResult, valid_ms: float, valid_cost: float) -> tuple[list[SlowRankReport], int]:
+    """Every rank judged slow in some block (core/straggler.py), its GPU-hours priced at the job's
+    own cost of a valid GPU-hour (the steps were valid; they cost more), most costly first; and
+    the blocks whose steps were too short for the sampling to tell."""
+    led = straggler.Ledger()
+    led.add(r.band_result.busy)
+    led.close(None, int(r.ranks.max()) + 1 if r.ranks.size else 0, r.band_result.interval_ms, r.profile)
+    per_ms = valid_cost / valid_ms if valid_ms > 0 else 0.0
+    out: list[SlowRankReport] = []
+    for rank, gpu_s in sorted(led.gpu_s.items(), key=lambda kv: -kv[1]):
+        idx = np.flatnonzero(r.ranks == rank)
+        g = r.gpus[int(idx[0])] if idx.size else None
+        out.append(
+            {
+                "rank": rank,
+                "host": g.host if g else None,
+                "gpu": g.index if g else None,
+                "uuid": g.uuid if g else None,
+                "gpu_hours": gpu_s / 3600,
+                "cost": _money(gpu_s * 1000 * per_ms),
+                "blocks": led.blocks[rank],
+            }
+        )
+    return out, led.coarse
+
+
 def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
     """The JSON object of one job (schema: costexporter/schemas/replay-output.schema.json)."""
     p = r.pieces
@@ -861,6 +888,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
         if idx.size:
             g = r.gpus[int(idx[0])]
             straggler = {"rank": int(rank), "host": g.host, "gpu": g.index, "uuid": g.uuid}
+    slow, coarse = slow_ranks(r, float(cat_ms[VALID_CODES].sum()), float(cat_cost[VALID_CODES].sum()))
     return {
         "gpu_hours": {c: float(cat_ms[i] / MS_PER_HOUR) for i, c in enumerate(CATEGORIES)},
         "energy_kwh": {c: float(cat_mj[i] / MJ_PER_KWH) for i, c in enumerate(CATEGORIES)},
@@ -896,6 +924,8 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
         if figs["last_checkpoint_step"] >= 0
         else None,
         "straggler": straggler,
+        "slow_ranks": slow,
+        "slow_ranks_untold_minutes": coarse,
         "meta": r.meta,
         "preflight": r.preflight,
         "gpus": [

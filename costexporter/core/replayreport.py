@@ -40,6 +40,18 @@ class Straggler(TypedDict):
     uuid: str | None
 
 
+class SlowRankReport(TypedDict):
+    """A rank that held every GPU of the job longer than the next slowest would have, priced."""
+
+    rank: int
+    host: str | None
+    gpu: int | None
+    uuid: str | None
+    gpu_hours: float  # the what-if: its extra compute time x the job's ranks
+    cost: float  # those GPU-hours at the job's cost of a valid GPU-hour
+    blocks: int  # minutes (core/straggler.BLOCK_MS) in which it was the slow rank
+
+
 class GpuPlace(TypedDict):
     host: str
     gpu: int
@@ -106,6 +118,8 @@ class JobReport(TypedDict):
     stall_threshold_s: float
     last_checkpoint_step: int | None
     straggler: Straggler | None
+    slow_ranks: list[SlowRankReport]
+    slow_ranks_untold_minutes: int  # steps too short for the sampling: no slow rank told
     meta: dict[str, Any]
     preflight: dict[str, Any] | None
     gpus: list[GpuReport]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from costexporter.core import bands as bands_mod
+from costexporter.core import straggler
 from costexporter.core.booking import NEG_INF, POS_INF, BookingConfig, Pieces, Timeline, hiccup_ms, job_bands
 from costexporter.core.live import TraceConstants, book_window
 from costexporter.core.profiles import Profile
@@ -118,6 +119,7 @@ class _Windows:
         self.parts: list[Pieces] = []
         self.sigs: dict[int, tuple[int, int, list[int]]] = {}
         self.starved: bands_mod.Starved | None = None
+        self.busy: dict[int, straggler.Busy] = {}  # per block, over the job's time only
         self.since = NEG_INF
         self.carry: bands_mod.RunCarry | None = None
         self.banded_until, self.booked_until = NEG_INF, NEG_INF
@@ -193,6 +195,8 @@ class _Windows:
             return
         self.parts.append(res.pieces.merged())
         self._found(idx, ts, br, None if final and not more else res.horizon_ms)
+        for b, busy in br.busy.items():
+            self.busy[b] = busy.add(self.busy.get(b))
         self.booked_until = max(self.booked_until, res.horizon_ms)
         if res.next_window is not None:
             self.since, _, self.carry = res.next_window
@@ -209,5 +213,6 @@ class _Windows:
                 [self.sigs[k] for k in sorted(self.sigs)],
                 None,
                 self.starved,
+                busy=self.busy,
             ),
         )

@@ -169,6 +169,62 @@ class TraceBuilder:
         self.t += n_t * self.interval_s
         return self
 
+    def synchronous(
+        self,
+        steps: int,
+        compute_s: float,
+        comm_s: float,
+        *,
+        slow: dict[int, float] | None = None,
+        jitter: float = 0.02,
+        average: bool = False,
+        tokens: int | None = None,
+    ) -> float:
+        """`steps` data-parallel steps on every GPU: each rank computes `compute_s` (rank r
+        `1 + slow[r]` times longer; every rank's every step +-`jitter`), spins in the collective at
+        low power and ~100% until the slowest is done, then all communicate `comm_s`; rank 0 posts
+        each step. Readings every `interval_s`: instantaneous, or (`average`) the mean power over
+        the interval before, as NVML's 1-s average reads. Returns the what-if: the GPU-seconds the
+        job would not have held had the slow ranks been as fast as the rest."""
+        fine = 0.01  # s: the grid the GPUs' states are drawn on before they are read
+        slow = slow or {}
+        n = self.n_gpus
+        c = compute_s * (1 + self.rng.uniform(-jitter, jitter, (steps, n)))
+        base = c.max(1)
+        for r, x in slow.items():
+            c[:, r] *= 1 + x
+        saved = float(n * (c.max(1) - base).sum())
+        step_len = c.max(1) + comm_s
+        edges = np.concatenate([[0.0], np.cumsum(step_len)])
+        n_fine = int(np.ceil(edges[-1] / fine))
+        t = (np.arange(n_fine) + 0.5) * fine
+        k = np.minimum(np.searchsorted(edges, t, side="right") - 1, steps - 1)
+        into = t - edges[k]
+        lo, hi = self.states["compute"][:2]
+        level = {s: (self.states[s][0] + self.states[s][1]) / 2 for s in ("deadlock", "communication")}
+        power = np.empty((n, n_fine))
+        for r in range(n):
+            computing = into < c[k, r]
+            waiting = ~computing & (into < c[k].max(1))
+            power[r] = np.where(
+                computing,
+                self.rng.uniform(lo, hi, n_fine),
+                np.where(waiting, level["deadlock"], level["communication"]),
+            )
+        per = max(round(self.interval_s / fine), 1)
+        n_t = n_fine // per
+        if average:
+            read = power[:, : n_t * per].reshape(n, n_t, per).mean(2)
+        else:
+            read = power[:, per - 1 : n_t * per : per]
+        ts = self.t + (np.arange(n_t) + 1) * per * fine
+        self._rows.append((np.arange(n), ts, read, np.full((n, n_t), 100.0)))
+        for i in range(steps):
+            self.step += 1
+            self.event("step", rank=0, ts=self.t + edges[i + 1], step=self.step, tokens=tokens)
+        self.t += n_t * per * fine
+        return saved
+
     def gap(self, duration_s: float) -> TraceBuilder:
         """Time passes with no samples from any GPU."""
         self.t += duration_s
