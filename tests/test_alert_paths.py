@@ -238,20 +238,27 @@ def _alert(name: str, source: str, job: str = "j", **labels: str) -> dict:
 @pytest.mark.skipif(ALERTMANAGER is None, reason="no prometheus-alertmanager (.ci/run installs it)")
 def test_the_shipped_alertmanager_config_pages_once_per_stop(tmp_path):
     """Both paths' JobHung stay two alerts (their identities differ by `source`); the watcher's
-    inhibits the rules' one and a CostSlopeWithoutSteps of the same job; the same job name in
-    another cluster is not inhibited."""
+    inhibits the rules' one and a CostSlopeWithoutSteps of the same job; DataStarvation holds
+    back the same job's SlowRank; the same job name in another cluster is not inhibited."""
     with running_alertmanager(SHIPPED_AM, tmp_path / "am") as base:
         _post(base, [
             _alert("JobHung", "watcher", cluster="east"),
             _alert("JobHung", "rules", cluster="east"),
             _alert("CostSlopeWithoutSteps", "rules", cluster="east"),
             _alert("CostSlopeWithoutSteps", "rules", cluster="west"),
+            _alert("DataStarvation", "rules", cluster="east", rank="5"),
+            _alert("SlowRank", "rules", cluster="east", rank="2"),
+            _alert("SlowRank", "rules", cluster="west", rank="2"),
         ])  # fmt: skip
         want = {
             ("JobHung", "watcher", "east"): "active",
             ("JobHung", "rules", "east"): "suppressed",
             ("CostSlopeWithoutSteps", "rules", "east"): "suppressed",
             ("CostSlopeWithoutSteps", "rules", "west"): "active",
+            # one straggler page a job
+            ("DataStarvation", "rules", "east"): "active",
+            ("SlowRank", "rules", "east"): "suppressed",
+            ("SlowRank", "rules", "west"): "active",
         }
         # Alertmanager works out an alert's state when asked, from what its inhibitor has taken
         # in so far: a target can read "active" until the inhibitor has its source. So the test

@@ -325,6 +325,42 @@ def test_data_starvation_names_the_straggler(tmp_path):
     _run(tmp_path, SHIPPED, tests)
 
 
+@needs_promtool
+def test_slow_rank_fires_for_a_persistent_straggler_named_with_its_host(tmp_path):
+    n = "SlowRank"
+    bands = _gpus(_all("compute", "1x40"), {r: "0.95x40" for r in range(4)})
+    firing = [
+        {
+            "exp_labels": {"severity": "warning", "training_job": "j", "rank": "2", "host": "n1", "gpu": "0"},
+            "exp_annotations": {
+                "summary": "j: rank 2 slows every step",
+                "description": "Rank 2 (n1 GPU 0) computes longer than the others: it held the job's GPUs "
+                "600 GPU-seconds longer over 10m (the what-if, priced on the job page).",
+            },
+        }
+    ]
+
+    def slow(*per_agent: str) -> list[dict]:
+        return [
+            _series("costexporter_straggler_gpu_seconds_total", f'{J},rank="2",instance="a{i}"', v)
+            for i, v in enumerate(per_agent)
+        ]
+
+    tests = [
+        # both agents price it, 30 GPU-s a minute each: fires once it has lasted `for`
+        _case(bands + slow("0+30x40", "0+30x40"), [("10m", n, []), ("20m", n, firing)]),
+        # one slow spell of 5 minutes: not persistent
+        _case(bands + slow("0+30x5 150x35", "0+30x5 150x35"), [("8m", n, []), ("20m", n, [])]),
+        # nor once the job has ended
+        _case(
+            _gpus(_all("compute", "1x40"), {r: "0.95x40" for r in range(4)}, ended="0x8 1x32")
+            + slow("0+30x40", "0+30x40"),
+            [("20m", n, [])],
+        ),
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
 # ---- HighWasteRatio, BudgetExceeded ---------------------------------------------------------
 def _time(wasted: str, productive: str) -> list[dict]:
     return [

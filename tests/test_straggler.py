@@ -4,6 +4,10 @@ real-like traces without one; 'cannot tell' where the steps are too short for th
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +18,7 @@ from costexporter.core.model import VALID_NAMES
 from costexporter.core.replay import ReplayConfig, book_trace, job_report
 from costexporter.sources.synth import TraceBuilder
 from tests.realtrace import Scenario
+from tests.test_live import book_seen
 
 H100 = profiles.select("NVIDIA H100 80GB HBM3")
 
@@ -158,3 +163,130 @@ def test_a_block_judges_nothing_without_a_step_or_three_ranks_or_with_peers_apar
     assert straggler.judge(0, busy([400 * 60.0, 500 * 60.0], 60), 2, H100) is None
     # the others themselves 10% of the range apart (sd 5%): a lead of 12.5% is within 3 sd
     assert straggler.judge(0, busy([400 * 60.0, 440 * 60.0, 420 * 60.0, 490 * 60.0], 60), 4, H100) is None
+
+
+def test_two_agents_price_the_slow_rank_as_replay_does_through_a_crash(tmp_path):
+    """Two real agents (one per host) book a job whose rank 5 computes 30% longer: each prices
+    the slow rank on its own GPUs with its watermark; the API's figure (their sum, priced at the
+    job's cost of a valid GPU-hour) is replay's of the same trace, also when one agent is killed
+    halfway and started again (nothing counted twice); the counters are the API's."""
+    import redis
+    from fastapi.testclient import TestClient
+
+    from costexporter.api.app import create_app
+    from costexporter.sources.synth import write_nvidia_smi_csv
+    from costexporter.store.ledger_read import LedgerStore
+
+    from .conftest import SHARED_URL, drop_prefix
+    from .redis_server import free_port
+    from .test_agent import post_events, scrape, serve, stop_all, wait_booked
+
+    b = TraceBuilder(n_gpus=8, per_host=4, interval_s=0.1, job="sync-live", seed=4)
+    b.run("start")
+    saved = b.synchronous(200, 1.6, 0.4, slow={5: 0.3}, tokens=1000)
+    b.run("end")
+    b.gap(2)
+    samples = b.samples()
+    csvs = {p.stem: p for p in write_nvidia_smi_csv(samples, tmp_path / "trace")}
+    [job], _ = book_trace(samples, b.events, ReplayConfig())
+    rep = job_report(job, ReplayConfig())
+    (want,) = rep["slow_ranks"]
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    client = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    post_events(client, prefix, b)
+    procs = []
+    try:
+        ports = {h: free_port() for h in csvs}
+        procs = [serve(csvs[h], h, SHARED_URL, prefix, ports[h], speed=40) for h in sorted(csvs)]
+        halfway = (job.timeline.start_ms + job.timeline.end_ms) // 2
+        wait_booked(client, prefix, b.job, ["node1"], halfway, timeout=120)
+        procs[1].kill()  # no goodbye: its next round's writes never happen
+        procs[1].communicate()
+        procs[1] = serve(csvs["node1"], "node1", SHARED_URL, prefix, ports["node1"], speed=40)
+        wait_booked(client, prefix, b.job, sorted(csvs), job.timeline.end_ms, timeout=120)
+        time.sleep(0.5)
+        counters = sum(
+            v
+            for h in csvs
+            for lab, v in scrape(ports[h])[0].get("costexporter_straggler_gpu_seconds_total", [])
+            if lab["training_job"] == b.job and lab["rank"] == "5"
+        )
+    finally:
+        stop_all(procs)
+    try:
+        api = TestClient(
+            create_app(LedgerStore(redis.Redis.from_url(SHARED_URL, decode_responses=True), prefix))
+        )
+        body = api.get(
+            f"/api/v1/jobs/{b.job}", params={"window": "2025-07-26T00:00:00Z,2025-07-28T00:00:00Z"}
+        )
+        assert body.status_code == 200, body.text
+        (got,) = body.json()["slow_ranks"]
+    finally:
+        drop_prefix(client, prefix)
+    assert got["rank"] == 5 and got["minutes"] == want["blocks"]
+    assert got["gpu_hours"] == pytest.approx(want["gpu_hours"], rel=0.03)
+    assert got["gpu_hours"] == pytest.approx(saved / 3600, rel=0.08)
+    assert counters == pytest.approx(got["gpu_hours"] * 3600, rel=1e-3)
+    assert float(got["cost"]) == pytest.approx(want["cost"], rel=0.05)
+
+
+def test_the_ledger_round_trips_and_a_damaged_one_is_empty():
+    a = busy([400 * 60.0, 400 * 60.0, 500 * 60.0], 60)
+    led = straggler.Ledger({0: a}, {2: 12.5}, {2: 1}, 3)
+    back = straggler.Ledger.from_json(json.loads(json.dumps(led.to_json())))
+    assert back.to_json() == led.to_json() and back.open[0].to_json() == a.to_json()
+    for damaged in (None, [], {"open": {"x": []}}, {"gpu_s": {"1": "many"}}, {"open": {"0": [1, 2]}}):
+        assert not straggler.Ledger.from_json(damaged)
+    # a job wider than PERSIST_MAX_RANKS keeps its open minute in memory only
+    wide = busy([1.0] * (straggler.PERSIST_MAX_RANKS + 1), 60)
+    stored = straggler.Ledger({0: wide}, {2: 1.0}, {2: 1}).to_json()
+    assert stored["open"] == {} and stored["gpu_s"] == {"2": 1.0}
+
+
+SYNC, SYNC_SAVED = None, None
+
+
+def _sync():
+    global SYNC, SYNC_SAVED
+    if SYNC is None:
+        b = TraceBuilder(n_gpus=8, per_host=8, interval_s=0.1, job="rounds", seed=9)
+        b.run("start")
+        SYNC_SAVED = b.synchronous(150, 1.6, 0.4, slow={6: 0.25})
+        b.run("end")
+        SYNC = b
+    return SYNC, SYNC_SAVED
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(0, 300_000), min_size=1, max_size=8))
+def test_agent_rounds_anywhere_count_each_moment_once_and_price_as_replay(cuts):
+    """The agent's rounds (`book_window` from its watermark, the evidence judged as each minute
+    is booked past) count every moment once wherever they fall, and price the slow rank as
+    replay does."""
+    b, saved = _sync()
+    s = b.samples()
+    [job], _ = book_trace(s, b.events, ReplayConfig())
+    want = job_report(job, ReplayConfig())["slow_ranks"]
+    start, end = int(s.ts_ms.min()), job.timeline.end_ms
+    own = np.arange(8)
+    led, booked, seen = straggler.Ledger(), start, 0.0
+    profile = profiles.select("NVIDIA B300")
+    rounds = [*sorted(start + c for c in cuts), end + 60_000]
+    for now in rounds:
+        res = book_seen(s, b.events, now, start, own, booked, n_ranks=8, profile=profile)
+        if res.bands is not None:
+            led.add(res.bands.busy)
+            seen += sum(float(v.seen_s.sum()) for v in res.bands.busy.values())
+            ended = res.horizon_ms >= end
+            led.close(None if ended else res.horizon_ms, 8, res.bands.interval_ms, profile, gpus=8)
+        booked = max(booked, res.horizon_ms)
+    assert booked >= end and not led.open
+    # every moment once: at most a moment a rank apart at each round's edge (each round its own
+    # sampling phase)
+    offline = sum(float(v.seen_s.sum()) for v in job.band_result.busy.values())
+    assert abs(seen - offline) <= len(rounds) * 8 * 0.1 + 1e-6
+    assert list(led.gpu_s) == [w["rank"] for w in want] == [6]
+    assert sum(led.blocks.values()) == want[0]["blocks"]
+    assert led.gpu_s[6] / 3600 == pytest.approx(want[0]["gpu_hours"], rel=0.02)
+    assert led.gpu_s[6] == pytest.approx(saved, rel=0.08)

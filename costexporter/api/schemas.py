@@ -101,6 +101,21 @@ class GoodputOut(BaseModel):
     notes: list[str] = Field(default_factory=list, description="Why a layer is null.")
 
 
+class SlowRankOut(BaseModel):
+    """A rank that held every GPU of the job longer than the next slowest rank would have."""
+
+    rank: int
+    gpu_hours: float = Field(
+        description="The what-if, over the job's life: its extra compute time x the GPUs the agents "
+        "book for the job (docs/accounting.md, stragglers)."
+    )
+    cost: str | None = Field(
+        description="Those GPU-hours at the job's cost of a valid GPU-hour in the window (null: no "
+        "valid time in it)."
+    )
+    minutes: int = Field(description="The minutes in which it was the slow rank.")
+
+
 class JobTotals(BaseModel):
     job: str
     currency: str
@@ -127,6 +142,9 @@ class JobTotals(BaseModel):
     energy_kwh_per_valid_step: float | None
     carbon_kg: float | None = Field(description=CARBON)
     carbon_kg_per_valid_step: float | None
+    slow_ranks: list[SlowRankOut] = Field(
+        default_factory=list, description="Most costly first (docs/accounting.md, stragglers)."
+    )
     gpu_hours_at_risk: float
     budget: str | None
     spend: str

@@ -271,7 +271,9 @@ def classify(
                 R[block_rank] = read_w.reshape(shape)
             else:
                 R.ravel()[flat] = read_w
-        evidence = straggler_mod.evidence(R, U, counted & ~dead & ~ckpt, at_ms, cell, profile, step_ms)
+        evidence = straggler_mod.evidence(
+            R, U, counted & ~dead & ~ckpt, at_ms, cell, profile, step_ms, (count_from_ms, count_to_ms)
+        )
     if starv.any():
         u = np.where(mid[:, starv], U[:, starv], np.nan)
         starved = Starved(np.asarray(np.nansum(u, 1, dtype=np.float64)), (~np.isnan(u)).sum(1))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import shares
+from costexporter.core import shares, straggler
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
@@ -170,9 +170,10 @@ def book_window(
     # The next window starts `overlap` before this round's horizon, carrying the signature run
     # open there: a window holds seconds of every rank's samples, not a checkpoint's allowance.
     overlap = bands_mod.window_overlap_ms(interval, int(cfg.grid_s * 1000), cfg.gap_intervals)
-    # The agent: each window's own phase, every moment counted; replay: the trace's (`trace`).
+    # The agent: each window's own phase, the moments from where the round before stopped
+    # to the horizon counted; replay: the trace's phase and where its windows stand (`trace`).
     phase: float | None = None
-    count: tuple[int | None, int | None] = (None, None)
+    count: tuple[int | None, int | None] = (booked_until_ms, None if final else horizon)
     if trace is not None:
         phase = trace.phase_ms
         count = (trace.counted_until_ms, None if final and trace.counts_the_rest else horizon)
@@ -290,6 +291,9 @@ class JobState:
     # kgCO2e of the energy booked, in micrograms (`carbon.GridIntensity.micrograms`): counted
     # with the watermark, so a round's carbon is counted exactly once.
     carbon_ug: int = 0
+    # The slow rank's evidence of the minutes still open and, per slow rank, the GPU-seconds it
+    # held this agent's GPUs longer (`straggler.Ledger`): counted with the watermark, once.
+    slow: straggler.Ledger = field(default_factory=straggler.Ledger)
 
     def take_window(self, oldest_unbooked: int) -> tuple[int | None, bands_mod.RunCarry | None]:
         """This round's band window (samples from, carry), moving on to the next one once
@@ -320,6 +324,7 @@ class JobState:
             "win": [_window_json(self.win), _window_json(self.win_next)],
             **({"unread": [list(x) for x in self.unread]} if self.unread else {}),
             **({"carbon_ug": self.carbon_ug} if self.carbon_ug else {}),
+            **({"slow": self.slow.to_json()} if self.slow else {}),
         }
 
     @classmethod
@@ -346,6 +351,7 @@ class JobState:
             **_window_from_json(wm.get("win")),
             unread=[(int(a), int(b)) for a, b in wm.get("unread", [])],
             carbon_ug=int(wm.get("carbon_ug", 0)),
+            slow=straggler.Ledger.from_json(wm.get("slow", {})),
         )
 
 
@@ -661,6 +667,7 @@ def ledger_delta(
         win_next=res.next_window or state.win_next,
         unread=list(state.unread),
         carbon_ug=state.carbon_ug,  # the agent adds this round's (it knows the grid's intensity)
+        slow=state.slow.copy(),  # the agent adds this round's (it knows the job's ranks and profile)
     )
     new_voids = v.applied - state.rb_applied
     return LedgerDelta(

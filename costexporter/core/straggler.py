@@ -20,6 +20,7 @@ valid time, never a category of its own.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,9 @@ BLOCK_MS = 60_000  # a block: long enough that the ranks' reading noise averages
 MIN_SHARE = 0.01
 MIN_SPREAD_RATIO = 3.0
 MIN_RANKS = 3  # the spread of the others needs two of them
-MIN_SEEN = 0.8  # a rank observed for less of the block than this share is not compared
+MIN_SEEN = 0.8
+# A watermark carries the open minutes' evidence of jobs this wide at most (4 numbers a rank).
+PERSIST_MAX_RANKS = 512  # a rank observed for less of the block than this share is not compared
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,54 +115,59 @@ def evidence(
     cell_ms: int,
     profile: Profile,
     step_ms: np.ndarray | None,
+    count_ms: tuple[int | None, int | None] = (None, None),
 ) -> dict[int, Busy]:
     """Each block's evidence from a window's ranks x moments matrices of power as read (`P`, NaN:
     no reading) and utilization (`U`), `counted`: the moments this window counts, `moment_ms`:
     their times, `step_ms`: the job's step completions (a job that posts none has no step to be
-    late for). Moments where every rank waits or idles (a checkpoint, a hang) say nothing."""
-    if not counted.any() or P.shape[0] < MIN_RANKS or step_ms is None or step_ms.size == 0:
+    late for), `count_ms`: the time this window counts (its steps: each counted by one window,
+    whether or not a moment of its block is). Moments where every rank waits or idles (a
+    checkpoint, a hang) say nothing."""
+    n = P.shape[0]
+    if n < MIN_RANKS or step_ms is None or step_ms.size == 0:
         return {}
-    obs = ~np.isnan(P)
+    lo, hi = count_ms
+    keep = np.ones(step_ms.size, bool)
+    if lo is not None:
+        keep &= step_ms >= lo
+    if hi is not None:
+        keep &= step_ms < hi
+    done = step_ms[keep]
+    starts, counts = np.unique((done // BLOCK_MS) * BLOCK_MS, return_counts=True)
+    out = {
+        b: Busy(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, np.int64), steps=k)
+        for b, k in zip(starts.tolist(), counts.tolist(), strict=True)
+    }
     with np.errstate(invalid="ignore"):
+        working = profile.low_max_w <= P  # NaN (no reading) compares False
         # Every moment some rank works counts (a reading that averages a second can straddle
         # compute and the collective); the moments the ranks share add alike to every rank.
-        use = counted & (obs & (profile.low_max_w <= P)).any(0)
-    if not use.any():
-        return {}
-    cols = np.flatnonzero(use)
-    Pu, ou = P[:, cols], obs[:, cols]
-    with np.errstate(invalid="ignore"):
-        high = ou & (profile.compute_min_w <= Pu)
-        spinning = ou & (profile.low_max_w > Pu) & (profile.busy_util_pct <= U[:, cols])
-    w = np.where(ou, Pu, 0.0)
-    # The used moments are in time order: each block is one run of columns, summed at once.
-    block = (moment_ms[cols] // BLOCK_MS) * BLOCK_MS
-    heads = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
+        use = counted & working.any(0)
+        if not use.any():
+            return out
+        ou = use & ~np.isnan(P)
+        high = ou & (profile.compute_min_w <= P)
+        spinning = ou & ~working & (profile.busy_util_pct <= U)
+    w = np.where(ou, P, np.float32(0))
+    hw = np.where(high, P, np.float32(0))
+    sw = np.where(spinning, P, np.float32(np.inf)).min(0)
+    n_spin = spinning.sum(0)
+    # Moments are in time order: a block is one run of columns, each summed as a slice.
+    block = (moment_ms // BLOCK_MS) * BLOCK_MS
+    edges = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1], [True])))
     sec = cell_ms / 1000
-
-    def per_block(x: np.ndarray) -> np.ndarray:
-        return np.add.reduceat(x, heads, axis=1, dtype=np.float64)
-
-    energy, seen = per_block(w) * sec, per_block(ou) * sec
-    hi_sum, hi_n = per_block(np.where(high, w, 0.0)), per_block(high).astype(np.int64)
-    spin_w = np.minimum.reduceat(np.where(spinning, Pu, np.inf).min(0), heads)
-    spin_n = np.add.reduceat(spinning.sum(0), heads)
-    # The steps completed within the counted moments: each counted by one window only.
-    at = moment_ms[counted]
-    lo, hi_ms = int(at.min()) - cell_ms // 2, int(at.max()) + cell_ms - cell_ms // 2
-    done = step_ms[(step_ms >= lo) & (step_ms < hi_ms)]
-    starts, counts = np.unique((done // BLOCK_MS) * BLOCK_MS, return_counts=True)
-    steps = dict(zip(starts.tolist(), counts.tolist(), strict=True))
-    out: dict[int, Busy] = {}
-    for i, b in enumerate(block[heads].tolist()):
+    for a, z in itertools.pairwise(edges.tolist()):
+        if not use[a:z].any():
+            continue
+        b = int(block[a])
         out[b] = Busy(
-            energy[:, i],
-            seen[:, i],
-            hi_sum[:, i],
-            hi_n[:, i],
-            float(spin_w[i]),
-            int(spin_n[i]),
-            steps.get(b, 0),
+            w[:, a:z].sum(1, dtype=np.float64) * sec,
+            ou[:, a:z].sum(1) * sec,
+            hw[:, a:z].sum(1, dtype=np.float64),
+            high[:, a:z].sum(1).astype(np.int64),
+            float(sw[a:z].min()),
+            int(n_spin[a:z].sum()),
+            out[b].steps if b in out else 0,
         )
     return out
 
@@ -188,7 +196,7 @@ MIN_READINGS_PER_STEP = 4
 
 def coarse(busy: Busy, interval_ms: int) -> bool:
     """Whether the block's steps are too short for its sampling to tell a slow rank."""
-    if busy.steps == 0:
+    if busy.steps == 0 or not busy.seen_s.any():
         return False
     return float(busy.seen_s.max()) * 1000 / busy.steps < MIN_READINGS_PER_STEP * interval_ms
 
@@ -233,8 +241,42 @@ class Ledger:
         for b, busy in found.items():
             self.open[b] = busy.add(self.open.get(b))
 
-    def close(self, until_ms: int | None, n_ranks: int, interval_ms: int, profile: Profile) -> list[SlowRank]:
-        """Judge the blocks that end at or before `until_ms` (None: every block)."""
+    def copy(self) -> Ledger:
+        return Ledger(dict(self.open), dict(self.gpu_s), dict(self.blocks), self.coarse)
+
+    def __bool__(self) -> bool:
+        return bool(self.open or self.gpu_s or self.coarse)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ledger to store with a watermark: the open minutes' evidence only for jobs of up to
+        PERSIST_MAX_RANKS ranks (a wider job's agent keeps it in memory; a restart loses the
+        minute it was in, which is then not judged)."""
+        narrow = all(busy.seen_s.size <= PERSIST_MAX_RANKS for busy in self.open.values())
+        return {
+            "open": {str(b): busy.to_json() for b, busy in self.open.items()} if narrow else {},
+            "gpu_s": {str(r): round(x, 3) for r, x in self.gpu_s.items()},
+            "blocks": {str(r): n for r, n in self.blocks.items()},
+            "coarse": self.coarse,
+        }
+
+    @classmethod
+    def from_json(cls, x: Any) -> Ledger:  # Any: as json.loads gave it
+        """The stored ledger; a damaged one is empty (its open minutes are lost, nothing else)."""
+        try:
+            return cls(
+                {int(b): Busy.from_json(v) for b, v in x.get("open", {}).items()},
+                {int(r): float(v) for r, v in x.get("gpu_s", {}).items()},
+                {int(r): int(v) for r, v in x.get("blocks", {}).items()},
+                int(x.get("coarse", 0)),
+            )
+        except (AttributeError, TypeError, ValueError):
+            return cls()
+
+    def close(
+        self, until_ms: int | None, n_ranks: int, interval_ms: int, profile: Profile, gpus: int | None = None
+    ) -> list[SlowRank]:
+        """Judge the blocks that end at or before `until_ms` (None: every block), booking each slow
+        rank's GPU-seconds on `gpus` GPUs (an agent: its own; None: every rank's, `gpu_s`)."""
         done = sorted(b for b in self.open if until_ms is None or b + BLOCK_MS <= until_ms)
         out = []
         for b in done:
@@ -245,6 +287,7 @@ class Ledger:
             v = judge(b, busy, n_ranks, profile)
             if v is not None:
                 out.append(v)
-                self.gpu_s[v.rank] = self.gpu_s.get(v.rank, 0.0) + v.gpu_s
+                booked = v.gpu_s if gpus is None else gpus * v.extra_s
+                self.gpu_s[v.rank] = self.gpu_s.get(v.rank, 0.0) + booked
                 self.blocks[v.rank] = self.blocks.get(v.rank, 0) + 1
         return out

@@ -415,6 +415,7 @@ class Agent:
                         own=dict(j.own),
                         booked=j.state.booked.copy(),
                         carbon_kg=None if self.cfg.carbon is None else j.state.carbon_ug / 1e9,
+                        slow_gpu_s=dict(j.state.slow.gpu_s),
                         voided=j.state.voided.copy(),
                         figures=dict(j.figures),
                         # its data keys, its owner and place the operator's (`attribution`)

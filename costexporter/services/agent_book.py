@@ -353,6 +353,14 @@ class JobBooker:
             delta.state.carbon_ug += ug
             if uncovered:
                 self.stats["carbon_uncovered_rounds"] += 1
+        ended = bool(
+            (tl.end_ms is not None and res.horizon_ms >= tl.end_ms) or (member_end <= res.horizon_ms).all()
+        )
+        if res.bands is not None:  # the slow rank's evidence, its finished minutes judged
+            slow = delta.state.slow
+            slow.add(res.bands.busy)
+            until = None if ended else res.horizon_ms  # the job's last minute at its end
+            slow.close(until, w.n_ranks, res.bands.interval_ms, w.profile, gpus=w.own_ranks.size)
         figures = round_figures(delta, job.preflight, progress, w.profile, cfg.agent_id, tl, res.horizon_ms)
         gpu_name = self.node.gpu_model(sorted(job.own.values()))
         if gpu_name:  # what the job's GPUs are, as this node reads them (MFU's peak)
@@ -365,10 +373,7 @@ class JobBooker:
             job.state = delta.state
             job.figures = figures
             job.at_risk_ms = delta.at_risk_ms
-            job.done = bool(
-                (tl.end_ms is not None and res.horizon_ms >= tl.end_ms)
-                or (member_end <= res.horizon_ms).all()
-            )
+            job.done = ended
             if job.done and job.done_at is None:
                 job.done_at = time.monotonic()
             elif not job.done:

@@ -51,6 +51,11 @@ def round_figures(
             if delta.state.rb_lost_until > NEG_INF
             else {}
         ),
+        **(
+            {ledger.slow_field(agent_id): ledger.encode_slow(delta.state.slow.gpu_s, delta.state.slow.blocks)}
+            if delta.state.slow.gpu_s
+            else {}
+        ),
     }
 
 

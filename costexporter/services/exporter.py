@@ -358,6 +358,16 @@ class AgentCollector(Collector):
             if j.carbon_kg is not None:
                 carbon.add_metric([name], j.carbon_kg)
         yield carbon
+        slow = CounterMetricFamily(
+            "costexporter_straggler_gpu_seconds",
+            "GPU-seconds a slow rank held this agent's GPUs of the job longer than the next slowest "
+            "rank would have (the what-if; valid time, priced, not a category). docs/accounting.md.",
+            labels=["training_job", "rank"],
+        )
+        for name, j in sorted(s.jobs.items()):
+            for rank, gpu_s in sorted(j.slow_gpu_s.items()):
+                slow.add_metric([name, str(rank)], gpu_s)
+        yield slow
         rej = CounterMetricFamily(
             "costexporter_events_rejected",
             "Events refused (malformed), by job and reason.",

@@ -8,7 +8,7 @@ not have is a type error, not a KeyError at scrape time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +38,7 @@ class JobView:
     state_bytes: int  # the size of its fold state in Redis
     carbon_kg: float | None = None  # kgCO2e of the energy booked (None: no grid intensity given)
     ranks: int = 0  # the ranks the job registered (ETTR's width)
+    slow_gpu_s: dict[int, float] = field(default_factory=dict)  # slow rank -> GPU-s on own GPUs
 
 
 @dataclass(frozen=True, slots=True)

@@ -813,6 +813,40 @@ def unknown_before(figures: dict[str, str]) -> int | None:
     return out
 
 
+SLOW = "slow:"  # a figures field: the slow ranks an agent priced on its GPUs (`slow_field`)
+
+
+def slow_field(agent: str) -> str:
+    """The figures field in which `agent` says, per slow rank, the GPU-seconds it held this
+    agent's GPUs longer and the minutes it led (`core/straggler.py`), over the job's life."""
+    return f"{SLOW}{agent}"
+
+
+def encode_slow(gpu_s: dict[int, float], blocks: dict[int, int]) -> str:
+    """`slow_field`'s value: {rank: [GPU-seconds, minutes]}."""
+    per = {str(r): [round(x, 3), blocks.get(r, 0)] for r, x in gpu_s.items()}
+    return json.dumps(per, separators=(",", ":"))
+
+
+def slow_ranks(figures: dict[str, str]) -> dict[int, tuple[float, int]]:
+    """Per slow rank, the GPU-seconds its agents priced (summed over their GPUs) and the minutes
+    it led (the most any agent counted: each judged the same minutes); a field that is not one
+    this release wrote is skipped."""
+    out: dict[int, tuple[float, int]] = {}
+    for k, v in figures.items():
+        if not k.startswith(SLOW):
+            continue
+        try:
+            per = {int(r): (float(x[0]), int(x[1])) for r, x in json.loads(v).items()}
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+            continue
+        for r, (gpu_s, blocks) in per.items():
+            if r >= 0 and 0 <= gpu_s < 1e12 and 0 <= blocks < 2**31:
+                had_s, had_b = out.get(r, (0.0, 0))
+                out[r] = (had_s + gpu_s, max(had_b, blocks))
+    return out
+
+
 def note_field(reason: str, about: str = "") -> str:
     """The figures field of a note: `note:<reason>` or `note:<reason>:<about>`."""
     return f"{NOTE}{reason}:{about}" if about else f"{NOTE}{reason}"

@@ -44,6 +44,9 @@ class RuleWindows:
     comm_for: str = "15m"  # ... for this long (compute/communication overlap failed, R2)
     starvation_window: str = "10m"  # the straggler: lowest mean utilization over this window
     starvation_for: str = "10m"
+    # SlowRank: the rank held the job's GPUs longer in some minute of this window ...
+    slow_window: str = "10m"
+    slow_for: str = "15m"  # ... for this long (a persistent straggler, not one bad minute)
     waste_window: str = "1h"
     waste_ratio: float = 0.15  # R7: at least 15% invalid spend a month
     waste_for: str = "15m"
@@ -69,6 +72,8 @@ class RuleWindows:
             comm_for="20s",
             starvation_window="20s",
             starvation_for="10s",
+            slow_window="2m",
+            slow_for="20s",
             waste_window="2m",
             waste_for="20s",
             budget_for="10s",
@@ -286,6 +291,15 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)"
     )
 
+    # A persistent straggler, named with its host and GPU (any band series of the rank says them).
+    slow_rank = (
+        "(\n  sum by (training_job, rank) (\n"
+        f"    increase(costexporter_straggler_gpu_seconds_total[{w.slow_window}])\n  ) > 0\n)\n"
+        "* on (training_job, rank) group_left (host, gpu) "
+        "group by (training_job, rank, host, gpu) (costexporter_gpu_band)\n"
+        f"{not_ended}"
+    )
+
     alerts = [
         alert(
             "CostSlopeWithoutSteps",
@@ -338,6 +352,16 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
             "{{ $labels.training_job }}: data starvation, straggler rank {{ $labels.rank }}",
             "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) averages "
             "{{ $value | humanizePercentage }} utilization while the job starves for input.",
+        ),
+        alert(
+            "SlowRank",
+            slow_rank,
+            w.slow_for,
+            "warning",
+            "{{ $labels.training_job }}: rank {{ $labels.rank }} slows every step",
+            "Rank {{ $labels.rank }} ({{ $labels.host }} GPU {{ $labels.gpu }}) computes longer than the "
+            'others: it held the job\'s GPUs {{ $value | printf "%.0f" }} GPU-seconds longer over '
+            f"{w.slow_window} (the what-if, priced on the job page).",
         ),
         alert(
             "HighWasteRatio",

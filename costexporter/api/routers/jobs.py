@@ -25,6 +25,7 @@ from costexporter.api.schemas import (
     JobTotals,
     ProfileOut,
     Series,
+    SlowRankOut,
     WindowOut,
 )
 from costexporter.api.windows import Window
@@ -36,7 +37,7 @@ from costexporter.core.cost import MJ_PER_KWH, MS_PER_HOUR
 from costexporter.core.figures import exact_at_risk_ms
 from costexporter.core.model import CATEGORIES
 from costexporter.store import untrusted
-from costexporter.store.ledger import notes_of, unknown_before
+from costexporter.store.ledger import notes_of, slow_ranks, unknown_before
 from costexporter.store.ledger_read import (
     JOB_CATS,
     VALID,
@@ -273,6 +274,7 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         energy_kwh_per_valid_step=kwh / st.valid if st.valid > 0 else None,
         carbon_kg=kg,
         carbon_kg_per_valid_step=kg / st.valid if kg is not None and st.valid > 0 else None,
+        slow_ranks=job_slow_ranks(fig, a),
         gpu_hours_at_risk=at_risk,
         budget=money(budget_d) if budget_d is not None else None,
         spend=money(spend_all),
@@ -285,6 +287,22 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         if fig.get("profile")
         else None,
     )
+
+
+def job_slow_ranks(fig: dict[str, Any], a: Amounts) -> list[SlowRankOut]:
+    """The slow ranks the agents priced (`core/straggler.py`), at the job's cost of a valid
+    GPU-hour in the window: the steps were valid, they cost more."""
+    valid_h = a.hours(VALID)
+    rate = Decimal(sum(a.ucost[c] for c in VALID)) / 1_000_000 / Decimal(valid_h) if valid_h > 0 else None
+    return [
+        SlowRankOut(
+            rank=r,
+            gpu_hours=gpu_s / 3600,
+            cost=money(rate * Decimal(gpu_s / 3600)) if rate is not None else None,
+            minutes=blocks,
+        )
+        for r, (gpu_s, blocks) in sorted(slow_ranks(fig).items(), key=lambda kv: -kv[1][0])
+    ]
 
 
 def job_goodput(
