@@ -33,7 +33,7 @@ from .test_agent import offline_ms, post_events, scrape, serve
 
 def llm_job() -> TraceBuilder:
     b = TraceBuilder(n_gpus=2, per_host=2, job="llm-run", seed=21, host_prefix="a")
-    b.meta(team="llm", cost_center="cc-1", gpu_model="NVIDIA B300", budget=50.0)
+    b.meta(team="llm", cost_center="cc-1", gpu_model="NVIDIA B300", budget=50.0, total_steps=1000)
     b.event("preflight", passed=True, checks={"block_balance": True})
     b.run("start")
     b.stretch("compute", 600, step_s=5, tokens=1000)
@@ -234,6 +234,23 @@ def test_goodput_energy_and_carbon_are_the_offline_replays_and_the_agents_counte
     # without an intensity the API gives no carbon figure, and says nothing false
     plain = client(built).get("/api/v1/jobs/llm-run", params={"window": WINDOW}).json()
     assert plain["carbon_kg"] is None and plain["energy_kwh"] == body["energy_kwh"]
+
+
+def test_cost_to_finish_is_the_offline_replays(built):
+    """The job page's forecast is replay's of the same trace (one function on the same 5-minute
+    buckets), whatever the page's window."""
+    api = client(built)
+    _, offline = offline_ms(built["jobs"]["llm-run"])
+    want = job_report(offline, ReplayConfig())["forecast"]
+    assert want["total_steps"] == 1000 and want["steps_left"] > 0 and want["cost_to_finish"] > 0
+    for window in (WINDOW, "2025-07-26T00:00:00Z,2025-07-26T00:05:00Z"):
+        got = api.get("/api/v1/jobs/llm-run", params={"window": window}).json()["forecast"]
+        assert got["steps_left"] == want["steps_left"] and got["notes"] == want["notes"]
+        for k in ("recent_cost_per_valid_step", "cost_to_finish", "low", "high", "cost_at_finish"):
+            assert got[k] == pytest.approx(want[k], rel=1e-6), k
+    # a job whose trainer posts no total_steps says so
+    other = api.get("/api/v1/jobs/vision-run", params={"window": WINDOW}).json()["forecast"]
+    assert other["cost_to_finish"] is None and "total_steps" in other["notes"][0]
 
 
 def test_serve_also_serves_the_api_over_http(built):

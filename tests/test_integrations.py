@@ -40,6 +40,8 @@ def test_hugging_face_trainer_posts_steps_evals_and_checkpoints(prefix, tmp_path
     ]
     steps = [e for e in events(prefix, "hf-tiny") if e.type == "step"]
     assert all(int(e.get("tokens")) == 4 * 16 for e in steps)  # the batch's tokens, per step
+    # its total steps, for the cost to finish
+    assert [e.get("total_steps") for e in events(prefix, "hf-tiny") if e.type == "meta"] == [6]
 
 
 def test_lightning_trainer_posts_steps_evals_and_checkpoints(prefix, tmp_path):
@@ -59,6 +61,7 @@ def test_lightning_trainer_posts_steps_evals_and_checkpoints(prefix, tmp_path):
     ]
     # Each checkpoint comes after the step it saved.
     assert got.index(("checkpoint", "end", 3)) > got.index(("step", 3))
+    assert [e.get("total_steps") for e in events(prefix, "pl-tiny") if e.type == "meta"] == [6]
 
 
 def test_a_hugging_face_run_that_crashes_posts_no_run_end(shared, prefix, tmp_path):

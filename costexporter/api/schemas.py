@@ -101,6 +101,22 @@ class GoodputOut(BaseModel):
     notes: list[str] = Field(default_factory=list, description="Why a layer is null.")
 
 
+class ForecastOut(BaseModel):
+    """What the job will cost to finish (money in the currency; null: not computed, `notes` say
+    why). docs/accounting.md, cost to finish."""
+
+    total_steps: int | None = Field(description="The trainer's total_steps (meta).")
+    steps_left: int | None = Field(description="total_steps minus the job's newest step.")
+    recent_cost_per_valid_step: float | None = Field(
+        description="Its whole cost over its valid steps in its last hour of 5-minute buckets."
+    )
+    cost_to_finish: float | None = Field(description="recent_cost_per_valid_step x steps_left.")
+    low: float | None = Field(description="The lowest rate of the hour's 10-minute parts x steps_left.")
+    high: float | None = Field(description="The highest rate of the hour's 10-minute parts x steps_left.")
+    cost_at_finish: float | None = Field(description="Spent so far plus cost_to_finish: never below spent.")
+    notes: list[str] = Field(default_factory=list, description="Why a figure is null.")
+
+
 class SlowRankOut(BaseModel):
     """A rank that held every GPU of the job longer than the next slowest rank would have."""
 
@@ -142,6 +158,7 @@ class JobTotals(BaseModel):
     energy_kwh_per_valid_step: float | None
     carbon_kg: float | None = Field(description=CARBON)
     carbon_kg_per_valid_step: float | None
+    forecast: ForecastOut
     slow_ranks: list[SlowRankOut] = Field(
         default_factory=list, description="Most costly first (docs/accounting.md, stragglers)."
     )

@@ -47,9 +47,22 @@ MAX_BATCH_CHARS = 33 * MAX_BATCH_STEPS + 1024  # its packed field's length (base
 _ENTRY_TYPES = EVENT_TYPES | {STEPS_TYPE}
 # Text fields of a meta event; the Kubernetes ones come from `costexporter.k8s` (namespace for the
 # API's aggregation, progress=none for a job without steps, booked by band).
-META_TEXT = ("gpu_model", "team", "cost_center", "namespace", "pod", "container", "source", "progress")
+META_TEXT = (
+    "gpu_model",
+    "team",
+    "cost_center",
+    "namespace",
+    "pod",
+    "container",
+    "source",
+    "progress",
+    "dtype",
+)
+# Data numbers a trainer posts for the figures: the steps of the whole run (cost to finish), the
+# model's FLOPs per token or parameters (MFU).
+META_DATA_NUMBERS = ("total_steps", "model_flops_per_token", "model_params")
 # Number fields of a meta event: finite and >= 0.
-META_NUMBERS = ("price_per_gpu_hour", "budget", *META_THRESHOLDS)
+META_NUMBERS = ("price_per_gpu_hour", "budget", *META_THRESHOLDS, *META_DATA_NUMBERS)
 BASE_FIELDS = frozenset({"v", "type", "job", "ts", "rank", "session", "seq"})
 _META_TEXT_SET = frozenset(META_TEXT)
 # Per event type, the fields parse_event reads (every type but meta reads the same ones each

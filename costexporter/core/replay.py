@@ -15,7 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import bandtable, flops, idle, jobfacts, profiles, straggler
+from costexporter.core import bandtable, flops, forecast, idle, jobfacts, profiles, straggler
 from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.booking import (
     NEG_INF,
@@ -30,7 +30,7 @@ from costexporter.core.booking import (
     is_stepless,
     make_slices,
 )
-from costexporter.core.buckets import amounts, cost_by_category
+from costexporter.core.buckets import BUCKET_S, amounts, cost_by_category
 from costexporter.core.carbon import GridIntensity
 from costexporter.core.cost import (
     MICRO_PER_UNIT,
@@ -42,6 +42,7 @@ from costexporter.core.cost import (
 )
 from costexporter.core.diagnostics import Diagnostics
 from costexporter.core.figures import at_risk_ms, extend_incidents, job_figures
+from costexporter.core.forecast import Forecast
 from costexporter.core.goodput import Goodput, JobSpan
 from costexporter.core.goodput import job_goodput as job_goodput_of
 from costexporter.core.live import TraceConstants
@@ -808,6 +809,38 @@ def _totals_by_key(key: np.ndarray, size: int, *weights: np.ndarray) -> list[np.
     return [np.bincount(key, weights=w, minlength=size) for w in weights]
 
 
+def job_forecast(r: JobResult, spent: float, flat: Prices | None, scheds: list[PriceSchedule]) -> Forecast:
+    """The job's cost to finish (`core.forecast`) from its 5-minute buckets as the ledger holds
+    them: each bucket's cost (every job category) and the valid steps completed in it."""
+    total = forecast.total_steps_of(r.meta)
+    figs_last = r.timeline.steps[-1].step if r.timeline.steps else -1
+    if total is None or total <= figs_last:
+        return forecast.cost_to_finish([], spent, figs_last, total)
+    p = r.pieces
+    cost: dict[int, float] = {}
+    groups = (
+        [(np.ones(p.gpu.size, bool), flat)]
+        if flat is not None
+        else [(p.gpu == g, sched) for g, sched in enumerate(scheds)]
+    )
+    for sel, prices in groups:
+        if prices is None or not sel.any():
+            continue
+        for t, a in amounts(p.take(sel), prices).items():
+            cost[t] = cost.get(t, 0.0) + float(a[JOB_CODES, 2].sum()) / 1e6
+    steps: dict[int, int] = {}
+    for rec in r.timeline.steps:
+        if not rec.voided:
+            t = rec.ts_ms // 1000 // BUCKET_S * BUCKET_S
+            steps[t] = steps.get(t, 0) + 1
+    buckets = [
+        (t, cost.get(t, 0.0), steps.get(t, 0))
+        for t in sorted(set(cost) | set(steps))
+        if cost.get(t, 0.0) or steps.get(t, 0)
+    ]
+    return forecast.cost_to_finish(buckets, spent, figs_last, total)
+
+
 def slow_ranks(r: JobResult, valid_ms: float, valid_cost: float) -> tuple[list[SlowRankReport], int]:
     """Every rank judged slow in some block (core/straggler.py), its GPU-hours priced at the job's
     own cost of a valid GPU-hour (the steps were valid; they cost more), most costly first; and
@@ -925,6 +958,7 @@ def job_report(r: JobResult, cfg: ReplayConfig) -> JobReport:
         else None,
         "straggler": straggler,
         "slow_ranks": slow,
+        "forecast": job_forecast(r, cost_total, flat, scheds).report(),
         "slow_ranks_untold_minutes": coarse,
         "meta": r.meta,
         "preflight": r.preflight,

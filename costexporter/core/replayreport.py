@@ -119,6 +119,7 @@ class JobReport(TypedDict):
     last_checkpoint_step: int | None
     straggler: Straggler | None
     slow_ranks: list[SlowRankReport]
+    forecast: dict[str, Any]  # core/forecast.Forecast.report()
     slow_ranks_untold_minutes: int  # steps too short for the sampling: no slow rank told
     meta: dict[str, Any]
     preflight: dict[str, Any] | None

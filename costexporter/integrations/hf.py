@@ -56,6 +56,9 @@ class CostExporterCallback(TrainerCallback):
         self._first_step = True
         self._eval_open = self._ckpt_open = False
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        total = getattr(state, "max_steps", 0)
+        if state.is_world_process_zero and isinstance(total, int) and total > 0:
+            self.reporter.meta(total_steps=total)  # what is left to pay for (cost to finish)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The hot path (once an optimizer step): attribute reads and one queue append; the

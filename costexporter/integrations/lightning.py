@@ -78,6 +78,13 @@ class CostExporterLightningCallback(Callback):
         self._rank0 = trainer.global_rank == 0
         self._last_step = int(trainer.global_step)
         self._tokens = 0
+        if self._rank0 and self.reporter is not None:
+            total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+            if total is None:
+                est = getattr(trainer, "estimated_stepping_batches", None)
+                total = int(est) if isinstance(est, (int, float)) and 0 < est < float("inf") else None
+            if total is not None:
+                self.reporter.meta(total_steps=total)  # what is left to pay for (cost to finish)
         if self._last_step > 0 and self.reporter is not None:
             self.reporter.resume(self._last_step)
 

@@ -713,6 +713,13 @@ class LedgerStore:
         (t,) = self.tables(jobs, [(start, end)], warn, tokens=True)[1]
         return {j: _packed(t.net[i].tolist(), t.versions[i]) for i, j in enumerate(jobs)}, t.steps
 
+    def spans_of(
+        self, job: str, spans: list[tuple[int, int]], warn: Warnings | None = None
+    ) -> list[tuple[Amounts, Steps]]:
+        """One job's totals and steps in each of `spans`, in one read (see `tables`)."""
+        _, tables = self.tables([job], spans, warn)
+        return [(_packed(t.net[0].tolist(), t.versions[0]), t.steps.get(job, Steps())) for t in tables]
+
     def tables(
         self,
         jobs: list[str],

@@ -17,6 +17,7 @@ from costexporter.api.format import by_category, iso, json_bytes, micro, money, 
 from costexporter.api.schemas import (
     Attributed,
     ByCategory,
+    ForecastOut,
     GoodputOut,
     Incident,
     Incidents,
@@ -29,7 +30,7 @@ from costexporter.api.schemas import (
     WindowOut,
 )
 from costexporter.api.windows import Window
-from costexporter.core import flops, goodput
+from costexporter.core import flops, forecast, goodput
 from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
 from costexporter.core.carbon import GridIntensity
@@ -275,6 +276,7 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         carbon_kg=kg,
         carbon_kg_per_valid_step=kg / st.valid if kg is not None and st.valid > 0 else None,
         slow_ranks=job_slow_ranks(fig, a),
+        forecast=ForecastOut(**job_forecast(s, job, fig, meta, spend_all, warn).report()),
         gpu_hours_at_risk=at_risk,
         budget=money(budget_d) if budget_d is not None else None,
         spend=money(spend_all),
@@ -287,6 +289,32 @@ def job_totals(job: str, s: Store, who: Who, w: Win, cfg: Config) -> JobTotals:
         if fig.get("profile")
         else None,
     )
+
+
+def job_forecast(
+    s: LedgerStore, job: str, fig: dict[str, Any], meta: Any, spent: Decimal, warn: Warnings
+) -> forecast.Forecast:
+    """The job's cost to finish (`core.forecast`), from its last hour of 5-minute buckets up to its
+    end (or now), whatever the page's window: what is left does not depend on it."""
+    total = forecast.total_steps_of(meta)
+    raw_step = fig.get("last_step")
+    try:
+        last_step = int(float(raw_step)) if raw_step not in (None, "") else -1
+    except (TypeError, ValueError):
+        warn.add(job, f"last_step {raw_step!r} is not a step: ignored")
+        last_step = -1
+    buckets: list[tuple[int, float, int]] = []
+    if total is not None and total > last_step:
+        end = stored_time(fig, "end_ts", job, warn) or time.time()
+        newest = int(end) // BUCKET_S * BUCKET_S
+        starts = list(range(newest - forecast.WINDOW_S + BUCKET_S, newest + 1, BUCKET_S))
+        for t, (a, st) in zip(
+            starts, s.spans_of(job, [(t, t + BUCKET_S) for t in starts], warn), strict=True
+        ):
+            cost = sum(a.ucost[c] for c in JOB_CATS) / 1e6
+            if cost or st.valid:
+                buckets.append((t, cost, st.valid))
+    return forecast.cost_to_finish(buckets, float(spent), last_step, total)
 
 
 def job_slow_ranks(fig: dict[str, Any], a: Amounts) -> list[SlowRankOut]:
