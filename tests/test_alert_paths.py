@@ -249,6 +249,8 @@ def test_the_shipped_alertmanager_config_pages_once_per_stop(tmp_path):
             _alert("DataStarvation", "rules", cluster="east", rank="5"),
             _alert("SlowRank", "rules", cluster="east", rank="2"),
             _alert("SlowRank", "rules", cluster="west", rank="2"),
+            _alert("CostPerStepJump", "rules", cluster="west"),
+            _alert("CostPerStepJump", "rules", cluster="east", job="k"),
         ])  # fmt: skip
         want = {
             ("JobHung", "watcher", "east"): "active",
@@ -259,6 +261,9 @@ def test_the_shipped_alertmanager_config_pages_once_per_stop(tmp_path):
             ("DataStarvation", "rules", "east"): "active",
             ("SlowRank", "rules", "east"): "suppressed",
             ("SlowRank", "rules", "west"): "active",
+            # the straggler is the cause of the dearer steps (job j in west); not of job k's
+            ("CostPerStepJump", "rules", "west"): "suppressed",
+            ("CostPerStepJump", "rules", "east"): "active",
         }
         # Alertmanager works out an alert's state when asked, from what its inhibitor has taken
         # in so far: a target can read "active" until the inhibitor has its source. So the test

@@ -441,6 +441,77 @@ def test_budget_exceeded(tmp_path):
     _run(tmp_path, SHIPPED, tests)
 
 
+@needs_promtool
+def test_budget_burn_pages_once_per_band_with_the_currency(tmp_path):
+    n = "BudgetBurn"
+    cost = [
+        _series(
+            "costexporter_cost_total", f'{J},category="productive",currency="USD",instance="{a}"', "0+5x120"
+        )
+        for a in ("a1", "a2")
+    ]
+    budget = [
+        _series("costexporter_job_budget", f'{J},currency="USD",instance="{a}"', "1000x120")
+        for a in ("a1", "a2")
+    ]
+
+    def firing(band: str, pct: str) -> list[dict]:
+        return [
+            {
+                "exp_labels": {"severity": "info", "training_job": "j", "currency": "USD", "threshold": band},
+                "exp_annotations": {
+                    "summary": f"j has spent {pct} of its budget",
+                    "description": f"The job's net cost passed {band} of its budget "
+                    "(the operator's policy), in USD.",
+                },
+            }
+        ]
+
+    # 2 agents x 5 a minute against 1,000: 50% at minute 50, 75% at 75, 90% at 90, 100% at 100
+    checks = [
+        ("45m", n, []),
+        ("60m", n, firing("50%", "60%")),
+        ("85m", n, firing("75%", "85%")),
+        ("97m", n, firing("90%", "97%")),
+        ("110m", n, []),  # past its budget: BudgetExceeded pages instead
+    ]
+    _run(tmp_path, SHIPPED, [_case(cost + budget, checks), _case(cost, [("60m", n, [])])])
+
+
+@needs_promtool
+def test_cost_per_step_jump_against_the_jobs_own_baseline(tmp_path):
+    n = "CostPerStepJump"
+
+    def job(steps: str) -> list[dict]:
+        return [
+            _series(
+                "costexporter_cost_total",
+                f'{J},category="productive",currency="USD",instance="a1"',
+                "0+10x460",
+            ),
+            _series("costexporter_job_valid_steps", f'{J},instance="a1"', steps),
+        ]
+
+    firing = [
+        {
+            "exp_labels": {"severity": "warning", "training_job": "j"},
+            "exp_annotations": {
+                "summary": "j: cost per valid step 1.9x its own",
+                "description": "Over 15m each valid step cost 1.9 times what it cost over the last 6h "
+                "(over 1.5x): a straggler, failing hardware, a changed config or input pipeline.",
+            },
+        }
+    ]
+    tests = [
+        # a step a unit of cost for 400 minutes, then half the steps for the same cost
+        _case(job("0+10x400 4000+5x60"), [("400m", n, []), ("440m", n, firing)]),
+        _case(job("0+10x460"), [("440m", n, [])]),  # steady
+        _case(job("0+10x400 4000x60"), [("440m", n, [])]),  # no steps: CostSlopeWithoutSteps's
+        _case(job("0+10x400 2000+10x60"), [("440m", n, [])]),  # a resume voided steps
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
 # ---- recording rules --------------------------------------------------------------------------
 @needs_promtool
 def test_recording_rules_cost_per_valid_step_and_wasted_hours(tmp_path):
@@ -619,6 +690,13 @@ def test_set_takes_each_field_of_its_own_type(cli):
     assert "Traceback" not in bad.stderr and "internal error" not in bad.stderr
     good = cli("rules", "--set", "waste_ratio=0.25")
     assert good.returncode == 0 and "0.25" in good.stdout and "0.15" not in good.stdout
+    # the budget's bands: shares, comma-separated
+    bands = cli("rules", "--set", "budget_burn=0.6,0.8")
+    assert bands.returncode == 0 and "threshold: 60%" in bands.stdout and "threshold: 80%" in bands.stdout
+    assert "threshold: 50%" not in bands.stdout
+    for bad in ("budget_burn=lots", "budget_burn=0.5,1.5"):
+        r = cli("rules", "--set", bad)
+        assert r.returncode == 2 and "budget_burn takes" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_every_alert_links_its_section_of_the_alerts_page():

@@ -51,6 +51,14 @@ class RuleWindows:
     waste_ratio: float = 0.15  # R7: at least 15% invalid spend a month
     waste_for: str = "15m"
     budget_for: str = "5m"
+    # BudgetBurn: the share of its budget a job has spent, one alert per band [this, the next)
+    budget_burn: tuple[float, ...] = (0.5, 0.75, 0.9)
+    # CostPerStepJump: the job's cost per valid step over `jump_window` this many times its own
+    # over `jump_baseline`, for `jump_for` (a straggler, failing hardware, a bad config)
+    jump_factor: float = 1.5
+    jump_window: str = "15m"
+    jump_baseline: str = "6h"
+    jump_for: str = "15m"
     # Goodput's rolling windows: runtime goodput (job, team, cluster), ETTR and MFU (job).
     goodput_short: str = "1h"
     goodput_long: str = "24h"
@@ -77,6 +85,9 @@ class RuleWindows:
             waste_window="2m",
             waste_for="20s",
             budget_for="10s",
+            jump_window="30s",
+            jump_baseline="10m",
+            jump_for="10s",
             goodput_short="2m",
             goodput_long="10m",
             recovery_hold="6s",
@@ -300,6 +311,20 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         f"{not_ended}"
     )
 
+    # The job's cost per valid step over a window (voided steps lower the gauge: no rate then).
+    def per_step(win: str) -> str:
+        return (
+            f"sum by (training_job) (increase(costexporter_cost_total[{win}]))\n"
+            f"/ on (training_job) (max by (training_job) (delta(costexporter_job_valid_steps[{win}])) > 0)"
+        )
+
+    recent, baseline = per_step(w.jump_window), per_step(w.jump_baseline)
+    jump = f"(\n{recent}\n)\n/ on (training_job) (\n{baseline}\n)\n> {w.jump_factor:g}"
+    spent_share = (
+        f"({cost_net})\n"
+        "/ on (training_job, currency) (max by (training_job, currency) (costexporter_job_budget) > 0)"
+    )
+
     alerts = [
         alert(
             "CostSlopeWithoutSteps",
@@ -364,6 +389,17 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
             f"{w.slow_window} (the what-if, priced on the job page).",
         ),
         alert(
+            "CostPerStepJump",
+            jump,
+            w.jump_for,
+            "warning",
+            '{{ $labels.training_job }}: cost per valid step {{ $value | printf "%.1f" }}x its own',
+            f"Over {w.jump_window} each valid step cost "
+            '{{ $value | printf "%.1f" }} times what it cost over '
+            f"the last {w.jump_baseline} (over {w.jump_factor:g}x): a straggler, failing hardware, a "
+            "changed config or input pipeline.",
+        ),
+        alert(
             "HighWasteRatio",
             waste,
             w.waste_for,
@@ -382,6 +418,7 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
             "more than its budget (the operator's policy).",
         ),
     ]
+    alerts += burn_alerts(spent_share, w)
     alerts = _band_alerts(alerts, w, not_ended)
     for a in alerts:
         a["annotations"]["runbook_url"] = runbook_url(a["alert"], runbooks)
@@ -461,6 +498,27 @@ def goodput_records(w: RuleWindows) -> list[dict[str, Any]]:
             "expr": f"{by_job} (costexporter_carbon_kg_total)\n/ {steps}",
         },
     ]
+    return out
+
+
+def burn_alerts(spent_share: str, w: RuleWindows) -> list[dict[str, Any]]:
+    """BudgetBurn, one alert per band of the budget spent ([50%, 75%), [75%, 90%), [90%, 100%) by
+    default; past 100% BudgetExceeded pages): a team hears at each band once, not at every one it
+    has passed."""
+    edges = sorted(t for t in w.budget_burn if 0 < t < 1)
+    out = []
+    for lo, hi in zip(edges, [*edges[1:], 1.0], strict=True):
+        a = alert(
+            "BudgetBurn",
+            f"({spent_share})\n>= {lo:g} < {hi:g}",
+            w.budget_for,
+            "info",
+            "{{ $labels.training_job }} has spent {{ $value | humanizePercentage }} of its budget",
+            f"The job's net cost passed {lo:.0%} of its budget (the operator's policy), in "
+            "{{ $labels.currency }}.",
+        )
+        a["labels"]["threshold"] = f"{lo:.0%}"
+        out.append(a)
     return out
 
 

@@ -85,7 +85,14 @@ def rules(
         if not sep or key not in known:
             raise click.BadParameter(f"{o!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
         try:
-            kw[key] = float(value) if known[key] in (float, "float") else value
+            if known[key] in (float, "float"):
+                kw[key] = float(value)
+            elif str(known[key]).startswith("tuple"):  # shares, comma-separated: budget_burn=0.5,0.8
+                kw[key] = tuple(float(x) for x in value.split(","))
+                if not all(0 < x < 1 for x in kw[key]):
+                    raise click.BadParameter(f"{o!r}: {key} takes shares between 0 and 1")
+            else:
+                kw[key] = value
         except ValueError:
             raise click.BadParameter(f"{o!r}: {key} takes a number") from None
     w = dataclasses.replace(w, **kw)
