@@ -24,7 +24,9 @@ from costexporter.api.deps import ApiConfig
 from costexporter.api.export import CSV_COLUMNS, FOCUS_COLUMNS, FOCUS_X, FocusSettings
 from costexporter.api.format import by_category, iso, json_bytes, micro, money, per
 from costexporter.api.routers import allocation, health, jobs, opencost
+from costexporter.api.routers import budgets as budgets_router
 from costexporter.api.schemas import *  # noqa: F403  (the models were importable from here)
+from costexporter.core.budgets import Budget
 from costexporter.core.carbon import GridIntensity
 from costexporter.store.archive import ArchiveError
 from costexporter.store.ledger_read import LedgerStore
@@ -55,12 +57,14 @@ def create_app(
     focus: FocusSettings | None = None,
     cluster: str | None = None,
     carbon: GridIntensity | None = None,
+    budgets: tuple[Budget, ...] = (),
 ) -> FastAPI:
     """The app. `cache_s`: series responses are reused this long (dashboards poll the same
     ranges; 0 turns it off), in at most `cache_bytes` of response bodies. `focus`: the names the
     FOCUS export gives (default: `provider` for all of them). `cluster`: the cluster of jobs whose
     meta names none, in the OpenCost endpoint's `cluster` property. `carbon`: the grid's intensity
-    (the policy's `carbon_intensity`); without it the carbon figures are null."""
+    (the policy's `carbon_intensity`); without it the carbon figures are null. `budgets`: the
+    policy's, for `/api/v1/budgets`."""
     app = FastAPIOffline(  # Swagger UI and ReDoc served from the package: no CDN, air-gap safe
         title="costexporter finance API",
         version=__version__,
@@ -76,6 +80,7 @@ def create_app(
         focus=focus or FocusSettings(provider=provider),
         cache=ResponseCache(cache_s, cache_bytes),
         carbon=carbon,
+        budgets=budgets,
     )
 
     # ---- errors: bad input is a 400, a Redis outage a 503, never a 500 ------------------------
@@ -95,7 +100,7 @@ def create_app(
         # a damaged or missing sealed file: no bill rather than a short one
         return JSONResponse({"detail": f"the archive cannot be read: {exc}"}, status_code=503)
 
-    for module in (health, jobs, allocation, opencost):
+    for module in (health, jobs, allocation, budgets_router, opencost):
         app.include_router(module.router)
     app.openapi = lambda: document_errors(app)  # type: ignore[method-assign]
     return app

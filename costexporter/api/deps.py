@@ -18,6 +18,7 @@ from costexporter.api.cache import ResponseCache
 from costexporter.api.export import FocusSettings
 from costexporter.api.windows import ACCEPTED, Window, WindowError, parse_window
 from costexporter.api.windows import PATTERN as WINDOW_PATTERN
+from costexporter.core.budgets import Budget
 from costexporter.core.carbon import GridIntensity
 from costexporter.store.ledger_read import LedgerStore, Warnings
 
@@ -33,6 +34,7 @@ class ApiConfig:
     cluster: str | None = None  # the cluster name of jobs whose meta names none (OpenCost's `cluster`)
     focus: FocusSettings = field(default_factory=FocusSettings)
     carbon: GridIntensity | None = None  # the grid's carbon intensity (the policy's); None: no carbon figures
+    budgets: tuple[Budget, ...] = ()  # the policy's budgets (`core/budgets.py`)
     cache: ResponseCache = field(default_factory=ResponseCache)
 
 

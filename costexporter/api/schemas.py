@@ -254,3 +254,35 @@ class Allocation(BaseModel):
 class Health(BaseModel):
     status: str
     version: str
+
+
+class BudgetOut(BaseModel):
+    """A budget of the operator's policy in its current period (docs/terms.md, budgets)."""
+
+    name: str
+    scope: dict[str, str] = Field(description="What counts against it: each key's shell pattern must match.")
+    period: str = Field(description="month, quarter (calendar, in the API's time zone) or rolling:<N>d.")
+    start: str
+    end: str
+    amount: str
+    spent: str = Field(description="Net cost of the jobs in scope from the period's start to `at`.")
+    used: float = Field(description="spent / amount.")
+    thresholds: list[float]
+    crossed: list[float] = Field(description="The thresholds spent has reached.")
+    forecast_at_end: str | None = Field(
+        description="spent + the scope's daily spend over the last 7 days x the days left (null: a "
+        "rolling window, or no history; notes say why)."
+    )
+    forecast_used: float | None
+    forecast_crosses: list[float] = Field(
+        description="Thresholds not reached yet that the forecast reaches by the period's end."
+    )
+    jobs: int = Field(description="Jobs in scope with cost in the period.")
+    notes: list[str] = Field(default_factory=list)
+
+
+class Budgets(BaseModel):
+    currency: str
+    at: str
+    budgets: list[BudgetOut]
+    warnings: list[str] = Field(default_factory=list)

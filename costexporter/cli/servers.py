@@ -24,7 +24,7 @@ def api_app(
     from costexporter.store import redisconn
     from costexporter.store.ledger_read import LedgerStore
 
-    carbon = policy_file(options).carbon  # a policy given but unusable stops here (one line)
+    policy = policy_file(options)  # a policy given but unusable stops here (one line)
     try:
         tokens = Tokens.load(tokens_file)
     except TokenConfigError as e:
@@ -46,7 +46,8 @@ def api_app(
         cache_bytes=int(float(64 if options.get("cache_mb") is None else options["cache_mb"]) * 2**20),
         focus=FocusSettings(**names) if names else None,
         cluster=cluster,
-        carbon=carbon,
+        carbon=policy.carbon,
+        budgets=policy.budgets,
     )
 
 

@@ -41,6 +41,7 @@ from costexporter.core.attribution import (
     parse_owner,
 )
 from costexporter.core.booking import BookingConfig
+from costexporter.core.budgets import Budget, BudgetError, parse_budgets
 from costexporter.core.carbon import GridIntensity, IntensityError, parse_policy_intensity
 from costexporter.core.cost import Prices
 from costexporter.core.events import POLICY_THRESHOLDS, bounded_number
@@ -145,7 +146,7 @@ class Policy:
 
 
 RULE_KEYS = ("job", "namespace", "controller", "owner", "price_per_gpu_hour", "grant_meta")
-POLICY_KEYS = ("rules", "prices", "node_pools", "cluster", "carbon_intensity")
+POLICY_KEYS = ("rules", "prices", "node_pools", "cluster", "carbon_intensity", "budgets")
 
 
 def parse_policy(doc: object, where: str = "the policy") -> tuple[PolicyRule, ...]:
@@ -160,6 +161,7 @@ class PolicyFile:
     rules: tuple[PolicyRule, ...] = ()
     pricing: Pricing = field(default_factory=Pricing)
     carbon: GridIntensity | None = None  # the grid's intensity (`core/carbon.py`); None: not given
+    budgets: tuple[Budget, ...] = ()  # the API's budgets (`core/budgets.py`)
 
 
 def parse_policy_file(
@@ -181,6 +183,8 @@ def parse_policy_file(
             grant_meta: [cost_center]
             stall_floor_s: 600
         carbon_intensity: 390                    # gCO2e/kWh, or {file: grid.csv} (hourly rows)
+        budgets:                                 # the API's (GET /api/v1/budgets)
+          - {name: llm-monthly, team: llm, amount: 50000, period: month}
 
     `read` reads a file the policy names (the carbon intensity series). PolicyError (one line)
     for anything else: the policy fails closed."""
@@ -199,8 +203,15 @@ def parse_policy_file(
             intensity = parse_policy_intensity(doc["carbon_intensity"], where, read)
         except IntensityError as e:
             raise PolicyError(str(e)) from None
+    try:
+        budgets = parse_budgets(doc.get("budgets"), where)
+    except BudgetError as e:
+        raise PolicyError(str(e)) from None
     return PolicyFile(
-        tuple(_rule(raw, f"{where}: rule {i + 1}") for i, raw in enumerate(raw_rules)), price_side, intensity
+        tuple(_rule(raw, f"{where}: rule {i + 1}") for i, raw in enumerate(raw_rules)),
+        price_side,
+        intensity,
+        budgets,
     )
 
 
