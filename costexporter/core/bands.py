@@ -263,14 +263,21 @@ def classify(
     starv = starv & counted
     evidence = {}
     if n_ranks >= straggler_mod.MIN_RANKS and step_ms is not None and step_ms.size:
-        if power_w is read_w and present is None:  # P holds every reading as read, none held
-            R = P
-        else:  # the power as read (ramps weigh as they were read), NaN where a reading is missing
-            R = np.full(shape, np.nan, np.float32)
-            if block_rank is not None:
-                R[block_rank] = read_w.reshape(shape)
-            else:
-                R.ravel()[flat] = read_w
+        # The power as read (ramps weigh as they were read), NaN where a reading is missing: P
+        # itself where nothing was de-ramped or held, else P with those cells put back.
+        R = P
+        if present is not None:
+            R = P.copy()
+            R[~present] = np.nan
+        changed = np.flatnonzero(power_w != read_w) if power_w is not read_w else None
+        if changed is not None and changed.size:
+            R = R.copy() if R is P else R
+            at = (
+                block_rank[changed // n_cols] * n_cols + changed % n_cols
+                if block_rank is not None
+                else flat[changed]
+            )
+            R.ravel()[at] = read_w[changed]
         evidence = straggler_mod.evidence(
             R, U, counted & ~dead & ~ckpt, at_ms, cell, profile, step_ms, (count_from_ms, count_to_ms)
         )
