@@ -70,7 +70,6 @@ def cost_to_finish(
     if total_steps is None:
         return Forecast(notes=["the trainer posts no total_steps (meta): the steps left are unknown"])
     left = max(total_steps - max(last_step, 0), 0)
-    base = Forecast(total_steps=total_steps, steps_left=left)
     if left == 0:
         return Forecast(total_steps, 0, None, 0.0, 0.0, 0.0, spent, ["no steps left"])
     rows = sorted(buckets)
@@ -82,7 +81,7 @@ def cost_to_finish(
     steps = sum(n for _, _, n in recent)
     if steps <= 0:
         return Forecast(
-            base.total_steps, left, notes=[f"no valid step in the last {WINDOW_S // 60} minutes: no rate"]
+            total_steps, left, notes=[f"no valid step in the last {WINDOW_S // 60} minutes: no rate"]
         )
     rate = cost / steps
     est = max(rate * left, 0.0)

@@ -813,9 +813,9 @@ def job_forecast(r: JobResult, spent: float, flat: Prices | None, scheds: list[P
     """The job's cost to finish (`core.forecast`) from its 5-minute buckets as the ledger holds
     them: each bucket's cost (every job category) and the valid steps completed in it."""
     total = forecast.total_steps_of(r.meta)
-    figs_last = r.timeline.steps[-1].step if r.timeline.steps else -1
-    if total is None or total <= figs_last:
-        return forecast.cost_to_finish([], spent, figs_last, total)
+    last_step = r.timeline.steps[-1].step if r.timeline.steps else -1
+    if total is None or total <= last_step:
+        return forecast.cost_to_finish([], spent, last_step, total)
     p = r.pieces
     cost: dict[int, float] = {}
     groups = (
@@ -838,7 +838,7 @@ def job_forecast(r: JobResult, spent: float, flat: Prices | None, scheds: list[P
         for t in sorted(set(cost) | set(steps))
         if cost.get(t, 0.0) or steps.get(t, 0)
     ]
-    return forecast.cost_to_finish(buckets, spent, figs_last, total)
+    return forecast.cost_to_finish(buckets, spent, last_step, total)
 
 
 def slow_ranks(r: JobResult, valid_ms: float, valid_cost: float) -> tuple[list[SlowRankReport], int]:
