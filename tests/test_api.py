@@ -252,6 +252,9 @@ def test_cost_to_finish_is_the_offline_replays(built):
     # a job whose trainer posts no total_steps says so
     other = api.get("/api/v1/jobs/vision-run", params={"window": WINDOW}).json()["forecast"]
     assert other["cost_to_finish"] is None and "total_steps" in other["notes"][0]
+    # the agent exports it for the cost-to-finish rule: the llm job's only
+    totals = {lab["training_job"]: v for lab, v in built["metrics"]["costexporter_job_total_steps"]}
+    assert totals == {"llm-run": 1000}
 
 
 def test_serve_also_serves_the_api_over_http(built):

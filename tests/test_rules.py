@@ -479,6 +479,61 @@ def test_budget_burn_pages_once_per_band_with_the_currency(tmp_path):
 
 
 @needs_promtool
+def test_cost_to_finish_and_a_forecast_over_the_budget(tmp_path):
+    """2 agents x 5 a minute, a step a unit of cost: the record is the last hour's cost per valid
+    step x the steps left; the alert fires while spent plus that passes the budget and the spend
+    itself does not (past it, BudgetExceeded pages)."""
+    n = "BudgetForecastExceeded"
+
+    def job(total: str | None) -> list[dict]:
+        out = [
+            _series(
+                "costexporter_cost_total",
+                f'{J},category="productive",currency="USD",instance="{a}"',
+                "0+5x130",
+            )
+            for a in ("a1", "a2")
+        ]
+        out += [_series("costexporter_job_budget", f'{J},currency="USD",instance="a1"', "1000x130")]
+        out += [_series("costexporter_job_valid_steps", f'{J},instance="a1"', "0+10x130")]
+        out += [_series("costexporter_job_last_step", f'{J},instance="a1"', "0+10x130")]
+        if total:
+            out += [_series("costexporter_job_total_steps", f'{J},instance="a1"', total)]
+        return out
+
+    firing = [
+        {
+            "exp_labels": {"severity": "warning", "training_job": "j", "currency": "USD"},
+            "exp_annotations": {
+                "summary": "j will finish over its budget",
+                "description": "2000.00 USD at its finish: what it spent plus its last 1h's cost per valid "
+                "step for the steps left of its total_steps, more than its budget (the operator's policy).",
+            },
+        }
+    ]
+    tests = [
+        {
+            **_case(job("2000x130"), [("10m", n, []), ("75m", n, firing), ("110m", n, [])]),
+            "promql_expr_test": [
+                {
+                    "expr": "training_job:costexporter_cost_to_finish:estimate",
+                    "eval_time": "75m",
+                    "exp_samples": [
+                        {
+                            "labels": 'training_job:costexporter_cost_to_finish:estimate{training_job="j"}',
+                            "value": 1250,
+                        }
+                    ],
+                }
+            ],
+        },
+        _case(job("800x130"), [("75m", n, [])]),  # it finishes at 800 spent
+        _case(job(None), [("75m", n, [])]),  # no total_steps: no forecast
+    ]
+    _run(tmp_path, SHIPPED, tests)
+
+
+@needs_promtool
 def test_cost_per_step_jump_against_the_jobs_own_baseline(tmp_path):
     n = "CostPerStepJump"
 

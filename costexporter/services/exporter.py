@@ -32,7 +32,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from costexporter import __version__
-from costexporter.core import bandtable, flops
+from costexporter.core import bandtable, flops, forecast
 from costexporter.core.model import CATEGORIES, GpuId
 from costexporter.services.exposition import freeze, prerender
 
@@ -494,14 +494,22 @@ def _goodput_families(s: AgentSnapshot) -> Iterator[Metric]:
         "Dense peak FLOPS of one of the job's GPUs for its dtype (its model's datasheet): MFU's denominator.",
         labels=["training_job"],
     )
+    total = GaugeMetricFamily(
+        "costexporter_job_total_steps",
+        "The trainer's total_steps (meta): the cost-to-finish rule's steps left are it less the last step.",
+        labels=["training_job"],
+    )
     for name, j in sorted(s.jobs.items()):
         if j.ranks:
             ranks.add_metric([name], j.ranks)
+        steps = forecast.total_steps_of(j.meta)
+        if steps is not None:
+            total.add_metric([name], steps)
         work = flops.work(j.meta, j.figures.get("gpu_name") or j.meta.get("gpu_model"), 0)
         if work.flops_per_token is not None and work.peak_flops is not None:
             per_token.add_metric([name], work.flops_per_token)
             peak.add_metric([name], work.peak_flops)
-    yield from (ranks, per_token, peak)
+    yield from (ranks, per_token, peak, total)
 
 
 def _dashboard_families(s: AgentSnapshot) -> Iterator[Metric]:

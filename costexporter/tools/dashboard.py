@@ -411,12 +411,35 @@ def dashboard() -> dict[str, Any]:
             **_defaults("kwatth"),
         )
     )
-    # Row 6: the alerts.
+    # Row 6: what the job will cost to finish, against its budget.
+    panels.append(
+        _panel(
+            "timeseries",
+            "Cost to finish",
+            (0, 41, 24, 8),
+            [
+                _target(
+                    f"training_job:costexporter_cost_to_finish:estimate{{{JOB}}}",
+                    "{{training_job}} to finish",
+                ),
+                _target(
+                    f"max by (cluster, training_job) (costexporter_job_budget{{{JOB}}})\n"
+                    f"- on (cluster, training_job) group_left () sum by (cluster, training_job) "
+                    f"(training_job:costexporter_cost:sum{{{JOB}}})",
+                    "{{training_job}} budget left",
+                ),
+            ],
+            description="The last hour's cost per valid step x the steps left of the trainer's total_steps "
+            "(docs/accounting.md, cost to finish), beside what is left of the job's budget.",
+            **_defaults("none"),
+        )
+    )
+    # Row 7: the alerts.
     panels.append(
         _panel(
             "table",
             "Alerts",
-            (0, 41, 24, 7),
+            (0, 49, 24, 7),
             [_target(f'ALERTS{{{JOB},alertstate="firing"}}', "", instant=True)],
             transformations=[{"id": "labelsToFields", "options": {}}],
             **_defaults("none"),

@@ -59,6 +59,7 @@ class RuleWindows:
     jump_window: str = "15m"
     jump_baseline: str = "6h"
     jump_for: str = "15m"
+    forecast_for: str = "15m"  # BudgetForecastExceeded: the forecast over the budget this long
     # Goodput's rolling windows: runtime goodput (job, team, cluster), ETTR and MFU (job).
     goodput_short: str = "1h"
     goodput_long: str = "24h"
@@ -88,6 +89,7 @@ class RuleWindows:
             jump_window="30s",
             jump_baseline="10m",
             jump_for="10s",
+            forecast_for="10s",
             goodput_short="2m",
             goodput_long="10m",
             recovery_hold="6s",
@@ -253,6 +255,14 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
     time_wasted = f'costexporter_gpu_time_seconds_total{{category=~"{WASTED}"}}'
     by_job, by_cur = "sum by (training_job)", "sum by (training_job, currency)"
     cost_net = _net(f"{by_cur} (costexporter_cost_total)", f"{by_cur} (costexporter_voided_cost_total)")
+
+    # The job's cost per valid step over a window (voided steps lower the gauge: no rate then).
+    def per_step(win: str) -> str:
+        return (
+            f"sum by (training_job) (increase(costexporter_cost_total[{win}]))\n"
+            f"/ on (training_job) (max by (training_job) (delta(costexporter_job_valid_steps[{win}])) > 0)"
+        )
+
     time_voided = TIME_VOIDED
     voided_h = f"{by_job} ({time_voided})"
     records = [
@@ -296,6 +306,16 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
     ]
 
     records += goodput_records(w)
+    # What a job will cost to finish (docs/accounting.md): its cost per valid step over the last
+    # `goodput_short` x the steps left of its total_steps (meta); none without them.
+    records.append(
+        {
+            "record": "training_job:costexporter_cost_to_finish:estimate",
+            "expr": f"(\n{per_step(w.goodput_short)}\n)\n* on (training_job) clamp_min(\n"
+            "  max by (training_job) (costexporter_job_total_steps)\n"
+            "  - on (training_job) max by (training_job) (costexporter_job_last_step),\n  0\n)",
+        }
+    )
 
     budget = (
         f"({cost_net})\n"
@@ -311,15 +331,18 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         f"{not_ended}"
     )
 
-    # The job's cost per valid step over a window (voided steps lower the gauge: no rate then).
-    def per_step(win: str) -> str:
-        return (
-            f"sum by (training_job) (increase(costexporter_cost_total[{win}]))\n"
-            f"/ on (training_job) (max by (training_job) (delta(costexporter_job_valid_steps[{win}])) > 0)"
-        )
-
     recent, baseline = per_step(w.jump_window), per_step(w.jump_baseline)
     jump = f"(\n{recent}\n)\n/ on (training_job) (\n{baseline}\n)\n> {w.jump_factor:g}"
+    at_finish = (
+        "training_job:costexporter_cost:sum\n"
+        "+ on (training_job) group_left () training_job:costexporter_cost_to_finish:estimate"
+    )
+    forecast_over = (
+        f"({at_finish})\n"
+        "> on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)\n"
+        "unless on (training_job, currency) (\n  training_job:costexporter_cost:sum\n"
+        "  > on (training_job, currency) max by (training_job, currency) (costexporter_job_budget)\n)"
+    )
     spent_share = (
         f"({cost_net})\n"
         "/ on (training_job, currency) (max by (training_job, currency) (costexporter_job_budget) > 0)"
@@ -407,6 +430,16 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
             "{{ $labels.training_job }}: {{ $value | humanizePercentage }} of GPU time wasted",
             f"Stalled, idle, no-progress and rolled-back time over {w.waste_window} "
             f"exceeds {w.waste_ratio:.0%}.",
+        ),
+        alert(
+            "BudgetForecastExceeded",
+            forecast_over,
+            w.forecast_for,
+            "warning",
+            "{{ $labels.training_job }} will finish over its budget",
+            '{{ $value | printf "%.2f" }} {{ $labels.currency }} at its finish: what it spent plus its last '
+            f"{w.goodput_short}'s cost per valid step for the steps left of its total_steps, more than its "
+            "budget (the operator's policy).",
         ),
         alert(
             "BudgetExceeded",
