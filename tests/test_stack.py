@@ -155,7 +155,7 @@ def short_story():
     from costexporter.sources.synth import TraceBuilder
 
     b = TraceBuilder(n_gpus=8, per_host=4, job="short-r1", seed=5)
-    b.meta(gpu_model="NVIDIA B300")  # its budget is the operator's: STORY_OWNER
+    b.meta(gpu_model="NVIDIA B300", total_steps=1000)  # its budget is the operator's: STORY_OWNER
     b.run("start")
     b.stretch("compute", 300, step_s=5, tokens=1000)
     b.stretch("communication", 1200, step_s=7, tokens=1000)

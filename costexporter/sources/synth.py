@@ -418,7 +418,8 @@ def scenario_r1_story(seed: int = 1) -> TraceBuilder:
     until the watchdog; then a restart whose checkpoint write hangs, a crash loop, and a resume
     from an earlier checkpoint."""
     b = TraceBuilder(n_gpus=16, per_host=8, job="qwen3-32b-ft", seed=seed, interval_s=1.0)
-    b.meta(gpu_model="NVIDIA B300")  # the owner is the operator's (demo.DEMO_OWNERS)
+    # the owner is the operator's (demo.DEMO_OWNERS); the run's steps, for its cost to finish
+    b.meta(gpu_model="NVIDIA B300", total_steps=4000)
     b.run("start")
     b.stretch("compute", 2 * 3600, step_s=5, tokens=262_144)
     b.stretch("communication", 1200, step_s=7, tokens=262_144)
