@@ -146,3 +146,15 @@ def test_a_team_sees_its_teams_budgets_and_bad_input_is_a_400(api):
     assert _get(base, token=None, at=str(AT)).status_code == 401
     bad = _get(base, at="next tuesday")
     assert bad.status_code == 400 and "RFC 3339" in bad.json()["detail"]
+
+
+def test_an_empty_ledger_answers_every_budget_at_nothing_spent():
+    store = LedgerStore(
+        redis.Redis.from_url(SHARED_URL, decode_responses=True), f"test-{uuid.uuid4().hex[:12]}"
+    )
+    with served(store, budgets=parse_policy_file(POLICY).budgets) as (base, _):
+        r = _get(base, token=None, at=str(AT))
+    assert r.status_code == 200, r.text
+    assert {b["name"]: (b["spent"], b["jobs"]) for b in r.json()["budgets"]} == {
+        b["name"]: ("0.000000", 0) for b in POLICY["budgets"]
+    }

@@ -34,9 +34,9 @@ BLOCK_MS = 60_000  # a block: long enough that the ranks' reading noise averages
 MIN_SHARE = 0.01
 MIN_SPREAD_RATIO = 3.0
 MIN_RANKS = 3  # the spread of the others needs two of them
-MIN_SEEN = 0.8
+MIN_SEEN = 0.8  # a rank observed for less of the block than this share is not compared
 # A watermark carries the open minutes' evidence of jobs this wide at most (4 numbers a rank).
-PERSIST_MAX_RANKS = 512  # a rank observed for less of the block than this share is not compared
+PERSIST_MAX_RANKS = 512
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,8 +63,8 @@ def budgets(
                 ],
                 bool,
             )
-            spent = float(cost[mine].sum()) / 1e6 if names else 0.0
-            trend = float(trend_cost[mine].sum()) / 1e6 if names else 0.0
+            spent = float(cost[mine].sum()) / 1e6
+            trend = float(trend_cost[mine].sum()) / 1e6
             trend_days = (now - t0) / 86400
             st = budgets_mod.status(b, spent, trend, trend_days, now, end)
             out.append(
@@ -82,7 +82,7 @@ def budgets(
                     forecast_at_end=money(st.forecast_at_end) if st.forecast_at_end is not None else None,
                     forecast_used=st.forecast_used,
                     forecast_crosses=st.forecast_crosses,
-                    jobs=int((mine & (cost != 0)).sum()) if len(names) else 0,
+                    jobs=int((mine & (cost != 0)).sum()),
                     notes=st.notes,
                 )
             )
