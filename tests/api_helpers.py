@@ -16,6 +16,7 @@ from costexporter.api.app import create_app
 from costexporter.api.auth import Tokens
 from costexporter.core.attribution import GRANTABLE, Attribution
 from costexporter.core.buckets import price_version
+from costexporter.core.budgets import parse_budgets
 from costexporter.core.cost import Prices
 from costexporter.core.model import Category
 from costexporter.store import keys, ledger
@@ -93,7 +94,15 @@ def assert_no_server_error(store: LedgerStore, max_examples: int) -> int:
     import schemathesis
     from hypothesis import HealthCheck, given, settings
 
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(store))
+    # budgets of each period and scope, so `/api/v1/budgets` is driven through its arithmetic
+    budgets = parse_budgets(
+        [
+            {"name": "month", "amount": 100, "team": "*"},
+            {"name": "quarter", "amount": 1e6, "period": "quarter", "job": "llm-*"},
+            {"name": "rolling", "amount": 0.01, "period": "rolling:30d", "cluster": "*"},
+        ]
+    )
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(store, budgets=budgets))
     operations = [result.ok() for result in schema.get_all_operations()]
     for op in operations:
 

@@ -5,6 +5,8 @@ valid step is the core's (`cost.cost_per_valid_step`) for any amounts."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -95,3 +97,33 @@ def test_the_two_apis_resolve_windows_with_one_parser_and_one_type():
         oc.parse_window("today", "Mars/Olympus", now)
     with pytest.raises(windows.WindowError, match="time zone"):
         windows.parse_window("today", "+25:00", now)
+
+
+instants = st.one_of(
+    st.text(max_size=40),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.integers(-(10**20), 10**20).map(str),
+    st.datetimes(
+        timezones=st.sampled_from([None, dt.UTC, dt.timezone(dt.timedelta(hours=-23, minutes=-59))])
+    ).map(dt.datetime.isoformat),
+)
+
+
+@given(text=instants, tz=st.sampled_from(["UTC", "+14:00", "-12:00"]))
+def test_an_at_instant_is_one_the_calendar_holds_or_a_window_error(text, tz):
+    """`at=` (the budgets' close): whatever a client sends is an instant between 1970 and 3000
+    that every calendar rule downstream can take, or a WindowError (the 400), never another
+    exception (a 500)."""
+    import datetime as _dt
+
+    try:
+        at = windows.parse_at(text, tz)
+    except windows.WindowError as e:
+        assert str(e)
+        return
+    assert 0 <= at <= windows.LATEST
+    _dt.datetime.fromtimestamp(at, windows.zone_of(tz))  # the budgets' period rule takes it
+
+
+def test_an_at_instant_without_one_is_now():
+    assert windows.parse_at(None, now=T0) == T0

@@ -146,6 +146,15 @@ def test_a_team_sees_its_teams_budgets_and_bad_input_is_a_400(api):
     assert _get(base, token=None, at=str(AT)).status_code == 401
     bad = _get(base, at="next tuesday")
     assert bad.status_code == 400 and "RFC 3339" in bad.json()["detail"]
+    # instants a calendar cannot hold, or outside 1970..3000, are a 400 the way a window's are
+    for at, says in (
+        ("1e300", "Unix seconds"),
+        ("-5", "Unix seconds"),
+        ("99999999999", "between 1970-01-01 and 3000-01-01"),
+        ("9999-12-31T23:59:59-23:59", "between 1970-01-01 and 3000-01-01"),
+    ):
+        r = _get(base, at=at)
+        assert r.status_code == 400 and says in r.json()["detail"], (at, r.text)
 
 
 def test_an_empty_ledger_answers_every_budget_at_nothing_spent():

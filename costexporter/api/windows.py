@@ -170,6 +170,24 @@ def zone_of(tz: str) -> dt.tzinfo:
         raise WindowError(f"time zone {tz!r} is not an IANA name, UTC or +HH:MM: {e}") from None
 
 
+def parse_at(text: str | None, tz: str = "UTC", now: float | None = None) -> float:
+    """An instant a query names (`at=`; None: now), held to the windows' rules: Unix seconds of 9
+    to 11 digits or RFC 3339 (a time without an offset is in `tz`), between 1970 and 3000;
+    raises WindowError with a message for the client."""
+    if text is None:
+        return time.time() if now is None else now
+    zone = zone_of(tz)
+    if not re.fullmatch(_UNIX, text.strip()) and _is_number(text):
+        raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds")
+    try:
+        at = parse_instant(text, zone)
+    except ValueError as e:
+        raise WindowError(str(e)) from None
+    if not 0 <= at <= LATEST:
+        raise WindowError(f"{text!r} must lie between 1970-01-01 and 3000-01-01")
+    return at
+
+
 def parse_window(
     text: str | None,
     tz: str = "UTC",

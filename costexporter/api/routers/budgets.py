@@ -3,7 +3,6 @@ the thresholds crossed and the period's forecast (docs/terms.md, budgets)."""
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 import numpy as np
@@ -12,11 +11,10 @@ from fastapi import APIRouter, HTTPException, Query
 from costexporter.api.deps import Config, Store, Who
 from costexporter.api.format import iso, money
 from costexporter.api.schemas import BudgetOut, Budgets
-from costexporter.api.windows import WindowError, zone_of
+from costexporter.api.windows import WindowError, parse_at, zone_of
 from costexporter.core import budgets as budgets_mod
 from costexporter.core.buckets import BUCKET_S
 from costexporter.core.model import CATEGORIES
-from costexporter.core.timeutil import parse_instant
 from costexporter.store.ledger_read import JOB_CATS, Warnings
 
 router = APIRouter(prefix="/api/v1/budgets", tags=["budgets"])
@@ -32,8 +30,8 @@ def budgets(
     token that sees every team sees them all."""
     try:
         zone = zone_of(cfg.tz)
-        now = time.time() if at is None else parse_instant(at, zone)
-    except (ValueError, WindowError) as e:
+        now = parse_at(at, cfg.tz)
+    except WindowError as e:
         raise HTTPException(400, str(e)) from None
     now = int(now) // BUCKET_S * BUCKET_S  # the ledger's 5-minute resolution
     visible = [
