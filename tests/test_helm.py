@@ -309,6 +309,51 @@ def test_rendered_workloads_carry_what_the_values_say():
     assert mount["mountPath"] == "/etc/costexporter/tokens"
 
 
+def test_the_apis_budget_gauges_are_scraped_and_its_budget_alerts_posted():
+    """api.metricsPort: a `metrics` port on the API's pod and Service, which the ServiceMonitor
+    selects and the NetworkPolicy opens to the scrapers; api.alertmanagerUrl reaches the API."""
+    budgets = {"budgets": [{"name": "llm", "team": "llm", "amount": 1000}]}
+    values = {
+        **TOKENS,
+        "policy": budgets,
+        "api": {**TOKENS["api"], "alertmanagerUrl": "http://am:9093"},
+        "networkPolicy": {
+            "enabled": True,
+            "metricsFrom": [{"podSelector": {"matchLabels": {"app": "prom"}}}],
+        },
+    }
+    k = _by_kind(_render(values))
+    (api,) = [d for d in k["Deployment"] if d["metadata"]["name"].endswith("-api")]
+    c = api["spec"]["template"]["spec"]["containers"][0]
+    assert "--metrics-port=9405" in c["args"] and {"name": "metrics", "containerPort": 9405} in c["ports"]
+    assert {"name": "COSTEXPORTER_ALERTMANAGER_URL", "value": "http://am:9093"} in c["env"]
+    (svc,) = [d for d in k["Service"] if d["metadata"]["name"].endswith("-api")]
+    assert {"name": "metrics", "port": 9405, "targetPort": "metrics"} in svc["spec"]["ports"]
+    (sm,) = k["ServiceMonitor"]
+    (sel,) = sm["spec"]["selector"]["matchExpressions"]
+    assert "api" in sel["values"] and svc["metadata"]["labels"]["app.kubernetes.io/component"] == "api"
+    (np_,) = [d for d in k["NetworkPolicy"] if d["metadata"]["name"].endswith("-api")]
+    metrics = [r for r in np_["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": "metrics"}]]
+    assert metrics and metrics[0]["from"] == values["networkPolicy"]["metricsFrom"]
+    # 0: no port, no Service port, no rule
+    k = _by_kind(_render({**TOKENS, "api": {**TOKENS["api"], "metricsPort": 0}}))
+    (api,) = [d for d in k["Deployment"] if d["metadata"]["name"].endswith("-api")]
+    c = api["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--metrics-port") for a in c["args"]) and len(c["ports"]) == 1
+
+
+def test_the_charts_policy_schema_takes_every_key_the_policy_file_does():
+    """A key the programs read but the schema refuses cannot be set through the chart."""
+    import json
+
+    from costexporter.core.budgets import BUDGET_KEYS
+    from costexporter.core.terms import POLICY_KEYS
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["policy"]["properties"]
+    assert set(schema) == set(POLICY_KEYS)
+    assert set(schema["budgets"]["items"]["properties"]) == set(BUDGET_KEYS)
+
+
 def test_policy_profiles_and_extra_volumes_reach_the_programs_as_files_they_read(tmp_path):
     """Who pays is the operator's and so is a GPU's profile: the chart's `policy` and `profiles`
     are ConfigMaps (or existing ones), mounted read-only into every agent and watcher and named
@@ -574,6 +619,15 @@ def test_in_chart_redis_keeps_an_aof_on_a_volume_and_is_the_default_url():
             {**TOKENS, "redis": {"acl": {"enabled": True, "trainers": [{"team": "a/b"}]}}},
             "/redis/acl/trainers/0",
         ),
+        (
+            {
+                **TOKENS,
+                "api": {**TOKENS["api"], "alertmanagerUrl": "http://am:9093"},
+                "policy": {"cluster": "c"},
+            },
+            "policy.budgets names none",
+        ),
+        ({**TOKENS, "api": {**TOKENS["api"], "alertmanagerUrl": "am:9093"}}, "/api/alertmanagerUrl"),
         ({**TOKENS, "archive": {"enabled": True, "cluster": "c"}}, "archive.enabled needs archive.url"),
         ({**TOKENS, "archive": {"enabled": True, "url": "s3://b/r"}}, "archive.enabled needs a cluster name"),
         ({**TOKENS, "archive": {"enabled": True, "url": "/srv/a", "cluster": "c"}}, "archive.existingClaim"),

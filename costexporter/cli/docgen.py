@@ -130,6 +130,18 @@ def _collectors() -> tuple[Any, Any, Any]:
     return AgentCollector(agent), WatchCollector(watcher), watcher
 
 
+def _budget_watch() -> Any:
+    """The API's budget collector over an app with no ledger to read (its families are declared
+    whatever it holds)."""
+    from costexporter.api.app import create_app
+    from costexporter.api.budgetwatch import BudgetWatch
+    from costexporter.store import redisconn
+    from costexporter.store.ledger_read import LedgerStore
+
+    app = create_app(LedgerStore(redisconn.from_url("redis://127.0.0.1:1/0"), "docgen"))
+    return BudgetWatch(app.state.config)
+
+
 _SUFFIX = {"counter": "_total", "histogram": ""}
 
 
@@ -150,6 +162,11 @@ def render_metrics() -> str:
         sections = [
             ("The agent: `costexporter serve` (and the demo), on `:9402/metrics`", _families(agent)),
             ("The watcher: `costexporter watch`, on `:9404/metrics`", _families(watch)),
+            (
+                "The API's budgets: `costexporter api --metrics-port` (the chart's `:9405/metrics`), one "
+                "series per budget of the policy",
+                _families(_budget_watch()),
+            ),
         ]
     finally:
         watcher.stop()

@@ -141,3 +141,56 @@ def status(
     f_used = forecast / b.amount if forecast is not None else None
     crosses = [t for t in b.thresholds if t not in crossed and f_used is not None and f_used >= t]
     return BudgetStatus(spent, used, crossed, forecast, f_used, crosses, notes)
+
+
+# The alerts a budget raises, on both paths (the API's Alertmanager posts and the Prometheus
+# rules over the API's budget gauges): one for the highest band crossed under 100%, one past
+# 100%, one when the period's forecast reaches 100% first.
+BURN = "PolicyBudgetBurn"
+EXCEEDED = "PolicyBudgetExceeded"
+FORECAST = "PolicyBudgetForecastExceeded"
+ALERT_SEVERITY = {BURN: "info", EXCEEDED: "warning", FORECAST: "warning"}
+# Scope keys whose literal value (no shell wildcard) becomes a label Alertmanager routes on (not
+# `cluster`: the alerts' own cluster label is the API's, or Prometheus's external label).
+ROUTE_KEYS = ("team", "cost_center", "namespace")
+_WILDCARD = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetAlert:
+    name: str
+    threshold: float | None = None  # the band's lower edge (BURN only)
+
+    @property
+    def severity(self) -> str:
+        return ALERT_SEVERITY[self.name]
+
+
+def alerts(st: BudgetStatus) -> list[BudgetAlert]:
+    """What a budget's status raises: the highest threshold under 100% that is crossed (a team
+    hears at each band once, not at every band it has passed), or past 100% the overrun; and
+    the forecast reaching 100% while the spend has not."""
+    if st.used >= 1:
+        return [BudgetAlert(EXCEEDED)]
+    out = []
+    below = [t for t in st.crossed if t < 1]
+    if below:
+        out.append(BudgetAlert(BURN, max(below)))
+    if st.forecast_used is not None and st.forecast_used >= 1:
+        out.append(BudgetAlert(FORECAST))
+    return out
+
+
+def threshold_label(t: float) -> str:
+    """A threshold as the `threshold` label shows it: 0.75 -> "75%", 0.875 -> "87.5%"."""
+    return f"{t * 100:g}%"
+
+
+def route_labels(b: Budget) -> dict[str, str]:
+    """The labels Alertmanager routes a budget's alerts on: `budget`, `period`, and each scope
+    key of ROUTE_KEYS given as a literal (a team's budget pages that team)."""
+    out = {"budget": b.name, "period": b.period}
+    for key, pattern in b.scope:
+        if key in ROUTE_KEYS and not _WILDCARD.search(pattern):
+            out[key] = pattern
+    return out

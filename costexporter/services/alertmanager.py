@@ -147,3 +147,63 @@ class Alertmanager:
 
     def stop(self) -> None:
         self.sender.stop()
+
+
+@dataclass
+class _Posted:
+    alert: dict[str, Any]  # labels, annotations, generatorURL
+    started: float  # wall clock
+    posted: float  # wall clock of the last post
+
+
+class AlertSet:
+    """Keeps a set of alerts in Alertmanager that its caller restates whole each time (the API's
+    budget alerts): a new alert is posted, a lasting one re-posted every `resend_s` (or at once
+    when its annotations change) with `endsAt` RESEND_FACTOR re-posts ahead, and one no longer
+    stated is resolved (`endsAt` = now). An alert's identity is its labels, as Alertmanager's."""
+
+    def __init__(
+        self,
+        base_url: str,
+        resend_s: float = 60.0,
+        retries: int = 5,
+        timeout_s: float = 5.0,
+        backoff_s: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.resend_s = resend_s
+        self.clock = clock
+        self.live: dict[tuple[tuple[str, str], ...], _Posted] = {}
+        self.sender = Webhook(base_url.rstrip("/") + ALERTS_PATH, retries, timeout_s, backoff_s)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.sender.stats
+
+    def update(self, alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`alerts`: every alert firing now (`labels`, `annotations`, optional `generatorURL`);
+        posts what is new, due again, changed or gone, and returns it."""
+        now = self.clock()
+        out = []
+        current = {tuple(sorted(a["labels"].items())): a for a in alerts}
+        for key in [k for k in self.live if k not in current]:
+            gone = self.live.pop(key)
+            out.append({**gone.alert, "startsAt": iso_utc(gone.started), "endsAt": iso_utc(now)})
+        for key, a in current.items():
+            cur = self.live.get(key)
+            if cur is None:
+                cur = self.live[key] = _Posted(a, now, 0.0)
+            changed = cur.alert.get("annotations") != a.get("annotations")
+            if changed or cur.posted == 0.0 or now - cur.posted >= self.resend_s:
+                cur.alert, cur.posted = a, now
+                ends = now + RESEND_FACTOR * self.resend_s
+                out.append({**a, "startsAt": iso_utc(cur.started), "endsAt": iso_utc(ends)})
+        if out:
+            self.sender.send(out)  # type: ignore[arg-type]
+        return out
+
+    def drain(self, timeout: float = 10.0) -> None:
+        self.sender.drain(timeout)
+
+    def stop(self) -> None:
+        self.sender.stop()

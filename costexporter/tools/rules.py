@@ -452,6 +452,7 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         ),
     ]
     alerts += burn_alerts(spent_share, w)
+    alerts += policy_budget_alerts(w)
     alerts = _band_alerts(alerts, w, not_ended)
     for a in alerts:
         a["annotations"]["runbook_url"] = runbook_url(a["alert"], runbooks)
@@ -553,6 +554,57 @@ def burn_alerts(spent_share: str, w: RuleWindows) -> list[dict[str, Any]]:
         a["labels"]["threshold"] = f"{lo:.0%}"
         out.append(a)
     return out
+
+
+# The labels a policy budget's alerts carry (`core/budgets.route_labels`, and the currency), the
+# API replicas' series merged.
+BUDGET_BY = "cluster, budget, period, currency, team, cost_center, namespace"
+
+
+def policy_budget_alerts(w: RuleWindows) -> list[dict[str, Any]]:
+    """The policy's budgets (per team, cost centre, month, ...; the API's budget gauges), as the
+    API posts them itself (`core/budgets.alerts`): the highest band crossed under 100%, past 100%
+    the overrun, and the period's forecast reaching 100% first."""
+    used = f"max by ({BUDGET_BY}) (costexporter_budget_used_ratio)"
+    burn = (
+        "topk by (cluster, budget) (\n  1,\n"
+        f"  max by ({BUDGET_BY}, threshold) (costexporter_budget_threshold)\n"
+        f"  <= on (cluster, budget) group_left ()\n  {used}\n)\n< 1"
+    )
+    forecast = (
+        f"max by ({BUDGET_BY}) (costexporter_budget_forecast)\n"
+        ">= on (cluster, budget) group_left () max by (cluster, budget) (costexporter_budget_amount)\n"
+        f"unless on (cluster, budget) ({used} >= 1)"
+    )
+    return [
+        alert(
+            "PolicyBudgetBurn",
+            burn,
+            w.budget_for,
+            "info",
+            "budget {{ $labels.budget }} has passed {{ $labels.threshold }} of its amount",
+            "The net cost of the jobs in the budget's scope this {{ $labels.period }} passed "
+            "{{ $labels.threshold }} of its amount, in {{ $labels.currency }} (the operator's policy).",
+        ),
+        alert(
+            "PolicyBudgetExceeded",
+            f"{used}\n>= 1",
+            w.budget_for,
+            "warning",
+            "budget {{ $labels.budget }} is spent",
+            "{{ $value | humanizePercentage }} of its amount spent this {{ $labels.period }} "
+            "(the operator's policy).",
+        ),
+        alert(
+            "PolicyBudgetForecastExceeded",
+            forecast,
+            w.forecast_for,
+            "warning",
+            "budget {{ $labels.budget }} will be spent before its period ends",
+            '{{ $value | printf "%.2f" }} {{ $labels.currency }} by the end of this {{ $labels.period }}, at '
+            "the last 7 days' daily spend: more than its amount (the operator's policy).",
+        ),
+    ]
 
 
 def _band_alerts(alerts: list[dict[str, Any]], w: RuleWindows, not_ended: str) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,43 @@ from costexporter.cli.servers import api_app, serve_forever
     help="Connections open at once (kept under the file-descriptor limit); past it the one "
     "waiting longest for its request head is closed.",
 )
+@click.option(
+    "--metrics-port",
+    envvar="COSTEXPORTER_API_METRICS_PORT",
+    type=int,
+    default=0,
+    help="Port of a /metrics server with the policy's budgets as gauges (0: none), for the "
+    "PolicyBudget* rules.",
+)
+@click.option(
+    "--alertmanager-url",
+    envvar="COSTEXPORTER_ALERTMANAGER_URL",
+    default=None,
+    help="Alertmanager base URL (http://alertmanager:9093): the policy's budget alerts are posted to "
+    "its /api/v2/alerts and resolved when they end.",
+)
+@click.option(
+    "--alertmanager-resend",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    show_default=True,
+    help="Seconds between re-posts of a firing alert (its endsAt lies 4 re-posts ahead).",
+)
+@click.option(
+    "--budget-interval",
+    type=click.FloatRange(min=0.05),
+    default=60.0,
+    show_default=True,
+    help="Seconds between evaluations of the policy's budgets (for /metrics and Alertmanager).",
+)
+@click.option(
+    "--runbook-url",
+    "runbooks",
+    default=None,
+    metavar="URL",
+    help="The alerts page each posted alert's runbook_url links (URL#<alert name in lower case>); "
+    "default: the project's docs/alerts.md.",
+)
 @click.option("--focus-provider", default="costexporter", show_default=True, help="FOCUS ProviderName.")
 @click.option("--focus-publisher", default=None, help="FOCUS PublisherName (default: the provider).")
 @click.option(
@@ -154,4 +192,58 @@ def api(
         keep_alive_s=options.pop("keep_alive_timeout"),
         max_connections=options.pop("max_connections"),
     )
-    serve_forever(api_app(redis_url, prefix, tokens_file, currency, tz, **options), listen, port, limits)
+    watch = {k: options.pop(k) for k in ("metrics_port", "alertmanager_url", "alertmanager_resend")}
+    watch |= {k: options.pop(k) for k in ("budget_interval", "runbooks")}
+    if watch["metrics_port"] and watch["metrics_port"] == port:
+        raise click.BadParameter("the finance API's --port", param_hint="--metrics-port")
+    check_port(listen, watch["metrics_port"], "--metrics-port")
+    app = api_app(redis_url, prefix, tokens_file, currency, tz, **options)
+    start_budget_watch(app.state.config, listen, **watch)
+    serve_forever(app, listen, port, limits)
+
+
+def start_budget_watch(
+    cfg: Any,
+    listen: str,
+    metrics_port: int,
+    alertmanager_url: str | None,
+    alertmanager_resend: float,
+    budget_interval: float,
+    runbooks: str | None,
+) -> Any:
+    """The budgets watched (`api/budgetwatch.py`) when a /metrics port or an Alertmanager is
+    given; None otherwise. Fails closed: an Alertmanager URL or runbook page that cannot be used,
+    or an Alertmanager with no budget in the policy to post."""
+    from costexporter.services.notify import RUNBOOKS, check_runbooks, runbook_url
+
+    try:
+        base = check_runbooks(runbooks) if runbooks is not None else RUNBOOKS
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--runbook-url") from None
+    if alertmanager_url is not None:
+        if not re.fullmatch(r"https?://[^\s]+", alertmanager_url):
+            raise click.BadParameter(
+                f"{alertmanager_url!r} is not an http(s) URL", param_hint="--alertmanager-url"
+            )
+        if not cfg.budgets:
+            raise click.BadParameter(
+                "the policy (--policy) names no budgets: there is nothing to post",
+                param_hint="--alertmanager-url",
+            )
+    if not metrics_port and alertmanager_url is None:
+        return None
+    from costexporter.api.budgetwatch import BudgetWatch
+    from costexporter.services.alertmanager import AlertSet
+
+    post = AlertSet(alertmanager_url, resend_s=alertmanager_resend).update if alertmanager_url else None
+    watch = BudgetWatch(cfg, budget_interval, post, lambda name: runbook_url(name, base)).start()
+    if metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        from costexporter.services.exposition import start_http_server
+
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(watch)
+        start_http_server(metrics_port, addr=listen, registry=registry)
+        click.echo(f"costexporter api: budgets' /metrics on {listen}:{metrics_port}", err=True)
+    return watch
