@@ -371,3 +371,43 @@ def test_the_api_command_serves_budget_gauges_and_posts_to_alertmanager(tmp_path
                 proc.wait(10)
     finally:
         drop_prefix(r, prefix)
+
+
+@needs_promtool
+def test_a_jobs_money_alerts_carry_its_team_for_routing(tmp_path):
+    """BudgetExceeded (and the job's other money alerts) carry the team of the job's info series,
+    from two agents; a job without one still pages, without the label."""
+
+    def job(name: str, team: str | None) -> list[dict]:
+        j = f'training_job="{name}"'
+        out = []
+        for a in ("a1", "a2"):
+            out.append(
+                _series(
+                    "costexporter_cost_total",
+                    f'{j},category="productive",currency="USD",instance="{a}"',
+                    "0+5x60",
+                )
+            )
+            out.append(_series("costexporter_job_budget", f'{j},currency="USD",instance="{a}"', "100x60"))
+            if team:
+                info = f'{j},team="{team}",namespace="ns",cost_center="",progress="steps",instance="{a}"'
+                out.append(_series("costexporter_job_info", info, "1x60"))
+        return out
+
+    def over(name: str, team: str | None) -> dict:
+        labels = {"severity": "warning", "training_job": name, "currency": "USD"}
+        return {"exp_labels": labels | ({"team": team} if team else {})}
+
+    # 2 agents x 5 a minute: past the budget of 100 at minute 10, paged from minute 15
+    series = job("j", "llm") + job("k", None)
+    checks = [("30m", "BudgetExceeded", [over("j", "llm"), over("k", None)])]
+    tests = [_case(series, checks)]
+    for t in tests:  # the annotations are BudgetExceeded's own test's; the labels are this one's
+        for c in t["alert_rule_test"]:
+            for e in c["exp_alerts"]:
+                e["exp_annotations"] = {
+                    "summary": f"{e['exp_labels']['training_job']} is over budget",
+                    "description": "300.00 USD spent, more than its budget (the operator's policy).",
+                }
+    _run(tmp_path, SHIPPED, tests)

@@ -181,6 +181,22 @@ def with_cluster(expr: str) -> str:
     return expr
 
 
+# A job's money alerts go to its team: they carry the `team` label of `costexporter_job_info`
+# (the operator's attribution), for Alertmanager's routes.
+TEAM_ROUTED = ("HighWasteRatio", "CostPerStepJump", "BudgetBurn", "BudgetForecastExceeded", "BudgetExceeded")
+
+
+def with_team(expr: str) -> str:
+    """`expr`'s series with their job's `team` label (its value unchanged: the info series is 1);
+    a job without an info series keeps its alert, without the label."""
+    # one team a job (topk: never a many-to-many match that would stop the rule)
+    info = "topk by (training_job) (1, max by (training_job, team) (costexporter_job_info))"
+    return (
+        f"(\n{expr}\n) * on (training_job) group_left (team) {info}\n"
+        f"or (\n{expr}\n) unless on (training_job) {info}"
+    )
+
+
 def alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict[str, Any]:
     return {
         "alert": name,
@@ -452,6 +468,9 @@ def rules(w: RuleWindows, runbooks: str = RUNBOOKS) -> dict[str, Any]:
         ),
     ]
     alerts += burn_alerts(spent_share, w)
+    for a in alerts:
+        if a["alert"] in TEAM_ROUTED:
+            a["expr"] = with_team(a["expr"])
     alerts += policy_budget_alerts(w)
     alerts = _band_alerts(alerts, w, not_ended)
     for a in alerts:
