@@ -330,7 +330,11 @@ def test_the_rules_raise_the_apis_alerts_from_its_gauges(tmp_path):
     ],
 )
 def test_api_refuses_an_alertmanager_it_cannot_use(cli, args, says):
-    r = cli("api", "--port", str(free_port()), *args)
+    prefix = f"test-{uuid.uuid4().hex[:12]}"  # the API builds its rollups at start: its own keys
+    try:
+        r = cli("api", "--prefix", prefix, "--port", str(free_port()), *args)
+    finally:
+        drop_prefix(redis.Redis.from_url(SHARED_URL), prefix)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -347,9 +351,11 @@ def test_the_api_command_serves_budget_gauges_and_posts_to_alertmanager(tmp_path
     port, mport = free_port(), free_port()
     try:
         with running_alertmanager(SHIPPED_AM, tmp_path / "am") as base:
+            log = tmp_path / "api.log"
             proc = spawn_cli(
                 "api", "--prefix", prefix, "--port", port, "--listen", "127.0.0.1", "--policy", policy,
                 "--metrics-port", mport, "--alertmanager-url", base, "--budget-interval", "1",
+                stderr=log.open("w"),
             )  # fmt: skip
             try:
                 deadline = time.monotonic() + 60
@@ -366,6 +372,11 @@ def test_the_api_command_serves_budget_gauges_and_posts_to_alertmanager(tmp_path
                     time.sleep(0.3)
                 assert live == {("PolicyBudgetBurn", "llm", "75%"): "active"}, (live, text[-500:])
                 assert 'costexporter_budget_spent{budget="llm",' in text and "7.7" in text
+                # the log says which budgets it judges by (the policy's history says who set them)
+                assert (
+                    "budget 'llm': 10.00 USD a rolling:1000d for team=llm, thresholds 50%, 75%, 90%, 100%"
+                    in (log.read_text())
+                )
             finally:
                 proc.terminate()
                 proc.wait(10)

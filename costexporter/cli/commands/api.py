@@ -214,6 +214,7 @@ def start_budget_watch(
     """The budgets watched (`api/budgetwatch.py`) when a /metrics port or an Alertmanager is
     given; None otherwise. Fails closed: an Alertmanager URL or runbook page that cannot be used,
     or an Alertmanager with no budget in the policy to post."""
+    from costexporter.core import budgets as budgets_mod
     from costexporter.services.notify import RUNBOOKS, check_runbooks, runbook_url
 
     try:
@@ -230,6 +231,13 @@ def start_budget_watch(
                 "the policy (--policy) names no budgets: there is nothing to post",
                 param_hint="--alertmanager-url",
             )
+    for b in cfg.budgets:  # the log says which budgets this API judges by, from its start
+        scope = " ".join(f"{k}={v}" for k, v in b.scope)
+        click.echo(
+            f"costexporter api: budget {b.name!r}: {b.amount:,.2f} {cfg.currency} a {b.period} for {scope}, "
+            f"thresholds {', '.join(budgets_mod.threshold_label(t) for t in b.thresholds)}",
+            err=True,
+        )
     if not metrics_port and alertmanager_url is None:
         return None
     from costexporter.api.budgetwatch import BudgetWatch
