@@ -35,6 +35,8 @@ class FakeGpu:
     counter_power_mw: int | None = None  # what the counter integrates, if not power_mw
     mig: tuple[str, ...] = ()  # the UUIDs of its MIG devices (MIG mode on)
     read_at: float = 0.0  # Unix s of the last call that answered (the last sample it gave)
+    xid_events: bool = True  # reports nvmlEventTypeXidCriticalError (nvmlDeviceGetSupportedEventTypes)
+    clocks_event_reasons: int = 0  # nvmlDeviceGetCurrentClocksEventReasons' bitmask
 
 
 class FakeNvml:
@@ -54,6 +56,12 @@ class FakeNvml:
         "nvmlDeviceGetIndex",
         "nvmlDeviceIsMigDeviceHandle",
         "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+        "nvmlEventSetCreate",
+        "nvmlEventSetFree",
+        "nvmlDeviceGetSupportedEventTypes",
+        "nvmlDeviceRegisterEvents",
+        "nvmlEventSetWait_v2",
+        "nvmlDeviceGetCurrentClocksEventReasons",
     )
 
     def __init__(self, gpus: list[FakeGpu], cpu_cost_s: dict[str, float] | None = None) -> None:
@@ -63,6 +71,8 @@ class FakeNvml:
         self.cpu_cost_s = dict(cpu_cost_s or {})
         self.energy_reads: list[tuple[int, float, int]] = []  # (gpu, Unix s, mJ) handed out
         self._lock = threading.Lock()  # the sampler thread and the test both move the counter
+        # Xids raised on the GPUs (inject_xid), waiting in every event set that registered them
+        self._event_sets: list[tuple[set[int], collections.deque]] = []
 
     def install(self, monkeypatch) -> FakeNvml:
         for name in self.FUNCTIONS:
@@ -181,6 +191,51 @@ class FakeNvml:
         u.gpu, u.memory = g.util, 40
         return u
 
+    def inject_xid(self, i: int, xid: int) -> None:
+        """GPU `i` raises Xid `xid`: queued, as the driver queues it, in each event set that
+        registered the GPU for nvmlEventTypeXidCriticalError."""
+        with self._lock:
+            for gpus, queue in self._event_sets:
+                if i in gpus:
+                    queue.append((i, xid))
+
+    def nvmlEventSetCreate(self):
+        self._charge("nvmlEventSetCreate")
+        with self._lock:
+            self._event_sets.append((set(), collections.deque()))
+            return len(self._event_sets) - 1
+
+    def nvmlEventSetFree(self, event_set):
+        self._charge("nvmlEventSetFree")
+
+    def nvmlDeviceGetSupportedEventTypes(self, h):
+        g = self._gpu(h, "nvmlDeviceGetSupportedEventTypes")
+        base = pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
+        return base | (pynvml.nvmlEventTypeXidCriticalError if g.xid_events else 0)
+
+    def nvmlDeviceRegisterEvents(self, h, event_types, event_set):
+        g = self._gpu(h, "nvmlDeviceRegisterEvents")
+        if event_types & pynvml.nvmlEventTypeXidCriticalError and not g.xid_events:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        with self._lock:
+            self._event_sets[event_set][0].add(h)
+
+    def nvmlEventSetWait_v2(self, event_set, timeoutms):
+        """The next queued event (c_nvmlEventData_t: device, eventType, eventData), or
+        NVML_ERROR_TIMEOUT when none came within the wait (the fake never waits)."""
+        self._charge("nvmlEventSetWait_v2")
+        with self._lock:
+            queue = self._event_sets[event_set][1]
+            if not queue:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+            i, xid = queue.popleft()
+        data = pynvml.c_nvmlEventData_t()
+        data.eventType, data.eventData = pynvml.nvmlEventTypeXidCriticalError, xid
+        return _EventData(i, data)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return self._gpu(h, "nvmlDeviceGetCurrentClocksEventReasons").clocks_event_reasons
+
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         g = self._gpu(h, "nvmlDeviceGetTotalEnergyConsumption")
         if not g.energy:
@@ -188,6 +243,15 @@ class FakeNvml:
         value = int(g.energy_mj)
         self.energy_reads.append((h, time.time(), value))
         return value
+
+
+class _EventData:
+    """A c_nvmlEventData_t whose `device` is the fake's handle (the real one is a pointer to the
+    device, which nvmlDeviceGetIndex turns into its index, as the fake's handle does)."""
+
+    def __init__(self, device: int, data) -> None:
+        self.device, self.eventType, self.eventData = device, data.eventType, data.eventData
+        self.gpuInstanceId, self.computeInstanceId = data.gpuInstanceId, data.computeInstanceId
 
 
 class FileDrivenFakeNvml(FakeNvml):

@@ -42,6 +42,12 @@ def scenario(kind: str, seed: int = 3) -> TraceBuilder:
     elif kind == "hung":
         b.phase("checkpoint", "begin")
         b.stretch("checkpoint", 1500, zero_ranks=(0,))
+    elif kind == "crash":  # the trainer says it crashed; a restart resumes from a checkpoint
+        b.stretch("idle", 20)
+        b.event("run", state="crash", exit="uncaught RuntimeError")
+        b.stretch("idle", 40)
+        b.run("resume", step=10)
+        b.stretch("compute", 60, step_s=5)
     elif kind == "stalls":  # two separate wasted stretches of one category
         b.stretch("deadlock", 60, zero_ranks=(1,))
         b.stretch("compute", 60, step_s=5)
@@ -52,10 +58,11 @@ def scenario(kind: str, seed: int = 3) -> TraceBuilder:
     return b
 
 
-def live_rounds(b: TraceBuilder, rounds_s: float) -> dict:
+def live_rounds(b: TraceBuilder, rounds_s: float, hardware: list | None = None) -> dict:
     """Book `b` round by round as one agent owning every rank: the incidents as the ledger
     stores them (one record per category and start, the last version written), every booked
-    piece, and the last round's figures and GPU time at risk."""
+    piece, and the last round's figures and GPU time at risk. `hardware`: (rank, HardwareEvent)
+    that the agent's source read, each handed to the rounds from its time on."""
     s = b.samples()
     events = sorted(b.events, key=lambda e: e.ts)
     start, end = int(b.t0 * 1000), int(b.t * 1000)
@@ -95,6 +102,7 @@ def live_rounds(b: TraceBuilder, rounds_s: float) -> dict:
             last_progress_ms=start,
             host="h",
             incident_tol_ms=TOL_MS,
+            hardware=[(r, e) for r, e in hardware or () if e.ts_ms <= now],
         )
         for inc in last.incidents.values():
             stored[f"{inc['category']}:{inc['start']}"] = inc
@@ -123,7 +131,7 @@ def piece_cost(pieces: list, category: str, start_ms: int, end_ms: int) -> float
     return float(Prices(price_per_gpu_hour=PRICE).cost(np.array([ms]), np.array([mj]), np.array([c]))[0])
 
 
-@pytest.mark.parametrize("kind", ["deadlock", "checkpoint", "resume", "hung", "stalls"])
+@pytest.mark.parametrize("kind", ["deadlock", "checkpoint", "resume", "hung", "stalls", "crash"])
 @pytest.mark.parametrize("rounds_s", [1.0, 2.0])
 def test_live_and_replay_give_the_same_incidents_at_risk_and_figures(kind, rounds_s):
     b = scenario(kind)
@@ -160,9 +168,20 @@ def test_live_and_replay_give_the_same_incidents_at_risk_and_figures(kind, round
     offline = job["incidents"]
     online = sorted(live["incidents"].values(), key=lambda i: (i["start"], i["category"]))
     assert [
-        (i["category"], round(i["start"] * 1000), round(i["end"] * 1000), i["ranks"], i["zero_util_ranks"])
+        (
+            i["category"],
+            round(i["start"] * 1000),
+            round(i["end"] * 1000),
+            i["ranks"],
+            i["zero_util_ranks"],
+            i["cause"],
+            i["cause_why"],
+        )
         for i in offline
-    ] == [(i["category"], i["start"], i["end"], i["ranks"], i["zero_util_ranks"]) for i in online]
+    ] == [
+        (i["category"], i["start"], i["end"], i["ranks"], i["zero_util_ranks"], i["cause"], i["cause_why"])
+        for i in online
+    ]
     assert [round(i["gpu_hours"] * MS_PER_HOUR) for i in offline] == [i["gpu_ms"] for i in online]
     registered = {e.rank: (str(e.get("host")), int(e.get("gpu"))) for e in b.events if e.type == "register"}
     for off, on in zip(offline, online, strict=True):
@@ -183,3 +202,43 @@ def test_live_and_replay_give_the_same_incidents_at_risk_and_figures(kind, round
         assert any(i["zero_util_ranks"] for i in offline)  # the deadlock ranks were compared
     if kind == "stalls":
         assert len({i["category"] for i in offline}) < len(offline)  # two stretches of one category
+    if kind == "hung":  # a checkpoint 25 minutes over its allowance: the stall is storage's
+        assert {i["cause"] for i in offline if i["category"] == "stalled"} == {"storage"}
+    if kind in ("deadlock", "stalls", "resume"):  # nothing says whose fault: never guessed
+        assert {i["cause"] for i in offline} == {"unknown"}
+    if kind == "crash":  # the stretches around the trainer's crash record are the job's own
+        assert {(i["cause"], i["cause_why"]) for i in offline} == {
+            ("job", "the trainer's crash record (uncaught RuntimeError)")
+        }
+
+
+@pytest.mark.parametrize(
+    "xid, rank, at_s, want",
+    [
+        (79, 1, 150, ("hardware", "Xid 79: GPU has fallen off the bus on rank 1")),
+        (74, 2, 170, ("network", "Xid 74: NVLink error on rank 2")),
+        (
+            31,
+            0,
+            140,
+            (
+                "job",
+                "Xid 31: GPU memory page fault (the application touched memory it does not own) on rank 0",
+            ),
+        ),
+        (79, 1, -5, ("unknown", "")),  # more than LEAD_MS (120 s) before the stretch
+        (79, 1, 250, ("unknown", "")),  # after it
+        (7, 1, 150, ("unknown", "")),  # an Xid the catalog does not name
+    ],
+)
+def test_a_hardware_event_in_a_stretch_names_its_cause_from_the_round_that_reads_it(xid, rank, at_s, want):
+    """The deadlock scenario's stall (120-180 s into the job) with an Xid read by the agent's
+    source: the stretch's incident names the cause the catalog gives, on the rank it was raised
+    on; an event out of the stretch, or one the catalog does not know, leaves it unknown."""
+    from costexporter.core.causes import HardwareEvent
+
+    b = scenario("deadlock", seed=1)
+    ev = HardwareEvent(int(b.t0 * 1000) + at_s * 1000, rank, "xid", xid)
+    live = live_rounds(b, 2.0, hardware=[(rank, ev)])
+    stalls = [i for i in live["incidents"].values() if i["category"] != "rolled_back"]
+    assert stalls and {(i["cause"], i["cause_why"]) for i in stalls} == {want}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -204,6 +204,12 @@ class Incident(BaseModel):
     zero_util_ranks: list[int] = Field(default_factory=list)
     hosts: list[str]
     gpu_hours: float
+    cause: Literal["hardware", "network", "storage", "job", "unknown"] = Field(
+        "unknown",
+        description="Whose fault the stretch was: a GPU's hardware event on its ranks (an Xid, a hardware "
+        "clock slowdown), a checkpoint over its allowance (storage); unknown when nothing said otherwise.",
+    )
+    cause_why: str = Field("", description="What said so (empty when unknown).")
 
 
 class Incidents(BaseModel):

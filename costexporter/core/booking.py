@@ -209,6 +209,7 @@ class Timeline:
     last_checkpoint_step: int | None = None
     last_checkpoint_ms: int | None = None  # when the last checkpoint that saved a step ended
     phases_overrun: list[tuple[str, int, int]] = field(default_factory=list)
+    crashes: list[tuple[int, str]] = field(default_factory=list)  # rank 0's crash records (ms, exit)
     stall_threshold_ms: int = 60_000  # in force at the end of the job's events
     # `end_ms` is a lapse (rank 0 silent for the liveness timeout, no `run end`), not a clean end
     lapsed: bool = False
@@ -421,6 +422,9 @@ def is_point(ev: Event) -> bool:
     return ev.type in ("step", "run") or (ev.type == "heartbeat" and FROM_BEATS not in ev.fields)
 
 
+MAX_CRASHES = 64  # the crash records a timeline keeps (a crash loop's newest)
+
+
 class RunWalk(Segments):
     """The run rules, one point at a time, shared by `build_timeline`'s walk and the incremental
     `fold._Walk` (which keep their step records apart: a list, a compact stack).
@@ -440,6 +444,7 @@ class RunWalk(Segments):
     durations: deque[int]
     steps: list[StepRecord]
     resumes: list[tuple[int, int, int]]
+    crashes: list[tuple[int, str]]
     run_allow: Allowances
     startup_allow: int
     anchor: int
@@ -454,6 +459,7 @@ class RunWalk(Segments):
         self.floor_ms = int(cfg.stall_floor_s * 1000)
         self.durations = deque(maxlen=cfg.stall_window)
         self.resumes = []
+        self.crashes = []  # rank 0's crash records: (ms, how it ended), the newest MAX_CRASHES
         # The run's own startup (registration or restart to the first step) learns apart from the
         # declared phases: a phase a trainer names `startup` is data, not this allowance.
         self.run_allow = Allowances(cfg)
@@ -579,6 +585,8 @@ class RunWalk(Segments):
         self.last_alive = max(self.last_alive, t)
         if ev.type == "heartbeat" or state == "crash":  # a sign of life, not a progress point
             self.beats = self.beats or ev.type == "heartbeat"
+            if state == "crash":  # the trainer's own word that it failed: a stretch's cause
+                self.crashes = [*self.crashes[-(MAX_CRASHES - 1) :], (t, str(ev.get("exit") or ""))]
             return
         if ev.type == "step":
             n = ev.int_field("step")
@@ -759,6 +767,7 @@ def build_timeline(
         last_checkpoint_step=last_ckpt[0] if last_ckpt else None,
         last_checkpoint_ms=last_ckpt[1] if last_ckpt else None,
         phases_overrun=overrun,
+        crashes=walk.crashes,
         stall_threshold_ms=stall_threshold_ms(durations, cfg),
         decided_until_ms=decided_until,
         lapsed=walk.ended == LAPSED,

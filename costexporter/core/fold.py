@@ -200,6 +200,7 @@ class _Walk(RunWalk):
         c._shared, c._popped = len(self.v_rec), []
         c.voided = list(self.voided)
         c.resumes = list(self.resumes)
+        c.crashes = list(self.crashes)
         c.ckpts = deque(self.ckpts, maxlen=self.ckpts.maxlen)
         c.durations = deque(self.durations, maxlen=self.cfg.stall_window)
         return c
@@ -489,6 +490,7 @@ class TimelineFold:
             last_checkpoint_step=last_ckpt[0] if last_ckpt else None,
             last_checkpoint_ms=last_ckpt[1] if last_ckpt else None,
             phases_overrun=w.p0.overrun,
+            crashes=list(w.crashes),
             stall_threshold_ms=stall_threshold_ms(w.durations, self.cfg),
             decided_until_ms=decided_until,
             lapsed=w.ended == LAPSED,

@@ -14,14 +14,14 @@ the same transaction as the amounts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import shares, straggler
+from costexporter.core import causes, shares, straggler
 from costexporter.core.booking import (
     NEG_INF,
     POS_INF,
@@ -37,6 +37,7 @@ from costexporter.core.booking import (
     make_slices,
 )
 from costexporter.core.buckets import BUCKET_S, amounts, cut_at
+from costexporter.core.causes import HardwareEvent
 from costexporter.core.cost import Prices
 from costexporter.core.figures import Incident, at_risk_ms, extend_incidents, extend_rolled_back, job_figures
 from costexporter.core.model import VALID_CODES, Category, Event
@@ -616,10 +617,13 @@ def ledger_delta(
     incident_tol_ms: int,
     bucket_s: int = BUCKET_S,
     member_end_ms: np.ndarray | None = None,
+    hardware: Sequence[tuple[int, HardwareEvent]] = (),
 ) -> LedgerDelta:
     """From the agent's state of a job and one booked window to what the round writes: bucket
     amounts, rollback corrections and index entries, step/void records, incidents, figures and
-    the next state. Pure: the agent commits it with its watermark in one compare-and-set."""
+    the next state. `hardware`: the own GPUs' hardware events as (job rank, event), which with
+    the timeline's checkpoint overruns give each incident its cause (`causes.attach`). Pure: the
+    agent commits it with its watermark in one compare-and-set."""
     sched = as_schedule(prices)
     tl, p = res.timeline, res.pieces
     changes = sched.cuts(int(p.start_ms.min()), int(p.end_ms.max())) if p.gpu.size else []
@@ -645,6 +649,7 @@ def ledger_delta(
         ranks = [int(r) for r, t in zip(own_ranks.tolist(), member_start_ms.tolist(), strict=True) if t < end]
         gpu_ms = int(v.moved[VALID, 0].sum())
         incidents = extend_rolled_back(incidents, v.spans, gpu_ms, ranks, host, incident_tol_ms)
+    incidents = causes.attach(incidents, hardware, tl.phases_overrun, tl.crashes)
     booked_until = max(state.booked_until, res.horizon_ms)
     held, caught_up = _held(state, res.horizon_ms, booked_until, own_ranks, member_end_ms)
     nxt = JobState(

@@ -15,7 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from costexporter.core import bands as bands_mod
-from costexporter.core import bandtable, flops, forecast, idle, jobfacts, profiles, straggler
+from costexporter.core import bandtable, causes, flops, forecast, idle, jobfacts, profiles, straggler
 from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.booking import (
     NEG_INF,
@@ -1134,6 +1134,9 @@ def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Incide
             stretch = p.take(part)
             [inc] = extend_incidents({}, stretch, r.ranks, "", tol, r.band_result.signatures).values()
             gl = np.flatnonzero(np.bincount(stretch.gpu, minlength=len(r.gpus))).tolist()
+            # the live agent's rule; a trace carries no hardware events: its checkpoint overruns
+            # and the trainer's crash records can say (storage, job)
+            cause, why = causes.cause_of(inc, (), r.timeline.phases_overrun, r.timeline.crashes)
             out.append(
                 {
                     "start": inc["start"] / 1000,
@@ -1149,6 +1152,8 @@ def incidents(r: JobResult, prices: Prices | list[PriceSchedule]) -> list[Incide
                     ],
                     "gpu_hours": inc["gpu_ms"] / MS_PER_HOUR,
                     "cost": _money(g_cost[i]),
+                    "cause": cause,
+                    "cause_why": why,
                 }
             )
     out.sort(key=lambda x: (x["start"], x["category"]))

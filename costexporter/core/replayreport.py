@@ -77,6 +77,8 @@ class Incident(TypedDict):
     gpus: list[GpuPlace]
     gpu_hours: float
     cost: float
+    cause: str  # hardware | network | storage | job | unknown (`core/causes.py`)
+    cause_why: str  # what said so ("" when unknown)
 
 
 class TimeRange(TypedDict):

@@ -29,10 +29,11 @@ from collections.abc import Callable
 
 from costexporter.core import profiles
 from costexporter.core.attribution import Attribution
+from costexporter.core.causes import HardwareEvent
 from costexporter.services.agent_book import BookingParts, JobBooker, Local
 from costexporter.services.agent_commit import RoundCommit
 from costexporter.services.agent_config import AgentConfig, samples_maxlen
-from costexporter.services.agent_context import AgentContext, KeyGuard
+from costexporter.services.agent_context import HARDWARE_KEEP_MS, AgentContext, KeyGuard
 from costexporter.services.agent_discovery import JobDiscovery
 from costexporter.services.agent_fold import JobFolds
 from costexporter.services.agent_job import AgentJob
@@ -90,6 +91,8 @@ class Agent:
         self._final = False
         self.redis_up = False
         self.stats: collections.Counter[str] = collections.Counter()  # the round's own counts
+        # (GPU index, kind, code) -> the hardware events read (Xids, clock slowdowns)
+        self.hardware_counts: collections.Counter[tuple[int, str, int]] = collections.Counter()
         self.notes = JobNotes(self.ctx)
         learn = cfg.learn_idle if cfg.learn_idle is not None else bool(getattr(source, "wall_clock", False))
         self.idle = IdleLearner() if learn else None
@@ -194,6 +197,18 @@ class Agent:
         self._tick()
         self._observe_round(time.thread_time() - t0)
 
+    def _take_hardware(self, events: list[HardwareEvent]) -> None:
+        """The sampler's hardware events into the context's, those older than HARDWARE_KEEP_MS
+        dropped; each counted by kind and code (`costexporter_gpu_hardware_events_total`)."""
+        hw = self.ctx.hardware
+        hw.extend(events)
+        for e in events:
+            self.hardware_counts[(e.gpu, e.kind, e.code)] += 1
+        if hw:
+            floor = hw[-1].ts_ms - HARDWARE_KEEP_MS
+            while hw and hw[0].ts_ms < floor:
+                hw.popleft()
+
     def _observe_round(self, seconds: float) -> None:
         """Into the round histogram: the CPU a round took, which must not grow with history."""
         i = next((k for k, b in enumerate(ROUND_BUCKETS) if seconds <= b), len(ROUND_BUCKETS))
@@ -205,6 +220,7 @@ class Agent:
         chunk = self.samples.add(self.sampler.drain())
         if chunk is not None:
             self.node.learn(chunk)
+        self._take_hardware(self.sampler.drain_hardware())
         local = self.samples.arrays()
         self._band_readings()
         try:
@@ -401,6 +417,7 @@ class Agent:
                 gpu_profiles=dict(self._gpu_prof),
                 live_seq=self.live_seq,
                 errors=dict(self.source.errors),
+                hardware=dict(self.hardware_counts),
                 stats=stats,
                 dropped=self.sampler.dropped,
                 clock_steps=dict(self.sampler.clock.steps) if self.sampler.clock else {},

@@ -18,6 +18,7 @@ from costexporter.core import bands as bands_mod
 from costexporter.core import bandtable, jobfacts, live, livestate
 from costexporter.core.attribution import Facts
 from costexporter.core.booking import POS_INF, Regime, Timeline, with_unread
+from costexporter.core.causes import HardwareEvent
 from costexporter.core.figures import at_risk_ms
 from costexporter.core.live import WindowResult, book_window
 from costexporter.core.model import JOB_CODES
@@ -317,6 +318,11 @@ class JobBooker:
             job.figures = {**job.figures, **progress}
         return progress
 
+    def _hardware_of(self, job: AgentJob) -> list[tuple[int, HardwareEvent]]:
+        """The node's hardware events on the job's own GPUs, as (the job's rank, event)."""
+        rank_of = {gpu: rank for rank, gpu in job.own.items()}
+        return [(rank_of[e.gpu], e) for e in self.ctx.hardware if e.gpu in rank_of]
+
     def _commit(
         self,
         job: AgentJob,
@@ -341,6 +347,7 @@ class JobBooker:
             last_progress_ms=last_ms,
             host=self.ctx.host,
             incident_tol_ms=2 * to_ms(w.terms.booking.grid_s) + 2 * to_ms(cfg.sample_interval_s),
+            hardware=self._hardware_of(job),
         )
         if delta.unreachable_voids:
             self._unreachable_voids(job.name, delta.unreachable_voids)

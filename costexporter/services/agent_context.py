@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from costexporter.core.causes import HardwareEvent
 from costexporter.store import ledger, untrusted
 from costexporter.store.client import RedisClient
 from costexporter.store.keys import samples_key
@@ -43,6 +44,10 @@ class Said:
         return True
 
 
+HARDWARE_KEEP = 10_000  # hardware events kept (a storm of Xids keeps its newest)
+HARDWARE_KEEP_MS = 6 * 3_600_000  # and for this long: a stretch's cause is read while it is open
+
+
 @dataclass
 class AgentContext:
     redis: RedisClient
@@ -53,6 +58,11 @@ class AgentContext:
     refusals: untrusted.Refusals
     said: Said = field(default_factory=Said)
     lock: threading.Lock = field(default_factory=threading.Lock)  # what /metrics reads is swapped under it
+    # The node's GPUs' hardware events of the last hours (the sampler's), for the wasted
+    # stretches' causes: each job's round takes those of its own GPUs.
+    hardware: collections.deque[HardwareEvent] = field(
+        default_factory=lambda: collections.deque(maxlen=HARDWARE_KEEP)
+    )
 
 
 class KeyGuard:

@@ -159,6 +159,15 @@ class AgentCollector(Collector):
         for (gpu, kind), n in sorted(s.errors.items()):
             errors.add_metric([host, str(gpu) if gpu >= 0 else "", kind], n)
         yield errors
+        hardware = CounterMetricFamily(
+            "costexporter_gpu_hardware_events",
+            "Hardware events read from a GPU: Xids (`code` the Xid) and hardware clock slowdowns (`code` "
+            "NVML's clocks event reasons); what a wasted stretch's cause is read from.",
+            labels=["host", "gpu", "kind", "code"],
+        )
+        for (gpu, kind, code), n in sorted(s.hardware.items()):
+            hardware.add_metric([host, str(gpu), kind, str(code)], n)
+        yield hardware
         dropped = CounterMetricFamily(
             "costexporter_samples_dropped", "Samples dropped from full buffers (their time books unobserved)."
         )

@@ -69,6 +69,8 @@ class AgentSnapshot:
     jobs: dict[str, JobView]  # empty in a snapshot taken without them
     held: dict[int, tuple[str, int, int | None]]  # GPU index -> (job, rank, its newest band)
     jobs_key: tuple[Any, ...]  # changes whenever `jobs` may: the round, the jobs shown
+    # (GPU index, kind, code) -> hardware events read (Xids, clock slowdowns)
+    hardware: dict[tuple[int, str, int], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

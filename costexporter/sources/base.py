@@ -12,6 +12,7 @@ import collections
 import math
 from dataclasses import dataclass
 
+from costexporter.core.causes import HardwareEvent
 from costexporter.core.model import GpuId
 
 
@@ -86,6 +87,11 @@ class GpuSource(abc.ABC):
     def energy_gpus(self) -> set[int]:
         """Costly-counter sources: the GPUs that have the counter."""
         return set()
+
+    def hardware_events(self) -> list[HardwareEvent]:
+        """The GPUs' hardware events since the last call (Xids, hardware clock slowdowns): what
+        a wasted stretch's cause is read from (`core/causes.py`). None where the source has none."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the library."""

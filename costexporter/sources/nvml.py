@@ -8,7 +8,10 @@
   the agent integrates power. The call is costly (~3.9 ms of CPU on an H200), so the sampler
   reads it through `read_energy()` once per round and `read(energy=False)` between;
 * utilization: `nvmlDeviceGetUtilizationRates().gpu` (%);
-* the profile: `nvmlDeviceGetName` and `nvmlDeviceGetEnforcedPowerLimit` (mW).
+* the profile: `nvmlDeviceGetName` and `nvmlDeviceGetEnforcedPowerLimit` (mW);
+* hardware events (a wasted stretch's cause): Xid critical errors through an event set
+  (`nvmlEventSetCreate`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2` with a 0 ms wait),
+  and the hardware bits of `nvmlDeviceGetCurrentClocksEventReasons`.
 NVML's errors are mapped to costexporter's in `_mapped`, the one place that knows them.
 """
 
@@ -21,7 +24,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from costexporter.core import causes
+from costexporter.core.causes import HardwareEvent
 from costexporter.core.model import GpuId
+from costexporter.core.timeutil import to_ms
 from costexporter.sources.base import (
     GpuInitError,
     GpuLostError,
@@ -96,6 +102,57 @@ class NvmlSource(GpuSource):
             self._gpus.append(GpuId(self.host, i, uuid, name, limit))
             self._instant.append(self._probe_instant(h))
             self._energy.append(self._probe_energy(h))
+        self._index = {i: pos for pos, i in enumerate(indices if indices is not None else range(count))}
+        self._events = self._register_xids()
+        self._throttled = [0] * len(self._handles)  # the hardware slowdown bits last read
+
+    def _register_xids(self) -> Any:
+        """An event set with every GPU that reports Xid critical errors registered, or None
+        (no GPU does, or the driver refuses: no Xids then, the stretches' causes stay unknown)."""
+        nv = self.nv
+        try:
+            with _mapped():
+                events = nv.nvmlEventSetCreate()
+        except GpuSourceError:
+            return None
+        registered = 0
+        for h in self._handles:
+            with contextlib.suppress(GpuSourceError), _mapped():
+                if nv.nvmlDeviceGetSupportedEventTypes(h) & nv.nvmlEventTypeXidCriticalError:
+                    nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, events)
+                    registered += 1
+        if not registered:
+            with contextlib.suppress(GpuSourceError), _mapped():
+                nv.nvmlEventSetFree(events)
+            return None
+        return events
+
+    def hardware_events(self) -> list[HardwareEvent]:
+        """The Xids NVML queued since the last call (waited for 0 ms), and each GPU's hardware
+        clock slowdown where it newly began (`nvmlDeviceGetCurrentClocksEventReasons`)."""
+        nv = self.nv
+        out: list[HardwareEvent] = []
+        now_ms = to_ms(time.time())
+        if self._events is not None:
+            for _ in range(1000):  # a storm of Xids is read over several calls
+                try:
+                    with _mapped():
+                        data = nv.nvmlEventSetWait_v2(self._events, 0)
+                        pos = self._index.get(nv.nvmlDeviceGetIndex(data.device))
+                except GpuSourceError:  # NVML_ERROR_TIMEOUT: none left (or the set failed)
+                    break
+                if pos is not None and data.eventType & nv.nvmlEventTypeXidCriticalError:
+                    out.append(HardwareEvent(now_ms, pos, "xid", int(data.eventData)))
+        for pos, h in enumerate(self._handles):
+            try:
+                with _mapped():
+                    bits = int(nv.nvmlDeviceGetCurrentClocksEventReasons(h)) & causes.HARDWARE_SLOWDOWN
+            except GpuSourceError:
+                continue
+            if bits & ~self._throttled[pos]:
+                out.append(HardwareEvent(now_ms, pos, "throttle", bits))
+            self._throttled[pos] = bits
+        return out
 
     def _probe_instant(self, h: Any) -> bool:
         try:
@@ -180,5 +237,8 @@ class NvmlSource(GpuSource):
         return out
 
     def close(self) -> None:
+        if self._events is not None:
+            with contextlib.suppress(GpuSourceError), _mapped():
+                self.nv.nvmlEventSetFree(self._events)
         with contextlib.suppress(GpuSourceError), _mapped():
             self.nv.nvmlShutdown()

@@ -10,10 +10,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from costexporter.core.causes import HardwareEvent
 from costexporter.sources.base import GpuSource, Reading
 from costexporter.sources.energy import Anchor, share
 
 log = logging.getLogger("costexporter.sources.sampler")
+HARDWARE_EVERY_S = 1.0  # the hardware events' read (an Xid is queued by the driver meanwhile)
 
 
 class ClockWatch:
@@ -112,6 +114,10 @@ class Sampler:
         self.inexact: collections.deque[tuple[int, float]] = collections.deque(maxlen=10_000)
         self._anchor_at = -math.inf  # monotonic time of the last counter read
         self.anchors: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=10_000)
+        # The GPUs' hardware events (Xids, clock slowdowns), read at most once a second: what the
+        # agent reads its wasted stretches' causes from (`drain_hardware`).
+        self.hardware: collections.deque[HardwareEvent] = collections.deque(maxlen=10_000)
+        self._hardware_at = -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="costexporter-sampler", daemon=True)
 
@@ -136,6 +142,20 @@ class Sampler:
                 self.source.errors[(-1, "read_failed")] += 1
                 readings = []
             self._take(readings)
+            if time.monotonic() - self._hardware_at >= HARDWARE_EVERY_S:
+                self._hardware_at = time.monotonic()
+                try:
+                    self.hardware.extend(self.source.hardware_events())
+                except Exception:  # as a read's: counted and logged, sampling goes on
+                    log.exception("reading hardware events failed")
+                    self.source.errors[(-1, "hardware_events_failed")] += 1
+
+    def drain_hardware(self) -> list[HardwareEvent]:
+        """The hardware events read since the last drain."""
+        with self._lock:
+            out = list(self.hardware)
+            self.hardware.clear()
+            return out
 
     def take(self, readings: list[Reading]) -> None:
         """Readings just read elsewhere (a test's driver), stamped and buffered as a read's."""

@@ -23,6 +23,7 @@ import orjson
 import redis
 import redis.cluster
 
+from costexporter.core import causes
 from costexporter.core.attribution import GRANTABLE, Attribution
 from costexporter.core.buckets import RESOLUTIONS, UNITS, decompose
 from costexporter.core.cost import MS_PER_HOUR
@@ -1108,6 +1109,8 @@ class LedgerStore:
                 last["ranks"] = sorted(set(last["ranks"]) | set(inc["ranks"]))
                 last["hosts"] = sorted(set(last["hosts"]) | {inc["host"]})
                 last["zero_util_ranks"] = sorted(set(last["zero_util_ranks"]) | set(inc["zero_util_ranks"]))
+                if last["cause"] == causes.UNKNOWN:  # a host that saw the cause names it
+                    last["cause"], last["cause_why"] = inc["cause"], inc["cause_why"]
             else:
                 merged.append(
                     {
@@ -1118,6 +1121,8 @@ class LedgerStore:
                         "ranks": list(inc["ranks"]),
                         "hosts": [inc["host"]],
                         "zero_util_ranks": list(inc["zero_util_ranks"]),
+                        "cause": inc["cause"],
+                        "cause_why": inc["cause_why"],
                     }
                 )
         return [m for m in merged if m["end"] > start and m["start"] < end]
@@ -1270,7 +1275,11 @@ def incident(x: object) -> dict[str, Any] | None:
     ):
         return None
     host = x.get("host", "")
+    cause, why = x.get("cause"), x.get("cause_why")  # absent in incidents written before causes
+    known = cause in causes.CAUSES and isinstance(why, str)
     return {
+        "cause": cause if known else causes.UNKNOWN,
+        "cause_why": why[:500] if known else "",  # type: ignore[index]
         "category": x["category"],
         "start": start,
         "end": end,

@@ -201,6 +201,8 @@ def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incident
             zero_util_ranks=i["zero_util_ranks"],
             hosts=i["hosts"],
             gpu_hours=i["gpu_ms"] / MS_PER_HOUR,
+            cause=i["cause"],
+            cause_why=i["cause_why"],
         )
         for i in s.incidents(job, w.start, w.end, warn=warn)
     ]
