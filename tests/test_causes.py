@@ -174,3 +174,51 @@ def test_the_agent_keeps_the_nodes_hardware_events_and_counts_them(monkeypatch, 
     job = AgentJob("j", reader=None)
     job.own = {5: 1}  # rank 5 of the job on this node's GPU 1
     assert [(r, e.code) for r, e in agent.booker._hardware_of(job)] == [(5, code)]
+
+
+def test_dcgm_source_reads_a_new_xid_and_a_slowdown_from_the_exporters_fields():
+    """dcgm-exporter's DCGM_FI_DEV_XID_ERRORS (the last Xid) and clocks event reasons, served
+    over real HTTP: the first scrape's Xid is a baseline (raised before the agent looked), a
+    new one is an event, a slowdown is one when it begins."""
+    from costexporter.sources.dcgm import DcgmSource
+
+    from .test_sources import DcgmExporter
+
+    state = {"xid": 43, "reasons": 0}
+
+    class WithHardware(DcgmExporter):
+        def render(self) -> str:
+            labels = (
+                f'gpu="1",UUID="{uuid(1)}",modelName="NVIDIA H100 80GB HBM3",Hostname="gpu-node-1",'
+                'container="trainer",namespace="ml",pod="job-1"'
+            )
+            return (
+                super().render()
+                + "# HELP DCGM_FI_DEV_XID_ERRORS Value of the last XID error encountered.\n"
+                + "# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"
+                + f"DCGM_FI_DEV_XID_ERRORS{{{labels}}} {state['xid']}\n"
+                + "# HELP DCGM_FI_DEV_CLOCK_THROTTLE_REASONS Current clock throttle reasons.\n"
+                + "# TYPE DCGM_FI_DEV_CLOCK_THROTTLE_REASONS gauge\n"
+                + f"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS{{{labels}}} {state['reasons']}\n"
+            )
+
+    exporter = WithHardware(2)
+    try:
+        src = DcgmSource([exporter.url])
+        src.read()
+        assert src.hardware_events() == []  # Xid 43 was there before: a baseline
+        state["xid"] = 79
+        src.read()
+        src.read()  # the same Xid still shown: not again
+        state["reasons"] = (
+            pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown | pynvml.nvmlClocksEventReasonSwPowerCap
+        )
+        src.read()
+        got = src.hardware_events()
+    finally:
+        exporter.close()
+    assert [(e.gpu, e.kind, e.code) for e in got] == [
+        (1, "xid", 79),
+        (1, "throttle", pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown),
+    ]
+    assert src.hardware_events() == []

@@ -2,7 +2,9 @@
 
 Fields: `DCGM_FI_DEV_POWER_USAGE` (W), `DCGM_FI_DEV_POWER_USAGE_INSTANT` (W, preferred for
 classification where present), `DCGM_FI_DEV_GPU_UTIL` (%), `DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`
-(mJ, a counter without the `_total` suffix), `DCGM_FI_PROF_SM_ACTIVE` (ratio, where the profiling
+(mJ, a counter without the `_total` suffix), `DCGM_FI_DEV_XID_ERRORS` and
+`DCGM_FI_DEV_CLOCK_THROTTLE_REASONS` (or `..._CLOCKS_EVENT_REASONS`: the hardware events a wasted
+stretch's cause is read from), `DCGM_FI_PROF_SM_ACTIVE` (ratio, where the profiling
 fields are enabled). Labels: `gpu`, `UUID`, `Hostname` or `hostname`, `modelName`, `pod`,
 `namespace`, `container` (dcgm-exporter's Kubernetes mode: the pod the device plugin gave the
 GPU to), and with `--kubernetes-enable-pod-labels` the pod's own labels. `pods()` is the newest
@@ -45,8 +47,10 @@ from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from costexporter.core import hami, shares
+from costexporter.core import causes, hami, shares
+from costexporter.core.causes import HardwareEvent
 from costexporter.core.model import GpuId
+from costexporter.core.timeutil import to_ms
 from costexporter.sources.base import GpuSource, Reading
 
 log = logging.getLogger("costexporter.sources.dcgm")
@@ -57,9 +61,14 @@ UTIL = "DCGM_FI_DEV_GPU_UTIL"
 ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
 SM_ACTIVE = "DCGM_FI_PROF_SM_ACTIVE"
 GR_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
-FIELDS = (POWER, POWER_INSTANT, UTIL, ENERGY, SM_ACTIVE, GR_ACTIVE)
+XID = "DCGM_FI_DEV_XID_ERRORS"  # the last Xid the GPU raised (0: none yet)
+THROTTLE = "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"  # NVML's clocks event reasons, a bitmask
+CLOCKS_EVENTS = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"  # its newer name (dcgm-exporter 3.3+)
+HARDWARE_FIELDS = (XID, THROTTLE, CLOCKS_EVENTS)
+FIELDS = (POWER, POWER_INSTANT, UTIL, ENERGY, SM_ACTIVE, GR_ACTIVE, *HARDWARE_FIELDS)
 GPU_FIELDS = (POWER, POWER_INSTANT, ENERGY)  # measured per GPU: a slice gets its share
 BASE_SHARE = 0.2  # of a MIG GPU's power, shared by slice size alone (the idle draw)
+MAX_PENDING_EVENTS = 10_000
 STALE_SCRAPES = 3  # consecutive unchanged scrapes of every GPU before warning
 # dcgm-exporter's own labels; any other label on a GPU's series is one of its pod's labels.
 DCGM_LABELS = frozenset(
@@ -136,6 +145,12 @@ class DcgmSource(GpuSource):
         self.allocations: Callable[[], Mapping[str, list[hami.Holder]]] | None = None
         self._hami: dict[tuple[str, str], dict[tuple[str, str], int]] = {}
         self._hami_over: set[tuple[str, str]] = set()
+        # Hardware events: each GPU's last Xid and slowdown bits seen (the first scrape's are a
+        # baseline: an Xid raised before the agent started is not this stretch's), and the events
+        # read since `hardware_events` last handed them out.
+        self._xid_seen: dict[int, int] = {}
+        self._slowdown: dict[int, int] = {}
+        self._hardware: list[HardwareEvent] = []
 
     def gpus(self) -> list[GpuId]:
         return list(self._gpus)
@@ -364,6 +379,7 @@ class DcgmSource(GpuSource):
             current.update({i: p for i, p in pods.items() if p is not None})
         if claims is not None:
             self._hami_out(claims, current)
+        self._note_hardware(values)
         self.pod = current  # replaced once, not mutated: the k8s sync reads it from another thread
         out = []
         self._power_share = self._power_shares(values)
@@ -392,6 +408,28 @@ class DcgmSource(GpuSource):
                     out.append(self._reading(i, {**gv, UTIL: util}, values))
         out.sort(key=lambda x: x.gpu)
         self._watch_staleness(out)
+        return out
+
+    def _note_hardware(self, values: dict[int, dict[str, float]]) -> None:
+        """A GPU's Xid field that moves to a new Xid, and hardware slowdown bits that newly
+        appear in its clocks event reasons, as hardware events."""
+        for i, v in values.items():
+            ts_ms = to_ms(v["ts"])
+            if XID in v and math.isfinite(v[XID]):
+                xid = int(v[XID])
+                if i in self._xid_seen and xid and xid != self._xid_seen[i]:
+                    self._hardware.append(HardwareEvent(ts_ms, i, "xid", xid))
+                self._xid_seen[i] = xid
+            reasons = v.get(CLOCKS_EVENTS, v.get(THROTTLE))
+            if reasons is not None and math.isfinite(reasons):
+                bits = int(reasons) & causes.HARDWARE_SLOWDOWN
+                if bits & ~self._slowdown.get(i, 0):
+                    self._hardware.append(HardwareEvent(ts_ms, i, "throttle", bits))
+                self._slowdown[i] = bits
+        del self._hardware[:-MAX_PENDING_EVENTS]  # a storm between two reads keeps its newest
+
+    def hardware_events(self) -> list[HardwareEvent]:
+        out, self._hardware = self._hardware, []
         return out
 
     def _power_shares(self, values: dict[int, dict[str, float]]) -> dict[int, float]:
