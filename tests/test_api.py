@@ -284,6 +284,15 @@ def test_incidents_name_the_stretch_and_the_ranks(built):
     assert stalled[0]["zero_util_ranks"] == [1]
     assert all(i["zero_util_ranks"] == [] for i in incs if i["category"] != "stalled")
     assert stalled[0]["gpu_hours"] == pytest.approx(2 * 400 / 3600, rel=0.02)
+    # a deadlock with nothing to say whose fault it was: unknown, never guessed; its cost is
+    # what the agents booked of it, and the window's by_cause adds the incidents up
+    assert stalled[0]["cause"] == "unknown" and stalled[0]["cause_why"] == ""
+    assert Decimal(stalled[0]["cost"]) > 0
+    body = client(built).get("/api/v1/jobs/llm-run/incidents", params={"window": WINDOW}).json()
+    assert sum(Decimal(i["cost"]) for i in incs) == pytest.approx(
+        sum(Decimal(c["cost"]) for c in body["by_cause"].values()), abs=Decimal("0.000002")
+    )
+    assert body["credit"] is None  # the policy credits no cause
 
 
 def test_allocation_json_csv_and_focus_agree(built):

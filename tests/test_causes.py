@@ -5,10 +5,12 @@ slowdowns) through a fake of the library behind pynvml, with NVML's own function
 from __future__ import annotations
 
 import json
+import time
 from importlib import resources
 
 import pynvml
 import pytest
+import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -222,3 +224,161 @@ def test_dcgm_source_reads_a_new_xid_and_a_slowdown_from_the_exporters_fields():
         (1, "throttle", pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown),
     ]
     assert src.hardware_events() == []
+
+
+def test_the_incidents_route_adds_up_causes_and_the_policys_credit_line(tmp_path):
+    """Two agents' incidents of one job (as `ledger.queue_incidents` stores them), one host
+    naming a hardware cause the other did not see: the job-wide stretch takes the named cause
+    and both hosts' cost; by_cause counts each incident's part inside the window; the credit
+    line is the policy's credited causes, over real HTTP."""
+    import uuid as uuid_mod
+
+    import httpx
+    import redis
+
+    from costexporter.core.terms import parse_policy_file
+    from costexporter.store import ledger
+    from costexporter.store.ledger_read import LedgerStore
+
+    from .api_helpers import T0, served, write_job
+    from .conftest import SHARED_URL, drop_prefix
+
+    prefix = f"test-{uuid_mod.uuid4().hex[:12]}"
+    r = redis.Redis.from_url(SHARED_URL, decode_responses=True)
+    write_job(r, prefix, "j", "llm", incidents=0)
+    ms = lambda s: (T0 + s) * 1000  # noqa: E731
+
+    def inc(cat, a, b, host, cause="unknown", why="", ucost=1_000_000, gpu_ms=60_000):
+        return dict(category=cat, start=ms(a), end=ms(b), gpu_ms=gpu_ms, ranks=[0], host=host,
+                    zero_util_ranks=[], cause=cause, cause_why=why, cost_micro=ucost)  # fmt: skip
+
+    pipe = r.pipeline(transaction=True)
+    ledger.queue_incidents(pipe, prefix, "j", "agent-a", [
+        inc("stalled", 250, 350, "a"),
+        inc("idle", 1000, 1100, "a", "storage", "a checkpoint ran over its allowance", 500_000),
+    ])  # fmt: skip
+    ledger.queue_incidents(pipe, prefix, "j", "agent-b", [
+        inc("stalled", 250, 350, "b", "hardware", "Xid 79: GPU has fallen off the bus on rank 1", 2_000_000),
+        # hostile values: an unknown cause, no cost
+        {**inc("no_progress", 3000, 3100, "b"), "cause": "mystery", "cost_micro": -5},
+    ])  # fmt: skip
+    pipe.execute()
+    policy = parse_policy_file({"credit_causes": ["hardware", "network"]})
+    store = LedgerStore(redis.Redis.from_url(SHARED_URL, decode_responses=True), prefix)
+    try:
+        with served(store, credit_causes=policy.credit_causes) as (base, _):
+            window = f"{T0},{T0 + 3600}"
+            body = httpx.get(f"{base}/api/v1/jobs/j/incidents", params={"window": window}, timeout=10).json()
+            half = f"{T0},{T0 + 300}"  # the stalled stretch 250-350 s: half of it inside
+            part = httpx.get(f"{base}/api/v1/jobs/j/incidents", params={"window": half}, timeout=10).json()
+    finally:
+        drop_prefix(r, prefix)
+    got = {i["category"]: i for i in body["incidents"]}
+    assert (got["stalled"]["cause"], got["stalled"]["cost"]) == ("hardware", "3.000000")
+    assert got["stalled"]["cause_why"].startswith("Xid 79")
+    assert (got["idle"]["cause"], got["idle"]["cost"]) == ("storage", "0.500000")
+    assert (got["no_progress"]["cause"], got["no_progress"]["cost"]) == ("unknown", None)
+    assert body["by_cause"]["hardware"]["cost"] == "3.000000"
+    assert body["by_cause"]["storage"] == {"gpu_hours": pytest.approx(60 / 3600), "cost": "0.500000"}
+    assert body["credit"] == {
+        "causes": ["hardware", "network"],
+        "gpu_hours": pytest.approx(120 / 3600),
+        "cost": "3.000000",
+    }
+    assert any("before their cost was kept" in w for w in body["warnings"])
+    # half of the stretch inside the window: half its time and cost are credited
+    assert part["credit"]["cost"] == "1.500000" and part["credit"]["gpu_hours"] == pytest.approx(60 / 3600)
+
+
+@pytest.mark.parametrize("raw", [["hardware", "weather"], "hardware", ["unknown"]])
+def test_a_credit_the_policy_cannot_name_fails_it_closed(raw):
+    from costexporter.core.terms import PolicyError, parse_policy_file
+
+    with pytest.raises(PolicyError, match="credit_causes must be a list of hardware, job, network, storage"):
+        parse_policy_file({"credit_causes": raw})
+
+
+def test_a_real_agent_books_a_stall_with_the_xid_its_gpu_raised(shared, prefix, monkeypatch):
+    """The agent over a real Redis and the fake NVML: a job's steps stop (its heartbeats go on),
+    GPU 1 raises Xid 79 as they stop; the stalled stretch the agent books names it, on rank 1,
+    and the finance API's incidents route credits it (the policy credits hardware)."""
+    import threading
+
+    import httpx
+
+    from costexporter.core.booking import BookingConfig
+    from costexporter.services.agent import Agent, AgentConfig
+    from costexporter.store import ledger, protocol
+    from costexporter.store.ledger_read import LedgerStore
+    from costexporter.trainer.transport import send_entries
+
+    from .api_helpers import served
+    from .conftest import SHARED_URL
+
+    uuids = [f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in range(2)]
+    fake = FakeNvml([FakeGpu(u) for u in uuids]).install(monkeypatch)
+    agent = Agent(
+        NvmlSource(host="gpu-host"),
+        AgentConfig(
+            redis_url=SHARED_URL,
+            prefix=prefix,
+            agent_id="gpu-host",
+            book_interval_s=0.1,
+            sample_interval_s=0.05,
+            job_refresh_s=0.2,
+            booking=BookingConfig(gap_intervals=100, stall_floor_s=0.5, stall_k=2.0),
+        ),
+    ).start()
+    job = "xid-job"
+
+    def entry(rank, seq, type_, **f):
+        return protocol.encode_fields(
+            {"v": "1", "type": type_, "job": job, "ts": f"{time.time():.3f}", "rank": rank,
+             "session": f"s{rank}", "seq": seq, **f}
+        )  # fmt: skip
+
+    send_entries(
+        shared,
+        prefix,
+        job,
+        [entry(r, 0, "register", host="gpu-host", gpu=r, gpu_uuid=uuids[r]) for r in range(2)]
+        + [entry(0, 1, "run", state="start")],
+    )
+    stop = threading.Event()
+    runner = threading.Thread(target=agent.run, kwargs={"until": stop.is_set}, daemon=True)
+    runner.start()
+    try:
+        seq = 2
+        for step in range(1, 12):  # steps every 0.1 s
+            time.sleep(0.1)
+            send_entries(shared, prefix, job, [entry(0, seq, "step", step=step)])
+            seq += 1
+        fake.inject_xid(1, 79)  # as the steps stop
+        for _ in range(25):  # 2.5 s without a step, the trainer alive
+            time.sleep(0.1)
+            send_entries(shared, prefix, job, [entry(0, seq, "heartbeat")])
+            seq += 1
+        send_entries(shared, prefix, job, [entry(0, seq, "run", state="end")])
+        end = time.time()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            wm = ledger.load_watermark(shared, prefix, job, "gpu-host")
+            if wm and wm["booked_until"] >= int(end * 1000):
+                break
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        agent.stop()
+        runner.join(10)
+        agent.shutdown()
+    assert agent.snapshot(with_jobs=False).hardware == {(1, "xid", 79): 1}
+    store = LedgerStore(redis.Redis.from_url(SHARED_URL, decode_responses=True), prefix)
+    with served(store, credit_causes=("hardware",)) as (base, _):
+        window = f"{int(end) - 600},{int(end) + 600}"
+        body = httpx.get(f"{base}/api/v1/jobs/{job}/incidents", params={"window": window}, timeout=10).json()
+    wasted = [i for i in body["incidents"] if i["category"] in ("stalled", "no_progress")]
+    assert wasted, body
+    assert {(i["cause"], i["cause_why"]) for i in wasted} == {
+        ("hardware", "Xid 79: GPU has fallen off the bus on rank 1")
+    }, body
+    assert body["credit"]["cost"] == body["by_cause"]["hardware"]["cost"] != "0.000000"

@@ -194,6 +194,9 @@ def test_live_and_replay_give_the_same_incidents_at_risk_and_figures(kind, round
         )
         cost = sum(piece_cost(live["pieces"], c, on["start"], on["end"]) for c in cats)
         assert off["cost"] == pytest.approx(cost, abs=2e-6)
+        # and the live incident carries that cost itself (the credit line prices it), each
+        # round's part rounded to the micro-unit as the ledger's amounts are
+        assert on["cost_micro"] / 1e6 == pytest.approx(off["cost"], abs=1e-4)
     if kind != "checkpoint":
         assert offline, "the scenario has incidents to compare"
     if kind == "resume":

@@ -58,13 +58,14 @@ def create_app(
     cluster: str | None = None,
     carbon: GridIntensity | None = None,
     budgets: tuple[Budget, ...] = (),
+    credit_causes: tuple[str, ...] = (),
 ) -> FastAPI:
     """The app. `cache_s`: series responses are reused this long (dashboards poll the same
     ranges; 0 turns it off), in at most `cache_bytes` of response bodies. `focus`: the names the
     FOCUS export gives (default: `provider` for all of them). `cluster`: the cluster of jobs whose
     meta names none, in the OpenCost endpoint's `cluster` property. `carbon`: the grid's intensity
     (the policy's `carbon_intensity`); without it the carbon figures are null. `budgets`: the
-    policy's, for `/api/v1/budgets`."""
+    policy's, for `/api/v1/budgets`. `credit_causes`: the policy's, the incidents' credit line."""
     app = FastAPIOffline(  # Swagger UI and ReDoc served from the package: no CDN, air-gap safe
         title="costexporter finance API",
         version=__version__,
@@ -81,6 +82,7 @@ def create_app(
         cache=ResponseCache(cache_s, cache_bytes),
         carbon=carbon,
         budgets=budgets,
+        credit_causes=credit_causes,
     )
 
     # ---- errors: bad input is a 400, a Redis outage a 503, never a 500 ------------------------

@@ -35,6 +35,7 @@ class ApiConfig:
     focus: FocusSettings = field(default_factory=FocusSettings)
     carbon: GridIntensity | None = None  # the grid's carbon intensity (the policy's); None: no carbon figures
     budgets: tuple[Budget, ...] = ()  # the policy's budgets (`core/budgets.py`)
+    credit_causes: tuple[str, ...] = ()  # the policy's credited causes of wasted time
     cache: ResponseCache = field(default_factory=ResponseCache)
 
 

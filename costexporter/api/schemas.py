@@ -210,6 +210,22 @@ class Incident(BaseModel):
         "clock slowdown), a checkpoint over its allowance (storage); unknown when nothing said otherwise.",
     )
     cause_why: str = Field("", description="What said so (empty when unknown).")
+    cost: str | None = Field(
+        None, description="What the stretch cost (null: written before incidents kept their cost)."
+    )
+
+
+class CauseTotal(BaseModel):
+    gpu_hours: float
+    cost: str
+
+
+class Credit(BaseModel):
+    """The wasted time of the causes the operator's policy credits back (`credit_causes`)."""
+
+    causes: list[str]
+    gpu_hours: float
+    cost: str = Field(description="To credit back to the job's owner: a negative line on its bill.")
 
 
 class Incidents(BaseModel):
@@ -217,6 +233,14 @@ class Incidents(BaseModel):
     currency: str
     window: WindowOut
     incidents: list[Incident]
+    by_cause: dict[str, CauseTotal] = Field(
+        default_factory=dict,
+        description="The incidents' GPU time and cost in the window by cause (each incident's part "
+        "inside the window, in proportion to its time).",
+    )
+    credit: Credit | None = Field(
+        None, description="The credited causes' share (null: the policy credits no cause)."
+    )
     warnings: list[str] = Field(default_factory=list, description=WARNINGS)
 
 

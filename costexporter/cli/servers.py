@@ -48,6 +48,7 @@ def api_app(
         cluster=cluster,
         carbon=policy.carbon,
         budgets=policy.budgets,
+        credit_causes=policy.credit_causes,
     )
 
 

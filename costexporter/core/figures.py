@@ -7,6 +7,7 @@ last checkpoint. Sharing them is what keeps the live and offline books from drif
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,9 +46,12 @@ def extend_incidents(
     host: str,
     tol_ms: int,
     signatures: list[tuple[int, int, list[int]]] | None = None,
+    cost: Callable[[Pieces], int] | None = None,
 ) -> dict[str, Incident]:
     """Extend or open the incidents (one open stretch per wasted category) with `pieces`;
-    `signatures` (the window's confirmed signature runs) name a deadlock's ~0% ranks."""
+    `signatures` (the window's confirmed signature runs) name a deadlock's ~0% ranks; `cost`
+    (the live agent's prices: a selection of pieces -> micro-units) adds up each stretch's
+    `cost_micro`."""
     out = {k: dict(v) for k, v in open_.items()}
     for c in sorted(WASTED_CATEGORIES):
         sel = pieces.category == c
@@ -63,6 +67,7 @@ def extend_incidents(
             zero_util_ranks(pieces, sel, signatures or [], tol_ms),
             host,
             tol_ms,
+            None if cost is None else cost(pieces.take(np.flatnonzero(sel))),
         )
     return out
 
@@ -74,6 +79,7 @@ def extend_rolled_back(
     ranks: list[int],
     host: str,
     tol_ms: int,
+    cost_micro: int | None = None,
 ) -> dict[str, Incident]:
     """The `rolled_back` incident of a resume whose voided steps were booked valid already (the
     live ledger moves their amounts by correction, not as pieces): the span of those steps
@@ -82,7 +88,7 @@ def extend_rolled_back(
     out = {k: dict(v) for k, v in open_.items()}
     if spans and gpu_ms > 0:
         start, end = min(a for a, _ in spans), max(b for _, b in spans)
-        _extend(out, "rolled_back", start, end, gpu_ms, ranks, [], host, tol_ms)
+        _extend(out, "rolled_back", start, end, gpu_ms, ranks, [], host, tol_ms, cost_micro)
     return out
 
 
@@ -96,6 +102,7 @@ def _extend(
     zero: list[int],
     host: str,
     tol_ms: int,
+    cost_micro: int | None = None,
 ) -> None:
     """One category's new stretch: it extends the open incident when it starts within `tol_ms`
     of its end, else it opens the next one."""
@@ -103,6 +110,8 @@ def _extend(
     if cur is not None and s <= cur["end"] + tol_ms:
         cur["end"] = max(cur["end"], e)
         cur["gpu_ms"] += ms
+        if cost_micro is not None:
+            cur["cost_micro"] = cur.get("cost_micro", 0) + cost_micro
         cur["ranks"] = sorted(set(cur["ranks"]) | set(ranks))
         cur["zero_util_ranks"] = sorted(set(cur.get("zero_util_ranks", [])) | set(zero))
     else:
@@ -114,6 +123,7 @@ def _extend(
             "ranks": ranks,
             "zero_util_ranks": zero,
             "host": host,
+            **({} if cost_micro is None else {"cost_micro": cost_micro}),
         }
 
 

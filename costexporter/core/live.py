@@ -643,12 +643,20 @@ def ledger_delta(
     since_cost = (state.since_cost if last_progress_ms == state.since_ref_ms else 0) + cost_after(
         p, last_progress_ms, sched
     )
-    incidents = extend_incidents(state.incidents, p, own_ranks, host, incident_tol_ms, res.signatures)
+    incidents = extend_incidents(
+        state.incidents,
+        p,
+        own_ranks,
+        host,
+        incident_tol_ms,
+        res.signatures,
+        cost=lambda q: cost_after(q, NEG_INF, sched),
+    )
     if v.spans:
         end = max(b for _, b in v.spans)
         ranks = [int(r) for r, t in zip(own_ranks.tolist(), member_start_ms.tolist(), strict=True) if t < end]
-        gpu_ms = int(v.moved[VALID, 0].sum())
-        incidents = extend_rolled_back(incidents, v.spans, gpu_ms, ranks, host, incident_tol_ms)
+        gpu_ms, ucost = int(v.moved[VALID, 0].sum()), int(v.moved[VALID, 2].sum())
+        incidents = extend_rolled_back(incidents, v.spans, gpu_ms, ranks, host, incident_tol_ms, ucost)
     incidents = causes.attach(incidents, hardware, tl.phases_overrun, tl.crashes)
     booked_until = max(state.booked_until, res.horizon_ms)
     held, caught_up = _held(state, res.horizon_ms, booked_until, own_ranks, member_end_ms)

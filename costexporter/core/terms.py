@@ -43,6 +43,7 @@ from costexporter.core.attribution import (
 from costexporter.core.booking import BookingConfig
 from costexporter.core.budgets import Budget, BudgetError, parse_budgets
 from costexporter.core.carbon import GridIntensity, IntensityError, parse_policy_intensity
+from costexporter.core.causes import CAUSES, UNKNOWN
 from costexporter.core.cost import Prices
 from costexporter.core.events import POLICY_THRESHOLDS, bounded_number
 from costexporter.core.pricing import PriceSchedule, Pricing, PricingError, parse_pricing, price_value
@@ -146,7 +147,7 @@ class Policy:
 
 
 RULE_KEYS = ("job", "namespace", "controller", "owner", "price_per_gpu_hour", "grant_meta")
-POLICY_KEYS = ("rules", "prices", "node_pools", "cluster", "carbon_intensity", "budgets")
+POLICY_KEYS = ("rules", "prices", "node_pools", "cluster", "carbon_intensity", "budgets", "credit_causes")
 
 
 def parse_policy(doc: object, where: str = "the policy") -> tuple[PolicyRule, ...]:
@@ -162,6 +163,9 @@ class PolicyFile:
     pricing: Pricing = field(default_factory=Pricing)
     carbon: GridIntensity | None = None  # the grid's intensity (`core/carbon.py`); None: not given
     budgets: tuple[Budget, ...] = ()  # the API's budgets (`core/budgets.py`)
+    # The causes of wasted time the platform credits back (`core/causes.py`): the API's credit
+    # line of a job's incidents. Empty: no credit line.
+    credit_causes: tuple[str, ...] = ()
 
 
 def parse_policy_file(
@@ -185,6 +189,7 @@ def parse_policy_file(
         carbon_intensity: 390                    # gCO2e/kWh, or {file: grid.csv} (hourly rows)
         budgets:                                 # the API's (GET /api/v1/budgets)
           - {name: llm-monthly, team: llm, amount: 50000, period: month}
+        credit_causes: [hardware, network]      # wasted time the platform credits back
 
     `read` reads a file the policy names (the carbon intensity series). PolicyError (one line)
     for anything else: the policy fails closed."""
@@ -207,11 +212,16 @@ def parse_policy_file(
         budgets = parse_budgets(doc.get("budgets"), where)
     except BudgetError as e:
         raise PolicyError(str(e)) from None
+    credit = doc.get("credit_causes") or []
+    credited = set(CAUSES) - {UNKNOWN}
+    if not isinstance(credit, list) or not all(isinstance(c, str) and c in credited for c in credit):
+        raise PolicyError(f"{where}: credit_causes must be a list of {', '.join(sorted(credited))}")
     return PolicyFile(
         tuple(_rule(raw, f"{where}: rule {i + 1}") for i, raw in enumerate(raw_rules)),
         price_side,
         intensity,
         budgets,
+        tuple(dict.fromkeys(credit)),
     )
 
 

@@ -1111,6 +1111,8 @@ class LedgerStore:
                 last["zero_util_ranks"] = sorted(set(last["zero_util_ranks"]) | set(inc["zero_util_ranks"]))
                 if last["cause"] == causes.UNKNOWN:  # a host that saw the cause names it
                     last["cause"], last["cause_why"] = inc["cause"], inc["cause_why"]
+                known = last["cost_micro"] is not None and inc["cost_micro"] is not None
+                last["cost_micro"] = last["cost_micro"] + inc["cost_micro"] if known else None
             else:
                 merged.append(
                     {
@@ -1123,6 +1125,7 @@ class LedgerStore:
                         "zero_util_ranks": list(inc["zero_util_ranks"]),
                         "cause": inc["cause"],
                         "cause_why": inc["cause_why"],
+                        "cost_micro": inc["cost_micro"],
                     }
                 )
         return [m for m in merged if m["end"] > start and m["start"] < end]
@@ -1277,7 +1280,11 @@ def incident(x: object) -> dict[str, Any] | None:
     host = x.get("host", "")
     cause, why = x.get("cause"), x.get("cause_why")  # absent in incidents written before causes
     known = cause in causes.CAUSES and isinstance(why, str)
+    ucost = x.get("cost_micro")  # absent in incidents written before their cost was kept
     return {
+        "cost_micro": ucost
+        if isinstance(ucost, int) and not isinstance(ucost, bool) and ucost >= 0
+        else None,
         "cause": cause if known else causes.UNKNOWN,
         "cause_why": why[:500] if known else "",  # type: ignore[index]
         "category": x["category"],

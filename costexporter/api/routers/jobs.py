@@ -17,6 +17,8 @@ from costexporter.api.format import by_category, iso, json_bytes, micro, money, 
 from costexporter.api.schemas import (
     Attributed,
     ByCategory,
+    CauseTotal,
+    Credit,
     ForecastOut,
     GoodputOut,
     Incident,
@@ -192,6 +194,7 @@ def series_body(job: str, w: Window, step: str, s: LedgerStore, currency: str) -
 def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incidents:
     warn = Warnings()
     visible_job(job, who, s)
+    raw = s.incidents(job, w.start, w.end, warn=warn)
     incs = [
         Incident(
             category=i["category"],
@@ -203,11 +206,35 @@ def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incident
             gpu_hours=i["gpu_ms"] / MS_PER_HOUR,
             cause=i["cause"],
             cause_why=i["cause_why"],
+            cost=None if i["cost_micro"] is None else micro(i["cost_micro"]),
         )
-        for i in s.incidents(job, w.start, w.end, warn=warn)
+        for i in raw
     ]
+    # each incident's part inside the window, in proportion to its time
+    by_cause: dict[str, list[float]] = {}
+    for i in raw:
+        span = i["end"] - i["start"]
+        inside = min(i["end"], w.end) - max(i["start"], w.start)
+        f = 1.0 if span <= 0 else max(inside, 0.0) / span
+        tot = by_cause.setdefault(i["cause"], [0.0, 0.0])
+        tot[0] += f * i["gpu_ms"] / MS_PER_HOUR
+        tot[1] += f * (i["cost_micro"] or 0)
+    if any(i["cost_micro"] is None for i in raw):
+        warn.add(job, "incidents written before their cost was kept: by_cause and credit leave them out")
+    credited = list(cfg.credit_causes)
+    credit = None
+    if credited:
+        hours = sum(by_cause.get(c, [0.0, 0.0])[0] for c in credited)
+        ucost = sum(by_cause.get(c, [0.0, 0.0])[1] for c in credited)
+        credit = Credit(causes=credited, gpu_hours=hours, cost=micro(round(ucost)))
     return Incidents(
-        job=job, currency=cfg.currency, window=WindowOut(**w.as_dict()), incidents=incs, warnings=warn
+        job=job,
+        currency=cfg.currency,
+        window=WindowOut(**w.as_dict()),
+        incidents=incs,
+        by_cause={c: CauseTotal(gpu_hours=h, cost=micro(round(u))) for c, (h, u) in sorted(by_cause.items())},
+        credit=credit,
+        warnings=warn,
     )
 
 
