@@ -38,13 +38,13 @@ def test_the_catalog_names_only_known_causes_and_nvmls_hardware_bits():
         == causes.HARDWARE_SLOWDOWN
         == (
             pynvml.nvmlClocksEventReasonHwSlowdown
-            | pynvml.nvmlClocksEventReasonSwThermalSlowdown
             | pynvml.nvmlClocksEventReasonHwThermalSlowdown
             | pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
         )
     )
-    # a power cap or an idle GPU's clocks say nothing of a fault
+    # a power cap, a GPU at its temperature target or an idle GPU's clocks say nothing of a fault
     assert causes.what(HardwareEvent(0, 0, "throttle", pynvml.nvmlClocksEventReasonSwPowerCap)) is None
+    assert causes.what(HardwareEvent(0, 0, "throttle", pynvml.nvmlClocksEventReasonSwThermalSlowdown)) is None
     assert causes.what(HardwareEvent(0, 0, "throttle", pynvml.nvmlClocksEventReasonGpuIdle)) is None
 
 

@@ -5,7 +5,7 @@ the same rule, from what was seen while the stretch lasted.
 * a GPU's hardware event on one of the stretch's ranks, from a little before it opened to its
   end: an NVIDIA Xid (the catalog in `data/hardware_events.json`: a double-bit ECC error or a
   GPU off the bus is hardware, an NVLink error network, a page fault the job's own), or a
-  hardware clock slowdown (thermal, power brake);
+  hardware clock slowdown (HW_SLOWDOWN, hardware thermal, power brake);
 * else a checkpoint that ran over its allowance while the stretch lasted: storage;
 * else the trainer's crash record (its reporter's `run` event of state `crash`) near the
   stretch: the job's own;
@@ -32,8 +32,9 @@ KINDS = ("xid", "throttle")
 
 
 # NVML's clocks event reasons that point to the hardware (nvmlClocksEventReasonHwSlowdown,
-# SwThermalSlowdown, HwThermalSlowdown, HwPowerBrakeSlowdown): the table's throttle bits.
-HARDWARE_SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80
+# HwThermalSlowdown, HwPowerBrakeSlowdown): the table's throttle bits. Not the software thermal
+# slowdown: a busy GPU at its temperature target reads it in normal work.
+HARDWARE_SLOWDOWN = 0x8 | 0x40 | 0x80
 
 
 @dataclass(frozen=True, slots=True)
