@@ -40,11 +40,13 @@ def validator() -> Path | None:
     return None
 
 
-def export(store: LedgerStore, params: dict, window: str = WINDOW) -> str:
+def export(
+    store: LedgerStore, params: dict, window: str = WINDOW, credit_causes: tuple[str, ...] = ()
+) -> str:
     # the provider invoices its own GPU time (an issuer other than the provider is, to FOCUS 1.2,
     # a marketplace charge whose BilledCost must be 0)
     names = FocusSettings(provider="Acme GPU Cloud", publisher="Acme")
-    with served(store, focus=names) as (base, _):
+    with served(store, focus=names, credit_causes=credit_causes) as (base, _):
         r = httpx.get(
             f"{base}/api/v1/allocation", params={**params, "window": window, "format": "focus"}, timeout=30
         )
@@ -100,6 +102,43 @@ def test_invoice_id_follows_the_billing_period(ledger_of_four):  # noqa: F811
     assert ids == {("2025-07", "Acme GPU Cloud-2025-07"), ("2025-08", "Acme GPU Cloud-2025-08")}
 
 
+def hardware_fault(store: LedgerStore) -> None:
+    """llm-1 of the awkward ledger loses a minute of 2 GPUs to a GPU that fell off the bus (its
+    stalled stretch as an agent stores it: cause and cost)."""
+    inc = {
+        "category": "stalled", "start": (T0 + 120) * 1000, "end": (T0 + 180) * 1000, "gpu_ms": 120_000,
+        "ranks": [0, 1], "zero_util_ranks": [], "host": "h", "cause": "hardware",
+        "cause_why": "Xid 79: GPU has fallen off the bus on rank 1", "cost_micro": 116_667,
+    }  # fmt: skip
+    pipe = store.r.pipeline()
+    ledger.queue_incidents(pipe, store.prefix, "llm-1", "agent-x", [inc])
+    pipe.execute()
+
+
+def test_a_job_rows_credit_line_is_its_credited_causes_share(awkward):
+    """The policy credits hardware: llm-1's usage row is followed by a Credit charge of the
+    stretch's cost, negative, with no quantity nor unit price of its own; without credited
+    causes, no credit line."""
+    hardware_fault(awkward)
+    text = export(awkward, {"aggregate": "job"}, WINDOW, ("hardware",))
+    rows = list(csv.DictReader(io.StringIO(text)))
+    credits = [r for r in rows if r["ChargeCategory"] == "Credit"]
+    assert len(credits) == 1
+    (c,) = credits
+    assert (
+        c["x_TrainingJob"] == "llm-1"
+        and c["BilledCost"] == c["EffectiveCost"] == c["ListCost"] == "-0.116667"
+    )
+    assert (
+        c["ConsumedQuantity"] == c["ListUnitPrice"] == c["SkuId"] == ""
+        and "hardware" in c["ChargeDescription"]
+    )
+    usage = next(r for r in rows if r["x_TrainingJob"] == "llm-1" and r["ChargeCategory"] == "Usage")
+    assert (c["ChargePeriodStart"], c["InvoiceId"]) == (usage["ChargePeriodStart"], usage["InvoiceId"])
+    plain = export(awkward, {"aggregate": "job"}, WINDOW)
+    assert "Credit" not in {r["ChargeCategory"] for r in csv.DictReader(io.StringIO(plain))}
+
+
 def test_focus_validator_finds_no_failure(ledger_of_four, awkward, tmp_path):  # noqa: F811
     """Every export shape (aggregates, steps, a window across a month end) of two ledgers, in one
     file: one run of the validator (it takes seconds to start)."""
@@ -107,12 +146,14 @@ def test_focus_validator_finds_no_failure(ledger_of_four, awkward, tmp_path):  #
     if exe is None:
         pytest.skip("no focus-validator (it needs Python >= 3.12: .ci/run installs it in .venv-focus)")
     head, rows = None, []
+    hardware_fault(awkward)  # a credit line (ChargeCategory Credit) beside llm-1's usage
     for store in (ledger_of_four, awkward):
         for params, window in SHAPES:
-            lines = export(store, params, window).splitlines()
+            lines = export(store, params, window, ("hardware",)).splitlines()
             head = head or lines[0]
             assert lines[0] == head and len(lines) > 1, params
             rows += lines[1:]
+    assert any(",Credit," in line for line in rows)
     data = tmp_path / "focus.csv"
     data.write_text("\n".join([head, *rows]) + "\n")
     # it reads its rule files relative to its working directory: run it from its package's home

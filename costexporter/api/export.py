@@ -6,12 +6,13 @@ import csv
 import io
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from costexporter.api.aggregate import month_start, next_month
-from costexporter.api.format import PLACES, iso, money
+from costexporter.api.format import PLACES, iso, micro, money
 from costexporter.api.schemas import AllocationRow
 from costexporter.api.windows import Window
 from costexporter.core.timeutil import parse_instant
@@ -200,19 +201,56 @@ def to_focus(
     fields: list[str],
     fs: FocusSettings,
     warn: Warnings | None = None,
+    credits: Mapping[tuple[str, str], tuple[float, int, tuple[str, ...]]] | None = None,
 ) -> str:
     """FinOps FOCUS 1.2 cost-and-usage rows: one Usage charge per allocation row that used
-    something, its charge period the row's period (inside one calendar month, the billing period)."""
+    something, its charge period the row's period (inside one calendar month, the billing period);
+    `credits` ((key, row start) -> GPU-ms, micro-cost, causes): a Credit charge after it, the
+    wasted time of the causes the policy credits back."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(FOCUS_COLUMNS + FOCUS_X)
     for r in rows:
         if r.gpu_hours == 0 and Decimal(r.cost) == 0:
             continue  # no charge: nothing was used in this period
-        writer.writerow(
-            [focus_values(r, currency, fields, fs, warn).get(c, "") for c in FOCUS_COLUMNS + FOCUS_X]
-        )
+        values = focus_values(r, currency, fields, fs, warn)
+        writer.writerow([values.get(c, "") for c in FOCUS_COLUMNS + FOCUS_X])
+        credit = (credits or {}).get((r.key, r.start or ""))
+        if credit is not None and credit[1] > 0:
+            cv = credit_values(values, r, *credit)
+            writer.writerow([cv.get(c, "") for c in FOCUS_COLUMNS + FOCUS_X])
     return buf.getvalue()
+
+
+# A credit charge has no quantity, unit price or SKU of its own (FOCUS: ConsumedQuantity null
+# where ChargeCategory is not Usage); its costs are all its billed cost, negative.
+_NOT_ON_A_CREDIT = (
+    "ConsumedQuantity", "ConsumedUnit", "PricingQuantity", "PricingUnit", "PricingCategory", "ListUnitPrice",
+    "ContractedUnitPrice", "PricingCurrencyListUnitPrice", "PricingCurrencyContractedUnitPrice", "SkuId",
+    "SkuPriceId", "SkuMeter", "x_ValidSteps", "x_WastedGpuHours", "x_CostPerValidStep", "x_ValidGpuHours",
+    "x_RuntimeGoodput", "x_EnergyKwh", "x_CarbonKg",
+)  # fmt: skip
+
+
+def credit_values(
+    usage: dict[str, object], r: AllocationRow, gpu_ms: float, ucost: int, causes: tuple[str, ...]
+) -> dict[str, object]:
+    """The Credit charge beside a job's usage row: its `causes`' wasted GPU time, credited back."""
+    amount = "-" + micro(ucost)
+    out = {k: v for k, v in usage.items() if k not in _NOT_ON_A_CREDIT}
+    return {
+        **out,
+        "BilledCost": amount,
+        "EffectiveCost": amount,
+        "ListCost": amount,
+        "ContractedCost": amount,
+        "PricingCurrencyEffectiveCost": amount,
+        "ChargeCategory": "Credit",
+        "ChargeClass": "",
+        "ChargeFrequency": "One-Time",
+        "ChargeDescription": f"Credit: {gpu_ms / 3_600_000:.6f} GPU-hours of {r.key} wasted by "
+        f"{' or '.join(causes)} faults",
+    }
 
 
 def _unit_price(r: AllocationRow, warn: Warnings | None) -> Decimal:

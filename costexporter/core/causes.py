@@ -111,3 +111,26 @@ def attach(
         cause, why = cause_of(inc, events, overruns, crashes)
         out[k] = {**inc, "cause": cause, "cause_why": why}
     return out
+
+
+def window_totals(
+    incidents: Iterable[dict[str, Any]], start_s: float, end_s: float
+) -> dict[str, list[float]]:
+    """cause -> [GPU-ms, micro-cost] of the incidents (the reader's: `start`, `end` in s,
+    `gpu_ms`, `cost_micro` or None where it was not kept, `cause`) inside [start_s, end_s): each
+    incident's part inside, in proportion to its time."""
+    out: dict[str, list[float]] = {}
+    for i in incidents:
+        span = i["end"] - i["start"]
+        inside = min(i["end"], end_s) - max(i["start"], start_s)
+        f = (1.0 if inside >= 0 else 0.0) if span <= 0 else max(inside, 0.0) / span
+        tot = out.setdefault(i["cause"], [0.0, 0.0])
+        tot[0] += f * i["gpu_ms"]
+        tot[1] += f * (i["cost_micro"] or 0)
+    return out
+
+
+def credited(totals: dict[str, list[float]], credit_causes: Iterable[str]) -> tuple[float, int]:
+    """(GPU-ms, micro-cost) of the credited causes' totals."""
+    picked = [totals[c] for c in credit_causes if c in totals]
+    return sum(t[0] for t in picked), round(sum(t[1] for t in picked))

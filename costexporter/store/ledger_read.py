@@ -1078,57 +1078,40 @@ class LedgerStore:
     def incidents(
         self, job: str, start: int, end: int, tol_s: float = 5.0, warn: Warnings | None = None
     ) -> list[dict[str, Any]]:
-        """Every agent's incidents merged job-wide: one stretch per category and overlap.
+        """Every agent's incidents of `job` merged job-wide: one stretch per category and overlap."""
+        return self.incidents_many([job], start, end, tol_s, warn)[job]
 
-        The agents that wrote incidents are read from the job's index (never a SCAN)."""
+    def incidents_many(
+        self, jobs: list[str], start: int, end: int, tol_s: float = 5.0, warn: Warnings | None = None
+    ) -> dict[str, list[dict[str, Any]]]:
+        """`incidents` of each job, in two round trips for all of them: the agents that wrote
+        incidents are read from each job's index (never a SCAN), then their records."""
         warn = Warnings() if warn is None else warn
         pipe = self.r.pipeline(transaction=False)
-        pipe.smembers(keys.incident_index_key(self.prefix, job))
-        (agents,) = _run(pipe)
-        if agents is None:
-            warn.add(job, "the incident index is not a set: incidents skipped")
-        agents = sorted(agents or ())
+        for job in jobs:
+            pipe.smembers(keys.incident_index_key(self.prefix, job))
+        indexes = _run(pipe) if jobs else []
         pipe = self.r.pipeline(transaction=False)
-        for agent in agents:
-            pipe.hvals(keys.incidents_key(self.prefix, job, agent))
-        raw = []
-        for values in _run(pipe) if agents else []:
-            for v in values or []:
-                inc = incident(_json(v))
-                if inc is None:
-                    warn.add(job, "an incident that is not a valid record: skipped")
-                else:
-                    raw.append(inc)
-        merged: list[dict[str, Any]] = []
-        for inc in sorted(raw, key=lambda x: (x["category"], x["start"])):
-            s, e = inc["start"] / 1000, inc["end"] / 1000
-            last = merged[-1] if merged else None
-            if last and last["category"] == inc["category"] and s <= last["end"] + tol_s:
-                last["end"] = max(last["end"], e)
-                last["gpu_ms"] += inc["gpu_ms"]
-                last["ranks"] = sorted(set(last["ranks"]) | set(inc["ranks"]))
-                last["hosts"] = sorted(set(last["hosts"]) | {inc["host"]})
-                last["zero_util_ranks"] = sorted(set(last["zero_util_ranks"]) | set(inc["zero_util_ranks"]))
-                if last["cause"] == causes.UNKNOWN:  # a host that saw the cause names it
-                    last["cause"], last["cause_why"] = inc["cause"], inc["cause_why"]
-                known = last["cost_micro"] is not None and inc["cost_micro"] is not None
-                last["cost_micro"] = last["cost_micro"] + inc["cost_micro"] if known else None
-            else:
-                merged.append(
-                    {
-                        "category": inc["category"],
-                        "start": s,
-                        "end": e,
-                        "gpu_ms": inc["gpu_ms"],
-                        "ranks": list(inc["ranks"]),
-                        "hosts": [inc["host"]],
-                        "zero_util_ranks": list(inc["zero_util_ranks"]),
-                        "cause": inc["cause"],
-                        "cause_why": inc["cause_why"],
-                        "cost_micro": inc["cost_micro"],
-                    }
-                )
-        return [m for m in merged if m["end"] > start and m["start"] < end]
+        wrote: list[tuple[str, list[str]]] = []
+        for job, agents in zip(jobs, indexes, strict=True):
+            if agents is None:
+                warn.add(job, "the incident index is not a set: incidents skipped")
+            wrote.append((job, sorted(agents or ())))
+            for agent in wrote[-1][1]:
+                pipe.hvals(keys.incidents_key(self.prefix, job, agent))
+        values = iter(_run(pipe) if any(a for _, a in wrote) else [])
+        out = {}
+        for job, agents in wrote:
+            raw = []
+            for _ in agents:
+                for v in next(values) or []:
+                    inc = incident(_json(v))
+                    if inc is None:
+                        warn.add(job, "an incident that is not a valid record: skipped")
+                    else:
+                        raw.append(inc)
+            out[job] = _merged(raw, start, end, tol_s)
+        return out
 
     def index_incidents(self) -> int:
         """Index incidents written before the index existed (once, at startup)."""
@@ -1262,6 +1245,42 @@ def _info(j: str, replies: list[Any], warn: Warnings) -> dict[str, Any]:
         "first_seen": min(regs) if regs else None,
         "ranks": len(regs),  # the ranks registered (goodput's ETTR: the job's width)
     }
+
+
+def _merged(raw: list[dict[str, Any]], start: int, end: int, tol_s: float) -> list[dict[str, Any]]:
+    """One job's incidents from every agent, merged: one stretch per category and overlap (a
+    host that saw the cause names it; the cost of each host's part added up), those meeting
+    [start, end)."""
+    merged: list[dict[str, Any]] = []
+    for inc in sorted(raw, key=lambda x: (x["category"], x["start"])):
+        s, e = inc["start"] / 1000, inc["end"] / 1000
+        last = merged[-1] if merged else None
+        if last and last["category"] == inc["category"] and s <= last["end"] + tol_s:
+            last["end"] = max(last["end"], e)
+            last["gpu_ms"] += inc["gpu_ms"]
+            last["ranks"] = sorted(set(last["ranks"]) | set(inc["ranks"]))
+            last["hosts"] = sorted(set(last["hosts"]) | {inc["host"]})
+            last["zero_util_ranks"] = sorted(set(last["zero_util_ranks"]) | set(inc["zero_util_ranks"]))
+            if last["cause"] == causes.UNKNOWN:  # a host that saw the cause names it
+                last["cause"], last["cause_why"] = inc["cause"], inc["cause_why"]
+            known = last["cost_micro"] is not None and inc["cost_micro"] is not None
+            last["cost_micro"] = last["cost_micro"] + inc["cost_micro"] if known else None
+        else:
+            merged.append(
+                {
+                    "category": inc["category"],
+                    "start": s,
+                    "end": e,
+                    "gpu_ms": inc["gpu_ms"],
+                    "ranks": list(inc["ranks"]),
+                    "hosts": [inc["host"]],
+                    "zero_util_ranks": list(inc["zero_util_ranks"]),
+                    "cause": inc["cause"],
+                    "cause_why": inc["cause_why"],
+                    "cost_micro": inc["cost_micro"],
+                }
+            )
+    return [m for m in merged if m["end"] > start and m["start"] < end]
 
 
 def incident(x: object) -> dict[str, Any] | None:

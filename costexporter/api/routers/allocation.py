@@ -15,7 +15,10 @@ from costexporter.api.deps import Config, Store, Who, Win
 from costexporter.api.export import to_csv, to_focus
 from costexporter.api.format import json_bytes
 from costexporter.api.schemas import Allocation, AllocationRow
+from costexporter.api.windows import Window
+from costexporter.core import causes
 from costexporter.core.carbon import GridIntensity
+from costexporter.core.timeutil import parse_instant
 from costexporter.store.ledger_read import LedgerStore, Warnings
 
 router = APIRouter(prefix="/api/v1/allocation", tags=["allocation"])
@@ -73,10 +76,31 @@ def allocation(
     if format == "csv":
         body = to_csv(models, cfg.currency, w)
     else:
-        body = to_focus(models, cfg.currency, fields, cfg.focus, warn)
+        credits = focus_credits(s, rows, cfg.credit_causes, w, warn) if fields == ["job"] else None
+        body = to_focus(models, cfg.currency, fields, cfg.focus, warn, credits)
     # CSV has no room for them: the warnings travel in a header (a JSON list)
     headers = {"X-Costexporter-Warnings": json.dumps(warn, ensure_ascii=True)} if warn else None
     return PlainTextResponse(body, media_type="text/csv", headers=headers)
+
+
+def focus_credits(
+    s: LedgerStore, rows: list[dict[str, Any]], credit_causes: tuple[str, ...], w: Window, warn: Warnings
+) -> dict[tuple[str, str], tuple[float, int, tuple[str, ...]]]:
+    """Each job row's credit (the policy's `credit_causes`' share of its incidents in the row's
+    period: GPU-ms, micro-cost, the causes), read for the jobs that wasted time, in two round
+    trips for all of them; none without credited causes."""
+    jobs = sorted({r["key"] for r in rows if r["wasted_gpu_hours"] > 0 and r["key"] != "unassigned"})
+    if not credit_causes or not jobs:
+        return {}
+    incidents = s.incidents_many(jobs, w.start, w.end, warn=warn)
+    out = {}
+    for r in rows:
+        if r["key"] not in incidents:
+            continue
+        start, end = parse_instant(r["start"]), parse_instant(r["end"])
+        gpu_ms, ucost = causes.credited(causes.window_totals(incidents[r["key"]], start, end), credit_causes)
+        out[r["key"], r["start"]] = (gpu_ms, ucost, credit_causes)
+    return out
 
 
 def allocation_rows(

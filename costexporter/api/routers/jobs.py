@@ -32,7 +32,7 @@ from costexporter.api.schemas import (
     WindowOut,
 )
 from costexporter.api.windows import Window
-from costexporter.core import flops, forecast, goodput
+from costexporter.core import causes, flops, forecast, goodput
 from costexporter.core.attribution import SUBMITTED_KEY
 from costexporter.core.buckets import BUCKET_S, RESOLUTIONS
 from costexporter.core.carbon import GridIntensity
@@ -210,29 +210,22 @@ def job_incidents(job: str, s: Store, who: Who, w: Win, cfg: Config) -> Incident
         )
         for i in raw
     ]
-    # each incident's part inside the window, in proportion to its time
-    by_cause: dict[str, list[float]] = {}
-    for i in raw:
-        span = i["end"] - i["start"]
-        inside = min(i["end"], w.end) - max(i["start"], w.start)
-        f = 1.0 if span <= 0 else max(inside, 0.0) / span
-        tot = by_cause.setdefault(i["cause"], [0.0, 0.0])
-        tot[0] += f * i["gpu_ms"] / MS_PER_HOUR
-        tot[1] += f * (i["cost_micro"] or 0)
+    by_cause = causes.window_totals(raw, w.start, w.end)  # each one's part inside the window
     if any(i["cost_micro"] is None for i in raw):
         warn.add(job, "incidents written before their cost was kept: by_cause and credit leave them out")
-    credited = list(cfg.credit_causes)
     credit = None
-    if credited:
-        hours = sum(by_cause.get(c, [0.0, 0.0])[0] for c in credited)
-        ucost = sum(by_cause.get(c, [0.0, 0.0])[1] for c in credited)
-        credit = Credit(causes=credited, gpu_hours=hours, cost=micro(round(ucost)))
+    if cfg.credit_causes:
+        gpu_ms, ucost = causes.credited(by_cause, cfg.credit_causes)
+        credit = Credit(causes=list(cfg.credit_causes), gpu_hours=gpu_ms / MS_PER_HOUR, cost=micro(ucost))
     return Incidents(
         job=job,
         currency=cfg.currency,
         window=WindowOut(**w.as_dict()),
         incidents=incs,
-        by_cause={c: CauseTotal(gpu_hours=h, cost=micro(round(u))) for c, (h, u) in sorted(by_cause.items())},
+        by_cause={
+            c: CauseTotal(gpu_hours=ms / MS_PER_HOUR, cost=micro(round(u)))
+            for c, (ms, u) in sorted(by_cause.items())
+        },
         credit=credit,
         warnings=warn,
     )
