@@ -21,6 +21,7 @@ from costexporter.sources.synth import TraceBuilder, write_nvidia_smi_csv
 from costexporter.store import keys, ledger, protocol
 from costexporter.trainer.transport import send_entries
 
+from .agent_helpers import entry_maker, running, wait_booked
 from .conftest import SHARED_URL, promtool_check_metrics, skip_unchecked_exposition, spawn_cli
 from .redis_server import RedisServer, free_port
 
@@ -136,16 +137,6 @@ def stop_all(procs: list[subprocess.Popen]) -> list[str]:
         assert p.returncode == 0, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
     return errs
-
-
-def wait_booked(client, prefix: str, job: str, agents: list[str], until_ms: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        wms = [ledger.load_watermark(client, prefix, job, a) for a in agents]
-        if all(w and w["booked_until"] >= until_ms for w in wms):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not booked to the end in time: {wms}")
 
 
 def scrape(port: int) -> dict[str, list]:
@@ -281,7 +272,6 @@ def test_redis_down_mid_replay_loses_nothing_and_books_no_stall(tmp_path, trace)
 # Played on a clock: the booked time is compared with the wall-clock time the GPU was lost.
 @pytest.mark.serial
 def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix, monkeypatch):
-    import threading
 
     from prometheus_client import generate_latest
 
@@ -310,21 +300,7 @@ def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix,
     ).start()
     job = "lost-gpu"
     t0 = time.time()
-
-    def entry(rank, seq, type_, **f):
-        return protocol.encode_fields(
-            {
-                "v": "1",
-                "type": type_,
-                "job": job,
-                "ts": f"{time.time():.3f}",
-                "rank": rank,
-                "session": f"s{rank}",
-                "seq": seq,
-                **f,
-            }
-        )
-
+    entry = entry_maker(job)
     send_entries(
         shared,
         prefix,
@@ -332,10 +308,7 @@ def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix,
         [entry(r, 0, "register", host="gpu-host", gpu=r, gpu_uuid=uuids[r]) for r in range(4)]
         + [entry(0, 1, "run", state="start")],
     )
-    stop = threading.Event()
-    runner = threading.Thread(target=agent.run, kwargs={"until": stop.is_set}, daemon=True)
-    runner.start()
-    try:
+    with running(agent):
         seq = 2
         for step in range(1, 25):
             time.sleep(0.125)
@@ -345,18 +318,8 @@ def test_a_lost_gpu_keeps_the_others_booked_and_books_unobserved(shared, prefix,
             seq += 1
         send_entries(shared, prefix, job, [entry(0, seq, "run", state="end")])
         end = time.time()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            wm = ledger.load_watermark(shared, prefix, job, "gpu-host")
-            if wm and wm["booked_until"] >= int(end * 1000):
-                break
-            time.sleep(0.1)
+        wait_booked(shared, prefix, job, ["gpu-host"], int(end * 1000))
         metrics = generate_latest(registry_for(agent)).decode()
-    finally:
-        stop.set()
-        agent.stop()
-        runner.join(10)
-        agent.shutdown()
     total = ledger.net_ms(ledger.read_amounts(shared, prefix, job))
     # The lost GPU's last sample is its last answered call (a stalled sampler may have read it
     # well before the test set it lost); its slice runs one interval past that.

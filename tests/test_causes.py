@@ -302,16 +302,14 @@ def test_a_real_agent_books_a_stall_with_the_xid_its_gpu_raised(shared, prefix, 
     """The agent over a real Redis and the fake NVML: a job's steps stop (its heartbeats go on),
     GPU 1 raises Xid 79 as they stop; the stalled stretch the agent books names it, on rank 1,
     and the finance API's incidents route credits it (the policy credits hardware)."""
-    import threading
-
     import httpx
 
     from costexporter.core.booking import BookingConfig
     from costexporter.services.agent import Agent, AgentConfig
-    from costexporter.store import ledger, protocol
     from costexporter.store.ledger_read import LedgerStore
     from costexporter.trainer.transport import send_entries
 
+    from .agent_helpers import entry_maker, running, wait_booked
     from .api_helpers import served
     from .conftest import SHARED_URL
 
@@ -330,13 +328,7 @@ def test_a_real_agent_books_a_stall_with_the_xid_its_gpu_raised(shared, prefix, 
         ),
     ).start()
     job = "xid-job"
-
-    def entry(rank, seq, type_, **f):
-        return protocol.encode_fields(
-            {"v": "1", "type": type_, "job": job, "ts": f"{time.time():.3f}", "rank": rank,
-             "session": f"s{rank}", "seq": seq, **f}
-        )  # fmt: skip
-
+    entry = entry_maker(job)
     send_entries(
         shared,
         prefix,
@@ -344,10 +336,7 @@ def test_a_real_agent_books_a_stall_with_the_xid_its_gpu_raised(shared, prefix, 
         [entry(r, 0, "register", host="gpu-host", gpu=r, gpu_uuid=uuids[r]) for r in range(2)]
         + [entry(0, 1, "run", state="start")],
     )
-    stop = threading.Event()
-    runner = threading.Thread(target=agent.run, kwargs={"until": stop.is_set}, daemon=True)
-    runner.start()
-    try:
+    with running(agent):
         seq = 2
         for step in range(1, 12):  # steps every 0.1 s
             time.sleep(0.1)
@@ -360,17 +349,7 @@ def test_a_real_agent_books_a_stall_with_the_xid_its_gpu_raised(shared, prefix, 
             seq += 1
         send_entries(shared, prefix, job, [entry(0, seq, "run", state="end")])
         end = time.time()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            wm = ledger.load_watermark(shared, prefix, job, "gpu-host")
-            if wm and wm["booked_until"] >= int(end * 1000):
-                break
-            time.sleep(0.1)
-    finally:
-        stop.set()
-        agent.stop()
-        runner.join(10)
-        agent.shutdown()
+        wait_booked(shared, prefix, job, ["gpu-host"], int(end * 1000))
     assert agent.snapshot(with_jobs=False).hardware == {(1, "xid", 79): 1}
     store = LedgerStore(redis.Redis.from_url(SHARED_URL, decode_responses=True), prefix)
     with served(store, credit_causes=("hardware",)) as (base, _):

@@ -289,6 +289,38 @@ def listen_option(what: str, default: str = "0.0.0.0") -> Callable[[F], F]:
     return click.option("--listen", default=default, help=f"Address the {what} listens on.")
 
 
+def alertmanager_url_option(what: str) -> Callable[[F], F]:
+    """--alertmanager-url: where `what` (the alerts this command raises) is posted."""
+    return click.option(
+        "--alertmanager-url",
+        envvar="COSTEXPORTER_ALERTMANAGER_URL",
+        default=None,
+        help=f"Alertmanager base URL (http://alertmanager:9093): {what} posted to its /api/v2/alerts "
+        "and resolved when they end.",
+    )
+
+
+def alertmanager_resend_option(f: F) -> F:
+    return click.option(
+        "--alertmanager-resend",
+        type=click.FloatRange(min=0.1),
+        default=60.0,
+        show_default=True,
+        help="Seconds between re-posts of a firing alert (its endsAt lies 4 re-posts ahead).",
+    )(f)
+
+
+def runbook_url_option(f: F) -> F:
+    return click.option(
+        "--runbook-url",
+        "runbooks",
+        default=None,
+        metavar="URL",
+        help="The alerts page each posted alert's runbook_url links (URL#<alert name in lower case>), as "
+        "`costexporter rules --runbook-url` gives the rules' alerts; default: the project's docs/alerts.md.",
+    )(f)
+
+
 def load_profile(path: Path | None) -> tuple[Profile | None, Path | None]:
     """--profile: a file is the profile; a directory holds fitted profiles matched by GPU model.
     Without it, $COSTEXPORTER_PROFILE_DIR (the older name of $COSTEXPORTER_PROFILE) names the

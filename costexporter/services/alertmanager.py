@@ -84,7 +84,45 @@ def postable(
     }
 
 
-class Alertmanager:
+class _Poster:
+    """What both alert paths share: Alertmanager's alerts API behind the webhook's sender (its
+    thread, retries and counters), the re-post interval and the clock."""
+
+    def __init__(
+        self,
+        base_url: str,
+        resend_s: float,
+        retries: int,
+        timeout_s: float,
+        backoff_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.url = base_url.rstrip("/") + ALERTS_PATH
+        self.resend_s = resend_s
+        self.clock = clock
+        self.sender = Webhook(self.url, retries, timeout_s, backoff_s)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.sender.stats
+
+    def _ends(self, now: float) -> float:
+        """A firing alert's endsAt: RESEND_FACTOR re-posts ahead (a poster that dies lets it expire)."""
+        return now + RESEND_FACTOR * self.resend_s
+
+    def _send(self, out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if out:
+            self.sender.send(out)  # type: ignore[arg-type]
+        return out
+
+    def drain(self, timeout: float = 10.0) -> None:
+        self.sender.drain(timeout)
+
+    def stop(self) -> None:
+        self.sender.stop()
+
+
+class Alertmanager(_Poster):
     """Posts the watcher's alerting states to Alertmanager (`base_url`, e.g.
     http://alertmanager:9093), on the webhook's thread with its retries and counters."""
 
@@ -100,22 +138,15 @@ class Alertmanager:
         cluster: str | None = None,
         runbooks: str = RUNBOOKS,
     ) -> None:
-        self.url = base_url.rstrip("/") + ALERTS_PATH
+        super().__init__(base_url, resend_s, retries, timeout_s, backoff_s, clock)
         self.runbooks = runbooks
-        self.resend_s = resend_s
-        self.clock = clock
         self.generator_url = generator_url
         self.cluster = cluster
         self.firing: dict[str, _Firing] = {}
         self.last: dict[str, Status] = {}
-        self.sender = Webhook(self.url, retries, timeout_s, backoff_s)
 
     def _postable(self, job: str, st: Status, starts: float, ends: float) -> dict[str, Any]:
         return postable(job, st, starts, ends, self.generator_url, self.cluster, self.runbooks)
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return self.sender.stats
 
     def update(self, decided: dict[str, Status]) -> list[dict[str, Any]]:
         """One poll's statuses -> the alerts to post (new, resent, resolved); posts them."""
@@ -134,19 +165,10 @@ class Alertmanager:
                     self.last[job].reason != st.reason or self.last[job].suspect != st.suspect
                 )
                 if now - cur.posted >= self.resend_s or cur.posted == 0.0 or changed:
-                    ends = now + RESEND_FACTOR * self.resend_s
-                    out.append(self._postable(job, st, cur.started, ends))
+                    out.append(self._postable(job, st, cur.started, self._ends(now)))
                     cur.posted = now
             self.last[job] = st
-        if out:
-            self.sender.send(out)  # type: ignore[arg-type]
-        return out
-
-    def drain(self, timeout: float = 10.0) -> None:
-        self.sender.drain(timeout)
-
-    def stop(self) -> None:
-        self.sender.stop()
+        return self._send(out)
 
 
 @dataclass
@@ -156,7 +178,7 @@ class _Posted:
     posted: float  # wall clock of the last post
 
 
-class AlertSet:
+class AlertSet(_Poster):
     """Keeps a set of alerts in Alertmanager that its caller restates whole each time (the API's
     budget alerts): a new alert is posted, a lasting one re-posted every `resend_s` (or at once
     when its annotations change) with `endsAt` RESEND_FACTOR re-posts ahead, and one no longer
@@ -171,14 +193,8 @@ class AlertSet:
         backoff_s: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.resend_s = resend_s
-        self.clock = clock
+        super().__init__(base_url, resend_s, retries, timeout_s, backoff_s, clock)
         self.live: dict[tuple[tuple[str, str], ...], _Posted] = {}
-        self.sender = Webhook(base_url.rstrip("/") + ALERTS_PATH, retries, timeout_s, backoff_s)
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return self.sender.stats
 
     def update(self, alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`alerts`: every alert firing now (`labels`, `annotations`, optional `generatorURL`);
@@ -196,14 +212,5 @@ class AlertSet:
             changed = cur.alert.get("annotations") != a.get("annotations")
             if changed or cur.posted == 0.0 or now - cur.posted >= self.resend_s:
                 cur.alert, cur.posted = a, now
-                ends = now + RESEND_FACTOR * self.resend_s
-                out.append({**a, "startsAt": iso_utc(cur.started), "endsAt": iso_utc(ends)})
-        if out:
-            self.sender.send(out)  # type: ignore[arg-type]
-        return out
-
-    def drain(self, timeout: float = 10.0) -> None:
-        self.sender.drain(timeout)
-
-    def stop(self) -> None:
-        self.sender.stop()
+                out.append({**a, "startsAt": iso_utc(cur.started), "endsAt": iso_utc(self._ends(now))})
+        return self._send(out)

@@ -10,11 +10,14 @@ import click
 
 from costexporter.cli.options import (
     DEFAULT_API_PORT,
+    alertmanager_resend_option,
+    alertmanager_url_option,
     check_port,
     check_tz,
     listen_option,
     prefix_option,
     redis_url_option,
+    runbook_url_option,
 )
 from costexporter.cli.servers import api_app, serve_forever
 
@@ -125,20 +128,8 @@ from costexporter.cli.servers import api_app, serve_forever
     help="Port of a /metrics server with the policy's budgets as gauges (0: none), for the "
     "PolicyBudget* rules.",
 )
-@click.option(
-    "--alertmanager-url",
-    envvar="COSTEXPORTER_ALERTMANAGER_URL",
-    default=None,
-    help="Alertmanager base URL (http://alertmanager:9093): the policy's budget alerts are posted to "
-    "its /api/v2/alerts and resolved when they end.",
-)
-@click.option(
-    "--alertmanager-resend",
-    type=click.FloatRange(min=0.1),
-    default=60.0,
-    show_default=True,
-    help="Seconds between re-posts of a firing alert (its endsAt lies 4 re-posts ahead).",
-)
+@alertmanager_url_option("the policy's budget alerts are")
+@alertmanager_resend_option
 @click.option(
     "--budget-interval",
     type=click.FloatRange(min=0.05),
@@ -146,14 +137,7 @@ from costexporter.cli.servers import api_app, serve_forever
     show_default=True,
     help="Seconds between evaluations of the policy's budgets (for /metrics and Alertmanager).",
 )
-@click.option(
-    "--runbook-url",
-    "runbooks",
-    default=None,
-    metavar="URL",
-    help="The alerts page each posted alert's runbook_url links (URL#<alert name in lower case>); "
-    "default: the project's docs/alerts.md.",
-)
+@runbook_url_option
 @click.option("--focus-provider", default="costexporter", show_default=True, help="FOCUS ProviderName.")
 @click.option("--focus-publisher", default=None, help="FOCUS PublisherName (default: the provider).")
 @click.option(

@@ -10,6 +10,8 @@ import click
 from costexporter.cli.options import (
     DEFAULT_WATCH_PORT,
     InputFailure,
+    alertmanager_resend_option,
+    alertmanager_url_option,
     booking_config,
     booking_options,
     check_port,
@@ -19,6 +21,7 @@ from costexporter.cli.options import (
     prefix_option,
     profile_option,
     redis_url_option,
+    runbook_url_option,
     safe_url,
     setup_logging,
 )
@@ -65,13 +68,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @click.option("--webhook-url", envvar="COSTEXPORTER_WEBHOOK_URL", default=None, help="POST transitions here.")
 @click.option("--webhook-retries", type=click.IntRange(min=0), default=5, help="Retries of a failed POST.")
-@click.option(
-    "--alertmanager-url",
-    envvar="COSTEXPORTER_ALERTMANAGER_URL",
-    default=None,
-    help="Alertmanager base URL (http://alertmanager:9093): crashed/hung/starving/unknown are posted "
-    "to its /api/v2/alerts and resolved when they end.",
-)
+@alertmanager_url_option("crashed/hung/starving/unknown are")
 @click.option(
     "--cluster",
     envvar="COSTEXPORTER_CLUSTER",
@@ -79,14 +76,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="The `cluster` label of the alerts posted to Alertmanager (the one Prometheus gives the "
     "rules' alerts), so both paths' alerts of a job share it.",
 )
-@click.option(
-    "--runbook-url",
-    "runbooks",
-    default=None,
-    metavar="URL",
-    help="The alerts page each posted alert's runbook_url links (URL#<alert name in lower case>), as "
-    "`costexporter rules --runbook-url` gives the rules' alerts; default: the project's docs/alerts.md.",
-)
+@runbook_url_option
 @click.option(
     "--generator-url",
     default="",
@@ -95,12 +85,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "replaced by the job's name: a dashboard (https://grafana/d/costexporter?var-training_job={job}) "
     "or the API's job page.",
 )
-@click.option(
-    "--alertmanager-resend",
-    type=click.FloatRange(min=0.1),
-    default=60.0,
-    help="Seconds between re-posts of a firing alert (its endsAt lies 4 re-posts ahead).",
-)
+@alertmanager_resend_option
 @listen_option("/metrics server")
 @click.option("--port", type=int, default=DEFAULT_WATCH_PORT, help="Port of the /metrics server (0: none).")
 @click.option("--gpu-model", default=None, help="GPU model of the live signature [default: the job's meta].")
