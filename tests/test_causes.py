@@ -361,3 +361,17 @@ def test_a_real_agent_books_a_stall_with_the_xid_its_gpu_raised(shared, prefix, 
         ("hardware", "Xid 79: GPU has fallen off the bus on rank 1")
     }, body
     assert body["credit"]["cost"] == body["by_cause"]["hardware"]["cost"] != "0.000000"
+
+
+def test_replays_table_says_each_incidents_cause():
+    """A checkpoint 25 minutes over its allowance: replay's table lists the stall as storage's."""
+    from costexporter.cli.report import to_table
+    from costexporter.core.replay import ReplayConfig, replay
+
+    from .test_live_replay_figures import scenario
+
+    b = scenario("hung")
+    text = to_table(replay(b.samples(), b.events, ReplayConfig()))
+    incidents = text[text.index("incidents") :]
+    row = next(line for line in incidents.splitlines() if "stalled" in line)
+    assert "storage" in row, text

@@ -334,7 +334,17 @@ def to_table(report: ReplayReport, incident_floor_s: float = INCIDENT_FLOOR_S) -
         short = [i for i in j["incidents"] if i["end"] - i["start"] < incident_floor_s]
         if listed:
             it = Table(title="incidents", show_edge=False, pad_edge=False)
-            for col in ("start (UTC)", "minutes", "category", "band", "rank ids", "GPU-h", f"cost ({cur})"):
+            cols = (
+                "start (UTC)",
+                "minutes",
+                "category",
+                "band",
+                "rank ids",
+                "cause",
+                "GPU-h",
+                f"cost ({cur})",
+            )
+            for col in cols:
                 it.add_column(col)
             import datetime as dt
 
@@ -349,6 +359,7 @@ def to_table(report: ReplayReport, incident_floor_s: float = INCIDENT_FLOOR_S) -
                     inc["category"],
                     (inc["band"] or "") + (f" (0%: rank {','.join(map(str, zero))})" if zero else ""),
                     rtxt,
+                    inc.get("cause", "unknown"),
                     f"{inc['gpu_hours']:.3f}",
                     f"{inc['cost']:,.2f}",
                 )
