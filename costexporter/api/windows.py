@@ -87,11 +87,13 @@ def _midnight(d: dt.date, tz: dt.tzinfo) -> float:
     return dt.datetime(d.year, d.month, d.day, tzinfo=tz).timestamp()
 
 
-def _instant(text: str, strict: bool = True) -> float:
+def _instant(text: str, strict: bool = True, tz: dt.tzinfo | None = None) -> float:
+    """One end of a window, or an `at`: Unix seconds (`strict`: of 9 to 11 digits) or RFC 3339
+    (an ISO time without an offset taken in `tz`, refused without one); WindowError else."""
     if strict and not re.fullmatch(_UNIX, text.strip()) and _is_number(text):  # Unix s: 9 to 11 digits
         raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds")
     try:
-        return parse_instant(text)
+        return parse_instant(text, tz)
     except ValueError as e:
         raise WindowError(str(e)) from None
 
@@ -176,13 +178,7 @@ def parse_at(text: str | None, tz: str = "UTC", now: float | None = None) -> flo
     raises WindowError with a message for the client."""
     if text is None:
         return time.time() if now is None else now
-    zone = zone_of(tz)
-    if not re.fullmatch(_UNIX, text.strip()) and _is_number(text):
-        raise WindowError(f"{text!r} is neither an RFC 3339 time nor Unix seconds")
-    try:
-        at = parse_instant(text, zone)
-    except ValueError as e:
-        raise WindowError(str(e)) from None
+    at = _instant(text, True, zone_of(tz))
     if not 0 <= at <= LATEST:
         raise WindowError(f"{text!r} must lie between 1970-01-01 and 3000-01-01")
     return at
