@@ -67,7 +67,7 @@ def extend_incidents(
             zero_util_ranks(pieces, sel, signatures or [], tol_ms),
             host,
             tol_ms,
-            None if cost is None else cost(pieces.take(np.flatnonzero(sel))),
+            None if cost is None else cost(pieces.take(sel)),
         )
     return out
 

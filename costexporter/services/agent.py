@@ -202,8 +202,10 @@ class Agent:
         dropped; each counted by kind and code (`costexporter_gpu_hardware_events_total`)."""
         hw = self.ctx.hardware
         hw.extend(events)
-        for e in events:
-            self.hardware_counts[(e.gpu, e.kind, e.code)] += 1
+        if events:
+            with self.lock:  # a scrape's snapshot copies the counts on its own thread
+                for e in events:
+                    self.hardware_counts[(e.gpu, e.kind, e.code)] += 1
         if hw:
             floor = hw[-1].ts_ms - HARDWARE_KEEP_MS
             while hw and hw[0].ts_ms < floor:
