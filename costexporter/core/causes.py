@@ -48,6 +48,14 @@ class HardwareEvent:
     code: int
 
 
+def slowdown(ts_ms: int, gpu: int, last_bits: int, reasons: int) -> tuple[int, HardwareEvent | None]:
+    """A GPU's clocks event reasons as read now, against the hardware bits read last: (the bits
+    now, the event where a hardware slowdown began, else None). A slowdown that lasts is one
+    event, at its start; the NVML and dcgm sources share this rule."""
+    bits = reasons & HARDWARE_SLOWDOWN
+    return bits, HardwareEvent(ts_ms, gpu, "throttle", bits) if bits & ~last_bits else None
+
+
 @cache
 def _table() -> dict[str, dict[int, tuple[str, str]]]:
     doc = json.loads(resources.files("costexporter.core").joinpath("data/hardware_events.json").read_text())

@@ -422,10 +422,9 @@ class DcgmSource(GpuSource):
                 self._xid_seen[i] = xid
             reasons = v.get(CLOCKS_EVENTS, v.get(THROTTLE))
             if reasons is not None and math.isfinite(reasons):
-                bits = int(reasons) & causes.HARDWARE_SLOWDOWN
-                if bits & ~self._slowdown.get(i, 0):
-                    self._hardware.append(HardwareEvent(ts_ms, i, "throttle", bits))
-                self._slowdown[i] = bits
+                self._slowdown[i], began = causes.slowdown(ts_ms, i, self._slowdown.get(i, 0), int(reasons))
+                if began is not None:
+                    self._hardware.append(began)
         del self._hardware[:-MAX_PENDING_EVENTS]  # a storm between two reads keeps its newest
 
     def hardware_events(self) -> list[HardwareEvent]:

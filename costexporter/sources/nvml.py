@@ -146,12 +146,12 @@ class NvmlSource(GpuSource):
         for pos, h in enumerate(self._handles):
             try:
                 with _mapped():
-                    bits = int(nv.nvmlDeviceGetCurrentClocksEventReasons(h)) & causes.HARDWARE_SLOWDOWN
+                    reasons = int(nv.nvmlDeviceGetCurrentClocksEventReasons(h))
             except GpuSourceError:
                 continue
-            if bits & ~self._throttled[pos]:
-                out.append(HardwareEvent(now_ms, pos, "throttle", bits))
-            self._throttled[pos] = bits
+            self._throttled[pos], began = causes.slowdown(now_ms, pos, self._throttled[pos], reasons)
+            if began is not None:
+                out.append(began)
         return out
 
     def _probe_instant(self, h: Any) -> bool:
