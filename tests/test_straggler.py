@@ -43,12 +43,12 @@ def stepped(x: float, interval_s: float, step_s: float, seed: int = 0, n: int = 
 @pytest.mark.parametrize(
     "interval_s, step_s, x",
     [
+        (0.1, 2.0, 0.05),
         (0.1, 2.0, 0.1),
-        (0.1, 2.0, 0.2),
-        (0.1, 10.0, 0.1),
+        (0.1, 10.0, 0.05),
         (0.1, 10.0, 0.5),
+        (1.0, 10.0, 0.05),
         (1.0, 10.0, 0.1),
-        (1.0, 10.0, 0.2),
         (1.0, 10.0, 0.5),
     ],
 )
@@ -56,16 +56,82 @@ def test_a_slow_rank_is_named_and_priced_near_the_what_if(interval_s, step_s, x)
     rep, saved = stepped(x, interval_s, step_s)
     (slow,) = rep["slow_ranks"]
     assert (slow["rank"], slow["host"], slow["gpu"]) == (3, "node0", 3)
-    # The what-if per step is the slow rank's lead over each step's own next slowest; a block reads
-    # the lead over the others' average, so the others' step-to-step jitter (2% here) reads a
-    # little more the smaller the slowdown (measured: +9-15% at 10%, +4-6% at 20%, +1-2% at 50%).
-    assert saved / 3600 <= slow["gpu_hours"] <= saved / 3600 * (1.2 if x < 0.2 else 1.08)
+    # The what-if per step is the slow rank's lead over each step's own next slowest: counted
+    # moment by moment, whatever the others' jitter (a lead over their average read +9-32% high).
+    assert slow["gpu_hours"] == pytest.approx(saved / 3600, rel=0.10)
     # Priced at the job's own cost of a valid GPU-hour: a split of valid time, not a category.
     valid_h = sum(rep["gpu_hours"][c] for c in VALID_NAMES)
     valid_cost = sum(rep["cost"][c] for c in VALID_NAMES)
     assert slow["cost"] == pytest.approx(slow["gpu_hours"] * valid_cost / valid_h, abs=0.01)
     assert slow["gpu_hours"] < valid_h
     assert rep["slow_ranks_untold_minutes"] == 0
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    x=st.floats(0.05, 0.5),
+    sampling=st.sampled_from([(0.1, 2.0), (0.1, 10.0), (1.0, 10.0)]),
+    jitter=st.floats(0.0, 0.03),
+    seed=st.integers(0, 1000),
+)
+def test_the_price_holds_the_what_if_at_any_slowdown_and_jitter(x, sampling, jitter, seed):
+    """Any slowdown of 5-50%, any step-to-step jitter up to 3%: within 10% of the what-if."""
+    interval_s, step_s = sampling
+    b = TraceBuilder(n_gpus=8, per_host=8, interval_s=interval_s, job="j", seed=seed)
+    b.run("start")
+    saved = b.synchronous(
+        int(300 / step_s), 0.8 * step_s, 0.2 * step_s, slow={6: x}, jitter=jitter, average=interval_s >= 1
+    )
+    b.run("end")
+    [job], _ = book_trace(b.samples(), b.events, ReplayConfig())
+    (slow,) = job_report(job, ReplayConfig())["slow_ranks"]
+    assert slow["rank"] == 6
+    assert slow["gpu_hours"] == pytest.approx(saved / 3600, rel=0.10)
+
+
+def slowed_midway(x: float, interval_s: float, step_s: float, seed: int = 0):
+    """Steps at one pace for 2.5 minutes (ending mid-minute), then rank 3 `1 + x` times slower."""
+    b = TraceBuilder(n_gpus=8, per_host=8, interval_s=interval_s, job="mid", seed=seed)
+    b.run("start")
+    b.synchronous(int(157 / step_s), 0.8 * step_s, 0.2 * step_s, average=interval_s >= 1)
+    t0 = b.t
+    b.synchronous(int(180 / step_s), 0.8 * step_s, 0.2 * step_s, slow={3: x}, average=interval_s >= 1)
+    b.run("end")
+    return b, t0
+
+
+@pytest.mark.parametrize("interval_s, step_s", [(0.1, 2.0), (0.1, 10.0), (1.0, 10.0)])
+@pytest.mark.parametrize("x", [0.1, 0.5])
+def test_a_slow_rank_is_named_within_five_slow_steps(interval_s, step_s, x):
+    """Judged window by window as an agent's rounds do (5 s), on the latest steps, not at the end
+    of a minute: named by its fifth slow step (a small slowdown needs more)."""
+    b, t0 = slowed_midway(x, interval_s, step_s)
+    [job], _ = book_trace(b.samples(), b.events, ReplayConfig(window_ms=5000))
+    (slow,) = job_report(job, ReplayConfig())["slow_ranks"]
+    assert slow["rank"] == 3 and slow["named_at"] is not None
+    slow_steps = [e for e in b.events if e.type == "step" and t0 < e.ts <= slow["named_at"]]
+    assert 1 <= len(slow_steps) <= 5
+
+
+def test_no_rank_is_named_early_where_none_is_slow():
+    """The early naming judges a few steps at a time, every window: none named on real-like
+    traces (GPUs that draw more included) nor on synchronous jobs that keep pace."""
+    named = {}
+    scenarios = [Scenario.h100(seed=s) for s in range(3)] + [Scenario.field(seed=s) for s in range(2)]
+    scenarios += [Scenario.h100(seed=7, offsets_w=(0, 25, -20, 10, 0, -15, 30, 5))]
+    traces = [(sc.build().samples, sc.build().events) for sc in scenarios]
+    for seed in range(4):
+        for interval_s, step_s in ((0.1, 2.0), (1.0, 10.0)):
+            b = TraceBuilder(n_gpus=8, per_host=8, interval_s=interval_s, job="even", seed=seed)
+            b.run("start")
+            b.synchronous(int(300 / step_s), 0.8 * step_s, 0.2 * step_s, average=interval_s >= 1)
+            b.run("end")
+            traces.append((b.samples(), b.events))
+    for i, (samples, events) in enumerate(traces):
+        [job], _ = book_trace(samples, events, ReplayConfig(window_ms=5000))
+        if job.band_result.named:
+            named[i] = job.band_result.named
+    assert named == {}
 
 
 @pytest.mark.parametrize("interval_s", [0.1, 1.0])
@@ -158,6 +224,27 @@ def test_evidence_adds_up_and_survives_a_restart():
     assert v.gpu_s == pytest.approx(3 * 60 * 0.25)
 
 
+def test_evidence_stored_by_the_previous_release_is_priced_as_it_was():
+    """An agent's watermark from before the moment-by-moment lead holds 7 fields: read back, a
+    minute partly counted by each release is priced by the lead over the average (never by a
+    lead counted over only part of it)."""
+    old = busy([400 * 60.0, 400 * 60.0, 500 * 60.0], 60).to_json()[:7]
+    back = straggler.Busy.from_json(json.loads(json.dumps(old)))
+    assert back.solo_s is None and np.isnan(back.full_s)
+    new = straggler.Busy(
+        *(np.zeros(3) for _ in range(3)), np.zeros(3, np.int64), solo_s=np.array([0, 0, 9.0]), full_s=60.0
+    )
+    both = back.add(new)
+    assert np.isnan(both.full_s)
+    json.dumps(both.to_json(), allow_nan=False)  # stored again as valid JSON
+    (v,) = [straggler.judge(0, x, 3, H100) for x in (both,)]
+    assert v is not None and v.rank == 2
+    assert v.extra_s == pytest.approx(0.25 * 60)  # the lead over the average, not 9 s of lead
+    # evidence of this release alone prices by the moments it led: 9 s of 60
+    (w,) = [straggler.judge(0, busy([400 * 60.0, 400 * 60.0, 500 * 60.0], 60).add(new), 3, H100)]
+    assert w is not None and w.extra_s == pytest.approx(9.0)
+
+
 def test_a_block_judges_nothing_without_a_step_or_three_ranks_or_with_peers_apart():
     assert straggler.judge(0, busy([400 * 60.0, 400 * 60.0, 500 * 60.0], 60, steps=0), 3, H100) is None
     assert straggler.judge(0, busy([400 * 60.0, 500 * 60.0], 60), 2, H100) is None
@@ -200,6 +287,17 @@ def test_two_agents_price_the_slow_rank_as_replay_does_through_a_crash(tmp_path)
         procs = [serve(csvs[h], h, SHARED_URL, prefix, ports[h], speed=40) for h in sorted(csvs)]
         halfway = (job.timeline.start_ms + job.timeline.end_ms) // 2
         wait_booked(client, prefix, b.job, ["node1"], halfway, timeout=120)
+        # named while it runs, on both hosts: each agent judges every rank's latest steps
+        hosts = sorted(csvs)
+        assert hosts == ["node0", "node1"]
+        for h in hosts:
+            named = [
+                (lab["rank"], v)
+                for lab, v in scrape(ports[h])[0].get("costexporter_straggler_wait_ratio", [])
+                if lab["training_job"] == b.job
+            ]
+            # the others wait ~0.3 x 1.6 s of each ~2.5-s step on rank 5
+            assert [r for r, _ in named] == ["5"] and 0.1 < named[0][1] < 0.25, (h, named)
         procs[1].kill()  # no goodbye: its next round's writes never happen
         procs[1].communicate()
         procs[1] = serve(csvs["node1"], "node1", SHARED_URL, prefix, ports["node1"], speed=40)

@@ -37,6 +37,8 @@ class BandResult:
     # Per block (its start, Unix ms): each rank's time at compute power over the moments counted
     # (core/straggler.py: the slow rank's lead, priced).
     busy: dict[int, straggler_mod.Busy] = field(default_factory=dict)
+    # When each slow rank was first named (`straggler.Ledger.name`, window by window; replay's)
+    named: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -862,6 +862,7 @@ def slow_ranks(r: JobResult, valid_ms: float, valid_cost: float) -> tuple[list[S
                 "gpu_hours": gpu_s / 3600,
                 "cost": _money(gpu_s * 1000 * per_ms),
                 "blocks": led.blocks[rank],
+                "named_at": r.band_result.named[rank] / 1000 if rank in r.band_result.named else None,
             }
         )
     return out, led.coarse

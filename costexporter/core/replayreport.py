@@ -50,6 +50,7 @@ class SlowRankReport(TypedDict):
     gpu_hours: float  # the what-if: its extra compute time x the job's ranks
     cost: float  # those GPU-hours at the job's cost of a valid GPU-hour
     blocks: int  # minutes (core/straggler.BLOCK_MS) in which it was the slow rank
+    named_at: float | None  # when it was first named (Unix s), window by window
 
 
 class GpuPlace(TypedDict):

@@ -120,6 +120,7 @@ class _Windows:
         self.sigs: dict[int, tuple[int, int, list[int]]] = {}
         self.starved: bands_mod.Starved | None = None
         self.busy: dict[int, straggler.Busy] = {}  # per block, over the job's time only
+        self.naming = straggler.Ledger()  # who is named slow, window by window, as an agent does
         self.since = NEG_INF
         self.carry: bands_mod.RunCarry | None = None
         self.banded_until, self.booked_until = NEG_INF, NEG_INF
@@ -197,6 +198,8 @@ class _Windows:
         self._found(idx, ts, br, None if final and not more else res.horizon_ms)
         for b, busy in br.busy.items():
             self.busy[b] = busy.add(self.busy.get(b))
+        if br.busy:
+            self.naming.name(br.busy, res.horizon_ms, self.n_ranks, self.trace.interval_ms, self.profile)
         self.booked_until = max(self.booked_until, res.horizon_ms)
         if res.next_window is not None:
             self.since, _, self.carry = res.next_window
@@ -214,5 +217,6 @@ class _Windows:
                 None,
                 self.starved,
                 busy=self.busy,
+                named=self.naming.named,
             ),
         )

@@ -4,15 +4,20 @@ computed longer than the others (docs/accounting.md, "Stragglers").
 In a data-parallel step every rank computes, then waits in the collective for the slowest one:
 the slow rank reads compute power while its peers read the collective's low spinning power. So
 the straggler is the rank with the largest share of time at compute power, and what it costs is
-the what-if: had it been as fast as the next slowest rank, each step, and so each GPU's time,
-would be that much shorter. Over a block of `BLOCK_MS`:
+the what-if: had it been as fast as each step's next slowest rank, each step, and so each
+GPU's time, would be that much shorter. Over a block of `BLOCK_MS`:
 
-    extra_s = (busy share of the slowest - busy share of the next slowest) x the block's seconds
+    extra_s = the seconds the slow rank alone was at compute, every other rank waiting
     gpu_s   = ranks x extra_s   (the straggler's own extra compute and each peer's extra wait)
 
 A reading's busy share is where its power sits between the job's spinning level and the rank's
-own compute level (a GPU drawing 5% more than its neighbours is not slower); a power reading
-that averages a second (NVML's, nvidia-smi's) keeps the share exact at 1 Hz too. The evidence
+own compute level (a GPU drawing 5% more than its neighbours is not slower). Who is slow is
+judged on the block's mean shares (its lead must stand out of what noise gives); what it cost
+is counted moment by moment, as the lead of the most busy rank over the next most busy one.
+That is each step's lead over that step's own next slowest, whatever the others' step-to-step
+jitter (a lead over their average reads high by it); and a power reading that averages a second
+(NVML's, nvidia-smi's) keeps it exact at 1 Hz too, since the second in which one rank stops and
+the next in which another does differ by just what the one ran longer. The evidence
 of a block adds up over windows, each moment once, as the agent's rounds and replay's windows
 count them; a block is judged once it is complete. The steps were valid: this is a split of
 valid time, never a category of its own.
@@ -20,7 +25,8 @@ valid time, never a category of its own.
 
 from __future__ import annotations
 
-import itertools
+import functools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +41,9 @@ MIN_SHARE = 0.01
 MIN_SPREAD_RATIO = 3.0
 MIN_RANKS = 3  # the spread of the others needs two of them
 MIN_SEEN = 0.8  # a rank observed for less of the block than this share is not compared
+# ... and it led every other rank for at least this share of the time some rank did (a rank last
+# now and then by the others' jitter shares that time with all of them; a slow one holds it).
+MIN_SOLO_SHARE = 0.5
 # A watermark carries the open minutes' evidence of jobs this wide at most (4 numbers a rank).
 PERSIST_MAX_RANKS = 512
 
@@ -44,7 +53,9 @@ class Busy:
     """What one block's moments counted so far say, as sums (so windows add up to the whole, each
     moment once, whatever their lengths): per rank, the energy read and the seconds observed while
     some rank worked, the sum and count of its compute readings (its own compute level); the
-    lowest reading of a rank spinning in a collective and how many; the steps completed."""
+    lowest reading of a rank spinning in a collective and how many; the steps completed; per rank,
+    the seconds it led every other rank (`solo_s`, over the `full_s` seconds every rank was read;
+    NaN: evidence stored before these were counted)."""
 
     energy_j: np.ndarray  # float64 per rank: power x seconds
     seen_s: np.ndarray  # float64 per rank
@@ -53,15 +64,20 @@ class Busy:
     spin_w: float = np.inf
     spin_n: int = 0
     steps: int = 0
+    solo_s: np.ndarray | None = None  # float64 per rank (None: zeros)
+    full_s: float = 0.0
 
     def add(self, other: Busy | None) -> Busy:
         if other is None:
             return self
         n = max(self.seen_s.size, other.seen_s.size)
         e, seen, hi_sum, hi_n = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, np.int64)
+        solo = np.zeros(n)
         for x in (self, other):
             for acc, part in ((e, x.energy_j), (seen, x.seen_s), (hi_sum, x.hi_sum_w), (hi_n, x.hi_n)):
                 acc[: part.size] += part
+            if x.solo_s is not None:
+                solo[: x.solo_s.size] += x.solo_s
         return Busy(
             e,
             seen,
@@ -70,6 +86,8 @@ class Busy:
             spin_w=min(self.spin_w, other.spin_w),
             spin_n=self.spin_n + other.spin_n,
             steps=self.steps + other.steps,
+            solo_s=solo,
+            full_s=self.full_s + other.full_s,
         )
 
     def to_json(self) -> list[Any]:
@@ -80,11 +98,15 @@ class Busy:
             None if np.isinf(self.spin_w) else self.spin_w,
             self.spin_n,
             self.steps,
+            None if self.solo_s is None else self.solo_s.round(4).tolist(),
+            None if np.isnan(self.full_s) else round(self.full_s, 4),
         ]
 
     @classmethod
     def from_json(cls, x: list[Any]) -> Busy:  # Any: as json.loads gave it
-        e, seen, hi_sum, hi_n, spin_w, spin_n, steps = x
+        e, seen, hi_sum, hi_n, spin_w, spin_n, steps, *lead = x
+        # Evidence a release before the moment-by-moment lead stored: NaN, priced as it was.
+        solo, full = lead if len(lead) == 2 else (None, None)
         return cls(
             np.asarray(e, np.float64),
             np.asarray(seen, np.float64),
@@ -93,6 +115,8 @@ class Busy:
             np.inf if spin_w is None else float(spin_w),
             int(spin_n),
             int(steps),
+            np.asarray(solo, np.float64) if solo is not None else None,
+            np.nan if full is None else float(full),
         )
 
 
@@ -126,17 +150,22 @@ def evidence(
     n = P.shape[0]
     if n < MIN_RANKS or step_ms is None or step_ms.size == 0:
         return {}
-    lo, hi = count_ms
+    from_ms, to_ms = count_ms
     keep = np.ones(step_ms.size, bool)
-    if lo is not None:
-        keep &= step_ms >= lo
-    if hi is not None:
-        keep &= step_ms < hi
-    done = step_ms[keep]
-    starts, counts = np.unique((done // BLOCK_MS) * BLOCK_MS, return_counts=True)
+    if from_ms is not None:
+        keep &= step_ms >= from_ms
+    if to_ms is not None:
+        keep &= step_ms < to_ms
+    done = (step_ms[keep] // BLOCK_MS) * BLOCK_MS
+    # (a round's few steps counted in Python; a trace's many by numpy)
+    per_block = (
+        Counter(done.tolist())
+        if done.size < 256
+        else dict(zip(*(a.tolist() for a in np.unique(done, return_counts=True)), strict=True))
+    )
     out = {
         b: Busy(np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n, np.int64), steps=k)
-        for b, k in zip(starts.tolist(), counts.tolist(), strict=True)
+        for b, k in per_block.items()
     }
     with np.errstate(invalid="ignore"):
         working = profile.low_max_w <= P  # NaN (no reading) compares False
@@ -148,28 +177,95 @@ def evidence(
         ou = use & ~np.isnan(P)
         high = ou & (profile.compute_min_w <= P)
         spinning = ou & ~working & (profile.busy_util_pct <= U)
-    w = np.where(ou, P, np.float32(0))
-    hw = np.where(high, P, np.float32(0))
-    sw = np.where(spinning, P, np.float32(np.inf)).min(0)
-    n_spin = spinning.sum(0)
-    # Moments are in time order: a block is one run of columns, each summed as a slice.
-    block = (moment_ms // BLOCK_MS) * BLOCK_MS
-    edges = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1], [True])))
     sec = cell_ms / 1000
-    for a, z in itertools.pairwise(edges.tolist()):
-        if not use[a:z].any():
+    # Moments are in time order: a block is one run of columns, summed at once (those of a block
+    # no moment of which counts sum to nothing and are left out).
+    block = (moment_ms // BLOCK_MS) * BLOCK_MS
+    first = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
+    energy = np.add.reduceat(np.where(ou, P, np.float32(0)), first, axis=1, dtype=np.float64) * sec
+    seen = np.add.reduceat(ou, first, axis=1, dtype=np.int64) * sec
+    hi_sum = np.add.reduceat(np.where(high, P, np.float32(0)), first, axis=1, dtype=np.float64)
+    hi_n = np.add.reduceat(high, first, axis=1, dtype=np.int64)
+    sw = np.where(spinning, P, np.float32(np.inf)).min(0)
+    spin_w = np.minimum.reduceat(sw, first)
+    spin_n = np.add.reduceat(spinning.sum(0), first)
+    # The window's compute level of each rank and spinning level, for the moment-by-moment lead.
+    # (a rank without a compute reading: the job's mean level)
+    n_hi = hi_n.sum(1)
+    mean_hi = float(hi_sum.sum() / n_hi.sum()) if n_hi.any() else profile.compute_min_w
+    hi = np.where(n_hi > 0, hi_sum.sum(1) / np.maximum(n_hi, 1), mean_hi)
+    full = ou.all(0)
+    lead_s, leader = _leads(P, full, hi, _spin_of(float(spin_w.min()), int(spin_n.sum()), profile))
+    nb = first.size
+    if nb > 1:
+        leader += np.repeat(np.arange(nb) * n, np.diff(np.append(first, block.size)))
+    solo = np.bincount(leader, lead_s, minlength=nb * n).reshape(nb, n) * sec
+    full_s = np.add.reduceat(full, first, dtype=np.int64) * sec
+    used = np.add.reduceat(use, first, dtype=np.int64)
+    for i, a in enumerate(first.tolist()):
+        if not used[i]:
             continue
         b = int(block[a])
         out[b] = Busy(
-            w[:, a:z].sum(1, dtype=np.float64) * sec,
-            ou[:, a:z].sum(1) * sec,
-            hw[:, a:z].sum(1, dtype=np.float64),
-            high[:, a:z].sum(1).astype(np.int64),
-            float(sw[a:z].min()),
-            int(n_spin[a:z].sum()),
+            energy[:, i],
+            seen[:, i],
+            hi_sum[:, i],
+            hi_n[:, i],
+            float(spin_w[i]),
+            int(spin_n[i]),
             out[b].steps if b in out else 0,
+            solo[i],
+            float(full_s[i]),
         )
     return out
+
+
+# Two ranks both within this share of the range of their compute level (or of the spinning
+# level) are at the same state: the noise between their readings is no lead.
+DEAD_BAND = 0.1
+
+
+def _leads(P: np.ndarray, full: np.ndarray, hi: np.ndarray, spin: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per moment: how far the busiest rank led the next busiest (a share of the moment) and which
+    rank that was, over the moments `full` (every rank read: a missing reading may be the one
+    still at compute, so such a moment says nothing of who was last; elsewhere 0). A rank's busy
+    share is linear in its power between the spinning level and its own compute level `hi`, so two
+    ranks' difference in a second averaged over compute, the wait and the collective after it is
+    just the time one computed while the other waited."""
+    m = P.shape[1]
+    lead, leader = np.zeros(m, np.float32), np.zeros(m, np.intp)
+    span = np.maximum(hi - spin, 1.0).astype(np.float32)
+    every = bool(full.all())
+    if not every and not full.any():
+        return lead, leader
+    share = P - np.float32(spin) if every else P[:, full] - np.float32(spin)
+    share /= span[:, None]
+    first, second, top = _top_two(share)
+    gap = first - second
+    gap[(second >= 1 - DEAD_BAND) | (first <= DEAD_BAND)] = 0
+    if every:
+        return gap, top
+    lead[full], leader[full] = gap, top
+    return lead, leader
+
+
+def _top_two(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column: the largest value, the second largest, and the row of the largest. A few rows of
+    many columns: row by row (twice as fast as the reductions down them); else reduced."""
+    n, m = x.shape
+    if n <= 16 and m >= 1000:
+        first, second, top = x[0].copy(), np.full(m, -np.inf, x.dtype), np.zeros(m, np.intp)
+        for r in range(1, n):
+            row = x[r]
+            np.maximum(second, np.minimum(first, row), out=second)
+            np.copyto(top, r, where=row > first)
+            np.maximum(first, row, out=first)
+        return first, second, top
+    top = x.argmax(0)
+    at = (top, np.arange(m))
+    first = x[at]
+    x[at] = -np.inf  # (x is the caller's scratch)
+    return first, x.max(0), top
 
 
 # A GPU spinning in a collective draws about this share of its power limit: 157 W of an H100's
@@ -182,8 +278,12 @@ def spin_level(busy: Busy, profile: Profile) -> float:
     """The power of a rank waiting in the collective: the lowest reading of a rank spinning (low
     power, ~100%) where the block has enough of them, else the share of the power limit the field
     measured (readings that average a second hold no pure wait when the waits are short)."""
-    if busy.spin_n >= MIN_SPIN_READINGS or (busy.spin_n and profile.power_limit_w is None):
-        return busy.spin_w
+    return _spin_of(busy.spin_w, busy.spin_n, profile)
+
+
+def _spin_of(spin_w: float, spin_n: int, profile: Profile) -> float:
+    if spin_n >= MIN_SPIN_READINGS or (spin_n and profile.power_limit_w is None):
+        return spin_w
     if profile.power_limit_w is not None:
         return max(SPIN_SHARE * profile.power_limit_w, profile.idle_max_w)
     return profile.idle_max_w
@@ -201,10 +301,13 @@ def coarse(busy: Busy, interval_ms: int) -> bool:
     return float(busy.seen_s.max()) * 1000 / busy.steps < MIN_READINGS_PER_STEP * interval_ms
 
 
-def judge(block_ms: int, busy: Busy, n_ranks: int, profile: Profile) -> SlowRank | None:
-    """The block's slow rank, where one rank leads the others by more than noise gives (a block
-    without a completed step has no step to be late for). A rank's busy share is where its mean
-    power sits between the spinning level and its own compute level."""
+def judge(
+    block_ms: int, busy: Busy, n_ranks: int, profile: Profile, min_solo: float = MIN_SOLO_SHARE
+) -> SlowRank | None:
+    """The block's slow rank, where one rank leads the others by more than noise gives and leads
+    them all for at least `min_solo` of the time any rank does (a block without a completed step
+    has no step to be late for). A rank's busy share is where its mean power sits between the
+    spinning level and its own compute level."""
     seen = busy.seen_s
     if busy.steps == 0 or seen.size < MIN_RANKS or not seen.any() or not busy.hi_n.any():
         return None
@@ -223,26 +326,100 @@ def judge(block_ms: int, busy: Busy, n_ranks: int, profile: Profile) -> SlowRank
     spread = float(others.std(ddof=1)) if others.size > 1 else 0.0
     if lead < MIN_SHARE or lead < MIN_SPREAD_RATIO * spread:
         return None
-    extra = lead * float(seen.max())
+    if busy.solo_s is not None and busy.full_s > 0 and np.isfinite(busy.solo_s).all():
+        if busy.solo_s[s] < min_solo * busy.solo_s.sum():
+            return None
+        # its moments of leading every other rank, over the block's seconds some rank worked
+        extra = float(busy.solo_s[s]) / busy.full_s * float(seen.max())
+    else:  # evidence stored by a release that did not count them: the lead over the average
+        extra = lead * float(seen.max())
+    if extra <= 0:
+        return None
     return SlowRank(block_ms, s, extra, n_ranks * extra, lead)
+
+
+# A slow rank is named (not yet priced: a block is) once the evidence of the latest windows that
+# hold this many steps says so, whichever block they fall in; evidence older than RECENT_MS is
+# not kept for it.
+NAME_STEPS = 5
+RECENT_MS = 5 * BLOCK_MS
+# Those few steps' jitter alone makes some rank last in most of them now and then: to be named
+# early it must have led every other rank for this share of the time any rank did, and for
+# this many sampling intervals (a lead shorter than an interval shows in a moment now and then)
+# or this long, whichever is less (seconds of lead are more than a few steps' jitter gives).
+NAME_SOLO_SHARE = 0.8
+NAME_SOLO_INTERVALS = 3
+NAME_SOLO_MS = 1500
+
+
+@dataclass(frozen=True, slots=True)
+class Named:
+    """A rank slowing the job now: the share of the job's time every other rank waited on it over
+    its latest steps (at least NAME_STEPS)."""
+
+    rank: int
+    wait_ratio: float
 
 
 @dataclass(slots=True)
 class Ledger:
     """The blocks still open (evidence so far) and the slow ranks judged: per rank, the GPU-seconds
-    and blocks. The agent carries it from round to round; replay from window to window."""
+    and blocks. The agent carries it from round to round; replay from window to window. The
+    latest windows' evidence (`recent`, in memory only) names a slow rank before its block ends:
+    `now` (the latest window's verdict), `named` (when each rank was first named)."""
 
     open: dict[int, Busy] = field(default_factory=dict)
     gpu_s: dict[int, float] = field(default_factory=dict)
     blocks: dict[int, int] = field(default_factory=dict)
     coarse: int = 0  # blocks whose steps were too short for the sampling: cannot tell
+    recent: list[tuple[int, Busy]] = field(default_factory=list)  # (window's end, its evidence)
+    now: Named | None = None
+    named: dict[int, int] = field(default_factory=dict)  # rank -> first named (Unix ms)
 
     def add(self, found: dict[int, Busy]) -> None:
         for b, busy in found.items():
             self.open[b] = busy.add(self.open.get(b))
 
+    def name(
+        self, found: dict[int, Busy], until_ms: int, n_ranks: int, interval_ms: int, profile: Profile
+    ) -> Named | None:
+        """The rank slowing the job now (`now`), after a window's evidence `found` (counted up to
+        `until_ms`): judged as a block is, on the latest windows' evidence back to NAME_STEPS
+        steps, then twice, four times as many... up to RECENT_MS (a small lead needs more steps to
+        stand out; a large one is named at once). None: no rank named, or too short to tell."""
+        if found:
+            whole = functools.reduce(Busy.add, found.values())
+            self.recent = [(t, x) for t, x in self.recent if t > until_ms - RECENT_MS]
+            self.recent.append((until_ms, whole))
+        self.now = None
+        acc: Busy | None = None
+        want = NAME_STEPS
+        for i, (_, busy) in enumerate(reversed(self.recent)):
+            acc = busy.add(acc)
+            if acc.steps < want and i + 1 < len(self.recent):
+                continue
+            if acc.steps < NAME_STEPS or coarse(acc, interval_ms):
+                return None
+            want = 2 * acc.steps
+            v = judge(0, acc, n_ranks, profile, NAME_SOLO_SHARE)
+            if v is None or acc.solo_s is None:
+                continue
+            if acc.solo_s[v.rank] * 1000 >= min(NAME_SOLO_INTERVALS * interval_ms, NAME_SOLO_MS):
+                self.now = Named(v.rank, v.extra_s / float(acc.seen_s.max()))
+                self.named.setdefault(v.rank, self.recent[-1][0])
+                return self.now
+        return None
+
     def copy(self) -> Ledger:
-        return Ledger(dict(self.open), dict(self.gpu_s), dict(self.blocks), self.coarse)
+        return Ledger(
+            dict(self.open),
+            dict(self.gpu_s),
+            dict(self.blocks),
+            self.coarse,
+            list(self.recent),
+            self.now,
+            dict(self.named),
+        )
 
     def __bool__(self) -> bool:
         return bool(self.open or self.gpu_s or self.coarse)

@@ -435,6 +435,7 @@ class Agent:
                         booked=j.state.booked.copy(),
                         carbon_kg=None if self.cfg.carbon is None else j.state.carbon_ug / 1e9,
                         slow_gpu_s=dict(j.state.slow.gpu_s),
+                        slow_now=j.state.slow.now,
                         voided=j.state.voided.copy(),
                         figures=dict(j.figures),
                         # its data keys, its owner and place the operator's (`attribution`)

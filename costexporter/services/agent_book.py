@@ -366,6 +366,7 @@ class JobBooker:
         if res.bands is not None:  # the slow rank's evidence, its finished minutes judged
             slow = delta.state.slow
             slow.add(res.bands.busy)
+            slow.name(res.bands.busy, res.horizon_ms, w.n_ranks, res.bands.interval_ms, w.profile)
             until = None if ended else res.horizon_ms  # the job's last minute at its end
             slow.close(until, w.n_ranks, res.bands.interval_ms, w.profile, gpus=w.own_ranks.size)
         figures = round_figures(delta, job.preflight, progress, w.profile, cfg.agent_id, tl, res.horizon_ms)

@@ -377,6 +377,16 @@ class AgentCollector(Collector):
             for rank, gpu_s in sorted(j.slow_gpu_s.items()):
                 slow.add_metric([name, str(rank)], gpu_s)
         yield slow
+        named = GaugeMetricFamily(
+            "costexporter_straggler_wait_ratio",
+            "The rank slowing the job now, named on its latest steps (five or more): the share of the "
+            "job's time every other rank waits on it. Absent where no rank is named.",
+            labels=["training_job", "rank"],
+        )
+        for name, j in sorted(s.jobs.items()):
+            if j.slow_now is not None:
+                named.add_metric([name, str(j.slow_now.rank)], round(j.slow_now.wait_ratio, 6))
+        yield named
         rej = CounterMetricFamily(
             "costexporter_events_rejected",
             "Events refused (malformed), by job and reason.",

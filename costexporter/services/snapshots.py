@@ -15,6 +15,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from costexporter.core.model import GpuId
+    from costexporter.core.straggler import Named
     from costexporter.services.notify import Status
     from costexporter.sources.base import Reading
 
@@ -39,6 +40,7 @@ class JobView:
     carbon_kg: float | None = None  # kgCO2e of the energy booked (None: no grid intensity given)
     ranks: int = 0  # the ranks the job registered (ETTR's width)
     slow_gpu_s: dict[int, float] = field(default_factory=dict)  # slow rank -> GPU-s on own GPUs
+    slow_now: Named | None = None  # the rank slowing the job now, named on its latest steps
 
 
 @dataclass(frozen=True, slots=True)
