@@ -139,6 +139,46 @@ def test_a_job_rows_credit_line_is_its_credited_causes_share(awkward):
     assert "Credit" not in {r["ChargeCategory"] for r in csv.DictReader(io.StringIO(plain))}
 
 
+def hardware_fault_of(store: LedgerStore, job: str, start_s: int, cost_micro: int) -> None:
+    inc = {
+        "category": "stalled", "start": start_s * 1000, "end": (start_s + 60) * 1000, "gpu_ms": 60_000,
+        "ranks": [0], "zero_util_ranks": [], "host": "h", "cause": "hardware",
+        "cause_why": "Xid 48: double-bit ECC error on rank 0", "cost_micro": cost_micro,
+    }  # fmt: skip
+    pipe = store.r.pipeline()
+    ledger.queue_incidents(pipe, store.prefix, job, "agent-y", [inc])
+    pipe.execute()
+
+
+def test_a_group_rows_credit_line_sums_its_jobs_credits(awkward):
+    """By team, namespace or cost centre, a row's credit is its jobs' credited causes summed:
+    llm-1 and llm-2 (team llm, namespace ns-a) lose 0.116667 and 0.05 to hardware; ops-1 (team
+    ops) loses its stalled minute to an unknown cause, not credited; a row per hour (each
+    credit in the hour of its incident)."""
+    write_job(awkward.r, awkward.prefix, "llm-2", "llm", incidents=0, namespace="ns-a")
+    write_job(awkward.r, awkward.prefix, "ops-1", "ops", namespace="ns-b")
+    hardware_fault(awkward)
+    hardware_fault_of(awkward, "llm-2", T0 + 3700, 50_000)
+    for aggregate, key in (("team", "llm"), ("namespace", "ns-a")):
+        rows = list(
+            csv.DictReader(io.StringIO(export(awkward, {"aggregate": aggregate}, WINDOW, ("hardware",))))
+        )
+        credits = {r["x_AllocationKey"]: r["BilledCost"] for r in rows if r["ChargeCategory"] == "Credit"}
+        assert credits == {key: "-0.166667"}, (aggregate, credits)
+    by_hour = export(
+        awkward, {"aggregate": "team", "accumulate": "false", "step": "1h"}, WINDOW, ("hardware",)
+    )
+    rows = list(csv.DictReader(io.StringIO(by_hour)))
+    credits = [
+        (r["x_AllocationKey"], r["ChargePeriodStart"][:13], r["BilledCost"])
+        for r in rows
+        if r["ChargeCategory"] == "Credit"
+    ]
+    hours = sorted({r["ChargePeriodStart"][:13] for r in rows if r["x_AllocationKey"] == "llm"})
+    assert len(hours) == 2
+    assert credits == [("llm", hours[0], "-0.116667"), ("llm", hours[1], "-0.050000")]
+
+
 def test_focus_validator_finds_no_failure(ledger_of_four, awkward, tmp_path):  # noqa: F811
     """Every export shape (aggregates, steps, a window across a month end) of two ledgers, in one
     file: one run of the validator (it takes seconds to start)."""

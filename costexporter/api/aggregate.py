@@ -187,6 +187,18 @@ JOB_MJ = _cols(JOB_CATS, 1)
 JOB_U, WASTED_U = _cols(JOB_CATS, 2), _cols(WASTED, 2)
 
 
+def groups_of(
+    fields: list[str], jobs: list[str], metas: dict[str, dict[str, Any]], visible: list[int]
+) -> dict[str, tuple[dict[str, str | None], list[int]]]:
+    """The rows' keys of an aggregate other than by job: each key's properties and its jobs (their
+    indices in `jobs`, in name order)."""
+    groups: dict[str, tuple[dict[str, str | None], list[int]]] = {}
+    for i in sorted(visible, key=lambda i: jobs[i]):
+        props = {f: value(f, jobs[i], metas[jobs[i]]) for f in fields}
+        groups.setdefault(key_of(fields, props), (props, []))[1].append(i)
+    return groups
+
+
 def table_rows(
     table: WindowTable,
     metas: dict[str, dict[str, Any]],
@@ -209,10 +221,7 @@ def table_rows(
         members = [[i] for i in order]
         props_of: list[dict[str, str | None]] = [{"job": k} for k in keys]
     else:
-        groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
-        for i in sorted(visible, key=lambda i: jobs[i]):
-            props = {f: value(f, jobs[i], metas[jobs[i]]) for f in fields}
-            groups.setdefault(key_of(fields, props), (props, []))[1].append(i)
+        groups = groups_of(fields, jobs, metas, visible)
         keys = sorted(groups)
         members = [groups[k][1] for k in keys]
         props_of = [groups[k][0] for k in keys]

@@ -59,7 +59,8 @@ def allocation(
     except agg.AggregateError as e:
         raise HTTPException(400, str(e)) from None
     warn = Warnings()
-    rows = allocation_rows(s, who, spans, fields, warn, cfg.cluster, cfg.carbon)
+    members: dict[str, list[str]] = {}  # a group's jobs (an aggregate other than by job)
+    rows = allocation_rows(s, who, spans, fields, warn, cfg.cluster, cfg.carbon, members)
     if format == "json":  # rows built to the schema (`Allocation`): sent as they are
         return json_bytes(
             {
@@ -76,7 +77,7 @@ def allocation(
     if format == "csv":
         body = to_csv(models, cfg.currency, w)
     else:
-        credits = focus_credits(s, rows, cfg.credit_causes, w, warn) if fields == ["job"] else None
+        credits = focus_credits(s, rows, cfg.credit_causes, w, warn, members)
         body = to_focus(models, cfg.currency, fields, cfg.focus, warn, credits)
     # CSV has no room for them: the warnings travel in a header (a JSON list)
     headers = {"X-Costexporter-Warnings": json.dumps(warn, ensure_ascii=True)} if warn else None
@@ -84,21 +85,32 @@ def allocation(
 
 
 def focus_credits(
-    s: LedgerStore, rows: list[dict[str, Any]], credit_causes: tuple[str, ...], w: Window, warn: Warnings
+    s: LedgerStore,
+    rows: list[dict[str, Any]],
+    credit_causes: tuple[str, ...],
+    w: Window,
+    warn: Warnings,
+    members: dict[str, list[str]],
 ) -> dict[tuple[str, str], tuple[float, int, tuple[str, ...]]]:
-    """Each job row's credit (the policy's `credit_causes`' share of its incidents in the row's
-    period: GPU-ms, micro-cost, the causes), read for the jobs that wasted time, in two round
-    trips for all of them; none without credited causes."""
-    jobs = sorted({r["key"] for r in rows if r["wasted_gpu_hours"] > 0 and r["key"] != "unassigned"})
-    if not credit_causes or not jobs:
+    """Each row's credit (the policy's `credit_causes`' share of its jobs' incidents in the row's
+    period: GPU-ms, micro-cost, the causes), read for the rows that wasted time, in two round
+    trips for all their jobs; none without credited causes. `members`: a group's jobs (a row
+    per job: the row's own)."""
+    keys = {r["key"] for r in rows if r["wasted_gpu_hours"] > 0 and r["key"] != "unassigned"}
+    if not credit_causes or not keys:
         return {}
-    incidents = s.incidents_many(jobs, w.start, w.end, warn=warn)
+    of = {k: members.get(k, [k]) for k in keys}
+    incidents = s.incidents_many(sorted({j for js in of.values() for j in js}), w.start, w.end, warn=warn)
     out = {}
     for r in rows:
-        if r["key"] not in incidents:
+        theirs = [incidents[j] for j in of.get(r["key"], ()) if j in incidents]
+        if not theirs:
             continue
         start, end = parse_instant(r["start"]), parse_instant(r["end"])
-        gpu_ms, ucost = causes.credited(causes.window_totals(incidents[r["key"]], start, end), credit_causes)
+        gpu_ms, ucost = 0.0, 0
+        for inc in theirs:
+            ms, u = causes.credited(causes.window_totals(inc, start, end), credit_causes)
+            gpu_ms, ucost = gpu_ms + ms, ucost + u
         out[r["key"], r["start"]] = (gpu_ms, ucost, credit_causes)
     return out
 
@@ -111,9 +123,11 @@ def allocation_rows(
     warn: Warnings,
     cluster: str | None = None,
     intensity: GridIntensity | None = None,
+    members: dict[str, list[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of every period (as `AllocationRow` dicts), in time order; the unassigned pool last in
-    each period (only for a caller who sees every team). One read for every job and period
+    each period (only for a caller who sees every team); `members` (given): filled with each
+    group's jobs, an aggregate other than by job. One read for every job and period
     (meta and each period's rollup records), then column sums. A row per job depends on its job
     alone: those rows are made chunk by chunk while Redis reads the next chunks, then sorted."""
     names = s.job_names(spans[0][0], spans[-1][1])  # other clusters': those sealed in the window
@@ -150,6 +164,9 @@ def allocation_rows(
                     m["cluster"] = cluster
         visible = [i for i, j in enumerate(names) if who.sees(metas[j].get("team"))]
         theirs = frozenset(i for i, j in enumerate(names) if j in foreign)
+        if members is not None:
+            for k, (_, at) in agg.groups_of(fields, names, metas, visible).items():
+                members[k] = [names[i] for i in at]
         per_span = [
             agg.table_rows(table, metas, visible, fields, start, end, g, theirs)
             for (start, end), table, g in zip(spans, tables, grams, strict=True)
