@@ -89,6 +89,10 @@ def day_file(
         "voided_tokens": zero,
         "team": np.array([j.split("/")[0] for j in job], dtype=object),
         "attributes": np.array([f'{{"team":"{j.split("/")[0]}"}}' for j in job], dtype=object),
+        "incident": np.full(n, "", dtype=object),  # (no incident: the bill reads none)
+        "cause": np.full(n, "", dtype=object),
+        "incident_gpu_ms": zero,
+        "incident_cost_micro": zero,
     }
     table = pa.Table.from_arrays(
         [pa.array(cols[c], type=getattr(pa, t)()) for c, t in COLUMNS], names=[c for c, _ in COLUMNS]

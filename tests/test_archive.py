@@ -17,7 +17,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costexporter.core.archive import DAY_S, Manifest, Totals, sealable_before
+from costexporter.core.archive import DAY_S, INCIDENTS_TOTAL, Manifest, Totals, sealable_before
 from costexporter.core.model import CATEGORIES
 from costexporter.services.sealer import Sealer, verify, window_totals
 from costexporter.store import keys, ledger
@@ -469,7 +469,7 @@ def test_a_file_of_the_first_schema_reads_with_no_steps_and_no_owner():
     buf = io.BytesIO()
     pq.write_table(table, buf)
     [got] = rows_of(buf.getvalue())
-    assert got == (*row, 0, 0, 0, 0, "", "")
+    assert got == (*row, 0, 0, 0, 0, "", "", "", "", 0, 0)  # nor incidents
     assert Totals.of([got]).to_json() == {"productive": [4, 6, 7]}
 
 
@@ -501,8 +501,8 @@ def test_reading_a_sealed_file_starts_no_arrow_thread_that_could_abort_the_exit(
     code = """
 import os
 from costexporter.store.archive import _table, parquet_bytes
-row = (2, "east", "2026-01-01", "j", 1767225600, "productive", 5, 6, 7, 1, 0, 0, "pv1",
-       1, 2, 0, 0, "t", "")
+row = (3, "east", "2026-01-01", "j", 1767225600, "productive", 5, 6, 7, 1, 0, 0, "pv1",
+       1, 2, 0, 0, "t", "", "", "", 0, 0)
 data = parquet_bytes([row])
 before = len(os.listdir("/proc/self/task"))
 for _ in range(3):
@@ -513,3 +513,89 @@ print(before, len(os.listdir("/proc/self/task")))
     assert out.returncode == 0, out.stderr
     before, after = map(int, out.stdout.split())
     assert before >= 1 and after == before
+
+
+def test_incidents_are_sealed_with_their_cause_and_sum_by_cause_as_the_api_adds_them(tmp_path):
+    """A job's incidents, two agents', sealed as rows of their own (every amount 0: the day's
+    sums unchanged), each with its cause, GPU time and cost in columns, so a group-by over the
+    file gives the API's waste by cause; the manifest's totals count them. A day holding a
+    stretch its agent is still extending is sealed as it stands, sealed again as it grows (the
+    retention holds the day until it is), and final only once every agent booked well past it."""
+    import pyarrow.compute as pc
+
+    from costexporter.services.retention import Retention
+    from costexporter.services.sealer import CLOSED_MS
+    from costexporter.store.ledger_read import LedgerStore
+
+    r, prefix = _client(), f"arc-{uuid.uuid4().hex[:10]}"
+    a = np.zeros((N_CAT, 3), np.int64)
+    a[0] = [3_600_000, 10**9, 3_500_000]
+    write_ledger(r, prefix, "j", {DAY0 + 300 * k: a for k in range(12)}, {})
+    end_of_day = DAY0 + DAY_S - 400  # the last stretch runs to the day's end and on
+
+    def inc(start_s: int, cause: str, cost: int | None, host: str, end_s: int) -> dict:
+        return {
+            "category": "stalled", "start": start_s * 1000, "end": end_s * 1000,
+            "gpu_ms": 2 * (end_s - start_s) * 1000, "ranks": [0, 1], "zero_util_ranks": [], "host": host,
+            "cause": cause, "cause_why": f"{cause} said so", "cost_micro": cost,
+        }  # fmt: skip
+
+    def write(agent: str, *incs: dict) -> None:
+        pipe = r.pipeline(transaction=True)
+        ledger.queue_incidents(pipe, prefix, "j", agent, list(incs))
+        pipe.execute()
+
+    write(
+        "n0",
+        inc(DAY0 + 100, "hardware", 7_000, "n0", DAY0 + 220),
+        inc(DAY0 + 1900, "job", 3_000, "n0", DAY0 + 2020),
+    )
+    write("n1", inc(DAY0 + 3000, "network", None, "n1", DAY0 + 3120))
+    write("n1", inc(end_of_day, "storage", 1_000, "n1", DAY0 + DAY_S))  # still open
+    set_watermark(r, prefix, "j", "n0", DAY0 + DAY_S + 60)
+    set_watermark(r, prefix, "j", "n1", DAY0 + DAY_S + 60)
+    try:
+        archive = Archive.open(str(tmp_path))
+        sealer = Sealer(r, prefix, archive, "east", shards=1, delay_s=0)
+        assert sealer.seal(DAY0 + 3 * DAY_S).written
+        [e] = archive.manifest("east").entries.values()
+        assert e.totals[INCIDENTS_TOTAL] == [4, 720_000 + 800_000, 11_000]
+        assert e.totals["productive"] == [12 * 3_600_000, 12 * 10**9, 12 * 3_500_000]  # sums as before
+        assert e.final == ()  # the storage stretch is not closed: the day is read again
+        t = archive.table("east", e)
+        by = (
+            t.filter(pc.not_equal(t.column("cause"), ""))
+            .group_by("cause")
+            .aggregate([("incident_cost_micro", "sum"), ("incident_gpu_ms", "sum")])
+            .to_pydict()
+        )
+        sql = dict(
+            zip(
+                by["cause"],
+                zip(by["incident_cost_micro_sum"], by["incident_gpu_ms_sum"], strict=True),
+                strict=True,
+            )
+        )
+        api: dict[str, tuple[int, float]] = {}
+        for x in LedgerStore(r, prefix).incidents("j", DAY0, DAY0 + DAY_S):
+            u, g = api.get(x["cause"], (0, 0))
+            api[x["cause"]] = (u + (x["cost_micro"] or 0), g + x["gpu_ms"])
+        assert sql == api and set(api) == {"hardware", "job", "network", "storage"}
+        # the open stretch grows in the agent's next rounds: the day waits for its new seal
+        write("n1", inc(end_of_day, "storage", 4_000, "n1", DAY0 + DAY_S + 300))
+        set_watermark(r, prefix, "j", "n1", DAY0 + DAY_S + 360)
+        held = Retention(sealer, hot_days=1).expire(DAY0 + 3 * DAY_S)
+        assert held.hot_from == DAY0 and "seal again" in held.held[0], held.line()  # the day stays
+        assert sealer.seal(DAY0 + 3 * DAY_S).written
+        [e2] = archive.manifest("east").entries.values()
+        assert e2.version == 2 and e2.totals[INCIDENTS_TOTAL] == [4, 720_000 + 1_400_000, 14_000]
+        # every agent booked far past it: closed, the day final, and it may leave Redis
+        for agent in ("n0", "n1"):
+            set_watermark(r, prefix, "j", agent, DAY0 + DAY_S + 300 + CLOSED_MS // 1000 + 1)
+        sealer.seal(DAY0 + 3 * DAY_S)
+        [e3] = archive.manifest("east").entries.values()
+        assert e3.sha256 == e2.sha256 and e3.final == ("j",)
+        assert Retention(sealer, hot_days=1).expire(DAY0 + 3 * DAY_S).hot_from == DAY0 + 2 * DAY_S
+        assert len(LedgerStore(r, prefix).incidents("j", DAY0, DAY0 + DAY_S)) == 4  # Redis keeps them
+    finally:
+        drop_prefix(r, prefix)

@@ -47,8 +47,41 @@ def attribute(r, prefix: str, job: str, team: str, model: str) -> None:
     pipe.execute()
 
 
+# Incidents as agents store them: (agent, which booked bucket, seconds into it, minutes long,
+# category, cause, cost or none kept)
+incident_lists = st.lists(
+    st.tuples(
+        st.sampled_from(["n0", "n1"]),
+        st.integers(0, 50),
+        st.integers(0, 299),
+        st.integers(1, 90),
+        st.sampled_from(["stalled", "crashed", "idle"]),
+        st.sampled_from(["hardware", "network", "storage", "job", "unknown"]),
+        st.one_of(st.none(), st.integers(0, 10**9)),
+    ),
+    max_size=4,
+)
+
+
+def write_incidents(r, prefix: str, job: str, starts: list[int], drawn: list[tuple]) -> None:
+    """Each drawn incident in one of the job's booked buckets (a sealed day holds it)."""
+    if not starts:
+        return
+    pipe = r.pipeline(transaction=True)
+    for agent, at, into, minutes, category, cause, cost in drawn:
+        start = (starts[at % len(starts)] + into) * 1000
+        inc = {
+            "category": category, "start": start, "end": start + 60_000 * minutes, "gpu_ms": 60_000 * minutes,
+            "ranks": [0, 1], "zero_util_ranks": [], "host": agent, "cause": cause,
+            "cause_why": f"{cause} said so" if cause != "unknown" else "", "cost_micro": cost,
+        }  # fmt: skip
+        ledger.queue_incidents(pipe, prefix, job, agent, [inc])
+    pipe.execute()
+
+
 @given(
     led=ledgers,
+    drawn=st.dictionaries(st.sampled_from(["a", "team/b", "c-3"]), incident_lists, max_size=3),
     from_day=st.integers(0, DAYS),
     windows=st.lists(
         st.tuples(st.integers(-12, DAYS * 288), st.integers(1, DAYS * 288 + 24)), min_size=1, max_size=3
@@ -56,7 +89,7 @@ def attribute(r, prefix: str, job: str, team: str, model: str) -> None:
 )
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_a_redis_that_lost_the_ledger_reads_every_window_as_before_once_restored(
-    tmp_path_factory, led, from_day, windows
+    tmp_path_factory, led, drawn, from_day, windows
 ):
     r, prefix = _client(), f"rst-{uuid.uuid4().hex[:10]}"
     root = tmp_path_factory.mktemp("archive")
@@ -68,9 +101,13 @@ def test_a_redis_that_lost_the_ledger_reads_every_window_as_before_once_restored
             set_watermark(r, prefix, job, "n0", DAY0 + (DAYS + 1) * DAY_S)
         # (a job that never booked anything is not in the archive: nothing of it to restore)
         jobs = sorted(j for j, (b, v, done, _) in led.items() if b or v or done)
+        for job in jobs:
+            write_incidents(r, prefix, job, sorted(led[job][0]), drawn.get(job, []))
         spans = [(DAY0 + 300 * a, DAY0 + 300 * (a + n)) for a, n in windows]
         store = LedgerStore(r, prefix)
+        every = (DAY0, DAY0 + (DAYS + 1) * DAY_S)
         before = (snapshot(store, jobs, spans), totals(store, jobs), teams(store, jobs))
+        causes_before = store.incidents_many(jobs, *every)
         archive = Archive.open(str(root))
         Sealer(r, prefix, archive, "east", shards=2, delay_s=0).seal(DAY0 + 20 * DAY_S)
         drop_prefix(r, prefix)  # Redis restarted empty
@@ -79,6 +116,10 @@ def test_a_redis_that_lost_the_ledger_reads_every_window_as_before_once_restored
         assert not rep.kept
         after = LedgerStore(r, prefix, cold=ColdLedger(archive, "east"))
         assert (snapshot(after, jobs, spans), totals(after, jobs), teams(after, jobs)) == before
+        # every incident back, whatever the window restored: causes, costs, hosts as they were
+        assert after.incidents_many(jobs, *every) == causes_before
+        stored = sum(r.hlen(keys.incidents_key(prefix, j, a)) for j in jobs for a in ("n0", "n1"))
+        assert rep.incidents == stored
         again = Restore(r, prefix, archive, "east").restore(start)  # a second run: nothing new
         assert again.restored == 0 and len(again.kept) == rep.restored
         assert (snapshot(after, jobs, spans), totals(after, jobs)) == before[:2]

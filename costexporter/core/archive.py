@@ -4,9 +4,12 @@ manifest says of each file, and when a day can be sealed (docs/ledger.md, "The a
 A sealed file holds, for one cluster, one UTC day and one shard of the jobs, one row per job,
 5-minute bucket and category with amounts: GPU-milliseconds, millijoules, micro-units of the
 currency, each with its rollback corrections (`voided_*`, which readers subtract), and the
-bucket's price version; and one row per job and bucket with steps (category ""): the steps
-completed in it and their tokens, the steps voided in it and theirs. A SQL `SUM` over any
-column is then the window's figure, with no row kind to tell apart. The same content always
+bucket's price version; one row per job and bucket with steps (category ""): the steps
+completed in it and their tokens, the steps voided in it and theirs; and one row per incident
+an agent recorded (a wasted stretch: its category, the bucket it began in, its cause, GPU time
+and cost in their own columns, the record itself as JSON), every amount column 0. A SQL `SUM`
+over any column is then the window's figure, with no row kind to tell apart; `SUM(
+incident_cost_micro) GROUP BY cause` is the waste by cause. The same content always
 gives the same rows in the same order, so the same bytes (`store/archive.py` writes them), so
 sealing again never adds a file: the manifest
 keeps one file per (day, shard), by content hash; a day sealed again with other content is a new
@@ -28,7 +31,7 @@ from datetime import UTC, datetime
 
 from costexporter.core.model import CATEGORIES
 
-SCHEMA_VERSION = 2  # 2: the step columns (a file of 1 reads with them 0)
+SCHEMA_VERSION = 3  # 2: the step columns (a file of 1 reads with them 0); 3: the incidents
 DAY_S = 86_400
 UNITS = ("ms", "mj", "ucost")
 VOIDED = "voided:"
@@ -53,14 +56,47 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("voided_tokens", "int64"),
     ("team", "string"),  # the job's team as the API shows it ("" where it has none)
     ("attributes", "string"),  # the job's meta as the API shows it, a JSON object
+    # An incident's row: {"agent", "field", "record"}, as the agent stored it ("" on other rows)
+    ("incident", "string"),
+    ("cause", "string"),  # hardware, network, storage, job, unknown ("" on other rows)
+    ("incident_gpu_ms", "int64"),
+    ("incident_cost_micro", "int64"),  # 0 where its cost was not kept
 )
 STEP_COLUMNS = ("steps", "step_tokens", "voided_steps", "voided_tokens")
 META_COLUMNS = ("team", "attributes")
+INCIDENT_COLUMNS = ("incident", "cause", "incident_gpu_ms", "incident_cost_micro")
 V1_COLUMNS = COLUMNS[:13]  # schema 1: neither steps nor the job's attributes
+V2_COLUMNS = COLUMNS[:19]  # schema 2: no incidents
 STEPS_ROW = ""  # the category of a bucket's steps row
-BOOKED = 17  # a row's first columns: what was booked (the rest says whose it is)
+BOOKED = 17  # a row's first columns: what was booked; then whose it is; then its incident
+WHOSE = slice(BOOKED, BOOKED + 2)
+NO_INCIDENT = ("", "", 0, 0)
 # A row, in COLUMNS' order.
-Row = tuple[int, str, str, str, int, str, int, int, int, int, int, int, str, int, int, int, int, str, str]
+Row = tuple[
+    int,
+    str,
+    str,
+    str,
+    int,
+    str,
+    int,
+    int,
+    int,
+    int,
+    int,
+    int,
+    str,
+    int,
+    int,
+    int,
+    int,
+    str,
+    str,
+    str,
+    str,
+    int,
+    int,
+]
 
 
 def day_of(start_s: int) -> str:
@@ -112,7 +148,7 @@ def rows_of_bucket(
         a[at[1]] = int(v)
     date = day_of(start_s)
     rows: list[Row] = [
-        (SCHEMA_VERSION, cluster, date, job, start_s, c, *a, version, 0, 0, 0, 0, "", "")  # type: ignore[misc]
+        (SCHEMA_VERSION, cluster, date, job, start_s, c, *a, version, 0, 0, 0, 0, "", "", *NO_INCIDENT)  # type: ignore[misc]
         for c, a in sorted(amounts.items())
         if any(a)
     ]
@@ -138,6 +174,7 @@ def rows_of_bucket(
                 0,
                 "",
                 "",
+                *NO_INCIDENT,
             )
         )
     return rows
@@ -168,9 +205,91 @@ def step_rows(
             per[b][at + 1] = last[b] - prev
             prev = last[b]
     return [
-        (SCHEMA_VERSION, cluster, day_of(b), job, b, STEPS_ROW, 0, 0, 0, 0, 0, 0, "", *v, "", "")  # type: ignore[misc]
+        (
+            SCHEMA_VERSION,
+            cluster,
+            day_of(b),
+            job,
+            b,
+            STEPS_ROW,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            "",
+            *v,
+            "",
+            "",
+            *NO_INCIDENT,
+        )  # type: ignore[misc]
         for b, v in sorted(per.items())
     ]
+
+
+def incident_rows(
+    cluster: str, job: str, stored: Iterable[tuple[str, str, dict[str, object], Incident]]
+) -> list[Row]:
+    """A job's incidents as rows, one each: (agent, field, the record as stored, what it says)
+    -> the record under the 5-minute bucket its stretch began in, its category, cause, GPU time
+    and cost in their columns, every amount 0."""
+    out: list[Row] = []
+    for agent, name, record, inc in stored:
+        b = inc.start_ms // 1000 // 300 * 300
+        text = json.dumps(
+            {"agent": agent, "field": name, "record": record},
+            sort_keys=True,
+            separators=(",", ":"),
+            default=str,
+        )
+        out.append(
+            (
+                SCHEMA_VERSION,
+                cluster,
+                day_of(b),
+                job,
+                b,
+                inc.category,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                "",
+                0,
+                0,
+                0,
+                0,
+                "",
+                "",
+                text,
+                inc.cause,
+                inc.gpu_ms,
+                inc.cost_micro,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Incident:
+    """What an incident's row says of it beside the record: where it sorts and what it sums to."""
+
+    category: str
+    start_ms: int
+    cause: str
+    gpu_ms: int
+    cost_micro: int  # 0 where its cost was not kept
+
+
+def incident_of(row: Row) -> tuple[str, str, dict[str, object]] | None:
+    """An incident row's (agent, field, record as stored); None for any other row."""
+    if not row[19]:
+        return None
+    d = json.loads(row[19])
+    return str(d["agent"]), str(d["field"]), dict(d["record"])
 
 
 def with_attributes(rows: Iterable[Row], meta: Mapping[str, object]) -> list[Row]:
@@ -180,21 +299,24 @@ def with_attributes(rows: Iterable[Row], meta: Mapping[str, object]) -> list[Row
     team = meta.get("team")
     text = json.dumps(dict(meta), sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     tail = (team if isinstance(team, str) else "", text)
-    return [(*r[:BOOKED], *tail) for r in rows]  # type: ignore[misc]
+    return [(*r[:BOOKED], *tail, *r[WHOSE.stop :]) for r in rows]  # type: ignore[misc]
 
 
 def booked(rows: Iterable[Row]) -> list[tuple[object, ...]]:
-    """What the rows booked, in their one order, without whose they are: a day's rows compared
-    with what Redis holds now (a job's meta may change after its day; its bookings may not)."""
-    return [r[:BOOKED] for r in ordered(rows)]
+    """What the rows booked and recorded, in their one order, without whose they are: a day's
+    rows compared with what Redis holds now (a job's meta may change after its day; its
+    bookings and incidents may not)."""
+    return [(*r[:BOOKED], *r[WHOSE.stop :]) for r in ordered(rows)]
 
 
 def ordered(rows: Iterable[Row]) -> list[Row]:
-    """The one order a file's rows are written in: by job, bucket, category (steps first)."""
-    return sorted(rows, key=lambda r: (r[3], r[4], r[5]))
+    """The one order a file's rows are written in: by job, bucket, category (steps first), the
+    bucket's amounts before its incidents."""
+    return sorted(rows, key=lambda r: (r[3], r[4], r[5], r[19]))
 
 
 STEPS_TOTAL = "_steps"  # Totals' key of the steps: [completed, tokens, voided, voided tokens]
+INCIDENTS_TOTAL = "_incidents"  # ... of the incidents: [how many, GPU-ms, micro-cost]
 
 
 @dataclass
@@ -205,6 +327,12 @@ class Totals:
     by_category: dict[str, list[int]] = field(default_factory=dict)
 
     def add_row(self, r: Row) -> None:
+        if r[19]:
+            s = self.by_category.setdefault(INCIDENTS_TOTAL, [0, 0, 0])
+            s[0] += 1
+            s[1] += r[21]
+            s[2] += r[22]
+            return
         if r[5] == STEPS_ROW:
             s = self.by_category.setdefault(STEPS_TOTAL, [0, 0, 0, 0])
             s[0] += r[13]

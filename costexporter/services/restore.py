@@ -5,11 +5,12 @@ Each sealed job-day from the window's start on is written back as the agents wro
 (`ledger.queue_amounts`: the buckets of every resolution, the rollup, the total; the rollback
 corrections as corrections, each bucket at its price version), its steps as members of the step
 sets (one per step, at the middle of its bucket, carrying the job's cumulative tokens), and the
-job's meta and attribution as sealed where Redis has none. A job-day Redis already holds (the
-agents booked it again) is left as it is and said: a restore never counts a bucket twice, and
-running it again changes nothing. A job restored from nothing gets its days before the window
-in its all-time total too, and the ledger's start is set to the window's: the API reads the
-older days from the archive.
+job's meta and attribution as sealed where Redis has none; the incidents of every sealed day
+(Redis keeps them whatever its window) as each agent stored them, cause and cost included, where
+Redis has none of that name. A job-day Redis already holds (the agents booked it again) is left
+as it is and said: a restore never counts a bucket twice, and running it again changes nothing.
+A job restored from nothing gets its days before the window in its all-time total too, and the
+ledger's start is set to the window's: the API reads the older days from the archive.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from costexporter.core.archive import DAY_S, STEPS_ROW, UNITS, Row, day_of, day_start
+from costexporter.core.archive import DAY_S, STEPS_ROW, UNITS, Row, day_of, day_start, incident_of
 from costexporter.core.attribution import GRANTABLE, Attribution
 from costexporter.core.model import CATEGORIES
 from costexporter.store import keys, ledger
@@ -45,12 +46,14 @@ class RestoreReport:
     kept: list[str] = field(default_factory=list)
     rows: int = 0
     steps: int = 0
+    incidents: int = 0
     hot_from: int = 0
 
     def line(self) -> str:
         start = f"; the ledger in Redis starts at {day_of(self.hot_from)}" if self.hot_from else ""
         return (
-            f"restored {self.restored} job-day(s), {self.rows:,} rows and {self.steps:,} steps; "
+            f"restored {self.restored} job-day(s), {self.rows:,} rows, {self.steps:,} steps and "
+            f"{self.incidents:,} incidents; "
             f"{len(self.kept)} job-day(s) Redis held already, left as they were{start}"
         )
 
@@ -103,12 +106,17 @@ class Restore:
             if job != ledger.UNASSIGNED_JOB:
                 pipe.zadd(keys.jobs_key(self.prefix), {job: last[job]}, gt=True)
         pipe.execute()
-        for key, entry in days:
+        in_window = {k for k, _ in days}
+        for key, entry in sorted(manifest.entries.items()):
             d0 = day_start(key.split("/", 1)[0])
             by_job: dict[str, list[Row]] = {}
             for r in self.archive.read(self.cluster, entry):
                 by_job.setdefault(r[3], []).append(r)
             for job, rows in sorted(by_job.items()):
+                # Incidents of every day: Redis keeps them whatever its window (retention).
+                report.incidents += self._write_incidents(job, rows)
+                if key not in in_window:
+                    continue
                 if (job, d0) in held:
                     report.kept.append(f"{job} {key.split('/', 1)[0]}")
                     continue
@@ -148,6 +156,18 @@ class Restore:
             pipe.zcount(keys.index_key(self.prefix, j, "5m"), "-inf", f"({from_s}")
         return not any(pipe.execute())
 
+    def _write_incidents(self, job: str, rows: list[Row]) -> int:
+        """A job-day's incidents as each agent stored them, where Redis has none of that name
+        (the agents' own record, written since, wins). Returns how many were written."""
+        incidents = [x for x in map(incident_of, rows) if x is not None]
+        if not incidents:
+            return 0
+        pipe = self.r.pipeline(transaction=True)
+        for agent, name, record in incidents:
+            pipe.hsetnx(keys.incidents_key(self.prefix, job, agent), name, json.dumps(record))
+            pipe.sadd(keys.incident_index_key(self.prefix, job), agent)
+        return sum(1 for i, x in enumerate(pipe.execute()) if i % 2 == 0 and x)
+
     def _write_day(self, job: str, rows: list[Row], cum: list[int]) -> int:
         """One job-day in one MULTI: its amounts as the agents book them, its steps. Returns the
         steps written."""
@@ -157,6 +177,8 @@ class Restore:
         done: dict[str, float] = {}
         undone: dict[str, float] = {}
         for r in sorted(rows, key=lambda r: (r[4], r[5])):
+            if r[19]:  # an incident's row (`_write_incidents`): no amounts
+                continue
             b = r[4]
             if r[12]:
                 version[b] = r[12]

@@ -25,6 +25,7 @@ import redis
 from costexporter.core.archive import (
     DAY_S,
     Entry,
+    Incident,
     Manifest,
     Row,
     Totals,
@@ -32,6 +33,7 @@ from costexporter.core.archive import (
     day_start,
     entry_key,
     file_path,
+    incident_rows,
     rows_of_bucket,
     sealable_before,
     shard_of,
@@ -45,6 +47,10 @@ from costexporter.store.client import Pipeline, RedisClient
 log = logging.getLogger("costexporter.sealer")
 
 DEFAULT_SHARDS = 16
+# An incident is closed once every agent of its job booked this far past its end: an agent
+# extends an open stretch by a piece within seconds of it, never this late. A day holding an
+# incident not yet closed is sealed as it stands, and again until it is (never final before).
+CLOSED_MS = 15 * 60 * 1000
 DEFAULT_DELAY_S = 3600  # past every watermark: a late agent's catch-up, an event lag
 DEFAULT_MAX_WAIT_S = 2 * 86400  # a job whose agents stopped short of a day's end (it ended)
 DEFAULT_ORPHAN_AGE_S = 3600.0  # a file no manifest names, this old, is no sealer's in flight
@@ -127,16 +133,27 @@ class Sealer:
         until = wm.get("booked_until") if isinstance(wm, dict) else None
         return int(until) if isinstance(until, int | float) else 0
 
-    def buckets(self, job: str, before_s: int, skip: Callable[[str], bool]) -> dict[str, list[Row]]:
-        """The job's 5-minute buckets before `before_s`, and the steps of their days, as rows by
-        day; not read for the days `skip` says are sealed for good."""
+    def buckets(
+        self,
+        job: str,
+        before_s: int,
+        skip: Callable[[str], bool],
+        booked_ms: int = 0,
+        open_days: set[str] | None = None,
+    ) -> dict[str, list[Row]]:
+        """The job's 5-minute buckets before `before_s`, and the steps and incidents of their
+        days, as rows by day; not read for the days `skip` says are sealed for good. `open_days`
+        (given) gets the days holding an incident not closed (CLOSED_MS) by `booked_ms` (the
+        job's slowest agent's watermark)."""
         index = keys.index_key(self.prefix, job, "5m")
         sets = (keys.steps_key(self.prefix, job), keys.voids_key(self.prefix, job))
         pipe = self.r.pipeline(transaction=False)
+        pipe.smembers(keys.incident_index_key(self.prefix, job))
         pipe.zrangebyscore(index, "-inf", f"({before_s}")
         for k in sets:  # the first step (void): a step in a day with no bucket is sealed too
             pipe.zrange(k, 0, 0, withscores=True)
-        found, *firsts = _replies(pipe)
+        wrote, found, *firsts = _replies(pipe)
+        agents = sorted(_name(a) for a in wrote) if isinstance(wrote, set | list) else []
         starts = [int(float(s)) for s in found] if isinstance(found, list) else []
         lows = [int(f[0][1]) for f in firsts if isinstance(f, list) and f]
         lo = min([*starts[:1], *lows], default=before_s)
@@ -152,7 +169,13 @@ class Sealer:
             for k in sets:
                 pipe.zrangebyscore(k, d, f"({d + DAY_S}", withscores=True)
                 pipe.zrevrangebyscore(k, f"({d}", "-inf", start=0, num=1)
+        for a in agents:
+            pipe.hgetall(keys.incidents_key(self.prefix, job, a))
         got = _replies(pipe)
+        incidents = self._incidents(
+            job, agents, got[len(got) - len(agents) :], read, before_s, booked_ms - CLOSED_MS, open_days
+        )
+        got = got[: len(got) - len(agents)]
         by_day: dict[str, list[Row]] = {}
         for s, h in zip(starts, got, strict=False):
             rows = rows_of_bucket(self.cluster, job, s, h if isinstance(h, dict) else {})
@@ -171,7 +194,44 @@ class Sealer:
             )
             if rows:
                 by_day.setdefault(day_of(d), []).extend(rows)
+        for day, rows in incidents.items():
+            by_day.setdefault(day, []).extend(rows)
         return by_day
+
+    def _incidents(
+        self,
+        job: str,
+        agents: list[str],
+        hashes: list[Any],
+        days: set[int],
+        before_s: int,
+        closed_ms: int,
+        open_days: set[str] | None,
+    ) -> dict[str, list[Row]]:
+        """The job's incidents that began in `days` before `before_s`, as rows by day: each as its
+        agent stored it (a record the API would skip is not sealed either); the days of those
+        ending after `closed_ms` into `open_days`."""
+        by_day: dict[str, list[tuple[str, str, dict[str, object], Incident]]] = {}
+        for agent, h in zip(agents, hashes, strict=True):
+            for k, v in (h if isinstance(h, dict) else {}).items():
+                try:
+                    record = untrusted.loads(v)
+                except untrusted.UntrustedValue:
+                    continue
+                inc = ledger_read.incident(record)
+                if inc is None or not isinstance(record, dict):
+                    continue
+                start_s = int(inc["start"]) // 1000
+                if start_s >= before_s or start_s - start_s % DAY_S not in days:
+                    continue
+                cost = inc["cost_micro"]
+                said = Incident(
+                    inc["category"], int(inc["start"]), inc["cause"], round(inc["gpu_ms"]), cost or 0
+                )
+                by_day.setdefault(day_of(start_s), []).append((agent, _name(k), record, said))
+                if open_days is not None and inc["end"] > closed_ms:
+                    open_days.add(day_of(start_s))
+        return {d: incident_rows(self.cluster, job, xs) for d, xs in by_day.items()}
 
     def seal(self, now_s: int) -> SealReport:
         """Seal every day that can be. Each (day, shard) with a sealable job in the ledger is
@@ -205,9 +265,11 @@ class Sealer:
                     return True
                 return False
 
-            for day, rows in self.buckets(job, before, done).items():
+            open_days: set[str] = set()
+            booked = min(marks.get(job) or [0])
+            for day, rows in self.buckets(job, before, done, booked, open_days).items():
                 cells.setdefault((day, shard), {})[job] = rows
-                if day_start(day) + DAY_S <= by_marks:
+                if day_start(day) + DAY_S <= by_marks and day not in open_days:
                     final.setdefault((day, shard), set()).add(job)
         # whose each row is: the jobs' meta as the API shows it, read once for every job sealed
         metas = ledger_read.LedgerStore(self.r, self.prefix).meta_many(

@@ -25,6 +25,7 @@ from costexporter.core.archive import (
     META_COLUMNS,
     STEP_COLUMNS,
     V1_COLUMNS,
+    V2_COLUMNS,
     Entry,
     Manifest,
     Row,
@@ -61,7 +62,7 @@ def parquet_bytes(rows: Iterable[Row]) -> bytes:
 
 def _table(data: bytes) -> Any:
     """A sealed file as an Arrow table in COLUMNS' layout (a file of schema 1 gains the step
-    columns, 0)."""
+    columns, 0, and the attributes, ""; of schema 1 or 2, the incidents' columns, empty)."""
     pa, _, pq = _pa()
     # Read in this thread from a buffer Arrow owns. Handed Python's bytes (BytesIO, or even a
     # BufferReader over them), the read goes through Arrow's I/O pool, whose worker can drop the
@@ -78,6 +79,10 @@ def _table(data: bytes) -> Any:
             table = table.append_column(n, pa.array([0] * table.num_rows, type=pa.int64()))
         for n in META_COLUMNS:  # not sealed then: unknown
             table = table.append_column(n, pa.array([""] * table.num_rows, type=pa.string()))
+    if table.column_names == [n for n, _ in V2_COLUMNS]:  # no incident was sealed then
+        for n, t in COLUMNS[len(V2_COLUMNS) :]:
+            empty = [""] * table.num_rows if t == "string" else [0] * table.num_rows
+            table = table.append_column(n, pa.array(empty, type=getattr(pa, t)()))
         return table
     raise ArchiveError(f"a sealed file has columns {table.column_names}, not {names}")
 
