@@ -7,6 +7,8 @@ gives the same bill; without the archive a reader says what it cannot count."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import pathlib
 import shutil
@@ -352,12 +354,21 @@ def test_one_api_bills_several_clusters_from_their_partitions(tmp_path, cli):
                     ).json()
                     for agg in ("job", "team")
                 }
+            # a GPU off the bus on each cluster's llm/a, the policy crediting hardware
+            fault = {
+                "category": "stalled", "start": (T0 + 120) * 1000, "end": (T0 + 180) * 1000,
+                "gpu_ms": 60_000, "ranks": [0], "zero_util_ranks": [], "host": "h", "cause": "hardware",
+                "cause_why": "Xid 79", "cost_micro": 41_000 if c == "west" else 17_000,
+            }  # fmt: skip
+            ledger.queue_incidents(pipe := r.pipeline(transaction=True), p[c], "llm/a", "agent-2", [fault])
+            pipe.execute()
             Sealer(r, p[c], archive, c, shards=2, delay_s=0).seal(T0 + 3 * DAY_S)
         drop_prefix(r, p["west"])  # west's Redis is not this API's
         store = LedgerStore(
             r, p["east"], cold=ColdLedger(archive, "east"), others={"west": ColdLedger(archive, "west")}
         )
-        with served(store, cluster="east", carbon=GridIntensity(400.0)) as (url, _):
+        credit = ("hardware",)
+        with served(store, cluster="east", carbon=GridIntensity(400.0), credit_causes=credit) as (url, _):
             get = lambda path, **q: httpx.get(url + path, params={"window": window, **q}, timeout=30)  # noqa: E731
             answer = get("/api/v1/allocation", aggregate="cluster").json()
             by_cluster = {row["key"]: row for row in answer["rows"]}
@@ -366,6 +377,14 @@ def test_one_api_bills_several_clusters_from_their_partitions(tmp_path, cli):
                 row["key"]: row for row in get("/api/v1/allocation", aggregate="cluster,team").json()["rows"]
             }
             oc = get("/allocation", aggregate="cluster").json()
+            # west's incidents too, from its sealed days: its credit beside its usage
+            focus = get("/api/v1/allocation", aggregate="job", format="focus").text
+        credits = {
+            row["x_AllocationKey"]: row["BilledCost"]
+            for row in csv.DictReader(io.StringIO(focus))
+            if row["ChargeCategory"] == "Credit"
+        }
+        assert credits == {"llm/a": "-0.017000", "west:llm/a": "-0.041000"}
         for c in ("east", "west"):
             jobs_of = [
                 row for row in own[c]["job"]["rows"] if row["key"] != "__unassigned__" and row["jobs"] == 1

@@ -26,6 +26,8 @@ AMOUNTS = len(CATEGORIES) * 3  # the columns of `ledger.PACKED`
 WIDTH = AMOUNTS + 4  # then completed steps, their tokens, voided steps, their tokens
 _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 FILES_KEPT = 16  # files kept as columns (a window cuts at most its first and last day)
+# An incident is sealed in the day it began: a window's are read from this long before it
+INCIDENT_LEAD_S = 2 * DAY_S
 
 
 @dataclass
@@ -201,6 +203,22 @@ class ColdLedger:
         for e in entries:
             self._day(e)
         return len(entries)
+
+    def incidents(self, jobs: list[str], start: int, end: int) -> dict[str, list[object]]:
+        """The jobs' incidents as their agents stored them, of the sealed days from INCIDENT_LEAD
+        before `start` (a stretch that began earlier and runs into the window) to `end`: the
+        records, per job, for the reader to check and merge as it does Redis's."""
+        out: dict[str, list[object]] = {j: [] for j in jobs}
+        wanted = set(jobs)
+        for key, entry in sorted(self.manifest().entries.items()):
+            d0 = day_start(key.split("/", 1)[0])
+            if d0 + DAY_S <= start - INCIDENT_LEAD_S or d0 >= end or not wanted & set(entry.jobs):
+                continue
+            t = self.archive.table(self.cluster, entry)
+            for job, text in zip(t.column("job").to_pylist(), t.column("incident").to_pylist(), strict=True):
+                if text and job in wanted:
+                    out[job].append(json.loads(text)["record"])
+        return out
 
     def jobs(self, start: int, end: int) -> list[str]:
         """The jobs sealed with a day in [start, end) (the manifest's lists: no file read)."""

@@ -1087,6 +1087,8 @@ class LedgerStore:
         """`incidents` of each job, in two round trips for all of them: the agents that wrote
         incidents are read from each job's index (never a SCAN), then their records."""
         warn = Warnings() if warn is None else warn
+        jobs, foreign = self._split(jobs)
+        out = self._foreign_incidents(foreign, start, end, tol_s, warn) if foreign else {}
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
             pipe.smembers(keys.incident_index_key(self.prefix, job))
@@ -1100,7 +1102,6 @@ class LedgerStore:
             for agent in wrote[-1][1]:
                 pipe.hvals(keys.incidents_key(self.prefix, job, agent))
         values = iter(_run(pipe) if any(a for _, a in wrote) else [])
-        out = {}
         for job, agents in wrote:
             raw = []
             for _ in agents:
@@ -1111,6 +1112,23 @@ class LedgerStore:
                     else:
                         raw.append(inc)
             out[job] = _merged(raw, start, end, tol_s)
+        return out
+
+    def _foreign_incidents(
+        self, names: list[str], start: int, end: int, tol_s: float, warn: Warnings
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Other clusters' jobs' incidents (`<cluster>:<job>`), from their sealed days."""
+        by: dict[str, list[str]] = {}
+        for n in names:
+            c, j = n.split(":", 1)
+            by.setdefault(c, []).append(j)
+        out = {}
+        for c, jobs in by.items():
+            for j, records in self.others[c].incidents(jobs, start, end).items():
+                raw = [x for x in map(incident, records) if x is not None]
+                if len(raw) < len(records):
+                    warn.add(f"{c}:{j}", "an incident that is not a valid record: skipped")
+                out[f"{c}:{j}"] = _merged(raw, start, end, tol_s)
         return out
 
     def index_incidents(self) -> int:
