@@ -426,10 +426,13 @@ def test_every_alert_of_the_story_fires_once_in_a_real_prometheus(story_run):
 
 def test_every_dashboard_query_returns_data_during_the_deadlock(story_run):
     """Every query of the dashboard, the job substituted, evaluated in the real Prometheus at a
-    moment of the deadlock (past the checkpoint's allowance), returns data."""
+    moment of the deadlock (past the checkpoint's allowance), returns data (but the slow rank's:
+    none is slow)."""
     at = story_run.unix(2700 + 1500)
     empty = []
     for expr in expressions():
+        if "costexporter_straggler_wait_ratio" in expr:
+            continue  # a rank named slow: none in a deadlock (the story has no slow rank)
         m = re.fullmatch(r"label_values\((\w+), (\w+)\)", expr)
         if m:
             res = _query(story_run.base, m.group(1), at)

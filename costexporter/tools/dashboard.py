@@ -411,12 +411,12 @@ def dashboard() -> dict[str, Any]:
             **_defaults("kwatth"),
         )
     )
-    # Row 6: what the job will cost to finish, against its budget.
+    # Row 6: what the job will cost to finish, against its budget; the rank slowing it now.
     panels.append(
         _panel(
             "timeseries",
             "Cost to finish",
-            (0, 41, 24, 8),
+            (0, 41, 12, 8),
             [
                 _target(
                     f"training_job:costexporter_cost_to_finish:estimate{{{JOB}}}",
@@ -432,6 +432,23 @@ def dashboard() -> dict[str, Any]:
             description="The last hour's cost per valid step x the steps left of the trainer's total_steps "
             "(docs/accounting.md, cost to finish), beside what is left of the job's budget.",
             **_defaults("none"),
+        )
+    )
+    panels.append(
+        _panel(
+            "timeseries",
+            "Slow rank: the others wait on it",
+            (12, 41, 12, 8),
+            [
+                _target(
+                    f"max by (cluster, training_job, rank) (costexporter_straggler_wait_ratio{{{JOB}}})",
+                    "{{training_job}} rank {{rank}}",
+                )
+            ],
+            description="The rank named slow on its latest steps (five or more), as the share of the job's "
+            "time every other rank waits on it; priced minute by minute on the job page (docs/accounting.md, "
+            "stragglers). The SlowRank alert names a persistent one with its host and GPU.",
+            **_defaults("percentunit"),
         )
     )
     # Row 7: the alerts.
