@@ -360,6 +360,10 @@ def test_the_sealer_seals_real_bookings_under_its_read_only_rule(server, booked,
     sealed = window_totals(archive, 0, far)[("c1", job)].to_json()
     steps = sealed.pop("_steps")  # every step the agents recorded, sealed with its day
     assert steps[0] == admin.zcard(keys.steps_key(PREFIX, job)) > 0
+    # and every incident the agents recorded (their wasted stretches), with its cost
+    incidents = sealed.pop("_incidents", [0, 0, 0])
+    agents = admin.smembers(keys.incident_index_key(PREFIX, job))
+    assert incidents[0] == sum(admin.hlen(keys.incidents_key(PREFIX, job, a)) for a in agents)
     want = {
         c: [total.get(f"{c}:{u}", 0) - total.get(f"voided:{c}:{u}", 0) for u in ("ms", "mj", "ucost")]
         for c in sealed

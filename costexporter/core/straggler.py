@@ -25,6 +25,7 @@ valid time, never a category of its own.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -316,7 +317,8 @@ def judge(
         return None
     spin = spin_level(busy, profile)
     hi = np.where(busy.hi_n > 0, busy.hi_sum_w / np.maximum(busy.hi_n, 1), np.nan)
-    hi = np.where(np.isnan(hi), np.nanmedian(hi), hi)
+    if not busy.hi_n.all():  # (a rank without a compute reading: the others' median level)
+        hi = np.where(np.isnan(hi), np.nanmedian(hi), hi)
     mean_w = busy.energy_j / np.maximum(seen, 1e-9)
     share = np.where(ok, (mean_w - spin) / np.maximum(hi - spin, 1.0), np.nan)
     order = np.argsort(np.where(ok, -share, np.inf))
@@ -362,6 +364,80 @@ class Named:
 
 
 @dataclass(slots=True)
+class Recent:
+    """The latest windows' evidence as running sums, so the evidence of any latest run of them is
+    one subtraction (a round judges a few runs, however many windows it looks back over). Per
+    window: its end, the running sums of its per-rank figures (energy, seen, compute sum and
+    count, lead: the rows of one array), of its steps and of its full seconds, and its spinning
+    floor and readings; `base`: the running sums before the first window kept."""
+
+    until_ms: list[int] = field(default_factory=list)
+    sums: list[np.ndarray] = field(default_factory=list)  # (5, ranks) float64, running
+    steps: list[int] = field(default_factory=list)  # running
+    full_s: list[float] = field(default_factory=list)  # running
+    spin: list[tuple[float, int]] = field(default_factory=list)
+    base: tuple[np.ndarray | None, int, float] = (None, 0, 0.0)
+
+    def add(self, until_ms: int, busy: Busy) -> None:
+        old = next((i for i, t in enumerate(self.until_ms) if t > until_ms - RECENT_MS), len(self.until_ms))
+        if old:
+            self.base = (self.sums[old - 1], self.steps[old - 1], self.full_s[old - 1])
+            for xs in (self.until_ms, self.sums, self.steps, self.full_s, self.spin):
+                del xs[:old]
+        n = busy.seen_s.size
+        solo = busy.solo_s if busy.solo_s is not None else np.zeros(n)
+        row = np.stack([busy.energy_j, busy.seen_s, busy.hi_sum_w, busy.hi_n.astype(np.float64), solo])
+        last = self.sums[-1] if self.sums else self.base[0]
+        if last is not None:
+            if last.shape[1] < n:  # a job wider than before: the sums so far widened with zeros
+                w = ((0, 0), (0, n - last.shape[1]))
+                self.sums = [np.pad(x, w) for x in self.sums]
+                base = self.base[0]
+                self.base = (None if base is None else np.pad(base, w), *self.base[1:])
+                last = self.sums[-1] if self.sums else self.base[0]
+            assert last is not None
+            row = np.pad(row, ((0, 0), (0, last.shape[1] - n))) + last
+        self.until_ms.append(until_ms)
+        self.sums.append(row)
+        self.steps.append((self.steps[-1] if self.steps else self.base[1]) + busy.steps)
+        self.full_s.append((self.full_s[-1] if self.full_s else self.base[2]) + busy.full_s)
+        self.spin.append((busy.spin_w, busy.spin_n))
+
+    def latest(self, want: int) -> tuple[int, np.ndarray, int, float]:
+        """The latest windows that hold at least `want` steps (every window, where fewer): the
+        index of the first, their per-rank sums (the rows of `sums`), steps and full seconds."""
+        i = bisect.bisect_right(self.steps, self.steps[-1] - want)
+        before = (self.sums[i - 1], self.steps[i - 1], self.full_s[i - 1]) if i > 0 else self.base
+        s = self.sums[-1] - before[0] if before[0] is not None else self.sums[-1]
+        return i, s, self.steps[-1] - before[1], self.full_s[-1] - before[2]
+
+    def busy(self, i: int, s: np.ndarray, steps: int, full_s: float) -> Busy:
+        """`latest`'s figures as evidence to judge."""
+        spin = self.spin[i:]
+        return Busy(
+            s[0],
+            s[1],
+            s[2],
+            np.rint(s[3]).astype(np.int64),
+            min(w for w, _ in spin),
+            sum(k for _, k in spin),
+            steps,
+            s[4],
+            full_s,
+        )
+
+    def copy(self) -> Recent:
+        return Recent(
+            list(self.until_ms),
+            list(self.sums),
+            list(self.steps),
+            list(self.full_s),
+            list(self.spin),
+            self.base,
+        )
+
+
+@dataclass(slots=True)
 class Ledger:
     """The blocks still open (evidence so far) and the slow ranks judged: per rank, the GPU-seconds
     and blocks. The agent carries it from round to round; replay from window to window. The
@@ -372,7 +448,7 @@ class Ledger:
     gpu_s: dict[int, float] = field(default_factory=dict)
     blocks: dict[int, int] = field(default_factory=dict)
     coarse: int = 0  # blocks whose steps were too short for the sampling: cannot tell
-    recent: list[tuple[int, Busy]] = field(default_factory=list)  # (window's end, its evidence)
+    recent: Recent = field(default_factory=Recent)
     now: Named | None = None
     named: dict[int, int] = field(default_factory=dict)  # rank -> first named (Unix ms)
 
@@ -387,27 +463,28 @@ class Ledger:
         `until_ms`): judged as a block is, on the latest windows' evidence back to NAME_STEPS
         steps, then twice, four times as many... up to RECENT_MS (a small lead needs more steps to
         stand out; a large one is named at once). None: no rank named, or too short to tell."""
+        r = self.recent
         if found:
-            whole = functools.reduce(Busy.add, found.values())
-            self.recent = [(t, x) for t, x in self.recent if t > until_ms - RECENT_MS]
-            self.recent.append((until_ms, whole))
+            r.add(until_ms, functools.reduce(Busy.add, found.values()))
         self.now = None
-        acc: Busy | None = None
         want = NAME_STEPS
-        for i, (_, busy) in enumerate(reversed(self.recent)):
-            acc = busy.add(acc)
-            if acc.steps < want and i + 1 < len(self.recent):
-                continue
-            if acc.steps < NAME_STEPS or coarse(acc, interval_ms):
-                return None
-            want = 2 * acc.steps
-            v = judge(0, acc, n_ranks, profile, NAME_SOLO_SHARE)
-            if v is None or acc.solo_s is None:
-                continue
-            if acc.solo_s[v.rank] * 1000 >= min(NAME_SOLO_INTERVALS * interval_ms, NAME_SOLO_MS):
-                self.now = Named(v.rank, v.extra_s / float(acc.seen_s.max()))
-                self.named.setdefault(v.rank, self.recent[-1][0])
-                return self.now
+        least = min(NAME_SOLO_INTERVALS * interval_ms, NAME_SOLO_MS) / 1000
+        while r.steps:
+            i, s, steps, full_s = r.latest(want)
+            seen = float(s[1].max())
+            if steps < NAME_STEPS or (seen > 0 and seen * 1000 / steps < MIN_READINGS_PER_STEP * interval_ms):
+                return None  # too few steps yet, or too short for the sampling (`coarse`)
+            # (no rank leads enough of the time to be named: no need to judge; NaN: unknown)
+            top = float(s[4].max())
+            if top >= NAME_SOLO_SHARE * float(s[4].sum()) and top >= least:
+                v = judge(0, r.busy(i, s, steps, full_s), n_ranks, profile, NAME_SOLO_SHARE)
+                if v is not None and s[4][v.rank] >= least:
+                    self.now = Named(v.rank, v.extra_s / seen)
+                    self.named.setdefault(v.rank, r.until_ms[-1])
+                    return self.now
+            if i == 0:
+                break
+            want = 2 * steps
         return None
 
     def copy(self) -> Ledger:
@@ -416,7 +493,7 @@ class Ledger:
             dict(self.gpu_s),
             dict(self.blocks),
             self.coarse,
-            list(self.recent),
+            self.recent.copy(),
             self.now,
             dict(self.named),
         )

@@ -63,14 +63,15 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     # jobs' ranks keys when the jobs index is of the wrong type (store/jobindex.py).
     # services/sealer.py (`costexporter archive seal`): the jobs' 5-minute bucket indexes and the
     # agents' watermarks (found by SCAN patterns; MGET), each job's buckets and step members, its
-    # meta and attribution (HGETALL, HMGET), the ledger's start: reads only.
-    "sealer": _cmds("+get +mget +hgetall +hmget +zrange +zrangebyscore +zrevrangebyscore +scan"),
+    # incidents (the agents that wrote some: SMEMBERS; theirs: HGETALL), its meta and attribution
+    # (HGETALL, HMGET), the ledger's start: reads only.
+    "sealer": _cmds("+get +mget +hgetall +hmget +smembers +zrange +zrangebyscore +zrevrangebyscore +scan"),
     # services/retention.py (`costexporter archive expire`): the sealer's reads, then it moves
     # the ledger's start (WATCH, MULTI, SET) and drops what lies before it (DEL,
     # ZREMRANGEBYSCORE, in a MULTI per job).
     "retention": _cmds(
-        """+get +mget +set +del +hgetall +hmget +zrange +zrangebyscore +zrevrangebyscore +zremrangebyscore
-        +scan
+        """+get +mget +set +del +hgetall +hmget +smembers +zrange +zrangebyscore +zrevrangebyscore
+        +zremrangebyscore +scan
         +watch +unwatch +multi +exec +discard"""
     ),
     "api": _cmds(
