@@ -91,6 +91,26 @@ class Busy:
             full_s=self.full_s + other.full_s,
         )
 
+    @staticmethod
+    def total(parts: list[Busy]) -> Busy:
+        """The sum of several blocks' evidence of one window (as `add` would give, in one pass
+        over each figure where they have the same ranks)."""
+        n = {x.seen_s.size for x in parts}
+        if len(parts) < 3 or len(n) > 1:
+            return functools.reduce(Busy.add, parts)
+        solo = [x.solo_s if x.solo_s is not None else np.zeros(x.seen_s.size) for x in parts]
+        return Busy(
+            np.stack([x.energy_j for x in parts]).sum(0),
+            np.stack([x.seen_s for x in parts]).sum(0),
+            np.stack([x.hi_sum_w for x in parts]).sum(0),
+            np.stack([x.hi_n for x in parts]).sum(0),
+            min(x.spin_w for x in parts),
+            sum(x.spin_n for x in parts),
+            sum(x.steps for x in parts),
+            np.stack(solo).sum(0),
+            sum(x.full_s for x in parts),
+        )
+
     def to_json(self) -> list[Any]:
         arrays = [a.round(4).tolist() for a in (self.energy_j, self.seen_s, self.hi_sum_w)]
         return [
@@ -465,7 +485,7 @@ class Ledger:
         stand out; a large one is named at once). None: no rank named, or too short to tell."""
         r = self.recent
         if found:
-            r.add(until_ms, functools.reduce(Busy.add, found.values()))
+            r.add(until_ms, Busy.total(list(found.values())))
         self.now = None
         want = NAME_STEPS
         least = min(NAME_SOLO_INTERVALS * interval_ms, NAME_SOLO_MS) / 1000
