@@ -252,21 +252,26 @@ def _leads(P: np.ndarray, full: np.ndarray, hi: np.ndarray, spin: float) -> tupl
     still at compute, so such a moment says nothing of who was last; elsewhere 0). A rank's busy
     share is linear in its power between the spinning level and its own compute level `hi`, so two
     ranks' difference in a second averaged over compute, the wait and the collective after it is
-    just the time one computed while the other waited."""
+    just the time one computed while the other waited. (Moments where every rank is within the
+    dead band of its compute level, or of the spinning level, lead nothing: they are told apart
+    in watts first, and the shares worked out for the others only.)"""
     m = P.shape[1]
     lead, leader = np.zeros(m, np.float32), np.zeros(m, np.intp)
-    span = np.maximum(hi - spin, 1.0).astype(np.float32)
-    every = bool(full.all())
-    if not every and not full.any():
+    span = np.maximum(hi - spin, 1.0)
+    busy_w = (spin + (1 - DEAD_BAND) * span).astype(np.float32)[:, None]
+    spin_w = (spin + DEAD_BAND * span).astype(np.float32)[:, None]
+    with np.errstate(invalid="ignore"):  # (NaN: not a full moment)
+        at_compute = (busy_w <= P).all(0)
+        spinning = (spin_w >= P).all(0)
+    pick = full & ~at_compute & ~spinning
+    if not pick.any():
         return lead, leader
-    share = P - np.float32(spin) if every else P[:, full] - np.float32(spin)
-    share /= span[:, None]
+    share = P[:, pick] - np.float32(spin)
+    share /= span.astype(np.float32)[:, None]
     first, second, top = _top_two(share)
     gap = first - second
     gap[(second >= 1 - DEAD_BAND) | (first <= DEAD_BAND)] = 0
-    if every:
-        return gap, top
-    lead[full], leader[full] = gap, top
+    lead[pick], leader[pick] = gap, top
     return lead, leader
 
 
