@@ -34,6 +34,7 @@ from costexporter.core.live import book_window  # noqa: E402
 from costexporter.core.replay import ReplayConfig, book_trace, job_report  # noqa: E402
 from costexporter.sources.synth import TraceBuilder  # noqa: E402
 from tests.realtrace import Scenario  # noqa: E402
+from tests.test_straggler import slowed_midway  # noqa: E402
 
 
 def stepped(x: float, interval_s: float, step_s: float, seed: int = 0, n: int = 8):
@@ -155,17 +156,6 @@ def round_of(n: int, interval_s: float):
     return go
 
 
-def slowed_midway(x: float, interval_s: float, step_s: float, seed: int = 0):
-    """Steps at one pace for 2.5 minutes (ending mid-minute), then rank 3 `1 + x` times slower."""
-    b = TraceBuilder(n_gpus=8, per_host=8, interval_s=interval_s, job="mid", seed=seed)
-    b.run("start")
-    b.synchronous(int(157 / step_s), 0.8 * step_s, 0.2 * step_s, average=interval_s >= 1)
-    t0 = b.t
-    b.synchronous(int(240 / step_s), 0.8 * step_s, 0.2 * step_s, slow={3: x}, average=interval_s >= 1)
-    b.run("end")
-    return b, t0
-
-
 def naming() -> None:
     """How many slow steps pass before the rank is named, judged window by window as the agent's
     5-s rounds do; and ranks named early where none is slow."""
@@ -179,7 +169,7 @@ def naming() -> None:
                 continue  # too short to tell: never named
             cells = []
             for x in slowdowns:
-                b, t0 = slowed_midway(x, interval, step)
+                b, t0 = slowed_midway(x, interval, step, slow_s=240)
                 [job], _ = book_trace(b.samples(), b.events, ReplayConfig(window_ms=5000))
                 at = job.band_result.named.get(3)
                 steps = [e.ts for e in b.events if e.type == "step" and e.ts > t0]

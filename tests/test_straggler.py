@@ -89,13 +89,14 @@ def test_the_price_holds_the_what_if_at_any_slowdown_and_jitter(x, sampling, jit
     assert slow["gpu_hours"] == pytest.approx(saved / 3600, rel=0.10)
 
 
-def slowed_midway(x: float, interval_s: float, step_s: float, seed: int = 0):
-    """Steps at one pace for 2.5 minutes (ending mid-minute), then rank 3 `1 + x` times slower."""
+def slowed_midway(x: float, interval_s: float, step_s: float, seed: int = 0, slow_s: float = 180):
+    """Steps at one pace for 2.5 minutes (ending mid-minute), then rank 3 `1 + x` times slower for
+    `slow_s`; the builder and when the slowdown began (bench/bench_straggler.py uses it too)."""
     b = TraceBuilder(n_gpus=8, per_host=8, interval_s=interval_s, job="mid", seed=seed)
     b.run("start")
     b.synchronous(int(157 / step_s), 0.8 * step_s, 0.2 * step_s, average=interval_s >= 1)
     t0 = b.t
-    b.synchronous(int(180 / step_s), 0.8 * step_s, 0.2 * step_s, slow={3: x}, average=interval_s >= 1)
+    b.synchronous(int(slow_s / step_s), 0.8 * step_s, 0.2 * step_s, slow={3: x}, average=interval_s >= 1)
     b.run("end")
     return b, t0
 
