@@ -4,13 +4,14 @@ real-like traces without one; 'cannot tell' where the steps are too short for th
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from costexporter.core import profiles, straggler
@@ -389,3 +390,50 @@ def test_agent_rounds_anywhere_count_each_moment_once_and_price_as_replay(cuts):
     assert sum(led.blocks.values()) == want[0]["blocks"]
     assert led.gpu_s[6] / 3600 == pytest.approx(want[0]["gpu_hours"], rel=0.02)
     assert led.gpu_s[6] == pytest.approx(saved, rel=0.08)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    windows=st.lists(
+        st.tuples(
+            st.integers(1_000, 60_000),  # ms since the window before (5 minutes kept)
+            st.integers(3, 6),  # ranks (a job that grows)
+            st.integers(0, 4),  # steps
+            st.integers(0, 2**32 - 1),  # its figures' seed
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    wants=st.lists(st.integers(1, 200), min_size=1, max_size=4),
+)
+@example(windows=[(40_000, 3 + k // 10, 2, k) for k in range(20)], wants=[1000, 3])  # trimmed, widened
+def test_the_latest_windows_running_sums_equal_their_evidence_added(windows, wants):
+    """`Recent` keeps the latest windows as running sums (dropping those RECENT_MS old): the
+    evidence of any latest run of them is that of the same windows added one by one, whatever
+    the gaps, the steps and a job that grows wider."""
+    r, kept, t = straggler.Recent(), [], 0
+    for gap, n, steps, seed in windows:
+        t += gap
+        rng = np.random.default_rng(seed)
+        b = straggler.Busy(
+            rng.uniform(0, 1e5, n), rng.uniform(0, 10, n), rng.uniform(0, 1e5, n),
+            rng.integers(0, 100, n), float(rng.uniform(100, 200)), int(rng.integers(0, 50)), steps,
+            rng.uniform(0, 5, n), float(rng.uniform(0, 10)),
+        )  # fmt: skip
+        r.add(t, b)
+        kept = [(u, x) for u, x in kept if u > t - straggler.RECENT_MS] + [(t, b)]
+    assert r.until_ms == [u for u, _ in kept]
+    for want in wants:
+        i, s, steps, full = r.latest(want)
+        got = r.busy(i, s, steps, full)
+        assert i == 0 or sum(x.steps for _, x in kept[i:]) >= want > sum(x.steps for _, x in kept[i + 1 :])
+        expect = functools.reduce(straggler.Busy.add, [x for _, x in kept[i:]])
+        n = got.seen_s.size
+        for a, e in (
+            (got.energy_j, expect.energy_j), (got.seen_s, expect.seen_s), (got.hi_sum_w, expect.hi_sum_w),
+            (got.solo_s, expect.solo_s),
+        ):  # fmt: skip
+            assert np.allclose(a, np.pad(e, (0, n - e.size)), rtol=1e-9, atol=1e-6)
+        assert got.hi_n.tolist() == np.pad(expect.hi_n, (0, n - expect.hi_n.size)).tolist()
+        assert (got.steps, got.spin_n, got.spin_w) == (expect.steps, expect.spin_n, expect.spin_w)
+        assert got.full_s == pytest.approx(expect.full_s)
