@@ -599,3 +599,45 @@ def test_incidents_are_sealed_with_their_cause_and_sum_by_cause_as_the_api_adds_
         assert len(LedgerStore(r, prefix).incidents("j", DAY0, DAY0 + DAY_S)) == 4  # Redis keeps them
     finally:
         drop_prefix(r, prefix)
+
+
+def test_a_day_sealed_before_incidents_were_still_leaves_redis(tmp_path, monkeypatch):
+    """A day the previous release sealed for good (schema 2: no incident rows) while Redis holds
+    incidents of it: the retention compares it without them (they stay in Redis) and moves the
+    start; the sealer never reads it again."""
+    import costexporter.core.archive as core_archive
+    from costexporter.services.retention import Retention
+
+    r, prefix = _client(), f"arc-{uuid.uuid4().hex[:10]}"
+    a = np.zeros((N_CAT, 3), np.int64)
+    a[0] = [3_600_000, 10**9, 3_500_000]
+    write_ledger(r, prefix, "j", {DAY0 + 300 * k: a for k in range(3)}, {})
+    set_watermark(r, prefix, "j", "n0", DAY0 + 2 * DAY_S)
+    inc = {"category": "stalled", "start": (DAY0 + 60) * 1000, "end": (DAY0 + 120) * 1000, "gpu_ms": 60_000,
+           "ranks": [0], "zero_util_ranks": [], "host": "n0", "cause": "job", "cause_why": "exit 1",
+           "cost_micro": 10}  # fmt: skip
+    pipe = r.pipeline(transaction=True)
+    ledger.queue_incidents(pipe, prefix, "j", "n0", [inc])
+    pipe.execute()
+    try:
+        archive = Archive.open(str(tmp_path))
+        sealer = Sealer(r, prefix, archive, "east", shards=1, delay_s=0)
+        with monkeypatch.context() as m:  # the previous release's sealer
+            m.setattr(core_archive, "SCHEMA_VERSION", 2)
+            m.setattr(Sealer, "_incidents", lambda *a, **k: {})
+            assert sealer.seal(DAY0 + 3 * DAY_S).written
+        [e] = archive.manifest("east").entries.values()
+        assert e.final == ("j",) and INCIDENTS_TOTAL not in e.totals
+        assert {row[0] for row in archive.read("east", e)} == {2}
+        assert not sealer.seal(DAY0 + 3 * DAY_S).written  # final: not read again
+        rep = Retention(sealer, hot_days=1).expire(DAY0 + 3 * DAY_S)
+        assert rep.hot_from == DAY0 + 2 * DAY_S and not rep.held, rep.line()
+        assert len(ledger_read_incidents(r, prefix)) == 1  # still in Redis
+    finally:
+        drop_prefix(r, prefix)
+
+
+def ledger_read_incidents(r, prefix: str) -> list:
+    from costexporter.store.ledger_read import LedgerStore
+
+    return LedgerStore(r, prefix).incidents("j", DAY0, DAY0 + DAY_S)

@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from costexporter.core.model import CATEGORIES
 
 SCHEMA_VERSION = 3  # 2: the step columns (a file of 1 reads with them 0); 3: the incidents
+INCIDENTS_SCHEMA = 3  # the first that seals incidents
 DAY_S = 86_400
 UNITS = ("ms", "mj", "ucost")
 VOIDED = "voided:"
@@ -303,10 +304,10 @@ def with_attributes(rows: Iterable[Row], meta: Mapping[str, object]) -> list[Row
 
 
 def booked(rows: Iterable[Row]) -> list[tuple[object, ...]]:
-    """What the rows booked and recorded, in their one order, without whose they are: a day's
-    rows compared with what Redis holds now (a job's meta may change after its day; its
-    bookings and incidents may not)."""
-    return [(*r[:BOOKED], *r[WHOSE.stop :]) for r in ordered(rows)]
+    """What the rows booked and recorded, in their one order, without whose they are nor the
+    schema they were written in: a day's rows compared with what Redis holds now (a job's meta
+    may change after its day; its bookings and incidents may not)."""
+    return [(*r[1:BOOKED], *r[WHOSE.stop :]) for r in ordered(rows)]
 
 
 def ordered(rows: Iterable[Row]) -> list[Row]:
