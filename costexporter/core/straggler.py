@@ -93,8 +93,9 @@ class Busy:
 
     @staticmethod
     def total(parts: list[Busy]) -> Busy:
-        """The sum of several blocks' evidence of one window (as `add` would give, in one pass
-        over each figure where they have the same ranks)."""
+        """The sum of several blocks' evidence of one window: `add`'s, in one pass over each figure
+        where they have the same ranks (`add` itself stays a pair's: a round's hot path, 3x
+        faster so)."""
         n = {x.seen_s.size for x in parts}
         if len(parts) < 3 or len(n) > 1:
             return functools.reduce(Busy.add, parts)
@@ -322,9 +323,13 @@ MIN_READINGS_PER_STEP = 4
 
 def coarse(busy: Busy, interval_ms: int) -> bool:
     """Whether the block's steps are too short for its sampling to tell a slow rank."""
-    if busy.steps == 0 or not busy.seen_s.any():
-        return False
-    return float(busy.seen_s.max()) * 1000 / busy.steps < MIN_READINGS_PER_STEP * interval_ms
+    return _too_short(float(busy.seen_s.max()) if busy.seen_s.size else 0.0, busy.steps, interval_ms)
+
+
+def _too_short(seen_s: float, steps: int, interval_ms: int) -> bool:
+    """Whether `steps` over `seen_s` (the most seconds a rank was read) hold fewer than
+    MIN_READINGS_PER_STEP readings each (no steps, nothing read: nothing to tell it by)."""
+    return steps > 0 and seen_s > 0 and seen_s * 1000 / steps < MIN_READINGS_PER_STEP * interval_ms
 
 
 def judge(
@@ -409,19 +414,16 @@ class Recent:
             self.base = (self.sums[old - 1], self.steps[old - 1], self.full_s[old - 1])
             for xs in (self.until_ms, self.sums, self.steps, self.full_s, self.spin):
                 del xs[:old]
-        n = busy.seen_s.size
-        solo = busy.solo_s if busy.solo_s is not None else np.zeros(n)
+        solo = busy.solo_s if busy.solo_s is not None else np.zeros(busy.seen_s.size)
         row = np.stack([busy.energy_j, busy.seen_s, busy.hi_sum_w, busy.hi_n.astype(np.float64), solo])
         last = self.sums[-1] if self.sums else self.base[0]
         if last is not None:
+            n = max(row.shape[1], last.shape[1])
             if last.shape[1] < n:  # a job wider than before: the sums so far widened with zeros
-                w = ((0, 0), (0, n - last.shape[1]))
-                self.sums = [np.pad(x, w) for x in self.sums]
-                base = self.base[0]
-                self.base = (None if base is None else np.pad(base, w), *self.base[1:])
-                last = self.sums[-1] if self.sums else self.base[0]
-            assert last is not None
-            row = np.pad(row, ((0, 0), (0, last.shape[1] - n))) + last
+                self.sums = [_wide(x, n) for x in self.sums]
+                if self.base[0] is not None:
+                    self.base = (_wide(self.base[0], n), *self.base[1:])
+            row = _wide(row, n) + _wide(last, n)
         self.until_ms.append(until_ms)
         self.sums.append(row)
         self.steps.append((self.steps[-1] if self.steps else self.base[1]) + busy.steps)
@@ -462,6 +464,11 @@ class Recent:
         )
 
 
+def _wide(a: np.ndarray, n: int) -> np.ndarray:
+    """Rows of per-rank sums, widened with zeros to `n` ranks."""
+    return a if a.shape[1] == n else np.pad(a, ((0, 0), (0, n - a.shape[1])))
+
+
 @dataclass(slots=True)
 class Ledger:
     """The blocks still open (evidence so far) and the slow ranks judged: per rank, the GPU-seconds
@@ -497,8 +504,8 @@ class Ledger:
         while r.steps:
             i, s, steps, full_s = r.latest(want)
             seen = float(s[1].max())
-            if steps < NAME_STEPS or (seen > 0 and seen * 1000 / steps < MIN_READINGS_PER_STEP * interval_ms):
-                return None  # too few steps yet, or too short for the sampling (`coarse`)
+            if steps < NAME_STEPS or _too_short(seen, steps, interval_ms):
+                return None  # too few steps yet, or too short for the sampling
             # (no rank leads enough of the time to be named: no need to judge; NaN: unknown)
             top = float(s[4].max())
             if top >= NAME_SOLO_SHARE * float(s[4].sum()) and top >= least:
