@@ -641,3 +641,16 @@ def ledger_read_incidents(r, prefix: str) -> list:
     from costexporter.store.ledger_read import LedgerStore
 
     return LedgerStore(r, prefix).incidents("j", DAY0, DAY0 + DAY_S)
+
+
+def test_a_rows_named_places_are_its_columns():
+    """The row's places the code reads by name (literals, for mypy) are the columns they say."""
+    from costexporter.core import archive as a
+
+    names = [n for n, _ in a.COLUMNS]
+    assert names[a.BOOKED : a.INCIDENT] == ["team", "attributes"]
+    assert [names[i] for i in (a.INCIDENT, a.INCIDENT_GPU_MS, a.INCIDENT_COST_MICRO)] == [
+        "incident",
+        "incident_gpu_ms",
+        "incident_cost_micro",
+    ]

@@ -28,6 +28,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Final
 
 from costexporter.core.model import CATEGORIES
 
@@ -65,12 +66,15 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 )
 STEP_COLUMNS = ("steps", "step_tokens", "voided_steps", "voided_tokens")
 META_COLUMNS = ("team", "attributes")
-INCIDENT_COLUMNS = ("incident", "cause", "incident_gpu_ms", "incident_cost_micro")
 V1_COLUMNS = COLUMNS[:13]  # schema 1: neither steps nor the job's attributes
 V2_COLUMNS = COLUMNS[:19]  # schema 2: no incidents
 STEPS_ROW = ""  # the category of a bucket's steps row
 BOOKED = 17  # a row's first columns: what was booked; then whose it is; then its incident
-WHOSE = slice(BOOKED, BOOKED + 2)
+# After whose it is (team, attributes): an incident row's record ("" on every other row), then
+# its GPU time and cost (literals: mypy types a row's field by them)
+INCIDENT: Final = 19
+INCIDENT_GPU_MS: Final = 21
+INCIDENT_COST_MICRO: Final = 22
 NO_INCIDENT = ("", "", 0, 0)
 # A row, in COLUMNS' order.
 Row = tuple[
@@ -287,9 +291,9 @@ class Incident:
 
 def incident_of(row: Row) -> tuple[str, str, dict[str, object]] | None:
     """An incident row's (agent, field, record as stored); None for any other row."""
-    if not row[19]:
+    if not row[INCIDENT]:
         return None
-    d = json.loads(row[19])
+    d = json.loads(row[INCIDENT])
     return str(d["agent"]), str(d["field"]), dict(d["record"])
 
 
@@ -300,20 +304,20 @@ def with_attributes(rows: Iterable[Row], meta: Mapping[str, object]) -> list[Row
     team = meta.get("team")
     text = json.dumps(dict(meta), sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     tail = (team if isinstance(team, str) else "", text)
-    return [(*r[:BOOKED], *tail, *r[WHOSE.stop :]) for r in rows]  # type: ignore[misc]
+    return [(*r[:BOOKED], *tail, *r[INCIDENT:]) for r in rows]  # type: ignore[misc]
 
 
 def booked(rows: Iterable[Row]) -> list[tuple[object, ...]]:
     """What the rows booked and recorded, in their one order, without whose they are nor the
     schema they were written in: a day's rows compared with what Redis holds now (a job's meta
     may change after its day; its bookings and incidents may not)."""
-    return [(*r[1:BOOKED], *r[WHOSE.stop :]) for r in ordered(rows)]
+    return [(*r[1:BOOKED], *r[INCIDENT:]) for r in ordered(rows)]
 
 
 def ordered(rows: Iterable[Row]) -> list[Row]:
     """The one order a file's rows are written in: by job, bucket, category (steps first), the
     bucket's amounts before its incidents."""
-    return sorted(rows, key=lambda r: (r[3], r[4], r[5], r[19]))
+    return sorted(rows, key=lambda r: (r[3], r[4], r[5], r[INCIDENT]))
 
 
 STEPS_TOTAL = "_steps"  # Totals' key of the steps: [completed, tokens, voided, voided tokens]
@@ -328,11 +332,11 @@ class Totals:
     by_category: dict[str, list[int]] = field(default_factory=dict)
 
     def add_row(self, r: Row) -> None:
-        if r[19]:
+        if r[INCIDENT]:
             s = self.by_category.setdefault(INCIDENTS_TOTAL, [0, 0, 0])
             s[0] += 1
-            s[1] += r[21]
-            s[2] += r[22]
+            s[1] += r[INCIDENT_GPU_MS]
+            s[2] += r[INCIDENT_COST_MICRO]
             return
         if r[5] == STEPS_ROW:
             s = self.by_category.setdefault(STEPS_TOTAL, [0, 0, 0, 0])

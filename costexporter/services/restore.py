@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from costexporter.core.archive import DAY_S, STEPS_ROW, UNITS, Row, day_of, day_start, incident_of
+from costexporter.core.archive import DAY_S, INCIDENT, STEPS_ROW, UNITS, Row, day_of, day_start, incident_of
 from costexporter.core.attribution import GRANTABLE, Attribution
 from costexporter.core.model import CATEGORIES
 from costexporter.store import keys, ledger
@@ -177,7 +177,7 @@ class Restore:
         done: dict[str, float] = {}
         undone: dict[str, float] = {}
         for r in sorted(rows, key=lambda r: (r[4], r[5])):
-            if r[19]:  # an incident's row (`_write_incidents`): no amounts
+            if r[INCIDENT]:  # an incident's row (`_write_incidents`): no amounts
                 continue
             b = r[4]
             if r[12]:

@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 
 import redis
 
-from costexporter.core.archive import DAY_S, INCIDENTS_SCHEMA, Row, booked, day_start, entry_key, shard_of
+from costexporter.core.archive import (
+    DAY_S,
+    INCIDENT,
+    INCIDENTS_SCHEMA,
+    Row,
+    booked,
+    day_start,
+    entry_key,
+    shard_of,
+)
 from costexporter.core.buckets import RESOLUTIONS
 from costexporter.services.sealer import Sealer
 from costexporter.store import keys
@@ -184,5 +193,5 @@ def _as_sealed(rows: list[Row], sealed: list[Row]) -> list[Row]:
     """What Redis holds of a job-day, as a file of the sealed rows' schema would hold it: a day
     sealed before incidents were (schema 1-2) is compared without them (they stay in Redis)."""
     if sealed and sealed[0][0] < INCIDENTS_SCHEMA:
-        return [r for r in rows if not r[19]]
+        return [r for r in rows if not r[INCIDENT]]
     return rows
