@@ -654,3 +654,35 @@ def test_a_rows_named_places_are_its_columns():
         "incident_gpu_ms",
         "incident_cost_micro",
     ]
+
+
+def test_a_files_incidents_are_read_once(tmp_path):
+    """Other clusters' incidents (their FOCUS credits) come from the sealed files: each file is
+    read once and kept by its hash, so a bill asked again reads no file (here: the files gone,
+    the same answer)."""
+    import pathlib
+
+    from costexporter.store.coldledger import ColdLedger
+
+    r, prefix = _client(), f"arc-{uuid.uuid4().hex[:10]}"
+    a = np.zeros((N_CAT, 3), np.int64)
+    a[0] = [3_600_000, 10**9, 3_500_000]
+    write_ledger(r, prefix, "j", {DAY0 + 300 * k: a for k in range(3)}, {})
+    set_watermark(r, prefix, "j", "n0", DAY0 + 2 * DAY_S)
+    inc = {"category": "stalled", "start": (DAY0 + 60) * 1000, "end": (DAY0 + 120) * 1000, "gpu_ms": 60_000,
+           "ranks": [0], "zero_util_ranks": [], "host": "n0", "cause": "hardware", "cause_why": "Xid 79",
+           "cost_micro": 10}  # fmt: skip
+    pipe = r.pipeline(transaction=True)
+    ledger.queue_incidents(pipe, prefix, "j", "n0", [inc])
+    pipe.execute()
+    try:
+        archive = Archive.open(str(tmp_path))
+        assert Sealer(r, prefix, archive, "east", shards=1, delay_s=0).seal(DAY0 + 3 * DAY_S).written
+        cold = ColdLedger(archive, "east")
+        first = cold.incidents(["j", "k"], DAY0, DAY0 + DAY_S)
+        assert first == {"j": [inc], "k": []}
+        for f in pathlib.Path(archive.root).rglob("*.parquet"):
+            f.unlink()
+        assert cold.incidents(["j", "k"], DAY0, DAY0 + DAY_S) == first
+    finally:
+        drop_prefix(r, prefix)

@@ -112,6 +112,7 @@ class ColdLedger:
         self.max_days = max_days
         self._days: OrderedDict[str, dict[str, Part]] = OrderedDict()
         self._files: OrderedDict[str, _Sums] = OrderedDict()
+        self._incidents: OrderedDict[str, dict[str, list[object]]] = OrderedDict()  # file -> job -> records
         self._manifest: tuple[bytes, Manifest] | None = None
         self._lock = threading.Lock()
 
@@ -214,11 +215,29 @@ class ColdLedger:
             d0 = day_start(key.split("/", 1)[0])
             if d0 + DAY_S <= start - INCIDENT_LEAD_S or d0 >= end or not wanted & set(entry.jobs):
                 continue
-            t = self.archive.table(self.cluster, entry)
-            for job, text in zip(t.column("job").to_pylist(), t.column("incident").to_pylist(), strict=True):
-                if text and job in wanted:
-                    out[job].append(json.loads(text)["record"])
+            for job, records in self._day_incidents(entry).items():
+                if job in wanted:
+                    out[job] += records
         return out
+
+    def _day_incidents(self, entry: Entry) -> dict[str, list[object]]:
+        """A file's incident records by job, kept as its sums are (by the file's hash): a bill
+        asked again reads no file again."""
+        with self._lock:
+            got = self._incidents.get(entry.sha256)
+            if got is not None:
+                self._incidents.move_to_end(entry.sha256)
+                return got
+        t = self.archive.table(self.cluster, entry)
+        got = {}
+        for job, text in zip(t.column("job").to_pylist(), t.column("incident").to_pylist(), strict=True):
+            if text:
+                got.setdefault(job, []).append(json.loads(text)["record"])
+        with self._lock:
+            self._incidents[entry.sha256] = got
+            while len(self._incidents) > self.max_days:
+                self._incidents.popitem(last=False)
+        return got
 
     def jobs(self, start: int, end: int) -> list[str]:
         """The jobs sealed with a day in [start, end) (the manifest's lists: no file read)."""
